@@ -1,0 +1,53 @@
+"""datadist: the LLM-DataDist KV-cache transfer API for ordinary Linux hosts.
+
+    import datadist as llm_datadist
+
+Names, defaults, exceptions and status codes are llm_datadist's. Importing this package
+starts nothing and imports neither torch nor CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from datadist.api.cache_manager import CacheManager
+from datadist.api.config import LLMClusterInfo, LlmConfig, LLMConfig
+from datadist.api.enums import DataType, LLMRole, Memtype, Placement, RegisterMemStatus
+from datadist.api.llm_datadist import LLMDataDist
+from datadist.api.status import LLMException, LLMStatusCode, Status
+from datadist.api.tasks import CacheTask
+from datadist.api.types import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    KvCache,
+    LayerSynchronizer,
+    MemInfo,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLMClusterInfo", "LLMStatusCode", "LLMException", "LLMRole", "LlmConfig", "LLMConfig",
+    "DataType", "Status", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "KvCache", "Cache",
+    "BlocksCacheKey", "LLMDataDist", "Placement", "RegisterMemStatus", "LayerSynchronizer",
+    "TransferConfig", "CacheTask", "TransferWithCacheKeyConfig", "Memtype", "MemInfo",
+    "TensorDesc", "Tensor", "KvCacheManager",
+]
+
+_LAZY_V1 = {"TensorDesc", "Tensor", "KvCacheManager"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_V1:
+        from datadist.api import v1
+
+        return getattr(v1, name)
+    raise AttributeError(f"module 'datadist' has no attribute {name!r}")
+
+
+_ = CacheManager  # re-exported for type hints; not in llm_datadist's __all__

@@ -1,0 +1,382 @@
+"""``CacheManager``: llm_datadist's cache-manager-mode API over the engine.
+
+Who calls: user code, through ``LLMDataDist.cache_manager``. Argument parsing and the
+TypeError / ValueError / LLMException semantics live here; geometry and transfers are the
+core's. Pulls and pushes block until done or ``sync_kv_timeout``; the rest returns at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from datadist.api.checks import check_int, check_isinstance, int_list
+from datadist.api.enums import Placement
+from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
+from datadist.api.types import (
+    UINT64_MAX,
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    LayerSynchronizer,
+    MemInfo,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+    check_layer_range,
+)
+from datadist.core import layout
+from datadist.core.engine import Engine
+from datadist.core.registry import KeyId, key_id
+from datadist.wire.protocol import KeyKind, KeyRef
+
+_PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
+_U64 = 2**64 - 1
+
+
+def _not_enabled(what: str) -> LLMException:
+    return LLMException(f"{what} is not available in this release of datadist",
+                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+
+def geometry_of(desc: CacheDesc, *, blocks: bool) -> layout.Geometry:
+    raise_if_false(len(desc.shape) >= 1, "cache shape must have at least one dim")
+    raise_if_false(len(desc.shape) <= 32, "cache shape must have at most 32 dims")
+    raise_if_false(all(d > 0 for d in desc.shape), f"shape dims must be > 0: {desc.shape}")
+    raise_if_false(desc.num_tensors > 0, "num_tensors must be > 0")
+    with llm_errors():
+        return layout.Geometry(desc.num_tensors, desc.size, desc.shape[0], blocks)
+
+
+def key_ref(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> KeyRef:
+    """How the wire names a remote cache for each of llm_datadist's key kinds."""
+    if isinstance(key, CacheKey):
+        return KeyRef(KeyKind.CACHE_KEY, key.req_id, key.model_id, key.prefix_id)
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return KeyRef(KeyKind.CACHE_ID, key.cache_id & _U64, key.batch_index, 0)
+    return KeyRef(KeyKind.BLOCKS_KEY, 0, key.model_id & _U64, 0)
+
+
+def local_keys(cache_keys: Any) -> list[KeyId | None]:
+    check_isinstance("cache_keys", cache_keys, (list, tuple), allow_none=False)
+    for k in cache_keys:
+        check_isinstance("cache_key", k, CacheKey, allow_none=False)
+    return [key_id(k.req_id, k.prefix_id, k.model_id) for k in cache_keys]
+
+
+def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+    for k in kwargs:
+        raise_if_false(k in _PULL_KWARGS, f"unknown argument {k!r}; expected one of {_PULL_KWARGS}")
+    src = kwargs.get("src_layer_range")
+    dst = kwargs.get("dst_layer_range")
+    n = kwargs.get("tensor_num_per_layer", 2)
+    check_layer_range("src_layer_range", src)
+    check_layer_range("dst_layer_range", dst)
+    check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
+    raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
+    return src, dst, n
+
+
+def _pair(r: range | None) -> tuple[int, int] | None:
+    return None if r is None else (r.start, r.stop)
+
+
+class CacheManager:
+    """Caches, keys and transfers in cache-manager mode. Obtain via ``cache_manager``."""
+
+    def __init__(self, engine: Engine, *, remote_cache_accessible: bool = False,
+                 mem_pool: bool = False, host_mem_pool: bool = False) -> None:
+        self._engine = engine
+        self._enable_remote_cache_accessible = remote_cache_accessible
+        self._enabled_mem_pool = mem_pool
+        self._enable_host_mem_pool = host_mem_pool
+        self._is_call_linked = False
+        self._initialized = True
+
+    def set_is_call_linked(self) -> None:
+        self._is_call_linked = True
+
+    def _engine_or_raise(self) -> Engine:
+        if not self._initialized:
+            raise RuntimeError("llm datadist is not initialized")
+        return self._engine
+
+    def _invalidate(self) -> None:
+        self._initialized = False
+
+    # ------------------------------------------------------------------ registration
+
+    def _remote_accessible(self, desc: CacheDesc, value: bool | None) -> bool:
+        check_isinstance("remote_accessible", value, bool)
+        if value is True and self._is_call_linked:
+            raise LLMException("remote_accessible=True is not allowed after link()",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        # datadist serves every registered cache to linked peers unless told otherwise:
+        # remote_accessible=False keeps a cache private.
+        return value is not False
+
+    def _addrs(self, addrs: Any, desc: CacheDesc) -> list[int]:
+        check_isinstance("addrs", addrs, (list, tuple), allow_none=False)
+        raise_if_false(len(addrs) > 0, "addrs must not be empty")
+        for a in addrs:
+            check_int("addr", a, "uint64", allow_none=False)
+        raise_if_false(all(a != 0 for a in addrs), "addrs must be non-zero")
+        raise_if_false(len(addrs) == desc.num_tensors,
+                       f"{len(addrs)} addrs for num_tensors={desc.num_tensors}")
+        return list(addrs)
+
+    def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
+                       cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),
+                       remote_accessible: bool | None = None) -> Cache:
+        """Register user memory (one address per tensor) as a contiguous cache."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        addr_list = self._addrs(addrs, cache_desc)
+        keys = local_keys(cache_keys)
+        ra = self._remote_accessible(cache_desc, remote_accessible)
+        geo = geometry_of(cache_desc, blocks=False)
+        with llm_errors("register_cache"):
+            entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
+                                    keys=keys, remote_accessible=ra)
+        return Cache(entry.cache_id, cache_desc, addr_list, self, True, False)
+
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
+                              blocks_cache_key: BlocksCacheKey | None = None,
+                              remote_accessible: bool | None = None) -> Cache:
+        """Register user memory as a paged cache: shape[0] is the number of blocks."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        addr_list = self._addrs(addrs, cache_desc)
+        ra = self._remote_accessible(cache_desc, remote_accessible)
+        geo = geometry_of(cache_desc, blocks=True)
+        model = None if blocks_cache_key is None else blocks_cache_key.model_id & _U64
+        with llm_errors("register_blocks_cache"):
+            entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
+                                    blocks_model_id=model, remote_accessible=ra)
+        return Cache(entry.cache_id, cache_desc, addr_list, self, True, True)
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Forget a registered cache; unknown ids are fine. Waits for transfers using it."""
+        engine = self._engine_or_raise()
+        check_int("cache_id", cache_id, "int64", allow_none=False)
+        with llm_errors("unregister_cache"):
+            engine.unregister(cache_id)
+
+    # ------------------------------------------------------------------ pools
+
+    def allocate_cache(self, cache_desc: CacheDesc,
+                       cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
+        """Allocate a contiguous cache from the pool of its placement; key i binds slot i."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        keys = local_keys(cache_keys)
+        geo = geometry_of(cache_desc, blocks=False)
+        with llm_errors("allocate_cache"):
+            entry = engine.allocate(geo, placement=int(cache_desc.placement), keys=keys)
+        return Cache(entry.cache_id, cache_desc, entry.addrs.tolist(), self, False, False)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc,
+                              blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
+        engine = self._engine_or_raise()
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        geo = geometry_of(cache_desc, blocks=True)
+        model = None if blocks_cache_key is None else blocks_cache_key.model_id & _U64
+        with llm_errors("allocate_blocks_cache"):
+            entry = engine.allocate(geo, placement=int(cache_desc.placement),
+                                    blocks_model_id=model)
+        return Cache(entry.cache_id, cache_desc, entry.addrs.tolist(), self, False, True)
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Drop the cache id; memory is freed once no key holds it. Unknown: no-op."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        raise_if_false(not cache.is_blocks_cache,
+                       "use deallocate_blocks_cache for a blocks cache")
+        with llm_errors("deallocate_cache"):
+            engine.deallocate(cache.cache_id)
+        if not cache._is_registered:
+            cache._clear()
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        engine = self._engine_or_raise()
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache needs a blocks cache")
+        with llm_errors("deallocate_blocks_cache"):
+            engine.deallocate(cache.cache_id, blocks=True)
+        if not cache._is_registered:
+            cache._clear()
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Unbind a key of an allocated cache. Unknown keys, and keys on registered memory,
+        are a no-op."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
+        k = key_id(cache_key.req_id, cache_key.prefix_id, cache_key.model_id)
+        if k is not None:
+            engine.remove_key(k)
+
+    # ------------------------------------------------------------------ pulls
+
+    def _check_local(self, engine: Engine, cache: Cache) -> None:
+        with llm_errors():
+            engine.registry.get(cache.cache_id)
+
+    def _check_cache_key(self, key: Any) -> None:
+        if isinstance(key, CacheKey):
+            valid = [v not in (UINT64_MAX,) for v in (key.req_id, key.prefix_id)]
+            raise_if_false(sum(valid) == 1,
+                           "exactly one of req_id and prefix_id must be set in a CacheKey")
+
+    def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache,
+                   batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
+        """Read one remote batch slot into slot ``batch_index`` of ``cache``.
+
+        Blocks until done; LLMException LLM_TIMEOUT after ``sync_kv_timeout``.
+        """
+        engine = self._engine_or_raise()
+        check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
+                         allow_none=False)
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        check_int("batch_index", batch_index, "uint32", allow_none=False)
+        check_int("size", size, "int64", allow_none=False)
+        src_range, dst_range, n = parse_layer_kwargs(kwargs)
+        self._check_local(engine, cache)
+        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+        raise_if_false(not cache.is_blocks_cache, "pull_cache needs a contiguous destination")
+        if self._enable_remote_cache_accessible:
+            raise_if_false(isinstance(cache_key, CacheKeyByIdAndIndex),
+                           "with remote cache accessible, pull_cache takes CacheKeyByIdAndIndex")
+        self._check_cache_key(cache_key)
+        geo = geometry_of(cache.cache_desc, blocks=False)
+        with llm_errors("pull_cache"):
+            tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
+                                                  _pair(dst_range), n)
+            plan = layout.plan_slot(geo, batch_index, tensors, size)
+            engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, cache.cache_id)
+
+    def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+                    dst_cache: Cache, src_blocks: tuple[int, ...] | list[int] = (),
+                    dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> None:
+        """Read remote blocks ``src_blocks[i]`` into local blocks ``dst_blocks[i]``; with a
+        CacheKey / CacheKeyByIdAndIndex, split a contiguous remote slot into the blocks."""
+        engine = self._engine_or_raise()
+        check_isinstance("src_cache_key", src_cache_key,
+                         (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey), allow_none=False)
+        check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
+        dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
+        src_range, dst_range, n = parse_layer_kwargs(kwargs)
+        self._check_local(engine, dst_cache)
+        raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks cache destination")
+        raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
+        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
+        if by_blocks:
+            raise_if_false(len(src) > 0, "src_blocks must not be empty for a BlocksCacheKey")
+        else:
+            raise_if_false(len(src) == 0,
+                           "src_blocks must be empty when pulling from a contiguous cache")
+            self._check_cache_key(src_cache_key)
+        geo = geometry_of(dst_cache.cache_desc, blocks=True)
+        with llm_errors("pull_blocks"):
+            tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
+                                                  _pair(dst_range), n)
+            if by_blocks:
+                plan = layout.plan_blocks(geo, src, dst, tensors)
+            else:
+                plan = layout.plan_contiguous_to_blocks(geo, dst, tensors)
+            engine.pull(src_cache_key.cluster_id, key_ref(src_cache_key),
+                        geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id)
+
+    # ------------------------------------------------------------------ pushes
+
+    def _require_remote_accessible(self, what: str) -> None:
+        if not self._enable_remote_cache_accessible:
+            raise LLMException(f"{what} needs enable_remote_cache_accessible",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+    def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
+                   src_batch_index: int = 0, src_layer_range: range | None = None,
+                   dst_layer_range: range | None = None, size: int = -1,
+                   tensor_num_per_layer: int = 2) -> None:
+        """Write local slot ``src_batch_index`` into the remote cache id / batch slot."""
+        engine = self._engine_or_raise()
+        check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex, allow_none=False)
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
+        check_int("size", size, "int64", allow_none=False)
+        src_range, dst_range, n = parse_layer_kwargs(
+            {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
+             "tensor_num_per_layer": tensor_num_per_layer})
+        self._require_remote_accessible("push_cache")
+        self._check_local(engine, src_cache)
+        raise_if_false(size == -1, "push_cache supports size=-1 only")
+        raise_if_false(not src_cache.is_blocks_cache, "push_cache needs a contiguous source")
+        geo = geometry_of(src_cache.cache_desc, blocks=False)
+        with llm_errors("push_cache"):
+            remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
+                                                        _pair(src_range), n)
+            plan = layout.plan_slot(geo, src_batch_index, (remote, local), size)
+            engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
+                        src_cache.cache_id)
+
+    def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
+                    src_blocks: tuple[int, ...] | list[int] = (),
+                    dst_blocks: tuple[int, ...] | list[int] = (),
+                    src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                    tensor_num_per_layer: int = 2) -> None:
+        """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
+        engine = self._engine_or_raise()
+        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
+        dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
+        src_range, dst_range, n = parse_layer_kwargs(
+            {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
+             "tensor_num_per_layer": tensor_num_per_layer})
+        self._require_remote_accessible("push_blocks")
+        self._check_local(engine, src_cache)
+        raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache source")
+        raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
+        geo = geometry_of(src_cache.cache_desc, blocks=True)
+        with llm_errors("push_blocks"):
+            remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
+                                                        _pair(src_range), n)
+            plan = layout.plan_blocks(geo, dst, src, (remote, local))
+            engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), geo.unit_bytes,
+                        plan, src_cache.cache_id)
+
+    # ------------------------------------------------------------------ not yet
+
+    def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0,
+                   src_batch_index: int = 0, offset: int = 0, size: int = -1,
+                   req_id: int | None = None) -> None:
+        raise _not_enabled("copy_cache")
+
+    def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
+        raise _not_enabled("copy_blocks")
+
+    def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
+        raise _not_enabled("swap_blocks")
+
+    def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
+        raise _not_enabled("remap_registered_memory")
+
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: list[TransferConfig | TransferWithCacheKeyConfig],
+                             src_block_indices: list[int] | None = None,
+                             dst_block_indices: list[int] | None = None,
+                             dst_block_memory_size: int | None = None) -> Any:
+        raise _not_enabled("transfer_cache_async")
+
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
+        valid = [v != UINT64_MAX for v in (cache_key.req_id, cache_key.prefix_id)]
+        raise_if_false(sum(valid) == 1, "exactly one of req_id and prefix_id must be set")
+
+
+__all__ = ["CacheManager", "Placement"]

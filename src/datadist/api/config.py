@@ -1,0 +1,452 @@
+"""``LLMConfig`` (alias ``LlmConfig``) and ``LLMClusterInfo``, as in llm_datadist.
+
+``LLMConfig.generate_options()`` emits exactly llm_datadist's option keys; ``init`` also accepts
+a hand-written dict of them. datadist's own extra: ``transport`` (``datadist.Transport``),
+forcing a data path (``tcp``, ``cma``, ``shm`` or ``auto``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+from datadist.api.checks import check_int, check_isinstance
+from datadist.api.status import LLMException, LLMStatusCode
+
+OPT_DEVICE_ID = "ge.exec.deviceId"
+OPT_SESSION_DEVICE_ID = "ge.session_device_id"
+OPT_LISTEN_IP_INFO = "llm.listenIpInfo"
+OPT_SYNC_KV_WAIT = "llm.SyncKvCacheWaitTime"
+OPT_ENABLE_CACHE_MANAGER = "llm.EnableCacheManager"
+OPT_REMOTE_CACHE_ACCESSIBLE = "llm.EnableRemoteCacheAccessible"
+OPT_MEM_POOL = "llm.MemPoolConfig"
+OPT_HOST_MEM_POOL = "llm.HostMemPoolConfig"
+OPT_BUF_POOL = "llm.BufPoolCfg"
+OPT_SWITCH_ROLE = "llm.EnableSwitchRole"
+OPT_LINK_TOTAL_TIME = "llm.LinkTotalTime"
+OPT_LINK_RETRY_COUNT = "llm.LinkRetryCount"
+OPT_RDMA_TC = "llm.RdmaTrafficClass"
+OPT_RDMA_SL = "llm.RdmaServiceLevel"
+OPT_LOCAL_COMM_RES = "llm.LocalCommRes"
+OPT_TRANSFER_BACKEND = "llm.TransferBackend"
+OPT_GLOBAL_RESOURCE = "llm.GlobalResourceConfig"
+OPT_MEM_UTILIZATION = "llm.MemoryUtilization"
+OPT_DEPLOY_RES_PATH = "llm.deployResPath"
+OPT_CLUSTER_INFO = "llm.ClusterInfo"
+OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
+OPT_TRANSPORT = "datadist.Transport"
+
+
+def _param_invalid(msg: str) -> LLMException:
+    return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def ip_to_int(ip: str | int) -> int:
+    """Dotted IPv4 -> the little-endian uint32 llm_datadist stores (inet_aton order)."""
+    if isinstance(ip, int) and not isinstance(ip, bool):
+        check_int("ip", ip, "uint32", allow_none=False)
+        return ip
+    check_isinstance("ip", ip, (str, int), allow_none=False)
+    try:
+        return int(struct.unpack("<I", socket.inet_aton(ip))[0])
+    except OSError:
+        raise RuntimeError(f"Can not parse ip str:{ip}") from None
+
+
+def int_to_ip(value: int) -> str:
+    return socket.inet_ntoa(struct.pack("<I", value))
+
+
+class LLMConfig:
+    """Options for ``LLMDataDist.init``; set properties, then ``generate_options()``."""
+
+    def __init__(self) -> None:
+        self._options: dict[str, str] = {}
+        self._device_id: Any = None
+        self._listen_ip_info = ""
+        self._sync_kv_timeout: Any = None
+        self._ge_options: dict[str, str] = {}
+        self._enable_cache_manager: bool | None = None
+        self._enable_remote_cache_accessible: bool | None = None
+        self._mem_pool_cfg = ""
+        self._host_mem_pool_cfg = ""
+        self._buf_pool_cfg = ""
+        self._enable_switch_role = False
+        self._link_total_time: int | None = None
+        self._link_retry_count: int | None = None
+        self._rdma_traffic_class: int | None = None
+        self._rdma_service_level: int | None = None
+        self._local_comm_res: str | None = None
+        self._transfer_backend = ""
+        self._global_resource_config = ""
+        self._mem_utilization = 0.95
+        self._deploy_res_path = ""
+        self._cluster_info = ""
+        self._output_max_size: int | None = None
+        self._transport = ""
+
+    # -- device and addresses
+
+    @property
+    def device_id(self) -> Any:
+        return self._device_id
+
+    @device_id.setter
+    def device_id(self, value: int | list[int] | tuple[int, ...]) -> None:
+        check_isinstance("device_id", value, (int, list, tuple), allow_none=False)
+        ids = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not ids:
+            raise _param_invalid("device_id list must not be empty")
+        for i in ids:
+            check_int("device_id", i, "int32", allow_none=False)
+            if i < 0:
+                raise _param_invalid(f"device_id must be >= 0, got {i}")
+        self._device_id = value
+
+    @property
+    def listen_ip_info(self) -> str:
+        return self._listen_ip_info
+
+    @listen_ip_info.setter
+    def listen_ip_info(self, value: str) -> None:
+        check_isinstance("listen_ip_info", value, str, allow_none=False)
+        self._listen_ip_info = value
+
+    @property
+    def sync_kv_timeout(self) -> Any:
+        return self._sync_kv_timeout
+
+    @sync_kv_timeout.setter
+    def sync_kv_timeout(self, value: int | str) -> None:
+        check_isinstance("sync_kv_timeout", value, (int, str), allow_none=False)
+        if isinstance(value, str):
+            if not value.isdigit():
+                raise _param_invalid(f"sync_kv_timeout must be a digit string, got {value!r}")
+            number = int(value)
+        else:
+            number = value
+        check_int("sync_kv_timeout", number, "int32", allow_none=False)
+        if number <= 0:
+            raise _param_invalid(f"sync_kv_timeout must be > 0, got {number}")
+        self._sync_kv_timeout = value
+
+    @property
+    def ge_options(self) -> dict[str, str]:
+        return self._ge_options
+
+    @ge_options.setter
+    def ge_options(self, value: dict[str, str]) -> None:
+        check_isinstance("ge_options", value, dict, allow_none=False)
+        for k, v in value.items():
+            check_isinstance("ge_options key", k, str, allow_none=False)
+            check_isinstance("ge_options value", v, str, allow_none=False)
+        self._ge_options = value
+
+    # -- modes
+
+    def _bool(self, name: str, value: bool) -> bool:
+        check_isinstance(name, value, bool, allow_none=False)
+        return value
+
+    @property
+    def enable_cache_manager(self) -> bool:
+        return bool(self._enable_cache_manager)
+
+    @enable_cache_manager.setter
+    def enable_cache_manager(self, value: bool) -> None:
+        self._enable_cache_manager = self._bool("enable_cache_manager", value)
+
+    @property
+    def enable_remote_cache_accessible(self) -> bool:
+        return bool(self._enable_remote_cache_accessible)
+
+    @enable_remote_cache_accessible.setter
+    def enable_remote_cache_accessible(self, value: bool) -> None:
+        self._enable_remote_cache_accessible = self._bool("enable_remote_cache_accessible", value)
+
+    @property
+    def enable_switch_role(self) -> bool:
+        return self._enable_switch_role
+
+    @enable_switch_role.setter
+    def enable_switch_role(self, value: bool) -> None:
+        self._enable_switch_role = self._bool("enable_switch_role", value)
+
+    # -- pools
+
+    def _pool(self, name: str, value: str, *, buf: bool = False) -> str:
+        check_isinstance(name, value, str, allow_none=False)
+        if value:
+            try:
+                cfg = json.loads(value)
+            except ValueError:
+                raise _param_invalid(f"{name} must be JSON, got {value!r}") from None
+            key = "buf_cfg" if buf else "memory_size"
+            if not isinstance(cfg, dict) or key not in cfg:
+                raise _param_invalid(f"{name} must be a JSON object with {key!r}")
+        return value
+
+    @property
+    def mem_pool_cfg(self) -> str:
+        return self._mem_pool_cfg
+
+    @mem_pool_cfg.setter
+    def mem_pool_cfg(self, value: str) -> None:
+        self._mem_pool_cfg = self._pool("mem_pool_cfg", value)
+
+    @property
+    def host_mem_pool_cfg(self) -> str:
+        return self._host_mem_pool_cfg
+
+    @host_mem_pool_cfg.setter
+    def host_mem_pool_cfg(self, value: str) -> None:
+        self._host_mem_pool_cfg = self._pool("host_mem_pool_cfg", value)
+
+    @property
+    def buf_pool_cfg(self) -> str:
+        return self._buf_pool_cfg
+
+    @buf_pool_cfg.setter
+    def buf_pool_cfg(self, value: str) -> None:
+        self._buf_pool_cfg = self._pool("buf_pool_cfg", value, buf=True)
+
+    # -- link tuning (accepted and emitted; HCCL/RDMA knobs have no effect on TCP)
+
+    @property
+    def link_total_time(self) -> int:
+        return self._link_total_time or 0
+
+    @link_total_time.setter
+    def link_total_time(self, value: int) -> None:
+        check_int("link_total_time", value, "uint32", allow_none=False)
+        self._link_total_time = value
+
+    @property
+    def link_retry_count(self) -> int:
+        return self._link_retry_count or 1
+
+    @link_retry_count.setter
+    def link_retry_count(self, value: int) -> None:
+        check_int("link_retry_count", value, "int32", allow_none=False)
+        if not 1 <= value <= 100:
+            raise _param_invalid(f"link_retry_count must be in [1, 100], got {value}")
+        self._link_retry_count = value
+
+    @property
+    def rdma_traffic_class(self) -> int | None:
+        return self._rdma_traffic_class
+
+    @rdma_traffic_class.setter
+    def rdma_traffic_class(self, value: int) -> None:
+        check_int("rdma_traffic_class", value, "uint32", allow_none=False)
+        self._rdma_traffic_class = value
+
+    @property
+    def rdma_service_level(self) -> int | None:
+        return self._rdma_service_level
+
+    @rdma_service_level.setter
+    def rdma_service_level(self, value: int) -> None:
+        check_int("rdma_service_level", value, "uint32", allow_none=False)
+        self._rdma_service_level = value
+
+    # -- backends
+
+    @property
+    def local_comm_res(self) -> str:
+        return self._local_comm_res or ""
+
+    @local_comm_res.setter
+    def local_comm_res(self, value: str) -> None:
+        check_isinstance("local_comm_res", value, str, allow_none=False)
+        self._local_comm_res = value
+
+    @property
+    def transfer_backend(self) -> str:
+        return self._transfer_backend
+
+    @transfer_backend.setter
+    def transfer_backend(self, value: str) -> None:
+        check_isinstance("transfer_backend", value, str, allow_none=False)
+        self._transfer_backend = value
+
+    @property
+    def global_resource_config(self) -> str:
+        return self._global_resource_config
+
+    @global_resource_config.setter
+    def global_resource_config(self, value: str) -> None:
+        check_isinstance("global_resource_config", value, str, allow_none=False)
+        self._global_resource_config = value
+
+    @property
+    def transport(self) -> str:
+        """datadist extra: force a data path ("tcp", "cma", "shm", "auto")."""
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: str) -> None:
+        check_isinstance("transport", value, str, allow_none=False)
+        if value not in ("", "auto", "tcp", "cma", "shm"):
+            raise _param_invalid(f"transport must be auto, tcp, cma or shm, got {value!r}")
+        self._transport = value
+
+    # -- v1 / offline options
+
+    @property
+    def mem_utilization(self) -> float:
+        return self._mem_utilization
+
+    @mem_utilization.setter
+    def mem_utilization(self, value: float) -> None:
+        check_isinstance("mem_utilization", value, (float, int), allow_none=False)
+        if not 0 <= value <= 1:
+            raise _param_invalid(f"mem_utilization must be in [0, 1], got {value}")
+        self._mem_utilization = float(value)
+
+    @property
+    def deploy_res_path(self) -> str:
+        return self._deploy_res_path
+
+    @deploy_res_path.setter
+    def deploy_res_path(self, value: str) -> None:
+        check_isinstance("deploy_res_path", value, str, allow_none=False)
+        self._deploy_res_path = value
+
+    @property
+    def cluster_info(self) -> str:
+        return self._cluster_info
+
+    @cluster_info.setter
+    def cluster_info(self, value: str) -> None:
+        check_isinstance("cluster_info", value, str, allow_none=False)
+        try:
+            info = json.loads(value)
+        except ValueError:
+            raise _param_invalid("cluster_info must be JSON") from None
+        for item in info.get("listen_ip_info", []) if isinstance(info, dict) else []:
+            if isinstance(item, dict) and isinstance(item.get("ip"), str):
+                item["ip"] = ip_to_int(item["ip"])
+        self._cluster_info = json.dumps(info)
+
+    @property
+    def output_max_size(self) -> int | None:
+        return self._output_max_size
+
+    @output_max_size.setter
+    def output_max_size(self, value: int) -> None:
+        check_int("output_max_size", value, "int64", allow_none=False)
+        self._output_max_size = value
+
+    @property
+    def options(self) -> dict[str, str]:
+        return self._options
+
+    # -- output
+
+    def generate_options(self) -> dict[str, str]:
+        """The init options. Returns (and accumulates into) the same dict every time."""
+        o = self._options
+        o.update(self._ge_options)
+        if self._device_id is not None:
+            if isinstance(self._device_id, (list, tuple)):
+                o[OPT_SESSION_DEVICE_ID] = str(self._device_id[0])
+                o[OPT_DEVICE_ID] = ";".join(str(i) for i in self._device_id)
+            else:
+                o[OPT_DEVICE_ID] = str(self._device_id)
+                o[OPT_SESSION_DEVICE_ID] = str(self._device_id)
+        if self._listen_ip_info:
+            o[OPT_LISTEN_IP_INFO] = self._listen_ip_info
+        if self._sync_kv_timeout is not None:
+            o[OPT_SYNC_KV_WAIT] = str(self._sync_kv_timeout)
+        if self._enable_cache_manager is not None:
+            o[OPT_ENABLE_CACHE_MANAGER] = "1" if self._enable_cache_manager else "0"
+        if self._enable_remote_cache_accessible is not None:
+            o[OPT_REMOTE_CACHE_ACCESSIBLE] = "1" if self._enable_remote_cache_accessible else "0"
+        if self._mem_pool_cfg:
+            o[OPT_MEM_POOL] = self._mem_pool_cfg
+        if self._host_mem_pool_cfg:
+            o[OPT_HOST_MEM_POOL] = self._host_mem_pool_cfg
+        if self._buf_pool_cfg:
+            o[OPT_BUF_POOL] = self._buf_pool_cfg
+        if self._enable_switch_role:
+            o[OPT_SWITCH_ROLE] = "1"
+        if self._link_total_time is not None:
+            o[OPT_LINK_TOTAL_TIME] = str(self._link_total_time)
+        if self._link_retry_count is not None:
+            o[OPT_LINK_RETRY_COUNT] = str(self._link_retry_count)
+        if self._rdma_traffic_class is not None:
+            o[OPT_RDMA_TC] = str(self._rdma_traffic_class)
+        if self._rdma_service_level is not None:
+            o[OPT_RDMA_SL] = str(self._rdma_service_level)
+        if self._local_comm_res is not None:
+            o[OPT_LOCAL_COMM_RES] = self._local_comm_res
+        if self._transfer_backend:
+            o[OPT_TRANSFER_BACKEND] = self._transfer_backend
+        if self._global_resource_config:
+            o[OPT_GLOBAL_RESOURCE] = self._global_resource_config
+        o[OPT_MEM_UTILIZATION] = str(self._mem_utilization)
+        if self._deploy_res_path:
+            o[OPT_DEPLOY_RES_PATH] = self._deploy_res_path
+        if self._cluster_info:
+            o[OPT_CLUSTER_INFO] = self._cluster_info
+        if self._output_max_size is not None:
+            o[OPT_OUTPUT_MAX_SIZE] = str(self._output_max_size)
+        if self._transport:
+            o[OPT_TRANSPORT] = self._transport
+        return o
+
+    gen_options = generate_options
+
+
+LlmConfig = LLMConfig
+
+
+class LLMClusterInfo:
+    """A remote cluster to link with: its id and the addresses to use."""
+
+    def __init__(self) -> None:
+        self._remote_cluster_id: int | None = None
+        self._remote_role_type: Any = None
+        self._local_ip_info_list: list[tuple[int, int]] = []
+        self._remote_ip_info_list: list[tuple[int, int]] = []
+
+    @property
+    def remote_cluster_id(self) -> int | None:
+        return self._remote_cluster_id
+
+    @remote_cluster_id.setter
+    def remote_cluster_id(self, value: int) -> None:
+        check_int("remote_cluster_id", value, "uint64", allow_none=False)
+        self._remote_cluster_id = value
+
+    @property
+    def remote_role_type(self) -> Any:
+        return self._remote_role_type
+
+    @remote_role_type.setter
+    def remote_role_type(self, value: Any) -> None:
+        check_isinstance("remote_role_type", value, int, allow_none=False)
+        self._remote_role_type = value
+
+    def append_local_ip_info(self, ip: str | int, port: int) -> None:
+        check_int("port", port, "uint16", allow_none=False)
+        self._local_ip_info_list.append((ip_to_int(ip), port))
+
+    def append_remote_ip_info(self, ip: str | int, port: int) -> None:
+        check_int("port", port, "uint16", allow_none=False)
+        self._remote_ip_info_list.append((ip_to_int(ip), port))
+
+    @property
+    def local_ip_info_list(self) -> list[tuple[int, int]]:
+        return list(self._local_ip_info_list)
+
+    @property
+    def remote_ip_info_list(self) -> list[tuple[int, int]]:
+        return list(self._remote_ip_info_list)
+
+    def __repr__(self) -> str:
+        remote = [f"{int_to_ip(i)}:{p}" for i, p in self._remote_ip_info_list]
+        return f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, remote={remote})"

@@ -1,0 +1,354 @@
+"""``LLMDataDist``: one per process; init, links, and the cache managers.
+
+Who calls: user code. ``init`` starts the engine (and its listener when ``llm.listenIpInfo``
+is given); ``link_clusters`` / ``unlink_clusters`` block up to their timeout and return codes
+instead of raising; ``finalize`` tears everything down (also at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+from datadist.api import config as cfg
+from datadist.api.cache_manager import CacheManager
+from datadist.api.checks import check_int, check_isinstance
+from datadist.api.config import LLMClusterInfo, int_to_ip
+from datadist.api.enums import LLMRole, RegisterMemStatus
+from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
+from datadist.core.engine import Engine, EngineConfig
+from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
+from datadist.memory.pool import PoolConfig
+from datadist.transport.tcp import parse_host_port
+
+log = logging.getLogger(__name__)
+
+MAX_CLUSTERS_PER_CALL = 16
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+
+
+def _param_invalid(msg: str) -> LLMException:
+    return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+class LLMDataDist:
+    """The per-process entry point: ``LLMDataDist(role, cluster_id).init(options)``."""
+
+    llm_engine_instance: ClassVar[LLMDataDist | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_int("cluster_id", cluster_id, "uint64", allow_none=False)
+        self._role = role
+        self._cluster_id = cluster_id
+        self._engine: Engine | None = None
+        self._cache_manager: CacheManager | None = None
+        self._kv_cache_manager: Any = None
+        self._cache_manager_mode = False
+        self._options: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        state = "initialized" if self._engine is not None else "not initialized"
+        return f"<LLMDataDist {self._role} cluster_id={self._cluster_id} {state}>"
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def cluster_id(self) -> int:
+        return self._cluster_id
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        self._check_init()
+        if not self._cache_manager_mode:
+            raise _param_invalid("cache_manager needs cache-manager mode "
+                                 "(llm.EnableCacheManager=1 or llm.LocalCommRes)")
+        assert self._cache_manager is not None
+        return self._cache_manager
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        self._check_init()
+        if self._cache_manager_mode:
+            raise _param_invalid("kv_cache_manager is only available without cache-manager mode")
+        return self._kv_cache_manager
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """datadist extra: the (ip, port) this instance listens on, with port 0 resolved."""
+        return None if self._engine is None else self._engine.listen_address
+
+    @property
+    def engine(self) -> Engine:
+        """datadist extra: the typed engine under this facade (links, paths, caches)."""
+        self._check_init()
+        assert self._engine is not None
+        return self._engine
+
+    def _check_init(self) -> None:
+        if self._engine is None:
+            raise RuntimeError("llm datadist is not initialized")
+
+    # ------------------------------------------------------------------ init / finalize
+
+    def init(self, options: dict[str, str]) -> None:
+        """Start the engine. A no-op when already initialized; one instance per process."""
+        check_isinstance("options", options, dict, allow_none=False)
+        with LLMDataDist._instance_lock:
+            if self._engine is not None:
+                return
+            if LLMDataDist.llm_engine_instance is not None:
+                raise LLMException("Cannot init multiple LLMDataDists",
+                                   status_code=LLMStatusCode.LLM_FAILED)
+            opts = self._setup_options(options)
+            engine_cfg = self._engine_config(opts)
+            with llm_errors("init"):
+                engine = Engine(engine_cfg)
+            self._engine = engine
+            self._options = opts
+            if self._cache_manager_mode:
+                self._cache_manager = CacheManager(
+                    engine,
+                    remote_cache_accessible=opts.get(cfg.OPT_REMOTE_CACHE_ACCESSIBLE) == "1",
+                    mem_pool=engine_cfg.device_pool is not None,
+                    host_mem_pool=engine_cfg.host_pool is not None,
+                )
+            else:
+                from datadist.api.v1 import KvCacheManager
+
+                self._kv_cache_manager = KvCacheManager(engine, self._role)
+            LLMDataDist.llm_engine_instance = self
+
+    def _setup_options(self, options: dict[str, str]) -> dict[str, str]:
+        """llm_datadist's mode selection, on a copy of the options."""
+        opts = {str(k): str(v) for k, v in options.items()}
+        mem_max = opts.get("ge.flowGraphMemMaxSize")
+        if mem_max is not None and not mem_max.isdigit():
+            raise _param_invalid("ge.flowGraphMemMaxSize must be a single digit string")
+        opts["llm.Role"] = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder",
+                            LLMRole.MIX: "Mix"}[self._role]
+        if cfg.OPT_LOCAL_COMM_RES in opts:
+            opts.setdefault(cfg.OPT_ENABLE_CACHE_MANAGER, "1")
+            opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1")
+        self._cache_manager_mode = opts.get(cfg.OPT_ENABLE_CACHE_MANAGER) == "1"
+        if cfg.OPT_LOCAL_COMM_RES in opts and not self._cache_manager_mode:
+            raise _param_invalid("llm.LocalCommRes needs cache-manager mode")
+        if cfg.OPT_TRANSFER_BACKEND in opts:
+            if not self._cache_manager_mode:
+                raise _param_invalid("llm.TransferBackend needs cache-manager mode")
+            if opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1") == "0":
+                raise _param_invalid("llm.TransferBackend needs remote cache accessible")
+            if cfg.OPT_LISTEN_IP_INFO not in opts:
+                raise _param_invalid("llm.TransferBackend needs llm.listenIpInfo")
+        listen = opts.get(cfg.OPT_LISTEN_IP_INFO)
+        if listen and self._cache_manager_mode:
+            try:
+                ip, port = parse_host_port(listen)
+            except InvalidArgument as e:
+                raise _param_invalid(str(e)) from None
+            opts["llm.ListenIp"], opts["llm.ListenPort"] = ip, str(port)
+        if not self._cache_manager_mode and self._role == LLMRole.PROMPT and not listen:
+            raise _param_invalid("a PROMPT without cache-manager mode needs llm.listenIpInfo")
+        return opts
+
+    def _engine_config(self, opts: dict[str, str]) -> EngineConfig:
+        listen = None
+        raw = opts.get(cfg.OPT_LISTEN_IP_INFO)
+        if raw:
+            # v1 allows one ip:port per device separated by ';': we serve the first.
+            try:
+                listen = parse_host_port(raw.split(";")[0])
+            except InvalidArgument as e:
+                raise _param_invalid(str(e)) from None
+        timeout_ms = opts.get(cfg.OPT_SYNC_KV_WAIT, str(DEFAULT_SYNC_KV_TIMEOUT_MS))
+        if not timeout_ms.isdigit() or int(timeout_ms) <= 0:
+            raise _param_invalid(f"llm.SyncKvCacheWaitTime must be a positive int, got "
+                                 f"{timeout_ms!r}")
+        pools = {}
+        for key in (cfg.OPT_MEM_POOL, cfg.OPT_HOST_MEM_POOL):
+            if opts.get(key):
+                with llm_errors("init"):
+                    pools[key] = PoolConfig.parse(opts[key])
+        return EngineConfig(
+            cluster_id=self._cluster_id,
+            role=int(self._role),
+            listen=listen,
+            sync_timeout=int(timeout_ms) / 1000.0,
+            device_pool=pools.get(cfg.OPT_MEM_POOL),
+            host_pool=pools.get(cfg.OPT_HOST_MEM_POOL),
+            transport=opts.get(cfg.OPT_TRANSPORT),
+        )
+
+    def finalize(self) -> None:
+        """Release everything. A no-op when not initialized."""
+        with LLMDataDist._instance_lock:
+            engine, self._engine = self._engine, None
+            if engine is None:
+                return
+            if self._cache_manager is not None:
+                self._cache_manager._invalidate()
+            if self._kv_cache_manager is not None:
+                self._kv_cache_manager._invalidate()
+            engine.close()
+            if LLMDataDist.llm_engine_instance is self:
+                LLMDataDist.llm_engine_instance = None
+
+    # ------------------------------------------------------------------ links
+
+    def _check_clusters(self, clusters: Any, timeout: Any) -> list[LLMClusterInfo]:
+        check_isinstance("clusters", clusters, (list, tuple), allow_none=False)
+        for c in clusters:
+            check_isinstance("cluster", c, LLMClusterInfo, allow_none=False)
+        check_int("timeout", timeout, "int32", allow_none=False)
+        if timeout <= 0:
+            raise _param_invalid(f"timeout must be > 0, got {timeout}")
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            raise LLMException(f"at most {MAX_CLUSTERS_PER_CALL} clusters per call",
+                               status_code=LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT)
+        for c in clusters:
+            if c.remote_cluster_id is None:
+                raise _param_invalid("LLMClusterInfo needs remote_cluster_id")
+        return list(clusters)
+
+    def link_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
+                      timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to each cluster's listener; returns (overall code, per-cluster codes).
+
+        Never raises for a link that fails: its code says why. Links are made in parallel,
+        each bounded by ``timeout`` ms.
+        """
+        self._check_init()
+        clusters = self._check_clusters(clusters, timeout)
+        local_comm_res = self._options.get(cfg.OPT_LOCAL_COMM_RES, "")
+        for c in clusters:
+            if self._cache_manager_mode and not local_comm_res and not c.local_ip_info_list:
+                raise _param_invalid("LLMClusterInfo needs local ip info in cache-manager mode")
+            if not c.remote_ip_info_list:
+                raise _param_invalid(f"cluster {c.remote_cluster_id} has no remote ip info")
+        engine = self.engine
+
+        def one(c: LLMClusterInfo) -> LLMStatusCode:
+            ip, port = c.remote_ip_info_list[0]
+            try:
+                engine.link(c.remote_cluster_id, int_to_ip(ip), port, timeout / 1000.0)
+                return LLMStatusCode.LLM_SUCCESS
+            except AlreadyLinked:
+                return LLMStatusCode.LLM_ALREADY_LINK
+            except DatadistError as e:
+                log.warning("link to cluster %s failed: %s", c.remote_cluster_id, e)
+                return LLMStatusCode.LLM_LINK_FAILED
+
+        codes = self._each(one, clusters)
+        return self._overall(codes), codes
+
+    def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
+                        timeout: int = 3000,
+                        force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Unlink; without ``force`` the peer is told too. ``force`` always drops our end."""
+        self._check_init()
+        clusters = self._check_clusters(clusters, timeout)
+        check_isinstance("force", force, bool, allow_none=False)
+        engine = self.engine
+
+        def one(c: LLMClusterInfo) -> LLMStatusCode:
+            try:
+                engine.unlink(c.remote_cluster_id, timeout / 1000.0, force)
+                return LLMStatusCode.LLM_SUCCESS
+            except NotLinked:
+                return LLMStatusCode.LLM_NOT_YET_LINK
+            except DatadistError as e:
+                return code_to_status(int(e.code))
+
+        codes = self._each(one, clusters)
+        return self._overall(codes), codes
+
+    @staticmethod
+    def _each(fn: Any, clusters: list[LLMClusterInfo]) -> list[LLMStatusCode]:
+        if len(clusters) <= 1:
+            return [fn(c) for c in clusters]
+        with ThreadPoolExecutor(max_workers=len(clusters)) as pool:
+            return list(pool.map(fn, clusters))
+
+    @staticmethod
+    def _overall(codes: list[LLMStatusCode]) -> LLMStatusCode:
+        for c in codes:
+            if c != LLMStatusCode.LLM_SUCCESS:
+                return c
+        return LLMStatusCode.LLM_SUCCESS
+
+    def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
+        """Change the role label; optionally start, move or stop listening.
+
+        Raises LLM_EXIST_LINK while links (ours or peers') are alive.
+        """
+        self._check_init()
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_isinstance("switch_options", switch_options, dict)
+        engine = self.engine
+        if not self._cache_manager_mode:
+            if self._options.get(cfg.OPT_SWITCH_ROLE) != "1":
+                raise LLMException("switch_role needs enable_switch_role",
+                                   status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+            if role == self._role:
+                raise _param_invalid(f"already {role}")
+            if role == LLMRole.PROMPT and not (switch_options or {}).get(cfg.OPT_LISTEN_IP_INFO):
+                raise _param_invalid("switching to PROMPT needs llm.listenIpInfo")
+        if engine.has_links():
+            raise LLMException("switch_role while links exist",
+                               status_code=LLMStatusCode.LLM_EXIST_LINK)
+        listen = (switch_options or {}).get(cfg.OPT_LISTEN_IP_INFO)
+        with llm_errors("switch_role"):
+            if listen:
+                try:
+                    host, port = parse_host_port(listen)
+                except InvalidArgument as e:
+                    raise _param_invalid(str(e)) from None
+                if engine.listen_address != (host, port) or port == 0:
+                    engine.start_listening(host, port)
+            elif engine.listener is not None:
+                engine.stop_listening()
+        self._role = role
+        engine.role = int(role)
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """v1 mode: raise if the link to ``remote_cluster_id`` is not usable."""
+        self._check_init()
+        check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
+        if self._cache_manager_mode:
+            raise LLMException("check_link_status is only available without cache-manager mode",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        with llm_errors("check_link_status"):
+            self.engine.check_link(remote_cluster_id, self.engine.config.sync_timeout)
+
+    # ------------------------------------------------------------------ two-sided links
+
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        self._check_init()
+        raise LLMException("link() with a rank table is not available in this release; "
+                           "use link_clusters", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+    def unlink(self, comm_id: int) -> None:
+        self._check_init()
+        raise LLMException("unlink(comm_id) is not available in this release",
+                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        self._check_init()
+        raise LLMException("query_register_mem_status is not available in this release",
+                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+
+
+def _finalize_at_exit() -> None:
+    inst = LLMDataDist.llm_engine_instance
+    if inst is not None:
+        try:
+            inst.finalize()
+        except LLMException:
+            pass
+
+
+atexit.register(_finalize_at_exit)

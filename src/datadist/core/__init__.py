@@ -1,0 +1,1 @@
+"""The typed engine: geometry, registry, links, transfers. No CANN-isms, no sockets."""

@@ -1,0 +1,375 @@
+"""The engine: one per process, owning the registry, the pools, the listener and the links.
+
+Who calls: the api facade (``LLMDataDist``, ``CacheManager``), with typed arguments; the
+transports call back into it as the owner side of the protocol (:class:`RequestHandler`).
+
+Blocking: ``link``/``unlink``/``pull``/``push`` block up to their deadline; everything else
+returns at once (``unregister`` waits for live leases, bounded). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from datadist.core.errors import (
+    AlreadyLinked,
+    Closed,
+    DatadistError,
+    DeviceOutOfMemory,
+    InvalidArgument,
+    LinkFailed,
+    LinksExist,
+    NotLinked,
+    OutOfMemory,
+    RemoteProtocolError,
+)
+from datadist.core.layout import Geometry, Plan
+from datadist.core.links import HostIdentity, Link, choose_path, forced_path
+from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
+from datadist.memory.pool import HostPool, PoolConfig
+from datadist.transport.base import PathKind, PeerInfo
+from datadist.transport.iov import make_iov
+from datadist.transport.paths import TcpPath
+from datadist.transport.tcp import Channel, TcpListener
+from datadist.wire import protocol as p
+
+log = logging.getLogger(__name__)
+
+HOST, DEVICE = 0, 1
+_TCP = TcpPath()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    cluster_id: int
+    role: int
+    listen: tuple[str, int] | None = None
+    sync_timeout: float = 1.0  # seconds, bounds every pull and push
+    device_pool: PoolConfig | None = None
+    host_pool: PoolConfig | None = None
+    transport: str | None = None
+
+
+class Engine:
+    """Typed core of datadist. Created by ``LLMDataDist.init``, closed by ``finalize``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.role = config.role
+        self.identity = HostIdentity.current()
+        self.forced = forced_path(config.transport)
+        self.registry = Registry()
+        self._pools: dict[int, HostPool] = {}
+        self._links: dict[int, Link] = {}
+        self._inbound: dict[tuple[int, str], PeerInfo] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.listener: TcpListener | None = None
+        try:
+            for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
+                if cfg is not None:
+                    name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
+                    self._pools[placement] = HostPool(cfg.memory_size, cfg.page_shift, name)
+            if config.listen is not None:
+                self.start_listening(*config.listen)
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        return (
+            f"<Engine cluster={self.config.cluster_id} role={self.role} "
+            f"listen={self.listen_address} links={len(self._links)} "
+            f"inbound={len(self._inbound)} caches={len(self.registry.entries())}>"
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        if self.listener is None:
+            return None
+        return (self.listener.host, self.listener.port)
+
+    def start_listening(self, host: str, port: int) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        self.listener = TcpListener(host, port, self).start()
+
+    def stop_listening(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def close(self) -> None:
+        """Tear everything down. Idempotent; does not raise."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            link.chan.close()
+        if self.listener is not None:
+            self.listener.close()
+        self.registry.clear()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("the engine is finalized")
+
+    # ------------------------------------------------------------------ caches
+
+    def register(
+        self,
+        geometry: Geometry,
+        addrs: list[int],
+        *,
+        placement: int,
+        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        blocks_model_id: int | None = None,
+        remote_accessible: bool = True,
+    ) -> CacheEntry:
+        self._check_open()
+        if any(a <= 0 for a in addrs):
+            raise InvalidArgument("tensor addresses must be non-zero")
+        return self.registry.add(
+            geometry, addrs, owned=False, placement=placement, keys=keys,
+            blocks_model_id=blocks_model_id, remote_accessible=remote_accessible,
+        )
+
+    def allocate(
+        self,
+        geometry: Geometry,
+        *,
+        placement: int,
+        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        blocks_model_id: int | None = None,
+    ) -> CacheEntry:
+        """Carve a cache from the pool of its placement. One allocation, tensors
+        page-aligned inside it."""
+        self._check_open()
+        pool = self._pools.get(placement)
+        if pool is None:
+            what = "mem_pool_cfg" if placement == DEVICE else "host_mem_pool_cfg"
+            raise InvalidArgument(
+                f"no memory pool for {'DEVICE' if placement == DEVICE else 'HOST'} "
+                f"placement: set {what}"
+            )
+        step = -(-geometry.tensor_bytes // pool.page) * pool.page
+        try:
+            base = pool.allocate(step * geometry.num_tensors)
+        except OutOfMemory as e:
+            if placement == DEVICE:
+                raise DeviceOutOfMemory(str(e)) from None
+            raise
+        addrs = base + step * np.arange(geometry.num_tensors, dtype=np.uint64)
+        try:
+            return self.registry.add(
+                geometry, addrs, owned=True, placement=placement, keys=keys,
+                blocks_model_id=blocks_model_id, free=lambda: pool.free(base),
+                shm=(pool.fd, base - pool.base, pool.size),
+            )
+        except BaseException:
+            pool.free(base)
+            raise
+
+    def deallocate(self, cache_id: int, *, blocks: bool = False) -> None:
+        self.registry.deallocate(cache_id, drop_keys=blocks)
+
+    def unregister(self, cache_id: int) -> None:
+        self.registry.unregister(cache_id)
+
+    def remove_key(self, key: KeyId) -> None:
+        self.registry.remove_key(key)
+
+    # ------------------------------------------------------------------ links
+
+    def _hello(self) -> p.Hello:
+        ident = self.identity
+        return p.Hello(
+            self.config.cluster_id, self.role, ident.pid, ident.pid_ns, ident.boot_id
+        )
+
+    def link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
+        """Connect to a peer's listener and check it is who we asked for. Blocks <= timeout."""
+        self._check_open()
+        if cluster_id == self.config.cluster_id:
+            raise InvalidArgument("cannot link to our own cluster id")
+        with self._lock:
+            if cluster_id in self._links:
+                raise AlreadyLinked(f"cluster {cluster_id} is already linked")
+        deadline = time.monotonic() + timeout
+        chan = Channel.connect(host, port, deadline)
+        try:
+            welcome = chan.call(self._hello(), deadline)
+            if not isinstance(welcome, p.Welcome):
+                raise RemoteProtocolError(f"expected Welcome, got {type(welcome).__name__}")
+            if welcome.cluster_id != cluster_id:
+                raise LinkFailed(
+                    f"the peer at {host}:{port} is cluster {welcome.cluster_id}, "
+                    f"not {cluster_id}"
+                )
+        except DatadistError:
+            chan.close()
+            raise
+        path, reason = choose_path(self.forced, self.identity, welcome)
+        link = Link(cluster_id, host, port, chan, welcome, path, reason)
+        with self._lock:
+            if cluster_id in self._links or self._closed:
+                chan.close()
+                raise AlreadyLinked(f"cluster {cluster_id} is already linked")
+            self._links[cluster_id] = link
+        log.debug("link.complete %r", link)
+        return link
+
+    def unlink(self, cluster_id: int, timeout: float, force: bool = False) -> None:
+        """Drop our link; unless ``force``, tell the peer first (bounded by timeout)."""
+        with self._lock:
+            link = self._links.pop(cluster_id, None)
+        if link is None:
+            raise NotLinked(f"cluster {cluster_id} is not linked")
+        try:
+            if not force and not link.chan.closed:
+                deadline = time.monotonic() + timeout
+                if link.lock.acquire(timeout=timeout):
+                    try:
+                        link.chan.call(p.Bye(), deadline)
+                    except DatadistError as e:
+                        log.info("unlink of cluster %d: peer not told (%s)", cluster_id, e)
+                    finally:
+                        link.lock.release()
+        finally:
+            link.chan.close()
+
+    def get_link(self, cluster_id: int) -> Link:
+        with self._lock:
+            link = self._links.get(cluster_id)
+        if link is None:
+            raise NotLinked(f"cluster {cluster_id} is not linked")
+        return link
+
+    def check_link(self, cluster_id: int, timeout: float) -> None:
+        """Round-trip a Ping on the link; raises NotLinked, Timeout or BrokenLink."""
+        link = self.get_link(cluster_id)
+        deadline = time.monotonic() + timeout
+        reply = link.run(self._hello(), deadline,
+                         lambda path, chan: chan.call(p.Ping(cluster_id), deadline))
+        if not isinstance(reply, p.Pong):
+            raise RemoteProtocolError(f"expected Pong, got {type(reply).__name__}")
+
+    def links(self) -> list[Link]:
+        with self._lock:
+            return list(self._links.values())
+
+    def has_links(self) -> bool:
+        with self._lock:
+            return bool(self._links or self._inbound)
+
+    # ------------------------------------------------------------------ transfers
+
+    def pull(
+        self,
+        cluster_id: int,
+        key: p.KeyRef,
+        unit_bytes: int,
+        plan: Plan,
+        dst_cache_id: int,
+        timeout: float | None = None,
+    ) -> None:
+        """Read ``plan`` from the remote cache ``key`` names into local cache ``dst_cache_id``.
+
+        Blocks until every byte has landed or the deadline (``sync_timeout``) passes.
+        """
+        self._check_open()
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
+        if cluster_id == self.config.cluster_id:
+            raise InvalidArgument("data can not be pulled from own cluster")
+        entry = self.registry.hold(dst_cache_id)
+        try:
+            link = self.get_link(cluster_id)
+            local = make_iov(*plan.local_iov(entry.addrs))
+            msg = p.Read(key, unit_bytes, p.ReadFlags.NONE, plan.remote_tensors,
+                         plan.remote_offsets, plan.lengths)
+            link.run(self._hello(), deadline,
+                     lambda path, chan: path.read(chan, msg, local, deadline))
+        finally:
+            self.registry.unhold(entry)
+
+    def push(
+        self,
+        cluster_id: int,
+        key: p.KeyRef,
+        unit_bytes: int,
+        plan: Plan,
+        src_cache_id: int,
+        timeout: float | None = None,
+    ) -> None:
+        """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key`` names."""
+        self._check_open()
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
+        if cluster_id == self.config.cluster_id:
+            raise InvalidArgument("data can not be pushed to own cluster")
+        entry = self.registry.hold(src_cache_id)
+        try:
+            link = self.get_link(cluster_id)
+            local = make_iov(*plan.local_iov(entry.addrs))
+            msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
+                          plan.lengths)
+            # Pushes go over the control channel: the owner must check the spans before
+            # anything lands, which is what the two-step Write does.
+            link.run(self._hello(), deadline,
+                     lambda path, chan: _TCP.write(chan, msg, local, deadline))
+        finally:
+            self.registry.unhold(entry)
+
+    # ------------------------------------------------------------------ owner side
+
+    def on_hello(self, hello: p.Hello, address: str) -> p.Welcome:
+        if self._closed:
+            raise Closed("finalized")
+        if hello.cluster_id == self.config.cluster_id:
+            raise LinkFailed(f"peer uses our own cluster id {hello.cluster_id}")
+        peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
+                        address)
+        with self._lock:
+            self._inbound[peer.key] = peer
+        ident = self.identity
+        return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
+                         ident.boot_id)
+
+    def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
+        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths)
+
+    def close_read(self, lease: Lease, ok: bool) -> None:
+        self.registry.close(lease, ok)
+
+    def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
+        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths)
+
+    def close_write(self, lease: Lease, ok: bool) -> None:
+        self.registry.close(lease, ok, consume=False)
+
+    def on_bye(self, peer: PeerInfo) -> None:
+        with self._lock:
+            self._inbound.pop(peer.key, None)
+
+    def on_disconnect(self, peer: PeerInfo) -> None:
+        with self._lock:
+            self._inbound.pop(peer.key, None)
+
+    def inbound_peers(self) -> list[PeerInfo]:
+        with self._lock:
+            return list(self._inbound.values())
+
+
+__all__ = ["DEVICE", "HOST", "Engine", "EngineConfig", "PathKind"]

@@ -1,0 +1,181 @@
+"""The error tree of datadist, grouped by cause, each class carrying its status code.
+
+Leaf module: imports nothing from datadist. The numeric codes are LLM-DataDist's
+(``0x5010B000 + n``); the facade (``datadist.api.status``) turns any ``DatadistError``
+into CANN's ``LLMException`` with the same code, in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+
+class Code(enum.IntEnum):
+    """Status codes, numerically identical to ``llm_datadist.LLMStatusCode``."""
+
+    SUCCESS = 0
+    FAILED = 0xFFFFFFFF
+    WAIT_PROCESS_TIMEOUT = 0x5010B001
+    KV_CACHE_NOT_EXIST = 0x5010B002
+    REPEAT_REQUEST = 0x5010B003
+    REQUEST_ALREADY_COMPLETED = 0x5010B004
+    PARAM_INVALID = 0x5010B005
+    ENGINE_FINALIZED = 0x5010B006
+    NOT_YET_LINK = 0x5010B007
+    ALREADY_LINK = 0x5010B008
+    LINK_FAILED = 0x5010B009
+    UNLINK_FAILED = 0x5010B00A
+    NOTIFY_PROMPT_UNLINK_FAILED = 0x5010B00B
+    CLUSTER_NUM_EXCEED_LIMIT = 0x5010B00C
+    PROCESSING_LINK = 0x5010B00D
+    DEVICE_OUT_OF_MEMORY = 0x5010B00E
+    PREFIX_ALREADY_EXIST = 0x5010B00F
+    PREFIX_NOT_EXIST = 0x5010B010
+    SEQ_LEN_OVER_LIMIT = 0x5010B011
+    NO_FREE_BLOCK = 0x5010B012
+    BLOCKS_OUT_OF_MEMORY = 0x5010B013
+    EXIST_LINK = 0x5010B018
+    FEATURE_NOT_ENABLED = 0x5010B019
+    TIMEOUT = 0x5010B01A
+    LINK_BUSY = 0x5010B01B
+    OUT_OF_MEMORY = 0x5010B01C
+    DEVICE_MEM_ERROR = 507053
+    SUSPECT_REMOTE_ERROR = 507057
+    UNKNOWN_ERROR = -1
+
+
+class DatadistError(Exception):
+    """Base of every error datadist raises on purpose. ``code`` is its status code."""
+
+    code: ClassVar[Code] = Code.FAILED
+
+    def __init__(self, message: str = "", *, code: Code | int | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            # An instance may carry a more precise code than its class (a remote error).
+            self.code = Code(code)  # type: ignore[misc]
+
+
+class InvalidArgument(DatadistError, ValueError):
+    code = Code.PARAM_INVALID
+
+
+class NotSupported(DatadistError):
+    code = Code.FEATURE_NOT_ENABLED
+
+
+class CacheError(DatadistError):
+    code = Code.FAILED
+
+
+class CacheNotFound(CacheError):
+    code = Code.KV_CACHE_NOT_EXIST
+
+
+class CacheAlreadyExists(CacheError):
+    code = Code.REPEAT_REQUEST
+
+
+class OutOfMemory(CacheError, MemoryError):
+    code = Code.OUT_OF_MEMORY
+
+
+class DeviceOutOfMemory(OutOfMemory):
+    code = Code.DEVICE_OUT_OF_MEMORY
+
+
+class LinkError(DatadistError):
+    code = Code.LINK_FAILED
+
+
+class NotLinked(LinkError):
+    code = Code.NOT_YET_LINK
+
+
+class AlreadyLinked(LinkError):
+    code = Code.ALREADY_LINK
+
+
+class TooManyClusters(LinkError):
+    code = Code.CLUSTER_NUM_EXCEED_LIMIT
+
+
+class LinkFailed(LinkError):
+    code = Code.LINK_FAILED
+
+
+class LinksExist(LinkError):
+    code = Code.EXIST_LINK
+
+
+class ProtocolError(DatadistError):
+    """A frame broke the protocol. Use a subclass: who broke it matters."""
+
+    code = Code.FAILED
+
+    def __init__(self, message: str = "", *, code: Code | int | None = None) -> None:
+        if type(self) is ProtocolError:
+            raise TypeError("raise LocalProtocolError or RemoteProtocolError")
+        super().__init__(message, code=code)
+
+
+class LocalProtocolError(ProtocolError):
+    """We were about to send something illegal: a bug in datadist."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something illegal: malformed, oversized or out of order."""
+
+    code = Code.SUSPECT_REMOTE_ERROR
+
+
+class TransferError(DatadistError):
+    code = Code.FAILED
+
+
+class BrokenLink(TransferError):
+    """The peer vanished mid-transfer (connection reset or closed)."""
+
+    code = Code.LINK_FAILED
+
+
+class RemoteError(TransferError):
+    """The peer refused a request and said why; ``code`` is the peer's code."""
+
+
+class Timeout(DatadistError, TimeoutError):
+    code = Code.TIMEOUT
+
+
+class Closed(DatadistError):
+    """Used after finalize()/close()."""
+
+    code = Code.ENGINE_FINALIZED
+
+
+class Busy(DatadistError):
+    code = Code.LINK_BUSY
+
+
+def error_for_code(code: int, message: str) -> DatadistError:
+    """Rebuild a typed error from a status code, as received from a peer.
+
+    Called by the client side of a transport when the peer answers with an error frame.
+    """
+    by_code: dict[int, type[DatadistError]] = {
+        Code.KV_CACHE_NOT_EXIST: CacheNotFound,
+        Code.PARAM_INVALID: InvalidArgument,
+        Code.TIMEOUT: Timeout,
+        Code.NOT_YET_LINK: NotLinked,
+        Code.LINK_FAILED: LinkFailed,
+        Code.LINK_BUSY: Busy,
+        Code.FEATURE_NOT_ENABLED: NotSupported,
+        Code.OUT_OF_MEMORY: OutOfMemory,
+    }
+    try:
+        known = Code(code)
+    except ValueError:
+        known = Code.FAILED
+    cls = by_code.get(known, RemoteError)
+    return cls(message, code=known)

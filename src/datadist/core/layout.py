@@ -1,0 +1,300 @@
+"""Cache geometry: turning a transfer request into byte spans.
+
+Theory of operation
+-------------------
+A cache is ``num_tensors`` equally shaped tensors. Dim 0 of the shape counts *units*: batch
+slots for a contiguous cache, blocks for a blocks cache. ``unit_bytes = tensor_bytes / units``.
+
+Every transfer, whatever API asked for it, becomes one :class:`Plan`:
+
+* a list of tensor pairs ``(src_tensor, dst_tensor)`` (from the layer ranges), and
+* a list of byte spans ``(src_offset, dst_offset, length)`` inside a tensor (from batch
+  indexes, block lists, offsets and sizes),
+
+and the bytes moved are the product: for every tensor pair, every span. A cache's tensors all
+have the same shape, so the spans are the same in each tensor and we never materialise the
+product until a transport needs absolute addresses (a broadcast add).
+
+Rules this module keeps:
+
+1. Everything is computed here and nowhere else; transports only move spans.
+2. No Python loop per block: block lists are numpy arrays from the start, coalesced with
+   vectorised comparisons (a run of blocks adjacent on *both* sides becomes one span).
+3. Source offsets are *relative to the source unit* that the owner resolves (a batch slot, or
+   offset 0 for block addressing); the owner adds its own base and checks bounds. The
+   destination offsets are absolute within the local tensor, already checked here.
+4. Errors are :class:`InvalidArgument` (PARAM_INVALID) with a message that names the culprit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from datadist.core.errors import InvalidArgument
+
+U64 = np.dtype("<u8")
+U32 = np.dtype("<u4")
+
+BlockList = Union[Sequence[int], np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """The shape of a cache as the transfer engine sees it: bytes, not dtypes."""
+
+    num_tensors: int
+    tensor_bytes: int
+    units: int
+    is_blocks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_tensors <= 0:
+            raise InvalidArgument(f"num_tensors must be > 0, got {self.num_tensors}")
+        if self.units <= 0:
+            raise InvalidArgument(f"shape[0] must be > 0, got {self.units}")
+        if self.tensor_bytes <= 0 or self.tensor_bytes % self.units:
+            raise InvalidArgument(
+                f"tensor of {self.tensor_bytes} bytes does not split into {self.units} units"
+            )
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one batch slot (contiguous cache) or one block (blocks cache)."""
+        return self.tensor_bytes // self.units
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """What one transfer moves: every span in every tensor pair. Arrays are read-only.
+
+    For a pull the remote side is the source; for a push it is the destination.
+    """
+
+    remote_tensors: np.ndarray  # uint32 (T,)
+    local_tensors: np.ndarray  # uint32 (T,)
+    remote_offsets: np.ndarray  # uint64 (S,), relative to the remote unit base
+    local_offsets: np.ndarray  # uint64 (S,), absolute within the local tensor
+    lengths: np.ndarray  # uint64 (S,)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum()) * len(self.local_tensors)
+
+    @property
+    def num_spans(self) -> int:
+        return len(self.local_tensors) * len(self.lengths)
+
+    def local_iov(self, local_addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Absolute (base, length) arrays of the local spans, tensor-major."""
+        return span_iov(local_addrs[self.local_tensors], self.local_offsets, self.lengths)
+
+
+def span_iov(
+    tensor_bases: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Broadcast per-tensor bases with per-span offsets: tensor-major (base, length) arrays."""
+    bases = (tensor_bases.astype(U64)[:, None] + offsets[None, :]).reshape(-1)
+    lens = np.broadcast_to(lengths, (len(tensor_bases), len(lengths))).reshape(-1)
+    return bases, lens
+
+
+# --------------------------------------------------------------------------------------------
+# layer ranges -> tensor indices
+
+
+def layer_tensor_indices(
+    dst_num_tensors: int,
+    src_layer_range: tuple[int, int] | None,
+    dst_layer_range: tuple[int, int] | None,
+    tensor_num_per_layer: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pair source and destination tensor indices for a layer-range request.
+
+    Layer ``i`` is tensors ``[i*N, (i+1)*N)``; ranges are half-open ``(start, stop)``.
+    With no range on either side, every destination tensor is paired with the source tensor
+    of the same index. The source's own tensor count is checked by its owner.
+    """
+    n = tensor_num_per_layer
+    if n <= 0:
+        raise InvalidArgument(f"tensor_num_per_layer must be > 0, got {n}")
+    if src_layer_range is None and dst_layer_range is None:
+        idx = np.arange(dst_num_tensors, dtype=U32)
+        return idx, idx
+    if dst_num_tensors % n:
+        raise InvalidArgument(
+            f"destination num_tensors {dst_num_tensors} is not a multiple of "
+            f"tensor_num_per_layer {n}"
+        )
+    for name, rng in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
+        if rng is not None and not 0 <= rng[0] < rng[1]:
+            raise InvalidArgument(f"{name} must satisfy 0 <= start < stop, got {rng}")
+    dst_layers = dst_num_tensors // n
+    if dst_layer_range is None:
+        assert src_layer_range is not None
+        if (src_layer_range[1] - src_layer_range[0]) * n != dst_num_tensors:
+            raise InvalidArgument(
+                f"src_layer_range {src_layer_range} covers "
+                f"{(src_layer_range[1] - src_layer_range[0]) * n} tensors but the destination "
+                f"has {dst_num_tensors}"
+            )
+        dst_layer_range = (0, dst_layers)
+    if dst_layer_range[1] > dst_layers:
+        raise InvalidArgument(
+            f"dst_layer_range {dst_layer_range} exceeds the destination's {dst_layers} layers"
+        )
+    width = dst_layer_range[1] - dst_layer_range[0]
+    if src_layer_range is None:
+        src_layer_range = (0, width)
+    if src_layer_range[1] - src_layer_range[0] != width:
+        raise InvalidArgument(
+            f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
+            "differ in length"
+        )
+    src = np.arange(src_layer_range[0] * n, src_layer_range[1] * n, dtype=U32)
+    dst = np.arange(dst_layer_range[0] * n, dst_layer_range[1] * n, dtype=U32)
+    return src, dst
+
+
+# --------------------------------------------------------------------------------------------
+# spans
+
+
+def _coalesce(
+    src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge neighbouring spans that are adjacent on both sides. Vectorised."""
+    if len(src) <= 1:
+        return src, dst, lengths
+    ends_src = src[:-1] + lengths[:-1]
+    ends_dst = dst[:-1] + lengths[:-1]
+    breaks = (src[1:] != ends_src) | (dst[1:] != ends_dst)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    if len(starts) == len(src):
+        return src, dst, lengths
+    return src[starts], dst[starts], np.add.reduceat(lengths, starts)
+
+
+def _as_block_array(blocks: BlockList, name: str) -> np.ndarray:
+    arr = np.asarray(blocks)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{name} must be a flat list of block indexes")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must hold ints, got {arr.dtype}")
+    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
+        raise InvalidArgument(f"{name} holds a negative block index {int(arr.min())}")
+    return arr.astype(U64, copy=False)
+
+
+def _freeze(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.flags.writeable = False
+
+
+def plan_slot(
+    dst: Geometry,
+    dst_unit: int,
+    tensors: tuple[np.ndarray, np.ndarray],
+    size: int = -1,
+    src_offset: int = 0,
+    dst_offset: int = 0,
+) -> Plan:
+    """One slot of a contiguous cache into slot ``dst_unit`` of the local cache.
+
+    ``size == -1`` means the rest of the local slot after ``dst_offset``. The span's source
+    side is relative to the source slot (the owner checks it fits there).
+    """
+    stride = dst.unit_bytes
+    if not 0 <= dst_unit < dst.units:
+        raise InvalidArgument(f"batch_index {dst_unit} out of range [0, {dst.units})")
+    if not 0 <= dst_offset < stride:
+        raise InvalidArgument(f"dst offset {dst_offset} out of range [0, {stride})")
+    if src_offset < 0:
+        raise InvalidArgument(f"src offset {src_offset} is negative")
+    if size == -1:
+        size = stride - dst_offset
+    if size <= 0 or size > stride - dst_offset:
+        raise InvalidArgument(
+            f"size {size} does not fit the destination slot of {stride} bytes "
+            f"after offset {dst_offset}"
+        )
+    s = np.array([src_offset], dtype=U64)
+    d = np.array([dst_unit * stride + dst_offset], dtype=U64)
+    n = np.array([size], dtype=U64)
+    _freeze(s, d, n, *tensors)
+    return Plan(tensors[0], tensors[1], s, d, n)
+
+
+def plan_blocks(
+    dst: Geometry,
+    src_blocks: BlockList,
+    dst_blocks: BlockList,
+    tensors: tuple[np.ndarray, np.ndarray],
+) -> Plan:
+    """Block ``src_blocks[i]`` of the source into block ``dst_blocks[i]`` of the local cache.
+
+    Both caches must have the same block bytes (the owner checks its side); runs of blocks
+    adjacent on both sides become one span.
+    """
+    s = _as_block_array(src_blocks, "src_blocks")
+    d = _as_block_array(dst_blocks, "dst_blocks")
+    if d.size == 0:
+        raise InvalidArgument("dst_blocks must not be empty")
+    if s.size != d.size:
+        raise InvalidArgument(
+            f"src_blocks has {s.size} entries but dst_blocks has {d.size}"
+        )
+    if int(d.max()) >= dst.units:
+        raise InvalidArgument(
+            f"dst block {int(d.max())} out of range: the cache has {dst.units} blocks"
+        )
+    bb = np.uint64(dst.unit_bytes)
+    lengths = np.full(s.size, bb, dtype=U64)
+    so, do, ln = _coalesce(s * bb, d * bb, lengths)
+    _freeze(so, do, ln, *tensors)
+    return Plan(tensors[0], tensors[1], so, do, ln)
+
+
+def plan_contiguous_to_blocks(
+    dst: Geometry,
+    dst_blocks: BlockList,
+    tensors: tuple[np.ndarray, np.ndarray],
+) -> Plan:
+    """Split the source slot into block-sized chunks: chunk ``i`` goes to ``dst_blocks[i]``."""
+    d = _as_block_array(dst_blocks, "dst_blocks")
+    if d.size == 0:
+        raise InvalidArgument("dst_blocks must not be empty")
+    if int(d.max()) >= dst.units:
+        raise InvalidArgument(
+            f"dst block {int(d.max())} out of range: the cache has {dst.units} blocks"
+        )
+    bb = np.uint64(dst.unit_bytes)
+    s = np.arange(d.size, dtype=U64) * bb
+    lengths = np.full(d.size, bb, dtype=U64)
+    so, do, ln = _coalesce(s, d * bb, lengths)
+    _freeze(so, do, ln, *tensors)
+    return Plan(tensors[0], tensors[1], so, do, ln)
+
+
+def check_source_spans(
+    offsets: np.ndarray, lengths: np.ndarray, limit: int
+) -> None:
+    """Owner side: every span ``[offset, offset+length)`` must lie inside ``[0, limit)``.
+
+    Overflow-safe: compared as ``offset <= limit - length`` on uint64 after checking
+    ``length <= limit``.
+    """
+    if offsets.shape != lengths.shape:
+        raise InvalidArgument("span arrays differ in length")
+    if not len(lengths):
+        return
+    lim = np.uint64(limit)
+    if bool((lengths > lim).any()) or bool((offsets > lim - lengths).any()):
+        bad = int(np.argmax((lengths > lim) | (offsets > lim - np.minimum(lengths, lim))))
+        raise InvalidArgument(
+            f"span [{int(offsets[bad])}, +{int(lengths[bad])}) lies outside the "
+            f"{limit} bytes registered"
+        )

@@ -1,0 +1,156 @@
+"""Links: our connections to remote clusters, and which data path each uses.
+
+A :class:`Link` is the client end of one one-sided link (``link_clusters``): a control
+channel to the peer's listener, what the handshake told us about the peer, and the data path
+chosen for it. Transfers on one link are serialised by its lock, as in LLM-DataDist; a caller
+that cannot get the lock before its deadline gets LLM_TIMEOUT.
+
+Path choice (``choose_path``): forced by the ``transport`` option or ``DATADIST_TRANSPORT``,
+else same-host peers (same boot id and pid namespace, not the IP address) use cross-memory
+attach and everything else TCP. If the kernel refuses cross-memory attach, the link falls back
+to TCP by itself and logs why, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from datadist.core.errors import BrokenLink, Busy, DatadistError, LinkFailed, Timeout
+from datadist.transport.base import PathKind
+from datadist.transport.paths import CmaPath, CmaRefused, TcpPath
+from datadist.transport.tcp import Channel
+from datadist.wire import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+def _read_boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
+    except OSError:  # pragma: no cover - not Linux
+        return b"\0" * 16
+
+
+def _read_pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # pragma: no cover
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class HostIdentity:
+    """What makes two processes 'on the same host' for memory access."""
+
+    boot_id: bytes
+    pid_ns: int
+    pid: int
+
+    @classmethod
+    def current(cls) -> HostIdentity:
+        return cls(_read_boot_id(), _read_pid_ns(), os.getpid())
+
+    def same_host(self, boot_id: bytes, pid_ns: int) -> bool:
+        return self.boot_id == boot_id and self.pid_ns == pid_ns and any(self.boot_id)
+
+
+def forced_path(option: str | None) -> PathKind:
+    """The path the user forces: the option wins over ``DATADIST_TRANSPORT``."""
+    raw = option or os.environ.get("DATADIST_TRANSPORT", "") or "auto"
+    try:
+        return PathKind(raw.strip().lower())
+    except ValueError:
+        from datadist.core.errors import InvalidArgument
+
+        raise InvalidArgument(
+            f"unknown transport {raw!r}; use one of {[k.value for k in PathKind]}"
+        ) from None
+
+
+@dataclass(eq=False)
+class Link:
+    cluster_id: int
+    host: str
+    port: int
+    chan: Channel
+    welcome: p.Welcome
+    path: TcpPath | CmaPath
+    reason: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    broken: str = ""
+
+    def __repr__(self) -> str:
+        state = f"broken: {self.broken}" if self.broken else "up"
+        return (
+            f"<Link cluster={self.cluster_id} {self.host}:{self.port} "
+            f"path={self.path.caps.name} ({self.reason}) {state}>"
+        )
+
+    @property
+    def path_name(self) -> str:
+        return self.path.caps.name
+
+    def acquire(self, deadline: float) -> None:
+        """Take the link for one transfer, or Busy/Timeout by the deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0 or not self.lock.acquire(timeout=left):
+            raise Timeout(f"link to cluster {self.cluster_id} stayed busy until the deadline")
+
+    def reconnect(self, hello: p.Hello, deadline: float) -> None:
+        """After a timeout broke the channel, open a fresh one (same peer, checked)."""
+        chan = Channel.connect(self.host, self.port, deadline)
+        try:
+            welcome = chan.call(hello, deadline)
+        except DatadistError:
+            chan.close()
+            raise
+        if not isinstance(welcome, p.Welcome) or welcome.cluster_id != self.cluster_id:
+            chan.close()
+            raise LinkFailed(f"peer at {self.host}:{self.port} is no longer cluster "
+                             f"{self.cluster_id}")
+        self.chan, self.welcome, self.broken = chan, welcome, ""
+
+    def run(self, hello: p.Hello, deadline: float, op):  # type: ignore[no-untyped-def]
+        """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke
+        and falling back from CMA to TCP when the kernel refuses."""
+        self.acquire(deadline)
+        try:
+            if self.chan.closed:
+                try:
+                    self.reconnect(hello, deadline)
+                except LinkFailed as e:
+                    raise BrokenLink(f"link to cluster {self.cluster_id} is down: {e}") from e
+            try:
+                return op(self.path, self.chan)
+            except CmaRefused as e:
+                log.warning(
+                    "cross-memory attach to pid %d refused (%s); link to cluster %d falls "
+                    "back to tcp", self.welcome.pid, e, self.cluster_id,
+                )
+                self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
+                return op(self.path, self.chan)
+        finally:
+            self.lock.release()
+
+
+def choose_path(
+    forced: PathKind, me: HostIdentity, welcome: p.Welcome
+) -> tuple[TcpPath | CmaPath, str]:
+    same = me.same_host(welcome.boot_id, welcome.pid_ns)
+    if forced == PathKind.TCP:
+        return TcpPath(), "forced tcp"
+    if forced in (PathKind.CMA, PathKind.SHM):
+        if not same:
+            return TcpPath(), f"{forced.value} forced but the peer is on another host"
+        return CmaPath(welcome.pid), f"forced {forced.value}"
+    if same:
+        return CmaPath(welcome.pid), "same host (boot id and pid namespace match)"
+    return TcpPath(), "peer on another host"
+
+
+__all__ = ["Busy", "HostIdentity", "Link", "choose_path", "forced_path"]

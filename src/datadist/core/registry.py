@@ -1,0 +1,363 @@
+"""The registry: local caches, the keys peers address them by, and their lifetimes.
+
+Theory of operation
+-------------------
+Every cache (registered user memory or pool-allocated) is a :class:`CacheEntry` with a
+process-unique ``cache_id`` counted from 1. Peers name a cache in one of three ways, and this
+module resolves each to ``(entry, source unit)``:
+
+* ``CacheKey``: ``(req_id, model_id)`` or ``(prefix_id, model_id)`` -> a batch slot;
+* ``CacheKeyByIdAndIndex``: ``cache_id`` and a batch index;
+* ``BlocksCacheKey``: ``model_id`` -> the blocks cache last registered under it.
+
+Lifetime rules (LLM-DataDist's, made safe):
+
+1. A pool-allocated cache is held by its cache_id and by each bound key. ``deallocate``
+   drops the id; the memory returns to the pool when no key and no lease holds it.
+2. A successful read through a req_id key of a pool-allocated cache *consumes* the key once
+   every tensor of the cache has been read (layer-wise reads add up). Prefix keys and keys on
+   registered (user) memory are never consumed.
+3. A read or write holds a *lease* on the entry from the owner's check until the bytes have
+   moved. Memory is never returned to a pool, nor an unregister allowed to finish, while a
+   lease is live: a peer can never read memory that was freed or reused.
+4. Every span a peer asks for is checked here against the entry's tensors (``open``); the
+   transport moves only what ``open`` returned.
+
+Thread-safe: one lock guards all maps; waiting for leases uses a condition on that lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from datadist.core.errors import (
+    CacheNotFound,
+    InvalidArgument,
+    Timeout,
+)
+from datadist.core.layout import U64, Geometry, check_source_spans
+from datadist.wire.protocol import KeyKind, KeyRef
+
+UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class KeyId:
+    """A local key: a req_id or a prefix_id, within a model_id. Cluster ids are not part."""
+
+    value: int
+    model_id: int
+    is_prefix: bool = False
+
+
+@dataclass(eq=False)
+class KeyBinding:
+    entry: CacheEntry
+    slot: int
+    pulled: np.ndarray  # bool per tensor, for consumption
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    cache_id: int
+    geometry: Geometry
+    addrs: np.ndarray  # uint64, base address of each tensor
+    owned: bool  # allocated from a pool (True) or registered user memory (False)
+    placement: int = 0
+    remote_accessible: bool = True
+    free: Callable[[], None] | None = None  # returns pool memory
+    keys: set[KeyId] = field(default_factory=set)
+    blocks_model_id: int | None = None
+    leases: int = 0
+    id_held: bool = True
+    released: bool = False
+    shm: tuple[int, int, int] | None = None  # (pid-visible fd, offset, pool size) if shareable
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        kind = "blocks" if g.is_blocks else "cache"
+        return (
+            f"<CacheEntry {kind} id={self.cache_id} tensors={g.num_tensors} "
+            f"units={g.units} unit_bytes={g.unit_bytes} owned={self.owned} "
+            f"keys={len(self.keys)} leases={self.leases}>"
+        )
+
+
+@dataclass(eq=False)
+class Lease:
+    """What an owner granted for one read or write: absolute bases per requested tensor."""
+
+    entry: CacheEntry
+    bases: np.ndarray  # uint64 per requested tensor (tensor base + unit base)
+    tensors: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    binding: KeyBinding | None
+    key: KeyId | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum()) * len(self.tensors)
+
+    def iov(self) -> tuple[np.ndarray, np.ndarray]:
+        from datadist.core.layout import span_iov
+
+        return span_iov(self.bases, self.offsets, self.lengths)
+
+
+def key_id(req_id: int, prefix_id: int, model_id: int) -> KeyId | None:
+    """The local key for a CacheKey's fields; None for the padding key (both unset)."""
+    if req_id != UINT64_MAX:
+        return KeyId(req_id, model_id, False)
+    if prefix_id != UINT64_MAX:
+        return KeyId(prefix_id, model_id, True)
+    return None
+
+
+class Registry:
+    """All local caches and keys of one engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._ids = itertools.count(1)
+        self._by_id: dict[int, CacheEntry] = {}
+        self._keys: dict[KeyId, KeyBinding] = {}
+        self._blocks: dict[int, CacheEntry] = {}
+
+    # ---------------------------------------------------------------- adding and removing
+
+    def add(
+        self,
+        geometry: Geometry,
+        addrs: list[int] | np.ndarray,
+        *,
+        owned: bool,
+        placement: int = 0,
+        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        blocks_model_id: int | None = None,
+        remote_accessible: bool = True,
+        free: Callable[[], None] | None = None,
+        shm: tuple[int, int, int] | None = None,
+    ) -> CacheEntry:
+        """Create an entry and bind its keys (key i -> slot i). Atomic: all or nothing."""
+        addr_arr = np.asarray(addrs, dtype=U64)
+        if len(addr_arr) != geometry.num_tensors:
+            raise InvalidArgument(
+                f"{len(addr_arr)} addresses given for {geometry.num_tensors} tensors"
+            )
+        keys = list(keys)
+        if len(keys) > geometry.units:
+            raise InvalidArgument(
+                f"{len(keys)} cache keys for a batch of {geometry.units}"
+            )
+        real = [k for k in keys if k is not None]
+        if len(set(real)) != len(real):
+            raise InvalidArgument("duplicate cache keys")
+        with self._lock:
+            for k in real:
+                if k in self._keys:
+                    raise InvalidArgument(f"cache key {k} is already bound")
+            entry = CacheEntry(
+                next(self._ids),
+                geometry,
+                addr_arr,
+                owned,
+                placement,
+                remote_accessible,
+                free,
+                blocks_model_id=blocks_model_id,
+                shm=shm,
+            )
+            self._by_id[entry.cache_id] = entry
+            for slot, k in enumerate(keys):
+                if k is not None:
+                    self._keys[k] = KeyBinding(entry, slot, np.zeros(geometry.num_tensors, bool))
+                    entry.keys.add(k)
+            if blocks_model_id is not None:
+                self._blocks[blocks_model_id] = entry  # last writer wins
+            return entry
+
+    def get(self, cache_id: int) -> CacheEntry:
+        with self._lock:
+            entry = self._by_id.get(cache_id)
+        if entry is None:
+            raise CacheNotFound(f"cache {cache_id} does not exist")
+        return entry
+
+    def entries(self) -> list[CacheEntry]:
+        with self._lock:
+            return list(self._by_id.values())
+
+    def _unbind_all(self, entry: CacheEntry) -> None:
+        for k in entry.keys:
+            self._keys.pop(k, None)
+        entry.keys.clear()
+        if entry.blocks_model_id is not None and self._blocks.get(entry.blocks_model_id) is entry:
+            del self._blocks[entry.blocks_model_id]
+
+    def _maybe_release(self, entry: CacheEntry) -> None:
+        """Give the memory back once nothing holds the entry. Lock held."""
+        if entry.released or entry.id_held or entry.keys or entry.leases:
+            return
+        entry.released = True
+        if entry.free is not None:
+            entry.free()
+        self._changed.notify_all()
+
+    def unregister(self, cache_id: int, wait: float = 30.0) -> None:
+        """Forget a registered cache and its keys; waits (bounded) for live leases.
+
+        Unknown ids are a no-op. Returns once no peer can touch the memory any more.
+        """
+        deadline = time.monotonic() + wait
+        with self._lock:
+            entry = self._by_id.pop(cache_id, None)
+            if entry is None:
+                return
+            entry.id_held = False
+            self._unbind_all(entry)
+            while entry.leases:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(
+                        f"cache {cache_id} is still being transferred after {wait:.0f} s"
+                    )
+                self._changed.wait(left)
+            self._maybe_release(entry)
+
+    def deallocate(self, cache_id: int, *, drop_keys: bool = False) -> None:
+        """Drop the cache_id reference of a pool cache (and its keys, for blocks caches).
+
+        The memory goes back to the pool when no key or lease holds it any more. Unknown ids
+        and registered caches are a no-op.
+        """
+        with self._lock:
+            entry = self._by_id.get(cache_id)
+            if entry is None or not entry.owned:
+                return
+            del self._by_id[cache_id]
+            entry.id_held = False
+            if drop_keys:
+                self._unbind_all(entry)
+            self._maybe_release(entry)
+
+    def remove_key(self, key: KeyId) -> None:
+        """Unbind a key of a pool cache. Unknown keys and keys on user memory: no-op."""
+        with self._lock:
+            binding = self._keys.get(key)
+            if binding is None or not binding.entry.owned:
+                return
+            del self._keys[key]
+            binding.entry.keys.discard(key)
+            self._maybe_release(binding.entry)
+
+    def clear(self) -> list[CacheEntry]:
+        """Drop everything (finalize). Returns the entries whose memory the caller frees."""
+        with self._lock:
+            entries = list(self._by_id.values())
+            self._by_id.clear()
+            self._keys.clear()
+            self._blocks.clear()
+            return entries
+
+    # ---------------------------------------------------------------- leases
+
+    def hold(self, cache_id: int) -> CacheEntry:
+        """Lease a local cache for the duration of a local transfer (pull destination)."""
+        with self._lock:
+            entry = self._by_id.get(cache_id)
+            if entry is None:
+                raise CacheNotFound(f"cache {cache_id} does not exist")
+            entry.leases += 1
+            return entry
+
+    def unhold(self, entry: CacheEntry) -> None:
+        with self._lock:
+            entry.leases -= 1
+            self._maybe_release(entry)
+
+    def open(
+        self,
+        key: KeyRef,
+        unit_bytes: int,
+        tensors: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+    ) -> Lease:
+        """Owner side of a peer's read or write: resolve, bounds-check, lease.
+
+        Raises CacheNotFound for an unknown key or cache, InvalidArgument for anything that
+        does not fit the cache (tensor index, span, block size, batch index).
+        """
+        with self._lock:
+            binding: KeyBinding | None = None
+            kid: KeyId | None = None
+            if key.kind == KeyKind.CACHE_KEY:
+                kid = key_id(key.a, key.c, key.b)
+                binding = self._keys.get(kid) if kid is not None else None
+                if binding is None:
+                    raise CacheNotFound(
+                        f"no cache bound to req_id={key.a} prefix_id={key.c} model_id={key.b}"
+                    )
+                entry, slot = binding.entry, binding.slot
+            elif key.kind == KeyKind.CACHE_ID:
+                found = self._by_id.get(key.a)
+                if found is None:
+                    raise CacheNotFound(f"cache {key.a} does not exist")
+                entry, slot = found, key.b
+            else:
+                found = self._blocks.get(key.b)
+                if found is None:
+                    raise CacheNotFound(f"no blocks cache registered for model_id={key.b}")
+                entry, slot = found, -1
+            if not entry.remote_accessible:
+                raise InvalidArgument(f"cache {entry.cache_id} is not remote accessible")
+            g = entry.geometry
+            if len(tensors) and int(tensors.max()) >= g.num_tensors:
+                raise InvalidArgument(
+                    f"tensor {int(tensors.max())} out of range: cache {entry.cache_id} "
+                    f"has {g.num_tensors}"
+                )
+            if slot < 0:
+                if unit_bytes and unit_bytes != g.unit_bytes:
+                    raise InvalidArgument(
+                        f"block size mismatch: requester assumed {unit_bytes} bytes, "
+                        f"cache {entry.cache_id} has {g.unit_bytes}"
+                    )
+                base, limit = 0, g.tensor_bytes
+            else:
+                if slot >= g.units:
+                    raise InvalidArgument(
+                        f"batch index {slot} out of range: cache {entry.cache_id} "
+                        f"has {g.units}"
+                    )
+                # A slot read may run past the slot into the following ones (a contiguous
+                # source split into blocks reads the whole tensor from slot 0), never past
+                # the tensor.
+                base, limit = slot * g.unit_bytes, g.tensor_bytes - slot * g.unit_bytes
+            check_source_spans(offsets, lengths, limit)
+            bases = entry.addrs[tensors] + np.uint64(base)
+            entry.leases += 1
+            return Lease(entry, bases, tensors, offsets, lengths, binding, kid)
+
+    def close(self, lease: Lease, ok: bool, *, consume: bool = True) -> None:
+        """End a lease. A successful read may consume the req_id key it came through."""
+        with self._lock:
+            entry = lease.entry
+            entry.leases -= 1
+            b = lease.binding
+            if ok and consume and b is not None and lease.key is not None:
+                if entry.owned and not lease.key.is_prefix and lease.key in entry.keys:
+                    b.pulled[lease.tensors] = True
+                    if b.pulled.all():
+                        self._keys.pop(lease.key, None)
+                        entry.keys.discard(lease.key)
+            self._maybe_release(entry)
+            self._changed.notify_all()

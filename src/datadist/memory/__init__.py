@@ -1,0 +1,1 @@
+"""Memory that datadist allocates, and adapters for the memory users bring."""

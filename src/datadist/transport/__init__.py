@@ -1,0 +1,1 @@
+"""Data paths: tcp between hosts, cross-memory attach on one host."""

@@ -1,0 +1,89 @@
+"""The interfaces between the engine and the transports.
+
+The engine (core) implements :class:`RequestHandler`; transports call it from their serving
+threads. Transports implement :class:`DataPath` for the client side of a transfer. Nothing
+here imports core.engine or the api.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from datadist.wire.protocol import Hello, Read, Welcome, Write
+
+
+class PathKind(str, enum.Enum):
+    """Data paths by name, as users force them (``DATADIST_TRANSPORT``)."""
+
+    AUTO = "auto"
+    TCP = "tcp"
+    CMA = "cma"
+    SHM = "shm"
+
+
+@dataclass(frozen=True, slots=True)
+class TransportCaps:
+    """What a data path can do, as data (never probed with hasattr)."""
+
+    name: str
+    same_host_only: bool
+    one_sided: bool
+    host_memory: bool = True
+    device_memory: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """Who is on the other end of a connection, from the handshake."""
+
+    cluster_id: int
+    role: int
+    pid: int
+    pid_ns: int
+    boot_id: bytes
+    address: str
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.cluster_id, self.address)
+
+
+class LeaseLike(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+    def iov(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class RequestHandler(Protocol):
+    """The owner side of the protocol, implemented by the engine.
+
+    Called from a transport's serving thread, one thread per connection; every method must
+    be thread-safe and must not block for long (none does I/O).
+    """
+
+    def on_hello(self, hello: Hello, address: str) -> Welcome:
+        """Accept (return our Welcome) or refuse (raise DatadistError) a new peer."""
+        ...
+
+    def open_read(self, peer: PeerInfo, msg: Read) -> LeaseLike:
+        """Resolve and bounds-check a read; the lease pins the memory until close_read."""
+        ...
+
+    def close_read(self, lease: LeaseLike, ok: bool) -> None: ...
+
+    def open_write(self, peer: PeerInfo, msg: Write) -> LeaseLike: ...
+
+    def close_write(self, lease: LeaseLike, ok: bool) -> None: ...
+
+    def on_bye(self, peer: PeerInfo) -> None:
+        """The peer unlinked politely."""
+        ...
+
+    def on_disconnect(self, peer: PeerInfo) -> None:
+        """The connection ended, for whatever reason."""
+        ...

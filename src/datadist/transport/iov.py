@@ -1,0 +1,169 @@
+"""Scatter-gather system calls over numpy-built iovec arrays.
+
+Who calls: the tcp and cma data paths. Nothing here loops in Python per span: an iovec array
+is an ``(n, 2)`` uint64 numpy array (``struct iovec`` is two 64-bit words on 64-bit Linux),
+handed to ``readv``/``writev``/``process_vm_readv``/``process_vm_writev`` through ctypes in
+batches of ``IOV_MAX``. A partial transfer advances the array in place with one
+``searchsorted`` over the batch.
+
+Every function that waits takes an absolute ``deadline`` (``time.monotonic()`` seconds) and
+raises :class:`Timeout` past it. Socket errors become :class:`BrokenLink`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import select
+import time
+
+import numpy as np
+
+from datadist.core.errors import BrokenLink, DatadistError, Timeout
+
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+U64 = np.dtype("<u8")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_c_ssize = ctypes.c_ssize_t
+for _name in ("readv", "writev"):
+    _fn = getattr(_libc, _name)
+    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    _fn.restype = _c_ssize
+for _name in ("process_vm_readv", "process_vm_writev"):
+    _fn = getattr(_libc, _name)
+    _fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    _fn.restype = _c_ssize
+_libc.memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_libc.memmove.restype = ctypes.c_void_p
+
+
+class CmaRefused(DatadistError):
+    """The kernel refused cross-memory attach (EPERM, ENOSYS, ESRCH): use another path."""
+
+
+def make_iov(bases: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """An ``(n, 2)`` uint64 iovec array, zero-length spans dropped."""
+    iov = np.empty((len(bases), 2), dtype=U64)
+    iov[:, 0] = bases
+    iov[:, 1] = lengths
+    if len(iov) and not iov[:, 1].all():
+        iov = iov[iov[:, 1] != 0]
+    return iov
+
+
+def iov_nbytes(iov: np.ndarray) -> int:
+    return int(iov[:, 1].sum()) if len(iov) else 0
+
+
+def _advance(iov: np.ndarray, done: int) -> np.ndarray:
+    """Drop ``done`` bytes from the front of ``iov``; returns the rest (a view, edited)."""
+    if done == 0:
+        return iov
+    batch = iov[:IOV_MAX]
+    ends = np.cumsum(batch[:, 1])
+    k = int(np.searchsorted(ends, done, side="right"))
+    rest = iov[k:]
+    if k < len(batch) and k < len(iov):
+        consumed = done - (int(ends[k - 1]) if k else 0)
+        if consumed:
+            rest = rest.copy() if not rest.flags.writeable else rest
+            rest[0, 0] += consumed
+            rest[0, 1] -= consumed
+    return rest
+
+
+def _wait(fd: int, events: int, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Timeout("transfer deadline passed")
+    p = select.poll()
+    p.register(fd, events | select.POLLERR | select.POLLHUP)
+    ready = p.poll(left * 1000.0)
+    if not ready:
+        raise Timeout("transfer deadline passed")
+
+
+def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int) -> None:
+    """Loop ``readv``/``writev`` on a non-blocking socket until ``iov`` is done."""
+    iov = np.array(iov, dtype=U64, copy=True)  # we edit it in place as we go
+    while len(iov):
+        batch = iov[:IOV_MAX]
+        n = call(fd, batch.ctypes.data, len(batch))
+        if n < 0:
+            err = ctypes.get_errno()
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+                _wait(fd, events, deadline)
+                continue
+            raise BrokenLink(f"socket error: {os.strerror(err)}")
+        if n == 0:
+            if call is _libc.readv:
+                raise BrokenLink("peer closed the connection mid-transfer")
+            _wait(fd, events, deadline)
+            continue
+        iov = _advance(iov, n)
+
+
+def sock_readv(fd: int, iov: np.ndarray, deadline: float) -> None:
+    """Receive exactly ``iov_nbytes(iov)`` bytes from a non-blocking socket into memory."""
+    _sock_iov(_libc.readv, fd, iov, deadline, select.POLLIN)
+
+
+def sock_writev(fd: int, iov: np.ndarray, deadline: float) -> None:
+    """Send the bytes the iovecs name, from memory, on a non-blocking socket."""
+    _sock_iov(_libc.writev, fd, iov, deadline, select.POLLOUT)
+
+
+def _vm_call(call, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+    """One batch pair; returns bytes moved or raises with errno."""
+    n = call(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+    if n < 0:
+        err = ctypes.get_errno()
+        if err in (errno.EPERM, errno.ENOSYS, errno.ESRCH, errno.EACCES):
+            raise CmaRefused(f"process_vm_* refused: {os.strerror(err)}")
+        raise BrokenLink(f"cross-memory copy failed: {os.strerror(err)}")
+    return n
+
+
+def vm_copy(pid: int, local: np.ndarray, remote: np.ndarray, *, write: bool = False) -> None:
+    """Copy between our memory and process ``pid``'s, span by span (pairs of equal length).
+
+    ``local`` and ``remote`` are iovec arrays of the same span lengths. A short copy (the
+    remote mapping went away) raises BrokenLink.
+    """
+    call = _libc.process_vm_writev if write else _libc.process_vm_readv
+    total = len(local)
+    for start in range(0, total, IOV_MAX):
+        lb = np.ascontiguousarray(local[start : start + IOV_MAX])
+        rb = np.ascontiguousarray(remote[start : start + IOV_MAX])
+        want = int(lb[:, 1].sum())
+        got = _vm_call(call, pid, lb, rb)
+        if got != want:
+            # A partial copy: retry the rest once (the kernel may stop at a page boundary
+            # under memory pressure); a second short copy is a fault.
+            lb2, rb2 = _advance(lb.copy(), got), _advance(rb.copy(), got)
+            got2 = _vm_call(call, pid, lb2, rb2)
+            if got2 != want - got:
+                raise BrokenLink(f"cross-memory copy moved {got + got2} of {want} bytes")
+
+
+def memmove(dst: int, src: int, nbytes: int) -> None:
+    _libc.memmove(dst, src, nbytes)
+
+
+def local_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy within this process between iovec arrays of equal span lengths.
+
+    Used for same-process and mapped-shared-memory copies. One ``memmove`` per span: callers
+    coalesce first, so a span is a run of blocks, not a block.
+    """
+    for (d, n), (s, _) in zip(dst.tolist(), src.tolist()):
+        _libc.memmove(d, s, n)

@@ -1,0 +1,377 @@
+"""TCP: the control channel of every link, and the data path between hosts.
+
+Who calls: the engine. ``TcpListener`` serves peers (one thread per connection, calling the
+engine's :class:`RequestHandler`); ``Channel`` is one connection, used by the client side of a
+link with a per-call deadline. Sockets are non-blocking; every wait is a ``poll`` bounded by the
+caller's deadline, so nothing here can hang past it.
+
+Bulk bytes never pass through Python buffers: the owner ``writev``s straight from registered
+memory, the puller ``readv``s straight into the destination (see ``transport.iov``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+
+import numpy as np
+
+from datadist.core.errors import (
+    BrokenLink,
+    DatadistError,
+    InvalidArgument,
+    LinkFailed,
+    ProtocolError,
+    RemoteProtocolError,
+    Timeout,
+    error_for_code,
+)
+from datadist.transport.base import PeerInfo, RequestHandler
+from datadist.transport.iov import make_iov, sock_readv, sock_writev
+from datadist.wire import protocol as p
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0  # seconds the server waits for a new connection's Hello
+SERVE_SEND_TIMEOUT = 120.0  # the owner gives up on a reader that stops reading
+SOCKET_BUFFER = 4 << 20
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:  # pragma: no cover - capped by the kernel, harmless
+            pass
+    sock.setblocking(False)
+
+
+class Channel:
+    """One framed connection. Not thread-safe: its owner serialises calls (a link lock).
+
+    Every call takes an absolute ``deadline`` (``time.monotonic()``); past it, Timeout.
+    After any error the channel is closed: a half-read stream cannot be resynchronised.
+    """
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock = sock
+        self.address = address
+        self.fd = sock.fileno()
+        self._rid = itertools.count(1)
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.address} {'closed' if self.closed else 'open'}>"
+
+    @classmethod
+    def connect(cls, host: str, port: int, deadline: float) -> Channel:
+        """Open a TCP connection within the deadline. Raises LinkFailed or Timeout."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Timeout(f"no time left to connect to {host}:{port}")
+        try:
+            sock = socket.create_connection((host, port), timeout=left)
+        except TimeoutError:
+            raise Timeout(f"connecting to {host}:{port} timed out") from None
+        except OSError as e:
+            raise LinkFailed(f"cannot connect to {host}:{port}: {e.strerror or e}") from e
+        _tune(sock)
+        return cls(sock, f"{host}:{port}")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+
+    def _guard(self) -> None:
+        if self.closed:
+            raise BrokenLink(f"connection to {self.address} is closed")
+
+    # ------------------------------------------------------------------ framing
+
+    def send(self, msg: p.Message, deadline: float, request_id: int = 0) -> None:
+        self._guard()
+        frame = p.encode(msg, request_id)
+        self.send_raw(np.frombuffer(frame, dtype=np.uint8), deadline)
+
+    def send_raw(self, buf: np.ndarray, deadline: float) -> None:
+        iov = make_iov(np.array([buf.ctypes.data], dtype=np.uint64),
+                       np.array([buf.nbytes], dtype=np.uint64))
+        self._io(sock_writev, iov, deadline)
+
+    def recv_exact(self, n: int, deadline: float) -> bytearray:
+        buf = bytearray(n)
+        if n:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+            iov = make_iov(np.array([arr.ctypes.data], dtype=np.uint64),
+                           np.array([n], dtype=np.uint64))
+            self._io(sock_readv, iov, deadline)
+        return buf
+
+    def recv(self, deadline: float) -> tuple[int, p.Message]:
+        """Receive one frame. Raw bytes that follow ReadData/Write are left on the socket."""
+        self._guard()
+        head = p.decode_header(bytes(self.recv_exact(p.HEADER_SIZE, deadline)))
+        payload = self.recv_exact(head.length, deadline)
+        return head.request_id, p.decode_payload(head.type, payload)
+
+    def send_iov(self, iov: np.ndarray, deadline: float) -> None:
+        self._guard()
+        self._io(sock_writev, iov, deadline)
+
+    def recv_iov(self, iov: np.ndarray, deadline: float) -> None:
+        self._guard()
+        self._io(sock_readv, iov, deadline)
+
+    def _io(self, fn, iov: np.ndarray, deadline: float) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn(self.fd, iov, deadline)
+        except (Timeout, BrokenLink):
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ client calls
+
+    def call(self, msg: p.Message, deadline: float) -> p.Message:
+        """Send a request and return its answer frame; an Error frame raises its error."""
+        rid = next(self._rid) & 0xFFFFFFFF
+        self.send(msg, deadline, rid)
+        while True:
+            try:
+                got_rid, reply = self.recv(deadline)
+            except ProtocolError:
+                self.close()
+                raise
+            if got_rid != rid:
+                self.close()
+                raise RemoteProtocolError(f"answer to request {got_rid}, expected {rid}")
+            if isinstance(reply, p.Error):
+                raise error_for_code(reply.code, reply.message)
+            return reply
+
+
+# ---------------------------------------------------------------------------------- serving
+
+
+class TcpListener:
+    """Accepts peers and serves each connection on its own thread.
+
+    ``start`` binds (port 0 picks a free port; ``port`` tells which) and returns at once.
+    ``close`` stops accepting, closes every connection and joins the threads (bounded).
+    """
+
+    def __init__(self, host: str, port: int, handler: RequestHandler) -> None:
+        self.handler = handler
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise LinkFailed(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        self._sock.listen(128)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._closing = threading.Event()
+        self._conns: set[Channel] = set()
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"datadist-listen-{self.port}", daemon=True
+        )
+
+    def __repr__(self) -> str:
+        return f"<TcpListener {self.host}:{self.port} conns={len(self._conns)}>"
+
+    def start(self) -> TcpListener:
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+            threads = list(self._threads)
+        for c in conns:
+            c.close()
+        deadline = time.monotonic() + timeout
+        for t in [self._thread, *threads]:
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+
+    def _accept_loop(self) -> None:
+        while not self._closing.is_set():
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                if self._closing.is_set():
+                    return
+                time.sleep(0.01)
+                continue
+            _tune(sock)
+            chan = Channel(sock, f"{addr[0]}:{addr[1]}")
+            t = threading.Thread(
+                target=self._serve, args=(chan,), name=f"datadist-serve-{addr[1]}", daemon=True
+            )
+            with self._lock:
+                if self._closing.is_set():
+                    chan.close()
+                    return
+                self._conns.add(chan)
+                self._threads.add(t)
+            t.start()
+
+    def _serve(self, chan: Channel) -> None:
+        try:
+            ServerConnection(chan, self.handler, self._closing).run()
+        finally:
+            chan.close()
+            with self._lock:
+                self._conns.discard(chan)
+                self._threads.discard(threading.current_thread())
+
+
+class ServerConnection:
+    """The owner's side of one connection: handshake, then requests until the peer leaves."""
+
+    _lease_ids = itertools.count(1)
+
+    def __init__(self, chan: Channel, handler: RequestHandler, closing: threading.Event) -> None:
+        self.chan = chan
+        self.handler = handler
+        self.closing = closing
+        self.peer: PeerInfo | None = None
+        self.leases: dict[int, object] = {}
+
+    def _wait_request(self) -> tuple[int, p.Message] | None:
+        """Next frame, waiting as long as the connection lives (woken by close)."""
+        while not self.closing.is_set():
+            try:
+                return self.chan.recv(time.monotonic() + 3600.0)
+            except Timeout:
+                continue
+        return None
+
+    def run(self) -> None:
+        try:
+            self._handshake()
+            while True:
+                got = self._wait_request()
+                if got is None:
+                    return
+                rid, msg = got
+                if not self._dispatch(rid, msg):
+                    return
+        except (BrokenLink, Timeout):
+            pass  # the peer went away or stalled: nothing to answer
+        except RemoteProtocolError as e:
+            log.warning("closing connection from %s: %s", self.chan.address, e)
+            self._try_send(p.Error(e.code, str(e)))
+        finally:
+            for lease in self.leases.values():
+                self.handler.close_read(lease, False)  # type: ignore[arg-type]
+            self.leases.clear()
+            if self.peer is not None:
+                self.handler.on_disconnect(self.peer)
+
+    def _try_send(self, msg: p.Message, rid: int = 0) -> None:
+        try:
+            self.chan.send(msg, time.monotonic() + 1.0, rid)
+        except DatadistError:
+            pass
+
+    def _handshake(self) -> None:
+        rid, hello = self.chan.recv(time.monotonic() + HANDSHAKE_TIMEOUT)
+        if not isinstance(hello, p.Hello):
+            raise RemoteProtocolError(f"expected Hello, got {type(hello).__name__}")
+        try:
+            welcome = self.handler.on_hello(hello, self.chan.address)
+        except DatadistError as e:
+            self._try_send(p.Error(int(e.code), str(e)), rid)
+            raise BrokenLink("peer refused") from e
+        self.chan.send(welcome, time.monotonic() + HANDSHAKE_TIMEOUT, rid)
+        self.peer = PeerInfo(
+            hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
+            self.chan.address,
+        )
+
+    def _dispatch(self, rid: int, msg: p.Message) -> bool:
+        """Handle one request; False ends the connection."""
+        assert self.peer is not None
+        deadline = time.monotonic() + SERVE_SEND_TIMEOUT
+        if isinstance(msg, p.Read):
+            try:
+                lease = self.handler.open_read(self.peer, msg)
+            except DatadistError as e:
+                self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
+                return True
+            if msg.flags & p.ReadFlags.GRANT:
+                lease_id = next(self._lease_ids)
+                self.leases[lease_id] = lease
+                bases = lease.bases  # type: ignore[attr-defined]
+                self.chan.send(p.Grant(lease_id, bases), deadline, rid)
+                return True
+            ok = False
+            try:
+                self.chan.send(p.ReadData(lease.nbytes), deadline, rid)
+                self.chan.send_iov(make_iov(*lease.iov()), deadline)
+                ok = True
+            finally:
+                self.handler.close_read(lease, ok)
+            return True
+        if isinstance(msg, p.Release):
+            lease = self.leases.pop(msg.lease_id, None)
+            if lease is not None:
+                self.handler.close_read(lease, msg.ok)  # type: ignore[arg-type]
+            return True
+        if isinstance(msg, p.Write):
+            return self._write(rid, msg, deadline)
+        if isinstance(msg, p.Ping):
+            self.chan.send(p.Pong(msg.nonce), deadline, rid)
+            return True
+        if isinstance(msg, p.Bye):
+            self.handler.on_bye(self.peer)
+            self._try_send(p.Ok(), rid)
+            return False
+        raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")
+
+    def _write(self, rid: int, msg: p.Write, deadline: float) -> bool:
+        """Push, in two steps: the owner checks the destination spans and answers Ok (send)
+        or Error (nothing is sent, the connection stays usable); then the raw bytes land
+        straight in the destination and a final Ok confirms them."""
+        try:
+            lease = self.handler.open_write(self.peer, msg)  # type: ignore[arg-type]
+        except DatadistError as e:
+            self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
+            return True
+        ok = False
+        try:
+            self.chan.send(p.Ok(), deadline, rid)
+            self.chan.recv_iov(make_iov(*lease.iov()), deadline)
+            ok = True
+        finally:
+            self.handler.close_write(lease, ok)
+        self.chan.send(p.Ok(), deadline, rid)
+        return True
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """Split "ip:port" strictly (LLM-DataDist's format; no IPv6 literals)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"expected 'ip:port', got {text!r}")
+    return host, int(port)

@@ -1,0 +1,1 @@
+"""The peer protocol, sans-IO."""

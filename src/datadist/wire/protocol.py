@@ -1,0 +1,429 @@
+"""The datadist peer protocol, sans-IO: message types, framing, encoding and decoding.
+
+Theory of operation
+-------------------
+Peers talk over a byte stream (TCP). Every frame is a 12-byte header followed by a payload:
+
+    magic "DD" | version u8 | type u8 | request_id u32 | payload_length u32     (little endian)
+
+A few message types announce *raw bytes* that follow their frame (``ReadData``, ``Write``):
+the I/O layer moves those straight between the socket and registered memory, never through
+this module. Everything here is pure: bytes in, messages out, and the reverse. No sockets, no
+clocks, no threads. Docs: docs/protocol.md.
+
+Rules:
+
+1. The decoder trusts nothing. Lengths are checked against the payload before any slice is
+   taken, array counts against what remains, and the whole frame against ``MAX_PAYLOAD``.
+   Any violation raises :class:`RemoteProtocolError`; the caller closes that connection.
+2. A message's encoding is fixed by its type; there are no optional trailing fields. A new
+   field means a new protocol version, negotiated in ``Hello``/``Welcome``.
+3. Messages are frozen dataclasses. Arrays are numpy arrays of a fixed little-endian dtype,
+   decoded without a copy where the payload allows it (``np.frombuffer``).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+import numpy as np
+
+from datadist.core.errors import LocalProtocolError, RemoteProtocolError
+
+MAGIC = b"DD"
+VERSION = 1
+HEADER = struct.Struct("<2sBBII")
+HEADER_SIZE = HEADER.size
+MAX_PAYLOAD = 64 << 20
+
+U32 = np.dtype("<u4")
+U64 = np.dtype("<u8")
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    ERROR = 3
+    READ = 4
+    READ_DATA = 5
+    GRANT = 6
+    RELEASE = 7
+    PING = 8
+    PONG = 9
+    BYE = 10
+    WRITE = 11
+    OK = 12
+
+
+class KeyKind(enum.IntEnum):
+    """How a request names the remote cache."""
+
+    CACHE_KEY = 1  # a = req_id, b = model_id, c = prefix_id; source unit = the key's slot
+    CACHE_ID = 2  # a = cache_id, b = batch index; source unit = that slot
+    BLOCKS_KEY = 3  # b = model_id; offsets are absolute within each tensor
+
+
+class ReadFlags(enum.IntFlag):
+    NONE = 0
+    GRANT = 1  # same host: answer with addresses (a lease), not with the bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRef:
+    kind: KeyKind
+    a: int = 0
+    b: int = 0
+    c: int = 0
+
+    _S: ClassVar[struct.Struct] = struct.Struct("<BQQQ")
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First frame of a connection, client to server."""
+
+    cluster_id: int
+    role: int
+    pid: int
+    pid_ns: int
+    boot_id: bytes  # 16 bytes
+    features: int = 0
+    proof: bytes = b""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    _S: ClassVar[struct.Struct] = struct.Struct("<QBIQ16sI")
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The server's answer to Hello: who it is, and where."""
+
+    cluster_id: int
+    role: int
+    pid: int
+    pid_ns: int
+    boot_id: bytes
+    features: int = 0
+    proof: bytes = b""
+
+    TYPE: ClassVar[MsgType] = MsgType.WELCOME
+    _S: ClassVar[struct.Struct] = Hello._S
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    code: int
+    message: str
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    _S: ClassVar[struct.Struct] = struct.Struct("<q")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Read:
+    """Ask the owner for spans of one of its caches.
+
+    ``unit_bytes`` is the source unit size the requester assumed (its own block size for
+    block addressing); the owner refuses the request when its own differs. 0 means "any".
+    Spans: for every tensor in ``tensors``, for every ``(offset, length)``.
+    """
+
+    key: KeyRef
+    unit_bytes: int
+    flags: ReadFlags
+    tensors: np.ndarray  # uint32
+    offsets: np.ndarray  # uint64
+    lengths: np.ndarray  # uint64
+
+    TYPE: ClassVar[MsgType] = MsgType.READ
+    _S: ClassVar[struct.Struct] = struct.Struct("<QIII")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Write:
+    """Push: like Read, but ``nbytes`` raw bytes follow, to land in the owner's spans."""
+
+    key: KeyRef
+    unit_bytes: int
+    flags: int
+    tensors: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+
+    TYPE: ClassVar[MsgType] = MsgType.WRITE
+    _S: ClassVar[struct.Struct] = Read._S
+
+
+@dataclass(frozen=True, slots=True)
+class ReadData:
+    """The owner accepted a Read: exactly ``nbytes`` raw bytes follow this frame."""
+
+    nbytes: int
+
+    TYPE: ClassVar[MsgType] = MsgType.READ_DATA
+    _S: ClassVar[struct.Struct] = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Grant:
+    """Same-host answer to a Read: read these tensor bases yourself, then Release."""
+
+    lease_id: int
+    bases: np.ndarray  # uint64, absolute base of each requested tensor's source unit
+
+    TYPE: ClassVar[MsgType] = MsgType.GRANT
+    _S: ClassVar[struct.Struct] = struct.Struct("<QI")
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    lease_id: int
+    ok: bool
+
+    TYPE: ClassVar[MsgType] = MsgType.RELEASE
+    _S: ClassVar[struct.Struct] = struct.Struct("<QB")
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    nonce: int
+
+    TYPE: ClassVar[MsgType] = MsgType.PING
+    _S: ClassVar[struct.Struct] = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    nonce: int
+
+    TYPE: ClassVar[MsgType] = MsgType.PONG
+    _S: ClassVar[struct.Struct] = Ping._S
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """The client is unlinking; the server drops the link's state."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BYE
+
+
+@dataclass(frozen=True, slots=True)
+class Ok:
+    TYPE: ClassVar[MsgType] = MsgType.OK
+
+
+Message = Union[Hello, Welcome, Error, Read, Write, ReadData, Grant, Release, Ping, Pong, Bye, Ok]
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    type: MsgType
+    request_id: int
+    length: int
+
+
+# --------------------------------------------------------------------------------------------
+# encoding
+
+
+def _bytes_field(data: bytes) -> bytes:
+    if len(data) > 0xFFFF:
+        raise LocalProtocolError("byte field longer than 65535")
+    return struct.pack("<H", len(data)) + data
+
+
+def _array(arr: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(arr, dtype=dtype).tobytes()
+
+
+def encode_payload(msg: Message) -> bytes:
+    if isinstance(msg, (Hello, Welcome)):
+        if len(msg.boot_id) != 16:
+            raise LocalProtocolError("boot_id must be 16 bytes")
+        head = msg._S.pack(
+            msg.cluster_id, msg.role, msg.pid, msg.pid_ns, msg.boot_id, msg.features
+        )
+        return head + _bytes_field(msg.proof)
+    if isinstance(msg, Error):
+        return msg._S.pack(msg.code) + _bytes_field(msg.message.encode()[:4096])
+    if isinstance(msg, (Read, Write)):
+        if len(msg.offsets) != len(msg.lengths):
+            raise LocalProtocolError("offsets and lengths differ in length")
+        k = msg.key
+        return b"".join(
+            (
+                KeyRef._S.pack(k.kind, k.a, k.b, k.c),
+                msg._S.pack(msg.unit_bytes, int(msg.flags), len(msg.tensors), len(msg.offsets)),
+                _array(msg.tensors, U32),
+                _array(msg.offsets, U64),
+                _array(msg.lengths, U64),
+            )
+        )
+    if isinstance(msg, ReadData):
+        return msg._S.pack(msg.nbytes)
+    if isinstance(msg, Grant):
+        return msg._S.pack(msg.lease_id, len(msg.bases)) + _array(msg.bases, U64)
+    if isinstance(msg, Release):
+        return msg._S.pack(msg.lease_id, int(msg.ok))
+    if isinstance(msg, (Ping, Pong)):
+        return msg._S.pack(msg.nonce)
+    if isinstance(msg, (Bye, Ok)):
+        return b""
+    raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
+
+
+def encode(msg: Message, request_id: int = 0) -> bytes:
+    """One whole frame: header and payload."""
+    payload = encode_payload(msg)
+    if len(payload) > MAX_PAYLOAD:
+        raise LocalProtocolError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    return HEADER.pack(MAGIC, VERSION, msg.TYPE, request_id & 0xFFFFFFFF, len(payload)) + payload
+
+
+# --------------------------------------------------------------------------------------------
+# decoding
+
+
+def decode_header(data: bytes | memoryview) -> FrameHeader:
+    """Parse and check a 12-byte header. Raises RemoteProtocolError on anything odd."""
+    if len(data) != HEADER_SIZE:
+        raise RemoteProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(data)}")
+    magic, version, mtype, request_id, length = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise RemoteProtocolError(f"unsupported protocol version {version}")
+    try:
+        t = MsgType(mtype)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown message type {mtype}") from None
+    if length > MAX_PAYLOAD:
+        raise RemoteProtocolError(f"frame of {length} bytes exceeds {MAX_PAYLOAD}")
+    return FrameHeader(t, request_id, length)
+
+
+class _Reader:
+    """Bounds-checked cursor over one payload."""
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes | memoryview) -> None:
+        self.buf = memoryview(buf)
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise RemoteProtocolError("payload truncated")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, s: struct.Struct) -> tuple:
+        return s.unpack(self.take(s.size))
+
+    def bytes_field(self) -> bytes:
+        (n,) = self.unpack(struct.Struct("<H"))
+        return bytes(self.take(n))
+
+    def array(self, count: int, dtype: np.dtype) -> np.ndarray:
+        return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype)
+
+    def done(self) -> None:
+        if self.pos != len(self.buf):
+            raise RemoteProtocolError(f"{len(self.buf) - self.pos} trailing bytes in payload")
+
+
+def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
+    """Decode one payload of a known type. Raises RemoteProtocolError when malformed."""
+    r = _Reader(payload)
+    msg: Message
+    if mtype in (MsgType.HELLO, MsgType.WELCOME):
+        cid, role, pid, pid_ns, boot_id, features = r.unpack(Hello._S)
+        proof = r.bytes_field()
+        cls = Hello if mtype == MsgType.HELLO else Welcome
+        msg = cls(cid, role, pid, pid_ns, bytes(boot_id), features, proof)
+    elif mtype == MsgType.ERROR:
+        (code,) = r.unpack(Error._S)
+        msg = Error(code, r.bytes_field().decode("utf-8", "replace"))
+    elif mtype in (MsgType.READ, MsgType.WRITE):
+        kind, a, b, c = r.unpack(KeyRef._S)
+        try:
+            key = KeyRef(KeyKind(kind), a, b, c)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown key kind {kind}") from None
+        unit_bytes, flags, ntensors, nspans = r.unpack(Read._S)
+        tensors = r.array(ntensors, U32)
+        offsets = r.array(nspans, U64)
+        lengths = r.array(nspans, U64)
+        if mtype == MsgType.READ:
+            try:
+                rflags = ReadFlags(flags)
+            except ValueError:
+                raise RemoteProtocolError(f"unknown read flags {flags:#x}") from None
+            msg = Read(key, unit_bytes, rflags, tensors, offsets, lengths)
+        else:
+            msg = Write(key, unit_bytes, flags, tensors, offsets, lengths)
+    elif mtype == MsgType.READ_DATA:
+        (n,) = r.unpack(ReadData._S)
+        msg = ReadData(n)
+    elif mtype == MsgType.GRANT:
+        lease, count = r.unpack(Grant._S)
+        msg = Grant(lease, r.array(count, U64))
+    elif mtype == MsgType.RELEASE:
+        lease, ok = r.unpack(Release._S)
+        if ok > 1:
+            raise RemoteProtocolError(f"bad release flag {ok}")
+        msg = Release(lease, bool(ok))
+    elif mtype == MsgType.PING:
+        msg = Ping(*r.unpack(Ping._S))
+    elif mtype == MsgType.PONG:
+        msg = Pong(*r.unpack(Pong._S))
+    elif mtype == MsgType.BYE:
+        msg = Bye()
+    elif mtype == MsgType.OK:
+        msg = Ok()
+    else:  # pragma: no cover - decode_header only admits known types
+        raise RemoteProtocolError(f"unknown message type {mtype}")
+    r.done()
+    return msg
+
+
+@dataclass
+class FrameDecoder:
+    """Incremental decoder: feed any chunks, get whole (request_id, message) pairs back.
+
+    For frames followed by raw bytes (ReadData, Write) it also returns those bytes, as a
+    ``bytes`` object after the message; the real transports read raw data straight into
+    memory instead and use :func:`decode_header` / :func:`decode_payload` directly. This class
+    serves tests and fuzzing, and any peer that prefers to buffer.
+    """
+
+    _buf: bytearray = field(default_factory=bytearray)
+    _raw_left: int = 0
+
+    def feed(self, data: bytes) -> list[tuple[int, Message | bytes]]:
+        self._buf += data
+        out: list[tuple[int, Message | bytes]] = []
+        while True:
+            if self._raw_left:
+                if len(self._buf) < self._raw_left:
+                    return out
+                out.append((0, bytes(self._buf[: self._raw_left])))
+                del self._buf[: self._raw_left]
+                self._raw_left = 0
+            if len(self._buf) < HEADER_SIZE:
+                return out
+            head = decode_header(bytes(self._buf[:HEADER_SIZE]))
+            if len(self._buf) < HEADER_SIZE + head.length:
+                return out
+            payload = bytes(self._buf[HEADER_SIZE : HEADER_SIZE + head.length])
+            del self._buf[: HEADER_SIZE + head.length]
+            msg = decode_payload(head.type, payload)
+            out.append((head.request_id, msg))
+            if isinstance(msg, ReadData):
+                self._raw_left = msg.nbytes
+            elif isinstance(msg, Write):
+                self._raw_left = int(msg.lengths.sum()) * len(msg.tensors)
