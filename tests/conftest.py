@@ -1,0 +1,1 @@
+"""Shared pytest setup. Subdirectories keep their own fixtures in their own conftest.py."""
