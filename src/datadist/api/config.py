@@ -220,7 +220,10 @@ class LLMConfig:
 
     @link_total_time.setter
     def link_total_time(self, value: int) -> None:
-        check_int("link_total_time", value, "uint32", allow_none=False)
+        # A documented [0, 2**32-1] range, not a C type: out of range is PARAM_INVALID.
+        check_isinstance("link_total_time", value, int, allow_none=False)
+        if not 0 <= value <= 2**32 - 1:
+            raise _param_invalid(f"link_total_time must be in [0, 2**32-1], got {value}")
         self._link_total_time = value
 
     @property
@@ -229,7 +232,7 @@ class LLMConfig:
 
     @link_retry_count.setter
     def link_retry_count(self, value: int) -> None:
-        check_int("link_retry_count", value, "int32", allow_none=False)
+        check_isinstance("link_retry_count", value, int, allow_none=False)
         if not 1 <= value <= 100:
             raise _param_invalid(f"link_retry_count must be in [1, 100], got {value}")
         self._link_retry_count = value

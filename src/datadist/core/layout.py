@@ -154,6 +154,11 @@ def layer_tensor_indices(
             f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
             "differ in length"
         )
+    if src_layer_range[1] * n > 2**32:
+        # Tensor indices travel as u32; the owner checks them against its own count.
+        raise InvalidArgument(
+            f"src_layer_range {src_layer_range} reaches past the largest tensor index"
+        )
     src = np.arange(src_layer_range[0] * n, src_layer_range[1] * n, dtype=U32)
     dst = np.arange(dst_layer_range[0] * n, dst_layer_range[1] * n, dtype=U32)
     return src, dst
@@ -221,6 +226,8 @@ def plan_slot(
             f"size {size} does not fit the destination slot of {stride} bytes "
             f"after offset {dst_offset}"
         )
+    if src_offset + size > 2**64 - 1:
+        raise InvalidArgument(f"src offset {src_offset} plus size {size} overflows 64 bits")
     s = np.array([src_offset], dtype=U64)
     d = np.array([dst_unit * stride + dst_offset], dtype=U64)
     n = np.array([size], dtype=U64)
@@ -250,6 +257,11 @@ def plan_blocks(
     if int(d.max()) >= dst.units:
         raise InvalidArgument(
             f"dst block {int(d.max())} out of range: the cache has {dst.units} blocks"
+        )
+    if int(s.max()) >= (2**64 - 1) // dst.unit_bytes:
+        # s * bb would wrap around in uint64 and name a block the caller did not ask for.
+        raise InvalidArgument(
+            f"src block {int(s.max())} is out of range for blocks of {dst.unit_bytes} bytes"
         )
     bb = np.uint64(dst.unit_bytes)
     lengths = np.full(s.size, bb, dtype=U64)
