@@ -51,7 +51,7 @@ def ip_to_int(ip: str | int) -> int:
     check_isinstance("ip", ip, (str, int), allow_none=False)
     try:
         return int(struct.unpack("<I", socket.inet_aton(ip))[0])
-    except OSError:
+    except (OSError, ValueError):  # ValueError: an embedded NUL
         raise RuntimeError(f"Can not parse ip str:{ip}") from None
 
 
