@@ -41,6 +41,7 @@ MAX_PAYLOAD = 64 << 20
 
 U32 = np.dtype("<u4")
 U64 = np.dtype("<u8")
+I32 = np.dtype("<i4")
 
 
 class MsgType(enum.IntEnum):
@@ -56,6 +57,7 @@ class MsgType(enum.IntEnum):
     BYE = 10
     WRITE = 11
     OK = 12
+    SHM_GRANT = 13
 
 
 class KeyKind(enum.IntEnum):
@@ -69,6 +71,7 @@ class KeyKind(enum.IntEnum):
 class ReadFlags(enum.IntFlag):
     NONE = 0
     GRANT = 1  # same host: answer with addresses (a lease), not with the bytes
+    SHM = 2  # with GRANT: answer with an ShmGrant if the cache is in shareable memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,21 @@ class Grant:
     _S: ClassVar[struct.Struct] = struct.Struct("<QI")
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ShmGrant:
+    """Same-host answer when the cache lives in shareable memory (a memfd): map
+    ``/proc/<owner pid>/fd/<fds[i]>`` (checking its inode is ``inos[i]``) and copy from
+    ``offsets[i]`` within it, then Release. One entry per requested tensor."""
+
+    lease_id: int
+    fds: np.ndarray  # int32
+    inos: np.ndarray  # uint64
+    offsets: np.ndarray  # uint64
+
+    TYPE: ClassVar[MsgType] = MsgType.SHM_GRANT
+    _S: ClassVar[struct.Struct] = struct.Struct("<QI")
+
+
 @dataclass(frozen=True, slots=True)
 class Release:
     lease_id: int
@@ -215,7 +233,9 @@ class Ok:
     TYPE: ClassVar[MsgType] = MsgType.OK
 
 
-Message = Union[Hello, Welcome, Error, Read, Write, ReadData, Grant, Release, Ping, Pong, Bye, Ok]
+Message = Union[
+    Hello, Welcome, Error, Read, Write, ReadData, Grant, ShmGrant, Release, Ping, Pong, Bye, Ok
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +286,12 @@ def encode_payload(msg: Message) -> bytes:
         return msg._S.pack(msg.nbytes)
     if isinstance(msg, Grant):
         return msg._S.pack(msg.lease_id, len(msg.bases)) + _array(msg.bases, U64)
+    if isinstance(msg, ShmGrant):
+        n = len(msg.fds)
+        if len(msg.inos) != n or len(msg.offsets) != n:
+            raise LocalProtocolError("ShmGrant arrays differ in length")
+        return b"".join((msg._S.pack(msg.lease_id, n), _array(msg.fds, I32),
+                         _array(msg.inos, U64), _array(msg.offsets, U64)))
     if isinstance(msg, Release):
         return msg._S.pack(msg.lease_id, int(msg.ok))
     if isinstance(msg, (Ping, Pong)):
@@ -359,12 +385,13 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         offsets = r.array(nspans, U64)
         lengths = r.array(nspans, U64)
         if mtype == MsgType.READ:
-            try:
-                rflags = ReadFlags(flags)
-            except ValueError:
-                raise RemoteProtocolError(f"unknown read flags {flags:#x}") from None
+            if flags & ~int(ReadFlags.GRANT | ReadFlags.SHM):
+                raise RemoteProtocolError(f"unknown read flags {flags:#x}")
+            rflags = ReadFlags(flags)
             msg = Read(key, unit_bytes, rflags, tensors, offsets, lengths)
         else:
+            if flags:  # no write flags are defined in this version
+                raise RemoteProtocolError(f"unknown write flags {flags:#x}")
             msg = Write(key, unit_bytes, flags, tensors, offsets, lengths)
     elif mtype == MsgType.READ_DATA:
         (n,) = r.unpack(ReadData._S)
@@ -372,6 +399,9 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
     elif mtype == MsgType.GRANT:
         lease, count = r.unpack(Grant._S)
         msg = Grant(lease, r.array(count, U64))
+    elif mtype == MsgType.SHM_GRANT:
+        lease, count = r.unpack(ShmGrant._S)
+        msg = ShmGrant(lease, r.array(count, I32), r.array(count, U64), r.array(count, U64))
     elif mtype == MsgType.RELEASE:
         lease, ok = r.unpack(Release._S)
         if ok > 1:
