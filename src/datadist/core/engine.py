@@ -31,6 +31,7 @@ from datadist.core.errors import (
 from datadist.core.layout import Geometry, Plan
 from datadist.core.links import HostIdentity, Link, choose_path, forced_path
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
+from datadist.memory import shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.iov import make_iov
@@ -74,7 +75,9 @@ class Engine:
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
                     name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
-                    self._pools[placement] = HostPool(cfg.memory_size, cfg.page_shift, name)
+                    pool = HostPool(cfg.memory_size, cfg.page_shift, name)
+                    self._pools[placement] = pool
+                    shared.register_arena(pool.base, pool.size, pool.fd)
             if config.listen is not None:
                 self.start_listening(*config.listen)
         except BaseException:
@@ -115,11 +118,12 @@ class Engine:
             links = list(self._links.values())
             self._links.clear()
         for link in links:
-            link.chan.close()
+            link.close()
         if self.listener is not None:
             self.listener.close()
         self.registry.clear()
         for pool in self._pools.values():
+            shared.ARENAS.remove(pool.base)
             pool.close()
         self._pools.clear()
 
@@ -142,9 +146,11 @@ class Engine:
         self._check_open()
         if any(a <= 0 for a in addrs):
             raise InvalidArgument("tensor addresses must be non-zero")
+        arr = np.asarray(addrs, dtype=np.uint64)
         return self.registry.add(
-            geometry, addrs, owned=False, placement=placement, keys=keys,
+            geometry, arr, owned=False, placement=placement, keys=keys,
             blocks_model_id=blocks_model_id, remote_accessible=remote_accessible,
+            shm=shared.lookup(arr, geometry.tensor_bytes),
         )
 
     def allocate(
@@ -177,7 +183,7 @@ class Engine:
             return self.registry.add(
                 geometry, addrs, owned=True, placement=placement, keys=keys,
                 blocks_model_id=blocks_model_id, free=lambda: pool.free(base),
-                shm=(pool.fd, base - pool.base, pool.size),
+                shm=shared.lookup(addrs, geometry.tensor_bytes),
             )
         except BaseException:
             pool.free(base)
@@ -249,7 +255,7 @@ class Engine:
                     finally:
                         link.lock.release()
         finally:
-            link.chan.close()
+            link.close()
 
     def get_link(self, cluster_id: int) -> Link:
         with self._lock:
@@ -348,7 +354,9 @@ class Engine:
                          ident.boot_id)
 
     def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
-        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths)
+        same_host = self.identity.same_host(peer.boot_id, peer.pid_ns)
+        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                  msg.lengths, shm=same_host and bool(msg.flags & p.ReadFlags.SHM))
 
     def close_read(self, lease: Lease, ok: bool) -> None:
         self.registry.close(lease, ok)

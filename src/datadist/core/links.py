@@ -95,6 +95,11 @@ class Link:
     def path_name(self) -> str:
         return self.path.caps.name
 
+    def close(self) -> None:
+        """Close the channel and release what the path holds (shared mappings). Idempotent."""
+        self.chan.close()
+        self.path.close()
+
     def acquire(self, deadline: float) -> None:
         """Take the link for one transfer, or Busy/Timeout by the deadline."""
         left = deadline - time.monotonic()
@@ -132,6 +137,7 @@ class Link:
                     "cross-memory attach to pid %d refused (%s); link to cluster %d falls "
                     "back to tcp", self.welcome.pid, e, self.cluster_id,
                 )
+                self.path.close()
                 self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
                 return op(self.path, self.chan)
         finally:
@@ -147,9 +153,14 @@ def choose_path(
     if forced in (PathKind.CMA, PathKind.SHM):
         if not same:
             return TcpPath(), f"{forced.value} forced but the peer is on another host"
-        return CmaPath(welcome.pid), f"forced {forced.value}"
+        if forced == PathKind.CMA:
+            return CmaPath(welcome.pid, allow_shm=False), "forced cma"
+        return (CmaPath(welcome.pid, name="shm"),
+                "forced shm (cross-memory attach where the owner's memory is not shareable)")
     if same:
-        return CmaPath(welcome.pid), "same host (boot id and pid namespace match)"
+        return (CmaPath(welcome.pid),
+                "same host (boot id and pid namespace match): shared memory for caches in "
+                "shareable memory, cross-memory attach otherwise")
     return TcpPath(), "peer on another host"
 
 

@@ -77,7 +77,8 @@ class CacheEntry:
     leases: int = 0
     id_held: bool = True
     released: bool = False
-    shm: tuple[int, int, int] | None = None  # (pid-visible fd, offset, pool size) if shareable
+    # (fds, inos, offsets) per tensor when every tensor lies in shareable memory (memfd)
+    shm: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         g = self.geometry
@@ -100,6 +101,7 @@ class Lease:
     lengths: np.ndarray
     binding: KeyBinding | None
     key: KeyId | None
+    shm: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # per requested tensor
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +146,7 @@ class Registry:
         blocks_model_id: int | None = None,
         remote_accessible: bool = True,
         free: Callable[[], None] | None = None,
-        shm: tuple[int, int, int] | None = None,
+        shm: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> CacheEntry:
         """Create an entry and bind its keys (key i -> slot i). Atomic: all or nothing."""
         addr_arr = np.asarray(addrs, dtype=U64)
@@ -290,8 +292,13 @@ class Registry:
         tensors: np.ndarray,
         offsets: np.ndarray,
         lengths: np.ndarray,
+        *,
+        shm: bool = False,
     ) -> Lease:
         """Owner side of a peer's read or write: resolve, bounds-check, lease.
+
+        With ``shm``, the lease also says where each requested tensor's unit lies in
+        shareable memory (when the whole cache is in it).
 
         Raises CacheNotFound for an unknown key or cache, InvalidArgument for anything that
         does not fit the cache (tensor index, span, block size, batch index).
@@ -344,8 +351,12 @@ class Registry:
                 base, limit = slot * g.unit_bytes, g.tensor_bytes - slot * g.unit_bytes
             check_source_spans(offsets, lengths, limit)
             bases = entry.addrs[tensors] + np.uint64(base)
+            shm_info = None
+            if shm and entry.shm is not None:
+                fds, inos, offs = entry.shm
+                shm_info = (fds[tensors], inos[tensors], offs[tensors] + np.uint64(base))
             entry.leases += 1
-            return Lease(entry, bases, tensors, offsets, lengths, binding, kid)
+            return Lease(entry, bases, tensors, offsets, lengths, binding, kid, shm_info)
 
     def close(self, lease: Lease, ok: bool, *, consume: bool = True) -> None:
         """End a lease. A successful read may consume the req_id key it came through."""

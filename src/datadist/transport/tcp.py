@@ -322,8 +322,12 @@ class ServerConnection:
             if msg.flags & p.ReadFlags.GRANT:
                 lease_id = next(self._lease_ids)
                 self.leases[lease_id] = lease
-                bases = lease.bases  # type: ignore[attr-defined]
-                self.chan.send(p.Grant(lease_id, bases), deadline, rid)
+                shm = getattr(lease, "shm", None)
+                if shm is not None:
+                    self.chan.send(p.ShmGrant(lease_id, *shm), deadline, rid)
+                else:
+                    self.chan.send(p.Grant(lease_id, lease.bases), deadline,  # type: ignore[attr-defined]
+                                   rid)
                 return True
             ok = False
             try:
