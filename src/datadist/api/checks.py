@@ -69,6 +69,18 @@ def int_list(name: str, values: Any, kind: str, *, types: tuple[type, ...] = (li
 
     if isinstance(values, np.ndarray):
         arr = values
+    elif kind == "uint64":
+        # array.array converts in C and refuses non-ints (TypeError) and out-of-range ints
+        # (OverflowError): 0.5 ms for 100k block ids, 3x faster than np.array.
+        import array
+
+        try:
+            arr = np.frombuffer(array.array("Q", values), dtype=np.uint64)
+        except TypeError:
+            raise TypeError(f"{name} items only support int.") from None
+        except OverflowError:
+            raise ValueError(f"{name} items must be in range of {kind}.") from None
+        return arr
     else:
         try:
             arr = np.array(values) if len(values) else np.zeros(0, dtype=np.int64)
