@@ -34,7 +34,7 @@ from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.transport.base import PathKind, PeerInfo
-from datadist.transport.iov import make_iov
+from datadist.transport.iov import allow_same_host_readers, make_iov
 from datadist.transport.paths import TcpPath
 from datadist.transport.tcp import Channel, TcpListener
 from datadist.wire import protocol as p
@@ -103,6 +103,7 @@ class Engine:
         if self.listener is not None:
             self.listener.close()
         self.listener = TcpListener(host, port, self).start()
+        log.debug("same-host readers: %s", allow_same_host_readers())
 
     def stop_listening(self) -> None:
         if self.listener is not None:

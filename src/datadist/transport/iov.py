@@ -50,6 +50,29 @@ class CmaRefused(DatadistError):
     """The kernel refused cross-memory attach (EPERM, ENOSYS, ESRCH): use another path."""
 
 
+def allow_same_host_readers() -> str:
+    """Let same-user peers ``process_vm_readv`` us under Yama ``ptrace_scope=1``.
+
+    Called by an owner when it starts serving. Yama's scope 1 (Ubuntu's default) lets a
+    process attach only to its descendants, which refuses a decoder that is not our child;
+    ``PR_SET_PTRACER_ANY`` lifts that for this process, as debuggers' helpers do. Scope 2 and
+    3 cannot be lifted: same-host links then fall back to TCP by themselves. Returns what was
+    done, for logs and ``datadist info``.
+    """
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = f.read().strip()
+    except OSError:
+        return "no Yama: nothing to do"
+    if scope != "1":
+        return f"Yama ptrace_scope={scope}: left as is"
+    pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(-1).value
+    _libc.prctl.restype = ctypes.c_int
+    if _libc.prctl(pr_set_ptracer, ctypes.c_ulong(pr_set_ptracer_any), 0, 0, 0) != 0:
+        return f"Yama ptrace_scope=1: prctl refused ({os.strerror(ctypes.get_errno())})"
+    return "Yama ptrace_scope=1: PR_SET_PTRACER_ANY set for same-host readers"
+
+
 def make_iov(bases: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """An ``(n, 2)`` uint64 iovec array, zero-length spans dropped."""
     iov = np.empty((len(bases), 2), dtype=U64)
