@@ -1,0 +1,35 @@
+"""Constants and numpy views shared by the two-process tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from datadist.testing.peers import CacheSpec
+
+PROMPT_ID = 100
+DECODER_ID = 200
+
+# The conformance idea: every data-moving test runs once per data path, the path forced in
+# the decoder's environment. A new path (say "shm") is one more entry here.
+TRANSPORTS = ("tcp", "cma")
+
+
+def units(arr: np.ndarray, spec: CacheSpec) -> np.ndarray:
+    """``arr`` (num_tensors, tensor_bytes) as (num_tensors, units, unit_bytes): slots or
+    blocks, byte-addressed."""
+    return arr.reshape(spec.num_tensors, spec.units, spec.unit_bytes)
+
+
+def assert_bytes_equal(got: np.ndarray, want: np.ndarray) -> None:
+    """Every byte equal; on failure say how many differ and where the first one is."""
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
+    assert bad.size == 0, (
+        f"{bad.size} of {got.size} bytes differ; first at flat index {int(bad[0])} "
+        f"(got {int(got.reshape(-1)[bad[0]])}, want {int(want.reshape(-1)[bad[0]])})"
+    )
+
+
+def assert_zero(arr: np.ndarray, what: str = "untouched bytes") -> None:
+    nz = np.count_nonzero(arr)
+    assert nz == 0, f"{nz} {what} were written"
