@@ -37,6 +37,7 @@ OPT_DEPLOY_RES_PATH = "llm.deployResPath"
 OPT_CLUSTER_INFO = "llm.ClusterInfo"
 OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
 OPT_TRANSPORT = "datadist.Transport"
+OPT_AUTH_SECRET = "datadist.AuthSecret"
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -86,6 +87,7 @@ class LLMConfig:
         self._cluster_info = ""
         self._output_max_size: int | None = None
         self._transport = ""
+        self._auth_secret = ""
 
     # -- device and addresses
 
@@ -296,6 +298,17 @@ class LLMConfig:
             raise _param_invalid(f"transport must be auto, tcp, cma or shm, got {value!r}")
         self._transport = value
 
+    @property
+    def auth_secret(self) -> str:
+        """datadist extra: a shared secret every linked peer must prove (challenge and
+        response; the secret never crosses the wire). Also ``DATADIST_AUTH_SECRET``."""
+        return self._auth_secret
+
+    @auth_secret.setter
+    def auth_secret(self, value: str) -> None:
+        check_isinstance("auth_secret", value, str, allow_none=False)
+        self._auth_secret = value
+
     # -- v1 / offline options
 
     @property
@@ -399,6 +412,8 @@ class LLMConfig:
             o[OPT_OUTPUT_MAX_SIZE] = str(self._output_max_size)
         if self._transport:
             o[OPT_TRANSPORT] = self._transport
+        if self._auth_secret:
+            o[OPT_AUTH_SECRET] = self._auth_secret
         return o
 
     gen_options = generate_options

@@ -34,6 +34,14 @@ def _param_invalid(msg: str) -> LLMException:
     return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
+def _secret(opts: dict[str, str]) -> bytes | None:
+    """The shared secret: the option wins over ``DATADIST_AUTH_SECRET``; empty means none."""
+    import os
+
+    raw = opts.get(cfg.OPT_AUTH_SECRET) or os.environ.get("DATADIST_AUTH_SECRET", "")
+    return raw.encode() if raw else None
+
+
 class LLMDataDist:
     """The per-process entry point: ``LLMDataDist(role, cluster_id).init(options)``."""
 
@@ -181,6 +189,7 @@ class LLMDataDist:
             device_pool=pools.get(cfg.OPT_MEM_POOL),
             host_pool=pools.get(cfg.OPT_HOST_MEM_POOL),
             transport=opts.get(cfg.OPT_TRANSPORT),
+            secret=_secret(opts),
         )
 
     def finalize(self) -> None:
@@ -206,9 +215,6 @@ class LLMDataDist:
         check_int("timeout", timeout, "int32", allow_none=False)
         if timeout <= 0:
             raise _param_invalid(f"timeout must be > 0, got {timeout}")
-        if len(clusters) > MAX_CLUSTERS_PER_CALL:
-            raise LLMException(f"at most {MAX_CLUSTERS_PER_CALL} clusters per call",
-                               status_code=LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT)
         for c in clusters:
             if c.remote_cluster_id is None:
                 raise _param_invalid("LLMClusterInfo needs remote_cluster_id")
@@ -268,6 +274,9 @@ class LLMDataDist:
 
     @staticmethod
     def _each(fn: Any, clusters: list[LLMClusterInfo]) -> list[LLMStatusCode]:
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            # A native limit in llm_datadist: reported in the codes, like any link failure.
+            return [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
         if len(clusters) <= 1:
             return [fn(c) for c in clusters]
         with ThreadPoolExecutor(max_workers=len(clusters)) as pool:
@@ -319,8 +328,8 @@ class LLMDataDist:
         self._check_init()
         check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
         if self._cache_manager_mode:
-            raise LLMException("check_link_status is only available without cache-manager mode",
-                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+            # A mode mismatch, like cache_manager without cache-manager mode: PARAM_INVALID.
+            raise _param_invalid("check_link_status is only available without cache-manager mode")
         with llm_errors("check_link_status"):
             self.engine.check_link(remote_cluster_id, self.engine.config.sync_timeout)
 

@@ -29,7 +29,8 @@ from datadist.core.errors import (
     RemoteProtocolError,
 )
 from datadist.core.layout import Geometry, Plan
-from datadist.core.links import HostIdentity, Link, choose_path, forced_path
+from datadist.core import auth
+from datadist.core.links import HostIdentity, Link, choose_path, forced_path, greet
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool, PoolConfig
@@ -54,6 +55,7 @@ class EngineConfig:
     device_pool: PoolConfig | None = None
     host_pool: PoolConfig | None = None
     transport: str | None = None
+    secret: bytes | None = None  # shared secret peers must prove at link time
 
 
 class Engine:
@@ -202,9 +204,12 @@ class Engine:
     # ------------------------------------------------------------------ links
 
     def _hello(self) -> p.Hello:
+        """A fresh Hello: with a secret, a fresh nonce for the challenge."""
         ident = self.identity
+        secret = self.config.secret
         return p.Hello(
-            self.config.cluster_id, self.role, ident.pid, ident.pid_ns, ident.boot_id
+            self.config.cluster_id, self.role, ident.pid, ident.pid_ns, ident.boot_id,
+            p.FEATURE_AUTH if secret else 0, auth.nonce() if secret else b"",
         )
 
     def link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
@@ -215,25 +220,16 @@ class Engine:
         with self._lock:
             if cluster_id in self._links:
                 raise AlreadyLinked(f"cluster {cluster_id} is already linked")
-        deadline = time.monotonic() + timeout
-        chan = Channel.connect(host, port, deadline)
-        try:
-            welcome = chan.call(self._hello(), deadline)
-            if not isinstance(welcome, p.Welcome):
-                raise RemoteProtocolError(f"expected Welcome, got {type(welcome).__name__}")
-            if welcome.cluster_id != cluster_id:
-                raise LinkFailed(
-                    f"the peer at {host}:{port} is cluster {welcome.cluster_id}, "
-                    f"not {cluster_id}"
-                )
-        except DatadistError:
-            chan.close()
-            raise
+
+        def connect(deadline: float) -> tuple[Channel, p.Welcome]:
+            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline)
+
+        chan, welcome = connect(time.monotonic() + timeout)
         path, reason = choose_path(self.forced, self.identity, welcome)
-        link = Link(cluster_id, host, port, chan, welcome, path, reason)
+        link = Link(cluster_id, host, port, chan, welcome, path, reason, connect)
         with self._lock:
             if cluster_id in self._links or self._closed:
-                chan.close()
+                link.close()
                 raise AlreadyLinked(f"cluster {cluster_id} is already linked")
             self._links[cluster_id] = link
         log.debug("link.complete %r", link)
@@ -269,7 +265,7 @@ class Engine:
         """Round-trip a Ping on the link; raises NotLinked, Timeout or BrokenLink."""
         link = self.get_link(cluster_id)
         deadline = time.monotonic() + timeout
-        reply = link.run(self._hello(), deadline,
+        reply = link.run(deadline,
                          lambda path, chan: chan.call(p.Ping(cluster_id), deadline))
         if not isinstance(reply, p.Pong):
             raise RemoteProtocolError(f"expected Pong, got {type(reply).__name__}")
@@ -307,7 +303,7 @@ class Engine:
             local = make_iov(*plan.local_iov(entry.addrs))
             msg = p.Read(key, unit_bytes, p.ReadFlags.NONE, plan.remote_tensors,
                          plan.remote_offsets, plan.lengths)
-            link.run(self._hello(), deadline,
+            link.run(deadline,
                      lambda path, chan: path.read(chan, msg, local, deadline))
         finally:
             self.registry.unhold(entry)
@@ -334,7 +330,7 @@ class Engine:
                           plan.lengths)
             # Pushes go over the control channel: the owner must check the spans before
             # anything lands, which is what the two-step Write does.
-            link.run(self._hello(), deadline,
+            link.run(deadline,
                      lambda path, chan: _TCP.write(chan, msg, local, deadline))
         finally:
             self.registry.unhold(entry)
@@ -351,8 +347,24 @@ class Engine:
         with self._lock:
             self._inbound[peer.key] = peer
         ident = self.identity
+        secret = self.config.secret
+        if secret is None:
+            return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
+                             ident.boot_id)
+        proof = auth.server_proof(secret, hello.proof, auth.nonce(), self.config.cluster_id,
+                                  hello.cluster_id)
         return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
-                         ident.boot_id)
+                         ident.boot_id, p.FEATURE_AUTH, proof)
+
+    def check_auth(self, hello: p.Hello, welcome: p.Welcome, proof: bytes) -> None:
+        secret = self.config.secret
+        parts = auth.split_server_proof(welcome.proof)
+        if secret is None or parts is None:
+            raise LinkFailed("no challenge was issued")
+        want = auth.client_proof(secret, hello.proof, parts[0], self.config.cluster_id,
+                                 hello.cluster_id)
+        if not auth.same(want, proof):
+            raise LinkFailed(f"cluster {hello.cluster_id} failed to prove the shared secret")
 
     def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
         same_host = self.identity.same_host(peer.boot_id, peer.pid_ns)

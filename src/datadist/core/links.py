@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from datadist.core.errors import BrokenLink, Busy, DatadistError, LinkFailed, Timeout
 from datadist.transport.base import PathKind
@@ -81,6 +82,7 @@ class Link:
     welcome: p.Welcome
     path: TcpPath | CmaPath
     reason: str
+    connect: Callable[[float], tuple[Channel, p.Welcome]]
     lock: threading.Lock = field(default_factory=threading.Lock)
     broken: str = ""
 
@@ -106,28 +108,27 @@ class Link:
         if left <= 0 or not self.lock.acquire(timeout=left):
             raise Timeout(f"link to cluster {self.cluster_id} stayed busy until the deadline")
 
-    def reconnect(self, hello: p.Hello, deadline: float) -> None:
-        """After a timeout broke the channel, open a fresh one (same peer, checked)."""
-        chan = Channel.connect(self.host, self.port, deadline)
-        try:
-            welcome = chan.call(hello, deadline)
-        except DatadistError:
-            chan.close()
-            raise
-        if not isinstance(welcome, p.Welcome) or welcome.cluster_id != self.cluster_id:
-            chan.close()
-            raise LinkFailed(f"peer at {self.host}:{self.port} is no longer cluster "
-                             f"{self.cluster_id}")
+    def reconnect(self, deadline: float) -> None:
+        """After a timeout or a dead peer broke the channel, open a fresh one: a full
+        handshake, so a restarted peer is checked (and authenticated) anew."""
+        chan, welcome = self.connect(deadline)
+        old_pid = self.welcome.pid
         self.chan, self.welcome, self.broken = chan, welcome, ""
+        if welcome.pid != old_pid and isinstance(self.path, CmaPath):
+            # A new process behind the same address: its memory is not the old one's.
+            self.path.close()
+            self.path = CmaPath(welcome.pid, allow_shm=self.path.allow_shm,
+                                name=self.path.caps.name)
 
-    def run(self, hello: p.Hello, deadline: float, op):  # type: ignore[no-untyped-def]
+    def run(self, deadline: float, op):  # type: ignore[no-untyped-def]
         """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke
         and falling back from CMA to TCP when the kernel refuses."""
         self.acquire(deadline)
         try:
-            if self.chan.closed:
+            if self.chan.closed or self.chan.peer_gone():
+                self.chan.close()
                 try:
-                    self.reconnect(hello, deadline)
+                    self.reconnect(deadline)
                 except LinkFailed as e:
                     raise BrokenLink(f"link to cluster {self.cluster_id} is down: {e}") from e
             try:
@@ -142,6 +143,50 @@ class Link:
                 return op(self.path, self.chan)
         finally:
             self.lock.release()
+
+
+def greet(
+    host: str,
+    port: int,
+    cluster_id: int,
+    hello: Callable[[], p.Hello],
+    secret: bytes | None,
+    deadline: float,
+) -> tuple[Channel, p.Welcome]:
+    """Connect, say Hello, check the peer is ``cluster_id`` and, with a secret, run the
+    challenge and response (core/auth.py). Returns the open channel and the Welcome."""
+    from datadist.core import auth
+
+    chan = Channel.connect(host, port, deadline)
+    try:
+        h = hello()
+        welcome = chan.call(h, deadline)
+        if not isinstance(welcome, p.Welcome):
+            raise LinkFailed(f"expected Welcome, got {type(welcome).__name__}")
+        if welcome.cluster_id != cluster_id:
+            raise LinkFailed(
+                f"the peer at {host}:{port} is cluster {welcome.cluster_id}, not {cluster_id}"
+            )
+        required = bool(welcome.features & p.FEATURE_AUTH)
+        if required and secret is None:
+            raise LinkFailed(f"cluster {cluster_id} requires a shared secret "
+                             "(DATADIST_AUTH_SECRET / LLMConfig.auth_secret)")
+        if secret is not None:
+            parts = auth.split_server_proof(welcome.proof) if required else None
+            if parts is None:
+                raise LinkFailed(f"cluster {cluster_id} did not prove the shared secret")
+            server_nonce, mac = parts
+            want = auth.server_proof(secret, h.proof, server_nonce, cluster_id, h.cluster_id)
+            if not auth.same(want[auth.NONCE_BYTES:], mac):
+                raise LinkFailed(f"cluster {cluster_id} failed to prove the shared secret")
+            ok = chan.call(p.Auth(auth.client_proof(secret, h.proof, server_nonce, cluster_id,
+                                                    h.cluster_id)), deadline)
+            if not isinstance(ok, p.Ok):
+                raise LinkFailed(f"expected Ok after Auth, got {type(ok).__name__}")
+    except DatadistError:
+        chan.close()
+        raise
+    return chan, welcome
 
 
 def choose_path(

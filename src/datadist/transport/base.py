@@ -70,6 +70,10 @@ class RequestHandler(Protocol):
         """Accept (return our Welcome) or refuse (raise DatadistError) a new peer."""
         ...
 
+    def check_auth(self, hello: Hello, welcome: Welcome, proof: bytes) -> None:
+        """Check a client's answer to the challenge in ``welcome``; raise LinkFailed if wrong."""
+        ...
+
     def open_read(self, peer: PeerInfo, msg: Read) -> LeaseLike:
         """Resolve and bounds-check a read; the lease pins the memory until close_read."""
         ...

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import select
 import socket
 import threading
 import time
@@ -40,8 +41,21 @@ SERVE_SEND_TIMEOUT = 120.0  # the owner gives up on a reader that stops reading
 SOCKET_BUFFER = 4 << 20
 
 
+KEEPALIVE = (5, 2, 3)  # idle seconds, interval, probes: a vanished host is noticed in ~11 s
+USER_TIMEOUT_MS = 15000  # unacknowledged data for this long fails the connection
+
+
 def _tune(sock: socket.socket) -> None:
+    """Low latency, big buffers, and liveness from the kernel (no heartbeat thread): TCP
+    keepalive notices a peer host that vanished while the link is idle, TCP_USER_TIMEOUT one
+    that stops acknowledging mid-transfer."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, intvl, cnt = KEEPALIVE
+    for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", intvl), ("TCP_KEEPCNT", cnt),
+                     ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
@@ -90,6 +104,15 @@ class Channel:
             except OSError:
                 pass
             self.sock.close()
+
+    def peer_gone(self) -> bool:
+        """True if an idle channel has anything to read: between requests the server sends
+        nothing, so readable means it closed (FIN/RST) or broke the protocol. Never blocks."""
+        if self.closed:
+            return True
+        p_ = select.poll()
+        p_.register(self.fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(p_.poll(0))
 
     def _guard(self) -> None:
         if self.closed:
@@ -303,11 +326,23 @@ class ServerConnection:
         except DatadistError as e:
             self._try_send(p.Error(int(e.code), str(e)), rid)
             raise BrokenLink("peer refused") from e
-        self.chan.send(welcome, time.monotonic() + HANDSHAKE_TIMEOUT, rid)
         self.peer = PeerInfo(
             hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
             self.chan.address,
         )
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        self.chan.send(welcome, deadline, rid)
+        if welcome.features & p.FEATURE_AUTH:
+            # Nothing but the client's proof is accepted until it checks out.
+            rid, msg = self.chan.recv(deadline)
+            try:
+                if not isinstance(msg, p.Auth):
+                    raise LinkFailed("this server requires a shared secret; authenticate first")
+                self.handler.check_auth(hello, welcome, msg.proof)
+            except DatadistError as e:
+                self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
+                raise BrokenLink("peer failed to authenticate") from e
+            self.chan.send(p.Ok(), deadline, rid)
 
     def _dispatch(self, rid: int, msg: p.Message) -> bool:
         """Handle one request; False ends the connection."""

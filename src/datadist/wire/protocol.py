@@ -58,6 +58,10 @@ class MsgType(enum.IntEnum):
     WRITE = 11
     OK = 12
     SHM_GRANT = 13
+    AUTH = 14
+
+
+FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
 
 
 class KeyKind(enum.IntEnum):
@@ -206,6 +210,15 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Auth:
+    """The client's answer to the server's challenge (see core/auth.py)."""
+
+    proof: bytes
+
+    TYPE: ClassVar[MsgType] = MsgType.AUTH
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     nonce: int
 
@@ -234,7 +247,8 @@ class Ok:
 
 
 Message = Union[
-    Hello, Welcome, Error, Read, Write, ReadData, Grant, ShmGrant, Release, Ping, Pong, Bye, Ok
+    Hello, Welcome, Error, Read, Write, ReadData, Grant, ShmGrant, Release, Ping, Pong, Bye, Ok,
+    Auth,
 ]
 
 
@@ -296,6 +310,8 @@ def encode_payload(msg: Message) -> bytes:
         return msg._S.pack(msg.lease_id, int(msg.ok))
     if isinstance(msg, (Ping, Pong)):
         return msg._S.pack(msg.nonce)
+    if isinstance(msg, Auth):
+        return _bytes_field(msg.proof)
     if isinstance(msg, (Bye, Ok)):
         return b""
     raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
@@ -411,6 +427,8 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         msg = Ping(*r.unpack(Ping._S))
     elif mtype == MsgType.PONG:
         msg = Pong(*r.unpack(Pong._S))
+    elif mtype == MsgType.AUTH:
+        msg = Auth(r.bytes_field())
     elif mtype == MsgType.BYE:
         msg = Bye()
     elif mtype == MsgType.OK:
