@@ -13,6 +13,9 @@ DECODER_ID = 200
 # the decoder's environment. A new path (say "shm") is one more entry here.
 TRANSPORTS = ("tcp", "cma")
 
+# Peers never inherit the decoder's forced path: they only serve.
+PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}
+
 
 def units(arr: np.ndarray, spec: CacheSpec) -> np.ndarray:
     """``arr`` (num_tensors, tensor_bytes) as (num_tensors, units, unit_bytes): slots or

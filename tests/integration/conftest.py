@@ -15,10 +15,7 @@ import pytest
 import datadist as llm_datadist
 from datadist.testing.peers import Decoder, PromptConfig, RunningPrompt, start_prompt
 
-from ._support import DECODER_ID, PROMPT_ID, TRANSPORTS
-
-# Prompts never inherit the decoder's forced path: the prompt only serves.
-PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}
+from ._support import DECODER_ID, PROMPT_ENV, PROMPT_ID, TRANSPORTS
 
 
 @pytest.fixture(params=TRANSPORTS)
