@@ -32,7 +32,8 @@ def all_tensors(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def spans(plan: Plan) -> list[tuple[int, int, int]]:
     return list(
-        zip(plan.remote_offsets.tolist(), plan.local_offsets.tolist(), plan.lengths.tolist())
+        zip(plan.remote_offsets.tolist(), plan.local_offsets.tolist(), plan.lengths.tolist(),
+            strict=True)
     )
 
 
@@ -145,10 +146,10 @@ class TestLayerTensorIndices:
         src, dst = layer_tensor_indices(dst_layers * n, (s0, s0 + d1 - d0), (d0, d1), n)
         expected = [
             (s * n + k, d * n + k)
-            for s, d in zip(range(s0, s0 + d1 - d0), range(d0, d1))
+            for s, d in zip(range(s0, s0 + d1 - d0), range(d0, d1), strict=True)
             for k in range(n)
         ]
-        assert list(zip(src.tolist(), dst.tolist())) == expected
+        assert list(zip(src.tolist(), dst.tolist(), strict=True)) == expected
 
 
 # ------------------------------------------------------------------------------ plan_slot
@@ -217,7 +218,7 @@ def reference_block_spans(
 ) -> list[tuple[int, int, int]]:
     """Loop-based coalescing: extend the current run while both sides stay adjacent."""
     out: list[list[int]] = []
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=True):
         if out and out[-1][0] + out[-1][2] == s * bb and out[-1][1] + out[-1][2] == d * bb:
             out[-1][2] += bb
         else:
@@ -303,7 +304,7 @@ class TestPlanBlocks:
         assert plan.nbytes == 2 * 32 * len(pairs)
         # no two neighbouring spans could still merge
         got = spans(plan)
-        for (s0, d0, n0), (s1, d1, _) in zip(got, got[1:]):
+        for (s0, d0, n0), (s1, d1, _) in zip(got, got[1:], strict=False):
             assert not (s0 + n0 == s1 and d0 + n0 == d1)
 
 
