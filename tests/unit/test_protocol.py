@@ -63,6 +63,7 @@ EXAMPLES: list[p.Message] = [
 ]
 if hasattr(p, "ShmGrant"):  # the same-host shared-memory answer, where the protocol has it
     EXAMPLES.append(p.ShmGrant(3, np.array([5, -1], "<i4"), u64(1, U64_MAX), u64(0, 4096)))
+EXAMPLES += [p.Auth(b"\x01" * 32), p.Checksum(0xFFFFFFFF, U64_MAX)]
 
 
 def same(a: p.Message, b: p.Message) -> bool:
@@ -236,7 +237,7 @@ def test_property_decoder_any_chunking(msgs: list[p.Message], data) -> None:
 
 def read_payload(*, kind: int = 2, ntensors: int = 1, nspans: int = 1, flags: int = 0,
                  tensors: bytes | None = None, tail: bytes = b"") -> bytes:
-    head = struct.pack("<BQQQ", kind, 1, 0, 0) + struct.pack("<QIII", 0, flags, ntensors, nspans)
+    head = struct.pack("<BQQQ", kind, 1, 0, 0) + struct.pack("<QQIII", 0, 0, flags, ntensors, nspans)
     # the arrays for one tensor and one span (offset 0, length 8), whatever the counts say
     arrays = (tensors if tensors is not None else struct.pack("<I", 0)) + struct.pack(
         "<QQ", 0, 8
@@ -269,7 +270,7 @@ MALFORMED: dict[str, bytes] = {
     "read unknown key kind": frame(p.MsgType.READ, read_payload(kind=9)),
     "read key kind zero": frame(p.MsgType.READ, read_payload(kind=0)),
     "read bad flags": frame(p.MsgType.READ, read_payload(flags=0x80)),
-    "read bad flags with grant": frame(p.MsgType.READ, read_payload(flags=0x5)),
+    "read bad flags with grant": frame(p.MsgType.READ, read_payload(flags=0x9)),
     "write bad flags": frame(p.MsgType.WRITE, read_payload(flags=0x4)),
     "write unknown key kind": frame(p.MsgType.WRITE, read_payload(kind=4)),
     "grant count larger than payload": frame(p.MsgType.GRANT, struct.pack("<QI", 1, 3)

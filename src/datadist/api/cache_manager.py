@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from datadist.api.checks import check_int, check_isinstance, int_list
-from datadist.api.enums import Placement
+from datadist.api.enums import Memtype, Placement
 from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.types import (
     UINT64_MAX,
@@ -47,7 +47,8 @@ def geometry_of(desc: CacheDesc, *, blocks: bool) -> layout.Geometry:
     raise_if_false(all(d > 0 for d in desc.shape), f"shape dims must be > 0: {desc.shape}")
     raise_if_false(desc.num_tensors > 0, "num_tensors must be > 0")
     with llm_errors():
-        return layout.Geometry(desc.num_tensors, desc.size, desc.shape[0], blocks)
+        return layout.Geometry(desc.num_tensors, desc.size, desc.shape[0], blocks,
+                               layout.layout_tag(desc.data_type.value, desc.shape[1:]))
 
 
 def key_ref(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> KeyRef:
@@ -349,28 +350,109 @@ class CacheManager:
             engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), geo.unit_bytes,
                         plan, src_cache.cache_id)
 
-    # ------------------------------------------------------------------ not yet
+    # ------------------------------------------------------------------ local copies
+    # Argument rules shared with the legacy KvCacheManager live in api/local_ops.py and
+    # api/async_transfer.py (imported here lazily: they import this module).
+
+    @staticmethod
+    def _ref(cache: Cache) -> Any:
+        from datadist.api.local_ops import CacheRef
+
+        return CacheRef(cache.cache_id, cache.cache_desc, cache.is_blocks_cache,
+                        cache.tensor_addrs)
 
     def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0,
                    src_batch_index: int = 0, offset: int = 0, size: int = -1,
                    req_id: int | None = None) -> None:
-        raise _not_enabled("copy_cache")
+        """Copy slot ``src_batch_index`` of every tensor of ``src`` into slot
+        ``dst_batch_index`` of the same tensor of ``dst``: ``size`` bytes from ``offset``
+        within the slot (-1: the rest of the source slot). Local; blocks until done.
+
+        Neither cache may be a blocks cache; both need the same tensor count; ``offset`` and
+        ``size`` must fit both slots (PARAM_INVALID). ``req_id`` is only for logs.
+        """
+        from datadist.api import local_ops
+
+        engine = self._engine_or_raise()
+        check_isinstance("dst", dst, Cache, allow_none=False)
+        check_isinstance("src", src, Cache, allow_none=False)
+        check_int("dst_batch_index", dst_batch_index, "uint32", allow_none=False)
+        check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
+        check_int("offset", offset, "uint64", allow_none=False)
+        check_int("size", size, "int64", allow_none=False)
+        check_int("req_id", req_id, "uint64")
+        local_ops.copy_cache(engine, self._ref(dst), self._ref(src), dst_batch_index,
+                             src_batch_index, offset, size)
 
     def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
-        raise _not_enabled("copy_blocks")
+        """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``. Local;
+        blocks until done. A block may not be both a source and a destination, nor a
+        destination twice (PARAM_INVALID); an empty dict copies nothing."""
+        from datadist.api import local_ops
+
+        engine = self._engine_or_raise()
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        check_isinstance("copy_block_info", copy_block_info, dict, allow_none=False)
+        local_ops.copy_blocks(engine, self._ref(cache), copy_block_info)
 
     def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]) -> None:
-        raise _not_enabled("swap_blocks")
+        """Copy blocks ``{src: dst}`` HOST -> DEVICE (swap in) or DEVICE -> HOST (swap out);
+        the HOST side is typically ``Cache.create_cpu_cache``. Both blocks caches, with the
+        same block bytes and tensor count. Same placement on both sides: PARAM_INVALID.
+        On a host without CUDA, DEVICE memory is host memory too: a swap is a host copy."""
+        from datadist.api import local_ops
+
+        engine = self._engine_or_raise()
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        local_ops.swap_blocks(engine, self._ref(src_cache), self._ref(dst_cache), src_to_dst)
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
-        raise _not_enabled("remap_registered_memory")
+        """Re-pin registered device memory after a memory fault (reserved in LLM-DataDist).
+
+        The arguments are checked as LLM-DataDist does (a MemInfo or a list of them, each
+        MEM_TYPE_DEVICE, addr != 0, size > 0; else LLM_PARAM_INVALID), then accepted as a
+        no-op: datadist's memory is host memory (or CUDA memory through torch), which has no
+        physical remapping to redo; transfers already use the registered addresses.
+        """
+        self._engine_or_raise()
+        raise_if_false(isinstance(mem_infos, (list, MemInfo)),
+                       f"mem_infos only support list of MemInfo or MemInfo, but got "
+                       f"{type(mem_infos)}")
+        infos = mem_infos if isinstance(mem_infos, list) else [mem_infos]
+        for i, info in enumerate(infos):
+            raise_if_false(isinstance(info, MemInfo),
+                           f"mem_infos[{i}] only support MemInfo, but got {type(info)}")
+            raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE,
+                           f"mem_infos[{i}].mem_type must be Memtype.MEM_TYPE_DEVICE")
+            raise_if_false(info.addr != 0, f"mem_infos[{i}].addr can not be zero")
+            raise_if_false(info.size > 0, f"mem_infos[{i}].size must be > 0")
+
+    # ------------------------------------------------------------------ layer-wise
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: list[TransferConfig | TransferWithCacheKeyConfig],
                              src_block_indices: list[int] | None = None,
                              dst_block_indices: list[int] | None = None,
                              dst_block_memory_size: int | None = None) -> Any:
-        raise _not_enabled("transfer_cache_async")
+        """Send ``src_cache`` layer by layer to every destination of ``transfer_configs``:
+        layer i goes out as soon as ``layer_synchronizer.synchronize_layer(i, None)`` returns
+        True (False aborts the destinations needing layer i with LLM_PARAM_INVALID).
+
+        Returns a ``CacheTask`` at once. Destinations are ``TransferConfig`` (raw addresses
+        of a cache the peer registered) without remote-cache-accessible, else
+        ``TransferWithCacheKeyConfig`` (a push by key); the other kind is a TypeError. See
+        :mod:`datadist.api.async_transfer` for blocks and every rule.
+        """
+        from datadist.api import async_transfer
+
+        engine = self._engine_or_raise()
+        check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        return async_transfer.start_transfer(
+            engine, src_cache.cache_id, src_cache.cache_desc, layer_synchronizer,
+            transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
+            key_configs=self._enable_remote_cache_accessible,
+            default_error=LLMStatusCode.LLM_TIMEOUT)
 
     @staticmethod
     def check_cache_key(cache_key: CacheKey) -> None:

@@ -38,6 +38,7 @@ OPT_CLUSTER_INFO = "llm.ClusterInfo"
 OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
 OPT_TRANSPORT = "datadist.Transport"
 OPT_AUTH_SECRET = "datadist.AuthSecret"
+OPT_VERIFY = "datadist.VerifyChecksum"
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -88,6 +89,7 @@ class LLMConfig:
         self._output_max_size: int | None = None
         self._transport = ""
         self._auth_secret = ""
+        self._verify_checksum = False
 
     # -- device and addresses
 
@@ -309,6 +311,17 @@ class LLMConfig:
         check_isinstance("auth_secret", value, str, allow_none=False)
         self._auth_secret = value
 
+    @property
+    def verify_checksum(self) -> bool:
+        """datadist extra: check every pull end to end with a CRC-32 of the source spans
+        (costs about one extra read of the bytes on each side). Also
+        ``DATADIST_VERIFY_CHECKSUM=1``."""
+        return self._verify_checksum
+
+    @verify_checksum.setter
+    def verify_checksum(self, value: bool) -> None:
+        self._verify_checksum = self._bool("verify_checksum", value)
+
     # -- v1 / offline options
 
     @property
@@ -414,6 +427,8 @@ class LLMConfig:
             o[OPT_TRANSPORT] = self._transport
         if self._auth_secret:
             o[OPT_AUTH_SECRET] = self._auth_secret
+        if self._verify_checksum:
+            o[OPT_VERIFY] = "1"
         return o
 
     gen_options = generate_options

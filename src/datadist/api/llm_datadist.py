@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 from datadist.api import config as cfg
+from datadist.api import rank_table as rank_table_mod
 from datadist.api.cache_manager import CacheManager
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.config import LLMClusterInfo, int_to_ip
 from datadist.api.enums import LLMRole, RegisterMemStatus
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
+from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.memory.pool import PoolConfig
@@ -28,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MAX_CLUSTERS_PER_CALL = 16
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+DEFAULT_LINK_TOTAL_TIME_S = 120  # HCCL_CONNECT_TIMEOUT's default
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -36,8 +41,6 @@ def _param_invalid(msg: str) -> LLMException:
 
 def _secret(opts: dict[str, str]) -> bytes | None:
     """The shared secret: the option wins over ``DATADIST_AUTH_SECRET``; empty means none."""
-    import os
-
     raw = opts.get(cfg.OPT_AUTH_SECRET) or os.environ.get("DATADIST_AUTH_SECRET", "")
     return raw.encode() if raw else None
 
@@ -58,6 +61,7 @@ class LLMDataDist:
         self._kv_cache_manager: Any = None
         self._cache_manager_mode = False
         self._options: dict[str, str] = {}
+        self._comms: CommManager | None = None  # two-sided links (link / unlink)
 
     def __repr__(self) -> str:
         state = "initialized" if self._engine is not None else "not initialized"
@@ -181,6 +185,10 @@ class LLMDataDist:
             if opts.get(key):
                 with llm_errors("init"):
                     pools[key] = PoolConfig.parse(opts[key])
+        if not self._cache_manager_mode and cfg.OPT_MEM_POOL not in pools:
+            from datadist.api.v1 import v1_pool_config  # legacy mode: the KV pool
+
+            pools[cfg.OPT_MEM_POOL] = v1_pool_config(opts)
         return EngineConfig(
             cluster_id=self._cluster_id,
             role=int(self._role),
@@ -190,6 +198,8 @@ class LLMDataDist:
             host_pool=pools.get(cfg.OPT_HOST_MEM_POOL),
             transport=opts.get(cfg.OPT_TRANSPORT),
             secret=_secret(opts),
+            verify=(opts.get(cfg.OPT_VERIFY) or os.environ.get("DATADIST_VERIFY_CHECKSUM", ""))
+            == "1",
         )
 
     def finalize(self) -> None:
@@ -202,6 +212,9 @@ class LLMDataDist:
                 self._cache_manager._invalidate()
             if self._kv_cache_manager is not None:
                 self._kv_cache_manager._invalidate()
+            if self._comms is not None:
+                self._comms.close()
+                self._comms = None
             engine.close()
             if LLMDataDist.llm_engine_instance is self:
                 LLMDataDist.llm_engine_instance = None
@@ -336,19 +349,92 @@ class LLMDataDist:
     # ------------------------------------------------------------------ two-sided links
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """Join a two-sided link: every member calls this with the same arguments.
+
+        ``cluster_rank_info`` maps each member's cluster id to its rank (2..4 members, ranks
+        ascending in dict order, this instance among them); ``rank_table`` is an HCCL rank
+        table JSON (v1.0 / v1.2) whose ``device_ip`` per rank is the host address to use, and
+        whose optional ``device_port`` per device says where that rank listens (see
+        :mod:`datadist.api.rank_table` for the port rule). Cache-manager mode only.
+
+        Returns a comm id at once and links in the background, within ``link_total_time``
+        seconds (``llm.LinkTotalTime``; 0 or unset: env ``HCCL_CONNECT_TIMEOUT``, else 120).
+        Poll :meth:`query_register_mem_status` until OK; until then transfers to the members
+        raise LLM_NOT_YET_LINK. Register caches before linking.
+        """
         self._check_init()
-        raise LLMException("link() with a rank table is not available in this release; "
-                           "use link_clusters", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        if not self._cache_manager_mode:
+            raise _param_invalid("link is only available in cache-manager mode")
+        check_isinstance("comm_name", comm_name, str, allow_none=False)
+        check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
+        check_isinstance("rank_table", rank_table, str, allow_none=False)
+        for cid, rank in cluster_rank_info.items():
+            check_int("cluster_id", cid, "uint64", allow_none=False)
+            check_int("rank_id", rank, "uint32", allow_none=False)
+        if not 0 < len(comm_name) < 128:
+            raise _param_invalid(f"comm_name must be 1..127 chars, got {len(comm_name)}")
+        if not 2 <= len(cluster_rank_info) <= 4:
+            raise _param_invalid(f"cluster_rank_info needs 2..4 entries, got "
+                                 f"{len(cluster_rank_info)}")
+        ranks = list(cluster_rank_info.values())
+        if any(b <= a for a, b in zip(ranks, ranks[1:])):
+            raise _param_invalid(f"ranks must be ascending without duplicates, got {ranks}")
+        if self._cluster_id not in cluster_rank_info:
+            raise _param_invalid(f"cluster_rank_info does not list this cluster "
+                                 f"({self._cluster_id})")
+        table = rank_table_mod.parse(rank_table)
+        engine = self.engine
+        own_port = engine.listen_address[1] if engine.listen_address else None
+        members = []
+        for cid, rank in cluster_rank_info.items():
+            entry = table.get(rank)
+            if entry is None:
+                raise _param_invalid(f"rank {rank} (cluster {cid}) is not in the rank_table")
+            members.append(Member(cid, rank, entry.device_ip,
+                                  rank_table_mod.port_of(entry, own_port)))
+        me = next(m for m in members if m.cluster_id == self._cluster_id)
+        peers = [m for m in members if m is not me]
+        with LLMDataDist._instance_lock:
+            if self._comms is None:
+                self._comms = CommManager(engine)
+            comms = self._comms
+        with llm_errors("link"):
+            comm_id = comms.link(comm_name, me, peers, self._link_total_time())
+        assert self._cache_manager is not None
+        self._cache_manager.set_is_call_linked()
+        return comm_id
+
+    def _link_total_time(self) -> float:
+        raw = self._options.get(cfg.OPT_LINK_TOTAL_TIME, "0")
+        seconds = int(raw) if raw.isdigit() else 0
+        if seconds <= 0:
+            env = os.environ.get("HCCL_CONNECT_TIMEOUT", "")
+            seconds = int(env) if env.isdigit() and int(env) > 0 else DEFAULT_LINK_TOTAL_TIME_S
+        return float(seconds)
+
+    def _comm_manager(self, comm_id: Any) -> CommManager:
+        self._check_init()
+        if not self._cache_manager_mode:
+            raise _param_invalid("two-sided links are only available in cache-manager mode")
+        check_int("comm_id", comm_id, "int64", allow_none=False)
+        if self._comms is None:
+            raise _param_invalid(f"comm_id {comm_id} is not a live link")
+        return self._comms
 
     def unlink(self, comm_id: int) -> None:
-        self._check_init()
-        raise LLMException("unlink(comm_id) is not available in this release",
-                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        """Leave a two-sided link: drop the links it made and tell the members. Unknown
+        comm ids raise LLM_PARAM_INVALID."""
+        comms = self._comm_manager(comm_id)
+        with llm_errors("unlink"):
+            comms.unlink(comm_id)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
-        self._check_init()
-        raise LLMException("query_register_mem_status is not available in this release",
-                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        """PREPARING while the link comes up, then OK (or FAILED). Never blocks."""
+        comms = self._comm_manager(comm_id)
+        with llm_errors("query_register_mem_status"):
+            state = comms.status(comm_id)
+        return {CommState.PREPARING: RegisterMemStatus.PREPARING,
+                CommState.OK: RegisterMemStatus.OK}.get(state, RegisterMemStatus.FAILED)
 
 
 def _finalize_at_exit() -> None:

@@ -56,6 +56,7 @@ class EngineConfig:
     host_pool: PoolConfig | None = None
     transport: str | None = None
     secret: bytes | None = None  # shared secret peers must prove at link time
+    verify: bool = False  # end-to-end CRC-32 of every pull
 
 
 class Engine:
@@ -301,8 +302,9 @@ class Engine:
         try:
             link = self.get_link(cluster_id)
             local = make_iov(*plan.local_iov(entry.addrs))
-            msg = p.Read(key, unit_bytes, p.ReadFlags.NONE, plan.remote_tensors,
-                         plan.remote_offsets, plan.lengths)
+            flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
+            msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
+                         plan.lengths, entry.geometry.layout)
             link.run(deadline,
                      lambda path, chan: path.read(chan, msg, local, deadline))
         finally:
@@ -327,7 +329,7 @@ class Engine:
             link = self.get_link(cluster_id)
             local = make_iov(*plan.local_iov(entry.addrs))
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
-                          plan.lengths)
+                          plan.lengths, entry.geometry.layout)
             # Pushes go over the control channel: the owner must check the spans before
             # anything lands, which is what the two-step Write does.
             link.run(deadline,
@@ -369,13 +371,15 @@ class Engine:
     def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
         same_host = self.identity.same_host(peer.boot_id, peer.pid_ns)
         return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
-                                  msg.lengths, shm=same_host and bool(msg.flags & p.ReadFlags.SHM))
+                                  msg.lengths, layout=msg.layout,
+                                  shm=same_host and bool(msg.flags & p.ReadFlags.SHM))
 
     def close_read(self, lease: Lease, ok: bool) -> None:
         self.registry.close(lease, ok)
 
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
-        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths)
+        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths,
+                                  layout=msg.layout)
 
     def close_write(self, lease: Lease, ok: bool) -> None:
         self.registry.close(lease, ok, consume=False)
@@ -391,6 +395,36 @@ class Engine:
     def inbound_peers(self) -> list[PeerInfo]:
         with self._lock:
             return list(self._inbound.values())
+
+    # ------------------------------------------------------------------ two-sided links
+    # core/comm.py connects to every member first and makes the links usable only once all
+    # members are up, so that transfers before then get NOT_YET_LINK.
+
+    def open_link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
+        """Connect and check the peer exactly as :meth:`link`, but do not register the link
+        (transfers cannot use it yet): :meth:`adopt_link` does. Blocks <= timeout."""
+        self._check_open()
+        if cluster_id == self.config.cluster_id:
+            raise InvalidArgument("cannot link to our own cluster id")
+
+        def connect(deadline: float) -> tuple[Channel, p.Welcome]:
+            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline)
+
+        chan, welcome = connect(time.monotonic() + timeout)
+        path, reason = choose_path(self.forced, self.identity, welcome)
+        return Link(cluster_id, host, port, chan, welcome, path, reason, connect)
+
+    def adopt_link(self, link: Link) -> None:
+        """Register a link from :meth:`open_link`. AlreadyLinked (link left open) if that
+        cluster is linked already; Closed (link closed) after close."""
+        with self._lock:
+            if self._closed:
+                link.close()
+                raise Closed("the engine is finalized")
+            if link.cluster_id in self._links:
+                raise AlreadyLinked(f"cluster {link.cluster_id} is already linked")
+            self._links[link.cluster_id] = link
+        log.debug("link.complete %r", link)
 
 
 __all__ = ["DEVICE", "HOST", "Engine", "EngineConfig", "PathKind"]

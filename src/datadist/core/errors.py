@@ -144,6 +144,12 @@ class RemoteError(TransferError):
     """The peer refused a request and said why; ``code`` is the peer's code."""
 
 
+class IntegrityError(TransferError):
+    """The bytes that arrived are not the bytes the owner sent (checksum mismatch)."""
+
+    code = Code.SUSPECT_REMOTE_ERROR
+
+
 class Timeout(DatadistError, TimeoutError):
     code = Code.TIMEOUT
 

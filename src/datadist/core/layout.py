@@ -50,6 +50,8 @@ class Geometry:
     tensor_bytes: int
     units: int
     is_blocks: bool = False
+    # (dtype + 1) << 32 | crc32(per-unit shape); 0 = unknown. See layout_tag().
+    layout: int = 0
 
     def __post_init__(self) -> None:
         if self.num_tensors <= 0:
@@ -65,6 +67,31 @@ class Geometry:
     def unit_bytes(self) -> int:
         """Bytes of one batch slot (contiguous cache) or one block (blocks cache)."""
         return self.tensor_bytes // self.units
+
+
+def layout_tag(dtype_value: int, unit_shape: Sequence[int]) -> int:
+    """Describe a cache's element type and per-unit shape in 64 bits, for the owner's
+    compatibility check: the dtype in the high word (plus one, so 0 means unknown) and a
+    CRC-32 of the per-unit shape in the low word."""
+    import zlib
+
+    shape_crc = zlib.crc32(",".join(str(int(d)) for d in unit_shape).encode())
+    return ((dtype_value + 1) & 0xFFFFFFFF) << 32 | shape_crc
+
+
+def check_layouts(mine: int, theirs: int, *, blocks: bool, what: str) -> None:
+    """Owner side: refuse a request whose cache holds another dtype (always) or, for block
+    addressing, blocks of another shape. Unknown (0) on either side passes."""
+    if not mine or not theirs:
+        return
+    if mine >> 32 != theirs >> 32:
+        raise InvalidArgument(
+            f"{what} holds another data type than the requester's cache "
+            f"(dtype codes {(mine >> 32) - 1} and {(theirs >> 32) - 1}): refusing to move "
+            "bytes that would be read as the wrong type"
+        )
+    if blocks and mine != theirs:
+        raise InvalidArgument(f"{what} has another block shape than the requester's cache")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -41,7 +41,7 @@ from datadist.core.errors import (
     InvalidArgument,
     Timeout,
 )
-from datadist.core.layout import U64, Geometry, check_source_spans
+from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
 from datadist.wire.protocol import KeyKind, KeyRef
 
 UINT64_MAX = 2**64 - 1
@@ -294,6 +294,7 @@ class Registry:
         lengths: np.ndarray,
         *,
         shm: bool = False,
+        layout: int = 0,
     ) -> Lease:
         """Owner side of a peer's read or write: resolve, bounds-check, lease.
 
@@ -303,6 +304,8 @@ class Registry:
         Raises CacheNotFound for an unknown key or cache, InvalidArgument for anything that
         does not fit the cache (tensor index, span, block size, batch index).
         """
+        if key.kind == KeyKind.ADDRESS:  # raw addresses (transfer_cache_async)
+            return self.open_addresses(tensors, offsets, lengths)
         with self._lock:
             binding: KeyBinding | None = None
             kid: KeyId | None = None
@@ -350,6 +353,7 @@ class Registry:
                 # the tensor.
                 base, limit = slot * g.unit_bytes, g.tensor_bytes - slot * g.unit_bytes
             check_source_spans(offsets, lengths, limit)
+            check_layouts(g.layout, layout, blocks=slot < 0, what=f"cache {entry.cache_id}")
             bases = entry.addrs[tensors] + np.uint64(base)
             shm_info = None
             if shm and entry.shm is not None:
@@ -372,3 +376,37 @@ class Registry:
                         entry.keys.discard(lease.key)
             self._maybe_release(entry)
             self._changed.notify_all()
+
+    def open_addresses(
+        self, tensors: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+    ) -> Lease:
+        """Owner side of a write by raw addresses (``KeyKind.ADDRESS``): ``tensors`` is
+        ``[0]`` and ``offsets`` are absolute addresses in our memory. Every span must lie
+        inside one tensor of one remote-accessible cache (the one holding the lowest
+        address); that cache is leased as for any write.
+
+        Raises CacheNotFound when no such cache holds the lowest address, InvalidArgument
+        when a span leaves that tensor or the request is malformed.
+        """
+        if len(tensors) != 1 or int(tensors[0]) != 0:
+            raise InvalidArgument("an address write names exactly one pseudo-tensor, 0")
+        if not len(lengths) or len(offsets) != len(lengths):
+            raise InvalidArgument("an address write needs spans")
+        first = int(offsets.min())
+        with self._lock:
+            found: tuple[CacheEntry, int] | None = None
+            for entry in self._by_id.values():
+                if not entry.remote_accessible:
+                    continue
+                size = entry.geometry.tensor_bytes
+                hit = np.flatnonzero((entry.addrs <= first) & (first < entry.addrs + size))
+                if hit.size:
+                    found = (entry, int(entry.addrs[hit[0]]))
+                    break
+            if found is None:
+                raise CacheNotFound(f"address {first:#x} is in no registered cache")
+            entry, start = found
+            # offsets below start wrap to huge values and fail the check, as they should
+            check_source_spans(offsets - np.uint64(start), lengths, entry.geometry.tensor_bytes)
+            entry.leases += 1
+            return Lease(entry, np.zeros(1, dtype=U64), tensors, offsets, lengths, None, None)

@@ -7,7 +7,9 @@ batches of ``IOV_MAX``. A partial transfer advances the array in place with one
 ``searchsorted`` over the batch.
 
 Every function that waits takes an absolute ``deadline`` (``time.monotonic()`` seconds) and
-raises :class:`Timeout` past it. Socket errors become :class:`BrokenLink`.
+raises :class:`Timeout` past it. Socket errors become :class:`BrokenLink`. Sockets may be
+non-blocking (waits are ``poll``) or blocking with timeouts the caller keeps inside the deadline
+(an ``arm`` callback; waits are in the kernel, and a receive is ``recvmsg(MSG_WAITALL)``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import errno
 import os
 import select
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -46,6 +49,25 @@ _libc.memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 _libc.memmove.restype = ctypes.c_void_p
 
 
+class _MsgHdr(ctypes.Structure):
+    """``struct msghdr``; ctypes lays out the padding of this platform's ABI."""
+
+    _fields_ = [
+        ("msg_name", ctypes.c_void_p),
+        ("msg_namelen", ctypes.c_uint32),
+        ("msg_iov", ctypes.c_void_p),
+        ("msg_iovlen", ctypes.c_size_t),
+        ("msg_control", ctypes.c_void_p),
+        ("msg_controllen", ctypes.c_size_t),
+        ("msg_flags", ctypes.c_int),
+    ]
+
+
+_libc.recvmsg.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+_libc.recvmsg.restype = _c_ssize
+MSG_WAITALL = 0x100  # <sys/socket.h>, Linux
+
+
 class CmaRefused(DatadistError):
     """The kernel refused cross-memory attach (EPERM, ENOSYS, ESRCH): use another path."""
 
@@ -71,6 +93,17 @@ def allow_same_host_readers() -> str:
     if _libc.prctl(pr_set_ptracer, ctypes.c_ulong(pr_set_ptracer_any), 0, 0, 0) != 0:
         return f"Yama ptrace_scope=1: prctl refused ({os.strerror(ctypes.get_errno())})"
     return "Yama ptrace_scope=1: PR_SET_PTRACER_ANY set for same-host readers"
+
+
+def crc_iov(iov: np.ndarray) -> int:
+    """CRC-32 of the bytes the iovecs name, in order (zlib's, ~4 GB/s). One call per span:
+    used only when a transfer's checksum is asked for."""
+    import zlib
+
+    crc = 0
+    for base, n in iov.tolist():
+        crc = zlib.crc32((ctypes.c_char * n).from_address(base), crc)
+    return crc
 
 
 def make_iov(bases: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -115,34 +148,73 @@ def _wait(fd: int, events: int, deadline: float) -> None:
         raise Timeout("transfer deadline passed")
 
 
-def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int) -> None:
-    """Loop ``readv``/``writev`` on a non-blocking socket until ``iov`` is done."""
-    iov = np.array(iov, dtype=U64, copy=True)  # we edit it in place as we go
-    while len(iov):
-        batch = iov[:IOV_MAX]
-        n = call(fd, batch.ctypes.data, len(batch))
-        if n < 0:
-            err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                _wait(fd, events, deadline)
+def _recvmsg_waitall(fd: int, iov_ptr: int, count: int) -> int:
+    """``recvmsg(MSG_WAITALL)`` over an iovec batch: on a blocking socket the kernel keeps
+    copying as segments arrive until the batch is full (or its receive timeout fires), with no
+    return to Python in between; on a non-blocking one it behaves like ``readv``."""
+    hdr = _MsgHdr(None, 0, iov_ptr, count, None, 0, 0)
+    return _libc.recvmsg(fd, ctypes.byref(hdr), MSG_WAITALL)
+
+
+Arm = Callable[[float, bool], None]
+
+
+def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int,  # type: ignore[no-untyped-def]
+              arm: Arm | None, reading: bool) -> None:
+    """Loop ``call`` (readv-shaped: fd, iovec pointer, count) until ``iov`` is done.
+
+    Non-blocking sockets (``arm`` None) wait in ``poll`` on EAGAIN. Blocking sockets wait in
+    the kernel, bounded by the send/receive timeouts that ``arm(deadline, expired)`` keeps
+    within the deadline (it raises Timeout past it); EAGAIN there means a timeout expired.
+    A batch that completes in one call (the usual case) costs no numpy work beyond its sum.
+    """
+    iov = np.ascontiguousarray(iov, dtype=U64)
+    for start in range(0, len(iov), IOV_MAX):
+        batch = iov[start : start + IOV_MAX]
+        want = int(batch[0, 1]) if len(batch) == 1 else int(batch[:, 1].sum())
+        private = False
+        expired = False
+        while True:
+            if arm is not None:
+                arm(deadline, expired)
+                expired = False
+            n = call(fd, batch.ctypes.data, len(batch))
+            if n == want:
+                break
+            if n < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    if arm is None:
+                        _wait(fd, events, deadline)
+                    expired = True
+                    continue
+                raise BrokenLink(f"socket error: {os.strerror(err)}")
+            if n == 0:
+                if reading:
+                    raise BrokenLink("peer closed the connection mid-transfer")
+                if arm is None:
+                    _wait(fd, events, deadline)
                 continue
-            raise BrokenLink(f"socket error: {os.strerror(err)}")
-        if n == 0:
-            if call is _libc.readv:
-                raise BrokenLink("peer closed the connection mid-transfer")
-            _wait(fd, events, deadline)
-            continue
-        iov = _advance(iov, n)
+            if not private:  # first partial transfer: edit a copy, never the caller's array
+                batch, private = batch.copy(), True
+            batch = _advance(batch, n)
+            want -= n
 
 
-def sock_readv(fd: int, iov: np.ndarray, deadline: float) -> None:
-    """Receive exactly ``iov_nbytes(iov)`` bytes from a non-blocking socket into memory."""
-    _sock_iov(_libc.readv, fd, iov, deadline, select.POLLIN)
+def sock_readv(fd: int, iov: np.ndarray, deadline: float, arm: Arm | None = None) -> None:
+    """Receive exactly ``iov_nbytes(iov)`` bytes from a socket straight into memory.
+
+    ``arm``: see :func:`_sock_iov`; without it the socket must be non-blocking.
+    """
+    _sock_iov(_recvmsg_waitall, fd, iov, deadline, select.POLLIN, arm, True)
 
 
-def sock_writev(fd: int, iov: np.ndarray, deadline: float) -> None:
-    """Send the bytes the iovecs name, from memory, on a non-blocking socket."""
-    _sock_iov(_libc.writev, fd, iov, deadline, select.POLLOUT)
+def sock_writev(fd: int, iov: np.ndarray, deadline: float, arm: Arm | None = None) -> None:
+    """Send the bytes the iovecs name, straight from memory. A blocking socket (``arm``
+    given) sends a whole batch in one call."""
+    _sock_iov(_libc.writev, fd, iov, deadline, select.POLLOUT, arm, False)
 
 
 def _vm_call(call, pid: int, local: np.ndarray, remote: np.ndarray) -> int:

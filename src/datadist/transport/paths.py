@@ -14,19 +14,43 @@ Both block; both finish or raise by ``deadline``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
-from datadist.core.errors import RemoteProtocolError
+from datadist.core.errors import IntegrityError, RemoteProtocolError
 from datadist.core.layout import span_iov
 from datadist.transport.base import TransportCaps
 from datadist.memory.pool import map_shared, unmap
-from datadist.transport.iov import CmaRefused, iov_nbytes, local_copy, make_iov, vm_copy
+from datadist.transport.iov import (
+    CmaRefused,
+    crc_iov,
+    iov_nbytes,
+    local_copy,
+    make_iov,
+    vm_copy,
+)
 from datadist.transport.tcp import Channel
 from datadist.wire import protocol as p
 
 __all__ = ["CmaPath", "CmaRefused", "TcpPath"]
+
+
+def _verify(chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
+    """With the CHECKSUM flag: the owner's CRC of what it sent must be ours of what landed."""
+    if not msg.flags & p.ReadFlags.CHECKSUM:
+        return
+    _, ck = chan.recv(deadline)
+    _expect(ck, p.Checksum, chan)
+    assert isinstance(ck, p.Checksum)
+    got = crc_iov(local)
+    if ck.crc != got or ck.nbytes != iov_nbytes(local):
+        raise IntegrityError(
+            f"checksum mismatch: the owner sent crc {ck.crc:#010x} over {ck.nbytes} bytes, "
+            f"{got:#010x} over {iov_nbytes(local)} bytes arrived (the source changed during "
+            "the transfer, or the bytes were corrupted)"
+        )
 
 
 def _expect(reply: p.Message, kind: type, chan: Channel) -> None:
@@ -51,6 +75,7 @@ class TcpPath:
                 f"owner announced {reply.nbytes} bytes, {iov_nbytes(local)} were asked for"
             )
         chan.recv_iov(local, deadline)
+        _verify(chan, msg, local, deadline)
 
     def write(self, chan: Channel, msg: p.Write, local: np.ndarray, deadline: float) -> None:
         reply = chan.call(msg, deadline)
@@ -86,7 +111,7 @@ class CmaPath:
         flags = msg.flags | p.ReadFlags.GRANT
         if self.allow_shm and len(msg.tensors) * len(msg.lengths) <= self.SHM_MAX_SPANS:
             flags |= p.ReadFlags.SHM
-        msg = p.Read(msg.key, msg.unit_bytes, flags, msg.tensors, msg.offsets, msg.lengths)
+        msg = dataclasses.replace(msg, flags=flags)
         grant = chan.call(msg, deadline)
         if isinstance(grant, p.ShmGrant):
             self._read_shm(chan, msg, grant, local, deadline)
@@ -100,10 +125,12 @@ class CmaPath:
         ok = False
         try:
             vm_copy(self.pid, local, remote)
-            ok = True
             self.last = "cma"
+            _verify(chan, msg, local, deadline)
+            ok = True
         finally:
-            chan.send(p.Release(grant.lease_id, ok), deadline)
+            if not chan.closed:
+                chan.send(p.Release(grant.lease_id, ok), deadline)
 
     def _read_shm(self, chan: Channel, msg: p.Read, grant: p.ShmGrant, local: np.ndarray,
                   deadline: float) -> None:
@@ -130,10 +157,12 @@ class CmaPath:
             if len(ends) and bool((ends > limits[: len(ends)]).any()):
                 raise RemoteProtocolError("shm grant spans run past the shared mapping")
             local_copy(local, src)
-            ok = True
             self.last = "shm"
+            _verify(chan, msg, local, deadline)
+            ok = True
         finally:
-            chan.send(p.Release(grant.lease_id, ok), deadline)
+            if not chan.closed:
+                chan.send(p.Release(grant.lease_id, ok), deadline)
 
     def _map(self, fd: int, ino: int) -> tuple[int, int]:
         key = (fd, ino)

@@ -2,8 +2,9 @@
 
 Who calls: the engine. ``TcpListener`` serves peers (one thread per connection, calling the
 engine's :class:`RequestHandler`); ``Channel`` is one connection, used by the client side of a
-link with a per-call deadline. Sockets are non-blocking; every wait is a ``poll`` bounded by the
-caller's deadline, so nothing here can hang past it.
+link with a per-call deadline. Sockets block, with send and receive timeouts that
+``Channel._arm`` keeps inside the caller's deadline, so nothing here can hang past it; waiting
+in the kernel rather than in ``poll`` lets a bulk transfer be one system call per batch.
 
 Bulk bytes never pass through Python buffers: the owner ``writev``s straight from registered
 memory, the puller ``readv``s straight into the destination (see ``transport.iov``).
@@ -11,10 +12,13 @@ memory, the puller ``readv``s straight into the destination (see ``transport.iov
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
+import math
 import select
 import socket
+import struct
 import threading
 import time
 
@@ -31,7 +35,7 @@ from datadist.core.errors import (
     error_for_code,
 )
 from datadist.transport.base import PeerInfo, RequestHandler
-from datadist.transport.iov import make_iov, sock_readv, sock_writev
+from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, sock_readv, sock_writev
 from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0  # seconds the server waits for a new connection's Hello
 SERVE_SEND_TIMEOUT = 120.0  # the owner gives up on a reader that stops reading
 SOCKET_BUFFER = 4 << 20
+RECV_BUFFER = 64 << 10  # read-ahead for frames (see Channel)
+ARM_SLACK = 0.02  # seconds a blocking call may run past its deadline (timer granularity)
 
 
 KEEPALIVE = (5, 2, 3)  # idle seconds, interval, probes: a vanished host is noticed in ~11 s
@@ -61,7 +67,9 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
         except OSError:  # pragma: no cover - capped by the kernel, harmless
             pass
-    sock.setblocking(False)
+    # Blocking, with SO_RCVTIMEO/SO_SNDTIMEO kept inside each call's deadline (Channel._arm):
+    # a bulk transfer is then one system call per 1024 spans, not a poll per buffer-full.
+    sock.setblocking(True)
 
 
 class Channel:
@@ -77,6 +85,14 @@ class Channel:
         self.fd = sock.fileno()
         self._rid = itertools.count(1)
         self.closed = False
+        # Frames are read through a small buffer: a reply's header, payload and (for a small
+        # read) its raw bytes usually arrive in one segment and cost one recv. Raw bytes that
+        # were read ahead are copied out first by recv_iov.
+        self._rbuf = bytearray(RECV_BUFFER)
+        self._rview = memoryview(self._rbuf)
+        self._rbuf_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._rbuf))
+        self._rpos = self._rend = 0
+        self._armed = math.inf  # the SO_RCVTIMEO/SO_SNDTIMEO now set, in seconds
 
     def __repr__(self) -> str:
         return f"<Channel {self.address} {'closed' if self.closed else 'open'}>"
@@ -108,7 +124,7 @@ class Channel:
     def peer_gone(self) -> bool:
         """True if an idle channel has anything to read: between requests the server sends
         nothing, so readable means it closed (FIN/RST) or broke the protocol. Never blocks."""
-        if self.closed:
+        if self.closed or self._rend > self._rpos:
             return True
         p_ = select.poll()
         p_.register(self.fd, select.POLLIN | select.POLLERR | select.POLLHUP)
@@ -120,43 +136,166 @@ class Channel:
 
     # ------------------------------------------------------------------ framing
 
+    def _arm(self, deadline: float, expired: bool = False) -> None:
+        """Keep the socket's timeouts within ``deadline`` before a blocking call.
+
+        A blocking call can wait for the timeout in force, so that must not run past the
+        deadline (by more than ARM_SLACK); after a timeout expired (``expired``) it is set to
+        all the time left. Both are rare: successive calls with similar deadlines reuse the
+        setting, so a request usually costs no setsockopt at all. Raises Timeout past the
+        deadline.
+        """
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Timeout(f"deadline passed on the connection to {self.address}")
+        if not expired and self._armed <= left + ARM_SLACK:
+            return
+        sec = int(left)
+        tv = struct.pack("@ll", sec, max(1, int((left - sec) * 1e6)))
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        except OSError as e:  # closed under us
+            raise BrokenLink(f"connection to {self.address}: {e.strerror or e}") from e
+        self._armed = left
+
     def send(self, msg: p.Message, deadline: float, request_id: int = 0) -> None:
         self._guard()
-        frame = p.encode(msg, request_id)
-        self.send_raw(np.frombuffer(frame, dtype=np.uint8), deadline)
+        self._send_bytes(p.encode(msg, request_id), deadline)
 
     def send_raw(self, buf: np.ndarray, deadline: float) -> None:
-        iov = make_iov(np.array([buf.ctypes.data], dtype=np.uint64),
-                       np.array([buf.nbytes], dtype=np.uint64))
-        self._io(sock_writev, iov, deadline)
+        self._guard()
+        self._send_bytes(memoryview(buf).cast("B"), deadline)
+
+    def _send_bytes(self, data: bytes | memoryview, deadline: float) -> None:
+        view = memoryview(data)
+        sent, expired = 0, False
+        try:
+            while sent < len(view):
+                self._arm(deadline, expired)
+                try:
+                    sent += self.sock.send(view[sent:])
+                    expired = False
+                except BlockingIOError:
+                    expired = True
+                except OSError as e:
+                    raise BrokenLink(f"socket error: {e.strerror or e}") from e
+        except (Timeout, BrokenLink):
+            self.close()
+            raise
+
+    def _fill(self, n: int, deadline: float) -> None:
+        """Buffer at least ``n <= RECV_BUFFER`` unread bytes."""
+        if self._rend - self._rpos >= n:
+            return
+        if self._rpos + n > RECV_BUFFER:  # move the unread bytes to the front
+            have = self._rend - self._rpos
+            ctypes.memmove(self._rbuf_addr, self._rbuf_addr + self._rpos, have)
+            self._rpos, self._rend = 0, have
+        expired = False
+        while self._rend - self._rpos < n:
+            self._arm(deadline, expired)
+            try:
+                got = self.sock.recv_into(self._rview[self._rend :])
+                expired = False
+            except BlockingIOError:
+                expired = True
+                continue
+            except OSError as e:
+                raise BrokenLink(f"socket error: {e.strerror or e}") from e
+            if not got:
+                raise BrokenLink(f"connection to {self.address} closed by the peer")
+            self._rend += got
+
+    def _take(self, n: int, deadline: float) -> bytearray:
+        """The next ``n`` bytes of the stream, as a new bytearray."""
+        if n <= RECV_BUFFER:
+            self._fill(n, deadline)
+            out = bytearray(self._rview[self._rpos : self._rpos + n])
+            self._rpos += n
+            return out
+        out = bytearray(n)  # a frame bigger than the buffer: read its tail straight in
+        have = self._rend - self._rpos
+        out[:have] = self._rview[self._rpos : self._rend]
+        self._rpos = self._rend = 0
+        arr = np.frombuffer(out, dtype=np.uint8)
+        iov = make_iov(np.array([arr.ctypes.data + have], dtype=np.uint64),
+                       np.array([n - have], dtype=np.uint64))
+        sock_readv(self.fd, iov, deadline, self._arm)
+        return out
 
     def recv_exact(self, n: int, deadline: float) -> bytearray:
-        buf = bytearray(n)
-        if n:
-            arr = np.frombuffer(buf, dtype=np.uint8)
-            iov = make_iov(np.array([arr.ctypes.data], dtype=np.uint64),
-                           np.array([n], dtype=np.uint64))
-            self._io(sock_readv, iov, deadline)
-        return buf
+        self._guard()
+        try:
+            return self._take(n, deadline)
+        except (Timeout, BrokenLink):
+            self.close()
+            raise
 
     def recv(self, deadline: float) -> tuple[int, p.Message]:
-        """Receive one frame. Raw bytes that follow ReadData/Write are left on the socket."""
+        """Receive one frame. Raw bytes that follow ReadData/Write are left for recv_iov."""
         self._guard()
-        head = p.decode_header(bytes(self.recv_exact(p.HEADER_SIZE, deadline)))
-        payload = self.recv_exact(head.length, deadline)
+        try:
+            self._fill(p.HEADER_SIZE, deadline)
+            head = p.decode_header(self._rview[self._rpos : self._rpos + p.HEADER_SIZE])
+            self._rpos += p.HEADER_SIZE
+            payload = self._take(head.length, deadline)
+        except (Timeout, BrokenLink):
+            self.close()
+            raise
         return head.request_id, p.decode_payload(head.type, payload)
 
-    def send_iov(self, iov: np.ndarray, deadline: float) -> None:
+    def send_iov(self, iov: np.ndarray, deadline: float, head: p.Message | None = None,
+                 request_id: int = 0) -> None:
+        """Send the bytes ``iov`` names; with ``head``, that frame first, in the same
+        system call (a small read's answer is then one segment)."""
         self._guard()
+        frame = None
+        if head is not None:
+            frame = p.encode(head, request_id)
+            first = np.empty((len(iov) + 1, 2), dtype=np.uint64)
+            first[0, 0] = ctypes.cast(ctypes.c_char_p(frame), ctypes.c_void_p).value
+            first[0, 1] = len(frame)
+            first[1:] = iov
+            iov = first
         self._io(sock_writev, iov, deadline)
+        del frame  # kept alive until the bytes are sent
 
     def recv_iov(self, iov: np.ndarray, deadline: float) -> None:
+        """Receive exactly the bytes ``iov`` names, straight into memory."""
         self._guard()
-        self._io(sock_readv, iov, deadline)
+        if self._rend > self._rpos:
+            iov = self._drain(iov)
+        if len(iov):
+            self._io(sock_readv, iov, deadline)
+
+    def _drain(self, iov: np.ndarray) -> np.ndarray:
+        """Copy read-ahead bytes into the front of ``iov``; returns the spans still to read."""
+        iov = np.ascontiguousarray(iov, dtype=np.uint64)
+        if len(iov) and not iov[:, 1].all():
+            iov = iov[iov[:, 1] != 0]
+        have = self._rend - self._rpos
+        src = self._rbuf_addr + self._rpos
+        ends = np.cumsum(iov[: min(len(iov), have), 1])  # spans are >= 1 byte
+        k = int(np.searchsorted(ends, have, side="right"))  # spans covered entirely
+        for base, n in iov[:k].tolist():
+            ctypes.memmove(base, src, n)
+            src += n
+        used = int(ends[k - 1]) if k else 0
+        rest = iov[k:]
+        if len(rest) and have > used:
+            part = have - used
+            ctypes.memmove(int(rest[0, 0]), src, part)
+            rest = rest.copy()
+            rest[0, 0] += part
+            rest[0, 1] -= part
+            used = have
+        self._rpos += used
+        return rest
 
     def _io(self, fn, iov: np.ndarray, deadline: float) -> None:  # type: ignore[no-untyped-def]
         try:
-            fn(self.fd, iov, deadline)
+            fn(self.fd, iov, deadline, self._arm)
         except (Timeout, BrokenLink):
             self.close()
             raise
@@ -363,11 +502,16 @@ class ServerConnection:
                 else:
                     self.chan.send(p.Grant(lease_id, lease.bases), deadline,  # type: ignore[attr-defined]
                                    rid)
+                if msg.flags & p.ReadFlags.CHECKSUM:
+                    self._send_checksum(make_iov(*lease.iov()), deadline, rid)
                 return True
             ok = False
             try:
+                iov = make_iov(*lease.iov())
                 self.chan.send(p.ReadData(lease.nbytes), deadline, rid)
-                self.chan.send_iov(make_iov(*lease.iov()), deadline)
+                self.chan.send_iov(iov, deadline)
+                if msg.flags & p.ReadFlags.CHECKSUM:
+                    self._send_checksum(iov, deadline, rid)
                 ok = True
             finally:
                 self.handler.close_read(lease, ok)
@@ -387,6 +531,11 @@ class ServerConnection:
             self._try_send(p.Ok(), rid)
             return False
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")
+
+    def _send_checksum(self, iov: np.ndarray, deadline: float, rid: int) -> None:
+        """The CRC of the source spans, computed after they were sent (TCP) or while the
+        reader holds the lease (grants): a change under the reader's feet shows up."""
+        self.chan.send(p.Checksum(crc_iov(iov), iov_nbytes(iov)), deadline, rid)
 
     def _write(self, rid: int, msg: p.Write, deadline: float) -> bool:
         """Push, in two steps: the owner checks the destination spans and answers Ok (send)

@@ -59,6 +59,7 @@ class MsgType(enum.IntEnum):
     OK = 12
     SHM_GRANT = 13
     AUTH = 14
+    CHECKSUM = 15
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
@@ -70,12 +71,17 @@ class KeyKind(enum.IntEnum):
     CACHE_KEY = 1  # a = req_id, b = model_id, c = prefix_id; source unit = the key's slot
     CACHE_ID = 2  # a = cache_id, b = batch index; source unit = that slot
     BLOCKS_KEY = 3  # b = model_id; offsets are absolute within each tensor
+    # Raw addresses (transfer_cache_async's TransferConfig, writes only): tensors == [0] and
+    # offsets are absolute addresses in the owner's memory; the owner accepts them only
+    # inside one tensor of a remote-accessible cache it registered (Registry.open_addresses).
+    ADDRESS = 4
 
 
 class ReadFlags(enum.IntFlag):
     NONE = 0
     GRANT = 1  # same host: answer with addresses (a lease), not with the bytes
     SHM = 2  # with GRANT: answer with an ShmGrant if the cache is in shareable memory
+    CHECKSUM = 4  # follow the answer with a Checksum frame over the source spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +141,9 @@ class Read:
 
     ``unit_bytes`` is the source unit size the requester assumed (its own block size for
     block addressing); the owner refuses the request when its own differs. 0 means "any".
+    ``layout`` describes the requester's cache: ``(dtype + 1) << 32 | crc32 of the per-unit
+    shape``; the owner refuses a different dtype, and for block addressing a different block
+    shape. 0 means unknown (no check).
     Spans: for every tensor in ``tensors``, for every ``(offset, length)``.
     """
 
@@ -144,9 +153,10 @@ class Read:
     tensors: np.ndarray  # uint32
     offsets: np.ndarray  # uint64
     lengths: np.ndarray  # uint64
+    layout: int = 0
 
     TYPE: ClassVar[MsgType] = MsgType.READ
-    _S: ClassVar[struct.Struct] = struct.Struct("<QIII")
+    _S: ClassVar[struct.Struct] = struct.Struct("<QQIII")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -159,6 +169,7 @@ class Write:
     tensors: np.ndarray
     offsets: np.ndarray
     lengths: np.ndarray
+    layout: int = 0
 
     TYPE: ClassVar[MsgType] = MsgType.WRITE
     _S: ClassVar[struct.Struct] = Read._S
@@ -219,6 +230,17 @@ class Auth:
 
 
 @dataclass(frozen=True, slots=True)
+class Checksum:
+    """CRC-32 (zlib) of the source spans of a read, in order, as the owner saw them."""
+
+    crc: int
+    nbytes: int
+
+    TYPE: ClassVar[MsgType] = MsgType.CHECKSUM
+    _S: ClassVar[struct.Struct] = struct.Struct("<IQ")
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     nonce: int
 
@@ -248,7 +270,7 @@ class Ok:
 
 Message = Union[
     Hello, Welcome, Error, Read, Write, ReadData, Grant, ShmGrant, Release, Ping, Pong, Bye, Ok,
-    Auth,
+    Auth, Checksum,
 ]
 
 
@@ -290,7 +312,8 @@ def encode_payload(msg: Message) -> bytes:
         return b"".join(
             (
                 KeyRef._S.pack(k.kind, k.a, k.b, k.c),
-                msg._S.pack(msg.unit_bytes, int(msg.flags), len(msg.tensors), len(msg.offsets)),
+                msg._S.pack(msg.unit_bytes, msg.layout, int(msg.flags), len(msg.tensors),
+                            len(msg.offsets)),
                 _array(msg.tensors, U32),
                 _array(msg.offsets, U64),
                 _array(msg.lengths, U64),
@@ -312,6 +335,8 @@ def encode_payload(msg: Message) -> bytes:
         return msg._S.pack(msg.nonce)
     if isinstance(msg, Auth):
         return _bytes_field(msg.proof)
+    if isinstance(msg, Checksum):
+        return msg._S.pack(msg.crc, msg.nbytes)
     if isinstance(msg, (Bye, Ok)):
         return b""
     raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
@@ -396,19 +421,19 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
             key = KeyRef(KeyKind(kind), a, b, c)
         except ValueError:
             raise RemoteProtocolError(f"unknown key kind {kind}") from None
-        unit_bytes, flags, ntensors, nspans = r.unpack(Read._S)
+        unit_bytes, layout, flags, ntensors, nspans = r.unpack(Read._S)
         tensors = r.array(ntensors, U32)
         offsets = r.array(nspans, U64)
         lengths = r.array(nspans, U64)
         if mtype == MsgType.READ:
-            if flags & ~int(ReadFlags.GRANT | ReadFlags.SHM):
+            if flags & ~int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM):
                 raise RemoteProtocolError(f"unknown read flags {flags:#x}")
             rflags = ReadFlags(flags)
-            msg = Read(key, unit_bytes, rflags, tensors, offsets, lengths)
+            msg = Read(key, unit_bytes, rflags, tensors, offsets, lengths, layout)
         else:
             if flags:  # no write flags are defined in this version
                 raise RemoteProtocolError(f"unknown write flags {flags:#x}")
-            msg = Write(key, unit_bytes, flags, tensors, offsets, lengths)
+            msg = Write(key, unit_bytes, flags, tensors, offsets, lengths, layout)
     elif mtype == MsgType.READ_DATA:
         (n,) = r.unpack(ReadData._S)
         msg = ReadData(n)
@@ -427,6 +452,8 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         msg = Ping(*r.unpack(Ping._S))
     elif mtype == MsgType.PONG:
         msg = Pong(*r.unpack(Pong._S))
+    elif mtype == MsgType.CHECKSUM:
+        msg = Checksum(*r.unpack(Checksum._S))
     elif mtype == MsgType.AUTH:
         msg = Auth(r.bytes_field())
     elif mtype == MsgType.BYE:

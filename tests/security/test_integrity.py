@@ -1,0 +1,126 @@
+"""Integrity: end-to-end checksums, and the owner refusing caches of another dtype or
+block shape instead of handing over bytes that would be read wrong."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import datadist.transport.tcp as tcp_mod
+from datadist.api.cache_manager import geometry_of
+from datadist.api.enums import DataType, Placement
+from datadist.api.types import CacheDesc
+from datadist.core.engine import Engine, EngineConfig
+from datadist.core.errors import IntegrityError, InvalidArgument
+from datadist.core.layout import layer_tensor_indices, plan_blocks, plan_slot
+from datadist.wire import protocol as p
+
+pytestmark = pytest.mark.timeout(30)
+F16, BF16 = DataType.DT_FLOAT16, DataType.DT_BF16
+
+
+def _pair(transport: str, verify: bool = False):
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport=transport, verify=verify))
+    host, port = owner.listen_address
+    puller.link(1, host, port, 2.0)
+    return owner, puller
+
+
+def _register(eng: Engine, desc: CacheDesc, arrays: list[np.ndarray], blocks: bool, **kw):
+    return eng.register(geometry_of(desc, blocks=blocks), [a.ctypes.data for a in arrays],
+                        placement=0, **kw)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "cma", "shm"])
+def test_checksum_passes_when_bytes_are_right(transport: str) -> None:
+    owner, puller = _pair(transport, verify=True)
+    try:
+        src = [np.random.default_rng(i).random((4, 64), dtype=np.float32).astype(np.float16)
+               for i in range(2)]
+        dst = [np.zeros((4, 64), np.float16) for _ in range(2)]
+        desc = CacheDesc(2, [4, 64], F16, Placement.HOST)
+        _register(owner, desc, src, False)
+        local = _register(puller, desc, dst, False)
+        plan = plan_slot(local.geometry, 1, layer_tensor_indices(2, None, None, 2))
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 2), 0, plan, local.cache_id, 2.0)
+        for s, d in zip(src, dst):
+            assert np.array_equal(d[1], s[2])
+    finally:
+        puller.close()
+        owner.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "cma"])
+def test_checksum_mismatch_raises(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner whose checksum disagrees with what arrived (here: it lies) is caught."""
+    monkeypatch.setattr(tcp_mod, "crc_iov", lambda iov: 0xDEADBEEF)
+    owner, puller = _pair(transport, verify=True)
+    try:
+        src = [np.ones(256, np.uint8)]
+        dst = [np.zeros(256, np.uint8)]
+        desc = CacheDesc(1, [1, 256], DataType.DT_UINT8, Placement.HOST)
+        _register(owner, desc, src, False)
+        local = _register(puller, desc, dst, False)
+        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, local.cache_id, 2.0)
+        assert IntegrityError.code == 507057  # LLM_SUSPECT_REMOTE_ERROR
+    finally:
+        puller.close()
+        owner.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "cma"])
+def test_dtype_mismatch_is_refused(transport: str) -> None:
+    """fp16 and bf16 have the same size: only the handshake can tell them apart."""
+    owner, puller = _pair(transport)
+    try:
+        src = [np.ones((8, 16, 4), np.float16) for _ in range(2)]
+        dst = [np.zeros((8, 16, 4), np.float16) for _ in range(2)]
+        _register(owner, CacheDesc(2, [8, 16, 4], F16, Placement.HOST), src, True,
+                  blocks_model_id=0)
+        local = _register(puller, CacheDesc(2, [8, 16, 4], BF16, Placement.HOST), dst, True)
+        plan = plan_blocks(local.geometry, [1, 2], [3, 4], layer_tensor_indices(2, None, None, 2))
+        with pytest.raises(InvalidArgument, match="another data type"):
+            puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), local.geometry.unit_bytes,
+                        plan, local.cache_id, 2.0)
+        assert not any(d.any() for d in dst)
+    finally:
+        puller.close()
+        owner.close()
+
+
+def test_block_shape_mismatch_is_refused() -> None:
+    """Same dtype, same block bytes, another block shape ([16, 4] vs [8, 8]): refused."""
+    owner, puller = _pair("tcp")
+    try:
+        src = [np.ones((8, 16, 4), np.float16) for _ in range(2)]
+        dst = [np.zeros((8, 8, 8), np.float16) for _ in range(2)]
+        _register(owner, CacheDesc(2, [8, 16, 4], F16, Placement.HOST), src, True,
+                  blocks_model_id=0)
+        local = _register(puller, CacheDesc(2, [8, 8, 8], F16, Placement.HOST), dst, True)
+        plan = plan_blocks(local.geometry, [1], [3], layer_tensor_indices(2, None, None, 2))
+        with pytest.raises(InvalidArgument, match="block shape"):
+            puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), local.geometry.unit_bytes,
+                        plan, local.cache_id, 2.0)
+    finally:
+        puller.close()
+        owner.close()
+
+
+def test_contiguous_slots_of_other_seq_len_still_pull() -> None:
+    """Slot addressing compares the dtype only: a decoder with shorter slots may pull a
+    prefix of a longer prompt slot (size given), as llm_datadist clients do."""
+    owner, puller = _pair("tcp")
+    try:
+        src = [np.arange(2 * 32 * 4, dtype=np.float16).reshape(2, 32, 4)]
+        dst = [np.zeros((1, 16, 4), np.float16)]
+        _register(owner, CacheDesc(1, [2, 32, 4], F16, Placement.HOST), src, False)
+        local = _register(puller, CacheDesc(1, [1, 16, 4], F16, Placement.HOST), dst, False)
+        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 1), 0, plan, local.cache_id, 2.0)
+        assert np.array_equal(dst[0][0], src[0][1][:16])
+    finally:
+        puller.close()
+        owner.close()
