@@ -18,6 +18,7 @@ import numpy as np
 
 from datadist.core.errors import (
     AlreadyLinked,
+    Busy,
     Closed,
     DatadistError,
     DeviceOutOfMemory,
@@ -237,23 +238,30 @@ class Engine:
         return link
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False) -> None:
-        """Drop our link; unless ``force``, tell the peer first (bounded by timeout)."""
-        with self._lock:
-            link = self._links.pop(cluster_id, None)
-        if link is None:
-            raise NotLinked(f"cluster {cluster_id} is not linked")
-        try:
-            if not force and not link.chan.closed:
-                deadline = time.monotonic() + timeout
-                if link.lock.acquire(timeout=timeout):
+        """Drop our link.
+
+        Without ``force``: wait (up to ``timeout``) for a transfer in flight to finish, tell
+        the peer, then close; a link still busy after the timeout raises Busy
+        (LLM_LINK_BUSY) and stays up. With ``force``: close our end at once; a transfer in
+        flight fails with LLM_LINK_FAILED.
+        """
+        link = self.get_link(cluster_id)
+        if not force:
+            deadline = time.monotonic() + timeout
+            if not link.lock.acquire(timeout=timeout):
+                raise Busy(f"link to cluster {cluster_id} is busy with a transfer")
+            try:
+                if not link.chan.closed:
                     try:
                         link.chan.call(p.Bye(), deadline)
                     except DatadistError as e:
                         log.info("unlink of cluster %d: peer not told (%s)", cluster_id, e)
-                    finally:
-                        link.lock.release()
-        finally:
-            link.close()
+            finally:
+                link.lock.release()
+        with self._lock:
+            if self._links.get(cluster_id) is link:
+                del self._links[cluster_id]
+        link.close()
 
     def get_link(self, cluster_id: int) -> Link:
         with self._lock:
