@@ -595,9 +595,10 @@ class TestLocalOps:
 
 class TestPushMode:
     def test_push_needs_remote_cache_accessible(self, cm, registered, blocks):
-        with code(S.LLM_FEATURE_NOT_ENABLED):
+        # llm_datadist's own check: raise_if_false, i.e. PARAM_INVALID
+        with code(S.LLM_PARAM_INVALID):
             cm.push_cache(CacheKeyByIdAndIndex(PEER, 1), registered[0])
-        with code(S.LLM_FEATURE_NOT_ENABLED):
+        with code(S.LLM_PARAM_INVALID):
             cm.push_blocks(BlocksCacheKey(PEER), blocks[0], [0], [0])
 
 
@@ -956,7 +957,7 @@ class TestPullCache:
         desc = contiguous_desc()
         arr, addrs = host_memory(desc)
         cache = cm.register_cache(desc, addrs)
-        with code(S.LLM_PARAM_INVALID):
+        with pytest.raises(TypeError):  # the key type is checked against the mode
             cm.pull_cache(CacheKey(PEER, 1), cache)
         with code(S.LLM_NOT_YET_LINK):
             cm.pull_cache(CacheKeyByIdAndIndex(PEER, 1), cache)

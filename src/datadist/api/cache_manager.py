@@ -249,8 +249,8 @@ class CacheManager:
         raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
         raise_if_false(not cache.is_blocks_cache, "pull_cache needs a contiguous destination")
         if self._enable_remote_cache_accessible:
-            raise_if_false(isinstance(cache_key, CacheKeyByIdAndIndex),
-                           "with remote cache accessible, pull_cache takes CacheKeyByIdAndIndex")
+            # llm_datadist type-checks the key against the mode: a TypeError.
+            check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
         self._check_cache_key(cache_key)
         geo = geometry_of(cache.cache_desc, blocks=False)
         with llm_errors("pull_cache"):
@@ -297,7 +297,7 @@ class CacheManager:
     def _require_remote_accessible(self, what: str) -> None:
         if not self._enable_remote_cache_accessible:
             raise LLMException(f"{what} needs enable_remote_cache_accessible",
-                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
                    src_batch_index: int = 0, src_layer_range: range | None = None,

@@ -176,6 +176,7 @@ class Engine:
                 f"no memory pool for {'DEVICE' if placement == DEVICE else 'HOST'} "
                 f"placement: set {what}"
             )
+        self.registry.check_keys(list(keys), geometry.units)
         step = -(-geometry.tensor_bytes // pool.page) * pool.page
         try:
             base = pool.allocate(step * geometry.num_tensors)

@@ -45,6 +45,11 @@ from datadist.core.layout import U64, Geometry, check_layouts, check_source_span
 from datadist.wire.protocol import KeyKind, KeyRef
 
 UINT64_MAX = 2**64 - 1
+# Most spans (tensors x spans per tensor) one peer request may name. The owner builds one
+# iovec per span, so without a cap a sub-megabyte Read (40k tensor indexes x 40k spans)
+# makes it allocate tens of GB. 2**24 spans cost the owner ~0.5 GB and still cover 100k
+# uncoalesced blocks in each of 160 tensors.
+MAX_REQUEST_SPANS = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,17 +160,9 @@ class Registry:
                 f"{len(addr_arr)} addresses given for {geometry.num_tensors} tensors"
             )
         keys = list(keys)
-        if len(keys) > geometry.units:
-            raise InvalidArgument(
-                f"{len(keys)} cache keys for a batch of {geometry.units}"
-            )
-        real = [k for k in keys if k is not None]
-        if len(set(real)) != len(real):
-            raise InvalidArgument("duplicate cache keys")
+        real = self.check_keys(keys, geometry.units)
         with self._lock:
-            for k in real:
-                if k in self._keys:
-                    raise InvalidArgument(f"cache key {k} is already bound")
+            self._check_unbound(real)
             entry = CacheEntry(
                 next(self._ids),
                 geometry,
@@ -185,6 +182,24 @@ class Registry:
             if blocks_model_id is not None:
                 self._blocks[blocks_model_id] = entry  # last writer wins
             return entry
+
+    def check_keys(self, keys: list[KeyId | None], units: int) -> list[KeyId]:
+        """The key rules of allocate/register: no more keys than slots, no duplicates, none
+        bound already. Returns the real (non-padding) keys. Callers check before they
+        allocate memory, so a bad key is PARAM_INVALID, never an out-of-memory."""
+        if len(keys) > units:
+            raise InvalidArgument(f"{len(keys)} cache keys for a batch of {units}")
+        real = [k for k in keys if k is not None]
+        if len(set(real)) != len(real):
+            raise InvalidArgument("duplicate cache keys")
+        with self._lock:
+            self._check_unbound(real)
+        return real
+
+    def _check_unbound(self, keys: list[KeyId]) -> None:
+        for k in keys:
+            if k in self._keys:
+                raise InvalidArgument(f"cache key {k} is already bound")
 
     def get(self, cache_id: int) -> CacheEntry:
         with self._lock:
@@ -334,6 +349,11 @@ class Registry:
                 raise InvalidArgument(
                     f"tensor {int(tensors.max())} out of range: cache {entry.cache_id} "
                     f"has {g.num_tensors}"
+                )
+            if len(tensors) * len(offsets) > MAX_REQUEST_SPANS:
+                raise InvalidArgument(
+                    f"{len(tensors)} tensors x {len(offsets)} spans exceeds the "
+                    f"{MAX_REQUEST_SPANS} spans one request may name"
                 )
             if slot < 0:
                 if unit_bytes and unit_bytes != g.unit_bytes:
