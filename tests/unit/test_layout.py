@@ -410,3 +410,33 @@ class TestCheckSourceSpans:
         else:
             with pytest.raises(InvalidArgument):
                 check_source_spans(offsets, lengths, limit)
+
+
+# ------------------------------------------------------------------------------ layout tags
+
+
+class TestLayoutTags:
+    def test_tag_holds_the_dtype_and_the_unit_shape(self) -> None:
+        from datadist.core.layout import layout_tag
+
+        a = layout_tag(1, (16, 128))
+        assert a >> 32 == 2  # dtype code plus one: 0 stays "unknown"
+        assert a != layout_tag(1, (128, 16))
+        assert a != layout_tag(0, (16, 128))
+        assert a == layout_tag(1, [16, 128])
+        assert layout_tag(0, ()) != 0
+
+    def test_check_layouts(self) -> None:
+        from datadist.core.layout import check_layouts, layout_tag
+
+        f16, f32 = layout_tag(1, (4,)), layout_tag(0, (4,))
+        f16_wide = layout_tag(1, (8,))
+        check_layouts(0, f16, blocks=True, what="cache 1")  # unknown passes
+        check_layouts(f16, 0, blocks=True, what="cache 1")
+        check_layouts(f16, f16, blocks=True, what="cache 1")
+        with pytest.raises(InvalidArgument, match="cache 1 holds another data type"):
+            check_layouts(f16, f32, blocks=False, what="cache 1")
+        with pytest.raises(InvalidArgument, match="block shape"):
+            check_layouts(f16, f16_wide, blocks=True, what="cache 1")
+        # slots may differ in shape (size and offsets say what moves); the dtype may not
+        check_layouts(f16, f16_wide, blocks=False, what="cache 1")

@@ -502,3 +502,89 @@ def test_open_with_no_tensors_or_spans() -> None:
     lease = reg.open(by_id(e.cache_id), 0, np.zeros(0, np.uint32), u64(), u64())
     assert lease.nbytes == 0
     reg.close(lease, True)
+
+
+# ------------------------------------------------------------------------------ newer owner checks
+
+
+def test_open_refuses_requests_naming_too_many_spans() -> None:
+    from datadist.core.registry import MAX_REQUEST_SPANS
+
+    reg = Registry()
+    e = user_cache(reg)
+    tensors = np.zeros(4096, np.uint32)
+    spans = MAX_REQUEST_SPANS // 4096 + 1
+    with pytest.raises(InvalidArgument, match="spans one request may name"):
+        reg.open(by_id(e.cache_id), 0, tensors, np.zeros(spans, np.uint64),
+                 np.zeros(spans, np.uint64))
+    assert e.leases == 0
+
+
+def test_open_checks_the_requesters_layout_tag() -> None:
+    from datadist.core.layout import layout_tag
+
+    reg = Registry()
+    f16, f32 = layout_tag(1, (64,)), layout_tag(0, (64,))
+    geo = Geometry(num_tensors=2, tensor_bytes=8 * 64, units=8, is_blocks=True, layout=f16)
+    e = reg.add(geo, ADDRS[:2], owned=False, blocks_model_id=0)
+    reg.close(reg.open(by_model(0), 64, ALL[:2], u64(0), u64(64), layout=f16), True)
+    reg.close(reg.open(by_model(0), 64, ALL[:2], u64(0), u64(64), layout=0), True)
+    with pytest.raises(InvalidArgument, match="another data type"):
+        reg.open(by_model(0), 64, ALL[:2], u64(0), u64(64), layout=f32)
+    with pytest.raises(InvalidArgument, match="block shape"):
+        reg.open(by_model(0), 64, ALL[:2], u64(0), u64(64), layout=layout_tag(1, (32, 2)))
+    assert e.leases == 0
+
+
+class TestOpenAddresses:
+    """Writes by raw address (transfer_cache_async's TransferConfig): every span must lie in
+    one tensor of one remote-accessible cache."""
+
+    def addr_ref(self) -> KeyRef:
+        return KeyRef(KeyKind.ADDRESS, 0, 0, 0)
+
+    def write(self, reg: Registry, offsets: list[int], lengths: list[int],
+              tensors: list[int] = [0]) -> Lease:  # noqa: B006
+        return reg.open(self.addr_ref(), 0, np.array(tensors, np.uint32), u64(*offsets),
+                        u64(*lengths))
+
+    def test_spans_inside_one_tensor(self) -> None:
+        reg = Registry()
+        e = user_cache(reg)
+        lease = self.write(reg, [ADDRS[1] + 8, ADDRS[1] + 1000], [16, 24])
+        assert lease.entry is e and e.leases == 1
+        assert lease.iov()[0].tolist() == [ADDRS[1] + 8, ADDRS[1] + 1000]
+        reg.close(lease, True, consume=False)
+        assert e.leases == 0
+
+    def test_span_leaving_the_tensor_is_refused(self) -> None:
+        reg = Registry()
+        e = user_cache(reg)
+        with pytest.raises(InvalidArgument, match="outside"):
+            self.write(reg, [ADDRS[0] + 1000], [25])  # 1024-byte tensor
+        # one span in tensor 0, another in tensor 1: not one tensor
+        with pytest.raises(InvalidArgument, match="outside"):
+            self.write(reg, [ADDRS[0], ADDRS[1]], [8, 8])
+        # the wrap-around trick: a length that brings the end back below the start
+        with pytest.raises(InvalidArgument, match="outside"):
+            self.write(reg, [ADDRS[0] + 8], [2**64 - 8])
+        assert e.leases == 0
+
+    def test_unknown_memory_is_not_found_and_private_memory_is_refused(self) -> None:
+        reg = Registry()
+        e = user_cache(reg, remote_accessible=False)
+        with pytest.raises(CacheNotFound):
+            self.write(reg, [0x5000], [8])
+        with pytest.raises(InvalidArgument, match="not remote accessible"):
+            self.write(reg, [ADDRS[0]], [8])
+        assert e.leases == 0
+
+    @pytest.mark.parametrize(
+        ("tensors", "offsets", "lengths"),
+        [([1], [ADDRS[0]], [8]), ([0, 0], [ADDRS[0]], [8]), ([0], [], [])],
+    )
+    def test_malformed(self, tensors: list[int], offsets: list[int], lengths: list[int]) -> None:
+        reg = Registry()
+        user_cache(reg)
+        with pytest.raises(InvalidArgument):
+            self.write(reg, offsets, lengths, tensors)
