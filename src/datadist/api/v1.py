@@ -1,18 +1,85 @@
 """The legacy "v1" surface: ``KvCacheManager``, ``Tensor`` and ``TensorDesc``.
 
 In llm_datadist these load lazily from ``llm_datadist_v1``; here too (module ``__getattr__``).
+
+Legacy mode is what ``LLMDataDist.init`` selects when the options do not turn cache-manager
+mode on. Differences from cache-manager mode, as in LLM-DataDist:
+
+* methods are gated by role: only a DECODER pulls (``pull_cache``, ``pull_blocks``), only a
+  PROMPT binds cache keys, removes them and sends with ``transfer_cache_async``; a DECODER
+  may not give a ``blocks_cache_key``. A wrong role is LLM_PARAM_INVALID;
+* caches come from one pool, sized by ``ge.flowGraphMemMaxSize`` (bytes), else by the sum of
+  ``total_size`` over ``buf_pool_cfg``'s tiers, else ``DEFAULT_POOL_BYTES`` (1 GiB; pool
+  pages are only committed when touched). Only DEVICE caches are allocated; on a host
+  without CUDA, DEVICE memory is host memory;
+* ``pull_cache`` takes ``src_cache_offset`` / ``dst_cache_offset``: ``size`` bytes from that
+  offset in the source batch slot to that offset in the destination slot;
+* caches are ``KvCache`` objects: ``per_device_tensor_addrs[0]`` are the tensor addresses,
+  and ``get_cache_tensors`` wraps one tensor as a numpy-backed ``Tensor``.
+
+Cache ids count from 1 in each process, in allocation order: old clients hard-code them.
 """
 
 from __future__ import annotations
-
-from typing import Any
-
 import numpy as np
 
-from datadist.api.checks import check_isinstance
-from datadist.api.enums import DataType, LLMRole, from_numpy_dtype, numpy_dtype
-from datadist.api.status import LLMException, LLMStatusCode
-from datadist.core.engine import Engine
+import json
+from typing import Any
+
+from datadist.api import async_transfer, local_ops
+from datadist.api.cache_manager import geometry_of, key_ref, local_keys
+from datadist.api.checks import check_int, check_isinstance, int_list
+from datadist.api.enums import DataType, LLMRole, Placement, from_numpy_dtype, numpy_dtype
+from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
+from datadist.api.tasks import CacheTask
+from datadist.api.types import (
+    UINT64_MAX,
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    KvCache,
+    LayerSynchronizer,
+    TransferConfig,
+    check_layer_range,
+)
+from datadist.core import layout
+from datadist.core.engine import DEVICE, Engine
+from datadist.core.registry import key_id
+from datadist.memory.pool import PoolConfig
+
+DEFAULT_POOL_BYTES = 1 << 30
+OPT_FLOW_GRAPH_MEM_MAX_SIZE = "ge.flowGraphMemMaxSize"
+OPT_BUF_POOL = "llm.BufPoolCfg"
+_PULL_CACHE_KWARGS = ("src_layer_range", "dst_layer_range", "src_cache_offset",
+                      "dst_cache_offset", "tensor_num_per_layer")
+_PULL_BLOCKS_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
+
+
+def _param_invalid(msg: str) -> LLMException:
+    return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def v1_pool_config(options: dict[str, str]) -> PoolConfig:
+    """The legacy-mode KV pool: ``ge.flowGraphMemMaxSize``, else ``buf_pool_cfg``'s tiers,
+    else ``DEFAULT_POOL_BYTES``. Called by ``LLMDataDist.init``."""
+    raw = options.get(OPT_FLOW_GRAPH_MEM_MAX_SIZE)
+    if raw:
+        if not raw.isdigit() or int(raw) <= 0:
+            raise _param_invalid(f"{OPT_FLOW_GRAPH_MEM_MAX_SIZE} must be a positive integer, "
+                                 f"got {raw!r}")
+        return PoolConfig(int(raw))
+    buf = options.get(OPT_BUF_POOL)
+    if buf:
+        try:
+            tiers = json.loads(buf)["buf_cfg"]
+            total = sum(int(t["total_size"]) for t in tiers)
+        except (ValueError, KeyError, TypeError) as e:
+            raise _param_invalid(f"{OPT_BUF_POOL} is not a valid buf_cfg: {e}") from None
+        if total <= 0:
+            raise _param_invalid(f"{OPT_BUF_POOL} has no memory")
+        return PoolConfig(total)
+    return PoolConfig(DEFAULT_POOL_BYTES)
 
 
 class TensorDesc:
@@ -63,12 +130,23 @@ class Tensor:
 
 
 class KvCacheManager:
-    """Legacy (non-cache-manager) mode. Its transfer methods come in a later release."""
+    """Legacy (non-cache-manager) mode caches and transfers; see the module docstring.
+
+    Obtain it via ``LLMDataDist.kv_cache_manager``. Pulls block until done or
+    ``sync_kv_timeout`` (LLM_TIMEOUT); ``transfer_cache_async`` returns at once; the rest
+    returns when done. The role is read from the engine, so ``switch_role`` applies at once.
+    """
 
     def __init__(self, engine: Engine, role: LLMRole) -> None:
         self._engine = engine
-        self._role = role
         self._initialized = True
+
+    def __repr__(self) -> str:
+        return f"<KvCacheManager {self._role} initialized={self._initialized}>"
+
+    @property
+    def _role(self) -> LLMRole:
+        return LLMRole(self._engine.role)
 
     def is_initialized(self) -> bool:
         return self._initialized
@@ -76,13 +154,242 @@ class KvCacheManager:
     def _invalidate(self) -> None:
         self._initialized = False
 
-    def __getattr__(self, name: str) -> Any:
-        if name in {"allocate_cache", "allocate_blocks_cache", "deallocate_cache",
-                    "remove_cache_key", "pull_cache", "pull_blocks", "copy_cache",
-                    "copy_blocks", "get_cache_tensors", "swap_blocks", "transfer_cache_async"}:
-            def not_enabled(*args: Any, **kwargs: Any) -> Any:
-                raise LLMException(f"KvCacheManager.{name} is not available in this release; "
-                                   "use cache-manager mode", status_code=
-                                   LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-            return not_enabled
-        raise AttributeError(name)
+    def _engine_or_raise(self) -> Engine:
+        if not self._initialized:
+            raise RuntimeError("llm datadist is not initialized")
+        return self._engine
+
+    def _check_role(self, func: str, role: LLMRole) -> None:
+        raise_if_false(self._role == role, f"{func} is not supported by {self._role}")
+
+    @staticmethod
+    def _check_device(cache: KvCache) -> None:
+        raise_if_false(cache.cache_desc.placement == Placement.DEVICE,
+                       "Only support device cache")
+
+    @staticmethod
+    def _ref(cache: KvCache) -> local_ops.CacheRef:
+        addrs = cache.per_device_tensor_addrs
+        return local_ops.CacheRef(cache.cache_id, cache.cache_desc, cache.is_blocks_cache,
+                                  addrs[0] if addrs else [])
+
+    def _check_exists(self, engine: Engine, cache: KvCache) -> None:
+        with llm_errors():
+            engine.registry.get(cache.cache_id)
+
+    # ------------------------------------------------------------------ pool caches
+
+    def _allocate(self, func: str, cache_desc: Any, *, blocks: bool, keys: list[Any],
+                  model: int | None) -> KvCache:
+        engine = self._engine_or_raise()
+        raise_if_false(cache_desc.num_tensors > 0, "num_tensors should be bigger than zero")
+        raise_if_false(cache_desc.placement == Placement.DEVICE,
+                       "Only support allocate device cache")
+        geo = geometry_of(cache_desc, blocks=blocks)
+        with llm_errors(func):
+            entry = engine.allocate(geo, placement=DEVICE, keys=keys, blocks_model_id=model)
+        return KvCache(entry.cache_id, cache_desc, [entry.addrs.tolist()], self, blocks)
+
+    def allocate_cache(self, cache_desc: CacheDesc,
+                       cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> KvCache:
+        """Allocate a contiguous cache from the pool; key i binds batch slot i (PROMPT only;
+        ``req_id=2**64-1`` pads a slot). Freed once ``deallocate_cache`` was called and
+        every key was pulled or removed."""
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        keys = local_keys(cache_keys)
+        if self._role != LLMRole.PROMPT:
+            raise_if_false(len(keys) == 0, f"cache_keys is not supported by {self._role}")
+        return self._allocate("allocate_cache", cache_desc, blocks=False, keys=keys, model=None)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc,
+                              blocks_cache_key: BlocksCacheKey | None = None) -> KvCache:
+        """Allocate a blocks cache from the pool; a DECODER may not give a key."""
+        check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        if self._role == LLMRole.DECODER:
+            raise_if_false(blocks_cache_key is None,
+                           "blocks_cache_key is not supported by LLMRole.DECODER")
+        model = None if blocks_cache_key is None else blocks_cache_key.model_id & UINT64_MAX
+        return self._allocate("allocate_blocks_cache", cache_desc, blocks=True, keys=[],
+                              model=model)
+
+    def deallocate_cache(self, cache: KvCache) -> None:
+        """Drop the cache id (both kinds); the memory goes once no key holds it. Unknown or
+        already deallocated: no-op."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache", cache, KvCache, allow_none=False)
+        self._check_device(cache)
+        with llm_errors("deallocate_cache"):
+            engine.deallocate(cache.cache_id, blocks=cache.is_blocks_cache)
+        cache._addrs = []
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """PROMPT only: unbind a key so that it can no longer be pulled. Unknown: no-op."""
+        engine = self._engine_or_raise()
+        self._check_role("remove_cache_key", LLMRole.PROMPT)
+        check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
+        k = key_id(cache_key.req_id, cache_key.prefix_id, cache_key.model_id)
+        if k is not None:
+            engine.remove_key(k)
+
+    # ------------------------------------------------------------------ pulls (DECODER)
+
+    @staticmethod
+    def _kwargs(kwargs: dict[str, Any], allowed: tuple[str, ...]) -> None:
+        for k in kwargs:
+            raise_if_false(k in allowed, f"unknown argument {k!r}; expected one of {allowed}")
+
+    @staticmethod
+    def _layers(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+        src, dst = kwargs.get("src_layer_range"), kwargs.get("dst_layer_range")
+        n = kwargs.get("tensor_num_per_layer", 2)
+        check_layer_range("src_layer_range", src)
+        check_layer_range("dst_layer_range", dst)
+        check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
+        raise_if_false(n > 0, f"tensor_num_per_layer ({n}) must be > 0")
+        return src, dst, n
+
+    @staticmethod
+    def _offset(name: str, value: Any) -> int:
+        """Unset (None) is -1; a given offset is an int64 >= 0 (else ValueError)."""
+        if value is None:
+            return -1
+        check_int(name, value, "int64", allow_none=False)
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, but got {value}.")
+        return int(value)
+
+    def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, kv_cache: KvCache,
+                   batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
+        """DECODER only: read ``size`` bytes (-1: the rest of the local slot) of the remote
+        slot, from ``src_cache_offset`` within it, into slot ``batch_index`` of ``kv_cache``
+        at ``dst_cache_offset``. kwargs: ``src_layer_range``, ``dst_layer_range``,
+        ``src_cache_offset``, ``dst_cache_offset``, ``tensor_num_per_layer`` (2)."""
+        engine = self._engine_or_raise()
+        self._check_role("pull_cache", LLMRole.DECODER)
+        self._kwargs(kwargs, _PULL_CACHE_KWARGS)
+        check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
+                         allow_none=False)
+        check_isinstance("kv_cache", kv_cache, KvCache, allow_none=False)
+        self._check_device(kv_cache)
+        check_int("size", size, "int64", allow_none=False)
+        check_int("batch_index", batch_index, "uint32", allow_none=False)
+        raise_if_false(size == -1 or size > 0, f"size ({size}) must be -1 or > 0")
+        src_off = self._offset("src_cache_offset", kwargs.get("src_cache_offset"))
+        dst_off = self._offset("dst_cache_offset", kwargs.get("dst_cache_offset"))
+        if isinstance(cache_key, CacheKey):
+            valid = [v != UINT64_MAX for v in (cache_key.req_id, cache_key.prefix_id)]
+            raise_if_false(sum(valid) == 1,
+                           "exactly one of req_id and prefix_id must be set in a CacheKey")
+        src_range, dst_range, n = self._layers(kwargs)
+        self._check_exists(engine, kv_cache)
+        raise_if_false(not kv_cache.is_blocks_cache, "pull_cache needs a contiguous cache")
+        geo = geometry_of(kv_cache.cache_desc, blocks=False)
+        with llm_errors("pull_cache"):
+            tensors = layout.layer_tensor_indices(
+                geo.num_tensors, None if src_range is None else (src_range.start, src_range.stop),
+                None if dst_range is None else (dst_range.start, dst_range.stop), n)
+            plan = layout.plan_slot(geo, batch_index, tensors, size,
+                                    src_offset=max(src_off, 0), dst_offset=max(dst_off, 0))
+            engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, kv_cache.cache_id)
+
+    def pull_blocks(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache,
+                    prompt_blocks: list[int], decoder_blocks: list[int], **kwargs: Any) -> None:
+        """DECODER only: remote block ``prompt_blocks[i]`` into ``decoder_blocks[i]``. Both
+        lists non-empty, of the same length, and lists (not tuples)."""
+        engine = self._engine_or_raise()
+        self._check_role("pull_blocks", LLMRole.DECODER)
+        self._kwargs(kwargs, _PULL_BLOCKS_KWARGS)
+        check_isinstance("prompt_cache_key", prompt_cache_key, BlocksCacheKey, allow_none=False)
+        check_isinstance("decoder_kv_cache", decoder_kv_cache, KvCache, allow_none=False)
+        src = int_list("prompt_blocks", prompt_blocks, "uint64", types=(list,))
+        dst = int_list("decoder_blocks", decoder_blocks, "uint64", types=(list,))
+        self._check_device(decoder_kv_cache)
+        raise_if_false(len(src) > 0, "prompt_blocks can not be empty")
+        raise_if_false(len(dst) > 0, "decoder_blocks can not be empty")
+        raise_if_false(len(src) == len(dst),
+                       f"prompt_blocks ({len(src)}) and decoder_blocks ({len(dst)}) must have "
+                       "the same length")
+        src_range, dst_range, n = self._layers(kwargs)
+        self._check_exists(engine, decoder_kv_cache)
+        raise_if_false(decoder_kv_cache.is_blocks_cache, "pull_blocks needs a blocks cache")
+        geo = geometry_of(decoder_kv_cache.cache_desc, blocks=True)
+        with llm_errors("pull_blocks"):
+            tensors = layout.layer_tensor_indices(
+                geo.num_tensors, None if src_range is None else (src_range.start, src_range.stop),
+                None if dst_range is None else (dst_range.start, dst_range.stop), n)
+            plan = layout.plan_blocks(geo, src, dst, tensors)
+            engine.pull(prompt_cache_key.cluster_id, key_ref(prompt_cache_key), geo.unit_bytes,
+                        plan, decoder_kv_cache.cache_id)
+
+    # ------------------------------------------------------------------ local copies
+
+    def copy_cache(self, dst: KvCache, src: KvCache, dst_batch_index: int = 0,
+                   src_batch_index: int = 0, offset: int = 0, size: int = -1,
+                   req_id: int | None = None) -> None:
+        """Copy one batch slot of every tensor (``size`` bytes from ``offset``; -1: the
+        rest of the source slot). ``req_id`` is for logs only."""
+        engine = self._engine_or_raise()
+        check_isinstance("dst", dst, KvCache, allow_none=False)
+        self._check_device(dst)
+        check_isinstance("src", src, KvCache, allow_none=False)
+        self._check_device(src)
+        check_int("dst_batch_index", dst_batch_index, "uint32", allow_none=False)
+        check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
+        check_int("offset", offset, "uint64", allow_none=False)
+        check_int("size", size, "int64", allow_none=False)
+        check_isinstance("req_id", req_id, int)
+        local_ops.copy_cache(engine, self._ref(dst), self._ref(src), dst_batch_index,
+                             src_batch_index, offset, size)
+
+    def copy_blocks(self, cache: KvCache, copy_block_info: dict[int, list[int]]) -> None:
+        """Copy blocks within ``cache``: ``{src_block: [dst_block, ...]}``."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache", cache, KvCache, allow_none=False)
+        check_isinstance("copy_block_info", copy_block_info, dict, allow_none=False)
+        self._check_device(cache)
+        local_ops.copy_blocks(engine, self._ref(cache), copy_block_info)
+
+    def swap_blocks(self, src: KvCache, dst: KvCache, src_to_dst: dict[int, int]) -> None:
+        """Copy blocks HOST -> DEVICE (swap in) or DEVICE -> HOST (swap out); the HOST side is
+        typically ``KvCache.create_cpu_cache``."""
+        engine = self._engine_or_raise()
+        check_isinstance("src", src, KvCache, allow_none=False)
+        check_isinstance("dst", dst, KvCache, allow_none=False)
+        local_ops.swap_blocks(engine, self._ref(src), self._ref(dst), src_to_dst)
+
+    def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Tensor]:
+        """Tensor ``tensor_index`` of ``cache``, one ``Tensor`` per device (one here): a
+        numpy view of the cache memory (``.numpy()``), valid until the cache is freed."""
+        engine = self._engine_or_raise()
+        check_isinstance("cache", cache, KvCache, allow_none=False)
+        check_int("tensor_index", tensor_index, "int32", allow_none=False)
+        desc = cache.cache_desc
+        raise_if_false(0 <= tensor_index < desc.num_tensors,
+                       f"tensor_index ({tensor_index}) out of range [0, {desc.num_tensors})")
+        if cache.cache_id != local_ops.UNREGISTERED_ID:
+            self._check_exists(engine, cache)
+        tensor_desc = TensorDesc(desc.data_type, desc.shape)
+        return [Tensor(int(addrs[tensor_index]), tensor_desc)
+                for addrs in cache.per_device_tensor_addrs]
+
+    # ------------------------------------------------------------------ async (PROMPT)
+
+    def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: list[TransferConfig] | tuple[TransferConfig, ...],
+                             src_block_indices: list[int] | tuple[int, ...] | None = None,
+                             dst_block_indices: list[int] | tuple[int, ...] | None = None,
+                             dst_block_memory_size: int | None = None) -> CacheTask:
+        """PROMPT only: send ``src_cache`` layer by layer as ``layer_synchronizer`` reports
+        each layer computed, to raw destination addresses (``TransferConfig``). Returns a
+        CacheTask at once; its default error is LLM_WAIT_PROCESS_TIMEOUT."""
+        engine = self._engine_or_raise()
+        self._check_role("transfer_cache_async", LLMRole.PROMPT)
+        check_isinstance("src_cache", src_cache, KvCache, allow_none=False)
+        return async_transfer.start_transfer(
+            engine, src_cache.cache_id, src_cache.cache_desc, layer_synchronizer,
+            transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,
+            key_configs=False, default_error=LLMStatusCode.LLM_WAIT_PROCESS_TIMEOUT)
+
+
+__all__ = ["KvCacheManager", "Tensor", "TensorDesc", "v1_pool_config"]

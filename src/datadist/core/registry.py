@@ -405,8 +405,9 @@ class Registry:
         inside one tensor of one remote-accessible cache (the one holding the lowest
         address); that cache is leased as for any write.
 
-        Raises CacheNotFound when no such cache holds the lowest address, InvalidArgument
-        when a span leaves that tensor or the request is malformed.
+        Raises CacheNotFound when no cache holds the lowest address, InvalidArgument when
+        only a cache that is not remote accessible does, when a span leaves the tensor, or
+        when the request is malformed.
         """
         if len(tensors) != 1 or int(tensors[0]) != 0:
             raise InvalidArgument("an address write names exactly one pseudo-tensor, 0")
@@ -415,15 +416,21 @@ class Registry:
         first = int(offsets.min())
         with self._lock:
             found: tuple[CacheEntry, int] | None = None
+            private: CacheEntry | None = None
             for entry in self._by_id.values():
-                if not entry.remote_accessible:
-                    continue
                 size = entry.geometry.tensor_bytes
                 hit = np.flatnonzero((entry.addrs <= first) & (first < entry.addrs + size))
-                if hit.size:
-                    found = (entry, int(entry.addrs[hit[0]]))
-                    break
+                if not hit.size:
+                    continue
+                if not entry.remote_accessible:
+                    private = entry
+                    continue
+                found = (entry, int(entry.addrs[hit[0]]))
+                break
             if found is None:
+                if private is not None:
+                    raise InvalidArgument(
+                        f"cache {private.cache_id} is not remote accessible")
                 raise CacheNotFound(f"address {first:#x} is in no registered cache")
             entry, start = found
             # offsets below start wrap to huge values and fail the check, as they should

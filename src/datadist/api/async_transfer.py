@@ -1,0 +1,213 @@
+"""Argument handling for ``transfer_cache_async``, shared by ``CacheManager`` and the legacy
+``KvCacheManager``.
+
+Who calls: those facades. Everything is checked here, synchronously (TypeError, ValueError,
+LLMException PARAM_INVALID), before the transfer thread starts; after that, failures are
+codes in the returned :class:`CacheTask`, one per transfer config.
+
+Destinations:
+
+* ``TransferConfig(dst_cluster_id, dst_addrs, src_layer_range, src_batch_index)``: raw
+  addresses in the peer's memory, two per layer (K, V). Each address is sent as a write the
+  peer resolves on its own side (wire ``KeyKind.ADDRESS``): the bytes land only if they fall
+  inside one tensor of a cache the peer registered or allocated (remote accessible).
+  Cache-manager mode without remote-cache-accessible, and legacy mode.
+* ``TransferWithCacheKeyConfig(cache_key, src_layer_range, dst_layer_range,
+  src_batch_index)``: a push by key (``CacheKeyByIdAndIndex`` slot, or ``BlocksCacheKey``
+  blocks), layer ``src.start + k`` of the source into layer ``dst.start + k``. Cache-manager
+  mode with remote-cache-accessible.
+
+Block indices: ``src_block_indices`` + ``dst_block_indices`` (same length) send blocks;
+``dst_block_indices`` alone cuts the source slot into ``dst_block_memory_size`` chunks.
+Blocks into a contiguous destination are not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from datadist.api.checks import check_int, check_isinstance, int_list
+from datadist.api.enums import Placement
+from datadist.api.status import LLMStatusCode, llm_errors, raise_if_false
+from datadist.api.tasks import CacheTask
+from datadist.api.types import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    LayerSynchronizer,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+    check_layer_range,
+)
+from datadist.core import layerwise
+from datadist.core.engine import Engine
+from datadist.core.errors import Code
+from datadist.wire.protocol import KeyKind, KeyRef
+
+TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
+_U64 = 2**64 - 1
+
+
+def _block_indices(name: str, value: Any) -> np.ndarray | None:
+    if value is None:
+        return None
+    return int_list(name, value, "uint64", types=(list, tuple))
+
+
+def _layers(cfg: Any, num_layers: int) -> range:
+    rng = cfg.src_layer_range if cfg.src_layer_range is not None else range(num_layers)
+    raise_if_false(0 <= rng.start < rng.stop <= num_layers,
+                   f"src_layer_range {rng} out of range: the source has {num_layers} layers")
+    return rng
+
+
+def start_transfer(
+    engine: Engine,
+    cache_id: int,
+    desc: CacheDesc,
+    layer_synchronizer: Any,
+    transfer_configs: Any,
+    src_block_indices: Any,
+    dst_block_indices: Any,
+    dst_block_memory_size: Any,
+    *,
+    key_configs: bool,
+    default_error: LLMStatusCode,
+) -> CacheTask:
+    """Check everything, then start the layer-wise thread. See the module docstring."""
+    raise_if_false(desc.placement != Placement.HOST,
+                   "transfer_cache_async does not support a HOST source cache")
+    src_blocks = _block_indices("src_block_indices", src_block_indices)
+    dst_blocks = _block_indices("dst_block_indices", dst_block_indices)
+    check_int("dst_block_memory_size", dst_block_memory_size, "uint64")
+    has_src_blocks = src_blocks is not None and src_blocks.size > 0
+    has_dst_blocks = dst_blocks is not None and dst_blocks.size > 0
+    if has_src_blocks:
+        raise_if_false(has_dst_blocks, "transfer from blocks to a contiguous cache is not "
+                       "supported: give dst_block_indices")
+        raise_if_false(len(src_blocks) == len(dst_blocks),  # type: ignore[arg-type]
+                       f"{len(src_blocks)} src_block_indices but "  # type: ignore[arg-type]
+                       f"{len(dst_blocks)} dst_block_indices")  # type: ignore[arg-type]
+    elif has_dst_blocks:
+        raise_if_false(dst_block_memory_size is not None,
+                       "dst_block_memory_size must be set when transferring into blocks")
+    check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer,
+                     allow_none=False)
+    check_isinstance("transfer_configs", transfer_configs, (list, tuple), allow_none=False)
+    kind = TransferWithCacheKeyConfig if key_configs else TransferConfig
+    for cfg in transfer_configs:
+        if not isinstance(cfg, kind):
+            mode = ("enable_remote_cache_accessible is True" if key_configs
+                    else "enable_remote_cache_accessible is off")
+            raise TypeError(f"while {mode}, transfer_configs only support "
+                            f"[{kind.__name__}], but got {type(cfg)}.")
+    raise_if_false(has_dst_blocks or dst_block_memory_size in (None, 0),
+                   f"dst_block_memory_size ({dst_block_memory_size}) must be None or 0 when "
+                   "the destination is not blocks")
+    raise_if_false(desc.num_tensors % TENSORS_PER_LAYER == 0,
+                   f"num_tensors {desc.num_tensors} is not even")
+    with llm_errors("transfer_cache_async"):
+        entry = engine.registry.get(cache_id)
+    geo = entry.geometry
+    raise_if_false(geo.is_blocks == has_src_blocks,
+                   "src_block_indices must be given exactly when the source is a blocks cache")
+    num_layers = desc.num_tensors // TENSORS_PER_LAYER
+    dbb = int(dst_block_memory_size or 0)
+    jobs = [
+        _job(engine, cache_id, geo, cfg, num_layers, src_blocks if has_src_blocks else None,
+             dst_blocks if has_dst_blocks else None, dbb)
+        for cfg in transfer_configs
+    ]
+    task = CacheTask(len(jobs), default_error)
+    layerwise.LayerwiseTransfer(
+        num_layers,
+        lambda i: layer_synchronizer.synchronize_layer(i, None),
+        jobs,
+        lambda k, code: task._set(k, LLMStatusCode(int(code))),
+        task._finish,
+        sync_error=Code(int(default_error)),
+    ).start()
+    return task
+
+
+def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
+         src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
+         dbb: int) -> layerwise.LayerJob:
+    """Plan one destination: its layers, its spans (same for every layer), its sender."""
+    own = engine.config.cluster_id
+    layers = _layers(cfg, num_layers)
+    if src_blocks is not None:
+        raise_if_false(cfg.src_batch_index == 0,
+                       f"src_batch_index ({cfg.src_batch_index}) must be 0 for a blocks source")
+    else:
+        raise_if_false(cfg.src_batch_index < geo.units,
+                       f"src_batch_index {cfg.src_batch_index} out of range [0, {geo.units})")
+    n = TENSORS_PER_LAYER
+
+    def spans(unit_bytes_default: int) -> layerwise.LayerSpans:
+        with llm_errors("transfer_cache_async"):
+            if src_blocks is not None:
+                assert dst_blocks is not None
+                return layerwise.blocks_spans(geo, src_blocks, dst_blocks,
+                                              dbb or unit_bytes_default)
+            if dst_blocks is not None:
+                return layerwise.slot_to_blocks_spans(geo, cfg.src_batch_index, dst_blocks, dbb)
+            return layerwise.slot_spans(geo, cfg.src_batch_index)
+
+    if isinstance(cfg, TransferConfig):
+        cluster = cfg.dst_cluster_id
+        raise_if_false(cluster != own, "data can not be transferred to own cluster")
+        raise_if_false(len(cfg.dst_addrs) == len(layers) * n,
+                       f"expected {len(layers) * n} dst_addrs for src_layer_range {layers}, "
+                       f"got {len(cfg.dst_addrs)}")
+        raise_if_false(all(a != 0 for a in cfg.dst_addrs), "dst_addrs must be non-zero")
+        addrs = list(cfg.dst_addrs)
+        sp = spans(geo.unit_bytes)
+        ref = KeyRef(KeyKind.ADDRESS)
+
+        def send_addresses(i: int) -> None:
+            k = i - layers.start
+            for t in range(n):
+                plan = sp.plan([0], [i * n + t], remote_base=addrs[k * n + t])
+                engine.push(cluster, ref, 0, plan, cache_id)
+
+        return layerwise.LayerJob(layers, send_addresses)
+
+    key = cfg.cache_key
+    check_isinstance("cache_key", key, (BlocksCacheKey, CacheKeyByIdAndIndex), allow_none=False)
+    check_layer_range("src_layer_range", cfg.src_layer_range)
+    check_layer_range("dst_layer_range", cfg.dst_layer_range)
+    raise_if_false(cfg.src_layer_range is not None and cfg.dst_layer_range is not None,
+                   "TransferWithCacheKeyConfig needs src_layer_range and dst_layer_range")
+    raise_if_false(len(cfg.src_layer_range) == len(cfg.dst_layer_range),
+                   f"src_layer_range {cfg.src_layer_range} and dst_layer_range "
+                   f"{cfg.dst_layer_range} differ in length")
+    cluster = key.cluster_id
+    raise_if_false(cluster != own, "data can not be transferred to own cluster")
+    dst_start = cfg.dst_layer_range.start
+    if isinstance(key, CacheKeyByIdAndIndex):
+        raise_if_false(dst_blocks is None, "a CacheKeyByIdAndIndex destination is contiguous: "
+                       "dst_block_indices are not supported")
+        ref = KeyRef(KeyKind.CACHE_ID, key.cache_id & _U64, key.batch_index, 0)
+        unit_bytes = 0
+        sp = spans(geo.unit_bytes)
+    else:
+        assert isinstance(key, BlocksCacheKey)
+        raise_if_false(cfg.src_batch_index == 0, "src_batch_index must be 0 for a BlocksCacheKey")
+        raise_if_false(dst_blocks is not None, "a BlocksCacheKey destination needs "
+                       "dst_block_indices")
+        ref = KeyRef(KeyKind.BLOCKS_KEY, 0, key.model_id & _U64, 0)
+        unit_bytes = dbb or geo.unit_bytes
+        sp = spans(geo.unit_bytes)
+
+    def send_by_key(i: int) -> None:
+        j = dst_start + (i - layers.start)
+        plan = sp.plan([j * n + t for t in range(n)], [i * n + t for t in range(n)])
+        engine.push(cluster, ref, unit_bytes, plan, cache_id)
+
+    return layerwise.LayerJob(layers, send_by_key)
+
+
+__all__ = ["start_transfer"]

@@ -1,0 +1,129 @@
+"""Argument handling for the local copy methods, shared by ``CacheManager`` (cache-manager
+mode) and ``KvCacheManager`` (legacy mode): ``copy_cache``, ``copy_blocks``, ``swap_blocks``.
+
+Who calls: those two facades, after their own type checks of the cache objects. Everything
+here blocks until the copy is done. The geometry and the copy itself are the core's
+(:mod:`datadist.core.local`); this module resolves cache objects to live registry entries,
+holds them for the duration of the copy, and maps errors to LLMException.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from datadist.api.cache_manager import geometry_of
+from datadist.api.checks import check_isinstance, int_list
+from datadist.api.enums import Placement
+from datadist.api.status import llm_errors, raise_if_false
+from datadist.api.types import CacheDesc
+from datadist.core import layout, local
+from datadist.core.engine import Engine
+
+UNREGISTERED_ID = -1  # Cache.create_cpu_cache / KvCache.create_cpu_cache
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    """What the facades know about a cache object (``Cache`` or ``KvCache``)."""
+
+    cache_id: int
+    desc: CacheDesc
+    is_blocks: bool
+    addrs: list[int]
+
+
+@dataclass(frozen=True)
+class _Side:
+    geometry: layout.Geometry
+    addrs: np.ndarray
+
+
+
+
+@contextlib.contextmanager
+def held(engine: Engine, ref: CacheRef) -> Iterator[_Side]:
+    """The cache's geometry and tensor addresses, leased for the ``with`` body.
+
+    A cache the engine knows is read from the registry (and held, so that it cannot be
+    freed mid-copy); an unregistered one (``create_cpu_cache``) from the object itself.
+    Raises LLM_KV_CACHE_NOT_EXIST for a cache that was deallocated or unregistered.
+    """
+    if ref.cache_id == UNREGISTERED_ID:
+        raise_if_false(len(ref.addrs) == ref.desc.num_tensors and all(ref.addrs),
+                       f"the cpu cache has {len(ref.addrs)} addresses for "
+                       f"{ref.desc.num_tensors} tensors")
+        yield _Side(geometry_of(ref.desc, blocks=ref.is_blocks), np.asarray(ref.addrs, dtype=np.uint64))
+        return
+    with llm_errors():
+        entry = engine.registry.hold(ref.cache_id)
+    try:
+        yield _Side(entry.geometry, entry.addrs)
+    finally:
+        engine.registry.unhold(entry)
+
+
+def copy_cache(engine: Engine, dst: CacheRef, src: CacheRef, dst_batch_index: int,
+               src_batch_index: int, offset: int, size: int) -> None:
+    """Copy one batch slot of every tensor (``size`` bytes from ``offset``). Types checked."""
+    raise_if_false(not src.is_blocks, "src cache can not be a blocks cache")
+    raise_if_false(not dst.is_blocks, "dst cache can not be a blocks cache")
+    raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+    with held(engine, src) as s, held(engine, dst) as d, llm_errors("copy_cache"):
+        plan = local.plan_slot_copy(s.geometry, d.geometry, src_batch_index, dst_batch_index,
+                                    offset, size)
+        local.execute(plan, s.addrs, d.addrs)
+
+
+def parse_copy_block_info(info: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``{src_block: [dst_block, ...]}`` -> flat (src, dst) uint64 arrays, one pair per copy."""
+    check_isinstance("copy_block_info", info, dict, allow_none=False)
+    values = list(info.values())
+    for v in values:
+        check_isinstance("copy_block_info value", v, list, allow_none=False)
+    src = int_list("copy_block_info keys", list(info.keys()), "uint64")
+    dst = int_list("copy_block_info values", list(itertools.chain.from_iterable(values)),
+                   "uint64")
+    counts = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+    return np.repeat(src, counts).astype(np.uint64), dst.astype(np.uint64)
+
+
+def copy_blocks(engine: Engine, cache: CacheRef, copy_block_info: Any) -> None:
+    """Copy blocks within one blocks cache: each source block to each of its destinations.
+
+    An empty mapping copies nothing. A block may not be both a source and a destination,
+    nor a destination twice (PARAM_INVALID).
+    """
+    src, dst = parse_copy_block_info(copy_block_info)
+    raise_if_false(cache.is_blocks, "copy_blocks needs a blocks cache")
+    if dst.size == 0:
+        return
+    with held(engine, cache) as c, llm_errors("copy_blocks"):
+        plan = local.plan_block_copy(c.geometry, c.geometry, src, dst, same_cache=True)
+        local.execute(plan, c.addrs, c.addrs)
+
+
+def swap_blocks(engine: Engine, src: CacheRef, dst: CacheRef, src_to_dst: Any) -> None:
+    """Copy blocks between a HOST and a DEVICE cache (either way): ``{src: dst}``."""
+    check_isinstance("src_to_dst", src_to_dst, dict, allow_none=False)
+    s_blocks = int_list("src_to_dst keys", list(src_to_dst.keys()), "uint64")
+    d_blocks = int_list("src_to_dst values", list(src_to_dst.values()), "uint64")
+    raise_if_false(src.is_blocks, "src cache should be a blocks cache")
+    raise_if_false(dst.is_blocks, "dst cache should be a blocks cache")
+    sp, dp = src.desc.placement, dst.desc.placement
+    raise_if_false({sp, dp} == {Placement.HOST, Placement.DEVICE},
+                   f"swap from {sp} to {dp} is not supported: only HOST->DEVICE (swap in) "
+                   "and DEVICE->HOST (swap out)")
+    if d_blocks.size == 0:
+        return
+    with held(engine, src) as s, held(engine, dst) as d, llm_errors("swap_blocks"):
+        plan = local.plan_block_copy(s.geometry, d.geometry, s_blocks, d_blocks)
+        local.execute(plan, s.addrs, d.addrs)
+
+
+__all__ = ["CacheRef", "copy_blocks", "copy_cache", "held", "swap_blocks"]

@@ -1,0 +1,332 @@
+"""Local copies: ``copy_cache``, ``copy_blocks``, ``swap_blocks`` (with ``create_cpu_cache``),
+``remap_registered_memory``; the planners and executor of ``core/local.py``.
+
+Every copy is checked byte for byte against the same copy done with numpy slicing, including
+the bytes that must stay untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import datadist as llm
+from datadist.core import local
+from datadist.core.errors import InvalidArgument
+from datadist.core.layout import Geometry
+from datadist.transport import iov
+
+from ._support import PROMPT_ID, code, units
+
+S = llm.LLMStatusCode
+HOST, DEVICE = llm.Placement.HOST, llm.Placement.DEVICE
+
+
+@pytest.fixture
+def side(make_side):
+    return make_side(PROMPT_ID, listen=False)
+
+
+# ================================================================================ core planners
+
+
+class TestPlanners:
+    def test_slot_copy_spans(self):
+        src, dst = Geometry(3, 4 * 64, 4), Geometry(3, 2 * 64, 2)
+        plan = local.plan_slot_copy(src, dst, 3, 1, offset=8, size=16)
+        assert plan.remote_offsets.tolist() == [3 * 64 + 8]
+        assert plan.local_offsets.tolist() == [64 + 8]
+        assert plan.lengths.tolist() == [16]
+        assert plan.local_tensors.tolist() == plan.remote_tensors.tolist() == [0, 1, 2]
+
+    def test_slot_copy_default_size_is_rest_of_source_slot(self):
+        plan = local.plan_slot_copy(Geometry(1, 64, 1), Geometry(1, 128, 1), 0, 0, offset=10)
+        assert plan.lengths.tolist() == [54]
+
+    @pytest.mark.parametrize("args", [
+        dict(src_unit=4, dst_unit=0), dict(src_unit=0, dst_unit=2),
+        dict(src_unit=0, dst_unit=0, offset=64), dict(src_unit=0, dst_unit=0, size=65),
+        dict(src_unit=0, dst_unit=0, offset=60, size=5),
+    ])
+    def test_slot_copy_bounds(self, args):
+        with pytest.raises(InvalidArgument):
+            local.plan_slot_copy(Geometry(2, 4 * 64, 4), Geometry(2, 2 * 64, 2), **args)
+
+    def test_slot_copy_needs_equal_tensor_counts(self):
+        with pytest.raises(InvalidArgument, match="tensors"):
+            local.plan_slot_copy(Geometry(2, 64, 1), Geometry(3, 64, 1), 0, 0)
+
+    def test_block_copy_coalesces_runs_adjacent_on_both_sides(self):
+        g = Geometry(2, 16 * 32, 16, True)
+        plan = local.plan_block_copy(g, g, np.array([0, 1, 2, 9]), np.array([5, 6, 7, 3]))
+        assert plan.remote_offsets.tolist() == [0, 9 * 32]
+        assert plan.local_offsets.tolist() == [5 * 32, 3 * 32]
+        assert plan.lengths.tolist() == [3 * 32, 32]
+
+    @pytest.mark.parametrize("src,dst,same,match", [
+        ([16], [0], False, "src block"),
+        ([0], [16], False, "dst block"),
+        ([0, 1], [2, 2], False, "more than once"),
+        ([0, 1], [1, 2], True, "both a source and a destination"),
+    ])
+    def test_block_copy_errors(self, src, dst, same, match):
+        g = Geometry(1, 16 * 32, 16, True)
+        with pytest.raises(InvalidArgument, match=match):
+            local.plan_block_copy(g, g, np.array(src), np.array(dst), same_cache=same)
+
+    def test_block_copy_needs_equal_block_bytes(self):
+        with pytest.raises(InvalidArgument, match="block size"):
+            local.plan_block_copy(Geometry(1, 64, 2, True), Geometry(1, 64, 4, True),
+                                  np.array([0]), np.array([0]))
+
+    @pytest.mark.parametrize("path", ["memmove", "vm_copy", "refused"])
+    def test_executor_paths_copy_the_same_bytes(self, path, monkeypatch):
+        """Few spans go through memmove, many through process_vm_readv on our own pid, and
+        a kernel refusal falls back to memmove: all three give numpy's answer."""
+        calls = []
+        if path == "memmove":
+            monkeypatch.setattr(local, "MEMMOVE_MAX_SPANS", 10**9)
+        else:
+            monkeypatch.setattr(local, "MEMMOVE_MAX_SPANS", 0)
+            monkeypatch.setattr(local, "MEMMOVE_MIN_AVG_SPAN", 10**12)
+        real_vm = iov.vm_copy
+
+        def vm(*a, **k):
+            calls.append("vm")
+            if path == "refused":
+                raise iov.CmaRefused("test")
+            return real_vm(*a, **k)
+
+        monkeypatch.setattr(local, "vm_copy", vm)
+        rng = np.random.default_rng(1)
+        n_blocks, bb = 512, 64
+        src = rng.integers(0, 256, (2, n_blocks * bb), dtype=np.uint8)
+        dst = np.zeros_like(src)
+        s_blocks = rng.permutation(n_blocks)[:300]
+        d_blocks = rng.permutation(n_blocks)[:300]
+        g = Geometry(2, n_blocks * bb, n_blocks, True)
+        plan = local.plan_block_copy(g, g, s_blocks, d_blocks)
+        addrs = lambda a: np.array([a[i].ctypes.data for i in range(2)], dtype=np.uint64)
+        assert local.execute(plan, addrs(src), addrs(dst)) == 2 * 300 * bb
+        want = np.zeros_like(src)
+        units(want, n_blocks)[:, d_blocks] = units(src, n_blocks)[:, s_blocks]
+        np.testing.assert_array_equal(dst, want)
+        assert calls == ([] if path == "memmove" else ["vm"])
+
+
+# ================================================================================ copy_cache
+
+
+class TestCopyCache:
+    def test_copies_one_slot_range_of_every_tensor(self, side):
+        src, a = side.register(3, [4, 64], seed=1)
+        dst, b = side.register(3, [2, 64])
+        side.cm.copy_cache(dst, src, dst_batch_index=1, src_batch_index=3, offset=8, size=16)
+        want = np.zeros_like(b)
+        units(want, 2)[:, 1, 8:24] = units(a, 4)[:, 3, 8:24]
+        np.testing.assert_array_equal(b, want)
+
+    def test_default_size_is_the_rest_of_the_source_slot(self, side):
+        src, a = side.register(2, [2, 32], seed=2)
+        dst, b = side.register(2, [2, 32])
+        side.cm.copy_cache(dst, src, 0, 1, offset=4)
+        want = np.zeros_like(b)
+        units(want, 2)[:, 0, 4:] = units(a, 2)[:, 1, 4:]
+        np.testing.assert_array_equal(b, want)
+
+    def test_a_slot_onto_another_slot_of_the_same_cache(self, side):
+        c, a = side.register(2, [3, 16], seed=3)
+        before = a.copy()
+        side.cm.copy_cache(c, c, dst_batch_index=2, src_batch_index=0)
+        units(before, 3)[:, 2] = units(before, 3)[:, 0]
+        np.testing.assert_array_equal(a, before)
+
+    def test_types(self, side):
+        c, _ = side.register(1, [2, 8])
+        cm = side.cm
+        with pytest.raises(TypeError):
+            cm.copy_cache("dst", c)
+        with pytest.raises(TypeError):
+            cm.copy_cache(c, None)
+        with pytest.raises(TypeError):
+            cm.copy_cache(c, c, dst_batch_index="0")
+        with pytest.raises(TypeError):
+            cm.copy_cache(c, c, offset=1.0)
+        with pytest.raises(ValueError):
+            cm.copy_cache(c, c, src_batch_index=-1)
+        with pytest.raises(ValueError):
+            cm.copy_cache(c, c, offset=-1)
+        with pytest.raises(ValueError):
+            cm.copy_cache(c, c, req_id=-1)
+        with pytest.raises(TypeError):
+            cm.copy_cache(c, c, req_id="r")
+
+    def test_param_invalid(self, side):
+        c, _ = side.register(2, [2, 8])
+        three, _ = side.register(3, [2, 8])
+        blocks, _ = side.register(2, [2, 8], blocks=True)
+        cm = side.cm
+        for call in [
+            lambda: cm.copy_cache(c, blocks),
+            lambda: cm.copy_cache(blocks, c),
+            lambda: cm.copy_cache(c, c, size=0),
+            lambda: cm.copy_cache(c, c, size=-2),
+            lambda: cm.copy_cache(c, c, dst_batch_index=2),
+            lambda: cm.copy_cache(c, c, src_batch_index=2),
+            lambda: cm.copy_cache(c, c, offset=8),
+            lambda: cm.copy_cache(c, c, offset=4, size=5),
+            lambda: cm.copy_cache(three, c),
+        ]:
+            with code(S.LLM_PARAM_INVALID):
+                call()
+
+    def test_unregistered_cache_does_not_exist(self, side):
+        c, _ = side.register(1, [2, 8])
+        gone, _ = side.register(1, [2, 8])
+        side.cm.unregister_cache(gone.cache_id)
+        with code(S.LLM_KV_CACHE_NOT_EXIST):
+            side.cm.copy_cache(c, gone)
+        with code(S.LLM_KV_CACHE_NOT_EXIST):
+            side.cm.copy_cache(gone, c)
+
+
+# ================================================================================ copy_blocks
+
+
+class TestCopyBlocks:
+    def test_each_source_block_to_each_destination(self, side):
+        c, a = side.register(2, [16, 24], blocks=True, seed=4)
+        want = units(a.copy(), 16)
+        side.cm.copy_blocks(c, {0: [5, 6], 1: [7], 9: [15, 3]})
+        for s, ds in {0: [5, 6], 1: [7], 9: [15, 3]}.items():
+            want[:, ds] = want[:, [s]]
+        np.testing.assert_array_equal(units(a, 16), want)
+
+    def test_empty_mapping_copies_nothing(self, side):
+        c, a = side.register(1, [4, 8], blocks=True, seed=5)
+        before = a.copy()
+        side.cm.copy_blocks(c, {})
+        side.cm.copy_blocks(c, {1: []})
+        np.testing.assert_array_equal(a, before)
+
+    def test_types(self, side):
+        c, _ = side.register(1, [4, 8], blocks=True)
+        for bad in [[(0, [1])], {0: (1,)}, {"0": [1]}, {0: ["1"]}, {0: [1.0]}]:
+            with pytest.raises(TypeError):
+                side.cm.copy_blocks(c, bad)
+        with pytest.raises(TypeError):
+            side.cm.copy_blocks("cache", {0: [1]})
+        with pytest.raises(ValueError):
+            side.cm.copy_blocks(c, {0: [-1]})
+
+    def test_param_invalid(self, side):
+        c, _ = side.register(1, [4, 8], blocks=True)
+        contiguous, _ = side.register(1, [4, 8])
+        for cache, info in [(contiguous, {0: [1]}), (c, {4: [1]}), (c, {0: [4]}),
+                            (c, {0: [2], 1: [2]}), (c, {0: [1], 1: [2]}), (c, {2: [2]})]:
+            with code(S.LLM_PARAM_INVALID):
+                side.cm.copy_blocks(cache, info)
+
+
+# ================================================================================ swap_blocks
+
+
+def cpu_cache(num_tensors, shape, dtype=llm.DataType.DT_UINT8):
+    desc = llm.CacheDesc(num_tensors, shape, dtype, HOST)
+    arr = np.zeros((num_tensors, desc.size), dtype=np.uint8)
+    return llm.Cache.create_cpu_cache(desc, [int(arr[i].ctypes.data) for i in range(num_tensors)]), arr
+
+
+class TestSwapBlocks:
+    def test_swap_out_and_back_in(self, side):
+        dev, d = side.register(2, [8, 32], blocks=True, seed=6)
+        host, h = cpu_cache(2, [8, 32])
+        assert host.cache_id == -1 and host.is_blocks_cache
+        side.cm.swap_blocks(dev, host, {1: 0, 2: 1, 3: 2, 7: 5})
+        want = np.zeros_like(h)
+        units(want, 8)[:, [0, 1, 2, 5]] = units(d, 8)[:, [1, 2, 3, 7]]
+        np.testing.assert_array_equal(h, want)
+        original = d.copy()
+        d[...] = 0
+        side.cm.swap_blocks(host, dev, {0: 1, 1: 2, 2: 3, 5: 7})
+        back = np.zeros_like(d)
+        units(back, 8)[:, [1, 2, 3, 7]] = units(original, 8)[:, [1, 2, 3, 7]]
+        np.testing.assert_array_equal(d, back)
+
+    def test_registered_host_cache(self, side):
+        dev, d = side.register(1, [4, 16], blocks=True, seed=7)
+        host, h = side.register(1, [4, 16], blocks=True, placement=HOST)
+        side.cm.swap_blocks(dev, host, {3: 0})
+        np.testing.assert_array_equal(units(h, 4)[:, 0], units(d, 4)[:, 3])
+
+    def test_types(self, side):
+        dev, _ = side.register(1, [4, 16], blocks=True)
+        host, _ = cpu_cache(1, [4, 16])
+        with pytest.raises(TypeError):
+            side.cm.swap_blocks("src", host, {0: 0})
+        with pytest.raises(TypeError):
+            side.cm.swap_blocks(dev, host, [(0, 0)])
+        with pytest.raises(TypeError):
+            side.cm.swap_blocks(dev, host, {0: "0"})
+        with pytest.raises(ValueError):
+            side.cm.swap_blocks(dev, host, {-1: 0})
+
+    def test_param_invalid(self, side):
+        dev, _ = side.register(2, [4, 16], blocks=True)
+        dev2, _ = side.register(2, [4, 16], blocks=True)
+        contiguous, _ = side.register(2, [4, 16])
+        host, _ = cpu_cache(2, [4, 16])
+        host_big_blocks, _ = cpu_cache(2, [4, 32])
+        host_one_tensor, _ = cpu_cache(1, [4, 16])
+        for src, dst, mapping in [
+            (dev, dev2, {0: 0}),  # DEVICE -> DEVICE
+            (host, host, {0: 1}),  # HOST -> HOST
+            (contiguous, host, {0: 0}),
+            (dev, host_big_blocks, {0: 0}),
+            (dev, host_one_tensor, {0: 0}),
+            (dev, host, {4: 0}),
+            (dev, host, {0: 4}),
+        ]:
+            with code(S.LLM_PARAM_INVALID):
+                side.cm.swap_blocks(src, dst, mapping)
+
+    def test_create_cpu_cache_errors(self):
+        arr = np.zeros(64, np.uint8)
+        with code(S.LLM_PARAM_INVALID):
+            llm.Cache.create_cpu_cache(llm.CacheDesc(1, [4, 16], llm.DataType.DT_UINT8, DEVICE),
+                                       [int(arr.ctypes.data)])
+        with code(S.LLM_PARAM_INVALID):
+            llm.Cache.create_cpu_cache(llm.CacheDesc(2, [4, 16], llm.DataType.DT_UINT8, HOST),
+                                       [int(arr.ctypes.data)])
+        with pytest.raises(TypeError):
+            llm.Cache.create_cpu_cache(llm.CacheDesc(1, [4, 16], llm.DataType.DT_UINT8, HOST),
+                                       int(arr.ctypes.data))
+
+
+# ================================================================================ remap
+
+
+class TestRemap:
+    def test_device_memory_is_accepted(self, side):
+        _, a = side.register(1, [4, 16])
+        info = llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, int(a.ctypes.data), a.nbytes)
+        assert side.cm.remap_registered_memory(info) is None
+        assert side.cm.remap_registered_memory([info, info]) is None
+
+    @pytest.mark.parametrize("infos", [
+        llm.MemInfo(llm.Memtype.MEM_TYPE_HOST, 4096, 64),
+        llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, 0, 64),
+        llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, 4096, 0),
+        [llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, 4096, 64), "x"],
+        (llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, 4096, 64),),
+        None,
+    ])
+    def test_param_invalid(self, side, infos):
+        with code(S.LLM_PARAM_INVALID):
+            side.cm.remap_registered_memory(infos)
+
+    def test_mem_info_types(self):
+        with pytest.raises(TypeError):
+            llm.MemInfo("device", 4096, 64)
+        with pytest.raises(ValueError):
+            llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, -1, 64)

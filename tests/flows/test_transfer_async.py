@@ -1,0 +1,422 @@
+"""``transfer_cache_async``: layer-wise sending driven by a LayerSynchronizer.
+
+Two engines in this process, linked both ways (``pair`` / ``ra_pair``): the PROMPT sends,
+the DECODER's registered memory receives. Raw-address destinations (``TransferConfig``) are
+resolved by the receiving side to one of its registered caches; key destinations
+(``TransferWithCacheKeyConfig``) are pushes by key.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import datadist as llm
+from datadist.core import layerwise
+from datadist.core.errors import Code, InvalidArgument, NotLinked
+from datadist.core.layout import Geometry
+
+from ._support import DECODER_ID, PROMPT_ID, code, units
+
+pytestmark = pytest.mark.timeout(30)
+
+S = llm.LLMStatusCode
+WAIT = 5000  # ms
+
+
+class Sync(llm.LayerSynchronizer):
+    """Answers True unless told otherwise; records calls; may run a hook first."""
+
+    def __init__(self, answers=None, hook=None, raise_at=None):
+        self.calls = []
+        self.answers = answers or {}
+        self.hook = hook
+        self.raise_at = raise_at
+
+    def synchronize_layer(self, layer_index, timeout_in_millis):
+        self.calls.append((layer_index, timeout_in_millis))
+        if self.hook is not None:
+            self.hook(layer_index)
+        if layer_index == self.raise_at:
+            raise RuntimeError("compute failed")
+        return self.answers.get(layer_index, True)
+
+
+def addrs(arr, tensors, offset=0):
+    return [int(arr[t].ctypes.data) + offset for t in tensors]
+
+
+# ================================================================================ TransferConfig
+
+
+class TestRawAddresses:
+    def test_slot_to_addresses_layer_by_layer(self, pair):
+        p, d = pair
+        src, a = p.register(8, [4, 64], seed=1)  # 4 layers of (K, V), 4 slots of 64 bytes
+        dst, b = d.register(4, [2, 64])  # 2 layers, 2 slots
+        sync = Sync()
+        # source layers 1..2, slot 3 -> the decoder's slot 1 (address = tensor base + 64)
+        cfg = llm.TransferConfig(DECODER_ID, addrs(b, range(4), 64), range(1, 3), 3)
+        task = p.cm.transfer_cache_async(src, sync, [cfg])
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        assert task.get_results() == [S.LLM_SUCCESS]
+        assert sync.calls == [(1, None), (2, None)]  # only the layers some config needs
+        want = np.zeros_like(b)
+        units(want, 2)[:, 1] = units(a, 4)[2:6, 3]
+        np.testing.assert_array_equal(b, want)
+
+    def test_layer_i_is_sent_before_layer_i_plus_1_is_awaited(self, pair):
+        """The overlap promise: while the user computes layer i+1 (inside
+        synchronize_layer(i+1)), layer i has already landed."""
+        p, d = pair
+        src, a = p.register(6, [1, 256], seed=2)
+        _, b = d.register(6, [1, 256])
+        seen = {}
+
+        def hook(i):
+            seen[i] = [bool((b[t] == a[t]).all()) for t in range(6)]
+
+        cfg = llm.TransferConfig(DECODER_ID, addrs(b, range(6)))
+        task = p.cm.transfer_cache_async(src, Sync(hook=hook), [cfg])
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        assert seen[0] == [False] * 6
+        assert seen[1] == [True, True, False, False, False, False]
+        assert seen[2] == [True, True, True, True, False, False]
+        np.testing.assert_array_equal(b, a)
+
+    def test_blocks_to_blocks(self, pair):
+        p, d = pair
+        src, a = p.register(4, [8, 32], blocks=True, seed=3)
+        _, b = d.register(4, [16, 32], blocks=True)
+        cfg = llm.TransferConfig(DECODER_ID, addrs(b, range(4)))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], [0, 1, 2, 7], [9, 10, 11, 0])
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        want = np.zeros_like(b)
+        units(want, 16)[:, [9, 10, 11, 0]] = units(a, 8)[:, [0, 1, 2, 7]]
+        np.testing.assert_array_equal(b, want)
+
+    def test_blocks_into_larger_destination_blocks(self, pair):
+        p, d = pair
+        src, a = p.register(2, [4, 16], blocks=True, seed=4)
+        _, b = d.register(2, [4, 32], blocks=True)
+        cfg = llm.TransferConfig(DECODER_ID, addrs(b, range(2)))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], [1, 2], [3, 0], 32)
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        want = np.zeros((2, 4, 32), np.uint8)
+        want[:, [3, 0], :16] = units(a, 4)[:, [1, 2]]
+        np.testing.assert_array_equal(units(b, 4), want)
+
+    def test_slot_cut_into_destination_blocks(self, pair):
+        """A contiguous slot of 100 bytes into 32-byte blocks: 4 chunks, the last 4 bytes."""
+        p, d = pair
+        src, a = p.register(2, [3, 100], seed=5)
+        _, b = d.register(2, [8, 32], blocks=True)
+        cfg = llm.TransferConfig(DECODER_ID, addrs(b, range(2)), None, 2)
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], None, [6, 1, 2, 4], 32)
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        want = np.zeros((2, 8, 32), np.uint8)
+        slot = units(a, 3)[:, 2]
+        for k, blk in enumerate([6, 1, 2, 4]):
+            chunk = slot[:, k * 32:(k + 1) * 32]
+            want[:, blk, :chunk.shape[1]] = chunk
+        np.testing.assert_array_equal(units(b, 8), want)
+
+    def test_several_destinations(self, pair, make_side):
+        p, d = pair
+        third = make_side(3)
+        p.engine.link(3, *third.engine.listen_address, 5.0)
+        src, a = p.register(4, [2, 32], seed=6)
+        _, b = d.register(4, [2, 32])
+        _, c = third.register(2, [1, 32])
+        cfgs = [llm.TransferConfig(DECODER_ID, addrs(b, range(4))),
+                llm.TransferConfig(3, addrs(c, range(2)), range(1, 2), 1)]
+        task = p.cm.transfer_cache_async(src, Sync(), cfgs)
+        assert task.get_results(WAIT) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
+        np.testing.assert_array_equal(units(b, 2)[:, 0], units(a, 2)[:, 0])
+        np.testing.assert_array_equal(c, units(a, 2)[2:4, 1])
+
+
+# ================================================================================ by cache key
+
+
+class TestByKey:
+    def test_cache_id_slot_with_layer_ranges(self, ra_pair):
+        p, d = ra_pair
+        src, a = p.register(4, [2, 48], seed=7)
+        dst, b = d.register(6, [3, 48])
+        key = llm.CacheKeyByIdAndIndex(DECODER_ID, dst.cache_id, 2)
+        cfg = llm.TransferWithCacheKeyConfig(key, range(0, 2), range(1, 3), src_batch_index=1)
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg])
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        want = np.zeros_like(b)
+        units(want, 3)[2:6, 2] = units(a, 2)[0:4, 1]
+        np.testing.assert_array_equal(b, want)
+
+    def test_blocks_key(self, ra_pair):
+        p, d = ra_pair
+        src, a = p.register(4, [8, 16], blocks=True, seed=8)
+        _, b = d.register(4, [8, 16], blocks=True, model_id=5)
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 5), range(1, 2),
+                                             range(0, 1))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], [3, 4], [0, 7])
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        want = np.zeros_like(b)
+        units(want, 8)[0:2, [0, 7]] = units(a, 8)[2:4, [3, 4]]
+        np.testing.assert_array_equal(b, want)
+
+    def test_slot_into_blocks_by_key(self, ra_pair):
+        # The owner refuses block writes from a cache of another per-unit shape (layout
+        # tags), so the source slot here is exactly one destination block.
+        p, d = ra_pair
+        src, a = p.register(2, [2, 32], seed=9)
+        _, b = d.register(2, [4, 32], blocks=True, model_id=1)
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 1), range(1),
+                                             range(1), src_batch_index=0)
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], None, [3], 32)
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS
+        want = np.zeros((2, 4, 32), np.uint8)
+        want[:, 3] = units(a, 2)[:, 0]
+        np.testing.assert_array_equal(units(b, 4), want)
+
+    def test_unknown_destination_cache(self, ra_pair):
+        p, _ = ra_pair
+        src, _ = p.register(2, [1, 16], seed=1)
+        cfg = llm.TransferWithCacheKeyConfig(llm.CacheKeyByIdAndIndex(DECODER_ID, 99),
+                                             range(1), range(1))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg])
+        assert task.synchronize(WAIT) == S.LLM_KV_CACHE_NOT_EXIST
+
+
+# ================================================================================ outcomes
+
+
+class TestOutcomes:
+    def test_false_aborts_the_configs_needing_that_layer(self, pair):
+        p, d = pair
+        src, a = p.register(8, [1, 32], seed=10)
+        _, b = d.register(4, [1, 32])
+        _, c = d.register(4, [1, 32])
+        sync = Sync(answers={1: False})
+        cfgs = [llm.TransferConfig(DECODER_ID, addrs(b, range(4)), range(0, 2)),
+                llm.TransferConfig(DECODER_ID, addrs(c, range(4)), range(2, 4))]
+        task = p.cm.transfer_cache_async(src, sync, cfgs)
+        assert task.get_results(WAIT) == [S.LLM_PARAM_INVALID, S.LLM_SUCCESS]
+        assert task.synchronize(WAIT) == S.LLM_PARAM_INVALID
+        assert [i for i, _ in sync.calls] == [0, 1, 2, 3]
+        np.testing.assert_array_equal(b[:2], a[:2])  # layer 0 went before the abort
+        assert not b[2:].any()  # layer 1 never did
+        np.testing.assert_array_equal(c, a[4:8])
+
+    def test_synchronizer_raising_gives_the_default_error(self, pair):
+        p, d = pair
+        src, _ = p.register(4, [1, 32], seed=11)
+        _, b = d.register(4, [1, 32])
+        task = p.cm.transfer_cache_async(src, Sync(raise_at=0),
+                                         [llm.TransferConfig(DECODER_ID, addrs(b, range(4)))])
+        assert task.synchronize(WAIT) == S.LLM_TIMEOUT
+        assert not b.any()
+
+    def test_results_while_running(self, pair):
+        """A config not started yet is None; waiting past the timeout gives the default
+        error; once released, both finish."""
+        p, d = pair
+        src, a = p.register(4, [1, 32], seed=12)
+        _, b = d.register(2, [1, 32])
+        _, c = d.register(2, [1, 32])
+        gate = threading.Event()
+        sync = Sync(hook=lambda i: gate.wait(WAIT / 1000) if i == 1 else None)
+        cfgs = [llm.TransferConfig(DECODER_ID, addrs(b, range(2)), range(0, 1)),
+                llm.TransferConfig(DECODER_ID, addrs(c, range(2)), range(1, 2))]
+        task = p.cm.transfer_cache_async(src, sync, cfgs)
+        assert task.synchronize(50) == S.LLM_TIMEOUT
+        assert task.get_results(50)[1] is None
+        gate.set()
+        assert task.get_results(WAIT) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
+        np.testing.assert_array_equal(c, a[2:4])
+
+    @pytest.mark.parametrize("where,status", [
+        ("nowhere", S.LLM_KV_CACHE_NOT_EXIST),
+        ("spill", S.LLM_PARAM_INVALID),
+        ("private", S.LLM_PARAM_INVALID),
+    ])
+    def test_destination_must_be_inside_a_registered_cache(self, pair, where, status):
+        p, d = pair
+        src, _ = p.register(2, [2, 32], seed=13)
+        private, pr = d.register(2, [2, 32], remote_accessible=False)
+        _, b = d.register(2, [2, 32])
+        scratch = np.zeros(4096, np.uint8)
+        dst = {"nowhere": [int(scratch.ctypes.data)] * 2,
+               "spill": addrs(b, range(2), 40),  # a 64-byte slot from offset 40 leaves it
+               "private": addrs(pr, range(2))}[where]
+        task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(DECODER_ID, dst)])
+        assert task.synchronize(WAIT) == status
+        assert not scratch.any() and not pr.any() and not b.any()
+
+    def test_unlinked_destination(self, pair):
+        p, _ = pair
+        src, _ = p.register(2, [1, 16], seed=14)
+        task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(77, [4096, 8192])])
+        assert task.synchronize(WAIT) == S.LLM_NOT_YET_LINK
+
+    def test_no_configs(self, pair):
+        p, _ = pair
+        src, _ = p.register(2, [1, 16])
+        sync = Sync()
+        task = p.cm.transfer_cache_async(src, sync, [])
+        assert task.synchronize(WAIT) == S.LLM_SUCCESS and task.get_results() == []
+        assert sync.calls == []
+
+
+# ================================================================================ arguments
+
+
+class TestArguments:
+    @pytest.fixture
+    def setup(self, pair):
+        p, d = pair
+        src, _ = p.register(4, [2, 32])
+        blocks, _ = p.register(4, [4, 16], blocks=True)
+        _, b = d.register(4, [2, 32])
+        return p.cm, src, blocks, llm.TransferConfig(DECODER_ID, addrs(b, range(4)))
+
+    def test_types(self, setup):
+        cm, src, _, cfg = setup
+        key_cfg = llm.TransferWithCacheKeyConfig(llm.CacheKeyByIdAndIndex(DECODER_ID, 1),
+                                                 range(1), range(1))
+        for call in [
+            lambda: cm.transfer_cache_async("src", Sync(), [cfg]),
+            lambda: cm.transfer_cache_async(src, object(), [cfg]),
+            lambda: cm.transfer_cache_async(src, Sync(), cfg),
+            lambda: cm.transfer_cache_async(src, Sync(), [key_cfg]),  # not in this mode
+            lambda: cm.transfer_cache_async(src, Sync(), [cfg], src_block_indices=0),
+            lambda: cm.transfer_cache_async(src, Sync(), [cfg], None, [0], "32"),
+        ]:
+            with pytest.raises(TypeError):
+                call()
+        with pytest.raises(ValueError):
+            cm.transfer_cache_async(src, Sync(), [cfg], None, [-1], 32)
+        with pytest.raises(ValueError):
+            cm.transfer_cache_async(src, Sync(), [cfg], None, [0], -1)
+
+    def test_key_configs_only_with_remote_cache_accessible(self, ra_pair):
+        p, _ = ra_pair
+        src, _ = p.register(2, [1, 16])
+        with pytest.raises(TypeError):
+            p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(DECODER_ID, [1, 2])])
+
+    def test_param_invalid(self, setup, pair):
+        cm, src, blocks, cfg = setup
+        p, d = pair
+        host, _ = p.register(4, [2, 32], placement=llm.Placement.HOST)
+        odd, _ = p.register(3, [2, 32])
+        two = [4096, 8192]
+        for call in [
+            lambda: cm.transfer_cache_async(host, Sync(), [cfg]),
+            lambda: cm.transfer_cache_async(odd, Sync(), [llm.TransferConfig(DECODER_ID, two)]),
+            lambda: cm.transfer_cache_async(blocks, Sync(), [cfg], [0]),  # no dst blocks
+            lambda: cm.transfer_cache_async(blocks, Sync(), [cfg], [0, 1], [0]),
+            lambda: cm.transfer_cache_async(src, Sync(), [cfg], None, [0]),  # no block size
+            lambda: cm.transfer_cache_async(src, Sync(), [cfg], None, None, 32),
+            lambda: cm.transfer_cache_async(blocks, Sync(), [cfg]),  # blocks need indices
+            lambda: cm.transfer_cache_async(src, Sync(), [cfg], [0], [0], 16),  # not blocks
+            lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+                DECODER_ID, two, range(2, 3))]),  # past the last layer
+            lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(DECODER_ID, two)]),
+            lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+                DECODER_ID, cfg.dst_addrs, None, 2)]),  # batch index out of range
+            lambda: cm.transfer_cache_async(blocks, Sync(), [llm.TransferConfig(
+                DECODER_ID, cfg.dst_addrs, None, 1)], [0], [0]),
+            lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+                PROMPT_ID, cfg.dst_addrs)]),  # own cluster
+            lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+                DECODER_ID, [0, 1, 2, 3])]),  # a null address
+            lambda: cm.transfer_cache_async(blocks, Sync(), [cfg], [0], [0], 8),  # too small
+            lambda: cm.transfer_cache_async(src, Sync(), [cfg], None, [0, 1, 2], 16),  # 48 > 32
+        ]:
+            with code(S.LLM_PARAM_INVALID):
+                call()
+
+    def test_key_config_param_invalid(self, ra_pair):
+        p, _ = ra_pair
+        cm = p.cm
+        src, _ = p.register(4, [2, 32])
+        blocks, _ = p.register(4, [4, 16], blocks=True)
+        by_id = llm.CacheKeyByIdAndIndex(DECODER_ID, 1)
+        by_blocks = llm.BlocksCacheKey(DECODER_ID, 0)
+        K = llm.TransferWithCacheKeyConfig
+        for call in [
+            lambda: cm.transfer_cache_async(src, Sync(), [K(by_id)]),  # ranges required
+            lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(2), range(1))]),
+            lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(1), range(1))],
+                                            None, [0], 16),  # contiguous destination
+            lambda: cm.transfer_cache_async(src, Sync(), [K(by_blocks, range(1), range(1))]),
+            lambda: cm.transfer_cache_async(src, Sync(), [K(by_blocks, range(1), range(1), 1)],
+                                            None, [0], 16),
+            lambda: cm.transfer_cache_async(src, Sync(), [K(llm.CacheKeyByIdAndIndex(
+                PROMPT_ID, 1), range(1), range(1))]),  # own cluster
+            lambda: cm.transfer_cache_async(blocks, Sync(), [K(by_blocks, range(1), range(1))],
+                                            [0], [0], 8),  # smaller than a source block
+        ]:
+            with code(S.LLM_PARAM_INVALID):
+                call()
+
+    def test_source_must_exist(self, setup, pair):
+        cm, _, _, cfg = setup
+        p, _ = pair
+        gone, _ = p.register(4, [2, 32])
+        p.cm.unregister_cache(gone.cache_id)
+        with code(S.LLM_KV_CACHE_NOT_EXIST):
+            cm.transfer_cache_async(gone, Sync(), [cfg])
+
+    def test_transfer_config_setters(self):
+        cfg = llm.TransferConfig(1, [4096, 8192])
+        with pytest.raises(TypeError):
+            cfg.dst_addrs = 4096
+        with pytest.raises(ValueError):
+            cfg.dst_cluster_id = -1
+        with code(S.LLM_PARAM_INVALID):
+            cfg.src_layer_range = range(0, 4, 2)
+        with pytest.raises(TypeError):
+            llm.TransferWithCacheKeyConfig(llm.CacheKey(1, 1))
+
+
+# ================================================================================ core
+
+
+class TestCore:
+    def test_layer_spans(self):
+        g = Geometry(2, 3 * 100, 3)
+        sp = layerwise.slot_to_blocks_spans(g, 1, np.array([5, 6, 0]), 40)
+        # chunks [0,40) [40,80) [80,100) of slot 1; blocks 5 and 6 are adjacent on both sides
+        assert sp.remote_offsets.tolist() == [200, 0]
+        assert sp.local_offsets.tolist() == [100, 180]
+        assert sp.lengths.tolist() == [80, 20]
+        plan = sp.plan([0], [3], remote_base=1 << 20)
+        assert plan.remote_offsets.tolist() == [(1 << 20) + 200, 1 << 20]
+        with pytest.raises(InvalidArgument):
+            layerwise.slot_to_blocks_spans(g, 0, np.array([0, 1, 2]), 50)
+        with pytest.raises(InvalidArgument):
+            layerwise.slot_spans(g, 3)
+        with pytest.raises(InvalidArgument):
+            layerwise.blocks_spans(Geometry(1, 64, 4, True), np.array([4]), np.array([0]), 16)
+
+    def test_runner_reports_each_job(self):
+        sent, reports, done = [], {}, threading.Event()
+
+        def send_ok(i):
+            sent.append(("ok", i))
+
+        def send_fails(i):
+            raise NotLinked("gone")
+
+        jobs = [layerwise.LayerJob(range(0, 3), send_ok),
+                layerwise.LayerJob(range(1, 2), send_fails),
+                layerwise.LayerJob(range(4, 5), send_ok)]
+        run = layerwise.LayerwiseTransfer(5, lambda i: i != 4, jobs,
+                                          lambda k, c: reports.setdefault(k, c), done.set)
+        run.start().thread.join(5)
+        assert done.is_set()
+        assert sent == [("ok", 0), ("ok", 1), ("ok", 2)]
+        assert reports == {0: Code.SUCCESS, 1: Code.NOT_YET_LINK, 2: Code.PARAM_INVALID}
