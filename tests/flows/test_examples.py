@@ -1,0 +1,49 @@
+"""Every example in examples/ runs (a PROMPT and a DECODER process each) and checks the bytes
+it moved; with a skewed prompt pattern it must fail, so the check is real."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+FLOWS = sorted(p.name for p in EXAMPLES.glob("flow*.py"))
+
+
+def run(name: str, **env: str) -> subprocess.CompletedProcess[str]:
+    # the examples choose their data path themselves unless a test forces one
+    full_env = {k: v for k, v in os.environ.items() if k != "DATADIST_TRANSPORT"}
+    full_env.update(env)
+    return subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True,
+                          text=True, timeout=90, env=full_env, cwd=EXAMPLES.parent)
+
+
+def test_one_example_per_client_flow():
+    assert [n.split("_")[0] for n in FLOWS] == ["flow1", "flow2", "flow3", "flow4"]
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("name", FLOWS)
+def test_example_runs_and_checks_its_bytes(name):
+    done = run(name)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "prompt exit 0, decoder exit 0: OK" in done.stdout
+    assert "match" in done.stdout and "MISMATCH" not in done.stdout
+
+
+@pytest.mark.timeout(100)
+def test_two_sided_link_over_tcp():
+    done = run("flow1_two_sided_link.py", DATADIST_TRANSPORT="tcp")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("name", ["flow2_one_sided_link.py", "flow4_legacy_kv_cache_manager.py"])
+def test_example_fails_on_wrong_bytes(name):
+    done = run(name, DATADIST_EXAMPLE_SKEW="1")
+    assert done.returncode != 0
+    assert "MISMATCH" in done.stdout and "FAILED" in done.stdout
