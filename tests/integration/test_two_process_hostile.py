@@ -276,6 +276,18 @@ def test_read_outside_registered_cache(raw: Callable[[], RawClient], name: str,
     assert c.next_frame() == pattern(SPEC, SEED)[2, 100:128].tobytes()
 
 
+def test_small_read_naming_too_many_spans(raw: Callable[[], RawClient]) -> None:
+    """5000 tensor indexes x 5000 spans is a 120 kB frame, but 25M iovecs for the owner to
+    build (~0.5 GB); it must refuse instead. The span count is in range, so it is the
+    product that is refused."""
+    c = raw()
+    c.hello()
+    n = 5000
+    msg = p.Read(BY_ID, 0, p.ReadFlags.NONE, np.zeros(n, np.uint32), np.zeros(n, np.uint64),
+                 np.ones(n, np.uint64))
+    c.call_expecting_error(msg, Code.PARAM_INVALID)
+
+
 @pytest.mark.parametrize("key", [
     p.KeyRef(p.KeyKind.CACHE_ID, 99, 0),
     p.KeyRef(p.KeyKind.CACHE_KEY, 424242, 0, U64_MAX),
