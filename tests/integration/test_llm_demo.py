@@ -102,3 +102,9 @@ def test_a_failing_child_is_reported_with_its_traceback(tmp_path: Path) -> None:
     cfg = dict(vars(llm.parse_args([*TINY, "--checkpoint", str(tmp_path)])))
     with pytest.raises(llm._ChildFailed, match=r"process failed:\n(?s:.*)Traceback"):
         llm._run_children(cfg, [[1, 2, 3]], io.StringIO())
+
+
+def test_main_reports_a_checkpoint_it_cannot_load(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert llm.main([*TINY, "--checkpoint", str(tmp_path)]) == 1
+    assert "cannot load the model" in capsys.readouterr().err

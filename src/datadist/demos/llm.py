@@ -138,8 +138,12 @@ class DemoReport:
 # ---------------------------------------------------------------- the two roles
 
 
-class _ChildFailed(Exception):
-    """The other process reported an error; its traceback is the message."""
+class DemoError(Exception):
+    """The demo could not run to the end: the model would not load, or a process failed."""
+
+
+class _ChildFailed(DemoError):
+    """A child process reported an error (its traceback is the message) or died."""
 
 
 def _spec(cfg: dict[str, Any]) -> Any:
@@ -386,7 +390,8 @@ def _run_children(cfg: dict[str, Any], prompts: list[list[int]],
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> DemoReport:
     """The whole demo; blocks until done. Prints progress and the table to ``out`` (default
-    sys.stdout). Raises _ChildFailed or TimeoutError if a process fails or stops talking."""
+    sys.stdout). Raises DemoError if the model will not load or a process fails, TimeoutError
+    if a process stops talking."""
     from datadist.demos import _llm_torch as lt
 
     out = sys.stdout if out is None else out
@@ -395,7 +400,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> DemoReport:
     t0 = time.perf_counter()
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     say(f"[main] building the reference model ({lt.versions()})")
-    model = lt.build_model(_spec(cfg))
+    try:
+        model = lt.build_model(_spec(cfg))
+    except (OSError, ValueError) as e:  # what transformers raises for a bad checkpoint
+        raise DemoError(f"cannot load the model: {e}") from e
     mc = model.config
     prompts = make_prompts(args.prompts, args.max_prompt_len, mc.vocab_size, args.block_size,
                            args.seed)
@@ -466,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         report = run(args)
-    except (_ChildFailed, TimeoutError) as e:
+    except (DemoError, TimeoutError) as e:
         print(f"[main] demo failed: {e}", file=sys.stderr)
         return 1
     return 0 if report.ok else 1
