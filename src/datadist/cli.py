@@ -191,10 +191,6 @@ def _start_prompt(layers: int, num_blocks: int, seq: int, batch: int) -> Any:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.llm:
-        from datadist.demos import llm
-
-        return llm.main(args.rest)
     layers, num_blocks, seq, batch = args.layers, args.blocks, args.seq, args.batch
     print(f"datadist demo: a PROMPT process and a DECODER (this process, pid {os.getpid()}) "
           f"on this host")
@@ -269,6 +265,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"] and "--llm" in argv:
+        # The transformer demo has its own options (some share names with the main demo's).
+        from datadist.demos import llm
+
+        rest = [a for a in argv[1:] if a != "--llm"]
+        return llm.main(rest)
     parser = argparse.ArgumentParser(prog="datadist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a PROMPT and a DECODER on this host, moving real caches")
@@ -280,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                       choices=["auto", "tcp", "cma"],
                       help="data paths to run, one PROMPT process each")
     demo.add_argument("--llm", action="store_true",
-                      help="the transformer demo (needs the [llm] extra)")
-    demo.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+                      help="the transformer demo instead (needs the [llm] extra); its own "
+                           "options follow, see `datadist demo --llm --help`")
     demo.set_defaults(fn=cmd_demo)
     info = sub.add_parser("info", help="this host's data paths; with --peer, which path a link "
                                        "uses and why")

@@ -51,7 +51,7 @@ LINK_TIMEOUT_MS = 10_000
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m datadist.demos.llm",
+        prog="datadist demo --llm",
         description="Prefill a Llama model in one process, move its paged KV cache with "
                     "datadist, decode in another; check the tokens against generate().")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
