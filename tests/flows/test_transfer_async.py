@@ -420,3 +420,51 @@ class TestCore:
         assert done.is_set()
         assert sent == [("ok", 0), ("ok", 1), ("ok", 2)]
         assert reports == {0: Code.SUCCESS, 1: Code.NOT_YET_LINK, 2: Code.PARAM_INVALID}
+
+
+class TestAddressKind:
+    """Key kind 4 on the wire and at the owner (Registry.open_addresses)."""
+
+    def test_write_only_on_the_wire(self):
+        from datadist.core.errors import LocalProtocolError, RemoteProtocolError
+        from datadist.wire import protocol as p
+
+        u32 = np.zeros(1, np.uint32)
+        u64 = np.array([4096], np.uint64)
+        write = p.Write(p.KeyRef(p.KeyKind.ADDRESS), 0, 0, u32, u64, u64)
+        frame = p.encode(write, 3)
+        (rid, got), = p.FrameDecoder().feed(frame)[:1]
+        assert rid == 3 and got.key.kind == p.KeyKind.ADDRESS
+        read = p.Read(p.KeyRef(p.KeyKind.ADDRESS), 0, p.ReadFlags.NONE, u32, u64, u64)
+        with pytest.raises(LocalProtocolError):
+            p.encode(read)
+        forged = bytearray(frame)
+        forged[3] = p.MsgType.READ
+        with pytest.raises(RemoteProtocolError, match="WRITE only"):
+            p.FrameDecoder().feed(bytes(forged))
+
+    def test_owner_lease_is_based_at_the_tensor(self, make_side):
+        side = make_side(PROMPT_ID, listen=False)
+        cache, arr = side.register(2, [4, 64])
+        reg = side.engine.registry
+        base = int(arr[1].ctypes.data)
+        offs = np.array([base + 64, base + 192], np.uint64)
+        lease = reg.open(KeyRefAddr(), 0, np.zeros(1, np.uint32), offs, np.array([64, 64], np.uint64))
+        try:
+            assert lease.entry.cache_id == cache.cache_id
+            assert lease.bases.tolist() == [base] and lease.offsets.tolist() == [64, 192]
+            bases, lengths = lease.iov()
+            assert bases.tolist() == offs.tolist() and lengths.tolist() == [64, 64]
+        finally:
+            reg.close(lease, True, consume=False)
+        with pytest.raises(InvalidArgument):  # the second span leaves tensor 1
+            reg.open(KeyRefAddr(), 0, np.zeros(1, np.uint32), np.array([base, base + 200],
+                     np.uint64), np.array([64, 64], np.uint64))
+        with pytest.raises(InvalidArgument):  # two pseudo-tensors
+            reg.open(KeyRefAddr(), 0, np.zeros(2, np.uint32), offs, np.array([1, 1], np.uint64))
+
+
+def KeyRefAddr():
+    from datadist.wire import protocol as p
+
+    return p.KeyRef(p.KeyKind.ADDRESS)

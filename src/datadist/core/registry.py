@@ -436,4 +436,7 @@ class Registry:
             # offsets below start wrap to huge values and fail the check, as they should
             check_source_spans(offsets - np.uint64(start), lengths, entry.geometry.tensor_bytes)
             entry.leases += 1
-            return Lease(entry, np.zeros(1, dtype=U64), tensors, offsets, lengths, None, None)
+            # As for any lease: the base is the tensor's, the offsets relative to it.
+            base = np.uint64(start)
+            return Lease(entry, np.array([base], dtype=U64), tensors, offsets - base, lengths,
+                         None, None)

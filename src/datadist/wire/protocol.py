@@ -71,9 +71,10 @@ class KeyKind(enum.IntEnum):
     CACHE_KEY = 1  # a = req_id, b = model_id, c = prefix_id; source unit = the key's slot
     CACHE_ID = 2  # a = cache_id, b = batch index; source unit = that slot
     BLOCKS_KEY = 3  # b = model_id; offsets are absolute within each tensor
-    # Raw addresses (transfer_cache_async's TransferConfig, writes only): tensors == [0] and
-    # offsets are absolute addresses in the owner's memory; the owner accepts them only
-    # inside one tensor of a remote-accessible cache it registered (Registry.open_addresses).
+    # Raw addresses (transfer_cache_async's TransferConfig; WRITE only, a READ naming them is
+    # a protocol error): tensors == [0] and offsets are absolute addresses in the owner's
+    # memory; the owner accepts them only inside one tensor of a remote-accessible cache it
+    # registered (Registry.open_addresses).
     ADDRESS = 4
 
 
@@ -306,6 +307,8 @@ def encode_payload(msg: Message) -> bytes:
     if isinstance(msg, Error):
         return msg._S.pack(msg.code) + _bytes_field(msg.message.encode()[:4096])
     if isinstance(msg, (Read, Write)):
+        if isinstance(msg, Read) and msg.key.kind == KeyKind.ADDRESS:
+            raise LocalProtocolError("raw addresses (key kind 4) are for WRITE only")
         if len(msg.offsets) != len(msg.lengths):
             raise LocalProtocolError("offsets and lengths differ in length")
         k = msg.key
@@ -426,6 +429,8 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         offsets = r.array(nspans, U64)
         lengths = r.array(nspans, U64)
         if mtype == MsgType.READ:
+            if key.kind == KeyKind.ADDRESS:
+                raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
             if flags & ~int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM):
                 raise RemoteProtocolError(f"unknown read flags {flags:#x}")
             rflags = ReadFlags(flags)
