@@ -10,8 +10,9 @@ PROMPT_ID = 100
 DECODER_ID = 200
 
 # The conformance idea: every data-moving test runs once per data path, the path forced in
-# the decoder's environment. A new path (say "shm") is one more entry here.
-TRANSPORTS = ("tcp", "cma")
+# the decoder's environment. A new path is one more entry here. ("shm" maps caches that the
+# owner allocated from its pool and falls back to cross-memory attach for user memory.)
+TRANSPORTS = ("tcp", "cma", "shm")
 
 # Peers never inherit the decoder's forced path: they only serve.
 PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}

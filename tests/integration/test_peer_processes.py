@@ -143,7 +143,9 @@ def test_silent_child_times_out() -> None:
 def test_close_kills_a_stopped_child() -> None:
     peer = Peer(sleeping_target)
     pid = peer.recv(timeout=20)
-    peer.signal(signal.SIGSTOP)
+    peer.stop()
+    with open(f"/proc/{pid}/stat") as f:
+        assert f.read().rsplit(")", 1)[1].split()[0] == "T"
     peer.close(grace=0.2)
     assert not peer.alive
     assert peer.exitcode == -signal.SIGKILL

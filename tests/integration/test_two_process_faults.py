@@ -73,14 +73,14 @@ def test_stopped_peer_gives_timeout_then_link_recovers(
     cache, arr = dec.local(SPEC)
     dec.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(VICTIM_ID, 1, 0), cache, 0)
 
-    victim.peer.signal(signal.SIGSTOP)  # holds its sockets open, answers nothing
+    victim.peer.stop()  # SIGSTOP, waited for: holds its sockets open, answers nothing
     try:
         err, elapsed = timed_pull(dec, VICTIM_ID, cache, 1)
         assert err.status_code == S.LLM_TIMEOUT, err
         assert elapsed < BOUND_S
         assert_zero(units(arr, SPEC)[:, 1:], "bytes of the timed-out pull")
     finally:
-        victim.peer.signal(signal.SIGCONT)
+        victim.peer.resume()
 
     # The peer is back: the next pull reconnects on its own and moves the right bytes.
     dec.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(VICTIM_ID, 1, 3), cache, 2)

@@ -162,6 +162,32 @@ def test_pull_blocks_from_contiguous_cache(decoder: Decoder) -> None:
     assert_zero(np.delete(got, written, axis=1), "blocks outside dst_blocks")
 
 
+def test_pull_blocks_from_pool_blocks_cache(decoder: Decoder, prompt: RunningPrompt) -> None:
+    """Pool memory is what the shm path maps; a few spans go by mapping, many by the
+    fallback. After deallocate_blocks_cache the model id names nothing."""
+    spec = CacheSpec(4, (256, 2, 64))
+    model, seed = next(_fresh_ids), next(_fresh_ids)
+    cache_id = prompt.call("allocate_blocks_cache", spec=spec, seed=seed, model_id=model)
+    key = llm_datadist.BlocksCacheKey(P, model)
+    cache, arr = decoder.local(spec, blocks=True)
+    rng = np.random.default_rng(seed)
+    many_src = rng.choice(spec.units, size=200, replace=False)
+    many_dst = rng.choice(np.arange(8, spec.units), size=200, replace=False)
+
+    decoder.cm.pull_blocks(key, cache, [5, 6, 7, 100], [0, 1, 2, 3])
+    decoder.cm.pull_blocks(key, cache, many_src.tolist(), many_dst.tolist())
+    prompt.call("deallocate_blocks_cache", cache_id=cache_id)
+    with pytest.raises(llm_datadist.LLMException) as err:
+        decoder.cm.pull_blocks(key, cache, [0], [4])
+    assert err.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+    got, want = units(arr, spec), remote(spec, seed)
+    assert_bytes_equal(got[:, 0:4], want[:, [5, 6, 7, 100]])
+    assert_bytes_equal(got[:, many_dst], want[:, many_src])
+    written = np.concatenate(([0, 1, 2, 3], many_dst))
+    assert_zero(np.delete(got, written, axis=1), "blocks outside dst_blocks")
+
+
 def test_pool_req_id_key_is_consumed_by_one_pull(decoder: Decoder,
                                                  prompt: RunningPrompt) -> None:
     req, seed = next(_fresh_ids), next(_fresh_ids)

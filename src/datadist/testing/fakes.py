@@ -18,6 +18,7 @@ uses the TCP path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -66,7 +67,5 @@ def fake_owner_main(link: PeerLink, cluster_id: int, behaviour: str) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         conn.close()
     # stall (and after a reset, idle): hold on until the parent tells us to stop
-    try:
+    with contextlib.suppress(EOFError, OSError):
         link.recv()
-    except (EOFError, OSError):
-        pass

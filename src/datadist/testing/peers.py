@@ -129,7 +129,8 @@ class PromptService:
     def ops(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in (
             "register_cache", "register_blocks_cache", "allocate_cache", "deallocate_cache",
-            "unregister_cache", "remove_cache_key", "info",
+            "allocate_blocks_cache", "deallocate_blocks_cache", "unregister_cache",
+            "remove_cache_key", "info",
         )}
 
     def _keys(self, req_ids: Sequence[int | None], model_id: int) -> list[Any]:
@@ -161,14 +162,30 @@ class PromptService:
                        model_id: int = 0) -> int:
         """Allocate from the pool (needs ``host_pool_bytes``) and write the pattern in."""
         cache = self.cm.allocate_cache(spec.desc(), self._keys(req_ids, model_id))
-        data = pattern(spec, seed)
-        for i, addr in enumerate(cache.tensor_addrs):
-            ctypes.memmove(addr, data[i].ctypes.data, spec.tensor_bytes)
+        self._write(cache, spec, seed)
         self._caches[cache.cache_id] = cache
         return int(cache.cache_id)
 
+    def allocate_blocks_cache(self, spec: CacheSpec, seed: int, model_id: int) -> int:
+        """A pool blocks cache under ``BlocksCacheKey(self, model_id)``, holding the pattern."""
+        import datadist as llm_datadist
+
+        key = llm_datadist.BlocksCacheKey(self.cluster_id, model_id)
+        cache = self.cm.allocate_blocks_cache(spec.desc(), key)
+        self._write(cache, spec, seed)
+        self._caches[cache.cache_id] = cache
+        return int(cache.cache_id)
+
+    def _write(self, cache: Any, spec: CacheSpec, seed: int) -> None:
+        data = pattern(spec, seed)
+        for i, addr in enumerate(cache.tensor_addrs):
+            ctypes.memmove(addr, data[i].ctypes.data, spec.tensor_bytes)
+
     def deallocate_cache(self, cache_id: int) -> None:
         self.cm.deallocate_cache(self._caches.pop(cache_id))
+
+    def deallocate_blocks_cache(self, cache_id: int) -> None:
+        self.cm.deallocate_blocks_cache(self._caches.pop(cache_id))
 
     def unregister_cache(self, cache_id: int) -> None:
         self.cm.unregister_cache(cache_id)

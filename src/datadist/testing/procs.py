@@ -22,7 +22,8 @@ itself when its parent dies (``PR_SET_PDEATHSIG``), so an aborted test run leave
 Start peers from the main thread: the kernel sends the death signal when the *thread* that
 started the child exits.
 
-Not thread-safe: one thread talks to one peer.
+Not thread-safe: one thread talks to one peer. A script (not pytest) that starts peers needs
+the usual spawn guard, ``if __name__ == "__main__":``, around its own code.
 """
 
 from __future__ import annotations
@@ -172,6 +173,23 @@ def _child_main(
 _live: set[Peer] = set()
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` in state T (stopped) or gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
 @atexit.register
 def _kill_strays() -> None:
     for peer in list(_live):
@@ -313,6 +331,25 @@ class Peer:
     def signal(self, sig: int) -> None:
         """Send ``sig`` (SIGSTOP, SIGCONT, SIGKILL, ...) to the child."""
         os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGSTOP the child and wait until every one of its threads has stopped.
+
+        ``kill(pid, SIGSTOP)`` returns before the stop takes effect: a thread that is
+        running (or about to answer a request) may still do so. Tests that need a silent
+        peer must wait for the stop, which this does by reading ``/proc/<pid>/task``.
+        """
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not _all_threads_stopped(self.pid):
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"peer {self.name} (pid {self.pid}) did not stop in "
+                                  f"{timeout} s")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        """SIGCONT a stopped child."""
+        self.signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the child and reap it. Idempotent; works on a stopped child."""
