@@ -396,3 +396,31 @@ class TestLegacyDataDist:
         prompt.engine.close()
         with pytest.raises(llm.LLMException):
             dd.check_link_status(PROMPT_ID)
+
+
+class TestAfterFinalize:
+    def test_managers_are_not_initialized(self, make_datadist):
+        dd = make_datadist({"llm.EnableCacheManager": "1"})
+        cm = dd.cache_manager
+        dd.finalize()
+        for call in [lambda: cm.copy_cache(None, None), lambda: cm.copy_blocks(None, {}),
+                     lambda: cm.swap_blocks(None, None, {}),
+                     lambda: cm.remap_registered_memory([]),
+                     lambda: cm.transfer_cache_async(None, None, [])]:
+            with pytest.raises(RuntimeError, match="not initialized"):
+                call()
+        dd = make_datadist({}, DECODER, DECODER_ID)
+        kv = dd.kv_cache_manager
+        dd.finalize()
+        assert not kv.is_initialized()
+        for call in [lambda: kv.allocate_cache(desc()), lambda: kv.pull_cache(None, None),
+                     lambda: kv.get_cache_tensors(None), lambda: kv.copy_blocks(None, {})]:
+            with pytest.raises(RuntimeError, match="not initialized"):
+                call()
+
+    def test_key_types(self, v1):
+        p, _ = v1
+        with pytest.raises(TypeError):
+            p.kv.remove_cache_key(llm.BlocksCacheKey(PROMPT_ID))
+        with pytest.raises(TypeError):
+            p.kv.allocate_blocks_cache(desc(), llm.CacheKey(PROMPT_ID, 1))

@@ -84,12 +84,14 @@ def start_transfer(
     check_int("dst_block_memory_size", dst_block_memory_size, "uint64")
     has_src_blocks = src_blocks is not None and src_blocks.size > 0
     has_dst_blocks = dst_blocks is not None and dst_blocks.size > 0
-    if has_src_blocks:
-        raise_if_false(has_dst_blocks, "transfer from blocks to a contiguous cache is not "
-                       "supported: give dst_block_indices")
-        raise_if_false(len(src_blocks) == len(dst_blocks),  # type: ignore[arg-type]
-                       f"{len(src_blocks)} src_block_indices but "  # type: ignore[arg-type]
-                       f"{len(dst_blocks)} dst_block_indices")  # type: ignore[arg-type]
+    if src_blocks is not None and has_src_blocks:
+        raise_if_false(dst_blocks is not None and has_dst_blocks,
+                       "transfer from blocks to a contiguous cache is not supported: give "
+                       "dst_block_indices")
+        assert dst_blocks is not None
+        raise_if_false(len(src_blocks) == len(dst_blocks),
+                       f"{len(src_blocks)} src_block_indices but {len(dst_blocks)} "
+                       "dst_block_indices")
     elif has_dst_blocks:
         raise_if_false(dst_block_memory_size is not None,
                        "dst_block_memory_size must be set when transferring into blocks")
