@@ -21,10 +21,11 @@ Cache ids count from 1 in each process, in allocation order: old clients hard-co
 """
 
 from __future__ import annotations
-import numpy as np
 
 import json
 from typing import Any
+
+import numpy as np
 
 from datadist.api import async_transfer, local_ops
 from datadist.api.cache_manager import geometry_of, key_ref, local_keys
