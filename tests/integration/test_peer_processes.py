@@ -55,7 +55,11 @@ def serving_target(link: PeerLink) -> None:
     def fail(message: str) -> None:
         raise RuntimeError(message)
 
-    serve(link, {"incr": incr, "fail": fail})
+    def nap(seconds: float) -> str:
+        time.sleep(seconds)
+        return "woke"
+
+    serve(link, {"incr": incr, "fail": fail, "nap": nap})
 
 
 def _gone(pid: int) -> bool:
@@ -114,6 +118,14 @@ def test_serve_reports_failures_and_keeps_serving() -> None:
             peer.call("nope")
         assert peer.call("incr", by=10) == 11
         assert peer.alive
+
+
+def test_late_reply_is_not_taken_for_the_next_one() -> None:
+    with Peer(serving_target) as peer:
+        with pytest.raises(PeerTimeout):
+            peer.call("nap", timeout=0.1, seconds=0.5)
+        assert peer.call("incr", by=5) == 5  # not "woke", the nap's late reply
+        assert peer.call("nap", seconds=0) == "woke"
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill"])

@@ -321,6 +321,22 @@ def test_release_of_a_lease_never_granted_is_ignored(raw: Callable[[], RawClient
     assert c.next_frame() == p.Pong(5)
 
 
+def test_grant_never_released_is_dropped_with_the_connection(
+        raw: Callable[[], RawClient], prompt: RunningPrompt) -> None:
+    """A same-host reader that takes a grant and vanishes without Release must not pin the
+    cache: unregister_cache (which waits for live leases) returns once it is gone."""
+    cache_id = prompt.call("register_cache", spec=SPEC, seed=99)
+    c = raw()
+    c.hello()
+    c.send(p.encode(read(p.KeyRef(p.KeyKind.CACHE_ID, cache_id, 0), [0], [64],
+                         flags=p.ReadFlags.GRANT), 2))
+    grant = c.next_frame()
+    assert isinstance(grant, p.Grant) and len(grant.bases) == 1, grant
+    c.close()
+    # A leaked lease would hold unregister_cache for its full 30 s wait: the call times out.
+    prompt.call("unregister_cache", timeout=20, cache_id=cache_id)
+
+
 def test_many_hostile_connections_at_once(raw: Callable[[], RawClient]) -> None:
     clients = [raw() for _ in range(32)]
     for i, c in enumerate(clients):

@@ -55,12 +55,12 @@ _PR_SET_PDEATHSIG = 1
 
 # Frames on the pipe are (tag, payload) tuples. Child to parent:
 _MSG = "msg"  # link.send(obj)
-_REPLY = "reply"  # a command served by serve() returned
-_FAIL = "fail"  # a command served by serve() raised: payload = traceback text
+_REPLY = "reply"  # a command served by serve() returned: payload = (seq, value)
+_FAIL = "fail"  # a command served by serve() raised: payload = (seq, traceback text)
 _RAISE = "raise"  # the target itself raised: payload = traceback text; the child exits
 _RETURN = "return"  # the target returned: payload = its value; the child exits
 # Parent to child:
-_CALL = "call"  # (op, kwargs)
+_CALL = "call"  # (seq, op, kwargs); seq pairs a reply with its call
 _STOP = "stop"
 
 
@@ -122,18 +122,18 @@ def serve(link: PeerLink, ops: Mapping[str, Callable[..., Any]]) -> None:
             return
         if tag == _STOP:
             return
-        op, kwargs = payload
+        seq, op, kwargs = payload
         try:
             fn = ops[op]
         except KeyError:
-            link._put(_FAIL, f"KeyError: unknown op {op!r}; known: {sorted(ops)}\n")
+            link._put(_FAIL, (seq, f"KeyError: unknown op {op!r}; known: {sorted(ops)}\n"))
             continue
         try:
             result = fn(**kwargs)
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
-            link._put(_FAIL, traceback.format_exc())
+            link._put(_FAIL, (seq, traceback.format_exc()))
         else:
-            link._put(_REPLY, result)
+            link._put(_REPLY, (seq, result))
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -227,6 +227,7 @@ class Peer:
         child_conn.close()  # our copy: the child's end now lives only in the child
         self._finished = False
         self._result: Any = None
+        self._seq = 0
         _live.add(self)
 
     def __repr__(self) -> str:
@@ -304,19 +305,27 @@ class Peer:
         """Run ``op(**kwargs)`` in a child that is inside :func:`serve`; return its result.
 
         Raises PeerError carrying the child's traceback when the op raised (the child keeps
-        serving), PeerDied / PeerTimeout as :meth:`recv`.
+        serving), PeerDied / PeerTimeout as :meth:`recv`. The reply to a call that timed out
+        is dropped when it arrives, so later calls stay paired with their own replies.
         """
+        self._seq += 1
+        seq = self._seq
         try:
-            self._conn.send((_CALL, (op, kwargs)))
+            self._conn.send((_CALL, (seq, op, kwargs)))
         except (BrokenPipeError, OSError):
             self._finished = True
             raise PeerDied(f"peer {self.name} went away: {self._describe_exit()}") from None
-        tag, payload = self._next(timeout)
-        if tag == _FAIL:
-            raise PeerError(f"peer {self.name}: {op} raised", payload)
-        if tag != _REPLY:
-            raise PeerError(f"peer {self.name}: expected the reply to {op}, got {tag!r}")
-        return payload
+        deadline = time.monotonic() + timeout
+        while True:
+            tag, payload = self._next(max(0.0, deadline - time.monotonic()))
+            if tag not in (_REPLY, _FAIL):
+                raise PeerError(f"peer {self.name}: expected the reply to {op}, got {tag!r}")
+            got_seq, value = payload
+            if got_seq != seq:
+                continue  # the late reply to an earlier call that timed out
+            if tag == _FAIL:
+                raise PeerError(f"peer {self.name}: {op} raised", value)
+            return value
 
     def join(self, timeout: float = 30.0) -> Any:
         """Wait for the target to return and give its value; raise as :meth:`recv` does."""
