@@ -124,3 +124,31 @@ def test_contiguous_slots_of_other_seq_len_still_pull() -> None:
     finally:
         puller.close()
         owner.close()
+
+
+def test_contiguous_push_into_blocks_checks_dtype_only() -> None:
+    """A contiguous source pushed into a paged destination (transfer_cache_async does this)
+    has slots of another shape than the blocks: only the dtype must match."""
+    owner, pusher = _pair("tcp")
+    try:
+        dst = [np.zeros((8, 16, 4), np.float16) for _ in range(2)]
+        _register(owner, CacheDesc(2, [8, 16, 4], F16, Placement.HOST), dst, True,
+                  blocks_model_id=0)
+        src = [np.full((1, 64, 2), i + 1, np.float16) for i in range(2)]  # 256 B = two blocks
+        local = _register(pusher, CacheDesc(2, [1, 64, 2], F16, Placement.HOST), src, False)
+        plan = plan_slot(local.geometry, 0, layer_tensor_indices(2, None, None, 2))
+        # remote offset 5 blocks (of 128 B) in: the slot lands in blocks 5 and 6
+        from dataclasses import replace
+
+        plan = replace(plan, remote_offsets=np.array([5 * 128], np.uint64))
+        pusher.push(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 0, plan, local.cache_id, 2.0)
+        assert (dst[0][5:7] == 1).all() and (dst[1][5:7] == 2).all() and not dst[0][4].any()
+        bf = [np.ones((1, 64, 2), np.float16)]
+        other = _register(pusher, CacheDesc(1, [1, 64, 2], BF16, Placement.HOST), bf, False)
+        plan1 = replace(plan_slot(other.geometry, 0, layer_tensor_indices(1, None, None, 2)),
+                        remote_offsets=np.array([0], np.uint64))
+        with pytest.raises(InvalidArgument, match="another data type"):
+            pusher.push(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 0, plan1, other.cache_id, 2.0)
+    finally:
+        pusher.close()
+        owner.close()

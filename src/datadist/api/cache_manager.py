@@ -36,11 +36,6 @@ _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 _U64 = 2**64 - 1
 
 
-def _not_enabled(what: str) -> LLMException:
-    return LLMException(f"{what} is not available in this release of datadist",
-                        status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-
-
 def geometry_of(desc: CacheDesc, *, blocks: bool) -> layout.Geometry:
     raise_if_false(len(desc.shape) >= 1, "cache shape must have at least one dim")
     raise_if_false(len(desc.shape) <= 32, "cache shape must have at most 32 dims")

@@ -29,7 +29,7 @@ from datadist.core.errors import (
     OutOfMemory,
     RemoteProtocolError,
 )
-from datadist.core.layout import Geometry, Plan
+from datadist.core.layout import Geometry, Plan, wire_layout
 from datadist.core import auth
 from datadist.core.links import HostIdentity, Link, choose_path, forced_path, greet
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
@@ -313,7 +313,7 @@ class Engine:
             local = make_iov(*plan.local_iov(entry.addrs))
             flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
             msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
-                         plan.lengths, entry.geometry.layout)
+                         plan.lengths, wire_layout(entry.geometry))
             link.run(deadline,
                      lambda path, chan: path.read(chan, msg, local, deadline))
         finally:
@@ -338,7 +338,7 @@ class Engine:
             link = self.get_link(cluster_id)
             local = make_iov(*plan.local_iov(entry.addrs))
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
-                          plan.lengths, entry.geometry.layout)
+                          plan.lengths, wire_layout(entry.geometry))
             # Pushes go over the control channel: the owner must check the spans before
             # anything lands, which is what the two-step Write does.
             link.run(deadline,

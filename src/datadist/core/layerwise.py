@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datadist.core.errors import Code, DatadistError, InvalidArgument
-from datadist.core.layout import U32, U64, Geometry, Plan, _coalesce
+from datadist.core.layout import U32, U64, Geometry, Plan, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class LayerSpans:
 
 
 def _spans(remote: np.ndarray, local: np.ndarray, lengths: np.ndarray) -> LayerSpans:
-    r, lo, n = _coalesce(remote.astype(U64), local.astype(U64), lengths.astype(U64))
+    r, lo, n = coalesce(remote.astype(U64), local.astype(U64), lengths.astype(U64))
     return LayerSpans(r, lo, n)
 
 

@@ -79,6 +79,12 @@ def layout_tag(dtype_value: int, unit_shape: Sequence[int]) -> int:
     return ((dtype_value + 1) & 0xFFFFFFFF) << 32 | shape_crc
 
 
+def wire_layout(geometry: Geometry) -> int:
+    """The layout a requester states: the whole tag for a paged cache, the dtype alone for a
+    contiguous one (whose slots need not have the shape of the peer's blocks)."""
+    return geometry.layout if geometry.is_blocks else geometry.layout & ~0xFFFFFFFF
+
+
 def check_layouts(mine: int, theirs: int, *, blocks: bool, what: str) -> None:
     """Owner side: refuse a request whose cache holds another dtype (always) or, for block
     addressing, blocks of another shape. Unknown (0) on either side passes."""
@@ -90,7 +96,9 @@ def check_layouts(mine: int, theirs: int, *, blocks: bool, what: str) -> None:
             f"(dtype codes {(mine >> 32) - 1} and {(theirs >> 32) - 1}): refusing to move "
             "bytes that would be read as the wrong type"
         )
-    if blocks and mine != theirs:
+    # A requester whose own cache is not paged (a contiguous source pushed into blocks) sends
+    # its dtype only: shape word 0.
+    if blocks and theirs & 0xFFFFFFFF and mine != theirs:
         raise InvalidArgument(f"{what} has another block shape than the requester's cache")
 
 
@@ -195,7 +203,7 @@ def layer_tensor_indices(
 # spans
 
 
-def _coalesce(
+def coalesce(
     src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge neighbouring spans that are adjacent on both sides. Vectorised."""
@@ -292,7 +300,7 @@ def plan_blocks(
         )
     bb = np.uint64(dst.unit_bytes)
     lengths = np.full(s.size, bb, dtype=U64)
-    so, do, ln = _coalesce(s * bb, d * bb, lengths)
+    so, do, ln = coalesce(s * bb, d * bb, lengths)
     _freeze(so, do, ln, *tensors)
     return Plan(tensors[0], tensors[1], so, do, ln)
 
@@ -313,7 +321,7 @@ def plan_contiguous_to_blocks(
     bb = np.uint64(dst.unit_bytes)
     s = np.arange(d.size, dtype=U64) * bb
     lengths = np.full(d.size, bb, dtype=U64)
-    so, do, ln = _coalesce(s, d * bb, lengths)
+    so, do, ln = coalesce(s, d * bb, lengths)
     _freeze(so, do, ln, *tensors)
     return Plan(tensors[0], tensors[1], so, do, ln)
 
