@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -271,6 +272,58 @@ class Peer:
             moved += per_pull * bb * len(buf.tensors)
         return {"errors": errors[:10], "nerrors": len(errors), "mismatches": bad,
                 "bytes": moved, "elapsed": time.monotonic() - t0}
+
+
+    def op_churn(self, cid: int, ip: str, port: int, dst: str, seed: int, seconds: float,
+                 src_total: int, per_pull: int, force: bool = True, rng_seed: int = 0) -> dict:
+        """Pull in a thread while this one unlinks and relinks the same cluster, again and
+        again, for ``seconds``. Every pull that succeeds must carry the right bytes; the
+        failures are counted by status code."""
+        assert self.dd is not None
+        _, buf, meta = self.caches[dst]
+        bb = meta["block_bytes"]
+        stop = threading.Event()
+        outcomes: dict[str, int] = {}
+        wrong: list[str] = []
+
+        def puller() -> None:
+            rng = np.random.default_rng(rng_seed)
+            while not stop.is_set():
+                src = rng.choice(src_total, size=per_pull, replace=False).tolist()
+                dstb = rng.choice(meta["blocks"], size=per_pull, replace=False).tolist()
+                for t in buf.tensors:
+                    for d in dstb:
+                        t[d * bb:(d + 1) * bb] = 0xEE
+                try:
+                    self._pull_once(cid, 0, dst, src, dstb)
+                except llm_datadist.LLMException as e:
+                    outcomes[e.status_code.name] = outcomes.get(e.status_code.name, 0) + 1
+                    continue
+                if self._verify(dst, seed, src, dstb):
+                    outcomes["ok"] = outcomes.get("ok", 0) + 1
+                else:
+                    wrong.append(f"{src}->{dstb}")
+
+        t = threading.Thread(target=puller, daemon=True)
+        t.start()
+        unlink_codes: dict[str, int] = {}
+        link_codes: dict[str, int] = {}
+        cycles = 0
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                r = self.op_unlink([[cid, ip, port]], force=force, timeout_ms=200)
+                unlink_codes[r["code"]] = unlink_codes.get(r["code"], 0) + 1
+                r = self.op_link([[cid, ip, port]], timeout_ms=2000)
+                link_codes[r["code"]] = link_codes.get(r["code"], 0) + 1
+                cycles += 1
+                time.sleep(0.002 * (cycles % 5))
+        finally:
+            stop.set()
+            t.join(30)
+        return {"cycles": cycles, "outcomes": outcomes, "wrong": wrong[:5],
+                "nwrong": len(wrong), "unlink": unlink_codes, "link": link_codes,
+                "puller_alive": t.is_alive()}
 
 
 def main() -> None:

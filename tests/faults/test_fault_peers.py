@@ -254,3 +254,29 @@ def test_listener_closed(peers: Peers) -> None:
     assert r["code"] == "LLM_LINK_FAILED", r
     assert r["elapsed"] < 2 + MARGIN
     assert _pull(dec, healthy, seed=2)["verified"]
+
+
+# ------------------------------------------------------------------------------ churn
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("force", [True, False], ids=["force", "graceful"])
+def test_unlink_and_relink_during_pulls(peers: Peers, transport: str, force: bool) -> None:
+    """One thread pulls without pause while another unlinks and relinks the same cluster,
+    hundreds of times. A pull may fail (LINK_FAILED, NOT_YET_LINK, TIMEOUT) or, for a
+    graceful unlink, make the unlink wait or answer LINK_BUSY, but a pull that succeeds
+    carries exactly the right bytes, and the link works at the end."""
+    victim, healthy, dec = _world(peers, transport)
+    r = dec.call("churn", cid=victim.cluster_id, ip=victim.ip, port=victim.port, dst="dst",
+                 seed=1, seconds=3.0, src_total=16, per_pull=4, force=force, timeout=60)
+    print(f"[churn {transport} {'force' if force else 'graceful'}] {r}")
+    assert not r["puller_alive"], r
+    assert r["nwrong"] == 0, f"pulls that succeeded with wrong bytes: {r}"
+    assert set(r["outcomes"]) <= {"ok", "LLM_LINK_FAILED", "LLM_NOT_YET_LINK", "LLM_TIMEOUT",
+                                  "LLM_LINK_BUSY"}, r
+    assert r["outcomes"].get("ok", 0) > 0 and r["cycles"] > 20, r
+    assert set(r["unlink"]) <= {"LLM_SUCCESS", "LLM_LINK_BUSY"}, r
+    assert set(r["link"]) == {"LLM_SUCCESS"}, r
+    assert _pull(dec, victim, seed=1)["verified"]
+    assert _pull(dec, healthy, seed=2)["verified"]

@@ -13,8 +13,10 @@ to TCP by itself and logs why, once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,6 +87,7 @@ class Link:
     connect: Callable[[float], tuple[Channel, p.Welcome]]
     lock: threading.Lock = field(default_factory=threading.Lock)
     broken: str = ""
+    closing: bool = False  # unlinked: the transfer holding the lock closes the channel
 
     def __repr__(self) -> str:
         state = f"broken: {self.broken}" if self.broken else "up"
@@ -98,9 +101,24 @@ class Link:
         return self.path.caps.name
 
     def close(self) -> None:
-        """Close the channel and release what the path holds (shared mappings). Idempotent."""
-        self.chan.close()
-        self.path.close()
+        """Close the channel and release what the path holds (shared mappings). Idempotent.
+
+        Never closes the socket under a transfer in flight (another thread holding the
+        lock): the kernel would hand its fd number to the next connection (a relink), and
+        the transfer would go on reading and writing that one. The transfer is woken by a
+        shutdown instead (reads see EOF, writes fail) and closes the channel on its way out.
+        """
+        self.closing = True
+        if not self.lock.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                self.chan.sock.shutdown(socket.SHUT_RDWR)
+            if not self.lock.acquire(blocking=False):
+                return  # run() closes it when it releases the lock
+        try:
+            self.chan.close()
+            self.path.close()
+        finally:
+            self.lock.release()
 
     def acquire(self, deadline: float) -> None:
         """Take the link for one transfer, or Busy/Timeout by the deadline."""
@@ -125,6 +143,8 @@ class Link:
         and falling back from CMA to TCP when the kernel refuses."""
         self.acquire(deadline)
         try:
+            if self.closing:
+                raise BrokenLink(f"link to cluster {self.cluster_id} was unlinked")
             if self.chan.closed or self.chan.peer_gone():
                 self.chan.close()
                 try:
@@ -142,6 +162,9 @@ class Link:
                 self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
                 return op(self.path, self.chan)
         finally:
+            if self.closing:  # unlinked while we ran: see close()
+                self.chan.close()
+                self.path.close()
             self.lock.release()
 
 
