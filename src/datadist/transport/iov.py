@@ -117,6 +117,8 @@ def make_iov(bases: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def iov_nbytes(iov: np.ndarray) -> int:
+    if len(iov) == 1:
+        return int(iov[0, 1])
     return int(iov[:, 1].sum()) if len(iov) else 0
 
 
