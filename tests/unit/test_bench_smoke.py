@@ -1,0 +1,79 @@
+"""Smoke test of the benchmark (``datadist bench``): one tiny run end to end.
+
+It runs as a subprocess, as users run it (one LLMDataDist per process, and the owner is a
+spawned child). Asserts that every row is produced, in the table and in the JSON, with sane
+numbers; never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROWS = {
+    "same_host_pull": "GB/s", "same_host_pull_blocks": "GB/s", "same_host_pull_pool": "GB/s",
+    "same_host_small": "us", "tcp_pull": "GB/s", "tcp_pull_blocks": "GB/s", "tcp_small": "us",
+    "plan_numpy": "ms", "plan_lists": "ms",
+}
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "datadist.bench", *args],
+                          capture_output=True, text=True, timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_produces_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = run_bench("--quick", "--size", "1", "--repeat", "2", "--peers", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    rows = {r["key"]: r for r in result["rows"]}
+    assert set(rows) == set(ROWS)
+    for key, unit in ROWS.items():
+        r = rows[key]
+        assert r["unit"] == unit, key
+        assert math.isfinite(r["figure"]) and r["figure"] > 0, r
+        assert len(r["figure_samples"]) >= 2, r  # a median of several repetitions
+        assert isinstance(r["met"], bool), r
+        assert r["title"] in proc.stdout, f"{r['title']!r} missing from the table"
+        if unit == "ms":  # planning has an absolute goal, no limit
+            assert r["limit"] is None and r["ratio"] is None
+        else:
+            assert math.isfinite(r["limit"]) and r["limit"] > 0, r
+            assert r["ratio"] == pytest.approx(r["figure"] / r["limit"])
+            assert len(r["limit_samples"]) == len(r["figure_samples"]), r
+    for key in ("tcp_pull", "tcp_pull_blocks", "tcp_small"):
+        assert rows[key]["path"] == "tcp", rows[key]
+    for key in ("same_host_pull", "same_host_pull_blocks", "same_host_small"):
+        assert rows[key]["path"] != "tcp", rows[key]
+    assert result["sizes"]["contig_bytes"] == 1 << 20 and not result["at_goal_size"]
+    assert "address mod 4096" in result["alignment"]
+    assert len(result["peers"]) == 2 and all("NIXL" in p or "Mooncake" in p
+                                             for p in result["peers"])
+    assert "100%" in proc.stderr  # the progress bar reached its end
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments_are_refused() -> None:
+    proc = run_bench("--only", "nonsense")
+    assert proc.returncode == 2 and "--only" in proc.stderr
+    proc = run_bench("--repeat", "0")
+    assert proc.returncode == 2 and "--repeat" in proc.stderr
+
+
+def test_plan_rows_in_process() -> None:
+    """The planning rows need no processes: checked here directly, with the real planner."""
+    from datadist import bench
+
+    sizes = bench.Sizes.preset(True)
+    progress = bench.Progress(bench.timed_steps(2, ("plan",)), enabled=False)
+    rows = bench.plan_rows(sizes, 2, progress)
+    assert [r.key for r in rows] == ["plan_numpy", "plan_lists"]
+    assert progress.done == progress.total
+    assert all(r.figure > 0 and len(r.figure_samples) == 2 for r in rows)
