@@ -236,3 +236,27 @@ def test_nonblocking_sockets_still_work_without_arm() -> None:
     finally:
         x.close()
         y.close()
+
+
+@pytest.mark.parametrize("chunk", [100, 4096])
+def test_send_batches_cover_the_stream_in_order(monkeypatch: pytest.MonkeyPatch,
+                                                chunk: int) -> None:
+    """Sends are cut into calls of about SEND_CHUNK bytes: big spans split, small ones
+    grouped, every byte once and in order, no call above IOV_MAX spans or 2 x SEND_CHUNK."""
+    monkeypatch.setattr(iovmod, "SEND_CHUNK", chunk)
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 3 * chunk, 2500).astype(np.uint64)
+    bases = np.cumsum(lengths + np.uint64(13)) - lengths  # gaps between spans
+    iov = iovmod.make_iov(bases, lengths)
+    cut, bounds = iovmod._send_batches(iov)
+    bounds = list(bounds)
+    assert bounds[0] == 0 and bounds[-1] == len(cut) and bounds == sorted(set(bounds))
+    for a, b in zip(bounds, bounds[1:]):
+        assert b - a <= iovmod.IOV_MAX
+        assert int(cut[a:b, 1].sum()) <= 2 * chunk
+    assert int(cut[:, 1].max()) <= chunk
+    # the cut spans, read in order, name exactly the original bytes
+    expect = np.concatenate([np.arange(b, b + n, dtype=np.uint64)
+                             for b, n in iov.tolist()])
+    got = np.concatenate([np.arange(b, b + n, dtype=np.uint64) for b, n in cut.tolist()])
+    assert np.array_equal(got, expect)

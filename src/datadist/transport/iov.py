@@ -161,6 +161,41 @@ def _recvmsg_waitall(fd: int, iov_ptr: int, count: int) -> int:
 Arm = Callable[[float, bool], None]
 
 
+SEND_CHUNK = 4 << 20
+
+
+def _send_batches(iov: np.ndarray) -> tuple[np.ndarray, list[int] | range]:
+    """Cut ``iov`` into writev batches of about SEND_CHUNK bytes (and <= IOV_MAX spans).
+
+    Measured on loopback: one writev of 32..64 MiB runs at ~3 GB/s, 4 MiB calls at ~4.8 GB/s
+    (the sender holds the socket lock for the whole copy, so the peer's ACKs queue up behind
+    it and the window opens in bursts). Spans above SEND_CHUNK are split; returns the
+    (possibly split) iovecs and the batch boundaries as indexes.
+    """
+    lens = iov[:, 1]
+    if len(iov) <= 1 and (not len(iov) or int(lens[0]) <= SEND_CHUNK):
+        return iov, range(len(iov) + 1)
+    chunk = np.uint64(SEND_CHUNK)
+    if bool((lens > chunk).any()):
+        pieces = ((lens + chunk - np.uint64(1)) // chunk).astype(np.int64)
+        span = np.repeat(np.arange(len(iov)), pieces)
+        first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        k = (np.arange(len(span)) - first).astype(U64) * chunk
+        cut = np.empty((len(span), 2), dtype=U64)
+        cut[:, 0] = iov[span, 0] + k
+        cut[:, 1] = np.minimum(chunk, iov[span, 1] - k)
+        iov, lens = cut, cut[:, 1]
+    starts = np.cumsum(lens) - lens
+    group = starts // chunk  # a batch per SEND_CHUNK of the stream: <= 2 * SEND_CHUNK bytes
+    cuts = np.flatnonzero(np.diff(group)) + 1
+    bounds = [0]
+    for c in [*cuts.tolist(), len(iov)]:
+        while c - bounds[-1] > IOV_MAX:
+            bounds.append(bounds[-1] + IOV_MAX)
+        bounds.append(c)
+    return iov, bounds
+
+
 def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int,  # type: ignore[no-untyped-def]
               arm: Arm | None, reading: bool) -> None:
     """Loop ``call`` (readv-shaped: fd, iovec pointer, count) until ``iov`` is done.
@@ -171,8 +206,14 @@ def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int,  # t
     A batch that completes in one call (the usual case) costs no numpy work beyond its sum.
     """
     iov = np.ascontiguousarray(iov, dtype=U64)
-    for start in range(0, len(iov), IOV_MAX):
-        batch = iov[start : start + IOV_MAX]
+    if reading:
+        bounds = range(0, len(iov) + IOV_MAX, IOV_MAX)
+    else:
+        iov, bounds = _send_batches(iov)
+    for start, stop in zip(bounds, bounds[1:]):
+        batch = iov[start:stop]
+        if not len(batch):
+            break
         want = int(batch[0, 1]) if len(batch) == 1 else int(batch[:, 1].sum())
         private = False
         expired = False
