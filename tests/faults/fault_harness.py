@@ -12,12 +12,15 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from datadist.wire import protocol as p
 
 PEER = Path(__file__).with_name("fault_peer.py")
 LOCALHOST = "127.0.0.1"
@@ -164,8 +167,8 @@ class Peers:
         return self._next_id
 
     def close(self) -> None:
-        for p in self.all:
-            p.close()
+        for peer in self.all:
+            peer.close()
 
 
 def target(prompt: Peer) -> list:
@@ -220,3 +223,81 @@ def file_words_nonzero(shm: str, offset: int, nbytes: int) -> bool:
         f.seek(offset)
         data = np.frombuffer(f.read(nbytes), dtype=np.uint8)
     return bool(data.any())
+
+
+# ------------------------------------------------------------------------------ raw client
+
+SOCK_TIMEOUT = 10.0  # a reply that takes longer is a hang
+
+
+class Hang(BaseException):
+    """The server left a request unanswered past the bound. A BaseException so that
+    hypothesis stops at once instead of shrinking through more multi-second waits."""
+
+
+class RawClient:
+    """A client that speaks the wire protocol by hand, every wait bounded."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=SOCK_TIMEOUT)
+        self.sock.settimeout(SOCK_TIMEOUT)
+        self.decoder = p.FrameDecoder()
+        self.items: list[tuple[int, p.Message | bytes]] = []
+        self.eof = False
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> bool:
+        try:
+            self.sock.sendall(data)
+            return True
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+
+    def _fill(self) -> None:
+        try:
+            chunk = self.sock.recv(1 << 20)
+        except ConnectionResetError:
+            chunk = b""
+        except TimeoutError:
+            raise Hang(f"the server sent nothing for {SOCK_TIMEOUT} s") from None
+        if not chunk:
+            self.eof = True
+            return
+        self.items.extend(self.decoder.feed(chunk))
+
+    def next(self) -> tuple[int, p.Message | bytes] | None:
+        """The next frame or raw-bytes item; None once the server closed."""
+        while not self.items and not self.eof:
+            self._fill()
+        return self.items.pop(0) if self.items else None
+
+    def drain(self) -> list[tuple[int, p.Message | bytes]]:
+        """Everything until the server closes (it must, within the bound)."""
+        end = time.monotonic() + SOCK_TIMEOUT
+        while not self.eof:
+            if time.monotonic() > end:
+                raise Hang("the server kept a hostile connection open after EOF")
+            self._fill()
+        out, self.items = self.items, []
+        return out
+
+    def recv_exact(self, n: int) -> bytes:
+        """``n`` raw bytes straight from the socket (no frame decoding), bounded."""
+        out = bytearray()
+        while len(out) < n:
+            try:
+                chunk = self.sock.recv(min(n - len(out), 1 << 20))
+            except TimeoutError:
+                raise Hang(f"the server sent nothing for {SOCK_TIMEOUT} s") from None
+            if not chunk:
+                raise AssertionError(f"the server hung up after {len(out)} of {n} bytes")
+            out += chunk
+        return bytes(out)
+
+    def hello(self, cluster_id: int) -> None:
+        # No 0xEE anywhere in it (see the module docstring).
+        self.send(p.encode(p.Hello(cluster_id, 1, 1, 0, b"\x01" * 16), 1))
+        got = self.next()
+        assert got is not None and isinstance(got[1], p.Welcome), got

@@ -162,10 +162,12 @@ class Peer:
 
     def op_unregister(self, name: str) -> dict:
         assert self.dd is not None
-        cache, _, _ = self.caches.pop(name)
+        cache, _, _ = self.caches[name]
         t0 = time.monotonic()
         self.dd.cache_manager.unregister_cache(cache.cache_id)
-        return {"elapsed": time.monotonic() - t0}
+        elapsed = time.monotonic() - t0
+        del self.caches[name]  # only now may the memory go (as a user would free it)
+        return {"elapsed": elapsed}
 
     def op_check(self, name: str) -> dict:
         """Guards untouched; with a seed, the tensors still hold the pattern."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from fault_harness import Peer, Peers, link, measured
+from fault_harness import Hang, Peer, Peers, RawClient, link, measured
 from fault_peer import GUARD_BYTE, pattern
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -45,7 +45,6 @@ U32MAX = 2**32 - 1
 BLK = {"num_tensors": 3, "blocks": 8, "block_bytes": 1024}  # blocks cache, model_id 0
 KV = {"num_tensors": 2, "blocks": 4, "block_bytes": 2048}  # contiguous, 4 keyed slots
 REQ_BASE = 1000  # slot i of KV is CacheKey(req_id=1000 + i, model_id=0)
-SOCK_TIMEOUT = 10.0  # a reply that takes longer is a hang
 EXAMPLES = 300
 
 
@@ -89,66 +88,6 @@ def _start_server(peers: Peers) -> Server:
 
 
 # ------------------------------------------------------------------------------ raw client
-
-
-class Hang(BaseException):
-    """The server left a request unanswered past the bound. A BaseException so that
-    hypothesis stops at once instead of shrinking through more multi-second waits."""
-
-
-class RawClient:
-    """A client that speaks the wire protocol by hand, every wait bounded."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=SOCK_TIMEOUT)
-        self.sock.settimeout(SOCK_TIMEOUT)
-        self.decoder = p.FrameDecoder()
-        self.items: list[tuple[int, p.Message | bytes]] = []
-        self.eof = False
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, data: bytes) -> bool:
-        try:
-            self.sock.sendall(data)
-            return True
-        except (BrokenPipeError, ConnectionResetError):
-            return False
-
-    def _fill(self) -> None:
-        try:
-            chunk = self.sock.recv(1 << 20)
-        except ConnectionResetError:
-            chunk = b""
-        except TimeoutError:
-            raise Hang(f"the server sent nothing for {SOCK_TIMEOUT} s") from None
-        if not chunk:
-            self.eof = True
-            return
-        self.items.extend(self.decoder.feed(chunk))
-
-    def next(self) -> tuple[int, p.Message | bytes] | None:
-        """The next frame or raw-bytes item; None once the server closed."""
-        while not self.items and not self.eof:
-            self._fill()
-        return self.items.pop(0) if self.items else None
-
-    def drain(self) -> list[tuple[int, p.Message | bytes]]:
-        """Everything until the server closes (it must, within the bound)."""
-        end = time.monotonic() + SOCK_TIMEOUT
-        while not self.eof:
-            if time.monotonic() > end:
-                raise Hang("the server kept a hostile connection open after EOF")
-            self._fill()
-        out, self.items = self.items, []
-        return out
-
-    def hello(self, cluster_id: int) -> None:
-        # No 0xEE anywhere in it (see the module docstring).
-        self.send(p.encode(p.Hello(cluster_id, 1, 1, 0, b"\x01" * 16), 1))
-        got = self.next()
-        assert got is not None and isinstance(got[1], p.Welcome), got
 
 
 # ------------------------------------------------------------------------------ the model

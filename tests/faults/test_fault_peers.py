@@ -13,16 +13,21 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pytest
 from fault_harness import (
     Peer,
     Peers,
+    RawClient,
     file_words_nonzero,
     link,
     measured,
     target,
     watch_progress,
 )
+from fault_peer import pattern
+
+from datadist.wire import protocol as p
 
 MARGIN = 10.0  # seconds on top of a deadline: generous, this only catches hangs
 FAILED = {"LLM_TIMEOUT", "LLM_LINK_FAILED"}
@@ -49,8 +54,8 @@ def _world(peers: Peers, transport: str, sync_ms: int = 1000) -> tuple[Peer, Pee
     victim.call("register", name="src", seed=1, **SMALL)
     healthy.call("register", name="src", seed=2, **SMALL)
     dec.call("register", name="dst", **SMALL)
-    for p in (victim, healthy):
-        assert link(dec, p)["code"] == "LLM_SUCCESS"
+    for prompt in (victim, healthy):
+        assert link(dec, prompt)["code"] == "LLM_SUCCESS"
     return victim, healthy, dec
 
 
@@ -280,3 +285,77 @@ def test_unlink_and_relink_during_pulls(peers: Peers, transport: str, force: boo
     assert set(r["link"]) == {"LLM_SUCCESS"}, r
     assert _pull(dec, victim, seed=1)["verified"]
     assert _pull(dec, healthy, seed=2)["verified"]
+
+
+# ------------------------------------------------------------------------------ owner side
+
+
+@pytest.mark.timeout(90)
+def test_owner_unregisters_during_a_pull(tcp_peers: Peers) -> None:
+    """The prompt unregisters its cache while a pull of it is in flight: unregister waits
+    for the transfer instead of letting the memory go while a peer still reads it, the pull
+    completes with the right bytes, and the next pull finds no cache.
+
+    The reader is a raw protocol client in this process that reads the first MiB and then
+    stops reading, which holds the owner's transfer (and its lease) mid-way for as long as
+    the test needs, with no race against the transfer's speed."""
+    victim = tcp_peers.prompt(name="victim")
+    # 128 MiB: far more than the socket buffers between the two processes hold
+    geo = {"num_tensors": 2, "blocks": 64, "block_bytes": 1 << 20}
+    tb = geo["blocks"] * geo["block_bytes"]
+    victim.call("register", name="big", seed=9, model_id=1, **geo)
+    assert victim.port is not None and victim.cluster_id is not None
+    cli = RawClient(victim.port)
+    try:
+        cli.hello(victim.cluster_id + 1)
+        n = np.array([tb], dtype=np.uint64)
+        cli.send(p.encode(p.Read(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0), 0, p.ReadFlags.NONE,
+                                 np.array([0, 1], dtype=np.uint32),
+                                 np.zeros(1, dtype=np.uint64), n), 5))
+        head = cli.recv_exact(p.HEADER_SIZE)
+        length = p.decode_header(head).length
+        reply = p.decode_payload(p.decode_header(head).type, cli.recv_exact(length))
+        assert reply == p.ReadData(2 * tb), reply
+        first = cli.recv_exact(1 << 20)
+        victim.send("unregister", name="big")
+        with pytest.raises(AssertionError, match="no reply"):
+            victim.recv(1.0)  # still waiting for the transfer's lease
+        rest = cli.recv_exact(2 * tb - (1 << 20))
+    finally:
+        cli.close()
+    want = np.concatenate([pattern(9, t, 0, tb) for t in range(2)]).tobytes()
+    assert first + rest == want
+    u = victim.recv(60)
+    measured("owner unregister waited for the pull in flight", u["elapsed"], 30)
+    dec = tcp_peers.decoder()
+    dec.call("register", name="big", **geo)
+    assert link(dec, victim)["code"] == "LLM_SUCCESS"
+    r = dec.call("pull", cid=victim.cluster_id, dst="big", model_id=1,
+                 src_blocks=list(range(64)), dst_blocks=list(range(64)))
+    assert r["code"] == "LLM_KV_CACHE_NOT_EXIST", r
+
+
+@pytest.mark.timeout(90)
+def test_owner_drops_a_reader_that_stops_reading(tcp_peers: Peers) -> None:
+    """A decoder that asks for a large read and then stops reading (alive, but its window
+    stays shut) must not pin the owner's memory for ever: the owner gives the transfer up
+    (kernel liveness on the socket), drops the lease, and unregister returns."""
+    victim = tcp_peers.prompt(name="victim")
+    geo = {"num_tensors": 2, "blocks": 64, "block_bytes": 1 << 20}  # 128 MiB
+    tb = geo["blocks"] * geo["block_bytes"]
+    victim.call("register", name="big", seed=9, model_id=1, **geo)
+    assert victim.port is not None and victim.cluster_id is not None
+    cli = RawClient(victim.port)
+    try:
+        cli.hello(victim.cluster_id + 1)
+        cli.send(p.encode(p.Read(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0), 0, p.ReadFlags.NONE,
+                                 np.array([0, 1], dtype=np.uint32),
+                                 np.zeros(1, dtype=np.uint64),
+                                 np.array([tb], dtype=np.uint64)), 5))
+        cli.recv_exact(p.HEADER_SIZE + 8 + (1 << 20))  # ReadData, then 1 MiB, then nothing
+        u = victim.call("unregister", name="big", timeout=60)
+    finally:
+        cli.close()
+    assert "elapsed" in u, f"unregister gave up waiting for the stalled transfer: {u}"
+    measured("owner gives up a reader that stopped reading (unregister)", u["elapsed"], 45)
+    assert u["elapsed"] < 45, u
