@@ -28,6 +28,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import json
@@ -688,8 +689,9 @@ def same_host_rows(ctx: Context) -> list[Row]:
     try:
         _warm_and_check(ctx, p, "same-host")
         cma = RawCma(info["pid"])
-        local = _iov([a.ctypes.data for a in ctx.bufs["contig"]], [s.tensor_bytes] * s.contig_tensors)
-        remote = _iov(info["contig_addrs"], [s.tensor_bytes] * s.contig_tensors)
+        lengths = [s.tensor_bytes] * s.contig_tensors
+        local = _iov([a.ctypes.data for a in ctx.bufs["contig"]], lengths)
+        remote = _iov(info["contig_addrs"], lengths)
         raw = cma.prepare(local, remote)
         raw()  # warm
         ctx.progress.set_label("same-host pull, client memory")
@@ -711,7 +713,8 @@ def same_host_rows(ctx: Context) -> list[Row]:
         rows.append(_throughput_row(
             "same_host_pull_blocks",
             f"same-host pull_blocks, {s.blocks} x {s.block_bytes >> 10} KiB, client memory",
-            s.blocks * s.block_bytes, p.mechanism(), f, "raw process_vm_readv, same iovecs", lim, 0.9))
+            s.blocks * s.block_bytes, p.mechanism(), f, "raw process_vm_readv, same iovecs", lim,
+            0.9))
 
         memcpy = MemcpyLimit(s.contig_bytes)
         try:
@@ -862,10 +865,8 @@ def _start_owner(sizes: Sizes, align: str) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def _stop_owner(proc: Any, conn: Any) -> None:
-    try:
+    with contextlib.suppress(OSError):  # the owner may be gone already
         conn.send("quit")
-    except (OSError, BrokenPipeError):
-        pass
     proc.join(10)
     if proc.is_alive():
         proc.kill()
@@ -953,7 +954,7 @@ def format_table(result: dict[str, Any]) -> str:
     out = [f"datadist bench: median of {result['repeat']}, {result['seconds']} s; "
            f"{result['alignment']}"]
     for i, line in enumerate([head, *lines]):
-        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     if not result["at_goal_size"]:

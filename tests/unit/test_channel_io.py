@@ -251,7 +251,7 @@ def test_send_batches_cover_the_stream_in_order(monkeypatch: pytest.MonkeyPatch,
     cut, bounds = iovmod._send_batches(iov)
     bounds = list(bounds)
     assert bounds[0] == 0 and bounds[-1] == len(cut) and bounds == sorted(set(bounds))
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         assert b - a <= iovmod.IOV_MAX
         assert int(cut[a:b, 1].sum()) <= 2 * chunk
     assert int(cut[:, 1].max()) <= chunk

@@ -210,7 +210,7 @@ def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int,  # t
         bounds = range(0, len(iov) + IOV_MAX, IOV_MAX)
     else:
         iov, bounds = _send_batches(iov)
-    for start, stop in zip(bounds, bounds[1:]):
+    for start, stop in zip(bounds, bounds[1:], strict=False):
         batch = iov[start:stop]
         if not len(batch):
             break
