@@ -626,7 +626,7 @@ class Context:
         return self.dst_ids.tolist()
 
 
-def _check_contig(ctx: Context, tensors: list[np.ndarray], tag: int, what: str) -> None:
+def _check_contig(tensors: list[np.ndarray], tag: int, what: str) -> None:
     for t, arr in enumerate(tensors):
         _check_pattern(arr, _seed(tag, t), what)
 
@@ -641,7 +641,7 @@ def _warm_and_check(ctx: Context, p: Puller, label: str) -> None:
     for arr in ctx.bufs["contig"]:
         arr.fill(0)
     p.pull_contig()
-    _check_contig(ctx, ctx.bufs["contig"], 1, f"{label} pull")
+    _check_contig(ctx.bufs["contig"], 1, f"{label} pull")
     ctx.bufs["blocks"].fill(0)
     p.pull_blocks(ctx.src_list, ctx.dst_list)
     _check_blocks(ctx.bufs["blocks"].reshape(ctx.sizes.cache_blocks, -1), ctx.src_ids,
@@ -649,7 +649,7 @@ def _warm_and_check(ctx: Context, p: Puller, label: str) -> None:
     for v in _pool_views(p):
         v.fill(0)
     p.pull_pool()
-    _check_contig(ctx, _pool_views(p), 4, f"{label} pull of a pool-allocated cache")
+    _check_contig(_pool_views(p), 4, f"{label} pull of a pool-allocated cache")
     ctx.bufs["small"].fill(0)
     p.pull_small(5, 9)
     small = ctx.bufs["small"].reshape(SMALL_CACHE_BLOCKS, -1)
