@@ -979,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, metavar="MiB",
                     help="bytes per transfer in MiB (default 256, or 8 with --quick)")
     ap.add_argument("--repeat", type=int, default=None, metavar="N",
-                    help="repetitions per figure, the median is reported (default 5, quick 3)")
+                    help="repetitions per figure, the median is reported (default 7, quick 3)")
     ap.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     ap.add_argument("--align", choices=("page", "numpy"), default="page",
                     help="placement of client buffers (default page; see DESIGN.md §6)")
@@ -989,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default all)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = ap.parse_args(argv)
-    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 5)
+    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)
     if repeat < 1:
         ap.error("--repeat must be >= 1")
     if args.size is not None and args.size < 1:
