@@ -39,6 +39,9 @@ OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
 OPT_TRANSPORT = "datadist.Transport"
 OPT_AUTH_SECRET = "datadist.AuthSecret"
 OPT_VERIFY = "datadist.VerifyChecksum"
+OPT_TLS_CERT = "datadist.TlsCert"
+OPT_TLS_KEY = "datadist.TlsKey"
+OPT_TLS_CA = "datadist.TlsCa"
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -90,6 +93,7 @@ class LLMConfig:
         self._transport = ""
         self._auth_secret = ""
         self._verify_checksum = False
+        self._tls = {"cert": "", "key": "", "ca": ""}
 
     # -- device and addresses
 
@@ -322,6 +326,39 @@ class LLMConfig:
     def verify_checksum(self, value: bool) -> None:
         self._verify_checksum = self._bool("verify_checksum", value)
 
+    def _tls_set(self, which: str, value: str) -> None:
+        check_isinstance(f"tls_{which}_file", value, str, allow_none=False)
+        self._tls[which] = value
+
+    @property
+    def tls_cert_file(self) -> str:
+        """datadist extra: this process's TLS certificate (PEM). With ``tls_key_file`` and
+        ``tls_ca_file`` every link runs mutual TLS. Also ``DATADIST_TLS_CERT``."""
+        return self._tls["cert"]
+
+    @tls_cert_file.setter
+    def tls_cert_file(self, value: str) -> None:
+        self._tls_set("cert", value)
+
+    @property
+    def tls_key_file(self) -> str:
+        """datadist extra: the key of ``tls_cert_file`` (PEM). Also ``DATADIST_TLS_KEY``."""
+        return self._tls["key"]
+
+    @tls_key_file.setter
+    def tls_key_file(self, value: str) -> None:
+        self._tls_set("key", value)
+
+    @property
+    def tls_ca_file(self) -> str:
+        """datadist extra: the CA that signs every peer's certificate (PEM). Also
+        ``DATADIST_TLS_CA``."""
+        return self._tls["ca"]
+
+    @tls_ca_file.setter
+    def tls_ca_file(self, value: str) -> None:
+        self._tls_set("ca", value)
+
     # -- v1 / offline options
 
     @property
@@ -429,6 +466,9 @@ class LLMConfig:
             o[OPT_AUTH_SECRET] = self._auth_secret
         if self._verify_checksum:
             o[OPT_VERIFY] = "1"
+        for which, key in (("cert", OPT_TLS_CERT), ("key", OPT_TLS_KEY), ("ca", OPT_TLS_CA)):
+            if self._tls[which]:
+                o[key] = self._tls[which]
         return o
 
     gen_options = generate_options

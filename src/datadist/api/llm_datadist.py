@@ -27,6 +27,7 @@ from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.memory.pool import PoolConfig
 from datadist.transport.tcp import parse_host_port
+from datadist.transport.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,19 @@ def _secret(opts: dict[str, str]) -> bytes | None:
     """The shared secret: the option wins over ``DATADIST_AUTH_SECRET``; empty means none."""
     raw = opts.get(cfg.OPT_AUTH_SECRET) or os.environ.get("DATADIST_AUTH_SECRET", "")
     return raw.encode() if raw else None
+
+
+def _tls(opts: dict[str, str]) -> TlsConfig | None:
+    """Mutual TLS when a certificate, its key and a CA are all given (options win over
+    ``DATADIST_TLS_CERT`` / ``_KEY`` / ``_CA``); some but not all is PARAM_INVALID."""
+    files = [opts.get(key) or os.environ.get(env, "") for key, env in (
+        (cfg.OPT_TLS_CERT, "DATADIST_TLS_CERT"), (cfg.OPT_TLS_KEY, "DATADIST_TLS_KEY"),
+        (cfg.OPT_TLS_CA, "DATADIST_TLS_CA"))]
+    if not any(files):
+        return None
+    if not all(files):
+        raise _param_invalid("TLS needs a certificate, its key and a CA file together")
+    return TlsConfig(*files)
 
 
 class LLMDataDist:
@@ -198,6 +212,7 @@ class LLMDataDist:
             host_pool=pools.get(cfg.OPT_HOST_MEM_POOL),
             transport=opts.get(cfg.OPT_TRANSPORT),
             secret=_secret(opts),
+            tls=_tls(opts),
             verify=(opts.get(cfg.OPT_VERIFY) or os.environ.get("DATADIST_VERIFY_CHECKSUM", ""))
             == "1",
         )

@@ -39,6 +39,7 @@ from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.iov import allow_same_host_readers, make_iov
 from datadist.transport.paths import TcpPath
 from datadist.transport.tcp import Channel, TcpListener
+from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineConfig:
     transport: str | None = None
     secret: bytes | None = None  # shared secret peers must prove at link time
     verify: bool = False  # end-to-end CRC-32 of every pull
+    tls: TlsConfig | None = None  # mutual TLS on every connection
 
 
 class Engine:
@@ -75,6 +77,7 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self.listener: TcpListener | None = None
+        self._tls_client = config.tls.client_context() if config.tls else None
         try:
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
@@ -106,7 +109,8 @@ class Engine:
     def start_listening(self, host: str, port: int) -> None:
         if self.listener is not None:
             self.listener.close()
-        self.listener = TcpListener(host, port, self).start()
+        server_tls = self.config.tls.server_context() if self.config.tls else None
+        self.listener = TcpListener(host, port, self, server_tls).start()
         log.debug("same-host readers: %s", allow_same_host_readers())
 
     def stop_listening(self) -> None:
@@ -225,7 +229,8 @@ class Engine:
                 raise AlreadyLinked(f"cluster {cluster_id} is already linked")
 
         def connect(deadline: float) -> tuple[Channel, p.Welcome]:
-            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline)
+            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline,
+                         self._tls_client)
 
         chan, welcome = connect(time.monotonic() + timeout)
         path, reason = choose_path(self.forced, self.identity, welcome)
@@ -417,7 +422,8 @@ class Engine:
             raise InvalidArgument("cannot link to our own cluster id")
 
         def connect(deadline: float) -> tuple[Channel, p.Welcome]:
-            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline)
+            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline,
+                         self._tls_client)
 
         chan, welcome = connect(time.monotonic() + timeout)
         path, reason = choose_path(self.forced, self.identity, welcome)

@@ -175,12 +175,13 @@ def greet(
     hello: Callable[[], p.Hello],
     secret: bytes | None,
     deadline: float,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[Channel, p.Welcome]:
     """Connect, say Hello, check the peer is ``cluster_id`` and, with a secret, run the
     challenge and response (core/auth.py). Returns the open channel and the Welcome."""
     from datadist.core import auth
 
-    chan = Channel.connect(host, port, deadline)
+    chan = Channel.connect(host, port, deadline, tls)
     try:
         h = hello()
         welcome = chan.call(h, deadline)
@@ -206,6 +207,10 @@ def greet(
                                                     h.cluster_id)), deadline)
             if not isinstance(ok, p.Ok):
                 raise LinkFailed(f"expected Ok after Auth, got {type(ok).__name__}")
+    except BrokenLink as e:
+        chan.close()
+        raise LinkFailed(f"{host}:{port} closed the connection during the handshake "
+                         "(does it require TLS?)") from e
     except DatadistError:
         chan.close()
         raise

@@ -69,7 +69,7 @@ MSG_WAITALL = 0x100  # <sys/socket.h>, Linux
 
 
 class CmaRefused(DatadistError):
-    """The kernel refused cross-memory attach (EPERM, ENOSYS, ESRCH): use another path."""
+    """The kernel refused cross-memory attach (EPERM, EACCES, ENOSYS): use another path."""
 
 
 def allow_same_host_readers() -> str:
@@ -265,7 +265,11 @@ def _vm_call(call, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     n = call(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
     if n < 0:
         err = ctypes.get_errno()
-        if err in (errno.EPERM, errno.ENOSYS, errno.ESRCH, errno.EACCES):
+        if err == errno.ESRCH:
+            # The owner process is gone: the link is broken, not the path (a restarted owner
+            # reconnects and may use cross-memory attach again).
+            raise BrokenLink(f"the owner process {pid} is gone")
+        if err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
             raise CmaRefused(f"process_vm_* refused: {os.strerror(err)}")
         raise BrokenLink(f"cross-memory copy failed: {os.strerror(err)}")
     return n

@@ -41,7 +41,9 @@ from datadist.wire import protocol as p
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds the server waits for a new connection's Hello
-SERVE_SEND_TIMEOUT = 120.0  # the owner gives up on a reader that stops reading
+# The owner gives up on a reader that stops reading after this long at most; a reader that
+# keeps its window shut is usually dropped sooner, by TCP_USER_TIMEOUT (USER_TIMEOUT_MS).
+SERVE_SEND_TIMEOUT = 120.0
 RECV_BUFFER = 64 << 10  # read-ahead for frames (see Channel)
 ARM_SLACK = 0.02  # seconds a blocking call may run past its deadline (timer granularity)
 
@@ -97,8 +99,10 @@ class Channel:
         return f"<Channel {self.address} {'closed' if self.closed else 'open'}>"
 
     @classmethod
-    def connect(cls, host: str, port: int, deadline: float) -> Channel:
-        """Open a TCP connection within the deadline. Raises LinkFailed or Timeout."""
+    def connect(cls, host: str, port: int, deadline: float,
+                tls: ssl.SSLContext | None = None) -> Channel:
+        """Open a TCP connection within the deadline (and, with ``tls``, run the TLS
+        handshake). Raises LinkFailed or Timeout."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise Timeout(f"no time left to connect to {host}:{port}")
@@ -109,7 +113,12 @@ class Channel:
         except OSError as e:
             raise LinkFailed(f"cannot connect to {host}:{port}: {e.strerror or e}") from e
         _tune(sock)
-        return cls(sock, f"{host}:{port}")
+        chan = cls(sock, f"{host}:{port}")
+        if tls is not None:
+            from datadist.transport.tls import TlsChannel
+
+            return TlsChannel.wrap_client(chan, tls, deadline)
+        return chan
 
     def close(self) -> None:
         if not self.closed:
@@ -119,6 +128,15 @@ class Channel:
             except OSError:
                 pass
             self.sock.close()
+
+    def shutdown(self) -> None:
+        """Wake any thread blocked on this connection (it fails with BrokenLink) without
+        releasing the fd, which its user closes. Safe from another thread."""
+        if not self.closed:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def peer_gone(self) -> bool:
         """True if an idle channel has anything to read: between requests the server sends
@@ -335,8 +353,10 @@ class TcpListener:
     ``close`` stops accepting, closes every connection and joins the threads (bounded).
     """
 
-    def __init__(self, host: str, port: int, handler: RequestHandler) -> None:
+    def __init__(self, host: str, port: int, handler: RequestHandler,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.handler = handler
+        self.tls = tls
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -374,7 +394,9 @@ class TcpListener:
             conns = list(self._conns)
             threads = list(self._threads)
         for c in conns:
-            c.close()
+            # Shut down, do not close: the serving thread may be inside a send on this fd,
+            # and closes it on its way out (a closed fd number can be reused at once).
+            c.shutdown()
         deadline = time.monotonic() + timeout
         for t in [self._thread, *threads]:
             if t.is_alive() and t is not threading.current_thread():
@@ -390,7 +412,12 @@ class TcpListener:
                 time.sleep(0.01)
                 continue
             _tune(sock)
-            chan = Channel(sock, f"{addr[0]}:{addr[1]}")
+            if self.tls is not None:
+                from datadist.transport.tls import TlsChannel
+
+                chan: Channel = TlsChannel.wrap_server(sock, f"{addr[0]}:{addr[1]}", self.tls)
+            else:
+                chan = Channel(sock, f"{addr[0]}:{addr[1]}")
             t = threading.Thread(
                 target=self._serve, args=(chan,), name=f"datadist-serve-{addr[1]}", daemon=True
             )
@@ -404,6 +431,12 @@ class TcpListener:
 
     def _serve(self, chan: Channel) -> None:
         try:
+            if self.tls is not None:
+                try:
+                    chan.handshake(time.monotonic() + HANDSHAKE_TIMEOUT)  # type: ignore[attr-defined]
+                except DatadistError as e:
+                    log.info("TLS handshake from %s failed: %s", chan.address, e)
+                    return
             ServerConnection(chan, self.handler, self._closing).run()
         finally:
             chan.close()

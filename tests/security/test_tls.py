@@ -1,0 +1,112 @@
+"""Mutual TLS on links: both ends need a certificate from the configured CA."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from datadist.core.engine import Engine, EngineConfig
+from datadist.core.errors import LinkFailed, Timeout
+from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks, plan_slot
+from datadist.transport.tls import TlsConfig
+from datadist.wire import protocol as p
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
+]
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+             f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+
+
+def _leaf(d: Path, name: str, ca: str) -> TlsConfig:
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", cwd=d)
+    return TlsConfig(str(d / f"{name}.pem"), str(d / f"{name}.key"), str(d / f"{ca}.pem"))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
+    d = tmp_path_factory.mktemp("tls")
+    _ca(d, "ca")
+    _ca(d, "evil")
+    return {"prompt": _leaf(d, "prompt", "ca"), "decoder": _leaf(d, "decoder", "ca"),
+            "stranger": _leaf(d, "stranger", "evil")}
+
+
+def _owner(tls: TlsConfig | None):
+    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), tls=tls))
+    blocks = [np.random.default_rng(i).integers(0, 255, (64, 4096), dtype=np.uint8)
+              for i in range(2)]
+    eng.register(Geometry(2, 64 * 4096, 64, True), [b.ctypes.data for b in blocks],
+                 placement=0, blocks_model_id=0)
+    big = np.random.default_rng(9).integers(0, 255, 8 << 20, dtype=np.uint8)
+    eng.register(Geometry(1, 8 << 20, 1), [big.ctypes.data], placement=0)
+    return eng, blocks, big
+
+
+def test_tls_link_moves_the_right_bytes(certs) -> None:
+    owner, blocks, big = _owner(certs["prompt"])
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=certs["decoder"]))
+    try:
+        host, port = owner.listen_address
+        puller.link(1, host, port, 5.0)
+        # paged: scattered blocks, several spans
+        dst = [np.zeros((64, 4096), np.uint8) for _ in range(2)]
+        local = puller.register(Geometry(2, 64 * 4096, 64, True), [d.ctypes.data for d in dst],
+                                placement=0)
+        src_b, dst_b = [3, 4, 5, 40, 9], [0, 1, 2, 7, 63]
+        plan = plan_blocks(local.geometry, src_b, dst_b, layer_tensor_indices(2, None, None, 2))
+        puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 4096, plan, local.cache_id, 10.0)
+        for t in range(2):
+            assert np.array_equal(dst[t][dst_b], blocks[t][src_b])
+        # contiguous, larger than any buffer
+        out = np.zeros(8 << 20, np.uint8)
+        c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
+        plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 10.0)
+        assert np.array_equal(out, big)
+        puller.check_link(1, 5.0)
+    finally:
+        puller.close()
+        owner.close()
+
+
+@pytest.mark.parametrize("who", ["plain", "stranger"])
+def test_peers_without_a_valid_certificate_are_refused(certs, who: str) -> None:
+    owner, _, _ = _owner(certs["prompt"])
+    tls = None if who == "plain" else certs["stranger"]
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=tls))
+    try:
+        host, port = owner.listen_address
+        with pytest.raises((LinkFailed, Timeout)):
+            puller.link(1, host, port, 3.0)
+        assert not puller.links()
+    finally:
+        puller.close()
+        owner.close()
+
+
+def test_tls_client_refuses_a_plain_server(certs) -> None:
+    owner, _, _ = _owner(None)
+    puller = Engine(EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
+    try:
+        host, port = owner.listen_address
+        with pytest.raises((LinkFailed, Timeout)):
+            puller.link(1, host, port, 3.0)
+    finally:
+        puller.close()
+        owner.close()
