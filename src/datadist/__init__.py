@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from datadist.api.cache_manager import CacheManager
-from datadist.api.config import LLMClusterInfo, LlmConfig, LLMConfig
+from datadist.api.config import LLMClusterInfo, LLMConfig, LlmConfig
 from datadist.api.enums import DataType, LLMRole, Memtype, Placement, RegisterMemStatus
 from datadist.api.llm_datadist import LLMDataDist
 from datadist.api.status import LLMException, LLMStatusCode, Status

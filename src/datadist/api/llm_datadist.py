@@ -8,8 +8,8 @@ instead of raising; ``finalize`` tears everything down (also at exit).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
-import os
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -455,10 +455,8 @@ class LLMDataDist:
 def _finalize_at_exit() -> None:
     inst = LLMDataDist.llm_engine_instance
     if inst is not None:
-        try:
+        with contextlib.suppress(LLMException):
             inst.finalize()
-        except LLMException:
-            pass
 
 
 atexit.register(_finalize_at_exit)

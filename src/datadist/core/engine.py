@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from datadist.core import auth
 from datadist.core.errors import (
     AlreadyLinked,
     Busy,
@@ -24,13 +25,11 @@ from datadist.core.errors import (
     DeviceOutOfMemory,
     InvalidArgument,
     LinkFailed,
-    LinksExist,
     NotLinked,
     OutOfMemory,
     RemoteProtocolError,
 )
 from datadist.core.layout import Geometry, Plan, wire_layout
-from datadist.core import auth
 from datadist.core.links import HostIdentity, Link, choose_path, forced_path, greet
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
 from datadist.memory import shared

@@ -17,10 +17,11 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from datadist.core.errors import BrokenLink, Busy, DatadistError, LinkFailed, Timeout
 from datadist.transport.base import PathKind

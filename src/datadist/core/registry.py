@@ -31,8 +31,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 

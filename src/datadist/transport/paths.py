@@ -21,8 +21,8 @@ import numpy as np
 
 from datadist.core.errors import IntegrityError, RemoteProtocolError
 from datadist.core.layout import span_iov
-from datadist.transport.base import TransportCaps
 from datadist.memory.pool import map_shared, unmap
+from datadist.transport.base import TransportCaps
 from datadist.transport.iov import (
     CmaRefused,
     crc_iov,

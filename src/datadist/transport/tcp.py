@@ -12,12 +12,14 @@ memory, the puller ``readv``s straight into the destination (see ``transport.iov
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
 import math
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -123,20 +125,16 @@ class Channel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self.sock.close()
 
     def shutdown(self) -> None:
         """Wake any thread blocked on this connection (it fails with BrokenLink) without
         releasing the fd, which its user closes. Safe from another thread."""
         if not self.closed:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def peer_gone(self) -> bool:
         """True if an idle channel has anything to read: between requests the server sends
@@ -385,10 +383,8 @@ class TcpListener:
         if self._closing.is_set():
             return
         self._closing.set()
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         with self._lock:
             conns = list(self._conns)
@@ -489,10 +485,8 @@ class ServerConnection:
                 self.handler.on_disconnect(self.peer)
 
     def _try_send(self, msg: p.Message, rid: int = 0) -> None:
-        try:
+        with contextlib.suppress(DatadistError):
             self.chan.send(msg, time.monotonic() + 1.0, rid)
-        except DatadistError:
-            pass
 
     def _handshake(self) -> None:
         rid, hello = self.chan.recv(time.monotonic() + HANDSHAKE_TIMEOUT)
