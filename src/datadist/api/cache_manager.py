@@ -7,12 +7,14 @@ core's. Pulls and pushes block until done or ``sync_kv_timeout``; the rest retur
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import numpy as np
 
 from datadist.api.checks import check_int, check_isinstance, int_list
-from datadist.api.enums import Memtype, Placement
+from datadist.api.enums import DataType, Memtype, Placement
 from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.types import (
     UINT64_MAX,
@@ -37,13 +39,22 @@ _U64 = 2**64 - 1
 
 
 def geometry_of(desc: CacheDesc, *, blocks: bool) -> layout.Geometry:
-    raise_if_false(len(desc.shape) >= 1, "cache shape must have at least one dim")
-    raise_if_false(len(desc.shape) <= 32, "cache shape must have at most 32 dims")
-    raise_if_false(all(d > 0 for d in desc.shape), f"shape dims must be > 0: {desc.shape}")
-    raise_if_false(desc.num_tensors > 0, "num_tensors must be > 0")
+    """The engine's view of a CacheDesc. Memoised: every pull asks for it, and it is a pure
+    function of the description."""
+    return _geometry(desc.num_tensors, tuple(desc.shape), desc.data_type, blocks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(num_tensors: int, shape: tuple[int, ...], dtype: DataType,
+              blocks: bool) -> layout.Geometry:
+    raise_if_false(len(shape) >= 1, "cache shape must have at least one dim")
+    raise_if_false(len(shape) <= 32, "cache shape must have at most 32 dims")
+    raise_if_false(all(d > 0 for d in shape), f"shape dims must be > 0: {list(shape)}")
+    raise_if_false(num_tensors > 0, "num_tensors must be > 0")
+    raise_if_false(dtype != DataType.DT_STRING, "DT_STRING has no fixed size")
     with llm_errors():
-        return layout.Geometry(desc.num_tensors, desc.size, desc.shape[0], blocks,
-                               layout.layout_tag(desc.data_type.value, desc.shape[1:]))
+        return layout.Geometry(num_tensors, math.prod(shape) * dtype.itemsize, shape[0], blocks,
+                               layout.layout_tag(dtype.value, shape[1:]))
 
 
 def key_ref(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> KeyRef:
