@@ -46,6 +46,17 @@ def map_shared(fd: int, size: int, *, writable: bool = True) -> int:
     return int(addr)
 
 
+def memfd_map(name: str, size: int) -> tuple[int, int]:
+    """A new memfd of ``size`` bytes, mapped shared: (fd, address)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        return fd, map_shared(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+
+
 def unmap(addr: int, size: int) -> None:
     _libc.munmap(addr, size)
 
@@ -83,13 +94,7 @@ class HostPool:
     def __init__(self, size: int, page_shift: int = 16, name: str = "datadist-pool") -> None:
         self.page = max(1 << page_shift, OS_PAGE)
         self.size = -(-size // self.page) * self.page
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.size)
-            self.base = map_shared(self.fd, self.size)
-        except OSError:
-            os.close(self.fd)
-            raise
+        self.fd, self.base = memfd_map(name, self.size)
         self._closed = False
         self._lock = threading.Lock()
         self._free_starts: list[int] = [0]

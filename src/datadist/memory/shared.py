@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from datadist.memory.pool import OS_PAGE, map_shared, unmap
+from datadist.memory.pool import OS_PAGE, memfd_map, unmap
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +97,7 @@ class _Mapping:
 
     def __init__(self, nbytes: int) -> None:
         self.size = max(OS_PAGE, -(-nbytes // OS_PAGE) * OS_PAGE)
-        self.fd = os.memfd_create("datadist-shared", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.size)
-            self.base = map_shared(self.fd, self.size)
-        except OSError:
-            os.close(self.fd)
-            raise
+        self.fd, self.base = memfd_map("datadist-shared", self.size)
         register_arena(self.base, self.size, self.fd)
         weakref.finalize(self, _release, self.base, self.size, self.fd)
 

@@ -123,19 +123,23 @@ class TlsChannel(Channel):
             except (OSError, ssl.SSLError) as e:
                 raise BrokenLink(f"TLS send to {self.address} failed: {e}") from e
 
+    def _recv_some(self, view: memoryview, deadline: float) -> int:
+        """One receive into ``view``: at least a byte, or Timeout / BrokenLink."""
+        self._arm(deadline)
+        try:
+            n = self.sock.recv_into(view)
+        except TimeoutError:
+            raise Timeout(f"receiving from {self.address} timed out") from None
+        except (OSError, ssl.SSLError) as e:
+            raise BrokenLink(f"TLS receive from {self.address} failed: {e}") from e
+        if not n:
+            raise BrokenLink(f"connection to {self.address} closed by the peer")
+        return n
+
     def _recv_view(self, view: memoryview, deadline: float) -> None:
         got = 0
         while got < len(view):
-            self._arm(deadline)
-            try:
-                n = self.sock.recv_into(view[got:])
-            except TimeoutError:
-                raise Timeout(f"receiving from {self.address} timed out") from None
-            except (OSError, ssl.SSLError) as e:
-                raise BrokenLink(f"TLS receive from {self.address} failed: {e}") from e
-            if not n:
-                raise BrokenLink(f"connection to {self.address} closed by the peer")
-            got += n
+            got += self._recv_some(view[got:], deadline)
 
     def _fill(self, n: int, deadline: float) -> None:
         if self._rend - self._rpos >= n:
@@ -145,16 +149,7 @@ class TlsChannel(Channel):
             self._rbuf[:have] = self._rbuf[self._rpos : self._rend]
             self._rpos, self._rend = 0, have
         while self._rend - self._rpos < n:
-            self._arm(deadline)
-            try:
-                got = self.sock.recv_into(self._rview[self._rend :])
-            except TimeoutError:
-                raise Timeout(f"receiving from {self.address} timed out") from None
-            except (OSError, ssl.SSLError) as e:
-                raise BrokenLink(f"TLS receive from {self.address} failed: {e}") from e
-            if not got:
-                raise BrokenLink(f"connection to {self.address} closed by the peer")
-            self._rend += got
+            self._rend += self._recv_some(self._rview[self._rend :], deadline)
 
     def _take(self, n: int, deadline: float) -> bytearray:
         if n <= len(self._rbuf):
