@@ -138,3 +138,32 @@ def test_forged_proof_is_refused(owner) -> None:
         frames = got[1:] + _recv_frames(s)
     assert any(isinstance(m, p.Error) and m.code == LinkFailed.code for m in frames), frames
     assert not any(isinstance(m, p.Ok) for m in frames)
+
+
+def test_a_peer_that_stops_mid_frame_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the handshake, half a frame and then silence: the server gives that frame
+    FRAME_TIMEOUT, then drops the connection (its thread is freed)."""
+    import datadist.transport.tcp as tcp_mod
+
+    monkeypatch.setattr(tcp_mod, "FRAME_TIMEOUT", 0.5)
+    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    try:
+        host, port = eng.listen_address
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(p.encode(p.Hello(9, 2, 1, 1, b"\0" * 16, 0, b""), 1))
+            dec = p.FrameDecoder()
+            got: list = []
+            while not got:
+                got = [m for _, m in dec.feed(s.recv(4096))]
+            assert isinstance(got[0], p.Welcome)
+            s.sendall(p.encode(p.Ping(1), 2)[:7])  # half a header, then nothing
+            t0 = time.monotonic()
+            while s.recv(4096):  # until the server closes (an error frame may come first)
+                pass
+            assert time.monotonic() - t0 < 4.5  # FRAME_TIMEOUT (0.5 s), not the socket's 5 s
+        end = time.monotonic() + 5  # the serving thread forgets the peer on its way out
+        while eng.inbound_peers() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not eng.inbound_peers()
+    finally:
+        eng.close()

@@ -43,6 +43,7 @@ from datadist.wire import protocol as p
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds the server waits for a new connection's Hello
+FRAME_TIMEOUT = 30.0  # seconds a frame may take to arrive once its first byte has
 # The owner gives up on a reader that stops reading after this long at most; a reader that
 # keeps its window shut is usually dropped sooner, by TCP_USER_TIMEOUT (USER_TIMEOUT_MS).
 SERVE_SEND_TIMEOUT = 120.0
@@ -135,6 +136,16 @@ class Channel:
         if not self.closed:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
+
+    def wait_readable(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for something to read (or the peer closing). Server side:
+        the wait between requests, which has no deadline of its own."""
+        self._guard()
+        if self._rend > self._rpos:
+            return True
+        p_ = select.poll()
+        p_.register(self.fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(p_.poll(timeout * 1000.0))
 
     def peer_gone(self) -> bool:
         """True if an idle channel has anything to read: between requests the server sends
@@ -454,12 +465,12 @@ class ServerConnection:
         self.leases: dict[int, object] = {}
 
     def _wait_request(self) -> tuple[int, p.Message] | None:
-        """Next frame, waiting as long as the connection lives (woken by close)."""
+        """The next frame: its first byte may take as long as the connection lives (an idle
+        link), the rest must follow within FRAME_TIMEOUT (a peer that stops mid-frame is
+        dropped, and its thread freed). Woken by close."""
         while not self.closing.is_set():
-            try:
-                return self.chan.recv(time.monotonic() + 3600.0)
-            except Timeout:
-                continue
+            if self.chan.wait_readable(1.0):
+                return self.chan.recv(time.monotonic() + FRAME_TIMEOUT)
         return None
 
     def run(self) -> None:

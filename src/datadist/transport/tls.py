@@ -92,6 +92,11 @@ class TlsChannel(Channel):
             self.close()
             raise LinkFailed(f"TLS handshake with {self.address} failed: {e}") from e
 
+    def wait_readable(self, timeout: float) -> bool:
+        if not self.closed and self.sock.pending():
+            return True
+        return super().wait_readable(timeout)
+
     def peer_gone(self) -> bool:
         if not self.closed and self.sock.pending():
             return True
