@@ -152,3 +152,38 @@ def test_contiguous_push_into_blocks_checks_dtype_only() -> None:
     finally:
         pusher.close()
         owner.close()
+
+
+def test_update_dim_after_register_cannot_overrun_the_cache() -> None:
+    """CacheDesc.update_dim after registering must not let a pull write past the memory
+    that was registered: plans use the registered geometry."""
+    import datadist as llm_datadist
+
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    src = np.arange(64, dtype=np.uint8).reshape(4, 16)
+    owner.register(geometry_of(CacheDesc(1, [4, 16], DataType.DT_UINT8, Placement.HOST),
+                               blocks=False), [src.ctypes.data], placement=0)
+    d = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2)
+    cfg = llm_datadist.LLMConfig()
+    cfg.enable_cache_manager = True
+    d.init(cfg.generate_options())
+    try:
+        buf = np.zeros(64, np.uint8)  # 16 registered bytes, then guard bytes
+        desc = CacheDesc(1, [1, 16], DataType.DT_UINT8, Placement.HOST)
+        cache = d.cache_manager.register_cache(desc, [buf.ctypes.data])
+        desc.update_dim(0, 4)
+        info = llm_datadist.LLMClusterInfo()
+        info.remote_cluster_id = 1
+        info.append_local_ip_info("127.0.0.1", 0)
+        info.append_remote_ip_info(*owner.listen_address)
+        assert d.link_clusters([info])[0] == llm_datadist.LLMStatusCode.LLM_SUCCESS
+        with pytest.raises(llm_datadist.LLMException) as e:
+            d.cache_manager.pull_cache(llm_datadist.CacheKeyByIdAndIndex(1, 1, 3), cache,
+                                       batch_index=3)
+        assert e.value.status_code == llm_datadist.LLMStatusCode.LLM_PARAM_INVALID
+        assert not buf[16:].any()
+        d.cache_manager.pull_cache(llm_datadist.CacheKeyByIdAndIndex(1, 1, 3), cache)
+        assert np.array_equal(buf[:16], src[3]) and not buf[16:].any()
+    finally:
+        d.finalize()
+        owner.close()

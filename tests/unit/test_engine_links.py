@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from datadist.core.engine import Engine, EngineConfig
-from datadist.core.errors import Busy, BrokenLink, NotLinked
+from datadist.core.errors import BrokenLink, Busy, NotLinked
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.wire import protocol as p
 
@@ -94,3 +94,40 @@ def test_unlink_unknown_cluster(pair) -> None:
     _, puller = pair
     with pytest.raises(NotLinked):
         puller.unlink(7, timeout=0.1)
+
+
+def test_a_pull_waiting_behind_another_transfer_is_link_busy(pair) -> None:
+    owner, puller = pair
+    src = np.ones(4096, np.uint8)
+    owner.register(Geometry(1, 4096, 1), [src.ctypes.data], placement=0)
+    dst = np.zeros(4096, np.uint8)
+    entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
+    link = _link(owner, puller)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    link.lock.acquire()  # another transfer holds the link past our deadline
+    try:
+        with pytest.raises(Busy):
+            puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 0.1)
+    finally:
+        link.lock.release()
+    assert not dst.any()
+    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 2.0)
+    assert dst.all()
+
+
+def test_a_plan_beyond_the_registered_cache_is_refused_locally(pair) -> None:
+    """Whatever plan the caller builds (say from a CacheDesc changed after registering), the
+    engine never writes past the cache as registered."""
+    owner, puller = pair
+    src = np.ones(4 * 16, np.uint8)
+    owner.register(Geometry(1, 4 * 16, 4), [src.ctypes.data], placement=0)
+    buf = np.zeros(64, np.uint8)  # the registered 16 bytes, then guard bytes
+    entry = puller.register(Geometry(1, 16, 1), [buf.ctypes.data], placement=0)
+    _link(owner, puller)
+    bigger = Geometry(1, 64, 4)  # what a changed desc would claim
+    plan = plan_slot(bigger, 3, layer_tensor_indices(1, None, None, 2))
+    from datadist.core.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 2.0)
+    assert not buf.any()

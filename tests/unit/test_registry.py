@@ -588,3 +588,21 @@ class TestOpenAddresses:
         user_cache(reg)
         with pytest.raises(InvalidArgument):
             self.write(reg, offsets, lengths, tensors)
+
+
+def test_unregister_that_outwaits_its_bound_keeps_the_cache_registered() -> None:
+    """If a lease outlives unregister's wait, the cache stays registered (its memory is still
+    in use, the caller must not free it), and no new transfer may start meanwhile."""
+    reg = Registry()
+    mem = np.zeros(64, np.uint8)
+    entry = reg.add(Geometry(1, 64, 1), [mem.ctypes.data], owned=False)
+    one = np.array([0], np.uint32)
+    lease = reg.open(KeyRef(KeyKind.CACHE_ID, entry.cache_id, 0), 0, one,
+                     np.array([0], np.uint64), np.array([64], np.uint64))
+    with pytest.raises(Timeout):
+        reg.unregister(entry.cache_id, wait=0.05)
+    assert reg.get(entry.cache_id) is entry and not entry.closing
+    reg.close(lease, True)
+    reg.unregister(entry.cache_id, wait=0.05)
+    with pytest.raises(CacheNotFound):
+        reg.get(entry.cache_id)

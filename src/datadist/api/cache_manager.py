@@ -228,9 +228,11 @@ class CacheManager:
 
     # ------------------------------------------------------------------ pulls
 
-    def _check_local(self, engine: Engine, cache: Cache) -> None:
+    def _check_local(self, engine: Engine, cache: Cache) -> layout.Geometry:
+        """The local cache as it was registered (KV_CACHE_NOT_EXIST if gone). Plans use this
+        geometry, not the Cache's CacheDesc, which the caller may have changed since."""
         with llm_errors():
-            engine.registry.get(cache.cache_id)
+            return engine.registry.get(cache.cache_id).geometry
 
     def _check_cache_key(self, key: Any) -> None:
         if isinstance(key, CacheKey):
@@ -251,14 +253,13 @@ class CacheManager:
         check_int("batch_index", batch_index, "uint32", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
         src_range, dst_range, n = parse_layer_kwargs(kwargs)
-        self._check_local(engine, cache)
+        geo = self._check_local(engine, cache)
         raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
         raise_if_false(not cache.is_blocks_cache, "pull_cache needs a contiguous destination")
         if self._enable_remote_cache_accessible:
             # llm_datadist type-checks the key against the mode: a TypeError.
             check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
         self._check_cache_key(cache_key)
-        geo = geometry_of(cache.cache_desc, blocks=False)
         with llm_errors("pull_cache"):
             tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
                                                   _pair(dst_range), n)
@@ -277,7 +278,7 @@ class CacheManager:
         src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
         src_range, dst_range, n = parse_layer_kwargs(kwargs)
-        self._check_local(engine, dst_cache)
+        geo = self._check_local(engine, dst_cache)
         raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks cache destination")
         raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
         by_blocks = isinstance(src_cache_key, BlocksCacheKey)
@@ -287,7 +288,6 @@ class CacheManager:
             raise_if_false(len(src) == 0,
                            "src_blocks must be empty when pulling from a contiguous cache")
             self._check_cache_key(src_cache_key)
-        geo = geometry_of(dst_cache.cache_desc, blocks=True)
         with llm_errors("pull_blocks"):
             tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
                                                   _pair(dst_range), n)
@@ -319,10 +319,9 @@ class CacheManager:
             {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
              "tensor_num_per_layer": tensor_num_per_layer})
         self._require_remote_accessible("push_cache")
-        self._check_local(engine, src_cache)
+        geo = self._check_local(engine, src_cache)
         raise_if_false(size == -1, "push_cache supports size=-1 only")
         raise_if_false(not src_cache.is_blocks_cache, "push_cache needs a contiguous source")
-        geo = geometry_of(src_cache.cache_desc, blocks=False)
         with llm_errors("push_cache"):
             remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
                                                         _pair(src_range), n)
@@ -345,10 +344,9 @@ class CacheManager:
             {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
              "tensor_num_per_layer": tensor_num_per_layer})
         self._require_remote_accessible("push_blocks")
-        self._check_local(engine, src_cache)
+        geo = self._check_local(engine, src_cache)
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache source")
         raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
-        geo = geometry_of(src_cache.cache_desc, blocks=True)
         with llm_errors("push_blocks"):
             remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
                                                         _pair(src_range), n)

@@ -28,6 +28,7 @@ Any failure, or the deadline, makes the state FAILED and closes what step 2 open
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 from datadist.core.errors import (
     AlreadyLinked,
     BrokenLink,
+    Busy,
     Closed,
     DatadistError,
     InvalidArgument,
@@ -46,7 +48,6 @@ from datadist.core.errors import (
     NotLinked,
     Timeout,
 )
-from datadist.transport.tcp import TcpListener
 
 if TYPE_CHECKING:
     from datadist.core.engine import Engine
@@ -175,6 +176,11 @@ class CommManager:
                 self.engine.unlink(cid, UNLINK_TIMEOUT, force=not tell_peers)
             except NotLinked:
                 pass
+            except Busy:
+                # A transfer outlasted the polite unlink: unlink(comm_id) must still end the
+                # link, so close our end (the transfer fails with LLM_LINK_FAILED).
+                with contextlib.suppress(NotLinked):
+                    self.engine.unlink(cid, 0, force=True)
             except DatadistError as e:  # the peer may be gone already; our end is closed
                 log.info("comm %d: unlink of cluster %d: %s", comm.comm_id, cid, e)
         comm.owned.clear()
@@ -191,7 +197,7 @@ class CommManager:
                 entry[1] += 1
                 comm.listener = (host, port)
                 return
-        listener = TcpListener(host, port, self.engine).start()  # LinkFailed if busy
+        listener = self.engine.make_listener(host, port)  # LinkFailed if the port is taken
         with self._lock:
             entry = self._listeners.get((host, port))
             if entry is None:

@@ -29,7 +29,7 @@ from datadist.core.errors import (
     OutOfMemory,
     RemoteProtocolError,
 )
-from datadist.core.layout import Geometry, Plan, wire_layout
+from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
 from datadist.core.links import HostIdentity, Link, choose_path, forced_path, greet
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
 from datadist.memory import shared
@@ -44,6 +44,7 @@ from datadist.wire import protocol as p
 log = logging.getLogger(__name__)
 
 HOST, DEVICE = 0, 1
+CLOSE_LEASE_WAIT = 5.0  # seconds finalize waits for transfers still using local memory
 _TCP = TcpPath()
 
 
@@ -59,6 +60,15 @@ class EngineConfig:
     secret: bytes | None = None  # shared secret peers must prove at link time
     verify: bool = False  # end-to-end CRC-32 of every pull
     tls: TlsConfig | None = None  # mutual TLS on every connection
+
+
+def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
+    """The local side of a plan must fit the cache as it was registered (the caller's
+    CacheDesc may have changed since): never read or write past registered memory."""
+    g = entry.geometry
+    if len(plan.local_tensors) and int(plan.local_tensors.max()) >= g.num_tensors:
+        raise InvalidArgument(f"cache {entry.cache_id} has {g.num_tensors} tensors")
+    check_source_spans(plan.local_offsets, plan.lengths, g.tensor_bytes)
 
 
 class Engine:
@@ -108,9 +118,14 @@ class Engine:
     def start_listening(self, host: str, port: int) -> None:
         if self.listener is not None:
             self.listener.close()
-        server_tls = self.config.tls.server_context() if self.config.tls else None
-        self.listener = TcpListener(host, port, self, server_tls).start()
+        self.listener = self.make_listener(host, port)
         log.debug("same-host readers: %s", allow_same_host_readers())
+
+    def make_listener(self, host: str, port: int) -> TcpListener:
+        """A started listener serving this engine, with TLS when configured. Every listener
+        of the engine (its own, two-sided link ones) comes from here."""
+        server_tls = self.config.tls.server_context() if self.config.tls else None
+        return TcpListener(host, port, self, server_tls).start()
 
     def stop_listening(self) -> None:
         if self.listener is not None:
@@ -129,9 +144,16 @@ class Engine:
             link.close()
         if self.listener is not None:
             self.listener.close()
-        self.registry.clear()
+        entries = self.registry.clear()
+        leased = self.registry.wait_unleased(entries, CLOSE_LEASE_WAIT)
         for pool in self._pools.values():
             shared.ARENAS.remove(pool.base)
+            if leased:
+                # A transfer still holds pool memory: leak the mapping rather than unmap it
+                # under a copy (which would crash the process).
+                log.warning("finalize: %d caches still in transfer; pool memory left mapped",
+                            leased)
+                continue
             pool.close()
         self._pools.clear()
 
@@ -221,25 +243,15 @@ class Engine:
     def link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
         """Connect to a peer's listener and check it is who we asked for. Blocks <= timeout."""
         self._check_open()
-        if cluster_id == self.config.cluster_id:
-            raise InvalidArgument("cannot link to our own cluster id")
         with self._lock:
             if cluster_id in self._links:
                 raise AlreadyLinked(f"cluster {cluster_id} is already linked")
-
-        def connect(deadline: float) -> tuple[Channel, p.Welcome]:
-            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline,
-                         self._tls_client)
-
-        chan, welcome = connect(time.monotonic() + timeout)
-        path, reason = choose_path(self.forced, self.identity, welcome)
-        link = Link(cluster_id, host, port, chan, welcome, path, reason, connect)
-        with self._lock:
-            if cluster_id in self._links or self._closed:
-                link.close()
-                raise AlreadyLinked(f"cluster {cluster_id} is already linked")
-            self._links[cluster_id] = link
-        log.debug("link.complete %r", link)
+        link = self.open_link(cluster_id, host, port, timeout)
+        try:
+            self.adopt_link(link)
+        except AlreadyLinked:
+            link.close()
+            raise
         return link
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False) -> None:
@@ -313,6 +325,7 @@ class Engine:
             raise InvalidArgument("data can not be pulled from own cluster")
         entry = self.registry.hold(dst_cache_id)
         try:
+            _check_local_plan(plan, entry)
             link = self.get_link(cluster_id)
             local = make_iov(*plan.local_iov(entry.addrs))
             flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
@@ -339,6 +352,7 @@ class Engine:
             raise InvalidArgument("data can not be pushed to own cluster")
         entry = self.registry.hold(src_cache_id)
         try:
+            _check_local_plan(plan, entry)
             link = self.get_link(cluster_id)
             local = make_iov(*plan.local_iov(entry.addrs))
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,

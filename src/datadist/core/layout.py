@@ -35,6 +35,7 @@ from typing import Union
 import numpy as np
 
 from datadist.core.errors import InvalidArgument
+from datadist.transport.iov import span_iov
 
 U64 = np.dtype("<u8")
 U32 = np.dtype("<u4")
@@ -126,15 +127,6 @@ class Plan:
     def local_iov(self, local_addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Absolute (base, length) arrays of the local spans, tensor-major."""
         return span_iov(local_addrs[self.local_tensors], self.local_offsets, self.lengths)
-
-
-def span_iov(
-    tensor_bases: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Broadcast per-tensor bases with per-span offsets: tensor-major (base, length) arrays."""
-    bases = (tensor_bases.astype(U64)[:, None] + offsets[None, :]).reshape(-1)
-    lens = np.broadcast_to(lengths, (len(tensor_bases), len(lengths))).reshape(-1)
-    return bases, lens
 
 
 # --------------------------------------------------------------------------------------------

@@ -122,10 +122,14 @@ class Link:
             self.lock.release()
 
     def acquire(self, deadline: float) -> None:
-        """Take the link for one transfer, or Busy/Timeout by the deadline."""
+        """Take the link for one transfer. Transfers on a link are serialised; one that
+        waits past its deadline for another (a concurrent pull, transfer_cache_async) raises
+        Busy (LLM_LINK_BUSY): nothing was tried."""
         left = deadline - time.monotonic()
-        if left <= 0 or not self.lock.acquire(timeout=left):
-            raise Timeout(f"link to cluster {self.cluster_id} stayed busy until the deadline")
+        if left <= 0:
+            raise Timeout(f"no time left for a transfer on the link to {self.cluster_id}")
+        if not self.lock.acquire(timeout=left):
+            raise Busy(f"link to cluster {self.cluster_id} stayed busy until the deadline")
 
     def reconnect(self, deadline: float) -> None:
         """After a timeout or a dead peer broke the channel, open a fresh one: a full

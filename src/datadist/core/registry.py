@@ -41,7 +41,7 @@ from datadist.core.errors import (
     InvalidArgument,
     Timeout,
 )
-from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
+from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans, span_iov
 from datadist.wire.protocol import KeyKind, KeyRef
 
 UINT64_MAX = 2**64 - 1
@@ -80,6 +80,7 @@ class CacheEntry:
     keys: set[KeyId] = field(default_factory=set)
     blocks_model_id: int | None = None
     leases: int = 0
+    closing: bool = False  # being unregistered: no new transfer may start
     id_held: bool = True
     released: bool = False
     # (fds, inos, offsets) per tensor when every tensor lies in shareable memory (memfd)
@@ -113,8 +114,6 @@ class Lease:
         return int(self.lengths.sum()) * len(self.tensors)
 
     def iov(self) -> tuple[np.ndarray, np.ndarray]:
-        from datadist.core.layout import span_iov
-
         return span_iov(self.bases, self.offsets, self.lengths)
 
 
@@ -231,22 +230,28 @@ class Registry:
     def unregister(self, cache_id: int, wait: float = 30.0) -> None:
         """Forget a registered cache and its keys; waits (bounded) for live leases.
 
-        Unknown ids are a no-op. Returns once no peer can touch the memory any more.
+        Unknown ids are a no-op. Returns once no peer can touch the memory any more. While it
+        waits, no new transfer may start on the cache; if leases outlive ``wait`` it raises
+        Timeout and the cache stays registered (its memory is still in use: do not free it).
         """
         deadline = time.monotonic() + wait
         with self._lock:
-            entry = self._by_id.pop(cache_id, None)
+            entry = self._by_id.get(cache_id)
             if entry is None:
                 return
-            entry.id_held = False
-            self._unbind_all(entry)
+            entry.closing = True
             while entry.leases:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    entry.closing = False
                     raise Timeout(
-                        f"cache {cache_id} is still being transferred after {wait:.0f} s"
+                        f"cache {cache_id} is still being transferred after {wait:.0f} s; "
+                        "it stays registered"
                     )
                 self._changed.wait(left)
+            del self._by_id[cache_id]
+            entry.id_held = False
+            self._unbind_all(entry)
             self._maybe_release(entry)
 
     def deallocate(self, cache_id: int, *, drop_keys: bool = False) -> None:
@@ -275,6 +280,18 @@ class Registry:
             binding.entry.keys.discard(key)
             self._maybe_release(binding.entry)
 
+    def wait_unleased(self, entries: list[CacheEntry], wait: float) -> int:
+        """Wait up to ``wait`` s until none of ``entries`` is leased; returns how many still
+        are."""
+        deadline = time.monotonic() + wait
+        with self._lock:
+            while True:
+                busy = sum(1 for e in entries if e.leases)
+                left = deadline - time.monotonic()
+                if not busy or left <= 0:
+                    return busy
+                self._changed.wait(left)
+
     def clear(self) -> list[CacheEntry]:
         """Drop everything (finalize). Returns the entries whose memory the caller frees."""
         with self._lock:
@@ -290,7 +307,7 @@ class Registry:
         """Lease a local cache for the duration of a local transfer (pull destination)."""
         with self._lock:
             entry = self._by_id.get(cache_id)
-            if entry is None:
+            if entry is None or entry.closing:
                 raise CacheNotFound(f"cache {cache_id} does not exist")
             entry.leases += 1
             return entry
@@ -342,6 +359,8 @@ class Registry:
                 if found is None:
                     raise CacheNotFound(f"no blocks cache registered for model_id={key.b}")
                 entry, slot = found, -1
+            if entry.closing:
+                raise CacheNotFound(f"cache {entry.cache_id} is being unregistered")
             if not entry.remote_accessible:
                 raise InvalidArgument(f"cache {entry.cache_id} is not remote accessible")
             g = entry.geometry
@@ -422,7 +441,7 @@ class Registry:
                 hit = np.flatnonzero((entry.addrs <= first) & (first < entry.addrs + size))
                 if not hit.size:
                     continue
-                if not entry.remote_accessible:
+                if not entry.remote_accessible or entry.closing:
                     private = entry
                     continue
                 found = (entry, int(entry.addrs[hit[0]]))

@@ -106,6 +106,16 @@ def crc_iov(iov: np.ndarray) -> int:
     return crc
 
 
+def span_iov(
+    tensor_bases: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Broadcast per-tensor bases with per-span offsets: tensor-major (base, length) arrays,
+    the spans of a plan in every tensor (see core/layout.py)."""
+    bases = (tensor_bases.astype(U64)[:, None] + offsets[None, :]).reshape(-1)
+    lens = np.broadcast_to(lengths, (len(tensor_bases), len(lengths))).reshape(-1)
+    return bases, lens
+
+
 def make_iov(bases: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """An ``(n, 2)`` uint64 iovec array, zero-length spans dropped."""
     iov = np.empty((len(bases), 2), dtype=U64)

@@ -15,12 +15,12 @@ Both block; both finish or raise by ``deadline``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import numpy as np
 
-from datadist.core.errors import IntegrityError, RemoteProtocolError
-from datadist.core.layout import span_iov
+from datadist.core.errors import DatadistError, IntegrityError, RemoteProtocolError
 from datadist.memory.pool import map_shared, unmap
 from datadist.transport.base import TransportCaps
 from datadist.transport.iov import (
@@ -29,12 +29,19 @@ from datadist.transport.iov import (
     iov_nbytes,
     local_copy,
     make_iov,
+    span_iov,
     vm_copy,
 )
 from datadist.transport.tcp import Channel
 from datadist.wire import protocol as p
 
+log = logging.getLogger(__name__)
+
 __all__ = ["CmaPath", "CmaRefused", "TcpPath"]
+
+
+class ShmUnavailable(DatadistError):
+    """The owner's shared memory cannot be opened or mapped here: use cross-memory attach."""
 
 
 def _verify(chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
@@ -104,7 +111,7 @@ class CmaPath:
         self.pid = pid
         self.allow_shm = allow_shm
         self.caps = TransportCaps(name, same_host_only=True, one_sided=True)
-        self._maps: dict[tuple[int, int], tuple[int, int]] = {}  # (fd, ino) -> (addr, size)
+        self._maps: dict[int, tuple[int, int, int]] = {}  # owner's fd -> (ino, addr, size)
         self.last = ""  # which mechanism moved the last request: "shm" or "cma"
 
     def read(self, chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
@@ -114,7 +121,15 @@ class CmaPath:
         msg = dataclasses.replace(msg, flags=flags)
         grant = chan.call(msg, deadline)
         if isinstance(grant, p.ShmGrant):
-            self._read_shm(chan, msg, grant, local, deadline)
+            try:
+                self._read_shm(chan, msg, grant, local, deadline)
+            except ShmUnavailable as e:
+                # Shared memory failed, cross-memory attach may not: stop asking for it.
+                log.warning("shared memory of pid %d unavailable (%s); using cross-memory "
+                            "attach", self.pid, e)
+                self.allow_shm = False
+                self.read(chan, dataclasses.replace(msg, flags=msg.flags & ~p.ReadFlags.SHM),
+                          local, deadline)
             return
         _expect(grant, p.Grant, chan)
         assert isinstance(grant, p.Grant)
@@ -151,8 +166,7 @@ class CmaPath:
             # every span must lie in the mapping its tensor came from (a lying peer must not
             # make us read our own memory out of bounds)
             limits = np.repeat(bases - np.asarray(grant.offsets, np.uint64)
-                               + np.array([self._maps[(f, n)][1] for f, n in
-                                           zip(grant.fds.tolist(), grant.inos.tolist())],
+                               + np.array([self._maps[f][2] for f in grant.fds.tolist()],
                                           dtype=np.uint64), len(msg.lengths))
             if len(ends) and bool((ends > limits[: len(ends)]).any()):
                 raise RemoteProtocolError("shm grant spans run past the shared mapping")
@@ -165,27 +179,34 @@ class CmaPath:
                 chan.send(p.Release(grant.lease_id, ok), deadline)
 
     def _map(self, fd: int, ino: int) -> tuple[int, int]:
-        key = (fd, ino)
-        got = self._maps.get(key)
+        """The owner's memfd ``fd``, mapped read-only here: (address, size). One mapping per
+        fd number; a grant naming that fd with another inode means the owner closed the old
+        file and reused the number, so the old mapping goes (no growth without bound)."""
+        got = self._maps.get(fd)
         if got is not None:
-            return got
+            if got[0] == ino:
+                return got[1], got[2]
+            del self._maps[fd]
+            unmap(got[1], got[2])
         path = f"/proc/{self.pid}/fd/{fd}"
         try:
             f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
-            raise CmaRefused(f"cannot open the owner's shared memory {path}: {e}") from e
+            raise ShmUnavailable(f"cannot open the owner's shared memory {path}: {e}") from e
         try:
             st = os.fstat(f)
             if st.st_ino != ino:
                 raise RemoteProtocolError(f"{path} is not the memory the owner named")
             addr = map_shared(f, st.st_size, writable=False)
+        except OSError as e:
+            raise ShmUnavailable(f"cannot map {path}: {e}") from e
         finally:
             os.close(f)
-        self._maps[key] = (addr, st.st_size)
+        self._maps[fd] = (ino, addr, st.st_size)
         return addr, st.st_size
 
     def close(self) -> None:
         """Unmap the owner's shared memory. Idempotent."""
         maps, self._maps = self._maps, {}
-        for addr, size in maps.values():
+        for _, addr, size in maps.values():
             unmap(addr, size)
