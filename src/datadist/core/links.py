@@ -23,7 +23,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from datadist.core.errors import BrokenLink, Busy, DatadistError, LinkFailed, Timeout
+from datadist.core import auth
+from datadist.core.errors import (
+    BrokenLink,
+    Busy,
+    DatadistError,
+    InvalidArgument,
+    LinkFailed,
+    Timeout,
+)
 from datadist.transport.base import PathKind
 from datadist.transport.paths import CmaPath, CmaRefused, TcpPath
 from datadist.transport.tcp import Channel
@@ -69,8 +77,6 @@ def forced_path(option: str | None) -> PathKind:
     try:
         return PathKind(raw.strip().lower())
     except ValueError:
-        from datadist.core.errors import InvalidArgument
-
         raise InvalidArgument(
             f"unknown transport {raw!r}; use one of {[k.value for k in PathKind]}"
         ) from None
@@ -87,11 +93,10 @@ class Link:
     reason: str
     connect: Callable[[float], tuple[Channel, p.Welcome]]
     lock: threading.Lock = field(default_factory=threading.Lock)
-    broken: str = ""
     closing: bool = False  # unlinked: the transfer holding the lock closes the channel
 
     def __repr__(self) -> str:
-        state = f"broken: {self.broken}" if self.broken else "up"
+        state = "closing" if self.closing else ("down" if self.chan.closed else "up")
         return (
             f"<Link cluster={self.cluster_id} {self.host}:{self.port} "
             f"path={self.path.caps.name} ({self.reason}) {state}>"
@@ -136,7 +141,7 @@ class Link:
         handshake, so a restarted peer is checked (and authenticated) anew."""
         chan, welcome = self.connect(deadline)
         old_pid = self.welcome.pid
-        self.chan, self.welcome, self.broken = chan, welcome, ""
+        self.chan, self.welcome = chan, welcome
         if welcome.pid != old_pid and isinstance(self.path, CmaPath):
             # A new process behind the same address: its memory is not the old one's.
             self.path.close()
@@ -184,8 +189,6 @@ def greet(
 ) -> tuple[Channel, p.Welcome]:
     """Connect, say Hello, check the peer is ``cluster_id`` and, with a secret, run the
     challenge and response (core/auth.py). Returns the open channel and the Welcome."""
-    from datadist.core import auth
-
     chan = Channel.connect(host, port, deadline, tls)
     try:
         h = hello()
