@@ -48,7 +48,7 @@ def _verify(chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> N
     """With the CHECKSUM flag: the owner's CRC of what it sent must be ours of what landed."""
     if not msg.flags & p.ReadFlags.CHECKSUM:
         return
-    _, ck = chan.recv(deadline)
+    ck = chan.answer(deadline)
     _expect(ck, p.Checksum, chan)
     assert isinstance(ck, p.Checksum)
     got = crc_iov(local)
@@ -88,12 +88,7 @@ class TcpPath:
         reply = chan.call(msg, deadline)
         _expect(reply, p.Ok, chan)
         chan.send_iov(local, deadline)
-        _, done = chan.recv(deadline)
-        if isinstance(done, p.Error):
-            from datadist.core.errors import error_for_code
-
-            raise error_for_code(done.code, done.message)
-        _expect(done, p.Ok, chan)
+        _expect(chan.answer(deadline), p.Ok, chan)
 
 
 class CmaPath:

@@ -88,6 +88,7 @@ class Channel:
         self.address = address
         self.fd = sock.fileno()
         self._rid = itertools.count(1)
+        self._last_rid = 0
         self.closed = False
         # Frames are read through a small buffer: a reply's header, payload and (for a small
         # read) its raw bytes usually arrive in one segment and cost one recv. Raw bytes that
@@ -336,20 +337,25 @@ class Channel:
 
     def call(self, msg: p.Message, deadline: float) -> p.Message:
         """Send a request and return its answer frame; an Error frame raises its error."""
-        rid = next(self._rid) & 0xFFFFFFFF
-        self.send(msg, deadline, rid)
-        while True:
-            try:
-                got_rid, reply = self.recv(deadline)
-            except ProtocolError:
-                self.close()
-                raise
-            if got_rid != rid:
-                self.close()
-                raise RemoteProtocolError(f"answer to request {got_rid}, expected {rid}")
-            if isinstance(reply, p.Error):
-                raise error_for_code(reply.code, reply.message)
-            return reply
+        self._last_rid = next(self._rid) & 0xFFFFFFFF
+        self.send(msg, deadline, self._last_rid)
+        return self.answer(deadline)
+
+    def answer(self, deadline: float) -> p.Message:
+        """The next answer to the last request sent with :meth:`call` (a request may have
+        several, e.g. a push's go-ahead and its confirmation); an Error frame raises."""
+        rid = self._last_rid
+        try:
+            got_rid, reply = self.recv(deadline)
+        except ProtocolError:
+            self.close()
+            raise
+        if got_rid != rid:
+            self.close()
+            raise RemoteProtocolError(f"answer to request {got_rid}, expected {rid}")
+        if isinstance(reply, p.Error):
+            raise error_for_code(reply.code, reply.message)
+        return reply
 
 
 # ---------------------------------------------------------------------------------- serving
