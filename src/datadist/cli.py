@@ -258,10 +258,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(argv: list[str]) -> int:
     from datadist import bench
 
-    return bench.main(args.rest)
+    return bench.main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
 
         rest = [a for a in argv[1:] if a != "--llm"]
         return llm.main(rest)
+    if argv[:1] == ["bench"]:
+        # The benchmark parses its own options (--help included); an argparse REMAINDER
+        # would not take the ones that start with a dash.
+        return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="datadist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a PROMPT and a DECODER on this host, moving real caches")
@@ -292,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--cluster-id", type=int, default=1)
     info.add_argument("--own-id", type=int, default=2**63 - 1)
     info.set_defaults(fn=cmd_info)
-    bench = sub.add_parser("bench", help="the benchmark: every data path against its limit")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(fn=cmd_bench)
+    # listed for --help; main() hands `bench ...` to the benchmark's own parser
+    sub.add_parser("bench", help="the benchmark: every data path against its limit (see "
+                                 "`datadist bench --help`)")
     args = parser.parse_args(argv)
     return int(args.fn(args))
 

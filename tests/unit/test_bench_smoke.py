@@ -70,10 +70,26 @@ def test_bad_arguments_are_refused() -> None:
 def test_plan_rows_in_process() -> None:
     """The planning rows need no processes: checked here directly, with the real planner."""
     from datadist import bench
+    from datadist.bench.plan import plan_rows
 
     sizes = bench.Sizes.preset(True)
     progress = bench.Progress(bench.timed_steps(2, ("plan",)), enabled=False)
-    rows = bench.plan_rows(sizes, 2, progress)
+    rows = plan_rows(sizes, 2, progress)
     assert [r.key for r in rows] == ["plan_numpy", "plan_lists"]
     assert progress.done == progress.total
     assert all(r.figure > 0 and len(r.figure_samples) == 2 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_form_takes_the_benchmark_options(tmp_path: Path) -> None:
+    """``datadist bench --help`` and ``datadist bench --quick ...`` reach the benchmark's own
+    parser (argparse's REMAINDER used to swallow options that start with a dash)."""
+    cli = [sys.executable, "-m", "datadist.cli", "bench"]
+    proc = subprocess.run([*cli, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--quick" in proc.stdout and "--only" in proc.stdout
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([*cli, "--quick", "--repeat", "2", "--only", "plan", "--no-progress",
+                           "--json", str(out)], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["key"] for r in json.loads(out.read_text())["rows"]] == ["plan_numpy",
+                                                                       "plan_lists"]

@@ -1,0 +1,253 @@
+"""The benchmark's shared harness: what a run moves (:class:`Sizes`), the byte patterns
+that prove a transfer moved the owner's bytes, rows and their ratios, the progress bar, and
+the alternation of figure and limit repetitions (rule 1 of :mod:`datadist.bench`).
+
+Used by every other module of the package; imports nothing of datadist's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+OWNER_ID, PULLER_ID = 1, 2
+BLOCKS_MODEL, SMALL_MODEL = 0, 1
+SMALL_BLOCK = 16 << 10
+SMALL_CACHE_BLOCKS = 64
+CHUNK = 4 * MiB  # the plain-socket limit's chunk size (DESIGN.md §6)
+PAGE = mmap.PAGESIZE
+U64 = np.dtype("<u8")
+PLAN_GOAL_MS = 5.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the run moves. ``blocks * block_bytes`` equals ``contig_bytes`` in both presets,
+    so the blocks rows and the contiguous rows share one plain-socket limit."""
+
+    contig_bytes: int
+    contig_tensors: int
+    block_bytes: int
+    blocks: int  # blocks pulled, picked at random from caches of cache_blocks
+    small_iters: int
+    plan_blocks: int
+
+    @classmethod
+    def preset(cls, quick: bool, size_mib: int | None = None) -> Sizes:
+        mib = size_mib if size_mib is not None else (8 if quick else 256)
+        contig = mib * MiB
+        block = 32 << 10
+        return cls(
+            contig_bytes=contig,
+            contig_tensors=4,
+            block_bytes=block,
+            blocks=max(1, contig // block),
+            small_iters=40 if quick else 400,
+            plan_blocks=100_000,
+        )
+
+    @property
+    def at_goal_size(self) -> bool:
+        """DESIGN.md §6 states its goals for 256 MiB and 8192 x 32 KiB; smaller runs carry
+        fixed costs that the goals do not allow for."""
+        return self.contig_bytes >= 256 * MiB and self.blocks >= 8192
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.contig_bytes // self.contig_tensors
+
+    @property
+    def cache_blocks(self) -> int:
+        # a quarter more than are pulled: the picks are a random subset in random order
+        return self.blocks + max(1, self.blocks // 4)
+
+    @property
+    def pool_bytes(self) -> int:
+        # the pool rounds every tensor up to its 64 KiB page
+        return self.contig_bytes + (self.contig_tensors + 2) * (1 << 16)
+
+
+def aligned_array(nbytes: int, align: str) -> np.ndarray:
+    """A uint8 numpy array of ``nbytes``: page-aligned (``align="page"``), or where numpy puts
+    it (``"numpy"``, 16 bytes past a page for large arrays)."""
+    if align == "numpy":
+        return np.empty(nbytes, dtype=np.uint8)
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off : off + nbytes]
+
+
+def array_at(addr: int, nbytes: int) -> np.ndarray:
+    """A uint8 view of memory we own at ``addr`` (pool-allocated caches)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def fill_pattern(buf: np.ndarray, seed: int) -> None:
+    """Word ``i`` of ``buf`` becomes ``i + seed``: every 8 bytes unique per (buffer, place)."""
+    words = buf.view(U64)
+    words[:] = np.arange(len(words), dtype=U64)
+    words += np.uint64(seed)
+
+
+def pattern_seed(tag: int, tensor: int) -> int:
+    return (tag << 48) | (tensor << 40)
+
+
+def check_pattern(buf: np.ndarray, seed: int, what: str) -> None:
+    words = buf.view(U64)
+    step = 8 * MiB
+    for start in range(0, len(words), step):
+        part = words[start : start + step]
+        want = np.arange(start, start + len(part), dtype=U64) + np.uint64(seed)
+        if not np.array_equal(part, want):
+            raise BenchError(f"{what}: the bytes that arrived are not the owner's")
+
+
+def check_blocks(dst: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray, block: int,
+                  seed: int, what: str) -> None:
+    """``dst`` (cache_blocks, block) uint8: block ``dst_ids[i]`` must hold source block
+    ``src_ids[i]`` of a cache filled with :func:`fill_pattern`."""
+    w = block // 8
+    words = dst.view(U64).reshape(len(dst), w)
+    col = np.arange(w, dtype=U64)
+    for start in range(0, len(src_ids), 1024):
+        s = src_ids[start : start + 1024].astype(U64)
+        d = dst_ids[start : start + 1024]
+        want = s[:, None] * np.uint64(w) + col[None, :] + np.uint64(seed)
+        if not np.array_equal(words[d], want):
+            raise BenchError(f"{what}: a block that arrived is not the owner's")
+
+
+class BenchError(RuntimeError):
+    """The run could not produce a figure (a peer died, bytes were wrong, a link failed)."""
+
+
+@dataclass
+class Row:
+    """One line of the table: a figure, its limit, and the goal for their ratio."""
+
+    key: str
+    title: str
+    unit: str  # "GB/s", "us" or "ms"
+    figure: float
+    limit_title: str = ""
+    limit: float | None = None
+    goal: str = ""
+    met: bool | None = None
+    path: str = ""
+    figure_samples: list[float] = field(default_factory=list)
+    limit_samples: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.limit is None or not self.limit:
+            return None
+        return self.figure / self.limit
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+def throughput_row(key: str, title: str, nbytes: int, path: str, fig_s: list[float],
+                    limit_title: str, lim_s: list[float], goal: float) -> Row:
+    gbs = [nbytes / t / 1e9 for t in fig_s]
+    lim = [nbytes / t / 1e9 for t in lim_s]
+    row = Row(key, title, "GB/s", float(np.median(gbs)), limit_title, float(np.median(lim)),
+              f">= {goal:.2f}x", path=path, figure_samples=gbs, limit_samples=lim)
+    row.met = row.ratio is not None and row.ratio >= goal
+    return row
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self, total: int, stream: Any = None, width: int = 28,
+                 enabled: bool = True) -> None:
+        self.total = max(1, total)
+        self.enabled = enabled
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last = -1
+        self.label = ""
+
+    def step(self, label: str | None = None, n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        if label is not None:
+            self.label = label
+        self._draw()
+
+    def set_label(self, label: str) -> None:
+        self.label = label
+        self._draw()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        filled = self.width * self.done // self.total
+        pct = 100 * self.done // self.total
+        if not self.tty and pct // 10 == self._last // 10 and self.done < self.total:
+            return  # a log file gets a line per 10 %, not a line per step
+        self._last = pct
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"[{bar}] {pct:3d}% {self.label}"
+        self.stream.write(f"\r{text:<78}" if self.tty else text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleave(a: Callable[[], None], b: Callable[[], None], repeat: int,
+                progress: Progress) -> tuple[list[float], list[float]]:
+    """Time ``a`` and ``b`` alternately ``repeat`` times each (rule 1)."""
+    ta, tb = [], []
+    for _ in range(repeat):
+        ta.append(timed(a))
+        tb.append(timed(b))
+        progress.step()
+    return ta, tb
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or b"" if the peer closed before the first byte."""
+    buf = bytearray(n)
+    return bytes(buf) if recv_into_exact(conn, buf) else b""
+
+
+def recv_into_exact(conn: socket.socket, buf: bytearray | memoryview) -> bool:
+    view = memoryview(buf)
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if not n:
+            if got:
+                raise OSError("peer closed mid-message")
+            return False
+        got += n
+    return True
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:g} MiB"

@@ -1,0 +1,34 @@
+"""Lines about peer libraries (NIXL, Mooncake) when they are importable."""
+
+from __future__ import annotations
+
+import importlib.util
+
+# import names of each peer: the nixl-cu12 / nixl-cu13 wheels name their module after the
+# wheel, the source build names it "nixl"
+PEERS = (("NIXL", ("nixl", "nixl_cu12", "nixl_cu13")), ("Mooncake", ("mooncake",)))
+
+
+def importable(modules: tuple[str, ...]) -> str | None:
+    """The first of ``modules`` that can be imported, or None."""
+    for mod in modules:
+        try:
+            if importlib.util.find_spec(mod) is not None:
+                return mod
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def peer_lines() -> list[str]:
+    """NIXL and Mooncake are only mentioned when already importable; never installed here."""
+    lines = []
+    for name, modules in PEERS:
+        mod = importable(modules)
+        if mod is None:
+            tried = ", ".join(repr(m) for m in modules)
+            lines.append(f"{name}: skipped, no python module of {tried} is importable")
+        else:
+            lines.append(f"{name}: module {mod!r} importable, but this benchmark does not drive "
+                         "it yet; DESIGN.md §6 lists figures measured by hand")
+    return lines

@@ -1,0 +1,189 @@
+"""The puller (decoder) side of a run: one LLMDataDist linked to the owner, the checks of
+what arrived (rule 2), and the small-pull latency row shared by every path.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from datadist.bench.harness import (
+    BLOCKS_MODEL,
+    OWNER_ID,
+    PULLER_ID,
+    SMALL_BLOCK,
+    SMALL_CACHE_BLOCKS,
+    SMALL_MODEL,
+    BenchError,
+    Progress,
+    Row,
+    Sizes,
+    array_at,
+    check_blocks,
+    check_pattern,
+    pattern_seed,
+)
+from datadist.bench.limits import PlainClient
+
+
+class Puller:
+    """The decoder side: one LLMDataDist, its caches, and a link to the owner.
+
+    Buffers are allocated once by the caller and registered again for each transport, since
+    one process holds one initialized LLMDataDist at a time.
+    """
+
+    def __init__(self, info: dict[str, Any], sizes: Sizes, bufs: dict[str, Any],
+                 transport: str) -> None:
+        import datadist as llm_datadist
+
+        self.ll = llm_datadist
+        self.info = info
+        self.sizes = sizes
+        cfg = llm_datadist.LLMConfig()
+        cfg.local_comm_res = ""
+        cfg.host_mem_pool_cfg = json.dumps({"memory_size": sizes.pool_bytes})
+        cfg.sync_kv_timeout = 60000
+        cfg.transport = transport
+        self.dd = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, PULLER_ID)
+        self.dd.init(cfg.generate_options())
+        try:
+            self._setup(bufs)
+        except BaseException:
+            self.dd.finalize()
+            raise
+
+    def _setup(self, bufs: dict[str, Any]) -> None:
+        ll, s, cm = self.ll, self.sizes, self.dd.cache_manager
+        host, u8 = ll.Placement.HOST, ll.DataType.DT_UINT8
+        contig_desc = ll.CacheDesc(s.contig_tensors, [1, s.tensor_bytes], u8, host)
+        self.contig = cm.register_cache(contig_desc, [a.ctypes.data for a in bufs["contig"]])
+        self.blocks = cm.register_blocks_cache(
+            ll.CacheDesc(1, [s.cache_blocks, s.block_bytes], u8, host),
+            [bufs["blocks"].ctypes.data], ll.BlocksCacheKey(PULLER_ID, BLOCKS_MODEL))
+        self.small = cm.register_blocks_cache(
+            ll.CacheDesc(1, [SMALL_CACHE_BLOCKS, SMALL_BLOCK], u8, host),
+            [bufs["small"].ctypes.data], ll.BlocksCacheKey(PULLER_ID, SMALL_MODEL))
+        self.pooled = cm.allocate_cache(contig_desc)
+        cluster = ll.LLMClusterInfo()
+        cluster.remote_cluster_id = OWNER_ID
+        cluster.append_local_ip_info("127.0.0.1", 0)
+        cluster.append_remote_ip_info("127.0.0.1", self.info["port"])
+        code, _ = self.dd.link_clusters([cluster], 10000)
+        if code != ll.LLMStatusCode.LLM_SUCCESS:
+            raise BenchError(f"link to the owner failed: {code}")
+        self.path = self.dd.engine.get_link(OWNER_ID).path_name
+
+    def mechanism(self) -> str:
+        """The link's path, and on the same host what moved the last request (shm or cma)."""
+        path = self.dd.engine.get_link(OWNER_ID).path
+        last = getattr(path, "last", "")
+        name = path.caps.name
+        return f"{name}/{last}" if last and last != name else name
+
+    def pull_contig(self) -> None:
+        key = self.ll.CacheKeyByIdAndIndex(OWNER_ID, self.info["contig_id"], 0)
+        self.dd.cache_manager.pull_cache(key, self.contig, 0)
+
+    def pull_pool(self) -> None:
+        key = self.ll.CacheKeyByIdAndIndex(OWNER_ID, self.info["pool_id"], 0)
+        self.dd.cache_manager.pull_cache(key, self.pooled, 0)
+
+    def pull_blocks(self, src: list[int], dst: list[int]) -> None:
+        key = self.ll.BlocksCacheKey(OWNER_ID, BLOCKS_MODEL)
+        self.dd.cache_manager.pull_blocks(key, self.blocks, src, dst)
+
+    def pull_small(self, src: int, dst: int) -> None:
+        key = self.ll.BlocksCacheKey(OWNER_ID, SMALL_MODEL)
+        self.dd.cache_manager.pull_blocks(key, self.small, [src], [dst])
+
+    def close(self) -> None:
+        self.dd.finalize()
+
+
+@dataclass
+class Context:
+    """Everything one run shares: sizes, the owner's answer, the puller's buffers."""
+
+    sizes: Sizes
+    repeat: int
+    info: dict[str, Any]
+    bufs: dict[str, Any]
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    progress: Progress
+    plain: PlainClient
+
+    @property
+    def src_list(self) -> list[int]:
+        return self.src_ids.tolist()
+
+    @property
+    def dst_list(self) -> list[int]:
+        return self.dst_ids.tolist()
+
+
+def check_contig(tensors: list[np.ndarray], tag: int, what: str) -> None:
+    for t, arr in enumerate(tensors):
+        check_pattern(arr, pattern_seed(tag, t), what)
+
+
+def pool_views(p: Puller) -> list[np.ndarray]:
+    return [array_at(a, p.sizes.tensor_bytes) for a in p.pooled.tensor_addrs]
+
+
+def warm_and_check(ctx: Context, p: Puller, label: str) -> None:
+    """Rule 2: one untimed pull of each kind into zeroed memory, then check the bytes."""
+    ctx.progress.set_label(f"{label}: warm-up and check")
+    for arr in ctx.bufs["contig"]:
+        arr.fill(0)
+    p.pull_contig()
+    check_contig(ctx.bufs["contig"], 1, f"{label} pull")
+    ctx.bufs["blocks"].fill(0)
+    p.pull_blocks(ctx.src_list, ctx.dst_list)
+    check_blocks(ctx.bufs["blocks"].reshape(ctx.sizes.cache_blocks, -1), ctx.src_ids,
+                  ctx.dst_ids, ctx.sizes.block_bytes, pattern_seed(2, 0), f"{label} pull_blocks")
+    for v in pool_views(p):
+        v.fill(0)
+    p.pull_pool()
+    check_contig(pool_views(p), 4, f"{label} pull of a pool-allocated cache")
+    ctx.bufs["small"].fill(0)
+    p.pull_small(5, 9)
+    small = ctx.bufs["small"].reshape(SMALL_CACHE_BLOCKS, -1)
+    check_blocks(small, np.array([5]), np.array([9]), SMALL_BLOCK, pattern_seed(3, 0),
+                  f"{label} small pull")
+
+
+def latency_row(ctx: Context, p: Puller, key: str, title: str) -> Row:
+    """p50 of one 16 KiB block pulls, and of 16-byte plain round trips, in alternating runs.
+
+    Runs, not single alternating calls: a same-host pull ends with a one-way Release that the
+    owner handles after the pull returned, and a round trip measured right then would wait for
+    the owner's GIL and flatter the ratio.
+    """
+    ctx.progress.set_label(title)
+    pulls, rtts = [], []
+    per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
+    for i in range(10):  # warm both ends' code paths
+        p.pull_small(i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)
+        ctx.plain.round_trip()
+    for _ in range(ctx.repeat):
+        for i in range(per_step):
+            t0 = time.perf_counter()
+            p.pull_small(i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)
+            pulls.append((time.perf_counter() - t0) * 1e6)
+        time.sleep(0.001)  # the owner finishes the last Release
+        for _ in range(per_step):
+            t0 = time.perf_counter()
+            ctx.plain.round_trip()
+            rtts.append((time.perf_counter() - t0) * 1e6)
+        ctx.progress.step()
+    row = Row(key, title, "us", float(np.median(pulls)),
+              "16-byte request/reply on a plain socket, p50", float(np.median(rtts)),
+              "<= 2.00x", path=p.mechanism(), figure_samples=pulls, limit_samples=rtts)
+    row.met = row.ratio is not None and row.ratio <= 2.0
+    return row

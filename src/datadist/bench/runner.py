@@ -1,0 +1,177 @@
+"""Driving a run: which row groups, the owner's lifetime, the table and the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from datadist.bench.harness import (
+    PAGE,
+    SMALL_BLOCK,
+    SMALL_CACHE_BLOCKS,
+    BenchError,
+    Progress,
+    Sizes,
+    aligned_array,
+)
+from datadist.bench.limits import PlainClient
+from datadist.bench.owner import start_owner, stop_owner
+from datadist.bench.peers import peer_lines
+from datadist.bench.plan import plan_rows
+from datadist.bench.puller import (
+    Context,
+)
+from datadist.bench.same_host import same_host_rows
+from datadist.bench.tcp import tcp_rows
+
+
+def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> str:
+    mine = sorted({a.ctypes.data % PAGE for a in bufs["contig"]} | {bufs["blocks"].ctypes.data
+                                                                     % PAGE})
+    theirs = sorted({a % PAGE for a in info["contig_addrs"]} | {info["blocks_addr"] % PAGE})
+    how = "page-aligned" if align == "page" else "numpy's own placement"
+    return (f"client buffers: {how} (address mod 4096: puller {mine}, owner {theirs}); "
+            "pool caches are page-aligned by datadist")
+
+
+GROUPS = {"same-host": 4, "tcp": 3, "plan": 2}  # row groups and their number of rows
+
+
+def timed_steps(repeat: int, groups: tuple[str, ...] = tuple(GROUPS)) -> int:
+    """Progress steps of a run: every row of every group takes ``repeat`` steps."""
+    return repeat * sum(GROUPS[g] for g in groups)
+
+
+def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
+        progress: Progress | None = None,
+        groups: tuple[str, ...] = tuple(GROUPS)) -> dict[str, Any]:
+    """One run of the row ``groups``; returns the JSON-ready result. Raises BenchError if a
+    row cannot run."""
+    progress = progress or Progress(timed_steps(repeat, groups))
+    progress.set_label("starting the owner process")
+    t_start = time.monotonic()
+    proc, conn, info = start_owner(sizes, align)
+    plain = None
+    try:
+        bufs = {
+            "contig": [aligned_array(sizes.tensor_bytes, align)
+                       for _ in range(sizes.contig_tensors)],
+            "blocks": aligned_array(sizes.cache_blocks * sizes.block_bytes, align),
+            "small": aligned_array(SMALL_CACHE_BLOCKS * SMALL_BLOCK, align),
+        }
+        rng = np.random.default_rng(2024)
+        src_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
+        dst_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
+        plain = PlainClient(info["plain_port"])
+        ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain)
+        rows = same_host_rows(ctx) if "same-host" in groups else []
+        rows += tcp_rows(ctx) if "tcp" in groups else []
+        alignment = alignment_text(bufs, info, align)
+    finally:
+        if plain is not None:
+            plain.close()
+        stop_owner(proc, conn)
+    rows += plan_rows(sizes, repeat, progress) if "plan" in groups else []
+    progress.close()
+    return {
+        "datadist_version": datadist_version(),
+        "sizes": asdict(sizes),
+        "repeat": repeat,
+        "alignment": alignment,
+        "host": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                 "python": platform.python_version(), "numpy": np.__version__},
+        "seconds": round(time.monotonic() - t_start, 2),
+        "at_goal_size": sizes.at_goal_size,
+        "rows": [r.to_json() for r in rows],
+        "peers": peer_lines() if peers else [],
+    }
+
+
+def datadist_version() -> str:
+    from datadist import __version__
+
+    return __version__
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable table of a result from :func:`run`."""
+    head = ("what", "path", "figure", "limit", "ratio", "goal", "")
+    lines = []
+    for r in result["rows"]:
+        unit = r["unit"]
+        fig = f"{r['figure']:.2f} {unit}" if unit != "us" else f"{r['figure']:.0f} us p50"
+        if r["limit"] is None:
+            lim, ratio = "-", "-"
+        else:
+            lim = (f"{r['limit']:.2f} {unit}" if unit != "us" else f"{r['limit']:.0f} us")
+            lim = f"{lim} ({r['limit_title']})"
+            ratio = f"{r['ratio']:.2f}x"
+        ok = "ok" if r["met"] else "MISSED"
+        if not result["at_goal_size"] and r["unit"] == "GB/s":
+            ok = f"({ok.lower()})"  # goals are for full size: see the note below
+        lines.append((r["title"], r["path"] or "-", fig, lim, ratio, r["goal"], ok))
+    widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
+    out = [f"datadist bench: median of {result['repeat']}, {result['seconds']} s; "
+           f"{result['alignment']}"]
+    for i, line in enumerate([head, *lines]):
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    if not result["at_goal_size"]:
+        out.append("note: transfers smaller than 256 MiB / 8192 blocks: fixed costs weigh more "
+                   "than the goals allow for; run without --quick/--size to judge them")
+    out.extend(result["peers"])
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``datadist bench``: run, print the table, optionally write JSON. Returns the exit code:
+    0 when every row ran (goals missed or not), 1 when the run failed."""
+    ap = argparse.ArgumentParser(prog="datadist bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="8 MiB transfers and fewer small pulls (a smoke run, seconds)")
+    ap.add_argument("--size", type=int, metavar="MiB",
+                    help="bytes per transfer in MiB (default 256, or 8 with --quick)")
+    ap.add_argument("--repeat", type=int, default=None, metavar="N",
+                    help="repetitions per figure, the median is reported (default 7, quick 3)")
+    ap.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    ap.add_argument("--align", choices=("page", "numpy"), default="page",
+                    help="placement of client buffers (default page; see DESIGN.md §6)")
+    ap.add_argument("--peers", action="store_true",
+                    help="also report NIXL / Mooncake, if they are already importable")
+    ap.add_argument("--only", metavar="GROUPS", default=",".join(GROUPS),
+                    help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default all)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = ap.parse_args(argv)
+    repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)
+    if repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.size is not None and args.size < 1:
+        ap.error("--size must be >= 1")
+    groups = tuple(g for g in args.only.split(",") if g)
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown or not groups:
+        ap.error(f"--only takes groups of {','.join(GROUPS)}, got {args.only!r}")
+    sizes = Sizes.preset(args.quick, args.size)
+    progress = Progress(timed_steps(repeat, groups), enabled=not args.no_progress)
+    try:
+        result = run(sizes, repeat, args.align, args.peers, progress, groups)
+    except BenchError as e:
+        progress.close()
+        print(f"datadist bench failed: {e}", file=sys.stderr)
+        return 1
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
