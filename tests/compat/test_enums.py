@@ -119,3 +119,19 @@ def test_data_type(name, value_size):
         # The element size is what CacheDesc.size multiplies by.
         desc = llm_datadist.CacheDesc(1, [3, 5], member, Placement.HOST)
         assert desc.size == 15 * size
+
+
+def test_error_messages_name_the_code_beside_its_number():
+    """llm_datadist's message prefix ("<func> failed, error code is <n>, ") is kept; the code's
+    name follows the number, so a reader need not look 1343270919 up."""
+    from datadist.api.status import LLMStatusCode, llm_errors
+    from datadist.core.errors import Code, DatadistError
+
+    with pytest.raises(llm_datadist.LLMException) as info:
+        with llm_errors("pull_cache"):
+            raise DatadistError("cluster 7 is not linked", code=Code.NOT_YET_LINK)
+    msg = str(info.value)
+    assert msg.startswith(f"pull_cache failed, error code is {int(Code.NOT_YET_LINK)} "
+                          "(LLM_NOT_YET_LINK), ")
+    assert msg.endswith("cluster 7 is not linked")
+    assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK

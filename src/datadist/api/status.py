@@ -85,7 +85,9 @@ class Status:
 
 def to_llm_exception(err: DatadistError, func: str = "") -> LLMException:
     code = code_to_status(int(err.code))
-    prefix = f"{func} failed, error code is {int(code)}, " if func else ""
+    # llm_datadist's prefix, with the code's name beside its number: "1343270919" alone
+    # sends every user to a table
+    prefix = f"{func} failed, error code is {int(code)} ({code.name}), " if func else ""
     return LLMException(f"{prefix}{err}", status_code=code)
 
 
