@@ -3,6 +3,7 @@ it moved; with a skewed prompt pattern it must fail, so the check is real."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,3 +48,30 @@ def test_example_fails_on_wrong_bytes(name):
     done = run(name, DATADIST_EXAMPLE_SKEW="1")
     assert done.returncode != 0
     assert "MISMATCH" in done.stdout and "FAILED" in done.stdout
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_two_hosts_programs_move_and_check_blocks(transport):
+    """examples/two_hosts: the README's two-process program, run as a user runs it: the
+    PROMPT prints each request's block table, the DECODER gets them (here on stdin), links,
+    pulls and checks every byte."""
+    env = {k: v for k, v in os.environ.items() if k != "DATADIST_TRANSPORT"}
+    env["DATADIST_TRANSPORT"] = transport
+    folder = EXAMPLES / "two_hosts"
+    prompt = subprocess.Popen([sys.executable, "prompt.py", "--listen", "127.0.0.1:0",
+                               "--cluster-id", "7", "--requests", "3"], cwd=folder, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [prompt.stdout.readline() for _ in range(3)]
+        port = json.loads(lines[0])["prompt"][1]
+        done = subprocess.run([sys.executable, "decoder.py", "--peer", f"127.0.0.1:{port}",
+                               "--cluster-id", "8"], input="".join(lines), cwd=folder, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count("bytes verified") == 3, done.stdout
+        if transport == "tcp":
+            assert " over tcp " in done.stdout
+    finally:
+        prompt.communicate("\n", timeout=30)
+    assert prompt.returncode == 0
