@@ -253,3 +253,12 @@ def test_pool_config_parse() -> None:
 def test_pool_config_parse_refuses(text: str) -> None:
     with pytest.raises(InvalidArgument):
         PoolConfig.parse(text)
+
+
+def test_shared_allocators_are_exported_where_the_readme_names_them():
+    from datadist.memory import shared_empty, shared_tensor
+    from datadist.memory.shared import shared_empty as inner
+
+    assert shared_empty is inner and callable(shared_tensor)
+    a = shared_empty((3, 5), np.float32)
+    assert a.shape == (3, 5) and a.dtype == np.float32 and a.ctypes.data % 4096 == 0
