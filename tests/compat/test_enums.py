@@ -127,9 +127,8 @@ def test_error_messages_name_the_code_beside_its_number():
     from datadist.api.status import LLMStatusCode, llm_errors
     from datadist.core.errors import Code, DatadistError
 
-    with pytest.raises(llm_datadist.LLMException) as info:
-        with llm_errors("pull_cache"):
-            raise DatadistError("cluster 7 is not linked", code=Code.NOT_YET_LINK)
+    with pytest.raises(llm_datadist.LLMException) as info, llm_errors("pull_cache"):
+        raise DatadistError("cluster 7 is not linked", code=Code.NOT_YET_LINK)
     msg = str(info.value)
     assert msg.startswith(f"pull_cache failed, error code is {int(Code.NOT_YET_LINK)} "
                           "(LLM_NOT_YET_LINK), ")

@@ -9,18 +9,22 @@ returns at once (``unregister`` waits for live leases, bounded). Thread-safe.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
-from datadist.core import auth
+from datadist.core import auth, metrics
 from datadist.core.errors import (
     AlreadyLinked,
     Busy,
     Closed,
+    Code,
     DatadistError,
     DeviceOutOfMemory,
     InvalidArgument,
@@ -46,6 +50,33 @@ log = logging.getLogger(__name__)
 HOST, DEVICE = 0, 1
 CLOSE_LEASE_WAIT = 5.0  # seconds finalize waits for transfers still using local memory
 _TCP = TcpPath()
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+def _counted(op: str) -> Callable[[_F], _F]:
+    """Record a transfer method's outcome in :data:`metrics.PROCESS`: its duration, its bytes
+    when it succeeded, its status code's name when it failed."""
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def counted(self: Any, cluster_id: int, key: Any, unit_bytes: int, plan: Plan,
+                    *args: Any, **kwargs: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                fn(self, cluster_id, key, unit_bytes, plan, *args, **kwargs)
+            except DatadistError as e:
+                metrics.PROCESS.record(op, cluster_id, 0, time.perf_counter() - t0,
+                                       Code(e.code).status_name)
+                raise
+            except BaseException:
+                metrics.PROCESS.record(op, cluster_id, 0, time.perf_counter() - t0,
+                                       "LLM_FAILED")
+                raise
+            metrics.PROCESS.record(op, cluster_id, plan.nbytes, time.perf_counter() - t0)
+
+        return counted  # type: ignore[return-value]
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -306,6 +337,7 @@ class Engine:
 
     # ------------------------------------------------------------------ transfers
 
+    @_counted("pull")
     def pull(
         self,
         cluster_id: int,
@@ -336,6 +368,7 @@ class Engine:
         finally:
             self.registry.unhold(entry)
 
+    @_counted("push")
     def push(
         self,
         cluster_id: int,

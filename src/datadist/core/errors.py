@@ -44,6 +44,13 @@ class Code(enum.IntEnum):
     SUSPECT_REMOTE_ERROR = 507057
     UNKNOWN_ERROR = -1
 
+    @property
+    def status_name(self) -> str:
+        """llm_datadist's name of this code (``LLM_TIMEOUT``), for logs and metrics."""
+        if self is Code.SEQ_LEN_OVER_LIMIT:
+            return "LLM_SEQ_LENOVERLIMIT"  # sic: llm_datadist's spelling
+        return f"LLM_{self.name}"
+
 
 class DatadistError(Exception):
     """Base of every error datadist raises on purpose. ``code`` is its status code."""

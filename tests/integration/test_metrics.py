@@ -1,0 +1,89 @@
+"""Transfer metrics: what ``datadist.metrics()`` and the Prometheus collector report after
+real pulls between two processes, and the counters' arithmetic on their own."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import datadist as llm_datadist
+from datadist.core.metrics import BUCKETS, Metrics
+from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt
+
+from ._support import PROMPT_ID
+
+pytestmark = pytest.mark.timeout(30)
+
+BLOCKS = CacheSpec(2, (64, 4, 32))  # 2 tensors of 64 blocks x 256 B (fp16)
+PROMPT_CONFIG = PromptConfig(PROMPT_ID, setup=(
+    ("register_blocks_cache", {"spec": BLOCKS, "seed": 5, "model_id": 3}),))
+
+
+@pytest.fixture(autouse=True)
+def fresh_metrics():
+    llm_datadist.reset_metrics()
+    yield
+    llm_datadist.reset_metrics()
+
+
+def test_pulls_and_failures_are_counted_per_link(decoder: Decoder,
+                                                 prompt: RunningPrompt) -> None:
+    cache, _ = decoder.local(BLOCKS, blocks=True)
+    key = llm_datadist.BlocksCacheKey(PROMPT_ID, 3)
+    for n in (1, 4, 9):
+        decoder.cm.pull_blocks(key, cache, list(range(n)), list(range(n)))
+    with pytest.raises(llm_datadist.LLMException):  # no such model id on the prompt
+        decoder.cm.pull_blocks(llm_datadist.BlocksCacheKey(PROMPT_ID, 99), cache, [0], [0])
+
+    m = llm_datadist.metrics()
+    pull = m["links"][PROMPT_ID]["pull"]
+    assert pull["transfers"] == 4
+    assert pull["bytes"] == (1 + 4 + 9) * 256 * 2  # successful pulls only, both tensors
+    assert pull["errors"] == {"LLM_KV_CACHE_NOT_EXIST": 1}
+    assert sum(pull["latency_buckets"].values()) >= 4 and pull["seconds"] > 0
+    assert max(pull["latency_buckets"].values()) == 4  # cumulative: the last bucket has all
+    assert pull["p50_s"] is not None and pull["p50_s"] <= pull["p99_s"]
+    assert m["total"]["pull"]["transfers"] == 4 and "push" not in m["total"]
+
+
+def test_prometheus_collector_exposes_the_same_counters(decoder: Decoder,
+                                                        prompt: RunningPrompt) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    cache, _ = decoder.local(BLOCKS, blocks=True)
+    decoder.cm.pull_blocks(llm_datadist.BlocksCacheKey(PROMPT_ID, 3), cache, [5, 6], [1, 2])
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(llm_datadist.metrics_collector())
+    text = prometheus_client.generate_latest(registry).decode()
+    labels = f'cluster_id="{PROMPT_ID}",op="pull"'
+    assert f"datadist_transfers_total{{{labels}}} 1.0" in text
+    assert f"datadist_transfer_bytes_total{{{labels}}} 1024.0" in text
+    assert (f'datadist_transfer_seconds_bucket{{cluster_id="{PROMPT_ID}",le="+Inf",op="pull"}}'
+            ' 1.0') in text
+    assert f"datadist_transfer_seconds_count{{{labels}}} 1.0" in text
+
+
+def test_series_arithmetic() -> None:
+    m = Metrics()
+    for s in (5e-6, 3e-4, 3e-4, 2e-3, 500.0):
+        m.record("push", 9, 100, s)
+    m.record("push", 9, 100, 0.1, "LLM_TIMEOUT")
+    push = m.snapshot()["links"][9]["push"]
+    assert push["transfers"] == 6 and push["bytes"] == 500
+    assert push["errors"] == {"LLM_TIMEOUT": 1}
+    assert push["latency_buckets"][BUCKETS[0]] == 1  # 5 us <= 10 us
+    assert push["latency_buckets"][5e-4] == 3
+    assert push["latency_buckets"][BUCKETS[-1]] == 5  # 500 s lies above every bucket
+    assert push["p50_s"] == 5e-4 and push["p99_s"] == float("inf")
+    m.reset()
+    assert m.snapshot() == {"total": {}, "links": {}}
+
+
+def test_the_library_logs_under_one_logger_with_a_null_handler() -> None:
+    root = logging.getLogger("datadist")
+    assert any(isinstance(h, logging.NullHandler) for h in root.handlers)
+    from datadist.core import engine, links
+    from datadist.transport import tcp
+
+    for mod in (engine, links, tcp):
+        assert mod.log.name.startswith("datadist.")
