@@ -371,11 +371,15 @@ class TestLinkClusters:
             getattr(datadist, method)([cluster(PEER, 1)], timeout)
 
     def test_remote_cluster_id_is_required(self, datadist):
+        # hixl v2/llm_datadist.py LLMDataDist.link_clusters / unlink_clusters:
+        # check_uint64("remote_cluster_id", None) is a TypeError.
         c = LLMClusterInfo()
         c.append_local_ip_info("127.0.0.1", 0)
         c.append_remote_ip_info("127.0.0.1", 1)
-        with code(S.LLM_PARAM_INVALID):
+        with pytest.raises(TypeError):
             datadist.link_clusters([c])
+        with pytest.raises(TypeError):
+            datadist.unlink_clusters([c])
 
     def test_local_ip_info_is_required_in_cache_manager_mode(self, datadist, refused_port):
         with code(S.LLM_PARAM_INVALID):
@@ -387,9 +391,13 @@ class TestLinkClusters:
         c = cluster(PEER, peer.listen_address[1], local_ip=False)
         assert dd.link_clusters([c], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
-    def test_empty_list_is_success(self, datadist):
-        assert datadist.link_clusters([]) == (S.LLM_SUCCESS, [])
-        assert datadist.unlink_clusters(()) == (S.LLM_SUCCESS, [])
+    def test_empty_list_is_param_invalid(self, datadist):
+        # hixl link_mgr/llm_link_manager.cc LLMLinkManager::LinkClusters / UnlinkClusters:
+        # "clusters size must > 0" -> LLM_PARAM_INVALID, returned (not raised) by the Python
+        # link_clusters / unlink_clusters, with no per-cluster codes.
+        assert datadist.link_clusters([]) == (S.LLM_PARAM_INVALID, [])
+        assert datadist.unlink_clusters(()) == (S.LLM_PARAM_INVALID, [])
+        assert datadist.unlink_clusters([], force=True) == (S.LLM_PARAM_INVALID, [])
 
     @pytest.mark.timeout(30)
     def test_nobody_listening_returns_link_failed(self, datadist, refused_port):
@@ -1091,7 +1099,7 @@ class TestPush:
 
     def test_unknown_local_source(self, ra):
         cm, _, _, _ = ra
-        ghost = Cache(77, contiguous_desc(), [4096] * 4)
+        ghost = Cache(77, contiguous_desc(), [4096] * 4, None, True, False)
         with code(S.LLM_KV_CACHE_NOT_EXIST):
             cm.push_cache(CacheKeyByIdAndIndex(PEER, 1), ghost)
 
@@ -1111,9 +1119,11 @@ class TestCheckCacheKey:
             CacheManager.check_cache_key(key)
 
     def test_type(self):
+        # hixl v2/cache_manager.py CacheManager.check_cache_key reads req_id without a type
+        # check: another key kind has no such attribute.
         from datadist.api.cache_manager import CacheManager
 
-        with pytest.raises(TypeError):
+        with pytest.raises(AttributeError):
             CacheManager.check_cache_key(BlocksCacheKey(PEER))
 
 
@@ -1317,8 +1327,11 @@ class TestOtherValueTypes:
         assert (m.mem_type, m.addr, m.size) == (Memtype.MEM_TYPE_DEVICE, 4096, 8192)
         with pytest.raises(TypeError):
             MemInfo(0, 4096, 8192)
-        with pytest.raises(ValueError):
-            MemInfo(Memtype.MEM_TYPE_HOST, -1, 1)
+        with pytest.raises(TypeError):
+            MemInfo(Memtype.MEM_TYPE_HOST, 1.5, 1)
+        # hixl v2/llm_types.py MemInfo.__init__ checks types only; values are checked by
+        # remap_registered_memory.
+        assert MemInfo(Memtype.MEM_TYPE_HOST, -1, 1).addr == -1
 
     def test_transfer_with_cache_key_config(self):
         cfg = TransferWithCacheKeyConfig(BlocksCacheKey(PEER), range(0, 2), range(1, 3))
@@ -1329,8 +1342,10 @@ class TestOtherValueTypes:
             TransferWithCacheKeyConfig(BlocksCacheKey(PEER), (0, 2))
         with code(S.LLM_PARAM_INVALID):
             TransferWithCacheKeyConfig(BlocksCacheKey(PEER), range(0, 4, 2))
+        with pytest.raises(TypeError):  # both ranges are required (hixl v2/llm_types.py)
+            TransferWithCacheKeyConfig(BlocksCacheKey(PEER), None, range(2, 3))
         with code(S.LLM_PARAM_INVALID):
-            TransferWithCacheKeyConfig(BlocksCacheKey(PEER), None, range(2, 2))
+            TransferWithCacheKeyConfig(BlocksCacheKey(PEER), range(0, 1), range(2, 2))
 
     def test_transfer_config(self):
         cfg = TransferConfig(PEER, [4096, 8192], range(0, 1))

@@ -42,6 +42,7 @@ from datadist.api.types import (
     KvCache,
     LayerSynchronizer,
     TransferConfig,
+    check_cache_key,
     check_layer_range,
 )
 from datadist.core import layout
@@ -92,7 +93,7 @@ class TensorDesc:
     dtype = property(lambda self: self._dtype)
     shape = property(lambda self: list(self._shape))
 
-    def __repr__(self) -> str:
+    def __str__(self) -> str:
         return f"TensorDesc(dtype={self._dtype}, shape={self._shape})"
 
 
@@ -120,14 +121,20 @@ class Tensor:
         self._desc = tensor_desc or TensorDesc(from_numpy_dtype(self._array.dtype),
                                                list(self._array.shape))
 
+    @staticmethod
+    def from_tensor_tuple(tensor_tuple: tuple[int, int, list[int]]) -> Tensor:
+        """A Tensor from ``(data, data_type, shape)``: ``data_type`` is the GE type number
+        (``DataType.value``). In llm_datadist ``data`` is a native tensor handle; here, as in
+        ``Tensor(int, desc)``, it is the address of the data."""
+        data, dtype, shape = tensor_tuple
+        return Tensor(data, TensorDesc(DataType(dtype), shape))
+
     def numpy(self, copy: bool = False) -> np.ndarray:
+        check_isinstance("copy", copy, bool)
         return self._array.copy() if copy else self._array
 
-    def get_tensor_desc(self) -> TensorDesc:
-        return self._desc
-
-    def __repr__(self) -> str:
-        return f"Tensor({self._desc})"
+    def __str__(self) -> str:
+        return f"Tensor({self._array},tensor_desc={self._desc})"
 
 
 class KvCacheManager:
@@ -171,7 +178,7 @@ class KvCacheManager:
     @staticmethod
     def _ref(cache: KvCache) -> local_ops.CacheRef:
         addrs = cache.per_device_tensor_addrs
-        return local_ops.CacheRef(cache.cache_id, cache.cache_desc, cache.is_blocks_cache,
+        return local_ops.CacheRef(cache.cache_id, cache.cache_desc, cache._is_blocks_cache,
                                   addrs[0] if addrs else [])
 
     def _check_exists(self, engine: Engine, cache: KvCache) -> None:
@@ -189,7 +196,9 @@ class KvCacheManager:
         geo = geometry_of(cache_desc, blocks=blocks)
         with llm_errors(func):
             entry = engine.allocate(geo, placement=DEVICE, keys=keys, blocks_model_id=model)
-        return KvCache(entry.cache_id, cache_desc, [entry.addrs.tolist()], self, blocks)
+        cache = KvCache(entry.cache_id, cache_desc, [entry.addrs.tolist()], self)
+        cache._is_blocks_cache = blocks
+        return cache
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> KvCache:
@@ -221,7 +230,7 @@ class KvCacheManager:
         check_isinstance("cache", cache, KvCache, allow_none=False)
         self._check_device(cache)
         with llm_errors("deallocate_cache"):
-            engine.deallocate(cache.cache_id, blocks=cache.is_blocks_cache)
+            engine.deallocate(cache.cache_id, blocks=cache._is_blocks_cache)
         cache._addrs = []
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
@@ -279,12 +288,10 @@ class KvCacheManager:
         src_off = self._offset("src_cache_offset", kwargs.get("src_cache_offset"))
         dst_off = self._offset("dst_cache_offset", kwargs.get("dst_cache_offset"))
         if isinstance(cache_key, CacheKey):
-            valid = [v != UINT64_MAX for v in (cache_key.req_id, cache_key.prefix_id)]
-            raise_if_false(sum(valid) == 1,
-                           "exactly one of req_id and prefix_id must be set in a CacheKey")
+            KvCacheManager.check_cache_key(cache_key)
         src_range, dst_range, n = self._layers(kwargs)
         self._check_exists(engine, kv_cache)
-        raise_if_false(not kv_cache.is_blocks_cache, "pull_cache needs a contiguous cache")
+        raise_if_false(not kv_cache._is_blocks_cache, "pull_cache needs a contiguous cache")
         geo = geometry_of(kv_cache.cache_desc, blocks=False)
         with llm_errors("pull_cache"):
             tensors = layout.layer_tensor_indices(
@@ -313,7 +320,7 @@ class KvCacheManager:
                        "the same length")
         src_range, dst_range, n = self._layers(kwargs)
         self._check_exists(engine, decoder_kv_cache)
-        raise_if_false(decoder_kv_cache.is_blocks_cache, "pull_blocks needs a blocks cache")
+        raise_if_false(decoder_kv_cache._is_blocks_cache, "pull_blocks needs a blocks cache")
         geo = geometry_of(decoder_kv_cache.cache_desc, blocks=True)
         with llm_errors("pull_blocks"):
             tensors = layout.layer_tensor_indices(
@@ -322,6 +329,13 @@ class KvCacheManager:
             plan = layout.plan_blocks(geo, src, dst, tensors)
             engine.pull(prompt_cache_key.cluster_id, key_ref(prompt_cache_key), geo.unit_bytes,
                         plan, decoder_kv_cache.cache_id)
+
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        """Exactly one of ``req_id`` and ``prefix_id`` must be valid (neither 2**64-1 nor
+        negative), else LLM_PARAM_INVALID. Called by ``pull_cache``; public, as in
+        llm_datadist."""
+        check_cache_key(cache_key)
 
     # ------------------------------------------------------------------ local copies
 
