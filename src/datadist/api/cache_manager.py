@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from datadist.api import types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import DataType, Memtype, Placement
-from datadist.api import types
 from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.types import (
     UINT64_MAX,
