@@ -1178,7 +1178,7 @@ class TestCacheDesc:
     def test_defaults_and_properties(self):
         d = CacheDesc(4, (3, 5, 7), DataType.DT_FLOAT)
         assert d.num_tensors == 4
-        assert d.shape == [3, 5, 7]
+        assert d.shape == (3, 5, 7)  # hixl v2/llm_types.py CacheDesc keeps the caller's shape
         assert d.data_type is DataType.DT_FLOAT
         assert d.placement is Placement.DEVICE
         assert d.batch_dim == 0 and d.batch_size == 3
@@ -1248,12 +1248,23 @@ class TestKeys:
         ((1, 2), {"foo": 1}),  # unknown keyword
         ((1,), {}),  # req_id missing
         ((), {"req_id": 1}),  # cluster_id missing
-        ((1, 2), {"cluster_id": 1}),  # given twice
-        ((), {"cluster_id": 1, "prompt_cluster_id": 1, "req_id": 2}),
+        ((1, 2, 3), {"cluster_id": 1, "req_id": 2}),  # 5 in all
     ])
     def test_cache_key_bad_parameters(self, args, kwargs):
         with code(S.LLM_PARAM_INVALID):
             CacheKey(*args, **kwargs)
+
+    def test_cache_key_name_given_twice(self):
+        # hixl v2/llm_types.py CacheKey.__init__ / BlocksCacheKey.__init__: a positional
+        # argument overwrites the keyword of the same name; cluster_id wins over
+        # prompt_cluster_id. Neither is an error.
+        assert CacheKey(1, 2, cluster_id=9).cluster_id == 1
+        assert CacheKey(cluster_id=1, prompt_cluster_id=5, req_id=2).cluster_id == 1
+        assert BlocksCacheKey(3, model_id=4).model_id == 4
+        assert BlocksCacheKey(3, cluster_id=8).cluster_id == 3
+        assert BlocksCacheKey(prompt_cluster_id=6, cluster_id=7).cluster_id == 7
+        with code(S.LLM_PARAM_INVALID):
+            BlocksCacheKey(1, 2, model_id=3)
 
     @pytest.mark.parametrize(("args", "error"), [
         ((-1, 1), ValueError), ((1, 2**64), ValueError), ((1, 1, -1), ValueError),

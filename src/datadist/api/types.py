@@ -41,7 +41,7 @@ class CacheDesc:
         raise_if_false(seq_len_dim_index == -1 or 0 <= seq_len_dim_index < len(shape),
                        f"seq_len_dim_index {seq_len_dim_index} out of range")
         self._num_tensors = num_tensors
-        self._shape = list(shape)
+        self._shape = shape  # the caller's list (or tuple), as llm_datadist keeps it
         self._data_type = data_type
         self._placement = placement
         self._batch_dim_index = batch_dim_index
@@ -49,7 +49,7 @@ class CacheDesc:
         self._kv_tensor_format = kv_tensor_format
 
     num_tensors = property(lambda self: self._num_tensors)
-    shape = property(lambda self: list(self._shape))
+    shape = property(lambda self: self._shape)
     data_type = property(lambda self: self._data_type)
     placement = property(lambda self: self._placement)
     batch_dim = property(lambda self: self._batch_dim_index)
@@ -183,21 +183,22 @@ class KvCache:
 
 
 def _key_args(name: str, args: tuple, kwargs: dict, order: tuple[str, ...]) -> dict[str, Any]:
-    """Parse llm_datadist's ``*args, **kwargs`` key constructors (``prompt_cluster_id`` alias)."""
+    """Parse llm_datadist's ``*args, **kwargs`` key constructors as it does: at most
+    ``len(order)`` arguments in all; a positional argument wins over the same keyword;
+    ``cluster_id`` wins over its alias ``prompt_cluster_id``; an unknown keyword is
+    LLM_PARAM_INVALID. The caller checks which are required."""
     if len(args) + len(kwargs) > len(order):
-        raise LLMException(f"{name} takes at most {len(order)} parameters",
+        raise LLMException(f"{name}: Param num is over limit",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
-    values = dict(zip(order, args))
-    for k, v in kwargs.items():
-        key = "cluster_id" if k == "prompt_cluster_id" else k
-        if key not in order:
-            raise LLMException(f"{name} got an unknown parameter {k!r}",
+    given = {**kwargs, **dict(zip(order, args))}
+    for k in given:
+        if k not in order and k != "prompt_cluster_id":
+            raise LLMException(f"{name}: Unsupported param:{k}",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        if key in values:
-            raise LLMException(f"{name} got {key!r} twice",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        values[key] = v
-    return values
+    if "cluster_id" not in given and "prompt_cluster_id" in given:
+        given["cluster_id"] = given["prompt_cluster_id"]
+    given.pop("prompt_cluster_id", None)
+    return given
 
 
 class CacheKey:
