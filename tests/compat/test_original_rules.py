@@ -377,3 +377,29 @@ def test_llm_utils_helpers():
     with param_invalid():
         llm_utils.verify_cache_shape([4, 0])
     llm_utils.verify_cache_shape([4, -1])
+
+
+def test_a_dropped_kv_cache_is_deallocated():
+    # hixl v2/llm_types.py KvCache.__del__: a pool cache whose object goes away without
+    # deallocate_cache is deallocated (while its manager is initialized). A client that
+    # allocates a cache per step and drops the last one (vllm-ascend's V0 connector) must not
+    # run the pool dry.
+    import gc
+
+    d = llm.LLMDataDist(llm.LLMRole.DECODER, 12)
+    d.init({"ge.flowGraphMemMaxSize": str(1 << 20)})
+    try:
+        kv = d.kv_cache_manager
+        desc = CacheDesc(2, [4, 32 * 1024], DataType.DT_UINT8)  # 2 x 128 KiB of a 1 MiB pool
+        for _ in range(20):
+            cache = kv.allocate_cache(desc)
+            del cache
+            gc.collect()
+        kept = [kv.allocate_cache(desc) for _ in range(3)]
+        with pytest.raises(LLMException):  # the pool is finite: kept caches stay allocated
+            [kv.allocate_cache(desc) for _ in range(8)]
+        kv.deallocate_cache(kept[0])  # deallocated explicitly: the finalizer is off
+        del kept[0]
+        assert len(kv._dropped) == 0
+    finally:
+        d.finalize()

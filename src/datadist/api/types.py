@@ -147,6 +147,9 @@ class KvCache:
         self._addrs = [list(a) for a in per_device_tensor_addrs]
         self._manager = kv_cache_manager
         self._is_blocks_cache = False
+        # Set by KvCacheManager for pool caches: frees the cache if this object goes away
+        # without deallocate_cache, as llm_datadist's KvCache.__del__ does.
+        self._finalizer: Any = None
 
     cache_id = property(lambda self: self._cache_id)
     cache_desc = property(lambda self: self._cache_desc)

@@ -22,7 +22,10 @@ Cache ids count from 1 in each process, in allocation order: old clients hard-co
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import weakref
 from typing import Any
 
 import numpy as np
@@ -47,6 +50,7 @@ from datadist.api.types import (
 )
 from datadist.core import layout
 from datadist.core.engine import DEVICE, Engine
+from datadist.core.errors import DatadistError
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
 
@@ -145,9 +149,12 @@ class KvCacheManager:
     returns when done. The role is read from the engine, so ``switch_role`` applies at once.
     """
 
-    def __init__(self, engine: Engine, role: LLMRole) -> None:
-        self._engine = engine
+    def __init__(self, llm_engine: Engine, role: LLMRole) -> None:
+        self._engine = llm_engine
         self._initialized = True
+        # (cache_id, is_blocks) of pool caches whose KvCache was garbage-collected without
+        # deallocate_cache; freed by the next call on this manager (_free_dropped).
+        self._dropped: collections.deque[tuple[int, bool]] = collections.deque()
 
     def __repr__(self) -> str:
         return f"<KvCacheManager {self._role} initialized={self._initialized}>"
@@ -165,7 +172,20 @@ class KvCacheManager:
     def _engine_or_raise(self) -> Engine:
         if not self._initialized:
             raise RuntimeError("llm datadist is not initialized")
+        self._free_dropped()
         return self._engine
+
+    def _free_dropped(self) -> None:
+        """Deallocate the caches whose KvCache objects went away without deallocate_cache.
+
+        llm_datadist's ``KvCache.__del__`` deallocates at once. Here the object's finalizer
+        only queues its id (the garbage collector may run while this thread holds an engine
+        lock), and the next call on this manager, an allocation included, frees it.
+        """
+        while self._dropped:
+            cache_id, blocks = self._dropped.popleft()
+            with contextlib.suppress(DatadistError):
+                self._engine.deallocate(cache_id, blocks=blocks)
 
     def _check_role(self, func: str, role: LLMRole) -> None:
         raise_if_false(self._role == role, f"{func} is not supported by {self._role}")
@@ -198,6 +218,8 @@ class KvCacheManager:
             entry = engine.allocate(geo, placement=DEVICE, keys=keys, blocks_model_id=model)
         cache = KvCache(entry.cache_id, cache_desc, [entry.addrs.tolist()], self)
         cache._is_blocks_cache = blocks
+        cache._finalizer = weakref.finalize(cache, self._dropped.append, (entry.cache_id, blocks))
+        cache._finalizer.atexit = False
         return cache
 
     def allocate_cache(self, cache_desc: CacheDesc,
@@ -231,6 +253,8 @@ class KvCacheManager:
         self._check_device(cache)
         with llm_errors("deallocate_cache"):
             engine.deallocate(cache.cache_id, blocks=cache._is_blocks_cache)
+        if cache._finalizer is not None:
+            cache._finalizer.detach()
         cache._addrs = []
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
