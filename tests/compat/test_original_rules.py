@@ -403,3 +403,39 @@ def test_a_dropped_kv_cache_is_deallocated():
         assert len(kv._dropped) == 0
     finally:
         d.finalize()
+
+
+def test_bf16_tensor_reads_as_float32():
+    # GE tensor.py Tensor.numpy: DT_BF16 data comes back as float32 values (numpy has no
+    # bfloat16), the bits shifted into the high half.
+    from datadist import Tensor, TensorDesc
+
+    values = np.array([1.5, -2.0, 0.15625], dtype=np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)
+    t = Tensor(int(bits.ctypes.data), TensorDesc(DataType.DT_BF16, [3]))
+    out = t.numpy()
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, values)
+
+
+def test_cache_desc_rules():
+    # hixl v2/llm_types.py CacheDesc.__init__: batch_dim_index is type-checked only, then
+    # range-checked (PARAM_INVALID); CacheDesc.size fails (LLMException) for a dynamic dim.
+    with param_invalid():
+        CacheDesc(1, [4, 8], DataType.DT_UINT8, Placement.HOST, 2**40)
+    with pytest.raises(TypeError):
+        CacheDesc(1, [4, 8], DataType.DT_UINT8, Placement.HOST, 0.0)
+    with pytest.raises(LLMException, match="Failed to calc tensor size"):
+        _ = CacheDesc(1, [4, -1], DataType.DT_UINT8).size
+
+
+def test_cache_task_timeout_is_uint32():
+    # hixl v2/llm_types.py CacheTask.synchronize / get_results: check_uint32(timeout_in_millis).
+    from datadist.api.tasks import CacheTask
+
+    task = CacheTask(1)
+    with pytest.raises(ValueError):
+        task.synchronize(-1)
+    with pytest.raises(TypeError):
+        task.get_results(1.5)
+    assert task.synchronize(0) is S.LLM_TIMEOUT  # not finished: the default error

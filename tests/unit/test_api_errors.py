@@ -667,7 +667,6 @@ class TestRegister:
 
     @pytest.mark.parametrize("desc", [
         CacheDesc(4, [2, 0], F16, HOST),  # an empty dim
-        CacheDesc(4, [], F16, HOST),
         CacheDesc(4, [1] * 33, F16, HOST),  # more than 32 dims
         CacheDesc(4, [2, 64], DataType.DT_STRING, HOST),
     ])
@@ -675,6 +674,11 @@ class TestRegister:
     def test_unusable_desc_is_param_invalid(self, cm, method, desc):
         with code(S.LLM_PARAM_INVALID):
             getattr(cm, method)(desc, [4096 * (i + 1) for i in range(4)])
+
+    def test_scalar_desc_is_refused_when_built(self):
+        # hixl v2/llm_types.py CacheDesc.__init__: 0 <= batch_dim_index < len(shape).
+        with code(S.LLM_PARAM_INVALID):
+            CacheDesc(4, [], F16, HOST)
 
     def test_key_errors(self, cm):
         desc = contiguous_desc(batch=2)

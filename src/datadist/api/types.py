@@ -33,11 +33,11 @@ class CacheDesc:
             check_int("shape dim", d, "int64", allow_none=False)
         check_isinstance("data_type", data_type, DataType, allow_none=False)
         check_isinstance("placement", placement, Placement, allow_none=False)
-        check_int("batch_dim_index", batch_dim_index, "int32", allow_none=False)
+        check_isinstance("batch_dim_index", batch_dim_index, int, allow_none=False)
         check_int("seq_len_dim_index", seq_len_dim_index, "int32", allow_none=False)
         check_isinstance("kv_tensor_format", kv_tensor_format, str)
-        raise_if_false(0 <= batch_dim_index < max(len(shape), 1),
-                       f"batch_dim_index {batch_dim_index} out of range of shape {list(shape)}")
+        raise_if_false(0 <= batch_dim_index < len(shape),
+                       f"batch_dim_index {batch_dim_index} out of range, [0, {len(shape)})")
         raise_if_false(seq_len_dim_index == -1 or 0 <= seq_len_dim_index < len(shape),
                        f"seq_len_dim_index {seq_len_dim_index} out of range")
         self._num_tensors = num_tensors
@@ -58,7 +58,7 @@ class CacheDesc:
 
     @property
     def batch_size(self) -> int:
-        return self._shape[self._batch_dim_index] if self._shape else 0
+        return self._shape[self._batch_dim_index]
 
     @property
     def size(self) -> int:
@@ -66,6 +66,9 @@ class CacheDesc:
         if self._data_type == DataType.DT_STRING:
             raise LLMException("DT_STRING has no fixed size",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        if any(d < 0 for d in self._shape):  # a dynamic (-1) dim: llm_datadist fails too
+            raise LLMException(f"Failed to calc tensor size, shape = {self._shape}, "
+                               f"data_type = {self._data_type}")
         return math.prod(self._shape) * self._data_type.itemsize
 
     def update_dim(self, dim_index: int, dim_value: int) -> None:

@@ -134,7 +134,13 @@ class Tensor:
         return Tensor(data, TensorDesc(DataType(dtype), shape))
 
     def numpy(self, copy: bool = False) -> np.ndarray:
+        """The data as numpy: a view of it (``copy=False``) or a copy. A DT_BF16 tensor comes
+        back as float32 values (always a new array), as in llm_datadist: numpy has no
+        bfloat16."""
         check_isinstance("copy", copy, bool)
+        if self._desc.dtype is DataType.DT_BF16:
+            bits = self._array.view(np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(self._array.shape)
         return self._array.copy() if copy else self._array
 
     def __str__(self) -> str:
