@@ -15,7 +15,9 @@ mode on. Differences from cache-manager mode, as in LLM-DataDist:
 * ``pull_cache`` takes ``src_cache_offset`` / ``dst_cache_offset``: ``size`` bytes from that
   offset in the source batch slot to that offset in the destination slot;
 * caches are ``KvCache`` objects: ``per_device_tensor_addrs[0]`` are the tensor addresses,
-  and ``get_cache_tensors`` wraps one tensor as a numpy-backed ``Tensor``.
+  and ``get_cache_tensors`` wraps one tensor as a numpy-backed ``Tensor``. A pool cache whose
+  ``KvCache`` goes away without ``deallocate_cache`` is deallocated (by the manager's next
+  call), as llm_datadist's ``KvCache.__del__`` does: keep the object while using its memory.
 
 Cache ids count from 1 in each process, in allocation order: old clients hard-code them.
 """
