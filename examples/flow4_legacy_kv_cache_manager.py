@@ -75,6 +75,10 @@ def run(role: str, setup: dict) -> int:
         ok &= same_bytes(f"cache {cache_id}, whole", tensors(kv, buf),
                          pattern(shape, cache_id, role="decoder"))
     part = kv.allocate_cache(desc())
+    # Pool memory is not zeroed (nor in llm_datadist, where the dropped buffers above are
+    # freed and their memory reused): clear it, so that only the pulled bytes are non-zero.
+    for i in range(LAYERS):
+        kv.get_cache_tensors(part, i)[0].numpy()[...] = 0
     kv.pull_cache(llm_datadist.CacheKeyByIdAndIndex(PROMPT_ID, 4, 0), part, 0, SIZE,
                   src_cache_offset=SRC_OFFSET, dst_cache_offset=DST_OFFSET)
     got = tensors(kv, part).reshape(LAYERS, -1).view(np.uint8)

@@ -32,6 +32,7 @@ from datadist.api.types import (
 )
 
 __version__ = "0.1.0"
+__datadist__ = True  # llm_datadist has no such attribute: tells the two apart
 
 __all__ = [
     "LLMClusterInfo", "LLMStatusCode", "LLMException", "LLMRole", "LlmConfig", "LLMConfig",
@@ -41,7 +42,13 @@ __all__ = [
     "TensorDesc", "Tensor", "KvCacheManager",
 ]
 
+# llm_datadist's list of its v2 (cache-manager generation) names: __all__ less the v1 ones.
+v2_list = [name for name in __all__ if name not in ("TensorDesc", "Tensor", "KvCacheManager")]
+
 _LAZY_V1 = {"TensorDesc", "Tensor", "KvCacheManager"}
+# llm_datadist's module paths (``llm_datadist.v2.llm_types`` ...) as datadist.<same path>;
+# imported on first use.
+_SUBMODULES = {"status", "configs", "data_type", "utils", "v2"}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from datadist.api import v1
 
         return getattr(v1, name)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"datadist.{name}")
     raise AttributeError(f"module 'datadist' has no attribute {name!r}")
 
 

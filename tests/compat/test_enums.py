@@ -60,10 +60,18 @@ def test_status_code_str(name):
 
 
 def test_unknown_native_code_becomes_llm_failed():
-    # llm_datadist's code_2_status: any code not in the map is LLM_FAILED.
-    e = llm_datadist.LLMException("x", status_code=0x5010B014)  # CACHE_INCOMPATIBLE (C only)
-    assert e.status_code is LLMStatusCode.LLM_FAILED
-    assert llm_datadist.Status(12345).status_code is LLMStatusCode.LLM_FAILED
+    # hixl status.py code_2_status: any code not in the map is LLM_FAILED (what
+    # handle_llm_status raises with) ...
+    from datadist.status import code_2_status
+
+    assert code_2_status(0x5010B014) is LLMStatusCode.LLM_FAILED  # CACHE_INCOMPATIBLE (C only)
+    # ... while hixl status.py LLMException.__init__ and Status.__init__ keep the code given.
+    e = llm_datadist.LLMException("x", status_code=0x5010B014)
+    assert e.status_code == 0x5010B014
+    assert llm_datadist.Status(12345).status_code == 12345
+    assert llm_datadist.LLMException("x", status_code=0x5010B005).status_code is \
+        LLMStatusCode.LLM_PARAM_INVALID
+    assert llm_datadist.LLMException("x").status_code is LLMStatusCode.LLM_SUCCESS
 
 
 @pytest.mark.parametrize(("member", "value"), [

@@ -156,7 +156,8 @@ def test_tensor_desc_and_tensor_work():
     arr = np.arange(6, dtype=np.float16).reshape(2, 3)
     t = datadist.Tensor(arr)
     assert t.numpy() is arr
-    assert t.get_tensor_desc().dtype is datadist.DataType.DT_FLOAT16
+    # GE tensor.py Tensor.__str__: the data, then the desc (no public desc getter there).
+    assert str(t).endswith(",tensor_desc=TensorDesc(dtype=DataType.DT_FLOAT16, shape=[2, 3]))")
     from_addr = datadist.Tensor(arr.ctypes.data, desc)
     np.testing.assert_array_equal(from_addr.numpy(copy=True), arr)
     with pytest.raises(TypeError):

@@ -346,8 +346,9 @@ class TestArguments:
         by_id = llm.CacheKeyByIdAndIndex(DECODER_ID, 1)
         by_blocks = llm.BlocksCacheKey(DECODER_ID, 0)
         K = llm.TransferWithCacheKeyConfig
+        with pytest.raises(TypeError):  # ranges required (hixl v2/llm_types.py, at construction)
+            cm.transfer_cache_async(src, Sync(), [K(by_id)])
         for call in [
-            lambda: cm.transfer_cache_async(src, Sync(), [K(by_id)]),  # ranges required
             lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(2), range(1))]),
             lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(1), range(1))],
                                             None, [0], 16),  # contiguous destination

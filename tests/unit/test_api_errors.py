@@ -371,11 +371,15 @@ class TestLinkClusters:
             getattr(datadist, method)([cluster(PEER, 1)], timeout)
 
     def test_remote_cluster_id_is_required(self, datadist):
+        # hixl v2/llm_datadist.py LLMDataDist.link_clusters / unlink_clusters:
+        # check_uint64("remote_cluster_id", None) is a TypeError.
         c = LLMClusterInfo()
         c.append_local_ip_info("127.0.0.1", 0)
         c.append_remote_ip_info("127.0.0.1", 1)
-        with code(S.LLM_PARAM_INVALID):
+        with pytest.raises(TypeError):
             datadist.link_clusters([c])
+        with pytest.raises(TypeError):
+            datadist.unlink_clusters([c])
 
     def test_local_ip_info_is_required_in_cache_manager_mode(self, datadist, refused_port):
         with code(S.LLM_PARAM_INVALID):
@@ -387,9 +391,13 @@ class TestLinkClusters:
         c = cluster(PEER, peer.listen_address[1], local_ip=False)
         assert dd.link_clusters([c], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
-    def test_empty_list_is_success(self, datadist):
-        assert datadist.link_clusters([]) == (S.LLM_SUCCESS, [])
-        assert datadist.unlink_clusters(()) == (S.LLM_SUCCESS, [])
+    def test_empty_list_is_param_invalid(self, datadist):
+        # hixl link_mgr/llm_link_manager.cc LLMLinkManager::LinkClusters / UnlinkClusters:
+        # "clusters size must > 0" -> LLM_PARAM_INVALID, returned (not raised) by the Python
+        # link_clusters / unlink_clusters, with no per-cluster codes.
+        assert datadist.link_clusters([]) == (S.LLM_PARAM_INVALID, [])
+        assert datadist.unlink_clusters(()) == (S.LLM_PARAM_INVALID, [])
+        assert datadist.unlink_clusters([], force=True) == (S.LLM_PARAM_INVALID, [])
 
     @pytest.mark.timeout(30)
     def test_nobody_listening_returns_link_failed(self, datadist, refused_port):
@@ -659,7 +667,6 @@ class TestRegister:
 
     @pytest.mark.parametrize("desc", [
         CacheDesc(4, [2, 0], F16, HOST),  # an empty dim
-        CacheDesc(4, [], F16, HOST),
         CacheDesc(4, [1] * 33, F16, HOST),  # more than 32 dims
         CacheDesc(4, [2, 64], DataType.DT_STRING, HOST),
     ])
@@ -667,6 +674,11 @@ class TestRegister:
     def test_unusable_desc_is_param_invalid(self, cm, method, desc):
         with code(S.LLM_PARAM_INVALID):
             getattr(cm, method)(desc, [4096 * (i + 1) for i in range(4)])
+
+    def test_scalar_desc_is_refused_when_built(self):
+        # hixl v2/llm_types.py CacheDesc.__init__: 0 <= batch_dim_index < len(shape).
+        with code(S.LLM_PARAM_INVALID):
+            CacheDesc(4, [], F16, HOST)
 
     def test_key_errors(self, cm):
         desc = contiguous_desc(batch=2)
@@ -1091,7 +1103,7 @@ class TestPush:
 
     def test_unknown_local_source(self, ra):
         cm, _, _, _ = ra
-        ghost = Cache(77, contiguous_desc(), [4096] * 4)
+        ghost = Cache(77, contiguous_desc(), [4096] * 4, None, True, False)
         with code(S.LLM_KV_CACHE_NOT_EXIST):
             cm.push_cache(CacheKeyByIdAndIndex(PEER, 1), ghost)
 
@@ -1111,9 +1123,11 @@ class TestCheckCacheKey:
             CacheManager.check_cache_key(key)
 
     def test_type(self):
+        # hixl v2/cache_manager.py CacheManager.check_cache_key reads req_id without a type
+        # check: another key kind has no such attribute.
         from datadist.api.cache_manager import CacheManager
 
-        with pytest.raises(TypeError):
+        with pytest.raises(AttributeError):
             CacheManager.check_cache_key(BlocksCacheKey(PEER))
 
 
@@ -1168,7 +1182,7 @@ class TestCacheDesc:
     def test_defaults_and_properties(self):
         d = CacheDesc(4, (3, 5, 7), DataType.DT_FLOAT)
         assert d.num_tensors == 4
-        assert d.shape == [3, 5, 7]
+        assert d.shape == (3, 5, 7)  # hixl v2/llm_types.py CacheDesc keeps the caller's shape
         assert d.data_type is DataType.DT_FLOAT
         assert d.placement is Placement.DEVICE
         assert d.batch_dim == 0 and d.batch_size == 3
@@ -1238,12 +1252,23 @@ class TestKeys:
         ((1, 2), {"foo": 1}),  # unknown keyword
         ((1,), {}),  # req_id missing
         ((), {"req_id": 1}),  # cluster_id missing
-        ((1, 2), {"cluster_id": 1}),  # given twice
-        ((), {"cluster_id": 1, "prompt_cluster_id": 1, "req_id": 2}),
+        ((1, 2, 3), {"cluster_id": 1, "req_id": 2}),  # 5 in all
     ])
     def test_cache_key_bad_parameters(self, args, kwargs):
         with code(S.LLM_PARAM_INVALID):
             CacheKey(*args, **kwargs)
+
+    def test_cache_key_name_given_twice(self):
+        # hixl v2/llm_types.py CacheKey.__init__ / BlocksCacheKey.__init__: a positional
+        # argument overwrites the keyword of the same name; cluster_id wins over
+        # prompt_cluster_id. Neither is an error.
+        assert CacheKey(1, 2, cluster_id=9).cluster_id == 1
+        assert CacheKey(cluster_id=1, prompt_cluster_id=5, req_id=2).cluster_id == 1
+        assert BlocksCacheKey(3, model_id=4).model_id == 4
+        assert BlocksCacheKey(3, cluster_id=8).cluster_id == 3
+        assert BlocksCacheKey(prompt_cluster_id=6, cluster_id=7).cluster_id == 7
+        with code(S.LLM_PARAM_INVALID):
+            BlocksCacheKey(1, 2, model_id=3)
 
     @pytest.mark.parametrize(("args", "error"), [
         ((-1, 1), ValueError), ((1, 2**64), ValueError), ((1, 1, -1), ValueError),
@@ -1317,8 +1342,11 @@ class TestOtherValueTypes:
         assert (m.mem_type, m.addr, m.size) == (Memtype.MEM_TYPE_DEVICE, 4096, 8192)
         with pytest.raises(TypeError):
             MemInfo(0, 4096, 8192)
-        with pytest.raises(ValueError):
-            MemInfo(Memtype.MEM_TYPE_HOST, -1, 1)
+        with pytest.raises(TypeError):
+            MemInfo(Memtype.MEM_TYPE_HOST, 1.5, 1)
+        # hixl v2/llm_types.py MemInfo.__init__ checks types only; values are checked by
+        # remap_registered_memory.
+        assert MemInfo(Memtype.MEM_TYPE_HOST, -1, 1).addr == -1
 
     def test_transfer_with_cache_key_config(self):
         cfg = TransferWithCacheKeyConfig(BlocksCacheKey(PEER), range(0, 2), range(1, 3))
@@ -1329,8 +1357,10 @@ class TestOtherValueTypes:
             TransferWithCacheKeyConfig(BlocksCacheKey(PEER), (0, 2))
         with code(S.LLM_PARAM_INVALID):
             TransferWithCacheKeyConfig(BlocksCacheKey(PEER), range(0, 4, 2))
+        with pytest.raises(TypeError):  # both ranges are required (hixl v2/llm_types.py)
+            TransferWithCacheKeyConfig(BlocksCacheKey(PEER), None, range(2, 3))
         with code(S.LLM_PARAM_INVALID):
-            TransferWithCacheKeyConfig(BlocksCacheKey(PEER), None, range(2, 2))
+            TransferWithCacheKeyConfig(BlocksCacheKey(PEER), range(0, 1), range(2, 2))
 
     def test_transfer_config(self):
         cfg = TransferConfig(PEER, [4096, 8192], range(0, 1))

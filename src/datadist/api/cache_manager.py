@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from datadist.api import types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import DataType, Memtype, Placement
 from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
@@ -125,7 +126,9 @@ class CacheManager:
         return value is not False
 
     def _addrs(self, addrs: Any, desc: CacheDesc) -> list[int]:
-        check_isinstance("addrs", addrs, (list, tuple), allow_none=False)
+        # A list, as in llm_datadist's register_cache / register_blocks_cache: a tuple is a
+        # TypeError there.
+        check_isinstance("addrs", addrs, list, allow_none=False)
         raise_if_false(len(addrs) > 0, "addrs must not be empty")
         for a in addrs:
             check_int("addr", a, "uint64", allow_none=False)
@@ -460,9 +463,8 @@ class CacheManager:
 
     @staticmethod
     def check_cache_key(cache_key: CacheKey) -> None:
-        check_isinstance("cache_key", cache_key, CacheKey, allow_none=False)
-        valid = [v != UINT64_MAX for v in (cache_key.req_id, cache_key.prefix_id)]
-        raise_if_false(sum(valid) == 1, "exactly one of req_id and prefix_id must be set")
+        """Exactly one of ``req_id`` and ``prefix_id`` valid, else LLM_PARAM_INVALID."""
+        types.check_cache_key(cache_key)
 
 
 __all__ = ["CacheManager", "Placement"]

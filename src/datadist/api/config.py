@@ -84,8 +84,8 @@ class LLMConfig:
         self._rdma_traffic_class: int | None = None
         self._rdma_service_level: int | None = None
         self._local_comm_res: str | None = None
-        self._transfer_backend = ""
-        self._global_resource_config = ""
+        self._transfer_backend: str | None = None
+        self._global_resource_config: str | None = None
         self._mem_utilization = 0.95
         self._deploy_res_path = ""
         self._cluster_info = ""
@@ -276,7 +276,7 @@ class LLMConfig:
 
     @property
     def transfer_backend(self) -> str:
-        return self._transfer_backend
+        return self._transfer_backend or ""
 
     @transfer_backend.setter
     def transfer_backend(self, value: str) -> None:
@@ -285,7 +285,7 @@ class LLMConfig:
 
     @property
     def global_resource_config(self) -> str:
-        return self._global_resource_config
+        return self._global_resource_config or ""
 
     @global_resource_config.setter
     def global_resource_config(self, value: str) -> None:
@@ -367,10 +367,11 @@ class LLMConfig:
 
     @mem_utilization.setter
     def mem_utilization(self, value: float) -> None:
-        check_isinstance("mem_utilization", value, (float, int), allow_none=False)
-        if not 0 <= value <= 1:
-            raise _param_invalid(f"mem_utilization must be in [0, 1], got {value}")
-        self._mem_utilization = float(value)
+        # A float, as in llm_datadist: 1 (an int) is a TypeError.
+        check_isinstance("mem_utilization", value, float, allow_none=False)
+        if not 0.0 <= value <= 1.0:
+            raise _param_invalid(f"mem_utilization must be in range [0,1], current:{value}")
+        self._mem_utilization = value
 
     @property
     def deploy_res_path(self) -> str:
@@ -413,32 +414,41 @@ class LLMConfig:
     # -- output
 
     def generate_options(self) -> dict[str, str]:
-        """The init options. Returns (and accumulates into) the same dict every time."""
+        """The init options. Returns (and accumulates into) the same dict every time.
+
+        Emits what llm_datadist emits, in its order: a string option set to "" is left out,
+        except ``local_comm_res``, ``transfer_backend`` and ``global_resource_config``, which
+        are emitted once set, even to "" (``llm.LocalCommRes`` = "" selects cache-manager
+        mode). datadist's own options come last.
+        """
         o = self._options
-        o.update(self._ge_options)
+        if self._ge_options:
+            o.update(self._ge_options)
         if self._device_id is not None:
-            if isinstance(self._device_id, (list, tuple)):
-                o[OPT_SESSION_DEVICE_ID] = str(self._device_id[0])
-                o[OPT_DEVICE_ID] = ";".join(str(i) for i in self._device_id)
-            else:
+            if isinstance(self._device_id, int):
                 o[OPT_DEVICE_ID] = str(self._device_id)
                 o[OPT_SESSION_DEVICE_ID] = str(self._device_id)
-        if self._listen_ip_info:
-            o[OPT_LISTEN_IP_INFO] = self._listen_ip_info
+            else:
+                o[OPT_SESSION_DEVICE_ID] = str(self._device_id[0])
+                o[OPT_DEVICE_ID] = ";".join(str(i) for i in self._device_id)
         if self._sync_kv_timeout is not None:
             o[OPT_SYNC_KV_WAIT] = str(self._sync_kv_timeout)
-        if self._enable_cache_manager is not None:
-            o[OPT_ENABLE_CACHE_MANAGER] = "1" if self._enable_cache_manager else "0"
-        if self._enable_remote_cache_accessible is not None:
-            o[OPT_REMOTE_CACHE_ACCESSIBLE] = "1" if self._enable_remote_cache_accessible else "0"
+        if self._deploy_res_path:
+            o[OPT_DEPLOY_RES_PATH] = self._deploy_res_path
+        # memory
+        if self._buf_pool_cfg:
+            o[OPT_BUF_POOL] = self._buf_pool_cfg
         if self._mem_pool_cfg:
             o[OPT_MEM_POOL] = self._mem_pool_cfg
         if self._host_mem_pool_cfg:
             o[OPT_HOST_MEM_POOL] = self._host_mem_pool_cfg
-        if self._buf_pool_cfg:
-            o[OPT_BUF_POOL] = self._buf_pool_cfg
-        if self._enable_switch_role:
-            o[OPT_SWITCH_ROLE] = "1"
+        if self._enable_cache_manager is not None:
+            o[OPT_ENABLE_CACHE_MANAGER] = "1" if self._enable_cache_manager else "0"
+        if self._enable_remote_cache_accessible is not None:
+            o[OPT_REMOTE_CACHE_ACCESSIBLE] = "1" if self._enable_remote_cache_accessible else "0"
+        # connections
+        if self._listen_ip_info:
+            o[OPT_LISTEN_IP_INFO] = self._listen_ip_info
         if self._link_total_time is not None:
             o[OPT_LINK_TOTAL_TIME] = str(self._link_total_time)
         if self._link_retry_count is not None:
@@ -449,17 +459,19 @@ class LLMConfig:
             o[OPT_RDMA_SL] = str(self._rdma_service_level)
         if self._local_comm_res is not None:
             o[OPT_LOCAL_COMM_RES] = self._local_comm_res
-        if self._transfer_backend:
+        if self._transfer_backend is not None:
             o[OPT_TRANSFER_BACKEND] = self._transfer_backend
-        if self._global_resource_config:
+        if self._global_resource_config is not None:
             o[OPT_GLOBAL_RESOURCE] = self._global_resource_config
-        o[OPT_MEM_UTILIZATION] = str(self._mem_utilization)
-        if self._deploy_res_path:
-            o[OPT_DEPLOY_RES_PATH] = self._deploy_res_path
+        # offline (v1)
         if self._cluster_info:
             o[OPT_CLUSTER_INFO] = self._cluster_info
         if self._output_max_size is not None:
             o[OPT_OUTPUT_MAX_SIZE] = str(self._output_max_size)
+        if self._enable_switch_role:
+            o[OPT_SWITCH_ROLE] = "1"
+        o[OPT_MEM_UTILIZATION] = str(self._mem_utilization)
+        # datadist's own
         if self._transport:
             o[OPT_TRANSPORT] = self._transport
         if self._auth_secret:

@@ -244,8 +244,8 @@ class LLMDataDist:
         if timeout <= 0:
             raise _param_invalid(f"timeout must be > 0, got {timeout}")
         for c in clusters:
-            if c.remote_cluster_id is None:
-                raise _param_invalid("LLMClusterInfo needs remote_cluster_id")
+            # Unset (None) is a TypeError, as llm_datadist's check_uint64 makes it.
+            check_int("remote_cluster_id", c.remote_cluster_id, "uint64", allow_none=False)
         return list(clusters)
 
     def link_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
@@ -257,6 +257,9 @@ class LLMDataDist:
         """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
+        if not clusters:
+            # llm_datadist's native LinkClusters answers an empty list with this code.
+            return LLMStatusCode.LLM_PARAM_INVALID, []
         local_comm_res = self._options.get(cfg.OPT_LOCAL_COMM_RES, "")
         for c in clusters:
             if self._cache_manager_mode and not local_comm_res and not c.local_ip_info_list:
@@ -286,6 +289,9 @@ class LLMDataDist:
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
         check_isinstance("force", force, bool, allow_none=False)
+        if not clusters:
+            # As in llm_datadist's native UnlinkClusters.
+            return LLMStatusCode.LLM_PARAM_INVALID, []
         engine = self.engine
 
         def one(c: LLMClusterInfo) -> LLMStatusCode:

@@ -54,30 +54,39 @@ def code_to_status(code: int) -> LLMStatusCode:
         return LLMStatusCode.LLM_FAILED
 
 
+def _as_given(code: int) -> int:
+    """A code as the caller gave it (llm_datadist keeps it as is), as its LLMStatusCode
+    member when it has one (equal to it either way: LLMStatusCode is an IntEnum)."""
+    try:
+        return LLMStatusCode(code)
+    except ValueError:
+        return code
+
+
 class LLMException(RuntimeError):
     """The exception llm_datadist raises for semantic and native failures."""
 
     def __init__(self, *args: object, status_code: int = LLMStatusCode.LLM_SUCCESS) -> None:
         super().__init__(*args)
-        self._status_code = code_to_status(int(status_code))
+        self._status_code = _as_given(status_code)
 
     @property
     def status_code(self) -> LLMStatusCode:
-        return self._status_code
+        return self._status_code  # type: ignore[return-value]
 
 
 class Status:
     """A status code wrapper, exported for compatibility."""
 
     def __init__(self, status: int) -> None:
-        self._status = code_to_status(int(status))
+        self._status = _as_given(status)
 
     def is_ok(self) -> bool:
         return self._status == LLMStatusCode.LLM_SUCCESS
 
     @property
     def status_code(self) -> LLMStatusCode:
-        return self._status
+        return self._status  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return f"Status({self._status})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from datadist.api.checks import check_int
 from datadist.api.status import LLMStatusCode
 
 
@@ -32,6 +33,7 @@ class CacheTask:
         self._done.set()
 
     def _wait(self, timeout_in_millis: int | None) -> bool:
+        check_int("timeout_in_millis", timeout_in_millis, "uint32")  # None: wait for the end
         return self._done.wait(None if timeout_in_millis is None else timeout_in_millis / 1000)
 
     def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:

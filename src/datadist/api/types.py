@@ -33,15 +33,15 @@ class CacheDesc:
             check_int("shape dim", d, "int64", allow_none=False)
         check_isinstance("data_type", data_type, DataType, allow_none=False)
         check_isinstance("placement", placement, Placement, allow_none=False)
-        check_int("batch_dim_index", batch_dim_index, "int32", allow_none=False)
+        check_isinstance("batch_dim_index", batch_dim_index, int, allow_none=False)
         check_int("seq_len_dim_index", seq_len_dim_index, "int32", allow_none=False)
         check_isinstance("kv_tensor_format", kv_tensor_format, str)
-        raise_if_false(0 <= batch_dim_index < max(len(shape), 1),
-                       f"batch_dim_index {batch_dim_index} out of range of shape {list(shape)}")
+        raise_if_false(0 <= batch_dim_index < len(shape),
+                       f"batch_dim_index {batch_dim_index} out of range, [0, {len(shape)})")
         raise_if_false(seq_len_dim_index == -1 or 0 <= seq_len_dim_index < len(shape),
                        f"seq_len_dim_index {seq_len_dim_index} out of range")
         self._num_tensors = num_tensors
-        self._shape = list(shape)
+        self._shape = shape  # the caller's list (or tuple), as llm_datadist keeps it
         self._data_type = data_type
         self._placement = placement
         self._batch_dim_index = batch_dim_index
@@ -49,7 +49,7 @@ class CacheDesc:
         self._kv_tensor_format = kv_tensor_format
 
     num_tensors = property(lambda self: self._num_tensors)
-    shape = property(lambda self: list(self._shape))
+    shape = property(lambda self: self._shape)
     data_type = property(lambda self: self._data_type)
     placement = property(lambda self: self._placement)
     batch_dim = property(lambda self: self._batch_dim_index)
@@ -58,7 +58,7 @@ class CacheDesc:
 
     @property
     def batch_size(self) -> int:
-        return self._shape[self._batch_dim_index] if self._shape else 0
+        return self._shape[self._batch_dim_index]
 
     @property
     def size(self) -> int:
@@ -66,6 +66,9 @@ class CacheDesc:
         if self._data_type == DataType.DT_STRING:
             raise LLMException("DT_STRING has no fixed size",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        if any(d < 0 for d in self._shape):  # a dynamic (-1) dim: llm_datadist fails too
+            raise LLMException(f"Failed to calc tensor size, shape = {self._shape}, "
+                               f"data_type = {self._data_type}")
         return math.prod(self._shape) * self._data_type.itemsize
 
     def update_dim(self, dim_index: int, dim_value: int) -> None:
@@ -75,9 +78,13 @@ class CacheDesc:
         self._shape[dim_index] = dim_value
 
     def __repr__(self) -> str:
+        # llm_datadist's exact text, including the missing space before kv_tensor_format.
         return (
             f"CacheDesc(num_tensors={self._num_tensors}, shape={self._shape}, "
-            f"data_type={self._data_type}, placement={self._placement})"
+            f"data_type={self._data_type}, placement={self._placement}, "
+            f"batch_dim_index={self._batch_dim_index}, "
+            f"seq_len_dim_index={self._seq_len_dim_index},"
+            f"kv_tensor_format={self._kv_tensor_format})"
         )
 
 
@@ -86,8 +93,8 @@ class Cache:
     ``create_cpu_cache``)."""
 
     def __init__(self, cache_id: int, cache_desc: CacheDesc, tensor_addrs: list[int],
-                 cache_manager: Any = None, is_registered: bool = False,
-                 is_blocks_cache: bool = False) -> None:
+                 cache_manager: Any, is_registered: bool, is_blocks_cache: bool) -> None:
+        check_int("cache_id", cache_id, "int64", allow_none=False)
         self._cache_id = cache_id
         self._cache_desc = cache_desc
         self._tensor_addrs = list(tensor_addrs)
@@ -102,12 +109,15 @@ class Cache:
 
     @classmethod
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int]) -> Cache:
+        """A HOST blocks cache over user memory, for ``swap_blocks``; never registered."""
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
-        check_isinstance("addrs", addrs, (list, tuple), allow_none=False)
-        raise_if_false(cache_desc.placement == Placement.HOST,
-                       "create_cpu_cache needs placement HOST")
+        check_isinstance("addrs", addrs, list, allow_none=False)
+        for a in addrs:
+            check_isinstance("addrs item", a, int, allow_none=False)
+        raise_if_false(cache_desc.placement == Placement.HOST, "cache_desc placement must be HOST")
         raise_if_false(len(addrs) == cache_desc.num_tensors,
-                       f"{len(addrs)} addrs for {cache_desc.num_tensors} tensors")
+                       f"cache_desc num_tensors:{cache_desc.num_tensors} not equal addrs "
+                       f"num:{len(addrs)}")
         for a in addrs:
             check_int("addr", a, "uint64", allow_none=False)
         return cls(-1, cache_desc, list(addrs), None, True, True)
@@ -115,59 +125,86 @@ class Cache:
     def _clear(self) -> None:
         self._tensor_addrs = []
 
-    def __repr__(self) -> str:
+    def __str__(self) -> str:
         return (
             f"Cache(cache_id = {self._cache_id}, device_tensor_addrs = "
             f"{len(self._tensor_addrs)}, is_blocks_cache = {self._is_blocks_cache})"
         )
 
-    __str__ = __repr__
+    __repr__ = __str__
 
 
 class KvCache:
-    """A v1 (KvCacheManager) cache: addresses per device."""
+    """A v1 (KvCacheManager) cache: addresses per device (one device here).
+
+    Created by ``KvCacheManager``, never by users (but ``create_cpu_cache``). Whether it is a
+    blocks cache is the manager's business (``_is_blocks_cache``), as in llm_datadist, where
+    the native side keeps it.
+    """
 
     def __init__(self, cache_id: int, cache_desc: CacheDesc,
-                 per_device_tensor_addrs: list[list[int]], kv_cache_manager: Any = None,
-                 is_blocks_cache: bool = False) -> None:
+                 per_device_tensor_addrs: list[list[int]], kv_cache_manager: Any) -> None:
+        check_int("cache_id", cache_id, "int64", allow_none=False)
         self._cache_id = cache_id
         self._cache_desc = cache_desc
         self._addrs = [list(a) for a in per_device_tensor_addrs]
         self._manager = kv_cache_manager
-        self._is_blocks_cache = is_blocks_cache
+        self._is_blocks_cache = False
+        # Set by KvCacheManager for pool caches: frees the cache if this object goes away
+        # without deallocate_cache, as llm_datadist's KvCache.__del__ does.
+        self._finalizer: Any = None
 
     cache_id = property(lambda self: self._cache_id)
     cache_desc = property(lambda self: self._cache_desc)
     per_device_tensor_addrs = property(lambda self: [list(a) for a in self._addrs])
-    is_blocks_cache = property(lambda self: self._is_blocks_cache)
 
     @classmethod
     def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int] | list[list[int]]) -> KvCache:
+        """A HOST cache over user memory for ``swap_blocks``: ``addrs`` is one address per
+        tensor, or one such list per device; every list has ``num_tensors`` ints."""
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        raise_if_false(cache_desc.placement == Placement.HOST, "cache_desc placement must be HOST")
         check_isinstance("addrs", addrs, list, allow_none=False)
-        nested = addrs if addrs and isinstance(addrs[0], list) else [addrs]
-        return cls(-1, cache_desc, nested, None, True)
+        raise_if_false(len(addrs) > 0, "addrs length should be bigger than zero.")
+        first = type(addrs[0])
+        for a in addrs:
+            check_isinstance("the internal element of addrs", a, (list, int), allow_none=False)
+            raise_if_false(type(a) is first,
+                           "the type of the internal element of addrs should be consistent.")
+        nested = addrs if isinstance(addrs[0], list) else [addrs]
+        for per_device in nested:
+            for a in per_device:
+                check_int("the internal element of addrs", a, "uint64", allow_none=False)
+            raise_if_false(len(per_device) == cache_desc.num_tensors,
+                           f"cache_desc num_tensors:{cache_desc.num_tensors} should be equal to "
+                           f"size of addrs:{len(per_device)}")
+        cache = cls(-1, cache_desc, nested, None)
+        cache._is_blocks_cache = True
+        return cache
 
-    def __repr__(self) -> str:
-        return f"KvCache(cache_id={self._cache_id}, desc={self._cache_desc})"
+    def __str__(self) -> str:
+        return f"KvCache(cache_id = {self._cache_id}, num_devices = {len(self._addrs)})"
+
+    __repr__ = __str__
 
 
 def _key_args(name: str, args: tuple, kwargs: dict, order: tuple[str, ...]) -> dict[str, Any]:
-    """Parse llm_datadist's ``*args, **kwargs`` key constructors (``prompt_cluster_id`` alias)."""
+    """Parse llm_datadist's ``*args, **kwargs`` key constructors as it does: at most
+    ``len(order)`` arguments in all; a positional argument wins over the same keyword;
+    ``cluster_id`` wins over its alias ``prompt_cluster_id``; an unknown keyword is
+    LLM_PARAM_INVALID. The caller checks which are required."""
     if len(args) + len(kwargs) > len(order):
-        raise LLMException(f"{name} takes at most {len(order)} parameters",
+        raise LLMException(f"{name}: Param num is over limit",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
-    values = dict(zip(order, args))
-    for k, v in kwargs.items():
-        key = "cluster_id" if k == "prompt_cluster_id" else k
-        if key not in order:
-            raise LLMException(f"{name} got an unknown parameter {k!r}",
+    given = {**kwargs, **dict(zip(order, args))}
+    for k in given:
+        if k not in order and k != "prompt_cluster_id":
+            raise LLMException(f"{name}: Unsupported param:{k}",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        if key in values:
-            raise LLMException(f"{name} got {key!r} twice",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        values[key] = v
-    return values
+    if "cluster_id" not in given and "prompt_cluster_id" in given:
+        given["cluster_id"] = given["prompt_cluster_id"]
+    given.pop("prompt_cluster_id", None)
+    return given
 
 
 class CacheKey:
@@ -196,18 +233,29 @@ class CacheKey:
     model_id = property(lambda self: self._model_id)
     prefix_id = property(lambda self: self._prefix_id)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CacheKey) and self._tuple() == other._tuple()
-
-    def __hash__(self) -> int:
-        return hash(self._tuple())
-
-    def _tuple(self) -> tuple[int, int, int, int]:
-        return (self._cluster_id, self._req_id, self._model_id, self._prefix_id)
-
     def __repr__(self) -> str:
         return (f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
-                f"model_id={self._model_id}, prefix_id={self._prefix_id})")
+                f"prefix_id={self._prefix_id}, model_id={self._model_id})")
+
+
+def is_invalid_id(req_id_or_prefix_id: int) -> bool:
+    """A req_id or prefix_id that names nothing: negative or 2**64-1."""
+    return req_id_or_prefix_id < 0 or req_id_or_prefix_id == UINT64_MAX
+
+
+def is_valid_id(req_id_or_prefix_id: int) -> bool:
+    return not is_invalid_id(req_id_or_prefix_id)
+
+
+def check_cache_key(cache_key: CacheKey) -> None:
+    """A CacheKey to pull by names exactly one of req_id and prefix_id (LLM_PARAM_INVALID
+    otherwise). Behind ``CacheManager.check_cache_key`` and ``KvCacheManager.check_cache_key``."""
+    raise_if_false(not (is_invalid_id(cache_key.req_id) and is_invalid_id(cache_key.prefix_id)),
+                   f"one of req id and prefix id should contain valid value:[0, 2**64-1), "
+                   f"req id:{cache_key.req_id},prefix id:{cache_key.prefix_id}.")
+    raise_if_false(not (is_valid_id(cache_key.req_id) and is_valid_id(cache_key.prefix_id)),
+                   f"only one of req id and prefix id should contain valid value:[0, 2**64-1), "
+                   f"req id:{cache_key.req_id}, prefix id:{cache_key.prefix_id}.")
 
 
 class CacheKeyByIdAndIndex:
@@ -243,25 +291,37 @@ class BlocksCacheKey:
         check_isinstance("model_id", v["model_id"], int, allow_none=False)
         self._cluster_id = v["cluster_id"]
         self._model_id = v["model_id"]
+        # The repr names the cluster the way the caller did (llm_datadist does the same).
+        by_prompt_name = not args and "cluster_id" not in kwargs
+        self._cluster_id_key = "prompt_cluster_id" if by_prompt_name else "cluster_id"
 
     cluster_id = property(lambda self: self._cluster_id)
     prompt_cluster_id = property(lambda self: self._cluster_id)
     model_id = property(lambda self: self._model_id)
 
     def __repr__(self) -> str:
-        return f"BlocksCacheKey(cluster_id={self._cluster_id}, model_id={self._model_id})"
+        return (f"BlocksCacheKey({self._cluster_id_key}={self._cluster_id}, "
+                f"model_id={self._model_id})")
 
 
 class MemInfo:
+    """Memory to re-map after a fault (``remap_registered_memory``): only types are checked
+    here; the values are checked where they are used, as in llm_datadist."""
+
     def __init__(self, mem_type: Memtype, addr: int, size: int) -> None:
-        check_isinstance("mem_type", mem_type, Memtype, allow_none=False)
-        check_int("addr", addr, "uint64", allow_none=False)
-        check_int("size", size, "uint64", allow_none=False)
+        check_isinstance("mem_type", mem_type, Memtype)
+        check_isinstance("addr", addr, int)
+        check_isinstance("size", size, int)
         self._mem_type, self._addr, self._size = mem_type, addr, size
 
     mem_type = property(lambda self: self._mem_type)
     addr = property(lambda self: self._addr)
     size = property(lambda self: self._size)
+
+    def __str__(self) -> str:
+        return f"MemInfo(mem_type={self._mem_type}, addr={self._addr}, size={self._size})"
+
+    __repr__ = __str__
 
 
 class LayerSynchronizer(abc.ABC):
@@ -272,14 +332,14 @@ class LayerSynchronizer(abc.ABC):
         ...
 
 
-def check_layer_range(name: str, value: Any, allow_none: bool = True) -> None:
+def check_layer_range(name: str, layer_range: Any, allow_none: bool = True) -> None:
     """A layer range is a ``range`` with step 1 and ``0 <= start < stop``."""
-    check_isinstance(name, value, range, allow_none)
-    if value is None:
+    check_isinstance(name, layer_range, range, allow_none)
+    if layer_range is None:
         return
-    raise_if_false(value.step == 1, f"{name} step must be 1, got {value.step}")
-    raise_if_false(0 <= value.start < value.stop,
-                   f"{name} must satisfy 0 <= start < stop, got {value}")
+    raise_if_false(layer_range.step == 1, f"{name} step must be 1, got {layer_range.step}")
+    raise_if_false(0 <= layer_range.start < layer_range.stop,
+                   f"{name} must satisfy 0 <= start < stop, got {layer_range}")
 
 
 class TransferConfig:
@@ -311,7 +371,7 @@ class TransferConfig:
         check_isinstance("dst_addrs", value, (list, tuple), allow_none=False)
         for a in value:
             check_int("dst_addr", a, "uint64", allow_none=False)
-        self._dst_addrs = list(value)
+        self._dst_addrs = value
 
     @property
     def src_layer_range(self) -> range | None:
@@ -331,20 +391,87 @@ class TransferConfig:
         check_int("src_batch_index", value, "uint32", allow_none=False)
         self._src_batch_index = value
 
+    def __str__(self) -> str:
+        return (f"TransferConfig(dst_cluster_id={self._dst_cluster_id}, "
+                f"dst_addrs={self._dst_addrs}, src_layer_range={self._src_layer_range}, "
+                f"src_batch_index={self._src_batch_index})")
+
+    __repr__ = __str__
+
 
 class TransferWithCacheKeyConfig:
-    """A destination of ``transfer_cache_async`` by cache key (remote-accessible mode)."""
+    """A destination of ``transfer_cache_async`` by cache key (remote-accessible mode).
+
+    Both layer ranges are required when built (None is a TypeError) and must be equally long
+    (else LLM_PARAM_INVALID); a ``BlocksCacheKey`` destination needs ``src_batch_index`` 0.
+    The properties check what is assigned to them, but (as in llm_datadist) the setters
+    accept None and do not re-compare the two lengths: ``transfer_cache_async`` checks
+    the whole config again before it starts.
+    """
 
     def __init__(self, cache_key: BlocksCacheKey | CacheKeyByIdAndIndex,
-                 src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                 src_layer_range: range = None,  # type: ignore[assignment]
+                 dst_layer_range: range = None,  # type: ignore[assignment]
                  src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex),
                          allow_none=False)
-        check_layer_range("src_layer_range", src_layer_range)
-        check_layer_range("dst_layer_range", dst_layer_range)
+        check_layer_range("src_layer_range", src_layer_range, allow_none=False)
+        check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
+        raise_if_false(len(src_layer_range) == len(dst_layer_range),
+                       f"src_layer_range size should be equal to dst_layer_range size, got "
+                       f"{src_layer_range} and {dst_layer_range}")
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
-        self.cache_key = cache_key
-        self.src_layer_range = src_layer_range
-        self.dst_layer_range = dst_layer_range
-        self.src_batch_index = src_batch_index
+        _check_blocks_batch_index(cache_key, src_batch_index)
+        self._cache_key = cache_key
+        self._src_layer_range = src_layer_range
+        self._dst_layer_range = dst_layer_range
+        self._src_batch_index = src_batch_index
         self.dst_cluster_id = cache_key.cluster_id
+
+    @property
+    def cache_key(self) -> BlocksCacheKey | CacheKeyByIdAndIndex:
+        return self._cache_key
+
+    @cache_key.setter
+    def cache_key(self, value: BlocksCacheKey | CacheKeyByIdAndIndex) -> None:
+        check_isinstance("cache_key", value, (BlocksCacheKey, CacheKeyByIdAndIndex))
+        self._cache_key = value
+
+    @property
+    def src_layer_range(self) -> range | None:
+        return self._src_layer_range
+
+    @src_layer_range.setter
+    def src_layer_range(self, value: range | None) -> None:
+        check_layer_range("src_layer_range", value)
+        self._src_layer_range = value
+
+    @property
+    def dst_layer_range(self) -> range | None:
+        return self._dst_layer_range
+
+    @dst_layer_range.setter
+    def dst_layer_range(self, value: range | None) -> None:
+        check_layer_range("dst_layer_range", value)
+        self._dst_layer_range = value
+
+    @property
+    def src_batch_index(self) -> int:
+        return self._src_batch_index
+
+    @src_batch_index.setter
+    def src_batch_index(self, value: int) -> None:
+        _check_blocks_batch_index(self._cache_key, value)
+        check_int("src_batch_index", value, "uint32", allow_none=False)
+        self._src_batch_index = value
+
+    def __repr__(self) -> str:
+        return (f"TransferWithCacheKeyConfig(cache_key={self._cache_key}, "
+                f"src_layer_range={self._src_layer_range}, "
+                f"dst_layer_range={self._dst_layer_range}, "
+                f"src_batch_index={self._src_batch_index})")
+
+
+def _check_blocks_batch_index(cache_key: Any, src_batch_index: Any) -> None:
+    raise_if_false(not (isinstance(cache_key, BlocksCacheKey) and src_batch_index != 0),
+                   "src_batch_index should be 0 when cache_key is BlocksCacheKey.")

@@ -15,14 +15,19 @@ mode on. Differences from cache-manager mode, as in LLM-DataDist:
 * ``pull_cache`` takes ``src_cache_offset`` / ``dst_cache_offset``: ``size`` bytes from that
   offset in the source batch slot to that offset in the destination slot;
 * caches are ``KvCache`` objects: ``per_device_tensor_addrs[0]`` are the tensor addresses,
-  and ``get_cache_tensors`` wraps one tensor as a numpy-backed ``Tensor``.
+  and ``get_cache_tensors`` wraps one tensor as a numpy-backed ``Tensor``. A pool cache whose
+  ``KvCache`` goes away without ``deallocate_cache`` is deallocated (by the manager's next
+  call), as llm_datadist's ``KvCache.__del__`` does: keep the object while using its memory.
 
 Cache ids count from 1 in each process, in allocation order: old clients hard-code them.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import weakref
 from typing import Any
 
 import numpy as np
@@ -42,10 +47,12 @@ from datadist.api.types import (
     KvCache,
     LayerSynchronizer,
     TransferConfig,
+    check_cache_key,
     check_layer_range,
 )
 from datadist.core import layout
 from datadist.core.engine import DEVICE, Engine
+from datadist.core.errors import DatadistError
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
 
@@ -92,7 +99,7 @@ class TensorDesc:
     dtype = property(lambda self: self._dtype)
     shape = property(lambda self: list(self._shape))
 
-    def __repr__(self) -> str:
+    def __str__(self) -> str:
         return f"TensorDesc(dtype={self._dtype}, shape={self._shape})"
 
 
@@ -120,14 +127,26 @@ class Tensor:
         self._desc = tensor_desc or TensorDesc(from_numpy_dtype(self._array.dtype),
                                                list(self._array.shape))
 
+    @staticmethod
+    def from_tensor_tuple(tensor_tuple: tuple[int, int, list[int]]) -> Tensor:
+        """A Tensor from ``(data, data_type, shape)``: ``data_type`` is the GE type number
+        (``DataType.value``). In llm_datadist ``data`` is a native tensor handle; here, as in
+        ``Tensor(int, desc)``, it is the address of the data."""
+        data, dtype, shape = tensor_tuple
+        return Tensor(data, TensorDesc(DataType(dtype), shape))
+
     def numpy(self, copy: bool = False) -> np.ndarray:
+        """The data as numpy: a view of it (``copy=False``) or a copy. A DT_BF16 tensor comes
+        back as float32 values (always a new array), as in llm_datadist: numpy has no
+        bfloat16."""
+        check_isinstance("copy", copy, bool)
+        if self._desc.dtype is DataType.DT_BF16:
+            bits = self._array.view(np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(self._array.shape)
         return self._array.copy() if copy else self._array
 
-    def get_tensor_desc(self) -> TensorDesc:
-        return self._desc
-
-    def __repr__(self) -> str:
-        return f"Tensor({self._desc})"
+    def __str__(self) -> str:
+        return f"Tensor({self._array},tensor_desc={self._desc})"
 
 
 class KvCacheManager:
@@ -138,9 +157,12 @@ class KvCacheManager:
     returns when done. The role is read from the engine, so ``switch_role`` applies at once.
     """
 
-    def __init__(self, engine: Engine, role: LLMRole) -> None:
-        self._engine = engine
+    def __init__(self, llm_engine: Engine, role: LLMRole) -> None:
+        self._engine = llm_engine
         self._initialized = True
+        # (cache_id, is_blocks) of pool caches whose KvCache was garbage-collected without
+        # deallocate_cache; freed by the next call on this manager (_free_dropped).
+        self._dropped: collections.deque[tuple[int, bool]] = collections.deque()
 
     def __repr__(self) -> str:
         return f"<KvCacheManager {self._role} initialized={self._initialized}>"
@@ -158,7 +180,20 @@ class KvCacheManager:
     def _engine_or_raise(self) -> Engine:
         if not self._initialized:
             raise RuntimeError("llm datadist is not initialized")
+        self._free_dropped()
         return self._engine
+
+    def _free_dropped(self) -> None:
+        """Deallocate the caches whose KvCache objects went away without deallocate_cache.
+
+        llm_datadist's ``KvCache.__del__`` deallocates at once. Here the object's finalizer
+        only queues its id (the garbage collector may run while this thread holds an engine
+        lock), and the next call on this manager, an allocation included, frees it.
+        """
+        while self._dropped:
+            cache_id, blocks = self._dropped.popleft()
+            with contextlib.suppress(DatadistError):
+                self._engine.deallocate(cache_id, blocks=blocks)
 
     def _check_role(self, func: str, role: LLMRole) -> None:
         raise_if_false(self._role == role, f"{func} is not supported by {self._role}")
@@ -171,7 +206,7 @@ class KvCacheManager:
     @staticmethod
     def _ref(cache: KvCache) -> local_ops.CacheRef:
         addrs = cache.per_device_tensor_addrs
-        return local_ops.CacheRef(cache.cache_id, cache.cache_desc, cache.is_blocks_cache,
+        return local_ops.CacheRef(cache.cache_id, cache.cache_desc, cache._is_blocks_cache,
                                   addrs[0] if addrs else [])
 
     def _check_exists(self, engine: Engine, cache: KvCache) -> None:
@@ -189,7 +224,11 @@ class KvCacheManager:
         geo = geometry_of(cache_desc, blocks=blocks)
         with llm_errors(func):
             entry = engine.allocate(geo, placement=DEVICE, keys=keys, blocks_model_id=model)
-        return KvCache(entry.cache_id, cache_desc, [entry.addrs.tolist()], self, blocks)
+        cache = KvCache(entry.cache_id, cache_desc, [entry.addrs.tolist()], self)
+        cache._is_blocks_cache = blocks
+        cache._finalizer = weakref.finalize(cache, self._dropped.append, (entry.cache_id, blocks))
+        cache._finalizer.atexit = False
+        return cache
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> KvCache:
@@ -221,7 +260,9 @@ class KvCacheManager:
         check_isinstance("cache", cache, KvCache, allow_none=False)
         self._check_device(cache)
         with llm_errors("deallocate_cache"):
-            engine.deallocate(cache.cache_id, blocks=cache.is_blocks_cache)
+            engine.deallocate(cache.cache_id, blocks=cache._is_blocks_cache)
+        if cache._finalizer is not None:
+            cache._finalizer.detach()
         cache._addrs = []
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
@@ -279,12 +320,10 @@ class KvCacheManager:
         src_off = self._offset("src_cache_offset", kwargs.get("src_cache_offset"))
         dst_off = self._offset("dst_cache_offset", kwargs.get("dst_cache_offset"))
         if isinstance(cache_key, CacheKey):
-            valid = [v != UINT64_MAX for v in (cache_key.req_id, cache_key.prefix_id)]
-            raise_if_false(sum(valid) == 1,
-                           "exactly one of req_id and prefix_id must be set in a CacheKey")
+            KvCacheManager.check_cache_key(cache_key)
         src_range, dst_range, n = self._layers(kwargs)
         self._check_exists(engine, kv_cache)
-        raise_if_false(not kv_cache.is_blocks_cache, "pull_cache needs a contiguous cache")
+        raise_if_false(not kv_cache._is_blocks_cache, "pull_cache needs a contiguous cache")
         geo = geometry_of(kv_cache.cache_desc, blocks=False)
         with llm_errors("pull_cache"):
             tensors = layout.layer_tensor_indices(
@@ -313,7 +352,7 @@ class KvCacheManager:
                        "the same length")
         src_range, dst_range, n = self._layers(kwargs)
         self._check_exists(engine, decoder_kv_cache)
-        raise_if_false(decoder_kv_cache.is_blocks_cache, "pull_blocks needs a blocks cache")
+        raise_if_false(decoder_kv_cache._is_blocks_cache, "pull_blocks needs a blocks cache")
         geo = geometry_of(decoder_kv_cache.cache_desc, blocks=True)
         with llm_errors("pull_blocks"):
             tensors = layout.layer_tensor_indices(
@@ -322,6 +361,13 @@ class KvCacheManager:
             plan = layout.plan_blocks(geo, src, dst, tensors)
             engine.pull(prompt_cache_key.cluster_id, key_ref(prompt_cache_key), geo.unit_bytes,
                         plan, decoder_kv_cache.cache_id)
+
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        """Exactly one of ``req_id`` and ``prefix_id`` must be valid (neither 2**64-1 nor
+        negative), else LLM_PARAM_INVALID. Called by ``pull_cache``; public, as in
+        llm_datadist."""
+        check_cache_key(cache_key)
 
     # ------------------------------------------------------------------ local copies
 
