@@ -44,6 +44,7 @@ from datadist.api.types import (
 from datadist.core import layerwise
 from datadist.core.engine import Engine
 from datadist.core.errors import Code
+from datadist.core.layout import checked_add
 from datadist.wire.protocol import KeyKind, KeyRef
 
 TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
@@ -167,6 +168,9 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
         raise_if_false(all(a != 0 for a in cfg.dst_addrs), "dst_addrs must be non-zero")
         addrs = list(cfg.dst_addrs)
         sp = spans(geo.unit_bytes)
+        with llm_errors("transfer_cache_async"):
+            for a in addrs:  # every address + span must stay below 2**64, checked up front
+                checked_add(sp.remote_offsets, sp.lengths, a, "dst address")
         ref = KeyRef(KeyKind.ADDRESS)
 
         def send_addresses(i: int) -> None:

@@ -114,6 +114,22 @@ class CacheManager:
     def _invalidate(self) -> None:
         self._initialized = False
 
+    def _own(self, name: str, cache: Cache) -> Cache:
+        """A Cache handle this manager made (or an unregistered ``create_cpu_cache``).
+
+        A handle from another manager (one that ``finalize()`` invalidated before a new
+        ``init()``) names a cache id of a finished session: the new session may have reused
+        the id for another cache. It is refused as an unknown cache, LLM_KV_CACHE_NOT_EXIST,
+        before its id is looked at.
+        """
+        owner = cache._cache_manager
+        if owner is not None and owner is not self:
+            raise LLMException(
+                f"{name} (cache_id {cache.cache_id}) belongs to another LLMDataDist session "
+                "(made before finalize()); it does not exist in this one",
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        return cache
+
     # ------------------------------------------------------------------ registration
 
     def _remote_accessible(self, desc: CacheDesc, value: bool | None) -> bool:
@@ -204,6 +220,7 @@ class CacheManager:
         """Drop the cache id; memory is freed once no key holds it. Unknown: no-op."""
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, Cache, allow_none=False)
+        self._own("cache", cache)
         raise_if_false(not cache.is_blocks_cache,
                        "use deallocate_blocks_cache for a blocks cache")
         with llm_errors("deallocate_cache"):
@@ -214,6 +231,7 @@ class CacheManager:
     def deallocate_blocks_cache(self, cache: Cache) -> None:
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, Cache, allow_none=False)
+        self._own("cache", cache)
         raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache needs a blocks cache")
         with llm_errors("deallocate_blocks_cache"):
             engine.deallocate(cache.cache_id, blocks=True)
@@ -253,6 +271,7 @@ class CacheManager:
         check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
                          allow_none=False)
         check_isinstance("cache", cache, Cache, allow_none=False)
+        self._own("cache", cache)
         check_int("batch_index", batch_index, "uint32", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
         src_range, dst_range, n = parse_layer_kwargs(kwargs)
@@ -278,6 +297,7 @@ class CacheManager:
         check_isinstance("src_cache_key", src_cache_key,
                          (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey), allow_none=False)
         check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        self._own("dst_cache", dst_cache)
         src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
         src_range, dst_range, n = parse_layer_kwargs(kwargs)
@@ -316,6 +336,7 @@ class CacheManager:
         engine = self._engine_or_raise()
         check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex, allow_none=False)
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        self._own("src_cache", src_cache)
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
         src_range, dst_range, n = parse_layer_kwargs(
@@ -341,6 +362,7 @@ class CacheManager:
         engine = self._engine_or_raise()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        self._own("src_cache", src_cache)
         src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
         src_range, dst_range, n = parse_layer_kwargs(
@@ -382,7 +404,9 @@ class CacheManager:
 
         engine = self._engine_or_raise()
         check_isinstance("dst", dst, Cache, allow_none=False)
+        self._own("dst", dst)
         check_isinstance("src", src, Cache, allow_none=False)
+        self._own("src", src)
         check_int("dst_batch_index", dst_batch_index, "uint32", allow_none=False)
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
         check_int("offset", offset, "uint64", allow_none=False)
@@ -399,6 +423,7 @@ class CacheManager:
 
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, Cache, allow_none=False)
+        self._own("cache", cache)
         check_isinstance("copy_block_info", copy_block_info, dict, allow_none=False)
         local_ops.copy_blocks(engine, self._ref(cache), copy_block_info)
 
@@ -411,7 +436,9 @@ class CacheManager:
 
         engine = self._engine_or_raise()
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        self._own("src_cache", src_cache)
         check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
+        self._own("dst_cache", dst_cache)
         local_ops.swap_blocks(engine, self._ref(src_cache), self._ref(dst_cache), src_to_dst)
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
@@ -455,6 +482,7 @@ class CacheManager:
 
         engine = self._engine_or_raise()
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
+        self._own("src_cache", src_cache)
         return async_transfer.start_transfer(
             engine, src_cache.cache_id, src_cache.cache_desc, layer_synchronizer,
             transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,

@@ -163,6 +163,9 @@ class KvCacheManager:
         # (cache_id, is_blocks) of pool caches whose KvCache was garbage-collected without
         # deallocate_cache; freed by the next call on this manager (_free_dropped).
         self._dropped: collections.deque[tuple[int, bool]] = collections.deque()
+        # What each cache this manager allocated was allocated as: (dtype, shape). Views and
+        # plans are sized from this, never from the caller's CacheDesc, which stays mutable.
+        self._registered: dict[int, tuple[DataType, tuple[int, ...]]] = {}
 
     def __repr__(self) -> str:
         return f"<KvCacheManager {self._role} initialized={self._initialized}>"
@@ -192,6 +195,7 @@ class KvCacheManager:
         """
         while self._dropped:
             cache_id, blocks = self._dropped.popleft()
+            self._registered.pop(cache_id, None)
             with contextlib.suppress(DatadistError):
                 self._engine.deallocate(cache_id, blocks=blocks)
 
@@ -209,9 +213,22 @@ class KvCacheManager:
         return local_ops.CacheRef(cache.cache_id, cache.cache_desc, cache._is_blocks_cache,
                                   addrs[0] if addrs else [])
 
-    def _check_exists(self, engine: Engine, cache: KvCache) -> None:
+    def _own(self, name: str, cache: KvCache) -> KvCache:
+        """A handle this manager made (or an unregistered ``create_cpu_cache``). One from a
+        manager that ``finalize()`` invalidated names a cache id of a finished session, which
+        the new session may have given to another cache: LLM_KV_CACHE_NOT_EXIST."""
+        owner = cache._manager
+        if owner is not None and owner is not self:
+            raise LLMException(
+                f"{name} (cache_id {cache.cache_id}) belongs to another LLMDataDist session "
+                "(made before finalize()); it does not exist in this one",
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        return cache
+
+    def _geometry(self, engine: Engine, cache: KvCache) -> layout.Geometry:
+        """The cache as it was allocated (LLM_KV_CACHE_NOT_EXIST once it is gone)."""
         with llm_errors():
-            engine.registry.get(cache.cache_id)
+            return engine.registry.get(cache.cache_id).geometry
 
     # ------------------------------------------------------------------ pool caches
 
@@ -224,6 +241,7 @@ class KvCacheManager:
         geo = geometry_of(cache_desc, blocks=blocks)
         with llm_errors(func):
             entry = engine.allocate(geo, placement=DEVICE, keys=keys, blocks_model_id=model)
+        self._registered[entry.cache_id] = (cache_desc.data_type, tuple(cache_desc.shape))
         cache = KvCache(entry.cache_id, cache_desc, [entry.addrs.tolist()], self)
         cache._is_blocks_cache = blocks
         cache._finalizer = weakref.finalize(cache, self._dropped.append, (entry.cache_id, blocks))
@@ -258,9 +276,11 @@ class KvCacheManager:
         already deallocated: no-op."""
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, KvCache, allow_none=False)
+        self._own("cache", cache)
         self._check_device(cache)
         with llm_errors("deallocate_cache"):
             engine.deallocate(cache.cache_id, blocks=cache._is_blocks_cache)
+        self._registered.pop(cache.cache_id, None)
         if cache._finalizer is not None:
             cache._finalizer.detach()
         cache._addrs = []
@@ -313,6 +333,7 @@ class KvCacheManager:
         check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
                          allow_none=False)
         check_isinstance("kv_cache", kv_cache, KvCache, allow_none=False)
+        self._own("kv_cache", kv_cache)
         self._check_device(kv_cache)
         check_int("size", size, "int64", allow_none=False)
         check_int("batch_index", batch_index, "uint32", allow_none=False)
@@ -322,9 +343,8 @@ class KvCacheManager:
         if isinstance(cache_key, CacheKey):
             KvCacheManager.check_cache_key(cache_key)
         src_range, dst_range, n = self._layers(kwargs)
-        self._check_exists(engine, kv_cache)
+        geo = self._geometry(engine, kv_cache)
         raise_if_false(not kv_cache._is_blocks_cache, "pull_cache needs a contiguous cache")
-        geo = geometry_of(kv_cache.cache_desc, blocks=False)
         with llm_errors("pull_cache"):
             tensors = layout.layer_tensor_indices(
                 geo.num_tensors, None if src_range is None else (src_range.start, src_range.stop),
@@ -342,6 +362,7 @@ class KvCacheManager:
         self._kwargs(kwargs, _PULL_BLOCKS_KWARGS)
         check_isinstance("prompt_cache_key", prompt_cache_key, BlocksCacheKey, allow_none=False)
         check_isinstance("decoder_kv_cache", decoder_kv_cache, KvCache, allow_none=False)
+        self._own("decoder_kv_cache", decoder_kv_cache)
         src = int_list("prompt_blocks", prompt_blocks, "uint64", types=(list,))
         dst = int_list("decoder_blocks", decoder_blocks, "uint64", types=(list,))
         self._check_device(decoder_kv_cache)
@@ -351,9 +372,8 @@ class KvCacheManager:
                        f"prompt_blocks ({len(src)}) and decoder_blocks ({len(dst)}) must have "
                        "the same length")
         src_range, dst_range, n = self._layers(kwargs)
-        self._check_exists(engine, decoder_kv_cache)
+        geo = self._geometry(engine, decoder_kv_cache)
         raise_if_false(decoder_kv_cache._is_blocks_cache, "pull_blocks needs a blocks cache")
-        geo = geometry_of(decoder_kv_cache.cache_desc, blocks=True)
         with llm_errors("pull_blocks"):
             tensors = layout.layer_tensor_indices(
                 geo.num_tensors, None if src_range is None else (src_range.start, src_range.stop),
@@ -378,8 +398,10 @@ class KvCacheManager:
         rest of the source slot). ``req_id`` is for logs only."""
         engine = self._engine_or_raise()
         check_isinstance("dst", dst, KvCache, allow_none=False)
+        self._own("dst", dst)
         self._check_device(dst)
         check_isinstance("src", src, KvCache, allow_none=False)
+        self._own("src", src)
         self._check_device(src)
         check_int("dst_batch_index", dst_batch_index, "uint32", allow_none=False)
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
@@ -393,6 +415,7 @@ class KvCacheManager:
         """Copy blocks within ``cache``: ``{src_block: [dst_block, ...]}``."""
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, KvCache, allow_none=False)
+        self._own("cache", cache)
         check_isinstance("copy_block_info", copy_block_info, dict, allow_none=False)
         self._check_device(cache)
         local_ops.copy_blocks(engine, self._ref(cache), copy_block_info)
@@ -402,7 +425,9 @@ class KvCacheManager:
         typically ``KvCache.create_cpu_cache``."""
         engine = self._engine_or_raise()
         check_isinstance("src", src, KvCache, allow_none=False)
+        self._own("src", src)
         check_isinstance("dst", dst, KvCache, allow_none=False)
+        self._own("dst", dst)
         local_ops.swap_blocks(engine, self._ref(src), self._ref(dst), src_to_dst)
 
     def get_cache_tensors(self, cache: KvCache, tensor_index: int = 0) -> list[Tensor]:
@@ -410,15 +435,30 @@ class KvCacheManager:
         numpy view of the cache memory (``.numpy()``), valid until the cache is freed."""
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, KvCache, allow_none=False)
+        self._own("cache", cache)
         check_int("tensor_index", tensor_index, "int32", allow_none=False)
         desc = cache.cache_desc
-        raise_if_false(0 <= tensor_index < desc.num_tensors,
-                       f"tensor_index ({tensor_index}) out of range [0, {desc.num_tensors})")
-        if cache.cache_id != local_ops.UNREGISTERED_ID:
-            self._check_exists(engine, cache)
-        tensor_desc = TensorDesc(desc.data_type, desc.shape)
-        return [Tensor(int(addrs[tensor_index]), tensor_desc)
-                for addrs in cache.per_device_tensor_addrs]
+        if cache.cache_id == local_ops.UNREGISTERED_ID:
+            # create_cpu_cache: the caller's own memory, described only by its CacheDesc.
+            raise_if_false(0 <= tensor_index < desc.num_tensors,
+                           f"tensor_index ({tensor_index}) out of range [0, "
+                           f"{desc.num_tensors})")
+            tensor_desc = TensorDesc(desc.data_type, desc.shape)
+            return [Tensor(int(addrs[tensor_index]), tensor_desc)
+                    for addrs in cache.per_device_tensor_addrs]
+        # A cache of ours: shape, dtype and address as allocated, whatever the CacheDesc says
+        # now (update_dim after allocation must not make a view reach past the cache).
+        with llm_errors("get_cache_tensors"):
+            entry = engine.registry.get(cache.cache_id)
+        registered = self._registered.get(cache.cache_id)
+        g = entry.geometry
+        raise_if_false(0 <= tensor_index < g.num_tensors,
+                       f"tensor_index ({tensor_index}) out of range [0, {g.num_tensors})")
+        if registered is None:  # not allocated by this manager: bytes only
+            dtype, shape = DataType.DT_UINT8, (g.tensor_bytes,)
+        else:
+            dtype, shape = registered
+        return [Tensor(int(entry.addrs[tensor_index]), TensorDesc(dtype, list(shape)))]
 
     # ------------------------------------------------------------------ async (PROMPT)
 
@@ -433,6 +473,7 @@ class KvCacheManager:
         engine = self._engine_or_raise()
         self._check_role("transfer_cache_async", LLMRole.PROMPT)
         check_isinstance("src_cache", src_cache, KvCache, allow_none=False)
+        self._own("src_cache", src_cache)
         return async_transfer.start_transfer(
             engine, src_cache.cache_id, src_cache.cache_desc, layer_synchronizer,
             transfer_configs, src_block_indices, dst_block_indices, dst_block_memory_size,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datadist.core.errors import Code, DatadistError, InvalidArgument
-from datadist.core.layout import U32, U64, Geometry, Plan, coalesce
+from datadist.core.layout import U32, U64, Geometry, Plan, block_offsets, checked_add, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +127,9 @@ class LayerSpans:
     def plan(self, remote_tensors: Sequence[int], local_tensors: Sequence[int],
              remote_base: int = 0) -> Plan:
         """The plan for one layer's tensors; ``remote_base`` is added to remote offsets (a
-        raw destination address)."""
-        remote = self.remote_offsets + np.uint64(remote_base) if remote_base else \
-            self.remote_offsets
+        raw destination address; InvalidArgument when a span would pass 2**64)."""
+        remote = (checked_add(self.remote_offsets, self.lengths, remote_base, "dst address")
+                  if remote_base else self.remote_offsets)
         return Plan(np.asarray(remote_tensors, dtype=U32), np.asarray(local_tensors, dtype=U32),
                     remote, self.local_offsets, self.lengths)
 
@@ -168,7 +168,8 @@ def blocks_spans(src: Geometry, src_blocks: np.ndarray, dst_blocks: np.ndarray,
             f"({src.unit_bytes} bytes)"
         )
     bb = np.uint64(src.unit_bytes)
-    return _spans(d * np.uint64(dst_block_bytes), s * bb, np.full(s.size, bb, dtype=U64))
+    return _spans(block_offsets(d, dst_block_bytes, "dst block"), s * bb,
+                  np.full(s.size, bb, dtype=U64))
 
 
 def slot_to_blocks_spans(src: Geometry, src_unit: int, dst_blocks: np.ndarray,
@@ -183,14 +184,16 @@ def slot_to_blocks_spans(src: Geometry, src_unit: int, dst_blocks: np.ndarray,
     if dst_block_bytes <= 0:
         raise InvalidArgument("dst_block_memory_size must be > 0 for a transfer into blocks")
     stride = src.unit_bytes
-    starts = np.arange(d.size, dtype=U64) * np.uint64(dst_block_bytes)
-    if d.size == 0 or int(starts[-1]) >= stride:
+    # In Python ints: (n - 1) * size in uint64 could wrap below the stride.
+    if d.size == 0 or (d.size - 1) * dst_block_bytes >= stride:
         raise InvalidArgument(
             f"{d.size} destination blocks of {dst_block_bytes} bytes do not fit a source "
             f"slot of {stride} bytes"
         )
+    starts = np.arange(d.size, dtype=U64) * np.uint64(dst_block_bytes)
     lengths = np.minimum(np.uint64(dst_block_bytes), np.uint64(stride) - starts)
-    return _spans(d * np.uint64(dst_block_bytes), starts + np.uint64(src_unit * stride), lengths)
+    return _spans(block_offsets(d, dst_block_bytes, "dst block"),
+                  starts + np.uint64(src_unit * stride), lengths)
 
 
 __all__ = ["LayerJob", "LayerSpans", "LayerwiseTransfer", "blocks_spans", "slot_spans",

@@ -221,6 +221,34 @@ def _as_block_array(blocks: BlockList, name: str) -> np.ndarray:
     return arr.astype(U64, copy=False)
 
 
+def block_offsets(blocks: np.ndarray, block_bytes: int, name: str) -> np.ndarray:
+    """Byte offsets ``blocks * block_bytes`` (uint64), refusing any block whose whole extent
+    ``[offset, offset + block_bytes)`` does not fit in 64 bits: a wrapped product would name
+    another block than the one asked for. Every place that turns block indexes into offsets
+    goes through here (planners here, layer-wise spans, local copies)."""
+    b = np.asarray(blocks, dtype=U64)
+    if block_bytes <= 0:
+        raise InvalidArgument(f"{name} size must be > 0, got {block_bytes}")
+    if b.size and int(b.max()) > (2**64 - 1) // block_bytes - 1:
+        raise InvalidArgument(
+            f"{name} {int(b.max())} is out of range: its offset ({block_bytes} bytes a block) "
+            "overflows 64 bits"
+        )
+    return b * np.uint64(block_bytes)
+
+
+def checked_add(offsets: np.ndarray, lengths: np.ndarray, base: int, name: str) -> np.ndarray:
+    """``base + offsets`` (uint64), refusing a span whose end passes 2**64 - 1."""
+    if base < 0 or base > 2**64 - 1:
+        raise InvalidArgument(f"{name} {base} is not a 64-bit address")
+    if len(offsets):
+        room = np.uint64(2**64 - 1 - base)
+        if bool((offsets > room).any()) or bool((lengths > room - np.minimum(offsets, room))
+                                                .any()):
+            raise InvalidArgument(f"{name} {base:#x} plus a span offset overflows 64 bits")
+    return offsets + np.uint64(base)
+
+
 def _freeze(*arrays: np.ndarray) -> None:
     for a in arrays:
         a.flags.writeable = False
@@ -285,14 +313,9 @@ def plan_blocks(
         raise InvalidArgument(
             f"dst block {int(d.max())} out of range: the cache has {dst.units} blocks"
         )
-    if int(s.max()) >= (2**64 - 1) // dst.unit_bytes:
-        # s * bb would wrap around in uint64 and name a block the caller did not ask for.
-        raise InvalidArgument(
-            f"src block {int(s.max())} is out of range for blocks of {dst.unit_bytes} bytes"
-        )
     bb = np.uint64(dst.unit_bytes)
     lengths = np.full(s.size, bb, dtype=U64)
-    so, do, ln = coalesce(s * bb, d * bb, lengths)
+    so, do, ln = coalesce(block_offsets(s, dst.unit_bytes, "src block"), d * bb, lengths)
     _freeze(so, do, ln, *tensors)
     return Plan(tensors[0], tensors[1], so, do, ln)
 
