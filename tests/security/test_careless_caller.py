@@ -212,3 +212,65 @@ class TestViewsFromWhatWasRegistered:
         # batch_index 3 exists only in the changed description: out of range, not linked
         with code(S.LLM_PARAM_INVALID, "batch_index 3"):
             kv.pull_cache(llm.CacheKey(PROMPT_ID, 1), cache, 3)
+
+
+# ---------------------------------------------------------------------------------- item 16
+
+
+class TestOptionsAreCheckedAtInit:
+    """Item 16: a bad option is refused by init with the documented kind and the offending
+    value in the message, never a raw OSError / FileNotFoundError / OverflowError later."""
+
+    def _init_error(self, options: dict[str, str]) -> llm.LLMException:
+        dd = llm.LLMDataDist(llm.LLMRole.DECODER, DECODER_ID)
+        try:
+            with pytest.raises(llm.LLMException) as info:
+                dd.init(options)
+            assert llm.LLMDataDist.llm_engine_instance is None  # nothing was left started
+            return info.value
+        finally:
+            dd.finalize()
+
+    def test_sync_kv_wait_time_that_overflows(self):
+        e = self._init_error({"llm.SyncKvCacheWaitTime": "9" * 30})
+        assert e.status_code == S.LLM_PARAM_INVALID and "9" * 30 in str(e)
+        e = self._init_error({"llm.SyncKvCacheWaitTime": "\u00b2"})  # isdigit() but not int
+        assert e.status_code == S.LLM_PARAM_INVALID
+
+    def test_link_total_time_that_overflows(self):
+        e = self._init_error({"llm.EnableCacheManager": "1", "llm.LinkTotalTime": "9" * 30})
+        assert e.status_code == S.LLM_PARAM_INVALID and "llm.LinkTotalTime" in str(e)
+
+    def test_pool_larger_than_the_address_space(self):
+        size = 2**60
+        e = self._init_error({"llm.EnableCacheManager": "1",
+                              "llm.MemPoolConfig": f'{{"memory_size": {size}, "page_shift": 30}}'})
+        assert e.status_code == S.LLM_OUT_OF_MEMORY and str(size) in str(e)
+
+    @pytest.mark.parametrize("options", [{"ge.flowGraphMemMaxSize": "9" * 30},
+                                         {"llm.BufPoolCfg": '{"buf_cfg": [{"total_size": %d}]}'
+                                                            % 10**30}])
+    def test_legacy_pool_sizes(self, options):
+        e = self._init_error(options)
+        assert e.status_code == S.LLM_PARAM_INVALID
+        assert "9" * 30 in str(e) or "1" + "0" * 30 in str(e)
+
+    def test_missing_tls_file_is_named(self, tmp_path):
+        missing = str(tmp_path / "no-such-cert.pem")
+        e = self._init_error({"datadist.TlsCert": missing, "datadist.TlsKey": missing,
+                              "datadist.TlsCa": missing})
+        assert e.status_code == S.LLM_PARAM_INVALID and missing in str(e)
+
+    def test_tls_file_that_is_not_pem_is_named(self, tmp_path):
+        junk = tmp_path / "junk.pem"
+        junk.write_text("not a certificate\n")
+        e = self._init_error({"datadist.TlsCert": str(junk), "datadist.TlsKey": str(junk),
+                              "datadist.TlsCa": str(junk)})
+        assert e.status_code == S.LLM_PARAM_INVALID and str(junk) in str(e)
+
+    def test_config_setters(self):
+        c = llm.LLMConfig()
+        with code(S.LLM_PARAM_INVALID):
+            c.sync_kv_timeout = "\u00b2"
+        with code(S.LLM_PARAM_INVALID):
+            c.cluster_info = '{"listen_ip_info": 5}'

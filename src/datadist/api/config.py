@@ -64,6 +64,62 @@ def int_to_ip(value: int) -> str:
     return socket.inet_ntoa(struct.pack("<I", value))
 
 
+# --------------------------------------------------------------------------------------------
+# checks of a raw option dict, run by ``LLMDataDist.init`` before anything starts: a bad value
+# is LLMException PARAM_INVALID naming the option and the value, never a raw OverflowError or
+# ValueError later on every pull.
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+
+
+def _digits(value: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also accepts '²' or '٣', which ``int`` refuses or
+    reads as another number."""
+    return bool(value) and value.isascii() and value.isdigit()
+
+
+def int_option(name: str, raw: str, lo: int, hi: int, unit: str = "") -> int:
+    """``raw`` as an int in [lo, hi], else PARAM_INVALID naming ``name`` and the value."""
+    if not _digits(raw) or not lo <= int(raw) <= hi:
+        what = f" ({unit})" if unit else ""
+        raise _param_invalid(f"{name} must be an integer in [{lo}, {hi}]{what}, got {raw!r}")
+    return int(raw)
+
+
+def sync_kv_timeout_ms(opts: dict[str, str], default: int) -> int:
+    """``llm.SyncKvCacheWaitTime``: int32 milliseconds > 0 (as ``LLMConfig.sync_kv_timeout``)."""
+    raw = opts.get(OPT_SYNC_KV_WAIT)
+    return default if raw is None else int_option(OPT_SYNC_KV_WAIT, raw, 1, INT32_MAX, "ms")
+
+
+def link_total_time_s(opts: dict[str, str], environ: dict[str, str] | Any,
+                      default: int) -> int:
+    """``llm.LinkTotalTime`` seconds in [0, 2**32-1]; 0 (or unset) means
+    ``HCCL_CONNECT_TIMEOUT``, else ``default``. A bad environment value is not ours to
+    refuse: it is ignored with a warning."""
+    seconds = int_option(OPT_LINK_TOTAL_TIME, opts.get(OPT_LINK_TOTAL_TIME, "0"), 0,
+                         UINT32_MAX, "s")
+    if seconds > 0:
+        return seconds
+    env = environ.get("HCCL_CONNECT_TIMEOUT", "")
+    if env:
+        if _digits(env) and 0 < int(env) <= UINT32_MAX:
+            return int(env)
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "HCCL_CONNECT_TIMEOUT=%r is not an integer in [1, %d]: using %d s", env,
+            UINT32_MAX, default)
+    return default
+
+
+def pool_bytes_option(name: str, raw: str) -> int:
+    """A pool size in bytes given as a digit string (``ge.flowGraphMemMaxSize``): > 0 and
+    below 2**48 (the pool counts 64 KiB pages in 32 bits, as ``PoolConfig.parse`` checks)."""
+    return int_option(name, raw, 1, (UINT32_MAX << 16) - 1, "bytes")
+
+
 class LLMConfig:
     """Options for ``LLMDataDist.init``; set properties, then ``generate_options()``."""
 
@@ -130,7 +186,7 @@ class LLMConfig:
     def sync_kv_timeout(self, value: int | str) -> None:
         check_isinstance("sync_kv_timeout", value, (int, str), allow_none=False)
         if isinstance(value, str):
-            if not value.isdigit():
+            if not _digits(value):
                 raise _param_invalid(f"sync_kv_timeout must be a digit string, got {value!r}")
             number = int(value)
         else:
@@ -393,7 +449,10 @@ class LLMConfig:
             info = json.loads(value)
         except ValueError:
             raise _param_invalid("cluster_info must be JSON") from None
-        for item in info.get("listen_ip_info", []) if isinstance(info, dict) else []:
+        items = info.get("listen_ip_info", []) if isinstance(info, dict) else []
+        if not isinstance(items, list):
+            raise _param_invalid(f"cluster_info listen_ip_info must be a list, got {items!r}")
+        for item in items:
             if isinstance(item, dict) and isinstance(item.get("ip"), str):
                 item["ip"] = ip_to_int(item["ip"])
         self._cluster_info = json.dumps(info)

@@ -190,10 +190,8 @@ class LLMDataDist:
                 listen = parse_host_port(raw.split(";")[0])
             except InvalidArgument as e:
                 raise _param_invalid(str(e)) from None
-        timeout_ms = opts.get(cfg.OPT_SYNC_KV_WAIT, str(DEFAULT_SYNC_KV_TIMEOUT_MS))
-        if not timeout_ms.isdigit() or int(timeout_ms) <= 0:
-            raise _param_invalid(f"llm.SyncKvCacheWaitTime must be a positive int, got "
-                                 f"{timeout_ms!r}")
+        timeout_ms = cfg.sync_kv_timeout_ms(opts, DEFAULT_SYNC_KV_TIMEOUT_MS)
+        cfg.link_total_time_s(opts, os.environ, DEFAULT_LINK_TOTAL_TIME_S)  # checked now
         pools = {}
         for key in (cfg.OPT_MEM_POOL, cfg.OPT_HOST_MEM_POOL):
             if opts.get(key):
@@ -207,7 +205,7 @@ class LLMDataDist:
             cluster_id=self._cluster_id,
             role=int(self._role),
             listen=listen,
-            sync_timeout=int(timeout_ms) / 1000.0,
+            sync_timeout=timeout_ms / 1000.0,
             device_pool=pools.get(cfg.OPT_MEM_POOL),
             host_pool=pools.get(cfg.OPT_HOST_MEM_POOL),
             transport=opts.get(cfg.OPT_TRANSPORT),
@@ -426,12 +424,8 @@ class LLMDataDist:
         return comm_id
 
     def _link_total_time(self) -> float:
-        raw = self._options.get(cfg.OPT_LINK_TOTAL_TIME, "0")
-        seconds = int(raw) if raw.isdigit() else 0
-        if seconds <= 0:
-            env = os.environ.get("HCCL_CONNECT_TIMEOUT", "")
-            seconds = int(env) if env.isdigit() and int(env) > 0 else DEFAULT_LINK_TOTAL_TIME_S
-        return float(seconds)
+        return float(cfg.link_total_time_s(self._options, os.environ,
+                                           DEFAULT_LINK_TOTAL_TIME_S))
 
     def _comm_manager(self, comm_id: Any) -> CommManager:
         self._check_init()

@@ -35,6 +35,7 @@ import numpy as np
 from datadist.api import async_transfer, local_ops
 from datadist.api.cache_manager import geometry_of, key_ref, local_keys
 from datadist.api.checks import check_int, check_isinstance, int_list
+from datadist.api.config import pool_bytes_option
 from datadist.api.enums import DataType, LLMRole, Placement, from_numpy_dtype, numpy_dtype
 from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.tasks import CacheTask
@@ -73,20 +74,21 @@ def v1_pool_config(options: dict[str, str]) -> PoolConfig:
     else ``DEFAULT_POOL_BYTES``. Called by ``LLMDataDist.init``."""
     raw = options.get(OPT_FLOW_GRAPH_MEM_MAX_SIZE)
     if raw:
-        if not raw.isdigit() or int(raw) <= 0:
-            raise _param_invalid(f"{OPT_FLOW_GRAPH_MEM_MAX_SIZE} must be a positive integer, "
-                                 f"got {raw!r}")
-        return PoolConfig(int(raw))
+        return PoolConfig(pool_bytes_option(OPT_FLOW_GRAPH_MEM_MAX_SIZE, raw))
     buf = options.get(OPT_BUF_POOL)
     if buf:
         try:
             tiers = json.loads(buf)["buf_cfg"]
-            total = sum(int(t["total_size"]) for t in tiers)
+            sizes = [t["total_size"] for t in tiers]
         except (ValueError, KeyError, TypeError) as e:
             raise _param_invalid(f"{OPT_BUF_POOL} is not a valid buf_cfg: {e}") from None
-        if total <= 0:
+        for size in sizes:
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise _param_invalid(f"{OPT_BUF_POOL}: every total_size must be an int > 0, "
+                                     f"got {size!r}")
+        if not sizes:
             raise _param_invalid(f"{OPT_BUF_POOL} has no memory")
-        return PoolConfig(total)
+        return PoolConfig(pool_bytes_option(f"{OPT_BUF_POOL} total", str(sum(sizes))))
     return PoolConfig(DEFAULT_POOL_BYTES)
 
 

@@ -94,7 +94,11 @@ class HostPool:
     def __init__(self, size: int, page_shift: int = 16, name: str = "datadist-pool") -> None:
         self.page = max(1 << page_shift, OS_PAGE)
         self.size = -(-size // self.page) * self.page
-        self.fd, self.base = memfd_map(name, self.size)
+        try:
+            self.fd, self.base = memfd_map(name, self.size)
+        except (OSError, OverflowError) as e:  # ENOMEM, EFBIG, a size past the address space
+            raise OutOfMemory(f"cannot map a memory pool of {size} bytes: "
+                              f"{getattr(e, 'strerror', None) or e}") from e
         self._closed = False
         self._lock = threading.Lock()
         self._free_starts: list[int] = [0]
