@@ -274,3 +274,170 @@ class TestOptionsAreCheckedAtInit:
             c.sync_kv_timeout = "\u00b2"
         with code(S.LLM_PARAM_INVALID):
             c.cluster_info = '{"listen_ip_info": 5}'
+
+
+# ---------------------------------------------------------------------------------- item 17
+
+
+PAGE = 4096
+
+
+class _Mapping:
+    """Raw anonymous memory that the test can shrink or protect: what a careless caller's
+    allocator might hand over."""
+
+    def __init__(self, pages: int, prot: int | None = None) -> None:
+        import ctypes
+        import mmap
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mmap.restype = ctypes.c_void_p
+        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self.libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if prot is None else prot
+        self.addr = self.libc.mmap(None, pages * PAGE, prot,
+                                   mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        assert self.addr not in (None, ctypes.c_void_p(-1).value)
+        self.pages = pages
+        self.mapped = [True] * pages
+
+    def unmap(self, first: int, count: int = 1) -> None:
+        assert self.libc.munmap(self.addr + first * PAGE, count * PAGE) == 0
+        for i in range(first, first + count):
+            self.mapped[i] = False
+
+    def protect(self, first: int, count: int, prot: int) -> None:
+        assert self.libc.mprotect(self.addr + first * PAGE, count * PAGE, prot) == 0
+
+    def close(self) -> None:
+        for i, m in enumerate(self.mapped):
+            if m:
+                self.libc.munmap(self.addr + i * PAGE, PAGE)
+
+
+@pytest.fixture
+def mapping():
+    made: list[_Mapping] = []
+
+    def make(pages: int, prot: int | None = None) -> _Mapping:
+        m = _Mapping(pages, prot)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+@pytest.fixture
+def cm() -> Iterator[CacheManager]:
+    engine = Engine(EngineConfig(cluster_id=DECODER_ID, role=2))
+    try:
+        yield CacheManager(engine)
+    finally:
+        engine.close()
+
+
+def _desc(num_tensors: int, nbytes: int) -> llm.CacheDesc:
+    return llm.CacheDesc(num_tensors, [1, nbytes], llm.DataType.DT_UINT8, llm.Placement.HOST)
+
+
+class TestRegistrationChecksTheMemory:
+    """Item 17: register_cache / register_blocks_cache refuse memory that cannot hold the
+    described cache, naming the tensor and the range, instead of crashing a later pull."""
+
+    def test_memory_shorter_than_the_description(self, cm, mapping):
+        m = mapping(2)
+        m.unmap(1)  # one page left, two described
+        with code(S.LLM_PARAM_INVALID, r"tensor 0 \[0x[0-9a-f]+, 0x[0-9a-f]+\) \(8192 bytes\)"):
+            cm.register_cache(_desc(1, 2 * PAGE), [m.addr])
+        with code(S.LLM_PARAM_INVALID, "tensor 0"):
+            cm.register_blocks_cache(_desc(1, 2 * PAGE), [m.addr])
+        cm.register_cache(_desc(1, PAGE), [m.addr])  # what is there may be registered
+
+    def test_unmapped_address_names_the_tensor(self, cm, mapping):
+        good, gone = mapping(1), mapping(1)
+        gone.unmap(0)
+        with code(S.LLM_PARAM_INVALID, "tensor 1"):
+            cm.register_cache(_desc(2, PAGE), [good.addr, gone.addr])
+        with code(S.LLM_PARAM_INVALID, "tensor 0"):
+            cm.register_cache(_desc(1, 64), [PAGE])  # page 1: never mapped
+
+    def test_read_only_memory_is_refused(self, cm, mapping):
+        import mmap
+
+        m = mapping(2)
+        m.protect(1, 1, mmap.PROT_READ)
+        with code(S.LLM_PARAM_INVALID, f"{PAGE} bytes in"):
+            cm.register_cache(_desc(1, 2 * PAGE), [m.addr])
+
+    def test_numpy_array_smaller_than_the_description(self, cm):
+        small = np.zeros(100, np.uint8)
+        with code(S.LLM_PARAM_INVALID, r"addrs\[0\] holds 100 bytes"):
+            cm.register_cache(_desc(1, 128), [small])
+        with pytest.raises(TypeError):
+            cm.register_cache(_desc(1, 128), ["0x1000"])
+        with code(S.LLM_PARAM_INVALID, "C-contiguous"):
+            cm.register_cache(_desc(1, 64), [np.zeros((64, 2), np.uint8)[:, 0]])
+
+
+class TestArraysAndTensorsAsAddresses:
+    """Item 17, extension: numpy arrays and CPU torch tensors where an address is expected,
+    kept alive while registered."""
+
+    def test_numpy_and_torch_sources_are_kept_alive_and_served(self, ra_pair):
+        import gc
+        import weakref
+
+        torch = pytest.importorskip("torch")
+        p, d = ra_pair
+        desc = llm.CacheDesc(2, [2, 256], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
+        a = np.arange(512, dtype=np.uint16).astype(np.uint8)
+        t = torch.arange(512, dtype=torch.uint8).flip(0)
+        want = [a.copy(), t.numpy().copy()]
+        src = p.register_cache(desc, [a, t])
+        assert src.tensor_addrs == [a.ctypes.data, t.data_ptr()]
+        alive = [weakref.ref(t)]
+        del a, t
+        gc.collect()
+        assert alive[0]() is not None  # held by the registration
+        dst = [np.zeros(512, np.uint8) for _ in range(2)]
+        local = d.register_cache(desc, dst)
+        d.pull_cache(llm.CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 1), local, 0)
+        for got, w in zip(dst, want):
+            assert np.array_equal(got[:256], w[256:])
+        p.unregister_cache(src.cache_id)
+        gc.collect()
+        assert alive[0]() is None  # released with the registration
+
+    def test_tensor_smaller_than_the_description(self, cm):
+        torch = pytest.importorskip("torch")
+        with code(S.LLM_PARAM_INVALID, r"addrs\[1\] holds 32 bytes"):
+            cm.register_cache(_desc(2, 64), [torch.zeros(16), torch.zeros(8)])
+        with code(S.LLM_PARAM_INVALID, "not contiguous"):
+            cm.register_cache(_desc(1, 64), [torch.zeros(4, 8).t()])
+
+
+class TestOwnerThatCannotReadItsMemory:
+    """Item 17: memory unmapped after registration makes the owner's send fail with EFAULT:
+    the owner says so in its log, the reader gets an error, nobody crashes."""
+
+    def test_tcp_read_of_unmapped_registered_memory(self, mapping, caplog):
+        owner = Engine(EngineConfig(cluster_id=PROMPT_ID, role=1, listen=("127.0.0.1", 0)))
+        reader = Engine(EngineConfig(cluster_id=DECODER_ID, role=2, transport="tcp",
+                                     sync_timeout=5.0))
+        try:
+            reader.link(PROMPT_ID, *owner.listen_address, 5.0)
+            ocm, rcm = CacheManager(owner), CacheManager(reader)
+            m = mapping(4)
+            src = ocm.register_cache(_desc(1, 4 * PAGE), [m.addr])
+            m.unmap(0, 4)  # the caller frees it behind our back
+            dst = rcm.register_cache(_desc(1, 4 * PAGE), [np.zeros(4 * PAGE, np.uint8)])
+            with caplog.at_level("ERROR"), pytest.raises(llm.LLMException):
+                rcm.pull_cache(llm.CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id), dst)
+            assert any("not mapped" in r.getMessage() for r in caplog.records)
+        finally:
+            reader.close()
+            owner.close()

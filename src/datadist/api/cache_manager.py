@@ -33,6 +33,8 @@ from datadist.api.types import (
 from datadist.core import layout
 from datadist.core.engine import Engine
 from datadist.core.registry import KeyId, key_id
+from datadist.memory import mapped
+from datadist.memory.user import user_memory
 from datadist.wire.protocol import KeyKind, KeyRef
 
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
@@ -102,6 +104,7 @@ class CacheManager:
         self._enable_host_mem_pool = host_mem_pool
         self._is_call_linked = False
         self._initialized = True
+        self._kept: dict[int, list[Any]] = {}  # cache id -> memory objects registered
 
     def set_is_call_linked(self) -> None:
         self._is_call_linked = True
@@ -141,17 +144,39 @@ class CacheManager:
         # remote_accessible=False keeps a cache private.
         return value is not False
 
-    def _addrs(self, addrs: Any, desc: CacheDesc) -> list[int]:
+    def _addrs(self, addrs: Any, desc: CacheDesc, geo: layout.Geometry,
+               func: str) -> tuple[list[int], list[Any]]:
+        """The tensor addresses of a registration, and the objects to keep alive with it.
+
+        An item is an int address or (datadist extension) a CPU torch tensor or a buffer
+        (numpy array) whose size must cover one tensor of ``desc``. Every tensor's range must
+        be mapped readable and writable in this process, checked once here: otherwise
+        LLM_PARAM_INVALID naming the tensor and the range, instead of a crash at the first
+        transfer.
+        """
         # A list, as in llm_datadist's register_cache / register_blocks_cache: a tuple is a
         # TypeError there.
         check_isinstance("addrs", addrs, list, allow_none=False)
         raise_if_false(len(addrs) > 0, "addrs must not be empty")
-        for a in addrs:
-            check_int("addr", a, "uint64", allow_none=False)
-        raise_if_false(all(a != 0 for a in addrs), "addrs must be non-zero")
+        with llm_errors(func):
+            mems = [user_memory(a, f"addrs[{i}]") for i, a in enumerate(addrs)]
+        for m in mems:
+            check_int("addr", m.addr, "uint64", allow_none=False)
+        raise_if_false(all(m.addr != 0 for m in mems), "addrs must be non-zero")
         raise_if_false(len(addrs) == desc.num_tensors,
                        f"{len(addrs)} addrs for num_tensors={desc.num_tensors}")
-        return list(addrs)
+        need = geo.tensor_bytes
+        for i, m in enumerate(mems):
+            raise_if_false(m.nbytes is None or m.nbytes >= need,
+                           f"addrs[{i}] holds {m.nbytes} bytes but {desc} needs {need} bytes "
+                           "per tensor")
+        raise_if_false(all(m.addr <= _U64 - need for m in mems),
+                       "a tensor's range passes the end of the address space")
+        bases = np.array([m.addr for m in mems], dtype=np.uint64)
+        with llm_errors(func):
+            mapped.check_ranges([f"tensor {i}" for i in range(len(mems))], bases,
+                                np.full(len(mems), need, dtype=np.uint64), func)
+        return [m.addr for m in mems], [m.owner for m in mems if m.owner is not None]
 
     def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),
@@ -159,13 +184,14 @@ class CacheManager:
         """Register user memory (one address per tensor) as a contiguous cache."""
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
-        addr_list = self._addrs(addrs, cache_desc)
+        geo = geometry_of(cache_desc, blocks=False)
+        addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_cache")
         keys = local_keys(cache_keys)
         ra = self._remote_accessible(cache_desc, remote_accessible)
-        geo = geometry_of(cache_desc, blocks=False)
         with llm_errors("register_cache"):
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
                                     keys=keys, remote_accessible=ra)
+        self._keep(entry.cache_id, keep)
         return Cache(entry.cache_id, cache_desc, addr_list, self, True, False)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
@@ -175,14 +201,21 @@ class CacheManager:
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
-        addr_list = self._addrs(addrs, cache_desc)
-        ra = self._remote_accessible(cache_desc, remote_accessible)
         geo = geometry_of(cache_desc, blocks=True)
+        addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_blocks_cache")
+        ra = self._remote_accessible(cache_desc, remote_accessible)
         model = None if blocks_cache_key is None else blocks_cache_key.model_id & _U64
         with llm_errors("register_blocks_cache"):
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
                                     blocks_model_id=model, remote_accessible=ra)
+        self._keep(entry.cache_id, keep)
         return Cache(entry.cache_id, cache_desc, addr_list, self, True, True)
+
+    def _keep(self, cache_id: int, owners: list[Any]) -> None:
+        """Hold the arrays / tensors a registration was given until it is unregistered (or
+        this manager goes away with its session)."""
+        if owners:
+            self._kept[cache_id] = owners
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache; unknown ids are fine. Waits for transfers using it."""
@@ -190,6 +223,7 @@ class CacheManager:
         check_int("cache_id", cache_id, "int64", allow_none=False)
         with llm_errors("unregister_cache"):
             engine.unregister(cache_id)
+        self._kept.pop(cache_id, None)  # unregister waited for transfers using the memory
 
     # ------------------------------------------------------------------ pools
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import select
 import time
@@ -24,6 +25,8 @@ from collections.abc import Callable
 import numpy as np
 
 from datadist.core.errors import BrokenLink, DatadistError, Timeout
+
+log = logging.getLogger(__name__)
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 U64 = np.dtype("<u8")
@@ -243,6 +246,15 @@ def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int,  # t
                         _wait(fd, events, deadline)
                     expired = True
                     continue
+                if err == errno.EFAULT:
+                    # Our own memory, not the socket: a cache whose memory was unmapped
+                    # after it was registered. Say so; the caller only sees a broken link.
+                    what = "receive into" if reading else "send from"
+                    log.error("cannot %s this process's memory near %#x (%d spans, %d bytes): "
+                              "not mapped (EFAULT); was a registered cache's memory freed?",
+                              what, int(batch[0, 0]), len(batch), want)
+                    raise BrokenLink(f"cannot {what} local memory near {int(batch[0, 0]):#x}: "
+                                     "not mapped")
                 raise BrokenLink(f"socket error: {os.strerror(err)}")
             if n == 0:
                 if reading:
