@@ -12,7 +12,8 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -58,10 +59,8 @@ def _prompt_main(conn: Any, layers: int, num_blocks: int, seq: int, batch: int) 
         conn.send(("ready", d.listen_address, blocks, contig))
         conn.recv()  # wait until the decoder is done
         d.finalize()
-    except BaseException as e:  # forward the failure to the parent
-        import traceback
-
-        conn.send(("error", traceback.format_exc(), None, None))
+    except BaseException as e:  # forward the failure to the parent, as one line
+        conn.send(("error", _one_line(e), None, None))
         raise SystemExit(1) from e
 
 
@@ -107,7 +106,7 @@ def _run_decoder(address: tuple[str, int], transport: str, layers: int, num_bloc
         info.append_remote_ip_info(address[0], address[1])
         code, codes = d.link_clusters([info], 5000)
         if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
-            raise SystemExit(f"link_clusters failed: {code} {codes}")
+            raise CliError(f"link_clusters failed: {code} {codes}")
         link = d.engine.links()[0]
         print(f"  link to cluster {PROMPT_ID}: path={link.path_name} ({link.reason})")
         dt = llm_datadist.DataType.DT_FLOAT16
@@ -182,11 +181,16 @@ def _start_prompt(layers: int, num_blocks: int, seq: int, batch: int) -> Any:
     proc.start()
     if not parent.poll(60):
         proc.kill()
-        raise SystemExit("PROMPT did not start within 60 s")
-    status, address, blocks_src, contig_src = parent.recv()
+        raise CliError("the PROMPT process did not start within 60 s")
+    try:
+        status, address, blocks_src, contig_src = parent.recv()
+    except EOFError:
+        proc.join(5)
+        raise CliError(f"the PROMPT process exited (code {proc.exitcode}) before it was "
+                       "ready") from None
     if status != "ready":
         proc.join(5)
-        raise SystemExit(f"PROMPT failed:\n{address}")
+        raise CliError(f"the PROMPT process failed: {address}")
     return proc, parent, address, blocks_src, contig_src
 
 
@@ -244,18 +248,47 @@ def cmd_info(args: argparse.Namespace) -> int:
     except CmaRefused as e:
         print(f"cross-memory attach: refused ({e}); same-host links fall back to tcp")
     if args.peer:
-        from datadist.core.engine import Engine, EngineConfig
-        from datadist.transport.tcp import parse_host_port
-
-        host, port = parse_host_port(args.peer)
-        eng = Engine(EngineConfig(cluster_id=args.own_id, role=2, transport=None))
-        try:
-            link = eng.link(args.cluster_id, host, port, 3.0)
-            print(f"link to cluster {args.cluster_id} at {host}:{port}: "
-                  f"path={link.path_name} ({link.reason})")
-        finally:
-            eng.close()
+        _info_peer(args)
     return 0
+
+
+def _info_peer(args: argparse.Namespace) -> None:
+    """Link to ``--peer`` as a pull would (same secret, TLS and transport settings from the
+    environment) and say which path the pull will take and why."""
+    from datadist.api.llm_datadist import _secret, _tls
+    from datadist.api.status import LLMException
+    from datadist.core.engine import Engine, EngineConfig
+    from datadist.core.errors import DatadistError
+    from datadist.transport.iov import cma_refusal
+    from datadist.transport.tcp import parse_host_port
+
+    try:
+        host, port = parse_host_port(args.peer)
+        if args.own_id == args.cluster_id:
+            raise CliError(f"--own-id and --cluster-id are both {args.cluster_id}: a link "
+                           "needs two clusters")
+        eng = Engine(EngineConfig(cluster_id=args.own_id, role=2, transport=None,
+                                  secret=_secret({}), tls=_tls({})))
+    except (DatadistError, LLMException) as e:
+        raise CliError(f"--peer {args.peer!r}: {e}") from None
+    try:
+        try:
+            link = eng.link(args.cluster_id, host, port, args.timeout)
+        except DatadistError as e:
+            raise CliError(f"cannot link to cluster {args.cluster_id} at {host}:{port}: "
+                           f"{e}") from None
+        path, reason = link.path_name, link.reason
+        pid = getattr(link.path, "pid", None)
+        if pid is not None:
+            refused = cma_refusal(pid)
+            if refused is not None:
+                # What Link.run does at the first pull: the kernel refuses, tcp takes over.
+                path, reason = "tcp", (f"same host, but cross-memory attach to pid {pid} is "
+                                       f"refused ({refused}: another user, Yama or seccomp); "
+                                       "pulls fall back to tcp")
+        print(f"link to cluster {args.cluster_id} at {host}:{port}: path={path} ({reason})")
+    finally:
+        eng.close()
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -264,7 +297,74 @@ def cmd_bench(argv: list[str]) -> int:
     return bench.main(argv)
 
 
+class CliError(Exception):
+    """A failure the CLI reports as one line (and exit code 1), without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (exit code 2), not usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, CliError) else f"{type(e).__name__}: {text}"
+
+
+def _count(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an int in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {hi}]")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _demo_memory_check(args: argparse.Namespace) -> None:
+    """Refuse a demo whose caches (both processes) would not fit in this host's memory."""
+    block = BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2
+    per_side = 2 * args.layers * (args.blocks * block + args.batch * args.seq * KV_HEADS
+                                  * HEAD_DIM * 2)
+    need = 3 * per_side  # the PROMPT's caches, the DECODER's, and the copies sent across
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return
+    if need > have // 2:
+        raise CliError(f"these demo sizes need about {need / 2**30:.1f} GiB, more than half "
+                       f"of this host's {have / 2**30:.1f} GiB: use fewer --layers, --blocks, "
+                       "--seq or --batch")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every failure is one line on stderr and a non-zero exit code
+    (argument errors 2, the rest 1); DATADIST_DEBUG=1 shows the traceback as well."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("datadist: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - the CLI's one place that reports errors
+        if os.environ.get("DATADIST_DEBUG") == "1":
+            import traceback
+
+            traceback.print_exc()
+        print(f"datadist: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"] and "--llm" in argv:
         # The transformer demo has its own options (some share names with the main demo's).
@@ -276,13 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         # The benchmark parses its own options (--help included); an argparse REMAINDER
         # would not take the ones that start with a dash.
         return cmd_bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="datadist", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="datadist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a PROMPT and a DECODER on this host, moving real caches")
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--blocks", type=int, default=512, help="blocks per paged cache")
-    demo.add_argument("--seq", type=int, default=512, help="tokens per request")
-    demo.add_argument("--batch", type=int, default=4, help="requests (batch slots)")
+    demo.add_argument("--layers", type=_count(1, 4096), default=8)
+    demo.add_argument("--blocks", type=_count(2, 1 << 24), default=512,
+                      help="blocks per paged cache (at least 2: half of them are pulled)")
+    demo.add_argument("--seq", type=_count(1, 1 << 24), default=512, help="tokens per request")
+    demo.add_argument("--batch", type=_count(1, 4096), default=4,
+                      help="requests (batch slots)")
     demo.add_argument("--transport", nargs="+", default=["auto", "tcp"],
                       choices=["auto", "tcp", "cma"],
                       help="data paths to run, one PROMPT process each")
@@ -293,13 +395,19 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="this host's data paths; with --peer, which path a link "
                                        "uses and why")
     info.add_argument("--peer", help="ip:port of a datadist listener")
-    info.add_argument("--cluster-id", type=int, default=1)
-    info.add_argument("--own-id", type=int, default=2**63 - 1)
+    info.add_argument("--cluster-id", type=_count(0, 2**64 - 1), default=1,
+                      help="the peer's cluster id (default 1)")
+    info.add_argument("--own-id", type=_count(0, 2**64 - 1), default=2**63 - 1)
+    info.add_argument("--timeout", type=float, default=3.0, help="seconds to link (3)")
     info.set_defaults(fn=cmd_info)
     # listed for --help; main() hands `bench ...` to the benchmark's own parser
     sub.add_parser("bench", help="the benchmark: every data path against its limit (see "
                                  "`datadist bench --help`)")
     args = parser.parse_args(argv)
+    if args.cmd == "demo":
+        _demo_memory_check(args)
+    if args.cmd == "info" and not 0 < args.timeout <= 3600:
+        parser.error(f"argument --timeout: {args.timeout} is out of range (0, 3600]")
     return int(args.fn(args))
 
 

@@ -248,8 +248,8 @@ class TestOptionsAreCheckedAtInit:
         assert e.status_code == S.LLM_OUT_OF_MEMORY and str(size) in str(e)
 
     @pytest.mark.parametrize("options", [{"ge.flowGraphMemMaxSize": "9" * 30},
-                                         {"llm.BufPoolCfg": '{"buf_cfg": [{"total_size": %d}]}'
-                                                            % 10**30}])
+                                         {"llm.BufPoolCfg": '{"buf_cfg": [{"total_size": '
+                                                            + str(10**30) + "}]}"}])
     def test_legacy_pool_sizes(self, options):
         e = self._init_error(options)
         assert e.status_code == S.LLM_PARAM_INVALID
@@ -406,7 +406,7 @@ class TestArraysAndTensorsAsAddresses:
         dst = [np.zeros(512, np.uint8) for _ in range(2)]
         local = d.register_cache(desc, dst)
         d.pull_cache(llm.CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id, 1), local, 0)
-        for got, w in zip(dst, want):
+        for got, w in zip(dst, want, strict=True):
             assert np.array_equal(got[:256], w[256:])
         p.unregister_cache(src.cache_id)
         gc.collect()

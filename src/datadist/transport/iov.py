@@ -297,6 +297,25 @@ def _vm_call(call, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     return n
 
 
+def cma_refusal(pid: int) -> str | None:
+    """Why the kernel would refuse us ``process_vm_readv`` on ``pid``, or None if it allows
+    it. Reads one byte at address 0 of that process: the permission check (same uids, Yama,
+    no seccomp filter) comes before the copy, so EFAULT means allowed and nothing is read.
+    Who calls: ``datadist info``, to predict the path a pull will take."""
+    scratch = np.zeros(1, np.uint8)
+    local = make_iov(np.array([scratch.ctypes.data], U64), np.array([1], U64))
+    remote = np.array([[0, 1]], dtype=U64)
+    n = _libc.process_vm_readv(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0)
+    if n >= 0:
+        return None
+    err = ctypes.get_errno()
+    if err == errno.EFAULT:
+        return None
+    if err == errno.ESRCH:
+        return f"no process {pid} in our pid namespace"
+    return os.strerror(err)
+
+
 def vm_copy(pid: int, local: np.ndarray, remote: np.ndarray, *, write: bool = False) -> None:
     """Copy between our memory and process ``pid``'s, span by span (pairs of equal length).
 
