@@ -441,3 +441,51 @@ class TestOwnerThatCannotReadItsMemory:
         finally:
             reader.close()
             owner.close()
+
+
+_SWAP_INTO_FREED = """
+import ctypes, mmap
+import numpy as np
+import datadist as llm
+from datadist.api.cache_manager import CacheManager
+from datadist.core.engine import Engine, EngineConfig
+from datadist.memory.pool import PoolConfig
+
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+engine = Engine(EngineConfig(cluster_id=2, role=2, device_pool=PoolConfig(1 << 20, 12)))
+cm = CacheManager(engine)
+desc = llm.CacheDesc(1, [4, 4096], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
+dev = cm.allocate_blocks_cache(desc)
+addr = libc.mmap(None, 4 * 4096, mmap.PROT_READ | mmap.PROT_WRITE,
+                 mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+libc.munmap(addr + 4096, 3 * 4096)  # the caller's buffer: one page of the four described
+host = llm.Cache.create_cpu_cache(
+    llm.CacheDesc(1, [4, 4096], llm.DataType.DT_UINT8, llm.Placement.HOST), [addr])
+try:
+    cm.swap_blocks(dev, host, {0: 3})
+    print("SWAPPED")
+except llm.LLMException as e:
+    print("REFUSED", e.status_code, e)
+engine.close()
+"""
+
+
+class TestCpuCacheMemory:
+    """Item 17, the same hole in local copies: swap_blocks into a create_cpu_cache whose
+    memory is shorter than its description is PARAM_INVALID, not a SIGSEGV."""
+
+    def test_swap_into_short_cpu_cache(self):
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        src = str(Path(llm.__file__).resolve().parents[1])
+        proc = subprocess.run([sys.executable, "-c", _SWAP_INTO_FREED], capture_output=True,
+                              text=True, timeout=60, env={"PYTHONPATH": src, "PATH": ""})
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+        assert "REFUSED LLMStatusCode.LLM_PARAM_INVALID" in proc.stdout, proc.stdout
+        assert "cpu cache tensor 0" in proc.stdout

@@ -24,6 +24,7 @@ from datadist.api.status import llm_errors, raise_if_false
 from datadist.api.types import CacheDesc
 from datadist.core import layout, local
 from datadist.core.engine import Engine
+from datadist.memory import mapped
 
 UNREGISTERED_ID = -1  # Cache.create_cpu_cache / KvCache.create_cpu_cache
 
@@ -46,6 +47,21 @@ class _Side:
 
 
 
+def _check_cpu_cache(geo: layout.Geometry, addrs: np.ndarray) -> None:
+    """A ``create_cpu_cache`` is the caller's memory, never registered: before copying into
+    or out of it, probe the first and last byte of each tensor (one system call), so that
+    memory shorter than the description or freed is PARAM_INVALID, not a SIGSEGV."""
+    raise_if_false(int(addrs.max()) <= 2**64 - 1 - geo.tensor_bytes,
+                   "a cpu cache tensor passes the end of the address space")
+    probes = np.concatenate((addrs, addrs + np.uint64(geo.tensor_bytes - 1)))
+    bad = mapped.first_unreadable(probes)
+    if bad is not None:
+        t = bad % len(addrs)
+        raise_if_false(False, f"cpu cache tensor {t} [{int(addrs[t]):#x}, "
+                              f"{int(addrs[t]) + geo.tensor_bytes:#x}) is not wholly mapped "
+                              f"in this process (no access at {int(probes[bad]):#x})")
+
+
 @contextlib.contextmanager
 def held(engine: Engine, ref: CacheRef) -> Iterator[_Side]:
     """The cache's geometry and tensor addresses, leased for the ``with`` body.
@@ -58,7 +74,10 @@ def held(engine: Engine, ref: CacheRef) -> Iterator[_Side]:
         raise_if_false(len(ref.addrs) == ref.desc.num_tensors and all(ref.addrs),
                        f"the cpu cache has {len(ref.addrs)} addresses for "
                        f"{ref.desc.num_tensors} tensors")
-        yield _Side(geometry_of(ref.desc, blocks=ref.is_blocks), np.asarray(ref.addrs, dtype=np.uint64))
+        geo = geometry_of(ref.desc, blocks=ref.is_blocks)
+        addrs = np.asarray(ref.addrs, dtype=np.uint64)
+        _check_cpu_cache(geo, addrs)
+        yield _Side(geo, addrs)
         return
     with llm_errors():
         entry = engine.registry.hold(ref.cache_id)
