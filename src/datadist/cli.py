@@ -301,8 +301,9 @@ class CliError(Exception):
     """A failure the CLI reports as one line (and exit code 1), without a traceback."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (exit code 2), not usage plus error."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (exit code 2), not usage plus error. Every
+    ``datadist`` subcommand's parser is one (bench, demo --llm)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -376,7 +377,7 @@ def _main(argv: list[str] | None = None) -> int:
         # The benchmark parses its own options (--help included); an argparse REMAINDER
         # would not take the ones that start with a dash.
         return cmd_bench(argv[1:])
-    parser = _Parser(prog="datadist", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="datadist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="a PROMPT and a DECODER on this host, moving real caches")
     demo.add_argument("--layers", type=_count(1, 4096), default=8)

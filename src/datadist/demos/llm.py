@@ -50,7 +50,9 @@ LINK_TIMEOUT_MS = 10_000
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    from datadist.cli import OneLineParser
+
+    p = OneLineParser(
         prog="datadist demo --llm",
         description="Prefill a Llama model in one process, move its paged KV cache with "
                     "datadist, decode in another; check the tokens against generate().")
