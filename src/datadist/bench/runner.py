@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -136,7 +135,9 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``datadist bench``: run, print the table, optionally write JSON. Returns the exit code:
     0 when every row ran (goals missed or not), 1 when the run failed."""
-    ap = argparse.ArgumentParser(prog="datadist bench", description=__doc__.split("\n")[0])
+    from datadist.cli import OneLineParser  # errors on one line, as every datadist command
+
+    ap = OneLineParser(prog="datadist bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="8 MiB transfers and fewer small pulls (a smoke run, seconds)")
     ap.add_argument("--size", type=int, metavar="MiB",
