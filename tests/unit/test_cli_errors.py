@@ -156,3 +156,17 @@ def test_info_predicts_the_path_of_a_real_pull(other_user):
     assert predicted == taken, out
     if other_user:
         assert taken == "tcp" and "refused" in out
+
+
+def test_llm_demo_child_failure_is_one_line(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from datadist.demos import llm
+
+    def failing_run(args, out=None):
+        raise llm._ChildFailed("the prompt process failed:\nTraceback (most recent call "
+                               "last):\n  File \"x.py\", line 1, in f\nValueError: bad block")
+
+    monkeypatch.setattr(llm, "run", failing_run)
+    rc, _, err = run(["demo", "--llm"], capsys)
+    line = one_error_line(rc, err)
+    assert "the prompt process failed" in line and "ValueError: bad block" in line

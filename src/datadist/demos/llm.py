@@ -477,7 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run(args)
     except (DemoError, TimeoutError) as e:
-        print(f"[main] demo failed: {e}", file=sys.stderr)
+        # One line: the failure and, for a child's traceback, its last line (the error).
+        # DATADIST_DEBUG=1 prints the whole message.
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        text = str(e) if os.environ.get("DATADIST_DEBUG") == "1" else " ".join(
+            lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+        print(f"datadist demo --llm: error: {text}", file=sys.stderr)
         return 1
     return 0 if report.ok else 1
 
