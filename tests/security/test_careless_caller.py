@@ -489,3 +489,33 @@ class TestCpuCacheMemory:
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
         assert "REFUSED LLMStatusCode.LLM_PARAM_INVALID" in proc.stdout, proc.stdout
         assert "cpu cache tensor 0" in proc.stdout
+
+
+class TestV1TensorFromAddress:
+    """The v1 ``Tensor(address, desc)``: a view of memory that is not there is PARAM_INVALID,
+    not a SIGSEGV at the first access; read-only memory gives a read-only array."""
+
+    def test_unmapped_and_short_memory(self, mapping):
+        from datadist.api.v1 import Tensor, TensorDesc
+
+        m = mapping(2)
+        m.unmap(1)
+        u8 = llm.DataType.DT_UINT8
+        assert Tensor(m.addr, TensorDesc(u8, [PAGE])).numpy().nbytes == PAGE
+        with code(S.LLM_PARAM_INVALID, "not wholly mapped"):
+            Tensor(m.addr, TensorDesc(u8, [2 * PAGE]))
+        with code(S.LLM_PARAM_INVALID):
+            Tensor(0, TensorDesc(u8, [4]))
+        with code(S.LLM_PARAM_INVALID):
+            Tensor(m.addr, TensorDesc(u8, [2**62, 8]))
+
+    def test_read_only_memory_gives_a_read_only_view(self, mapping):
+        import mmap
+
+        from datadist.api.v1 import Tensor, TensorDesc
+
+        m = mapping(1, mmap.PROT_READ)
+        view = Tensor(m.addr, TensorDesc(llm.DataType.DT_UINT8, [PAGE])).numpy()
+        assert not view.flags.writeable
+        with pytest.raises(ValueError):
+            view[0] = 1

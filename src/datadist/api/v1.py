@@ -105,6 +105,39 @@ class TensorDesc:
         return f"TensorDesc(dtype={self._dtype}, shape={self._shape})"
 
 
+def _view(addr: int, dtype: np.dtype, shape: list[int]) -> np.ndarray:
+    """A numpy array over ``addr`` (no copy, no check: the caller knows the memory)."""
+    import ctypes
+
+    count = int(np.prod(shape)) if shape else 1
+    buf = (ctypes.c_byte * (count * dtype.itemsize)).from_address(addr)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _checked_view(addr: int, desc: TensorDesc) -> np.ndarray:
+    """A view of caller-given memory: the range must be mapped readable (PARAM_INVALID
+    otherwise, instead of a SIGSEGV at the first access); read-only memory gives a
+    read-only array."""
+    from datadist.memory import mapped
+
+    check_int("data", addr, "uint64", allow_none=False)
+    dt = numpy_dtype(desc.dtype)
+    raise_if_false(all(d >= 0 for d in desc.shape), f"shape {desc.shape} has a negative dim")
+    nbytes = (int(np.prod(desc.shape, dtype=object)) if desc.shape else 1) * dt.itemsize
+    raise_if_false(addr != 0 and nbytes <= 2**63 and addr <= 2**64 - 1 - nbytes,
+                   f"a Tensor of {nbytes} bytes at {addr:#x} does not fit the address space")
+    if nbytes == 0:
+        return _view(addr, dt, desc.shape)
+    base, n = np.array([addr], np.uint64), np.array([nbytes], np.uint64)
+    bad = int(mapped.unmapped(base, n, write=False)[0])
+    raise_if_false(bad == 0, f"a Tensor of {nbytes} bytes at {addr:#x} is not wholly mapped in "
+                             f"this process (no access at {bad:#x})")
+    arr = _view(addr, dt, desc.shape)
+    if int(mapped.unmapped(base, n, write=True)[0]):
+        arr.flags.writeable = False
+    return arr
+
+
 class Tensor:
     """A host tensor: wraps a numpy array, another Tensor, or a raw address plus a desc."""
 
@@ -120,12 +153,7 @@ class Tensor:
             if tensor_desc is None:
                 raise LLMException("a Tensor from an address needs a tensor_desc",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID)
-            import ctypes
-
-            dt = numpy_dtype(tensor_desc.dtype)
-            count = int(np.prod(tensor_desc.shape)) if tensor_desc.shape else 1
-            buf = (ctypes.c_byte * (count * dt.itemsize)).from_address(data)
-            self._array = np.frombuffer(buf, dtype=dt).reshape(tensor_desc.shape)
+            self._array = _checked_view(data, tensor_desc)
         self._desc = tensor_desc or TensorDesc(from_numpy_dtype(self._array.dtype),
                                                list(self._array.shape))
 
@@ -446,7 +474,7 @@ class KvCacheManager:
                            f"tensor_index ({tensor_index}) out of range [0, "
                            f"{desc.num_tensors})")
             tensor_desc = TensorDesc(desc.data_type, desc.shape)
-            return [Tensor(int(addrs[tensor_index]), tensor_desc)
+            return [Tensor(int(addrs[tensor_index]), tensor_desc)  # checked: caller's memory
                     for addrs in cache.per_device_tensor_addrs]
         # A cache of ours: shape, dtype and address as allocated, whatever the CacheDesc says
         # now (update_dim after allocation must not make a view reach past the cache).
@@ -460,7 +488,8 @@ class KvCacheManager:
             dtype, shape = DataType.DT_UINT8, (g.tensor_bytes,)
         else:
             dtype, shape = registered
-        return [Tensor(int(entry.addrs[tensor_index]), TensorDesc(dtype, list(shape)))]
+        return [Tensor(_view(int(entry.addrs[tensor_index]), numpy_dtype(dtype), list(shape)),
+                       TensorDesc(dtype, list(shape)))]
 
     # ------------------------------------------------------------------ async (PROMPT)
 
