@@ -268,6 +268,11 @@ class TestOptionsAreCheckedAtInit:
                               "datadist.TlsCa": str(junk)})
         assert e.status_code == S.LLM_PARAM_INVALID and str(junk) in str(e)
 
+    def test_listen_port_that_isdigit_but_is_not_an_int(self):
+        e = self._init_error({"llm.EnableCacheManager": "1",
+                              "llm.listenIpInfo": "127.0.0.1:\u00b2"})
+        assert e.status_code == S.LLM_PARAM_INVALID and "127.0.0.1:\u00b2" in str(e)
+
     def test_config_setters(self):
         c = llm.LLMConfig()
         with code(S.LLM_PARAM_INVALID):
@@ -519,3 +524,13 @@ class TestV1TensorFromAddress:
         assert not view.flags.writeable
         with pytest.raises(ValueError):
             view[0] = 1
+
+
+def test_rank_table_digit_strings_are_ascii():
+    """Item 16's class of bug in the rank table: '²' passes str.isdigit() but not int()."""
+    from datadist.api import rank_table
+
+    table = ('{"version": "1.0", "server_list": [{"device": [{"rank_id": "\\u00b2", '
+             '"device_ip": "127.0.0.1"}]}]}')
+    with code(S.LLM_PARAM_INVALID, "rank_id"):
+        rank_table.parse(table)

@@ -57,7 +57,7 @@ def _as_int(value: Any, what: str) -> int:
         raise _bad(f"{what} must be an int, got {value!r}")
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit():  # not '²' (int fails)
         return int(value)
     raise _bad(f"{what} must be an int or a digit string, got {value!r}")
 

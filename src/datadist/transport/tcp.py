@@ -609,6 +609,6 @@ class ServerConnection:
 def parse_host_port(text: str) -> tuple[str, int]:
     """Split "ip:port" strictly (LLM-DataDist's format; no IPv6 literals)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise InvalidArgument(f"expected 'ip:port', got {text!r}")
     return host, int(port)
