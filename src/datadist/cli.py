@@ -365,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _version() -> str:
+    from datadist import __version__
+
+    return __version__
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"] and "--llm" in argv:
@@ -377,33 +383,49 @@ def _main(argv: list[str] | None = None) -> int:
         # The benchmark parses its own options (--help included); an argparse REMAINDER
         # would not take the ones that start with a dash.
         return cmd_bench(argv[1:])
-    parser = OneLineParser(prog="datadist", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="a PROMPT and a DECODER on this host, moving real caches")
-    demo.add_argument("--layers", type=_count(1, 4096), default=8)
+    parser = OneLineParser(
+        prog="datadist", description="datadist: the LLM-DataDist KV-cache transfer API for "
+        "Linux hosts. Commands: demo (the main job), info, bench.",
+        epilog="Start with 'datadist demo'; 'datadist COMMAND --help' tells more.")
+    parser.add_argument("--version", action="version", version=f"datadist {_version()}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="a PROMPT and a DECODER on this host, moving real caches",
+                          description="Start a PROMPT process and a DECODER (this process) on "
+                          "this host, move real caches between them, check every byte and "
+                          "print what moved and how fast, once per data path.")
+    demo.add_argument("--layers", type=_count(1, 4096), default=8,
+                      help="model layers, K and V each (default 8)")
     demo.add_argument("--blocks", type=_count(2, 1 << 24), default=512,
                       help="blocks per paged cache (at least 2: half of them are pulled)")
     demo.add_argument("--seq", type=_count(1, 1 << 24), default=512, help="tokens per request")
     demo.add_argument("--batch", type=_count(1, 4096), default=4,
                       help="requests (batch slots)")
     demo.add_argument("--transport", nargs="+", default=["auto", "tcp"],
-                      choices=["auto", "tcp", "cma"],
-                      help="data paths to run, one PROMPT process each")
+                      choices=["auto", "tcp", "cma", "shm"],
+                      help="data paths to run, one PROMPT process each (default: auto tcp; "
+                           "auto is the path datadist picks by itself)")
     demo.add_argument("--llm", action="store_true",
                       help="the transformer demo instead (needs the [llm] extra); its own "
-                           "options follow, see `datadist demo --llm --help`")
+                           "options follow, see 'datadist demo --llm --help'")
     demo.set_defaults(fn=cmd_demo)
     info = sub.add_parser("info", help="this host's data paths; with --peer, which path a link "
-                                       "uses and why")
+                                       "uses and why",
+                          description="Say which data paths this host offers; with --peer, link "
+                          "to a running PROMPT as a pull would and say which path it takes.")
     info.add_argument("--peer", help="ip:port of a datadist listener")
     info.add_argument("--cluster-id", type=_count(0, 2**64 - 1), default=1,
                       help="the peer's cluster id (default 1)")
-    info.add_argument("--own-id", type=_count(0, 2**64 - 1), default=2**63 - 1)
+    info.add_argument("--own-id", type=_count(0, 2**64 - 1), default=2**63 - 1,
+                      help="the cluster id this probe links as (default 2**63-1; any id the "
+                           "peer does not use)")
     info.add_argument("--timeout", type=float, default=3.0, help="seconds to link (3)")
     info.set_defaults(fn=cmd_info)
     # listed for --help; main() hands `bench ...` to the benchmark's own parser
     sub.add_parser("bench", help="the benchmark: every data path against its limit (see "
-                                 "`datadist bench --help`)")
+                                 "'datadist bench --help')")
+    if not argv:  # a bare 'datadist' shows what it can do instead of an error
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         _demo_memory_check(args)
