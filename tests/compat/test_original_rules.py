@@ -439,3 +439,25 @@ def test_cache_task_timeout_is_uint32():
     with pytest.raises(TypeError):
         task.get_results(1.5)
     assert task.synchronize(0) is S.LLM_TIMEOUT  # not finished: the default error
+
+
+# configs.py, LlmConfig: the string and bool setters run utils.utils.check_isinstance, whose
+# allow_none defaults to True, so None is accepted and leaves the option unset (gen_options
+# skips a falsy or None value); the numeric setters compare the value and fail on None.
+@pytest.mark.parametrize("name", [
+    "listen_ip_info", "local_comm_res", "transfer_backend", "global_resource_config",
+    "deploy_res_path", "enable_cache_manager", "enable_remote_cache_accessible",
+    "enable_switch_role", "mem_pool_cfg", "host_mem_pool_cfg", "buf_pool_cfg",
+    "output_max_size"])
+def test_config_setters_take_none_as_unset(name):
+    cfg = llm.LLMConfig()
+    setattr(cfg, name, None)
+    opts = cfg.generate_options()
+    assert opts == {"llm.MemoryUtilization": "0.95"}, opts
+
+
+@pytest.mark.parametrize("name", ["sync_kv_timeout", "mem_utilization", "link_total_time",
+                                  "link_retry_count", "device_id", "cluster_info"])
+def test_numeric_config_setters_refuse_none(name):
+    with pytest.raises(TypeError):
+        setattr(llm.LLMConfig(), name, None)

@@ -175,7 +175,7 @@ class LLMConfig:
 
     @listen_ip_info.setter
     def listen_ip_info(self, value: str) -> None:
-        check_isinstance("listen_ip_info", value, str, allow_none=False)
+        check_isinstance("listen_ip_info", value, str, allow_none=True)  # None: unset
         self._listen_ip_info = value
 
     @property
@@ -210,8 +210,8 @@ class LLMConfig:
 
     # -- modes
 
-    def _bool(self, name: str, value: bool) -> bool:
-        check_isinstance(name, value, bool, allow_none=False)
+    def _bool(self, name: str, value: bool | None) -> bool | None:
+        check_isinstance(name, value, bool, allow_none=True)  # None: unset
         return value
 
     @property
@@ -240,8 +240,8 @@ class LLMConfig:
 
     # -- pools
 
-    def _pool(self, name: str, value: str, *, buf: bool = False) -> str:
-        check_isinstance(name, value, str, allow_none=False)
+    def _pool(self, name: str, value: str | None, *, buf: bool = False) -> str | None:
+        check_isinstance(name, value, str, allow_none=True)  # None: unset
         if value:
             try:
                 cfg = json.loads(value)
@@ -327,7 +327,7 @@ class LLMConfig:
 
     @local_comm_res.setter
     def local_comm_res(self, value: str) -> None:
-        check_isinstance("local_comm_res", value, str, allow_none=False)
+        check_isinstance("local_comm_res", value, str, allow_none=True)  # None: unset
         self._local_comm_res = value
 
     @property
@@ -336,7 +336,7 @@ class LLMConfig:
 
     @transfer_backend.setter
     def transfer_backend(self, value: str) -> None:
-        check_isinstance("transfer_backend", value, str, allow_none=False)
+        check_isinstance("transfer_backend", value, str, allow_none=True)  # None: unset
         self._transfer_backend = value
 
     @property
@@ -345,7 +345,7 @@ class LLMConfig:
 
     @global_resource_config.setter
     def global_resource_config(self, value: str) -> None:
-        check_isinstance("global_resource_config", value, str, allow_none=False)
+        check_isinstance("global_resource_config", value, str, allow_none=True)  # None: unset
         self._global_resource_config = value
 
     @property
@@ -435,7 +435,7 @@ class LLMConfig:
 
     @deploy_res_path.setter
     def deploy_res_path(self, value: str) -> None:
-        check_isinstance("deploy_res_path", value, str, allow_none=False)
+        check_isinstance("deploy_res_path", value, str, allow_none=True)  # None: unset
         self._deploy_res_path = value
 
     @property
@@ -463,7 +463,7 @@ class LLMConfig:
 
     @output_max_size.setter
     def output_max_size(self, value: int) -> None:
-        check_int("output_max_size", value, "int64", allow_none=False)
+        check_int("output_max_size", value, "int64", allow_none=True)  # None: unset
         self._output_max_size = value
 
     @property
