@@ -108,6 +108,7 @@ class Lease:
     binding: KeyBinding | None
     key: KeyId | None
     shm: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # per requested tensor
+    grantee: int = 0  # a grant's verified reader pid (the engine counts grants per peer)
 
     @property
     def nbytes(self) -> int:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 
 import numpy as np
 
 from datadist.core.errors import DatadistError, IntegrityError, RemoteProtocolError
-from datadist.memory.pool import map_shared, unmap
+from datadist.memory.pool import map_shared, shrink_sealed, unmap
 from datadist.transport.base import TransportCaps
 from datadist.transport.iov import (
     CmaRefused,
@@ -149,20 +150,21 @@ class CmaPath:
             if len(grant.fds) != len(msg.tensors):
                 chan.close()
                 raise RemoteProtocolError("shm grant does not match the request")
-            bases = np.empty(len(grant.fds), dtype=np.uint64)
-            for i, (fd, ino, off) in enumerate(zip(grant.fds.tolist(), grant.inos.tolist(),
-                                                   grant.offsets.tolist())):
-                addr, size = self._map(fd, ino)
+            maps = self._resolve(grant)  # every mapping this grant uses, none unmapped
+            fds = grant.fds.tolist()
+            bases = np.empty(len(fds), dtype=np.uint64)
+            limits = np.empty(len(fds), dtype=np.uint64)
+            for i, (fd, off) in enumerate(zip(fds, grant.offsets.tolist(), strict=True)):
+                _, addr, size = maps[fd]
                 if off > size:
                     raise RemoteProtocolError("shm grant points outside the mapping")
                 bases[i] = addr + off
+                limits[i] = addr + size
             src = make_iov(*span_iov(bases, msg.offsets, msg.lengths))
             ends = src[:, 0] + src[:, 1]
             # every span must lie in the mapping its tensor came from (a lying peer must not
             # make us read our own memory out of bounds)
-            limits = np.repeat(bases - np.asarray(grant.offsets, np.uint64)
-                               + np.array([self._maps[f][2] for f in grant.fds.tolist()],
-                                          dtype=np.uint64), len(msg.lengths))
+            limits = np.repeat(limits, len(msg.lengths))
             if len(ends) and bool((ends > limits[: len(ends)]).any()):
                 raise RemoteProtocolError("shm grant spans run past the shared mapping")
             local_copy(local, src)
@@ -173,31 +175,60 @@ class CmaPath:
             if not chan.closed:
                 chan.send(p.Release(grant.lease_id, ok), deadline)
 
+    def _resolve(self, grant: p.ShmGrant) -> dict[int, tuple[int, int, int]]:
+        """fd -> (ino, address, size) for every fd ``grant`` names: the mappings we hold,
+        and new ones for files we have not mapped (or whose fd number the owner reused for
+        another file). Nothing this grant uses is unmapped: one fd with two inodes in one
+        grant is refused, and a replaced mapping goes only once all are resolved."""
+        want: dict[int, int] = {}
+        for fd, ino in zip(grant.fds.tolist(), grant.inos.tolist(), strict=True):
+            if want.setdefault(fd, ino) != ino:
+                raise RemoteProtocolError(f"shm grant names fd {fd} with two different files")
+        got: dict[int, tuple[int, int, int]] = {}
+        new: list[int] = []
+        try:
+            for fd, ino in want.items():
+                held = self._maps.get(fd)
+                if held is not None and held[0] == ino:
+                    got[fd] = held
+                else:
+                    addr, size = self._map(fd, ino)
+                    got[fd] = (ino, addr, size)
+                    new.append(fd)
+        except BaseException:
+            for fd in new:
+                unmap(got[fd][1], got[fd][2])
+            raise
+        for fd in new:  # commit: the old file behind a reused fd number is gone for good
+            old = self._maps.get(fd)
+            self._maps[fd] = got[fd]
+            if old is not None:
+                unmap(old[1], old[2])
+        return got
+
     def _map(self, fd: int, ino: int) -> tuple[int, int]:
-        """The owner's memfd ``fd``, mapped read-only here: (address, size). One mapping per
-        fd number; a grant naming that fd with another inode means the owner closed the old
-        file and reused the number, so the old mapping goes (no growth without bound)."""
-        got = self._maps.get(fd)
-        if got is not None:
-            if got[0] == ino:
-                return got[1], got[2]
-            del self._maps[fd]
-            unmap(got[1], got[2])
+        """The owner's memfd ``fd``, mapped read-only here: (address, size). Only a memfd
+        (or tmpfs file) with inode ``ino``, sealed against shrinking: a file the owner could
+        truncate under our copy would kill us with SIGBUS. Opened non-blocking, so a FIFO
+        named by a lying owner cannot hang us."""
         path = f"/proc/{self.pid}/fd/{fd}"
         try:
-            f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            f = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise ShmUnavailable(f"cannot open the owner's shared memory {path}: {e}") from e
         try:
             st = os.fstat(f)
-            if st.st_ino != ino:
+            if st.st_ino != ino or not stat.S_ISREG(st.st_mode):
                 raise RemoteProtocolError(f"{path} is not the memory the owner named")
+            if not shrink_sealed(f):  # not hostile per se (an older owner): do without
+                raise ShmUnavailable(f"{path} is not sealed against shrinking")
+            if st.st_size <= 0:
+                raise RemoteProtocolError(f"{path} is empty")
             addr = map_shared(f, st.st_size, writable=False)
         except OSError as e:
             raise ShmUnavailable(f"cannot map {path}: {e}") from e
         finally:
             os.close(f)
-        self._maps[fd] = (ino, addr, st.st_size)
         return addr, st.st_size
 
     def close(self) -> None:
