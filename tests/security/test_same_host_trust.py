@@ -438,3 +438,46 @@ def test_ptracer_only_for_cross_memory_attach(ptracer: list[int], owner_kw: dict
     finally:
         eng.close()
     assert ptracer == want
+
+
+def test_refused_cross_memory_attach_keeps_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel refuses cross-memory attach (an owner that did not let us ptrace
+    it), caches in shareable memory are still read through it (no ptrace permission needed),
+    even with many spans; the others are streamed over the same channel."""
+    from datadist.transport import paths
+
+    def refused(*_: object) -> None:
+        raise iov.CmaRefused("Operation not permitted (simulated)")
+
+    monkeypatch.setattr(paths, "vm_copy", refused)
+    eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
+                              host_pool=PoolConfig(2 << 20, 12)))
+    puller = _puller()
+    try:
+        many = Geometry(300, 64, 1)  # 300 spans: above SHM_MAX_SPANS, cma would be asked
+        pooled = eng.allocate(many, placement=engine_mod.HOST)
+        want = np.random.default_rng(5).integers(0, 255, (300, 64), dtype=np.uint8)
+        for t, addr in enumerate(pooled.addrs.tolist()):
+            np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 64).from_address(addr))[:] = \
+                want[t]
+        plain = np.arange(N, dtype=np.uint8)
+        plain_entry = eng.register(GEO, [plain.ctypes.data], placement=0)
+        link = puller.link(OWNER, *eng.listen_address, 2.0)
+        path = link.path
+        assert isinstance(path, CmaPath)
+        dst = np.zeros((300, 64), dtype=np.uint8)
+        entry = puller.register(many, [int(a) for a in dst.ctypes.data + 64 * np.arange(300)],
+                                placement=0)
+        plan = plan_slot(many, 0, layer_tensor_indices(300, None, None, 2))
+        puller.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, pooled.cache_id, 0), 0, plan,
+                    entry.cache_id, 2.0)
+        assert np.array_equal(dst, want) and path.last == "shm" and link.path is path
+        dst1 = np.zeros(N, dtype=np.uint8)
+        entry1 = puller.register(GEO, [dst1.ctypes.data], placement=0)
+        puller.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, plain_entry.cache_id, 0), 0,
+                    plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2)),
+                    entry1.cache_id, 2.0)
+        assert np.array_equal(dst1, plain) and path.last == "stream" and link.path is path
+    finally:
+        puller.close()
+        eng.close()

@@ -155,6 +155,23 @@ class Link:
             log.info("link to cluster %d now uses %s (%s)", self.cluster_id,
                      self.path.caps.name, self.reason)
 
+    def _refused(self, e: CmaRefused) -> None:
+        """The kernel refused cross-memory attach (nothing was copied): keep shared memory
+        where the owner's caches are in it (it needs no ptrace permission), else tcp."""
+        path = self.path
+        assert isinstance(path, CmaPath)
+        if path.allow_shm and not path.cma_refused:
+            log.warning("cross-memory attach to pid %d refused (%s); link to cluster %d uses "
+                        "shared memory where it can, a stream elsewhere", path.pid, e,
+                        self.cluster_id)
+            path.cma_refused = True
+            self.reason = f"cma refused by the kernel ({e}): shared memory, else a stream"
+            return
+        log.warning("cross-memory attach to pid %d refused (%s); link to cluster %d falls "
+                    "back to tcp", path.pid, e, self.cluster_id)
+        path.close()
+        self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
+
     def run(self, deadline: float, op):  # type: ignore[no-untyped-def]
         """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke
         and falling back from CMA to TCP when the kernel refuses."""
@@ -168,16 +185,11 @@ class Link:
                     self.reconnect(deadline)
                 except LinkFailed as e:
                     raise BrokenLink(f"link to cluster {self.cluster_id} is down: {e}") from e
-            try:
-                return op(self.path, self.chan)
-            except CmaRefused as e:
-                log.warning(
-                    "cross-memory attach to pid %d refused (%s); link to cluster %d falls "
-                    "back to tcp", self.welcome.pid, e, self.cluster_id,
-                )
-                self.path.close()
-                self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
-                return op(self.path, self.chan)
+            while True:  # at most: cma, then shared memory or a stream, then tcp
+                try:
+                    return op(self.path, self.chan)
+                except CmaRefused as e:
+                    self._refused(e)
         finally:
             if self.closing:  # unlinked while we ran: see close()
                 self.chan.close()

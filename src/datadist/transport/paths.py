@@ -92,6 +92,9 @@ class TcpPath:
         _expect(chan.answer(deadline), p.Ok, chan)
 
 
+_TCP = TcpPath()
+
+
 class CmaPath:
     """Same host. Asks the owner for a grant and copies itself:
 
@@ -108,11 +111,16 @@ class CmaPath:
         self.allow_shm = allow_shm
         self.caps = TransportCaps(name, same_host_only=True, one_sided=True)
         self._maps: dict[int, tuple[int, int, int]] = {}  # owner's fd -> (ino, addr, size)
-        self.last = ""  # which mechanism moved the last request: "shm" or "cma"
+        self.last = ""  # which mechanism moved the last request: "shm", "cma" or "stream"
+        # The kernel refused cross-memory attach (the owner did not let us ptrace it): shared
+        # memory, which needs no ptrace permission, for every cache that is in it; the
+        # others are streamed over the control channel. Set by Link.run.
+        self.cma_refused = False
 
     def read(self, chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
         flags = msg.flags | p.ReadFlags.GRANT
-        if self.allow_shm and len(msg.tensors) * len(msg.lengths) <= self.SHM_MAX_SPANS:
+        if self.allow_shm and (self.cma_refused
+                               or len(msg.tensors) * len(msg.lengths) <= self.SHM_MAX_SPANS):
             flags |= p.ReadFlags.SHM
         msg = dataclasses.replace(msg, flags=flags)
         grant = chan.call(msg, deadline)
@@ -120,6 +128,8 @@ class CmaPath:
             try:
                 self._read_shm(chan, msg, grant, local, deadline)
             except ShmUnavailable as e:
+                if self.cma_refused:  # nothing same-host is left: the link goes to tcp
+                    raise CmaRefused(f"shared memory unavailable too: {e}") from e
                 # Shared memory failed, cross-memory attach may not: stop asking for it.
                 log.warning("shared memory of pid %d unavailable (%s); using cross-memory "
                             "attach", self.pid, e)
@@ -132,6 +142,12 @@ class CmaPath:
         if len(grant.bases) != len(msg.tensors):
             chan.close()
             raise RemoteProtocolError("grant does not match the request")
+        if self.cma_refused:  # not in shareable memory, and we may not attach: stream it
+            chan.send(p.Release(grant.lease_id, False), deadline)
+            plain = p.ReadFlags.GRANT | p.ReadFlags.SHM
+            _TCP.read(chan, dataclasses.replace(msg, flags=msg.flags & ~plain), local, deadline)
+            self.last = "stream"
+            return
         remote = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
         ok = False
         try:
