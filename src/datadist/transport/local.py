@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from datadist.core.errors import LinkFailed, Timeout
+from datadist.transport.base import RequestHandler
 from datadist.transport.tcp import Channel, TcpListener
 
 __all__ = ["LocalCred", "LocalListener", "connect_local", "local_name", "peer_cred"]
@@ -108,7 +109,8 @@ class LocalListener(TcpListener):
     the same cluster id): the engine then serves TCP only.
     """
 
-    def __init__(self, name: bytes, handler, tls: ssl.SSLContext | None = None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, name: bytes, handler: RequestHandler,
+                 tls: ssl.SSLContext | None = None) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(name)

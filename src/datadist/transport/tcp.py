@@ -23,6 +23,7 @@ import ssl
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -40,6 +41,9 @@ from datadist.core.errors import (
 from datadist.transport.base import PeerInfo, RequestHandler
 from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, sock_readv, sock_writev
 from datadist.wire import protocol as p
+
+if TYPE_CHECKING:
+    from datadist.transport.local import LocalCred
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,7 @@ class Channel:
     """
 
     # Set on unix-socket channels (transport/local.py): who the kernel says the peer is.
-    local_cred: object | None = None
+    local_cred: LocalCred | None = None
 
     def __init__(self, sock: socket.socket, address: str) -> None:
         self.sock = sock
@@ -541,7 +545,7 @@ class ServerConnection:
             raise BrokenLink("peer refused") from e
         self.peer = PeerInfo(
             hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
-            self.chan.address, local=self.chan.local_cred,  # type: ignore[arg-type]
+            self.chan.address, local=self.chan.local_cred,
         )
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         self.chan.send(welcome, deadline, rid)
