@@ -223,48 +223,80 @@ def test_grants_only_on_the_local_channel(owner) -> None:
         c.close()
 
 
-def test_grants_are_capped_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A verified peer that never releases: a connection holds at most
-    MAX_GRANTS_PER_CONNECTION, a process MAX_GRANTS_PER_PEER; after GRANT_TTL they are
-    released, and a deallocated cache's memory goes back to the pool."""
-    monkeypatch.setattr(tcp, "GRANT_TTL", 1.0)
+@pytest.fixture
+def pool_owner():
     eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
                               host_pool=PoolConfig(1 << 20, 16)))
     clients: list[Raw] = []
-    try:
-        entry = eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
-        key = p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0)
-        name = local_name(os.getpid(), OWNER)
-        conns = engine_mod.MAX_GRANTS_PER_PEER // tcp.MAX_GRANTS_PER_CONNECTION
-        for _ in range(conns):
-            c = Raw(name)
-            clients.append(c)
-            c.hello()
-            for _ in range(tcp.MAX_GRANTS_PER_CONNECTION):
-                assert isinstance(c.grant(key), p.Grant)
-        over = clients[0].grant(key)  # this connection is full
-        assert isinstance(over, p.Error) and over.code == Code.LINK_BUSY, over
-        extra = Raw(name)  # a new connection of the same process: the peer is full
-        clients.append(extra)
-        extra.hello()
-        over = extra.grant(key)
-        assert isinstance(over, p.Error) and over.code == Code.LINK_BUSY, over
-        eng.deallocate(entry.cache_id)
-        with pytest.raises(OutOfMemory):  # still leased: the memory is not back yet
+    entry = eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
+
+    def client() -> Raw:
+        clients.append(Raw(local_name(os.getpid(), OWNER)))
+        clients[-1].hello()
+        return clients[-1]
+
+    yield eng, p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0), client
+    for c in clients:
+        c.close()
+    eng.close()
+
+
+def _wait_allocatable(eng: Engine, within: float) -> float:
+    """Seconds until the whole pool can be allocated again (fails after ``within``)."""
+    t0 = time.monotonic()
+    while True:
+        try:
             eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
-        deadline = time.monotonic() + 10.0
-        while True:  # the grants expire (peers still connected, silent)
-            try:
-                eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
-                break
-            except OutOfMemory:
-                assert time.monotonic() < deadline, "grants never expired"
-                time.sleep(0.1)
-        assert not eng._grants, eng._grants
-    finally:
-        for c in clients:
-            c.close()
-        eng.close()
+            return time.monotonic() - t0
+        except OutOfMemory:
+            assert time.monotonic() - t0 < within, "the pool stayed exhausted"
+            time.sleep(0.05)
+
+
+def test_grants_are_capped_per_connection_and_per_peer(pool_owner) -> None:
+    eng, key, client = pool_owner
+    conns = engine_mod.MAX_GRANTS_PER_PEER // tcp.MAX_GRANTS_PER_CONNECTION
+    first = client()
+    for c in [first] + [client() for _ in range(conns - 1)]:
+        for _ in range(tcp.MAX_GRANTS_PER_CONNECTION):
+            assert isinstance(c.grant(key), p.Grant)
+    over = first.grant(key)  # this connection is full
+    assert isinstance(over, p.Error) and over.code == Code.LINK_BUSY, over
+    over = client().grant(key)  # a new connection of the same process: the peer is full
+    assert isinstance(over, p.Error) and over.code == Code.LINK_BUSY, over
+    assert eng._grants == {os.getpid(): engine_mod.MAX_GRANTS_PER_PEER}
+
+
+def test_a_deallocated_cache_is_reclaimed_from_silent_grants(
+        pool_owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verified peer takes grants and never releases them, nor disconnects: once the
+    cache is deallocated its memory is back in the pool within RECLAIM_GRACE (+ a sweep),
+    long before GRANT_TTL."""
+    monkeypatch.setattr(tcp, "RECLAIM_GRACE", 1.0)
+    eng, key, client = pool_owner
+    c = client()
+    for _ in range(tcp.MAX_GRANTS_PER_CONNECTION):
+        assert isinstance(c.grant(key), p.Grant)
+    eng.deallocate(key.a)
+    with pytest.raises(OutOfMemory):  # still leased: not back yet
+        eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
+    assert _wait_allocatable(eng, 8.0) < tcp.GRANT_TTL
+    assert not eng._grants
+    assert isinstance(c.call(p.Ping(1)), p.Pong)  # the peer is still served
+
+
+def test_grants_expire_after_their_ttl(pool_owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp, "GRANT_TTL", 1.0)
+    eng, key, client = pool_owner
+    c = client()
+    assert isinstance(c.grant(key), p.Grant)
+    assert eng._grants
+    deadline = time.monotonic() + 8.0
+    while eng._grants:
+        assert time.monotonic() < deadline, "the grant never expired"
+        time.sleep(0.05)
+    eng.deallocate(key.a)  # nothing holds it now: back at once
+    assert _wait_allocatable(eng, 0.5) < 0.5
 
 
 # ---------------------------------------------------------------------------- item 7

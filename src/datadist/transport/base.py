@@ -63,6 +63,10 @@ class LeaseLike(Protocol):
 
     def iov(self) -> tuple[np.ndarray, np.ndarray]: ...
 
+    def wanted_back(self) -> bool:
+        """The owner wants the leased memory back (grants on it expire sooner)."""
+        ...
+
 
 class RequestHandler(Protocol):
     """The owner side of the protocol, implemented by the engine.

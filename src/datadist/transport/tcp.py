@@ -38,7 +38,7 @@ from datadist.core.errors import (
     Timeout,
     error_for_code,
 )
-from datadist.transport.base import PeerInfo, RequestHandler
+from datadist.transport.base import LeaseLike, PeerInfo, RequestHandler
 from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, sock_readv, sock_writev
 from datadist.wire import protocol as p
 
@@ -56,9 +56,12 @@ RECV_BUFFER = 64 << 10  # read-ahead for frames (see Channel)
 # Grants (same-host reads, a lease per grant until the reader's RELEASE): an honest reader
 # holds one at a time per connection (a link serialises its transfers) and releases it right
 # after its copy. More outstanding on one connection are refused; one not released within
-# GRANT_TTL seconds is released by the owner (its memory may then be freed and reused).
+# GRANT_TTL seconds is released by the owner (its memory may then be freed and reused), and
+# within RECLAIM_GRACE seconds once its owner wants the memory back (the cache deallocated or
+# being unregistered), so that a silent peer cannot keep a pool exhausted.
 MAX_GRANTS_PER_CONNECTION = 4
 GRANT_TTL = 30.0
+RECLAIM_GRACE = 5.0
 ARM_SLACK = 0.02  # seconds a blocking call may run past its deadline (timer granularity)
 
 
@@ -495,7 +498,7 @@ class ServerConnection:
         self.handler = handler
         self.closing = closing
         self.peer: PeerInfo | None = None
-        self.leases: dict[int, tuple[object, float]] = {}  # grants: lease, expiry time
+        self.leases: dict[int, tuple[LeaseLike, float]] = {}  # grants: lease, when granted
 
     def _wait_request(self) -> tuple[int, p.Message] | None:
         """The next frame: its first byte may take as long as the connection lives (an idle
@@ -579,7 +582,7 @@ class ServerConnection:
                         "connection")), deadline, rid)
                     return True
                 lease_id = next(self._lease_ids)
-                self.leases[lease_id] = (lease, time.monotonic() + GRANT_TTL)
+                self.leases[lease_id] = (lease, time.monotonic())
                 shm = getattr(lease, "shm", None)
                 if shm is not None:
                     self.chan.send(p.ShmGrant(lease_id, *shm), deadline, rid)
@@ -617,15 +620,17 @@ class ServerConnection:
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")
 
     def _expire_grants(self) -> None:
-        """Release grants their reader kept past GRANT_TTL (as failed reads: no key is
-        consumed), so that a peer cannot pin caches, and the pool, for as long as it likes."""
+        """Release grants their reader kept past GRANT_TTL, or past RECLAIM_GRACE when the
+        memory is wanted back (as failed reads: no key is consumed), so that a peer cannot
+        pin caches, and the pool, for as long as it likes."""
         now = time.monotonic()
-        for lease_id, (lease, expires) in list(self.leases.items()):
-            if expires <= now:
+        for lease_id, (lease, since) in list(self.leases.items()):
+            age = now - since
+            if age >= GRANT_TTL or (age >= RECLAIM_GRACE and lease.wanted_back()):
                 del self.leases[lease_id]
-                log.warning("grant %d to %s not released in %.0f s: released", lease_id,
-                            self.chan.address, GRANT_TTL)
-                self.handler.close_read(lease, False)  # type: ignore[arg-type]
+                log.warning("grant %d to %s not released after %.1f s: released", lease_id,
+                            self.chan.address, age)
+                self.handler.close_read(lease, False)
 
     def _send_checksum(self, iov: np.ndarray, deadline: float, rid: int) -> None:
         """The CRC of the source spans, computed after they were sent (TCP) or while the
