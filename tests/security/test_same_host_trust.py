@@ -452,7 +452,9 @@ def _owner(**kw: object) -> tuple[Engine, np.ndarray]:
     ({"transport": "tcp"}, "cma", []),  # an owner forced to tcp serves no local channel
 ])
 def test_ptracer_only_for_cross_memory_attach(ptracer: list[int], owner_kw: dict,
-                                              transport: str, want: list[int]) -> None:
+                                              transport: str, want: list[int],
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="datadist.core.engine")
     eng, data = _owner(**owner_kw)
     try:
         assert ptracer == []  # listening alone sets nothing
@@ -470,6 +472,12 @@ def test_ptracer_only_for_cross_memory_attach(ptracer: list[int], owner_kw: dict
     finally:
         eng.close()
     assert ptracer == want
+    said = [r.getMessage() for r in caplog.records if "same-host readers" in r.getMessage()]
+    if want:  # set and undone, both logged
+        assert any("PR_SET_PTRACER_ANY set" in m for m in said), said
+        assert any("PR_SET_PTRACER_ANY undone" in m for m in said), said
+    else:
+        assert not said, said
 
 
 def test_refused_cross_memory_attach_keeps_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
