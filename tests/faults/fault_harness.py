@@ -238,8 +238,13 @@ class Hang(BaseException):
 class RawClient:
     """A client that speaks the wire protocol by hand, every wait bounded."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=SOCK_TIMEOUT)
+    def __init__(self, port: int | bytes) -> None:
+        if isinstance(port, bytes):  # a local channel's abstract unix name
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(SOCK_TIMEOUT)
+            self.sock.connect(port)
+        else:
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=SOCK_TIMEOUT)
         self.sock.settimeout(SOCK_TIMEOUT)
         self.decoder = p.FrameDecoder()
         self.items: list[tuple[int, p.Message | bytes]] = []

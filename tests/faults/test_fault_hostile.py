@@ -34,10 +34,13 @@ import numpy as np
 import pytest
 from fault_harness import Hang, Peer, Peers, RawClient, link, measured
 from fault_peer import GUARD_BYTE, pattern
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from datadist.core.errors import Code
 from datadist.transport.iov import make_iov, vm_copy
+from datadist.transport.local import local_name
+from datadist.transport.tcp import MAX_GRANTS_PER_CONNECTION
 from datadist.wire import protocol as p
 
 MAX = 2**64 - 1
@@ -74,7 +77,7 @@ class Server:
 
 
 def _start_server(peers: Peers) -> Server:
-    prompt = peers.prompt(env={"DATADIST_TRANSPORT": "tcp"})
+    prompt = peers.prompt()  # not forced to tcp: grants are served on its local channel
     pid = prompt.pid
     infos = []
     for name, geo, seed, keys in (("blk", BLK, 11, 0), ("kv", KV, 12, 4)):
@@ -286,8 +289,10 @@ def requests(srv: Server) -> st.SearchStrategy[Req]:
 
 def exchange(srv: Server, cli: RawClient, ops: list, rids: list[int],
              counts: dict[str, int]) -> None:
-    """One connection: Hello, then each op; every answer checked against ``judge``."""
+    """One connection: Hello, then each op; every answer checked against ``judge``.
+    Grants held (not released) on the connection count against the owner's cap."""
     cli.hello(srv.cluster_id + 1)
+    held = 0
     for (what, arg), rid in zip(ops, rids, strict=False):
         if what == "ping":
             cli.send(p.encode(p.Ping(arg), rid))
@@ -308,6 +313,9 @@ def exchange(srv: Server, cli: RawClient, ops: list, rids: list[int],
         got = cli.next()
         assert got is not None, f"the server hung up on {req} ({v.outcome})"
         got_rid, msg = got
+        if v.outcome == "grant" and held >= MAX_GRANTS_PER_CONNECTION:
+            assert isinstance(msg, p.Error) and msg.code == Code.LINK_BUSY, msg
+            continue
         if v.outcome in ("fatal", "error"):
             assert isinstance(msg, p.Error), f"{req} must be refused, got {msg}"
             if v.outcome == "fatal":
@@ -336,6 +344,8 @@ def exchange(srv: Server, cli: RawClient, ops: list, rids: list[int],
             assert got[1] == p.Checksum(zlib.crc32(want), len(want)), (got, req)
         if v.outcome == "grant" and rid % 2:
             cli.send(p.encode(p.Release(msg.lease_id, True), 0))
+        elif v.outcome == "grant":
+            held += 1
 
 
 # ------------------------------------------------------------------------------ afterwards
@@ -392,11 +402,17 @@ def test_hostile_reads(peers: Peers) -> None:
         st.tuples(st.just("ping"), u64()),
     )
 
+    # Generated examples vary with the server's addresses: one served read and one grant
+    # (held unreleased, then over the cap) are always among them.
+    good = Req(2, srv.blk.cache_id, 0, 0, 0, 0, (0, 1), (0, 100), (64, 28))
+    granted = dataclasses.replace(good, flags=GRANT)
+
     @_SETTINGS
     @given(ops=st.lists(op, min_size=1, max_size=6),
            rids=st.lists(st.integers(1, U32MAX), min_size=6, max_size=6))
+    @example(ops=[("read", good)] + [("read", granted)] * 5, rids=[2, 4, 6, 8, 10, 12])
     def run(ops: list, rids: list[int]) -> None:
-        cli = RawClient(srv.port)
+        cli = RawClient(local_name(srv.pid, srv.cluster_id))  # grants: local channel only
         try:
             exchange(srv, cli, ops, rids, counts)
         except Hang as e:

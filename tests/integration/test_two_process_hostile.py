@@ -21,6 +21,7 @@ import pytest
 import datadist as llm_datadist
 from datadist.core.errors import Code
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt, pattern
+from datadist.transport.local import local_name
 from datadist.wire import protocol as p
 
 from ._support import PROMPT_ID, TRANSPORTS, assert_bytes_equal, units
@@ -45,8 +46,13 @@ WAIT_S = 5.0  # how long a raw client waits for the prompt's answer or close
 class RawClient:
     """A socket plus the protocol's own frame decoder. Every wait is bounded."""
 
-    def __init__(self, address: tuple[str, int]) -> None:
-        self.sock = socket.create_connection(address, timeout=WAIT_S)
+    def __init__(self, address: tuple[str, int] | bytes) -> None:
+        if isinstance(address, bytes):  # the prompt's local channel (an abstract unix name)
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(WAIT_S)
+            self.sock.connect(address)
+        else:
+            self.sock = socket.create_connection(address, timeout=WAIT_S)
         self.decoder = p.FrameDecoder()
         self.frames: list[tuple[int, p.Message | bytes]] = []
         self.closed = False
@@ -326,7 +332,7 @@ def test_grant_never_released_is_dropped_with_the_connection(
     """A same-host reader that takes a grant and vanishes without Release must not pin the
     cache: unregister_cache (which waits for live leases) returns once it is gone."""
     cache_id = prompt.call("register_cache", spec=SPEC, seed=99)
-    c = raw()
+    c = RawClient(local_name(prompt.pid, PROMPT_ID))  # grants: only on the local channel
     c.hello()
     c.send(p.encode(read(p.KeyRef(p.KeyKind.CACHE_ID, cache_id, 0), [0], [64],
                          flags=p.ReadFlags.GRANT), 2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -107,6 +108,41 @@ def test_tls_client_refuses_a_plain_server(certs) -> None:
         host, port = owner.listen_address
         with pytest.raises((LinkFailed, Timeout)):
             puller.link(1, host, port, 3.0)
+    finally:
+        puller.close()
+        owner.close()
+
+
+def test_same_host_link_runs_tls_on_the_local_channel(certs) -> None:
+    """Between processes of one host the link moves to the local channel, still inside
+    mutual TLS (certificates keep deciding who may link); a plain client there is refused."""
+    import os
+    import socket
+
+    from datadist.transport.local import local_name
+    from datadist.transport.paths import CmaPath
+    from datadist.transport.tls import TlsChannel
+
+    owner, _, big = _owner(certs["prompt"])
+    puller = Engine(EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
+    try:
+        link = puller.link(1, *owner.listen_address, 5.0)
+        assert isinstance(link.path, CmaPath) and isinstance(link.chan, TlsChannel)
+        assert link.chan.local_cred is not None and link.chan.local_cred.pid == os.getpid()
+        out = np.zeros(8 << 20, np.uint8)
+        c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
+        plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 10.0)
+        assert np.array_equal(out, big)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5.0)
+            s.connect(local_name(os.getpid(), 1))
+            s.sendall(p.encode(p.Hello(3, 2, os.getpid(), 0, b"\0" * 16), 1))
+            got = b""
+            with contextlib.suppress(OSError):
+                while chunk := s.recv(65536):
+                    got += chunk
+            assert b"DD" not in got[:2]  # no Welcome: the TLS server hung up
     finally:
         puller.close()
         owner.close()

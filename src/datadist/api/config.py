@@ -39,6 +39,7 @@ OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
 OPT_TRANSPORT = "datadist.Transport"
 OPT_AUTH_SECRET = "datadist.AuthSecret"
 OPT_VERIFY = "datadist.VerifyChecksum"
+OPT_ALLOW_PTRACE = "datadist.AllowPtrace"
 OPT_TLS_CERT = "datadist.TlsCert"
 OPT_TLS_KEY = "datadist.TlsKey"
 OPT_TLS_CA = "datadist.TlsCa"
@@ -149,6 +150,7 @@ class LLMConfig:
         self._transport = ""
         self._auth_secret = ""
         self._verify_checksum = False
+        self._allow_ptrace = True
         self._tls = {"cert": "", "key": "", "ca": ""}
 
     # -- device and addresses
@@ -382,6 +384,18 @@ class LLMConfig:
     def verify_checksum(self, value: bool) -> None:
         self._verify_checksum = self._bool("verify_checksum", value)
 
+    @property
+    def allow_ptrace(self) -> bool:
+        """datadist extra: under Yama ``ptrace_scope=1``, let same-user readers attach to
+        this process for cross-memory attach (``PR_SET_PTRACER_ANY``, set only once a
+        same-host reader asks for it and undone at finalize). False: never; those readers
+        fall back to shared memory or a stream path. Also ``DATADIST_ALLOW_PTRACE=0``."""
+        return self._allow_ptrace
+
+    @allow_ptrace.setter
+    def allow_ptrace(self, value: bool) -> None:
+        self._allow_ptrace = self._bool("allow_ptrace", value)
+
     def _tls_set(self, which: str, value: str) -> None:
         check_isinstance(f"tls_{which}_file", value, str, allow_none=False)
         self._tls[which] = value
@@ -537,6 +551,8 @@ class LLMConfig:
             o[OPT_AUTH_SECRET] = self._auth_secret
         if self._verify_checksum:
             o[OPT_VERIFY] = "1"
+        if not self._allow_ptrace:
+            o[OPT_ALLOW_PTRACE] = "0"
         for which, key in (("cert", OPT_TLS_CERT), ("key", OPT_TLS_KEY), ("ca", OPT_TLS_CA)):
             if self._tls[which]:
                 o[key] = self._tls[which]

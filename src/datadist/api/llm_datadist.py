@@ -213,6 +213,8 @@ class LLMDataDist:
             tls=_tls(opts),
             verify=(opts.get(cfg.OPT_VERIFY) or os.environ.get("DATADIST_VERIFY_CHECKSUM", ""))
             == "1",
+            allow_ptrace=(opts.get(cfg.OPT_ALLOW_PTRACE)
+                          or os.environ.get("DATADIST_ALLOW_PTRACE", "1")) != "0",
         )
 
     def finalize(self) -> None:

@@ -34,14 +34,15 @@ from datadist.core.errors import (
     RemoteProtocolError,
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
-from datadist.core.links import HostIdentity, Link, choose_path, forced_path, greet
+from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.transport.base import PathKind, PeerInfo
-from datadist.transport.iov import allow_same_host_readers, make_iov
+from datadist.transport.iov import PTRACER, make_iov
+from datadist.transport.local import LocalListener, local_name
 from datadist.transport.paths import TcpPath
-from datadist.transport.tcp import Channel, TcpListener
+from datadist.transport.tcp import TcpListener
 from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 
 HOST, DEVICE = 0, 1
 CLOSE_LEASE_WAIT = 5.0  # seconds finalize waits for transfers still using local memory
+# Grants (same-host reads) one verified peer process may hold at once, over all its
+# connections (each connection also caps its own: transport/tcp.py).
+MAX_GRANTS_PER_PEER = 16
 _TCP = TcpPath()
 _F = TypeVar("_F", bound=Callable[..., None])
 
@@ -91,6 +95,9 @@ class EngineConfig:
     secret: bytes | None = None  # shared secret peers must prove at link time
     verify: bool = False  # end-to-end CRC-32 of every pull
     tls: TlsConfig | None = None  # mutual TLS on every connection
+    # May same-user readers be let in under Yama ptrace_scope=1 (PR_SET_PTRACER_ANY, set
+    # only once cross-memory attach is used)? Off: they fall back to a stream path.
+    allow_ptrace: bool = True
 
 
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
@@ -117,6 +124,8 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self.listener: TcpListener | None = None
+        self.local_listener: LocalListener | None = None
+        self._grants: dict[int, int] = {}  # verified peer pid -> grants outstanding
         self._tls_client = config.tls.client_context() if config.tls else None
         try:
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
@@ -150,13 +159,26 @@ class Engine:
         if self.listener is not None:
             self.listener.close()
         self.listener = self.make_listener(host, port)
-        log.debug("same-host readers: %s", allow_same_host_readers())
 
     def make_listener(self, host: str, port: int) -> TcpListener:
         """A started listener serving this engine, with TLS when configured. Every listener
         of the engine (its own, two-sided link ones) comes from here."""
         server_tls = self.config.tls.server_context() if self.config.tls else None
-        return TcpListener(host, port, self, server_tls).start()
+        listener = TcpListener(host, port, self, server_tls).start()
+        self._serve_local(server_tls)
+        return listener
+
+    def _serve_local(self, server_tls) -> None:  # type: ignore[no-untyped-def]
+        """Serve the local channel (transport/local.py) too, once, unless TCP is forced:
+        same-host peers are verified there, and only there get grants."""
+        with self._lock:
+            if self.local_listener is not None or self.forced == PathKind.TCP or self._closed:
+                return
+            name = local_name(self.identity.pid, self.config.cluster_id)
+            try:
+                self.local_listener = LocalListener(name, self, server_tls).start()
+            except LinkFailed as e:
+                log.info("same-host peers will use tcp: %s", e)
 
     def stop_listening(self) -> None:
         if self.listener is not None:
@@ -175,6 +197,10 @@ class Engine:
             link.close()
         if self.listener is not None:
             self.listener.close()
+        if self.local_listener is not None:
+            self.local_listener.close()
+        if PTRACER.release(id(self)):
+            log.info("same-host readers: %s", PTRACER.state)
         entries = self.registry.clear()
         leased = self.registry.wait_unleased(entries, CLOSE_LEASE_WAIT)
         for pool in self._pools.values():
@@ -410,13 +436,14 @@ class Engine:
             self._inbound[peer.key] = peer
         ident = self.identity
         secret = self.config.secret
+        local = p.FEATURE_LOCAL if self.local_listener is not None else 0
         if secret is None:
             return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
-                             ident.boot_id)
+                             ident.boot_id, local)
         proof = auth.server_proof(secret, hello.proof, auth.nonce(), self.config.cluster_id,
                                   hello.cluster_id)
         return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
-                         ident.boot_id, p.FEATURE_AUTH, proof)
+                         ident.boot_id, p.FEATURE_AUTH | local, proof)
 
     def check_auth(self, hello: p.Hello, welcome: p.Welcome, proof: bytes) -> None:
         secret = self.config.secret
@@ -429,13 +456,54 @@ class Engine:
             raise LinkFailed(f"cluster {hello.cluster_id} failed to prove the shared secret")
 
     def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
-        same_host = self.identity.same_host(peer.boot_id, peer.pid_ns)
-        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
-                                  msg.lengths, layout=msg.layout,
-                                  shm=same_host and bool(msg.flags & p.ReadFlags.SHM))
+        """Check a read and lease what it names. A GRANT (the reader copies from our memory
+        itself) only for a peer the kernel verified on this host, allowed to read us, and
+        within MAX_GRANTS_PER_PEER: nobody else learns our addresses."""
+        if not msg.flags & p.ReadFlags.GRANT:
+            return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                      msg.lengths, layout=msg.layout)
+        pid = self._take_grant(peer)
+        try:
+            lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                       msg.lengths, layout=msg.layout,
+                                       shm=bool(msg.flags & p.ReadFlags.SHM))
+        except BaseException:
+            self._drop_grant(pid)
+            raise
+        lease.grantee = pid
+        if lease.shm is None and self.config.allow_ptrace and PTRACER.acquire(id(self)):
+            log.info("same-host readers: %s", PTRACER.state)  # the first cma grant
+        return lease
+
+    def _take_grant(self, peer: PeerInfo) -> int:
+        cred = peer.local
+        if cred is None:
+            raise InvalidArgument("same-host reads (GRANT) are served only on the local "
+                                  "channel, to peers the kernel verified on this host")
+        if not cred.may_read_us():
+            raise InvalidArgument(f"pid {cred.pid} (uid {cred.uid}) may not read this "
+                                  "process's memory: read without GRANT")
+        with self._lock:
+            held = self._grants.get(cred.pid, 0)
+            if held >= MAX_GRANTS_PER_PEER:
+                raise Busy(f"pid {cred.pid} holds {held} grants not released yet")
+            self._grants[cred.pid] = held + 1
+        return cred.pid
+
+    def _drop_grant(self, pid: int) -> None:
+        with self._lock:
+            left = self._grants.get(pid, 0) - 1
+            if left > 0:
+                self._grants[pid] = left
+            else:
+                self._grants.pop(pid, None)
 
     def close_read(self, lease: Lease, ok: bool) -> None:
-        self.registry.close(lease, ok)
+        try:
+            self.registry.close(lease, ok)
+        finally:
+            if lease.grantee:
+                self._drop_grant(lease.grantee)
 
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
         return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths,
@@ -467,13 +535,12 @@ class Engine:
         if cluster_id == self.config.cluster_id:
             raise InvalidArgument("cannot link to our own cluster id")
 
-        def connect(deadline: float) -> tuple[Channel, p.Welcome]:
-            return greet(host, port, cluster_id, self._hello, self.config.secret, deadline,
-                         self._tls_client)
+        def connect_(deadline: float) -> Connected:
+            return connect(host, port, cluster_id, self._hello, self.config.secret, deadline,
+                           self._tls_client, self.forced, self.identity)
 
-        chan, welcome = connect(time.monotonic() + timeout)
-        path, reason = choose_path(self.forced, self.identity, welcome)
-        return Link(cluster_id, host, port, chan, welcome, path, reason, connect)
+        chan, welcome, path, reason = connect_(time.monotonic() + timeout)
+        return Link(cluster_id, host, port, chan, welcome, path, reason, connect_)
 
     def adopt_link(self, link: Link) -> None:
         """Register a link from :meth:`open_link`. AlreadyLinked (link left open) if that

@@ -5,10 +5,13 @@ channel to the peer's listener, what the handshake told us about the peer, and t
 chosen for it. Transfers on one link are serialised by its lock, as in LLM-DataDist; a caller
 that cannot get the lock before its deadline gets LLM_TIMEOUT.
 
-Path choice (``choose_path``): forced by the ``transport`` option or ``DATADIST_TRANSPORT``,
-else same-host peers (same boot id and pid namespace, not the IP address) use cross-memory
-attach and everything else TCP. If the kernel refuses cross-memory attach, the link falls back
-to TCP by itself and logs why, once.
+Path choice (``connect``), on every connect and reconnect: forced by the ``transport`` option
+or ``DATADIST_TRANSPORT``; else a peer is on this host only if the kernel says so: its WELCOME
+over TCP offers the local channel (``transport/local.py``) and a unix-socket connection to it
+completes the handshake. The link then runs over that connection and reads the memory of the
+pid the kernel reported for it (shared memory or cross-memory attach), never a pid a frame
+named. Everything else is TCP. If the kernel refuses cross-memory attach, the link falls back
+to a stream path by itself and logs why, once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from datadist.core import auth
 from datadist.core.errors import (
@@ -30,9 +34,11 @@ from datadist.core.errors import (
     DatadistError,
     InvalidArgument,
     LinkFailed,
+    RemoteProtocolError,
     Timeout,
 )
 from datadist.transport.base import PathKind
+from datadist.transport.local import LocalCred, connect_local, local_name
 from datadist.transport.paths import CmaPath, CmaRefused, TcpPath
 from datadist.transport.tcp import Channel
 from datadist.wire import protocol as p
@@ -67,8 +73,9 @@ class HostIdentity:
     def current(cls) -> HostIdentity:
         return cls(_read_boot_id(), _read_pid_ns(), os.getpid())
 
-    def same_host(self, boot_id: bytes, pid_ns: int) -> bool:
-        return self.boot_id == boot_id and self.pid_ns == pid_ns and any(self.boot_id)
+    def claims_same_host(self, boot_id: bytes) -> bool:
+        """A peer's boot id is ours: worth trying the local channel. A claim, not a proof."""
+        return self.boot_id == boot_id and any(self.boot_id)
 
 
 def forced_path(option: str | None) -> PathKind:
@@ -91,7 +98,7 @@ class Link:
     welcome: p.Welcome
     path: TcpPath | CmaPath
     reason: str
-    connect: Callable[[float], tuple[Channel, p.Welcome]]
+    connect: Callable[[float], Connected]
     lock: threading.Lock = field(default_factory=threading.Lock)
     closing: bool = False  # unlinked: the transfer holding the lock closes the channel
 
@@ -138,15 +145,32 @@ class Link:
 
     def reconnect(self, deadline: float) -> None:
         """After a timeout or a dead peer broke the channel, open a fresh one: a full
-        handshake, so a restarted peer is checked (and authenticated) anew."""
-        chan, welcome = self.connect(deadline)
-        old_pid = self.welcome.pid
-        self.chan, self.welcome = chan, welcome
-        if welcome.pid != old_pid and isinstance(self.path, CmaPath):
-            # A new process behind the same address: its memory is not the old one's.
-            self.path.close()
-            self.path = CmaPath(welcome.pid, allow_shm=self.path.allow_shm,
-                                name=self.path.caps.name)
+        handshake, so a restarted peer is checked (and authenticated) anew, and the path
+        chosen anew (the peer behind the address may be another process, on another host)."""
+        got = self.connect(deadline)
+        old = self.path
+        self.chan, self.welcome, self.path, self.reason = got
+        old.close()
+        if old.caps.name != self.path.caps.name:
+            log.info("link to cluster %d now uses %s (%s)", self.cluster_id,
+                     self.path.caps.name, self.reason)
+
+    def _refused(self, e: CmaRefused) -> None:
+        """The kernel refused cross-memory attach (nothing was copied): keep shared memory
+        where the owner's caches are in it (it needs no ptrace permission), else tcp."""
+        path = self.path
+        assert isinstance(path, CmaPath)
+        if path.allow_shm and not path.cma_refused:
+            log.warning("cross-memory attach to pid %d refused (%s); link to cluster %d uses "
+                        "shared memory where it can, a stream elsewhere", path.pid, e,
+                        self.cluster_id)
+            path.cma_refused = True
+            self.reason = f"cma refused by the kernel ({e}): shared memory, else a stream"
+            return
+        log.warning("cross-memory attach to pid %d refused (%s); link to cluster %d falls "
+                    "back to tcp", path.pid, e, self.cluster_id)
+        path.close()
+        self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
 
     def run(self, deadline: float, op):  # type: ignore[no-untyped-def]
         """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke
@@ -161,16 +185,11 @@ class Link:
                     self.reconnect(deadline)
                 except LinkFailed as e:
                     raise BrokenLink(f"link to cluster {self.cluster_id} is down: {e}") from e
-            try:
-                return op(self.path, self.chan)
-            except CmaRefused as e:
-                log.warning(
-                    "cross-memory attach to pid %d refused (%s); link to cluster %d falls "
-                    "back to tcp", self.welcome.pid, e, self.cluster_id,
-                )
-                self.path.close()
-                self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
-                return op(self.path, self.chan)
+            while True:  # at most: cma, then shared memory or a stream, then tcp
+                try:
+                    return op(self.path, self.chan)
+                except CmaRefused as e:
+                    self._refused(e)
         finally:
             if self.closing:  # unlinked while we ran: see close()
                 self.chan.close()
@@ -186,10 +205,13 @@ def greet(
     secret: bytes | None,
     deadline: float,
     tls: ssl.SSLContext | None = None,
+    chan: Channel | None = None,
 ) -> tuple[Channel, p.Welcome]:
-    """Connect, say Hello, check the peer is ``cluster_id`` and, with a secret, run the
-    challenge and response (core/auth.py). Returns the open channel and the Welcome."""
-    chan = Channel.connect(host, port, deadline, tls)
+    """Connect (or take the connected ``chan``), say Hello, check the peer is
+    ``cluster_id`` and, with a secret, run the challenge and response (core/auth.py).
+    Returns the open channel and the Welcome."""
+    if chan is None:
+        chan = Channel.connect(host, port, deadline, tls)
     try:
         h = hello()
         welcome = chan.call(h, deadline)
@@ -225,24 +247,72 @@ def greet(
     return chan, welcome
 
 
-def choose_path(
-    forced: PathKind, me: HostIdentity, welcome: p.Welcome
-) -> tuple[TcpPath | CmaPath, str]:
-    same = me.same_host(welcome.boot_id, welcome.pid_ns)
+class Connected(NamedTuple):
+    """What ``connect`` returns: a greeted control channel and the path chosen for it."""
+
+    chan: Channel
+    welcome: p.Welcome
+    path: TcpPath | CmaPath
+    reason: str
+
+
+def connect(
+    host: str,
+    port: int,
+    cluster_id: int,
+    hello: Callable[[], p.Hello],
+    secret: bytes | None,
+    deadline: float,
+    tls: ssl.SSLContext | None,
+    forced: PathKind,
+    me: HostIdentity,
+) -> Connected:
+    """Open a link's control channel and choose its data path (module docstring).
+
+    Greets over TCP; a peer that claims our host and offers the local channel is greeted
+    again there, and the TCP connection is closed. Blocks <= deadline.
+    """
+    chan, welcome = greet(host, port, cluster_id, hello, secret, deadline, tls)
     if forced == PathKind.TCP:
-        return TcpPath(), "forced tcp"
-    if forced in (PathKind.CMA, PathKind.SHM):
-        if not same:
-            return TcpPath(), f"{forced.value} forced but the peer is on another host"
-        if forced == PathKind.CMA:
-            return CmaPath(welcome.pid, allow_shm=False), "forced cma"
-        return (CmaPath(welcome.pid, name="shm"),
-                "forced shm (cross-memory attach where the owner's memory is not shareable)")
-    if same:
-        return (CmaPath(welcome.pid),
-                "same host (boot id and pid namespace match): shared memory for caches in "
-                "shareable memory, cross-memory attach otherwise")
-    return TcpPath(), "peer on another host"
+        return Connected(chan, welcome, TcpPath(), "forced tcp")
+    if not me.claims_same_host(welcome.boot_id):
+        why = ("peer on another host" if forced == PathKind.AUTO
+               else f"{forced.value} forced but the peer is on another host")
+        return Connected(chan, welcome, TcpPath(), why)
+    if not welcome.features & p.FEATURE_LOCAL:
+        return Connected(chan, welcome, TcpPath(),
+                         "peer says it is on this host but offers no local channel")
+    try:
+        local = connect_local(local_name(welcome.pid, cluster_id), deadline, tls)
+        local, lwelcome = greet(host, port, cluster_id, hello, secret, deadline, chan=local)
+    except (LinkFailed, BrokenLink, RemoteProtocolError) as e:
+        log.info("cluster %d at %s:%d says it is on this host, but its local channel "
+                 "failed (%s): tcp", cluster_id, host, port, e)
+        return Connected(chan, welcome, TcpPath(),
+                         f"peer says it is on this host, but its local channel failed: {e}")
+    except BaseException:
+        chan.close()
+        raise
+    chan.close()  # the owner sees an idle connection end: nothing to tell it
+    cred = local.local_cred
+    assert isinstance(cred, LocalCred)
+    return Connected(local, lwelcome, *_local_path(forced, cred))
 
 
-__all__ = ["Busy", "HostIdentity", "Link", "choose_path", "forced_path"]
+def _local_path(forced: PathKind, cred: LocalCred) -> tuple[TcpPath | CmaPath, str]:
+    """The data path to a peer the kernel verified as ``cred``."""
+    if not cred.we_may_read():
+        return TcpPath(), (f"same host, verified by the kernel (pid {cred.pid}, uid {cred.uid}),"
+                           " but not ours to read: bytes stream over the local socket")
+    if forced == PathKind.CMA:
+        return CmaPath(cred.pid, allow_shm=False), f"forced cma (pid {cred.pid})"
+    if forced == PathKind.SHM:
+        return (CmaPath(cred.pid, name="shm"),
+                f"forced shm (pid {cred.pid}; cross-memory attach where the owner's memory "
+                "is not shareable)")
+    return (CmaPath(cred.pid),
+            f"same host, verified by the kernel (pid {cred.pid}): shared memory for caches in "
+            "shareable memory, cross-memory attach otherwise")
+
+
+__all__ = ["Busy", "Connected", "HostIdentity", "Link", "connect", "forced_path"]

@@ -108,10 +108,19 @@ class Lease:
     binding: KeyBinding | None
     key: KeyId | None
     shm: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # per requested tensor
+    grantee: int = 0  # a grant's verified reader pid (the engine counts grants per peer)
 
     @property
     def nbytes(self) -> int:
         return int(self.lengths.sum()) * len(self.tensors)
+
+    def wanted_back(self) -> bool:
+        """Whether the owner wants this memory back: the cache is being unregistered, or
+        nothing but leases holds it any more (deallocated, its keys gone). A peer's grant
+        on it then expires sooner (transport/tcp.py). Lock-free: a stale answer only moves
+        an expiry by one sweep."""
+        e = self.entry
+        return e.closing or (not e.id_held and not e.keys)
 
     def iov(self) -> tuple[np.ndarray, np.ndarray]:
         return span_iov(self.bases, self.offsets, self.lengths)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
@@ -46,15 +47,31 @@ def map_shared(fd: int, size: int, *, writable: bool = True) -> int:
     return int(addr)
 
 
+# A shared pool's size is fixed for good: a same-host reader maps it, and a file shrunk under
+# its mapping would make its next copy fault (SIGBUS). Readers check SHRINK (shrink_sealed).
+POOL_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
 def memfd_map(name: str, size: int) -> tuple[int, int]:
-    """A new memfd of ``size`` bytes, mapped shared: (fd, address)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """A new memfd of ``size`` bytes, sealed at that size (POOL_SEALS), mapped shared:
+    (fd, address)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, POOL_SEALS)
         return fd, map_shared(fd, size)
     except OSError:
         os.close(fd)
         raise
+
+
+def shrink_sealed(fd: int) -> bool:
+    """Whether the file ``fd`` can never shrink (a memfd with F_SEAL_SHRINK). Files that
+    cannot carry seals (not a memfd) are not."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        return False
 
 
 def unmap(addr: int, size: int) -> None:

@@ -26,7 +26,7 @@ import struct
 from datadist.testing.procs import PeerLink
 from datadist.wire import protocol as p
 
-__all__ = ["BEHAVIOURS", "fake_owner_main"]
+__all__ = ["BEHAVIOURS", "EchoOwner", "fake_owner_main"]
 
 BEHAVIOURS = ("stall", "exit", "reset", "oversize")
 
@@ -69,3 +69,101 @@ def fake_owner_main(link: PeerLink, cluster_id: int, behaviour: str) -> None:
     # stall (and after a reset, idle): hold on until the parent tells us to stop
     with contextlib.suppress(EOFError, OSError):
         link.recv()
+
+
+class EchoOwner:
+    """A fake owner that *claims* to be on the puller's host (tests of the same-host trust
+    model, tests/security/test_same_host_trust.py).
+
+    Its WELCOME echoes the boot id, pid namespace and pid of the puller's HELLO and sets
+    FEATURE_LOCAL (unless ``boot_id`` is given: then it says that boot id, another host); a
+    READ with the GRANT flag is answered with a GRANT naming ``grant_addr`` for every tensor
+    (what a remote attacker would send to make the puller copy its own memory), any other READ
+    with READ_DATA of ``fill`` bytes. ``local_name``: also serve that abstract unix name (a
+    local squatter). ``reads`` records the flags of every READ. Serves on threads until
+    ``close``; every wait is bounded by the sockets' timeouts.
+    """
+
+    def __init__(self, cluster_id: int, *, grant_addr: int = 0, port: int = 0,
+                 boot_id: bytes | None = None, local_name: bytes | None = None,
+                 fill: int = 0x5A) -> None:
+        import threading
+
+        self.cluster_id, self.grant_addr, self.boot_id, self.fill = (cluster_id, grant_addr,
+                                                                     boot_id, fill)
+        self.reads: list[int] = []
+        self._closing = threading.Event()
+        self._socks: list[socket.socket] = []
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tcp.bind(("127.0.0.1", port))
+        self.address: tuple[str, int] = tcp.getsockname()[:2]
+        listeners = [tcp]
+        if local_name is not None:
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(local_name)
+            listeners.append(unix)
+        for s in listeners:
+            s.listen(16)
+            s.settimeout(0.2)
+            self._socks.append(s)
+            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def close(self) -> None:
+        self._closing.set()
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def __enter__(self) -> EchoOwner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self, server: socket.socket) -> None:
+        import threading
+
+        while not self._closing.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(10.0)
+            self._socks.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        import numpy as np
+
+        decoder, pending = p.FrameDecoder(), []
+        with contextlib.suppress(EOFError, OSError), conn:
+            rid, hello = _next_message(conn, decoder, pending)
+            assert isinstance(hello, p.Hello)
+            if self.boot_id is None:
+                welcome = p.Welcome(self.cluster_id, 1, hello.pid, hello.pid_ns, hello.boot_id,
+                                    p.FEATURE_LOCAL)
+            else:
+                welcome = p.Welcome(self.cluster_id, 1, hello.pid, hello.pid_ns, self.boot_id)
+            conn.sendall(p.encode(welcome, rid))
+            lease = 0
+            while not self._closing.is_set():
+                rid, msg = _next_message(conn, decoder, pending)
+                if isinstance(msg, p.Read):
+                    self.reads.append(int(msg.flags))
+                    if msg.flags & p.ReadFlags.GRANT and self.grant_addr:
+                        lease += 1
+                        bases = np.full(len(msg.tensors), self.grant_addr, dtype=np.uint64)
+                        conn.sendall(p.encode(p.Grant(lease, bases), rid))
+                    else:
+                        n = int(msg.lengths.sum()) * len(msg.tensors)
+                        conn.sendall(p.encode(p.ReadData(n), rid) + bytes([self.fill]) * n)
+                elif isinstance(msg, p.Ping):
+                    conn.sendall(p.encode(p.Pong(msg.nonce), rid))
+                elif isinstance(msg, p.Bye):
+                    conn.sendall(p.encode(p.Ok(), rid))
+                    return
+                elif not isinstance(msg, p.Release):
+                    return

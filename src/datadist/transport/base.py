@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from datadist.wire.protocol import Hello, Read, Welcome, Write
+
+if TYPE_CHECKING:
+    from datadist.transport.local import LocalCred
 
 
 class PathKind(str, enum.Enum):
@@ -44,8 +47,10 @@ class PeerInfo:
     role: int
     pid: int
     pid_ns: int
-    boot_id: bytes
+    boot_id: bytes  # pid, pid_ns, boot_id: what the peer *says*; never trusted for memory
     address: str
+    # Set only on the local channel (transport/local.py): who the kernel says the peer is.
+    local: LocalCred | None = None
 
     @property
     def key(self) -> tuple[int, str]:
@@ -57,6 +62,10 @@ class LeaseLike(Protocol):
     def nbytes(self) -> int: ...
 
     def iov(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def wanted_back(self) -> bool:
+        """The owner wants the leased memory back (grants on it expire sooner)."""
+        ...
 
 
 class RequestHandler(Protocol):

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import select
+import threading
 import time
 from collections.abc import Callable
 
@@ -75,27 +76,87 @@ class CmaRefused(DatadistError):
     """The kernel refused cross-memory attach (EPERM, EACCES, ENOSYS): use another path."""
 
 
-def allow_same_host_readers() -> str:
-    """Let same-user peers ``process_vm_readv`` us under Yama ``ptrace_scope=1``.
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 
-    Called by an owner when it starts serving. Yama's scope 1 (Ubuntu's default) lets a
-    process attach only to its descendants, which refuses a decoder that is not our child;
-    ``PR_SET_PTRACER_ANY`` lifts that for this process, as debuggers' helpers do. Scope 2 and
-    3 cannot be lifted: same-host links then fall back to TCP by themselves. Returns what was
-    done, for logs and ``datadist info``.
-    """
+
+def _yama_scope() -> str | None:
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = f.read().strip()
+            return f.read().strip()
     except OSError:
-        return "no Yama: nothing to do"
-    if scope != "1":
-        return f"Yama ptrace_scope={scope}: left as is"
-    pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(-1).value
+        return None
+
+
+def _prctl_ptracer(value: int) -> int:
+    """prctl(PR_SET_PTRACER, value); 0 or an errno."""
     _libc.prctl.restype = ctypes.c_int
-    if _libc.prctl(pr_set_ptracer, ctypes.c_ulong(pr_set_ptracer_any), 0, 0, 0) != 0:
-        return f"Yama ptrace_scope=1: prctl refused ({os.strerror(ctypes.get_errno())})"
-    return "Yama ptrace_scope=1: PR_SET_PTRACER_ANY set for same-host readers"
+    if _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        return ctypes.get_errno() or errno.EPERM
+    return 0
+
+
+class Ptracer:
+    """Whether same-user processes may ``process_vm_readv`` us under Yama ``ptrace_scope=1``.
+
+    Yama's scope 1 (Ubuntu's default) lets a process attach only to its descendants, which
+    refuses a decoder that is not our child; ``PR_SET_PTRACER_ANY`` lifts that for this whole
+    process: any process of our user may then ptrace us. So it is set only while needed: an
+    engine calls :meth:`acquire` right before it answers its first cross-memory-attach grant
+    (to a peer the kernel verified on this host), and :meth:`release` when it closes; the
+    last release undoes it. Scopes 0, 2, 3 and no Yama: nothing is done (scope 2 and 3
+    cannot be lifted; same-host links then fall back to a stream path by themselves).
+    Thread-safe; one per process (``PTRACER``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users: set[int] = set()
+        self.set = False  # PR_SET_PTRACER_ANY is in force because of us
+        self.state = "not requested"
+
+    def acquire(self, user: int) -> bool:
+        """``user`` (an engine's id) needs same-host readers. True when this call changed
+        the process's state (the caller logs ``state``)."""
+        with self._lock:
+            first = not self._users
+            self._users.add(user)
+            if not first:
+                return False
+            scope = _yama_scope()
+            if scope != "1":
+                self.state = ("no Yama: cross-memory attach needs nothing" if scope is None
+                              else f"Yama ptrace_scope={scope}: left as is")
+                return True
+            err = _prctl_ptracer(PR_SET_PTRACER_ANY)
+            if err:
+                self.state = f"Yama ptrace_scope=1: PR_SET_PTRACER_ANY refused ({os.strerror(err)})"
+                return True
+            self.set = True
+            self.state = ("Yama ptrace_scope=1: PR_SET_PTRACER_ANY set (any process of this "
+                          "user may ptrace this one) for cross-memory attach")
+            return True
+
+    def release(self, user: int) -> bool:
+        """``user`` is done; the last one undoes PR_SET_PTRACER_ANY. True if it was undone."""
+        with self._lock:
+            if user not in self._users:
+                return False
+            self._users.discard(user)
+            if self._users or not self.set:
+                return False
+            self.set = False
+            err = _prctl_ptracer(0)
+            self.state = ("PR_SET_PTRACER_ANY undone" if not err
+                          else f"undoing PR_SET_PTRACER_ANY failed ({os.strerror(err)})")
+            return True
+
+    def users(self) -> int:
+        with self._lock:
+            return len(self._users)
+
+
+PTRACER = Ptracer()
 
 
 def crc_iov(iov: np.ndarray) -> int:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 
 import numpy as np
 
 from datadist.core.errors import DatadistError, IntegrityError, RemoteProtocolError
-from datadist.memory.pool import map_shared, unmap
+from datadist.memory.pool import map_shared, shrink_sealed, unmap
 from datadist.transport.base import TransportCaps
 from datadist.transport.iov import (
     CmaRefused,
@@ -91,6 +92,9 @@ class TcpPath:
         _expect(chan.answer(deadline), p.Ok, chan)
 
 
+_TCP = TcpPath()
+
+
 class CmaPath:
     """Same host. Asks the owner for a grant and copies itself:
 
@@ -107,11 +111,16 @@ class CmaPath:
         self.allow_shm = allow_shm
         self.caps = TransportCaps(name, same_host_only=True, one_sided=True)
         self._maps: dict[int, tuple[int, int, int]] = {}  # owner's fd -> (ino, addr, size)
-        self.last = ""  # which mechanism moved the last request: "shm" or "cma"
+        self.last = ""  # which mechanism moved the last request: "shm", "cma" or "stream"
+        # The kernel refused cross-memory attach (the owner did not let us ptrace it): shared
+        # memory, which needs no ptrace permission, for every cache that is in it; the
+        # others are streamed over the control channel. Set by Link.run.
+        self.cma_refused = False
 
     def read(self, chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
         flags = msg.flags | p.ReadFlags.GRANT
-        if self.allow_shm and len(msg.tensors) * len(msg.lengths) <= self.SHM_MAX_SPANS:
+        if self.allow_shm and (self.cma_refused
+                               or len(msg.tensors) * len(msg.lengths) <= self.SHM_MAX_SPANS):
             flags |= p.ReadFlags.SHM
         msg = dataclasses.replace(msg, flags=flags)
         grant = chan.call(msg, deadline)
@@ -119,6 +128,8 @@ class CmaPath:
             try:
                 self._read_shm(chan, msg, grant, local, deadline)
             except ShmUnavailable as e:
+                if self.cma_refused:  # nothing same-host is left: the link goes to tcp
+                    raise CmaRefused(f"shared memory unavailable too: {e}") from e
                 # Shared memory failed, cross-memory attach may not: stop asking for it.
                 log.warning("shared memory of pid %d unavailable (%s); using cross-memory "
                             "attach", self.pid, e)
@@ -131,6 +142,12 @@ class CmaPath:
         if len(grant.bases) != len(msg.tensors):
             chan.close()
             raise RemoteProtocolError("grant does not match the request")
+        if self.cma_refused:  # not in shareable memory, and we may not attach: stream it
+            chan.send(p.Release(grant.lease_id, False), deadline)
+            plain = p.ReadFlags.GRANT | p.ReadFlags.SHM
+            _TCP.read(chan, dataclasses.replace(msg, flags=msg.flags & ~plain), local, deadline)
+            self.last = "stream"
+            return
         remote = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
         ok = False
         try:
@@ -149,20 +166,21 @@ class CmaPath:
             if len(grant.fds) != len(msg.tensors):
                 chan.close()
                 raise RemoteProtocolError("shm grant does not match the request")
-            bases = np.empty(len(grant.fds), dtype=np.uint64)
-            for i, (fd, ino, off) in enumerate(zip(grant.fds.tolist(), grant.inos.tolist(),
-                                                   grant.offsets.tolist())):
-                addr, size = self._map(fd, ino)
+            maps = self._resolve(grant)  # every mapping this grant uses, none unmapped
+            fds = grant.fds.tolist()
+            bases = np.empty(len(fds), dtype=np.uint64)
+            limits = np.empty(len(fds), dtype=np.uint64)
+            for i, (fd, off) in enumerate(zip(fds, grant.offsets.tolist(), strict=True)):
+                _, addr, size = maps[fd]
                 if off > size:
                     raise RemoteProtocolError("shm grant points outside the mapping")
                 bases[i] = addr + off
+                limits[i] = addr + size
             src = make_iov(*span_iov(bases, msg.offsets, msg.lengths))
             ends = src[:, 0] + src[:, 1]
             # every span must lie in the mapping its tensor came from (a lying peer must not
             # make us read our own memory out of bounds)
-            limits = np.repeat(bases - np.asarray(grant.offsets, np.uint64)
-                               + np.array([self._maps[f][2] for f in grant.fds.tolist()],
-                                          dtype=np.uint64), len(msg.lengths))
+            limits = np.repeat(limits, len(msg.lengths))
             if len(ends) and bool((ends > limits[: len(ends)]).any()):
                 raise RemoteProtocolError("shm grant spans run past the shared mapping")
             local_copy(local, src)
@@ -173,31 +191,60 @@ class CmaPath:
             if not chan.closed:
                 chan.send(p.Release(grant.lease_id, ok), deadline)
 
+    def _resolve(self, grant: p.ShmGrant) -> dict[int, tuple[int, int, int]]:
+        """fd -> (ino, address, size) for every fd ``grant`` names: the mappings we hold,
+        and new ones for files we have not mapped (or whose fd number the owner reused for
+        another file). Nothing this grant uses is unmapped: one fd with two inodes in one
+        grant is refused, and a replaced mapping goes only once all are resolved."""
+        want: dict[int, int] = {}
+        for fd, ino in zip(grant.fds.tolist(), grant.inos.tolist(), strict=True):
+            if want.setdefault(fd, ino) != ino:
+                raise RemoteProtocolError(f"shm grant names fd {fd} with two different files")
+        got: dict[int, tuple[int, int, int]] = {}
+        new: list[int] = []
+        try:
+            for fd, ino in want.items():
+                held = self._maps.get(fd)
+                if held is not None and held[0] == ino:
+                    got[fd] = held
+                else:
+                    addr, size = self._map(fd, ino)
+                    got[fd] = (ino, addr, size)
+                    new.append(fd)
+        except BaseException:
+            for fd in new:
+                unmap(got[fd][1], got[fd][2])
+            raise
+        for fd in new:  # commit: the old file behind a reused fd number is gone for good
+            old = self._maps.get(fd)
+            self._maps[fd] = got[fd]
+            if old is not None:
+                unmap(old[1], old[2])
+        return got
+
     def _map(self, fd: int, ino: int) -> tuple[int, int]:
-        """The owner's memfd ``fd``, mapped read-only here: (address, size). One mapping per
-        fd number; a grant naming that fd with another inode means the owner closed the old
-        file and reused the number, so the old mapping goes (no growth without bound)."""
-        got = self._maps.get(fd)
-        if got is not None:
-            if got[0] == ino:
-                return got[1], got[2]
-            del self._maps[fd]
-            unmap(got[1], got[2])
+        """The owner's memfd ``fd``, mapped read-only here: (address, size). Only a memfd
+        (or tmpfs file) with inode ``ino``, sealed against shrinking: a file the owner could
+        truncate under our copy would kill us with SIGBUS. Opened non-blocking, so a FIFO
+        named by a lying owner cannot hang us."""
         path = f"/proc/{self.pid}/fd/{fd}"
         try:
-            f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            f = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise ShmUnavailable(f"cannot open the owner's shared memory {path}: {e}") from e
         try:
             st = os.fstat(f)
-            if st.st_ino != ino:
+            if st.st_ino != ino or not stat.S_ISREG(st.st_mode):
                 raise RemoteProtocolError(f"{path} is not the memory the owner named")
+            if not shrink_sealed(f):  # not hostile per se (an older owner): do without
+                raise ShmUnavailable(f"{path} is not sealed against shrinking")
+            if st.st_size <= 0:
+                raise RemoteProtocolError(f"{path} is empty")
             addr = map_shared(f, st.st_size, writable=False)
         except OSError as e:
             raise ShmUnavailable(f"cannot map {path}: {e}") from e
         finally:
             os.close(f)
-        self._maps[fd] = (ino, addr, st.st_size)
         return addr, st.st_size
 
     def close(self) -> None:

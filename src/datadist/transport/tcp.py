@@ -23,11 +23,13 @@ import ssl
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from datadist.core.errors import (
     BrokenLink,
+    Busy,
     DatadistError,
     InvalidArgument,
     LinkFailed,
@@ -36,9 +38,12 @@ from datadist.core.errors import (
     Timeout,
     error_for_code,
 )
-from datadist.transport.base import PeerInfo, RequestHandler
+from datadist.transport.base import LeaseLike, PeerInfo, RequestHandler
 from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, sock_readv, sock_writev
 from datadist.wire import protocol as p
+
+if TYPE_CHECKING:
+    from datadist.transport.local import LocalCred
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,15 @@ FRAME_TIMEOUT = 30.0  # seconds a frame may take to arrive once its first byte h
 # keeps its window shut is usually dropped sooner, by TCP_USER_TIMEOUT (USER_TIMEOUT_MS).
 SERVE_SEND_TIMEOUT = 120.0
 RECV_BUFFER = 64 << 10  # read-ahead for frames (see Channel)
+# Grants (same-host reads, a lease per grant until the reader's RELEASE): an honest reader
+# holds one at a time per connection (a link serialises its transfers) and releases it right
+# after its copy. More outstanding on one connection are refused; one not released within
+# GRANT_TTL seconds is released by the owner (its memory may then be freed and reused), and
+# within RECLAIM_GRACE seconds once its owner wants the memory back (the cache deallocated or
+# being unregistered), so that a silent peer cannot keep a pool exhausted.
+MAX_GRANTS_PER_CONNECTION = 4
+GRANT_TTL = 30.0
+RECLAIM_GRACE = 5.0
 ARM_SLACK = 0.02  # seconds a blocking call may run past its deadline (timer granularity)
 
 
@@ -82,6 +96,9 @@ class Channel:
     Every call takes an absolute ``deadline`` (``time.monotonic()``); past it, Timeout.
     After any error the channel is closed: a half-read stream cannot be resynchronised.
     """
+
+    # Set on unix-socket channels (transport/local.py): who the kernel says the peer is.
+    local_cred: LocalCred | None = None
 
     def __init__(self, sock: socket.socket, address: str) -> None:
         self.sock = sock
@@ -369,18 +386,22 @@ class TcpListener:
     """
 
     def __init__(self, host: str, port: int, handler: RequestHandler,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, *, sock: socket.socket | None = None) -> None:
         self.handler = handler
         self.tls = tls
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as e:
-            self._sock.close()
-            raise LinkFailed(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        if sock is None:  # TCP; a bound ``sock`` is the local channel's (transport/local.py)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                sock.close()
+                raise LinkFailed(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+            self.host, self.port = sock.getsockname()[:2]
+        else:
+            self.host, self.port = host, port
+        self._sock = sock
         self._sock.listen(128)
-        self.host, self.port = self._sock.getsockname()[:2]
         self._closing = threading.Event()
         self._conns: set[Channel] = set()
         self._threads: set[threading.Thread] = set()
@@ -424,15 +445,15 @@ class TcpListener:
                     return
                 time.sleep(0.01)
                 continue
-            _tune(sock)
-            if self.tls is not None:
-                from datadist.transport.tls import TlsChannel
-
-                chan: Channel = TlsChannel.wrap_server(sock, f"{addr[0]}:{addr[1]}", self.tls)
-            else:
-                chan = Channel(sock, f"{addr[0]}:{addr[1]}")
+            try:
+                chan = self._channel(sock, addr)
+            except OSError as e:  # the peer went away before we looked at it
+                log.info("dropping a connection at accept: %s", e)
+                sock.close()
+                continue
             t = threading.Thread(
-                target=self._serve, args=(chan,), name=f"datadist-serve-{addr[1]}", daemon=True
+                target=self._serve, args=(chan,), name=f"datadist-serve-{chan.address}",
+                daemon=True,
             )
             with self._lock:
                 if self._closing.is_set():
@@ -441,6 +462,15 @@ class TcpListener:
                 self._conns.add(chan)
                 self._threads.add(t)
             t.start()
+
+    def _channel(self, sock: socket.socket, addr: tuple) -> Channel:  # type: ignore[type-arg]
+        """The Channel for an accepted socket (TLS-wrapped when configured)."""
+        _tune(sock)
+        if self.tls is not None:
+            from datadist.transport.tls import TlsChannel
+
+            return TlsChannel.wrap_server(sock, f"{addr[0]}:{addr[1]}", self.tls)
+        return Channel(sock, f"{addr[0]}:{addr[1]}")
 
     def _serve(self, chan: Channel) -> None:
         try:
@@ -468,13 +498,15 @@ class ServerConnection:
         self.handler = handler
         self.closing = closing
         self.peer: PeerInfo | None = None
-        self.leases: dict[int, object] = {}
+        self.leases: dict[int, tuple[LeaseLike, float]] = {}  # grants: lease, when granted
 
     def _wait_request(self) -> tuple[int, p.Message] | None:
         """The next frame: its first byte may take as long as the connection lives (an idle
         link), the rest must follow within FRAME_TIMEOUT (a peer that stops mid-frame is
         dropped, and its thread freed). Woken by close."""
         while not self.closing.is_set():
+            if self.leases:
+                self._expire_grants()
             if self.chan.wait_readable(1.0):
                 return self.chan.recv(time.monotonic() + FRAME_TIMEOUT)
         return None
@@ -495,7 +527,7 @@ class ServerConnection:
             log.warning("closing connection from %s: %s", self.chan.address, e)
             self._try_send(p.Error(e.code, str(e)))
         finally:
-            for lease in self.leases.values():
+            for lease, _ in self.leases.values():
                 self.handler.close_read(lease, False)  # type: ignore[arg-type]
             self.leases.clear()
             if self.peer is not None:
@@ -516,7 +548,7 @@ class ServerConnection:
             raise BrokenLink("peer refused") from e
         self.peer = PeerInfo(
             hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
-            self.chan.address,
+            self.chan.address, local=self.chan.local_cred,
         )
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         self.chan.send(welcome, deadline, rid)
@@ -543,8 +575,14 @@ class ServerConnection:
                 self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
                 return True
             if msg.flags & p.ReadFlags.GRANT:
+                if len(self.leases) >= MAX_GRANTS_PER_CONNECTION:
+                    self.handler.close_read(lease, False)
+                    self.chan.send(p.Error(int(Busy.code), (
+                        f"{len(self.leases)} grants are still not released on this "
+                        "connection")), deadline, rid)
+                    return True
                 lease_id = next(self._lease_ids)
-                self.leases[lease_id] = lease
+                self.leases[lease_id] = (lease, time.monotonic())
                 shm = getattr(lease, "shm", None)
                 if shm is not None:
                     self.chan.send(p.ShmGrant(lease_id, *shm), deadline, rid)
@@ -566,9 +604,9 @@ class ServerConnection:
                 self.handler.close_read(lease, ok)
             return True
         if isinstance(msg, p.Release):
-            lease = self.leases.pop(msg.lease_id, None)
-            if lease is not None:
-                self.handler.close_read(lease, msg.ok)  # type: ignore[arg-type]
+            held = self.leases.pop(msg.lease_id, None)
+            if held is not None:
+                self.handler.close_read(held[0], msg.ok)  # type: ignore[arg-type]
             return True
         if isinstance(msg, p.Write):
             return self._write(rid, msg, deadline)
@@ -580,6 +618,19 @@ class ServerConnection:
             self._try_send(p.Ok(), rid)
             return False
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")
+
+    def _expire_grants(self) -> None:
+        """Release grants their reader kept past GRANT_TTL, or past RECLAIM_GRACE when the
+        memory is wanted back (as failed reads: no key is consumed), so that a peer cannot
+        pin caches, and the pool, for as long as it likes."""
+        now = time.monotonic()
+        for lease_id, (lease, since) in list(self.leases.items()):
+            age = now - since
+            if age >= GRANT_TTL or (age >= RECLAIM_GRACE and lease.wanted_back()):
+                del self.leases[lease_id]
+                log.warning("grant %d to %s not released after %.1f s: released", lease_id,
+                            self.chan.address, age)
+                self.handler.close_read(lease, False)
 
     def _send_checksum(self, iov: np.ndarray, deadline: float, rid: int) -> None:
         """The CRC of the source spans, computed after they were sent (TCP) or while the

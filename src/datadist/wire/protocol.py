@@ -63,6 +63,10 @@ class MsgType(enum.IntEnum):
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
+# Welcome only: the server also speaks this protocol on the abstract unix socket
+# "\0datadist-v1.<pid>.<cluster_id>" (its own pid and cluster id, in decimal); same-host
+# reads (GRANT) are served only there (transport/local.py, docs/protocol.md).
+FEATURE_LOCAL = 2
 
 
 class KeyKind(enum.IntEnum):
