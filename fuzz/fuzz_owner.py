@@ -20,6 +20,7 @@ a raw socket. What counts as a finding (raised, with the input):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
@@ -52,10 +53,8 @@ class Client:
         self.items: list = []
 
     def send(self, data: bytes) -> None:
-        try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             self.sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
 
     def next(self):  # type: ignore[no-untyped-def]
         while not self.items:
@@ -87,7 +86,7 @@ def authenticate(cli: Client, owner_id: int) -> None:
 
 def before_auth(owner: Engine, hello: int, frames: list[bytes]) -> None:
     cli = Client(owner.listen_address[1])
-    me = "%s:%d" % cli.sock.getsockname()[:2]
+    me = "{}:{}".format(*cli.sock.getsockname()[:2])
     try:
         if hello:
             flags, nonce = (p.FEATURE_AUTH, auth.nonce()) if hello == 2 else (0, b"")
@@ -125,7 +124,7 @@ def expanded(owner: Engine, cache_id: int, data: np.ndarray, cases: list) -> Non
                 pass
             elif isinstance(got[1], p.ReadData):
                 want = b"".join(data[t, o:o + n].tobytes() for t in tensors
-                                for o, n in zip(offsets, lengths))
+                                for o, n in zip(offsets, lengths, strict=True))
                 raw = cli.next()[1] if want else b""
                 if raw != want:
                     raise Finding(f"wrong bytes for {msg!r}")

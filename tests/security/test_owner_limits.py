@@ -114,9 +114,10 @@ def test_item2_repeating_one_tensor_index_is_refused_at_once(owner, repeats, why
 def test_item2_span_expansion_stays_cheap_for_others(owner, tensors: int) -> None:
     """No tensor twice, but ``tensors`` x 8192 one-byte spans with a checksum: 4M spans (at
     the cap) or 16M (over it). An honest 4 KiB pull on another connection, started
-    meanwhile and again until the attack is answered, must meet its 1 s deadline; the owner serves 4M spans without per-span
-    Python and refuses 16M at once. Before: 16M spans were under the cap (2**24), and
-    building their Python list held the GIL for seconds (the honest pull timed out)."""
+    meanwhile and again until the attack is answered, must meet its 1 s deadline; the owner
+    serves 4M spans without per-span Python and refuses 16M at once. Before: 16M spans were
+    under the cap (2**24), and building their Python list held the GIL for seconds (the
+    honest pull timed out)."""
     big = np.zeros((tensors, 8192), np.uint8)
     big[:] = np.arange(8192, dtype=np.uint8) % 251
     hostile = owner.register(Geometry(tensors, 8192, 1),
@@ -371,8 +372,8 @@ def test_item9_an_owner_without_remote_cache_access_refuses_keyed_writes() -> No
 
 
 def test_item9_the_facade_passes_the_option_to_the_owner() -> None:
-    from datadist.api.llm_datadist import LLMDataDist
     from datadist.api.enums import LLMRole
+    from datadist.api.llm_datadist import LLMDataDist
 
     for value, want in (("0", False), ("1", True), (None, False)):
         dd = LLMDataDist(LLMRole.PROMPT, 1)
