@@ -140,7 +140,8 @@ def check_request_size(tensors: np.ndarray, offsets: np.ndarray) -> None:
             f"{len(tensors)} tensors x {len(offsets)} spans exceeds the "
             f"{MAX_REQUEST_SPANS} spans one request may name"
         )
-    if len(tensors) > 1 and len(np.unique(tensors)) != len(tensors):
+    n = len(tensors)
+    if n > 1 and (len(set(tensors.tolist())) if n <= 256 else len(np.unique(tensors))) != n:
         raise InvalidArgument("a request names the same tensor more than once")
 
 
