@@ -497,8 +497,10 @@ class TcpListener:
                     if self._per_peer.get(ip, 0) >= self.max_per_peer else "")
         if over:
             self.refused += 1
-            log.warning("refusing %s: %s already (cap %d, %d per peer)", address, over,
-                        self.max_conns, self.max_per_peer)
+            if self.refused & (self.refused - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
+                log.warning("refusing %s: %s already (cap %d, %d per peer; %d refused so "
+                            "far)", address, over, self.max_conns, self.max_per_peer,
+                            self.refused)
             self._doorman.refuse(sel, sock, f"too many connections to this owner ({over})",
                                  tls=self.tls is not None)
             return True
