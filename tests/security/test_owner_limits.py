@@ -25,6 +25,9 @@ from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
 SOCK_TIMEOUT = 5.0
+# An honest pull's deadline while an attack runs: generous for a loaded 2-core machine, far
+# below the seconds of GIL the old owner spent on a 16M-span request.
+HONEST_DEADLINE = 2.0
 
 
 class Raw:
@@ -114,7 +117,7 @@ def test_item2_repeating_one_tensor_index_is_refused_at_once(owner, repeats, why
 def test_item2_span_expansion_stays_cheap_for_others(owner, tensors: int) -> None:
     """No tensor twice, but ``tensors`` x 8192 one-byte spans with a checksum: 4M spans (at
     the cap) or 16M (over it). An honest 4 KiB pull on another connection, started
-    meanwhile and again until the attack is answered, must meet its 1 s deadline; the owner
+    meanwhile and again until the attack is answered, must meet its deadline; the owner
     serves 4M spans without per-span Python and refuses 16M at once. Before: 16M spans were
     under the cap (2**24), and building their Python list held the GIL for seconds (the
     honest pull timed out)."""
@@ -159,7 +162,7 @@ def test_item2_span_expansion_stays_cheap_for_others(owner, tensors: int) -> Non
         pulls = 0
         while t.is_alive() or not pulls:  # honest pulls for as long as the attack lasts
             dst[:] = 0
-            puller.pull(1, key, 0, plan, local.cache_id, 1.0)
+            puller.pull(1, key, 0, plan, local.cache_id, HONEST_DEADLINE)
             assert np.array_equal(dst, small)
             pulls += 1
         t.join(60)
@@ -322,8 +325,15 @@ def test_item8_without_a_verdict_the_key_stays(owner) -> None:
         cli = Raw(owner.listen_address[1])
         try:
             cli.hello()
-            cli.send(read, 4)
-            kinds = [type(cli.next()[1]) for _ in range(3)]
+            deadline = time.monotonic() + 5
+            while True:  # until the owner noticed the previous connection closed
+                cli.send(read, 4)
+                first = cli.next()[1]
+                if not (isinstance(first, p.Error) and "another request" in first.message):
+                    break
+                assert time.monotonic() < deadline, first
+                time.sleep(0.05)
+            kinds = [type(first), *(type(cli.next()[1]) for _ in range(2))]
             assert kinds == [p.ReadData, bytes, p.Checksum]
             if ending == "ping":
                 cli.send(p.Ping(1), 5)
