@@ -374,7 +374,8 @@ class LLMConfig:
     @property
     def max_connections(self) -> int:
         """datadist extra: inbound connections a listening process serves at once (default
-        256); more are refused with LLM_LINK_FAILED. Option ``datadist.MaxConnections``."""
+        256); more are refused with LLM_LINK_FAILED. Option ``datadist.MaxConnections``, or
+        ``DATADIST_MAX_CONNECTIONS``."""
         return self._max_connections or DEFAULT_MAX_CONNECTIONS
 
     @max_connections.setter
@@ -384,7 +385,7 @@ class LLMConfig:
     @property
     def max_connections_per_peer(self) -> int:
         """datadist extra: of those, how many may come from one IP address (default 32).
-        Option ``datadist.MaxConnectionsPerPeer``."""
+        Option ``datadist.MaxConnectionsPerPeer``, or ``DATADIST_MAX_CONNECTIONS_PER_PEER``."""
         return self._max_connections_per_peer or DEFAULT_MAX_CONNECTIONS_PER_PEER
 
     @max_connections_per_peer.setter

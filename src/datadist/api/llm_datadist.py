@@ -204,10 +204,12 @@ class LLMDataDist:
 
             pools[cfg.OPT_MEM_POOL] = v1_pool_config(opts)
         caps = {}
-        for key, default in ((cfg.OPT_MAX_CONNECTIONS, cfg.DEFAULT_MAX_CONNECTIONS),
-                             (cfg.OPT_MAX_CONNECTIONS_PER_PEER,
-                              cfg.DEFAULT_MAX_CONNECTIONS_PER_PEER)):
-            raw_cap = opts.get(key, str(default))
+        for key, env, default in (
+            (cfg.OPT_MAX_CONNECTIONS, "DATADIST_MAX_CONNECTIONS", cfg.DEFAULT_MAX_CONNECTIONS),
+            (cfg.OPT_MAX_CONNECTIONS_PER_PEER, "DATADIST_MAX_CONNECTIONS_PER_PEER",
+             cfg.DEFAULT_MAX_CONNECTIONS_PER_PEER),
+        ):
+            raw_cap = opts.get(key) or os.environ.get(env) or str(default)
             if not raw_cap.isdigit() or not 1 <= int(raw_cap) <= 65535:
                 raise _param_invalid(f"{key} must be an int in [1, 65535], got {raw_cap!r}")
             caps[key] = int(raw_cap)
