@@ -588,6 +588,9 @@ class _Doorman:
         sel.register(sock, selectors.EVENT_READ, sock)
 
     def step(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        """The refused connection is readable: read on, answer once its frame is whole."""
+        if sock not in self._pending:
+            return
         _, buf, why = self._pending[sock]
         try:
             data = sock.recv(HANDSHAKE_MAX_FRAME + p.HEADER_SIZE - len(buf))
