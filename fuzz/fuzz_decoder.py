@@ -134,6 +134,12 @@ def _seed_frames() -> list[bytes]:
         p.Pong(9),
         p.Bye(),
         p.Ok(),
+        p.Auth(bytes(range(32))),
+        p.Checksum(0xDEADBEEF, 4096),
+        p.ShmGrant(2, np.array([3, 3], dtype="<i4"), u64[:2], u64[1:]),
+        # duplicated and expanded spans: one tensor index repeated, many one-byte spans
+        p.Read(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, p.ReadFlags.CHECKSUM,
+               np.zeros(64, dtype="<u4"), np.arange(64, dtype="<u8"), np.ones(64, dtype="<u8")),
     ]
     frames = []
     for m in msgs:
@@ -142,7 +148,10 @@ def _seed_frames() -> list[bytes]:
         except Exception:  # noqa: BLE001 - the protocol changed shape; fuzz what still encodes
             continue
     # raw bytes after ReadData/Write, as on the wire
-    return frames + [frames[5] + b"\xaa" * 8] if len(frames) > 5 else frames
+    frames += [frames[5] + b"\xaa" * 8] if len(frames) > 5 else []
+    # a handshake, then a request, as a client before and after authentication sends them
+    frames.append(frames[0] + p.encode(p.Auth(bytes(32)), 2) + frames[3])
+    return frames
 
 
 def header(mtype: int, length: int, *, magic: bytes = b"DD", version: int = p.VERSION,

@@ -278,7 +278,8 @@ ABSENT = [
 # docs/compatibility.md).
 EXTRAS = {
     "LLMConfig": {"transport", "auth_secret", "verify_checksum", "tls_cert_file",
-                  "tls_key_file", "tls_ca_file"},
+                  "tls_key_file", "tls_ca_file", "allow_ptrace", "max_connections",
+                  "max_connections_per_peer"},
     "LLMDataDist": {"engine", "listen_address"},
     "DataType": {"itemsize"},
 }

@@ -49,6 +49,7 @@ BLK = {"num_tensors": 3, "blocks": 8, "block_bytes": 1024}  # blocks cache, mode
 KV = {"num_tensors": 2, "blocks": 4, "block_bytes": 2048}  # contiguous, 4 keyed slots
 REQ_BASE = 1000  # slot i of KV is CacheKey(req_id=1000 + i, model_id=0)
 EXAMPLES = 300
+MAX_SPANS = 1 << 22  # spans (tensors x spans) one request may name, after the expansion
 
 
 @dataclass
@@ -181,6 +182,8 @@ def judge(srv: Server, r: Req, write: bool = False) -> Verdict:
         return Verdict("error")
     if any(t >= cache.num_tensors for t in r.tensors):
         return Verdict("error")
+    if len(r.tensors) * len(r.offsets) > MAX_SPANS or len(set(r.tensors)) != len(r.tensors):
+        return Verdict("error")  # over the span cap, or a tensor named twice
     if slot < 0:
         if r.unit_bytes not in (0, cache.unit_bytes):
             return Verdict("error")
@@ -277,8 +280,10 @@ def requests(srv: Server) -> st.SearchStrategy[Req]:
             lengths = draw(st.lists(mostly(st.integers(0, 512), span), min_size=n, max_size=n))
         else:
             n = draw(st.integers(0, 5))
-            tensors = draw(st.lists(mostly(st.integers(0, 1), st.integers(0, U32MAX)),
-                                    max_size=4))
+            # distinct mostly (a tensor named twice is refused), sometimes repeated
+            tensors = draw(mostly(st.lists(mostly(st.integers(0, 1), st.integers(0, U32MAX)),
+                                           max_size=4, unique=True),
+                                  st.lists(st.integers(0, 1), min_size=2, max_size=4)))
             offsets = draw(st.lists(span, min_size=n, max_size=n))
             lengths = draw(st.lists(span, min_size=n, max_size=n))
         return Req(kind, a, b, c, unit, flags, tuple(tensors), tuple(offsets), tuple(lengths),
@@ -301,6 +306,12 @@ def exchange(srv: Server, cli: RawClient, ops: list, rids: list[int],
             continue
         if what == "release":  # unknown lease ids are ignored, no answer
             cli.send(p.encode(p.Release(*arg), rid))
+            continue
+        if what == "expanded":  # a small frame naming a huge expansion: refused, cheaply
+            cli.send(expanded_frame(srv, *arg, rid))
+            got = cli.next()
+            assert got is not None and got[0] == rid and isinstance(got[1], p.Error), got
+            counts["expanded:error"] = counts.get("expanded:error", 0) + 1
             continue
         req: Req = arg
         write = what == "write"
@@ -346,6 +357,31 @@ def exchange(srv: Server, cli: RawClient, ops: list, rids: list[int],
             cli.send(p.encode(p.Release(msg.lease_id, True), 0))
         elif v.outcome == "grant":
             held += 1
+
+
+def expanded_frame(srv: Server, kind: int, repeats: int, spans: int, write: bool,
+                   rid: int) -> bytes:
+    """A Read or Write of a few KiB whose tensors x spans expansion is what costs: one tensor
+    index repeated ``repeats`` times (or, with ``repeats`` 0, more distinct tensors than the
+    cache has) times ``spans`` one-byte spans, with a checksum asked for. The owner must
+    refuse it (a tensor named twice, the span cap, a tensor out of range) before any
+    per-span work, and keep the connection."""
+    if kind == 3:
+        key = p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0, 0)
+    else:
+        key = p.KeyRef(p.KeyKind.CACHE_ID, srv.kv.cache_id, 0, 0)
+    tensors = (np.zeros(repeats, np.uint32) if repeats
+               else np.arange(4096, dtype=np.uint32))
+    offsets = np.arange(spans, dtype=np.uint64) % 1024
+    lengths = np.ones(spans, np.uint64)
+    if write:
+        return p.encode(p.Write(key, 0, 0, tensors, offsets, lengths), rid)
+    return p.encode(p.Read(key, 0, p.ReadFlags.CHECKSUM, tensors, offsets, lengths), rid)
+
+
+def expansions() -> st.SearchStrategy[tuple[int, int, int, bool]]:
+    return st.tuples(st.sampled_from([2, 3]), st.one_of(st.integers(2, 4096), st.just(0)),
+                     st.integers(1, 4096), st.booleans())
 
 
 # ------------------------------------------------------------------------------ afterwards
@@ -396,10 +432,11 @@ def test_hostile_reads(peers: Peers) -> None:
         lambda fr: dataclasses.replace(fr[1], flags=fr[0]))
     op = st.one_of(
         st.tuples(st.just("read"), requests(srv)),
-        st.tuples(st.just("read"), requests(srv)),
+        st.tuples(st.just("read"), st.one_of(requests(srv), served_reads(srv))),
         st.tuples(st.just("write"), writes),
         st.tuples(st.just("release"), st.tuples(u64(), st.booleans())),
-        st.tuples(st.just("ping"), u64()),
+        mostly(st.tuples(st.just("ping"), u64()),
+               st.tuples(st.just("expanded"), expansions())),
     )
 
     # Generated examples vary with the server's addresses: one served read and one grant
@@ -426,7 +463,7 @@ def test_hostile_reads(peers: Peers) -> None:
              time.monotonic() - t0, 120)
     # The model must have exercised every outcome, or the test proves little.
     for outcome in ("read:data", "read:grant", "read:error", "read:fatal", "write:error",
-                    "write:fatal", "address:fatal"):
+                    "write:fatal", "address:fatal", "expanded:error"):
         assert counts.get(outcome, 0) > 0, f"no {outcome} case was generated: {counts}"
     _assert_server_sound(peers, srv, pattern_intact=True)
 
@@ -445,6 +482,7 @@ def _template(srv: Server) -> st.SearchStrategy[bytes]:
         st.builds(lambda x: p.encode(p.Grant(x, np.array([1, 2], dtype=np.uint64)), 6), u64()),
         st.builds(lambda b: p.encode(p.Auth(b), 8), st.binary(max_size=40)),
         st.sampled_from([p.encode(p.Bye()), p.encode(p.Ok()), p.encode(p.Error(5, "x"))]),
+        expansions().map(lambda a: expanded_frame(srv, *a, 7)),
     )
 
     @st.composite
@@ -476,9 +514,14 @@ def _template(srv: Server) -> st.SearchStrategy[bytes]:
 def served_frames(srv: Server) -> st.SearchStrategy[bytes]:
     """Reads the owner must serve (data or grant), built to fit, so that replies carrying
     memory are common in the frame fuzzer too."""
+    return served_reads(srv).map(lambda r: r.frame(9))
+
+
+def served_reads(srv: Server) -> st.SearchStrategy[Req]:
+    """Reads built to fit a cache: the owner must serve them (data or grant)."""
 
     @st.composite
-    def read(draw: st.DrawFn) -> bytes:
+    def read(draw: st.DrawFn) -> Req:
         if draw(st.booleans()):  # blocks cache by model_id, whole tensors addressable
             cache, kind, a, b = srv.blk, 3, 0, 0
             limit = cache.tensor_bytes
@@ -492,11 +535,11 @@ def served_frames(srv: Server) -> st.SearchStrategy[bytes]:
             offsets.append(off)
             lengths.append(draw(st.integers(1, limit - off)))
         tensors = draw(st.lists(st.integers(0, cache.num_tensors - 1), min_size=1,
-                                max_size=3))
+                                max_size=3, unique=True))
         r = Req(kind, a, b, 0, 0, draw(st.sampled_from([0, 1, 4, 5])), tuple(tensors),
                 tuple(offsets), tuple(lengths))
         assert judge(srv, r).outcome in ("data", "grant"), r
-        return r.frame(9)
+        return r
 
     return read()
 
@@ -547,6 +590,67 @@ def test_hostile_frames(peers: Peers) -> None:
     measured(f"hostile frames: {EXAMPLES} examples {stats}", time.monotonic() - t0, 120)
     assert stats["data"] + stats["grants"] > 0, f"no reply ever carried memory: {stats}"
     _assert_server_sound(peers, srv, pattern_intact=False)
+
+
+SECRET = "fuzz-secret"
+
+
+@pytest.mark.timeout(120)
+def test_hostile_frames_before_authentication(peers: Peers) -> None:
+    """A PROMPT with a shared secret: a client sends a Hello (asking to authenticate, or
+    not, or none at all), then anything: requests it must not be served, Auth frames with
+    wrong proofs, oversized and truncated frames. Until a valid proof, the only answers
+    are Welcome and Error; then the server hangs up. No reply ever carries memory, and an
+    honest decoder with the secret is served afterwards."""
+    env = {"DATADIST_TRANSPORT": "tcp", "DATADIST_AUTH_SECRET": SECRET}
+    prompt = peers.prompt(env=env)
+    r = prompt.call("register", name="blk", seed=11, guard=4096, keys=0, **BLK)
+    srv = Server(prompt, prompt.pid, prompt.port, prompt.cluster_id,  # type: ignore[arg-type]
+                 CacheInfo(r["cache_id"], r["addrs"], BLK["num_tensors"],
+                           BLK["blocks"] * BLK["block_bytes"], BLK["blocks"],
+                           BLK["block_bytes"], 11, []),
+                 CacheInfo(r["cache_id"], r["addrs"], BLK["num_tensors"],
+                           BLK["blocks"] * BLK["block_bytes"], BLK["blocks"],
+                           BLK["block_bytes"], 11, []))
+    stats = {"welcome": 0, "error": 0, "closed": 0}
+    hellos = st.sampled_from(["none", "plain", "auth"])
+
+    @_SETTINGS
+    @given(hello=hellos, chunks=st.lists(_template(srv), min_size=1, max_size=6))
+    def run(hello: str, chunks: list[bytes]) -> None:
+        cli = RawClient(srv.port)
+        try:
+            if hello != "none":
+                flags, nonce = (p.FEATURE_AUTH, b"\x02" * 16) if hello == "auth" else (0, b"")
+                cli.send(p.encode(p.Hello(srv.cluster_id + 1, 1, 1, 0, b"\x01" * 16, flags,
+                                          nonce), 1))
+            cli.send(b"".join(chunks))
+            with contextlib.suppress(OSError):
+                cli.sock.shutdown(socket.SHUT_WR)
+            try:
+                replies = cli.drain()
+            except Hang as e:
+                raise Hang(f"{e}; sent: {hello=} {chunks!r}") from None
+        finally:
+            cli.close()
+        stats["closed"] += 1
+        for _, item in replies:
+            assert isinstance(item, (p.Welcome, p.Error)), \
+                f"answered {item!r} before authentication ({hello=})"
+            stats["welcome" if isinstance(item, p.Welcome) else "error"] += 1
+
+    t0 = time.monotonic()
+    run()
+    measured(f"frames before authentication: {EXAMPLES} examples {stats}",
+             time.monotonic() - t0, 120)
+    assert stats["welcome"] and stats["error"], stats
+    dec = peers.decoder(env=env)
+    dec.call("register", name="dst", **BLK)
+    assert link(dec, prompt)["code"] == "LLM_SUCCESS"
+    every = list(range(BLK["blocks"]))
+    got = dec.call("pull", cid=srv.cluster_id, dst="dst", src_blocks=every, dst_blocks=every,
+                   seed=11)
+    assert got["ok"] and got["verified"], got
 
 
 @pytest.mark.timeout(60)

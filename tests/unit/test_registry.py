@@ -606,3 +606,48 @@ def test_unregister_that_outwaits_its_bound_keeps_the_cache_registered() -> None
     reg.unregister(entry.cache_id, wait=0.05)
     with pytest.raises(CacheNotFound):
         reg.get(entry.cache_id)
+
+
+# ------------------------------------------------------------------------------ issue 9
+
+
+def test_clear_returns_every_live_entry_however_it_is_held() -> None:
+    """finalize waits for what clear returns: an entry held only by a key, or only by a
+    lease, counts as much as one held by its id; released ones do not."""
+    reg = Registry()
+    by_id_only = pool_cache(reg, [])
+    key_held = pool_cache(reg, [K(1)])
+    reg.deallocate(key_held.cache_id)
+    lease_held = pool_cache(reg, [K(2)])
+    lease = read(reg, by_key(2))
+    reg.deallocate(lease_held.cache_id)
+    reg.remove_key(K(2))
+    gone = pool_cache(reg, [])
+    reg.deallocate(gone.cache_id)
+    assert set(map(id, reg.clear())) == {id(by_id_only), id(key_held), id(lease_held)}
+    reg.close(lease, True)
+
+
+def test_a_tensor_named_twice_is_refused_for_reads_and_writes() -> None:
+    reg = Registry()
+    e = user_cache(reg)
+    for write in (False, True):
+        with pytest.raises(InvalidArgument, match="more than once"):
+            reg.open(by_id(e.cache_id), 0, np.array([1, 2, 1], np.uint32), u64(0), u64(8),
+                     read=not write)
+    assert e.leases == 0
+
+
+def test_unlease_frees_the_memory_and_settle_decides_the_key() -> None:
+    reg = Registry()
+    frees = Frees()
+    e = pool_cache(reg, [K(1)], frees)
+    reg.deallocate(e.cache_id)
+    lease = read(reg, by_key(1))
+    reg.unlease(lease)
+    assert e.leases == 0 and frees.calls == 0  # the key still holds the cache
+    reg.settle(lease, False)
+    lease = read(reg, by_key(1))  # not consumed: readable again
+    reg.unlease(lease)
+    reg.settle(lease, True)
+    assert frees.calls == 1  # consumed, and with it the cache

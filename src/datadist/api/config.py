@@ -43,6 +43,10 @@ OPT_ALLOW_PTRACE = "datadist.AllowPtrace"
 OPT_TLS_CERT = "datadist.TlsCert"
 OPT_TLS_KEY = "datadist.TlsKey"
 OPT_TLS_CA = "datadist.TlsCa"
+OPT_MAX_CONNECTIONS = "datadist.MaxConnections"
+OPT_MAX_CONNECTIONS_PER_PEER = "datadist.MaxConnectionsPerPeer"
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 32
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -152,6 +156,8 @@ class LLMConfig:
         self._verify_checksum = False
         self._allow_ptrace = True
         self._tls = {"cert": "", "key": "", "ca": ""}
+        self._max_connections: int | None = None
+        self._max_connections_per_peer: int | None = None
 
     # -- device and addresses
 
@@ -429,6 +435,33 @@ class LLMConfig:
     def tls_ca_file(self, value: str) -> None:
         self._tls_set("ca", value)
 
+    def _cap(self, name: str, value: int) -> int:
+        check_isinstance(name, value, int, allow_none=False)
+        if isinstance(value, bool) or not 1 <= value <= 65535:
+            raise _param_invalid(f"{name} must be in [1, 65535], got {value!r}")
+        return value
+
+    @property
+    def max_connections(self) -> int:
+        """datadist extra: inbound connections a listening process serves at once (default
+        256); more are refused with LLM_LINK_FAILED. Option ``datadist.MaxConnections``, or
+        ``DATADIST_MAX_CONNECTIONS``."""
+        return self._max_connections or DEFAULT_MAX_CONNECTIONS
+
+    @max_connections.setter
+    def max_connections(self, value: int) -> None:
+        self._max_connections = self._cap("max_connections", value)
+
+    @property
+    def max_connections_per_peer(self) -> int:
+        """datadist extra: of those, how many may come from one IP address (default 32).
+        Option ``datadist.MaxConnectionsPerPeer``, or ``DATADIST_MAX_CONNECTIONS_PER_PEER``."""
+        return self._max_connections_per_peer or DEFAULT_MAX_CONNECTIONS_PER_PEER
+
+    @max_connections_per_peer.setter
+    def max_connections_per_peer(self, value: int) -> None:
+        self._max_connections_per_peer = self._cap("max_connections_per_peer", value)
+
     # -- v1 / offline options
 
     @property
@@ -553,6 +586,10 @@ class LLMConfig:
             o[OPT_VERIFY] = "1"
         if not self._allow_ptrace:
             o[OPT_ALLOW_PTRACE] = "0"
+        if self._max_connections is not None:
+            o[OPT_MAX_CONNECTIONS] = str(self._max_connections)
+        if self._max_connections_per_peer is not None:
+            o[OPT_MAX_CONNECTIONS_PER_PEER] = str(self._max_connections_per_peer)
         for which, key in (("cert", OPT_TLS_CERT), ("key", OPT_TLS_KEY), ("ca", OPT_TLS_CA)):
             if self._tls[which]:
                 o[key] = self._tls[which]

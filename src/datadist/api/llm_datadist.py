@@ -201,6 +201,16 @@ class LLMDataDist:
             from datadist.api.v1 import v1_pool_config  # legacy mode: the KV pool
 
             pools[cfg.OPT_MEM_POOL] = v1_pool_config(opts)
+        caps = {}
+        for key, env, default in (
+            (cfg.OPT_MAX_CONNECTIONS, "DATADIST_MAX_CONNECTIONS", cfg.DEFAULT_MAX_CONNECTIONS),
+            (cfg.OPT_MAX_CONNECTIONS_PER_PEER, "DATADIST_MAX_CONNECTIONS_PER_PEER",
+             cfg.DEFAULT_MAX_CONNECTIONS_PER_PEER),
+        ):
+            raw_cap = opts.get(key) or os.environ.get(env) or str(default)
+            if not raw_cap.isdigit() or not 1 <= int(raw_cap) <= 65535:
+                raise _param_invalid(f"{key} must be an int in [1, 65535], got {raw_cap!r}")
+            caps[key] = int(raw_cap)
         return EngineConfig(
             cluster_id=self._cluster_id,
             role=int(self._role),
@@ -215,6 +225,9 @@ class LLMDataDist:
             == "1",
             allow_ptrace=(opts.get(cfg.OPT_ALLOW_PTRACE)
                           or os.environ.get("DATADIST_ALLOW_PTRACE", "1")) != "0",
+            remote_cache_accessible=opts.get(cfg.OPT_REMOTE_CACHE_ACCESSIBLE) == "1",
+            max_connections=caps[cfg.OPT_MAX_CONNECTIONS],
+            max_connections_per_peer=caps[cfg.OPT_MAX_CONNECTIONS_PER_PEER],
         )
 
     def finalize(self) -> None:

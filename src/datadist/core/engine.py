@@ -35,7 +35,7 @@ from datadist.core.errors import (
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
 from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path
-from datadist.core.registry import CacheEntry, KeyId, Lease, Registry
+from datadist.core.registry import CacheEntry, KeyId, Lease, Registry, check_request_size
 from datadist.memory import shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.transport.base import PathKind, PeerInfo
@@ -98,11 +98,20 @@ class EngineConfig:
     # May same-user readers be let in under Yama ptrace_scope=1 (PR_SET_PTRACER_ANY, set
     # only once cross-memory attach is used)? Off: they fall back to a stream path.
     allow_ptrace: bool = True
+    # enable_remote_cache_accessible: off, peers' WRITEs by key or cache id (push_cache,
+    # push_blocks, transfer_cache_async by key) are refused here, on the owner; WRITEs by
+    # raw address (transfer_cache_async with TransferConfig, that mode's push) stay allowed.
+    remote_cache_accessible: bool = True
+    max_connections: int = 256  # inbound connections served at once (listener cap)
+    max_connections_per_peer: int = 32  # ... of them from one peer IP address
 
 
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
     """The local side of a plan must fit the cache as it was registered (the caller's
-    CacheDesc may have changed since): never read or write past registered memory."""
+    CacheDesc may have changed since): never read or write past registered memory. And the
+    request must be one an owner accepts (span count), or it is refused here, before a
+    byte moves."""
+    check_request_size(plan.remote_tensors, plan.remote_offsets)
     g = entry.geometry
     if len(plan.local_tensors) and int(plan.local_tensors.max()) >= g.num_tensors:
         raise InvalidArgument(f"cache {entry.cache_id} has {g.num_tensors} tensors")
@@ -164,7 +173,9 @@ class Engine:
         """A started listener serving this engine, with TLS when configured. Every listener
         of the engine (its own, two-sided link ones) comes from here."""
         server_tls = self.config.tls.server_context() if self.config.tls else None
-        listener = TcpListener(host, port, self, server_tls).start()
+        listener = TcpListener(host, port, self, server_tls,
+                               max_conns=self.config.max_connections,
+                               max_per_peer=self.config.max_connections_per_peer).start()
         self._serve_local(server_tls)
         return listener
 
@@ -201,6 +212,8 @@ class Engine:
             self.local_listener.close()
         if PTRACER.release(id(self)):
             log.info("same-host readers: %s", PTRACER.state)
+        # Every cache not yet released, however it is held (a deallocated cache still bound
+        # to a key counts): a serving thread may still be reading any of them.
         entries = self.registry.clear()
         leased = self.registry.wait_unleased(entries, CLOSE_LEASE_WAIT)
         for pool in self._pools.values():
@@ -430,10 +443,6 @@ class Engine:
             raise Closed("finalized")
         if hello.cluster_id == self.config.cluster_id:
             raise LinkFailed(f"peer uses our own cluster id {hello.cluster_id}")
-        peer = PeerInfo(hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
-                        address)
-        with self._lock:
-            self._inbound[peer.key] = peer
         ident = self.identity
         secret = self.config.secret
         local = p.FEATURE_LOCAL if self.local_listener is not None else 0
@@ -454,6 +463,13 @@ class Engine:
                                  hello.cluster_id)
         if not auth.same(want, proof):
             raise LinkFailed(f"cluster {hello.cluster_id} failed to prove the shared secret")
+
+    def on_peer_ready(self, peer: PeerInfo) -> None:
+        """The handshake (and authentication, when required) succeeded: only now is the
+        peer an inbound link (switch_role, the two-sided link's connected-back step)."""
+        with self._lock:
+            if not self._closed:
+                self._inbound[peer.key] = peer
 
     def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
         """Check a read and lease what it names. A GRANT (the reader copies from our memory
@@ -505,9 +521,21 @@ class Engine:
             if lease.grantee:
                 self._drop_grant(lease.grantee)
 
+    def sent_read(self, lease: Lease) -> None:
+        """The bytes of a read are sent; its verdict (settle_read) comes later."""
+        self.registry.unlease(lease)
+
+    def settle_read(self, lease: Lease, ok: bool) -> None:
+        self.registry.settle(lease, ok)
+
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
+        if not self.config.remote_cache_accessible and msg.key.kind != p.KeyKind.ADDRESS:
+            raise InvalidArgument(
+                "this owner runs without enable_remote_cache_accessible: writes by key or "
+                "cache id are refused"
+            )
         return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths,
-                                  layout=msg.layout)
+                                  layout=msg.layout, read=False)
 
     def close_write(self, lease: Lease, ok: bool) -> None:
         self.registry.close(lease, ok, consume=False)

@@ -16,7 +16,11 @@ Lifetime rules (LLM-DataDist's, made safe):
    drops the id; the memory returns to the pool when no key and no lease holds it.
 2. A successful read through a req_id key of a pool-allocated cache *consumes* the key once
    every tensor of the cache has been read (layer-wise reads add up). Prefix keys and keys on
-   registered (user) memory are never consumed.
+   registered (user) memory are never consumed. A read through such a key *reserves* the
+   tensors it names when it opens: a second read of any of them is refused until the first
+   ends, so two concurrent readers can never both consume one key. The reservation is
+   committed (tensors marked read) only once the read is known good (``settle``), and
+   dropped when it failed.
 3. A read or write holds a *lease* on the entry from the owner's check until the bytes have
    moved. Memory is never returned to a pool, nor an unregister allowed to finish, while a
    lease is live: a peer can never read memory that was freed or reused.
@@ -45,11 +49,13 @@ from datadist.core.layout import U64, Geometry, check_layouts, check_source_span
 from datadist.wire.protocol import KeyKind, KeyRef
 
 UINT64_MAX = 2**64 - 1
-# Most spans (tensors x spans per tensor) one peer request may name. The owner builds one
-# iovec per span, so without a cap a sub-megabyte Read (40k tensor indexes x 40k spans)
-# makes it allocate tens of GB. 2**24 spans cost the owner ~0.5 GB and still cover 100k
-# uncoalesced blocks in each of 160 tensors.
-MAX_REQUEST_SPANS = 1 << 24
+# Most spans (tensors x spans per tensor, counted after the expansion) one peer request may
+# name. The owner builds one iovec per span (16 bytes, plus numpy temporaries while it is
+# built), so without a cap a sub-megabyte Read (40k tensor indexes x 40k spans) makes it
+# allocate tens of GB. 2**22 spans cost the owner ~200 MB at the peak and a few hundred ms,
+# and still cover 26k uncoalesced blocks in each of 160 tensors. Requesters check their own
+# plans against it (core/engine.py), so an honest request is never refused by the owner.
+MAX_REQUEST_SPANS = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,11 @@ class KeyBinding:
     entry: CacheEntry
     slot: int
     pulled: np.ndarray  # bool per tensor, for consumption
+    reserved: np.ndarray | None = None  # bool per tensor: a read of it is in flight
+
+    def __post_init__(self) -> None:
+        if self.reserved is None:
+            self.reserved = np.zeros_like(self.pulled)
 
 
 @dataclass(eq=False)
@@ -109,6 +120,8 @@ class Lease:
     key: KeyId | None
     shm: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # per requested tensor
     grantee: int = 0  # a grant's verified reader pid (the engine counts grants per peer)
+    reserved: bool = False  # holds a reservation of binding's tensors (a consuming read)
+    memory_held: bool = True  # counted in entry.leases until unlease/close
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +137,21 @@ class Lease:
 
     def iov(self) -> tuple[np.ndarray, np.ndarray]:
         return span_iov(self.bases, self.offsets, self.lengths)
+
+
+def check_request_size(tensors: np.ndarray, offsets: np.ndarray) -> None:
+    """What a request may cost the owner, before any per-span work: at most
+    MAX_REQUEST_SPANS spans after the tensors x spans expansion, and no tensor named twice
+    (reading or writing a tensor twice in one request means nothing, and repeating one index
+    is the cheapest way to multiply the expansion). Vectorised; O(T log T)."""
+    if len(tensors) * len(offsets) > MAX_REQUEST_SPANS:
+        raise InvalidArgument(
+            f"{len(tensors)} tensors x {len(offsets)} spans exceeds the "
+            f"{MAX_REQUEST_SPANS} spans one request may name"
+        )
+    n = len(tensors)
+    if n > 1 and (len(set(tensors.tolist())) if n <= 256 else len(np.unique(tensors))) != n:
+        raise InvalidArgument("a request names the same tensor more than once")
 
 
 def key_id(req_id: int, prefix_id: int, model_id: int) -> KeyId | None:
@@ -145,6 +173,9 @@ class Registry:
         self._by_id: dict[int, CacheEntry] = {}
         self._keys: dict[KeyId, KeyBinding] = {}
         self._blocks: dict[int, CacheEntry] = {}
+        # Every entry whose memory has not been released, however it is still held (by id,
+        # key, blocks model id or lease): what finalize must wait for before unmapping pools.
+        self._live: set[CacheEntry] = set()
 
     # ---------------------------------------------------------------- adding and removing
 
@@ -183,6 +214,7 @@ class Registry:
                 shm=shm,
             )
             self._by_id[entry.cache_id] = entry
+            self._live.add(entry)
             for slot, k in enumerate(keys):
                 if k is not None:
                     self._keys[k] = KeyBinding(entry, slot, np.zeros(geometry.num_tensors, bool))
@@ -232,6 +264,7 @@ class Registry:
         if entry.released or entry.id_held or entry.keys or entry.leases:
             return
         entry.released = True
+        self._live.discard(entry)
         if entry.free is not None:
             entry.free()
         self._changed.notify_all()
@@ -302,9 +335,14 @@ class Registry:
                 self._changed.wait(left)
 
     def clear(self) -> list[CacheEntry]:
-        """Drop everything (finalize). Returns the entries whose memory the caller frees."""
+        """Drop everything (finalize): no id, key or model id resolves any more. Returns
+        every entry whose memory was not released yet, however it was held (a deallocated
+        cache still bound to a key, one whose last reader is still at work), so that the
+        caller can wait for their leases before it unmaps the memory."""
         with self._lock:
-            entries = list(self._by_id.values())
+            entries = list(self._live)
+            for e in entries:
+                e.closing = True
             self._by_id.clear()
             self._keys.clear()
             self._blocks.clear()
@@ -336,14 +374,17 @@ class Registry:
         *,
         shm: bool = False,
         layout: int = 0,
+        read: bool = True,
     ) -> Lease:
-        """Owner side of a peer's read or write: resolve, bounds-check, lease.
+        """Owner side of a peer's read (``read``) or write: resolve, bounds-check, lease.
 
         With ``shm``, the lease also says where each requested tensor's unit lies in
-        shareable memory (when the whole cache is in it).
+        shareable memory (when the whole cache is in it). A read through a consumable key
+        reserves the tensors it names until :meth:`close` / :meth:`settle`.
 
-        Raises CacheNotFound for an unknown key or cache, InvalidArgument for anything that
-        does not fit the cache (tensor index, span, block size, batch index).
+        Raises CacheNotFound for an unknown key or cache (or a consumable key whose tensors
+        another read has reserved), InvalidArgument for anything that does not fit the cache
+        (tensor index, span, block size, batch index, a tensor named twice, too many spans).
         """
         if key.kind == KeyKind.ADDRESS:  # raw addresses (transfer_cache_async)
             return self.open_addresses(tensors, offsets, lengths)
@@ -378,11 +419,7 @@ class Registry:
                     f"tensor {int(tensors.max())} out of range: cache {entry.cache_id} "
                     f"has {g.num_tensors}"
                 )
-            if len(tensors) * len(offsets) > MAX_REQUEST_SPANS:
-                raise InvalidArgument(
-                    f"{len(tensors)} tensors x {len(offsets)} spans exceeds the "
-                    f"{MAX_REQUEST_SPANS} spans one request may name"
-                )
+            check_request_size(tensors, offsets)
             if slot < 0:
                 if unit_bytes and unit_bytes != g.unit_bytes:
                     raise InvalidArgument(
@@ -407,23 +444,62 @@ class Registry:
             if shm and entry.shm is not None:
                 fds, inos, offs = entry.shm
                 shm_info = (fds[tensors], inos[tensors], offs[tensors] + np.uint64(base))
+            reserve = (read and binding is not None and kid is not None and entry.owned
+                       and not kid.is_prefix)
+            if reserve:
+                assert binding is not None and binding.reserved is not None
+                if bool(binding.reserved[tensors].any()):
+                    raise CacheNotFound(
+                        f"req_id={key.a} model_id={key.b} is being read by another request: "
+                        "one read consumes it"
+                    )
+                binding.reserved[tensors] = True
             entry.leases += 1
-            return Lease(entry, bases, tensors, offsets, lengths, binding, kid, shm_info)
+            return Lease(entry, bases, tensors, offsets, lengths, binding, kid, shm_info,
+                         reserved=reserve)
 
     def close(self, lease: Lease, ok: bool, *, consume: bool = True) -> None:
-        """End a lease. A successful read may consume the req_id key it came through."""
+        """End a lease: :meth:`unlease`, then :meth:`settle` with ``ok and consume``. A
+        successful read may consume the req_id key it came through."""
         with self._lock:
-            entry = lease.entry
-            entry.leases -= 1
-            b = lease.binding
-            if ok and consume and b is not None and lease.key is not None:
-                if entry.owned and not lease.key.is_prefix and lease.key in entry.keys:
-                    b.pulled[lease.tensors] = True
-                    if b.pulled.all():
-                        self._keys.pop(lease.key, None)
-                        entry.keys.discard(lease.key)
-            self._maybe_release(entry)
+            self._unlease(lease)
+            self._settle(lease, ok and consume)
+            self._maybe_release(lease.entry)
             self._changed.notify_all()
+
+    def unlease(self, lease: Lease) -> None:
+        """The transfer no longer touches the memory (the bytes are sent), but whether the
+        read was good is not known yet: keep the key's reservation for :meth:`settle`."""
+        with self._lock:
+            self._unlease(lease)
+            self._maybe_release(lease.entry)
+            self._changed.notify_all()
+
+    def settle(self, lease: Lease, ok: bool) -> None:
+        """The verdict on a read whose memory lease ended (:meth:`unlease`): ``ok`` commits
+        its reservation (and may consume the key), otherwise it is dropped."""
+        with self._lock:
+            self._settle(lease, ok)
+            self._maybe_release(lease.entry)
+            self._changed.notify_all()
+
+    def _unlease(self, lease: Lease) -> None:
+        if lease.memory_held:
+            lease.memory_held = False
+            lease.entry.leases -= 1
+
+    def _settle(self, lease: Lease, ok: bool) -> None:
+        if not lease.reserved:
+            return
+        lease.reserved = False
+        entry, b, key = lease.entry, lease.binding, lease.key
+        assert b is not None and b.reserved is not None and key is not None
+        b.reserved[lease.tensors] = False
+        if ok and key in entry.keys and self._keys.get(key) is b:
+            b.pulled[lease.tensors] = True
+            if b.pulled.all():
+                del self._keys[key]
+                entry.keys.discard(key)
 
     def open_addresses(
         self, tensors: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
@@ -441,6 +517,7 @@ class Registry:
             raise InvalidArgument("an address write names exactly one pseudo-tensor, 0")
         if not len(lengths) or len(offsets) != len(lengths):
             raise InvalidArgument("an address write needs spans")
+        check_request_size(tensors, offsets)
         first = int(offsets.min())
         with self._lock:
             found: tuple[CacheEntry, int] | None = None

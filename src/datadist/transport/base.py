@@ -87,11 +87,25 @@ class RequestHandler(Protocol):
         """Resolve and bounds-check a read; the lease pins the memory until close_read."""
         ...
 
-    def close_read(self, lease: LeaseLike, ok: bool) -> None: ...
+    def close_read(self, lease: LeaseLike, ok: bool) -> None:
+        """End a read: the memory is free again; ``ok`` commits its key reservation (a
+        req_id key may be consumed), otherwise the reservation is dropped."""
+        ...
+
+    def sent_read(self, lease: LeaseLike) -> None:
+        """The bytes of a read are sent (the memory is free again), but the requester's
+        verdict is still to come: :meth:`settle_read` follows, exactly once."""
+        ...
+
+    def settle_read(self, lease: LeaseLike, ok: bool) -> None: ...
 
     def open_write(self, peer: PeerInfo, msg: Write) -> LeaseLike: ...
 
     def close_write(self, lease: LeaseLike, ok: bool) -> None: ...
+
+    def on_peer_ready(self, peer: PeerInfo) -> None:
+        """The handshake completed (authenticated, when a secret is set): a linked peer."""
+        ...
 
     def on_bye(self, peer: PeerInfo) -> None:
         """The peer unlinked politely."""

@@ -124,6 +124,11 @@ class LocalListener(TcpListener):
     def __repr__(self) -> str:
         return f"<LocalListener {self.name[1:].decode()} conns={len(self._conns)}>"
 
+    def _peer_of(self, sock: socket.socket, addr: object) -> tuple[str, str]:
+        """Local peers are counted per verified pid (they share no address)."""
+        cred = peer_cred(sock)
+        return f"pid {cred.pid}", _describe(cred)
+
     def _channel(self, sock: socket.socket, addr: object) -> Channel:
         cred = peer_cred(sock)
         sock.setblocking(True)

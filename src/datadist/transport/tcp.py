@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import select
+import selectors
 import socket
 import ssl
 import struct
@@ -62,6 +63,12 @@ RECV_BUFFER = 64 << 10  # read-ahead for frames (see Channel)
 MAX_GRANTS_PER_CONNECTION = 4
 GRANT_TTL = 30.0
 RECLAIM_GRACE = 5.0
+# Largest frame a server reads before the handshake (and authentication) completed: a HELLO
+# or AUTH is under 100 bytes. Bigger frames are refused before anything is buffered.
+HANDSHAKE_MAX_FRAME = 4096
+REFUSE_TIMEOUT = 2.0  # seconds a refused connection gets to send its HELLO (see _Doorman)
+MAX_REFUSING = 64  # refused connections waited on at once; more are closed without a word
+ACCEPT_BACKOFF = (0.05, 1.0)  # seconds the accept loop pauses after a failure: first, most
 ARM_SLACK = 0.02  # seconds a blocking call may run past its deadline (timer granularity)
 
 
@@ -276,12 +283,21 @@ class Channel:
             self.close()
             raise
 
-    def recv(self, deadline: float) -> tuple[int, p.Message]:
-        """Receive one frame. Raw bytes that follow ReadData/Write are left for recv_iov."""
+    @property
+    def last_request_id(self) -> int:
+        """The request id of the last :meth:`call` (a follow-up frame carries it)."""
+        return self._last_rid
+
+    def recv(self, deadline: float, limit: int = p.MAX_PAYLOAD) -> tuple[int, p.Message]:
+        """Receive one frame. Raw bytes that follow ReadData/Write are left for recv_iov.
+        A payload longer than ``limit`` is a protocol error, raised before it is read."""
         self._guard()
         try:
             self._fill(p.HEADER_SIZE, deadline)
             head = p.decode_header(self._rview[self._rpos : self._rpos + p.HEADER_SIZE])
+            if head.length > limit:
+                raise RemoteProtocolError(
+                    f"frame of {head.length} bytes exceeds the {limit} allowed here")
             self._rpos += p.HEADER_SIZE
             payload = self._take(head.length, deadline)
         except (Timeout, BrokenLink):
@@ -383,12 +399,24 @@ class TcpListener:
 
     ``start`` binds (port 0 picks a free port; ``port`` tells which) and returns at once.
     ``close`` stops accepting, closes every connection and joins the threads (bounded).
+
+    At most ``max_conns`` connections are served at once, ``max_per_peer`` of them from one
+    IP address; a connection over either cap is refused (see :class:`_Doorman`). A failure
+    to set a connection up (no thread can be started: a pids limit, memory) drops that
+    connection, pauses accepting for a moment (ACCEPT_BACKOFF, doubling) and goes on: the
+    accept loop itself never dies of it.
     """
 
     def __init__(self, host: str, port: int, handler: RequestHandler,
-                 tls: ssl.SSLContext | None = None, *, sock: socket.socket | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, *, sock: socket.socket | None = None,
+                 max_conns: int = 256, max_per_peer: int = 32) -> None:
+        if max_conns < 1 or max_per_peer < 1:
+            raise InvalidArgument(
+                f"connection caps must be >= 1, got {max_conns} and {max_per_peer}")
         self.handler = handler
         self.tls = tls
+        self.max_conns = max_conns
+        self.max_per_peer = max_per_peer
         if sock is None:  # TCP; a bound ``sock`` is the local channel's (transport/local.py)
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -402,10 +430,14 @@ class TcpListener:
             self.host, self.port = host, port
         self._sock = sock
         self._sock.listen(128)
+        self._sock.setblocking(False)  # accepted when select says so; a vanished one: skip
         self._closing = threading.Event()
         self._conns: set[Channel] = set()
         self._threads: set[threading.Thread] = set()
+        self._per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._doorman = _Doorman()
+        self.refused = 0  # connections refused over a cap, for logs and tests
         self._thread = threading.Thread(
             target=self._accept_loop, name=f"datadist-listen-{self.port}", daemon=True
         )
@@ -423,7 +455,6 @@ class TcpListener:
         self._closing.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
         with self._lock:
             conns = list(self._conns)
             threads = list(self._threads)
@@ -435,33 +466,100 @@ class TcpListener:
         for t in [self._thread, *threads]:
             if t.is_alive() and t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        if not self._thread.is_alive():
+            self._sock.close()  # else the accept loop closes it on its way out
 
     def _accept_loop(self) -> None:
-        while not self._closing.is_set():
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:
-                if self._closing.is_set():
-                    return
-                time.sleep(0.01)
-                continue
-            try:
-                chan = self._channel(sock, addr)
-            except OSError as e:  # the peer went away before we looked at it
-                log.info("dropping a connection at accept: %s", e)
-                sock.close()
-                continue
-            t = threading.Thread(
-                target=self._serve, args=(chan,), name=f"datadist-serve-{chan.address}",
-                daemon=True,
-            )
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ, None)
+        backoff = 0.0
+        try:
+            while not self._closing.is_set():
+                for key, _ in sel.select(self._doorman.wait_time(0.5)):
+                    if key.data is not None:
+                        self._doorman.step(sel, key.data)
+                        continue
+                    if self._closing.is_set():
+                        return
+                    if self._accept_one(sel):
+                        backoff = 0.0
+                        continue
+                    # Setting the connection up failed (no thread, no memory): pause, so a
+                    # flood does not spin us, then keep serving.
+                    lo, hi = ACCEPT_BACKOFF
+                    backoff = min(hi, max(lo, backoff * 2))
+                    time.sleep(backoff)
+                self._doorman.expire(sel)
+        except Exception:  # noqa: BLE001 - the last line of defence of a serving process
+            log.exception("the accept loop of %s:%d failed; no new peers are accepted",
+                          self.host, self.port)
+        finally:
+            self._doorman.close_all(sel)
+            sel.close()
+            if self._closing.is_set():
+                self._sock.close()
+
+    def _accept_one(self, sel: selectors.BaseSelector) -> bool:
+        """Accept one connection and start serving it (or refuse it over a cap). False when
+        setting it up failed and the loop should back off."""
+        try:
+            sock, addr = self._sock.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return True  # gone before we got to it
+        except OSError as e:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: out of something
+            if not self._closing.is_set():
+                log.warning("accept on %s:%d failed: %s", self.host, self.port,
+                            e.strerror or e)
+            return False
+        try:
+            ip, address = self._peer_of(sock, addr)
+        except OSError as e:  # the peer went away before we looked at it
+            log.info("dropping a connection at accept: %s", e)
+            sock.close()
+            return True
+        with self._lock:
+            over = (f"{len(self._conns)} connections" if len(self._conns) >= self.max_conns
+                    else f"{self._per_peer.get(ip, 0)} connections from {ip}"
+                    if self._per_peer.get(ip, 0) >= self.max_per_peer else "")
+        if over:
+            self.refused += 1
+            if self.refused & (self.refused - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
+                log.warning("refusing %s: %s already (cap %d, %d per peer; %d refused so "
+                            "far)", address, over, self.max_conns, self.max_per_peer,
+                            self.refused)
+            self._doorman.refuse(sel, sock, f"too many connections to this owner ({over})",
+                                 tls=self.tls is not None)
+            return True
+        chan: Channel | None = None
+        try:
+            chan = self._channel(sock, addr)
+            t = threading.Thread(target=self._serve, args=(chan, ip),
+                                 name=f"datadist-serve-{addr[1]}", daemon=True)
             with self._lock:
                 if self._closing.is_set():
                     chan.close()
-                    return
+                    return True
                 self._conns.add(chan)
                 self._threads.add(t)
-            t.start()
+                self._per_peer[ip] = self._per_peer.get(ip, 0) + 1
+            try:
+                t.start()
+            except BaseException:
+                self._forget(chan, t, ip)
+                raise
+            return True
+        except Exception as e:  # noqa: BLE001 - RuntimeError (no thread), MemoryError, OSError
+            log.warning("cannot serve %s (%s: %s); dropped, accepting again shortly",
+                        address, type(e).__name__, e)
+            if chan is not None:
+                chan.close()
+            else:
+                sock.close()
+            return False
+
+    def _peer_of(self, sock: socket.socket, addr: tuple) -> tuple[str, str]:  # type: ignore[type-arg]
+        """(the key the per-peer cap counts by, a printable address) of an accepted socket."""
+        return addr[0], f"{addr[0]}:{addr[1]}"
 
     def _channel(self, sock: socket.socket, addr: tuple) -> Channel:  # type: ignore[type-arg]
         """The Channel for an accepted socket (TLS-wrapped when configured)."""
@@ -472,7 +570,17 @@ class TcpListener:
             return TlsChannel.wrap_server(sock, f"{addr[0]}:{addr[1]}", self.tls)
         return Channel(sock, f"{addr[0]}:{addr[1]}")
 
-    def _serve(self, chan: Channel) -> None:
+    def _forget(self, chan: Channel, thread: threading.Thread, ip: str) -> None:
+        with self._lock:
+            self._conns.discard(chan)
+            self._threads.discard(thread)
+            n = self._per_peer.get(ip, 0) - 1
+            if n > 0:
+                self._per_peer[ip] = n
+            else:
+                self._per_peer.pop(ip, None)
+
+    def _serve(self, chan: Channel, ip: str) -> None:
         try:
             if self.tls is not None:
                 try:
@@ -483,9 +591,84 @@ class TcpListener:
             ServerConnection(chan, self.handler, self._closing).run()
         finally:
             chan.close()
-            with self._lock:
-                self._conns.discard(chan)
-                self._threads.discard(threading.current_thread())
+            self._forget(chan, threading.current_thread(), ip)
+
+
+class _Doorman:
+    """Refuses connections over the listener's caps, on the accept loop's thread (no thread
+    per refused connection): it reads the connection's first frame (at most
+    HANDSHAKE_MAX_FRAME bytes, for at most REFUSE_TIMEOUT), answers it with ERROR
+    LLM_LINK_FAILED carrying that frame's request id, and closes. The peer's ``link``
+    fails with a message that says why; nothing new on the wire. With TLS (no handshake is
+    spent on a refused connection) and past MAX_REFUSING, it closes without a word."""
+
+    def __init__(self) -> None:
+        self._pending: dict[socket.socket, tuple[float, bytearray, str]] = {}
+
+    def wait_time(self, idle: float) -> float:
+        if not self._pending:
+            return idle
+        first = min(d for d, _, _ in self._pending.values())
+        return max(0.0, min(idle, first - time.monotonic()))
+
+    def refuse(self, sel: selectors.BaseSelector, sock: socket.socket, why: str, *,
+               tls: bool) -> None:
+        if tls or len(self._pending) >= MAX_REFUSING:
+            _close_now(sock)
+            return
+        sock.setblocking(False)
+        self._pending[sock] = (time.monotonic() + REFUSE_TIMEOUT, bytearray(), why)
+        sel.register(sock, selectors.EVENT_READ, sock)
+
+    def step(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        """The refused connection is readable: read on, answer once its frame is whole."""
+        if sock not in self._pending:
+            return
+        _, buf, why = self._pending[sock]
+        try:
+            data = sock.recv(HANDSHAKE_MAX_FRAME + p.HEADER_SIZE - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        buf += data
+        done = not data
+        if len(buf) >= p.HEADER_SIZE:
+            try:
+                head = p.decode_header(bytes(buf[: p.HEADER_SIZE]))
+            except ProtocolError:
+                done = True
+            else:
+                if head.length > HANDSHAKE_MAX_FRAME:
+                    done = True
+                elif len(buf) >= p.HEADER_SIZE + head.length:
+                    frame = p.encode(p.Error(int(LinkFailed.code), why), head.request_id)
+                    with contextlib.suppress(OSError):
+                        sock.send(frame)
+                    done = True
+        if done:
+            self._drop(sel, sock)
+
+    def expire(self, sel: selectors.BaseSelector) -> None:
+        now = time.monotonic()
+        for sock in [s for s, (d, _, _) in self._pending.items() if d <= now]:
+            self._drop(sel, sock)
+
+    def close_all(self, sel: selectors.BaseSelector) -> None:
+        for sock in list(self._pending):
+            self._drop(sel, sock)
+
+    def _drop(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        self._pending.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(sock)
+        _close_now(sock)
+
+
+def _close_now(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 class ServerConnection:
@@ -497,8 +680,11 @@ class ServerConnection:
         self.chan = chan
         self.handler = handler
         self.closing = closing
-        self.peer: PeerInfo | None = None
+        self.peer: PeerInfo | None = None  # set once the handshake completed
         self.leases: dict[int, tuple[LeaseLike, float]] = {}  # grants: lease, when granted
+        # A TCP read with CHECKSUM whose bytes are sent, awaiting the requester's verdict
+        # (RELEASE with lease id 0 and the read's request id): (request id, lease).
+        self.unsettled: tuple[int, object] | None = None
 
     def _wait_request(self) -> tuple[int, p.Message] | None:
         """The next frame: its first byte may take as long as the connection lives (an idle
@@ -519,6 +705,8 @@ class ServerConnection:
                 if got is None:
                     return
                 rid, msg = got
+                if self.unsettled is not None and self._settle(rid, msg):
+                    continue
                 if not self._dispatch(rid, msg):
                     return
         except (BrokenLink, Timeout):
@@ -530,15 +718,31 @@ class ServerConnection:
             for lease, _ in self.leases.values():
                 self.handler.close_read(lease, False)  # type: ignore[arg-type]
             self.leases.clear()
+            if self.unsettled is not None:
+                self.handler.settle_read(self.unsettled[1], False)  # type: ignore[arg-type]
+                self.unsettled = None
             if self.peer is not None:
                 self.handler.on_disconnect(self.peer)
+
+    def _settle(self, rid: int, msg: p.Message) -> bool:
+        """Settle the read awaiting its verdict with the frame that came after it: a RELEASE
+        with lease id 0 and that read's request id is the verdict (True: consumed here);
+        anything else means the requester did not confirm, and the read counts as failed
+        (False: dispatch the frame as usual)."""
+        assert self.unsettled is not None
+        (want, lease), self.unsettled = self.unsettled, None
+        verdict = isinstance(msg, p.Release) and msg.lease_id == 0 and rid == want
+        self.handler.settle_read(lease, verdict and msg.ok)  # type: ignore[arg-type, union-attr]
+        return verdict
 
     def _try_send(self, msg: p.Message, rid: int = 0) -> None:
         with contextlib.suppress(DatadistError):
             self.chan.send(msg, time.monotonic() + 1.0, rid)
 
     def _handshake(self) -> None:
-        rid, hello = self.chan.recv(time.monotonic() + HANDSHAKE_TIMEOUT)
+        """HELLO, WELCOME and, with a secret, AUTH. Frames are capped at HANDSHAKE_MAX_FRAME
+        until it completed; only then is the peer registered (``on_peer_ready``)."""
+        rid, hello = self.chan.recv(time.monotonic() + HANDSHAKE_TIMEOUT, HANDSHAKE_MAX_FRAME)
         if not isinstance(hello, p.Hello):
             raise RemoteProtocolError(f"expected Hello, got {type(hello).__name__}")
         try:
@@ -546,15 +750,11 @@ class ServerConnection:
         except DatadistError as e:
             self._try_send(p.Error(int(e.code), str(e)), rid)
             raise BrokenLink("peer refused") from e
-        self.peer = PeerInfo(
-            hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
-            self.chan.address, local=self.chan.local_cred,
-        )
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         self.chan.send(welcome, deadline, rid)
         if welcome.features & p.FEATURE_AUTH:
             # Nothing but the client's proof is accepted until it checks out.
-            rid, msg = self.chan.recv(deadline)
+            rid, msg = self.chan.recv(deadline, HANDSHAKE_MAX_FRAME)
             try:
                 if not isinstance(msg, p.Auth):
                     raise LinkFailed("this server requires a shared secret; authenticate first")
@@ -563,6 +763,11 @@ class ServerConnection:
                 self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
                 raise BrokenLink("peer failed to authenticate") from e
             self.chan.send(p.Ok(), deadline, rid)
+        self.peer = PeerInfo(
+            hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
+            self.chan.address, local=self.chan.local_cred,
+        )
+        self.handler.on_peer_ready(self.peer)
 
     def _dispatch(self, rid: int, msg: p.Message) -> bool:
         """Handle one request; False ends the connection."""
@@ -593,15 +798,22 @@ class ServerConnection:
                     self._send_checksum(make_iov(*lease.iov()), deadline, rid)
                 return True
             ok = False
+            verified = bool(msg.flags & p.ReadFlags.CHECKSUM)
             try:
                 iov = make_iov(*lease.iov())
                 # the answer frame and the bytes in one writev: one segment for a small read
                 self.chan.send_iov(iov, deadline, head=p.ReadData(lease.nbytes), request_id=rid)
-                if msg.flags & p.ReadFlags.CHECKSUM:
+                if verified:
                     self._send_checksum(iov, deadline, rid)
                 ok = True
             finally:
-                self.handler.close_read(lease, ok)
+                if ok and verified:
+                    # The requester checks the CRC and says so (RELEASE, lease id 0): only
+                    # then may the read consume its key. The memory is free meanwhile.
+                    self.handler.sent_read(lease)
+                    self.unsettled = (rid, lease)
+                else:
+                    self.handler.close_read(lease, ok)
             return True
         if isinstance(msg, p.Release):
             held = self.leases.pop(msg.lease_id, None)

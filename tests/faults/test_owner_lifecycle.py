@@ -1,0 +1,191 @@
+"""The owner's own lifecycle under stress (issue 9, items 3 and 4): finalize while a peer
+still reads memory held only by a key; an accept loop that cannot start threads, and
+connection floods over the cap. In-process engines on loopback; every wait bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import datadist.core.engine as engine_mod
+from datadist.core.engine import Engine, EngineConfig
+from datadist.core.errors import BrokenLink, LinkFailed
+from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.registry import KeyId
+from datadist.memory.pool import PoolConfig
+from datadist.transport.iov import make_iov, vm_copy
+from datadist.wire import protocol as p
+
+pytestmark = pytest.mark.timeout(60)
+NO_PREFIX = 2**64 - 1
+
+
+def _readable(addr: int, n: int) -> bytes:
+    """Read our own memory with process_vm_readv: an unmapped range is an error (EFAULT),
+    not a crash of the test process."""
+    out = np.zeros(n, np.uint8)
+    vm_copy(os.getpid(), make_iov(np.array([out.ctypes.data], np.uint64),
+                                  np.array([n], np.uint64)),
+            make_iov(np.array([addr], np.uint64), np.array([n], np.uint64)))
+    return out.tobytes()
+
+
+def _owner_with_keyed_cache() -> tuple[Engine, int, object]:
+    """An owner whose only cache is deallocated and still held by its CacheKey, with a
+    peer's read of it in progress (the lease a serving thread holds while it sends)."""
+    eng = Engine(EngineConfig(cluster_id=1, role=1, host_pool=PoolConfig(1 << 20, 16)))
+    entry = eng.allocate(Geometry(1, 4096, 1), placement=0, keys=[KeyId(3, 0)])
+    addr = int(entry.addrs[0])
+    np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 4096).from_address(addr))[:] = 7
+    eng.deallocate(entry.cache_id)  # only the key holds the cache now
+    lease = eng.registry.open(p.KeyRef(p.KeyKind.CACHE_KEY, 3, 0, NO_PREFIX), 0,
+                              np.zeros(1, np.uint32), np.zeros(1, np.uint64),
+                              np.full(1, 4096, np.uint64))
+    return eng, addr, lease
+
+
+def test_item3_finalize_never_unmaps_memory_a_reader_still_uses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: finalize waited only for caches still held by their id; a deallocated cache
+    held by its key was unmapped under the serving thread (SIGSEGV in the owner). Now every
+    live cache is waited for, and memory still read after the bound stays mapped."""
+    monkeypatch.setattr(engine_mod, "CLOSE_LEASE_WAIT", 0.3)
+    eng, addr, lease = _owner_with_keyed_cache()
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 >= 0.25  # it waited for the reader
+    assert _readable(addr, 4096) == b"\x07" * 4096  # and left the memory mapped
+    eng.registry.close(lease, False)  # type: ignore[arg-type]
+
+
+def test_item3_finalize_waits_for_the_reader_then_unmaps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_mod, "CLOSE_LEASE_WAIT", 10.0)
+    eng, addr, lease = _owner_with_keyed_cache()
+    done = threading.Timer(0.4, lambda: eng.registry.close(lease, True))  # type: ignore[arg-type]
+    done.start()
+    t0 = time.monotonic()
+    eng.close()
+    waited = time.monotonic() - t0
+    done.join()
+    assert 0.3 <= waited < 9.0, waited
+    with pytest.raises(BrokenLink):  # the reader is gone: now the pool is unmapped
+        _readable(addr, 4096)
+
+
+# ------------------------------------------------------------------------------ item 4
+
+
+def _pull_works(owner: Engine, cluster_id: int = 2) -> None:
+    src = np.arange(4096, dtype=np.uint8)
+    entry = owner.register(Geometry(1, 4096, 1), [src.ctypes.data], placement=0)
+    puller = Engine(EngineConfig(cluster_id=cluster_id, role=2, transport="tcp"))
+    try:
+        host, port = owner.listen_address
+        puller.link(1, host, port, 3.0)
+        dst = np.zeros(4096, np.uint8)
+        local = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
+        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0), 0, plan,
+                    local.cache_id, 3.0)
+        assert np.array_equal(dst, src)
+    finally:
+        puller.close()
+        owner.unregister(entry.cache_id)
+
+
+def test_item4_the_accept_loop_survives_threads_that_cannot_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: one RuntimeError("can't start new thread") (a pids limit) killed the accept
+    loop for good; the port still accepted but nobody answered HELLO. Now the connection is
+    dropped, the loop backs off and serves the next one."""
+    failures = {"left": 3}
+    real_start = threading.Thread.start
+
+    def flaky_start(self: threading.Thread) -> None:
+        if self.name.startswith("datadist-serve") and failures["left"] > 0:
+            failures["left"] -= 1
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", flaky_start)
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    try:
+        host, port = owner.listen_address
+        for _ in range(3):  # each of these gets its connection dropped
+            with socket.create_connection((host, port), timeout=5) as s:
+                s.sendall(p.encode(p.Hello(9, 2, 1, 0, b"\x01" * 16), 1))
+                s.settimeout(5)
+                with contextlib.suppress(ConnectionResetError):
+                    assert s.recv(100) == b""
+        assert failures["left"] == 0
+        _pull_works(owner)
+    finally:
+        owner.close()
+
+
+def test_item4_connections_over_the_cap_are_refused_cleanly() -> None:
+    """A flood of 40 silent connections against a cap of 8: the excess is refused (closed,
+    or answered LLM_LINK_FAILED 'too many connections' if it says HELLO), the owner keeps
+    running, and once the flood ends an honest peer links and pulls."""
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                max_connections=8))
+    host, port = owner.listen_address
+    flood = []
+    try:
+        for _ in range(40):
+            flood.append(socket.create_connection((host, port), timeout=5))
+        deadline = time.monotonic() + 5
+        while owner.listener.refused < 32:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, owner.listener.refused  # type: ignore[union-attr]
+            time.sleep(0.05)
+        puller = Engine(EngineConfig(cluster_id=2, role=2))
+        try:
+            with pytest.raises(LinkFailed, match="too many connections"):
+                puller.link(1, host, port, 3.0)
+        finally:
+            puller.close()
+    finally:
+        for s in flood:
+            s.close()
+    try:
+        deadline = time.monotonic() + 15
+        while True:  # the served hogs are dropped when their HELLO does not come (EOF now)
+            try:
+                _pull_works(owner, 3)
+                break
+            except LinkFailed:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        owner.close()
+
+
+def test_item4_the_caps_are_options_of_the_facade() -> None:
+    import datadist
+    from datadist.api.status import LLMException
+
+    cfg = datadist.LLMConfig()
+    cfg.max_connections = 5
+    cfg.max_connections_per_peer = 2
+    opts = cfg.generate_options()
+    assert opts["datadist.MaxConnections"] == "5"
+    assert opts["datadist.MaxConnectionsPerPeer"] == "2"
+    dd = datadist.LLMDataDist(datadist.LLMRole.PROMPT, 1)
+    dd.init({**opts, "llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0"})
+    try:
+        assert dd.engine.listener is not None
+        assert (dd.engine.listener.max_conns, dd.engine.listener.max_per_peer) == (5, 2)
+    finally:
+        dd.finalize()
+    with pytest.raises(LLMException):
+        cfg.max_connections = 0
+    bad = datadist.LLMDataDist(datadist.LLMRole.PROMPT, 1)
+    with pytest.raises(LLMException):
+        bad.init({"llm.EnableCacheManager": "1", "datadist.MaxConnections": "lots"})
