@@ -534,7 +534,7 @@ class TcpListener:
         try:
             chan = self._channel(sock, addr)
             t = threading.Thread(target=self._serve, args=(chan, ip),
-                                 name=f"datadist-serve-{addr[1]}", daemon=True)
+                                 name=f"datadist-serve-{address}", daemon=True)
             with self._lock:
                 if self._closing.is_set():
                     chan.close()
