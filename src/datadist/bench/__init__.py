@@ -1,4 +1,4 @@
-"""The datadist benchmark: every figure beside the limit it is held against (DESIGN.md §6).
+"""The datadist benchmark: every figure beside the limit it is held against (docs/performance.md).
 
 Who calls: ``datadist bench`` (cli.py), ``python -m datadist.bench`` and
 ``benchmarks/run.py``, all through :func:`main`. Blocks for the whole run: a few seconds with
@@ -21,7 +21,7 @@ Rules this module keeps:
    a fast pull of wrong bytes must fail the run, not win it.
 3. Client buffers are page-aligned on both sides by default. numpy's own large arrays start 16
    bytes past a page, and a copy whose ends differ by 8..256 bytes modulo 4096 runs about 4x
-   slower ("4K aliasing"); aligning both ends, as DESIGN.md §6 measures its limits, keeps the
+   slower ("4K aliasing"); aligning both ends, as docs/performance.md measures its limits, keeps the
    comparison fair. ``--align numpy`` keeps numpy's placement; the output says which was used.
 
 Modules: :mod:`.harness` (sizes, patterns, rows, alternation), :mod:`.owner` (the child

@@ -23,7 +23,7 @@ OWNER_ID, PULLER_ID = 1, 2
 BLOCKS_MODEL, SMALL_MODEL = 0, 1
 SMALL_BLOCK = 16 << 10
 SMALL_CACHE_BLOCKS = 64
-CHUNK = 4 * MiB  # the plain-socket limit's chunk size (DESIGN.md §6)
+CHUNK = 4 * MiB  # the plain-socket limit's chunk size (docs/performance.md)
 PAGE = mmap.PAGESIZE
 U64 = np.dtype("<u8")
 PLAN_GOAL_MS = 5.0
@@ -57,7 +57,7 @@ class Sizes:
 
     @property
     def at_goal_size(self) -> bool:
-        """DESIGN.md §6 states its goals for 256 MiB and 8192 x 32 KiB; smaller runs carry
+        """docs/performance.md states its goals for 256 MiB and 8192 x 32 KiB; smaller runs carry
         fixed costs that the goals do not allow for."""
         return self.contig_bytes >= 256 * MiB and self.blocks >= 8192
 

@@ -30,5 +30,5 @@ def peer_lines() -> list[str]:
             lines.append(f"{name}: skipped, no python module of {tried} is importable")
         else:
             lines.append(f"{name}: module {mod!r} importable, but this benchmark does not drive "
-                         "it yet; DESIGN.md §6 lists figures measured by hand")
+                         "it yet; docs/performance.md lists figures measured by hand")
     return lines

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="repetitions per figure, the median is reported (default 7, quick 3)")
     ap.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     ap.add_argument("--align", choices=("page", "numpy"), default="page",
-                    help="placement of client buffers (default page; see DESIGN.md §6)")
+                    help="placement of client buffers (default page; see docs/performance.md)")
     ap.add_argument("--peers", action="store_true",
                     help="also report NIXL / Mooncake, if they are already importable")
     ap.add_argument("--only", metavar="GROUPS", default=",".join(GROUPS),
