@@ -354,7 +354,7 @@ class Engine:
         with self._lock:
             link = self._links.get(cluster_id)
         if link is None:
-            raise NotLinked(f"cluster {cluster_id} is not linked")
+            raise NotLinked(f"cluster {cluster_id} is not linked (link_clusters or link first)")
         return link
 
     def check_link(self, cluster_id: int, timeout: float) -> None:

@@ -396,8 +396,9 @@ class Registry:
                 binding = self._keys.get(kid) if kid is not None else None
                 if binding is None:
                     raise CacheNotFound(
-                        f"no cache bound to req_id={key.a} prefix_id={key.c} model_id={key.b}"
-                    )
+                        f"no cache bound to req_id={key.a} prefix_id={key.c} model_id={key.b} "
+                        "(the owner must allocate or register it with that CacheKey; a "
+                        "successful pull consumes it)")
                 entry, slot = binding.entry, binding.slot
             elif key.kind == KeyKind.CACHE_ID:
                 found = self._by_id.get(key.a)
@@ -407,7 +408,10 @@ class Registry:
             else:
                 found = self._blocks.get(key.b)
                 if found is None:
-                    raise CacheNotFound(f"no blocks cache registered for model_id={key.b}")
+                    raise CacheNotFound(
+                        f"no blocks cache registered for model_id={key.b} (the owner must "
+                        "register_blocks_cache with BlocksCacheKey(its cluster id, "
+                        f"{key.b}))")
                 entry, slot = found, -1
             if entry.closing:
                 raise CacheNotFound(f"cache {entry.cache_id} is being unregistered")

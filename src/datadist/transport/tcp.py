@@ -138,6 +138,10 @@ class Channel:
             sock = socket.create_connection((host, port), timeout=left)
         except TimeoutError:
             raise Timeout(f"connecting to {host}:{port} timed out") from None
+        except ConnectionRefusedError as e:
+            raise LinkFailed(f"cannot connect to {host}:{port}: nothing listens there (a PROMPT "
+                             "must set LLMConfig.listen_ip_info = 'ip:port' to be linked to)"
+                             ) from e
         except OSError as e:
             raise LinkFailed(f"cannot connect to {host}:{port}: {e.strerror or e}") from e
         _tune(sock)

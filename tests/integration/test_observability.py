@@ -1,5 +1,6 @@
-"""Transfer metrics: what ``datadist.metrics()`` and the Prometheus collector report after
-real pulls between two processes, and the counters' arithmetic on their own."""
+"""What a user sees of a running datadist: transfer metrics (``datadist.metrics()`` and the
+Prometheus collector) after real pulls between two processes, the counters' arithmetic, the
+library's logger, and error messages that say what to set."""
 
 from __future__ import annotations
 
@@ -87,3 +88,27 @@ def test_the_library_logs_under_one_logger_with_a_null_handler() -> None:
 
     for mod in (engine, links, tcp):
         assert mod.log.name.startswith("datadist.")
+
+
+def test_what_is_missing_is_named(make_decoder, prompt: RunningPrompt) -> None:
+    """A newcomer's two first mistakes get messages that say what to set: a PROMPT that does
+    not listen, and a pull by a key the PROMPT never registered."""
+    import socket
+
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    dec = make_decoder()
+    with pytest.raises(Exception) as info:
+        dec.dd.engine.link(PROMPT_ID, "127.0.0.1", dead, 2.0)
+    assert "listen_ip_info" in str(info.value)
+    assert dec.link(prompt.cluster_id, prompt.address) == llm_datadist.LLMStatusCode.LLM_SUCCESS
+    cache, _ = dec.local(BLOCKS, blocks=True)
+    with pytest.raises(llm_datadist.LLMException) as info:
+        dec.cm.pull_blocks(llm_datadist.BlocksCacheKey(PROMPT_ID, 42), cache, [0], [0])
+    assert info.value.status_code == llm_datadist.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert "register_blocks_cache with BlocksCacheKey" in str(info.value)
+    with pytest.raises(llm_datadist.LLMException) as info:
+        dec.cm.pull_blocks(llm_datadist.CacheKey(PROMPT_ID, 777, 0), cache, (), [0])
+    assert info.value.status_code == llm_datadist.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert "with that CacheKey" in str(info.value)
