@@ -421,7 +421,9 @@ def test_item11_an_unauthenticated_hello_is_not_an_inbound_peer() -> None:
             while not eng.inbound_peers():
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-            assert [pr.cluster_id for pr in eng.inbound_peers()] == [2]
+            # one entry per connection that completed its handshake (a same-host link
+            # also made one over TCP before it moved to the local channel): all of them 2
+            assert {pr.cluster_id for pr in eng.inbound_peers()} == {2}
         finally:
             good.close()
     finally:

@@ -139,7 +139,8 @@ class Channel:
         except TimeoutError:
             raise Timeout(f"connecting to {host}:{port} timed out") from None
         except ConnectionRefusedError as e:
-            raise LinkFailed(f"cannot connect to {host}:{port}: nothing listens there (a PROMPT "
+            raise LinkFailed(f"cannot connect to {host}:{port}: Connection refused: nothing "
+                             "listens there (a PROMPT "
                              "must set LLMConfig.listen_ip_info = 'ip:port' to be linked to)"
                              ) from e
         except OSError as e:
