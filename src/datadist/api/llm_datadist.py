@@ -282,7 +282,13 @@ class LLMDataDist:
     def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
                         timeout: int = 3000,
                         force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Unlink; without ``force`` the peer is told too. ``force`` always drops our end."""
+        """Unlink; without ``force`` the peer is told too. ``force`` always drops our end.
+
+        Either end of a link unlinks its own end: the one that called ``link_clusters``, and
+        the one it linked to (whose end is the linker's reverse channel). Unlinking a cluster
+        we have no link with is LLM_NOT_YET_LINK, or LLM_SUCCESS with ``force`` (as in
+        LLM-DataDist: a forced unlink leaves nothing behind either way).
+        """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
         check_isinstance("force", force, bool, allow_none=False)
@@ -293,7 +299,7 @@ class LLMDataDist:
                 engine.unlink(c.remote_cluster_id, timeout / 1000.0, force)
                 return LLMStatusCode.LLM_SUCCESS
             except NotLinked:
-                return LLMStatusCode.LLM_NOT_YET_LINK
+                return LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK
             except DatadistError as e:
                 return code_to_status(int(e.code))
 

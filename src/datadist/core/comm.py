@@ -266,8 +266,10 @@ class CommManager:
                     del pending[cid]  # linked already: use it, not ours to drop
                     continue
                 try:
+                    # Every member connects to every other: no reverse channels needed.
                     comm.opened[cid] = engine.open_link(cid, m.host, m.port,
-                                                        min(CONNECT_ATTEMPT, left))
+                                                        min(CONNECT_ATTEMPT, left),
+                                                        reverse=False)
                     del pending[cid]
                 except (LinkFailed, Timeout, BrokenLink) as e:
                     last_error = e

@@ -1,9 +1,18 @@
 """Links: our connections to remote clusters, and which data path each uses.
 
-A :class:`Link` is the client end of one one-sided link (``link_clusters``): a control
-channel to the peer's listener, what the handshake told us about the peer, and the data path
-chosen for it. Transfers on one link are serialised by its lock, as in LLM-DataDist; a caller
-that cannot get the lock before its deadline gets LLM_TIMEOUT.
+A :class:`Link` is one end of a link: a channel to the peer, what the handshake told us
+about the peer, and the data path chosen for it. Transfers on one link are serialised by its
+lock, as in LLM-DataDist; a caller that cannot get the lock before its deadline gets
+LLM_LINK_BUSY.
+
+A link has two ends, as in LLM-DataDist (docs/protocol.md, "Reverse channels"):
+
+* the *linker's* end (``link_clusters``): the control channel to the peer's listener, on
+  which we send requests. The linker also opens a second connection, the reverse channel
+  (``served``), on which it answers the peer's requests (a thread of the engine serves it);
+* the *listener's* end (``inbound``): that reverse channel, seen from the listener, on which
+  the listener sends requests to the linker. It cannot be re-opened from this side: when the
+  linker goes away, transfers on it fail with LLM_LINK_FAILED.
 
 Path choice (``choose_path``): forced by the ``transport`` option or ``DATADIST_TRANSPORT``,
 else same-host peers (same boot id and pid namespace, not the IP address) use cross-memory
@@ -94,11 +103,16 @@ class Link:
     connect: Callable[[float], tuple[Channel, p.Welcome]]
     lock: threading.Lock = field(default_factory=threading.Lock)
     closing: bool = False  # unlinked: the transfer holding the lock closes the channel
+    inbound: bool = False  # the listener's end: requests go over the linker's reverse channel
+    served: Channel | None = None  # linker's end: the reverse channel we answer requests on
+    # linker's end: called after a reconnect, to re-open a reverse channel that went down
+    on_reconnect: Callable[[Link, float], None] | None = None
 
     def __repr__(self) -> str:
         state = "closing" if self.closing else ("down" if self.chan.closed else "up")
+        end = "inbound" if self.inbound else f"{self.host}:{self.port}"
         return (
-            f"<Link cluster={self.cluster_id} {self.host}:{self.port} "
+            f"<Link cluster={self.cluster_id} {end} "
             f"path={self.path.caps.name} ({self.reason}) {state}>"
         )
 
@@ -115,6 +129,8 @@ class Link:
         shutdown instead (reads see EOF, writes fail) and closes the channel on its way out.
         """
         self.closing = True
+        if self.served is not None:
+            self.served.shutdown()  # its serving thread wakes, and closes it on its way out
         if not self.lock.acquire(blocking=False):
             with contextlib.suppress(OSError):
                 self.chan.sock.shutdown(socket.SHUT_RDWR)
@@ -147,6 +163,8 @@ class Link:
             self.path.close()
             self.path = CmaPath(welcome.pid, allow_shm=self.path.allow_shm,
                                 name=self.path.caps.name)
+        if self.on_reconnect is not None:
+            self.on_reconnect(self, deadline)
 
     def run(self, deadline: float, op):  # type: ignore[no-untyped-def]
         """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke

@@ -91,3 +91,9 @@ class RequestHandler(Protocol):
     def on_disconnect(self, peer: PeerInfo) -> None:
         """The connection ended, for whatever reason."""
         ...
+
+    def adopt_reverse(self, peer: PeerInfo, chan: object) -> None:
+        """``peer`` opened a reverse channel (Hello with FEATURE_REVERSE) and the handshake
+        is done: ``chan`` (a ``tcp.Channel``) is now ours to send requests on, as a link to
+        ``peer.cluster_id``, and ours to close."""
+        ...

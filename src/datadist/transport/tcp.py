@@ -443,6 +443,7 @@ class TcpListener:
             t.start()
 
     def _serve(self, chan: Channel) -> None:
+        handed_over = False
         try:
             if self.tls is not None:
                 try:
@@ -450,24 +451,40 @@ class TcpListener:
                 except DatadistError as e:
                     log.info("TLS handshake from %s failed: %s", chan.address, e)
                     return
-            ServerConnection(chan, self.handler, self._closing).run()
+            conn = ServerConnection(chan, self.handler, self._closing)
+            conn.run()
+            handed_over = conn.handed_over
         finally:
-            chan.close()
+            if not handed_over:  # a reverse channel belongs to the engine's link now
+                chan.close()
             with self._lock:
                 self._conns.discard(chan)
                 self._threads.discard(threading.current_thread())
 
 
 class ServerConnection:
-    """The owner's side of one connection: handshake, then requests until the peer leaves."""
+    """The owner's side of one connection: handshake, then requests until the peer leaves.
+
+    Two cases besides the plain one (docs/protocol.md, "Reverse channels"):
+
+    * a Hello with FEATURE_REVERSE: after the handshake the connection is handed to the
+      engine (``handler.adopt_reverse``) as a link on which *we* send requests; ``run``
+      returns with ``handed_over`` set and the caller must not close the channel;
+    * ``peer`` given: the handshake already happened the other way round (we opened this
+      connection as a reverse channel); serve the peer's requests at once. A Bye then only
+      ends the connection.
+    """
 
     _lease_ids = itertools.count(1)
 
-    def __init__(self, chan: Channel, handler: RequestHandler, closing: threading.Event) -> None:
+    def __init__(self, chan: Channel, handler: RequestHandler, closing: threading.Event,
+                 peer: PeerInfo | None = None) -> None:
         self.chan = chan
         self.handler = handler
         self.closing = closing
-        self.peer: PeerInfo | None = None
+        self.peer: PeerInfo | None = peer
+        self.reverse = peer is not None  # serving over a connection we opened
+        self.handed_over = False
         self.leases: dict[int, object] = {}
 
     def _wait_request(self) -> tuple[int, p.Message] | None:
@@ -481,7 +498,13 @@ class ServerConnection:
 
     def run(self) -> None:
         try:
-            self._handshake()
+            if not self.reverse:
+                hello = self._handshake()
+                if hello.features & p.FEATURE_REVERSE:
+                    assert self.peer is not None
+                    self.handler.adopt_reverse(self.peer, self.chan)
+                    self.handed_over = True
+                    return
             while True:
                 got = self._wait_request()
                 if got is None:
@@ -498,14 +521,14 @@ class ServerConnection:
             for lease in self.leases.values():
                 self.handler.close_read(lease, False)  # type: ignore[arg-type]
             self.leases.clear()
-            if self.peer is not None:
+            if self.peer is not None and not self.reverse and not self.handed_over:
                 self.handler.on_disconnect(self.peer)
 
     def _try_send(self, msg: p.Message, rid: int = 0) -> None:
         with contextlib.suppress(DatadistError):
             self.chan.send(msg, time.monotonic() + 1.0, rid)
 
-    def _handshake(self) -> None:
+    def _handshake(self) -> p.Hello:
         rid, hello = self.chan.recv(time.monotonic() + HANDSHAKE_TIMEOUT)
         if not isinstance(hello, p.Hello):
             raise RemoteProtocolError(f"expected Hello, got {type(hello).__name__}")
@@ -531,6 +554,7 @@ class ServerConnection:
                 self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
                 raise BrokenLink("peer failed to authenticate") from e
             self.chan.send(p.Ok(), deadline, rid)
+        return hello
 
     def _dispatch(self, rid: int, msg: p.Message) -> bool:
         """Handle one request; False ends the connection."""
@@ -576,7 +600,8 @@ class ServerConnection:
             self.chan.send(p.Pong(msg.nonce), deadline, rid)
             return True
         if isinstance(msg, p.Bye):
-            self.handler.on_bye(self.peer)
+            if not self.reverse:
+                self.handler.on_bye(self.peer)
             self._try_send(p.Ok(), rid)
             return False
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")

@@ -63,6 +63,9 @@ class MsgType(enum.IntEnum):
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
+# Welcome: the server takes reverse channels. Hello: this connection is the reverse channel of
+# the client's link: after the handshake the server sends requests and the client answers.
+FEATURE_REVERSE = 2
 
 
 class KeyKind(enum.IntEnum):
