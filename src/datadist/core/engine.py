@@ -84,6 +84,7 @@ class Engine:
         self._links: dict[int, Link] = {}
         self._reverse: dict[int, Link] = {}  # listener's ends of peers' links (inbound)
         self._inbound: dict[tuple[int, str], PeerInfo] = {}
+        self._hellos: dict[int, int] = {}  # handshakes so far, by peer cluster id
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()  # set at close: ends the reverse channels we serve
@@ -403,6 +404,7 @@ class Engine:
         if not hello.features & p.FEATURE_REVERSE:
             with self._lock:
                 self._inbound[peer.key] = peer
+                self._hellos[peer.cluster_id] = self._hellos.get(peer.cluster_id, 0) + 1
         secret = self.config.secret
         if secret is None:
             return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
@@ -482,6 +484,12 @@ class Engine:
     def inbound_peers(self) -> list[PeerInfo]:
         with self._lock:
             return list(self._inbound.values())
+
+    def hello_count(self, cluster_id: int) -> int:
+        """How many connections ``cluster_id`` has opened to us so far (reverse channels
+        not counted): two-sided links see a member join by it."""
+        with self._lock:
+            return self._hellos.get(cluster_id, 0)
 
     # ------------------------------------------------------------------ two-sided links
     # core/comm.py connects to every member first and makes the links usable only once all

@@ -1,0 +1,129 @@
+"""Both ends of a ``link_clusters`` link can use it, and each end unlinks its own.
+
+The original's rule (hicann/hixl examples/python/switch_role_sample.py, push_blocks_sample.py,
+transfer_cache_async_sample.py): after one side links, the side it linked to pushes and pulls
+to the linker's cluster id over that same link, and *both* sides call
+``unlink_clusters(..., force=True)`` (the samples raise "unlink failed" unless both return
+LLM_SUCCESS). A forced unlink of a cluster never linked returns (LLM_SUCCESS, [LLM_SUCCESS]).
+Here: the linker opens a reverse channel (docs/protocol.md, "Reverse channels") and serves
+the listener's requests on it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import datadist as llm
+from datadist.core.errors import NotLinked
+
+from ._support import DECODER_ID, PROMPT_ID, code, units
+
+pytestmark = pytest.mark.timeout(30)
+
+S = llm.LLMStatusCode
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def one_way(make_side):
+    """A listening PROMPT and a DECODER that never listens and links to it."""
+    p = make_side(PROMPT_ID, remote_cache_accessible=True)
+    d = make_side(DECODER_ID, listen=False, role=2, remote_cache_accessible=True)
+    d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+    return p, d
+
+
+class TestListenerUsesTheInboundLink:
+    def test_push_and_pull_to_the_linker(self, one_way):
+        p, d = one_way
+        src, x = p.register(2, [4, 32], blocks=True, model_id=0, seed=1)
+        _, y = d.register(2, [4, 32], blocks=True, model_id=0)
+        key = llm.BlocksCacheKey(DECODER_ID, 0)
+        p.cm.push_blocks(key, src, [0, 3], [2, 1])  # listener -> linker
+        want = np.zeros_like(y)
+        units(want, 4)[:, [2, 1]] = units(x, 4)[:, [0, 3]]
+        np.testing.assert_array_equal(y, want)
+        # and back: the listener pulls what the linker holds
+        back, z = p.register(2, [4, 32], blocks=True)
+        y[...] = np.random.default_rng(5).integers(0, 256, y.shape, dtype=np.uint8)
+        p.cm.pull_blocks(key, back, [1, 2], [0, 3])
+        want = np.zeros_like(z)
+        units(want, 4)[:, [0, 3]] = units(y, 4)[:, [1, 2]]
+        np.testing.assert_array_equal(z, want)
+
+    def test_the_linker_still_pulls_over_its_control_channel(self, one_way):
+        p, d = one_way
+        _, x = p.register(2, [4, 32], blocks=True, model_id=0, seed=2)
+        dst, y = d.register(2, [4, 32], blocks=True)
+        d.cm.pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 0), dst, [0, 1, 2, 3], [3, 2, 1, 0])
+        np.testing.assert_array_equal(units(y, 4), units(x, 4)[:, ::-1])
+
+    def test_each_end_unlinks_its_own(self, one_way):
+        p, d = one_way
+        src, _ = p.register(2, [4, 32], blocks=True, model_id=0, seed=1)
+        d.register(2, [4, 32], blocks=True, model_id=0)
+        p.engine.unlink(DECODER_ID, 1.0, force=True)  # the listener's end only
+        with code(S.LLM_NOT_YET_LINK):
+            p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [0], [0])
+        with pytest.raises(NotLinked):
+            p.engine.unlink(DECODER_ID, 1.0, force=True)
+        d.engine.unlink(PROMPT_ID, 1.0, force=True)
+        assert not d.engine.has_links()
+
+    def test_a_polite_unlink_by_the_linker_ends_the_listener_end_too(self, one_way):
+        p, d = one_way
+        assert p.engine.has_links()
+        d.engine.unlink(PROMPT_ID, 1.0)  # Bye
+        wait_for(lambda: not p.engine.has_links())  # switch_role may follow (the sample)
+        with pytest.raises(NotLinked):
+            p.engine.get_link(DECODER_ID)
+
+    def test_a_linker_gone_without_a_word_fails_the_listener_transfer(self, one_way):
+        p, d = one_way
+        src, _ = p.register(2, [4, 32], blocks=True, model_id=0, seed=1)
+        d.register(2, [4, 32], blocks=True, model_id=0)
+        d.engine.close()
+        with code(S.LLM_LINK_FAILED):
+            p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [0], [0])
+        wait_for(lambda: not p.engine.has_links())
+
+    def test_both_linked_each_other_own_links_win(self, make_side):
+        """The `pair` situation: each side made a link; transfers use one's own."""
+        p, d = make_side(PROMPT_ID), make_side(DECODER_ID, role=2)
+        d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+        p.engine.link(DECODER_ID, *d.engine.listen_address, 5.0)
+        assert not p.engine.get_link(DECODER_ID).inbound
+        d.engine.unlink(PROMPT_ID, 1.0, force=True)
+        assert p.engine.get_link(DECODER_ID) is not None  # p's own link is untouched
+
+
+class TestFacade:
+    def test_forced_unlink_of_a_never_linked_cluster_is_success(self, make_datadist):
+        dd = make_datadist({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0"})
+        c = llm.LLMClusterInfo()
+        c.remote_cluster_id = 77
+        assert dd.unlink_clusters([c], 1000, force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert dd.unlink_clusters([c], 1000) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+
+    def test_listener_unlinks_the_inbound_link(self, make_datadist, make_side):
+        dd = make_datadist({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0"})
+        d = make_side(DECODER_ID, listen=False, role=2)
+        d.engine.link(PROMPT_ID, *dd.listen_address, 5.0)
+        c = llm.LLMClusterInfo()
+        c.remote_cluster_id = DECODER_ID
+        with code(S.LLM_EXIST_LINK):
+            dd.switch_role(llm.LLMRole.DECODER)
+        assert dd.unlink_clusters([c], 1000, force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        wait_for(lambda: d.engine.links()[0].served.closed)  # the linker stops serving
+        d.engine.unlink(PROMPT_ID, 1.0, force=True)
+        wait_for(lambda: not dd.engine.has_links())
+        dd.switch_role(llm.LLMRole.DECODER)
