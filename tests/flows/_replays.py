@@ -70,9 +70,16 @@ SR_BLOCKS, SR_KV = 3, 10
 
 
 def switch_role_prompt(link: Any, setup: dict, barrier: Any) -> dict:
-    import datadist as llm_datadist
-    from datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig,
-                          LLMDataDist, LLMRole, Placement)
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
 
     ip, port = setup["ip"], setup["prompt_port"]
     datadist = LLMDataDist(LLMRole.PROMPT, 0)
@@ -112,8 +119,16 @@ def switch_role_prompt(link: Any, setup: dict, barrier: Any) -> dict:
 
 
 def switch_role_decoder(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig,
-                          LLMDataDist, LLMRole, Placement)
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
 
     ip = setup["ip"]
     datadist = LLMDataDist(LLMRole.DECODER, 1)
@@ -166,8 +181,16 @@ def switch_role_decoder(link: Any, setup: dict, barrier: Any) -> dict:
 # ============================================================ hixl examples/python/push_blocks
 
 def push_blocks_prompt(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig,
-                          LLMDataDist, LLMRole, Placement)
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
 
     datadist = LLMDataDist(LLMRole.PROMPT, 0)
     cfg = LLMConfig()
@@ -195,8 +218,16 @@ def push_blocks_prompt(link: Any, setup: dict, barrier: Any) -> dict:
 
 
 def push_blocks_decoder(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig,
-                          LLMDataDist, LLMRole, Placement)
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
 
     ip = setup["ip"]
     datadist = LLMDataDist(LLMRole.DECODER, 1)
@@ -233,9 +264,18 @@ def push_blocks_decoder(link: Any, setup: dict, barrier: Any) -> dict:
 # ================================================== hixl examples/python/transfer_cache_async
 
 def transfer_async_prompt(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (BlocksCacheKey, CacheDesc, DataType, LayerSynchronizer,
-                          LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole, Placement,
-                          TransferWithCacheKeyConfig)
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LayerSynchronizer,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+        TransferWithCacheKeyConfig,
+    )
 
     class LayerSynchronizerImpl(LayerSynchronizer):
         def __init__(self, ret=True):
@@ -281,8 +321,16 @@ def transfer_async_prompt(link: Any, setup: dict, barrier: Any) -> dict:
 
 
 def transfer_async_decoder(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig,
-                          LLMDataDist, LLMRole, Placement)
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMClusterInfo,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
 
     datadist = LLMDataDist(LLMRole.DECODER, 1)
     cfg = LLMConfig()
@@ -340,8 +388,7 @@ PC_SHAPE = [2, 4096]  # the sample's [2, 1024 * 1024], scaled down
 
 
 def pull_cache_prompt(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (CacheDesc, CacheKey, DataType, LLMConfig, LLMDataDist, LLMRole,
-                          Placement)
+    from datadist import CacheDesc, CacheKey, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 
     datadist = LLMDataDist(LLMRole.PROMPT, 1)
     cfg = LLMConfig()
@@ -373,8 +420,7 @@ def pull_cache_prompt(link: Any, setup: dict, barrier: Any) -> dict:
 
 
 def pull_cache_decoder(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (CacheDesc, CacheKey, DataType, LLMConfig, LLMDataDist, LLMRole,
-                          Placement)
+    from datadist import CacheDesc, CacheKey, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 
     datadist = LLMDataDist(LLMRole.DECODER, 2)
     cfg = LLMConfig()
@@ -402,8 +448,15 @@ def pull_cache_decoder(link: Any, setup: dict, barrier: Any) -> dict:
 
 
 def pull_blocks_prompt(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist,
-                          LLMRole, Placement)
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
 
     datadist = LLMDataDist(LLMRole.PROMPT, 1)
     cfg = LLMConfig()
@@ -423,8 +476,16 @@ def pull_blocks_prompt(link: Any, setup: dict, barrier: Any) -> dict:
 
 
 def pull_blocks_decoder(link: Any, setup: dict, barrier: Any) -> dict:
-    from datadist import (BlocksCacheKey, Cache, CacheDesc, DataType, LLMConfig, LLMDataDist,
-                          LLMRole, Placement)
+    from datadist import (
+        BlocksCacheKey,
+        Cache,
+        CacheDesc,
+        DataType,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
 
     datadist = LLMDataDist(LLMRole.DECODER, 2)
     cfg = LLMConfig()

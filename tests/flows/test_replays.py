@@ -87,11 +87,11 @@ def test_switch_role_sample():
     setup = {"ip": IP, "prompt_port": free_port(), "decoder_port": free_port()}
     prompt, decoder = run((r.switch_role_prompt, setup), (r.switch_role_decoder, setup))
     p0, p1 = f32((SR_N, 1), SR), f32((SR_N, 2), SR)
-    for got, src in zip(decoder["after_pull"], (p0, p1)):
+    for got, src in zip(decoder["after_pull"], (p0, p1), strict=True):
         want = np.zeros(SR, np.float32)
         want[[0, 2]] = src[[0, 1]]  # src_blocks=[0, 1] -> dst_blocks=[0, 2]
         same(got, want)
-    for got, pulled in zip(prompt["after_push"], decoder["after_pull"]):
+    for got, pulled in zip(prompt["after_push"], decoder["after_pull"], strict=True):
         same(got, pulled)  # all 3 blocks of both tensors pushed back
 
 
@@ -101,7 +101,7 @@ def test_push_blocks_sample():
     setup = {"ip": IP, "prompt_port": free_port(), "decoder_port": free_port()}
     prompt, _ = run((r.push_blocks_prompt, setup), (r.push_blocks_decoder, setup))
     for got, own, pushed in zip(prompt["after_push"], (f32((SR_N, 1), SR), f32((SR_N, 2), SR)),
-                                (f32((SR_N, 3), SR), f32((SR_N, 4), SR))):
+                                (f32((SR_N, 3), SR), f32((SR_N, 4), SR)), strict=True):
         want = own.copy()
         want[[0, 2]] = pushed[[0, 1]]
         same(got, want)
@@ -116,7 +116,8 @@ def test_transfer_cache_async_sample():
     setup = {"ip": IP, "prompt_port": free_port(), "decoder_port": free_port()}
     prompt, decoder = run((r.transfer_async_prompt, setup), (r.transfer_async_decoder, setup))
     assert prompt["results"] == [0]
-    for got, src in zip(decoder["after"], (f32((SR_N, 1), SR), f32((SR_N, 2), SR))):
+    for got, src in zip(decoder["after"], (f32((SR_N, 1), SR), f32((SR_N, 2), SR)),
+                        strict=True):
         want = np.zeros(SR, np.float32)
         want[0] = src[0]
         same(got, want)

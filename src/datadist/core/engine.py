@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -453,10 +454,11 @@ class Engine:
         if inbound is not None:
             inbound.close()
 
-    def adopt_reverse(self, peer: PeerInfo, chan: object) -> None:
+    def adopt_reverse(self, peer: PeerInfo, chan: object) -> Callable[[], None]:
         """A linker's reverse channel arrived (the listener's end of its link): register it
         as the link to ``peer.cluster_id`` for transfers from this side. A newer one from
-        the same cluster replaces the old."""
+        the same cluster replaces the old. Returns the release of the link's lock, held
+        until the serving thread has sent the handshake's last frame."""
         assert isinstance(chan, Channel)
         welcome = p.Welcome(peer.cluster_id, peer.role, peer.pid, peer.pid_ns, peer.boot_id)
 
@@ -469,13 +471,14 @@ class Engine:
                     f"inbound, {reason}", cannot_reconnect, inbound=True)
         with self._lock:
             if self._closed:
-                old = link
-            else:
-                old = self._reverse.get(peer.cluster_id)
-                self._reverse[peer.cluster_id] = link
+                return chan.close  # finalized meanwhile: the connection just ends
+            link.lock.acquire()
+            old = self._reverse.get(peer.cluster_id)
+            self._reverse[peer.cluster_id] = link
         if old is not None:
             old.close()
         log.debug("link.inbound %r", link)
+        return link.lock.release
 
     def on_disconnect(self, peer: PeerInfo) -> None:
         with self._lock:

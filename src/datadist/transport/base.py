@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -92,8 +93,9 @@ class RequestHandler(Protocol):
         """The connection ended, for whatever reason."""
         ...
 
-    def adopt_reverse(self, peer: PeerInfo, chan: object) -> None:
-        """``peer`` opened a reverse channel (Hello with FEATURE_REVERSE) and the handshake
-        is done: ``chan`` (a ``tcp.Channel``) is now ours to send requests on, as a link to
-        ``peer.cluster_id``, and ours to close."""
+    def adopt_reverse(self, peer: PeerInfo, chan: object) -> Callable[[], None]:
+        """``peer`` opened a reverse channel (Hello with FEATURE_REVERSE), checked up to the
+        handshake's last frame: ``chan`` (a ``tcp.Channel``) is now ours to send requests
+        on, as a link to ``peer.cluster_id``, and ours to close. The link stays locked until
+        the returned function is called (after that last frame is sent)."""
         ...

@@ -499,11 +499,8 @@ class ServerConnection:
     def run(self) -> None:
         try:
             if not self.reverse:
-                hello = self._handshake()
-                if hello.features & p.FEATURE_REVERSE:
-                    assert self.peer is not None
-                    self.handler.adopt_reverse(self.peer, self.chan)
-                    self.handed_over = True
+                self._handshake()
+                if self.handed_over:  # a reverse channel: the engine's now
                     return
             while True:
                 got = self._wait_request()
@@ -528,7 +525,10 @@ class ServerConnection:
         with contextlib.suppress(DatadistError):
             self.chan.send(msg, time.monotonic() + 1.0, rid)
 
-    def _handshake(self) -> p.Hello:
+    def _handshake(self) -> None:
+        """Hello, Welcome and (with a secret) Auth / Ok. A reverse channel is handed to the
+        engine *before* the handshake's last frame goes out, so that the link is
+        registered here by the time the client's ``link_clusters`` returns."""
         rid, hello = self.chan.recv(time.monotonic() + HANDSHAKE_TIMEOUT)
         if not isinstance(hello, p.Hello):
             raise RemoteProtocolError(f"expected Hello, got {type(hello).__name__}")
@@ -542,8 +542,12 @@ class ServerConnection:
             self.chan.address,
         )
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        auth = bool(welcome.features & p.FEATURE_AUTH)
+        if not auth:
+            self._send_last(hello, welcome, deadline, rid)
+            return
         self.chan.send(welcome, deadline, rid)
-        if welcome.features & p.FEATURE_AUTH:
+        if auth:
             # Nothing but the client's proof is accepted until it checks out.
             rid, msg = self.chan.recv(deadline)
             try:
@@ -553,8 +557,22 @@ class ServerConnection:
             except DatadistError as e:
                 self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
                 raise BrokenLink("peer failed to authenticate") from e
-            self.chan.send(p.Ok(), deadline, rid)
-        return hello
+            self._send_last(hello, p.Ok(), deadline, rid)
+
+    def _send_last(self, hello: p.Hello, msg: p.Message, deadline: float, rid: int) -> None:
+        """The handshake's last frame. For a reverse channel the engine registers the link
+        first, locked until this frame is out (a transfer must not share the socket with
+        it), so the link exists by the time the client's ``link_clusters`` returns."""
+        if not hello.features & p.FEATURE_REVERSE:
+            self.chan.send(msg, deadline, rid)
+            return
+        assert self.peer is not None
+        release = self.handler.adopt_reverse(self.peer, self.chan)
+        self.handed_over = True
+        try:
+            self.chan.send(msg, deadline, rid)
+        finally:
+            release()
 
     def _dispatch(self, rid: int, msg: p.Message) -> bool:
         """Handle one request; False ends the connection."""
