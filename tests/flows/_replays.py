@@ -547,6 +547,7 @@ def v0_prompt(link: Any, setup: dict, barrier: Any) -> dict:
     options = {"llm.SyncKvCacheWaitTime": "5000", "ge.exec.deviceId": str(local_rank),
                "llm.listenIpInfo": f"{setup['ip']}:{setup['prompt_port']}"}
     data_dist.init(options)
+    barrier.wait()  # the prefill instance is up before the decoder starts (deployment order)
     kv_transfer = data_dist.kv_cache_manager
     buffers = []
     for model_id, desc in enumerate(_v0_descs(llm_datadist, 1), start=1):
@@ -576,6 +577,7 @@ def v0_decoder(link: Any, setup: dict, barrier: Any) -> dict:
     cluster.remote_cluster_id = cluster_id  # make_cluster(prefill_ip, self.cluster_id)
     cluster.append_local_ip_info(setup["ip"], 0)
     cluster.append_remote_ip_info(setup["ip"], setup["prompt_port"])
+    barrier.wait()  # the prefill instance is up
     _, ret = data_dist.link_clusters([cluster], 20000)
     barrier.wait()  # KV send DONE
     buffers = [kv_transfer.allocate_cache(desc) for desc in _v0_descs(llm_datadist, -1)]

@@ -86,6 +86,7 @@ class Engine:
         self._reverse: dict[int, Link] = {}  # listener's ends of peers' links (inbound)
         self._inbound: dict[tuple[int, str], PeerInfo] = {}
         self._hellos: dict[int, int] = {}  # handshakes so far, by peer cluster id
+        self._linking: set[int] = set()  # clusters link() is connecting to right now
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()  # set at close: ends the reverse channels we serve
@@ -250,17 +251,26 @@ class Engine:
         )
 
     def link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
-        """Connect to a peer's listener and check it is who we asked for. Blocks <= timeout."""
+        """Connect to a peer's listener and check it is who we asked for. Blocks <= timeout.
+
+        One link to a cluster at a time: a second call while the first is still connecting
+        is AlreadyLinked at once (its reverse channel would replace the first's at the
+        peer)."""
         self._check_open()
         with self._lock:
-            if cluster_id in self._links:
+            if cluster_id in self._links or cluster_id in self._linking:
                 raise AlreadyLinked(f"cluster {cluster_id} is already linked")
-        link = self.open_link(cluster_id, host, port, timeout)
+            self._linking.add(cluster_id)
         try:
-            self.adopt_link(link)
-        except AlreadyLinked:
-            link.close()
-            raise
+            link = self.open_link(cluster_id, host, port, timeout)
+            try:
+                self.adopt_link(link)
+            except AlreadyLinked:
+                link.close()
+                raise
+        finally:
+            with self._lock:
+                self._linking.discard(cluster_id)
         return link
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False) -> None:
@@ -515,7 +525,6 @@ class Engine:
         path, reason = choose_path(self.forced, self.identity, welcome)
         link = Link(cluster_id, host, port, chan, welcome, path, reason, connect)
         if reverse and welcome.features & p.FEATURE_REVERSE:
-            link.on_reconnect = self._reopen_reverse
             try:
                 self._open_reverse(link, deadline)
             except DatadistError:
@@ -537,15 +546,6 @@ class Engine:
         link.served = chan
         threading.Thread(target=self._serve_reverse, args=(chan, peer),
                          name=f"datadist-reverse-{link.cluster_id}", daemon=True).start()
-
-    def _reopen_reverse(self, link: Link, deadline: float) -> None:
-        """After a reconnect: a reverse channel that went down (peer restarted) comes back."""
-        if link.served is None or link.served.closed:
-            try:
-                self._open_reverse(link, deadline)
-            except DatadistError as e:
-                log.warning("reverse channel to cluster %d not re-opened: %s",
-                            link.cluster_id, e)
 
     def _serve_reverse(self, chan: Channel, peer: PeerInfo) -> None:
         try:

@@ -105,8 +105,6 @@ class Link:
     closing: bool = False  # unlinked: the transfer holding the lock closes the channel
     inbound: bool = False  # the listener's end: requests go over the linker's reverse channel
     served: Channel | None = None  # linker's end: the reverse channel we answer requests on
-    # linker's end: called after a reconnect, to re-open a reverse channel that went down
-    on_reconnect: Callable[[Link, float], None] | None = None
 
     def __repr__(self) -> str:
         state = "closing" if self.closing else ("down" if self.chan.closed else "up")
@@ -163,8 +161,9 @@ class Link:
             self.path.close()
             self.path = CmaPath(welcome.pid, allow_shm=self.path.allow_shm,
                                 name=self.path.caps.name)
-        if self.on_reconnect is not None:
-            self.on_reconnect(self, deadline)
+        # The reverse channel is not re-opened here: a reconnect can race an unlink, and a
+        # reverse channel opened for a dying link would replace, at the peer, the one of
+        # the link made next. The peer's end stays down until we link again.
 
     def run(self, deadline: float, op):  # type: ignore[no-untyped-def]
         """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke
