@@ -87,6 +87,16 @@ class TestListenerUsesTheInboundLink:
         with pytest.raises(NotLinked):
             p.engine.get_link(DECODER_ID)
 
+    def test_a_polite_unlink_by_the_listener_says_bye_on_the_reverse_channel(self, one_way):
+        p, d = one_way
+        _, x = p.register(2, [4, 32], blocks=True, model_id=0, seed=4)
+        dst, y = d.register(2, [4, 32], blocks=True)
+        p.engine.unlink(DECODER_ID, 1.0)  # Bye: the linker answers Ok and stops serving
+        link = d.engine.get_link(PROMPT_ID)
+        wait_for(lambda: link.served is not None and link.served.closed)
+        d.cm.pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 0), dst, [1], [2])  # its own end works
+        np.testing.assert_array_equal(units(y, 4)[:, 2], units(x, 4)[:, 1])
+
     def test_a_linker_gone_without_a_word_fails_the_listener_transfer(self, one_way):
         p, d = one_way
         src, _ = p.register(2, [4, 32], blocks=True, model_id=0, seed=1)
