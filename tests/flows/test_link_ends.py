@@ -106,6 +106,30 @@ class TestListenerUsesTheInboundLink:
             p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [0], [0])
         wait_for(lambda: not p.engine.has_links())
 
+    def test_two_links_to_one_cluster_at_once(self, make_side):
+        """One link per cluster: the second is ALREADY_LINK at once, and the reverse channel
+        the listener keeps is the surviving link's (it can push over it)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from datadist.core.errors import AlreadyLinked
+
+        p = make_side(PROMPT_ID, remote_cache_accessible=True)
+        d = make_side(DECODER_ID, listen=False, role=2, remote_cache_accessible=True)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(d.engine.link, PROMPT_ID, *p.engine.listen_address, 5.0)
+                       for _ in range(2)]
+            outcomes = []
+            for f in futures:
+                try:
+                    outcomes.append(f.result(10) is not None)
+                except AlreadyLinked:
+                    outcomes.append(False)
+        assert sorted(outcomes) == [False, True]
+        src, x = p.register(2, [4, 32], blocks=True, seed=6)
+        _, y = d.register(2, [4, 32], blocks=True, model_id=0)
+        p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [3], [0])
+        np.testing.assert_array_equal(units(y, 4)[:, 0], units(x, 4)[:, 3])
+
     def test_both_linked_each_other_own_links_win(self, make_side):
         """The `pair` situation: each side made a link; transfers use one's own."""
         p, d = make_side(PROMPT_ID), make_side(DECODER_ID, role=2)
