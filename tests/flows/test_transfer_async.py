@@ -349,8 +349,6 @@ class TestArguments:
             lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(2), range(1))]),
             lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(1), range(1))],
                                             None, [0], 16),  # contiguous destination
-            lambda: cm.transfer_cache_async(src, Sync(), [K(by_blocks, range(1), range(1), 1)],
-                                            None, [0], 16),
             lambda: cm.transfer_cache_async(blocks, Sync(), [K(by_blocks, range(1), range(1))],
                                             [0], [0], 8),  # smaller than a source block
         ]:
@@ -515,11 +513,13 @@ class TestBlocksSourceWithoutIndices:
         np.testing.assert_array_equal(b, want)
 
     def test_a_contiguous_slot_into_a_blocks_key_without_indices(self, ra_pair):
+        """A BlocksCacheKey destination always takes source slot 0, whatever src_batch_index
+        says (llm_utils.TransferCacheJob.transfer_layer passes batch index 0 for it)."""
         p, d = ra_pair
         src, a = p.register(2, [2, 16], seed=14)
         _, b = d.register(2, [4, 16], blocks=True, model_id=0)
         cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 0), range(0, 1),
-                                             range(0, 1))
+                                             range(0, 1), 1)
         task = p.cm.transfer_cache_async(src, Sync(), [cfg])
         assert task.get_results(WAIT) == [S.LLM_SUCCESS]
         want = np.zeros_like(b)

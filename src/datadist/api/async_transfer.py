@@ -138,7 +138,7 @@ def start_transfer(
         # destination blocks.
         geo = (Geometry(geo.num_tensors, geo.tensor_bytes, 1, False, geo.layout) if has_dst_blocks
                else Geometry(geo.num_tensors, geo.tensor_bytes, geo.units, False, geo.layout))
-        raise_if_false(all(cfg.src_batch_index == 0 for cfg in transfer_configs),
+        raise_if_false(all(_src_unit(cfg) == 0 for cfg in transfer_configs),
                        "src_batch_index must be 0 for a blocks cache source")
     num_layers = desc.num_tensors // TENSORS_PER_LAYER
     dbb = int(dst_block_memory_size or 0)
@@ -159,17 +159,27 @@ def start_transfer(
     return task
 
 
+def _src_unit(cfg: Any) -> int:
+    """The source batch slot a config sends. A ``BlocksCacheKey`` destination always takes
+    slot 0: the original passes batch index 0 for it whatever ``src_batch_index`` says
+    (llm_utils.TransferCacheJob.transfer_layer)."""
+    if isinstance(getattr(cfg, "cache_key", None), BlocksCacheKey):
+        return 0
+    return int(cfg.src_batch_index)
+
+
 def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
          src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
          dbb: int) -> layerwise.LayerJob:
     """Plan one destination: its layers, its spans (same for every layer), its sender."""
     layers = _layers(cfg, num_layers)
+    src_unit = _src_unit(cfg)
     if src_blocks is not None:
-        raise_if_false(cfg.src_batch_index == 0,
-                       f"src_batch_index ({cfg.src_batch_index}) must be 0 for a blocks source")
+        raise_if_false(src_unit == 0,
+                       f"src_batch_index ({src_unit}) must be 0 for a blocks source")
     else:
-        raise_if_false(cfg.src_batch_index < geo.units,
-                       f"src_batch_index {cfg.src_batch_index} out of range [0, {geo.units})")
+        raise_if_false(src_unit < geo.units,
+                       f"src_batch_index {src_unit} out of range [0, {geo.units})")
     n = TENSORS_PER_LAYER
 
     def spans(unit_bytes_default: int) -> layerwise.LayerSpans:
@@ -179,8 +189,8 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
                 return layerwise.blocks_spans(geo, src_blocks, dst_blocks,
                                               dbb or unit_bytes_default)
             if dst_blocks is not None:
-                return layerwise.slot_to_blocks_spans(geo, cfg.src_batch_index, dst_blocks, dbb)
-            return layerwise.slot_spans(geo, cfg.src_batch_index)
+                return layerwise.slot_to_blocks_spans(geo, src_unit, dst_blocks, dbb)
+            return layerwise.slot_spans(geo, src_unit)
 
     if isinstance(cfg, TransferConfig):
         cluster = cfg.dst_cluster_id
@@ -219,7 +229,6 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
         sp = spans(geo.unit_bytes)
     else:
         assert isinstance(key, BlocksCacheKey)
-        raise_if_false(cfg.src_batch_index == 0, "src_batch_index must be 0 for a BlocksCacheKey")
         ref = KeyRef(KeyKind.BLOCKS_KEY, 0, key.model_id & _U64, 0)
         # Without destination blocks the copy lands at offset 0 of each tensor (the
         # original's batch index 0 of a blocks cache): no block size to check.
