@@ -161,3 +161,72 @@ class TestFacade:
         d.engine.unlink(PROMPT_ID, 1.0, force=True)
         wait_for(lambda: not dd.engine.has_links())
         dd.switch_role(llm.LLMRole.DECODER)
+
+
+class TestWire:
+    """The reverse channel as another implementation sees it (docs/protocol.md, "Reverse
+    channels"), with raw frames: a client that never listens says HELLO with
+    FEATURE_REVERSE, and then *answers* the server's WRITE on that connection."""
+
+    @staticmethod
+    def _frame(sock):
+        import socket as _socket  # noqa: F401 - the socket is a plain one
+
+        from datadist.wire import protocol as p
+
+        head = b""
+        while len(head) < p.HEADER_SIZE:
+            head += sock.recv(p.HEADER_SIZE - len(head))
+        h = p.decode_header(head)
+        body = b""
+        while len(body) < h.length:
+            body += sock.recv(h.length - len(body))
+        return h.request_id, p.decode_payload(h.type, body)
+
+    def test_a_raw_client_serves_the_servers_write(self, make_side):
+        import os
+        import socket
+        import threading
+
+        from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks
+        from datadist.core.links import HostIdentity
+        from datadist.wire import protocol as p
+
+        server = make_side(PROMPT_ID, remote_cache_accessible=True)
+        src, x = server.register(1, [4, 16], blocks=True, seed=8)
+        me = HostIdentity.current()
+        sock = socket.create_connection(server.engine.listen_address, timeout=5)
+        try:
+            sock.sendall(p.encode(p.Hello(DECODER_ID, 2, os.getpid() + 1, me.pid_ns,
+                                          me.boot_id, p.FEATURE_REVERSE), 1))
+            rid, welcome = self._frame(sock)
+            assert rid == 1 and isinstance(welcome, p.Welcome)
+            assert welcome.features & p.FEATURE_REVERSE  # the server takes reverse channels
+            assert server.engine.get_link(DECODER_ID).inbound
+            plan = plan_blocks(Geometry(1, 64, 4, True), [2], [1],
+                               layer_tensor_indices(1, None, None, 1))
+            errors = []
+
+            def push():
+                try:
+                    server.engine.push(DECODER_ID, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 16,
+                                       plan, src.cache_id, 5.0)
+                except Exception as e:  # noqa: BLE001 - checked below
+                    errors.append(e)
+
+            t = threading.Thread(target=push)
+            t.start()
+            rid, write = self._frame(sock)  # the server is the requester now
+            assert isinstance(write, p.Write)
+            assert list(write.tensors) == [0] and list(write.offsets) == [32]
+            assert list(write.lengths) == [16]
+            sock.sendall(p.encode(p.Ok(), rid))  # go ahead
+            data = b""
+            while len(data) < 16:
+                data += sock.recv(16 - len(data))
+            assert data == x[0, 16:32].tobytes()  # the server's block 1
+            sock.sendall(p.encode(p.Ok(), rid))  # landed
+            t.join(5)
+            assert not errors
+        finally:
+            sock.close()
