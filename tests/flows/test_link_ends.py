@@ -170,8 +170,6 @@ class TestWire:
 
     @staticmethod
     def _frame(sock):
-        import socket as _socket  # noqa: F401 - the socket is a plain one
-
         from datadist.wire import protocol as p
 
         head = b""
