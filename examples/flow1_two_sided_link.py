@@ -1,8 +1,9 @@
 """Flow 1: paged blocks over a two-sided link (the vllm-ascend LLMDataDist connector, MindIE).
 
 Both sides register one blocks cache per model_id (K = 0, V = 1) under their own cluster id,
-both call ``link(comm_name, {cluster_id: rank}, rank_table)`` with the same HCCL rank table,
-and both poll ``query_register_mem_status(comm_id)`` until OK. The DECODER then pulls blocks
+both call ``link(comm_name, {cluster_id: rank}, rank_table)`` with the same HCCL rank table
+(it returns once both have joined), and both poll ``query_register_mem_status(comm_id)``
+until OK, as the connectors do. The DECODER then pulls blocks
 of each cache with ``pull_blocks(BlocksCacheKey(prompt, model_id), cache, src, dst)``, checks
 every byte, and both ``unlink(comm_id)``.
 
@@ -56,10 +57,10 @@ def run(role: str, setup: dict) -> int:
         caches[model_id] = cm.register_blocks_cache(
             desc, [int(arr[i].ctypes.data) for i in range(LAYERS)],
             llm_datadist.BlocksCacheKey(me, model_id))
+    if role == "prompt":
+        ready()  # the launcher starts the decoder now: link blocks until both have joined
     comm_id = dd.link(f"pd_comm_{PROMPT_ID}_{DECODER_ID}", {PROMPT_ID: 0, DECODER_ID: 1},
                       rank_table(setup["ports"]))
-    if role == "prompt":
-        ready()
     deadline = time.monotonic() + 30
     while (status := dd.query_register_mem_status(comm_id)) != llm_datadist.RegisterMemStatus.OK:
         if status == llm_datadist.RegisterMemStatus.FAILED or time.monotonic() > deadline:

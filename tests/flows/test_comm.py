@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import pytest
 import datadist as llm
 from datadist.api import rank_table
 from datadist.core.comm import CommManager, CommState, Member
-from datadist.core.errors import AlreadyLinked, InvalidArgument, NotLinked
+from datadist.core.errors import AlreadyLinked, InvalidArgument, LinkFailed, NotLinked
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks
 from datadist.wire.protocol import KeyKind, KeyRef
 
@@ -51,6 +52,21 @@ def table(*ports: int | None, version: str = "1.0", ip: str = "127.0.0.1") -> st
     return json.dumps(doc)
 
 
+def in_thread(fn, *args):
+    """Run ``fn(*args)`` on a thread; ``.result()`` waits for its return or raise."""
+    return _POOL.submit(fn, *args)
+
+
+_POOL = ThreadPoolExecutor(8)
+
+
+def link_both(ca, cb, ma, mb, timeout=10.0, name="c"):
+    """Both members link at once (link blocks until the other joins): their comm ids."""
+    fa = in_thread(ca.link, name, ma, [mb], timeout)
+    idb = cb.link(name, mb, [ma], timeout)
+    return fa.result(timeout + 5), idb
+
+
 def wait_for(pred, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not pred():
@@ -65,8 +81,8 @@ class TestRankTable:
     @pytest.mark.parametrize("version", ["1.0", "1.2"])
     def test_parse(self, version):
         ranks = rank_table.parse(table(26000, None, version=version))
-        assert ranks[0] == rank_table.RankEntry(0, "127.0.0.1", 26000)
-        assert ranks[1] == rank_table.RankEntry(1, "127.0.0.1", None)
+        assert ranks[0] == rank_table.RankEntry(0, "127.0.0.1", 26000, 0)
+        assert ranks[1] == rank_table.RankEntry(1, "127.0.0.1", None, 1)
 
     def test_several_servers_and_int_fields(self):
         doc = {"version": "1.0", "server_list": [
@@ -76,10 +92,25 @@ class TestRankTable:
         assert ranks[1].device_ip == "10.0.0.2" and ranks[1].device_port == 7000
 
     def test_port_rule(self):
-        given, plain = rank_table.RankEntry(3, "h", 1234), rank_table.RankEntry(3, "h", None)
-        assert rank_table.port_of(given, 5000) == 1234  # device_port wins
-        assert rank_table.port_of(plain, 5000) == 5000  # else our own listen port
-        assert rank_table.port_of(plain, None) == rank_table.DEFAULT_BASE_PORT + 3
+        given = rank_table.RankEntry(3, "h", 1234, 5)
+        plain = rank_table.RankEntry(3, "h", None, 5)
+        bare = rank_table.RankEntry(3, "h", None)
+        assert rank_table.port_of(given) == 1234  # device_port overrides
+        assert rank_table.port_of(plain) == rank_table.DEFAULT_BASE_PORT + 5  # device id
+        assert rank_table.port_of(bare) == rank_table.DEFAULT_BASE_PORT + 3  # no device_id
+
+    def test_vllm_ascend_table_gives_workers_on_one_host_distinct_ports(self):
+        """vllm-ascend's LLMDataDistCMgrConnector builds rank tables from device_id,
+        device_ip, super_device_id and rank_id only (no listen_ip_info, no device_port):
+        workers sharing one host address must still get distinct ports."""
+        devices = [{"device_id": str(d), "device_ip": "10.0.0.1", "super_device_id": "0",
+                    "rank_id": str(r)} for r, d in enumerate([0, 1, 2, 3])]
+        doc = {"version": "1.2", "server_count": "1", "status": "completed",
+               "server_list": [{"server_id": "10.0.0.1", "device": devices}]}
+        ranks = rank_table.parse(json.dumps(doc))
+        ports = {rank_table.port_of(e) for e in ranks.values()}
+        assert len(ports) == 4
+        assert ranks[2].device_id == 2
 
     @pytest.mark.parametrize("text", [
         "not json", "[]", json.dumps({"version": "2.0", "server_list": []}),
@@ -114,16 +145,20 @@ def comm_pair(make_side):
 
 
 class TestStateMachine:
-    def test_preparing_until_every_member_joined_then_ok(self, comm_pair):
+    def test_link_blocks_until_every_member_joined_then_ok(self, comm_pair):
+        """LLM-DataDist's link returns only once the communicator is up on every rank
+        (hixl comm_link_manager.cc, CommLinkManager::Link: HcclCommInitClusterInfoMemConfig
+        under the process lock)."""
         a, b, ca, cb, ma, mb = comm_pair
-        ida = ca.link("c", ma, [mb], 10.0)
-        time.sleep(0.2)
-        assert ca.status(ida) == CommState.PREPARING
-        assert a.engine.links() == []  # nothing usable before OK
+        fa = in_thread(ca.link, "c", ma, [mb], 10.0)
+        time.sleep(0.3)
+        assert not fa.done()  # still waiting for b
+        assert a.engine.links() == []  # nothing usable before every member joined
         with pytest.raises(NotLinked):
             a.engine.get_link(DECODER_ID)
         idb = cb.link("c", mb, [ma], 10.0)
-        wait_for(lambda: ca.status(ida) == cb.status(idb) == CommState.OK)
+        ida = fa.result(10)
+        assert ca.status(ida) == cb.status(idb) == CommState.OK
         assert [link.cluster_id for link in a.engine.links()] == [DECODER_ID]
         assert [link.cluster_id for link in b.engine.links()] == [PROMPT_ID]
 
@@ -133,8 +168,7 @@ class TestStateMachine:
         src_b, y = b.register(2, [4, 32], blocks=True, model_id=0, seed=2)
         dst_a, x2 = a.register(2, [4, 32], blocks=True)
         dst_b, y2 = b.register(2, [4, 32], blocks=True)
-        ida, idb = ca.link("c", ma, [mb], 10.0), cb.link("c", mb, [ma], 10.0)
-        wait_for(lambda: ca.status(ida) == cb.status(idb) == CommState.OK)
+        link_both(ca, cb, ma, mb)
         g = Geometry(2, 128, 4, True)
         plan = plan_blocks(g, [0, 3], [2, 1], layer_tensor_indices(2, None, None, 2))
         key = KeyRef(KeyKind.BLOCKS_KEY, 0, 0, 0)
@@ -145,11 +179,10 @@ class TestStateMachine:
 
     def test_failed_when_a_member_never_comes(self, comm_pair):
         a, _, ca, _, ma, mb = comm_pair
-        ida = ca.link("c", ma, [mb], 0.5)
-        wait_for(lambda: ca.status(ida) != CommState.PREPARING)
-        assert ca.status(ida) == CommState.FAILED
-        assert "not reachable" in ca.describe(ida).reason
+        with pytest.raises(LinkFailed, match="not reachable"):
+            ca.link("c", ma, [mb], 0.5)
         assert a.engine.links() == []
+        assert ca._comms == {}  # no comm id was handed out
         # the listener it started is gone: its port can be bound again
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -157,28 +190,48 @@ class TestStateMachine:
 
     def test_unlink_drops_its_links_and_tells_the_peer(self, comm_pair):
         a, b, ca, cb, ma, mb = comm_pair
-        ida, idb = ca.link("c", ma, [mb], 10.0), cb.link("c", mb, [ma], 10.0)
-        wait_for(lambda: ca.status(ida) == cb.status(idb) == CommState.OK)
+        ida, _ = link_both(ca, cb, ma, mb)
         ca.unlink(ida)
         assert a.engine.links() == []
         wait_for(lambda: all(p.cluster_id != PROMPT_ID for p in b.engine.inbound_peers()))
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(NotLinked):  # the original's Unlink: LLM_NOT_YET_LINK
             ca.status(ida)
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(NotLinked):
             ca.unlink(ida)
 
     def test_an_existing_link_is_used_and_left_alone(self, comm_pair):
         a, b, ca, cb, ma, mb = comm_pair
         b.engine.start_listening(mb.host, mb.port)  # b serves its member address itself
         a.engine.link(DECODER_ID, mb.host, mb.port, 5.0)  # as link_clusters would
-        ida, idb = ca.link("c", ma, [mb], 10.0), cb.link("c", mb, [ma], 10.0)
-        wait_for(lambda: ca.status(ida) == cb.status(idb) == CommState.OK)
+        ida, _ = link_both(ca, cb, ma, mb)
         ca.unlink(ida)
         assert [link.cluster_id for link in a.engine.links()] == [DECODER_ID]
 
+    def test_two_links_at_once_in_one_process(self, make_side):
+        """MindIE links to many peers at once; the original serialises links inside a
+        process (CommLinkManager::Link holds mutex_), so two calls on one member address
+        never race for its listener ("Address already in use")."""
+        a = make_side(PROMPT_ID, listen=False)
+        b, c = make_side(DECODER_ID, listen=False), make_side(3, listen=False)
+        ma = Member(PROMPT_ID, 0, "127.0.0.1", free_port())
+        mb = Member(DECODER_ID, 1, "127.0.0.1", free_port())
+        mc = Member(3, 2, "127.0.0.1", free_port())
+        ca, cb, cc = CommManager(a.engine), CommManager(b.engine), CommManager(c.engine)
+        try:
+            futures = [in_thread(ca.link, "x", ma, [mb], 10.0),
+                       in_thread(ca.link, "y", ma, [mc], 10.0),
+                       in_thread(cb.link, "x", mb, [ma], 10.0),
+                       in_thread(cc.link, "y", mc, [ma], 10.0)]
+            ids = [f.result(15) for f in futures]
+            assert ca.status(ids[0]) == ca.status(ids[1]) == CommState.OK
+            assert sorted(link.cluster_id for link in a.engine.links()) == [DECODER_ID, 3]
+        finally:
+            for m in (ca, cb, cc):
+                m.close()
+
     def test_duplicate_name_and_members(self, comm_pair):
-        _, _, ca, _, ma, mb = comm_pair
-        ca.link("c", ma, [mb], 10.0)
+        _, _, ca, cb, ma, mb = comm_pair
+        link_both(ca, cb, ma, mb)
         with pytest.raises(AlreadyLinked):
             ca.link("c", ma, [mb], 10.0)
         with pytest.raises(InvalidArgument):
@@ -205,16 +258,17 @@ class TestFacade:
         cache = cm.register_blocks_cache(desc, [int(mine[i].ctypes.data) for i in range(2)],
                                          llm.BlocksCacheKey(PROMPT_ID, 0))
         other, theirs, comms = member_side(make_side, ports[1])
-        comm_id = dd.link("pd_comm", {PROMPT_ID: 0, DECODER_ID: 1}, table(*ports, version="1.2"))
-        assert isinstance(comm_id, int)
-        assert dd.query_register_mem_status(comm_id) == llm.RegisterMemStatus.PREPARING
         key = llm.BlocksCacheKey(DECODER_ID, 0)
         with code(S.LLM_NOT_YET_LINK):
             cm.pull_blocks(key, cache, [0], [0])
         try:
-            comms.link("pd_comm", Member(DECODER_ID, 1, "127.0.0.1", ports[1]),
-                       [Member(PROMPT_ID, 0, "127.0.0.1", ports[0])], 10.0)
-            wait_for(lambda: dd.query_register_mem_status(comm_id) == llm.RegisterMemStatus.OK)
+            peer = in_thread(comms.link, "pd_comm", Member(DECODER_ID, 1, "127.0.0.1", ports[1]),
+                             [Member(PROMPT_ID, 0, "127.0.0.1", ports[0])], 10.0)
+            comm_id = dd.link("pd_comm", {PROMPT_ID: 0, DECODER_ID: 1},
+                              table(*ports, version="1.2"))
+            assert isinstance(comm_id, int)
+            peer.result(10)
+            assert dd.query_register_mem_status(comm_id) == llm.RegisterMemStatus.OK
             cm.pull_blocks(key, cache, [1, 2, 7], [0, 5, 6])
             want = np.zeros_like(mine)
             units(want, 8)[:, [0, 5, 6]] = units(theirs, 8)[:, [1, 2, 7]]
@@ -224,41 +278,65 @@ class TestFacade:
             dd.unlink(comm_id)
             with code(S.LLM_NOT_YET_LINK):
                 cm.pull_blocks(key, cache, [0], [0])
-            with code(S.LLM_PARAM_INVALID):
+            with code(S.LLM_NOT_YET_LINK):  # CommLinkManager::QueryRegisterMemStatus
                 dd.query_register_mem_status(comm_id)
         finally:
             comms.close()
 
-    def test_marks_the_cache_manager_linked(self, make_datadist):
-        dd = make_datadist(CM_OPTS)
-        dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(free_port(), free_port()))
-        arr = np.zeros(64, np.uint8)
-        with code(S.LLM_PARAM_INVALID):
-            dd.cache_manager.register_cache(llm.CacheDesc(1, [64], llm.DataType.DT_UINT8),
-                                            [int(arr.ctypes.data)], remote_accessible=True)
-
-    def test_failed_after_link_total_time(self, make_datadist):
+    def test_marks_the_cache_manager_linked_only_on_success(self, make_datadist, make_side):
+        """The original calls set_is_call_linked after handle_llm_status: a failed link
+        leaves remote-accessible registration open, a successful one closes it."""
         dd = make_datadist({**CM_OPTS, "llm.LinkTotalTime": "1"})
-        comm_id = dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(free_port(), free_port()))
-        wait_for(lambda: dd.query_register_mem_status(comm_id) != llm.RegisterMemStatus.PREPARING)
-        assert dd.query_register_mem_status(comm_id) == llm.RegisterMemStatus.FAILED
-        dd.unlink(comm_id)
+        ports = free_port(), free_port()
+        arr = np.zeros(64, np.uint8)
+        desc = llm.CacheDesc(1, [64], llm.DataType.DT_UINT8)
+        with code(S.LLM_LINK_FAILED):
+            dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(*ports))
+        dd.cache_manager.register_cache(desc, [int(arr.ctypes.data)], remote_accessible=True)
+        _, _, comms = member_side(make_side, ports[1])
+        try:
+            peer = in_thread(comms.link, "c", Member(DECODER_ID, 1, "127.0.0.1", ports[1]),
+                             [Member(PROMPT_ID, 0, "127.0.0.1", ports[0])], 10.0)
+            dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(*ports))
+            peer.result(10)
+        finally:
+            comms.close()
+        with code(S.LLM_PARAM_INVALID):
+            dd.cache_manager.register_cache(desc, [int(arr.ctypes.data)], remote_accessible=True)
+
+    def test_link_failed_after_link_total_time(self, make_datadist):
+        """The original's link returns LLM_LINK_FAILED itself when a member never joins
+        (CommLinkManager::Link); no comm id is handed out."""
+        dd = make_datadist({**CM_OPTS, "llm.LinkTotalTime": "1"})
+        t0 = time.monotonic()
+        with code(S.LLM_LINK_FAILED):
+            dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(free_port(), free_port()))
+        assert 0.9 < time.monotonic() - t0 < 5
+        assert dd._comms is not None and dd._comms._comms == {}
 
     def test_hccl_connect_timeout_is_the_fallback(self, make_datadist, monkeypatch):
         monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1")
         dd = make_datadist(CM_OPTS)
-        comm_id = dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(free_port(), free_port()))
-        wait_for(lambda: dd.query_register_mem_status(comm_id) == llm.RegisterMemStatus.FAILED,
-                 timeout=5)
+        t0 = time.monotonic()
+        with code(S.LLM_LINK_FAILED):
+            dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(free_port(), free_port()))
+        assert time.monotonic() - t0 < 5
 
-    def test_own_listener_serves_the_comm(self, make_datadist):
-        """Without device_port, members listen on this instance's own listen port."""
+    def test_own_listener_serves_the_comm(self, make_datadist, make_side):
+        """A member whose port is the instance's own listener uses it: no second one."""
         dd = make_datadist({**CM_OPTS, "llm.listenIpInfo": "127.0.0.1:0"})
         host, port = dd.listen_address
-        dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(None, None))
-        comms = dd._comms
-        assert comms is not None and comms._listeners == {}  # no second listener
-        assert dd.listen_address == (host, port)
+        other_port = free_port()
+        _, _, comms = member_side(make_side, other_port)
+        try:
+            peer = in_thread(comms.link, "c", Member(DECODER_ID, 1, "127.0.0.1", other_port),
+                             [Member(PROMPT_ID, 0, "127.0.0.1", port)], 10.0)
+            dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(port, other_port))
+            peer.result(10)
+            assert dd._comms is not None and dd._comms._listeners == {}  # no second listener
+            assert dd.listen_address == (host, port)
+        finally:
+            comms.close()
 
     def test_types(self, make_datadist):
         dd = make_datadist(CM_OPTS)
@@ -295,17 +373,28 @@ class TestFacade:
         ]:
             with code(S.LLM_PARAM_INVALID):
                 dd.link(name, info, text)
-        with code(S.LLM_PARAM_INVALID):
+
+    def test_unknown_comm_ids_are_not_yet_link(self, make_datadist):
+        """CommLinkManager::Unlink / QueryRegisterMemStatus: LLM_NOT_YET_LINK."""
+        dd = make_datadist(CM_OPTS)
+        with code(S.LLM_NOT_YET_LINK):
             dd.query_register_mem_status(12345)
-        with code(S.LLM_PARAM_INVALID):
+        with code(S.LLM_NOT_YET_LINK):
             dd.unlink(12345)
 
-    def test_a_live_comm_name_is_already_linked(self, make_datadist):
+    def test_a_live_comm_name_is_already_linked(self, make_datadist, make_side):
         dd = make_datadist(CM_OPTS)
-        t = table(free_port(), free_port())
-        dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, t)
-        with code(S.LLM_ALREADY_LINK):
-            dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, t)
+        ports = free_port(), free_port()
+        _, _, comms = member_side(make_side, ports[1])
+        try:
+            peer = in_thread(comms.link, "c", Member(DECODER_ID, 1, "127.0.0.1", ports[1]),
+                             [Member(PROMPT_ID, 0, "127.0.0.1", ports[0])], 10.0)
+            dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(*ports))
+            peer.result(10)
+            with code(S.LLM_ALREADY_LINK):
+                dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(*ports))
+        finally:
+            comms.close()
 
     def test_cache_manager_mode_only(self, make_datadist):
         dd = make_datadist({"llm.listenIpInfo": "127.0.0.1:0"})
@@ -324,9 +413,11 @@ class TestFacade:
     def test_finalize_stops_linking_and_frees_the_port(self, make_datadist):
         ports = free_port(), free_port()
         dd = make_datadist(CM_OPTS)
-        dd.link("c", {PROMPT_ID: 0, DECODER_ID: 1}, table(*ports))
-        time.sleep(0.1)
+        linking = in_thread(dd.link, "c", {PROMPT_ID: 0, DECODER_ID: 1}, table(*ports))
+        time.sleep(0.3)
         dd.finalize()
+        with pytest.raises(llm.LLMException):
+            linking.result(5)
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", ports[0]))

@@ -319,7 +319,7 @@ class TestArguments:
             lambda: cm.transfer_cache_async(blocks, Sync(), [cfg], [0, 1], [0]),
             lambda: cm.transfer_cache_async(src, Sync(), [cfg], None, [0]),  # no block size
             lambda: cm.transfer_cache_async(src, Sync(), [cfg], None, None, 32),
-            lambda: cm.transfer_cache_async(blocks, Sync(), [cfg]),  # blocks need indices
+            lambda: cm.transfer_cache_async(src, Sync(), [cfg], [0], [0]),  # src not blocks
             lambda: cm.transfer_cache_async(src, Sync(), [cfg], [0], [0], 16),  # not blocks
             lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
                 DECODER_ID, two, range(2, 3))]),  # past the last layer
@@ -328,8 +328,6 @@ class TestArguments:
                 DECODER_ID, cfg.dst_addrs, None, 2)]),  # batch index out of range
             lambda: cm.transfer_cache_async(blocks, Sync(), [llm.TransferConfig(
                 DECODER_ID, cfg.dst_addrs, None, 1)], [0], [0]),
-            lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
-                PROMPT_ID, cfg.dst_addrs)]),  # own cluster
             lambda: cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
                 DECODER_ID, [0, 1, 2, 3])]),  # a null address
             lambda: cm.transfer_cache_async(blocks, Sync(), [cfg], [0], [0], 8),  # too small
@@ -352,11 +350,6 @@ class TestArguments:
             lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(2), range(1))]),
             lambda: cm.transfer_cache_async(src, Sync(), [K(by_id, range(1), range(1))],
                                             None, [0], 16),  # contiguous destination
-            lambda: cm.transfer_cache_async(src, Sync(), [K(by_blocks, range(1), range(1))]),
-            lambda: cm.transfer_cache_async(src, Sync(), [K(by_blocks, range(1), range(1), 1)],
-                                            None, [0], 16),
-            lambda: cm.transfer_cache_async(src, Sync(), [K(llm.CacheKeyByIdAndIndex(
-                PROMPT_ID, 1), range(1), range(1))]),  # own cluster
             lambda: cm.transfer_cache_async(blocks, Sync(), [K(by_blocks, range(1), range(1))],
                                             [0], [0], 8),  # smaller than a source block
         ]:
@@ -469,3 +462,90 @@ def KeyRefAddr():
     from datadist.wire import protocol as p
 
     return p.KeyRef(p.KeyKind.ADDRESS)
+
+
+# ================================================================ blocks source without indices
+
+
+class TestBlocksSourceWithoutIndices:
+    """hicann/hixl examples/python/transfer_cache_async_sample.py calls
+    ``transfer_cache_async(blocks_cache, sync, [TransferWithCacheKeyConfig(BlocksCacheKey(
+    decoder, 0), range(0, 1), range(0, 1))])``: no block indices. The original checks indices
+    only when given (llm_utils.transfer_cache_async); its native side then copies cache to
+    cache with a blocks cache's batch being one block (layer_wise_transfer_job.cc,
+    GenerateCacheToCacheTask; cache_manager.cc, CreateCacheEntry: batch_size 1, stride one
+    block): block 0 of each tensor of the layer lands at block 0 of the destination."""
+
+    def test_the_sample_call_moves_block_0_of_each_tensor_of_the_layer(self, ra_pair):
+        p, d = ra_pair
+        src, a = p.register(4, [3, 40], blocks=True, model_id=0, seed=11)  # 2 layers
+        _, b = d.register(4, [3, 40], blocks=True, model_id=0)
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 0), range(0, 1),
+                                             range(0, 1))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg])
+        assert task.get_results(WAIT) == [S.LLM_SUCCESS]
+        want = np.zeros_like(b)
+        units(want, 3)[0:2, 0] = units(a, 3)[0:2, 0]  # layer 0 = tensors 0, 1; block 0
+        np.testing.assert_array_equal(b, want)
+
+    def test_to_a_slot_by_cache_id(self, ra_pair):
+        p, d = ra_pair
+        src, a = p.register(2, [4, 16], blocks=True, seed=12)
+        dst, b = d.register(2, [3, 16])  # contiguous, 3 slots
+        key = llm.CacheKeyByIdAndIndex(DECODER_ID, dst.cache_id, 2)
+        task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferWithCacheKeyConfig(
+            key, range(0, 1), range(0, 1))])
+        assert task.get_results(WAIT) == [S.LLM_SUCCESS]
+        want = np.zeros_like(b)
+        units(want, 3)[:, 2] = units(a, 4)[:, 0]
+        np.testing.assert_array_equal(b, want)
+
+    def test_into_destination_blocks_the_whole_tensor_is_cut(self, ra_pair):
+        """GenerateCacheToBlocksTask: chunk k of the source tensor -> destination block k."""
+        p, d = ra_pair
+        src, a = p.register(2, [4, 16], blocks=True, seed=13)  # 64-byte tensors
+        _, b = d.register(2, [8, 16], blocks=True, model_id=0)
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 0), range(0, 1),
+                                             range(0, 1))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], None, [7, 1, 4], 16)
+        assert task.get_results(WAIT) == [S.LLM_SUCCESS]
+        want = np.zeros_like(b)
+        units(want, 8)[:, [7, 1, 4]] = units(a, 4)[:, [0, 1, 2]]
+        np.testing.assert_array_equal(b, want)
+
+    def test_a_contiguous_slot_into_a_blocks_key_without_indices(self, ra_pair):
+        """A BlocksCacheKey destination always takes source slot 0, whatever src_batch_index
+        says (llm_utils.TransferCacheJob.transfer_layer passes batch index 0 for it)."""
+        p, d = ra_pair
+        src, a = p.register(2, [2, 16], seed=14)
+        _, b = d.register(2, [4, 16], blocks=True, model_id=0)
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 0), range(0, 1),
+                                             range(0, 1), 1)
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg])
+        assert task.get_results(WAIT) == [S.LLM_SUCCESS]
+        want = np.zeros_like(b)
+        units(want, 4)[:, 0] = units(a, 2)[:, 0]
+        np.testing.assert_array_equal(b, want)
+
+    def test_param_invalid(self, ra_pair):
+        p, _ = ra_pair
+        blocks, _ = p.register(2, [4, 16], blocks=True)
+        src, _ = p.register(2, [4, 16])
+        key = llm.BlocksCacheKey(DECODER_ID, 0)
+        for call in [  # a blocks cache is one batch slot: src_batch_index 0 only
+            lambda: p.cm.transfer_cache_async(blocks, Sync(), [llm.TransferWithCacheKeyConfig(
+                llm.CacheKeyByIdAndIndex(DECODER_ID, 1), range(1), range(1), 1)]),
+            lambda: p.cm.transfer_cache_async(src, Sync(), [llm.TransferWithCacheKeyConfig(
+                key, range(1), range(1))], [0], [0]),  # src indices need a blocks source
+        ]:
+            with code(S.LLM_PARAM_INVALID):
+                call()
+
+    def test_to_our_own_cluster_id_is_a_transfer_result_not_a_refusal(self, ra_pair):
+        """No 'own cluster' rule in the original (llm_utils.transfer_cache_async checks no
+        cluster id); with no link to that id the task reports LLM_NOT_YET_LINK."""
+        p, _ = ra_pair
+        src, _ = p.register(2, [2, 16], seed=1)
+        task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferWithCacheKeyConfig(
+            llm.CacheKeyByIdAndIndex(PROMPT_ID, 1), range(1), range(1))])
+        assert task.get_results(WAIT) == [S.LLM_NOT_YET_LINK]

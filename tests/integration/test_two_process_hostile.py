@@ -20,6 +20,7 @@ import pytest
 
 import datadist as llm_datadist
 from datadist.core.errors import Code
+from datadist.core.links import HostIdentity
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt, pattern
 from datadist.transport.local import local_name
 from datadist.wire import protocol as p
@@ -238,12 +239,19 @@ def test_server_only_message_after_hello(raw: Callable[[], RawClient]) -> None:
     assert_refused_and_closed(c.until_closed())
 
 
-def test_hello_with_the_prompts_own_cluster_id(raw: Callable[[], RawClient]) -> None:
+def test_hello_claiming_to_be_the_prompt_itself(raw: Callable[[], RawClient],
+                                                prompt: RunningPrompt) -> None:
+    """A link from an engine to itself is refused; the same cluster id from another process
+    is a peer (vllm-ascend's V0 connector: cluster id = local rank on both sides)."""
+    me = HostIdentity.current()
     c = raw()
-    c.send(p.encode(p.Hello(PROMPT_ID, 2, os.getpid(), 0, b"\0" * 16), 1))
+    c.send(p.encode(p.Hello(PROMPT_ID, 2, prompt.pid, me.pid_ns, me.boot_id), 1))
     frames = c.until_closed()
     assert_refused_and_closed(frames)
     assert frames and frames[0].code == Code.LINK_FAILED  # type: ignore[union-attr]
+    other = raw()
+    other.send(p.encode(p.Hello(PROMPT_ID, 2, os.getpid(), me.pid_ns, me.boot_id), 1))
+    assert isinstance(other.next_frame(), p.Welcome)
 
 
 # --------------------------------------------------------------- well-formed, out of range

@@ -145,4 +145,26 @@ def test_same_host_link_runs_tls_on_the_local_channel(certs) -> None:
             assert b"DD" not in got[:2]  # no Welcome: the TLS server hung up
     finally:
         puller.close()
+def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(certs) -> None:
+    """The reverse channel (docs/protocol.md) is opened like the control channel: inside
+    mutual TLS and with the shared-secret challenge; the listener's push lands."""
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                tls=certs["prompt"], secret=b"s3cret"))
+    linker = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=certs["decoder"],
+                                 secret=b"s3cret"))
+    try:
+        dst = np.zeros((4, 256), np.uint8)
+        linker.register(Geometry(1, 4 * 256, 4, True), [dst.ctypes.data], placement=0,
+                        blocks_model_id=0)
+        linker.link(1, *owner.listen_address, 5.0)
+        src = np.random.default_rng(3).integers(0, 255, (4, 256), dtype=np.uint8)
+        mine = owner.register(Geometry(1, 4 * 256, 4, True), [src.ctypes.data], placement=0)
+        # remote (the linker's) blocks 2, 0 <- local blocks 1, 3
+        plan = plan_blocks(mine.geometry, [2, 0], [1, 3], layer_tensor_indices(1, None, None, 1))
+        owner.push(2, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 256, plan, mine.cache_id, 5.0)
+        assert np.array_equal(dst[[2, 0]], src[[1, 3]])
+        assert not dst[[1, 3]].any()
+        assert owner.get_link(2).inbound
+    finally:
+        linker.close()
         owner.close()

@@ -440,8 +440,9 @@ class TestLinkClusters:
         overall, codes = datadist.unlink_clusters([cluster(PEER, 1)], 1000)
         assert codes == [S.LLM_NOT_YET_LINK]
         assert overall is S.LLM_NOT_YET_LINK
-        assert datadist.unlink_clusters([cluster(PEER, 1)], 1000, force=True)[0] \
-            is S.LLM_NOT_YET_LINK
+        # forced: nothing is left behind either way, so SUCCESS (issue 10, item 1)
+        assert datadist.unlink_clusters([cluster(PEER, 1)], 1000, force=True) \
+            == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
     def test_unlink_force_must_be_bool(self, datadist):
         with pytest.raises(TypeError):
@@ -1078,7 +1079,7 @@ class TestPush:
             cm.push_cache(key, cache, src_layer_range=range(0, 1), dst_layer_range=range(0, 2))
         with code(S.LLM_PARAM_INVALID):
             cm.push_cache(key, cache, tensor_num_per_layer=0)
-        with code(S.LLM_PARAM_INVALID):
+        with code(S.LLM_NOT_YET_LINK):  # no own-cluster rule for pushes in the original
             cm.push_cache(CacheKeyByIdAndIndex(ME, 1), cache)
         with code(S.LLM_NOT_YET_LINK):
             cm.push_cache(key, cache)
@@ -1096,7 +1097,7 @@ class TestPush:
             cm.push_blocks(key, paged, [0], [])
         with code(S.LLM_PARAM_INVALID):
             cm.push_blocks(key, paged, [0], [0], src_layer_range=range(0, 2, 2))
-        with code(S.LLM_PARAM_INVALID):
+        with code(S.LLM_NOT_YET_LINK):  # no own-cluster rule for pushes in the original
             cm.push_blocks(BlocksCacheKey(ME), paged, [0], [0])
         with code(S.LLM_NOT_YET_LINK):
             cm.push_blocks(key, paged, [0], [0])

@@ -20,6 +20,22 @@ Destinations:
 Block indices: ``src_block_indices`` + ``dst_block_indices`` (same length) send blocks;
 ``dst_block_indices`` alone cuts the source slot into ``dst_block_memory_size`` chunks.
 Blocks into a contiguous destination are not supported.
+
+A blocks-cache source *without* block indices is what LLM-DataDist's transfer_cache_async
+sample does (hicann/hixl examples/python/transfer_cache_async_sample.py). The original checks
+indices only when given, and its native side (src/llm_datadist/data_transfer/
+layer_wise_transfer_job.cc, LayerWiseTransferJob::Prepare) then treats the source as a
+cache whose batch is one block: a blocks cache is registered with batch size 1 and stride =
+one block (cache_manager.cc, CreateCacheEntry), so
+
+* without ``dst_block_indices`` (GenerateCacheToCacheTask) block 0 of each tensor of the
+  layer goes to the destination slot (``CacheKeyByIdAndIndex``: its batch index;
+  ``BlocksCacheKey``: offset 0, i.e. block 0), and ``src_batch_index`` must be 0;
+* with ``dst_block_indices`` only (GenerateCacheToBlocksTask) the whole source tensor is cut
+  into ``dst_block_memory_size`` chunks, chunk k to destination block k.
+
+A contiguous source into a ``BlocksCacheKey`` destination without block indices is the
+same cache-to-cache copy: the source slot lands at the start of each destination tensor.
 """
 
 from __future__ import annotations
@@ -44,7 +60,7 @@ from datadist.api.types import (
 from datadist.core import layerwise
 from datadist.core.engine import Engine
 from datadist.core.errors import Code
-from datadist.core.layout import checked_add
+from datadist.core.layout import Geometry, checked_add
 from datadist.wire.protocol import KeyKind, KeyRef
 
 TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
@@ -114,8 +130,16 @@ def start_transfer(
     with llm_errors("transfer_cache_async"):
         entry = engine.registry.get(cache_id)
     geo = entry.geometry
-    raise_if_false(geo.is_blocks == has_src_blocks,
-                   "src_block_indices must be given exactly when the source is a blocks cache")
+    raise_if_false(geo.is_blocks or not has_src_blocks,
+                   "src_block_indices need a blocks cache source")
+    if geo.is_blocks and not has_src_blocks:
+        # The original's view of a blocks cache without indices (module docstring): one
+        # batch slot of one block for a cache-to-cache copy, the whole tensor when cut into
+        # destination blocks.
+        geo = (Geometry(geo.num_tensors, geo.tensor_bytes, 1, False, geo.layout) if has_dst_blocks
+               else Geometry(geo.num_tensors, geo.tensor_bytes, geo.units, False, geo.layout))
+        raise_if_false(all(_src_unit(cfg) == 0 for cfg in transfer_configs),
+                       "src_batch_index must be 0 for a blocks cache source")
     num_layers = desc.num_tensors // TENSORS_PER_LAYER
     dbb = int(dst_block_memory_size or 0)
     jobs = [
@@ -135,18 +159,27 @@ def start_transfer(
     return task
 
 
+def _src_unit(cfg: Any) -> int:
+    """The source batch slot a config sends. A ``BlocksCacheKey`` destination always takes
+    slot 0: the original passes batch index 0 for it whatever ``src_batch_index`` says
+    (llm_utils.TransferCacheJob.transfer_layer)."""
+    if isinstance(getattr(cfg, "cache_key", None), BlocksCacheKey):
+        return 0
+    return int(cfg.src_batch_index)
+
+
 def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
          src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
          dbb: int) -> layerwise.LayerJob:
     """Plan one destination: its layers, its spans (same for every layer), its sender."""
-    own = engine.config.cluster_id
     layers = _layers(cfg, num_layers)
+    src_unit = _src_unit(cfg)
     if src_blocks is not None:
-        raise_if_false(cfg.src_batch_index == 0,
-                       f"src_batch_index ({cfg.src_batch_index}) must be 0 for a blocks source")
+        raise_if_false(src_unit == 0,
+                       f"src_batch_index ({src_unit}) must be 0 for a blocks source")
     else:
-        raise_if_false(cfg.src_batch_index < geo.units,
-                       f"src_batch_index {cfg.src_batch_index} out of range [0, {geo.units})")
+        raise_if_false(src_unit < geo.units,
+                       f"src_batch_index {src_unit} out of range [0, {geo.units})")
     n = TENSORS_PER_LAYER
 
     def spans(unit_bytes_default: int) -> layerwise.LayerSpans:
@@ -156,12 +189,11 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
                 return layerwise.blocks_spans(geo, src_blocks, dst_blocks,
                                               dbb or unit_bytes_default)
             if dst_blocks is not None:
-                return layerwise.slot_to_blocks_spans(geo, cfg.src_batch_index, dst_blocks, dbb)
-            return layerwise.slot_spans(geo, cfg.src_batch_index)
+                return layerwise.slot_to_blocks_spans(geo, src_unit, dst_blocks, dbb)
+            return layerwise.slot_spans(geo, src_unit)
 
     if isinstance(cfg, TransferConfig):
         cluster = cfg.dst_cluster_id
-        raise_if_false(cluster != own, "data can not be transferred to own cluster")
         raise_if_false(len(cfg.dst_addrs) == len(layers) * n,
                        f"expected {len(layers) * n} dst_addrs for src_layer_range {layers}, "
                        f"got {len(cfg.dst_addrs)}")
@@ -190,8 +222,7 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
     raise_if_false(len(cfg.src_layer_range) == len(cfg.dst_layer_range),
                    f"src_layer_range {cfg.src_layer_range} and dst_layer_range "
                    f"{cfg.dst_layer_range} differ in length")
-    cluster = key.cluster_id
-    raise_if_false(cluster != own, "data can not be transferred to own cluster")
+    cluster = key.cluster_id  # equal to ours is fine: another process may share it (V0)
     dst_start = cfg.dst_layer_range.start
     if isinstance(key, CacheKeyByIdAndIndex):
         raise_if_false(dst_blocks is None, "a CacheKeyByIdAndIndex destination is contiguous: "
@@ -201,11 +232,10 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
         sp = spans(geo.unit_bytes)
     else:
         assert isinstance(key, BlocksCacheKey)
-        raise_if_false(cfg.src_batch_index == 0, "src_batch_index must be 0 for a BlocksCacheKey")
-        raise_if_false(dst_blocks is not None, "a BlocksCacheKey destination needs "
-                       "dst_block_indices")
         ref = KeyRef(KeyKind.BLOCKS_KEY, 0, key.model_id & _U64, 0)
-        unit_bytes = dbb or geo.unit_bytes
+        # Without destination blocks the copy lands at offset 0 of each tensor (the
+        # original's batch index 0 of a blocks cache): no block size to check.
+        unit_bytes = (dbb or geo.unit_bytes) if dst_blocks is not None else 0
         sp = spans(geo.unit_bytes)
 
     def send_by_key(i: int) -> None:

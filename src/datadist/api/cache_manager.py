@@ -32,6 +32,7 @@ from datadist.api.types import (
 )
 from datadist.core import layout
 from datadist.core.engine import Engine
+from datadist.core.errors import InvalidArgument
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
@@ -92,6 +93,15 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
 def _pair(r: range | None) -> tuple[int, int] | None:
     return None if r is None else (r.start, r.stop)
 
+
+
+def _not_own(engine: Engine, cluster_id: int) -> None:
+    """Cache-manager mode refuses pulls naming our own cluster id, as the original's
+    native LLMDataDistV2::PullCache does ("data can not be pulled from own cluster",
+    LLM_PARAM_INVALID), even when a peer shares the id. Legacy mode (KvCacheManager) has no
+    such rule: vllm-ascend's V0 connector pulls from a peer with its own id."""
+    if cluster_id == engine.config.cluster_id:
+        raise InvalidArgument(f"data can not be pulled from own cluster:{cluster_id}")
 
 class CacheManager:
     """Caches, keys and transfers in cache-manager mode. Obtain via ``cache_manager``."""
@@ -320,6 +330,7 @@ class CacheManager:
             tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
                                                   _pair(dst_range), n)
             plan = layout.plan_slot(geo, batch_index, tensors, size)
+            _not_own(engine, cache_key.cluster_id)
             engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, cache.cache_id)
 
     def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
@@ -352,6 +363,7 @@ class CacheManager:
                 plan = layout.plan_blocks(geo, src, dst, tensors)
             else:
                 plan = layout.plan_contiguous_to_blocks(geo, dst, tensors)
+            _not_own(engine, src_cache_key.cluster_id)
             engine.pull(src_cache_key.cluster_id, key_ref(src_cache_key),
                         geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id)
 

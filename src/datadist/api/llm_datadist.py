@@ -298,7 +298,13 @@ class LLMDataDist:
     def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
                         timeout: int = 3000,
                         force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Unlink; without ``force`` the peer is told too. ``force`` always drops our end."""
+        """Unlink; without ``force`` the peer is told too. ``force`` always drops our end.
+
+        Either end of a link unlinks its own end: the one that called ``link_clusters``, and
+        the one it linked to (whose end is the linker's reverse channel). Unlinking a cluster
+        we have no link with is LLM_NOT_YET_LINK, or LLM_SUCCESS with ``force`` (as in
+        LLM-DataDist: a forced unlink leaves nothing behind either way).
+        """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
         check_isinstance("force", force, bool, allow_none=False)
@@ -312,7 +318,7 @@ class LLMDataDist:
                 engine.unlink(c.remote_cluster_id, timeout / 1000.0, force)
                 return LLMStatusCode.LLM_SUCCESS
             except NotLinked:
-                return LLMStatusCode.LLM_NOT_YET_LINK
+                return LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK
             except DatadistError as e:
                 return code_to_status(int(e.code))
 
@@ -387,14 +393,16 @@ class LLMDataDist:
 
         ``cluster_rank_info`` maps each member's cluster id to its rank (2..4 members, ranks
         ascending in dict order, this instance among them); ``rank_table`` is an HCCL rank
-        table JSON (v1.0 / v1.2) whose ``device_ip`` per rank is the host address to use, and
-        whose optional ``device_port`` per device says where that rank listens (see
-        :mod:`datadist.api.rank_table` for the port rule). Cache-manager mode only.
+        table JSON (v1.0 / v1.2) whose ``device_ip`` per rank is the host address to use;
+        each rank listens on 16666 + its ``device_id``, or on its ``device_port`` when given
+        (see :mod:`datadist.api.rank_table`). Cache-manager mode only.
 
-        Returns a comm id at once and links in the background, within ``link_total_time``
-        seconds (``llm.LinkTotalTime``; 0 or unset: env ``HCCL_CONNECT_TIMEOUT``, else 120).
-        Poll :meth:`query_register_mem_status` until OK; until then transfers to the members
-        raise LLM_NOT_YET_LINK. Register caches before linking.
+        Blocks until every member has joined, as LLM-DataDist's ``link`` does, within
+        ``link_total_time`` seconds (``llm.LinkTotalTime``; 0 or unset: env
+        ``HCCL_CONNECT_TIMEOUT``, else 120), and returns the comm id; a member missing at the
+        deadline raises LLM_LINK_FAILED. Links inside one process are made one at a time (a
+        second call waits for the first, within its own link time). Then
+        :meth:`query_register_mem_status` is OK. Register caches before linking.
         """
         self._check_init()
         if not self._cache_manager_mode:
@@ -418,14 +426,12 @@ class LLMDataDist:
                                  f"({self._cluster_id})")
         table = rank_table_mod.parse(rank_table)
         engine = self.engine
-        own_port = engine.listen_address[1] if engine.listen_address else None
         members = []
         for cid, rank in cluster_rank_info.items():
             entry = table.get(rank)
             if entry is None:
                 raise _param_invalid(f"rank {rank} (cluster {cid}) is not in the rank_table")
-            members.append(Member(cid, rank, entry.device_ip,
-                                  rank_table_mod.port_of(entry, own_port)))
+            members.append(Member(cid, rank, entry.device_ip, rank_table_mod.port_of(entry)))
         me = next(m for m in members if m.cluster_id == self._cluster_id)
         peers = [m for m in members if m is not me]
         with LLMDataDist._instance_lock:
@@ -448,18 +454,20 @@ class LLMDataDist:
             raise _param_invalid("two-sided links are only available in cache-manager mode")
         check_int("comm_id", comm_id, "int64", allow_none=False)
         if self._comms is None:
-            raise _param_invalid(f"comm_id {comm_id} is not a live link")
+            raise LLMException(f"comm_id {comm_id} is not a live link",
+                               status_code=LLMStatusCode.LLM_NOT_YET_LINK)
         return self._comms
 
     def unlink(self, comm_id: int) -> None:
         """Leave a two-sided link: drop the links it made and tell the members. Unknown
-        comm ids raise LLM_PARAM_INVALID."""
+        comm ids raise LLM_NOT_YET_LINK (as LLM-DataDist's CommLinkManager::Unlink)."""
         comms = self._comm_manager(comm_id)
         with llm_errors("unlink"):
             comms.unlink(comm_id)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
-        """PREPARING while the link comes up, then OK (or FAILED). Never blocks."""
+        """OK for a comm id :meth:`link` returned (it returns once every member joined);
+        unknown ids raise LLM_NOT_YET_LINK. Never blocks."""
         comms = self._comm_manager(comm_id)
         with llm_errors("query_register_mem_status"):
             state = comms.status(comm_id)

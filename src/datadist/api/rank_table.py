@@ -16,16 +16,17 @@ Accepted format (HCCL rank table v"1.0" and v"1.2"; v1.2's ``super_pod_list`` an
 Each rank's ``device_ip`` is the host address datadist uses for that member: it listens
 there when the rank is its own, and connects there otherwise.
 
-The port of rank ``r`` (one rule, computed alike by every member):
+The port of a rank (one rule, computed alike by every member from the table alone):
 
 1. ``device_port`` of that rank's device entry, when given (a datadist extension; an int or
-   a digit string, 1..65535);
-2. else the port this instance listens on (``listen_ip_info``), when it listens: members
-   are then assumed to listen alike, each on its own ``device_ip`` (the usual multi-host
-   deployment);
-3. else ``DEFAULT_BASE_PORT + r``.
+   a digit string, 1..65535): an override;
+2. else ``DEFAULT_BASE_PORT + device_id``. Rank tables always carry ``device_id`` (vllm-ascend
+   builds them from ``device_id``, ``device_ip``, ``super_device_id`` and ``rank_id`` only),
+   and a device id is unique per host, so workers sharing one host address never collide;
+3. a device entry without ``device_id``: ``DEFAULT_BASE_PORT + rank_id``.
 
-On one host, give ``device_port`` (or let no member listen, so that rule 3 applies).
+Two members on one host with the same device id (two processes on one device, or tests)
+need ``device_port``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 from datadist.api.status import LLMException, LLMStatusCode
 
 VERSIONS = ("1.0", "1.2")
-DEFAULT_BASE_PORT = 16666  # as HIXL's default device NIC port; rank r listens on base + r
+DEFAULT_BASE_PORT = 16666  # as HIXL's default device NIC port; device d listens on base + d
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class RankEntry:
     rank_id: int
     device_ip: str
     device_port: int | None
+    device_id: int | None = None
 
 
 def _bad(msg: str) -> LLMException:
@@ -92,6 +94,9 @@ def parse(text: str) -> dict[int, RankEntry]:
                 socket.inet_aton(ip)
             except OSError:
                 raise _bad(f"device_ip {ip!r} of rank {rank} is not an IPv4 address") from None
+            device_id = None
+            if "device_id" in dev:
+                device_id = _as_int(dev["device_id"], "device_id")
             port = None
             if "device_port" in dev:
                 port = _as_int(dev["device_port"], "device_port")
@@ -99,19 +104,18 @@ def parse(text: str) -> dict[int, RankEntry]:
                     raise _bad(f"device_port {port} of rank {rank} out of range [1, 65535]")
             if rank in ranks:
                 raise _bad(f"rank_id {rank} appears twice")
-            ranks[rank] = RankEntry(rank, ip, port)
+            ranks[rank] = RankEntry(rank, ip, port, device_id)
     return ranks
 
 
-def port_of(entry: RankEntry, own_listen_port: int | None) -> int:
+def port_of(entry: RankEntry) -> int:
     """The port rank ``entry`` listens on; see the module docstring."""
     if entry.device_port is not None:
         return entry.device_port
-    if own_listen_port:
-        return own_listen_port
-    if DEFAULT_BASE_PORT + entry.rank_id > 65535:
+    offset = entry.device_id if entry.device_id is not None else entry.rank_id
+    if DEFAULT_BASE_PORT + offset > 65535:
         raise _bad(f"rank {entry.rank_id} has no default port: give device_port")
-    return DEFAULT_BASE_PORT + entry.rank_id
+    return DEFAULT_BASE_PORT + offset
 
 
 __all__ = ["DEFAULT_BASE_PORT", "RankEntry", "parse", "port_of"]

@@ -1,12 +1,16 @@
 """Two-sided links: a small communication domain that every member joins (``LLMDataDist.link``).
 
 Who calls: the facade's ``link`` / ``query_register_mem_status`` / ``unlink``, with members
-already resolved to (cluster id, rank, host, port). ``link`` returns a comm id at once and
-works in a background thread; ``status`` and ``unlink`` never block for long. Thread-safe.
+already resolved to (cluster id, rank, host, port). ``link`` blocks until every member has
+joined (or raises LinkFailed at the deadline), as LLM-DataDist's does: its native side holds a
+process-wide lock and initialises the HCCL communicator, which returns only when every rank
+is in (hicann/hixl src/llm_datadist/link_mgr/comm_link_manager.cc, CommLinkManager::Link).
+So links inside one process are serialised: a second ``link`` waits for the first.
+``status`` and ``unlink`` never block for long. Thread-safe.
 
 Theory of operation
 -------------------
-Every member calls ``link`` with the same member list. Each member then, in its own thread:
+Every member calls ``link`` with the same member list. Each member then, in the calling thread:
 
 1. listens on its own (host, port): the engine's listener when it is that address, else a
    listener this module starts (and shares between comms on the same address);
@@ -18,12 +22,13 @@ Every member calls ``link`` with the same member list. Each member then, in its 
 4. registers its links with the engine: state OK. Transfers to a member before this point
    find no link (NOT_YET_LINK), as LLM-DataDist promises ("pulls before OK").
 
-Any failure, or the deadline, makes the state FAILED and closes what step 2 opened. Rules:
+Any failure, or the deadline, closes what step 2 opened, forgets the comm and raises
+LinkFailed (LLM_LINK_FAILED): no comm id is handed out. Rules:
 
-* state only moves PREPARING -> OK or PREPARING -> FAILED; ``unlink`` removes the comm;
+* a comm id handed out is OK until ``unlink`` removes it; unknown ids are NotLinked
+  (LLM_NOT_YET_LINK, as the original's Unlink and QueryRegisterMemStatus);
 * a link to a member that already exists (``link_clusters``, another comm) is used as it is
-  and is not this comm's to drop: ``unlink`` drops only the links this comm registered;
-* at most ``MAX_ACTIVE`` comms link at once (LLM-DataDist's 16); more wait their turn.
+  and is not this comm's to drop: ``unlink`` drops only the links this comm registered.
 """
 
 from __future__ import annotations
@@ -55,7 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_ACTIVE = 16
 CONNECT_ATTEMPT = 1.0  # seconds one connection attempt may take
 RETRY_INTERVAL = 0.05  # seconds between attempts while a peer is not listening yet
 POLL_INTERVAL = 0.02  # seconds between checks for the peers' connections back
@@ -89,7 +93,6 @@ class Comm:
     owned: set[int] = field(default_factory=set)  # links this comm registered
     listener: tuple[str, int] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return (f"<Comm {self.comm_id} {self.name!r} rank={self.me.rank} "
@@ -106,27 +109,51 @@ class CommManager:
         self._ids = itertools.count(1)
         self._comms: dict[int, Comm] = {}
         self._listeners: dict[tuple[str, int], list] = {}  # addr -> [TcpListener, users]
-        self._slots = threading.BoundedSemaphore(MAX_ACTIVE)
+        self._link_lock = threading.Lock()  # one link at a time in a process
         self._closed = False
 
     # ------------------------------------------------------------------ public
 
     def link(self, name: str, me: Member, peers: list[Member], timeout: float) -> int:
-        """Start joining; returns the comm id at once. Raises InvalidArgument when ``name``
-        is already live or a member is ourselves twice, Closed after ``close``."""
+        """Join; blocks until every member has joined, then returns the comm id (state OK).
+
+        Waits first for a link of this process still in progress (one at a time). Raises
+        LinkFailed when the members do not all join within ``timeout`` seconds (counted from
+        the call), AlreadyLinked when ``name`` is live, InvalidArgument when a member is
+        ourselves twice, Closed after ``close``.
+        """
         if any(m.cluster_id == me.cluster_id for m in peers):
             raise InvalidArgument(f"cluster {me.cluster_id} is listed twice")
-        with self._lock:
-            if self._closed:
-                raise Closed("the engine is finalized")
-            if any(c.name == name for c in self._comms.values()):
-                raise AlreadyLinked(f"comm {name!r} is already linked")
-            comm = Comm(next(self._ids), name, me, list(peers), time.monotonic() + timeout)
-            self._comms[comm.comm_id] = comm
-        comm.thread = threading.Thread(target=self._run, args=(comm,),
-                                       name=f"datadist-comm-{comm.comm_id}", daemon=True)
-        comm.thread.start()
-        return comm.comm_id
+        deadline = time.monotonic() + timeout
+        if not self._link_lock.acquire(timeout=max(0.0, timeout)):
+            raise LinkFailed(f"comm {name!r}: another link of this process took the whole "
+                             "link time")
+        try:
+            with self._lock:
+                if self._closed:
+                    raise Closed("the engine is finalized")
+                if any(c.name == name for c in self._comms.values()):
+                    raise AlreadyLinked(f"comm {name!r} is already linked")
+                comm = Comm(next(self._ids), name, me, list(peers), deadline)
+                self._comms[comm.comm_id] = comm
+            try:
+                self._join(comm)
+            except DatadistError as e:
+                with self._lock:
+                    self._comms.pop(comm.comm_id, None)
+                for link in comm.opened.values():
+                    link.close()
+                comm.opened.clear()
+                self._release_listener(comm)
+                if isinstance(e, Closed):
+                    raise
+                log.warning("comm %r failed: %s", name, e)
+                raise LinkFailed(f"comm {name!r}: {e}") from e
+            comm.state = CommState.OK
+            log.debug("comm.complete %r", comm)
+            return comm.comm_id
+        finally:
+            self._link_lock.release()
 
     def status(self, comm_id: int) -> CommState:
         return self._get(comm_id).state
@@ -161,14 +188,12 @@ class CommManager:
         with self._lock:
             comm = self._comms.get(comm_id)
         if comm is None:
-            raise InvalidArgument(f"comm_id {comm_id} is not a live link")
+            raise NotLinked(f"comm_id {comm_id} is not a live link")
         return comm
 
     def _leave(self, comm: Comm, *, tell_peers: bool) -> None:
         comm.cancel.set()
-        if comm.thread is not None and comm.thread is not threading.current_thread():
-            comm.thread.join(CONNECT_ATTEMPT + 1.0)
-        for link in comm.opened.values():
+        for link in list(comm.opened.values()):
             link.close()
         comm.opened.clear()
         for cid in sorted(comm.owned):
@@ -231,31 +256,13 @@ class CommManager:
             raise Timeout(f"comm {comm.name!r} did not come up before the link deadline")
         return left
 
-    def _run(self, comm: Comm) -> None:
-        acquired = False
-        try:
-            while not self._slots.acquire(timeout=0.1):
-                self._left(comm)
-            acquired = True
-            self._join(comm)
-            comm.state = CommState.OK
-            log.debug("comm.complete %r", comm)
-        except DatadistError as e:
-            if comm.cancel.is_set():
-                return
-            comm.reason = str(e)
-            comm.state = CommState.FAILED
-            log.warning("comm %r failed: %s", comm.name, e)
-            for link in comm.opened.values():
-                link.close()
-            comm.opened.clear()
-            self._release_listener(comm)
-        finally:
-            if acquired:
-                self._slots.release()
-
     def _join(self, comm: Comm) -> None:
         engine = self.engine
+        # A peer counts as joined once it has connected to us: it is connected now, was at
+        # the start, or has said Hello since (it may finish, pull and unlink between two of
+        # our polls: it can only finish after we connected to it).
+        hellos = {m.cluster_id: engine.hello_count(m.cluster_id) for m in comm.peers}
+        joined = {p.cluster_id for p in engine.inbound_peers()}
         self._acquire_listener(comm)
         pending = {m.cluster_id: m for m in comm.peers}
         last_error: DatadistError | None = None
@@ -266,8 +273,10 @@ class CommManager:
                     del pending[cid]  # linked already: use it, not ours to drop
                     continue
                 try:
+                    # Every member connects to every other: no reverse channels needed.
                     comm.opened[cid] = engine.open_link(cid, m.host, m.port,
-                                                        min(CONNECT_ATTEMPT, left))
+                                                        min(CONNECT_ATTEMPT, left),
+                                                        reverse=False)
                     del pending[cid]
                 except (LinkFailed, Timeout, BrokenLink) as e:
                     last_error = e
@@ -277,7 +286,9 @@ class CommManager:
                 raise Timeout(f"members {sorted(pending)} not reachable: {last_error}")
         want = {m.cluster_id for m in comm.peers}
         while True:  # step 3: every peer connected back
-            missing = want - {p.cluster_id for p in engine.inbound_peers()}
+            joined |= {p.cluster_id for p in engine.inbound_peers()}
+            joined |= {cid for cid in want if engine.hello_count(cid) != hellos[cid]}
+            missing = want - joined
             if not missing:
                 break
             self._left(comm)

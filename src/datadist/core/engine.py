@@ -34,7 +34,7 @@ from datadist.core.errors import (
     RemoteProtocolError,
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
-from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path
+from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry, check_request_size
 from datadist.memory import shared
 from datadist.memory.pool import HostPool, PoolConfig
@@ -42,7 +42,7 @@ from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.iov import PTRACER, make_iov
 from datadist.transport.local import LocalListener, local_name
 from datadist.transport.paths import TcpPath
-from datadist.transport.tcp import TcpListener
+from datadist.transport.tcp import Channel, ServerConnection, TcpListener
 from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 
@@ -129,9 +129,13 @@ class Engine:
         self.registry = Registry()
         self._pools: dict[int, HostPool] = {}
         self._links: dict[int, Link] = {}
+        self._reverse: dict[int, Link] = {}  # listener's ends of peers' links (inbound)
         self._inbound: dict[tuple[int, str], PeerInfo] = {}
+        self._hellos: dict[int, int] = {}  # handshakes so far, by peer cluster id
+        self._linking: set[int] = set()  # clusters link() is connecting to right now
         self._lock = threading.Lock()
         self._closed = False
+        self._stop = threading.Event()  # set at close: ends the reverse channels we serve
         self.listener: TcpListener | None = None
         self.local_listener: LocalListener | None = None
         self._grants: dict[int, int] = {}  # verified peer pid -> grants outstanding
@@ -202,8 +206,10 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-            links = list(self._links.values())
+            links = [*self._links.values(), *self._reverse.values()]
             self._links.clear()
+            self._reverse.clear()
+        self._stop.set()
         for link in links:
             link.close()
         if self.listener is not None:
@@ -301,38 +307,60 @@ class Engine:
 
     # ------------------------------------------------------------------ links
 
-    def _hello(self) -> p.Hello:
-        """A fresh Hello: with a secret, a fresh nonce for the challenge."""
+    def _hello(self, reverse: bool = False) -> p.Hello:
+        """A fresh Hello: with a secret, a fresh nonce for the challenge; ``reverse`` for the
+        reverse channel of a link."""
         ident = self.identity
         secret = self.config.secret
+        features = (p.FEATURE_AUTH if secret else 0) | (p.FEATURE_REVERSE if reverse else 0)
         return p.Hello(
             self.config.cluster_id, self.role, ident.pid, ident.pid_ns, ident.boot_id,
-            p.FEATURE_AUTH if secret else 0, auth.nonce() if secret else b"",
+            features, auth.nonce() if secret else b"",
         )
 
     def link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
-        """Connect to a peer's listener and check it is who we asked for. Blocks <= timeout."""
+        """Connect to a peer's listener and check it is who we asked for. Blocks <= timeout.
+
+        One link to a cluster at a time: a second call while the first is still connecting
+        is AlreadyLinked at once (its reverse channel would replace the first's at the
+        peer)."""
         self._check_open()
         with self._lock:
-            if cluster_id in self._links:
+            if cluster_id in self._links or cluster_id in self._linking:
                 raise AlreadyLinked(f"cluster {cluster_id} is already linked")
-        link = self.open_link(cluster_id, host, port, timeout)
+            self._linking.add(cluster_id)
         try:
-            self.adopt_link(link)
-        except AlreadyLinked:
-            link.close()
-            raise
+            link = self.open_link(cluster_id, host, port, timeout)
+            try:
+                self.adopt_link(link)
+            except AlreadyLinked:
+                link.close()
+                raise
+        finally:
+            with self._lock:
+                self._linking.discard(cluster_id)
         return link
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False) -> None:
-        """Drop our link.
+        """Drop our end of the link to ``cluster_id``: the one we made (``link``) and the
+        one the peer made to us (its reverse channel), whichever exist.
 
         Without ``force``: wait (up to ``timeout``) for a transfer in flight to finish, tell
         the peer, then close; a link still busy after the timeout raises Busy
         (LLM_LINK_BUSY) and stays up. With ``force``: close our end at once; a transfer in
-        flight fails with LLM_LINK_FAILED.
+        flight fails with LLM_LINK_FAILED. NotLinked when neither end exists.
         """
-        link = self.get_link(cluster_id)
+        with self._lock:
+            link = self._links.get(cluster_id)
+            inbound = self._reverse.get(cluster_id)
+        if link is None and inbound is None:
+            raise NotLinked(f"cluster {cluster_id} is not linked")
+        for one in (link, inbound):
+            if one is not None:
+                self._drop(one, timeout, force)
+
+    def _drop(self, link: Link, timeout: float, force: bool) -> None:
+        cluster_id = link.cluster_id
         if not force:
             deadline = time.monotonic() + timeout
             if not link.lock.acquire(timeout=timeout):
@@ -346,13 +374,16 @@ class Engine:
             finally:
                 link.lock.release()
         with self._lock:
-            if self._links.get(cluster_id) is link:
-                del self._links[cluster_id]
+            table = self._reverse if link.inbound else self._links
+            if table.get(cluster_id) is link:
+                del table[cluster_id]
         link.close()
 
     def get_link(self, cluster_id: int) -> Link:
+        """The link transfers to ``cluster_id`` use: the one we made, else the one the peer
+        made to us (its reverse channel). NotLinked if neither."""
         with self._lock:
-            link = self._links.get(cluster_id)
+            link = self._links.get(cluster_id) or self._reverse.get(cluster_id)
         if link is None:
             raise NotLinked(f"cluster {cluster_id} is not linked (link_clusters or link first)")
         return link
@@ -371,8 +402,14 @@ class Engine:
             return list(self._links.values())
 
     def has_links(self) -> bool:
+        """Any link alive, either end. Reverse channels the linker has closed are dropped
+        here (nothing else notices them: the listener never reads an idle one)."""
         with self._lock:
-            return bool(self._links or self._inbound)
+            for cid, link in list(self._reverse.items()):
+                if link.chan.closed or (not link.lock.locked() and link.chan.peer_gone()):
+                    del self._reverse[cid]
+                    link.close()
+            return bool(self._links or self._inbound or self._reverse)
 
     # ------------------------------------------------------------------ transfers
 
@@ -392,8 +429,6 @@ class Engine:
         """
         self._check_open()
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
-        if cluster_id == self.config.cluster_id:
-            raise InvalidArgument("data can not be pulled from own cluster")
         entry = self.registry.hold(dst_cache_id)
         try:
             _check_local_plan(plan, entry)
@@ -420,8 +455,6 @@ class Engine:
         """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key`` names."""
         self._check_open()
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
-        if cluster_id == self.config.cluster_id:
-            raise InvalidArgument("data can not be pushed to own cluster")
         entry = self.registry.hold(src_cache_id)
         try:
             _check_local_plan(plan, entry)
@@ -441,18 +474,22 @@ class Engine:
     def on_hello(self, hello: p.Hello, address: str) -> p.Welcome:
         if self._closed:
             raise Closed("finalized")
-        if hello.cluster_id == self.config.cluster_id:
-            raise LinkFailed(f"peer uses our own cluster id {hello.cluster_id}")
         ident = self.identity
+        if (hello.cluster_id == self.config.cluster_id and hello.pid == ident.pid
+                and ident.boot_id == hello.boot_id and ident.pid_ns == hello.pid_ns):
+            # Ourselves. Another process with our cluster id is a peer like any other: the
+            # V0 vllm-ascend connector gives both sides cluster id = local rank.
+            raise LinkFailed("a link from this engine to itself")
+        # The peer is registered only once its handshake completed (on_peer_ready).
         secret = self.config.secret
         local = p.FEATURE_LOCAL if self.local_listener is not None else 0
         if secret is None:
             return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
-                             ident.boot_id, local)
+                             ident.boot_id, local | p.FEATURE_REVERSE)
         proof = auth.server_proof(secret, hello.proof, auth.nonce(), self.config.cluster_id,
                                   hello.cluster_id)
         return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
-                         ident.boot_id, p.FEATURE_AUTH | local, proof)
+                         ident.boot_id, p.FEATURE_AUTH | local | p.FEATURE_REVERSE, proof)
 
     def check_auth(self, hello: p.Hello, welcome: p.Welcome, proof: bytes) -> None:
         secret = self.config.secret
@@ -470,6 +507,7 @@ class Engine:
         with self._lock:
             if not self._closed:
                 self._inbound[peer.key] = peer
+                self._hellos[peer.cluster_id] = self._hellos.get(peer.cluster_id, 0) + 1
 
     def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
         """Check a read and lease what it names. A GRANT (the reader copies from our memory
@@ -541,8 +579,45 @@ class Engine:
         self.registry.close(lease, ok, consume=False)
 
     def on_bye(self, peer: PeerInfo) -> None:
+        """The linker unlinked politely: its reverse channel goes with its control channel."""
         with self._lock:
             self._inbound.pop(peer.key, None)
+            inbound = self._reverse.get(peer.cluster_id)
+            if inbound is not None and inbound.welcome.pid == peer.pid \
+                    and inbound.welcome.boot_id == peer.boot_id:
+                del self._reverse[peer.cluster_id]
+            else:
+                inbound = None
+        if inbound is not None:
+            inbound.close()
+
+    def adopt_reverse(self, peer: PeerInfo, chan: object) -> Callable[[], None]:
+        """A linker's reverse channel arrived (the listener's end of its link): register it
+        as the link to ``peer.cluster_id`` for transfers from this side. A newer one from
+        the same cluster replaces the old. Returns the release of the link's lock, held
+        until the serving thread has sent the handshake's last frame."""
+        assert isinstance(chan, Channel)
+        welcome = p.Welcome(peer.cluster_id, peer.role, peer.pid, peer.pid_ns, peer.boot_id)
+
+        def cannot_reconnect(deadline: float) -> Connected:
+            raise LinkFailed(f"cluster {peer.cluster_id} closed its link to us; it is "
+                             "re-opened only when that cluster links again")
+
+        # The reverse channel is a TCP connection the peer opened: its bytes carry every
+        # transfer (the peer grants direct reads only on its local channel, to peers the
+        # kernel verified there).
+        link = Link(peer.cluster_id, *_split_address(peer.address), chan, welcome, TcpPath(),
+                    "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True)
+        with self._lock:
+            if self._closed:
+                return chan.close  # finalized meanwhile: the connection just ends
+            link.lock.acquire()
+            old = self._reverse.get(peer.cluster_id)
+            self._reverse[peer.cluster_id] = link
+        if old is not None:
+            old.close()
+        log.debug("link.inbound %r", link)
+        return link.lock.release
 
     def on_disconnect(self, peer: PeerInfo) -> None:
         with self._lock:
@@ -552,23 +627,58 @@ class Engine:
         with self._lock:
             return list(self._inbound.values())
 
+    def hello_count(self, cluster_id: int) -> int:
+        """How many connections ``cluster_id`` has opened to us so far (reverse channels
+        not counted): two-sided links see a member join by it."""
+        with self._lock:
+            return self._hellos.get(cluster_id, 0)
+
     # ------------------------------------------------------------------ two-sided links
     # core/comm.py connects to every member first and makes the links usable only once all
     # members are up, so that transfers before then get NOT_YET_LINK.
 
-    def open_link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
+    def open_link(self, cluster_id: int, host: str, port: int, timeout: float,
+                  reverse: bool = True) -> Link:
         """Connect and check the peer exactly as :meth:`link`, but do not register the link
-        (transfers cannot use it yet): :meth:`adopt_link` does. Blocks <= timeout."""
+        (transfers cannot use it yet): :meth:`adopt_link` does. With ``reverse`` (and a peer
+        that takes them) also open the reverse channel and serve the peer's requests on it,
+        so that the peer can use the link too. Blocks <= timeout."""
         self._check_open()
-        if cluster_id == self.config.cluster_id:
-            raise InvalidArgument("cannot link to our own cluster id")
 
         def connect_(deadline: float) -> Connected:
             return connect(host, port, cluster_id, self._hello, self.config.secret, deadline,
                            self._tls_client, self.forced, self.identity)
 
-        chan, welcome, path, reason = connect_(time.monotonic() + timeout)
-        return Link(cluster_id, host, port, chan, welcome, path, reason, connect_)
+        deadline = time.monotonic() + timeout
+        chan, welcome, path, reason = connect_(deadline)
+        link = Link(cluster_id, host, port, chan, welcome, path, reason, connect_)
+        if reverse and welcome.features & p.FEATURE_REVERSE:
+            try:
+                self._open_reverse(link, deadline)
+            except DatadistError:
+                link.close()
+                raise
+        return link
+
+    def _open_reverse(self, link: Link, deadline: float) -> None:
+        """Open ``link``'s reverse channel and serve the peer's requests on it (a thread of
+        ours, ended by unlink or close)."""
+        # A TCP channel: the peer reads and writes our memory through its bytes (grants, and
+        # so cross-memory attach, are served only on the local channel).
+        chan, welcome = greet(link.host, link.port, link.cluster_id,
+                              lambda: self._hello(reverse=True), self.config.secret, deadline,
+                              self._tls_client)
+        peer = PeerInfo(welcome.cluster_id, welcome.role, welcome.pid, welcome.pid_ns,
+                        welcome.boot_id, chan.address)
+        link.served = chan
+        threading.Thread(target=self._serve_reverse, args=(chan, peer),
+                         name=f"datadist-reverse-{link.cluster_id}", daemon=True).start()
+
+    def _serve_reverse(self, chan: Channel, peer: PeerInfo) -> None:
+        try:
+            ServerConnection(chan, self, self._stop, peer=peer).run()
+        finally:
+            chan.close()
 
     def adopt_link(self, link: Link) -> None:
         """Register a link from :meth:`open_link`. AlreadyLinked (link left open) if that
@@ -581,6 +691,11 @@ class Engine:
                 raise AlreadyLinked(f"cluster {link.cluster_id} is already linked")
             self._links[link.cluster_id] = link
         log.debug("link.complete %r", link)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port) if port.isdigit() else 0
 
 
 __all__ = ["DEVICE", "HOST", "Engine", "EngineConfig", "PathKind"]

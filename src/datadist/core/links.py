@@ -1,9 +1,18 @@
 """Links: our connections to remote clusters, and which data path each uses.
 
-A :class:`Link` is the client end of one one-sided link (``link_clusters``): a control
-channel to the peer's listener, what the handshake told us about the peer, and the data path
-chosen for it. Transfers on one link are serialised by its lock, as in LLM-DataDist; a caller
-that cannot get the lock before its deadline gets LLM_TIMEOUT.
+A :class:`Link` is one end of a link: a channel to the peer, what the handshake told us
+about the peer, and the data path chosen for it. Transfers on one link are serialised by its
+lock, as in LLM-DataDist; a caller that cannot get the lock before its deadline gets
+LLM_LINK_BUSY.
+
+A link has two ends, as in LLM-DataDist (docs/protocol.md, "Reverse channels"):
+
+* the *linker's* end (``link_clusters``): the control channel to the peer's listener, on
+  which we send requests. The linker also opens a second connection, the reverse channel
+  (``served``), on which it answers the peer's requests (a thread of the engine serves it);
+* the *listener's* end (``inbound``): that reverse channel, seen from the listener, on which
+  the listener sends requests to the linker. It cannot be re-opened from this side: when the
+  linker goes away, transfers on it fail with LLM_LINK_FAILED.
 
 Path choice (``connect``), on every connect and reconnect: forced by the ``transport`` option
 or ``DATADIST_TRANSPORT``; else a peer is on this host only if the kernel says so: its WELCOME
@@ -101,11 +110,14 @@ class Link:
     connect: Callable[[float], Connected]
     lock: threading.Lock = field(default_factory=threading.Lock)
     closing: bool = False  # unlinked: the transfer holding the lock closes the channel
+    inbound: bool = False  # the listener's end: requests go over the linker's reverse channel
+    served: Channel | None = None  # linker's end: the reverse channel we answer requests on
 
     def __repr__(self) -> str:
         state = "closing" if self.closing else ("down" if self.chan.closed else "up")
+        end = "inbound" if self.inbound else f"{self.host}:{self.port}"
         return (
-            f"<Link cluster={self.cluster_id} {self.host}:{self.port} "
+            f"<Link cluster={self.cluster_id} {end} "
             f"path={self.path.caps.name} ({self.reason}) {state}>"
         )
 
@@ -122,6 +134,8 @@ class Link:
         shutdown instead (reads see EOF, writes fail) and closes the channel on its way out.
         """
         self.closing = True
+        if self.served is not None:
+            self.served.shutdown()  # its serving thread wakes, and closes it on its way out
         if not self.lock.acquire(blocking=False):
             with contextlib.suppress(OSError):
                 self.chan.sock.shutdown(socket.SHUT_RDWR)
@@ -154,6 +168,9 @@ class Link:
         if old.caps.name != self.path.caps.name:
             log.info("link to cluster %d now uses %s (%s)", self.cluster_id,
                      self.path.caps.name, self.reason)
+        # The reverse channel is not re-opened here: a reconnect can race an unlink, and a
+        # reverse channel opened for a dying link would replace, at the peer, the one of
+        # the link made next. The peer's end stays down until we link again.
 
     def _refused(self, e: CmaRefused) -> None:
         """The kernel refused cross-memory attach (nothing was copied): keep shared memory

@@ -8,6 +8,7 @@ here imports core.engine or the api.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -113,4 +114,11 @@ class RequestHandler(Protocol):
 
     def on_disconnect(self, peer: PeerInfo) -> None:
         """The connection ended, for whatever reason."""
+        ...
+
+    def adopt_reverse(self, peer: PeerInfo, chan: object) -> Callable[[], None]:
+        """``peer`` opened a reverse channel (Hello with FEATURE_REVERSE), checked up to the
+        handshake's last frame: ``chan`` (a ``tcp.Channel``) is now ours to send requests
+        on, as a link to ``peer.cluster_id``, and ours to close. The link stays locked until
+        the returned function is called (after that last frame is sent)."""
         ...

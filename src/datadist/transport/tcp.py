@@ -586,6 +586,7 @@ class TcpListener:
                 self._per_peer.pop(ip, None)
 
     def _serve(self, chan: Channel, ip: str) -> None:
+        handed_over = False
         try:
             if self.tls is not None:
                 try:
@@ -593,9 +594,12 @@ class TcpListener:
                 except DatadistError as e:
                     log.info("TLS handshake from %s failed: %s", chan.address, e)
                     return
-            ServerConnection(chan, self.handler, self._closing).run()
+            conn = ServerConnection(chan, self.handler, self._closing)
+            conn.run()
+            handed_over = conn.handed_over
         finally:
-            chan.close()
+            if not handed_over:  # a reverse channel belongs to the engine's link now
+                chan.close()
             self._forget(chan, threading.current_thread(), ip)
 
 
@@ -677,15 +681,28 @@ def _close_now(sock: socket.socket) -> None:
 
 
 class ServerConnection:
-    """The owner's side of one connection: handshake, then requests until the peer leaves."""
+    """The owner's side of one connection: handshake, then requests until the peer leaves.
+
+    Two cases besides the plain one (docs/protocol.md, "Reverse channels"):
+
+    * a Hello with FEATURE_REVERSE: after the handshake the connection is handed to the
+      engine (``handler.adopt_reverse``) as a link on which *we* send requests; ``run``
+      returns with ``handed_over`` set and the caller must not close the channel;
+    * ``peer`` given: the handshake already happened the other way round (we opened this
+      connection as a reverse channel); serve the peer's requests at once. A Bye then only
+      ends the connection.
+    """
 
     _lease_ids = itertools.count(1)
 
-    def __init__(self, chan: Channel, handler: RequestHandler, closing: threading.Event) -> None:
+    def __init__(self, chan: Channel, handler: RequestHandler, closing: threading.Event,
+                 peer: PeerInfo | None = None) -> None:
         self.chan = chan
         self.handler = handler
         self.closing = closing
-        self.peer: PeerInfo | None = None  # set once the handshake completed
+        self.peer: PeerInfo | None = peer  # set once the handshake completed
+        self.reverse = peer is not None  # serving over a connection we opened
+        self.handed_over = False
         self.leases: dict[int, tuple[LeaseLike, float]] = {}  # grants: lease, when granted
         # A TCP read with CHECKSUM whose bytes are sent, awaiting the requester's verdict
         # (RELEASE with lease id 0 and the read's request id): (request id, lease).
@@ -704,7 +721,10 @@ class ServerConnection:
 
     def run(self) -> None:
         try:
-            self._handshake()
+            if not self.reverse:
+                self._handshake()
+                if self.handed_over:  # a reverse channel: the engine's now
+                    return
             while True:
                 got = self._wait_request()
                 if got is None:
@@ -726,7 +746,7 @@ class ServerConnection:
             if self.unsettled is not None:
                 self.handler.settle_read(self.unsettled[1], False)  # type: ignore[arg-type]
                 self.unsettled = None
-            if self.peer is not None:
+            if self.peer is not None and not self.reverse and not self.handed_over:
                 self.handler.on_disconnect(self.peer)
 
     def _settle(self, rid: int, msg: p.Message) -> bool:
@@ -745,8 +765,11 @@ class ServerConnection:
             self.chan.send(msg, time.monotonic() + 1.0, rid)
 
     def _handshake(self) -> None:
-        """HELLO, WELCOME and, with a secret, AUTH. Frames are capped at HANDSHAKE_MAX_FRAME
-        until it completed; only then is the peer registered (``on_peer_ready``)."""
+        """HELLO, WELCOME and, with a secret, AUTH / OK. Frames are capped at
+        HANDSHAKE_MAX_FRAME until it completed; only then is the peer registered
+        (``on_peer_ready``). A reverse channel is handed to the engine *before* the
+        handshake's last frame goes out, so that the link is registered here by the time the
+        client's ``link_clusters`` returns."""
         rid, hello = self.chan.recv(time.monotonic() + HANDSHAKE_TIMEOUT, HANDSHAKE_MAX_FRAME)
         if not isinstance(hello, p.Hello):
             raise RemoteProtocolError(f"expected Hello, got {type(hello).__name__}")
@@ -756,8 +779,9 @@ class ServerConnection:
             self._try_send(p.Error(int(e.code), str(e)), rid)
             raise BrokenLink("peer refused") from e
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-        self.chan.send(welcome, deadline, rid)
+        last: p.Message = welcome
         if welcome.features & p.FEATURE_AUTH:
+            self.chan.send(welcome, deadline, rid)
             # Nothing but the client's proof is accepted until it checks out.
             rid, msg = self.chan.recv(deadline, HANDSHAKE_MAX_FRAME)
             try:
@@ -767,12 +791,29 @@ class ServerConnection:
             except DatadistError as e:
                 self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
                 raise BrokenLink("peer failed to authenticate") from e
-            self.chan.send(p.Ok(), deadline, rid)
+            last: p.Message = p.Ok()
         self.peer = PeerInfo(
             hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
             self.chan.address, local=self.chan.local_cred,
         )
-        self.handler.on_peer_ready(self.peer)
+        self._send_last(hello, last, deadline, rid)
+
+    def _send_last(self, hello: p.Hello, msg: p.Message, deadline: float, rid: int) -> None:
+        """The handshake's last frame, then the peer counts as linked to us. For a reverse
+        channel the engine registers the link first, locked until this frame is out (a
+        transfer must not share the socket with it), so the link exists by the time the
+        client's ``link_clusters`` returns."""
+        assert self.peer is not None
+        if not hello.features & p.FEATURE_REVERSE:
+            self.chan.send(msg, deadline, rid)
+            self.handler.on_peer_ready(self.peer)
+            return
+        release = self.handler.adopt_reverse(self.peer, self.chan)
+        self.handed_over = True
+        try:
+            self.chan.send(msg, deadline, rid)
+        finally:
+            release()
 
     def _dispatch(self, rid: int, msg: p.Message) -> bool:
         """Handle one request; False ends the connection."""
@@ -831,7 +872,8 @@ class ServerConnection:
             self.chan.send(p.Pong(msg.nonce), deadline, rid)
             return True
         if isinstance(msg, p.Bye):
-            self.handler.on_bye(self.peer)
+            if not self.reverse:
+                self.handler.on_bye(self.peer)
             self._try_send(p.Ok(), rid)
             return False
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")

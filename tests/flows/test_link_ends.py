@@ -1,0 +1,230 @@
+"""Both ends of a ``link_clusters`` link can use it, and each end unlinks its own.
+
+The original's rule (hicann/hixl examples/python/switch_role_sample.py, push_blocks_sample.py,
+transfer_cache_async_sample.py): after one side links, the side it linked to pushes and pulls
+to the linker's cluster id over that same link, and *both* sides call
+``unlink_clusters(..., force=True)`` (the samples raise "unlink failed" unless both return
+LLM_SUCCESS). A forced unlink of a cluster never linked returns (LLM_SUCCESS, [LLM_SUCCESS]).
+Here: the linker opens a reverse channel (docs/protocol.md, "Reverse channels") and serves
+the listener's requests on it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import datadist as llm
+from datadist.core.errors import NotLinked
+
+from ._support import DECODER_ID, PROMPT_ID, code, units
+
+pytestmark = pytest.mark.timeout(30)
+
+S = llm.LLMStatusCode
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def one_way(make_side):
+    """A listening PROMPT and a DECODER that never listens and links to it."""
+    p = make_side(PROMPT_ID, remote_cache_accessible=True)
+    d = make_side(DECODER_ID, listen=False, role=2, remote_cache_accessible=True)
+    d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+    return p, d
+
+
+class TestListenerUsesTheInboundLink:
+    def test_push_and_pull_to_the_linker(self, one_way):
+        p, d = one_way
+        src, x = p.register(2, [4, 32], blocks=True, model_id=0, seed=1)
+        _, y = d.register(2, [4, 32], blocks=True, model_id=0)
+        key = llm.BlocksCacheKey(DECODER_ID, 0)
+        p.cm.push_blocks(key, src, [0, 3], [2, 1])  # listener -> linker
+        want = np.zeros_like(y)
+        units(want, 4)[:, [2, 1]] = units(x, 4)[:, [0, 3]]
+        np.testing.assert_array_equal(y, want)
+        # and back: the listener pulls what the linker holds
+        back, z = p.register(2, [4, 32], blocks=True)
+        y[...] = np.random.default_rng(5).integers(0, 256, y.shape, dtype=np.uint8)
+        p.cm.pull_blocks(key, back, [1, 2], [0, 3])
+        want = np.zeros_like(z)
+        units(want, 4)[:, [0, 3]] = units(y, 4)[:, [1, 2]]
+        np.testing.assert_array_equal(z, want)
+
+    def test_the_linker_still_pulls_over_its_control_channel(self, one_way):
+        p, d = one_way
+        _, x = p.register(2, [4, 32], blocks=True, model_id=0, seed=2)
+        dst, y = d.register(2, [4, 32], blocks=True)
+        d.cm.pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 0), dst, [0, 1, 2, 3], [3, 2, 1, 0])
+        np.testing.assert_array_equal(units(y, 4), units(x, 4)[:, ::-1])
+
+    def test_each_end_unlinks_its_own(self, one_way):
+        p, d = one_way
+        src, _ = p.register(2, [4, 32], blocks=True, model_id=0, seed=1)
+        d.register(2, [4, 32], blocks=True, model_id=0)
+        p.engine.unlink(DECODER_ID, 1.0, force=True)  # the listener's end only
+        with code(S.LLM_NOT_YET_LINK):
+            p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [0], [0])
+        with pytest.raises(NotLinked):
+            p.engine.unlink(DECODER_ID, 1.0, force=True)
+        d.engine.unlink(PROMPT_ID, 1.0, force=True)
+        assert not d.engine.has_links()
+
+    def test_a_polite_unlink_by_the_linker_ends_the_listener_end_too(self, one_way):
+        p, d = one_way
+        assert p.engine.has_links()
+        d.engine.unlink(PROMPT_ID, 1.0)  # Bye
+        wait_for(lambda: not p.engine.has_links())  # switch_role may follow (the sample)
+        with pytest.raises(NotLinked):
+            p.engine.get_link(DECODER_ID)
+
+    def test_a_polite_unlink_by_the_listener_says_bye_on_the_reverse_channel(self, one_way):
+        p, d = one_way
+        _, x = p.register(2, [4, 32], blocks=True, model_id=0, seed=4)
+        dst, y = d.register(2, [4, 32], blocks=True)
+        p.engine.unlink(DECODER_ID, 1.0)  # Bye: the linker answers Ok and stops serving
+        link = d.engine.get_link(PROMPT_ID)
+        wait_for(lambda: link.served is not None and link.served.closed)
+        d.cm.pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 0), dst, [1], [2])  # its own end works
+        np.testing.assert_array_equal(units(y, 4)[:, 2], units(x, 4)[:, 1])
+
+    def test_a_linker_gone_without_a_word_fails_the_listener_transfer(self, one_way):
+        p, d = one_way
+        src, _ = p.register(2, [4, 32], blocks=True, model_id=0, seed=1)
+        d.register(2, [4, 32], blocks=True, model_id=0)
+        d.engine.close()
+        with code(S.LLM_LINK_FAILED):
+            p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [0], [0])
+        wait_for(lambda: not p.engine.has_links())
+
+    def test_two_links_to_one_cluster_at_once(self, make_side):
+        """One link per cluster: the second is ALREADY_LINK at once, and the reverse channel
+        the listener keeps is the surviving link's (it can push over it)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from datadist.core.errors import AlreadyLinked
+
+        p = make_side(PROMPT_ID, remote_cache_accessible=True)
+        d = make_side(DECODER_ID, listen=False, role=2, remote_cache_accessible=True)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(d.engine.link, PROMPT_ID, *p.engine.listen_address, 5.0)
+                       for _ in range(2)]
+            outcomes = []
+            for f in futures:
+                try:
+                    outcomes.append(f.result(10) is not None)
+                except AlreadyLinked:
+                    outcomes.append(False)
+        assert sorted(outcomes) == [False, True]
+        src, x = p.register(2, [4, 32], blocks=True, seed=6)
+        _, y = d.register(2, [4, 32], blocks=True, model_id=0)
+        p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [3], [0])
+        np.testing.assert_array_equal(units(y, 4)[:, 0], units(x, 4)[:, 3])
+
+    def test_both_linked_each_other_own_links_win(self, make_side):
+        """The `pair` situation: each side made a link; transfers use one's own."""
+        p, d = make_side(PROMPT_ID), make_side(DECODER_ID, role=2)
+        d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+        p.engine.link(DECODER_ID, *d.engine.listen_address, 5.0)
+        assert not p.engine.get_link(DECODER_ID).inbound
+        d.engine.unlink(PROMPT_ID, 1.0, force=True)
+        assert p.engine.get_link(DECODER_ID) is not None  # p's own link is untouched
+
+
+class TestFacade:
+    def test_forced_unlink_of_a_never_linked_cluster_is_success(self, make_datadist):
+        dd = make_datadist({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0"})
+        c = llm.LLMClusterInfo()
+        c.remote_cluster_id = 77
+        assert dd.unlink_clusters([c], 1000, force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert dd.unlink_clusters([c], 1000) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+
+    def test_listener_unlinks_the_inbound_link(self, make_datadist, make_side):
+        dd = make_datadist({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0"})
+        d = make_side(DECODER_ID, listen=False, role=2)
+        d.engine.link(PROMPT_ID, *dd.listen_address, 5.0)
+        c = llm.LLMClusterInfo()
+        c.remote_cluster_id = DECODER_ID
+        with code(S.LLM_EXIST_LINK):
+            dd.switch_role(llm.LLMRole.DECODER)
+        assert dd.unlink_clusters([c], 1000, force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        wait_for(lambda: d.engine.links()[0].served.closed)  # the linker stops serving
+        d.engine.unlink(PROMPT_ID, 1.0, force=True)
+        wait_for(lambda: not dd.engine.has_links())
+        dd.switch_role(llm.LLMRole.DECODER)
+
+
+class TestWire:
+    """The reverse channel as another implementation sees it (docs/protocol.md, "Reverse
+    channels"), with raw frames: a client that never listens says HELLO with
+    FEATURE_REVERSE, and then *answers* the server's WRITE on that connection."""
+
+    @staticmethod
+    def _frame(sock):
+        from datadist.wire import protocol as p
+
+        head = b""
+        while len(head) < p.HEADER_SIZE:
+            head += sock.recv(p.HEADER_SIZE - len(head))
+        h = p.decode_header(head)
+        body = b""
+        while len(body) < h.length:
+            body += sock.recv(h.length - len(body))
+        return h.request_id, p.decode_payload(h.type, body)
+
+    def test_a_raw_client_serves_the_servers_write(self, make_side):
+        import os
+        import socket
+        import threading
+
+        from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks
+        from datadist.core.links import HostIdentity
+        from datadist.wire import protocol as p
+
+        server = make_side(PROMPT_ID, remote_cache_accessible=True)
+        src, x = server.register(1, [4, 16], blocks=True, seed=8)
+        me = HostIdentity.current()
+        sock = socket.create_connection(server.engine.listen_address, timeout=5)
+        try:
+            sock.sendall(p.encode(p.Hello(DECODER_ID, 2, os.getpid() + 1, me.pid_ns,
+                                          me.boot_id, p.FEATURE_REVERSE), 1))
+            rid, welcome = self._frame(sock)
+            assert rid == 1 and isinstance(welcome, p.Welcome)
+            assert welcome.features & p.FEATURE_REVERSE  # the server takes reverse channels
+            assert server.engine.get_link(DECODER_ID).inbound
+            plan = plan_blocks(Geometry(1, 64, 4, True), [2], [1],
+                               layer_tensor_indices(1, None, None, 1))
+            errors = []
+
+            def push():
+                try:
+                    server.engine.push(DECODER_ID, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 16,
+                                       plan, src.cache_id, 5.0)
+                except Exception as e:  # noqa: BLE001 - checked below
+                    errors.append(e)
+
+            t = threading.Thread(target=push)
+            t.start()
+            rid, write = self._frame(sock)  # the server is the requester now
+            assert isinstance(write, p.Write)
+            assert list(write.tensors) == [0] and list(write.offsets) == [32]
+            assert list(write.lengths) == [16]
+            sock.sendall(p.encode(p.Ok(), rid))  # go ahead
+            data = b""
+            while len(data) < 16:
+                data += sock.recv(16 - len(data))
+            assert data == x[0, 16:32].tobytes()  # the server's block 1
+            sock.sendall(p.encode(p.Ok(), rid))  # landed
+            t.join(5)
+            assert not errors
+        finally:
+            sock.close()
