@@ -514,13 +514,17 @@ class TestBlocksSourceWithoutIndices:
         np.testing.assert_array_equal(b, want)
 
     def test_a_contiguous_slot_into_a_blocks_key_without_indices(self, ra_pair):
-        """A BlocksCacheKey destination always takes source slot 0, whatever src_batch_index
-        says (llm_utils.TransferCacheJob.transfer_layer passes batch index 0 for it)."""
+        """A BlocksCacheKey destination takes source slot 0 (llm_utils.TransferCacheJob.
+        transfer_layer passes batch index 0 for it; TransferWithCacheKeyConfig refuses any
+        other src_batch_index with a BlocksCacheKey at construction)."""
         p, d = ra_pair
         src, a = p.register(2, [2, 16], seed=14)
         _, b = d.register(2, [4, 16], blocks=True, model_id=0)
+        with code(S.LLM_PARAM_INVALID):
+            llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 0), range(0, 1),
+                                           range(0, 1), 1)
         cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 0), range(0, 1),
-                                             range(0, 1), 1)
+                                             range(0, 1))
         task = p.cm.transfer_cache_async(src, Sync(), [cfg])
         assert task.get_results(WAIT) == [S.LLM_SUCCESS]
         want = np.zeros_like(b)
