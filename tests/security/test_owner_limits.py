@@ -240,14 +240,15 @@ def test_item5_connections_per_peer_address_are_capped() -> None:
     """Over the per-address cap a connection is refused with LLM_LINK_FAILED and a reason,
     the ones already served go on, and a slot freed is usable again."""
     eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                              max_connections_per_peer=2))
-    hogs = [Raw(eng.listen_address[1]) for _ in range(2)]
+                              max_connections_per_peer=3))
+    hogs = [Raw(eng.listen_address[1]) for _ in range(3)]
     puller = _puller()
     try:
         for h in hogs:
             h.hello()
         with pytest.raises(LinkFailed, match="too many connections"):
             _link(puller, eng)
+        hogs.pop().close()  # a link takes two connections: its control and reverse channels
         hogs.pop().close()
         deadline = time.monotonic() + 5
         while True:  # the owner notices the close within its poll interval

@@ -46,7 +46,7 @@ OPT_TLS_CA = "datadist.TlsCa"
 OPT_MAX_CONNECTIONS = "datadist.MaxConnections"
 OPT_MAX_CONNECTIONS_PER_PEER = "datadist.MaxConnectionsPerPeer"
 DEFAULT_MAX_CONNECTIONS = 256
-DEFAULT_MAX_CONNECTIONS_PER_PEER = 32
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 64  # a link takes two: control and reverse channel
 
 
 def _param_invalid(msg: str) -> LLMException:

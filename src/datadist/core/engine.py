@@ -103,7 +103,7 @@ class EngineConfig:
     # raw address (transfer_cache_async with TransferConfig, that mode's push) stay allowed.
     remote_cache_accessible: bool = True
     max_connections: int = 256  # inbound connections served at once (listener cap)
-    max_connections_per_peer: int = 32  # ... of them from one peer IP address
+    max_connections_per_peer: int = 64  # ... of them from one peer IP (a link takes two)
 
 
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
