@@ -22,6 +22,7 @@ import numpy as np
 from datadist.core import auth, metrics
 from datadist.core.errors import (
     AlreadyLinked,
+    BrokenLink,
     Busy,
     Closed,
     Code,
@@ -30,6 +31,7 @@ from datadist.core.errors import (
     InvalidArgument,
     LinkFailed,
     NotLinked,
+    NotSupported,
     OutOfMemory,
     RemoteProtocolError,
 )
@@ -102,6 +104,21 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
     check_source_spans(plan.local_offsets, plan.lengths, g.tensor_bytes)
 
 
+def _connect_nixl(path: Any, chan: Channel, connect: Callable[[float], tuple[Channel, Any]],
+                  deadline: float) -> tuple[Channel, Any, str]:
+    """Load the peer's NIXL metadata over the fresh link. A peer without NIXL (it answers
+    an Error, or, before protocol.md's NIXL messages, closes the connection) gets TCP."""
+    try:
+        path.connect(chan, deadline)
+        return chan, path, "forced nixl (UCX; metadata over the link)"
+    except (NotSupported, RemoteProtocolError, BrokenLink) as e:
+        path.close()
+        log.warning("nixl forced but the peer offers no NIXL agent (%s); using tcp", e)
+        if chan.closed:
+            chan, _ = connect(deadline)
+        return chan, TcpPath(), f"nixl forced but the peer offers no NIXL agent: {e}"
+
+
 class Engine:
     """Typed core of datadist. Created by ``LLMDataDist.init``, closed by ``finalize``."""
 
@@ -117,6 +134,9 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self.listener: TcpListener | None = None
+        self.nixl: Any = None  # transport.nixl.NixlAgent when the transport is nixl
+        self._nixl_leases: set[int] = set()  # id() of open NIXL leases (each pumps the agent)
+        self._nixl_lock = threading.Lock()
         self._tls_client = config.tls.client_context() if config.tls else None
         try:
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
@@ -125,11 +145,47 @@ class Engine:
                     pool = HostPool(cfg.memory_size, cfg.page_shift, name)
                     self._pools[placement] = pool
                     shared.register_arena(pool.base, pool.size, pool.fd)
+            if self.forced == PathKind.NIXL:
+                self.ensure_nixl()
             if config.listen is not None:
                 self.start_listening(*config.listen)
         except BaseException:
             self.close()
             raise
+
+    def ensure_nixl(self) -> Any:
+        """Our NIXL agent (transport/nixl.py), created on first use: at init when the
+        transport is nixl (a reader), else when a reader first asks for our metadata (an
+        owner serves NIXL readers whenever NIXL is installed). The pools and the registered
+        caches are registered with it once. Raises InvalidArgument (PARAM_INVALID) without
+        NIXL installed."""
+        with self._nixl_lock:
+            if self.nixl is not None:
+                return self.nixl
+            self._check_open()
+            from datadist.transport.nixl import NixlAgent
+
+            agent = NixlAgent(self.config.cluster_id)
+            try:
+                for placement, pool in self._pools.items():
+                    # Pools are host memory, whatever their placement.
+                    agent.register(("pool", placement), np.array([pool.base], np.uint64),
+                                   pool.size, p.MEM_DRAM, 0)
+                for entry in self.registry.entries():
+                    if not entry.owned:
+                        self._nixl_register(agent, entry)
+            except BaseException:
+                agent.close()
+                raise
+            self.nixl = agent
+            return agent
+
+    @staticmethod
+    def _nixl_register(agent: Any, entry: CacheEntry) -> None:
+        from datadist.transport.nixl import memory_kind
+
+        mem, dev = memory_kind(int(entry.addrs[0]), entry.placement == DEVICE)
+        agent.register(entry.cache_id, entry.addrs, entry.geometry.tensor_bytes, mem, dev)
 
     def __repr__(self) -> str:
         return (
@@ -187,6 +243,9 @@ class Engine:
                 continue
             pool.close()
         self._pools.clear()
+        with self._nixl_lock:
+            if self.nixl is not None:
+                self.nixl.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -208,11 +267,19 @@ class Engine:
         if any(a <= 0 for a in addrs):
             raise InvalidArgument("tensor addresses must be non-zero")
         arr = np.asarray(addrs, dtype=np.uint64)
-        return self.registry.add(
+        entry = self.registry.add(
             geometry, arr, owned=False, placement=placement, keys=keys,
             blocks_model_id=blocks_model_id, remote_accessible=remote_accessible,
             shm=shared.lookup(arr, geometry.tensor_bytes),
         )
+        if self.nixl is not None:
+            try:
+                with self._nixl_lock:
+                    self._nixl_register(self.nixl, entry)
+            except BaseException:
+                self.registry.unregister(entry.cache_id)
+                raise
+        return entry
 
     def allocate(
         self,
@@ -255,7 +322,10 @@ class Engine:
         self.registry.deallocate(cache_id, drop_keys=blocks)
 
     def unregister(self, cache_id: int) -> None:
-        self.registry.unregister(cache_id)
+        self.registry.unregister(cache_id)  # waits for readers (leases) first
+        if self.nixl is not None:
+            with self._nixl_lock:
+                self.nixl.deregister(cache_id)
 
     def remove_key(self, key: KeyId) -> None:
         self.registry.remove_key(key)
@@ -436,6 +506,37 @@ class Engine:
 
     def close_read(self, lease: Lease, ok: bool) -> None:
         self.registry.close(lease, ok)
+        if self._nixl_leases and id(lease) in self._nixl_leases:
+            self._nixl_leases.discard(id(lease))
+            self.nixl.pump_release()
+
+    def nixl_metadata(self) -> p.NixlMd:
+        if self._closed:
+            raise Closed("finalized")
+        try:
+            return self.ensure_nixl().metadata()
+        except InvalidArgument as e:  # not installed here: the reader falls back to tcp
+            raise NotSupported(str(e)) from None
+
+    def open_nixl_read(self, peer: PeerInfo, msg: p.NixlRead, lease_id: int
+                       ) -> tuple[Lease, p.NixlGrant]:
+        """The owner's side of a NIXL pull: the key is resolved and the spans are checked
+        (registry.open) before anything NIXL sees them; the grant names our agent."""
+        nixl = self.nixl
+        if nixl is None:
+            raise NotSupported("no NIXL agent here: ask for its metadata first")
+        lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                   msg.lengths, layout=msg.layout)
+        try:
+            entry = lease.entry
+            mem, dev = nixl.grant_info(entry.addrs[lease.tensors], entry.geometry.tensor_bytes)
+        except BaseException:
+            self.registry.close(lease, False)
+            raise
+        self._nixl_leases.add(id(lease))
+        nixl.pump_acquire()
+        return lease, p.NixlGrant(lease_id, nixl.name.encode(), nixl.generation, mem, dev,
+                                  lease.bases)
 
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
         return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths,
@@ -471,8 +572,11 @@ class Engine:
             return greet(host, port, cluster_id, self._hello, self.config.secret, deadline,
                          self._tls_client)
 
-        chan, welcome = connect(time.monotonic() + timeout)
-        path, reason = choose_path(self.forced, self.identity, welcome)
+        deadline = time.monotonic() + timeout
+        chan, welcome = connect(deadline)
+        path, reason = choose_path(self.forced, self.identity, welcome, self.nixl)
+        if path.caps.name == "nixl":
+            chan, path, reason = _connect_nixl(path, chan, connect, deadline)
         return Link(cluster_id, host, port, chan, welcome, path, reason, connect)
 
     def adopt_link(self, link: Link) -> None:

@@ -5,9 +5,10 @@ channel to the peer's listener, what the handshake told us about the peer, and t
 chosen for it. Transfers on one link are serialised by its lock, as in LLM-DataDist; a caller
 that cannot get the lock before its deadline gets LLM_TIMEOUT.
 
-Path choice (``choose_path``): forced by the ``transport`` option or ``DATADIST_TRANSPORT``,
-else same-host peers (same boot id and pid namespace, not the IP address) use cross-memory
-attach and everything else TCP. If the kernel refuses cross-memory attach, the link falls back
+Path choice (``choose_path``): forced by the ``transport`` option or ``DATADIST_TRANSPORT``
+(``nixl`` forces NIXL, transport/nixl.py, which ``auto`` never picks), else same-host peers
+(same boot id and pid namespace, not the IP address) use cross-memory attach and everything
+else TCP. If the kernel refuses cross-memory attach, the link falls back
 to TCP by itself and logs why, once.
 """
 
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from datadist.core import auth
 from datadist.core.errors import (
@@ -89,7 +91,7 @@ class Link:
     port: int
     chan: Channel
     welcome: p.Welcome
-    path: TcpPath | CmaPath
+    path: Any  # TcpPath | CmaPath | transport.nixl.NixlPath
     reason: str
     connect: Callable[[float], tuple[Channel, p.Welcome]]
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -226,8 +228,14 @@ def greet(
 
 
 def choose_path(
-    forced: PathKind, me: HostIdentity, welcome: p.Welcome
-) -> tuple[TcpPath | CmaPath, str]:
+    forced: PathKind, me: HostIdentity, welcome: p.Welcome, nixl: Any = None
+) -> tuple[Any, str]:
+    """The data path of a new link and why. ``nixl``: the engine's NixlAgent, present only
+    when the transport is forced to nixl (the caller then loads the peer's metadata)."""
+    if forced == PathKind.NIXL and nixl is not None:
+        from datadist.transport.nixl import NixlPath
+
+        return NixlPath(nixl), "forced nixl"
     same = me.same_host(welcome.boot_id, welcome.pid_ns)
     if forced == PathKind.TCP:
         return TcpPath(), "forced tcp"

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from datadist.wire.protocol import Hello, Read, Welcome, Write
+from datadist.wire.protocol import Hello, NixlGrant, NixlMd, NixlRead, Read, Welcome, Write
 
 
 class PathKind(str, enum.Enum):
@@ -23,6 +23,7 @@ class PathKind(str, enum.Enum):
     TCP = "tcp"
     CMA = "cma"
     SHM = "shm"
+    NIXL = "nixl"  # optional: NIXL (UCX) moves the bytes, datadist keeps the control plane
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,16 @@ class RequestHandler(Protocol):
     def open_write(self, peer: PeerInfo, msg: Write) -> LeaseLike: ...
 
     def close_write(self, lease: LeaseLike, ok: bool) -> None: ...
+
+    def nixl_metadata(self) -> NixlMd:
+        """Our NIXL agent's metadata (NixlMdRequest); NotSupported without NIXL."""
+        ...
+
+    def open_nixl_read(self, peer: PeerInfo, msg: NixlRead, lease_id: int
+                       ) -> tuple[LeaseLike, NixlGrant]:
+        """Resolve and bounds-check a read to be moved by NIXL, as open_read; the lease pins
+        the memory (and keeps our NIXL agent progressing) until close_read."""
+        ...
 
     def on_bye(self, peer: PeerInfo) -> None:
         """The peer unlinked politely."""

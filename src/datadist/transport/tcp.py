@@ -565,6 +565,15 @@ class ServerConnection:
             finally:
                 self.handler.close_read(lease, ok)
             return True
+        if isinstance(msg, p.NixlRead):
+            return self._nixl_read(rid, msg, deadline)
+        if isinstance(msg, p.NixlMdRequest):
+            try:
+                md = self.handler.nixl_metadata()
+            except DatadistError as e:
+                md = p.Error(int(e.code), str(e))  # type: ignore[assignment]
+            self.chan.send(md, deadline, rid)
+            return True
         if isinstance(msg, p.Release):
             lease = self.leases.pop(msg.lease_id, None)
             if lease is not None:
@@ -580,6 +589,21 @@ class ServerConnection:
             self._try_send(p.Ok(), rid)
             return False
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")
+
+    def _nixl_read(self, rid: int, msg: p.NixlRead, deadline: float) -> bool:
+        """NIXL data path: grant the checked spans (the reader READs them through NIXL) and
+        hold the lease until its Release (or the connection ends)."""
+        lease_id = next(self._lease_ids)
+        try:
+            lease, grant = self.handler.open_nixl_read(self.peer, msg, lease_id)  # type: ignore[arg-type]
+        except DatadistError as e:
+            self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
+            return True
+        self.leases[lease_id] = lease
+        self.chan.send(grant, deadline, rid)
+        if msg.flags & p.ReadFlags.CHECKSUM:
+            self._send_checksum(make_iov(*lease.iov()), deadline, rid)
+        return True
 
     def _send_checksum(self, iov: np.ndarray, deadline: float, rid: int) -> None:
         """The CRC of the source spans, computed after they were sent (TCP) or while the
