@@ -243,12 +243,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("cross-memory attach (process_vm_readv): available")
     except CmaRefused as e:
         print(f"cross-memory attach: refused ({e}); same-host links fall back to tcp")
+    _info_nixl()
     if args.peer:
         from datadist.core.engine import Engine, EngineConfig
         from datadist.transport.tcp import parse_host_port
 
         host, port = parse_host_port(args.peer)
-        eng = Engine(EngineConfig(cluster_id=args.own_id, role=2, transport=None))
+        eng = Engine(EngineConfig(cluster_id=args.own_id, role=2, transport=args.transport))
         try:
             link = eng.link(args.cluster_id, host, port, 3.0)
             print(f"link to cluster {args.cluster_id} at {host}:{port}: "
@@ -256,6 +257,24 @@ def cmd_info(args: argparse.Namespace) -> int:
         finally:
             eng.close()
     return 0
+
+
+def _info_nixl() -> None:
+    """The NIXL data path: installed or not, and which backends NIXL offers here."""
+    from datadist.transport import nixl
+
+    module = nixl.available()
+    if module is None:
+        print("nixl: not installed (pip install 'datadist[nixl]' for the NIXL data path)")
+        return
+    try:
+        plugins = nixl.plugins()
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        print(f"nixl: {module} installed but unusable ({e})")
+        return
+    ucx = "UCX available" if nixl.BACKEND in plugins else "no UCX backend: unusable"
+    print(f"nixl: {module}, backends {', '.join(plugins)} ({ucx}; transport=nixl uses "
+          f"{nixl.BACKEND})")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -295,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--peer", help="ip:port of a datadist listener")
     info.add_argument("--cluster-id", type=int, default=1)
     info.add_argument("--own-id", type=int, default=2**63 - 1)
+    info.add_argument("--transport", choices=["auto", "tcp", "cma", "shm", "nixl"],
+                      help="force the link's path (default: DATADIST_TRANSPORT, else auto)")
     info.set_defaults(fn=cmd_info)
     # listed for --help; main() hands `bench ...` to the benchmark's own parser
     sub.add_parser("bench", help="the benchmark: every data path against its limit (see "

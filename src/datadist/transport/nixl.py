@@ -67,9 +67,14 @@ def load() -> Any:
     """The NIXL module. Raises InvalidArgument (PARAM_INVALID) with what to install."""
     for name in MODULES:
         try:
-            return importlib.import_module(name)
+            mod = importlib.import_module(name)
         except ImportError:
             continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # NIXL logs every agent and backend creation at INFO on stdout: a library's
+            # stdout is its user's. NIXL_LOG_LEVEL still wins.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return mod
     raise InvalidArgument(
         "transport 'nixl' needs NIXL: pip install 'datadist[nixl]' (the nixl-cu12 wheel)"
     )

@@ -1,0 +1,218 @@
+"""The NIXL data path (transport/nixl.py) between two engines in this process, and how it is
+chosen. The two-process suites run over it too (TRANSPORTS in _support.py); these tests look
+at what only NIXL has: selection and its errors, the owner's lazily created agent, metadata
+reloads when the owner's registrations change, handle reuse, the pump that runs only during
+transfers, the fallback to TCP for an owner without NIXL. The selection tests run everywhere;
+the rest skip without the nixl-cu12 wheel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import datadist as llm_datadist
+from datadist.core.engine import Engine, EngineConfig
+from datadist.core.errors import BrokenLink, CacheNotFound, InvalidArgument, NotLinked
+from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.transport import nixl
+from datadist.wire import protocol as p
+
+pytestmark = pytest.mark.timeout(60)
+needs_nixl = pytest.mark.skipif(nixl.available() is None, reason="nixl-cu12 not installed")
+S = llm_datadist.LLMStatusCode
+KEY = p.KeyRef(p.KeyKind.CACHE_ID, 1, 0)
+
+
+# ------------------------------------------------------------------------------ selection
+
+
+def test_config_accepts_nixl_and_still_refuses_unknown_paths() -> None:
+    cfg = llm_datadist.LLMConfig()
+    cfg.transport = "nixl"
+    assert cfg.generate_options()["datadist.Transport"] == "nixl"
+    with pytest.raises(llm_datadist.LLMException) as e:
+        cfg.transport = "rdma"
+    assert e.value.status_code == S.LLM_PARAM_INVALID
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_nixl_without_nixl_installed_is_param_invalid_at_init(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Choosing the NIXL path where NIXL cannot be imported fails init, with what to install
+    (the option may be set where the config is written, on another machine)."""
+    monkeypatch.setattr(nixl, "MODULES", ("datadist_no_such_nixl_module",))
+    if how == "env":
+        monkeypatch.setenv("DATADIST_TRANSPORT", "nixl")
+    dd = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 5)
+    cfg = llm_datadist.LLMConfig()
+    cfg.local_comm_res = ""
+    options = cfg.generate_options()
+    if how == "option":
+        options["datadist.Transport"] = "nixl"
+    with pytest.raises(llm_datadist.LLMException) as e:
+        dd.init(options)
+    assert e.value.status_code == S.LLM_PARAM_INVALID
+    assert "datadist[nixl]" in str(e.value)
+    dd.finalize()
+
+
+def test_engine_without_nixl_refuses_nixl_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nixl, "MODULES", ("datadist_no_such_nixl_module",))
+    with pytest.raises(InvalidArgument, match="nixl"):
+        Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+
+
+# ------------------------------------------------------------------------------ the path
+
+
+@pytest.fixture
+def pair():
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+    yield owner, puller
+    puller.close()
+    owner.close()
+
+
+def _link(owner: Engine, puller: Engine):
+    host, port = owner.listen_address
+    return puller.link(1, host, port, 5.0)
+
+
+def _caches(owner: Engine, puller: Engine, n: int, fill: int = 7):
+    src = np.full(n, fill, np.uint8)
+    src[::97] = np.arange(len(src[::97]), dtype=np.uint64).astype(np.uint8)
+    owner.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
+    dst = np.zeros(n, np.uint8)
+    entry = puller.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    return src, dst, entry, plan
+
+
+@needs_nixl
+def test_auto_never_picks_nixl() -> None:
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2))
+    try:
+        assert _link(owner, puller).path_name in ("cma", "shm")
+        assert puller.nixl is None and owner.nixl is None
+    finally:
+        puller.close()
+        owner.close()
+
+
+@needs_nixl
+def test_pull_over_nixl_reuses_its_handle_and_the_owner_pump_stops(pair) -> None:
+    owner, puller = pair
+    assert owner.nixl is None  # created when a reader first asks for it
+    src, dst, entry, plan = _caches(owner, puller, 1 << 20)
+    link = _link(owner, puller)
+    assert link.path_name == "nixl" and "forced nixl" in link.reason
+    assert owner.nixl is not None and owner.nixl.name.encode() in repr(link.path).encode()
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert len(link.path._handles) == 1
+    handle = next(iter(link.path._handles.values()))
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert next(iter(link.path._handles.values())) is handle, "the handle was not reused"
+    # No progress thread anywhere: the owner's pump ran only while the leases were open.
+    end = time.monotonic() + 5
+    while owner.nixl._pump is not None and time.monotonic() < end:
+        time.sleep(0.01)
+    assert owner.nixl._pump is None and owner.nixl._pump_users == 0
+
+
+@needs_nixl
+def test_metadata_is_reloaded_when_the_owner_registers_after_the_link(pair) -> None:
+    owner, puller = pair
+    _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    gen = link.path.generation
+    # A second cache (id 2) registered after the reader loaded the owner's metadata.
+    src2 = np.arange(8192, dtype=np.uint8)
+    owner.register(Geometry(1, 8192, 1), [src2.ctypes.data], placement=0)
+    dst2 = np.zeros(8192, np.uint8)
+    e2 = puller.register(Geometry(1, 8192, 1), [dst2.ctypes.data], placement=0)
+    plan = plan_slot(e2.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, e2.cache_id, 5.0)
+    assert np.array_equal(dst2, src2)
+    assert link.path.generation > gen
+
+
+@needs_nixl
+def test_unregister_deregisters_from_nixl_and_the_key_is_gone(pair) -> None:
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    gen = owner.nixl.generation
+    assert owner.nixl.kind_of(src.ctypes.data, 4096) == (p.MEM_DRAM, 0)
+    owner.unregister(1)
+    assert owner.nixl.kind_of(src.ctypes.data, 4096) is None
+    assert owner.nixl.generation > gen
+    with pytest.raises(CacheNotFound):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+
+
+@needs_nixl
+def test_checksum_over_nixl(pair) -> None:
+    owner, _ = pair
+    puller = Engine(EngineConfig(cluster_id=3, role=2, transport="nixl", verify=True))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 65536)
+        _link(owner, puller)
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        puller.close()
+
+
+@needs_nixl
+def test_owner_without_nixl_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    owner, puller = pair
+
+    def no_nixl():
+        raise InvalidArgument("transport 'nixl' needs NIXL: pip install 'datadist[nixl]'")
+
+    monkeypatch.setattr(owner, "ensure_nixl", no_nixl)
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    assert link.path_name == "tcp" and "no NIXL agent" in link.reason
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_force_unlink_breaks_a_nixl_transfer_in_flight(pair) -> None:
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 64 << 20, fill=1)
+    _link(owner, puller)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def pull() -> None:
+        started.set()
+        try:
+            for _ in range(50):
+                puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    started.wait()
+    time.sleep(0.05)
+    puller.unlink(1, timeout=1.0, force=True)
+    t.join(20)
+    assert not t.is_alive()
+    assert errors and isinstance(errors[0], (BrokenLink, NotLinked)), errors
+    _link(owner, puller)  # a fresh link works
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
