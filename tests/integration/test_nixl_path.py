@@ -121,11 +121,13 @@ def test_pull_over_nixl_reuses_its_handle_and_the_owner_pump_stops(pair) -> None
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src)
     assert next(iter(link.path._handles.values())) is handle, "the handle was not reused"
-    # No progress thread anywhere: the owner's pump ran only while the leases were open.
+    # No progress thread anywhere: the owner's pump beat only while the leases were open,
+    # fast only for the connection's first read.
     end = time.monotonic() + 5
-    while owner.nixl._pump is not None and time.monotonic() < end:
+    while owner.nixl.pump_busy and time.monotonic() < end:
         time.sleep(0.01)
-    assert owner.nixl._pump is None and owner.nixl._pump_users == 0
+    assert not owner.nixl.pump_busy and owner.nixl._pump_fresh == 0
+    assert len(owner._nixl_wired) == 1 and not owner._nixl_leases
 
 
 @needs_nixl

@@ -135,7 +135,9 @@ class Engine:
         self._closed = False
         self.listener: TcpListener | None = None
         self.nixl: Any = None  # transport.nixl.NixlAgent when the transport is nixl
-        self._nixl_leases: set[int] = set()  # id() of open NIXL leases (each pumps the agent)
+        # open NIXL leases: id(lease) -> (peer key, fresh); each keeps the agent progressing
+        self._nixl_leases: dict[int, tuple[tuple[int, str], bool]] = {}
+        self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
         self._tls_client = config.tls.client_context() if config.tls else None
         try:
@@ -506,9 +508,12 @@ class Engine:
 
     def close_read(self, lease: Lease, ok: bool) -> None:
         self.registry.close(lease, ok)
-        if self._nixl_leases and id(lease) in self._nixl_leases:
-            self._nixl_leases.discard(id(lease))
-            self.nixl.pump_release()
+        got = self._nixl_leases.pop(id(lease), None) if self._nixl_leases else None
+        if got is not None:
+            peer_key, fresh = got
+            if ok:
+                self._nixl_wired.add(peer_key)
+            self.nixl.pump_release(fresh)
 
     def nixl_metadata(self) -> p.NixlMd:
         if self._closed:
@@ -533,8 +538,9 @@ class Engine:
         except BaseException:
             self.registry.close(lease, False)
             raise
-        self._nixl_leases.add(id(lease))
-        nixl.pump_acquire()
+        fresh = peer.key not in self._nixl_wired
+        self._nixl_leases[id(lease)] = (peer.key, fresh)
+        nixl.pump_acquire(fresh)
         return lease, p.NixlGrant(lease_id, nixl.name.encode(), nixl.generation, mem, dev,
                                   lease.bases)
 
@@ -552,6 +558,7 @@ class Engine:
     def on_disconnect(self, peer: PeerInfo) -> None:
         with self._lock:
             self._inbound.pop(peer.key, None)
+        self._nixl_wired.discard(peer.key)
 
     def inbound_peers(self) -> list[PeerInfo]:
         with self._lock:

@@ -17,7 +17,9 @@ Who calls:
 
 Progress: the agent has no progress thread (NIXL's spins a core even when idle). The reader
 drives its own transfer while it waits for it; the owner drives its agent from a pump thread
-that runs only while at least one NIXL lease is open (between NixlGrant and Release).
+that sleeps on a condition while no NIXL lease is open (between NixlGrant and Release), beats
+fast while a new connection's first read is under way and slowly otherwise (PUMP_FAST,
+PUMP_SLOW). Each progress call holds the owner's GIL, which is why the beat is not faster.
 
 Memory: host memory is NIXL DRAM. Device-placed caches whose addresses are CUDA memory (a
 ``cudaPointerGetAttributes`` query) are NIXL VRAM with their device id, per NIXL's contract;
@@ -57,7 +59,12 @@ log = logging.getLogger(__name__)
 
 MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' module names, most likely first
 BACKEND = "UCX"
-PUMP_SLEEP = 50e-6  # seconds between two progress calls of the owner's pump
+# Seconds between two progress calls of the owner's pump: fast while a lease of a connection
+# that has not completed a NIXL read yet is open (UCX wires the endpoint up then, which needs
+# the owner), slow otherwise (measured: once wired up, UCX reads complete without the owner;
+# the slow beat only keeps UCX's housekeeping going). Idle (no lease open): no beat at all.
+PUMP_FAST = 50e-6
+PUMP_SLOW = 2e-3
 HANDLE_CACHE = 32  # prepared transfer handles kept per link, for repeated identical pulls
 PEER_CHECK_EVERY = 64  # polls of a transfer between two looks at the control channel
 _KIND = {p.MEM_DRAM: "DRAM", p.MEM_VRAM: "VRAM"}
@@ -165,6 +172,8 @@ class NixlAgent:
         self._starts: list[tuple[int, int, int, int]] = []  # (addr, end, mem, dev), sorted
         self._remote: dict[str, int] = {}  # loaded remote agents -> links using them
         self._pump_users = 0
+        self._pump_fresh = 0  # of those, leases of connections without a completed read
+        self._pump_cv = threading.Condition(self._lock)
         self._pump: threading.Thread | None = None
         self._stuck: list[Any] = []  # handles NIXL could not release yet
         self._closed = False
@@ -241,30 +250,42 @@ class NixlAgent:
             raise NotSupported("the cache is not registered with NIXL on the owner")
         return kinds.pop()  # type: ignore[return-value]
 
-    def pump_acquire(self) -> None:
-        """A NIXL lease opened: keep the agent progressing until pump_release."""
-        with self._lock:
+    def pump_acquire(self, fresh: bool) -> None:
+        """A NIXL lease opened: keep the agent progressing until pump_release. ``fresh``:
+        its connection has not completed a NIXL read yet (the endpoint is being wired up)."""
+        with self._pump_cv:
             self._pump_users += 1
+            self._pump_fresh += int(fresh)
             if self._pump is None and not self._closed:
                 self._pump = threading.Thread(target=self._run_pump, daemon=True,
                                               name="datadist-nixl-pump")
                 self._pump.start()
+            self._pump_cv.notify()
 
-    def pump_release(self) -> None:
-        with self._lock:
+    def pump_release(self, fresh: bool) -> None:
+        with self._pump_cv:
             self._pump_users = max(0, self._pump_users - 1)
+            self._pump_fresh = max(0, self._pump_fresh - int(fresh))
+
+    @property
+    def pump_busy(self) -> bool:
+        """True while a lease keeps the pump beating (tests, ``datadist info``)."""
+        with self._lock:
+            return bool(self._pump_users)
 
     def _run_pump(self) -> None:
         while True:
-            with self._lock:
-                if not self._pump_users or self._closed:
-                    self._pump = None
+            with self._pump_cv:
+                while not self._pump_users and not self._closed:
+                    self._pump_cv.wait()  # idle: no lease, no beat, no CPU
+                if self._closed:
                     return
+                beat = PUMP_FAST if self._pump_fresh else PUMP_SLOW
             try:
                 self.agent.get_new_notifs()  # progresses every backend's worker
             except Exception as e:  # pragma: no cover
                 log.debug("NIXL progress failed: %s", e)
-            time.sleep(PUMP_SLEEP)
+            time.sleep(beat)
 
     # -------------------------------------------------------------- reader side
 
@@ -332,8 +353,6 @@ class NixlAgent:
                 if peer_gone():
                     self.release(handle)
                     raise BrokenLink("the owner went away during a NIXL read")
-                if polls >= 4 * PEER_CHECK_EVERY:
-                    time.sleep(0)  # let the owner (and others) run on a small machine
             try:
                 state = a.check_xfer_state(handle)
             except Exception as e:
@@ -354,12 +373,13 @@ class NixlAgent:
 
     def close(self) -> None:
         """Stop the pump, release what is left, deregister everything. Idempotent."""
-        with self._lock:
+        with self._pump_cv:
             if self._closed:
                 return
             self._closed = True
             pump, stuck, keys = self._pump, list(self._stuck), list(self._regions)
             self._stuck.clear()
+            self._pump_cv.notify_all()
         if pump is not None:
             pump.join(1.0)
         for h in stuck:
