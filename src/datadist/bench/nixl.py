@@ -59,17 +59,32 @@ class RawNixl:
         if not isinstance(md, p.NixlMd):
             raise BenchError(f"the owner sent no NIXL metadata: {md!r}")
         self.remote = self.agent.add_remote_agent(md.metadata)
-        # An open lease (one byte of the small cache) keeps the owner's agent progressing.
-        grant = self.chan.call(p.NixlRead(
-            p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, SMALL_MODEL, 0), 0, p.ReadFlags.NONE,
-            np.zeros(1, np.uint32), np.zeros(1, U64), np.ones(1, U64)), deadline)
-        if not isinstance(grant, p.NixlGrant):
-            raise BenchError(f"the owner granted nothing: {grant!r}")
-        self._lease = grant.lease_id
+        self._lease = self._open_lease()
         self._keep: list[Any] = []
         arrays = [*bufs["contig"], bufs["blocks"], bufs["small"]]
         regs = np.array([[a.ctypes.data, a.nbytes, 0] for a in arrays], dtype=U64)
         self._reg = self.agent.register_memory(regs, "DRAM")
+
+    def _open_lease(self) -> int:
+        """An open lease (one byte of the small cache) keeps the owner's agent progressing
+        for the limit as for the figure (transport/nixl.py, the pump)."""
+        from datadist.wire import protocol as p
+
+        grant = self.chan.call(p.NixlRead(
+            p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, SMALL_MODEL, 0), 0, p.ReadFlags.NONE,
+            np.zeros(1, np.uint32), np.zeros(1, U64), np.ones(1, U64)), time.monotonic() + 10)
+        if not isinstance(grant, p.NixlGrant):
+            raise BenchError(f"the owner granted nothing: {grant!r}")
+        return int(grant.lease_id)
+
+    def settle(self) -> None:
+        """After the first READ: release the lease as completed and hold a new one, as a
+        datadist reader's connection does after its first pull (the owner's pump then beats
+        slowly; it beat fast while the endpoint was being wired up)."""
+        from datadist.wire import protocol as p
+
+        self.chan.send(p.Release(self._lease, True), time.monotonic() + 2)
+        self._lease = self._open_lease()
 
     def prepare(self, local: np.ndarray, remote: np.ndarray) -> Callable[[], None]:
         """One prepared READ of ``remote`` spans into ``local`` spans ((n, 2) uint64 iovs);
@@ -146,6 +161,7 @@ def nixl_rows(ctx: Context) -> list[Row]:
         raw_c = raw.prepare(iov([a.ctypes.data for a in ctx.bufs["contig"]], lengths),
                             iov(info["contig_addrs"], lengths))
         raw_c()
+        raw.settle()
         ctx.progress.set_label("NIXL pull")
         f_nixl, lim = interleave(p.pull_contig, raw_c, ctx.repeat, ctx.progress)
         rows.append(throughput_row(
