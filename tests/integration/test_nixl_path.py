@@ -218,3 +218,39 @@ def test_force_unlink_breaks_a_nixl_transfer_in_flight(pair) -> None:
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src)
+
+
+# ------------------------------------------------------------------------------ datadist info
+
+
+def _info(*args: str) -> str:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "datadist.cli", "info", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_info_says_whether_nixl_is_there_and_its_backends() -> None:
+    out = _info()
+    line = next(x for x in out.splitlines() if x.startswith("nixl:"))
+    if nixl.available() is None:
+        assert "not installed" in line and "datadist[nixl]" in line
+    else:
+        assert "UCX available" in line, line
+    assert "NIXL INFO" not in out  # NIXL's own chatter stays off our stdout
+
+
+@needs_nixl
+def test_info_tells_the_path_of_a_link() -> None:
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    try:
+        host, port = owner.listen_address
+        out = _info("--peer", f"{host}:{port}", "--cluster-id", "1", "--transport", "nixl")
+        assert "path=nixl (forced nixl" in out, out
+        out = _info("--peer", f"{host}:{port}", "--cluster-id", "1")
+        assert "path=nixl" not in out and "path=" in out, out
+    finally:
+        owner.close()
