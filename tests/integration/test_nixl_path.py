@@ -191,6 +191,20 @@ def test_owner_without_nixl_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @needs_nixl
+def test_owner_can_refuse_to_serve_nixl(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DATADIST_NIXL_SERVE=0 on the owner: no agent, no metadata for anyone; readers that
+    force nixl get tcp."""
+    owner, puller = pair
+    monkeypatch.setenv("DATADIST_NIXL_SERVE", "0")
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    assert link.path_name == "tcp" and "DATADIST_NIXL_SERVE=0" in link.reason
+    assert owner.nixl is None
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
 def test_force_unlink_breaks_a_nixl_transfer_in_flight(pair) -> None:
     owner, puller = pair
     src, dst, entry, plan = _caches(owner, puller, 64 << 20, fill=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -518,6 +519,8 @@ class Engine:
     def nixl_metadata(self) -> p.NixlMd:
         if self._closed:
             raise Closed("finalized")
+        if self.nixl is None and os.environ.get("DATADIST_NIXL_SERVE", "1") == "0":
+            raise NotSupported("this owner does not serve NIXL readers (DATADIST_NIXL_SERVE=0)")
         try:
             return self.ensure_nixl().metadata()
         except InvalidArgument as e:  # not installed here: the reader falls back to tcp
