@@ -268,3 +268,21 @@ def test_info_tells_the_path_of_a_link() -> None:
         assert "path=nixl" not in out and "path=" in out, out
     finally:
         owner.close()
+
+
+@needs_nixl
+def test_a_kept_handle_is_not_reused_across_a_local_reregistration(pair) -> None:
+    """The reader unregisters its destination and registers it again at the same address:
+    the identical read gets a new handle (the old one was made against the old
+    registration)."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 8192)
+    link = _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    first = next(iter(link.path._handles.values()))
+    puller.unregister(entry.cache_id)
+    again = puller.register(Geometry(1, 8192, 1), [dst.ctypes.data], placement=0)
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, again.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert list(link.path._handles.values())[-1] is not first

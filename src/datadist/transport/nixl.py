@@ -408,7 +408,7 @@ class NixlPath:
         self.agent = agent
         self.remote: str | None = None
         self.generation = -1
-        self._handles: OrderedDict[tuple[str, int, bytes, bytes], Any] = OrderedDict()
+        self._handles: OrderedDict[tuple[str, int, int, bytes, bytes], Any] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"<NixlPath remote={self.remote} gen={self.generation}>"
@@ -465,7 +465,10 @@ class NixlPath:
     def _read(self, chan: Any, local: np.ndarray, src: np.ndarray, grant: p.NixlGrant,
               deadline: float) -> None:
         assert self.remote is not None
-        key = (self.remote, self.generation, local.tobytes(), src.tobytes())
+        # Both sides' registration generations: a handle never outlives the registrations
+        # it was made against (a cache unregistered and another registered at its address).
+        key = (self.remote, self.generation, self.agent.generation, local.tobytes(),
+               src.tobytes())
         handle = self._handles.pop(key, None)
         if handle is None:
             handle = self.agent.make_read(self.remote, local, src, grant.mem, grant.device)
