@@ -17,7 +17,7 @@ import pytest
 import datadist as llm_datadist
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import BrokenLink, CacheNotFound, InvalidArgument, NotLinked
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, Plan, layer_tensor_indices, plan_slot
 from datadist.transport import nixl
 from datadist.wire import protocol as p
 
@@ -160,6 +160,52 @@ def test_unregister_deregisters_from_nixl_and_the_key_is_gone(pair) -> None:
     assert owner.nixl.generation > gen
     with pytest.raises(CacheNotFound):
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+
+
+@needs_nixl
+def test_push_over_nixl_is_one_write_into_checked_spans(pair) -> None:
+    """A push on the NIXL path: the owner checks and leases the destination (NixlWrite),
+    the bytes land by NIXL WRITE, the key survives (pushes never consume), a bad key is
+    refused before anything moves and the link stays usable."""
+    owner, puller = pair
+    n = 1 << 16
+    dst = np.zeros(n, np.uint8)
+    owner.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+    entry = puller.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    link = _link(owner, puller)
+    puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert any(k[0] == "WRITE" for k in link.path._handles), "the push did not go by NIXL"
+    with pytest.raises(CacheNotFound):
+        puller.push(1, p.KeyRef(p.KeyKind.CACHE_ID, 99, 0), 0, plan, entry.cache_id, 5.0)
+    src[:] = 9
+    puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert (dst == 9).all()
+    end = time.monotonic() + 5  # RELEASE is one-way: the owner handles it after push returns
+    while owner._nixl_leases and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not owner._nixl_leases
+
+
+@needs_nixl
+def test_push_by_raw_addresses_over_nixl(pair) -> None:
+    """transfer_cache_async's raw-address pushes (key kind 4): the grant's base is 0, the
+    offsets being absolute; the bytes land exactly at the addresses, nowhere else."""
+    owner, puller = pair
+    n = 8192
+    dst = np.zeros(n, np.uint8)
+    owner.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    src = np.arange(256, dtype=np.uint8)
+    entry = puller.register(Geometry(1, 256, 1), [src.ctypes.data], placement=0)
+    _link(owner, puller)
+    u32, u64 = np.uint32, np.uint64
+    plan = Plan(np.array([0], u32), np.array([0], u32), np.array([dst.ctypes.data + 4096], u64),
+                np.array([0], u64), np.array([256], u64))
+    puller.push(1, p.KeyRef(p.KeyKind.ADDRESS), 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst[4096:4352], src)
+    assert not dst[:4096].any() and not dst[4352:].any()
 
 
 @needs_nixl

@@ -73,6 +73,7 @@ EXAMPLES += [  # the NIXL data path's messages
                u32(0, 3), u64(0, 64), u64(64, 32), layout=U64_MAX),
     p.NixlGrant(5, b"agent", 3, p.MEM_VRAM, U32_MAX, u64(4096, U64_MAX)),
     p.NixlGrant(U64_MAX, b"", 0, p.MEM_DRAM, 0, u64()),
+    p.NixlWrite(p.KeyRef(p.KeyKind.ADDRESS, 0, 0, 0), 0, 0, u32(0), u64(1 << 40), u64(64)),
 ]
 
 
@@ -260,6 +261,14 @@ def test_nixl_read_refuses_grant_flags_and_raw_addresses() -> None:
     bad[0] = p.KeyKind.ADDRESS
     with pytest.raises(RemoteProtocolError, match="WRITE only"):
         p.decode_payload(p.MsgType.NIXL_READ, bytes(bad))
+
+
+def test_nixl_write_refuses_flags() -> None:
+    good = p.NixlWrite(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0, 0), 0, 0, u32(0), u64(0), u64(8))
+    payload = bytearray(p.encode_payload(good))
+    payload[p.KeyRef._S.size + 16] = 1
+    with pytest.raises(RemoteProtocolError, match="write flags"):
+        p.decode_payload(p.MsgType.NIXL_WRITE, bytes(payload))
 
 
 def test_nixl_grant_unknown_memory_kind_and_truncated_metadata() -> None:

@@ -136,8 +136,9 @@ class Engine:
         self._closed = False
         self.listener: TcpListener | None = None
         self.nixl: Any = None  # transport.nixl.NixlAgent when the transport is nixl
-        # open NIXL leases: id(lease) -> (peer key, fresh); each keeps the agent progressing
-        self._nixl_leases: dict[int, tuple[tuple[int, str], bool]] = {}
+        # open NIXL leases: id(lease) -> (peer key, fresh, is a write); each keeps the agent
+        # progressing
+        self._nixl_leases: dict[int, tuple[tuple[int, str], bool, bool]] = {}
         self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
         self._tls_client = config.tls.client_context() if config.tls else None
@@ -463,10 +464,11 @@ class Engine:
             local = make_iov(*plan.local_iov(entry.addrs))
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
                           plan.lengths, wire_layout(entry.geometry))
-            # Pushes go over the control channel: the owner must check the spans before
-            # anything lands, which is what the two-step Write does.
-            link.run(deadline,
-                     lambda path, chan: _TCP.write(chan, msg, local, deadline))
+            # Pushes go over the control channel (the owner must check the spans before
+            # anything lands, which is what the two-step Write does), or, on the NIXL path,
+            # as one NIXL WRITE into spans the owner checked and leased (NixlWrite).
+            link.run(deadline, lambda path, chan: (
+                path if path.caps.name == "nixl" else _TCP).write(chan, msg, local, deadline))
         finally:
             self.registry.unhold(entry)
 
@@ -508,13 +510,15 @@ class Engine:
                                   shm=same_host and bool(msg.flags & p.ReadFlags.SHM))
 
     def close_read(self, lease: Lease, ok: bool) -> None:
-        self.registry.close(lease, ok)
         got = self._nixl_leases.pop(id(lease), None) if self._nixl_leases else None
-        if got is not None:
-            peer_key, fresh = got
-            if ok:
-                self._nixl_wired.add(peer_key)
-            self.nixl.pump_release(fresh)
+        if got is None:
+            self.registry.close(lease, ok)
+            return
+        peer_key, fresh, write = got
+        self.registry.close(lease, ok, consume=not write)
+        if ok:
+            self._nixl_wired.add(peer_key)
+        self.nixl.pump_release(fresh)
 
     def nixl_metadata(self) -> p.NixlMd:
         if self._closed:
@@ -526,10 +530,11 @@ class Engine:
         except InvalidArgument as e:  # not installed here: the reader falls back to tcp
             raise NotSupported(str(e)) from None
 
-    def open_nixl_read(self, peer: PeerInfo, msg: p.NixlRead, lease_id: int
-                       ) -> tuple[Lease, p.NixlGrant]:
-        """The owner's side of a NIXL pull: the key is resolved and the spans are checked
-        (registry.open) before anything NIXL sees them; the grant names our agent."""
+    def open_nixl(self, peer: PeerInfo, msg: p.NixlRead | p.NixlWrite, lease_id: int
+                  ) -> tuple[Lease, p.NixlGrant]:
+        """The owner's side of a NIXL pull or push: the key is resolved and the spans are
+        checked (registry.open) before anything NIXL sees them; the grant names our agent.
+        A write lease never consumes its key (as open_write)."""
         nixl = self.nixl
         if nixl is None:
             raise NotSupported("no NIXL agent here: ask for its metadata first")
@@ -542,10 +547,13 @@ class Engine:
             self.registry.close(lease, False)
             raise
         fresh = peer.key not in self._nixl_wired
-        self._nixl_leases[id(lease)] = (peer.key, fresh)
+        self._nixl_leases[id(lease)] = (peer.key, fresh, isinstance(msg, p.NixlWrite))
         nixl.pump_acquire(fresh)
+        # The client adds its offsets to the bases; raw-address offsets are absolute already.
+        bases = (np.zeros(len(msg.tensors), np.uint64) if msg.key.kind == p.KeyKind.ADDRESS
+                 else lease.bases)
         return lease, p.NixlGrant(lease_id, nixl.name.encode(), nixl.generation, mem, dev,
-                                  lease.bases)
+                                  bases)
 
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
         return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths,

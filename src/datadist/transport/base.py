@@ -13,7 +13,16 @@ from typing import Protocol
 
 import numpy as np
 
-from datadist.wire.protocol import Hello, NixlGrant, NixlMd, NixlRead, Read, Welcome, Write
+from datadist.wire.protocol import (
+    Hello,
+    NixlGrant,
+    NixlMd,
+    NixlRead,
+    NixlWrite,
+    Read,
+    Welcome,
+    Write,
+)
 
 
 class PathKind(str, enum.Enum):
@@ -89,10 +98,12 @@ class RequestHandler(Protocol):
         """Our NIXL agent's metadata (NixlMdRequest); NotSupported without NIXL."""
         ...
 
-    def open_nixl_read(self, peer: PeerInfo, msg: NixlRead, lease_id: int
-                       ) -> tuple[LeaseLike, NixlGrant]:
-        """Resolve and bounds-check a read to be moved by NIXL, as open_read; the lease pins
-        the memory (and keeps our NIXL agent progressing) until close_read."""
+    def open_nixl(self, peer: PeerInfo, msg: NixlRead | NixlWrite, lease_id: int
+                  ) -> tuple[LeaseLike, NixlGrant]:
+        """Resolve and bounds-check a read or write to be moved by NIXL, as open_read and
+        open_write; the lease pins the memory (and keeps our NIXL agent progressing) until
+        close_read, which the connection calls for every lease (it closes a write lease as
+        close_write would)."""
         ...
 
     def on_bye(self, peer: PeerInfo) -> None:

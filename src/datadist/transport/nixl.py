@@ -312,10 +312,10 @@ class NixlAgent:
         with contextlib.suppress(Exception):
             self.agent.remove_remote_agent(name)
 
-    def make_read(self, remote: str, local: np.ndarray, src: np.ndarray, src_mem: int,
-                  src_dev: int) -> Any:
-        """A READ handle from local spans ``local`` (registered here) out of the peer's
-        ``src`` spans; both (n, 2) iovs of equal lengths."""
+    def make_xfer(self, op: str, remote: str, local: np.ndarray, src: np.ndarray,
+                  src_mem: int, src_dev: int) -> Any:
+        """A READ (or WRITE) handle between local spans ``local`` (registered here) and the
+        peer's spans ``src``; both (n, 2) iovs of equal lengths."""
         kind = self.kind_of(int(local[0, 0]), int(local[0, 1])) if len(local) else None
         if kind is None:
             raise InvalidArgument("the destination cache is not registered with NIXL")
@@ -328,10 +328,10 @@ class NixlAgent:
         rd[:, 2] = src_dev
         a = self.agent
         try:
-            return a.initialize_xfer("READ", a.get_xfer_descs(ld, _KIND[mem]),
+            return a.initialize_xfer(op, a.get_xfer_descs(ld, _KIND[mem]),
                                      a.get_xfer_descs(rd, _KIND[src_mem]), remote)
         except Exception as e:
-            raise LinkFailed(f"NIXL cannot prepare the read: {e}") from e
+            raise LinkFailed(f"NIXL cannot prepare the {op}: {e}") from e
 
     def run(self, handle: Any, deadline: float, peer_gone: Any) -> None:
         """Post ``handle`` and drive it to completion. Raises Timeout past ``deadline``,
@@ -342,25 +342,25 @@ class NixlAgent:
             state = a.transfer(handle)
         except Exception as e:
             self.release(handle)
-            raise BrokenLink(f"NIXL could not post the read: {e}") from e
+            raise BrokenLink(f"NIXL could not post the transfer: {e}") from e
         polls = 0
         while state == "PROC":
             polls += 1
             if polls % PEER_CHECK_EVERY == 0:
                 if time.monotonic() > deadline:
                     self.release(handle)
-                    raise Timeout("NIXL read did not complete before the deadline")
+                    raise Timeout("NIXL transfer did not complete before the deadline")
                 if peer_gone():
                     self.release(handle)
-                    raise BrokenLink("the owner went away during a NIXL read")
+                    raise BrokenLink("the owner went away during a NIXL transfer")
             try:
                 state = a.check_xfer_state(handle)
             except Exception as e:
                 self.release(handle)
-                raise BrokenLink(f"NIXL read failed: {e}") from e
+                raise BrokenLink(f"NIXL transfer failed: {e}") from e
         if state != "DONE":
             self.release(handle)
-            raise BrokenLink("NIXL read failed (transfer state ERR)")
+            raise BrokenLink("NIXL transfer failed (transfer state ERR)")
 
     def release(self, handle: Any) -> None:
         """Release a transfer handle; one NIXL cannot cancel yet is retried at close."""
@@ -408,7 +408,7 @@ class NixlPath:
         self.agent = agent
         self.remote: str | None = None
         self.generation = -1
-        self._handles: OrderedDict[tuple[str, int, int, bytes, bytes], Any] = OrderedDict()
+        self._handles: OrderedDict[tuple[str, str, int, int, bytes, bytes], Any] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"<NixlPath remote={self.remote} gen={self.generation}>"
@@ -439,13 +439,11 @@ class NixlPath:
             if ck is not None and not isinstance(ck, p.Checksum):
                 chan.close()
                 raise RemoteProtocolError(f"expected Checksum, got {type(ck).__name__}")
-            if grant.agent.decode(errors="replace") != self.remote or (
-                    grant.generation > self.generation):
-                self.connect(chan, deadline)
+            self._refresh(chan, grant, deadline)
             src = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
             if iov_nbytes(src) != iov_nbytes(local):
                 raise RemoteProtocolError("the grant does not match the request")
-            self._read(chan, local, src, grant, deadline)
+            self._xfer("READ", chan, local, src, grant, deadline)
             if ck is not None:
                 got = crc_iov(local)
                 if ck.crc != got or ck.nbytes != iov_nbytes(local):
@@ -455,23 +453,55 @@ class NixlPath:
                                          f"arrived {got:#010x}")
             ok = True
         finally:
-            if not chan.closed:
-                try:
-                    chan.send(p.Release(grant.lease_id, ok), deadline)
-                except Exception:
-                    if ok:
-                        raise
+            self._release(chan, grant, ok, deadline)
 
-    def _read(self, chan: Any, local: np.ndarray, src: np.ndarray, grant: p.NixlGrant,
-              deadline: float) -> None:
+    def write(self, chan: Any, msg: p.Write, local: np.ndarray, deadline: float) -> None:
+        """A push: NixlWrite (the owner checks and leases the destination spans), one NIXL
+        WRITE, Release."""
+        req = p.NixlWrite(msg.key, msg.unit_bytes, 0, msg.tensors, msg.offsets, msg.lengths,
+                          msg.layout)
+        grant = chan.call(req, deadline)
+        if not isinstance(grant, p.NixlGrant) or len(grant.bases) != len(msg.tensors):
+            chan.close()
+            raise RemoteProtocolError(f"expected a NixlGrant for the push, got {grant!r}")
+        ok = False
+        try:
+            self._refresh(chan, grant, deadline)
+            dst = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
+            if iov_nbytes(dst) != iov_nbytes(local):
+                raise RemoteProtocolError("the grant does not match the push")
+            self._xfer("WRITE", chan, local, dst, grant, deadline)
+            ok = True
+        finally:
+            self._release(chan, grant, ok, deadline)
+
+    def _refresh(self, chan: Any, grant: p.NixlGrant, deadline: float) -> None:
+        """Reload the owner's metadata when the grant shows another agent or a newer
+        generation than the one loaded."""
+        if grant.agent.decode(errors="replace") != self.remote or (
+                grant.generation > self.generation):
+            self.connect(chan, deadline)
+
+    @staticmethod
+    def _release(chan: Any, grant: p.NixlGrant, ok: bool, deadline: float) -> None:
+        if not chan.closed:
+            try:
+                chan.send(p.Release(grant.lease_id, ok), deadline)
+            except Exception:
+                if ok:
+                    raise
+
+    def _xfer(self, op: str, chan: Any, local: np.ndarray, remote: np.ndarray,
+              grant: p.NixlGrant, deadline: float) -> None:
         assert self.remote is not None
         # Both sides' registration generations: a handle never outlives the registrations
         # it was made against (a cache unregistered and another registered at its address).
-        key = (self.remote, self.generation, self.agent.generation, local.tobytes(),
-               src.tobytes())
+        key = (op, self.remote, self.generation, self.agent.generation, local.tobytes(),
+               remote.tobytes())
         handle = self._handles.pop(key, None)
         if handle is None:
-            handle = self.agent.make_read(self.remote, local, src, grant.mem, grant.device)
+            handle = self.agent.make_xfer(op, self.remote, local, remote, grant.mem,
+                                          grant.device)
         try:
             self.agent.run(handle, deadline, chan.peer_gone)
         except BaseException:

@@ -565,8 +565,8 @@ class ServerConnection:
             finally:
                 self.handler.close_read(lease, ok)
             return True
-        if isinstance(msg, p.NixlRead):
-            return self._nixl_read(rid, msg, deadline)
+        if isinstance(msg, (p.NixlRead, p.NixlWrite)):
+            return self._nixl_grant(rid, msg, deadline)
         if isinstance(msg, p.NixlMdRequest):
             try:
                 md = self.handler.nixl_metadata()
@@ -590,12 +590,12 @@ class ServerConnection:
             return False
         raise RemoteProtocolError(f"unexpected {type(msg).__name__} from a client")
 
-    def _nixl_read(self, rid: int, msg: p.NixlRead, deadline: float) -> bool:
-        """NIXL data path: grant the checked spans (the reader READs them through NIXL) and
-        hold the lease until its Release (or the connection ends)."""
+    def _nixl_grant(self, rid: int, msg: p.NixlRead | p.NixlWrite, deadline: float) -> bool:
+        """NIXL data path: grant the checked spans (the client READs or WRITEs them through
+        NIXL) and hold the lease until its Release (or the connection ends)."""
         lease_id = next(self._lease_ids)
         try:
-            lease, grant = self.handler.open_nixl_read(self.peer, msg, lease_id)  # type: ignore[arg-type]
+            lease, grant = self.handler.open_nixl(self.peer, msg, lease_id)  # type: ignore[arg-type]
         except DatadistError as e:
             self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
             return True

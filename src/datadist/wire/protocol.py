@@ -65,6 +65,7 @@ class MsgType(enum.IntEnum):
     NIXL_MD = 17
     NIXL_READ = 18
     NIXL_GRANT = 19
+    NIXL_WRITE = 20
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
@@ -284,6 +285,24 @@ class NixlRead:
     _S: ClassVar[struct.Struct] = Read._S
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class NixlWrite:
+    """A Write to be moved by NIXL: WRITE's fields and checks, flags 0, and no raw bytes
+    follow. The owner answers NixlGrant (the destination's bases) or Error; the writer WRITEs
+    through NIXL, then sends Release (ok = every byte landed)."""
+
+    key: KeyRef
+    unit_bytes: int
+    flags: int
+    tensors: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    layout: int = 0
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_WRITE
+    _S: ClassVar[struct.Struct] = Read._S
+
+
 MEM_DRAM, MEM_VRAM = 0, 1  # NixlGrant.mem: NIXL's DRAM_SEG and VRAM_SEG
 
 
@@ -335,7 +354,7 @@ class Ok:
 
 Message = Union[
     Hello, Welcome, Error, Read, Write, ReadData, Grant, ShmGrant, Release, Ping, Pong, Bye, Ok,
-    Auth, Checksum, NixlMdRequest, NixlMd, NixlRead, NixlGrant,
+    Auth, Checksum, NixlMdRequest, NixlMd, NixlRead, NixlGrant, NixlWrite,
 ]
 
 
@@ -370,7 +389,7 @@ def encode_payload(msg: Message) -> bytes:
         return head + _bytes_field(msg.proof)
     if isinstance(msg, Error):
         return msg._S.pack(msg.code) + _bytes_field(msg.message.encode()[:4096])
-    if isinstance(msg, (Read, Write, NixlRead)):
+    if isinstance(msg, (Read, Write, NixlRead, NixlWrite)):
         if isinstance(msg, (Read, NixlRead)) and msg.key.kind == KeyKind.ADDRESS:
             raise LocalProtocolError("raw addresses (key kind 4) are for WRITE only")
         if len(msg.offsets) != len(msg.lengths):
@@ -490,7 +509,7 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
     elif mtype == MsgType.ERROR:
         (code,) = r.unpack(Error._S)
         msg = Error(code, r.bytes_field().decode("utf-8", "replace"))
-    elif mtype in (MsgType.READ, MsgType.WRITE, MsgType.NIXL_READ):
+    elif mtype in (MsgType.READ, MsgType.WRITE, MsgType.NIXL_READ, MsgType.NIXL_WRITE):
         kind, a, b, c = r.unpack(KeyRef._S)
         try:
             key = KeyRef(KeyKind(kind), a, b, c)
@@ -516,7 +535,8 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         else:
             if flags:  # no write flags are defined in this version
                 raise RemoteProtocolError(f"unknown write flags {flags:#x}")
-            msg = Write(key, unit_bytes, flags, tensors, offsets, lengths, layout)
+            cls = Write if mtype == MsgType.WRITE else NixlWrite
+            msg = cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
     elif mtype == MsgType.READ_DATA:
         (n,) = r.unpack(ReadData._S)
         msg = ReadData(n)
