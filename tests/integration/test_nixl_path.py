@@ -332,3 +332,28 @@ def test_a_kept_handle_is_not_reused_across_a_local_reregistration(pair) -> None
     puller.pull(1, KEY, 0, plan, again.cache_id, 5.0)
     assert np.array_equal(dst, src)
     assert list(link.path._handles.values())[-1] is not first
+
+
+# ------------------------------------------------------------------------------ memory kinds
+
+
+def test_memory_kind_asks_cuda_only_for_device_placement(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """VRAM is chosen from what CUDA says about a device-placed cache's address (there is no
+    GPU here: CUDA is stood in for); host placement never asks."""
+    asked: list[int] = []
+
+    def fake_cuda(addr: int) -> int | None:
+        asked.append(addr)
+        return 3 if addr == 0x7000 else None
+
+    monkeypatch.setattr(nixl, "_cuda_device", fake_cuda)
+    assert nixl.memory_kind(0x7000, True) == (p.MEM_VRAM, 3)
+    assert nixl.memory_kind(0x8000, True) == (p.MEM_DRAM, 0)
+    assert nixl.memory_kind(0x7000, False) == (p.MEM_DRAM, 0)
+    assert asked == [0x7000, 0x8000]
+
+
+def test_host_memory_is_not_cuda_memory() -> None:
+    buf = np.zeros(64, np.uint8)
+    assert nixl._cuda_device(buf.ctypes.data) is None  # no CUDA runtime, or host memory
