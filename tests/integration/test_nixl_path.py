@@ -16,7 +16,13 @@ import pytest
 
 import datadist as llm_datadist
 from datadist.core.engine import Engine, EngineConfig
-from datadist.core.errors import BrokenLink, CacheNotFound, InvalidArgument, NotLinked
+from datadist.core.errors import (
+    BrokenLink,
+    CacheNotFound,
+    InvalidArgument,
+    NotLinked,
+    Timeout,
+)
 from datadist.core.layout import Geometry, Plan, layer_tensor_indices, plan_slot
 from datadist.transport import nixl
 from datadist.wire import protocol as p
@@ -206,6 +212,56 @@ def test_push_by_raw_addresses_over_nixl(pair) -> None:
     puller.push(1, p.KeyRef(p.KeyKind.ADDRESS), 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst[4096:4352], src)
     assert not dst[:4096].any() and not dst[4352:].any()
+
+
+@needs_nixl
+def test_deadline_covers_the_nixl_transfer_and_the_link_stays_usable(pair) -> None:
+    """NIXL has no deadline of its own: a pull whose deadline passes mid-READ ends with
+    Timeout (LLM_TIMEOUT), the owner drops its lease, and the next pull on the same link
+    moves every byte."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 256 << 20, fill=5)
+    _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)  # wire up, warm
+    dst[:] = 0
+    with pytest.raises(Timeout):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 0.005)
+    end = time.monotonic() + 10
+    while owner._nixl_leases and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not owner._nixl_leases, "the owner kept the timed-out reader's lease"
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_a_stuck_nixl_transfer_ends_at_the_deadline(pair, monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    """NIXL reports the READ in progress for ever (a fabric that went silent): the pull ends
+    with Timeout at its deadline, the handle is released, the lease dropped, and once NIXL
+    behaves the same link pulls again."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 1 << 20)
+    link = _link(owner, puller)
+    agent = puller.nixl.agent
+    released: list[object] = []
+    real_release = puller.nixl.release
+    monkeypatch.setattr(agent, "transfer", lambda h, notif_msg=b"": "PROC")
+    monkeypatch.setattr(agent, "check_xfer_state", lambda h: "PROC")
+    monkeypatch.setattr(puller.nixl, "release", lambda h: (released.append(h), real_release(h)))
+    t0 = time.monotonic()
+    with pytest.raises(Timeout):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert released, "the stuck handle was not released"
+    monkeypatch.undo()
+    end = time.monotonic() + 5
+    while owner._nixl_leases and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not owner._nixl_leases
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src) and link.path_name == "nixl"
 
 
 @needs_nixl
