@@ -271,18 +271,20 @@ class Engine:
         if any(a <= 0 for a in addrs):
             raise InvalidArgument("tensor addresses must be non-zero")
         arr = np.asarray(addrs, dtype=np.uint64)
-        entry = self.registry.add(
-            geometry, arr, owned=False, placement=placement, keys=keys,
-            blocks_model_id=blocks_model_id, remote_accessible=remote_accessible,
-            shm=shared.lookup(arr, geometry.tensor_bytes),
-        )
-        if self.nixl is not None:
-            try:
-                with self._nixl_lock:
+        # Under the NIXL lock: a NIXL agent created meanwhile sees the entry, and a NIXL
+        # grant for it waits for its registration (open_nixl).
+        with self._nixl_lock:
+            entry = self.registry.add(
+                geometry, arr, owned=False, placement=placement, keys=keys,
+                blocks_model_id=blocks_model_id, remote_accessible=remote_accessible,
+                shm=shared.lookup(arr, geometry.tensor_bytes),
+            )
+            if self.nixl is not None:
+                try:
                     self._nixl_register(self.nixl, entry)
-            except BaseException:
-                self.registry.unregister(entry.cache_id)
-                raise
+                except BaseException:
+                    self.registry.unregister(entry.cache_id)
+                    raise
         return entry
 
     def allocate(
@@ -542,7 +544,12 @@ class Engine:
                                    msg.lengths, layout=msg.layout)
         try:
             entry = lease.entry
-            mem, dev = nixl.grant_info(entry.addrs[lease.tensors], entry.geometry.tensor_bytes)
+            tensors = entry.addrs[lease.tensors], entry.geometry.tensor_bytes
+            try:
+                mem, dev = nixl.grant_info(*tensors)
+            except NotSupported:
+                with self._nixl_lock:  # registered a moment ago: its NIXL registration ends
+                    mem, dev = nixl.grant_info(*tensors)
         except BaseException:
             self.registry.close(lease, False)
             raise
