@@ -20,6 +20,7 @@ from datadist.core.errors import (
     BrokenLink,
     CacheNotFound,
     InvalidArgument,
+    LinkFailed,
     NotLinked,
     Timeout,
 )
@@ -288,6 +289,22 @@ def test_owner_without_nixl_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> N
     src, dst, entry, plan = _caches(owner, puller, 4096)
     link = _link(owner, puller)
     assert link.path_name == "tcp" and "no NIXL agent" in link.reason
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_metadata_our_nixl_refuses_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's metadata cannot be loaded here (another NIXL version): tcp, and why."""
+    owner, puller = pair
+
+    def refuse(md):
+        raise LinkFailed("NIXL refused the peer's metadata: version mismatch")
+
+    monkeypatch.setattr(puller.nixl, "add_remote", refuse)
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    assert link.path_name == "tcp" and "version mismatch" in link.reason
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src)
 

@@ -108,11 +108,12 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
 def _connect_nixl(path: Any, chan: Channel, connect: Callable[[float], tuple[Channel, Any]],
                   deadline: float) -> tuple[Channel, Any, str]:
     """Load the peer's NIXL metadata over the fresh link. A peer without NIXL (it answers
-    an Error, or, before protocol.md's NIXL messages, closes the connection) gets TCP."""
+    an Error, or, before protocol.md's NIXL messages, closes the connection) or whose
+    metadata our NIXL refuses (LinkFailed: another NIXL version) gets TCP."""
     try:
         path.connect(chan, deadline)
         return chan, path, "forced nixl (UCX; metadata over the link)"
-    except (NotSupported, RemoteProtocolError, BrokenLink) as e:
+    except (NotSupported, RemoteProtocolError, BrokenLink, LinkFailed) as e:
         path.close()
         log.warning("nixl forced but the peer offers no NIXL agent (%s); using tcp", e)
         if chan.closed:
