@@ -430,3 +430,38 @@ def test_memory_kind_asks_cuda_only_for_device_placement(monkeypatch: pytest.Mon
 def test_host_memory_is_not_cuda_memory() -> None:
     buf = np.zeros(64, np.uint8)
     assert nixl._cuda_device(buf.ctypes.data) is None  # no CUDA runtime, or host memory
+
+
+@needs_nixl
+def test_reader_reconnecting_to_a_restarted_owner_finds_its_new_agent() -> None:
+    """The owner restarts at the same address (auto transport: its agent is made on demand);
+    the reader's link reconnects by itself and its first NIXL_READ meets an owner without an
+    agent yet: the owner makes one, the grant names it, the reader loads it, bytes are the new
+    owner's."""
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+    reborn = None
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096, fill=1)
+        link = _link(owner, puller)
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        first_agent = link.path.remote
+        host, port = owner.listen_address
+        owner.close()
+        reborn = Engine(EngineConfig(cluster_id=1, role=1, listen=(host, port)))
+        src2 = np.full(4096, 2, np.uint8)
+        reborn.register(Geometry(1, 4096, 1), [src2.ctypes.data], placement=0)
+        assert reborn.nixl is None
+        for _ in range(2):  # the first pull may find the dead connection
+            try:
+                puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+                break
+            except BrokenLink:
+                continue
+        assert (dst == 2).all()
+        assert link.path.remote != first_agent and reborn.nixl is not None
+    finally:
+        puller.close()
+        owner.close()
+        if reborn is not None:
+            reborn.close()

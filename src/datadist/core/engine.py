@@ -523,24 +523,29 @@ class Engine:
             self._nixl_wired.add(peer_key)
         self.nixl.pump_release(fresh)
 
-    def nixl_metadata(self) -> p.NixlMd:
+    def _serving_nixl(self) -> Any:
+        """Our NIXL agent for a NIXL request, created if need be; NotSupported where NIXL is
+        not installed or serving it is turned off (the reader then uses TCP)."""
         if self._closed:
             raise Closed("finalized")
         if self.nixl is None and os.environ.get("DATADIST_NIXL_SERVE", "1") == "0":
             raise NotSupported("this owner does not serve NIXL readers (DATADIST_NIXL_SERVE=0)")
         try:
-            return self.ensure_nixl().metadata()
-        except InvalidArgument as e:  # not installed here: the reader falls back to tcp
+            return self.ensure_nixl()
+        except InvalidArgument as e:
             raise NotSupported(str(e)) from None
+
+    def nixl_metadata(self) -> p.NixlMd:
+        return self._serving_nixl().metadata()
 
     def open_nixl(self, peer: PeerInfo, msg: p.NixlRead | p.NixlWrite, lease_id: int
                   ) -> tuple[Lease, p.NixlGrant]:
         """The owner's side of a NIXL pull or push: the key is resolved and the spans are
         checked (registry.open) before anything NIXL sees them; the grant names our agent.
         A write lease never consumes its key (as open_write)."""
-        nixl = self.nixl
-        if nixl is None:
-            raise NotSupported("no NIXL agent here: ask for its metadata first")
+        # A reader may come back to a restarted owner without asking for metadata first:
+        # the grant names the new agent, and the reader loads it then.
+        nixl = self.nixl or self._serving_nixl()
         lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
                                    msg.lengths, layout=msg.layout)
         try:
