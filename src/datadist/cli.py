@@ -247,6 +247,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("cross-memory attach (process_vm_readv): available")
     except CmaRefused as e:
         print(f"cross-memory attach: refused ({e}); same-host links fall back to tcp")
+    _info_nixl()
     if args.peer:
         _info_peer(args)
     return 0
@@ -267,7 +268,8 @@ def _info_peer(args: argparse.Namespace) -> None:
         if args.own_id == args.cluster_id:
             raise CliError(f"--own-id and --cluster-id are both {args.cluster_id}: a link "
                            "needs two clusters")
-        eng = Engine(EngineConfig(cluster_id=args.own_id, role=2, transport=None,
+        eng = Engine(EngineConfig(cluster_id=args.own_id, role=2,
+                                  transport=args.transport,
                                   secret=_secret({}), tls=_tls({})))
     except (DatadistError, LLMException) as e:
         raise CliError(f"--peer {args.peer!r}: {e}") from None
@@ -289,6 +291,24 @@ def _info_peer(args: argparse.Namespace) -> None:
         print(f"link to cluster {args.cluster_id} at {host}:{port}: path={path} ({reason})")
     finally:
         eng.close()
+
+
+def _info_nixl() -> None:
+    """The NIXL data path: installed or not, and which backends NIXL offers here."""
+    from datadist.transport import nixl
+
+    module = nixl.available()
+    if module is None:
+        print("nixl: not installed (pip install 'datadist[nixl]' for the NIXL data path)")
+        return
+    try:
+        plugins = nixl.plugins()
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        print(f"nixl: {module} installed but unusable ({e})")
+        return
+    ucx = "UCX available" if nixl.BACKEND in plugins else "no UCX backend: unusable"
+    print(f"nixl: {module}, backends {', '.join(plugins)} ({ucx}; transport=nixl uses "
+          f"{nixl.BACKEND})")
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -419,6 +439,8 @@ def _main(argv: list[str] | None = None) -> int:
                       help="the cluster id this probe links as (default 2**63-1; any id the "
                            "peer does not use)")
     info.add_argument("--timeout", type=float, default=3.0, help="seconds to link (3)")
+    info.add_argument("--transport", choices=["auto", "tcp", "cma", "shm", "nixl"],
+                      help="force the link's path (default: DATADIST_TRANSPORT, else auto)")
     info.set_defaults(fn=cmd_info)
     # listed for --help; main() hands `bench ...` to the benchmark's own parser
     sub.add_parser("bench", help="the benchmark: every data path against its limit (see "

@@ -27,6 +27,7 @@ from fault_harness import (
 )
 from fault_peer import pattern
 
+from datadist.transport import nixl
 from datadist.wire import protocol as p
 
 MARGIN = 10.0  # seconds on top of a deadline: generous, this only catches hangs
@@ -39,6 +40,8 @@ BIG_ALL = list(range(64))
 BIG_SYNC_MS = 3000  # the deadline of the large pulls (they are cut long before it)
 
 TRANSPORTS = ["tcp", "cma"]
+if nixl.available() is not None:  # the optional NIXL data path, where its wheel is installed
+    TRANSPORTS.append("nixl")
 
 
 def _env(transport: str) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from datadist.testing.peers import CacheSpec
+from datadist.transport import nixl
 
 PROMPT_ID = 100
 DECODER_ID = 200
@@ -12,7 +13,11 @@ DECODER_ID = 200
 # The conformance idea: every data-moving test runs once per data path, the path forced in
 # the decoder's environment. A new path is one more entry here. ("shm" maps caches that the
 # owner allocated from its pool and falls back to cross-memory attach for user memory.)
-TRANSPORTS = ("tcp", "cma", "shm")
+TRANSPORTS: tuple[str, ...] = ("tcp", "cma", "shm")
+# NIXL is an optional extra: its path joins the suite where its wheel is installed (the
+# prompt serves NIXL readers by itself whenever NIXL is importable; see transport/nixl.py).
+if nixl.available() is not None:
+    TRANSPORTS += ("nixl",)
 
 # Peers never inherit the decoder's forced path: they only serve.
 PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}

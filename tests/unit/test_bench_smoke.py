@@ -15,11 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from datadist.transport import nixl
+
 ROWS = {
     "same_host_pull": "GB/s", "same_host_pull_blocks": "GB/s", "same_host_pull_pool": "GB/s",
     "same_host_small": "us", "tcp_pull": "GB/s", "tcp_pull_blocks": "GB/s", "tcp_small": "us",
     "plan_numpy": "ms", "plan_lists": "ms",
 }
+if nixl.available() is not None:  # the optional NIXL path's rows, where NIXL is installed
+    ROWS.update({"nixl_pull": "GB/s", "nixl_pull_blocks": "GB/s", "nixl_small": "us",
+                 "nixl_vs_best": "GB/s"})
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -52,6 +57,8 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
         assert rows[key]["path"] == "tcp", rows[key]
     for key in ("same_host_pull", "same_host_pull_blocks", "same_host_small"):
         assert rows[key]["path"] != "tcp", rows[key]
+    for key in ("nixl_pull", "nixl_pull_blocks", "nixl_small"):
+        assert key not in rows or rows[key]["path"] == "nixl", rows[key]
     assert result["sizes"]["contig_bytes"] == 1 << 20 and not result["at_goal_size"]
     assert "address mod 4096" in result["alignment"]
     assert len(result["peers"]) == 2 and all("NIXL" in p or "Mooncake" in p

@@ -65,6 +65,16 @@ EXAMPLES: list[p.Message] = [
 if hasattr(p, "ShmGrant"):  # the same-host shared-memory answer, where the protocol has it
     EXAMPLES.append(p.ShmGrant(3, np.array([5, -1], "<i4"), u64(1, U64_MAX), u64(0, 4096)))
 EXAMPLES += [p.Auth(b"\x01" * 32), p.Checksum(0xFFFFFFFF, U64_MAX)]
+EXAMPLES += [  # the NIXL data path's messages
+    p.NixlMdRequest(),
+    p.NixlMd(b"datadist-7-42-abcd", U64_MAX, b"\x00md" * 300),
+    p.NixlMd(b"", 0, b""),
+    p.NixlRead(p.KeyRef(p.KeyKind.CACHE_KEY, 5, 6, 7), 1024, p.ReadFlags.CHECKSUM,
+               u32(0, 3), u64(0, 64), u64(64, 32), layout=U64_MAX),
+    p.NixlGrant(5, b"agent", 3, p.MEM_VRAM, U32_MAX, u64(4096, U64_MAX)),
+    p.NixlGrant(U64_MAX, b"", 0, p.MEM_DRAM, 0, u64()),
+    p.NixlWrite(p.KeyRef(p.KeyKind.ADDRESS, 0, 0, 0), 0, 0, u32(0), u64(1 << 40), u64(64)),
+]
 
 
 def same(a: p.Message, b: p.Message) -> bool:
@@ -234,6 +244,43 @@ def test_property_decoder_any_chunking(msgs: list[p.Message], data) -> None:
 
 
 # ------------------------------------------------------------------------------ malformed input
+
+
+def test_nixl_read_refuses_grant_flags_and_raw_addresses() -> None:
+    """A NixlRead may only ask for a checksum; it never names raw addresses."""
+    good = p.NixlRead(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0, 0), 0, p.ReadFlags.NONE,
+                      u32(0), u64(0), u64(8))
+    payload = bytearray(p.encode_payload(good))
+    flags_at = p.KeyRef._S.size + 16  # after the key, unit_bytes and layout
+    for flag in (p.ReadFlags.GRANT, p.ReadFlags.SHM, 8):
+        bad = bytearray(payload)
+        bad[flags_at] = int(flag)
+        with pytest.raises(RemoteProtocolError, match="NIXL read flags"):
+            p.decode_payload(p.MsgType.NIXL_READ, bytes(bad))
+    bad = bytearray(payload)
+    bad[0] = p.KeyKind.ADDRESS
+    with pytest.raises(RemoteProtocolError, match="WRITE only"):
+        p.decode_payload(p.MsgType.NIXL_READ, bytes(bad))
+
+
+def test_nixl_write_refuses_flags() -> None:
+    good = p.NixlWrite(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0, 0), 0, 0, u32(0), u64(0), u64(8))
+    payload = bytearray(p.encode_payload(good))
+    payload[p.KeyRef._S.size + 16] = 1
+    with pytest.raises(RemoteProtocolError, match="write flags"):
+        p.decode_payload(p.MsgType.NIXL_WRITE, bytes(payload))
+
+
+def test_nixl_grant_unknown_memory_kind_and_truncated_metadata() -> None:
+    data = bytearray(p.encode_payload(p.NixlGrant(1, b"a", 1, p.MEM_DRAM, 0, u64(1))))
+    data[16] = 2  # mem
+    with pytest.raises(RemoteProtocolError, match="memory kind"):
+        p.decode_payload(p.MsgType.NIXL_GRANT, bytes(data))
+    md = p.encode_payload(p.NixlMd(b"a", 1, b"metadata"))
+    with pytest.raises(RemoteProtocolError, match="truncated"):
+        p.decode_payload(p.MsgType.NIXL_MD, md[:-1])
+    with pytest.raises(RemoteProtocolError, match="trailing"):
+        p.decode_payload(p.MsgType.NIXL_MD_REQUEST, b"x")
 
 
 def read_payload(*, kind: int = 2, ntensors: int = 1, nspans: int = 1, flags: int = 0,

@@ -358,14 +358,15 @@ class LLMConfig:
 
     @property
     def transport(self) -> str:
-        """datadist extra: force a data path ("tcp", "cma", "shm", "auto")."""
+        """datadist extra: force a data path ("tcp", "cma", "shm", "nixl", "auto"). "nixl"
+        needs the ``datadist[nixl]`` extra; without it ``init`` raises PARAM_INVALID."""
         return self._transport
 
     @transport.setter
     def transport(self, value: str) -> None:
         check_isinstance("transport", value, str, allow_none=False)
-        if value not in ("", "auto", "tcp", "cma", "shm"):
-            raise _param_invalid(f"transport must be auto, tcp, cma or shm, got {value!r}")
+        if value not in ("", "auto", "tcp", "cma", "shm", "nixl"):
+            raise _param_invalid(f"transport must be auto, tcp, cma, shm or nixl, got {value!r}")
         self._transport = value
 
     @property

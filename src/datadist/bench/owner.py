@@ -146,6 +146,7 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
             "contig_id": contig.cache_id,
             "contig_addrs": [a.ctypes.data for a in tensors],
             "blocks_addr": blocks.ctypes.data,
+            "small_addr": small.ctypes.data,
             "pool_id": pooled.cache_id,
             "pool_addrs": list(pooled.tensor_addrs),
         })

@@ -28,6 +28,9 @@ def peer_lines() -> list[str]:
         if mod is None:
             tried = ", ".join(repr(m) for m in modules)
             lines.append(f"{name}: skipped, no python module of {tried} is importable")
+        elif name == "NIXL":
+            lines.append(f"NIXL: module {mod!r} importable; the nixl rows (--only nixl) hold "
+                         "datadist's NIXL path against NIXL driven directly")
         else:
             lines.append(f"{name}: module {mod!r} importable, but this benchmark does not drive "
                          "it yet; docs/performance.md lists figures measured by hand")

@@ -31,6 +31,7 @@ from datadist.bench.puller import (
 )
 from datadist.bench.same_host import same_host_rows
 from datadist.bench.tcp import tcp_rows
+from datadist.transport.nixl import available as nixl_available
 
 
 def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> str:
@@ -43,6 +44,8 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
 
 
 GROUPS = {"same-host": 4, "tcp": 3, "plan": 2}  # row groups and their number of rows
+if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
+    GROUPS["nixl"] = 4
 
 
 def timed_steps(repeat: int, groups: tuple[str, ...] = tuple(GROUPS)) -> int:
@@ -74,6 +77,10 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain)
         rows = same_host_rows(ctx) if "same-host" in groups else []
         rows += tcp_rows(ctx) if "tcp" in groups else []
+        if "nixl" in groups:
+            from datadist.bench.nixl import nixl_rows
+
+            rows += nixl_rows(ctx)
         alignment = alignment_text(bufs, info, align)
     finally:
         if plain is not None:

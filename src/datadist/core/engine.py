@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import numpy as np
 from datadist.core import auth, metrics
 from datadist.core.errors import (
     AlreadyLinked,
+    BrokenLink,
     Busy,
     Closed,
     Code,
@@ -30,6 +32,7 @@ from datadist.core.errors import (
     InvalidArgument,
     LinkFailed,
     NotLinked,
+    NotSupported,
     OutOfMemory,
     RemoteProtocolError,
 )
@@ -118,6 +121,22 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
     check_source_spans(plan.local_offsets, plan.lengths, g.tensor_bytes)
 
 
+def _connect_nixl(path: Any, chan: Channel, connect: Callable[[float], tuple[Channel, Any]],
+                  deadline: float) -> tuple[Channel, Any, str]:
+    """Load the peer's NIXL metadata over the fresh link. A peer without NIXL (it answers
+    an Error, or, before protocol.md's NIXL messages, closes the connection) or whose
+    metadata our NIXL refuses (LinkFailed: another NIXL version) gets TCP."""
+    try:
+        path.connect(chan, deadline)
+        return chan, path, "forced nixl (UCX; metadata over the link)"
+    except (NotSupported, RemoteProtocolError, BrokenLink, LinkFailed) as e:
+        path.close()
+        log.warning("nixl forced but the peer offers no NIXL agent (%s); using tcp", e)
+        if chan.closed:
+            chan, _ = connect(deadline)
+        return chan, TcpPath(), f"nixl forced but the peer offers no NIXL agent: {e}"
+
+
 class Engine:
     """Typed core of datadist. Created by ``LLMDataDist.init``, closed by ``finalize``."""
 
@@ -139,6 +158,12 @@ class Engine:
         self.listener: TcpListener | None = None
         self.local_listener: LocalListener | None = None
         self._grants: dict[int, int] = {}  # verified peer pid -> grants outstanding
+        self.nixl: Any = None  # transport.nixl.NixlAgent when the transport is nixl
+        # open NIXL leases: id(lease) -> (peer key, fresh, is a write); each keeps the agent
+        # progressing
+        self._nixl_leases: dict[int, tuple[tuple[int, str], bool, bool]] = {}
+        self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
+        self._nixl_lock = threading.Lock()
         self._tls_client = config.tls.client_context() if config.tls else None
         try:
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
@@ -147,11 +172,47 @@ class Engine:
                     pool = HostPool(cfg.memory_size, cfg.page_shift, name)
                     self._pools[placement] = pool
                     shared.register_arena(pool.base, pool.size, pool.fd)
+            if self.forced == PathKind.NIXL:
+                self.ensure_nixl()
             if config.listen is not None:
                 self.start_listening(*config.listen)
         except BaseException:
             self.close()
             raise
+
+    def ensure_nixl(self) -> Any:
+        """Our NIXL agent (transport/nixl.py), created on first use: at init when the
+        transport is nixl (a reader), else when a reader first asks for our metadata (an
+        owner serves NIXL readers whenever NIXL is installed). The pools and the registered
+        caches are registered with it once. Raises InvalidArgument (PARAM_INVALID) without
+        NIXL installed."""
+        with self._nixl_lock:
+            if self.nixl is not None:
+                return self.nixl
+            self._check_open()
+            from datadist.transport.nixl import NixlAgent
+
+            agent = NixlAgent(self.config.cluster_id)
+            try:
+                for placement, pool in self._pools.items():
+                    # Pools are host memory, whatever their placement.
+                    agent.register(("pool", placement), np.array([pool.base], np.uint64),
+                                   pool.size, p.MEM_DRAM, 0)
+                for entry in self.registry.entries():
+                    if not entry.owned:
+                        self._nixl_register(agent, entry)
+            except BaseException:
+                agent.close()
+                raise
+            self.nixl = agent
+            return agent
+
+    @staticmethod
+    def _nixl_register(agent: Any, entry: CacheEntry) -> None:
+        from datadist.transport.nixl import memory_kind
+
+        mem, dev = memory_kind(int(entry.addrs[0]), entry.placement == DEVICE)
+        agent.register(entry.cache_id, entry.addrs, entry.geometry.tensor_bytes, mem, dev)
 
     def __repr__(self) -> str:
         return (
@@ -232,6 +293,9 @@ class Engine:
                 continue
             pool.close()
         self._pools.clear()
+        with self._nixl_lock:
+            if self.nixl is not None:
+                self.nixl.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -253,11 +317,21 @@ class Engine:
         if any(a <= 0 for a in addrs):
             raise InvalidArgument("tensor addresses must be non-zero")
         arr = np.asarray(addrs, dtype=np.uint64)
-        return self.registry.add(
-            geometry, arr, owned=False, placement=placement, keys=keys,
-            blocks_model_id=blocks_model_id, remote_accessible=remote_accessible,
-            shm=shared.lookup(arr, geometry.tensor_bytes),
-        )
+        # Under the NIXL lock: a NIXL agent created meanwhile sees the entry, and a NIXL
+        # grant for it waits for its registration (open_nixl).
+        with self._nixl_lock:
+            entry = self.registry.add(
+                geometry, arr, owned=False, placement=placement, keys=keys,
+                blocks_model_id=blocks_model_id, remote_accessible=remote_accessible,
+                shm=shared.lookup(arr, geometry.tensor_bytes),
+            )
+            if self.nixl is not None:
+                try:
+                    self._nixl_register(self.nixl, entry)
+                except BaseException:
+                    self.registry.unregister(entry.cache_id)
+                    raise
+        return entry
 
     def allocate(
         self,
@@ -300,7 +374,10 @@ class Engine:
         self.registry.deallocate(cache_id, drop_keys=blocks)
 
     def unregister(self, cache_id: int) -> None:
-        self.registry.unregister(cache_id)
+        self.registry.unregister(cache_id)  # waits for readers (leases) first
+        if self.nixl is not None:
+            with self._nixl_lock:
+                self.nixl.deregister(cache_id)
 
     def remove_key(self, key: KeyId) -> None:
         self.registry.remove_key(key)
@@ -462,10 +539,11 @@ class Engine:
             local = make_iov(*plan.local_iov(entry.addrs))
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
                           plan.lengths, wire_layout(entry.geometry))
-            # Pushes go over the control channel: the owner must check the spans before
-            # anything lands, which is what the two-step Write does.
-            link.run(deadline,
-                     lambda path, chan: _TCP.write(chan, msg, local, deadline))
+            # Pushes go over the control channel (the owner must check the spans before
+            # anything lands, which is what the two-step Write does), or, on the NIXL path,
+            # as one NIXL WRITE into spans the owner checked and leased (NixlWrite).
+            link.run(deadline, lambda path, chan: (
+                path if path.caps.name == "nixl" else _TCP).write(chan, msg, local, deadline))
         finally:
             self.registry.unhold(entry)
 
@@ -553,6 +631,14 @@ class Engine:
                 self._grants.pop(pid, None)
 
     def close_read(self, lease: Lease, ok: bool) -> None:
+        got = self._nixl_leases.pop(id(lease), None) if self._nixl_leases else None
+        if got is not None:  # a NIXL read or write (open_nixl)
+            peer_key, fresh, write = got
+            self.registry.close(lease, ok, consume=not write)
+            if ok:
+                self._nixl_wired.add(peer_key)
+            self.nixl.pump_release(fresh)
+            return
         try:
             self.registry.close(lease, ok)
         finally:
@@ -565,6 +651,51 @@ class Engine:
 
     def settle_read(self, lease: Lease, ok: bool) -> None:
         self.registry.settle(lease, ok)
+
+    def _serving_nixl(self) -> Any:
+        """Our NIXL agent for a NIXL request, created if need be; NotSupported where NIXL is
+        not installed or serving it is turned off (the reader then uses TCP)."""
+        if self._closed:
+            raise Closed("finalized")
+        if self.nixl is None and os.environ.get("DATADIST_NIXL_SERVE", "1") == "0":
+            raise NotSupported("this owner does not serve NIXL readers (DATADIST_NIXL_SERVE=0)")
+        try:
+            return self.ensure_nixl()
+        except InvalidArgument as e:
+            raise NotSupported(str(e)) from None
+
+    def nixl_metadata(self) -> p.NixlMd:
+        return self._serving_nixl().metadata()
+
+    def open_nixl(self, peer: PeerInfo, msg: p.NixlRead | p.NixlWrite, lease_id: int
+                  ) -> tuple[Lease, p.NixlGrant]:
+        """The owner's side of a NIXL pull or push: the key is resolved and the spans are
+        checked (registry.open) before anything NIXL sees them; the grant names our agent.
+        A write lease never consumes its key (as open_write)."""
+        # A reader may come back to a restarted owner without asking for metadata first:
+        # the grant names the new agent, and the reader loads it then.
+        nixl = self.nixl or self._serving_nixl()
+        lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                   msg.lengths, layout=msg.layout)
+        try:
+            entry = lease.entry
+            tensors = entry.addrs[lease.tensors], entry.geometry.tensor_bytes
+            try:
+                mem, dev = nixl.grant_info(*tensors)
+            except NotSupported:
+                with self._nixl_lock:  # registered a moment ago: its NIXL registration ends
+                    mem, dev = nixl.grant_info(*tensors)
+        except BaseException:
+            self.registry.close(lease, False)
+            raise
+        fresh = peer.key not in self._nixl_wired
+        self._nixl_leases[id(lease)] = (peer.key, fresh, isinstance(msg, p.NixlWrite))
+        nixl.pump_acquire(fresh)
+        # The client adds its offsets to the bases; raw-address offsets are absolute already.
+        bases = (np.zeros(len(msg.tensors), np.uint64) if msg.key.kind == p.KeyKind.ADDRESS
+                 else lease.bases)
+        return lease, p.NixlGrant(lease_id, nixl.name.encode(), nixl.generation, mem, dev,
+                                  bases)
 
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
         if not self.config.remote_cache_accessible and msg.key.kind != p.KeyKind.ADDRESS:
@@ -622,6 +753,7 @@ class Engine:
     def on_disconnect(self, peer: PeerInfo) -> None:
         with self._lock:
             self._inbound.pop(peer.key, None)
+        self._nixl_wired.discard(peer.key)
 
     def inbound_peers(self) -> list[PeerInfo]:
         with self._lock:
@@ -645,9 +777,20 @@ class Engine:
         so that the peer can use the link too. Blocks <= timeout."""
         self._check_open()
 
+        def greet_tcp(deadline: float) -> tuple[Channel, p.Welcome]:
+            got = connect(host, port, cluster_id, self._hello, self.config.secret, deadline,
+                          self._tls_client, PathKind.TCP, self.identity)
+            return got.chan, got.welcome
+
         def connect_(deadline: float) -> Connected:
-            return connect(host, port, cluster_id, self._hello, self.config.secret, deadline,
-                           self._tls_client, self.forced, self.identity)
+            """On every connect and reconnect: the path chosen anew; NIXL's metadata
+            loaded over the fresh channel (a peer without NIXL gets tcp)."""
+            got = connect(host, port, cluster_id, self._hello, self.config.secret, deadline,
+                          self._tls_client, self.forced, self.identity, self.nixl)
+            if got.path.caps.name != "nixl":
+                return got
+            chan, path, reason = _connect_nixl(got.path, got.chan, greet_tcp, deadline)
+            return Connected(chan, got.welcome, path, reason)
 
         deadline = time.monotonic() + timeout
         chan, welcome, path, reason = connect_(deadline)

@@ -15,7 +15,8 @@ A link has two ends, as in LLM-DataDist (docs/protocol.md, "Reverse channels"):
   linker goes away, transfers on it fail with LLM_LINK_FAILED.
 
 Path choice (``connect``), on every connect and reconnect: forced by the ``transport`` option
-or ``DATADIST_TRANSPORT``; else a peer is on this host only if the kernel says so: its WELCOME
+or ``DATADIST_TRANSPORT`` (``nixl`` forces NIXL, transport/nixl.py, which ``auto`` never
+picks); else a peer is on this host only if the kernel says so: its WELCOME
 over TCP offers the local channel (``transport/local.py``) and a unix-socket connection to it
 completes the handshake. The link then runs over that connection and reads the memory of the
 pid the kernel reported for it (shared memory or cross-memory attach), never a pid a frame
@@ -34,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from datadist.core import auth
 from datadist.core.errors import (
@@ -105,7 +106,7 @@ class Link:
     port: int
     chan: Channel
     welcome: p.Welcome
-    path: TcpPath | CmaPath
+    path: Any  # TcpPath | CmaPath | transport.nixl.NixlPath
     reason: str
     connect: Callable[[float], Connected]
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -269,7 +270,7 @@ class Connected(NamedTuple):
 
     chan: Channel
     welcome: p.Welcome
-    path: TcpPath | CmaPath
+    path: Any  # TcpPath | CmaPath | NixlPath
     reason: str
 
 
@@ -283,13 +284,20 @@ def connect(
     tls: ssl.SSLContext | None,
     forced: PathKind,
     me: HostIdentity,
+    nixl: Any = None,
 ) -> Connected:
     """Open a link's control channel and choose its data path (module docstring).
 
     Greets over TCP; a peer that claims our host and offers the local channel is greeted
-    again there, and the TCP connection is closed. Blocks <= deadline.
+    again there, and the TCP connection is closed. ``nixl``: the engine's NixlAgent, given
+    only when the transport is forced to nixl (the caller then loads the peer's metadata).
+    Blocks <= deadline.
     """
     chan, welcome = greet(host, port, cluster_id, hello, secret, deadline, tls)
+    if forced == PathKind.NIXL and nixl is not None:
+        from datadist.transport.nixl import NixlPath
+
+        return Connected(chan, welcome, NixlPath(nixl), "forced nixl")
     if forced == PathKind.TCP:
         return Connected(chan, welcome, TcpPath(), "forced tcp")
     if not me.claims_same_host(welcome.boot_id):

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from datadist.wire.protocol import Hello, Read, Welcome, Write
+from datadist.wire.protocol import (
+    Hello,
+    NixlGrant,
+    NixlMd,
+    NixlRead,
+    NixlWrite,
+    Read,
+    Welcome,
+    Write,
+)
 
 if TYPE_CHECKING:
     from datadist.transport.local import LocalCred
@@ -27,6 +36,7 @@ class PathKind(str, enum.Enum):
     TCP = "tcp"
     CMA = "cma"
     SHM = "shm"
+    NIXL = "nixl"  # optional: NIXL (UCX) moves the bytes, datadist keeps the control plane
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +116,18 @@ class RequestHandler(Protocol):
 
     def on_peer_ready(self, peer: PeerInfo) -> None:
         """The handshake completed (authenticated, when a secret is set): a linked peer."""
+        ...
+
+    def nixl_metadata(self) -> NixlMd:
+        """Our NIXL agent's metadata (NixlMdRequest); NotSupported without NIXL."""
+        ...
+
+    def open_nixl(self, peer: PeerInfo, msg: NixlRead | NixlWrite, lease_id: int
+                  ) -> tuple[LeaseLike, NixlGrant]:
+        """Resolve and bounds-check a read or write to be moved by NIXL, as open_read and
+        open_write; the lease pins the memory (and keeps our NIXL agent progressing) until
+        close_read, which the connection calls for every lease (it closes a write lease as
+        close_write would)."""
         ...
 
     def on_bye(self, peer: PeerInfo) -> None:

@@ -861,6 +861,15 @@ class ServerConnection:
                 else:
                     self.handler.close_read(lease, ok)
             return True
+        if isinstance(msg, (p.NixlRead, p.NixlWrite)):
+            return self._nixl_grant(rid, msg, deadline)
+        if isinstance(msg, p.NixlMdRequest):
+            try:
+                md = self.handler.nixl_metadata()
+            except DatadistError as e:
+                md = p.Error(int(e.code), str(e))  # type: ignore[assignment]
+            self.chan.send(md, deadline, rid)
+            return True
         if isinstance(msg, p.Release):
             held = self.leases.pop(msg.lease_id, None)
             if held is not None:
@@ -890,6 +899,21 @@ class ServerConnection:
                 log.warning("grant %d to %s not released after %.1f s: released", lease_id,
                             self.chan.address, age)
                 self.handler.close_read(lease, False)
+
+    def _nixl_grant(self, rid: int, msg: p.NixlRead | p.NixlWrite, deadline: float) -> bool:
+        """NIXL data path: grant the checked spans (the client READs or WRITEs them through
+        NIXL) and hold the lease until its Release (or the connection ends)."""
+        lease_id = next(self._lease_ids)
+        try:
+            lease, grant = self.handler.open_nixl(self.peer, msg, lease_id)  # type: ignore[arg-type]
+        except DatadistError as e:
+            self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
+            return True
+        self.leases[lease_id] = (lease, time.monotonic())  # expires as grants do
+        self.chan.send(grant, deadline, rid)
+        if msg.flags & p.ReadFlags.CHECKSUM:
+            self._send_checksum(make_iov(*lease.iov()), deadline, rid)
+        return True
 
     def _send_checksum(self, iov: np.ndarray, deadline: float, rid: int) -> None:
         """The CRC of the source spans, computed after they were sent (TCP) or while the

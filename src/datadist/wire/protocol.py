@@ -60,6 +60,12 @@ class MsgType(enum.IntEnum):
     SHM_GRANT = 13
     AUTH = 14
     CHECKSUM = 15
+    # The NIXL data path (docs/protocol.md, "NIXL"): additive, after the handshake.
+    NIXL_MD_REQUEST = 16
+    NIXL_MD = 17
+    NIXL_READ = 18
+    NIXL_GRANT = 19
+    NIXL_WRITE = 20
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
@@ -249,6 +255,83 @@ class Checksum:
 
 
 @dataclass(frozen=True, slots=True)
+class NixlMdRequest:
+    """Ask the owner for its NIXL agent's metadata (answer: NixlMd, or Error when the owner
+    has no NIXL agent)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_MD_REQUEST
+
+
+@dataclass(frozen=True, slots=True)
+class NixlMd:
+    """The owner's NIXL agent: its name, the generation of its registrations (bumped on every
+    register and deregister) and its metadata (``nixl_agent.get_agent_metadata()``)."""
+
+    agent: bytes
+    generation: int
+    metadata: bytes
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_MD
+    _S: ClassVar[struct.Struct] = struct.Struct("<QI")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NixlRead:
+    """A Read to be moved by NIXL: the same fields and checks as Read; flags may only be
+    CHECKSUM. The owner answers NixlGrant (then Checksum with that flag) or Error."""
+
+    key: KeyRef
+    unit_bytes: int
+    flags: ReadFlags
+    tensors: np.ndarray  # uint32
+    offsets: np.ndarray  # uint64
+    lengths: np.ndarray  # uint64
+    layout: int = 0
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_READ
+    _S: ClassVar[struct.Struct] = Read._S
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NixlWrite:
+    """A Write to be moved by NIXL: WRITE's fields and checks, flags 0, and no raw bytes
+    follow. The owner answers NixlGrant (the destination's bases) or Error; the writer WRITEs
+    through NIXL, then sends Release (ok = every byte landed)."""
+
+    key: KeyRef
+    unit_bytes: int
+    flags: int
+    tensors: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    layout: int = 0
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_WRITE
+    _S: ClassVar[struct.Struct] = Read._S
+
+
+MEM_DRAM, MEM_VRAM = 0, 1  # NixlGrant.mem: NIXL's DRAM_SEG and VRAM_SEG
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NixlGrant:
+    """The owner accepted a NixlRead: the reader READs the spans at ``bases`` (one per
+    requested tensor, as in Grant) from agent ``agent`` through NIXL, then sends Release.
+    ``generation``: reload the owner's metadata (NixlMdRequest) when it is newer than the one
+    loaded. ``mem``/``device``: the memory kind and device id of the source."""
+
+    lease_id: int
+    agent: bytes
+    generation: int
+    mem: int
+    device: int
+    bases: np.ndarray  # uint64
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_GRANT
+    _S: ClassVar[struct.Struct] = struct.Struct("<QQBII")
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     nonce: int
 
@@ -278,7 +361,7 @@ class Ok:
 
 Message = Union[
     Hello, Welcome, Error, Read, Write, ReadData, Grant, ShmGrant, Release, Ping, Pong, Bye, Ok,
-    Auth, Checksum,
+    Auth, Checksum, NixlMdRequest, NixlMd, NixlRead, NixlGrant, NixlWrite,
 ]
 
 
@@ -313,8 +396,8 @@ def encode_payload(msg: Message) -> bytes:
         return head + _bytes_field(msg.proof)
     if isinstance(msg, Error):
         return msg._S.pack(msg.code) + _bytes_field(msg.message.encode()[:4096])
-    if isinstance(msg, (Read, Write)):
-        if isinstance(msg, Read) and msg.key.kind == KeyKind.ADDRESS:
+    if isinstance(msg, (Read, Write, NixlRead, NixlWrite)):
+        if isinstance(msg, (Read, NixlRead)) and msg.key.kind == KeyKind.ADDRESS:
             raise LocalProtocolError("raw addresses (key kind 4) are for WRITE only")
         if len(msg.offsets) != len(msg.lengths):
             raise LocalProtocolError("offsets and lengths differ in length")
@@ -347,7 +430,15 @@ def encode_payload(msg: Message) -> bytes:
         return _bytes_field(msg.proof)
     if isinstance(msg, Checksum):
         return msg._S.pack(msg.crc, msg.nbytes)
-    if isinstance(msg, (Bye, Ok)):
+    if isinstance(msg, NixlMd):
+        if len(msg.metadata) > MAX_PAYLOAD // 2:
+            raise LocalProtocolError("NIXL metadata too large")
+        return (msg._S.pack(msg.generation, len(msg.metadata)) + _bytes_field(msg.agent)
+                + msg.metadata)
+    if isinstance(msg, NixlGrant):
+        return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, len(msg.bases))
+                + _bytes_field(msg.agent) + _array(msg.bases, U64))
+    if isinstance(msg, (Bye, Ok, NixlMdRequest)):
         return b""
     raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
 
@@ -425,7 +516,7 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
     elif mtype == MsgType.ERROR:
         (code,) = r.unpack(Error._S)
         msg = Error(code, r.bytes_field().decode("utf-8", "replace"))
-    elif mtype in (MsgType.READ, MsgType.WRITE):
+    elif mtype in (MsgType.READ, MsgType.WRITE, MsgType.NIXL_READ, MsgType.NIXL_WRITE):
         kind, a, b, c = r.unpack(KeyRef._S)
         try:
             key = KeyRef(KeyKind(kind), a, b, c)
@@ -435,7 +526,13 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         tensors = r.array(ntensors, U32)
         offsets = r.array(nspans, U64)
         lengths = r.array(nspans, U64)
-        if mtype == MsgType.READ:
+        if mtype == MsgType.NIXL_READ:
+            if key.kind == KeyKind.ADDRESS:
+                raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
+            if flags & ~int(ReadFlags.CHECKSUM):
+                raise RemoteProtocolError(f"unknown NIXL read flags {flags:#x}")
+            msg = NixlRead(key, unit_bytes, ReadFlags(flags), tensors, offsets, lengths, layout)
+        elif mtype == MsgType.READ:
             if key.kind == KeyKind.ADDRESS:
                 raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
             if flags & ~int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM):
@@ -445,7 +542,8 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         else:
             if flags:  # no write flags are defined in this version
                 raise RemoteProtocolError(f"unknown write flags {flags:#x}")
-            msg = Write(key, unit_bytes, flags, tensors, offsets, lengths, layout)
+            cls = Write if mtype == MsgType.WRITE else NixlWrite
+            msg = cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
     elif mtype == MsgType.READ_DATA:
         (n,) = r.unpack(ReadData._S)
         msg = ReadData(n)
@@ -468,6 +566,18 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         msg = Checksum(*r.unpack(Checksum._S))
     elif mtype == MsgType.AUTH:
         msg = Auth(r.bytes_field())
+    elif mtype == MsgType.NIXL_MD_REQUEST:
+        msg = NixlMdRequest()
+    elif mtype == MsgType.NIXL_MD:
+        gen, n = r.unpack(NixlMd._S)
+        agent = r.bytes_field()
+        msg = NixlMd(agent, gen, bytes(r.take(n)))
+    elif mtype == MsgType.NIXL_GRANT:
+        lease, gen, mem, device, count = r.unpack(NixlGrant._S)
+        if mem not in (MEM_DRAM, MEM_VRAM):
+            raise RemoteProtocolError(f"unknown NIXL memory kind {mem}")
+        agent = r.bytes_field()
+        msg = NixlGrant(lease, agent, gen, mem, device, r.array(count, U64))
     elif mtype == MsgType.BYE:
         msg = Bye()
     elif mtype == MsgType.OK:

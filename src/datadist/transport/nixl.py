@@ -1,0 +1,526 @@
+"""NIXL: an optional data path through the field's transfer engine (UCX and its backends).
+
+Imported only when the NIXL path is chosen (``transport = "nixl"``, ``datadist.Transport``,
+``DATADIST_TRANSPORT``); NIXL itself comes with the ``datadist[nixl]`` extra (the
+``nixl-cu12`` wheel, module ``nixl_cu12``).
+
+datadist keeps its own control plane: keys, bounds, leases, deadlines and errors travel on the
+link's control channel (docs/protocol.md, "NIXL"); only the bytes move through NIXL, as one
+READ per pull.
+
+Who calls:
+
+* the engine owns one :class:`NixlAgent` (created at init, closed at finalize), registers its
+  pools and registered caches with it once, and, as the owner, answers NixlMdRequest and
+  NixlRead with it (:meth:`NixlAgent.metadata`, :meth:`NixlAgent.grant_info`);
+* a link forced to NIXL reads through a :class:`NixlPath` under the link's lock.
+
+Progress: the agent has no progress thread (NIXL's spins a core even when idle). The reader
+drives its own transfer while it waits for it; the owner drives its agent from a pump thread
+that sleeps on a condition while no NIXL lease is open (between NixlGrant and Release), beats
+fast while a new connection's first read is under way and slowly otherwise (PUMP_FAST,
+PUMP_SLOW). Each progress call holds the owner's GIL, which is why the beat is not faster.
+
+Memory: host memory is NIXL DRAM. Device-placed caches whose addresses are CUDA memory (a
+``cudaPointerGetAttributes`` query) are NIXL VRAM with their device id, per NIXL's contract;
+there is no GPU where this was written, so that branch is untested.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import importlib
+import logging
+import math
+import os
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from datadist.core.errors import (
+    BrokenLink,
+    InvalidArgument,
+    LinkFailed,
+    NotSupported,
+    RemoteProtocolError,
+    Timeout,
+)
+from datadist.transport.base import TransportCaps
+from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, span_iov
+from datadist.wire import protocol as p
+
+log = logging.getLogger(__name__)
+
+MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' module names, most likely first
+BACKEND = "UCX"
+# Seconds between two progress calls of the owner's pump: fast while a lease of a connection
+# that has not completed a NIXL read yet is open (UCX wires the endpoint up then, which needs
+# the owner), slow otherwise (measured: once wired up, UCX reads complete without the owner;
+# the slow beat only keeps UCX's housekeeping going). Idle (no lease open): no beat at all.
+PUMP_FAST = 50e-6
+PUMP_SLOW = 2e-3
+HANDLE_CACHE = 32  # prepared transfer handles kept per link, for repeated identical pulls
+PEER_CHECK_EVERY = 64  # polls of a transfer between two looks at the control channel
+_KIND = {p.MEM_DRAM: "DRAM", p.MEM_VRAM: "VRAM"}
+
+
+def load() -> Any:
+    """The NIXL module. Raises InvalidArgument (PARAM_INVALID) with what to install."""
+    for name in MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # NIXL logs every agent and backend creation at INFO on stdout: a library's
+            # stdout is its user's. NIXL_LOG_LEVEL still wins.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return mod
+    raise InvalidArgument(
+        "transport 'nixl' needs NIXL: pip install 'datadist[nixl]' (the nixl-cu12 wheel)"
+    )
+
+
+def available() -> str | None:
+    """The importable NIXL module's name, or None. Never raises."""
+    import importlib.util
+
+    for name in MODULES:
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(name) is not None:
+                return name
+    return None
+
+
+def plugins() -> list[str]:
+    """NIXL's available backend plugins (``datadist info``). Creates a throwaway agent with
+    no backend; raises InvalidArgument without NIXL."""
+    mod = load()
+    cfg = mod.nixl_agent_config(enable_prog_thread=False, backends=[])
+    agent = mod.nixl_agent(f"datadist-probe-{os.getpid()}", cfg)
+    return list(agent.get_plugin_list())
+
+
+# ----------------------------------------------------------------------------- memory kinds
+
+
+class _CudaPointerAttributes(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+
+
+_cudart: Any = None
+
+
+def _cuda_device(addr: int) -> int | None:
+    """The CUDA device ``addr`` lies on, or None for host memory (or no CUDA runtime)."""
+    global _cudart
+    if _cudart is None:
+        _cudart = False
+        for lib in ("libcudart.so", "libcudart.so.12", "libcudart.so.13"):
+            with contextlib.suppress(OSError):
+                _cudart = ctypes.CDLL(lib)
+                break
+    if not _cudart:
+        return None
+    attrs = _CudaPointerAttributes()
+    if _cudart.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(addr)) != 0:
+        _cudart.cudaGetLastError()
+        return None
+    return attrs.device if attrs.type in (2, 3) else None  # cudaMemoryTypeDevice, Managed
+
+
+def memory_kind(addr: int, device_placement: bool) -> tuple[int, int]:
+    """(MEM_DRAM or MEM_VRAM, device id) of a cache's memory. Only device-placed caches are
+    asked of CUDA; host placement is always DRAM."""
+    if device_placement:
+        dev = _cuda_device(addr)
+        if dev is not None:
+            return p.MEM_VRAM, dev
+    return p.MEM_DRAM, 0
+
+
+# ----------------------------------------------------------------------------- the agent
+
+
+class NixlAgent:
+    """One NIXL agent per engine. Thread-safe (NIXL in strict sync mode, plus our lock)."""
+
+    def __init__(self, cluster_id: int) -> None:
+        mod = load()
+        cfg = mod.nixl_agent_config(
+            enable_prog_thread=False, enable_listen_thread=False, backends=[BACKEND],
+            sync_mode=mod.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self.name = f"datadist-{cluster_id}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self.agent = mod.nixl_agent(self.name, cfg)
+        except Exception as e:  # NIXL raises its own types
+            raise NotSupported(f"cannot create a NIXL agent: {e}") from e
+        if BACKEND not in self.agent.backends:
+            raise NotSupported(f"NIXL has no {BACKEND} backend here "
+                               f"(plugins: {self.agent.get_plugin_list()})")
+        self.generation = 1
+        self._lock = threading.Lock()
+        self._regions: dict[object, tuple[Any, np.ndarray, int, int]] = {}
+        self._starts: list[tuple[int, int, int, int]] = []  # (addr, end, mem, dev), sorted
+        self._remote: dict[str, int] = {}  # loaded remote agents -> links using them
+        self._pump_users = 0
+        self._pump_fresh = 0  # of those, leases of connections without a completed read
+        self._pump_cv = threading.Condition(self._lock)
+        self._pump: threading.Thread | None = None
+        self._stuck: list[Any] = []  # handles NIXL could not release yet
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (f"<NixlAgent {self.name} regions={len(self._regions)} "
+                f"remotes={len(self._remote)} gen={self.generation}>")
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self.agent.backends)
+
+    # -------------------------------------------------------------- registration
+
+    def register(self, key: object, addrs: np.ndarray, nbytes: int, mem: int, dev: int) -> None:
+        """Register ``len(addrs)`` regions of ``nbytes`` each under ``key`` (a cache id, a
+        pool). Called by the engine once per cache; raises NotSupported if NIXL refuses."""
+        if key in self._regions:
+            return
+        arr = np.empty((len(addrs), 3), dtype=np.uint64)
+        arr[:, 0] = addrs
+        arr[:, 1] = nbytes
+        arr[:, 2] = dev
+        try:
+            reg = self.agent.register_memory(arr, _KIND[mem])
+        except Exception as e:
+            raise NotSupported(f"NIXL cannot register {_KIND[mem]} memory: {e}") from e
+        with self._lock:
+            self._regions[key] = (reg, arr, mem, dev)
+            for a in addrs.tolist():
+                bisect.insort(self._starts, (a, a + nbytes, mem, dev))
+            self.generation += 1
+
+    def deregister(self, key: object) -> None:
+        """Forget what ``register(key, ...)`` registered. Unknown keys: no-op. The engine
+        calls it once no lease uses the memory any more."""
+        with self._lock:
+            got = self._regions.pop(key, None)
+            if got is None:
+                return
+            reg, arr, mem, dev = got
+            n = int(arr[0, 1]) if len(arr) else 0
+            for a in arr[:, 0].tolist():
+                with contextlib.suppress(ValueError):
+                    self._starts.remove((a, a + n, mem, dev))
+            self.generation += 1
+        try:
+            self.agent.deregister_memory(reg)
+        except Exception as e:  # pragma: no cover - NIXL refuses only on a bad list
+            log.warning("NIXL deregistration of %r failed: %s", key, e)
+
+    def kind_of(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        """(mem, dev) of the registered region holding [addr, addr + nbytes), else None."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, (addr, math.inf))
+            for _start, end, mem, dev in reversed(self._starts[max(0, i - 8):i]):
+                if addr + nbytes <= end:
+                    return mem, dev
+        return None
+
+    # -------------------------------------------------------------- owner side
+
+    def metadata(self) -> p.NixlMd:
+        """Our metadata for a reader (NixlMdRequest)."""
+        with self._lock:
+            gen = self.generation
+        return p.NixlMd(self.name.encode(), gen, bytes(self.agent.get_agent_metadata()))
+
+    def grant_info(self, addrs: np.ndarray, nbytes: int) -> tuple[int, int]:
+        """(mem, dev) of the tensors ``addrs`` (``nbytes`` each) of a lease; NotSupported if
+        one lies outside NIXL-registered memory (nothing is granted then)."""
+        kinds = {self.kind_of(a, nbytes) for a in set(addrs.tolist())}
+        if None in kinds or len(kinds) != 1:
+            raise NotSupported("the cache is not registered with NIXL on the owner")
+        return kinds.pop()  # type: ignore[return-value]
+
+    def pump_acquire(self, fresh: bool) -> None:
+        """A NIXL lease opened: keep the agent progressing until pump_release. ``fresh``:
+        its connection has not completed a NIXL read yet (the endpoint is being wired up)."""
+        with self._pump_cv:
+            self._pump_users += 1
+            self._pump_fresh += int(fresh)
+            if self._pump is None and not self._closed:
+                self._pump = threading.Thread(target=self._run_pump, daemon=True,
+                                              name="datadist-nixl-pump")
+                self._pump.start()
+            self._pump_cv.notify()
+
+    def pump_release(self, fresh: bool) -> None:
+        with self._pump_cv:
+            self._pump_users = max(0, self._pump_users - 1)
+            self._pump_fresh = max(0, self._pump_fresh - int(fresh))
+
+    @property
+    def pump_busy(self) -> bool:
+        """True while a lease keeps the pump beating (tests, ``datadist info``)."""
+        with self._lock:
+            return bool(self._pump_users)
+
+    def _run_pump(self) -> None:
+        while True:
+            with self._pump_cv:
+                while not self._pump_users and not self._closed:
+                    self._pump_cv.wait()  # idle: no lease, no beat, no CPU
+                if self._closed:
+                    return
+                beat = PUMP_FAST if self._pump_fresh else PUMP_SLOW
+            try:
+                self.agent.get_new_notifs()  # progresses every backend's worker
+            except Exception as e:  # pragma: no cover
+                log.debug("NIXL progress failed: %s", e)
+            time.sleep(beat)
+
+    # -------------------------------------------------------------- reader side
+
+    def add_remote(self, md: p.NixlMd) -> str:
+        """Load (or reload) a peer's metadata; returns its agent name."""
+        try:
+            name = self.agent.add_remote_agent(md.metadata)
+        except Exception as e:
+            raise LinkFailed(f"NIXL refused the peer's metadata: {e}") from e
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != md.agent.decode(errors="replace"):
+            raise RemoteProtocolError(f"NIXL metadata names agent {name!r}, not {md.agent!r}")
+        with self._lock:
+            self._remote[name] = self._remote.get(name, 0) + 1
+        return name
+
+    def drop_remote(self, name: str) -> None:
+        with self._lock:
+            left = self._remote.get(name, 0) - 1
+            if left > 0:
+                self._remote[name] = left
+                return
+            self._remote.pop(name, None)
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(name)
+
+    def make_xfer(self, op: str, remote: str, local: np.ndarray, src: np.ndarray,
+                  src_mem: int, src_dev: int) -> Any:
+        """A READ (or WRITE) handle between local spans ``local`` (registered here) and the
+        peer's spans ``src``; both (n, 2) iovs of equal lengths."""
+        kind = self.kind_of(int(local[0, 0]), int(local[0, 1])) if len(local) else None
+        if kind is None:
+            raise InvalidArgument("the destination cache is not registered with NIXL")
+        mem, dev = kind
+        ld = np.empty((len(local), 3), dtype=np.uint64)
+        ld[:, :2] = local
+        ld[:, 2] = dev
+        rd = np.empty((len(src), 3), dtype=np.uint64)
+        rd[:, :2] = src
+        rd[:, 2] = src_dev
+        a = self.agent
+        try:
+            return a.initialize_xfer(op, a.get_xfer_descs(ld, _KIND[mem]),
+                                     a.get_xfer_descs(rd, _KIND[src_mem]), remote)
+        except Exception as e:
+            raise LinkFailed(f"NIXL cannot prepare the {op}: {e}") from e
+
+    def run(self, handle: Any, deadline: float, peer_gone: Any) -> None:
+        """Post ``handle`` and drive it to completion. Raises Timeout past ``deadline``,
+        BrokenLink when NIXL reports an error or ``peer_gone()`` turns true; the handle is
+        then released (the caller must not reuse it)."""
+        a = self.agent
+        try:
+            state = a.transfer(handle)
+        except Exception as e:
+            self.release(handle)
+            raise BrokenLink(f"NIXL could not post the transfer: {e}") from e
+        polls = 0
+        while state == "PROC":
+            polls += 1
+            if polls % PEER_CHECK_EVERY == 0:
+                if time.monotonic() > deadline:
+                    self.release(handle)
+                    raise Timeout("NIXL transfer did not complete before the deadline")
+                if peer_gone():
+                    self.release(handle)
+                    raise BrokenLink("the owner went away during a NIXL transfer")
+            try:
+                state = a.check_xfer_state(handle)
+            except Exception as e:
+                self.release(handle)
+                raise BrokenLink(f"NIXL transfer failed: {e}") from e
+        if state != "DONE":
+            self.release(handle)
+            raise BrokenLink("NIXL transfer failed (transfer state ERR)")
+
+    def release(self, handle: Any) -> None:
+        """Release a transfer handle; one NIXL cannot cancel yet is retried at close."""
+        try:
+            handle.release()
+        except Exception as e:
+            log.warning("NIXL could not release a transfer handle yet (%s); kept", e)
+            with self._lock:
+                self._stuck.append(handle)
+
+    def close(self) -> None:
+        """Stop the pump, release what is left, deregister everything. Idempotent."""
+        with self._pump_cv:
+            if self._closed:
+                return
+            self._closed = True
+            pump, stuck, keys = self._pump, list(self._stuck), list(self._regions)
+            self._stuck.clear()
+            self._pump_cv.notify_all()
+        if pump is not None:
+            pump.join(1.0)
+        for h in stuck:
+            with contextlib.suppress(Exception):
+                h.release()
+        for key in keys:
+            self.deregister(key)
+
+
+# ----------------------------------------------------------------------------- the path
+
+
+class NixlPath:
+    """The client side of a link forced to NIXL. Used under the link's lock.
+
+    A pull is one exchange on the control channel (NixlRead -> NixlGrant: the owner resolved
+    the key and checked the bounds), one NIXL READ from the granted spans, and a Release.
+    The peer's metadata is loaded at link time and reloaded when a grant shows a newer
+    generation or another agent (the peer restarted). Handles for identical reads are kept
+    (up to HANDLE_CACHE) and reposted.
+    """
+
+    caps = TransportCaps("nixl", same_host_only=False, one_sided=True, device_memory=True)
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self.agent = agent
+        self.remote: str | None = None
+        self.generation = -1
+        self._handles: OrderedDict[tuple[str, str, int, int, bytes, bytes], Any] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<NixlPath remote={self.remote} gen={self.generation}>"
+
+    def connect(self, chan: Any, deadline: float) -> None:
+        """Fetch and load the owner's metadata (link time, and when it changed)."""
+        md = chan.call(p.NixlMdRequest(), deadline)
+        if not isinstance(md, p.NixlMd):
+            chan.close()
+            raise RemoteProtocolError(f"expected NixlMd, got {type(md).__name__}")
+        name = self.agent.add_remote(md)
+        if self.remote is not None:
+            self._forget()
+            self.agent.drop_remote(self.remote)
+        self.remote, self.generation = name, md.generation
+
+    def read(self, chan: Any, msg: p.Read, local: np.ndarray, deadline: float) -> None:
+        flags = msg.flags & p.ReadFlags.CHECKSUM
+        req = p.NixlRead(msg.key, msg.unit_bytes, flags, msg.tensors, msg.offsets,
+                         msg.lengths, msg.layout)
+        grant = chan.call(req, deadline)
+        if not isinstance(grant, p.NixlGrant) or len(grant.bases) != len(msg.tensors):
+            chan.close()
+            raise RemoteProtocolError(f"expected a NixlGrant for the request, got {grant!r}")
+        ok = False
+        try:
+            ck = chan.answer(deadline) if flags else None
+            if ck is not None and not isinstance(ck, p.Checksum):
+                chan.close()
+                raise RemoteProtocolError(f"expected Checksum, got {type(ck).__name__}")
+            self._refresh(chan, grant, deadline)
+            src = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
+            if iov_nbytes(src) != iov_nbytes(local):
+                raise RemoteProtocolError("the grant does not match the request")
+            self._xfer("READ", chan, local, src, grant, deadline)
+            if ck is not None:
+                got = crc_iov(local)
+                if ck.crc != got or ck.nbytes != iov_nbytes(local):
+                    from datadist.core.errors import IntegrityError
+
+                    raise IntegrityError(f"checksum mismatch over NIXL: owner {ck.crc:#010x}, "
+                                         f"arrived {got:#010x}")
+            ok = True
+        finally:
+            self._release(chan, grant, ok, deadline)
+
+    def write(self, chan: Any, msg: p.Write, local: np.ndarray, deadline: float) -> None:
+        """A push: NixlWrite (the owner checks and leases the destination spans), one NIXL
+        WRITE, Release."""
+        req = p.NixlWrite(msg.key, msg.unit_bytes, 0, msg.tensors, msg.offsets, msg.lengths,
+                          msg.layout)
+        grant = chan.call(req, deadline)
+        if not isinstance(grant, p.NixlGrant) or len(grant.bases) != len(msg.tensors):
+            chan.close()
+            raise RemoteProtocolError(f"expected a NixlGrant for the push, got {grant!r}")
+        ok = False
+        try:
+            self._refresh(chan, grant, deadline)
+            dst = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
+            if iov_nbytes(dst) != iov_nbytes(local):
+                raise RemoteProtocolError("the grant does not match the push")
+            self._xfer("WRITE", chan, local, dst, grant, deadline)
+            ok = True
+        finally:
+            self._release(chan, grant, ok, deadline)
+
+    def _refresh(self, chan: Any, grant: p.NixlGrant, deadline: float) -> None:
+        """Reload the owner's metadata when the grant shows another agent or a newer
+        generation than the one loaded."""
+        if grant.agent.decode(errors="replace") != self.remote or (
+                grant.generation > self.generation):
+            self.connect(chan, deadline)
+
+    @staticmethod
+    def _release(chan: Any, grant: p.NixlGrant, ok: bool, deadline: float) -> None:
+        if not chan.closed:
+            try:
+                chan.send(p.Release(grant.lease_id, ok), deadline)
+            except Exception:
+                if ok:
+                    raise
+
+    def _xfer(self, op: str, chan: Any, local: np.ndarray, remote: np.ndarray,
+              grant: p.NixlGrant, deadline: float) -> None:
+        assert self.remote is not None
+        # Both sides' registration generations: a handle never outlives the registrations
+        # it was made against (a cache unregistered and another registered at its address).
+        key = (op, self.remote, self.generation, self.agent.generation, local.tobytes(),
+               remote.tobytes())
+        handle = self._handles.pop(key, None)
+        if handle is None:
+            handle = self.agent.make_xfer(op, self.remote, local, remote, grant.mem,
+                                          grant.device)
+        try:
+            self.agent.run(handle, deadline, chan.peer_gone)
+        except BaseException:
+            self._forget()  # a broken transfer may have broken the connection behind them
+            raise
+        self._handles[key] = handle
+        while len(self._handles) > HANDLE_CACHE:
+            self.agent.release(self._handles.popitem(last=False)[1])
+
+    def _forget(self) -> None:
+        while self._handles:
+            self.agent.release(self._handles.popitem()[1])
+
+    def close(self) -> None:
+        """Release the kept handles and the peer's metadata. Idempotent."""
+        self._forget()
+        if self.remote is not None:
+            self.agent.drop_remote(self.remote)
+            self.remote = None
+
+
+__all__ = ["NixlAgent", "NixlPath", "available", "load", "memory_kind", "plugins"]

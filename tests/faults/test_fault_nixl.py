@@ -1,0 +1,176 @@
+"""Faults on the NIXL data path (transport/nixl.py), between real processes on one host.
+
+The generic peer faults (killed before and after a pull, stopped, restarted with the same
+identity, unlink and relink during pulls) run over NIXL in test_fault_peers.py; this module
+adds the ones that hit a NIXL transfer in flight, and the owner's side of a NIXL lease
+(spoken by hand: NixlMdRequest, NixlRead, NixlGrant, Release). Skipped without NIXL.
+
+What holds: a pull that a fault hits ends with LLM_TIMEOUT or LLM_LINK_FAILED within its
+deadline plus a margin, or, when the transfer was already through, with the right bytes; the
+decoder stays usable; the owner's lease pins the cache (unregister waits) until the reader
+releases it or goes away, and never longer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+from fault_harness import Peer, Peers, RawClient, link, measured, target, watch_progress
+
+from datadist.transport import nixl
+from datadist.wire import protocol as p
+
+pytestmark = pytest.mark.skipif(nixl.available() is None, reason="NIXL (nixl-cu12) not installed")
+
+NIXL = {"DATADIST_TRANSPORT": "nixl"}
+MARGIN = 10.0
+FAILED = {"LLM_TIMEOUT", "LLM_LINK_FAILED"}
+SMALL = {"num_tensors": 2, "blocks": 16, "block_bytes": 4096}
+ALL = list(range(16))
+BIG = {"num_tensors": 2, "blocks": 64, "block_bytes": 4 << 20}  # 512 MiB, one span a tensor
+BIG_ALL = list(range(64))
+BIG_SYNC_MS = 3000
+
+
+def _world(peers: Peers) -> tuple[Peer, Peer, Peer]:
+    """A victim prompt holding a 512 MiB cache, a healthy prompt, a NIXL decoder."""
+    victim = peers.prompt(name="victim")  # owners serve NIXL readers without being told
+    healthy = peers.prompt(name="healthy")
+    dec = peers.decoder(env=NIXL, sync_ms=BIG_SYNC_MS)
+    victim.call("register", name="big", seed=5, model_id=1, cheap=True, **BIG)
+    healthy.call("register", name="src", seed=2, **SMALL)
+    dec.call("register", name="dst", **SMALL)
+    for prompt in (victim, healthy):
+        assert link(dec, prompt)["code"] == "LLM_SUCCESS"
+        assert dec.call("path", cid=prompt.cluster_id)["path"] == "nixl"
+    return victim, healthy, dec
+
+
+def _usable(dec: Peer, healthy: Peer, victim: Peer) -> None:
+    r = dec.call("pull", cid=healthy.cluster_id, dst="dst", src_blocks=ALL, dst_blocks=ALL,
+                 seed=2, clear=True)
+    assert r["ok"] and r["verified"], r
+    assert dec.call("unlink", clusters=target(victim), force=True)["code"] == "LLM_SUCCESS"
+
+
+def _big_pull(dec: Peer, victim: Peer, shm_dir: str) -> str:
+    shm = os.path.join(shm_dir, "dst")
+    dec.call("register", name="big", shm=shm, **BIG)
+    dec.send("pull", cid=victim.cluster_id, dst="big", model_id=1, src_blocks=BIG_ALL,
+             dst_blocks=BIG_ALL)
+    return shm
+
+
+def _ended_in_time(r: dict, label: str) -> None:
+    """Failed with the right code in time; or succeeded (the transfer beat the fault)."""
+    measured(f"{label} -> {r['code']}", r["elapsed"], BIG_SYNC_MS / 1000 + MARGIN)
+    if r["ok"]:
+        return
+    assert r["code"] in FAILED, r
+    assert r["elapsed"] < BIG_SYNC_MS / 1000 + MARGIN, r
+
+
+@pytest.mark.timeout(120)
+def test_killed_during_large_nixl_pull(peers: Peers, shm_dir: str) -> None:
+    victim, healthy, dec = _world(peers)
+    shm = _big_pull(dec, victim, shm_dir)
+    assert watch_progress(shm, 8 << 20, timeout=30), "the pull never started"
+    victim.kill()
+    r = dec.recv(BIG_SYNC_MS / 1000 + MARGIN + 5)
+    _ended_in_time(r, "[nixl] killed during a 512 MiB pull")
+    _usable(dec, healthy, victim)
+
+
+@pytest.mark.timeout(120)
+def test_stopped_during_large_nixl_pull(peers: Peers, shm_dir: str) -> None:
+    """SIGSTOP mid-transfer: the deadline ends the pull (LLM_TIMEOUT) unless the bytes were
+    through; after SIGCONT the owner lets go of the lease (unregister returns at once) and
+    the same link pulls again."""
+    victim, healthy, dec = _world(peers)
+    shm = _big_pull(dec, victim, shm_dir)
+    assert watch_progress(shm, 8 << 20, timeout=30), "the pull never started"
+    victim.signal(signal.SIGSTOP)
+    try:
+        r = dec.recv(BIG_SYNC_MS / 1000 + MARGIN + 5)
+        _ended_in_time(r, "[nixl] stopped during a 512 MiB pull")
+        if not r["ok"]:
+            assert r["code"] == "LLM_TIMEOUT", r
+    finally:
+        victim.signal(signal.SIGCONT)
+    victim.call("register", name="src", seed=1, **SMALL)
+    r = dec.call("pull", cid=victim.cluster_id, dst="dst", src_blocks=ALL, dst_blocks=ALL,
+                 seed=1, clear=True)
+    assert r["ok"] and r["verified"], f"no recovery after SIGCONT: {r}"
+    u = victim.call("unregister", name="big", timeout=60)
+    measured("[nixl] owner releases the lease after SIGCONT (unregister)", u["elapsed"], 30)
+    assert u["elapsed"] < 5, u
+    _usable(dec, healthy, victim)
+
+
+def _nixl_client(victim: Peer) -> RawClient:
+    assert victim.port is not None and victim.cluster_id is not None
+    cli = RawClient(victim.port)
+    cli.hello(victim.cluster_id + 1)
+    cli.send(p.encode(p.NixlMdRequest(), 2))
+    got = cli.next()
+    assert got is not None and isinstance(got[1], p.NixlMd), got
+    assert got[1].agent.startswith(b"datadist-") and got[1].metadata
+    return cli
+
+
+def _nixl_read(cli: RawClient, tensors: list[int], offset: int, length: int,
+               rid: int) -> p.Message:
+    cli.send(p.encode(p.NixlRead(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0), 0, p.ReadFlags.NONE,
+                                 np.array(tensors, dtype=np.uint32),
+                                 np.array([offset], dtype=np.uint64),
+                                 np.array([length], dtype=np.uint64)), rid))
+    got = cli.next()
+    assert got is not None and got[0] == rid, got
+    return got[1]  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(90)
+def test_owner_checks_bounds_and_holds_the_lease_until_release(peers: Peers) -> None:
+    """Bounds are checked before the owner grants anything; a granted NIXL read pins the
+    cache: unregister waits until the reader's Release, then returns."""
+    victim = peers.prompt(name="victim")
+    geo = {"num_tensors": 2, "blocks": 16, "block_bytes": 4096}
+    tb = geo["blocks"] * geo["block_bytes"]
+    info = victim.call("register", name="src", seed=9, model_id=1, **geo)
+    cli = _nixl_client(victim)
+    try:
+        bad = _nixl_read(cli, [0, 1], tb - 8, 16, 3)  # crosses the end of each tensor
+        assert isinstance(bad, p.Error) and bad.code != 0, bad
+        bad = _nixl_read(cli, [2], 0, 8, 4)  # no tensor 2
+        assert isinstance(bad, p.Error), bad
+        grant = _nixl_read(cli, [0, 1], 4096, 8192, 5)
+        assert isinstance(grant, p.NixlGrant), grant
+        assert grant.mem == p.MEM_DRAM
+        assert grant.bases.tolist() == info["addrs"], "bases are the tensors' own addresses"
+        victim.send("unregister", name="src")
+        with pytest.raises(AssertionError, match="no reply"):
+            victim.recv(1.0)  # the grant's lease holds the cache
+        cli.send(p.encode(p.Release(grant.lease_id, True), 6))
+        u = victim.recv(30)
+        assert u["elapsed"] >= 1.0, u
+    finally:
+        cli.close()
+
+
+@pytest.mark.timeout(90)
+def test_owner_releases_the_lease_of_a_reader_that_vanishes(peers: Peers) -> None:
+    """A reader that got a NixlGrant and disconnects without Release does not pin the
+    cache: the connection's end closes its leases."""
+    victim = peers.prompt(name="victim")
+    victim.call("register", name="src", seed=9, model_id=1, **SMALL)
+    cli = _nixl_client(victim)
+    try:
+        grant = _nixl_read(cli, [0, 1], 0, 4096, 3)
+        assert isinstance(grant, p.NixlGrant), grant
+    finally:
+        cli.close()
+    u = victim.call("unregister", name="src", timeout=30)
+    assert u["elapsed"] < 5, u

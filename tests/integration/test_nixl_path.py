@@ -1,0 +1,467 @@
+"""The NIXL data path (transport/nixl.py) between two engines in this process, and how it is
+chosen. The two-process suites run over it too (TRANSPORTS in _support.py); these tests look
+at what only NIXL has: selection and its errors, the owner's lazily created agent, metadata
+reloads when the owner's registrations change, handle reuse, the pump that runs only during
+transfers, the fallback to TCP for an owner without NIXL. The selection tests run everywhere;
+the rest skip without the nixl-cu12 wheel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import datadist as llm_datadist
+from datadist.core.engine import Engine, EngineConfig
+from datadist.core.errors import (
+    BrokenLink,
+    CacheNotFound,
+    InvalidArgument,
+    LinkFailed,
+    NotLinked,
+    Timeout,
+)
+from datadist.core.layout import Geometry, Plan, layer_tensor_indices, plan_slot
+from datadist.transport import nixl
+from datadist.wire import protocol as p
+
+pytestmark = pytest.mark.timeout(60)
+needs_nixl = pytest.mark.skipif(nixl.available() is None, reason="nixl-cu12 not installed")
+S = llm_datadist.LLMStatusCode
+KEY = p.KeyRef(p.KeyKind.CACHE_ID, 1, 0)
+
+
+# ------------------------------------------------------------------------------ selection
+
+
+def test_config_accepts_nixl_and_still_refuses_unknown_paths() -> None:
+    cfg = llm_datadist.LLMConfig()
+    cfg.transport = "nixl"
+    assert cfg.generate_options()["datadist.Transport"] == "nixl"
+    with pytest.raises(llm_datadist.LLMException) as e:
+        cfg.transport = "rdma"
+    assert e.value.status_code == S.LLM_PARAM_INVALID
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_nixl_without_nixl_installed_is_param_invalid_at_init(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Choosing the NIXL path where NIXL cannot be imported fails init, with what to install
+    (the option may be set where the config is written, on another machine)."""
+    monkeypatch.setattr(nixl, "MODULES", ("datadist_no_such_nixl_module",))
+    if how == "env":
+        monkeypatch.setenv("DATADIST_TRANSPORT", "nixl")
+    dd = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 5)
+    cfg = llm_datadist.LLMConfig()
+    cfg.local_comm_res = ""
+    options = cfg.generate_options()
+    if how == "option":
+        options["datadist.Transport"] = "nixl"
+    with pytest.raises(llm_datadist.LLMException) as e:
+        dd.init(options)
+    assert e.value.status_code == S.LLM_PARAM_INVALID
+    assert "datadist[nixl]" in str(e.value)
+    dd.finalize()
+
+
+def test_engine_without_nixl_refuses_nixl_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nixl, "MODULES", ("datadist_no_such_nixl_module",))
+    with pytest.raises(InvalidArgument, match="nixl"):
+        Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+
+
+# ------------------------------------------------------------------------------ the path
+
+
+@pytest.fixture
+def pair():
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+    yield owner, puller
+    puller.close()
+    owner.close()
+
+
+def _link(owner: Engine, puller: Engine):
+    host, port = owner.listen_address
+    return puller.link(1, host, port, 5.0)
+
+
+def _caches(owner: Engine, puller: Engine, n: int, fill: int = 7):
+    src = np.full(n, fill, np.uint8)
+    src[::97] = np.arange(len(src[::97]), dtype=np.uint64).astype(np.uint8)
+    owner.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
+    dst = np.zeros(n, np.uint8)
+    entry = puller.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    return src, dst, entry, plan
+
+
+@needs_nixl
+def test_auto_never_picks_nixl() -> None:
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2))
+    try:
+        assert _link(owner, puller).path_name in ("cma", "shm")
+        assert puller.nixl is None and owner.nixl is None
+    finally:
+        puller.close()
+        owner.close()
+
+
+@needs_nixl
+def test_pull_over_nixl_reuses_its_handle_and_the_owner_pump_stops(pair) -> None:
+    owner, puller = pair
+    assert owner.nixl is None  # created when a reader first asks for it
+    src, dst, entry, plan = _caches(owner, puller, 1 << 20)
+    link = _link(owner, puller)
+    assert link.path_name == "nixl" and "forced nixl" in link.reason
+    assert owner.nixl is not None and owner.nixl.name.encode() in repr(link.path).encode()
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert len(link.path._handles) == 1
+    handle = next(iter(link.path._handles.values()))
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert next(iter(link.path._handles.values())) is handle, "the handle was not reused"
+    # No progress thread anywhere: the owner's pump beat only while the leases were open,
+    # fast only for the connection's first read.
+    end = time.monotonic() + 5
+    while owner.nixl.pump_busy and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not owner.nixl.pump_busy and owner.nixl._pump_fresh == 0
+    assert len(owner._nixl_wired) == 1 and not owner._nixl_leases
+
+
+@needs_nixl
+def test_metadata_is_reloaded_when_the_owner_registers_after_the_link(pair) -> None:
+    owner, puller = pair
+    _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    gen = link.path.generation
+    # A second cache (id 2) registered after the reader loaded the owner's metadata.
+    src2 = np.arange(8192, dtype=np.uint8)
+    owner.register(Geometry(1, 8192, 1), [src2.ctypes.data], placement=0)
+    dst2 = np.zeros(8192, np.uint8)
+    e2 = puller.register(Geometry(1, 8192, 1), [dst2.ctypes.data], placement=0)
+    plan = plan_slot(e2.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, e2.cache_id, 5.0)
+    assert np.array_equal(dst2, src2)
+    assert link.path.generation > gen
+
+
+@needs_nixl
+def test_unregister_deregisters_from_nixl_and_the_key_is_gone(pair) -> None:
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    gen = owner.nixl.generation
+    assert owner.nixl.kind_of(src.ctypes.data, 4096) == (p.MEM_DRAM, 0)
+    owner.unregister(1)
+    assert owner.nixl.kind_of(src.ctypes.data, 4096) is None
+    assert owner.nixl.generation > gen
+    with pytest.raises(CacheNotFound):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+
+
+@needs_nixl
+def test_push_over_nixl_is_one_write_into_checked_spans(pair) -> None:
+    """A push on the NIXL path: the owner checks and leases the destination (NixlWrite),
+    the bytes land by NIXL WRITE, the key survives (pushes never consume), a bad key is
+    refused before anything moves and the link stays usable."""
+    owner, puller = pair
+    n = 1 << 16
+    dst = np.zeros(n, np.uint8)
+    owner.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+    entry = puller.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    link = _link(owner, puller)
+    puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert any(k[0] == "WRITE" for k in link.path._handles), "the push did not go by NIXL"
+    with pytest.raises(CacheNotFound):
+        puller.push(1, p.KeyRef(p.KeyKind.CACHE_ID, 99, 0), 0, plan, entry.cache_id, 5.0)
+    src[:] = 9
+    puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert (dst == 9).all()
+    end = time.monotonic() + 5  # RELEASE is one-way: the owner handles it after push returns
+    while owner._nixl_leases and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not owner._nixl_leases
+
+
+@needs_nixl
+def test_push_by_raw_addresses_over_nixl(pair) -> None:
+    """transfer_cache_async's raw-address pushes (key kind 4): the grant's base is 0, the
+    offsets being absolute; the bytes land exactly at the addresses, nowhere else."""
+    owner, puller = pair
+    n = 8192
+    dst = np.zeros(n, np.uint8)
+    owner.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    src = np.arange(256, dtype=np.uint8)
+    entry = puller.register(Geometry(1, 256, 1), [src.ctypes.data], placement=0)
+    _link(owner, puller)
+    u32, u64 = np.uint32, np.uint64
+    plan = Plan(np.array([0], u32), np.array([0], u32), np.array([dst.ctypes.data + 4096], u64),
+                np.array([0], u64), np.array([256], u64))
+    puller.push(1, p.KeyRef(p.KeyKind.ADDRESS), 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst[4096:4352], src)
+    assert not dst[:4096].any() and not dst[4352:].any()
+
+
+@needs_nixl
+def test_deadline_covers_the_nixl_transfer_and_the_link_stays_usable(pair) -> None:
+    """NIXL has no deadline of its own: a pull whose deadline passes mid-READ ends with
+    Timeout (LLM_TIMEOUT), the owner drops its lease, and the next pull on the same link
+    moves every byte."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 256 << 20, fill=5)
+    _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)  # wire up, warm
+    dst[:] = 0
+    with pytest.raises(Timeout):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 0.005)
+    end = time.monotonic() + 10
+    while owner._nixl_leases and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not owner._nixl_leases, "the owner kept the timed-out reader's lease"
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_a_stuck_nixl_transfer_ends_at_the_deadline(pair, monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    """NIXL reports the READ in progress for ever (a fabric that went silent): the pull ends
+    with Timeout at its deadline, the handle is released, the lease dropped, and once NIXL
+    behaves the same link pulls again."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 1 << 20)
+    link = _link(owner, puller)
+    agent = puller.nixl.agent
+    released: list[object] = []
+    real_release = puller.nixl.release
+    monkeypatch.setattr(agent, "transfer", lambda h, notif_msg=b"": "PROC")
+    monkeypatch.setattr(agent, "check_xfer_state", lambda h: "PROC")
+    monkeypatch.setattr(puller.nixl, "release", lambda h: (released.append(h), real_release(h)))
+    t0 = time.monotonic()
+    with pytest.raises(Timeout):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert released, "the stuck handle was not released"
+    monkeypatch.undo()
+    end = time.monotonic() + 5
+    while owner._nixl_leases and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not owner._nixl_leases
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src) and link.path_name == "nixl"
+
+
+@needs_nixl
+def test_checksum_over_nixl(pair) -> None:
+    owner, _ = pair
+    puller = Engine(EngineConfig(cluster_id=3, role=2, transport="nixl", verify=True))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 65536)
+        _link(owner, puller)
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        puller.close()
+
+
+@needs_nixl
+def test_owner_without_nixl_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    owner, puller = pair
+
+    def no_nixl():
+        raise InvalidArgument("transport 'nixl' needs NIXL: pip install 'datadist[nixl]'")
+
+    monkeypatch.setattr(owner, "ensure_nixl", no_nixl)
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    assert link.path_name == "tcp" and "no NIXL agent" in link.reason
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_metadata_our_nixl_refuses_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's metadata cannot be loaded here (another NIXL version): tcp, and why."""
+    owner, puller = pair
+
+    def refuse(md):
+        raise LinkFailed("NIXL refused the peer's metadata: version mismatch")
+
+    monkeypatch.setattr(puller.nixl, "add_remote", refuse)
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    assert link.path_name == "tcp" and "version mismatch" in link.reason
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_owner_can_refuse_to_serve_nixl(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DATADIST_NIXL_SERVE=0 on the owner: no agent, no metadata for anyone; readers that
+    force nixl get tcp."""
+    owner, puller = pair
+    monkeypatch.setenv("DATADIST_NIXL_SERVE", "0")
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    assert link.path_name == "tcp" and "DATADIST_NIXL_SERVE=0" in link.reason
+    assert owner.nixl is None
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_force_unlink_breaks_a_nixl_transfer_in_flight(pair) -> None:
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 64 << 20, fill=1)
+    _link(owner, puller)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def pull() -> None:
+        started.set()
+        try:
+            for _ in range(50):
+                puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    started.wait()
+    time.sleep(0.05)
+    puller.unlink(1, timeout=1.0, force=True)
+    t.join(20)
+    assert not t.is_alive()
+    assert errors and isinstance(errors[0], (BrokenLink, NotLinked)), errors
+    _link(owner, puller)  # a fresh link works
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+# ------------------------------------------------------------------------------ datadist info
+
+
+def _info(*args: str) -> str:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "datadist.cli", "info", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_info_says_whether_nixl_is_there_and_its_backends() -> None:
+    out = _info()
+    line = next(x for x in out.splitlines() if x.startswith("nixl:"))
+    if nixl.available() is None:
+        assert "not installed" in line and "datadist[nixl]" in line
+    else:
+        assert "UCX available" in line, line
+    assert "NIXL INFO" not in out  # NIXL's own chatter stays off our stdout
+
+
+@needs_nixl
+def test_info_tells_the_path_of_a_link() -> None:
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    try:
+        host, port = owner.listen_address
+        out = _info("--peer", f"{host}:{port}", "--cluster-id", "1", "--transport", "nixl")
+        assert "path=nixl (forced nixl" in out, out
+        out = _info("--peer", f"{host}:{port}", "--cluster-id", "1")
+        assert "path=nixl" not in out and "path=" in out, out
+    finally:
+        owner.close()
+
+
+@needs_nixl
+def test_a_kept_handle_is_not_reused_across_a_local_reregistration(pair) -> None:
+    """The reader unregisters its destination and registers it again at the same address:
+    the identical read gets a new handle (the old one was made against the old
+    registration)."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 8192)
+    link = _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    first = next(iter(link.path._handles.values()))
+    puller.unregister(entry.cache_id)
+    again = puller.register(Geometry(1, 8192, 1), [dst.ctypes.data], placement=0)
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, again.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    assert list(link.path._handles.values())[-1] is not first
+
+
+# ------------------------------------------------------------------------------ memory kinds
+
+
+def test_memory_kind_asks_cuda_only_for_device_placement(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """VRAM is chosen from what CUDA says about a device-placed cache's address (there is no
+    GPU here: CUDA is stood in for); host placement never asks."""
+    asked: list[int] = []
+
+    def fake_cuda(addr: int) -> int | None:
+        asked.append(addr)
+        return 3 if addr == 0x7000 else None
+
+    monkeypatch.setattr(nixl, "_cuda_device", fake_cuda)
+    assert nixl.memory_kind(0x7000, True) == (p.MEM_VRAM, 3)
+    assert nixl.memory_kind(0x8000, True) == (p.MEM_DRAM, 0)
+    assert nixl.memory_kind(0x7000, False) == (p.MEM_DRAM, 0)
+    assert asked == [0x7000, 0x8000]
+
+
+def test_host_memory_is_not_cuda_memory() -> None:
+    buf = np.zeros(64, np.uint8)
+    assert nixl._cuda_device(buf.ctypes.data) is None  # no CUDA runtime, or host memory
+
+
+@needs_nixl
+def test_reader_reconnecting_to_a_restarted_owner_finds_its_new_agent() -> None:
+    """The owner restarts at the same address (auto transport: its agent is made on demand);
+    the reader's link reconnects by itself and its first NIXL_READ meets an owner without an
+    agent yet: the owner makes one, the grant names it, the reader loads it, bytes are the new
+    owner's."""
+    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+    reborn = None
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096, fill=1)
+        link = _link(owner, puller)
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        first_agent = link.path.remote
+        host, port = owner.listen_address
+        owner.close()
+        reborn = Engine(EngineConfig(cluster_id=1, role=1, listen=(host, port)))
+        src2 = np.full(4096, 2, np.uint8)
+        reborn.register(Geometry(1, 4096, 1), [src2.ctypes.data], placement=0)
+        assert reborn.nixl is None
+        for _ in range(2):  # the first pull may find the dead connection
+            try:
+                puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+                break
+            except BrokenLink:
+                continue
+        assert (dst == 2).all()
+        assert link.path.remote != first_agent and reborn.nixl is not None
+    finally:
+        puller.close()
+        owner.close()
+        if reborn is not None:
+            reborn.close()
