@@ -37,7 +37,7 @@ NEW_TOKENS = 8
 LENGTHS = (40, 75, 100)  # longer than one block, not multiples of it
 START_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 120.0
-ABORT_TIMEOUT_S = 3.0
+ABORT_TIMEOUT_S = 8.0
 
 
 LOG_CONFIG = {
@@ -124,8 +124,8 @@ class Node:
 
 
 def pulled_blocks(log: str, prefill_request_id: str) -> int | None:
-    m = re.search(rf"datadist: pulled request {re.escape(prefill_request_id)}: (\d+) blocks",
-                  log)
+    m = re.search(rf"datadist: pulled request \S+ \(prefill request "
+                  rf"{re.escape(prefill_request_id)}\): (\d+) blocks", log)
     return None if m is None else int(m.group(1))
 
 
@@ -188,7 +188,7 @@ def test_decode_tokens_equal_one_instance_and_blocks_came_over_datadist(
     log = nodes["decode"].log_text()
     for p, prm in zip(prompts, params, strict=True):
         assert pulled_blocks(log, prm["remote_request_id"]) == math.ceil(len(p) / BLOCK), log
-    assert "failed" not in "\n".join(ln for ln in log.splitlines() if "datadist" in ln)
+    assert "datadist: pull of request" not in log  # no failure
     # The decoder told the prefill instance: nothing was freed by the abort timeout.
     time.sleep(0.5)
     assert "not pulled within" not in nodes["prefill"].log_text()
@@ -221,7 +221,7 @@ def test_blocks_freed_by_timeout_are_not_used(cluster, prompts_and_reference):
     outs = nodes["decode"].generate(prompts[:1], NEW_TOKENS, params)
     assert outs[0]["tokens"] == ref[0]  # policy "recompute": recomputed, not stale KV
     log = nodes["decode"].log_text()
-    assert re.search(rf"pull of request {re.escape(rid)} failed: .*no longer holds", log), log
+    assert re.search(rf"\(prefill request {re.escape(rid)}\) failed: .*no longer holds", log)
     assert pulled_blocks(log, rid) is None
 
 
@@ -236,7 +236,7 @@ def test_prefill_killed_after_prefill(cluster, prompts_and_reference):
     assert [o["tokens"] for o in outs] == ref[1:3]  # recomputed
     log = nodes["decode"].log_text()
     for prm in params:
-        assert f"pull of request {prm['remote_request_id']} failed" in log
+        assert f"(prefill request {prm['remote_request_id']}) failed" in log
     t0 = time.monotonic()
     outs = nodes["decode_fail"].generate(prompts[1:3], NEW_TOKENS, params)
     took_fail = time.monotonic() - t0

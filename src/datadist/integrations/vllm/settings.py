@@ -40,6 +40,9 @@ class Settings:
     hold_grace_s: how long a decoder waits for the producer to mark a request's blocks as
         held before it gives up on the request.
     mailbox_slots: how many finished requests a producer can hold at once.
+    yield_us: while this worker holds requests or pulls, vLLM's worker loop waits this many
+        microseconds instead of ``os.sched_yield()`` between polls of its message queue, so
+        datadist's threads get the GIL (see docs/vllm.md); 0 leaves vLLM's loop alone.
     """
 
     host: str = "127.0.0.1"
@@ -49,6 +52,7 @@ class Settings:
     abort_timeout_s: float = 120.0
     hold_grace_s: float = 2.0
     mailbox_slots: int = 4096
+    yield_us: int = 200
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
@@ -76,7 +80,7 @@ class Settings:
         for name in ("sync_kv_timeout_ms", "link_timeout_ms", "mailbox_slots"):
             if getattr(s, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(s, name)}")
-        for name in ("abort_timeout_s", "hold_grace_s"):
+        for name in ("abort_timeout_s", "hold_grace_s", "yield_us"):
             if getattr(s, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(s, name)}")
         return s

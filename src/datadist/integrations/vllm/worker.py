@@ -101,6 +101,7 @@ class DatadistWorker:
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: set[str] = set()
+        self._inflight = 0
         self._thread: threading.Thread | None = None
         self.address: WorkerAddress | None = None
 
@@ -194,8 +195,16 @@ class DatadistWorker:
 
     def submit(self, tasks: list[RecvTask]) -> None:
         """Queue pulls; their outcome shows in ``poll_recv`` of a later step."""
+        with self._lock:
+            self._inflight += len(tasks)
         for t in tasks:
             self._tasks.put(t)
+
+    @property
+    def active(self) -> bool:
+        """Whether datadist threads of this process have work now or soon: requests held
+        for decoders (whose pulls this process serves) or pulls queued or running."""
+        return bool(self._held) or self._inflight > 0
 
     def poll_recv(self) -> tuple[set[str], set[str]]:
         """(requests finished receiving, the subset that failed) since the last call."""
@@ -213,12 +222,15 @@ class DatadistWorker:
                 self._pull(task)
             except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
                 self.stats.pull_failures += 1
-                logger.warning("datadist: pull of request %s failed: %s", task.request_id, e)
+                logger.warning("datadist: pull of request %s (prefill request %s) failed: %s",
+                               task.request_id, task.remote.request_id, e)
                 with self._lock:
                     self._failed.add(task.request_id)
+                    self._inflight -= 1
             else:
                 with self._lock:
                     self._done.add(task.request_id)
+                    self._inflight -= 1
 
     def _pull(self, task: RecvTask) -> None:
         assert self._dd is not None and self._kv is not None and self._layout is not None
@@ -249,9 +261,9 @@ class DatadistWorker:
         self.stats.blocks_pulled += len(src)
         self.stats.bytes_pulled += nbytes
         self.stats.pull_seconds.append(dt)
-        logger.info("datadist: pulled request %s: %d blocks, %d bytes from cluster %d "
-                    "(%s:%d) in %.2f ms", task.request_id, len(src), nbytes, peer.cluster_id,
-                    peer.host, peer.port, dt * 1e3)
+        logger.info("datadist: pulled request %s (prefill request %s): %d blocks, %d bytes "
+                    "from cluster %d (%s:%d) in %.2f ms", task.request_id, remote.request_id,
+                    len(src), nbytes, peer.cluster_id, peer.host, peer.port, dt * 1e3)
         if self.on_pulled is not None:
             self.on_pulled(task)
         self._notify_done(peer, remote.slot, tag)
