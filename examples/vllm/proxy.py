@@ -20,6 +20,7 @@ not a production router.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import urllib.error
@@ -84,10 +85,8 @@ def main() -> int:
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     print(f"proxy on http://{args.host}:{args.port}: prefill {args.prefill}, "
           f"decode {args.decode}", file=sys.stderr, flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

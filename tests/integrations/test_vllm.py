@@ -9,6 +9,7 @@ test; the tests run in file order and share the engines.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -110,16 +111,12 @@ class Node:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
         if self.proc.poll() is None:
             self.kill()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # leftover engine children
-        except ProcessLookupError:
-            pass
         self._stderr.close()
 
 

@@ -152,3 +152,19 @@ def test_more_local_blocks_than_the_prefill_holds_fails(producer):
         assert _wait(w) == ({"d1"}, {"d1"})
     finally:
         w.close()
+
+
+def test_kv_both_worker_serves_and_pulls(producer):
+    _, addr, _, _ = producer()
+    arrs, layout = _kv(-1.0)
+    w = DatadistWorker(Settings(), producer=True, consumer=True)
+    w.start(layout)
+    try:
+        assert w.address is not None and w.address.port > 0  # serves as a producer
+        w.hold([SendTask("mine", 0, "11" * 16)])
+        assert w.active and w.poll_sent() == set()
+        w.submit([_task(addr)])
+        assert _wait(w) == ({"d1"}, set())
+        assert (arrs[1][0] == 100 + 5).all()
+    finally:
+        w.close()

@@ -31,8 +31,8 @@ import datadist as llm_datadist
 from datadist.integrations.vllm import mailbox
 from datadist.integrations.vllm.scheduler import RecvTask, SendTask
 from datadist.integrations.vllm.settings import (
-    LOGGER_NAME,
     KV_MODEL_ID,
+    LOGGER_NAME,
     MAILBOX_MODEL_ID,
     Settings,
     WorkerAddress,
@@ -135,12 +135,13 @@ class DatadistWorker:
             self._kv = cm.register_blocks_cache(
                 desc, list(layout.addrs), llm_datadist.BlocksCacheKey(self.cluster_id,
                                                                       KV_MODEL_ID))
-            box = self._mailbox if self.producer else self._outbox
-            box_desc = llm_datadist.CacheDesc(1, list(box.buf.shape),
-                                              llm_datadist.DataType.DT_UINT8)
-            self._outbox_cache = cm.register_blocks_cache(
-                box_desc, [box.buf.ctypes.data],
-                llm_datadist.BlocksCacheKey(self.cluster_id, MAILBOX_MODEL_ID))
+            if self.producer:  # decoders read and write it by key
+                cm.register_blocks_cache(
+                    self._box_desc(self._mailbox), [self._mailbox.buf.ctypes.data],
+                    llm_datadist.BlocksCacheKey(self.cluster_id, MAILBOX_MODEL_ID))
+            if self.consumer:  # local only: where slot reads land and DONE records start
+                self._outbox_cache = cm.register_blocks_cache(
+                    self._box_desc(self._outbox), [self._outbox.buf.ctypes.data])
         except Exception:
             self.close()
             raise
@@ -161,6 +162,10 @@ class DatadistWorker:
                     layout.dtype.name,
                     f", serving on {self.address.host}:{self.address.port}" if self.address
                     else "")
+
+    @staticmethod
+    def _box_desc(box: mailbox.Mailbox) -> llm_datadist.CacheDesc:
+        return llm_datadist.CacheDesc(1, list(box.buf.shape), llm_datadist.DataType.DT_UINT8)
 
     # ------------------------------------------------------------------ producer
 
