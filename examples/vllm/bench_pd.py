@@ -15,10 +15,12 @@ first) and runs with ``kv_buffer_device="cpu"``, UCX backend.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,14 +37,14 @@ def node(model: str, role: str, connector: str) -> None:
     from vllm.inputs import TokensPrompt
 
     if connector == "nixl":
-        ktc = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
+        ktc = KVTransferConfig(kv_connector="NixlConnector", kv_role=role,
                                kv_buffer_device="cpu")
     else:
         ktc = KVTransferConfig(kv_connector="DatadistConnector",
                                kv_connector_module_path="datadist.integrations.vllm",
                                kv_role=role)
     llm = LLM(model=model, load_format="dummy", dtype="float32", block_size=32,
-              max_model_len=4096, max_num_seqs=4, enforce_eager=True, seed=0,
+              max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0,
               kv_transfer_config=ktc, enable_prefix_caching=False)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -61,7 +63,8 @@ class Proc:
     def __init__(self, args: list[str], env: dict, log: Path) -> None:
         self.log = log
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=open(log, "wb"), env=env)  # noqa: SIM115
+                                  stderr=open(log, "wb"), env=env,  # noqa: SIM115
+                                  start_new_session=True)  # stop() ends the engine's children
         self.buf = b""
 
     def line(self, timeout: float = 600) -> str:
@@ -85,7 +88,8 @@ class Proc:
         return json.loads(self.line()[2:])
 
     def stop(self) -> None:
-        self.p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.p.pid, signal.SIGKILL)
         self.p.wait(30)
 
 
@@ -105,8 +109,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_pd_"))
     model = make_tiny_llama(work / "model", layers=LAYERS, hidden=HIDDEN, heads=HEADS,
                             kv_heads=HEADS)
-    base = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE",
-                                                                   "2"))
+    base = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr",
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     procs = {}
     for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
         env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i))
@@ -118,20 +122,22 @@ def main() -> int:
         import random
 
         rnd = random.Random(0)
-        ttft = []
+        ttft, same = [], 0
         for r in range(args.requests + 1):  # the first request warms up (links, handshakes)
             prompt = [rnd.randrange(3, 259) for _ in range(args.tokens)]
             pre = procs["prefill"].ask(prompt, {"do_remote_decode": True})
             dec = procs["decode"].ask(prompt, pre["params"])
             if r:
                 ttft.append(dec["seconds"])
+                same += dec["tokens"] == pre["tokens"]
         pulls = [float(m) for m in re.findall(r"datadist: pulled request .* in ([\d.]+) ms",
                                                 (work / "decode.log").read_text())][1:]
         kib = args.tokens * LAYERS * 2 * HIDDEN * 4 / 1024
         print(f"{args.connector}: {args.requests} requests of {args.tokens} tokens "
               f"({kib:.0f} KiB of KV each); decode TTFT median "
               f"{statistics.median(ttft) * 1e3:.1f} ms (min {min(ttft) * 1e3:.1f})"
-              + (f"; datadist pull median {statistics.median(pulls):.1f} ms" if pulls else ""))
+              + (f"; datadist pull median {statistics.median(pulls):.1f} ms" if pulls else "")
+              + f"; first token equal to the prefill's in {same}/{args.requests}")
         print(f"logs: {work}")
     finally:
         for p in procs.values():

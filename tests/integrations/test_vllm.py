@@ -27,6 +27,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(600),  # the first test also starts three engines (about 1-2 min)
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM is not installed (pip install 'datadist[vllm]')"),
 ]
