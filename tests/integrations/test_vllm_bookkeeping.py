@@ -207,3 +207,33 @@ def test_importing_datadist_and_the_bookkeeping_does_not_import_vllm():
             "assert 'vllm' not in sys.modules, 'vllm imported'; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_share_gil_while_sleeps_in_vllms_spin_only_while_active(monkeypatch):
+    import types
+
+    from datadist.integrations.vllm import spin
+
+    calls: list[str] = []
+    fake = types.ModuleType(spin.SPIN_MODULE)
+    fake.sched_yield = lambda: calls.append("yield")
+    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, fake)
+    monkeypatch.setattr(spin.time, "sleep", lambda s: calls.append(f"sleep {s}"))
+    active = [False]
+    assert spin.share_gil_while(lambda: active[0], 0.0002)
+    fake.sched_yield()
+    active[0] = True
+    fake.sched_yield()
+    assert calls == ["yield", "sleep 0.0002"]
+    # Patching twice wraps vLLM's function, not our wrapper.
+    assert spin.share_gil_while(lambda: False, 0.0002)
+    fake.sched_yield()
+    assert calls[-1] == "yield"
+    assert not spin.share_gil_while(lambda: True, 0)  # yield_us=0: vLLM's loop untouched
+
+
+def test_share_gil_while_without_vllm_is_a_no_op(monkeypatch):
+    from datadist.integrations.vllm import spin
+
+    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, None)  # import raises ImportError
+    assert not spin.share_gil_while(lambda: True, 0.0002)

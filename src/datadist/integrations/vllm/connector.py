@@ -14,8 +14,6 @@ vLLM applies ``kv_load_failure_policy`` (recompute or fail).
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import datadist as llm_datadist
 from datadist.integrations.vllm.scheduler import RecvTask, SchedulerSide, StepMeta
 from datadist.integrations.vllm.settings import LOGGER_NAME, ROLES, Settings, WorkerAddress
+from datadist.integrations.vllm.spin import share_gil_while
 from datadist.integrations.vllm.worker import DatadistWorker, KvLayout
 
 if TYPE_CHECKING:
@@ -103,37 +102,6 @@ def kv_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[KvLayout, list[torch.
     layout = KvLayout([p.data_ptr() for p in parts], first.shape[0], tuple(first.shape[1:]),
                       _DTYPES[first.dtype], per_layer or 1)
     return layout, parts
-
-
-def share_gil_while(active: Callable[[], bool], sleep_s: float) -> bool:
-    """Make vLLM's worker loop give other Python threads of this process the GIL while
-    ``active()`` says datadist has work.
-
-    vLLM's worker polls its message queue in a tight loop of ``os.sched_yield()``, which
-    releases the GIL for well under a microsecond: a thread waiting for the GIL is woken
-    each time but never wins it, and never asks for it either (the holder keeps "switching"),
-    so datadist's serving and pulling threads (pure Python) can starve for seconds while
-    the engine steps. While datadist is active the loop sleeps ``sleep_s`` instead, long
-    enough for a waiting thread to take the GIL. Returns whether vLLM's loop was found.
-    """
-    try:
-        from vllm.distributed.device_communicators import shm_broadcast
-    except ImportError:
-        return False
-    original = getattr(shm_broadcast, "sched_yield", None)
-    if original is None or sleep_s <= 0:
-        return False
-    plain = getattr(original, "__wrapped__", original)
-
-    def sched_yield() -> None:
-        if active():
-            time.sleep(sleep_s)
-        else:
-            plain()
-
-    sched_yield.__wrapped__ = plain  # type: ignore[attr-defined]
-    shm_broadcast.sched_yield = sched_yield
-    return True
 
 
 def _tp_rank() -> int:
