@@ -1,0 +1,240 @@
+"""``DatadistConnector``: vLLM's KVConnectorBase_V1 over datadist (imports vLLM).
+
+A thin adapter: vLLM instantiates it once as SCHEDULER (bookkeeping in scheduler.py) and once
+per worker as WORKER (datadist I/O in worker.py). It follows NixlConnector's request flow and
+parameter names, so routers written for NIXL work unchanged (see docs/vllm.md).
+
+The decode side loads asynchronously (``get_num_new_matched_tokens`` returns ``load_async``):
+the request waits in WAITING_FOR_REMOTE_KVS until ``get_finished`` reports its pull, so no
+forward pass ever waits for a layer and ``wait_for_layer_load`` / ``save_kv_layer`` /
+``wait_for_save`` have nothing to do. Pull failures are reported as ``failed_recving``, and
+vLLM applies ``kv_load_failure_policy`` (recompute or fail).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+import datadist as llm_datadist
+from datadist.integrations.vllm.scheduler import RecvTask, SchedulerSide, StepMeta
+from datadist.integrations.vllm.settings import LOGGER_NAME, ROLES, Settings, WorkerAddress
+from datadist.integrations.vllm.spin import share_gil_while
+from datadist.integrations.vllm.worker import DatadistWorker, KvLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(LOGGER_NAME)
+
+_DTYPES = {
+    torch.float16: llm_datadist.DataType.DT_FLOAT16,
+    torch.bfloat16: llm_datadist.DataType.DT_BF16,
+    torch.float32: llm_datadist.DataType.DT_FLOAT,
+    torch.int8: llm_datadist.DataType.DT_INT8,
+    torch.uint8: llm_datadist.DataType.DT_UINT8,
+}
+
+
+@dataclass
+class DatadistConnectorMetadata(KVConnectorMetadata):
+    """One step's pulls and holds, scheduler -> workers."""
+
+    step: StepMeta
+
+
+@dataclass
+class DatadistHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A producer worker's datadist listen address, worker -> its own scheduler."""
+
+    host: str
+    port: int
+    cluster_id: int
+
+
+def kv_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[KvLayout, list[torch.Tensor]]:
+    """datadist's view of vLLM's per-layer KV tensors, and the block-major tensors it covers.
+
+    Handles the CPU backend's packed ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` and
+    any other block-major layout (one tensor per layer), and the ``[2, num_blocks, ...]``
+    layout of CUDA backends (K and V as two tensors per layer). Each block must be contiguous.
+    """
+    if not kv_caches:
+        raise ValueError("no KV cache tensors to register")
+    parts: list[torch.Tensor] = []
+    per_layer = None
+    for name, t in kv_caches.items():
+        if t.device.type != "cpu":
+            raise NotImplementedError(f"layer {name}: datadist moves host memory; the KV "
+                                      f"cache is on {t.device}")
+        split = [t[0], t[1]] if t.dim() == 5 and t.shape[0] == 2 else [t]
+        per_layer = per_layer or len(split)
+        if len(split) != per_layer:
+            raise ValueError(f"layer {name}: mixed KV layouts across layers")
+        for p in split:
+            block_elems = int(torch.tensor(p.shape[1:]).prod().item())
+            if p.stride(0) != block_elems or not p[0].is_contiguous():
+                raise ValueError(f"layer {name}: blocks are not contiguous (shape "
+                                 f"{tuple(p.shape)}, strides {p.stride()})")
+        parts.extend(split)
+    first = parts[0]
+    for p in parts:
+        if p.shape != first.shape or p.dtype != first.dtype:
+            raise ValueError("KV tensors differ in shape or dtype across layers")
+    if first.dtype not in _DTYPES:
+        raise NotImplementedError(f"KV cache dtype {first.dtype}")
+    layout = KvLayout([p.data_ptr() for p in parts], first.shape[0], tuple(first.shape[1:]),
+                      _DTYPES[first.dtype], per_layer or 1)
+    return layout, parts
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no model-parallel group: a single worker
+        return 0
+
+
+class DatadistConnector(KVConnectorBase_V1):
+    """vLLM V1 KV connector that moves the KV cache with datadist (``pull_blocks``)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        kind = ROLES.get(str(ktc.kv_role))
+        if kind is None:
+            raise ValueError(f"DatadistConnector: unknown kv_role {ktc.kv_role!r}")
+        self.settings = Settings.from_extra_config(ktc.kv_connector_extra_config)
+        producer, consumer = kind in ("producer", "both"), kind in ("consumer", "both")
+        self._sched: SchedulerSide | None = None
+        self._worker: DatadistWorker | None = None
+        self._kv_tensors: list[torch.Tensor] = []
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(
+                self.settings, engine_id=str(ktc.engine_id),
+                block_size=vllm_config.cache_config.block_size,
+                producer=producer, consumer=consumer)
+        else:
+            worker = DatadistWorker(self.settings, producer=producer, consumer=consumer,
+                                    rank=_tp_rank(), on_pulled=self._on_pulled)
+            self._worker = worker
+            share_gil_while(lambda: worker.active, self.settings.yield_us / 1e6)
+
+    # ================================================================== scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.matched_tokens(len(request.prompt_token_ids or ()),
+                                          num_computed_tokens, request.kv_transfer_params)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._sched is not None
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._sched.after_alloc(request.request_id, request.kv_transfer_params, local,
+                                num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return DatadistConnectorMetadata(self._sched.build_meta())
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        assert self._sched is not None
+        ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                RequestStatus.FINISHED_STOPPED)
+        return self._sched.finished(request.request_id, request.kv_transfer_params,
+                                    finished_ok=ok, block_ids=list(block_ids),
+                                    num_computed_tokens=request.num_computed_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.sent(connector_output.finished_sending or ())
+
+    def set_xfer_handshake_metadata(
+            self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self._sched is not None
+        workers = [WorkerAddress(m.host, m.port, m.cluster_id)
+                   for _, m in sorted(metadata.items())
+                   if isinstance(m, DatadistHandshakeMetadata)]
+        self._sched.set_workers(workers)
+
+    # ================================================================== worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        layout, self._kv_tensors = kv_layout(kv_caches)
+        self._worker.start(layout)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or self._worker.address is None:
+            return None
+        a = self._worker.address
+        return DatadistHandshakeMetadata(a.host, a.port, a.cluster_id)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DatadistConnectorMetadata)
+        if meta.step.send:
+            self._worker.hold(meta.step.send)
+        if meta.step.recv:
+            self._worker.submit(meta.step.recv)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: the request waits, no layer does
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # the decoder pulls; nothing is pushed
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sent = self._worker.poll_sent() if self._worker.producer else set()
+        recv, failed = self._worker.poll_recv() if self._worker.consumer else (set(), set())
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=recv,
+                                          failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def _on_pulled(self, task: RecvTask) -> None:
+        """Called on the puller thread after a request's blocks arrived in
+        ``task.local_block_ids``, before vLLM is told. A hook for subclasses (the tests
+        corrupt the KV here); does nothing."""
+
+    @property
+    def worker(self) -> DatadistWorker | None:
+        """The worker-side datadist endpoint (None in the scheduler's instance)."""
+        return self._worker

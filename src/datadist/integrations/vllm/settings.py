@@ -1,0 +1,140 @@
+"""The connector's settings and the transfer parameters it puts in a request's output.
+
+No vLLM and no I/O here: the scheduler side, the worker side and the tests share these.
+
+Settings come from ``kv_connector_extra_config`` (keys below) with environment fallbacks for
+the one a deployment most often tunes (``VLLM_DATADIST_ABORT_TIMEOUT``, seconds).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+#: Model ids of the two blocks caches every worker registers under its cluster id.
+KV_MODEL_ID = 0
+MAILBOX_MODEL_ID = 1
+
+#: Key of datadist's own fields inside ``kv_transfer_params``.
+PARAMS_KEY = "datadist"
+
+#: Log records go to a child of vLLM's logger, so they show up in vLLM's log with its format
+#: (datadist itself installs no handler).
+LOGGER_NAME = "vllm.datadist_connector"
+
+ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``kv_connector_extra_config`` may set (all optional).
+
+    host: address the producer listens on and advertises to decoders (default 127.0.0.1;
+        set a routable address for two hosts).
+    port: first listen port (tensor-parallel rank r listens on port + r); 0 picks free ports.
+    sync_kv_timeout_ms: deadline of one pull (datadist's ``sync_kv_timeout``).
+    link_timeout_ms: deadline of linking to a prefill instance.
+    abort_timeout_s: a producer frees a finished request's blocks after this long even if no
+        decoder said it pulled them (env ``VLLM_DATADIST_ABORT_TIMEOUT``).
+    hold_grace_s: how long a decoder waits for the producer to mark a request's blocks as
+        held before it gives up on the request.
+    mailbox_slots: how many finished requests a producer can hold at once.
+    yield_us: while this worker holds requests or pulls, vLLM's worker loop waits this many
+        microseconds instead of ``os.sched_yield()`` between polls of its message queue, so
+        datadist's threads get the GIL (see docs/vllm.md); 0 leaves vLLM's loop alone.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    sync_kv_timeout_ms: int = 10_000
+    link_timeout_ms: int = 5_000
+    abort_timeout_s: float = 120.0
+    hold_grace_s: float = 2.0
+    mailbox_slots: int = 4096
+    yield_us: int = 200
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None,
+                          env: dict[str, str] | None = None) -> Settings:
+        """Parse ``kv_connector_extra_config``; unknown keys are ignored (other connectors'
+        keys may share the dict), bad values raise ValueError."""
+        env = os.environ if env is None else env
+        extra = dict(extra or {})
+        if "abort_timeout_s" not in extra and env.get("VLLM_DATADIST_ABORT_TIMEOUT"):
+            extra["abort_timeout_s"] = env["VLLM_DATADIST_ABORT_TIMEOUT"]
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in extra:
+                continue
+            raw = extra[f.name]
+            try:
+                values[f.name] = str(raw) if f.type == "str" else (
+                    int(raw) if f.type == "int" else float(raw))
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config[{f.name!r}]: bad value {raw!r}")\
+                    from None
+        s = cls(**values)
+        if not 0 <= s.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {s.port}")
+        for name in ("sync_kv_timeout_ms", "link_timeout_ms", "mailbox_slots"):
+            if getattr(s, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(s, name)}")
+        for name in ("abort_timeout_s", "hold_grace_s", "yield_us"):
+            if getattr(s, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(s, name)}")
+        return s
+
+
+@dataclass(frozen=True)
+class WorkerAddress:
+    """Where one producer worker (one tensor-parallel rank) serves its KV cache."""
+
+    host: str
+    port: int
+    cluster_id: int
+
+
+@dataclass(frozen=True)
+class RemoteRequest:
+    """What a decoder needs to pull one request, parsed from its ``kv_transfer_params``."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    block_size: int
+    workers: list[WorkerAddress]
+    slot: int
+    tag: str
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> RemoteRequest:
+        """Raise ValueError when the parameters lack what a pull needs."""
+        dd = params.get(PARAMS_KEY)
+        if not isinstance(dd, dict):
+            raise ValueError(f"kv_transfer_params has no {PARAMS_KEY!r} entry")
+        try:
+            workers = [WorkerAddress(str(h), int(p), int(c)) for h, p, c in dd["workers"]]
+            blocks = params["remote_block_ids"]
+            if blocks and isinstance(blocks[0], list):  # vLLM's per-group form
+                blocks = blocks[0]
+            req = cls(str(params.get("remote_request_id", "")), [int(b) for b in blocks],
+                      int(params.get("remote_num_tokens") or 0), int(dd["block_size"]),
+                      workers, int(dd["slot"]), str(dd["tag"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad datadist kv_transfer_params: {e!r}") from None
+        if not req.workers:
+            raise ValueError("kv_transfer_params name no producer worker")
+        bytes.fromhex(req.tag)
+        return req
+
+    def blocks_for(self, num_local_blocks: int) -> list[int]:
+        """The remote blocks that match a decoder's ``num_local_blocks`` newly allocated
+        blocks: the prompt's blocks, minus those a local prefix-cache hit already holds."""
+        used = self.block_ids
+        if self.num_tokens > 0:
+            used = used[:-(-self.num_tokens // self.block_size)]
+        if num_local_blocks > len(used):
+            raise ValueError(f"decoder allocated {num_local_blocks} blocks, "
+                             f"prefill holds only {len(used)}")
+        return used[len(used) - num_local_blocks:]

@@ -1,0 +1,44 @@
+"""Keep datadist's threads alive inside a vLLM worker process (no vLLM import at load time).
+
+Who calls: the connector's WORKER instance, once, in the worker process. Nothing blocks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+
+SPIN_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+
+
+def share_gil_while(active: Callable[[], bool], sleep_s: float) -> bool:
+    """Make vLLM's worker loop give other Python threads of this process the GIL while
+    ``active()`` says datadist has work.
+
+    vLLM's worker polls its message queue in a tight loop of ``os.sched_yield()``, which
+    releases the GIL for well under a microsecond: a thread waiting for the GIL is woken at
+    each release but loses the race to take it, and since it was woken rather than timed
+    out it never asks the holder to drop the GIL; datadist's serving and pulling threads
+    (pure Python) starved for seconds that way while the engine stepped. While datadist is
+    active the loop sleeps ``sleep_s`` instead, long enough for a waiting thread to take
+    the GIL. Returns whether vLLM's loop was found.
+    """
+    try:
+        shm_broadcast = importlib.import_module(SPIN_MODULE)
+    except ImportError:
+        return False
+    original = getattr(shm_broadcast, "sched_yield", None)
+    if original is None or sleep_s <= 0:
+        return False
+    plain = getattr(original, "__wrapped__", original)
+
+    def sched_yield() -> None:
+        if active():
+            time.sleep(sleep_s)
+        else:
+            plain()
+
+    sched_yield.__wrapped__ = plain  # type: ignore[attr-defined]
+    shm_broadcast.sched_yield = sched_yield
+    return True

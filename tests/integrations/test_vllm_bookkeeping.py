@@ -1,0 +1,239 @@
+"""The datadist vLLM connector's scheduler-side bookkeeping, settings and mailbox records.
+
+No vLLM and no engine: these run everywhere (the parts under test import neither).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from datadist.integrations.vllm import mailbox
+from datadist.integrations.vllm.scheduler import SchedulerSide
+from datadist.integrations.vllm.settings import PARAMS_KEY, RemoteRequest, Settings, WorkerAddress
+
+BS = 32
+
+
+def producer(**kw) -> SchedulerSide:
+    s = SchedulerSide(Settings(**kw), engine_id="P", block_size=BS, producer=True,
+                      consumer=False)
+    s.set_workers([WorkerAddress("10.0.0.1", 4000, 77)])
+    return s
+
+
+def consumer() -> SchedulerSide:
+    return SchedulerSide(Settings(), engine_id="D", block_size=BS, producer=False,
+                         consumer=True)
+
+
+def finish(s: SchedulerSide, rid: str = "r1", blocks=(4, 9, 2), tokens: int = 75,
+           ok: bool = True, params: dict | None = None):
+    params = {"do_remote_decode": True} if params is None else params
+    return s.finished(rid, params, finished_ok=ok, block_ids=list(blocks),
+                      num_computed_tokens=tokens)
+
+
+# ---------------------------------------------------------------------- prefill side
+
+
+def test_finished_request_is_held_with_nixl_style_params():
+    s = producer()
+    delay, params = finish(s)
+    assert delay is True
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_block_ids"] == [4, 9, 2]
+    assert params["remote_request_id"] == "r1" and params["remote_engine_id"] == "P"
+    assert (params["remote_host"], params["remote_port"]) == ("10.0.0.1", 4000)
+    assert params["remote_num_tokens"] == 75
+    dd = params[PARAMS_KEY]
+    assert dd["workers"] == [["10.0.0.1", 4000, 77]] and dd["block_size"] == BS
+    meta = s.build_meta()
+    assert [(t.request_id, t.slot, t.tag) for t in meta.send] == [("r1", dd["slot"], dd["tag"])]
+    assert s.build_meta().send == []  # handed over once
+    assert s.held == 1
+
+
+@pytest.mark.parametrize("kw", [
+    {"ok": False},                                  # aborted: nobody will pull
+    {"params": {}},                                 # not a disaggregated request
+    {"params": {"do_remote_decode": False}},
+    {"blocks": ()},                                 # nothing computed
+])
+def test_requests_not_to_hold_are_freed_at_once(kw):
+    s = producer()
+    assert finish(s, **kw) == (False, None)
+    assert s.build_meta().send == [] and s.held == 0
+
+
+def test_consumer_only_instance_never_holds():
+    assert finish(consumer()) == (False, None)
+
+
+def test_without_worker_address_nothing_is_held():
+    s = SchedulerSide(Settings(), engine_id="P", block_size=BS, producer=True, consumer=False)
+    assert finish(s) == (False, None)
+
+
+def test_slots_are_unique_while_held_and_reused_after_sent():
+    s = producer(mailbox_slots=2)
+    _, a = finish(s, "a")
+    _, b = finish(s, "b")
+    assert a[PARAMS_KEY]["slot"] != b[PARAMS_KEY]["slot"]
+    assert a[PARAMS_KEY]["tag"] != b[PARAMS_KEY]["tag"]
+    assert finish(s, "c") == (False, None)  # all slots held: the decoder recomputes
+    s.sent({"a", "unknown"})
+    delay, c = finish(s, "c")
+    assert delay and c[PARAMS_KEY]["slot"] == a[PARAMS_KEY]["slot"]
+    assert c[PARAMS_KEY]["tag"] != a[PARAMS_KEY]["tag"]  # a late DONE for "a" cannot free "c"
+    assert s.held == 2
+
+
+# ---------------------------------------------------------------------- decode side
+
+
+def test_decode_matches_the_prompt_asynchronously_and_pulls_once():
+    p = producer()
+    _, params = finish(p, blocks=(4, 9, 2, 11), tokens=75)  # a block beyond the prompt
+    d = consumer()
+    assert d.matched_tokens(75, 0, params) == (75, True)
+    assert d.matched_tokens(75, 0, params) == (75, True)  # side-effect free
+    assert d.matched_tokens(75, 64, params) == (11, True)
+    d.after_alloc("d1", params, [20, 21, 22], 75)
+    assert params["do_remote_prefill"] is False
+    meta = d.build_meta()
+    assert len(meta.recv) == 1
+    task = meta.recv[0]
+    assert task.request_id == "d1" and task.local_block_ids == [20, 21, 22]
+    assert task.remote.blocks_for(3) == [4, 9, 2]
+    # A second allocation after the load, and later steps, pull nothing more.
+    d.after_alloc("d1", params, [23], 0)
+    assert d.matched_tokens(76, 75, params) == (0, False)
+    assert d.build_meta().recv == []
+
+
+def test_prefix_hit_pulls_only_the_missing_tail():
+    _, params = finish(producer(), blocks=(4, 9, 2), tokens=75)
+    remote = RemoteRequest.parse(params)
+    assert remote.blocks_for(1) == [2]
+    assert remote.blocks_for(0) == []
+    with pytest.raises(ValueError, match="holds only 3"):
+        remote.blocks_for(4)
+
+
+def test_no_external_tokens_means_no_pull():
+    _, params = finish(producer())
+    d = consumer()
+    d.after_alloc("d1", params, [], 0)
+    assert d.build_meta().recv == [] and params["do_remote_prefill"] is False
+
+
+@pytest.mark.parametrize("params", [
+    None, {}, {"do_remote_prefill": False},
+    {"do_remote_prefill": True, "remote_block_ids": [1]},           # a NIXL prefill's params
+    {"do_remote_prefill": True, "remote_block_ids": [1],
+     PARAMS_KEY: {"workers": [], "block_size": BS, "slot": 0, "tag": "00" * 16}},
+    {"do_remote_prefill": True, "remote_block_ids": [1],
+     PARAMS_KEY: {"workers": [["h", 1, 2]], "block_size": BS, "slot": 0, "tag": "zz"}},
+])
+def test_unusable_params_fall_back_to_recompute(params):
+    assert consumer().matched_tokens(75, 0, params) == (0, False)
+
+
+def test_block_size_mismatch_falls_back_to_recompute():
+    _, params = finish(producer())
+    d = SchedulerSide(Settings(), engine_id="D", block_size=16, producer=False, consumer=True)
+    assert d.matched_tokens(75, 0, params) == (0, False)
+
+
+def test_params_survive_a_json_router():
+    import json
+
+    _, params = finish(producer())
+    again = json.loads(json.dumps(params))
+    assert RemoteRequest.parse(again) == RemoteRequest.parse(params)
+    assert consumer().matched_tokens(75, 0, again) == (75, True)
+
+
+def test_per_group_block_ids_are_accepted():
+    _, params = finish(producer())
+    params["remote_block_ids"] = [params["remote_block_ids"]]  # vLLM's tuple-of-groups form
+    assert RemoteRequest.parse(params).block_ids == [4, 9, 2]
+
+
+# ---------------------------------------------------------------------- settings, mailbox
+
+
+def test_settings_from_extra_config_and_env():
+    s = Settings.from_extra_config({"port": "5000", "sync_kv_timeout_ms": 250, "other": 1},
+                                   env={"VLLM_DATADIST_ABORT_TIMEOUT": "7.5"})
+    assert (s.port, s.sync_kv_timeout_ms, s.abort_timeout_s) == (5000, 250, 7.5)
+    s = Settings.from_extra_config({"abort_timeout_s": 1},
+                                   env={"VLLM_DATADIST_ABORT_TIMEOUT": "7.5"})
+    assert s.abort_timeout_s == 1.0  # the explicit config wins
+    assert Settings.from_extra_config(None, env={}) == Settings()
+
+
+@pytest.mark.parametrize("extra", [{"port": 70000}, {"port": "x"}, {"mailbox_slots": 0},
+                                   {"sync_kv_timeout_ms": -1}, {"abort_timeout_s": -2}])
+def test_bad_settings_raise(extra):
+    with pytest.raises(ValueError):
+        Settings.from_extra_config(extra, env={})
+
+
+def test_mailbox_records():
+    tag, other = bytes(range(16)), bytes(16 * [9])
+    box = mailbox.Mailbox(4)
+    box.hold(2, tag)
+    assert mailbox.decode(box.buf[2]) == (tag, mailbox.HELD)
+    assert not box.is_done(2, tag)
+    box.buf[2] = mailbox.encode(other, mailbox.DONE)  # a stale DONE of another request
+    assert not box.is_done(2, tag)
+    box.buf[2] = mailbox.encode(tag, mailbox.DONE)
+    assert box.is_done(2, tag)
+    box.clear(2)
+    assert not box.buf.any()
+    with pytest.raises(ValueError):
+        mailbox.encode(b"short", mailbox.HELD)
+    assert mailbox.encode(tag, mailbox.HELD).dtype == np.uint8
+
+
+def test_importing_datadist_and_the_bookkeeping_does_not_import_vllm():
+    code = ("import sys, datadist, datadist.integrations.vllm, "
+            "datadist.integrations.vllm.scheduler, datadist.integrations.vllm.worker; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_share_gil_while_sleeps_in_vllms_spin_only_while_active(monkeypatch):
+    import types
+
+    from datadist.integrations.vllm import spin
+
+    calls: list[str] = []
+    fake = types.ModuleType(spin.SPIN_MODULE)
+    fake.sched_yield = lambda: calls.append("yield")
+    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, fake)
+    monkeypatch.setattr(spin.time, "sleep", lambda s: calls.append(f"sleep {s}"))
+    active = [False]
+    assert spin.share_gil_while(lambda: active[0], 0.0002)
+    fake.sched_yield()
+    active[0] = True
+    fake.sched_yield()
+    assert calls == ["yield", "sleep 0.0002"]
+    # Patching twice wraps vLLM's function, not our wrapper.
+    assert spin.share_gil_while(lambda: False, 0.0002)
+    fake.sched_yield()
+    assert calls[-1] == "yield"
+    assert not spin.share_gil_while(lambda: True, 0)  # yield_us=0: vLLM's loop untouched
+
+
+def test_share_gil_while_without_vllm_is_a_no_op(monkeypatch):
+    from datadist.integrations.vllm import spin
+
+    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, None)  # import raises ImportError
+    assert not spin.share_gil_while(lambda: True, 0.0002)

@@ -1,0 +1,170 @@
+"""The connector's datadist worker in two real processes, without vLLM (always runs).
+
+A producer process holds a "finished request" in a numpy KV cache; a consumer process pulls
+it the way the decode side of the connector does: link, mailbox check, pull_blocks, DONE.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+
+import datadist as llm_datadist
+from datadist.integrations.vllm.scheduler import RecvTask, SendTask
+from datadist.integrations.vllm.settings import RemoteRequest, Settings
+from datadist.integrations.vllm.worker import DatadistWorker, KvLayout
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCKS, SHAPE, LAYERS = 16, (2, 32, 8), 2
+TAG = "5a" * 16
+
+
+def _kv(fill: float = 0.0) -> tuple[list[np.ndarray], KvLayout]:
+    arrs = [np.full((BLOCKS, *SHAPE), fill, np.float32) for _ in range(LAYERS)]
+    return arrs, KvLayout([a.ctypes.data for a in arrs], BLOCKS, SHAPE,
+                          llm_datadist.DataType.DT_FLOAT, 1)
+
+
+def _producer(addr_q, cmd_q, out_q, abort_timeout_s: float) -> None:
+    arrs, layout = _kv()
+    for layer, a in enumerate(arrs):
+        for b in range(BLOCKS):
+            a[b] = 100 * layer + b
+    w = DatadistWorker(Settings(abort_timeout_s=abort_timeout_s), producer=True,
+                       consumer=False)
+    w.start(layout)
+    w.hold([SendTask("p1", 3, TAG)])
+    addr_q.put((w.address.host, w.address.port, w.cluster_id))
+    freed: set[str] = set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and cmd_q.empty():
+        freed |= w.poll_sent()
+        time.sleep(0.01)
+    out_q.put((sorted(freed), w.stats.sent_notified, w.stats.sent_expired))
+    w.close()
+
+
+@pytest.fixture
+def producer():
+    ctx = mp.get_context("spawn")
+    procs = []
+
+    def start(abort_timeout_s: float = 30.0):
+        addr_q, cmd_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=_producer, args=(addr_q, cmd_q, out_q, abort_timeout_s),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+        return p, addr_q.get(timeout=30), cmd_q, out_q
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.join(5)
+
+
+def _consumer(**kw) -> tuple[DatadistWorker, list[np.ndarray]]:
+    arrs, layout = _kv(-1.0)
+    w = DatadistWorker(Settings(**kw), producer=False, consumer=True)
+    w.start(layout)
+    return w, arrs
+
+
+def _task(addr, blocks=(5, 9, 3), local=(0, 1, 2), tokens=70) -> RecvTask:
+    host, port, cid = addr
+    params = {"remote_block_ids": list(blocks), "remote_num_tokens": tokens,
+              "remote_request_id": "p1",
+              "datadist": {"workers": [[host, port, cid]], "block_size": 32, "slot": 3,
+                           "tag": TAG}}
+    return RecvTask("d1", list(local), RemoteRequest.parse(params))
+
+
+def _wait(w: DatadistWorker, timeout: float = 30) -> tuple[set[str], set[str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = w.poll_recv()
+        if done:
+            return done, failed
+        time.sleep(0.01)
+    raise AssertionError("pull never finished")
+
+
+def test_pull_copies_every_layer_and_frees_the_producer(producer):
+    proc, addr, cmd_q, out_q = producer()
+    w, arrs = _consumer()
+    try:
+        w.submit([_task(addr)])
+        assert w.active
+        assert _wait(w) == ({"d1"}, set())
+        assert not w.active
+        for layer, a in enumerate(arrs):
+            for src, dst in zip((5, 9, 3), (0, 1, 2), strict=True):
+                assert (a[dst] == 100 * layer + src).all()
+            assert (a[3:] == -1).all()  # nothing else written
+        assert (w.stats.requests_pulled, w.stats.blocks_pulled) == (1, 3)
+        assert w.stats.bytes_pulled == 3 * LAYERS * int(np.prod(SHAPE)) * 4
+        time.sleep(0.3)
+        cmd_q.put("stop")
+        freed, notified, expired = out_q.get(timeout=30)
+        assert (freed, notified, expired) == (["p1"], 1, 0)  # freed by DONE, not by timeout
+    finally:
+        w.close()
+
+
+def test_blocks_freed_by_timeout_fail_the_pull(producer):
+    proc, addr, cmd_q, out_q = producer(abort_timeout_s=0.2)
+    time.sleep(1.0)  # the producer frees the request and clears its slot
+    w, arrs = _consumer(hold_grace_s=0.3)
+    try:
+        w.submit([_task(addr)])
+        assert _wait(w) == ({"d1"}, {"d1"})
+        assert (arrs[0] == -1).all()  # nothing was pulled
+        cmd_q.put("stop")
+        assert out_q.get(timeout=30)[2] == 1  # expired
+    finally:
+        w.close()
+
+
+def test_dead_producer_fails_the_pull_within_the_deadline(producer):
+    proc, addr, _, _ = producer()
+    proc.kill()
+    proc.join(10)
+    w, _ = _consumer(link_timeout_ms=1000, sync_kv_timeout_ms=1000)
+    try:
+        t0 = time.monotonic()
+        w.submit([_task(addr)])
+        assert _wait(w) == ({"d1"}, {"d1"})
+        assert time.monotonic() - t0 < 5
+        assert w.stats.pull_failures == 1
+    finally:
+        w.close()
+
+
+def test_more_local_blocks_than_the_prefill_holds_fails(producer):
+    _, addr, _, _ = producer()
+    w, _ = _consumer()
+    try:
+        w.submit([_task(addr, local=(0, 1, 2, 4))])
+        assert _wait(w) == ({"d1"}, {"d1"})
+    finally:
+        w.close()
+
+
+def test_kv_both_worker_serves_and_pulls(producer):
+    _, addr, _, _ = producer()
+    arrs, layout = _kv(-1.0)
+    w = DatadistWorker(Settings(), producer=True, consumer=True)
+    w.start(layout)
+    try:
+        assert w.address is not None and w.address.port > 0  # serves as a producer
+        w.hold([SendTask("mine", 0, "11" * 16)])
+        assert w.active and w.poll_sent() == set()
+        w.submit([_task(addr)])
+        assert _wait(w) == ({"d1"}, set())
+        assert (arrs[1][0] == 100 + 5).all()
+    finally:
+        w.close()
