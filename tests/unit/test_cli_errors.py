@@ -101,7 +101,10 @@ def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: 
 
     import datadist.api.llm_datadist  # noqa: F401 - everything imported before setuid
     import datadist.transport.iov  # noqa: F401
+    import datadist.transport.nixl
     import datadist.transport.tcp  # noqa: F401
+
+    datadist.transport.nixl.available()  # info reports NIXL: its imports happen before setuid
     from datadist.api.cache_manager import CacheManager
     from datadist.api.enums import DataType, Placement
     from datadist.api.types import CacheDesc, CacheKeyByIdAndIndex
