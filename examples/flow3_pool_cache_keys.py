@@ -74,7 +74,7 @@ def run(role: str, setup: dict) -> int:
     ok = True
     # request 702 (the prompt's slot 2) into our slot 0, 700 (slot 0) into 1, 703 into 3
     placements = {702: (2, 0), 700: (0, 1), 703: (3, 3)}
-    for req_id, (src_slot, dst_slot) in placements.items():
+    for req_id, (_, dst_slot) in placements.items():
         cm.pull_cache(llm_datadist.CacheKey(PROMPT_ID, req_id), cache, batch_index=dst_slot)
     got = np.stack([view(addr, shape) for addr in cache.tensor_addrs])  # (tensor, slot, ...)
     want = np.stack([pattern(shape, i, role="decoder") for i in range(n)])

@@ -106,7 +106,9 @@ class TestPlanners:
         d_blocks = rng.permutation(n_blocks)[:300]
         g = Geometry(2, n_blocks * bb, n_blocks, True)
         plan = local.plan_block_copy(g, g, s_blocks, d_blocks)
-        addrs = lambda a: np.array([a[i].ctypes.data for i in range(2)], dtype=np.uint64)
+        def addrs(a):
+            return np.array([a[i].ctypes.data for i in range(2)], dtype=np.uint64)
+
         assert local.execute(plan, addrs(src), addrs(dst)) == 2 * 300 * bb
         want = np.zeros_like(src)
         units(want, n_blocks)[:, d_blocks] = units(src, n_blocks)[:, s_blocks]
@@ -234,7 +236,8 @@ class TestCopyBlocks:
 def cpu_cache(num_tensors, shape, dtype=llm.DataType.DT_UINT8):
     desc = llm.CacheDesc(num_tensors, shape, dtype, HOST)
     arr = np.zeros((num_tensors, desc.size), dtype=np.uint8)
-    return llm.Cache.create_cpu_cache(desc, [int(arr[i].ctypes.data) for i in range(num_tensors)]), arr
+    addrs = [int(arr[i].ctypes.data) for i in range(num_tensors)]
+    return llm.Cache.create_cpu_cache(desc, addrs), arr
 
 
 class TestSwapBlocks:

@@ -443,7 +443,8 @@ class TestAddressKind:
         reg = side.engine.registry
         base = int(arr[1].ctypes.data)
         offs = np.array([base + 64, base + 192], np.uint64)
-        lease = reg.open(KeyRefAddr(), 0, np.zeros(1, np.uint32), offs, np.array([64, 64], np.uint64))
+        lease = reg.open(KeyRefAddr(), 0, np.zeros(1, np.uint32), offs,
+                         np.array([64, 64], np.uint64))
         try:
             assert lease.entry.cache_id == cache.cache_id
             assert lease.bases.tolist() == [base] and lease.offsets.tolist() == [64, 192]

@@ -65,7 +65,8 @@ def desc(shape=(4, 8, 4), n=4, placement=DEVICE):
 class TestPullCache:
     def test_keys_slots_and_consumption(self, v1):
         p, d = v1
-        keys = [llm.CacheKey(PROMPT_ID, 11), llm.CacheKey(PROMPT_ID, U64), llm.CacheKey(PROMPT_ID, 13)]
+        keys = [llm.CacheKey(PROMPT_ID, 11), llm.CacheKey(PROMPT_ID, U64),
+                llm.CacheKey(PROMPT_ID, 13)]
         pc = p.kv.allocate_cache(desc(), keys)
         assert pc.cache_id == 1 and len(pc.per_device_tensor_addrs) == 1
         assert len(pc.per_device_tensor_addrs[0]) == 4

@@ -44,7 +44,7 @@ def test_checksum_passes_when_bytes_are_right(transport: str) -> None:
         local = _register(puller, desc, dst, False)
         plan = plan_slot(local.geometry, 1, layer_tensor_indices(2, None, None, 2))
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 2), 0, plan, local.cache_id, 2.0)
-        for s, d in zip(src, dst):
+        for s, d in zip(src, dst, strict=True):
             assert np.array_equal(d[1], s[2])
     finally:
         puller.close()

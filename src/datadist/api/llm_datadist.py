@@ -419,7 +419,7 @@ class LLMDataDist:
             raise _param_invalid(f"cluster_rank_info needs 2..4 entries, got "
                                  f"{len(cluster_rank_info)}")
         ranks = list(cluster_rank_info.values())
-        if any(b <= a for a, b in zip(ranks, ranks[1:])):
+        if any(b <= a for a, b in zip(ranks, ranks[1:], strict=False)):
             raise _param_invalid(f"ranks must be ascending without duplicates, got {ranks}")
         if self._cluster_id not in cluster_rank_info:
             raise _param_invalid(f"cluster_rank_info does not list this cluster "

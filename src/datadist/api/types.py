@@ -196,7 +196,7 @@ def _key_args(name: str, args: tuple, kwargs: dict, order: tuple[str, ...]) -> d
     if len(args) + len(kwargs) > len(order):
         raise LLMException(f"{name}: Param num is over limit",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
-    given = {**kwargs, **dict(zip(order, args))}
+    given = {**kwargs, **dict(zip(order, args, strict=False))}
     for k in given:
         if k not in order and k != "prompt_cluster_id":
             raise LLMException(f"{name}: Unsupported param:{k}",

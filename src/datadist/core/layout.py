@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -40,7 +39,7 @@ from datadist.transport.iov import span_iov
 U64 = np.dtype("<u8")
 U32 = np.dtype("<u4")
 
-BlockList = Union[Sequence[int], np.ndarray]
+BlockList = Sequence[int] | np.ndarray
 
 
 @dataclass(frozen=True, slots=True)

@@ -456,5 +456,5 @@ def local_copy(dst: np.ndarray, src: np.ndarray) -> None:
     Used for same-process and mapped-shared-memory copies. One ``memmove`` per span: callers
     coalesce first, so a span is a run of blocks, not a block.
     """
-    for (d, n), (s, _) in zip(dst.tolist(), src.tolist()):
+    for (d, n), (s, _) in zip(dst.tolist(), src.tolist(), strict=True):
         _libc.memmove(d, s, n)

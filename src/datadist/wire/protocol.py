@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar
 
 import numpy as np
 
@@ -359,10 +359,10 @@ class Ok:
     TYPE: ClassVar[MsgType] = MsgType.OK
 
 
-Message = Union[
-    Hello, Welcome, Error, Read, Write, ReadData, Grant, ShmGrant, Release, Ping, Pong, Bye, Ok,
-    Auth, Checksum, NixlMdRequest, NixlMd, NixlRead, NixlGrant, NixlWrite,
-]
+Message = (
+    Hello | Welcome | Error | Read | Write | ReadData | Grant | ShmGrant | Release | Ping | Pong
+    | Bye | Ok | Auth | Checksum | NixlMdRequest | NixlMd | NixlRead | NixlGrant | NixlWrite
+)
 
 
 @dataclass(frozen=True, slots=True)
