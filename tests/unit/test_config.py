@@ -9,7 +9,14 @@ import json
 
 import pytest
 
-from datadist import LLMClusterInfo, LLMConfig, LLMException, LLMRole, LLMStatusCode
+from datadist import (
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
 
 MEM_UTIL = {"llm.MemoryUtilization": "0.95"}  # always emitted
 
@@ -364,3 +371,23 @@ def test_remote_role_type_takes_a_role_or_int():
     assert c.remote_role_type == 0
     with pytest.raises(TypeError):
         c.remote_role_type = "PROMPT"
+
+
+@pytest.mark.parametrize("listen", ["[::1]:26000", "::1:26000", "fe80::1:26000"])
+def test_ipv6_listen_address_is_refused_with_a_clear_message(listen):
+    """IPv6 is refused, not half-supported: LLM-DataDist's addresses are IPv4 (LLMClusterInfo
+    keeps a uint32). The message names IPv6 instead of a resolver's 'Name or service not
+    known'."""
+    cfg = LLMConfig()
+    cfg.local_comm_res = ""
+    cfg.listen_ip_info = listen
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    with pytest.raises(LLMException, match="IPv6 addresses are not supported") as e:
+        dd.init(cfg.generate_options())
+    assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_ipv6_cluster_address_keeps_the_original_error_and_says_why():
+    info = LLMClusterInfo()
+    with pytest.raises(RuntimeError, match=r"^Can not parse ip str:::1 \(IPv6 is not supported"):
+        info.append_remote_ip_info("::1", 26000)

@@ -62,7 +62,8 @@ def ip_to_int(ip: str | int) -> int:
     try:
         return int(struct.unpack("<I", socket.inet_aton(ip))[0])
     except (OSError, ValueError):  # ValueError: an embedded NUL
-        raise RuntimeError(f"Can not parse ip str:{ip}") from None
+        hint = " (IPv6 is not supported: an IPv4 address is expected)" if ":" in ip else ""
+        raise RuntimeError(f"Can not parse ip str:{ip}{hint}") from None
 
 
 def int_to_ip(value: int) -> str:

@@ -941,7 +941,12 @@ class ServerConnection:
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
-    """Split "ip:port" strictly (LLM-DataDist's format; no IPv6 literals)."""
+    """Split "ip:port" strictly (LLM-DataDist's format). IPv6 is refused with a message that
+    says so: LLM-DataDist's addresses are IPv4 (LLMClusterInfo stores them as uint32)."""
+    if text.startswith("[") or text.count(":") > 1:
+        raise InvalidArgument(f"IPv6 addresses are not supported, got {text!r}: listen_ip_info "
+                              "and LLMClusterInfo take an IPv4 'ip:port', as in LLM-DataDist "
+                              "(use an IPv4 address of the host, or 0.0.0.0)")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise InvalidArgument(f"expected 'ip:port', got {text!r}")
