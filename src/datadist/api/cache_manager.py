@@ -7,15 +7,14 @@ core's. Pulls and pushes block until done or ``sync_kv_timeout``; the rest retur
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import numpy as np
 
-from datadist.api import types
+from datadist.api import async_transfer, local_ops, types
 from datadist.api.checks import check_int, check_isinstance, int_list
-from datadist.api.enums import DataType, Memtype, Placement
+from datadist.api.enums import Memtype, Placement
+from datadist.api.geometry import geometry_of, key_ref
 from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.types import (
     UINT64_MAX,
@@ -36,38 +35,11 @@ from datadist.core.errors import InvalidArgument
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
-from datadist.wire.protocol import KeyKind, KeyRef
 
-_PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 _U64 = 2**64 - 1
+_PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
 
-def geometry_of(desc: CacheDesc, *, blocks: bool) -> layout.Geometry:
-    """The engine's view of a CacheDesc. Memoised: every pull asks for it, and it is a pure
-    function of the description."""
-    return _geometry(desc.num_tensors, tuple(desc.shape), desc.data_type, blocks)
-
-
-@functools.lru_cache(maxsize=4096)
-def _geometry(num_tensors: int, shape: tuple[int, ...], dtype: DataType,
-              blocks: bool) -> layout.Geometry:
-    raise_if_false(len(shape) >= 1, "cache shape must have at least one dim")
-    raise_if_false(len(shape) <= 32, "cache shape must have at most 32 dims")
-    raise_if_false(all(d > 0 for d in shape), f"shape dims must be > 0: {list(shape)}")
-    raise_if_false(num_tensors > 0, "num_tensors must be > 0")
-    raise_if_false(dtype != DataType.DT_STRING, "DT_STRING has no fixed size")
-    with llm_errors():
-        return layout.Geometry(num_tensors, math.prod(shape) * dtype.itemsize, shape[0], blocks,
-                               layout.layout_tag(dtype.value, shape[1:]))
-
-
-def key_ref(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> KeyRef:
-    """How the wire names a remote cache for each of llm_datadist's key kinds."""
-    if isinstance(key, CacheKey):
-        return KeyRef(KeyKind.CACHE_KEY, key.req_id, key.model_id, key.prefix_id)
-    if isinstance(key, CacheKeyByIdAndIndex):
-        return KeyRef(KeyKind.CACHE_ID, key.cache_id & _U64, key.batch_index, 0)
-    return KeyRef(KeyKind.BLOCKS_KEY, 0, key.model_id & _U64, 0)
 
 
 def local_keys(cache_keys: Any) -> list[KeyId | None]:
@@ -427,14 +399,12 @@ class CacheManager:
 
     # ------------------------------------------------------------------ local copies
     # Argument rules shared with the legacy KvCacheManager live in api/local_ops.py and
-    # api/async_transfer.py (imported here lazily: they import this module).
+    # api/async_transfer.py.
 
     @staticmethod
-    def _ref(cache: Cache) -> Any:
-        from datadist.api.local_ops import CacheRef
-
-        return CacheRef(cache.cache_id, cache.cache_desc, cache.is_blocks_cache,
-                        cache.tensor_addrs)
+    def _ref(cache: Cache) -> local_ops.CacheRef:
+        return local_ops.CacheRef(cache.cache_id, cache.cache_desc, cache.is_blocks_cache,
+                                  cache.tensor_addrs)
 
     def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0,
                    src_batch_index: int = 0, offset: int = 0, size: int = -1,
@@ -446,8 +416,6 @@ class CacheManager:
         Neither cache may be a blocks cache; both need the same tensor count; ``offset`` and
         ``size`` must fit both slots (PARAM_INVALID). ``req_id`` is only for logs.
         """
-        from datadist.api import local_ops
-
         engine = self._engine_or_raise()
         check_isinstance("dst", dst, Cache, allow_none=False)
         self._own("dst", dst)
@@ -465,8 +433,6 @@ class CacheManager:
         """Copy blocks within one blocks cache: ``{src_block: [dst_block, ...]}``. Local;
         blocks until done. A block may not be both a source and a destination, nor a
         destination twice (PARAM_INVALID); an empty dict copies nothing."""
-        from datadist.api import local_ops
-
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, Cache, allow_none=False)
         self._own("cache", cache)
@@ -478,8 +444,6 @@ class CacheManager:
         the HOST side is typically ``Cache.create_cpu_cache``. Both blocks caches, with the
         same block bytes and tensor count. Same placement on both sides: PARAM_INVALID.
         On a host without CUDA, DEVICE memory is host memory too: a swap is a host copy."""
-        from datadist.api import local_ops
-
         engine = self._engine_or_raise()
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         self._own("src_cache", src_cache)
@@ -524,8 +488,6 @@ class CacheManager:
         ``TransferWithCacheKeyConfig`` (a push by key); the other kind is a TypeError. See
         :mod:`datadist.api.async_transfer` for blocks and every rule.
         """
-        from datadist.api import async_transfer
-
         engine = self._engine_or_raise()
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         self._own("src_cache", src_cache)

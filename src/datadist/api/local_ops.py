@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from datadist.api.cache_manager import geometry_of
 from datadist.api.checks import check_isinstance, int_list
 from datadist.api.enums import Placement
+from datadist.api.geometry import geometry_of
 from datadist.api.status import llm_errors, raise_if_false
 from datadist.api.types import CacheDesc
 from datadist.core import layout, local

@@ -33,10 +33,11 @@ from typing import Any
 import numpy as np
 
 from datadist.api import async_transfer, local_ops
-from datadist.api.cache_manager import geometry_of, key_ref, local_keys
+from datadist.api.cache_manager import local_keys
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.config import pool_bytes_option
 from datadist.api.enums import DataType, LLMRole, Placement, from_numpy_dtype, numpy_dtype
+from datadist.api.geometry import geometry_of, key_ref
 from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.tasks import CacheTask
 from datadist.api.types import (

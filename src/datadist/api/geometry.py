@@ -1,0 +1,47 @@
+"""The engine's view of llm_datadist's values: a ``CacheDesc`` as a core ``Geometry``, a
+cache key as the wire's ``KeyRef``.
+
+Who calls: the api modules that move data (cache_manager, local_ops, v1), on every call;
+pure functions, never block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from datadist.api.enums import DataType
+from datadist.api.status import llm_errors, raise_if_false
+from datadist.api.types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex
+from datadist.core import layout
+from datadist.wire.protocol import KeyKind, KeyRef
+
+_U64 = 2**64 - 1
+
+
+def geometry_of(desc: CacheDesc, *, blocks: bool) -> layout.Geometry:
+    """The engine's view of a CacheDesc. Memoised: every pull asks for it, and it is a pure
+    function of the description."""
+    return _geometry(desc.num_tensors, tuple(desc.shape), desc.data_type, blocks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(num_tensors: int, shape: tuple[int, ...], dtype: DataType,
+              blocks: bool) -> layout.Geometry:
+    raise_if_false(len(shape) >= 1, "cache shape must have at least one dim")
+    raise_if_false(len(shape) <= 32, "cache shape must have at most 32 dims")
+    raise_if_false(all(d > 0 for d in shape), f"shape dims must be > 0: {list(shape)}")
+    raise_if_false(num_tensors > 0, "num_tensors must be > 0")
+    raise_if_false(dtype != DataType.DT_STRING, "DT_STRING has no fixed size")
+    with llm_errors():
+        return layout.Geometry(num_tensors, math.prod(shape) * dtype.itemsize, shape[0], blocks,
+                               layout.layout_tag(dtype.value, shape[1:]))
+
+
+def key_ref(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> KeyRef:
+    """How the wire names a remote cache for each of llm_datadist's key kinds."""
+    if isinstance(key, CacheKey):
+        return KeyRef(KeyKind.CACHE_KEY, key.req_id, key.model_id, key.prefix_id)
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return KeyRef(KeyKind.CACHE_ID, key.cache_id & _U64, key.batch_index, 0)
+    return KeyRef(KeyKind.BLOCKS_KEY, 0, key.model_id & _U64, 0)
