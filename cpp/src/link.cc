@@ -1,0 +1,148 @@
+#include "link.h"
+
+#include "errors.h"
+
+namespace datadist {
+namespace {
+
+// An ERROR frame's code as a Status: codes travel as i64; -1 (UNKNOWN_ERROR) and anything
+// outside 32 bits become LLM_FAILED.
+Status CodeOf(int64_t code) {
+  if (code < 0 || code > 0xFFFFFFFFLL) return llm_datadist::LLM_FAILED;
+  return static_cast<Status>(code);
+}
+
+uint64_t IovBytes(const std::vector<iovec> &iov) {
+  uint64_t n = 0;
+  for (const iovec &v : iov) n += v.iov_len;
+  return n;
+}
+
+}  // namespace
+
+std::unique_ptr<std::unique_lock<std::timed_mutex>> Link::Acquire(Deadline deadline) {
+  if (Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
+  auto lock = std::make_unique<std::unique_lock<std::timed_mutex>>(mu_, std::defer_lock);
+  if (!lock->try_lock_until(deadline))
+    Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " stayed busy until the deadline");
+  return lock;
+}
+
+void Link::Open(Deadline deadline) {
+  auto lock = Acquire(deadline);
+  conn_.reset();
+  auto conn = Conn::Connect(host_, port_, deadline);
+  rid_ = 0;
+  conn_ = std::move(conn);
+  std::vector<uint8_t> payload;
+  try {
+    wire::Header h = Call(wire::EncodeHello(wire::kHello, hello_, ++rid_), payload, deadline);
+    if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
+    wire::Hello welcome = wire::DecodeHello(payload);
+    if (welcome.cluster_id != remote_)
+      Fail(llm_datadist::LLM_LINK_FAILED, "the peer at " + host_ + ":" + std::to_string(port_) + " is cluster " +
+                                             std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
+    if (welcome.features & 1U) Fail(llm_datadist::LLM_LINK_FAILED, "the peer requires a shared secret (not supported in C++ yet)");
+  } catch (const Error &e) {
+    conn_.reset();
+    if (e.code() == kSuspectRemoteError || e.code() == llm_datadist::LLM_FAILED)
+      Fail(llm_datadist::LLM_LINK_FAILED, e.what());
+    throw;
+  }
+}
+
+wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {
+  wire::Header h = conn_->RecvFrame(payload, deadline);
+  try {
+    if (h.request_id != rid_) ProtocolViolation("answer to request " + std::to_string(h.request_id) + ", expected " + std::to_string(rid_));
+    if (h.type == wire::kError) {
+      wire::ErrorMsg e = wire::DecodeError(payload);
+      Fail(CodeOf(e.code), "peer: " + e.message);
+    }
+  } catch (const Error &e) {
+    if (e.code() == kSuspectRemoteError) conn_->Close();
+    throw;
+  }
+  return h;
+}
+
+wire::Header Link::Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline) {
+  conn_->SendFrame(frame, deadline);
+  return Answer(payload, deadline);
+}
+
+void Link::Prepare(Deadline deadline) {
+  if (closing_) Fail(llm_datadist::LLM_NOT_YET_LINK, "link to cluster " + std::to_string(remote_) + " was unlinked");
+  if (conn_ && !conn_->closed() && !conn_->PeerGone()) return;
+  conn_.reset();
+  auto conn = Conn::Connect(host_, port_, deadline);
+  conn_ = std::move(conn);
+  rid_ = 0;
+  std::vector<uint8_t> payload;
+  wire::Header h = Call(wire::EncodeHello(wire::kHello, hello_, ++rid_), payload, deadline);
+  if (h.type != wire::kWelcome || wire::DecodeHello(payload).cluster_id != remote_) {
+    conn_.reset();
+    Fail(llm_datadist::LLM_LINK_FAILED, "the peer behind the link to cluster " + std::to_string(remote_) + " changed");
+  }
+}
+
+void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  auto lock = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  wire::Header h = Call(wire::EncodeRequest(wire::kRead, req, ++rid_), payload, deadline);
+  if (h.type != wire::kReadData) {
+    conn_->Close();
+    ProtocolViolation("expected READ_DATA");
+  }
+  uint64_t n = wire::DecodeU64(payload);
+  if (n != IovBytes(local)) {
+    conn_->Close();
+    ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(IovBytes(local)) + " were asked for");
+  }
+  conn_->RecvV(local, deadline);
+}
+
+void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  auto lock = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  wire::Header h = Call(wire::EncodeRequest(wire::kWrite, req, ++rid_), payload, deadline);
+  if (h.type != wire::kOk) {
+    conn_->Close();
+    ProtocolViolation("expected OK");
+  }
+  conn_->SendV(local, deadline);
+  h = Answer(payload, deadline);
+  if (h.type != wire::kOk) {
+    conn_->Close();
+    ProtocolViolation("expected OK after the pushed bytes");
+  }
+}
+
+void Link::Close(Deadline deadline, bool force) {
+  std::unique_lock<std::timed_mutex> lock(mu_, std::defer_lock);
+  if (force) {
+    // A transfer in flight keeps the link object alive and ends by its own deadline; the
+    // connection closes when that transfer lets go of it.
+    if (lock.try_lock()) {
+      closing_ = true;
+      conn_.reset();
+    }
+    return;
+  }
+  if (!lock.try_lock_until(deadline))
+    Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " is busy with a transfer");
+  closing_ = true;
+  if (conn_ && !conn_->closed()) {
+    try {
+      std::vector<uint8_t> payload;
+      Call(wire::EncodeEmpty(wire::kBye, ++rid_), payload, deadline);
+    } catch (const Error &) {
+      // the peer is not told; we close anyway
+    }
+  }
+  conn_.reset();
+}
+
+}  // namespace datadist

@@ -1,0 +1,41 @@
+// Turning a C++ API call into byte spans (the counterpart of Python's core/layout.py).
+// A transfer is a list of tensor pairs (remote, local) from the layer ranges, and a list of
+// spans (remote offset, local offset, length) repeated in every tensor pair. Remote offsets
+// are relative to the remote unit the key names (a batch slot, or the tensor base for blocks);
+// the owner checks them. Local offsets are absolute in the local tensor and checked here.
+// Errors are LLM_PARAM_INVALID.
+#ifndef DATADIST_CPP_PLAN_H_
+#define DATADIST_CPP_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "llm_datadist/llm_datadist.h"
+#include "registry.h"
+
+namespace datadist {
+
+struct Plan {
+  std::vector<uint32_t> remote_tensors, local_tensors;
+  std::vector<uint64_t> remote_offsets, local_offsets, lengths;
+};
+
+/// Pairs remote and local tensor indices from KvCacheExtParam's inclusive layer ranges
+/// ({-1, -1}: all). With no range on either side, local tensor i pairs with remote tensor i.
+void PairTensors(Plan &plan, uint32_t local_num_tensors, std::pair<int32_t, int32_t> remote_range,
+                 std::pair<int32_t, int32_t> local_range, uint8_t tensor_num_per_layer);
+
+/// One slot: remote slot (relative offset 0) <-> local slot `local_unit`; size -1 = the whole slot.
+void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t size);
+
+/// Blocks: remote block remote_blocks[i] <-> local block local_blocks[i]; runs adjacent on both
+/// sides become one span.
+void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
+                const std::vector<uint64_t> &local_blocks);
+
+/// The local spans, absolute, tensor-major (the order the wire moves them in).
+std::vector<iovec> LocalIov(const Plan &plan, const std::vector<uint64_t> &addrs);
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_PLAN_H_

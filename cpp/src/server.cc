@@ -1,0 +1,198 @@
+#include "server.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "errors.h"
+
+namespace datadist {
+namespace {
+
+constexpr double kHandshakeTimeout = 10.0;  // s the server waits for a new connection's HELLO
+constexpr double kFrameTimeout = 30.0;      // s a frame may take once its first byte arrived
+constexpr double kServeTimeout = 120.0;     // s a stalled reader / writer is waited for
+constexpr int kPollSliceMs = 100;           // how often blocked waits look at the stop flag
+
+void TrySend(Conn &c, const std::vector<uint8_t> &frame) {
+  try {
+    c.SendFrame(frame, After(1.0));
+  } catch (const Error &) {
+  }
+}
+
+std::vector<uint8_t> ErrorFrame(const Error &e, uint32_t rid) {
+  // Codes travel as their unsigned 32-bit value (LLM_FAILED is 0xFFFFFFFF, as Python's Code.FAILED).
+  return wire::EncodeError({static_cast<int64_t>(e.code()), e.what()}, rid);
+}
+
+}  // namespace
+
+void Server::Start(const std::string &host, uint16_t port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) Invalid("not an IPv4 address: '" + host + "'");
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) Fail(llm_datadist::LLM_LINK_FAILED, std::string("socket: ") + std::strerror(errno));
+  int one = 1;
+  (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0 || listen(fd, 128) != 0) {
+    std::string why = std::strerror(errno);
+    close(fd);
+    Fail(llm_datadist::LLM_LINK_FAILED, "cannot listen on " + host + ":" + std::to_string(port) + ": " + why);
+  }
+  socklen_t len = sizeof(addr);
+  (void)getsockname(fd, reinterpret_cast<sockaddr *>(&addr), &len);
+  port_ = ntohs(addr.sin_port);
+  listen_fd_ = fd;
+  stopping_ = false;
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+}
+
+void Server::Stop() {
+  if (listen_fd_ < 0) return;
+  stopping_ = true;
+  if (accept_thread_.joinable()) accept_thread_.join();
+  close(listen_fd_);
+  listen_fd_ = -1;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto &w : workers_) w->conn->Shutdown();
+  ReapLocked(true);
+}
+
+void Server::ReapLocked(bool all) {
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    if (all || (*it)->done) {
+      if ((*it)->thread.joinable()) (*it)->thread.join();
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Server::AcceptLoop() {
+  while (!stopping_) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (poll(&p, 1, kPollSliceMs) <= 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ReapLocked(false);
+      continue;
+    }
+    sockaddr_in peer{};
+    socklen_t len = sizeof(peer);
+    int fd = accept4(listen_fd_, reinterpret_cast<sockaddr *>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;
+    char ip[INET_ADDRSTRLEN] = {0};
+    inet_ntop(AF_INET, &peer.sin_addr, ip, sizeof(ip));
+    auto w = std::make_unique<Worker>();
+    w->conn = std::make_unique<Conn>(fd, std::string(ip) + ":" + std::to_string(ntohs(peer.sin_port)));
+    Worker *raw = w.get();
+    std::lock_guard<std::mutex> lock(mu_);
+    ReapLocked(false);
+    workers_.push_back(std::move(w));
+    raw->thread = std::thread([this, raw] { Serve(raw); });
+  }
+}
+
+void Server::Serve(Worker *w) {
+  Conn &c = *w->conn;
+  std::vector<uint8_t> payload;
+  try {
+    // Handshake: HELLO, answered by WELCOME (or ERROR and close).
+    wire::Header h = c.RecvFrame(payload, After(kHandshakeTimeout));
+    if (h.type != wire::kHello) ProtocolViolation("expected HELLO");
+    wire::Hello hello = wire::DecodeHello(payload);
+    if (hello.cluster_id == identity_->cluster_id) {
+      TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                                    "peer uses our own cluster id " + std::to_string(hello.cluster_id)},
+                                   h.request_id));
+      c.Close();
+    } else {
+      // No same-host identity (zero boot id and pid namespace) and no features: a Python
+      // peer then always uses TCP toward us, and never asks us for a secret.
+      wire::Hello welcome;
+      welcome.cluster_id = identity_->cluster_id;
+      welcome.role = static_cast<uint8_t>(identity_->role.load());
+      welcome.pid = static_cast<uint32_t>(getpid());
+      c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), After(kHandshakeTimeout));
+    }
+    while (!c.closed() && !stopping_) {
+      if (!c.WaitReadable(kPollSliceMs)) continue;
+      h = c.RecvFrame(payload, After(kFrameTimeout));
+      if (!Dispatch(c, h, payload)) break;
+    }
+  } catch (const Error &e) {
+    if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
+  } catch (const std::exception &) {
+  }
+  c.Close();
+  w->done = true;
+}
+
+bool Server::Dispatch(Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {
+  const uint32_t rid = h.request_id;
+  switch (h.type) {
+    case wire::kRead: {
+      wire::Request req = wire::DecodeRequest(h.type, payload);
+      std::unique_ptr<Lease> lease;
+      try {
+        if (req.flags & wire::kFlagGrant)
+          Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner serves over TCP only (no grants)");
+        lease = registry_->Open(req);
+      } catch (const Error &e) {
+        c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
+        return true;
+      }
+      Deadline deadline = After(kServeTimeout);
+      std::vector<uint8_t> head = wire::EncodeU64(wire::kReadData, lease->nbytes, rid);
+      std::vector<iovec> iov;
+      iov.reserve(lease->iov.size() + 1);
+      iov.push_back({head.data(), head.size()});
+      iov.insert(iov.end(), lease->iov.begin(), lease->iov.end());
+      c.SendV(std::move(iov), deadline);
+      if (req.flags & wire::kFlagChecksum) {
+        uint32_t crc = 0;
+        for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
+        c.SendFrame(wire::EncodeChecksum(crc, lease->nbytes, rid), deadline);
+      }
+      return true;
+    }
+    case wire::kWrite: {
+      wire::Request req = wire::DecodeRequest(h.type, payload);
+      std::unique_ptr<Lease> lease;
+      try {
+        lease = registry_->Open(req);
+      } catch (const Error &e) {
+        c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
+        return true;
+      }
+      Deadline deadline = After(kServeTimeout);
+      c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
+      c.RecvV(lease->iov, deadline);
+      lease.reset();
+      c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
+      return true;
+    }
+    case wire::kPing:
+      c.SendFrame(wire::EncodeU64(wire::kPong, wire::DecodeU64(payload), rid), After(kServeTimeout));
+      return true;
+    case wire::kBye:
+      wire::DecodeEmpty(payload);
+      TrySend(c, wire::EncodeEmpty(wire::kOk, rid));
+      return false;
+    case wire::kRelease:  // we never grant, so there is no lease to release
+      wire::CheckOther(h.type, payload);
+      return true;
+    default:
+      ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
+  }
+}
+
+}  // namespace datadist

@@ -1,0 +1,58 @@
+// Serving: a listener that accepts peers and serves each connection on its own thread, as the
+// owner side of the protocol (handshake, READ, WRITE, PING, BYE), over the registry.
+// Start() binds and returns at once; Stop() stops accepting, wakes and joins every thread
+// (bounded by the poll slices below, never by a peer).
+#ifndef DATADIST_CPP_SERVER_H_
+#define DATADIST_CPP_SERVER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "net.h"
+#include "registry.h"
+
+namespace datadist {
+
+struct Identity {
+  uint64_t cluster_id = 0;
+  std::atomic<int32_t> role{0};
+};
+
+class Server {
+ public:
+  Server(Registry *registry, Identity *identity) : registry_(registry), identity_(identity) {}
+  ~Server() { Stop(); }
+  /// Binds host:port (port 0 picks one) and starts accepting. LLM_LINK_FAILED if it cannot bind.
+  void Start(const std::string &host, uint16_t port);
+  void Stop();
+  uint16_t port() const { return port_; }
+
+ private:
+  struct Worker {
+    std::unique_ptr<Conn> conn;
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+  void AcceptLoop();
+  void Serve(Worker *w);
+  bool Dispatch(Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload);
+  void ReapLocked(bool all);
+
+  Registry *registry_;
+  Identity *identity_;
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread accept_thread_;
+  std::mutex mu_;
+  std::list<std::unique_ptr<Worker>> workers_;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_SERVER_H_
