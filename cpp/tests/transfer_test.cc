@@ -1,1 +1,327 @@
+// Transfers between two LlmDataDist instances in this process, over TCP: every byte checked,
+// every owner-side check, deadlines against stopped and dead peers, and the xLLM-style flow.
 #include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "test_util.h"
+#include "wire.h"
+
+namespace {
+
+using namespace llm_datadist;
+using ddtest::Ext;
+using ddtest::HostCache;
+using ddtest::Index;
+
+constexpr uint64_t kPrompt = 0;  // cluster id 0 is valid
+constexpr uint64_t kDecoder = (uint64_t{0x7F000001} << 32) | 26001;  // xLLM-style (ipv4 << 32) | port
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+class Pair : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    port = ddtest::FreePort();
+    ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+    ASSERT_EQ(decoder.Initialize(ddtest::Options(0, "1000")), LLM_SUCCESS);
+    ASSERT_EQ(src.Register(prompt), LLM_SUCCESS);
+    ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+    src.Fill(7);
+    std::vector<Status> rets;
+    ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
+  }
+  uint16_t port = 0;
+  LlmDataDist prompt{kPrompt, LlmRole::kPrompt};
+  LlmDataDist decoder{kDecoder, LlmRole::kDecoder};
+  HostCache src{4, {4, 16}};  // 2 layers x (K, V); 4 slots/blocks of 16 bytes
+  HostCache dst{4, {4, 16}};
+};
+
+TEST_F(Pair, PullKvCacheMovesOneSlot) {
+  ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 2), dst.cache, 1), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(dst.T(t)[i], (i >= 16 && i < 32) ? src.T(t)[32 + i - 16] : 0) << t << i;
+  // a prefix of the slot, layer 1 only
+  std::memset(dst.T(2), 0, 64);
+  std::memset(dst.T(3), 0, 64);
+  ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 3), dst.cache, 0, 5, Ext({1, 1}, {1, 1})), LLM_SUCCESS);
+  for (int t = 2; t < 4; ++t)
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(dst.T(t)[i], i < 5 ? src.T(t)[48 + i] : 0);
+  // "A Cache may carry only cache_id"
+  Cache only_id{};
+  only_id.cache_id = dst.cache.cache_id;
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 0), only_id, 3), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(dst.T(0) + 48, src.T(0), 16), 0);
+}
+
+TEST_F(Pair, PullKvBlocksWithLayerRanges) {
+  ASSERT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {3, 0, 1}, {0, 2, 3}), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_EQ(std::memcmp(dst.T(t), src.T(t) + 48, 16), 0);
+    EXPECT_EQ(std::memcmp(dst.T(t) + 32, src.T(t), 32), 0);  // 0,1 -> 2,3: one coalesced span
+    for (int i = 16; i < 32; ++i) ASSERT_EQ(dst.T(t)[i], 0);
+  }
+  // remote layer 0 into local layer 1
+  HostCache fresh(4, {4, 16});
+  ASSERT_EQ(fresh.Register(decoder), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), fresh.cache, {2}, {1}, Ext({0, 0}, {1, 1})), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 64; ++i)
+      ASSERT_EQ(fresh.T(t)[i], (t >= 2 && i >= 16 && i < 32) ? src.T(t - 2)[32 + i - 16] : 0) << t << " " << i;
+  // empty src_blocks: the remote slot split into blocks
+  HostCache split(4, {4, 16});
+  ASSERT_EQ(split.Register(decoder), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1, 2), split.cache, {}, {3}), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(split.T(1) + 48, src.T(1) + 32, 16), 0);
+}
+
+TEST_F(Pair, OwnerAndLocalChecksGiveStatusCodes) {
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 9), dst.cache), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 4), dst.cache), LLM_PARAM_INVALID);  // remote slot
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 4), LLM_PARAM_INVALID);  // local slot
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, 17), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {4}, {0}), LLM_PARAM_INVALID);  // remote block
+  EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {0}, {4}), LLM_PARAM_INVALID);  // local block
+  EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {0, 1}, {0}), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {}, {}), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {~0ULL}, {0}), LLM_PARAM_INVALID);
+  // bad layer ranges
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({1, 0}, {1, 0})), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({-1, 1}, {0, 1})), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 1})), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 2}, {0, 2})), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({2, 2}, {1, 1})), LLM_PARAM_INVALID);  // remote has 2 layers
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 0}, 0)), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 0}, 3)), LLM_PARAM_INVALID);
+  // another dtype on the owner's side
+  HostCache wide(4, {4, 8}, DT_FLOAT16, 2);
+  ASSERT_EQ(wide.Register(decoder), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), wide.cache), LLM_PARAM_INVALID);
+  // more local tensors than the remote cache has
+  HostCache more(6, {4, 16});
+  ASSERT_EQ(more.Register(decoder), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), more.cache), LLM_PARAM_INVALID);
+  // none of that broke the link, and nothing was written
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(dst.T(t)[i], 0);
+  ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(dst.T(3), src.T(3), 16), 0);
+  // an unregistered remote cache is gone for peers
+  ASSERT_EQ(prompt.UnregisterKvCache(1), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_KV_CACHE_NOT_EXIST);
+}
+
+TEST_F(Pair, PushesLandInTheOwnersCache) {
+  // the prompt pushes to the decoder, which must listen (and be linked to) for that
+  uint16_t dport = ddtest::FreePort();
+  auto opts = ddtest::Options(dport);
+  ASSERT_EQ(decoder.SetRole(LlmRole::kDecoder, opts), LLM_SUCCESS);
+  std::vector<Status> rets;
+  ASSERT_EQ(prompt.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_SUCCESS);
+  EXPECT_EQ(prompt.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_ALREADY_LINK);
+  ASSERT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, 1, 3), 1), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(dst.T(t)[i], i >= 48 ? src.T(t)[16 + i - 48] : 0);
+  // layer by layer, blocks
+  for (int32_t l = 0; l < 2; ++l)
+    ASSERT_EQ(prompt.PushKvBlocks(src.cache, Index(kDecoder, 1), {0, 2}, {1, 2}, Ext({l, l}, {l, l})), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_EQ(std::memcmp(dst.T(t) + 16, src.T(t), 16), 0);
+    EXPECT_EQ(std::memcmp(dst.T(t) + 32, src.T(t) + 32, 16), 0);
+  }
+  EXPECT_EQ(prompt.PushKvBlocks(src.cache, Index(kDecoder, 1), {0}, {4}), LLM_PARAM_INVALID);
+  EXPECT_EQ(prompt.PushKvBlocks(src.cache, Index(kDecoder, 8), {0}, {0}), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, 1, 4)), LLM_PARAM_INVALID);
+  // SetRole(kDecoder, {}) stops serving: the prompt's next push finds nobody
+  ASSERT_EQ(decoder.SetRole(LlmRole::kDecoder, {}), LLM_SUCCESS);
+  Status s = prompt.PushKvCache(src.cache, Index(kDecoder, 1, 0));
+  EXPECT_TRUE(s == LLM_LINK_FAILED || s == LLM_TIMEOUT) << s;
+  ASSERT_EQ(prompt.UnlinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets, 1000, true), LLM_SUCCESS);
+}
+
+TEST_F(Pair, UnlinkThenPullIsNotLinked) {
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_NOT_YET_LINK);
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets), LLM_SUCCESS);  // relink
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_SUCCESS);
+}
+
+TEST_F(Pair, DeadPeerFailsFastAndARestartedOneIsReconnected) {
+  prompt.Finalize();
+  auto t0 = std::chrono::steady_clock::now();
+  Status s = decoder.PullKvCache(Index(kPrompt, 1), dst.cache);
+  EXPECT_TRUE(s == LLM_LINK_FAILED || s == LLM_TIMEOUT) << s;
+  EXPECT_LT(Seconds(t0), 3.0);
+  LlmDataDist again(kPrompt, LlmRole::kPrompt);
+  ASSERT_EQ(again.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  HostCache src2(4, {4, 16});
+  ASSERT_EQ(src2.Register(again), LLM_SUCCESS);
+  src2.Fill(9);
+  ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 1), dst.cache), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(dst.T(2), src2.T(2) + 16, 16), 0);
+}
+
+// A peer that says WELCOME and then nothing: a stopped process, as far as we can tell.
+class SilentPeer {
+ public:
+  explicit SilentPeer(uint64_t cluster_id, bool welcome) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd_, reinterpret_cast<sockaddr *>(&a), sizeof(a));
+    listen(fd_, 4);
+    socklen_t len = sizeof(a);
+    getsockname(fd_, reinterpret_cast<sockaddr *>(&a), &len);
+    port = ntohs(a.sin_port);
+    thread_ = std::thread([this, cluster_id, welcome] {
+      int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      uint8_t buf[256];
+      ssize_t n = recv(c, buf, sizeof(buf), 0);
+      if (welcome && n >= 12) {
+        datadist::wire::Hello w;
+        w.cluster_id = cluster_id;
+        uint32_t rid = buf[4] | buf[5] << 8 | buf[6] << 16 | static_cast<uint32_t>(buf[7]) << 24;
+        auto frame = datadist::wire::EncodeHello(datadist::wire::kWelcome, w, rid);
+        (void)send(c, frame.data(), frame.size(), MSG_NOSIGNAL);
+      }
+      while (!stop_) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      close(c);
+    });
+  }
+  ~SilentPeer() {
+    stop_ = true;
+    shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    close(fd_);
+  }
+  uint16_t port = 0;
+
+ private:
+  int fd_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+TEST(Deadlines, StoppedPeerGivesTimeoutWithinTheDeadline) {
+  LlmDataDist dd(1, LlmRole::kDecoder);
+  ASSERT_EQ(dd.Initialize(ddtest::Options(0, "300")), LLM_SUCCESS);
+  HostCache h(2, {4, 8});
+  ASSERT_EQ(h.Register(dd), LLM_SUCCESS);
+  SilentPeer peer(2, true);
+  std::vector<Status> rets;
+  ASSERT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, peer.port)}, rets, 2000), LLM_SUCCESS);
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(dd.PullKvCache(Index(2, 1), h.cache), LLM_TIMEOUT);
+  EXPECT_GE(Seconds(t0), 0.25);
+  EXPECT_LT(Seconds(t0), 2.0);
+  t0 = std::chrono::steady_clock::now();
+  Status s = dd.PushKvBlocks(h.cache, Index(2, 1), {0}, {0});
+  EXPECT_TRUE(s == LLM_TIMEOUT || s == LLM_LINK_FAILED) << s;
+  EXPECT_LT(Seconds(t0), 2.0);
+}
+
+TEST(Deadlines, PeerThatNeverAnswersHelloFailsTheLink) {
+  LlmDataDist dd(1, LlmRole::kDecoder);
+  ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
+  SilentPeer peer(2, false);
+  std::vector<Status> rets;
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, peer.port)}, rets, 300), LLM_LINK_FAILED);
+  EXPECT_LT(Seconds(t0), 2.0);
+  // a WELCOME from another cluster than asked for is refused too
+  SilentPeer liar(3, true);
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, liar.port)}, rets, 1000), LLM_LINK_FAILED);
+}
+
+TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
+  // xLLM: a K and a V cache of one tensor per layer, registered in the same order on both
+  // sides, so each side addresses the remote cache by its own local id.
+  constexpr int kLayers = 3;
+  uint16_t pport = ddtest::FreePort(), dport = ddtest::FreePort();
+  LlmDataDist p(kPrompt, LlmRole::kPrompt), d(kDecoder, LlmRole::kDecoder);
+  ASSERT_EQ(p.Initialize(ddtest::Options(pport)), LLM_SUCCESS);
+  ASSERT_EQ(d.Initialize(ddtest::Options(dport)), LLM_SUCCESS);
+  HostCache pk(kLayers, {8, 32}), pv(kLayers, {8, 32}), dk(kLayers, {8, 32}), dv(kLayers, {8, 32});
+  ASSERT_EQ(pk.Register(p), LLM_SUCCESS);
+  ASSERT_EQ(pv.Register(p), LLM_SUCCESS);
+  ASSERT_EQ(dk.Register(d), LLM_SUCCESS);
+  ASSERT_EQ(dv.Register(d), LLM_SUCCESS);
+  pk.Fill(21);
+  pv.Fill(22);
+  std::vector<Status> rets;
+  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(kPrompt, pport)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(p.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_SUCCESS);
+  std::vector<uint64_t> blocks = {5, 1, 2};
+  for (HostCache *c : {&dk, &dv}) {
+    Cache only_id{};
+    only_id.cache_id = c->cache.cache_id;
+    for (int32_t l = 0; l < kLayers; ++l)
+      ASSERT_EQ(d.PullKvBlocks(Index(kPrompt, c->cache.cache_id), only_id, blocks, blocks, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
+  }
+  // {0, 0} with one tensor per layer: layer 0 only
+  HostCache one(1, {8, 32});
+  ASSERT_EQ(one.Register(d), LLM_SUCCESS);
+  ASSERT_EQ(d.PullKvBlocks(Index(kPrompt, 1), one.cache, {7}, {0}, Ext({0, 0}, {0, 0}, 1)), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(one.T(0), pk.T(0) + 7 * 32, 32), 0);
+  for (int l = 0; l < kLayers; ++l)
+    for (uint64_t b = 0; b < 8; ++b) {
+      bool moved = b == 5 || b == 1 || b == 2;
+      for (int kv = 0; kv < 2; ++kv) {
+        HostCache &from = kv ? pv : pk;
+        HostCache &to = kv ? dv : dk;
+        for (int i = 0; i < 32; ++i)
+          ASSERT_EQ(to.T(l)[b * 32 + i], moved ? from.T(l)[b * 32 + i] : 0) << l << " " << b;
+      }
+    }
+  // the prompt pushes new blocks layer by layer, as each layer is computed
+  pk.Fill(31);
+  pv.Fill(32);
+  for (int32_t l = 0; l < kLayers; ++l) {
+    ASSERT_EQ(p.PushKvBlocks(pk.cache, Index(kDecoder, pk.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
+    ASSERT_EQ(p.PushKvBlocks(pv.cache, Index(kDecoder, pv.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
+    for (int later = l + 1; later < kLayers; ++later)  // not yet pushed
+      for (int i = 0; i < 32; ++i) ASSERT_EQ(dk.T(later)[6 * 32 + i], 0);
+    EXPECT_EQ(std::memcmp(dk.T(l) + 6 * 32, pk.T(l) + 3 * 32, 32), 0);
+    EXPECT_EQ(std::memcmp(dv.T(l) + 6 * 32, pv.T(l) + 3 * 32, 32), 0);
+  }
+}
+
+TEST(Concurrency, PullsFromManyThreadsOnOneLink) {
+  uint16_t port = ddtest::FreePort();
+  LlmDataDist p(1, LlmRole::kPrompt), d(2, LlmRole::kDecoder);
+  ASSERT_EQ(p.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  ASSERT_EQ(d.Initialize(ddtest::Options(0, "5000")), LLM_SUCCESS);
+  HostCache src(2, {16, 64});
+  ASSERT_EQ(src.Register(p), LLM_SUCCESS);
+  src.Fill(3);
+  std::vector<Status> rets;
+  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(1, port)}, rets), LLM_SUCCESS);
+  constexpr int kThreads = 4;
+  std::vector<std::unique_ptr<HostCache>> dsts;
+  for (int i = 0; i < kThreads; ++i) {
+    dsts.push_back(std::make_unique<HostCache>(2, std::vector<int64_t>{16, 64}));
+    ASSERT_EQ(dsts.back()->Register(d), LLM_SUCCESS);
+  }
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i)
+    threads.emplace_back([&, i] {
+      for (uint32_t slot = 0; slot < 16; ++slot)
+        if (d.PullKvCache(Index(1, 1, slot), dsts[i]->cache, slot) != LLM_SUCCESS) ++failures;
+    });
+  for (auto &t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (auto &c : dsts)
+    for (int t = 0; t < 2; ++t) EXPECT_EQ(std::memcmp(c->T(t), src.T(t), 16 * 64), 0);
+}
+
+}  // namespace
