@@ -20,16 +20,32 @@ uint64_t IovBytes(const std::vector<iovec> &iov) {
 
 }  // namespace
 
-std::unique_ptr<std::unique_lock<std::timed_mutex>> Link::Acquire(Deadline deadline) {
-  if (Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
-  auto lock = std::make_unique<std::unique_lock<std::timed_mutex>>(mu_, std::defer_lock);
-  if (!lock->try_lock_until(deadline))
+std::unique_ptr<Link::Busy> Link::Acquire(Deadline deadline, bool timeout_if_late) {
+  if (timeout_if_late && Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!idle_.wait_until(lock, deadline, [this] { return !busy_; }))
     Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " stayed busy until the deadline");
-  return lock;
+  busy_ = true;
+  return std::make_unique<Busy>(this);
+}
+
+bool Link::TryAcquire() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (busy_) return false;
+  busy_ = true;
+  return true;
+}
+
+void Link::Release() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
+  }
+  idle_.notify_one();
 }
 
 void Link::Open(Deadline deadline) {
-  auto lock = Acquire(deadline);
+  auto guard = Acquire(deadline);
   conn_.reset();
   auto conn = Conn::Connect(host_, port_, deadline);
   rid_ = 0;
@@ -87,7 +103,7 @@ void Link::Prepare(Deadline deadline) {
 }
 
 void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
-  auto lock = Acquire(deadline);
+  auto guard = Acquire(deadline);
   Prepare(deadline);
   std::vector<uint8_t> payload;
   wire::Header h = Call(wire::EncodeRequest(wire::kRead, req, ++rid_), payload, deadline);
@@ -104,7 +120,7 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
 }
 
 void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
-  auto lock = Acquire(deadline);
+  auto guard = Acquire(deadline);
   Prepare(deadline);
   std::vector<uint8_t> payload;
   wire::Header h = Call(wire::EncodeRequest(wire::kWrite, req, ++rid_), payload, deadline);
@@ -121,18 +137,17 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
 }
 
 void Link::Close(Deadline deadline, bool force) {
-  std::unique_lock<std::timed_mutex> lock(mu_, std::defer_lock);
   if (force) {
     // A transfer in flight keeps the link object alive and ends by its own deadline; the
-    // connection closes when that transfer lets go of it.
-    if (lock.try_lock()) {
+    // connection closes when the last holder lets go of the link.
+    if (TryAcquire()) {
+      Busy guard(this);
       closing_ = true;
       conn_.reset();
     }
     return;
   }
-  if (!lock.try_lock_until(deadline))
-    Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " is busy with a transfer");
+  auto guard = Acquire(deadline, false);
   closing_ = true;
   if (conn_ && !conn_->closed()) {
     try {

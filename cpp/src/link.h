@@ -7,6 +7,7 @@
 
 #include <sys/uio.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -38,13 +39,30 @@ class Link {
   void Prepare(Deadline deadline);  // lock held: reconnect a broken connection
   wire::Header Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline);
   wire::Header Answer(std::vector<uint8_t> &payload, Deadline deadline);
-  std::unique_ptr<std::unique_lock<std::timed_mutex>> Acquire(Deadline deadline);
+  /// Held for one transfer; released by the guard's destructor.
+  class Busy {
+   public:
+    explicit Busy(Link *link) : link_(link) {}
+    ~Busy() { link_->Release(); }
+    Busy(const Busy &) = delete;
+    Busy &operator=(const Busy &) = delete;
+
+   private:
+    Link *link_;
+  };
+  /// Takes the link for one transfer by the deadline, else LLM_LINK_BUSY (as Python). A
+  /// mutex and a flag rather than a timed mutex: ThreadSanitizer sees through these.
+  std::unique_ptr<Busy> Acquire(Deadline deadline, bool timeout_if_late = true);
+  bool TryAcquire();
+  void Release();
 
   uint64_t remote_;
   std::string host_;
   uint16_t port_;
   wire::Hello hello_;
-  std::timed_mutex mu_;
+  std::mutex mu_;  // guards busy_ only
+  std::condition_variable idle_;
+  bool busy_ = false;  // a transfer (or open / close) holds the fields below
   std::unique_ptr<Conn> conn_;
   uint32_t rid_ = 0;
   bool closing_ = false;

@@ -37,10 +37,11 @@ class Pair : public ::testing::Test {
     ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
   }
   uint16_t port = 0;
-  LlmDataDist prompt{kPrompt, LlmRole::kPrompt};
-  LlmDataDist decoder{kDecoder, LlmRole::kDecoder};
+  // Memory outlives the instances using it (declared first, destroyed last).
   HostCache src{4, {4, 16}};  // 2 layers x (K, V); 4 slots/blocks of 16 bytes
   HostCache dst{4, {4, 16}};
+  LlmDataDist prompt{kPrompt, LlmRole::kPrompt};
+  LlmDataDist decoder{kDecoder, LlmRole::kDecoder};
 };
 
 TEST_F(Pair, PullKvCacheMovesOneSlot) {
@@ -159,9 +160,9 @@ TEST_F(Pair, DeadPeerFailsFastAndARestartedOneIsReconnected) {
   Status s = decoder.PullKvCache(Index(kPrompt, 1), dst.cache);
   EXPECT_TRUE(s == LLM_LINK_FAILED || s == LLM_TIMEOUT) << s;
   EXPECT_LT(Seconds(t0), 3.0);
+  HostCache src2(4, {4, 16});
   LlmDataDist again(kPrompt, LlmRole::kPrompt);
   ASSERT_EQ(again.Initialize(ddtest::Options(port)), LLM_SUCCESS);
-  HostCache src2(4, {4, 16});
   ASSERT_EQ(src2.Register(again), LLM_SUCCESS);
   src2.Fill(9);
   ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 1), dst.cache), LLM_SUCCESS);
@@ -212,9 +213,9 @@ class SilentPeer {
 };
 
 TEST(Deadlines, StoppedPeerGivesTimeoutWithinTheDeadline) {
+  HostCache h(2, {4, 8});
   LlmDataDist dd(1, LlmRole::kDecoder);
   ASSERT_EQ(dd.Initialize(ddtest::Options(0, "300")), LLM_SUCCESS);
-  HostCache h(2, {4, 8});
   ASSERT_EQ(h.Register(dd), LLM_SUCCESS);
   SilentPeer peer(2, true);
   std::vector<Status> rets;
@@ -247,16 +248,24 @@ TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
   // sides, so each side addresses the remote cache by its own local id.
   constexpr int kLayers = 3;
   uint16_t pport = ddtest::FreePort(), dport = ddtest::FreePort();
+  HostCache pk(kLayers, {8, 32}), pv(kLayers, {8, 32}), dk(kLayers, {8, 32}), dv(kLayers, {8, 32});
+  HostCache one(1, {8, 32});
+  // What the prompt computes next (filled before any transfer: rewriting memory a peer has just
+  // read is ordered by the socket, which ThreadSanitizer cannot see within one process).
+  HostCache pk2(kLayers, {8, 32}), pv2(kLayers, {8, 32});
+  pk2.Fill(31);
+  pv2.Fill(32);
   LlmDataDist p(kPrompt, LlmRole::kPrompt), d(kDecoder, LlmRole::kDecoder);
   ASSERT_EQ(p.Initialize(ddtest::Options(pport)), LLM_SUCCESS);
   ASSERT_EQ(d.Initialize(ddtest::Options(dport)), LLM_SUCCESS);
-  HostCache pk(kLayers, {8, 32}), pv(kLayers, {8, 32}), dk(kLayers, {8, 32}), dv(kLayers, {8, 32});
   ASSERT_EQ(pk.Register(p), LLM_SUCCESS);
   ASSERT_EQ(pv.Register(p), LLM_SUCCESS);
   ASSERT_EQ(dk.Register(d), LLM_SUCCESS);
   ASSERT_EQ(dv.Register(d), LLM_SUCCESS);
   pk.Fill(21);
   pv.Fill(22);
+  ASSERT_EQ(pk2.Register(p), LLM_SUCCESS);
+  ASSERT_EQ(pv2.Register(p), LLM_SUCCESS);
   std::vector<Status> rets;
   ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(kPrompt, pport)}, rets), LLM_SUCCESS);
   ASSERT_EQ(p.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_SUCCESS);
@@ -268,7 +277,6 @@ TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
       ASSERT_EQ(d.PullKvBlocks(Index(kPrompt, c->cache.cache_id), only_id, blocks, blocks, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
   }
   // {0, 0} with one tensor per layer: layer 0 only
-  HostCache one(1, {8, 32});
   ASSERT_EQ(one.Register(d), LLM_SUCCESS);
   ASSERT_EQ(d.PullKvBlocks(Index(kPrompt, 1), one.cache, {7}, {0}, Ext({0, 0}, {0, 0}, 1)), LLM_SUCCESS);
   EXPECT_EQ(std::memcmp(one.T(0), pk.T(0) + 7 * 32, 32), 0);
@@ -283,30 +291,28 @@ TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
       }
     }
   // the prompt pushes new blocks layer by layer, as each layer is computed
-  pk.Fill(31);
-  pv.Fill(32);
   for (int32_t l = 0; l < kLayers; ++l) {
-    ASSERT_EQ(p.PushKvBlocks(pk.cache, Index(kDecoder, pk.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
-    ASSERT_EQ(p.PushKvBlocks(pv.cache, Index(kDecoder, pv.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
+    ASSERT_EQ(p.PushKvBlocks(pk2.cache, Index(kDecoder, dk.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
+    ASSERT_EQ(p.PushKvBlocks(pv2.cache, Index(kDecoder, dv.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
     for (int later = l + 1; later < kLayers; ++later)  // not yet pushed
       for (int i = 0; i < 32; ++i) ASSERT_EQ(dk.T(later)[6 * 32 + i], 0);
-    EXPECT_EQ(std::memcmp(dk.T(l) + 6 * 32, pk.T(l) + 3 * 32, 32), 0);
-    EXPECT_EQ(std::memcmp(dv.T(l) + 6 * 32, pv.T(l) + 3 * 32, 32), 0);
+    EXPECT_EQ(std::memcmp(dk.T(l) + 6 * 32, pk2.T(l) + 3 * 32, 32), 0);
+    EXPECT_EQ(std::memcmp(dv.T(l) + 6 * 32, pv2.T(l) + 3 * 32, 32), 0);
   }
 }
 
 TEST(Concurrency, PullsFromManyThreadsOnOneLink) {
   uint16_t port = ddtest::FreePort();
+  constexpr int kThreads = 4;
+  HostCache src(2, {16, 64});
+  std::vector<std::unique_ptr<HostCache>> dsts;
   LlmDataDist p(1, LlmRole::kPrompt), d(2, LlmRole::kDecoder);
   ASSERT_EQ(p.Initialize(ddtest::Options(port)), LLM_SUCCESS);
   ASSERT_EQ(d.Initialize(ddtest::Options(0, "5000")), LLM_SUCCESS);
-  HostCache src(2, {16, 64});
   ASSERT_EQ(src.Register(p), LLM_SUCCESS);
   src.Fill(3);
   std::vector<Status> rets;
   ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(1, port)}, rets), LLM_SUCCESS);
-  constexpr int kThreads = 4;
-  std::vector<std::unique_ptr<HostCache>> dsts;
   for (int i = 0; i < kThreads; ++i) {
     dsts.push_back(std::make_unique<HostCache>(2, std::vector<int64_t>{16, 64}));
     ASSERT_EQ(dsts.back()->Register(d), LLM_SUCCESS);
