@@ -12,13 +12,14 @@ line, each answered within a deadline (a hung peer fails the test, never hangs i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,8 @@ def cpp_build() -> Path:
     san = os.environ.get("DATADIST_CPP_SANITIZE", "")
     configure = ["cmake", "-S", str(CPP), "-B", str(build), "-DDATADIST_WERROR=ON",
                  f"-DDATADIST_SANITIZE={san}", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
-    for cmd in (configure, ["cmake", "--build", str(build), "-j", str(min(4, os.cpu_count() or 1))]):
+    jobs = str(min(4, os.cpu_count() or 1))
+    for cmd in (configure, ["cmake", "--build", str(build), "-j", jobs]):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if done.returncode:
             pytest.fail(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
@@ -108,10 +110,8 @@ class XPeer:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError, TimeoutError, AssertionError):
                 self.cmd("quit", timeout=15.0)
-            except (OSError, TimeoutError, AssertionError):
-                pass
             try:
                 self.proc.wait(5.0)
             except subprocess.TimeoutExpired:
@@ -123,7 +123,7 @@ class XPeer:
 
 
 @pytest.fixture
-def xpeer(cpp_build: Path) -> Iterator[callable]:
+def xpeer(cpp_build: Path) -> Iterator[Callable[[], XPeer]]:
     """Start C++ peers; each is told to quit (Finalize) at teardown and must exit cleanly."""
     made: list[XPeer] = []
 

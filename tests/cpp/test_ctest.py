@@ -1,4 +1,4 @@
-"""The C++ unit tests (GoogleTest, cpp/tests/*_test.cc), run through ctest in the session's build."""
+"""The C++ unit tests (GoogleTest, cpp/tests/*_test.cc), run by ctest in the session's build."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+# The first test of a session builds cpp/ (tens of seconds on a busy machine).
+pytestmark = pytest.mark.timeout(600)
 
 
 def test_ctest_passes(cpp_build: Path) -> None:

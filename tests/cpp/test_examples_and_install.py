@@ -11,6 +11,9 @@ import pytest
 
 from .conftest import ROOT, free_port
 
+# The first test of a session builds cpp/ (tens of seconds on a busy machine).
+pytestmark = pytest.mark.timeout(600)
+
 PROGRAM = r"""
 #include <cstdio>
 #include "llm_datadist/llm_datadist.h"

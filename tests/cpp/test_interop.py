@@ -11,6 +11,9 @@ import datadist as llm
 from ._python_side import PY_ID, link_to, make_python, register
 from .conftest import LLM_KV_CACHE_NOT_EXIST, LLM_PARAM_INVALID, pattern
 
+# The first test of a session builds cpp/ (tens of seconds on a busy machine).
+pytestmark = pytest.mark.timeout(600)
+
 CPP_ID = 3
 PROMPT, DECODER = 1, 2
 
@@ -124,7 +127,8 @@ def test_pushes_both_ways(py_decoder, xpeer):
     for t in range(2):
         assert py_arrays[t][1].tobytes() == src[t][0:16]
         assert py_arrays[t][0].tobytes() == src[t][48:64]
-    assert cpp.status(f"pushb {cpp_cache} {PY_ID} {py_cache.cache_id} 0 4 -1 -1 -1 -1 2") == LLM_PARAM_INVALID
+    bad = f"pushb {cpp_cache} {PY_ID} {py_cache.cache_id} 0 4 -1 -1 -1 -1 2"
+    assert cpp.status(bad) == LLM_PARAM_INVALID
     # Python pushes into the C++ side
     link_to(py_decoder, CPP_ID, cpp.port)
     cm = py_decoder.cache_manager

@@ -7,11 +7,15 @@ tensor_num_per_layer 1; then a cache of one tensor per layer pushed layer by lay
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import datadist as llm
 
 from ._python_side import PY_ID, make_python, register
 from .conftest import pattern
+
+# The first test of a session builds cpp/ (tens of seconds on a busy machine).
+pytestmark = pytest.mark.timeout(600)
 
 CPP_ID = (0x7F000001 << 32) | 26001  # xLLM's (ipv4 << 32) | port
 LAYERS, BLOCKS, BLOCK = 3, 6, 32
