@@ -331,3 +331,172 @@ TEST(Concurrency, PullsFromManyThreadsOnOneLink) {
 }
 
 }  // namespace
+
+namespace hostile {
+
+// A raw client speaking the wire directly, to feed the C++ owner what a library never sends.
+class Raw {
+ public:
+  explicit Raw(uint16_t port) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    connected = connect(fd_, reinterpret_cast<sockaddr *>(&a), sizeof(a)) == 0;
+    timeval tv{3, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+  ~Raw() { close(fd_); }
+  void Send(const std::vector<uint8_t> &b) { ASSERT_EQ(send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size())); }
+  /// The next frame's header and payload; type 0 when the owner closed the connection.
+  std::pair<datadist::wire::Header, std::vector<uint8_t>> Recv() {
+    uint8_t head[12];
+    if (!Exactly(head, 12)) return {};
+    datadist::wire::Header h = datadist::wire::DecodeHeader(head);
+    std::vector<uint8_t> payload(h.length);
+    if (h.length && !Exactly(payload.data(), h.length)) return {};
+    return {h, payload};
+  }
+  std::vector<uint8_t> RecvRaw(size_t n) {
+    std::vector<uint8_t> out(n);
+    if (!Exactly(out.data(), n)) out.clear();
+    return out;
+  }
+  bool Closed() {
+    uint8_t b;
+    return recv(fd_, &b, 1, 0) == 0;
+  }
+  bool connected = false;
+
+ private:
+  bool Exactly(uint8_t *p, size_t n) {
+    while (n) {
+      ssize_t got = recv(fd_, p, n, 0);
+      if (got <= 0) return false;
+      p += got;
+      n -= static_cast<size_t>(got);
+    }
+    return true;
+  }
+  int fd_;
+};
+
+TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
+  uint16_t port = ddtest::FreePort();
+  HostCache src(2, {4, 16});
+  LlmDataDist owner(9, LlmRole::kPrompt);
+  ASSERT_EQ(owner.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  ASSERT_EQ(src.Register(owner), LLM_SUCCESS);
+  src.Fill(4);
+  namespace w = datadist::wire;
+  {  // garbage instead of a HELLO: closed
+    Raw r(port);
+    ASSERT_TRUE(r.connected);
+    r.Send(std::vector<uint8_t>(12, 'x'));
+    EXPECT_TRUE(r.Closed());
+  }
+  {  // our own cluster id: ERROR LLM_LINK_FAILED, then closed
+    Raw r(port);
+    w::Hello h;
+    h.cluster_id = 9;
+    r.Send(w::EncodeHello(w::kHello, h, 1));
+    auto [head, payload] = r.Recv();
+    ASSERT_EQ(head.type, w::kError);
+    EXPECT_EQ(w::DecodeError(payload).code, static_cast<int64_t>(LLM_LINK_FAILED));
+    EXPECT_TRUE(r.Closed());
+  }
+  Raw r(port);
+  w::Hello h;
+  h.cluster_id = 10;
+  r.Send(w::EncodeHello(w::kHello, h, 1));
+  auto [head, payload] = r.Recv();
+  ASSERT_EQ(head.type, w::kWelcome);
+  w::Hello welcome = w::DecodeHello(payload);
+  EXPECT_EQ(welcome.cluster_id, 9U);
+  EXPECT_EQ(welcome.pid_ns, 0U);  // no same-host identity: Python peers use TCP toward us
+  EXPECT_EQ(welcome.boot_id, (std::array<uint8_t, 16>{}));
+  EXPECT_EQ(welcome.features, 0U);
+  auto ask = [&](uint8_t type, w::Request q, uint32_t rid) {
+    r.Send(w::EncodeRequest(type, q, rid));
+    return r.Recv();
+  };
+  w::Request q;
+  q.kind = w::kCacheId;
+  q.a = 1;
+  q.tensors = {0, 1};
+  q.offsets = {0};
+  q.lengths = {64};
+  // spans past the tensor, tensor indexes past the cache, overflowing offsets, a grant:
+  // each answered by ERROR with its code, and the connection stays usable
+  struct Case {
+    std::vector<uint32_t> tensors;
+    uint64_t offset, length, slot;
+    uint32_t flags;
+    Status code;
+  } cases[] = {
+      {{0}, 1, 64, 0, 0, LLM_PARAM_INVALID},
+      {{2}, 0, 16, 0, 0, LLM_PARAM_INVALID},
+      {{0}, ~0ULL - 3, 8, 0, 0, LLM_PARAM_INVALID},
+      {{0}, 0, 16, 4, 0, LLM_PARAM_INVALID},
+      {{0}, 16, 48, 1, 0, LLM_PARAM_INVALID},  // slot 1 leaves 48 bytes: 16 + 48 runs past
+      {{0}, 0, 16, 0, w::kFlagGrant, LLM_FEATURE_NOT_ENABLED},
+  };
+  uint32_t rid = 2;
+  for (const Case &c : cases) {
+    w::Request bad = q;
+    bad.tensors = c.tensors;
+    bad.offsets = {c.offset};
+    bad.lengths = {c.length};
+    bad.b = c.slot;
+    bad.flags = c.flags;
+    auto [eh, ep] = ask(w::kRead, bad, rid);
+    ASSERT_EQ(eh.type, w::kError) << c.offset;
+    EXPECT_EQ(eh.request_id, rid);
+    EXPECT_EQ(w::DecodeError(ep).code, static_cast<int64_t>(c.code));
+    ++rid;
+  }
+  // a WRITE naming raw addresses outside every cache: nothing lands
+  w::Request raw;
+  raw.kind = w::kAddress;
+  raw.tensors = {0};
+  raw.offsets = {8};
+  raw.lengths = {8};
+  auto [wh, wp] = ask(w::kWrite, raw, rid++);
+  ASSERT_EQ(wh.type, w::kError);
+  EXPECT_EQ(w::DecodeError(wp).code, static_cast<int64_t>(LLM_KV_CACHE_NOT_EXIST));
+  // still serving: a good READ returns exactly the bytes
+  auto [rh, rp] = ask(w::kRead, q, rid);
+  ASSERT_EQ(rh.type, w::kReadData);
+  ASSERT_EQ(w::DecodeU64(rp), 128U);
+  std::vector<uint8_t> data = r.RecvRaw(128);
+  ASSERT_EQ(data.size(), 128U);
+  EXPECT_EQ(std::memcmp(data.data(), src.T(0), 64), 0);
+  EXPECT_EQ(std::memcmp(data.data() + 64, src.T(1), 64), 0);
+  r.Send(w::EncodeU64(w::kPing, 5, rid + 1));
+  auto [ph, pp] = r.Recv();
+  ASSERT_EQ(ph.type, w::kPong);
+  EXPECT_EQ(w::DecodeU64(pp), 5U);
+  // an array count beyond the payload: the owner closes (after an ERROR)
+  auto frame = w::EncodeRequest(w::kRead, q, 99);
+  frame[12 + 1 + 24 + 8 + 8 + 4 + 3] = 0x7F;
+  Raw r2(port);
+  r2.Send(w::EncodeHello(w::kHello, h, 1));
+  ASSERT_EQ(r2.Recv().first.type, w::kWelcome);
+  r2.Send(frame);
+  auto [ch, cp] = r2.Recv();
+  EXPECT_EQ(ch.type, w::kError);
+  EXPECT_TRUE(r2.Closed());
+  // and a real client still links and pulls
+  HostCache dst(2, {4, 16});
+  LlmDataDist client(11, LlmRole::kDecoder);
+  ASSERT_EQ(client.Initialize(ddtest::Options()), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(client), LLM_SUCCESS);
+  std::vector<Status> rets;
+  ASSERT_EQ(client.LinkLlmClusters({ddtest::Cluster(9, port)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(client.PullKvCache(Index(9, 1, 2), dst.cache, 2), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(dst.T(1) + 32, src.T(1) + 32, 16), 0);
+  client.Finalize();
+}
+
+}  // namespace hostile

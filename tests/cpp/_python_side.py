@@ -9,7 +9,7 @@ import datadist as llm
 PY_ID = 7  # cluster id of the Python side
 
 
-def make_python(role: llm.LLMRole, *, listen: bool) -> llm.LLMDataDist:
+def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False) -> llm.LLMDataDist:
     """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on; the
     caller finalizes it."""
     dd = llm.LLMDataDist(role, PY_ID)
@@ -18,6 +18,7 @@ def make_python(role: llm.LLMRole, *, listen: bool) -> llm.LLMDataDist:
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
     cfg.sync_kv_timeout = 3000
+    cfg.verify_checksum = verify
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
     dd.init(cfg.generate_options())

@@ -146,3 +146,25 @@ def test_pushes_both_ways(py_decoder, xpeer):
                    src_layer_range=range(1, 2), dst_layer_range=range(1, 2), tensor_num_per_layer=1)
     assert cpp.read(cpp_cache, 1)[0:32] == barrays[1][1:3].tobytes()
     assert cpp.read(cpp_cache, 0)[0:32] == src[0][0:32]  # layer 0 untouched
+
+
+def test_python_pull_with_checksum_from_cpp_owner(xpeer):
+    """With verify_checksum the Python puller asks for a CHECKSUM frame; the C++ owner's
+    CRC-32 of what it sent must match what arrived."""
+    py = make_python(llm.LLMRole.DECODER, listen=False, verify=True)
+    try:
+        cpp = xpeer()
+        cpp.init(CPP_ID, PROMPT, listen=True)
+        remote = cpp.register(3, (8, 64))
+        src = [pattern(300 + t, 512) for t in range(3)]
+        for t in range(3):
+            cpp.write(remote, t, src[t])
+        link_to(py, CPP_ID, cpp.port)
+        bcache, arrays = register(py, 3, (8, 64), blocks=True, model_id=1)
+        py.cache_manager.pull_blocks(llm.BlocksCacheKey(CPP_ID, remote), bcache,
+                                     [7, 6, 0], [0, 1, 2])
+        for t in range(3):
+            assert arrays[t][:3].tobytes() == src[t][448:512] + src[t][384:448] + src[t][:64]
+            assert not arrays[t][3:].any()
+    finally:
+        py.finalize()
