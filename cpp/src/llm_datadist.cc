@@ -12,6 +12,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 
 #include "errors.h"
 #include "link.h"
@@ -134,8 +135,12 @@ class LlmDataDist::LlmDataDistImpl {
     CheckArgs(clusters, timeout_ms);
     for (const auto &c : clusters)
       if (c.remote_ip_infos.empty()) Invalid("cluster " + std::to_string(c.remote_cluster_id) + " has no remote ip info");
+    // In parallel, each bounded by the timeout (as Python): one dead peer does not hold up the rest.
     rets.assign(clusters.size(), LLM_SUCCESS);
-    for (size_t i = 0; i < clusters.size(); ++i) rets[i] = Guard("LinkLlmClusters", [&] { LinkOne(clusters[i], timeout_ms); });
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < clusters.size(); ++i)
+      threads.emplace_back([&, i] { rets[i] = Guard("LinkLlmClusters", [&] { LinkOne(clusters[i], timeout_ms); }); });
+    for (auto &t : threads) t.join();
     return Overall(rets);
   }
 

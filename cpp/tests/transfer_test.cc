@@ -243,6 +243,28 @@ TEST(Deadlines, PeerThatNeverAnswersHelloFailsTheLink) {
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, liar.port)}, rets, 1000), LLM_LINK_FAILED);
 }
 
+TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
+  uint16_t port = ddtest::FreePort();
+  LlmDataDist good(3, LlmRole::kPrompt), dd(1, LlmRole::kDecoder);
+  ASSERT_EQ(good.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
+  SilentPeer silent_a(2, false), silent_b(4, false);
+  std::vector<Status> rets;
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, silent_a.port), ddtest::Cluster(3, port),
+                                ddtest::Cluster(4, silent_b.port)}, rets, 600),
+            LLM_LINK_FAILED);
+  EXPECT_LT(Seconds(t0), 1.1);  // not 2 x 600 ms: in parallel
+  ASSERT_EQ(rets.size(), 3U);
+  EXPECT_EQ(rets[0], LLM_LINK_FAILED);
+  EXPECT_EQ(rets[1], LLM_SUCCESS);
+  EXPECT_EQ(rets[2], LLM_LINK_FAILED);
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(3, port)}, rets), LLM_ALREADY_LINK);
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(3, port), ddtest::Cluster(2, 1)}, rets), LLM_NOT_YET_LINK);
+  EXPECT_EQ(rets[0], LLM_SUCCESS);
+  EXPECT_EQ(rets[1], LLM_NOT_YET_LINK);
+}
+
 TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
   // xLLM: a K and a V cache of one tensor per layer, registered in the same order on both
   // sides, so each side addresses the remote cache by its own local id.
