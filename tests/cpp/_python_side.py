@@ -9,7 +9,8 @@ import datadist as llm
 PY_ID = 7  # cluster id of the Python side
 
 
-def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False) -> llm.LLMDataDist:
+def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
+                sync_ms: int = 3000) -> llm.LLMDataDist:
     """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on; the
     caller finalizes it."""
     dd = llm.LLMDataDist(role, PY_ID)
@@ -17,7 +18,7 @@ def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False) -> llm
     cfg.device_id = 0
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
-    cfg.sync_kv_timeout = 3000
+    cfg.sync_kv_timeout = sync_ms
     cfg.verify_checksum = verify
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
