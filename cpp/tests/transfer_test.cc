@@ -252,9 +252,9 @@ TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
   std::vector<Status> rets;
   auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, silent_a.port), ddtest::Cluster(3, port),
-                                ddtest::Cluster(4, silent_b.port)}, rets, 600),
+                                ddtest::Cluster(4, silent_b.port)}, rets, 1500),
             LLM_LINK_FAILED);
-  EXPECT_LT(Seconds(t0), 1.1);  // not 2 x 600 ms: in parallel
+  EXPECT_LT(Seconds(t0), 2.9);  // in parallel: not 2 x 1.5 s
   ASSERT_EQ(rets.size(), 3U);
   EXPECT_EQ(rets[0], LLM_LINK_FAILED);
   EXPECT_EQ(rets[1], LLM_SUCCESS);
