@@ -2,6 +2,7 @@
 // internal Error into the returned Status in one place (Guard). Never throws.
 #include "llm_datadist/llm_datadist.h"
 
+#include <arpa/inet.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -85,7 +86,7 @@ class LlmDataDist::LlmDataDistImpl {
 
   void Initialize(const std::map<AscendString, AscendString> &options) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (state_ != kNew) Fail(LLM_FAILED, state_ == kUp ? "already initialized" : "finalized");
+    if (state_ == kUp) return;  // as CANN: already initialized is a success
     CheckRole(static_cast<LlmRole>(ident_.role.load()));
     if (const char *v = Find(options, OPTION_SYNC_CACHE_WAIT_TIME)) {
       std::string s = v;
@@ -201,7 +202,7 @@ class LlmDataDist::LlmDataDistImpl {
     auto lease = registry_.Hold(dst.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
-    datadist::PairTensors(plan, g.num_tensors, ext.src_layer_range, ext.dst_layer_range, ext.tensor_num_per_layer);
+    datadist::PairTensors(plan, g.num_tensors, ext, false);
     datadist::PlanSlot(plan, g, batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), src.batch_index, g.layout & ~0xFFFFFFFFULL);
     GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
@@ -211,29 +212,33 @@ class LlmDataDist::LlmDataDistImpl {
                   const std::vector<uint64_t> &dst_blocks, const KvCacheExtParam &ext) {
     CheckUpLocked();
     CheckRemote(src);
+    if (src.batch_index != 0) Invalid("src_cache_index.batch_index must be 0 for PullKvBlocks");
+    if (dst_blocks.empty()) {
+      if (src_blocks.empty()) Invalid("src_blocks and dst_blocks are both empty");
+      Fail(LLM_FEATURE_NOT_ENABLED, "pulling blocks into a contiguous cache (empty dst_blocks) is not supported");
+    }
     auto lease = registry_.Hold(dst.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
-    datadist::PairTensors(plan, g.num_tensors, ext.src_layer_range, ext.dst_layer_range, ext.tensor_num_per_layer);
-    // Empty src_blocks: the remote batch slot split into blocks (as Python's pull_blocks
-    // from a CacheKeyByIdAndIndex). Otherwise absolute blocks, named as slot 0 of the cache.
-    bool from_slot = src_blocks.empty();
+    datadist::PairTensors(plan, g.num_tensors, ext, false);
+    // Empty src_blocks: the remote slot 0 split into blocks (as Python's pull_blocks from a
+    // CacheKeyByIdAndIndex). Otherwise absolute blocks, named as slot 0 of the cache.
     std::vector<uint64_t> remote = src_blocks;
-    if (from_slot)
+    if (src_blocks.empty())
       for (uint64_t i = 0; i < dst_blocks.size(); ++i) remote.push_back(i);
     datadist::PlanBlocks(plan, g, remote, dst_blocks);
-    auto req = Request(plan, static_cast<uint64_t>(src.cache_id), from_slot ? src.batch_index : 0, g.layout);
+    auto req = Request(plan, static_cast<uint64_t>(src.cache_id), 0, g.layout);
     GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
   }
 
   void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size, const KvCacheExtParam &ext) {
     CheckUpLocked();
     CheckRemote(dst);
-    if (size != -1 && size <= 0) Invalid("size must be -1 or > 0");
+    if (size != -1) Invalid("PushKvCache supports size -1 only (as CANN)");
     auto lease = registry_.Hold(src.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
-    datadist::PairTensors(plan, g.num_tensors, ext.dst_layer_range, ext.src_layer_range, ext.tensor_num_per_layer);
+    datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanSlot(plan, g, src_batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), dst.batch_index, g.layout & ~0xFFFFFFFFULL);
     GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
@@ -243,10 +248,12 @@ class LlmDataDist::LlmDataDistImpl {
                   const std::vector<uint64_t> &dst_blocks, const KvCacheExtParam &ext) {
     CheckUpLocked();
     CheckRemote(dst);
+    if (src_blocks.empty()) Invalid("src_blocks must not be empty");
+    if (dst.batch_index != 0) Invalid("dst_cache_index.batch_index must be 0 for PushKvBlocks");
     auto lease = registry_.Hold(src.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
-    datadist::PairTensors(plan, g.num_tensors, ext.dst_layer_range, ext.src_layer_range, ext.tensor_num_per_layer);
+    datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanBlocks(plan, g, dst_blocks, src_blocks);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), 0, g.layout);
     GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
@@ -298,7 +305,7 @@ class LlmDataDist::LlmDataDistImpl {
   enum State { kNew, kUp, kDown };
 
   void CheckUp() const {
-    if (state_ != kUp) Fail(LLM_FAILED, state_ == kNew ? "not initialized: call Initialize first" : "finalized");
+    if (state_ != kUp) Fail(LLM_FAILED, "not initialized: call Initialize first (again after Finalize)");
   }
   void CheckUpLocked() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -308,6 +315,13 @@ class LlmDataDist::LlmDataDistImpl {
     CheckUpLocked();
     if (timeout_ms <= 0) Invalid("timeout must be > 0 ms");
     if (clusters.empty()) Invalid("clusters must not be empty");
+    for (const auto &c : clusters)
+      for (const auto *infos : {&c.remote_ip_infos, &c.local_ip_infos})
+        for (const IpInfo &ip : *infos) {
+          in_addr a{};
+          if (inet_pton(AF_INET, ip.ip.GetString(), &a) != 1)
+            Invalid("cluster " + std::to_string(c.remote_cluster_id) + ": '" + ip.ip.GetString() + "' is not an IPv4 address");
+        }
   }
   void CheckRemote(const CacheIndex &idx) {
     if (idx.cache_id < 0) Invalid("remote cache_id must be >= 0");

@@ -7,52 +7,46 @@
 namespace datadist {
 namespace {
 
-// An inclusive C++ range as a half-open one; `all` when it is {-1, -1}.
-bool HalfOpen(std::pair<int32_t, int32_t> r, const char *name, int64_t &start, int64_t &stop) {
-  if (r.first == -1 && r.second == -1) return false;
-  if (r.first < 0 || r.second < r.first)
-    Invalid(std::string(name) + " must be {-1, -1} or {a, b} with 0 <= a <= b, got {" + std::to_string(r.first) +
-            ", " + std::to_string(r.second) + "}");
-  start = r.first;
-  stop = static_cast<int64_t>(r.second) + 1;
-  return true;
+void CheckRange(std::pair<int32_t, int32_t> r, const char *name) {
+  if (r.first < -1 || r.second < -1 || r.first > r.second)
+    Invalid(std::string(name) + " {" + std::to_string(r.first) + ", " + std::to_string(r.second) +
+            "} is invalid: both ends must be >= -1 and first <= second");
 }
 
 }  // namespace
 
-void PairTensors(Plan &plan, uint32_t local_n, std::pair<int32_t, int32_t> remote_range,
-                 std::pair<int32_t, int32_t> local_range, uint8_t tensor_num_per_layer) {
-  int64_t n = tensor_num_per_layer;
+void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtParam &ext, bool push) {
+  CheckRange(ext.src_layer_range, "src_layer_range");
+  CheckRange(ext.dst_layer_range, "dst_layer_range");
+  const int64_t n = ext.tensor_num_per_layer;
   if (n <= 0) Invalid("tensor_num_per_layer must be > 0");
-  int64_t rs = 0, re = 0, ls = 0, le = 0;
-  bool has_remote = HalfOpen(remote_range, "remote layer range", rs, re);
-  bool has_local = HalfOpen(local_range, "local layer range", ls, le);
+  auto src = ext.src_layer_range, dst = ext.dst_layer_range;
+  bool all = push ? src.first < 0 : (src.first < 0 || dst.first < 0);
   plan.remote_tensors.clear();
   plan.local_tensors.clear();
-  if (!has_remote && !has_local) {
+  if (all) {
     for (uint32_t i = 0; i < local_n; ++i) {
       plan.remote_tensors.push_back(i);
       plan.local_tensors.push_back(i);
     }
     return;
   }
-  if (local_n % n) Invalid("local num_tensors " + std::to_string(local_n) + " is not a multiple of tensor_num_per_layer " + std::to_string(n));
-  int64_t local_layers = local_n / n;
-  if (!has_local) {
-    if ((re - rs) * n != local_n) Invalid("the remote layer range covers another number of tensors than the local cache has");
-    ls = 0;
-    le = local_layers;
-  }
-  if (le > local_layers) Invalid("local layer range exceeds the local cache's " + std::to_string(local_layers) + " layers");
-  if (!has_remote) {
-    rs = 0;
-    re = le - ls;
-  }
-  if (re - rs != le - ls) Invalid("src_layer_range and dst_layer_range differ in length");
-  if (re * n > (int64_t{1} << 32)) Invalid("remote layer range reaches past the largest tensor index");
-  for (int64_t i = 0; i < (le - ls) * n; ++i) {
-    plan.remote_tensors.push_back(static_cast<uint32_t>(rs * n + i));
-    plan.local_tensors.push_back(static_cast<uint32_t>(ls * n + i));
+  if (push && dst.first < 0) dst = src;
+  if (src.second - src.first != dst.second - dst.first)
+    Invalid("src_layer_range {" + std::to_string(src.first) + ", " + std::to_string(src.second) +
+            "} and dst_layer_range {" + std::to_string(dst.first) + ", " + std::to_string(dst.second) +
+            "} differ in length");
+  auto local = push ? src : dst;
+  auto remote = push ? dst : src;
+  if ((static_cast<int64_t>(local.second) + 1) * n > local_n)
+    Invalid("layers " + std::to_string(local.first) + ".." + std::to_string(local.second) + " of " + std::to_string(n) +
+            " tensors exceed the local cache's " + std::to_string(local_n) + " tensors");
+  if ((static_cast<int64_t>(remote.second) + 1) * n > (int64_t{1} << 32))
+    Invalid("the remote layer range reaches past the largest tensor index");
+  const int64_t count = (static_cast<int64_t>(local.second) - local.first + 1) * n;
+  for (int64_t i = 0; i < count; ++i) {
+    plan.remote_tensors.push_back(static_cast<uint32_t>(remote.first * n + i));
+    plan.local_tensors.push_back(static_cast<uint32_t>(local.first * n + i));
   }
 }
 

@@ -20,10 +20,13 @@ struct Plan {
   std::vector<uint64_t> remote_offsets, local_offsets, lengths;
 };
 
-/// Pairs remote and local tensor indices from KvCacheExtParam's inclusive layer ranges
-/// ({-1, -1}: all). With no range on either side, local tensor i pairs with remote tensor i.
-void PairTensors(Plan &plan, uint32_t local_num_tensors, std::pair<int32_t, int32_t> remote_range,
-                 std::pair<int32_t, int32_t> local_range, uint8_t tensor_num_per_layer);
+/// Pairs remote and local tensor indices from KvCacheExtParam's inclusive layer ranges, as
+/// CANN: each range must be {-1, -1}-like (first, second >= -1, first <= second) and
+/// tensor_num_per_layer > 0, else LLM_PARAM_INVALID. A pull moves every tensor (i <-> i) unless
+/// both ranges start at >= 0; a push moves every tensor unless the source range does (the
+/// destination range then defaults to the same layers). Explicit ranges must have the same
+/// width and fit the local cache; the owner checks its side.
+void PairTensors(Plan &plan, uint32_t local_num_tensors, const llm_datadist::KvCacheExtParam &ext, bool push);
 
 /// One slot: remote slot (relative offset 0) <-> local slot `local_unit`; size -1 = the whole slot.
 void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t size);

@@ -78,8 +78,14 @@ TEST_F(Pair, PullKvBlocksWithLayerRanges) {
   // empty src_blocks: the remote slot split into blocks
   HostCache split(4, {4, 16});
   ASSERT_EQ(split.Register(decoder), LLM_SUCCESS);
-  ASSERT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1, 2), split.cache, {}, {3}), LLM_SUCCESS);
-  EXPECT_EQ(std::memcmp(split.T(1) + 48, src.T(1) + 32, 16), 0);
+  ASSERT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), split.cache, {}, {3, 1}), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(split.T(1) + 48, src.T(1), 16), 0);
+  EXPECT_EQ(std::memcmp(split.T(1) + 16, src.T(1) + 16, 16), 0);
+  // as CANN: a range on one side only of a pull means all tensors
+  HostCache one_sided(4, {4, 16});
+  ASSERT_EQ(one_sided.Register(decoder), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), one_sided.cache, {0}, {0}, Ext({1, 1}, {-1, -1})), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(std::memcmp(one_sided.T(t), src.T(t), 16), 0) << t;
 }
 
 TEST_F(Pair, OwnerAndLocalChecksGiveStatusCodes) {
@@ -94,12 +100,13 @@ TEST_F(Pair, OwnerAndLocalChecksGiveStatusCodes) {
   EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {~0ULL}, {0}), LLM_PARAM_INVALID);
   // bad layer ranges
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({1, 0}, {1, 0})), LLM_PARAM_INVALID);
-  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({-1, 1}, {0, 1})), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({-2, 1}, {0, 1})), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 1}, {0, -2})), LLM_PARAM_INVALID);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 1})), LLM_PARAM_INVALID);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 2}, {0, 2})), LLM_PARAM_INVALID);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({2, 2}, {1, 1})), LLM_PARAM_INVALID);  // remote has 2 layers
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 0}, 0)), LLM_PARAM_INVALID);
-  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 0}, 3)), LLM_PARAM_INVALID);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({1, 1}, {1, 1}, 3)), LLM_PARAM_INVALID);
   // another dtype on the owner's side
   HostCache wide(4, {4, 8}, DT_FLOAT16, 2);
   ASSERT_EQ(wide.Register(decoder), LLM_SUCCESS);
