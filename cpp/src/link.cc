@@ -1,5 +1,6 @@
 #include "link.h"
 
+#include "auth.h"
 #include "errors.h"
 
 namespace datadist {
@@ -46,23 +47,50 @@ void Link::Release() {
 
 void Link::Open(Deadline deadline) {
   auto guard = Acquire(deadline);
-  conn_.reset();
-  auto conn = Conn::Connect(host_, port_, deadline);
-  rid_ = 0;
-  conn_ = std::move(conn);
-  std::vector<uint8_t> payload;
   try {
-    wire::Header h = Call(wire::EncodeHello(wire::kHello, hello_, ++rid_), payload, deadline);
-    if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
-    wire::Hello welcome = wire::DecodeHello(payload);
-    if (welcome.cluster_id != remote_)
-      Fail(llm_datadist::LLM_LINK_FAILED, "the peer at " + host_ + ":" + std::to_string(port_) + " is cluster " +
-                                             std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
-    if (welcome.features & 1U) Fail(llm_datadist::LLM_LINK_FAILED, "the peer requires a shared secret (not supported in C++ yet)");
+    Connect(deadline);
   } catch (const Error &e) {
-    conn_.reset();
     if (e.code() == kSuspectRemoteError || e.code() == llm_datadist::LLM_FAILED)
       Fail(llm_datadist::LLM_LINK_FAILED, e.what());
+    throw;
+  }
+}
+
+void Link::Connect(Deadline deadline) {
+  conn_.reset();
+  auto conn = Conn::Connect(host_, port_, deadline);
+  conn_ = std::move(conn);
+  rid_ = 0;
+  try {
+    wire::Hello hello = hello_;
+    if (!secret_.empty()) {
+      hello.features = auth::kFeatureAuth;
+      hello.proof = auth::Nonce();
+    }
+    std::vector<uint8_t> payload;
+    wire::Header h = Call(wire::EncodeHello(wire::kHello, hello, ++rid_), payload, deadline);
+    if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
+    wire::Hello welcome = wire::DecodeHello(payload);
+    const std::string who = "the peer at " + host_ + ":" + std::to_string(port_);
+    if (welcome.cluster_id != remote_)
+      Fail(llm_datadist::LLM_LINK_FAILED,
+           who + " is cluster " + std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
+    const bool required = welcome.features & auth::kFeatureAuth;
+    if (required && secret_.empty())
+      Fail(llm_datadist::LLM_LINK_FAILED, who + " requires a shared secret (datadist.AuthSecret / DATADIST_AUTH_SECRET)");
+    if (!secret_.empty()) {
+      // The server must prove the secret before we prove it: a peer without it learns nothing.
+      if (!required || welcome.proof.size() != auth::kNonceBytes + auth::kMacBytes)
+        Fail(llm_datadist::LLM_LINK_FAILED, who + " did not prove the shared secret");
+      std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
+      std::string want = auth::ServerProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id);
+      if (!auth::Same(want, welcome.proof)) Fail(llm_datadist::LLM_LINK_FAILED, who + " failed to prove the shared secret");
+      h = Call(wire::EncodeAuth(auth::ClientProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id), ++rid_),
+               payload, deadline);
+      if (h.type != wire::kOk) ProtocolViolation("expected OK after AUTH");
+    }
+  } catch (const Error &) {
+    conn_.reset();
     throw;
   }
 }
@@ -90,15 +118,12 @@ wire::Header Link::Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> 
 void Link::Prepare(Deadline deadline) {
   if (closing_) Fail(llm_datadist::LLM_NOT_YET_LINK, "link to cluster " + std::to_string(remote_) + " was unlinked");
   if (conn_ && !conn_->closed() && !conn_->PeerGone()) return;
-  conn_.reset();
-  auto conn = Conn::Connect(host_, port_, deadline);
-  conn_ = std::move(conn);
-  rid_ = 0;
-  std::vector<uint8_t> payload;
-  wire::Header h = Call(wire::EncodeHello(wire::kHello, hello_, ++rid_), payload, deadline);
-  if (h.type != wire::kWelcome || wire::DecodeHello(payload).cluster_id != remote_) {
-    conn_.reset();
-    Fail(llm_datadist::LLM_LINK_FAILED, "the peer behind the link to cluster " + std::to_string(remote_) + " changed");
+  try {
+    Connect(deadline);
+  } catch (const Error &e) {
+    // as Python: a link that cannot be reopened is a broken link
+    if (e.code() == llm_datadist::LLM_TIMEOUT) throw;
+    Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " is down: " + e.what());
   }
 }
 

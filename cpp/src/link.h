@@ -21,8 +21,10 @@ namespace datadist {
 
 class Link {
  public:
-  Link(uint64_t remote_cluster_id, std::string host, uint16_t port, wire::Hello hello)
-      : remote_(remote_cluster_id), host_(std::move(host)), port_(port), hello_(std::move(hello)) {}
+  /// `secret`: the shared secret to prove, and to require the peer to prove (empty: none).
+  Link(uint64_t remote_cluster_id, std::string host, uint16_t port, wire::Hello hello, std::string secret)
+      : remote_(remote_cluster_id), host_(std::move(host)), port_(port), hello_(std::move(hello)),
+        secret_(std::move(secret)) {}
 
   /// Connects and shakes hands within the deadline. LLM_LINK_FAILED / LLM_TIMEOUT.
   void Open(Deadline deadline);
@@ -36,7 +38,8 @@ class Link {
   uint64_t remote_cluster_id() const { return remote_; }
 
  private:
-  void Prepare(Deadline deadline);  // lock held: reconnect a broken connection
+  void Prepare(Deadline deadline);  // busy held: reconnect a broken connection
+  void Connect(Deadline deadline);  // busy held: a fresh connection and handshake
   wire::Header Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline);
   wire::Header Answer(std::vector<uint8_t> &payload, Deadline deadline);
   /// Held for one transfer; released by the guard's destructor.
@@ -60,6 +63,7 @@ class Link {
   std::string host_;
   uint16_t port_;
   wire::Hello hello_;
+  std::string secret_;
   std::mutex mu_;  // guards busy_ only
   std::condition_variable idle_;
   bool busy_ = false;  // a transfer (or open / close) holds the fields below

@@ -32,6 +32,7 @@ namespace {
 
 constexpr double kUnregisterWait = 30.0;  // s UnregisterKvCache waits for transfers in flight
 constexpr double kFinalizeWait = 5.0;     // s Finalize waits for them
+constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's option key too
 
 bool LogEnabled() {
   static const bool on = std::getenv("DATADIST_CPP_LOG") != nullptr;
@@ -99,6 +100,10 @@ class LlmDataDist::LlmDataDistImpl {
       if (!s.empty() && s != "hixl" && s != "tcp")
         Invalid(std::string(OPTION_TRANSFER_BACKEND) + " must be 'hixl' (accepted; datadist moves bytes over TCP)");
     }
+    // datadist extra (as the Python package): a shared secret every linked peer must prove.
+    const char *secret = Find(options, kOptionAuthSecret);
+    if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
+    ident_.secret = secret ? secret : "";
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
     state_ = kUp;
   }
@@ -363,7 +368,7 @@ class LlmDataDist::LlmDataDistImpl {
     hello.pid = static_cast<uint32_t>(getpid());
     // pid_ns and boot_id stay zero: no same-host identity, so a Python owner serves us over TCP.
     const IpInfo &ip = c.remote_ip_infos.front();
-    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello);
+    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret);
     try {
       link->Open(datadist::After(timeout_ms / 1000.0));
     } catch (const Error &e) {

@@ -9,6 +9,7 @@
 
 #include <cstring>
 
+#include "auth.h"
 #include "errors.h"
 
 namespace datadist {
@@ -105,24 +106,8 @@ void Server::Serve(Worker *w) {
   Conn &c = *w->conn;
   std::vector<uint8_t> payload;
   try {
-    // Handshake: HELLO, answered by WELCOME (or ERROR and close).
-    wire::Header h = c.RecvFrame(payload, After(kHandshakeTimeout));
-    if (h.type != wire::kHello) ProtocolViolation("expected HELLO");
-    wire::Hello hello = wire::DecodeHello(payload);
-    if (hello.cluster_id == identity_->cluster_id) {
-      TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                    "peer uses our own cluster id " + std::to_string(hello.cluster_id)},
-                                   h.request_id));
-      c.Close();
-    } else {
-      // No same-host identity (zero boot id and pid namespace) and no features: a Python
-      // peer then always uses TCP toward us, and never asks us for a secret.
-      wire::Hello welcome;
-      welcome.cluster_id = identity_->cluster_id;
-      welcome.role = static_cast<uint8_t>(identity_->role.load());
-      welcome.pid = static_cast<uint32_t>(getpid());
-      c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), After(kHandshakeTimeout));
-    }
+    if (!Handshake(c)) c.Close();
+    wire::Header h;
     while (!c.closed() && !stopping_) {
       if (!c.WaitReadable(kPollSliceMs)) continue;
       h = c.RecvFrame(payload, After(kFrameTimeout));
@@ -134,6 +119,49 @@ void Server::Serve(Worker *w) {
   }
   c.Close();
   w->done = true;
+}
+
+bool Server::Handshake(Conn &c) {
+  std::vector<uint8_t> payload;
+  const Deadline deadline = After(kHandshakeTimeout);
+  wire::Header h = c.RecvFrame(payload, deadline);
+  if (h.type != wire::kHello) ProtocolViolation("expected HELLO");
+  wire::Hello hello = wire::DecodeHello(payload);
+  if (hello.cluster_id == identity_->cluster_id) {
+    TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                                  "peer uses our own cluster id " + std::to_string(hello.cluster_id)},
+                                 h.request_id));
+    return false;
+  }
+  // No same-host identity (zero boot id and pid namespace): a Python peer then always uses
+  // TCP toward us. Features only for the shared secret.
+  wire::Hello welcome;
+  welcome.cluster_id = identity_->cluster_id;
+  welcome.role = static_cast<uint8_t>(identity_->role.load());
+  welcome.pid = static_cast<uint32_t>(getpid());
+  const std::string &secret = identity_->secret;
+  if (!secret.empty()) {
+    welcome.features = auth::kFeatureAuth;
+    welcome.proof = auth::ServerProof(secret, hello.proof, auth::Nonce(), identity_->cluster_id, hello.cluster_id);
+  }
+  c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), deadline);
+  if (secret.empty()) return true;
+  // Nothing but the client's proof is accepted until it checks out.
+  h = c.RecvFrame(payload, deadline);
+  bool ok = false;
+  if (h.type == wire::kAuth) {
+    std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
+    std::string want = auth::ClientProof(secret, hello.proof, server_nonce, identity_->cluster_id, hello.cluster_id);
+    ok = auth::Same(want, wire::DecodeAuth(payload));
+  }
+  if (!ok) {
+    TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                                  "cluster " + std::to_string(hello.cluster_id) + " failed to prove the shared secret"},
+                                 h.request_id));
+    return false;
+  }
+  c.SendFrame(wire::EncodeEmpty(wire::kOk, h.request_id), deadline);
+  return true;
 }
 
 bool Server::Dispatch(Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {

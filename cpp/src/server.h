@@ -21,6 +21,7 @@ namespace datadist {
 struct Identity {
   uint64_t cluster_id = 0;
   std::atomic<int32_t> role{0};
+  std::string secret;  // shared secret peers must prove (empty: none); set before serving
 };
 
 class Server {
@@ -40,6 +41,8 @@ class Server {
   };
   void AcceptLoop();
   void Serve(Worker *w);
+  /// HELLO -> WELCOME (and the secret's challenge and response); false: the peer was refused.
+  bool Handshake(Conn &c);
   bool Dispatch(Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload);
   void ReapLocked(bool all);
 

@@ -138,6 +138,19 @@ std::vector<uint8_t> EncodeChecksum(uint32_t crc, uint64_t nbytes, uint32_t rid)
   return w.Finish();
 }
 
+std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid) {
+  Writer w(kAuth, rid);
+  w.Blob(proof);
+  return w.Finish();
+}
+
+std::string DecodeAuth(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  std::string proof = r.Blob();
+  r.Done();
+  return proof;
+}
+
 Header DecodeHeader(const uint8_t *d) {
   if (d[0] != 'D' || d[1] != 'D') ProtocolViolation("bad magic");
   if (d[2] != kVersion) ProtocolViolation("unsupported protocol version " + std::to_string(d[2]));

@@ -79,6 +79,7 @@ std::vector<uint8_t> EncodeRequest(uint8_t type, const Request &r, uint32_t rid)
 std::vector<uint8_t> EncodeU64(uint8_t type, uint64_t value, uint32_t rid);  // READ_DATA, PING, PONG
 std::vector<uint8_t> EncodeEmpty(uint8_t type, uint32_t rid);                // OK, BYE
 std::vector<uint8_t> EncodeChecksum(uint32_t crc, uint64_t nbytes, uint32_t rid);
+std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid);
 
 // ---- decoding
 Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
@@ -86,6 +87,7 @@ Hello DecodeHello(const std::vector<uint8_t> &payload);
 ErrorMsg DecodeError(const std::vector<uint8_t> &payload);
 Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload);
 uint64_t DecodeU64(const std::vector<uint8_t> &payload);
+std::string DecodeAuth(const std::vector<uint8_t> &payload);
 void DecodeEmpty(const std::vector<uint8_t> &payload);
 /// Checks RELEASE / CHECKSUM / GRANT / SHM_GRANT / AUTH payloads are well formed (contents unused).
 void CheckOther(uint8_t type, const std::vector<uint8_t> &payload);

@@ -272,6 +272,38 @@ TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
   EXPECT_EQ(rets[1], LLM_NOT_YET_LINK);
 }
 
+TEST(Auth, SharedSecretLinksAndAWrongOneDoesNot) {
+  uint16_t port = ddtest::FreePort();
+  HostCache src(2, {4, 16}), dst(2, {4, 16});
+  auto with_secret = [](uint16_t listen, const char *secret) {
+    auto o = ddtest::Options(listen);
+    if (secret) o["datadist.AuthSecret"] = secret;
+    return o;
+  };
+  LlmDataDist owner(1, LlmRole::kPrompt);
+  ASSERT_EQ(owner.Initialize(with_secret(port, "s3cret")), LLM_SUCCESS);
+  ASSERT_EQ(src.Register(owner), LLM_SUCCESS);
+  src.Fill(8);
+  std::vector<Status> rets;
+  for (const char *bad : {"wrong", static_cast<const char *>(nullptr)}) {
+    LlmDataDist other(2, LlmRole::kDecoder);
+    ASSERT_EQ(other.Initialize(with_secret(0, bad)), LLM_SUCCESS);
+    EXPECT_EQ(other.LinkLlmClusters({ddtest::Cluster(1, port)}, rets, 2000), LLM_LINK_FAILED) << (bad ? bad : "none");
+  }
+  // an owner without a secret cannot satisfy a client that has one
+  uint16_t open_port = ddtest::FreePort();
+  LlmDataDist open_owner(3, LlmRole::kPrompt);
+  ASSERT_EQ(open_owner.Initialize(ddtest::Options(open_port)), LLM_SUCCESS);
+  LlmDataDist client(2, LlmRole::kDecoder);
+  ASSERT_EQ(client.Initialize(with_secret(0, "s3cret")), LLM_SUCCESS);
+  EXPECT_EQ(client.LinkLlmClusters({ddtest::Cluster(3, open_port)}, rets, 2000), LLM_LINK_FAILED);
+  ASSERT_EQ(client.LinkLlmClusters({ddtest::Cluster(1, port)}, rets, 2000), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(client), LLM_SUCCESS);
+  ASSERT_EQ(client.PullKvCache(Index(1, 1, 3), dst.cache, 0), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(dst.T(1), src.T(1) + 48, 16), 0);
+  client.Finalize();
+}
+
 TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
   // xLLM: a K and a V cache of one tensor per layer, registered in the same order on both
   // sides, so each side addresses the remote cache by its own local id.

@@ -103,3 +103,47 @@ TEST(Wire, Crc32AndLayoutTagMatchPython) {
 
 }  // namespace
 }  // namespace datadist
+
+#include "auth.h"
+
+namespace datadist {
+namespace {
+
+std::string Hex(const std::array<uint8_t, 32> &d) {
+  static const char digits[] = "0123456789abcdef";
+  std::string s;
+  for (uint8_t b : d) {
+    s.push_back(digits[b >> 4]);
+    s.push_back(digits[b & 15]);
+  }
+  return s;
+}
+
+TEST(Auth, Sha256AndHmacMatchTheStandardVectors) {
+  EXPECT_EQ(Hex(auth::Sha256("abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(Hex(auth::Sha256("")), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(Hex(auth::Sha256(std::string(1000, 'a'))).substr(0, 16), "41edece42d63e8d9");
+  // RFC 4231 test cases 2 and 6 (a key longer than the block)
+  EXPECT_EQ(Hex(auth::HmacSha256("Jefe", "what do ya want for nothing?")),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+  EXPECT_EQ(Hex(auth::HmacSha256(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First")),
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+}
+
+TEST(Auth, ProofsBindNoncesIdsAndDirection) {
+  std::string cn = auth::Nonce(), sn = auth::Nonce();
+  EXPECT_EQ(cn.size(), 16U);
+  EXPECT_NE(cn, sn);
+  std::string sp = auth::ServerProof("s3cret", cn, sn, 1, 2);
+  ASSERT_EQ(sp.size(), 48U);
+  EXPECT_EQ(sp.substr(0, 16), sn);
+  std::string cp = auth::ClientProof("s3cret", cn, sn, 1, 2);
+  EXPECT_NE(cp, sp.substr(16));  // direction labels: a server proof is no client proof
+  EXPECT_NE(cp, auth::ClientProof("other", cn, sn, 1, 2));
+  EXPECT_NE(cp, auth::ClientProof("s3cret", cn, sn, 1, 3));
+  EXPECT_TRUE(auth::Same(cp, auth::ClientProof("s3cret", cn, sn, 1, 2)));
+  EXPECT_FALSE(auth::Same(cp, cp.substr(1)));
+}
+
+}  // namespace
+}  // namespace datadist

@@ -2,7 +2,7 @@
 // calls the llm_datadist C++ API, and answers one line on stdout: "ok <status> [values]".
 // Tensor contents travel as hex so the Python side can check every byte.
 //
-//   init <cluster_id> <role 1|2|3> <listen ip:port or -> <sync_ms or ->
+//   init <cluster_id> <role 1|2|3> <listen ip:port or -> <sync_ms or -> [secret]
 //   reg <num_tensors> <dtype> <d0,d1,...>       -> ok <status> <cache_id>
 //   alloc <num_tensors> <dtype> <d0,d1,...>     -> ok <status> <cache_id>
 //   write <cache_id> <tensor> <hex>             (sets the whole tensor)
@@ -95,10 +95,12 @@ int main() {
     if (cmd == "init") {
       uint64_t cid;
       int role;
-      std::string listen, sync_ms;
-      in >> cid >> role >> listen >> sync_ms;
+      std::string listen, sync_ms, secret;
+      in >> cid >> role >> listen >> sync_ms >> secret;
       dd = std::make_unique<LlmDataDist>(cid, static_cast<LlmRole>(role));
-      st = dd->Initialize(Options(listen, sync_ms));
+      auto options = Options(listen, sync_ms);
+      if (!secret.empty()) options["datadist.AuthSecret"] = secret.c_str();
+      st = dd->Initialize(options);
     } else if (cmd == "reg" || cmd == "alloc") {
       uint32_t n;
       int dtype;

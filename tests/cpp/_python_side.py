@@ -10,7 +10,7 @@ PY_ID = 7  # cluster id of the Python side
 
 
 def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
-                sync_ms: int = 3000) -> llm.LLMDataDist:
+                sync_ms: int = 3000, secret: str = "") -> llm.LLMDataDist:
     """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on; the
     caller finalizes it."""
     dd = llm.LLMDataDist(role, PY_ID)
@@ -20,6 +20,8 @@ def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
     cfg.enable_remote_cache_accessible = True
     cfg.sync_kv_timeout = sync_ms
     cfg.verify_checksum = verify
+    if secret:
+        cfg.auth_secret = secret
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
     dd.init(cfg.generate_options())
@@ -40,10 +42,11 @@ def register(dd: llm.LLMDataDist, num_tensors: int, shape: tuple[int, ...], *,
     return cache, arrays
 
 
-def link_to(dd: llm.LLMDataDist, cluster_id: int, port: int) -> None:
+def link_to(dd: llm.LLMDataDist, cluster_id: int, port: int,
+            expect: llm.LLMStatusCode = llm.LLMStatusCode.LLM_SUCCESS) -> None:
     info = llm.LLMClusterInfo()
     info.remote_cluster_id = cluster_id
     info.append_local_ip_info("127.0.0.1", 0)
     info.append_remote_ip_info("127.0.0.1", port)
     code, codes = dd.link_clusters([info], timeout=5000)
-    assert code == llm.LLMStatusCode.LLM_SUCCESS, codes
+    assert code == expect, codes

@@ -91,12 +91,13 @@ class XPeer:
         assert int(got[0]) == LLM_SUCCESS, f"{line!r} -> status {int(got[0]):#x}"
         return got[1:]
 
-    def init(self, cluster_id: int, role: int, listen: bool = False, sync_ms: int = 2000) -> None:
+    def init(self, cluster_id: int, role: int, listen: bool = False, sync_ms: int = 2000,
+             secret: str = "") -> None:
         where = "-"
         if listen:
             self.port = free_port()
             where = f"127.0.0.1:{self.port}"
-        self.ok(f"init {cluster_id} {role} {where} {sync_ms}")
+        self.ok(f"init {cluster_id} {role} {where} {sync_ms} {secret}".rstrip())
 
     def register(self, num_tensors: int, shape: tuple[int, ...], dtype: int = 4) -> int:
         """A zeroed cache of DT_UINT8 (4) unless told; returns its cache id."""
