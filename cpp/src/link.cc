@@ -96,15 +96,16 @@ void Link::Connect(Deadline deadline) {
 }
 
 wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {
-  wire::Header h = conn_->RecvFrame(payload, deadline);
+  wire::Header h;
   try {
+    h = conn_->RecvFrame(payload, deadline);
     if (h.request_id != rid_) ProtocolViolation("answer to request " + std::to_string(h.request_id) + ", expected " + std::to_string(rid_));
     if (h.type == wire::kError) {
       wire::ErrorMsg e = wire::DecodeError(payload);
       Fail(CodeOf(e.code), "peer: " + e.message);
     }
   } catch (const Error &e) {
-    if (e.code() == kSuspectRemoteError) conn_->Close();
+    if (e.code() == kSuspectRemoteError) conn_->Close();  // the stream cannot be trusted any more
     throw;
   }
   return h;

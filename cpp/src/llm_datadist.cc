@@ -380,6 +380,10 @@ class LlmDataDist::LlmDataDistImpl {
   }
 
   datadist::wire::Request Request(const datadist::Plan &plan, uint64_t cache_id, uint64_t slot, uint64_t layout) {
+    // The owner's limit, checked before sending (docs/protocol.md).
+    if (static_cast<unsigned __int128>(plan.remote_tensors.size()) * plan.lengths.size() > datadist::kMaxRequestSpans)
+      Invalid("the transfer names more than " + std::to_string(datadist::kMaxRequestSpans) +
+              " spans (tensors x block runs); split it");
     datadist::wire::Request r;
     r.kind = datadist::wire::kCacheId;
     r.a = cache_id;

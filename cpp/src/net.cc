@@ -156,16 +156,15 @@ void Conn::RecvV(std::vector<iovec> iov, Deadline deadline) {
   }
 }
 
-wire::Header Conn::RecvFrame(std::vector<uint8_t> &payload, Deadline deadline) {
+wire::Header Conn::RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, uint32_t max_payload) {
   uint8_t head[wire::kHeaderSize];
   RecvAll(head, sizeof(head), deadline);
-  wire::Header h;
-  try {
-    h = wire::DecodeHeader(head);
-  } catch (const Error &) {
-    Close();
-    throw;
-  }
+  // A bad header throws with the connection still open: the caller may answer ERROR, then
+  // closes (nothing after it on the stream can be trusted).
+  wire::Header h = wire::DecodeHeader(head);
+  if (h.length > max_payload)
+    ProtocolViolation("a frame of " + std::to_string(h.length) + " bytes where at most " + std::to_string(max_payload) +
+                      " are allowed");
   payload.resize(h.length);
   if (h.length) RecvAll(payload.data(), h.length, deadline);
   return h;

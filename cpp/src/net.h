@@ -44,8 +44,9 @@ class Conn {
   void SendV(std::vector<iovec> iov, Deadline deadline);
   void RecvV(std::vector<iovec> iov, Deadline deadline);
   void RecvAll(void *data, size_t n, Deadline deadline);
-  /// One frame: header, then its payload.
-  wire::Header RecvFrame(std::vector<uint8_t> &payload, Deadline deadline);
+  /// One frame: header, then its payload. A header announcing more than `max_payload` bytes
+  /// is a protocol violation (the connection is closed before the payload is read).
+  wire::Header RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, uint32_t max_payload = wire::kMaxPayload);
 
   /// Waits up to `ms` for something to read (or the peer closing). No error on timeout.
   bool WaitReadable(int ms);

@@ -159,7 +159,12 @@ std::unique_ptr<Lease> Registry::Open(const wire::Request &req) {
       Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +
               std::to_string(g.num_tensors));
   if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
-    Invalid("too many spans in one request");
+    Invalid("too many spans in one request (tensors x spans over " + std::to_string(kMaxRequestSpans) + ")");
+  std::vector<bool> seen(g.num_tensors, false);
+  for (uint32_t t : req.tensors) {
+    if (seen[t]) Invalid("tensor " + std::to_string(t) + " named twice in one request");
+    seen[t] = true;
+  }
   uint64_t base = 0, limit = g.tensor_bytes;
   if (blocks) {
     if (req.unit_bytes && req.unit_bytes != g.unit_bytes)

@@ -22,8 +22,8 @@
 
 namespace datadist {
 
-/// Most spans (tensors x spans per tensor) one peer request may name, as the Python owner.
-constexpr uint64_t kMaxRequestSpans = 1ULL << 24;
+/// Most spans (tensors x spans per tensor) one request may name (docs/protocol.md).
+constexpr uint64_t kMaxRequestSpans = 1ULL << 22;
 
 struct Geometry {
   uint32_t num_tensors = 0;

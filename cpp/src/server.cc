@@ -19,6 +19,7 @@ constexpr double kHandshakeTimeout = 10.0;  // s the server waits for a new conn
 constexpr double kFrameTimeout = 30.0;      // s a frame may take once its first byte arrived
 constexpr double kServeTimeout = 120.0;     // s a stalled reader / writer is waited for
 constexpr int kPollSliceMs = 100;           // how often blocked waits look at the stop flag
+constexpr uint32_t kPreAuthPayload = 4096;  // largest frame before the handshake completed
 
 void TrySend(Conn &c, const std::vector<uint8_t> &frame) {
   try {
@@ -124,7 +125,7 @@ void Server::Serve(Worker *w) {
 bool Server::Handshake(Conn &c) {
   std::vector<uint8_t> payload;
   const Deadline deadline = After(kHandshakeTimeout);
-  wire::Header h = c.RecvFrame(payload, deadline);
+  wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
   if (h.type != wire::kHello) ProtocolViolation("expected HELLO");
   wire::Hello hello = wire::DecodeHello(payload);
   if (hello.cluster_id == identity_->cluster_id) {
@@ -147,7 +148,7 @@ bool Server::Handshake(Conn &c) {
   c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), deadline);
   if (secret.empty()) return true;
   // Nothing but the client's proof is accepted until it checks out.
-  h = c.RecvFrame(payload, deadline);
+  h = c.RecvFrame(payload, deadline, kPreAuthPayload);
   bool ok = false;
   if (h.type == wire::kAuth) {
     std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
@@ -171,8 +172,8 @@ bool Server::Dispatch(Conn &c, const wire::Header &h, const std::vector<uint8_t>
       wire::Request req = wire::DecodeRequest(h.type, payload);
       std::unique_ptr<Lease> lease;
       try {
-        if (req.flags & wire::kFlagGrant)
-          Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner serves over TCP only (no grants)");
+        if (req.flags & wire::kFlagGrant)  // grants only on a local channel, which we do not serve
+          Invalid("grants are served on the local channel only; read without GRANT");
         lease = registry_->Open(req);
       } catch (const Error &e) {
         c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));

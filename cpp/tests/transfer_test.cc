@@ -7,6 +7,7 @@
 #include <cstring>
 #include <thread>
 
+#include "errors.h"
 #include "test_util.h"
 #include "wire.h"
 
@@ -451,10 +452,23 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   ASSERT_EQ(src.Register(owner), LLM_SUCCESS);
   src.Fill(4);
   namespace w = datadist::wire;
-  {  // garbage instead of a HELLO: closed
+  {  // garbage instead of a HELLO: ERROR, then closed
     Raw r(port);
     ASSERT_TRUE(r.connected);
     r.Send(std::vector<uint8_t>(12, 'x'));
+    auto [eh, ep] = r.Recv();
+    EXPECT_EQ(eh.type, w::kError);
+    EXPECT_EQ(w::DecodeError(ep).code, static_cast<int64_t>(datadist::kSuspectRemoteError));
+    EXPECT_TRUE(r.Closed());
+  }
+  {  // a HELLO over the 4096-byte pre-handshake cap: closed before its payload is read
+    Raw r(port);
+    w::Hello big;
+    big.cluster_id = 10;
+    big.proof = std::string(5000, 'p');
+    r.Send(w::EncodeHello(w::kHello, big, 1));
+    auto [eh, ep] = r.Recv();
+    EXPECT_EQ(eh.type, w::kError);
     EXPECT_TRUE(r.Closed());
   }
   {  // our own cluster id: ERROR LLM_LINK_FAILED, then closed
@@ -501,7 +515,8 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
       {{0}, ~0ULL - 3, 8, 0, 0, LLM_PARAM_INVALID},
       {{0}, 0, 16, 4, 0, LLM_PARAM_INVALID},
       {{0}, 16, 48, 1, 0, LLM_PARAM_INVALID},  // slot 1 leaves 48 bytes: 16 + 48 runs past
-      {{0}, 0, 16, 0, w::kFlagGrant, LLM_FEATURE_NOT_ENABLED},
+      {{0}, 0, 16, 0, w::kFlagGrant, LLM_PARAM_INVALID},  // grants: local channel only
+      {{1, 0, 1}, 0, 16, 0, 0, LLM_PARAM_INVALID},         // a tensor named twice
   };
   uint32_t rid = 2;
   for (const Case &c : cases) {

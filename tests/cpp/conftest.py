@@ -67,8 +67,11 @@ class XPeer:
     """The C++ test peer in a child process."""
 
     def __init__(self, build: Path) -> None:
+        env = dict(os.environ)
+        if "thread" in os.environ.get("DATADIST_CPP_SANITIZE", ""):
+            env["TSAN_OPTIONS"] = f"suppressions={CPP / 'tests' / 'tsan.supp'}"
         self.proc = subprocess.Popen([str(build / "dd_xpeer")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         self.port = 0
 
     def cmd(self, line: str, timeout: float = 20.0) -> list[str]:
@@ -93,11 +96,17 @@ class XPeer:
 
     def init(self, cluster_id: int, role: int, listen: bool = False, sync_ms: int = 2000,
              secret: str = "") -> None:
-        where = "-"
-        if listen:
-            self.port = free_port()
-            where = f"127.0.0.1:{self.port}"
-        self.ok(f"init {cluster_id} {role} {where} {sync_ms} {secret}".rstrip())
+        """Initialize; with ``listen``, on a free port (another if that one was taken before
+        the peer bound it)."""
+        for _ in range(5):
+            where = "-"
+            if listen:
+                self.port = free_port()
+                where = f"127.0.0.1:{self.port}"
+            code = self.status(f"init {cluster_id} {role} {where} {sync_ms} {secret}".rstrip())
+            if code != LLM_LINK_FAILED or not listen:
+                break
+        assert code == LLM_SUCCESS, f"init -> {code:#x}"
 
     def register(self, num_tensors: int, shape: tuple[int, ...], dtype: int = 4) -> int:
         """A zeroed cache of DT_UINT8 (4) unless told; returns its cache id."""

@@ -39,14 +39,28 @@ int main() {
 """
 
 
+def _start_prompt(ex: Path) -> tuple[subprocess.Popen, int, int]:
+    """The example prompt, once it listens. A free port can be taken by another process
+    before the prompt binds it (tests of other projects run here too): then try new ports."""
+    for _ in range(5):
+        port, control = free_port(), free_port()
+        prompt = subprocess.Popen([str(ex / "dd_example_prompt"), "127.0.0.1", str(port),
+                                   str(control)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        assert prompt.stdout is not None
+        first = prompt.stdout.readline()
+        if "prompt listening" in first:
+            return prompt, port, control
+        prompt.communicate(timeout=30)
+    pytest.fail(f"the example prompt could not listen: {first!r}")
+
+
 def test_examples_prompt_and_decoder(cpp_build: Path) -> None:
     ex = cpp_build / "examples"
-    port, control = free_port(), free_port()
-    prompt = subprocess.Popen([str(ex / "dd_example_prompt"), "127.0.0.1", str(port), str(control)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    prompt, port, control = _start_prompt(ex)
     try:
         decoder = subprocess.run([str(ex / "dd_example_decoder"), "127.0.0.1", str(port),
-                                  str(control)], capture_output=True, text=True, timeout=60)
+                                  str(control)], capture_output=True, text=True, timeout=120)
         out, _ = prompt.communicate(timeout=60)
     finally:
         if prompt.poll() is None:
