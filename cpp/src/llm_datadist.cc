@@ -71,6 +71,18 @@ const char *Find(const std::map<AscendString, AscendString> &options, const char
   return it == options.end() ? nullptr : it->second.GetString();
 }
 
+// A positive count from the option, else the environment variable, else the default.
+size_t CountOption(const std::map<AscendString, AscendString> &options, const char *key, const char *env,
+                   size_t fallback) {
+  const char *v = Find(options, key);
+  if (v == nullptr || !*v) v = std::getenv(env);
+  if (v == nullptr || !*v) return fallback;
+  std::string s = v;
+  if (s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos || std::stoul(s) == 0)
+    Invalid(std::string(key) + " must be a positive integer, got '" + s + "'");
+  return std::stoul(s);
+}
+
 void CheckRole(LlmRole role) {
   if (role != LlmRole::kPrompt && role != LlmRole::kDecoder && role != LlmRole::kMix)
     Invalid("role must be kPrompt, kDecoder or kMix");
@@ -100,7 +112,10 @@ class LlmDataDist::LlmDataDistImpl {
       if (!s.empty() && s != "hixl" && s != "tcp")
         Invalid(std::string(OPTION_TRANSFER_BACKEND) + " must be 'hixl' (accepted; datadist moves bytes over TCP)");
     }
-    // datadist extra (as the Python package): a shared secret every linked peer must prove.
+    // datadist extras (as the Python package): connection caps, and a shared secret every
+    // linked peer must prove.
+    max_conns_ = CountOption(options, "datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", 256);
+    max_per_peer_ = CountOption(options, "datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", 32);
     const char *secret = Find(options, kOptionAuthSecret);
     if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
     ident_.secret = secret ? secret : "";
@@ -345,7 +360,7 @@ class LlmDataDist::LlmDataDistImpl {
     ParseHostPort(text, host, port);
     if (server_) server_->Stop();
     server_ = std::make_unique<datadist::Server>(&registry_, &ident_);
-    server_->Start(host, port);
+    server_->Start(host, port, max_conns_, max_per_peer_);
   }
 
   std::shared_ptr<datadist::Link> GetLink(uint64_t cluster_id) {
@@ -399,6 +414,7 @@ class LlmDataDist::LlmDataDistImpl {
   State state_ = kNew;
   datadist::Identity ident_;
   double sync_timeout_s_ = 1.0;
+  size_t max_conns_ = 256, max_per_peer_ = 32;
   datadist::Registry registry_;
   std::unique_ptr<datadist::Server> server_;
   std::map<uint64_t, std::shared_ptr<datadist::Link>> links_;

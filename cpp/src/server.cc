@@ -35,7 +35,9 @@ std::vector<uint8_t> ErrorFrame(const Error &e, uint32_t rid) {
 
 }  // namespace
 
-void Server::Start(const std::string &host, uint16_t port) {
+void Server::Start(const std::string &host, uint16_t port, size_t max_conns, size_t max_per_peer) {
+  max_conns_ = max_conns;
+  max_per_peer_ = max_per_peer;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
@@ -93,11 +95,22 @@ void Server::AcceptLoop() {
     if (fd < 0) continue;
     char ip[INET_ADDRSTRLEN] = {0};
     inet_ntop(AF_INET, &peer.sin_addr, ip, sizeof(ip));
-    auto w = std::make_unique<Worker>();
-    w->conn = std::make_unique<Conn>(fd, std::string(ip) + ":" + std::to_string(ntohs(peer.sin_port)));
-    Worker *raw = w.get();
     std::lock_guard<std::mutex> lock(mu_);
     ReapLocked(false);
+    size_t live = 0, same_ip = 0;
+    for (const auto &other : workers_)
+      if (!other->done) {
+        ++live;
+        same_ip += other->ip == ip;
+      }
+    if (live >= max_conns_ || same_ip >= max_per_peer_) {
+      close(fd);  // over a cap: no thread, no word
+      continue;
+    }
+    auto w = std::make_unique<Worker>();
+    w->ip = ip;
+    w->conn = std::make_unique<Conn>(fd, std::string(ip) + ":" + std::to_string(ntohs(peer.sin_port)));
+    Worker *raw = w.get();
     workers_.push_back(std::move(w));
     raw->thread = std::thread([this, raw] { Serve(raw); });
   }

@@ -575,4 +575,36 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   client.Finalize();
 }
 
+TEST(Hostile, ConnectionCapsPerPeer) {
+  uint16_t port = ddtest::FreePort();
+  LlmDataDist owner(9, LlmRole::kPrompt);
+  auto o = ddtest::Options(port);
+  o["datadist.MaxConnectionsPerPeer"] = "2";
+  ASSERT_EQ(owner.Initialize(o), LLM_SUCCESS);
+  namespace w = datadist::wire;
+  w::Hello h;
+  h.cluster_id = 10;
+  auto greeted = [&](Raw &r) {
+    r.Send(w::EncodeHello(w::kHello, h, 1));
+    return r.Recv().first.type == w::kWelcome;
+  };
+  auto a = std::make_unique<Raw>(port);
+  Raw b(port);
+  ASSERT_TRUE(greeted(*a));
+  ASSERT_TRUE(greeted(b));
+  Raw c(port);  // the third from one address: closed without a word
+  EXPECT_TRUE(c.Closed());
+  a.reset();  // one leaves: room again (once its thread has ended)
+  bool served = false;
+  for (int i = 0; i < 50 && !served; ++i) {
+    Raw d(port);
+    served = greeted(d);
+    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(served);
+  LlmDataDist bad(1, LlmRole::kPrompt);
+  o["datadist.MaxConnectionsPerPeer"] = "0";
+  EXPECT_EQ(bad.Initialize(o), LLM_PARAM_INVALID);
+}
+
 }  // namespace hostile
