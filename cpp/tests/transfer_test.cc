@@ -132,7 +132,7 @@ TEST_F(Pair, PushesLandInTheOwnersCache) {
   auto opts = ddtest::Options(dport);
   ASSERT_EQ(decoder.SetRole(LlmRole::kDecoder, opts), LLM_SUCCESS);
   std::vector<Status> rets;
-  ASSERT_EQ(prompt.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(prompt.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets, 5000), LLM_SUCCESS);
   EXPECT_EQ(prompt.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_ALREADY_LINK);
   ASSERT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, 1, 3), 1), LLM_SUCCESS);
   for (int t = 0; t < 4; ++t)
@@ -156,9 +156,9 @@ TEST_F(Pair, PushesLandInTheOwnersCache) {
 
 TEST_F(Pair, UnlinkThenPullIsNotLinked) {
   std::vector<Status> rets;
-  ASSERT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000), LLM_SUCCESS);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_NOT_YET_LINK);
-  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets), LLM_SUCCESS);  // relink
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000), LLM_SUCCESS);  // relink
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_SUCCESS);
 }
 
@@ -329,8 +329,8 @@ TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
   ASSERT_EQ(pk2.Register(p), LLM_SUCCESS);
   ASSERT_EQ(pv2.Register(p), LLM_SUCCESS);
   std::vector<Status> rets;
-  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(kPrompt, pport)}, rets), LLM_SUCCESS);
-  ASSERT_EQ(p.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(kPrompt, pport)}, rets, 5000), LLM_SUCCESS);
+  ASSERT_EQ(p.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets, 5000), LLM_SUCCESS);
   std::vector<uint64_t> blocks = {5, 1, 2};
   for (HostCache *c : {&dk, &dv}) {
     Cache only_id{};
@@ -374,7 +374,7 @@ TEST(Concurrency, PullsFromManyThreadsOnOneLink) {
   ASSERT_EQ(src.Register(p), LLM_SUCCESS);
   src.Fill(3);
   std::vector<Status> rets;
-  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(1, port)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(1, port)}, rets, 5000), LLM_SUCCESS);
   for (int i = 0; i < kThreads; ++i) {
     dsts.push_back(std::make_unique<HostCache>(2, std::vector<int64_t>{16, 64}));
     ASSERT_EQ(dsts.back()->Register(d), LLM_SUCCESS);
@@ -569,7 +569,7 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   ASSERT_EQ(client.Initialize(ddtest::Options()), LLM_SUCCESS);
   ASSERT_EQ(dst.Register(client), LLM_SUCCESS);
   std::vector<Status> rets;
-  ASSERT_EQ(client.LinkLlmClusters({ddtest::Cluster(9, port)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(client.LinkLlmClusters({ddtest::Cluster(9, port)}, rets, 5000), LLM_SUCCESS);
   ASSERT_EQ(client.PullKvCache(Index(9, 1, 2), dst.cache, 2), LLM_SUCCESS);
   EXPECT_EQ(std::memcmp(dst.T(1) + 32, src.T(1) + 32, 16), 0);
   client.Finalize();

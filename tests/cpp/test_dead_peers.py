@@ -6,18 +6,26 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 import datadist as llm
 
 from ._python_side import PY_ID, link_to, make_python, register
-from .conftest import LLM_LINK_FAILED, LLM_TIMEOUT, pattern
+from .conftest import LLM_LINK_FAILED, LLM_TIMEOUT, pattern, wait_until
 
 # The first test of a session builds cpp/ (tens of seconds on a busy machine).
 pytestmark = pytest.mark.timeout(600)
 
 CPP_ID = 12
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of ``pid`` has stopped (SIGSTOP takes effect asynchronously)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+               for t in tasks.iterdir())
 
 
 def test_stopped_cpp_owner_times_out_a_python_pull_then_recovers(xpeer):
@@ -33,6 +41,7 @@ def test_stopped_cpp_owner_times_out_a_python_pull_then_recovers(xpeer):
         key = llm.CacheKeyByIdAndIndex(CPP_ID, remote, 1)
         os.kill(cpp.proc.pid, signal.SIGSTOP)
         try:
+            assert wait_until(lambda: _stopped(cpp.proc.pid), 5.0)
             t0 = time.monotonic()
             with pytest.raises(llm.LLMException) as e:
                 py.cache_manager.pull_cache(key, cache)
