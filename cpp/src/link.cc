@@ -2,6 +2,7 @@
 
 #include "auth.h"
 #include "errors.h"
+#include "server.h"
 
 namespace datadist {
 namespace {
@@ -17,6 +18,33 @@ uint64_t IovBytes(const std::vector<iovec> &iov) {
   uint64_t n = 0;
   for (const iovec &v : iov) n += v.iov_len;
   return n;
+}
+
+}  // namespace
+
+namespace {
+
+// The answer to request `rid` on `c`; an ERROR raises its code. A broken stream closes `c`.
+wire::Header AnswerOn(Conn &c, uint32_t rid, std::vector<uint8_t> &payload, Deadline deadline) {
+  wire::Header h;
+  try {
+    h = c.RecvFrame(payload, deadline);
+    if (h.request_id != rid) ProtocolViolation("answer to request " + std::to_string(h.request_id) + ", expected " + std::to_string(rid));
+    if (h.type == wire::kError) {
+      wire::ErrorMsg e = wire::DecodeError(payload);
+      Fail(CodeOf(e.code), "peer: " + e.message);
+    }
+  } catch (const Error &e) {
+    if (e.code() == kSuspectRemoteError) c.Close();  // the stream cannot be trusted any more
+    throw;
+  }
+  return h;
+}
+
+wire::Header CallOn(Conn &c, uint32_t rid, const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload,
+                    Deadline deadline) {
+  c.SendFrame(frame, deadline);
+  return AnswerOn(c, rid, payload, deadline);
 }
 
 }  // namespace
@@ -49,7 +77,18 @@ void Link::Open(Deadline deadline) {
   auto guard = Acquire(deadline);
   try {
     Connect(deadline);
+    if (registry_ && peer_reverse_) {
+      // The listener may use the link too: our reverse channel, opened before the link is
+      // reported up, served by its own thread (docs/protocol.md, Reverse channels).
+      uint32_t rid = 0, features = 0;
+      rev_conn_ = Greet(true, deadline, rid, features);
+      rev_thread_ = std::thread([this] {
+        ServeRequests(registry_, *rev_conn_, rev_stop_);
+        rev_conn_->Close();
+      });
+    }
   } catch (const Error &e) {
+    conn_.reset();
     if (e.code() == kSuspectRemoteError || e.code() == llm_datadist::LLM_FAILED)
       Fail(llm_datadist::LLM_LINK_FAILED, e.what());
     throw;
@@ -58,57 +97,61 @@ void Link::Open(Deadline deadline) {
 
 void Link::Connect(Deadline deadline) {
   conn_.reset();
-  auto conn = Conn::Connect(host_, port_, deadline);
-  conn_ = std::move(conn);
-  rid_ = 0;
-  try {
-    wire::Hello hello = hello_;
-    if (!secret_.empty()) {
-      hello.features = auth::kFeatureAuth;
-      hello.proof = auth::Nonce();
-    }
-    std::vector<uint8_t> payload;
-    wire::Header h = Call(wire::EncodeHello(wire::kHello, hello, ++rid_), payload, deadline);
-    if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
-    wire::Hello welcome = wire::DecodeHello(payload);
-    const std::string who = "the peer at " + host_ + ":" + std::to_string(port_);
-    if (welcome.cluster_id != remote_)
-      Fail(llm_datadist::LLM_LINK_FAILED,
-           who + " is cluster " + std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
-    const bool required = welcome.features & auth::kFeatureAuth;
-    if (required && secret_.empty())
-      Fail(llm_datadist::LLM_LINK_FAILED, who + " requires a shared secret (datadist.AuthSecret / DATADIST_AUTH_SECRET)");
-    if (!secret_.empty()) {
-      // The server must prove the secret before we prove it: a peer without it learns nothing.
-      if (!required || welcome.proof.size() != auth::kNonceBytes + auth::kMacBytes)
-        Fail(llm_datadist::LLM_LINK_FAILED, who + " did not prove the shared secret");
-      std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
-      std::string want = auth::ServerProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id);
-      if (!auth::Same(want, welcome.proof)) Fail(llm_datadist::LLM_LINK_FAILED, who + " failed to prove the shared secret");
-      h = Call(wire::EncodeAuth(auth::ClientProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id), ++rid_),
-               payload, deadline);
-      if (h.type != wire::kOk) ProtocolViolation("expected OK after AUTH");
-    }
-  } catch (const Error &) {
-    conn_.reset();
-    throw;
-  }
+  uint32_t features = 0;
+  conn_ = Greet(false, deadline, rid_, features);
+  peer_reverse_ = features & wire::kFeatureReverse;
 }
 
-wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {
-  wire::Header h;
-  try {
-    h = conn_->RecvFrame(payload, deadline);
-    if (h.request_id != rid_) ProtocolViolation("answer to request " + std::to_string(h.request_id) + ", expected " + std::to_string(rid_));
-    if (h.type == wire::kError) {
-      wire::ErrorMsg e = wire::DecodeError(payload);
-      Fail(CodeOf(e.code), "peer: " + e.message);
-    }
-  } catch (const Error &e) {
-    if (e.code() == kSuspectRemoteError) conn_->Close();  // the stream cannot be trusted any more
-    throw;
+std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid, uint32_t &features) {
+  auto conn = Conn::Connect(host_, port_, deadline);
+  uint32_t r = 0;
+  wire::Hello hello = hello_;
+  hello.features = reverse ? wire::kFeatureReverse : 0;
+  if (!secret_.empty()) {
+    hello.features |= auth::kFeatureAuth;
+    hello.proof = auth::Nonce();
   }
-  return h;
+  std::vector<uint8_t> payload;
+  ++r;
+  wire::Header h = CallOn(*conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
+  if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
+  wire::Hello welcome = wire::DecodeHello(payload);
+  const std::string who = "the peer at " + host_ + ":" + std::to_string(port_);
+  if (welcome.cluster_id != remote_)
+    Fail(llm_datadist::LLM_LINK_FAILED,
+         who + " is cluster " + std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
+  const bool required = welcome.features & auth::kFeatureAuth;
+  if (required && secret_.empty())
+    Fail(llm_datadist::LLM_LINK_FAILED, who + " requires a shared secret (datadist.AuthSecret / DATADIST_AUTH_SECRET)");
+  if (!secret_.empty()) {
+    // The server must prove the secret before we prove it: a peer without it learns nothing.
+    if (!required || welcome.proof.size() != auth::kNonceBytes + auth::kMacBytes)
+      Fail(llm_datadist::LLM_LINK_FAILED, who + " did not prove the shared secret");
+    std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
+    std::string want = auth::ServerProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id);
+    if (!auth::Same(want, welcome.proof)) Fail(llm_datadist::LLM_LINK_FAILED, who + " failed to prove the shared secret");
+    ++r;
+    h = CallOn(*conn, r, wire::EncodeAuth(auth::ClientProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id), r),
+               payload, deadline);
+    if (h.type != wire::kOk) ProtocolViolation("expected OK after AUTH");
+  }
+  rid = r;
+  features = welcome.features;
+  return conn;
+}
+
+Link::~Link() { StopReverse(); }
+
+void Link::StopReverse() {
+  rev_stop_ = true;
+  if (rev_conn_) rev_conn_->Shutdown();
+  if (rev_thread_.joinable()) rev_thread_.join();
+  rev_conn_.reset();
+}
+
+
+wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {
+  return AnswerOn(*conn_, rid_, payload, deadline);
 }
 
 wire::Header Link::Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline) {
@@ -119,6 +162,11 @@ wire::Header Link::Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> 
 void Link::Prepare(Deadline deadline) {
   if (closing_) Fail(llm_datadist::LLM_NOT_YET_LINK, "link to cluster " + std::to_string(remote_) + " was unlinked");
   if (conn_ && !conn_->closed() && !conn_->PeerGone()) return;
+  if (reverse_end_) {
+    conn_.reset();
+    Fail(llm_datadist::LLM_LINK_FAILED,
+         "the reverse channel of cluster " + std::to_string(remote_) + " closed; it must link again");
+  }
   try {
     Connect(deadline);
   } catch (const Error &e) {
@@ -171,6 +219,7 @@ void Link::Close(Deadline deadline, bool force) {
       closing_ = true;
       conn_.reset();
     }
+    StopReverse();
     return;
   }
   auto guard = Acquire(deadline, false);
@@ -184,6 +233,7 @@ void Link::Close(Deadline deadline, bool force) {
     }
   }
   conn_.reset();
+  StopReverse();
 }
 
 }  // namespace datadist

@@ -12,19 +12,30 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <atomic>
 #include <vector>
 
 #include "net.h"
+#include "registry.h"
 #include "wire.h"
 
 namespace datadist {
 
 class Link {
  public:
-  /// `secret`: the shared secret to prove, and to require the peer to prove (empty: none).
-  Link(uint64_t remote_cluster_id, std::string host, uint16_t port, wire::Hello hello, std::string secret)
+  /// Our link to a listener. `secret`: the shared secret to prove, and to require the peer to
+  /// prove (empty: none). `registry`: our caches, served to the peer on the link's reverse
+  /// channel when the peer accepts one (null: no reverse channel).
+  Link(uint64_t remote_cluster_id, std::string host, uint16_t port, wire::Hello hello, std::string secret,
+       Registry *registry)
       : remote_(remote_cluster_id), host_(std::move(host)), port_(port), hello_(std::move(hello)),
-        secret_(std::move(secret)) {}
+        secret_(std::move(secret)), registry_(registry) {}
+  /// Our end of a client's link: the reverse channel it opened to our listener (handshake
+  /// done). It cannot be reopened from here: once it closes, transfers fail LLM_LINK_FAILED.
+  Link(uint64_t remote_cluster_id, std::unique_ptr<Conn> reverse_conn)
+      : remote_(remote_cluster_id), conn_(std::move(reverse_conn)), reverse_end_(true) {}
+  ~Link();
 
   /// Connects and shakes hands within the deadline. LLM_LINK_FAILED / LLM_TIMEOUT.
   void Open(Deadline deadline);
@@ -40,6 +51,10 @@ class Link {
  private:
   void Prepare(Deadline deadline);  // busy held: reconnect a broken connection
   void Connect(Deadline deadline);  // busy held: a fresh connection and handshake
+  /// A new connection with its handshake done (`reverse`: as our reverse channel). Sets
+  /// `rid` to the last request id used and `features` to the WELCOME's.
+  std::unique_ptr<Conn> Greet(bool reverse, Deadline deadline, uint32_t &rid, uint32_t &features);
+  void StopReverse();
   wire::Header Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline);
   wire::Header Answer(std::vector<uint8_t> &payload, Deadline deadline);
   /// Held for one transfer; released by the guard's destructor.
@@ -64,12 +79,19 @@ class Link {
   uint16_t port_;
   wire::Hello hello_;
   std::string secret_;
+  Registry *registry_ = nullptr;
   std::mutex mu_;  // guards busy_ only
   std::condition_variable idle_;
   bool busy_ = false;  // a transfer (or open / close) holds the fields below
   std::unique_ptr<Conn> conn_;
   uint32_t rid_ = 0;
   bool closing_ = false;
+  bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect
+  bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
+  // Our reverse channel (client links): served by its own thread until unlink / finalize.
+  std::unique_ptr<Conn> rev_conn_;
+  std::thread rev_thread_;
+  std::atomic<bool> rev_stop_{false};
 };
 
 }  // namespace datadist

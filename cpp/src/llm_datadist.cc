@@ -119,12 +119,16 @@ class LlmDataDist::LlmDataDistImpl {
     const char *secret = Find(options, kOptionAuthSecret);
     if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
     ident_.secret = secret ? secret : "";
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      rev_closed_ = false;
+    }
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
     state_ = kUp;
   }
 
   void Finalize() {
-    std::map<uint64_t, std::shared_ptr<datadist::Link>> links;
+    std::multimap<uint64_t, std::shared_ptr<datadist::Link>> links;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (state_ != kUp) {
@@ -132,10 +136,17 @@ class LlmDataDist::LlmDataDistImpl {
         return;
       }
       state_ = kDown;
-      links.swap(links_);
+      links.insert(links_.begin(), links_.end());
+      links_.clear();
+    }
+    if (server_) server_->Stop();  // no new reverse channels after this
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      rev_closed_ = true;
+      for (auto &kv : reverse_links_) links.emplace(kv.first, kv.second);
+      reverse_links_.clear();
     }
     for (auto &kv : links) kv.second->Close(Deadline(), true);
-    if (server_) server_->Stop();
     registry_.Clear(kFinalizeWait);
   }
 
@@ -173,9 +184,14 @@ class LlmDataDist::LlmDataDistImpl {
         uint64_t id = clusters[i].remote_cluster_id;
         std::shared_ptr<datadist::Link> link = GetLink(id);
         link->Close(datadist::After(timeout_ms / 1000.0), force);
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = links_.find(id);
-        if (it != links_.end() && it->second == link) links_.erase(it);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = links_.find(id);
+          if (it != links_.end() && it->second == link) links_.erase(it);
+        }
+        std::lock_guard<std::mutex> lock(rev_mu_);
+        auto it = reverse_links_.find(id);
+        if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
       });
     }
     return Overall(rets);
@@ -359,15 +375,36 @@ class LlmDataDist::LlmDataDistImpl {
     uint16_t port = 0;
     ParseHostPort(text, host, port);
     if (server_) server_->Stop();
-    server_ = std::make_unique<datadist::Server>(&registry_, &ident_);
+    server_ = std::make_unique<datadist::Server>(
+        &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn) { AdoptReverse(cid, std::move(conn)); });
     server_->Start(host, port, max_conns_, max_per_peer_);
   }
 
+  /// Our own link to the cluster, else its reverse channel to us (its link's other end).
   std::shared_ptr<datadist::Link> GetLink(uint64_t cluster_id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = links_.find(cluster_id);
-    if (it == links_.end()) Fail(LLM_NOT_YET_LINK, "cluster " + std::to_string(cluster_id) + " is not linked");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = links_.find(cluster_id);
+      if (it != links_.end()) return it->second;
+    }
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    auto it = reverse_links_.find(cluster_id);
+    if (it == reverse_links_.end()) Fail(LLM_NOT_YET_LINK, "cluster " + std::to_string(cluster_id) + " is not linked");
     return it->second;
+  }
+
+  /// A client's reverse channel (a server thread calls this after the handshake): our end of
+  /// its link, replacing an older one. Its own mutex: SetRole stops the server under mu_.
+  void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn) {
+    auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn));
+    std::shared_ptr<datadist::Link> old;
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      if (rev_closed_) return;
+      old = std::move(reverse_links_[cluster_id]);
+      reverse_links_[cluster_id] = link;
+    }
+    if (old) old->Close(datadist::Deadline(), true);
   }
 
   void LinkOne(const ClusterInfo &c, int32_t timeout_ms) {
@@ -383,7 +420,7 @@ class LlmDataDist::LlmDataDistImpl {
     hello.pid = static_cast<uint32_t>(getpid());
     // pid_ns and boot_id stay zero: no same-host identity, so a Python owner serves us over TCP.
     const IpInfo &ip = c.remote_ip_infos.front();
-    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret);
+    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret, &registry_);
     try {
       link->Open(datadist::After(timeout_ms / 1000.0));
     } catch (const Error &e) {
@@ -418,6 +455,9 @@ class LlmDataDist::LlmDataDistImpl {
   datadist::Registry registry_;
   std::unique_ptr<datadist::Server> server_;
   std::map<uint64_t, std::shared_ptr<datadist::Link>> links_;
+  std::mutex rev_mu_;  // guards the two below
+  std::map<uint64_t, std::shared_ptr<datadist::Link>> reverse_links_;
+  bool rev_closed_ = false;
 };
 
 LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role) : impl_(new LlmDataDistImpl(cluster_id, role)) {}

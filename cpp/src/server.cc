@@ -35,6 +35,8 @@ std::vector<uint8_t> ErrorFrame(const Error &e, uint32_t rid) {
 
 }  // namespace
 
+bool Dispatch(Registry *registry_, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload);
+
 void Server::Start(const std::string &host, uint16_t port, size_t max_conns, size_t max_per_peer) {
   max_conns_ = max_conns;
   max_per_peer_ = max_per_peer;
@@ -66,7 +68,8 @@ void Server::Stop() {
   close(listen_fd_);
   listen_fd_ = -1;
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto &w : workers_) w->conn->Shutdown();
+  for (auto &w : workers_)
+    if (w->conn) w->conn->Shutdown();
   ReapLocked(true);
 }
 
@@ -118,14 +121,25 @@ void Server::AcceptLoop() {
 
 void Server::Serve(Worker *w) {
   Conn &c = *w->conn;
-  std::vector<uint8_t> payload;
   try {
-    if (!Handshake(c)) c.Close();
-    wire::Header h;
-    while (!c.closed() && !stopping_) {
-      if (!c.WaitReadable(kPollSliceMs)) continue;
-      h = c.RecvFrame(payload, After(kFrameTimeout));
-      if (!Dispatch(c, h, payload)) break;
+    uint64_t peer = 0;
+    switch (Handshake(c, peer)) {
+      case Greeted::kRefused:
+        c.Close();
+        break;
+      case Greeted::kControl:
+        ServeRequests(registry_, c, stopping_);
+        break;
+      case Greeted::kReverse: {
+        std::unique_ptr<Conn> taken;
+        {
+          std::lock_guard<std::mutex> lock(mu_);  // Stop() reaches worker connections under it
+          taken = std::move(w->conn);
+        }
+        if (on_reverse_ && !stopping_) on_reverse_(peer, std::move(taken));
+        w->done = true;
+        return;
+      }
     }
   } catch (const Error &e) {
     if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
@@ -135,17 +149,33 @@ void Server::Serve(Worker *w) {
   w->done = true;
 }
 
-bool Server::Handshake(Conn &c) {
+void ServeRequests(Registry *registry, Conn &c, const std::atomic<bool> &stopping) {
+  std::vector<uint8_t> payload;
+  try {
+    while (!c.closed() && !stopping) {
+      if (!c.WaitReadable(kPollSliceMs)) continue;
+      wire::Header h = c.RecvFrame(payload, After(kFrameTimeout));
+      if (!Dispatch(registry, c, h, payload)) break;
+    }
+  } catch (const Error &e) {
+    if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
+  } catch (const std::exception &) {
+  }
+}
+
+Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster) {
   std::vector<uint8_t> payload;
   const Deadline deadline = After(kHandshakeTimeout);
   wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
   if (h.type != wire::kHello) ProtocolViolation("expected HELLO");
   wire::Hello hello = wire::DecodeHello(payload);
+  peer_cluster = hello.cluster_id;
+  const Greeted greeted = (hello.features & wire::kFeatureReverse) ? Greeted::kReverse : Greeted::kControl;
   if (hello.cluster_id == identity_->cluster_id) {
     TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
                                   "peer uses our own cluster id " + std::to_string(hello.cluster_id)},
                                  h.request_id));
-    return false;
+    return Greeted::kRefused;
   }
   // No same-host identity (zero boot id and pid namespace): a Python peer then always uses
   // TCP toward us. Features only for the shared secret.
@@ -153,13 +183,14 @@ bool Server::Handshake(Conn &c) {
   welcome.cluster_id = identity_->cluster_id;
   welcome.role = static_cast<uint8_t>(identity_->role.load());
   welcome.pid = static_cast<uint32_t>(getpid());
+  welcome.features = on_reverse_ ? wire::kFeatureReverse : 0;  // we accept reverse channels
   const std::string &secret = identity_->secret;
   if (!secret.empty()) {
-    welcome.features = auth::kFeatureAuth;
+    welcome.features |= auth::kFeatureAuth;
     welcome.proof = auth::ServerProof(secret, hello.proof, auth::Nonce(), identity_->cluster_id, hello.cluster_id);
   }
   c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), deadline);
-  if (secret.empty()) return true;
+  if (secret.empty()) return greeted;
   // Nothing but the client's proof is accepted until it checks out.
   h = c.RecvFrame(payload, deadline, kPreAuthPayload);
   bool ok = false;
@@ -172,13 +203,13 @@ bool Server::Handshake(Conn &c) {
     TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
                                   "cluster " + std::to_string(hello.cluster_id) + " failed to prove the shared secret"},
                                  h.request_id));
-    return false;
+    return Greeted::kRefused;
   }
   c.SendFrame(wire::EncodeEmpty(wire::kOk, h.request_id), deadline);
-  return true;
+  return greeted;
 }
 
-bool Server::Dispatch(Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {
+bool Dispatch(Registry *registry_, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {
   const uint32_t rid = h.request_id;
   switch (h.type) {
     case wire::kRead: {

@@ -6,6 +6,7 @@
 #define DATADIST_CPP_SERVER_H_
 
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -24,9 +25,20 @@ struct Identity {
   std::string secret;  // shared secret peers must prove (empty: none); set before serving
 };
 
+/// Serves requests on a connection whose handshake is done, as the owner of `registry`'s
+/// caches (READ, WRITE, PING, BYE, RELEASE), until the peer says BYE or leaves, `stopping` is
+/// set, or the connection breaks. Used by the listener's threads and by a link's reverse
+/// channel (where the roles swap). Returns when done; the caller closes the connection.
+void ServeRequests(Registry *registry, Conn &c, const std::atomic<bool> &stopping);
+
+/// A client's reverse channel to us (HELLO with FEATURE_REVERSE): handed over after the
+/// handshake, to become our end of that client's link.
+using ReverseHandler = std::function<void(uint64_t cluster_id, std::unique_ptr<Conn> conn)>;
+
 class Server {
  public:
-  Server(Registry *registry, Identity *identity) : registry_(registry), identity_(identity) {}
+  Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr)
+      : registry_(registry), identity_(identity), on_reverse_(std::move(on_reverse)) {}
   ~Server() { Stop(); }
   /// Binds host:port (port 0 picks one) and starts accepting. LLM_LINK_FAILED if it cannot bind.
   /// At most `max_conns` connections are served at once, `max_per_peer` from one IP address;
@@ -44,13 +56,14 @@ class Server {
   };
   void AcceptLoop();
   void Serve(Worker *w);
-  /// HELLO -> WELCOME (and the secret's challenge and response); false: the peer was refused.
-  bool Handshake(Conn &c);
-  bool Dispatch(Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload);
+  enum class Greeted { kRefused, kControl, kReverse };
+  /// HELLO -> WELCOME (and the secret's challenge and response).
+  Greeted Handshake(Conn &c, uint64_t &peer_cluster);
   void ReapLocked(bool all);
 
   Registry *registry_;
   Identity *identity_;
+  ReverseHandler on_reverse_;
   int listen_fd_ = -1;
   uint16_t port_ = 0;
   size_t max_conns_ = 256, max_per_peer_ = 32;

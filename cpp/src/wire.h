@@ -38,6 +38,8 @@ enum MsgType : uint8_t {
 enum KeyKind : uint8_t { kCacheKey = 1, kCacheId = 2, kBlocksKey = 3, kAddress = 4 };
 
 constexpr uint32_t kFlagGrant = 1, kFlagShm = 2, kFlagChecksum = 4;
+// HELLO / WELCOME features (bit 0, FEATURE_AUTH, is in auth.h; bit 1, FEATURE_LOCAL, we never set)
+constexpr uint32_t kFeatureReverse = 4;  // WELCOME: reverse channels accepted; HELLO: this is one
 
 struct Header {
   uint8_t type = 0;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -195,6 +196,7 @@ class SilentPeer {
       if (c < 0) return;
       uint8_t buf[256];
       ssize_t n = recv(c, buf, sizeof(buf), 0);
+      hello_at = std::chrono::steady_clock::now().time_since_epoch().count();
       if (welcome && n >= 12) {
         datadist::wire::Hello w;
         w.cluster_id = cluster_id;
@@ -213,6 +215,7 @@ class SilentPeer {
     close(fd_);
   }
   uint16_t port = 0;
+  std::atomic<int64_t> hello_at{0};  // when the HELLO arrived (steady clock ticks)
 
  private:
   int fd_;
@@ -258,11 +261,14 @@ TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
   ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
   SilentPeer silent_a(2, false), silent_b(4, false);
   std::vector<Status> rets;
-  auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, silent_a.port), ddtest::Cluster(3, port),
                                 ddtest::Cluster(4, silent_b.port)}, rets, 1500),
             LLM_LINK_FAILED);
-  EXPECT_LT(Seconds(t0), 2.9);  // in parallel: not 2 x 1.5 s
+  // In parallel: both silent peers got their HELLO at once, not one timeout (1.5 s) apart.
+  auto apart = std::chrono::steady_clock::duration(std::abs(silent_a.hello_at.load() - silent_b.hello_at.load()));
+  EXPECT_GT(silent_a.hello_at.load(), 0);
+  EXPECT_GT(silent_b.hello_at.load(), 0);
+  EXPECT_LT(std::chrono::duration<double>(apart).count(), 1.0);
   ASSERT_EQ(rets.size(), 3U);
   EXPECT_EQ(rets[0], LLM_LINK_FAILED);
   EXPECT_EQ(rets[1], LLM_SUCCESS);
@@ -303,6 +309,47 @@ TEST(Auth, SharedSecretLinksAndAWrongOneDoesNot) {
   ASSERT_EQ(client.PullKvCache(Index(1, 1, 3), dst.cache, 0), LLM_SUCCESS);
   EXPECT_EQ(std::memcmp(dst.T(1), src.T(1) + 48, 16), 0);
   client.Finalize();
+}
+
+TEST(Reverse, ANonListeningDecoderIsPushedToOverItsOwnLink) {
+  uint16_t port = ddtest::FreePort();
+  HostCache src(4, {4, 16}), dst(4, {4, 16}), back(4, {4, 16});
+  LlmDataDist p(kPrompt, LlmRole::kPrompt), d(kDecoder, LlmRole::kDecoder);
+  ASSERT_EQ(p.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  ASSERT_EQ(d.Initialize(ddtest::Options()), LLM_SUCCESS);  // never listens
+  ASSERT_EQ(src.Register(p), LLM_SUCCESS);
+  ASSERT_EQ(back.Register(p), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(d), LLM_SUCCESS);
+  src.Fill(5);
+  std::vector<Status> rets;
+  EXPECT_EQ(p.PushKvCache(src.cache, Index(kDecoder, 1)), LLM_NOT_YET_LINK);
+  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000), LLM_SUCCESS);
+  // the prompt pushes to the decoder's cluster id over the decoder's link
+  ASSERT_EQ(p.PushKvBlocks(src.cache, Index(kDecoder, 1), {0, 3}, {2, 1}), LLM_SUCCESS);
+  ASSERT_EQ(p.PushKvCache(src.cache, Index(kDecoder, 1, 0), 2), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_EQ(std::memcmp(dst.T(t), src.T(t) + 32, 16), 0);
+    EXPECT_EQ(std::memcmp(dst.T(t) + 16, src.T(t) + 48, 16), 0);
+    EXPECT_EQ(std::memcmp(dst.T(t) + 32, src.T(t), 16), 0);
+    for (int i = 48; i < 64; ++i) ASSERT_EQ(dst.T(t)[i], 0);
+  }
+  // and pulls from it; the decoder's owner checks apply
+  ASSERT_EQ(p.PullKvCache(Index(kDecoder, 1, 1), back.cache, 3), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(back.T(2) + 48, src.T(2) + 48, 16), 0);
+  EXPECT_EQ(p.PushKvBlocks(src.cache, Index(kDecoder, 1), {0}, {4}), LLM_PARAM_INVALID);
+  EXPECT_EQ(p.PushKvBlocks(src.cache, Index(kDecoder, 7), {0}, {0}), LLM_KV_CACHE_NOT_EXIST);
+  // the decoder unlinks: the prompt's end fails until it links again
+  ASSERT_EQ(d.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000), LLM_SUCCESS);
+  EXPECT_EQ(p.PushKvCache(src.cache, Index(kDecoder, 1)), LLM_LINK_FAILED);
+  ASSERT_EQ(d.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000), LLM_SUCCESS);
+  EXPECT_EQ(p.PushKvCache(src.cache, Index(kDecoder, 1, 3), 3), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(dst.T(0) + 48, src.T(0) + 48, 16), 0);
+  // the prompt unlinks its end (BYE on the reverse channel)
+  ASSERT_EQ(p.UnlinkLlmClusters({ddtest::Cluster(kDecoder, 1)}, rets, 5000), LLM_SUCCESS);
+  EXPECT_EQ(p.PushKvCache(src.cache, Index(kDecoder, 1)), LLM_NOT_YET_LINK);
+  EXPECT_EQ(d.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_SUCCESS);  // the decoder's own end stays
+  d.Finalize();
+  p.Finalize();
 }
 
 TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
@@ -491,7 +538,7 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   EXPECT_EQ(welcome.cluster_id, 9U);
   EXPECT_EQ(welcome.pid_ns, 0U);  // no same-host identity: Python peers use TCP toward us
   EXPECT_EQ(welcome.boot_id, (std::array<uint8_t, 16>{}));
-  EXPECT_EQ(welcome.features, 0U);
+  EXPECT_EQ(welcome.features, w::kFeatureReverse);  // reverse channels accepted; no local channel
   auto ask = [&](uint8_t type, w::Request q, uint32_t rid) {
     r.Send(w::EncodeRequest(type, q, rid));
     return r.Recv();
