@@ -54,3 +54,21 @@ def test_python_client_and_cpp_owner_with_a_secret(xpeer, py_secret):
         assert arrays[0][0].tobytes() == data[16:32]
     finally:
         py.finalize()
+
+
+def test_reverse_channel_with_a_secret(xpeer):
+    """The reverse channel proves the secret too: a Python prompt with a secret pushes to a
+    C++ decoder (same secret) that never listens."""
+    py = make_python(llm.LLMRole.PROMPT, listen=True, secret="k3-secret")
+    try:
+        src, arrays = register(py, 1, (4, 16))
+        arrays[0].reshape(-1)[:] = list(pattern(11, 64))
+        cpp = xpeer()
+        cpp.init(CPP_ID, 2, secret="k3-secret")
+        dst = cpp.register(1, (4, 16))
+        cpp.ok(f"link {PY_ID} 127.0.0.1 {py.listen_address[1]} 3000")
+        py.cache_manager.push_cache(llm.CacheKeyByIdAndIndex(CPP_ID, dst, 2), src,
+                                    src_batch_index=3)
+        assert cpp.read(dst, 0)[32:48] == arrays[0][3].tobytes()
+    finally:
+        py.finalize()
