@@ -115,7 +115,7 @@ class LlmDataDist::LlmDataDistImpl {
     // datadist extras (as the Python package): connection caps, and a shared secret every
     // linked peer must prove.
     max_conns_ = CountOption(options, "datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", 256);
-    max_per_peer_ = CountOption(options, "datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", 32);
+    max_per_peer_ = CountOption(options, "datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", 64);
     const char *secret = Find(options, kOptionAuthSecret);
     if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
     ident_.secret = secret ? secret : "";
@@ -401,6 +401,8 @@ class LlmDataDist::LlmDataDistImpl {
     {
       std::lock_guard<std::mutex> lock(rev_mu_);
       if (rev_closed_) return;
+      // bounded like connections: a peer cannot hold sockets open without limit this way
+      if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_) return;
       old = std::move(reverse_links_[cluster_id]);
       reverse_links_[cluster_id] = link;
     }
@@ -451,7 +453,7 @@ class LlmDataDist::LlmDataDistImpl {
   State state_ = kNew;
   datadist::Identity ident_;
   double sync_timeout_s_ = 1.0;
-  size_t max_conns_ = 256, max_per_peer_ = 32;
+  size_t max_conns_ = 256, max_per_peer_ = 64;
   datadist::Registry registry_;
   std::unique_ptr<datadist::Server> server_;
   std::map<uint64_t, std::shared_ptr<datadist::Link>> links_;

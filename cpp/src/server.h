@@ -43,7 +43,7 @@ class Server {
   /// Binds host:port (port 0 picks one) and starts accepting. LLM_LINK_FAILED if it cannot bind.
   /// At most `max_conns` connections are served at once, `max_per_peer` from one IP address;
   /// one over either cap is closed at once (the peer's link fails).
-  void Start(const std::string &host, uint16_t port, size_t max_conns = 256, size_t max_per_peer = 32);
+  void Start(const std::string &host, uint16_t port, size_t max_conns = 256, size_t max_per_peer = 64);
   void Stop();
   uint16_t port() const { return port_; }
 
@@ -66,7 +66,7 @@ class Server {
   ReverseHandler on_reverse_;
   int listen_fd_ = -1;
   uint16_t port_ = 0;
-  size_t max_conns_ = 256, max_per_peer_ = 32;
+  size_t max_conns_ = 256, max_per_peer_ = 64;
   std::atomic<bool> stopping_{false};
   std::thread accept_thread_;
   std::mutex mu_;
