@@ -1,0 +1,36 @@
+// Internal errors: every failure inside the library is an Error carrying its status code; the
+// facade (llm_datadist.cc) turns it into the returned Status in one place.
+#ifndef DATADIST_CPP_ERRORS_H_
+#define DATADIST_CPP_ERRORS_H_
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "llm_datadist/llm_datadist.h"
+
+namespace datadist {
+
+using llm_datadist::Status;
+
+class Error : public std::runtime_error {
+ public:
+  Error(Status code, const std::string &msg) : std::runtime_error(msg), code_(code) {}
+  Status code() const { return code_; }
+
+ private:
+  Status code_;
+};
+
+// Codes the header does not name but the wire may carry (Python's LLMStatusCode).
+constexpr Status kEngineFinalized = 0x5010B006U;
+constexpr Status kSuspectRemoteError = 507057U;
+
+[[noreturn]] inline void Fail(Status code, const std::string &msg) { throw Error(code, msg); }
+[[noreturn]] inline void Invalid(const std::string &msg) { throw Error(llm_datadist::LLM_PARAM_INVALID, msg); }
+/// The peer broke the protocol: the caller closes the connection.
+[[noreturn]] inline void ProtocolViolation(const std::string &msg) { throw Error(kSuspectRemoteError, msg); }
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_ERRORS_H_

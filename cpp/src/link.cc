@@ -1,0 +1,239 @@
+#include "link.h"
+
+#include "auth.h"
+#include "errors.h"
+#include "server.h"
+
+namespace datadist {
+namespace {
+
+// An ERROR frame's code as a Status: codes travel as i64; -1 (UNKNOWN_ERROR) and anything
+// outside 32 bits become LLM_FAILED.
+Status CodeOf(int64_t code) {
+  if (code < 0 || code > 0xFFFFFFFFLL) return llm_datadist::LLM_FAILED;
+  return static_cast<Status>(code);
+}
+
+uint64_t IovBytes(const std::vector<iovec> &iov) {
+  uint64_t n = 0;
+  for (const iovec &v : iov) n += v.iov_len;
+  return n;
+}
+
+}  // namespace
+
+namespace {
+
+// The answer to request `rid` on `c`; an ERROR raises its code. A broken stream closes `c`.
+wire::Header AnswerOn(Conn &c, uint32_t rid, std::vector<uint8_t> &payload, Deadline deadline) {
+  wire::Header h;
+  try {
+    h = c.RecvFrame(payload, deadline);
+    if (h.request_id != rid) ProtocolViolation("answer to request " + std::to_string(h.request_id) + ", expected " + std::to_string(rid));
+    if (h.type == wire::kError) {
+      wire::ErrorMsg e = wire::DecodeError(payload);
+      Fail(CodeOf(e.code), "peer: " + e.message);
+    }
+  } catch (const Error &e) {
+    if (e.code() == kSuspectRemoteError) c.Close();  // the stream cannot be trusted any more
+    throw;
+  }
+  return h;
+}
+
+wire::Header CallOn(Conn &c, uint32_t rid, const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload,
+                    Deadline deadline) {
+  c.SendFrame(frame, deadline);
+  return AnswerOn(c, rid, payload, deadline);
+}
+
+}  // namespace
+
+std::unique_ptr<Link::Busy> Link::Acquire(Deadline deadline, bool timeout_if_late) {
+  if (timeout_if_late && Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!idle_.wait_until(lock, deadline, [this] { return !busy_; }))
+    Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " stayed busy until the deadline");
+  busy_ = true;
+  return std::make_unique<Busy>(this);
+}
+
+bool Link::TryAcquire() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (busy_) return false;
+  busy_ = true;
+  return true;
+}
+
+void Link::Release() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
+  }
+  idle_.notify_one();
+}
+
+void Link::Open(Deadline deadline) {
+  auto guard = Acquire(deadline);
+  try {
+    Connect(deadline);
+    if (registry_ && peer_reverse_) {
+      // The listener may use the link too: our reverse channel, opened before the link is
+      // reported up, served by its own thread (docs/protocol.md, Reverse channels).
+      uint32_t rid = 0, features = 0;
+      rev_conn_ = Greet(true, deadline, rid, features);
+      rev_thread_ = std::thread([this] {
+        ServeRequests(registry_, *rev_conn_, rev_stop_);
+        rev_conn_->Close();
+      });
+    }
+  } catch (const Error &e) {
+    conn_.reset();
+    if (e.code() == kSuspectRemoteError || e.code() == llm_datadist::LLM_FAILED)
+      Fail(llm_datadist::LLM_LINK_FAILED, e.what());
+    throw;
+  }
+}
+
+void Link::Connect(Deadline deadline) {
+  conn_.reset();
+  uint32_t features = 0;
+  conn_ = Greet(false, deadline, rid_, features);
+  peer_reverse_ = features & wire::kFeatureReverse;
+}
+
+std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid, uint32_t &features) {
+  auto conn = Conn::Connect(host_, port_, deadline);
+  uint32_t r = 0;
+  wire::Hello hello = hello_;
+  hello.features = reverse ? wire::kFeatureReverse : 0;
+  if (!secret_.empty()) {
+    hello.features |= auth::kFeatureAuth;
+    hello.proof = auth::Nonce();
+  }
+  std::vector<uint8_t> payload;
+  ++r;
+  wire::Header h = CallOn(*conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
+  if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
+  wire::Hello welcome = wire::DecodeHello(payload);
+  const std::string who = "the peer at " + host_ + ":" + std::to_string(port_);
+  if (welcome.cluster_id != remote_)
+    Fail(llm_datadist::LLM_LINK_FAILED,
+         who + " is cluster " + std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
+  const bool required = welcome.features & auth::kFeatureAuth;
+  if (required && secret_.empty())
+    Fail(llm_datadist::LLM_LINK_FAILED, who + " requires a shared secret (datadist.AuthSecret / DATADIST_AUTH_SECRET)");
+  if (!secret_.empty()) {
+    // The server must prove the secret before we prove it: a peer without it learns nothing.
+    if (!required || welcome.proof.size() != auth::kNonceBytes + auth::kMacBytes)
+      Fail(llm_datadist::LLM_LINK_FAILED, who + " did not prove the shared secret");
+    std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
+    std::string want = auth::ServerProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id);
+    if (!auth::Same(want, welcome.proof)) Fail(llm_datadist::LLM_LINK_FAILED, who + " failed to prove the shared secret");
+    ++r;
+    h = CallOn(*conn, r, wire::EncodeAuth(auth::ClientProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id), r),
+               payload, deadline);
+    if (h.type != wire::kOk) ProtocolViolation("expected OK after AUTH");
+  }
+  rid = r;
+  features = welcome.features;
+  return conn;
+}
+
+Link::~Link() { StopReverse(); }
+
+void Link::StopReverse() {
+  rev_stop_ = true;
+  if (rev_conn_) rev_conn_->Shutdown();
+  if (rev_thread_.joinable()) rev_thread_.join();
+  rev_conn_.reset();
+}
+
+
+wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {
+  return AnswerOn(*conn_, rid_, payload, deadline);
+}
+
+wire::Header Link::Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline) {
+  conn_->SendFrame(frame, deadline);
+  return Answer(payload, deadline);
+}
+
+void Link::Prepare(Deadline deadline) {
+  if (closing_) Fail(llm_datadist::LLM_NOT_YET_LINK, "link to cluster " + std::to_string(remote_) + " was unlinked");
+  if (conn_ && !conn_->closed() && !conn_->PeerGone()) return;
+  if (reverse_end_) {
+    conn_.reset();
+    Fail(llm_datadist::LLM_LINK_FAILED,
+         "the reverse channel of cluster " + std::to_string(remote_) + " closed; it must link again");
+  }
+  try {
+    Connect(deadline);
+  } catch (const Error &e) {
+    // as Python: a link that cannot be reopened is a broken link
+    if (e.code() == llm_datadist::LLM_TIMEOUT) throw;
+    Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " is down: " + e.what());
+  }
+}
+
+void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  auto guard = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  wire::Header h = Call(wire::EncodeRequest(wire::kRead, req, ++rid_), payload, deadline);
+  if (h.type != wire::kReadData) {
+    conn_->Close();
+    ProtocolViolation("expected READ_DATA");
+  }
+  uint64_t n = wire::DecodeU64(payload);
+  if (n != IovBytes(local)) {
+    conn_->Close();
+    ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(IovBytes(local)) + " were asked for");
+  }
+  conn_->RecvV(local, deadline);
+}
+
+void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  auto guard = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  wire::Header h = Call(wire::EncodeRequest(wire::kWrite, req, ++rid_), payload, deadline);
+  if (h.type != wire::kOk) {
+    conn_->Close();
+    ProtocolViolation("expected OK");
+  }
+  conn_->SendV(local, deadline);
+  h = Answer(payload, deadline);
+  if (h.type != wire::kOk) {
+    conn_->Close();
+    ProtocolViolation("expected OK after the pushed bytes");
+  }
+}
+
+void Link::Close(Deadline deadline, bool force) {
+  if (force) {
+    // A transfer in flight keeps the link object alive and ends by its own deadline; the
+    // connection closes when the last holder lets go of the link.
+    if (TryAcquire()) {
+      Busy guard(this);
+      closing_ = true;
+      conn_.reset();
+    }
+    StopReverse();
+    return;
+  }
+  auto guard = Acquire(deadline, false);
+  closing_ = true;
+  if (conn_ && !conn_->closed()) {
+    try {
+      std::vector<uint8_t> payload;
+      Call(wire::EncodeEmpty(wire::kBye, ++rid_), payload, deadline);
+    } catch (const Error &) {
+      // the peer is not told; we close anyway
+    }
+  }
+  conn_.reset();
+  StopReverse();
+}
+
+}  // namespace datadist

@@ -1,0 +1,99 @@
+// Links: our client connections to remote clusters (LinkLlmClusters). One control connection
+// per link, opened with HELLO / WELCOME; transfers on a link are serialised by its mutex and
+// each carries a deadline. A connection a timeout or a dead peer broke is reopened, with a
+// fresh handshake, on the next transfer.
+#ifndef DATADIST_CPP_LINK_H_
+#define DATADIST_CPP_LINK_H_
+
+#include <sys/uio.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <atomic>
+#include <vector>
+
+#include "net.h"
+#include "registry.h"
+#include "wire.h"
+
+namespace datadist {
+
+class Link {
+ public:
+  /// Our link to a listener. `secret`: the shared secret to prove, and to require the peer to
+  /// prove (empty: none). `registry`: our caches, served to the peer on the link's reverse
+  /// channel when the peer accepts one (null: no reverse channel).
+  Link(uint64_t remote_cluster_id, std::string host, uint16_t port, wire::Hello hello, std::string secret,
+       Registry *registry)
+      : remote_(remote_cluster_id), host_(std::move(host)), port_(port), hello_(std::move(hello)),
+        secret_(std::move(secret)), registry_(registry) {}
+  /// Our end of a client's link: the reverse channel it opened to our listener (handshake
+  /// done). It cannot be reopened from here: once it closes, transfers fail LLM_LINK_FAILED.
+  Link(uint64_t remote_cluster_id, std::unique_ptr<Conn> reverse_conn)
+      : remote_(remote_cluster_id), conn_(std::move(reverse_conn)), reverse_end_(true) {}
+  ~Link();
+
+  /// Connects and shakes hands within the deadline. LLM_LINK_FAILED / LLM_TIMEOUT.
+  void Open(Deadline deadline);
+  /// Pull: READ answered by READ_DATA and exactly the bytes `local` names.
+  void Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  /// Push: WRITE, go-ahead OK, the bytes, confirming OK.
+  void Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  /// Tells the peer we leave (BYE), waiting for a transfer in flight up to the deadline:
+  /// LLM_LINK_BUSY if it does not finish. With force, closes at once.
+  void Close(Deadline deadline, bool force);
+  uint64_t remote_cluster_id() const { return remote_; }
+
+ private:
+  void Prepare(Deadline deadline);  // busy held: reconnect a broken connection
+  void Connect(Deadline deadline);  // busy held: a fresh connection and handshake
+  /// A new connection with its handshake done (`reverse`: as our reverse channel). Sets
+  /// `rid` to the last request id used and `features` to the WELCOME's.
+  std::unique_ptr<Conn> Greet(bool reverse, Deadline deadline, uint32_t &rid, uint32_t &features);
+  void StopReverse();
+  wire::Header Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline);
+  wire::Header Answer(std::vector<uint8_t> &payload, Deadline deadline);
+  /// Held for one transfer; released by the guard's destructor.
+  class Busy {
+   public:
+    explicit Busy(Link *link) : link_(link) {}
+    ~Busy() { link_->Release(); }
+    Busy(const Busy &) = delete;
+    Busy &operator=(const Busy &) = delete;
+
+   private:
+    Link *link_;
+  };
+  /// Takes the link for one transfer by the deadline, else LLM_LINK_BUSY (as Python). A
+  /// mutex and a flag rather than a timed mutex: ThreadSanitizer sees through these.
+  std::unique_ptr<Busy> Acquire(Deadline deadline, bool timeout_if_late = true);
+  bool TryAcquire();
+  void Release();
+
+  uint64_t remote_;
+  std::string host_;
+  uint16_t port_;
+  wire::Hello hello_;
+  std::string secret_;
+  Registry *registry_ = nullptr;
+  std::mutex mu_;  // guards busy_ only
+  std::condition_variable idle_;
+  bool busy_ = false;  // a transfer (or open / close) holds the fields below
+  std::unique_ptr<Conn> conn_;
+  uint32_t rid_ = 0;
+  bool closing_ = false;
+  bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect
+  bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
+  // Our reverse channel (client links): served by its own thread until unlink / finalize.
+  std::unique_ptr<Conn> rev_conn_;
+  std::thread rev_thread_;
+  std::atomic<bool> rev_stop_{false};
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_LINK_H_

@@ -1,0 +1,543 @@
+// The facade: LlmDataDist's entry points. Checks arguments, builds plans, and turns every
+// internal Error into the returned Status in one place (Guard). Never throws.
+#include "llm_datadist/llm_datadist.h"
+
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+
+#include "errors.h"
+#include "link.h"
+#include "plan.h"
+#include "registry.h"
+#include "server.h"
+
+namespace llm_datadist {
+
+using datadist::Deadline;
+using datadist::Error;
+using datadist::Fail;
+using datadist::Invalid;
+
+namespace {
+
+constexpr double kUnregisterWait = 30.0;  // s UnregisterKvCache waits for transfers in flight
+constexpr double kFinalizeWait = 5.0;     // s Finalize waits for them
+constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's option key too
+
+bool LogEnabled() {
+  static const bool on = std::getenv("DATADIST_CPP_LOG") != nullptr;
+  return on;
+}
+
+template <typename F>
+Status Guard(const char *func, F &&fn) {
+  try {
+    fn();
+    return LLM_SUCCESS;
+  } catch (const Error &e) {
+    if (LogEnabled()) std::fprintf(stderr, "[datadist] %s failed (%u): %s\n", func, e.code(), e.what());
+    return e.code();
+  } catch (const std::bad_alloc &) {
+    return LLM_OUT_OF_MEMORY;
+  } catch (const std::exception &e) {
+    if (LogEnabled()) std::fprintf(stderr, "[datadist] %s failed: %s\n", func, e.what());
+    return LLM_FAILED;
+  }
+}
+
+// "ip:port", strictly.
+void ParseHostPort(const std::string &text, std::string &host, uint16_t &port) {
+  size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 >= text.size()) Invalid("expected 'ip:port', got '" + text + "'");
+  std::string p = text.substr(colon + 1);
+  if (p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos || std::stoul(p) > 65535)
+    Invalid("expected 'ip:port', got '" + text + "'");
+  host = text.substr(0, colon);
+  port = static_cast<uint16_t>(std::stoul(p));
+}
+
+const char *Find(const std::map<AscendString, AscendString> &options, const char *key) {
+  auto it = options.find(AscendString(key));
+  return it == options.end() ? nullptr : it->second.GetString();
+}
+
+// A positive count from the option, else the environment variable, else the default.
+size_t CountOption(const std::map<AscendString, AscendString> &options, const char *key, const char *env,
+                   size_t fallback) {
+  const char *v = Find(options, key);
+  if (v == nullptr || !*v) v = std::getenv(env);
+  if (v == nullptr || !*v) return fallback;
+  std::string s = v;
+  if (s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos || std::stoul(s) == 0)
+    Invalid(std::string(key) + " must be a positive integer, got '" + s + "'");
+  return std::stoul(s);
+}
+
+void CheckRole(LlmRole role) {
+  if (role != LlmRole::kPrompt && role != LlmRole::kDecoder && role != LlmRole::kMix)
+    Invalid("role must be kPrompt, kDecoder or kMix");
+}
+
+}  // namespace
+
+class LlmDataDist::LlmDataDistImpl {
+ public:
+  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) {
+    ident_.cluster_id = cluster_id;
+    ident_.role = static_cast<int32_t>(role);
+  }
+
+  void Initialize(const std::map<AscendString, AscendString> &options) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ == kUp) return;  // as CANN: already initialized is a success
+    CheckRole(static_cast<LlmRole>(ident_.role.load()));
+    if (const char *v = Find(options, OPTION_SYNC_CACHE_WAIT_TIME)) {
+      std::string s = v;
+      if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos || std::stol(s) <= 0)
+        Invalid(std::string(OPTION_SYNC_CACHE_WAIT_TIME) + " must be a positive number of ms, got '" + s + "'");
+      sync_timeout_s_ = std::stol(s) / 1000.0;
+    }
+    if (const char *v = Find(options, OPTION_TRANSFER_BACKEND)) {
+      std::string s = v;
+      if (!s.empty() && s != "hixl" && s != "tcp")
+        Invalid(std::string(OPTION_TRANSFER_BACKEND) + " must be 'hixl' (accepted; datadist moves bytes over TCP)");
+    }
+    // datadist extras (as the Python package): connection caps, and a shared secret every
+    // linked peer must prove.
+    max_conns_ = CountOption(options, "datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", 256);
+    max_per_peer_ = CountOption(options, "datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", 64);
+    const char *secret = Find(options, kOptionAuthSecret);
+    if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
+    ident_.secret = secret ? secret : "";
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      rev_closed_ = false;
+    }
+    if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
+    state_ = kUp;
+  }
+
+  void Finalize() {
+    std::multimap<uint64_t, std::shared_ptr<datadist::Link>> links;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (state_ != kUp) {
+        state_ = kDown;
+        return;
+      }
+      state_ = kDown;
+      links.insert(links_.begin(), links_.end());
+      links_.clear();
+    }
+    if (server_) server_->Stop();  // no new reverse channels after this
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      rev_closed_ = true;
+      for (auto &kv : reverse_links_) links.emplace(kv.first, kv.second);
+      reverse_links_.clear();
+    }
+    for (auto &kv : links) kv.second->Close(Deadline(), true);
+    registry_.Clear(kFinalizeWait);
+  }
+
+  void SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
+    std::lock_guard<std::mutex> lock(mu_);
+    CheckUp();
+    CheckRole(role);
+    if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) {
+      StartListening(v);
+    } else if (role == LlmRole::kDecoder && server_) {
+      server_->Stop();
+      server_.reset();
+    }
+    ident_.role = static_cast<int32_t>(role);
+  }
+
+  Status Link(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms) {
+    CheckArgs(clusters, timeout_ms);
+    for (const auto &c : clusters)
+      if (c.remote_ip_infos.empty()) Invalid("cluster " + std::to_string(c.remote_cluster_id) + " has no remote ip info");
+    // In parallel, each bounded by the timeout (as Python): one dead peer does not hold up the rest.
+    rets.assign(clusters.size(), LLM_SUCCESS);
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < clusters.size(); ++i)
+      threads.emplace_back([&, i] { rets[i] = Guard("LinkLlmClusters", [&] { LinkOne(clusters[i], timeout_ms); }); });
+    for (auto &t : threads) t.join();
+    return Overall(rets);
+  }
+
+  Status Unlink(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms, bool force) {
+    CheckArgs(clusters, timeout_ms);
+    rets.assign(clusters.size(), LLM_SUCCESS);
+    for (size_t i = 0; i < clusters.size(); ++i) {
+      rets[i] = Guard("UnlinkLlmClusters", [&] {
+        uint64_t id = clusters[i].remote_cluster_id;
+        std::shared_ptr<datadist::Link> link = GetLink(id);
+        link->Close(datadist::After(timeout_ms / 1000.0), force);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = links_.find(id);
+          if (it != links_.end() && it->second == link) links_.erase(it);
+        }
+        std::lock_guard<std::mutex> lock(rev_mu_);
+        auto it = reverse_links_.find(id);
+        if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
+      });
+    }
+    return Overall(rets);
+  }
+
+  void Register(const CacheDesc &desc, const std::vector<uint64_t> &addrs, int64_t &cache_id) {
+    CheckUpLocked();
+    cache_id = registry_.Add(desc, addrs, {});
+  }
+
+  void Unregister(int64_t cache_id) {
+    CheckUpLocked();
+    registry_.Remove(cache_id, false, kUnregisterWait);
+  }
+
+  void Allocate(const CacheDesc &desc, Cache &cache) {
+    CheckUpLocked();
+    datadist::Geometry g = datadist::GeometryOf(desc);
+    std::vector<std::unique_ptr<uint8_t[]>> mem;
+    std::vector<uint64_t> addrs;
+    for (uint32_t i = 0; i < g.num_tensors; ++i) {
+      uint8_t *p = new (std::nothrow) uint8_t[g.tensor_bytes]();
+      if (p == nullptr)
+        Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY,
+             "cannot allocate " + std::to_string(g.tensor_bytes) + " bytes");
+      mem.emplace_back(p);
+      addrs.push_back(reinterpret_cast<uint64_t>(p));
+    }
+    int64_t id = registry_.Add(desc, addrs, std::move(mem));
+    cache.cache_id = id;
+    cache.cache_desc = desc;
+    cache.tensor_addrs.assign(addrs.begin(), addrs.end());
+  }
+
+  void Deallocate(int64_t cache_id) {
+    CheckUpLocked();
+    registry_.Remove(cache_id, true, kUnregisterWait);
+  }
+
+  void PullCache(const CacheIndex &src, const Cache &dst, uint32_t batch_index, int64_t size, const KvCacheExtParam &ext) {
+    CheckUpLocked();
+    CheckRemote(src);
+    if (size != -1 && size <= 0) Invalid("size must be -1 or > 0");
+    auto lease = registry_.Hold(dst.cache_id);
+    const datadist::Geometry &g = lease->entry().geo;
+    datadist::Plan plan;
+    datadist::PairTensors(plan, g.num_tensors, ext, false);
+    datadist::PlanSlot(plan, g, batch_index, size);
+    auto req = Request(plan, static_cast<uint64_t>(src.cache_id), src.batch_index, g.layout & ~0xFFFFFFFFULL);
+    GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+  }
+
+  void PullBlocks(const CacheIndex &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
+                  const std::vector<uint64_t> &dst_blocks, const KvCacheExtParam &ext) {
+    CheckUpLocked();
+    CheckRemote(src);
+    if (src.batch_index != 0) Invalid("src_cache_index.batch_index must be 0 for PullKvBlocks");
+    if (dst_blocks.empty()) {
+      if (src_blocks.empty()) Invalid("src_blocks and dst_blocks are both empty");
+      Fail(LLM_FEATURE_NOT_ENABLED, "pulling blocks into a contiguous cache (empty dst_blocks) is not supported");
+    }
+    auto lease = registry_.Hold(dst.cache_id);
+    const datadist::Geometry &g = lease->entry().geo;
+    datadist::Plan plan;
+    datadist::PairTensors(plan, g.num_tensors, ext, false);
+    // Empty src_blocks: the remote slot 0 split into blocks (as Python's pull_blocks from a
+    // CacheKeyByIdAndIndex). Otherwise absolute blocks, named as slot 0 of the cache.
+    std::vector<uint64_t> remote = src_blocks;
+    if (src_blocks.empty())
+      for (uint64_t i = 0; i < dst_blocks.size(); ++i) remote.push_back(i);
+    datadist::PlanBlocks(plan, g, remote, dst_blocks);
+    auto req = Request(plan, static_cast<uint64_t>(src.cache_id), 0, g.layout);
+    GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+  }
+
+  void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size, const KvCacheExtParam &ext) {
+    CheckUpLocked();
+    CheckRemote(dst);
+    if (size != -1) Invalid("PushKvCache supports size -1 only (as CANN)");
+    auto lease = registry_.Hold(src.cache_id);
+    const datadist::Geometry &g = lease->entry().geo;
+    datadist::Plan plan;
+    datadist::PairTensors(plan, g.num_tensors, ext, true);
+    datadist::PlanSlot(plan, g, src_batch_index, size);
+    auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), dst.batch_index, g.layout & ~0xFFFFFFFFULL);
+    GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+  }
+
+  void PushBlocks(const Cache &src, const CacheIndex &dst, const std::vector<uint64_t> &src_blocks,
+                  const std::vector<uint64_t> &dst_blocks, const KvCacheExtParam &ext) {
+    CheckUpLocked();
+    CheckRemote(dst);
+    if (src_blocks.empty()) Invalid("src_blocks must not be empty");
+    if (dst.batch_index != 0) Invalid("dst_cache_index.batch_index must be 0 for PushKvBlocks");
+    auto lease = registry_.Hold(src.cache_id);
+    const datadist::Geometry &g = lease->entry().geo;
+    datadist::Plan plan;
+    datadist::PairTensors(plan, g.num_tensors, ext, true);
+    datadist::PlanBlocks(plan, g, dst_blocks, src_blocks);
+    auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), 0, g.layout);
+    GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+  }
+
+  void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset, int64_t size) {
+    CheckUpLocked();
+    auto s = registry_.Hold(src.cache_id);
+    auto d = registry_.Hold(dst.cache_id);
+    const datadist::Geometry &sg = s->entry().geo, &dg = d->entry().geo;
+    if (sg.num_tensors != dg.num_tensors) Invalid("source and destination differ in num_tensors");
+    if (src_batch >= sg.units || dst_batch >= dg.units) Invalid("batch index out of range");
+    if (offset >= sg.unit_bytes) Invalid("offset out of range");
+    if (size == -1) size = static_cast<int64_t>(sg.unit_bytes - offset);
+    if (size <= 0 || static_cast<uint64_t>(size) > sg.unit_bytes - offset || static_cast<uint64_t>(size) > dg.unit_bytes ||
+        offset > dg.unit_bytes - static_cast<uint64_t>(size))
+      Invalid("size " + std::to_string(size) + " does not fit the slots after offset " + std::to_string(offset));
+    for (uint32_t t = 0; t < sg.num_tensors; ++t)
+      std::memmove(reinterpret_cast<void *>(d->entry().addrs[t] + dst_batch * dg.unit_bytes + offset),
+                   reinterpret_cast<const void *>(s->entry().addrs[t] + src_batch * sg.unit_bytes + offset),
+                   static_cast<size_t>(size));
+  }
+
+  void CopyBlocks(const Cache &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
+                  const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
+    CheckUpLocked();
+    auto s = registry_.Hold(src.cache_id);
+    auto d = registry_.Hold(dst.cache_id);
+    const datadist::Geometry &sg = s->entry().geo, &dg = d->entry().geo;
+    if (sg.num_tensors != dg.num_tensors || sg.unit_bytes != dg.unit_bytes)
+      Invalid("source and destination differ in num_tensors or block size");
+    if (src_blocks.empty() || dst_blocks_list.empty()) Invalid("block lists must not be empty");
+    for (uint64_t b : src_blocks)
+      if (b >= sg.units) Invalid("source block " + std::to_string(b) + " out of range");
+    for (const auto &list : dst_blocks_list) {
+      if (list.size() != src_blocks.size()) Invalid("every destination block list must match src_blocks in length");
+      for (uint64_t b : list)
+        if (b >= dg.units) Invalid("destination block " + std::to_string(b) + " out of range");
+    }
+    for (const auto &list : dst_blocks_list)
+      for (uint32_t t = 0; t < sg.num_tensors; ++t)
+        for (size_t i = 0; i < list.size(); ++i)
+          std::memmove(reinterpret_cast<void *>(d->entry().addrs[t] + list[i] * dg.unit_bytes),
+                       reinterpret_cast<const void *>(s->entry().addrs[t] + src_blocks[i] * sg.unit_bytes),
+                       static_cast<size_t>(sg.unit_bytes));
+  }
+
+ private:
+  enum State { kNew, kUp, kDown };
+
+  void CheckUp() const {
+    if (state_ != kUp) Fail(LLM_FAILED, "not initialized: call Initialize first (again after Finalize)");
+  }
+  void CheckUpLocked() {
+    std::lock_guard<std::mutex> lock(mu_);
+    CheckUp();
+  }
+  void CheckArgs(const std::vector<ClusterInfo> &clusters, int32_t timeout_ms) {
+    CheckUpLocked();
+    if (timeout_ms <= 0) Invalid("timeout must be > 0 ms");
+    if (clusters.empty()) Invalid("clusters must not be empty");
+    for (const auto &c : clusters)
+      for (const auto *infos : {&c.remote_ip_infos, &c.local_ip_infos})
+        for (const IpInfo &ip : *infos) {
+          in_addr a{};
+          if (inet_pton(AF_INET, ip.ip.GetString(), &a) != 1)
+            Invalid("cluster " + std::to_string(c.remote_cluster_id) + ": '" + ip.ip.GetString() + "' is not an IPv4 address");
+        }
+  }
+  void CheckRemote(const CacheIndex &idx) {
+    if (idx.cache_id < 0) Invalid("remote cache_id must be >= 0");
+    if (idx.cluster_id == ident_.cluster_id) Invalid("data can not be moved within our own cluster");
+  }
+  static Status Overall(const std::vector<Status> &rets) {
+    for (Status s : rets)
+      if (s != LLM_SUCCESS) return s;
+    return LLM_SUCCESS;
+  }
+  Deadline Deadline_() const { return datadist::After(sync_timeout_s_); }
+
+  void StartListening(const char *text) {
+    std::string host;
+    uint16_t port = 0;
+    ParseHostPort(text, host, port);
+    if (server_) server_->Stop();
+    server_ = std::make_unique<datadist::Server>(
+        &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn) { AdoptReverse(cid, std::move(conn)); });
+    server_->Start(host, port, max_conns_, max_per_peer_);
+  }
+
+  /// Our own link to the cluster, else its reverse channel to us (its link's other end).
+  std::shared_ptr<datadist::Link> GetLink(uint64_t cluster_id) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = links_.find(cluster_id);
+      if (it != links_.end()) return it->second;
+    }
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    auto it = reverse_links_.find(cluster_id);
+    if (it == reverse_links_.end()) Fail(LLM_NOT_YET_LINK, "cluster " + std::to_string(cluster_id) + " is not linked");
+    return it->second;
+  }
+
+  /// A client's reverse channel (a server thread calls this after the handshake): our end of
+  /// its link, replacing an older one. Its own mutex: SetRole stops the server under mu_.
+  void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn) {
+    auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn));
+    std::shared_ptr<datadist::Link> old;
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      if (rev_closed_) return;
+      // bounded like connections: a peer cannot hold sockets open without limit this way
+      if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_) return;
+      old = std::move(reverse_links_[cluster_id]);
+      reverse_links_[cluster_id] = link;
+    }
+    if (old) old->Close(datadist::Deadline(), true);
+  }
+
+  void LinkOne(const ClusterInfo &c, int32_t timeout_ms) {
+    uint64_t id = c.remote_cluster_id;
+    if (id == ident_.cluster_id) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (links_.count(id)) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+    }
+    datadist::wire::Hello hello;
+    hello.cluster_id = ident_.cluster_id;
+    hello.role = static_cast<uint8_t>(ident_.role.load());
+    hello.pid = static_cast<uint32_t>(getpid());
+    // pid_ns and boot_id stay zero: no same-host identity, so a Python owner serves us over TCP.
+    const IpInfo &ip = c.remote_ip_infos.front();
+    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret, &registry_);
+    try {
+      link->Open(datadist::After(timeout_ms / 1000.0));
+    } catch (const Error &e) {
+      Fail(LLM_LINK_FAILED, e.what());  // as Python: any failure to link is LLM_LINK_FAILED
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ != kUp) Fail(LLM_FAILED, "finalized");
+    if (!links_.emplace(id, link).second) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+  }
+
+  datadist::wire::Request Request(const datadist::Plan &plan, uint64_t cache_id, uint64_t slot, uint64_t layout) {
+    // The owner's limit, checked before sending (docs/protocol.md).
+    if (static_cast<unsigned __int128>(plan.remote_tensors.size()) * plan.lengths.size() > datadist::kMaxRequestSpans)
+      Invalid("the transfer names more than " + std::to_string(datadist::kMaxRequestSpans) +
+              " spans (tensors x block runs); split it");
+    datadist::wire::Request r;
+    r.kind = datadist::wire::kCacheId;
+    r.a = cache_id;
+    r.b = slot;
+    r.layout = layout;
+    r.tensors = plan.remote_tensors;
+    r.offsets = plan.remote_offsets;
+    r.lengths = plan.lengths;
+    return r;
+  }
+
+  std::mutex mu_;
+  State state_ = kNew;
+  datadist::Identity ident_;
+  double sync_timeout_s_ = 1.0;
+  size_t max_conns_ = 256, max_per_peer_ = 64;
+  datadist::Registry registry_;
+  std::unique_ptr<datadist::Server> server_;
+  std::map<uint64_t, std::shared_ptr<datadist::Link>> links_;
+  std::mutex rev_mu_;  // guards the two below
+  std::map<uint64_t, std::shared_ptr<datadist::Link>> reverse_links_;
+  bool rev_closed_ = false;
+};
+
+LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role) : impl_(new LlmDataDistImpl(cluster_id, role)) {}
+
+LlmDataDist::~LlmDataDist() { impl_->Finalize(); }
+
+Status LlmDataDist::Initialize(const std::map<AscendString, AscendString> &options) {
+  return Guard("Initialize", [&] { impl_->Initialize(options); });
+}
+
+void LlmDataDist::Finalize() { (void)Guard("Finalize", [&] { impl_->Finalize(); }); }
+
+Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
+  return Guard("SetRole", [&] { impl_->SetRole(role, options); });
+}
+
+Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
+                                    int32_t timeout_in_millis) {
+  Status overall = LLM_SUCCESS;
+  Status s = Guard("LinkLlmClusters", [&] { overall = impl_->Link(clusters, rets, timeout_in_millis); });
+  return s != LLM_SUCCESS ? s : overall;
+}
+
+Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
+                                      int32_t timeout_in_millis, bool force_flag) {
+  Status overall = LLM_SUCCESS;
+  Status s = Guard("UnlinkLlmClusters", [&] { overall = impl_->Unlink(clusters, rets, timeout_in_millis, force_flag); });
+  return s != LLM_SUCCESS ? s : overall;
+}
+
+Status LlmDataDist::AllocateCache(const CacheDesc &cache_desc, Cache &cache) {
+  return Guard("AllocateCache", [&] { impl_->Allocate(cache_desc, cache); });
+}
+
+Status LlmDataDist::DeallocateCache(int64_t cache_id) {
+  return Guard("DeallocateCache", [&] { impl_->Deallocate(cache_id); });
+}
+
+Status LlmDataDist::PullKvCache(const CacheIndex &src_cache_index, const Cache &dst_cache, uint32_t batch_index,
+                                int64_t size, const KvCacheExtParam &ext_param) {
+  return Guard("PullKvCache", [&] { impl_->PullCache(src_cache_index, dst_cache, batch_index, size, ext_param); });
+}
+
+Status LlmDataDist::PullKvBlocks(const CacheIndex &src_cache_index, const Cache &dst_cache,
+                                 const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
+                                 const KvCacheExtParam &ext_param) {
+  return Guard("PullKvBlocks", [&] { impl_->PullBlocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param); });
+}
+
+Status LlmDataDist::CopyKvCache(const Cache &src_cache, const Cache &dst_cache, uint32_t src_batch_index,
+                                uint32_t dst_batch_index, uint64_t offset, int64_t size) {
+  return Guard("CopyKvCache", [&] { impl_->CopyCache(src_cache, dst_cache, src_batch_index, dst_batch_index, offset, size); });
+}
+
+Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache, const std::vector<uint64_t> &src_blocks,
+                                 const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
+  return Guard("CopyKvBlocks", [&] { impl_->CopyBlocks(src_cache, dst_cache, src_blocks, dst_blocks_list); });
+}
+
+Status LlmDataDist::PushKvCache(const Cache &src_cache, const CacheIndex &dst_cache_index, uint32_t src_batch_index,
+                                int64_t size, const KvCacheExtParam &ext_param) {
+  return Guard("PushKvCache", [&] { impl_->PushCache(src_cache, dst_cache_index, src_batch_index, size, ext_param); });
+}
+
+Status LlmDataDist::PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_cache_index,
+                                 const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
+                                 const KvCacheExtParam &ext_param) {
+  return Guard("PushKvBlocks", [&] { impl_->PushBlocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param); });
+}
+
+Status LlmDataDist::RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs,
+                                    const RegisterCfg &cfg, int64_t &cache_id) {
+  (void)cfg;
+  return Guard("RegisterKvCache", [&] { impl_->Register(cache_desc, addrs, cache_id); });
+}
+
+Status LlmDataDist::UnregisterKvCache(int64_t cache_id) {
+  return Guard("UnregisterKvCache", [&] { impl_->Unregister(cache_id); });
+}
+
+}  // namespace llm_datadist

@@ -1,0 +1,181 @@
+#include "net.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <memory>
+
+#include "errors.h"
+
+namespace datadist {
+namespace {
+
+constexpr size_t kMaxIov = 1024;
+
+void Tune(int fd) {
+  int one = 1;
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  (void)setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  int flags = fcntl(fd, F_GETFL, 0);
+  (void)fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+int MillisLeft(Deadline deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  if (left <= 0) return 0;
+  return static_cast<int>(std::min<long long>(left + 1, INT_MAX));
+}
+
+// Advances an iovec array past `n` bytes; returns the index of the first unfinished entry.
+size_t Advance(std::vector<iovec> &iov, size_t first, size_t n) {
+  while (first < iov.size() && n >= iov[first].iov_len) {
+    n -= iov[first].iov_len;
+    ++first;
+  }
+  if (first < iov.size() && n) {
+    iov[first].iov_base = static_cast<uint8_t *>(iov[first].iov_base) + n;
+    iov[first].iov_len -= n;
+  }
+  while (first < iov.size() && iov[first].iov_len == 0) ++first;
+  return first;
+}
+
+}  // namespace
+
+Conn::Conn(int fd, std::string address) : fd_(fd), address_(std::move(address)) { Tune(fd); }
+
+Conn::~Conn() { Close(); }
+
+std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Deadline deadline) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) Invalid("not an IPv4 address: '" + host + "'");
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) Fail(llm_datadist::LLM_LINK_FAILED, std::string("socket: ") + std::strerror(errno));
+  std::string where = host + ":" + std::to_string(port);
+  auto conn = std::make_unique<Conn>(fd, where);
+  if (connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0) {
+    if (errno != EINPROGRESS) Fail(llm_datadist::LLM_LINK_FAILED, "cannot connect to " + where + ": " + std::strerror(errno));
+    conn->Wait(POLLOUT, deadline);
+    int err = 0;
+    socklen_t len = sizeof(err);
+    (void)getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err) Fail(llm_datadist::LLM_LINK_FAILED, "cannot connect to " + where + ": " + std::strerror(err));
+  }
+  return conn;
+}
+
+void Conn::Close() {
+  std::lock_guard<std::mutex> lock(close_mu_);
+  if (fd_ >= 0) {
+    (void)::shutdown(fd_, SHUT_RDWR);
+    (void)::close(fd_);
+    fd_ = -1;
+  }
+}
+
+void Conn::Shutdown() {
+  std::lock_guard<std::mutex> lock(close_mu_);
+  if (fd_ >= 0) (void)::shutdown(fd_, SHUT_RDWR);
+}
+
+void Conn::Broken(const std::string &what) {
+  Close();
+  Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + ": " + what);
+}
+
+void Conn::Wait(short events, Deadline deadline) {
+  for (;;) {
+    int ms = MillisLeft(deadline);
+    if (ms <= 0) {
+      Close();
+      Fail(llm_datadist::LLM_TIMEOUT, "deadline passed on the connection to " + address_);
+    }
+    pollfd p{fd_, events, 0};
+    int n = poll(&p, 1, ms);
+    if (n > 0) return;  // ready, or an error the next call reports
+    if (n < 0 && errno != EINTR) Broken(std::string("poll: ") + std::strerror(errno));
+  }
+}
+
+void Conn::SendAll(const void *data, size_t n, Deadline deadline) {
+  std::vector<iovec> iov{{const_cast<void *>(data), n}};
+  SendV(std::move(iov), deadline);
+}
+
+void Conn::RecvAll(void *data, size_t n, Deadline deadline) {
+  std::vector<iovec> iov{{data, n}};
+  RecvV(std::move(iov), deadline);
+}
+
+void Conn::SendV(std::vector<iovec> iov, Deadline deadline) {
+  if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  size_t first = Advance(iov, 0, 0);
+  while (first < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = iov.data() + first;
+    msg.msg_iovlen = std::min(kMaxIov, iov.size() - first);
+    ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        Wait(POLLOUT, deadline);
+        continue;
+      }
+      if (errno == EINTR) continue;
+      Broken(std::strerror(errno));
+    }
+    first = Advance(iov, first, static_cast<size_t>(n));
+  }
+}
+
+void Conn::RecvV(std::vector<iovec> iov, Deadline deadline) {
+  if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  size_t first = Advance(iov, 0, 0);
+  while (first < iov.size()) {
+    ssize_t n = readv(fd_, iov.data() + first, static_cast<int>(std::min(kMaxIov, iov.size() - first)));
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        Wait(POLLIN, deadline);
+        continue;
+      }
+      if (errno == EINTR) continue;
+      Broken(std::strerror(errno));
+    }
+    if (n == 0) Broken("closed by the peer");
+    first = Advance(iov, first, static_cast<size_t>(n));
+  }
+}
+
+wire::Header Conn::RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, uint32_t max_payload) {
+  uint8_t head[wire::kHeaderSize];
+  RecvAll(head, sizeof(head), deadline);
+  // A bad header throws with the connection still open: the caller may answer ERROR, then
+  // closes (nothing after it on the stream can be trusted).
+  wire::Header h = wire::DecodeHeader(head);
+  if (h.length > max_payload)
+    ProtocolViolation("a frame of " + std::to_string(h.length) + " bytes where at most " + std::to_string(max_payload) +
+                      " are allowed");
+  payload.resize(h.length);
+  if (h.length) RecvAll(payload.data(), h.length, deadline);
+  return h;
+}
+
+bool Conn::WaitReadable(int ms) {
+  if (closed()) return true;
+  pollfd p{fd_, POLLIN, 0};
+  return poll(&p, 1, ms) > 0;
+}
+
+bool Conn::PeerGone() { return WaitReadable(0); }
+
+}  // namespace datadist

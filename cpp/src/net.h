@@ -1,0 +1,72 @@
+// One TCP connection with deadlines: every blocking call takes an absolute deadline and fails
+// with LLM_TIMEOUT past it (the socket is non-blocking; waits are poll()s bounded by the time
+// left), or with LLM_LINK_FAILED when the peer closes or the socket breaks. After either, the
+// connection is closed: a half-read stream cannot be resynchronised. Not thread-safe: its owner
+// serialises calls (a link's mutex, or the one server thread serving it); Shutdown() alone may
+// be called from another thread, to wake a blocked user.
+#ifndef DATADIST_CPP_NET_H_
+#define DATADIST_CPP_NET_H_
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "wire.h"
+
+namespace datadist {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+inline Deadline After(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+class Conn {
+ public:
+  explicit Conn(int fd, std::string address);
+  ~Conn();
+  Conn(const Conn &) = delete;
+  Conn &operator=(const Conn &) = delete;
+
+  /// Connects within the deadline. LLM_LINK_FAILED (refused, unreachable) or LLM_TIMEOUT.
+  static std::unique_ptr<Conn> Connect(const std::string &host, uint16_t port, Deadline deadline);
+
+  void SendAll(const void *data, size_t n, Deadline deadline);
+  void SendFrame(const std::vector<uint8_t> &frame, Deadline deadline) { SendAll(frame.data(), frame.size(), deadline); }
+  /// Sends / receives exactly the bytes the iovecs name (zero-length entries allowed).
+  void SendV(std::vector<iovec> iov, Deadline deadline);
+  void RecvV(std::vector<iovec> iov, Deadline deadline);
+  void RecvAll(void *data, size_t n, Deadline deadline);
+  /// One frame: header, then its payload. A header announcing more than `max_payload` bytes
+  /// is a protocol violation (the connection is closed before the payload is read).
+  wire::Header RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, uint32_t max_payload = wire::kMaxPayload);
+
+  /// Waits up to `ms` for something to read (or the peer closing). No error on timeout.
+  bool WaitReadable(int ms);
+  /// True when an idle connection has something to read: between requests the peer sends
+  /// nothing, so readable means it closed or broke the protocol. Never blocks.
+  bool PeerGone();
+
+  void Close();
+  void Shutdown();  // thread-safe: wakes a blocked user, who then closes
+  bool closed() const { return fd_ < 0; }
+  const std::string &address() const { return address_; }
+
+ private:
+  void Wait(short events, Deadline deadline);
+  [[noreturn]] void Broken(const std::string &what);
+  int fd_;
+  std::mutex close_mu_;  // Close (owner) vs Shutdown (any thread)
+  std::string address_;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_NET_H_

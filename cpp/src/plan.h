@@ -1,0 +1,44 @@
+// Turning a C++ API call into byte spans (the counterpart of Python's core/layout.py).
+// A transfer is a list of tensor pairs (remote, local) from the layer ranges, and a list of
+// spans (remote offset, local offset, length) repeated in every tensor pair. Remote offsets
+// are relative to the remote unit the key names (a batch slot, or the tensor base for blocks);
+// the owner checks them. Local offsets are absolute in the local tensor and checked here.
+// Errors are LLM_PARAM_INVALID.
+#ifndef DATADIST_CPP_PLAN_H_
+#define DATADIST_CPP_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "llm_datadist/llm_datadist.h"
+#include "registry.h"
+
+namespace datadist {
+
+struct Plan {
+  std::vector<uint32_t> remote_tensors, local_tensors;
+  std::vector<uint64_t> remote_offsets, local_offsets, lengths;
+};
+
+/// Pairs remote and local tensor indices from KvCacheExtParam's inclusive layer ranges, as
+/// CANN: each range must be {-1, -1}-like (first, second >= -1, first <= second) and
+/// tensor_num_per_layer > 0, else LLM_PARAM_INVALID. A pull moves every tensor (i <-> i) unless
+/// both ranges start at >= 0; a push moves every tensor unless the source range does (the
+/// destination range then defaults to the same layers). Explicit ranges must have the same
+/// width and fit the local cache; the owner checks its side.
+void PairTensors(Plan &plan, uint32_t local_num_tensors, const llm_datadist::KvCacheExtParam &ext, bool push);
+
+/// One slot: remote slot (relative offset 0) <-> local slot `local_unit`; size -1 = the whole slot.
+void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t size);
+
+/// Blocks: remote block remote_blocks[i] <-> local block local_blocks[i]; runs adjacent on both
+/// sides become one span.
+void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
+                const std::vector<uint64_t> &local_blocks);
+
+/// The local spans, absolute, tensor-major (the order the wire moves them in).
+std::vector<iovec> LocalIov(const Plan &plan, const std::vector<uint64_t> &addrs);
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_PLAN_H_

@@ -1,0 +1,221 @@
+#include "registry.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "errors.h"
+
+namespace datadist {
+namespace {
+
+using llm_datadist::LLM_KV_CACHE_NOT_EXIST;
+
+// Bytes per element; 0 for types without a whole-byte size (refused).
+uint64_t ItemSize(ge::DataType dt) {
+  switch (dt) {
+    case ge::DT_INT8: case ge::DT_UINT8: case ge::DT_BOOL: case ge::DT_QINT8: case ge::DT_QUINT8:
+    case ge::DT_HIFLOAT8: case ge::DT_FLOAT8_E5M2: case ge::DT_FLOAT8_E4M3FN: case ge::DT_FLOAT8_E8M0:
+    case ge::DT_DUAL_SUB_INT8: case ge::DT_DUAL_SUB_UINT8:
+      return 1;
+    case ge::DT_FLOAT16: case ge::DT_BF16: case ge::DT_INT16: case ge::DT_UINT16: case ge::DT_QINT16:
+    case ge::DT_QUINT16:
+      return 2;
+    case ge::DT_FLOAT: case ge::DT_INT32: case ge::DT_UINT32: case ge::DT_QINT32: case ge::DT_COMPLEX32:
+      return 4;
+    case ge::DT_INT64: case ge::DT_UINT64: case ge::DT_DOUBLE: case ge::DT_COMPLEX64:
+      return 8;
+    case ge::DT_COMPLEX128:
+      return 16;
+    default:
+      return 0;
+  }
+}
+
+// The lowest-level check of the layout tags, as check_layouts() in Python: another dtype is
+// always refused; for block addressing, another block shape too. 0 on either side passes.
+void CheckLayouts(uint64_t mine, uint64_t theirs, bool blocks, int64_t id) {
+  if (!mine || !theirs) return;
+  if (mine >> 32 != theirs >> 32)
+    Invalid("cache " + std::to_string(id) + " holds another data type than the requester's cache");
+  if (blocks && (theirs & 0xFFFFFFFFULL) && mine != theirs)
+    Invalid("cache " + std::to_string(id) + " has another block shape than the requester's cache");
+}
+
+}  // namespace
+
+Geometry GeometryOf(const llm_datadist::CacheDesc &desc) {
+  if (desc.num_tensors == 0) Invalid("num_tensors must be > 0");
+  if (desc.shape.empty() || desc.shape.size() > 32) Invalid("cache shape must have 1 to 32 dims");
+  uint64_t item = ItemSize(desc.data_type);
+  if (item == 0) Invalid("data_type " + std::to_string(static_cast<int>(desc.data_type)) + " is not supported");
+  unsigned __int128 bytes = item;
+  for (int64_t d : desc.shape) {
+    if (d <= 0) Invalid("shape dims must be > 0");
+    bytes *= static_cast<uint64_t>(d);
+    if (bytes >> 62) Invalid("cache tensor too large");
+  }
+  Geometry g;
+  g.num_tensors = desc.num_tensors;
+  g.tensor_bytes = static_cast<uint64_t>(bytes);
+  g.units = static_cast<uint64_t>(desc.shape[0]);
+  g.unit_bytes = g.tensor_bytes / g.units;
+  g.layout = wire::LayoutTag(static_cast<int32_t>(desc.data_type),
+                             std::vector<int64_t>(desc.shape.begin() + 1, desc.shape.end()));
+  return g;
+}
+
+void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t> &lengths, uint64_t limit) {
+  if (offsets.size() != lengths.size()) Invalid("span arrays differ in length");
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    if (lengths[i] > limit || offsets[i] > limit - lengths[i])
+      Invalid("span [" + std::to_string(offsets[i]) + ", +" + std::to_string(lengths[i]) + ") lies outside the " +
+              std::to_string(limit) + " bytes registered");
+  }
+}
+
+Lease::~Lease() { reg_->Release(entry_.get()); }
+
+void Registry::Release(Entry *e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  --e->leases;
+  changed_.notify_all();
+}
+
+int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
+                      std::vector<std::unique_ptr<uint8_t[]>> owned) {
+  Geometry g = GeometryOf(desc);
+  if (addrs.size() != g.num_tensors)
+    Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
+  for (uint64_t a : addrs)
+    if (a == 0) Invalid("tensor addresses must be non-zero");
+  auto e = std::make_shared<Entry>();
+  e->geo = g;
+  e->desc = desc;
+  e->addrs = addrs;
+  e->owned = std::move(owned);
+  std::lock_guard<std::mutex> lock(mu_);
+  e->id = next_id_++;
+  by_id_[e->id] = e;
+  return e->id;
+}
+
+void Registry::Remove(int64_t id, bool owned, double wait_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return;
+  std::shared_ptr<Entry> e = it->second;
+  if (e->owned.empty() == owned)
+    Invalid(owned ? "cache " + std::to_string(id) + " was registered, not allocated: use UnregisterKvCache"
+                  : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
+  e->closing = true;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  if (!changed_.wait_until(lock, deadline, [&] { return e->leases == 0; })) {
+    e->closing = false;
+    Fail(llm_datadist::LLM_TIMEOUT, "cache " + std::to_string(id) + " is still being transferred; it stays registered");
+  }
+  by_id_.erase(id);
+}
+
+int Registry::Clear(double wait_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Entry>> all;
+  for (auto &kv : by_id_) {
+    kv.second->closing = true;
+    all.push_back(kv.second);
+  }
+  by_id_.clear();
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  auto busy = [&] { return static_cast<int>(std::count_if(all.begin(), all.end(), [](auto &e) { return e->leases > 0; })); };
+  changed_.wait_until(lock, deadline, [&] { return busy() == 0; });
+  return busy();
+}
+
+std::unique_ptr<Lease> Registry::Hold(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end() || it->second->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
+  ++it->second->leases;
+  return std::make_unique<Lease>(this, it->second);
+}
+
+std::unique_ptr<Lease> Registry::Open(const wire::Request &req) {
+  if (req.kind == wire::kAddress) return OpenAddresses(req);
+  if (req.kind == wire::kCacheKey)
+    Fail(LLM_KV_CACHE_NOT_EXIST, "a C++ owner binds no CacheKeys (req_id=" + std::to_string(req.a) + ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  // kind 2 names (cache id a, batch slot b); kind 3 names a BlocksCacheKey's model_id b, which
+  // a C++ owner (it has no model ids) resolves as its cache id.
+  bool blocks = req.kind == wire::kBlocksKey;
+  uint64_t id = blocks ? req.b : req.a;
+  auto it = by_id_.find(static_cast<int64_t>(id));
+  if (id > static_cast<uint64_t>(INT64_MAX) || it == by_id_.end())
+    Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
+  const std::shared_ptr<Entry> &e = it->second;
+  if (e->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " is being unregistered");
+  const Geometry &g = e->geo;
+  for (uint32_t t : req.tensors)
+    if (t >= g.num_tensors)
+      Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +
+              std::to_string(g.num_tensors));
+  if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
+    Invalid("too many spans in one request (tensors x spans over " + std::to_string(kMaxRequestSpans) + ")");
+  std::vector<bool> seen(g.num_tensors, false);
+  for (uint32_t t : req.tensors) {
+    if (seen[t]) Invalid("tensor " + std::to_string(t) + " named twice in one request");
+    seen[t] = true;
+  }
+  uint64_t base = 0, limit = g.tensor_bytes;
+  if (blocks) {
+    if (req.unit_bytes && req.unit_bytes != g.unit_bytes)
+      Invalid("block size mismatch: requester assumed " + std::to_string(req.unit_bytes) + " bytes, cache " +
+              std::to_string(id) + " has " + std::to_string(g.unit_bytes));
+  } else {
+    if (req.b >= g.units)
+      Invalid("batch index " + std::to_string(req.b) + " out of range: cache " + std::to_string(id) + " has " +
+              std::to_string(g.units));
+    base = req.b * g.unit_bytes;
+    limit = g.tensor_bytes - base;
+  }
+  CheckSpans(req.offsets, req.lengths, limit);
+  CheckLayouts(g.layout, req.layout, blocks, e->id);
+  auto lease = std::make_unique<Lease>(this, e);
+  ++e->leases;
+  uint64_t per_tensor = 0;
+  for (uint64_t l : req.lengths) per_tensor += l;  // each <= tensor_bytes, at most 2^24 of them
+  lease->nbytes = per_tensor * req.tensors.size();
+  lease->iov.reserve(req.tensors.size() * req.offsets.size());
+  for (uint32_t t : req.tensors)
+    for (size_t i = 0; i < req.offsets.size(); ++i)
+      lease->iov.push_back({reinterpret_cast<void *>(e->addrs[t] + base + req.offsets[i]),
+                            static_cast<size_t>(req.lengths[i])});
+  return lease;
+}
+
+std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
+  if (req.tensors.size() != 1 || req.tensors[0] != 0) Invalid("an address write names exactly one pseudo-tensor, 0");
+  if (req.lengths.empty() || req.offsets.size() != req.lengths.size()) Invalid("an address write needs spans");
+  uint64_t first = *std::min_element(req.offsets.begin(), req.offsets.end());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto &kv : by_id_) {
+    const std::shared_ptr<Entry> &e = kv.second;
+    for (uint64_t a : e->addrs) {
+      if (a <= first && first - a < e->geo.tensor_bytes) {
+        if (e->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(e->id) + " is being unregistered");
+        std::vector<uint64_t> rel(req.offsets.size());
+        for (size_t i = 0; i < rel.size(); ++i) rel[i] = req.offsets[i] - a;  // below a wraps and fails
+        CheckSpans(rel, req.lengths, e->geo.tensor_bytes);
+        auto lease = std::make_unique<Lease>(this, e);
+        ++e->leases;
+        for (size_t i = 0; i < rel.size(); ++i) {
+          lease->iov.push_back({reinterpret_cast<void *>(req.offsets[i]), static_cast<size_t>(req.lengths[i])});
+          lease->nbytes += req.lengths[i];
+        }
+        return lease;
+      }
+    }
+  }
+  Fail(LLM_KV_CACHE_NOT_EXIST, "address " + std::to_string(first) + " is in no registered cache");
+}
+
+}  // namespace datadist

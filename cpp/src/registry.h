@@ -1,0 +1,100 @@
+// The registry: this process's caches (registered user memory or allocated host memory), the
+// ids peers name them by (1, 2, 3, ... in registration order), and their lifetimes.
+//
+// Every span a peer asks for is checked here against the cache's tensors (Open); the server
+// moves only what Open returned. A read or write holds a lease on the cache until its bytes
+// have moved; unregistering waits (bounded) for leases, so a peer never touches memory that was
+// given back. Thread-safe: one mutex guards everything; waits use a condition on it.
+#ifndef DATADIST_CPP_REGISTRY_H_
+#define DATADIST_CPP_REGISTRY_H_
+
+#include <sys/uio.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "llm_datadist/llm_datadist.h"
+#include "wire.h"
+
+namespace datadist {
+
+/// Most spans (tensors x spans per tensor) one request may name (docs/protocol.md).
+constexpr uint64_t kMaxRequestSpans = 1ULL << 22;
+
+struct Geometry {
+  uint32_t num_tensors = 0;
+  uint64_t tensor_bytes = 0;
+  uint64_t units = 0;  // shape[0]: batch slots or blocks
+  uint64_t unit_bytes = 0;
+  uint64_t layout = 0;  // wire::LayoutTag(dtype, shape[1:])
+};
+
+/// Validates a CacheDesc (LLM_PARAM_INVALID) and computes its geometry.
+Geometry GeometryOf(const llm_datadist::CacheDesc &desc);
+
+struct Entry {
+  int64_t id = 0;
+  Geometry geo;
+  llm_datadist::CacheDesc desc;
+  std::vector<uint64_t> addrs;  // base of each tensor
+  std::vector<std::unique_ptr<uint8_t[]>> owned;  // AllocateCache's memory; empty when registered
+  int leases = 0;
+  bool closing = false;
+};
+
+class Registry;
+
+/// A lease on one cache: the absolute spans of one transfer. Ends (and may let an unregister
+/// finish) when destroyed.
+class Lease {
+ public:
+  Lease(Registry *reg, std::shared_ptr<Entry> entry) : reg_(reg), entry_(std::move(entry)) {}
+  ~Lease();
+  Lease(const Lease &) = delete;
+  Lease &operator=(const Lease &) = delete;
+  const Entry &entry() const { return *entry_; }
+  std::vector<iovec> iov;
+  uint64_t nbytes = 0;
+
+ private:
+  Registry *reg_;
+  std::shared_ptr<Entry> entry_;
+};
+
+class Registry {
+ public:
+  /// Adds a cache; returns its id. `owned` is the memory AllocateCache made (may be empty).
+  int64_t Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
+              std::vector<std::unique_ptr<uint8_t[]>> owned);
+  /// Removes a cache once no lease holds it (waits up to `wait_s`, then LLM_TIMEOUT and the
+  /// cache stays). Unknown ids: no-op. `owned` says which kind the caller may remove
+  /// (registered vs allocated); the other kind is LLM_PARAM_INVALID.
+  void Remove(int64_t id, bool owned, double wait_s);
+  /// A lease on a local cache for a local transfer (LLM_KV_CACHE_NOT_EXIST if unknown).
+  std::unique_ptr<Lease> Hold(int64_t id);
+  /// Owner side of a peer's READ / WRITE: resolve, bounds-check every span, lease.
+  /// LLM_KV_CACHE_NOT_EXIST for an unknown cache, LLM_PARAM_INVALID for anything that does not fit.
+  std::unique_ptr<Lease> Open(const wire::Request &req);
+  /// Drops everything (Finalize); waits up to `wait_s` for leases. Returns how many remain leased.
+  int Clear(double wait_s);
+
+ private:
+  friend class Lease;
+  void Release(Entry *e);
+  std::unique_ptr<Lease> OpenAddresses(const wire::Request &req);
+  std::mutex mu_;
+  std::condition_variable changed_;
+  int64_t next_id_ = 1;
+  std::map<int64_t, std::shared_ptr<Entry>> by_id_;
+};
+
+/// Every span [offset, offset + length) must lie in [0, limit) (overflow-safe).
+void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t> &lengths, uint64_t limit);
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_REGISTRY_H_

@@ -1,0 +1,284 @@
+#include "wire.h"
+
+#include <cstring>
+
+#include "errors.h"
+
+namespace datadist {
+namespace wire {
+namespace {
+
+class Writer {
+ public:
+  explicit Writer(uint8_t type, uint32_t rid) {
+    buf_.resize(kHeaderSize);
+    buf_[0] = 'D';
+    buf_[1] = 'D';
+    buf_[2] = kVersion;
+    buf_[3] = type;
+    Put(4, rid, 4);
+  }
+  void U8(uint64_t v) { Append(v, 1); }
+  void U16(uint64_t v) { Append(v, 2); }
+  void U32(uint64_t v) { Append(v, 4); }
+  void U64(uint64_t v) { Append(v, 8); }
+  void Raw(const void *p, size_t n) {
+    const auto *b = static_cast<const uint8_t *>(p);
+    buf_.insert(buf_.end(), b, b + n);
+  }
+  void Blob(const std::string &s) {
+    if (s.size() > 0xFFFF) Fail(llm_datadist::LLM_FAILED, "byte field longer than 65535");
+    U16(s.size());
+    Raw(s.data(), s.size());
+  }
+  std::vector<uint8_t> Finish() {
+    size_t len = buf_.size() - kHeaderSize;
+    if (len > kMaxPayload) Invalid("request too large for one frame (" + std::to_string(len) + " bytes)");
+    Put(8, len, 4);
+    return std::move(buf_);
+  }
+
+ private:
+  void Append(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) buf_.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  }
+  void Put(size_t at, uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) buf_[at + i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+  std::vector<uint8_t> buf_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::vector<uint8_t> &p) : p_(p) {}
+  const uint8_t *Take(size_t n) {
+    if (n > p_.size() - pos_) ProtocolViolation("payload truncated");
+    const uint8_t *out = p_.data() + pos_;
+    pos_ += n;
+    return out;
+  }
+  uint64_t Uint(int n) {
+    const uint8_t *b = Take(n);
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v |= static_cast<uint64_t>(b[i]) << (8 * i);
+    return v;
+  }
+  std::string Blob() {
+    size_t n = Uint(2);
+    const uint8_t *b = Take(n);
+    return std::string(reinterpret_cast<const char *>(b), n);
+  }
+  template <typename T>
+  std::vector<T> Array(uint64_t count) {
+    if (count > (p_.size() - pos_) / sizeof(T)) ProtocolViolation("array count beyond the payload");
+    std::vector<T> out(count);
+    for (auto &v : out) v = static_cast<T>(Uint(sizeof(T)));
+    return out;
+  }
+  void Done() const {
+    if (pos_ != p_.size()) ProtocolViolation(std::to_string(p_.size() - pos_) + " trailing bytes in payload");
+  }
+
+ private:
+  const std::vector<uint8_t> &p_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::vector<uint8_t> EncodeHello(uint8_t type, const Hello &h, uint32_t rid) {
+  Writer w(type, rid);
+  w.U64(h.cluster_id);
+  w.U8(h.role);
+  w.U32(h.pid);
+  w.U64(h.pid_ns);
+  w.Raw(h.boot_id.data(), h.boot_id.size());
+  w.U32(h.features);
+  w.Blob(h.proof);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid) {
+  Writer w(kError, rid);
+  w.U64(static_cast<uint64_t>(e.code));
+  w.Blob(e.message.substr(0, 4096));
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeRequest(uint8_t type, const Request &r, uint32_t rid) {
+  if (r.offsets.size() != r.lengths.size()) Fail(llm_datadist::LLM_FAILED, "offsets and lengths differ");
+  Writer w(type, rid);
+  w.U8(r.kind);
+  w.U64(r.a);
+  w.U64(r.b);
+  w.U64(r.c);
+  w.U64(r.unit_bytes);
+  w.U64(r.layout);
+  w.U32(r.flags);
+  w.U32(r.tensors.size());
+  w.U32(r.offsets.size());
+  for (uint32_t t : r.tensors) w.U32(t);
+  for (uint64_t o : r.offsets) w.U64(o);
+  for (uint64_t l : r.lengths) w.U64(l);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeU64(uint8_t type, uint64_t value, uint32_t rid) {
+  Writer w(type, rid);
+  w.U64(value);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeEmpty(uint8_t type, uint32_t rid) { return Writer(type, rid).Finish(); }
+
+std::vector<uint8_t> EncodeChecksum(uint32_t crc, uint64_t nbytes, uint32_t rid) {
+  Writer w(kChecksum, rid);
+  w.U32(crc);
+  w.U64(nbytes);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid) {
+  Writer w(kAuth, rid);
+  w.Blob(proof);
+  return w.Finish();
+}
+
+std::string DecodeAuth(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  std::string proof = r.Blob();
+  r.Done();
+  return proof;
+}
+
+Header DecodeHeader(const uint8_t *d) {
+  if (d[0] != 'D' || d[1] != 'D') ProtocolViolation("bad magic");
+  if (d[2] != kVersion) ProtocolViolation("unsupported protocol version " + std::to_string(d[2]));
+  Header h;
+  h.type = d[3];
+  if (h.type < kHello || h.type > kChecksum) ProtocolViolation("unknown message type " + std::to_string(h.type));
+  for (int i = 0; i < 4; ++i) h.request_id |= static_cast<uint32_t>(d[4 + i]) << (8 * i);
+  for (int i = 0; i < 4; ++i) h.length |= static_cast<uint32_t>(d[8 + i]) << (8 * i);
+  if (h.length > kMaxPayload) ProtocolViolation("frame exceeds 64 MiB");
+  return h;
+}
+
+Hello DecodeHello(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  Hello h;
+  h.cluster_id = r.Uint(8);
+  h.role = static_cast<uint8_t>(r.Uint(1));
+  h.pid = static_cast<uint32_t>(r.Uint(4));
+  h.pid_ns = r.Uint(8);
+  std::memcpy(h.boot_id.data(), r.Take(16), 16);
+  h.features = static_cast<uint32_t>(r.Uint(4));
+  h.proof = r.Blob();
+  r.Done();
+  return h;
+}
+
+ErrorMsg DecodeError(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  ErrorMsg e;
+  e.code = static_cast<int64_t>(r.Uint(8));
+  e.message = r.Blob();
+  r.Done();
+  return e;
+}
+
+Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  Request q;
+  q.kind = static_cast<uint8_t>(r.Uint(1));
+  if (q.kind < kCacheKey || q.kind > kAddress) ProtocolViolation("unknown key kind " + std::to_string(q.kind));
+  q.a = r.Uint(8);
+  q.b = r.Uint(8);
+  q.c = r.Uint(8);
+  q.unit_bytes = r.Uint(8);
+  q.layout = r.Uint(8);
+  q.flags = static_cast<uint32_t>(r.Uint(4));
+  uint64_t ntensors = r.Uint(4);
+  uint64_t nspans = r.Uint(4);
+  q.tensors = r.Array<uint32_t>(ntensors);
+  q.offsets = r.Array<uint64_t>(nspans);
+  q.lengths = r.Array<uint64_t>(nspans);
+  r.Done();
+  if (type == kRead) {
+    if (q.kind == kAddress) ProtocolViolation("raw addresses (key kind 4) are for WRITE only");
+    if (q.flags & ~(kFlagGrant | kFlagShm | kFlagChecksum)) ProtocolViolation("unknown read flags");
+  } else if (q.flags != 0) {
+    ProtocolViolation("unknown write flags");
+  }
+  return q;
+}
+
+uint64_t DecodeU64(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  uint64_t v = r.Uint(8);
+  r.Done();
+  return v;
+}
+
+void DecodeEmpty(const std::vector<uint8_t> &payload) { Reader(payload).Done(); }
+
+void CheckOther(uint8_t type, const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  switch (type) {
+    case kRelease:
+      r.Uint(8);
+      if (r.Uint(1) > 1) ProtocolViolation("bad release flag");
+      break;
+    case kChecksum:
+      r.Uint(4);
+      r.Uint(8);
+      break;
+    case kAuth:
+      r.Blob();
+      break;
+    case kGrant: {
+      r.Uint(8);
+      r.Array<uint64_t>(r.Uint(4));
+      break;
+    }
+    case kShmGrant: {
+      r.Uint(8);
+      uint64_t n = r.Uint(4);
+      r.Array<uint32_t>(n);
+      r.Array<uint64_t>(n);
+      r.Array<uint64_t>(n);
+      break;
+    }
+    default:
+      ProtocolViolation("unexpected message type " + std::to_string(type));
+  }
+  r.Done();
+}
+
+uint32_t Crc32(uint32_t crc, const void *data, size_t n) {
+  static const auto table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320U ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  const auto *p = static_cast<const uint8_t *>(data);
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+uint64_t LayoutTag(int32_t dtype, const std::vector<int64_t> &unit_shape) {
+  std::string text;
+  for (size_t i = 0; i < unit_shape.size(); ++i) {
+    if (i) text += ",";
+    text += std::to_string(unit_shape[i]);
+  }
+  uint64_t hi = static_cast<uint32_t>(dtype + 1);
+  return hi << 32 | Crc32(0, text.data(), text.size());
+}
+
+}  // namespace wire
+}  // namespace datadist

@@ -1,0 +1,105 @@
+// The datadist peer protocol, version 1 (docs/protocol.md): framing, encoding and decoding.
+// Pure: bytes in, messages out, and the reverse; no I/O here. The decoder trusts nothing: every
+// length is checked against the payload, and any violation throws ProtocolViolation.
+#ifndef DATADIST_CPP_WIRE_H_
+#define DATADIST_CPP_WIRE_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace datadist {
+namespace wire {
+
+constexpr uint8_t kVersion = 1;
+constexpr size_t kHeaderSize = 12;
+constexpr uint32_t kMaxPayload = 64U << 20;
+
+enum MsgType : uint8_t {
+  kHello = 1,
+  kWelcome = 2,
+  kError = 3,
+  kRead = 4,
+  kReadData = 5,
+  kGrant = 6,
+  kRelease = 7,
+  kPing = 8,
+  kPong = 9,
+  kBye = 10,
+  kWrite = 11,
+  kOk = 12,
+  kShmGrant = 13,
+  kAuth = 14,
+  kChecksum = 15,
+};
+
+enum KeyKind : uint8_t { kCacheKey = 1, kCacheId = 2, kBlocksKey = 3, kAddress = 4 };
+
+constexpr uint32_t kFlagGrant = 1, kFlagShm = 2, kFlagChecksum = 4;
+// HELLO / WELCOME features (bit 0, FEATURE_AUTH, is in auth.h; bit 1, FEATURE_LOCAL, we never set)
+constexpr uint32_t kFeatureReverse = 4;  // WELCOME: reverse channels accepted; HELLO: this is one
+
+struct Header {
+  uint8_t type = 0;
+  uint32_t request_id = 0;
+  uint32_t length = 0;
+};
+
+struct Hello {  // also Welcome
+  uint64_t cluster_id = 0;
+  uint8_t role = 0;
+  uint32_t pid = 0;
+  uint64_t pid_ns = 0;
+  std::array<uint8_t, 16> boot_id{};
+  uint32_t features = 0;
+  std::string proof;
+};
+
+struct ErrorMsg {
+  int64_t code = 0;
+  std::string message;
+};
+
+/// READ or WRITE: the key, and spans: for every tensor, for every (offset, length).
+struct Request {
+  uint8_t kind = 0;
+  uint64_t a = 0, b = 0, c = 0;
+  uint64_t unit_bytes = 0;
+  uint64_t layout = 0;
+  uint32_t flags = 0;
+  std::vector<uint32_t> tensors;
+  std::vector<uint64_t> offsets;
+  std::vector<uint64_t> lengths;
+};
+
+// ---- encoding: whole frames
+std::vector<uint8_t> EncodeHello(uint8_t type, const Hello &h, uint32_t rid);
+std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid);
+std::vector<uint8_t> EncodeRequest(uint8_t type, const Request &r, uint32_t rid);
+std::vector<uint8_t> EncodeU64(uint8_t type, uint64_t value, uint32_t rid);  // READ_DATA, PING, PONG
+std::vector<uint8_t> EncodeEmpty(uint8_t type, uint32_t rid);                // OK, BYE
+std::vector<uint8_t> EncodeChecksum(uint32_t crc, uint64_t nbytes, uint32_t rid);
+std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid);
+
+// ---- decoding
+Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
+Hello DecodeHello(const std::vector<uint8_t> &payload);
+ErrorMsg DecodeError(const std::vector<uint8_t> &payload);
+Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload);
+uint64_t DecodeU64(const std::vector<uint8_t> &payload);
+std::string DecodeAuth(const std::vector<uint8_t> &payload);
+void DecodeEmpty(const std::vector<uint8_t> &payload);
+/// Checks RELEASE / CHECKSUM / GRANT / SHM_GRANT / AUTH payloads are well formed (contents unused).
+void CheckOther(uint8_t type, const std::vector<uint8_t> &payload);
+
+// ---- helpers shared with Python's implementation
+uint32_t Crc32(uint32_t crc, const void *data, size_t n);  // zlib's CRC-32
+/// (dtype + 1) << 32 | crc32 of the per-unit shape joined by ",", as layout_tag() in Python.
+uint64_t LayoutTag(int32_t dtype, const std::vector<int64_t> &unit_shape);
+
+}  // namespace wire
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_WIRE_H_

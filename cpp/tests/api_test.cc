@@ -1,0 +1,270 @@
+// Every entry point's argument checks and status codes, in one process, without a peer.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+
+#include "test_util.h"
+
+namespace {
+
+using namespace llm_datadist;
+using ddtest::HostCache;
+
+TEST(Api, StatusCodesHavePythonsValues) {
+  // datadist.LLMStatusCode's values (src/datadist/core/errors.py)
+  EXPECT_EQ(LLM_SUCCESS, 0U);
+  EXPECT_EQ(LLM_FAILED, 0xFFFFFFFFU);
+  EXPECT_EQ(LLM_WAIT_PROC_TIMEOUT, 0x5010B001U);
+  EXPECT_EQ(LLM_KV_CACHE_NOT_EXIST, 0x5010B002U);
+  EXPECT_EQ(LLM_PARAM_INVALID, 0x5010B005U);
+  EXPECT_EQ(LLM_NOT_YET_LINK, 0x5010B007U);
+  EXPECT_EQ(LLM_ALREADY_LINK, 0x5010B008U);
+  EXPECT_EQ(LLM_LINK_FAILED, 0x5010B009U);
+  EXPECT_EQ(LLM_UNLINK_FAILED, 0x5010B00AU);
+  EXPECT_EQ(LLM_NOTIFY_PROMPT_UNLINK_FAILED, 0x5010B00BU);
+  EXPECT_EQ(LLM_CLUSTER_NUM_EXCEED_LIMIT, 0x5010B00CU);
+  EXPECT_EQ(LLM_PROCESSING_LINK, 0x5010B00DU);
+  EXPECT_EQ(LLM_DEVICE_OUT_OF_MEMORY, 0x5010B00EU);
+  EXPECT_EQ(LLM_EXIST_LINK, 0x5010B018U);
+  EXPECT_EQ(LLM_FEATURE_NOT_ENABLED, 0x5010B019U);
+  EXPECT_EQ(LLM_TIMEOUT, 0x5010B01AU);
+  EXPECT_EQ(LLM_LINK_BUSY, 0x5010B01BU);
+  EXPECT_EQ(LLM_OUT_OF_MEMORY, 0x5010B01CU);
+}
+
+TEST(Api, TypesAsClientsUseThem) {
+  std::map<AscendString, AscendString> options;
+  options[OPTION_LISTEN_IP_INFO] = "127.0.0.1:26000";
+  options["llm.SyncKvCacheWaitTime"] = "500";
+  EXPECT_STREQ(options[AscendString("llm.ListenIpInfo")].GetString(), "127.0.0.1:26000");
+  EXPECT_EQ(options.size(), 2U);
+  EXPECT_EQ(ge::DT_INT32, 3);
+  EXPECT_EQ(DT_BF16, 27);
+  EXPECT_EQ(static_cast<int>(LlmRole::kPrompt), 1);
+  EXPECT_EQ(static_cast<uint32_t>(CachePlacement::kDevice), 1U);
+  CacheIndex idx{5, 1, 0, {}};
+  EXPECT_EQ(idx.cluster_id, 5U);
+  KvCacheExtParam ext{};
+  EXPECT_EQ(ext.src_layer_range, std::make_pair(-1, -1));
+  EXPECT_EQ(ext.tensor_num_per_layer, 2);
+  Cache c{};
+  EXPECT_EQ(c.cache_id, -1);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%u", LLM_TIMEOUT);  // ge::Status prints with %u
+  EXPECT_STREQ(buf, "1343270938");
+}
+
+TEST(Api, EveryCallBeforeInitializeAndAfterFinalizeFails) {
+  for (int finalized = 0; finalized < 2; ++finalized) {
+    LlmDataDist dd(1, LlmRole::kDecoder);
+    if (finalized) {
+      ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
+      dd.Finalize();
+      dd.Finalize();  // idempotent
+    }
+    HostCache h(2, {4, 8});
+    int64_t id = -1;
+    std::vector<Status> rets;
+    Cache cache{};
+    cache.cache_id = 1;
+    EXPECT_EQ(dd.RegisterKvCache(h.desc, h.addrs, {}, id), LLM_FAILED);
+    EXPECT_EQ(dd.UnregisterKvCache(1), LLM_FAILED);
+    EXPECT_EQ(dd.AllocateCache(h.desc, cache), LLM_FAILED);
+    EXPECT_EQ(dd.DeallocateCache(1), LLM_FAILED);
+    EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, 1)}, rets), LLM_FAILED);
+    EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, 1)}, rets), LLM_FAILED);
+    EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), cache), LLM_FAILED);
+    EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), cache, {0}, {0}), LLM_FAILED);
+    EXPECT_EQ(dd.PushKvCache(cache, ddtest::Index(2, 1)), LLM_FAILED);
+    EXPECT_EQ(dd.PushKvBlocks(cache, ddtest::Index(2, 1), {0}, {0}), LLM_FAILED);
+    EXPECT_EQ(dd.CopyKvCache(cache, cache), LLM_FAILED);
+    EXPECT_EQ(dd.CopyKvBlocks(cache, cache, {0}, {{1}}), LLM_FAILED);
+    EXPECT_EQ(dd.SetRole(LlmRole::kPrompt), LLM_FAILED);
+    if (finalized) {  // as CANN: Initialize again after Finalize works, ids go on
+      ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
+      EXPECT_EQ(dd.RegisterKvCache(h.desc, h.addrs, {}, id), LLM_SUCCESS);
+      EXPECT_GE(id, 1);
+    }
+  }
+}
+
+TEST(Api, InitializeChecksOptions) {
+  LlmDataDist twice(1, LlmRole::kPrompt);
+  ASSERT_EQ(twice.Initialize(ddtest::Options()), LLM_SUCCESS);
+  EXPECT_EQ(twice.Initialize(ddtest::Options()), LLM_SUCCESS);  // as CANN: already initialized
+  for (const char *bad : {"0", "-5", "abc", ""}) {
+    LlmDataDist dd(1, LlmRole::kPrompt);
+    EXPECT_EQ(dd.Initialize(ddtest::Options(0, bad)), LLM_PARAM_INVALID) << bad;
+  }
+  for (const char *bad : {"127.0.0.1", "127.0.0.1:", ":80", "127.0.0.1:99999", "localhost:80x", "nohost:80"}) {
+    LlmDataDist dd(1, LlmRole::kPrompt);
+    auto o = ddtest::Options();
+    o[OPTION_LISTEN_IP_INFO] = bad;
+    EXPECT_EQ(dd.Initialize(o), LLM_PARAM_INVALID) << bad;
+  }
+  LlmDataDist hixl(1, LlmRole::kPrompt);
+  auto o = ddtest::Options();
+  o[OPTION_TRANSFER_BACKEND] = "hixl";  // CANN's samples pass it: accepted
+  o[OPTION_LOCAL_COMM_RES] = "{}";
+  o[OPTION_BUF_POOL_CFG] = "{}";
+  EXPECT_EQ(hixl.Initialize(o), LLM_SUCCESS);
+  LlmDataDist other(1, LlmRole::kPrompt);
+  o[OPTION_TRANSFER_BACKEND] = "rdma";
+  EXPECT_EQ(other.Initialize(o), LLM_PARAM_INVALID);
+  LlmDataDist bad_role(1, static_cast<LlmRole>(7));
+  EXPECT_EQ(bad_role.Initialize(ddtest::Options()), LLM_PARAM_INVALID);
+}
+
+TEST(Api, ListeningOnABusyPortFails) {
+  uint16_t port = ddtest::FreePort();
+  LlmDataDist a(1, LlmRole::kPrompt), b(2, LlmRole::kPrompt);
+  ASSERT_EQ(a.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  EXPECT_EQ(b.Initialize(ddtest::Options(port)), LLM_LINK_FAILED);
+}
+
+class Initialized : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS); }
+  LlmDataDist dd{1, LlmRole::kDecoder};
+};
+
+TEST_F(Initialized, CacheIdsCountFromOneInRegistrationOrder) {
+  HostCache a(2, {4, 8}), b(2, {4, 8}), c(1, {2});
+  ASSERT_EQ(a.Register(dd), LLM_SUCCESS);
+  ASSERT_EQ(b.Register(dd), LLM_SUCCESS);
+  Cache alloc{};
+  ASSERT_EQ(dd.AllocateCache(c.desc, alloc), LLM_SUCCESS);
+  EXPECT_EQ(a.cache.cache_id, 1);
+  EXPECT_EQ(b.cache.cache_id, 2);
+  EXPECT_EQ(alloc.cache_id, 3);
+  ASSERT_EQ(alloc.tensor_addrs.size(), 1U);
+  EXPECT_EQ(reinterpret_cast<uint8_t *>(alloc.tensor_addrs[0])[1], 0);  // zeroed
+  EXPECT_EQ(dd.UnregisterKvCache(1), LLM_SUCCESS);
+  EXPECT_EQ(dd.UnregisterKvCache(1), LLM_SUCCESS);   // gone: no-op, as Python's unregister
+  EXPECT_EQ(dd.UnregisterKvCache(99), LLM_SUCCESS);  // unknown: no-op
+  EXPECT_EQ(dd.UnregisterKvCache(3), LLM_PARAM_INVALID);  // allocated, not registered
+  EXPECT_EQ(dd.DeallocateCache(2), LLM_PARAM_INVALID);    // registered, not allocated
+  EXPECT_EQ(dd.DeallocateCache(3), LLM_SUCCESS);
+  EXPECT_EQ(dd.DeallocateCache(3), LLM_SUCCESS);  // "does not exist or already freed: success"
+  HostCache d(1, {2});
+  ASSERT_EQ(d.Register(dd), LLM_SUCCESS);
+  EXPECT_EQ(d.cache.cache_id, 4);  // ids are never reused
+}
+
+TEST_F(Initialized, RegisterRefusesBadDescriptions) {
+  int64_t id = -1;
+  HostCache h(2, {4, 8});
+  CacheDesc d = h.desc;
+  d.num_tensors = 0;
+  EXPECT_EQ(dd.RegisterKvCache(d, {}, {}, id), LLM_PARAM_INVALID);
+  d = h.desc;
+  d.shape = {};
+  EXPECT_EQ(dd.RegisterKvCache(d, h.addrs, {}, id), LLM_PARAM_INVALID);
+  d.shape = {4, 0};
+  EXPECT_EQ(dd.RegisterKvCache(d, h.addrs, {}, id), LLM_PARAM_INVALID);
+  d.shape = {-4, 8};
+  EXPECT_EQ(dd.RegisterKvCache(d, h.addrs, {}, id), LLM_PARAM_INVALID);
+  d = h.desc;
+  d.data_type = DT_STRING;
+  EXPECT_EQ(dd.RegisterKvCache(d, h.addrs, {}, id), LLM_PARAM_INVALID);
+  d.data_type = DT_UNDEFINED;
+  EXPECT_EQ(dd.RegisterKvCache(d, h.addrs, {}, id), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.RegisterKvCache(h.desc, {h.addrs[0]}, {}, id), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.RegisterKvCache(h.desc, {h.addrs[0], 0}, {}, id), LLM_PARAM_INVALID);
+  d = h.desc;
+  d.shape = {1LL << 40, 1LL << 40};
+  EXPECT_EQ(dd.RegisterKvCache(d, h.addrs, {}, id), LLM_PARAM_INVALID);
+  EXPECT_EQ(id, -1);
+  Cache c{};
+  d.num_tensors = 1;
+  d.shape = {1LL << 31, 1LL << 31};  // 2^62 bytes: refused before any allocation
+  EXPECT_EQ(dd.AllocateCache(d, c), LLM_PARAM_INVALID);
+}
+
+TEST_F(Initialized, CopyKvCacheAndCopyKvBlocks) {
+  HostCache a(2, {4, 8}), b(2, {4, 8}), odd(3, {4, 8}), small(2, {4, 4});
+  ASSERT_EQ(a.Register(dd), LLM_SUCCESS);
+  ASSERT_EQ(b.Register(dd), LLM_SUCCESS);
+  ASSERT_EQ(odd.Register(dd), LLM_SUCCESS);
+  ASSERT_EQ(small.Register(dd), LLM_SUCCESS);
+  a.Fill(1);
+  ASSERT_EQ(dd.CopyKvCache(a.cache, b.cache, 2, 1, 3, 4), LLM_SUCCESS);
+  for (int t = 0; t < 2; ++t)
+    for (int i = 0; i < 32; ++i) {
+      uint8_t want = (i >= 8 + 3 && i < 8 + 7) ? a.T(t)[16 + 3 + (i - 8 - 3)] : 0;
+      ASSERT_EQ(b.T(t)[i], want) << t << " " << i;
+    }
+  ASSERT_EQ(dd.CopyKvCache(a.cache, b.cache, 0, 3), LLM_SUCCESS);  // the whole slot
+  EXPECT_EQ(std::memcmp(b.T(1) + 24, a.T(1), 8), 0);
+  EXPECT_EQ(dd.CopyKvCache(a.cache, b.cache, 4, 0), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvCache(a.cache, b.cache, 0, 4), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvCache(a.cache, b.cache, 0, 0, 8), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvCache(a.cache, b.cache, 0, 0, 4, 5), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvCache(a.cache, b.cache, 0, 0, 0, 0), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvCache(a.cache, odd.cache), LLM_PARAM_INVALID);
+  Cache unknown{};
+  unknown.cache_id = 77;
+  EXPECT_EQ(dd.CopyKvCache(a.cache, unknown), LLM_KV_CACHE_NOT_EXIST);
+
+  HostCache c(2, {4, 8});
+  ASSERT_EQ(c.Register(dd), LLM_SUCCESS);
+  ASSERT_EQ(dd.CopyKvBlocks(a.cache, c.cache, {0, 3}, {{1, 2}, {3, 0}}), LLM_SUCCESS);
+  for (int t = 0; t < 2; ++t) {
+    EXPECT_EQ(std::memcmp(c.T(t) + 8, a.T(t), 8), 0);
+    EXPECT_EQ(std::memcmp(c.T(t) + 16, a.T(t) + 24, 8), 0);
+    EXPECT_EQ(std::memcmp(c.T(t) + 24, a.T(t), 8), 0);
+    EXPECT_EQ(std::memcmp(c.T(t), a.T(t) + 24, 8), 0);
+  }
+  EXPECT_EQ(dd.CopyKvBlocks(a.cache, c.cache, {4}, {{0}}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvBlocks(a.cache, c.cache, {0}, {{4}}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvBlocks(a.cache, c.cache, {0, 1}, {{0}}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvBlocks(a.cache, c.cache, {}, {}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvBlocks(a.cache, small.cache, {0}, {{0}}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.CopyKvBlocks(a.cache, unknown, {0}, {{0}}), LLM_KV_CACHE_NOT_EXIST);
+}
+
+TEST_F(Initialized, LinkAndTransferArgumentErrors) {
+  std::vector<Status> rets;
+  EXPECT_EQ(dd.LinkLlmClusters({}, rets), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, 1)}, rets, 0), LLM_PARAM_INVALID);
+  ClusterInfo no_ip{};
+  no_ip.remote_cluster_id = 2;
+  EXPECT_EQ(dd.LinkLlmClusters({no_ip}, rets), LLM_PARAM_INVALID);
+  ClusterInfo bad_ip = ddtest::Cluster(2, 80);
+  bad_ip.remote_ip_infos[0].ip = "localhost";  // IPv4 literals only, checked before linking
+  EXPECT_EQ(dd.LinkLlmClusters({bad_ip}, rets), LLM_PARAM_INVALID);
+  bad_ip = ddtest::Cluster(2, 80);
+  bad_ip.local_ip_infos.push_back(IpInfo{});
+  EXPECT_EQ(dd.LinkLlmClusters({bad_ip}, rets), LLM_PARAM_INVALID);
+  // nobody listens there: LLM_LINK_FAILED per cluster, and as the overall code
+  uint16_t dead = ddtest::FreePort();
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, dead)}, rets, 500), LLM_LINK_FAILED);
+  ASSERT_EQ(rets.size(), 1U);
+  EXPECT_EQ(rets[0], LLM_LINK_FAILED);
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(1, dead)}, rets, 500), LLM_LINK_FAILED);  // our own id
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets), LLM_NOT_YET_LINK);
+  EXPECT_EQ(rets[0], LLM_NOT_YET_LINK);
+
+  HostCache h(2, {4, 8});
+  ASSERT_EQ(h.Register(dd), LLM_SUCCESS);
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), h.cache), LLM_NOT_YET_LINK);
+  EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1), {0}, {0}), LLM_NOT_YET_LINK);
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(1, 1), h.cache), LLM_PARAM_INVALID);  // own cluster
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, -3), h.cache), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), h.cache, 0, 0), LLM_PARAM_INVALID);
+  // CANN's argument rules for blocks and pushes
+  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1, 1), h.cache, {0}, {0}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), h.cache, {0}, {}), LLM_FEATURE_NOT_ENABLED);
+  EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1), {}, {0}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1, 1), {0}, {0}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.PushKvCache(h.cache, ddtest::Index(2, 1), 0, 5), LLM_PARAM_INVALID);
+  Cache unknown{};
+  unknown.cache_id = 55;
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), unknown), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(dd.PushKvCache(unknown, ddtest::Index(2, 1)), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(dd.SetRole(static_cast<LlmRole>(0)), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.SetRole(LlmRole::kMix), LLM_SUCCESS);
+}
+
+}  // namespace
