@@ -59,6 +59,8 @@ def ip_to_int(ip: str | int) -> int:
         check_int("ip", ip, "uint32", allow_none=False)
         return ip
     check_isinstance("ip", ip, (str, int), allow_none=False)
+    if not isinstance(ip, str):  # a bool: inet_aton's own TypeError, as before
+        raise TypeError(f"inet_aton() argument 1 must be str, not {type(ip).__name__}")
     try:
         return int(struct.unpack("<I", socket.inet_aton(ip))[0])
     except (OSError, ValueError):  # ValueError: an embedded NUL
@@ -132,15 +134,15 @@ class LLMConfig:
     def __init__(self) -> None:
         self._options: dict[str, str] = {}
         self._device_id: Any = None
-        self._listen_ip_info = ""
+        self._listen_ip_info: str | None = ""
         self._sync_kv_timeout: Any = None
         self._ge_options: dict[str, str] = {}
         self._enable_cache_manager: bool | None = None
         self._enable_remote_cache_accessible: bool | None = None
-        self._mem_pool_cfg = ""
-        self._host_mem_pool_cfg = ""
-        self._buf_pool_cfg = ""
-        self._enable_switch_role = False
+        self._mem_pool_cfg: str | None = ""
+        self._host_mem_pool_cfg: str | None = ""
+        self._buf_pool_cfg: str | None = ""
+        self._enable_switch_role: bool | None = False
         self._link_total_time: int | None = None
         self._link_retry_count: int | None = None
         self._rdma_traffic_class: int | None = None
@@ -149,13 +151,13 @@ class LLMConfig:
         self._transfer_backend: str | None = None
         self._global_resource_config: str | None = None
         self._mem_utilization = 0.95
-        self._deploy_res_path = ""
+        self._deploy_res_path: str | None = ""
         self._cluster_info = ""
         self._output_max_size: int | None = None
         self._transport = ""
         self._auth_secret = ""
-        self._verify_checksum = False
-        self._allow_ptrace = True
+        self._verify_checksum: bool | None = False
+        self._allow_ptrace: bool | None = True
         self._tls = {"cert": "", "key": "", "ca": ""}
         self._max_connections: int | None = None
         self._max_connections_per_peer: int | None = None
@@ -179,11 +181,11 @@ class LLMConfig:
         self._device_id = value
 
     @property
-    def listen_ip_info(self) -> str:
+    def listen_ip_info(self) -> str | None:
         return self._listen_ip_info
 
     @listen_ip_info.setter
-    def listen_ip_info(self, value: str) -> None:
+    def listen_ip_info(self, value: str | None) -> None:
         check_isinstance("listen_ip_info", value, str, allow_none=True)  # None: unset
         self._listen_ip_info = value
 
@@ -228,7 +230,7 @@ class LLMConfig:
         return bool(self._enable_cache_manager)
 
     @enable_cache_manager.setter
-    def enable_cache_manager(self, value: bool) -> None:
+    def enable_cache_manager(self, value: bool | None) -> None:
         self._enable_cache_manager = self._bool("enable_cache_manager", value)
 
     @property
@@ -236,15 +238,15 @@ class LLMConfig:
         return bool(self._enable_remote_cache_accessible)
 
     @enable_remote_cache_accessible.setter
-    def enable_remote_cache_accessible(self, value: bool) -> None:
+    def enable_remote_cache_accessible(self, value: bool | None) -> None:
         self._enable_remote_cache_accessible = self._bool("enable_remote_cache_accessible", value)
 
     @property
-    def enable_switch_role(self) -> bool:
+    def enable_switch_role(self) -> bool | None:
         return self._enable_switch_role
 
     @enable_switch_role.setter
-    def enable_switch_role(self, value: bool) -> None:
+    def enable_switch_role(self, value: bool | None) -> None:
         self._enable_switch_role = self._bool("enable_switch_role", value)
 
     # -- pools
@@ -262,27 +264,27 @@ class LLMConfig:
         return value
 
     @property
-    def mem_pool_cfg(self) -> str:
+    def mem_pool_cfg(self) -> str | None:
         return self._mem_pool_cfg
 
     @mem_pool_cfg.setter
-    def mem_pool_cfg(self, value: str) -> None:
+    def mem_pool_cfg(self, value: str | None) -> None:
         self._mem_pool_cfg = self._pool("mem_pool_cfg", value)
 
     @property
-    def host_mem_pool_cfg(self) -> str:
+    def host_mem_pool_cfg(self) -> str | None:
         return self._host_mem_pool_cfg
 
     @host_mem_pool_cfg.setter
-    def host_mem_pool_cfg(self, value: str) -> None:
+    def host_mem_pool_cfg(self, value: str | None) -> None:
         self._host_mem_pool_cfg = self._pool("host_mem_pool_cfg", value)
 
     @property
-    def buf_pool_cfg(self) -> str:
+    def buf_pool_cfg(self) -> str | None:
         return self._buf_pool_cfg
 
     @buf_pool_cfg.setter
-    def buf_pool_cfg(self, value: str) -> None:
+    def buf_pool_cfg(self, value: str | None) -> None:
         self._buf_pool_cfg = self._pool("buf_pool_cfg", value, buf=True)
 
     # -- link tuning (accepted and emitted; HCCL/RDMA knobs have no effect on TCP)
@@ -335,7 +337,7 @@ class LLMConfig:
         return self._local_comm_res or ""
 
     @local_comm_res.setter
-    def local_comm_res(self, value: str) -> None:
+    def local_comm_res(self, value: str | None) -> None:
         check_isinstance("local_comm_res", value, str, allow_none=True)  # None: unset
         self._local_comm_res = value
 
@@ -344,7 +346,7 @@ class LLMConfig:
         return self._transfer_backend or ""
 
     @transfer_backend.setter
-    def transfer_backend(self, value: str) -> None:
+    def transfer_backend(self, value: str | None) -> None:
         check_isinstance("transfer_backend", value, str, allow_none=True)  # None: unset
         self._transfer_backend = value
 
@@ -353,7 +355,7 @@ class LLMConfig:
         return self._global_resource_config or ""
 
     @global_resource_config.setter
-    def global_resource_config(self, value: str) -> None:
+    def global_resource_config(self, value: str | None) -> None:
         check_isinstance("global_resource_config", value, str, allow_none=True)  # None: unset
         self._global_resource_config = value
 
@@ -382,18 +384,18 @@ class LLMConfig:
         self._auth_secret = value
 
     @property
-    def verify_checksum(self) -> bool:
+    def verify_checksum(self) -> bool | None:
         """datadist extra: check every pull end to end with a CRC-32 of the source spans
         (costs about one extra read of the bytes on each side). Also
         ``DATADIST_VERIFY_CHECKSUM=1``."""
         return self._verify_checksum
 
     @verify_checksum.setter
-    def verify_checksum(self, value: bool) -> None:
+    def verify_checksum(self, value: bool | None) -> None:
         self._verify_checksum = self._bool("verify_checksum", value)
 
     @property
-    def allow_ptrace(self) -> bool:
+    def allow_ptrace(self) -> bool | None:
         """datadist extra: under Yama ``ptrace_scope=1``, let same-user readers attach to
         this process for cross-memory attach (``PR_SET_PTRACER_ANY``, set only once a
         same-host reader asks for it and undone at finalize). False: never; those readers
@@ -401,7 +403,7 @@ class LLMConfig:
         return self._allow_ptrace
 
     @allow_ptrace.setter
-    def allow_ptrace(self, value: bool) -> None:
+    def allow_ptrace(self, value: bool | None) -> None:
         self._allow_ptrace = self._bool("allow_ptrace", value)
 
     def _tls_set(self, which: str, value: str) -> None:
@@ -479,11 +481,11 @@ class LLMConfig:
         self._mem_utilization = value
 
     @property
-    def deploy_res_path(self) -> str:
+    def deploy_res_path(self) -> str | None:
         return self._deploy_res_path
 
     @deploy_res_path.setter
-    def deploy_res_path(self, value: str) -> None:
+    def deploy_res_path(self, value: str | None) -> None:
         check_isinstance("deploy_res_path", value, str, allow_none=True)  # None: unset
         self._deploy_res_path = value
 
@@ -511,7 +513,7 @@ class LLMConfig:
         return self._output_max_size
 
     @output_max_size.setter
-    def output_max_size(self, value: int) -> None:
+    def output_max_size(self, value: int | None) -> None:
         check_int("output_max_size", value, "int64", allow_none=True)  # None: unset
         self._output_max_size = value
 

@@ -155,8 +155,8 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()  # set at close: ends the reverse channels we serve
-        self.listener: TcpListener | None = None
-        self.local_listener: LocalListener | None = None
+        self.listener: TcpListener[Lease] | None = None
+        self.local_listener: LocalListener[Lease] | None = None
         self._grants: dict[int, int] = {}  # verified peer pid -> grants outstanding
         self.nixl: Any = None  # transport.nixl.NixlAgent when the transport is nixl
         # open NIXL leases: id(lease) -> (peer key, fresh, is a write); each keeps the agent
@@ -234,7 +234,7 @@ class Engine:
             self.listener.close()
         self.listener = self.make_listener(host, port)
 
-    def make_listener(self, host: str, port: int) -> TcpListener:
+    def make_listener(self, host: str, port: int) -> TcpListener[Lease]:
         """A started listener serving this engine, with TLS when configured. Every listener
         of the engine (its own, two-sided link ones) comes from here."""
         server_tls = self.config.tls.server_context() if self.config.tls else None

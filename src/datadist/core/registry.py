@@ -45,7 +45,8 @@ from datadist.core.errors import (
     InvalidArgument,
     Timeout,
 )
-from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans, span_iov
+from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
+from datadist.transport.iov import span_iov
 from datadist.wire.protocol import KeyKind, KeyRef
 
 UINT64_MAX = 2**64 - 1

@@ -120,7 +120,9 @@ def shared_empty(shape: tuple[int, ...] | int, dtype: Any = np.uint8) -> np.ndar
     m = _Mapping(nbytes)
     raw = (ctypes.c_byte * m.size).from_address(m.base)
     raw._datadist_mapping = m  # type: ignore[attr-defined]  # keeps the mapping alive
-    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(dt).reshape(shape)
+    # memoryview(raw) keeps ``raw`` (and so the mapping) alive, like ``raw`` itself would.
+    arr: np.ndarray = np.frombuffer(memoryview(raw), dtype=np.uint8,
+                                    count=nbytes).view(dt).reshape(shape)
     return arr
 
 

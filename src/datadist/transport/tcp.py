@@ -24,7 +24,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from datadist.core.errors import (
     Timeout,
     error_for_code,
 )
-from datadist.transport.base import LeaseLike, PeerInfo, RequestHandler
+from datadist.transport.base import LeaseT, PeerInfo, RequestHandler
 from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, sock_readv, sock_writev
 from datadist.wire import protocol as p
 
@@ -221,7 +221,7 @@ class Channel:
 
     def send_raw(self, buf: np.ndarray, deadline: float) -> None:
         self._guard()
-        self._send_bytes(memoryview(buf).cast("B"), deadline)
+        self._send_bytes(buf.data.cast("B"), deadline)  # memoryview(buf)
 
     def _send_bytes(self, data: bytes | memoryview, deadline: float) -> None:
         view = memoryview(data)
@@ -319,7 +319,9 @@ class Channel:
         if head is not None:
             frame = p.encode(head, request_id)
             first = np.empty((len(iov) + 1, 2), dtype=np.uint64)
-            first[0, 0] = ctypes.cast(ctypes.c_char_p(frame), ctypes.c_void_p).value
+            addr = ctypes.cast(ctypes.c_char_p(frame), ctypes.c_void_p).value
+            assert addr is not None  # a bytes object's buffer is never NULL
+            first[0, 0] = addr
             first[0, 1] = len(frame)
             first[1:] = iov
             iov = first
@@ -399,7 +401,10 @@ class Channel:
 # ---------------------------------------------------------------------------------- serving
 
 
-class TcpListener:
+_Listener = TypeVar("_Listener", bound="TcpListener[Any]")
+
+
+class TcpListener(Generic[LeaseT]):
     """Accepts peers and serves each connection on its own thread.
 
     ``start`` binds (port 0 picks a free port; ``port`` tells which) and returns at once.
@@ -412,7 +417,7 @@ class TcpListener:
     accept loop itself never dies of it.
     """
 
-    def __init__(self, host: str, port: int, handler: RequestHandler,
+    def __init__(self, host: str, port: int, handler: RequestHandler[LeaseT],
                  tls: ssl.SSLContext | None = None, *, sock: socket.socket | None = None,
                  max_conns: int = 256, max_per_peer: int = 32) -> None:
         if max_conns < 1 or max_per_peer < 1:
@@ -450,7 +455,7 @@ class TcpListener:
     def __repr__(self) -> str:
         return f"<TcpListener {self.host}:{self.port} conns={len(self._conns)}>"
 
-    def start(self) -> TcpListener:
+    def start(self: _Listener) -> _Listener:
         self._thread.start()
         return self
 
@@ -680,7 +685,7 @@ def _close_now(sock: socket.socket) -> None:
     sock.close()
 
 
-class ServerConnection:
+class ServerConnection(Generic[LeaseT]):
     """The owner's side of one connection: handshake, then requests until the peer leaves.
 
     Two cases besides the plain one (docs/protocol.md, "Reverse channels"):
@@ -695,7 +700,7 @@ class ServerConnection:
 
     _lease_ids = itertools.count(1)
 
-    def __init__(self, chan: Channel, handler: RequestHandler, closing: threading.Event,
+    def __init__(self, chan: Channel, handler: RequestHandler[LeaseT], closing: threading.Event,
                  peer: PeerInfo | None = None) -> None:
         self.chan = chan
         self.handler = handler
@@ -703,10 +708,10 @@ class ServerConnection:
         self.peer: PeerInfo | None = peer  # set once the handshake completed
         self.reverse = peer is not None  # serving over a connection we opened
         self.handed_over = False
-        self.leases: dict[int, tuple[LeaseLike, float]] = {}  # grants: lease, when granted
+        self.leases: dict[int, tuple[LeaseT, float]] = {}  # grants: lease, when granted
         # A TCP read with CHECKSUM whose bytes are sent, awaiting the requester's verdict
         # (RELEASE with lease id 0 and the read's request id): (request id, lease).
-        self.unsettled: tuple[int, object] | None = None
+        self.unsettled: tuple[int, LeaseT] | None = None
 
     def _wait_request(self) -> tuple[int, p.Message] | None:
         """The next frame: its first byte may take as long as the connection lives (an idle
@@ -741,10 +746,10 @@ class ServerConnection:
             self._try_send(p.Error(e.code, str(e)))
         finally:
             for lease, _ in self.leases.values():
-                self.handler.close_read(lease, False)  # type: ignore[arg-type]
+                self.handler.close_read(lease, False)
             self.leases.clear()
             if self.unsettled is not None:
-                self.handler.settle_read(self.unsettled[1], False)  # type: ignore[arg-type]
+                self.handler.settle_read(self.unsettled[1], False)
                 self.unsettled = None
             if self.peer is not None and not self.reverse and not self.handed_over:
                 self.handler.on_disconnect(self.peer)
@@ -757,7 +762,7 @@ class ServerConnection:
         assert self.unsettled is not None
         (want, lease), self.unsettled = self.unsettled, None
         verdict = isinstance(msg, p.Release) and msg.lease_id == 0 and rid == want
-        self.handler.settle_read(lease, verdict and msg.ok)  # type: ignore[arg-type, union-attr]
+        self.handler.settle_read(lease, verdict and isinstance(msg, p.Release) and msg.ok)
         return verdict
 
     def _try_send(self, msg: p.Message, rid: int = 0) -> None:
@@ -791,7 +796,7 @@ class ServerConnection:
             except DatadistError as e:
                 self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
                 raise BrokenLink("peer failed to authenticate") from e
-            last: p.Message = p.Ok()
+            last = p.Ok()
         self.peer = PeerInfo(
             hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
             self.chan.address, local=self.chan.local_cred,
@@ -873,7 +878,7 @@ class ServerConnection:
         if isinstance(msg, p.Release):
             held = self.leases.pop(msg.lease_id, None)
             if held is not None:
-                self.handler.close_read(held[0], msg.ok)  # type: ignore[arg-type]
+                self.handler.close_read(held[0], msg.ok)
             return True
         if isinstance(msg, p.Write):
             return self._write(rid, msg, deadline)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -478,7 +478,7 @@ class _Reader:
 
     __slots__ = ("buf", "pos")
 
-    def __init__(self, buf: bytes | memoryview) -> None:
+    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
         self.buf = memoryview(buf)
         self.pos = 0
 
@@ -489,7 +489,7 @@ class _Reader:
         self.pos += n
         return out
 
-    def unpack(self, s: struct.Struct) -> tuple:
+    def unpack(self, s: struct.Struct) -> tuple[Any, ...]:
         return s.unpack(self.take(s.size))
 
     def bytes_field(self) -> bytes:
@@ -504,15 +504,15 @@ class _Reader:
             raise RemoteProtocolError(f"{len(self.buf) - self.pos} trailing bytes in payload")
 
 
-def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
+def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> Message:
     """Decode one payload of a known type. Raises RemoteProtocolError when malformed."""
     r = _Reader(payload)
     msg: Message
     if mtype in (MsgType.HELLO, MsgType.WELCOME):
         cid, role, pid, pid_ns, boot_id, features = r.unpack(Hello._S)
         proof = r.bytes_field()
-        cls = Hello if mtype == MsgType.HELLO else Welcome
-        msg = cls(cid, role, pid, pid_ns, bytes(boot_id), features, proof)
+        hello_cls = Hello if mtype == MsgType.HELLO else Welcome
+        msg = hello_cls(cid, role, pid, pid_ns, bytes(boot_id), features, proof)
     elif mtype == MsgType.ERROR:
         (code,) = r.unpack(Error._S)
         msg = Error(code, r.bytes_field().decode("utf-8", "replace"))
@@ -542,8 +542,8 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         else:
             if flags:  # no write flags are defined in this version
                 raise RemoteProtocolError(f"unknown write flags {flags:#x}")
-            cls = Write if mtype == MsgType.WRITE else NixlWrite
-            msg = cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
+            write_cls = Write if mtype == MsgType.WRITE else NixlWrite
+            msg = write_cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
     elif mtype == MsgType.READ_DATA:
         (n,) = r.unpack(ReadData._S)
         msg = ReadData(n)

@@ -116,7 +116,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ prefill side
 
     def finished(self, request_id: str, params: dict[str, Any] | None, *, finished_ok: bool,
-                 block_ids: list[int], num_computed_tokens: int) -> tuple[bool, dict | None]:
+                 block_ids: list[int],
+                 num_computed_tokens: int) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: (keep the blocks for a decoder?, parameters for it)."""
         if not params or not params.get("do_remote_decode") or not self.producer:
             return False, None
