@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # numpy is imported where used
+    import numpy as np
+    from numpy.typing import DTypeLike
 
 
 class LLMRole(enum.IntEnum):
@@ -77,7 +82,7 @@ _NP_NAMES = {
 }
 
 
-def numpy_dtype(dt: DataType):  # type: ignore[no-untyped-def]
+def numpy_dtype(dt: DataType) -> np.dtype[Any]:
     """The numpy dtype for a DataType (BF16 -> float16 of the same size, as llm_datadist)."""
     import numpy as np
 
@@ -86,7 +91,7 @@ def numpy_dtype(dt: DataType):  # type: ignore[no-untyped-def]
     return np.dtype(_NP_NAMES[dt])
 
 
-def from_numpy_dtype(dtype) -> DataType:  # type: ignore[no-untyped-def]
+def from_numpy_dtype(dtype: DTypeLike) -> DataType:
     import numpy as np
 
     name = np.dtype(dtype).name
@@ -96,7 +101,7 @@ def from_numpy_dtype(dtype) -> DataType:  # type: ignore[no-untyped-def]
     raise ValueError(f"no DataType for numpy dtype {name}")
 
 
-def from_torch_dtype(dtype) -> DataType:  # type: ignore[no-untyped-def]
+def from_torch_dtype(dtype: object) -> DataType:
     """The DataType of a torch dtype (by name, so torch need not be imported here)."""
     name = str(dtype).replace("torch.", "")
     table = {

@@ -665,7 +665,8 @@ class Engine:
             raise NotSupported(str(e)) from None
 
     def nixl_metadata(self) -> p.NixlMd:
-        return self._serving_nixl().metadata()
+        md: p.NixlMd = self._serving_nixl().metadata()
+        return md
 
     def open_nixl(self, peer: PeerInfo, msg: p.NixlRead | p.NixlWrite, lease_id: int
                   ) -> tuple[Lease, p.NixlGrant]:

@@ -124,7 +124,8 @@ class Link:
 
     @property
     def path_name(self) -> str:
-        return self.path.caps.name
+        name: str = self.path.caps.name
+        return name
 
     def close(self) -> None:
         """Close the channel and release what the path holds (shared mappings). Idempotent.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +155,7 @@ class SchedulerSide:
             },
         }
 
-    def sent(self, request_ids: set[str] | list[str]) -> None:
+    def sent(self, request_ids: Iterable[str]) -> None:
         """Workers freed these requests' blocks (``finished_sending``): reuse their slots."""
         for rid in request_ids:
             slot = self._slot_of.pop(rid, None)
