@@ -166,6 +166,8 @@ class LLMConfig:
 
     @property
     def device_id(self) -> Any:
+        """Device id(s): an int, or a list/tuple of them (default unset). Emits
+        ``ge.exec.deviceId`` (ids joined by ';') and ``ge.session_device_id`` (the first)."""
         return self._device_id
 
     @device_id.setter
@@ -182,6 +184,8 @@ class LLMConfig:
 
     @property
     def listen_ip_info(self) -> str | None:
+        """``'ip:port'`` this process listens on to be linked to (a PROMPT's, default "": not
+        listening). Emits ``llm.listenIpInfo``."""
         return self._listen_ip_info
 
     @listen_ip_info.setter
@@ -191,6 +195,8 @@ class LLMConfig:
 
     @property
     def sync_kv_timeout(self) -> Any:
+        """Milliseconds a pull or push may take, an int or digit string > 0 (default unset:
+        1000 ms). Emits ``llm.SyncKvCacheWaitTime``."""
         return self._sync_kv_timeout
 
     @sync_kv_timeout.setter
@@ -209,6 +215,7 @@ class LLMConfig:
 
     @property
     def ge_options(self) -> dict[str, str]:
+        """Extra options (str to str), copied first into the generated options (default {})."""
         return self._ge_options
 
     @ge_options.setter
@@ -227,6 +234,8 @@ class LLMConfig:
 
     @property
     def enable_cache_manager(self) -> bool:
+        """Cache-manager mode (``LLMDataDist.cache_manager``); default False (unset: not
+        emitted). Emits ``llm.EnableCacheManager`` "1"/"0"."""
         return bool(self._enable_cache_manager)
 
     @enable_cache_manager.setter
@@ -235,6 +244,9 @@ class LLMConfig:
 
     @property
     def enable_remote_cache_accessible(self) -> bool:
+        """Make this process's caches reachable by address from linked peers (raw-address
+        writes of ``transfer_cache_async``); default False (unset: not emitted). Emits
+        ``llm.EnableRemoteCacheAccessible`` "1"/"0"."""
         return bool(self._enable_remote_cache_accessible)
 
     @enable_remote_cache_accessible.setter
@@ -243,6 +255,7 @@ class LLMConfig:
 
     @property
     def enable_switch_role(self) -> bool | None:
+        """Allow ``switch_role`` (default False). Emits ``llm.EnableSwitchRole`` "1" when true."""
         return self._enable_switch_role
 
     @enable_switch_role.setter
@@ -265,6 +278,8 @@ class LLMConfig:
 
     @property
     def mem_pool_cfg(self) -> str | None:
+        """JSON of the device memory pool, ``{"memory_size": bytes}`` (default "": none).
+        Emits ``llm.MemPoolConfig``."""
         return self._mem_pool_cfg
 
     @mem_pool_cfg.setter
@@ -273,6 +288,8 @@ class LLMConfig:
 
     @property
     def host_mem_pool_cfg(self) -> str | None:
+        """JSON of the host memory pool, ``{"memory_size": bytes}`` (default "": none).
+        Emits ``llm.HostMemPoolConfig``."""
         return self._host_mem_pool_cfg
 
     @host_mem_pool_cfg.setter
@@ -281,6 +298,8 @@ class LLMConfig:
 
     @property
     def buf_pool_cfg(self) -> str | None:
+        """JSON of the legacy-mode buffer pool tiers, ``{"buf_cfg": [...]}`` (default "": none).
+        Emits ``llm.BufPoolCfg``."""
         return self._buf_pool_cfg
 
     @buf_pool_cfg.setter
@@ -291,6 +310,8 @@ class LLMConfig:
 
     @property
     def link_total_time(self) -> int:
+        """Seconds a link may take, in [0, 2**32-1] (default 0: ``HCCL_CONNECT_TIMEOUT``, else
+        120). Emits ``llm.LinkTotalTime`` once set."""
         return self._link_total_time or 0
 
     @link_total_time.setter
@@ -303,6 +324,7 @@ class LLMConfig:
 
     @property
     def link_retry_count(self) -> int:
+        """Link attempts, in [1, 100] (default 1). Emits ``llm.LinkRetryCount`` once set."""
         return self._link_retry_count or 1
 
     @link_retry_count.setter
@@ -314,6 +336,8 @@ class LLMConfig:
 
     @property
     def rdma_traffic_class(self) -> int | None:
+        """RDMA traffic class, a uint32 (default unset); accepted, no effect on TCP. Emits
+        ``llm.RdmaTrafficClass``."""
         return self._rdma_traffic_class
 
     @rdma_traffic_class.setter
@@ -323,6 +347,8 @@ class LLMConfig:
 
     @property
     def rdma_service_level(self) -> int | None:
+        """RDMA service level, a uint32 (default unset); accepted, no effect on TCP. Emits
+        ``llm.RdmaServiceLevel``."""
         return self._rdma_service_level
 
     @rdma_service_level.setter
@@ -334,6 +360,8 @@ class LLMConfig:
 
     @property
     def local_comm_res(self) -> str:
+        """Local communication resources, as LLM-DataDist takes them (default "", unset).
+        Emits ``llm.LocalCommRes`` once set, even to "" (which selects cache-manager mode)."""
         return self._local_comm_res or ""
 
     @local_comm_res.setter
@@ -343,6 +371,7 @@ class LLMConfig:
 
     @property
     def transfer_backend(self) -> str:
+        """Transfer backend name (default "", unset). Emits ``llm.TransferBackend`` once set."""
         return self._transfer_backend or ""
 
     @transfer_backend.setter
@@ -352,6 +381,8 @@ class LLMConfig:
 
     @property
     def global_resource_config(self) -> str:
+        """Global resource configuration (default "", unset). Emits
+        ``llm.GlobalResourceConfig`` once set."""
         return self._global_resource_config or ""
 
     @global_resource_config.setter
@@ -362,7 +393,8 @@ class LLMConfig:
     @property
     def transport(self) -> str:
         """datadist extra: force a data path ("tcp", "cma", "shm", "nixl", "auto"). "nixl"
-        needs the ``datadist[nixl]`` extra; without it ``init`` raises PARAM_INVALID."""
+        needs the ``datadist[nixl]`` extra; without it ``init`` raises PARAM_INVALID. Default ""
+        (auto). Emits ``datadist.Transport``."""
         return self._transport
 
     @transport.setter
@@ -375,7 +407,8 @@ class LLMConfig:
     @property
     def auth_secret(self) -> str:
         """datadist extra: a shared secret every linked peer must prove (challenge and
-        response; the secret never crosses the wire). Also ``DATADIST_AUTH_SECRET``."""
+        response; the secret never crosses the wire). Also ``DATADIST_AUTH_SECRET``. Default
+        "" (off). Emits ``datadist.AuthSecret``."""
         return self._auth_secret
 
     @auth_secret.setter
@@ -387,7 +420,7 @@ class LLMConfig:
     def verify_checksum(self) -> bool | None:
         """datadist extra: check every pull end to end with a CRC-32 of the source spans
         (costs about one extra read of the bytes on each side). Also
-        ``DATADIST_VERIFY_CHECKSUM=1``."""
+        ``DATADIST_VERIFY_CHECKSUM=1``. Default False. Emits ``datadist.VerifyChecksum`` "1"."""
         return self._verify_checksum
 
     @verify_checksum.setter
@@ -399,7 +432,8 @@ class LLMConfig:
         """datadist extra: under Yama ``ptrace_scope=1``, let same-user readers attach to
         this process for cross-memory attach (``PR_SET_PTRACER_ANY``, set only once a
         same-host reader asks for it and undone at finalize). False: never; those readers
-        fall back to shared memory or a stream path. Also ``DATADIST_ALLOW_PTRACE=0``."""
+        fall back to shared memory or a stream path. Also ``DATADIST_ALLOW_PTRACE=0``. Default
+        True. Emits ``datadist.AllowPtrace`` "0" when off."""
         return self._allow_ptrace
 
     @allow_ptrace.setter
@@ -413,7 +447,8 @@ class LLMConfig:
     @property
     def tls_cert_file(self) -> str:
         """datadist extra: this process's TLS certificate (PEM). With ``tls_key_file`` and
-        ``tls_ca_file`` every link runs mutual TLS. Also ``DATADIST_TLS_CERT``."""
+        ``tls_ca_file`` every link runs mutual TLS. Also ``DATADIST_TLS_CERT``. Default "" (no
+        TLS). Emits ``datadist.TlsCert``."""
         return self._tls["cert"]
 
     @tls_cert_file.setter
@@ -422,7 +457,8 @@ class LLMConfig:
 
     @property
     def tls_key_file(self) -> str:
-        """datadist extra: the key of ``tls_cert_file`` (PEM). Also ``DATADIST_TLS_KEY``."""
+        """datadist extra: the key of ``tls_cert_file`` (PEM). Also ``DATADIST_TLS_KEY``.
+        Default "". Emits ``datadist.TlsKey``."""
         return self._tls["key"]
 
     @tls_key_file.setter
@@ -432,7 +468,7 @@ class LLMConfig:
     @property
     def tls_ca_file(self) -> str:
         """datadist extra: the CA that signs every peer's certificate (PEM). Also
-        ``DATADIST_TLS_CA``."""
+        ``DATADIST_TLS_CA``. Default "". Emits ``datadist.TlsCa``."""
         return self._tls["ca"]
 
     @tls_ca_file.setter
@@ -458,7 +494,7 @@ class LLMConfig:
 
     @property
     def max_connections_per_peer(self) -> int:
-        """datadist extra: of those, how many may come from one IP address (default 32).
+        """datadist extra: of those, how many may come from one IP address (default 64).
         Option ``datadist.MaxConnectionsPerPeer``, or ``DATADIST_MAX_CONNECTIONS_PER_PEER``."""
         return self._max_connections_per_peer or DEFAULT_MAX_CONNECTIONS_PER_PEER
 
@@ -470,6 +506,8 @@ class LLMConfig:
 
     @property
     def mem_utilization(self) -> float:
+        """Share of device memory to use, a float in [0, 1] (default 0.95). Always emits
+        ``llm.MemoryUtilization``."""
         return self._mem_utilization
 
     @mem_utilization.setter
@@ -482,6 +520,7 @@ class LLMConfig:
 
     @property
     def deploy_res_path(self) -> str | None:
+        """Deployment resource path (default "": not emitted). Emits ``llm.deployResPath``."""
         return self._deploy_res_path
 
     @deploy_res_path.setter
@@ -491,6 +530,8 @@ class LLMConfig:
 
     @property
     def cluster_info(self) -> str:
+        """Legacy-mode cluster JSON; its ``listen_ip_info`` IPs are stored as integers (default
+        ""). Emits ``llm.ClusterInfo``."""
         return self._cluster_info
 
     @cluster_info.setter
@@ -510,6 +551,7 @@ class LLMConfig:
 
     @property
     def output_max_size(self) -> int | None:
+        """Legacy-mode output size limit, an int64 (default unset). Emits ``llm.OutputMaxSize``."""
         return self._output_max_size
 
     @output_max_size.setter
@@ -519,6 +561,7 @@ class LLMConfig:
 
     @property
     def options(self) -> dict[str, str]:
+        """The dict ``generate_options`` fills and returns (the same dict every time)."""
         return self._options
 
     # -- output

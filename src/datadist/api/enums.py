@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # numpy is imported where used
 
 
 class LLMRole(enum.IntEnum):
+    """A process's role: PROMPT (owns KV caches, is pulled from), DECODER (pulls) or MIX."""
+
     PROMPT = 1
     DECODER = 2
     MIX = 3
@@ -30,12 +32,16 @@ class Placement(enum.IntEnum):
 
 
 class RegisterMemStatus(enum.Enum):
+    """State of a two-sided ``link`` (``query_register_mem_status``): PREPARING, OK or FAILED."""
+
     OK = 0
     PREPARING = 1
     FAILED = 2
 
 
 class Memtype(enum.Enum):
+    """Where registered memory lives: device (MEM_TYPE_DEVICE) or host (MEM_TYPE_HOST)."""
+
     MEM_TYPE_DEVICE = 0
     MEM_TYPE_HOST = 1
 

@@ -94,6 +94,8 @@ def v1_pool_config(options: dict[str, str]) -> PoolConfig:
 
 
 class TensorDesc:
+    """A tensor's data type (``DataType``) and shape, for ``Tensor`` and legacy-mode caches."""
+
     def __init__(self, dtype: DataType, shape: list[int] | tuple[int, ...]) -> None:
         check_isinstance("dtype", dtype, DataType, allow_none=False)
         check_isinstance("shape", shape, (list, tuple), allow_none=False)

@@ -69,6 +69,9 @@ UNLINK_TIMEOUT = 1.0  # seconds to tell a peer we leave
 
 
 class CommState(enum.Enum):
+    """Where a communication domain stands: PREPARING until every member joined, then OK or
+    FAILED (``reason`` says why)."""
+
     PREPARING = "preparing"
     OK = "ok"
     FAILED = "failed"
@@ -76,6 +79,8 @@ class CommState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Member:
+    """One member of a communication domain: its cluster id, rank, and the address it listens on."""
+
     cluster_id: int
     rank: int
     host: str
@@ -84,6 +89,8 @@ class Member:
 
 @dataclass(eq=False)
 class Comm:
+    """One communication domain made by ``link``: its members, state and the links it opened."""
+
     comm_id: int
     name: str
     me: Member

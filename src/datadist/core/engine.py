@@ -88,6 +88,9 @@ def _counted(op: str) -> Callable[[_F], _F]:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What an Engine runs with, parsed from ``LLMDataDist.init``'s options (cluster id, role,
+    listen address, timeouts, pools, transport, auth, TLS, connection caps)."""
+
     cluster_id: int
     role: int
     listen: tuple[str, int] | None = None

@@ -101,6 +101,9 @@ def forced_path(option: str | None) -> PathKind:
 
 @dataclass(eq=False)
 class Link:
+    """A link to one peer cluster: its control channel, the data path chosen for it (and why),
+    and a lock that serialises its transfers."""
+
     cluster_id: int
     host: str
     port: int

@@ -70,6 +70,9 @@ class KeyId:
 
 @dataclass(eq=False)
 class KeyBinding:
+    """A cache key bound to one slot of a cache, with which of its tensors were pulled (for
+    consumption) and which have a read in flight."""
+
     entry: CacheEntry
     slot: int
     pulled: np.ndarray  # bool per tensor, for consumption
@@ -82,6 +85,9 @@ class KeyBinding:
 
 @dataclass(eq=False)
 class CacheEntry:
+    """A registered cache: its geometry, the base address of each tensor, who owns the memory,
+    and the keys bound to it."""
+
     cache_id: int
     geometry: Geometry
     addrs: np.ndarray  # uint64, base address of each tensor

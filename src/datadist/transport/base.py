@@ -69,6 +69,9 @@ class PeerInfo:
 
 
 class LeaseLike(Protocol):
+    """What a transport needs of a handler's lease: the leased bytes as iovecs, their size, and
+    whether the owner wants the memory back."""
+
     @property
     def nbytes(self) -> int: ...
 
