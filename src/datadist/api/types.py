@@ -414,13 +414,14 @@ class TransferWithCacheKeyConfig:
     """
 
     def __init__(self, cache_key: BlocksCacheKey | CacheKeyByIdAndIndex,
-                 src_layer_range: range = None,  # type: ignore[assignment]
-                 dst_layer_range: range = None,  # type: ignore[assignment]
+                 src_layer_range: range | None = None,  # None (the default) is a TypeError
+                 dst_layer_range: range | None = None,
                  src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex),
                          allow_none=False)
         check_layer_range("src_layer_range", src_layer_range, allow_none=False)
         check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
+        assert src_layer_range is not None and dst_layer_range is not None  # checked above
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
                        f"src_layer_range size should be equal to dst_layer_range size, got "
                        f"{src_layer_range} and {dst_layer_range}")

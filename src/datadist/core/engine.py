@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -81,7 +82,8 @@ def _counted(op: str) -> Callable[[_F], _F]:
                 raise
             metrics.PROCESS.record(op, cluster_id, plan.nbytes, time.perf_counter() - t0)
 
-        return counted  # type: ignore[return-value]
+        # Called exactly as ``fn`` (same parameters, passed through): ``fn``'s type.
+        return cast(_F, counted)
 
     return wrap
 
@@ -247,7 +249,7 @@ class Engine:
         self._serve_local(server_tls)
         return listener
 
-    def _serve_local(self, server_tls) -> None:  # type: ignore[no-untyped-def]
+    def _serve_local(self, server_tls: ssl.SSLContext | None) -> None:
         """Serve the local channel (transport/local.py) too, once, unless TCP is forced:
         same-host peers are verified there, and only there get grants."""
         with self._lock:
@@ -312,7 +314,7 @@ class Engine:
         addrs: list[int],
         *,
         placement: int,
-        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        keys: Sequence[KeyId | None] = (),
         blocks_model_id: int | None = None,
         remote_accessible: bool = True,
     ) -> CacheEntry:
@@ -341,7 +343,7 @@ class Engine:
         geometry: Geometry,
         *,
         placement: int,
-        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        keys: Sequence[KeyId | None] = (),
         blocks_model_id: int | None = None,
     ) -> CacheEntry:
         """Carve a cache from the pool of its placement. One allocation, tensors

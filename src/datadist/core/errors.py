@@ -8,7 +8,6 @@ into CANN's ``LLMException`` with the same code, in one place.
 from __future__ import annotations
 
 import enum
-from typing import ClassVar
 
 
 class Code(enum.IntEnum):
@@ -55,13 +54,13 @@ class Code(enum.IntEnum):
 class DatadistError(Exception):
     """Base of every error datadist raises on purpose. ``code`` is its status code."""
 
-    code: ClassVar[Code] = Code.FAILED
+    code: Code = Code.FAILED  # per class; an instance may set its own
 
     def __init__(self, message: str = "", *, code: Code | int | None = None) -> None:
         super().__init__(message)
         if code is not None:
             # An instance may carry a more precise code than its class (a remote error).
-            self.code = Code(code)  # type: ignore[misc]
+            self.code = Code(code)
 
 
 class InvalidArgument(DatadistError, ValueError):

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from datadist.core import auth
 from datadist.core.errors import (
@@ -97,6 +97,9 @@ def forced_path(option: str | None) -> PathKind:
         raise InvalidArgument(
             f"unknown transport {raw!r}; use one of {[k.value for k in PathKind]}"
         ) from None
+
+
+_R = TypeVar("_R")  # what a Link.run op returns
 
 
 @dataclass(eq=False)
@@ -194,7 +197,7 @@ class Link:
         path.close()
         self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
 
-    def run(self, deadline: float, op):  # type: ignore[no-untyped-def]
+    def run(self, deadline: float, op: Callable[[Any, Channel], _R]) -> _R:
         """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke
         and falling back from CMA to TCP when the kernel refuses."""
         self.acquire(deadline)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,7 +193,7 @@ class Registry:
         *,
         owned: bool,
         placement: int = 0,
-        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        keys: Sequence[KeyId | None] = (),
         blocks_model_id: int | None = None,
         remote_accessible: bool = True,
         free: Callable[[], None] | None = None,

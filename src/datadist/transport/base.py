@@ -69,8 +69,11 @@ class PeerInfo:
 
 
 class LeaseLike(Protocol):
-    """What a transport needs of a handler's lease: the leased bytes as iovecs, their size, and
-    whether the owner wants the memory back."""
+    """What a transport needs of a handler's lease: the leased bytes as iovecs, their size,
+    their base addresses (for grants), and whether the owner wants the memory back."""
+
+    # The leased tensors' base addresses (uint64), sent in a same-host GRANT.
+    bases: np.ndarray
 
     @property
     def nbytes(self) -> int: ...

@@ -284,6 +284,8 @@ def _recvmsg_waitall(fd: int, iov_ptr: int, count: int) -> int:
 
 
 Arm = Callable[[float, bool], None]
+# sock_readv / sock_writev: move a whole iovec array over a socket by its deadline.
+SockIo = Callable[[int, np.ndarray, float, "Arm | None"], None]
 
 
 SEND_CHUNK = 4 << 20

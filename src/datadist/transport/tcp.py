@@ -40,7 +40,14 @@ from datadist.core.errors import (
     error_for_code,
 )
 from datadist.transport.base import LeaseT, PeerInfo, RequestHandler
-from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, sock_readv, sock_writev
+from datadist.transport.iov import (
+    SockIo,
+    crc_iov,
+    iov_nbytes,
+    make_iov,
+    sock_readv,
+    sock_writev,
+)
 from datadist.wire import protocol as p
 
 if TYPE_CHECKING:
@@ -366,7 +373,7 @@ class Channel:
         self._rpos += used
         return rest
 
-    def _io(self, fn, iov: np.ndarray, deadline: float) -> None:  # type: ignore[no-untyped-def]
+    def _io(self, fn: SockIo, iov: np.ndarray, deadline: float) -> None:
         try:
             fn(self.fd, iov, deadline, self._arm)
         except (Timeout, BrokenLink):
@@ -567,11 +574,11 @@ class TcpListener(Generic[LeaseT]):
                 sock.close()
             return False
 
-    def _peer_of(self, sock: socket.socket, addr: tuple) -> tuple[str, str]:  # type: ignore[type-arg]
+    def _peer_of(self, sock: socket.socket, addr: tuple[Any, ...]) -> tuple[str, str]:
         """(the key the per-peer cap counts by, a printable address) of an accepted socket."""
         return addr[0], f"{addr[0]}:{addr[1]}"
 
-    def _channel(self, sock: socket.socket, addr: tuple) -> Channel:  # type: ignore[type-arg]
+    def _channel(self, sock: socket.socket, addr: tuple[Any, ...]) -> Channel:
         """The Channel for an accepted socket (TLS-wrapped when configured)."""
         _tune(sock)
         if self.tls is not None:
@@ -594,8 +601,11 @@ class TcpListener(Generic[LeaseT]):
         handed_over = False
         try:
             if self.tls is not None:
+                from datadist.transport.tls import TlsChannel
+
+                assert isinstance(chan, TlsChannel)  # _channel wraps every socket with TLS on
                 try:
-                    chan.handshake(time.monotonic() + HANDSHAKE_TIMEOUT)  # type: ignore[attr-defined]
+                    chan.handshake(time.monotonic() + HANDSHAKE_TIMEOUT)
                 except DatadistError as e:
                     log.info("TLS handshake from %s failed: %s", chan.address, e)
                     return
@@ -843,8 +853,7 @@ class ServerConnection(Generic[LeaseT]):
                 if shm is not None:
                     self.chan.send(p.ShmGrant(lease_id, *shm), deadline, rid)
                 else:
-                    self.chan.send(p.Grant(lease_id, lease.bases), deadline,  # type: ignore[attr-defined]
-                                   rid)
+                    self.chan.send(p.Grant(lease_id, lease.bases), deadline, rid)
                 if msg.flags & p.ReadFlags.CHECKSUM:
                     self._send_checksum(make_iov(*lease.iov()), deadline, rid)
                 return True
@@ -869,10 +878,11 @@ class ServerConnection(Generic[LeaseT]):
         if isinstance(msg, (p.NixlRead, p.NixlWrite)):
             return self._nixl_grant(rid, msg, deadline)
         if isinstance(msg, p.NixlMdRequest):
+            md: p.NixlMd | p.Error
             try:
                 md = self.handler.nixl_metadata()
             except DatadistError as e:
-                md = p.Error(int(e.code), str(e))  # type: ignore[assignment]
+                md = p.Error(int(e.code), str(e))
             self.chan.send(md, deadline, rid)
             return True
         if isinstance(msg, p.Release):
@@ -908,9 +918,10 @@ class ServerConnection(Generic[LeaseT]):
     def _nixl_grant(self, rid: int, msg: p.NixlRead | p.NixlWrite, deadline: float) -> bool:
         """NIXL data path: grant the checked spans (the client READs or WRITEs them through
         NIXL) and hold the lease until its Release (or the connection ends)."""
+        assert self.peer is not None  # set by the handshake, before any request
         lease_id = next(self._lease_ids)
         try:
-            lease, grant = self.handler.open_nixl(self.peer, msg, lease_id)  # type: ignore[arg-type]
+            lease, grant = self.handler.open_nixl(self.peer, msg, lease_id)
         except DatadistError as e:
             self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
             return True
@@ -929,8 +940,9 @@ class ServerConnection(Generic[LeaseT]):
         """Push, in two steps: the owner checks the destination spans and answers Ok (send)
         or Error (nothing is sent, the connection stays usable); then the raw bytes land
         straight in the destination and a final Ok confirms them."""
+        assert self.peer is not None  # set by the handshake, before any request
         try:
-            lease = self.handler.open_write(self.peer, msg)  # type: ignore[arg-type]
+            lease = self.handler.open_write(self.peer, msg)
         except DatadistError as e:
             self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
             return True

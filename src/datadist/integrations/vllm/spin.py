@@ -40,6 +40,7 @@ def share_gil_while(active: Callable[[], bool], sleep_s: float) -> bool:
         else:
             plain()
 
+    # A function attribute (as functools.wraps sets it): mypy does not model those.
     sched_yield.__wrapped__ = plain  # type: ignore[attr-defined]
     shm_broadcast.sched_yield = sched_yield
     return True
