@@ -631,7 +631,7 @@ class LLMConfig:
             o[OPT_AUTH_SECRET] = self._auth_secret
         if self._verify_checksum:
             o[OPT_VERIFY] = "1"
-        if not self._allow_ptrace:
+        if self._allow_ptrace is False:  # None is unset, as for every option
             o[OPT_ALLOW_PTRACE] = "0"
         if self._max_connections is not None:
             o[OPT_MAX_CONNECTIONS] = str(self._max_connections)
