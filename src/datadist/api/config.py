@@ -133,9 +133,9 @@ class LLMConfig:
 
     def __init__(self) -> None:
         self._options: dict[str, str] = {}
-        self._device_id: Any = None
+        self._device_id: int | list[int] | tuple[int, ...] | None = None
         self._listen_ip_info: str | None = ""
-        self._sync_kv_timeout: Any = None
+        self._sync_kv_timeout: int | str | None = None
         self._ge_options: dict[str, str] = {}
         self._enable_cache_manager: bool | None = None
         self._enable_remote_cache_accessible: bool | None = None
@@ -165,7 +165,7 @@ class LLMConfig:
     # -- device and addresses
 
     @property
-    def device_id(self) -> Any:
+    def device_id(self) -> int | list[int] | tuple[int, ...] | None:
         """Device id(s): an int, or a list/tuple of them (default unset). Emits
         ``ge.exec.deviceId`` (ids joined by ';') and ``ge.session_device_id`` (the first)."""
         return self._device_id
@@ -194,7 +194,7 @@ class LLMConfig:
         self._listen_ip_info = value
 
     @property
-    def sync_kv_timeout(self) -> Any:
+    def sync_kv_timeout(self) -> int | str | None:
         """Milliseconds a pull or push may take, an int or digit string > 0 (default unset:
         1000 ms). Emits ``llm.SyncKvCacheWaitTime``."""
         return self._sync_kv_timeout
