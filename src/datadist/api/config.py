@@ -653,7 +653,7 @@ class LLMClusterInfo:
 
     def __init__(self) -> None:
         self._remote_cluster_id: int | None = None
-        self._remote_role_type: Any = None
+        self._remote_role_type: int | None = None  # an LLMRole (an int) once set
         self._local_ip_info_list: list[tuple[int, int]] = []
         self._remote_ip_info_list: list[tuple[int, int]] = []
 
@@ -667,11 +667,11 @@ class LLMClusterInfo:
         self._remote_cluster_id = value
 
     @property
-    def remote_role_type(self) -> Any:
+    def remote_role_type(self) -> int | None:
         return self._remote_role_type
 
     @remote_role_type.setter
-    def remote_role_type(self, value: Any) -> None:
+    def remote_role_type(self, value: int) -> None:
         check_isinstance("remote_role_type", value, int, allow_none=False)
         self._remote_role_type = value
 
