@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'datadist' has no attribute {name!r}")
 
 
-_ = CacheManager  # re-exported for type hints; not in llm_datadist's __all__
+_: object = CacheManager  # re-exported for type hints; not in llm_datadist's __all__
 # datadist's own extras, outside llm_datadist's __all__: metrics(), reset_metrics(),
 # metrics_collector() (Prometheus)
 _ = (metrics, metrics_collector, reset_metrics)

@@ -69,7 +69,8 @@ def _view(addr: int, shape: tuple[int, ...]) -> np.ndarray:
 
     n = int(np.prod(shape))
     buf = (ctypes.c_uint16 * n).from_address(addr)
-    return np.frombuffer(buf, dtype=np.float16).reshape(shape)
+    arr: np.ndarray = np.frombuffer(memoryview(buf), dtype=np.float16).reshape(shape)
+    return arr
 
 
 def _warm(shape: tuple[int, ...]) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 
 from datadist.api.enums import DataType, numpy_dtype
 
-dtype_to_np_dtype = {
+dtype_to_np_dtype: dict[DataType, type[np.generic]] = {
     **{dt: numpy_dtype(dt).type for dt in DataType if dt is not DataType.DT_STRING},
     DataType.DT_STRING: np.bytes_,
 }

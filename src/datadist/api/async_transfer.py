@@ -70,7 +70,8 @@ _U64 = 2**64 - 1
 def _block_indices(name: str, value: Any) -> np.ndarray | None:
     if value is None:
         return None
-    return int_list(name, value, "uint64", types=(list, tuple))
+    indices: np.ndarray = int_list(name, value, "uint64", types=(list, tuple))
+    return indices
 
 
 def _layers(cfg: Any, num_layers: int) -> range:

@@ -59,6 +59,8 @@ def ip_to_int(ip: str | int) -> int:
         check_int("ip", ip, "uint32", allow_none=False)
         return ip
     check_isinstance("ip", ip, (str, int), allow_none=False)
+    if not isinstance(ip, str):  # a bool: inet_aton's own TypeError, as before
+        raise TypeError(f"inet_aton() argument 1 must be str, not {type(ip).__name__}")
     try:
         return int(struct.unpack("<I", socket.inet_aton(ip))[0])
     except (OSError, ValueError):  # ValueError: an embedded NUL
@@ -131,16 +133,16 @@ class LLMConfig:
 
     def __init__(self) -> None:
         self._options: dict[str, str] = {}
-        self._device_id: Any = None
-        self._listen_ip_info = ""
-        self._sync_kv_timeout: Any = None
+        self._device_id: int | list[int] | tuple[int, ...] | None = None
+        self._listen_ip_info: str | None = ""
+        self._sync_kv_timeout: int | str | None = None
         self._ge_options: dict[str, str] = {}
         self._enable_cache_manager: bool | None = None
         self._enable_remote_cache_accessible: bool | None = None
-        self._mem_pool_cfg = ""
-        self._host_mem_pool_cfg = ""
-        self._buf_pool_cfg = ""
-        self._enable_switch_role = False
+        self._mem_pool_cfg: str | None = ""
+        self._host_mem_pool_cfg: str | None = ""
+        self._buf_pool_cfg: str | None = ""
+        self._enable_switch_role: bool | None = False
         self._link_total_time: int | None = None
         self._link_retry_count: int | None = None
         self._rdma_traffic_class: int | None = None
@@ -149,13 +151,13 @@ class LLMConfig:
         self._transfer_backend: str | None = None
         self._global_resource_config: str | None = None
         self._mem_utilization = 0.95
-        self._deploy_res_path = ""
+        self._deploy_res_path: str | None = ""
         self._cluster_info = ""
         self._output_max_size: int | None = None
         self._transport = ""
         self._auth_secret = ""
-        self._verify_checksum = False
-        self._allow_ptrace = True
+        self._verify_checksum: bool | None = False
+        self._allow_ptrace: bool | None = True
         self._tls = {"cert": "", "key": "", "ca": ""}
         self._max_connections: int | None = None
         self._max_connections_per_peer: int | None = None
@@ -163,7 +165,9 @@ class LLMConfig:
     # -- device and addresses
 
     @property
-    def device_id(self) -> Any:
+    def device_id(self) -> int | list[int] | tuple[int, ...] | None:
+        """Device id(s): an int, or a list/tuple of them (default unset). Emits
+        ``ge.exec.deviceId`` (ids joined by ';') and ``ge.session_device_id`` (the first)."""
         return self._device_id
 
     @device_id.setter
@@ -179,16 +183,20 @@ class LLMConfig:
         self._device_id = value
 
     @property
-    def listen_ip_info(self) -> str:
+    def listen_ip_info(self) -> str | None:
+        """``'ip:port'`` this process listens on to be linked to (a PROMPT's, default "": not
+        listening). Emits ``llm.listenIpInfo``."""
         return self._listen_ip_info
 
     @listen_ip_info.setter
-    def listen_ip_info(self, value: str) -> None:
+    def listen_ip_info(self, value: str | None) -> None:
         check_isinstance("listen_ip_info", value, str, allow_none=True)  # None: unset
         self._listen_ip_info = value
 
     @property
-    def sync_kv_timeout(self) -> Any:
+    def sync_kv_timeout(self) -> int | str | None:
+        """Milliseconds a pull or push may take, an int or digit string > 0 (default unset:
+        1000 ms). Emits ``llm.SyncKvCacheWaitTime``."""
         return self._sync_kv_timeout
 
     @sync_kv_timeout.setter
@@ -207,6 +215,7 @@ class LLMConfig:
 
     @property
     def ge_options(self) -> dict[str, str]:
+        """Extra options (str to str), copied first into the generated options (default {})."""
         return self._ge_options
 
     @ge_options.setter
@@ -225,26 +234,32 @@ class LLMConfig:
 
     @property
     def enable_cache_manager(self) -> bool:
+        """Cache-manager mode (``LLMDataDist.cache_manager``); default False (unset: not
+        emitted). Emits ``llm.EnableCacheManager`` "1"/"0"."""
         return bool(self._enable_cache_manager)
 
     @enable_cache_manager.setter
-    def enable_cache_manager(self, value: bool) -> None:
+    def enable_cache_manager(self, value: bool | None) -> None:
         self._enable_cache_manager = self._bool("enable_cache_manager", value)
 
     @property
     def enable_remote_cache_accessible(self) -> bool:
+        """Make this process's caches reachable by address from linked peers (raw-address
+        writes of ``transfer_cache_async``); default False (unset: not emitted). Emits
+        ``llm.EnableRemoteCacheAccessible`` "1"/"0"."""
         return bool(self._enable_remote_cache_accessible)
 
     @enable_remote_cache_accessible.setter
-    def enable_remote_cache_accessible(self, value: bool) -> None:
+    def enable_remote_cache_accessible(self, value: bool | None) -> None:
         self._enable_remote_cache_accessible = self._bool("enable_remote_cache_accessible", value)
 
     @property
-    def enable_switch_role(self) -> bool:
+    def enable_switch_role(self) -> bool | None:
+        """Allow ``switch_role`` (default False). Emits ``llm.EnableSwitchRole`` "1" when true."""
         return self._enable_switch_role
 
     @enable_switch_role.setter
-    def enable_switch_role(self, value: bool) -> None:
+    def enable_switch_role(self, value: bool | None) -> None:
         self._enable_switch_role = self._bool("enable_switch_role", value)
 
     # -- pools
@@ -262,33 +277,41 @@ class LLMConfig:
         return value
 
     @property
-    def mem_pool_cfg(self) -> str:
+    def mem_pool_cfg(self) -> str | None:
+        """JSON of the device memory pool, ``{"memory_size": bytes}`` (default "": none).
+        Emits ``llm.MemPoolConfig``."""
         return self._mem_pool_cfg
 
     @mem_pool_cfg.setter
-    def mem_pool_cfg(self, value: str) -> None:
+    def mem_pool_cfg(self, value: str | None) -> None:
         self._mem_pool_cfg = self._pool("mem_pool_cfg", value)
 
     @property
-    def host_mem_pool_cfg(self) -> str:
+    def host_mem_pool_cfg(self) -> str | None:
+        """JSON of the host memory pool, ``{"memory_size": bytes}`` (default "": none).
+        Emits ``llm.HostMemPoolConfig``."""
         return self._host_mem_pool_cfg
 
     @host_mem_pool_cfg.setter
-    def host_mem_pool_cfg(self, value: str) -> None:
+    def host_mem_pool_cfg(self, value: str | None) -> None:
         self._host_mem_pool_cfg = self._pool("host_mem_pool_cfg", value)
 
     @property
-    def buf_pool_cfg(self) -> str:
+    def buf_pool_cfg(self) -> str | None:
+        """JSON of the legacy-mode buffer pool tiers, ``{"buf_cfg": [...]}`` (default "": none).
+        Emits ``llm.BufPoolCfg``."""
         return self._buf_pool_cfg
 
     @buf_pool_cfg.setter
-    def buf_pool_cfg(self, value: str) -> None:
+    def buf_pool_cfg(self, value: str | None) -> None:
         self._buf_pool_cfg = self._pool("buf_pool_cfg", value, buf=True)
 
     # -- link tuning (accepted and emitted; HCCL/RDMA knobs have no effect on TCP)
 
     @property
     def link_total_time(self) -> int:
+        """Seconds a link may take, in [0, 2**32-1] (default 0: ``HCCL_CONNECT_TIMEOUT``, else
+        120). Emits ``llm.LinkTotalTime`` once set."""
         return self._link_total_time or 0
 
     @link_total_time.setter
@@ -301,6 +324,7 @@ class LLMConfig:
 
     @property
     def link_retry_count(self) -> int:
+        """Link attempts, in [1, 100] (default 1). Emits ``llm.LinkRetryCount`` once set."""
         return self._link_retry_count or 1
 
     @link_retry_count.setter
@@ -312,6 +336,8 @@ class LLMConfig:
 
     @property
     def rdma_traffic_class(self) -> int | None:
+        """RDMA traffic class, a uint32 (default unset); accepted, no effect on TCP. Emits
+        ``llm.RdmaTrafficClass``."""
         return self._rdma_traffic_class
 
     @rdma_traffic_class.setter
@@ -321,6 +347,8 @@ class LLMConfig:
 
     @property
     def rdma_service_level(self) -> int | None:
+        """RDMA service level, a uint32 (default unset); accepted, no effect on TCP. Emits
+        ``llm.RdmaServiceLevel``."""
         return self._rdma_service_level
 
     @rdma_service_level.setter
@@ -332,35 +360,41 @@ class LLMConfig:
 
     @property
     def local_comm_res(self) -> str:
+        """Local communication resources, as LLM-DataDist takes them (default "", unset).
+        Emits ``llm.LocalCommRes`` once set, even to "" (which selects cache-manager mode)."""
         return self._local_comm_res or ""
 
     @local_comm_res.setter
-    def local_comm_res(self, value: str) -> None:
+    def local_comm_res(self, value: str | None) -> None:
         check_isinstance("local_comm_res", value, str, allow_none=True)  # None: unset
         self._local_comm_res = value
 
     @property
     def transfer_backend(self) -> str:
+        """Transfer backend name (default "", unset). Emits ``llm.TransferBackend`` once set."""
         return self._transfer_backend or ""
 
     @transfer_backend.setter
-    def transfer_backend(self, value: str) -> None:
+    def transfer_backend(self, value: str | None) -> None:
         check_isinstance("transfer_backend", value, str, allow_none=True)  # None: unset
         self._transfer_backend = value
 
     @property
     def global_resource_config(self) -> str:
+        """Global resource configuration (default "", unset). Emits
+        ``llm.GlobalResourceConfig`` once set."""
         return self._global_resource_config or ""
 
     @global_resource_config.setter
-    def global_resource_config(self, value: str) -> None:
+    def global_resource_config(self, value: str | None) -> None:
         check_isinstance("global_resource_config", value, str, allow_none=True)  # None: unset
         self._global_resource_config = value
 
     @property
     def transport(self) -> str:
         """datadist extra: force a data path ("tcp", "cma", "shm", "nixl", "auto"). "nixl"
-        needs the ``datadist[nixl]`` extra; without it ``init`` raises PARAM_INVALID."""
+        needs the ``datadist[nixl]`` extra; without it ``init`` raises PARAM_INVALID. Default ""
+        (auto). Emits ``datadist.Transport``."""
         return self._transport
 
     @transport.setter
@@ -373,7 +407,8 @@ class LLMConfig:
     @property
     def auth_secret(self) -> str:
         """datadist extra: a shared secret every linked peer must prove (challenge and
-        response; the secret never crosses the wire). Also ``DATADIST_AUTH_SECRET``."""
+        response; the secret never crosses the wire). Also ``DATADIST_AUTH_SECRET``. Default
+        "" (off). Emits ``datadist.AuthSecret``."""
         return self._auth_secret
 
     @auth_secret.setter
@@ -382,26 +417,27 @@ class LLMConfig:
         self._auth_secret = value
 
     @property
-    def verify_checksum(self) -> bool:
+    def verify_checksum(self) -> bool | None:
         """datadist extra: check every pull end to end with a CRC-32 of the source spans
         (costs about one extra read of the bytes on each side). Also
-        ``DATADIST_VERIFY_CHECKSUM=1``."""
+        ``DATADIST_VERIFY_CHECKSUM=1``. Default False. Emits ``datadist.VerifyChecksum`` "1"."""
         return self._verify_checksum
 
     @verify_checksum.setter
-    def verify_checksum(self, value: bool) -> None:
+    def verify_checksum(self, value: bool | None) -> None:
         self._verify_checksum = self._bool("verify_checksum", value)
 
     @property
-    def allow_ptrace(self) -> bool:
+    def allow_ptrace(self) -> bool | None:
         """datadist extra: under Yama ``ptrace_scope=1``, let same-user readers attach to
         this process for cross-memory attach (``PR_SET_PTRACER_ANY``, set only once a
         same-host reader asks for it and undone at finalize). False: never; those readers
-        fall back to shared memory or a stream path. Also ``DATADIST_ALLOW_PTRACE=0``."""
+        fall back to shared memory or a stream path. Also ``DATADIST_ALLOW_PTRACE=0``. Default
+        True. Emits ``datadist.AllowPtrace`` "0" when off."""
         return self._allow_ptrace
 
     @allow_ptrace.setter
-    def allow_ptrace(self, value: bool) -> None:
+    def allow_ptrace(self, value: bool | None) -> None:
         self._allow_ptrace = self._bool("allow_ptrace", value)
 
     def _tls_set(self, which: str, value: str) -> None:
@@ -411,7 +447,8 @@ class LLMConfig:
     @property
     def tls_cert_file(self) -> str:
         """datadist extra: this process's TLS certificate (PEM). With ``tls_key_file`` and
-        ``tls_ca_file`` every link runs mutual TLS. Also ``DATADIST_TLS_CERT``."""
+        ``tls_ca_file`` every link runs mutual TLS. Also ``DATADIST_TLS_CERT``. Default "" (no
+        TLS). Emits ``datadist.TlsCert``."""
         return self._tls["cert"]
 
     @tls_cert_file.setter
@@ -420,7 +457,8 @@ class LLMConfig:
 
     @property
     def tls_key_file(self) -> str:
-        """datadist extra: the key of ``tls_cert_file`` (PEM). Also ``DATADIST_TLS_KEY``."""
+        """datadist extra: the key of ``tls_cert_file`` (PEM). Also ``DATADIST_TLS_KEY``.
+        Default "". Emits ``datadist.TlsKey``."""
         return self._tls["key"]
 
     @tls_key_file.setter
@@ -430,7 +468,7 @@ class LLMConfig:
     @property
     def tls_ca_file(self) -> str:
         """datadist extra: the CA that signs every peer's certificate (PEM). Also
-        ``DATADIST_TLS_CA``."""
+        ``DATADIST_TLS_CA``. Default "". Emits ``datadist.TlsCa``."""
         return self._tls["ca"]
 
     @tls_ca_file.setter
@@ -456,7 +494,7 @@ class LLMConfig:
 
     @property
     def max_connections_per_peer(self) -> int:
-        """datadist extra: of those, how many may come from one IP address (default 32).
+        """datadist extra: of those, how many may come from one IP address (default 64).
         Option ``datadist.MaxConnectionsPerPeer``, or ``DATADIST_MAX_CONNECTIONS_PER_PEER``."""
         return self._max_connections_per_peer or DEFAULT_MAX_CONNECTIONS_PER_PEER
 
@@ -468,6 +506,8 @@ class LLMConfig:
 
     @property
     def mem_utilization(self) -> float:
+        """Share of device memory to use, a float in [0, 1] (default 0.95). Always emits
+        ``llm.MemoryUtilization``."""
         return self._mem_utilization
 
     @mem_utilization.setter
@@ -479,16 +519,19 @@ class LLMConfig:
         self._mem_utilization = value
 
     @property
-    def deploy_res_path(self) -> str:
+    def deploy_res_path(self) -> str | None:
+        """Deployment resource path (default "": not emitted). Emits ``llm.deployResPath``."""
         return self._deploy_res_path
 
     @deploy_res_path.setter
-    def deploy_res_path(self, value: str) -> None:
+    def deploy_res_path(self, value: str | None) -> None:
         check_isinstance("deploy_res_path", value, str, allow_none=True)  # None: unset
         self._deploy_res_path = value
 
     @property
     def cluster_info(self) -> str:
+        """Legacy-mode cluster JSON; its ``listen_ip_info`` IPs are stored as integers (default
+        ""). Emits ``llm.ClusterInfo``."""
         return self._cluster_info
 
     @cluster_info.setter
@@ -508,15 +551,17 @@ class LLMConfig:
 
     @property
     def output_max_size(self) -> int | None:
+        """Legacy-mode output size limit, an int64 (default unset). Emits ``llm.OutputMaxSize``."""
         return self._output_max_size
 
     @output_max_size.setter
-    def output_max_size(self, value: int) -> None:
+    def output_max_size(self, value: int | None) -> None:
         check_int("output_max_size", value, "int64", allow_none=True)  # None: unset
         self._output_max_size = value
 
     @property
     def options(self) -> dict[str, str]:
+        """The dict ``generate_options`` fills and returns (the same dict every time)."""
         return self._options
 
     # -- output
@@ -586,7 +631,7 @@ class LLMConfig:
             o[OPT_AUTH_SECRET] = self._auth_secret
         if self._verify_checksum:
             o[OPT_VERIFY] = "1"
-        if not self._allow_ptrace:
+        if self._allow_ptrace is False:  # None is unset, as for every option
             o[OPT_ALLOW_PTRACE] = "0"
         if self._max_connections is not None:
             o[OPT_MAX_CONNECTIONS] = str(self._max_connections)
@@ -608,7 +653,7 @@ class LLMClusterInfo:
 
     def __init__(self) -> None:
         self._remote_cluster_id: int | None = None
-        self._remote_role_type: Any = None
+        self._remote_role_type: int | None = None  # an LLMRole (an int) once set
         self._local_ip_info_list: list[tuple[int, int]] = []
         self._remote_ip_info_list: list[tuple[int, int]] = []
 
@@ -622,11 +667,11 @@ class LLMClusterInfo:
         self._remote_cluster_id = value
 
     @property
-    def remote_role_type(self) -> Any:
+    def remote_role_type(self) -> int | None:
         return self._remote_role_type
 
     @remote_role_type.setter
-    def remote_role_type(self, value: Any) -> None:
+    def remote_role_type(self, value: int) -> None:
         check_isinstance("remote_role_type", value, int, allow_none=False)
         self._remote_role_type = value
 

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # numpy is imported where used
+    import numpy as np
+    from numpy.typing import DTypeLike
 
 
 class LLMRole(enum.IntEnum):
+    """A process's role: PROMPT (owns KV caches, is pulled from), DECODER (pulls) or MIX."""
+
     PROMPT = 1
     DECODER = 2
     MIX = 3
@@ -25,12 +32,16 @@ class Placement(enum.IntEnum):
 
 
 class RegisterMemStatus(enum.Enum):
+    """State of a two-sided ``link`` (``query_register_mem_status``): PREPARING, OK or FAILED."""
+
     OK = 0
     PREPARING = 1
     FAILED = 2
 
 
 class Memtype(enum.Enum):
+    """Where registered memory lives: device (MEM_TYPE_DEVICE) or host (MEM_TYPE_HOST)."""
+
     MEM_TYPE_DEVICE = 0
     MEM_TYPE_HOST = 1
 
@@ -77,7 +88,7 @@ _NP_NAMES = {
 }
 
 
-def numpy_dtype(dt: DataType):  # type: ignore[no-untyped-def]
+def numpy_dtype(dt: DataType) -> np.dtype[Any]:
     """The numpy dtype for a DataType (BF16 -> float16 of the same size, as llm_datadist)."""
     import numpy as np
 
@@ -86,7 +97,7 @@ def numpy_dtype(dt: DataType):  # type: ignore[no-untyped-def]
     return np.dtype(_NP_NAMES[dt])
 
 
-def from_numpy_dtype(dtype) -> DataType:  # type: ignore[no-untyped-def]
+def from_numpy_dtype(dtype: DTypeLike) -> DataType:
     import numpy as np
 
     name = np.dtype(dtype).name
@@ -96,7 +107,7 @@ def from_numpy_dtype(dtype) -> DataType:  # type: ignore[no-untyped-def]
     raise ValueError(f"no DataType for numpy dtype {name}")
 
 
-def from_torch_dtype(dtype) -> DataType:  # type: ignore[no-untyped-def]
+def from_torch_dtype(dtype: object) -> DataType:
     """The DataType of a torch dtype (by name, so torch need not be imported here)."""
     name = str(dtype).replace("torch.", "")
     table = {

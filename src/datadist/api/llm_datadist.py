@@ -283,8 +283,10 @@ class LLMDataDist:
 
         def one(c: LLMClusterInfo) -> LLMStatusCode:
             ip, port = c.remote_ip_info_list[0]
+            cluster_id = c.remote_cluster_id
+            assert cluster_id is not None  # _check_clusters refused an unset one
             try:
-                engine.link(c.remote_cluster_id, int_to_ip(ip), port, timeout / 1000.0)
+                engine.link(cluster_id, int_to_ip(ip), port, timeout / 1000.0)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
@@ -314,8 +316,10 @@ class LLMDataDist:
         engine = self.engine
 
         def one(c: LLMClusterInfo) -> LLMStatusCode:
+            cluster_id = c.remote_cluster_id
+            assert cluster_id is not None  # _check_clusters refused an unset one
             try:
-                engine.unlink(c.remote_cluster_id, timeout / 1000.0, force)
+                engine.unlink(cluster_id, timeout / 1000.0, force)
                 return LLMStatusCode.LLM_SUCCESS
             except NotLinked:
                 return LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK

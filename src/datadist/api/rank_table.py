@@ -44,6 +44,8 @@ DEFAULT_BASE_PORT = 16666  # as HIXL's default device NIC port; device d listens
 
 @dataclass(frozen=True)
 class RankEntry:
+    """One rank of a rank table: its id, address and port, and device id if given."""
+
     rank_id: int
     device_ip: str
     device_port: int | None

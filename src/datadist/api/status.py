@@ -71,8 +71,9 @@ class LLMException(RuntimeError):
         self._status_code = _as_given(status_code)
 
     @property
-    def status_code(self) -> LLMStatusCode:
-        return self._status_code  # type: ignore[return-value]
+    def status_code(self) -> LLMStatusCode | int:
+        """The code: its LLMStatusCode member, or the int as given when it has none."""
+        return self._status_code
 
 
 class Status:
@@ -85,8 +86,9 @@ class Status:
         return self._status == LLMStatusCode.LLM_SUCCESS
 
     @property
-    def status_code(self) -> LLMStatusCode:
-        return self._status  # type: ignore[return-value]
+    def status_code(self) -> LLMStatusCode | int:
+        """The code: its LLMStatusCode member, or the int as given when it has none."""
+        return self._status
 
     def __repr__(self) -> str:
         return f"Status({self._status})"

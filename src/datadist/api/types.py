@@ -75,7 +75,10 @@ class CacheDesc:
         check_int("dim_index", dim_index, "int32", allow_none=False)
         check_int("dim_value", dim_value, "int64", allow_none=False)
         raise_if_false(0 <= dim_index < len(self._shape), f"dim_index {dim_index} out of range")
-        self._shape[dim_index] = dim_value
+        shape = self._shape
+        if isinstance(shape, tuple):  # the caller's tuple, kept as given: not updatable
+            raise TypeError("'tuple' object does not support item assignment")
+        shape[dim_index] = dim_value
 
     def __repr__(self) -> str:
         # llm_datadist's exact text, including the missing space before kv_tensor_format.
@@ -188,7 +191,8 @@ class KvCache:
     __repr__ = __str__
 
 
-def _key_args(name: str, args: tuple, kwargs: dict, order: tuple[str, ...]) -> dict[str, Any]:
+def _key_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              order: tuple[str, ...]) -> dict[str, Any]:
     """Parse llm_datadist's ``*args, **kwargs`` key constructors as it does: at most
     ``len(order)`` arguments in all; a positional argument wins over the same keyword;
     ``cluster_id`` wins over its alias ``prompt_cluster_id``; an unknown keyword is
@@ -410,21 +414,22 @@ class TransferWithCacheKeyConfig:
     """
 
     def __init__(self, cache_key: BlocksCacheKey | CacheKeyByIdAndIndex,
-                 src_layer_range: range = None,  # type: ignore[assignment]
-                 dst_layer_range: range = None,  # type: ignore[assignment]
+                 src_layer_range: range | None = None,  # None (the default) is a TypeError
+                 dst_layer_range: range | None = None,
                  src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex),
                          allow_none=False)
         check_layer_range("src_layer_range", src_layer_range, allow_none=False)
         check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
+        assert src_layer_range is not None and dst_layer_range is not None  # checked above
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
                        f"src_layer_range size should be equal to dst_layer_range size, got "
                        f"{src_layer_range} and {dst_layer_range}")
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
         _check_blocks_batch_index(cache_key, src_batch_index)
         self._cache_key = cache_key
-        self._src_layer_range = src_layer_range
-        self._dst_layer_range = dst_layer_range
+        self._src_layer_range: range | None = src_layer_range
+        self._dst_layer_range: range | None = dst_layer_range
         self._src_batch_index = src_batch_index
         self.dst_cluster_id = cache_key.cluster_id
 

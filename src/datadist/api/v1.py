@@ -94,6 +94,8 @@ def v1_pool_config(options: dict[str, str]) -> PoolConfig:
 
 
 class TensorDesc:
+    """A tensor's data type (``DataType``) and shape, for ``Tensor`` and legacy-mode caches."""
+
     def __init__(self, dtype: DataType, shape: list[int] | tuple[int, ...]) -> None:
         check_isinstance("dtype", dtype, DataType, allow_none=False)
         check_isinstance("shape", shape, (list, tuple), allow_none=False)
@@ -112,7 +114,8 @@ def _view(addr: int, dtype: np.dtype, shape: list[int]) -> np.ndarray:
 
     count = int(np.prod(shape)) if shape else 1
     buf = (ctypes.c_byte * (count * dtype.itemsize)).from_address(addr)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    arr: np.ndarray = np.frombuffer(memoryview(buf), dtype=dtype).reshape(shape)
+    return arr
 
 
 def _checked_view(addr: int, desc: TensorDesc) -> np.ndarray:
@@ -146,6 +149,7 @@ class Tensor:
                  ) -> None:
         check_isinstance("data", data, (np.ndarray, Tensor, int), allow_none=False)
         check_isinstance("tensor_desc", tensor_desc, TensorDesc)
+        self._array: np.ndarray
         if isinstance(data, Tensor):
             self._array = data._array
         elif isinstance(data, np.ndarray):
@@ -173,7 +177,8 @@ class Tensor:
         check_isinstance("copy", copy, bool)
         if self._desc.dtype is DataType.DT_BF16:
             bits = self._array.view(np.uint16).astype(np.uint32) << 16
-            return bits.view(np.float32).reshape(self._array.shape)
+            values: np.ndarray = bits.view(np.float32).reshape(self._array.shape)
+            return values
         return self._array.copy() if copy else self._array
 
     def __str__(self) -> str:
@@ -485,6 +490,7 @@ class KvCacheManager:
         g = entry.geometry
         raise_if_false(0 <= tensor_index < g.num_tensors,
                        f"tensor_index ({tensor_index}) out of range [0, {g.num_tensors})")
+        shape: tuple[int, ...]
         if registered is None:  # not allocated by this manager: bytes only
             dtype, shape = DataType.DT_UINT8, (g.tensor_bytes,)
         else:

@@ -100,7 +100,7 @@ class PlainClient:
     def receive(self, dst: list[np.ndarray], nbytes: int) -> None:
         """Ask for ``nbytes`` and ``recv_into`` them, 4 MiB at a time, across ``dst``."""
         self.stream.sendall(struct.pack("<Q", nbytes))
-        views = [memoryview(d) for d in dst]
+        views = [d.data for d in dst]  # memoryview(d)
         i = 0
         while nbytes:
             v = views[i % len(views)]

@@ -82,7 +82,7 @@ class PlainServer:
             conn.close()
 
     def _stream(self, conn: socket.socket, n: int) -> None:
-        views = [memoryview(t) for t in self.tensors]
+        views = [t.data for t in self.tensors]  # memoryview(t)
         i = 0
         while n:
             v = views[i % len(views)]

@@ -120,11 +120,13 @@ class Context:
 
     @property
     def src_list(self) -> list[int]:
-        return self.src_ids.tolist()
+        ids: list[int] = self.src_ids.tolist()
+        return ids
 
     @property
     def dst_list(self) -> list[int]:
-        return self.dst_ids.tolist()
+        ids: list[int] = self.dst_ids.tolist()
+        return ids
 
 
 def check_contig(tensors: list[np.ndarray], tag: int, what: str) -> None:

@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from datadist.core.errors import (
     AlreadyLinked,
@@ -57,6 +57,8 @@ from datadist.core.errors import (
 if TYPE_CHECKING:
     from datadist.core.engine import Engine
     from datadist.core.links import Link
+    from datadist.core.registry import Lease
+    from datadist.transport.tcp import TcpListener
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,9 @@ UNLINK_TIMEOUT = 1.0  # seconds to tell a peer we leave
 
 
 class CommState(enum.Enum):
+    """Where a communication domain stands: PREPARING until every member joined, then OK or
+    FAILED (``reason`` says why)."""
+
     PREPARING = "preparing"
     OK = "ok"
     FAILED = "failed"
@@ -74,6 +79,8 @@ class CommState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Member:
+    """One member of a communication domain: its cluster id, rank, and the address it listens on."""
+
     cluster_id: int
     rank: int
     host: str
@@ -82,6 +89,8 @@ class Member:
 
 @dataclass(eq=False)
 class Comm:
+    """One communication domain made by ``link``: its members, state and the links it opened."""
+
     comm_id: int
     name: str
     me: Member
@@ -108,7 +117,7 @@ class CommManager:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._comms: dict[int, Comm] = {}
-        self._listeners: dict[tuple[str, int], list] = {}  # addr -> [TcpListener, users]
+        self._listeners: dict[tuple[str, int], list[Any]] = {}  # addr -> [TcpListener, users]
         self._link_lock = threading.Lock()  # one link at a time in a process
         self._closed = False
 
@@ -222,7 +231,8 @@ class CommManager:
                 entry[1] += 1
                 comm.listener = (host, port)
                 return
-        listener = self.engine.make_listener(host, port)  # LinkFailed if the port is taken
+        listener: TcpListener[Lease] | None = self.engine.make_listener(host, port)
+        # (LinkFailed above if the port is taken)
         with self._lock:
             entry = self._listeners.get((host, port))
             if entry is None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -81,13 +82,17 @@ def _counted(op: str) -> Callable[[_F], _F]:
                 raise
             metrics.PROCESS.record(op, cluster_id, plan.nbytes, time.perf_counter() - t0)
 
-        return counted  # type: ignore[return-value]
+        # Called exactly as ``fn`` (same parameters, passed through): ``fn``'s type.
+        return cast(_F, counted)
 
     return wrap
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What an Engine runs with, parsed from ``LLMDataDist.init``'s options (cluster id, role,
+    listen address, timeouts, pools, transport, auth, TLS, connection caps)."""
+
     cluster_id: int
     role: int
     listen: tuple[str, int] | None = None
@@ -155,8 +160,8 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()  # set at close: ends the reverse channels we serve
-        self.listener: TcpListener | None = None
-        self.local_listener: LocalListener | None = None
+        self.listener: TcpListener[Lease] | None = None
+        self.local_listener: LocalListener[Lease] | None = None
         self._grants: dict[int, int] = {}  # verified peer pid -> grants outstanding
         self.nixl: Any = None  # transport.nixl.NixlAgent when the transport is nixl
         # open NIXL leases: id(lease) -> (peer key, fresh, is a write); each keeps the agent
@@ -234,7 +239,7 @@ class Engine:
             self.listener.close()
         self.listener = self.make_listener(host, port)
 
-    def make_listener(self, host: str, port: int) -> TcpListener:
+    def make_listener(self, host: str, port: int) -> TcpListener[Lease]:
         """A started listener serving this engine, with TLS when configured. Every listener
         of the engine (its own, two-sided link ones) comes from here."""
         server_tls = self.config.tls.server_context() if self.config.tls else None
@@ -244,7 +249,7 @@ class Engine:
         self._serve_local(server_tls)
         return listener
 
-    def _serve_local(self, server_tls) -> None:  # type: ignore[no-untyped-def]
+    def _serve_local(self, server_tls: ssl.SSLContext | None) -> None:
         """Serve the local channel (transport/local.py) too, once, unless TCP is forced:
         same-host peers are verified there, and only there get grants."""
         with self._lock:
@@ -309,7 +314,7 @@ class Engine:
         addrs: list[int],
         *,
         placement: int,
-        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        keys: Sequence[KeyId | None] = (),
         blocks_model_id: int | None = None,
         remote_accessible: bool = True,
     ) -> CacheEntry:
@@ -338,7 +343,7 @@ class Engine:
         geometry: Geometry,
         *,
         placement: int,
-        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        keys: Sequence[KeyId | None] = (),
         blocks_model_id: int | None = None,
     ) -> CacheEntry:
         """Carve a cache from the pool of its placement. One allocation, tensors
@@ -665,7 +670,8 @@ class Engine:
             raise NotSupported(str(e)) from None
 
     def nixl_metadata(self) -> p.NixlMd:
-        return self._serving_nixl().metadata()
+        md: p.NixlMd = self._serving_nixl().metadata()
+        return md
 
     def open_nixl(self, peer: PeerInfo, msg: p.NixlRead | p.NixlWrite, lease_id: int
                   ) -> tuple[Lease, p.NixlGrant]:

@@ -8,7 +8,6 @@ into CANN's ``LLMException`` with the same code, in one place.
 from __future__ import annotations
 
 import enum
-from typing import ClassVar
 
 
 class Code(enum.IntEnum):
@@ -55,64 +54,90 @@ class Code(enum.IntEnum):
 class DatadistError(Exception):
     """Base of every error datadist raises on purpose. ``code`` is its status code."""
 
-    code: ClassVar[Code] = Code.FAILED
+    code: Code = Code.FAILED  # per class; an instance may set its own
 
     def __init__(self, message: str = "", *, code: Code | int | None = None) -> None:
         super().__init__(message)
         if code is not None:
             # An instance may carry a more precise code than its class (a remote error).
-            self.code = Code(code)  # type: ignore[misc]
+            self.code = Code(code)
 
 
 class InvalidArgument(DatadistError, ValueError):
+    """A bad argument or option value (also a ValueError): PARAM_INVALID."""
+
     code = Code.PARAM_INVALID
 
 
 class NotSupported(DatadistError):
+    """A feature this process, path or peer does not offer: FEATURE_NOT_ENABLED."""
+
     code = Code.FEATURE_NOT_ENABLED
 
 
 class CacheError(DatadistError):
+    """Base of the errors about a cache (registered memory); FAILED unless a subclass says."""
+
     code = Code.FAILED
 
 
 class CacheNotFound(CacheError):
+    """No cache (or cache key) by that id or key here: KV_CACHE_NOT_EXIST."""
+
     code = Code.KV_CACHE_NOT_EXIST
 
 
 class CacheAlreadyExists(CacheError):
+    """A cache or key registered twice: REPEAT_REQUEST."""
+
     code = Code.REPEAT_REQUEST
 
 
 class OutOfMemory(CacheError, MemoryError):
+    """A pool or host allocation failed (also a MemoryError): OUT_OF_MEMORY."""
+
     code = Code.OUT_OF_MEMORY
 
 
 class DeviceOutOfMemory(OutOfMemory):
+    """The device memory pool (``mem_pool_cfg``) is exhausted: DEVICE_OUT_OF_MEMORY."""
+
     code = Code.DEVICE_OUT_OF_MEMORY
 
 
 class LinkError(DatadistError):
+    """Base of the errors about a link to a peer: LINK_FAILED unless a subclass says."""
+
     code = Code.LINK_FAILED
 
 
 class NotLinked(LinkError):
+    """No link to that cluster id (yet, or any more): NOT_YET_LINK."""
+
     code = Code.NOT_YET_LINK
 
 
 class AlreadyLinked(LinkError):
+    """A link to that cluster id exists already: ALREADY_LINK."""
+
     code = Code.ALREADY_LINK
 
 
 class TooManyClusters(LinkError):
+    """More clusters than may be linked: CLUSTER_NUM_EXCEED_LIMIT."""
+
     code = Code.CLUSTER_NUM_EXCEED_LIMIT
 
 
 class LinkFailed(LinkError):
+    """A link could not be made (refused, unreachable, handshake failed): LINK_FAILED."""
+
     code = Code.LINK_FAILED
 
 
 class LinksExist(LinkError):
+    """The operation needs no links, and some exist (e.g. switching role): EXIST_LINK."""
+
     code = Code.EXIST_LINK
 
 
@@ -138,6 +163,8 @@ class RemoteProtocolError(ProtocolError):
 
 
 class TransferError(DatadistError):
+    """Base of the errors of a transfer under way; FAILED unless a subclass says."""
+
     code = Code.FAILED
 
 
@@ -158,6 +185,8 @@ class IntegrityError(TransferError):
 
 
 class Timeout(DatadistError, TimeoutError):
+    """A deadline passed (also a TimeoutError): TIMEOUT."""
+
     code = Code.TIMEOUT
 
 
@@ -168,6 +197,8 @@ class Closed(DatadistError):
 
 
 class Busy(DatadistError):
+    """A link busy with another transfer, or a peer holding too many grants: LINK_BUSY."""
+
     code = Code.LINK_BUSY
 
 

@@ -120,6 +120,9 @@ class LayerwiseTransfer:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LayerSpans:
+    """One layer's spans of a layer-wise transfer: remote and local offsets and lengths,
+    turned into a transfer plan per layer by :meth:`plan`."""
+
     remote_offsets: np.ndarray
     local_offsets: np.ndarray
     lengths: np.ndarray

@@ -233,7 +233,8 @@ def block_offsets(blocks: np.ndarray, block_bytes: int, name: str) -> np.ndarray
             f"{name} {int(b.max())} is out of range: its offset ({block_bytes} bytes a block) "
             "overflows 64 bits"
         )
-    return b * np.uint64(block_bytes)
+    offsets: np.ndarray = b * np.uint64(block_bytes)
+    return offsets
 
 
 def checked_add(offsets: np.ndarray, lengths: np.ndarray, base: int, name: str) -> np.ndarray:
@@ -245,7 +246,8 @@ def checked_add(offsets: np.ndarray, lengths: np.ndarray, base: int, name: str) 
         if bool((offsets > room).any()) or bool((lengths > room - np.minimum(offsets, room))
                                                 .any()):
             raise InvalidArgument(f"{name} {base:#x} plus a span offset overflows 64 bits")
-    return offsets + np.uint64(base)
+    addrs: np.ndarray = offsets + np.uint64(base)
+    return addrs
 
 
 def _freeze(*arrays: np.ndarray) -> None:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from datadist.core import auth
 from datadist.core.errors import (
@@ -99,8 +99,14 @@ def forced_path(option: str | None) -> PathKind:
         ) from None
 
 
+_R = TypeVar("_R")  # what a Link.run op returns
+
+
 @dataclass(eq=False)
 class Link:
+    """A link to one peer cluster: its control channel, the data path chosen for it (and why),
+    and a lock that serialises its transfers."""
+
     cluster_id: int
     host: str
     port: int
@@ -124,7 +130,8 @@ class Link:
 
     @property
     def path_name(self) -> str:
-        return self.path.caps.name
+        name: str = self.path.caps.name
+        return name
 
     def close(self) -> None:
         """Close the channel and release what the path holds (shared mappings). Idempotent.
@@ -190,7 +197,7 @@ class Link:
         path.close()
         self.path, self.reason = TcpPath(), f"cma refused by the kernel: {e}"
 
-    def run(self, deadline: float, op):  # type: ignore[no-untyped-def]
+    def run(self, deadline: float, op: Callable[[Any, Channel], _R]) -> _R:
         """Run ``op(path, chan)`` under the lock, reconnecting a channel a timeout broke
         and falling back from CMA to TCP when the kernel refuses."""
         self.acquire(deadline)

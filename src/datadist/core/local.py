@@ -36,8 +36,8 @@ import os
 import numpy as np
 
 from datadist.core.errors import InvalidArgument
-from datadist.core.layout import U32, U64, Geometry, Plan, plan_blocks, plan_slot, span_iov
-from datadist.transport.iov import CmaRefused, local_copy, make_iov, vm_copy
+from datadist.core.layout import U32, U64, Geometry, Plan, plan_blocks, plan_slot
+from datadist.transport.iov import CmaRefused, local_copy, make_iov, span_iov, vm_copy
 
 # memmove per span while there are at most this many spans, or while spans are this large on
 # average; beyond, batched process_vm_readv on our own pid (one syscall per IOV_MAX spans).

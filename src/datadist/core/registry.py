@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +45,8 @@ from datadist.core.errors import (
     InvalidArgument,
     Timeout,
 )
-from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans, span_iov
+from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
+from datadist.transport.iov import span_iov
 from datadist.wire.protocol import KeyKind, KeyRef
 
 UINT64_MAX = 2**64 - 1
@@ -69,6 +70,9 @@ class KeyId:
 
 @dataclass(eq=False)
 class KeyBinding:
+    """A cache key bound to one slot of a cache, with which of its tensors were pulled (for
+    consumption) and which have a read in flight."""
+
     entry: CacheEntry
     slot: int
     pulled: np.ndarray  # bool per tensor, for consumption
@@ -81,6 +85,9 @@ class KeyBinding:
 
 @dataclass(eq=False)
 class CacheEntry:
+    """A registered cache: its geometry, the base address of each tensor, who owns the memory,
+    and the keys bound to it."""
+
     cache_id: int
     geometry: Geometry
     addrs: np.ndarray  # uint64, base address of each tensor
@@ -186,7 +193,7 @@ class Registry:
         *,
         owned: bool,
         placement: int = 0,
-        keys: list[KeyId | None] = (),  # type: ignore[assignment]
+        keys: Sequence[KeyId | None] = (),
         blocks_model_id: int | None = None,
         remote_accessible: bool = True,
         free: Callable[[], None] | None = None,

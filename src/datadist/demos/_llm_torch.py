@@ -81,7 +81,7 @@ class KvGeometry:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of one tensor (one layer's K, or its V)."""
-        itemsize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        itemsize = int(torch.empty((), dtype=DTYPES[self.dtype]).element_size())
         return self.block_size * self.kv_heads * self.head_dim * itemsize
 
 

@@ -400,7 +400,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> DemoReport:
 
     cfg = dict(vars(args))
     t0 = time.perf_counter()
-    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
     say(f"[main] building the reference model ({lt.versions()})")
     try:
         model = lt.build_model(_spec(cfg))

@@ -75,7 +75,8 @@ def unmapped(bases: np.ndarray, lengths: np.ndarray, *, write: bool = True) -> n
         return np.zeros(len(b), U64)
     starts, ends = runs
     if not len(starts):
-        return b.copy()
+        copy: np.ndarray = b.copy()
+        return copy
     k = np.searchsorted(starts, b, side="right").astype(np.int64) - 1
     inside = k >= 0
     run_end = np.where(inside, ends[np.maximum(k, 0)], np.uint64(0))

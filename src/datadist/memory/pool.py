@@ -80,6 +80,9 @@ def unmap(addr: int, size: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
+    """A memory pool's size in bytes and page size (``1 << page_shift``, 64 KiB by default),
+    from ``mem_pool_cfg``/``host_mem_pool_cfg``."""
+
     memory_size: int
     page_shift: int = 16
 

@@ -119,8 +119,12 @@ def shared_empty(shape: tuple[int, ...] | int, dtype: Any = np.uint8) -> np.ndar
     nbytes = int(np.prod(shape)) * dt.itemsize
     m = _Mapping(nbytes)
     raw = (ctypes.c_byte * m.size).from_address(m.base)
-    raw._datadist_mapping = m  # type: ignore[attr-defined]  # keeps the mapping alive
-    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(dt).reshape(shape)
+    # An attribute of our own on the ctypes array (mypy knows only ctypes' own ones): it
+    # keeps the mapping alive as long as the array.
+    raw._datadist_mapping = m  # type: ignore[attr-defined]
+    # memoryview(raw) keeps ``raw`` (and so the mapping) alive, like ``raw`` itself would.
+    arr: np.ndarray = np.frombuffer(memoryview(raw), dtype=np.uint8,
+                                    count=nbytes).view(dt).reshape(shape)
     return arr
 
 

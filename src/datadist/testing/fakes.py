@@ -47,7 +47,8 @@ def fake_owner_main(link: PeerLink, cluster_id: int, behaviour: str) -> None:
     server = socket.create_server(("127.0.0.1", 0))
     link.send(server.getsockname()[:2])
     conn, _ = server.accept()
-    decoder, pending = p.FrameDecoder(), []
+    decoder = p.FrameDecoder()
+    pending: list[tuple[int, object]] = []
     rid, hello = _next_message(conn, decoder, pending)
     if not isinstance(hello, p.Hello):
         raise AssertionError(f"expected Hello, got {hello!r}")
@@ -138,7 +139,8 @@ class EchoOwner:
     def _serve(self, conn: socket.socket) -> None:
         import numpy as np
 
-        decoder, pending = p.FrameDecoder(), []
+        decoder = p.FrameDecoder()
+        pending: list[tuple[int, object]] = []
         with contextlib.suppress(EOFError, OSError), conn:
             rid, hello = _next_message(conn, decoder, pending)
             assert isinstance(hello, p.Hello)

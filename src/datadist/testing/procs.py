@@ -102,7 +102,8 @@ class PeerLink:
         TimeoutError after ``timeout`` seconds (None: wait as long as the parent lives)."""
         if timeout is not None and not self._conn.poll(timeout):
             raise TimeoutError("the parent sent nothing")
-        return self._conn.recv()  # type: ignore[no-any-return]
+        message: tuple[str, Any] = self._conn.recv()
+        return message
 
     def _put(self, tag: str, payload: Any) -> None:
         self._conn.send((tag, payload))

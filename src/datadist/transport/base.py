@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
@@ -69,6 +69,12 @@ class PeerInfo:
 
 
 class LeaseLike(Protocol):
+    """What a transport needs of a handler's lease: the leased bytes as iovecs, their size,
+    their base addresses (for grants), and whether the owner wants the memory back."""
+
+    # The leased tensors' base addresses (uint64), sent in a same-host GRANT.
+    bases: np.ndarray
+
     @property
     def nbytes(self) -> int: ...
 
@@ -79,8 +85,14 @@ class LeaseLike(Protocol):
         ...
 
 
-class RequestHandler(Protocol):
+LeaseT = TypeVar("LeaseT", bound=LeaseLike)
+
+
+class RequestHandler(Protocol[LeaseT]):
     """The owner side of the protocol, implemented by the engine.
+
+    ``LeaseT`` is the handler's own lease type: a transport gives back to ``close_*``,
+    ``sent_read`` and ``settle_read`` only leases that this handler's ``open_*`` returned.
 
     Called from a transport's serving thread, one thread per connection; every method must
     be thread-safe and must not block for long (none does I/O).
@@ -94,25 +106,25 @@ class RequestHandler(Protocol):
         """Check a client's answer to the challenge in ``welcome``; raise LinkFailed if wrong."""
         ...
 
-    def open_read(self, peer: PeerInfo, msg: Read) -> LeaseLike:
+    def open_read(self, peer: PeerInfo, msg: Read) -> LeaseT:
         """Resolve and bounds-check a read; the lease pins the memory until close_read."""
         ...
 
-    def close_read(self, lease: LeaseLike, ok: bool) -> None:
+    def close_read(self, lease: LeaseT, ok: bool) -> None:
         """End a read: the memory is free again; ``ok`` commits its key reservation (a
         req_id key may be consumed), otherwise the reservation is dropped."""
         ...
 
-    def sent_read(self, lease: LeaseLike) -> None:
+    def sent_read(self, lease: LeaseT) -> None:
         """The bytes of a read are sent (the memory is free again), but the requester's
         verdict is still to come: :meth:`settle_read` follows, exactly once."""
         ...
 
-    def settle_read(self, lease: LeaseLike, ok: bool) -> None: ...
+    def settle_read(self, lease: LeaseT, ok: bool) -> None: ...
 
-    def open_write(self, peer: PeerInfo, msg: Write) -> LeaseLike: ...
+    def open_write(self, peer: PeerInfo, msg: Write) -> LeaseT: ...
 
-    def close_write(self, lease: LeaseLike, ok: bool) -> None: ...
+    def close_write(self, lease: LeaseT, ok: bool) -> None: ...
 
     def on_peer_ready(self, peer: PeerInfo) -> None:
         """The handshake completed (authenticated, when a secret is set): a linked peer."""
@@ -123,7 +135,7 @@ class RequestHandler(Protocol):
         ...
 
     def open_nixl(self, peer: PeerInfo, msg: NixlRead | NixlWrite, lease_id: int
-                  ) -> tuple[LeaseLike, NixlGrant]:
+                  ) -> tuple[LeaseT, NixlGrant]:
         """Resolve and bounds-check a read or write to be moved by NIXL, as open_read and
         open_write; the lease pins the memory (and keeps our NIXL agent progressing) until
         close_read, which the connection calls for every lease (it closes a write lease as

@@ -21,7 +21,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -33,6 +33,9 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 U64 = np.dtype("<u8")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+# libc entry points as this module calls them (ctypes returns what ``restype`` says: an int).
+IovCall = Callable[[int, int, int], int]  # readv-shaped: fd, iovec pointer, count
+VmCall = Callable[[int, int, int, int, int, int], int]  # process_vm_readv/writev
 _c_ssize = ctypes.c_ssize_t
 for _name in ("readv", "writev"):
     _fn = getattr(_libc, _name)
@@ -184,7 +187,7 @@ def crc_iov(iov: np.ndarray) -> int:
     if n <= 16 or int(lens.sum()) >= n * CRC_SMALL:
         return _crc_each(iov, 0)
     buf = np.empty(CRC_GATHER, dtype=np.uint8)
-    view = memoryview(buf)
+    view = buf.data  # memoryview(buf)
     ends = np.cumsum(lens, dtype=U64)
     pid, crc, i = os.getpid(), 0, 0
     while i < n:
@@ -276,10 +279,13 @@ def _recvmsg_waitall(fd: int, iov_ptr: int, count: int) -> int:
     copying as segments arrive until the batch is full (or its receive timeout fires), with no
     return to Python in between; on a non-blocking one it behaves like ``readv``."""
     hdr = _MsgHdr(None, 0, iov_ptr, count, None, 0, 0)
-    return _libc.recvmsg(fd, ctypes.byref(hdr), MSG_WAITALL)
+    n: int = _libc.recvmsg(fd, ctypes.byref(hdr), MSG_WAITALL)
+    return n
 
 
 Arm = Callable[[float, bool], None]
+# sock_readv / sock_writev: move a whole iovec array over a socket by its deadline.
+SockIo = Callable[[int, np.ndarray, float, "Arm | None"], None]
 
 
 SEND_CHUNK = 4 << 20
@@ -317,7 +323,7 @@ def _send_batches(iov: np.ndarray) -> tuple[np.ndarray, list[int] | range]:
     return iov, bounds
 
 
-def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int,  # type: ignore[no-untyped-def]
+def _sock_iov(call: IovCall, fd: int, iov: np.ndarray, deadline: float, events: int,
               arm: Arm | None, reading: bool) -> None:
     """Loop ``call`` (readv-shaped: fd, iovec pointer, count) until ``iov`` is done.
 
@@ -327,6 +333,7 @@ def _sock_iov(call, fd: int, iov: np.ndarray, deadline: float, events: int,  # t
     A batch that completes in one call (the usual case) costs no numpy work beyond its sum.
     """
     iov = np.ascontiguousarray(iov, dtype=U64)
+    bounds: Sequence[int]
     if reading:
         bounds = range(0, len(iov) + IOV_MAX, IOV_MAX)
     else:
@@ -390,7 +397,7 @@ def sock_writev(fd: int, iov: np.ndarray, deadline: float, arm: Arm | None = Non
     _sock_iov(_libc.writev, fd, iov, deadline, select.POLLOUT, arm, False)
 
 
-def _vm_call(call, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+def _vm_call(call: VmCall, pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     """One batch pair; returns bytes moved or raises with errno."""
     n = call(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
     if n < 0:

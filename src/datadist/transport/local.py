@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from datadist.core.errors import LinkFailed, Timeout
-from datadist.transport.base import RequestHandler
+from datadist.transport.base import LeaseT, RequestHandler
 from datadist.transport.tcp import Channel, TcpListener
 
 __all__ = ["LocalCred", "LocalListener", "connect_local", "local_name", "peer_cred"]
@@ -101,7 +101,7 @@ def connect_local(name: bytes, deadline: float,
     return chan
 
 
-class LocalListener(TcpListener):
+class LocalListener(TcpListener[LeaseT]):
     """A :class:`TcpListener` on an abstract unix socket: the same serving, and every
     channel it accepts carries the peer's kernel-verified ``local_cred``.
 
@@ -109,7 +109,7 @@ class LocalListener(TcpListener):
     the same cluster id): the engine then serves TCP only.
     """
 
-    def __init__(self, name: bytes, handler: RequestHandler,
+    def __init__(self, name: bytes, handler: RequestHandler[LeaseT],
                  tls: ssl.SSLContext | None = None) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:

@@ -245,10 +245,11 @@ class NixlAgent:
     def grant_info(self, addrs: np.ndarray, nbytes: int) -> tuple[int, int]:
         """(mem, dev) of the tensors ``addrs`` (``nbytes`` each) of a lease; NotSupported if
         one lies outside NIXL-registered memory (nothing is granted then)."""
-        kinds = {self.kind_of(a, nbytes) for a in set(addrs.tolist())}
-        if None in kinds or len(kinds) != 1:
+        found = {self.kind_of(a, nbytes) for a in set(addrs.tolist())}
+        kinds = {kind for kind in found if kind is not None}
+        if len(found) != 1 or len(kinds) != 1:  # a None among them, or two kinds
             raise NotSupported("the cache is not registered with NIXL on the owner")
-        return kinds.pop()  # type: ignore[return-value]
+        return kinds.pop()
 
     def pump_acquire(self, fresh: bool) -> None:
         """A NIXL lease opened: keep the agent progressing until pump_release. ``fresh``:

@@ -68,6 +68,9 @@ def _expect(reply: p.Message, kind: type, chan: Channel) -> None:
 
 
 class TcpPath:
+    """The stream data path: every byte crosses the link's TCP (or TLS) connection; works
+    between any two hosts."""
+
     caps = TransportCaps("tcp", same_host_only=False, one_sided=False)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -39,8 +39,15 @@ from datadist.core.errors import (
     Timeout,
     error_for_code,
 )
-from datadist.transport.base import LeaseLike, PeerInfo, RequestHandler
-from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, sock_readv, sock_writev
+from datadist.transport.base import LeaseT, PeerInfo, RequestHandler
+from datadist.transport.iov import (
+    SockIo,
+    crc_iov,
+    iov_nbytes,
+    make_iov,
+    sock_readv,
+    sock_writev,
+)
 from datadist.wire import protocol as p
 
 if TYPE_CHECKING:
@@ -221,7 +228,7 @@ class Channel:
 
     def send_raw(self, buf: np.ndarray, deadline: float) -> None:
         self._guard()
-        self._send_bytes(memoryview(buf).cast("B"), deadline)
+        self._send_bytes(buf.data.cast("B"), deadline)  # memoryview(buf)
 
     def _send_bytes(self, data: bytes | memoryview, deadline: float) -> None:
         view = memoryview(data)
@@ -319,7 +326,9 @@ class Channel:
         if head is not None:
             frame = p.encode(head, request_id)
             first = np.empty((len(iov) + 1, 2), dtype=np.uint64)
-            first[0, 0] = ctypes.cast(ctypes.c_char_p(frame), ctypes.c_void_p).value
+            addr = ctypes.cast(ctypes.c_char_p(frame), ctypes.c_void_p).value
+            assert addr is not None  # a bytes object's buffer is never NULL
+            first[0, 0] = addr
             first[0, 1] = len(frame)
             first[1:] = iov
             iov = first
@@ -364,7 +373,7 @@ class Channel:
         self._rpos += used
         return rest
 
-    def _io(self, fn, iov: np.ndarray, deadline: float) -> None:  # type: ignore[no-untyped-def]
+    def _io(self, fn: SockIo, iov: np.ndarray, deadline: float) -> None:
         try:
             fn(self.fd, iov, deadline, self._arm)
         except (Timeout, BrokenLink):
@@ -399,7 +408,10 @@ class Channel:
 # ---------------------------------------------------------------------------------- serving
 
 
-class TcpListener:
+_Listener = TypeVar("_Listener", bound="TcpListener[Any]")
+
+
+class TcpListener(Generic[LeaseT]):
     """Accepts peers and serves each connection on its own thread.
 
     ``start`` binds (port 0 picks a free port; ``port`` tells which) and returns at once.
@@ -412,7 +424,7 @@ class TcpListener:
     accept loop itself never dies of it.
     """
 
-    def __init__(self, host: str, port: int, handler: RequestHandler,
+    def __init__(self, host: str, port: int, handler: RequestHandler[LeaseT],
                  tls: ssl.SSLContext | None = None, *, sock: socket.socket | None = None,
                  max_conns: int = 256, max_per_peer: int = 32) -> None:
         if max_conns < 1 or max_per_peer < 1:
@@ -450,7 +462,7 @@ class TcpListener:
     def __repr__(self) -> str:
         return f"<TcpListener {self.host}:{self.port} conns={len(self._conns)}>"
 
-    def start(self) -> TcpListener:
+    def start(self: _Listener) -> _Listener:
         self._thread.start()
         return self
 
@@ -562,11 +574,11 @@ class TcpListener:
                 sock.close()
             return False
 
-    def _peer_of(self, sock: socket.socket, addr: tuple) -> tuple[str, str]:  # type: ignore[type-arg]
+    def _peer_of(self, sock: socket.socket, addr: tuple[Any, ...]) -> tuple[str, str]:
         """(the key the per-peer cap counts by, a printable address) of an accepted socket."""
         return addr[0], f"{addr[0]}:{addr[1]}"
 
-    def _channel(self, sock: socket.socket, addr: tuple) -> Channel:  # type: ignore[type-arg]
+    def _channel(self, sock: socket.socket, addr: tuple[Any, ...]) -> Channel:
         """The Channel for an accepted socket (TLS-wrapped when configured)."""
         _tune(sock)
         if self.tls is not None:
@@ -589,8 +601,11 @@ class TcpListener:
         handed_over = False
         try:
             if self.tls is not None:
+                from datadist.transport.tls import TlsChannel
+
+                assert isinstance(chan, TlsChannel)  # _channel wraps every socket with TLS on
                 try:
-                    chan.handshake(time.monotonic() + HANDSHAKE_TIMEOUT)  # type: ignore[attr-defined]
+                    chan.handshake(time.monotonic() + HANDSHAKE_TIMEOUT)
                 except DatadistError as e:
                     log.info("TLS handshake from %s failed: %s", chan.address, e)
                     return
@@ -680,7 +695,7 @@ def _close_now(sock: socket.socket) -> None:
     sock.close()
 
 
-class ServerConnection:
+class ServerConnection(Generic[LeaseT]):
     """The owner's side of one connection: handshake, then requests until the peer leaves.
 
     Two cases besides the plain one (docs/protocol.md, "Reverse channels"):
@@ -695,7 +710,7 @@ class ServerConnection:
 
     _lease_ids = itertools.count(1)
 
-    def __init__(self, chan: Channel, handler: RequestHandler, closing: threading.Event,
+    def __init__(self, chan: Channel, handler: RequestHandler[LeaseT], closing: threading.Event,
                  peer: PeerInfo | None = None) -> None:
         self.chan = chan
         self.handler = handler
@@ -703,10 +718,10 @@ class ServerConnection:
         self.peer: PeerInfo | None = peer  # set once the handshake completed
         self.reverse = peer is not None  # serving over a connection we opened
         self.handed_over = False
-        self.leases: dict[int, tuple[LeaseLike, float]] = {}  # grants: lease, when granted
+        self.leases: dict[int, tuple[LeaseT, float]] = {}  # grants: lease, when granted
         # A TCP read with CHECKSUM whose bytes are sent, awaiting the requester's verdict
         # (RELEASE with lease id 0 and the read's request id): (request id, lease).
-        self.unsettled: tuple[int, object] | None = None
+        self.unsettled: tuple[int, LeaseT] | None = None
 
     def _wait_request(self) -> tuple[int, p.Message] | None:
         """The next frame: its first byte may take as long as the connection lives (an idle
@@ -741,10 +756,10 @@ class ServerConnection:
             self._try_send(p.Error(e.code, str(e)))
         finally:
             for lease, _ in self.leases.values():
-                self.handler.close_read(lease, False)  # type: ignore[arg-type]
+                self.handler.close_read(lease, False)
             self.leases.clear()
             if self.unsettled is not None:
-                self.handler.settle_read(self.unsettled[1], False)  # type: ignore[arg-type]
+                self.handler.settle_read(self.unsettled[1], False)
                 self.unsettled = None
             if self.peer is not None and not self.reverse and not self.handed_over:
                 self.handler.on_disconnect(self.peer)
@@ -757,7 +772,7 @@ class ServerConnection:
         assert self.unsettled is not None
         (want, lease), self.unsettled = self.unsettled, None
         verdict = isinstance(msg, p.Release) and msg.lease_id == 0 and rid == want
-        self.handler.settle_read(lease, verdict and msg.ok)  # type: ignore[arg-type, union-attr]
+        self.handler.settle_read(lease, verdict and isinstance(msg, p.Release) and msg.ok)
         return verdict
 
     def _try_send(self, msg: p.Message, rid: int = 0) -> None:
@@ -791,7 +806,7 @@ class ServerConnection:
             except DatadistError as e:
                 self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
                 raise BrokenLink("peer failed to authenticate") from e
-            last: p.Message = p.Ok()
+            last = p.Ok()
         self.peer = PeerInfo(
             hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
             self.chan.address, local=self.chan.local_cred,
@@ -838,8 +853,7 @@ class ServerConnection:
                 if shm is not None:
                     self.chan.send(p.ShmGrant(lease_id, *shm), deadline, rid)
                 else:
-                    self.chan.send(p.Grant(lease_id, lease.bases), deadline,  # type: ignore[attr-defined]
-                                   rid)
+                    self.chan.send(p.Grant(lease_id, lease.bases), deadline, rid)
                 if msg.flags & p.ReadFlags.CHECKSUM:
                     self._send_checksum(make_iov(*lease.iov()), deadline, rid)
                 return True
@@ -864,16 +878,17 @@ class ServerConnection:
         if isinstance(msg, (p.NixlRead, p.NixlWrite)):
             return self._nixl_grant(rid, msg, deadline)
         if isinstance(msg, p.NixlMdRequest):
+            md: p.NixlMd | p.Error
             try:
                 md = self.handler.nixl_metadata()
             except DatadistError as e:
-                md = p.Error(int(e.code), str(e))  # type: ignore[assignment]
+                md = p.Error(int(e.code), str(e))
             self.chan.send(md, deadline, rid)
             return True
         if isinstance(msg, p.Release):
             held = self.leases.pop(msg.lease_id, None)
             if held is not None:
-                self.handler.close_read(held[0], msg.ok)  # type: ignore[arg-type]
+                self.handler.close_read(held[0], msg.ok)
             return True
         if isinstance(msg, p.Write):
             return self._write(rid, msg, deadline)
@@ -903,9 +918,10 @@ class ServerConnection:
     def _nixl_grant(self, rid: int, msg: p.NixlRead | p.NixlWrite, deadline: float) -> bool:
         """NIXL data path: grant the checked spans (the client READs or WRITEs them through
         NIXL) and hold the lease until its Release (or the connection ends)."""
+        assert self.peer is not None  # set by the handshake, before any request
         lease_id = next(self._lease_ids)
         try:
-            lease, grant = self.handler.open_nixl(self.peer, msg, lease_id)  # type: ignore[arg-type]
+            lease, grant = self.handler.open_nixl(self.peer, msg, lease_id)
         except DatadistError as e:
             self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
             return True
@@ -924,8 +940,9 @@ class ServerConnection:
         """Push, in two steps: the owner checks the destination spans and answers Ok (send)
         or Error (nothing is sent, the connection stays usable); then the raw bytes land
         straight in the destination and a final Ok confirms them."""
+        assert self.peer is not None  # set by the handshake, before any request
         try:
-            lease = self.handler.open_write(self.peer, msg)  # type: ignore[arg-type]
+            lease = self.handler.open_write(self.peer, msg)
         except DatadistError as e:
             self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
             return True

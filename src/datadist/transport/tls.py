@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datadist.core.errors import BrokenLink, InvalidArgument, LinkFailed, Timeout
+from datadist.transport.iov import SockIo
 from datadist.transport.tcp import Channel
 
 
@@ -189,7 +190,7 @@ class TlsChannel(Channel):
         self._recv_view(memoryview(out)[have:], deadline)
         return out
 
-    def _io(self, fn, iov: np.ndarray, deadline: float) -> None:  # type: ignore[no-untyped-def]
+    def _io(self, fn: SockIo, iov: np.ndarray, deadline: float) -> None:
         """Bulk spans, one TLS call per span (see the module docstring)."""
         from datadist.transport.iov import sock_readv
 

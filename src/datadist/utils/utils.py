@@ -19,7 +19,7 @@ def check_inner(arg_name: str, arg_value: Any, inner_class: Any) -> None:
                             f"but got {type(val)}.")
 
 
-def check_dict(arg_name: str, arg_value: dict, k_class: Any, v_class: Any,
+def check_dict(arg_name: str, arg_value: dict[Any, Any], k_class: Any, v_class: Any,
                v_inner_class: Any = None) -> None:
     for k, v in arg_value.items():
         if not isinstance(k, k_class):
@@ -91,7 +91,8 @@ def check_positive_or_set_default(arg_name: str, arg_value: Any, default: int = 
     check_int64(arg_name, arg_value)
     if arg_value < 0:
         raise ValueError(f"{arg_name}'s value:{arg_value} is invalid, should be >= 0")
-    return arg_value
+    value: int = arg_value  # an int64, checked above
+    return value
 
 
 __all__ = ["check_inner", "check_dict", "check_isinstance", "check_uint64", "check_int64",

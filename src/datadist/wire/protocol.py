@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -45,6 +45,8 @@ I32 = np.dtype("<i4")
 
 
 class MsgType(enum.IntEnum):
+    """Frame types (the header's type byte); docs/protocol.md lists each one's payload."""
+
     HELLO = 1
     WELCOME = 2
     ERROR = 3
@@ -92,6 +94,8 @@ class KeyKind(enum.IntEnum):
 
 
 class ReadFlags(enum.IntFlag):
+    """Flags of a READ: ask for a grant (same host), shared memory, or an end-to-end checksum."""
+
     NONE = 0
     GRANT = 1  # same host: answer with addresses (a lease), not with the bytes
     SHM = 2  # with GRANT: answer with an ShmGrant if the cache is in shareable memory
@@ -100,6 +104,8 @@ class ReadFlags(enum.IntFlag):
 
 @dataclass(frozen=True, slots=True)
 class KeyRef:
+    """How a request names the remote cache: a ``KeyKind`` and up to three integers."""
+
     kind: KeyKind
     a: int = 0
     b: int = 0
@@ -142,6 +148,8 @@ class Welcome:
 
 @dataclass(frozen=True, slots=True)
 class Error:
+    """ERROR: a refusal, with a status code and a message."""
+
     code: int
     message: str
 
@@ -227,6 +235,8 @@ class ShmGrant:
 
 @dataclass(frozen=True, slots=True)
 class Release:
+    """RELEASE: the reader is done with a grant (``ok``: the read succeeded)."""
+
     lease_id: int
     ok: bool
 
@@ -333,6 +343,8 @@ class NixlGrant:
 
 @dataclass(frozen=True, slots=True)
 class Ping:
+    """PING: a liveness probe; the server answers PONG with the same nonce."""
+
     nonce: int
 
     TYPE: ClassVar[MsgType] = MsgType.PING
@@ -341,6 +353,8 @@ class Ping:
 
 @dataclass(frozen=True, slots=True)
 class Pong:
+    """PONG: the answer to PING, with its nonce."""
+
     nonce: int
 
     TYPE: ClassVar[MsgType] = MsgType.PONG
@@ -356,6 +370,8 @@ class Bye:
 
 @dataclass(frozen=True, slots=True)
 class Ok:
+    """OK: an empty acknowledgement (of BYE, or of a good AUTH)."""
+
     TYPE: ClassVar[MsgType] = MsgType.OK
 
 
@@ -367,6 +383,8 @@ Message = (
 
 @dataclass(frozen=True, slots=True)
 class FrameHeader:
+    """A decoded frame header: message type, request id and payload length."""
+
     type: MsgType
     request_id: int
     length: int
@@ -478,7 +496,7 @@ class _Reader:
 
     __slots__ = ("buf", "pos")
 
-    def __init__(self, buf: bytes | memoryview) -> None:
+    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
         self.buf = memoryview(buf)
         self.pos = 0
 
@@ -489,7 +507,7 @@ class _Reader:
         self.pos += n
         return out
 
-    def unpack(self, s: struct.Struct) -> tuple:
+    def unpack(self, s: struct.Struct) -> tuple[Any, ...]:
         return s.unpack(self.take(s.size))
 
     def bytes_field(self) -> bytes:
@@ -504,15 +522,15 @@ class _Reader:
             raise RemoteProtocolError(f"{len(self.buf) - self.pos} trailing bytes in payload")
 
 
-def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
+def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> Message:
     """Decode one payload of a known type. Raises RemoteProtocolError when malformed."""
     r = _Reader(payload)
     msg: Message
     if mtype in (MsgType.HELLO, MsgType.WELCOME):
         cid, role, pid, pid_ns, boot_id, features = r.unpack(Hello._S)
         proof = r.bytes_field()
-        cls = Hello if mtype == MsgType.HELLO else Welcome
-        msg = cls(cid, role, pid, pid_ns, bytes(boot_id), features, proof)
+        hello_cls = Hello if mtype == MsgType.HELLO else Welcome
+        msg = hello_cls(cid, role, pid, pid_ns, bytes(boot_id), features, proof)
     elif mtype == MsgType.ERROR:
         (code,) = r.unpack(Error._S)
         msg = Error(code, r.bytes_field().decode("utf-8", "replace"))
@@ -542,8 +560,8 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> Message:
         else:
             if flags:  # no write flags are defined in this version
                 raise RemoteProtocolError(f"unknown write flags {flags:#x}")
-            cls = Write if mtype == MsgType.WRITE else NixlWrite
-            msg = cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
+            write_cls = Write if mtype == MsgType.WRITE else NixlWrite
+            msg = write_cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
     elif mtype == MsgType.READ_DATA:
         (n,) = r.unpack(ReadData._S)
         msg = ReadData(n)

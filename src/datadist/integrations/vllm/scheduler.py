@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +117,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ prefill side
 
     def finished(self, request_id: str, params: dict[str, Any] | None, *, finished_ok: bool,
-                 block_ids: list[int], num_computed_tokens: int) -> tuple[bool, dict | None]:
+                 block_ids: list[int],
+                 num_computed_tokens: int) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: (keep the blocks for a decoder?, parameters for it)."""
         if not params or not params.get("do_remote_decode") or not self.producer:
             return False, None
@@ -153,7 +155,7 @@ class SchedulerSide:
             },
         }
 
-    def sent(self, request_ids: set[str] | list[str]) -> None:
+    def sent(self, request_ids: Iterable[str]) -> None:
         """Workers freed these requests' blocks (``finished_sending``): reuse their slots."""
         for rid in request_ids:
             slot = self._slot_of.pop(rid, None)

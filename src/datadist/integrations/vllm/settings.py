@@ -9,6 +9,7 @@ the one a deployment most often tunes (``VLLM_DATADIST_ABORT_TIMEOUT``, seconds)
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -56,13 +57,13 @@ class Settings:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
-                          env: dict[str, str] | None = None) -> Settings:
+                          env: Mapping[str, str] | None = None) -> Settings:
         """Parse ``kv_connector_extra_config``; unknown keys are ignored (other connectors'
         keys may share the dict), bad values raise ValueError."""
-        env = os.environ if env is None else env
+        environ: Mapping[str, str] = os.environ if env is None else env
         extra = dict(extra or {})
-        if "abort_timeout_s" not in extra and env.get("VLLM_DATADIST_ABORT_TIMEOUT"):
-            extra["abort_timeout_s"] = env["VLLM_DATADIST_ABORT_TIMEOUT"]
+        if "abort_timeout_s" not in extra and environ.get("VLLM_DATADIST_ABORT_TIMEOUT"):
+            extra["abort_timeout_s"] = environ["VLLM_DATADIST_ABORT_TIMEOUT"]
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in extra:

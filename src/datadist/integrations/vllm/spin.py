@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 SPIN_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
@@ -25,7 +26,7 @@ def share_gil_while(active: Callable[[], bool], sleep_s: float) -> bool:
     the GIL. Returns whether vLLM's loop was found.
     """
     try:
-        shm_broadcast = importlib.import_module(SPIN_MODULE)
+        shm_broadcast: Any = importlib.import_module(SPIN_MODULE)  # vLLM: untyped
     except ImportError:
         return False
     original = getattr(shm_broadcast, "sched_yield", None)
@@ -39,6 +40,7 @@ def share_gil_while(active: Callable[[], bool], sleep_s: float) -> bool:
         else:
             plain()
 
+    # A function attribute (as functools.wraps sets it): mypy does not model those.
     sched_yield.__wrapped__ = plain  # type: ignore[attr-defined]
     shm_broadcast.sched_yield = sched_yield
     return True
