@@ -145,6 +145,9 @@ def test_same_host_link_runs_tls_on_the_local_channel(certs) -> None:
             assert b"DD" not in got[:2]  # no Welcome: the TLS server hung up
     finally:
         puller.close()
+        owner.close()
+
+
 def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(certs) -> None:
     """The reverse channel (docs/protocol.md) is opened like the control channel: inside
     mutual TLS and with the shared-secret challenge; the listener's push lands."""
