@@ -15,7 +15,13 @@ from datadist.api import async_transfer, local_ops, types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Memtype, Placement
 from datadist.api.geometry import geometry_of, key_ref
-from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
+from datadist.api.status import (
+    LLMException,
+    LLMStatusCode,
+    check_same_session,
+    llm_errors,
+    raise_if_false,
+)
 from datadist.api.types import (
     UINT64_MAX,
     BlocksCacheKey,
@@ -107,12 +113,7 @@ class CacheManager:
         the id for another cache. It is refused as an unknown cache, LLM_KV_CACHE_NOT_EXIST,
         before its id is looked at.
         """
-        owner = cache._cache_manager
-        if owner is not None and owner is not self:
-            raise LLMException(
-                f"{name} (cache_id {cache.cache_id}) belongs to another LLMDataDist session "
-                "(made before finalize()); it does not exist in this one",
-                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        check_same_session(name, cache.cache_id, cache._cache_manager, self)
         return cache
 
     # ------------------------------------------------------------------ registration

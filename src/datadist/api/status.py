@@ -115,6 +115,18 @@ def llm_errors(func: str = "") -> Iterator[None]:
         raise to_llm_exception(e, func) from e
 
 
+def check_same_session(name: str, cache_id: int, owner: object, manager: object) -> None:
+    """A cache handle belongs to the manager (session) that made it: one that ``finalize()``
+    invalidated names a cache id of a finished session, which the new session may have given
+    to another cache, so it is refused as an unknown cache, LLM_KV_CACHE_NOT_EXIST.
+    ``owner`` None: a handle no manager made (``create_cpu_cache``), always accepted."""
+    if owner is not None and owner is not manager:
+        raise LLMException(
+            f"{name} (cache_id {cache_id}) belongs to another LLMDataDist session "
+            "(made before finalize()); it does not exist in this one",
+            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+
 def raise_if_false(cond: bool, message: str,
                    code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID) -> None:
     if not cond:

@@ -38,7 +38,13 @@ from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.config import pool_bytes_option
 from datadist.api.enums import DataType, LLMRole, Placement, from_numpy_dtype, numpy_dtype
 from datadist.api.geometry import geometry_of, key_ref
-from datadist.api.status import LLMException, LLMStatusCode, llm_errors, raise_if_false
+from datadist.api.status import (
+    LLMException,
+    LLMStatusCode,
+    check_same_session,
+    llm_errors,
+    raise_if_false,
+)
 from datadist.api.tasks import CacheTask
 from datadist.api.types import (
     UINT64_MAX,
@@ -253,12 +259,7 @@ class KvCacheManager:
         """A handle this manager made (or an unregistered ``create_cpu_cache``). One from a
         manager that ``finalize()`` invalidated names a cache id of a finished session, which
         the new session may have given to another cache: LLM_KV_CACHE_NOT_EXIST."""
-        owner = cache._manager
-        if owner is not None and owner is not self:
-            raise LLMException(
-                f"{name} (cache_id {cache.cache_id}) belongs to another LLMDataDist session "
-                "(made before finalize()); it does not exist in this one",
-                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+        check_same_session(name, cache.cache_id, cache._manager, self)
         return cache
 
     def _geometry(self, engine: Engine, cache: KvCache) -> layout.Geometry:
