@@ -13,9 +13,11 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
+
+from datadist.argparsing import OneLineParser
 
 PROMPT_ID, DECODER_ID = 1, 2
 BLOCK_SIZE = 16  # tokens per block
@@ -320,14 +322,6 @@ def cmd_bench(argv: list[str]) -> int:
 
 class CliError(Exception):
     """A failure the CLI reports as one line (and exit code 1), without a traceback."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (exit code 2), not usage plus error. Every
-    ``datadist`` subcommand's parser is one (bench, demo --llm)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _one_line(e: BaseException) -> str:

@@ -307,7 +307,7 @@ _SAME_FD_NEW_INODE = textwrap.dedent("""
     from datadist.core.errors import RemoteProtocolError
     from datadist.memory.pool import memfd_map
     from datadist.transport.paths import CmaPath
-    from datadist.transport.tcp import Channel
+    from datadist.transport.channel import Channel
     from datadist.wire import protocol as p
 
     SIZE = 1 << 16

@@ -18,7 +18,8 @@ import pytest
 
 from datadist.core.errors import BrokenLink, Timeout
 from datadist.transport import iov as iovmod
-from datadist.transport.tcp import RECV_BUFFER, Channel, _tune
+from datadist.transport.channel import RECV_BUFFER, Channel
+from datadist.transport.channel import tune as _tune
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,5 +1,6 @@
-"""The package's import structure (DESIGN: imports go one way): no two modules import each
-other at module level, and the lower layers never import the api."""
+"""The package's import structure (imports go one way): no import cycle at module level, no
+two modules importing each other even inside functions (a lazy import hides a cycle, it does
+not remove it), and the lower layers never import the api."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import datadist
 ROOT = Path(datadist.__file__).parent
 
 
-def _imports() -> dict[str, set[str]]:
-    """Module name -> the datadist modules it imports at module level."""
+def _imports(anywhere: bool = False) -> dict[str, set[str]]:
+    """Module name -> the datadist modules it imports at module level (``anywhere``: also
+    inside functions; never under ``if TYPE_CHECKING``, which runs no import)."""
     names = {}
     for f in ROOT.rglob("*.py"):
         name = ".".join(("datadist", *f.relative_to(ROOT).with_suffix("").parts))
@@ -21,7 +23,9 @@ def _imports() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for f, name in names.items():
         deps: set[str] = set()
-        for node in ast.parse(f.read_text()).body:
+        tree = ast.parse(f.read_text())
+        nodes = _runtime_nodes(tree) if anywhere else tree.body
+        for node in nodes:
             if isinstance(node, ast.ImportFrom) and node.module:
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
@@ -30,6 +34,30 @@ def _imports() -> dict[str, set[str]]:
                 deps.update(a.name for a in node.names)
         out[name] = {d for d in deps if d in known and d != name and d != "datadist"}
     return out
+
+
+def _runtime_nodes(tree: ast.Module) -> list[ast.AST]:
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    out: list[ast.AST] = []
+
+    def walk(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                walk(child)
+            return
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            walk(child)
+
+    walk(tree)
+    return out
+
+
+def test_no_two_modules_import_each_other_even_lazily():
+    graph = _imports(anywhere=True)
+    mutual = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a]
+                     if a in graph.get(b, set())})
+    assert not mutual, f"modules importing each other: {mutual}"
 
 
 def test_no_module_level_import_cycles():

@@ -142,7 +142,7 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``datadist bench``: run, print the table, optionally write JSON. Returns the exit code:
     0 when every row ran (goals missed or not), 1 when the run failed."""
-    from datadist.cli import OneLineParser  # errors on one line, as every datadist command
+    from datadist.argparsing import OneLineParser  # errors on one line, as every datadist command
 
     ap = OneLineParser(prog="datadist bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",

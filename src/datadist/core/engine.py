@@ -43,10 +43,11 @@ from datadist.core.registry import CacheEntry, KeyId, Lease, Registry, check_req
 from datadist.memory import shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.transport.base import PathKind, PeerInfo
+from datadist.transport.channel import Channel
 from datadist.transport.iov import PTRACER, make_iov
 from datadist.transport.local import LocalListener, local_name
 from datadist.transport.paths import TcpPath
-from datadist.transport.tcp import Channel, ServerConnection, TcpListener
+from datadist.transport.tcp import ServerConnection, TcpListener
 from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 

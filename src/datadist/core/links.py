@@ -48,9 +48,10 @@ from datadist.core.errors import (
     Timeout,
 )
 from datadist.transport.base import PathKind
+from datadist.transport.channel import Channel
 from datadist.transport.local import LocalCred, connect_local, local_name
 from datadist.transport.paths import CmaPath, CmaRefused, TcpPath
-from datadist.transport.tcp import Channel
+from datadist.transport.tcp import open_channel
 from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def greet(
     ``cluster_id`` and, with a secret, run the challenge and response (core/auth.py).
     Returns the open channel and the Welcome."""
     if chan is None:
-        chan = Channel.connect(host, port, deadline, tls)
+        chan = open_channel(host, port, deadline, tls)
     try:
         h = hello()
         welcome = chan.call(h, deadline)

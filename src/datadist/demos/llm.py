@@ -50,7 +50,7 @@ LINK_TIMEOUT_MS = 10_000
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from datadist.cli import OneLineParser
+    from datadist.argparsing import OneLineParser
 
     p = OneLineParser(
         prog="datadist demo --llm",

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 from datadist.core.errors import LinkFailed, Timeout
 from datadist.transport.base import LeaseT, RequestHandler
-from datadist.transport.tcp import Channel, TcpListener
+from datadist.transport.channel import Channel
+from datadist.transport.tcp import TcpListener
+from datadist.transport.tls import TlsChannel
 
 __all__ = ["LocalCred", "LocalListener", "connect_local", "local_name", "peer_cred"]
 
@@ -94,8 +96,6 @@ def connect_local(name: bytes, deadline: float,
         raise LinkFailed(f"no local channel: {e.strerror or e}") from e
     chan = Channel(sock, _describe(cred))
     if tls is not None:
-        from datadist.transport.tls import TlsChannel
-
         chan = TlsChannel.wrap_client(chan, tls, deadline)
     chan.local_cred = cred
     return chan
@@ -135,9 +135,7 @@ class LocalListener(TcpListener[LeaseT]):
         address = _describe(cred)
         chan: Channel
         if self.tls is not None:
-            from datadist.transport.tls import TlsChannel
-
-            chan = TlsChannel.wrap_server(sock, address, self.tls)
+                chan = TlsChannel.wrap_server(sock, address, self.tls)
         else:
             chan = Channel(sock, address)
         chan.local_cred = cred

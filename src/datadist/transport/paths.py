@@ -24,6 +24,7 @@ import numpy as np
 from datadist.core.errors import DatadistError, IntegrityError, RemoteProtocolError
 from datadist.memory.pool import map_shared, shrink_sealed, unmap
 from datadist.transport.base import TransportCaps
+from datadist.transport.channel import Channel
 from datadist.transport.iov import (
     CmaRefused,
     crc_iov,
@@ -33,7 +34,6 @@ from datadist.transport.iov import (
     span_iov,
     vm_copy,
 )
-from datadist.transport.tcp import Channel
 from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)

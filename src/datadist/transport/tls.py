@@ -1,6 +1,6 @@
 """TLS for links that cross untrusted networks (an option).
 
-Who calls: ``Channel.connect`` and ``TcpListener`` when the engine has a :class:`TlsConfig`.
+Who calls: ``tcp.open_channel`` and ``TcpListener`` when the engine has a :class:`TlsConfig`.
 Both ends present a certificate signed by the configured CA (mutual TLS); peers are
 identified by cluster id in the handshake that follows, not by host name (deployments link by
 IP address), so host names are not checked.
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from datadist.core.errors import BrokenLink, InvalidArgument, LinkFailed, Timeout
-from datadist.transport.iov import SockIo
-from datadist.transport.tcp import Channel
+from datadist.transport.channel import Channel
+from datadist.transport.iov import SockIo, sock_readv
 
 
 @dataclass(frozen=True)
@@ -192,8 +192,6 @@ class TlsChannel(Channel):
 
     def _io(self, fn: SockIo, iov: np.ndarray, deadline: float) -> None:
         """Bulk spans, one TLS call per span (see the module docstring)."""
-        from datadist.transport.iov import sock_readv
-
         move = self._recv_view if fn is sock_readv else self._send_view
         try:
             for base, n in iov.tolist():
