@@ -426,23 +426,46 @@ class TestArraysAndTensorsAsAddresses:
 
 
 class TestOwnerThatCannotReadItsMemory:
-    """Item 17: memory unmapped after registration makes the owner's send fail with EFAULT:
-    the owner says so in its log, the reader gets an error, nobody crashes."""
+    """Item 17: memory unmapped after registration: the owner probes the tensors a request
+    touches before it streams them, says so in its log, and answers with an error frame
+    (LLM_DEVICE_MEM_ERROR); the connection stays usable and nobody crashes."""
 
     def test_tcp_read_of_unmapped_registered_memory(self, mapping, caplog):
         owner = Engine(EngineConfig(cluster_id=PROMPT_ID, role=1, listen=("127.0.0.1", 0)))
         reader = Engine(EngineConfig(cluster_id=DECODER_ID, role=2, transport="tcp",
                                      sync_timeout=5.0))
         try:
-            reader.link(PROMPT_ID, *owner.listen_address, 5.0)
+            link = reader.link(PROMPT_ID, *owner.listen_address, 5.0)
             ocm, rcm = CacheManager(owner), CacheManager(reader)
             m = mapping(4)
             src = ocm.register_cache(_desc(1, 4 * PAGE), [m.addr])
+            good = np.arange(4 * PAGE, dtype=np.uint32).astype(np.uint8)
+            kept = ocm.register_cache(_desc(1, 4 * PAGE), [good])
             m.unmap(0, 4)  # the caller frees it behind our back
-            dst = rcm.register_cache(_desc(1, 4 * PAGE), [np.zeros(4 * PAGE, np.uint8)])
-            with caplog.at_level("ERROR"), pytest.raises(llm.LLMException):
+            dst_arr = np.zeros(4 * PAGE, np.uint8)
+            dst = rcm.register_cache(_desc(1, 4 * PAGE), [dst_arr])
+            chan = link.chan
+            with caplog.at_level("ERROR"), pytest.raises(llm.LLMException) as e:
                 rcm.pull_cache(llm.CacheKeyByIdAndIndex(PROMPT_ID, src.cache_id), dst)
+            assert e.value.status_code == llm.LLMStatusCode.LLM_DEVICE_MEM_ERROR
+            assert "not mapped" in str(e.value)
             assert any("not mapped" in r.getMessage() for r in caplog.records)
+            # an error frame, not a cut connection: the same channel serves the next pull
+            rcm.pull_cache(llm.CacheKeyByIdAndIndex(PROMPT_ID, kept.cache_id), dst)
+            assert link.chan is chan and not chan.closed
+            assert np.array_equal(dst_arr, good)
+            # a push into the freed memory is refused the same way
+            from datadist.core.errors import DatadistError
+            from datadist.core.layout import layer_tensor_indices, plan_slot
+            from datadist.wire import protocol as p
+
+            entry = reader.registry.hold(dst.cache_id)
+            reader.registry.unhold(entry)
+            plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+            with pytest.raises(DatadistError) as err:
+                reader.push(PROMPT_ID, p.KeyRef(p.KeyKind.CACHE_ID, src.cache_id, 0), 0, plan,
+                            dst.cache_id, 5.0)
+            assert err.value.code == llm.LLMStatusCode.LLM_DEVICE_MEM_ERROR
         finally:
             reader.close()
             owner.close()

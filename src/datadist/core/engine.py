@@ -40,7 +40,7 @@ from datadist.core.errors import (
 from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
 from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
 from datadist.core.registry import CacheEntry, KeyId, Lease, Registry, check_request_size
-from datadist.memory import shared
+from datadist.memory import mapped, shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.channel import Channel
@@ -598,8 +598,10 @@ class Engine:
         itself) only for a peer the kernel verified on this host, allowed to read us, and
         within MAX_GRANTS_PER_PEER: nobody else learns our addresses."""
         if not msg.flags & p.ReadFlags.GRANT:
-            return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
-                                      msg.lengths, layout=msg.layout)
+            lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                       msg.lengths, layout=msg.layout)
+            self._check_own_memory(lease, "read", read=True)
+            return lease
         pid = self._take_grant(peer)
         try:
             lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
@@ -710,8 +712,36 @@ class Engine:
                 "this owner runs without enable_remote_cache_accessible: writes by key or "
                 "cache id are refused"
             )
-        return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths,
-                                  layout=msg.layout, read=False)
+        lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                   msg.lengths, layout=msg.layout, read=False)
+        self._check_own_memory(lease, "write", read=False)
+        return lease
+
+    def _check_own_memory(self, lease: Lease, what: str, *, read: bool) -> None:
+        """Before we stream a peer's request from or into our memory ourselves: memory a user
+        registered may have been freed behind our back since (a caller's bug, but the peer
+        must get an error frame, not a connection cut mid-answer). The first and last byte of
+        each tensor the request touches are probed, one system call; pool memory is ours and
+        skips it. Raises DEVICE_MEM_ERROR (the lease closed, nothing consumed)."""
+        entry = lease.entry
+        if entry.owned:
+            return
+        bases = entry.addrs[lease.tensors]
+        probes = np.concatenate((bases, bases + np.uint64(entry.geometry.tensor_bytes - 1)))
+        bad = mapped.first_unreadable(probes)
+        if bad is None:
+            return
+        tensor = int(lease.tensors[bad % len(bases)])
+        if read:
+            self.registry.close(lease, False)
+        else:
+            self.registry.close(lease, False, consume=False)
+        log.error("cache %d: tensor %d's memory at %#x is not mapped any more (freed after "
+                  "register_cache?); a peer's %s of it is refused", entry.cache_id, tensor,
+                  int(probes[bad]), what)
+        raise DatadistError(f"the owner's memory of cache {entry.cache_id} tensor {tensor} is "
+                            "not mapped any more (freed after it was registered)",
+                            code=Code.DEVICE_MEM_ERROR)
 
     def close_write(self, lease: Lease, ok: bool) -> None:
         self.registry.close(lease, ok, consume=False)
