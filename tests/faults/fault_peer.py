@@ -276,6 +276,8 @@ class Peer:
                 "bytes": moved, "elapsed": time.monotonic() - t0}
 
 
+    MIN_CYCLES = 20
+
     def op_churn(self, cid: int, ip: str, port: int, dst: str, seed: int, seconds: float,
                  src_total: int, per_pull: int, force: bool = True, rng_seed: int = 0) -> dict:
         """Pull in a thread while this one unlinks and relinks the same cluster, again and
@@ -300,6 +302,7 @@ class Peer:
                     self._pull_once(cid, 0, dst, src, dstb)
                 except llm_datadist.LLMException as e:
                     outcomes[e.status_code.name] = outcomes.get(e.status_code.name, 0) + 1
+                    time.sleep(0.0005)  # as a client would: no hot spin holding the GIL
                     continue
                 if self._verify(dst, seed, src, dstb):
                     outcomes["ok"] = outcomes.get("ok", 0) + 1
@@ -311,9 +314,13 @@ class Peer:
         unlink_codes: dict[str, int] = {}
         link_codes: dict[str, int] = {}
         cycles = 0
-        end = time.monotonic() + seconds
+        # ``seconds`` of churn, and at least MIN_CYCLES link/unlink cycles where a loaded
+        # machine makes them slow (bounded: four times ``seconds`` at most)
+        start = time.monotonic()
+        end, hard_end = start + seconds, start + 4 * seconds
         try:
-            while time.monotonic() < end:
+            while ((time.monotonic() < end or cycles < self.MIN_CYCLES)
+                   and time.monotonic() < hard_end):
                 r = self.op_unlink([[cid, ip, port]], force=force, timeout_ms=200)
                 unlink_codes[r["code"]] = unlink_codes.get(r["code"], 0) + 1
                 r = self.op_link([[cid, ip, port]], timeout_ms=2000)

@@ -283,7 +283,7 @@ def test_unlink_and_relink_during_pulls(peers: Peers, transport: str, force: boo
     assert r["nwrong"] == 0, f"pulls that succeeded with wrong bytes: {r}"
     assert set(r["outcomes"]) <= {"ok", "LLM_LINK_FAILED", "LLM_NOT_YET_LINK", "LLM_TIMEOUT",
                                   "LLM_LINK_BUSY"}, r
-    assert r["outcomes"].get("ok", 0) > 0 and r["cycles"] > 20, r
+    assert r["outcomes"].get("ok", 0) > 0 and r["cycles"] >= 20, r
     assert set(r["unlink"]) <= {"LLM_SUCCESS", "LLM_LINK_BUSY"}, r
     assert set(r["link"]) == {"LLM_SUCCESS"}, r
     assert _pull(dec, victim, seed=1)["verified"]
