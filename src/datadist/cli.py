@@ -292,8 +292,43 @@ def _info_peer(args: argparse.Namespace) -> None:
                                        f"refused ({refused}: another user, Yama or seccomp); "
                                        "pulls fall back to tcp")
         print(f"link to cluster {args.cluster_id} at {host}:{port}: path={path} ({reason})")
+        try:
+            stats = eng.peer_stats(args.cluster_id, args.timeout)
+        except DatadistError as e:  # an older peer, or another implementation
+            print(f"peer metrics: not available ({e})")
+        else:
+            print("\n".join(metrics_lines(stats)))
     finally:
         eng.close()
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds == float("inf"):
+        return "> 100 s"
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
+
+
+def metrics_lines(stats: dict[str, Any]) -> list[str]:
+    """``datadist info``'s view of a process's metrics (a peer's ``Engine.stats()``)."""
+    out = [f"peer metrics: cluster {stats.get('cluster_id')}, role {stats.get('role')}"]
+
+    def line(name: str, m: dict[str, Any]) -> str:
+        errors = ", ".join(f"{k} x{v}" for k, v in sorted(m.get("errors", {}).items()))
+        return (f"  {name}: {m.get('transfers', 0)} transfers, {m.get('bytes', 0):,} bytes, "
+                f"p50 <= {_duration(m.get('p50_s'))}, p99 <= {_duration(m.get('p99_s'))}"
+                + (f"; failed: {errors}" if errors else ""))
+
+    total = stats.get("total") or {}
+    if not total:
+        out.append("  no transfers yet")
+    for op, m in sorted(total.items()):
+        out.append(line(op, m))
+    for cid, ops in sorted((stats.get("links") or {}).items()):
+        for op, m in sorted(ops.items()):
+            out.append(line(f"{op} with cluster {cid}", m))
+    return out
 
 
 def _info_nixl() -> None:

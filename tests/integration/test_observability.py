@@ -12,7 +12,7 @@ import datadist as llm_datadist
 from datadist.core.metrics import BUCKETS, Metrics
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt
 
-from ._support import PROMPT_ID
+from ._support import DECODER_ID, PROMPT_ID
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -112,3 +112,30 @@ def test_what_is_missing_is_named(make_decoder, prompt: RunningPrompt) -> None:
         dec.cm.pull_blocks(llm_datadist.CacheKey(PROMPT_ID, 777, 0), cache, (), [0])
     assert info.value.status_code == llm_datadist.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     assert "with that CacheKey" in str(info.value)
+
+
+def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The owner counts the requests it serves (serve_read, per peer cluster id, refusals
+    with their status code), and answers a StatsRequest over the link: what ``datadist info
+    --peer`` prints for a running process."""
+    cache, _ = decoder.local(BLOCKS, blocks=True)
+    key = llm_datadist.BlocksCacheKey(PROMPT_ID, 3)
+    before = decoder.dd.engine.peer_stats(PROMPT_ID, 5.0)
+    served0 = (before["links"].get(str(DECODER_ID), {}).get("serve_read", {}) or {}).get("bytes", 0)
+    decoder.cm.pull_blocks(key, cache, [1, 2, 3], [4, 5, 6])
+    with pytest.raises(llm_datadist.LLMException):
+        decoder.cm.pull_blocks(llm_datadist.BlocksCacheKey(PROMPT_ID, 98), cache, [0], [0])
+    stats = decoder.dd.engine.peer_stats(PROMPT_ID, 5.0)
+    assert stats["cluster_id"] == PROMPT_ID
+    mine = stats["links"][str(DECODER_ID)]["serve_read"]  # our cluster id, as the owner sees us
+    assert mine["bytes"] - served0 == 3 * 256 * 2
+    assert mine["errors"].get("LLM_KV_CACHE_NOT_EXIST", 0) >= 1
+
+    from datadist import cli
+
+    host, port = prompt.address
+    assert cli.main(["info", "--peer", f"{host}:{port}", "--cluster-id", str(PROMPT_ID)]) == 0
+    out = capsys.readouterr().out
+    assert f"peer metrics: cluster {PROMPT_ID}" in out
+    assert f"serve_read with cluster {DECODER_ID}:" in out and "LLM_KV_CACHE_NOT_EXIST" in out

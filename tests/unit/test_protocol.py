@@ -65,6 +65,7 @@ EXAMPLES: list[p.Message] = [
 if hasattr(p, "ShmGrant"):  # the same-host shared-memory answer, where the protocol has it
     EXAMPLES.append(p.ShmGrant(3, np.array([5, -1], "<i4"), u64(1, U64_MAX), u64(0, 4096)))
 EXAMPLES += [p.Auth(b"\x01" * 32), p.Checksum(0xFFFFFFFF, U64_MAX)]
+EXAMPLES += [p.StatsRequest(), p.Stats(b'{"total":{}}'), p.Stats(b"")]  # a peer's metrics
 EXAMPLES += [  # the NIXL data path's messages
     p.NixlMdRequest(),
     p.NixlMd(b"datadist-7-42-abcd", U64_MAX, b"\x00md" * 300),

@@ -10,6 +10,7 @@ returns at once (``unregister`` waits for live leases, bounded). Thread-safe.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import ssl
@@ -480,6 +481,32 @@ class Engine:
         if not isinstance(reply, p.Pong):
             raise RemoteProtocolError(f"expected Pong, got {type(reply).__name__}")
 
+    def stats(self) -> dict[str, Any]:
+        """This process's transfer metrics (``metrics.PROCESS``), JSON-ready, with who we are:
+        what a peer's StatsRequest gets back."""
+        snap = metrics.PROCESS.snapshot()
+        return {"cluster_id": self.config.cluster_id, "role": self.role,
+                "total": snap["total"],
+                "links": {str(cid): ops for cid, ops in snap["links"].items()}}
+
+    def peer_stats(self, cluster_id: int, timeout: float) -> dict[str, Any]:
+        """Ask a linked peer for its metrics (``stats``) over the link. Blocks <= timeout;
+        NotLinked, Timeout, or a RemoteProtocolError from a peer that does not know the
+        request (an older or another implementation)."""
+        link = self.get_link(cluster_id)
+        deadline = time.monotonic() + timeout
+        reply = link.run(deadline,
+                         lambda path, chan: chan.call(p.StatsRequest(), deadline))
+        if not isinstance(reply, p.Stats):
+            raise RemoteProtocolError(f"expected Stats, got {type(reply).__name__}")
+        try:
+            got = json.loads(reply.json)
+        except ValueError as e:
+            raise RemoteProtocolError(f"the peer's Stats is not JSON: {e}") from None
+        if not isinstance(got, dict):
+            raise RemoteProtocolError("the peer's Stats is not a JSON object")
+        return got
+
     def links(self) -> list[Link]:
         with self._lock:
             return list(self._links.values())
@@ -593,10 +620,36 @@ class Engine:
                 self._inbound[peer.key] = peer
                 self._hellos[peer.cluster_id] = self._hellos.get(peer.cluster_id, 0) + 1
 
+    def _serving(self, op: str, peer: PeerInfo, open_: Callable[[], Lease]) -> Lease:
+        """Open a lease for a peer's request, counted in the metrics as ``op`` (``serve_read``,
+        ``serve_write``) for that peer: a refusal now, the outcome when the lease ends."""
+        t0 = time.perf_counter()
+        try:
+            lease = open_()
+        except DatadistError as e:
+            metrics.PROCESS.record(op, peer.cluster_id, 0, time.perf_counter() - t0,
+                                   Code(e.code).status_name)
+            raise
+        lease.served = (op, peer.cluster_id, t0)
+        return lease
+
+    def _served(self, lease: Lease, ok: bool) -> None:
+        """A served request ended (once per lease): its bytes, or LLM_FAILED."""
+        if lease.served is None:
+            return
+        op, cluster_id, t0 = lease.served
+        lease.served = None
+        metrics.PROCESS.record(op, cluster_id, lease.nbytes if ok else 0,
+                               time.perf_counter() - t0, None if ok else "LLM_FAILED")
+
     def open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
-        """Check a read and lease what it names. A GRANT (the reader copies from our memory
-        itself) only for a peer the kernel verified on this host, allowed to read us, and
-        within MAX_GRANTS_PER_PEER: nobody else learns our addresses."""
+        """Check a read and lease what it names (counted as ``serve_read``)."""
+        return self._serving("serve_read", peer, lambda: self._open_read(peer, msg))
+
+    def _open_read(self, peer: PeerInfo, msg: p.Read) -> Lease:
+        """A GRANT (the reader copies from our memory itself) only for a peer the kernel
+        verified on this host, allowed to read us, and within MAX_GRANTS_PER_PEER: nobody
+        else learns our addresses."""
         if not msg.flags & p.ReadFlags.GRANT:
             lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
                                        msg.lengths, layout=msg.layout)
@@ -639,6 +692,7 @@ class Engine:
                 self._grants.pop(pid, None)
 
     def close_read(self, lease: Lease, ok: bool) -> None:
+        self._served(lease, ok)
         got = self._nixl_leases.pop(id(lease), None) if self._nixl_leases else None
         if got is not None:  # a NIXL read or write (open_nixl)
             peer_key, fresh, write = got
@@ -655,6 +709,7 @@ class Engine:
 
     def sent_read(self, lease: Lease) -> None:
         """The bytes of a read are sent; its verdict (settle_read) comes later."""
+        self._served(lease, True)
         self.registry.unlease(lease)
 
     def settle_read(self, lease: Lease, ok: bool) -> None:
@@ -699,6 +754,8 @@ class Engine:
             raise
         fresh = peer.key not in self._nixl_wired
         self._nixl_leases[id(lease)] = (peer.key, fresh, isinstance(msg, p.NixlWrite))
+        lease.served = ("serve_write" if isinstance(msg, p.NixlWrite) else "serve_read",
+                        peer.cluster_id, time.perf_counter())
         nixl.pump_acquire(fresh)
         # The client adds its offsets to the bases; raw-address offsets are absolute already.
         bases = (np.zeros(len(msg.tensors), np.uint64) if msg.key.kind == p.KeyKind.ADDRESS
@@ -707,6 +764,10 @@ class Engine:
                                   bases)
 
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
+        """Check a peer's write into our memory and lease it (counted as ``serve_write``)."""
+        return self._serving("serve_write", peer, lambda: self._open_write(msg))
+
+    def _open_write(self, msg: p.Write) -> Lease:
         if not self.config.remote_cache_accessible and msg.key.kind != p.KeyKind.ADDRESS:
             raise InvalidArgument(
                 "this owner runs without enable_remote_cache_accessible: writes by key or "
@@ -744,6 +805,7 @@ class Engine:
                             code=Code.DEVICE_MEM_ERROR)
 
     def close_write(self, lease: Lease, ok: bool) -> None:
+        self._served(lease, ok)
         self.registry.close(lease, ok, consume=False)
 
     def on_bye(self, peer: PeerInfo) -> None:

@@ -1,13 +1,16 @@
 """Transfer counters and latency histograms, per process and per link.
 
-Who calls: the engine records every pull and push it starts (:meth:`Metrics.record`, after the
-transfer ended, in the calling thread; never blocks beyond a short lock). Users read them with
+Who calls: the engine records every pull and push it starts, and every request it serves
+(:meth:`Metrics.record`, after the transfer ended, in the calling or serving thread; never
+blocks beyond a short lock). Users read them with
 ``datadist.metrics()`` (a plain dict), or export them to Prometheus with
 ``datadist.metrics_collector()`` when ``prometheus_client`` is installed.
 
 What is counted, for each (operation, remote cluster id): transfers, bytes moved by the ones
 that succeeded, failures by status code name, and a histogram of their durations. Operations
-are ``pull`` and ``push``, as the caller's side sees them. A link that is unlinked keeps its
+are ``pull`` and ``push`` (what this process asked of a peer) and ``serve_read`` and
+``serve_write`` (what a peer asked of this process, from the lease's opening to its end; a
+refused request counts with its status code). A link that is unlinked keeps its
 counters (a Prometheus counter must never go down); ``reset()`` clears everything.
 """
 

@@ -129,6 +129,8 @@ class Lease:
     grantee: int = 0  # a grant's verified reader pid (the engine counts grants per peer)
     reserved: bool = False  # holds a reservation of binding's tensors (a consuming read)
     memory_held: bool = True  # counted in entry.leases until unlease/close
+    # the engine's metrics of a request it serves: (operation, peer cluster id, start time)
+    served: tuple[str, int, float] | None = None
 
     @property
     def nbytes(self) -> int:

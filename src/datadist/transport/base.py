@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -140,6 +140,10 @@ class RequestHandler(Protocol[LeaseT]):
         open_write; the lease pins the memory (and keeps our NIXL agent progressing) until
         close_read, which the connection calls for every lease (it closes a write lease as
         close_write would)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Our transfer metrics and who we are, for a peer's StatsRequest (JSON-ready)."""
         ...
 
     def on_bye(self, peer: PeerInfo) -> None:

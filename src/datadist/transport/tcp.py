@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import selectors
 import socket
@@ -568,6 +569,10 @@ class ServerConnection(Generic[LeaseT]):
             return self._write(rid, msg, deadline)
         if isinstance(msg, p.Ping):
             self.chan.send(p.Pong(msg.nonce), deadline, rid)
+            return True
+        if isinstance(msg, p.StatsRequest):
+            body = json.dumps(self.handler.stats(), separators=(",", ":")).encode()
+            self.chan.send(p.Stats(body), deadline, rid)
             return True
         if isinstance(msg, p.Bye):
             if not self.reverse:

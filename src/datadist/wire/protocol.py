@@ -68,6 +68,8 @@ class MsgType(enum.IntEnum):
     NIXL_READ = 18
     NIXL_GRANT = 19
     NIXL_WRITE = 20
+    STATS_REQUEST = 21
+    STATS = 22
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
@@ -265,6 +267,24 @@ class Checksum:
 
 
 @dataclass(frozen=True, slots=True)
+class StatsRequest:
+    """Ask the peer for its transfer metrics (answer: Stats)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATS_REQUEST
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """The peer's transfer metrics, as UTF-8 JSON (``datadist.metrics()``'s shape, with the
+    cluster ids of ``links`` as strings, plus ``cluster_id`` and ``role``)."""
+
+    json: bytes
+
+    TYPE: ClassVar[MsgType] = MsgType.STATS
+    _S: ClassVar[struct.Struct] = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
 class NixlMdRequest:
     """Ask the owner for its NIXL agent's metadata (answer: NixlMd, or Error when the owner
     has no NIXL agent)."""
@@ -378,6 +398,7 @@ class Ok:
 Message = (
     Hello | Welcome | Error | Read | Write | ReadData | Grant | ShmGrant | Release | Ping | Pong
     | Bye | Ok | Auth | Checksum | NixlMdRequest | NixlMd | NixlRead | NixlGrant | NixlWrite
+    | StatsRequest | Stats
 )
 
 
@@ -456,7 +477,9 @@ def encode_payload(msg: Message) -> bytes:
     if isinstance(msg, NixlGrant):
         return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, len(msg.bases))
                 + _bytes_field(msg.agent) + _array(msg.bases, U64))
-    if isinstance(msg, (Bye, Ok, NixlMdRequest)):
+    if isinstance(msg, Stats):
+        return msg._S.pack(len(msg.json)) + msg.json
+    if isinstance(msg, (Bye, Ok, NixlMdRequest, StatsRequest)):
         return b""
     raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
 
@@ -586,6 +609,11 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
         msg = Auth(r.bytes_field())
     elif mtype == MsgType.NIXL_MD_REQUEST:
         msg = NixlMdRequest()
+    elif mtype == MsgType.STATS_REQUEST:
+        msg = StatsRequest()
+    elif mtype == MsgType.STATS:
+        (n,) = r.unpack(Stats._S)
+        msg = Stats(bytes(r.take(n)))
     elif mtype == MsgType.NIXL_MD:
         gen, n = r.unpack(NixlMd._S)
         agent = r.bytes_field()
