@@ -117,7 +117,8 @@ def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: 
     with contextlib.redirect_stdout(out):
         rc = cli.main(["info", "--peer", f"{host}:{port}", "--cluster-id", "5"])
     assert rc == 0
-    predicted = re.search(r"path=(\w+)", out.getvalue().splitlines()[-1]).group(1)
+    link_line = next(x for x in out.getvalue().splitlines() if x.startswith("link to cluster"))
+    predicted = re.search(r"path=(\w+)", link_line).group(1)
     decoder = Engine(EngineConfig(cluster_id=9, role=2, sync_timeout=10.0))
     try:
         peer_link = decoder.link(5, host, port, 5.0)
