@@ -26,11 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-import datadist as llm_datadist
+from datadist.integrations.vllm.layout import kv_layout
 from datadist.integrations.vllm.scheduler import RecvTask, SchedulerSide, StepMeta
 from datadist.integrations.vllm.settings import LOGGER_NAME, ROLES, Settings, WorkerAddress
 from datadist.integrations.vllm.spin import share_gil_while
-from datadist.integrations.vllm.worker import DatadistWorker, KvLayout
+from datadist.integrations.vllm.worker import DatadistWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,13 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER_NAME)
 
-_DTYPES = {
-    torch.float16: llm_datadist.DataType.DT_FLOAT16,
-    torch.bfloat16: llm_datadist.DataType.DT_BF16,
-    torch.float32: llm_datadist.DataType.DT_FLOAT,
-    torch.int8: llm_datadist.DataType.DT_INT8,
-    torch.uint8: llm_datadist.DataType.DT_UINT8,
-}
 
 
 @dataclass
@@ -68,40 +61,6 @@ class DatadistHandshakeMetadata(KVConnectorHandshakeMetadata):
     cluster_id: int
 
 
-def kv_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[KvLayout, list[torch.Tensor]]:
-    """datadist's view of vLLM's per-layer KV tensors, and the block-major tensors it covers.
-
-    Handles the CPU backend's packed ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` and
-    any other block-major layout (one tensor per layer), and the ``[2, num_blocks, ...]``
-    layout of CUDA backends (K and V as two tensors per layer). Each block must be contiguous.
-    """
-    if not kv_caches:
-        raise ValueError("no KV cache tensors to register")
-    parts: list[torch.Tensor] = []
-    per_layer = None
-    for name, t in kv_caches.items():
-        if t.device.type != "cpu":
-            raise NotImplementedError(f"layer {name}: datadist moves host memory; the KV "
-                                      f"cache is on {t.device}")
-        split = [t[0], t[1]] if t.dim() == 5 and t.shape[0] == 2 else [t]
-        per_layer = per_layer or len(split)
-        if len(split) != per_layer:
-            raise ValueError(f"layer {name}: mixed KV layouts across layers")
-        for p in split:
-            block_elems = int(torch.tensor(p.shape[1:]).prod().item())
-            if p.stride(0) != block_elems or not p[0].is_contiguous():
-                raise ValueError(f"layer {name}: blocks are not contiguous (shape "
-                                 f"{tuple(p.shape)}, strides {p.stride()})")
-        parts.extend(split)
-    first = parts[0]
-    for p in parts:
-        if p.shape != first.shape or p.dtype != first.dtype:
-            raise ValueError("KV tensors differ in shape or dtype across layers")
-    if first.dtype not in _DTYPES:
-        raise NotImplementedError(f"KV cache dtype {first.dtype}")
-    layout = KvLayout([p.data_ptr() for p in parts], first.shape[0], tuple(first.shape[1:]),
-                      _DTYPES[first.dtype], per_layer or 1)
-    return layout, parts
 
 
 def _tp_rank() -> int:
