@@ -14,6 +14,7 @@ from typing import Any
 
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.status import LLMException, LLMStatusCode
+from datadist.core.engine import EngineConfig
 
 OPT_DEVICE_ID = "ge.exec.deviceId"
 OPT_SESSION_DEVICE_ID = "ge.session_device_id"
@@ -45,8 +46,9 @@ OPT_TLS_KEY = "datadist.TlsKey"
 OPT_TLS_CA = "datadist.TlsCa"
 OPT_MAX_CONNECTIONS = "datadist.MaxConnections"
 OPT_MAX_CONNECTIONS_PER_PEER = "datadist.MaxConnectionsPerPeer"
-DEFAULT_MAX_CONNECTIONS = 256
-DEFAULT_MAX_CONNECTIONS_PER_PEER = 64  # a link takes two: control and reverse channel
+# the engine's own defaults (a link takes two connections: control and reverse channel)
+DEFAULT_MAX_CONNECTIONS = EngineConfig.max_connections
+DEFAULT_MAX_CONNECTIONS_PER_PEER = EngineConfig.max_connections_per_peer
 
 
 def _param_invalid(msg: str) -> LLMException:
