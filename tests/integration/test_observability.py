@@ -114,22 +114,28 @@ def test_what_is_missing_is_named(make_decoder, prompt: RunningPrompt) -> None:
     assert "with that CacheKey" in str(info.value)
 
 
-def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt,
+def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt, transport: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     """The owner counts the requests it serves (serve_read, per peer cluster id, refusals
     with their status code), and answers a StatsRequest over the link: what ``datadist info
-    --peer`` prints for a running process."""
+    --peer`` prints for a running process. On the same host a BlocksCacheKey is read under a
+    whole-cache lease: the owner counts the lease (serve_lease), not the reads."""
+    op = "serve_lease" if transport in ("cma", "shm") else "serve_read"
     cache, _ = decoder.local(BLOCKS, blocks=True)
     key = llm_datadist.BlocksCacheKey(PROMPT_ID, 3)
     before = decoder.dd.engine.peer_stats(PROMPT_ID, 5.0)
-    served0 = (before["links"].get(str(DECODER_ID), {}).get("serve_read", {}) or {}).get("bytes", 0)
+    seen0 = before["links"].get(str(DECODER_ID), {}).get(op, {}) or {}
     decoder.cm.pull_blocks(key, cache, [1, 2, 3], [4, 5, 6])
+    decoder.cm.pull_blocks(key, cache, [7], [8])
     with pytest.raises(llm_datadist.LLMException):
         decoder.cm.pull_blocks(llm_datadist.BlocksCacheKey(PROMPT_ID, 98), cache, [0], [0])
     stats = decoder.dd.engine.peer_stats(PROMPT_ID, 5.0)
     assert stats["cluster_id"] == PROMPT_ID
-    mine = stats["links"][str(DECODER_ID)]["serve_read"]  # our cluster id, as the owner sees us
-    assert mine["bytes"] - served0 == 3 * 256 * 2
+    mine = stats["links"][str(DECODER_ID)][op]  # our cluster id, as the owner sees us
+    if op == "serve_read":
+        assert mine["bytes"] - seen0.get("bytes", 0) == 4 * 256 * 2
+    else:  # one lease for both pulls, and the refused one
+        assert mine["transfers"] - seen0.get("transfers", 0) == 2
     assert mine["errors"].get("LLM_KV_CACHE_NOT_EXIST", 0) >= 1
 
     from datadist import cli
@@ -138,4 +144,4 @@ def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt,
     assert cli.main(["info", "--peer", f"{host}:{port}", "--cluster-id", str(PROMPT_ID)]) == 0
     out = capsys.readouterr().out
     assert f"peer metrics: cluster {PROMPT_ID}" in out
-    assert f"serve_read with cluster {DECODER_ID}:" in out and "LLM_KV_CACHE_NOT_EXIST" in out
+    assert f"{op} with cluster {DECODER_ID}:" in out and "LLM_KV_CACHE_NOT_EXIST" in out

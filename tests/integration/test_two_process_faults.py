@@ -38,7 +38,8 @@ VICTIM_ID = PROMPT_ID + 1
 FAKE_ID = PROMPT_ID + 2
 
 PROMPT_CONFIG = PromptConfig(PROMPT_ID, setup=(("register_cache", {"spec": SPEC, "seed": SEED}),))
-VICTIM_CONFIG = PromptConfig(VICTIM_ID, setup=(("register_cache", {"spec": SPEC, "seed": SEED}),))
+VICTIM_CONFIG = PromptConfig(VICTIM_ID, setup=(("register_cache", {"spec": SPEC, "seed": SEED}),
+                                                ("register_cache", {"spec": SPEC, "seed": SEED})))
 
 
 @pytest.fixture
@@ -51,11 +52,12 @@ def victim() -> Iterator[RunningPrompt]:
         running.close()
 
 
-def timed_pull(dec: Decoder, cluster: int, cache: object, batch_index: int = 0
-               ) -> tuple[llm_datadist.LLMException, float]:
+def timed_pull(dec: Decoder, cluster: int, cache: object, batch_index: int = 0,
+               cache_id: int = 1) -> tuple[llm_datadist.LLMException, float]:
     start = time.monotonic()
     with pytest.raises(llm_datadist.LLMException) as err:
-        dec.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(cluster, 1, 0), cache, batch_index)
+        dec.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(cluster, cache_id, 0), cache,
+                          batch_index)
     return err.value, time.monotonic() - start
 
 
@@ -75,10 +77,18 @@ def test_stopped_peer_gives_timeout_then_link_recovers(
 
     victim.peer.stop()  # SIGSTOP, waited for: holds its sockets open, answers nothing
     try:
-        err, elapsed = timed_pull(dec, VICTIM_ID, cache, 1)
+        # Cache 2 was never read: the owner must answer (a READ, or on the same host a
+        # lease request), and does not.
+        err, elapsed = timed_pull(dec, VICTIM_ID, cache, 1, cache_id=2)
         assert err.status_code == S.LLM_TIMEOUT, err
         assert elapsed < BOUND_S
         assert_zero(units(arr, SPEC)[:, 1:], "bytes of the timed-out pull")
+        if transport in ("cma", "shm"):
+            # Cache 1 is leased: its memory is still registered and readable while the
+            # owner is stopped (as a NIC reads it), so the pull succeeds with the right bytes.
+            dec.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(VICTIM_ID, 1, 1), cache, 1)
+            assert_bytes_equal(units(arr, SPEC)[:, 1], units(pattern(SPEC, SEED), SPEC)[:, 1])
+            units(arr, SPEC)[:, 1] = 0
     finally:
         victim.peer.resume()
 

@@ -486,7 +486,7 @@ def test_refused_cross_memory_attach_keeps_shared_memory(monkeypatch: pytest.Mon
     even with many spans; the others are streamed over the same channel."""
     from datadist.transport import paths
 
-    def refused(*_: object) -> None:
+    def refused(*_: object, **__: object) -> None:
         raise iov.CmaRefused("Operation not permitted (simulated)")
 
     monkeypatch.setattr(paths, "vm_copy", refused)

@@ -66,6 +66,13 @@ if hasattr(p, "ShmGrant"):  # the same-host shared-memory answer, where the prot
     EXAMPLES.append(p.ShmGrant(3, np.array([5, -1], "<i4"), u64(1, U64_MAX), u64(0, 4096)))
 EXAMPLES += [p.Auth(b"\x01" * 32), p.Checksum(0xFFFFFFFF, U64_MAX)]
 EXAMPLES += [p.StatsRequest(), p.Stats(b'{"total":{}}'), p.Stats(b"")]  # a peer's metrics
+EXAMPLES += [  # whole-cache leases on the local channel
+    p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_ID, U64_MAX, 3)),
+    p.LeaseRequest(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 7), int(p.ReadFlags.SHM)),
+    p.CacheLease(1, 4096 * 8, 8, True, U64_MAX, 5, U64_MAX, u64(1 << 40, U64_MAX),
+                 np.array([5, 6], "<i4"), u64(1, 2), u64(0, 4096)),
+    p.CacheLease(U64_MAX, 1, 1, False, 0, -1, 0, u64(4096), np.empty(0, "<i4"), u64(), u64()),
+]
 EXAMPLES += [  # the NIXL data path's messages
     p.NixlMdRequest(),
     p.NixlMd(b"datadist-7-42-abcd", U64_MAX, b"\x00md" * 300),
@@ -407,3 +414,21 @@ def test_property_mutated_valid_frames(msg: p.Message, cut: int, flip: int) -> N
         data[cut % len(data)] ^= flip or 1
     with contextlib.suppress(RemoteProtocolError):  # the only error allowed
         p.FrameDecoder().feed(bytes(data))
+
+
+def test_a_lease_names_a_cache_by_id_or_blocks_key_only() -> None:
+    payload = p.encode_payload(p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_KEY, 1, 2, 3)))
+    with pytest.raises(RemoteProtocolError, match="by id or BlocksCacheKey"):
+        p.decode_payload(p.MsgType.LEASE_REQUEST, payload)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(units=0), dict(tensor_bytes=4097, units=2), dict(addrs=np.empty(0, "<u8")),
+])
+def test_a_malformed_cache_lease_is_refused(fields: dict[str, object]) -> None:
+    base: dict[str, object] = dict(cache_id=1, tensor_bytes=4096, units=2, is_blocks=True,
+                                   layout=0, fence_fd=3, fence_ino=9, addrs=u64(4096),
+                                   shm_fds=np.empty(0, "<i4"), shm_inos=u64(), shm_offsets=u64())
+    payload = p.encode_payload(p.CacheLease(**{**base, **fields}))  # type: ignore[arg-type]
+    with pytest.raises(RemoteProtocolError, match="malformed CacheLease"):
+        p.decode_payload(p.MsgType.CACHE_LEASE, payload)

@@ -38,11 +38,14 @@ from datadist.api.types import (
 from datadist.core import layout
 from datadist.core.engine import Engine
 from datadist.core.errors import InvalidArgument
+from datadist.core.prepared import SMALL_REQUEST, Prepared
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
 
 _U64 = 2**64 - 1
+# Plans of small pulls, by the exact inputs they came from (core/prepared.py).
+_PLANS: Prepared[layout.Plan] = Prepared(256)
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
 
@@ -66,6 +69,11 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
     check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
     raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
     return src, dst, n
+
+
+def _exact(arr: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    """An array as a key: equal keys, equal arrays."""
+    return arr.dtype.str, arr.shape, arr.tobytes()
 
 
 def _pair(r: range | None) -> tuple[int, int] | None:
@@ -330,12 +338,18 @@ class CacheManager:
                            "src_blocks must be empty when pulling from a contiguous cache")
             self._check_cache_key(src_cache_key)
         with llm_errors("pull_blocks"):
-            tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
-                                                  _pair(dst_range), n)
-            if by_blocks:
-                plan = layout.plan_blocks(geo, src, dst, tensors)
+            def build() -> layout.Plan:
+                tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
+                                                      _pair(dst_range), n)
+                if by_blocks:
+                    return layout.plan_blocks(geo, src, dst, tensors)
+                return layout.plan_contiguous_to_blocks(geo, dst, tensors)
+
+            if len(dst) <= SMALL_REQUEST:
+                plan = _PLANS.get((by_blocks, geo, _exact(src), _exact(dst), _pair(src_range),
+                                   _pair(dst_range), n), build)
             else:
-                plan = layout.plan_contiguous_to_blocks(geo, dst, tensors)
+                plan = build()
             _not_own(engine, src_cache_key.cluster_id)
             engine.pull(src_cache_key.cluster_id, key_ref(src_cache_key),
                         geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id)

@@ -40,14 +40,22 @@ from datadist.core.errors import (
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
 from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
-from datadist.core.registry import CacheEntry, KeyId, Lease, Registry, check_request_size
+from datadist.core.prepared import SMALL_REQUEST, Prepared
+from datadist.core.registry import (
+    CacheEntry,
+    KeyId,
+    Lease,
+    Registry,
+    check_read,
+    check_request_size,
+)
 from datadist.memory import mapped, shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.channel import Channel
-from datadist.transport.iov import PTRACER, make_iov
+from datadist.transport.iov import PTRACER, CmaRefused, make_iov
 from datadist.transport.local import LocalListener, local_name
-from datadist.transport.paths import TcpPath
+from datadist.transport.paths import CmaPath, TcpPath, lease_key
 from datadist.transport.tcp import ServerConnection, TcpListener
 from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
@@ -60,6 +68,8 @@ CLOSE_LEASE_WAIT = 5.0  # seconds finalize waits for transfers still using local
 # connections (each connection also caps its own: transport/tcp.py).
 MAX_GRANTS_PER_PEER = 16
 _TCP = TcpPath()
+# Keys a same-host reader may hold a whole-cache lease through (no key to consume).
+_LEASABLE = (p.KeyKind.CACHE_ID, p.KeyKind.BLOCKS_KEY)
 _F = TypeVar("_F", bound=Callable[..., None])
 
 
@@ -116,7 +126,7 @@ class EngineConfig:
     max_connections_per_peer: int = 64  # ... of them from one peer IP (a link takes two)
 
 
-def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
+def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
     """The local side of a plan must fit the cache as it was registered (the caller's
     CacheDesc may have changed since): never read or write past registered memory. And the
     request must be one an owner accepts (span count), or it is refused here, before a
@@ -126,6 +136,7 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
     if len(plan.local_tensors) and int(plan.local_tensors.max()) >= g.num_tensors:
         raise InvalidArgument(f"cache {entry.cache_id} has {g.num_tensors} tensors")
     check_source_spans(plan.local_offsets, plan.lengths, g.tensor_bytes)
+    return True
 
 
 def _connect_nixl(path: Any, chan: Channel, connect: Callable[[float], tuple[Channel, Any]],
@@ -171,6 +182,11 @@ class Engine:
         self._nixl_leases: dict[int, tuple[tuple[int, str], bool, bool]] = {}
         self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
+        # small plans checked against a local cache, by plan and cache
+        self._checked: Prepared[bool] = Prepared(256)
+        # checked iovecs of small leased reads, by plan, local cache and lease
+        self._leased_iovs: Prepared[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]] = (
+            Prepared(256))
         self._tls_client = config.tls.client_context() if config.tls else None
         try:
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
@@ -541,8 +557,16 @@ class Engine:
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
         entry = self.registry.hold(dst_cache_id)
         try:
-            _check_local_plan(plan, entry)
+            if plan.num_spans <= SMALL_REQUEST:  # a plan that repeats is checked once
+                self._checked.get((plan, entry), lambda: _check_local_plan(plan, entry))
+            else:
+                _check_local_plan(plan, entry)
             link = self.get_link(cluster_id)
+            if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
+                    and not self.config.verify
+                    and self._pull_leased(link, link.path, key, unit_bytes, plan, entry,
+                                          deadline)):
+                return
             local = make_iov(*plan.local_iov(entry.addrs))
             flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
             msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
@@ -551,6 +575,46 @@ class Engine:
                      lambda path, chan: path.read(chan, msg, local, deadline))
         finally:
             self.registry.unhold(entry)
+
+    def _pull_leased(self, link: Link, path: CmaPath, key: p.KeyRef, unit_bytes: int,
+                     plan: Plan, entry: CacheEntry, deadline: float) -> bool:
+        """Same host, a cache named by id or BlocksCacheKey: copy under a whole-cache lease
+        (asked for once per link and cache), checking the request against the lease exactly
+        as the owner would. False when there is no usable lease (the owner revoked it, the
+        kernel refused the copy, the owner is gone): nothing was copied and the caller asks
+        the owner, whose answer is then the outcome."""
+        lkey = lease_key(key)
+        rc = path.remote.get(lkey)
+        if rc is None:
+            rc = link.run(deadline, lambda cur, chan: (cur.lease(chan, key, deadline)
+                                                       if cur is path and cur.leases else None))
+            if rc is None:
+                return False
+
+        def prepare() -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+            m = rc.msg
+            geometry = Geometry(len(m.addrs), m.tensor_bytes, m.units, m.is_blocks, m.layout)
+            slot = key.b if key.kind == p.KeyKind.CACHE_ID else -1
+            base = check_read(geometry, m.cache_id, slot, unit_bytes, plan.remote_tensors,
+                              plan.remote_offsets, plan.lengths, wire_layout(entry.geometry))
+            local = make_iov(*plan.local_iov(entry.addrs))
+            return (local, *CmaPath.leased_sources(rc, plan.remote_tensors, base,
+                                                   plan.remote_offsets, plan.lengths),
+                    plan.nbytes)
+
+        slot_key = key.b if key.kind == p.KeyKind.CACHE_ID else -1
+        if plan.num_spans <= SMALL_REQUEST:
+            local, cma, shm, nbytes = self._leased_iovs.get(
+                (plan, entry, rc, slot_key, unit_bytes), prepare)
+        else:
+            local, cma, shm, nbytes = prepare()
+        try:
+            return path.read_leased(rc, local, cma, shm, nbytes)
+        except (CmaRefused, BrokenLink) as e:
+            log.info("leased read from cluster %d failed (%s): asking the owner", link.cluster_id,
+                     e)
+            path.forget_leases()
+            return False
 
     @_counted("push")
     def push(
@@ -593,7 +657,7 @@ class Engine:
             raise LinkFailed("a link from this engine to itself")
         # The peer is registered only once its handshake completed (on_peer_ready).
         secret = self.config.secret
-        local = p.FEATURE_LOCAL if self.local_listener is not None else 0
+        local = (p.FEATURE_LOCAL | p.FEATURE_LEASE) if self.local_listener is not None else 0
         if secret is None:
             return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
                              ident.boot_id, local | p.FEATURE_REVERSE)
@@ -667,6 +731,34 @@ class Engine:
         if lease.shm is None and self.config.allow_ptrace and PTRACER.acquire(id(self)):
             log.info("same-host readers: %s", PTRACER.state)  # the first cma grant
         return lease
+
+    def lease_cache(self, peer: PeerInfo, msg: p.LeaseRequest) -> p.CacheLease:
+        """A whole-cache lease (same host, local channel only, as grants): the reader then
+        checks and copies its reads of that cache itself, fenced (Registry.lease_cache).
+        Counted as ``serve_lease``; the reads under it are counted by the reader only."""
+        t0 = time.perf_counter()
+        try:
+            cred = peer.local
+            if cred is None or not cred.may_read_us():
+                raise InvalidArgument("cache leases are granted only on the local channel, to "
+                                      "peers allowed to read this process's memory")
+            entry, fence = self.registry.lease_cache(msg.key)
+        except DatadistError as e:
+            metrics.PROCESS.record("serve_lease", peer.cluster_id, 0, time.perf_counter() - t0,
+                                   Code(e.code).status_name)
+            raise
+        shm = entry.shm is not None and bool(msg.flags & p.ReadFlags.SHM)
+        if not shm and self.config.allow_ptrace and PTRACER.acquire(id(self)):
+            log.info("same-host readers: %s", PTRACER.state)  # the first cma lease
+        metrics.PROCESS.record("serve_lease", peer.cluster_id, 0, time.perf_counter() - t0)
+        g = entry.geometry
+        if shm and entry.shm is not None:
+            fds, inos, offs = entry.shm
+        else:
+            fds, inos, offs = (np.empty(0, np.int32), np.empty(0, np.uint64),
+                               np.empty(0, np.uint64))
+        return p.CacheLease(entry.cache_id, g.tensor_bytes, g.units, g.is_blocks, g.layout,
+                            fence.fd, fence.ino, entry.addrs, fds, inos, offs)
 
     def _take_grant(self, peer: PeerInfo) -> int:
         cred = peer.local

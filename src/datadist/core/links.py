@@ -329,7 +329,10 @@ def connect(
     chan.close()  # the owner sees an idle connection end: nothing to tell it
     cred = local.local_cred
     assert isinstance(cred, LocalCred)
-    return Connected(local, lwelcome, *_local_path(forced, cred))
+    path, why = _local_path(forced, cred)
+    if isinstance(path, CmaPath) and lwelcome.features & p.FEATURE_LEASE:
+        path.leases = True  # reads of caches named by id or model id need not ask
+    return Connected(local, lwelcome, path, why)
 
 
 def _local_path(forced: PathKind, cred: LocalCred) -> tuple[TcpPath | CmaPath, str]:

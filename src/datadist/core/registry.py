@@ -33,6 +33,7 @@ Thread-safe: one lock guards all maps; waiting for leases uses a condition on th
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +47,11 @@ from datadist.core.errors import (
     Timeout,
 )
 from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
+from datadist.transport.fence import Fence
 from datadist.transport.iov import span_iov
 from datadist.wire.protocol import KeyKind, KeyRef
+
+log = logging.getLogger(__name__)
 
 UINT64_MAX = 2**64 - 1
 # Most spans (tensors x spans per tensor, counted after the expansion) one peer request may
@@ -103,6 +107,10 @@ class CacheEntry:
     released: bool = False
     # (fds, inos, offsets) per tensor when every tensor lies in shareable memory (memfd)
     shm: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # whole-cache leases of same-host readers (Registry.lease_cache): revoked when the entry
+    # leaves its id or model id, drained before its memory goes
+    fence: Fence | None = None
+    draining: bool = False  # released, but a leased copy is still in flight
 
     def __repr__(self) -> str:
         g = self.geometry
@@ -163,6 +171,58 @@ def check_request_size(tensors: np.ndarray, offsets: np.ndarray) -> None:
         raise InvalidArgument("a request names the same tensor more than once")
 
 
+def _revoke(entry: CacheEntry) -> None:
+    """End the whole-cache leases of ``entry``: no leased copy starts from now on."""
+    if entry.fence is not None:
+        entry.fence.revoke()
+
+
+def _drained(entry: CacheEntry) -> bool:
+    """No leased copy of ``entry`` in flight (meaningful once revoked)."""
+    return entry.fence is None or entry.fence.drained()
+
+
+def _check_servable(entry: CacheEntry) -> None:
+    if entry.closing:
+        raise CacheNotFound(f"cache {entry.cache_id} is being unregistered")
+    if not entry.remote_accessible:
+        raise InvalidArgument(f"cache {entry.cache_id} is not remote accessible")
+
+
+def check_read(g: Geometry, cache_id: int, slot: int, unit_bytes: int, tensors: np.ndarray,
+               offsets: np.ndarray, lengths: np.ndarray, layout: int) -> int:
+    """Every check of a request's spans against the cache it names (the owner's, or a
+    same-host reader's own with a cache lease): tensor indexes, request size, block size,
+    batch index, span bounds, layouts. Returns the byte offset of the source unit within
+    each tensor (0 for block addressing, ``slot``: -1). Raises InvalidArgument."""
+    if len(tensors) and int(tensors.max()) >= g.num_tensors:
+        raise InvalidArgument(
+            f"tensor {int(tensors.max())} out of range: cache {cache_id} "
+            f"has {g.num_tensors}"
+        )
+    check_request_size(tensors, offsets)
+    if slot < 0:
+        if unit_bytes and unit_bytes != g.unit_bytes:
+            raise InvalidArgument(
+                f"block size mismatch: requester assumed {unit_bytes} bytes, "
+                f"cache {cache_id} has {g.unit_bytes}"
+            )
+        base, limit = 0, g.tensor_bytes
+    else:
+        if slot >= g.units:
+            raise InvalidArgument(
+                f"batch index {slot} out of range: cache {cache_id} "
+                f"has {g.units}"
+            )
+        # A slot read may run past the slot into the following ones (a contiguous
+        # source split into blocks reads the whole tensor from slot 0), never past
+        # the tensor.
+        base, limit = slot * g.unit_bytes, g.tensor_bytes - slot * g.unit_bytes
+    check_source_spans(offsets, lengths, limit)
+    check_layouts(g.layout, layout, blocks=slot < 0, what=f"cache {cache_id}")
+    return base
+
+
 def key_id(req_id: int, prefix_id: int, model_id: int) -> KeyId | None:
     """The local key for a CacheKey's fields; None for the padding key (both unset)."""
     if req_id != UINT64_MAX:
@@ -185,6 +245,7 @@ class Registry:
         # Every entry whose memory has not been released, however it is still held (by id,
         # key, blocks model id or lease): what finalize must wait for before unmapping pools.
         self._live: set[CacheEntry] = set()
+        self._retired: list[Fence] = []  # revoked fences replaced by new ones, to close
 
     # ---------------------------------------------------------------- adding and removing
 
@@ -229,6 +290,9 @@ class Registry:
                     self._keys[k] = KeyBinding(entry, slot, np.zeros(geometry.num_tensors, bool))
                     entry.keys.add(k)
             if blocks_model_id is not None:
+                old = self._blocks.get(blocks_model_id)
+                if old is not None:  # leases through the model id named the old cache
+                    _revoke(old)
                 self._blocks[blocks_model_id] = entry  # last writer wins
             return entry
 
@@ -269,14 +333,42 @@ class Registry:
             del self._blocks[entry.blocks_model_id]
 
     def _maybe_release(self, entry: CacheEntry) -> None:
-        """Give the memory back once nothing holds the entry. Lock held."""
-        if entry.released or entry.id_held or entry.keys or entry.leases:
+        """Give the memory back once nothing holds the entry: no id, key or lease, and no
+        leased copy in flight (else a thread waits for those to drain). Lock held."""
+        if entry.released or entry.id_held or entry.keys or entry.leases or entry.draining:
+            return
+        _revoke(entry)
+        if not _drained(entry):
+            entry.draining = True
+            threading.Thread(target=self._release_drained, args=(entry,), daemon=True,
+                             name=f"datadist-drain-{entry.cache_id}").start()
             return
         entry.released = True
         self._live.discard(entry)
+        if entry.fence is not None:
+            entry.fence.close()
         if entry.free is not None:
             entry.free()
+        self._reap_fences()
         self._changed.notify_all()
+
+    def _release_drained(self, entry: CacheEntry) -> None:
+        """Wait (without end: a reader stopped mid-copy keeps the memory, which is safe)
+        until no leased copy of ``entry`` is in flight, then release it."""
+        pause, waited, warned = 0.0005, 0.0, False
+        while True:
+            time.sleep(pause)
+            waited += pause
+            pause = min(pause * 2, 0.05)
+            with self._lock:
+                if _drained(entry):
+                    entry.draining = False
+                    self._maybe_release(entry)
+                    return
+            if waited > 5 and not warned:
+                warned = True
+                log.warning("cache %d: a same-host reader has been copying from it for %.0f "
+                            "s; its memory is kept until the copy ends", entry.cache_id, waited)
 
     def unregister(self, cache_id: int, wait: float = 30.0) -> None:
         """Forget a registered cache and its keys; waits (bounded) for live leases.
@@ -291,7 +383,8 @@ class Registry:
             if entry is None:
                 return
             entry.closing = True
-            while entry.leases:
+            _revoke(entry)
+            while entry.leases or not _drained(entry):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     entry.closing = False
@@ -299,7 +392,8 @@ class Registry:
                         f"cache {cache_id} is still being transferred after {wait:.0f} s; "
                         "it stays registered"
                     )
-                self._changed.wait(left)
+                # leased copies end without telling us: poll the fence meanwhile
+                self._changed.wait(left if _drained(entry) else min(left, 0.001))
             del self._by_id[cache_id]
             entry.id_held = False
             self._unbind_all(entry)
@@ -317,6 +411,7 @@ class Registry:
                 return
             del self._by_id[cache_id]
             entry.id_held = False
+            _revoke(entry)  # leases by cache id (or model id) end with the id
             if drop_keys:
                 self._unbind_all(entry)
             self._maybe_release(entry)
@@ -337,11 +432,11 @@ class Registry:
         deadline = time.monotonic() + wait
         with self._lock:
             while True:
-                busy = sum(1 for e in entries if e.leases)
+                busy = sum(1 for e in entries if e.leases or e.draining or not _drained(e))
                 left = deadline - time.monotonic()
                 if not busy or left <= 0:
                     return busy
-                self._changed.wait(left)
+                self._changed.wait(min(left, 0.001))
 
     def clear(self) -> list[CacheEntry]:
         """Drop everything (finalize): no id, key or model id resolves any more. Returns
@@ -352,6 +447,7 @@ class Registry:
             entries = list(self._live)
             for e in entries:
                 e.closing = True
+                _revoke(e)
             self._by_id.clear()
             self._keys.clear()
             self._blocks.clear()
@@ -409,49 +505,11 @@ class Registry:
                         "(the owner must allocate or register it with that CacheKey; a "
                         "successful pull consumes it)")
                 entry, slot = binding.entry, binding.slot
-            elif key.kind == KeyKind.CACHE_ID:
-                found = self._by_id.get(key.a)
-                if found is None:
-                    raise CacheNotFound(f"cache {key.a} does not exist")
-                entry, slot = found, key.b
+                _check_servable(entry)
             else:
-                found = self._blocks.get(key.b)
-                if found is None:
-                    raise CacheNotFound(
-                        f"no blocks cache registered for model_id={key.b} (the owner must "
-                        "register_blocks_cache with BlocksCacheKey(its cluster id, "
-                        f"{key.b}))")
-                entry, slot = found, -1
-            if entry.closing:
-                raise CacheNotFound(f"cache {entry.cache_id} is being unregistered")
-            if not entry.remote_accessible:
-                raise InvalidArgument(f"cache {entry.cache_id} is not remote accessible")
-            g = entry.geometry
-            if len(tensors) and int(tensors.max()) >= g.num_tensors:
-                raise InvalidArgument(
-                    f"tensor {int(tensors.max())} out of range: cache {entry.cache_id} "
-                    f"has {g.num_tensors}"
-                )
-            check_request_size(tensors, offsets)
-            if slot < 0:
-                if unit_bytes and unit_bytes != g.unit_bytes:
-                    raise InvalidArgument(
-                        f"block size mismatch: requester assumed {unit_bytes} bytes, "
-                        f"cache {entry.cache_id} has {g.unit_bytes}"
-                    )
-                base, limit = 0, g.tensor_bytes
-            else:
-                if slot >= g.units:
-                    raise InvalidArgument(
-                        f"batch index {slot} out of range: cache {entry.cache_id} "
-                        f"has {g.units}"
-                    )
-                # A slot read may run past the slot into the following ones (a contiguous
-                # source split into blocks reads the whole tensor from slot 0), never past
-                # the tensor.
-                base, limit = slot * g.unit_bytes, g.tensor_bytes - slot * g.unit_bytes
-            check_source_spans(offsets, lengths, limit)
-            check_layouts(g.layout, layout, blocks=slot < 0, what=f"cache {entry.cache_id}")
+                entry, slot = self._named(key)
+            base = check_read(entry.geometry, entry.cache_id, slot, unit_bytes, tensors,
+                              offsets, lengths, layout)
             bases = entry.addrs[tensors] + np.uint64(base)
             shm_info = None
             if shm and entry.shm is not None:
@@ -470,6 +528,50 @@ class Registry:
             entry.leases += 1
             return Lease(entry, bases, tensors, offsets, lengths, binding, kid, shm_info,
                          reserved=reserve)
+
+    def _named(self, key: KeyRef) -> tuple[CacheEntry, int]:
+        """The servable entry a CACHE_ID or BLOCKS_KEY key names, and its source unit (-1 for
+        block addressing). Lock held."""
+        if key.kind == KeyKind.CACHE_ID:
+            found = self._by_id.get(key.a)
+            if found is None:
+                raise CacheNotFound(f"cache {key.a} does not exist")
+            slot = key.b
+        else:
+            found = self._blocks.get(key.b)
+            if found is None:
+                raise CacheNotFound(
+                    f"no blocks cache registered for model_id={key.b} (the owner must "
+                    "register_blocks_cache with BlocksCacheKey(its cluster id, "
+                    f"{key.b}))")
+            slot = -1
+        _check_servable(found)
+        return found, slot
+
+    def lease_cache(self, key: KeyRef) -> tuple[CacheEntry, Fence]:
+        """Owner side of a whole-cache lease (same-host readers; wire CacheLease): the
+        entry a CACHE_ID or BLOCKS_KEY key names, and its live fence (made here, or anew
+        after a revocation). The fence is revoked and drained before the entry's memory can
+        go (unregister, the pool getting it back, finalize) and revoked when its
+        BlocksCacheKey is bound to another cache. Raises as :meth:`open` does."""
+        if key.kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
+            raise InvalidArgument("a cache lease names a cache by id or BlocksCacheKey")
+        with self._lock:
+            entry, _ = self._named(key)
+            if entry.fence is None or entry.fence.revoked:
+                if entry.fence is not None:
+                    self._retired.append(entry.fence)
+                entry.fence = Fence()
+            return entry, entry.fence
+
+    def _reap_fences(self) -> None:
+        """Close revoked fences no copy holds any more. Lock held."""
+        if self._retired:
+            busy = [f for f in self._retired if not f.drained()]
+            for f in self._retired:
+                if f not in busy:
+                    f.close()
+            self._retired = busy
 
     def close(self, lease: Lease, ok: bool, *, consume: bool = True) -> None:
         """End a lease: :meth:`unlease`, then :meth:`settle` with ``ok and consume``. A

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 
 from datadist.wire.protocol import (
+    CacheLease,
     Hello,
+    LeaseRequest,
     NixlGrant,
     NixlMd,
     NixlRead,
@@ -140,6 +142,11 @@ class RequestHandler(Protocol[LeaseT]):
         open_write; the lease pins the memory (and keeps our NIXL agent progressing) until
         close_read, which the connection calls for every lease (it closes a write lease as
         close_write would)."""
+        ...
+
+    def lease_cache(self, peer: PeerInfo, msg: LeaseRequest) -> CacheLease:
+        """A whole-cache lease for a kernel-verified same-host reader (local channel
+        only); raises what open_read would for the cache it names."""
         ...
 
     def stats(self) -> dict[str, Any]:

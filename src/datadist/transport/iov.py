@@ -431,18 +431,24 @@ def cma_refusal(pid: int) -> str | None:
     return os.strerror(err)
 
 
-def vm_copy(pid: int, local: np.ndarray, remote: np.ndarray, *, write: bool = False) -> None:
+def vm_copy(pid: int, local: np.ndarray, remote: np.ndarray, *, write: bool = False,
+            nbytes: int | None = None) -> None:
     """Copy between our memory and process ``pid``'s, span by span (pairs of equal length).
 
-    ``local`` and ``remote`` are iovec arrays of the same span lengths. A short copy (the
-    remote mapping went away) raises BrokenLink.
+    ``local`` and ``remote`` are iovec arrays of the same span lengths; ``nbytes``, if the
+    caller knows it, their total (saves a sum on small copies). A short copy (the remote
+    mapping went away) raises BrokenLink.
     """
     call = _libc.process_vm_writev if write else _libc.process_vm_readv
     total = len(local)
     for start in range(0, total, IOV_MAX):
-        lb = np.ascontiguousarray(local[start : start + IOV_MAX])
-        rb = np.ascontiguousarray(remote[start : start + IOV_MAX])
-        want = int(lb[:, 1].sum())
+        if total <= IOV_MAX and local.flags.c_contiguous and remote.flags.c_contiguous:
+            lb, rb = local, remote  # one batch as it is (no copies: the usual small read)
+            want = nbytes if nbytes is not None else int(lb[:, 1].sum())
+        else:
+            lb = np.ascontiguousarray(local[start : start + IOV_MAX])
+            rb = np.ascontiguousarray(remote[start : start + IOV_MAX])
+            want = int(lb[:, 1].sum())
         got = _vm_call(call, pid, lb, rb)
         if got != want:
             # A partial copy: retry the rest once (the kernel may stop at a page boundary

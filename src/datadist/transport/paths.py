@@ -17,14 +17,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import select
 import stat
+import threading
+from dataclasses import dataclass
 
 import numpy as np
 
-from datadist.core.errors import DatadistError, IntegrityError, RemoteProtocolError
+from datadist.core.errors import BrokenLink, DatadistError, IntegrityError, RemoteProtocolError
 from datadist.memory.pool import map_shared, shrink_sealed, unmap
 from datadist.transport.base import TransportCaps
 from datadist.transport.channel import Channel
+from datadist.transport.fence import FenceUnavailable, FenceView
 from datadist.transport.iov import (
     CmaRefused,
     crc_iov,
@@ -38,7 +42,7 @@ from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CmaPath", "CmaRefused", "TcpPath"]
+__all__ = ["CmaPath", "CmaRefused", "RemoteCache", "TcpPath", "lease_key"]
 
 
 class ShmUnavailable(DatadistError):
@@ -114,6 +118,18 @@ class TcpPath:
 _TCP = TcpPath()
 
 
+@dataclass(eq=False)
+class RemoteCache:
+    """A reader's view of a cache it holds a whole-cache lease on (wire CacheLease): the
+    owner's geometry and tensor addresses, the fence that says whether the lease still
+    holds, and where each tensor is mapped here when the cache is in shareable memory."""
+
+    key: tuple[int, int]  # what it is filed under (_lease_key)
+    msg: p.CacheLease
+    fence: FenceView
+    shm_bases: np.ndarray | None  # uint64, our mapped address of each tensor, or None
+
+
 class CmaPath:
     """Same host. Asks the owner for a grant and copies itself:
 
@@ -135,6 +151,14 @@ class CmaPath:
         # memory, which needs no ptrace permission, for every cache that is in it; the
         # others are streamed over the control channel. Set by Link.run.
         self.cma_refused = False
+        # Whole-cache leases (the owner offered FEATURE_LEASE): the caches leased so far, by
+        # the key that named them; copies under them run under _fast, not the link's lock.
+        self.leases = False
+        self.remote: dict[tuple[int, int], RemoteCache] = {}
+        self._fast = threading.Lock()  # leased copies, shm mappings, close
+        self._closed = False
+        self._pidfd: int | None = None  # tells whether the owner exited (pid reuse)
+        self._exited: select.poll | None = None
 
     def read(self, chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
         flags = msg.flags | p.ReadFlags.GRANT
@@ -185,30 +209,37 @@ class CmaPath:
             if len(grant.fds) != len(msg.tensors):
                 chan.close()
                 raise RemoteProtocolError("shm grant does not match the request")
-            maps = self._resolve(grant)  # every mapping this grant uses, none unmapped
-            fds = grant.fds.tolist()
-            bases = np.empty(len(fds), dtype=np.uint64)
-            limits = np.empty(len(fds), dtype=np.uint64)
-            for i, (fd, off) in enumerate(zip(fds, grant.offsets.tolist(), strict=True)):
-                _, addr, size = maps[fd]
-                if off > size:
-                    raise RemoteProtocolError("shm grant points outside the mapping")
-                bases[i] = addr + off
-                limits[i] = addr + size
-            src = make_iov(*span_iov(bases, msg.offsets, msg.lengths))
-            ends = src[:, 0] + src[:, 1]
-            # every span must lie in the mapping its tensor came from (a lying peer must not
-            # make us read our own memory out of bounds)
-            limits = np.repeat(limits, len(msg.lengths))
-            if len(ends) and bool((ends > limits[: len(ends)]).any()):
-                raise RemoteProtocolError("shm grant spans run past the shared mapping")
-            local_copy(local, src)
-            self.last = "shm"
+            with self._fast:  # leased copies use these mappings too
+                self._copy_shm(msg, grant, local)
             _verify(chan, msg, local, deadline)
             ok = True
         finally:
             if not chan.closed:
                 chan.send(p.Release(grant.lease_id, ok), deadline)
+
+    def _copy_shm(self, msg: p.Read, grant: p.ShmGrant, local: np.ndarray) -> None:
+        """Copy a granted read from the owner's mapped memfds. _fast held."""
+        if self._closed:
+            raise BrokenLink("the link was closed")
+        maps = self._resolve(grant)  # every mapping this grant uses, none unmapped
+        fds = grant.fds.tolist()
+        bases = np.empty(len(fds), dtype=np.uint64)
+        limits = np.empty(len(fds), dtype=np.uint64)
+        for i, (fd, off) in enumerate(zip(fds, grant.offsets.tolist(), strict=True)):
+            _, addr, size = maps[fd]
+            if off > size:
+                raise RemoteProtocolError("shm grant points outside the mapping")
+            bases[i] = addr + off
+            limits[i] = addr + size
+        src = make_iov(*span_iov(bases, msg.offsets, msg.lengths))
+        ends = src[:, 0] + src[:, 1]
+        # every span must lie in the mapping its tensor came from (a lying peer must not
+        # make us read our own memory out of bounds)
+        limits = np.repeat(limits, len(msg.lengths))
+        if len(ends) and bool((ends > limits[: len(ends)]).any()):
+            raise RemoteProtocolError("shm grant spans run past the shared mapping")
+        local_copy(local, src)
+        self.last = "shm"
 
     def _resolve(self, grant: p.ShmGrant) -> dict[int, tuple[int, int, int]]:
         """fd -> (ino, address, size) for every fd ``grant`` names: the mappings we hold,
@@ -238,6 +269,8 @@ class CmaPath:
             old = self._maps.get(fd)
             self._maps[fd] = got[fd]
             if old is not None:
+                for rc in [rc for rc in self.remote.values() if fd in rc.msg.shm_fds]:
+                    self._forget(rc)  # leases whose tensors lay in the old file
                 unmap(old[1], old[2])
         return got
 
@@ -266,8 +299,128 @@ class CmaPath:
             os.close(f)
         return addr, st.st_size
 
+    # ---------------------------------------------------------- whole-cache leases
+
+    def lease(self, chan: Channel, key: p.KeyRef, deadline: float) -> RemoteCache | None:
+        """Ask the owner for a lease on the cache ``key`` names (under the link's lock).
+        None when leases cannot work here (the fence cannot be opened: no lease is asked
+        for again on this link); the owner's refusal (no such cache, ...) raises."""
+        flags = p.ReadFlags.SHM if self.allow_shm else p.ReadFlags.NONE
+        got = chan.call(p.LeaseRequest(key, int(flags)), deadline)
+        _expect(got, p.CacheLease, chan)
+        assert isinstance(got, p.CacheLease)
+        try:
+            fence = FenceView(self.pid, got.fence_fd, got.fence_ino)
+            if self._pidfd is None:
+                self._pidfd = os.pidfd_open(self.pid)
+                self._exited = select.poll()
+                self._exited.register(self._pidfd, select.POLLIN)
+        except (FenceUnavailable, OSError) as e:
+            log.info("no cache leases from pid %d (%s): every read asks the owner", self.pid, e)
+            self.leases = False
+            return None
+        try:
+            shm = self._map_lease(got) if got.shm_fds.size and self.allow_shm else None
+        except ShmUnavailable as e:
+            log.info("leased cache %d: shared memory unavailable (%s)", got.cache_id, e)
+            shm = None
+        except BaseException:
+            fence.close()
+            raise
+        rc = RemoteCache(lease_key(key), got, fence, shm)
+        with self._fast:
+            if self._closed:
+                fence.close()
+                return None
+            old = self.remote.pop(lease_key(key), None)
+            self.remote[lease_key(key)] = rc
+        if old is not None:
+            old.fence.close()
+        return rc
+
+    def _map_lease(self, got: p.CacheLease) -> np.ndarray:
+        """Where each tensor of a leased cache in shareable memory lies in our mappings;
+        each tensor must lie inside its mapping."""
+        grant = p.ShmGrant(0, got.shm_fds, got.shm_inos, got.shm_offsets)
+        with self._fast:
+            maps = self._resolve(grant)
+        bases = np.empty(len(got.shm_fds), dtype=np.uint64)
+        for i, (fd, off) in enumerate(zip(got.shm_fds.tolist(), got.shm_offsets.tolist(),
+                                          strict=True)):
+            _, addr, size = maps[fd]
+            if off > size or size - off < got.tensor_bytes:
+                raise RemoteProtocolError("cache lease: a tensor runs past its shared mapping")
+            bases[i] = addr + off
+        return bases
+
+    @staticmethod
+    def leased_sources(rc: RemoteCache, tensors: np.ndarray, base: int, offsets: np.ndarray,
+                       lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The source iovecs of checked spans (``Registry.check_read`` against the lease) of
+        a leased cache: in the owner's memory, and in our mappings of it (or None)."""
+        b = np.uint64(base)
+        cma = make_iov(*span_iov(rc.msg.addrs[tensors] + b, offsets, lengths))
+        if rc.shm_bases is None:
+            return cma, None
+        return cma, make_iov(*span_iov(rc.shm_bases[tensors] + b, offsets, lengths))
+
+    def read_leased(self, rc: RemoteCache, local: np.ndarray, cma: np.ndarray,
+                    shm: np.ndarray | None, nbytes: int) -> bool:
+        """Copy a leased read (:meth:`leased_sources`) into ``local`` without asking the
+        owner. False: nothing was copied, the lease is gone (revoked, or unusable here);
+        the caller asks the owner instead. Raises CmaRefused (nothing copied) or BrokenLink
+        (the owner exited: what was copied may not be its memory)."""
+        with self._fast:
+            if self._closed or self.remote.get(rc.key) is not rc:
+                return False
+            use_shm = shm is not None and (self.cma_refused or len(local) <= self.SHM_MAX_SPANS)
+            if not use_shm and self.cma_refused:
+                return False
+            if not rc.fence.enter():
+                self._forget(rc)
+                return False
+            try:
+                if use_shm:
+                    assert shm is not None
+                    local_copy(local, shm)
+                else:
+                    vm_copy(self.pid, local, cma, nbytes=nbytes)
+            finally:
+                rc.fence.leave()
+            if self._exited is not None and self._exited.poll(0):
+                raise BrokenLink(f"the owner process {self.pid} exited")
+            self.last = "shm" if use_shm else "cma"
+            return True
+
+    def _forget(self, rc: RemoteCache) -> None:
+        """Drop a revoked lease. _fast held."""
+        if self.remote.get(rc.key) is rc:
+            del self.remote[rc.key]
+        rc.fence.close()
+
+    def forget_leases(self) -> None:
+        """Drop every lease (the owner is gone, or a copy failed)."""
+        with self._fast:
+            for rc in self.remote.values():
+                rc.fence.close()
+            self.remote.clear()
+
     def close(self) -> None:
-        """Unmap the owner's shared memory. Idempotent."""
-        maps, self._maps = self._maps, {}
-        for _, addr, size in maps.values():
-            unmap(addr, size)
+        """Drop the leases and unmap the owner's shared memory. Idempotent; waits for a
+        leased copy in flight."""
+        with self._fast:
+            self._closed = True
+            for rc in self.remote.values():
+                rc.fence.close()
+            self.remote.clear()
+            maps, self._maps = self._maps, {}
+            for _, addr, size in maps.values():
+                unmap(addr, size)
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd, self._exited = None, None
+
+
+def lease_key(key: p.KeyRef) -> tuple[int, int]:
+    """What a lease is filed under: (CACHE_ID, cache id) or (BLOCKS_KEY, model id)."""
+    return (int(key.kind), key.a if key.kind == p.KeyKind.CACHE_ID else key.b)

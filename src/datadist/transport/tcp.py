@@ -570,6 +570,14 @@ class ServerConnection(Generic[LeaseT]):
         if isinstance(msg, p.Ping):
             self.chan.send(p.Pong(msg.nonce), deadline, rid)
             return True
+        if isinstance(msg, p.LeaseRequest):
+            lease_msg: p.CacheLease | p.Error
+            try:
+                lease_msg = self.handler.lease_cache(self.peer, msg)
+            except DatadistError as e:
+                lease_msg = p.Error(int(e.code), str(e))
+            self.chan.send(lease_msg, deadline, rid)
+            return True
         if isinstance(msg, p.StatsRequest):
             body = json.dumps(self.handler.stats(), separators=(",", ":")).encode()
             self.chan.send(p.Stats(body), deadline, rid)

@@ -40,6 +40,7 @@ HEADER_SIZE = HEADER.size
 MAX_PAYLOAD = 64 << 20
 
 U32 = np.dtype("<u4")
+_U32 = struct.Struct("<I")
 U64 = np.dtype("<u8")
 I32 = np.dtype("<i4")
 
@@ -70,6 +71,9 @@ class MsgType(enum.IntEnum):
     NIXL_WRITE = 20
     STATS_REQUEST = 21
     STATS = 22
+    # Whole-cache leases on the local channel (docs/protocol.md, "Cache leases").
+    LEASE_REQUEST = 23
+    CACHE_LEASE = 24
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
@@ -80,6 +84,10 @@ FEATURE_LOCAL = 2
 # Welcome: the server takes reverse channels. Hello: this connection is the reverse channel of
 # the client's link: after the handshake the server sends requests and the client answers.
 FEATURE_REVERSE = 4
+# Welcome: on the local channel, the server grants whole-cache leases (LEASE_REQUEST): a
+# verified same-host reader then reads a cache named by id or BlocksCacheKey without asking
+# for every read, fenced by the lease's fence file (docs/protocol.md, "Cache leases").
+FEATURE_LEASE = 8
 
 
 class KeyKind(enum.IntEnum):
@@ -362,6 +370,45 @@ class NixlGrant:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """Ask for a lease on a whole cache, named by id (CACHE_ID, ``b`` ignored) or by
+    BlocksCacheKey (BLOCKS_KEY). Local channel only; the owner answers CacheLease or Error.
+    ``flags``: ReadFlags.SHM if the reader can map shareable memory (else it reads with
+    cross-memory attach, and the owner lets it)."""
+
+    key: KeyRef
+    flags: int = 0
+
+    TYPE: ClassVar[MsgType] = MsgType.LEASE_REQUEST
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CacheLease:
+    """A lease on a whole cache: its geometry and the base address of every tensor, so
+    that the reader plans and checks its reads itself and copies without asking. Valid while
+    the *fence file* (``/proc/<owner pid>/fd/<fence_fd>``, inode ``fence_ino``, a sealed
+    memfd) says so: a reader holds a shared flock on it around every copy and first checks
+    that its first byte is 0; the owner sets that byte (revokes) and takes the exclusive lock
+    (waits for copies in flight) before the memory may go. ``shm_*``: where each tensor lies
+    in shareable memory (as in ShmGrant), or empty."""
+
+    cache_id: int
+    tensor_bytes: int
+    units: int
+    is_blocks: bool
+    layout: int
+    fence_fd: int
+    fence_ino: int
+    addrs: np.ndarray  # uint64, one per tensor
+    shm_fds: np.ndarray  # int32, one per tensor or none
+    shm_inos: np.ndarray  # uint64
+    shm_offsets: np.ndarray  # uint64
+
+    TYPE: ClassVar[MsgType] = MsgType.CACHE_LEASE
+    _S: ClassVar[struct.Struct] = struct.Struct("<QQQBQiQII")
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     """PING: a liveness probe; the server answers PONG with the same nonce."""
 
@@ -398,7 +445,7 @@ class Ok:
 Message = (
     Hello | Welcome | Error | Read | Write | ReadData | Grant | ShmGrant | Release | Ping | Pong
     | Bye | Ok | Auth | Checksum | NixlMdRequest | NixlMd | NixlRead | NixlGrant | NixlWrite
-    | StatsRequest | Stats
+    | StatsRequest | Stats | LeaseRequest | CacheLease
 )
 
 
@@ -479,6 +526,18 @@ def encode_payload(msg: Message) -> bytes:
                 + _bytes_field(msg.agent) + _array(msg.bases, U64))
     if isinstance(msg, Stats):
         return msg._S.pack(len(msg.json)) + msg.json
+    if isinstance(msg, LeaseRequest):
+        k = msg.key
+        return KeyRef._S.pack(k.kind, k.a, k.b, k.c) + struct.pack("<I", msg.flags)
+    if isinstance(msg, CacheLease):
+        n, m = len(msg.addrs), len(msg.shm_fds)
+        if m not in (0, n) or len(msg.shm_inos) != m or len(msg.shm_offsets) != m:
+            raise LocalProtocolError("CacheLease arrays differ in length")
+        return b"".join((
+            msg._S.pack(msg.cache_id, msg.tensor_bytes, msg.units, int(msg.is_blocks),
+                        msg.layout, msg.fence_fd, msg.fence_ino, n, m),
+            _array(msg.addrs, U64), _array(msg.shm_fds, I32), _array(msg.shm_inos, U64),
+            _array(msg.shm_offsets, U64)))
     if isinstance(msg, (Bye, Ok, NixlMdRequest, StatsRequest)):
         return b""
     raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
@@ -614,6 +673,21 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
     elif mtype == MsgType.STATS:
         (n,) = r.unpack(Stats._S)
         msg = Stats(bytes(r.take(n)))
+    elif mtype == MsgType.LEASE_REQUEST:
+        kind, a, b, c = r.unpack(KeyRef._S)
+        if kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
+            raise RemoteProtocolError(f"a lease names a cache by id or BlocksCacheKey, not "
+                                      f"key kind {kind}")
+        (lflags,) = r.unpack(_U32)
+        if lflags & ~int(ReadFlags.SHM):
+            raise RemoteProtocolError(f"unknown lease flags {lflags:#x}")
+        msg = LeaseRequest(KeyRef(KeyKind(kind), a, b, c), lflags)
+    elif mtype == MsgType.CACHE_LEASE:
+        cache_id, tbytes, units, blocks, layout, ffd, fino, n, m = r.unpack(CacheLease._S)
+        if blocks > 1 or m not in (0, n) or not n or not units or tbytes % units:
+            raise RemoteProtocolError("malformed CacheLease")
+        msg = CacheLease(cache_id, tbytes, units, bool(blocks), layout, ffd, fino,
+                         r.array(n, U64), r.array(m, I32), r.array(m, U64), r.array(m, U64))
     elif mtype == MsgType.NIXL_MD:
         gen, n = r.unpack(NixlMd._S)
         agent = r.bytes_field()

@@ -1,0 +1,59 @@
+"""Prepared transfers: plans and iovecs kept for requests that repeat.
+
+Disaggregated serving repeats itself: the same block list is pulled layer by layer, the same
+small request is made for every step. Building a plan and its iovecs costs tens of
+microseconds of numpy on arrays of a few elements, more than the copy of a 16 KiB block
+itself; :class:`Prepared` keeps the last results, keyed by the exact inputs they were built
+from (so a hit is the same result a build would give).
+
+Who calls: the API layer (plans, keyed by the local geometry, the block lists' bytes and the
+layer ranges; only small requests, whose keys are cheap to hash) and the engine (a leased
+read's checked iovecs, keyed by plan, local cache and lease: a revoked lease or a
+re-registered cache is a different key). Thread-safe; never blocks beyond a dict update.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["SMALL_REQUEST", "Prepared"]
+
+_V = TypeVar("_V")
+
+# Requests with at most this many blocks are prepared (their keys hash in well under a
+# microsecond); larger ones are built each time, where the build is a small part of the copy.
+SMALL_REQUEST = 64
+
+
+class Prepared(Generic[_V]):
+    """A least-recently-used map of at most ``size`` built values."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, _V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: Hashable, build: Callable[[], _V]) -> _V:
+        """The value built for ``key``, building it (outside the lock) on a miss. What
+        ``build`` raises is raised and nothing is kept."""
+        with self._lock:
+            got = self._items.get(key)
+            if got is not None:
+                self._items.move_to_end(key)
+                return got
+        value = build()
+        with self._lock:
+            self._items[key] = value
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
