@@ -20,7 +20,10 @@ import numpy as np
 
 MiB = 1 << 20
 OWNER_ID, PULLER_ID = 1, 2
-BLOCKS_MODEL, SMALL_MODEL = 0, 1
+BLOCKS_MODEL, SMALL_MODEL, LAYERS_MODEL = 0, 1, 2
+# The layer-wise rows: a paged cache of LAYERS layers (K and V tensors each) of LAYER_BLOCKS
+# blocks of 32 KiB: one layer's pull moves 1 MiB, one pull of every layer 32 MiB.
+LAYERS, LAYER_BLOCKS, LAYER_BLOCK = 32, 16, 32 << 10
 SMALL_BLOCK = 16 << 10
 SMALL_CACHE_BLOCKS = 64
 CHUNK = 4 * MiB  # the plain-socket limit's chunk size (docs/performance.md)

@@ -23,6 +23,10 @@ import numpy as np
 from datadist.bench.harness import (
     BLOCKS_MODEL,
     CHUNK,
+    LAYER_BLOCK,
+    LAYER_BLOCKS,
+    LAYERS,
+    LAYERS_MODEL,
     OWNER_ID,
     SMALL_BLOCK,
     SMALL_CACHE_BLOCKS,
@@ -131,6 +135,13 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
         small_desc = llm_datadist.CacheDesc(1, [SMALL_CACHE_BLOCKS, SMALL_BLOCK], u8, host)
         cm.register_blocks_cache(small_desc, [small.ctypes.data],
                                  llm_datadist.BlocksCacheKey(OWNER_ID, SMALL_MODEL))
+
+        layers = aligned_array(2 * LAYERS * LAYER_BLOCKS * LAYER_BLOCK, align)
+        fill_pattern(layers, pattern_seed(5, 0))
+        layers_desc = llm_datadist.CacheDesc(2 * LAYERS, [LAYER_BLOCKS, LAYER_BLOCK], u8, host)
+        cm.register_blocks_cache(layers_desc, [layers.ctypes.data + t * LAYER_BLOCKS * LAYER_BLOCK
+                                               for t in range(2 * LAYERS)],
+                                 llm_datadist.BlocksCacheKey(OWNER_ID, LAYERS_MODEL))
 
         pooled = cm.allocate_cache(contig_desc)
         for t, addr in enumerate(pooled.tensor_addrs):

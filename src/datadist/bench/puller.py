@@ -13,6 +13,10 @@ import numpy as np
 
 from datadist.bench.harness import (
     BLOCKS_MODEL,
+    LAYER_BLOCK,
+    LAYER_BLOCKS,
+    LAYERS,
+    LAYERS_MODEL,
     OWNER_ID,
     PULLER_ID,
     SMALL_BLOCK,
@@ -69,6 +73,13 @@ class Puller:
             ll.CacheDesc(1, [SMALL_CACHE_BLOCKS, SMALL_BLOCK], u8, host),
             [bufs["small"].ctypes.data], ll.BlocksCacheKey(PULLER_ID, SMALL_MODEL))
         self.pooled = cm.allocate_cache(contig_desc)
+        self.layers = None
+        if "layers" in bufs:  # the layer-wise rows' cache (bench/calls.py)
+            tensor = LAYER_BLOCKS * LAYER_BLOCK
+            self.layers = cm.register_blocks_cache(
+                ll.CacheDesc(2 * LAYERS, [LAYER_BLOCKS, LAYER_BLOCK], u8, host),
+                [bufs["layers"].ctypes.data + t * tensor for t in range(2 * LAYERS)],
+                ll.BlocksCacheKey(PULLER_ID, LAYERS_MODEL))
         cluster = ll.LLMClusterInfo()
         cluster.remote_cluster_id = OWNER_ID
         cluster.append_local_ip_info("127.0.0.1", 0)
@@ -100,6 +111,19 @@ class Puller:
     def pull_small(self, src: int, dst: int) -> None:
         key = self.ll.BlocksCacheKey(OWNER_ID, SMALL_MODEL)
         self.dd.cache_manager.pull_blocks(key, self.small, [src], [dst])
+
+    def pull_layer(self, layer: int | None) -> None:
+        """Every block of one layer (1 MiB), or with None of all layers (32 MiB)."""
+        key = self.ll.BlocksCacheKey(OWNER_ID, LAYERS_MODEL)
+        blocks = list(range(LAYER_BLOCKS))
+        if self.layers is None:
+            raise BenchError("no layers cache: the run's buffers have no 'layers'")
+        if layer is None:
+            self.dd.cache_manager.pull_blocks(key, self.layers, blocks, blocks)
+        else:
+            r = range(layer, layer + 1)
+            self.dd.cache_manager.pull_blocks(key, self.layers, blocks, blocks,
+                                              src_layer_range=r, dst_layer_range=r)
 
     def close(self) -> None:
         self.dd.finalize()

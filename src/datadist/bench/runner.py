@@ -13,7 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from datadist.bench.calls import calls_rows
 from datadist.bench.harness import (
+    LAYER_BLOCK,
+    LAYER_BLOCKS,
+    LAYERS,
     PAGE,
     SMALL_BLOCK,
     SMALL_CACHE_BLOCKS,
@@ -43,7 +47,7 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "tcp": 3, "plan": 2}  # row groups and their number of rows
+GROUPS = {"same-host": 4, "tcp": 3, "calls": 5, "plan": 2}  # row groups and their rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 4
 
@@ -69,6 +73,7 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
                        for _ in range(sizes.contig_tensors)],
             "blocks": aligned_array(sizes.cache_blocks * sizes.block_bytes, align),
             "small": aligned_array(SMALL_CACHE_BLOCKS * SMALL_BLOCK, align),
+            "layers": aligned_array(2 * LAYERS * LAYER_BLOCKS * LAYER_BLOCK, align),
         }
         rng = np.random.default_rng(2024)
         src_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
@@ -77,6 +82,7 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain)
         rows = same_host_rows(ctx) if "same-host" in groups else []
         rows += tcp_rows(ctx) if "tcp" in groups else []
+        rows += calls_rows(ctx) if "calls" in groups else []
         if "nixl" in groups:
             from datadist.bench.nixl import nixl_rows
 
@@ -114,7 +120,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = []
     for r in result["rows"]:
         unit = r["unit"]
-        fig = f"{r['figure']:.2f} {unit}" if unit != "us" else f"{r['figure']:.0f} us p50"
+        q = "p99" if r["key"].endswith("_p99") else "p50"
+        fig = f"{r['figure']:.2f} {unit}" if unit != "us" else f"{r['figure']:.0f} us {q}"
         if r["limit"] is None:
             lim, ratio = "-", "-"
         else:

@@ -1,0 +1,111 @@
+"""Rows of the cost of one call: layer-wise pulls against one pull of the same bytes, pulls of
+a few hundred blocks against raw ``process_vm_readv`` of the same iovecs, and the p99 of a
+small pull against the p99 of a plain round trip (the per-call cost issue's rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from datadist.bench.harness import (
+    LAYER_BLOCK,
+    LAYER_BLOCKS,
+    LAYERS,
+    U64,
+    Row,
+    check_pattern,
+    interleave,
+    pattern_seed,
+    throughput_row,
+)
+from datadist.bench.limits import RawCma, iov
+from datadist.bench.puller import Context, Puller, latency_row
+
+LAYER_BYTES = 2 * LAYER_BLOCKS * LAYER_BLOCK  # K and V of one layer
+PER_LAYER_GOAL = 1 / 1.1  # 32 per-layer pulls take at most 1.1x the time of one pull
+FEW_BLOCKS = {256: 0.85, 1024: 0.9}  # blocks pulled -> goal against raw process_vm_readv
+CALLS = 20  # pulls per sample of the few-blocks rows: one is too short to time alone
+
+
+def _times(fn: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(CALLS):
+            fn()
+    return run
+
+
+def calls_rows(ctx: Context) -> list[Row]:
+    rows: list[Row] = []
+    for transport, where in (("auto", "same host"), ("tcp", "TCP")):
+        p = Puller(ctx.info, ctx.sizes, ctx.bufs, transport)
+        try:
+            rows.append(_per_layer_row(ctx, p, where))
+            if transport == "auto":
+                rows += _few_blocks_rows(ctx, p)
+                rows.append(_p99_row(ctx, p))
+        finally:
+            p.close()
+    return rows
+
+
+def _per_layer_row(ctx: Context, p: Puller, where: str) -> Row:
+    layers = ctx.bufs["layers"]
+
+    def per_layer() -> None:
+        for i in range(LAYERS):
+            p.pull_layer(i)
+
+    def every_layer() -> None:
+        p.pull_layer(None)
+
+    for label, pull in (("one pull of every layer", every_layer), ("per-layer pulls", per_layer)):
+        layers.fill(0)  # rule 2: what arrived is the owner's
+        pull()
+        check_pattern(layers, pattern_seed(5, 0), f"{where} {label}")
+    ctx.progress.set_label(f"{where}: per-layer pulls")
+    f, lim = interleave(per_layer, every_layer, ctx.repeat, ctx.progress)
+    key = "same_host" if where == "same host" else "tcp"
+    return throughput_row(
+        f"{key}_per_layer", f"{LAYERS} per-layer pull_blocks of {LAYER_BYTES >> 20} MiB, "
+        f"{where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
+        f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOAL)
+
+
+def _few_blocks_rows(ctx: Context, p: Puller) -> list[Row]:
+    s, info, rows = ctx.sizes, ctx.info, []
+    cma = RawCma(info["pid"])
+    bb = np.uint64(s.block_bytes)
+    for n, goal in FEW_BLOCKS.items():
+        if n > s.blocks:
+            continue
+        src, dst = ctx.src_ids[:n], ctx.dst_ids[:n]
+        raw = cma.prepare(iov(ctx.bufs["blocks"].ctypes.data + dst.astype(U64) * bb,
+                              np.full(n, bb, dtype=U64)),
+                          iov(info["blocks_addr"] + src.astype(U64) * bb,
+                              np.full(n, bb, dtype=U64)))
+        src_l, dst_l = src.tolist(), dst.tolist()
+        raw()
+        p.pull_blocks(src_l, dst_l)
+        ctx.progress.set_label(f"same-host pull_blocks of {n} blocks")
+        f, lim = interleave(_times(functools.partial(p.pull_blocks, src_l, dst_l)),
+                            _times(raw), ctx.repeat, ctx.progress)
+        rows.append(throughput_row(
+            f"same_host_pull_blocks_{n}",
+            f"same-host pull_blocks, {n} x {s.block_bytes >> 10} KiB",
+            CALLS * n * s.block_bytes, p.mechanism(), f,
+            "raw process_vm_readv, same iovecs", lim, goal))
+    return rows
+
+
+def _p99_row(ctx: Context, p: Puller) -> Row:
+    p50 = latency_row(ctx, p, "same_host_small_p99", "small pull, same host, p99")
+    figure = float(np.percentile(p50.figure_samples, 99))
+    limit = float(np.percentile(p50.limit_samples, 99))
+    row = Row(p50.key, "small pull, one 16 KiB block, same host, p99", "us", figure,
+              "16-byte request/reply on a plain socket, p99", limit, "<= 3.00x", path=p50.path,
+              figure_samples=p50.figure_samples, limit_samples=p50.limit_samples)
+    row.met = row.ratio is not None and row.ratio <= 3.0
+    return row
