@@ -21,9 +21,8 @@ ROWS = {
     "same_host_pull": "GB/s", "same_host_pull_blocks": "GB/s", "same_host_pull_pool": "GB/s",
     "same_host_small": "us", "tcp_pull": "GB/s", "tcp_pull_blocks": "GB/s", "tcp_small": "us",
     "plan_numpy": "ms", "plan_lists": "ms",
-    # per-call cost rows (bench/calls.py); a quick run pulls 256 blocks, so no 1k row
-    "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "same_host_pull_blocks_256": "GB/s",
-    "same_host_small_p99": "us",
+    # per-call cost rows (bench/calls.py); at --size 1 (32 blocks) no 256 / 1k blocks rows
+    "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "same_host_small_p99": "us",
 }
 if nixl.available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     ROWS.update({"nixl_pull": "GB/s", "nixl_pull_blocks": "GB/s", "nixl_small": "us",
