@@ -79,7 +79,8 @@ def _few_blocks_rows(ctx: Context, p: Puller) -> list[Row]:
     cma = RawCma(info["pid"])
     bb = np.uint64(s.block_bytes)
     for n, goal in FEW_BLOCKS.items():
-        if n > s.blocks:
+        if n > s.blocks:  # a small run: no such row (its progress steps pass)
+            ctx.progress.step(n=ctx.repeat)
             continue
         src, dst = ctx.src_ids[:n], ctx.dst_ids[:n]
         raw = cma.prepare(iov(ctx.bufs["blocks"].ctypes.data + dst.astype(U64) * bb,
