@@ -17,8 +17,11 @@ import numpy as np
 from datadist.wire.protocol import (
     Hello,
     NixlGrant,
+    NixlLease,
+    NixlLeased,
     NixlMd,
     NixlRead,
+    NixlRevoke,
     NixlWrite,
     Read,
     Welcome,
@@ -140,6 +143,18 @@ class RequestHandler(Protocol[LeaseT]):
         open_write; the lease pins the memory (and keeps our NIXL agent progressing) until
         close_read, which the connection calls for every lease (it closes a write lease as
         close_write would)."""
+        ...
+
+    def open_nixl_lease(self, peer: PeerInfo, msg: NixlLease, drop: Callable[[], None]
+                        ) -> NixlLeased:
+        """Lease a whole cache to a NIXL reader until revoked (NixlRevoke on the reader's
+        reverse channel) or until its connection ends; ``drop`` shuts that connection down.
+        NotSupported when the reader has no reverse channel here (it reads by request)."""
+        ...
+
+    def nixl_revoke(self, peer: PeerInfo, msg: NixlRevoke) -> None:
+        """Reader side: the owner revokes a lease; return once no read under it is in
+        flight (Timeout if one still is)."""
         ...
 
     def stats(self) -> dict[str, Any]:
