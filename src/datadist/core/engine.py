@@ -132,6 +132,13 @@ class _CacheLease:
     drop: Callable[[], None]  # shuts its connection down
 
 
+def _revoke(msg: p.NixlRevoke, deadline: float, _path: Any, chan: Channel) -> None:
+    """Send a revoke on a reader's reverse channel and wait for its Ok."""
+    got = chan.call(msg, deadline)
+    if not isinstance(got, p.Ok):
+        raise RemoteProtocolError(f"expected Ok to a NixlRevoke, got {type(got).__name__}")
+
+
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> None:
     """The local side of a plan must fit the cache as it was registered (the caller's
     CacheDesc may have changed since): never read or write past registered memory. And the
@@ -868,11 +875,12 @@ class Engine:
             try:
                 if rev is None or rev.welcome.pid != held.pid:
                     raise BrokenLink("the reader's reverse channel is gone")
-                rev.run(deadline, lambda _path, chan, i=lease_id, d=deadline: chan.call(
-                    p.NixlRevoke(i), d))
+                rev.run(deadline, functools.partial(_revoke, p.NixlRevoke(lease_id), deadline))
             except DatadistError as e:
-                log.warning("NIXL lease %d of cluster %d not given back (%s): its connection "
-                            "is shut down", lease_id, held.cluster_id, e)
+                gone = rev is None or rev.chan.closed or rev.closing
+                log.log(logging.INFO if gone else logging.WARNING,
+                        "NIXL lease %d of cluster %d not given back (%s): its connection is "
+                        "shut down", lease_id, held.cluster_id, e)
                 held.drop()
             self._nixl_end(lease_id)
 

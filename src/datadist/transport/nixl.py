@@ -6,7 +6,9 @@ Imported only when the NIXL path is chosen (``transport = "nixl"``, ``datadist.T
 
 datadist keeps its own control plane: keys, bounds, leases, deadlines and errors travel on the
 link's control channel (docs/protocol.md, "NIXL"); only the bytes move through NIXL, as one
-READ per pull.
+READ per pull. Pulls by cache id or blocks key read under a lease on the whole cache, which
+the owner revokes on the reader's reverse channel (NixlPath.revoke) before the memory goes:
+no control message per pull.
 
 Who calls:
 
@@ -17,7 +19,8 @@ Who calls:
 
 Progress: the agent has no progress thread (NIXL's spins a core even when idle). The reader
 drives its own transfer while it waits for it; the owner drives its agent from a pump thread
-that sleeps on a condition while no NIXL lease is open (between NixlGrant and Release), beats
+that sleeps on a condition while no NIXL lease is open (between NixlGrant and Release, or
+while a reader holds a lease on a whole cache), beats
 fast while a new connection's first read is under way and slowly otherwise (PUMP_FAST,
 PUMP_SLOW). Each progress call holds the owner's GIL, which is why the beat is not faster.
 
@@ -180,6 +183,7 @@ class NixlAgent:
         self._pump_cv = threading.Condition(self._lock)
         self._pump: threading.Thread | None = None
         self._stuck: list[Any] = []  # handles NIXL could not release yet
+        self.no_leases: set[str] = set()  # remote agents that know no NixlLease (older)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -499,7 +503,8 @@ class NixlPath:
         """The lease to read ``msg`` under, asked for if need be; None: read by request."""
         k = msg.key
         if (not self._wired or not self._lease_ok or msg.flags & p.ReadFlags.CHECKSUM
-                or k.kind not in (p.KeyKind.CACHE_ID, p.KeyKind.BLOCKS_KEY)):
+                or k.kind not in (p.KeyKind.CACHE_ID, p.KeyKind.BLOCKS_KEY)
+                or self.remote in self.agent.no_leases):
             return None
         key = (int(k.kind), k.a if k.kind == p.KeyKind.CACHE_ID else k.b)
         with self._cv:
@@ -517,6 +522,12 @@ class NixlPath:
             # is going: a request says what holds (and fails as it would on any path).
             self._lease_ok = not isinstance(e, NotSupported)
             return None
+        except RemoteProtocolError:
+            # An owner of an earlier version (NIXL without leases) answers with an error
+            # and closes: this pull fails, the link reconnects and reads by request.
+            if self.remote is not None:
+                self.agent.no_leases.add(self.remote)
+            raise
         if not isinstance(info, p.NixlLeased) or not len(info.addrs):
             chan.close()
             raise RemoteProtocolError(f"expected a NixlLeased, got {info!r}")
