@@ -24,7 +24,13 @@ from datadist.core.errors import (
     NotLinked,
     Timeout,
 )
-from datadist.core.layout import Geometry, Plan, layer_tensor_indices, plan_slot
+from datadist.core.layout import (
+    Geometry,
+    Plan,
+    layer_tensor_indices,
+    plan_blocks,
+    plan_slot,
+)
 from datadist.transport import nixl
 from datadist.wire import protocol as p
 
@@ -112,29 +118,161 @@ def test_auto_never_picks_nixl() -> None:
         owner.close()
 
 
+class _Calls:
+    """Counts the requests a link's control channel sends."""
+
+    def __init__(self, chan) -> None:
+        self.n, self._call = 0, chan.call
+        chan.call = self
+
+    def __call__(self, msg, deadline):
+        self.n += 1
+        return self._call(msg, deadline)
+
+
+def _pump_idle(owner: Engine) -> bool:
+    end = time.monotonic() + 5
+    while owner.nixl.pump_busy and time.monotonic() < end:
+        time.sleep(0.01)
+    return not owner.nixl.pump_busy
+
+
 @needs_nixl
-def test_pull_over_nixl_reuses_its_handle_and_the_owner_pump_stops(pair) -> None:
+def test_pull_over_nixl_reads_under_a_lease_and_reuses_its_handle(pair) -> None:
+    """The connection's first pull goes by request (it wires the endpoint up, the owner's
+    pump beating fast); the second asks for a lease on the whole cache; from then on a pull
+    sends nothing on the control channel and reposts its handle. The owner's pump beats
+    slowly while the lease is held, and stops once it is revoked (unregister)."""
     owner, puller = pair
     assert owner.nixl is None  # created when a reader first asks for it
     src, dst, entry, plan = _caches(owner, puller, 1 << 20)
     link = _link(owner, puller)
     assert link.path_name == "nixl" and "forced nixl" in link.reason
     assert owner.nixl is not None and owner.nixl.name.encode() in repr(link.path).encode()
+    calls = _Calls(link.chan)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    assert np.array_equal(dst, src)
-    assert len(link.path._handles) == 1
-    handle = next(iter(link.path._handles.values()))
+    assert np.array_equal(dst, src) and calls.n == 1  # NixlRead
+    assert not link.path._leases and len(owner._nixl_wired) == 1
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    assert np.array_equal(dst, src)
+    assert np.array_equal(dst, src) and calls.n == 2  # NixlLease
+    assert len(link.path._leases) == 1 and len(owner._nixl_held) == 1
+    handle = next(iter(link.path._handles.values()))
+    for _ in range(3):
+        dst[:] = 0
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    assert calls.n == 2, "a pull under the lease sent a request"
     assert next(iter(link.path._handles.values())) is handle, "the handle was not reused"
-    # No progress thread anywhere: the owner's pump beat only while the leases were open,
-    # fast only for the connection's first read.
+    assert owner.nixl.pump_busy and owner.nixl._pump_fresh == 0  # the slow beat
+    assert not owner._nixl_leases  # no per-pull lease left open
+    owner.unregister(1)
+    assert not owner._nixl_held and not link.path._leases
+    assert _pump_idle(owner), "the pump still beats without any lease"
+
+
+@needs_nixl
+def test_a_lease_read_is_checked_as_the_owner_checks_a_request(pair) -> None:
+    """Under a lease the reader checks bounds against the lease's geometry before any
+    descriptor is built: the same errors as the owner's, and the link stays usable."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert link.path._leases
+    too_far = Plan(plan.remote_tensors, plan.local_tensors, plan.remote_offsets + np.uint64(1),
+                   plan.local_offsets, plan.lengths)
+    with pytest.raises(InvalidArgument, match="outside"):
+        puller.pull(1, KEY, 0, too_far, entry.cache_id, 5.0)
+    with pytest.raises(InvalidArgument, match="batch index"):
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 1), 0, plan, entry.cache_id, 5.0)
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src) and link.path._leases
+
+
+@needs_nixl
+def test_revoke_waits_for_a_read_in_flight(pair) -> None:
+    """unregister on the owner revokes the lease; the reader answers only once its read
+    under it is done, so the owner never takes memory back under a read."""
+    owner, puller = pair
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    link = _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    (lease,) = link.path._leases.values()
+    with link.path._cv:
+        lease.reading += 1  # a read under it in flight
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (owner.unregister(1), done.set()), daemon=True)
+    t.start()
+    assert not done.wait(0.5), "unregister returned under a read in flight"
+    assert lease.revoked  # no new read starts under it
+    with link.path._cv:
+        lease.reading -= 1
+        link.path._cv.notify_all()
+    assert done.wait(5), "unregister did not return once the read was done"
+    with pytest.raises(CacheNotFound):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+
+
+@needs_nixl
+def test_a_reader_that_does_not_give_the_lease_back_loses_its_connection(
+        pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that does not answer the revoke in time (stopped, stuck) has its control
+    connection shut down; its next pull reconnects and reads by request."""
+    from datadist.core import engine as engine_mod
+
+    owner, puller = pair
+    monkeypatch.setattr(engine_mod, "NIXL_REVOKE_WAIT", 0.5)
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    src2 = np.full(4096, 3, np.uint8)
+    owner.register(Geometry(1, 4096, 1), [src2.ctypes.data], placement=0)  # cache 2
+    link = _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    (lease,) = link.path._leases.values()
+    with link.path._cv:
+        lease.reading += 1  # stuck
+    t0 = time.monotonic()
+    owner.unregister(1)
+    assert time.monotonic() - t0 < 3 and not owner._nixl_held
+    with link.path._cv:
+        lease.reading -= 1
     end = time.monotonic() + 5
-    while owner.nixl.pump_busy and time.monotonic() < end:
+    while not link.chan.peer_gone() and time.monotonic() < end:
         time.sleep(0.01)
-    assert not owner.nixl.pump_busy and owner.nixl._pump_fresh == 0
-    assert len(owner._nixl_wired) == 1 and not owner._nixl_leases
+    assert link.chan.peer_gone(), "the owner kept the connection of a reader it gave up on"
+    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src2)
+
+
+@needs_nixl
+def test_a_blocks_model_id_registered_again_revokes_the_lease(pair) -> None:
+    """A blocks model id registered again names another cache: the lease on the old one is
+    revoked, and the next pull by the same BlocksCacheKey reads the new cache."""
+    owner, puller = pair
+    geo = Geometry(1, 8 * 4096, 8, is_blocks=True)
+    old = np.full(8 * 4096, 1, np.uint8)
+    owner.register(geo, [old.ctypes.data], placement=0, blocks_model_id=7)
+    dst = np.zeros(8 * 4096, np.uint8)
+    entry = puller.register(geo, [dst.ctypes.data], placement=0)
+    plan = plan_blocks(entry.geometry, [1, 2], [3, 4], layer_tensor_indices(1, None, None, 1))
+    key = p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 7, 0)
+    link = _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
+    assert link.path._leases and owner._nixl_held
+    new = np.full(8 * 4096, 2, np.uint8)
+    owner.register(geo, [new.ctypes.data], placement=0, blocks_model_id=7)
+    assert not owner._nixl_held and not link.path._leases
+    puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
+    assert (dst[3 * 4096:5 * 4096] == 2).all() and (dst[:3 * 4096] == 0).all()
+    puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)  # under a lease on the new one
+    assert len(owner._nixl_held) == 1
+    (held,) = owner._nixl_held.values()
+    assert held.lease.entry.addrs[0] == new.ctypes.data
 
 
 @needs_nixl

@@ -82,6 +82,12 @@ EXAMPLES += [  # the NIXL data path's messages
     p.NixlGrant(5, b"agent", 3, p.MEM_VRAM, U32_MAX, u64(4096, U64_MAX)),
     p.NixlGrant(U64_MAX, b"", 0, p.MEM_DRAM, 0, u64()),
     p.NixlWrite(p.KeyRef(p.KeyKind.ADDRESS, 0, 0, 0), 0, 0, u32(0), u64(1 << 40), u64(64)),
+    p.NixlLease(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, U64_MAX, 0), 32768),
+    p.NixlLease(p.KeyRef(p.KeyKind.CACHE_ID, 9, 0, 0), 0),
+    p.NixlLeased(7, b"agent", 2, p.MEM_VRAM, 3, True, 1 << 40, 4096, U32_MAX, U64_MAX,
+                 u64(4096, U64_MAX)),
+    p.NixlLeased(U64_MAX, b"", 0, p.MEM_DRAM, 0, False, 8, 8, 1, 0, u64(1)),
+    p.NixlRevoke(U64_MAX),
 ]
 
 
@@ -289,6 +295,19 @@ def test_nixl_grant_unknown_memory_kind_and_truncated_metadata() -> None:
         p.decode_payload(p.MsgType.NIXL_MD, md[:-1])
     with pytest.raises(RemoteProtocolError, match="trailing"):
         p.decode_payload(p.MsgType.NIXL_MD_REQUEST, b"x")
+
+
+def test_nixl_lease_names_a_cache_id_or_a_blocks_key_only() -> None:
+    with pytest.raises(LocalProtocolError, match="cache id or a blocks key"):
+        p.encode_payload(p.NixlLease(p.KeyRef(p.KeyKind.CACHE_KEY, 1, 2, 3), 0))
+    bad = struct.pack("<BQQQ", p.KeyKind.CACHE_KEY, 1, 2, 3) + struct.pack("<Q", 0)
+    with pytest.raises(RemoteProtocolError, match="key kind"):
+        p.decode_payload(p.MsgType.NIXL_LEASE, bad)
+    data = bytearray(p.encode_payload(
+        p.NixlLeased(1, b"a", 1, p.MEM_DRAM, 0, True, 8, 8, 1, 0, u64(1))))
+    data[21] = 2  # blocks
+    with pytest.raises(RemoteProtocolError, match="bad NIXL lease"):
+        p.decode_payload(p.MsgType.NIXL_LEASED, bytes(data))
 
 
 def read_payload(*, kind: int = 2, ntensors: int = 1, nspans: int = 1, flags: int = 0,

@@ -9,14 +9,16 @@ returns at once (``unregister`` waits for live leases, bounded). Thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -27,6 +29,7 @@ from datadist.core.errors import (
     AlreadyLinked,
     BrokenLink,
     Busy,
+    CacheNotFound,
     Closed,
     Code,
     DatadistError,
@@ -37,6 +40,7 @@ from datadist.core.errors import (
     NotSupported,
     OutOfMemory,
     RemoteProtocolError,
+    Timeout,
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
 from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
@@ -63,6 +67,7 @@ from datadist.wire import protocol as p
 log = logging.getLogger(__name__)
 
 HOST, DEVICE = 0, 1
+NIXL_REVOKE_WAIT = 5.0  # seconds an owner waits for a reader to give a NIXL lease back
 CLOSE_LEASE_WAIT = 5.0  # seconds finalize waits for transfers still using local memory
 # Grants (same-host reads) one verified peer process may hold at once, over all its
 # connections (each connection also caps its own: transport/tcp.py).
@@ -126,6 +131,24 @@ class EngineConfig:
     max_connections_per_peer: int = 64  # ... of them from one peer IP (a link takes two)
 
 
+@dataclass(eq=False)
+class _CacheLease:
+    """A NIXL reader's lease on a whole cache of ours (Engine.open_nixl_lease)."""
+
+    lease: Lease
+    peer: tuple[int, str]  # its connection
+    cluster_id: int
+    pid: int
+    drop: Callable[[], None]  # shuts its connection down
+
+
+def _revoke(msg: p.NixlRevoke, deadline: float, _path: Any, chan: Channel) -> None:
+    """Send a revoke on a reader's reverse channel and wait for its Ok."""
+    got = chan.call(msg, deadline)
+    if not isinstance(got, p.Ok):
+        raise RemoteProtocolError(f"expected Ok to a NixlRevoke, got {type(got).__name__}")
+
+
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
     """The local side of a plan must fit the cache as it was registered (the caller's
     CacheDesc may have changed since): never read or write past registered memory. And the
@@ -187,6 +210,11 @@ class Engine:
         # checked iovecs of small leased reads, by plan, local cache and lease
         self._leased_iovs: Prepared[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]] = (
             Prepared(256))
+        # read leases on whole caches (NixlLease), revoked before their memory goes: by id
+        self._nixl_held: dict[int, _CacheLease] = {}
+        self._nixl_lease_ids = itertools.count(1)
+        self._nixl_closing: set[int] = set()  # cache ids being revoked: no new lease on them
+        self._nixl_epoch = 0  # bumped when a blocks model id may name another cache
         self._tls_client = config.tls.client_context() if config.tls else None
         try:
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
@@ -291,6 +319,8 @@ class Engine:
                 return
             self._closed = True
             links = [*self._links.values(), *self._reverse.values()]
+        self._nixl_revoke(lambda held: True)  # while the reverse channels are up
+        with self._lock:
             self._links.clear()
             self._reverse.clear()
         self._stop.set()
@@ -354,6 +384,7 @@ class Engine:
                 except BaseException:
                     self.registry.unregister(entry.cache_id)
                     raise
+        self._nixl_model_moved(blocks_model_id, entry)
         return entry
 
     def allocate(
@@ -384,7 +415,7 @@ class Engine:
             raise
         addrs = base + step * np.arange(geometry.num_tensors, dtype=np.uint64)
         try:
-            return self.registry.add(
+            entry = self.registry.add(
                 geometry, addrs, owned=True, placement=placement, keys=keys,
                 blocks_model_id=blocks_model_id, free=lambda: pool.free(base),
                 shm=shared.lookup(addrs, geometry.tensor_bytes),
@@ -392,12 +423,16 @@ class Engine:
         except BaseException:
             pool.free(base)
             raise
+        self._nixl_model_moved(blocks_model_id, entry)
+        return entry
 
     def deallocate(self, cache_id: int, *, blocks: bool = False) -> None:
-        self.registry.deallocate(cache_id, drop_keys=blocks)
+        with self._nixl_revoking(cache_id):  # NIXL readers let go of it first
+            self.registry.deallocate(cache_id, drop_keys=blocks)
 
     def unregister(self, cache_id: int) -> None:
-        self.registry.unregister(cache_id)  # waits for readers (leases) first
+        with self._nixl_revoking(cache_id):  # NIXL readers let go of it first
+            self.registry.unregister(cache_id)  # waits for readers (leases) first
         if self.nixl is not None:
             with self._nixl_lock:
                 self.nixl.deregister(cache_id)
@@ -855,6 +890,108 @@ class Engine:
         return lease, p.NixlGrant(lease_id, nixl.name.encode(), nixl.generation, mem, dev,
                                   bases)
 
+    def open_nixl_lease(self, peer: PeerInfo, msg: p.NixlLease,
+                        drop: Callable[[], None]) -> p.NixlLeased:
+        """A read lease on a whole cache for a NIXL reader (docs/protocol.md, "NIXL leases"):
+        resolved and checked as a NixlRead of the whole cache, pinned like any lease until we
+        revoke it on the reader's reverse channel (unregister, deallocate, a blocks model id
+        registered again, finalize) or the connection ends. ``drop`` shuts the connection
+        down: what a revoke the reader does not answer comes to."""
+        nixl = self.nixl or self._serving_nixl()
+        with self._lock:
+            rev = self._reverse.get(peer.cluster_id)
+        if rev is None or rev.chan.closed or rev.welcome.pid != peer.pid \
+                or rev.welcome.boot_id != peer.boot_id:
+            raise NotSupported("no reverse channel from this reader to revoke a lease on: "
+                               "read by request")
+        key = msg.key
+        whole = (p.KeyRef(key.kind, key.a, 0, 0) if key.kind == p.KeyKind.CACHE_ID
+                 else p.KeyRef(key.kind, 0, key.b, 0))
+        epoch = self._nixl_epoch
+        zero = np.zeros(1, np.uint64)
+        lease = self.registry.open(whole, msg.unit_bytes, np.zeros(1, np.uint32), zero, zero)
+        lease_id = next(self._nixl_lease_ids)
+        try:
+            entry, g = lease.entry, lease.entry.geometry
+            with self._nixl_lock:
+                mem, dev = nixl.grant_info(entry.addrs, g.tensor_bytes)
+                if self._closed or entry.cache_id in self._nixl_closing or (
+                        key.kind == p.KeyKind.BLOCKS_KEY and epoch != self._nixl_epoch):
+                    raise CacheNotFound(f"cache {entry.cache_id} is going: read by request")
+                self._nixl_held[lease_id] = _CacheLease(lease, peer.key, peer.cluster_id,
+                                                        peer.pid, drop)
+        except BaseException:
+            self.registry.close(lease, False, consume=False)
+            raise
+        nixl.pump_acquire(False)  # a lease is asked for only after a completed NIXL read
+        return p.NixlLeased(lease_id, nixl.name.encode(), nixl.generation, mem, dev,
+                            key.kind == p.KeyKind.BLOCKS_KEY, g.tensor_bytes, g.unit_bytes,
+                            g.units, g.layout, entry.addrs)
+
+    @contextlib.contextmanager
+    def _nixl_revoking(self, cache_id: int) -> Iterator[None]:
+        """Around unregister / deallocate: no new NIXL lease on the cache, the readers'
+        leases revoked (each reader answers once its reads under it are done)."""
+        if not self._nixl_held:
+            yield
+            return
+        with self._nixl_lock:
+            self._nixl_closing.add(cache_id)
+        try:
+            self._nixl_revoke(lambda held: held.lease.entry.cache_id == cache_id)
+            yield
+        finally:
+            with self._nixl_lock:
+                self._nixl_closing.discard(cache_id)
+
+    def _nixl_model_moved(self, model_id: int | None, entry: CacheEntry) -> None:
+        """A blocks model id now names ``entry``: leases on the cache it named go."""
+        if model_id is None:
+            return
+        with self._nixl_lock:
+            self._nixl_epoch += 1
+        self._nixl_revoke(lambda held: held.lease.entry is not entry
+                          and held.lease.entry.blocks_model_id == model_id)
+
+    def _nixl_revoke(self, pick: Callable[[_CacheLease], bool]) -> None:
+        """Revoke the NIXL cache leases ``pick`` selects: NixlRevoke on each reader's reverse
+        channel, answered once no read under it is in flight. A reader that does not answer
+        within NIXL_REVOKE_WAIT (stopped, gone, its reverse channel down) has its connection
+        shut down: its reads then fail (it checks the connection after each leased read)."""
+        with self._nixl_lock:
+            doomed = [(i, held) for i, held in self._nixl_held.items() if pick(held)]
+        for lease_id, held in doomed:
+            deadline = time.monotonic() + NIXL_REVOKE_WAIT
+            with self._lock:
+                rev = self._reverse.get(held.cluster_id)
+            try:
+                if rev is None or rev.welcome.pid != held.pid:
+                    raise BrokenLink("the reader's reverse channel is gone")
+                rev.run(deadline, functools.partial(_revoke, p.NixlRevoke(lease_id), deadline))
+            except DatadistError as e:
+                gone = rev is None or rev.chan.closed or rev.closing
+                log.log(logging.INFO if gone else logging.WARNING,
+                        "NIXL lease %d of cluster %d not given back (%s): its connection is "
+                        "shut down", lease_id, held.cluster_id, e)
+                held.drop()
+            self._nixl_end(lease_id)
+
+    def _nixl_end(self, lease_id: int) -> None:
+        with self._nixl_lock:
+            held = self._nixl_held.pop(lease_id, None)
+        if held is not None:
+            self.registry.close(held.lease, False, consume=False)
+            self.nixl.pump_release(False)
+
+    def nixl_revoke(self, peer: PeerInfo, msg: p.NixlRevoke) -> None:
+        """Reader side: the owner ``peer`` revokes a lease (on our reverse channel). Returns
+        once no read under it is in flight and none will start; Timeout if one still is."""
+        with self._lock:
+            link = self._links.get(peer.cluster_id)
+        revoke = getattr(link.path, "revoke", None) if link is not None else None
+        if revoke is not None and not revoke(msg.lease_id, NIXL_REVOKE_WAIT):
+            raise Timeout(f"a NIXL read under lease {msg.lease_id} is still in flight")
+
     def open_write(self, peer: PeerInfo, msg: p.Write) -> Lease:
         """Check a peer's write into our memory and lease it (counted as ``serve_write``)."""
         return self._serving("serve_write", peer, lambda: self._open_write(msg))
@@ -945,6 +1082,11 @@ class Engine:
         with self._lock:
             self._inbound.pop(peer.key, None)
         self._nixl_wired.discard(peer.key)
+        if self._nixl_held:
+            with self._nixl_lock:
+                gone = [i for i, held in self._nixl_held.items() if held.peer == peer.key]
+            for lease_id in gone:  # the connection is gone, and with it the reader's lease
+                self._nixl_end(lease_id)
 
     def inbound_peers(self) -> list[PeerInfo]:
         with self._lock:

@@ -189,37 +189,37 @@ def _check_servable(entry: CacheEntry) -> None:
         raise InvalidArgument(f"cache {entry.cache_id} is not remote accessible")
 
 
-def check_read(g: Geometry, cache_id: int, slot: int, unit_bytes: int, tensors: np.ndarray,
-               offsets: np.ndarray, lengths: np.ndarray, layout: int) -> int:
+def check_read(g: Geometry, cache_id: int | None, slot: int, unit_bytes: int,
+               tensors: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, layout: int) -> int:
     """Every check of a request's spans against the cache it names (the owner's, or a
-    same-host reader's own with a cache lease): tensor indexes, request size, block size,
-    batch index, span bounds, layouts. Returns the byte offset of the source unit within
-    each tensor (0 for block addressing, ``slot``: -1). Raises InvalidArgument."""
+    reader's own with a lease on the whole cache; ``cache_id`` None: a remote cache whose id
+    the reader does not know): tensor indexes, request size, block size, batch index, span
+    bounds, layouts. Returns the byte offset of the source unit within each tensor (0 for
+    block addressing, ``slot``: -1). Raises InvalidArgument."""
+    name = "the remote cache" if cache_id is None else f"cache {cache_id}"
     if len(tensors) and int(tensors.max()) >= g.num_tensors:
         raise InvalidArgument(
-            f"tensor {int(tensors.max())} out of range: cache {cache_id} "
-            f"has {g.num_tensors}"
+            f"tensor {int(tensors.max())} out of range: {name} has {g.num_tensors}"
         )
     check_request_size(tensors, offsets)
     if slot < 0:
         if unit_bytes and unit_bytes != g.unit_bytes:
             raise InvalidArgument(
                 f"block size mismatch: requester assumed {unit_bytes} bytes, "
-                f"cache {cache_id} has {g.unit_bytes}"
+                f"{name} has {g.unit_bytes}"
             )
         base, limit = 0, g.tensor_bytes
     else:
         if slot >= g.units:
             raise InvalidArgument(
-                f"batch index {slot} out of range: cache {cache_id} "
-                f"has {g.units}"
+                f"batch index {slot} out of range: {name} has {g.units}"
             )
         # A slot read may run past the slot into the following ones (a contiguous
         # source split into blocks reads the whole tensor from slot 0), never past
         # the tensor.
         base, limit = slot * g.unit_bytes, g.tensor_bytes - slot * g.unit_bytes
     check_source_spans(offsets, lengths, limit)
-    check_layouts(g.layout, layout, blocks=slot < 0, what=f"cache {cache_id}")
+    check_layouts(g.layout, layout, blocks=slot < 0, what=name)
     return base
 
 

@@ -19,8 +19,11 @@ from datadist.wire.protocol import (
     Hello,
     LeaseRequest,
     NixlGrant,
+    NixlLease,
+    NixlLeased,
     NixlMd,
     NixlRead,
+    NixlRevoke,
     NixlWrite,
     Read,
     Welcome,
@@ -147,6 +150,18 @@ class RequestHandler(Protocol[LeaseT]):
     def lease_cache(self, peer: PeerInfo, msg: LeaseRequest) -> CacheLease:
         """A whole-cache lease for a kernel-verified same-host reader (local channel
         only); raises what open_read would for the cache it names."""
+        ...
+
+    def open_nixl_lease(self, peer: PeerInfo, msg: NixlLease, drop: Callable[[], None]
+                        ) -> NixlLeased:
+        """Lease a whole cache to a NIXL reader until revoked (NixlRevoke on the reader's
+        reverse channel) or until its connection ends; ``drop`` shuts that connection down.
+        NotSupported when the reader has no reverse channel here (it reads by request)."""
+        ...
+
+    def nixl_revoke(self, peer: PeerInfo, msg: NixlRevoke) -> None:
+        """Reader side: the owner revokes a lease; return once no read under it is in
+        flight (Timeout if one still is)."""
         ...
 
     def stats(self) -> dict[str, Any]:

@@ -6,7 +6,9 @@ Imported only when the NIXL path is chosen (``transport = "nixl"``, ``datadist.T
 
 datadist keeps its own control plane: keys, bounds, leases, deadlines and errors travel on the
 link's control channel (docs/protocol.md, "NIXL"); only the bytes move through NIXL, as one
-READ per pull.
+READ per pull. Pulls by cache id or blocks key read under a lease on the whole cache, which
+the owner revokes on the reader's reverse channel (NixlPath.revoke) before the memory goes:
+no control message per pull.
 
 Who calls:
 
@@ -17,7 +19,8 @@ Who calls:
 
 Progress: the agent has no progress thread (NIXL's spins a core even when idle). The reader
 drives its own transfer while it waits for it; the owner drives its agent from a pump thread
-that sleeps on a condition while no NIXL lease is open (between NixlGrant and Release), beats
+that sleeps on a condition while no NIXL lease is open (between NixlGrant and Release, or
+while a reader holds a lease on a whole cache), beats
 fast while a new connection's first read is under way and slowly otherwise (PUMP_FAST,
 PUMP_SLOW). Each progress call holds the owner's GIL, which is why the beat is not faster.
 
@@ -39,18 +42,22 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from datadist.core.errors import (
     BrokenLink,
+    CacheNotFound,
     InvalidArgument,
     LinkFailed,
     NotSupported,
     RemoteProtocolError,
     Timeout,
 )
+from datadist.core.layout import Geometry
+from datadist.core.registry import check_read
 from datadist.transport.base import TransportCaps
 from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, span_iov
 from datadist.wire import protocol as p
@@ -176,6 +183,7 @@ class NixlAgent:
         self._pump_cv = threading.Condition(self._lock)
         self._pump: threading.Thread | None = None
         self._stuck: list[Any] = []  # handles NIXL could not release yet
+        self.no_leases: set[str] = set()  # remote agents that know no NixlLease (older)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -393,14 +401,44 @@ class NixlAgent:
 # ----------------------------------------------------------------------------- the path
 
 
+@dataclass(eq=False)
+class _ReadLease:
+    """A lease on a whole remote cache (NixlLeased), as the reader holds it: reads under it
+    need no request until the owner revokes it (NixlPath.revoke)."""
+
+    info: p.NixlLeased
+    key: tuple[int, int]  # (key kind, cache id or blocks model id)
+    reading: int = 0  # reads under it in flight
+    revoked: bool = False
+
+
+def _leased_bases(info: p.NixlLeased, msg: p.Read) -> np.ndarray:
+    """The source base of each requested tensor under a lease, after the owner's checks of a
+    NixlRead (core/registry.py, check_read) made against the lease's geometry. Raises
+    InvalidArgument."""
+    try:
+        g = Geometry(len(info.addrs), info.tensor_bytes, info.units, info.blocks, info.layout)
+    except InvalidArgument as e:
+        raise RemoteProtocolError(f"a NIXL lease with an impossible geometry: {e}") from None
+    base = check_read(g, None, -1 if info.blocks else msg.key.b, msg.unit_bytes, msg.tensors,
+                      msg.offsets, msg.lengths, msg.layout)
+    bases: np.ndarray = info.addrs[msg.tensors] + np.uint64(base)
+    return bases
+
+
 class NixlPath:
     """The client side of a link forced to NIXL. Used under the link's lock.
 
-    A pull is one exchange on the control channel (NixlRead -> NixlGrant: the owner resolved
+    A pull by cache id or blocks key reads under a lease on the whole remote cache
+    (NixlLease -> NixlLeased, asked once per cache and connection): no request per pull, the
+    bounds checked here against the lease's geometry, one NIXL READ. The owner revokes the
+    lease on our reverse channel (:meth:`revoke`) before its memory goes. Other pulls (by
+    request key, with a checksum, the first of a connection, or where the owner grants no
+    lease) are one exchange on the control channel (NixlRead -> NixlGrant: the owner resolved
     the key and checked the bounds), one NIXL READ from the granted spans, and a Release.
-    The peer's metadata is loaded at link time and reloaded when a grant shows a newer
-    generation or another agent (the peer restarted). Handles for identical reads are kept
-    (up to HANDLE_CACHE) and reposted.
+    The peer's metadata is loaded at link time and reloaded when a grant or lease shows a
+    newer generation or another agent (the peer restarted). Handles for identical reads are
+    kept (up to HANDLE_CACHE) and reposted.
     """
 
     caps = TransportCaps("nixl", same_host_only=False, one_sided=True, device_memory=True)
@@ -410,9 +448,16 @@ class NixlPath:
         self.remote: str | None = None
         self.generation = -1
         self._handles: OrderedDict[tuple[str, str, int, int, bytes, bytes], Any] = OrderedDict()
+        self._wired = False  # a NIXL read completed on this connection (the endpoint is up)
+        self._lease_ok = True  # False once the owner refused a lease on this connection
+        self._cv = threading.Condition()  # guards the leases below (revoke comes from elsewhere)
+        self._leases: dict[tuple[int, int], _ReadLease] = {}
+        self._lease_ids: dict[int, _ReadLease] = {}
+        self._revoked_early: set[int] = set()  # revoked before their NixlLeased was read
 
     def __repr__(self) -> str:
-        return f"<NixlPath remote={self.remote} gen={self.generation}>"
+        return (f"<NixlPath remote={self.remote} gen={self.generation} "
+                f"leases={len(self._leases)}>")
 
     def connect(self, chan: Any, deadline: float) -> None:
         """Fetch and load the owner's metadata (link time, and when it changed)."""
@@ -427,6 +472,102 @@ class NixlPath:
         self.remote, self.generation = name, md.generation
 
     def read(self, chan: Any, msg: p.Read, local: np.ndarray, deadline: float) -> None:
+        lease = self._lease(chan, msg, deadline)
+        if lease is not None:
+            with self._cv:
+                usable = not lease.revoked
+                lease.reading += usable
+            if usable:
+                try:
+                    self._read_leased(chan, lease.info, msg, local, deadline)
+                    return
+                finally:
+                    with self._cv:
+                        lease.reading -= 1
+                        self._cv.notify_all()
+        self._read_granted(chan, msg, local, deadline)
+        self._wired = True
+
+    def _lease(self, chan: Any, msg: p.Read, deadline: float) -> _ReadLease | None:
+        """The lease to read ``msg`` under, asked for if need be; None: read by request."""
+        k = msg.key
+        if (not self._wired or not self._lease_ok or msg.flags & p.ReadFlags.CHECKSUM
+                or k.kind not in (p.KeyKind.CACHE_ID, p.KeyKind.BLOCKS_KEY)
+                or self.remote in self.agent.no_leases):
+            return None
+        key = (int(k.kind), k.a if k.kind == p.KeyKind.CACHE_ID else k.b)
+        with self._cv:
+            lease = self._leases.get(key)
+            if lease is not None and not lease.revoked:
+                return lease
+            self._leases.pop(key, None)
+        req = p.NixlLease(p.KeyRef(k.kind, k.a, 0, 0) if k.kind == p.KeyKind.CACHE_ID
+                          else p.KeyRef(k.kind, 0, k.b, 0),
+                          msg.unit_bytes if k.kind == p.KeyKind.BLOCKS_KEY else 0)
+        try:
+            info = chan.call(req, deadline)
+        except (NotSupported, CacheNotFound) as e:
+            # No reverse channel at the owner, memory not registered with NIXL, or the cache
+            # is going: a request says what holds (and fails as it would on any path).
+            self._lease_ok = not isinstance(e, NotSupported)
+            return None
+        except RemoteProtocolError:
+            # An owner of an earlier version (NIXL without leases) answers with an error
+            # and closes: this pull fails, the link reconnects and reads by request.
+            if self.remote is not None:
+                self.agent.no_leases.add(self.remote)
+            raise
+        if not isinstance(info, p.NixlLeased) or not len(info.addrs):
+            chan.close()
+            raise RemoteProtocolError(f"expected a NixlLeased, got {info!r}")
+        self._refresh(chan, info.agent, info.generation, deadline)
+        lease = _ReadLease(info, key)
+        with self._cv:
+            if info.lease_id in self._revoked_early:
+                self._revoked_early.discard(info.lease_id)
+                return None
+            self._leases[key] = lease
+            self._lease_ids[info.lease_id] = lease
+        return lease
+
+    def _read_leased(self, chan: Any, info: p.NixlLeased, msg: p.Read, local: np.ndarray,
+                     deadline: float) -> None:
+        src = make_iov(*span_iov(_leased_bases(info, msg), msg.offsets, msg.lengths))
+        if iov_nbytes(src) != iov_nbytes(local):
+            raise InvalidArgument("the destination spans do not match the source spans")
+        try:
+            self._xfer("READ", chan, local, src, info.mem, info.device, deadline)
+            if time.monotonic() > deadline:  # NIXL may copy within the post (UCX cma)
+                raise Timeout("the NIXL read under the lease ended past the deadline")
+            if chan.peer_gone():
+                # The owner shut the connection down: it gave up waiting for us to give a
+                # revoked lease back, and may have reused the memory we just read.
+                raise BrokenLink("the owner dropped the connection during a leased NIXL read")
+        except BaseException:
+            chan.close()  # the owner drops our leases with it; the link reconnects
+            raise
+
+    def revoke(self, lease_id: int, wait: float) -> bool:
+        """The owner revokes ``lease_id`` (NixlRevoke, on our reverse channel): no read under
+        it starts any more. Returns False if one is still in flight after ``wait`` s."""
+        end = time.monotonic() + wait
+        with self._cv:
+            lease = self._lease_ids.pop(lease_id, None)
+            if lease is None:  # its NixlLeased is still on its way (or the lease is gone)
+                self._revoked_early.add(lease_id)
+                return True
+            lease.revoked = True
+            if self._leases.get(lease.key) is lease:
+                del self._leases[lease.key]
+            while lease.reading:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def _read_granted(self, chan: Any, msg: p.Read, local: np.ndarray,
+                      deadline: float) -> None:
         flags = msg.flags & p.ReadFlags.CHECKSUM
         req = p.NixlRead(msg.key, msg.unit_bytes, flags, msg.tensors, msg.offsets,
                          msg.lengths, msg.layout)
@@ -440,11 +581,11 @@ class NixlPath:
             if ck is not None and not isinstance(ck, p.Checksum):
                 chan.close()
                 raise RemoteProtocolError(f"expected Checksum, got {type(ck).__name__}")
-            self._refresh(chan, grant, deadline)
+            self._refresh(chan, grant.agent, grant.generation, deadline)
             src = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
             if iov_nbytes(src) != iov_nbytes(local):
                 raise RemoteProtocolError("the grant does not match the request")
-            self._xfer("READ", chan, local, src, grant, deadline)
+            self._xfer("READ", chan, local, src, grant.mem, grant.device, deadline)
             if ck is not None:
                 got = crc_iov(local)
                 if ck.crc != got or ck.nbytes != iov_nbytes(local):
@@ -467,20 +608,19 @@ class NixlPath:
             raise RemoteProtocolError(f"expected a NixlGrant for the push, got {grant!r}")
         ok = False
         try:
-            self._refresh(chan, grant, deadline)
+            self._refresh(chan, grant.agent, grant.generation, deadline)
             dst = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
             if iov_nbytes(dst) != iov_nbytes(local):
                 raise RemoteProtocolError("the grant does not match the push")
-            self._xfer("WRITE", chan, local, dst, grant, deadline)
+            self._xfer("WRITE", chan, local, dst, grant.mem, grant.device, deadline)
             ok = True
         finally:
             self._release(chan, grant, ok, deadline)
 
-    def _refresh(self, chan: Any, grant: p.NixlGrant, deadline: float) -> None:
-        """Reload the owner's metadata when the grant shows another agent or a newer
+    def _refresh(self, chan: Any, agent: bytes, generation: int, deadline: float) -> None:
+        """Reload the owner's metadata when a grant or lease shows another agent or a newer
         generation than the one loaded."""
-        if grant.agent.decode(errors="replace") != self.remote or (
-                grant.generation > self.generation):
+        if agent.decode(errors="replace") != self.remote or generation > self.generation:
             self.connect(chan, deadline)
 
     @staticmethod
@@ -492,8 +632,8 @@ class NixlPath:
                 if ok:
                     raise
 
-    def _xfer(self, op: str, chan: Any, local: np.ndarray, remote: np.ndarray,
-              grant: p.NixlGrant, deadline: float) -> None:
+    def _xfer(self, op: str, chan: Any, local: np.ndarray, remote: np.ndarray, mem: int,
+              dev: int, deadline: float) -> None:
         assert self.remote is not None
         # Both sides' registration generations: a handle never outlives the registrations
         # it was made against (a cache unregistered and another registered at its address).
@@ -501,8 +641,7 @@ class NixlPath:
                remote.tobytes())
         handle = self._handles.pop(key, None)
         if handle is None:
-            handle = self.agent.make_xfer(op, self.remote, local, remote, grant.mem,
-                                          grant.device)
+            handle = self.agent.make_xfer(op, self.remote, local, remote, mem, dev)
         try:
             self.agent.run(handle, deadline, chan.peer_gone)
         except BaseException:
@@ -517,7 +656,13 @@ class NixlPath:
             self.agent.release(self._handles.popitem()[1])
 
     def close(self) -> None:
-        """Release the kept handles and the peer's metadata. Idempotent."""
+        """Release the kept handles and the peer's metadata; no read under a lease starts
+        any more (the owner drops them with the connection). Idempotent."""
+        with self._cv:
+            for lease in self._lease_ids.values():
+                lease.revoked = True
+            self._leases.clear()
+            self._lease_ids.clear()
         self._forget()
         if self.remote is not None:
             self.agent.drop_remote(self.remote)

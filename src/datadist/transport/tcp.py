@@ -552,6 +552,8 @@ class ServerConnection(Generic[LeaseT]):
             return True
         if isinstance(msg, (p.NixlRead, p.NixlWrite)):
             return self._nixl_grant(rid, msg, deadline)
+        if isinstance(msg, (p.NixlLease, p.NixlRevoke)):
+            return self._nixl_lease(rid, msg)
         if isinstance(msg, p.NixlMdRequest):
             md: p.NixlMd | p.Error
             try:
@@ -616,6 +618,23 @@ class ServerConnection(Generic[LeaseT]):
         self.chan.send(grant, deadline, rid)
         if msg.flags & p.ReadFlags.CHECKSUM:
             self._send_checksum(make_iov(*lease.iov()), deadline, rid)
+        return True
+
+    def _nixl_lease(self, rid: int, msg: p.NixlLease | p.NixlRevoke) -> bool:
+        """A reader asks for a NIXL lease on a whole cache (owner side), or, on a reverse
+        channel, the owner revokes one of ours (reader side: answered once no read under it
+        is in flight, which may take a while: the deadline starts after)."""
+        assert self.peer is not None
+        answer: p.Message
+        try:
+            if isinstance(msg, p.NixlLease):
+                answer = self.handler.open_nixl_lease(self.peer, msg, self.chan.shutdown)
+            else:
+                self.handler.nixl_revoke(self.peer, msg)
+                answer = p.Ok()
+        except DatadistError as e:
+            answer = p.Error(int(e.code), str(e))
+        self.chan.send(answer, time.monotonic() + SERVE_SEND_TIMEOUT, rid)
         return True
 
     def _send_checksum(self, iov: np.ndarray, deadline: float, rid: int) -> None:

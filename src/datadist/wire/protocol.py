@@ -74,6 +74,10 @@ class MsgType(enum.IntEnum):
     # Whole-cache leases on the local channel (docs/protocol.md, "Cache leases").
     LEASE_REQUEST = 23
     CACHE_LEASE = 24
+    # 25 to 29: reserved. NIXL read leases on whole caches (docs/protocol.md, "NIXL leases").
+    NIXL_LEASE = 30
+    NIXL_LEASED = 31
+    NIXL_REVOKE = 32
 
 
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
@@ -409,6 +413,53 @@ class CacheLease:
 
 
 @dataclass(frozen=True, slots=True)
+class NixlLease:
+    """Ask for a read lease on a whole cache (key kinds CACHE_ID, whose batch index is
+    ignored, and BLOCKS_KEY), for reads moved by NIXL without a request each. The owner
+    answers NixlLeased or Error. Sent only on a link whose reverse channel is up: the owner
+    revokes the lease there (NixlRevoke)."""
+
+    key: KeyRef
+    unit_bytes: int  # BLOCKS_KEY: the block size the reader assumes (0: any)
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_LEASE
+    _S: ClassVar[struct.Struct] = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NixlLeased:
+    """A read lease on a whole cache: its geometry (the reader checks every read against it as
+    the owner checks a NixlRead), the address of each tensor, the memory kind, and the agent
+    and generation as in NixlGrant. Valid until the owner revokes it or the connection ends."""
+
+    lease_id: int
+    agent: bytes
+    generation: int
+    mem: int
+    device: int
+    blocks: bool  # a blocks cache (BLOCKS_KEY: offsets absolute in a tensor)
+    tensor_bytes: int
+    unit_bytes: int
+    units: int
+    layout: int
+    addrs: np.ndarray  # uint64 per tensor
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_LEASED
+    _S: ClassVar[struct.Struct] = struct.Struct("<QQBIBQQQQI")
+
+
+@dataclass(frozen=True, slots=True)
+class NixlRevoke:
+    """Owner to reader, on the reader's reverse channel: stop reading under ``lease_id``. The
+    reader answers Ok once no read under it is in flight and none will start."""
+
+    lease_id: int
+
+    TYPE: ClassVar[MsgType] = MsgType.NIXL_REVOKE
+    _S: ClassVar[struct.Struct] = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     """PING: a liveness probe; the server answers PONG with the same nonce."""
 
@@ -446,6 +497,7 @@ Message = (
     Hello | Welcome | Error | Read | Write | ReadData | Grant | ShmGrant | Release | Ping | Pong
     | Bye | Ok | Auth | Checksum | NixlMdRequest | NixlMd | NixlRead | NixlGrant | NixlWrite
     | StatsRequest | Stats | LeaseRequest | CacheLease
+    | StatsRequest | Stats | NixlLease | NixlLeased | NixlRevoke
 )
 
 
@@ -524,6 +576,18 @@ def encode_payload(msg: Message) -> bytes:
     if isinstance(msg, NixlGrant):
         return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, len(msg.bases))
                 + _bytes_field(msg.agent) + _array(msg.bases, U64))
+    if isinstance(msg, NixlLease):
+        k = msg.key
+        if k.kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
+            raise LocalProtocolError("a NIXL lease names a cache id or a blocks key")
+        return KeyRef._S.pack(k.kind, k.a, k.b, k.c) + msg._S.pack(msg.unit_bytes)
+    if isinstance(msg, NixlLeased):
+        return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, int(msg.blocks),
+                            msg.tensor_bytes, msg.unit_bytes, msg.units, msg.layout,
+                            len(msg.addrs))
+                + _bytes_field(msg.agent) + _array(msg.addrs, U64))
+    if isinstance(msg, NixlRevoke):
+        return msg._S.pack(msg.lease_id)
     if isinstance(msg, Stats):
         return msg._S.pack(len(msg.json)) + msg.json
     if isinstance(msg, LeaseRequest):
@@ -698,6 +762,21 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
             raise RemoteProtocolError(f"unknown NIXL memory kind {mem}")
         agent = r.bytes_field()
         msg = NixlGrant(lease, agent, gen, mem, device, r.array(count, U64))
+    elif mtype == MsgType.NIXL_LEASE:
+        kind, a, b, c = r.unpack(KeyRef._S)
+        if kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
+            raise RemoteProtocolError(f"key kind {kind} in a NIXL lease")
+        (unit_bytes,) = r.unpack(NixlLease._S)
+        msg = NixlLease(KeyRef(KeyKind(kind), a, b, c), unit_bytes)
+    elif mtype == MsgType.NIXL_LEASED:
+        lease, gen, mem, device, blocks, tb, ub, units, layout, count = r.unpack(NixlLeased._S)
+        if mem not in (MEM_DRAM, MEM_VRAM) or blocks > 1:
+            raise RemoteProtocolError(f"bad NIXL lease (memory kind {mem}, blocks {blocks})")
+        agent = r.bytes_field()
+        msg = NixlLeased(lease, agent, gen, mem, device, bool(blocks), tb, ub, units, layout,
+                         r.array(count, U64))
+    elif mtype == MsgType.NIXL_REVOKE:
+        msg = NixlRevoke(*r.unpack(NixlRevoke._S))
     elif mtype == MsgType.BYE:
         msg = Bye()
     elif mtype == MsgType.OK:
