@@ -147,3 +147,49 @@ def test_a_killed_owner_is_an_error_not_stale_bytes(make_decoder, transport: str
         assert not arr.any()
     finally:
         owner.close()
+
+
+def test_pushes_write_under_a_lease_and_stop_with_the_cache(make_decoder, transport: str) -> None:
+    """push_blocks into a remote-cache-accessible owner on the same host: one lease, then
+    process_vm_writev into checked spans; unregistered, the cache is not written any more."""
+    from datadist.testing.peers import start_prompt
+
+    from ._support import PROMPT_ENV
+
+    owner = start_prompt(PromptConfig(P + 8, remote_cache_accessible=True), env=PROMPT_ENV)
+    model, seed = next(_models), next(_seeds)
+    try:
+        cid = owner.call("register_blocks_cache", spec=BLOCKS, seed=seed, model_id=model)
+        dec = make_decoder(remote_cache_accessible=True)
+        assert dec.link(owner.cluster_id, owner.address) == S.LLM_SUCCESS
+        src, data = dec.local(BLOCKS, blocks=True)
+        data[:] = np.random.default_rng(9).integers(0, 256, data.shape, dtype=np.uint8)
+        key = llm_datadist.BlocksCacheKey(owner.cluster_id, model)
+        writes = int(dec.dd.engine.peer_stats(owner.cluster_id, 5.0)["total"]
+                     .get("serve_write", {}).get("transfers", 0))
+        for i in range(8):
+            dec.cm.push_blocks(key, src, [i], [60 - i])
+        back, got = dec.local(BLOCKS, blocks=True)
+        dec.cm.pull_blocks(key, back, list(range(64)), list(range(64)))
+        want = want_blocks(seed).copy()
+        want[:, [60 - i for i in range(8)]] = units(data, BLOCKS)[:, list(range(8))]
+        assert_bytes_equal(units(got, BLOCKS), want)
+        stats = dec.dd.engine.peer_stats(owner.cluster_id, 5.0)["total"]
+        assert int(stats.get("serve_write", {}).get("transfers", 0)) == writes  # none asked
+        owner.call("unregister_cache", cache_id=cid)
+        with pytest.raises(llm_datadist.LLMException) as e:
+            dec.cm.push_blocks(key, src, [0], [0])
+        assert e.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+    finally:
+        owner.close()
+
+
+def test_an_owner_not_remote_accessible_refuses_write_leases(decoder: Decoder,
+                                                             prompt: RunningPrompt) -> None:
+    model = next(_models)
+    prompt.call("register_blocks_cache", spec=BLOCKS, seed=next(_seeds), model_id=model)
+    decoder.cm._enable_remote_cache_accessible = True  # the pusher's own switch, not the owner's
+    src, _ = decoder.local(BLOCKS, blocks=True)
+    with pytest.raises(llm_datadist.LLMException) as e:
+        decoder.cm.push_blocks(llm_datadist.BlocksCacheKey(P, model), src, [0], [0])
+    assert e.value.status_code == S.LLM_PARAM_INVALID

@@ -599,7 +599,7 @@ class Engine:
             link = self.get_link(cluster_id)
             if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
                     and not self.config.verify
-                    and self._pull_leased(link, link.path, key, unit_bytes, plan, entry,
+                    and self._move_leased(link, link.path, key, unit_bytes, plan, entry,
                                           deadline)):
                 return
             local = make_iov(*plan.local_iov(entry.addrs))
@@ -611,17 +611,19 @@ class Engine:
         finally:
             self.registry.unhold(entry)
 
-    def _pull_leased(self, link: Link, path: CmaPath, key: p.KeyRef, unit_bytes: int,
-                     plan: Plan, entry: CacheEntry, deadline: float) -> bool:
-        """Same host, a cache named by id or BlocksCacheKey: copy under a whole-cache lease
-        (asked for once per link and cache), checking the request against the lease exactly
-        as the owner would. False when there is no usable lease (the owner revoked it, the
-        kernel refused the copy, the owner is gone): nothing was copied and the caller asks
-        the owner, whose answer is then the outcome."""
-        lkey = lease_key(key)
+    def _move_leased(self, link: Link, path: CmaPath, key: p.KeyRef, unit_bytes: int,
+                     plan: Plan, entry: CacheEntry, deadline: float, write: bool = False
+                     ) -> bool:
+        """Same host, a cache named by id or BlocksCacheKey: copy from it (or, ``write``,
+        into it) under a whole-cache lease (asked for once per link, cache and direction),
+        checking the request against the lease exactly as the owner would. False when there
+        is no usable lease (the owner revoked it, the kernel refused the copy, the owner is
+        gone): nothing was copied and the caller asks the owner, whose answer is then the
+        outcome."""
+        lkey = lease_key(key, write)
         rc = path.remote.get(lkey)
         if rc is None:
-            rc = link.run(deadline, lambda cur, chan: (cur.lease(chan, key, deadline)
+            rc = link.run(deadline, lambda cur, chan: (cur.lease(chan, key, deadline, write)
                                                        if cur is path and cur.leases else None))
             if rc is None:
                 return False
@@ -644,10 +646,10 @@ class Engine:
         else:
             local, cma, shm, nbytes = prepare()
         try:
-            return path.read_leased(rc, local, cma, shm, nbytes)
+            return path.copy_leased(rc, local, cma, shm, nbytes)
         except (CmaRefused, BrokenLink) as e:
-            log.info("leased read from cluster %d failed (%s): asking the owner", link.cluster_id,
-                     e)
+            log.info("leased %s cluster %d failed (%s): asking the owner",
+                     "write to" if write else "read from", link.cluster_id, e)
             path.forget_leases()
             return False
 
@@ -671,9 +673,14 @@ class Engine:
             local = make_iov(*plan.local_iov(entry.addrs))
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
                           plan.lengths, wire_layout(entry.geometry))
+            if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
+                    and self._move_leased(link, link.path, key, unit_bytes, plan, entry,
+                                          deadline, write=True)):
+                return
             # Pushes go over the control channel (the owner must check the spans before
-            # anything lands, which is what the two-step Write does), or, on the NIXL path,
-            # as one NIXL WRITE into spans the owner checked and leased (NixlWrite).
+            # anything lands, which is what the two-step Write does), on the same host under
+            # a write lease, or, on the NIXL path, as one NIXL WRITE into spans the owner
+            # checked and leased (NixlWrite).
             link.run(deadline, lambda path, chan: (
                 path if path.caps.name == "nixl" else _TCP).write(chan, msg, local, deadline))
         finally:
@@ -777,12 +784,17 @@ class Engine:
             if cred is None or not cred.may_read_us():
                 raise InvalidArgument("cache leases are granted only on the local channel, to "
                                       "peers allowed to read this process's memory")
+            write = bool(msg.flags & p.LEASE_WRITE)
+            if write and not self.config.remote_cache_accessible:
+                raise InvalidArgument(
+                    "this owner runs without enable_remote_cache_accessible: writes by key or "
+                    "cache id are refused")
             entry, fence = self.registry.lease_cache(msg.key)
         except DatadistError as e:
             metrics.PROCESS.record("serve_lease", peer.cluster_id, 0, time.perf_counter() - t0,
                                    Code(e.code).status_name)
             raise
-        shm = entry.shm is not None and bool(msg.flags & p.ReadFlags.SHM)
+        shm = entry.shm is not None and bool(msg.flags & p.ReadFlags.SHM) and not write
         if not shm and self.config.allow_ptrace and PTRACER.acquire(id(self)):
             log.info("same-host readers: %s", PTRACER.state)  # the first cma lease
         metrics.PROCESS.record("serve_lease", peer.cluster_id, 0, time.perf_counter() - t0)

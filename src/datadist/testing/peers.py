@@ -114,6 +114,7 @@ class PromptConfig:
     host_pool_bytes: int = 0
     sync_kv_timeout: int | None = None
     setup: tuple[tuple[str, dict[str, Any]], ...] = field(default_factory=tuple)
+    remote_cache_accessible: bool = False  # peers may push into its caches by key
 
 
 class PromptService:
@@ -213,6 +214,8 @@ def prompt_main(link: PeerLink, config: PromptConfig) -> None:
         options.host_mem_pool_cfg = json.dumps({"memory_size": config.host_pool_bytes})
     if config.sync_kv_timeout is not None:
         options.sync_kv_timeout = config.sync_kv_timeout
+    if config.remote_cache_accessible:
+        options.enable_remote_cache_accessible = True
     dd = llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, config.cluster_id)
     dd.init(options.generate_options())
     try:
@@ -271,7 +274,8 @@ class Decoder:
     ``DATADIST_TRANSPORT`` as read at construction.
     """
 
-    def __init__(self, cluster_id: int, *, sync_kv_timeout: int | None = None) -> None:
+    def __init__(self, cluster_id: int, *, sync_kv_timeout: int | None = None,
+                 remote_cache_accessible: bool = False) -> None:
         import datadist as llm_datadist
 
         self.llm = llm_datadist
@@ -280,6 +284,8 @@ class Decoder:
         options.enable_cache_manager = True
         if sync_kv_timeout is not None:
             options.sync_kv_timeout = sync_kv_timeout
+        if remote_cache_accessible:
+            options.enable_remote_cache_accessible = True
         self.dd = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, cluster_id)
         self.dd.init(options.generate_options())
         self.cm = self.dd.cache_manager

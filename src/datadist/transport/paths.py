@@ -124,10 +124,11 @@ class RemoteCache:
     owner's geometry and tensor addresses, the fence that says whether the lease still
     holds, and where each tensor is mapped here when the cache is in shareable memory."""
 
-    key: tuple[int, int]  # what it is filed under (_lease_key)
+    key: tuple[int, int, bool]  # what it is filed under (lease_key)
     msg: p.CacheLease
     fence: FenceView
     shm_bases: np.ndarray | None  # uint64, our mapped address of each tensor, or None
+    write: bool = False  # a lease to write (cross-memory attach only)
 
 
 class CmaPath:
@@ -154,7 +155,7 @@ class CmaPath:
         # Whole-cache leases (the owner offered FEATURE_LEASE): the caches leased so far, by
         # the key that named them; copies under them run under _fast, not the link's lock.
         self.leases = False
-        self.remote: dict[tuple[int, int], RemoteCache] = {}
+        self.remote: dict[tuple[int, int, bool], RemoteCache] = {}
         self._fast = threading.Lock()  # leased copies, shm mappings, close
         self._closed = False
         self._pidfd: int | None = None  # tells whether the owner exited (pid reuse)
@@ -301,12 +302,17 @@ class CmaPath:
 
     # ---------------------------------------------------------- whole-cache leases
 
-    def lease(self, chan: Channel, key: p.KeyRef, deadline: float) -> RemoteCache | None:
-        """Ask the owner for a lease on the cache ``key`` names (under the link's lock).
-        None when leases cannot work here (the fence cannot be opened: no lease is asked
-        for again on this link); the owner's refusal (no such cache, ...) raises."""
-        flags = p.ReadFlags.SHM if self.allow_shm else p.ReadFlags.NONE
-        got = chan.call(p.LeaseRequest(key, int(flags)), deadline)
+    def lease(self, chan: Channel, key: p.KeyRef, deadline: float, write: bool = False
+              ) -> RemoteCache | None:
+        """Ask the owner for a lease on the cache ``key`` names (under the link's lock), to
+        read it or (``write``) to write it. None when leases cannot work here (the fence
+        cannot be opened: no lease is asked for again on this link); the owner's refusal (no
+        such cache, ...) raises."""
+        if write:
+            flags = p.LEASE_WRITE
+        else:
+            flags = int(p.ReadFlags.SHM if self.allow_shm else p.ReadFlags.NONE)
+        got = chan.call(p.LeaseRequest(key, flags), deadline)
         _expect(got, p.CacheLease, chan)
         assert isinstance(got, p.CacheLease)
         try:
@@ -327,13 +333,13 @@ class CmaPath:
         except BaseException:
             fence.close()
             raise
-        rc = RemoteCache(lease_key(key), got, fence, shm)
+        rc = RemoteCache(lease_key(key, write), got, fence, shm, write)
         with self._fast:
             if self._closed:
                 fence.close()
                 return None
-            old = self.remote.pop(lease_key(key), None)
-            self.remote[lease_key(key)] = rc
+            old = self.remote.pop(rc.key, None)
+            self.remote[rc.key] = rc
         if old is not None:
             old.fence.close()
         return rc
@@ -364,12 +370,13 @@ class CmaPath:
             return cma, None
         return cma, make_iov(*span_iov(rc.shm_bases[tensors] + b, offsets, lengths))
 
-    def read_leased(self, rc: RemoteCache, local: np.ndarray, cma: np.ndarray,
+    def copy_leased(self, rc: RemoteCache, local: np.ndarray, cma: np.ndarray,
                     shm: np.ndarray | None, nbytes: int) -> bool:
-        """Copy a leased read (:meth:`leased_sources`) into ``local`` without asking the
-        owner. False: nothing was copied, the lease is gone (revoked, or unusable here);
-        the caller asks the owner instead. Raises CmaRefused (nothing copied) or BrokenLink
-        (the owner exited: what was copied may not be its memory)."""
+        """Copy a leased read (:meth:`leased_sources`) into ``local``, or for a write lease
+        ``local`` into the owner's spans, without asking the owner. False: nothing was
+        copied, the lease is gone (revoked, or unusable here); the caller asks the owner
+        instead. Raises CmaRefused (nothing copied) or BrokenLink (the owner exited: what
+        was copied may not be its memory, or may not have landed in it)."""
         with self._fast:
             if self._closed or self.remote.get(rc.key) is not rc:
                 return False
@@ -384,7 +391,7 @@ class CmaPath:
                     assert shm is not None
                     local_copy(local, shm)
                 else:
-                    vm_copy(self.pid, local, cma, nbytes=nbytes)
+                    vm_copy(self.pid, local, cma, nbytes=nbytes, write=rc.write)
             finally:
                 rc.fence.leave()
             if self._exited is not None and self._exited.poll(0):
@@ -421,6 +428,7 @@ class CmaPath:
                 self._pidfd, self._exited = None, None
 
 
-def lease_key(key: p.KeyRef) -> tuple[int, int]:
-    """What a lease is filed under: (CACHE_ID, cache id) or (BLOCKS_KEY, model id)."""
-    return (int(key.kind), key.a if key.kind == p.KeyKind.CACHE_ID else key.b)
+def lease_key(key: p.KeyRef, write: bool = False) -> tuple[int, int, bool]:
+    """What a lease is filed under: (CACHE_ID, cache id) or (BLOCKS_KEY, model id), and
+    whether it is for writing."""
+    return (int(key.kind), key.a if key.kind == p.KeyKind.CACHE_ID else key.b, write)

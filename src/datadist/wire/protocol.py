@@ -92,6 +92,7 @@ FEATURE_REVERSE = 4
 # verified same-host reader then reads a cache named by id or BlocksCacheKey without asking
 # for every read, fenced by the lease's fence file (docs/protocol.md, "Cache leases").
 FEATURE_LEASE = 8
+LEASE_WRITE = 0x100  # LeaseRequest flag: a lease to write (push into) the cache
 
 
 class KeyKind(enum.IntEnum):
@@ -378,7 +379,8 @@ class LeaseRequest:
     """Ask for a lease on a whole cache, named by id (CACHE_ID, ``b`` ignored) or by
     BlocksCacheKey (BLOCKS_KEY). Local channel only; the owner answers CacheLease or Error.
     ``flags``: ReadFlags.SHM if the reader can map shareable memory (else it reads with
-    cross-memory attach, and the owner lets it)."""
+    cross-memory attach, and the owner lets it); LEASE_WRITE for a lease to write the cache
+    (pushes: cross-memory attach only)."""
 
     key: KeyRef
     flags: int = 0
@@ -743,7 +745,7 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
             raise RemoteProtocolError(f"a lease names a cache by id or BlocksCacheKey, not "
                                       f"key kind {kind}")
         (lflags,) = r.unpack(_U32)
-        if lflags & ~int(ReadFlags.SHM):
+        if lflags & ~int(ReadFlags.SHM | LEASE_WRITE):
             raise RemoteProtocolError(f"unknown lease flags {lflags:#x}")
         msg = LeaseRequest(KeyRef(KeyKind(kind), a, b, c), lflags)
     elif mtype == MsgType.CACHE_LEASE:
