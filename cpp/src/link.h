@@ -36,11 +36,16 @@ class Link {
   /// Our link to a listener. `secret`: the shared secret to prove, and to require the peer to
   /// prove (empty: none). `registry`: our caches, served to the peer on the link's reverse
   /// channel when the peer accepts one (null: no reverse channel).
+  /// Same-host pulls of at most this many bytes stream over the local channel rather than
+  /// being granted: one round trip, where a grant costs that round trip, a copy call and a
+  /// RELEASE (measured: 16 KiB p50 ~7.5 us streamed, ~11 us granted).
+  static constexpr uint64_t kGrantAbove = 64 << 10;
   /// `same_host`: may the link use the peer's local channel (false: TCP is forced).
+  /// `grant_above`: see kGrantAbove (tests pass 0: every same-host pull is granted).
   Link(uint64_t remote_cluster_id, std::string host, uint16_t port, wire::Hello hello, std::string secret,
-       Registry *registry, bool same_host = true)
+       Registry *registry, bool same_host = true, uint64_t grant_above = kGrantAbove)
       : remote_(remote_cluster_id), host_(std::move(host)), port_(port), hello_(std::move(hello)),
-        secret_(std::move(secret)), registry_(registry), same_host_(same_host) {}
+        secret_(std::move(secret)), registry_(registry), same_host_(same_host), grant_above_(grant_above) {}
   /// Our end of a client's link: the reverse channel it opened to our listener (handshake
   /// done). It cannot be reopened from here: once it closes, transfers fail LLM_LINK_FAILED.
   Link(uint64_t remote_cluster_id, std::unique_ptr<Conn> reverse_conn)
@@ -57,8 +62,9 @@ class Link {
   /// LLM_LINK_BUSY if it does not finish. With force, closes at once.
   void Close(Deadline deadline, bool force);
   uint64_t remote_cluster_id() const { return remote_; }
-  /// The data path pulls use now: "tcp", "cma" (grants, process_vm_readv) or "local" (the
-  /// bytes stream over the local channel), and why.
+  /// The data path pulls use now: "tcp", "cma" (grants and process_vm_readv above
+  /// kGrantAbove bytes, the local stream below) or "local" (the bytes stream over the local
+  /// channel), and why.
   enum class Path { kTcp, kCma, kLocalStream };
   Path path() const { return path_; }
   static const char *PathName(Path p);
@@ -112,6 +118,7 @@ class Link {
   bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect
   bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
   bool same_host_ = true;      // the local channel may be used
+  uint64_t grant_above_ = kGrantAbove;
   std::atomic<Path> path_{Path::kTcp};
   pid_t peer_pid_ = 0;         // kCma: the pid SO_PEERCRED reported for conn_
   // Our reverse channel (client links): served by its own thread until unlink / finalize.

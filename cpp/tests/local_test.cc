@@ -87,7 +87,7 @@ class Owner : public ::testing::Test {
 };
 
 TEST_F(Owner, SameHostClientLinksOverTheLocalChannelAndReadsWithCma) {
-  datadist::Link link(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr);
+  datadist::Link link(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true, 0);
   link.Open(After(3));
   ASSERT_EQ(link.path(), datadist::Link::Path::kCma);
   // slot 2 of tensors 3 and 1, bytes 8..40, into two local buffers
@@ -129,7 +129,7 @@ TEST_F(Owner, ForcedTcpAndPushesStreamOverTheControlChannel) {
   tcp.Read(Slot({2}, 3, 0, 64), {{a, 64}}, After(2));
   EXPECT_EQ(std::memcmp(a, src.T(2) + 3 * 64, 64), 0);
   // a push over a local link lands in the owner's memory (WRITE streams on the channel)
-  datadist::Link local(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr);
+  datadist::Link local(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true, 0);
   local.Open(After(3));
   ASSERT_EQ(local.path(), datadist::Link::Path::kCma);
   uint8_t data[16];
@@ -237,7 +237,7 @@ TEST_F(Owner, LocalConnectionsAreCappedPerPidWithAnErrorAnswer) {
 
 TEST_F(Owner, PtracePermissionIsTakenAtTheFirstGrantAndGivenBackOnStop) {
   const size_t before = datadist::local::Ptracer::Users();
-  datadist::Link link(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr);
+  datadist::Link link(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true, 0);
   link.Open(After(3));
   EXPECT_EQ(datadist::local::Ptracer::Users(), before);  // linking grants nothing
   uint8_t a[8];

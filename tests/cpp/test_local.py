@@ -64,6 +64,16 @@ def test_cpp_pulls_from_python_over_the_local_channel(xpeer):
         assert cpp.status(bad) == LLM_PARAM_INVALID
         cpp.ok(f"pullc {PY_ID} {cache.cache_id} 0 {local} 0 -1 -1 -1 -1 -1 2")
         assert cpp.read(local, 3)[:64] == arrays[3].tobytes()[:64]
+        # over 64 KiB: granted, and copied with process_vm_readv from the Python process
+        big, barrays = register(py, 2, (16, 16384), blocks=True, model_id=4)
+        _fill(barrays, 20)
+        blocal = cpp.register(2, (16, 16384))
+        cpp.ok(f"pullb {PY_ID} {big.cache_id} 0 {blocal} 15,0,9,4,7 1,2,3,10,11 -1 -1 -1 -1 2")
+        for t in range(2):
+            got, srcb = cpp.read(blocal, t), barrays[t].tobytes()
+            for s, d in [(15, 1), (0, 2), (9, 3), (4, 10), (7, 11)]:
+                assert got[d * 16384:(d + 1) * 16384] == srcb[s * 16384:(s + 1) * 16384]
+        assert _path_lines(cpp.log(), PY_ID)[-1].startswith("cma")  # no refusal, no fallback
     finally:
         py.finalize()
 
@@ -147,8 +157,9 @@ def test_pushes_both_ways_over_the_local_channel(xpeer):
 def test_refused_cross_memory_attach_falls_back_to_the_stream(xpeer, owner):
     """The kernel refuses the C++ puller's process_vm_readv (a seccomp filter makes it answer
     EPERM, as Yama or another uid would): the pull still lands, streamed over the local
-    channel, and the link says why."""
-    shape = (8, 64)
+    channel, and the link says why. (Pulls over 64 KiB are granted; smaller ones stream.)"""
+    block = 16384
+    shape = (8, block)
     py = None
     if owner == "python":
         py = make_python(llm.LLMRole.PROMPT, listen=True)
@@ -160,7 +171,7 @@ def test_refused_cross_memory_attach_falls_back_to_the_stream(xpeer, owner):
         own = xpeer()
         own.init(CPP2_ID, PROMPT, listen=True)
         rid = own.register(2, shape)
-        src = [pattern(95 + t, 512) for t in range(2)]
+        src = [pattern(95 + t, 8 * block) for t in range(2)]
         for t in range(2):
             own.write(rid, t, src[t])
         port, owner_id, owner_pid = own.port, CPP2_ID, own.proc.pid
@@ -171,17 +182,16 @@ def test_refused_cross_memory_attach_falls_back_to_the_stream(xpeer, owner):
         local = cpp.register(2, shape)
         cpp.ok(f"link {owner_id} 127.0.0.1 {port} 3000")
         assert _path_lines(cpp.log(), owner_id)[-1].startswith("cma")
-        cpp.ok(f"pullb {owner_id} {rid} 0 {local} 3,5 0,7 -1 -1 -1 -1 2")
+        cpp.ok(f"pullb {owner_id} {rid} 0 {local} 3,5,1 0,7,2 -1 -1 -1 -1 2")  # 96 KiB: granted
         lines = _path_lines(cpp.log(), owner_id)
         assert lines[-1].startswith("local") and "refused" in lines[-1], lines
         assert f"pid {owner_pid}" in lines[-1]
-        cpp.ok(f"pullc {owner_id} {rid} 6 {local} 3 -1 -1 -1 -1 -1 2")  # and it stays usable
+        cpp.ok(f"pullb {owner_id} {rid} 0 {local} 6,4,2 3,4,5 -1 -1 -1 -1 2")  # stays usable
         for t in range(2):
             got = cpp.read(local, t)
-            assert got[0:64] == src[t][3 * 64:4 * 64]
-            assert got[7 * 64:] == src[t][5 * 64:6 * 64]
-            assert got[3 * 64:4 * 64] == src[t][6 * 64:7 * 64]
-            assert got[64:3 * 64] == bytes(128) and got[4 * 64:7 * 64] == bytes(192)
+            for s, d in [(3, 0), (5, 7), (1, 2), (6, 3), (4, 4), (2, 5)]:
+                assert got[d * block:(d + 1) * block] == src[t][s * block:(s + 1) * block], (t, d)
+            assert got[block:2 * block] == bytes(block) and got[6 * block:7 * block] == bytes(block)
         assert len(_path_lines(cpp.log(), owner_id)) == 2  # said once
     finally:
         if py is not None:
