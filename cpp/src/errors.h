@@ -4,6 +4,8 @@
 #define DATADIST_CPP_ERRORS_H_
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -30,6 +32,15 @@ constexpr Status kSuspectRemoteError = 507057U;
 [[noreturn]] inline void Invalid(const std::string &msg) { throw Error(llm_datadist::LLM_PARAM_INVALID, msg); }
 /// The peer broke the protocol: the caller closes the connection.
 [[noreturn]] inline void ProtocolViolation(const std::string &msg) { throw Error(kSuspectRemoteError, msg); }
+
+/// DATADIST_CPP_LOG=1: failed calls and path choices are told on stderr.
+inline bool LogEnabled() {
+  static const bool on = std::getenv("DATADIST_CPP_LOG") != nullptr;
+  return on;
+}
+inline void Log(const std::string &line) {
+  if (LogEnabled()) std::fprintf(stderr, "[datadist] %s\n", line.c_str());
+}
 
 }  // namespace datadist
 

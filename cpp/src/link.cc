@@ -2,6 +2,7 @@
 
 #include "auth.h"
 #include "errors.h"
+#include "local.h"
 #include "server.h"
 
 namespace datadist {
@@ -80,10 +81,13 @@ void Link::Open(Deadline deadline) {
     if (registry_ && peer_reverse_) {
       // The listener may use the link too: our reverse channel, opened before the link is
       // reported up, served by its own thread (docs/protocol.md, Reverse channels).
-      uint32_t rid = 0, features = 0;
-      rev_conn_ = Greet(true, deadline, rid, features);
+      uint32_t rid = 0;
+      wire::Hello welcome;
+      rev_conn_ = Greet(true, deadline, rid, welcome);
       rev_thread_ = std::thread([this] {
-        ServeRequests(registry_, *rev_conn_, rev_stop_);
+        ServeContext ctx;  // a TCP connection: no grants on it
+        ctx.registry = registry_;
+        ServeRequests(ctx, *rev_conn_, rev_stop_);
         rev_conn_->Close();
       });
     }
@@ -97,13 +101,70 @@ void Link::Open(Deadline deadline) {
 
 void Link::Connect(Deadline deadline) {
   conn_.reset();
-  uint32_t features = 0;
-  conn_ = Greet(false, deadline, rid_, features);
-  peer_reverse_ = features & wire::kFeatureReverse;
+  wire::Hello welcome;
+  conn_ = Greet(false, deadline, rid_, welcome);
+  peer_reverse_ = welcome.features & wire::kFeatureReverse;
+  SetPath(Path::kTcp, "");
+  if (!same_host_) {
+    SetPath(Path::kTcp, "forced tcp");
+    return;
+  }
+  TryLocal(welcome, deadline);
 }
 
-std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid, uint32_t &features) {
+void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
+  if (!local::HostIdentity::Current().ClaimsSameHost(welcome.boot_id)) return;  // another host
+  if (!(welcome.features & wire::kFeatureLocal)) {
+    SetPath(Path::kTcp, "peer says it is on this host but offers no local channel");
+    return;
+  }
+  std::unique_ptr<Conn> lc;
+  local::Cred cred;
+  uint32_t rid = 0;
+  try {
+    lc = local::Connect(local::Name(welcome.pid, remote_), deadline);
+    cred = local::PeerCred(lc->fd());
+    wire::Hello again;
+    Handshake(*lc, false, deadline, rid, again);
+  } catch (const Error &e) {
+    if (e.code() == llm_datadist::LLM_TIMEOUT) throw;
+    SetPath(Path::kTcp, std::string("peer says it is on this host, but its local channel failed: ") + e.what());
+    return;
+  }
+  conn_ = std::move(lc);  // the TCP connection closes: the owner sees an idle connection end
+  rid_ = rid;
+  const std::string who = "pid " + std::to_string(cred.pid) + ", uid " + std::to_string(cred.uid);
+  if (cred.WeMayRead()) {
+    peer_pid_ = cred.pid;
+    SetPath(Path::kCma, "same host, verified by the kernel (" + who + "): cross-memory attach");
+  } else {
+    SetPath(Path::kLocalStream, "same host, verified by the kernel (" + who + "), but not ours to read: bytes stream over the local socket");
+  }
+}
+
+const char *Link::PathName(Path p) {
+  switch (p) {
+    case Path::kCma:
+      return "cma";
+    case Path::kLocalStream:
+      return "local";
+    default:
+      return "tcp";
+  }
+}
+
+void Link::SetPath(Path p, const std::string &why) {
+  path_ = p;
+  if (!why.empty()) Log("link to cluster " + std::to_string(remote_) + ": " + PathName(p) + " (" + why + ")");
+}
+
+std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid, wire::Hello &welcome) {
   auto conn = Conn::Connect(host_, port_, deadline);
+  Handshake(*conn, reverse, deadline, rid, welcome);
+  return conn;
+}
+
+void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid, wire::Hello &welcome) {
   uint32_t r = 0;
   wire::Hello hello = hello_;
   hello.features = reverse ? wire::kFeatureReverse : 0;
@@ -113,9 +174,9 @@ std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid
   }
   std::vector<uint8_t> payload;
   ++r;
-  wire::Header h = CallOn(*conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
+  wire::Header h = CallOn(conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
   if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
-  wire::Hello welcome = wire::DecodeHello(payload);
+  welcome = wire::DecodeHello(payload);
   const std::string who = "the peer at " + host_ + ":" + std::to_string(port_);
   if (welcome.cluster_id != remote_)
     Fail(llm_datadist::LLM_LINK_FAILED,
@@ -131,13 +192,11 @@ std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid
     std::string want = auth::ServerProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id);
     if (!auth::Same(want, welcome.proof)) Fail(llm_datadist::LLM_LINK_FAILED, who + " failed to prove the shared secret");
     ++r;
-    h = CallOn(*conn, r, wire::EncodeAuth(auth::ClientProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id), r),
+    h = CallOn(conn, r, wire::EncodeAuth(auth::ClientProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id), r),
                payload, deadline);
     if (h.type != wire::kOk) ProtocolViolation("expected OK after AUTH");
   }
   rid = r;
-  features = welcome.features;
-  return conn;
 }
 
 Link::~Link() { StopReverse(); }
@@ -179,6 +238,9 @@ void Link::Prepare(Deadline deadline) {
 void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
   auto guard = Acquire(deadline);
   Prepare(deadline);
+  // Small reads stream over the local socket even where cross-memory attach works: one round
+  // trip, where a grant costs the same round trip plus a copy call and a RELEASE.
+  if (path_ == Path::kCma && IovBytes(local) > grant_above_ && ReadGranted(req, local, deadline)) return;
   std::vector<uint8_t> payload;
   wire::Header h = Call(wire::EncodeRequest(wire::kRead, req, ++rid_), payload, deadline);
   if (h.type != wire::kReadData) {
@@ -191,6 +253,59 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
     ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(IovBytes(local)) + " were asked for");
   }
   conn_->RecvV(local, deadline);
+}
+
+bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  wire::Request granted = req;
+  granted.flags |= wire::kFlagGrant;
+  std::vector<uint8_t> payload;
+  wire::Header h = Call(wire::EncodeRequest(wire::kRead, granted, ++rid_), payload, deadline);
+  wire::Grant grant;
+  try {
+    if (h.type != wire::kGrant) ProtocolViolation("expected GRANT");
+    grant = wire::DecodeGrant(payload);
+    if (grant.bases.size() != req.tensors.size()) ProtocolViolation("the grant does not match the request");
+  } catch (const Error &) {
+    conn_->Close();
+    throw;
+  }
+  // The owner's spans, in its address space: tensor-major, as `local` (entry i of both has
+  // the same length). A base that would wrap is a lying owner: nothing is copied.
+  std::vector<iovec> remote;
+  remote.reserve(local.size());
+  bool wraps = false;
+  for (uint64_t base : grant.bases)
+    for (size_t i = 0; i < req.offsets.size(); ++i) {
+      uint64_t at = base + req.offsets[i];
+      wraps |= at < base || at + req.lengths[i] < at;
+      remote.push_back({reinterpret_cast<void *>(at), static_cast<size_t>(req.lengths[i])});
+    }
+  auto release = [&](bool ok) {
+    try {  // no answer comes; an undelivered RELEASE is taken back by the owner (TTL, close)
+      conn_->SendFrame(wire::EncodeRelease({grant.lease_id, ok}, 0), deadline);
+    } catch (const Error &) {
+    }
+  };
+  if (wraps || remote.size() != local.size()) {
+    release(false);
+    conn_->Close();
+    ProtocolViolation("the grant names addresses that wrap around");
+  }
+  std::string why;
+  local::CopyResult got;
+  try {
+    got = local::VmRead(peer_pid_, local, remote, why);
+  } catch (const Error &) {
+    release(false);
+    throw;
+  }
+  release(got == local::CopyResult::kDone);
+  if (got == local::CopyResult::kDone) return true;
+  // The kernel refused (nothing to retry on this pid): stream from now on, on the same
+  // connection, as Python's CmaPath does once its link saw the refusal.
+  SetPath(Path::kLocalStream, "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" +
+                                  why + "): bytes stream over the local socket");
+  return false;
 }
 
 void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {

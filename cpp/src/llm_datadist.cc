@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +18,7 @@
 
 #include "errors.h"
 #include "link.h"
+#include "local.h"
 #include "plan.h"
 #include "registry.h"
 #include "server.h"
@@ -34,10 +36,7 @@ constexpr double kUnregisterWait = 30.0;  // s UnregisterKvCache waits for trans
 constexpr double kFinalizeWait = 5.0;     // s Finalize waits for them
 constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's option key too
 
-bool LogEnabled() {
-  static const bool on = std::getenv("DATADIST_CPP_LOG") != nullptr;
-  return on;
-}
+using datadist::LogEnabled;
 
 template <typename F>
 Status Guard(const char *func, F &&fn) {
@@ -83,6 +82,30 @@ size_t CountOption(const std::map<AscendString, AscendString> &options, const ch
   return std::stoul(s);
 }
 
+// "1" / "0" (and true / false), else the default when unset; anything else LLM_PARAM_INVALID.
+bool BoolOption(const std::map<AscendString, AscendString> &options, const char *key, bool fallback) {
+  const char *v = Find(options, key);
+  if (v == nullptr || !*v) return fallback;
+  std::string s = v;
+  if (s == "1" || s == "true" || s == "True") return true;
+  if (s == "0" || s == "false" || s == "False") return false;
+  Invalid(std::string(key) + " must be 1 or 0, got '" + s + "'");
+}
+
+// datadist.Transport (else DATADIST_TRANSPORT): whether links may use a peer's local channel.
+// "auto" (default) and "cma" / "shm" allow it (this library reads same-host memory with
+// cross-memory attach only), "tcp" forces TCP; "nixl" is not in this library.
+bool SameHostAllowed(const std::map<AscendString, AscendString> &options) {
+  const char *v = Find(options, "datadist.Transport");
+  if (v == nullptr || !*v) v = std::getenv("DATADIST_TRANSPORT");
+  std::string s = v ? v : "";
+  for (char &c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s.empty() || s == "auto" || s == "cma" || s == "shm") return true;
+  if (s == "tcp") return false;
+  if (s == "nixl") Fail(LLM_FEATURE_NOT_ENABLED, "transport 'nixl' is not available in the C++ library");
+  Invalid("unknown transport '" + s + "'; use auto, tcp, cma or shm");
+}
+
 void CheckRole(LlmRole role) {
   if (role != LlmRole::kPrompt && role != LlmRole::kDecoder && role != LlmRole::kMix)
     Invalid("role must be kPrompt, kDecoder or kMix");
@@ -119,6 +142,8 @@ class LlmDataDist::LlmDataDistImpl {
     const char *secret = Find(options, kOptionAuthSecret);
     if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
     ident_.secret = secret ? secret : "";
+    ident_.serve_local = same_host_ = SameHostAllowed(options);
+    ident_.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
     {
       std::lock_guard<std::mutex> lock(rev_mu_);
       rev_closed_ = false;
@@ -420,9 +445,13 @@ class LlmDataDist::LlmDataDistImpl {
     hello.cluster_id = ident_.cluster_id;
     hello.role = static_cast<uint8_t>(ident_.role.load());
     hello.pid = static_cast<uint32_t>(getpid());
-    // pid_ns and boot_id stay zero: no same-host identity, so a Python owner serves us over TCP.
+    // Who we say we are, as Python does; an owner reads nothing on it (grants go by the pid
+    // the kernel reports for a local-channel connection).
+    hello.pid_ns = datadist::local::HostIdentity::Current().pid_ns;
+    hello.boot_id = datadist::local::HostIdentity::Current().boot_id;
     const IpInfo &ip = c.remote_ip_infos.front();
-    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret, &registry_);
+    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret, &registry_,
+                                                 same_host_);
     try {
       link->Open(datadist::After(timeout_ms / 1000.0));
     } catch (const Error &e) {
@@ -453,6 +482,7 @@ class LlmDataDist::LlmDataDistImpl {
   State state_ = kNew;
   datadist::Identity ident_;
   double sync_timeout_s_ = 1.0;
+  bool same_host_ = true;  // links may use a same-host peer's local channel
   size_t max_conns_ = 256, max_per_peer_ = 64;
   datadist::Registry registry_;
   std::unique_ptr<datadist::Server> server_;

@@ -57,6 +57,7 @@ class Conn {
   void Close();
   void Shutdown();  // thread-safe: wakes a blocked user, who then closes
   bool closed() const { return fd_ < 0; }
+  int fd() const { return fd_; }  // for getsockopt (SO_PEERCRED); the owner's thread only
   const std::string &address() const { return address_; }
 
  private:

@@ -76,6 +76,13 @@ void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t
 
 Lease::~Lease() { reg_->Release(entry_.get()); }
 
+bool Lease::WantedBack() const { return reg_->Closing(entry_.get()); }
+
+bool Registry::Closing(const Entry *e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return e->closing;
+}
+
 void Registry::Release(Entry *e) {
   std::lock_guard<std::mutex> lock(mu_);
   --e->leases;
@@ -185,6 +192,7 @@ std::unique_ptr<Lease> Registry::Open(const wire::Request &req) {
   for (uint64_t l : req.lengths) per_tensor += l;  // each <= tensor_bytes, at most 2^24 of them
   lease->nbytes = per_tensor * req.tensors.size();
   lease->iov.reserve(req.tensors.size() * req.offsets.size());
+  for (uint32_t t : req.tensors) lease->bases.push_back(e->addrs[t] + base);
   for (uint32_t t : req.tensors)
     for (size_t i = 0; i < req.offsets.size(); ++i)
       lease->iov.push_back({reinterpret_cast<void *>(e->addrs[t] + base + req.offsets[i]),

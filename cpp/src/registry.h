@@ -57,7 +57,13 @@ class Lease {
   Lease(const Lease &) = delete;
   Lease &operator=(const Lease &) = delete;
   const Entry &entry() const { return *entry_; }
+  /// The owner wants the memory back (the cache is being unregistered or deallocated):
+  /// a same-host grant on it expires sooner.
+  bool WantedBack() const;
   std::vector<iovec> iov;
+  /// Per requested tensor, the absolute address its offsets count from (the slot's base, or
+  /// the tensor's for blocks): what a same-host GRANT discloses. Empty for raw addresses.
+  std::vector<uint64_t> bases;
   uint64_t nbytes = 0;
 
  private:
@@ -85,6 +91,7 @@ class Registry {
  private:
   friend class Lease;
   void Release(Entry *e);
+  bool Closing(const Entry *e);
   std::unique_ptr<Lease> OpenAddresses(const wire::Request &req);
   std::mutex mu_;
   std::condition_variable changed_;

@@ -1,5 +1,6 @@
-// Serving: a listener that accepts peers and serves each connection on its own thread, as the
-// owner side of the protocol (handshake, READ, WRITE, PING, BYE), over the registry.
+// Serving: a listener that accepts peers (over TCP and, on one host, the local channel) and
+// serves each connection on its own thread, as the owner side of the protocol (handshake,
+// READ, same-host GRANT and RELEASE, WRITE, PING, BYE), over the registry.
 // Start() binds and returns at once; Stop() stops accepting, wakes and joins every thread
 // (bounded by the poll slices below, never by a peer).
 #ifndef DATADIST_CPP_SERVER_H_
@@ -9,11 +10,13 @@
 #include <functional>
 #include <cstdint>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
+#include "local.h"
 #include "net.h"
 #include "registry.h"
 
@@ -23,13 +26,47 @@ struct Identity {
   uint64_t cluster_id = 0;
   std::atomic<int32_t> role{0};
   std::string secret;  // shared secret peers must prove (empty: none); set before serving
+  bool serve_local = true;   // serve the local channel too (off when TCP is forced)
+  bool allow_ptrace = true;  // may PR_SET_PTRACER_ANY be set for same-host readers (Yama 1)
 };
 
-/// Serves requests on a connection whose handshake is done, as the owner of `registry`'s
+/// Same-host grants outstanding per peer process (by its kernel-verified pid), over all its
+/// connections to one server; and the ptrace permission, asked for at the first grant and
+/// given back when the book goes (the server stops). Thread-safe.
+class GrantBook {
+ public:
+  explicit GrantBook(bool allow_ptrace) : allow_ptrace_(allow_ptrace) {}
+  ~GrantBook();
+  GrantBook(const GrantBook &) = delete;
+  GrantBook &operator=(const GrantBook &) = delete;
+  /// One more grant to `pid`; LLM_LINK_BUSY when it holds kMaxGrantsPerPeer already.
+  void Take(pid_t pid);
+  void Drop(pid_t pid);
+  /// No more grants (the server stopped): gives the ptrace permission back.
+  void Close();
+
+ private:
+  std::mutex mu_;
+  std::map<pid_t, size_t> held_;
+  bool allow_ptrace_;
+  bool ptracer_ = false;  // we hold local::Ptracer
+};
+
+/// What a connection is served with.
+struct ServeContext {
+  Registry *registry = nullptr;
+  /// Set for a local-channel connection: who the kernel says the peer is, and the book its
+  /// grants count in. Null (TCP, reverse channels): grants are refused.
+  const local::Cred *peer = nullptr;
+  GrantBook *grants = nullptr;
+};
+
+/// Serves requests on a connection whose handshake is done, as the owner of the context's
 /// caches (READ, WRITE, PING, BYE, RELEASE), until the peer says BYE or leaves, `stopping` is
 /// set, or the connection breaks. Used by the listener's threads and by a link's reverse
-/// channel (where the roles swap). Returns when done; the caller closes the connection.
-void ServeRequests(Registry *registry, Conn &c, const std::atomic<bool> &stopping);
+/// channel (where the roles swap). Returns when done (every grant of the connection
+/// released); the caller closes the connection.
+void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &stopping);
 
 /// A client's reverse channel to us (HELLO with FEATURE_REVERSE): handed over after the
 /// handshake, to become our end of that client's link.
@@ -38,23 +75,41 @@ using ReverseHandler = std::function<void(uint64_t cluster_id, std::unique_ptr<C
 class Server {
  public:
   Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr)
-      : registry_(registry), identity_(identity), on_reverse_(std::move(on_reverse)) {}
+      : registry_(registry), identity_(identity), on_reverse_(std::move(on_reverse)),
+        grants_(identity->allow_ptrace) {}
   ~Server() { Stop(); }
-  /// Binds host:port (port 0 picks one) and starts accepting. LLM_LINK_FAILED if it cannot bind.
-  /// At most `max_conns` connections are served at once, `max_per_peer` from one IP address;
-  /// one over either cap is closed at once (the peer's link fails).
+  /// Binds host:port (port 0 picks one) and starts accepting; with identity->serve_local,
+  /// also on the local channel (docs/protocol.md), unless its name is taken. LLM_LINK_FAILED
+  /// if it cannot bind the TCP address. At most `max_conns` connections are served at once,
+  /// `max_per_peer` from one IP address (local ones: from one pid); one over either cap gets
+  /// ERROR LLM_LINK_FAILED in answer to its first frame, from the accept thread, and is closed.
   void Start(const std::string &host, uint16_t port, size_t max_conns = 256, size_t max_per_peer = 64);
   void Stop();
   uint16_t port() const { return port_; }
+  bool serves_local() const { return serves_local_; }
+  /// Connections refused over a cap so far (for tests).
+  size_t refused() const { return refused_; }
 
  private:
   struct Worker {
-    std::string ip;
+    std::string peer;  // what the per-peer cap counts by: the IP, or "pid N" for local ones
+    bool local = false;
+    local::Cred cred;  // local connections: the kernel-verified peer
     std::unique_ptr<Conn> conn;
     std::thread thread;
     std::atomic<bool> done{false};
   };
+  /// A connection over a cap, waiting (on the accept thread) for its first frame.
+  struct Refusal {
+    int fd;
+    Deadline until;
+    std::vector<uint8_t> buf;
+    std::string why;
+  };
   void AcceptLoop();
+  void AcceptOne(int listen_fd, bool local);
+  void Refuse(int fd, std::string why);
+  bool StepRefusal(Refusal &r);  // true: done with it (answered or given up)
   void Serve(Worker *w);
   enum class Greeted { kRefused, kControl, kReverse };
   /// HELLO -> WELCOME (and the secret's challenge and response).
@@ -64,11 +119,16 @@ class Server {
   Registry *registry_;
   Identity *identity_;
   ReverseHandler on_reverse_;
+  GrantBook grants_;
   int listen_fd_ = -1;
+  int local_fd_ = -1;
+  bool serves_local_ = false;  // set by Start, before any thread reads it
   uint16_t port_ = 0;
   size_t max_conns_ = 256, max_per_peer_ = 64;
   std::atomic<bool> stopping_{false};
+  std::atomic<size_t> refused_{0};
   std::thread accept_thread_;
+  std::vector<Refusal> refusing_;  // the accept thread's only
   std::mutex mu_;
   std::list<std::unique_ptr<Worker>> workers_;
 };

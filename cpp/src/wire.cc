@@ -144,6 +144,41 @@ std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid) {
   return w.Finish();
 }
 
+std::vector<uint8_t> EncodeGrant(const Grant &g, uint32_t rid) {
+  Writer w(kGrant, rid);
+  w.U64(g.lease_id);
+  w.U32(g.bases.size());
+  for (uint64_t b : g.bases) w.U64(b);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid) {
+  Writer w(kRelease, rid);
+  w.U64(r.lease_id);
+  w.U8(r.ok ? 1 : 0);
+  return w.Finish();
+}
+
+Grant DecodeGrant(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  Grant g;
+  g.lease_id = r.Uint(8);
+  g.bases = r.Array<uint64_t>(r.Uint(4));
+  r.Done();
+  return g;
+}
+
+Release DecodeRelease(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  Release rel;
+  rel.lease_id = r.Uint(8);
+  uint64_t ok = r.Uint(1);
+  if (ok > 1) ProtocolViolation("bad release flag");
+  rel.ok = ok == 1;
+  r.Done();
+  return rel;
+}
+
 std::string DecodeAuth(const std::vector<uint8_t> &payload) {
   Reader r(payload);
   std::string proof = r.Blob();

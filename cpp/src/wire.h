@@ -38,7 +38,8 @@ enum MsgType : uint8_t {
 enum KeyKind : uint8_t { kCacheKey = 1, kCacheId = 2, kBlocksKey = 3, kAddress = 4 };
 
 constexpr uint32_t kFlagGrant = 1, kFlagShm = 2, kFlagChecksum = 4;
-// HELLO / WELCOME features (bit 0, FEATURE_AUTH, is in auth.h; bit 1, FEATURE_LOCAL, we never set)
+// HELLO / WELCOME features (bit 0, FEATURE_AUTH, is in auth.h)
+constexpr uint32_t kFeatureLocal = 2;    // WELCOME: the server also serves its local channel
 constexpr uint32_t kFeatureReverse = 4;  // WELCOME: reverse channels accepted; HELLO: this is one
 
 struct Header {
@@ -74,6 +75,17 @@ struct Request {
   std::vector<uint64_t> lengths;
 };
 
+/// GRANT: a lease on the owner's memory and, per requested tensor, its unit base address.
+struct Grant {
+  uint64_t lease_id = 0;
+  std::vector<uint64_t> bases;
+};
+
+struct Release {
+  uint64_t lease_id = 0;
+  bool ok = false;
+};
+
 // ---- encoding: whole frames
 std::vector<uint8_t> EncodeHello(uint8_t type, const Hello &h, uint32_t rid);
 std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid);
@@ -82,6 +94,8 @@ std::vector<uint8_t> EncodeU64(uint8_t type, uint64_t value, uint32_t rid);  // 
 std::vector<uint8_t> EncodeEmpty(uint8_t type, uint32_t rid);                // OK, BYE
 std::vector<uint8_t> EncodeChecksum(uint32_t crc, uint64_t nbytes, uint32_t rid);
 std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid);
+std::vector<uint8_t> EncodeGrant(const Grant &g, uint32_t rid);
+std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid);
 
 // ---- decoding
 Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
@@ -91,7 +105,9 @@ Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload);
 uint64_t DecodeU64(const std::vector<uint8_t> &payload);
 std::string DecodeAuth(const std::vector<uint8_t> &payload);
 void DecodeEmpty(const std::vector<uint8_t> &payload);
-/// Checks RELEASE / CHECKSUM / GRANT / SHM_GRANT / AUTH payloads are well formed (contents unused).
+Grant DecodeGrant(const std::vector<uint8_t> &payload);
+Release DecodeRelease(const std::vector<uint8_t> &payload);
+/// Checks CHECKSUM / SHM_GRANT / AUTH (and RELEASE / GRANT) payloads are well formed (contents unused).
 void CheckOther(uint8_t type, const std::vector<uint8_t> &payload);
 
 // ---- helpers shared with Python's implementation

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "errors.h"
+#include "local.h"
 #include "test_util.h"
 #include "wire.h"
 
@@ -536,9 +537,13 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   ASSERT_EQ(head.type, w::kWelcome);
   w::Hello welcome = w::DecodeHello(payload);
   EXPECT_EQ(welcome.cluster_id, 9U);
-  EXPECT_EQ(welcome.pid_ns, 0U);  // no same-host identity: Python peers use TCP toward us
-  EXPECT_EQ(welcome.boot_id, (std::array<uint8_t, 16>{}));
-  EXPECT_EQ(welcome.features, w::kFeatureReverse);  // reverse channels accepted; no local channel
+  // who we are, as Python says it: a same-host client may try our local channel
+  EXPECT_EQ(welcome.pid, static_cast<uint32_t>(getpid()));
+  EXPECT_EQ(welcome.pid_ns, datadist::local::HostIdentity::Current().pid_ns);
+  EXPECT_NE(welcome.pid_ns, 0U);
+  EXPECT_EQ(welcome.boot_id, datadist::local::HostIdentity::Current().boot_id);
+  EXPECT_NE(welcome.boot_id, (std::array<uint8_t, 16>{}));
+  EXPECT_EQ(welcome.features, w::kFeatureReverse | w::kFeatureLocal);
   auto ask = [&](uint8_t type, w::Request q, uint32_t rid) {
     r.Send(w::EncodeRequest(type, q, rid));
     return r.Recv();
@@ -639,8 +644,25 @@ TEST(Hostile, ConnectionCapsPerPeer) {
   Raw b(port);
   ASSERT_TRUE(greeted(*a));
   ASSERT_TRUE(greeted(b));
-  Raw c(port);  // the third from one address: closed without a word
-  EXPECT_TRUE(c.Closed());
+  {  // the third from one address: its HELLO is answered with ERROR, by no thread of its own
+    Raw c(port);
+    c.Send(w::EncodeHello(w::kHello, h, 5));
+    auto t0 = std::chrono::steady_clock::now();
+    auto [eh, ep] = c.Recv();
+    ASSERT_EQ(eh.type, w::kError);
+    EXPECT_EQ(eh.request_id, 5U);
+    EXPECT_EQ(w::DecodeError(ep).code, static_cast<int64_t>(LLM_LINK_FAILED));
+    EXPECT_NE(w::DecodeError(ep).message.find("too many connections"), std::string::npos);
+    EXPECT_TRUE(c.Closed());
+    EXPECT_LT(Seconds(t0), 1.0);
+  }
+  {  // one that never sends a frame is closed after the refusal's 2 s, without a word
+    Raw silent(port);
+    auto t0 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(silent.Closed());
+    EXPECT_GT(Seconds(t0), 1.0);
+    EXPECT_LT(Seconds(t0), 3.5);
+  }
   a.reset();  // one leaves: room again (once its thread has ended)
   bool served = false;
   for (int i = 0; i < 50 && !served; ++i) {

@@ -5,6 +5,7 @@
 //   init <cluster_id> <role 1|2|3> <listen ip:port or -> <sync_ms or -> [secret]
 //   reg <num_tensors> <dtype> <d0,d1,...>       -> ok <status> <cache_id>
 //   alloc <num_tensors> <dtype> <d0,d1,...>     -> ok <status> <cache_id>
+//   unreg <cache_id>                            (UnregisterKvCache)
 //   write <cache_id> <tensor> <hex>             (sets the whole tensor)
 //   read <cache_id> <tensor>                    -> ok 0 <hex>
 //   link <cluster_id> <ip> <port> <timeout_ms>  -> ok <status>
@@ -14,7 +15,17 @@
 //   pushc <lcache> <cluster> <rcache> <rbatch> <lbatch> <size> <sa> <sb> <da> <db> <n>
 //   pushb <lcache> <cluster> <rcache> <src_blocks> <dst_blocks> <sa> <sb> <da> <db> <n>
 //   setrole <role> <listen or ->
+//   denycma                                     (the kernel refuses our process_vm_readv: seccomp)
 //   quit
+#include <errno.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -80,6 +91,31 @@ std::map<AscendString, AscendString> Options(const std::string &listen, const st
   return options;
 }
 
+// From now on the kernel answers this process's process_vm_readv with EPERM, as it does for a
+// reader that may not ptrace the owner (Yama, another user, no CAP_SYS_PTRACE): a seccomp
+// filter on every thread. False where it cannot be installed.
+bool DenyCma() {
+#if defined(__x86_64__)
+  constexpr uint32_t kArch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+  constexpr uint32_t kArch = AUDIT_ARCH_AARCH64;
+#else
+  return false;
+#endif
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kArch, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_process_vm_readv, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+  };
+  sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return false;
+  return syscall(__NR_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC, &prog) == 0;
+}
+
 }  // namespace
 
 int main() {
@@ -134,6 +170,11 @@ int main() {
       }
       out << " " << id;
       if (st == LLM_SUCCESS) caches[id] = std::move(local);
+    } else if (cmd == "unreg") {
+      int64_t id;
+      in >> id;
+      st = dd->UnregisterKvCache(id);
+      if (st == LLM_SUCCESS) caches.erase(id);
     } else if (cmd == "write" || cmd == "read") {
       int64_t id;
       uint32_t t;
@@ -217,6 +258,8 @@ int main() {
       std::string listen;
       in >> role >> listen;
       st = dd->SetRole(static_cast<LlmRole>(role), Options(listen, "-"));
+    } else if (cmd == "denycma") {
+      st = DenyCma() ? LLM_SUCCESS : LLM_FAILED;
     } else if (cmd == "quit") {
       if (dd) dd->Finalize();
       std::printf("ok 0\n");

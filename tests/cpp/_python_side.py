@@ -10,7 +10,8 @@ PY_ID = 7  # cluster id of the Python side
 
 
 def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
-                sync_ms: int = 3000, secret: str = "") -> llm.LLMDataDist:
+                sync_ms: int = 3000, secret: str = "",
+                transport: str = "") -> llm.LLMDataDist:
     """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on; the
     caller finalizes it."""
     dd = llm.LLMDataDist(role, PY_ID)
@@ -22,6 +23,8 @@ def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
     cfg.verify_checksum = verify
     if secret:
         cfg.auth_secret = secret
+    if transport:
+        cfg.transport = transport
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
     dd.init(cfg.generate_options())

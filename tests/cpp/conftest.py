@@ -31,6 +31,7 @@ LLM_PARAM_INVALID = 0x5010B005
 LLM_KV_CACHE_NOT_EXIST = 0x5010B002
 LLM_TIMEOUT = 0x5010B01A
 LLM_LINK_FAILED = 0x5010B009
+LLM_FAILED = 0xFFFFFFFF
 
 
 def _build_dir() -> Path:
@@ -66,13 +67,27 @@ def free_port() -> int:
 class XPeer:
     """The C++ test peer in a child process."""
 
-    def __init__(self, build: Path) -> None:
-        env = dict(os.environ)
+    def __init__(self, build: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: extra environment (``DATADIST_TRANSPORT``, ...). The peer logs its path
+        choices (``DATADIST_CPP_LOG``) to a file that :meth:`log` reads."""
+        import tempfile
+
+        full = dict(os.environ)
+        full["DATADIST_CPP_LOG"] = "1"
+        full.update(env or {})
         if "thread" in os.environ.get("DATADIST_CPP_SANITIZE", ""):
-            env["TSAN_OPTIONS"] = f"suppressions={CPP / 'tests' / 'tsan.supp'}"
+            full["TSAN_OPTIONS"] = f"suppressions={CPP / 'tests' / 'tsan.supp'}"
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([str(build / "dd_xpeer")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     bufsize=1, env=full)
         self.port = 0
+
+    def log(self) -> str:
+        """What the peer wrote to stderr so far (DATADIST_CPP_LOG lines, sanitizer reports)."""
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()
 
     def cmd(self, line: str, timeout: float = 20.0) -> list[str]:
         """Send one command; returns the answer's fields after "ok" (status first)."""
@@ -130,15 +145,18 @@ class XPeer:
         for f in (self.proc.stdin, self.proc.stdout):
             if f is not None:
                 f.close()
+        if self.proc.returncode:  # a sanitizer's report, or why it failed, in the test output
+            print(self.log()[-8000:])
+        self._log.close()
 
 
 @pytest.fixture
-def xpeer(cpp_build: Path) -> Iterator[Callable[[], XPeer]]:
+def xpeer(cpp_build: Path) -> Iterator[Callable[..., XPeer]]:
     """Start C++ peers; each is told to quit (Finalize) at teardown and must exit cleanly."""
     made: list[XPeer] = []
 
-    def make() -> XPeer:
-        p = XPeer(cpp_build)
+    def make(env: dict[str, str] | None = None) -> XPeer:
+        p = XPeer(cpp_build, env)
         made.append(p)
         return p
 

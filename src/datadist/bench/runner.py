@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from datadist.bench.calls import calls_rows
+from datadist.bench.cpp import ROWS as CPP_ROWS
+from datadist.bench.cpp import cpp_rows
 from datadist.bench.harness import (
     LAYER_BLOCK,
     LAYER_BLOCKS,
@@ -50,21 +52,49 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
 GROUPS = {"same-host": 4, "tcp": 3, "calls": 5, "plan": 2}  # row groups and their rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 4
+GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped if not built
+# A plain run: every group but cpp (it needs the C++ build; ask for it with --only).
+DEFAULT_GROUPS = tuple(g for g in GROUPS if g != "cpp")
+_OWNED = ("same-host", "tcp", "calls", "nixl")  # the groups that pull from the Python owner process
 
 
-def timed_steps(repeat: int, groups: tuple[str, ...] = tuple(GROUPS)) -> int:
+def timed_steps(repeat: int, groups: tuple[str, ...] = DEFAULT_GROUPS) -> int:
     """Progress steps of a run: every row of every group takes ``repeat`` steps."""
     return repeat * sum(GROUPS[g] for g in groups)
 
 
 def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         progress: Progress | None = None,
-        groups: tuple[str, ...] = tuple(GROUPS)) -> dict[str, Any]:
+        groups: tuple[str, ...] = DEFAULT_GROUPS) -> dict[str, Any]:
     """One run of the row ``groups``; returns the JSON-ready result. Raises BenchError if a
     row cannot run."""
     progress = progress or Progress(timed_steps(repeat, groups))
-    progress.set_label("starting the owner process")
     t_start = time.monotonic()
+    rows: list[Any] = []
+    alignment = "no Python pulls in this run"
+    if any(g in _OWNED for g in groups):
+        progress.set_label("starting the owner process")
+        rows, alignment = _owned_rows(sizes, repeat, align, progress, groups)
+    rows += cpp_rows(sizes, repeat, progress) if "cpp" in groups else []
+    rows += plan_rows(sizes, repeat, progress) if "plan" in groups else []
+    progress.close()
+    return {
+        "datadist_version": datadist_version(),
+        "sizes": asdict(sizes),
+        "repeat": repeat,
+        "alignment": alignment,
+        "host": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                 "python": platform.python_version(), "numpy": np.__version__},
+        "seconds": round(time.monotonic() - t_start, 2),
+        "at_goal_size": sizes.at_goal_size,
+        "rows": [r.to_json() for r in rows],
+        "peers": peer_lines() if peers else [],
+    }
+
+
+def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
+                groups: tuple[str, ...]) -> tuple[list[Any], str]:
+    """The rows that pull from a Python owner process, and the alignment line."""
     proc, conn, info = start_owner(sizes, align)
     plain = None
     try:
@@ -92,20 +122,7 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         if plain is not None:
             plain.close()
         stop_owner(proc, conn)
-    rows += plan_rows(sizes, repeat, progress) if "plan" in groups else []
-    progress.close()
-    return {
-        "datadist_version": datadist_version(),
-        "sizes": asdict(sizes),
-        "repeat": repeat,
-        "alignment": alignment,
-        "host": {"cpus": os.cpu_count(), "kernel": platform.release(),
-                 "python": platform.python_version(), "numpy": np.__version__},
-        "seconds": round(time.monotonic() - t_start, 2),
-        "at_goal_size": sizes.at_goal_size,
-        "rows": [r.to_json() for r in rows],
-        "peers": peer_lines() if peers else [],
-    }
+    return rows, alignment
 
 
 def datadist_version() -> str:
@@ -120,6 +137,9 @@ def format_table(result: dict[str, Any]) -> str:
     lines = []
     for r in result["rows"]:
         unit = r["unit"]
+        if not unit:  # a group that could not run here, and why
+            lines.append((r["title"], "-", "skipped", "-", "-", "-", r["note"]))
+            continue
         q = "p99" if r["key"].endswith("_p99") else "p50"
         fig = f"{r['figure']:.2f} {unit}" if unit != "us" else f"{r['figure']:.0f} us {q}"
         if r["limit"] is None:
@@ -163,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="placement of client buffers (default page; see docs/performance.md)")
     ap.add_argument("--peers", action="store_true",
                     help="also report NIXL / Mooncake, if they are already importable")
-    ap.add_argument("--only", metavar="GROUPS", default=",".join(GROUPS),
-                    help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default all)")
+    ap.add_argument("--only", metavar="GROUPS", default=",".join(DEFAULT_GROUPS),
+                    help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default "
+                    "all but cpp, the C++ API's rows, which need build/cpp/dd_bench)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = ap.parse_args(argv)
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)

@@ -1,0 +1,333 @@
+// The same-host path (docs/protocol.md, "The local channel", "Pull on the same host"): the
+// owner serves its local channel and grants only there, within its limits; a client on the
+// same host links over it and reads with process_vm_readv. In one process (the kernel lets a
+// process read itself); the cross-process cases, a refusing kernel included, are in
+// tests/cpp/test_local.py.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "errors.h"
+#include "link.h"
+#include "local.h"
+#include "server.h"
+#include "test_util.h"
+#include "wire.h"
+
+namespace {
+
+using namespace llm_datadist;
+namespace w = datadist::wire;
+using datadist::After;
+using ddtest::HostCache;
+
+constexpr uint64_t kOwner = 9, kClient = 10;
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+w::Hello ClientHello() {
+  w::Hello h;
+  h.cluster_id = kClient;
+  h.pid = static_cast<uint32_t>(getpid());
+  h.pid_ns = datadist::local::HostIdentity::Current().pid_ns;
+  h.boot_id = datadist::local::HostIdentity::Current().boot_id;
+  return h;
+}
+
+/// An owner (registry + server) with one registered cache of 4 tensors x 4 slots x 64 bytes.
+class Owner : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ident.cluster_id = kOwner;
+    src.Fill(3);
+    cache_id = registry.Add(src.desc, src.addrs, {});
+    server = std::make_unique<datadist::Server>(&registry, &ident);
+    server->Start("127.0.0.1", 0, 256, 8);
+    ASSERT_TRUE(server->serves_local());
+  }
+  void TearDown() override { server->Stop(); }
+  /// A request for `tensors` of slot `slot`, one span.
+  static w::Request Slot(std::vector<uint32_t> tensors, uint64_t slot, uint64_t offset, uint64_t length) {
+    w::Request q;
+    q.kind = w::kCacheId;
+    q.a = 1;
+    q.b = slot;
+    q.tensors = std::move(tensors);
+    q.offsets = {offset};
+    q.lengths = {length};
+    return q;
+  }
+  /// A raw connection to the owner's local channel, greeted.
+  std::unique_ptr<datadist::Conn> Local() {
+    auto c = datadist::local::Connect(datadist::local::Name(getpid(), kOwner), After(2));
+    c->SendFrame(w::EncodeHello(w::kHello, ClientHello(), 1), After(2));
+    std::vector<uint8_t> p;
+    w::Header h = c->RecvFrame(p, After(2));
+    EXPECT_EQ(h.type, w::kWelcome);
+    EXPECT_TRUE(w::DecodeHello(p).features & w::kFeatureLocal);
+    return c;
+  }
+  /// Sends `frame`, returns the answer (type, payload).
+  static std::pair<w::Header, std::vector<uint8_t>> Ask(datadist::Conn &c, const std::vector<uint8_t> &frame) {
+    c.SendFrame(frame, After(2));
+    std::vector<uint8_t> p;
+    w::Header h = c.RecvFrame(p, After(2));
+    return {h, p};
+  }
+  HostCache src{4, {4, 64}};
+  datadist::Registry registry;
+  datadist::Identity ident;
+  std::unique_ptr<datadist::Server> server;
+  int64_t cache_id = 0;
+};
+
+TEST_F(Owner, SameHostClientLinksOverTheLocalChannelAndReadsWithCma) {
+  datadist::Link link(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true, 0);
+  link.Open(After(3));
+  ASSERT_EQ(link.path(), datadist::Link::Path::kCma);
+  // slot 2 of tensors 3 and 1, bytes 8..40, into two local buffers
+  uint8_t a[32] = {}, b[32] = {};
+  link.Read(Slot({3, 1}, 2, 8, 32), {{a, 32}, {b, 32}}, After(2));
+  EXPECT_EQ(std::memcmp(a, src.T(3) + 2 * 64 + 8, 32), 0);
+  EXPECT_EQ(std::memcmp(b, src.T(1) + 2 * 64 + 8, 32), 0);
+  // the owner's checks stay the owner's: a span past the tensor is refused, nothing moves
+  uint8_t c[64] = {};
+  try {
+    link.Read(Slot({0}, 3, 32, 64), {{c, 64}}, After(2));
+    FAIL() << "a span past the tensor was served";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_PARAM_INVALID) << e.what();
+  }
+  for (uint8_t x : c) ASSERT_EQ(x, 0);
+  try {
+    w::Request unknown = Slot({0}, 0, 0, 8);
+    unknown.a = 42;
+    link.Read(unknown, {{c, 8}}, After(2));
+    FAIL() << "an unknown cache was served";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_KV_CACHE_NOT_EXIST);
+  }
+  // and the link still reads (every grant was released: the cache can go at once)
+  link.Read(Slot({0}, 1, 0, 64), {{c, 64}}, After(2));
+  EXPECT_EQ(std::memcmp(c, src.T(0) + 64, 64), 0);
+  auto t0 = std::chrono::steady_clock::now();
+  registry.Remove(cache_id, false, 5.0);
+  EXPECT_LT(Seconds(t0), 1.0);
+  link.Close(After(1), true);
+}
+
+TEST_F(Owner, ForcedTcpAndPushesStreamOverTheControlChannel) {
+  datadist::Link tcp(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, /*same_host=*/false);
+  tcp.Open(After(3));
+  EXPECT_EQ(tcp.path(), datadist::Link::Path::kTcp);
+  uint8_t a[64] = {};
+  tcp.Read(Slot({2}, 3, 0, 64), {{a, 64}}, After(2));
+  EXPECT_EQ(std::memcmp(a, src.T(2) + 3 * 64, 64), 0);
+  // a push over a local link lands in the owner's memory (WRITE streams on the channel)
+  datadist::Link local(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true, 0);
+  local.Open(After(3));
+  ASSERT_EQ(local.path(), datadist::Link::Path::kCma);
+  uint8_t data[16];
+  for (int i = 0; i < 16; ++i) data[i] = static_cast<uint8_t>(200 + i);
+  local.Write(Slot({1}, 0, 4, 16), {{data, 16}}, After(2));
+  EXPECT_EQ(std::memcmp(src.T(1) + 4, data, 16), 0);
+  tcp.Close(After(1), false);
+  local.Close(After(1), false);
+}
+
+TEST_F(Owner, GrantsOnlyOnTheLocalChannelAndWithinLimits) {
+  // over TCP a GRANT is refused and no address is disclosed; the connection stays usable
+  {
+    auto tcp = datadist::Conn::Connect("127.0.0.1", server->port(), After(2));
+    auto [wh, wp] = Ask(*tcp, w::EncodeHello(w::kHello, ClientHello(), 1));
+    ASSERT_EQ(wh.type, w::kWelcome);
+    w::Request q = Slot({0}, 0, 0, 64);
+    q.flags = w::kFlagGrant;
+    auto [h, p] = Ask(*tcp, w::EncodeRequest(w::kRead, q, 2));
+    ASSERT_EQ(h.type, w::kError);
+    EXPECT_EQ(w::DecodeError(p).code, static_cast<int64_t>(LLM_PARAM_INVALID));
+    q.flags = 0;
+    EXPECT_EQ(Ask(*tcp, w::EncodeRequest(w::kRead, q, 3)).first.type, w::kReadData);
+  }
+  auto c = Local();
+  w::Request q = Slot({1, 3}, 2, 0, 16);
+  q.flags = w::kFlagGrant | w::kFlagChecksum;
+  auto [h, p] = Ask(*c, w::EncodeRequest(w::kRead, q, 2));
+  ASSERT_EQ(h.type, w::kGrant);
+  w::Grant g = w::DecodeGrant(p);
+  // the slot bases of the tensors asked for, in the owner's address space
+  EXPECT_EQ(g.bases, (std::vector<uint64_t>{src.addrs[1] + 128, src.addrs[3] + 128}));
+  std::vector<uint8_t> ck;
+  ASSERT_EQ(c->RecvFrame(ck, After(2)).type, w::kChecksum);  // CRC of the granted spans
+  uint32_t crc = w::Crc32(0, src.T(1) + 128, 16);
+  crc = w::Crc32(crc, src.T(3) + 128, 16);
+  EXPECT_EQ(ck[0] | ck[1] << 8 | ck[2] << 16 | static_cast<uint32_t>(ck[3]) << 24, crc);
+  // an out-of-bounds grant: refused, no address given
+  w::Request bad = Slot({0}, 3, 1, 64);
+  bad.flags = w::kFlagGrant;
+  auto [bh, bp] = Ask(*c, w::EncodeRequest(w::kRead, bad, 3));
+  ASSERT_EQ(bh.type, w::kError);
+  EXPECT_EQ(w::DecodeError(bp).code, static_cast<int64_t>(LLM_PARAM_INVALID));
+  // four unreleased grants per connection, then LLM_LINK_BUSY; a RELEASE makes room
+  q.flags = w::kFlagGrant;
+  std::vector<uint64_t> held{g.lease_id};
+  for (uint32_t rid = 4; rid < 7; ++rid) {
+    auto [gh, gp] = Ask(*c, w::EncodeRequest(w::kRead, q, rid));
+    ASSERT_EQ(gh.type, w::kGrant);
+    held.push_back(w::DecodeGrant(gp).lease_id);
+  }
+  auto [fh, fp] = Ask(*c, w::EncodeRequest(w::kRead, q, 7));
+  ASSERT_EQ(fh.type, w::kError);
+  EXPECT_EQ(w::DecodeError(fp).code, static_cast<int64_t>(LLM_LINK_BUSY));
+  c->SendFrame(w::EncodeRelease({held.back(), true}, 0), After(2));
+  held.pop_back();
+  ASSERT_EQ(Ask(*c, w::EncodeRequest(w::kRead, q, 8)).first.type, w::kGrant);
+  // sixteen per peer process over all its connections
+  std::vector<std::unique_ptr<datadist::Conn>> more;
+  uint32_t granted = 0, busy = 0;
+  for (int i = 0; i < 4; ++i) {
+    more.push_back(Local());
+    for (uint32_t rid = 2; rid < 6; ++rid) {
+      auto [mh, mp] = Ask(*more.back(), w::EncodeRequest(w::kRead, q, rid));
+      if (mh.type == w::kGrant) ++granted;
+      if (mh.type == w::kError && w::DecodeError(mp).code == static_cast<int64_t>(LLM_LINK_BUSY)) ++busy;
+    }
+  }
+  EXPECT_EQ(granted, 12U);  // 4 held on the first connection + 12 = 16
+  EXPECT_EQ(busy, 4U);
+  // the connections closing release their grants: the cache can be unregistered at once
+  more.clear();
+  c.reset();
+  auto t0 = std::chrono::steady_clock::now();
+  registry.Remove(cache_id, false, 5.0);
+  EXPECT_LT(Seconds(t0), 1.0);
+}
+
+TEST_F(Owner, AnUnreleasedGrantExpiresOnceTheMemoryIsWantedBack) {
+  auto c = Local();
+  w::Request q = Slot({0}, 0, 0, 64);
+  q.flags = w::kFlagGrant;
+  ASSERT_EQ(Ask(*c, w::EncodeRequest(w::kRead, q, 2)).first.type, w::kGrant);
+  // the reader never releases: unregistering waits for the 5 s reclaim grace, not 30 s
+  auto t0 = std::chrono::steady_clock::now();
+  registry.Remove(cache_id, false, 20.0);
+  EXPECT_GE(Seconds(t0), 4.5);
+  EXPECT_LT(Seconds(t0), 8.0);
+  // a late RELEASE settles nothing and the connection is still served
+  c->SendFrame(w::EncodeRelease({1, true}, 0), After(2));
+  EXPECT_EQ(Ask(*c, w::EncodeU64(w::kPing, 7, 3)).first.type, w::kPong);
+}
+
+TEST_F(Owner, LocalConnectionsAreCappedPerPidWithAnErrorAnswer) {
+  // the fixture's server allows 8 connections per peer; local peers count by pid
+  std::vector<std::unique_ptr<datadist::Conn>> conns;
+  for (int i = 0; i < 8; ++i) conns.push_back(Local());
+  auto over = datadist::local::Connect(datadist::local::Name(getpid(), kOwner), After(2));
+  auto [h, p] = Ask(*over, w::EncodeHello(w::kHello, ClientHello(), 1));
+  ASSERT_EQ(h.type, w::kError);
+  EXPECT_EQ(w::DecodeError(p).code, static_cast<int64_t>(LLM_LINK_FAILED));
+  EXPECT_NE(w::DecodeError(p).message.find("pid " + std::to_string(getpid())), std::string::npos);
+  EXPECT_GE(server->refused(), 1U);
+}
+
+TEST_F(Owner, PtracePermissionIsTakenAtTheFirstGrantAndGivenBackOnStop) {
+  const size_t before = datadist::local::Ptracer::Users();
+  datadist::Link link(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true, 0);
+  link.Open(After(3));
+  EXPECT_EQ(datadist::local::Ptracer::Users(), before);  // linking grants nothing
+  uint8_t a[8];
+  link.Read(Slot({0}, 0, 0, 8), {{a, 8}}, After(2));
+  EXPECT_EQ(datadist::local::Ptracer::Users(), before + 1);
+  link.Close(After(1), true);
+  server->Stop();
+  EXPECT_EQ(datadist::local::Ptracer::Users(), before);
+  EXPECT_FALSE(datadist::local::Ptracer::State().empty());
+}
+
+TEST(LocalChannel, NameAndIdentityAreThePythonOnes) {
+  std::string name = datadist::local::Name(1234, 7);
+  EXPECT_EQ(name, std::string("\0datadist-v1.1234.7", 19));
+  auto &me = datadist::local::HostIdentity::Current();
+  EXPECT_TRUE(me.ClaimsSameHost(me.boot_id));
+  EXPECT_FALSE(me.ClaimsSameHost({}));
+  // a name taken (by another instance of ours with the same cluster id): TCP only
+  int a = datadist::local::Listen(datadist::local::Name(getpid(), 77));
+  ASSERT_GE(a, 0);
+  EXPECT_EQ(datadist::local::Listen(datadist::local::Name(getpid(), 77)), -1);
+  close(a);
+  // nobody serves a name: LLM_LINK_FAILED at once
+  try {
+    datadist::local::Connect(datadist::local::Name(getpid(), 78), After(1));
+    FAIL();
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_LINK_FAILED);
+  }
+}
+
+TEST(LocalChannel, VmReadCopiesAndFailsOnBadSpans) {
+  std::vector<uint8_t> src(3000), dst(3000, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7);
+  // 1500 spans of 2 bytes: more than one IOV_MAX batch
+  std::vector<iovec> l, r;
+  for (size_t i = 0; i < 1500; ++i) {
+    l.push_back({dst.data() + 2 * i, 2});
+    r.push_back({src.data() + 2 * (1499 - i), 2});
+  }
+  std::string why;
+  ASSERT_EQ(datadist::local::VmRead(getpid(), l, r, why), datadist::local::CopyResult::kDone);
+  for (size_t i = 0; i < 1500; ++i) ASSERT_EQ(std::memcmp(&dst[2 * i], &src[2 * (1499 - i)], 2), 0);
+  // an unmapped source: LLM_LINK_FAILED, never a crash
+  std::vector<iovec> bad{{reinterpret_cast<void *>(8), 8}};
+  try {
+    datadist::local::VmRead(getpid(), {{dst.data(), 8}}, bad, why);
+    FAIL();
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_LINK_FAILED);
+  }
+}
+
+TEST(LocalFacade, TransportOptionAndSameHostTransfers) {
+  uint16_t port = ddtest::FreePort();
+  HostCache src(4, {8, 32}), dst(4, {8, 32});
+  LlmDataDist prompt(kOwner, LlmRole::kPrompt), decoder(kClient, LlmRole::kDecoder);
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  auto o = ddtest::Options();
+  o["datadist.Transport"] = "carrier-pigeon";
+  EXPECT_EQ(decoder.Initialize(o), LLM_PARAM_INVALID);
+  o["datadist.Transport"] = "tcp";
+  ASSERT_EQ(decoder.Initialize(o), LLM_SUCCESS);
+  ASSERT_EQ(src.Register(prompt), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+  src.Fill(11);
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kOwner, port)}, rets, 3000), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PullKvBlocks(ddtest::Index(kOwner, 1), dst.cache, {7, 1}, {0, 5}), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_EQ(std::memcmp(dst.T(t), src.T(t) + 7 * 32, 32), 0);
+    EXPECT_EQ(std::memcmp(dst.T(t) + 5 * 32, src.T(t) + 32, 32), 0);
+  }
+  decoder.Finalize();
+  // and the same over the local channel (the default)
+  ASSERT_EQ(decoder.Initialize(ddtest::Options()), LLM_SUCCESS);
+  HostCache dst2(4, {8, 32});
+  ASSERT_EQ(dst2.Register(decoder), LLM_SUCCESS);
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kOwner, port)}, rets, 3000), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PullKvCache(ddtest::Index(kOwner, 1, 6), dst2.cache, 2), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PullKvBlocks(ddtest::Index(kOwner, 1), dst2.cache, {3, 4}, {0, 1}, ddtest::Ext({1, 1}, {1, 1})),
+            LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_EQ(std::memcmp(dst2.T(t) + 2 * 32, src.T(t) + 6 * 32, 32), 0);
+    EXPECT_EQ(std::memcmp(dst2.T(t), t >= 2 ? src.T(t) + 3 * 32 : std::vector<uint8_t>(64).data(), 64), 0) << t;
+  }
+  ASSERT_EQ(decoder.PushKvBlocks(dst2.cache, ddtest::Index(kOwner, 1), {2}, {0}), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(std::memcmp(src.T(t), dst2.T(t) + 2 * 32, 32), 0);
+  decoder.Finalize();
+  prompt.Finalize();
+}
+
+}  // namespace

@@ -1,0 +1,52 @@
+"""``datadist bench --only cpp``: the C++ API's rows, run by the C++ driver, beside their
+limits; and the group skipped, saying why, when the driver is not built. Asserts that the
+rows exist with sane numbers, never how fast anything was."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.timeout(600)
+
+KEYS = {"cpp_same_host_small": "us", "cpp_same_host_pull_blocks": "GB/s",
+        "cpp_tcp_small": "us", "cpp_tcp_pull_blocks": "GB/s"}
+
+
+def _bench(build: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict]:
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, DATADIST_CPP_BUILD_DIR=str(build),
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "datadist.bench", "--only", "cpp", "--quick",
+                           "--size", "2", "--repeat", "2", "--no-progress", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def test_cpp_rows_beside_their_limits(cpp_build, tmp_path):
+    proc, result = _bench(cpp_build, tmp_path)
+    rows = {r["key"]: r for r in result["rows"]}
+    assert set(rows) == set(KEYS)
+    for key, unit in KEYS.items():
+        r = rows[key]
+        assert r["unit"] == unit and r["title"] in proc.stdout
+        assert math.isfinite(r["figure"]) and r["figure"] > 0, r
+        assert math.isfinite(r["limit"]) and r["limit"] > 0, r
+        assert len(r["figure_samples"]) >= 2 and isinstance(r["met"], bool), r
+    assert rows["cpp_same_host_pull_blocks"]["path"] == "cma"
+    assert rows["cpp_tcp_pull_blocks"]["path"] == "tcp"
+
+
+def test_cpp_rows_skipped_without_the_driver(tmp_path):
+    _, result = _bench(tmp_path / "nothing-built-here", tmp_path)
+    (row,) = result["rows"]
+    assert row["key"] == "cpp_skipped" and "is not built" in row["note"]
