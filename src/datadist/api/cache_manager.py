@@ -14,7 +14,7 @@ import numpy as np
 from datadist.api import async_transfer, local_ops, types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Memtype, Placement
-from datadist.api.geometry import geometry_of, key_ref
+from datadist.api.geometry import exact, geometry_of, key_ref, prepared_plan
 from datadist.api.status import (
     LLMException,
     LLMStatusCode,
@@ -38,14 +38,11 @@ from datadist.api.types import (
 from datadist.core import layout
 from datadist.core.engine import Engine
 from datadist.core.errors import InvalidArgument
-from datadist.core.prepared import SMALL_REQUEST, Prepared
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
 
 _U64 = 2**64 - 1
-# Plans of small pulls, by the exact inputs they came from (core/prepared.py).
-_PLANS: Prepared[layout.Plan] = Prepared(256)
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
 
@@ -69,11 +66,6 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
     check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
     raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
     return src, dst, n
-
-
-def _exact(arr: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
-    """An array as a key: equal keys, equal arrays."""
-    return arr.dtype.str, arr.shape, arr.tobytes()
 
 
 def _pair(r: range | None) -> tuple[int, int] | None:
@@ -308,9 +300,13 @@ class CacheManager:
             check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
         self._check_cache_key(cache_key)
         with llm_errors("pull_cache"):
-            tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
-                                                  _pair(dst_range), n)
-            plan = layout.plan_slot(geo, batch_index, tensors, size)
+            def build() -> layout.Plan:
+                tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
+                                                      _pair(dst_range), n)
+                return layout.plan_slot(geo, batch_index, tensors, size)
+
+            plan = prepared_plan(("pull_slot", geo, batch_index, size, _pair(src_range),
+                                  _pair(dst_range), n), build)
             _not_own(engine, cache_key.cluster_id)
             engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, cache.cache_id)
 
@@ -345,11 +341,8 @@ class CacheManager:
                     return layout.plan_blocks(geo, src, dst, tensors)
                 return layout.plan_contiguous_to_blocks(geo, dst, tensors)
 
-            if len(dst) <= SMALL_REQUEST:
-                plan = _PLANS.get((by_blocks, geo, _exact(src), _exact(dst), _pair(src_range),
-                                   _pair(dst_range), n), build)
-            else:
-                plan = build()
+            plan = prepared_plan(("pull_blocks", by_blocks, geo, exact(src), exact(dst),
+                                  _pair(src_range), _pair(dst_range), n), build, dst)
             _not_own(engine, src_cache_key.cluster_id)
             engine.pull(src_cache_key.cluster_id, key_ref(src_cache_key),
                         geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id)
@@ -406,9 +399,13 @@ class CacheManager:
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache source")
         raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
         with llm_errors("push_blocks"):
-            remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
-                                                        _pair(src_range), n)
-            plan = layout.plan_blocks(geo, dst, src, (remote, local))
+            def build() -> layout.Plan:
+                remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
+                                                            _pair(src_range), n)
+                return layout.plan_blocks(geo, dst, src, (remote, local))
+
+            plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), _pair(src_range),
+                                  _pair(dst_range), n), build, dst)
             engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), geo.unit_bytes,
                         plan, src_cache.cache_id)
 
