@@ -23,6 +23,7 @@ import numpy as np
 
 from datadist.core.errors import DatadistError, IntegrityError, RemoteProtocolError
 from datadist.memory.pool import map_shared, shrink_sealed, unmap
+from datadist.memory.spans import shm_pays
 from datadist.transport.base import TransportCaps
 from datadist.transport.channel import Channel
 from datadist.transport.iov import (
@@ -119,11 +120,9 @@ class CmaPath:
 
     * an ``ShmGrant`` (the cache is in the owner's shareable memory, ``allow_shm``): map the
       owner's memfd once per link (``/proc/<pid>/fd/<fd>``, inode checked) and memcpy; used
-      when the request has few spans (one call per span);
+      when the request has few spans or long ones (one call per span, ``shm_pays``);
     * a ``Grant``: ``process_vm_readv`` from the owner's addresses, IOV_MAX spans per call.
     """
-
-    SHM_MAX_SPANS = 256  # above this, one kernel call per 1024 spans beats a memcpy per span
 
     def __init__(self, pid: int, *, allow_shm: bool = True, name: str = "cma") -> None:
         self.pid = pid
@@ -139,7 +138,7 @@ class CmaPath:
     def read(self, chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
         flags = msg.flags | p.ReadFlags.GRANT
         if self.allow_shm and (self.cma_refused
-                               or len(msg.tensors) * len(msg.lengths) <= self.SHM_MAX_SPANS):
+                               or shm_pays(len(msg.tensors), msg.lengths)):
             flags |= p.ReadFlags.SHM
         msg = dataclasses.replace(msg, flags=flags)
         grant = chan.call(msg, deadline)
