@@ -26,6 +26,7 @@ from datadist.bench.limits import PlainClient
 from datadist.bench.owner import start_owner, stop_owner
 from datadist.bench.peers import peer_lines
 from datadist.bench.plan import plan_rows
+from datadist.bench.pools import pool_rows
 from datadist.bench.puller import (
     Context,
 )
@@ -43,7 +44,7 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "tcp": 3, "plan": 2}  # row groups and their number of rows
+GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "plan": 2}  # row groups and their number of rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 4
 
@@ -76,6 +77,7 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         plain = PlainClient(info["plain_port"])
         ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain)
         rows = same_host_rows(ctx) if "same-host" in groups else []
+        rows += pool_rows(ctx) if "pools" in groups else []
         rows += tcp_rows(ctx) if "tcp" in groups else []
         if "nixl" in groups:
             from datadist.bench.nixl import nixl_rows
