@@ -19,7 +19,8 @@ from datadist.transport import nixl
 
 ROWS = {
     "same_host_pull": "GB/s", "same_host_pull_blocks": "GB/s", "same_host_pull_pool": "GB/s",
-    "same_host_small": "us", "tcp_pull": "GB/s", "tcp_pull_blocks": "GB/s", "tcp_small": "us",
+    "same_host_small": "us", "same_host_pull_blocks_pool": "GB/s", "tcp_pull": "GB/s",
+    "tcp_pull_blocks": "GB/s", "tcp_pull_blocks_4k": "GB/s", "tcp_small": "us",
     "plan_numpy": "ms", "plan_lists": "ms",
     # per-call cost rows (bench/calls.py); at --size 1 (32 blocks) no 256 / 1k blocks rows
     "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "same_host_small_p99": "us",
@@ -55,9 +56,10 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
             assert math.isfinite(r["limit"]) and r["limit"] > 0, r
             assert r["ratio"] == pytest.approx(r["figure"] / r["limit"])
             assert len(r["limit_samples"]) == len(r["figure_samples"]), r
-    for key in ("tcp_pull", "tcp_pull_blocks", "tcp_small"):
+    for key in ("tcp_pull", "tcp_pull_blocks", "tcp_pull_blocks_4k", "tcp_small"):
         assert rows[key]["path"] == "tcp", rows[key]
-    for key in ("same_host_pull", "same_host_pull_blocks", "same_host_small"):
+    for key in ("same_host_pull", "same_host_pull_blocks", "same_host_small",
+                "same_host_pull_blocks_pool"):
         assert rows[key]["path"] != "tcp", rows[key]
     for key in ("nixl_pull", "nixl_pull_blocks", "nixl_small"):
         assert key not in rows or rows[key]["path"] == "nixl", rows[key]

@@ -261,3 +261,67 @@ def test_send_batches_cover_the_stream_in_order(monkeypatch: pytest.MonkeyPatch,
                              for b, n in iov.tolist()])
     got = np.concatenate([np.arange(b, b + n, dtype=np.uint64) for b, n in cut.tolist()])
     assert np.array_equal(got, expect)
+
+
+def test_many_small_spans_in_several_batches_with_partial_calls() -> None:
+    """Thousands of 4 KiB-ish spans (several IOV_MAX batches) over non-blocking sockets whose
+    buffers fill mid-batch: every partial call resumes at the right byte, the bytes land in
+    the scattered spans in order, and the caller's iovec arrays are left as they were."""
+    x, y = socket.socketpair()
+    try:
+        for s in (x, y):
+            s.setblocking(False)
+        rng = np.random.default_rng(11)
+        count = 3 * iovmod.IOV_MAX + 17
+        lengths = rng.integers(1, 4097, count)
+        total = int(lengths.sum())
+        gaps = 7
+        src = rng.integers(0, 256, total + gaps * count, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        offs = np.cumsum(lengths + gaps) - lengths - gaps
+        cuts = list(zip(offs.tolist(), lengths.tolist(), strict=True))
+        order = rng.permutation(count)  # the destination spans scattered in another order
+        dcuts = [cuts[i] for i in order]
+        send_iov, recv_iov = spans(src, cuts), spans(dst, dcuts)
+        before = (send_iov.copy(), recv_iov.copy())
+        t = threading.Thread(target=iovmod.sock_writev, args=(x.fileno(), send_iov, soon()))
+        t.start()
+        iovmod.sock_readv(y.fileno(), recv_iov, soon())
+        t.join()
+        stream = np.concatenate([src[o : o + n] for o, n in cuts])
+        landed = np.concatenate([dst[o : o + n] for o, n in dcuts])
+        assert np.array_equal(landed, stream)
+        assert np.array_equal(send_iov, before[0]) and np.array_equal(recv_iov, before[1])
+    finally:
+        x.close()
+        y.close()
+
+
+def test_read_ahead_ending_inside_one_of_many_spans(pair: tuple[Channel, Channel]) -> None:
+    """A frame and the start of its raw bytes arrive together; the read-ahead ends inside
+    span k of thousands: spans before k are filled from the buffer, the rest of span k and
+    the spans after it from the socket."""
+    a, b = pair
+    block, count = 1000, 3000  # the read-ahead (up to RECV_BUFFER) ends mid-span
+    src = np.random.default_rng(3).integers(0, 256, block * count, dtype=np.uint8)
+    dst = np.zeros(2 * block * count, dtype=np.uint8)
+    dcuts = [(2 * i * block, block) for i in range(count)]  # gaps between destination spans
+    b.send_iov(spans(src, [(0, block * count)]), soon(), head=p.ReadData(block * count),
+               request_id=4)
+    rid, msg = a.recv(soon())
+    assert (rid, msg) == (4, p.ReadData(block * count))
+    assert a._rend - a._rpos > block  # some raw bytes were read ahead
+    a.recv_iov(spans(dst, dcuts), soon())
+    got = dst.reshape(count, 2 * block)[:, :block].reshape(-1)
+    assert np.array_equal(got, src) and not dst.reshape(count, 2 * block)[:, block:].any()
+
+
+def test_local_copy_moves_each_span_and_refuses_unequal_lists() -> None:
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    iovmod.local_copy(spans(dst, [(40, 8), (0, 16)]), spans(src, [(0, 8), (20, 16)]))
+    assert np.array_equal(dst[40:48], src[0:8]) and np.array_equal(dst[0:16], src[20:36])
+    assert not dst[16:40].any() and not dst[48:].any()
+    with pytest.raises(ValueError):
+        iovmod.local_copy(spans(dst, [(0, 8)]), spans(src, [(0, 4), (4, 4)]))
+    iovmod.local_copy(spans(dst, [])[:0], spans(src, [])[:0])  # nothing to do

@@ -20,7 +20,8 @@ import numpy as np
 
 MiB = 1 << 20
 OWNER_ID, PULLER_ID = 1, 2
-BLOCKS_MODEL, SMALL_MODEL, LAYERS_MODEL = 0, 1, 2
+# BlocksCacheKey model ids of the run's caches (bench/tcp.py uses 2, bench/pools.py 3)
+BLOCKS_MODEL, SMALL_MODEL, LAYERS_MODEL = 0, 1, 4
 # The layer-wise rows: a paged cache of LAYERS layers (K and V tensors each) of LAYER_BLOCKS
 # blocks of 32 KiB: one layer's pull moves 1 MiB, one pull of every layer 32 MiB.
 LAYERS, LAYER_BLOCKS, LAYER_BLOCK = 32, 16, 32 << 10

@@ -18,6 +18,7 @@ from datadist.bench.harness import (
     CHUNK,
     U64,
     BenchError,
+    recv_exact,
     recv_into_exact,
 )
 
@@ -122,3 +123,73 @@ class PlainClient:
     def close(self) -> None:
         self.stream.close()
         self.echo.close()
+
+
+def _batches(memory: np.ndarray, block: int, ids: np.ndarray) -> list[tuple[list[memoryview], int]]:
+    """Memoryviews of blocks ``ids`` of ``memory`` (flat uint8), IOV_MAX per batch, with each
+    batch's byte count: what one ``sendmsg`` / ``recvmsg_into`` takes."""
+    view = memory.data.cast("B")
+    iov_max = os.sysconf("SC_IOV_MAX")
+    starts = (ids.astype(np.int64) * block).tolist()
+    out = []
+    for k in range(0, len(starts), iov_max):
+        part = starts[k : k + iov_max]
+        out.append(([view[s : s + block] for s in part], block * len(part)))
+    return out
+
+
+def serve_scatter(conn: socket.socket, memory: np.ndarray) -> None:
+    """The owner's end of the scatter limit (a plain-socket connection in mode ``B``): the
+    client names a block size and the source block ids once; then every 8-byte request is
+    answered with those blocks of ``memory``, ``sendmsg`` of IOV_MAX blocks at a time."""
+    head = recv_exact(conn, 16)
+    if not head:
+        return
+    block, n = struct.unpack("<QQ", head)
+    ids = np.frombuffer(recv_exact(conn, 8 * n), dtype=U64)
+    if len(ids) != n or (n and (int(ids.max()) + 1) * block > memory.nbytes):
+        raise BenchError("scatter limit: blocks outside the owner's buffer")
+    batches = _batches(memory, block, ids)
+    while recv_exact(conn, 8):
+        for bufs, want in batches:
+            sent = conn.sendmsg(bufs)
+            if sent != want:  # interrupted: the rest the plain way
+                rest = b"".join(bytes(b) for b in bufs)[sent:]
+                conn.sendall(rest)
+
+
+class ScatterClient:
+    """The puller's end of the scatter limit: blocks ``src_ids`` of the owner's blocks buffer
+    into blocks ``dst_ids`` of ``dst`` (flat uint8), ``recvmsg_into`` with MSG_WAITALL of
+    IOV_MAX blocks at a time. The memoryviews are made before timing."""
+
+    def __init__(self, port: int, dst: np.ndarray, block: int, src_ids: np.ndarray,
+                 dst_ids: np.ndarray) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(None)
+        ids = np.ascontiguousarray(src_ids, dtype=U64)
+        self.sock.sendall(b"B" + struct.pack("<QQ", block, len(ids)) + ids.tobytes())
+        self._batches = _batches(dst, block, dst_ids)
+        self.nbytes = block * len(dst_ids)
+        self._ask = struct.pack("<Q", self.nbytes)
+
+    def __call__(self) -> None:
+        self.sock.sendall(self._ask)
+        for bufs, want in self._batches:
+            got = self.sock.recvmsg_into(bufs, 0, socket.MSG_WAITALL)[0]
+            if got != want:
+                self._finish(bufs, got)
+
+    def _finish(self, bufs: list[memoryview], got: int) -> None:
+        """A short ``recvmsg_into`` (a signal, or the owner gone): the rest buffer by buffer."""
+        for b in bufs:
+            if got >= len(b):
+                got -= len(b)
+                continue
+            if not recv_into_exact(self.sock, b[got:]):
+                raise BenchError("the owner closed the scatter connection")
+            got = 0
+
+    def close(self) -> None:
+        self.sock.close()

@@ -40,6 +40,9 @@ from datadist.bench.harness import (
     recv_exact,
     recv_into_exact,
 )
+from datadist.bench.limits import serve_scatter
+from datadist.bench.pools import allocate_pool_blocks, pool_blocks_bytes
+from datadist.bench.tcp import register_tiny_blocks
 
 
 class PlainServer:
@@ -47,11 +50,13 @@ class PlainServer:
 
     A connection's first byte picks its mode: ``E`` echoes 16-byte messages (the round-trip
     limit), ``S`` answers each 8-byte count with that many bytes of the source tensors, sent
-    with ``sendall`` in 4 MiB chunks (the TCP throughput limit).
+    with ``sendall`` in 4 MiB chunks (the TCP throughput limit), ``B`` sends blocks of the
+    blocks cache with ``sendmsg`` (the scatter limit, :func:`.limits.serve_scatter`).
     """
 
-    def __init__(self, tensors: list[np.ndarray]) -> None:
+    def __init__(self, tensors: list[np.ndarray], blocks: np.ndarray) -> None:
         self.tensors = tensors
+        self.blocks = blocks
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
@@ -80,7 +85,9 @@ class PlainServer:
                     if not head:
                         return
                     self._stream(conn, struct.unpack("<Q", head)[0])
-        except OSError:
+            elif mode == b"B":
+                serve_scatter(conn, self.blocks)
+        except (OSError, BenchError):
             pass
         finally:
             conn.close()
@@ -111,7 +118,8 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
         cfg = llm_datadist.LLMConfig()
         cfg.listen_ip_info = "127.0.0.1:0"
         cfg.local_comm_res = ""
-        cfg.host_mem_pool_cfg = json.dumps({"memory_size": sizes.pool_bytes})
+        cfg.host_mem_pool_cfg = json.dumps(
+            {"memory_size": sizes.pool_bytes + pool_blocks_bytes(sizes)})
         dd.init(cfg.generate_options())
         cm = dd.cache_manager
         host = llm_datadist.Placement.HOST
@@ -147,7 +155,9 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
         for t, addr in enumerate(pooled.tensor_addrs):
             fill_pattern(array_at(addr, sizes.tensor_bytes), pattern_seed(4, t))
 
-        server = PlainServer(tensors)
+        register_tiny_blocks(llm_datadist, cm, blocks)
+        allocate_pool_blocks(llm_datadist, cm, sizes)
+        server = PlainServer(tensors, blocks)
         listen = dd.listen_address
         assert listen is not None
         conn.send({

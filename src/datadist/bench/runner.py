@@ -32,6 +32,7 @@ from datadist.bench.limits import PlainClient
 from datadist.bench.owner import start_owner, stop_owner
 from datadist.bench.peers import peer_lines
 from datadist.bench.plan import plan_rows
+from datadist.bench.pools import pool_rows
 from datadist.bench.puller import (
     Context,
 )
@@ -49,13 +50,13 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "tcp": 3, "calls": 5, "plan": 2}  # row groups and their rows
+GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 5, "plan": 2}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 4
 GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped if not built
 # A plain run: every group but cpp (it needs the C++ build; ask for it with --only).
 DEFAULT_GROUPS = tuple(g for g in GROUPS if g != "cpp")
-_OWNED = ("same-host", "tcp", "calls", "nixl")  # the groups that pull from the Python owner process
+_OWNED = ("same-host", "pools", "tcp", "calls", "nixl")  # groups pulling from a Python owner
 
 
 def timed_steps(repeat: int, groups: tuple[str, ...] = DEFAULT_GROUPS) -> int:
@@ -111,6 +112,7 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
         plain = PlainClient(info["plain_port"])
         ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain)
         rows = same_host_rows(ctx) if "same-host" in groups else []
+        rows += pool_rows(ctx) if "pools" in groups else []
         rows += tcp_rows(ctx) if "tcp" in groups else []
         rows += calls_rows(ctx) if "calls" in groups else []
         if "nixl" in groups:

@@ -55,6 +55,7 @@ from datadist.core.registry import (
 )
 from datadist.memory import mapped, shared
 from datadist.memory.pool import HostPool, PoolConfig
+from datadist.memory.spans import shm_pays
 from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.channel import Channel
 from datadist.transport.iov import PTRACER, CmaRefused, make_iov
@@ -208,8 +209,8 @@ class Engine:
         # small plans checked against a local cache, by plan and cache
         self._checked: Prepared[bool] = Prepared(256)
         # checked iovecs of small leased reads, by plan, local cache and lease
-        self._leased_iovs: Prepared[tuple[np.ndarray, np.ndarray, np.ndarray | None, int]] = (
-            Prepared(256))
+        self._leased_iovs: Prepared[
+            tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]] = Prepared(256)
         # read leases on whole caches (NixlLease), revoked before their memory goes: by id
         self._nixl_held: dict[int, _CacheLease] = {}
         self._nixl_lease_ids = itertools.count(1)
@@ -628,7 +629,7 @@ class Engine:
             if rc is None:
                 return False
 
-        def prepare() -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+        def prepare() -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]:
             m = rc.msg
             geometry = Geometry(len(m.addrs), m.tensor_bytes, m.units, m.is_blocks, m.layout)
             slot = key.b if key.kind == p.KeyKind.CACHE_ID else -1
@@ -637,16 +638,16 @@ class Engine:
             local = make_iov(*plan.local_iov(entry.addrs))
             return (local, *CmaPath.leased_sources(rc, plan.remote_tensors, base,
                                                    plan.remote_offsets, plan.lengths),
-                    plan.nbytes)
+                    plan.nbytes, shm_pays(len(plan.remote_tensors), plan.lengths))
 
         slot_key = key.b if key.kind == p.KeyKind.CACHE_ID else -1
         if plan.num_spans <= SMALL_REQUEST:
-            local, cma, shm, nbytes = self._leased_iovs.get(
+            local, cma, shm, nbytes, faster = self._leased_iovs.get(
                 (plan, entry, rc, slot_key, unit_bytes), prepare)
         else:
-            local, cma, shm, nbytes = prepare()
+            local, cma, shm, nbytes, faster = prepare()
         try:
-            return path.copy_leased(rc, local, cma, shm, nbytes)
+            return path.copy_leased(rc, local, cma, shm, nbytes, faster)
         except (CmaRefused, BrokenLink) as e:
             log.info("leased %s cluster %d failed (%s): asking the owner",
                      "write to" if write else "read from", link.cluster_id, e)

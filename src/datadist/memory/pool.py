@@ -6,7 +6,8 @@ and ``host_mem_pool_cfg``), and users who want their own KV caches in fast memor
 
 The pool is one ``memfd`` mapped once. Its pages are committed on first touch, so a large pool
 costs nothing until used. Because it is a memfd, a peer on the same host can map the same pages
-(``/proc/<pid>/fd/<fd>``) and copy out of them with memcpy: the fastest same-host path.
+(``/proc/<pid>/fd/<fd>``) and copy out of them with memcpy: the fastest same-host path. Huge
+pages back it where the kernel offers them (:func:`shareable_map`, :mod:`.hugepages`).
 
 Allocation is first fit over a sorted free list, every allocation rounded up to the pool's page
 (``1 << page_shift``, at least the OS page) so that caches start page-aligned. Thread-safe.
@@ -17,12 +18,16 @@ from __future__ import annotations
 import bisect
 import ctypes
 import fcntl
+import logging
 import mmap
 import os
 import threading
 from dataclasses import dataclass
 
 from datadist.core.errors import InvalidArgument, OutOfMemory
+from datadist.memory import hugepages
+
+log = logging.getLogger(__name__)
 
 OS_PAGE = mmap.PAGESIZE
 
@@ -44,6 +49,8 @@ def map_shared(fd: int, size: int, *, writable: bool = True) -> int:
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise OSError(err, f"mmap failed: {os.strerror(err)}")
+    if hugepages.shmem_thp_possible():  # a reader's view maps the owner's huge pages whole
+        hugepages.advise(int(addr), size)
     return int(addr)
 
 
@@ -52,10 +59,12 @@ def map_shared(fd: int, size: int, *, writable: bool = True) -> int:
 POOL_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def memfd_map(name: str, size: int) -> tuple[int, int]:
+def memfd_map(name: str, size: int, *, hugetlb: bool = False) -> tuple[int, int]:
     """A new memfd of ``size`` bytes, sealed at that size (POOL_SEALS), mapped shared:
-    (fd, address)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    (fd, address). ``hugetlb``: on hugetlbfs pages (``size`` a multiple of them); OSError
+    where there are not enough free."""
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if hugetlb else 0)
+    fd = os.memfd_create(name, flags)
     try:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, POOL_SEALS)
@@ -63,6 +72,35 @@ def memfd_map(name: str, size: int) -> tuple[int, int]:
     except OSError:
         os.close(fd)
         raise
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMap:
+    """A sealed memfd mapped shared: its fd, address, size, and what backs it
+    (``hugepages.HUGETLB``, ``THP`` or ``SMALL``)."""
+
+    fd: int
+    addr: int
+    size: int
+    backing: str
+
+
+def shareable_map(name: str, nbytes: int) -> SharedMap:
+    """A sealed memfd of at least ``nbytes``, mapped shared, on huge pages where the kernel
+    offers them: hugetlbfs pages when enough are free (committed now), else shmem transparent
+    huge pages (asked for with MADV_HUGEPAGE where shmem_enabled allows them), else 4 KiB
+    pages. The size is rounded up to whole huge pages from one huge page up
+    (:func:`hugepages.round_size`); untouched pages of a non-hugetlb map cost nothing."""
+    size = hugepages.round_size(nbytes, OS_PAGE)
+    if hugepages.hugetlb_fits(size):
+        try:
+            fd, addr = memfd_map(name, size, hugetlb=True)
+            return SharedMap(fd, addr, size, hugepages.HUGETLB)
+        except OSError as e:  # raced for the pages, or hugetlb memfds unsupported here
+            log.info("no hugetlb memfd of %d bytes (%s): transparent or small pages", size, e)
+    fd, addr = memfd_map(name, size)
+    thp = hugepages.shmem_thp_possible() and hugepages.advise(addr, size)
+    return SharedMap(fd, addr, size, hugepages.THP if thp else hugepages.SMALL)
 
 
 def shrink_sealed(fd: int) -> bool:
@@ -113,12 +151,15 @@ class HostPool:
 
     def __init__(self, size: int, page_shift: int = 16, name: str = "datadist-pool") -> None:
         self.page = max(1 << page_shift, OS_PAGE)
-        self.size = -(-size // self.page) * self.page
+        self.size = -(-size // self.page) * self.page  # what the allocator hands out
         try:
-            self.fd, self.base = memfd_map(name, self.size)
+            mapped = shareable_map(name, self.size)
         except (OSError, OverflowError) as e:  # ENOMEM, EFBIG, a size past the address space
             raise OutOfMemory(f"cannot map a memory pool of {size} bytes: "
                               f"{getattr(e, 'strerror', None) or e}") from e
+        self.fd, self.base = mapped.fd, mapped.addr
+        self.map_size = mapped.size  # >= size: whole huge pages (hugepages.round_size)
+        self.backing = mapped.backing
         self._closed = False
         self._lock = threading.Lock()
         self._free_starts: list[int] = [0]
@@ -126,7 +167,8 @@ class HostPool:
         self._used: dict[int, int] = {}
 
     def __repr__(self) -> str:
-        return f"<HostPool {self.size} bytes, {self.used} used, base={self.base:#x}>"
+        return (f"<HostPool {self.size} bytes, {self.used} used, base={self.base:#x}, "
+                f"{self.backing} pages>")
 
     @property
     def used(self) -> int:
@@ -181,5 +223,5 @@ class HostPool:
         """Unmap and close. Idempotent. Callers make sure nothing uses the memory any more."""
         if not self._closed:
             self._closed = True
-            unmap(self.base, self.size)
+            unmap(self.base, self.map_size)
             os.close(self.fd)

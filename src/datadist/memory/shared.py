@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from datadist.memory.pool import OS_PAGE, memfd_map, unmap
+from datadist.memory.pool import shareable_map, unmap
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +96,9 @@ class _Mapping:
     """Owns one memfd mapping; freed when the last array viewing it is collected."""
 
     def __init__(self, nbytes: int) -> None:
-        self.size = max(OS_PAGE, -(-nbytes // OS_PAGE) * OS_PAGE)
-        self.fd, self.base = memfd_map("datadist-shared", self.size)
+        mapped = shareable_map("datadist-shared", nbytes)  # huge pages where offered
+        self.size, self.fd, self.base = mapped.size, mapped.fd, mapped.addr
+        self.backing = mapped.backing
         register_arena(self.base, self.size, self.fd)
         weakref.finalize(self, _release, self.base, self.size, self.fd)
 

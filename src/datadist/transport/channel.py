@@ -300,39 +300,50 @@ class Channel:
         """Receive exactly the bytes ``iov`` names, straight into memory."""
         self._guard()
         if self._rend > self._rpos:
-            iov = self._drain(iov)
+            part, iov = self._drain(iov)
+            if part is not None:  # the rest of a span the read-ahead began
+                self._io(sock_readv, part, deadline)
         if len(iov):
             self._io(sock_readv, iov, deadline)
 
-    def _drain(self, iov: np.ndarray) -> np.ndarray:
-        """Copy read-ahead bytes into the front of ``iov``; returns the spans still to read."""
+    def _drain(self, iov: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """Copy read-ahead bytes into the front of ``iov``. Returns what is still to read: the
+        rest of a span the read-ahead ended in (a one-span iovec, or None), then the spans
+        after it (a view of ``iov``: a big request's iovecs are never copied here)."""
         have = self._rend - self._rpos
         if len(iov) == 1:  # the common small read: no numpy beyond two scalars
             base, n = int(iov[0, 0]), int(iov[0, 1])
             used = min(n, have)
             ctypes.memmove(base, self._rbuf_addr + self._rpos, used)
             self._rpos += used
-            return iov[:0] if used == n else np.array([[base + used, n - used]], np.uint64)
+            return None, (iov[:0] if used == n else
+                          np.array([[base + used, n - used]], np.uint64))
         iov = np.ascontiguousarray(iov, dtype=np.uint64)
-        if len(iov) and not iov[:, 1].all():
+        # The spans the read-ahead can reach: at most ``have`` of them (spans are >= 1 byte);
+        # a short look first, as spans are usually far longer than a byte.
+        window = iov[: min(len(iov), 64)]
+        if int(window[:, 1].sum()) < have:
+            window = iov[: min(len(iov), have)]
+        if not window[:, 1].all():  # zero-length spans (rare): drop them, then look again
             iov = iov[iov[:, 1] != 0]
+            window = iov[: min(len(iov), have)]
         src = self._rbuf_addr + self._rpos
-        ends = np.cumsum(iov[: min(len(iov), have), 1])  # spans are >= 1 byte
+        ends = np.cumsum(window[:, 1])
         k = int(np.searchsorted(ends, have, side="right"))  # spans covered entirely
-        for base, n in iov[:k].tolist():
+        for base, n in window[:k].tolist():
             ctypes.memmove(base, src, n)
             src += n
         used = int(ends[k - 1]) if k else 0
-        rest = iov[k:]
+        rest, part = iov[k:], None
         if len(rest) and have > used:
-            part = have - used
-            ctypes.memmove(int(rest[0, 0]), src, part)
-            rest = rest.copy()
-            rest[0, 0] += part
-            rest[0, 1] -= part
+            took = have - used
+            base, n = int(rest[0, 0]), int(rest[0, 1])
+            ctypes.memmove(base, src, took)
+            part = np.array([[base + took, n - took]], dtype=np.uint64)
+            rest = rest[1:]
             used = have
         self._rpos += used
-        return rest
+        return part, rest
 
     def _io(self, fn: SockIo, iov: np.ndarray, deadline: float) -> None:
         try:

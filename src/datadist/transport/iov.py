@@ -21,6 +21,7 @@ import os
 import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -323,6 +324,22 @@ def _send_batches(iov: np.ndarray) -> tuple[np.ndarray, list[int] | range]:
     return iov, bounds
 
 
+def _batch_plan(iov: np.ndarray, reading: bool) -> tuple[np.ndarray, list[int], list[int]]:
+    """The iovecs to move (a send's may be split, see :func:`_send_batches`), the batch
+    boundaries as span indexes, and the stream offset of each boundary: what lets the loop in
+    :func:`_sock_iov` spend O(1) Python per batch (no numpy call, no ctypes object)."""
+    if len(iov) == 1 and (reading or int(iov[0, 1]) <= SEND_CHUNK):  # a small read's answer
+        return iov, [0, 1], [0, int(iov[0, 1])]
+    bounds: Sequence[int]
+    if reading:
+        bounds = [*range(0, len(iov), IOV_MAX), len(iov)]
+    else:
+        iov, bounds = _send_batches(iov)
+    offsets = np.zeros(len(iov) + 1, dtype=U64)
+    np.cumsum(iov[:, 1], out=offsets[1:])
+    return iov, list(bounds), offsets[list(bounds)].tolist()
+
+
 def _sock_iov(call: IovCall, fd: int, iov: np.ndarray, deadline: float, events: int,
               arm: Arm | None, reading: bool) -> None:
     """Loop ``call`` (readv-shaped: fd, iovec pointer, count) until ``iov`` is done.
@@ -330,26 +347,26 @@ def _sock_iov(call: IovCall, fd: int, iov: np.ndarray, deadline: float, events: 
     Non-blocking sockets (``arm`` None) wait in ``poll`` on EAGAIN. Blocking sockets wait in
     the kernel, bounded by the send/receive timeouts that ``arm(deadline, expired)`` keeps
     within the deadline (it raises Timeout past it); EAGAIN there means a timeout expired.
-    A batch that completes in one call (the usual case) costs no numpy work beyond its sum.
+    The batches are planned once (:func:`_batch_plan`); a batch that completes in one call
+    (the usual case) costs a pointer sum and the call, so thousands of small spans cost the
+    kernel's work, not Python's. A partial transfer edits a copy of its batch.
     """
     iov = np.ascontiguousarray(iov, dtype=U64)
-    bounds: Sequence[int]
-    if reading:
-        bounds = range(0, len(iov) + IOV_MAX, IOV_MAX)
-    else:
-        iov, bounds = _send_batches(iov)
-    for start, stop in zip(bounds, bounds[1:], strict=False):
-        batch = iov[start:stop]
-        if not len(batch):
-            break
-        want = int(batch[0, 1]) if len(batch) == 1 else int(batch[:, 1].sum())
-        private = False
+    if not len(iov):
+        return
+    iov, bounds, offsets = _batch_plan(iov, reading)
+    base = iov.ctypes.data
+    stride = iov.strides[0]
+    for i in range(len(bounds) - 1):
+        start, stop = bounds[i], bounds[i + 1]
+        ptr, count, want = base + start * stride, stop - start, offsets[i + 1] - offsets[i]
+        batch: np.ndarray | None = None  # a private copy, after a partial transfer
         expired = False
         while True:
             if arm is not None:
                 arm(deadline, expired)
                 expired = False
-            n = call(fd, batch.ctypes.data, len(batch))
+            n = call(fd, ptr, count)
             if n == want:
                 break
             if n < 0:
@@ -365,11 +382,11 @@ def _sock_iov(call: IovCall, fd: int, iov: np.ndarray, deadline: float, events: 
                     # Our own memory, not the socket: a cache whose memory was unmapped
                     # after it was registered. Say so; the caller only sees a broken link.
                     what = "receive into" if reading else "send from"
+                    near = int(iov[start, 0]) if batch is None else int(batch[0, 0])
                     log.error("cannot %s this process's memory near %#x (%d spans, %d bytes): "
                               "not mapped (EFAULT); was a registered cache's memory freed?",
-                              what, int(batch[0, 0]), len(batch), want)
-                    raise BrokenLink(f"cannot {what} local memory near {int(batch[0, 0]):#x}: "
-                                     "not mapped")
+                              what, near, count, want)
+                    raise BrokenLink(f"cannot {what} local memory near {near:#x}: not mapped")
                 raise BrokenLink(f"socket error: {os.strerror(err)}")
             if n == 0:
                 if reading:
@@ -377,10 +394,10 @@ def _sock_iov(call: IovCall, fd: int, iov: np.ndarray, deadline: float, events: 
                 if arm is None:
                     _wait(fd, events, deadline)
                 continue
-            if not private:  # first partial transfer: edit a copy, never the caller's array
-                batch, private = batch.copy(), True
+            if batch is None:  # first partial transfer: edit a copy, never the caller's array
+                batch = iov[start:stop].copy()
             batch = _advance(batch, n)
-            want -= n
+            ptr, count, want = batch.ctypes.data, len(batch), want - n
 
 
 def sock_readv(fd: int, iov: np.ndarray, deadline: float, arm: Arm | None = None) -> None:
@@ -467,7 +484,12 @@ def local_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """Copy within this process between iovec arrays of equal span lengths.
 
     Used for same-process and mapped-shared-memory copies. One ``memmove`` per span: callers
-    coalesce first, so a span is a run of blocks, not a block.
+    coalesce first, so a span is a run of blocks, not a block. The calls are driven by
+    ``map`` over three lists (about 0.33 us a span, against 0.53 for a Python loop).
     """
-    for (d, n), (s, _) in zip(dst.tolist(), src.tolist(), strict=True):
-        _libc.memmove(d, s, n)
+    if len(dst) != len(src):
+        raise ValueError(f"local_copy: {len(dst)} destination spans, {len(src)} source spans")
+    if not len(dst):
+        return
+    deque(map(ctypes.memmove, dst[:, 0].tolist(), src[:, 0].tolist(), dst[:, 1].tolist()),
+          maxlen=0)

@@ -26,6 +26,7 @@ import numpy as np
 
 from datadist.core.errors import BrokenLink, DatadistError, IntegrityError, RemoteProtocolError
 from datadist.memory.pool import map_shared, shrink_sealed, unmap
+from datadist.memory.spans import shm_pays
 from datadist.transport.base import TransportCaps
 from datadist.transport.channel import Channel
 from datadist.transport.fence import FenceUnavailable, FenceView
@@ -136,11 +137,9 @@ class CmaPath:
 
     * an ``ShmGrant`` (the cache is in the owner's shareable memory, ``allow_shm``): map the
       owner's memfd once per link (``/proc/<pid>/fd/<fd>``, inode checked) and memcpy; used
-      when the request has few spans (one call per span);
+      when the request has few spans or long ones (one call per span, ``shm_pays``);
     * a ``Grant``: ``process_vm_readv`` from the owner's addresses, IOV_MAX spans per call.
     """
-
-    SHM_MAX_SPANS = 256  # above this, one kernel call per 1024 spans beats a memcpy per span
 
     def __init__(self, pid: int, *, allow_shm: bool = True, name: str = "cma") -> None:
         self.pid = pid
@@ -164,7 +163,7 @@ class CmaPath:
     def read(self, chan: Channel, msg: p.Read, local: np.ndarray, deadline: float) -> None:
         flags = msg.flags | p.ReadFlags.GRANT
         if self.allow_shm and (self.cma_refused
-                               or len(msg.tensors) * len(msg.lengths) <= self.SHM_MAX_SPANS):
+                               or shm_pays(len(msg.tensors), msg.lengths)):
             flags |= p.ReadFlags.SHM
         msg = dataclasses.replace(msg, flags=flags)
         grant = chan.call(msg, deadline)
@@ -371,16 +370,18 @@ class CmaPath:
         return cma, make_iov(*span_iov(rc.shm_bases[tensors] + b, offsets, lengths))
 
     def copy_leased(self, rc: RemoteCache, local: np.ndarray, cma: np.ndarray,
-                    shm: np.ndarray | None, nbytes: int) -> bool:
+                    shm: np.ndarray | None, nbytes: int, shm_faster: bool) -> bool:
         """Copy a leased read (:meth:`leased_sources`) into ``local``, or for a write lease
         ``local`` into the owner's spans, without asking the owner. False: nothing was
         copied, the lease is gone (revoked, or unusable here); the caller asks the owner
         instead. Raises CmaRefused (nothing copied) or BrokenLink (the owner exited: what
-        was copied may not be its memory, or may not have landed in it)."""
+        was copied may not be its memory, or may not have landed in it). ``shm_faster``:
+        the request's spans copy faster from our mapping than by cross-memory attach
+        (``shm_pays``)."""
         with self._fast:
             if self._closed or self.remote.get(rc.key) is not rc:
                 return False
-            use_shm = shm is not None and (self.cma_refused or len(local) <= self.SHM_MAX_SPANS)
+            use_shm = shm is not None and (self.cma_refused or shm_faster)
             if not use_shm and self.cma_refused:
                 return False
             if not rc.fence.enter():
