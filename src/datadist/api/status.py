@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from collections.abc import Iterator
 
 from datadist.core.errors import Code, DatadistError
 
@@ -102,17 +100,26 @@ def to_llm_exception(err: DatadistError, func: str = "") -> LLMException:
     return LLMException(f"{prefix}{err}", status_code=code)
 
 
-@contextlib.contextmanager
-def llm_errors(func: str = "") -> Iterator[None]:
-    """Translate any DatadistError raised inside into LLMException, keeping the cause.
+class llm_errors:  # noqa: N801 - used as a function-like context manager
+    """``with llm_errors("pull_cache"):`` translates any DatadistError raised inside into
+    LLMException, keeping the cause.
 
     TypeError and ValueError that are not DatadistErrors pass through: they are the
-    documented argument errors.
+    documented argument errors. A class, not a generator: every transfer call enters it.
     """
-    try:
-        yield
-    except DatadistError as e:
-        raise to_llm_exception(e, func) from e
+
+    __slots__ = ("func",)
+
+    def __init__(self, func: str = "") -> None:
+        self.func = func
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: object) -> None:
+        if isinstance(err, DatadistError):
+            raise to_llm_exception(err, self.func) from err
 
 
 def check_same_session(name: str, cache_id: int, owner: object, manager: object) -> None:

@@ -5,6 +5,7 @@ what arrived (rule 2), and the small-pull latency row shared by every path.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from datadist.bench.harness import (
     array_at,
     check_blocks,
     check_pattern,
+    one_cpu,
     pattern_seed,
 )
 from datadist.bench.limits import PlainClient
@@ -192,6 +194,16 @@ def latency_row(ctx: Context, p: Puller, key: str, title: str) -> Row:
     the owner's GIL and flatter the ratio.
     """
     ctx.progress.set_label(title)
+    with one_cpu(os.getpid(), ctx.info["pid"]):
+        pulls, rtts = _latencies(ctx, p)
+    row = Row(key, title, "us", float(np.median(pulls)),
+              "16-byte request/reply on a plain socket, p50", float(np.median(rtts)),
+              "<= 2.00x", path=p.mechanism(), figure_samples=pulls, limit_samples=rtts)
+    row.met = row.ratio is not None and row.ratio <= 2.0
+    return row
+
+
+def _latencies(ctx: Context, p: Puller) -> tuple[list[float], list[float]]:
     pulls, rtts = [], []
     per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
     for i in range(10):  # warm both ends' code paths
@@ -208,8 +220,4 @@ def latency_row(ctx: Context, p: Puller, key: str, title: str) -> Row:
             ctx.plain.round_trip()
             rtts.append((time.perf_counter() - t0) * 1e6)
         ctx.progress.step()
-    row = Row(key, title, "us", float(np.median(pulls)),
-              "16-byte request/reply on a plain socket, p50", float(np.median(rtts)),
-              "<= 2.00x", path=p.mechanism(), figure_samples=pulls, limit_samples=rtts)
-    row.met = row.ratio is not None and row.ratio <= 2.0
-    return row
+    return pulls, rtts

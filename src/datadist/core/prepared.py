@@ -14,6 +14,7 @@ re-registered cache is a different key). Thread-safe; never blocks beyond a dict
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -42,11 +43,11 @@ class Prepared(Generic[_V]):
     def get(self, key: Hashable, build: Callable[[], _V]) -> _V:
         """The value built for ``key``, building it (outside the lock) on a miss. What
         ``build`` raises is raised and nothing is kept."""
-        with self._lock:
-            got = self._items.get(key)
-            if got is not None:
+        got = self._items.get(key)  # a hit takes no lock: each OrderedDict call is atomic
+        if got is not None:
+            with contextlib.suppress(KeyError):  # evicted meanwhile: it is still the value
                 self._items.move_to_end(key)
-                return got
+            return got
         value = build()
         with self._lock:
             self._items[key] = value
