@@ -40,9 +40,10 @@ def _times(fn: Callable[[], object]) -> Callable[[], None]:
 def calls_rows(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     for transport, where in (("auto", "same host"), ("tcp", "TCP")):
-        p = Puller(ctx.info, ctx.sizes, ctx.bufs, transport)
+        p = Puller(ctx.info, ctx.sizes, ctx.bufs, transport, remote_accessible=True)
         try:
             rows.append(_per_layer_row(ctx, p, where))
+            rows.append(_async_row(ctx, p, where))
             if transport == "auto":
                 rows += _few_blocks_rows(ctx, p)
                 rows.append(_p99_row(ctx, p))
@@ -71,6 +72,24 @@ def _per_layer_row(ctx: Context, p: Puller, where: str) -> Row:
     return throughput_row(
         f"{key}_per_layer", f"{LAYERS} per-layer pull_blocks of {LAYER_BYTES >> 20} MiB, "
         f"{where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
+        f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOAL)
+
+
+def _async_row(ctx: Context, p: Puller, where: str) -> Row:
+    """transfer_cache_async of the 32 layers (a push, layer by layer) against one pull of the
+    same bytes. The puller's layers cache holds the owner's pattern by now (the per-layer
+    row checked it), so the push writes the owner's bytes back unchanged; checked after."""
+    ctx.progress.set_label(f"{where}: transfer_cache_async")
+    f, lim = interleave(p.push_layers_async, lambda: p.pull_layer(None), ctx.repeat,
+                        ctx.progress)
+    layers = ctx.bufs["layers"]
+    layers.fill(0)
+    p.pull_layer(None)
+    check_pattern(layers, pattern_seed(5, 0), f"{where} pull after transfer_cache_async")
+    key = "same_host" if where == "same host" else "tcp"
+    return throughput_row(
+        f"{key}_async_layers", f"transfer_cache_async of {LAYERS} layers of "
+        f"{LAYER_BYTES >> 20} MiB, {where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
         f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOAL)
 
 

@@ -118,6 +118,7 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
         cfg = llm_datadist.LLMConfig()
         cfg.listen_ip_info = "127.0.0.1:0"
         cfg.local_comm_res = ""
+        cfg.enable_remote_cache_accessible = True  # the layer-wise push row writes into it
         cfg.host_mem_pool_cfg = json.dumps(
             {"memory_size": sizes.pool_bytes + pool_blocks_bytes(sizes)})
         dd.init(cfg.generate_options())

@@ -44,7 +44,7 @@ class Puller:
     """
 
     def __init__(self, info: dict[str, Any], sizes: Sizes, bufs: dict[str, Any],
-                 transport: str) -> None:
+                 transport: str, remote_accessible: bool = False) -> None:
         import datadist as llm_datadist
 
         self.ll = llm_datadist
@@ -55,6 +55,8 @@ class Puller:
         cfg.host_mem_pool_cfg = json.dumps({"memory_size": sizes.pool_bytes})
         cfg.sync_kv_timeout = 60000
         cfg.transport = transport
+        if remote_accessible:  # pushes by key (transfer_cache_async's TransferWithCacheKeyConfig)
+            cfg.enable_remote_cache_accessible = True
         self.dd = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, PULLER_ID)
         self.dd.init(cfg.generate_options())
         try:
@@ -78,8 +80,10 @@ class Puller:
         self.layers = None
         if "layers" in bufs:  # the layer-wise rows' cache (bench/calls.py)
             tensor = LAYER_BLOCKS * LAYER_BLOCK
+            # DEVICE: transfer_cache_async refuses HOST sources (as the original); without a
+            # GPU a DEVICE cache is host memory (docs/compatibility.md)
             self.layers = cm.register_blocks_cache(
-                ll.CacheDesc(2 * LAYERS, [LAYER_BLOCKS, LAYER_BLOCK], u8, host),
+                ll.CacheDesc(2 * LAYERS, [LAYER_BLOCKS, LAYER_BLOCK], u8, ll.Placement.DEVICE),
                 [bufs["layers"].ctypes.data + t * tensor for t in range(2 * LAYERS)],
                 ll.BlocksCacheKey(PULLER_ID, LAYERS_MODEL))
         cluster = ll.LLMClusterInfo()
@@ -127,8 +131,31 @@ class Puller:
             self.dd.cache_manager.pull_blocks(key, self.layers, blocks, blocks,
                                               src_layer_range=r, dst_layer_range=r)
 
+    def push_layers_async(self) -> None:
+        """transfer_cache_async of every layer's blocks into the owner's layers cache, layer by
+        layer as a model would (every layer ready at once here); waits for the task."""
+        ll = self.ll
+        blocks = list(range(LAYER_BLOCKS))
+        if self.layers is None:
+            raise BenchError("no layers cache: the run's buffers have no 'layers'")
+        cfg = ll.TransferWithCacheKeyConfig(ll.BlocksCacheKey(OWNER_ID, LAYERS_MODEL),
+                                            range(LAYERS), range(LAYERS))
+        task = self.dd.cache_manager.transfer_cache_async(self.layers, _Ready(ll), [cfg], blocks,
+                                                          blocks)
+        code = task.synchronize(60000)
+        if code != ll.LLMStatusCode.LLM_SUCCESS:
+            raise BenchError(f"transfer_cache_async failed: {code}")
+
     def close(self) -> None:
         self.dd.finalize()
+
+
+def _Ready(ll: Any) -> Any:  # noqa: N802 - a class made on demand (datadist imported late)
+    class Ready(ll.LayerSynchronizer):  # type: ignore[misc]
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            return True
+
+    return Ready()
 
 
 @dataclass
