@@ -223,6 +223,43 @@ def test_grants_only_on_the_local_channel(owner) -> None:
         c.close()
 
 
+def test_cache_leases_only_on_the_local_channel(owner) -> None:
+    """A whole-cache lease (addresses of every tensor, a fence file) is refused over TCP with
+    no address in the refusal, the connection usable; on the local channel it is served, and
+    its fence is a sealed memfd of the owner's that the reader can open."""
+    eng, data = owner
+    key = p.KeyRef(p.KeyKind.CACHE_ID, 1, 0)
+    c = Raw(eng.listen_address)
+    try:
+        assert c.hello().features & p.FEATURE_LEASE
+        got = c.call(p.LeaseRequest(key))
+        assert isinstance(got, p.Error) and got.code == Code.PARAM_INVALID, got
+        assert str(data.ctypes.data) not in got.message
+        assert isinstance(c.call(p.Ping(4)), p.Pong)
+    finally:
+        c.close()
+    c = Raw(local_name(os.getpid(), OWNER))
+    try:
+        c.hello()
+        got = c.call(p.LeaseRequest(key))
+        assert isinstance(got, p.CacheLease) and int(got.addrs[0]) == data.ctypes.data
+        from datadist.transport.fence import FenceView
+
+        view = FenceView(os.getpid(), got.fence_fd, got.fence_ino)
+        try:
+            assert view.enter()
+            view.leave()
+        finally:
+            view.close()
+        # a CacheKey is never leased: its consumption stays with the owner (a protocol error)
+        bad = p.encode(p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_KEY, 1, 0)), 9)
+        c.sock.sendall(bad)
+        _, reply = p.FrameDecoder().feed(c.sock.recv(4096))[0]
+        assert isinstance(reply, p.Error) and "by id or BlocksCacheKey" in reply.message
+    finally:
+        c.close()
+
+
 @pytest.fixture
 def pool_owner():
     eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
