@@ -206,8 +206,9 @@ class Engine:
         self._nixl_leases: dict[int, tuple[tuple[int, str], bool, bool]] = {}
         self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
-        # small plans checked against a local cache, by plan and cache
+        # small plans checked against a local cache, and their local iovecs, by plan and cache
         self._checked: Prepared[bool] = Prepared(256)
+        self._local_iovs: Prepared[np.ndarray] = Prepared(256)
         # checked iovecs of small leased reads, by plan, local cache and lease
         self._leased_iovs: Prepared[
             tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]] = Prepared(256)
@@ -603,7 +604,7 @@ class Engine:
                     and self._move_leased(link, link.path, key, unit_bytes, plan, entry,
                                           deadline)):
                 return
-            local = make_iov(*plan.local_iov(entry.addrs))
+            local = self._local_iov(plan, entry)
             flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
             msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
                          plan.lengths, wire_layout(entry.geometry))
@@ -611,6 +612,19 @@ class Engine:
                      lambda path, chan: path.read(chan, msg, local, deadline))
         finally:
             self.registry.unhold(entry)
+
+    def _local_iov(self, plan: Plan, entry: CacheEntry) -> np.ndarray:
+        """The local spans of ``plan`` in ``entry``'s memory as an iovec array, kept for
+        small plans (read-only: transports edit copies)."""
+        if plan.num_spans > SMALL_REQUEST:
+            return make_iov(*plan.local_iov(entry.addrs))
+
+        def build() -> np.ndarray:
+            iov = make_iov(*plan.local_iov(entry.addrs))
+            iov.flags.writeable = False
+            return iov
+
+        return self._local_iovs.get((plan, entry), build)
 
     def _move_leased(self, link: Link, path: CmaPath, key: p.KeyRef, unit_bytes: int,
                      plan: Plan, entry: CacheEntry, deadline: float, write: bool = False
@@ -635,10 +649,14 @@ class Engine:
             slot = key.b if key.kind == p.KeyKind.CACHE_ID else -1
             base = check_read(geometry, m.cache_id, slot, unit_bytes, plan.remote_tensors,
                               plan.remote_offsets, plan.lengths, wire_layout(entry.geometry))
-            local = make_iov(*plan.local_iov(entry.addrs))
-            return (local, *CmaPath.leased_sources(rc, plan.remote_tensors, base,
-                                                   plan.remote_offsets, plan.lengths),
-                    plan.nbytes, shm_pays(len(plan.remote_tensors), plan.lengths))
+            local = self._local_iov(plan, entry)
+            cma, shm = CmaPath.leased_sources(rc, plan.remote_tensors, base,
+                                              plan.remote_offsets, plan.lengths)
+            for iov in (cma, shm):
+                if iov is not None:
+                    iov.flags.writeable = False  # kept (prepared): transports edit copies
+            return (local, cma, shm, plan.nbytes,
+                    shm_pays(len(plan.remote_tensors), plan.lengths))
 
         slot_key = key.b if key.kind == p.KeyKind.CACHE_ID else -1
         if plan.num_spans <= SMALL_REQUEST:
@@ -671,7 +689,7 @@ class Engine:
         try:
             _check_local_plan(plan, entry)
             link = self.get_link(cluster_id)
-            local = make_iov(*plan.local_iov(entry.addrs))
+            local = self._local_iov(plan, entry)
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
                           plan.lengths, wire_layout(entry.geometry))
             if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
