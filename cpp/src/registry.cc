@@ -74,6 +74,36 @@ void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t
   }
 }
 
+uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) {
+  const bool blocks = req.kind == wire::kBlocksKey;
+  for (uint32_t t : req.tensors)
+    if (t >= g.num_tensors)
+      Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +
+              std::to_string(g.num_tensors));
+  if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
+    Invalid("too many spans in one request (tensors x spans over " + std::to_string(kMaxRequestSpans) + ")");
+  std::vector<bool> seen(g.num_tensors, false);
+  for (uint32_t t : req.tensors) {
+    if (seen[t]) Invalid("tensor " + std::to_string(t) + " named twice in one request");
+    seen[t] = true;
+  }
+  uint64_t base = 0, limit = g.tensor_bytes;
+  if (blocks) {
+    if (req.unit_bytes && req.unit_bytes != g.unit_bytes)
+      Invalid("block size mismatch: requester assumed " + std::to_string(req.unit_bytes) + " bytes, cache " +
+              std::to_string(id) + " has " + std::to_string(g.unit_bytes));
+  } else {
+    if (req.b >= g.units)
+      Invalid("batch index " + std::to_string(req.b) + " out of range: cache " + std::to_string(id) + " has " +
+              std::to_string(g.units));
+    base = req.b * g.unit_bytes;
+    limit = g.tensor_bytes - base;
+  }
+  CheckSpans(req.offsets, req.lengths, limit);
+  CheckLayouts(g.layout, req.layout, blocks, static_cast<int64_t>(id));
+  return base;
+}
+
 Lease::~Lease() { reg_->Release(entry_.get()); }
 
 bool Lease::WantedBack() const { return reg_->Closing(entry_.get()); }
@@ -160,32 +190,7 @@ std::unique_ptr<Lease> Registry::Open(const wire::Request &req) {
     Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
   const std::shared_ptr<Entry> &e = it->second;
   if (e->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " is being unregistered");
-  const Geometry &g = e->geo;
-  for (uint32_t t : req.tensors)
-    if (t >= g.num_tensors)
-      Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +
-              std::to_string(g.num_tensors));
-  if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
-    Invalid("too many spans in one request (tensors x spans over " + std::to_string(kMaxRequestSpans) + ")");
-  std::vector<bool> seen(g.num_tensors, false);
-  for (uint32_t t : req.tensors) {
-    if (seen[t]) Invalid("tensor " + std::to_string(t) + " named twice in one request");
-    seen[t] = true;
-  }
-  uint64_t base = 0, limit = g.tensor_bytes;
-  if (blocks) {
-    if (req.unit_bytes && req.unit_bytes != g.unit_bytes)
-      Invalid("block size mismatch: requester assumed " + std::to_string(req.unit_bytes) + " bytes, cache " +
-              std::to_string(id) + " has " + std::to_string(g.unit_bytes));
-  } else {
-    if (req.b >= g.units)
-      Invalid("batch index " + std::to_string(req.b) + " out of range: cache " + std::to_string(id) + " has " +
-              std::to_string(g.units));
-    base = req.b * g.unit_bytes;
-    limit = g.tensor_bytes - base;
-  }
-  CheckSpans(req.offsets, req.lengths, limit);
-  CheckLayouts(g.layout, req.layout, blocks, e->id);
+  const uint64_t base = CheckRequest(e->geo, id, req);
   auto lease = std::make_unique<Lease>(this, e);
   ++e->leases;
   uint64_t per_tensor = 0;

@@ -99,6 +99,14 @@ class Registry {
   std::map<int64_t, std::shared_ptr<Entry>> by_id_;
 };
 
+/// Every check of a READ / WRITE by cache id (kind 2: slot `b`) or BlocksCacheKey (kind 3)
+/// against the geometry of the cache `id` it names, in the owner's order (docs/protocol.md,
+/// "Spans"): tensor indexes, the span cap, repeated tensors, block size or batch index, span
+/// bounds, layouts. Returns the byte offset of the unit the offsets count from (0 for
+/// blocks). LLM_PARAM_INVALID. Used by the owner (Registry::Open) and by a reader holding a
+/// lease on the whole cache (lease.h), so both refuse exactly the same requests.
+uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req);
+
 /// Every span [offset, offset + length) must lie in [0, limit) (overflow-safe).
 void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t> &lengths, uint64_t limit);
 
