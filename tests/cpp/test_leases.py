@@ -14,9 +14,14 @@ import datadist as llm
 from datadist.testing.peers import CacheSpec, PromptConfig, start_prompt
 from datadist.testing.peers import pattern as spec_pattern
 
-from ._python_side import PY_ID, make_python, register
-from .conftest import (LLM_KV_CACHE_NOT_EXIST, LLM_LINK_FAILED, LLM_PARAM_INVALID, LLM_TIMEOUT,
-                       pattern)
+from ._python_side import PY_ID, link_to, make_python, register
+from .conftest import (
+    LLM_KV_CACHE_NOT_EXIST,
+    LLM_LINK_FAILED,
+    LLM_PARAM_INVALID,
+    LLM_TIMEOUT,
+    pattern,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -57,25 +62,31 @@ def test_cpp_pulls_under_one_lease(xpeer):
             for t in range(2):
                 got, src = cpp.read(local, t), arrays[t].tobytes()
                 assert got[d * BLOCK:(d + 1) * BLOCK] == src[s * BLOCK:(s + 1) * BLOCK], (i, t)
-                assert got[s * BLOCK:(s + 1) * BLOCK] == src[(7 - s) * BLOCK:(8 - s) * BLOCK], (i, t)
+                slot = src[(7 - s) * BLOCK:(8 - s) * BLOCK]
+                assert got[s * BLOCK:(s + 1) * BLOCK] == slot, (i, t)
         # one lease for both (both name the cache by id), and no read asked the owner
         assert _served(py, "serve_lease") == leases + 1
         assert _served(py, "serve_read") == reads
         # the owner's checks, made by the reader: nothing reaches the owner either
-        assert cpp.status(f"pullc {PY_ID} {cache.cache_id} 8 {local} 0 -1 -1 -1 -1 -1 2") == LLM_PARAM_INVALID
-        assert cpp.status(f"pullb {PY_ID} {cache.cache_id} 0 {local} 8 0 -1 -1 -1 -1 2") == LLM_PARAM_INVALID
-        assert cpp.status(f"pullb {PY_ID} {cache.cache_id} 0 {local} 0 0 2 2 0 0 1") == LLM_PARAM_INVALID
+        cmd = f"pullc {PY_ID} {cache.cache_id} 8 {local} 0 -1 -1 -1 -1 -1 2"
+        assert cpp.status(cmd) == LLM_PARAM_INVALID
+        cmd = f"pullb {PY_ID} {cache.cache_id} 0 {local} 8 0 -1 -1 -1 -1 2"
+        assert cpp.status(cmd) == LLM_PARAM_INVALID
+        cmd = f"pullb {PY_ID} {cache.cache_id} 0 {local} 0 0 2 2 0 0 1"
+        assert cpp.status(cmd) == LLM_PARAM_INVALID
         assert _served(py, "serve_read") == reads
         # unregistered: the lease is revoked, the request path answers
         py.cache_manager.unregister_cache(cache.cache_id)
-        assert cpp.status(f"pullb {PY_ID} {cache.cache_id} 0 {local} 1 1 -1 -1 -1 -1 2") == LLM_KV_CACHE_NOT_EXIST
+        cmd = f"pullb {PY_ID} {cache.cache_id} 0 {local} 1 1 -1 -1 -1 -1 2"
+        assert cpp.status(cmd) == LLM_KV_CACHE_NOT_EXIST
         assert _served(py, "serve_read") == reads + 1
         # another data type: the reader checks the layout as the owner would
         other, oarrays = register(py, 2, SHAPE)
         _fill(oarrays, 210)
         halves = cpp.register(2, (8, BLOCK // 2), dtype=1)  # DT_FLOAT16, the same block bytes
         cpp.ok(f"pullb {PY_ID} {other.cache_id} 0 {local} 1 1 -1 -1 -1 -1 2")
-        assert cpp.status(f"pullb {PY_ID} {other.cache_id} 0 {halves} 1 1 -1 -1 -1 -1 2") == LLM_PARAM_INVALID
+        cmd = f"pullb {PY_ID} {other.cache_id} 0 {halves} 1 1 -1 -1 -1 -1 2"
+        assert cpp.status(cmd) == LLM_PARAM_INVALID
         assert _served(py, "serve_lease") == leases + 2
         assert _served(py, "serve_read") == reads + 1
     finally:
@@ -101,7 +112,8 @@ def test_a_model_id_bound_anew_is_read_anew(xpeer):
             cpp.ok(f"pullb {PY_ID} {second.cache_id} 0 {local} 6,7 2,3 -1 -1 -1 -1 2")
         for t in range(2):
             got = cpp.read(local, t)
-            assert got[:BLOCK] == farr[t][2].tobytes() and got[BLOCK:2 * BLOCK] == farr[t][5].tobytes()
+            assert got[:BLOCK] == farr[t][2].tobytes()
+            assert got[BLOCK:2 * BLOCK] == farr[t][5].tobytes()
             assert got[2 * BLOCK:3 * BLOCK] == sarr[t][6].tobytes()
             assert got[3 * BLOCK:4 * BLOCK] == sarr[t][7].tobytes()
         # the revoked lease cost one read; then one new lease per cache
@@ -130,7 +142,8 @@ def test_cpp_pushes_under_a_write_lease(xpeer):
             assert not arrays[t][[1, 3, 4, 5, 7]].any()
         assert _served(py, "serve_lease") == leases + 1
         assert _served(py, "serve_write") == writes
-        assert cpp.status(f"pushb {src} {PY_ID} {cache.cache_id} 0 8 -1 -1 -1 -1 2") == LLM_PARAM_INVALID
+        cmd = f"pushb {src} {PY_ID} {cache.cache_id} 0 8 -1 -1 -1 -1 2"
+        assert cpp.status(cmd) == LLM_PARAM_INVALID
         assert _served(py, "serve_write") == writes
     finally:
         py.finalize()
@@ -144,7 +157,8 @@ def test_an_owner_without_remote_access_refuses_write_leases(xpeer):
         src = cpp.register(2, SHAPE)
         for t in range(2):
             cpp.write(src, t, pattern(250 + t, 8 * BLOCK))
-        assert cpp.status(f"pushb {src} {PY_ID} {cache.cache_id} 1 1 -1 -1 -1 -1 2") == LLM_PARAM_INVALID
+        cmd = f"pushb {src} {PY_ID} {cache.cache_id} 1 1 -1 -1 -1 -1 2"
+        assert cpp.status(cmd) == LLM_PARAM_INVALID
         assert not any(a.any() for a in arrays)
     finally:
         py.finalize()
@@ -166,7 +180,47 @@ def test_a_killed_owner_is_an_error_not_stale_bytes(xpeer):
         prompt.peer.kill()
         for t in range(2):
             cpp.write(local, t, bytes(8 * BLOCK))
-        assert cpp.status(f"pullb {PY_ID} {cid} 0 {local} 4 4 -1 -1 -1 -1 2") in (LLM_LINK_FAILED, LLM_TIMEOUT)
+        cmd = f"pullb {PY_ID} {cid} 0 {local} 4 4 -1 -1 -1 -1 2"
+        assert cpp.status(cmd) in (LLM_LINK_FAILED, LLM_TIMEOUT)
         assert all(cpp.read(local, t) == bytes(8 * BLOCK) for t in range(2))
     finally:
         prompt.close()
+
+
+def test_python_reads_and_writes_a_cpp_owner_under_leases(xpeer):
+    """The other way: a C++ owner offers FEATURE_LEASE; a Python reader leases its caches
+    (by id and by BlocksCacheKey, read and write), and the C++ unregister revokes them."""
+    py = make_python(llm.LLMRole.DECODER, listen=False)
+    try:
+        cpp = xpeer()
+        cpp.init(CPP_ID, 1, listen=True)
+        remote = cpp.register(2, SHAPE)
+        src = [pattern(270 + t, 8 * BLOCK) for t in range(2)]
+        for t in range(2):
+            cpp.write(remote, t, src[t])
+        link_to(py, CPP_ID, cpp.port)
+        link = py.engine.get_link(CPP_ID)
+        assert link.path_name == "cma" and link.path.leases, link.reason
+        cm = py.cache_manager
+        cache, arrays = register(py, 2, SHAPE)
+        bcache, barrays = register(py, 2, SHAPE, blocks=True, model_id=3)
+        for _ in range(3):
+            cm.pull_cache(llm.CacheKeyByIdAndIndex(CPP_ID, remote, 6), cache, batch_index=1)
+            cm.pull_blocks(llm.BlocksCacheKey(CPP_ID, remote), bcache, [7, 0], [2, 5])
+        for t in range(2):
+            assert arrays[t][1].tobytes() == src[t][6 * BLOCK:7 * BLOCK]
+            assert barrays[t][2].tobytes() == src[t][7 * BLOCK:8 * BLOCK]
+            assert barrays[t][5].tobytes() == src[t][:BLOCK]
+        barrays[0][4] = 0x5A
+        cm.push_blocks(llm.BlocksCacheKey(CPP_ID, remote), bcache, [4], [3])
+        assert cpp.read(remote, 0)[3 * BLOCK:4 * BLOCK] == bytes([0x5A]) * BLOCK
+        assert len(link.path.remote) == 3, link.path.remote  # by id, by key, and to write
+        with pytest.raises(llm.LLMException) as e:
+            cm.pull_blocks(llm.BlocksCacheKey(CPP_ID, remote), bcache, [8], [0])
+        assert e.value.status_code == llm.LLMStatusCode.LLM_PARAM_INVALID
+        cpp.ok(f"unreg {remote}")
+        with pytest.raises(llm.LLMException) as e:
+            cm.pull_cache(llm.CacheKeyByIdAndIndex(CPP_ID, remote, 6), cache, batch_index=1)
+        assert e.value.status_code == llm.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    finally:
+        py.finalize()
