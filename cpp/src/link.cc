@@ -100,6 +100,7 @@ void Link::Open(Deadline deadline) {
 }
 
 void Link::Connect(Deadline deadline) {
+  DropLeases();
   conn_.reset();
   wire::Hello welcome;
   conn_ = Greet(false, deadline, rid_, welcome);
@@ -121,10 +122,15 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   std::unique_ptr<Conn> lc;
   local::Cred cred;
   uint32_t rid = 0;
+  wire::Hello again;
+  std::shared_ptr<lease::OwnerProc> owner;
+  std::string no_lease;
   try {
     lc = local::Connect(local::Name(welcome.pid, remote_), deadline);
     cred = local::PeerCred(lc->fd());
-    wire::Hello again;
+    // The pidfd before the handshake: a pid that died and was reused before this line cannot
+    // complete a handshake on this connection.
+    if (cred.WeMayRead()) owner = lease::OwnerProc::Open(cred.pid, no_lease);
     Handshake(*lc, false, deadline, rid, again);
   } catch (const Error &e) {
     if (e.code() == llm_datadist::LLM_TIMEOUT) throw;
@@ -137,6 +143,13 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   if (cred.WeMayRead()) {
     peer_pid_ = cred.pid;
     SetPath(Path::kCma, "same host, verified by the kernel (" + who + "): cross-memory attach");
+    if (!(again.features & wire::kFeatureLease)) return;
+    if (!owner) {
+      Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + no_lease + ")");
+      return;
+    }
+    std::lock_guard<std::mutex> lock(lease_mu_);
+    lease_owner_ = std::move(owner);
   } else {
     SetPath(Path::kLocalStream, "same host, verified by the kernel (" + who + "), but not ours to read: bytes stream over the local socket");
   }
@@ -235,7 +248,99 @@ void Link::Prepare(Deadline deadline) {
   }
 }
 
+void Link::DropLeases(const std::shared_ptr<lease::Leased> &only) {
+  std::map<LeaseKey, std::shared_ptr<lease::Leased>> gone;  // closed outside the mutex
+  std::lock_guard<std::mutex> lock(lease_mu_);
+  if (!only) {
+    gone.swap(leases_);
+    lease_owner_.reset();
+    return;
+  }
+  for (auto it = leases_.begin(); it != leases_.end(); ++it)
+    if (it->second == only) {
+      leases_.erase(it);
+      return;
+    }
+}
+
+std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline deadline) {
+  auto guard = Acquire(deadline);
+  Prepare(deadline);
+  std::shared_ptr<lease::OwnerProc> owner;
+  {
+    std::lock_guard<std::mutex> lock(lease_mu_);
+    auto it = leases_.find(key);
+    if (it != leases_.end()) return it->second;  // another thread asked meanwhile
+    owner = lease_owner_;
+  }
+  if (!owner || path_ != Path::kCma) return nullptr;
+  wire::LeaseRequest q;
+  q.kind = std::get<0>(key);
+  (q.kind == wire::kCacheId ? q.a : q.b) = std::get<1>(key);
+  q.flags = std::get<2>(key) ? wire::kLeaseWrite : 0;  // no SHM: we read with cross-memory attach
+  std::vector<uint8_t> payload;
+  wire::Header h = Call(wire::EncodeLeaseRequest(q, ++rid_), payload, deadline);  // ERROR: the refusal
+  std::shared_ptr<lease::Leased> l;
+  std::string why;
+  try {
+    if (h.type != wire::kCacheLease) ProtocolViolation("expected CACHE_LEASE");
+    wire::CacheLease msg = wire::DecodeCacheLease(payload);
+    if (q.kind == wire::kCacheId && msg.cache_id != q.a)
+      ProtocolViolation("asked a lease on cache " + std::to_string(q.a) + ", got one on " + std::to_string(msg.cache_id));
+    l = lease::Make(std::move(msg), std::get<1>(key), std::get<2>(key), owner, why);
+  } catch (const Error &) {
+    conn_->Close();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(lease_mu_);
+  if (!l) {
+    Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + why + "): every transfer asks the owner");
+    lease_owner_.reset();  // until the link reconnects
+    leases_.clear();
+    return nullptr;
+  }
+  if (lease_owner_ != owner) return nullptr;  // dropped meanwhile (a failed copy on another thread)
+  leases_[key] = l;
+  return l;
+}
+
+bool Link::TransferLeased(const wire::Request &req, const std::vector<iovec> &local, bool write, Deadline deadline) {
+  if ((req.kind != wire::kCacheId && req.kind != wire::kBlocksKey) || path_ != Path::kCma) return false;
+  const LeaseKey key{req.kind, req.kind == wire::kCacheId ? req.a : req.b, write};
+  std::shared_ptr<lease::Leased> l;
+  {
+    std::lock_guard<std::mutex> lock(lease_mu_);
+    if (!lease_owner_) return false;
+    auto it = leases_.find(key);
+    if (it != leases_.end()) l = it->second;
+  }
+  if (!l && !(l = AskLease(key, deadline))) return false;
+  std::string why;
+  switch (lease::Copy(*l, req, local, why)) {
+    case lease::Outcome::kDone:
+      return true;
+    case lease::Outcome::kRevoked:
+      DropLeases(l);  // the owner's answer to the request says what became of the cache
+      return false;
+    case lease::Outcome::kRefused: {
+      DropLeases();
+      auto guard = Acquire(deadline);
+      if (path_ == Path::kCma && peer_pid_ == l->owner->pid())
+        SetPath(Path::kLocalStream, "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" +
+                                        why + "): bytes stream over the local socket");
+      return false;
+    }
+    case lease::Outcome::kFailed:
+      Log("link to cluster " + std::to_string(remote_) + ": leased " + (write ? "write" : "read") + " failed (" + why +
+          "): asking the owner");
+      DropLeases();
+      return false;
+  }
+  return false;
+}
+
 void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  if (TransferLeased(req, local, false, deadline)) return;
   auto guard = Acquire(deadline);
   Prepare(deadline);
   // Small reads stream over the local socket even where cross-memory attach works: one round
@@ -309,6 +414,7 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
 }
 
 void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  if (TransferLeased(req, local, true, deadline)) return;
   auto guard = Acquire(deadline);
   Prepare(deadline);
   std::vector<uint8_t> payload;
@@ -334,6 +440,7 @@ void Link::Close(Deadline deadline, bool force) {
       closing_ = true;
       conn_.reset();
     }
+    DropLeases();
     StopReverse();
     return;
   }
@@ -348,6 +455,7 @@ void Link::Close(Deadline deadline, bool force) {
     }
   }
   conn_.reset();
+  DropLeases();
   StopReverse();
 }
 

@@ -8,8 +8,16 @@
 // the unix connection is the link's control channel and the TCP one is closed. Pulls then
 // ask for grants and copy with process_vm_readv from the pid the kernel reported for that
 // connection ("cma"), or, when that pid is not ours to read, stream over it ("local");
-// pushes always stream over the control channel. If the kernel refuses cross-memory attach,
-// the link streams over the local channel from then on (until it reconnects).
+// pushes stream over the control channel. If the kernel refuses cross-memory attach, the link
+// streams over the local channel from then on (until it reconnects).
+//
+// Whole-cache leases (docs/protocol.md, "Cache leases"): on the cma path, to an owner whose
+// local WELCOME carries FEATURE_LEASE, the first pull (push) naming a cache by id asks
+// LEASE_REQUEST (with LEASE_WRITE for pushes) once; later ones are checked against the lease
+// and copied with process_vm_readv (_writev) under its fence, no frame sent, without taking
+// the link (other threads' transfers run beside them). A revoked lease, a refused or failed
+// copy, or an owner that exited send the transfer the request way, whose answer is its
+// outcome. Leases are dropped when the link reconnects or closes.
 #ifndef DATADIST_CPP_LINK_H_
 #define DATADIST_CPP_LINK_H_
 
@@ -25,6 +33,10 @@
 #include <atomic>
 #include <vector>
 
+#include <map>
+#include <tuple>
+
+#include "lease.h"
 #include "net.h"
 #include "registry.h"
 #include "wire.h"
@@ -83,6 +95,14 @@ class Link {
   /// Same-host pull: GRANT, process_vm_readv, RELEASE. False (nothing moved, the link now
   /// streams) when the kernel refused cross-memory attach.
   bool ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  /// A pull (push) under a whole-cache lease; false when there is none to use (nothing
+  /// moved: the caller asks the owner). Throws the owner's refusals (LEASE_REQUEST's answer,
+  /// or the checks it would make).
+  bool TransferLeased(const wire::Request &req, const std::vector<iovec> &local, bool write, Deadline deadline);
+  /// LEASE_REQUEST for `key` (takes the link); null when leases cannot work on this connection.
+  using LeaseKey = std::tuple<uint8_t, uint64_t, bool>;  // key kind, cache / model id, write
+  std::shared_ptr<lease::Leased> AskLease(const LeaseKey &key, Deadline deadline);
+  void DropLeases(const std::shared_ptr<lease::Leased> &only = nullptr);
   void StopReverse();
   wire::Header Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline);
   wire::Header Answer(std::vector<uint8_t> &payload, Deadline deadline);
@@ -121,6 +141,11 @@ class Link {
   uint64_t grant_above_ = kGrantAbove;
   std::atomic<Path> path_{Path::kTcp};
   pid_t peer_pid_ = 0;         // kCma: the pid SO_PEERCRED reported for conn_
+  // Whole-cache leases of the current connection. lease_mu_ guards these two only; copies
+  // under a lease hold its shared_ptr, not the mutex.
+  std::mutex lease_mu_;
+  std::shared_ptr<lease::OwnerProc> lease_owner_;  // null: no leases on this connection
+  std::map<LeaseKey, std::shared_ptr<lease::Leased>> leases_;
   // Our reverse channel (client links): served by its own thread until unlink / finalize.
   std::unique_ptr<Conn> rev_conn_;
   std::thread rev_thread_;

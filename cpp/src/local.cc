@@ -109,26 +109,30 @@ std::unique_ptr<Conn> Connect(const std::string &name, Deadline deadline) {
   return conn;
 }
 
-CopyResult VmRead(pid_t pid, const std::vector<iovec> &local, const std::vector<iovec> &remote, std::string &why) {
+CopyResult VmCopy(pid_t pid, const std::vector<iovec> &local, const std::vector<iovec> &remote, bool write,
+                  std::string &why) {
   if (local.size() != remote.size()) Fail(llm_datadist::LLM_FAILED, "cross-memory copy: span lists differ");
-  // One call; -1 when the kernel refused cross-memory attach (`why` says how).
+  const char *what = write ? "process_vm_writev" : "process_vm_readv";
+  // One call; -1 when the kernel refused cross-memory attach, -2 when the copy failed
+  // otherwise (`why` says how).
   auto call = [&](const iovec *l, size_t nl, const iovec *r, size_t nr) -> ssize_t {
-    ssize_t got = process_vm_readv(pid, l, nl, r, nr, 0);
+    ssize_t got = write ? process_vm_writev(pid, l, nl, r, nr, 0) : process_vm_readv(pid, l, nl, r, nr, 0);
     if (got >= 0) return got;
     const int err = errno;
     if (err == EPERM || err == EACCES || err == ENOSYS) {
-      why = std::string("process_vm_readv refused: ") + std::strerror(err);
+      why = std::string(what) + " refused: " + std::strerror(err);
       return -1;
     }
-    if (err == ESRCH) Fail(llm_datadist::LLM_LINK_FAILED, "the owner process " + std::to_string(pid) + " is gone");
-    Fail(llm_datadist::LLM_LINK_FAILED, std::string("cross-memory copy failed: ") + std::strerror(err));
+    why = err == ESRCH ? "the owner process " + std::to_string(pid) + " is gone"
+                       : std::string("cross-memory copy failed: ") + std::strerror(err);
+    return -2;
   };
   for (size_t start = 0; start < local.size(); start += kIovMax) {
     const size_t n = std::min(kIovMax, local.size() - start);
     size_t want = 0;
     for (size_t i = start; i < start + n; ++i) want += local[i].iov_len;
     ssize_t got = call(local.data() + start, n, remote.data() + start, n);
-    if (got < 0) return CopyResult::kRefused;
+    if (got < 0) return got == -1 ? CopyResult::kRefused : CopyResult::kFailed;
     size_t done = static_cast<size_t>(got);
     if (done < want) {
       // A short copy: retry the rest once (the kernel may stop at a page boundary under
@@ -145,14 +149,21 @@ CopyResult VmRead(pid_t pid, const std::vector<iovec> &local, const std::vector<
         }
       }
       got = call(l.data(), l.size(), r.data(), r.size());
-      if (got < 0) return CopyResult::kRefused;
+      if (got < 0) return got == -1 ? CopyResult::kRefused : CopyResult::kFailed;
       done += static_cast<size_t>(got);
     }
-    if (done != want)
-      Fail(llm_datadist::LLM_LINK_FAILED,
-           "cross-memory copy moved " + std::to_string(done) + " of " + std::to_string(want) + " bytes");
+    if (done != want) {
+      why = "cross-memory copy moved " + std::to_string(done) + " of " + std::to_string(want) + " bytes";
+      return CopyResult::kFailed;
+    }
   }
   return CopyResult::kDone;
+}
+
+CopyResult VmRead(pid_t pid, const std::vector<iovec> &local, const std::vector<iovec> &remote, std::string &why) {
+  CopyResult got = VmCopy(pid, local, remote, false, why);
+  if (got == CopyResult::kFailed) Fail(llm_datadist::LLM_LINK_FAILED, why);
+  return got;
 }
 
 namespace {

@@ -70,7 +70,15 @@ std::unique_ptr<Conn> Connect(const std::string &name, Deadline deadline);
 enum class CopyResult {
   kDone,     // every byte moved
   kRefused,  // the kernel refused cross-memory attach (nothing to retry on this pid)
+  kFailed,   // the process is gone (ESRCH), an address is not mapped there (EFAULT), or the
+             // copy fell short twice: some bytes may have moved
 };
+
+/// Copies between our spans `local` and the spans `remote` of process `pid` (entry i of both
+/// has the same length): process_vm_readv, or with `write` process_vm_writev, IOV_MAX
+/// entries per call. Never throws for the kernel's answers: kRefused / kFailed with `why`.
+CopyResult VmCopy(pid_t pid, const std::vector<iovec> &local, const std::vector<iovec> &remote, bool write,
+                  std::string &why);
 
 /// Copies the spans `remote` of process `pid` into `local` (entry i of both has the same
 /// length), IOV_MAX entries per call. kRefused (with `why`) when the kernel refuses;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "errors.h"
+#include "lease.h"
 
 namespace datadist {
 namespace {
@@ -74,6 +75,36 @@ void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t
   }
 }
 
+uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) {
+  const bool blocks = req.kind == wire::kBlocksKey;
+  for (uint32_t t : req.tensors)
+    if (t >= g.num_tensors)
+      Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +
+              std::to_string(g.num_tensors));
+  if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
+    Invalid("too many spans in one request (tensors x spans over " + std::to_string(kMaxRequestSpans) + ")");
+  std::vector<bool> seen(g.num_tensors, false);
+  for (uint32_t t : req.tensors) {
+    if (seen[t]) Invalid("tensor " + std::to_string(t) + " named twice in one request");
+    seen[t] = true;
+  }
+  uint64_t base = 0, limit = g.tensor_bytes;
+  if (blocks) {
+    if (req.unit_bytes && req.unit_bytes != g.unit_bytes)
+      Invalid("block size mismatch: requester assumed " + std::to_string(req.unit_bytes) + " bytes, cache " +
+              std::to_string(id) + " has " + std::to_string(g.unit_bytes));
+  } else {
+    if (req.b >= g.units)
+      Invalid("batch index " + std::to_string(req.b) + " out of range: cache " + std::to_string(id) + " has " +
+              std::to_string(g.units));
+    base = req.b * g.unit_bytes;
+    limit = g.tensor_bytes - base;
+  }
+  CheckSpans(req.offsets, req.lengths, limit);
+  CheckLayouts(g.layout, req.layout, blocks, static_cast<int64_t>(id));
+  return base;
+}
+
 Lease::~Lease() { reg_->Release(entry_.get()); }
 
 bool Lease::WantedBack() const { return reg_->Closing(entry_.get()); }
@@ -116,12 +147,71 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
     Invalid(owned ? "cache " + std::to_string(id) + " was registered, not allocated: use UnregisterKvCache"
                   : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
   e->closing = true;
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
-  if (!changed_.wait_until(lock, deadline, [&] { return e->leases == 0; })) {
-    e->closing = false;
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
+  if (!Drain(lock, *e, deadline)) {
+    e->closing = false;  // its fence stays revoked: the next lease gets a new one
     Fail(llm_datadist::LLM_TIMEOUT, "cache " + std::to_string(id) + " is still being transferred; it stays registered");
   }
   by_id_.erase(id);
+}
+
+bool Registry::Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline) {
+  if (e.fence) e.fence->Revoke();  // no leased copy starts from now on
+  if (!changed_.wait_until(lock, deadline, [&] { return e.leases == 0; })) return false;
+  // Leased copies in flight hold the fence's shared lock (another process's, so no condition
+  // tells us): the exclusive lock is tried every 200 us until the deadline.
+  while (e.fence && !e.fence->Drained()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    changed_.wait_for(lock, std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+int Registry::RevokeLeases(double wait_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<lease::Fence>> fences;
+  for (auto &kv : by_id_)
+    if (kv.second->fence) {
+      kv.second->fence->Revoke();
+      fences.push_back(kv.second->fence);
+    }
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
+  int held = 0;
+  for (auto &f : fences) {
+    while (!f->Drained() && std::chrono::steady_clock::now() < deadline) changed_.wait_for(lock, std::chrono::microseconds(200));
+    held += f->Drained() ? 0 : 1;
+  }
+  return held;
+}
+
+wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
+  const uint64_t id = q.kind == wire::kBlocksKey ? q.b : q.a;
+  std::shared_ptr<lease::Fence> retired;  // a revoked fence replaced here closes outside mu_
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(static_cast<int64_t>(id));
+  if (id > static_cast<uint64_t>(INT64_MAX) || it == by_id_.end())
+    Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
+  Entry &e = *it->second;
+  if (e.closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " is being unregistered");
+  if (!e.fence || e.fence->revoked()) {
+    // A revoked fence (an unregister that timed out) may still be held by a copy that
+    // started before the revocation; closing our descriptor does not end it, and the copy
+    // reads memory that is still registered.
+    retired = std::move(e.fence);
+    e.fence = std::make_shared<lease::Fence>();
+  }
+  wire::CacheLease l;
+  l.cache_id = static_cast<uint64_t>(e.id);
+  l.tensor_bytes = e.geo.tensor_bytes;
+  l.units = e.geo.units;
+  l.is_blocks = false;  // C++ caches carry no paged flag; the layout tag says the block shape
+  l.layout = e.geo.layout;
+  l.fence_fd = e.fence->fd();
+  l.fence_ino = e.fence->ino();
+  l.addrs = e.addrs;
+  return l;
 }
 
 int Registry::Clear(double wait_s) {
@@ -132,10 +222,11 @@ int Registry::Clear(double wait_s) {
     all.push_back(kv.second);
   }
   by_id_.clear();
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
-  auto busy = [&] { return static_cast<int>(std::count_if(all.begin(), all.end(), [](auto &e) { return e->leases > 0; })); };
-  changed_.wait_until(lock, deadline, [&] { return busy() == 0; });
-  return busy();
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
+  int busy = 0;
+  for (auto &e : all) busy += Drain(lock, *e, deadline) ? 0 : 1;
+  return busy;
 }
 
 std::unique_ptr<Lease> Registry::Hold(int64_t id) {
@@ -160,32 +251,7 @@ std::unique_ptr<Lease> Registry::Open(const wire::Request &req) {
     Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
   const std::shared_ptr<Entry> &e = it->second;
   if (e->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " is being unregistered");
-  const Geometry &g = e->geo;
-  for (uint32_t t : req.tensors)
-    if (t >= g.num_tensors)
-      Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +
-              std::to_string(g.num_tensors));
-  if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
-    Invalid("too many spans in one request (tensors x spans over " + std::to_string(kMaxRequestSpans) + ")");
-  std::vector<bool> seen(g.num_tensors, false);
-  for (uint32_t t : req.tensors) {
-    if (seen[t]) Invalid("tensor " + std::to_string(t) + " named twice in one request");
-    seen[t] = true;
-  }
-  uint64_t base = 0, limit = g.tensor_bytes;
-  if (blocks) {
-    if (req.unit_bytes && req.unit_bytes != g.unit_bytes)
-      Invalid("block size mismatch: requester assumed " + std::to_string(req.unit_bytes) + " bytes, cache " +
-              std::to_string(id) + " has " + std::to_string(g.unit_bytes));
-  } else {
-    if (req.b >= g.units)
-      Invalid("batch index " + std::to_string(req.b) + " out of range: cache " + std::to_string(id) + " has " +
-              std::to_string(g.units));
-    base = req.b * g.unit_bytes;
-    limit = g.tensor_bytes - base;
-  }
-  CheckSpans(req.offsets, req.lengths, limit);
-  CheckLayouts(g.layout, req.layout, blocks, e->id);
+  const uint64_t base = CheckRequest(e->geo, id, req);
   auto lease = std::make_unique<Lease>(this, e);
   ++e->leases;
   uint64_t per_tensor = 0;

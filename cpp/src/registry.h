@@ -10,6 +10,7 @@
 
 #include <sys/uio.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -21,6 +22,9 @@
 #include "wire.h"
 
 namespace datadist {
+namespace lease {
+class Fence;  // lease.h
+}  // namespace lease
 
 /// Most spans (tensors x spans per tensor) one request may name (docs/protocol.md).
 constexpr uint64_t kMaxRequestSpans = 1ULL << 22;
@@ -44,6 +48,9 @@ struct Entry {
   std::vector<std::unique_ptr<uint8_t[]>> owned;  // AllocateCache's memory; empty when registered
   int leases = 0;
   bool closing = false;
+  /// Set once a reader leased the whole cache (LeaseCache); revoked and drained before the
+  /// memory goes. A revoked one is replaced by a new one at the next lease.
+  std::shared_ptr<lease::Fence> fence;
 };
 
 class Registry;
@@ -85,6 +92,13 @@ class Registry {
   /// Owner side of a peer's READ / WRITE: resolve, bounds-check every span, lease.
   /// LLM_KV_CACHE_NOT_EXIST for an unknown cache, LLM_PARAM_INVALID for anything that does not fit.
   std::unique_ptr<Lease> Open(const wire::Request &req);
+  /// Owner side of LEASE_REQUEST: the cache a kCacheId (b ignored) or kBlocksKey key names
+  /// (a C++ owner resolves a model id as its cache id), its geometry and addresses, and its
+  /// live fence. LLM_KV_CACHE_NOT_EXIST for an unknown cache or one being unregistered.
+  wire::CacheLease LeaseCache(const wire::LeaseRequest &q);
+  /// Revokes every cache's lease fence (the server stopped) and waits up to `wait_s` for
+  /// the leased copies in flight. Returns how many fences are still held.
+  int RevokeLeases(double wait_s);
   /// Drops everything (Finalize); waits up to `wait_s` for leases. Returns how many remain leased.
   int Clear(double wait_s);
 
@@ -93,11 +107,22 @@ class Registry {
   void Release(Entry *e);
   bool Closing(const Entry *e);
   std::unique_ptr<Lease> OpenAddresses(const wire::Request &req);
+  /// Revokes `e`'s fence and waits (mu_ held by `lock`) until no transfer holds it and no
+  /// leased copy is in flight, or the deadline passes (false).
+  bool Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline);
   std::mutex mu_;
   std::condition_variable changed_;
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<Entry>> by_id_;
 };
+
+/// Every check of a READ / WRITE by cache id (kind 2: slot `b`) or BlocksCacheKey (kind 3)
+/// against the geometry of the cache `id` it names, in the owner's order (docs/protocol.md,
+/// "Spans"): tensor indexes, the span cap, repeated tensors, block size or batch index, span
+/// bounds, layouts. Returns the byte offset of the unit the offsets count from (0 for
+/// blocks). LLM_PARAM_INVALID. Used by the owner (Registry::Open) and by a reader holding a
+/// lease on the whole cache (lease.h), so both refuse exactly the same requests.
+uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req);
 
 /// Every span [offset, offset + length) must lie in [0, limit) (overflow-safe).
 void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t> &lengths, uint64_t limit);

@@ -100,6 +100,14 @@ void GrantBook::Take(pid_t pid) {
   }
 }
 
+void GrantBook::AllowReaders() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (allow_ptrace_ && !ptracer_) {
+    local::Ptracer::Acquire(this);
+    ptracer_ = true;
+  }
+}
+
 void GrantBook::Drop(pid_t pid) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = held_.find(pid);
@@ -149,6 +157,9 @@ void Server::Stop() {
     if (w->conn) w->conn->Shutdown();
   ReapLocked(true);
   grants_.Close();  // every grant ended with its connection
+  // Nobody is served any more: whole-cache leases end too (a reader's next transfer asks
+  // us, and finds nobody); copies in flight end first, within a bound.
+  registry_->RevokeLeases(kRevokeWait);
 }
 
 void Server::ReapLocked(bool all) {
@@ -361,7 +372,7 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster) {
   welcome.pid_ns = host.pid_ns;
   welcome.boot_id = host.boot_id;
   welcome.features = on_reverse_ ? wire::kFeatureReverse : 0;  // we accept reverse channels
-  if (serves_local_) welcome.features |= wire::kFeatureLocal;
+  if (serves_local_) welcome.features |= wire::kFeatureLocal | wire::kFeatureLease;
   const std::string &secret = identity_->secret;
   if (!secret.empty()) {
     welcome.features |= auth::kFeatureAuth;
@@ -473,6 +484,25 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       wire::DecodeEmpty(payload);
       TrySend(c, wire::EncodeEmpty(wire::kOk, rid));
       return false;
+    case wire::kLeaseRequest: {
+      // A whole-cache lease (docs/protocol.md, "Cache leases"): on the local channel, to a
+      // peer the kernel says may read us, as grants. The reader checks and copies by itself;
+      // the cache's fence is revoked and drained before its memory goes (Registry::Remove).
+      wire::LeaseRequest q = wire::DecodeLeaseRequest(payload);
+      std::vector<uint8_t> answer;
+      try {
+        if (ctx.peer == nullptr || ctx.grants == nullptr || !ctx.peer->MayReadUs())
+          Invalid("cache leases are granted only on the local channel, to peers allowed to read this process's memory");
+        wire::CacheLease l = registry_->LeaseCache(q);  // nothing of ours is in shareable memory: m = 0
+        ctx.grants->AllowReaders();
+        answer = wire::EncodeCacheLease(l, rid);
+      } catch (const Error &e) {
+        if (e.code() == kSuspectRemoteError) throw;
+        answer = ErrorFrame(e, rid);
+      }
+      c.SendFrame(answer, After(kServeTimeout));
+      return true;
+    }
     case wire::kRelease: {
       // Ends a grant of this connection (ok or not: a C++ owner consumes no keys). Unknown
       // ids (released already, expired, or lease 0, a checksum verdict) settle nothing.

@@ -42,6 +42,9 @@ class GrantBook {
   /// One more grant to `pid`; LLM_LINK_BUSY when it holds kMaxGrantsPerPeer already.
   void Take(pid_t pid);
   void Drop(pid_t pid);
+  /// A whole-cache lease was given (not counted: a lease holds no memory of ours, its fence
+  /// does): let same-user readers attach, as the first grant does.
+  void AllowReaders();
   /// No more grants (the server stopped): gives the ptrace permission back.
   void Close();
 
@@ -74,6 +77,8 @@ using ReverseHandler = std::function<void(uint64_t cluster_id, std::unique_ptr<C
 
 class Server {
  public:
+  /// Stop waits at most this long (seconds) for leased copies in flight.
+  static constexpr double kRevokeWait = 2.0;
   Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr)
       : registry_(registry), identity_(identity), on_reverse_(std::move(on_reverse)),
         grants_(identity->allow_ptrace) {}

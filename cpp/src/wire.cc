@@ -159,6 +159,75 @@ std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid) {
   return w.Finish();
 }
 
+std::vector<uint8_t> EncodeLeaseRequest(const LeaseRequest &r, uint32_t rid) {
+  Writer w(kLeaseRequest, rid);
+  w.U8(r.kind);
+  w.U64(r.a);
+  w.U64(r.b);
+  w.U64(r.c);
+  w.U32(r.flags);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid) {
+  const size_t m = l.shm_fds.size();
+  if ((m && m != l.addrs.size()) || l.shm_inos.size() != m || l.shm_offsets.size() != m)
+    Fail(llm_datadist::LLM_FAILED, "CACHE_LEASE arrays differ in length");
+  Writer w(kCacheLease, rid);
+  w.U64(l.cache_id);
+  w.U64(l.tensor_bytes);
+  w.U64(l.units);
+  w.U8(l.is_blocks ? 1 : 0);
+  w.U64(l.layout);
+  w.U32(static_cast<uint32_t>(l.fence_fd));
+  w.U64(l.fence_ino);
+  w.U32(l.addrs.size());
+  w.U32(m);
+  for (uint64_t a : l.addrs) w.U64(a);
+  for (int32_t fd : l.shm_fds) w.U32(static_cast<uint32_t>(fd));
+  for (uint64_t v : l.shm_inos) w.U64(v);
+  for (uint64_t v : l.shm_offsets) w.U64(v);
+  return w.Finish();
+}
+
+LeaseRequest DecodeLeaseRequest(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  LeaseRequest q;
+  q.kind = static_cast<uint8_t>(r.Uint(1));
+  if (q.kind != kCacheId && q.kind != kBlocksKey)
+    ProtocolViolation("a lease names a cache by id or BlocksCacheKey, not key kind " + std::to_string(q.kind));
+  q.a = r.Uint(8);
+  q.b = r.Uint(8);
+  q.c = r.Uint(8);
+  q.flags = static_cast<uint32_t>(r.Uint(4));
+  if (q.flags & ~(kFlagShm | kLeaseWrite)) ProtocolViolation("unknown lease flags " + std::to_string(q.flags));
+  r.Done();
+  return q;
+}
+
+CacheLease DecodeCacheLease(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  CacheLease l;
+  l.cache_id = r.Uint(8);
+  l.tensor_bytes = r.Uint(8);
+  l.units = r.Uint(8);
+  const uint64_t blocks = r.Uint(1);
+  l.is_blocks = blocks == 1;
+  l.layout = r.Uint(8);
+  l.fence_fd = static_cast<int32_t>(static_cast<uint32_t>(r.Uint(4)));
+  l.fence_ino = r.Uint(8);
+  const uint64_t n = r.Uint(4), m = r.Uint(4);
+  if (blocks > 1 || (m != 0 && m != n) || n == 0 || l.units == 0 || l.tensor_bytes % l.units)
+    ProtocolViolation("malformed CACHE_LEASE");
+  l.addrs = r.Array<uint64_t>(n);
+  std::vector<uint32_t> fds = r.Array<uint32_t>(m);
+  for (uint32_t fd : fds) l.shm_fds.push_back(static_cast<int32_t>(fd));
+  l.shm_inos = r.Array<uint64_t>(m);
+  l.shm_offsets = r.Array<uint64_t>(m);
+  r.Done();
+  return l;
+}
+
 Grant DecodeGrant(const std::vector<uint8_t> &payload) {
   Reader r(payload);
   Grant g;
@@ -191,7 +260,8 @@ Header DecodeHeader(const uint8_t *d) {
   if (d[2] != kVersion) ProtocolViolation("unsupported protocol version " + std::to_string(d[2]));
   Header h;
   h.type = d[3];
-  if (h.type < kHello || h.type > kChecksum) ProtocolViolation("unknown message type " + std::to_string(h.type));
+  if ((h.type < kHello || h.type > kChecksum) && h.type != kLeaseRequest && h.type != kCacheLease)
+    ProtocolViolation("unknown message type " + std::to_string(h.type));
   for (int i = 0; i < 4; ++i) h.request_id |= static_cast<uint32_t>(d[4 + i]) << (8 * i);
   for (int i = 0; i < 4; ++i) h.length |= static_cast<uint32_t>(d[8 + i]) << (8 * i);
   if (h.length > kMaxPayload) ProtocolViolation("frame exceeds 64 MiB");

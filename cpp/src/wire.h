@@ -33,6 +33,9 @@ enum MsgType : uint8_t {
   kShmGrant = 13,
   kAuth = 14,
   kChecksum = 15,
+  // 16 to 22: NIXL and STATS, not spoken here (a frame of those types is malformed)
+  kLeaseRequest = 23,
+  kCacheLease = 24,
 };
 
 enum KeyKind : uint8_t { kCacheKey = 1, kCacheId = 2, kBlocksKey = 3, kAddress = 4 };
@@ -41,6 +44,9 @@ constexpr uint32_t kFlagGrant = 1, kFlagShm = 2, kFlagChecksum = 4;
 // HELLO / WELCOME features (bit 0, FEATURE_AUTH, is in auth.h)
 constexpr uint32_t kFeatureLocal = 2;    // WELCOME: the server also serves its local channel
 constexpr uint32_t kFeatureReverse = 4;  // WELCOME: reverse channels accepted; HELLO: this is one
+constexpr uint32_t kFeatureLease = 8;    // WELCOME, local channel: LEASE_REQUEST is answered
+// LEASE_REQUEST flags: kFlagShm (the reader maps shareable memory), or a lease to write
+constexpr uint32_t kLeaseWrite = 0x100;
 
 struct Header {
   uint8_t type = 0;
@@ -86,6 +92,29 @@ struct Release {
   bool ok = false;
 };
 
+/// LEASE_REQUEST: a lease on a whole cache, named by id (kCacheId, b ignored) or by
+/// BlocksCacheKey (kBlocksKey); flags kFlagShm and / or kLeaseWrite.
+struct LeaseRequest {
+  uint8_t kind = 0;
+  uint64_t a = 0, b = 0, c = 0;
+  uint32_t flags = 0;
+};
+
+/// CACHE_LEASE (docs/protocol.md, "Cache leases"): the cache's geometry, every tensor's
+/// address in the owner's address space, its memfds (or none) and the fence file.
+struct CacheLease {
+  uint64_t cache_id = 0;
+  uint64_t tensor_bytes = 0;
+  uint64_t units = 0;
+  bool is_blocks = false;
+  uint64_t layout = 0;
+  int32_t fence_fd = -1;
+  uint64_t fence_ino = 0;
+  std::vector<uint64_t> addrs;
+  std::vector<int32_t> shm_fds;
+  std::vector<uint64_t> shm_inos, shm_offsets;
+};
+
 // ---- encoding: whole frames
 std::vector<uint8_t> EncodeHello(uint8_t type, const Hello &h, uint32_t rid);
 std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid);
@@ -96,6 +125,8 @@ std::vector<uint8_t> EncodeChecksum(uint32_t crc, uint64_t nbytes, uint32_t rid)
 std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid);
 std::vector<uint8_t> EncodeGrant(const Grant &g, uint32_t rid);
 std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid);
+std::vector<uint8_t> EncodeLeaseRequest(const LeaseRequest &r, uint32_t rid);
+std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid);
 
 // ---- decoding
 Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
@@ -107,6 +138,11 @@ std::string DecodeAuth(const std::vector<uint8_t> &payload);
 void DecodeEmpty(const std::vector<uint8_t> &payload);
 Grant DecodeGrant(const std::vector<uint8_t> &payload);
 Release DecodeRelease(const std::vector<uint8_t> &payload);
+/// Key kinds other than kCacheId / kBlocksKey, and unknown flags, are malformed.
+LeaseRequest DecodeLeaseRequest(const std::vector<uint8_t> &payload);
+/// Malformed (as Python's decoder): is_blocks > 1, no tensors, units 0, tensor bytes not a
+/// multiple of units, m neither 0 nor n.
+CacheLease DecodeCacheLease(const std::vector<uint8_t> &payload);
 /// Checks CHECKSUM / SHM_GRANT / AUTH (and RELEASE / GRANT) payloads are well formed (contents unused).
 void CheckOther(uint8_t type, const std::vector<uint8_t> &payload);
 

@@ -275,7 +275,7 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
   // small pulls: runs of pulls and of round trips, alternating
   Row lat = MakeRow(std::string("cpp_") + (tcp ? "tcp" : "same_host") + "_small",
           std::string("C++ PullKvBlocks, one 16 KiB block, ") + (tcp ? "TCP" : "same host"), "us",
-                    tcp ? "tcp" : "local stream",
+                    tcp ? "tcp" : "cma",  // same host: copied under a whole-cache lease
           "16-byte request/reply on a plain TCP socket, p50", "<= 1.50x");
   uint8_t ping[16] = {0}, pong[16];
   auto pull_one = [&](int i) {

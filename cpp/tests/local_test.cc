@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "errors.h"
+#include "lease.h"
 #include "link.h"
 #include "local.h"
 #include "server.h"
@@ -121,6 +122,117 @@ TEST_F(Owner, SameHostClientLinksOverTheLocalChannelAndReadsWithCma) {
   link.Close(After(1), true);
 }
 
+TEST_F(Owner, CacheLeasesAreLocalFencedRevokedAndDrained) {
+  w::LeaseRequest q;
+  q.kind = w::kCacheId;
+  q.a = static_cast<uint64_t>(cache_id);
+  // over TCP no lease (no address is disclosed); the connection stays usable
+  {
+    auto tcp = datadist::Conn::Connect("127.0.0.1", server->port(), After(2));
+    ASSERT_EQ(Ask(*tcp, w::EncodeHello(w::kHello, ClientHello(), 1)).first.type, w::kWelcome);
+    auto [h, p] = Ask(*tcp, w::EncodeLeaseRequest(q, 2));
+    ASSERT_EQ(h.type, w::kError);
+    EXPECT_EQ(w::DecodeError(p).code, static_cast<int64_t>(LLM_PARAM_INVALID));
+    EXPECT_EQ(Ask(*tcp, w::EncodeU64(w::kPing, 5, 3)).first.type, w::kPong);
+  }
+  auto c = Local();
+  auto [h, p] = Ask(*c, w::EncodeLeaseRequest(q, 2));
+  ASSERT_EQ(h.type, w::kCacheLease);
+  w::CacheLease l = w::DecodeCacheLease(p);
+  EXPECT_EQ(l.cache_id, static_cast<uint64_t>(cache_id));
+  EXPECT_EQ(l.tensor_bytes, 256U);
+  EXPECT_EQ(l.units, 4U);
+  EXPECT_EQ(l.addrs, src.addrs);
+  EXPECT_TRUE(l.shm_fds.empty());
+  std::string why;
+  auto fence = datadist::lease::FenceView::Open(getpid(), l.fence_fd, l.fence_ino, why);
+  ASSERT_TRUE(fence) << why;
+  EXPECT_FALSE(datadist::lease::FenceView::Open(getpid(), l.fence_fd, l.fence_ino + 1, why)) << "inode not checked";
+  // a second lease on the live cache: the same fence
+  auto again = w::DecodeCacheLease(Ask(*c, w::EncodeLeaseRequest(q, 3)).second);
+  EXPECT_EQ(again.fence_ino, l.fence_ino);
+  // a copy in flight (our shared lock) holds the unregister back until it ends
+  ASSERT_TRUE(fence->Enter());
+  auto t0 = std::chrono::steady_clock::now();
+  std::thread remover([&] { registry.Remove(cache_id, false, 5.0); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_TRUE(fence->Revoked());
+  EXPECT_FALSE(fence->Enter());  // revoked: no copy starts, even beside one in flight
+  fence->Leave();
+  remover.join();
+  const double took = Seconds(t0);
+  EXPECT_GE(took, 0.1);
+  EXPECT_LT(took, 2.0);
+  EXPECT_FALSE(fence->Enter());
+  auto [gh, gp] = Ask(*c, w::EncodeLeaseRequest(q, 4));
+  ASSERT_EQ(gh.type, w::kError);
+  EXPECT_EQ(w::DecodeError(gp).code, static_cast<int64_t>(LLM_KV_CACHE_NOT_EXIST));
+}
+
+TEST_F(Owner, AnUnregisterThatTimesOutLeavesTheCacheWithANewFence) {
+  datadist::Link link(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true);
+  link.Open(After(3));
+  ASSERT_EQ(link.path(), datadist::Link::Path::kCma);
+  uint8_t a[64] = {};
+  link.Read(Slot({2}, 1, 0, 64), {{a, 64}}, After(2));  // leased
+  EXPECT_EQ(std::memcmp(a, src.T(2) + 64, 64), 0);
+  // another reader's copy in flight outlasts the unregister's wait
+  auto c = Local();
+  w::LeaseRequest q;
+  q.kind = w::kBlocksKey;  // a C++ owner resolves a model id as its cache id
+  q.b = static_cast<uint64_t>(cache_id);
+  auto first = w::DecodeCacheLease(Ask(*c, w::EncodeLeaseRequest(q, 2)).second);
+  std::string why;
+  auto fence = datadist::lease::FenceView::Open(getpid(), first.fence_fd, first.fence_ino, why);
+  ASSERT_TRUE(fence && fence->Enter()) << why;
+  try {
+    registry.Remove(cache_id, false, 0.2);
+    FAIL() << "removed under a copy in flight";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_TIMEOUT);
+  }
+  fence->Leave();
+  // still registered; the link's lease was revoked: it asks the owner, then leases anew
+  for (int i = 0; i < 2; ++i) {
+    std::memset(a, 0, sizeof(a));
+    link.Read(Slot({3}, 2, 0, 64), {{a, 64}}, After(2));
+    EXPECT_EQ(std::memcmp(a, src.T(3) + 128, 64), 0);
+  }
+  auto second = w::DecodeCacheLease(Ask(*c, w::EncodeLeaseRequest(q, 3)).second);
+  EXPECT_NE(second.fence_ino, first.fence_ino);
+  // the reader's checks are the owner's
+  try {
+    link.Read(Slot({4}, 0, 0, 8), {{a, 8}}, After(2));
+    FAIL() << "tensor 4 of 4 was read";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_PARAM_INVALID);
+  }
+  registry.Remove(cache_id, false, 2.0);
+  try {
+    link.Read(Slot({3}, 2, 0, 64), {{a, 64}}, After(2));
+    FAIL() << "an unregistered cache was read";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_KV_CACHE_NOT_EXIST);
+  }
+  link.Close(After(1), false);
+}
+
+TEST(Fence, SharedLocksAreCountedPerDescriptionAndDrainWaitsForAll) {
+  datadist::lease::Fence owner;
+  std::string why;
+  auto view = datadist::lease::FenceView::Open(getpid(), owner.fd(), owner.ino(), why);
+  ASSERT_TRUE(view) << why;
+  ASSERT_TRUE(view->Enter());
+  ASSERT_TRUE(view->Enter());  // a second thread's copy: the same open file description
+  owner.Revoke();
+  EXPECT_FALSE(owner.Drained());
+  view->Leave();
+  EXPECT_FALSE(owner.Drained()) << "the first Leave dropped the lock another copy holds";
+  view->Leave();
+  EXPECT_TRUE(owner.Drained());
+  EXPECT_FALSE(view->Enter());
+}
+
 TEST_F(Owner, ForcedTcpAndPushesStreamOverTheControlChannel) {
   datadist::Link tcp(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, /*same_host=*/false);
   tcp.Open(After(3));
@@ -128,7 +240,7 @@ TEST_F(Owner, ForcedTcpAndPushesStreamOverTheControlChannel) {
   uint8_t a[64] = {};
   tcp.Read(Slot({2}, 3, 0, 64), {{a, 64}}, After(2));
   EXPECT_EQ(std::memcmp(a, src.T(2) + 3 * 64, 64), 0);
-  // a push over a local link lands in the owner's memory (WRITE streams on the channel)
+  // a push over a local link lands in the owner's memory (under a write lease)
   datadist::Link local(kOwner, "127.0.0.1", server->port(), ClientHello(), "", nullptr, true, 0);
   local.Open(After(3));
   ASSERT_EQ(local.path(), datadist::Link::Path::kCma);

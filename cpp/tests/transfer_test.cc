@@ -543,7 +543,7 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   EXPECT_NE(welcome.pid_ns, 0U);
   EXPECT_EQ(welcome.boot_id, datadist::local::HostIdentity::Current().boot_id);
   EXPECT_NE(welcome.boot_id, (std::array<uint8_t, 16>{}));
-  EXPECT_EQ(welcome.features, w::kFeatureReverse | w::kFeatureLocal);
+  EXPECT_EQ(welcome.features, w::kFeatureReverse | w::kFeatureLocal | w::kFeatureLease);
   auto ask = [&](uint8_t type, w::Request q, uint32_t rid) {
     r.Send(w::EncodeRequest(type, q, rid));
     return r.Recv();

@@ -11,14 +11,14 @@ PY_ID = 7  # cluster id of the Python side
 
 def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
                 sync_ms: int = 3000, secret: str = "",
-                transport: str = "") -> llm.LLMDataDist:
-    """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on; the
-    caller finalizes it."""
+                transport: str = "", accessible: bool = True) -> llm.LLMDataDist:
+    """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on
+    (unless ``accessible`` is False); the caller finalizes it."""
     dd = llm.LLMDataDist(role, PY_ID)
     cfg = llm.LLMConfig()
     cfg.device_id = 0
     cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
+    cfg.enable_remote_cache_accessible = accessible
     cfg.sync_kv_timeout = sync_ms
     cfg.verify_checksum = verify
     if secret:

@@ -1,0 +1,191 @@
+#include "lease.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "errors.h"
+#include "local.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434  // the same number on every architecture
+#endif
+#ifndef F_ADD_SEALS
+#define F_ADD_SEALS 1033
+#define F_GET_SEALS 1034
+#define F_SEAL_SEAL 0x0001
+#define F_SEAL_SHRINK 0x0002
+#define F_SEAL_GROW 0x0004
+#endif
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
+
+namespace datadist {
+namespace lease {
+namespace {
+
+constexpr size_t kPage = 4096;  // the fence's size (Python: mmap.PAGESIZE; readers check >=)
+
+}  // namespace
+
+std::shared_ptr<OwnerProc> OwnerProc::Open(pid_t pid, std::string &why) {
+  const long fd = syscall(SYS_pidfd_open, pid, 0);
+  if (fd < 0) {
+    why = std::string("pidfd_open: ") + std::strerror(errno);
+    return nullptr;
+  }
+  return std::shared_ptr<OwnerProc>(new OwnerProc(pid, static_cast<int>(fd)));
+}
+
+OwnerProc::~OwnerProc() { close(pidfd_); }
+
+bool OwnerProc::Exited() const {
+  pollfd p{pidfd_, POLLIN, 0};
+  return poll(&p, 1, 0) != 0;  // readable: exited; an error counts as exited too
+}
+
+std::unique_ptr<FenceView> FenceView::Open(pid_t pid, int32_t fd, uint64_t ino, std::string &why) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  int f = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (f < 0) {
+    why = "cannot open the owner's fence " + path + ": " + std::strerror(errno);
+    return nullptr;
+  }
+  struct stat st {};
+  if (fstat(f, &st) != 0 || st.st_ino != ino || !S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) < kPage) {
+    why = path + " is not the fence the owner named";
+  } else {
+    const int seals = fcntl(f, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK)) {  // sealed: no SIGBUS under us
+      why = path + " is not sealed against shrinking";
+    } else {
+      void *m = mmap(nullptr, kPage, PROT_READ, MAP_SHARED, f, 0);
+      if (m != MAP_FAILED) return std::unique_ptr<FenceView>(new FenceView(f, static_cast<const uint8_t *>(m)));
+      why = "cannot map " + path + ": " + std::strerror(errno);
+    }
+  }
+  close(f);
+  return nullptr;
+}
+
+FenceView::~FenceView() {
+  munmap(const_cast<uint8_t *>(map_), kPage);
+  close(fd_);  // drops our lock, if a copy left it (it does not)
+}
+
+bool FenceView::Enter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (holders_ == 0 && flock(fd_, LOCK_SH | LOCK_NB) != 0) return false;  // the owner drains
+  // Another process writes the byte: an atomic load (the lock's hand-over orders the owner's
+  // store before it; while we hold the lock the owner cannot have drained).
+  if (__atomic_load_n(map_, __ATOMIC_ACQUIRE) != 0) {
+    if (holders_ == 0) flock(fd_, LOCK_UN);
+    return false;
+  }
+  ++holders_;
+  return true;
+}
+
+void FenceView::Leave() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--holders_ == 0) flock(fd_, LOCK_UN);
+}
+
+bool FenceView::Revoked() const { return __atomic_load_n(map_, __ATOMIC_ACQUIRE) != 0; }
+
+Fence::Fence() {
+  fd_ = static_cast<int>(syscall(SYS_memfd_create, "datadist-fence", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (fd_ < 0) Fail(llm_datadist::LLM_FAILED, std::string("memfd_create: ") + std::strerror(errno));
+  struct stat st {};
+  void *m = MAP_FAILED;
+  if (ftruncate(fd_, kPage) != 0 || fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 ||
+      fstat(fd_, &st) != 0 || (m = mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0)) == MAP_FAILED) {
+    const int err = errno;
+    close(fd_);
+    Fail(llm_datadist::LLM_FAILED, std::string("cannot make a fence file: ") + std::strerror(err));
+  }
+  ino_ = st.st_ino;
+  map_ = static_cast<uint8_t *>(m);
+}
+
+Fence::~Fence() {
+  Revoke();  // readers keep their own descriptions: the flag stays set for them
+  munmap(map_, kPage);
+  close(fd_);
+}
+
+void Fence::Revoke() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (revoked_) return;
+  __atomic_store_n(map_, static_cast<uint8_t>(1), __ATOMIC_RELEASE);
+  revoked_ = true;
+}
+
+bool Fence::revoked() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return revoked_;
+}
+
+bool Fence::Drained() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (flock(fd_, LOCK_EX | LOCK_NB) != 0) return false;
+  flock(fd_, LOCK_UN);
+  return true;
+}
+
+std::shared_ptr<Leased> Make(wire::CacheLease msg, uint64_t id, bool write, std::shared_ptr<OwnerProc> owner,
+                             std::string &why) {
+  if (msg.addrs.size() > UINT32_MAX) ProtocolViolation("CACHE_LEASE names too many tensors");
+  for (uint64_t a : msg.addrs)
+    if (a == 0 || a + msg.tensor_bytes < a) ProtocolViolation("CACHE_LEASE names a tensor that wraps around");
+  auto fence = FenceView::Open(owner->pid(), msg.fence_fd, msg.fence_ino, why);
+  if (!fence) return nullptr;
+  auto l = std::make_shared<Leased>();
+  l->geo.num_tensors = static_cast<uint32_t>(msg.addrs.size());
+  l->geo.tensor_bytes = msg.tensor_bytes;
+  l->geo.units = msg.units;
+  l->geo.unit_bytes = msg.tensor_bytes / msg.units;  // the decoder checked units > 0, no remainder
+  l->geo.layout = msg.layout;
+  l->msg = std::move(msg);
+  l->id = id;
+  l->write = write;
+  l->owner = std::move(owner);
+  l->fence = std::move(fence);
+  return l;
+}
+
+Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &local, std::string &why) {
+  const uint64_t base = CheckRequest(l.geo, l.id, req);  // the owner's refusals, from here
+  // The owner's spans, tensor-major as `local`: inside its tensors (checked above), so no
+  // address wraps (Make checked every tensor's end).
+  std::vector<iovec> remote;
+  remote.reserve(local.size());
+  for (uint32_t t : req.tensors)
+    for (size_t i = 0; i < req.offsets.size(); ++i)
+      remote.push_back({reinterpret_cast<void *>(l.msg.addrs[t] + base + req.offsets[i]),
+                        static_cast<size_t>(req.lengths[i])});
+  if (remote.size() != local.size()) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");
+  for (size_t i = 0; i < remote.size(); ++i)
+    if (remote[i].iov_len != local[i].iov_len) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");
+  if (!l.fence->Enter()) return Outcome::kRevoked;
+  local::CopyResult got = local::VmCopy(l.owner->pid(), local, remote, l.write, why);
+  l.fence->Leave();
+  if (got == local::CopyResult::kRefused) return Outcome::kRefused;
+  if (l.owner->Exited()) {
+    why = "the owner process " + std::to_string(l.owner->pid()) + " exited";
+    return Outcome::kFailed;
+  }
+  return got == local::CopyResult::kDone ? Outcome::kDone : Outcome::kFailed;
+}
+
+}  // namespace lease
+}  // namespace datadist
