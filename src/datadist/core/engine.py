@@ -897,8 +897,9 @@ class Engine:
         # A reader may come back to a restarted owner without asking for metadata first:
         # the grant names the new agent, and the reader loads it then.
         nixl = self.nixl or self._serving_nixl()
-        lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
-                                   msg.lengths, layout=msg.layout)
+        op = "serve_write" if isinstance(msg, p.NixlWrite) else "serve_read"
+        lease = self._serving(op, peer, lambda: self.registry.open(
+            msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths, layout=msg.layout))
         try:
             entry = lease.entry
             tensors = entry.addrs[lease.tensors], entry.geometry.tensor_bytes
@@ -912,8 +913,6 @@ class Engine:
             raise
         fresh = peer.key not in self._nixl_wired
         self._nixl_leases[id(lease)] = (peer.key, fresh, isinstance(msg, p.NixlWrite))
-        lease.served = ("serve_write" if isinstance(msg, p.NixlWrite) else "serve_read",
-                        peer.cluster_id, time.perf_counter())
         nixl.pump_acquire(fresh)
         # The client adds its offsets to the bases; raw-address offsets are absolute already.
         bases = (np.zeros(len(msg.tensors), np.uint64) if msg.key.kind == p.KeyKind.ADDRESS
@@ -923,6 +922,20 @@ class Engine:
 
     def open_nixl_lease(self, peer: PeerInfo, msg: p.NixlLease,
                         drop: Callable[[], None]) -> p.NixlLeased:
+        """See :meth:`_open_nixl_lease`; counted as ``serve_lease`` (the reads under it are
+        counted by the reader only)."""
+        t0 = time.perf_counter()
+        try:
+            got = self._open_nixl_lease(peer, msg, drop)
+        except DatadistError as e:
+            metrics.PROCESS.record("serve_lease", peer.cluster_id, 0, time.perf_counter() - t0,
+                                   Code(e.code).status_name)
+            raise
+        metrics.PROCESS.record("serve_lease", peer.cluster_id, 0, time.perf_counter() - t0)
+        return got
+
+    def _open_nixl_lease(self, peer: PeerInfo, msg: p.NixlLease,
+                         drop: Callable[[], None]) -> p.NixlLeased:
         """A read lease on a whole cache for a NIXL reader (docs/protocol.md, "NIXL leases"):
         resolved and checked as a NixlRead of the whole cache, pinned like any lease until we
         revoke it on the reader's reverse channel (unregister, deallocate, a blocks model id
