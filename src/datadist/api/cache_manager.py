@@ -14,7 +14,13 @@ import numpy as np
 from datadist.api import async_transfer, local_ops, types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Memtype, Placement
-from datadist.api.geometry import exact, geometry_of, key_ref, prepared_plan
+from datadist.api.geometry import (
+    exact,
+    geometry_of,
+    key_ref,
+    prepared_block_spans,
+    prepared_plan,
+)
 from datadist.api.status import (
     LLMException,
     LLMStatusCode,
@@ -338,7 +344,8 @@ class CacheManager:
                 tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
                                                       _pair(dst_range), n)
                 if by_blocks:
-                    return layout.plan_blocks(geo, src, dst, tensors)
+                    return layout.plan_blocks(geo, src, dst, tensors,
+                                              prepared_block_spans(geo, src, dst))
                 return layout.plan_contiguous_to_blocks(geo, dst, tensors)
 
             plan = prepared_plan(("pull_blocks", by_blocks, geo, exact(src), exact(dst),
@@ -402,7 +409,8 @@ class CacheManager:
             def build() -> layout.Plan:
                 remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
                                                             _pair(src_range), n)
-                return layout.plan_blocks(geo, dst, src, (remote, local))
+                return layout.plan_blocks(geo, dst, src, (remote, local),
+                                          prepared_block_spans(geo, dst, src))
 
             plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), _pair(src_range),
                                   _pair(dst_range), n), build, dst)

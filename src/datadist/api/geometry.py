@@ -20,7 +20,7 @@ from datadist.core.prepared import SMALL_REQUEST, Prepared
 from datadist.wire.protocol import KeyKind, KeyRef
 
 _U64 = 2**64 - 1
-_PLANS: Prepared[layout.Plan] = Prepared(256)
+_PLANS: Prepared[layout.Plan] = Prepared(128)
 
 
 def prepared_plan(key: tuple[Hashable, ...], build: Callable[[], layout.Plan],
@@ -32,6 +32,19 @@ def prepared_plan(key: tuple[Hashable, ...], build: Callable[[], layout.Plan],
     if blocks is not None and len(blocks) > SMALL_REQUEST:
         return build()
     return _PLANS.get(key, build)
+
+
+_SPANS: Prepared[tuple[Any, Any, Any]] = Prepared(128)
+SPANS_KEPT = 8192  # block lists up to this long keep their spans (core/layout.block_spans)
+
+
+def prepared_block_spans(geo: layout.Geometry, src: Any, dst: Any) -> tuple[Any, Any, Any]:
+    """``layout.block_spans`` of these block lists, kept: a layer-wise transfer pulls the
+    same blocks once per layer, and only the layer range changes."""
+    if len(dst) > SPANS_KEPT:
+        return layout.block_spans(geo, src, dst)
+    return _SPANS.get((geo.unit_bytes, geo.units, exact(src), exact(dst)),
+                      lambda: layout.block_spans(geo, src, dst))
 
 
 def exact(arr: Any) -> tuple[str, tuple[int, ...], bytes]:

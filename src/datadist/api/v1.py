@@ -37,7 +37,13 @@ from datadist.api.cache_manager import local_keys
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.config import pool_bytes_option
 from datadist.api.enums import DataType, LLMRole, Placement, from_numpy_dtype, numpy_dtype
-from datadist.api.geometry import exact, geometry_of, key_ref, prepared_plan
+from datadist.api.geometry import (
+    exact,
+    geometry_of,
+    key_ref,
+    prepared_block_spans,
+    prepared_plan,
+)
 from datadist.api.status import (
     LLMException,
     LLMStatusCode,
@@ -422,7 +428,8 @@ class KvCacheManager:
             def build() -> layout.Plan:
                 tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
                                                       _pair(dst_range), n)
-                return layout.plan_blocks(geo, src, dst, tensors)
+                return layout.plan_blocks(geo, src, dst, tensors,
+                                          prepared_block_spans(geo, src, dst))
 
             plan = prepared_plan(("v1_pull_blocks", geo, exact(src), exact(dst),
                                   _pair(src_range), _pair(dst_range), n), build, dst)

@@ -207,11 +207,11 @@ class Engine:
         self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
         # small plans checked against a local cache, and their local iovecs, by plan and cache
-        self._checked: Prepared[bool] = Prepared(256)
-        self._local_iovs: Prepared[np.ndarray] = Prepared(256)
+        self._checked: Prepared[bool] = Prepared(128)
+        self._local_iovs: Prepared[np.ndarray] = Prepared(128)
         # checked iovecs of small leased reads, by plan, local cache and lease
         self._leased_iovs: Prepared[
-            tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]] = Prepared(256)
+            tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]] = Prepared(128)
         # read leases on whole caches (NixlLease), revoked before their memory goes: by id
         self._nixl_held: dict[int, _CacheLease] = {}
         self._nixl_lease_ids = itertools.count(1)

@@ -296,12 +296,24 @@ def plan_blocks(
     src_blocks: BlockList,
     dst_blocks: BlockList,
     tensors: tuple[np.ndarray, np.ndarray],
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> Plan:
     """Block ``src_blocks[i]`` of the source into block ``dst_blocks[i]`` of the local cache.
 
     Both caches must have the same block bytes (the owner checks its side); runs of blocks
-    adjacent on both sides become one span.
+    adjacent on both sides become one span. ``spans``: what :func:`block_spans` gave for
+    these blocks (they do not depend on the layers: callers keep them across layers).
     """
+    so, do, ln = spans if spans is not None else block_spans(dst, src_blocks, dst_blocks)
+    _freeze(*tensors)
+    return Plan(tensors[0], tensors[1], so, do, ln)
+
+
+def block_spans(
+    dst: Geometry, src_blocks: BlockList, dst_blocks: BlockList
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The checked, coalesced (source offset, destination offset, length) spans of
+    :func:`plan_blocks`, read-only."""
     s = _as_block_array(src_blocks, "src_blocks")
     d = _as_block_array(dst_blocks, "dst_blocks")
     if d.size == 0:
@@ -317,8 +329,8 @@ def plan_blocks(
     bb = np.uint64(dst.unit_bytes)
     lengths = np.full(s.size, bb, dtype=U64)
     so, do, ln = coalesce(block_offsets(s, dst.unit_bytes, "src block"), d * bb, lengths)
-    _freeze(so, do, ln, *tensors)
-    return Plan(tensors[0], tensors[1], so, do, ln)
+    _freeze(so, do, ln)
+    return so, do, ln
 
 
 def plan_contiguous_to_blocks(

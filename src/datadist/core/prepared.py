@@ -24,15 +24,16 @@ __all__ = ["SMALL_REQUEST", "Prepared"]
 
 _V = TypeVar("_V")
 
-# Requests with at most this many blocks are prepared (their keys hash in well under a
-# microsecond); larger ones are built each time, where the build is a small part of the copy.
-SMALL_REQUEST = 64
+# Requests with at most this many blocks (or spans) are prepared (their keys hash in a few
+# microseconds at most, and a kept request holds some tens of KiB); larger ones are built each
+# time, where the build is a small part of the copy.
+SMALL_REQUEST = 1024
 
 
 class Prepared(Generic[_V]):
     """A least-recently-used map of at most ``size`` built values."""
 
-    def __init__(self, size: int = 256) -> None:
+    def __init__(self, size: int = 128) -> None:
         self.size = size
         self._items: OrderedDict[Hashable, _V] = OrderedDict()
         self._lock = threading.Lock()
