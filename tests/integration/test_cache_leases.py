@@ -8,6 +8,7 @@ names. Every byte checked.
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -193,3 +194,38 @@ def test_an_owner_not_remote_accessible_refuses_write_leases(decoder: Decoder,
     with pytest.raises(llm_datadist.LLMException) as e:
         decoder.cm.push_blocks(llm_datadist.BlocksCacheKey(P, model), src, [0], [0])
     assert e.value.status_code == S.LLM_PARAM_INVALID
+
+
+def test_a_lease_of_a_cache_the_key_no_longer_names_is_not_checked_against(
+        decoder: Decoder, prompt: RunningPrompt) -> None:
+    """Model id bound anew to a bigger cache: a block only the new cache has is read from it
+    (the stale lease's geometry must not refuse it)."""
+    big = CacheSpec(2, (128, 4, 64))
+    model, seed, seed2 = next(_models), next(_seeds), next(_seeds)
+    prompt.call("register_blocks_cache", spec=BLOCKS, seed=seed, model_id=model)
+    assert_bytes_equal(pull_blocks(decoder, model, [3], [4])[:, 4], want_blocks(seed)[:, 3])
+    prompt.call("register_blocks_cache", spec=big, seed=seed2, model_id=model)
+    cache, arr = decoder.local(BLOCKS, blocks=True)
+    decoder.cm.pull_blocks(llm_datadist.BlocksCacheKey(P, model), cache, [100], [7])
+    assert_bytes_equal(units(arr, BLOCKS)[:, 7], units(pattern(big, seed2), big)[:, 100])
+
+
+def test_a_reader_keeps_a_bounded_number_of_leases(decoder: Decoder,
+                                                   prompt: RunningPrompt) -> None:
+    """One cache per request, each pulled by id once and freed: the reader drops leases of
+    caches that went, and keeps at most MAX_LEASES (two descriptors each)."""
+    from datadist.transport.paths import CmaPath
+
+    path = decoder.dd.engine.get_link(P).path
+    assert isinstance(path, CmaPath)
+    cache, arr = decoder.local(SLOTS)
+    fds0 = len(os.listdir("/proc/self/fd"))
+    for i in range(path.MAX_LEASES + 16):
+        seed = next(_seeds)
+        cid = prompt.call("register_cache", spec=SLOTS, seed=seed)
+        decoder.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(P, cid, i % 4), cache, 0)
+        assert_bytes_equal(units(arr, SLOTS)[:, 0], units(pattern(SLOTS, seed), SLOTS)[:, i % 4])
+        if i % 2:
+            prompt.call("unregister_cache", cache_id=cid)
+    assert len(path.remote) <= path.MAX_LEASES
+    assert len(os.listdir("/proc/self/fd")) - fds0 <= 2 * path.MAX_LEASES + 8

@@ -179,3 +179,60 @@ def test_cache_keys_are_never_leased() -> None:
 
     with pytest.raises(InvalidArgument):
         Registry().lease_cache(KeyRef(KeyKind.CACHE_KEY, 1, 0))
+
+
+# ------------------------------------------------------------------------------ review fixes
+
+
+def test_a_copy_under_a_replaced_fence_is_waited_for_too() -> None:
+    """A cache leased by model id, the model id bound to another cache (the fence revoked,
+    not drained: the old cache is still valid), then leased again by id (a new fence): its
+    unregister and its pool memory must still wait for the copy under the first fence."""
+    freed = threading.Event()
+    reg = Registry()
+    a = _blocks(reg, 9, free=freed.set)
+    _, f1 = reg.lease_cache(KeyRef(KeyKind.BLOCKS_KEY, 0, 9))
+    v1 = view_of(f1)
+    try:
+        assert v1.enter()  # a long copy under the first fence
+        _blocks(reg, 9)  # model 9 names another cache now
+        _, f2 = reg.lease_cache(KeyRef(KeyKind.CACHE_ID, a.cache_id))  # type: ignore[attr-defined]
+        assert f2 is not f1
+        with pytest.raises(Timeout):
+            reg.unregister(a.cache_id, wait=0.05)  # type: ignore[attr-defined]
+        reg.deallocate(a.cache_id, drop_keys=True)  # type: ignore[attr-defined]
+        time.sleep(0.05)
+        assert not freed.is_set()
+        v1.leave()
+        assert freed.wait(2)
+    finally:
+        v1.close()
+
+
+def test_finalize_closes_the_fences() -> None:
+    """Engine.close: once nothing is in flight, every fence (and replaced one) is closed, so
+    finalize + init cycles do not pile up memfds."""
+    from datadist.core.engine import Engine, EngineConfig
+
+    def fences() -> int:  # fence files open here (a mapping holds a second descriptor)
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if "datadist-fence" in os.readlink(f"/proc/self/fd/{fd}"):
+                    inodes.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+            except OSError:
+                pass
+        return len(inodes)
+
+    before = fences()
+    for _ in range(3):
+        eng = Engine(EngineConfig(cluster_id=5, role=1))
+        buf = np.zeros(GEO.tensor_bytes * 2, np.uint8)
+        entry = eng.register(GEO, [buf.ctypes.data, buf.ctypes.data + GEO.tensor_bytes],
+                             placement=0, blocks_model_id=3)
+        _, f = eng.registry.lease_cache(KeyRef(KeyKind.BLOCKS_KEY, 0, 3))
+        f.revoke()
+        eng.registry.lease_cache(KeyRef(KeyKind.CACHE_ID, entry.cache_id))  # a second fence
+        assert fences() == before + 2
+        eng.close()
+        assert fences() == before

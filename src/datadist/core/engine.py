@@ -52,6 +52,7 @@ from datadist.core.registry import (
     Registry,
     check_read,
     check_request_size,
+    close_fences,
 )
 from datadist.memory import mapped, shared
 from datadist.memory.pool import HostPool, PoolConfig
@@ -338,6 +339,9 @@ class Engine:
         # to a key counts): a serving thread may still be reading any of them.
         entries = self.registry.clear()
         leased = self.registry.wait_unleased(entries, CLOSE_LEASE_WAIT)
+        if not leased:  # nothing in flight: the fences go (else leaked, as the pools are)
+            for entry in entries:
+                close_fences(entry)
         for pool in self._pools.values():
             shared.ARENAS.remove(pool.base)
             if leased:
@@ -638,8 +642,12 @@ class Engine:
         lkey = lease_key(key, write)
         rc = path.remote.get(lkey)
         if rc is None:
-            rc = link.run(deadline, lambda cur, chan: (cur.lease(chan, key, deadline, write)
-                                                       if cur is path and cur.leases else None))
+            try:
+                rc = link.run(deadline, lambda cur, chan: (
+                    cur.lease(chan, key, deadline, write) if cur is path and cur.leases
+                    else None))
+            except NotSupported:  # the owner cannot lease now (no fence): ask per request
+                return False
             if rc is None:
                 return False
 
@@ -659,11 +667,17 @@ class Engine:
                     shm_pays(len(plan.remote_tensors), plan.lengths))
 
         slot_key = key.b if key.kind == p.KeyKind.CACHE_ID else -1
-        if plan.num_spans <= SMALL_REQUEST:
-            local, cma, shm, nbytes, faster = self._leased_iovs.get(
-                (plan, entry, rc, slot_key, unit_bytes), prepare)
-        else:
-            local, cma, shm, nbytes, faster = prepare()
+        try:
+            if plan.num_spans <= SMALL_REQUEST:
+                local, cma, shm, nbytes, faster = self._leased_iovs.get(
+                    (plan, entry, rc, slot_key, unit_bytes), prepare)
+            else:
+                local, cma, shm, nbytes, faster = prepare()
+        except InvalidArgument:
+            if rc.fence.revoked():  # checked against a cache the key no longer names:
+                path.forget(rc)  # the owner's answer is the outcome
+                return False
+            raise
         try:
             return path.copy_leased(rc, local, cma, shm, nbytes, faster)
         except (CmaRefused, BrokenLink) as e:

@@ -44,6 +44,7 @@ import numpy as np
 from datadist.core.errors import (
     CacheNotFound,
     InvalidArgument,
+    NotSupported,
     Timeout,
 )
 from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
@@ -110,6 +111,9 @@ class CacheEntry:
     # whole-cache leases of same-host readers (Registry.lease_cache): revoked when the entry
     # leaves its id or model id, drained before its memory goes
     fence: Fence | None = None
+    # revoked fences a new one replaced (the cache was leased again): copies under them
+    # must end too before the memory goes
+    old_fences: list[Fence] = field(default_factory=list)
     draining: bool = False  # released, but a leased copy is still in flight
 
     def __repr__(self) -> str:
@@ -178,8 +182,27 @@ def _revoke(entry: CacheEntry) -> None:
 
 
 def _drained(entry: CacheEntry) -> bool:
-    """No leased copy of ``entry`` in flight (meaningful once revoked)."""
+    """No leased copy of ``entry`` in flight, under its fence or any fence it had before
+    (meaningful once revoked). Old fences found drained are closed."""
+    if entry.old_fences:
+        busy = [f for f in entry.old_fences if not f.drained()]
+        for f in entry.old_fences:
+            if f not in busy:
+                f.close()
+        entry.old_fences = busy
+        if busy:
+            return False
     return entry.fence is None or entry.fence.drained()
+
+
+def close_fences(entry: CacheEntry) -> None:
+    """Close every fence of ``entry`` (finalize, once nothing is in flight). Readers keep
+    their own files, with the revoked flag set."""
+    for f in entry.old_fences:
+        f.close()
+    entry.old_fences = []
+    if entry.fence is not None:
+        entry.fence.close()
 
 
 def _check_servable(entry: CacheEntry) -> None:
@@ -245,7 +268,6 @@ class Registry:
         # Every entry whose memory has not been released, however it is still held (by id,
         # key, blocks model id or lease): what finalize must wait for before unmapping pools.
         self._live: set[CacheEntry] = set()
-        self._retired: list[Fence] = []  # revoked fences replaced by new ones, to close
 
     # ---------------------------------------------------------------- adding and removing
 
@@ -345,11 +367,9 @@ class Registry:
             return
         entry.released = True
         self._live.discard(entry)
-        if entry.fence is not None:
-            entry.fence.close()
+        close_fences(entry)
         if entry.free is not None:
             entry.free()
-        self._reap_fences()
         self._changed.notify_all()
 
     def _release_drained(self, entry: CacheEntry) -> None:
@@ -559,19 +579,14 @@ class Registry:
         with self._lock:
             entry, _ = self._named(key)
             if entry.fence is None or entry.fence.revoked:
+                try:
+                    fence = Fence()
+                except OSError as e:  # out of fds or memory: the reader asks per request
+                    raise NotSupported(f"no fence for a cache lease: {e}") from e
                 if entry.fence is not None:
-                    self._retired.append(entry.fence)
-                entry.fence = Fence()
+                    entry.old_fences.append(entry.fence)
+                entry.fence = fence
             return entry, entry.fence
-
-    def _reap_fences(self) -> None:
-        """Close revoked fences no copy holds any more. Lock held."""
-        if self._retired:
-            busy = [f for f in self._retired if not f.drained()]
-            for f in self._retired:
-                if f not in busy:
-                    f.close()
-            self._retired = busy
 
     def close(self, lease: Lease, ok: bool, *, consume: bool = True) -> None:
         """End a lease: :meth:`unlease`, then :meth:`settle` with ``ok and consume``. A

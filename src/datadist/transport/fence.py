@@ -27,6 +27,7 @@ under their own deadline.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -44,7 +45,13 @@ _F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 
 
 class FenceUnavailable(DatadistError):
-    """The owner's fence file cannot be opened or is not what it should be: no lease."""
+    """The owner's fence file cannot be opened or is not what it should be: no lease.
+    ``lasting``: it will not work next time either (no access to the owner's /proc, a file
+    that is not a sealed memfd); otherwise the fence went meanwhile (its cache was freed)."""
+
+    def __init__(self, message: str, *, lasting: bool = False) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
 class Fence:
@@ -101,17 +108,20 @@ class FenceView:
         try:
             f = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
-            raise FenceUnavailable(f"cannot open the owner's fence {path}: {e}") from e
+            raise FenceUnavailable(f"cannot open the owner's fence {path}: {e}",
+                                   lasting=e.errno in (errno.EACCES, errno.EPERM)) from e
         try:
             st = os.fstat(f)
-            if st.st_ino != ino or not stat.S_ISREG(st.st_mode) or st.st_size < PAGE:
+            if st.st_ino != ino:
                 raise FenceUnavailable(f"{path} is not the fence the owner named")
+            if not stat.S_ISREG(st.st_mode) or st.st_size < PAGE:
+                raise FenceUnavailable(f"{path} is not a fence file", lasting=True)
             if fcntl.fcntl(f, _F_GET_SEALS) & 0x2 == 0:  # F_SEAL_SHRINK: no SIGBUS under us
-                raise FenceUnavailable(f"{path} is not sealed against shrinking")
+                raise FenceUnavailable(f"{path} is not sealed against shrinking", lasting=True)
             self._map: mmap.mmap | None = mmap.mmap(f, PAGE, prot=mmap.PROT_READ)
         except OSError as e:
             os.close(f)
-            raise FenceUnavailable(f"cannot map {path}: {e}") from e
+            raise FenceUnavailable(f"cannot map {path}: {e}", lasting=True) from e
         except BaseException:
             os.close(f)
             raise

@@ -141,6 +141,8 @@ class CmaPath:
     * a ``Grant``: ``process_vm_readv`` from the owner's addresses, IOV_MAX spans per call.
     """
 
+    MAX_LEASES = 64  # leases kept per link (the oldest beyond are dropped)
+
     def __init__(self, pid: int, *, allow_shm: bool = True, name: str = "cma") -> None:
         self.pid = pid
         self.allow_shm = allow_shm
@@ -304,9 +306,20 @@ class CmaPath:
     def lease(self, chan: Channel, key: p.KeyRef, deadline: float, write: bool = False
               ) -> RemoteCache | None:
         """Ask the owner for a lease on the cache ``key`` names (under the link's lock), to
-        read it or (``write``) to write it. None when leases cannot work here (the fence
-        cannot be opened: no lease is asked for again on this link); the owner's refusal (no
-        such cache, ...) raises."""
+        read it or (``write``) to write it. None when there is no lease this time (the fence
+        could not be opened; where that will not change, e.g. /proc is closed to us, no lease
+        is asked for again on this link); the owner's refusal (no such cache, ...) raises."""
+        if self._pidfd is None:
+            # Before the request: the owner's answer then proves that the pid this pidfd
+            # names was still the owner's when it was opened (its socket was alive).
+            try:
+                self._pidfd = os.pidfd_open(self.pid)
+            except OSError as e:
+                log.info("no cache leases from pid %d (no pidfd: %s)", self.pid, e)
+                self.leases = False
+                return None
+            self._exited = select.poll()
+            self._exited.register(self._pidfd, select.POLLIN)
         if write:
             flags = p.LEASE_WRITE
         else:
@@ -316,16 +329,15 @@ class CmaPath:
         assert isinstance(got, p.CacheLease)
         try:
             fence = FenceView(self.pid, got.fence_fd, got.fence_ino)
-            if self._pidfd is None:
-                self._pidfd = os.pidfd_open(self.pid)
-                self._exited = select.poll()
-                self._exited.register(self._pidfd, select.POLLIN)
-        except (FenceUnavailable, OSError) as e:
-            log.info("no cache leases from pid %d (%s): every read asks the owner", self.pid, e)
-            self.leases = False
-            return None
+        except FenceUnavailable as e:
+            if e.lasting:
+                log.info("no cache leases from pid %d (%s): every read asks the owner",
+                         self.pid, e)
+                self.leases = False
+            return None  # e.g. the cache went meanwhile: this request asks the owner
         try:
-            shm = self._map_lease(got) if got.shm_fds.size and self.allow_shm else None
+            shm = (self._map_lease(got) if got.shm_fds.size and self.allow_shm and not write
+                   else None)
         except ShmUnavailable as e:
             log.info("leased cache %d: shared memory unavailable (%s)", got.cache_id, e)
             shm = None
@@ -337,10 +349,13 @@ class CmaPath:
             if self._closed:
                 fence.close()
                 return None
-            old = self.remote.pop(rc.key, None)
+            # Leases of caches that went (revoked) are dropped here, and the oldest beyond
+            # MAX_LEASES: a reader of one cache per request must not keep a file per request.
+            for k in [k for k, r in self.remote.items() if k == rc.key or r.fence.revoked()]:
+                self.remote.pop(k).fence.close()
             self.remote[rc.key] = rc
-        if old is not None:
-            old.fence.close()
+            while len(self.remote) > self.MAX_LEASES:
+                self.remote.pop(next(iter(self.remote))).fence.close()
         return rc
 
     def _map_lease(self, got: p.CacheLease) -> np.ndarray:
@@ -381,9 +396,11 @@ class CmaPath:
         with self._fast:
             if self._closed or self.remote.get(rc.key) is not rc:
                 return False
-            use_shm = shm is not None and (self.cma_refused or shm_faster)
+            use_shm = shm is not None and not rc.write and (self.cma_refused or shm_faster)
             if not use_shm and self.cma_refused:
                 return False
+            if self._exited is not None and self._exited.poll(0):
+                raise BrokenLink(f"the owner process {self.pid} exited")
             if not rc.fence.enter():
                 self._forget(rc)
                 return False
@@ -399,6 +416,11 @@ class CmaPath:
                 raise BrokenLink(f"the owner process {self.pid} exited")
             self.last = "shm" if use_shm else "cma"
             return True
+
+    def forget(self, rc: RemoteCache) -> None:
+        """Drop a lease found stale (its fence revoked)."""
+        with self._fast:
+            self._forget(rc)
 
     def _forget(self, rc: RemoteCache) -> None:
         """Drop a revoked lease. _fast held."""
