@@ -59,7 +59,7 @@ from datadist.memory.pool import HostPool, PoolConfig
 from datadist.memory.spans import shm_pays
 from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.channel import Channel
-from datadist.transport.iov import PTRACER, CmaRefused, make_iov
+from datadist.transport.iov import PTRACER, CmaRefused
 from datadist.transport.local import LocalListener, local_name
 from datadist.transport.paths import CmaPath, TcpPath, lease_key
 from datadist.transport.tcp import ServerConnection, TcpListener
@@ -621,10 +621,10 @@ class Engine:
         """The local spans of ``plan`` in ``entry``'s memory as an iovec array, kept for
         small plans (read-only: transports edit copies)."""
         if plan.num_spans > SMALL_REQUEST:
-            return make_iov(*plan.local_iov(entry.addrs))
+            return plan.local_iovecs(entry.addrs)
 
         def build() -> np.ndarray:
-            iov = make_iov(*plan.local_iov(entry.addrs))
+            iov = plan.local_iovecs(entry.addrs)
             iov.flags.writeable = False
             return iov
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from datadist.core.errors import InvalidArgument
-from datadist.transport.iov import span_iov
+from datadist.transport.iov import iovecs, span_iov
 
 U64 = np.dtype("<u8")
 U32 = np.dtype("<u4")
@@ -126,6 +126,10 @@ class Plan:
     def local_iov(self, local_addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Absolute (base, length) arrays of the local spans, tensor-major."""
         return span_iov(local_addrs[self.local_tensors], self.local_offsets, self.lengths)
+
+    def local_iovecs(self, local_addrs: np.ndarray) -> np.ndarray:
+        """The local spans as an ``(n, 2)`` iovec array (``transport.iov.iovecs``)."""
+        return iovecs(local_addrs[self.local_tensors], self.local_offsets, self.lengths)
 
 
 # --------------------------------------------------------------------------------------------

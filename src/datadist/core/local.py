@@ -37,7 +37,7 @@ import numpy as np
 
 from datadist.core.errors import InvalidArgument
 from datadist.core.layout import U32, U64, Geometry, Plan, plan_blocks, plan_slot
-from datadist.transport.iov import CmaRefused, local_copy, make_iov, span_iov, vm_copy
+from datadist.transport.iov import CmaRefused, iovecs, local_copy, vm_copy
 
 # memmove per span while there are at most this many spans, or while spans are this large on
 # average; beyond, batched process_vm_readv on our own pid (one syscall per IOV_MAX spans).
@@ -145,9 +145,9 @@ def execute(plan: Plan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> int:
     ``src_addrs`` / ``dst_addrs``: base address of each tensor (uint64). Returns the bytes
     copied. The caller keeps both caches alive (leases) for the duration.
     """
-    src = make_iov(*span_iov(np.asarray(src_addrs, dtype=U64)[plan.remote_tensors],
-                             plan.remote_offsets, plan.lengths))
-    dst = make_iov(*plan.local_iov(np.asarray(dst_addrs, dtype=U64)))
+    src = iovecs(np.asarray(src_addrs, dtype=U64)[plan.remote_tensors],
+                 plan.remote_offsets, plan.lengths)
+    dst = plan.local_iovecs(np.asarray(dst_addrs, dtype=U64))
     _copy_iov(dst, src)
     return plan.nbytes
 

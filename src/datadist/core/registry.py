@@ -49,7 +49,7 @@ from datadist.core.errors import (
 )
 from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
 from datadist.transport.fence import Fence
-from datadist.transport.iov import span_iov
+from datadist.transport.iov import iovecs, span_iov
 from datadist.wire.protocol import KeyKind, KeyRef
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,10 @@ class Lease:
 
     def iov(self) -> tuple[np.ndarray, np.ndarray]:
         return span_iov(self.bases, self.offsets, self.lengths)
+
+    def iovecs(self) -> np.ndarray:
+        """The leased spans as an ``(n, 2)`` iovec array."""
+        return iovecs(self.bases, self.offsets, self.lengths)
 
 
 def check_request_size(tensors: np.ndarray, offsets: np.ndarray) -> None:

@@ -59,7 +59,7 @@ from datadist.core.errors import (
 from datadist.core.layout import Geometry
 from datadist.core.registry import check_read
 from datadist.transport.base import TransportCaps
-from datadist.transport.iov import crc_iov, iov_nbytes, make_iov, span_iov
+from datadist.transport.iov import crc_iov, iov_nbytes, iovecs
 from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
@@ -532,7 +532,7 @@ class NixlPath:
 
     def _read_leased(self, chan: Any, info: p.NixlLeased, msg: p.Read, local: np.ndarray,
                      deadline: float) -> None:
-        src = make_iov(*span_iov(_leased_bases(info, msg), msg.offsets, msg.lengths))
+        src = iovecs(_leased_bases(info, msg), msg.offsets, msg.lengths)
         if iov_nbytes(src) != iov_nbytes(local):
             raise InvalidArgument("the destination spans do not match the source spans")
         try:
@@ -582,7 +582,7 @@ class NixlPath:
                 chan.close()
                 raise RemoteProtocolError(f"expected Checksum, got {type(ck).__name__}")
             self._refresh(chan, grant.agent, grant.generation, deadline)
-            src = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
+            src = iovecs(grant.bases, msg.offsets, msg.lengths)
             if iov_nbytes(src) != iov_nbytes(local):
                 raise RemoteProtocolError("the grant does not match the request")
             self._xfer("READ", chan, local, src, grant.mem, grant.device, deadline)
@@ -609,7 +609,7 @@ class NixlPath:
         ok = False
         try:
             self._refresh(chan, grant.agent, grant.generation, deadline)
-            dst = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
+            dst = iovecs(grant.bases, msg.offsets, msg.lengths)
             if iov_nbytes(dst) != iov_nbytes(local):
                 raise RemoteProtocolError("the grant does not match the push")
             self._xfer("WRITE", chan, local, dst, grant.mem, grant.device, deadline)

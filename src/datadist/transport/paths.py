@@ -34,9 +34,8 @@ from datadist.transport.iov import (
     CmaRefused,
     crc_iov,
     iov_nbytes,
+    iovecs,
     local_copy,
-    make_iov,
-    span_iov,
     vm_copy,
 )
 from datadist.wire import protocol as p
@@ -193,7 +192,7 @@ class CmaPath:
             _TCP.read(chan, dataclasses.replace(msg, flags=msg.flags & ~plain), local, deadline)
             self.last = "stream"
             return
-        remote = make_iov(*span_iov(grant.bases, msg.offsets, msg.lengths))
+        remote = iovecs(grant.bases, msg.offsets, msg.lengths)
         ok = False
         try:
             vm_copy(self.pid, local, remote)
@@ -233,7 +232,7 @@ class CmaPath:
                 raise RemoteProtocolError("shm grant points outside the mapping")
             bases[i] = addr + off
             limits[i] = addr + size
-        src = make_iov(*span_iov(bases, msg.offsets, msg.lengths))
+        src = iovecs(bases, msg.offsets, msg.lengths)
         ends = src[:, 0] + src[:, 1]
         # every span must lie in the mapping its tensor came from (a lying peer must not
         # make us read our own memory out of bounds)
@@ -379,10 +378,10 @@ class CmaPath:
         """The source iovecs of checked spans (``Registry.check_read`` against the lease) of
         a leased cache: in the owner's memory, and in our mappings of it (or None)."""
         b = np.uint64(base)
-        cma = make_iov(*span_iov(rc.msg.addrs[tensors] + b, offsets, lengths))
+        cma = iovecs(rc.msg.addrs[tensors] + b, offsets, lengths)
         if rc.shm_bases is None:
             return cma, None
-        return cma, make_iov(*span_iov(rc.shm_bases[tensors] + b, offsets, lengths))
+        return cma, iovecs(rc.shm_bases[tensors] + b, offsets, lengths)
 
     def copy_leased(self, rc: RemoteCache, local: np.ndarray, cma: np.ndarray,
                     shm: np.ndarray | None, nbytes: int, shm_faster: bool) -> bool:

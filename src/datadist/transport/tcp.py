@@ -39,7 +39,6 @@ from datadist.transport.channel import Channel, tune
 from datadist.transport.iov import (
     crc_iov,
     iov_nbytes,
-    make_iov,
 )
 from datadist.transport.tls import TlsChannel
 from datadist.wire import protocol as p
@@ -530,12 +529,12 @@ class ServerConnection(Generic[LeaseT]):
                 else:
                     self.chan.send(p.Grant(lease_id, lease.bases), deadline, rid)
                 if msg.flags & p.ReadFlags.CHECKSUM:
-                    self._send_checksum(make_iov(*lease.iov()), deadline, rid)
+                    self._send_checksum(lease.iovecs(), deadline, rid)
                 return True
             ok = False
             verified = bool(msg.flags & p.ReadFlags.CHECKSUM)
             try:
-                iov = make_iov(*lease.iov())
+                iov = lease.iovecs()
                 # the answer frame and the bytes in one writev: one segment for a small read
                 self.chan.send_iov(iov, deadline, head=p.ReadData(lease.nbytes), request_id=rid)
                 if verified:
@@ -617,7 +616,7 @@ class ServerConnection(Generic[LeaseT]):
         self.leases[lease_id] = (lease, time.monotonic())  # expires as grants do
         self.chan.send(grant, deadline, rid)
         if msg.flags & p.ReadFlags.CHECKSUM:
-            self._send_checksum(make_iov(*lease.iov()), deadline, rid)
+            self._send_checksum(lease.iovecs(), deadline, rid)
         return True
 
     def _nixl_lease(self, rid: int, msg: p.NixlLease | p.NixlRevoke) -> bool:
@@ -655,7 +654,7 @@ class ServerConnection(Generic[LeaseT]):
         ok = False
         try:
             self.chan.send(p.Ok(), deadline, rid)
-            self.chan.recv_iov(make_iov(*lease.iov()), deadline)
+            self.chan.recv_iov(lease.iovecs(), deadline)
             ok = True
         finally:
             self.handler.close_write(lease, ok)
