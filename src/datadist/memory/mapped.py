@@ -86,6 +86,10 @@ def unmapped(bases: np.ndarray, lengths: np.ndarray, *, write: bool = True) -> n
     return np.where(ok, np.uint64(0), np.where(base_ok, run_end, b))
 
 
+_SCRATCH = np.empty(_IOV_MAX, np.uint8)  # where probed bytes go (never read)
+_SCRATCH_ADDR = _SCRATCH.ctypes.data
+
+
 def first_unreadable(addrs: np.ndarray) -> int | None:
     """Index of the first address in ``addrs`` whose byte we cannot read, or None when all
     are readable (or the kernel will not tell: cross-memory attach refused on ourselves).
@@ -93,8 +97,8 @@ def first_unreadable(addrs: np.ndarray) -> int | None:
     a = np.asarray(addrs, dtype=U64)
     if not len(a):
         return None
-    scratch = np.empty(min(len(a), _IOV_MAX), np.uint8)
-    local = np.array([[scratch.ctypes.data, len(scratch)]], dtype=U64)
+    # the probed bytes land in one scratch buffer shared by every caller: nobody reads it
+    local = np.array([[_SCRATCH_ADDR, min(len(a), _IOV_MAX)]], dtype=U64)
     pid = os.getpid()
     for start in range(0, len(a), _IOV_MAX):
         chunk = a[start:start + _IOV_MAX]

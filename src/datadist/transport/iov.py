@@ -342,8 +342,10 @@ def _batch_plan(iov: np.ndarray, reading: bool) -> tuple[np.ndarray, list[int], 
     """The iovecs to move (a send's may be split, see :func:`_send_batches`), the batch
     boundaries as span indexes, and the stream offset of each boundary: what lets the loop in
     :func:`_sock_iov` spend O(1) Python per batch (no numpy call, no ctypes object)."""
-    if len(iov) == 1 and (reading or int(iov[0, 1]) <= SEND_CHUNK):  # a small read's answer
-        return iov, [0, 1], [0, int(iov[0, 1])]
+    if len(iov) <= IOV_MAX:  # one batch: every small request, and its answer
+        total = int(iov[0, 1]) if len(iov) == 1 else int(iov[:, 1].sum())
+        if reading or total <= SEND_CHUNK:
+            return iov, [0, len(iov)], [0, total]
     bounds: Sequence[int]
     if reading:
         bounds = [*range(0, len(iov), IOV_MAX), len(iov)]
