@@ -18,6 +18,7 @@ from datadist.api.geometry import (
     exact,
     geometry_of,
     key_ref,
+    layer_pair,
     prepared_block_spans,
     prepared_plan,
 )
@@ -72,10 +73,6 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
     check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
     raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
     return src, dst, n
-
-
-def _pair(r: range | None) -> tuple[int, int] | None:
-    return None if r is None else (r.start, r.stop)
 
 
 
@@ -307,12 +304,12 @@ class CacheManager:
         self._check_cache_key(cache_key)
         with llm_errors("pull_cache"):
             def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
-                                                      _pair(dst_range), n)
+                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
+                                                      layer_pair(dst_range), n)
                 return layout.plan_slot(geo, batch_index, tensors, size)
 
-            plan = prepared_plan(("pull_slot", geo, batch_index, size, _pair(src_range),
-                                  _pair(dst_range), n), build)
+            plan = prepared_plan(("pull_slot", geo, batch_index, size, layer_pair(src_range),
+                                  layer_pair(dst_range), n), build)
             _not_own(engine, cache_key.cluster_id)
             engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, cache.cache_id)
 
@@ -341,15 +338,15 @@ class CacheManager:
             self._check_cache_key(src_cache_key)
         with llm_errors("pull_blocks"):
             def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
-                                                      _pair(dst_range), n)
+                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
+                                                      layer_pair(dst_range), n)
                 if by_blocks:
                     return layout.plan_blocks(geo, src, dst, tensors,
                                               prepared_block_spans(geo, src, dst))
                 return layout.plan_contiguous_to_blocks(geo, dst, tensors)
 
             plan = prepared_plan(("pull_blocks", by_blocks, geo, exact(src), exact(dst),
-                                  _pair(src_range), _pair(dst_range), n), build, dst)
+                                  layer_pair(src_range), layer_pair(dst_range), n), build, dst)
             _not_own(engine, src_cache_key.cluster_id)
             engine.pull(src_cache_key.cluster_id, key_ref(src_cache_key),
                         geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id)
@@ -380,8 +377,8 @@ class CacheManager:
         raise_if_false(size == -1, "push_cache supports size=-1 only")
         raise_if_false(not src_cache.is_blocks_cache, "push_cache needs a contiguous source")
         with llm_errors("push_cache"):
-            remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
-                                                        _pair(src_range), n)
+            remote, local = layout.layer_tensor_indices(geo.num_tensors, layer_pair(dst_range),
+                                                        layer_pair(src_range), n)
             plan = layout.plan_slot(geo, src_batch_index, (remote, local), size)
             engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
                         src_cache.cache_id)
@@ -407,13 +404,13 @@ class CacheManager:
         raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
         with llm_errors("push_blocks"):
             def build() -> layout.Plan:
-                remote, local = layout.layer_tensor_indices(geo.num_tensors, _pair(dst_range),
-                                                            _pair(src_range), n)
+                remote, local = layout.layer_tensor_indices(geo.num_tensors, layer_pair(dst_range),
+                                                            layer_pair(src_range), n)
                 return layout.plan_blocks(geo, dst, src, (remote, local),
                                           prepared_block_spans(geo, dst, src))
 
-            plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), _pair(src_range),
-                                  _pair(dst_range), n), build, dst)
+            plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), layer_pair(src_range),
+                                  layer_pair(dst_range), n), build, dst)
             engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), geo.unit_bytes,
                         plan, src_cache.cache_id)
 

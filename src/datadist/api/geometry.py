@@ -47,6 +47,11 @@ def prepared_block_spans(geo: layout.Geometry, src: Any, dst: Any) -> tuple[Any,
                       lambda: layout.block_spans(geo, src, dst))
 
 
+def layer_pair(r: range | None) -> tuple[int, int] | None:
+    """A checked layer range (step 1) as the ``(start, stop)`` pair core/layout takes."""
+    return None if r is None else (r.start, r.stop)
+
+
 def exact(arr: Any) -> tuple[str, tuple[int, ...], bytes]:
     """A numpy array as part of a key: equal keys, equal arrays."""
     return arr.dtype.str, arr.shape, arr.tobytes()

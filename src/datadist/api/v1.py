@@ -41,6 +41,7 @@ from datadist.api.geometry import (
     exact,
     geometry_of,
     key_ref,
+    layer_pair,
     prepared_block_spans,
     prepared_plan,
 )
@@ -76,10 +77,6 @@ OPT_BUF_POOL = "llm.BufPoolCfg"
 _PULL_CACHE_KWARGS = ("src_layer_range", "dst_layer_range", "src_cache_offset",
                       "dst_cache_offset", "tensor_num_per_layer")
 _PULL_BLOCKS_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
-
-
-def _pair(r: range | None) -> tuple[int, int] | None:
-    return None if r is None else (r.start, r.stop)
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -394,13 +391,13 @@ class KvCacheManager:
         raise_if_false(not kv_cache._is_blocks_cache, "pull_cache needs a contiguous cache")
         with llm_errors("pull_cache"):
             def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
-                                                      _pair(dst_range), n)
+                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
+                                                      layer_pair(dst_range), n)
                 return layout.plan_slot(geo, batch_index, tensors, size,
                                         src_offset=max(src_off, 0), dst_offset=max(dst_off, 0))
 
             plan = prepared_plan(("v1_pull_slot", geo, batch_index, size, src_off, dst_off,
-                                  _pair(src_range), _pair(dst_range), n), build)
+                                  layer_pair(src_range), layer_pair(dst_range), n), build)
             engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, kv_cache.cache_id)
 
     def pull_blocks(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache,
@@ -426,13 +423,13 @@ class KvCacheManager:
         raise_if_false(decoder_kv_cache._is_blocks_cache, "pull_blocks needs a blocks cache")
         with llm_errors("pull_blocks"):
             def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, _pair(src_range),
-                                                      _pair(dst_range), n)
+                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
+                                                      layer_pair(dst_range), n)
                 return layout.plan_blocks(geo, src, dst, tensors,
                                           prepared_block_spans(geo, src, dst))
 
             plan = prepared_plan(("v1_pull_blocks", geo, exact(src), exact(dst),
-                                  _pair(src_range), _pair(dst_range), n), build, dst)
+                                  layer_pair(src_range), layer_pair(dst_range), n), build, dst)
             engine.pull(prompt_cache_key.cluster_id, key_ref(prompt_cache_key), geo.unit_bytes,
                         plan, decoder_kv_cache.cache_id)
 
