@@ -527,6 +527,7 @@ def test_refused_cross_memory_attach_keeps_shared_memory(monkeypatch: pytest.Mon
         raise iov.CmaRefused("Operation not permitted (simulated)")
 
     monkeypatch.setattr(paths, "vm_copy", refused)
+    monkeypatch.setattr(iov.VmCopy, "run", refused)  # a leased copy, prepared
     eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
                               host_pool=PoolConfig(2 << 20, 12)))
     puller = _puller()

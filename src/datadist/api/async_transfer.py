@@ -46,6 +46,7 @@ import numpy as np
 
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Placement
+from datadist.api.geometry import exact, prepared_plan
 from datadist.api.status import LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.tasks import CacheTask
 from datadist.api.types import (
@@ -239,12 +240,23 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
         unit_bytes = (dbb or geo.unit_bytes) if dst_blocks is not None else 0
         sp = spans(geo.unit_bytes)
 
+    # The plans of the layers sent together, kept across calls (a model sends the same
+    # layers of the same blocks for every request): the engine's prepared copies key on them.
+    spans_key = ("async", geo, src_unit, _exact(src_blocks), _exact(dst_blocks), dbb)
+    blocks = src_blocks if src_blocks is not None else dst_blocks
+
     def send_by_key(i: int) -> None:
         j = dst_start + (i - layers.start)
-        plan = sp.plan([j * n + t for t in range(n)], [i * n + t for t in range(n)])
+        remote, local = tuple(j * n + t for t in range(n)), tuple(i * n + t for t in range(n))
+        plan = prepared_plan(spans_key + (remote, local), lambda: sp.plan(remote, local),
+                             blocks)
         engine.push(cluster, ref, unit_bytes, plan, cache_id)
 
     return layerwise.LayerJob(layers, send_by_key)
+
+
+def _exact(blocks: np.ndarray | None) -> Any:
+    return None if blocks is None else exact(blocks)
 
 
 __all__ = ["start_transfer"]

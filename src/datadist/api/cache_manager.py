@@ -28,6 +28,7 @@ from datadist.api.status import (
     check_same_session,
     llm_errors,
     raise_if_false,
+    to_llm_exception,
 )
 from datadist.api.types import (
     UINT64_MAX,
@@ -44,7 +45,7 @@ from datadist.api.types import (
 )
 from datadist.core import layout
 from datadist.core.engine import Engine
-from datadist.core.errors import InvalidArgument
+from datadist.core.errors import DatadistError, InvalidArgument
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
@@ -63,8 +64,11 @@ def local_keys(cache_keys: Any) -> list[KeyId | None]:
 
 
 def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+    if not kwargs:  # the usual call: every layer, two tensors per layer
+        return None, None, 2
     for k in kwargs:
-        raise_if_false(k in _PULL_KWARGS, f"unknown argument {k!r}; expected one of {_PULL_KWARGS}")
+        if k not in _PULL_KWARGS:
+            raise_if_false(False, f"unknown argument {k!r}; expected one of {_PULL_KWARGS}")
     src = kwargs.get("src_layer_range")
     dst = kwargs.get("dst_layer_range")
     n = kwargs.get("tensor_num_per_layer", 2)
@@ -272,8 +276,10 @@ class CacheManager:
     def _check_local(self, engine: Engine, cache: Cache) -> layout.Geometry:
         """The local cache as it was registered (KV_CACHE_NOT_EXIST if gone). Plans use this
         geometry, not the Cache's CacheDesc, which the caller may have changed since."""
-        with llm_errors():
+        try:
             return engine.registry.get(cache.cache_id).geometry
+        except DatadistError as e:
+            raise to_llm_exception(e, "") from e
 
     def _check_cache_key(self, key: Any) -> None:
         if isinstance(key, CacheKey):

@@ -341,9 +341,11 @@ def check_layer_range(name: str, layer_range: Any, allow_none: bool = True) -> N
     check_isinstance(name, layer_range, range, allow_none)
     if layer_range is None:
         return
-    raise_if_false(layer_range.step == 1, f"{name} step must be 1, got {layer_range.step}")
-    raise_if_false(0 <= layer_range.start < layer_range.stop,
-                   f"{name} must satisfy 0 <= start < stop, got {layer_range}")
+    # messages formatted only on failure: a layer-wise transfer passes here once per layer
+    if layer_range.step != 1:
+        raise_if_false(False, f"{name} step must be 1, got {layer_range.step}")
+    if not 0 <= layer_range.start < layer_range.stop:
+        raise_if_false(False, f"{name} must satisfy 0 <= start < stop, got {layer_range}")
 
 
 class TransferConfig:

@@ -61,7 +61,7 @@ from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.channel import Channel
 from datadist.transport.iov import PTRACER, CmaRefused
 from datadist.transport.local import LocalListener, local_name
-from datadist.transport.paths import CmaPath, TcpPath, lease_key
+from datadist.transport.paths import CmaPath, LeasedCopy, TcpPath, lease_key
 from datadist.transport.tcp import ServerConnection, TcpListener
 from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
@@ -207,12 +207,10 @@ class Engine:
         self._nixl_leases: dict[int, tuple[tuple[int, str], bool, bool]] = {}
         self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
-        # small plans checked against a local cache, and their local iovecs, by plan and cache
-        self._checked: Prepared[bool] = Prepared(128)
+        # local iovecs of small plans checked against a local cache, by plan and cache
         self._local_iovs: Prepared[np.ndarray] = Prepared(128)
         # checked iovecs of small leased reads, by plan, local cache and lease
-        self._leased_iovs: Prepared[
-            tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]] = Prepared(128)
+        self._leased_iovs: Prepared[LeasedCopy] = Prepared(128)
         # read leases on whole caches (NixlLease), revoked before their memory goes: by id
         self._nixl_held: dict[int, _CacheLease] = {}
         self._nixl_lease_ids = itertools.count(1)
@@ -598,17 +596,13 @@ class Engine:
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
         entry = self.registry.hold(dst_cache_id)
         try:
-            if plan.num_spans <= SMALL_REQUEST:  # a plan that repeats is checked once
-                self._checked.get((plan, entry), lambda: _check_local_plan(plan, entry))
-            else:
-                _check_local_plan(plan, entry)
+            local = self._local_iov(plan, entry)
             link = self.get_link(cluster_id)
             if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
                     and not self.config.verify
-                    and self._move_leased(link, link.path, key, unit_bytes, plan, entry,
+                    and self._move_leased(link, link.path, key, unit_bytes, plan, entry, local,
                                           deadline)):
                 return
-            local = self._local_iov(plan, entry)
             flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
             msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
                          plan.lengths, wire_layout(entry.geometry))
@@ -618,12 +612,15 @@ class Engine:
             self.registry.unhold(entry)
 
     def _local_iov(self, plan: Plan, entry: CacheEntry) -> np.ndarray:
-        """The local spans of ``plan`` in ``entry``'s memory as an iovec array, kept for
-        small plans (read-only: transports edit copies)."""
+        """The local spans of ``plan`` in ``entry``'s memory as an iovec array, once the plan
+        is checked against the cache (InvalidArgument if it does not fit). Kept for small
+        plans, so a plan that repeats is checked once (read-only: transports edit copies)."""
         if plan.num_spans > SMALL_REQUEST:
+            _check_local_plan(plan, entry)
             return plan.local_iovecs(entry.addrs)
 
         def build() -> np.ndarray:
+            _check_local_plan(plan, entry)
             iov = plan.local_iovecs(entry.addrs)
             iov.flags.writeable = False
             return iov
@@ -631,8 +628,8 @@ class Engine:
         return self._local_iovs.get((plan, entry), build)
 
     def _move_leased(self, link: Link, path: CmaPath, key: p.KeyRef, unit_bytes: int,
-                     plan: Plan, entry: CacheEntry, deadline: float, write: bool = False
-                     ) -> bool:
+                     plan: Plan, entry: CacheEntry, local: np.ndarray, deadline: float,
+                     write: bool = False) -> bool:
         """Same host, a cache named by id or BlocksCacheKey: copy from it (or, ``write``,
         into it) under a whole-cache lease (asked for once per link, cache and direction),
         checking the request against the lease exactly as the owner would. False when there
@@ -651,35 +648,30 @@ class Engine:
             if rc is None:
                 return False
 
-        def prepare() -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]:
+        def prepare() -> LeasedCopy:
             m = rc.msg
             geometry = Geometry(len(m.addrs), m.tensor_bytes, m.units, m.is_blocks, m.layout)
             slot = key.b if key.kind == p.KeyKind.CACHE_ID else -1
             base = check_read(geometry, m.cache_id, slot, unit_bytes, plan.remote_tensors,
                               plan.remote_offsets, plan.lengths, wire_layout(entry.geometry))
-            local = self._local_iov(plan, entry)
             cma, shm = CmaPath.leased_sources(rc, plan.remote_tensors, base,
                                               plan.remote_offsets, plan.lengths)
-            for iov in (cma, shm):
-                if iov is not None:
-                    iov.flags.writeable = False  # kept (prepared): transports edit copies
-            return (local, cma, shm, plan.nbytes,
-                    shm_pays(len(plan.remote_tensors), plan.lengths))
+            return LeasedCopy(local, cma, shm, plan.nbytes,
+                              shm_pays(len(plan.remote_tensors), plan.lengths))
 
         slot_key = key.b if key.kind == p.KeyKind.CACHE_ID else -1
         try:
             if plan.num_spans <= SMALL_REQUEST:
-                local, cma, shm, nbytes, faster = self._leased_iovs.get(
-                    (plan, entry, rc, slot_key, unit_bytes), prepare)
+                copy = self._leased_iovs.get((plan, entry, rc, slot_key, unit_bytes), prepare)
             else:
-                local, cma, shm, nbytes, faster = prepare()
+                copy = prepare()
         except InvalidArgument:
             if rc.fence.revoked():  # checked against a cache the key no longer names:
                 path.forget(rc)  # the owner's answer is the outcome
                 return False
             raise
         try:
-            return path.copy_leased(rc, local, cma, shm, nbytes, faster)
+            return path.copy_leased(rc, copy)
         except (CmaRefused, BrokenLink) as e:
             log.info("leased %s cluster %d failed (%s): asking the owner",
                      "write to" if write else "read from", link.cluster_id, e)
@@ -701,14 +693,13 @@ class Engine:
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
         entry = self.registry.hold(src_cache_id)
         try:
-            _check_local_plan(plan, entry)
-            link = self.get_link(cluster_id)
             local = self._local_iov(plan, entry)
+            link = self.get_link(cluster_id)
             msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
                           plan.lengths, wire_layout(entry.geometry))
             if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
                     and self._move_leased(link, link.path, key, unit_bytes, plan, entry,
-                                          deadline, write=True)):
+                                          local, deadline, write=True)):
                 return
             # Pushes go over the control channel (the owner must check the spans before
             # anything lands, which is what the two-step Write does), on the same host under

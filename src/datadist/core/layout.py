@@ -29,7 +29,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -114,14 +114,13 @@ class Plan:
     remote_offsets: np.ndarray  # uint64 (S,), relative to the remote unit base
     local_offsets: np.ndarray  # uint64 (S,), absolute within the local tensor
     lengths: np.ndarray  # uint64 (S,)
+    # computed once (every transfer asks for them, a small one several times)
+    nbytes: int = field(init=False)
+    num_spans: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.lengths.sum()) * len(self.local_tensors)
-
-    @property
-    def num_spans(self) -> int:
-        return len(self.local_tensors) * len(self.lengths)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", int(self.lengths.sum()) * len(self.local_tensors))
+        object.__setattr__(self, "num_spans", len(self.local_tensors) * len(self.lengths))
 
     def local_iov(self, local_addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Absolute (base, length) arrays of the local spans, tensor-major."""

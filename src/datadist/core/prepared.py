@@ -14,7 +14,6 @@ re-registered cache is a different key). Thread-safe; never blocks beyond a dict
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -46,8 +45,10 @@ class Prepared(Generic[_V]):
         ``build`` raises is raised and nothing is kept."""
         got = self._items.get(key)  # a hit takes no lock: each OrderedDict call is atomic
         if got is not None:
-            with contextlib.suppress(KeyError):  # evicted meanwhile: it is still the value
+            try:  # noqa: SIM105 - contextlib.suppress costs ~1 us, on every hit
                 self._items.move_to_end(key)
+            except KeyError:  # evicted meanwhile: it is still the value
+                pass
             return got
         value = build()
         with self._lock:

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -434,15 +435,62 @@ def _vm_call(call: VmCall, pid: int, local: np.ndarray, remote: np.ndarray) -> i
     """One batch pair; returns bytes moved or raises with errno."""
     n = call(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
     if n < 0:
-        err = ctypes.get_errno()
-        if err == errno.ESRCH:
-            # The owner process is gone: the link is broken, not the path (a restarted owner
-            # reconnects and may use cross-memory attach again).
-            raise BrokenLink(f"the owner process {pid} is gone")
-        if err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
-            raise CmaRefused(f"process_vm_* refused: {os.strerror(err)}")
-        raise BrokenLink(f"cross-memory copy failed: {os.strerror(err)}")
+        _vm_failed(pid)
     return n
+
+
+def _vm_failed(pid: int) -> NoReturn:
+    """Raise what a failed process_vm_* call means (errno read here)."""
+    err = ctypes.get_errno()
+    if err == errno.ESRCH:
+        # The owner process is gone: the link is broken, not the path (a restarted owner
+        # reconnects and may use cross-memory attach again).
+        raise BrokenLink(f"the owner process {pid} is gone")
+    if err in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+        raise CmaRefused(f"process_vm_* refused: {os.strerror(err)}")
+    raise BrokenLink(f"cross-memory copy failed: {os.strerror(err)}")
+
+
+class VmCopy:
+    """One cross-memory copy prepared to run many times: a repeated small read or write
+    under a lease (``CmaPath.copy_leased``). The iovec arrays are kept read-only and their
+    addresses taken once, so a run is one system call (``vm_copy`` otherwise)."""
+
+    __slots__ = ("local", "remote", "nbytes", "_args")
+
+    def __init__(self, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+        if len(local) != len(remote):
+            raise ValueError(f"VmCopy: {len(local)} local spans, {len(remote)} remote spans")
+        self.local = np.ascontiguousarray(local)
+        self.remote = np.ascontiguousarray(remote)
+        for a in (self.local, self.remote):
+            a.flags.writeable = False
+        self.nbytes = nbytes
+        self._args = ((self.local.ctypes.data, len(self.local), self.remote.ctypes.data,
+                       len(self.remote), 0) if len(self.local) <= IOV_MAX else None)
+
+    def run(self, pid: int, *, write: bool = False) -> None:
+        """Copy (blocking; a short copy is retried once, then BrokenLink)."""
+        if self._args is None:
+            vm_copy(pid, self.local, self.remote, write=write, nbytes=self.nbytes)
+            return
+        call = _libc.process_vm_writev if write else _libc.process_vm_readv
+        got = call(pid, *self._args)
+        if got == self.nbytes:
+            return
+        if got < 0:
+            _vm_failed(pid)
+        _vm_rest(call, pid, self.local, self.remote, got, self.nbytes)
+
+
+def _vm_rest(call: VmCall, pid: int, local: np.ndarray, remote: np.ndarray, got: int,
+             want: int) -> None:
+    """A partial copy: retry the rest once (the kernel may stop at a page boundary under
+    memory pressure); a second short copy is a fault."""
+    lb2, rb2 = _advance(local.copy(), got), _advance(remote.copy(), got)
+    got2 = _vm_call(call, pid, lb2, rb2)
+    if got2 != want - got:
+        raise BrokenLink(f"cross-memory copy moved {got + got2} of {want} bytes")
 
 
 def cma_refusal(pid: int) -> str | None:
@@ -484,12 +532,7 @@ def vm_copy(pid: int, local: np.ndarray, remote: np.ndarray, *, write: bool = Fa
             want = int(lb[:, 1].sum())
         got = _vm_call(call, pid, lb, rb)
         if got != want:
-            # A partial copy: retry the rest once (the kernel may stop at a page boundary
-            # under memory pressure); a second short copy is a fault.
-            lb2, rb2 = _advance(lb.copy(), got), _advance(rb.copy(), got)
-            got2 = _vm_call(call, pid, lb2, rb2)
-            if got2 != want - got:
-                raise BrokenLink(f"cross-memory copy moved {got + got2} of {want} bytes")
+            _vm_rest(call, pid, lb, rb, got, want)
 
 
 def memmove(dst: int, src: int, nbytes: int) -> None:

@@ -32,6 +32,7 @@ from datadist.transport.channel import Channel
 from datadist.transport.fence import FenceUnavailable, FenceView
 from datadist.transport.iov import (
     CmaRefused,
+    VmCopy,
     crc_iov,
     iov_nbytes,
     iovecs,
@@ -116,6 +117,23 @@ class TcpPath:
 
 
 _TCP = TcpPath()
+
+
+class LeasedCopy:
+    """A checked request under a lease, prepared to run many times (the engine keeps small
+    ones): the cross-memory copy between our spans and the owner's, the same spans in our
+    mapping of the owner's shared memory (or None), and whether copying from that mapping
+    is faster for these spans (``shm_pays``). Arrays are read-only."""
+
+    __slots__ = ("vm", "shm", "shm_faster")
+
+    def __init__(self, local: np.ndarray, cma: np.ndarray, shm: np.ndarray | None,
+                 nbytes: int, shm_faster: bool) -> None:
+        self.vm = VmCopy(local, cma, nbytes)
+        if shm is not None:
+            shm.flags.writeable = False
+        self.shm = shm
+        self.shm_faster = shm_faster
 
 
 @dataclass(eq=False)
@@ -383,19 +401,17 @@ class CmaPath:
             return cma, None
         return cma, iovecs(rc.shm_bases[tensors] + b, offsets, lengths)
 
-    def copy_leased(self, rc: RemoteCache, local: np.ndarray, cma: np.ndarray,
-                    shm: np.ndarray | None, nbytes: int, shm_faster: bool) -> bool:
-        """Copy a leased read (:meth:`leased_sources`) into ``local``, or for a write lease
-        ``local`` into the owner's spans, without asking the owner. False: nothing was
-        copied, the lease is gone (revoked, or unusable here); the caller asks the owner
+    def copy_leased(self, rc: RemoteCache, copy: LeasedCopy) -> bool:
+        """Run a leased copy (:class:`LeasedCopy`): a read into our memory, or for a write
+        lease our memory into the owner's spans, without asking the owner. False: nothing
+        was copied, the lease is gone (revoked, or unusable here); the caller asks the owner
         instead. Raises CmaRefused (nothing copied) or BrokenLink (the owner exited: what
-        was copied may not be its memory, or may not have landed in it). ``shm_faster``:
-        the request's spans copy faster from our mapping than by cross-memory attach
-        (``shm_pays``)."""
+        was copied may not be its memory, or may not have landed in it)."""
         with self._fast:
             if self._closed or self.remote.get(rc.key) is not rc:
                 return False
-            use_shm = shm is not None and not rc.write and (self.cma_refused or shm_faster)
+            use_shm = (copy.shm is not None and not rc.write
+                       and (self.cma_refused or copy.shm_faster))
             if not use_shm and self.cma_refused:
                 return False
             if self._exited is not None and self._exited.poll(0):
@@ -405,10 +421,10 @@ class CmaPath:
                 return False
             try:
                 if use_shm:
-                    assert shm is not None
-                    local_copy(local, shm)
+                    assert copy.shm is not None
+                    local_copy(copy.vm.local, copy.shm)
                 else:
-                    vm_copy(self.pid, local, cma, nbytes=nbytes, write=rc.write)
+                    copy.vm.run(self.pid, write=rc.write)
             finally:
                 rc.fence.leave()
             if self._exited is not None and self._exited.poll(0):
