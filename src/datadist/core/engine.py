@@ -42,7 +42,7 @@ from datadist.core.errors import (
     RemoteProtocolError,
     Timeout,
 )
-from datadist.core.layout import Geometry, Plan, check_source_spans, wire_layout
+from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
 from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
 from datadist.core.prepared import SMALL_REQUEST, Prepared
 from datadist.core.registry import (
@@ -158,7 +158,7 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
     byte moves."""
     check_request_size(plan.remote_tensors, plan.remote_offsets)
     g = entry.geometry
-    if len(plan.local_tensors) and int(plan.local_tensors.max()) >= g.num_tensors:
+    if len(plan.local_tensors) and max_int(plan.local_tensors) >= g.num_tensors:
         raise InvalidArgument(f"cache {entry.cache_id} has {g.num_tensors} tensors")
     check_source_spans(plan.local_offsets, plan.lengths, g.tensor_bytes)
     return True

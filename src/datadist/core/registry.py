@@ -47,7 +47,7 @@ from datadist.core.errors import (
     NotSupported,
     Timeout,
 )
-from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans
+from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans, max_int
 from datadist.transport.fence import Fence
 from datadist.transport.iov import iovecs, span_iov
 from datadist.wire.protocol import KeyKind, KeyRef
@@ -224,9 +224,9 @@ def check_read(g: Geometry, cache_id: int | None, slot: int, unit_bytes: int,
     bounds, layouts. Returns the byte offset of the source unit within each tensor (0 for
     block addressing, ``slot``: -1). Raises InvalidArgument."""
     name = "the remote cache" if cache_id is None else f"cache {cache_id}"
-    if len(tensors) and int(tensors.max()) >= g.num_tensors:
+    if len(tensors) and max_int(tensors) >= g.num_tensors:
         raise InvalidArgument(
-            f"tensor {int(tensors.max())} out of range: {name} has {g.num_tensors}"
+            f"tensor {max_int(tensors)} out of range: {name} has {g.num_tensors}"
         )
     check_request_size(tensors, offsets)
     if slot < 0:

@@ -621,6 +621,14 @@ def encode(msg: Message, request_id: int = 0) -> bytes:
 # decoding
 
 
+# Enum members by value, looked up per frame (calling an enum class costs ~1 us).
+_MSG_TYPES = {int(t): t for t in MsgType}
+_KEY_KINDS = {int(k): k for k in KeyKind}
+_CHECKSUM = int(ReadFlags.CHECKSUM)
+_KNOWN_READ_FLAGS = int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM)
+_READ_FLAGS = {i: ReadFlags(i) for i in range(_KNOWN_READ_FLAGS + 1)}
+
+
 def decode_header(data: bytes | memoryview) -> FrameHeader:
     """Parse and check a 12-byte header. Raises RemoteProtocolError on anything odd."""
     if len(data) != HEADER_SIZE:
@@ -630,10 +638,9 @@ def decode_header(data: bytes | memoryview) -> FrameHeader:
         raise RemoteProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise RemoteProtocolError(f"unsupported protocol version {version}")
-    try:
-        t = MsgType(mtype)
-    except ValueError:
-        raise RemoteProtocolError(f"unknown message type {mtype}") from None
+    t = _MSG_TYPES.get(mtype)
+    if t is None:
+        raise RemoteProtocolError(f"unknown message type {mtype}")
     if length > MAX_PAYLOAD:
         raise RemoteProtocolError(f"frame of {length} bytes exceeds {MAX_PAYLOAD}")
     return FrameHeader(t, request_id, length)
@@ -684,10 +691,10 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
         msg = Error(code, r.bytes_field().decode("utf-8", "replace"))
     elif mtype in (MsgType.READ, MsgType.WRITE, MsgType.NIXL_READ, MsgType.NIXL_WRITE):
         kind, a, b, c = r.unpack(KeyRef._S)
-        try:
-            key = KeyRef(KeyKind(kind), a, b, c)
-        except ValueError:
-            raise RemoteProtocolError(f"unknown key kind {kind}") from None
+        known_kind = _KEY_KINDS.get(kind)
+        if known_kind is None:
+            raise RemoteProtocolError(f"unknown key kind {kind}")
+        key = KeyRef(known_kind, a, b, c)
         unit_bytes, layout, flags, ntensors, nspans = r.unpack(Read._S)
         tensors = r.array(ntensors, U32)
         offsets = r.array(nspans, U64)
@@ -695,16 +702,15 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
         if mtype == MsgType.NIXL_READ:
             if key.kind == KeyKind.ADDRESS:
                 raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
-            if flags & ~int(ReadFlags.CHECKSUM):
+            if flags & ~_CHECKSUM:
                 raise RemoteProtocolError(f"unknown NIXL read flags {flags:#x}")
-            msg = NixlRead(key, unit_bytes, ReadFlags(flags), tensors, offsets, lengths, layout)
+            msg = NixlRead(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
         elif mtype == MsgType.READ:
             if key.kind == KeyKind.ADDRESS:
                 raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
-            if flags & ~int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM):
+            if flags & ~_KNOWN_READ_FLAGS:
                 raise RemoteProtocolError(f"unknown read flags {flags:#x}")
-            rflags = ReadFlags(flags)
-            msg = Read(key, unit_bytes, rflags, tensors, offsets, lengths, layout)
+            msg = Read(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
         else:
             if flags:  # no write flags are defined in this version
                 raise RemoteProtocolError(f"unknown write flags {flags:#x}")
