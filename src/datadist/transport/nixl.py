@@ -57,6 +57,7 @@ from datadist.core.errors import (
     Timeout,
 )
 from datadist.core.layout import Geometry
+from datadist.core.prepared import SMALL_REQUEST, Prepared
 from datadist.core.registry import check_read
 from datadist.transport.base import TransportCaps
 from datadist.transport.iov import crc_iov, iov_nbytes, iovecs
@@ -454,6 +455,8 @@ class NixlPath:
         self._leases: dict[tuple[int, int], _ReadLease] = {}
         self._lease_ids: dict[int, _ReadLease] = {}
         self._revoked_early: set[int] = set()  # revoked before their NixlLeased was read
+        # checked source spans of small reads under a lease, by lease and request
+        self._sources: Prepared[np.ndarray] = Prepared(128)
 
     def __repr__(self) -> str:
         return (f"<NixlPath remote={self.remote} gen={self.generation} "
@@ -479,7 +482,7 @@ class NixlPath:
                 lease.reading += usable
             if usable:
                 try:
-                    self._read_leased(chan, lease.info, msg, local, deadline)
+                    self._read_leased(chan, lease, msg, local, deadline)
                     return
                 finally:
                     with self._cv:
@@ -530,9 +533,21 @@ class NixlPath:
             self._lease_ids[info.lease_id] = lease
         return lease
 
-    def _read_leased(self, chan: Any, info: p.NixlLeased, msg: p.Read, local: np.ndarray,
+    def _read_leased(self, chan: Any, lease: _ReadLease, msg: p.Read, local: np.ndarray,
                      deadline: float) -> None:
-        src = iovecs(_leased_bases(info, msg), msg.offsets, msg.lengths)
+        info = lease.info
+
+        def source() -> np.ndarray:
+            iov = iovecs(_leased_bases(info, msg), msg.offsets, msg.lengths)
+            iov.flags.writeable = False  # kept: never edited
+            return iov
+
+        if len(msg.tensors) * len(msg.lengths) <= SMALL_REQUEST:  # checked once, then kept
+            src = self._sources.get((lease, msg.key.b, msg.unit_bytes, msg.layout,
+                                     msg.tensors.tobytes(), msg.offsets.tobytes(),
+                                     msg.lengths.tobytes()), source)
+        else:
+            src = source()
         if iov_nbytes(src) != iov_nbytes(local):
             raise InvalidArgument("the destination spans do not match the source spans")
         try:
