@@ -279,7 +279,16 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
   (q.kind == wire::kCacheId ? q.a : q.b) = std::get<1>(key);
   q.flags = std::get<2>(key) ? wire::kLeaseWrite : 0;  // no SHM: we read with cross-memory attach
   std::vector<uint8_t> payload;
-  wire::Header h = Call(wire::EncodeLeaseRequest(q, ++rid_), payload, deadline);  // ERROR: the refusal
+  wire::Header h;
+  try {
+    h = Call(wire::EncodeLeaseRequest(q, ++rid_), payload, deadline);  // ERROR: the refusal
+  } catch (const Error &e) {
+    // An owner that cannot lease now (a Python owner out of fence descriptors says
+    // FEATURE_NOT_ENABLED) still answers requests: this transfer asks it, as Python's reader
+    // does. Any other refusal (no such cache, writes not allowed) is the transfer's answer.
+    if (e.code() == llm_datadist::LLM_FEATURE_NOT_ENABLED) return nullptr;
+    throw;
+  }
   std::shared_ptr<lease::Leased> l;
   std::string why;
   try {

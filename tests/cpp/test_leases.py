@@ -164,6 +164,37 @@ def test_an_owner_without_remote_access_refuses_write_leases(xpeer):
         py.finalize()
 
 
+def test_an_owner_that_cannot_lease_now_is_read_by_request(xpeer, monkeypatch):
+    """A Python owner out of fence descriptors answers a LEASE_REQUEST with
+    FEATURE_NOT_ENABLED: that is no answer to the transfer, which asks the owner instead
+    (as Python's reader does), and the next transfer may ask for a lease again."""
+    from datadist.core.errors import NotSupported
+
+    py = make_python(llm.LLMRole.PROMPT, listen=True)
+    asked = []
+
+    def no_fence(key: object) -> None:
+        asked.append(key)
+        raise NotSupported("no fence for a cache lease: too many open files (simulated)")
+
+    monkeypatch.setattr(py.engine.registry, "lease_cache", no_fence)
+    try:
+        cache, arrays = register(py, 2, SHAPE)
+        _fill(arrays, 300)
+        cpp = _linked(py, xpeer)
+        local = cpp.register(2, SHAPE)
+        reads = _served(py, "serve_read")
+        for i in range(3):
+            cpp.ok(f"pullb {PY_ID} {cache.cache_id} 0 {local} {i} {i + 4} -1 -1 -1 -1 2")
+            for t in range(2):
+                got, src = cpp.read(local, t), arrays[t].tobytes()
+                assert got[(i + 4) * BLOCK:(i + 5) * BLOCK] == src[i * BLOCK:(i + 1) * BLOCK]
+        assert _served(py, "serve_read") == reads + 3
+        assert len(asked) == 3  # asked each time: the refusal is for now, not for the link
+    finally:
+        py.finalize()
+
+
 def test_a_killed_owner_is_an_error_not_stale_bytes(xpeer):
     spec = CacheSpec(2, SHAPE, data_type="DT_UINT8")
     prompt = start_prompt(PromptConfig(PY_ID))
