@@ -206,6 +206,11 @@ def max_int(a: np.ndarray) -> int:
     return max(a.tolist()) if len(a) <= FEW else int(a.max())
 
 
+def min_int(a: np.ndarray) -> int:
+    """``int(a.min())`` of a non-empty integer array."""
+    return min(a.tolist()) if len(a) <= FEW else int(a.min())
+
+
 def coalesce(
     src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -227,7 +232,7 @@ def _as_block_array(blocks: BlockList, name: str) -> np.ndarray:
         raise InvalidArgument(f"{name} must be a flat list of block indexes")
     if arr.size and arr.dtype.kind not in "iu":
         raise InvalidArgument(f"{name} must hold ints, got {arr.dtype}")
-    if arr.size and arr.dtype.kind == "i" and min(arr.tolist()) < 0:
+    if arr.size and arr.dtype.kind == "i" and min_int(arr) < 0:
         raise InvalidArgument(f"{name} holds a negative block index {int(arr.min())}")
     return arr.astype(U64, copy=False)
 
