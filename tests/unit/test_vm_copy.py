@@ -1,0 +1,91 @@
+"""transport.iov.VmCopy: a cross-memory copy prepared once and run many times (the copy of a
+small read or write under a cache lease). Run here on our own process, which the kernel
+always lets us read."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from datadist.core.errors import BrokenLink
+from datadist.transport import iov as iov_mod
+from datadist.transport.iov import IOV_MAX, VmCopy, make_iov
+
+U64 = np.uint64
+
+
+def _spans(buf: np.ndarray, starts: list[int], length: int) -> np.ndarray:
+    base = buf.ctypes.data
+    return make_iov(np.array([base + s for s in starts], U64), np.full(len(starts), length, U64))
+
+
+def test_copies_every_span_and_runs_again() -> None:
+    src = np.random.default_rng(1).integers(0, 255, 1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    local, remote = _spans(dst, [0, 4096, 40000], 1000), _spans(src, [9000, 100, 60000], 1000)
+    copy = VmCopy(local, remote, 3000)
+    for _ in range(3):
+        dst[:] = 0
+        copy.run(os.getpid())
+        for d, s in ((0, 9000), (4096, 100), (40000, 60000)):
+            assert np.array_equal(dst[d:d + 1000], src[s:s + 1000])
+    assert not copy.local.flags.writeable and not copy.remote.flags.writeable
+    assert np.array_equal(copy.local, local) and np.array_equal(copy.remote, remote)
+
+
+def test_a_write_goes_the_other_way() -> None:
+    mine = np.arange(4096, dtype=np.uint8)
+    theirs = np.zeros_like(mine)
+    VmCopy(_spans(mine, [0], 4096), _spans(theirs, [0], 4096), 4096).run(os.getpid(),
+                                                                         write=True)
+    assert np.array_equal(theirs, mine)
+
+
+def test_more_spans_than_one_system_call_takes() -> None:
+    n = IOV_MAX + 5
+    src = np.random.default_rng(2).integers(0, 255, n * 8, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    starts = list(range(0, n * 8, 8))
+    VmCopy(_spans(dst, starts[::-1], 8), _spans(src, starts, 8), n * 8).run(os.getpid())
+    assert np.array_equal(dst.reshape(n, 8), src.reshape(n, 8)[::-1])
+
+
+def test_a_short_copy_is_retried_once_then_a_broken_link() -> None:
+    """The second remote span is not mapped: the kernel copies the first and stops; the retry
+    of the rest fails, and that is the owner's memory gone (BrokenLink), never a partial
+    success."""
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(8192, dtype=np.uint8)
+    local = _spans(dst, [0, 4096], 4096)
+    remote = make_iov(np.array([src.ctypes.data, 4096], U64), np.array([4096, 4096], U64))
+    calls = []
+    real = iov_mod._vm_call
+
+    def counted(*a: object) -> int:
+        calls.append(a)
+        return real(*a)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(iov_mod, "_vm_call", counted)
+        with pytest.raises(BrokenLink):
+            VmCopy(local, remote, 8192).run(os.getpid())
+    assert len(calls) == 1  # the retry of the rest, after the prepared call's short copy
+    assert np.array_equal(dst[:4096], src)
+
+
+def test_a_process_that_is_gone_is_a_broken_link() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    buf = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(BrokenLink, match="gone"):
+        VmCopy(_spans(buf, [0], 64), _spans(buf, [0], 64), 64).run(child.pid)
+
+
+def test_span_counts_must_match() -> None:
+    buf = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError):
+        VmCopy(_spans(buf, [0, 8], 8), _spans(buf, [0], 8), 16)
