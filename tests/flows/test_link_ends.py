@@ -228,3 +228,34 @@ class TestWire:
             assert not errors
         finally:
             sock.close()
+
+
+def test_stopping_to_listen_closes_the_local_channel_too(make_side):
+    """switch_role away from listening (engine.stop_listening) leaves no way in: not the TCP
+    listener and not the same-host local channel (whose name any local process can compute
+    from our pid); listening again opens both."""
+    import os
+    import socket
+
+    from datadist.transport.local import local_name
+
+    p = make_side(PROMPT_ID)
+
+    def local_open() -> bool:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(local_name(os.getpid(), PROMPT_ID))
+            return True
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        finally:
+            s.close()
+
+    assert p.engine.local_listener is not None and local_open()
+    p.engine.stop_listening()
+    assert p.engine.listen_address is None and not local_open()
+    p.engine.start_listening("127.0.0.1", 0)
+    assert local_open()
+    d = make_side(DECODER_ID, listen=False, role=2)
+    d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+    assert type(d.engine.get_link(PROMPT_ID).path).__name__ == "CmaPath"

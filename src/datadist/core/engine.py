@@ -309,9 +309,16 @@ class Engine:
                 log.info("same-host peers will use tcp: %s", e)
 
     def stop_listening(self) -> None:
+        """Stop serving new peers (switch_role away from listening): the TCP listener and the
+        local channel both close (as the C++ owner's SetRole does); a later
+        :meth:`start_listening` opens both again. Who calls: the facade, with no link alive."""
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+        with self._lock:
+            local, self.local_listener = self.local_listener, None
+        if local is not None:
+            local.close()
 
     def close(self) -> None:
         """Tear everything down. Idempotent; does not raise."""
