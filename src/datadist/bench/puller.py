@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,8 +214,10 @@ def warm_and_check(ctx: Context, p: Puller, label: str) -> None:
                   f"{label} small pull")
 
 
-def latency_row(ctx: Context, p: Puller, key: str, title: str) -> Row:
+def latency_row(ctx: Context, p: Puller, key: str, title: str,
+                pull: Callable[[int], None] | None = None) -> Row:
     """p50 of one 16 KiB block pulls, and of 16-byte plain round trips, in alternating runs.
+    ``pull(i)`` makes the i-th pull (default: 64 block pairs in turn, so a request repeats).
 
     Runs, not single alternating calls: a same-host pull ends with a one-way Release that the
     owner handles after the pull returned, and a round trip measured right then would wait for
@@ -222,7 +225,8 @@ def latency_row(ctx: Context, p: Puller, key: str, title: str) -> Row:
     """
     ctx.progress.set_label(title)
     with one_cpu(os.getpid(), ctx.info["pid"]):
-        pulls, rtts = _latencies(ctx, p)
+        pulls, rtts = _latencies(ctx, p, pull or (lambda i: p.pull_small(
+            i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)))
     row = Row(key, title, "us", float(np.median(pulls)),
               "16-byte request/reply on a plain socket, p50", float(np.median(rtts)),
               "<= 2.00x", path=p.mechanism(), figure_samples=pulls, limit_samples=rtts)
@@ -230,17 +234,20 @@ def latency_row(ctx: Context, p: Puller, key: str, title: str) -> Row:
     return row
 
 
-def _latencies(ctx: Context, p: Puller) -> tuple[list[float], list[float]]:
+def _latencies(ctx: Context, p: Puller,
+               pull: Callable[[int], None]) -> tuple[list[float], list[float]]:
     pulls, rtts = [], []
     per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
     for i in range(10):  # warm both ends' code paths
-        p.pull_small(i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)
+        pull(i)
         ctx.plain.round_trip()
+    n = 10
     for _ in range(ctx.repeat):
-        for i in range(per_step):
+        for _ in range(per_step):
             t0 = time.perf_counter()
-            p.pull_small(i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)
+            pull(n)
             pulls.append((time.perf_counter() - t0) * 1e6)
+            n += 1
         time.sleep(0.001)  # the owner finishes the last Release
         for _ in range(per_step):
             t0 = time.perf_counter()

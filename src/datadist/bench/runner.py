@@ -50,7 +50,7 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 7, "plan": 2}  # groups: rows
+GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "plan": 2}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 4
 GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped if not built
