@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from datadist.bench import mooncake
 from datadist.transport import nixl
 
 ROWS = {
@@ -30,6 +31,9 @@ ROWS = {
 if nixl.available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     ROWS.update({"nixl_pull": "GB/s", "nixl_pull_blocks": "GB/s", "nixl_small": "us",
                  "nixl_vs_best": "GB/s"})
+if mooncake.available() is not None:  # Mooncake beside the TCP path (--peers), if installed
+    ROWS.update({"mooncake_pull": "GB/s", "mooncake_pull_blocks": "GB/s",
+                 "mooncake_small": "us"})
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -60,6 +64,8 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
             assert len(r["limit_samples"]) == len(r["figure_samples"]), r
     for key in ("tcp_pull", "tcp_pull_blocks", "tcp_pull_blocks_4k", "tcp_small"):
         assert rows[key]["path"] == "tcp", rows[key]
+    for key in ("mooncake_pull", "mooncake_pull_blocks", "mooncake_small"):
+        assert key not in rows or rows[key]["path"] == "tcp", rows[key]
     for key in ("same_host_pull", "same_host_pull_blocks", "same_host_small",
                 "same_host_pull_blocks_pool"):
         assert rows[key]["path"] != "tcp", rows[key]

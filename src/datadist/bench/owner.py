@@ -104,8 +104,10 @@ class PlainServer:
             i += 1
 
 
-def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
-    """The child: serve the caches through datadist and the plain sockets until told to quit.
+def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
+               mooncake: bool = False) -> None:
+    """The child: serve the caches through datadist and the plain sockets (and, with
+    ``mooncake``, through a Mooncake engine: bench/mooncake.py) until told to quit.
 
     Speaks to the parent over ``conn``: one dict with what it set up (or ``{"error": ...}``),
     then waits for ``"quit"``.
@@ -161,7 +163,16 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
         server = PlainServer(tensors, blocks)
         listen = dd.listen_address
         assert listen is not None
+        peer: dict[str, Any] = {}
+        if mooncake:
+            from datadist.bench import mooncake as mc
+
+            try:  # kept alive (peer["engine"]) until this process exits
+                peer["engine"], peer["mooncake_port"] = mc.serve([*tensors, blocks, small])
+            except Exception as e:  # the parent says why its rows cannot run
+                peer["mooncake_error"] = f"{type(e).__name__}: {e}"
         conn.send({
+            **{k: v for k, v in peer.items() if k != "engine"},
             "pid": os.getpid(),
             "port": listen[1],
             "plain_port": server.port,
@@ -186,10 +197,11 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str) -> None:
         dd.finalize()
 
 
-def start_owner(sizes: Sizes, align: str) -> tuple[Any, Any, dict[str, Any]]:
+def start_owner(sizes: Sizes, align: str,
+                mooncake: bool = False) -> tuple[Any, Any, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=owner_main, args=(there, asdict(sizes), align),
+    proc = ctx.Process(target=owner_main, args=(there, asdict(sizes), align, mooncake),
                        name="datadist-bench-owner", daemon=True)
     proc.start()
     there.close()

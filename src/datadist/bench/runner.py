@@ -29,6 +29,7 @@ from datadist.bench.harness import (
     aligned_array,
 )
 from datadist.bench.limits import PlainClient
+from datadist.bench.mooncake import available as mooncake_available
 from datadist.bench.owner import start_owner, stop_owner
 from datadist.bench.peers import peer_lines
 from datadist.bench.plan import plan_rows
@@ -53,10 +54,14 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
 GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "plan": 2}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 4
+if mooncake_available() is not None:  # a peer, beside the TCP path: with --peers or --only
+    GROUPS["mooncake"] = 3
 GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped if not built
-# A plain run: every group but cpp (it needs the C++ build; ask for it with --only).
-DEFAULT_GROUPS = tuple(g for g in GROUPS if g != "cpp")
-_OWNED = ("same-host", "pools", "tcp", "calls", "nixl")  # groups pulling from a Python owner
+# A plain run: every group but cpp (it needs the C++ build; ask for it with --only) and the
+# peers' (--peers adds them).
+DEFAULT_GROUPS = tuple(g for g in GROUPS if g not in ("cpp", "mooncake"))
+PEER_GROUPS = tuple(g for g in GROUPS if g == "mooncake")
+_OWNED = ("same-host", "pools", "tcp", "calls", "nixl", "mooncake")  # pulls from a Python owner
 
 
 def timed_steps(repeat: int, groups: tuple[str, ...] = DEFAULT_GROUPS) -> int:
@@ -96,7 +101,7 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
 def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
                 groups: tuple[str, ...]) -> tuple[list[Any], str]:
     """The rows that pull from a Python owner process, and the alignment line."""
-    proc, conn, info = start_owner(sizes, align)
+    proc, conn, info = start_owner(sizes, align, mooncake="mooncake" in groups)
     plain = None
     try:
         bufs = {
@@ -119,6 +124,10 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
             from datadist.bench.nixl import nixl_rows
 
             rows += nixl_rows(ctx)
+        if "mooncake" in groups:
+            from datadist.bench.mooncake import mooncake_rows
+
+            rows += mooncake_rows(ctx)
         alignment = alignment_text(bufs, info, align)
     finally:
         if plain is not None:
@@ -184,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--align", choices=("page", "numpy"), default="page",
                     help="placement of client buffers (default page; see docs/performance.md)")
     ap.add_argument("--peers", action="store_true",
-                    help="also report NIXL / Mooncake, if they are already importable")
+                    help="also run the peers' rows (Mooncake beside the TCP path) and report "
+                    "NIXL / Mooncake, where they are already importable")
     ap.add_argument("--only", metavar="GROUPS", default=",".join(DEFAULT_GROUPS),
                     help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default "
                     "all but cpp, the C++ API's rows, which need build/cpp/dd_bench)")
@@ -196,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.size is not None and args.size < 1:
         ap.error("--size must be >= 1")
     groups = tuple(g for g in args.only.split(",") if g)
+    if args.peers:
+        groups += tuple(g for g in PEER_GROUPS if g not in groups)
     unknown = [g for g in groups if g not in GROUPS]
     if unknown or not groups:
         ap.error(f"--only takes groups of {','.join(GROUPS)}, got {args.only!r}")
