@@ -166,6 +166,34 @@ class TestByKey:
         units(want, 8)[0:2, [0, 7]] = units(a, 8)[2:4, [3, 4]]
         np.testing.assert_array_equal(b, want)
 
+    def test_a_model_s_layers_are_planned_once(self, ra_pair, monkeypatch):
+        """Every request of a model sends the same layers of (often) the same blocks: the
+        second transfer of an 80-layer model to two destinations (into other layers of
+        each) builds no plan (160 plans kept: a cache smaller than the cycle never hits)."""
+        p, d = ra_pair
+        src, a = p.register(160, [4, 16], blocks=True, seed=9)
+        _, b = d.register(160, [4, 16], blocks=True, model_id=6)
+        _, c = d.register(320, [4, 16], blocks=True, model_id=7)
+        built = []
+        real = layerwise.LayerSpans.plan
+        monkeypatch.setattr(layerwise.LayerSpans, "plan",
+                            lambda self, *args, **kw: built.append(1) or real(self, *args, **kw))
+        cfgs = [llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 6), range(80),
+                                               range(80)),
+                llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 7), range(80),
+                                               range(80, 160))]
+        for round_ in range(2):
+            b[...] = 0
+            c[...] = 0
+            task = p.cm.transfer_cache_async(src, Sync(), cfgs, [1, 3], [2, 0])
+            assert task.synchronize(WAIT) == S.LLM_SUCCESS
+            assert task.get_results() == [S.LLM_SUCCESS, S.LLM_SUCCESS]
+            assert len(built) == 160, round_  # 80 layers x 2 destinations, built once
+            for dst, first in ((b, 0), (c, 160)):
+                want = np.zeros_like(dst)
+                units(want, 4)[first:first + 160, [2, 0]] = units(a, 4)[:, [1, 3]]
+                np.testing.assert_array_equal(dst, want)
+
     def test_slot_into_blocks_by_key(self, ra_pair):
         # The owner refuses block writes from a cache of another per-unit shape (layout
         # tags), so the source slot here is exactly one destination block.

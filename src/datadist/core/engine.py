@@ -44,7 +44,7 @@ from datadist.core.errors import (
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
 from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
-from datadist.core.prepared import SMALL_REQUEST, Prepared
+from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import (
     CacheEntry,
     KeyId,
@@ -208,9 +208,9 @@ class Engine:
         self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
         # local iovecs of small plans checked against a local cache, by plan and cache
-        self._local_iovs: Prepared[np.ndarray] = Prepared(128)
+        self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT)
         # checked iovecs of small leased reads, by plan, local cache and lease
-        self._leased_iovs: Prepared[LeasedCopy] = Prepared(128)
+        self._leased_iovs: Prepared[LeasedCopy] = Prepared(KEPT)
         # read leases on whole caches (NixlLease), revoked before their memory goes: by id
         self._nixl_held: dict[int, _CacheLease] = {}
         self._nixl_lease_ids = itertools.count(1)

@@ -57,7 +57,7 @@ from datadist.core.errors import (
     Timeout,
 )
 from datadist.core.layout import Geometry
-from datadist.core.prepared import SMALL_REQUEST, Prepared
+from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import check_read
 from datadist.transport.base import TransportCaps
 from datadist.transport.iov import crc_iov, iov_nbytes, iovecs
@@ -456,7 +456,7 @@ class NixlPath:
         self._lease_ids: dict[int, _ReadLease] = {}
         self._revoked_early: set[int] = set()  # revoked before their NixlLeased was read
         # checked source spans of small reads under a lease, by lease and request
-        self._sources: Prepared[np.ndarray] = Prepared(128)
+        self._sources: Prepared[np.ndarray] = Prepared(KEPT)
 
     def __repr__(self) -> str:
         return (f"<NixlPath remote={self.remote} gen={self.generation} "
