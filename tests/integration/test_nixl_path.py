@@ -603,3 +603,38 @@ def test_reader_reconnecting_to_a_restarted_owner_finds_its_new_agent() -> None:
         owner.close()
         if reborn is not None:
             reborn.close()
+
+
+def test_without_rdma_devices_ucx_ib_module_is_kept_out(tmp_path, monkeypatch) -> None:
+    """No RDMA device (an empty or missing /sys/class/infiniband): UCX_MODULES=^ib, unless
+    the user chose UCX_MODULES; with a device, nothing is changed."""
+    monkeypatch.delenv("UCX_MODULES", raising=False)
+    assert nixl._skip_unusable_ib(str(tmp_path / "missing"))
+    assert nixl.os.environ["UCX_MODULES"] == "^ib"
+    monkeypatch.setenv("UCX_MODULES", "^cuda")
+    assert not nixl._skip_unusable_ib(str(tmp_path))
+    assert nixl.os.environ["UCX_MODULES"] == "^cuda"
+    monkeypatch.delenv("UCX_MODULES")
+    (tmp_path / "mlx5_0").mkdir()
+    assert not nixl._skip_unusable_ib(str(tmp_path))
+    assert "UCX_MODULES" not in nixl.os.environ
+
+
+@needs_nixl
+def test_a_process_with_a_nixl_agent_exits_cleanly() -> None:
+    """With the RDMA user libraries installed and no RDMA device (CI installs libibverbs1),
+    UCX's ib module crashed every process that had made an agent, at exit (SIGSEGV after its
+    last line: pytest, `datadist info`, the benchmark). The agent, a transfer's worth of use,
+    then a plain exit: status 0."""
+    import subprocess
+    import sys
+
+    code = ("from datadist.transport.nixl import NixlAgent\n"
+            "a = NixlAgent(5)\n"
+            "print(a.backends)\n"
+            "a.close()\n")
+    env = {k: v for k, v in nixl.os.environ.items() if k != "UCX_MODULES"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "UCX" in proc.stdout

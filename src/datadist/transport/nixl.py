@@ -78,6 +78,26 @@ PEER_CHECK_EVERY = 64  # polls of a transfer between two looks at the control ch
 _KIND = {p.MEM_DRAM: "DRAM", p.MEM_VRAM: "VRAM"}
 
 
+RDMA_DEVICES = "/sys/class/infiniband"  # where the kernel lists RDMA devices (IB, RoCE, EFA)
+
+
+def _skip_unusable_ib(devices: str = RDMA_DEVICES) -> bool:
+    """Where the RDMA user libraries are installed but the host has no RDMA device, UCX's ib
+    module loads, finds nothing, and crashes the process at exit (SIGSEGV after the program's
+    last line; measured with nixl-cu12 1.5.1 and Debian's libibverbs1: a bare agent suffices).
+    There it is not loaded (``UCX_MODULES=^ib``), unless the user set UCX_MODULES. Returns
+    whether it did so. Called before the first agent is made."""
+    if "UCX_MODULES" in os.environ:
+        return False
+    try:
+        if os.listdir(devices):
+            return False
+    except OSError:
+        pass  # no such directory: no RDMA device
+    os.environ["UCX_MODULES"] = "^ib"
+    return True
+
+
 def load() -> Any:
     """The NIXL module. Raises InvalidArgument (PARAM_INVALID) with what to install."""
     for name in MODULES:
@@ -85,6 +105,9 @@ def load() -> Any:
             mod = importlib.import_module(name)
         except ImportError:
             continue
+        if _skip_unusable_ib():
+            log.info("no RDMA device on this host: UCX's ib module is not loaded "
+                     "(UCX_MODULES=^ib; set UCX_MODULES to choose yourself)")
         if not os.environ.get("NIXL_LOG_LEVEL"):
             # NIXL logs every agent and backend creation at INFO on stdout: a library's
             # stdout is its user's. NIXL_LOG_LEVEL still wins.
