@@ -20,7 +20,7 @@ from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.wire.protocol import KeyKind, KeyRef
 
 _U64 = 2**64 - 1
-_PLANS: Prepared[layout.Plan] = Prepared(KEPT)
+_PLANS: Prepared[layout.Plan] = Prepared(KEPT, lambda plan: len(plan.lengths) * 3)
 
 
 def prepared_plan(key: tuple[Hashable, ...], build: Callable[[], layout.Plan],

@@ -208,9 +208,9 @@ class Engine:
         self._nixl_wired: set[tuple[int, str]] = set()  # connections with a completed read
         self._nixl_lock = threading.Lock()
         # local iovecs of small plans checked against a local cache, by plan and cache
-        self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT)
+        self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
         # checked iovecs of small leased reads, by plan, local cache and lease
-        self._leased_iovs: Prepared[LeasedCopy] = Prepared(KEPT)
+        self._leased_iovs: Prepared[LeasedCopy] = Prepared(KEPT, LeasedCopy.rows)
         # read leases on whole caches (NixlLease), revoked before their memory goes: by id
         self._nixl_held: dict[int, _CacheLease] = {}
         self._nixl_lease_ids = itertools.count(1)

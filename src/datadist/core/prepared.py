@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["SMALL_REQUEST", "Prepared"]
+__all__ = ["KEPT", "KEPT_ROWS", "SMALL_REQUEST", "Prepared"]
 
 _V = TypeVar("_V")
 
@@ -31,15 +31,25 @@ SMALL_REQUEST = 1024
 # (its own plan and iovecs), and a least-recently-used map smaller than the cycle of requests
 # a model repeats never hits (80 layers to 4 destinations: 320).
 KEPT = 512
+# And at most this many rows (spans, iovecs) in all the values of a map: a server whose
+# requests never repeat fills its maps with requests of up to SMALL_REQUEST spans, ~16 bytes
+# a span for each array kept: 2 MiB an array here, whatever the request sizes.
+KEPT_ROWS = 1 << 17
 
 
 class Prepared(Generic[_V]):
-    """A least-recently-used map of at most ``size`` built values."""
+    """A least-recently-used map of at most ``size`` built values, and, with ``weight``, of
+    values whose weights add up to at most ``max_weight`` (the newest is always kept)."""
 
-    def __init__(self, size: int = 128) -> None:
+    def __init__(self, size: int = 128, weight: Callable[[_V], int] | None = None,
+                 max_weight: int = KEPT_ROWS) -> None:
         self.size = size
         self._items: OrderedDict[Hashable, _V] = OrderedDict()
         self._lock = threading.Lock()
+        self._weight = weight
+        self._max_weight = max_weight
+        self._weights: dict[Hashable, int] = {}
+        self.total = 0  # the kept values' weight
 
     def __len__(self) -> int:
         return len(self._items)
@@ -55,12 +65,19 @@ class Prepared(Generic[_V]):
                 pass
             return got
         value = build()
+        w = self._weight(value) if self._weight is not None else 0
         with self._lock:
             self._items[key] = value
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self.total += w - self._weights.get(key, 0)
+            self._weights[key] = w
+            while len(self._items) > self.size or (self.total > self._max_weight
+                                                   and len(self._items) > 1):
+                old, _ = self._items.popitem(last=False)
+                self.total -= self._weights.pop(old, 0)
         return value
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._weights.clear()
+            self.total = 0

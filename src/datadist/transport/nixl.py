@@ -479,7 +479,7 @@ class NixlPath:
         self._lease_ids: dict[int, _ReadLease] = {}
         self._revoked_early: set[int] = set()  # revoked before their NixlLeased was read
         # checked source spans of small reads under a lease, by lease and request
-        self._sources: Prepared[np.ndarray] = Prepared(KEPT)
+        self._sources: Prepared[np.ndarray] = Prepared(KEPT, len)
 
     def __repr__(self) -> str:
         return (f"<NixlPath remote={self.remote} gen={self.generation} "

@@ -135,6 +135,10 @@ class LeasedCopy:
         self.shm = shm
         self.shm_faster = shm_faster
 
+    def rows(self) -> int:
+        """The iovec rows it holds (its weight in a map of kept copies)."""
+        return len(self.vm.remote) * (2 if self.shm is None else 3)
+
 
 @dataclass(eq=False)
 class RemoteCache:
