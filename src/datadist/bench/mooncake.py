@@ -16,7 +16,6 @@ Who calls: the bench runner, in the owner child (:func:`serve`) and in the pulle
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -34,10 +33,9 @@ from datadist.bench.harness import (
     throughput_row,
 )
 from datadist.bench.peers import importable
-from datadist.bench.puller import Context, Puller
+from datadist.bench.puller import Context, Puller, alternate_runs
 
 PROTOCOL = "tcp"  # what both datadist and Mooncake can use between any two hosts
-SMALL_CALLS = 10  # warm-up pulls before the small row
 MAX_BATCH = int(os.environ.get("DATADIST_BENCH_MOONCAKE_BATCH", "256"))  # spans per batch
 
 
@@ -151,23 +149,9 @@ def _small_row(ctx: Context, p: Puller, reader: MooncakeReader) -> Row:
     small = ctx.bufs["small"]
     d, s_ = small.ctypes.data + 9 * SMALL_BLOCK, ctx.info["small_addr"] + 5 * SMALL_BLOCK
     ctx.progress.set_label("Mooncake: small pull")
-    pulls: list[float] = []
-    reads: list[float] = []
-    per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
     with one_cpu(os.getpid(), ctx.info["pid"]):
-        for _ in range(SMALL_CALLS):
-            p.pull_small(5, 9)
-            reader.read([d], [s_], [SMALL_BLOCK])
-        for _ in range(ctx.repeat):
-            for _ in range(per_step):
-                t0 = time.perf_counter()
-                p.pull_small(5, 9)
-                pulls.append((time.perf_counter() - t0) * 1e6)
-            for _ in range(per_step):
-                t0 = time.perf_counter()
-                reader.read([d], [s_], [SMALL_BLOCK])
-                reads.append((time.perf_counter() - t0) * 1e6)
-            ctx.progress.step()
+        pulls, reads = alternate_runs(ctx, lambda _: p.pull_small(5, 9),
+                                      lambda: reader.read([d], [s_], [SMALL_BLOCK]))
     return Row("mooncake_small", "small pull, one 16 KiB block, TCP, beside Mooncake", "us",
                float(np.median(pulls)), "Mooncake read of the same block, p50",
                float(np.median(reads)), "reported", True, p.mechanism(),

@@ -31,7 +31,7 @@ from datadist.bench.harness import (
     throughput_row,
 )
 from datadist.bench.limits import iov
-from datadist.bench.puller import Context, Puller, warm_and_check
+from datadist.bench.puller import Context, Puller, alternate_runs, warm_and_check
 
 SIDE_ID = 3  # the limit's side connection says Hello as this cluster
 
@@ -125,21 +125,7 @@ class RawNixl:
 def _latency(ctx: Context, p: Puller, raw: Callable[[], None], title: str) -> Row:
     """p50 of one 16 KiB block pulls against the same 16 KiB READ on a reused handle."""
     ctx.progress.set_label(title)
-    pulls, lims = [], []
-    per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
-    for _ in range(10):
-        p.pull_small(5, 9)
-        raw()
-    for _ in range(ctx.repeat):
-        for _ in range(per_step):
-            t0 = time.perf_counter()
-            p.pull_small(5, 9)
-            pulls.append((time.perf_counter() - t0) * 1e6)
-        for _ in range(per_step):
-            t0 = time.perf_counter()
-            raw()
-            lims.append((time.perf_counter() - t0) * 1e6)
-        ctx.progress.step()
+    pulls, lims = alternate_runs(ctx, lambda _: p.pull_small(5, 9), raw)
     row = Row("nixl_small", title, "us", float(np.median(pulls)),
               "NIXL READ of 16 KiB, reused handle, p50", float(np.median(lims)), "<= 2.00x",
               path=p.mechanism(), figure_samples=pulls, limit_samples=lims)

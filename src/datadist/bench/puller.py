@@ -236,11 +236,20 @@ def latency_row(ctx: Context, p: Puller, key: str, title: str,
 
 def _latencies(ctx: Context, p: Puller,
                pull: Callable[[int], None]) -> tuple[list[float], list[float]]:
-    pulls, rtts = [], []
+    # the pause: a same-host pull by request ends with a one-way Release the owner handles
+    return alternate_runs(ctx, pull, ctx.plain.round_trip, pause=0.001)
+
+
+def alternate_runs(ctx: Context, pull: Callable[[int], None], limit: Callable[[], None],
+                   pause: float = 0.0) -> tuple[list[float], list[float]]:
+    """Latency samples in us of ``pull(i)`` and of ``limit()``: 10 warm-up calls of each,
+    then ``repeat`` runs of ``small_iters / repeat`` pulls (i counting on from 10), each
+    followed, after ``pause`` seconds, by as many calls of ``limit``. A progress step a run."""
+    pulls, lims = [], []
     per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
     for i in range(10):  # warm both ends' code paths
         pull(i)
-        ctx.plain.round_trip()
+        limit()
     n = 10
     for _ in range(ctx.repeat):
         for _ in range(per_step):
@@ -248,10 +257,11 @@ def _latencies(ctx: Context, p: Puller,
             pull(n)
             pulls.append((time.perf_counter() - t0) * 1e6)
             n += 1
-        time.sleep(0.001)  # the owner finishes the last Release
+        if pause:
+            time.sleep(pause)
         for _ in range(per_step):
             t0 = time.perf_counter()
-            ctx.plain.round_trip()
-            rtts.append((time.perf_counter() - t0) * 1e6)
+            limit()
+            lims.append((time.perf_counter() - t0) * 1e6)
         ctx.progress.step()
-    return pulls, rtts
+    return pulls, lims
