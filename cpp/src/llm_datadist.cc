@@ -274,9 +274,11 @@ class LlmDataDist::LlmDataDistImpl {
     CheckUpLocked();
     CheckRemote(src);
     if (src.batch_index != 0) Invalid("src_cache_index.batch_index must be 0 for PullKvBlocks");
+    // As CANN's LLMDataDistV2::PullBlocks: the two lists must match in length, so an empty
+    // dst_blocks (blocks into a contiguous cache) is LLM_PARAM_INVALID there too.
     if (dst_blocks.empty()) {
       if (src_blocks.empty()) Invalid("src_blocks and dst_blocks are both empty");
-      Fail(LLM_FEATURE_NOT_ENABLED, "pulling blocks into a contiguous cache (empty dst_blocks) is not supported");
+      Invalid("src_blocks has " + std::to_string(src_blocks.size()) + " entries but dst_blocks is empty");
     }
     auto lease = registry_.Hold(dst.cache_id);
     const datadist::Geometry &g = lease->entry().geo;

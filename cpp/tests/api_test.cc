@@ -255,7 +255,10 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
   EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), h.cache, 0, 0), LLM_PARAM_INVALID);
   // CANN's argument rules for blocks and pushes
   EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1, 1), h.cache, {0}, {0}), LLM_PARAM_INVALID);
-  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), h.cache, {0}, {}), LLM_FEATURE_NOT_ENABLED);
+  // src_blocks and dst_blocks of different lengths, an empty dst_blocks too: CANN's
+  // LLMDataDistV2::PullBlocks answers LLM_PARAM_INVALID (it has no blocks-into-a-cache pull)
+  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), h.cache, {0}, {}), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), h.cache, {0, 1}, {}), LLM_PARAM_INVALID);
   EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1), {}, {0}), LLM_PARAM_INVALID);
   EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1, 1), {0}, {0}), LLM_PARAM_INVALID);
   EXPECT_EQ(dd.PushKvCache(h.cache, ddtest::Index(2, 1), 0, 5), LLM_PARAM_INVALID);
