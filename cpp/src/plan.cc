@@ -21,6 +21,12 @@ void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtPar
   const int64_t n = ext.tensor_num_per_layer;
   if (n <= 0) Invalid("tensor_num_per_layer must be > 0");
   auto src = ext.src_layer_range, dst = ext.dst_layer_range;
+  // A push's ranges must be as wide as each other before anything else, {-1, -1} (width 0)
+  // included, as CANN's PushKvCache / PushKvBlocks (CheckKvCacheExtParam with check_range_same).
+  if (push && src.second - src.first != dst.second - dst.first)
+    Invalid("src_layer_range {" + std::to_string(src.first) + ", " + std::to_string(src.second) +
+            "} and dst_layer_range {" + std::to_string(dst.first) + ", " + std::to_string(dst.second) +
+            "} differ in length");
   bool all = push ? src.first < 0 : (src.first < 0 || dst.first < 0);
   plan.remote_tensors.clear();
   plan.local_tensors.clear();

@@ -262,6 +262,15 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
   EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1), {}, {0}), LLM_PARAM_INVALID);
   EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1, 1), {0}, {0}), LLM_PARAM_INVALID);
   EXPECT_EQ(dd.PushKvCache(h.cache, ddtest::Index(2, 1), 0, 5), LLM_PARAM_INVALID);
+  // a push's two layer ranges must be as wide as each other, {-1, -1} (width 0) included:
+  // CANN's PushKvCache / PushKvBlocks call CheckKvCacheExtParam(ext_param, true) first
+  KvCacheExtParam all_to_two{};
+  all_to_two.dst_layer_range = {0, 1};
+  EXPECT_EQ(dd.PushKvCache(h.cache, ddtest::Index(2, 1), 0, -1, all_to_two), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1), {0}, {0}, all_to_two), LLM_PARAM_INVALID);
+  KvCacheExtParam all_to_one{};
+  all_to_one.dst_layer_range = {0, 0};  // same width: allowed, and then it needs a link
+  EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1), {0}, {0}, all_to_one), LLM_NOT_YET_LINK);
   Cache unknown{};
   unknown.cache_id = 55;
   EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), unknown), LLM_KV_CACHE_NOT_EXIST);
