@@ -152,6 +152,11 @@ def test_pull_over_nixl_reads_under_a_lease_and_reuses_its_handle(pair) -> None:
     calls = _Calls(link.chan)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and calls.n == 1  # NixlRead
+    # the owner counts the connection wired when it handles the read's one-way Release,
+    # which may come after the pull returned
+    end = time.monotonic() + 5
+    while not owner._nixl_wired and time.monotonic() < end:
+        time.sleep(0.001)
     assert not link.path._leases and len(owner._nixl_wired) == 1
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
