@@ -1072,8 +1072,9 @@ class Engine:
         entry = lease.entry
         if entry.owned:
             return
-        bases = entry.addrs[lease.tensors]
-        probes = np.concatenate((bases, bases + np.uint64(entry.geometry.tensor_bytes - 1)))
+        bases = entry.addrs[lease.tensors].tolist()  # Python ints: usually a few
+        last = entry.geometry.tensor_bytes - 1
+        probes = bases + [b + last for b in bases]
         bad = mapped.first_unreadable(probes)
         if bad is None:
             return
