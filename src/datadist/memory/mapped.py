@@ -134,8 +134,9 @@ def _first_unreadable_few(addrs: list[int]) -> int | None:
     if not n:
         return None
     remote = (ctypes.c_uint64 * (2 * n))()
-    remote[0::2] = addrs
-    remote[1::2] = _ONES[n]
+    # (typeshed types a slice of a c_uint64 array as list[c_uint64 | int]: ints are fine)
+    remote[0::2] = addrs  # type: ignore[assignment]
+    remote[1::2] = _ONES[n]  # type: ignore[assignment]
     got = _vm_readv(os.getpid(), _FEW_LOCAL_ADDR[n], 1, ctypes.addressof(remote), n, 0)
     if got == n:
         return None
