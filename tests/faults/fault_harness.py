@@ -132,12 +132,13 @@ class Peers:
 
     def prompt(self, cluster_id: int | None = None, *, port: int = 0, ip: str = LOCALHOST,
                sync_ms: int = 1000, env: dict[str, str] | None = None,
-               prefix: list[str] | None = None, name: str = "prompt") -> Peer:
+               prefix: list[str] | None = None, name: str = "prompt",
+               remote_access: bool | None = None) -> Peer:
         cid = cluster_id if cluster_id is not None else self._new_id()
         peer = self._start(name, env, prefix)
         peer.cluster_id, peer.ip = cid, ip
         peer.port = peer.call("init", role="PROMPT", cluster_id=cid, listen=f"{ip}:{port}",
-                              sync_ms=sync_ms)["port"]
+                              sync_ms=sync_ms, remote_access=remote_access)["port"]
         return peer
 
     def decoder(self, cluster_id: int | None = None, *, sync_ms: int = 1000,

@@ -116,9 +116,11 @@ class Peer:
     # ------------------------------------------------------------------ lifecycle
 
     def op_init(self, role: str, cluster_id: int, listen: str = "", sync_ms: int = 1000,
-                transport: str = "") -> dict:
+                transport: str = "", remote_access: bool | None = None) -> dict:
         cfg = llm_datadist.LLMConfig()
         cfg.local_comm_res = ""  # cache-manager mode, remote cache accessible (HIXL flow)
+        if remote_access is not None:
+            cfg.enable_remote_cache_accessible = remote_access
         if listen:
             cfg.listen_ip_info = listen
         cfg.sync_kv_timeout = sync_ms

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from fault_harness import Peer, Peers, RawClient, link, measured, target, watch_progress
 
+from datadist.core.errors import Busy, InvalidArgument
 from datadist.transport import nixl
 from datadist.wire import protocol as p
 
@@ -174,3 +175,120 @@ def test_owner_releases_the_lease_of_a_reader_that_vanishes(peers: Peers) -> Non
         cli.close()
     u = victim.call("unregister", name="src", timeout=30)
     assert u["elapsed"] < 5, u
+
+
+# ------------------------------------------------------------ hostile NIXL readers (owner side)
+
+def _grant_or_error(cli: RawClient, msg: p.Message, rid: int) -> p.Message:
+    cli.send(p.encode(msg, rid))
+    got = cli.next()
+    assert got is not None and got[0] == rid, got
+    return got[1]  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(90)
+def test_owner_without_remote_access_refuses_nixl_writes(peers: Peers) -> None:
+    """A NIXL push is a write like any other: an owner without
+    enable_remote_cache_accessible refuses it by cache id, BlocksCacheKey and CacheKey
+    (PARAM_INVALID), exactly as it refuses a WRITE; the connection stays usable."""
+    victim = peers.prompt(name="victim", remote_access=False)
+    info = victim.call("register", name="src", seed=9, model_id=1, **SMALL)
+    cli = _nixl_client(victim)
+    try:
+        for i, key in enumerate((p.KeyRef(p.KeyKind.CACHE_ID, info["cache_id"], 0, 0),
+                                 p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0),
+                                 p.KeyRef(p.KeyKind.CACHE_KEY, 7, 0, 2**64 - 1))):
+            got = _grant_or_error(cli, p.NixlWrite(key, 0, 0, np.zeros(1, np.uint32),
+                                                   np.zeros(1, np.uint64),
+                                                   np.full(1, 16, np.uint64)), 10 + i)
+            assert isinstance(got, p.Error), (key, got)  # a NixlGrant before
+            assert got.code == int(InvalidArgument.code), got
+            assert "enable_remote_cache_accessible" in got.message, got
+        assert isinstance(_nixl_read(cli, [0], 0, 16, 20), p.NixlGrant)
+    finally:
+        cli.close()
+
+
+@pytest.mark.timeout(120)
+def test_nixl_grants_outstanding_on_one_connection_are_bounded(peers: Peers) -> None:
+    """An honest reader holds one NIXL grant at a time on a connection. More than
+    MAX_GRANTS_PER_CONNECTION unreleased ones, or unreleased requests holding more than one
+    largest frame's bytes (each grant keeps its request's spans until its Release), are
+    refused (LLM_LINK_BUSY), so one connection cannot pin the owner's memory with grants;
+    a Release makes room again."""
+    victim = peers.prompt(name="victim")
+    victim.call("register", name="src", seed=9, model_id=1, **SMALL)
+    cli = _nixl_client(victim)
+    try:
+        grants = [_nixl_read(cli, [0], 0, 16, 10 + i) for i in range(4)]
+        assert all(isinstance(g, p.NixlGrant) for g in grants), grants
+        busy = _nixl_read(cli, [0], 0, 16, 20)
+        assert isinstance(busy, p.Error) and busy.code == int(Busy.code), busy
+        for i, g in enumerate(grants):
+            assert isinstance(g, p.NixlGrant)
+            cli.send(p.encode(p.Release(g.lease_id, True), 30 + i))
+        # Requests of 36 MiB each (2.4M one-byte spans): the first is granted, the second
+        # would hold more than 64 MiB of requests on this connection.
+        tb = SMALL["blocks"] * SMALL["block_bytes"]
+        n = (36 << 20) // 16
+        big = p.NixlRead(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0), 0, p.ReadFlags.NONE,
+                         np.zeros(1, np.uint32), np.arange(n, dtype=np.uint64) % tb,
+                         np.ones(n, np.uint64))
+        first = _grant_or_error(cli, big, 40)
+        assert isinstance(first, p.NixlGrant), first
+        second = _grant_or_error(cli, big, 41)
+        assert isinstance(second, p.Error) and second.code == int(Busy.code), second
+        cli.send(p.encode(p.Release(first.lease_id, True), 42))
+        assert isinstance(_nixl_read(cli, [0], 0, 16, 43), p.NixlGrant)
+    finally:
+        cli.close()
+
+
+@pytest.mark.timeout(120)
+def test_revoking_many_nixl_leases_takes_one_deadline(peers: Peers) -> None:
+    """A reader that takes several NIXL leases on a cache and answers each revoke just
+    inside NIXL_REVOKE_WAIT cannot make unregister wait that long once per lease: the
+    revokes share one deadline, after which the reader's connection is shut down."""
+    import threading
+    import time
+
+    victim = peers.prompt(name="victim")
+    victim.call("register", name="src", seed=9, model_id=1, **SMALL)
+    assert victim.port is not None and victim.cluster_id is not None
+    cid, pid, boot = victim.cluster_id + 1, 424242, b"\x01" * 16
+    rev = RawClient(victim.port)  # the reader's reverse channel, on which revokes come
+    rev.send(p.encode(p.Hello(cid, 2, pid, 0, boot, p.FEATURE_REVERSE), 1))
+    got = rev.next()
+    assert got is not None and isinstance(got[1], p.Welcome), got
+    fwd = RawClient(victim.port)
+    fwd.send(p.encode(p.Hello(cid, 2, pid, 0, boot), 1))
+    got = fwd.next()
+    assert got is not None and isinstance(got[1], p.Welcome), got
+    md = _grant_or_error(fwd, p.NixlMdRequest(), 2)
+    assert isinstance(md, p.NixlMd), md
+    leases = [_grant_or_error(fwd, p.NixlLease(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0), 0),
+                              10 + i) for i in range(4)]
+    assert all(isinstance(x, p.NixlLeased) for x in leases), leases
+    answered: list[float] = []
+
+    def slow_reader() -> None:  # each revoke answered after 3 s
+        try:
+            while True:
+                item = rev.next()
+                if item is None:
+                    return
+                time.sleep(3.0)
+                rev.send(p.encode(p.Ok(), item[0]))
+                answered.append(time.monotonic())
+        except Exception:  # noqa: BLE001 - the owner shut us down: what the test expects
+            return
+
+    threading.Thread(target=slow_reader, daemon=True).start()
+    try:
+        u = victim.call("unregister", name="src", timeout=60)
+        # 4 leases x 3 s was 12 s before; one 5 s deadline for all now (margin for load).
+        assert u["elapsed"] < 9.0, u
+        assert victim.call("register", name="again", seed=3, model_id=2, **SMALL)
+    finally:
+        rev.close()
+        fwd.close()

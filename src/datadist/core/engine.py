@@ -69,7 +69,10 @@ from datadist.wire import protocol as p
 log = logging.getLogger(__name__)
 
 HOST, DEVICE = 0, 1
-NIXL_REVOKE_WAIT = 5.0  # seconds an owner waits for a reader to give a NIXL lease back
+NIXL_REVOKE_WAIT = 5.0  # seconds an owner waits for readers to give NIXL leases back
+# NIXL leases one reader connection may hold (one per cache it reads): each is revoked on
+# unregister and finalize, and pins its cache until then.
+MAX_NIXL_LEASES_PER_PEER = 1024
 CLOSE_LEASE_WAIT = 5.0  # seconds finalize waits for transfers still using local memory
 # Grants (same-host reads) one verified peer process may hold at once, over all its
 # connections (each connection also caps its own: transport/tcp.py).
@@ -909,9 +912,15 @@ class Engine:
         # A reader may come back to a restarted owner without asking for metadata first:
         # the grant names the new agent, and the reader loads it then.
         nixl = self.nixl or self._serving_nixl()
-        op = "serve_write" if isinstance(msg, p.NixlWrite) else "serve_read"
-        lease = self._serving(op, peer, lambda: self.registry.open(
-            msg.key, msg.unit_bytes, msg.tensors, msg.offsets, msg.lengths, layout=msg.layout))
+        write = isinstance(msg, p.NixlWrite)
+
+        def open_() -> Lease:
+            if write:  # the rules of _open_write: the data path does not change them
+                self._check_writable(msg.key)
+            return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
+                                      msg.lengths, layout=msg.layout, read=not write)
+
+        lease = self._serving("serve_write" if write else "serve_read", peer, open_)
         try:
             entry = lease.entry
             tensors = entry.addrs[lease.tensors], entry.geometry.tensor_bytes
@@ -924,7 +933,7 @@ class Engine:
             self.registry.close(lease, False)
             raise
         fresh = peer.key not in self._nixl_wired
-        self._nixl_leases[id(lease)] = (peer.key, fresh, isinstance(msg, p.NixlWrite))
+        self._nixl_leases[id(lease)] = (peer.key, fresh, write)
         nixl.pump_acquire(fresh)
         # The client adds its offsets to the bases; raw-address offsets are absolute already.
         bases = (np.zeros(len(msg.tensors), np.uint64) if msg.key.kind == p.KeyKind.ADDRESS
@@ -960,6 +969,10 @@ class Engine:
                 or rev.welcome.boot_id != peer.boot_id:
             raise NotSupported("no reverse channel from this reader to revoke a lease on: "
                                "read by request")
+        with self._nixl_lock:
+            held = sum(1 for h in self._nixl_held.values() if h.peer == peer.key)
+        if held >= MAX_NIXL_LEASES_PER_PEER:
+            raise NotSupported(f"this reader holds {held} NIXL leases already: read by request")
         key = msg.key
         whole = (p.KeyRef(key.kind, key.a, 0, 0) if key.kind == p.KeyKind.CACHE_ID
                  else p.KeyRef(key.kind, 0, key.b, 0))
@@ -1016,13 +1029,17 @@ class Engine:
         shut down: its reads then fail (it checks the connection after each leased read)."""
         with self._nixl_lock:
             doomed = [(i, held) for i, held in self._nixl_held.items() if pick(held)]
+        # One deadline for them all: a reader that answers each revoke just in time cannot
+        # make unregister or finalize wait NIXL_REVOKE_WAIT once per lease it took.
+        deadline = time.monotonic() + NIXL_REVOKE_WAIT
         for lease_id, held in doomed:
-            deadline = time.monotonic() + NIXL_REVOKE_WAIT
             with self._lock:
                 rev = self._reverse.get(held.cluster_id)
             try:
                 if rev is None or rev.welcome.pid != held.pid:
                     raise BrokenLink("the reader's reverse channel is gone")
+                if time.monotonic() >= deadline:
+                    raise Timeout("the revoke's time is spent")
                 rev.run(deadline, functools.partial(_revoke, p.NixlRevoke(lease_id), deadline))
             except DatadistError as e:
                 gone = rev is None or rev.chan.closed or rev.closing
@@ -1052,12 +1069,15 @@ class Engine:
         """Check a peer's write into our memory and lease it (counted as ``serve_write``)."""
         return self._serving("serve_write", peer, lambda: self._open_write(msg))
 
-    def _open_write(self, msg: p.Write) -> Lease:
-        if not self.config.remote_cache_accessible and msg.key.kind != p.KeyKind.ADDRESS:
+    def _check_writable(self, key: p.KeyRef) -> None:
+        if not self.config.remote_cache_accessible and key.kind != p.KeyKind.ADDRESS:
             raise InvalidArgument(
                 "this owner runs without enable_remote_cache_accessible: writes by key or "
                 "cache id are refused"
             )
+
+    def _open_write(self, msg: p.Write) -> Lease:
+        self._check_writable(msg.key)
         lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
                                    msg.lengths, layout=msg.layout, read=False)
         self._check_own_memory(lease, "write", read=False)

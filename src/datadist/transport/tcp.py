@@ -60,6 +60,9 @@ SERVE_SEND_TIMEOUT = 120.0
 # within RECLAIM_GRACE seconds once its owner wants the memory back (the cache deallocated or
 # being unregistered), so that a silent peer cannot keep a pool exhausted.
 MAX_GRANTS_PER_CONNECTION = 4
+# A NIXL grant keeps its request's span arrays until the Release: the grants outstanding on
+# one connection may hold at most one largest frame's worth, what serving one request holds.
+MAX_GRANTED_REQUEST_BYTES = p.MAX_PAYLOAD
 GRANT_TTL = 30.0
 RECLAIM_GRACE = 5.0
 # Largest frame a server reads before the handshake (and authentication) completed: a HELLO
@@ -393,6 +396,7 @@ class ServerConnection(Generic[LeaseT]):
         self.reverse = peer is not None  # serving over a connection we opened
         self.handed_over = False
         self.leases: dict[int, tuple[LeaseT, float]] = {}  # grants: lease, when granted
+        self._granted: dict[int, int] = {}  # NIXL grants: lease id -> its request's bytes
         # A TCP read with CHECKSUM whose bytes are sent, awaiting the requester's verdict
         # (RELEASE with lease id 0 and the read's request id): (request id, lease).
         self.unsettled: tuple[int, LeaseT] | None = None
@@ -607,6 +611,14 @@ class ServerConnection(Generic[LeaseT]):
         """NIXL data path: grant the checked spans (the client READs or WRITEs them through
         NIXL) and hold the lease until its Release (or the connection ends)."""
         assert self.peer is not None  # set by the handshake, before any request
+        size = msg.tensors.nbytes + msg.offsets.nbytes + msg.lengths.nbytes
+        self._granted = {i: n for i, n in self._granted.items() if i in self.leases}
+        if (len(self.leases) >= MAX_GRANTS_PER_CONNECTION
+                or sum(self._granted.values()) + size > MAX_GRANTED_REQUEST_BYTES):
+            self.chan.send(p.Error(int(Busy.code), (
+                f"{len(self.leases)} grants ({sum(self._granted.values())} bytes of requests) "
+                "are still not released on this connection")), deadline, rid)
+            return True
         lease_id = next(self._lease_ids)
         try:
             lease, grant = self.handler.open_nixl(self.peer, msg, lease_id)
@@ -614,6 +626,7 @@ class ServerConnection(Generic[LeaseT]):
             self.chan.send(p.Error(int(e.code), str(e)), deadline, rid)
             return True
         self.leases[lease_id] = (lease, time.monotonic())  # expires as grants do
+        self._granted[lease_id] = size
         self.chan.send(grant, deadline, rid)
         if msg.flags & p.ReadFlags.CHECKSUM:
             self._send_checksum(lease.iovecs(), deadline, rid)
