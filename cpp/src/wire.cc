@@ -217,7 +217,8 @@ CacheLease DecodeCacheLease(const std::vector<uint8_t> &payload) {
   l.fence_fd = static_cast<int32_t>(static_cast<uint32_t>(r.Uint(4)));
   l.fence_ino = r.Uint(8);
   const uint64_t n = r.Uint(4), m = r.Uint(4);
-  if (blocks > 1 || (m != 0 && m != n) || n == 0 || l.units == 0 || l.tensor_bytes % l.units)
+  if (blocks > 1 || (m != 0 && m != n) || n == 0 || l.units == 0 || l.tensor_bytes == 0 ||
+      l.tensor_bytes % l.units)
     ProtocolViolation("malformed CACHE_LEASE");
   l.addrs = r.Array<uint64_t>(n);
   std::vector<uint32_t> fds = r.Array<uint32_t>(m);

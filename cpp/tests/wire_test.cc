@@ -93,6 +93,22 @@ TEST(Wire, DecoderRefusesMalformedFrames) {
   EXPECT_THROW(wire::DecodeRequest(wire::kWrite, Payload(wire::EncodeRequest(wire::kWrite, r, 1))), Error);
 }
 
+TEST(Wire, CacheLeaseFromALyingOwnerIsRefused) {
+  wire::CacheLease l;
+  l.cache_id = 1;
+  l.tensor_bytes = 4096;
+  l.units = 2;
+  l.is_blocks = true;
+  l.fence_fd = 3;
+  l.addrs = {4096};
+  EXPECT_EQ(wire::DecodeCacheLease(Payload(wire::EncodeCacheLease(l, 1))).tensor_bytes, 4096u);
+  for (auto bad : {std::pair<uint64_t, uint64_t>{0, 2}, {4097, 2}, {4096, 0}}) {
+    l.tensor_bytes = bad.first;  // no bytes at all: every later check would divide by nothing
+    l.units = bad.second;
+    EXPECT_THROW(wire::DecodeCacheLease(Payload(wire::EncodeCacheLease(l, 1))), Error);
+  }
+}
+
 TEST(Wire, Crc32AndLayoutTagMatchPython) {
   // zlib.crc32(b"123456789") == 0xCBF43926; layout_tag(4, [8, 4]) in Python:
   // (4 + 1) << 32 | zlib.crc32(b"8,4")

@@ -443,6 +443,7 @@ def test_a_lease_names_a_cache_by_id_or_blocks_key_only() -> None:
 
 @pytest.mark.parametrize("fields", [
     dict(units=0), dict(tensor_bytes=4097, units=2), dict(addrs=np.empty(0, "<u8")),
+    dict(tensor_bytes=0),  # a lying owner: was PARAM_INVALID (the caller's fault) at every pull
 ])
 def test_a_malformed_cache_lease_is_refused(fields: dict[str, object]) -> None:
     base: dict[str, object] = dict(cache_id=1, tensor_bytes=4096, units=2, is_blocks=True,

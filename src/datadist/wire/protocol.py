@@ -756,7 +756,7 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
         msg = LeaseRequest(KeyRef(KeyKind(kind), a, b, c), lflags)
     elif mtype == MsgType.CACHE_LEASE:
         cache_id, tbytes, units, blocks, layout, ffd, fino, n, m = r.unpack(CacheLease._S)
-        if blocks > 1 or m not in (0, n) or not n or not units or tbytes % units:
+        if blocks > 1 or m not in (0, n) or not n or not units or not tbytes or tbytes % units:
             raise RemoteProtocolError("malformed CacheLease")
         msg = CacheLease(cache_id, tbytes, units, bool(blocks), layout, ffd, fino,
                          r.array(n, U64), r.array(m, I32), r.array(m, U64), r.array(m, U64))
