@@ -454,18 +454,23 @@ void Link::Close(Deadline deadline, bool force) {
     return;
   }
   auto guard = Acquire(deadline, false);
-  closing_ = true;
-  if (conn_ && !conn_->closed()) {
-    try {
-      std::vector<uint8_t> payload;
-      Call(wire::EncodeEmpty(wire::kBye, ++rid_), payload, deadline);
-    } catch (const Error &) {
-      // the peer is not told; we close anyway
-    }
+  std::string untold;
+  try {
+    Prepare(deadline);  // a broken connection is dialled anew, as CANN's unlink always dials
+    std::vector<uint8_t> payload;
+    Call(wire::EncodeEmpty(wire::kBye, ++rid_), payload, deadline);
+  } catch (const Error &e) {
+    untold = e.what();
   }
+  closing_ = true;
   conn_.reset();
   DropLeases();
   StopReverse();
+  // As CANN's UnlinkCluster when it cannot reach the peer; our end is closed all the same,
+  // so that a relink (or the forced unlink CANN programs retry with) succeeds.
+  if (!untold.empty())
+    Fail(llm_datadist::LLM_UNLINK_FAILED,
+         "cluster " + std::to_string(remote_) + " could not be told of the unlink: " + untold);
 }
 
 }  // namespace datadist

@@ -148,6 +148,8 @@ class LlmDataDist::LlmDataDistImpl {
       std::lock_guard<std::mutex> lock(rev_mu_);
       rev_closed_ = false;
     }
+    server_.reset();  // stopped by Finalize, if we were up before
+    listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
     state_ = kUp;
   }
@@ -175,51 +177,86 @@ class LlmDataDist::LlmDataDistImpl {
     registry_.Clear(kFinalizeWait);
   }
 
+  // As CANN's LLMLinkManager::SwitchRole: refused while any link is up (ours, or a peer's to
+  // us); with a listen address, listen there (already there: nothing to do); without one,
+  // stop listening, whatever the role.
   void SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
     std::lock_guard<std::mutex> lock(mu_);
     CheckUp();
     CheckRole(role);
+    if (HasLinks()) Fail(LLM_EXIST_LINK, "cannot switch role while links exist: unlink them first");
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) {
-      StartListening(v);
-    } else if (role == LlmRole::kDecoder && server_) {
+      if (!server_ || listening_ != v) StartListening(v);
+    } else if (server_) {
       server_->Stop();
       server_.reset();
+      listening_.clear();
     }
     ident_.role = static_cast<int32_t>(role);
   }
 
+  // As CANN's LLMLinkManager::LinkClusters / UnlinkClusters: one code per cluster appended to
+  // `rets` (what it held stays), and the last failure as the overall code.
   Status Link(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms) {
     CheckArgs(clusters, timeout_ms);
-    for (const auto &c : clusters)
-      if (c.remote_ip_infos.empty()) Invalid("cluster " + std::to_string(c.remote_cluster_id) + " has no remote ip info");
     // In parallel, each bounded by the timeout (as Python): one dead peer does not hold up the rest.
-    rets.assign(clusters.size(), LLM_SUCCESS);
+    std::vector<Status> codes(clusters.size(), LLM_SUCCESS);
     std::vector<std::thread> threads;
     for (size_t i = 0; i < clusters.size(); ++i)
-      threads.emplace_back([&, i] { rets[i] = Guard("LinkLlmClusters", [&] { LinkOne(clusters[i], timeout_ms); }); });
+      threads.emplace_back([&, i] { codes[i] = Guard("LinkLlmClusters", [&] { LinkOne(clusters[i], timeout_ms); }); });
     for (auto &t : threads) t.join();
-    return Overall(rets);
+    rets.insert(rets.end(), codes.begin(), codes.end());
+    return Overall(codes);
   }
 
   Status Unlink(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms, bool force) {
     CheckArgs(clusters, timeout_ms);
-    rets.assign(clusters.size(), LLM_SUCCESS);
+    std::vector<Status> codes(clusters.size(), LLM_SUCCESS);
     for (size_t i = 0; i < clusters.size(); ++i) {
-      rets[i] = Guard("UnlinkLlmClusters", [&] {
-        uint64_t id = clusters[i].remote_cluster_id;
-        std::shared_ptr<datadist::Link> link = GetLink(id);
-        link->Close(datadist::After(timeout_ms / 1000.0), force);
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          auto it = links_.find(id);
-          if (it != links_.end() && it->second == link) links_.erase(it);
+      codes[i] = Guard("UnlinkLlmClusters", [&] {
+        const ClusterInfo &c = clusters[i];
+        uint64_t id = c.remote_cluster_id;
+        // CANN's LinkMsgHandler::UnlinkCluster: without force it dials the peer's listener.
+        if (!force && c.remote_ip_infos.size() != 1)
+          Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
+        std::shared_ptr<datadist::Link> link = FindLink(id);
+        if (!link) {
+          // Nothing of ours to drop (CANN: "entity not found", a warning): forced, a success;
+          // otherwise as CANN, which tells a listener that has nothing to drop either.
+          if (!force) {
+            const IpInfo &ip = c.remote_ip_infos[0];
+            try {
+              datadist::Conn::Connect(ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0));
+            } catch (const Error &e) {
+              Fail(LLM_UNLINK_FAILED, "cluster " + std::to_string(id) + " is not linked and its listener at " +
+                                          ip.ip.GetString() + ":" + std::to_string(ip.port) + " did not answer: " + e.what());
+            }
+          }
+          return;
         }
-        std::lock_guard<std::mutex> lock(rev_mu_);
-        auto it = reverse_links_.find(id);
-        if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
+        try {
+          link->Close(datadist::After(timeout_ms / 1000.0), force);
+        } catch (const Error &e) {
+          // LLM_UNLINK_FAILED: the peer was not told, our end is closed; LLM_LINK_BUSY: still up
+          if (e.code() == LLM_UNLINK_FAILED) Forget(id, link);
+          throw;
+        }
+        Forget(id, link);
       });
     }
-    return Overall(rets);
+    rets.insert(rets.end(), codes.begin(), codes.end());
+    return Overall(codes);
+  }
+
+  void Forget(uint64_t id, const std::shared_ptr<datadist::Link> &link) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = links_.find(id);
+      if (it != links_.end() && it->second == link) links_.erase(it);
+    }
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    auto it = reverse_links_.find(id);
+    if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
   }
 
   void Register(const CacheDesc &desc, const std::vector<uint64_t> &addrs, int64_t &cache_id) {
@@ -391,9 +428,10 @@ class LlmDataDist::LlmDataDistImpl {
     if (idx.cluster_id == ident_.cluster_id) Invalid("data can not be moved within our own cluster");
   }
   static Status Overall(const std::vector<Status> &rets) {
+    Status last = LLM_SUCCESS;
     for (Status s : rets)
-      if (s != LLM_SUCCESS) return s;
-    return LLM_SUCCESS;
+      if (s != LLM_SUCCESS) last = s;
+    return last;
   }
   Deadline Deadline_() const { return datadist::After(sync_timeout_s_); }
 
@@ -405,10 +443,16 @@ class LlmDataDist::LlmDataDistImpl {
     server_ = std::make_unique<datadist::Server>(
         &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn) { AdoptReverse(cid, std::move(conn)); });
     server_->Start(host, port, max_conns_, max_per_peer_);
+    listening_ = text;
   }
 
   /// Our own link to the cluster, else its reverse channel to us (its link's other end).
   std::shared_ptr<datadist::Link> GetLink(uint64_t cluster_id) {
+    std::shared_ptr<datadist::Link> link = FindLink(cluster_id);
+    if (!link) Fail(LLM_NOT_YET_LINK, "cluster " + std::to_string(cluster_id) + " is not linked");
+    return link;
+  }
+  std::shared_ptr<datadist::Link> FindLink(uint64_t cluster_id) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = links_.find(cluster_id);
@@ -416,8 +460,14 @@ class LlmDataDist::LlmDataDistImpl {
     }
     std::lock_guard<std::mutex> lock(rev_mu_);
     auto it = reverse_links_.find(cluster_id);
-    if (it == reverse_links_.end()) Fail(LLM_NOT_YET_LINK, "cluster " + std::to_string(cluster_id) + " is not linked");
-    return it->second;
+    return it == reverse_links_.end() ? nullptr : it->second;
+  }
+  bool HasLinks() {
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      if (!reverse_links_.empty()) return true;
+    }
+    return !links_.empty();  // mu_ held by the caller
   }
 
   /// A client's reverse channel (a server thread calls this after the handshake): our end of
@@ -438,6 +488,9 @@ class LlmDataDist::LlmDataDistImpl {
 
   void LinkOne(const ClusterInfo &c, int32_t timeout_ms) {
     uint64_t id = c.remote_cluster_id;
+    if (c.remote_ip_infos.size() != 1)  // as CANN's LinkMsgHandler::LinkCluster, in this cluster's code
+      Invalid("cluster " + std::to_string(id) + " needs exactly one remote ip info, got " +
+              std::to_string(c.remote_ip_infos.size()));
     if (id == ident_.cluster_id) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -488,6 +541,7 @@ class LlmDataDist::LlmDataDistImpl {
   size_t max_conns_ = 256, max_per_peer_ = 64;
   datadist::Registry registry_;
   std::unique_ptr<datadist::Server> server_;
+  std::string listening_;  // the OPTION_LISTEN_IP_INFO server_ was started with
   std::map<uint64_t, std::shared_ptr<datadist::Link>> links_;
   std::mutex rev_mu_;  // guards the two below
   std::map<uint64_t, std::shared_ptr<datadist::Link>> reverse_links_;

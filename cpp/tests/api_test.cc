@@ -239,12 +239,15 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
   EXPECT_EQ(dd.LinkLlmClusters({bad_ip}, rets), LLM_PARAM_INVALID);
   // nobody listens there: LLM_LINK_FAILED per cluster, and as the overall code
   uint16_t dead = ddtest::FreePort();
+  rets.clear();
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, dead)}, rets, 500), LLM_LINK_FAILED);
   ASSERT_EQ(rets.size(), 1U);
   EXPECT_EQ(rets[0], LLM_LINK_FAILED);
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(1, dead)}, rets, 500), LLM_LINK_FAILED);  // our own id
-  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets), LLM_NOT_YET_LINK);
-  EXPECT_EQ(rets[0], LLM_NOT_YET_LINK);
+  // never linked: CANN dials the listener to tell it, and nobody answers there
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets), LLM_UNLINK_FAILED);
+  EXPECT_EQ(rets.back(), LLM_UNLINK_FAILED);
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets, 1000, true), LLM_SUCCESS);  // forced: nothing to drop
 
   HostCache h(2, {4, 8});
   ASSERT_EQ(h.Register(dd), LLM_SUCCESS);

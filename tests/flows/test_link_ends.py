@@ -146,7 +146,10 @@ class TestFacade:
         c = llm.LLMClusterInfo()
         c.remote_cluster_id = 77
         assert dd.unlink_clusters([c], 1000, force=True) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-        assert dd.unlink_clusters([c], 1000) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+        # without force the original dials the listener, so it needs one remote address
+        assert dd.unlink_clusters([c], 1000) == (S.LLM_PARAM_INVALID, [S.LLM_PARAM_INVALID])
+        c.append_remote_ip_info("127.0.0.1", dd.listen_address[1])  # a listener that answers
+        assert dd.unlink_clusters([c], 1000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
     def test_listener_unlinks_the_inbound_link(self, make_datadist, make_side):
         dd = make_datadist({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0"})

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import logging
 import os
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
@@ -57,6 +58,17 @@ def _tls(opts: dict[str, str]) -> TlsConfig | None:
     if not all(files):
         raise _param_invalid("TLS needs a certificate, its key and a CA file together")
     return TlsConfig(*files)
+
+
+def _answers(host: str, port: int, timeout_ms: int) -> bool:
+    """Does a listener accept a connection at ``host:port`` within ``timeout_ms``? (What an
+    unlink without force of a cluster we have no link with amounts to: the original dials
+    the peer to tell it, and reports LLM_UNLINK_FAILED when it cannot.)"""
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout_ms, 1) / 1000.0):
+            return True
+    except OSError:
+        return False
 
 
 class LLMDataDist:
@@ -303,9 +315,12 @@ class LLMDataDist:
         """Unlink; without ``force`` the peer is told too. ``force`` always drops our end.
 
         Either end of a link unlinks its own end: the one that called ``link_clusters``, and
-        the one it linked to (whose end is the linker's reverse channel). Unlinking a cluster
-        we have no link with is LLM_NOT_YET_LINK, or LLM_SUCCESS with ``force`` (as in
-        LLM-DataDist: a forced unlink leaves nothing behind either way).
+        the one it linked to (whose end is the linker's reverse channel). As LLM-DataDist's
+        LinkMsgHandler::UnlinkCluster: without ``force`` a cluster needs exactly one remote
+        ip info (else LLM_PARAM_INVALID), and a peer that cannot be told is
+        LLM_UNLINK_FAILED (our end is closed all the same, so a relink works); unlinking a
+        cluster we have no link with is LLM_SUCCESS, without ``force`` only if its listener
+        answers at the remote address (the original tells it, and it has nothing to drop).
         """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
@@ -318,11 +333,17 @@ class LLMDataDist:
         def one(c: LLMClusterInfo) -> LLMStatusCode:
             cluster_id = c.remote_cluster_id
             assert cluster_id is not None  # _check_clusters refused an unset one
+            if not force and len(c.remote_ip_info_list) != 1:
+                return LLMStatusCode.LLM_PARAM_INVALID
             try:
                 engine.unlink(cluster_id, timeout / 1000.0, force)
                 return LLMStatusCode.LLM_SUCCESS
             except NotLinked:
-                return LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK
+                if force:
+                    return LLMStatusCode.LLM_SUCCESS
+                ip, port = c.remote_ip_info_list[0]
+                return (LLMStatusCode.LLM_SUCCESS if _answers(int_to_ip(ip), port, timeout)
+                        else LLMStatusCode.LLM_UNLINK_FAILED)
             except DatadistError as e:
                 return code_to_status(int(e.code))
 
@@ -341,7 +362,8 @@ class LLMDataDist:
 
     @staticmethod
     def _overall(codes: list[LLMStatusCode]) -> LLMStatusCode:
-        for c in codes:
+        """The last failure, as LLMLinkManager::LinkClusters / UnlinkClusters report it."""
+        for c in reversed(codes):
             if c != LLMStatusCode.LLM_SUCCESS:
                 return c
         return LLMStatusCode.LLM_SUCCESS

@@ -41,6 +41,7 @@ from datadist.core.errors import (
     OutOfMemory,
     RemoteProtocolError,
     Timeout,
+    UnlinkFailed,
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
 from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
@@ -496,30 +497,46 @@ class Engine:
 
         Without ``force``: wait (up to ``timeout``) for a transfer in flight to finish, tell
         the peer, then close; a link still busy after the timeout raises Busy
-        (LLM_LINK_BUSY) and stays up. With ``force``: close our end at once; a transfer in
-        flight fails with LLM_LINK_FAILED. NotLinked when neither end exists.
+        (LLM_LINK_BUSY) and stays up; a peer that could not be told (gone, its connection
+        broken) raises UnlinkFailed (LLM_UNLINK_FAILED, as the original's unlink when it
+        cannot reach the peer) after our end is closed. With ``force``: close our end at
+        once; a transfer in flight fails with LLM_LINK_FAILED. NotLinked when neither end
+        exists.
         """
         with self._lock:
             link = self._links.get(cluster_id)
             inbound = self._reverse.get(cluster_id)
         if link is None and inbound is None:
             raise NotLinked(f"cluster {cluster_id} is not linked")
+        untold: UnlinkFailed | None = None
         for one in (link, inbound):
             if one is not None:
-                self._drop(one, timeout, force)
+                try:
+                    self._drop(one, timeout, force)
+                except UnlinkFailed as e:
+                    untold = e
+        if untold is not None:
+            raise untold
 
     def _drop(self, link: Link, timeout: float, force: bool) -> None:
         cluster_id = link.cluster_id
+        untold: UnlinkFailed | None = None
         if not force:
             deadline = time.monotonic() + timeout
             if not link.lock.acquire(timeout=timeout):
                 raise Busy(f"link to cluster {cluster_id} is busy with a transfer")
             try:
-                if not link.chan.closed:
-                    try:
-                        link.chan.call(p.Bye(), deadline)
-                    except DatadistError as e:
-                        log.info("unlink of cluster %d: peer not told (%s)", cluster_id, e)
+                try:
+                    if link.chan.closed or link.chan.peer_gone():
+                        link.chan.close()
+                        if link.inbound:  # its reverse channel: only the peer can reopen it
+                            raise BrokenLink("its connection is closed")
+                        link.reconnect(deadline)  # as the original, which always dials anew
+                    link.chan.call(p.Bye(), deadline)
+                except DatadistError as e:
+                    log.info("unlink of cluster %d: peer not told (%s)", cluster_id, e)
+                    untold = UnlinkFailed(f"cluster {cluster_id} could not be told of the "
+                                          f"unlink ({e}); our end is closed")
             finally:
                 link.lock.release()
         with self._lock:
@@ -527,6 +544,8 @@ class Engine:
             if table.get(cluster_id) is link:
                 del table[cluster_id]
         link.close()
+        if untold is not None:
+            raise untold
 
     def get_link(self, cluster_id: int) -> Link:
         """The link transfers to ``cluster_id`` use: the one we made, else the one the peer

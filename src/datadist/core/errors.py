@@ -135,6 +135,13 @@ class LinkFailed(LinkError):
     code = Code.LINK_FAILED
 
 
+class UnlinkFailed(LinkError):
+    """An unlink without force could not tell the peer (gone, unreachable): UNLINK_FAILED.
+    Our end is dropped all the same."""
+
+    code = Code.UNLINK_FAILED
+
+
 class LinksExist(LinkError):
     """The operation needs no links, and some exist (e.g. switching role): EXIST_LINK."""
 
