@@ -27,6 +27,14 @@ void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtPar
     Invalid("src_layer_range {" + std::to_string(src.first) + ", " + std::to_string(src.second) +
             "} and dst_layer_range {" + std::to_string(dst.first) + ", " + std::to_string(dst.second) +
             "} differ in length");
+  if (push) {
+    // CANN pushes layer by layer (LayerWiseTransferJob::Prepare): a source whose tensors are
+    // not whole layers is refused at its first layer, and a source range pushes to
+    // dst_layer_range.first + i, which {-1, -1} puts out of range.
+    if (local_n % n != 0)
+      Invalid("the source's " + std::to_string(local_n) + " tensors are not layers of " + std::to_string(n));
+    if (src.first >= 0 && dst.first < 0) Invalid("a push with a src_layer_range needs a dst_layer_range");
+  }
   bool all = push ? src.first < 0 : (src.first < 0 || dst.first < 0);
   plan.remote_tensors.clear();
   plan.local_tensors.clear();
@@ -37,7 +45,6 @@ void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtPar
     }
     return;
   }
-  if (push && dst.first < 0) dst = src;
   if (src.second - src.first != dst.second - dst.first)
     Invalid("src_layer_range {" + std::to_string(src.first) + ", " + std::to_string(src.second) +
             "} and dst_layer_range {" + std::to_string(dst.first) + ", " + std::to_string(dst.second) +

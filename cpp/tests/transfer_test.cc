@@ -132,8 +132,13 @@ TEST_F(Pair, PushesLandInTheOwnersCache) {
   // the prompt pushes to the decoder, which must listen (and be linked to) for that
   uint16_t dport = ddtest::FreePort();
   auto opts = ddtest::Options(dport);
-  ASSERT_EQ(decoder.SetRole(LlmRole::kDecoder, opts), LLM_SUCCESS);
+  // CANN's SwitchRole: not while a link is up (ours, or a peer's to us)
+  EXPECT_EQ(decoder.SetRole(LlmRole::kDecoder, opts), LLM_EXIST_LINK);
+  EXPECT_EQ(prompt.SetRole(LlmRole::kPrompt, ddtest::Options(port)), LLM_EXIST_LINK);
   std::vector<Status> rets;
+  ASSERT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000), LLM_SUCCESS);
+  ASSERT_EQ(decoder.SetRole(LlmRole::kDecoder, opts), LLM_SUCCESS);
+  ASSERT_EQ(decoder.SetRole(LlmRole::kDecoder, opts), LLM_SUCCESS);  // listening there already
   ASSERT_EQ(prompt.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets, 5000), LLM_SUCCESS);
   EXPECT_EQ(prompt.LinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets), LLM_ALREADY_LINK);
   ASSERT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, 1, 3), 1), LLM_SUCCESS);
@@ -146,11 +151,22 @@ TEST_F(Pair, PushesLandInTheOwnersCache) {
     EXPECT_EQ(std::memcmp(dst.T(t) + 16, src.T(t), 16), 0);
     EXPECT_EQ(std::memcmp(dst.T(t) + 32, src.T(t) + 32, 16), 0);
   }
+  // as CANN's layer-wise pushes: a source range needs a destination range (dst layer -1 is
+  // out of range there), and a source of 3 tensors is not layers of 2
+  EXPECT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, 1, 3), 1, -1, Ext({1, 1}, {-1, -1})), LLM_PARAM_INVALID);
+  HostCache odd(3, {4, 16});
+  ASSERT_EQ(odd.Register(prompt), LLM_SUCCESS);
+  EXPECT_EQ(prompt.PushKvCache(odd.cache, Index(kDecoder, 1, 3)), LLM_PARAM_INVALID);
+  EXPECT_EQ(prompt.PushKvBlocks(odd.cache, Index(kDecoder, 1), {0}, {1}), LLM_PARAM_INVALID);
+  EXPECT_EQ(prompt.PushKvBlocks(odd.cache, Index(kDecoder, 1), {0}, {1}, Ext({-1, -1}, {-1, -1}, 1)), LLM_SUCCESS);
   EXPECT_EQ(prompt.PushKvBlocks(src.cache, Index(kDecoder, 1), {0}, {4}), LLM_PARAM_INVALID);
   EXPECT_EQ(prompt.PushKvBlocks(src.cache, Index(kDecoder, 8), {0}, {0}), LLM_KV_CACHE_NOT_EXIST);
   EXPECT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, 1, 4)), LLM_PARAM_INVALID);
-  // SetRole(kDecoder, {}) stops serving: the prompt's next push finds nobody
-  ASSERT_EQ(decoder.SetRole(LlmRole::kDecoder, {}), LLM_SUCCESS);
+  // SetRole without a listen address stops serving (once the decoder dropped its end of the
+  // prompt's link): the prompt's next push finds nobody
+  EXPECT_EQ(decoder.SetRole(LlmRole::kDecoder, {}), LLM_EXIST_LINK);
+  ASSERT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 1000, true), LLM_SUCCESS);
+  ASSERT_EQ(decoder.SetRole(LlmRole::kPrompt, {}), LLM_SUCCESS);
   Status s = prompt.PushKvCache(src.cache, Index(kDecoder, 1, 0));
   EXPECT_TRUE(s == LLM_LINK_FAILED || s == LLM_TIMEOUT) << s;
   ASSERT_EQ(prompt.UnlinkLlmClusters({ddtest::Cluster(kDecoder, dport)}, rets, 1000, true), LLM_SUCCESS);
@@ -162,6 +178,21 @@ TEST_F(Pair, UnlinkThenPullIsNotLinked) {
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_NOT_YET_LINK);
   ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000), LLM_SUCCESS);  // relink
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_SUCCESS);
+}
+
+TEST_F(Pair, UnlinkOfADeadPeerIsUnlinkFailedAndOurEndIsGone) {
+  prompt.Finalize();
+  std::vector<Status> rets;
+  // as CANN's UnlinkCluster when it cannot reach the peer; our end is closed all the same
+  EXPECT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 1000), LLM_UNLINK_FAILED);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_NOT_YET_LINK);
+  HostCache src2(4, {4, 16});
+  LlmDataDist again(kPrompt, LlmRole::kPrompt);
+  ASSERT_EQ(again.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  ASSERT_EQ(src2.Register(again), LLM_SUCCESS);
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_SUCCESS);
+  again.Finalize();
 }
 
 TEST_F(Pair, DeadPeerFailsFastAndARestartedOneIsReconnected) {
@@ -274,10 +305,24 @@ TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
   EXPECT_EQ(rets[0], LLM_LINK_FAILED);
   EXPECT_EQ(rets[1], LLM_SUCCESS);
   EXPECT_EQ(rets[2], LLM_LINK_FAILED);
-  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(3, port)}, rets), LLM_ALREADY_LINK);
-  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(3, port), ddtest::Cluster(2, 1)}, rets), LLM_NOT_YET_LINK);
-  EXPECT_EQ(rets[0], LLM_SUCCESS);
-  EXPECT_EQ(rets[1], LLM_NOT_YET_LINK);
+  rets = {LLM_FAILED};  // as CANN: each call appends its codes, and reports the last failure
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(3, port), ddtest::Cluster(2, 1)}, rets, 500), LLM_LINK_FAILED);
+  EXPECT_EQ(rets, (std::vector<Status>{LLM_FAILED, LLM_ALREADY_LINK, LLM_LINK_FAILED}));
+  rets.clear();
+  // cluster 2 was never linked: forced, nothing to drop; without force, CANN dials its
+  // listener to tell it, and nobody answers at port 1
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, 1), ddtest::Cluster(3, port)}, rets), LLM_UNLINK_FAILED);
+  EXPECT_EQ(rets, (std::vector<Status>{LLM_UNLINK_FAILED, LLM_SUCCESS}));
+  rets.clear();
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, 1)}, rets, 1000, true), LLM_SUCCESS);
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(3, port)}, rets), LLM_SUCCESS);  // its listener answers
+  ClusterInfo two_ips = ddtest::Cluster(3, port);
+  two_ips.remote_ip_infos.push_back(two_ips.remote_ip_infos[0]);
+  rets.clear();
+  EXPECT_EQ(dd.UnlinkLlmClusters({two_ips}, rets), LLM_PARAM_INVALID);  // needs exactly one, unless forced
+  EXPECT_EQ(dd.UnlinkLlmClusters({two_ips}, rets, 1000, true), LLM_SUCCESS);
+  EXPECT_EQ(dd.LinkLlmClusters({two_ips}, rets), LLM_PARAM_INVALID);
+  EXPECT_EQ(rets.back(), LLM_PARAM_INVALID);
 }
 
 TEST(Auth, SharedSecretLinksAndAWrongOneDoesNot) {

@@ -437,12 +437,49 @@ class TestLinkClusters:
         assert overall is S.LLM_CLUSTER_NUM_EXCEED_LIMIT
 
     def test_unlink_of_an_unknown_cluster_returns_a_code(self, datadist):
+        # As LinkMsgHandler::UnlinkCluster: without force the original dials the cluster's
+        # listener to tell it; nobody answers at port 1
         overall, codes = datadist.unlink_clusters([cluster(PEER, 1)], 1000)
-        assert codes == [S.LLM_NOT_YET_LINK]
-        assert overall is S.LLM_NOT_YET_LINK
+        assert codes == [S.LLM_UNLINK_FAILED]
+        assert overall is S.LLM_UNLINK_FAILED
         # forced: nothing is left behind either way, so SUCCESS (issue 10, item 1)
         assert datadist.unlink_clusters([cluster(PEER, 1)], 1000, force=True) \
             == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+
+    @pytest.mark.timeout(30)
+    def test_the_overall_code_is_the_last_failure(self, datadist, linked, refused_port):
+        """LLMLinkManager::LinkClusters / UnlinkClusters: ``ret = fut_ret != SUCCESS ?
+        fut_ret : ret`` over the clusters in order."""
+        live, dead = cluster(PEER, linked.listen_address[1]), cluster(PEER + 1, refused_port)
+        assert datadist.link_clusters([live, dead], 2000) == (
+            S.LLM_LINK_FAILED, [S.LLM_ALREADY_LINK, S.LLM_LINK_FAILED])
+        assert datadist.link_clusters([dead, live], 2000) == (
+            S.LLM_ALREADY_LINK, [S.LLM_LINK_FAILED, S.LLM_ALREADY_LINK])
+
+    @pytest.mark.timeout(30)
+    def test_unlink_of_a_peer_that_cannot_be_told(self, datadist, linked):
+        """LinkMsgHandler::UnlinkCluster reports LLM_UNLINK_FAILED when it cannot reach the
+        peer; our end is closed all the same, so a relink to a new peer works."""
+        c = cluster(PEER, linked.listen_address[1])
+        linked.close()
+        assert datadist.unlink_clusters([c], 1000) == (S.LLM_UNLINK_FAILED,
+                                                        [S.LLM_UNLINK_FAILED])
+        assert datadist.engine.links() == []
+        again = Engine(EngineConfig(cluster_id=PEER, role=int(LLMRole.PROMPT),
+                                    listen=("127.0.0.1", 0)))
+        try:
+            c = cluster(PEER, again.listen_address[1])
+            assert datadist.link_clusters([c], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        finally:
+            again.close()
+
+    def test_unlink_without_force_needs_one_remote_address(self, datadist, linked):
+        c = cluster(PEER, linked.listen_address[1])
+        c.append_remote_ip_info("127.0.0.1", linked.listen_address[1])
+        assert datadist.unlink_clusters([c], 1000) == (S.LLM_PARAM_INVALID,
+                                                        [S.LLM_PARAM_INVALID])
+        assert datadist.unlink_clusters([c], 1000, force=True) == (S.LLM_SUCCESS,
+                                                                    [S.LLM_SUCCESS])
 
     def test_unlink_force_must_be_bool(self, datadist):
         with pytest.raises(TypeError):
@@ -452,7 +489,8 @@ class TestLinkClusters:
     def test_unlink_then_unlink_again(self, datadist, linked):
         c = cluster(PEER, linked.listen_address[1])
         assert datadist.unlink_clusters([c], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
-        assert datadist.unlink_clusters([c], 5000) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+        # nothing left to drop, and the peer's listener answers: as the original, SUCCESS
+        assert datadist.unlink_clusters([c], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 
 
 class TestSwitchRole:
@@ -1101,6 +1139,43 @@ class TestPush:
             cm.push_blocks(BlocksCacheKey(ME), paged, [0], [0])
         with code(S.LLM_NOT_YET_LINK):
             cm.push_blocks(key, paged, [0], [0])
+
+    @pytest.mark.parametrize("method", ["push_cache", "push_blocks"])
+    def test_push_layers_as_the_original(self, make_datadist, method):
+        """hixl v2/cache_manager.py: both ranges default to every *local* layer and must be
+        as long as each other; one native layer-wise transfer per layer, which refuses a
+        source whose tensor count is not a multiple of tensor_num_per_layer
+        (LayerWiseTransferJob::Prepare); no layer at all means no transfer, and success."""
+        cm = make_datadist(RA_OPTS).cache_manager
+        blocks = method == "push_blocks"
+
+        def source(num_tensors):
+            desc = CacheDesc(num_tensors, [4, 64], F16)
+            _, addrs = host_memory(desc)
+            if blocks:
+                return cm.register_blocks_cache(desc, addrs)
+            return cm.register_cache(desc, addrs)
+
+        def push(cache, **kw):
+            if blocks:
+                cm.push_blocks(BlocksCacheKey(PEER), cache, [0], [0], **kw)
+            else:
+                cm.push_cache(CacheKeyByIdAndIndex(PEER, 1), cache, **kw)
+
+        four, three, one = source(4), source(3), source(1)
+        with code(S.LLM_PARAM_INVALID):  # dst defaults to both local layers: 1 != 2
+            push(four, src_layer_range=range(0, 1))
+        with code(S.LLM_PARAM_INVALID):
+            push(four, dst_layer_range=range(1, 2))
+        with code(S.LLM_PARAM_INVALID):  # 3 tensors are not layers of 2
+            push(three)
+        with code(S.LLM_PARAM_INVALID):  # layer 2 of a 2-layer source
+            push(four, src_layer_range=range(1, 3), dst_layer_range=range(0, 2))
+        push(one)  # 1 // 2 = no layer: nothing to transfer, not even a link to check
+        with code(S.LLM_NOT_YET_LINK):  # the same argument checks passed: now the link
+            push(four, src_layer_range=range(1, 2), dst_layer_range=range(0, 1))
+        with code(S.LLM_NOT_YET_LINK):
+            push(three, tensor_num_per_layer=1)
 
     def test_unknown_local_source(self, ra):
         cm, _, _, _ = ra

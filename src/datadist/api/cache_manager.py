@@ -80,6 +80,30 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
 
 
 
+def push_tensor_pairs(num_tensors: int, src_range: range | None, dst_range: range | None,
+                      n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The (remote, local) tensor indices of a push, as the original's push_cache /
+    push_blocks: one native layer-wise transfer per layer of ``src_range`` (default: every
+    local layer) into the same position of ``dst_range`` (default: every *local* layer too,
+    so a source range alone must cover them all); each transfer refuses a local cache whose
+    tensor count is not a multiple of ``n`` (LayerWiseTransferJob::Prepare). None when no
+    layer is named: the original then makes no transfer, and succeeds."""
+    layers = num_tensors // n
+    src = (0, layers) if src_range is None else (src_range.start, src_range.stop)
+    dst = (0, layers) if dst_range is None else (dst_range.start, dst_range.stop)
+    raise_if_false(src[1] - src[0] == dst[1] - dst[0],
+                   "src_layer_range size should be equal to size of dst_layer_range size.")
+    if src[1] <= src[0]:
+        return None
+    raise_if_false(num_tensors % n == 0,
+                   f"the source's num_tensors {num_tensors} is not a multiple of "
+                   f"tensor_num_per_layer {n}")
+    raise_if_false(src[1] <= layers,
+                   f"src_layer_range {range(*src)} is out of range [0, {layers}) of the source")
+    return (np.arange(dst[0] * n, dst[1] * n, dtype=np.uint32),
+            np.arange(src[0] * n, src[1] * n, dtype=np.uint32))
+
+
 def _not_own(engine: Engine, cluster_id: int) -> None:
     """Cache-manager mode refuses pulls naming our own cluster id, as the original's
     native LLMDataDistV2::PullCache does ("data can not be pulled from own cluster",
@@ -382,10 +406,11 @@ class CacheManager:
         geo = self._check_local(engine, src_cache)
         raise_if_false(size == -1, "push_cache supports size=-1 only")
         raise_if_false(not src_cache.is_blocks_cache, "push_cache needs a contiguous source")
+        pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
+        if pairs is None:
+            return
         with llm_errors("push_cache"):
-            remote, local = layout.layer_tensor_indices(geo.num_tensors, layer_pair(dst_range),
-                                                        layer_pair(src_range), n)
-            plan = layout.plan_slot(geo, src_batch_index, (remote, local), size)
+            plan = layout.plan_slot(geo, src_batch_index, pairs, size)
             engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
                         src_cache.cache_id)
 
@@ -408,11 +433,13 @@ class CacheManager:
         geo = self._check_local(engine, src_cache)
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache source")
         raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
+        pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
+        if pairs is None:
+            return
         with llm_errors("push_blocks"):
             def build() -> layout.Plan:
-                remote, local = layout.layer_tensor_indices(geo.num_tensors, layer_pair(dst_range),
-                                                            layer_pair(src_range), n)
-                return layout.plan_blocks(geo, dst, src, (remote, local),
+                assert pairs is not None
+                return layout.plan_blocks(geo, dst, src, pairs,
                                           prepared_block_spans(geo, dst, src))
 
             plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), layer_pair(src_range),
