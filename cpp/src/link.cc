@@ -99,6 +99,12 @@ void Link::Open(Deadline deadline) {
   }
 }
 
+void Link::Adopted(const std::function<void()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline) {
+  auto guard = Acquire(deadline);
+  adopt();
+  conn_->SendFrame(frame, deadline);
+}
+
 void Link::Connect(Deadline deadline) {
   DropLeases();
   conn_.reset();

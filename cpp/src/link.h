@@ -26,6 +26,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -66,6 +67,10 @@ class Link {
 
   /// Connects and shakes hands within the deadline. LLM_LINK_FAILED / LLM_TIMEOUT.
   void Open(Deadline deadline);
+  /// Our end of a client's link, adopted before its handshake ends: `adopt` (which makes the
+  /// link reachable) runs with the link held, then the handshake's last `frame` goes out, so
+  /// no transfer shares the socket with it and the link exists when the client's link returns.
+  void Adopted(const std::function<void()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline);
   /// Pull: READ answered by READ_DATA and exactly the bytes `local` names.
   void Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Push: WRITE, go-ahead OK, the bytes, confirming OK.

@@ -34,6 +34,7 @@ namespace {
 
 constexpr double kUnregisterWait = 30.0;  // s UnregisterKvCache waits for transfers in flight
 constexpr double kFinalizeWait = 5.0;     // s Finalize waits for them
+constexpr double kAdoptWait = 10.0;       // s a reverse channel's last handshake frame may take
 constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's option key too
 
 using datadist::LogEnabled;
@@ -333,7 +334,7 @@ class LlmDataDist::LlmDataDistImpl {
 
   void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size, const KvCacheExtParam &ext) {
     CheckUpLocked();
-    CheckRemote(dst);
+    CheckRemote(dst, false);
     if (size != -1) Invalid("PushKvCache supports size -1 only (as CANN)");
     auto lease = registry_.Hold(src.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
@@ -347,7 +348,7 @@ class LlmDataDist::LlmDataDistImpl {
   void PushBlocks(const Cache &src, const CacheIndex &dst, const std::vector<uint64_t> &src_blocks,
                   const std::vector<uint64_t> &dst_blocks, const KvCacheExtParam &ext) {
     CheckUpLocked();
-    CheckRemote(dst);
+    CheckRemote(dst, false);
     if (src_blocks.empty()) Invalid("src_blocks must not be empty");
     if (dst.batch_index != 0) Invalid("dst_cache_index.batch_index must be 0 for PushKvBlocks");
     auto lease = registry_.Hold(src.cache_id);
@@ -423,9 +424,11 @@ class LlmDataDist::LlmDataDistImpl {
             Invalid("cluster " + std::to_string(c.remote_cluster_id) + ": '" + ip.ip.GetString() + "' is not an IPv4 address");
         }
   }
-  void CheckRemote(const CacheIndex &idx) {
-    if (idx.cache_id < 0) Invalid("remote cache_id must be >= 0");
-    if (idx.cluster_id == ident_.cluster_id) Invalid("data can not be moved within our own cluster");
+  // CANN refuses a pull from our own cluster id (LLMDataDistV2::PullCache); it has no such rule
+  // for pushes (they find no link). A remote cache id CANN does not know, -1 included, is the
+  // owner's LLM_KV_CACHE_NOT_EXIST, once a link exists (the id crosses the wire as uint64).
+  void CheckRemote(const CacheIndex &idx, bool pull = true) {
+    if (pull && idx.cluster_id == ident_.cluster_id) Invalid("data can not be pulled from our own cluster");
   }
   static Status Overall(const std::vector<Status> &rets) {
     Status last = LLM_SUCCESS;
@@ -441,7 +444,9 @@ class LlmDataDist::LlmDataDistImpl {
     ParseHostPort(text, host, port);
     if (server_) server_->Stop();
     server_ = std::make_unique<datadist::Server>(
-        &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn) { AdoptReverse(cid, std::move(conn)); });
+        &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
+          AdoptReverse(cid, std::move(conn), last);
+        });
     server_->Start(host, port, max_conns_, max_per_peer_);
     listening_ = text;
   }
@@ -472,16 +477,24 @@ class LlmDataDist::LlmDataDistImpl {
 
   /// A client's reverse channel (a server thread calls this after the handshake): our end of
   /// its link, replacing an older one. Its own mutex: SetRole stops the server under mu_.
-  void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn) {
+  void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
     auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn));
     std::shared_ptr<datadist::Link> old;
-    {
+    try {
+      link->Adopted(
+        [&] {
+          std::lock_guard<std::mutex> lock(rev_mu_);
+          if (rev_closed_) return;
+          // bounded like connections: a peer cannot hold sockets open without limit this way
+          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_) return;
+          old = std::move(reverse_links_[cluster_id]);
+          reverse_links_[cluster_id] = link;
+        },
+        last, datadist::After(kAdoptWait));  // not adopted: the channel closes with `link`
+    } catch (const Error &) {  // the client went away mid-handshake: its link never came up
       std::lock_guard<std::mutex> lock(rev_mu_);
-      if (rev_closed_) return;
-      // bounded like connections: a peer cannot hold sockets open without limit this way
-      if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_) return;
-      old = std::move(reverse_links_[cluster_id]);
-      reverse_links_[cluster_id] = link;
+      auto it = reverse_links_.find(cluster_id);
+      if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
     }
     if (old) old->Close(datadist::Deadline(), true);
   }

@@ -297,7 +297,10 @@ void Server::Serve(Worker *w) {
   Conn &c = *w->conn;
   try {
     uint64_t peer = 0;
-    switch (Handshake(c, peer)) {
+    std::vector<uint8_t> last;
+    Greeted greeted = Handshake(c, peer, last);
+    if (greeted == Greeted::kControl) c.SendFrame(last, After(kHandshakeTimeout));
+    switch (greeted) {
       case Greeted::kRefused:
         c.Close();
         break;
@@ -317,7 +320,7 @@ void Server::Serve(Worker *w) {
           std::lock_guard<std::mutex> lock(mu_);  // Stop() reaches worker connections under it
           taken = std::move(w->conn);
         }
-        if (on_reverse_ && !stopping_) on_reverse_(peer, std::move(taken));
+        if (on_reverse_ && !stopping_) on_reverse_(peer, std::move(taken), last);
         w->done = true;
         return;
       }
@@ -348,7 +351,7 @@ void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &st
   }
 }
 
-Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster) {
+Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last) {
   std::vector<uint8_t> payload;
   const Deadline deadline = After(kHandshakeTimeout);
   wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
@@ -378,8 +381,11 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster) {
     welcome.features |= auth::kFeatureAuth;
     welcome.proof = auth::ServerProof(secret, hello.proof, auth::Nonce(), identity_->cluster_id, hello.cluster_id);
   }
+  if (secret.empty()) {
+    last = wire::EncodeHello(wire::kWelcome, welcome, h.request_id);
+    return greeted;
+  }
   c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), deadline);
-  if (secret.empty()) return greeted;
   // Nothing but the client's proof is accepted until it checks out.
   h = c.RecvFrame(payload, deadline, kPreAuthPayload);
   bool ok = false;
@@ -394,7 +400,7 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster) {
                                  h.request_id));
     return Greeted::kRefused;
   }
-  c.SendFrame(wire::EncodeEmpty(wire::kOk, h.request_id), deadline);
+  last = wire::EncodeEmpty(wire::kOk, h.request_id);
   return greeted;
 }
 

@@ -71,9 +71,12 @@ struct ServeContext {
 /// released); the caller closes the connection.
 void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &stopping);
 
-/// A client's reverse channel to us (HELLO with FEATURE_REVERSE): handed over after the
-/// handshake, to become our end of that client's link.
-using ReverseHandler = std::function<void(uint64_t cluster_id, std::unique_ptr<Conn> conn)>;
+/// A client's reverse channel to us (HELLO with FEATURE_REVERSE): handed over to become our
+/// end of that client's link *before* the handshake's last frame (`last`) goes out, which the
+/// handler sends once the link is registered (the client's link call returns on that frame,
+/// and the listener may push at once, as in CANN's push samples).
+using ReverseHandler =
+    std::function<void(uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last)>;
 
 class Server {
  public:
@@ -118,7 +121,9 @@ class Server {
   void Serve(Worker *w);
   enum class Greeted { kRefused, kControl, kReverse };
   /// HELLO -> WELCOME (and the secret's challenge and response).
-  Greeted Handshake(Conn &c, uint64_t &peer_cluster);
+  /// HELLO, WELCOME (and the secret's proofs); the last frame to send (WELCOME, or OK after
+  /// AUTH) is left in `last` for the caller, except on refusal.
+  Greeted Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last);
   void ReapLocked(bool all);
 
   Registry *registry_;
