@@ -254,7 +254,9 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
   EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), h.cache), LLM_NOT_YET_LINK);
   EXPECT_EQ(dd.PushKvBlocks(h.cache, ddtest::Index(2, 1), {0}, {0}), LLM_NOT_YET_LINK);
   EXPECT_EQ(dd.PullKvCache(ddtest::Index(1, 1), h.cache), LLM_PARAM_INVALID);  // own cluster
-  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, -3), h.cache), LLM_PARAM_INVALID);
+  // a remote cache id CANN looks up in the peer's table: without a link, the link is missing
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, -3), h.cache), LLM_NOT_YET_LINK);
+  EXPECT_EQ(dd.PushKvCache(h.cache, ddtest::Index(1, 1)), LLM_NOT_YET_LINK);  // no own-cluster rule for pushes
   EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), h.cache, 0, 0), LLM_PARAM_INVALID);
   // CANN's argument rules for blocks and pushes
   EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1, 1), h.cache, {0}, {0}), LLM_PARAM_INVALID);

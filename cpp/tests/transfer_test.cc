@@ -93,6 +93,7 @@ TEST_F(Pair, PullKvBlocksWithLayerRanges) {
 
 TEST_F(Pair, OwnerAndLocalChecksGiveStatusCodes) {
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 9), dst.cache), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, -1), dst.cache), LLM_KV_CACHE_NOT_EXIST);  // as CANN: an id the peer does not have
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 4), dst.cache), LLM_PARAM_INVALID);  // remote slot
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 4), LLM_PARAM_INVALID);  // local slot
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, 17), LLM_PARAM_INVALID);

@@ -1145,7 +1145,7 @@ class TestPush:
         """hixl v2/cache_manager.py: both ranges default to every *local* layer and must be
         as long as each other; one native layer-wise transfer per layer, which refuses a
         source whose tensor count is not a multiple of tensor_num_per_layer
-        (LayerWiseTransferJob::Prepare); no layer at all means no transfer, and success."""
+        (LayerWiseTransferJob::Prepare)."""
         cm = make_datadist(RA_OPTS).cache_manager
         blocks = method == "push_blocks"
 
@@ -1171,7 +1171,8 @@ class TestPush:
             push(three)
         with code(S.LLM_PARAM_INVALID):  # layer 2 of a 2-layer source
             push(four, src_layer_range=range(1, 3), dst_layer_range=range(0, 2))
-        push(one)  # 1 // 2 = no layer: nothing to transfer, not even a link to check
+        with code(S.LLM_NOT_YET_LINK):  # no whole layer: the original moves nothing, we
+            push(one)  # push the one tensor (both report success), so the link is needed
         with code(S.LLM_NOT_YET_LINK):  # the same argument checks passed: now the link
             push(four, src_layer_range=range(1, 2), dst_layer_range=range(0, 1))
         with code(S.LLM_NOT_YET_LINK):

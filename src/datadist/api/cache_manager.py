@@ -81,20 +81,23 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
 
 
 def push_tensor_pairs(num_tensors: int, src_range: range | None, dst_range: range | None,
-                      n: int) -> tuple[np.ndarray, np.ndarray] | None:
+                      n: int) -> tuple[np.ndarray, np.ndarray]:
     """The (remote, local) tensor indices of a push, as the original's push_cache /
     push_blocks: one native layer-wise transfer per layer of ``src_range`` (default: every
     local layer) into the same position of ``dst_range`` (default: every *local* layer too,
     so a source range alone must cover them all); each transfer refuses a local cache whose
-    tensor count is not a multiple of ``n`` (LayerWiseTransferJob::Prepare). None when no
-    layer is named: the original then makes no transfer, and succeeds."""
+    tensor count is not a multiple of ``n`` (LayerWiseTransferJob::Prepare). A source of
+    fewer tensors than one layer has no layer at all: the original then transfers nothing and
+    reports success; datadist pushes the tensors there are (the same code, and the only
+    reading under which the call does anything)."""
+    if num_tensors < n and src_range is None and dst_range is None:
+        idx = np.arange(num_tensors, dtype=np.uint32)
+        return idx, idx
     layers = num_tensors // n
     src = (0, layers) if src_range is None else (src_range.start, src_range.stop)
     dst = (0, layers) if dst_range is None else (dst_range.start, dst_range.stop)
     raise_if_false(src[1] - src[0] == dst[1] - dst[0],
                    "src_layer_range size should be equal to size of dst_layer_range size.")
-    if src[1] <= src[0]:
-        return None
     raise_if_false(num_tensors % n == 0,
                    f"the source's num_tensors {num_tensors} is not a multiple of "
                    f"tensor_num_per_layer {n}")
@@ -407,8 +410,6 @@ class CacheManager:
         raise_if_false(size == -1, "push_cache supports size=-1 only")
         raise_if_false(not src_cache.is_blocks_cache, "push_cache needs a contiguous source")
         pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
-        if pairs is None:
-            return
         with llm_errors("push_cache"):
             plan = layout.plan_slot(geo, src_batch_index, pairs, size)
             engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
@@ -434,11 +435,8 @@ class CacheManager:
         raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache source")
         raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
         pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
-        if pairs is None:
-            return
         with llm_errors("push_blocks"):
             def build() -> layout.Plan:
-                assert pairs is not None
                 return layout.plan_blocks(geo, dst, src, pairs,
                                           prepared_block_spans(geo, dst, src))
 
