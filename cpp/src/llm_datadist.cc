@@ -543,6 +543,7 @@ class LlmDataDist::LlmDataDistImpl {
     r.tensors = plan.remote_tensors;
     r.offsets = plan.remote_offsets;
     r.lengths = plan.lengths;
+    if (plan.whole) r.flags |= datadist::wire::kFlagWhole;
     return r;
   }
 

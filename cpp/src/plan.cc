@@ -38,6 +38,7 @@ void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtPar
   bool all = push ? src.first < 0 : (src.first < 0 || dst.first < 0);
   plan.remote_tensors.clear();
   plan.local_tensors.clear();
+  plan.whole = all && !push;
   if (all) {
     for (uint32_t i = 0; i < local_n; ++i) {
       plan.remote_tensors.push_back(i);

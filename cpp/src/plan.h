@@ -18,6 +18,7 @@ namespace datadist {
 struct Plan {
   std::vector<uint32_t> remote_tensors, local_tensors;
   std::vector<uint64_t> remote_offsets, local_offsets, lengths;
+  bool whole = false;  // a pull of every tensor (no layer range): the source must have as many
 };
 
 /// Pairs remote and local tensor indices from KvCacheExtParam's inclusive layer ranges, as

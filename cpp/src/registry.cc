@@ -77,6 +77,9 @@ void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t
 
 uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) {
   const bool blocks = req.kind == wire::kBlocksKey;
+  if ((req.flags & wire::kFlagWhole) && req.tensors.size() != g.num_tensors)
+    Invalid("the requester's cache has " + std::to_string(req.tensors.size()) + " tensors, cache " + std::to_string(id) +
+            " " + std::to_string(g.num_tensors) + ": a pull without layer ranges needs the same count on both sides");
   for (uint32_t t : req.tensors)
     if (t >= g.num_tensors)
       Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +

@@ -311,7 +311,7 @@ Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload) {
   r.Done();
   if (type == kRead) {
     if (q.kind == kAddress) ProtocolViolation("raw addresses (key kind 4) are for WRITE only");
-    if (q.flags & ~(kFlagGrant | kFlagShm | kFlagChecksum)) ProtocolViolation("unknown read flags");
+    if (q.flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) ProtocolViolation("unknown read flags");
   } else if (q.flags != 0) {
     ProtocolViolation("unknown write flags");
   }

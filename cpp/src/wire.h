@@ -41,6 +41,9 @@ enum MsgType : uint8_t {
 enum KeyKind : uint8_t { kCacheKey = 1, kCacheId = 2, kBlocksKey = 3, kAddress = 4 };
 
 constexpr uint32_t kFlagGrant = 1, kFlagShm = 2, kFlagChecksum = 4;
+// READ: the requester asked for every tensor (no layer range); the cache must have exactly as
+// many tensors as the request names (CANN's GetSendTask), checked by the owner.
+constexpr uint32_t kFlagWhole = 8;
 // HELLO / WELCOME features (bit 0, FEATURE_AUTH, is in auth.h)
 constexpr uint32_t kFeatureLocal = 2;    // WELCOME: the server also serves its local channel
 constexpr uint32_t kFeatureReverse = 4;  // WELCOME: reverse channels accepted; HELLO: this is one

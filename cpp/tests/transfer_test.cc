@@ -95,6 +95,17 @@ TEST_F(Pair, OwnerAndLocalChecksGiveStatusCodes) {
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 9), dst.cache), LLM_KV_CACHE_NOT_EXIST);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, -1), dst.cache), LLM_KV_CACHE_NOT_EXIST);  // as CANN: an id the peer does not have
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 4), dst.cache), LLM_PARAM_INVALID);  // remote slot
+  {
+    // no layer range: every tensor, and the source must have as many (CANN's GetSendTask);
+    // with ranges, the first layer of a 4-tensor cache into a 2-tensor one is fine
+    HostCache two(2, {4, 16});
+    ASSERT_EQ(two.Register(decoder), LLM_SUCCESS);
+    EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 1), two.cache), LLM_PARAM_INVALID);
+    EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), two.cache, {1}, {1}), LLM_PARAM_INVALID);
+    ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 1), two.cache, 0, -1, Ext({1, 1}, {0, 0})), LLM_SUCCESS);
+    EXPECT_EQ(std::memcmp(two.T(1), src.T(3) + 16, 16), 0);
+    ASSERT_EQ(decoder.UnregisterKvCache(two.cache.cache_id), LLM_SUCCESS);
+  }
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 4), LLM_PARAM_INVALID);  // local slot
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, 17), LLM_PARAM_INVALID);
   EXPECT_EQ(decoder.PullKvBlocks(Index(kPrompt, 1), dst.cache, {4}, {0}), LLM_PARAM_INVALID);  // remote block

@@ -87,7 +87,7 @@ TEST(Wire, DecoderRefusesMalformedFrames) {
   r.kind = wire::kAddress;  // raw addresses are for WRITE only
   EXPECT_THROW(wire::DecodeRequest(wire::kRead, Payload(wire::EncodeRequest(wire::kRead, r, 1))), Error);
   r.kind = wire::kCacheId;
-  r.flags = 8;  // unknown read flag
+  r.flags = 16;  // unknown read flag
   EXPECT_THROW(wire::DecodeRequest(wire::kRead, Payload(wire::EncodeRequest(wire::kRead, r, 1))), Error);
   r.flags = wire::kFlagChecksum;  // any flag on a WRITE
   EXPECT_THROW(wire::DecodeRequest(wire::kWrite, Payload(wire::EncodeRequest(wire::kWrite, r, 1))), Error);

@@ -261,3 +261,28 @@ def test_unknown_key_and_unknown_cache_id(decoder: Decoder) -> None:
     # the link is still good afterwards
     decoder.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(P, LEGACY_ID, 1), cache, 0)
     assert_bytes_equal(units(arr, KEYED)[:, 0], remote(LEGACY, SEED["legacy"])[:, 1])
+
+
+def test_pull_without_ranges_needs_as_many_tensors_as_the_source(decoder: Decoder) -> None:
+    """A pull without layer ranges moves every tensor, and CANN refuses it when the source
+    has another tensor count (GetSendTask: "src addr count ... not match received
+    dst_addr_count"): LLM_PARAM_INVALID, nothing written, the link still good; with layer
+    ranges the same two caches pull fine."""
+    want = remote(LAYERED, SEED["layered"])  # 8 tensors
+    small_spec = CacheSpec(4, LAYERED.shape)
+    small, arr = decoder.local(small_spec)
+    for key in (llm_datadist.CacheKey(P, 21), llm_datadist.CacheKeyByIdAndIndex(P, LAYERED_ID, 0)):
+        with pytest.raises(llm_datadist.LLMException) as err:
+            decoder.cm.pull_cache(key, small, 0)
+        assert err.value.status_code == S.LLM_PARAM_INVALID
+    assert_zero(arr)
+    decoder.cm.pull_cache(llm_datadist.CacheKeyByIdAndIndex(P, LAYERED_ID, 0), small, 0,
+                          src_layer_range=range(2, 4), dst_layer_range=range(0, 2))
+    assert_bytes_equal(units(arr, small_spec)[:, 0], want[4:8, 0])
+    # blocks too: a 2-tensor paged cache cannot take every tensor of the 4-tensor one
+    paged_spec = CacheSpec(2, BLOCKS.shape)
+    paged, paged_arr = decoder.local(paged_spec, blocks=True)
+    with pytest.raises(llm_datadist.LLMException) as err:
+        decoder.cm.pull_blocks(llm_datadist.BlocksCacheKey(P, BLOCKS_MODEL), paged, [1], [1])
+    assert err.value.status_code == S.LLM_PARAM_INVALID
+    assert_zero(paged_arr)

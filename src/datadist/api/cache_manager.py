@@ -7,6 +7,7 @@ core's. Pulls and pushes block until done or ``sync_kv_timeout``; the rest retur
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,15 @@ def push_tensor_pairs(num_tensors: int, src_range: range | None, dst_range: rang
                    f"src_layer_range {range(*src)} is out of range [0, {layers}) of the source")
     return (np.arange(dst[0] * n, dst[1] * n, dtype=np.uint32),
             np.arange(src[0] * n, src[1] * n, dtype=np.uint32))
+
+
+def _whole(plan: layout.Plan, src_range: range | None, dst_range: range | None) -> layout.Plan:
+    """A pull without layer ranges names every local tensor: the source must have as many
+    (CANN's GetSendTask: "src addr count ... not match received dst_addr_count"), which its
+    owner checks (ReadFlags.WHOLE)."""
+    if src_range is None and dst_range is None:
+        return dataclasses.replace(plan, whole=True)
+    return plan
 
 
 def _not_own(engine: Engine, cluster_id: int) -> None:
@@ -339,7 +349,8 @@ class CacheManager:
             def build() -> layout.Plan:
                 tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
                                                       layer_pair(dst_range), n)
-                return layout.plan_slot(geo, batch_index, tensors, size)
+                return _whole(layout.plan_slot(geo, batch_index, tensors, size),
+                              src_range, dst_range)
 
             plan = prepared_plan(("pull_slot", geo, batch_index, size, layer_pair(src_range),
                                   layer_pair(dst_range), n), build)
@@ -374,9 +385,11 @@ class CacheManager:
                 tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
                                                       layer_pair(dst_range), n)
                 if by_blocks:
-                    return layout.plan_blocks(geo, src, dst, tensors,
+                    plan = layout.plan_blocks(geo, src, dst, tensors,
                                               prepared_block_spans(geo, src, dst))
-                return layout.plan_contiguous_to_blocks(geo, dst, tensors)
+                else:
+                    plan = layout.plan_contiguous_to_blocks(geo, dst, tensors)
+                return _whole(plan, src_range, dst_range)
 
             plan = prepared_plan(("pull_blocks", by_blocks, geo, exact(src), exact(dst),
                                   layer_pair(src_range), layer_pair(dst_range), n), build, dst)

@@ -633,6 +633,8 @@ class Engine:
                                           deadline)):
                 return
             flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
+            if plan.whole:
+                flags |= p.ReadFlags.WHOLE
             msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
                          plan.lengths, wire_layout(entry.geometry))
             link.run(deadline,
@@ -682,7 +684,8 @@ class Engine:
             geometry = Geometry(len(m.addrs), m.tensor_bytes, m.units, m.is_blocks, m.layout)
             slot = key.b if key.kind == p.KeyKind.CACHE_ID else -1
             base = check_read(geometry, m.cache_id, slot, unit_bytes, plan.remote_tensors,
-                              plan.remote_offsets, plan.lengths, wire_layout(entry.geometry))
+                              plan.remote_offsets, plan.lengths, wire_layout(entry.geometry),
+                              plan.whole and not write)
             cma, shm = CmaPath.leased_sources(rc, plan.remote_tensors, base,
                                               plan.remote_offsets, plan.lengths)
             return LeasedCopy(local, cma, shm, plan.nbytes,
@@ -809,16 +812,17 @@ class Engine:
         """A GRANT (the reader copies from our memory itself) only for a peer the kernel
         verified on this host, allowed to read us, and within MAX_GRANTS_PER_PEER: nobody
         else learns our addresses."""
+        whole = bool(msg.flags & p.ReadFlags.WHOLE)
         if not msg.flags & p.ReadFlags.GRANT:
             lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
-                                       msg.lengths, layout=msg.layout)
+                                       msg.lengths, layout=msg.layout, whole=whole)
             self._check_own_memory(lease, "read", read=True)
             return lease
         pid = self._take_grant(peer)
         try:
             lease = self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
                                        msg.lengths, layout=msg.layout,
-                                       shm=bool(msg.flags & p.ReadFlags.SHM))
+                                       shm=bool(msg.flags & p.ReadFlags.SHM), whole=whole)
         except BaseException:
             self._drop_grant(pid)
             raise
@@ -937,7 +941,8 @@ class Engine:
             if write:  # the rules of _open_write: the data path does not change them
                 self._check_writable(msg.key)
             return self.registry.open(msg.key, msg.unit_bytes, msg.tensors, msg.offsets,
-                                      msg.lengths, layout=msg.layout, read=not write)
+                                      msg.lengths, layout=msg.layout, read=not write,
+                                      whole=bool(msg.flags & p.ReadFlags.WHOLE))
 
         lease = self._serving("serve_write" if write else "serve_read", peer, open_)
         try:

@@ -114,6 +114,7 @@ class Plan:
     remote_offsets: np.ndarray  # uint64 (S,), relative to the remote unit base
     local_offsets: np.ndarray  # uint64 (S,), absolute within the local tensor
     lengths: np.ndarray  # uint64 (S,)
+    whole: bool = False  # a pull of every tensor (no layer range): counts must match the source's
     # computed once (every transfer asks for them, a small one several times)
     nbytes: int = field(init=False)
     num_spans: int = field(init=False)

@@ -217,13 +217,18 @@ def _check_servable(entry: CacheEntry) -> None:
 
 
 def check_read(g: Geometry, cache_id: int | None, slot: int, unit_bytes: int,
-               tensors: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, layout: int) -> int:
+               tensors: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, layout: int,
+               whole: bool = False) -> int:
     """Every check of a request's spans against the cache it names (the owner's, or a
     reader's own with a lease on the whole cache; ``cache_id`` None: a remote cache whose id
     the reader does not know): tensor indexes, request size, block size, batch index, span
     bounds, layouts. Returns the byte offset of the source unit within each tensor (0 for
     block addressing, ``slot``: -1). Raises InvalidArgument."""
     name = "the remote cache" if cache_id is None else f"cache {cache_id}"
+    if whole and len(tensors) != g.num_tensors:
+        raise InvalidArgument(
+            f"the requester's cache has {len(tensors)} tensors, {name} {g.num_tensors}: a pull "
+            "without layer ranges needs the same count on both sides")
     if len(tensors) and max_int(tensors) >= g.num_tensors:
         raise InvalidArgument(
             f"tensor {max_int(tensors)} out of range: {name} has {g.num_tensors}"
@@ -504,8 +509,10 @@ class Registry:
         shm: bool = False,
         layout: int = 0,
         read: bool = True,
+        whole: bool = False,
     ) -> Lease:
         """Owner side of a peer's read (``read``) or write: resolve, bounds-check, lease.
+        ``whole``: the read names every tensor of the requester's cache (ReadFlags.WHOLE).
 
         With ``shm``, the lease also says where each requested tensor's unit lies in
         shareable memory (when the whole cache is in it). A read through a consumable key
@@ -533,7 +540,7 @@ class Registry:
             else:
                 entry, slot = self._named(key)
             base = check_read(entry.geometry, entry.cache_id, slot, unit_bytes, tensors,
-                              offsets, lengths, layout)
+                              offsets, lengths, layout, whole)
             bases = entry.addrs[tensors] + np.uint64(base)
             shm_info = None
             if shm and entry.shm is not None:

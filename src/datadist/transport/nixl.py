@@ -445,7 +445,7 @@ def _leased_bases(info: p.NixlLeased, msg: p.Read) -> np.ndarray:
     except InvalidArgument as e:
         raise RemoteProtocolError(f"a NIXL lease with an impossible geometry: {e}") from None
     base = check_read(g, None, -1 if info.blocks else msg.key.b, msg.unit_bytes, msg.tensors,
-                      msg.offsets, msg.lengths, msg.layout)
+                      msg.offsets, msg.lengths, msg.layout, bool(msg.flags & p.ReadFlags.WHOLE))
     bases: np.ndarray = info.addrs[msg.tensors] + np.uint64(base)
     return bases
 
@@ -606,7 +606,7 @@ class NixlPath:
 
     def _read_granted(self, chan: Any, msg: p.Read, local: np.ndarray,
                       deadline: float) -> None:
-        flags = msg.flags & p.ReadFlags.CHECKSUM
+        flags = msg.flags & (p.ReadFlags.CHECKSUM | p.ReadFlags.WHOLE)
         req = p.NixlRead(msg.key, msg.unit_bytes, flags, msg.tensors, msg.offsets,
                          msg.lengths, msg.layout)
         grant = chan.call(req, deadline)

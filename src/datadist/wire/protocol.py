@@ -115,6 +115,9 @@ class ReadFlags(enum.IntFlag):
     GRANT = 1  # same host: answer with addresses (a lease), not with the bytes
     SHM = 2  # with GRANT: answer with an ShmGrant if the cache is in shareable memory
     CHECKSUM = 4  # follow the answer with a Checksum frame over the source spans
+    # The requester asked for every tensor (no layer range): the cache must have exactly as
+    # many tensors as the request names, as CANN's GetSendTask requires of a pull.
+    WHOLE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -625,7 +628,7 @@ def encode(msg: Message, request_id: int = 0) -> bytes:
 _MSG_TYPES = {int(t): t for t in MsgType}
 _KEY_KINDS = {int(k): k for k in KeyKind}
 _CHECKSUM = int(ReadFlags.CHECKSUM)
-_KNOWN_READ_FLAGS = int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM)
+_KNOWN_READ_FLAGS = int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM | ReadFlags.WHOLE)
 _READ_FLAGS = {i: ReadFlags(i) for i in range(_KNOWN_READ_FLAGS + 1)}
 
 
@@ -702,7 +705,7 @@ def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> M
         if mtype == MsgType.NIXL_READ:
             if key.kind == KeyKind.ADDRESS:
                 raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
-            if flags & ~_CHECKSUM:
+            if flags & ~(_CHECKSUM | int(ReadFlags.WHOLE)):
                 raise RemoteProtocolError(f"unknown NIXL read flags {flags:#x}")
             msg = NixlRead(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
         elif mtype == MsgType.READ:
