@@ -615,7 +615,7 @@ class NixlPath:
             raise RemoteProtocolError(f"expected a NixlGrant for the request, got {grant!r}")
         ok = False
         try:
-            ck = chan.answer(deadline) if flags else None
+            ck = chan.answer(deadline) if flags & p.ReadFlags.CHECKSUM else None
             if ck is not None and not isinstance(ck, p.Checksum):
                 chan.close()
                 raise RemoteProtocolError(f"expected Checksum, got {type(ck).__name__}")
