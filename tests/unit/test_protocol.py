@@ -261,12 +261,13 @@ def test_property_decoder_any_chunking(msgs: list[p.Message], data) -> None:
 
 
 def test_nixl_read_refuses_grant_flags_and_raw_addresses() -> None:
-    """A NixlRead may only ask for a checksum; it never names raw addresses."""
+    """A NixlRead may only ask for a checksum (and say it names every tensor, WHOLE); it
+    never names raw addresses."""
     good = p.NixlRead(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0, 0), 0, p.ReadFlags.NONE,
                       u32(0), u64(0), u64(8))
     payload = bytearray(p.encode_payload(good))
     flags_at = p.KeyRef._S.size + 16  # after the key, unit_bytes and layout
-    for flag in (p.ReadFlags.GRANT, p.ReadFlags.SHM, 8):
+    for flag in (p.ReadFlags.GRANT, p.ReadFlags.SHM, 16):
         bad = bytearray(payload)
         bad[flags_at] = int(flag)
         with pytest.raises(RemoteProtocolError, match="NIXL read flags"):
@@ -346,7 +347,7 @@ MALFORMED: dict[str, bytes] = {
     "read unknown key kind": frame(p.MsgType.READ, read_payload(kind=max(p.KeyKind) + 1)),
     "read key kind zero": frame(p.MsgType.READ, read_payload(kind=0)),
     "read bad flags": frame(p.MsgType.READ, read_payload(flags=0x80)),
-    "read bad flags with grant": frame(p.MsgType.READ, read_payload(flags=0x9)),
+    "read bad flags with grant": frame(p.MsgType.READ, read_payload(flags=0x11)),
     "write bad flags": frame(p.MsgType.WRITE, read_payload(flags=0x4)),
     "write unknown key kind": frame(p.MsgType.WRITE, read_payload(kind=255)),
     "grant count larger than payload": frame(p.MsgType.GRANT, struct.pack("<QI", 1, 3)
