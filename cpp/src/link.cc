@@ -99,6 +99,12 @@ void Link::Open(Deadline deadline) {
   }
 }
 
+bool Link::Gone() {
+  if (!TryAcquire()) return false;
+  Busy guard(this);
+  return !conn_ || conn_->closed() || conn_->PeerGone();
+}
+
 void Link::Adopted(const std::function<void()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline) {
   auto guard = Acquire(deadline);
   adopt();

@@ -78,6 +78,9 @@ class Link {
   /// Tells the peer we leave (BYE), waiting for a transfer in flight up to the deadline:
   /// LLM_LINK_BUSY if it does not finish. With force, closes at once.
   void Close(Deadline deadline, bool force);
+  /// A reverse channel whose client went away (unlinked, or ended): closed, or readable while
+  /// idle (EOF). A link busy with a transfer is not gone. Never blocks.
+  bool Gone();
   uint64_t remote_cluster_id() const { return remote_; }
   /// The data path pulls use now: "tcp", "cma" (grants and process_vm_readv above
   /// kGrantAbove bytes, the local stream below) or "local" (the bytes stream over the local

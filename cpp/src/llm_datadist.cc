@@ -467,12 +467,26 @@ class LlmDataDist::LlmDataDistImpl {
     auto it = reverse_links_.find(cluster_id);
     return it == reverse_links_.end() ? nullptr : it->second;
   }
+  /// Any link up (mu_ held by the caller)? A client's reverse channel counts until that client
+  /// unlinks or ends (its channel then closes: dropped here, as the Python listener does).
   bool HasLinks() {
+    if (!links_.empty()) return true;
+    std::vector<std::shared_ptr<datadist::Link>> gone;
+    bool any = false;
     {
       std::lock_guard<std::mutex> lock(rev_mu_);
-      if (!reverse_links_.empty()) return true;
+      for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
+        if (it->second->Gone()) {
+          gone.push_back(std::move(it->second));
+          it = reverse_links_.erase(it);
+        } else {
+          any = true;
+          ++it;
+        }
+      }
     }
-    return !links_.empty();  // mu_ held by the caller
+    for (auto &link : gone) link->Close(datadist::Deadline(), true);
+    return any;
   }
 
   /// A client's reverse channel (a server thread calls this after the handshake): our end of

@@ -192,6 +192,29 @@ TEST_F(Pair, UnlinkThenPullIsNotLinked) {
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_SUCCESS);
 }
 
+TEST_F(Pair, AListenerSwitchesRoleOnceItsClientsAreGone) {
+  // the decoder's link counts at the prompt (CANN: LLM_EXIST_LINK) until the decoder unlinks
+  EXPECT_EQ(prompt.SetRole(LlmRole::kMix, ddtest::Options(port)), LLM_EXIST_LINK);
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
+  Status s = LLM_EXIST_LINK;
+  for (int i = 0; i < 100 && s == LLM_EXIST_LINK; ++i) {  // its reverse channel closes at once; allow a moment
+    s = prompt.SetRole(LlmRole::kMix, ddtest::Options(port));
+    if (s == LLM_EXIST_LINK) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(s, LLM_SUCCESS);
+  // and a client that just ends counts no more either
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
+  EXPECT_EQ(prompt.SetRole(LlmRole::kPrompt, ddtest::Options(port)), LLM_EXIST_LINK);
+  decoder.Finalize();
+  s = LLM_EXIST_LINK;
+  for (int i = 0; i < 100 && s == LLM_EXIST_LINK; ++i) {
+    s = prompt.SetRole(LlmRole::kPrompt, ddtest::Options(port));
+    if (s == LLM_EXIST_LINK) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(s, LLM_SUCCESS);
+}
+
 TEST_F(Pair, UnlinkOfADeadPeerIsUnlinkFailedAndOurEndIsGone) {
   prompt.Finalize();
   std::vector<Status> rets;
