@@ -1051,11 +1051,28 @@ class Engine:
         channel, answered once no read under it is in flight. A reader that does not answer
         within NIXL_REVOKE_WAIT (stopped, gone, its reverse channel down) has its connection
         shut down: its reads then fail (it checks the connection after each leased read)."""
+        by_reader: dict[tuple[int, str], list[tuple[int, _CacheLease]]] = {}
         with self._nixl_lock:
-            doomed = [(i, held) for i, held in self._nixl_held.items() if pick(held)]
-        # One deadline for them all: a reader that answers each revoke just in time cannot
-        # make unregister or finalize wait NIXL_REVOKE_WAIT once per lease it took.
+            for i, held in self._nixl_held.items():
+                if pick(held):
+                    by_reader.setdefault(held.peer, []).append((i, held))
+        # One deadline per reader, the readers at once: a reader that answers each revoke
+        # just in time cannot make unregister or finalize wait NIXL_REVOKE_WAIT once per lease
+        # it took, nor make another reader run out of time.
         deadline = time.monotonic() + NIXL_REVOKE_WAIT
+        groups = list(by_reader.values())
+        threads = [threading.Thread(target=self._nixl_revoke_reader, args=(g, deadline),
+                                    name="datadist-nixl-revoke", daemon=True)
+                   for g in groups[1:]]
+        for t in threads:
+            t.start()
+        if groups:
+            self._nixl_revoke_reader(groups[0], deadline)
+        for t in threads:
+            t.join()
+
+    def _nixl_revoke_reader(self, doomed: list[tuple[int, _CacheLease]],
+                            deadline: float) -> None:
         for lease_id, held in doomed:
             with self._lock:
                 rev = self._reverse.get(held.cluster_id)
