@@ -505,7 +505,7 @@ class LlmDataDist::LlmDataDistImpl {
           reverse_links_[cluster_id] = link;
         },
         last, datadist::After(kAdoptWait));  // not adopted: the channel closes with `link`
-    } catch (const Error &) {  // the client went away mid-handshake: its link never came up
+    } catch (const std::exception &) {  // the client went away mid-handshake: its link never came up
       std::lock_guard<std::mutex> lock(rev_mu_);
       auto it = reverse_links_.find(cluster_id);
       if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
