@@ -24,8 +24,9 @@ struct Plan {
 /// Pairs remote and local tensor indices from KvCacheExtParam's inclusive layer ranges, as
 /// CANN: each range must be {-1, -1}-like (first, second >= -1, first <= second) and
 /// tensor_num_per_layer > 0, else LLM_PARAM_INVALID. A pull moves every tensor (i <-> i) unless
-/// both ranges start at >= 0; a push moves every tensor unless the source range does (the
-/// destination range then defaults to the same layers). Explicit ranges must have the same
+/// both ranges start at >= 0 (plan.whole: the owner then wants the same tensor count); a push
+/// moves every tensor unless the source range does, which then needs a destination range, and
+/// its source must be whole layers of tensor_num_per_layer. Explicit ranges must have the same
 /// width and fit the local cache; the owner checks its side.
 void PairTensors(Plan &plan, uint32_t local_num_tensors, const llm_datadist::KvCacheExtParam &ext, bool push);
 

@@ -19,6 +19,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -1059,17 +1060,12 @@ class Engine:
         # One deadline per reader, the readers at once: a reader that answers each revoke
         # just in time cannot make unregister or finalize wait NIXL_REVOKE_WAIT once per lease
         # it took, nor make another reader run out of time.
+        if not by_reader:
+            return
         deadline = time.monotonic() + NIXL_REVOKE_WAIT
-        groups = list(by_reader.values())
-        threads = [threading.Thread(target=self._nixl_revoke_reader, args=(g, deadline),
-                                    name="datadist-nixl-revoke", daemon=True)
-                   for g in groups[1:]]
-        for t in threads:
-            t.start()
-        if groups:
-            self._nixl_revoke_reader(groups[0], deadline)
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(len(by_reader), thread_name_prefix="datadist-nixl-revoke") as pool:
+            list(pool.map(lambda doomed: self._nixl_revoke_reader(doomed, deadline),
+                          by_reader.values()))  # list(): a reader's unexpected error is raised
 
     def _nixl_revoke_reader(self, doomed: list[tuple[int, _CacheLease]],
                             deadline: float) -> None:
