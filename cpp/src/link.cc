@@ -1,5 +1,6 @@
 #include "link.h"
 
+#include "addr.h"
 #include "auth.h"
 #include "errors.h"
 #include "local.h"
@@ -202,7 +203,7 @@ void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid,
   wire::Header h = CallOn(conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
   if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
   welcome = wire::DecodeHello(payload);
-  const std::string who = "the peer at " + host_ + ":" + std::to_string(port_);
+  const std::string who = "the peer at " + FormatHostPort(host_, port_);
   if (welcome.cluster_id != remote_)
     Fail(llm_datadist::LLM_LINK_FAILED,
          who + " is cluster " + std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));

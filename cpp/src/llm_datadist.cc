@@ -2,7 +2,6 @@
 // internal Error into the returned Status in one place (Guard). Never throws.
 #include "llm_datadist/llm_datadist.h"
 
-#include <arpa/inet.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -16,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "addr.h"
 #include "errors.h"
 #include "link.h"
 #include "local.h"
@@ -53,17 +53,6 @@ Status Guard(const char *func, F &&fn) {
     if (LogEnabled()) std::fprintf(stderr, "[datadist] %s failed: %s\n", func, e.what());
     return LLM_FAILED;
   }
-}
-
-// "ip:port", strictly.
-void ParseHostPort(const std::string &text, std::string &host, uint16_t &port) {
-  size_t colon = text.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 >= text.size()) Invalid("expected 'ip:port', got '" + text + "'");
-  std::string p = text.substr(colon + 1);
-  if (p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos || std::stoul(p) > 65535)
-    Invalid("expected 'ip:port', got '" + text + "'");
-  host = text.substr(0, colon);
-  port = static_cast<uint16_t>(std::stoul(p));
 }
 
 const char *Find(const std::map<AscendString, AscendString> &options, const char *key) {
@@ -230,7 +219,8 @@ class LlmDataDist::LlmDataDistImpl {
               datadist::Conn::Connect(ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0));
             } catch (const Error &e) {
               Fail(LLM_UNLINK_FAILED, "cluster " + std::to_string(id) + " is not linked and its listener at " +
-                                          ip.ip.GetString() + ":" + std::to_string(ip.port) + " did not answer: " + e.what());
+                                          datadist::FormatHostPort(ip.ip.GetString(), ip.port) +
+                                          " did not answer: " + e.what());
             }
           }
           return;
@@ -418,11 +408,10 @@ class LlmDataDist::LlmDataDistImpl {
     if (clusters.empty()) Invalid("clusters must not be empty");
     for (const auto &c : clusters)
       for (const auto *infos : {&c.remote_ip_infos, &c.local_ip_infos})
-        for (const IpInfo &ip : *infos) {
-          in_addr a{};
-          if (inet_pton(AF_INET, ip.ip.GetString(), &a) != 1)
-            Invalid("cluster " + std::to_string(c.remote_cluster_id) + ": '" + ip.ip.GetString() + "' is not an IPv4 address");
-        }
+        for (const IpInfo &ip : *infos)
+          if (!datadist::IsIpLiteral(ip.ip.GetString()))
+            Invalid("cluster " + std::to_string(c.remote_cluster_id) + ": '" + ip.ip.GetString() +
+                    "' is not an IPv4 or IPv6 address (an IPv6 ip is bare: '::1')");
   }
   // CANN refuses a pull from our own cluster id (LLMDataDistV2::PullCache); it has no such rule
   // for pushes (they find no link). A remote cache id CANN does not know, -1 included, is the
@@ -441,7 +430,7 @@ class LlmDataDist::LlmDataDistImpl {
   void StartListening(const char *text) {
     std::string host;
     uint16_t port = 0;
-    ParseHostPort(text, host, port);
+    datadist::ParseHostPort(text, host, port);
     if (server_) server_->Stop();
     server_ = std::make_unique<datadist::Server>(
         &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {

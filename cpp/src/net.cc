@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 
+#include "addr.h"
 #include "errors.h"
 
 namespace datadist {
@@ -56,15 +57,12 @@ Conn::Conn(int fd, std::string address) : fd_(fd), address_(std::move(address)) 
 Conn::~Conn() { Close(); }
 
 std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Deadline deadline) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) Invalid("not an IPv4 address: '" + host + "'");
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  const SockAddr addr = ToSockAddr(host, port);
+  int fd = socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) Fail(llm_datadist::LLM_LINK_FAILED, std::string("socket: ") + std::strerror(errno));
-  std::string where = host + ":" + std::to_string(port);
+  const std::string where = FormatHostPort(host, port);
   auto conn = std::make_unique<Conn>(fd, where);
-  if (connect(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0) {
+  if (connect(fd, addr.get(), addr.len) != 0) {
     if (errno != EINPROGRESS) Fail(llm_datadist::LLM_LINK_FAILED, "cannot connect to " + where + ": " + std::strerror(errno));
     conn->Wait(POLLOUT, deadline);
     int err = 0;

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "addr.h"
 #include "auth.h"
 #include "errors.h"
 
@@ -120,22 +121,19 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
 void Server::Start(const std::string &host, uint16_t port, size_t max_conns, size_t max_per_peer) {
   max_conns_ = max_conns;
   max_per_peer_ = max_per_peer;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) Invalid("not an IPv4 address: '" + host + "'");
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  SockAddr addr = ToSockAddr(host, port);
+  int fd = socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) Fail(llm_datadist::LLM_LINK_FAILED, std::string("socket: ") + std::strerror(errno));
   int one = 1;
   (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (bind(fd, reinterpret_cast<sockaddr *>(&addr), sizeof(addr)) != 0 || listen(fd, 128) != 0) {
+  if (bind(fd, addr.get(), addr.len) != 0 || listen(fd, 128) != 0) {
     std::string why = std::strerror(errno);
     close(fd);
-    Fail(llm_datadist::LLM_LINK_FAILED, "cannot listen on " + host + ":" + std::to_string(port) + ": " + why);
+    Fail(llm_datadist::LLM_LINK_FAILED, "cannot listen on " + FormatHostPort(host, port) + ": " + why);
   }
-  socklen_t len = sizeof(addr);
-  (void)getsockname(fd, reinterpret_cast<sockaddr *>(&addr), &len);
-  port_ = ntohs(addr.sin_port);
+  socklen_t len = sizeof(addr.storage);
+  (void)getsockname(fd, addr.get(), &len);
+  port_ = PortOf(addr.storage);
   listen_fd_ = fd;
   // The local channel: same-host peers are verified there, and only there get grants.
   if (identity_->serve_local) local_fd_ = local::Listen(local::Name(static_cast<uint64_t>(getpid()), identity_->cluster_id));
@@ -230,11 +228,8 @@ void Server::AcceptOne(int listen_fd, bool is_local) {
     key = "pid " + std::to_string(cred.pid);
     address = "local pid " + std::to_string(cred.pid) + " uid " + std::to_string(cred.uid);
   } else {
-    const auto *in = reinterpret_cast<const sockaddr_in *>(&peer);
-    char ip[INET_ADDRSTRLEN] = {0};
-    inet_ntop(AF_INET, &in->sin_addr, ip, sizeof(ip));
-    key = ip;
-    address = std::string(ip) + ":" + std::to_string(ntohs(in->sin_port));
+    key = IpOf(peer);
+    address = FormatHostPort(key, PortOf(peer));
   }
   std::lock_guard<std::mutex> lock(mu_);
   ReapLocked(false);

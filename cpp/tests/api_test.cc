@@ -116,6 +116,38 @@ TEST(Api, InitializeChecksOptions) {
   EXPECT_EQ(bad_role.Initialize(ddtest::Options()), LLM_PARAM_INVALID);
 }
 
+// Issue 22 item 8: the original's LLMUtils::ParseListenIpInfo (hicann/hixl
+// src/llm_datadist/common/llm_utils.cc) takes "[ipv6]:port" (and "[ipv4]:port"); a bare IPv6
+// address with a port is refused, as are brackets around no address, and a zone id.
+TEST(Api, ListenAddressForms) {
+  for (const char *bad : {"::1:26000", "fe80::1:26000", "[::1]", "[::1]26000", "[zz]:80", "[::1]:99999", "[::1]:",
+                          "[fe80::1%lo]:80", "[]:80", "[::1:80"}) {
+    LlmDataDist dd(1, LlmRole::kPrompt);
+    auto o = ddtest::Options();
+    o[OPTION_LISTEN_IP_INFO] = bad;
+    EXPECT_EQ(dd.Initialize(o), LLM_PARAM_INVALID) << bad;
+  }
+  {
+    LlmDataDist dd(1, LlmRole::kPrompt);
+    auto o = ddtest::Options();
+    o[OPTION_LISTEN_IP_INFO] = "[127.0.0.1]:0";
+    EXPECT_EQ(dd.Initialize(o), LLM_SUCCESS);
+  }
+  if (ddtest::FreePort6() == 0) GTEST_SKIP() << "no IPv6 loopback on this host";
+  for (const char *good : {"[::1]:0", "[0:0:0:0:0:0:0:1]:0", "[::]:0"}) {
+    LlmDataDist dd(1, LlmRole::kPrompt);
+    auto o = ddtest::Options();
+    o[OPTION_LISTEN_IP_INFO] = good;
+    EXPECT_EQ(dd.Initialize(o), LLM_SUCCESS) << good;
+    // and the role switch takes the same forms
+    auto s = ddtest::Options();
+    s[OPTION_LISTEN_IP_INFO] = "[::1]:0";
+    EXPECT_EQ(dd.SetRole(LlmRole::kPrompt, s), LLM_SUCCESS) << good;
+    s[OPTION_LISTEN_IP_INFO] = "::1:0";
+    EXPECT_EQ(dd.SetRole(LlmRole::kPrompt, s), LLM_PARAM_INVALID) << good;
+  }
+}
+
 TEST(Api, ListeningOnABusyPortFails) {
   uint16_t port = ddtest::FreePort();
   LlmDataDist a(1, LlmRole::kPrompt), b(2, LlmRole::kPrompt);
@@ -232,8 +264,13 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
   no_ip.remote_cluster_id = 2;
   EXPECT_EQ(dd.LinkLlmClusters({no_ip}, rets), LLM_PARAM_INVALID);
   ClusterInfo bad_ip = ddtest::Cluster(2, 80);
-  bad_ip.remote_ip_infos[0].ip = "localhost";  // IPv4 literals only, checked before linking
+  bad_ip.remote_ip_infos[0].ip = "localhost";  // IP literals only, checked before linking
   EXPECT_EQ(dd.LinkLlmClusters({bad_ip}, rets), LLM_PARAM_INVALID);
+  for (const char *bad : {"[::1]", "::1::2", "fe80::1%lo", ":::"}) {  // an IPv6 ip is bare
+    bad_ip.remote_ip_infos[0].ip = bad;
+    EXPECT_EQ(dd.LinkLlmClusters({bad_ip}, rets), LLM_PARAM_INVALID) << bad;
+    EXPECT_EQ(dd.UnlinkLlmClusters({bad_ip}, rets), LLM_PARAM_INVALID) << bad;
+  }
   bad_ip = ddtest::Cluster(2, 80);
   bad_ip.local_ip_infos.push_back(IpInfo{});
   EXPECT_EQ(dd.LinkLlmClusters({bad_ip}, rets), LLM_PARAM_INVALID);

@@ -122,6 +122,41 @@ TEST_F(Owner, SameHostClientLinksOverTheLocalChannelAndReadsWithCma) {
   link.Close(After(1), true);
 }
 
+// Issue 22 item 8: the same-host decision goes by the peer's boot id, not its address, so a
+// peer reached at the IPv6 loopback is on this host too, and a TCP-forced link stays TCP.
+TEST(Ipv6, AnOwnerAtTheIpv6LoopbackIsOnThisHost) {
+  if (ddtest::FreePort6() == 0) GTEST_SKIP() << "no IPv6 loopback on this host";
+  HostCache src{4, {4, 64}};
+  src.Fill(3);
+  datadist::Registry registry;
+  datadist::Identity ident;
+  ident.cluster_id = kOwner;
+  const int64_t id = registry.Add(src.desc, src.addrs, {});
+  datadist::Server server(&registry, &ident);
+  server.Start("::1", 0, 256, 8);
+  ASSERT_GT(server.port(), 0);
+  datadist::Link link(kOwner, "::1", server.port(), ClientHello(), "", nullptr, true, 0);
+  link.Open(After(3));
+  EXPECT_EQ(link.path(), datadist::Link::Path::kCma);
+  datadist::Link tcp(kOwner, "::1", server.port(), ClientHello(), "", nullptr, /*same_host=*/false);
+  tcp.Open(After(3));
+  EXPECT_EQ(tcp.path(), datadist::Link::Path::kTcp);
+  for (datadist::Link *l : {&link, &tcp}) {
+    uint8_t a[64] = {};
+    w::Request q;  // slot 1 of tensor 2
+    q.kind = w::kCacheId;
+    q.a = static_cast<uint64_t>(id);
+    q.b = 1;
+    q.tensors = {2};
+    q.offsets = {0};
+    q.lengths = {64};
+    l->Read(q, {{a, 64}}, After(2));
+    EXPECT_EQ(std::memcmp(a, src.T(2) + 64, 64), 0);
+    l->Close(After(1), true);
+  }
+  server.Stop();
+}
+
 TEST_F(Owner, CacheLeasesAreLocalFencedRevokedAndDrained) {
   w::LeaseRequest q;
   q.kind = w::kCacheId;

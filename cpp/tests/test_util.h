@@ -30,6 +30,20 @@ inline uint16_t FreePort() {
   return ntohs(a.sin_port);
 }
 
+/// A free port on the IPv6 loopback, or 0 where the host has none (the caller skips).
+inline uint16_t FreePort6() {
+  int fd = socket(AF_INET6, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  socklen_t len = sizeof(a);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof(a)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr *>(&a), &len) == 0;
+  close(fd);
+  return ok ? ntohs(a.sin6_port) : 0;
+}
+
 inline std::map<AscendString, AscendString> Options(uint16_t listen_port = 0, const char *sync_ms = "2000") {
   std::map<AscendString, AscendString> o;
   o[OPTION_DEVICE_ID] = "0";
@@ -83,11 +97,11 @@ inline CacheIndex Index(uint64_t cluster, int64_t cache_id, uint32_t batch = 0) 
   return i;
 }
 
-inline ClusterInfo Cluster(uint64_t id, uint16_t port) {
+inline ClusterInfo Cluster(uint64_t id, uint16_t port, const char *host = "127.0.0.1") {
   ClusterInfo c{};
   c.remote_cluster_id = id;
   IpInfo ip{};
-  ip.ip = "127.0.0.1";
+  ip.ip = host;
   ip.port = port;
   c.remote_ip_infos.push_back(ip);
   return c;

@@ -290,6 +290,40 @@ class SilentPeer {
   std::thread thread_;
 };
 
+// Issue 22 item 8: listen, link, pull, push and unlink over the IPv6 loopback ("[::1]:port" as
+// the original's LLMUtils::ParseListenIpInfo takes it; IpInfo::ip a bare "::1").
+TEST(Ipv6, LinkPullPushAndUnlinkOverTheLoopback) {
+  const uint16_t port = ddtest::FreePort6();
+  if (port == 0) GTEST_SKIP() << "no IPv6 loopback on this host";
+  HostCache src{4, {4, 16}}, dst{4, {4, 16}};
+  LlmDataDist prompt{kPrompt, LlmRole::kPrompt}, decoder{kDecoder, LlmRole::kDecoder};
+  auto opts = ddtest::Options();
+  opts[OPTION_LISTEN_IP_INFO] = ("[::1]:" + std::to_string(port)).c_str();
+  ASSERT_EQ(prompt.Initialize(opts), LLM_SUCCESS);
+  ASSERT_EQ(decoder.Initialize(ddtest::Options()), LLM_SUCCESS);
+  ASSERT_EQ(src.Register(prompt), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+  src.Fill(5);
+  std::vector<Status> rets;
+  ClusterInfo to_prompt = ddtest::Cluster(kPrompt, port, "0:0:0:0:0:0:0:1");
+  to_prompt.local_ip_infos.push_back(to_prompt.remote_ip_infos[0]);
+  ASSERT_EQ(decoder.LinkLlmClusters({to_prompt}, rets, 3000), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 2), dst.cache, 1), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) ASSERT_EQ(std::memcmp(dst.T(t) + 16, src.T(t) + 32, 16), 0) << t;
+  // a push over the same link lands in the prompt's slot 0
+  dst.Fill(9);
+  ASSERT_EQ(decoder.PushKvCache(dst.cache, Index(kPrompt, 1, 0), 3), LLM_SUCCESS);
+  for (int t = 0; t < 4; ++t) ASSERT_EQ(std::memcmp(src.T(t), dst.T(t) + 48, 16), 0) << t;
+  // unlink tells the prompt at [::1]; unlinked, its listener still answers there
+  ClusterInfo by_ip = ddtest::Cluster(kPrompt, port, "::1");
+  ASSERT_EQ(decoder.UnlinkLlmClusters({by_ip}, rets, 3000), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache), LLM_NOT_YET_LINK);
+  EXPECT_EQ(decoder.UnlinkLlmClusters({by_ip}, rets, 3000), LLM_SUCCESS);
+  const uint16_t dead = ddtest::FreePort6();
+  EXPECT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(kPrompt, dead, "::1")}, rets, 1000), LLM_UNLINK_FAILED);
+  EXPECT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, dead, "::1")}, rets, 1000), LLM_LINK_FAILED);
+}
+
 TEST(Deadlines, StoppedPeerGivesTimeoutWithinTheDeadline) {
   HostCache h(2, {4, 8});
   LlmDataDist dd(1, LlmRole::kDecoder);

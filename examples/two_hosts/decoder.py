@@ -23,7 +23,7 @@ import datadist as llm_datadist
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peer", default="127.0.0.1:26000", help="the PROMPT's ip:port")
+    ap.add_argument("--peer", default="127.0.0.1:26000", help="the PROMPT's ip:port ([ipv6]:port)")
     ap.add_argument("--cluster-id", type=int, default=2, help="this worker's cluster id")
     ap.add_argument("--timeout-ms", type=int, default=5000,
                     help="deadline of every pull (sync_kv_timeout; size it for your link)")
@@ -33,6 +33,7 @@ def main() -> int:
     if not requests:
         ap.error("no request given")
     ip, _, port = args.peer.rpartition(":")
+    ip = ip.removeprefix("[").removesuffix("]")  # "[::1]:26000": an IPv6 ip is bare here
 
     cfg = llm_datadist.LLMConfig()
     cfg.device_id = 0

@@ -34,8 +34,9 @@ def block_content(cluster_id: int, block: int) -> np.ndarray:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--listen", default="127.0.0.1:26000",
-                    help="ip:port to serve on: this host's address that decoders can reach, "
-                         "or 0.0.0.0 for every interface (default %(default)s)")
+                    help="ip:port or [ipv6]:port to serve on: this host's address that decoders "
+                         "can reach, or 0.0.0.0 (or [::]) for every interface "
+                         "(default %(default)s)")
     ap.add_argument("--cluster-id", type=int, default=1, help="this worker's cluster id")
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=100, help="prompt tokens per request")

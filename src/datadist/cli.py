@@ -263,8 +263,8 @@ def _info_peer(args: argparse.Namespace) -> None:
     from datadist.api.status import LLMException
     from datadist.core.engine import Engine, EngineConfig
     from datadist.core.errors import DatadistError
+    from datadist.transport.address import format_host_port, parse_host_port
     from datadist.transport.iov import cma_refusal
-    from datadist.transport.tcp import parse_host_port
 
     try:
         host, port = parse_host_port(args.peer)
@@ -280,8 +280,8 @@ def _info_peer(args: argparse.Namespace) -> None:
         try:
             link = eng.link(args.cluster_id, host, port, args.timeout)
         except DatadistError as e:
-            raise CliError(f"cannot link to cluster {args.cluster_id} at {host}:{port}: "
-                           f"{e}") from None
+            raise CliError(f"cannot link to cluster {args.cluster_id} at "
+                           f"{format_host_port(host, port)}: {e}") from None
         path, reason = link.path_name, link.reason
         pid = getattr(link.path, "pid", None)
         if pid is not None:
@@ -291,7 +291,8 @@ def _info_peer(args: argparse.Namespace) -> None:
                 path, reason = "tcp", (f"same host, but cross-memory attach to pid {pid} is "
                                        f"refused ({refused}: another user, Yama or seccomp); "
                                        "pulls fall back to tcp")
-        print(f"link to cluster {args.cluster_id} at {host}:{port}: path={path} ({reason})")
+        print(f"link to cluster {args.cluster_id} at {format_host_port(host, port)}: "
+              f"path={path} ({reason})")
         try:
             stats = eng.peer_stats(args.cluster_id, args.timeout)
         except DatadistError as e:  # an older peer, or another implementation
@@ -462,7 +463,7 @@ def _main(argv: list[str] | None = None) -> int:
                                        "uses and why",
                           description="Say which data paths this host offers; with --peer, link "
                           "to a running PROMPT as a pull would and say which path it takes.")
-    info.add_argument("--peer", help="ip:port of a datadist listener")
+    info.add_argument("--peer", help="ip:port (or [ipv6]:port) of a datadist listener")
     info.add_argument("--cluster-id", type=_count(0, 2**64 - 1), default=1,
                       help="the peer's cluster id (default 1)")
     info.add_argument("--own-id", type=_count(0, 2**64 - 1), default=2**63 - 1,

@@ -11,7 +11,8 @@ PY_ID = 7  # cluster id of the Python side
 
 def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
                 sync_ms: int = 3000, secret: str = "",
-                transport: str = "", accessible: bool = True) -> llm.LLMDataDist:
+                transport: str = "", accessible: bool = True,
+                listen_ip_info: str = "127.0.0.1:0") -> llm.LLMDataDist:
     """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on
     (unless ``accessible`` is False); the caller finalizes it."""
     dd = llm.LLMDataDist(role, PY_ID)
@@ -26,7 +27,7 @@ def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
     if transport:
         cfg.transport = transport
     if listen:
-        cfg.listen_ip_info = "127.0.0.1:0"
+        cfg.listen_ip_info = listen_ip_info
     dd.init(cfg.generate_options())
     return dd
 
@@ -46,10 +47,11 @@ def register(dd: llm.LLMDataDist, num_tensors: int, shape: tuple[int, ...], *,
 
 
 def link_to(dd: llm.LLMDataDist, cluster_id: int, port: int,
-            expect: llm.LLMStatusCode = llm.LLMStatusCode.LLM_SUCCESS) -> None:
+            expect: llm.LLMStatusCode = llm.LLMStatusCode.LLM_SUCCESS,
+            host: str = "127.0.0.1") -> None:
     info = llm.LLMClusterInfo()
     info.remote_cluster_id = cluster_id
-    info.append_local_ip_info("127.0.0.1", 0)
-    info.append_remote_ip_info("127.0.0.1", port)
+    info.append_local_ip_info(host, 0)
+    info.append_remote_ip_info(host, port)
     code, codes = dd.link_clusters([info], timeout=5000)
     assert code == expect, codes

@@ -58,9 +58,9 @@ def cpp_build() -> Path:
     return build
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -110,14 +110,14 @@ class XPeer:
         return got[1:]
 
     def init(self, cluster_id: int, role: int, listen: bool = False, sync_ms: int = 2000,
-             secret: str = "") -> None:
-        """Initialize; with ``listen``, on a free port (another if that one was taken before
-        the peer bound it)."""
+             secret: str = "", host: str = "127.0.0.1") -> None:
+        """Initialize; with ``listen``, on a free port of ``host`` (another if that one was
+        taken before the peer bound it)."""
         for _ in range(5):
             where = "-"
             if listen:
-                self.port = free_port()
-                where = f"127.0.0.1:{self.port}"
+                self.port = free_port(host)
+                where = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
             code = self.status(f"init {cluster_id} {role} {where} {sync_ms} {secret}".rstrip())
             if code != LLM_LINK_FAILED or not listen:
                 break

@@ -168,3 +168,48 @@ def test_python_pull_with_checksum_from_cpp_owner(xpeer):
             assert not arrays[t][3:].any()
     finally:
         py.finalize()
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return socket.has_ipv6
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_pulls_both_ways_over_the_ipv6_loopback(xpeer):
+    """Issue 22 item 8: each side listens on "[::1]:port" (the original's form) and links to
+    the other at the bare ip "::1"; a pull crosses the language boundary both ways."""
+    shape = (4, 16)
+    py = make_python(llm.LLMRole.MIX, listen=True, listen_ip_info="[::1]:0")
+    try:
+        assert py.listen_address[0] == "::1"
+        cache, arrays = register(py, 2, shape)
+        _fill(arrays, 300)
+        cpp = xpeer()
+        cpp.init(CPP_ID, PROMPT, listen=True, host="::1")
+        remote = cpp.register(2, shape)
+        src = [pattern(310 + t, 64) for t in range(2)]
+        for t in range(2):
+            cpp.write(remote, t, src[t])
+        # C++ pulls from Python: Python's slot 2 -> its slot 1
+        local = cpp.register(2, shape)
+        cpp.ok(f"link {PY_ID} ::1 {py.listen_address[1]} 3000")
+        cpp.ok(f"pullc {PY_ID} {cache.cache_id} 2 {local} 1 -1 -1 -1 -1 -1 2")
+        for t in range(2):
+            assert cpp.read(local, t)[16:32] == arrays[t][2].tobytes()
+        # Python pulls from C++: its slot 3 -> our slot 0
+        link_to(py, CPP_ID, cpp.port, host="::1")
+        mine, got = register(py, 2, shape)
+        py.cache_manager.pull_cache(llm.CacheKeyByIdAndIndex(CPP_ID, remote, 3), mine,
+                                    batch_index=0)
+        for t in range(2):
+            assert got[t][0].tobytes() == src[t][48:64]
+            assert not got[t][1:].any()
+    finally:
+        py.finalize()

@@ -75,3 +75,38 @@ def test_two_hosts_programs_move_and_check_blocks(transport):
     finally:
         prompt.communicate("\n", timeout=30)
     assert prompt.returncode == 0
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_two_hosts_programs_over_ipv6():
+    """The same programs with the addresses written as for an IPv6-only network (issue 22
+    item 8): the PROMPT listens on "[::1]:0", the DECODER is given "--peer [::1]:PORT"."""
+    env = {k: v for k, v in os.environ.items() if k != "DATADIST_TRANSPORT"}
+    folder = EXAMPLES / "two_hosts"
+    prompt = subprocess.Popen([sys.executable, "prompt.py", "--listen", "[::1]:0",
+                               "--cluster-id", "7", "--requests", "1"], cwd=folder, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = prompt.stdout.readline()
+        host, port = json.loads(line)["prompt"]
+        assert host == "::1"
+        done = subprocess.run([sys.executable, "decoder.py", "--peer", f"[::1]:{port}",
+                               "--cluster-id", "8"], input=line, cwd=folder, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.count("bytes verified") == 1, done.stdout
+    finally:
+        prompt.communicate("\n", timeout=30)
+    assert prompt.returncode == 0

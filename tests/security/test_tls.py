@@ -48,8 +48,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
             "stranger": _leaf(d, "stranger", "evil")}
 
 
-def _owner(tls: TlsConfig | None):
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), tls=tls))
+def _owner(tls: TlsConfig | None, host: str = "127.0.0.1"):
+    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=(host, 0), tls=tls))
     blocks = [np.random.default_rng(i).integers(0, 255, (64, 4096), dtype=np.uint8)
               for i in range(2)]
     eng.register(Geometry(2, 64 * 4096, 64, True), [b.ctypes.data for b in blocks],
@@ -57,6 +57,43 @@ def _owner(tls: TlsConfig | None):
     big = np.random.default_rng(9).integers(0, 255, 8 << 20, dtype=np.uint8)
     eng.register(Geometry(1, 8 << 20, 1), [big.ctypes.data], placement=0)
     return eng, blocks, big
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_tls_link_over_ipv6(certs) -> None:
+    """Issue 22 item 8: mutual TLS checks certificates against the CA, never the peer's
+    address, so a link to [::1] is as good as one to 127.0.0.1; a stranger still is not."""
+    owner, blocks, _ = _owner(certs["prompt"], "::1")
+    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=certs["decoder"]))
+    stranger = Engine(EngineConfig(cluster_id=3, role=2, transport="tcp",
+                                   tls=certs["stranger"]))
+    try:
+        host, port = owner.listen_address
+        assert host == "::1"
+        puller.link(1, host, port, 5.0)
+        dst = [np.zeros((64, 4096), np.uint8) for _ in range(2)]
+        local = puller.register(Geometry(2, 64 * 4096, 64, True), [d.ctypes.data for d in dst],
+                                placement=0)
+        plan = plan_blocks(local.geometry, [7], [1], layer_tensor_indices(2, None, None, 2))
+        puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 4096, plan, local.cache_id, 10.0)
+        for t in range(2):
+            assert np.array_equal(dst[t][1], blocks[t][7])
+        with pytest.raises((LinkFailed, Timeout)):
+            stranger.link(1, host, port, 3.0)
+    finally:
+        for eng in (stranger, puller, owner):
+            eng.close()
 
 
 def test_tls_link_moves_the_right_bytes(certs) -> None:

@@ -6,6 +6,7 @@ documented range."""
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -313,7 +314,7 @@ def test_ip_infos_append_in_order():
     assert c.local_ip_info_list == []
 
 
-@pytest.mark.parametrize("ip", ["not-an-ip", "256.1.1.1", "", "::1", "1.2.3.4\x00"])
+@pytest.mark.parametrize("ip", ["not-an-ip", "256.1.1.1", "", "::1::", "1.2.3.4\x00"])
 @pytest.mark.parametrize("side", ["append_local_ip_info", "append_remote_ip_info"])
 def test_bad_ip_is_runtime_error(ip, side):
     c = LLMClusterInfo()
@@ -373,21 +374,71 @@ def test_remote_role_type_takes_a_role_or_int():
         c.remote_role_type = "PROMPT"
 
 
-@pytest.mark.parametrize("listen", ["[::1]:26000", "::1:26000", "fe80::1:26000"])
-def test_ipv6_listen_address_is_refused_with_a_clear_message(listen):
-    """IPv6 is refused, not half-supported: LLM-DataDist's addresses are IPv4 (LLMClusterInfo
-    keeps a uint32). The message names IPv6 instead of a resolver's 'Name or service not
-    known'."""
+@pytest.mark.parametrize(("listen", "address"), [
+    ("[::1]:0", "::1"), ("[0:0:0:0:0:0:0:1]:0", "::1"), ("[::]:0", "::"),
+])
+def test_ipv6_listen_address_in_brackets(listen, address):
+    """The original's C++ API takes "[ipv6]:port" for its listen address (hicann/hixl
+    src/llm_datadist/common/llm_utils.cc, LLMUtils::ParseListenIpInfo); datadist takes it in
+    both APIs (issue 22 item 8). The listener binds it; the address comes back short."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
     cfg = LLMConfig()
     cfg.local_comm_res = ""
     cfg.listen_ip_info = listen
     dd = LLMDataDist(LLMRole.PROMPT, 1)
-    with pytest.raises(LLMException, match="IPv6 addresses are not supported") as e:
+    dd.init(cfg.generate_options())
+    try:
+        host, port = dd.listen_address
+        assert host == address and port > 0
+    finally:
+        dd.finalize()
+
+
+@pytest.mark.parametrize(("listen", "why"), [
+    ("::1:26000", r"written in brackets, e.g. '\[::1\]:26000'"),
+    ("fe80::1:26000", "written in brackets"),
+    ("[::1]", r"expected '\[ipv6\]:port'"), ("[::1]26000", r"expected '\[ipv6\]:port'"),
+    ("[not-ip]:80", r"expected '\[ipv6\]:port'"), ("[fe80::1%eth0]:80", "ipv6"),
+    ("[::1]:65536", "port in"), ("[::1]:x", "port in"),
+])
+def test_bad_ipv6_listen_address_is_param_invalid(listen, why):
+    """The original refuses a bare IPv6 address with a port (more than one ':' outside
+    brackets): LLM_PARAM_INVALID, with a message that shows the bracketed form."""
+    cfg = LLMConfig()
+    cfg.local_comm_res = ""
+    cfg.listen_ip_info = listen
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    with pytest.raises(LLMException, match=why) as e:
         dd.init(cfg.generate_options())
     assert e.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
-def test_ipv6_cluster_address_keeps_the_original_error_and_says_why():
+@pytest.mark.parametrize(("ip", "kept"), [
+    ("::1", "::1"), ("0:0:0:0:0:0:0:1", "::1"), ("FD00::2", "fd00::2"),
+    ("::ffff:127.0.0.1", "::ffff:7f00:1"),
+])
+def test_ipv6_cluster_address_is_kept_as_its_literal(ip, kept):
+    """No uint32 holds an IPv6 address: LLMClusterInfo keeps it as its short literal (an
+    IPv4 one stays llm_datadist's uint32), and trans_str_ip does the same."""
+    from datadist.configs import trans_str_ip
+
     info = LLMClusterInfo()
-    with pytest.raises(RuntimeError, match=r"^Can not parse ip str:::1 \(IPv6 is not supported"):
-        info.append_remote_ip_info("::1", 26000)
+    info.append_remote_ip_info(ip, 26000)
+    info.append_local_ip_info(ip, 0)
+    info.append_remote_ip_info("127.0.0.1", 1)
+    assert info.remote_ip_info_list == [(kept, 26000), (0x0100007F, 1)]
+    assert info.local_ip_info_list == [(kept, 0)]
+    assert trans_str_ip(ip) == kept
+    assert f"[{kept}]:26000" in repr(info)
+
+
+@pytest.mark.parametrize("ip", ["[::1]", "::1::2", "fe80::1%eth0", "::g", ":::"])
+def test_bad_ipv6_cluster_address_keeps_the_original_error(ip):
+    info = LLMClusterInfo()
+    with pytest.raises(RuntimeError, match=r"^Can not parse ip str:"):
+        info.append_remote_ip_info(ip, 26000)
+    assert info.remote_ip_info_list == []

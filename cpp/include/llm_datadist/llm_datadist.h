@@ -28,7 +28,7 @@ using AscendString = ge::AscendString;
 using DataType = ge::DataType;
 
 // Option keys of Initialize / SetRole (they differ from the Python API's keys).
-constexpr const char OPTION_LISTEN_IP_INFO[] = "llm.ListenIpInfo";          // "ip:port"
+constexpr const char OPTION_LISTEN_IP_INFO[] = "llm.ListenIpInfo";          // "ip:port", "[ipv6]:port"
 constexpr const char OPTION_DEVICE_ID[] = "llm.DeviceId";                   // accepted, unused
 constexpr const char OPTION_SYNC_CACHE_WAIT_TIME[] = "llm.SyncKvCacheWaitTime";  // ms, default 1000
 constexpr const char OPTION_BUF_POOL_CFG[] = "llm.BufPoolCfg";             // accepted, unused

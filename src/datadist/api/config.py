@@ -15,6 +15,7 @@ from typing import Any
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.status import LLMException, LLMStatusCode
 from datadist.core.engine import EngineConfig
+from datadist.transport.address import format_host_port, ipv6_literal
 
 OPT_DEVICE_ID = "ge.exec.deviceId"
 OPT_SESSION_DEVICE_ID = "ge.session_device_id"
@@ -55,23 +56,31 @@ def _param_invalid(msg: str) -> LLMException:
     return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
-def ip_to_int(ip: str | int) -> int:
-    """Dotted IPv4 -> the little-endian uint32 llm_datadist stores (inet_aton order)."""
+def ip_value(ip: str | int) -> int | str:
+    """An ip as ``LLMClusterInfo`` keeps it: IPv4 (dotted, or already an int) as the
+    little-endian uint32 llm_datadist stores (inet_aton order); IPv6, which no uint32 holds,
+    as its short-form literal (``"::1"``). Anything else: RuntimeError("Can not parse ip
+    str:..."), llm_datadist's error."""
     if isinstance(ip, int) and not isinstance(ip, bool):
         check_int("ip", ip, "uint32", allow_none=False)
         return ip
     check_isinstance("ip", ip, (str, int), allow_none=False)
     if not isinstance(ip, str):  # a bool: inet_aton's own TypeError, as before
         raise TypeError(f"inet_aton() argument 1 must be str, not {type(ip).__name__}")
+    v6 = ipv6_literal(ip)
+    if v6 is not None:
+        return v6
     try:
         return int(struct.unpack("<I", socket.inet_aton(ip))[0])
     except (OSError, ValueError):  # ValueError: an embedded NUL
-        hint = " (IPv6 is not supported: an IPv4 address is expected)" if ":" in ip else ""
+        hint = (" (an IPv6 address is written without brackets or zone, e.g. '::1')"
+                if ":" in ip else "")
         raise RuntimeError(f"Can not parse ip str:{ip}{hint}") from None
 
 
-def int_to_ip(value: int) -> str:
-    return socket.inet_ntoa(struct.pack("<I", value))
+def ip_text(value: int | str) -> str:
+    """The address to connect to for an ip :func:`ip_value` returned."""
+    return value if isinstance(value, str) else socket.inet_ntoa(struct.pack("<I", value))
 
 
 # --------------------------------------------------------------------------------------------
@@ -548,7 +557,7 @@ class LLMConfig:
             raise _param_invalid(f"cluster_info listen_ip_info must be a list, got {items!r}")
         for item in items:
             if isinstance(item, dict) and isinstance(item.get("ip"), str):
-                item["ip"] = ip_to_int(item["ip"])
+                item["ip"] = ip_value(item["ip"])
         self._cluster_info = json.dumps(info)
 
     @property
@@ -656,8 +665,9 @@ class LLMClusterInfo:
     def __init__(self) -> None:
         self._remote_cluster_id: int | None = None
         self._remote_role_type: int | None = None  # an LLMRole (an int) once set
-        self._local_ip_info_list: list[tuple[int, int]] = []
-        self._remote_ip_info_list: list[tuple[int, int]] = []
+        # (ip, port): an IPv4 ip as llm_datadist's uint32, an IPv6 one as its literal
+        self._local_ip_info_list: list[tuple[int | str, int]] = []
+        self._remote_ip_info_list: list[tuple[int | str, int]] = []
 
     @property
     def remote_cluster_id(self) -> int | None:
@@ -679,20 +689,20 @@ class LLMClusterInfo:
 
     def append_local_ip_info(self, ip: str | int, port: int) -> None:
         check_int("port", port, "uint16", allow_none=False)
-        self._local_ip_info_list.append((ip_to_int(ip), port))
+        self._local_ip_info_list.append((ip_value(ip), port))
 
     def append_remote_ip_info(self, ip: str | int, port: int) -> None:
         check_int("port", port, "uint16", allow_none=False)
-        self._remote_ip_info_list.append((ip_to_int(ip), port))
+        self._remote_ip_info_list.append((ip_value(ip), port))
 
     @property
-    def local_ip_info_list(self) -> list[tuple[int, int]]:
+    def local_ip_info_list(self) -> list[tuple[int | str, int]]:
         return list(self._local_ip_info_list)
 
     @property
-    def remote_ip_info_list(self) -> list[tuple[int, int]]:
+    def remote_ip_info_list(self) -> list[tuple[int | str, int]]:
         return list(self._remote_ip_info_list)
 
     def __repr__(self) -> str:
-        remote = [f"{int_to_ip(i)}:{p}" for i, p in self._remote_ip_info_list]
+        remote = [format_host_port(ip_text(i), p) for i, p in self._remote_ip_info_list]
         return f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, remote={remote})"

@@ -20,14 +20,14 @@ from datadist.api import config as cfg
 from datadist.api import rank_table as rank_table_mod
 from datadist.api.cache_manager import CacheManager
 from datadist.api.checks import check_int, check_isinstance
-from datadist.api.config import LLMClusterInfo, int_to_ip
+from datadist.api.config import LLMClusterInfo, ip_text
 from datadist.api.enums import LLMRole, RegisterMemStatus
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.memory.pool import PoolConfig
-from datadist.transport.tcp import parse_host_port
+from datadist.transport.address import parse_host_port
 from datadist.transport.tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ class LLMDataDist:
             cluster_id = c.remote_cluster_id
             assert cluster_id is not None  # _check_clusters refused an unset one
             try:
-                engine.link(cluster_id, int_to_ip(ip), port, timeout / 1000.0)
+                engine.link(cluster_id, ip_text(ip), port, timeout / 1000.0)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
@@ -342,7 +342,7 @@ class LLMDataDist:
                 if force:
                     return LLMStatusCode.LLM_SUCCESS
                 ip, port = c.remote_ip_info_list[0]
-                return (LLMStatusCode.LLM_SUCCESS if _answers(int_to_ip(ip), port, timeout)
+                return (LLMStatusCode.LLM_SUCCESS if _answers(ip_text(ip), port, timeout)
                         else LLMStatusCode.LLM_UNLINK_FAILED)
             except DatadistError as e:
                 return code_to_status(int(e.code))

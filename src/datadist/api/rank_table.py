@@ -14,7 +14,8 @@ Accepted format (HCCL rank table v"1.0" and v"1.2"; v1.2's ``super_pod_list`` an
      "status": "completed"}
 
 Each rank's ``device_ip`` is the host address datadist uses for that member: it listens
-there when the rank is its own, and connects there otherwise.
+there when the rank is its own, and connects there otherwise. An IPv4 or a bare IPv6 literal
+(``"fd00::2"``, kept in short form), as HCCL's rank tables write them.
 
 The port of a rank (one rule, computed alike by every member from the table alone):
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datadist.api.status import LLMException, LLMStatusCode
+from datadist.transport.address import ipv6_literal
 
 VERSIONS = ("1.0", "1.2")
 DEFAULT_BASE_PORT = 16666  # as HIXL's default device NIC port; device d listens on base + d
@@ -90,12 +92,17 @@ def parse(text: str) -> dict[int, RankEntry]:
                 raise _bad(f"a device entry needs rank_id and device_ip, got {dev!r}")
             rank = _as_int(dev["rank_id"], "rank_id")
             ip = dev["device_ip"]
-            try:
-                if not isinstance(ip, str):
-                    raise OSError
-                socket.inet_aton(ip)
-            except OSError:
-                raise _bad(f"device_ip {ip!r} of rank {rank} is not an IPv4 address") from None
+            v6 = ipv6_literal(ip) if isinstance(ip, str) else None
+            if v6 is not None:
+                ip = v6
+            else:
+                try:
+                    if not isinstance(ip, str):
+                        raise OSError
+                    socket.inet_aton(ip)
+                except (OSError, ValueError):  # ValueError: an embedded NUL
+                    raise _bad(f"device_ip {ip!r} of rank {rank} is not an IPv4 or IPv6 "
+                               "address") from None
             device_id = None
             if "device_id" in dev:
                 device_id = _as_int(dev["device_id"], "device_id")

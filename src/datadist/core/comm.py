@@ -53,6 +53,7 @@ from datadist.core.errors import (
     NotLinked,
     Timeout,
 )
+from datadist.transport.address import serves
 
 if TYPE_CHECKING:
     from datadist.core.engine import Engine
@@ -223,7 +224,7 @@ class CommManager:
     def _acquire_listener(self, comm: Comm) -> None:
         host, port = comm.me.host, comm.me.port
         own = self.engine.listener
-        if own is not None and own.port == port and own.host in (host, "0.0.0.0"):
+        if own is not None and own.port == port and serves(own.host, host):
             return  # the engine already serves this address
         with self._lock:
             entry = self._listeners.get((host, port))

@@ -59,6 +59,7 @@ from datadist.core.registry import (
 from datadist.memory import mapped, shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.memory.spans import shm_pays
+from datadist.transport.address import split_address
 from datadist.transport.base import PathKind, PeerInfo
 from datadist.transport.channel import Channel
 from datadist.transport.iov import PTRACER, CmaRefused
@@ -1179,7 +1180,7 @@ class Engine:
         # The reverse channel is a TCP connection the peer opened: its bytes carry every
         # transfer (the peer grants direct reads only on its local channel, to peers the
         # kernel verified there).
-        link = Link(peer.cluster_id, *_split_address(peer.address), chan, welcome, TcpPath(),
+        link = Link(peer.cluster_id, *split_address(peer.address), chan, welcome, TcpPath(),
                     "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True)
         with self._lock:
             if self._closed:
@@ -1281,11 +1282,6 @@ class Engine:
                 raise AlreadyLinked(f"cluster {link.cluster_id} is already linked")
             self._links[link.cluster_id] = link
         log.debug("link.complete %r", link)
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port) if port.isdigit() else 0
 
 
 __all__ = ["DEVICE", "HOST", "Engine", "EngineConfig", "PathKind"]

@@ -47,6 +47,7 @@ from datadist.core.errors import (
     RemoteProtocolError,
     Timeout,
 )
+from datadist.transport.address import format_host_port
 from datadist.transport.base import PathKind
 from datadist.transport.channel import Channel
 from datadist.transport.local import LocalCred, connect_local, local_name
@@ -123,7 +124,7 @@ class Link:
 
     def __repr__(self) -> str:
         state = "closing" if self.closing else ("down" if self.chan.closed else "up")
-        end = "inbound" if self.inbound else f"{self.host}:{self.port}"
+        end = "inbound" if self.inbound else format_host_port(self.host, self.port)
         return (
             f"<Link cluster={self.cluster_id} {end} "
             f"path={self.path.caps.name} ({self.reason}) {state}>"

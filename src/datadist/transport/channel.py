@@ -30,6 +30,7 @@ from datadist.core.errors import (
     Timeout,
     error_for_code,
 )
+from datadist.transport.address import format_host_port
 from datadist.transport.iov import (
     SockIo,
     make_iov,
@@ -104,22 +105,23 @@ class Channel:
     def connect(cls, host: str, port: int, deadline: float) -> Channel:
         """Open a plain TCP connection within the deadline (``tcp.open_channel`` adds TLS).
         Raises LinkFailed or Timeout."""
+        where = format_host_port(host, port)
         left = deadline - time.monotonic()
         if left <= 0:
-            raise Timeout(f"no time left to connect to {host}:{port}")
+            raise Timeout(f"no time left to connect to {where}")
         try:
             sock = socket.create_connection((host, port), timeout=left)
         except TimeoutError:
-            raise Timeout(f"connecting to {host}:{port} timed out") from None
+            raise Timeout(f"connecting to {where} timed out") from None
         except ConnectionRefusedError as e:
-            raise LinkFailed(f"cannot connect to {host}:{port}: Connection refused: nothing "
+            raise LinkFailed(f"cannot connect to {where}: Connection refused: nothing "
                              "listens there (a PROMPT "
                              "must set LLMConfig.listen_ip_info = 'ip:port' to be linked to)"
                              ) from e
         except OSError as e:
-            raise LinkFailed(f"cannot connect to {host}:{port}: {e.strerror or e}") from e
+            raise LinkFailed(f"cannot connect to {where}: {e.strerror or e}") from e
         tune(sock)
-        return cls(sock, f"{host}:{port}")
+        return cls(sock, where)
 
     def close(self) -> None:
         if not self.closed:

@@ -34,6 +34,7 @@ from datadist.core.errors import (
     RemoteProtocolError,
     Timeout,
 )
+from datadist.transport.address import family, format_host_port
 from datadist.transport.base import LeaseT, PeerInfo, RequestHandler
 from datadist.transport.channel import Channel, tune
 from datadist.transport.iov import (
@@ -116,13 +117,14 @@ class TcpListener(Generic[LeaseT]):
         self.max_conns = max_conns
         self.max_per_peer = max_per_peer
         if sock is None:  # TCP; a bound ``sock`` is the local channel's (transport/local.py)
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock = socket.socket(family(host), socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError as e:
                 sock.close()
-                raise LinkFailed(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+                raise LinkFailed(f"cannot listen on {format_host_port(host, port)}: "
+                                 f"{e.strerror or e}") from e
             self.host, self.port = sock.getsockname()[:2]
         else:
             self.host, self.port = host, port
@@ -257,14 +259,15 @@ class TcpListener(Generic[LeaseT]):
 
     def _peer_of(self, sock: socket.socket, addr: tuple[Any, ...]) -> tuple[str, str]:
         """(the key the per-peer cap counts by, a printable address) of an accepted socket."""
-        return addr[0], f"{addr[0]}:{addr[1]}"
+        return addr[0], format_host_port(addr[0], addr[1])
 
     def _channel(self, sock: socket.socket, addr: tuple[Any, ...]) -> Channel:
         """The Channel for an accepted socket (TLS-wrapped when configured)."""
         tune(sock)
+        address = format_host_port(addr[0], addr[1])
         if self.tls is not None:
-            return TlsChannel.wrap_server(sock, f"{addr[0]}:{addr[1]}", self.tls)
-        return Channel(sock, f"{addr[0]}:{addr[1]}")
+            return TlsChannel.wrap_server(sock, address, self.tls)
+        return Channel(sock, address)
 
     def _forget(self, chan: Channel, thread: threading.Thread, ip: str) -> None:
         with self._lock:
@@ -673,16 +676,3 @@ class ServerConnection(Generic[LeaseT]):
             self.handler.close_write(lease, ok)
         self.chan.send(p.Ok(), deadline, rid)
         return True
-
-
-def parse_host_port(text: str) -> tuple[str, int]:
-    """Split "ip:port" strictly (LLM-DataDist's format). IPv6 is refused with a message that
-    says so: LLM-DataDist's addresses are IPv4 (LLMClusterInfo stores them as uint32)."""
-    if text.startswith("[") or text.count(":") > 1:
-        raise InvalidArgument(f"IPv6 addresses are not supported, got {text!r}: listen_ip_info "
-                              "and LLMClusterInfo take an IPv4 'ip:port', as in LLM-DataDist "
-                              "(use an IPv4 address of the host, or 0.0.0.0)")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
-        raise InvalidArgument(f"expected 'ip:port', got {text!r}")
-    return host, int(port)

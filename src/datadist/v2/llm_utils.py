@@ -14,7 +14,7 @@ from datadist.api.enums import DataType, Placement
 from datadist.api.status import LLMException, LLMStatusCode, raise_if_false
 from datadist.api.types import CacheDesc, is_invalid_id, is_valid_id
 from datadist.core.errors import InvalidArgument
-from datadist.transport.tcp import parse_host_port
+from datadist.transport.address import parse_host_port
 
 
 def clone_cache_desc(cache_desc: CacheDesc) -> CacheDesc:

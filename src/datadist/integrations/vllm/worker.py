@@ -37,6 +37,7 @@ from datadist.integrations.vllm.settings import (
     Settings,
     WorkerAddress,
 )
+from datadist.transport.address import format_host_port
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -122,7 +123,7 @@ class DatadistWorker:
         cfg.sync_kv_timeout = self.settings.sync_kv_timeout_ms
         if self.producer:
             port = self.settings.port + self.rank if self.settings.port else 0
-            cfg.listen_ip_info = f"{self.settings.host}:{port}"
+            cfg.listen_ip_info = format_host_port(self.settings.host, port)
         role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer else
                 llm_datadist.LLMRole.PROMPT if self.producer else llm_datadist.LLMRole.DECODER)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
