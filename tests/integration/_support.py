@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from datadist.testing.peers import CacheSpec
+from datadist.testing.peers import CacheSpec, PromptConfig
 from datadist.transport import nixl
 
 PROMPT_ID = 100
@@ -19,8 +21,21 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "cma", "shm")
 if nixl.available() is not None:
     TRANSPORTS += ("nixl",)
 
-# Peers never inherit the decoder's forced path: they only serve.
+# Peers never inherit the decoder's forced path: they only serve. Where NIXL is installed they
+# serve NIXL readers too, which is opt-in, and on this kind of host (UCX over tcp and shared
+# memory, whose memory keys nothing checks) needs the whole-process allowance as well
+# (docs/security.md, "The NIXL path"; tests/security/test_nixl_trust.py).
 PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}
+if "nixl" in TRANSPORTS:
+    PROMPT_ENV.update({"DATADIST_NIXL_SERVE": "1", "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS": "1"})
+
+
+def serving(config: PromptConfig) -> PromptConfig:
+    """``config`` for a prompt that NIXL readers can use: serving NIXL needs remote cache
+    access (a NIXL registration is writable), so it is turned on where NIXL runs."""
+    if "nixl" not in TRANSPORTS:
+        return config
+    return dataclasses.replace(config, remote_cache_accessible=True)
 
 
 def units(arr: np.ndarray, spec: CacheSpec) -> np.ndarray:
