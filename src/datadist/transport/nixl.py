@@ -114,7 +114,7 @@ KEY_CHECKED_TLS = frozenset({
 })
 
 
-def unchecked_transports(environ: Any = None, devices: str = RDMA_DEVICES) -> str | None:
+def unchecked_transports(environ: Any = None, devices: str | None = None) -> str | None:
     """Why UCX may carry NIXL here over a transport whose memory keys the hardware does not
     check, or None where it cannot: ``UCX_TLS`` is set and names only :data:`KEY_CHECKED_TLS`
     transports, and the host has an RDMA device. Conservative: UCX_TLS unset (UCX then picks
@@ -132,6 +132,7 @@ def unchecked_transports(environ: Any = None, devices: str = RDMA_DEVICES) -> st
     bad = [t for t in names if t not in KEY_CHECKED_TLS]
     if bad:
         return f"UCX_TLS={raw} names {', '.join(bad)}, whose memory keys nothing checks"
+    devices = RDMA_DEVICES if devices is None else devices
     try:
         present = bool(os.listdir(devices))
     except OSError:
