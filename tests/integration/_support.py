@@ -17,7 +17,7 @@ DECODER_ID = 200
 # owner allocated from its pool and falls back to cross-memory attach for user memory.)
 TRANSPORTS: tuple[str, ...] = ("tcp", "cma", "shm")
 # NIXL is an optional extra: its path joins the suite where its wheel is installed (the
-# prompt serves NIXL readers by itself whenever NIXL is importable; see transport/nixl.py).
+# prompts are told to serve NIXL readers: PROMPT_ENV and serving() below).
 if nixl.available() is not None:
     TRANSPORTS += ("nixl",)
 

@@ -13,8 +13,11 @@ no control message per pull.
 Who calls:
 
 * the engine owns one :class:`NixlAgent` (created at init, closed at finalize), registers its
-  pools and registered caches with it once, and, as the owner, answers NixlMdRequest and
-  NixlRead with it (:meth:`NixlAgent.metadata`, :meth:`NixlAgent.grant_info`);
+  pools and remote-accessible caches with it once, and, as an owner that consents to serve
+  NIXL (``Engine.nixl_refusal``: an option, remote cache access, and, on transports whose
+  memory keys nothing checks (:func:`unchecked_transports`), the whole-process allowance),
+  answers NixlMdRequest and NixlRead with it (:meth:`NixlAgent.metadata`,
+  :meth:`NixlAgent.grant_info`);
 * a link forced to NIXL reads through a :class:`NixlPath` under the link's lock.
 
 Progress: the agent has no progress thread (NIXL's spins a core even when idle). The reader
