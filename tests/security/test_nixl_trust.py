@@ -476,3 +476,118 @@ def test_a_revoke_racing_its_lease_still_wins_and_is_bounded() -> None:
 
     assert path._lease(_Chan(_leased(7), flood), READ, 1e12) is None
     assert 7 not in path._lease_ids and len(path._revoked_early) == 0
+
+
+# ------------------------------------------------------------------- the control path, attacked
+# Messages 16-20 and 30-32 from a peer that lies (issue 21's "Also").
+
+
+@needs_nixl
+def test_no_metadata_before_the_shared_secret_is_proven() -> None:
+    """A peer that skips AUTH and asks for the metadata gets none: the connection ends."""
+    owner = _owner(**SERVE, secret=b"hunter2")
+    sock = socket.create_connection(owner.listen_address, timeout=10.0)  # type: ignore[arg-type]
+    try:
+        dec = p.FrameDecoder()
+        sock.sendall(p.encode(p.Hello(READER + 41, 2, os.getpid(), 0, b"\7" * 16), 1))
+        sock.sendall(p.encode(p.NixlMdRequest(), 2))
+        got: list[Any] = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += [m for _rid, m in dec.feed(chunk)]
+        assert got and isinstance(got[0], p.Welcome)
+        assert not any(isinstance(m, p.NixlMd) for m in got), got
+        assert owner.nixl is None
+    finally:
+        sock.close()
+        owner.close()
+
+
+def test_a_lying_lease_cannot_widen_a_read() -> None:
+    """A NixlLeased whose geometry is smaller than the pull: the reader checks the pull
+    against it as the owner would and refuses it before any NIXL transfer."""
+    from datadist.core.errors import InvalidArgument
+
+    path = _path()
+    small = p.NixlLeased(7, b"owner", 5, p.MEM_DRAM, 0, False, 64, 64, 1, 0,
+                         np.array([0x10000], np.uint64))
+    lease = path._lease(_Chan(small), READ, 1e12)
+    assert lease is not None
+    wide = p.Read(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, p.ReadFlags.NONE,
+                  np.zeros(1, np.uint32), np.full(1, 4096, np.uint64), np.full(1, 16, np.uint64))
+    with pytest.raises(InvalidArgument):
+        path._read_leased(_Chan(small), lease, wide, np.zeros((1, 2), np.uint64), 1e12)
+
+
+def test_a_lying_grant_is_refused_and_the_connection_closed() -> None:
+    """A NixlGrant with another number of bases than tensors asked for (or another message
+    altogether) ends the exchange with a protocol error; nothing is read."""
+    from datadist.core.errors import RemoteProtocolError
+
+    class Chan(_Chan):
+        closed = False
+
+        def call(self, msg: p.Message, deadline: float) -> p.Message:
+            return self.answer
+
+        def close(self) -> None:
+            self.closed = True
+
+    for answer in (p.NixlGrant(1, b"owner", 5, p.MEM_DRAM, 0, np.zeros(3, np.uint64)),
+                   p.Ok()):
+        chan = Chan(answer)
+        with pytest.raises(RemoteProtocolError):
+            _path()._read_granted(chan, READ, np.zeros((1, 2), np.uint64), 1e12)
+        assert chan.closed
+
+
+@needs_nixl
+def test_revokes_under_load_leave_the_reader_bounded_and_pulling() -> None:
+    """A hostile owner floods a NIXL reader's reverse channel with revokes of ids it never
+    granted, and of the real lease, while the reader pulls: every pull returns the right
+    bytes (a revoked lease is given back and asked for anew), and the reader keeps no
+    memory of the flood."""
+    import threading
+
+    owner = _owner(**SERVE)
+    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
+                                 nixl_whole_process=True))
+    stop = threading.Event()
+    try:
+        src = np.arange(N, dtype=np.uint64).astype(np.uint8)
+        owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
+        dst = np.zeros(N, np.uint8)
+        entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
+        link = reader.link(OWNER, *owner.listen_address, 5.0)  # type: ignore[misc]
+        assert link.path_name == "nixl", link.reason
+        rev = owner.get_link(READER)
+        sent = [0]
+
+        def flood() -> None:
+            i = 0
+            while not stop.is_set() and i < 3000:
+                i += 1
+                deadline = time.monotonic() + 5.0
+                lease_id = 1 if i % 7 == 0 else 1_000_000 + i  # the real first lease, too
+                rev.run(deadline, lambda _p, chan, m=p.NixlRevoke(lease_id), d=deadline:
+                        chan.call(m, d))
+                sent[0] += 1
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        for _ in range(50):
+            dst[:] = 0
+            reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id,
+                        5.0)
+            assert np.array_equal(dst, src)
+        stop.set()
+        t.join(30)
+        assert sent[0] > 0
+        assert len(link.path._revoked_early) <= MAX_EARLY_REVOKES
+    finally:
+        stop.set()
+        reader.close()
+        owner.close()
