@@ -571,8 +571,8 @@ def test_revokes_under_load_leave_the_reader_bounded_and_pulling() -> None:
                 i += 1
                 deadline = time.monotonic() + 5.0
                 lease_id = 1 if i % 7 == 0 else 1_000_000 + i  # the real first lease, too
-                rev.run(deadline, lambda _p, chan, m=p.NixlRevoke(lease_id), d=deadline:
-                        chan.call(m, d))
+                msg = p.NixlRevoke(lease_id)
+                rev.run(deadline, lambda _p, chan, m=msg, d=deadline: chan.call(m, d))
                 sent[0] += 1
 
         t = threading.Thread(target=flood, daemon=True)
