@@ -338,6 +338,32 @@ def test_private_caches_are_never_registered_with_nixl(memory, thief) -> None:
         owner.close()
 
 
+@needs_nixl
+def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one() -> None:
+    """A reader that serves no NIXL registers its private destination (NIXL reads into
+    registered memory only) and pulls into it; its agent then refuses to produce metadata
+    at all, even if serving were turned on later."""
+    owner = _owner(**SERVE)
+    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
+                                 listen=("127.0.0.1", 0), nixl_whole_process=True))
+    try:
+        src = np.full(N, 4, np.uint8)
+        owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
+        dst = np.zeros(N, np.uint8)
+        entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0,
+                                remote_accessible=False)
+        link = reader.link(OWNER, *owner.listen_address, 5.0)  # type: ignore[misc]
+        assert link.path_name == "nixl", link.reason
+        plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 5.0)
+        assert (dst == 4).all()
+        reader.config = dataclasses.replace(reader.config, nixl_serve=True)
+        _refused(_metadata(reader), "private memory")
+    finally:
+        reader.close()
+        owner.close()
+
+
 # ------------------------------------------------------------------------------ item 5
 
 

@@ -271,17 +271,20 @@ class Engine:
             self.nixl = agent
             return agent
 
-    @staticmethod
-    def _nixl_register(agent: Any, entry: CacheEntry) -> None:
-        """Register ``entry`` with our NIXL agent, unless it is private: a NIXL registration
-        is readable (and writable) by whoever holds the metadata, whatever our control
-        channel says, so memory no peer may reach is never registered."""
+    def _nixl_register(self, agent: Any, entry: CacheEntry) -> None:
+        """Register ``entry`` with our NIXL agent. A NIXL registration is readable (and
+        writable) by whoever holds the metadata, whatever our control channel says, so a
+        private cache (``remote_accessible=False``) is never registered by a process that
+        serves NIXL; one that does not (a reader: its destination must be registered to
+        read into it) registers it marked private, and its agent then hands out no
+        metadata at all (NixlAgent.metadata)."""
         from datadist.transport.nixl import memory_kind
 
-        if not entry.remote_accessible:
+        if not entry.remote_accessible and self.config.nixl_serve:
             return
         mem, dev = memory_kind(int(entry.addrs[0]), entry.placement == DEVICE)
-        agent.register(entry.cache_id, entry.addrs, entry.geometry.tensor_bytes, mem, dev)
+        agent.register(entry.cache_id, entry.addrs, entry.geometry.tensor_bytes, mem, dev,
+                       private=not entry.remote_accessible)
 
     def __repr__(self) -> str:
         return (

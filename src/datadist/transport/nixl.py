@@ -248,6 +248,7 @@ class NixlAgent:
         self._lock = threading.Lock()
         self._regions: dict[object, tuple[Any, np.ndarray, int, int]] = {}
         self._starts: list[tuple[int, int, int, int]] = []  # (addr, end, mem, dev), sorted
+        self._private: set[object] = set()  # keys of private registrations: no metadata
         self._remote: dict[str, int] = {}  # loaded remote agents -> links using them
         self._pump_users = 0
         self._pump_fresh = 0  # of those, leases of connections without a completed read
@@ -267,9 +268,12 @@ class NixlAgent:
 
     # -------------------------------------------------------------- registration
 
-    def register(self, key: object, addrs: np.ndarray, nbytes: int, mem: int, dev: int) -> None:
+    def register(self, key: object, addrs: np.ndarray, nbytes: int, mem: int, dev: int,
+                 private: bool = False) -> None:
         """Register ``len(addrs)`` regions of ``nbytes`` each under ``key`` (a cache id, a
-        pool). Called by the engine once per cache; raises NotSupported if NIXL refuses."""
+        pool). Called by the engine once per cache; raises NotSupported if NIXL refuses.
+        ``private``: memory no peer may reach (a reader's private destination): while one is
+        registered, :meth:`metadata` refuses."""
         if key in self._regions:
             return
         arr = np.empty((len(addrs), 3), dtype=np.uint64)
@@ -282,6 +286,8 @@ class NixlAgent:
             raise NotSupported(f"NIXL cannot register {_KIND[mem]} memory: {e}") from e
         with self._lock:
             self._regions[key] = (reg, arr, mem, dev)
+            if private:
+                self._private.add(key)
             for a in addrs.tolist():
                 bisect.insort(self._starts, (a, a + nbytes, mem, dev))
             self.generation += 1
@@ -291,6 +297,7 @@ class NixlAgent:
         calls it once no lease uses the memory any more."""
         with self._lock:
             got = self._regions.pop(key, None)
+            self._private.discard(key)
             if got is None:
                 return
             reg, arr, mem, dev = got
@@ -316,8 +323,12 @@ class NixlAgent:
     # -------------------------------------------------------------- owner side
 
     def metadata(self) -> p.NixlMd:
-        """Our metadata for a reader (NixlMdRequest)."""
+        """Our metadata for a reader (NixlMdRequest). NotSupported while a private region is
+        registered: the metadata carries every registration's address and key."""
         with self._lock:
+            if self._private:
+                raise NotSupported("this process registered private memory with NIXL: it "
+                                   "hands its NIXL metadata to no one")
             gen = self.generation
         return p.NixlMd(self.name.encode(), gen, bytes(self.agent.get_agent_metadata()))
 
