@@ -246,10 +246,10 @@ class Engine:
     def ensure_nixl(self) -> Any:
         """Our NIXL agent (transport/nixl.py), created on first use: at init when the
         transport is nixl (a reader), else when a reader first asks for our metadata (an
-        owner that serves NIXL: :meth:`nixl_refusal`). The pools and the remote-accessible
-        registered caches are registered with it once (caches registered with
-        ``remote_accessible=False`` never are). Raises InvalidArgument (PARAM_INVALID)
-        without NIXL installed."""
+        owner that serves NIXL: :meth:`nixl_refusal`). The pools and the registered caches
+        are registered with it once (private ones only where we serve no NIXL:
+        :meth:`_nixl_register`). Raises InvalidArgument (PARAM_INVALID) without NIXL
+        installed."""
         with self._nixl_lock:
             if self.nixl is not None:
                 return self.nixl
