@@ -617,3 +617,21 @@ def test_revokes_under_load_leave_the_reader_bounded_and_pulling() -> None:
         stop.set()
         reader.close()
         owner.close()
+
+
+@needs_nixl
+def test_info_says_whether_this_process_would_serve_nixl_and_over_what() -> None:
+    """``datadist info`` reports NIXL serving (off unless asked) and, on this host (UCX_TLS
+    unset), that NIXL's memory keys are unchecked and what that means."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("UCX_TLS", "DATADIST_NIXL_SERVE",
+                        "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS")}
+    out = subprocess.run([sys.executable, "-m", "datadist.cli", "info"], capture_output=True,
+                         text=True, timeout=60, env=env, check=True).stdout
+    assert "nixl serving: off" in out, out
+    line = next(x for x in out.splitlines() if x.startswith("nixl transports:"))
+    assert "UNCHECKED" in line and "whole process" in line, line
+    assert "NixlAllowWholeProcessAccess" in line, line
