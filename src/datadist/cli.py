@@ -273,7 +273,9 @@ def _info_peer(args: argparse.Namespace) -> None:
                            "needs two clusters")
         eng = Engine(EngineConfig(cluster_id=args.own_id, role=2,
                                   transport=args.transport,
-                                  secret=_secret({}), tls=_tls({})))
+                                  secret=_secret({}), tls=_tls({}),
+                                  nixl_whole_process=os.environ.get(
+                                      "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS") == "1"))
     except (DatadistError, LLMException) as e:
         raise CliError(f"--peer {args.peer!r}: {e}") from None
     try:
@@ -348,6 +350,19 @@ def _info_nixl() -> None:
     ucx = "UCX available" if nixl.BACKEND in plugins else "no UCX backend: unusable"
     print(f"nixl: {module}, backends {', '.join(plugins)} ({ucx}; transport=nixl uses "
           f"{nixl.BACKEND})")
+    serve = os.environ.get("DATADIST_NIXL_SERVE", "")
+    whole = os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "") == "1"
+    print("nixl serving: " + ("on" if serve == "1" else "off") +
+          f" (DATADIST_NIXL_SERVE={serve!r}, or the option datadist.NixlServe; needs "
+          "enable_remote_cache_accessible)")
+    unchecked = nixl.unchecked_transports()
+    if unchecked is None:
+        print("nixl transports: RDMA verbs only (UCX_TLS): memory keys checked by the NIC")
+    else:
+        print(f"nixl transports: keys UNCHECKED ({unchecked}): a NIXL peer can reach the "
+              "whole process; NIXL " + ("ALLOWED (DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS=1)"
+                                        if whole else "refused unless "
+                                        "datadist.NixlAllowWholeProcessAccess is set"))
 
 
 def cmd_bench(argv: list[str]) -> int:

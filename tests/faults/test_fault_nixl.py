@@ -20,13 +20,17 @@ import numpy as np
 import pytest
 from fault_harness import Peer, Peers, RawClient, link, measured, target, watch_progress
 
-from datadist.core.errors import Busy, InvalidArgument
+from datadist.core.errors import Busy, NotSupported
 from datadist.transport import nixl
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.skipif(nixl.available() is None, reason="NIXL (nixl-cu12) not installed")
 
-NIXL = {"DATADIST_TRANSPORT": "nixl"}
+# Serving NIXL is opt-in, and this host's UCX transports (tcp, shared memory) check no memory
+# key: owners and readers allow it explicitly (docs/security.md, "The NIXL path").
+ALLOW = {"DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS": "1"}
+SERVE = {"DATADIST_NIXL_SERVE": "1", **ALLOW}
+NIXL = {"DATADIST_TRANSPORT": "nixl", **ALLOW}
 MARGIN = 10.0
 FAILED = {"LLM_TIMEOUT", "LLM_LINK_FAILED"}
 SMALL = {"num_tensors": 2, "blocks": 16, "block_bytes": 4096}
@@ -38,8 +42,8 @@ BIG_SYNC_MS = 3000
 
 def _world(peers: Peers) -> tuple[Peer, Peer, Peer]:
     """A victim prompt holding a 512 MiB cache, a healthy prompt, a NIXL decoder."""
-    victim = peers.prompt(name="victim")  # owners serve NIXL readers without being told
-    healthy = peers.prompt(name="healthy")
+    victim = peers.prompt(name="victim", env=SERVE)
+    healthy = peers.prompt(name="healthy", env=SERVE)
     dec = peers.decoder(env=NIXL, sync_ms=BIG_SYNC_MS)
     victim.call("register", name="big", seed=5, model_id=1, cheap=True, **BIG)
     healthy.call("register", name="src", seed=2, **SMALL)
@@ -137,7 +141,7 @@ def _nixl_read(cli: RawClient, tensors: list[int], offset: int, length: int,
 def test_owner_checks_bounds_and_holds_the_lease_until_release(peers: Peers) -> None:
     """Bounds are checked before the owner grants anything; a granted NIXL read pins the
     cache: unregister waits until the reader's Release, then returns."""
-    victim = peers.prompt(name="victim")
+    victim = peers.prompt(name="victim", env=SERVE)
     geo = {"num_tensors": 2, "blocks": 16, "block_bytes": 4096}
     tb = geo["blocks"] * geo["block_bytes"]
     info = victim.call("register", name="src", seed=9, model_id=1, **geo)
@@ -165,7 +169,7 @@ def test_owner_checks_bounds_and_holds_the_lease_until_release(peers: Peers) -> 
 def test_owner_releases_the_lease_of_a_reader_that_vanishes(peers: Peers) -> None:
     """A reader that got a NixlGrant and disconnects without Release does not pin the
     cache: the connection's end closes its leases."""
-    victim = peers.prompt(name="victim")
+    victim = peers.prompt(name="victim", env=SERVE)
     victim.call("register", name="src", seed=9, model_id=1, **SMALL)
     cli = _nixl_client(victim)
     try:
@@ -187,24 +191,32 @@ def _grant_or_error(cli: RawClient, msg: p.Message, rid: int) -> p.Message:
 
 
 @pytest.mark.timeout(90)
-def test_owner_without_remote_access_refuses_nixl_writes(peers: Peers) -> None:
-    """A NIXL push is a write like any other: an owner without
-    enable_remote_cache_accessible refuses it by cache id, BlocksCacheKey and CacheKey
-    (PARAM_INVALID), exactly as it refuses a WRITE; the connection stays usable."""
-    victim = peers.prompt(name="victim", remote_access=False)
+def test_owner_without_remote_access_serves_no_nixl(peers: Peers) -> None:
+    """A NIXL registration cannot be made read-only (nixl 1.5.1's register_memory takes no
+    access flags), and a peer holding the metadata posts its own WRITEs: an owner without
+    enable_remote_cache_accessible, though told to serve NIXL, answers every NIXL request
+    with NOT_SUPPORTED saying why (it handed out metadata and NixlGrants before); the
+    connection stays usable, by TCP."""
+    victim = peers.prompt(name="victim", remote_access=False, env=SERVE)
     info = victim.call("register", name="src", seed=9, model_id=1, **SMALL)
-    cli = _nixl_client(victim)
+    assert victim.port is not None and victim.cluster_id is not None
+    cli = RawClient(victim.port)
+    cli.hello(victim.cluster_id + 1)
+    one, zero = np.ones(1, np.uint64), np.zeros(1, np.uint64)
     try:
-        for i, key in enumerate((p.KeyRef(p.KeyKind.CACHE_ID, info["cache_id"], 0, 0),
-                                 p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0),
-                                 p.KeyRef(p.KeyKind.CACHE_KEY, 7, 0, 2**64 - 1))):
-            got = _grant_or_error(cli, p.NixlWrite(key, 0, 0, np.zeros(1, np.uint32),
-                                                   np.zeros(1, np.uint64),
-                                                   np.full(1, 16, np.uint64)), 10 + i)
-            assert isinstance(got, p.Error), (key, got)  # a NixlGrant before
-            assert got.code == int(InvalidArgument.code), got
+        for i, msg in enumerate((
+                p.NixlMdRequest(),
+                p.NixlWrite(p.KeyRef(p.KeyKind.CACHE_ID, info["cache_id"], 0, 0), 0, 0,
+                            np.zeros(1, np.uint32), zero, one * 16),
+                p.NixlRead(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0), 0, p.ReadFlags.NONE,
+                           np.zeros(1, np.uint32), zero, one * 16),
+                p.NixlLease(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 1, 0), 0))):
+            got = _grant_or_error(cli, msg, 10 + i)
+            assert isinstance(got, p.Error), (msg, got)
+            assert got.code == int(NotSupported.code), got
             assert "enable_remote_cache_accessible" in got.message, got
-        assert isinstance(_nixl_read(cli, [0], 0, 16, 20), p.NixlGrant)
+        ping = _grant_or_error(cli, p.Ping(5), 20)
+        assert isinstance(ping, p.Pong), ping
     finally:
         cli.close()
 
@@ -216,7 +228,7 @@ def test_nixl_grants_outstanding_on_one_connection_are_bounded(peers: Peers) -> 
     largest frame's bytes (each grant keeps its request's spans until its Release), are
     refused (LLM_LINK_BUSY), so one connection cannot pin the owner's memory with grants;
     a Release makes room again."""
-    victim = peers.prompt(name="victim")
+    victim = peers.prompt(name="victim", env=SERVE)
     victim.call("register", name="src", seed=9, model_id=1, **SMALL)
     cli = _nixl_client(victim)
     try:
@@ -252,7 +264,7 @@ def test_revoking_many_nixl_leases_takes_one_deadline(peers: Peers) -> None:
     import threading
     import time
 
-    victim = peers.prompt(name="victim")
+    victim = peers.prompt(name="victim", env=SERVE)
     victim.call("register", name="src", seed=9, model_id=1, **SMALL)
     assert victim.port is not None and victim.cluster_id is not None
     cid, pid, boot = victim.cluster_id + 1, 424242, b"\x01" * 16

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from datadist.testing.peers import CacheSpec
+from datadist.testing.peers import CacheSpec, PromptConfig
 from datadist.transport import nixl
 
 PROMPT_ID = 100
@@ -15,12 +17,25 @@ DECODER_ID = 200
 # owner allocated from its pool and falls back to cross-memory attach for user memory.)
 TRANSPORTS: tuple[str, ...] = ("tcp", "cma", "shm")
 # NIXL is an optional extra: its path joins the suite where its wheel is installed (the
-# prompt serves NIXL readers by itself whenever NIXL is importable; see transport/nixl.py).
+# prompts are told to serve NIXL readers: PROMPT_ENV and serving() below).
 if nixl.available() is not None:
     TRANSPORTS += ("nixl",)
 
-# Peers never inherit the decoder's forced path: they only serve.
+# Peers never inherit the decoder's forced path: they only serve. Where NIXL is installed they
+# serve NIXL readers too, which is opt-in, and on this kind of host (UCX over tcp and shared
+# memory, whose memory keys nothing checks) needs the whole-process allowance as well
+# (docs/security.md, "The NIXL path"; tests/security/test_nixl_trust.py).
 PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}
+if "nixl" in TRANSPORTS:
+    PROMPT_ENV.update({"DATADIST_NIXL_SERVE": "1", "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS": "1"})
+
+
+def serving(config: PromptConfig) -> PromptConfig:
+    """``config`` for a prompt that NIXL readers can use: serving NIXL needs remote cache
+    access (a NIXL registration is writable), so it is turned on where NIXL runs."""
+    if "nixl" not in TRANSPORTS:
+        return config
+    return dataclasses.replace(config, remote_cache_accessible=True)
 
 
 def units(arr: np.ndarray, spec: CacheSpec) -> np.ndarray:

@@ -15,7 +15,15 @@ import pytest
 import datadist as llm_datadist
 from datadist.testing.peers import Decoder, PromptConfig, RunningPrompt, start_prompt
 
-from ._support import DECODER_ID, PROMPT_ENV, PROMPT_ID, TRANSPORTS
+from ._support import DECODER_ID, PROMPT_ENV, PROMPT_ID, TRANSPORTS, serving
+
+
+@pytest.fixture(autouse=True)
+def nixl_readers_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process decoders that force NIXL link by it on this host's key-unchecked UCX
+    transports only with the whole-process allowance (docs/security.md, "The NIXL path")."""
+    if "nixl" in TRANSPORTS:
+        monkeypatch.setenv("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "1")
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -27,6 +35,8 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 @pytest.fixture(scope="module")
 def prompt(request: pytest.FixtureRequest) -> Iterator[RunningPrompt]:
     config = getattr(request.module, "PROMPT_CONFIG", PromptConfig(PROMPT_ID))
+    if getattr(request.module, "PROMPT_SERVES_NIXL", True):
+        config = serving(config)
     running = start_prompt(config, env=PROMPT_ENV)
     try:
         yield running

@@ -25,6 +25,7 @@ S = llm_datadist.LLMStatusCode
 BLOCKS = CacheSpec(2, (64, 4, 64))  # 64 blocks of 512 B per tensor
 SLOTS = CacheSpec(4, (4, 8, 64))  # contiguous, 1024 B slots
 PROMPT_CONFIG = PromptConfig(PROMPT_ID, host_pool_bytes=16 << 20)
+PROMPT_SERVES_NIXL = False  # cma and shm only; its owner refuses remote writes
 _models = itertools.count(100)
 _seeds = itertools.count(50)
 

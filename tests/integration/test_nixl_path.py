@@ -38,6 +38,10 @@ pytestmark = pytest.mark.timeout(60)
 needs_nixl = pytest.mark.skipif(nixl.available() is None, reason="nixl-cu12 not installed")
 S = llm_datadist.LLMStatusCode
 KEY = p.KeyRef(p.KeyKind.CACHE_ID, 1, 0)
+# Serving NIXL is opt-in, and on this CPU machine UCX uses tcp and shared memory, whose memory
+# keys nothing checks: the engines here allow it explicitly (tests/security/test_nixl_trust.py
+# shows what that allows).
+NIXL_OK = {"nixl_serve": True, "nixl_whole_process": True}
 
 
 # ------------------------------------------------------------------------------ selection
@@ -76,7 +80,7 @@ def test_nixl_without_nixl_installed_is_param_invalid_at_init(
 def test_engine_without_nixl_refuses_nixl_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nixl, "MODULES", ("datadist_no_such_nixl_module",))
     with pytest.raises(InvalidArgument, match="nixl"):
-        Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+        Engine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
 
 
 # ------------------------------------------------------------------------------ the path
@@ -84,8 +88,8 @@ def test_engine_without_nixl_refuses_nixl_transport(monkeypatch: pytest.MonkeyPa
 
 @pytest.fixture
 def pair():
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
-    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+    owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
     yield owner, puller
     puller.close()
     owner.close()
@@ -108,8 +112,8 @@ def _caches(owner: Engine, puller: Engine, n: int, fill: int = 7):
 
 @needs_nixl
 def test_auto_never_picks_nixl() -> None:
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
-    puller = Engine(EngineConfig(cluster_id=2, role=2))
+    owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, **NIXL_OK))
     try:
         assert _link(owner, puller).path_name in ("cma", "shm")
         assert puller.nixl is None and owner.nixl is None
@@ -411,7 +415,7 @@ def test_a_stuck_nixl_transfer_ends_at_the_deadline(pair, monkeypatch: pytest.Mo
 @needs_nixl
 def test_checksum_over_nixl(pair) -> None:
     owner, _ = pair
-    puller = Engine(EngineConfig(cluster_id=3, role=2, transport="nixl", verify=True))
+    puller = Engine(EngineConfig(cluster_id=3, role=2, **NIXL_OK, transport="nixl", verify=True))
     try:
         src, dst, entry, plan = _caches(owner, puller, 65536)
         _link(owner, puller)
@@ -453,14 +457,24 @@ def test_metadata_our_nixl_refuses_gets_tcp(pair, monkeypatch: pytest.MonkeyPatc
 
 
 @needs_nixl
-def test_owner_can_refuse_to_serve_nixl(pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DATADIST_NIXL_SERVE=0 on the owner: no agent, no metadata for anyone; readers that
-    force nixl get tcp."""
+@pytest.mark.parametrize("why", ["default", "no remote access", "unchecked transports"])
+def test_an_owner_that_does_not_serve_nixl_gets_tcp_readers(pair, why: str) -> None:
+    """Serving NIXL is opt-in (nixl_serve), needs remote cache access (NIXL registrations are
+    writable) and, on this host's key-unchecked UCX transports, nixl_whole_process: without
+    any of them the owner makes no agent and hands out no metadata; a reader that forces nixl
+    gets tcp, with the owner's reason, and pulls."""
+    import dataclasses
+
     owner, puller = pair
-    monkeypatch.setenv("DATADIST_NIXL_SERVE", "0")
+    off = {"default": {"nixl_serve": False}, "no remote access":
+           {"remote_cache_accessible": False}, "unchecked transports":
+           {"nixl_whole_process": False}}[why]
+    owner.config = dataclasses.replace(owner.config, **off)
     src, dst, entry, plan = _caches(owner, puller, 4096)
     link = _link(owner, puller)
-    assert link.path_name == "tcp" and "DATADIST_NIXL_SERVE=0" in link.reason
+    assert link.path_name == "tcp", link.reason
+    assert {"default": "datadist.NixlServe", "no remote access": "remote writes",
+            "unchecked transports": "NixlAllowWholeProcessAccess"}[why] in link.reason
     assert owner.nixl is None
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src)
@@ -520,8 +534,9 @@ def test_info_says_whether_nixl_is_there_and_its_backends() -> None:
 
 
 @needs_nixl
-def test_info_tells_the_path_of_a_link() -> None:
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+def test_info_tells_the_path_of_a_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "1")  # the probing reader
+    owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))
     try:
         host, port = owner.listen_address
         out = _info("--peer", f"{host}:{port}", "--cluster-id", "1", "--transport", "nixl")
@@ -581,8 +596,8 @@ def test_reader_reconnecting_to_a_restarted_owner_finds_its_new_agent() -> None:
     the reader's link reconnects by itself and its first NIXL_READ meets an owner without an
     agent yet: the owner makes one, the grant names it, the reader loads it, bytes are the new
     owner's."""
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
-    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="nixl"))
+    owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))
+    puller = Engine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
     reborn = None
     try:
         src, dst, entry, plan = _caches(owner, puller, 4096, fill=1)
@@ -591,7 +606,7 @@ def test_reader_reconnecting_to_a_restarted_owner_finds_its_new_agent() -> None:
         first_agent = link.path.remote
         host, port = owner.listen_address
         owner.close()
-        reborn = Engine(EngineConfig(cluster_id=1, role=1, listen=(host, port)))
+        reborn = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=(host, port)))
         src2 = np.full(4096, 2, np.uint8)
         reborn.register(Geometry(1, 4096, 1), [src2.ctypes.data], placement=0)
         assert reborn.nixl is None

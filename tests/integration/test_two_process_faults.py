@@ -25,7 +25,7 @@ from datadist.testing.peers import (
 )
 from datadist.testing.procs import Peer
 
-from ._support import PROMPT_ENV, PROMPT_ID, assert_bytes_equal, assert_zero, units
+from ._support import PROMPT_ENV, PROMPT_ID, assert_bytes_equal, assert_zero, serving, units
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,7 +45,7 @@ VICTIM_CONFIG = PromptConfig(VICTIM_ID, setup=(("register_cache", {"spec": SPEC,
 @pytest.fixture
 def victim() -> Iterator[RunningPrompt]:
     """A prompt of its own, for the tests that stop or kill it."""
-    running = start_prompt(VICTIM_CONFIG, env=PROMPT_ENV)
+    running = start_prompt(serving(VICTIM_CONFIG), env=PROMPT_ENV)
     try:
         yield running
     finally:

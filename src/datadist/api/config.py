@@ -39,6 +39,11 @@ OPT_DEPLOY_RES_PATH = "llm.deployResPath"
 OPT_CLUSTER_INFO = "llm.ClusterInfo"
 OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
 OPT_TRANSPORT = "datadist.Transport"
+# NIXL serving is consent (docs/security.md, "The NIXL path"): "1" to serve NIXL readers;
+# and where UCX may use transports whose memory keys nothing checks, "1" to allow a NIXL peer
+# to reach this whole process (also needed there to link by NIXL as a reader).
+OPT_NIXL_SERVE = "datadist.NixlServe"
+OPT_NIXL_WHOLE_PROCESS = "datadist.NixlAllowWholeProcessAccess"
 OPT_AUTH_SECRET = "datadist.AuthSecret"
 OPT_VERIFY = "datadist.VerifyChecksum"
 OPT_ALLOW_PTRACE = "datadist.AllowPtrace"
@@ -166,6 +171,8 @@ class LLMConfig:
         self._cluster_info = ""
         self._output_max_size: int | None = None
         self._transport = ""
+        self._nixl_serve: bool | None = None
+        self._nixl_whole_process: bool | None = None
         self._auth_secret = ""
         self._verify_checksum: bool | None = False
         self._allow_ptrace: bool | None = True
@@ -416,6 +423,34 @@ class LLMConfig:
         self._transport = value
 
     @property
+    def nixl_serve(self) -> bool | None:
+        """datadist extra: serve NIXL readers (our NIXL metadata, grants and leases). Off
+        unless set: NIXL being installed is not consent. Needs
+        ``enable_remote_cache_accessible`` (NIXL registrations are writable) and, where UCX
+        may use transports whose memory keys the hardware does not check (UCX_TLS not
+        limited to RDMA verbs, or no RDMA device), ``nixl_allow_whole_process_access``. Also
+        ``DATADIST_NIXL_SERVE=1``. Default None (off). Emits ``datadist.NixlServe``."""
+        return self._nixl_serve
+
+    @nixl_serve.setter
+    def nixl_serve(self, value: bool | None) -> None:
+        self._nixl_serve = self._bool("nixl_serve", value)
+
+    @property
+    def nixl_allow_whole_process_access(self) -> bool | None:
+        """datadist extra: allow NIXL where UCX may carry it over transports whose memory
+        keys the hardware does not check (tcp, shared memory, cma, ...). There a NIXL peer
+        can read and write ANY address of this process, not only what was registered: set
+        it only among processes that trust each other fully. Also
+        ``DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS=1``. Default None (off). Emits
+        ``datadist.NixlAllowWholeProcessAccess``."""
+        return self._nixl_whole_process
+
+    @nixl_allow_whole_process_access.setter
+    def nixl_allow_whole_process_access(self, value: bool | None) -> None:
+        self._nixl_whole_process = self._bool("nixl_allow_whole_process_access", value)
+
+    @property
     def auth_secret(self) -> str:
         """datadist extra: a shared secret every linked peer must prove (challenge and
         response; the secret never crosses the wire). Also ``DATADIST_AUTH_SECRET``. Default
@@ -638,6 +673,10 @@ class LLMConfig:
         # datadist's own
         if self._transport:
             o[OPT_TRANSPORT] = self._transport
+        for flag, key in ((self._nixl_serve, OPT_NIXL_SERVE),
+                          (self._nixl_whole_process, OPT_NIXL_WHOLE_PROCESS)):
+            if flag is not None:
+                o[key] = "1" if flag else "0"
         if self._auth_secret:
             o[OPT_AUTH_SECRET] = self._auth_secret
         if self._verify_checksum:

@@ -47,6 +47,15 @@ def _secret(opts: dict[str, str]) -> bytes | None:
     return raw.encode() if raw else None
 
 
+def _flag(opts: dict[str, str], key: str, env: str) -> bool:
+    """An on/off option ("1" / "0"), else its environment variable; default off.
+    PARAM_INVALID for any other value (a typo must not turn a safety setting around)."""
+    raw = opts.get(key) or os.environ.get(env) or "0"
+    if raw not in ("0", "1"):
+        raise _param_invalid(f"{key} (or {env}) must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def _tls(opts: dict[str, str]) -> TlsConfig | None:
     """Mutual TLS when a certificate, its key and a CA are all given (options win over
     ``DATADIST_TLS_CERT`` / ``_KEY`` / ``_CA``); some but not all is PARAM_INVALID."""
@@ -231,6 +240,9 @@ class LLMDataDist:
             device_pool=pools.get(cfg.OPT_MEM_POOL),
             host_pool=pools.get(cfg.OPT_HOST_MEM_POOL),
             transport=opts.get(cfg.OPT_TRANSPORT),
+            nixl_serve=_flag(opts, cfg.OPT_NIXL_SERVE, "DATADIST_NIXL_SERVE"),
+            nixl_whole_process=_flag(opts, cfg.OPT_NIXL_WHOLE_PROCESS,
+                                     "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS"),
             secret=_secret(opts),
             tls=_tls(opts),
             verify=(opts.get(cfg.OPT_VERIFY) or os.environ.get("DATADIST_VERIFY_CHECKSUM", ""))

@@ -121,6 +121,10 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
         cfg.listen_ip_info = "127.0.0.1:0"
         cfg.local_comm_res = ""
         cfg.enable_remote_cache_accessible = True  # the layer-wise push row writes into it
+        # The NIXL rows: serving NIXL is opt-in, and a bench on one host runs UCX over
+        # transports that check no memory key; its own processes trust each other.
+        cfg.nixl_serve = True
+        cfg.nixl_allow_whole_process_access = True
         cfg.host_mem_pool_cfg = json.dumps(
             {"memory_size": sizes.pool_bytes + pool_blocks_bytes(sizes)})
         dd.init(cfg.generate_options())

@@ -56,6 +56,8 @@ class Puller:
         cfg.host_mem_pool_cfg = json.dumps({"memory_size": sizes.pool_bytes})
         cfg.sync_kv_timeout = 60000
         cfg.transport = transport
+        if transport == "nixl":  # one host: UCX transports without checked keys (bench owner)
+            cfg.nixl_allow_whole_process_access = True
         if remote_accessible:  # pushes by key (transfer_cache_async's TransferWithCacheKeyConfig)
             cfg.enable_remote_cache_accessible = True
         self.dd = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, PULLER_ID)

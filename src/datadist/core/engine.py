@@ -14,7 +14,6 @@ import functools
 import itertools
 import json
 import logging
-import os
 import ssl
 import threading
 import time
@@ -125,6 +124,13 @@ class EngineConfig:
     device_pool: PoolConfig | None = None
     host_pool: PoolConfig | None = None
     transport: str | None = None
+    # NIXL (docs/security.md, "The NIXL path"): serve NIXL readers (our metadata, grants,
+    # leases) only when asked to (datadist.NixlServe); and, where UCX would carry NIXL over a
+    # transport whose memory keys the hardware does not check, only with
+    # nixl_whole_process (datadist.NixlAllowWholeProcessAccess), which also lets a reader
+    # link by NIXL there: a NIXL peer can then reach this whole process.
+    nixl_serve: bool = False
+    nixl_whole_process: bool = False
     secret: bytes | None = None  # shared secret peers must prove at link time
     verify: bool = False  # end-to-end CRC-32 of every pull
     tls: TlsConfig | None = None  # mutual TLS on every connection
@@ -241,9 +247,10 @@ class Engine:
     def ensure_nixl(self) -> Any:
         """Our NIXL agent (transport/nixl.py), created on first use: at init when the
         transport is nixl (a reader), else when a reader first asks for our metadata (an
-        owner serves NIXL readers whenever NIXL is installed). The pools and the registered
-        caches are registered with it once. Raises InvalidArgument (PARAM_INVALID) without
-        NIXL installed."""
+        owner that serves NIXL: :meth:`nixl_refusal`). The pools and the registered caches
+        are registered with it once (private ones only where we serve no NIXL:
+        :meth:`_nixl_register`). Raises InvalidArgument (PARAM_INVALID) without NIXL
+        installed."""
         with self._nixl_lock:
             if self.nixl is not None:
                 return self.nixl
@@ -265,12 +272,20 @@ class Engine:
             self.nixl = agent
             return agent
 
-    @staticmethod
-    def _nixl_register(agent: Any, entry: CacheEntry) -> None:
+    def _nixl_register(self, agent: Any, entry: CacheEntry) -> None:
+        """Register ``entry`` with our NIXL agent. A NIXL registration is readable (and
+        writable) by whoever holds the metadata, whatever our control channel says, so a
+        private cache (``remote_accessible=False``) is never registered by a process that
+        serves NIXL; one that does not (a reader: its destination must be registered to
+        read into it) registers it marked private, and its agent then hands out no
+        metadata at all (NixlAgent.metadata)."""
         from datadist.transport.nixl import memory_kind
 
+        if not entry.remote_accessible and self.config.nixl_serve:
+            return
         mem, dev = memory_kind(int(entry.addrs[0]), entry.placement == DEVICE)
-        agent.register(entry.cache_id, entry.addrs, entry.geometry.tensor_bytes, mem, dev)
+        agent.register(entry.cache_id, entry.addrs, entry.geometry.tensor_bytes, mem, dev,
+                       private=not entry.remote_accessible)
 
     def __repr__(self) -> str:
         return (
@@ -913,13 +928,44 @@ class Engine:
     def settle_read(self, lease: Lease, ok: bool) -> None:
         self.registry.settle(lease, ok)
 
+    def nixl_refusal(self) -> str | None:
+        """Why this process serves no NIXL peer (None: it does). NIXL hands a peer memory
+        keys it uses without asking us, so serving is consent, given by options only:
+        datadist.NixlServe (off by default); enable_remote_cache_accessible (a NIXL
+        registration cannot be made read-only: an owner that refuses writes cannot serve
+        NIXL); and, where UCX may use a transport whose keys the hardware does not check
+        (transport/nixl.py, unchecked_transports), datadist.NixlAllowWholeProcessAccess.
+        Asked on every NIXL request (NixlMdRequest, NixlRead, NixlWrite, NixlLease) and by
+        ``datadist info``; never blocks."""
+        if not self.config.nixl_serve:
+            return "this owner does not serve NIXL (datadist.NixlServe / DATADIST_NIXL_SERVE)"
+        if not self.config.remote_cache_accessible:
+            return ("this owner refuses remote writes (enable_remote_cache_accessible off) and "
+                    "NIXL registrations cannot be made read-only: it does not serve NIXL")
+        return self._nixl_unchecked()
+
+    def _nixl_unchecked(self) -> str | None:
+        """Why NIXL here may run over key-unchecked UCX transports without the operator's
+        leave (datadist.NixlAllowWholeProcessAccess), or None."""
+        if self.config.nixl_whole_process:
+            return None
+        from datadist.transport.nixl import unchecked_transports
+
+        why = unchecked_transports()
+        if why is None:
+            return None
+        return (f"{why}: a NIXL peer could read and write this whole process; not without "
+                "datadist.NixlAllowWholeProcessAccess (DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS)")
+
     def _serving_nixl(self) -> Any:
-        """Our NIXL agent for a NIXL request, created if need be; NotSupported where NIXL is
-        not installed or serving it is turned off (the reader then uses TCP)."""
+        """Our NIXL agent for a NIXL request, created if need be. Checked on every request:
+        NotSupported (the reader then uses TCP) where :meth:`nixl_refusal` says no or NIXL
+        is not installed."""
         if self._closed:
             raise Closed("finalized")
-        if self.nixl is None and os.environ.get("DATADIST_NIXL_SERVE", "1") == "0":
-            raise NotSupported("this owner does not serve NIXL readers (DATADIST_NIXL_SERVE=0)")
+        why = self.nixl_refusal()
+        if why is not None:
+            raise NotSupported(why)
         try:
             return self.ensure_nixl()
         except InvalidArgument as e:
@@ -936,7 +982,7 @@ class Engine:
         A write lease never consumes its key (as open_write)."""
         # A reader may come back to a restarted owner without asking for metadata first:
         # the grant names the new agent, and the reader loads it then.
-        nixl = self.nixl or self._serving_nixl()
+        nixl = self._serving_nixl()
         write = isinstance(msg, p.NixlWrite)
 
         def open_() -> Lease:
@@ -988,7 +1034,7 @@ class Engine:
         revoke it on the reader's reverse channel (unregister, deallocate, a blocks model id
         registered again, finalize) or the connection ends. ``drop`` shuts the connection
         down: what a revoke the reader does not answer comes to."""
-        nixl = self.nixl or self._serving_nixl()
+        nixl = self._serving_nixl()
         with self._lock:
             rev = self._reverse.get(peer.cluster_id)
         if rev is None or rev.chan.closed or rev.welcome.pid != peer.pid \
@@ -1237,6 +1283,12 @@ class Engine:
                           self._tls_client, self.forced, self.identity, self.nixl)
             if got.path.caps.name != "nixl":
                 return got
+            unchecked = self._nixl_unchecked()
+            if unchecked is not None:  # our UCX would serve the owner anything of ours
+                got.path.close()
+                log.warning("nixl forced but not usable here (%s); using tcp", unchecked)
+                return Connected(got.chan, got.welcome, TcpPath(),
+                                 f"nixl forced but not usable here: {unchecked}")
             chan, path, reason = _connect_nixl(got.path, got.chan, greet_tcp, deadline)
             return Connected(chan, got.welcome, path, reason)
 

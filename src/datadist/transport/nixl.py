@@ -13,8 +13,11 @@ no control message per pull.
 Who calls:
 
 * the engine owns one :class:`NixlAgent` (created at init, closed at finalize), registers its
-  pools and registered caches with it once, and, as the owner, answers NixlMdRequest and
-  NixlRead with it (:meth:`NixlAgent.metadata`, :meth:`NixlAgent.grant_info`);
+  pools and remote-accessible caches with it once, and, as an owner that consents to serve
+  NIXL (``Engine.nixl_refusal``: an option, remote cache access, and, on transports whose
+  memory keys nothing checks (:func:`unchecked_transports`), the whole-process allowance),
+  answers NixlMdRequest and NixlRead with it (:meth:`NixlAgent.metadata`,
+  :meth:`NixlAgent.grant_info`);
 * a link forced to NIXL reads through a :class:`NixlPath` under the link's lock.
 
 Progress: the agent has no progress thread (NIXL's spins a core even when idle). The reader
@@ -74,6 +77,10 @@ BACKEND = "UCX"
 PUMP_FAST = 50e-6
 PUMP_SLOW = 2e-3
 HANDLE_CACHE = 32  # prepared transfer handles kept per link, for repeated identical pulls
+# NixlRevokes a reader keeps for a lease it has not been told of yet: only while a NixlLease
+# of its own is in flight on the link (its NixlLeased may come after the owner revoked it),
+# and at most this many; forgotten once that answer came.
+MAX_EARLY_REVOKES = 16
 PEER_CHECK_EVERY = 64  # polls of a transfer between two looks at the control channel
 _KIND = {p.MEM_DRAM: "DRAM", p.MEM_VRAM: "VRAM"}
 
@@ -96,6 +103,46 @@ def _skip_unusable_ib(devices: str = RDMA_DEVICES) -> bool:
         pass  # no such directory: no RDMA device
     os.environ["UCX_MODULES"] = "^ib"
     return True
+
+
+# UCX transports whose remote accesses the hardware checks against the memory key of a
+# registration (InfiniBand / RoCE verbs: the HCA refuses an access outside the region the key
+# was made for), and those that serve no remote access at all (local copies). Every other
+# transport (tcp, cma, knem, xpmem, sysv / posix shared memory, cuda_ipc, self, "sm", "all",
+# any name we do not know) lets the owner's UCX serve a GET or PUT at whatever address the
+# initiator names: a peer holding our metadata reaches the whole process.
+KEY_CHECKED_TLS = frozenset({
+    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
+    "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "cuda_copy", "rocm_copy", "gdr_copy",
+})
+
+
+def unchecked_transports(environ: Any = None, devices: str | None = None) -> str | None:
+    """Why UCX may carry NIXL here over a transport whose memory keys the hardware does not
+    check, or None where it cannot: ``UCX_TLS`` is set and names only :data:`KEY_CHECKED_TLS`
+    transports, and the host has an RDMA device. Conservative: UCX_TLS unset (UCX then picks
+    tcp and shared memory too), an exclusion list (``^...``), or a name we do not know all
+    count as unchecked. Never raises; reads the environment (UCX reads UCX_TLS when an
+    agent's worker is made, so this is what our agent uses). Called by the engine on every
+    NIXL request it serves and when a link chooses NIXL."""
+    env = os.environ if environ is None else environ
+    raw = env.get("UCX_TLS", "").strip()
+    if not raw:
+        return "UCX_TLS is not set: UCX may use tcp and shared-memory transports"
+    if raw.startswith("^"):
+        return f"UCX_TLS={raw} excludes transports instead of naming them"
+    names = [t.strip().lower().lstrip("\\") for t in raw.split(",")]
+    bad = [t for t in names if t not in KEY_CHECKED_TLS]
+    if bad:
+        return f"UCX_TLS={raw} names {', '.join(bad)}, whose memory keys nothing checks"
+    devices = RDMA_DEVICES if devices is None else devices
+    try:
+        present = bool(os.listdir(devices))
+    except OSError:
+        present = False
+    if not present:
+        return f"no RDMA device on this host ({devices} is empty)"
+    return None
 
 
 def load() -> Any:
@@ -201,6 +248,7 @@ class NixlAgent:
         self._lock = threading.Lock()
         self._regions: dict[object, tuple[Any, np.ndarray, int, int]] = {}
         self._starts: list[tuple[int, int, int, int]] = []  # (addr, end, mem, dev), sorted
+        self._private: set[object] = set()  # keys of private registrations: no metadata
         self._remote: dict[str, int] = {}  # loaded remote agents -> links using them
         self._pump_users = 0
         self._pump_fresh = 0  # of those, leases of connections without a completed read
@@ -220,9 +268,12 @@ class NixlAgent:
 
     # -------------------------------------------------------------- registration
 
-    def register(self, key: object, addrs: np.ndarray, nbytes: int, mem: int, dev: int) -> None:
+    def register(self, key: object, addrs: np.ndarray, nbytes: int, mem: int, dev: int,
+                 private: bool = False) -> None:
         """Register ``len(addrs)`` regions of ``nbytes`` each under ``key`` (a cache id, a
-        pool). Called by the engine once per cache; raises NotSupported if NIXL refuses."""
+        pool). Called by the engine once per cache; raises NotSupported if NIXL refuses.
+        ``private``: memory no peer may reach (a reader's private destination): while one is
+        registered, :meth:`metadata` refuses."""
         if key in self._regions:
             return
         arr = np.empty((len(addrs), 3), dtype=np.uint64)
@@ -235,6 +286,8 @@ class NixlAgent:
             raise NotSupported(f"NIXL cannot register {_KIND[mem]} memory: {e}") from e
         with self._lock:
             self._regions[key] = (reg, arr, mem, dev)
+            if private:
+                self._private.add(key)
             for a in addrs.tolist():
                 bisect.insort(self._starts, (a, a + nbytes, mem, dev))
             self.generation += 1
@@ -244,6 +297,7 @@ class NixlAgent:
         calls it once no lease uses the memory any more."""
         with self._lock:
             got = self._regions.pop(key, None)
+            self._private.discard(key)
             if got is None:
                 return
             reg, arr, mem, dev = got
@@ -269,8 +323,12 @@ class NixlAgent:
     # -------------------------------------------------------------- owner side
 
     def metadata(self) -> p.NixlMd:
-        """Our metadata for a reader (NixlMdRequest)."""
+        """Our metadata for a reader (NixlMdRequest). NotSupported while a private region is
+        registered: the metadata carries every registration's address and key."""
         with self._lock:
+            if self._private:
+                raise NotSupported("this process registered private memory with NIXL: it "
+                                   "hands its NIXL metadata to no one")
             gen = self.generation
         return p.NixlMd(self.name.encode(), gen, bytes(self.agent.get_agent_metadata()))
 
@@ -477,7 +535,9 @@ class NixlPath:
         self._cv = threading.Condition()  # guards the leases below (revoke comes from elsewhere)
         self._leases: dict[tuple[int, int], _ReadLease] = {}
         self._lease_ids: dict[int, _ReadLease] = {}
-        self._revoked_early: set[int] = set()  # revoked before their NixlLeased was read
+        # revoked before their NixlLeased was read: kept only while we ask for a lease
+        self._revoked_early: set[int] = set()
+        self._asking = False  # a NixlLease of ours is in flight
         # checked source spans of small reads under a lease, by lease and request
         self._sources: Prepared[np.ndarray] = Prepared(KEPT, len)
 
@@ -530,6 +590,19 @@ class NixlPath:
         req = p.NixlLease(p.KeyRef(k.kind, k.a, 0, 0) if k.kind == p.KeyKind.CACHE_ID
                           else p.KeyRef(k.kind, 0, k.b, 0),
                           msg.unit_bytes if k.kind == p.KeyKind.BLOCKS_KEY else 0)
+        with self._cv:
+            self._asking = True
+            self._revoked_early.clear()
+        try:
+            return self._ask_lease(chan, req, key, deadline)
+        finally:
+            with self._cv:  # revokes of ids we were not told of are forgotten from here on
+                self._asking = False
+                self._revoked_early.clear()
+
+    def _ask_lease(self, chan: Any, req: p.NixlLease, key: tuple[int, int],
+                   deadline: float) -> _ReadLease | None:
+        """One NixlLease exchange (while ``_asking``: revokes of unknown ids are kept)."""
         try:
             info = chan.call(req, deadline)
         except (NotSupported, CacheNotFound) as e:
@@ -549,8 +622,7 @@ class NixlPath:
         self._refresh(chan, info.agent, info.generation, deadline)
         lease = _ReadLease(info, key)
         with self._cv:
-            if info.lease_id in self._revoked_early:
-                self._revoked_early.discard(info.lease_id)
+            if info.lease_id in self._revoked_early:  # revoked while on its way
                 return None
             self._leases[key] = lease
             self._lease_ids[info.lease_id] = lease
@@ -591,8 +663,11 @@ class NixlPath:
         end = time.monotonic() + wait
         with self._cv:
             lease = self._lease_ids.pop(lease_id, None)
-            if lease is None:  # its NixlLeased is still on its way (or the lease is gone)
-                self._revoked_early.add(lease_id)
+            if lease is None:
+                # Its NixlLeased may still be on its way: remembered only while we wait for
+                # one, and boundedly (a revoke of an id we never asked for changes nothing).
+                if self._asking and len(self._revoked_early) < MAX_EARLY_REVOKES:
+                    self._revoked_early.add(lease_id)
                 return True
             lease.revoked = True
             if self._leases.get(lease.key) is lease:

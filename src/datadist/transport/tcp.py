@@ -30,6 +30,7 @@ from datadist.core.errors import (
     DatadistError,
     InvalidArgument,
     LinkFailed,
+    NotSupported,
     ProtocolError,
     RemoteProtocolError,
     Timeout,
@@ -61,6 +62,8 @@ SERVE_SEND_TIMEOUT = 120.0
 # within RECLAIM_GRACE seconds once its owner wants the memory back (the cache deallocated or
 # being unregistered), so that a silent peer cannot keep a pool exhausted.
 MAX_GRANTS_PER_CONNECTION = 4
+# The NIXL messages a peer may send us; which of them a connection serves: _nixl_misplaced.
+_NIXL_REQUESTS = (p.NixlMdRequest, p.NixlRead, p.NixlWrite, p.NixlLease, p.NixlRevoke)
 # A NIXL grant keeps its request's span arrays until the Release: the grants outstanding on
 # one connection may hold at most one largest frame's worth, what serving one request holds.
 MAX_GRANTED_REQUEST_BYTES = p.MAX_PAYLOAD
@@ -556,6 +559,8 @@ class ServerConnection(Generic[LeaseT]):
                 else:
                     self.handler.close_read(lease, ok)
             return True
+        if isinstance(msg, _NIXL_REQUESTS) and self._nixl_misplaced(rid, msg, deadline):
+            return True
         if isinstance(msg, (p.NixlRead, p.NixlWrite)):
             return self._nixl_grant(rid, msg, deadline)
         if isinstance(msg, (p.NixlLease, p.NixlRevoke)):
@@ -609,6 +614,19 @@ class ServerConnection(Generic[LeaseT]):
                 log.warning("grant %d to %s not released after %.1f s: released", lease_id,
                             self.chan.address, age)
                 self.handler.close_read(lease, False)
+
+    def _nixl_misplaced(self, rid: int, msg: p.Message, deadline: float) -> bool:
+        """A NIXL request on the wrong kind of connection is refused (NotSupported), the
+        connection kept: on a reverse channel (we linked; the peer is the owner we read from)
+        only NixlRevoke is the owner's to send, and never anything that would hand the owner
+        our NIXL agent, grants or leases; on any other connection NixlRevoke is not the
+        client's to send. True: refused."""
+        if self.reverse == isinstance(msg, p.NixlRevoke):
+            return False
+        where = "a reverse channel" if self.reverse else "a client's connection"
+        self.chan.send(p.Error(int(NotSupported.code),
+                               f"{type(msg).__name__} is not served on {where}"), deadline, rid)
+        return True
 
     def _nixl_grant(self, rid: int, msg: p.NixlRead | p.NixlWrite, deadline: float) -> bool:
         """NIXL data path: grant the checked spans (the client READs or WRITEs them through
