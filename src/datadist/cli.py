@@ -356,13 +356,12 @@ def _info_nixl() -> None:
           f" (DATADIST_NIXL_SERVE={serve!r}, or the option datadist.NixlServe; needs "
           "enable_remote_cache_accessible)")
     unchecked = nixl.unchecked_transports()
-    if unchecked is None:
-        print("nixl transports: RDMA verbs only (UCX_TLS): memory keys checked by the NIC")
-    else:
-        print(f"nixl transports: keys UNCHECKED ({unchecked}): a NIXL peer can reach the "
-              "whole process; NIXL " + ("ALLOWED (DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS=1)"
-                                        if whole else "refused unless "
-                                        "datadist.NixlAllowWholeProcessAccess is set"))
+    print("nixl transports: " + (
+        "RDMA verbs only (UCX_TLS): memory keys checked by the NIC, but UCX's software RMA "
+        "still answers any address" if unchecked is None else f"keys UNCHECKED ({unchecked})")
+        + ": a NIXL peer can reach the whole process; serving NIXL is "
+        + ("ALLOWED (DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS=1)" if whole else
+           "refused unless datadist.NixlAllowWholeProcessAccess is set"))
 
 
 def cmd_bench(argv: list[str]) -> int:

@@ -199,15 +199,22 @@ def test_which_transports_count_as_key_checked(tmp_path, tls: str | None, device
     assert (why is None) == checked, why
 
 
-def test_key_checked_transports_need_no_allowance_but_still_consent(
+def test_key_checked_transports_still_need_the_allowance_and_consent(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On RDMA verbs only (UCX_TLS, a device present) nixl_serve suffices; without it, or
-    without remote cache access, the owner still refuses."""
+    """On RDMA verbs only (UCX_TLS, a device present) the NIC checks keys, but UCX's software
+    RMA emulation (ucp/rma/rma_sw.c: ucp_put_handler copies to whatever address the message
+    names) answers a modified UCX on every transport with active messages: nixl_serve alone
+    is refused, naming that; with the allowance it serves; without nixl_serve or remote cache
+    access it still refuses."""
     (tmp_path / "mlx5_0").mkdir()
     monkeypatch.setattr(nixl, "RDMA_DEVICES", str(tmp_path))
     monkeypatch.setenv("UCX_TLS", "rc_mlx5,ud_mlx5")
+    assert unchecked_transports() is None
     owner = _owner(nixl_serve=True)
     try:
+        refusal = str(owner.nixl_refusal())
+        assert "rma_sw.c" in refusal and "NixlAllowWholeProcessAccess" in refusal, refusal
+        owner.config = dataclasses.replace(owner.config, nixl_whole_process=True)
         assert owner.nixl_refusal() is None
         owner.config = dataclasses.replace(owner.config, nixl_serve=False)
         assert "NixlServe" in str(owner.nixl_refusal())

@@ -933,8 +933,9 @@ class Engine:
         keys it uses without asking us, so serving is consent, given by options only:
         datadist.NixlServe (off by default); enable_remote_cache_accessible (a NIXL
         registration cannot be made read-only: an owner that refuses writes cannot serve
-        NIXL); and, where UCX may use a transport whose keys the hardware does not check
-        (transport/nixl.py, unchecked_transports), datadist.NixlAllowWholeProcessAccess.
+        NIXL); and datadist.NixlAllowWholeProcessAccess, on every UCX transport (RDMA verbs
+        too: UCX's software RMA emulation serves any address; transport/nixl.py,
+        whole_process_reach).
         Asked on every NIXL request (NixlMdRequest, NixlRead, NixlWrite, NixlLease) and by
         ``datadist info``; never blocks."""
         if not self.config.nixl_serve:
@@ -945,17 +946,15 @@ class Engine:
         return self._nixl_unchecked()
 
     def _nixl_unchecked(self) -> str | None:
-        """Why NIXL here may run over key-unchecked UCX transports without the operator's
-        leave (datadist.NixlAllowWholeProcessAccess), or None."""
+        """Why NIXL here would let a peer reach this whole process without the operator's
+        leave (datadist.NixlAllowWholeProcessAccess), or None where that leave is given."""
         if self.config.nixl_whole_process:
             return None
-        from datadist.transport.nixl import unchecked_transports
+        from datadist.transport.nixl import whole_process_reach
 
-        why = unchecked_transports()
-        if why is None:
-            return None
-        return (f"{why}: a NIXL peer could read and write this whole process; not without "
-                "datadist.NixlAllowWholeProcessAccess (DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS)")
+        return (f"{whole_process_reach()}: a NIXL peer could read and write this whole process; "
+                "not without datadist.NixlAllowWholeProcessAccess "
+                "(DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS)")
 
     def _serving_nixl(self) -> Any:
         """Our NIXL agent for a NIXL request, created if need be. Checked on every request:
