@@ -236,6 +236,21 @@ def interleave(a: Callable[[], None], b: Callable[[], None], repeat: int,
     return ta, tb
 
 
+def warm_both(sides: list[tuple[str, Callable[[], None]]], reset: Callable[[], None],
+              check: Callable[[str], None]) -> None:
+    """Rules 1 and 2 for a figure and its limit (or a peer): every side, in turn, gets the same
+    untimed warm-up into the same zeroed buffers (``reset``), and what it moved is checked
+    (``check(label)`` raises BenchError on a wrong byte) before anything is timed. A side that
+    moved wrong bytes fails the run instead of winning it; a side that was never warmed cannot
+    pay its first-use costs (connection set-up, registrations, page faults) inside the timing.
+
+    Who calls: the row modules, before :func:`interleave`. Blocks for one transfer per side."""
+    for label, run in sides:
+        reset()
+        run()
+        check(label)
+
+
 def recv_exact(conn: socket.socket, n: int) -> bytes:
     """``n`` bytes, or b"" if the peer closed before the first byte."""
     buf = bytearray(n)

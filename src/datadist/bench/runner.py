@@ -174,6 +174,8 @@ def format_table(result: dict[str, Any]) -> str:
         out.append("note: transfers smaller than 256 MiB / 8192 blocks: fixed costs weigh more "
                    "than the goals allow for; run without --quick/--size to judge them")
     out.extend(result["peers"])
+    notes = dict.fromkeys(r["note"] for r in result["rows"] if r["unit"] and r["note"])
+    out.extend(f"note: {n}" for n in notes)  # how a peer was driven, per row group
     return "\n".join(out)
 
 
