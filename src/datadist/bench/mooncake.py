@@ -77,7 +77,7 @@ def variant() -> str:
 
 
 def _engine() -> Any:
-    from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+    from mooncake.engine import TransferEngine  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
     for k, v in TUNED.items():
         os.environ.setdefault(k, v)

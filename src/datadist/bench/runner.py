@@ -53,7 +53,7 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
 
 GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "plan": 2}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
-    GROUPS["nixl"] = 4
+    GROUPS["nixl"] = 7
 if mooncake_available() is not None:  # a peer, beside the TCP path: with --peers or --only
     GROUPS["mooncake"] = 3
 GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped if not built
