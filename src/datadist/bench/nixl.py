@@ -35,6 +35,7 @@ from datadist.bench.harness import (
     mib,
     pattern_seed,
     throughput_row,
+    timed,
     warm_both,
 )
 from datadist.bench.limits import iov
@@ -233,8 +234,12 @@ def nixl_rows(ctx: Context) -> list[Row]:
         note = ("UCX transports of NIXL's reads: " + (", ".join(transports) or
                                                        "not reported by this UCX"))
         off, on = prepared
-        _warm_sides(ctx, p, off, on)
         src, dst = ctx.src_list, ctx.dst_list
+
+        def pull_blocks() -> None:
+            p.pull_blocks(src, dst)
+
+        _warm_sides(ctx, p.pull_contig, pull_blocks, off, on)
         f_best: list[float] = []
         for fns, tag, how in ((off, "", "progress thread off"),
                               (on, "_prog", "progress thread on")):
@@ -248,8 +253,7 @@ def nixl_rows(ctx: Context) -> list[Row]:
             if not tag:
                 f_best = f_nixl
             ctx.progress.set_label(f"NIXL pull_blocks ({how})")
-            f, lim = interleave(lambda: p.pull_blocks(src, dst), fns[1], ctx.repeat,
-                                ctx.progress)
+            f, lim = interleave(pull_blocks, fns[1], ctx.repeat, ctx.progress)
             rows.append(throughput_row(
                 f"nixl_pull_blocks{tag}", f"NIXL path pull_blocks, {s.blocks} x "
                 f"{s.block_bytes >> 10} KiB{', vs NIXL ' + how if tag else ''}",
@@ -271,8 +275,8 @@ def nixl_rows(ctx: Context) -> list[Row]:
     return rows
 
 
-def _warm_sides(ctx: Context, p: Puller, off: tuple[Callable[[], None], ...],
-                on: tuple[Callable[[], None], ...]) -> None:
+def _warm_sides(ctx: Context, pull: Callable[[], None], pull_blocks: Callable[[], None],
+                off: tuple[Callable[[], None], ...], on: tuple[Callable[[], None], ...]) -> None:
     """Rules 1 and 2 for the NIXL path and both NIXL settings: the same warm-up into the same
     zeroed buffers, the bytes checked (harness.warm_both)."""
     s, contig, blocks = ctx.sizes, ctx.bufs["contig"], ctx.bufs["blocks"]
@@ -281,10 +285,10 @@ def _warm_sides(ctx: Context, p: Puller, off: tuple[Callable[[], None], ...],
         for a in contig:
             a.fill(0)
 
-    warm_both([("NIXL path pull", p.pull_contig), ("NIXL READ, progress thread off", off[0]),
+    warm_both([("NIXL path pull", pull), ("NIXL READ, progress thread off", off[0]),
                ("NIXL READ, progress thread on", on[0])], zero_contig,
               lambda what: check_contig(contig, 1, what))
-    warm_both([("NIXL path pull_blocks", lambda: p.pull_blocks(ctx.src_list, ctx.dst_list)),
+    warm_both([("NIXL path pull_blocks", pull_blocks),
                ("NIXL READ of the blocks, progress thread off", off[1]),
                ("NIXL READ of the blocks, progress thread on", on[1])], lambda: blocks.fill(0),
               lambda what: check_blocks(blocks.reshape(s.cache_blocks, -1), ctx.src_ids,
@@ -296,10 +300,20 @@ def _beside_best(ctx: Context, nixl_s: list[float]) -> Row:
     cross-memory attach on one host), reported side by side, no goal."""
     s = ctx.sizes
     p = Puller(ctx.info, s, ctx.bufs, "auto")
+    contig = ctx.bufs["contig"]
+
+    def zero_contig() -> None:
+        for a in contig:
+            a.fill(0)
+
     try:
-        p.pull_contig()
+        warm_both([("datadist's own path pull", p.pull_contig)], zero_contig,
+                  lambda what: check_contig(contig, 1, what))
         ctx.progress.set_label("best own path pull")
-        best, _ = interleave(p.pull_contig, lambda: None, ctx.repeat, ctx.progress)
+        best = []
+        for _ in range(ctx.repeat):
+            best.append(timed(p.pull_contig))
+            ctx.progress.step()
         path = p.mechanism()
     finally:
         p.close()

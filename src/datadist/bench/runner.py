@@ -201,7 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default "
                     "all but cpp, the C++ API's rows, which need build/cpp/dd_bench)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--plot", metavar="PATH",
+                    help="also draw every row against its limit to PATH (.png or .svg; needs "
+                    "matplotlib: pip install 'datadist[plot]')")
+    ap.add_argument("--input", metavar="JSON",
+                    help="run nothing: print (and --plot) a result saved with --json")
     args = ap.parse_args(argv)
+    if args.plot and not args.plot.lower().endswith((".png", ".svg")):
+        ap.error("--plot writes a .png or .svg file")
+    if args.input:
+        return _replay(args.input, args.plot)
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)
     if repeat < 1:
         ap.error("--repeat must be >= 1")
@@ -226,4 +235,30 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
+    return _draw(result, args.plot) if args.plot else 0
+
+
+def _draw(result: dict[str, Any], path: str) -> int:
+    """--plot: the chart (bench/plot.py; matplotlib imported only now)."""
+    from datadist.bench.plot import plot
+
+    try:
+        plot(result, path)
+    except BenchError as e:
+        print(f"datadist bench --plot: {e}", file=sys.stderr)
+        return 1
+    print(f"chart: {path}")
     return 0
+
+
+def _replay(path: str, plot_path: str | None) -> int:
+    """--input: the table (and chart) of a saved result, nothing run."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        table = format_table(result)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"datadist bench --input: cannot read a result from {path}: {e}", file=sys.stderr)
+        return 1
+    print(table)
+    return _draw(result, plot_path) if plot_path else 0
