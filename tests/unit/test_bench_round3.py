@@ -255,3 +255,20 @@ def test_harness_is_importable_without_matplotlib() -> None:
                           timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
     assert harness.PAGE > 0
+
+
+# ----------------------------------------------------------------------------- busy rows
+
+
+def test_python_work_counts_rounds_and_stops() -> None:
+    """The busy rows' thread of Python work (harness.PythonWork): it runs until stopped and
+    reports the rounds it did in the time it ran."""
+    import threading
+    import time
+
+    work = harness.PythonWork().start()
+    time.sleep(0.05)
+    rounds, secs = work.stop()
+    assert rounds > 0 and secs >= 0.05
+    assert not any(t.name == "bench-python-work" and t.is_alive()
+                   for t in threading.enumerate())

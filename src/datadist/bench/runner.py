@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from datadist.bench.busy import ROWS as BUSY_ROWS
+from datadist.bench.busy import busy_rows
 from datadist.bench.calls import calls_rows
 from datadist.bench.cpp import ROWS as CPP_ROWS
 from datadist.bench.cpp import cpp_rows
@@ -51,7 +53,8 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "plan": 2}  # groups: rows
+GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "busy": BUSY_ROWS,
+          "plan": 2}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 7
 if mooncake_available() is not None:  # a peer, beside the TCP path: with --peers or --only
@@ -61,7 +64,8 @@ GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped i
 # peers' (--peers adds them).
 DEFAULT_GROUPS = tuple(g for g in GROUPS if g not in ("cpp", "mooncake"))
 PEER_GROUPS = tuple(g for g in GROUPS if g == "mooncake")
-_OWNED = ("same-host", "pools", "tcp", "calls", "nixl", "mooncake")  # pulls from a Python owner
+# the groups that pull from a Python owner
+_OWNED = ("same-host", "pools", "tcp", "calls", "busy", "nixl", "mooncake")
 
 
 def timed_steps(repeat: int, groups: tuple[str, ...] = DEFAULT_GROUPS) -> int:
@@ -115,11 +119,12 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
         src_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
         dst_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
         plain = PlainClient(info["plain_port"])
-        ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain)
+        ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain, conn)
         rows = same_host_rows(ctx) if "same-host" in groups else []
         rows += pool_rows(ctx) if "pools" in groups else []
         rows += tcp_rows(ctx) if "tcp" in groups else []
         rows += calls_rows(ctx) if "calls" in groups else []
+        rows += busy_rows(ctx) if "busy" in groups else []
         if "nixl" in groups:
             from datadist.bench.nixl import nixl_rows
 
