@@ -110,7 +110,13 @@ class Net:
         self.qdisc = "tbf rate (no delay: sch_netem missing)" if self.delay_ms > 0 else "tbf rate"
 
     def close(self) -> None:
+        """Removes every namespace of the run (their veths, bridge and addresses go with
+        them), after ending any process still inside one (only ours run there)."""
         for ns in reversed(self.made):
+            pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             sh("ip", "netns", "del", ns, check=False)
         self.made.clear()
 

@@ -205,7 +205,7 @@ def test_plot_writes_an_svg_that_parses(tmp_path: Path) -> None:
 
 
 def test_plot_speeds_put_the_limit_at_one_and_right_is_better() -> None:
-    from datadist.bench.plot import is_peer, speed
+    from datadist.bench.plot import goal_speed, is_peer, speed
 
     rows = {r["key"]: r for r in RESULT["rows"]}  # type: ignore[attr-defined]
     assert speed(rows["tcp_pull"]) == pytest.approx(1.2)  # throughput: figure / limit
@@ -213,6 +213,9 @@ def test_plot_speeds_put_the_limit_at_one_and_right_is_better() -> None:
     assert speed(rows["plan_numpy"]) == pytest.approx(5 / 0.7)  # against its goal
     assert speed(rows["cpp_skipped"]) is None
     assert is_peer(rows["mooncake_pull"]) and not is_peer(rows["tcp_pull"])
+    assert goal_speed(rows["tcp_pull"]) == pytest.approx(0.9)  # ">= 0.90x"
+    assert goal_speed(rows["tcp_small"]) == pytest.approx(0.5)  # "<= 2.00x" of a time
+    assert goal_speed(rows["plan_numpy"]) == 1.0 and goal_speed(rows["mooncake_pull"]) is None
 
 
 def test_cli_input_replays_a_saved_result_and_plots_it(tmp_path: Path,

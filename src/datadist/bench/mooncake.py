@@ -77,10 +77,13 @@ def variant() -> str:
 
 
 def _engine() -> Any:
-    from mooncake.engine import TransferEngine  # type: ignore[import-not-found,import-untyped,unused-ignore]
-
     for k, v in TUNED.items():
         os.environ.setdefault(k, v)
+    # its INFO lines ("Batch Transfer completed!" per batch) would flood stderr; Mooncake
+    # reads its log level from the environment (measured: GLOG_minloglevel has no effect)
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    from mooncake.engine import TransferEngine  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
     engine = TransferEngine()
     rc = engine.initialize("127.0.0.1", "P2PHANDSHAKE", PROTOCOL, "")
     if rc != 0:

@@ -44,6 +44,23 @@ def speed(row: dict[str, Any]) -> float | None:
     return float(lim / fig) if row["unit"] == "us" else float(fig / lim)
 
 
+def goal_speed(row: dict[str, Any]) -> float | None:
+    """A row's goal on the same scale as :func:`speed` (">= 0.90x" -> 0.9, "<= 2.00x" for a
+    time -> 0.5, "< 5 ms" -> 1.0), or None for a reported row."""
+    parts = str(row.get("goal", "")).split()
+    if row.get("unit") == "ms":  # "< 5 ms": the speed scale is already goal / figure
+        return 1.0 if parts[:1] == ["<"] else None
+    if len(parts) != 2:
+        return None
+    try:
+        g = float(parts[1].rstrip("x"))
+    except ValueError:
+        return None
+    if g <= 0:
+        return None
+    return 1 / g if row.get("unit") == "us" else g
+
+
 def is_peer(row: dict[str, Any]) -> bool:
     """Whether the row's comparison is a peer (reported side by side), not a limit."""
     text = f"{row.get('title', '')} {row.get('limit_title', '')}"
@@ -87,8 +104,14 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
         ax.set_yticklabels(labels, fontsize=7)
         for y, v in zip(ys, values, strict=True):
             ax.text(v, y, f" {v:.2f}x", va="center", fontsize=6)
-        ax.set_xlabel("speed relative to the limit (right is better; 1.0 = the limit); "
-                      "orange: beside a peer (1.0 = the peer)", fontsize=7)
+        goals = [(y, goal_speed(r)) for y, (r, _) in zip(ys, rows, strict=True)]
+        gy = [y for y, g in goals if g is not None]
+        ax.plot([g for _, g in goals if g is not None], gy, linestyle="none", marker="|",
+                markersize=11, markeredgewidth=2, color="#c0392b", label="goal")
+        if gy:
+            ax.legend(loc="lower right", fontsize=7)
+        ax.set_xlabel("speed against the limit (right is better, 1.0 = the limit); orange: "
+                      "beside a peer (1.0 = the peer); red: the goal", fontsize=7)
         size = result.get("sizes", {}).get("contig_bytes", 0) >> 20
         ax.set_title(f"datadist bench {result.get('datadist_version', '')}: {size} MiB, "
                      f"median of {result.get('repeat', '?')}, "
@@ -101,7 +124,24 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
         ax.xaxis.set_major_formatter(FixedFormatter([f"{t:g}" for t in ticks]))
         ax.xaxis.set_minor_formatter(NullFormatter())
         fig.tight_layout()
-        fig.savefig(out)
+        if out.suffix.lower() == ".png":
+            _save_small_png(fig, out)
+        else:
+            fig.savefig(out)
     finally:
         plt.close(fig)
     return out
+
+
+def _save_small_png(fig: Any, out: Path) -> None:
+    """A palette PNG (a few colours suffice for bars and text): a third of the RGBA file's
+    size, small enough to commit. Pillow comes with matplotlib."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    buf.seek(0)
+    with Image.open(buf) as img:
+        img.convert("RGB").quantize(colors=32).save(out, format="PNG", optimize=True)
