@@ -275,3 +275,15 @@ def test_python_work_counts_rounds_and_stops() -> None:
     assert rounds > 0 and secs >= 0.05
     assert not any(t.name == "bench-python-work" and t.is_alive()
                    for t in threading.enumerate())
+
+
+def test_a_run_with_plot_writes_the_chart(tmp_path: Path) -> None:
+    """``datadist bench --plot`` after a real (planning-only, in-process) run."""
+    pytest.importorskip("matplotlib")
+    from datadist.bench import main
+
+    svg = tmp_path / "plan.svg"
+    assert main(["--quick", "--repeat", "2", "--only", "plan", "--no-progress", "--plot",
+                 str(svg)]) == 0
+    root = ET.parse(svg).getroot()
+    assert root.tag.endswith("svg") and "plan 100k blocks" in svg.read_text()

@@ -110,8 +110,8 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
                 markersize=11, markeredgewidth=2, color="#c0392b", label="goal")
         if gy:
             ax.legend(loc="lower right", fontsize=7)
-        ax.set_xlabel("speed against the limit (right is better, 1.0 = the limit); orange: "
-                      "beside a peer (1.0 = the peer); red: the goal", fontsize=7)
+        ax.set_xlabel("speed against the limit: right is better, 1.0 = the limit "
+                      "(orange: 1.0 = the peer); red: the goal", fontsize=7)
         size = result.get("sizes", {}).get("contig_bytes", 0) >> 20
         ax.set_title(f"datadist bench {result.get('datadist_version', '')}: {size} MiB, "
                      f"median of {result.get('repeat', '?')}, "
