@@ -27,10 +27,15 @@ ROWS = {
     "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "same_host_small_p99": "us",
     "same_host_small_new": "us",
     "same_host_async_layers": "GB/s", "tcp_async_layers": "GB/s",
+    # the busy interpreter (bench/busy.py): Python work in the owner, then in the puller
+    **{f"busy_{side}_{path}_{what}": unit for side in ("owner", "puller")
+       for path in ("same_host", "tcp")
+       for what, unit in (("p50", "us"), ("p99", "us"), ("work", "kround/s"))},
 }
 if nixl.available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     ROWS.update({"nixl_pull": "GB/s", "nixl_pull_blocks": "GB/s", "nixl_small": "us",
-                 "nixl_vs_best": "GB/s"})
+                 "nixl_vs_best": "GB/s", "nixl_pull_prog": "GB/s",
+                 "nixl_pull_blocks_prog": "GB/s", "nixl_small_prog": "us"})
 if mooncake.available() is not None:  # Mooncake beside the TCP path (--peers), if installed
     ROWS.update({"mooncake_pull": "GB/s", "mooncake_pull_blocks": "GB/s",
                  "mooncake_small": "us"})
@@ -38,10 +43,10 @@ if mooncake.available() is not None:  # Mooncake beside the TCP path (--peers), 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "datadist.bench", *args],
-                          capture_output=True, text=True, timeout=100)
+                          capture_output=True, text=True, timeout=200)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_quick_run_produces_every_row(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = run_bench("--quick", "--size", "1", "--repeat", "2", "--peers", "--json", str(out))
@@ -69,8 +74,10 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
     for key in ("same_host_pull", "same_host_pull_blocks", "same_host_small",
                 "same_host_pull_blocks_pool"):
         assert rows[key]["path"] != "tcp", rows[key]
-    for key in ("nixl_pull", "nixl_pull_blocks", "nixl_small"):
+    for key in ("nixl_pull", "nixl_pull_blocks", "nixl_small", "nixl_pull_prog"):
         assert key not in rows or rows[key]["path"] == "nixl", rows[key]
+    for key in ("busy_owner_tcp_p50", "busy_puller_tcp_work"):
+        assert rows[key]["path"] == "tcp", rows[key]
     assert result["sizes"]["contig_bytes"] == 1 << 20 and not result["at_goal_size"]
     assert "address mod 4096" in result["alignment"]
     assert len(result["peers"]) == 2 and all("NIXL" in p or "Mooncake" in p

@@ -13,6 +13,7 @@ import mmap
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -234,6 +235,56 @@ def interleave(a: Callable[[], None], b: Callable[[], None], repeat: int,
         tb.append(timed(b))
         progress.step()
     return ta, tb
+
+
+def warm_both(sides: list[tuple[str, Callable[[], None]]], reset: Callable[[], None],
+              check: Callable[[str], None]) -> None:
+    """Rules 1 and 2 for a figure and its limit (or a peer): every side, in turn, gets the same
+    untimed warm-up into the same zeroed buffers (``reset``), and what it moved is checked
+    (``check(label)`` raises BenchError on a wrong byte) before anything is timed. A side that
+    moved wrong bytes fails the run instead of winning it; a side that was never warmed cannot
+    pay its first-use costs (connection set-up, registrations, page faults) inside the timing.
+
+    Who calls: the row modules, before :func:`interleave`. Blocks for one transfer per side."""
+    for label, run in sides:
+        reset()
+        run()
+        check(label)
+
+
+class PythonWork:
+    """A thread of pure-Python work (an integer hash loop, no C calls that release the GIL),
+    as a serving engine's scheduler or tokenizer would run beside datadist: the busy rows
+    (bench/busy.py) count how much of it a pulling datadist leaves, and how much it slows
+    the pulls. :meth:`start` returns at once; :meth:`stop` blocks until the thread ended and
+    returns (rounds done, seconds). Used in the puller and in the owner process."""
+
+    ROUND = 1000  # loop steps per counted round
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._rounds = 0
+        self._t0 = 0.0
+        self._thread = threading.Thread(target=self._run, name="bench-python-work",
+                                        daemon=True)
+
+    def start(self) -> PythonWork:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        n, acc, stop = 0, 0, self._stop
+        while not stop.is_set():
+            for i in range(self.ROUND):
+                acc = (acc * 31 + i) & 0xFFFFFFFF
+            n += 1
+        self._rounds = n
+
+    def stop(self) -> tuple[int, float]:
+        self._stop.set()
+        self._thread.join()
+        return self._rounds, time.perf_counter() - self._t0
 
 
 def recv_exact(conn: socket.socket, n: int) -> bytes:

@@ -3,7 +3,8 @@ datadist's own best path on this host. Run only where NIXL is importable.
 
 The limit is the same READ through a second NIXL agent in this process: descriptor lists
 prepared once (``prep_xfer_dlist``), one transfer handle made once (``make_prepped_xfer``)
-and reposted for every repetition, polled to completion, no progress thread. It reads the same
+and reposted for every repetition, polled to completion, with NIXL's progress thread off (the
+goal rows) and again on (the ``_prog`` rows, reported). It reads the same
 owner memory from the owner's own agent (created by datadist when the puller linked). The
 owner drives its agent only while a NIXL lease is open (transport/nixl.py), so the limit
 holds one open for its whole run on a side connection: both sides get the same owner.
@@ -11,9 +12,12 @@ holds one open for its whole run on a side connection: both sides get the same o
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -26,28 +30,87 @@ from datadist.bench.harness import (
     U64,
     BenchError,
     Row,
+    check_blocks,
     interleave,
     mib,
+    pattern_seed,
     throughput_row,
+    timed,
+    warm_both,
 )
 from datadist.bench.limits import iov
-from datadist.bench.puller import Context, Puller, alternate_runs, warm_and_check
+from datadist.bench.puller import Context, Puller, alternate_runs, check_contig, warm_and_check
 
 SIDE_ID = 3  # the limit's side connection says Hello as this cluster
 
 
-class RawNixl:
-    """NIXL without datadist: an agent of its own, the owner's metadata, prepared handles."""
+@contextlib.contextmanager
+def ucx_protocols(out: list[str]) -> Iterator[None]:
+    """Appends to ``out`` the UCX transports (``tcp/lo``, ``cma/memory``, ...) that UCX chose
+    for remote-memory reads while the block ran: UCX prints its protocol choices when
+    ``UCX_PROTO_INFO=y`` was set as its context was made (here: the limit's agent), and this
+    catches the process's stdout and stderr (file descriptors 1 and 2) meanwhile. Other
+    output written then is dropped. Where UCX prints nothing, ``out`` stays empty."""
+    saved_env = os.environ.get("UCX_PROTO_INFO")
+    os.environ["UCX_PROTO_INFO"] = "y"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            if saved_env is None:
+                os.environ.pop("UCX_PROTO_INFO", None)
+            else:
+                os.environ["UCX_PROTO_INFO"] = saved_env
+            f.seek(0)
+            out.extend(read_transports(f.read().decode(errors="replace")))
 
-    def __init__(self, port: int, bufs: dict[str, Any]) -> None:
+
+def read_transports(text: str) -> list[str]:
+    """The transports of the remote-memory-read tables in UCX's protocol printout, in order
+    of first appearance (``| 0..inf | zero-copy | cma/memory |`` rows under a title that says
+    "remote memory read")."""
+    found: dict[str, None] = {}
+    in_read = False
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 1:  # a table's title lines
+            if "remote memory read" in cells[0]:
+                in_read = True
+            elif "memory" in cells[0] or "message" in cells[0]:
+                in_read = "remote memory read" in cells[0]
+        elif in_read and len(cells) == 3 and cells[0] != "Range":
+            for t in cells[2].replace(",", " ").split():
+                if "/" in t and not t.startswith("<"):
+                    found.setdefault(t.split("(")[0].rstrip(":"))
+    return list(found)
+
+
+class RawNixl:
+    """NIXL without datadist: an agent of its own, the owner's metadata, prepared handles.
+    ``prog_thread``: NIXL's own progress thread on (it then completes transfers in the
+    background) or off (this thread polls them to completion, as datadist does)."""
+
+    def __init__(self, port: int, bufs: dict[str, Any], prog_thread: bool = False) -> None:
         from datadist.core.links import HostIdentity, greet
         from datadist.transport import nixl
         from datadist.wire import protocol as p
 
         mod = nixl.load()
+        self.prog_thread = prog_thread
         self.agent = mod.nixl_agent(
-            f"bench-raw-{os.getpid()}",
-            mod.nixl_agent_config(enable_prog_thread=False, backends=[nixl.BACKEND]))
+            f"bench-raw-{os.getpid()}-{int(prog_thread)}",
+            mod.nixl_agent_config(enable_prog_thread=prog_thread, backends=[nixl.BACKEND]))
         ident = HostIdentity.current()
         deadline = time.monotonic() + 10
 
@@ -122,63 +185,114 @@ class RawNixl:
         self.agent.remove_remote_agent(self.remote)
 
 
-def _latency(ctx: Context, p: Puller, raw: Callable[[], None], title: str) -> Row:
+def _latency(ctx: Context, p: Puller, raw: Callable[[], None], title: str, key: str,
+             limit_title: str) -> Row:
     """p50 of one 16 KiB block pulls against the same 16 KiB READ on a reused handle."""
     ctx.progress.set_label(title)
     pulls, lims = alternate_runs(ctx, lambda _: p.pull_small(5, 9), raw)
-    row = Row("nixl_small", title, "us", float(np.median(pulls)),
-              "NIXL READ of 16 KiB, reused handle, p50", float(np.median(lims)), "<= 2.00x",
-              path=p.mechanism(), figure_samples=pulls, limit_samples=lims)
+    row = Row(key, title, "us", float(np.median(pulls)), limit_title, float(np.median(lims)),
+              "<= 2.00x", path=p.mechanism(), figure_samples=pulls, limit_samples=lims)
     row.met = row.ratio is not None and row.ratio <= 2.0
     return row
 
 
 def nixl_rows(ctx: Context) -> list[Row]:
-    s, info = ctx.sizes, ctx.info
+    """The NIXL path against NIXL driven directly with its progress thread off (goals), and
+    again against NIXL with its progress thread on (reported), so that neither of NIXL's
+    settings is left out; every row's note names the UCX transports NIXL's reads used."""
+    s, info, bufs = ctx.sizes, ctx.info, ctx.bufs
     rows: list[Row] = []
-    p = Puller(info, s, ctx.bufs, "nixl")
-    raw = None
+    p = Puller(info, s, bufs, "nixl")
+    raws: list[RawNixl] = []
     try:
         if p.path != "nixl":
             raise BenchError(f"transport nixl was forced but the link uses {p.path}")
         warm_and_check(ctx, p, "nixl")
-        raw = RawNixl(info["port"], ctx.bufs)
         lengths = [s.tensor_bytes] * s.contig_tensors
-        raw_c = raw.prepare(iov([a.ctypes.data for a in ctx.bufs["contig"]], lengths),
-                            iov(info["contig_addrs"], lengths))
-        raw_c()
-        raw.settle()
-        ctx.progress.set_label("NIXL pull")
-        f_nixl, lim = interleave(p.pull_contig, raw_c, ctx.repeat, ctx.progress)
-        rows.append(throughput_row(
-            "nixl_pull", f"NIXL path pull, {mib(s.contig_bytes)}", s.contig_bytes,
-            p.mechanism(), f_nixl, "NIXL READ, prepared handle", lim, 0.95))
-
         bb = np.uint64(s.block_bytes)
         n = np.full(s.blocks, bb, dtype=U64)
-        raw_b = raw.prepare(
-            iov(ctx.bufs["blocks"].ctypes.data + ctx.dst_ids.astype(U64) * bb, n),
-            iov(info["blocks_addr"] + ctx.src_ids.astype(U64) * bb, n))
-        raw_b()
+        small = bufs["small"].ctypes.data
+        transports: list[str] = []
+        prepared = []
+        for prog in (False, True):
+            with contextlib.ExitStack() as stack:
+                if not prog:  # UCX's choices, printed as the first agent wires up (see above)
+                    stack.enter_context(ucx_protocols(transports))
+                raw = RawNixl(info["port"], bufs, prog_thread=prog)
+                raws.append(raw)
+                fns = (raw.prepare(iov([a.ctypes.data for a in bufs["contig"]], lengths),
+                                   iov(info["contig_addrs"], lengths)),
+                       raw.prepare(iov(bufs["blocks"].ctypes.data + ctx.dst_ids.astype(U64) * bb,
+                                       n),
+                                   iov(info["blocks_addr"] + ctx.src_ids.astype(U64) * bb, n)),
+                       raw.prepare(iov([small + 9 * SMALL_BLOCK], [SMALL_BLOCK]),
+                                   iov([info["small_addr"] + 5 * SMALL_BLOCK], [SMALL_BLOCK])))
+                for fn in fns:
+                    fn()
+            raw.settle()
+            prepared.append(fns)
+        note = ("UCX transports of NIXL's reads: " + (", ".join(transports) or
+                                                       "not reported by this UCX"))
+        off, on = prepared
         src, dst = ctx.src_list, ctx.dst_list
-        ctx.progress.set_label("NIXL pull_blocks")
-        f, lim = interleave(lambda: p.pull_blocks(src, dst), raw_b, ctx.repeat, ctx.progress)
-        rows.append(throughput_row(
-            "nixl_pull_blocks", f"NIXL path pull_blocks, {s.blocks} x {s.block_bytes >> 10} KiB",
-            s.blocks * s.block_bytes, p.mechanism(), f, "NIXL READ, prepared handle, same "
-            "descriptors", lim, 0.95))
 
-        small = ctx.bufs["small"].ctypes.data
-        raw_s = raw.prepare(iov([small + 9 * SMALL_BLOCK], [SMALL_BLOCK]),
-                            iov([info["small_addr"] + 5 * SMALL_BLOCK], [SMALL_BLOCK]))
-        rows.append(_latency(ctx, p, raw_s,
-                             f"small pull, one {SMALL_BLOCK >> 10} KiB block, NIXL path"))
+        def pull_blocks() -> None:
+            p.pull_blocks(src, dst)
+
+        _warm_sides(ctx, p.pull_contig, pull_blocks, off, on)
+        f_best: list[float] = []
+        for fns, tag, how in ((off, "", "progress thread off"),
+                              (on, "_prog", "progress thread on")):
+            goal = 0.95 if not tag else 0.0
+            ctx.progress.set_label(f"NIXL pull ({how})")
+            f_nixl, lim = interleave(p.pull_contig, fns[0], ctx.repeat, ctx.progress)
+            rows.append(throughput_row(
+                f"nixl_pull{tag}", f"NIXL path pull, {mib(s.contig_bytes)}"
+                f"{', vs NIXL ' + how if tag else ''}", s.contig_bytes, p.mechanism(), f_nixl,
+                f"NIXL READ, prepared handle, {how}", lim, goal))
+            if not tag:
+                f_best = f_nixl
+            ctx.progress.set_label(f"NIXL pull_blocks ({how})")
+            f, lim = interleave(pull_blocks, fns[1], ctx.repeat, ctx.progress)
+            rows.append(throughput_row(
+                f"nixl_pull_blocks{tag}", f"NIXL path pull_blocks, {s.blocks} x "
+                f"{s.block_bytes >> 10} KiB{', vs NIXL ' + how if tag else ''}",
+                s.blocks * s.block_bytes, p.mechanism(), f,
+                f"NIXL READ, prepared handle, same descriptors, {how}", lim, goal))
+            rows.append(_latency(ctx, p, fns[2], f"small pull, one {SMALL_BLOCK >> 10} KiB "
+                                 f"block, NIXL path{', vs NIXL ' + how if tag else ''}",
+                                 f"nixl_small{tag}",
+                                 f"NIXL READ of 16 KiB, reused handle, {how}, p50"))
+        for r in rows:
+            r.note = note
+            if r.key.endswith("_prog"):
+                r.goal, r.met = "reported", True
     finally:
-        if raw is not None:
+        for raw in raws:
             raw.close()
         p.close()
-    rows.append(_beside_best(ctx, f_nixl))
+    rows.append(_beside_best(ctx, f_best))
     return rows
+
+
+def _warm_sides(ctx: Context, pull: Callable[[], None], pull_blocks: Callable[[], None],
+                off: tuple[Callable[[], None], ...], on: tuple[Callable[[], None], ...]) -> None:
+    """Rules 1 and 2 for the NIXL path and both NIXL settings: the same warm-up into the same
+    zeroed buffers, the bytes checked (harness.warm_both)."""
+    s, contig, blocks = ctx.sizes, ctx.bufs["contig"], ctx.bufs["blocks"]
+
+    def zero_contig() -> None:
+        for a in contig:
+            a.fill(0)
+
+    warm_both([("NIXL path pull", pull), ("NIXL READ, progress thread off", off[0]),
+               ("NIXL READ, progress thread on", on[0])], zero_contig,
+              lambda what: check_contig(contig, 1, what))
+    warm_both([("NIXL path pull_blocks", pull_blocks),
+               ("NIXL READ of the blocks, progress thread off", off[1]),
+               ("NIXL READ of the blocks, progress thread on", on[1])], lambda: blocks.fill(0),
+              lambda what: check_blocks(blocks.reshape(s.cache_blocks, -1), ctx.src_ids,
+                                        ctx.dst_ids, s.block_bytes, pattern_seed(2, 0), what))
 
 
 def _beside_best(ctx: Context, nixl_s: list[float]) -> Row:
@@ -186,10 +300,20 @@ def _beside_best(ctx: Context, nixl_s: list[float]) -> Row:
     cross-memory attach on one host), reported side by side, no goal."""
     s = ctx.sizes
     p = Puller(ctx.info, s, ctx.bufs, "auto")
+    contig = ctx.bufs["contig"]
+
+    def zero_contig() -> None:
+        for a in contig:
+            a.fill(0)
+
     try:
-        p.pull_contig()
+        warm_both([("datadist's own path pull", p.pull_contig)], zero_contig,
+                  lambda what: check_contig(contig, 1, what))
         ctx.progress.set_label("best own path pull")
-        best, _ = interleave(p.pull_contig, lambda: None, ctx.repeat, ctx.progress)
+        best = []
+        for _ in range(ctx.repeat):
+            best.append(timed(p.pull_contig))
+            ctx.progress.step()
         path = p.mechanism()
     finally:
         p.close()

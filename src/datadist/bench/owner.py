@@ -32,6 +32,7 @@ from datadist.bench.harness import (
     SMALL_CACHE_BLOCKS,
     SMALL_MODEL,
     BenchError,
+    PythonWork,
     Sizes,
     aligned_array,
     array_at,
@@ -110,7 +111,8 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
     ``mooncake``, through a Mooncake engine: bench/mooncake.py) until told to quit.
 
     Speaks to the parent over ``conn``: one dict with what it set up (or ``{"error": ...}``),
-    then waits for ``"quit"``.
+    then waits for ``"quit"``; ``"busy-start"`` starts a thread of Python work here and
+    ``"busy-stop"`` ends it and answers (rounds, seconds) (bench/busy.py).
     """
     import datadist as llm_datadist
 
@@ -192,9 +194,14 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
 
         conn.send({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
         return
+    work: PythonWork | None = None
     try:
-        while conn.recv() != "quit":
-            pass
+        while (msg := conn.recv()) != "quit":
+            if msg == "busy-start":  # the busy rows (bench/busy.py): Python work beside us
+                work = PythonWork().start()
+            elif msg == "busy-stop" and work is not None:
+                conn.send(work.stop())
+                work = None
     except EOFError:
         pass
     finally:

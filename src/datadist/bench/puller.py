@@ -173,6 +173,7 @@ class Context:
     dst_ids: np.ndarray
     progress: Progress
     plain: PlainClient
+    owner: Any = None  # the pipe to the owner process (its busy-start / busy-stop commands)
 
     @property
     def src_list(self) -> list[int]:

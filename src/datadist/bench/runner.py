@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from datadist.bench.busy import ROWS as BUSY_ROWS
+from datadist.bench.busy import busy_rows
 from datadist.bench.calls import calls_rows
 from datadist.bench.cpp import ROWS as CPP_ROWS
 from datadist.bench.cpp import cpp_rows
@@ -51,9 +53,10 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "plan": 2}  # groups: rows
+GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "busy": BUSY_ROWS,
+          "plan": 2}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
-    GROUPS["nixl"] = 4
+    GROUPS["nixl"] = 7
 if mooncake_available() is not None:  # a peer, beside the TCP path: with --peers or --only
     GROUPS["mooncake"] = 3
 GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped if not built
@@ -61,7 +64,8 @@ GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped i
 # peers' (--peers adds them).
 DEFAULT_GROUPS = tuple(g for g in GROUPS if g not in ("cpp", "mooncake"))
 PEER_GROUPS = tuple(g for g in GROUPS if g == "mooncake")
-_OWNED = ("same-host", "pools", "tcp", "calls", "nixl", "mooncake")  # pulls from a Python owner
+# the groups that pull from a Python owner
+_OWNED = ("same-host", "pools", "tcp", "calls", "busy", "nixl", "mooncake")
 
 
 def timed_steps(repeat: int, groups: tuple[str, ...] = DEFAULT_GROUPS) -> int:
@@ -115,11 +119,12 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
         src_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
         dst_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
         plain = PlainClient(info["plain_port"])
-        ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain)
+        ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain, conn)
         rows = same_host_rows(ctx) if "same-host" in groups else []
         rows += pool_rows(ctx) if "pools" in groups else []
         rows += tcp_rows(ctx) if "tcp" in groups else []
         rows += calls_rows(ctx) if "calls" in groups else []
+        rows += busy_rows(ctx) if "busy" in groups else []
         if "nixl" in groups:
             from datadist.bench.nixl import nixl_rows
 
@@ -174,6 +179,8 @@ def format_table(result: dict[str, Any]) -> str:
         out.append("note: transfers smaller than 256 MiB / 8192 blocks: fixed costs weigh more "
                    "than the goals allow for; run without --quick/--size to judge them")
     out.extend(result["peers"])
+    notes = dict.fromkeys(r["note"] for r in result["rows"] if r["unit"] and r["note"])
+    out.extend(f"note: {n}" for n in notes)  # how a peer was driven, per row group
     return "\n".join(out)
 
 
@@ -199,7 +206,16 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default "
                     "all but cpp, the C++ API's rows, which need build/cpp/dd_bench)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--plot", metavar="PATH",
+                    help="also draw every row against its limit to PATH (.png or .svg; needs "
+                    "matplotlib: pip install 'datadist[plot]')")
+    ap.add_argument("--input", metavar="JSON",
+                    help="run nothing: print (and --plot) a result saved with --json")
     args = ap.parse_args(argv)
+    if args.plot and not args.plot.lower().endswith((".png", ".svg")):
+        ap.error("--plot writes a .png or .svg file")
+    if args.input:
+        return _replay(args.input, args.plot)
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)
     if repeat < 1:
         ap.error("--repeat must be >= 1")
@@ -224,4 +240,30 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
+    return _draw(result, args.plot) if args.plot else 0
+
+
+def _draw(result: dict[str, Any], path: str) -> int:
+    """--plot: the chart (bench/plot.py; matplotlib imported only now)."""
+    from datadist.bench.plot import plot
+
+    try:
+        plot(result, path)
+    except BenchError as e:
+        print(f"datadist bench --plot: {e}", file=sys.stderr)
+        return 1
+    print(f"chart: {path}")
     return 0
+
+
+def _replay(path: str, plot_path: str | None) -> int:
+    """--input: the table (and chart) of a saved result, nothing run."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+        table = format_table(result)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"datadist bench --input: cannot read a result from {path}: {e}", file=sys.stderr)
+        return 1
+    print(table)
+    return _draw(result, plot_path) if plot_path else 0
