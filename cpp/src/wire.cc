@@ -84,7 +84,32 @@ class Reader {
   size_t pos_ = 0;
 };
 
+// The message types this codec speaks, by number: docs/protocol.md's names ("Messages").
+constexpr std::array<const char *, 256> kTypeNames = [] {
+  std::array<const char *, 256> t{};
+  t[kHello] = "HELLO";
+  t[kWelcome] = "WELCOME";
+  t[kError] = "ERROR";
+  t[kRead] = "READ";
+  t[kReadData] = "READ_DATA";
+  t[kGrant] = "GRANT";
+  t[kRelease] = "RELEASE";
+  t[kPing] = "PING";
+  t[kPong] = "PONG";
+  t[kBye] = "BYE";
+  t[kWrite] = "WRITE";
+  t[kOk] = "OK";
+  t[kShmGrant] = "SHM_GRANT";
+  t[kAuth] = "AUTH";
+  t[kChecksum] = "CHECKSUM";
+  t[kLeaseRequest] = "LEASE_REQUEST";
+  t[kCacheLease] = "CACHE_LEASE";
+  return t;
+}();
+
 }  // namespace
+
+const char *TypeName(uint8_t type) { return kTypeNames[type]; }
 
 std::vector<uint8_t> EncodeHello(uint8_t type, const Hello &h, uint32_t rid) {
   Writer w(type, rid);
@@ -261,7 +286,7 @@ Header DecodeHeader(const uint8_t *d) {
   if (d[2] != kVersion) ProtocolViolation("unsupported protocol version " + std::to_string(d[2]));
   Header h;
   h.type = d[3];
-  if ((h.type < kHello || h.type > kChecksum) && h.type != kLeaseRequest && h.type != kCacheLease)
+  if (TypeName(h.type) == nullptr)
     ProtocolViolation("unknown message type " + std::to_string(h.type));
   for (int i = 0; i < 4; ++i) h.request_id |= static_cast<uint32_t>(d[4 + i]) << (8 * i);
   for (int i = 0; i < 4; ++i) h.length |= static_cast<uint32_t>(d[8 + i]) << (8 * i);
@@ -327,37 +352,25 @@ uint64_t DecodeU64(const std::vector<uint8_t> &payload) {
 
 void DecodeEmpty(const std::vector<uint8_t> &payload) { Reader(payload).Done(); }
 
-void CheckOther(uint8_t type, const std::vector<uint8_t> &payload) {
+Checksum DecodeChecksum(const std::vector<uint8_t> &payload) {
   Reader r(payload);
-  switch (type) {
-    case kRelease:
-      r.Uint(8);
-      if (r.Uint(1) > 1) ProtocolViolation("bad release flag");
-      break;
-    case kChecksum:
-      r.Uint(4);
-      r.Uint(8);
-      break;
-    case kAuth:
-      r.Blob();
-      break;
-    case kGrant: {
-      r.Uint(8);
-      r.Array<uint64_t>(r.Uint(4));
-      break;
-    }
-    case kShmGrant: {
-      r.Uint(8);
-      uint64_t n = r.Uint(4);
-      r.Array<uint32_t>(n);
-      r.Array<uint64_t>(n);
-      r.Array<uint64_t>(n);
-      break;
-    }
-    default:
-      ProtocolViolation("unexpected message type " + std::to_string(type));
-  }
+  Checksum c;
+  c.crc = static_cast<uint32_t>(r.Uint(4));
+  c.nbytes = r.Uint(8);
   r.Done();
+  return c;
+}
+
+ShmGrant DecodeShmGrant(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  ShmGrant g;
+  g.lease_id = r.Uint(8);
+  const uint64_t n = r.Uint(4);
+  for (uint32_t fd : r.Array<uint32_t>(n)) g.fds.push_back(static_cast<int32_t>(fd));
+  g.inos = r.Array<uint64_t>(n);
+  g.offsets = r.Array<uint64_t>(n);
+  r.Done();
+  return g;
 }
 
 uint32_t Crc32(uint32_t crc, const void *data, size_t n) {
