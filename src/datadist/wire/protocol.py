@@ -520,6 +520,68 @@ class FrameHeader:
 # encoding
 
 
+# Enum members by value, looked up per frame (calling an enum class costs ~1 us).
+_MSG_TYPES = {int(t): t for t in MsgType}
+_KEY_KINDS = {int(k): k for k in KeyKind}
+_CHECKSUM = int(ReadFlags.CHECKSUM)
+_KNOWN_READ_FLAGS = int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM | ReadFlags.WHOLE)
+_READ_FLAGS = {i: ReadFlags(i) for i in range(_KNOWN_READ_FLAGS + 1)}
+_LEASE_KINDS = (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY)
+
+
+# What a message may not carry, written once for the encoder (which raises LocalProtocolError:
+# we were about to say it) and the decoder (RemoteProtocolError: the peer said it). Each returns
+# why, or None.
+
+
+def _request_fault(mtype: int, kind: int, flags: int) -> str | None:
+    """READ, WRITE, NIXL_READ and NIXL_WRITE: the key kinds and flags each may carry."""
+    if kind not in _KEY_KINDS:
+        return f"unknown key kind {kind}"
+    if mtype in (MsgType.READ, MsgType.NIXL_READ):
+        if kind == KeyKind.ADDRESS:
+            return "raw addresses (key kind 4) are for WRITE only"
+        if mtype == MsgType.NIXL_READ:
+            if flags & ~(_CHECKSUM | int(ReadFlags.WHOLE)):
+                return f"unknown NIXL read flags {flags:#x}"
+        elif flags & ~_KNOWN_READ_FLAGS:
+            return f"unknown read flags {flags:#x}"
+    elif flags:  # no write flags are defined in this version
+        return f"unknown write flags {flags:#x}"
+    return None
+
+
+def _lease_request_fault(kind: int, flags: int) -> str | None:
+    if kind not in _LEASE_KINDS:
+        return f"a lease names a cache by id or BlocksCacheKey, not key kind {kind}"
+    if flags & ~int(ReadFlags.SHM | LEASE_WRITE):
+        return f"unknown lease flags {flags:#x}"
+    return None
+
+
+def _nixl_lease_fault(kind: int) -> str | None:
+    if kind not in _LEASE_KINDS:
+        return f"a NIXL lease names a cache id or a blocks key, not key kind {kind}"
+    return None
+
+
+def _cache_lease_fault(tensor_bytes: int, units: int, blocks: int, n: int, m: int) -> str | None:
+    if blocks > 1 or m not in (0, n) or not n or not units or not tensor_bytes or \
+            tensor_bytes % units:
+        return "malformed CacheLease"
+    return None
+
+
+def _nixl_mem_fault(mem: int) -> str | None:
+    return None if mem in (MEM_DRAM, MEM_VRAM) else f"unknown NIXL memory kind {mem}"
+
+
+def _refuse(why: str | None) -> None:
+    """The encoder's end of the rules above."""
+    if why is not None:
+        raise LocalProtocolError(why)
+
+
 def _bytes_field(data: bytes) -> bytes:
     if len(data) > 0xFFFF:
         raise LocalProtocolError("byte field longer than 65535")
@@ -550,8 +612,7 @@ def _enc_error(msg: Error) -> bytes:
 
 
 def _enc_request(msg: Read | Write | NixlRead | NixlWrite) -> bytes:
-    if isinstance(msg, (Read, NixlRead)) and msg.key.kind == KeyKind.ADDRESS:
-        raise LocalProtocolError("raw addresses (key kind 4) are for WRITE only")
+    _refuse(_request_fault(msg.TYPE, msg.key.kind, int(msg.flags)))
     if len(msg.offsets) != len(msg.lengths):
         raise LocalProtocolError("offsets and lengths differ in length")
     return b"".join((
@@ -583,26 +644,33 @@ def _enc_nixl_md(msg: NixlMd) -> bytes:
 
 
 def _enc_nixl_grant(msg: NixlGrant) -> bytes:
+    _refuse(_nixl_mem_fault(msg.mem))
     return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, len(msg.bases))
             + _bytes_field(msg.agent) + _array(msg.bases, U64))
 
 
 def _enc_nixl_lease(msg: NixlLease) -> bytes:
-    if msg.key.kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
-        raise LocalProtocolError("a NIXL lease names a cache id or a blocks key")
+    _refuse(_nixl_lease_fault(msg.key.kind))
     return _key(msg.key) + msg._S.pack(msg.unit_bytes)
 
 
 def _enc_nixl_leased(msg: NixlLeased) -> bytes:
+    _refuse(_nixl_mem_fault(msg.mem))
     return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, int(msg.blocks),
                         msg.tensor_bytes, msg.unit_bytes, msg.units, msg.layout, len(msg.addrs))
             + _bytes_field(msg.agent) + _array(msg.addrs, U64))
+
+
+def _enc_lease_request(msg: LeaseRequest) -> bytes:
+    _refuse(_lease_request_fault(msg.key.kind, msg.flags))
+    return _key(msg.key) + _U32.pack(msg.flags)
 
 
 def _enc_cache_lease(msg: CacheLease) -> bytes:
     n, m = len(msg.addrs), len(msg.shm_fds)
     if m not in (0, n) or len(msg.shm_inos) != m or len(msg.shm_offsets) != m:
         raise LocalProtocolError("CacheLease arrays differ in length")
+    _refuse(_cache_lease_fault(msg.tensor_bytes, msg.units, int(msg.is_blocks), n, m))
     return b"".join((
         msg._S.pack(msg.cache_id, msg.tensor_bytes, msg.units, int(msg.is_blocks), msg.layout,
                     msg.fence_fd, msg.fence_ino, n, m),
@@ -625,7 +693,7 @@ _ENCODERS: dict[type, Callable[[Any], bytes]] = {
     ReadData: lambda msg: msg._S.pack(msg.nbytes),
     Grant: _enc_grant,
     ShmGrant: _enc_shm_grant,
-    Release: lambda msg: msg._S.pack(msg.lease_id, int(msg.ok)),
+    Release: lambda msg: msg._S.pack(msg.lease_id, 1 if msg.ok else 0),
     Ping: lambda msg: msg._S.pack(msg.nonce),
     Pong: lambda msg: msg._S.pack(msg.nonce),
     Auth: lambda msg: _bytes_field(msg.proof),
@@ -636,7 +704,7 @@ _ENCODERS: dict[type, Callable[[Any], bytes]] = {
     NixlLeased: _enc_nixl_leased,
     NixlRevoke: lambda msg: msg._S.pack(msg.lease_id),
     Stats: lambda msg: msg._S.pack(len(msg.json)) + msg.json,
-    LeaseRequest: lambda msg: _key(msg.key) + _U32.pack(msg.flags),
+    LeaseRequest: _enc_lease_request,
     CacheLease: _enc_cache_lease,
     Bye: _enc_empty,
     Ok: _enc_empty,
@@ -666,12 +734,6 @@ def encode(msg: Message, request_id: int = 0) -> bytes:
 # decoding
 
 
-# Enum members by value, looked up per frame (calling an enum class costs ~1 us).
-_MSG_TYPES = {int(t): t for t in MsgType}
-_KEY_KINDS = {int(k): k for k in KeyKind}
-_CHECKSUM = int(ReadFlags.CHECKSUM)
-_KNOWN_READ_FLAGS = int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM | ReadFlags.WHOLE)
-_READ_FLAGS = {i: ReadFlags(i) for i in range(_KNOWN_READ_FLAGS + 1)}
 
 
 def decode_header(data: bytes | memoryview) -> FrameHeader:
@@ -722,18 +784,15 @@ class _Reader:
             raise RemoteProtocolError(f"{len(self.buf) - self.pos} trailing bytes in payload")
 
 
-def _dec_key(r: _Reader, allowed: tuple[KeyKind, ...], refusal: str) -> KeyRef:
-    """A key whose kind is one of ``allowed``; else RemoteProtocolError(refusal with the
-    kind's number in place of ``{}``)."""
+def _dec_key(r: _Reader) -> tuple[int, int, int, int]:
     kind, a, b, c = r.unpack(KeyRef._S)
-    known = _KEY_KINDS.get(kind)
-    if known is None or known not in allowed:
-        raise RemoteProtocolError(refusal.format(kind))
-    return KeyRef(known, a, b, c)
+    return kind, a, b, c
 
 
-_ANY_KIND = tuple(KeyKind)
-_LEASE_KINDS = (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY)
+def _reject(why: str | None) -> None:
+    """The decoder's end of the rules above."""
+    if why is not None:
+        raise RemoteProtocolError(why)
 
 
 def _dec_hello(r: _Reader, mtype: MsgType) -> Message:
@@ -749,23 +808,19 @@ def _dec_error(r: _Reader, mtype: MsgType) -> Message:
 
 
 def _dec_request(r: _Reader, mtype: MsgType) -> Message:
-    key = _dec_key(r, _ANY_KIND, "unknown key kind {}")
+    kind, a, b, c = _dec_key(r)
+    if kind not in _KEY_KINDS:  # before trusting the counts that follow
+        raise RemoteProtocolError(f"unknown key kind {kind}")
+    key = KeyRef(_KEY_KINDS[kind], a, b, c)
     unit_bytes, layout, flags, ntensors, nspans = r.unpack(Read._S)
     tensors = r.array(ntensors, U32)
     offsets = r.array(nspans, U64)
     lengths = r.array(nspans, U64)
-    if mtype in (MsgType.READ, MsgType.NIXL_READ):
-        if key.kind == KeyKind.ADDRESS:
-            raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
-        if mtype == MsgType.NIXL_READ:
-            if flags & ~(_CHECKSUM | int(ReadFlags.WHOLE)):
-                raise RemoteProtocolError(f"unknown NIXL read flags {flags:#x}")
-            return NixlRead(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
-        if flags & ~_KNOWN_READ_FLAGS:
-            raise RemoteProtocolError(f"unknown read flags {flags:#x}")
+    _reject(_request_fault(mtype, kind, flags))
+    if mtype == MsgType.READ:
         return Read(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
-    if flags:  # no write flags are defined in this version
-        raise RemoteProtocolError(f"unknown write flags {flags:#x}")
+    if mtype == MsgType.NIXL_READ:
+        return NixlRead(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
     cls = Write if mtype == MsgType.WRITE else NixlWrite
     return cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
 
@@ -793,18 +848,16 @@ def _dec_stats(r: _Reader, mtype: MsgType) -> Message:
 
 
 def _dec_lease_request(r: _Reader, mtype: MsgType) -> Message:
-    key = _dec_key(r, _LEASE_KINDS,
-                   "a lease names a cache by id or BlocksCacheKey, not key kind {}")
+    kind, a, b, c = _dec_key(r)
+    _reject(_lease_request_fault(kind, 0))
     (flags,) = r.unpack(_U32)
-    if flags & ~int(ReadFlags.SHM | LEASE_WRITE):
-        raise RemoteProtocolError(f"unknown lease flags {flags:#x}")
-    return LeaseRequest(key, flags)
+    _reject(_lease_request_fault(kind, flags))
+    return LeaseRequest(KeyRef(_KEY_KINDS[kind], a, b, c), flags)
 
 
 def _dec_cache_lease(r: _Reader, mtype: MsgType) -> Message:
     cache_id, tbytes, units, blocks, layout, ffd, fino, n, m = r.unpack(CacheLease._S)
-    if blocks > 1 or m not in (0, n) or not n or not units or not tbytes or tbytes % units:
-        raise RemoteProtocolError("malformed CacheLease")
+    _reject(_cache_lease_fault(tbytes, units, blocks, n, m))
     return CacheLease(cache_id, tbytes, units, bool(blocks), layout, ffd, fino,
                       r.array(n, U64), r.array(m, I32), r.array(m, U64), r.array(m, U64))
 
@@ -817,22 +870,23 @@ def _dec_nixl_md(r: _Reader, mtype: MsgType) -> Message:
 
 def _dec_nixl_grant(r: _Reader, mtype: MsgType) -> Message:
     lease, gen, mem, device, count = r.unpack(NixlGrant._S)
-    if mem not in (MEM_DRAM, MEM_VRAM):
-        raise RemoteProtocolError(f"unknown NIXL memory kind {mem}")
+    _reject(_nixl_mem_fault(mem))
     agent = r.bytes_field()
     return NixlGrant(lease, agent, gen, mem, device, r.array(count, U64))
 
 
 def _dec_nixl_lease(r: _Reader, mtype: MsgType) -> Message:
-    key = _dec_key(r, _LEASE_KINDS, "key kind {} in a NIXL lease")
+    kind, a, b, c = _dec_key(r)
+    _reject(_nixl_lease_fault(kind))
     (unit_bytes,) = r.unpack(NixlLease._S)
-    return NixlLease(key, unit_bytes)
+    return NixlLease(KeyRef(_KEY_KINDS[kind], a, b, c), unit_bytes)
 
 
 def _dec_nixl_leased(r: _Reader, mtype: MsgType) -> Message:
     lease, gen, mem, device, blocks, tb, ub, units, layout, count = r.unpack(NixlLeased._S)
-    if mem not in (MEM_DRAM, MEM_VRAM) or blocks > 1:
-        raise RemoteProtocolError(f"bad NIXL lease (memory kind {mem}, blocks {blocks})")
+    _reject(_nixl_mem_fault(mem))
+    if blocks > 1:
+        raise RemoteProtocolError(f"bad NIXL lease (blocks {blocks})")
     agent = r.bytes_field()
     return NixlLeased(lease, agent, gen, mem, device, bool(blocks), tb, ub, units, layout,
                       r.array(count, U64))
