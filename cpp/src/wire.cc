@@ -107,6 +107,45 @@ constexpr std::array<const char *, 256> kTypeNames = [] {
   return t;
 }();
 
+// What a message may not carry, written once for the encoder (Refuse: LLM_FAILED, we were
+// about to say it) and the decoder (Reject: the peer said it, the connection closes); as
+// Python's codec does. Each returns why, or "".
+
+std::string RequestFault(uint8_t type, uint8_t kind, uint32_t flags) {
+  if (kind < kCacheKey || kind > kAddress) return "unknown key kind " + std::to_string(kind);
+  if (type == kRead) {
+    if (kind == kAddress) return "raw addresses (key kind 4) are for WRITE only";
+    if (flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) return "unknown read flags " + std::to_string(flags);
+  } else if (flags != 0) {
+    return "unknown write flags " + std::to_string(flags);  // none are defined in this version
+  }
+  return "";
+}
+
+std::string LeaseKindFault(uint8_t kind) {
+  if (kind != kCacheId && kind != kBlocksKey)
+    return "a lease names a cache by id or BlocksCacheKey, not key kind " + std::to_string(kind);
+  return "";
+}
+
+std::string LeaseFlagsFault(uint32_t flags) {
+  return flags & ~(kFlagShm | kLeaseWrite) ? "unknown lease flags " + std::to_string(flags) : "";
+}
+
+std::string CacheLeaseFault(uint64_t tensor_bytes, uint64_t units, uint64_t blocks, uint64_t n, uint64_t m) {
+  if (blocks > 1 || (m != 0 && m != n) || n == 0 || units == 0 || tensor_bytes == 0 || tensor_bytes % units)
+    return "malformed CACHE_LEASE";
+  return "";
+}
+
+void Refuse(const std::string &why) {
+  if (!why.empty()) Fail(llm_datadist::LLM_FAILED, "cannot send: " + why);
+}
+
+void Reject(const std::string &why) {
+  if (!why.empty()) ProtocolViolation(why);
+}
+
 }  // namespace
 
 const char *TypeName(uint8_t type) { return kTypeNames[type]; }
@@ -132,6 +171,7 @@ std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid) {
 
 std::vector<uint8_t> EncodeRequest(uint8_t type, const Request &r, uint32_t rid) {
   if (r.offsets.size() != r.lengths.size()) Fail(llm_datadist::LLM_FAILED, "offsets and lengths differ");
+  Refuse(RequestFault(type, r.kind, r.flags));
   Writer w(type, rid);
   w.U8(r.kind);
   w.U64(r.a);
@@ -185,6 +225,8 @@ std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid) {
 }
 
 std::vector<uint8_t> EncodeLeaseRequest(const LeaseRequest &r, uint32_t rid) {
+  Refuse(LeaseKindFault(r.kind));
+  Refuse(LeaseFlagsFault(r.flags));
   Writer w(kLeaseRequest, rid);
   w.U8(r.kind);
   w.U64(r.a);
@@ -198,6 +240,7 @@ std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid) {
   const size_t m = l.shm_fds.size();
   if ((m && m != l.addrs.size()) || l.shm_inos.size() != m || l.shm_offsets.size() != m)
     Fail(llm_datadist::LLM_FAILED, "CACHE_LEASE arrays differ in length");
+  Refuse(CacheLeaseFault(l.tensor_bytes, l.units, l.is_blocks ? 1 : 0, l.addrs.size(), m));
   Writer w(kCacheLease, rid);
   w.U64(l.cache_id);
   w.U64(l.tensor_bytes);
@@ -219,13 +262,12 @@ LeaseRequest DecodeLeaseRequest(const std::vector<uint8_t> &payload) {
   Reader r(payload);
   LeaseRequest q;
   q.kind = static_cast<uint8_t>(r.Uint(1));
-  if (q.kind != kCacheId && q.kind != kBlocksKey)
-    ProtocolViolation("a lease names a cache by id or BlocksCacheKey, not key kind " + std::to_string(q.kind));
+  Reject(LeaseKindFault(q.kind));
   q.a = r.Uint(8);
   q.b = r.Uint(8);
   q.c = r.Uint(8);
   q.flags = static_cast<uint32_t>(r.Uint(4));
-  if (q.flags & ~(kFlagShm | kLeaseWrite)) ProtocolViolation("unknown lease flags " + std::to_string(q.flags));
+  Reject(LeaseFlagsFault(q.flags));
   r.Done();
   return q;
 }
@@ -242,9 +284,7 @@ CacheLease DecodeCacheLease(const std::vector<uint8_t> &payload) {
   l.fence_fd = static_cast<int32_t>(static_cast<uint32_t>(r.Uint(4)));
   l.fence_ino = r.Uint(8);
   const uint64_t n = r.Uint(4), m = r.Uint(4);
-  if (blocks > 1 || (m != 0 && m != n) || n == 0 || l.units == 0 || l.tensor_bytes == 0 ||
-      l.tensor_bytes % l.units)
-    ProtocolViolation("malformed CACHE_LEASE");
+  Reject(CacheLeaseFault(l.tensor_bytes, l.units, blocks, n, m));
   l.addrs = r.Array<uint64_t>(n);
   std::vector<uint32_t> fds = r.Array<uint32_t>(m);
   for (uint32_t fd : fds) l.shm_fds.push_back(static_cast<int32_t>(fd));
@@ -321,7 +361,7 @@ Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload) {
   Reader r(payload);
   Request q;
   q.kind = static_cast<uint8_t>(r.Uint(1));
-  if (q.kind < kCacheKey || q.kind > kAddress) ProtocolViolation("unknown key kind " + std::to_string(q.kind));
+  if (q.kind < kCacheKey || q.kind > kAddress) Reject(RequestFault(type, q.kind, 0));  // before trusting counts
   q.a = r.Uint(8);
   q.b = r.Uint(8);
   q.c = r.Uint(8);
@@ -334,12 +374,7 @@ Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload) {
   q.offsets = r.Array<uint64_t>(nspans);
   q.lengths = r.Array<uint64_t>(nspans);
   r.Done();
-  if (type == kRead) {
-    if (q.kind == kAddress) ProtocolViolation("raw addresses (key kind 4) are for WRITE only");
-    if (q.flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) ProtocolViolation("unknown read flags");
-  } else if (q.flags != 0) {
-    ProtocolViolation("unknown write flags");
-  }
+  Reject(RequestFault(type, q.kind, q.flags));
   return q;
 }
 
