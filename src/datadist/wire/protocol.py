@@ -517,7 +517,7 @@ class FrameHeader:
 
 
 # --------------------------------------------------------------------------------------------
-# encoding
+# what each message may carry (shared by the encoder and the decoder)
 
 
 # Enum members by value, looked up per frame (calling an enum class costs ~1 us).
@@ -580,6 +580,10 @@ def _refuse(why: str | None) -> None:
     """The encoder's end of the rules above."""
     if why is not None:
         raise LocalProtocolError(why)
+
+
+# --------------------------------------------------------------------------------------------
+# encoding
 
 
 def _bytes_field(data: bytes) -> bytes:
