@@ -138,6 +138,54 @@ std::string CacheLeaseFault(uint64_t tensor_bytes, uint64_t units, uint64_t bloc
   return "";
 }
 
+// ERROR's message as UTF-8: each maximal ill-formed part (Unicode 3.9, "U+FFFD substitution
+// of maximal subparts") becomes U+FFFD, as Python's bytes.decode("utf-8", "replace") does, so
+// that both implementations read a peer's bad text alike (docs/protocol.md, "Encodings").
+std::string Utf8OrReplacement(const std::string &in) {
+  static const char kReplacement[] = "\xEF\xBF\xBD";
+  std::string out;
+  out.reserve(in.size());
+  const auto *p = reinterpret_cast<const uint8_t *>(in.data());
+  const size_t n = in.size();
+  size_t i = 0;
+  while (i < n) {
+    const uint8_t b = p[i];
+    size_t need = 0;
+    uint8_t lo = 0x80, hi = 0xBF;  // the range of the second byte; later ones are 80..BF
+    if (b < 0x80) {
+      out.push_back(static_cast<char>(b));
+      ++i;
+      continue;
+    } else if (b >= 0xC2 && b <= 0xDF) {
+      need = 1;
+    } else if (b >= 0xE0 && b <= 0xEF) {
+      need = 2;
+      if (b == 0xE0) lo = 0xA0;
+      if (b == 0xED) hi = 0x9F;
+    } else if (b >= 0xF0 && b <= 0xF4) {
+      need = 3;
+      if (b == 0xF0) lo = 0x90;
+      if (b == 0xF4) hi = 0x8F;
+    } else {
+      out += kReplacement;  // 80..C1, F5..FF never start a character
+      ++i;
+      continue;
+    }
+    size_t j = 1;
+    for (; j <= need && i + j < n; ++j) {
+      const uint8_t c = p[i + j];
+      if (c < (j == 1 ? lo : 0x80) || c > (j == 1 ? hi : 0xBF)) break;
+    }
+    if (j == need + 1) {
+      out.append(in, i, j);
+    } else {
+      out += kReplacement;  // the lead and the continuation bytes that fitted
+    }
+    i += j;
+  }
+  return out;
+}
+
 void Refuse(const std::string &why) {
   if (!why.empty()) Fail(llm_datadist::LLM_FAILED, "cannot send: " + why);
 }
@@ -352,7 +400,7 @@ ErrorMsg DecodeError(const std::vector<uint8_t> &payload) {
   Reader r(payload);
   ErrorMsg e;
   e.code = static_cast<int64_t>(r.Uint(8));
-  e.message = r.Blob();
+  e.message = Utf8OrReplacement(r.Blob());
   r.Done();
   return e;
 }

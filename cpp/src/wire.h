@@ -148,6 +148,7 @@ std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid);
 // ---- decoding
 Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
 Hello DecodeHello(const std::vector<uint8_t> &payload);
+/// The message comes back as UTF-8: ill-formed parts become U+FFFD, as in Python's codec.
 ErrorMsg DecodeError(const std::vector<uint8_t> &payload);
 Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload);
 uint64_t DecodeU64(const std::vector<uint8_t> &payload);

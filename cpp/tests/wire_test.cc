@@ -146,6 +146,28 @@ TEST(Wire, EncoderRefusesWhatTheDecoderRefuses) {
   EXPECT_FALSE(refused([&] { wire::EncodeCacheLease(l, 1); }));
 }
 
+// An ERROR's message is UTF-8 text (docs/protocol.md): a peer's ill-formed bytes are read as
+// Python reads them (bytes.decode("utf-8", "replace")): each maximal ill-formed part is U+FFFD.
+TEST(Wire, ErrorMessageIsReadAsUtf8LikePython) {
+  const std::string r = "\xEF\xBF\xBD";
+  const std::pair<std::string, std::string> cases[] = {
+      {"caf\xC3\xA9 \xE2\x9C\x93", "caf\xC3\xA9 \xE2\x9C\x93"},  // well formed: unchanged
+      {"caf\xA9", "caf" + r},                                  // a lone continuation byte
+      {"a\xC3", "a" + r},                                      // cut short at the end
+      {"\xE2\x9C" "b", r + "b"},                                // one U+FFFD for the part that fitted
+      {"\xC0\xAF", r + r},                                     // never a lead byte: one each
+      {"\xED\xA0\x80", r + r + r},                              // a surrogate: ED takes 80..9F only
+      {"\xF4\x90\x80\x80", r + r + r + r},                       // past U+10FFFF
+      {"\xF0\x9F\x98\x80\xFF", "\xF0\x9F\x98\x80" + r},
+  };
+  for (const auto &c : cases) {
+    wire::ErrorMsg e;
+    e.code = -1;
+    e.message = c.first;
+    EXPECT_EQ(wire::DecodeError(Payload(wire::EncodeError(e, 1))).message, c.second);
+  }
+}
+
 TEST(Wire, CacheLeaseFromALyingOwnerIsRefused) {
   wire::CacheLease l;
   l.cache_id = 1;
