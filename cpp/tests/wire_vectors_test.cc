@@ -22,6 +22,7 @@
 
 #include "errors.h"
 #include "wire.h"
+#include "wire_summary.h"
 
 #ifndef DATADIST_VECTORS_FILE
 #error "cpp/CMakeLists.txt defines DATADIST_VECTORS_FILE, the path of tests/vectors/frames.txt"
@@ -30,8 +31,7 @@
 namespace datadist {
 namespace {
 
-using Bytes = std::vector<uint8_t>;
-using Fields = std::map<std::string, std::string>;
+using namespace wire_summary;  // NOLINT: the summary helpers are this test's vocabulary
 
 struct Vector {
   std::string name;
@@ -83,179 +83,6 @@ Fields ParseSummary(const std::string &s) {
     f[word.substr(0, eq)] = eq == std::string::npos ? "?" : word.substr(eq + 1);
   }
   return f;
-}
-
-// ---- the summary of a decoded message, in the generator's value forms
-
-std::string Hex(const uint8_t *p, size_t n) {
-  static const char digits[] = "0123456789abcdef";
-  std::string s;
-  for (size_t i = 0; i < n; ++i) {
-    s.push_back(digits[p[i] >> 4]);
-    s.push_back(digits[p[i] & 15]);
-  }
-  return s;
-}
-std::string Hex(const std::string &b) { return Hex(reinterpret_cast<const uint8_t *>(b.data()), b.size()); }
-
-template <typename T>
-std::string List(const std::vector<T> &v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
-  return s + "]";
-}
-
-void PutKey(Fields &f, uint8_t kind, uint64_t a, uint64_t b, uint64_t c) {
-  f["kind"] = std::to_string(kind);
-  f["a"] = std::to_string(a);
-  f["b"] = std::to_string(b);
-  f["c"] = std::to_string(c);
-}
-
-Fields HelloFields(const wire::Hello &h) {
-  return {{"cluster_id", std::to_string(h.cluster_id)}, {"role", std::to_string(h.role)},
-          {"pid", std::to_string(h.pid)},               {"pid_ns", std::to_string(h.pid_ns)},
-          {"boot_id", Hex(h.boot_id.data(), h.boot_id.size())},
-          {"features", std::to_string(h.features)},     {"proof", Hex(h.proof)}};
-}
-
-Fields RequestFields(const wire::Request &r) {
-  Fields f{{"unit_bytes", std::to_string(r.unit_bytes)}, {"layout", std::to_string(r.layout)},
-           {"flags", std::to_string(r.flags)},           {"tensors", List(r.tensors)},
-           {"offsets", List(r.offsets)},                 {"lengths", List(r.lengths)}};
-  PutKey(f, r.kind, r.a, r.b, r.c);
-  return f;
-}
-
-/// How this codec decodes (to the summary's fields) and re-encodes one message type.
-struct Codec {
-  std::function<Fields(const Bytes &payload)> decode;
-  /// Encodes what the payload decodes to; empty where this codec cannot encode the type.
-  std::function<Bytes(const Bytes &payload, uint32_t rid)> reencode;
-};
-
-Codec U64Codec(uint8_t type, const char *field) {
-  return {[field](const Bytes &p) { return Fields{{field, std::to_string(wire::DecodeU64(p))}}; },
-          [type](const Bytes &p, uint32_t rid) { return wire::EncodeU64(type, wire::DecodeU64(p), rid); }};
-}
-
-Codec EmptyCodec(uint8_t type) {
-  return {[](const Bytes &p) {
-            wire::DecodeEmpty(p);
-            return Fields{};
-          },
-          [type](const Bytes &p, uint32_t rid) {
-            wire::DecodeEmpty(p);
-            return wire::EncodeEmpty(type, rid);
-          }};
-}
-
-Codec HelloCodec(uint8_t type) {
-  return {[](const Bytes &p) { return HelloFields(wire::DecodeHello(p)); },
-          [type](const Bytes &p, uint32_t rid) { return wire::EncodeHello(type, wire::DecodeHello(p), rid); }};
-}
-
-Codec RequestCodec(uint8_t type) {
-  return {[type](const Bytes &p) { return RequestFields(wire::DecodeRequest(type, p)); },
-          [type](const Bytes &p, uint32_t rid) { return wire::EncodeRequest(type, wire::DecodeRequest(type, p), rid); }};
-}
-
-/// Every type this codec speaks. Types 16 to 22 and 30 to 32 (NIXL, STATS) are missing on
-/// purpose: the C++ core has no NIXL path and serves no metrics (docs/protocol.md's opening).
-const std::map<uint8_t, Codec> &Codecs() {
-  static const std::map<uint8_t, Codec> codecs = {
-      {wire::kHello, HelloCodec(wire::kHello)},
-      {wire::kWelcome, HelloCodec(wire::kWelcome)},
-      {wire::kError,
-       {[](const Bytes &p) {
-          wire::ErrorMsg e = wire::DecodeError(p);
-          return Fields{{"code", std::to_string(e.code)}, {"message", Hex(e.message)}};
-        },
-        [](const Bytes &p, uint32_t rid) { return wire::EncodeError(wire::DecodeError(p), rid); }}},
-      {wire::kRead, RequestCodec(wire::kRead)},
-      {wire::kReadData, U64Codec(wire::kReadData, "nbytes")},
-      {wire::kGrant,
-       {[](const Bytes &p) {
-          wire::Grant g = wire::DecodeGrant(p);
-          return Fields{{"lease_id", std::to_string(g.lease_id)}, {"bases", List(g.bases)}};
-        },
-        [](const Bytes &p, uint32_t rid) { return wire::EncodeGrant(wire::DecodeGrant(p), rid); }}},
-      {wire::kRelease,
-       {[](const Bytes &p) {
-          wire::Release r = wire::DecodeRelease(p);
-          return Fields{{"lease_id", std::to_string(r.lease_id)}, {"ok", r.ok ? "1" : "0"}};
-        },
-        [](const Bytes &p, uint32_t rid) { return wire::EncodeRelease(wire::DecodeRelease(p), rid); }}},
-      {wire::kPing, U64Codec(wire::kPing, "nonce")},
-      {wire::kPong, U64Codec(wire::kPong, "nonce")},
-      {wire::kBye, EmptyCodec(wire::kBye)},
-      {wire::kWrite, RequestCodec(wire::kWrite)},
-      {wire::kOk, EmptyCodec(wire::kOk)},
-      {wire::kShmGrant,  // decoded only: this library never grants shared memory
-       {[](const Bytes &p) {
-          wire::ShmGrant g = wire::DecodeShmGrant(p);
-          return Fields{{"lease_id", std::to_string(g.lease_id)},
-                        {"fds", List(g.fds)},
-                        {"inos", List(g.inos)},
-                        {"offsets", List(g.offsets)}};
-        },
-        nullptr}},
-      {wire::kAuth,
-       {[](const Bytes &p) { return Fields{{"proof", Hex(wire::DecodeAuth(p))}}; },
-        [](const Bytes &p, uint32_t rid) { return wire::EncodeAuth(wire::DecodeAuth(p), rid); }}},
-      {wire::kChecksum,
-       {[](const Bytes &p) {
-          wire::Checksum c = wire::DecodeChecksum(p);
-          return Fields{{"crc", std::to_string(c.crc)}, {"nbytes", std::to_string(c.nbytes)}};
-        },
-        [](const Bytes &p, uint32_t rid) {
-          wire::Checksum c = wire::DecodeChecksum(p);
-          return wire::EncodeChecksum(c.crc, c.nbytes, rid);
-        }}},
-      {wire::kLeaseRequest,
-       {[](const Bytes &p) {
-          wire::LeaseRequest q = wire::DecodeLeaseRequest(p);
-          Fields f{{"flags", std::to_string(q.flags)}};
-          PutKey(f, q.kind, q.a, q.b, q.c);
-          return f;
-        },
-        [](const Bytes &p, uint32_t rid) { return wire::EncodeLeaseRequest(wire::DecodeLeaseRequest(p), rid); }}},
-      {wire::kCacheLease,
-       {[](const Bytes &p) {
-          wire::CacheLease l = wire::DecodeCacheLease(p);
-          return Fields{{"cache_id", std::to_string(l.cache_id)},
-                        {"tensor_bytes", std::to_string(l.tensor_bytes)},
-                        {"units", std::to_string(l.units)},
-                        {"is_blocks", l.is_blocks ? "1" : "0"},
-                        {"layout", std::to_string(l.layout)},
-                        {"fence_fd", std::to_string(l.fence_fd)},
-                        {"fence_ino", std::to_string(l.fence_ino)},
-                        {"addrs", List(l.addrs)},
-                        {"shm_fds", List(l.shm_fds)},
-                        {"shm_inos", List(l.shm_inos)},
-                        {"shm_offsets", List(l.shm_offsets)}};
-        },
-        [](const Bytes &p, uint32_t rid) { return wire::EncodeCacheLease(wire::DecodeCacheLease(p), rid); }}},
-  };
-  return codecs;
-}
-
-/// The types of docs/protocol.md this codec does not speak, and must refuse at the header.
-const std::set<uint8_t> kNotSpoken = {16, 17, 18, 19, 20, 21, 22, 30, 31, 32};
-
-/// "" if ``f`` returns; "protocol" if it throws the protocol error; else what it threw.
-std::string Outcome(const std::function<void()> &f) {
-  try {
-    f();
-  } catch (const Error &e) {
-    if (e.code() == kSuspectRemoteError) return "protocol";
-    return "Error " + std::to_string(e.code()) + ": " + e.what();
-  } catch (const std::exception &e) {
-    return std::string("std::exception: ") + e.what();
-  } catch (...) {
-    return "an unknown exception";
-  }
-  return "";
 }
 
 TEST(WireVectors, FileHasEveryTypeOfTheCodecAndNoOtherUnlessNotSpoken) {

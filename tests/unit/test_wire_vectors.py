@@ -10,7 +10,6 @@ never with another exception.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import re
 import sys
@@ -18,7 +17,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import pytest
 
 from datadist.core.errors import RemoteProtocolError
@@ -27,43 +25,22 @@ from datadist.wire import protocol as p
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dd_vectors", ROOT / "tests/vectors/generate.py")
+def _python_side() -> ModuleType:
+    path = ROOT / "tests/vectors/python_side.py"
+    spec = importlib.util.spec_from_file_location("dd_vectors_python_side", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-gen = _generator()
+side = _python_side()
+gen = side.load("generate")
+fields_of = side.fields_of
 VECTORS = gen.load()
 VALID = [v for v in VECTORS if v.refused is None]
 MALFORMED = [v for v in VECTORS if v.refused is not None]
-
-
-def fields_of(msg: p.Message, rid: int) -> tuple[str, dict[str, str]]:
-    """A decoded message as the vectors summarise it: its type name and name -> value text
-    (generator's docstring). Generic over the dataclasses, so a field added to a message shows
-    up here by itself; a key is its fields kind, a, b, c."""
-    out = {"rid": str(rid)}
-
-    def put(name: str, value: Any) -> None:
-        if isinstance(value, p.KeyRef):
-            for part in ("kind", "a", "b", "c"):
-                put(part, getattr(value, part))
-        elif isinstance(value, np.ndarray):
-            out[name] = "[" + ",".join(str(int(x)) for x in value.tolist()) + "]"
-        elif isinstance(value, (bytes, bytearray, memoryview)):
-            out[name] = bytes(value).hex()
-        elif isinstance(value, str):
-            out[name] = value.encode().hex()
-        else:
-            out[name] = str(int(value))
-
-    for f in dataclasses.fields(msg):
-        put(f.name, getattr(msg, f.name))
-    return msg.TYPE.name, out
 
 
 def test_checked_in_vectors_are_what_the_generator_makes() -> None:
