@@ -188,6 +188,7 @@ def summary(mtype: str, rid: int, values: dict[str, Any]) -> str:
 
 BOOT = bytes(range(16))
 NONCE = bytes(range(0xA0, 0xB0))
+TOKEN = bytes(range(0xC0, 0xD0))  # a link token: features bit 4 (16), FEATURE_TOKEN, ends proof
 
 
 def key(kind: int, a: int = 0, b: int = 0, c: int = 0) -> dict[str, int]:
@@ -214,7 +215,9 @@ VALID: list[tuple[str, str, int, dict[str, Any]]] = [
     ("hello.auth", "HELLO", 1, hello(features=1, proof=NONCE)),
     ("hello.reverse", "HELLO", 1, hello(features=4)),
     ("hello.reverse_auth", "HELLO", 1, hello(features=5, proof=NONCE)),
-    ("hello.unknown_features_ignored", "HELLO", 1, hello(features=0xFFFFFFF0)),
+    ("hello.reverse_token", "HELLO", 1, hello(features=4 | 16, proof=TOKEN)),
+    ("hello.reverse_auth_token", "HELLO", 1, hello(features=1 | 4 | 16, proof=NONCE + TOKEN)),
+    ("hello.unknown_features_ignored", "HELLO", 1, hello(features=0xFFFFFFE0)),
     ("hello.extremes", "HELLO", U32_MAX,
      hello(cluster_id=U64_MAX, role=3, pid=U32_MAX, pid_ns=U64_MAX, boot_id=b"\xff" * 16)),
     ("hello.zeros", "HELLO", 0, hello(cluster_id=0, role=0, pid=0, pid_ns=0, boot_id=bytes(16))),
@@ -223,7 +226,10 @@ VALID: list[tuple[str, str, int, dict[str, Any]]] = [
     ("welcome.local", "WELCOME", 1, hello(features=2)),
     ("welcome.reverse", "WELCOME", 1, hello(features=4)),
     ("welcome.lease", "WELCOME", 1, hello(features=8)),
-    ("welcome.all_features", "WELCOME", 1, hello(features=15, proof=NONCE + bytes(32))),
+    ("welcome.token", "WELCOME", 1, hello(features=2 | 4 | 8 | 16, proof=TOKEN)),
+    ("welcome.auth_token", "WELCOME", 1,
+     hello(features=1 | 4 | 16, proof=NONCE + bytes(range(32)) + TOKEN)),
+    ("welcome.all_features", "WELCOME", 1, hello(features=31, proof=NONCE + bytes(32) + TOKEN)),
     ("error.param_invalid", "ERROR", 3, {"code": 0x5010B005, "message": b"span outside"}),
     ("error.llm_failed", "ERROR", 3, {"code": 0xFFFFFFFF, "message": b"failed"}),
     ("error.unknown_minus_one", "ERROR", 0, {"code": -1, "message": "caf\u00e9 \u2713".encode()}),
