@@ -15,7 +15,8 @@ What counts as a finding (any of these raises, and the harness reports the input
 3. a decoded message that does not re-encode, or re-encodes to something that decodes to a
    different message (what we accept we can also say).
 
-The protocol is read generically (``MsgType``, ``encode``, ``decode_payload``), so message
+The protocol is read generically (``MsgType``, ``encode``, ``decode_payload``) and the seeds
+are the protocol's golden frames (tests/vectors/frames.txt, through fuzz/seeds.py), so message
 types added later are fuzzed without editing this file.
 """
 
@@ -45,6 +46,8 @@ else:
 
     from datadist.core.errors import RemoteProtocolError
     from datadist.wire import protocol as p
+
+from seeds import golden_frames  # noqa: E402 - fuzz/seeds.py, beside this file
 
 
 class Finding(AssertionError):
@@ -118,39 +121,17 @@ def check(data: bytes, cuts: list[int]) -> None:
 
 
 def _seed_frames() -> list[bytes]:
-    """Valid frames of many types, to mutate. Built only from what this protocol has."""
-    u32 = np.array([0, 1, 7], dtype="<u4")
-    u64 = np.array([0, 64, 2**64 - 1], dtype="<u8")
-    msgs: list[Any] = [
-        p.Hello(1, 2, 3, 4, bytes(16), 0, b"proof"),
-        p.Welcome(5, 1, 2, 3, bytes(range(16))),
-        p.Error(0x5010B005, "bad span"),
-        p.Read(p.KeyRef(p.KeyKind.CACHE_KEY, 1, 2, 3), 64, p.ReadFlags.GRANT, u32, u64, u64),
-        p.Write(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, 0, u32[:1], u64[:1], u64[1:2] // 8),
-        p.ReadData(8),
-        p.Grant(1, u64),
-        p.Release(1, True),
-        p.Ping(9),
-        p.Pong(9),
-        p.Bye(),
-        p.Ok(),
-        p.Auth(bytes(range(32))),
-        p.Checksum(0xDEADBEEF, 4096),
-        p.ShmGrant(2, np.array([3, 3], dtype="<i4"), u64[:2], u64[1:]),
-        # duplicated and expanded spans: one tensor index repeated, many one-byte spans
-        p.Read(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, p.ReadFlags.CHECKSUM,
-               np.zeros(64, dtype="<u4"), np.arange(64, dtype="<u8"), np.ones(64, dtype="<u8")),
+    """Frames to mutate: every golden frame of the protocol (tests/vectors/frames.txt: each
+    message type and flag, and the malformed cases both codecs must refuse), plus a few
+    sequences a stream carries: raw bytes after READ_DATA, a handshake then a request."""
+    frames = golden_frames()
+    read_data = next(f for f in frames if f[3] == p.MsgType.READ_DATA)
+    hello = next(f for f in frames if f[3] == p.MsgType.HELLO)
+    read = next(f for f in frames if f[3] == p.MsgType.READ)
+    frames += [
+        read_data[: p.HEADER_SIZE] + (8).to_bytes(8, "little") + b"\xaa" * 8,
+        hello + p.encode(p.Auth(bytes(32)), 2) + read,
     ]
-    frames = []
-    for m in msgs:
-        try:
-            frames.append(p.encode(m, request_id=42))
-        except Exception:  # noqa: BLE001 - the protocol changed shape; fuzz what still encodes
-            continue
-    # raw bytes after ReadData/Write, as on the wire
-    frames += [frames[5] + b"\xaa" * 8] if len(frames) > 5 else []
-    # a handshake, then a request, as a client before and after authentication sends them
-    frames.append(frames[0] + p.encode(p.Auth(bytes(32)), 2) + frames[3])
     return frames
 
 
@@ -173,7 +154,7 @@ def mutate(seed: bytes, op: int, where: int, value: int) -> bytes:
     if op == 2:  # trailing garbage inside the frame: grow the declared length
         extra = (value % 16) + 1
         length = struct.unpack_from("<I", b, 8)[0] + extra
-        struct.pack_into("<I", b, 8, length)
+        struct.pack_into("<I", b, 8, length & 0xFFFFFFFF)
         return bytes(b) + bytes(extra)
     if op == 3:  # declared length from the fuzzer (oversized, short, zero)
         struct.pack_into("<I", b, 8, value & 0xFFFFFFFF)

@@ -9,7 +9,8 @@ Run by hand, not in CI (the tests/faults fuzzers run a fixed set in CI):
 The owner is an in-process Engine with a shared secret, listening on loopback; the fuzzer is
 a raw socket. What counts as a finding (raised, with the input):
 
-1. before a valid AUTH: any answer but WELCOME or ERROR, a peer registered as inbound
+1. before a valid AUTH (frames of its own and every golden frame of tests/vectors/frames.txt):
+   any answer but WELCOME or ERROR, a peer registered as inbound
    (``Engine.inbound_peers``), or the connection left open once the fuzzer stopped sending;
 2. after it: a request with duplicated or expanded spans (one tensor index repeated, many
    one-byte spans, a checksum asked for) answered by anything but ERROR or the exact bytes,
@@ -30,6 +31,7 @@ import zlib
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import numpy as np  # noqa: E402
+from seeds import golden_frames  # noqa: E402 - fuzz/seeds.py, beside this file
 
 from datadist.core import auth  # noqa: E402
 from datadist.core.engine import Engine, EngineConfig  # noqa: E402
@@ -164,6 +166,7 @@ def main() -> None:
         st.integers(0, 2**32 - 1).map(  # a header announcing any length, then little
             lambda n: p.HEADER.pack(p.MAGIC, p.VERSION, p.MsgType.HELLO, 7, n) + b"\0" * 8),
         st.binary(max_size=64),
+        st.sampled_from(golden_frames()),  # every type, flag and malformed case (tests/vectors)
     )
     span = st.tuples(st.integers(0, TENSOR_BYTES - 1), st.integers(1, 64)).map(
         lambda on: (on[0], min(on[1], TENSOR_BYTES - on[0])))

@@ -84,7 +84,119 @@ class Reader {
   size_t pos_ = 0;
 };
 
+// The message types this codec speaks, by number: docs/protocol.md's names ("Messages").
+constexpr std::array<const char *, 256> kTypeNames = [] {
+  std::array<const char *, 256> t{};
+  t[kHello] = "HELLO";
+  t[kWelcome] = "WELCOME";
+  t[kError] = "ERROR";
+  t[kRead] = "READ";
+  t[kReadData] = "READ_DATA";
+  t[kGrant] = "GRANT";
+  t[kRelease] = "RELEASE";
+  t[kPing] = "PING";
+  t[kPong] = "PONG";
+  t[kBye] = "BYE";
+  t[kWrite] = "WRITE";
+  t[kOk] = "OK";
+  t[kShmGrant] = "SHM_GRANT";
+  t[kAuth] = "AUTH";
+  t[kChecksum] = "CHECKSUM";
+  t[kLeaseRequest] = "LEASE_REQUEST";
+  t[kCacheLease] = "CACHE_LEASE";
+  return t;
+}();
+
+// What a message may not carry, written once for the encoder (Refuse: LLM_FAILED, we were
+// about to say it) and the decoder (Reject: the peer said it, the connection closes); as
+// Python's codec does. Each returns why, or "".
+
+std::string RequestFault(uint8_t type, uint8_t kind, uint32_t flags) {
+  if (kind < kCacheKey || kind > kAddress) return "unknown key kind " + std::to_string(kind);
+  if (type == kRead) {
+    if (kind == kAddress) return "raw addresses (key kind 4) are for WRITE only";
+    if (flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) return "unknown read flags " + std::to_string(flags);
+  } else if (flags != 0) {
+    return "unknown write flags " + std::to_string(flags);  // none are defined in this version
+  }
+  return "";
+}
+
+std::string LeaseKindFault(uint8_t kind) {
+  if (kind != kCacheId && kind != kBlocksKey)
+    return "a lease names a cache by id or BlocksCacheKey, not key kind " + std::to_string(kind);
+  return "";
+}
+
+std::string LeaseFlagsFault(uint32_t flags) {
+  return flags & ~(kFlagShm | kLeaseWrite) ? "unknown lease flags " + std::to_string(flags) : "";
+}
+
+std::string CacheLeaseFault(uint64_t tensor_bytes, uint64_t units, uint64_t blocks, uint64_t n, uint64_t m) {
+  if (blocks > 1 || (m != 0 && m != n) || n == 0 || units == 0 || tensor_bytes == 0 || tensor_bytes % units)
+    return "malformed CACHE_LEASE";
+  return "";
+}
+
+// ERROR's message as UTF-8: each maximal ill-formed part (Unicode 3.9, "U+FFFD substitution
+// of maximal subparts") becomes U+FFFD, as Python's bytes.decode("utf-8", "replace") does, so
+// that both implementations read a peer's bad text alike (docs/protocol.md, "Encodings").
+std::string Utf8OrReplacement(const std::string &in) {
+  static const char kReplacement[] = "\xEF\xBF\xBD";
+  std::string out;
+  out.reserve(in.size());
+  const auto *p = reinterpret_cast<const uint8_t *>(in.data());
+  const size_t n = in.size();
+  size_t i = 0;
+  while (i < n) {
+    const uint8_t b = p[i];
+    size_t need = 0;
+    uint8_t lo = 0x80, hi = 0xBF;  // the range of the second byte; later ones are 80..BF
+    if (b < 0x80) {
+      out.push_back(static_cast<char>(b));
+      ++i;
+      continue;
+    } else if (b >= 0xC2 && b <= 0xDF) {
+      need = 1;
+    } else if (b >= 0xE0 && b <= 0xEF) {
+      need = 2;
+      if (b == 0xE0) lo = 0xA0;
+      if (b == 0xED) hi = 0x9F;
+    } else if (b >= 0xF0 && b <= 0xF4) {
+      need = 3;
+      if (b == 0xF0) lo = 0x90;
+      if (b == 0xF4) hi = 0x8F;
+    } else {
+      out += kReplacement;  // 80..C1, F5..FF never start a character
+      ++i;
+      continue;
+    }
+    size_t j = 1;
+    for (; j <= need && i + j < n; ++j) {
+      const uint8_t c = p[i + j];
+      if (c < (j == 1 ? lo : 0x80) || c > (j == 1 ? hi : 0xBF)) break;
+    }
+    if (j == need + 1) {
+      out.append(in, i, j);
+    } else {
+      out += kReplacement;  // the lead and the continuation bytes that fitted
+    }
+    i += j;
+  }
+  return out;
+}
+
+void Refuse(const std::string &why) {
+  if (!why.empty()) Fail(llm_datadist::LLM_FAILED, "cannot send: " + why);
+}
+
+void Reject(const std::string &why) {
+  if (!why.empty()) ProtocolViolation(why);
+}
+
 }  // namespace
+
+const char *TypeName(uint8_t type) { return kTypeNames[type]; }
 
 std::vector<uint8_t> EncodeHello(uint8_t type, const Hello &h, uint32_t rid) {
   Writer w(type, rid);
@@ -107,6 +219,7 @@ std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid) {
 
 std::vector<uint8_t> EncodeRequest(uint8_t type, const Request &r, uint32_t rid) {
   if (r.offsets.size() != r.lengths.size()) Fail(llm_datadist::LLM_FAILED, "offsets and lengths differ");
+  Refuse(RequestFault(type, r.kind, r.flags));
   Writer w(type, rid);
   w.U8(r.kind);
   w.U64(r.a);
@@ -160,6 +273,8 @@ std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid) {
 }
 
 std::vector<uint8_t> EncodeLeaseRequest(const LeaseRequest &r, uint32_t rid) {
+  Refuse(LeaseKindFault(r.kind));
+  Refuse(LeaseFlagsFault(r.flags));
   Writer w(kLeaseRequest, rid);
   w.U8(r.kind);
   w.U64(r.a);
@@ -173,6 +288,7 @@ std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid) {
   const size_t m = l.shm_fds.size();
   if ((m && m != l.addrs.size()) || l.shm_inos.size() != m || l.shm_offsets.size() != m)
     Fail(llm_datadist::LLM_FAILED, "CACHE_LEASE arrays differ in length");
+  Refuse(CacheLeaseFault(l.tensor_bytes, l.units, l.is_blocks ? 1 : 0, l.addrs.size(), m));
   Writer w(kCacheLease, rid);
   w.U64(l.cache_id);
   w.U64(l.tensor_bytes);
@@ -194,13 +310,12 @@ LeaseRequest DecodeLeaseRequest(const std::vector<uint8_t> &payload) {
   Reader r(payload);
   LeaseRequest q;
   q.kind = static_cast<uint8_t>(r.Uint(1));
-  if (q.kind != kCacheId && q.kind != kBlocksKey)
-    ProtocolViolation("a lease names a cache by id or BlocksCacheKey, not key kind " + std::to_string(q.kind));
+  Reject(LeaseKindFault(q.kind));
   q.a = r.Uint(8);
   q.b = r.Uint(8);
   q.c = r.Uint(8);
   q.flags = static_cast<uint32_t>(r.Uint(4));
-  if (q.flags & ~(kFlagShm | kLeaseWrite)) ProtocolViolation("unknown lease flags " + std::to_string(q.flags));
+  Reject(LeaseFlagsFault(q.flags));
   r.Done();
   return q;
 }
@@ -217,9 +332,7 @@ CacheLease DecodeCacheLease(const std::vector<uint8_t> &payload) {
   l.fence_fd = static_cast<int32_t>(static_cast<uint32_t>(r.Uint(4)));
   l.fence_ino = r.Uint(8);
   const uint64_t n = r.Uint(4), m = r.Uint(4);
-  if (blocks > 1 || (m != 0 && m != n) || n == 0 || l.units == 0 || l.tensor_bytes == 0 ||
-      l.tensor_bytes % l.units)
-    ProtocolViolation("malformed CACHE_LEASE");
+  Reject(CacheLeaseFault(l.tensor_bytes, l.units, blocks, n, m));
   l.addrs = r.Array<uint64_t>(n);
   std::vector<uint32_t> fds = r.Array<uint32_t>(m);
   for (uint32_t fd : fds) l.shm_fds.push_back(static_cast<int32_t>(fd));
@@ -261,7 +374,7 @@ Header DecodeHeader(const uint8_t *d) {
   if (d[2] != kVersion) ProtocolViolation("unsupported protocol version " + std::to_string(d[2]));
   Header h;
   h.type = d[3];
-  if ((h.type < kHello || h.type > kChecksum) && h.type != kLeaseRequest && h.type != kCacheLease)
+  if (TypeName(h.type) == nullptr)
     ProtocolViolation("unknown message type " + std::to_string(h.type));
   for (int i = 0; i < 4; ++i) h.request_id |= static_cast<uint32_t>(d[4 + i]) << (8 * i);
   for (int i = 0; i < 4; ++i) h.length |= static_cast<uint32_t>(d[8 + i]) << (8 * i);
@@ -287,7 +400,7 @@ ErrorMsg DecodeError(const std::vector<uint8_t> &payload) {
   Reader r(payload);
   ErrorMsg e;
   e.code = static_cast<int64_t>(r.Uint(8));
-  e.message = r.Blob();
+  e.message = Utf8OrReplacement(r.Blob());
   r.Done();
   return e;
 }
@@ -296,7 +409,7 @@ Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload) {
   Reader r(payload);
   Request q;
   q.kind = static_cast<uint8_t>(r.Uint(1));
-  if (q.kind < kCacheKey || q.kind > kAddress) ProtocolViolation("unknown key kind " + std::to_string(q.kind));
+  if (q.kind < kCacheKey || q.kind > kAddress) Reject(RequestFault(type, q.kind, 0));  // before trusting counts
   q.a = r.Uint(8);
   q.b = r.Uint(8);
   q.c = r.Uint(8);
@@ -309,12 +422,7 @@ Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload) {
   q.offsets = r.Array<uint64_t>(nspans);
   q.lengths = r.Array<uint64_t>(nspans);
   r.Done();
-  if (type == kRead) {
-    if (q.kind == kAddress) ProtocolViolation("raw addresses (key kind 4) are for WRITE only");
-    if (q.flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) ProtocolViolation("unknown read flags");
-  } else if (q.flags != 0) {
-    ProtocolViolation("unknown write flags");
-  }
+  Reject(RequestFault(type, q.kind, q.flags));
   return q;
 }
 
@@ -327,37 +435,25 @@ uint64_t DecodeU64(const std::vector<uint8_t> &payload) {
 
 void DecodeEmpty(const std::vector<uint8_t> &payload) { Reader(payload).Done(); }
 
-void CheckOther(uint8_t type, const std::vector<uint8_t> &payload) {
+Checksum DecodeChecksum(const std::vector<uint8_t> &payload) {
   Reader r(payload);
-  switch (type) {
-    case kRelease:
-      r.Uint(8);
-      if (r.Uint(1) > 1) ProtocolViolation("bad release flag");
-      break;
-    case kChecksum:
-      r.Uint(4);
-      r.Uint(8);
-      break;
-    case kAuth:
-      r.Blob();
-      break;
-    case kGrant: {
-      r.Uint(8);
-      r.Array<uint64_t>(r.Uint(4));
-      break;
-    }
-    case kShmGrant: {
-      r.Uint(8);
-      uint64_t n = r.Uint(4);
-      r.Array<uint32_t>(n);
-      r.Array<uint64_t>(n);
-      r.Array<uint64_t>(n);
-      break;
-    }
-    default:
-      ProtocolViolation("unexpected message type " + std::to_string(type));
-  }
+  Checksum c;
+  c.crc = static_cast<uint32_t>(r.Uint(4));
+  c.nbytes = r.Uint(8);
   r.Done();
+  return c;
+}
+
+ShmGrant DecodeShmGrant(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  ShmGrant g;
+  g.lease_id = r.Uint(8);
+  const uint64_t n = r.Uint(4);
+  for (uint32_t fd : r.Array<uint32_t>(n)) g.fds.push_back(static_cast<int32_t>(fd));
+  g.inos = r.Array<uint64_t>(n);
+  g.offsets = r.Array<uint64_t>(n);
+  r.Done();
+  return g;
 }
 
 uint32_t Crc32(uint32_t crc, const void *data, size_t n) {

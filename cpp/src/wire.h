@@ -95,6 +95,20 @@ struct Release {
   bool ok = false;
 };
 
+/// CHECKSUM: zlib's CRC-32 of a read's source spans, and their byte count.
+struct Checksum {
+  uint32_t crc = 0;
+  uint64_t nbytes = 0;
+};
+
+/// SHM_GRANT: per requested tensor, the owner's memfd number, its inode and the offset of the
+/// tensor's unit base in it. Decoded only (this library asks no SHM grants and sends none).
+struct ShmGrant {
+  uint64_t lease_id = 0;
+  std::vector<int32_t> fds;
+  std::vector<uint64_t> inos, offsets;
+};
+
 /// LEASE_REQUEST: a lease on a whole cache, named by id (kCacheId, b ignored) or by
 /// BlocksCacheKey (kBlocksKey); flags kFlagShm and / or kLeaseWrite.
 struct LeaseRequest {
@@ -134,6 +148,7 @@ std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid);
 // ---- decoding
 Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
 Hello DecodeHello(const std::vector<uint8_t> &payload);
+/// The message comes back as UTF-8: ill-formed parts become U+FFFD, as in Python's codec.
 ErrorMsg DecodeError(const std::vector<uint8_t> &payload);
 Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload);
 uint64_t DecodeU64(const std::vector<uint8_t> &payload);
@@ -146,8 +161,13 @@ LeaseRequest DecodeLeaseRequest(const std::vector<uint8_t> &payload);
 /// Malformed (as Python's decoder): is_blocks > 1, no tensors, units 0, tensor bytes not a
 /// multiple of units, m neither 0 nor n.
 CacheLease DecodeCacheLease(const std::vector<uint8_t> &payload);
-/// Checks CHECKSUM / SHM_GRANT / AUTH (and RELEASE / GRANT) payloads are well formed (contents unused).
-void CheckOther(uint8_t type, const std::vector<uint8_t> &payload);
+Checksum DecodeChecksum(const std::vector<uint8_t> &payload);
+ShmGrant DecodeShmGrant(const std::vector<uint8_t> &payload);
+
+/// The name docs/protocol.md gives a message type this codec speaks ("HELLO"), or nullptr for
+/// a type it does not (NIXL and STATS, 16 to 22 and 30 to 32, reserved and unknown numbers):
+/// DecodeHeader refuses those, as a version-1 peer without the extension must.
+const char *TypeName(uint8_t type);
 
 // ---- helpers shared with Python's implementation
 uint32_t Crc32(uint32_t crc, const void *data, size_t n);  // zlib's CRC-32

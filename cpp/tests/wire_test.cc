@@ -1,6 +1,8 @@
 // The protocol codec: round trips, and a decoder that trusts nothing.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "errors.h"
 #include "wire.h"
 
@@ -84,13 +86,86 @@ TEST(Wire, DecoderRefusesMalformedFrames) {
   auto bad_kind = p;
   bad_kind[0] = 9;
   EXPECT_THROW(wire::DecodeRequest(wire::kRead, bad_kind), Error);
-  r.kind = wire::kAddress;  // raw addresses are for WRITE only
-  EXPECT_THROW(wire::DecodeRequest(wire::kRead, Payload(wire::EncodeRequest(wire::kRead, r, 1))), Error);
+  // (patched by hand: the encoder refuses to say these)
+  auto address = p;
+  address[0] = wire::kAddress;  // raw addresses are for WRITE only
+  EXPECT_THROW(wire::DecodeRequest(wire::kRead, address), Error);
+  EXPECT_NO_THROW(wire::DecodeRequest(wire::kWrite, address));
+  auto flagged = p;
+  flagged[1 + 24 + 8 + 8] = 16;  // unknown read flag
+  EXPECT_THROW(wire::DecodeRequest(wire::kRead, flagged), Error);
+  flagged[1 + 24 + 8 + 8] = wire::kFlagChecksum;  // any flag on a WRITE
+  EXPECT_NO_THROW(wire::DecodeRequest(wire::kRead, flagged));
+  EXPECT_THROW(wire::DecodeRequest(wire::kWrite, flagged), Error);
+}
+
+// What the decoder refuses from a peer, the encoder refuses to say (one rule for both, as in
+// Python's codec): a local error, where the peer would close the connection.
+TEST(Wire, EncoderRefusesWhatTheDecoderRefuses) {
+  wire::Request r;
   r.kind = wire::kCacheId;
-  r.flags = 16;  // unknown read flag
-  EXPECT_THROW(wire::DecodeRequest(wire::kRead, Payload(wire::EncodeRequest(wire::kRead, r, 1))), Error);
-  r.flags = wire::kFlagChecksum;  // any flag on a WRITE
-  EXPECT_THROW(wire::DecodeRequest(wire::kWrite, Payload(wire::EncodeRequest(wire::kWrite, r, 1))), Error);
+  r.tensors = {0};
+  r.offsets = {0};
+  r.lengths = {8};
+  auto refused = [](const std::function<void()> &f) {
+    try {
+      f();
+    } catch (const Error &e) {
+      return e.code() == llm_datadist::LLM_FAILED;
+    }
+    return false;
+  };
+  wire::Request bad = r;
+  bad.kind = wire::kAddress;
+  EXPECT_TRUE(refused([&] { wire::EncodeRequest(wire::kRead, bad, 1); }));
+  EXPECT_FALSE(refused([&] { wire::EncodeRequest(wire::kWrite, bad, 1); }));
+  bad.kind = 9;
+  EXPECT_TRUE(refused([&] { wire::EncodeRequest(wire::kWrite, bad, 1); }));
+  bad = r;
+  bad.flags = 16;
+  EXPECT_TRUE(refused([&] { wire::EncodeRequest(wire::kRead, bad, 1); }));
+  bad.flags = wire::kFlagChecksum;
+  EXPECT_FALSE(refused([&] { wire::EncodeRequest(wire::kRead, bad, 1); }));
+  EXPECT_TRUE(refused([&] { wire::EncodeRequest(wire::kWrite, bad, 1); }));
+
+  wire::LeaseRequest q;
+  q.kind = wire::kCacheKey;
+  EXPECT_TRUE(refused([&] { wire::EncodeLeaseRequest(q, 1); }));
+  q.kind = wire::kCacheId;
+  q.flags = wire::kFlagGrant;
+  EXPECT_TRUE(refused([&] { wire::EncodeLeaseRequest(q, 1); }));
+  q.flags = wire::kFlagShm | wire::kLeaseWrite;
+  EXPECT_FALSE(refused([&] { wire::EncodeLeaseRequest(q, 1); }));
+
+  wire::CacheLease l;
+  l.tensor_bytes = 4096;
+  l.units = 0;  // a geometry every later check would divide by
+  l.addrs = {4096};
+  EXPECT_TRUE(refused([&] { wire::EncodeCacheLease(l, 1); }));
+  l.units = 2;
+  EXPECT_FALSE(refused([&] { wire::EncodeCacheLease(l, 1); }));
+}
+
+// An ERROR's message is UTF-8 text (docs/protocol.md): a peer's ill-formed bytes are read as
+// Python reads them (bytes.decode("utf-8", "replace")): each maximal ill-formed part is U+FFFD.
+TEST(Wire, ErrorMessageIsReadAsUtf8LikePython) {
+  const std::string r = "\xEF\xBF\xBD";
+  const std::pair<std::string, std::string> cases[] = {
+      {"caf\xC3\xA9 \xE2\x9C\x93", "caf\xC3\xA9 \xE2\x9C\x93"},  // well formed: unchanged
+      {"caf\xA9", "caf" + r},                                  // a lone continuation byte
+      {"a\xC3", "a" + r},                                      // cut short at the end
+      {"\xE2\x9C" "b", r + "b"},                                // one U+FFFD for the part that fitted
+      {"\xC0\xAF", r + r},                                     // never a lead byte: one each
+      {"\xED\xA0\x80", r + r + r},                              // a surrogate: ED takes 80..9F only
+      {"\xF4\x90\x80\x80", r + r + r + r},                       // past U+10FFFF
+      {"\xF0\x9F\x98\x80\xFF", "\xF0\x9F\x98\x80" + r},
+  };
+  for (const auto &c : cases) {
+    wire::ErrorMsg e;
+    e.code = -1;
+    e.message = c.first;
+    EXPECT_EQ(wire::DecodeError(Payload(wire::EncodeError(e, 1))).message, c.second);
+  }
 }
 
 TEST(Wire, CacheLeaseFromALyingOwnerIsRefused) {
@@ -105,7 +180,7 @@ TEST(Wire, CacheLeaseFromALyingOwnerIsRefused) {
   for (auto bad : {std::pair<uint64_t, uint64_t>{0, 2}, {4097, 2}, {4096, 0}}) {
     l.tensor_bytes = bad.first;  // no bytes at all: every later check would divide by nothing
     l.units = bad.second;
-    EXPECT_THROW(wire::DecodeCacheLease(Payload(wire::EncodeCacheLease(l, 1))), Error);
+    EXPECT_THROW(wire::EncodeCacheLease(l, 1), Error);  // nor does the encoder say it
   }
 }
 

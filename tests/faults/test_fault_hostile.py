@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import struct
 import time
 import zlib
 from dataclasses import dataclass
@@ -121,13 +122,15 @@ class Req:
                       self.layout)
 
     def frame(self, rid: int, write: bool = False) -> bytes:
-        """The encoded frame, including what a well-behaved encoder refuses to produce (a
-        Read by raw addresses): such a frame is encoded with another kind, then patched."""
-        if write or self.kind != 4:
-            return p.encode(self.message(write), rid)
-        legal = dataclasses.replace(self, kind=3).message(False)
+        """The encoded frame, including what a well-behaved encoder refuses to produce
+        (unknown key kinds or flags, a Read by raw addresses): the frame is encoded with a
+        legal kind and no flags, then patched (the key kind is the payload's first byte, the
+        flags u32 follow the key, unit_bytes and layout: docs/protocol.md)."""
+        legal_kind = self.kind if self.kind in (1, 2, 3) or (write and self.kind == 4) else 3
+        legal = dataclasses.replace(self, kind=legal_kind, flags=0).message(write)
         data = bytearray(p.encode(legal, rid))
-        data[p.HEADER_SIZE] = 4  # the key kind is the payload's first byte
+        data[p.HEADER_SIZE] = self.kind
+        struct.pack_into("<I", data, p.HEADER_SIZE + 25 + 8 + 8, self.flags)
         return bytes(data)
 
 
@@ -472,9 +475,7 @@ def _template(srv: Server) -> st.SearchStrategy[bytes]:
     """A frame of any type, well-formed or not, that a client could send."""
     msgs = st.one_of(
         requests(srv).map(lambda r: r.frame(7)),
-        requests(srv).map(lambda r: p.encode(
-            Req(r.kind, r.a, r.b, r.c, r.unit_bytes, 0, r.tensors, r.offsets,
-                r.lengths, r.layout).message(True), 7)),
+        requests(srv).map(lambda r: dataclasses.replace(r, flags=0).frame(7, write=True)),
         st.builds(lambda c: p.encode(p.Hello(c, 1, 1, 0, b"\x01" * 16), 3), u64()),
         st.builds(lambda x: p.encode(p.Release(x, True), 4), u64()),
         st.builds(lambda x: p.encode(p.Ping(x), 5), u64()),

@@ -170,6 +170,29 @@ class TestEncoderRefusesIllegalMessages:
         with pytest.raises(LocalProtocolError):
             p.encode_payload("hello")  # type: ignore[arg-type]
 
+    # What the decoder refuses from a peer, the encoder refuses to say (one rule per message
+    # for both; the C++ codec likewise, cpp/tests/wire_test.cc).
+    @pytest.mark.parametrize("msg", [
+        p.Read(p.KeyRef(p.KeyKind.ADDRESS), 0, p.ReadFlags.NONE, u32(0), u64(0), u64(8)),
+        p.Read(p.KeyRef(p.KeyKind.CACHE_ID, 1), 0, 16, u32(0), u64(0), u64(8)),  # type: ignore[arg-type]
+        p.Write(p.KeyRef(p.KeyKind.CACHE_ID, 1), 0, 4, u32(0), u64(0), u64(8)),
+        p.NixlRead(p.KeyRef(p.KeyKind.CACHE_ID, 1), 0, p.ReadFlags.GRANT, u32(0), u64(0), u64(8)),
+        p.NixlWrite(p.KeyRef(p.KeyKind.CACHE_ID, 1), 0, 4, u32(0), u64(0), u64(8)),
+        p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_KEY, 1)),
+        p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_ID, 1), int(p.ReadFlags.GRANT)),
+        p.CacheLease(1, 8, 0, False, 0, 3, 4, u64(1), np.empty(0, "<i4"), u64(), u64()),
+        p.NixlGrant(1, b"", 0, 2, 0, u64()),
+        p.NixlLeased(1, b"", 0, 2, 0, False, 8, 8, 1, 0, u64(1)),
+    ], ids=lambda m: type(m).__name__)
+    def test_what_the_decoder_refuses(self, msg: p.Message) -> None:
+        with pytest.raises(LocalProtocolError):
+            p.encode(msg)
+
+    def test_release_ok_is_one_byte_zero_or_one(self) -> None:
+        data = p.encode(p.Release(1, 2))  # type: ignore[arg-type]
+        assert data[-1] == 1
+        assert p.decode_payload(p.MsgType.RELEASE, data[12:]) == p.Release(1, True)
+
     def test_local_protocol_error_is_not_a_remote_one(self) -> None:
         assert not issubclass(LocalProtocolError, RemoteProtocolError)
 
@@ -437,9 +460,11 @@ def test_property_mutated_valid_frames(msg: p.Message, cut: int, flip: int) -> N
 
 
 def test_a_lease_names_a_cache_by_id_or_blocks_key_only() -> None:
-    payload = p.encode_payload(p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_KEY, 1, 2, 3)))
+    payload = struct.pack("<BQQQI", p.KeyKind.CACHE_KEY, 1, 2, 3, 0)
     with pytest.raises(RemoteProtocolError, match="by id or BlocksCacheKey"):
         p.decode_payload(p.MsgType.LEASE_REQUEST, payload)
+    with pytest.raises(LocalProtocolError, match="by id or BlocksCacheKey"):  # nor sends one
+        p.encode_payload(p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_KEY, 1, 2, 3)))
 
 
 @pytest.mark.parametrize("fields", [
@@ -450,6 +475,13 @@ def test_a_malformed_cache_lease_is_refused(fields: dict[str, object]) -> None:
     base: dict[str, object] = dict(cache_id=1, tensor_bytes=4096, units=2, is_blocks=True,
                                    layout=0, fence_fd=3, fence_ino=9, addrs=u64(4096),
                                    shm_fds=np.empty(0, "<i4"), shm_inos=u64(), shm_offsets=u64())
-    payload = p.encode_payload(p.CacheLease(**{**base, **fields}))  # type: ignore[arg-type]
+    f = {**base, **fields}
+    addrs = f["addrs"]
+    assert isinstance(addrs, np.ndarray)
+    payload = struct.pack("<QQQBQiQII", f["cache_id"], f["tensor_bytes"], f["units"],
+                          f["is_blocks"], f["layout"], f["fence_fd"], f["fence_ino"],
+                          len(addrs), 0) + addrs.astype("<u8").tobytes()
     with pytest.raises(RemoteProtocolError, match="malformed CacheLease"):
         p.decode_payload(p.MsgType.CACHE_LEASE, payload)
+    with pytest.raises(LocalProtocolError, match="malformed CacheLease"):  # nor sends one
+        p.encode_payload(p.CacheLease(**f))  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -40,6 +41,7 @@ HEADER_SIZE = HEADER.size
 MAX_PAYLOAD = 64 << 20
 
 U32 = np.dtype("<u4")
+_U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 U64 = np.dtype("<u8")
 I32 = np.dtype("<i4")
@@ -501,8 +503,7 @@ class Ok:
 Message = (
     Hello | Welcome | Error | Read | Write | ReadData | Grant | ShmGrant | Release | Ping | Pong
     | Bye | Ok | Auth | Checksum | NixlMdRequest | NixlMd | NixlRead | NixlGrant | NixlWrite
-    | StatsRequest | Stats | LeaseRequest | CacheLease
-    | StatsRequest | Stats | NixlLease | NixlLeased | NixlRevoke
+    | StatsRequest | Stats | LeaseRequest | CacheLease | NixlLease | NixlLeased | NixlRevoke
 )
 
 
@@ -516,100 +517,213 @@ class FrameHeader:
 
 
 # --------------------------------------------------------------------------------------------
+# what each message may carry (shared by the encoder and the decoder)
+
+
+# Enum members by value, looked up per frame (calling an enum class costs ~1 us).
+_MSG_TYPES = {int(t): t for t in MsgType}
+_KEY_KINDS = {int(k): k for k in KeyKind}
+_CHECKSUM = int(ReadFlags.CHECKSUM)
+_KNOWN_READ_FLAGS = int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM | ReadFlags.WHOLE)
+_READ_FLAGS = {i: ReadFlags(i) for i in range(_KNOWN_READ_FLAGS + 1)}
+_LEASE_KINDS = (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY)
+
+
+# What a message may not carry, written once for the encoder (which raises LocalProtocolError:
+# we were about to say it) and the decoder (RemoteProtocolError: the peer said it). Each returns
+# why, or None.
+
+
+def _request_fault(mtype: int, kind: int, flags: int) -> str | None:
+    """READ, WRITE, NIXL_READ and NIXL_WRITE: the key kinds and flags each may carry."""
+    if kind not in _KEY_KINDS:
+        return f"unknown key kind {kind}"
+    if mtype in (MsgType.READ, MsgType.NIXL_READ):
+        if kind == KeyKind.ADDRESS:
+            return "raw addresses (key kind 4) are for WRITE only"
+        if mtype == MsgType.NIXL_READ:
+            if flags & ~(_CHECKSUM | int(ReadFlags.WHOLE)):
+                return f"unknown NIXL read flags {flags:#x}"
+        elif flags & ~_KNOWN_READ_FLAGS:
+            return f"unknown read flags {flags:#x}"
+    elif flags:  # no write flags are defined in this version
+        return f"unknown write flags {flags:#x}"
+    return None
+
+
+def _lease_request_fault(kind: int, flags: int) -> str | None:
+    if kind not in _LEASE_KINDS:
+        return f"a lease names a cache by id or BlocksCacheKey, not key kind {kind}"
+    if flags & ~int(ReadFlags.SHM | LEASE_WRITE):
+        return f"unknown lease flags {flags:#x}"
+    return None
+
+
+def _nixl_lease_fault(kind: int) -> str | None:
+    if kind not in _LEASE_KINDS:
+        return f"a NIXL lease names a cache id or a blocks key, not key kind {kind}"
+    return None
+
+
+def _cache_lease_fault(tensor_bytes: int, units: int, blocks: int, n: int, m: int) -> str | None:
+    if blocks > 1 or m not in (0, n) or not n or not units or not tensor_bytes or \
+            tensor_bytes % units:
+        return "malformed CacheLease"
+    return None
+
+
+def _nixl_mem_fault(mem: int) -> str | None:
+    return None if mem in (MEM_DRAM, MEM_VRAM) else f"unknown NIXL memory kind {mem}"
+
+
+def _refuse(why: str | None) -> None:
+    """The encoder's end of the rules above."""
+    if why is not None:
+        raise LocalProtocolError(why)
+
+
+# --------------------------------------------------------------------------------------------
 # encoding
 
 
 def _bytes_field(data: bytes) -> bytes:
     if len(data) > 0xFFFF:
         raise LocalProtocolError("byte field longer than 65535")
-    return struct.pack("<H", len(data)) + data
+    return _U16.pack(len(data)) + data
 
 
 def _array(arr: np.ndarray, dtype: np.dtype) -> bytes:
     return np.ascontiguousarray(arr, dtype=dtype).tobytes()
 
 
+def _key(k: KeyRef) -> bytes:
+    return KeyRef._S.pack(k.kind, k.a, k.b, k.c)
+
+
+# One encoder per message class: the message's payload, in docs/protocol.md's field order.
+# Each refuses (LocalProtocolError) what the decoder would refuse from a peer.
+
+
+def _enc_hello(msg: Hello | Welcome) -> bytes:
+    if len(msg.boot_id) != 16:
+        raise LocalProtocolError("boot_id must be 16 bytes")
+    head = msg._S.pack(msg.cluster_id, msg.role, msg.pid, msg.pid_ns, msg.boot_id, msg.features)
+    return head + _bytes_field(msg.proof)
+
+
+def _enc_error(msg: Error) -> bytes:
+    return msg._S.pack(msg.code) + _bytes_field(msg.message.encode()[:4096])
+
+
+def _enc_request(msg: Read | Write | NixlRead | NixlWrite) -> bytes:
+    _refuse(_request_fault(msg.TYPE, msg.key.kind, int(msg.flags)))
+    if len(msg.offsets) != len(msg.lengths):
+        raise LocalProtocolError("offsets and lengths differ in length")
+    return b"".join((
+        _key(msg.key),
+        msg._S.pack(msg.unit_bytes, msg.layout, int(msg.flags), len(msg.tensors),
+                    len(msg.offsets)),
+        _array(msg.tensors, U32),
+        _array(msg.offsets, U64),
+        _array(msg.lengths, U64),
+    ))
+
+
+def _enc_grant(msg: Grant) -> bytes:
+    return msg._S.pack(msg.lease_id, len(msg.bases)) + _array(msg.bases, U64)
+
+
+def _enc_shm_grant(msg: ShmGrant) -> bytes:
+    n = len(msg.fds)
+    if len(msg.inos) != n or len(msg.offsets) != n:
+        raise LocalProtocolError("ShmGrant arrays differ in length")
+    return b"".join((msg._S.pack(msg.lease_id, n), _array(msg.fds, I32),
+                     _array(msg.inos, U64), _array(msg.offsets, U64)))
+
+
+def _enc_nixl_md(msg: NixlMd) -> bytes:
+    if len(msg.metadata) > MAX_PAYLOAD // 2:
+        raise LocalProtocolError("NIXL metadata too large")
+    return msg._S.pack(msg.generation, len(msg.metadata)) + _bytes_field(msg.agent) + msg.metadata
+
+
+def _enc_nixl_grant(msg: NixlGrant) -> bytes:
+    _refuse(_nixl_mem_fault(msg.mem))
+    return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, len(msg.bases))
+            + _bytes_field(msg.agent) + _array(msg.bases, U64))
+
+
+def _enc_nixl_lease(msg: NixlLease) -> bytes:
+    _refuse(_nixl_lease_fault(msg.key.kind))
+    return _key(msg.key) + msg._S.pack(msg.unit_bytes)
+
+
+def _enc_nixl_leased(msg: NixlLeased) -> bytes:
+    _refuse(_nixl_mem_fault(msg.mem))
+    return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, int(msg.blocks),
+                        msg.tensor_bytes, msg.unit_bytes, msg.units, msg.layout, len(msg.addrs))
+            + _bytes_field(msg.agent) + _array(msg.addrs, U64))
+
+
+def _enc_lease_request(msg: LeaseRequest) -> bytes:
+    _refuse(_lease_request_fault(msg.key.kind, msg.flags))
+    return _key(msg.key) + _U32.pack(msg.flags)
+
+
+def _enc_cache_lease(msg: CacheLease) -> bytes:
+    n, m = len(msg.addrs), len(msg.shm_fds)
+    if m not in (0, n) or len(msg.shm_inos) != m or len(msg.shm_offsets) != m:
+        raise LocalProtocolError("CacheLease arrays differ in length")
+    _refuse(_cache_lease_fault(msg.tensor_bytes, msg.units, int(msg.is_blocks), n, m))
+    return b"".join((
+        msg._S.pack(msg.cache_id, msg.tensor_bytes, msg.units, int(msg.is_blocks), msg.layout,
+                    msg.fence_fd, msg.fence_ino, n, m),
+        _array(msg.addrs, U64), _array(msg.shm_fds, I32), _array(msg.shm_inos, U64),
+        _array(msg.shm_offsets, U64)))
+
+
+def _enc_empty(msg: Bye | Ok | NixlMdRequest | StatsRequest) -> bytes:
+    return b""
+
+
+_ENCODERS: dict[type, Callable[[Any], bytes]] = {
+    Hello: _enc_hello,
+    Welcome: _enc_hello,
+    Error: _enc_error,
+    Read: _enc_request,
+    Write: _enc_request,
+    NixlRead: _enc_request,
+    NixlWrite: _enc_request,
+    ReadData: lambda msg: msg._S.pack(msg.nbytes),
+    Grant: _enc_grant,
+    ShmGrant: _enc_shm_grant,
+    Release: lambda msg: msg._S.pack(msg.lease_id, 1 if msg.ok else 0),
+    Ping: lambda msg: msg._S.pack(msg.nonce),
+    Pong: lambda msg: msg._S.pack(msg.nonce),
+    Auth: lambda msg: _bytes_field(msg.proof),
+    Checksum: lambda msg: msg._S.pack(msg.crc, msg.nbytes),
+    NixlMd: _enc_nixl_md,
+    NixlGrant: _enc_nixl_grant,
+    NixlLease: _enc_nixl_lease,
+    NixlLeased: _enc_nixl_leased,
+    NixlRevoke: lambda msg: msg._S.pack(msg.lease_id),
+    Stats: lambda msg: msg._S.pack(len(msg.json)) + msg.json,
+    LeaseRequest: _enc_lease_request,
+    CacheLease: _enc_cache_lease,
+    Bye: _enc_empty,
+    Ok: _enc_empty,
+    NixlMdRequest: _enc_empty,
+    StatsRequest: _enc_empty,
+}
+
+
 def encode_payload(msg: Message) -> bytes:
-    if isinstance(msg, (Hello, Welcome)):
-        if len(msg.boot_id) != 16:
-            raise LocalProtocolError("boot_id must be 16 bytes")
-        head = msg._S.pack(
-            msg.cluster_id, msg.role, msg.pid, msg.pid_ns, msg.boot_id, msg.features
-        )
-        return head + _bytes_field(msg.proof)
-    if isinstance(msg, Error):
-        return msg._S.pack(msg.code) + _bytes_field(msg.message.encode()[:4096])
-    if isinstance(msg, (Read, Write, NixlRead, NixlWrite)):
-        if isinstance(msg, (Read, NixlRead)) and msg.key.kind == KeyKind.ADDRESS:
-            raise LocalProtocolError("raw addresses (key kind 4) are for WRITE only")
-        if len(msg.offsets) != len(msg.lengths):
-            raise LocalProtocolError("offsets and lengths differ in length")
-        k = msg.key
-        return b"".join(
-            (
-                KeyRef._S.pack(k.kind, k.a, k.b, k.c),
-                msg._S.pack(msg.unit_bytes, msg.layout, int(msg.flags), len(msg.tensors),
-                            len(msg.offsets)),
-                _array(msg.tensors, U32),
-                _array(msg.offsets, U64),
-                _array(msg.lengths, U64),
-            )
-        )
-    if isinstance(msg, ReadData):
-        return msg._S.pack(msg.nbytes)
-    if isinstance(msg, Grant):
-        return msg._S.pack(msg.lease_id, len(msg.bases)) + _array(msg.bases, U64)
-    if isinstance(msg, ShmGrant):
-        n = len(msg.fds)
-        if len(msg.inos) != n or len(msg.offsets) != n:
-            raise LocalProtocolError("ShmGrant arrays differ in length")
-        return b"".join((msg._S.pack(msg.lease_id, n), _array(msg.fds, I32),
-                         _array(msg.inos, U64), _array(msg.offsets, U64)))
-    if isinstance(msg, Release):
-        return msg._S.pack(msg.lease_id, int(msg.ok))
-    if isinstance(msg, (Ping, Pong)):
-        return msg._S.pack(msg.nonce)
-    if isinstance(msg, Auth):
-        return _bytes_field(msg.proof)
-    if isinstance(msg, Checksum):
-        return msg._S.pack(msg.crc, msg.nbytes)
-    if isinstance(msg, NixlMd):
-        if len(msg.metadata) > MAX_PAYLOAD // 2:
-            raise LocalProtocolError("NIXL metadata too large")
-        return (msg._S.pack(msg.generation, len(msg.metadata)) + _bytes_field(msg.agent)
-                + msg.metadata)
-    if isinstance(msg, NixlGrant):
-        return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, len(msg.bases))
-                + _bytes_field(msg.agent) + _array(msg.bases, U64))
-    if isinstance(msg, NixlLease):
-        k = msg.key
-        if k.kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
-            raise LocalProtocolError("a NIXL lease names a cache id or a blocks key")
-        return KeyRef._S.pack(k.kind, k.a, k.b, k.c) + msg._S.pack(msg.unit_bytes)
-    if isinstance(msg, NixlLeased):
-        return (msg._S.pack(msg.lease_id, msg.generation, msg.mem, msg.device, int(msg.blocks),
-                            msg.tensor_bytes, msg.unit_bytes, msg.units, msg.layout,
-                            len(msg.addrs))
-                + _bytes_field(msg.agent) + _array(msg.addrs, U64))
-    if isinstance(msg, NixlRevoke):
-        return msg._S.pack(msg.lease_id)
-    if isinstance(msg, Stats):
-        return msg._S.pack(len(msg.json)) + msg.json
-    if isinstance(msg, LeaseRequest):
-        k = msg.key
-        return KeyRef._S.pack(k.kind, k.a, k.b, k.c) + struct.pack("<I", msg.flags)
-    if isinstance(msg, CacheLease):
-        n, m = len(msg.addrs), len(msg.shm_fds)
-        if m not in (0, n) or len(msg.shm_inos) != m or len(msg.shm_offsets) != m:
-            raise LocalProtocolError("CacheLease arrays differ in length")
-        return b"".join((
-            msg._S.pack(msg.cache_id, msg.tensor_bytes, msg.units, int(msg.is_blocks),
-                        msg.layout, msg.fence_fd, msg.fence_ino, n, m),
-            _array(msg.addrs, U64), _array(msg.shm_fds, I32), _array(msg.shm_inos, U64),
-            _array(msg.shm_offsets, U64)))
-    if isinstance(msg, (Bye, Ok, NixlMdRequest, StatsRequest)):
-        return b""
-    raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
+    """The payload of ``msg`` (no header). Raises LocalProtocolError for a message that this
+    protocol cannot say (wrong sizes, fields the receiver would refuse)."""
+    encoder = _ENCODERS.get(type(msg))
+    if encoder is None:
+        raise LocalProtocolError(f"cannot encode {type(msg).__name__}")
+    return encoder(msg)
 
 
 def encode(msg: Message, request_id: int = 0) -> bytes:
@@ -624,12 +738,6 @@ def encode(msg: Message, request_id: int = 0) -> bytes:
 # decoding
 
 
-# Enum members by value, looked up per frame (calling an enum class costs ~1 us).
-_MSG_TYPES = {int(t): t for t in MsgType}
-_KEY_KINDS = {int(k): k for k in KeyKind}
-_CHECKSUM = int(ReadFlags.CHECKSUM)
-_KNOWN_READ_FLAGS = int(ReadFlags.GRANT | ReadFlags.SHM | ReadFlags.CHECKSUM | ReadFlags.WHOLE)
-_READ_FLAGS = {i: ReadFlags(i) for i in range(_KNOWN_READ_FLAGS + 1)}
 
 
 def decode_header(data: bytes | memoryview) -> FrameHeader:
@@ -669,7 +777,7 @@ class _Reader:
         return s.unpack(self.take(s.size))
 
     def bytes_field(self) -> bytes:
-        (n,) = self.unpack(struct.Struct("<H"))
+        (n,) = self.unpack(_U16)
         return bytes(self.take(n))
 
     def array(self, count: int, dtype: np.dtype) -> np.ndarray:
@@ -680,120 +788,153 @@ class _Reader:
             raise RemoteProtocolError(f"{len(self.buf) - self.pos} trailing bytes in payload")
 
 
+def _dec_key(r: _Reader) -> tuple[int, int, int, int]:
+    kind, a, b, c = r.unpack(KeyRef._S)
+    return kind, a, b, c
+
+
+def _reject(why: str | None) -> None:
+    """The decoder's end of the rules above."""
+    if why is not None:
+        raise RemoteProtocolError(why)
+
+
+def _dec_hello(r: _Reader, mtype: MsgType) -> Message:
+    cid, role, pid, pid_ns, boot_id, features = r.unpack(Hello._S)
+    proof = r.bytes_field()
+    cls = Hello if mtype == MsgType.HELLO else Welcome
+    return cls(cid, role, pid, pid_ns, bytes(boot_id), features, proof)
+
+
+def _dec_error(r: _Reader, mtype: MsgType) -> Message:
+    (code,) = r.unpack(Error._S)
+    return Error(code, r.bytes_field().decode("utf-8", "replace"))
+
+
+def _dec_request(r: _Reader, mtype: MsgType) -> Message:
+    kind, a, b, c = _dec_key(r)
+    if kind not in _KEY_KINDS:  # before trusting the counts that follow
+        raise RemoteProtocolError(f"unknown key kind {kind}")
+    key = KeyRef(_KEY_KINDS[kind], a, b, c)
+    unit_bytes, layout, flags, ntensors, nspans = r.unpack(Read._S)
+    tensors = r.array(ntensors, U32)
+    offsets = r.array(nspans, U64)
+    lengths = r.array(nspans, U64)
+    _reject(_request_fault(mtype, kind, flags))
+    if mtype == MsgType.READ:
+        return Read(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
+    if mtype == MsgType.NIXL_READ:
+        return NixlRead(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
+    cls = Write if mtype == MsgType.WRITE else NixlWrite
+    return cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
+
+
+def _dec_grant(r: _Reader, mtype: MsgType) -> Message:
+    lease, count = r.unpack(Grant._S)
+    return Grant(lease, r.array(count, U64))
+
+
+def _dec_shm_grant(r: _Reader, mtype: MsgType) -> Message:
+    lease, count = r.unpack(ShmGrant._S)
+    return ShmGrant(lease, r.array(count, I32), r.array(count, U64), r.array(count, U64))
+
+
+def _dec_release(r: _Reader, mtype: MsgType) -> Message:
+    lease, ok = r.unpack(Release._S)
+    if ok > 1:
+        raise RemoteProtocolError(f"bad release flag {ok}")
+    return Release(lease, bool(ok))
+
+
+def _dec_stats(r: _Reader, mtype: MsgType) -> Message:
+    (n,) = r.unpack(Stats._S)
+    return Stats(bytes(r.take(n)))
+
+
+def _dec_lease_request(r: _Reader, mtype: MsgType) -> Message:
+    kind, a, b, c = _dec_key(r)
+    _reject(_lease_request_fault(kind, 0))
+    (flags,) = r.unpack(_U32)
+    _reject(_lease_request_fault(kind, flags))
+    return LeaseRequest(KeyRef(_KEY_KINDS[kind], a, b, c), flags)
+
+
+def _dec_cache_lease(r: _Reader, mtype: MsgType) -> Message:
+    cache_id, tbytes, units, blocks, layout, ffd, fino, n, m = r.unpack(CacheLease._S)
+    _reject(_cache_lease_fault(tbytes, units, blocks, n, m))
+    return CacheLease(cache_id, tbytes, units, bool(blocks), layout, ffd, fino,
+                      r.array(n, U64), r.array(m, I32), r.array(m, U64), r.array(m, U64))
+
+
+def _dec_nixl_md(r: _Reader, mtype: MsgType) -> Message:
+    gen, n = r.unpack(NixlMd._S)
+    agent = r.bytes_field()
+    return NixlMd(agent, gen, bytes(r.take(n)))
+
+
+def _dec_nixl_grant(r: _Reader, mtype: MsgType) -> Message:
+    lease, gen, mem, device, count = r.unpack(NixlGrant._S)
+    _reject(_nixl_mem_fault(mem))
+    agent = r.bytes_field()
+    return NixlGrant(lease, agent, gen, mem, device, r.array(count, U64))
+
+
+def _dec_nixl_lease(r: _Reader, mtype: MsgType) -> Message:
+    kind, a, b, c = _dec_key(r)
+    _reject(_nixl_lease_fault(kind))
+    (unit_bytes,) = r.unpack(NixlLease._S)
+    return NixlLease(KeyRef(_KEY_KINDS[kind], a, b, c), unit_bytes)
+
+
+def _dec_nixl_leased(r: _Reader, mtype: MsgType) -> Message:
+    lease, gen, mem, device, blocks, tb, ub, units, layout, count = r.unpack(NixlLeased._S)
+    _reject(_nixl_mem_fault(mem))
+    if blocks > 1:
+        raise RemoteProtocolError(f"bad NIXL lease (blocks {blocks})")
+    agent = r.bytes_field()
+    return NixlLeased(lease, agent, gen, mem, device, bool(blocks), tb, ub, units, layout,
+                      r.array(count, U64))
+
+
+# One decoder per message type; each reads its fields through the bounds-checked reader.
+_DECODERS: dict[MsgType, Callable[[_Reader, MsgType], Message]] = {
+    MsgType.HELLO: _dec_hello,
+    MsgType.WELCOME: _dec_hello,
+    MsgType.ERROR: _dec_error,
+    MsgType.READ: _dec_request,
+    MsgType.READ_DATA: lambda r, t: ReadData(*r.unpack(ReadData._S)),
+    MsgType.GRANT: _dec_grant,
+    MsgType.RELEASE: _dec_release,
+    MsgType.PING: lambda r, t: Ping(*r.unpack(Ping._S)),
+    MsgType.PONG: lambda r, t: Pong(*r.unpack(Pong._S)),
+    MsgType.BYE: lambda r, t: Bye(),
+    MsgType.WRITE: _dec_request,
+    MsgType.OK: lambda r, t: Ok(),
+    MsgType.SHM_GRANT: _dec_shm_grant,
+    MsgType.AUTH: lambda r, t: Auth(r.bytes_field()),
+    MsgType.CHECKSUM: lambda r, t: Checksum(*r.unpack(Checksum._S)),
+    MsgType.NIXL_MD_REQUEST: lambda r, t: NixlMdRequest(),
+    MsgType.NIXL_MD: _dec_nixl_md,
+    MsgType.NIXL_READ: _dec_request,
+    MsgType.NIXL_GRANT: _dec_nixl_grant,
+    MsgType.NIXL_WRITE: _dec_request,
+    MsgType.STATS_REQUEST: lambda r, t: StatsRequest(),
+    MsgType.STATS: _dec_stats,
+    MsgType.LEASE_REQUEST: _dec_lease_request,
+    MsgType.CACHE_LEASE: _dec_cache_lease,
+    MsgType.NIXL_LEASE: _dec_nixl_lease,
+    MsgType.NIXL_LEASED: _dec_nixl_leased,
+    MsgType.NIXL_REVOKE: lambda r, t: NixlRevoke(*r.unpack(NixlRevoke._S)),
+}
+
+
 def decode_payload(mtype: MsgType, payload: bytes | bytearray | memoryview) -> Message:
     """Decode one payload of a known type. Raises RemoteProtocolError when malformed."""
-    r = _Reader(payload)
-    msg: Message
-    if mtype in (MsgType.HELLO, MsgType.WELCOME):
-        cid, role, pid, pid_ns, boot_id, features = r.unpack(Hello._S)
-        proof = r.bytes_field()
-        hello_cls = Hello if mtype == MsgType.HELLO else Welcome
-        msg = hello_cls(cid, role, pid, pid_ns, bytes(boot_id), features, proof)
-    elif mtype == MsgType.ERROR:
-        (code,) = r.unpack(Error._S)
-        msg = Error(code, r.bytes_field().decode("utf-8", "replace"))
-    elif mtype in (MsgType.READ, MsgType.WRITE, MsgType.NIXL_READ, MsgType.NIXL_WRITE):
-        kind, a, b, c = r.unpack(KeyRef._S)
-        known_kind = _KEY_KINDS.get(kind)
-        if known_kind is None:
-            raise RemoteProtocolError(f"unknown key kind {kind}")
-        key = KeyRef(known_kind, a, b, c)
-        unit_bytes, layout, flags, ntensors, nspans = r.unpack(Read._S)
-        tensors = r.array(ntensors, U32)
-        offsets = r.array(nspans, U64)
-        lengths = r.array(nspans, U64)
-        if mtype == MsgType.NIXL_READ:
-            if key.kind == KeyKind.ADDRESS:
-                raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
-            if flags & ~(_CHECKSUM | int(ReadFlags.WHOLE)):
-                raise RemoteProtocolError(f"unknown NIXL read flags {flags:#x}")
-            msg = NixlRead(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
-        elif mtype == MsgType.READ:
-            if key.kind == KeyKind.ADDRESS:
-                raise RemoteProtocolError("raw addresses (key kind 4) are for WRITE only")
-            if flags & ~_KNOWN_READ_FLAGS:
-                raise RemoteProtocolError(f"unknown read flags {flags:#x}")
-            msg = Read(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
-        else:
-            if flags:  # no write flags are defined in this version
-                raise RemoteProtocolError(f"unknown write flags {flags:#x}")
-            write_cls = Write if mtype == MsgType.WRITE else NixlWrite
-            msg = write_cls(key, unit_bytes, flags, tensors, offsets, lengths, layout)
-    elif mtype == MsgType.READ_DATA:
-        (n,) = r.unpack(ReadData._S)
-        msg = ReadData(n)
-    elif mtype == MsgType.GRANT:
-        lease, count = r.unpack(Grant._S)
-        msg = Grant(lease, r.array(count, U64))
-    elif mtype == MsgType.SHM_GRANT:
-        lease, count = r.unpack(ShmGrant._S)
-        msg = ShmGrant(lease, r.array(count, I32), r.array(count, U64), r.array(count, U64))
-    elif mtype == MsgType.RELEASE:
-        lease, ok = r.unpack(Release._S)
-        if ok > 1:
-            raise RemoteProtocolError(f"bad release flag {ok}")
-        msg = Release(lease, bool(ok))
-    elif mtype == MsgType.PING:
-        msg = Ping(*r.unpack(Ping._S))
-    elif mtype == MsgType.PONG:
-        msg = Pong(*r.unpack(Pong._S))
-    elif mtype == MsgType.CHECKSUM:
-        msg = Checksum(*r.unpack(Checksum._S))
-    elif mtype == MsgType.AUTH:
-        msg = Auth(r.bytes_field())
-    elif mtype == MsgType.NIXL_MD_REQUEST:
-        msg = NixlMdRequest()
-    elif mtype == MsgType.STATS_REQUEST:
-        msg = StatsRequest()
-    elif mtype == MsgType.STATS:
-        (n,) = r.unpack(Stats._S)
-        msg = Stats(bytes(r.take(n)))
-    elif mtype == MsgType.LEASE_REQUEST:
-        kind, a, b, c = r.unpack(KeyRef._S)
-        if kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
-            raise RemoteProtocolError(f"a lease names a cache by id or BlocksCacheKey, not "
-                                      f"key kind {kind}")
-        (lflags,) = r.unpack(_U32)
-        if lflags & ~int(ReadFlags.SHM | LEASE_WRITE):
-            raise RemoteProtocolError(f"unknown lease flags {lflags:#x}")
-        msg = LeaseRequest(KeyRef(KeyKind(kind), a, b, c), lflags)
-    elif mtype == MsgType.CACHE_LEASE:
-        cache_id, tbytes, units, blocks, layout, ffd, fino, n, m = r.unpack(CacheLease._S)
-        if blocks > 1 or m not in (0, n) or not n or not units or not tbytes or tbytes % units:
-            raise RemoteProtocolError("malformed CacheLease")
-        msg = CacheLease(cache_id, tbytes, units, bool(blocks), layout, ffd, fino,
-                         r.array(n, U64), r.array(m, I32), r.array(m, U64), r.array(m, U64))
-    elif mtype == MsgType.NIXL_MD:
-        gen, n = r.unpack(NixlMd._S)
-        agent = r.bytes_field()
-        msg = NixlMd(agent, gen, bytes(r.take(n)))
-    elif mtype == MsgType.NIXL_GRANT:
-        lease, gen, mem, device, count = r.unpack(NixlGrant._S)
-        if mem not in (MEM_DRAM, MEM_VRAM):
-            raise RemoteProtocolError(f"unknown NIXL memory kind {mem}")
-        agent = r.bytes_field()
-        msg = NixlGrant(lease, agent, gen, mem, device, r.array(count, U64))
-    elif mtype == MsgType.NIXL_LEASE:
-        kind, a, b, c = r.unpack(KeyRef._S)
-        if kind not in (KeyKind.CACHE_ID, KeyKind.BLOCKS_KEY):
-            raise RemoteProtocolError(f"key kind {kind} in a NIXL lease")
-        (unit_bytes,) = r.unpack(NixlLease._S)
-        msg = NixlLease(KeyRef(KeyKind(kind), a, b, c), unit_bytes)
-    elif mtype == MsgType.NIXL_LEASED:
-        lease, gen, mem, device, blocks, tb, ub, units, layout, count = r.unpack(NixlLeased._S)
-        if mem not in (MEM_DRAM, MEM_VRAM) or blocks > 1:
-            raise RemoteProtocolError(f"bad NIXL lease (memory kind {mem}, blocks {blocks})")
-        agent = r.bytes_field()
-        msg = NixlLeased(lease, agent, gen, mem, device, bool(blocks), tb, ub, units, layout,
-                         r.array(count, U64))
-    elif mtype == MsgType.NIXL_REVOKE:
-        msg = NixlRevoke(*r.unpack(NixlRevoke._S))
-    elif mtype == MsgType.BYE:
-        msg = Bye()
-    elif mtype == MsgType.OK:
-        msg = Ok()
-    else:  # pragma: no cover - decode_header only admits known types
+    decoder = _DECODERS.get(mtype)
+    if decoder is None:  # pragma: no cover - decode_header only admits known types
         raise RemoteProtocolError(f"unknown message type {mtype}")
+    r = _Reader(payload)
+    msg = decoder(r, mtype)
     r.done()
     return msg
 
