@@ -279,7 +279,7 @@ ABSENT = [
 EXTRAS = {
     "LLMConfig": {"transport", "auth_secret", "verify_checksum", "tls_cert_file",
                   "tls_key_file", "tls_ca_file", "allow_ptrace", "max_connections",
-                  "max_connections_per_peer"},
+                  "max_connections_per_peer", "nixl_serve", "nixl_allow_whole_process_access"},
     "LLMDataDist": {"engine", "listen_address"},
     "DataType": {"itemsize"},
 }
