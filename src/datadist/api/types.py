@@ -45,6 +45,8 @@ class CacheDesc:
         self._data_type = data_type
         self._placement = placement
         self._batch_dim_index = batch_dim_index
+        # As llm_datadist: read once here; update_dim changes the shape, not this.
+        self._batch_size = shape[batch_dim_index]
         self._seq_len_dim_index = seq_len_dim_index
         self._kv_tensor_format = kv_tensor_format
 
@@ -58,7 +60,9 @@ class CacheDesc:
 
     @property
     def batch_size(self) -> int:
-        return self._shape[self._batch_dim_index]
+        """dim ``batch_dim_index`` of the shape given to the constructor (llm_datadist's
+        v2/llm_types.py keeps it: ``update_dim`` leaves it as it was)."""
+        return self._batch_size
 
     @property
     def size(self) -> int:
@@ -72,6 +76,8 @@ class CacheDesc:
         return math.prod(self._shape) * self._data_type.itemsize
 
     def update_dim(self, dim_index: int, dim_value: int) -> None:
+        """Set one dim of the shape (the caller's list, changed in place). ``size`` follows
+        the new shape; ``batch_size`` keeps its value, as in llm_datadist."""
         check_int("dim_index", dim_index, "int32", allow_none=False)
         check_int("dim_value", dim_value, "int64", allow_none=False)
         raise_if_false(0 <= dim_index < len(self._shape), f"dim_index {dim_index} out of range")
@@ -192,18 +198,24 @@ class KvCache:
 
 
 def _key_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              order: tuple[str, ...]) -> dict[str, Any]:
+              order: tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Parse llm_datadist's ``*args, **kwargs`` key constructors as it does: at most
     ``len(order)`` arguments in all; a positional argument wins over the same keyword;
-    ``cluster_id`` wins over its alias ``prompt_cluster_id``; an unknown keyword is
-    LLM_PARAM_INVALID. The caller checks which are required."""
+    ``cluster_id`` wins over its alias ``prompt_cluster_id``; a missing ``cluster_id`` (or
+    ``required`` argument) and then an unknown keyword are LLM_PARAM_INVALID, with the
+    original's texts (v2/llm_types.py)."""
     if len(args) + len(kwargs) > len(order):
-        raise LLMException(f"{name}: Param num is over limit",
+        raise LLMException(f"Param num is over limit ({name})",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
     given = {**kwargs, **dict(zip(order, args, strict=False))}
+    for k in ("cluster_id", *required):
+        if k not in given and not (k == "cluster_id" and "prompt_cluster_id" in given):
+            what = "prompt_cluster_id or cluster_id" if k == "cluster_id" else k
+            raise LLMException(f"Param {what} is required ({name})",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
     for k in given:
         if k not in order and k != "prompt_cluster_id":
-            raise LLMException(f"{name}: Unsupported param:{k}",
+            raise LLMException(f"Unsupported param:{k} ({name})",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
     if "cluster_id" not in given and "prompt_cluster_id" in given:
         given["cluster_id"] = given["prompt_cluster_id"]
@@ -218,10 +230,8 @@ class CacheKey:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        v = _key_args("CacheKey", args, kwargs, ("cluster_id", "req_id", "model_id", "prefix_id"))
-        if "cluster_id" not in v or "req_id" not in v:
-            raise LLMException("CacheKey needs cluster_id and req_id",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        v = _key_args("CacheKey", args, kwargs, ("cluster_id", "req_id", "model_id", "prefix_id"),
+                      required=("req_id",))
         v.setdefault("model_id", 0)
         v.setdefault("prefix_id", UINT64_MAX)
         for k in ("cluster_id", "req_id", "model_id", "prefix_id"):
@@ -287,9 +297,6 @@ class BlocksCacheKey:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         v = _key_args("BlocksCacheKey", args, kwargs, ("cluster_id", "model_id"))
-        if "cluster_id" not in v:
-            raise LLMException("BlocksCacheKey needs cluster_id",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
         v.setdefault("model_id", 0)
         check_isinstance("cluster_id", v["cluster_id"], int, allow_none=False)
         check_isinstance("model_id", v["model_id"], int, allow_none=False)
