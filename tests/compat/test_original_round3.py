@@ -1,0 +1,263 @@
+"""Rules of the original that its own unit tests read (issue 22, items 3-6 and 10).
+
+hixl = GitHub hicann/hixl; the Python layer is src/python/llm_datadist/llm_datadist/. Each test
+names the file and the definition its rule comes from. Messages: the original's text starts
+the message (datadist may add its own detail after it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import datadist as llm
+from datadist import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMConfig, LLMException
+from datadist import LLMStatusCode as S
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def param_invalid(starts: str):
+    """LLMException(LLM_PARAM_INVALID) whose message begins with the original's text."""
+    return pytest.raises(
+        LLMException,
+        check=lambda e: e.status_code is S.LLM_PARAM_INVALID and str(e).startswith(starts))
+
+
+@pytest.fixture
+def fresh():
+    """An LLMDataDist not yet initialized; finalized afterwards whatever happened."""
+    made = []
+
+    def make(role=llm.LLMRole.PROMPT, cluster_id=31):
+        d = llm.LLMDataDist(role, cluster_id)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.finalize()
+
+
+def cm_config() -> LLMConfig:
+    c = LLMConfig()
+    c.enable_cache_manager = True
+    return c
+
+
+# ------------------------------------------------------------------ item 10: update_dim
+
+
+def test_update_dim_keeps_batch_size():
+    # hixl v2/llm_types.py CacheDesc.__init__ reads _batch_size = shape[batch_dim_index]
+    # once; update_dim sets the shape and resets _size only.
+    desc = CacheDesc(2, [4, 8], DataType.DT_UINT8)
+    desc.update_dim(0, 6)
+    assert desc.shape == [6, 8] and desc.size == 48
+    assert desc.batch_size == 4
+    other = CacheDesc(1, [3, 5], DataType.DT_FLOAT16, batch_dim_index=1)
+    other.update_dim(1, 9)
+    assert other.batch_size == 5
+
+
+# ------------------------------------------------------------------ item 4: flowGraphMemMaxSize
+
+
+def test_flow_graph_max_size_must_be_a_str(fresh):
+    # hixl v2/llm_datadist.py LLMDataDist._check_flow_graph_max_size: check_isinstance(str);
+    # the original's test_flow_graph_max_size_non_str passes the int 123.
+    options = cm_config().generate_options()
+    options["ge.flowGraphMemMaxSize"] = 123
+    d = fresh()
+    with pytest.raises(TypeError):
+        d.init(options)
+    with pytest.raises(RuntimeError):  # nothing was started
+        _ = d.cache_manager
+
+
+def test_flow_graph_max_size_one_pool_of_digits(fresh):
+    # ... then one pool ("1024,2048" refused) of digits, each LLM_PARAM_INVALID.
+    d = fresh()
+    for value, text in (("1024,2048",
+                         "ge.flowGraphMemMaxSize only support one mem pool in llm datadist"),
+                        ("12a", "ge.flowGraphMemMaxSize must be digit, config value=12a")):
+        options = cm_config().generate_options()
+        options["ge.flowGraphMemMaxSize"] = value
+        with param_invalid(text):
+            d.init(options)
+    options = cm_config().generate_options()
+    options["ge.flowGraphMemMaxSize"] = "1024"
+    d.init(options)
+
+
+# ------------------------------------------------------------------ item 5: GlobalResourceConfig
+
+
+def hixl_config(global_resource_config: str) -> dict[str, str]:
+    c = cm_config()
+    c.transfer_backend = "hixl"
+    c.listen_ip_info = "127.0.0.1:0"
+    c.global_resource_config = global_resource_config
+    return c.generate_options()
+
+
+@pytest.mark.parametrize("value", ["not json", "{", "[1, 2]", '"text"', "12", "NaN"])
+def test_global_resource_config_must_be_a_json_object(fresh, value):
+    # hixl src/hixl/engine/hixl_options.cc HixlOptions::ParseGlobalResourceConfig: with the
+    # HIXL backend, a non-empty value that does not parse, or is not an object, fails init.
+    d = fresh()
+    with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_PARAM_INVALID):
+        d.init(hixl_config(value))
+
+
+@pytest.mark.parametrize("value", ["", '{"connect_pool.thread_num": "4"}'])
+def test_global_resource_config_empty_or_an_object(fresh, value):
+    d = fresh()
+    d.init(hixl_config(value))
+    assert d.cache_manager is not None
+
+
+def test_global_resource_config_is_not_read_without_hixl(fresh):
+    # Only the HIXL engine parses it (the default engine ignores the option).
+    options = cm_config().generate_options()
+    options["llm.GlobalResourceConfig"] = "not json"
+    fresh().init(options)
+
+
+# ------------------------------------------------------------------ item 6: the original's texts
+
+
+def test_cache_key_texts():
+    # hixl v2/llm_types.py CacheKey.__init__ / BlocksCacheKey.__init__ (raise_if_false).
+    with param_invalid("Param req_id is required"):
+        CacheKey(1)
+    with param_invalid("Param prompt_cluster_id or cluster_id is required"):
+        CacheKey(req_id=1)
+    with param_invalid("Param prompt_cluster_id or cluster_id is required"):
+        BlocksCacheKey(model_id=1)
+    with param_invalid("Param num is over limit"):
+        BlocksCacheKey(1, 2, 3)
+    with param_invalid("Param num is over limit"):
+        CacheKey(1, 2, 3, 4, 5)
+    with param_invalid("Unsupported param:foo"):
+        CacheKey(1, 2, foo=3)
+    with param_invalid("Unsupported param:foo"):
+        BlocksCacheKey(1, foo=3)
+
+
+def test_transfer_backend_texts(fresh):
+    # hixl v2/llm_datadist.py LLMDataDist._setup_engine_option: the original's tests assert
+    # "EnableCacheManager" / "listenIpInfo" in the message.
+    c = LLMConfig()
+    c.transfer_backend = "hixl"
+    c.listen_ip_info = "127.0.0.1:0"
+    with param_invalid("llm.TransferBackend is not supported when llm.EnableCacheManager "
+                       "is not configured."):
+        fresh().init(c.generate_options())
+    c = cm_config()
+    c.transfer_backend = "hixl"
+    c.enable_remote_cache_accessible = False
+    c.listen_ip_info = "127.0.0.1:0"
+    with param_invalid("llm.TransferBackend is not supported when "
+                       "llm.EnableRemoteCacheAccessible is not enable."):
+        fresh().init(c.generate_options())
+    c = cm_config()
+    c.transfer_backend = "hixl"
+    c.enable_remote_cache_accessible = True
+    with param_invalid("llm.TransferBackend is not supported when llm.listenIpInfo is not "
+                       "configured."):
+        fresh().init(c.generate_options())
+
+
+def test_local_comm_res_without_cache_manager_text(fresh):
+    # _setup_engine_option: _check_is_cache_mgr_mode("llm.LocalCommRes") when
+    # llm.EnableCacheManager is given as "0".
+    with param_invalid("llm.LocalCommRes is not supported when llm.EnableCacheManager is not "
+                       "configured."):
+        fresh().init({"llm.LocalCommRes": "", "llm.EnableCacheManager": "0"})
+
+
+def test_mode_texts(fresh):
+    # hixl v2/llm_datadist.py _check_is_cache_mgr_mode / _check_is_not_cache_mgr_mode.
+    cm = fresh(cluster_id=32)
+    cm.init(cm_config().generate_options())
+    with param_invalid("kv_cache_manager is not supported when llm.EnableCacheManager is "
+                       "configured."):
+        _ = cm.kv_cache_manager
+    with param_invalid("check_link_status is not supported when llm.EnableCacheManager is "
+                       "configured."):
+        cm.check_link_status(1)
+    cm.finalize()
+    v1 = fresh(role=llm.LLMRole.DECODER, cluster_id=33)
+    v1.init({})
+    for what, call in (("cache_manager", lambda: v1.cache_manager),
+                       ("link", lambda: v1.link("c", {33: 0, 1: 1}, "{}")),
+                       ("unlink", lambda: v1.unlink(1)),
+                       ("query_register_mem_status", lambda: v1.query_register_mem_status(1))):
+        with param_invalid(f"{what} is not supported when llm.EnableCacheManager is not "
+                           "configured."):
+            call()
+
+
+def test_link_clusters_texts(fresh):
+    # hixl v2/llm_datadist.py link_clusters: local ip info needed without local_comm_res
+    # (the original's test asserts "local_ip_info_list is empty"); timeout > 0.
+    d = fresh(cluster_id=34)
+    d.init(cm_config().generate_options())
+    cluster = llm.LLMClusterInfo()
+    cluster.remote_cluster_id = 1
+    cluster.append_remote_ip_info("127.0.0.1", 1)
+    with param_invalid("local_ip_info_list is empty. Call append_local_ip_info to add "
+                       "local_ip_info when local_comm_res option is unspecified or empty."):
+        d.link_clusters([cluster], 1000)
+    for call in (d.link_clusters, d.unlink_clusters):
+        with param_invalid("Param timeout should be greater than 0."):
+            call([cluster], 0)
+
+
+def test_link_texts(fresh):
+    # hixl v2/llm_datadist.py LLMDataDist.link: its checks, in its order.
+    d = fresh(cluster_id=35)
+    d.init(cm_config().generate_options())
+    for args, text in (
+        (("", {35: 0, 1: 1}, "{}"), "comm_name can not be empty"),
+        (("x" * 128, {35: 0, 1: 1}, "{}"), "comm_name length should be smaller than 128."),
+        (("c", {35: 0, 1: 1, 2: 2, 3: 3, 4: 4}, "{}"),
+         "cluster_rank_info size can not be greater than 4."),
+        (("c", {35: 0}, "{}"), "cluster num must be bigger than 1."),
+        (("c", {35: 1, 1: 0}, "{}"), "rank in cluster_rank_info must be ordered"),
+    ):
+        with param_invalid(text):
+            d.link(*args)
+
+
+def test_switch_role_texts(fresh):
+    # hixl v2/llm_datadist.py switch_role without cache-manager mode.
+    d = fresh(role=llm.LLMRole.DECODER, cluster_id=36)
+    d.init({"llm.EnableSwitchRole": "1"})
+    with param_invalid("role not changed, role = DECODER"):
+        d.switch_role(llm.LLMRole.DECODER)
+    with param_invalid('Failed to switch to Prompt, option "llm.listenIpInfo" must be '
+                       'specified'):
+        d.switch_role(llm.LLMRole.PROMPT, {})
+
+
+# ------------------------------------------------------------------ item 3: pull geometry
+
+
+def test_layer_ranged_pull_into_a_cache_not_of_whole_layers(fresh):
+    # hixl src/llm_datadist/cache_mgr/data_cache_engine.cc DataCacheEngine::CheckTensorIndices:
+    # with a layer range, the destination's tensor count must be a multiple of
+    # tensor_num_per_layer (LLM_PARAM_INVALID), checked before any link is looked up.
+    d = fresh(cluster_id=37)
+    d.init(cm_config().generate_options())
+    mem = np.zeros((3, 4, 16), dtype=np.uint8)
+    desc = CacheDesc(3, [4, 16], DataType.DT_UINT8, llm.Placement.HOST)
+    cache = d.cache_manager.register_blocks_cache(desc, [int(m.ctypes.data) for m in mem],
+                                                   BlocksCacheKey(37, 0))
+    with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_PARAM_INVALID):
+        d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0],
+                                    src_layer_range=range(0, 1), dst_layer_range=range(0, 1))
+    # without a range the rule does not apply: the pull goes as far as the link
+    with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_NOT_YET_LINK):
+        d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])
