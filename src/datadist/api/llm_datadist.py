@@ -323,7 +323,9 @@ class LLMDataDist:
         """Link to each cluster's listener; returns (overall code, per-cluster codes).
 
         Never raises for a link that fails: its code says why. Links are made in parallel,
-        each bounded by ``timeout`` ms.
+        each bounded by ``timeout`` ms. As the original, a link is known by the cluster id
+        its listener announces, whatever ``remote_cluster_id`` said (with the HIXL backend
+        the two must match here); transfers and unlinks name that id.
         """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
@@ -345,7 +347,15 @@ class LLMDataDist:
             cluster_id = c.remote_cluster_id
             assert cluster_id is not None  # _check_clusters refused an unset one
             try:
-                engine.link(cluster_id, int_to_ip(ip), port, timeout / 1000.0)
+                # The default backend files the link under the id the peer announces, as
+                # LinkMsgHandler::ExchangeInfoProcess (AddEntity(peer_exchange_info.cluster_id));
+                # HIXL's LinkCluster files it under the id passed (datadist: it must match).
+                link = engine.link(cluster_id, int_to_ip(ip), port, timeout / 1000.0,
+                                   as_announced=not self._hixl_backend)
+                if link.cluster_id != cluster_id:
+                    log.info("link_clusters: the listener of cluster %d announced cluster %d: "
+                             "the link is filed under %d", cluster_id, link.cluster_id,
+                             link.cluster_id)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
@@ -360,6 +370,11 @@ class LLMDataDist:
                         timeout: int = 3000,
                         force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink; without ``force`` the peer is told too. ``force`` always drops our end.
+
+        With ``llm.TransferBackend = "hixl"`` (HixlTransferEngine::UnlinkCluster) a cluster
+        needs no remote ip info and ``force`` is ignored: our link to it is closed politely
+        (LLM_UNLINK_FAILED if the peer could not be told), the peer's link to us is closed
+        without a word, and a cluster we have no link with is LLM_SUCCESS. Otherwise:
 
         Either end of a link unlinks its own end: the one that called ``link_clusters``, and
         the one it linked to (whose end is the linker's reverse channel). As LLM-DataDist's
@@ -377,9 +392,22 @@ class LLMDataDist:
             return LLMStatusCode.LLM_PARAM_INVALID, []
         engine = self.engine
 
+        def hixl(cluster_id: int) -> LLMStatusCode:
+            # HixlTransferEngine::UnlinkCluster: destroy the link filed under the id, politely,
+            # whatever force says; nothing to destroy is a success.
+            try:
+                engine.unlink(cluster_id, timeout / 1000.0, force=False, quiet_inbound=True)
+                return LLMStatusCode.LLM_SUCCESS
+            except NotLinked:
+                return LLMStatusCode.LLM_SUCCESS
+            except DatadistError as e:
+                return code_to_status(int(e.code))
+
         def one(c: LLMClusterInfo) -> LLMStatusCode:
             cluster_id = c.remote_cluster_id
             assert cluster_id is not None  # _check_clusters refused an unset one
+            if self._hixl_backend:
+                return hixl(cluster_id)
             if not force and len(c.remote_ip_info_list) != 1:
                 return LLMStatusCode.LLM_PARAM_INVALID
             try:
