@@ -391,6 +391,11 @@ TEST(Auth, SharedSecretLinksAndAWrongOneDoesNot) {
   ASSERT_EQ(client.PullKvCache(Index(1, 1, 3), dst.cache, 0), LLM_SUCCESS);
   EXPECT_EQ(std::memcmp(dst.T(1), src.T(1) + 48, 16), 0);
   client.Finalize();
+  // linked with another id than the owner's: the secret is proved for the id it announces
+  LlmDataDist any_id(4, LlmRole::kDecoder);
+  ASSERT_EQ(any_id.Initialize(with_secret(0, "s3cret")), LLM_SUCCESS);
+  EXPECT_EQ(any_id.LinkLlmClusters({ddtest::Cluster(0, port)}, rets, 2000), LLM_SUCCESS);
+  any_id.Finalize();
 }
 
 TEST(Reverse, ANonListeningDecoderIsPushedToOverItsOwnLink) {
