@@ -261,3 +261,22 @@ def test_layer_ranged_pull_into_a_cache_not_of_whole_layers(fresh):
     # without a range the rule does not apply: the pull goes as far as the link
     with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_NOT_YET_LINK):
         d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])
+
+
+def test_value_type_check_texts():
+    # hixl v2/llm_types.py: CacheDesc.__init__, check_layer_range, TransferWithCacheKeyConfig
+    # (its spelling "shoulde" included).
+    with param_invalid("seq_len_dim_index 3 is invalid, should be -1 or in range [0, 2)"):
+        CacheDesc(1, [4, 8], DataType.DT_UINT8, seq_len_dim_index=3)
+    with param_invalid("batch_dim_index 2 out of range, [0, 2)"):
+        CacheDesc(1, [4, 8], DataType.DT_UINT8, batch_dim_index=2)
+    key = BlocksCacheKey(1, 0)
+    with param_invalid("check src_layer_range.step == 1 failed"):
+        llm.TransferWithCacheKeyConfig(key, range(0, 4, 2), range(0, 2))
+    with param_invalid("check 0 <= range.start < range.stop failed, dst_layer_range = "
+                       "range(2, 2)"):
+        llm.TransferWithCacheKeyConfig(key, range(0, 1), range(2, 2))
+    with param_invalid("src_layer_range size shoulde be equal to dst_layer_range size"):
+        llm.TransferWithCacheKeyConfig(key, range(0, 1), range(0, 2))
+    with param_invalid("src_batch_index shoulde be 0 when cache_key is BlocksCacheKey."):
+        llm.TransferWithCacheKeyConfig(key, range(0, 1), range(0, 1), 1)

@@ -39,7 +39,8 @@ class CacheDesc:
         raise_if_false(0 <= batch_dim_index < len(shape),
                        f"batch_dim_index {batch_dim_index} out of range, [0, {len(shape)})")
         raise_if_false(seq_len_dim_index == -1 or 0 <= seq_len_dim_index < len(shape),
-                       f"seq_len_dim_index {seq_len_dim_index} out of range")
+                       f"seq_len_dim_index {seq_len_dim_index} is invalid, should be -1 or in "
+                       f"range [0, {len(shape)})")
         self._num_tensors = num_tensors
         self._shape = shape  # the caller's list (or tuple), as llm_datadist keeps it
         self._data_type = data_type
@@ -349,10 +350,12 @@ def check_layer_range(name: str, layer_range: Any, allow_none: bool = True) -> N
     if layer_range is None:
         return
     # messages formatted only on failure: a layer-wise transfer passes here once per layer
+    # (the original's texts, v2/llm_types.py check_layer_range)
     if layer_range.step != 1:
-        raise_if_false(False, f"{name} step must be 1, got {layer_range.step}")
+        raise_if_false(False, f"check {name}.step == 1 failed")
     if not 0 <= layer_range.start < layer_range.stop:
-        raise_if_false(False, f"{name} must satisfy 0 <= start < stop, got {layer_range}")
+        raise_if_false(False, f"check 0 <= range.start < range.stop failed, {name} = "
+                              f"{layer_range}")
 
 
 class TransferConfig:
@@ -432,8 +435,9 @@ class TransferWithCacheKeyConfig:
         check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
         assert src_layer_range is not None and dst_layer_range is not None  # checked above
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
-                       f"src_layer_range size should be equal to dst_layer_range size, got "
-                       f"{src_layer_range} and {dst_layer_range}")
+                       # the original's text, its spelling included
+                       f"src_layer_range size shoulde be equal to dst_layer_range size "
+                       f"({src_layer_range}, {dst_layer_range})")
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
         _check_blocks_batch_index(cache_key, src_batch_index)
         self._cache_key = cache_key
@@ -488,4 +492,4 @@ class TransferWithCacheKeyConfig:
 
 def _check_blocks_batch_index(cache_key: Any, src_batch_index: Any) -> None:
     raise_if_false(not (isinstance(cache_key, BlocksCacheKey) and src_batch_index != 0),
-                   "src_batch_index should be 0 when cache_key is BlocksCacheKey.")
+                   "src_batch_index shoulde be 0 when cache_key is BlocksCacheKey.")
