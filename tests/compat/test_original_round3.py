@@ -280,3 +280,46 @@ def test_value_type_check_texts():
         llm.TransferWithCacheKeyConfig(key, range(0, 1), range(0, 2))
     with param_invalid("src_batch_index shoulde be 0 when cache_key is BlocksCacheKey."):
         llm.TransferWithCacheKeyConfig(key, range(0, 1), range(0, 1), 1)
+
+
+def test_cache_manager_texts(fresh):
+    # hixl v2/cache_manager.py: its raise_if_false / raise_if_true texts.
+    d = fresh(cluster_id=38)
+    d.init(cm_config().generate_options())
+    cm = d.cache_manager
+    desc = CacheDesc(2, [4, 16], DataType.DT_UINT8, llm.Placement.HOST)
+    mem = np.zeros((2, 64), dtype=np.uint8)
+    addrs = [int(m.ctypes.data) for m in mem]
+    with param_invalid("addrs can not be empty."):
+        cm.register_cache(desc, [])
+    with param_invalid("addrs length should be equal to num_tensors."):
+        cm.register_cache(desc, addrs[:1])
+    with param_invalid("addr can not be zero."):
+        cm.register_cache(desc, [addrs[0], 0])
+    contiguous = cm.register_cache(desc, addrs)
+    blocks_mem = np.zeros((2, 64), dtype=np.uint8)
+    blocks = cm.register_blocks_cache(desc, [int(m.ctypes.data) for m in blocks_mem])
+    key = llm.CacheKeyByIdAndIndex(1, 1)
+    with param_invalid("param check failed, cache can not be blocks cache."):
+        cm.pull_cache(key, blocks)
+    with param_invalid("[pull_cache] param check failed, size (0) is invalid, should be = -1 "
+                       "or > 0"):
+        cm.pull_cache(key, contiguous, size=0)
+    with param_invalid("param check failed, dst_cache should be blocks cache."):
+        cm.pull_blocks(BlocksCacheKey(1, 0), contiguous, [0], [0])
+    with param_invalid("dst_blocks can not be empty."):
+        cm.pull_blocks(BlocksCacheKey(1, 0), blocks, [0], [])
+    with param_invalid("src_blocks can not be empty."):
+        cm.pull_blocks(BlocksCacheKey(1, 0), blocks, [], [0])
+    with param_invalid("src_blocks should be empty when src_cache_key is not instance of "
+                       "BlocksCacheKey."):
+        cm.pull_blocks(key, blocks, [0], [0])
+    with param_invalid("push_cache is only supported while enable_remote_cache_accessible "
+                       "is True"):
+        cm.push_cache(key, contiguous)
+    with param_invalid("param check failed, cache can not be blocks cache."):
+        cm.deallocate_cache(blocks)
+    with param_invalid("param check failed, cache should be blocks cache."):
+        cm.deallocate_blocks_cache(contiguous)
+    with param_invalid("check mem_info.addr failed, addr can not be zero, index=0."):
+        cm.remap_registered_memory(llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, 0, 1))
