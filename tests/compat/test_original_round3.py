@@ -323,3 +323,24 @@ def test_cache_manager_texts(fresh):
         cm.deallocate_blocks_cache(contiguous)
     with param_invalid("check mem_info.addr failed, addr can not be zero, index=0."):
         cm.remap_registered_memory(llm.MemInfo(llm.Memtype.MEM_TYPE_DEVICE, 0, 1))
+
+
+def test_llm_config_texts():
+    # hixl configs.py LlmConfig setters: their raise_if_false texts.
+    c = LLMConfig()
+    with param_invalid("device_id should be greater than or equal to zero."):
+        c.device_id = -1
+    with param_invalid("device_id should be greater than or equal to zero."):
+        c.device_id = [0, -2]
+    with param_invalid("sync_kv_timeout must be digit."):
+        c.sync_kv_timeout = "1s"
+    with param_invalid("sync_kv_timeout should be greater than zero."):
+        c.sync_kv_timeout = 0
+    with param_invalid("link_total_time should be an integer between [0, 2^32-1], given value "
+                       "is -1"):
+        c.link_total_time = -1
+    with param_invalid("link_retry_count should be an integer between [1, 100], given value "
+                       "is 101"):
+        c.link_retry_count = 101
+    with param_invalid("mem_utilization must be in range [0,1], current:1.5"):
+        c.mem_utilization = 1.5
