@@ -7,6 +7,8 @@ the message (datadist may add its own detail after it).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -344,3 +346,19 @@ def test_llm_config_texts():
         c.link_retry_count = 101
     with param_invalid("mem_utilization must be in range [0,1], current:1.5"):
         c.mem_utilization = 1.5
+
+
+def test_int_range_texts():
+    # hixl utils/utils.py check_uint64 / check_int64 / check_int32 / check_uint32: ValueError
+    # "<name>'s value is out of range,<value> is not a <kind> value."
+    for call, text in (
+        (lambda: CacheKey(-1, 1), "cluster_id's value is out of range,-1 is not a uint64 value."),
+        (lambda: llm.CacheKeyByIdAndIndex(1, 2**63),
+         f"cache_id's value is out of range,{2**63} is not a int64 value."),
+        (lambda: llm.CacheKeyByIdAndIndex(1, 1, -1),
+         "batch_index's value is out of range,-1 is not a uint32 value."),
+        (lambda: CacheDesc(1, [4], DataType.DT_UINT8, seq_len_dim_index=2**31),
+         f"seq_len_dim_index's value is out of range,{2**31} is not a int32 value."),
+    ):
+        with pytest.raises(ValueError, match="^" + re.escape(text)):
+            call()
