@@ -362,3 +362,21 @@ def test_int_range_texts():
     ):
         with pytest.raises(ValueError, match="^" + re.escape(text)):
             call()
+
+
+def test_tensor_num_per_layer_zero_text(fresh):
+    # hixl v2/cache_manager.py pull_cache / pull_blocks: "[<func>] param check failed,
+    # tensor_num_per_layer (0) is invalid, should [1, <the cache's num_tensors>]".
+    d = fresh(cluster_id=39)
+    d.init(cm_config().generate_options())
+    cm = d.cache_manager
+    desc = CacheDesc(2, [4, 16], DataType.DT_UINT8, llm.Placement.HOST)
+    mem = np.zeros((4, 64), dtype=np.uint8)
+    contiguous = cm.register_cache(desc, [int(m.ctypes.data) for m in mem[:2]])
+    blocks = cm.register_blocks_cache(desc, [int(m.ctypes.data) for m in mem[2:]])
+    with param_invalid("[pull_cache] param check failed, tensor_num_per_layer (0) is invalid, "
+                       "should [1, 2]"):
+        cm.pull_cache(llm.CacheKeyByIdAndIndex(1, 1), contiguous, tensor_num_per_layer=0)
+    with param_invalid("[pull_blocks] param check failed, tensor_num_per_layer (0) is invalid, "
+                       "should [1, 2]"):
+        cm.pull_blocks(BlocksCacheKey(1, 0), blocks, [0], [0], tensor_num_per_layer=0)

@@ -64,7 +64,11 @@ def local_keys(cache_keys: Any) -> list[KeyId | None]:
     return [key_id(k.req_id, k.prefix_id, k.model_id) for k in cache_keys]
 
 
-def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+def parse_layer_kwargs(kwargs: dict[str, Any], func: str = "",
+                       num_tensors: int = 0) -> tuple[Any, Any, int]:
+    """The layer arguments of a pull or push: (src range, dst range, tensors per layer).
+    ``func`` and ``num_tensors`` (the local cache's) go into the original's text for a
+    tensor_num_per_layer of 0 (v2/cache_manager.py)."""
     if not kwargs:  # the usual call: every layer, two tensors per layer
         return None, None, 2
     for k in kwargs:
@@ -76,7 +80,8 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
     check_layer_range("src_layer_range", src)
     check_layer_range("dst_layer_range", dst)
     check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
-    raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
+    raise_if_false(n > 0, f"[{func}] param check failed, tensor_num_per_layer ({n}) is invalid, "
+                          f"should [1, {num_tensors}]")
     return src, dst, n
 
 
@@ -338,7 +343,8 @@ class CacheManager:
         self._own("cache", cache)
         check_int("batch_index", batch_index, "uint32", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
-        src_range, dst_range, n = parse_layer_kwargs(kwargs)
+        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_cache",
+                                                     cache.cache_desc.num_tensors)
         geo = self._check_local(engine, cache)
         raise_if_false(not cache.is_blocks_cache,
                        "param check failed, cache can not be blocks cache.")
@@ -373,7 +379,8 @@ class CacheManager:
         self._own("dst_cache", dst_cache)
         src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
-        src_range, dst_range, n = parse_layer_kwargs(kwargs)
+        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_blocks",
+                                                     dst_cache.cache_desc.num_tensors)
         geo = self._check_local(engine, dst_cache)
         raise_if_false(dst_cache.is_blocks_cache,
                        "param check failed, dst_cache should be blocks cache.")
@@ -423,7 +430,8 @@ class CacheManager:
         check_int("size", size, "int64", allow_none=False)
         src_range, dst_range, n = parse_layer_kwargs(
             {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer})
+             "tensor_num_per_layer": tensor_num_per_layer},
+            "push_cache", src_cache.cache_desc.num_tensors)
         self._require_remote_accessible("push_cache")
         geo = self._check_local(engine, src_cache)
         raise_if_false(not src_cache.is_blocks_cache,
@@ -451,7 +459,8 @@ class CacheManager:
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
         src_range, dst_range, n = parse_layer_kwargs(
             {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer})
+             "tensor_num_per_layer": tensor_num_per_layer},
+            "push_blocks", src_cache.cache_desc.num_tensors)
         self._require_remote_accessible("push_blocks")
         geo = self._check_local(engine, src_cache)
         raise_if_false(src_cache.is_blocks_cache,
