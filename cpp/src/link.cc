@@ -204,9 +204,13 @@ void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid,
   if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
   welcome = wire::DecodeHello(payload);
   const std::string who = "the peer at " + FormatHostPort(host_, port_);
-  if (welcome.cluster_id != remote_)
-    Fail(llm_datadist::LLM_LINK_FAILED,
-         who + " is cluster " + std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
+  if (welcome.cluster_id != remote_) {
+    if (!take_peer_id_)
+      Fail(llm_datadist::LLM_LINK_FAILED,
+           who + " is cluster " + std::to_string(welcome.cluster_id) + ", not " + std::to_string(remote_));
+    remote_ = welcome.cluster_id;
+  }
+  take_peer_id_ = false;
   const bool required = welcome.features & auth::kFeatureAuth;
   if (required && secret_.empty())
     Fail(llm_datadist::LLM_LINK_FAILED, who + " requires a shared secret (datadist.AuthSecret / DATADIST_AUTH_SECRET)");

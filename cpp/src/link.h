@@ -81,7 +81,14 @@ class Link {
   /// A reverse channel whose client went away (unlinked, or ended): closed, or readable while
   /// idle (EOF). A link busy with a transfer is not gone. Never blocks.
   bool Gone();
+  /// The cluster id the link is filed under: the one it was made with, or after Open the id
+  /// the peer announced, when TakePeerId was called.
   uint64_t remote_cluster_id() const { return remote_; }
+  /// Before Open: the first handshake takes the peer's announced cluster id instead of
+  /// refusing one that differs (CANN's LinkMsgHandler files a link under the peer's id and
+  /// never compares). Later handshakes (reverse channel, local channel, reconnects) must meet
+  /// that same id.
+  void TakePeerId() { take_peer_id_ = true; }
   /// The data path pulls use now: "tcp", "cma" (grants and process_vm_readv above
   /// kGrantAbove bytes, the local stream below) or "local" (the bytes stream over the local
   /// channel), and why.
@@ -132,6 +139,7 @@ class Link {
   void Release();
 
   uint64_t remote_;
+  bool take_peer_id_ = false;  // see TakePeerId
   std::string host_;
   uint16_t port_;
   wire::Hello hello_;

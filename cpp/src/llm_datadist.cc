@@ -96,6 +96,98 @@ bool SameHostAllowed(const std::map<AscendString, AscendString> &options) {
   Invalid("unknown transport '" + s + "'; use auto, tcp, cma or shm");
 }
 
+// JSON syntax (RFC 8259) of one value at `i`, nesting at most kMaxDepth deep; advances `i`.
+class JsonScan {
+ public:
+  explicit JsonScan(const std::string &s) : s_(s) {}
+  /// The whole text is one JSON object (whitespace around it allowed).
+  bool IsObject() {
+    Space();
+    if (i_ >= s_.size() || s_[i_] != '{' || !Value(0)) return false;
+    Space();
+    return i_ == s_.size();
+  }
+
+ private:
+  static constexpr int kMaxDepth = 256;
+  void Space() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r')) ++i_;
+  }
+  bool Lit(const char *word) {
+    size_t n = std::strlen(word);
+    if (s_.compare(i_, n, word) != 0) return false;
+    i_ += n;
+    return true;
+  }
+  bool Digits() {
+    size_t from = i_;
+    while (i_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[i_]))) ++i_;
+    return i_ > from;
+  }
+  bool Number() {
+    if (s_[i_] == '-') ++i_;
+    if (i_ < s_.size() && s_[i_] == '0') {
+      ++i_;
+    } else if (!Digits()) {
+      return false;
+    }
+    if (i_ < s_.size() && s_[i_] == '.' && (++i_, !Digits())) return false;
+    if (i_ < s_.size() && (s_[i_] == 'e' || s_[i_] == 'E')) {
+      ++i_;
+      if (i_ < s_.size() && (s_[i_] == '+' || s_[i_] == '-')) ++i_;
+      if (!Digits()) return false;
+    }
+    return true;
+  }
+  bool String() {
+    ++i_;  // the opening quote
+    while (i_ < s_.size()) {
+      unsigned char c = static_cast<unsigned char>(s_[i_++]);
+      if (c == '"') return true;
+      if (c < 0x20) return false;
+      if (c != '\\') continue;
+      if (i_ >= s_.size()) return false;
+      char e = s_[i_++];
+      if (e == 'u') {
+        for (int k = 0; k < 4; ++k, ++i_)
+          if (i_ >= s_.size() || !std::isxdigit(static_cast<unsigned char>(s_[i_]))) return false;
+      } else if (std::strchr("\"\\/bfnrt", e) == nullptr || e == '\0') {
+        return false;
+      }
+    }
+    return false;
+  }
+  bool Value(int depth) {
+    Space();
+    if (i_ >= s_.size() || depth > kMaxDepth) return false;
+    char c = s_[i_];
+    if (c == '"') return String();
+    if (c == '{' || c == '[') {
+      const char close = c == '{' ? '}' : ']';
+      ++i_;
+      Space();
+      if (i_ < s_.size() && s_[i_] == close) return ++i_, true;
+      for (;;) {
+        if (c == '{') {
+          Space();
+          if (i_ >= s_.size() || s_[i_] != '"' || !String()) return false;
+          Space();
+          if (i_ >= s_.size() || s_[i_++] != ':') return false;
+        }
+        if (!Value(depth + 1)) return false;
+        Space();
+        if (i_ >= s_.size()) return false;
+        if (s_[i_] == close) return ++i_, true;
+        if (s_[i_++] != ',') return false;
+      }
+    }
+    if (c == '-' || std::isdigit(static_cast<unsigned char>(c))) return Number();
+    return Lit("true") || Lit("false") || Lit("null");
+  }
+  std::string s_;
+  size_t i_ = 0;
+};
+
 void CheckRole(LlmRole role) {
   if (role != LlmRole::kPrompt && role != LlmRole::kDecoder && role != LlmRole::kMix)
     Invalid("role must be kPrompt, kDecoder or kMix");
@@ -120,11 +212,18 @@ class LlmDataDist::LlmDataDistImpl {
         Invalid(std::string(OPTION_SYNC_CACHE_WAIT_TIME) + " must be a positive number of ms, got '" + s + "'");
       sync_timeout_s_ = std::stol(s) / 1000.0;
     }
+    hixl_ = false;
     if (const char *v = Find(options, OPTION_TRANSFER_BACKEND)) {
       std::string s = v;
       if (!s.empty() && s != "hixl" && s != "tcp")
         Invalid(std::string(OPTION_TRANSFER_BACKEND) + " must be 'hixl' (accepted; datadist moves bytes over TCP)");
+      hixl_ = s == "hixl";
     }
+    // CANN's HIXL engine parses OPTION_GLOBAL_RESOURCE_CONFIG at Initialize
+    // (HixlOptions::ParseGlobalResourceConfig): empty, or a JSON object. Its fields tune HIXL.
+    const char *grc = Find(options, OPTION_GLOBAL_RESOURCE_CONFIG);
+    if (hixl_ && grc != nullptr && *grc && !JsonScan(grc).IsObject())
+      Invalid(std::string(OPTION_GLOBAL_RESOURCE_CONFIG) + " must be a JSON object, got '" + grc + "'");
     // datadist extras (as the Python package): connection caps, and a shared secret every
     // linked peer must prove.
     max_conns_ = CountOption(options, "datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", 256);
@@ -206,6 +305,7 @@ class LlmDataDist::LlmDataDistImpl {
       codes[i] = Guard("UnlinkLlmClusters", [&] {
         const ClusterInfo &c = clusters[i];
         uint64_t id = c.remote_cluster_id;
+        if (hixl_) return UnlinkHixl(id, timeout_ms);
         // CANN's LinkMsgHandler::UnlinkCluster: without force it dials the peer's listener.
         if (!force && c.remote_ip_infos.size() != 1)
           Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
@@ -237,6 +337,36 @@ class LlmDataDist::LlmDataDistImpl {
     }
     rets.insert(rets.end(), codes.begin(), codes.end());
     return Overall(codes);
+  }
+
+  // CANN's HixlTransferEngine::UnlinkCluster: the link of `id` is destroyed with no remote ip
+  // info and whatever force says; none is a success. Our link says BYE (LLM_UNLINK_FAILED if
+  // the peer cannot be told: closed all the same); the peer's link to us (its reverse channel)
+  // is its own to unlink, so it is closed without a word (both ends may unlink at once).
+  void UnlinkHixl(uint64_t id, int32_t timeout_ms) {
+    std::shared_ptr<datadist::Link> own, peer;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = links_.find(id);
+      if (it != links_.end()) own = it->second;
+    }
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      auto it = reverse_links_.find(id);
+      if (it != reverse_links_.end()) peer = it->second;
+    }
+    if (peer) {
+      peer->Close(datadist::Deadline(), true);
+      Forget(id, peer);
+    }
+    if (!own) return;
+    try {
+      own->Close(datadist::After(timeout_ms / 1000.0), false);
+    } catch (const Error &e) {
+      if (e.code() == LLM_UNLINK_FAILED) Forget(id, own);
+      throw;
+    }
+    Forget(id, own);
   }
 
   void Forget(uint64_t id, const std::shared_ptr<datadist::Link> &link) {
@@ -523,11 +653,16 @@ class LlmDataDist::LlmDataDistImpl {
     const IpInfo &ip = c.remote_ip_infos.front();
     auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret, &registry_,
                                                  same_host_);
+    // CANN's LinkMsgHandler::LinkCluster files the link under the cluster id the peer reports
+    // (AddEntity(peer_exchange_info.cluster_id)), never comparing it with the one passed: a
+    // caller that passed another id finds no link under it (LLM_NOT_YET_LINK).
+    if (!hixl_) link->TakePeerId();  // HIXL files it under the id passed (here: it must match)
     try {
       link->Open(datadist::After(timeout_ms / 1000.0));
     } catch (const Error &e) {
       Fail(LLM_LINK_FAILED, e.what());  // as Python: any failure to link is LLM_LINK_FAILED
     }
+    id = link->remote_cluster_id();
     std::lock_guard<std::mutex> lock(mu_);
     if (state_ != kUp) Fail(LLM_FAILED, "finalized");
     if (!links_.emplace(id, link).second) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
@@ -555,6 +690,7 @@ class LlmDataDist::LlmDataDistImpl {
   datadist::Identity ident_;
   double sync_timeout_s_ = 1.0;
   bool same_host_ = true;  // links may use a same-host peer's local channel
+  bool hixl_ = false;      // OPTION_TRANSFER_BACKEND is "hixl": its unlink and option rules
   size_t max_conns_ = 256, max_per_peer_ = 64;
   datadist::Registry registry_;
   std::unique_ptr<datadist::Server> server_;

@@ -46,6 +46,11 @@ void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtPar
     }
     return;
   }
+  // CANN's DataCacheEngine::CheckTensorIndices: a layer-ranged pull refuses a destination
+  // whose tensors are not whole layers, as pushes do their source (above).
+  if (!push && local_n % n != 0)
+    Invalid("When using layer wise transfer, the tensor_num [" + std::to_string(local_n) +
+            "] of caches must be a multiple of tensor_num_per_layer[" + std::to_string(n) + "].");
   if (src.second - src.first != dst.second - dst.first)
     Invalid("src_layer_range {" + std::to_string(src.first) + ", " + std::to_string(src.second) +
             "} and dst_layer_range {" + std::to_string(dst.first) + ", " + std::to_string(dst.second) +

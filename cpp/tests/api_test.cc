@@ -322,3 +322,59 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
 }
 
 }  // namespace
+
+namespace {
+
+// CANN's DataCacheEngine::CheckTensorIndices (hicann/hixl
+// src/llm_datadist/cache_mgr/data_cache_engine.cc): a pull with layer ranges (both given:
+// CalcIndicesWithValidRanges makes tensor indices only then) into a cache whose tensor count
+// tensor_num_per_layer does not divide is LLM_PARAM_INVALID, before any link is looked up.
+TEST_F(Initialized, LayerRangedPullsNeedWholeLayers) {
+  HostCache odd(3, {4, 8});
+  ASSERT_EQ(odd.Register(dd), LLM_SUCCESS);
+  KvCacheExtParam layer0{};
+  layer0.src_layer_range = {0, 0};
+  layer0.dst_layer_range = {0, 0};
+  layer0.tensor_num_per_layer = 2;
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), odd.cache, 0, -1, layer0), LLM_PARAM_INVALID);
+  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), odd.cache, {0}, {0}, layer0), LLM_PARAM_INVALID);
+  // one range alone names no tensors there (every tensor is pulled): no such rule
+  KvCacheExtParam src_only{};
+  src_only.src_layer_range = {0, 0};
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), odd.cache, 0, -1, src_only), LLM_NOT_YET_LINK);
+  // one tensor per layer divides three: the pull goes as far as the missing link
+  layer0.tensor_num_per_layer = 1;
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), odd.cache, 0, -1, layer0), LLM_NOT_YET_LINK);
+  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), odd.cache, {0}, {0}, layer0), LLM_NOT_YET_LINK);
+}
+
+}  // namespace
+
+namespace {
+
+// CANN's HIXL engine parses OPTION_GLOBAL_RESOURCE_CONFIG at Initialize (hicann/hixl
+// src/hixl/engine/hixl_options.cc, HixlOptions::ParseGlobalResourceConfig): a value that is
+// not JSON, or not an object, fails it. Without the HIXL backend the option is not read.
+TEST(Api, HixlGlobalResourceConfigMustBeAJsonObject) {
+  for (const char *bad : {"not json", "{", "[1, 2]", "\"text\"", "12", "{\"a\": }", "{\"a\": 1,}", "{'a': 1}",
+                          "{\"a\": 01}", "{\"a\": 1} x", "NaN", "{\"a\": \"\\q\"}"}) {
+    LlmDataDist dd(1, LlmRole::kPrompt);
+    auto o = ddtest::Options();
+    o[OPTION_TRANSFER_BACKEND] = "hixl";
+    o[OPTION_GLOBAL_RESOURCE_CONFIG] = bad;
+    EXPECT_EQ(dd.Initialize(o), LLM_PARAM_INVALID) << bad;
+  }
+  for (const char *good : {"", "{}", " { \"connect_pool.thread_num\" : \"4\", \"x\": [1, -2.5e3, true, null, {\"y\": \"\\u00e9\\n\"}] } "}) {
+    LlmDataDist dd(1, LlmRole::kPrompt);
+    auto o = ddtest::Options();
+    o[OPTION_TRANSFER_BACKEND] = "hixl";
+    o[OPTION_GLOBAL_RESOURCE_CONFIG] = good;
+    EXPECT_EQ(dd.Initialize(o), LLM_SUCCESS) << good;
+  }
+  LlmDataDist plain(1, LlmRole::kPrompt);
+  auto o = ddtest::Options();
+  o[OPTION_GLOBAL_RESOURCE_CONFIG] = "not json";
+  EXPECT_EQ(plain.Initialize(o), LLM_SUCCESS);
+}
+
+}  // namespace

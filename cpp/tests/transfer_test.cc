@@ -350,9 +350,10 @@ TEST(Deadlines, PeerThatNeverAnswersHelloFailsTheLink) {
   auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, peer.port)}, rets, 300), LLM_LINK_FAILED);
   EXPECT_LT(Seconds(t0), 2.0);
-  // a WELCOME from another cluster than asked for is refused too
-  SilentPeer liar(3, true);
-  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, liar.port)}, rets, 1000), LLM_LINK_FAILED);
+  // a WELCOME from another cluster than asked for is no failure: CANN files the link under
+  // the id the peer announces (LinkIds.ALinkIsFiledUnderTheIdThePeerReports)
+  SilentPeer other(3, true);
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, other.port)}, rets, 1000), LLM_SUCCESS);
 }
 
 TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
@@ -424,6 +425,11 @@ TEST(Auth, SharedSecretLinksAndAWrongOneDoesNot) {
   ASSERT_EQ(client.PullKvCache(Index(1, 1, 3), dst.cache, 0), LLM_SUCCESS);
   EXPECT_EQ(std::memcmp(dst.T(1), src.T(1) + 48, 16), 0);
   client.Finalize();
+  // linked with another id than the owner's: the secret is proved for the id it announces
+  LlmDataDist any_id(4, LlmRole::kDecoder);
+  ASSERT_EQ(any_id.Initialize(with_secret(0, "s3cret")), LLM_SUCCESS);
+  EXPECT_EQ(any_id.LinkLlmClusters({ddtest::Cluster(0, port)}, rets, 2000), LLM_SUCCESS);
+  any_id.Finalize();
 }
 
 TEST(Reverse, ANonListeningDecoderIsPushedToOverItsOwnLink) {
@@ -791,3 +797,92 @@ TEST(Hostile, ConnectionCapsPerPeer) {
 }
 
 }  // namespace hostile
+
+namespace {
+
+// CANN's LinkMsgHandler (hicann/hixl src/llm_datadist/link_mgr/link_msg_handler.cc) files a
+// link under the cluster id the peer reports (AddEntity(peer_exchange_info.cluster_id)) and
+// never compares it with the remote_cluster_id passed; its own C++ tests link with the id
+// left at 0. The link is then known by the peer's id only: a pull naming the id passed finds
+// no link (LLM_NOT_YET_LINK), as there.
+TEST(LinkIds, ALinkIsFiledUnderTheIdThePeerReports) {
+  HostCache src{2, {4, 16}};
+  HostCache dst{2, {4, 16}};
+  LlmDataDist prompt{7, LlmRole::kPrompt};
+  LlmDataDist decoder{9, LlmRole::kDecoder};
+  uint16_t port = ddtest::FreePort();
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  ASSERT_EQ(decoder.Initialize(ddtest::Options(0, "1000")), LLM_SUCCESS);
+  ASSERT_EQ(src.Register(prompt), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+  src.Fill(3);
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(0, port)}, rets, 3000), LLM_SUCCESS);
+  ASSERT_EQ(rets, std::vector<Status>{LLM_SUCCESS});
+  EXPECT_EQ(decoder.PullKvCache(Index(0, 1, 0), dst.cache, 0), LLM_NOT_YET_LINK);
+  ASSERT_EQ(decoder.PullKvCache(Index(7, 1, 2), dst.cache, 1), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(dst.T(1) + 16, src.T(1) + 32, 16), 0);
+  // linked under 7: a second link by that id is LLM_ALREADY_LINK
+  EXPECT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(7, port)}, rets, 3000), LLM_ALREADY_LINK);
+  EXPECT_EQ(decoder.UnlinkLlmClusters({ddtest::Cluster(7, port)}, rets, 3000, true), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(7, 1, 2), dst.cache, 1), LLM_NOT_YET_LINK);
+  decoder.Finalize();
+  prompt.Finalize();
+}
+
+}  // namespace
+
+namespace {
+
+// The sequence of hicann/hixl examples/python/hixl_transfer_backend_sample.py with the HIXL
+// backend: each side listens and links to the other, the prompt pulls and the decoder pushes,
+// then both unlink at once naming only remote_cluster_id (no ip info, no force). CANN's
+// HixlTransferEngine::UnlinkCluster destroys the link of that id whatever force says; each
+// unlink is LLM_SUCCESS and afterwards neither side has a link (SetRole, which needs none,
+// succeeds), and unlinking again is LLM_SUCCESS too.
+TEST(Hixl, UnlinkNeedsNoAddressAndBothEndsEndUnlinked) {
+  HostCache pc{2, {3, 40}};
+  HostCache dc{2, {3, 40}};
+  LlmDataDist prompt{0, LlmRole::kPrompt};
+  LlmDataDist decoder{1, LlmRole::kDecoder};
+  uint16_t pport = ddtest::FreePort(), dport = ddtest::FreePort();
+  auto po = ddtest::Options(pport), dopt = ddtest::Options(dport);
+  po[OPTION_TRANSFER_BACKEND] = dopt[OPTION_TRANSFER_BACKEND] = "hixl";
+  ASSERT_EQ(prompt.Initialize(po), LLM_SUCCESS);
+  ASSERT_EQ(decoder.Initialize(dopt), LLM_SUCCESS);
+  ASSERT_EQ(pc.Register(prompt), LLM_SUCCESS);
+  ASSERT_EQ(dc.Register(decoder), LLM_SUCCESS);
+  pc.Fill(1);
+  dc.Fill(2);
+  std::vector<Status> rets;
+  Status pl = LLM_FAILED, dl = LLM_FAILED;
+  std::thread a([&] { std::vector<Status> r; pl = prompt.LinkLlmClusters({ddtest::Cluster(1, dport)}, r, 5000); });
+  std::thread b([&] { std::vector<Status> r; dl = decoder.LinkLlmClusters({ddtest::Cluster(0, pport)}, r, 5000); });
+  a.join();
+  b.join();
+  ASSERT_EQ(pl, LLM_SUCCESS);
+  ASSERT_EQ(dl, LLM_SUCCESS);
+  ASSERT_EQ(prompt.PullKvBlocks(Index(1, 1), pc.cache, {2}, {2}), LLM_SUCCESS);
+  ASSERT_EQ(decoder.PushKvBlocks(dc.cache, Index(0, 1), {0, 1}, {0, 1}), LLM_SUCCESS);
+  EXPECT_EQ(std::memcmp(pc.T(0), dc.T(0), 120), 0);
+  EXPECT_EQ(std::memcmp(pc.T(1), dc.T(1), 120), 0);
+  ClusterInfo to_decoder{}, to_prompt{};
+  to_decoder.remote_cluster_id = 1;
+  to_prompt.remote_cluster_id = 0;
+  Status pu = LLM_FAILED, du = LLM_FAILED;
+  std::thread c([&] { std::vector<Status> r; pu = prompt.UnlinkLlmClusters({to_decoder}, r, 5000); });
+  std::thread d([&] { std::vector<Status> r; du = decoder.UnlinkLlmClusters({to_prompt}, r, 5000); });
+  c.join();
+  d.join();
+  EXPECT_EQ(pu, LLM_SUCCESS);
+  EXPECT_EQ(du, LLM_SUCCESS);
+  EXPECT_EQ(prompt.PullKvBlocks(Index(1, 1), pc.cache, {2}, {2}), LLM_NOT_YET_LINK);
+  EXPECT_EQ(decoder.PushKvBlocks(dc.cache, Index(0, 1), {0}, {0}), LLM_NOT_YET_LINK);
+  EXPECT_EQ(prompt.SetRole(LlmRole::kPrompt, po), LLM_SUCCESS);
+  EXPECT_EQ(decoder.SetRole(LlmRole::kDecoder, dopt), LLM_SUCCESS);
+  EXPECT_EQ(prompt.UnlinkLlmClusters({to_decoder}, rets, 5000, true), LLM_SUCCESS);
+  decoder.Finalize();
+  prompt.Finalize();
+}
+
+}  // namespace

@@ -358,6 +358,93 @@ def transfer_async_decoder(link: Any, setup: dict, barrier: Any) -> dict:
     return {"after": after}
 
 
+# ============================================== hixl examples/python/hixl_transfer_backend_sample
+
+
+def _hixl_side(setup: dict, me: str, barrier: Any) -> tuple[Any, Any, Any, list[np.ndarray]]:
+    """The sample's init_llm_datadist and registration: transfer_backend "hixl", a listen
+    address on each side, two DEVICE tensors of [3, 10] floats under BlocksCacheKey(me, 0)."""
+    from datadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        DataType,
+        LLMConfig,
+        LLMDataDist,
+        LLMRole,
+        Placement,
+    )
+
+    cluster_id = 0 if me == "prompt" else 1
+    datadist = LLMDataDist(LLMRole.PROMPT if me == "prompt" else LLMRole.DECODER, cluster_id)
+    cfg = LLMConfig()
+    cfg.device_id = cluster_id
+    cfg.local_comm_res = ""
+    cfg.transfer_backend = "hixl"
+    cfg.listen_ip_info = f"{setup['ip']}:{setup[me + '_port']}"
+    datadist.init(cfg.generate_options())
+    cache_manager = datadist.cache_manager
+    desc = CacheDesc(num_tensors=2, shape=[SR_BLOCKS, SR_KV], data_type=DataType.DT_FLOAT,
+                     placement=Placement.DEVICE)
+    seeds = (1, 2) if me == "prompt" else (3, 4)
+    tensors = [buffer((SR_BLOCKS, SR_KV), np.float32, seed=s) for s in seeds]
+    cache = cache_manager.register_blocks_cache(desc, [addr(t) for t in tensors],
+                                                BlocksCacheKey(cluster_id, 0))
+    barrier.wait()  # register end
+    return datadist, cache_manager, cache, tensors
+
+
+def _hixl_link(datadist: Any, setup: dict, me: str, peer: str) -> None:
+    from datadist import LLMClusterInfo
+
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = 0 if peer == "prompt" else 1
+    cluster.append_local_ip_info(setup["ip"], setup[me + "_port"])
+    cluster.append_remote_ip_info(setup["ip"], setup[peer + "_port"])
+    ret, _ = datadist.link_clusters([cluster], 5000)
+    ok(ret, "link")
+
+
+def _hixl_unlink(datadist: Any, remote_cluster_id: int) -> None:
+    """The sample's unlink: remote_cluster_id alone, no ip info, no force."""
+    from datadist import LLMClusterInfo
+
+    cluster = LLMClusterInfo()
+    cluster.remote_cluster_id = remote_cluster_id
+    ret, _ = datadist.unlink_clusters([cluster], 5000)
+    ok(ret, "unlink")
+
+
+def hixl_backend_prompt(link: Any, setup: dict, barrier: Any) -> dict:
+    from datadist import BlocksCacheKey
+
+    datadist, cache_manager, cache, tensors = _hixl_side(setup, "prompt", barrier)
+    _hixl_link(datadist, setup, "prompt", "decoder")
+    cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, src_blocks=[2], dst_blocks=[2])
+    barrier.wait()  # the decoder's push is done
+    after = [t.copy() for t in tensors]
+    _hixl_unlink(datadist, 1)
+    barrier.wait()  # wait peer unlink end
+    still_linked = datadist.engine.has_links()
+    cache_manager.unregister_cache(cache.cache_id)
+    datadist.finalize()
+    return {"after": after, "still_linked": still_linked}
+
+
+def hixl_backend_decoder(link: Any, setup: dict, barrier: Any) -> dict:
+    from datadist import BlocksCacheKey
+
+    datadist, cache_manager, cache, _ = _hixl_side(setup, "decoder", barrier)
+    _hixl_link(datadist, setup, "decoder", "prompt")
+    cache_manager.push_blocks(BlocksCacheKey(0, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 1])
+    barrier.wait()  # push_blocks end
+    _hixl_unlink(datadist, 0)
+    barrier.wait()  # wait peer unlink end
+    still_linked = datadist.engine.has_links()
+    cache_manager.unregister_cache(cache.cache_id)
+    datadist.finalize()
+    return {"still_linked": still_linked}
+
+
 # ============================================ pull_cache / pull_blocks samples (two-sided link)
 
 def rank_table_two_devices(setup: dict) -> str:

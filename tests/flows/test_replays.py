@@ -123,6 +123,21 @@ def test_transfer_cache_async_sample():
         same(got, want)
 
 
+def test_hixl_transfer_backend_sample():
+    """hixl examples/python/hixl_transfer_backend_sample.py: llm.TransferBackend "hixl",
+    each side listens and links to the other; the prompt pulls block 2 from the decoder and
+    the decoder pushes blocks 0, 1 to the prompt; then each unlinks with remote_cluster_id
+    alone (no ip info, no force) and must get LLM_SUCCESS. Original rule
+    (src/llm_datadist/transfer_engine/hixl_transfer_engine.cc, HixlTransferEngine::
+    UnlinkCluster): the link of that id is destroyed, no address needed, force ignored; both
+    ends end unlinked."""
+    setup = {"ip": IP, "prompt_port": free_port(), "decoder_port": free_port()}
+    prompt, decoder = run((r.hixl_backend_prompt, setup), (r.hixl_backend_decoder, setup))
+    for got, seed in zip(prompt["after"], (3, 4), strict=True):
+        same(got, f32((SR_N, seed), SR))  # every block now the decoder's
+    assert not prompt["still_linked"] and not decoder["still_linked"]
+
+
 def test_pull_cache_sample():
     """hixl examples/python/pull_cache_sample.py (single machine): both sides link(...)
     with a v1.2 rank table of two devices and poll query_register_mem_status; the prompt

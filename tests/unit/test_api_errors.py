@@ -419,9 +419,14 @@ class TestLinkClusters:
         assert overall is S.LLM_LINK_FAILED
 
     @pytest.mark.timeout(30)
-    def test_peer_with_another_cluster_id_is_link_failed(self, datadist, peer):
+    def test_peer_with_another_cluster_id_is_linked_under_its_own(self, datadist, peer):
+        # hicann/hixl link_msg_handler.cc: the link is filed under the id the peer reports
+        # (tests/flows/test_link_ids.py has the transfers)
         result = datadist.link_clusters([cluster(PEER + 1, peer.listen_address[1])], 5000)
-        assert result == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
+        assert result == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        assert datadist.engine.get_link(PEER).cluster_id == PEER
+        again = datadist.link_clusters([cluster(PEER, peer.listen_address[1])], 5000)
+        assert again == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
 
     @pytest.mark.timeout(30)
     def test_link_twice_is_already_link(self, datadist, linked):

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "external/ge_common/ge_api_error_codes.h"
+#include "llm_datadist/llm_error_codes.h"
 
 #ifdef FUNC_VISIBILITY
 #define ASCEND_FUNC_VISIBILITY __attribute__((visibility("default")))
@@ -37,25 +38,27 @@ constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";         // ac
 constexpr const char OPTION_TRANSFER_BACKEND[] = "llm.TransferBackend";    // "hixl" accepted
 constexpr const char OPTION_GLOBAL_RESOURCE_CONFIG[] = "llm.GlobalResourceConfig";  // accepted
 
-// Status codes: the values of Python's datadist.LLMStatusCode.
+// Status codes: the values of Python's datadist.LLMStatusCode. The LLM_* codes are
+// llm_datadist/llm_error_codes.h's ge::LLM_* (one constant under both names, so code that uses
+// both namespaces sees no ambiguity); LLM_SUCCESS / LLM_FAILED are this header's own.
 constexpr Status LLM_SUCCESS = 0x0U;
 constexpr Status LLM_FAILED = 0xFFFFFFFFU;
-constexpr Status LLM_WAIT_PROC_TIMEOUT = 0x5010B001U;
-constexpr Status LLM_KV_CACHE_NOT_EXIST = 0x5010B002U;
-constexpr Status LLM_PARAM_INVALID = 0x5010B005U;
-constexpr Status LLM_NOT_YET_LINK = 0x5010B007U;
-constexpr Status LLM_ALREADY_LINK = 0x5010B008U;
-constexpr Status LLM_LINK_FAILED = 0x5010B009U;
-constexpr Status LLM_UNLINK_FAILED = 0x5010B00AU;
-constexpr Status LLM_NOTIFY_PROMPT_UNLINK_FAILED = 0x5010B00BU;
-constexpr Status LLM_CLUSTER_NUM_EXCEED_LIMIT = 0x5010B00CU;
-constexpr Status LLM_PROCESSING_LINK = 0x5010B00DU;
-constexpr Status LLM_DEVICE_OUT_OF_MEMORY = 0x5010B00EU;
-constexpr Status LLM_EXIST_LINK = 0x5010B018U;
-constexpr Status LLM_FEATURE_NOT_ENABLED = 0x5010B019U;
-constexpr Status LLM_TIMEOUT = 0x5010B01AU;
-constexpr Status LLM_LINK_BUSY = 0x5010B01BU;
-constexpr Status LLM_OUT_OF_MEMORY = 0x5010B01CU;
+using ge::LLM_WAIT_PROC_TIMEOUT;
+using ge::LLM_KV_CACHE_NOT_EXIST;
+using ge::LLM_PARAM_INVALID;
+using ge::LLM_NOT_YET_LINK;
+using ge::LLM_ALREADY_LINK;
+using ge::LLM_LINK_FAILED;
+using ge::LLM_UNLINK_FAILED;
+using ge::LLM_NOTIFY_PROMPT_UNLINK_FAILED;
+using ge::LLM_CLUSTER_NUM_EXCEED_LIMIT;
+using ge::LLM_PROCESSING_LINK;
+using ge::LLM_DEVICE_OUT_OF_MEMORY;
+using ge::LLM_EXIST_LINK;
+using ge::LLM_FEATURE_NOT_ENABLED;
+using ge::LLM_TIMEOUT;
+using ge::LLM_LINK_BUSY;
+using ge::LLM_OUT_OF_MEMORY;
 
 // Element types, reachable both as ge::DT_* and llm_datadist::DT_*.
 using ge::DT_BF16;

@@ -64,7 +64,11 @@ def local_keys(cache_keys: Any) -> list[KeyId | None]:
     return [key_id(k.req_id, k.prefix_id, k.model_id) for k in cache_keys]
 
 
-def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+def parse_layer_kwargs(kwargs: dict[str, Any], func: str = "",
+                       num_tensors: int = 0) -> tuple[Any, Any, int]:
+    """The layer arguments of a pull or push: (src range, dst range, tensors per layer).
+    ``func`` and ``num_tensors`` (the local cache's) go into the original's text for a
+    tensor_num_per_layer of 0 (v2/cache_manager.py)."""
     if not kwargs:  # the usual call: every layer, two tensors per layer
         return None, None, 2
     for k in kwargs:
@@ -76,7 +80,8 @@ def parse_layer_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
     check_layer_range("src_layer_range", src)
     check_layer_range("dst_layer_range", dst)
     check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
-    raise_if_false(n > 0, "tensor_num_per_layer must be > 0")
+    raise_if_false(n > 0, f"[{func}] param check failed, tensor_num_per_layer ({n}) is invalid, "
+                          f"should [1, {num_tensors}]")
     return src, dst, n
 
 
@@ -165,7 +170,7 @@ class CacheManager:
     def _remote_accessible(self, desc: CacheDesc, value: bool | None) -> bool:
         check_isinstance("remote_accessible", value, bool)
         if value is True and self._is_call_linked:
-            raise LLMException("remote_accessible=True is not allowed after link()",
+            raise LLMException("you can not register remote accessible cache after link.",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
         # datadist serves every registered cache to linked peers unless told otherwise:
         # remote_accessible=False keeps a cache private.
@@ -184,14 +189,15 @@ class CacheManager:
         # A list, as in llm_datadist's register_cache / register_blocks_cache: a tuple is a
         # TypeError there.
         check_isinstance("addrs", addrs, list, allow_none=False)
-        raise_if_false(len(addrs) > 0, "addrs must not be empty")
+        raise_if_false(len(addrs) > 0, "addrs can not be empty.")
         with llm_errors(func):
             mems = [user_memory(a, f"addrs[{i}]") for i, a in enumerate(addrs)]
         for m in mems:
             check_int("addr", m.addr, "uint64", allow_none=False)
-        raise_if_false(all(m.addr != 0 for m in mems), "addrs must be non-zero")
         raise_if_false(len(addrs) == desc.num_tensors,
-                       f"{len(addrs)} addrs for num_tensors={desc.num_tensors}")
+                       f"addrs length should be equal to num_tensors. ({len(addrs)} addrs, "
+                       f"num_tensors={desc.num_tensors})")
+        raise_if_false(all(m.addr != 0 for m in mems), "addr can not be zero.")
         need = geo.tensor_bytes
         for i, m in enumerate(mems):
             raise_if_false(m.nbytes is None or m.nbytes >= need,
@@ -283,7 +289,7 @@ class CacheManager:
         check_isinstance("cache", cache, Cache, allow_none=False)
         self._own("cache", cache)
         raise_if_false(not cache.is_blocks_cache,
-                       "use deallocate_blocks_cache for a blocks cache")
+                       "param check failed, cache can not be blocks cache.")
         with llm_errors("deallocate_cache"):
             engine.deallocate(cache.cache_id)
         if not cache._is_registered:
@@ -293,7 +299,7 @@ class CacheManager:
         engine = self._engine_or_raise()
         check_isinstance("cache", cache, Cache, allow_none=False)
         self._own("cache", cache)
-        raise_if_false(cache.is_blocks_cache, "deallocate_blocks_cache needs a blocks cache")
+        raise_if_false(cache.is_blocks_cache, "param check failed, cache should be blocks cache.")
         with llm_errors("deallocate_blocks_cache"):
             engine.deallocate(cache.cache_id, blocks=True)
         if not cache._is_registered:
@@ -337,10 +343,14 @@ class CacheManager:
         self._own("cache", cache)
         check_int("batch_index", batch_index, "uint32", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
-        src_range, dst_range, n = parse_layer_kwargs(kwargs)
+        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_cache",
+                                                     cache.cache_desc.num_tensors)
         geo = self._check_local(engine, cache)
-        raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
-        raise_if_false(not cache.is_blocks_cache, "pull_cache needs a contiguous destination")
+        raise_if_false(not cache.is_blocks_cache,
+                       "param check failed, cache can not be blocks cache.")
+        raise_if_false(size == -1 or size > 0,
+                       f"[pull_cache] param check failed, size ({size}) is invalid, should be "
+                       "= -1 or > 0")
         if self._enable_remote_cache_accessible:
             # llm_datadist type-checks the key against the mode: a TypeError.
             check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
@@ -369,16 +379,18 @@ class CacheManager:
         self._own("dst_cache", dst_cache)
         src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
-        src_range, dst_range, n = parse_layer_kwargs(kwargs)
+        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_blocks",
+                                                     dst_cache.cache_desc.num_tensors)
         geo = self._check_local(engine, dst_cache)
-        raise_if_false(dst_cache.is_blocks_cache, "pull_blocks needs a blocks cache destination")
-        raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
+        raise_if_false(dst_cache.is_blocks_cache,
+                       "param check failed, dst_cache should be blocks cache.")
+        raise_if_false(len(dst) > 0, "dst_blocks can not be empty.")
         by_blocks = isinstance(src_cache_key, BlocksCacheKey)
         if by_blocks:
-            raise_if_false(len(src) > 0, "src_blocks must not be empty for a BlocksCacheKey")
+            raise_if_false(len(src) > 0, "src_blocks can not be empty.")
         else:
-            raise_if_false(len(src) == 0,
-                           "src_blocks must be empty when pulling from a contiguous cache")
+            raise_if_false(len(src) == 0, "src_blocks should be empty when src_cache_key is not "
+                                          "instance of BlocksCacheKey.")
             self._check_cache_key(src_cache_key)
         with llm_errors("pull_blocks"):
             def build() -> layout.Plan:
@@ -401,7 +413,8 @@ class CacheManager:
 
     def _require_remote_accessible(self, what: str) -> None:
         if not self._enable_remote_cache_accessible:
-            raise LLMException(f"{what} needs enable_remote_cache_accessible",
+            raise LLMException(f"{what} is only supported while enable_remote_cache_accessible "
+                               "is True",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
@@ -417,11 +430,15 @@ class CacheManager:
         check_int("size", size, "int64", allow_none=False)
         src_range, dst_range, n = parse_layer_kwargs(
             {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer})
+             "tensor_num_per_layer": tensor_num_per_layer},
+            "push_cache", src_cache.cache_desc.num_tensors)
         self._require_remote_accessible("push_cache")
         geo = self._check_local(engine, src_cache)
-        raise_if_false(size == -1, "push_cache supports size=-1 only")
-        raise_if_false(not src_cache.is_blocks_cache, "push_cache needs a contiguous source")
+        raise_if_false(not src_cache.is_blocks_cache,
+                       "param check failed, cache can not be blocks cache.")
+        raise_if_false(size == -1,
+                       f"[push_cache] param check failed, size ({size}) is invalid, should be "
+                       "= -1.")
         pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
         with llm_errors("push_cache"):
             plan = layout.plan_slot(geo, src_batch_index, pairs, size)
@@ -442,11 +459,13 @@ class CacheManager:
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
         src_range, dst_range, n = parse_layer_kwargs(
             {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer})
+             "tensor_num_per_layer": tensor_num_per_layer},
+            "push_blocks", src_cache.cache_desc.num_tensors)
         self._require_remote_accessible("push_blocks")
         geo = self._check_local(engine, src_cache)
-        raise_if_false(src_cache.is_blocks_cache, "push_blocks needs a blocks cache source")
-        raise_if_false(len(dst) > 0, "dst_blocks must not be empty")
+        raise_if_false(src_cache.is_blocks_cache,
+                       "param check failed, cache should be blocks cache.")
+        raise_if_false(len(dst) > 0, "dst_blocks can not be empty.")
         pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
         with llm_errors("push_blocks"):
             def build() -> layout.Plan:
@@ -522,16 +541,19 @@ class CacheManager:
         """
         self._engine_or_raise()
         raise_if_false(isinstance(mem_infos, (list, MemInfo)),
-                       f"mem_infos only support list of MemInfo or MemInfo, but got "
-                       f"{type(mem_infos)}")
+                       f"mem_infos type only support list of MemInfo or MemInfo, but got "
+                       f"{type(mem_infos)}.")
         infos = mem_infos if isinstance(mem_infos, list) else [mem_infos]
         for i, info in enumerate(infos):
             raise_if_false(isinstance(info, MemInfo),
-                           f"mem_infos[{i}] only support MemInfo, but got {type(info)}")
+                           f"mem_infos[{i}] type only support MemInfo, but got {type(info)}.")
             raise_if_false(info.mem_type == Memtype.MEM_TYPE_DEVICE,
-                           f"mem_infos[{i}].mem_type must be Memtype.MEM_TYPE_DEVICE")
-            raise_if_false(info.addr != 0, f"mem_infos[{i}].addr can not be zero")
-            raise_if_false(info.size > 0, f"mem_infos[{i}].size must be > 0")
+                           "check mem_info.mem_type failed, only support "
+                           f"Memtype.MEM_TYPE_DEVICE, index={i}.")
+            raise_if_false(info.addr != 0,
+                           f"check mem_info.addr failed, addr can not be zero, index={i}.")
+            raise_if_false(info.size > 0,
+                           f"check mem_info.size failed, size must be > 0, index={i}.")
 
     # ------------------------------------------------------------------ layer-wise
 

@@ -33,7 +33,8 @@ def check_int(name: str, value: Any, kind: str, allow_none: bool = True) -> None
         return
     lo, hi = _RANGES[kind]
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in range of {kind} [{lo}, {hi}], but got {value}.")
+        # the original's text (llm_datadist/utils/utils.py check_uint64 and the like)
+        raise ValueError(f"{name}'s value is out of range,{value} is not a {kind} value.")
 
 
 def check_uint64(name: str, value: Any, allow_none: bool = True) -> None:

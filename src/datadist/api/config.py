@@ -197,7 +197,8 @@ class LLMConfig:
         for i in ids:
             check_int("device_id", i, "int32", allow_none=False)
             if i < 0:
-                raise _param_invalid(f"device_id must be >= 0, got {i}")
+                raise _param_invalid(f"device_id should be greater than or equal to zero. "
+                                     f"(got {i})")
         self._device_id = value
 
     @property
@@ -222,13 +223,13 @@ class LLMConfig:
         check_isinstance("sync_kv_timeout", value, (int, str), allow_none=False)
         if isinstance(value, str):
             if not _digits(value):
-                raise _param_invalid(f"sync_kv_timeout must be a digit string, got {value!r}")
+                raise _param_invalid(f"sync_kv_timeout must be digit. (got {value!r})")
             number = int(value)
         else:
             number = value
         check_int("sync_kv_timeout", number, "int32", allow_none=False)
         if number <= 0:
-            raise _param_invalid(f"sync_kv_timeout must be > 0, got {number}")
+            raise _param_invalid(f"sync_kv_timeout should be greater than zero. (got {number})")
         self._sync_kv_timeout = value
 
     @property
@@ -337,7 +338,8 @@ class LLMConfig:
         # A documented [0, 2**32-1] range, not a C type: out of range is PARAM_INVALID.
         check_isinstance("link_total_time", value, int, allow_none=False)
         if not 0 <= value <= 2**32 - 1:
-            raise _param_invalid(f"link_total_time must be in [0, 2**32-1], got {value}")
+            raise _param_invalid("link_total_time should be an integer between [0, 2^32-1], "
+                                 f"given value is {value}")
         self._link_total_time = value
 
     @property
@@ -349,7 +351,8 @@ class LLMConfig:
     def link_retry_count(self, value: int) -> None:
         check_isinstance("link_retry_count", value, int, allow_none=False)
         if not 1 <= value <= 100:
-            raise _param_invalid(f"link_retry_count must be in [1, 100], got {value}")
+            raise _param_invalid("link_retry_count should be an integer between [1, 100], "
+                                 f"given value is {value}")
         self._link_retry_count = value
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -39,6 +40,46 @@ DEFAULT_LINK_TOTAL_TIME_S = 120  # HCCL_CONNECT_TIMEOUT's default
 
 def _param_invalid(msg: str) -> LLMException:
     return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def _not_in_mode(what: str, cache_manager_mode: bool) -> LLMException:
+    """The original's text for a call or option of the other mode (v2/llm_datadist.py,
+    ``_check_is_cache_mgr_mode`` / ``_check_is_not_cache_mgr_mode``): LLM_PARAM_INVALID."""
+    neg = "" if cache_manager_mode else "not "
+    return _param_invalid(f"{what} is not supported when llm.EnableCacheManager is {neg}"
+                          "configured.")
+
+
+def _check_global_resource_config(raw: str) -> None:
+    """With the HIXL backend, ``llm.GlobalResourceConfig`` is empty or a JSON object, as the
+    original's HixlOptions::ParseGlobalResourceConfig (src/hixl/engine/hixl_options.cc)
+    requires at init; anything else is LLM_PARAM_INVALID. Its fields tune HIXL and are not
+    read here."""
+    if not raw:
+        return
+
+    def no_constant(name: str) -> None:  # NaN / Infinity are not JSON (nlohmann refuses them)
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        value = json.loads(raw, parse_constant=no_constant)
+    except ValueError as e:
+        raise _param_invalid(f"Failed to parse GlobalResourceConfig json, exception:{e}") from None
+    if not isinstance(value, dict):
+        raise _param_invalid("GlobalResourceConfig must be a JSON object.")
+
+
+def _check_flow_graph_max_size(options: dict[Any, Any]) -> None:
+    """``ge.flowGraphMemMaxSize``, as v2/llm_datadist.py ``_check_flow_graph_max_size``:
+    a str (TypeError otherwise, an int included), one pool, digits (LLM_PARAM_INVALID)."""
+    value = options.get("ge.flowGraphMemMaxSize")
+    if value is None:
+        return
+    check_isinstance("ge.flowGraphMemMaxSize", value, str, allow_none=False)
+    if len(value.split(",")) != 1:
+        raise _param_invalid("ge.flowGraphMemMaxSize only support one mem pool in llm datadist")
+    if not value.isdigit():
+        raise _param_invalid(f"ge.flowGraphMemMaxSize must be digit, config value={value}")
 
 
 def _secret(opts: dict[str, str]) -> bytes | None:
@@ -95,6 +136,7 @@ class LLMDataDist:
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None
         self._cache_manager_mode = False
+        self._hixl_backend = False  # llm.TransferBackend = "hixl"
         self._options: dict[str, str] = {}
         self._comms: CommManager | None = None  # two-sided links (link / unlink)
 
@@ -112,8 +154,7 @@ class LLMDataDist:
     def cache_manager(self) -> CacheManager:
         self._check_init()
         if not self._cache_manager_mode:
-            raise _param_invalid("cache_manager needs cache-manager mode "
-                                 "(llm.EnableCacheManager=1 or llm.LocalCommRes)")
+            raise _not_in_mode("cache_manager", False)
         assert self._cache_manager is not None
         return self._cache_manager
 
@@ -121,7 +162,7 @@ class LLMDataDist:
     def kv_cache_manager(self) -> Any:
         self._check_init()
         if self._cache_manager_mode:
-            raise _param_invalid("kv_cache_manager is only available without cache-manager mode")
+            raise _not_in_mode("kv_cache_manager", True)
         return self._kv_cache_manager
 
     @property
@@ -151,6 +192,7 @@ class LLMDataDist:
             if LLMDataDist.llm_engine_instance is not None:
                 raise LLMException("Cannot init multiple LLMDataDists",
                                    status_code=LLMStatusCode.LLM_FAILED)
+            _check_flow_graph_max_size(options)
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
@@ -173,9 +215,6 @@ class LLMDataDist:
     def _setup_options(self, options: dict[str, str]) -> dict[str, str]:
         """llm_datadist's mode selection, on a copy of the options."""
         opts = {str(k): str(v) for k, v in options.items()}
-        mem_max = opts.get("ge.flowGraphMemMaxSize")
-        if mem_max is not None and not mem_max.isdigit():
-            raise _param_invalid("ge.flowGraphMemMaxSize must be a single digit string")
         opts["llm.Role"] = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder",
                             LLMRole.MIX: "Mix"}[self._role]
         if cfg.OPT_LOCAL_COMM_RES in opts:
@@ -183,14 +222,20 @@ class LLMDataDist:
             opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1")
         self._cache_manager_mode = opts.get(cfg.OPT_ENABLE_CACHE_MANAGER) == "1"
         if cfg.OPT_LOCAL_COMM_RES in opts and not self._cache_manager_mode:
-            raise _param_invalid("llm.LocalCommRes needs cache-manager mode")
+            raise _not_in_mode(cfg.OPT_LOCAL_COMM_RES, False)
         if cfg.OPT_TRANSFER_BACKEND in opts:
+            # v2/llm_datadist.py _setup_engine_option, its texts
             if not self._cache_manager_mode:
-                raise _param_invalid("llm.TransferBackend needs cache-manager mode")
-            if opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1") == "0":
-                raise _param_invalid("llm.TransferBackend needs remote cache accessible")
+                raise _not_in_mode(cfg.OPT_TRANSFER_BACKEND, False)
+            if opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1") != "1":
+                raise _param_invalid("llm.TransferBackend is not supported when "
+                                     "llm.EnableRemoteCacheAccessible is not enable.")
             if cfg.OPT_LISTEN_IP_INFO not in opts:
-                raise _param_invalid("llm.TransferBackend needs llm.listenIpInfo")
+                raise _param_invalid("llm.TransferBackend is not supported when "
+                                     "llm.listenIpInfo is not configured.")
+        self._hixl_backend = opts.get(cfg.OPT_TRANSFER_BACKEND) == "hixl"
+        if self._hixl_backend:
+            _check_global_resource_config(opts.get(cfg.OPT_GLOBAL_RESOURCE, ""))
         listen = opts.get(cfg.OPT_LISTEN_IP_INFO)
         if listen and self._cache_manager_mode:
             try:
@@ -279,7 +324,7 @@ class LLMDataDist:
             check_isinstance("cluster", c, LLMClusterInfo, allow_none=False)
         check_int("timeout", timeout, "int32", allow_none=False)
         if timeout <= 0:
-            raise _param_invalid(f"timeout must be > 0, got {timeout}")
+            raise _param_invalid(f"Param timeout should be greater than 0. (got {timeout})")
         for c in clusters:
             # Unset (None) is a TypeError, as llm_datadist's check_uint64 makes it.
             check_int("remote_cluster_id", c.remote_cluster_id, "uint64", allow_none=False)
@@ -290,7 +335,9 @@ class LLMDataDist:
         """Link to each cluster's listener; returns (overall code, per-cluster codes).
 
         Never raises for a link that fails: its code says why. Links are made in parallel,
-        each bounded by ``timeout`` ms.
+        each bounded by ``timeout`` ms. As the original, a link is known by the cluster id
+        its listener announces, whatever ``remote_cluster_id`` said (with the HIXL backend
+        the two must match here); transfers and unlinks name that id.
         """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
@@ -300,7 +347,9 @@ class LLMDataDist:
         local_comm_res = self._options.get(cfg.OPT_LOCAL_COMM_RES, "")
         for c in clusters:
             if self._cache_manager_mode and not local_comm_res and not c.local_ip_info_list:
-                raise _param_invalid("LLMClusterInfo needs local ip info in cache-manager mode")
+                raise _param_invalid(
+                    "local_ip_info_list is empty. Call append_local_ip_info to add local_ip_info "
+                    "when local_comm_res option is unspecified or empty.")
             if not c.remote_ip_info_list:
                 raise _param_invalid(f"cluster {c.remote_cluster_id} has no remote ip info")
         engine = self.engine
@@ -310,7 +359,15 @@ class LLMDataDist:
             cluster_id = c.remote_cluster_id
             assert cluster_id is not None  # _check_clusters refused an unset one
             try:
-                engine.link(cluster_id, ip_text(ip), port, timeout / 1000.0)
+                # The default backend files the link under the id the peer announces, as
+                # LinkMsgHandler::ExchangeInfoProcess (AddEntity(peer_exchange_info.cluster_id));
+                # HIXL's LinkCluster files it under the id passed (datadist: it must match).
+                link = engine.link(cluster_id, ip_text(ip), port, timeout / 1000.0,
+                                   as_announced=not self._hixl_backend)
+                if link.cluster_id != cluster_id:
+                    log.info("link_clusters: the listener of cluster %d announced cluster %d: "
+                             "the link is filed under %d", cluster_id, link.cluster_id,
+                             link.cluster_id)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
@@ -325,6 +382,11 @@ class LLMDataDist:
                         timeout: int = 3000,
                         force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink; without ``force`` the peer is told too. ``force`` always drops our end.
+
+        With ``llm.TransferBackend = "hixl"`` (HixlTransferEngine::UnlinkCluster) a cluster
+        needs no remote ip info and ``force`` is ignored: our link to it is closed politely
+        (LLM_UNLINK_FAILED if the peer could not be told), the peer's link to us is closed
+        without a word, and a cluster we have no link with is LLM_SUCCESS. Otherwise:
 
         Either end of a link unlinks its own end: the one that called ``link_clusters``, and
         the one it linked to (whose end is the linker's reverse channel). As LLM-DataDist's
@@ -342,9 +404,22 @@ class LLMDataDist:
             return LLMStatusCode.LLM_PARAM_INVALID, []
         engine = self.engine
 
+        def hixl(cluster_id: int) -> LLMStatusCode:
+            # HixlTransferEngine::UnlinkCluster: destroy the link filed under the id, politely,
+            # whatever force says; nothing to destroy is a success.
+            try:
+                engine.unlink(cluster_id, timeout / 1000.0, force=False, quiet_inbound=True)
+                return LLMStatusCode.LLM_SUCCESS
+            except NotLinked:
+                return LLMStatusCode.LLM_SUCCESS
+            except DatadistError as e:
+                return code_to_status(int(e.code))
+
         def one(c: LLMClusterInfo) -> LLMStatusCode:
             cluster_id = c.remote_cluster_id
             assert cluster_id is not None  # _check_clusters refused an unset one
+            if self._hixl_backend:
+                return hixl(cluster_id)
             if not force and len(c.remote_ip_info_list) != 1:
                 return LLMStatusCode.LLM_PARAM_INVALID
             try:
@@ -394,9 +469,10 @@ class LLMDataDist:
                 raise LLMException("switch_role needs enable_switch_role",
                                    status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
             if role == self._role:
-                raise _param_invalid(f"already {role}")
+                raise _param_invalid(f"role not changed, role = {role.name}")
             if role == LLMRole.PROMPT and not (switch_options or {}).get(cfg.OPT_LISTEN_IP_INFO):
-                raise _param_invalid("switching to PROMPT needs llm.listenIpInfo")
+                raise _param_invalid(
+                    'Failed to switch to Prompt, option "llm.listenIpInfo" must be specified')
         if engine.has_links():
             raise LLMException("switch_role while links exist",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)
@@ -419,8 +495,7 @@ class LLMDataDist:
         self._check_init()
         check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
         if self._cache_manager_mode:
-            # A mode mismatch, like cache_manager without cache-manager mode: PARAM_INVALID.
-            raise _param_invalid("check_link_status is only available without cache-manager mode")
+            raise _not_in_mode("check_link_status", True)
         with llm_errors("check_link_status"):
             self.engine.check_link(remote_cluster_id, self.engine.config.sync_timeout)
 
@@ -444,21 +519,27 @@ class LLMDataDist:
         """
         self._check_init()
         if not self._cache_manager_mode:
-            raise _param_invalid("link is only available in cache-manager mode")
+            raise _not_in_mode("link", False)
         check_isinstance("comm_name", comm_name, str, allow_none=False)
         check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
         check_isinstance("rank_table", rank_table, str, allow_none=False)
         for cid, rank in cluster_rank_info.items():
             check_int("cluster_id", cid, "uint64", allow_none=False)
             check_int("rank_id", rank, "uint32", allow_none=False)
-        if not 0 < len(comm_name) < 128:
-            raise _param_invalid(f"comm_name must be 1..127 chars, got {len(comm_name)}")
-        if not 2 <= len(cluster_rank_info) <= 4:
-            raise _param_invalid(f"cluster_rank_info needs 2..4 entries, got "
-                                 f"{len(cluster_rank_info)}")
+        # v2/llm_datadist.py link: its checks' texts
+        if not comm_name:
+            raise _param_invalid("comm_name can not be empty")
+        if len(comm_name) >= 128:
+            raise _param_invalid("comm_name length should be smaller than 128.")
+        if len(cluster_rank_info) > 4:
+            raise _param_invalid("cluster_rank_info size can not be greater than 4.")
+        if len(cluster_rank_info) <= 1:
+            raise _param_invalid("cluster num must be bigger than 1.")
         ranks = list(cluster_rank_info.values())
         if any(b <= a for a, b in zip(ranks, ranks[1:], strict=False)):
-            raise _param_invalid(f"ranks must be ascending without duplicates, got {ranks}")
+            # the original's text; datadist refuses a repeated rank here too
+            raise _param_invalid(f"rank in cluster_rank_info must be ordered (ascending and "
+                                 f"distinct), got {ranks}")
         if self._cluster_id not in cluster_rank_info:
             raise _param_invalid(f"cluster_rank_info does not list this cluster "
                                  f"({self._cluster_id})")
@@ -486,10 +567,10 @@ class LLMDataDist:
         return float(cfg.link_total_time_s(self._options, os.environ,
                                            DEFAULT_LINK_TOTAL_TIME_S))
 
-    def _comm_manager(self, comm_id: Any) -> CommManager:
+    def _comm_manager(self, comm_id: Any, func: str) -> CommManager:
         self._check_init()
         if not self._cache_manager_mode:
-            raise _param_invalid("two-sided links are only available in cache-manager mode")
+            raise _not_in_mode(func, False)
         check_int("comm_id", comm_id, "int64", allow_none=False)
         if self._comms is None:
             raise LLMException(f"comm_id {comm_id} is not a live link",
@@ -499,14 +580,14 @@ class LLMDataDist:
     def unlink(self, comm_id: int) -> None:
         """Leave a two-sided link: drop the links it made and tell the members. Unknown
         comm ids raise LLM_NOT_YET_LINK (as LLM-DataDist's CommLinkManager::Unlink)."""
-        comms = self._comm_manager(comm_id)
+        comms = self._comm_manager(comm_id, "unlink")
         with llm_errors("unlink"):
             comms.unlink(comm_id)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """OK for a comm id :meth:`link` returned (it returns once every member joined);
         unknown ids raise LLM_NOT_YET_LINK. Never blocks."""
-        comms = self._comm_manager(comm_id)
+        comms = self._comm_manager(comm_id, "query_register_mem_status")
         with llm_errors("query_register_mem_status"):
             state = comms.status(comm_id)
         return {CommState.PREPARING: RegisterMemStatus.PREPARING,

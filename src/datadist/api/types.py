@@ -39,12 +39,15 @@ class CacheDesc:
         raise_if_false(0 <= batch_dim_index < len(shape),
                        f"batch_dim_index {batch_dim_index} out of range, [0, {len(shape)})")
         raise_if_false(seq_len_dim_index == -1 or 0 <= seq_len_dim_index < len(shape),
-                       f"seq_len_dim_index {seq_len_dim_index} out of range")
+                       f"seq_len_dim_index {seq_len_dim_index} is invalid, should be -1 or in "
+                       f"range [0, {len(shape)})")
         self._num_tensors = num_tensors
         self._shape = shape  # the caller's list (or tuple), as llm_datadist keeps it
         self._data_type = data_type
         self._placement = placement
         self._batch_dim_index = batch_dim_index
+        # As llm_datadist: read once here; update_dim changes the shape, not this.
+        self._batch_size = shape[batch_dim_index]
         self._seq_len_dim_index = seq_len_dim_index
         self._kv_tensor_format = kv_tensor_format
 
@@ -58,7 +61,9 @@ class CacheDesc:
 
     @property
     def batch_size(self) -> int:
-        return self._shape[self._batch_dim_index]
+        """dim ``batch_dim_index`` of the shape given to the constructor (llm_datadist's
+        v2/llm_types.py keeps it: ``update_dim`` leaves it as it was)."""
+        return self._batch_size
 
     @property
     def size(self) -> int:
@@ -72,6 +77,8 @@ class CacheDesc:
         return math.prod(self._shape) * self._data_type.itemsize
 
     def update_dim(self, dim_index: int, dim_value: int) -> None:
+        """Set one dim of the shape (the caller's list, changed in place). ``size`` follows
+        the new shape; ``batch_size`` keeps its value, as in llm_datadist."""
         check_int("dim_index", dim_index, "int32", allow_none=False)
         check_int("dim_value", dim_value, "int64", allow_none=False)
         raise_if_false(0 <= dim_index < len(self._shape), f"dim_index {dim_index} out of range")
@@ -192,18 +199,24 @@ class KvCache:
 
 
 def _key_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              order: tuple[str, ...]) -> dict[str, Any]:
+              order: tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Parse llm_datadist's ``*args, **kwargs`` key constructors as it does: at most
     ``len(order)`` arguments in all; a positional argument wins over the same keyword;
-    ``cluster_id`` wins over its alias ``prompt_cluster_id``; an unknown keyword is
-    LLM_PARAM_INVALID. The caller checks which are required."""
+    ``cluster_id`` wins over its alias ``prompt_cluster_id``; a missing ``cluster_id`` (or
+    ``required`` argument) and then an unknown keyword are LLM_PARAM_INVALID, with the
+    original's texts (v2/llm_types.py)."""
     if len(args) + len(kwargs) > len(order):
-        raise LLMException(f"{name}: Param num is over limit",
+        raise LLMException(f"Param num is over limit ({name})",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)
     given = {**kwargs, **dict(zip(order, args, strict=False))}
+    for k in ("cluster_id", *required):
+        if k not in given and not (k == "cluster_id" and "prompt_cluster_id" in given):
+            what = "prompt_cluster_id or cluster_id" if k == "cluster_id" else k
+            raise LLMException(f"Param {what} is required ({name})",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
     for k in given:
         if k not in order and k != "prompt_cluster_id":
-            raise LLMException(f"{name}: Unsupported param:{k}",
+            raise LLMException(f"Unsupported param:{k} ({name})",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
     if "cluster_id" not in given and "prompt_cluster_id" in given:
         given["cluster_id"] = given["prompt_cluster_id"]
@@ -218,10 +231,8 @@ class CacheKey:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        v = _key_args("CacheKey", args, kwargs, ("cluster_id", "req_id", "model_id", "prefix_id"))
-        if "cluster_id" not in v or "req_id" not in v:
-            raise LLMException("CacheKey needs cluster_id and req_id",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        v = _key_args("CacheKey", args, kwargs, ("cluster_id", "req_id", "model_id", "prefix_id"),
+                      required=("req_id",))
         v.setdefault("model_id", 0)
         v.setdefault("prefix_id", UINT64_MAX)
         for k in ("cluster_id", "req_id", "model_id", "prefix_id"):
@@ -287,9 +298,6 @@ class BlocksCacheKey:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         v = _key_args("BlocksCacheKey", args, kwargs, ("cluster_id", "model_id"))
-        if "cluster_id" not in v:
-            raise LLMException("BlocksCacheKey needs cluster_id",
-                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
         v.setdefault("model_id", 0)
         check_isinstance("cluster_id", v["cluster_id"], int, allow_none=False)
         check_isinstance("model_id", v["model_id"], int, allow_none=False)
@@ -342,10 +350,12 @@ def check_layer_range(name: str, layer_range: Any, allow_none: bool = True) -> N
     if layer_range is None:
         return
     # messages formatted only on failure: a layer-wise transfer passes here once per layer
+    # (the original's texts, v2/llm_types.py check_layer_range)
     if layer_range.step != 1:
-        raise_if_false(False, f"{name} step must be 1, got {layer_range.step}")
+        raise_if_false(False, f"check {name}.step == 1 failed")
     if not 0 <= layer_range.start < layer_range.stop:
-        raise_if_false(False, f"{name} must satisfy 0 <= start < stop, got {layer_range}")
+        raise_if_false(False, f"check 0 <= range.start < range.stop failed, {name} = "
+                              f"{layer_range}")
 
 
 class TransferConfig:
@@ -425,8 +435,9 @@ class TransferWithCacheKeyConfig:
         check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
         assert src_layer_range is not None and dst_layer_range is not None  # checked above
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
-                       f"src_layer_range size should be equal to dst_layer_range size, got "
-                       f"{src_layer_range} and {dst_layer_range}")
+                       # the original's text, its spelling included
+                       f"src_layer_range size shoulde be equal to dst_layer_range size "
+                       f"({src_layer_range}, {dst_layer_range})")
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
         _check_blocks_batch_index(cache_key, src_batch_index)
         self._cache_key = cache_key
@@ -481,4 +492,4 @@ class TransferWithCacheKeyConfig:
 
 def _check_blocks_batch_index(cache_key: Any, src_batch_index: Any) -> None:
     raise_if_false(not (isinstance(cache_key, BlocksCacheKey) and src_batch_index != 0),
-                   "src_batch_index should be 0 when cache_key is BlocksCacheKey.")
+                   "src_batch_index shoulde be 0 when cache_key is BlocksCacheKey.")

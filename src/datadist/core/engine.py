@@ -485,19 +485,22 @@ class Engine:
             features, auth.nonce() if secret else b"",
         )
 
-    def link(self, cluster_id: int, host: str, port: int, timeout: float) -> Link:
+    def link(self, cluster_id: int, host: str, port: int, timeout: float,
+             as_announced: bool = False) -> Link:
         """Connect to a peer's listener and check it is who we asked for. Blocks <= timeout.
 
-        One link to a cluster at a time: a second call while the first is still connecting
-        is AlreadyLinked at once (its reverse channel would replace the first's at the
-        peer)."""
+        ``as_announced``: file the link under the cluster id the peer announces, whatever
+        ``cluster_id`` says (LLM-DataDist's LinkMsgHandler never compares them); the
+        returned link's ``cluster_id`` is that id. One link to a cluster at a time: a second
+        call while the first is still connecting is AlreadyLinked at once (its reverse
+        channel would replace the first's at the peer)."""
         self._check_open()
         with self._lock:
             if cluster_id in self._links or cluster_id in self._linking:
                 raise AlreadyLinked(f"cluster {cluster_id} is already linked")
             self._linking.add(cluster_id)
         try:
-            link = self.open_link(cluster_id, host, port, timeout)
+            link = self.open_link(cluster_id, host, port, timeout, as_announced=as_announced)
             try:
                 self.adopt_link(link)
             except AlreadyLinked:
@@ -508,7 +511,8 @@ class Engine:
                 self._linking.discard(cluster_id)
         return link
 
-    def unlink(self, cluster_id: int, timeout: float, force: bool = False) -> None:
+    def unlink(self, cluster_id: int, timeout: float, force: bool = False,
+               quiet_inbound: bool = False) -> None:
         """Drop our end of the link to ``cluster_id``: the one we made (``link``) and the
         one the peer made to us (its reverse channel), whichever exist.
 
@@ -518,7 +522,10 @@ class Engine:
         broken) raises UnlinkFailed (LLM_UNLINK_FAILED, as the original's unlink when it
         cannot reach the peer) after our end is closed. With ``force``: close our end at
         once; a transfer in flight fails with LLM_LINK_FAILED. NotLinked when neither end
-        exists.
+        exists. ``quiet_inbound``: the peer's end (its reverse channel) is closed as with
+        ``force`` whatever ``force`` says: the peer's link is its own to unlink, so failing
+        to tell it is no failure of ours (the HIXL backend's rule; both ends may unlink at
+        once there).
         """
         with self._lock:
             link = self._links.get(cluster_id)
@@ -529,7 +536,7 @@ class Engine:
         for one in (link, inbound):
             if one is not None:
                 try:
-                    self._drop(one, timeout, force)
+                    self._drop(one, timeout, force or (quiet_inbound and one is inbound))
                 except UnlinkFailed as e:
                     untold = e
         if untold is not None:
@@ -1263,22 +1270,24 @@ class Engine:
     # members are up, so that transfers before then get NOT_YET_LINK.
 
     def open_link(self, cluster_id: int, host: str, port: int, timeout: float,
-                  reverse: bool = True) -> Link:
+                  reverse: bool = True, as_announced: bool = False) -> Link:
         """Connect and check the peer exactly as :meth:`link`, but do not register the link
         (transfers cannot use it yet): :meth:`adopt_link` does. With ``reverse`` (and a peer
         that takes them) also open the reverse channel and serve the peer's requests on it,
-        so that the peer can use the link too. Blocks <= timeout."""
+        so that the peer can use the link too. ``as_announced``: see :meth:`link`; reconnects
+        then expect the id first announced. Blocks <= timeout."""
         self._check_open()
+        expect: int | None = None if as_announced else cluster_id
 
         def greet_tcp(deadline: float) -> tuple[Channel, p.Welcome]:
-            got = connect(host, port, cluster_id, self._hello, self.config.secret, deadline,
+            got = connect(host, port, expect, self._hello, self.config.secret, deadline,
                           self._tls_client, PathKind.TCP, self.identity)
             return got.chan, got.welcome
 
         def connect_(deadline: float) -> Connected:
             """On every connect and reconnect: the path chosen anew; NIXL's metadata
             loaded over the fresh channel (a peer without NIXL gets tcp)."""
-            got = connect(host, port, cluster_id, self._hello, self.config.secret, deadline,
+            got = connect(host, port, expect, self._hello, self.config.secret, deadline,
                           self._tls_client, self.forced, self.identity, self.nixl)
             if got.path.caps.name != "nixl":
                 return got
@@ -1293,7 +1302,8 @@ class Engine:
 
         deadline = time.monotonic() + timeout
         chan, welcome, path, reason = connect_(deadline)
-        link = Link(cluster_id, host, port, chan, welcome, path, reason, connect_)
+        expect = welcome.cluster_id
+        link = Link(expect, host, port, chan, welcome, path, reason, connect_)
         if reverse and welcome.features & p.FEATURE_REVERSE:
             try:
                 self._open_reverse(link, deadline)

@@ -227,7 +227,7 @@ class Link:
 def greet(
     host: str,
     port: int,
-    cluster_id: int,
+    cluster_id: int | None,
     hello: Callable[[], p.Hello],
     secret: bytes | None,
     deadline: float,
@@ -235,8 +235,9 @@ def greet(
     chan: Channel | None = None,
 ) -> tuple[Channel, p.Welcome]:
     """Connect (or take the connected ``chan``), say Hello, check the peer is
-    ``cluster_id`` and, with a secret, run the challenge and response (core/auth.py).
-    Returns the open channel and the Welcome."""
+    ``cluster_id`` (None: whichever id it announces) and, with a secret, run the challenge
+    and response (core/auth.py) for the id it announced. Returns the open channel and the
+    Welcome."""
     if chan is None:
         chan = open_channel(host, port, deadline, tls)
     try:
@@ -244,10 +245,11 @@ def greet(
         welcome = chan.call(h, deadline)
         if not isinstance(welcome, p.Welcome):
             raise LinkFailed(f"expected Welcome, got {type(welcome).__name__}")
-        if welcome.cluster_id != cluster_id:
+        if cluster_id is not None and welcome.cluster_id != cluster_id:
             raise LinkFailed(
                 f"the peer at {host}:{port} is cluster {welcome.cluster_id}, not {cluster_id}"
             )
+        cluster_id = welcome.cluster_id
         required = bool(welcome.features & p.FEATURE_AUTH)
         if required and secret is None:
             raise LinkFailed(f"cluster {cluster_id} requires a shared secret "
@@ -286,7 +288,7 @@ class Connected(NamedTuple):
 def connect(
     host: str,
     port: int,
-    cluster_id: int,
+    cluster_id: int | None,
     hello: Callable[[], p.Hello],
     secret: bytes | None,
     deadline: float,
@@ -297,12 +299,15 @@ def connect(
 ) -> Connected:
     """Open a link's control channel and choose its data path (module docstring).
 
-    Greets over TCP; a peer that claims our host and offers the local channel is greeted
-    again there, and the TCP connection is closed. ``nixl``: the engine's NixlAgent, given
-    only when the transport is forced to nixl (the caller then loads the peer's metadata).
+    Greets over TCP (``cluster_id`` None: whichever id the peer announces, which the local
+    channel's greeting must then repeat); a peer that claims our host and offers the local
+    channel is greeted again there, and the TCP connection is closed. ``nixl``: the
+    engine's NixlAgent, given only when the transport is forced to nixl (the caller then
+    loads the peer's metadata).
     Blocks <= deadline.
     """
     chan, welcome = greet(host, port, cluster_id, hello, secret, deadline, tls)
+    cluster_id = welcome.cluster_id
     if forced == PathKind.NIXL and nixl is not None:
         from datadist.transport.nixl import NixlPath
 
