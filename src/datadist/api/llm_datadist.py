@@ -22,6 +22,7 @@ from datadist.api.cache_manager import CacheManager
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.config import LLMClusterInfo, int_to_ip
 from datadist.api.enums import LLMRole, RegisterMemStatus
+from datadist.api.link_failures import LinkFailures
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.engine import Engine, EngineConfig
@@ -88,6 +89,7 @@ class LLMDataDist:
         self._cache_manager_mode = False
         self._options: dict[str, str] = {}
         self._comms: CommManager | None = None  # two-sided links (link / unlink)
+        self._link_failures = LinkFailures()  # why link_clusters failed, per cluster
 
     def __repr__(self) -> str:
         state = "initialized" if self._engine is not None else "not initialized"
@@ -277,8 +279,10 @@ class LLMDataDist:
                       timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link to each cluster's listener; returns (overall code, per-cluster codes).
 
-        Never raises for a link that fails: its code says why. Links are made in parallel,
-        each bounded by ``timeout`` ms.
+        Never raises for a link that fails: its code is LLM_LINK_FAILED whatever the reason
+        (as LLM-DataDist), and the reason is a :class:`LinkFailedWarning` (stderr by
+        default) and :meth:`last_link_failure` (api/link_failures.py). Links are made in
+        parallel, each bounded by ``timeout`` ms.
         """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
@@ -299,15 +303,24 @@ class LLMDataDist:
             assert cluster_id is not None  # _check_clusters refused an unset one
             try:
                 engine.link(cluster_id, int_to_ip(ip), port, timeout / 1000.0)
+                self._link_failures.succeeded(cluster_id)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
             except DatadistError as e:
-                log.warning("link to cluster %s failed: %s", c.remote_cluster_id, e)
+                self._link_failures.report(cluster_id, int_to_ip(ip), port,
+                                           LLMStatusCode.LLM_LINK_FAILED.name, str(e))
                 return LLMStatusCode.LLM_LINK_FAILED
 
         codes = self._each(one, clusters)
         return self._overall(codes), codes
+
+    def last_link_failure(self, remote_cluster_id: int) -> str | None:
+        """datadist extra: why the last ``link_clusters`` to ``remote_cluster_id`` failed
+        (refused port, wrong cluster id, secret, TLS, timeout), or None when it has not
+        failed since its last success. Never blocks; callable before ``init``."""
+        check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
+        return self._link_failures.last(remote_cluster_id)
 
     def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
                         timeout: int = 3000,
