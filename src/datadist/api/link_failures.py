@@ -22,11 +22,9 @@ import logging
 import threading
 import warnings
 
+from datadist.api.notices import LinkFailedWarning
+
 log = logging.getLogger("datadist.api.llm_datadist")
-
-
-class LinkFailedWarning(UserWarning):
-    """A link in ``link_clusters`` failed; the message says why (the return code cannot)."""
 
 
 class LinkFailures:
