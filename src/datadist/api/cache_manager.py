@@ -140,7 +140,7 @@ class CacheManager:
         self._is_call_linked = False
         self._initialized = True
         self._kept: dict[int, list[Any]] = {}  # cache id -> memory objects registered
-        # llm.LocalCommRes: two-sided links (LLMDataDist.link) listen on the rank table's
+        # A llm.LocalCommRes rank table: two-sided links (LLMDataDist.link) listen on its
         # ports, so a PROMPT without listen_ip_info is expected; nothing to warn about.
         self._told_not_listening = two_sided
 

@@ -156,7 +156,7 @@ class LLMDataDist:
                     remote_cache_accessible=opts.get(cfg.OPT_REMOTE_CACHE_ACCESSIBLE) == "1",
                     mem_pool=engine_cfg.device_pool is not None,
                     host_mem_pool=engine_cfg.host_pool is not None,
-                    two_sided=cfg.OPT_LOCAL_COMM_RES in opts,
+                    two_sided=bool(opts.get(cfg.OPT_LOCAL_COMM_RES)),
                 )
             else:
                 from datadist.api.v1 import KvCacheManager
