@@ -310,15 +310,29 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
 
 
+ROLE_NAMES = {1: "PROMPT", 2: "DECODER", 3: "MIX"}  # LLMRole's values, as Engine.stats has them
+
+
 def metrics_lines(stats: dict[str, Any]) -> list[str]:
-    """``datadist info``'s view of a process's metrics (a peer's ``Engine.stats()``)."""
-    out = [f"peer metrics: cluster {stats.get('cluster_id')}, role {stats.get('role')}"]
+    """``datadist info``'s view of a process's metrics (a peer's ``Engine.stats()``).
+
+    ``serve_lease`` counts whole-cache leases granted to same-host readers: the reads under
+    a lease copy the owner's memory without asking it, so only the reader counts them (its
+    ``pull`` rows); the owner's line says so instead of "0 bytes"."""
+    role = stats.get("role")
+    out = [f"peer metrics: cluster {stats.get('cluster_id')}, role "
+           f"{ROLE_NAMES.get(role, role) if isinstance(role, int) else role}"]
 
     def line(name: str, m: dict[str, Any]) -> str:
         errors = ", ".join(f"{k} x{v}" for k, v in sorted(m.get("errors", {}).items()))
+        failed = f"; failed: {errors}" if errors else ""
+        if name.startswith("serve_lease"):
+            return (f"  {name}: {m.get('transfers', 0)} leases granted (the reads under a "
+                    "lease go to the owner's memory directly: the reader counts their "
+                    f"transfers and bytes, the owner cannot){failed}")
         return (f"  {name}: {m.get('transfers', 0)} transfers, {m.get('bytes', 0):,} bytes, "
                 f"p50 <= {_duration(m.get('p50_s'))}, p99 <= {_duration(m.get('p99_s'))}"
-                + (f"; failed: {errors}" if errors else ""))
+                + failed)
 
     total = stats.get("total") or {}
     if not total:
