@@ -57,10 +57,12 @@ class Node:
     """One ``_vllm_node.py`` process (its own process group, so a kill takes its engine too)."""
 
     def __init__(self, name: str, model: Path, role: str, policy: str, extra: dict,
-                 log: Path, connector: str = "DatadistConnector") -> None:
+                 log: Path, connector: str = "DatadistConnector",
+                 dtype: str = "float32") -> None:
         log_config = log.with_suffix(".logging.json")
         log_config.write_text(json.dumps(LOG_CONFIG))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+                   DATADIST_VLLM_DTYPE=os.environ.get("DATADIST_VLLM_DTYPE", dtype),
                    VLLM_LOGGING_CONFIG_PATH=str(log_config),
                    PYTHONPATH=os.pathsep.join([str(SRC), str(HERE),
                                                os.environ.get("PYTHONPATH", "")]))
