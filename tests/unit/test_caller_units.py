@@ -114,12 +114,14 @@ def test_a_dtype_mismatch_names_the_datatypes() -> None:
         owner.close()
 
 
-def _prompt(listen: bool) -> llm.LLMDataDist:
+def _prompt(listen: bool, local_comm_res: str | None = None) -> llm.LLMDataDist:
     d = llm.LLMDataDist(llm.LLMRole.PROMPT, 1)
     cfg = llm.LLMConfig()
     cfg.enable_cache_manager = True
     if listen:
         cfg.listen_ip_info = "127.0.0.1:0"
+    if local_comm_res is not None:
+        cfg.local_comm_res = local_comm_res
     d.init(cfg.generate_options())
     return d
 
@@ -145,5 +147,20 @@ def test_a_prompt_that_listens_nowhere_is_told_once() -> None:
     d = _prompt(listen=True)
     try:
         assert _register_twice(d) == []
+    finally:
+        d.finalize()
+
+
+def test_only_a_rank_table_for_two_sided_links_silences_it() -> None:
+    """A LocalCommRes rank table: two-sided links listen on its ports later (no warning); an
+    empty one is the one-sided flow of examples/two_hosts (warned like any PROMPT)."""
+    d = _prompt(listen=False, local_comm_res='{"server_count": "1"}')
+    try:
+        assert _register_twice(d) == []
+    finally:
+        d.finalize()
+    d = _prompt(listen=False, local_comm_res="")
+    try:
+        assert len(_register_twice(d)) == 1
     finally:
         d.finalize()
