@@ -660,13 +660,40 @@ class LlmDataDist::LlmDataDistImpl {
     try {
       link->Open(datadist::After(timeout_ms / 1000.0));
     } catch (const Error &e) {
+      NoteLinkFailure(id, ip.ip.GetString(), ip.port, e.what());
       Fail(LLM_LINK_FAILED, e.what());  // as Python: any failure to link is LLM_LINK_FAILED
     }
     id = link->remote_cluster_id();
     std::lock_guard<std::mutex> lock(mu_);
     if (state_ != kUp) Fail(LLM_FAILED, "finalized");
     if (!links_.emplace(id, link).second) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+    std::lock_guard<std::mutex> failures(fail_mu_);
+    link_failures_.erase(id);  // linked: an old failure no longer applies
   }
+
+  // Why a link failed, beyond its LLM_LINK_FAILED (as Python's LinkFailedWarning and
+  // last_link_failure): kept per cluster until a link to it succeeds, and told on stderr
+  // unless DATADIST_LINK_WARNINGS=0. Called from the linking threads of Link().
+  void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why) {
+    std::string where = host + ":" + std::to_string(port);
+    std::string text = "link to cluster " + std::to_string(id) + " at " + where + " failed (LLM_LINK_FAILED): " +
+                       why + " [for more: datadist probe " + where + " --cluster-id " + std::to_string(id) + "]";
+    {
+      std::lock_guard<std::mutex> lock(fail_mu_);
+      link_failures_[id] = text;
+    }
+    const char *quiet = std::getenv("DATADIST_LINK_WARNINGS");
+    if (quiet == nullptr || std::string(quiet) != "0") std::fprintf(stderr, "[datadist] warning: %s\n", text.c_str());
+  }
+
+ public:
+  std::string LastLinkFailure(uint64_t id) {
+    std::lock_guard<std::mutex> lock(fail_mu_);
+    auto it = link_failures_.find(id);
+    return it == link_failures_.end() ? std::string() : it->second;
+  }
+
+ private:
 
   datadist::wire::Request Request(const datadist::Plan &plan, uint64_t cache_id, uint64_t slot, uint64_t layout) {
     // The owner's limit, checked before sending (docs/protocol.md).
@@ -696,6 +723,8 @@ class LlmDataDist::LlmDataDistImpl {
   std::unique_ptr<datadist::Server> server_;
   std::string listening_;  // the OPTION_LISTEN_IP_INFO server_ was started with
   std::map<uint64_t, std::shared_ptr<datadist::Link>> links_;
+  std::mutex fail_mu_;  // guards link_failures_
+  std::map<uint64_t, std::string> link_failures_;  // the last LinkLlmClusters failure per cluster
   std::mutex rev_mu_;  // guards the two below
   std::map<uint64_t, std::shared_ptr<datadist::Link>> reverse_links_;
   bool rev_closed_ = false;
@@ -720,6 +749,14 @@ Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters, st
   Status overall = LLM_SUCCESS;
   Status s = Guard("LinkLlmClusters", [&] { overall = impl_->Link(clusters, rets, timeout_in_millis); });
   return s != LLM_SUCCESS ? s : overall;
+}
+
+AscendString LlmDataDist::LastLinkFailure(uint64_t remote_cluster_id) const {
+  try {
+    return AscendString(impl_->LastLinkFailure(remote_cluster_id).c_str());
+  } catch (const std::exception &) {  // bad_alloc: never throws, as every method here
+    return AscendString();
+  }
 }
 
 Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,

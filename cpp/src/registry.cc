@@ -33,14 +33,48 @@ uint64_t ItemSize(ge::DataType dt) {
   }
 }
 
+// A data type's GE name, for messages in the caller's units (Python: core/dtypes.py).
+std::string DtypeName(int64_t code) {
+  switch (code) {
+    case ge::DT_FLOAT: return "DT_FLOAT";
+    case ge::DT_FLOAT16: return "DT_FLOAT16";
+    case ge::DT_BF16: return "DT_BF16";
+    case ge::DT_INT8: return "DT_INT8";
+    case ge::DT_UINT8: return "DT_UINT8";
+    case ge::DT_INT16: return "DT_INT16";
+    case ge::DT_UINT16: return "DT_UINT16";
+    case ge::DT_INT32: return "DT_INT32";
+    case ge::DT_UINT32: return "DT_UINT32";
+    case ge::DT_INT64: return "DT_INT64";
+    case ge::DT_UINT64: return "DT_UINT64";
+    case ge::DT_DOUBLE: return "DT_DOUBLE";
+    case ge::DT_BOOL: return "DT_BOOL";
+    default: return "data type code " + std::to_string(code);
+  }
+}
+
+// "4096 DT_FLOAT16 elements (8192 bytes)" where the layout tag names a sized type; else bytes.
+std::string InElements(uint64_t bytes, uint64_t layout) {
+  std::string plain = std::to_string(bytes) + " bytes";
+  if (!layout) return plain;
+  int64_t code = static_cast<int64_t>(layout >> 32) - 1;
+  uint64_t item = code < 0 ? 0 : ItemSize(static_cast<ge::DataType>(code));
+  if (!item || bytes % item) return plain;
+  return std::to_string(bytes / item) + " " + DtypeName(code) + " elements (" + plain + ")";
+}
+
 // The lowest-level check of the layout tags, as check_layouts() in Python: another dtype is
 // always refused; for block addressing, another block shape too. 0 on either side passes.
 void CheckLayouts(uint64_t mine, uint64_t theirs, bool blocks, int64_t id) {
   if (!mine || !theirs) return;
   if (mine >> 32 != theirs >> 32)
-    Invalid("cache " + std::to_string(id) + " holds another data type than the requester's cache");
+    Invalid("cache " + std::to_string(id) + " holds " + DtypeName(static_cast<int64_t>(mine >> 32) - 1) +
+            ", the requester's cache " + DtypeName(static_cast<int64_t>(theirs >> 32) - 1) +
+            ": refusing to move bytes that would be read as the wrong type");
   if (blocks && (theirs & 0xFFFFFFFFULL) && mine != theirs)
-    Invalid("cache " + std::to_string(id) + " has another block shape than the requester's cache");
+    Invalid("cache " + std::to_string(id) +
+            " has another block shape than the requester's cache (same data type and block size, the dimensions "
+            "differ)");
 }
 
 }  // namespace
@@ -94,8 +128,16 @@ uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) 
   uint64_t base = 0, limit = g.tensor_bytes;
   if (blocks) {
     if (req.unit_bytes && req.unit_bytes != g.unit_bytes)
-      Invalid("block size mismatch: requester assumed " + std::to_string(req.unit_bytes) + " bytes, cache " +
-              std::to_string(id) + " has " + std::to_string(g.unit_bytes));
+      Invalid("block size mismatch: the requester's blocks hold " + InElements(req.unit_bytes, req.layout) +
+              ", cache " + std::to_string(id) + "'s " + InElements(g.unit_bytes, g.layout));
+    // A block out of range, in blocks as the destination side says it.
+    for (size_t i = 0; i < req.offsets.size() && i < req.lengths.size(); ++i) {
+      if (req.lengths[i] > limit || req.offsets[i] > limit - req.lengths[i]) {
+        unsigned __int128 end = static_cast<unsigned __int128>(req.offsets[i]) + std::max<uint64_t>(req.lengths[i], 1);
+        Invalid("src block " + std::to_string(static_cast<uint64_t>((end - 1) / g.unit_bytes)) +
+                " out of range: cache " + std::to_string(id) + " has " + std::to_string(g.units) + " blocks");
+      }
+    }
   } else {
     if (req.b >= g.units)
       Invalid("batch index " + std::to_string(req.b) + " out of range: cache " + std::to_string(id) + " has " +

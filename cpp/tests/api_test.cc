@@ -280,6 +280,11 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, dead)}, rets, 500), LLM_LINK_FAILED);
   ASSERT_EQ(rets.size(), 1U);
   EXPECT_EQ(rets[0], LLM_LINK_FAILED);
+  // the reason, which the code cannot carry: kept per cluster
+  std::string why = dd.LastLinkFailure(2).GetString();
+  EXPECT_NE(why.find("cluster 2 at 127.0.0.1:" + std::to_string(dead)), std::string::npos) << why;
+  EXPECT_NE(why.find("datadist probe"), std::string::npos) << why;
+  EXPECT_STREQ(dd.LastLinkFailure(3).GetString(), "");
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(1, dead)}, rets, 500), LLM_LINK_FAILED);  // our own id
   // never linked: CANN dials the listener to tell it, and nobody answers there
   EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets), LLM_UNLINK_FAILED);

@@ -55,7 +55,8 @@ def main() -> int:
     info.append_remote_ip_info(ip, int(port))
     code, codes = dd.link_clusters([info], timeout=5000)
     if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
-        print(f"decoder: link to {args.peer} failed: {codes[0]!s}", file=sys.stderr)
+        print(f"decoder: link to {args.peer} failed: {codes[0]!s}: "
+              f"{dd.last_link_failure(prompt_id)}", file=sys.stderr)
         return 1
     path = dd.engine.get_link(prompt_id).path_name
     ok = True

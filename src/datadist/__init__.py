@@ -16,6 +16,7 @@ from datadist.api.config import LLMClusterInfo, LLMConfig, LlmConfig
 from datadist.api.enums import DataType, LLMRole, Memtype, Placement, RegisterMemStatus
 from datadist.api.llm_datadist import LLMDataDist
 from datadist.api.metrics import metrics, metrics_collector, reset_metrics
+from datadist.api.notices import DatadistWarning, LinkFailedWarning, NotListeningWarning
 from datadist.api.status import LLMException, LLMStatusCode, Status
 from datadist.api.tasks import CacheTask
 from datadist.api.types import (
@@ -65,8 +66,9 @@ def __getattr__(name: str) -> Any:
 
 _: object = CacheManager  # re-exported for type hints; not in llm_datadist's __all__
 # datadist's own extras, outside llm_datadist's __all__: metrics(), reset_metrics(),
-# metrics_collector() (Prometheus)
-_ = (metrics, metrics_collector, reset_metrics)
+# metrics_collector() (Prometheus), the warnings of api/notices.py
+_ = (metrics, metrics_collector, reset_metrics, DatadistWarning, LinkFailedWarning,
+     NotListeningWarning)
 
 # Every logger of the library hangs under "datadist"; the application decides where they go.
 logging.getLogger("datadist").addHandler(logging.NullHandler())

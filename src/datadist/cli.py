@@ -1,4 +1,4 @@
-"""The ``datadist`` command: ``demo`` (the main job), ``bench``, ``info``.
+"""The ``datadist`` command: ``demo`` (the main job), ``bench``, ``info``, ``probe``.
 
 ``datadist demo`` starts a PROMPT process and a DECODER (this process) on this host, moves
 real caches between them through the public API (``import datadist as llm_datadist``), checks
@@ -313,15 +313,29 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
 
 
+ROLE_NAMES = {1: "PROMPT", 2: "DECODER", 3: "MIX"}  # LLMRole's values, as Engine.stats has them
+
+
 def metrics_lines(stats: dict[str, Any]) -> list[str]:
-    """``datadist info``'s view of a process's metrics (a peer's ``Engine.stats()``)."""
-    out = [f"peer metrics: cluster {stats.get('cluster_id')}, role {stats.get('role')}"]
+    """``datadist info``'s view of a process's metrics (a peer's ``Engine.stats()``).
+
+    ``serve_lease`` counts whole-cache leases granted to same-host readers: the reads under
+    a lease copy the owner's memory without asking it, so only the reader counts them (its
+    ``pull`` rows); the owner's line says so instead of "0 bytes"."""
+    role = stats.get("role")
+    out = [f"peer metrics: cluster {stats.get('cluster_id')}, role "
+           f"{ROLE_NAMES.get(role, role) if isinstance(role, int) else role}"]
 
     def line(name: str, m: dict[str, Any]) -> str:
         errors = ", ".join(f"{k} x{v}" for k, v in sorted(m.get("errors", {}).items()))
+        failed = f"; failed: {errors}" if errors else ""
+        if name.startswith("serve_lease"):
+            return (f"  {name}: {m.get('transfers', 0)} leases granted (the reads under a "
+                    "lease go to the owner's memory directly: the reader counts their "
+                    f"transfers and bytes, the owner cannot){failed}")
         return (f"  {name}: {m.get('transfers', 0)} transfers, {m.get('bytes', 0):,} bytes, "
                 f"p50 <= {_duration(m.get('p50_s'))}, p99 <= {_duration(m.get('p99_s'))}"
-                + (f"; failed: {errors}" if errors else ""))
+                + failed)
 
     total = stats.get("total") or {}
     if not total:
@@ -362,6 +376,20 @@ def _info_nixl() -> None:
         + ": a NIXL peer can reach the whole process; serving NIXL is "
         + ("ALLOWED (DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS=1)" if whole else
            "refused unless datadist.NixlAllowWholeProcessAccess is set"))
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """``datadist probe HOST:PORT``: one line, what a link there would meet (datadist/probe.py)."""
+    from datadist.api.status import LLMException
+    from datadist.core.errors import DatadistError
+    from datadist.probe import main_args
+
+    try:
+        found = main_args(args.peer, args.cluster_id, args.own_id, args.timeout)
+    except (DatadistError, LLMException) as e:
+        raise CliError(f"probe {args.peer!r}: {e}") from None
+    print(f"{found.kind}: {found.text}")
+    return 0 if found.ok else 1
 
 
 def cmd_bench(argv: list[str]) -> int:
@@ -450,7 +478,7 @@ def _main(argv: list[str] | None = None) -> int:
         return cmd_bench(argv[1:])
     parser = OneLineParser(
         prog="datadist", description="datadist: the LLM-DataDist KV-cache transfer API for "
-        "Linux hosts. Commands: demo (the main job), info, bench.",
+        "Linux hosts. Commands: demo (the main job), info, probe, bench.",
         epilog="Start with 'datadist demo'; 'datadist COMMAND --help' tells more.")
     parser.add_argument("--version", action="version", version=f"datadist {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -487,6 +515,19 @@ def _main(argv: list[str] | None = None) -> int:
     info.add_argument("--transport", choices=["auto", "tcp", "cma", "shm", "nixl"],
                       help="force the link's path (default: DATADIST_TRANSPORT, else auto)")
     info.set_defaults(fn=cmd_info)
+    probe = sub.add_parser("probe", help="why a link to a listener fails (or that it would work)",
+                           description="Walk a link's handshake to HOST:PORT and say where it "
+                           "stops: port closed, not a datadist listener, TLS, protocol version, "
+                           "cluster id, shared secret. Secret and TLS files are taken from the "
+                           "environment, as a link takes them. Exit code 0 when a link would "
+                           "be made, 1 otherwise.")
+    probe.add_argument("peer", metavar="HOST:PORT", help="the listener's address")
+    probe.add_argument("--cluster-id", type=_count(0, 2**64 - 1),
+                       help="the cluster id you link to (default: any; the probe says which)")
+    probe.add_argument("--own-id", type=_count(0, 2**64 - 1), default=2**63 - 1,
+                       help="the cluster id the probe says it is (default 2**63-1)")
+    probe.add_argument("--timeout", type=float, default=3.0, help="seconds per step (3)")
+    probe.set_defaults(fn=cmd_probe)
     # listed for --help; main() hands `bench ...` to the benchmark's own parser
     sub.add_parser("bench", help="the benchmark: every data path against its limit (see "
                                  "'datadist bench --help')")
@@ -496,7 +537,7 @@ def _main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         _demo_memory_check(args)
-    if args.cmd == "info" and not 0 < args.timeout <= 3600:
+    if args.cmd in ("info", "probe") and not 0 < args.timeout <= 3600:
         parser.error(f"argument --timeout: {args.timeout} is out of range (0, 3600]")
     return int(args.fn(args))
 

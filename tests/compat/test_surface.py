@@ -280,7 +280,7 @@ EXTRAS = {
     "LLMConfig": {"transport", "auth_secret", "verify_checksum", "tls_cert_file",
                   "tls_key_file", "tls_ca_file", "allow_ptrace", "max_connections",
                   "max_connections_per_peer", "nixl_serve", "nixl_allow_whole_process_access"},
-    "LLMDataDist": {"engine", "listen_address"},
+    "LLMDataDist": {"engine", "listen_address", "last_link_failure"},
     "DataType": {"itemsize"},
 }
 

@@ -213,3 +213,29 @@ def test_pulls_both_ways_over_the_ipv6_loopback(xpeer):
             assert not got[t][1:].any()
     finally:
         py.finalize()
+
+
+def test_cpp_owner_refusals_are_in_the_callers_units(xpeer):
+    """The C++ owner names a source block out of range in blocks, a block size mismatch in
+    elements and a data type by its name, as the Python owner does (issue 25, item 5)."""
+    cpp = xpeer()
+    cpp.init(CPP_ID, PROMPT, listen=True)
+    remote = cpp.register(2, (4, 16))  # DT_UINT8, 4 blocks of 16
+    f16 = cpp.register(2, (4, 8), dtype=1)  # DT_FLOAT16, the same block bytes
+    dd = make_python(llm.LLMRole.DECODER, listen=False, transport="tcp")
+    try:
+        link_to(dd, CPP_ID, cpp.port)
+        cm = dd.cache_manager
+        bcache, _ = register(dd, 2, (8, 16), blocks=True)
+        with pytest.raises(llm.LLMException, match=f"src block 6 out of range: cache {remote} "
+                                                   "has 4 blocks"):
+            cm.pull_blocks(llm.BlocksCacheKey(CPP_ID, remote), bcache, [6], [0])
+        with pytest.raises(llm.LLMException, match=f"cache {f16} holds DT_FLOAT16, the "
+                                                   "requester's cache DT_UINT8"):
+            cm.pull_blocks(llm.BlocksCacheKey(CPP_ID, f16), bcache, [1], [0])
+        wide, _ = register(dd, 2, (4, 32), blocks=True, model_id=1)
+        with pytest.raises(llm.LLMException, match=r"the requester's blocks hold 32 DT_UINT8 "
+                           r"elements \(32 bytes\), cache \d+'s 16 DT_UINT8 elements"):
+            cm.pull_blocks(llm.BlocksCacheKey(CPP_ID, remote), wide, [1], [0])
+    finally:
+        dd.finalize()

@@ -55,13 +55,14 @@ def test_example_fails_on_wrong_bytes(name):
 def test_two_hosts_programs_move_and_check_blocks(transport):
     """examples/two_hosts: the README's two-process program, run as a user runs it: the
     PROMPT prints each request's block table, the DECODER gets them (here on stdin), links,
-    pulls and checks every byte."""
+    pulls and checks every byte. Its stdin is closed, as a background job's or a service's:
+    it serves all the same until SIGTERM (docs/deployment.md's rehearsal relies on it)."""
     env = {k: v for k, v in os.environ.items() if k != "DATADIST_TRANSPORT"}
     env["DATADIST_TRANSPORT"] = transport
     folder = EXAMPLES / "two_hosts"
     prompt = subprocess.Popen([sys.executable, "prompt.py", "--listen", "127.0.0.1:0",
                                "--cluster-id", "7", "--requests", "3"], cwd=folder, env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
         lines = [prompt.stdout.readline() for _ in range(3)]
         port = json.loads(lines[0])["prompt"][1]
@@ -72,8 +73,10 @@ def test_two_hosts_programs_move_and_check_blocks(transport):
         assert done.stdout.count("bytes verified") == 3, done.stdout
         if transport == "tcp":
             assert " over tcp " in done.stdout
+        assert prompt.poll() is None  # still serving, its stdin closed long ago
     finally:
-        prompt.communicate("\n", timeout=30)
+        prompt.terminate()  # SIGTERM: it finalizes and exits 0
+        prompt.communicate(timeout=30)
     assert prompt.returncode == 0
 
 

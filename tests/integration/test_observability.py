@@ -147,3 +147,8 @@ def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt, 
     out = capsys.readouterr().out
     assert f"peer metrics: cluster {PROMPT_ID}" in out
     assert f"{op} with cluster {DECODER_ID}:" in out and "LLM_KV_CACHE_NOT_EXIST" in out
+    assert f"peer metrics: cluster {PROMPT_ID}, role PROMPT" in out  # a name, not 1
+    if op == "serve_lease":  # not "N transfers, 0 bytes": the owner cannot see those reads
+        assert "leases granted" in out and "the reader counts" in out
+        leases = [ln for ln in out.splitlines() if ln.strip().startswith("serve_lease")]
+        assert leases and not any(" 0 bytes" in ln for ln in leases), leases

@@ -6,11 +6,13 @@ ROLE is kv_producer / kv_consumer / kv_both / none (no connector). Each stdin li
 request batch ``{"prompts": [[ids...]], "max_tokens": n, "params": [dict|null, ...]}``; each
 answer line is ``{"outputs": [{"tokens": [...], "params": ..., "finish": ...}]}``. The line
 ``READY`` on stdout says the engine is up. vLLM's log (with the connector's) goes to stderr.
+``DATADIST_VLLM_DTYPE`` (default float32) is the model's and so the KV cache's dtype.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -28,7 +30,8 @@ def main() -> None:
         ktc = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module,
                                kv_role=role, kv_load_failure_policy=policy,
                                kv_connector_extra_config=extra)
-    llm = LLM(model=model, load_format="dummy", dtype="float32", block_size=32,
+    dtype = os.environ.get("DATADIST_VLLM_DTYPE", "float32")
+    llm = LLM(model=model, load_format="dummy", dtype=dtype, block_size=32,
               max_model_len=512, max_num_seqs=8, enforce_eager=True, seed=0,
               kv_transfer_config=ktc, enable_prefix_caching=False)
     print("READY", flush=True)

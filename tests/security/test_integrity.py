@@ -82,7 +82,7 @@ def test_dtype_mismatch_is_refused(transport: str) -> None:
                   blocks_model_id=0)
         local = _register(puller, CacheDesc(2, [8, 16, 4], BF16, Placement.HOST), dst, True)
         plan = plan_blocks(local.geometry, [1, 2], [3, 4], layer_tensor_indices(2, None, None, 2))
-        with pytest.raises(InvalidArgument, match="another data type"):
+        with pytest.raises(InvalidArgument, match="holds DT_FLOAT16, the requester's cache DT_BF16"):  # noqa: E501
             puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), local.geometry.unit_bytes,
                         plan, local.cache_id, 2.0)
         assert not any(d.any() for d in dst)
@@ -147,7 +147,7 @@ def test_contiguous_push_into_blocks_checks_dtype_only() -> None:
         other = _register(pusher, CacheDesc(1, [1, 64, 2], BF16, Placement.HOST), bf, False)
         plan1 = replace(plan_slot(other.geometry, 0, layer_tensor_indices(1, None, None, 2)),
                         remote_offsets=np.array([0], np.uint64))
-        with pytest.raises(InvalidArgument, match="another data type"):
+        with pytest.raises(InvalidArgument, match="the requester's cache DT_BF16"):
             pusher.push(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 0, plan1, other.cache_id, 2.0)
     finally:
         pusher.close()

@@ -436,7 +436,8 @@ class TestLayoutTags:
         check_layouts(0, f16, blocks=True, what="cache 1")  # unknown passes
         check_layouts(f16, 0, blocks=True, what="cache 1")
         check_layouts(f16, f16, blocks=True, what="cache 1")
-        with pytest.raises(InvalidArgument, match="cache 1 holds another data type"):
+        want = "cache 1 holds DT_FLOAT16, the requester's cache DT_FLOAT:"
+        with pytest.raises(InvalidArgument, match=want):
             check_layouts(f16, f32, blocks=False, what="cache 1")
         with pytest.raises(InvalidArgument, match="block shape"):
             check_layouts(f16, f16_wide, blocks=True, what="cache 1")

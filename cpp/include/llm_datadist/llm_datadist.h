@@ -176,6 +176,10 @@ class ASCEND_FUNC_VISIBILITY LlmDataDist {
                          int32_t timeout_in_millis = 1000);
   Status UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                            int32_t timeout_in_millis = 1000, bool force_flag = false);
+  /// datadist extra: why the last LinkLlmClusters to `remote_cluster_id` failed (its code is
+  /// LLM_LINK_FAILED whatever the reason), empty when it has not failed since it last
+  /// succeeded. Each failure is also told on stderr unless DATADIST_LINK_WARNINGS=0.
+  AscendString LastLinkFailure(uint64_t remote_cluster_id) const;
 
   Status AllocateCache(const CacheDesc &cache_desc, Cache &cache);
   Status DeallocateCache(int64_t cache_id);

@@ -8,6 +8,7 @@ core's. Pulls and pushes block until done or ``sync_kv_timeout``; the rest retur
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from datadist.api.geometry import (
     prepared_block_spans,
     prepared_plan,
 )
+from datadist.api.notices import NotListeningWarning
 from datadist.api.status import (
     LLMException,
     LLMStatusCode,
@@ -134,7 +136,8 @@ class CacheManager:
     """Caches, keys and transfers in cache-manager mode. Obtain via ``cache_manager``."""
 
     def __init__(self, engine: Engine, *, remote_cache_accessible: bool = False,
-                 mem_pool: bool = False, host_mem_pool: bool = False) -> None:
+                 mem_pool: bool = False, host_mem_pool: bool = False,
+                 two_sided: bool = False) -> None:
         self._engine = engine
         self._enable_remote_cache_accessible = remote_cache_accessible
         self._enabled_mem_pool = mem_pool
@@ -142,6 +145,9 @@ class CacheManager:
         self._is_call_linked = False
         self._initialized = True
         self._kept: dict[int, list[Any]] = {}  # cache id -> memory objects registered
+        # A llm.LocalCommRes rank table: two-sided links (LLMDataDist.link) listen on its
+        # ports, so a PROMPT without listen_ip_info is expected; nothing to warn about.
+        self._told_not_listening = two_sided
 
     def set_is_call_linked(self) -> None:
         self._is_call_linked = True
@@ -225,6 +231,7 @@ class CacheManager:
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
                                     keys=keys, remote_accessible=ra)
         self._keep(entry.cache_id, keep)
+        self._check_listening(engine)
         return Cache(entry.cache_id, cache_desc, addr_list, self, True, False)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
@@ -242,7 +249,20 @@ class CacheManager:
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
                                     blocks_model_id=model, remote_accessible=ra)
         self._keep(entry.cache_id, keep)
+        self._check_listening(engine)
         return Cache(entry.cache_id, cache_desc, addr_list, self, True, True)
+
+    def _check_listening(self, engine: Engine) -> None:
+        """After a PROMPT's first registration or allocation: warn once when it listens
+        nowhere, so that no DECODER can link to it (its links would fail at once)."""
+        if self._told_not_listening or engine.role != 1 or engine.listener is not None:
+            return
+        self._told_not_listening = True
+        warnings.warn(
+            "this PROMPT registers caches but listens nowhere: no DECODER can link to it to "
+            "pull them (set LLMConfig.listen_ip_info = 'ip:port'; ignore this if it only "
+            "pushes over links it makes, or joins a two-sided link with link())",
+            NotListeningWarning, stacklevel=3)
 
     def _keep(self, cache_id: int, owners: list[Any]) -> None:
         """Hold the arrays / tensors a registration was given until it is unregistered (or
@@ -269,6 +289,7 @@ class CacheManager:
         geo = geometry_of(cache_desc, blocks=False)
         with llm_errors("allocate_cache"):
             entry = engine.allocate(geo, placement=int(cache_desc.placement), keys=keys)
+        self._check_listening(engine)
         return Cache(entry.cache_id, cache_desc, entry.addrs.tolist(), self, False, False)
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc,
@@ -281,6 +302,7 @@ class CacheManager:
         with llm_errors("allocate_blocks_cache"):
             entry = engine.allocate(geo, placement=int(cache_desc.placement),
                                     blocks_model_id=model)
+        self._check_listening(engine)
         return Cache(entry.cache_id, cache_desc, entry.addrs.tolist(), self, False, True)
 
     def deallocate_cache(self, cache: Cache) -> None:

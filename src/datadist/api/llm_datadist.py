@@ -23,6 +23,7 @@ from datadist.api.cache_manager import CacheManager
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.config import LLMClusterInfo, ip_text
 from datadist.api.enums import LLMRole, RegisterMemStatus
+from datadist.api.link_failures import LinkFailures
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.engine import Engine, EngineConfig
@@ -139,6 +140,7 @@ class LLMDataDist:
         self._hixl_backend = False  # llm.TransferBackend = "hixl"
         self._options: dict[str, str] = {}
         self._comms: CommManager | None = None  # two-sided links (link / unlink)
+        self._link_failures = LinkFailures()  # why link_clusters failed, per cluster
 
     def __repr__(self) -> str:
         state = "initialized" if self._engine is not None else "not initialized"
@@ -205,6 +207,7 @@ class LLMDataDist:
                     remote_cache_accessible=opts.get(cfg.OPT_REMOTE_CACHE_ACCESSIBLE) == "1",
                     mem_pool=engine_cfg.device_pool is not None,
                     host_mem_pool=engine_cfg.host_pool is not None,
+                    two_sided=bool(opts.get(cfg.OPT_LOCAL_COMM_RES)),
                 )
             else:
                 from datadist.api.v1 import KvCacheManager
@@ -334,10 +337,13 @@ class LLMDataDist:
                       timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link to each cluster's listener; returns (overall code, per-cluster codes).
 
-        Never raises for a link that fails: its code says why. Links are made in parallel,
-        each bounded by ``timeout`` ms. As the original, a link is known by the cluster id
-        its listener announces, whatever ``remote_cluster_id`` said (with the HIXL backend
-        the two must match here); transfers and unlinks name that id.
+        Never raises for a link that fails: its code is LLM_LINK_FAILED whatever the reason
+        (as LLM-DataDist), and the reason is a :class:`LinkFailedWarning` (stderr by
+        default) and :meth:`last_link_failure` (api/link_failures.py). Links are made in
+        parallel, each bounded by ``timeout`` ms.
+        As the original, a link is known by the cluster id its listener announces, whatever
+        ``remote_cluster_id`` said (with the HIXL backend the two must match here);
+        transfers and unlinks name that id.
         """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
@@ -368,15 +374,24 @@ class LLMDataDist:
                     log.info("link_clusters: the listener of cluster %d announced cluster %d: "
                              "the link is filed under %d", cluster_id, link.cluster_id,
                              link.cluster_id)
+                self._link_failures.succeeded(cluster_id)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
             except DatadistError as e:
-                log.warning("link to cluster %s failed: %s", c.remote_cluster_id, e)
+                self._link_failures.report(cluster_id, ip_text(ip), port,
+                                           LLMStatusCode.LLM_LINK_FAILED.name, str(e))
                 return LLMStatusCode.LLM_LINK_FAILED
 
         codes = self._each(one, clusters)
         return self._overall(codes), codes
+
+    def last_link_failure(self, remote_cluster_id: int) -> str | None:
+        """datadist extra: why the last ``link_clusters`` to ``remote_cluster_id`` failed
+        (refused port, wrong cluster id, secret, TLS, timeout), or None when it has not
+        failed since its last success. Never blocks; callable before ``init``."""
+        check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
+        return self._link_failures.last(remote_cluster_id)
 
     def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
                         timeout: int = 3000,

@@ -15,10 +15,14 @@ from datadist.core.metrics import BUCKETS, PROCESS
 
 def metrics() -> dict[str, Any]:
     """This process's transfer counters: ``{"total": {op: m}, "links": {cluster_id: {op: m}}}``
-    where ``op`` is ``"pull"`` or ``"push"`` and ``m`` holds ``transfers``, ``bytes`` (moved by
-    successful transfers), ``errors`` (count per status code name, e.g. ``"LLM_TIMEOUT"``),
-    ``seconds`` (summed durations), ``latency_buckets`` (cumulative counts per upper bound in
-    seconds), ``p50_s`` and ``p99_s`` (bucket upper bounds)."""
+    where ``op`` is what this process did (``"pull"``, ``"push"``) or served to a peer
+    (``"serve_read"``, ``"serve_write"``: requests it answered; ``"serve_lease"``: whole-cache
+    leases it granted to same-host readers, whose reads then copy its memory without asking:
+    only the reader counts those reads, so ``serve_lease`` has 0 bytes) and ``m`` holds
+    ``transfers``, ``bytes`` (moved by successful transfers), ``errors`` (count per status
+    code name, e.g. ``"LLM_TIMEOUT"``), ``seconds`` (summed durations), ``latency_buckets``
+    (cumulative counts per upper bound in seconds), ``p50_s`` and ``p99_s`` (bucket upper
+    bounds)."""
     return PROCESS.snapshot()
 
 
@@ -44,8 +48,10 @@ def metrics_collector() -> Any:
     class _Collector:
         def collect(self) -> Iterator[Any]:
             labels = ["op", "cluster_id"]
-            transfers = CounterMetricFamily("datadist_transfers", "Transfers started "
-                                            "(pulls and pushes), ended in any way", labels=labels)
+            transfers = CounterMetricFamily("datadist_transfers", "Transfers started, ended "
+                                            "in any way (op serve_lease: leases granted, "
+                                            "whose reads only the reader counts)",
+                                            labels=labels)
             nbytes = CounterMetricFamily("datadist_transfer_bytes", "Bytes moved by "
                                          "successful transfers", labels=labels)
             errors = CounterMetricFamily("datadist_transfer_errors", "Failed transfers by "

@@ -164,9 +164,8 @@ def format_table(result: dict[str, Any]) -> str:
             lim = (f"{r['limit']:.2f} {unit}" if unit != "us" else f"{r['limit']:.0f} us")
             lim = f"{lim} ({r['limit_title']})"
             ratio = f"{r['ratio']:.2f}x"
-        ok = "ok" if r["met"] else "MISSED"
-        if not result["at_goal_size"] and r["unit"] == "GB/s":
-            ok = f"({ok.lower()})"  # goals are for full size: see the note below
+        # Goals hold for full-size transfers only: a smaller run judges none (note below).
+        ok = ("ok" if r["met"] else "MISSED") if result["at_goal_size"] else "not judged"
         lines.append((r["title"], r["path"] or "-", fig, lim, ratio, r["goal"], ok))
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     out = [f"datadist bench: median of {result['repeat']}, {result['seconds']} s; "
@@ -176,8 +175,9 @@ def format_table(result: dict[str, Any]) -> str:
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     if not result["at_goal_size"]:
-        out.append("note: transfers smaller than 256 MiB / 8192 blocks: fixed costs weigh more "
-                   "than the goals allow for; run without --quick/--size to judge them")
+        out.append("note: no goal is judged in this run: its transfers are smaller than 256 MiB "
+                   "/ 8192 blocks, where fixed costs weigh more than the goals allow for; run "
+                   "without --quick/--size to judge them")
     out.extend(result["peers"])
     notes = dict.fromkeys(r["note"] for r in result["rows"] if r["unit"] and r["note"])
     out.extend(f"note: {n}" for n in notes)  # how a peer was driven, per row group

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from datadist.core.dtypes import dtype_name
 from datadist.core.errors import InvalidArgument
 from datadist.transport.iov import iovecs, span_iov
 
@@ -92,14 +93,15 @@ def check_layouts(mine: int, theirs: int, *, blocks: bool, what: str) -> None:
         return
     if mine >> 32 != theirs >> 32:
         raise InvalidArgument(
-            f"{what} holds another data type than the requester's cache "
-            f"(dtype codes {(mine >> 32) - 1} and {(theirs >> 32) - 1}): refusing to move "
-            "bytes that would be read as the wrong type"
+            f"{what} holds {dtype_name((mine >> 32) - 1)}, the requester's cache "
+            f"{dtype_name((theirs >> 32) - 1)}: refusing to move bytes that would be read as "
+            "the wrong type"
         )
     # A requester whose own cache is not paged (a contiguous source pushed into blocks) sends
     # its dtype only: shape word 0.
     if blocks and theirs & 0xFFFFFFFF and mine != theirs:
-        raise InvalidArgument(f"{what} has another block shape than the requester's cache")
+        raise InvalidArgument(f"{what} has another block shape than the requester's cache "
+                              "(same data type and block size, the dimensions differ)")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -381,20 +383,27 @@ def check_source_spans(
     Overflow-safe: compared as ``offset <= limit - length`` on uint64 after checking
     ``length <= limit``.
     """
+    bad = span_outside(offsets, lengths, limit)
+    if bad is not None:
+        raise InvalidArgument(f"span [{bad[0]}, +{bad[1]}) lies outside the {limit} bytes "
+                              "registered")
+
+
+def span_outside(offsets: np.ndarray, lengths: np.ndarray,
+                 limit: int) -> tuple[int, int] | None:
+    """The first span ``(offset, length)`` not inside ``[0, limit)``; None when all are.
+    Overflow-safe (see :func:`check_source_spans`)."""
     if offsets.shape != lengths.shape:
         raise InvalidArgument("span arrays differ in length")
     if not len(lengths):
-        return
+        return None
     if len(lengths) <= FEW:  # in Python ints: exact, no wrap-around to guard against
         for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
             if off < 0 or n < 0 or n > limit or off > limit - n:
-                raise InvalidArgument(
-                    f"span [{off}, +{n}) lies outside the {limit} bytes registered")
-        return
+                return int(off), int(n)
+        return None
     lim = np.uint64(limit)
     if bool((lengths > lim).any()) or bool((offsets > lim - lengths).any()):
         bad = int(np.argmax((lengths > lim) | (offsets > lim - np.minimum(lengths, lim))))
-        raise InvalidArgument(
-            f"span [{int(offsets[bad])}, +{int(lengths[bad])}) lies outside the "
-            f"{limit} bytes registered"
-        )
+        return int(offsets[bad]), int(lengths[bad])
+    return None

@@ -35,6 +35,7 @@ import os
 
 import numpy as np
 
+from datadist.core.dtypes import in_elements
 from datadist.core.errors import InvalidArgument
 from datadist.core.layout import U32, U64, Geometry, Plan, plan_blocks, plan_slot
 from datadist.transport.iov import CmaRefused, iovecs, local_copy, vm_copy
@@ -104,7 +105,9 @@ def plan_block_copy(
     tensors = _all_tensors(src, dst)
     if src.unit_bytes != dst.unit_bytes:
         raise InvalidArgument(
-            f"src block size {src.unit_bytes} and dst block size {dst.unit_bytes} differ"
+            f"block sizes differ: the source's blocks hold "
+            f"{in_elements(src.unit_bytes, src.layout)}, the destination's "
+            f"{in_elements(dst.unit_bytes, dst.layout)}"
         )
     s = np.asarray(src_blocks, dtype=U64)
     d = np.asarray(dst_blocks, dtype=U64)

@@ -41,13 +41,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from datadist.core.dtypes import in_elements
 from datadist.core.errors import (
     CacheNotFound,
     InvalidArgument,
     NotSupported,
     Timeout,
 )
-from datadist.core.layout import U64, Geometry, check_layouts, check_source_spans, max_int
+from datadist.core.layout import (
+    U64,
+    Geometry,
+    check_layouts,
+    check_source_spans,
+    max_int,
+    span_outside,
+)
 from datadist.transport.fence import Fence
 from datadist.transport.iov import iovecs, span_iov
 from datadist.wire.protocol import KeyKind, KeyRef
@@ -237,10 +245,16 @@ def check_read(g: Geometry, cache_id: int | None, slot: int, unit_bytes: int,
     if slot < 0:
         if unit_bytes and unit_bytes != g.unit_bytes:
             raise InvalidArgument(
-                f"block size mismatch: requester assumed {unit_bytes} bytes, "
-                f"{name} has {g.unit_bytes}"
+                f"block size mismatch: the requester's blocks hold "
+                f"{in_elements(unit_bytes, layout)}, {name}'s "
+                f"{in_elements(g.unit_bytes, g.layout)}"
             )
         base, limit = 0, g.tensor_bytes
+        bad = span_outside(offsets, lengths, limit) if g.is_blocks else None
+        if bad is not None:  # in blocks, as the destination side says it
+            last = (bad[0] + max(bad[1], 1) - 1) // g.unit_bytes
+            raise InvalidArgument(f"src block {last} out of range: {name} has {g.units} "
+                                  "blocks")
     else:
         if slot >= g.units:
             raise InvalidArgument(

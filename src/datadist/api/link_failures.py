@@ -1,0 +1,60 @@
+"""Why a link failed: told to the caller, without changing CANN's return codes.
+
+``link_clusters`` returns LLM_LINK_FAILED for a refused port, a wrong cluster id, a missing
+secret, a TLS mismatch and an unreachable host alike (as LLM-DataDist does). The reason
+goes three ways, none of which changes the codes or the application's logging:
+
+* a :class:`LinkFailedWarning` (Python's ``warnings``): with Python's default filters it
+  reaches stderr, once per distinct message and place (a retry loop that fails the same
+  way prints it once). ``warnings.filterwarnings("ignore", category=LinkFailedWarning)``
+  silences it; ``"error"`` turns it into an exception;
+* :meth:`LinkFailures.last` (``LLMDataDist.last_link_failure(cluster_id)``): the last
+  failure's text per cluster, until a link to that cluster succeeds;
+* the ``datadist`` logger, at WARNING, as before.
+
+``datadist probe HOST:PORT`` (datadist/probe.py) tells which of the reasons it is when the
+text alone does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+from datadist.api.notices import LinkFailedWarning
+
+log = logging.getLogger("datadist.api.llm_datadist")
+
+
+class LinkFailures:
+    """The last link failure per remote cluster. Thread-safe: ``link_clusters`` links
+    clusters in parallel. Who calls: the facade, after each link attempt; never blocks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[int, str] = {}
+
+    def report(self, cluster_id: int, host: str, port: int, code_name: str,
+               reason: str) -> None:
+        """A link to ``cluster_id`` at ``host:port`` failed with ``code_name``: remember
+        ``reason``, log it, and warn (stderr by default)."""
+        text = (f"link to cluster {cluster_id} at {host}:{port} failed ({code_name}): "
+                f"{reason} [for more: datadist probe {host}:{port} --cluster-id {cluster_id}]")
+        with self._lock:
+            self._last[cluster_id] = text
+        log.warning("%s", text)
+        warnings.warn(text, LinkFailedWarning, stacklevel=2)
+
+    def succeeded(self, cluster_id: int) -> None:
+        """A link to ``cluster_id`` was made: its old failure no longer applies."""
+        with self._lock:
+            self._last.pop(cluster_id, None)
+
+    def last(self, cluster_id: int) -> str | None:
+        """The last failure's text for ``cluster_id``; None when none since the last success."""
+        with self._lock:
+            return self._last.get(cluster_id)
+
+
+__all__ = ["LinkFailedWarning", "LinkFailures"]
