@@ -376,7 +376,9 @@ def plan_contiguous_to_blocks(
 def check_source_spans(
     offsets: np.ndarray, lengths: np.ndarray, limit: int
 ) -> None:
-    """Owner side: every span ``[offset, offset+length)`` must lie inside ``[0, limit)``.
+    """Owner side: every span ``[offset, offset+length)`` must lie inside ``[0, limit)``,
+    and be at least one byte long (a span of 0 bytes moves nothing, and its only use is to
+    ask whether an address lies inside registered memory).
 
     Overflow-safe: compared as ``offset <= limit - length`` on uint64 after checking
     ``length <= limit``.
@@ -387,10 +389,15 @@ def check_source_spans(
         return
     if len(lengths) <= FEW:  # in Python ints: exact, no wrap-around to guard against
         for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
-            if off < 0 or n < 0 or n > limit or off > limit - n:
+            if n <= 0:
+                raise InvalidArgument(f"span [{off}, +{n}) is empty: spans move >= 1 byte")
+            if off < 0 or n > limit or off > limit - n:
                 raise InvalidArgument(
                     f"span [{off}, +{n}) lies outside the {limit} bytes registered")
         return
+    if not bool(lengths.all()):
+        bad = int(np.argmin(lengths != 0))
+        raise InvalidArgument(f"span [{int(offsets[bad])}, +0) is empty: spans move >= 1 byte")
     lim = np.uint64(limit)
     if bool((lengths > lim).any()) or bool((offsets > lim - lengths).any()):
         bad = int(np.argmax((lengths > lim) | (offsets > lim - np.minimum(lengths, lim))))
