@@ -1202,9 +1202,10 @@ class Engine:
         the link token of a live control channel of that cluster (the peer that linked;
         compared in constant time). A newer one with that proof replaces the old; without it
         nothing is displaced. Returns the release of the link's lock, held until the serving
-        thread has sent the handshake's last frame. Raises LinkFailed (no such token, or as
-        many reverse channels as ``max_connections`` already) or Closed (finalized): the
-        serving thread answers the Hello's handshake with that error."""
+        thread has sent the handshake's last frame. Raises LinkFailed (no such token, as
+        many reverse channels as ``max_connections`` already, or finalizing): the serving
+        thread answers the Hello's handshake with that error, and the linker's link fails
+        with LLM_LINK_FAILED."""
         assert isinstance(chan, Channel)
         welcome = p.Welcome(peer.cluster_id, peer.role, peer.pid, peer.pid_ns, peer.boot_id)
 
@@ -1219,7 +1220,7 @@ class Engine:
                     "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True)
         with self._lock:
             if self._closed:
-                raise Closed("this engine is finalizing: it takes no reverse channel")
+                raise LinkFailed("this listener is finalizing: it takes no reverse channel")
             if not self._holds_token(peer):
                 raise LinkFailed(
                     f"a reverse channel for cluster {peer.cluster_id} must come from the peer "

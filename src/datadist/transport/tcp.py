@@ -536,7 +536,7 @@ class ServerConnection(Generic[LeaseT]):
         self._send_last(hello, last, deadline, rid)
 
     def _send_last(self, hello: p.Hello, msg: p.Message, deadline: float, rid: int) -> None:
-        """The handshake's last frame, then the peer counts as linked to us. For a reverse
+        """The handshake's last frame; the peer counts as linked to us from just before it. For a reverse
         channel the engine registers the link first, locked until this frame is out (a
         transfer must not share the socket with it), so the link exists by the time the
         client's ``link_clusters`` returns. A reverse channel the engine does not take
@@ -545,8 +545,11 @@ class ServerConnection(Generic[LeaseT]):
         outcome."""
         assert self.peer is not None
         if not hello.features & p.FEATURE_REVERSE:
-            self.chan.send(msg, deadline, rid)
+            # Registered before its last frame goes out: the client may open its reverse
+            # channel (echoing this channel's link token) the moment it has that frame. A
+            # send that fails ends the connection, and on_disconnect forgets the peer.
             self.handler.on_peer_ready(self.peer)
+            self.chan.send(msg, deadline, rid)
             return
         try:
             release = self.handler.adopt_reverse(self.peer, self.chan)
