@@ -536,8 +536,8 @@ class ServerConnection(Generic[LeaseT]):
         self._send_last(hello, last, deadline, rid)
 
     def _send_last(self, hello: p.Hello, msg: p.Message, deadline: float, rid: int) -> None:
-        """The handshake's last frame; the peer counts as linked to us from just before it. For a reverse
-        channel the engine registers the link first, locked until this frame is out (a
+        """The handshake's last frame; the peer counts as linked to us from just before it.
+        For a reverse channel the engine registers the link first, locked until this frame is out (a
         transfer must not share the socket with it), so the link exists by the time the
         client's ``link_clusters`` returns. A reverse channel the engine does not take
         (a token that is not a live control channel's of that cluster, finalizing, at its
