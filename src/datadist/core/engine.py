@@ -1033,8 +1033,10 @@ class Engine:
         whole = (p.KeyRef(key.kind, key.a, 0, 0) if key.kind == p.KeyKind.CACHE_ID
                  else p.KeyRef(key.kind, 0, key.b, 0))
         epoch = self._nixl_epoch
-        zero = np.zeros(1, np.uint64)
-        lease = self.registry.open(whole, msg.unit_bytes, np.zeros(1, np.uint32), zero, zero)
+        # Pins the whole cache; the span (its first byte) only has to pass the checks, which
+        # refuse spans of 0 bytes (issue 21 item 2).
+        lease = self.registry.open(whole, msg.unit_bytes, np.zeros(1, np.uint32),
+                                   np.zeros(1, np.uint64), np.ones(1, np.uint64))
         lease_id = next(self._nixl_lease_ids)
         try:
             entry, g = lease.entry, lease.entry.geometry
