@@ -146,4 +146,6 @@ def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt, 
     assert cli.main(["info", "--peer", f"{host}:{port}", "--cluster-id", str(PROMPT_ID)]) == 0
     out = capsys.readouterr().out
     assert f"peer metrics: cluster {PROMPT_ID}" in out
-    assert f"{op} with cluster {DECODER_ID}:" in out and "LLM_KV_CACHE_NOT_EXIST" in out
+    # The CLI links as a cluster of its own: the PROMPT tells it about its own link only,
+    # never about the decoder's (issue 21 item 4: STATS was a side channel on other peers).
+    assert f"cluster {DECODER_ID}" not in out and "LLM_KV_CACHE_NOT_EXIST" not in out
