@@ -13,7 +13,9 @@ What counts as a finding (any of these raises, and the harness reports the input
 2. the same bytes fed in different chunks giving different messages, or an error in one
    split but not in another (the decoder must be split-invariant);
 3. a decoded message that does not re-encode, or re-encodes to something that decodes to a
-   different message (what we accept we can also say).
+   different message (what we accept we can also say);
+4. a HELLO / WELCOME whose proof ``split_token`` cannot split into (the rest, a 16-byte link
+   token or none) that concatenate back to it (reverse-channel HELLOs included).
 
 The protocol is read generically (``MsgType``, ``encode``, ``decode_payload``), so message
 types added later are fuzzed without editing this file.
@@ -98,6 +100,11 @@ def _check_reencode(msg: Any) -> None:
         return  # the encoder caps an Error's text on purpose
     if not _same(msg, back):
         raise Finding(f"{msg!r} re-encodes to {back!r}")
+    if isinstance(msg, (p.Hello, p.Welcome)):
+        # 4. the link token: split_token never raises, and the two parts make the proof back
+        rest, token = p.split_token(msg.proof, msg.features)
+        if rest + token != msg.proof or len(token) not in (0, p.LINK_TOKEN_BYTES):
+            raise Finding(f"split_token({msg.proof!r}, {msg.features:#x}) = {rest!r}, {token!r}")
 
 
 def check(data: bytes, cuts: list[int]) -> None:
@@ -123,6 +130,10 @@ def _seed_frames() -> list[bytes]:
     u64 = np.array([0, 64, 2**64 - 1], dtype="<u8")
     msgs: list[Any] = [
         p.Hello(1, 2, 3, 4, bytes(16), 0, b"proof"),
+        # a reverse channel's HELLO: nonce, then the link token (FEATURE_TOKEN)
+        p.Hello(1, 2, 3, 4, bytes(16), p.FEATURE_AUTH | p.FEATURE_REVERSE | p.FEATURE_TOKEN,
+                bytes(range(32))),
+        p.Welcome(5, 1, 2, 3, bytes(16), p.FEATURE_REVERSE | p.FEATURE_TOKEN, bytes(16)),
         p.Welcome(5, 1, 2, 3, bytes(range(16))),
         p.Error(0x5010B005, "bad span"),
         p.Read(p.KeyRef(p.KeyKind.CACHE_KEY, 1, 2, 3), 64, p.ReadFlags.GRANT, u32, u64, u64),
