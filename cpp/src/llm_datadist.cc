@@ -514,12 +514,23 @@ class LlmDataDist::LlmDataDistImpl {
   void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
     auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn));
     std::shared_ptr<datadist::Link> old;
+    std::vector<std::shared_ptr<datadist::Link>> gone;  // closed by their clients: pruned
     try {
       link->Adopted(
         [&]() -> std::string {
           std::lock_guard<std::mutex> lock(rev_mu_);
           if (rev_closed_) return "this listener is finalizing: it takes no reverse channel";
           // bounded like connections: a peer cannot hold sockets open without limit this way
+          // (the ones their clients closed do not count)
+          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
+            for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
+              if (it->second->Gone()) {
+                gone.push_back(std::move(it->second));
+                it = reverse_links_.erase(it);
+              } else {
+                ++it;
+              }
+            }
           if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
             return "too many reverse channels (" + std::to_string(reverse_links_.size()) + ") to this listener";
           old = std::move(reverse_links_[cluster_id]);
@@ -533,6 +544,7 @@ class LlmDataDist::LlmDataDistImpl {
       if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
     }
     if (old) old->Close(datadist::Deadline(), true);
+    for (auto &g : gone) g->Close(datadist::Deadline(), true);
   }
 
   void LinkOne(const ClusterInfo &c, int32_t timeout_ms) {

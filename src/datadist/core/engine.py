@@ -621,11 +621,15 @@ class Engine:
         """Any link alive, either end. Reverse channels the linker has closed are dropped
         here (nothing else notices them: the listener never reads an idle one)."""
         with self._lock:
-            for cid, link in list(self._reverse.items()):
-                if link.chan.closed or (not link.lock.locked() and link.chan.peer_gone()):
-                    del self._reverse[cid]
-                    link.close()
+            self._prune_reverse()
             return bool(self._links or self._inbound or self._reverse)
+
+    def _prune_reverse(self) -> None:
+        """Drop the reverse channels their linkers closed (self._lock held; never blocks)."""
+        for cid, link in list(self._reverse.items()):
+            if link.chan.closed or (not link.lock.locked() and link.chan.peer_gone()):
+                del self._reverse[cid]
+                link.close()
 
     # ------------------------------------------------------------------ transfers
 
@@ -1227,6 +1231,9 @@ class Engine:
                 raise LinkFailed(
                     f"a reverse channel for cluster {peer.cluster_id} must come from the peer "
                     "holding that cluster's control channel to us (its link token)")
+            if (peer.cluster_id not in self._reverse
+                    and len(self._reverse) >= self.config.max_connections):
+                self._prune_reverse()  # closed ones do not count
             if (peer.cluster_id not in self._reverse
                     and len(self._reverse) >= self.config.max_connections):
                 raise LinkFailed(f"too many reverse channels ({len(self._reverse)}) to this "
