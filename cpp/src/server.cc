@@ -152,19 +152,27 @@ void Server::Stop() {
   listen_fd_ = -1;
   if (local_fd_ >= 0) close(local_fd_);
   local_fd_ = -1;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto &w : workers_)
-    if (w->conn) w->conn->Shutdown();
-  ReapLocked(true);
+  // Joined without mu_ held: a serving thread may take it (its handshake checks link tokens,
+  // a reverse channel is handed over under it) and would otherwise never end.
+  std::list<std::unique_ptr<Worker>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto &w : workers_)
+      if (w->conn) w->conn->Shutdown();
+    all.swap(workers_);
+  }
+  for (auto &w : all)
+    if (w->thread.joinable()) w->thread.join();
+  all.clear();
   grants_.Close();  // every grant ended with its connection
   // Nobody is served any more: whole-cache leases end too (a reader's next transfer asks
   // us, and finds nobody); copies in flight end first, within a bound.
   registry_->RevokeLeases(kRevokeWait);
 }
 
-void Server::ReapLocked(bool all) {
+void Server::ReapLocked() {
   for (auto it = workers_.begin(); it != workers_.end();) {
-    if (all || (*it)->done) {
+    if ((*it)->done) {  // its thread takes mu_ no more
       if ((*it)->thread.joinable()) (*it)->thread.join();
       it = workers_.erase(it);
     } else {
@@ -206,7 +214,7 @@ void Server::AcceptLoop() {
     for (size_t i = polled; i < refusing_.size(); ++i) keep.push_back(std::move(refusing_[i]));
     refusing_ = std::move(keep);
     std::lock_guard<std::mutex> lock(mu_);
-    ReapLocked(false);
+    ReapLocked();
   }
   for (Refusal &r : refusing_) close(r.fd);
   refusing_.clear();
@@ -238,7 +246,7 @@ void Server::AcceptOne(int listen_fd, bool is_local) {
     address = std::string(ip) + ":" + std::to_string(ntohs(in->sin_port));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  ReapLocked(false);
+  ReapLocked();
   size_t live = 0, same_peer = 0;
   for (const auto &other : workers_)
     if (!other->done) {

@@ -133,7 +133,7 @@ class Server {
   Greeted Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last, std::string &token);
   /// `token` is that of a live control channel of `cluster` (constant-time compares).
   bool HoldsToken(uint64_t cluster, const std::string &token);
-  void ReapLocked(bool all);
+  void ReapLocked();  // joins the workers that are done (mu_ held)
 
   Registry *registry_;
   Identity *identity_;
