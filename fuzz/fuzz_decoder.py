@@ -13,7 +13,9 @@ What counts as a finding (any of these raises, and the harness reports the input
 2. the same bytes fed in different chunks giving different messages, or an error in one
    split but not in another (the decoder must be split-invariant);
 3. a decoded message that does not re-encode, or re-encodes to something that decodes to a
-   different message (what we accept we can also say).
+   different message (what we accept we can also say);
+4. a HELLO / WELCOME whose proof ``split_token`` cannot split into (the rest, a 16-byte link
+   token or none) that concatenate back to it (reverse-channel HELLOs included).
 
 The protocol is read generically (``MsgType``, ``encode``, ``decode_payload``) and the seeds
 are the protocol's golden frames (tests/vectors/frames.txt, through fuzz/seeds.py), so message
@@ -101,6 +103,11 @@ def _check_reencode(msg: Any) -> None:
         return  # the encoder caps an Error's text on purpose
     if not _same(msg, back):
         raise Finding(f"{msg!r} re-encodes to {back!r}")
+    if isinstance(msg, (p.Hello, p.Welcome)):
+        # 4. the link token: split_token never raises, and the two parts make the proof back
+        rest, token = p.split_token(msg.proof, msg.features)
+        if rest + token != msg.proof or len(token) not in (0, p.LINK_TOKEN_BYTES):
+            raise Finding(f"split_token({msg.proof!r}, {msg.features:#x}) = {rest!r}, {token!r}")
 
 
 def check(data: bytes, cuts: list[int]) -> None:

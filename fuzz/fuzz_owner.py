@@ -15,7 +15,15 @@ a raw socket. What counts as a finding (raised, with the input):
 2. after it: a request with duplicated or expanded spans (one tensor index repeated, many
    one-byte spans, a checksum asked for) answered by anything but ERROR or the exact bytes,
    or answered later than ANSWER_BOUND seconds (its cost must be bounded by its size);
-3. the owner crashing, or not serving an honest pull afterwards.
+3. the owner crashing, or not serving an honest pull afterwards;
+4. reverse-channel HELLOs (any cluster id, feature bits, proof and token, with or without the
+   secret): one adopted without the link token of a live control channel of its cluster
+   id, the linked decoder's reverse channel displaced, or the owner's push to that decoder
+   no longer landing there (issue 21 item 1);
+5. WRITEs by raw address (any address near or inside a private or a public cache, any
+   length, 0 included): anything but the one refusal (LLM_PARAM_INVALID, one message)
+   unless the span lies inside one tensor of a remote-accessible cache, or a byte of the private
+   cache changed (issue 21 item 2: no address oracle).
 """
 
 from __future__ import annotations
@@ -35,10 +43,11 @@ from seeds import golden_frames  # noqa: E402 - fuzz/seeds.py, beside this file
 
 from datadist.core import auth  # noqa: E402
 from datadist.core.engine import Engine, EngineConfig  # noqa: E402
-from datadist.core.layout import Geometry  # noqa: E402
+from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks  # noqa: E402
 from datadist.wire import protocol as p  # noqa: E402
 
 SECRET = b"fuzz-owner"
+DECODER_ID = 2
 TENSORS, TENSOR_BYTES = 4, 4096
 ANSWER_BOUND = 2.0  # seconds any one request may take to be answered
 SOCK_TIMEOUT = 5.0
@@ -75,11 +84,29 @@ class Client:
         self.sock.close()
 
 
-def authenticate(cli: Client, owner_id: int) -> None:
+def authenticate(cli: Client, owner_id: int, cluster_id: int | None = None,
+                 features: int = 0, token: bytes = b"") -> p.Message | None:
+    """HELLO (with ``features`` and ``token`` after the nonce), WELCOME, AUTH: the answer to
+    AUTH when ``features`` are given (a reverse channel), else checked to be OK."""
     nonce = auth.nonce()
-    cli.send(p.encode(p.Hello(owner_id + 1, 2, 1, 0, b"\x01" * 16, p.FEATURE_AUTH, nonce), 1))
-    _, welcome = cli.next()
-    server_nonce, _ = auth.split_server_proof(welcome.proof)
+    me = owner_id + 1 if cluster_id is None else cluster_id
+    cli.send(p.encode(p.Hello(me, 2, 1, 0, b"\x01" * 16, p.FEATURE_AUTH | features,
+                              nonce + token), 1))
+    got = cli.next()
+    if got is None or not isinstance(got[1], p.Welcome):
+        if features:
+            return got[1] if got is not None else None
+        raise Finding(f"a valid Hello was refused: {got!r}")
+    welcome = got[1]
+    server_nonce, _ = auth.split_server_proof(p.split_token(welcome.proof, welcome.features)[0])
+    proof = auth.client_proof(SECRET, nonce, server_nonce, owner_id, me)
+    cli.send(p.encode(p.Auth(proof), 2))
+    if features:
+        got = cli.next()
+        return got[1] if got is not None else None
+    if cli.next() != (2, p.Ok()):
+        raise Finding("a valid proof was refused")
+    return None
     proof = auth.client_proof(SECRET, nonce, server_nonce, owner_id, owner_id + 1)
     cli.send(p.encode(p.Auth(proof), 2))
     if cli.next() != (2, p.Ok()):
@@ -142,6 +169,94 @@ def expanded(owner: Engine, cache_id: int, data: np.ndarray, cases: list) -> Non
         cli.close()
 
 
+def reverse_hellos(owner: Engine, decoder: Engine, dst: np.ndarray, src_cache: int,
+                   hellos: list[tuple[int, int, bytes, bool]]) -> None:
+    """Finding 4: strangers' reverse HELLOs (cluster id, extra feature bits, token, with the
+    secret or not) never take a reverse channel over nor add one; the push still lands."""
+    real = owner.get_link(DECODER_ID)
+    before = set(owner._reverse)  # noqa: SLF001 - the fuzzer inspects the owner's table
+    for cluster_id, extra, token, with_secret in hellos:
+        cli = Client(owner.listen_address[1])
+        try:
+            features = p.FEATURE_REVERSE | extra
+            if with_secret:
+                got = authenticate(cli, owner.config.cluster_id, cluster_id, features, token)
+            else:
+                cli.send(p.encode(p.Hello(cluster_id, 2, 1, 0, b"\x01" * 16,
+                                          features & ~p.FEATURE_AUTH, token), 1))
+                item = cli.next()
+                got = item[1] if item is not None else None
+            if got is not None and not isinstance(got, (p.Error, p.Welcome)):
+                raise Finding(f"answered {got!r} to a reverse Hello")
+            if isinstance(got, p.Error) and got.code != int(p_code_link_failed()):
+                raise Finding(f"refused a reverse Hello with {got!r}")
+        finally:
+            cli.close()
+        if owner.get_link(DECODER_ID) is not real or set(owner._reverse) != before:  # noqa: SLF001
+            raise Finding(f"a stranger's reverse Hello (cluster {cluster_id}, features "
+                          f"{features:#x}, token {token.hex()}) was adopted")
+    dst[...] = 0
+    plan = plan_blocks(Geometry(1, TENSOR_BYTES, 64, True), [1], [2],
+                       layer_tensor_indices(1, None, None, 1))
+    owner.push(DECODER_ID, p.KeyRef(p.KeyKind.CACHE_ID, decoder_cache_id(decoder), 0), 0,
+               plan, src_cache, 5.0)
+    if not dst[0, 64:128].any():  # remote block 1 <- our block 2
+        raise Finding("the owner's push no longer reaches the linked decoder")
+
+
+def p_code_link_failed() -> int:
+    from datadist.core.errors import Code
+
+    return int(Code.LINK_FAILED)
+
+
+def decoder_cache_id(decoder: Engine) -> int:
+    return int(decoder.registry.entries()[0].cache_id)
+
+
+def address_writes(owner: Engine, private: np.ndarray, public: np.ndarray,
+                   spans: list[tuple[int, int, int]]) -> None:
+    """Finding 5: a write by address is one refusal wherever it points, unless it lies inside
+    one tensor of the public cache; the private cache never changes."""
+    from datadist.core.errors import Code
+
+    bases = {0: 0x1000, 1: int(private.ctypes.data), 2: int(public.ctypes.data)}
+    cli = Client(owner.listen_address[1])
+    refusals = set()
+    try:
+        authenticate(cli, owner.config.cluster_id)
+        for rid, (where, delta, n) in enumerate(spans, start=10):
+            addr = (bases[where] + delta) % 2**64
+            msg = p.Write(p.KeyRef(p.KeyKind.ADDRESS), 0, 0, np.zeros(1, np.uint32),
+                          np.array([addr], np.uint64), np.array([n], np.uint64))
+            cli.send(p.encode(msg, rid))
+            got = cli.next()
+            if got is None or got[0] != rid:
+                raise Finding(f"no answer to a write at {addr:#x} +{n}: {got!r}")
+            inside = n >= 1 and any(  # wholly inside a tensor of a remote-accessible cache
+                int(b) <= addr and addr + n <= int(b) + e.geometry.tensor_bytes
+                for e in owner.registry.entries() if e.remote_accessible for b in e.addrs)
+            if isinstance(got[1], p.Ok):
+                if not inside:
+                    raise Finding(f"accepted a write at {addr:#x} +{n} outside every "
+                                  "remote-accessible tensor")
+                cli.send(b"\0" * n)
+                if cli.next() != (rid, p.Ok()):
+                    raise Finding("a write's bytes were not confirmed")
+            elif isinstance(got[1], p.Error):
+                if inside:
+                    raise Finding(f"refused a write at {addr:#x} +{n} inside a public tensor")
+                refusals.add((got[1].code, got[1].message))
+            else:
+                raise Finding(f"answered {got!r} to a write by address")
+        if len(refusals) > 1 or any(c != int(Code.PARAM_INVALID) for c, _ in refusals):
+            raise Finding(f"address writes are answered in {len(refusals)} ways: {refusals}")
+        if private.any():
+            raise Finding("a write by address changed the private cache")
+    finally:
+        cli.close()
+
+
 def main() -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -152,6 +267,17 @@ def main() -> None:
     args = parser.parse_args()
 
     owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), secret=SECRET))
+    # a decoder linked to the owner (its reverse channel is the owner's end), and two caches
+    # of the owner's own for address writes: one private, one public
+    decoder = Engine(EngineConfig(cluster_id=DECODER_ID, role=2, secret=SECRET))
+    dst = np.zeros((1, TENSOR_BYTES), np.uint8)
+    decoder.register(Geometry(1, TENSOR_BYTES, 64), [dst.ctypes.data], placement=0)
+    decoder.link(1, *owner.listen_address, 5.0)
+    private = np.zeros(TENSOR_BYTES, np.uint8)
+    public = np.zeros(TENSOR_BYTES, np.uint8)
+    owner.register(Geometry(1, TENSOR_BYTES, 1), [private.ctypes.data], placement=0,
+                   remote_accessible=False)
+    owner.register(Geometry(1, TENSOR_BYTES, 1), [public.ctypes.data], placement=0)
     data = (np.arange(TENSORS * TENSOR_BYTES, dtype=np.uint32) % 251).astype(np.uint8)
     data = data.reshape(TENSORS, TENSOR_BYTES)
     entry = owner.register(Geometry(TENSORS, TENSOR_BYTES, 1),
@@ -180,13 +306,29 @@ def main() -> None:
         st.lists(st.integers(0, TENSORS - 1), min_size=1, max_size=TENSORS, unique=True),
         st.lists(span, min_size=1, max_size=4096))
 
+    token = st.one_of(st.just(b""), st.binary(min_size=16, max_size=16), st.binary(max_size=40))
+    reverse_hello = st.tuples(
+        st.sampled_from([DECODER_ID, DECODER_ID + 1, 1, 0, 2**64 - 1]),
+        st.sampled_from([0, p.FEATURE_TOKEN, p.FEATURE_TOKEN | p.FEATURE_LOCAL, 0xFFFFFFF0]),
+        token, st.booleans())
+    address_span = st.tuples(
+        st.integers(0, 2),
+        st.one_of(st.integers(-64, TENSOR_BYTES + 64), st.integers(-2**63, 2**63)),
+        st.one_of(st.integers(0, 64), st.sampled_from([TENSOR_BYTES, 2**64 - 1])))
+
     @settings(max_examples=args.examples, deadline=None, database=None,
               derandomize=args.seed is None, suppress_health_check=list(HealthCheck))
     @given(hello=st.integers(0, 2), pre=st.lists(frames, max_size=6),
-           cases=st.lists(st.one_of(case, distinct), min_size=1, max_size=3))
-    def run(hello: int, pre: list[bytes], cases: list) -> None:
+           cases=st.lists(st.one_of(case, distinct), min_size=1, max_size=3),
+           hellos=st.lists(reverse_hello, max_size=3),
+           writes=st.lists(address_span, max_size=8))
+    def run(hello: int, pre: list[bytes], cases: list,
+            hellos: list[tuple[int, int, bytes, bool]],
+            writes: list[tuple[int, int, int]]) -> None:
         before_auth(owner, hello, pre)
         expanded(owner, entry.cache_id, data, cases)
+        reverse_hellos(owner, decoder, dst, entry.cache_id, hellos)
+        address_writes(owner, private, public, writes)
 
     if args.seed is not None:
         from hypothesis import seed as hseed
@@ -195,6 +337,7 @@ def main() -> None:
     try:
         run()
     finally:
+        decoder.close()
         owner.close()
     print(f"fuzz_owner: {args.examples} examples, no finding")
 

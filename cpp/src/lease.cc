@@ -177,6 +177,13 @@ Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &loca
   for (size_t i = 0; i < remote.size(); ++i)
     if (remote[i].iov_len != local[i].iov_len) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");
   if (!l.fence->Enter()) return Outcome::kRevoked;
+  // The owner still alive before the copy too (docs/protocol.md, "Cache leases"): a pid that
+  // died may have been reused, and a write lease would write into that other process.
+  if (l.owner->Exited()) {
+    l.fence->Leave();
+    why = "the owner process " + std::to_string(l.owner->pid()) + " exited before the copy (nothing moved)";
+    return Outcome::kFailed;
+  }
   local::CopyResult got = local::VmCopy(l.owner->pid(), local, remote, l.write, why);
   l.fence->Leave();
   if (got == local::CopyResult::kRefused) return Outcome::kRefused;

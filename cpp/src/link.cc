@@ -106,10 +106,16 @@ bool Link::Gone() {
   return !conn_ || conn_->closed() || conn_->PeerGone();
 }
 
-void Link::Adopted(const std::function<void()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline) {
+bool Link::Adopted(const std::function<std::string()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline) {
   auto guard = Acquire(deadline);
-  adopt();
+  const std::string refused = adopt();
+  if (!refused.empty()) {
+    const uint32_t rid = wire::DecodeHeader(frame.data()).request_id;
+    conn_->SendFrame(wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED), refused}, rid), deadline);
+    return false;
+  }
   conn_->SendFrame(frame, deadline);
+  return true;
 }
 
 void Link::Connect(Deadline deadline) {
@@ -118,6 +124,7 @@ void Link::Connect(Deadline deadline) {
   wire::Hello welcome;
   conn_ = Greet(false, deadline, rid_, welcome);
   peer_reverse_ = welcome.features & wire::kFeatureReverse;
+  token_ = wire::SplitToken(welcome.proof, welcome.features).second;
   SetPath(Path::kTcp, "");
   if (!same_host_) {
     SetPath(Path::kTcp, "forced tcp");
@@ -152,6 +159,7 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   }
   conn_ = std::move(lc);  // the TCP connection closes: the owner sees an idle connection end
   rid_ = rid;
+  token_ = wire::SplitToken(again.proof, again.features).second;  // the live control channel's
   const std::string who = "pid " + std::to_string(cred.pid) + ", uid " + std::to_string(cred.uid);
   if (cred.WeMayRead()) {
     peer_pid_ = cred.pid;
@@ -194,9 +202,15 @@ void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid,
   uint32_t r = 0;
   wire::Hello hello = hello_;
   hello.features = reverse ? wire::kFeatureReverse : 0;
+  std::string nonce;
   if (!secret_.empty()) {
     hello.features |= auth::kFeatureAuth;
-    hello.proof = auth::Nonce();
+    nonce = auth::Nonce();
+  }
+  hello.proof = nonce;
+  if (reverse && !token_.empty()) {  // proof that we hold the link's control channel
+    hello.features |= wire::kFeatureToken;
+    hello.proof += token_;
   }
   std::vector<uint8_t> payload;
   ++r;
@@ -216,13 +230,15 @@ void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid,
     Fail(llm_datadist::LLM_LINK_FAILED, who + " requires a shared secret (datadist.AuthSecret / DATADIST_AUTH_SECRET)");
   if (!secret_.empty()) {
     // The server must prove the secret before we prove it: a peer without it learns nothing.
-    if (!required || welcome.proof.size() != auth::kNonceBytes + auth::kMacBytes)
+    // A link token (kFeatureToken) ends the server's proof: the challenge is the rest.
+    const std::string server_part = wire::SplitToken(welcome.proof, welcome.features).first;
+    if (!required || server_part.size() != auth::kNonceBytes + auth::kMacBytes)
       Fail(llm_datadist::LLM_LINK_FAILED, who + " did not prove the shared secret");
-    std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
-    std::string want = auth::ServerProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id);
-    if (!auth::Same(want, welcome.proof)) Fail(llm_datadist::LLM_LINK_FAILED, who + " failed to prove the shared secret");
+    std::string server_nonce = server_part.substr(0, auth::kNonceBytes);
+    std::string want = auth::ServerProof(secret_, nonce, server_nonce, remote_, hello.cluster_id);
+    if (!auth::Same(want, server_part)) Fail(llm_datadist::LLM_LINK_FAILED, who + " failed to prove the shared secret");
     ++r;
-    h = CallOn(conn, r, wire::EncodeAuth(auth::ClientProof(secret_, hello.proof, server_nonce, remote_, hello.cluster_id), r),
+    h = CallOn(conn, r, wire::EncodeAuth(auth::ClientProof(secret_, nonce, server_nonce, remote_, hello.cluster_id), r),
                payload, deadline);
     if (h.type != wire::kOk) ProtocolViolation("expected OK after AUTH");
   }

@@ -70,7 +70,9 @@ class Link {
   /// Our end of a client's link, adopted before its handshake ends: `adopt` (which makes the
   /// link reachable) runs with the link held, then the handshake's last `frame` goes out, so
   /// no transfer shares the socket with it and the link exists when the client's link returns.
-  void Adopted(const std::function<void()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline);
+  /// When `adopt` refuses (returns a non-empty reason), ERROR LLM_LINK_FAILED with that
+  /// reason answers the handshake instead (the client's link fails with it); returns false.
+  bool Adopted(const std::function<std::string()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline);
   /// Pull: READ answered by READ_DATA and exactly the bytes `local` names.
   void Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Push: WRITE, go-ahead OK, the bytes, confirming OK.
@@ -153,6 +155,7 @@ class Link {
   bool closing_ = false;
   bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect
   bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
+  std::string token_;          // the link token the peer issued our control channel (conn_)
   bool same_host_ = true;      // the local channel may be used
   uint64_t grant_above_ = kGrantAbove;
   std::atomic<Path> path_{Path::kTcp};

@@ -309,8 +309,20 @@ class LlmDataDist::LlmDataDistImpl {
         // CANN's LinkMsgHandler::UnlinkCluster: without force it dials the peer's listener.
         if (!force && c.remote_ip_infos.size() != 1)
           Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
-        std::shared_ptr<datadist::Link> link = FindLink(id);
-        if (!link) {
+        // Both ends, as Python: the link we made and the one the peer made to us (its
+        // reverse channel), whichever exist.
+        std::shared_ptr<datadist::Link> own, inbound;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = links_.find(id);
+          if (it != links_.end()) own = it->second;
+        }
+        {
+          std::lock_guard<std::mutex> lock(rev_mu_);
+          auto it = reverse_links_.find(id);
+          if (it != reverse_links_.end()) inbound = it->second;
+        }
+        if (!own && !inbound) {
           // Nothing of ours to drop (CANN: "entity not found", a warning): forced, a success;
           // otherwise as CANN, which tells a listener that has nothing to drop either.
           if (!force) {
@@ -325,14 +337,19 @@ class LlmDataDist::LlmDataDistImpl {
           }
           return;
         }
-        try {
-          link->Close(datadist::After(timeout_ms / 1000.0), force);
-        } catch (const Error &e) {
-          // LLM_UNLINK_FAILED: the peer was not told, our end is closed; LLM_LINK_BUSY: still up
-          if (e.code() == LLM_UNLINK_FAILED) Forget(id, link);
-          throw;
+        std::string untold;  // LLM_UNLINK_FAILED of either end, raised once both were tried
+        for (const auto &link : {own, inbound}) {
+          if (!link) continue;
+          try {
+            link->Close(datadist::After(timeout_ms / 1000.0), force);
+          } catch (const Error &e) {
+            // LLM_UNLINK_FAILED: the peer was not told, our end is closed; LLM_LINK_BUSY: still up
+            if (e.code() != LLM_UNLINK_FAILED) throw;
+            untold = e.what();
+          }
+          Forget(id, link);
         }
-        Forget(id, link);
+        if (!untold.empty()) Fail(LLM_UNLINK_FAILED, untold);
       });
     }
     rets.insert(rets.end(), codes.begin(), codes.end());
@@ -608,20 +625,36 @@ class LlmDataDist::LlmDataDistImpl {
     return any;
   }
 
-  /// A client's reverse channel (a server thread calls this after the handshake): our end of
-  /// its link, replacing an older one. Its own mutex: SetRole stops the server under mu_.
+  /// A client's reverse channel (a server thread calls this after the handshake, which
+  /// checked that the client holds that cluster's control channel): our end of its link,
+  /// replacing an older one. Not adopted (finalizing, or as many reverse channels as
+  /// connections already): the handshake is answered with ERROR LLM_LINK_FAILED, so the
+  /// client's link fails. Its own mutex: SetRole stops the server under mu_.
   void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
     auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn));
     std::shared_ptr<datadist::Link> old;
+    std::vector<std::shared_ptr<datadist::Link>> gone;  // closed by their clients: pruned
     try {
       link->Adopted(
-        [&] {
+        [&]() -> std::string {
           std::lock_guard<std::mutex> lock(rev_mu_);
-          if (rev_closed_) return;
+          if (rev_closed_) return "this listener is finalizing: it takes no reverse channel";
           // bounded like connections: a peer cannot hold sockets open without limit this way
-          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_) return;
+          // (the ones their clients closed do not count)
+          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
+            for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
+              if (it->second->Gone()) {
+                gone.push_back(std::move(it->second));
+                it = reverse_links_.erase(it);
+              } else {
+                ++it;
+              }
+            }
+          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
+            return "too many reverse channels (" + std::to_string(reverse_links_.size()) + ") to this listener";
           old = std::move(reverse_links_[cluster_id]);
           reverse_links_[cluster_id] = link;
+          return std::string();
         },
         last, datadist::After(kAdoptWait));  // not adopted: the channel closes with `link`
     } catch (const std::exception &) {  // the client went away mid-handshake: its link never came up
@@ -630,6 +663,7 @@ class LlmDataDist::LlmDataDistImpl {
       if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
     }
     if (old) old->Close(datadist::Deadline(), true);
+    for (auto &g : gone) g->Close(datadist::Deadline(), true);
   }
 
   void LinkOne(const ClusterInfo &c, int32_t timeout_ms) {

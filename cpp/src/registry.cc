@@ -103,6 +103,8 @@ Geometry GeometryOf(const llm_datadist::CacheDesc &desc) {
 void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t> &lengths, uint64_t limit) {
   if (offsets.size() != lengths.size()) Invalid("span arrays differ in length");
   for (size_t i = 0; i < offsets.size(); ++i) {
+    // A span of 0 bytes moves nothing; its only use is to ask whether an address is ours.
+    if (lengths[i] == 0) Invalid("span [" + std::to_string(offsets[i]) + ", +0) is empty: spans move >= 1 byte");
     if (lengths[i] > limit || offsets[i] > limit - lengths[i])
       Invalid("span [" + std::to_string(offsets[i]) + ", +" + std::to_string(lengths[i]) + ") lies outside the " +
               std::to_string(limit) + " bytes registered");
@@ -314,16 +316,27 @@ std::unique_ptr<Lease> Registry::Open(const wire::Request &req) {
 std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
   if (req.tensors.size() != 1 || req.tensors[0] != 0) Invalid("an address write names exactly one pseudo-tensor, 0");
   if (req.lengths.empty() || req.offsets.size() != req.lengths.size()) Invalid("an address write needs spans");
+  if (req.offsets.size() > kMaxRequestSpans) Invalid("too many spans in one request (over " + std::to_string(kMaxRequestSpans) + ")");
+  // Every refusal for where the addresses point (nothing there, a cache being unregistered, a
+  // span leaving the tensor, a span of 0 bytes) is this one answer: a peer, never given our
+  // addresses, cannot tell "no memory here" from "memory here, refused" (no address oracle).
+  const char *const refused = "the addresses do not lie inside one tensor of a remote-accessible registered cache (spans of >= 1 byte)";
+  for (uint64_t n : req.lengths)
+    if (n == 0) Invalid(refused);
   uint64_t first = *std::min_element(req.offsets.begin(), req.offsets.end());
   std::lock_guard<std::mutex> lock(mu_);
   for (auto &kv : by_id_) {
     const std::shared_ptr<Entry> &e = kv.second;
     for (uint64_t a : e->addrs) {
       if (a <= first && first - a < e->geo.tensor_bytes) {
-        if (e->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(e->id) + " is being unregistered");
+        if (e->closing) Invalid(refused);
         std::vector<uint64_t> rel(req.offsets.size());
         for (size_t i = 0; i < rel.size(); ++i) rel[i] = req.offsets[i] - a;  // below a wraps and fails
-        CheckSpans(rel, req.lengths, e->geo.tensor_bytes);
+        try {
+          CheckSpans(rel, req.lengths, e->geo.tensor_bytes);
+        } catch (const Error &) {
+          Invalid(refused);
+        }
         auto lease = std::make_unique<Lease>(this, e);
         ++e->leases;
         for (size_t i = 0; i < rel.size(); ++i) {
@@ -334,7 +347,7 @@ std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
       }
     }
   }
-  Fail(LLM_KV_CACHE_NOT_EXIST, "address " + std::to_string(first) + " is in no registered cache");
+  Invalid(refused);
 }
 
 }  // namespace datadist

@@ -150,19 +150,27 @@ void Server::Stop() {
   listen_fd_ = -1;
   if (local_fd_ >= 0) close(local_fd_);
   local_fd_ = -1;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto &w : workers_)
-    if (w->conn) w->conn->Shutdown();
-  ReapLocked(true);
+  // Joined without mu_ held: a serving thread may take it (its handshake checks link tokens,
+  // a reverse channel is handed over under it) and would otherwise never end.
+  std::list<std::unique_ptr<Worker>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto &w : workers_)
+      if (w->conn) w->conn->Shutdown();
+    all.swap(workers_);
+  }
+  for (auto &w : all)
+    if (w->thread.joinable()) w->thread.join();
+  all.clear();
   grants_.Close();  // every grant ended with its connection
   // Nobody is served any more: whole-cache leases end too (a reader's next transfer asks
   // us, and finds nobody); copies in flight end first, within a bound.
   registry_->RevokeLeases(kRevokeWait);
 }
 
-void Server::ReapLocked(bool all) {
+void Server::ReapLocked() {
   for (auto it = workers_.begin(); it != workers_.end();) {
-    if (all || (*it)->done) {
+    if ((*it)->done) {  // its thread takes mu_ no more
       if ((*it)->thread.joinable()) (*it)->thread.join();
       it = workers_.erase(it);
     } else {
@@ -204,7 +212,7 @@ void Server::AcceptLoop() {
     for (size_t i = polled; i < refusing_.size(); ++i) keep.push_back(std::move(refusing_[i]));
     refusing_ = std::move(keep);
     std::lock_guard<std::mutex> lock(mu_);
-    ReapLocked(false);
+    ReapLocked();
   }
   for (Refusal &r : refusing_) close(r.fd);
   refusing_.clear();
@@ -224,15 +232,16 @@ void Server::AcceptOne(int listen_fd, bool is_local) {
       close(fd);
       return;
     }
-    // Local peers share no address: they are counted per verified pid.
-    key = "pid " + std::to_string(cred.pid);
+    // Local peers share no address: they are counted per verified uid (a per-pid count would
+    // let a process multiply its share by forking).
+    key = "uid " + std::to_string(cred.uid);
     address = "local pid " + std::to_string(cred.pid) + " uid " + std::to_string(cred.uid);
   } else {
     key = IpOf(peer);
     address = FormatHostPort(key, PortOf(peer));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  ReapLocked(false);
+  ReapLocked();
   size_t live = 0, same_peer = 0;
   for (const auto &other : workers_)
     if (!other->done) {
@@ -293,8 +302,16 @@ void Server::Serve(Worker *w) {
   try {
     uint64_t peer = 0;
     std::vector<uint8_t> last;
-    Greeted greeted = Handshake(c, peer, last);
-    if (greeted == Greeted::kControl) c.SendFrame(last, After(kHandshakeTimeout));
+    std::string token;
+    Greeted greeted = Handshake(c, peer, last, token);
+    if (greeted == Greeted::kControl) {
+      {  // before the last frame: the client may open its reverse channel as soon as it has it
+        std::lock_guard<std::mutex> lock(mu_);
+        w->cluster = peer;
+        w->token = token;
+      }
+      c.SendFrame(last, After(kHandshakeTimeout));
+    }
     switch (greeted) {
       case Greeted::kRefused:
         c.Close();
@@ -315,7 +332,15 @@ void Server::Serve(Worker *w) {
           std::lock_guard<std::mutex> lock(mu_);  // Stop() reaches worker connections under it
           taken = std::move(w->conn);
         }
-        if (on_reverse_ && !stopping_) on_reverse_(peer, std::move(taken), last);
+        if (on_reverse_ && !stopping_) {
+          on_reverse_(peer, std::move(taken), last);
+        } else {  // stopping: the client's link fails with our answer, not a silent close
+          const uint32_t rid = wire::DecodeHeader(last.data()).request_id;
+          TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                                             "this listener is stopping: it takes no reverse channel"},
+                                            rid));
+          taken->Close();
+        }
         w->done = true;
         return;
       }
@@ -346,7 +371,16 @@ void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &st
   }
 }
 
-Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last) {
+bool Server::HoldsToken(uint64_t cluster, const std::string &token) {
+  if (token.size() != wire::kLinkTokenBytes) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  bool ok = false;
+  for (const auto &w : workers_)
+    if (!w->done && w->cluster == cluster && w->token.size() == token.size()) ok |= auth::Same(w->token, token);
+  return ok;
+}
+
+Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last, std::string &token) {
   std::vector<uint8_t> payload;
   const Deadline deadline = After(kHandshakeTimeout);
   wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
@@ -354,6 +388,9 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<u
   wire::Hello hello = wire::DecodeHello(payload);
   peer_cluster = hello.cluster_id;
   const Greeted greeted = (hello.features & wire::kFeatureReverse) ? Greeted::kReverse : Greeted::kControl;
+  // A reverse HELLO's proof ends with the link token it echoes: the challenge is the rest.
+  const std::pair<std::string, std::string> parts = wire::SplitToken(hello.proof, hello.features);
+  const std::string &client_nonce = parts.first;
   if (hello.cluster_id == identity_->cluster_id) {
     TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
                                   "peer uses our own cluster id " + std::to_string(hello.cluster_id)},
@@ -374,9 +411,25 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<u
   const std::string &secret = identity_->secret;
   if (!secret.empty()) {
     welcome.features |= auth::kFeatureAuth;
-    welcome.proof = auth::ServerProof(secret, hello.proof, auth::Nonce(), identity_->cluster_id, hello.cluster_id);
+    welcome.proof = auth::ServerProof(secret, client_nonce, auth::Nonce(), identity_->cluster_id, hello.cluster_id);
   }
+  if (greeted == Greeted::kControl) {  // its link token, for its reverse channel to echo
+    token = auth::Nonce();  // kLinkTokenBytes random bytes
+    welcome.features |= wire::kFeatureToken;
+    welcome.proof += token;
+  }
+  // A reverse channel only from the peer holding its cluster's control channel (after the
+  // secret's proofs, when there is a secret): answered with an ERROR, never adopted.
+  auto refuse_reverse = [&](uint32_t rid) {
+    if (greeted != Greeted::kReverse || HoldsToken(hello.cluster_id, parts.second)) return false;
+    TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                                  "a reverse channel for cluster " + std::to_string(hello.cluster_id) +
+                                      " must come from the peer holding that cluster's control channel to us (its link token)"},
+                                 rid));
+    return true;
+  };
   if (secret.empty()) {
+    if (refuse_reverse(h.request_id)) return Greeted::kRefused;
     last = wire::EncodeHello(wire::kWelcome, welcome, h.request_id);
     return greeted;
   }
@@ -386,7 +439,7 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<u
   bool ok = false;
   if (h.type == wire::kAuth) {
     std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
-    std::string want = auth::ClientProof(secret, hello.proof, server_nonce, identity_->cluster_id, hello.cluster_id);
+    std::string want = auth::ClientProof(secret, client_nonce, server_nonce, identity_->cluster_id, hello.cluster_id);
     ok = auth::Same(want, wire::DecodeAuth(payload));
   }
   if (!ok) {
@@ -395,6 +448,7 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<u
                                  h.request_id));
     return Greeted::kRefused;
   }
+  if (refuse_reverse(h.request_id)) return Greeted::kRefused;
   last = wire::EncodeEmpty(wire::kOk, h.request_id);
   return greeted;
 }

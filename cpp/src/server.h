@@ -89,7 +89,8 @@ class Server {
   /// Binds host:port (port 0 picks one) and starts accepting; with identity->serve_local,
   /// also on the local channel (docs/protocol.md), unless its name is taken. LLM_LINK_FAILED
   /// if it cannot bind the TCP address. At most `max_conns` connections are served at once,
-  /// `max_per_peer` from one IP address (local ones: from one pid); one over either cap gets
+  /// `max_per_peer` from one IP address (local ones: from one uid, so that a fork gains
+  /// nothing); TCP and the local channel share the one budget. One over either cap gets
   /// ERROR LLM_LINK_FAILED in answer to its first frame, from the accept thread, and is closed.
   void Start(const std::string &host, uint16_t port, size_t max_conns = 256, size_t max_per_peer = 64);
   void Stop();
@@ -100,12 +101,16 @@ class Server {
 
  private:
   struct Worker {
-    std::string peer;  // what the per-peer cap counts by: the IP, or "pid N" for local ones
+    std::string peer;  // what the per-peer cap counts by: the IP, or "uid N" for local ones
     bool local = false;
     local::Cred cred;  // local connections: the kernel-verified peer
     std::unique_ptr<Conn> conn;
     std::thread thread;
     std::atomic<bool> done{false};
+    // A control channel whose handshake completed (under mu_): its peer's cluster id and the
+    // link token we issued it, which that peer's reverse channel must echo.
+    uint64_t cluster = 0;
+    std::string token;
   };
   /// A connection over a cap, waiting (on the accept thread) for its first frame.
   struct Refusal {
@@ -120,11 +125,15 @@ class Server {
   bool StepRefusal(Refusal &r);  // true: done with it (answered or given up)
   void Serve(Worker *w);
   enum class Greeted { kRefused, kControl, kReverse };
-  /// HELLO -> WELCOME (and the secret's challenge and response).
   /// HELLO, WELCOME (and the secret's proofs); the last frame to send (WELCOME, or OK after
-  /// AUTH) is left in `last` for the caller, except on refusal.
-  Greeted Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last);
-  void ReapLocked(bool all);
+  /// AUTH) is left in `last` for the caller, except on refusal. A control channel's link token
+  /// (issued in its WELCOME) is left in `token`; a reverse channel is refused (ERROR
+  /// LLM_LINK_FAILED) unless its HELLO echoed the token of a live control channel of its
+  /// cluster id.
+  Greeted Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last, std::string &token);
+  /// `token` is that of a live control channel of `cluster` (constant-time compares).
+  bool HoldsToken(uint64_t cluster, const std::string &token);
+  void ReapLocked();  // joins the workers that are done (mu_ held)
 
   Registry *registry_;
   Identity *identity_;

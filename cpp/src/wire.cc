@@ -482,5 +482,11 @@ uint64_t LayoutTag(int32_t dtype, const std::vector<int64_t> &unit_shape) {
   return hi << 32 | Crc32(0, text.data(), text.size());
 }
 
+std::pair<std::string, std::string> SplitToken(const std::string &proof, uint32_t features) {
+  if (!(features & kFeatureToken) || proof.size() < kLinkTokenBytes) return {proof, std::string()};
+  const size_t rest = proof.size() - kLinkTokenBytes;
+  return {proof.substr(0, rest), proof.substr(rest)};
+}
+
 }  // namespace wire
 }  // namespace datadist

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace datadist {
@@ -48,6 +49,14 @@ constexpr uint32_t kFlagWhole = 8;
 constexpr uint32_t kFeatureLocal = 2;    // WELCOME: the server also serves its local channel
 constexpr uint32_t kFeatureReverse = 4;  // WELCOME: reverse channels accepted; HELLO: this is one
 constexpr uint32_t kFeatureLease = 8;    // WELCOME, local channel: LEASE_REQUEST is answered
+// The link token (docs/protocol.md, "Reverse channels"): a WELCOME answering a control HELLO
+// ends its proof with kLinkTokenBytes random bytes; a reverse HELLO ends its proof with the
+// token of its client's live control channel, and is adopted only with it.
+constexpr uint32_t kFeatureToken = 16;
+constexpr size_t kLinkTokenBytes = 16;
+/// (the rest of `proof`, its link token) for a HELLO / WELCOME with `features` (token empty
+/// without kFeatureToken, or when `proof` is too short to hold one).
+std::pair<std::string, std::string> SplitToken(const std::string &proof, uint32_t features);
 // LEASE_REQUEST flags: kFlagShm (the reader maps shareable memory), or a lease to write
 constexpr uint32_t kLeaseWrite = 0x100;
 

@@ -370,15 +370,16 @@ TEST_F(Owner, AnUnreleasedGrantExpiresOnceTheMemoryIsWantedBack) {
   EXPECT_EQ(Ask(*c, w::EncodeU64(w::kPing, 7, 3)).first.type, w::kPong);
 }
 
-TEST_F(Owner, LocalConnectionsAreCappedPerPidWithAnErrorAnswer) {
-  // the fixture's server allows 8 connections per peer; local peers count by pid
+TEST_F(Owner, LocalConnectionsAreCappedPerUidWithAnErrorAnswer) {
+  // the fixture's server allows 8 connections per peer; local peers count by uid (issue 21
+  // item 3: a per-pid count let a fork multiply it)
   std::vector<std::unique_ptr<datadist::Conn>> conns;
   for (int i = 0; i < 8; ++i) conns.push_back(Local());
   auto over = datadist::local::Connect(datadist::local::Name(getpid(), kOwner), After(2));
   auto [h, p] = Ask(*over, w::EncodeHello(w::kHello, ClientHello(), 1));
   ASSERT_EQ(h.type, w::kError);
   EXPECT_EQ(w::DecodeError(p).code, static_cast<int64_t>(LLM_LINK_FAILED));
-  EXPECT_NE(w::DecodeError(p).message.find("pid " + std::to_string(getpid())), std::string::npos);
+  EXPECT_NE(w::DecodeError(p).message.find("uid " + std::to_string(getuid())), std::string::npos);
   EXPECT_GE(server->refused(), 1U);
 }
 

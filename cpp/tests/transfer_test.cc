@@ -663,7 +663,9 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   EXPECT_NE(welcome.pid_ns, 0U);
   EXPECT_EQ(welcome.boot_id, datadist::local::HostIdentity::Current().boot_id);
   EXPECT_NE(welcome.boot_id, (std::array<uint8_t, 16>{}));
-  EXPECT_EQ(welcome.features, w::kFeatureReverse | w::kFeatureLocal | w::kFeatureLease);
+  // a control channel's WELCOME carries its link token, for its reverse channel to echo
+  EXPECT_EQ(welcome.features, w::kFeatureReverse | w::kFeatureLocal | w::kFeatureLease | w::kFeatureToken);
+  EXPECT_EQ(w::SplitToken(welcome.proof, welcome.features).second.size(), w::kLinkTokenBytes);
   auto ask = [&](uint8_t type, w::Request q, uint32_t rid) {
     r.Send(w::EncodeRequest(type, q, rid));
     return r.Recv();
@@ -704,7 +706,8 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
     EXPECT_EQ(w::DecodeError(ep).code, static_cast<int64_t>(c.code));
     ++rid;
   }
-  // a WRITE naming raw addresses outside every cache: nothing lands
+  // a WRITE naming raw addresses outside every cache: nothing lands (and the answer is the
+  // one every address refusal gets: no address oracle)
   w::Request raw;
   raw.kind = w::kAddress;
   raw.tensors = {0};
@@ -712,7 +715,7 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   raw.lengths = {8};
   auto [wh, wp] = ask(w::kWrite, raw, rid++);
   ASSERT_EQ(wh.type, w::kError);
-  EXPECT_EQ(w::DecodeError(wp).code, static_cast<int64_t>(LLM_KV_CACHE_NOT_EXIST));
+  EXPECT_EQ(w::DecodeError(wp).code, static_cast<int64_t>(LLM_PARAM_INVALID));
   // still serving: a good READ returns exactly the bytes
   auto [rh, rp] = ask(w::kRead, q, rid);
   ASSERT_EQ(rh.type, w::kReadData);

@@ -84,3 +84,71 @@ def _info(cluster_id: int, port: int) -> llm.LLMClusterInfo:
     info.append_local_ip_info("127.0.0.1", 0)
     info.append_remote_ip_info("127.0.0.1", port)
     return info
+
+
+def _stranger_reverse_hello(port: int, cluster_id: int, token: bytes = b"") -> object:
+    """A raw HELLO with FEATURE_REVERSE (and a token when given) from a fresh socket; the
+    answer frame, or None if the listener closed without one."""
+    import socket
+
+    from datadist.wire import protocol as p
+
+    features = p.FEATURE_REVERSE | (p.FEATURE_TOKEN if token else 0)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(p.encode(p.Hello(cluster_id, 2, 1, 0, bytes(16), features, token), 1))
+        dec, items = p.FrameDecoder(), []
+        while not items:
+            chunk = s.recv(65536)
+            if not chunk:
+                return None
+            items = dec.feed(chunk)
+        return items[0][1]
+
+
+@pytest.mark.parametrize("token", [b"", b"\x5a" * 16])
+def test_a_stranger_cannot_hijack_a_cpp_decoders_reverse_channel_at_a_python_prompt(
+        xpeer, token):
+    """Issue 21 item 1, across languages: the C++ decoder echoes the Python listener's link
+    token; a stranger's reverse HELLO for the decoder's cluster id is refused and the
+    prompt's push still lands in the C++ decoder. Before, the stranger's channel replaced
+    the decoder's and the push went to the stranger."""
+    from datadist.wire import protocol as p
+
+    py = make_python(llm.LLMRole.PROMPT, listen=True)
+    try:
+        src, arrays = register(py, 2, (4, 16))
+        for t in range(2):
+            arrays[t].reshape(-1)[:] = np.frombuffer(pattern(80 + t, 64), dtype=np.uint8)
+        cpp = xpeer()
+        cpp.init(CPP_ID, 2)
+        dst = cpp.register(2, (4, 16))
+        assert cpp.status(f"link {PY_ID} 127.0.0.1 {py.listen_address[1]} 3000") == LLM_SUCCESS
+        answer = _stranger_reverse_hello(py.listen_address[1], CPP_ID, token)
+        assert isinstance(answer, p.Error) and answer.code == LLM_LINK_FAILED
+        py.cache_manager.push_cache(llm.CacheKeyByIdAndIndex(CPP_ID, dst, 2), src,
+                                    src_batch_index=0)
+        assert cpp.read(dst, 1)[32:48] == arrays[1][0].tobytes()
+    finally:
+        py.finalize()
+
+
+def test_a_stranger_cannot_hijack_a_python_decoders_reverse_channel_at_a_cpp_prompt(xpeer):
+    """Issue 21 item 1, the other way: the Python decoder echoes the C++ listener's token."""
+    from datadist.wire import protocol as p
+
+    cpp = xpeer()
+    cpp.init(CPP_ID, 1, listen=True)
+    src = cpp.register(2, (4, 16))
+    data = [pattern(90 + t, 64) for t in range(2)]
+    for t in range(2):
+        cpp.write(src, t, data[t])
+    py = make_python(llm.LLMRole.DECODER, listen=False)
+    try:
+        cache, arrays = register(py, 2, (4, 16))
+        link_to(py, CPP_ID, cpp.port)
+        answer = _stranger_reverse_hello(cpp.port, PY_ID)
+        assert isinstance(answer, p.Error) and answer.code == LLM_LINK_FAILED
+        cpp.ok(f"pushc {src} {PY_ID} {cache.cache_id} 1 2 -1 -1 -1 -1 -1 2")
+        assert arrays[1][1].tobytes() == data[1][32:48]  # (dst slot 1 <- src slot 2)
+    finally:
+        py.finalize()

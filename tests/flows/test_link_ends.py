@@ -196,10 +196,20 @@ class TestWire:
         server = make_side(PROMPT_ID, remote_cache_accessible=True)
         src, x = server.register(1, [4, 16], blocks=True, seed=8)
         me = HostIdentity.current()
+        # The control channel first: its Welcome carries the link token the reverse
+        # channel must echo (docs/protocol.md, "Reverse channels").
+        control = socket.create_connection(server.engine.listen_address, timeout=5)
+        control.sendall(p.encode(p.Hello(DECODER_ID, 2, os.getpid() + 1, me.pid_ns,
+                                         me.boot_id), 1))
+        _, cwelcome = self._frame(control)
+        assert cwelcome.features & p.FEATURE_TOKEN
+        token = p.split_token(cwelcome.proof, cwelcome.features)[1]
+        assert len(token) == p.LINK_TOKEN_BYTES
         sock = socket.create_connection(server.engine.listen_address, timeout=5)
         try:
             sock.sendall(p.encode(p.Hello(DECODER_ID, 2, os.getpid() + 1, me.pid_ns,
-                                          me.boot_id, p.FEATURE_REVERSE), 1))
+                                          me.boot_id, p.FEATURE_REVERSE | p.FEATURE_TOKEN,
+                                          token), 1))
             rid, welcome = self._frame(sock)
             assert rid == 1 and isinstance(welcome, p.Welcome)
             assert welcome.features & p.FEATURE_REVERSE  # the server takes reverse channels
@@ -231,6 +241,7 @@ class TestWire:
             assert not errors
         finally:
             sock.close()
+            control.close()
 
 
 def test_stopping_to_listen_closes_the_local_channel_too(make_side):

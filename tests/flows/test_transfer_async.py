@@ -265,7 +265,8 @@ class TestOutcomes:
         np.testing.assert_array_equal(c, a[2:4])
 
     @pytest.mark.parametrize("where,status", [
-        ("nowhere", S.LLM_KV_CACHE_NOT_EXIST),
+        # one answer wherever the addresses point (issue 21 item 2: no address oracle)
+        ("nowhere", S.LLM_PARAM_INVALID),
         ("spill", S.LLM_PARAM_INVALID),
         ("private", S.LLM_PARAM_INVALID),
     ])

@@ -146,9 +146,14 @@ def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt, 
     assert cli.main(["info", "--peer", f"{host}:{port}", "--cluster-id", str(PROMPT_ID)]) == 0
     out = capsys.readouterr().out
     assert f"peer metrics: cluster {PROMPT_ID}" in out
-    assert f"{op} with cluster {DECODER_ID}:" in out and "LLM_KV_CACHE_NOT_EXIST" in out
     assert f"peer metrics: cluster {PROMPT_ID}, role PROMPT" in out  # a name, not 1
+    # The CLI links as a cluster of its own: the PROMPT tells it about its own link only,
+    # never about the decoder's (issue 21 item 4: STATS was a side channel on other peers).
+    assert f"cluster {DECODER_ID}" not in out and "LLM_KV_CACHE_NOT_EXIST" not in out
+    # What the decoder's own link shows, as the CLI prints it.
+    shown = "\n".join(cli.metrics_lines(stats))
+    assert f"{op} with cluster {DECODER_ID}:" in shown and "LLM_KV_CACHE_NOT_EXIST" in shown
     if op == "serve_lease":  # not "N transfers, 0 bytes": the owner cannot see those reads
-        assert "leases granted" in out and "the reader counts" in out
-        leases = [ln for ln in out.splitlines() if ln.strip().startswith("serve_lease")]
+        assert "leases granted" in shown and "the reader counts" in shown
+        leases = [ln for ln in shown.splitlines() if ln.strip().startswith("serve_lease")]
         assert leases and not any(" 0 bytes" in ln for ln in leases), leases

@@ -371,10 +371,13 @@ class TestCheckSourceSpans:
     def test_empty(self) -> None:
         check_source_spans(u64(), u64(), 0)
 
-    def test_zero_length_at_the_end_is_fine_past_it_is_not(self) -> None:
-        check_source_spans(u64(100), u64(0), 100)
-        with pytest.raises(InvalidArgument):
-            check_source_spans(u64(101), u64(0), 100)
+    @pytest.mark.parametrize("good", [0, 1, 30])  # Python ints, then numpy
+    def test_zero_length_spans_are_refused_anywhere(self, good: int) -> None:
+        """Issue 21 item 2: a 0-byte span moves nothing and only asks whether an address is
+        registered; it used to pass inside (and at the end of) every tensor."""
+        for offset in (0, 50, 100, 101):
+            with pytest.raises(InvalidArgument, match="empty"):
+                check_source_spans(u64(*[0] * good, offset), u64(*[4] * good, 0), 100)
 
     @pytest.mark.parametrize(
         ("offset", "length"),
@@ -406,7 +409,7 @@ class TestCheckSourceSpans:
     ) -> None:
         offsets = u64(*(o for o, _ in spans_))
         lengths = u64(*(n for _, n in spans_))
-        inside = all(o + n <= limit for o, n in spans_)
+        inside = all(n >= 1 and o + n <= limit for o, n in spans_)
         if inside:
             check_source_spans(offsets, lengths, limit)
         else:

@@ -560,23 +560,43 @@ class TestOpenAddresses:
     def test_span_leaving_the_tensor_is_refused(self) -> None:
         reg = Registry()
         e = user_cache(reg)
-        with pytest.raises(InvalidArgument, match="outside"):
+        with pytest.raises(InvalidArgument, match="do not lie inside"):
             self.write(reg, [ADDRS[0] + 1000], [25])  # 1024-byte tensor
         # one span in tensor 0, another in tensor 1: not one tensor
-        with pytest.raises(InvalidArgument, match="outside"):
+        with pytest.raises(InvalidArgument, match="do not lie inside"):
             self.write(reg, [ADDRS[0], ADDRS[1]], [8, 8])
         # the wrap-around trick: a length that brings the end back below the start
-        with pytest.raises(InvalidArgument, match="outside"):
+        with pytest.raises(InvalidArgument, match="do not lie inside"):
             self.write(reg, [ADDRS[0] + 8], [2**64 - 8])
         assert e.leases == 0
 
-    def test_unknown_memory_is_not_found_and_private_memory_is_refused(self) -> None:
+    def test_unknown_and_private_memory_get_one_answer(self) -> None:
+        """Issue 21 item 2: "nothing here" and "memory here, refused" are one code and one
+        message, so a peer cannot find where our (private) memory lies by probing."""
         reg = Registry()
         e = user_cache(reg, remote_accessible=False)
-        with pytest.raises(CacheNotFound):
-            self.write(reg, [0x5000], [8])
-        with pytest.raises(InvalidArgument, match="not remote accessible"):
-            self.write(reg, [ADDRS[0]], [8])
+        answers = set()
+        for offsets in ([0x5000], [ADDRS[0]], [ADDRS[0] + 1000]):
+            with pytest.raises(InvalidArgument) as got:
+                self.write(reg, offsets, [8])
+            answers.add((type(got.value), got.value.code, str(got.value)))
+        assert len(answers) == 1
+        assert e.leases == 0
+
+    def test_zero_length_spans_are_refused_inside_and_outside(self) -> None:
+        """Issue 21 item 2: a 0-byte span passed every bounds check and was the probe of the
+        address oracle; now it is refused, with the same answer wherever it points."""
+        reg = Registry()
+        e = user_cache(reg)
+        answers = set()
+        for offsets in ([ADDRS[0]], [0x5000], [ADDRS[1] + 10]):
+            with pytest.raises(InvalidArgument) as got:
+                self.write(reg, offsets, [0])
+            answers.add(str(got.value))
+        assert len(answers) == 1 and e.leases == 0
+        with pytest.raises(InvalidArgument, match="empty"):  # by cache id too
+            reg.open(KeyRef(KeyKind.CACHE_ID, e.cache_id, 0, 0), 0, np.array([0], np.uint32),
+                     u64(0), u64(0))
         assert e.leases == 0
 
     @pytest.mark.parametrize(

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hmac
 import itertools
 import json
 import logging
+import secrets
 import ssl
 import threading
 import time
@@ -64,7 +66,7 @@ from datadist.transport.channel import Channel
 from datadist.transport.iov import PTRACER, CmaRefused
 from datadist.transport.local import LocalListener, local_name
 from datadist.transport.paths import CmaPath, LeasedCopy, TcpPath, lease_key
-from datadist.transport.tcp import ServerConnection, TcpListener
+from datadist.transport.tcp import ConnBudget, ServerConnection, TcpListener
 from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 
@@ -177,19 +179,20 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
 
 
 def _connect_nixl(path: Any, chan: Channel, connect: Callable[[float], tuple[Channel, Any]],
-                  deadline: float) -> tuple[Channel, Any, str]:
+                  deadline: float, welcome: p.Welcome
+                  ) -> tuple[Channel, p.Welcome, Any, str]:
     """Load the peer's NIXL metadata over the fresh link. A peer without NIXL (it answers
     an Error, or, before protocol.md's NIXL messages, closes the connection) or whose
     metadata our NIXL refuses (LinkFailed: another NIXL version) gets TCP."""
     try:
         path.connect(chan, deadline)
-        return chan, path, "forced nixl (UCX; metadata over the link)"
+        return chan, welcome, path, "forced nixl (UCX; metadata over the link)"
     except (NotSupported, RemoteProtocolError, BrokenLink, LinkFailed) as e:
         path.close()
         log.warning("nixl forced but the peer offers no NIXL agent (%s); using tcp", e)
-        if chan.closed:
-            chan, _ = connect(deadline)
-        return chan, TcpPath(), f"nixl forced but the peer offers no NIXL agent: {e}"
+        if chan.closed:  # a fresh channel: its Welcome (its link token) is the link's now
+            chan, welcome = connect(deadline)
+        return chan, welcome, TcpPath(), f"nixl forced but the peer offers no NIXL agent: {e}"
 
 
 class Engine:
@@ -206,10 +209,15 @@ class Engine:
         self._reverse: dict[int, Link] = {}  # listener's ends of peers' links (inbound)
         self._inbound: dict[tuple[int, str], PeerInfo] = {}
         self._hellos: dict[int, int] = {}  # handshakes so far, by peer cluster id
+        # link tokens of the live control channels peers opened to us, by connection: a
+        # reverse channel is adopted only with one of its cluster's (adopt_reverse)
+        self._tokens: dict[tuple[int, str], tuple[int, bytes]] = {}
         self._linking: set[int] = set()  # clusters link() is connecting to right now
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()  # set at close: ends the reverse channels we serve
+        # One budget of connections for every listener of ours (TCP and the local channel)
+        self._budget = ConnBudget(config.max_connections, config.max_connections_per_peer)
         self.listener: TcpListener[Lease] | None = None
         self.local_listener: LocalListener[Lease] | None = None
         self._grants: dict[int, int] = {}  # verified peer pid -> grants outstanding
@@ -311,21 +319,22 @@ class Engine:
         """A started listener serving this engine, with TLS when configured. Every listener
         of the engine (its own, two-sided link ones) comes from here."""
         server_tls = self.config.tls.server_context() if self.config.tls else None
-        listener = TcpListener(host, port, self, server_tls,
-                               max_conns=self.config.max_connections,
-                               max_per_peer=self.config.max_connections_per_peer).start()
+        listener = TcpListener(host, port, self, server_tls, budget=self._budget).start()
         self._serve_local(server_tls)
         return listener
 
     def _serve_local(self, server_tls: ssl.SSLContext | None) -> None:
         """Serve the local channel (transport/local.py) too, once, unless TCP is forced:
-        same-host peers are verified there, and only there get grants."""
+        same-host peers are verified there, and only there get grants. Its connections count
+        in the engine's one budget (``datadist.MaxConnections`` / ``MaxConnectionsPerPeer``),
+        with the TCP listener's."""
         with self._lock:
             if self.local_listener is not None or self.forced == PathKind.TCP or self._closed:
                 return
             name = local_name(self.identity.pid, self.config.cluster_id)
             try:
-                self.local_listener = LocalListener(name, self, server_tls).start()
+                self.local_listener = LocalListener(name, self, server_tls,
+                                                    budget=self._budget).start()
             except LinkFailed as e:
                 log.info("same-host peers will use tcp: %s", e)
 
@@ -474,15 +483,20 @@ class Engine:
 
     # ------------------------------------------------------------------ links
 
-    def _hello(self, reverse: bool = False) -> p.Hello:
+    def _hello(self, reverse: bool = False, token: bytes = b"") -> p.Hello:
         """A fresh Hello: with a secret, a fresh nonce for the challenge; ``reverse`` for the
-        reverse channel of a link."""
+        reverse channel of a link, echoing ``token``, the link token the peer issued our
+        control channel (none from a peer that issues none)."""
         ident = self.identity
         secret = self.config.secret
         features = (p.FEATURE_AUTH if secret else 0) | (p.FEATURE_REVERSE if reverse else 0)
+        proof = auth.nonce() if secret else b""
+        if reverse and token:
+            features |= p.FEATURE_TOKEN
+            proof += token
         return p.Hello(
             self.config.cluster_id, self.role, ident.pid, ident.pid_ns, ident.boot_id,
-            features, auth.nonce() if secret else b"",
+            features, proof,
         )
 
     def link(self, cluster_id: int, host: str, port: int, timeout: float,
@@ -589,13 +603,20 @@ class Engine:
         if not isinstance(reply, p.Pong):
             raise RemoteProtocolError(f"expected Pong, got {type(reply).__name__}")
 
-    def stats(self) -> dict[str, Any]:
-        """This process's transfer metrics (``metrics.PROCESS``), JSON-ready, with who we are:
-        what a peer's StatsRequest gets back."""
+    def stats(self, peer: PeerInfo | None = None) -> dict[str, Any]:
+        """Our transfer metrics (``metrics.PROCESS``), JSON-ready, with who we are. Called
+        by the facade and tests for the whole process (``peer`` None), and by a serving
+        thread for a peer's StatsRequest: then only that peer's own series (what we did
+        for and with its cluster id: ``links`` holds its id alone, ``total`` is the same
+        series), never other peers' ids, counts, bytes or latencies."""
         snap = metrics.PROCESS.snapshot()
-        return {"cluster_id": self.config.cluster_id, "role": self.role,
-                "total": snap["total"],
-                "links": {str(cid): ops for cid, ops in snap["links"].items()}}
+        if peer is None:
+            return {"cluster_id": self.config.cluster_id, "role": self.role,
+                    "total": snap["total"],
+                    "links": {str(cid): ops for cid, ops in snap["links"].items()}}
+        own = snap["links"].get(peer.cluster_id, {})
+        return {"cluster_id": self.config.cluster_id, "role": self.role, "total": own,
+                "links": {str(peer.cluster_id): own} if own else {}}
 
     def peer_stats(self, cluster_id: int, timeout: float) -> dict[str, Any]:
         """Ask a linked peer for its metrics (``stats``) over the link. Blocks <= timeout;
@@ -623,11 +644,15 @@ class Engine:
         """Any link alive, either end. Reverse channels the linker has closed are dropped
         here (nothing else notices them: the listener never reads an idle one)."""
         with self._lock:
-            for cid, link in list(self._reverse.items()):
-                if link.chan.closed or (not link.lock.locked() and link.chan.peer_gone()):
-                    del self._reverse[cid]
-                    link.close()
+            self._prune_reverse()
             return bool(self._links or self._inbound or self._reverse)
+
+    def _prune_reverse(self) -> None:
+        """Drop the reverse channels their linkers closed (self._lock held; never blocks)."""
+        for cid, link in list(self._reverse.items()):
+            if link.chan.closed or (not link.lock.locked() and link.chan.peer_gone()):
+                del self._reverse[cid]
+                link.close()
 
     # ------------------------------------------------------------------ transfers
 
@@ -779,21 +804,29 @@ class Engine:
             raise LinkFailed("a link from this engine to itself")
         # The peer is registered only once its handshake completed (on_peer_ready).
         secret = self.config.secret
-        local = (p.FEATURE_LOCAL | p.FEATURE_LEASE) if self.local_listener is not None else 0
-        if secret is None:
-            return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
-                             ident.boot_id, local | p.FEATURE_REVERSE)
-        proof = auth.server_proof(secret, hello.proof, auth.nonce(), self.config.cluster_id,
-                                  hello.cluster_id)
+        features = p.FEATURE_REVERSE
+        if self.local_listener is not None:
+            features |= p.FEATURE_LOCAL | p.FEATURE_LEASE
+        proof = b""
+        if secret is not None:
+            features |= p.FEATURE_AUTH
+            nonce = p.split_token(hello.proof, hello.features)[0]
+            proof = auth.server_proof(secret, nonce, auth.nonce(), self.config.cluster_id,
+                                      hello.cluster_id)
+        if not hello.features & p.FEATURE_REVERSE:
+            # A control channel: its link token, which only its reverse channel may echo.
+            features |= p.FEATURE_TOKEN
+            proof += secrets.token_bytes(p.LINK_TOKEN_BYTES)
         return p.Welcome(self.config.cluster_id, self.role, ident.pid, ident.pid_ns,
-                         ident.boot_id, p.FEATURE_AUTH | local | p.FEATURE_REVERSE, proof)
+                         ident.boot_id, features, proof)
 
     def check_auth(self, hello: p.Hello, welcome: p.Welcome, proof: bytes) -> None:
         secret = self.config.secret
-        parts = auth.split_server_proof(welcome.proof)
+        parts = auth.split_server_proof(p.split_token(welcome.proof, welcome.features)[0])
         if secret is None or parts is None:
             raise LinkFailed("no challenge was issued")
-        want = auth.client_proof(secret, hello.proof, parts[0], self.config.cluster_id,
+        nonce = p.split_token(hello.proof, hello.features)[0]
+        want = auth.client_proof(secret, nonce, parts[0], self.config.cluster_id,
                                  hello.cluster_id)
         if not auth.same(want, proof):
             raise LinkFailed(f"cluster {hello.cluster_id} failed to prove the shared secret")
@@ -805,6 +838,8 @@ class Engine:
             if not self._closed:
                 self._inbound[peer.key] = peer
                 self._hellos[peer.cluster_id] = self._hellos.get(peer.cluster_id, 0) + 1
+                if peer.token:
+                    self._tokens[peer.key] = (peer.cluster_id, peer.token)
 
     def _serving(self, op: str, peer: PeerInfo, open_: Callable[[], Lease]) -> Lease:
         """Open a lease for a peer's request, counted in the metrics as ``op`` (``serve_read``,
@@ -1055,8 +1090,10 @@ class Engine:
         whole = (p.KeyRef(key.kind, key.a, 0, 0) if key.kind == p.KeyKind.CACHE_ID
                  else p.KeyRef(key.kind, 0, key.b, 0))
         epoch = self._nixl_epoch
-        zero = np.zeros(1, np.uint64)
-        lease = self.registry.open(whole, msg.unit_bytes, np.zeros(1, np.uint32), zero, zero)
+        # Pins the whole cache; the span (its first byte) only has to pass the checks, which
+        # refuse spans of 0 bytes (issue 21 item 2).
+        lease = self.registry.open(whole, msg.unit_bytes, np.zeros(1, np.uint32),
+                                   np.zeros(1, np.uint64), np.ones(1, np.uint64))
         lease_id = next(self._nixl_lease_ids)
         try:
             entry, g = lease.entry, lease.entry.geometry
@@ -1208,6 +1245,7 @@ class Engine:
         """The linker unlinked politely: its reverse channel goes with its control channel."""
         with self._lock:
             self._inbound.pop(peer.key, None)
+            self._tokens.pop(peer.key, None)
             inbound = self._reverse.get(peer.cluster_id)
             if inbound is not None and inbound.welcome.pid == peer.pid \
                     and inbound.welcome.boot_id == peer.boot_id:
@@ -1219,9 +1257,14 @@ class Engine:
 
     def adopt_reverse(self, peer: PeerInfo, chan: object) -> Callable[[], None]:
         """A linker's reverse channel arrived (the listener's end of its link): register it
-        as the link to ``peer.cluster_id`` for transfers from this side. A newer one from
-        the same cluster replaces the old. Returns the release of the link's lock, held
-        until the serving thread has sent the handshake's last frame."""
+        as the link to ``peer.cluster_id`` for transfers from this side, if its Hello echoed
+        the link token of a live control channel of that cluster (the peer that linked;
+        compared in constant time). A newer one with that proof replaces the old; without it
+        nothing is displaced. Returns the release of the link's lock, held until the serving
+        thread has sent the handshake's last frame. Raises LinkFailed (no such token, as
+        many reverse channels as ``max_connections`` already, or finalizing): the serving
+        thread answers the Hello's handshake with that error, and the linker's link fails
+        with LLM_LINK_FAILED."""
         assert isinstance(chan, Channel)
         welcome = p.Welcome(peer.cluster_id, peer.role, peer.pid, peer.pid_ns, peer.boot_id)
 
@@ -1236,7 +1279,18 @@ class Engine:
                     "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True)
         with self._lock:
             if self._closed:
-                return chan.close  # finalized meanwhile: the connection just ends
+                raise LinkFailed("this listener is finalizing: it takes no reverse channel")
+            if not self._holds_token(peer):
+                raise LinkFailed(
+                    f"a reverse channel for cluster {peer.cluster_id} must come from the peer "
+                    "holding that cluster's control channel to us (its link token)")
+            if (peer.cluster_id not in self._reverse
+                    and len(self._reverse) >= self.config.max_connections):
+                self._prune_reverse()  # closed ones do not count
+            if (peer.cluster_id not in self._reverse
+                    and len(self._reverse) >= self.config.max_connections):
+                raise LinkFailed(f"too many reverse channels ({len(self._reverse)}) to this "
+                                 "listener")
             link.lock.acquire()
             old = self._reverse.get(peer.cluster_id)
             self._reverse[peer.cluster_id] = link
@@ -1245,9 +1299,19 @@ class Engine:
         log.debug("link.inbound %r", link)
         return link.lock.release
 
+    def _holds_token(self, peer: PeerInfo) -> bool:
+        """``peer.token`` is the link token of a live control channel of ``peer.cluster_id``
+        (self._lock held). Every candidate is compared, in constant time."""
+        ok = False
+        for cid, token in self._tokens.values():
+            if cid == peer.cluster_id:
+                ok |= hmac.compare_digest(token, peer.token)
+        return ok and len(peer.token) == p.LINK_TOKEN_BYTES
+
     def on_disconnect(self, peer: PeerInfo) -> None:
         with self._lock:
             self._inbound.pop(peer.key, None)
+            self._tokens.pop(peer.key, None)
         self._nixl_wired.discard(peer.key)
         if self._nixl_held:
             with self._nixl_lock:
@@ -1297,8 +1361,9 @@ class Engine:
                 log.warning("nixl forced but not usable here (%s); using tcp", unchecked)
                 return Connected(got.chan, got.welcome, TcpPath(),
                                  f"nixl forced but not usable here: {unchecked}")
-            chan, path, reason = _connect_nixl(got.path, got.chan, greet_tcp, deadline)
-            return Connected(chan, got.welcome, path, reason)
+            chan, welcome, path, reason = _connect_nixl(got.path, got.chan, greet_tcp, deadline,
+                                                        got.welcome)
+            return Connected(chan, welcome, path, reason)
 
         deadline = time.monotonic() + timeout
         chan, welcome, path, reason = connect_(deadline)
@@ -1317,9 +1382,12 @@ class Engine:
         ours, ended by unlink or close)."""
         # A TCP channel: the peer reads and writes our memory through its bytes (grants, and
         # so cross-memory attach, are served only on the local channel).
+        # It proves it comes from us with the token the peer issued our control channel
+        # (the one live now: after a move to the local channel, that channel's).
+        token = p.split_token(link.welcome.proof, link.welcome.features)[1]
         chan, welcome = greet(link.host, link.port, link.cluster_id,
-                              lambda: self._hello(reverse=True), self.config.secret, deadline,
-                              self._tls_client)
+                              lambda: self._hello(reverse=True, token=token),
+                              self.config.secret, deadline, self._tls_client)
         peer = PeerInfo(welcome.cluster_id, welcome.role, welcome.pid, welcome.pid_ns,
                         welcome.boot_id, chan.address)
         link.served = chan

@@ -378,32 +378,38 @@ def plan_contiguous_to_blocks(
 def check_source_spans(
     offsets: np.ndarray, lengths: np.ndarray, limit: int
 ) -> None:
-    """Owner side: every span ``[offset, offset+length)`` must lie inside ``[0, limit)``.
+    """Owner side: every span ``[offset, offset+length)`` must lie inside ``[0, limit)``,
+    and be at least one byte long (a span of 0 bytes moves nothing, and its only use is to
+    ask whether an address lies inside registered memory).
 
     Overflow-safe: compared as ``offset <= limit - length`` on uint64 after checking
     ``length <= limit``.
     """
     bad = span_outside(offsets, lengths, limit)
     if bad is not None:
+        if not bad[1]:
+            raise InvalidArgument(f"span [{bad[0]}, +0) is empty: spans move >= 1 byte")
         raise InvalidArgument(f"span [{bad[0]}, +{bad[1]}) lies outside the {limit} bytes "
                               "registered")
 
 
 def span_outside(offsets: np.ndarray, lengths: np.ndarray,
                  limit: int) -> tuple[int, int] | None:
-    """The first span ``(offset, length)`` not inside ``[0, limit)``; None when all are.
-    Overflow-safe (see :func:`check_source_spans`)."""
+    """The first span ``(offset, length)`` that is empty or not inside ``[0, limit)``; None
+    when all are good. Overflow-safe (see :func:`check_source_spans`)."""
     if offsets.shape != lengths.shape:
         raise InvalidArgument("span arrays differ in length")
     if not len(lengths):
         return None
     if len(lengths) <= FEW:  # in Python ints: exact, no wrap-around to guard against
         for off, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
-            if off < 0 or n < 0 or n > limit or off > limit - n:
+            if off < 0 or n <= 0 or n > limit or off > limit - n:
                 return int(off), int(n)
         return None
     lim = np.uint64(limit)
-    if bool((lengths > lim).any()) or bool((offsets > lim - lengths).any()):
-        bad = int(np.argmax((lengths > lim) | (offsets > lim - np.minimum(lengths, lim))))
+    if (bool((lengths > lim).any()) or bool((offsets > lim - lengths).any())
+            or not bool(lengths.all())):
+        bad = int(np.argmax((lengths > lim) | (offsets > lim - np.minimum(lengths, lim))
+                            | (lengths == 0)))
         return int(offsets[bad]), int(lengths[bad])
     return None

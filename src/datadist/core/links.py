@@ -255,14 +255,17 @@ def greet(
             raise LinkFailed(f"cluster {cluster_id} requires a shared secret "
                              "(DATADIST_AUTH_SECRET / LLMConfig.auth_secret)")
         if secret is not None:
-            parts = auth.split_server_proof(welcome.proof) if required else None
+            # Link tokens (protocol FEATURE_TOKEN) end both proofs: the challenge is the rest.
+            server_part = p.split_token(welcome.proof, welcome.features)[0]
+            nonce = p.split_token(h.proof, h.features)[0]
+            parts = auth.split_server_proof(server_part) if required else None
             if parts is None:
                 raise LinkFailed(f"cluster {cluster_id} did not prove the shared secret")
             server_nonce, mac = parts
-            want = auth.server_proof(secret, h.proof, server_nonce, cluster_id, h.cluster_id)
+            want = auth.server_proof(secret, nonce, server_nonce, cluster_id, h.cluster_id)
             if not auth.same(want[auth.NONCE_BYTES:], mac):
                 raise LinkFailed(f"cluster {cluster_id} failed to prove the shared secret")
-            ok = chan.call(p.Auth(auth.client_proof(secret, h.proof, server_nonce, cluster_id,
+            ok = chan.call(p.Auth(auth.client_proof(secret, nonce, server_nonce, cluster_id,
                                                     h.cluster_id)), deadline)
             if not isinstance(ok, p.Ok):
                 raise LinkFailed(f"expected Ok after Auth, got {type(ok).__name__}")

@@ -172,6 +172,11 @@ class Lease:
         return iovecs(self.bases, self.offsets, self.lengths)
 
 
+# The one answer to an address-keyed write the owner refuses for where it points.
+ADDRESS_REFUSED = ("the addresses do not lie inside one tensor of a remote-accessible "
+                   "registered cache (spans of >= 1 byte)")
+
+
 def check_request_size(tensors: np.ndarray, offsets: np.ndarray) -> None:
     """What a request may cost the owner, before any per-span work: at most
     MAX_REQUEST_SPANS spans after the tensors x spans expansion, and no tensor named twice
@@ -251,7 +256,7 @@ def check_read(g: Geometry, cache_id: int | None, slot: int, unit_bytes: int,
             )
         base, limit = 0, g.tensor_bytes
         bad = span_outside(offsets, lengths, limit) if g.is_blocks else None
-        if bad is not None:  # in blocks, as the destination side says it
+        if bad is not None and bad[1]:  # in blocks, as the destination side says it
             last = (bad[0] + max(bad[1], 1) - 1) // g.unit_bytes
             raise InvalidArgument(f"src block {last} out of range: {name} has {g.units} "
                                   "blocks")
@@ -664,37 +669,38 @@ class Registry:
         inside one tensor of one remote-accessible cache (the one holding the lowest
         address); that cache is leased as for any write.
 
-        Raises CacheNotFound when no cache holds the lowest address, InvalidArgument when
-        only a cache that is not remote accessible does, when a span leaves the tensor, or
-        when the request is malformed.
+        Every refusal that depends on our memory (no cache holds the lowest address, a cache
+        that is not remote accessible or is being unregistered holds it, a span leaves the
+        tensor, a span of 0 bytes) is one InvalidArgument (LLM_PARAM_INVALID) with one
+        message, ADDRESS_REFUSED: a peer (never given our addresses) cannot tell "nothing
+        here" from "memory here, refused", so it cannot map our address space by probing.
+        A malformed request is InvalidArgument too.
         """
         if len(tensors) != 1 or int(tensors[0]) != 0:
             raise InvalidArgument("an address write names exactly one pseudo-tensor, 0")
         if not len(lengths) or len(offsets) != len(lengths):
             raise InvalidArgument("an address write needs spans")
         check_request_size(tensors, offsets)
+        if not bool(lengths.all()):
+            raise InvalidArgument(ADDRESS_REFUSED)
         first = int(offsets.min())
         with self._lock:
             found: tuple[CacheEntry, int] | None = None
-            private: CacheEntry | None = None
             for entry in self._by_id.values():
                 size = entry.geometry.tensor_bytes
                 hit = np.flatnonzero((entry.addrs <= first) & (first < entry.addrs + size))
-                if not hit.size:
-                    continue
-                if not entry.remote_accessible or entry.closing:
-                    private = entry
-                    continue
-                found = (entry, int(entry.addrs[hit[0]]))
-                break
+                if hit.size and entry.remote_accessible and not entry.closing:
+                    found = (entry, int(entry.addrs[hit[0]]))
+                    break
             if found is None:
-                if private is not None:
-                    raise InvalidArgument(
-                        f"cache {private.cache_id} is not remote accessible")
-                raise CacheNotFound(f"address {first:#x} is in no registered cache")
+                raise InvalidArgument(ADDRESS_REFUSED)
             entry, start = found
-            # offsets below start wrap to huge values and fail the check, as they should
-            check_source_spans(offsets - np.uint64(start), lengths, entry.geometry.tensor_bytes)
+            try:
+                # offsets below start wrap to huge values and fail the check, as they should
+                check_source_spans(offsets - np.uint64(start), lengths,
+                                   entry.geometry.tensor_bytes)
+            except InvalidArgument:
+                raise InvalidArgument(ADDRESS_REFUSED) from None
             entry.leases += 1
             # As for any lease: the base is the tensor's, the offsets relative to it.
             base = np.uint64(start)

@@ -67,6 +67,9 @@ class PeerInfo:
     address: str
     # Set only on the local channel (transport/local.py): who the kernel says the peer is.
     local: LocalCred | None = None
+    # The link token (protocol FEATURE_TOKEN): on a control channel the one we issued in its
+    # Welcome; on a reverse channel the one its Hello echoed (b"": none).
+    token: bytes = b""
 
     @property
     def key(self) -> tuple[int, str]:
@@ -166,8 +169,9 @@ class RequestHandler(Protocol[LeaseT]):
         flight (Timeout if one still is)."""
         ...
 
-    def stats(self) -> dict[str, Any]:
-        """Our transfer metrics and who we are, for a peer's StatsRequest (JSON-ready)."""
+    def stats(self, peer: PeerInfo) -> dict[str, Any]:
+        """Who we are and ``peer``'s own series of our transfer metrics, for its
+        StatsRequest (JSON-ready); never other peers' series."""
         ...
 
     def on_bye(self, peer: PeerInfo) -> None:
@@ -182,5 +186,9 @@ class RequestHandler(Protocol[LeaseT]):
         """``peer`` opened a reverse channel (Hello with FEATURE_REVERSE), checked up to the
         handshake's last frame: ``chan`` (a ``tcp.Channel``) is now ours to send requests
         on, as a link to ``peer.cluster_id``, and ours to close. The link stays locked until
-        the returned function is called (after that last frame is sent)."""
+        the returned function is called (after that last frame is sent). Raises a
+        DatadistError (nothing adopted, ``chan`` still the caller's) when the channel is not
+        taken: its token (``peer.token``) is not that of a live control channel of
+        ``peer.cluster_id``, the engine is finalized, or at its cap; the caller answers the
+        handshake with that error instead of its last frame."""
         ...

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datadist.core.errors import LinkFailed, Timeout
 from datadist.transport.base import LeaseT, RequestHandler
 from datadist.transport.channel import Channel
-from datadist.transport.tcp import TcpListener
+from datadist.transport.tcp import ConnBudget, TcpListener
 from datadist.transport.tls import TlsChannel
 
 __all__ = ["LocalCred", "LocalListener", "connect_local", "local_name", "peer_cred"]
@@ -105,12 +105,15 @@ class LocalListener(TcpListener[LeaseT]):
     """A :class:`TcpListener` on an abstract unix socket: the same serving, and every
     channel it accepts carries the peer's kernel-verified ``local_cred``.
 
+    ``budget``: the connection caps, shared with the engine's TCP listener (one budget for
+    both); local peers count per verified uid, so a process that forks gains nothing.
+
     Raises LinkFailed if the name is taken (another process, or another engine of ours with
     the same cluster id): the engine then serves TCP only.
     """
 
     def __init__(self, name: bytes, handler: RequestHandler[LeaseT],
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, budget: ConnBudget | None = None) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(name)
@@ -119,15 +122,16 @@ class LocalListener(TcpListener[LeaseT]):
             raise LinkFailed(f"cannot serve the local channel {name[1:]!r}: "
                              f"{e.strerror or e}") from e
         self.name = name
-        super().__init__("", 0, handler, tls, sock=sock)
+        super().__init__("", 0, handler, tls, sock=sock, budget=budget)
 
     def __repr__(self) -> str:
         return f"<LocalListener {self.name[1:].decode()} conns={len(self._conns)}>"
 
     def _peer_of(self, sock: socket.socket, addr: object) -> tuple[str, str]:
-        """Local peers are counted per verified pid (they share no address)."""
+        """Local peers are counted per verified uid (they share no address; a per-pid count
+        would let a fork multiply it)."""
         cred = peer_cred(sock)
-        return f"pid {cred.pid}", _describe(cred)
+        return f"uid {cred.uid}", _describe(cred)
 
     def _channel(self, sock: socket.socket, addr: object) -> Channel:
         cred = peer_cred(sock)

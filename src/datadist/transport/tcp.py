@@ -86,6 +86,46 @@ ACCEPT_BACKOFF = (0.05, 1.0)  # seconds the accept loop pauses after a failure: 
 _Listener = TypeVar("_Listener", bound="TcpListener[Any]")
 
 
+class ConnBudget:
+    """The connections one engine serves at once, over all its listeners (TCP and the local
+    channel share one): at most ``max_conns`` in all and ``max_per_peer`` per peer key (an
+    IP address; a uid on the local channel, which a fork does not multiply). Thread-safe;
+    ``take`` and ``give`` are called by the listeners' accept loops and serving threads."""
+
+    def __init__(self, max_conns: int = 256, max_per_peer: int = 32) -> None:
+        if max_conns < 1 or max_per_peer < 1:
+            raise InvalidArgument(
+                f"connection caps must be >= 1, got {max_conns} and {max_per_peer}")
+        self.max_conns = max_conns
+        self.max_per_peer = max_per_peer
+        self._lock = threading.Lock()
+        self._total = 0
+        self._per_peer: dict[str, int] = {}
+
+    def take(self, key: str) -> str:
+        """Count one more connection of ``key``: "" when taken, else why not (over which
+        cap; nothing counted)."""
+        with self._lock:
+            if self._total >= self.max_conns:
+                return f"{self._total} connections"
+            held = self._per_peer.get(key, 0)
+            if held >= self.max_per_peer:
+                return f"{held} connections from {key}"
+            self._total += 1
+            self._per_peer[key] = held + 1
+            return ""
+
+    def give(self, key: str) -> None:
+        """A connection ``take`` counted ended."""
+        with self._lock:
+            self._total -= 1
+            n = self._per_peer.get(key, 0) - 1
+            if n > 0:
+                self._per_peer[key] = n
+            else:
+                self._per_peer.pop(key, None)
+
+
 def open_channel(host: str, port: int, deadline: float,
                  tls: ssl.SSLContext | None = None) -> Channel:
     """A client's connection to ``host:port`` within the deadline, TLS when ``tls`` is given
@@ -103,7 +143,8 @@ class TcpListener(Generic[LeaseT]):
     ``close`` stops accepting, closes every connection and joins the threads (bounded).
 
     At most ``max_conns`` connections are served at once, ``max_per_peer`` of them from one
-    IP address; a connection over either cap is refused (see :class:`_Doorman`). A failure
+    IP address; a connection over either cap is refused (see :class:`_Doorman`). ``budget``,
+    when given, holds those caps instead, shared with the engine's other listeners. A failure
     to set a connection up (no thread can be started: a pids limit, memory) drops that
     connection, pauses accepting for a moment (ACCEPT_BACKOFF, doubling) and goes on: the
     accept loop itself never dies of it.
@@ -111,14 +152,13 @@ class TcpListener(Generic[LeaseT]):
 
     def __init__(self, host: str, port: int, handler: RequestHandler[LeaseT],
                  tls: ssl.SSLContext | None = None, *, sock: socket.socket | None = None,
-                 max_conns: int = 256, max_per_peer: int = 32) -> None:
-        if max_conns < 1 or max_per_peer < 1:
-            raise InvalidArgument(
-                f"connection caps must be >= 1, got {max_conns} and {max_per_peer}")
+                 max_conns: int = 256, max_per_peer: int = 32,
+                 budget: ConnBudget | None = None) -> None:
+        self.budget = budget if budget is not None else ConnBudget(max_conns, max_per_peer)
         self.handler = handler
         self.tls = tls
-        self.max_conns = max_conns
-        self.max_per_peer = max_per_peer
+        self.max_conns = self.budget.max_conns
+        self.max_per_peer = self.budget.max_per_peer
         if sock is None:  # TCP; a bound ``sock`` is the local channel's (transport/local.py)
             sock = socket.socket(family(host), socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -137,7 +177,6 @@ class TcpListener(Generic[LeaseT]):
         self._closing = threading.Event()
         self._conns: set[Channel] = set()
         self._threads: set[threading.Thread] = set()
-        self._per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
         self._doorman = _Doorman()
         self.refused = 0  # connections refused over a cap, for logs and tests
@@ -220,10 +259,7 @@ class TcpListener(Generic[LeaseT]):
             log.info("dropping a connection at accept: %s", e)
             sock.close()
             return True
-        with self._lock:
-            over = (f"{len(self._conns)} connections" if len(self._conns) >= self.max_conns
-                    else f"{self._per_peer.get(ip, 0)} connections from {ip}"
-                    if self._per_peer.get(ip, 0) >= self.max_per_peer else "")
+        over = self.budget.take(ip)
         if over:
             self.refused += 1
             if self.refused & (self.refused - 1) == 0:  # 1st, 2nd, 4th, ...: no log flood
@@ -234,6 +270,7 @@ class TcpListener(Generic[LeaseT]):
                                  tls=self.tls is not None)
             return True
         chan: Channel | None = None
+        counted = True  # our slot in the budget, until _forget (or we) give it back
         try:
             chan = self._channel(sock, addr)
             t = threading.Thread(target=self._serve, args=(chan, ip),
@@ -241,10 +278,12 @@ class TcpListener(Generic[LeaseT]):
             with self._lock:
                 if self._closing.is_set():
                     chan.close()
+                    counted = False
+                    self.budget.give(ip)
                     return True
                 self._conns.add(chan)
                 self._threads.add(t)
-                self._per_peer[ip] = self._per_peer.get(ip, 0) + 1
+                counted = False  # _forget gives it back
             try:
                 t.start()
             except BaseException:
@@ -258,6 +297,8 @@ class TcpListener(Generic[LeaseT]):
                 chan.close()
             else:
                 sock.close()
+            if counted:
+                self.budget.give(ip)
             return False
 
     def _peer_of(self, sock: socket.socket, addr: tuple[Any, ...]) -> tuple[str, str]:
@@ -274,13 +315,11 @@ class TcpListener(Generic[LeaseT]):
 
     def _forget(self, chan: Channel, thread: threading.Thread, ip: str) -> None:
         with self._lock:
+            if chan not in self._conns:
+                return
             self._conns.discard(chan)
             self._threads.discard(thread)
-            n = self._per_peer.get(ip, 0) - 1
-            if n > 0:
-                self._per_peer[ip] = n
-            else:
-                self._per_peer.pop(ip, None)
+        self.budget.give(ip)
 
     def _serve(self, chan: Channel, ip: str) -> None:
         handed_over = False
@@ -491,23 +530,39 @@ class ServerConnection(Generic[LeaseT]):
                 self._try_send(p.Error(int(LinkFailed.code), str(e)), rid)
                 raise BrokenLink("peer failed to authenticate") from e
             last = p.Ok()
+        # The link token: the one we issued this control channel, or the one a reverse
+        # channel's Hello echoed (checked by adopt_reverse).
+        token = (p.split_token(hello.proof, hello.features)[1]
+                 if hello.features & p.FEATURE_REVERSE
+                 else p.split_token(welcome.proof, welcome.features)[1])
         self.peer = PeerInfo(
             hello.cluster_id, hello.role, hello.pid, hello.pid_ns, hello.boot_id,
-            self.chan.address, local=self.chan.local_cred,
+            self.chan.address, local=self.chan.local_cred, token=token,
         )
         self._send_last(hello, last, deadline, rid)
 
     def _send_last(self, hello: p.Hello, msg: p.Message, deadline: float, rid: int) -> None:
-        """The handshake's last frame, then the peer counts as linked to us. For a reverse
-        channel the engine registers the link first, locked until this frame is out (a
+        """The handshake's last frame; the peer counts as linked to us from just before it.
+        For a reverse channel the engine registers the link first, locked until this frame is out (a
         transfer must not share the socket with it), so the link exists by the time the
-        client's ``link_clusters`` returns."""
+        client's ``link_clusters`` returns. A reverse channel the engine does not take
+        (a token that is not a live control channel's of that cluster, finalizing, at its
+        cap) is answered with that error instead, which the client reports as its link's
+        outcome."""
         assert self.peer is not None
         if not hello.features & p.FEATURE_REVERSE:
-            self.chan.send(msg, deadline, rid)
+            # Registered before its last frame goes out: the client may open its reverse
+            # channel (echoing this channel's link token) the moment it has that frame. A
+            # send that fails ends the connection, and on_disconnect forgets the peer.
             self.handler.on_peer_ready(self.peer)
+            self.chan.send(msg, deadline, rid)
             return
-        release = self.handler.adopt_reverse(self.peer, self.chan)
+        try:
+            release = self.handler.adopt_reverse(self.peer, self.chan)
+        except DatadistError as e:
+            log.info("reverse channel from %s refused: %s", self.chan.address, e)
+            self._try_send(p.Error(int(e.code), str(e)), rid)
+            raise BrokenLink("reverse channel refused") from e
         self.handed_over = True
         try:
             self.chan.send(msg, deadline, rid)
@@ -592,7 +647,7 @@ class ServerConnection(Generic[LeaseT]):
             self.chan.send(lease_msg, deadline, rid)
             return True
         if isinstance(msg, p.StatsRequest):
-            body = json.dumps(self.handler.stats(), separators=(",", ":")).encode()
+            body = json.dumps(self.handler.stats(self.peer), separators=(",", ":")).encode()
             self.chan.send(p.Stats(body), deadline, rid)
             return True
         if isinstance(msg, p.Bye):

@@ -94,7 +94,23 @@ FEATURE_REVERSE = 4
 # verified same-host reader then reads a cache named by id or BlocksCacheKey without asking
 # for every read, fenced by the lease's fence file (docs/protocol.md, "Cache leases").
 FEATURE_LEASE = 8
+# The link token (docs/protocol.md, "Reverse channels"). Welcome, answering a Hello without
+# FEATURE_REVERSE: ``proof`` ends with LINK_TOKEN_BYTES random bytes the server issued to
+# this control channel. Hello with FEATURE_REVERSE: ``proof`` ends with the token of the
+# client's live control channel; the server adopts the reverse channel only for the cluster
+# whose control channel holds that token. Nothing else of the encoding changes.
+FEATURE_TOKEN = 16
+LINK_TOKEN_BYTES = 16
 LEASE_WRITE = 0x100  # LeaseRequest flag: a lease to write (push into) the cache
+
+
+def split_token(proof: bytes, features: int) -> tuple[bytes, bytes]:
+    """(the rest of ``proof``, its link token) for a Hello / Welcome with ``features``:
+    the token is ``proof``'s last LINK_TOKEN_BYTES when FEATURE_TOKEN is set (b"" when not,
+    or when ``proof`` is too short to hold one). Pure."""
+    if not features & FEATURE_TOKEN or len(proof) < LINK_TOKEN_BYTES:
+        return proof, b""
+    return proof[:-LINK_TOKEN_BYTES], proof[-LINK_TOKEN_BYTES:]
 
 
 class KeyKind(enum.IntEnum):
