@@ -182,7 +182,8 @@ def _handshake(sock: socket.socket, host: str, port: int, cluster_id: int | None
                     "is set here: a link refuses a peer that cannot prove it; unset it here "
                     "or set the same one there")
     if secret is not None:
-        parts = auth.split_server_proof(welcome.proof)
+        # A control channel's WELCOME ends its proof with the link token (FEATURE_TOKEN).
+        parts = auth.split_server_proof(p.split_token(welcome.proof, welcome.features)[0])
         want = auth.server_proof(secret, hello.proof, parts[0], peer, own_id) if parts else b""
         if parts is None or not auth.same(want[auth.NONCE_BYTES:], parts[1]):
             raise _Stop("auth", f"cluster {peer} at {_at(host, port)} has another shared secret "

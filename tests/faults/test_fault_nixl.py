@@ -268,13 +268,15 @@ def test_revoking_many_nixl_leases_takes_one_deadline(peers: Peers) -> None:
     victim.call("register", name="src", seed=9, model_id=1, **SMALL)
     assert victim.port is not None and victim.cluster_id is not None
     cid, pid, boot = victim.cluster_id + 1, 424242, b"\x01" * 16
-    rev = RawClient(victim.port)  # the reader's reverse channel, on which revokes come
-    rev.send(p.encode(p.Hello(cid, 2, pid, 0, boot, p.FEATURE_REVERSE), 1))
-    got = rev.next()
-    assert got is not None and isinstance(got[1], p.Welcome), got
     fwd = RawClient(victim.port)
     fwd.send(p.encode(p.Hello(cid, 2, pid, 0, boot), 1))
     got = fwd.next()
+    assert got is not None and isinstance(got[1], p.Welcome), got
+    token = p.split_token(got[1].proof, got[1].features)[1]  # proves the reverse channel ours
+    rev = RawClient(victim.port)  # the reader's reverse channel, on which revokes come
+    rev.send(p.encode(p.Hello(cid, 2, pid, 0, boot, p.FEATURE_REVERSE | p.FEATURE_TOKEN,
+                              token), 1))
+    got = rev.next()
     assert got is not None and isinstance(got[1], p.Welcome), got
     md = _grant_or_error(fwd, p.NixlMdRequest(), 2)
     assert isinstance(md, p.NixlMd), md

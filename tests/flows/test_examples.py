@@ -100,7 +100,7 @@ def test_two_hosts_programs_over_ipv6():
     folder = EXAMPLES / "two_hosts"
     prompt = subprocess.Popen([sys.executable, "prompt.py", "--listen", "[::1]:0",
                                "--cluster-id", "7", "--requests", "1"], cwd=folder, env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
         line = prompt.stdout.readline()
         host, port = json.loads(line)["prompt"]
@@ -111,5 +111,6 @@ def test_two_hosts_programs_over_ipv6():
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.count("bytes verified") == 1, done.stdout
     finally:
-        prompt.communicate("\n", timeout=30)
+        prompt.terminate()  # SIGTERM: it serves until a signal with no terminal (issue 25)
+        prompt.communicate(timeout=30)
     assert prompt.returncode == 0

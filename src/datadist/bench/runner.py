@@ -179,7 +179,7 @@ def format_table(result: dict[str, Any]) -> str:
                    "/ 8192 blocks, where fixed costs weigh more than the goals allow for; run "
                    "without --quick/--size to judge them")
     out.extend(result["peers"])
-    notes = dict.fromkeys(r["note"] for r in result["rows"] if r["unit"] and r["note"])
+    notes = dict.fromkeys(r.get("note") for r in result["rows"] if r["unit"] and r.get("note"))
     out.extend(f"note: {n}" for n in notes)  # how a peer was driven, per row group
     return "\n".join(out)
 
