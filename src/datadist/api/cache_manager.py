@@ -147,8 +147,14 @@ class CacheManager:
         self._is_call_linked = True
 
     def _engine_or_raise(self) -> Engine:
+        """Every operation's first step: a manager of a finalized session (``finalize()``, or
+        an ``init()`` after it that made a new manager) is refused before its arguments are
+        looked at, LLMException LLM_ENGINE_FINALIZED, as the original's newest CacheManager
+        (hixl tests/python/test_cache_manager_lifecycle.py). LLMException is a RuntimeError,
+        as the older revision's exception was."""
         if not self._initialized:
-            raise RuntimeError("llm datadist is not initialized")
+            raise LLMException("llm datadist is not initialized",
+                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         return self._engine
 
     def _invalidate(self) -> None:

@@ -1,0 +1,133 @@
+"""The original's own unit tests, round 3: assertions of hicann/hixl tests/python and
+tests/cpp/llm_datadist that a host-memory implementation can honour, run against datadist.
+
+hixl = GitHub hicann/hixl at its newest commit. Each test names the original's test file (and
+the source behind it) it follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import datadist as llm
+from datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMException,
+    MemInfo,
+    Memtype,
+    Placement,
+    TransferConfig,
+)
+from datadist import LLMStatusCode as S
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Synchronizer(llm.LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+POOL = '{"memory_size": 1048576, "page_shift": 12}'
+OPTIONS = {"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL,
+           "llm.HostMemPoolConfig": POOL, "llm.EnableRemoteCacheAccessible": "1"}
+
+
+@pytest.fixture
+def engines():
+    """Make LLMDataDist instances; every one is finalized afterwards."""
+    made: list[Any] = []
+
+    def make(role=llm.LLMRole.PROMPT, cluster_id=0):
+        d = llm.LLMDataDist(role, cluster_id)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.finalize()
+
+
+# ------------------------------------------------------------------ CacheManager lifecycle
+
+
+def manager_operations(cm: Any) -> dict[str, Callable[[], Any]]:
+    """Every CacheManager operation of hixl tests/python/test_cache_manager_lifecycle.py,
+    with arguments that are valid while ``cm`` is live (its caches made beforehand)."""
+    desc = CacheDesc(2, [4, 2], DataType.DT_INT8, Placement.DEVICE)
+    host_desc = CacheDesc(2, [4, 2], DataType.DT_INT8, Placement.HOST)
+    regular = cm.allocate_cache(desc)
+    blocks = cm.allocate_blocks_cache(desc)
+    host = cm.allocate_blocks_cache(host_desc)
+    addrs = list(regular.tensor_addrs)
+    return {
+        "allocate_cache": lambda: cm.allocate_cache(desc),
+        "allocate_blocks_cache": lambda: cm.allocate_blocks_cache(desc),
+        "register_cache": lambda: cm.register_cache(desc, addrs),
+        "register_blocks_cache": lambda: cm.register_blocks_cache(desc, addrs),
+        "deallocate_cache": lambda: cm.deallocate_cache(regular),
+        "deallocate_blocks_cache": lambda: cm.deallocate_blocks_cache(blocks),
+        "copy_cache": lambda: cm.copy_cache(regular, regular),
+        "copy_blocks": lambda: cm.copy_blocks(blocks, {0: [1]}),
+        "pull_cache": lambda: cm.pull_cache(CacheKeyByIdAndIndex(1, 7), regular),
+        "pull_blocks": lambda: cm.pull_blocks(BlocksCacheKey(1), blocks, [0], [1]),
+        "push_cache": lambda: cm.push_cache(CacheKeyByIdAndIndex(1, 7), regular),
+        "push_blocks": lambda: cm.push_blocks(BlocksCacheKey(1), blocks, [0], [1]),
+        "unregister_cache": lambda: cm.unregister_cache(7),
+        "remove_cache_key": lambda: cm.remove_cache_key(CacheKey(prompt_cluster_id=1, req_id=2)),
+        "remap_registered_memory": lambda: cm.remap_registered_memory(
+            [MemInfo(Memtype.MEM_TYPE_DEVICE, addrs[0], 8)]),
+        "swap_blocks": lambda: cm.swap_blocks(blocks, host, {0: 1}),
+        "transfer_cache_async": lambda: cm.transfer_cache_async(
+            regular, Synchronizer(), [TransferConfig(1, addrs)]),
+    }
+
+
+def assert_expired(ops: dict[str, Callable[[], Any]]) -> None:
+    for name, op in ops.items():
+        with pytest.raises(LLMException) as caught:
+            op()
+        assert caught.value.status_code is S.LLM_ENGINE_FINALIZED, name
+
+
+def test_manager_operations_after_finalize_are_engine_finalized(engines):
+    # hixl tests/python/test_cache_manager_lifecycle.py
+    # test_operations_reject_manager_after_public_finalize / test_repeated_finalize_keeps_
+    # manager_expired: every CacheManager operation of a finalized engine raises LLMException
+    # LLM_ENGINE_FINALIZED (and reaches nothing); the manager's _initialized is False.
+    d = engines()
+    d.init(dict(OPTIONS))
+    cm = d.cache_manager
+    ops = manager_operations(cm)
+    d.finalize()
+    assert cm._initialized is False
+    assert_expired(ops)
+    d.finalize()
+    assert_expired(ops)
+
+
+def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(engines):
+    # hixl tests/python/test_cache_manager_lifecycle.py
+    # test_old_manager_cannot_access_reinitialized_same_engine / test_old_manager_cannot_
+    # access_replacement_engine: init() after finalize() makes a new manager; the old one
+    # stays expired, the new one works.
+    d = engines()
+    d.init(dict(OPTIONS))
+    old = d.cache_manager
+    ops = manager_operations(old)
+    d.finalize()
+    d.init(dict(OPTIONS))
+    assert d.cache_manager is not old
+    assert_expired(ops)
+    d.cache_manager.allocate_cache(CacheDesc(2, [4, 2], DataType.DT_INT8, Placement.DEVICE))
+    d.finalize()
+    replacement = engines(cluster_id=1)
+    replacement.init(dict(OPTIONS))
+    assert_expired(ops)
+    assert replacement.cache_manager._initialized is True
