@@ -131,3 +131,64 @@ def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(engines):
     replacement.init(dict(OPTIONS))
     assert_expired(ops)
     assert replacement.cache_manager._initialized is True
+
+
+# ------------------------------------------------------------------ LLMDataDist helpers
+
+
+def test_shutdown_handler_finalizes_the_instance(engines):
+    # hixl tests/python/test_llm_datadist_coverage.py test_shutdown_handler_no_instance /
+    # test_shutdown_handler_with_instance / test_shutdown_handler_finalize_exception: the atexit
+    # hook v2.llm_datadist._shutdown_handler finalizes LLMDataDist.llm_engine_instance, is a
+    # no-op without one and swallows an LLMException from finalize.
+    from datadist.v2.llm_datadist import _shutdown_handler
+
+    assert llm.LLMDataDist.llm_engine_instance is None
+    _shutdown_handler()
+    d = engines(cluster_id=3)
+    d.init(dict(OPTIONS))
+    assert llm.LLMDataDist.llm_engine_instance is d
+    _shutdown_handler()
+    assert llm.LLMDataDist.llm_engine_instance is None
+
+    class Failing:
+        def finalize(self) -> None:
+            raise LLMException("test error")
+
+    llm.LLMDataDist.llm_engine_instance = Failing()  # type: ignore[assignment]
+    try:
+        _shutdown_handler()
+    finally:
+        llm.LLMDataDist.llm_engine_instance = None
+
+
+def test_role_to_str():
+    # hixl tests/python/test_llm_datadist_coverage.py test_role_to_str_all_roles.
+    assert llm.LLMDataDist._role_to_str(llm.LLMRole.PROMPT) == "Prompt"
+    assert llm.LLMDataDist._role_to_str(llm.LLMRole.DECODER) == "Decoder"
+    assert llm.LLMDataDist._role_to_str(llm.LLMRole.MIX) == "Mix"
+
+
+def test_v1_switch_role_checks_come_first(engines):
+    # hixl v2/llm_datadist.py switch_role, v1 branch (tests/python/test_llm_datadist_coverage.py
+    # test_v1_switch_role_same_role / _to_prompt_without_listen_ip): the role's type, then
+    # "role not changed" (before the options' type), then the options' type, then a PROMPT
+    # needs llm.listenIpInfo; all of them before the native layer (which refuses a datadist
+    # without enable_switch_role, LLM_FEATURE_NOT_ENABLED).
+    d = engines(llm.LLMRole.MIX, 100)
+    d.init({"ge.exec.deviceId": "0"})
+    with pytest.raises(TypeError):
+        d.switch_role("not_a_role")
+    for options in (None, "not_dict"):
+        with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_PARAM_INVALID
+                           and str(e).startswith("role not changed, role = MIX")):
+            d.switch_role(llm.LLMRole.MIX, options)
+    with pytest.raises(TypeError):
+        d.switch_role(llm.LLMRole.DECODER, "not_dict")
+    with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_PARAM_INVALID
+                       and str(e).startswith('Failed to switch to Prompt, option '
+                                             '"llm.listenIpInfo" must be specified')):
+        d.switch_role(llm.LLMRole.PROMPT, {})
+    with pytest.raises(LLMException,
+                       check=lambda e: e.status_code is S.LLM_FEATURE_NOT_ENABLED):
+        d.switch_role(llm.LLMRole.DECODER)

@@ -212,11 +212,16 @@ class LLMDataDist:
                 self._kv_cache_manager = KvCacheManager(engine, self._role)
             LLMDataDist.llm_engine_instance = self
 
+    @staticmethod
+    def _role_to_str(role: LLMRole) -> str:
+        """The ``llm.Role`` option's text for a role (the original's static helper of the
+        same name; its tests/python/test_llm_datadist_coverage.py calls it)."""
+        return {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}[role]
+
     def _setup_options(self, options: dict[str, str]) -> dict[str, str]:
         """llm_datadist's mode selection, on a copy of the options."""
         opts = {str(k): str(v) for k, v in options.items()}
-        opts["llm.Role"] = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder",
-                            LLMRole.MIX: "Mix"}[self._role]
+        opts["llm.Role"] = self._role_to_str(self._role)
         if cfg.OPT_LOCAL_COMM_RES in opts:
             opts.setdefault(cfg.OPT_ENABLE_CACHE_MANAGER, "1")
             opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1")
@@ -462,17 +467,20 @@ class LLMDataDist:
         """
         self._check_init()
         check_isinstance("role", role, LLMRole, allow_none=False)
+        # The original's Python layer (hixl v2/llm_datadist.py switch_role) checks, in v1
+        # mode, the role before the options' type, and both before its native layer refuses
+        # a datadist without enable_switch_role.
+        if not self._cache_manager_mode and role == self._role:
+            raise _param_invalid(f"role not changed, role = {role.name}")
         check_isinstance("switch_options", switch_options, dict)
         engine = self.engine
         if not self._cache_manager_mode:
-            if self._options.get(cfg.OPT_SWITCH_ROLE) != "1":
-                raise LLMException("switch_role needs enable_switch_role",
-                                   status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-            if role == self._role:
-                raise _param_invalid(f"role not changed, role = {role.name}")
             if role == LLMRole.PROMPT and not (switch_options or {}).get(cfg.OPT_LISTEN_IP_INFO):
                 raise _param_invalid(
                     'Failed to switch to Prompt, option "llm.listenIpInfo" must be specified')
+            if self._options.get(cfg.OPT_SWITCH_ROLE) != "1":
+                raise LLMException("switch_role needs enable_switch_role",
+                                   status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if engine.has_links():
             raise LLMException("switch_role while links exist",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)
@@ -594,11 +602,15 @@ class LLMDataDist:
                 CommState.OK: RegisterMemStatus.OK}.get(state, RegisterMemStatus.FAILED)
 
 
-def _finalize_at_exit() -> None:
+def _shutdown_handler() -> None:
+    """Finalize the process's LLMDataDist, if any; an LLMException from finalize (another
+    framework finalized it already) is swallowed. Registered with atexit; also importable
+    from ``v2.llm_datadist`` under this name, as the original's (hixl v2/llm_datadist.py,
+    whose tests/python/test_llm_datadist_coverage.py calls it)."""
     inst = LLMDataDist.llm_engine_instance
     if inst is not None:
         with contextlib.suppress(LLMException):
             inst.finalize()
 
 
-atexit.register(_finalize_at_exit)
+atexit.register(_shutdown_handler)
