@@ -192,3 +192,53 @@ def test_v1_switch_role_checks_come_first(engines):
     with pytest.raises(LLMException,
                        check=lambda e: e.status_code is S.LLM_FEATURE_NOT_ENABLED):
         d.switch_role(llm.LLMRole.DECODER)
+
+
+# ------------------------------------------------------------------ a bool is no int
+
+
+@pytest.mark.parametrize("name", ["check_uint64", "check_int64", "check_int32", "check_uint32",
+                                  "check_uint16", "check_uint8"])
+@pytest.mark.parametrize("value", [True, False])
+def test_integer_checks_refuse_a_bool(name, value):
+    # hixl tests/python/test_utils.py test_check_bool_rejected: bool subclasses int in Python,
+    # and the original's integer checks refuse it all the same (TypeError).
+    from datadist.utils import utils
+
+    with pytest.raises(TypeError, match="cluster"):
+        getattr(utils, name)("cluster", value)
+
+
+def test_type_checks_refuse_a_bool_for_an_int():
+    # hixl tests/python/test_utils.py test_check_bool_rejected: check_isinstance with int (and
+    # not bool) refuses a bool, as a value, an inner item or a dict key / value; bool where
+    # bool is asked for, and an int where int is, pass.
+    from datadist.utils.utils import check_dict, check_isinstance
+
+    with pytest.raises(TypeError):
+        check_isinstance("cluster", True, [int], allow_none=False)
+    with pytest.raises(TypeError):
+        check_isinstance("device_id", [0, True], [list, tuple], int)
+    with pytest.raises(TypeError):
+        check_dict("cluster_rank_info", {0: True}, int, int)
+    with pytest.raises(TypeError):
+        check_dict("cluster_rank_info", {True: 0}, int, int)
+    assert check_isinstance("enable_switch_role", True, [bool]) is True
+    assert check_isinstance("cluster", 1, [int]) == 1
+
+
+def test_api_arguments_refuse_a_bool_for_an_int(engines):
+    # The same rule where the API checks its arguments (hixl configs.py LlmConfig.device_id:
+    # check_isinstance(..., [int, list, tuple]) and its items; v2/llm_datadist.py
+    # link_clusters: check_int32("timeout")).
+    c = llm.LLMConfig()
+    with pytest.raises(TypeError):
+        c.device_id = True
+    with pytest.raises(TypeError):
+        c.device_id = [0, True]
+    with pytest.raises(TypeError):
+        llm.LLMDataDist(llm.LLMRole.PROMPT, True)
+    d = engines()
+    d.init(dict(OPTIONS))
+    with pytest.raises(TypeError):
+        d.link_clusters([], timeout=True)
