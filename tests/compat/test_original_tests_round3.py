@@ -242,3 +242,77 @@ def test_api_arguments_refuse_a_bool_for_an_int(engines):
     d.init(dict(OPTIONS))
     with pytest.raises(TypeError):
         d.link_clusters([], timeout=True)
+
+
+# ------------------------------------------------------------------ transfer_cache_async
+
+
+def async_manager(engines, remote: bool = False):
+    d = engines()
+    opts = dict(OPTIONS)
+    if not remote:
+        del opts["llm.EnableRemoteCacheAccessible"]
+    d.init(opts)
+    return d.cache_manager
+
+
+def test_transfer_cache_async_batch_index_texts(engines):
+    # hixl tests/python/test_utils.py AsyncCacheBatchBoundsUt: a src_batch_index outside the
+    # source's batch is refused before anything starts, "src_batch_index .* out of range:
+    # \[0, 2\)"; with source blocks it must be 0, "!= 0 while src is blocks"
+    # (v2/llm_utils.py TransferCacheJob.check_transfer_config).
+    for remote in (False, True):
+        cm = async_manager(engines, remote)
+        desc = CacheDesc(4, [2, 4], DataType.DT_INT8, Placement.DEVICE)
+        cache = cm.allocate_cache(desc)
+        for index in (2, 3, 2**32 - 1):
+            cfg = (llm.TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(1, 0, 0), range(0, 2),
+                                                  range(0, 2), index) if remote
+                   else TransferConfig(1, [10, 11, 12, 13], src_batch_index=index))
+            with pytest.raises(LLMException, match=r"src_batch_index .* out of range: \[0, 2\)"):
+                cm.transfer_cache_async(cache, Synchronizer(), [cfg])
+        if not remote:
+            blocks = cm.allocate_blocks_cache(desc)
+            for index in (1, 2):
+                cfg = TransferConfig(1, [10, 11, 12, 13], src_batch_index=index)
+                with pytest.raises(LLMException, match="!= 0 while src is blocks"):
+                    cm.transfer_cache_async(blocks, Synchronizer(), [cfg], [0], [0], 16)
+        llm.LLMDataDist.llm_engine_instance.finalize()
+
+
+def test_transfer_cache_async_texts(engines):
+    # hixl v2/llm_utils.py transfer_cache_async / TransferCacheJob: the original's texts start
+    # each message (datadist's detail may follow).
+    cm = async_manager(engines)
+    desc = CacheDesc(4, [2, 4], DataType.DT_INT8, Placement.DEVICE)
+    cache = cm.allocate_cache(desc)
+    blocks = cm.allocate_blocks_cache(desc)
+    odd = cm.allocate_cache(CacheDesc(3, [2, 4], DataType.DT_INT8, Placement.DEVICE))
+    cfg = TransferConfig(1, [10, 11, 12, 13])
+    sync = Synchronizer()
+    cases = [
+        (lambda: cm.transfer_cache_async(blocks, sync, [cfg], [0]),
+         "transfer from blocks to cache is not supported"),
+        (lambda: cm.transfer_cache_async(blocks, sync, [cfg], [0, 1], [0], 16),
+         "num_block_indices mismatches, src_num = 2, dst_num = 1"),
+        (lambda: cm.transfer_cache_async(cache, sync, [cfg], None, [0]),
+         "dst_block_memory_size must be set when transfer from cache to blocks"),
+        (lambda: cm.transfer_cache_async(cache, sync, [cfg], None, None, 16),
+         "dst_block_memory_size (16) is neither None nor 0 while dst is not blocks"),
+        (lambda: cm.transfer_cache_async(odd, sync, [cfg]),
+         "cache_desc.num_tensors (3) is not even"),
+        (lambda: cm.transfer_cache_async(
+            cache, sync, [TransferConfig(1, [10, 11], src_layer_range=range(1, 3))]),
+         "src_layer_range: range(1, 3) out of range, src_layer_num = 2"),
+        (lambda: cm.transfer_cache_async(cache, sync, [TransferConfig(1, [10, 11])]),
+         "expect 4 dst_addrs, but len(dst_addrs) = 2, range = range(0, 2)"),
+        # the batch index is checked before the layer range, as there
+        (lambda: cm.transfer_cache_async(
+            cache, sync, [TransferConfig(1, [10], src_layer_range=range(5, 6),
+                                         src_batch_index=2)]),
+         "Invalid TransferConfig, src_batch_index (2) out of range: [0, 2)"),
+    ]
+    for call, text in cases:
+        with pytest.raises(LLMException, check=lambda e, text=text: e.status_code is
+                           S.LLM_PARAM_INVALID and str(e).startswith(text)):
+            call()
