@@ -316,3 +316,85 @@ def test_transfer_cache_async_texts(engines):
         with pytest.raises(LLMException, check=lambda e, text=text: e.status_code is
                            S.LLM_PARAM_INVALID and str(e).startswith(text)):
             call()
+
+
+# ------------------------------------------------------------------ which error wins
+
+
+def cm_engine(engines, cluster_id=3):
+    d = engines(cluster_id=cluster_id)
+    d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL})
+    return d
+
+
+def param_invalid(starts: str = ""):
+    return pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_PARAM_INVALID
+                         and str(e).startswith(starts))
+
+
+def test_init_checks_another_instance_before_the_options(engines):
+    # hixl v2/llm_datadist.py init: already initialized (a no-op), then "Cannot init multiple
+    # LLMDataDists" (LLM_FAILED), then the options' type (tests/python/
+    # test_llm_datadist_coverage.py test_init_multiple_instances).
+    d = cm_engine(engines)
+    d.init("not a dict")  # already initialized: nothing is looked at
+    with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_FAILED):
+        engines(cluster_id=4).init("not a dict")
+
+
+def test_cluster_calls_check_the_timeout_first(engines):
+    # hixl v2/llm_datadist.py link_clusters / unlink_clusters: check_int32(timeout), then
+    # timeout > 0, then the clusters' type, then force's.
+    d = cm_engine(engines)
+    for call in (d.link_clusters, d.unlink_clusters):
+        with param_invalid("Param timeout should be greater than 0."):
+            call("not_list", 0)
+        with pytest.raises(TypeError, match="timeout"):
+            call("not_list", "not_int")
+    with pytest.raises(TypeError, match="clusters"):
+        d.unlink_clusters("not_list", 5000, force="not_bool")
+
+
+def test_link_checks_in_the_originals_order(engines):
+    # hixl v2/llm_datadist.py link: comm_name's type, emptiness and length; cluster_rank_info's
+    # type, its items' types, its size (<= 4), its items' ranges; rank_table's type; then two
+    # ranks or more, ascending.
+    d = cm_engine(engines)
+    with param_invalid("comm_name can not be empty"):
+        d.link("", [3, 2], 123)
+    with param_invalid("comm_name length should be smaller than 128."):
+        d.link("a" * 128, [3, 2], 123)
+    with pytest.raises(TypeError, match="cluster_rank_info"):
+        d.link("link", {3: "0", 2: 1}, 123)
+    with param_invalid("cluster_rank_info size can not be greater than 4."):
+        d.link("link", {1: -1, 2: 1, 3: 2, 4: 3, 5: 4}, 123)
+    with pytest.raises(ValueError, match="cluster_rank_info"):
+        d.link("link", {3: -1, 2: 1}, 123)
+    with pytest.raises(TypeError, match="rank_table"):
+        d.link("link", {3: 0}, 123)
+    with param_invalid("cluster num must be bigger than 1."):
+        d.link("link", {3: 0}, "{}")
+    with param_invalid("rank in cluster_rank_info must be ordered"):
+        d.link("link", {3: 1, 2: 0}, "{}")
+
+
+def test_mode_checks_come_before_argument_checks(engines):
+    # hixl v2/llm_datadist.py check_link_status: _check_is_not_cache_mgr_mode, then
+    # check_uint64(remote_cluster_id).
+    d = cm_engine(engines)
+    with param_invalid("check_link_status is not supported when llm.EnableCacheManager is "
+                       "configured."):
+        d.check_link_status("not_int")
+
+
+def test_comm_ids_are_uint64(engines):
+    # hixl v2/llm_datadist.py unlink / query_register_mem_status: check_uint64(comm_id), a
+    # ValueError for a negative id, before the native layer looks it up.
+    d = cm_engine(engines)
+    for call in (d.unlink, d.query_register_mem_status):
+        with pytest.raises(ValueError, match="comm_id"):
+            call(-1)
+        with pytest.raises(TypeError, match="comm_id"):
+            call("not_int")
+        with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_NOT_YET_LINK):
+            call(2**64 - 1)

@@ -185,13 +185,14 @@ class LLMDataDist:
 
     def init(self, options: dict[str, str]) -> None:
         """Start the engine. A no-op when already initialized; one instance per process."""
-        check_isinstance("options", options, dict, allow_none=False)
         with LLMDataDist._instance_lock:
+            # v2/llm_datadist.py init: initialized, then another instance, then the options
             if self._engine is not None:
                 return
             if LLMDataDist.llm_engine_instance is not None:
                 raise LLMException("Cannot init multiple LLMDataDists",
                                    status_code=LLMStatusCode.LLM_FAILED)
+            check_isinstance("options", options, dict, allow_none=False)
             _check_flow_graph_max_size(options)
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
@@ -324,12 +325,13 @@ class LLMDataDist:
     # ------------------------------------------------------------------ links
 
     def _check_clusters(self, clusters: Any, timeout: Any) -> list[LLMClusterInfo]:
-        check_isinstance("clusters", clusters, (list, tuple), allow_none=False)
-        for c in clusters:
-            check_isinstance("cluster", c, LLMClusterInfo, allow_none=False)
+        # v2/llm_datadist.py link_clusters / unlink_clusters: the timeout first, then the list
         check_int("timeout", timeout, "int32", allow_none=False)
         if timeout <= 0:
             raise _param_invalid(f"Param timeout should be greater than 0. (got {timeout})")
+        check_isinstance("clusters", clusters, (list, tuple), allow_none=False)
+        for c in clusters:
+            check_isinstance("cluster", c, LLMClusterInfo, allow_none=False)
         for c in clusters:
             # Unset (None) is a TypeError, as llm_datadist's check_uint64 makes it.
             check_int("remote_cluster_id", c.remote_cluster_id, "uint64", allow_none=False)
@@ -501,9 +503,9 @@ class LLMDataDist:
     def check_link_status(self, remote_cluster_id: int) -> None:
         """v1 mode: raise if the link to ``remote_cluster_id`` is not usable."""
         self._check_init()
-        check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
-        if self._cache_manager_mode:
+        if self._cache_manager_mode:  # the mode first, as v2/llm_datadist.py
             raise _not_in_mode("check_link_status", True)
+        check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
         with llm_errors("check_link_status"):
             self.engine.check_link(remote_cluster_id, self.engine.config.sync_timeout)
 
@@ -528,19 +530,23 @@ class LLMDataDist:
         self._check_init()
         if not self._cache_manager_mode:
             raise _not_in_mode("link", False)
+        # v2/llm_datadist.py link: its checks, their texts and their order (the name, the
+        # dict's types and size, its values' ranges, then the rank table's type, then ranks)
         check_isinstance("comm_name", comm_name, str, allow_none=False)
-        check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
-        check_isinstance("rank_table", rank_table, str, allow_none=False)
-        for cid, rank in cluster_rank_info.items():
-            check_int("cluster_id", cid, "uint64", allow_none=False)
-            check_int("rank_id", rank, "uint32", allow_none=False)
-        # v2/llm_datadist.py link: its checks' texts
         if not comm_name:
             raise _param_invalid("comm_name can not be empty")
         if len(comm_name) >= 128:
             raise _param_invalid("comm_name length should be smaller than 128.")
+        check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
+        for cid, rank in cluster_rank_info.items():
+            check_isinstance("cluster_rank_info dict key", cid, int, allow_none=False)
+            check_isinstance("cluster_rank_info dict value", rank, int, allow_none=False)
         if len(cluster_rank_info) > 4:
             raise _param_invalid("cluster_rank_info size can not be greater than 4.")
+        for cid, rank in cluster_rank_info.items():
+            check_int("cluster_rank_info key", cid, "uint64", allow_none=False)
+            check_int("cluster_rank_info value", rank, "uint32", allow_none=False)
+        check_isinstance("rank_table", rank_table, str, allow_none=False)
         if len(cluster_rank_info) <= 1:
             raise _param_invalid("cluster num must be bigger than 1.")
         ranks = list(cluster_rank_info.values())
@@ -579,7 +585,7 @@ class LLMDataDist:
         self._check_init()
         if not self._cache_manager_mode:
             raise _not_in_mode(func, False)
-        check_int("comm_id", comm_id, "int64", allow_none=False)
+        check_int("comm_id", comm_id, "uint64", allow_none=False)  # v2/llm_datadist.py
         if self._comms is None:
             raise LLMException(f"comm_id {comm_id} is not a live link",
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
