@@ -398,3 +398,96 @@ def test_comm_ids_are_uint64(engines):
             call("not_int")
         with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_NOT_YET_LINK):
             call(2**64 - 1)
+
+
+# ------------------------------------------------------------------ CacheManager texts
+
+
+def test_cache_manager_local_op_texts(engines):
+    # hixl v2/cache_manager.py allocate_cache / allocate_blocks_cache, copy_cache,
+    # copy_blocks, _verify_caches + swap_blocks and transfer_cache_async: their raise_if_false
+    # texts, in their order.
+    d = engines()
+    d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL,
+            "llm.HostMemPoolConfig": POOL})
+    cm = d.cache_manager
+    desc = CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.DEVICE)
+    host_desc = CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.HOST)
+    cache, blocks = cm.allocate_cache(desc), cm.allocate_blocks_cache(desc)
+    host_blocks = cm.allocate_blocks_cache(host_desc)
+    wide = cm.allocate_blocks_cache(CacheDesc(2, [4, 16], DataType.DT_INT8, Placement.HOST))
+    four = cm.allocate_blocks_cache(CacheDesc(4, [4, 8], DataType.DT_INT8, Placement.HOST))
+    cases = [
+        (lambda: cm.allocate_cache(CacheDesc(0, [4, 8], DataType.DT_INT8)),
+         "num_tensors should be bigger than zero."),
+        (lambda: cm.allocate_blocks_cache(CacheDesc(0, [4, 8], DataType.DT_INT8)),
+         "num_tensors should be bigger than zero."),
+        (lambda: cm.copy_cache(cache, blocks), "param check failed, src cache can not be "
+         "blocks cache."),
+        (lambda: cm.copy_cache(blocks, cache), "param check failed, dst cache can not be "
+         "blocks cache."),
+        (lambda: cm.copy_cache(cache, cache, size=0), "[copy_cache] param check failed, size "
+         "(0) is invalid, should be = -1 or > 0"),
+        (lambda: cm.copy_blocks(cache, {0: [1]}), "param check failed, cache should be blocks "
+         "cache."),
+        (lambda: cm.swap_blocks(cache, host_blocks, {0: 1}), "param check failed, src cache "
+         "should be blocks cache."),
+        (lambda: cm.swap_blocks(blocks, cache, {0: 1}), "param check failed, dst cache should "
+         "be blocks cache."),
+        (lambda: cm.swap_blocks(blocks, wide, {0: 1}), "src block size:8 and dst block "
+         "size:16 must be equal"),
+        (lambda: cm.swap_blocks(blocks, four, {0: 1}), "src num_tensors:2 and dst "
+         "num_tensors:4 must be equal"),
+        (lambda: cm.swap_blocks(blocks, host_blocks, {4: 1}), "src_block_index:4 must be in "
+         "[0, 4)"),
+        (lambda: cm.swap_blocks(blocks, host_blocks, {-1: 1}), "src_block_index:-1 must be in "
+         "[0, 4)"),
+        (lambda: cm.swap_blocks(blocks, host_blocks, {0: 4}), "dst_block_index:4 must be in "
+         "[0, 4)"),
+        (lambda: cm.swap_blocks(blocks, blocks, {0: 1}), "swap src placement:"),
+        (lambda: cm.transfer_cache_async(cm.allocate_cache(host_desc), Synchronizer(), []),
+         "src cache not support placement HOST"),
+    ]
+    for call, text in cases:
+        with param_invalid(text):
+            call()
+    # the caches' kind before the size; the size before req_id
+    with param_invalid("param check failed, src cache can not be blocks cache."):
+        cm.copy_cache(cache, blocks, size=0, req_id=-1)
+    with param_invalid("[copy_cache] param check failed, size (0)"):
+        cm.copy_cache(cache, cache, size=0, req_id=-1)
+
+
+def test_allocate_needs_a_pool_for_the_placement(engines):
+    # hixl v2/cache_manager.py allocate_cache / allocate_blocks_cache: "you should config
+    # memory pool firstly and then set placement that matches it." before the native layer.
+    d = engines()
+    d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL})
+    cm = d.cache_manager
+    text = "you should config memory pool firstly and then set placement that matches it."
+    desc = CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.HOST)
+    with param_invalid(text):
+        cm.allocate_cache(desc)
+    with param_invalid(text):
+        cm.allocate_blocks_cache(desc)
+    cm.allocate_cache(CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.DEVICE))
+
+
+def test_register_checks_remote_accessible_before_the_addresses(engines):
+    # hixl v2/cache_manager.py register_cache / register_blocks_cache: the types (addrs,
+    # cache_keys / blocks_cache_key, remote_accessible) and the after-link rule come before
+    # "addrs can not be empty.".
+    d = engines()
+    d.init(dict(OPTIONS))
+    cm = d.cache_manager
+    desc = CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.DEVICE)
+    for register in (cm.register_cache, cm.register_blocks_cache):
+        with pytest.raises(TypeError, match="remote_accessible"):
+            register(desc, [], remote_accessible=1)
+    with pytest.raises(TypeError, match="cache_key"):
+        cm.register_cache(desc, [], [1])
+    with pytest.raises(TypeError, match="blocks_cache_key"):
+        cm.register_blocks_cache(desc, [], 1)
+    cm.set_is_call_linked()
+    with param_invalid("you can not register remote accessible cache after link."):
+        cm.register_cache(desc, [], remote_accessible=True)

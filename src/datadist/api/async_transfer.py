@@ -97,7 +97,7 @@ def start_transfer(
 ) -> CacheTask:
     """Check everything, then start the layer-wise thread. See the module docstring."""
     raise_if_false(desc.placement != Placement.HOST,
-                   "transfer_cache_async does not support a HOST source cache")
+                   "src cache not support placement HOST")  # v2/cache_manager.py's text
     src_blocks = _block_indices("src_block_indices", src_block_indices)
     dst_blocks = _block_indices("dst_block_indices", dst_block_indices)
     check_int("dst_block_memory_size", dst_block_memory_size, "uint64")

@@ -222,11 +222,15 @@ class CacheManager:
                        remote_accessible: bool | None = None) -> Cache:
         """Register user memory (one address per tensor) as a contiguous cache."""
         engine = self._engine_or_raise()
+        # v2/cache_manager.py register_cache's order: the types, the after-link rule, then
+        # the addresses' count and values
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
-        geo = geometry_of(cache_desc, blocks=False)
-        addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_cache")
+        check_isinstance("addrs", addrs, list, allow_none=False)
         keys = local_keys(cache_keys)
         ra = self._remote_accessible(cache_desc, remote_accessible)
+        raise_if_false(len(addrs) > 0, "addrs can not be empty.")
+        geo = geometry_of(cache_desc, blocks=False)
+        addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_cache")
         with llm_errors("register_cache"):
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
                                     keys=keys, remote_accessible=ra)
@@ -239,10 +243,12 @@ class CacheManager:
         """Register user memory as a paged cache: shape[0] is the number of blocks."""
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("addrs", addrs, list, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        ra = self._remote_accessible(cache_desc, remote_accessible)
+        raise_if_false(len(addrs) > 0, "addrs can not be empty.")
         geo = geometry_of(cache_desc, blocks=True)
         addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_blocks_cache")
-        ra = self._remote_accessible(cache_desc, remote_accessible)
         model = None if blocks_cache_key is None else blocks_cache_key.model_id & _U64
         with llm_errors("register_blocks_cache"):
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
@@ -266,12 +272,22 @@ class CacheManager:
 
     # ------------------------------------------------------------------ pools
 
+    def _check_pool(self, desc: CacheDesc) -> None:
+        """v2/cache_manager.py allocate_cache / allocate_blocks_cache, after the types: a
+        tensor count above zero, then a pool configured for the placement; their texts."""
+        raise_if_false(desc.num_tensors > 0, "num_tensors should be bigger than zero.")
+        raise_if_false((self._enabled_mem_pool and desc.placement == Placement.DEVICE)
+                       or (self._enable_host_mem_pool and desc.placement == Placement.HOST),
+                       "you should config memory pool firstly and then set placement that "
+                       "matches it.")
+
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
         """Allocate a contiguous cache from the pool of its placement; key i binds slot i."""
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         keys = local_keys(cache_keys)
+        self._check_pool(cache_desc)
         geo = geometry_of(cache_desc, blocks=False)
         with llm_errors("allocate_cache"):
             entry = engine.allocate(geo, placement=int(cache_desc.placement), keys=keys)
@@ -282,6 +298,7 @@ class CacheManager:
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        self._check_pool(cache_desc)
         geo = geometry_of(cache_desc, blocks=True)
         model = None if blocks_cache_key is None else blocks_cache_key.model_id & _U64
         with llm_errors("allocate_blocks_cache"):
@@ -511,7 +528,8 @@ class CacheManager:
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
         check_int("offset", offset, "uint64", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
-        check_int("req_id", req_id, "uint64")
+        local_ops.check_copy_cache(self._ref(dst), self._ref(src), size)
+        check_int("req_id", req_id, "uint64")  # after the caches and size, as the original
         local_ops.copy_cache(engine, self._ref(dst), self._ref(src), dst_batch_index,
                              src_batch_index, offset, size)
 
