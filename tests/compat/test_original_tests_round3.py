@@ -491,3 +491,78 @@ def test_register_checks_remote_accessible_before_the_addresses(engines):
     cm.set_is_call_linked()
     with param_invalid("you can not register remote accessible cache after link."):
         cm.register_cache(desc, [], remote_accessible=True)
+
+
+# ------------------------------------------------------------------ pulls and pushes
+
+
+def ra_manager(engines):
+    d = engines()
+    d.init(dict(OPTIONS))
+    return d.cache_manager
+
+
+def test_push_checks_in_the_originals_order(engines):
+    # hixl v2/cache_manager.py push_cache / push_blocks: the mode first (before the types),
+    # then the types, the kind of cache, dst_blocks, tensor_num_per_layer, the layer ranges
+    # and their lengths, then (push_cache) the size; the registry after them all.
+    d = engines()
+    d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL})
+    with param_invalid("push_cache is only supported while enable_remote_cache_accessible is "
+                       "True"):
+        d.cache_manager.push_cache("not a key", "not a cache")
+    with param_invalid("push_blocks is only supported while enable_remote_cache_accessible is "
+                       "True"):
+        d.cache_manager.push_blocks("not a key", "not a cache")
+    d.finalize()
+    cm = ra_manager(engines)
+    desc = CacheDesc(4, [4, 8], DataType.DT_INT8, Placement.DEVICE)
+    cache, blocks = cm.allocate_cache(desc), cm.allocate_blocks_cache(desc)
+    key, bkey = CacheKeyByIdAndIndex(9, 1), BlocksCacheKey(9, 0)
+    with param_invalid("src_layer_range size should be equal to size of dst_layer_range size."):
+        cm.push_cache(key, cache, src_layer_range=range(0, 1), dst_layer_range=range(0, 2),
+                      size=5)
+    with param_invalid("[push_cache] param check failed, tensor_num_per_layer (0) is invalid, "
+                       "should [1, 4]"):
+        cm.push_cache(key, cache, src_layer_range=range(0, 2, 2), tensor_num_per_layer=0)
+    with param_invalid("param check failed, cache can not be blocks cache."):
+        cm.push_cache(key, blocks, tensor_num_per_layer=0)
+    with param_invalid("dst_blocks can not be empty."):
+        cm.push_blocks(bkey, blocks, [0], [], tensor_num_per_layer=0)
+    with param_invalid("param check failed, cache should be blocks cache."):
+        cm.push_blocks(bkey, cache, [0], [])
+    with param_invalid("src_layer_range size should be equal to size of dst_layer_range size."):
+        cm.push_blocks(bkey, blocks, [0], [0], src_layer_range=range(0, 1))
+    # the registry comes last: a cache this manager never made is refused after the checks
+    gone = cm.allocate_cache(desc)
+    cm.deallocate_cache(gone)
+    with param_invalid("[push_cache] param check failed, size (5)"):
+        cm.push_cache(key, gone, size=5)
+
+
+def test_pull_checks_in_the_originals_order(engines):
+    # hixl v2/cache_manager.py pull_cache / pull_blocks and v2/llm_utils.py
+    # layer_range_to_tensor_indices: the key's type for the mode first; tensor_num_per_layer
+    # before the layer ranges; the ranges' texts; other keywords ignored.
+    cm = ra_manager(engines)
+    desc = CacheDesc(4, [4, 8], DataType.DT_INT8, Placement.DEVICE)
+    cache, blocks = cm.allocate_cache(desc), cm.allocate_blocks_cache(desc)
+    key = CacheKeyByIdAndIndex(9, 1)
+    with pytest.raises(TypeError, match="cache_key"):
+        cm.pull_cache(CacheKey(9, 1), cache, size=0)
+    with param_invalid("[pull_cache] param check failed, tensor_num_per_layer (0)"):
+        cm.pull_cache(key, cache, src_layer_range=range(0, 2, 2), tensor_num_per_layer=0)
+    with param_invalid("param check failed, src_layer_range step must be 1."):
+        cm.pull_cache(key, cache, src_layer_range=range(0, 2, 2))
+    with param_invalid("param check failed, dst_layer_range step must be 1."):
+        cm.pull_cache(key, cache, src_layer_range=range(-1, 1), dst_layer_range=range(0, 2, 2))
+    with param_invalid("src_layer_range is invalid, the start value:-1 is < 0"):
+        cm.pull_cache(key, cache, src_layer_range=range(-1, 1))
+    with param_invalid("dst_layer_range is invalid, the start value:-2 is < 0"):
+        cm.pull_blocks(key, blocks, [], [0], dst_layer_range=range(-2, 1))
+    with param_invalid("[pull_blocks] param check failed, tensor_num_per_layer (0)"):
+        cm.pull_blocks(key, blocks, [0], [0], tensor_num_per_layer=0)
+    with param_invalid("one of req id and prefix id should contain valid value"):
+        cm.pull_blocks(CacheKey(9, 2**64 - 1), blocks, [0], [0])
+    with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_NOT_YET_LINK):
+        cm.pull_cache(key, cache, src_cache_offset=0)  # not a keyword of v2's pull: ignored
