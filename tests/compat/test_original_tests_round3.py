@@ -566,3 +566,14 @@ def test_pull_checks_in_the_originals_order(engines):
         cm.pull_blocks(CacheKey(9, 2**64 - 1), blocks, [0], [0])
     with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_NOT_YET_LINK):
         cm.pull_cache(key, cache, src_cache_offset=0)  # not a keyword of v2's pull: ignored
+
+
+def test_listen_ip_info_without_a_port_text(engines):
+    # hixl v2/llm_utils.py parse_listen_ip_info (init in cache-manager mode, switch_role):
+    # 'llm.listenIpInfo "<value>" is invalid, format should be "ip:port"'.
+    text = 'llm.listenIpInfo "127.0.0.1" is invalid, format should be "ip:port"'
+    with param_invalid(text):
+        engines().init({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1"})
+    d = cm_engine(engines)
+    with param_invalid(text):
+        d.switch_role(llm.LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1"})

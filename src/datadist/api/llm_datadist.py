@@ -244,10 +244,7 @@ class LLMDataDist:
             _check_global_resource_config(opts.get(cfg.OPT_GLOBAL_RESOURCE, ""))
         listen = opts.get(cfg.OPT_LISTEN_IP_INFO)
         if listen and self._cache_manager_mode:
-            try:
-                ip, port = parse_host_port(listen)
-            except InvalidArgument as e:
-                raise _param_invalid(str(e)) from None
+            ip, port = _parse_listen(listen)
             opts["llm.ListenIp"], opts["llm.ListenPort"] = ip, str(port)
         if not self._cache_manager_mode and self._role == LLMRole.PROMPT and not listen:
             raise _param_invalid("a PROMPT without cache-manager mode needs llm.listenIpInfo")
@@ -489,10 +486,7 @@ class LLMDataDist:
         listen = (switch_options or {}).get(cfg.OPT_LISTEN_IP_INFO)
         with llm_errors("switch_role"):
             if listen:
-                try:
-                    host, port = parse_host_port(listen)
-                except InvalidArgument as e:
-                    raise _param_invalid(str(e)) from None
+                host, port = _parse_listen(listen)
                 if engine.listen_address != (host, port) or port == 0:
                     engine.start_listening(host, port)
             elif engine.listener is not None:
@@ -606,6 +600,19 @@ class LLMDataDist:
             state = comms.status(comm_id)
         return {CommState.PREPARING: RegisterMemStatus.PREPARING,
                 CommState.OK: RegisterMemStatus.OK}.get(state, RegisterMemStatus.FAILED)
+
+
+def _parse_listen(listen: str) -> tuple[str, int]:
+    """llm.listenIpInfo of init (cache-manager mode) and switch_role: "ip:port" (IPv6 in
+    brackets). Without any ':' the original's text (v2/llm_utils.py parse_listen_ip_info);
+    datadist's own checks of the rest say what is wrong. LLM_PARAM_INVALID."""
+    if ":" not in listen:
+        raise _param_invalid(f'llm.listenIpInfo "{listen}" is invalid, format should be '
+                             '"ip:port"')
+    try:
+        return parse_host_port(listen)
+    except InvalidArgument as e:
+        raise _param_invalid(str(e)) from None
 
 
 def _shutdown_handler() -> None:
