@@ -435,6 +435,7 @@ class LlmDataDist::LlmDataDistImpl {
     CheckUpLocked();
     CheckRemote(src);
     if (size != -1 && size <= 0) Invalid("size must be -1 or > 0");
+    datadist::CheckExtParam(ext, false);  // before the local cache is looked up, as CANN
     auto lease = registry_.Hold(dst.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
@@ -455,6 +456,7 @@ class LlmDataDist::LlmDataDistImpl {
       if (src_blocks.empty()) Invalid("src_blocks and dst_blocks are both empty");
       Invalid("src_blocks has " + std::to_string(src_blocks.size()) + " entries but dst_blocks is empty");
     }
+    datadist::CheckExtParam(ext, false);
     auto lease = registry_.Hold(dst.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
@@ -473,6 +475,7 @@ class LlmDataDist::LlmDataDistImpl {
     CheckUpLocked();
     CheckRemote(dst, false);
     if (size != -1) Invalid("PushKvCache supports size -1 only (as CANN)");
+    datadist::CheckExtParam(ext, true);
     auto lease = registry_.Hold(src.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
@@ -488,6 +491,7 @@ class LlmDataDist::LlmDataDistImpl {
     CheckRemote(dst, false);
     if (src_blocks.empty()) Invalid("src_blocks must not be empty");
     if (dst.batch_index != 0) Invalid("dst_cache_index.batch_index must be 0 for PushKvBlocks");
+    datadist::CheckExtParam(ext, true);
     auto lease = registry_.Hold(src.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;

@@ -15,11 +15,10 @@ void CheckRange(std::pair<int32_t, int32_t> r, const char *name) {
 
 }  // namespace
 
-void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtParam &ext, bool push) {
+void CheckExtParam(const llm_datadist::KvCacheExtParam &ext, bool push) {
   CheckRange(ext.src_layer_range, "src_layer_range");
   CheckRange(ext.dst_layer_range, "dst_layer_range");
-  const int64_t n = ext.tensor_num_per_layer;
-  if (n <= 0) Invalid("tensor_num_per_layer must be > 0");
+  if (ext.tensor_num_per_layer == 0) Invalid("tensor_num_per_layer must be > 0");
   auto src = ext.src_layer_range, dst = ext.dst_layer_range;
   // A push's ranges must be as wide as each other before anything else, {-1, -1} (width 0)
   // included, as CANN's PushKvCache / PushKvBlocks (CheckKvCacheExtParam with check_range_same).
@@ -27,6 +26,12 @@ void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtPar
     Invalid("src_layer_range {" + std::to_string(src.first) + ", " + std::to_string(src.second) +
             "} and dst_layer_range {" + std::to_string(dst.first) + ", " + std::to_string(dst.second) +
             "} differ in length");
+}
+
+void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtParam &ext, bool push) {
+  CheckExtParam(ext, push);
+  const int64_t n = ext.tensor_num_per_layer;
+  auto src = ext.src_layer_range, dst = ext.dst_layer_range;
   if (push) {
     // CANN pushes layer by layer (LayerWiseTransferJob::Prepare): a source whose tensors are
     // not whole layers is refused at its first layer, and a source range pushes to

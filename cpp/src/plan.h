@@ -28,6 +28,11 @@ struct Plan {
 /// moves every tensor unless the source range does, which then needs a destination range, and
 /// its source must be whole layers of tensor_num_per_layer. Explicit ranges must have the same
 /// width and fit the local cache; the owner checks its side.
+/// CANN's CheckKvCacheExtParam (src/llm_datadist/llm_datadist.cc): both layer ranges
+/// {-1, -1} or 0 <= first <= second, tensor_num_per_layer > 0 and, for a push, two ranges as
+/// wide as each other. LLM_PARAM_INVALID otherwise. The calls make it before they look up
+/// the local cache, as there; PairTensors repeats it.
+void CheckExtParam(const llm_datadist::KvCacheExtParam &ext, bool push);
 void PairTensors(Plan &plan, uint32_t local_num_tensors, const llm_datadist::KvCacheExtParam &ext, bool push);
 
 /// One slot: remote slot (relative offset 0) <-> local slot `local_unit`; size -1 = the whole slot.

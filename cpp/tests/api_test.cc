@@ -353,6 +353,33 @@ TEST_F(Initialized, LayerRangedPullsNeedWholeLayers) {
   EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), odd.cache, {0}, {0}, layer0), LLM_NOT_YET_LINK);
 }
 
+// CANN's LlmDataDistImpl::PullKvCache / PullKvBlocks / PushKvCache / PushKvBlocks
+// (hicann/hixl src/llm_datadist/llm_datadist.cc) call CheckKvCacheExtParam before the cache
+// engine looks the local cache up: a bad layer range or tensor_num_per_layer 0 is
+// LLM_PARAM_INVALID even for a cache id that does not exist (not LLM_KV_CACHE_NOT_EXIST).
+TEST_F(Initialized, ExtParamIsCheckedBeforeTheLocalCache) {
+  Cache unknown{};
+  unknown.cache_id = 55;
+  KvCacheExtParam bad_range{};
+  bad_range.src_layer_range = {-2, 0};
+  bad_range.dst_layer_range = {0, 1};
+  KvCacheExtParam no_tensors{};
+  no_tensors.tensor_num_per_layer = 0;
+  for (const KvCacheExtParam &ext : {bad_range, no_tensors}) {
+    EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), unknown, 0, -1, ext), LLM_PARAM_INVALID);
+    EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(2, 1), unknown, {0}, {0}, ext), LLM_PARAM_INVALID);
+    EXPECT_EQ(dd.PushKvCache(unknown, ddtest::Index(2, 1), 0, -1, ext), LLM_PARAM_INVALID);
+    EXPECT_EQ(dd.PushKvBlocks(unknown, ddtest::Index(2, 1), {0}, {0}, ext), LLM_PARAM_INVALID);
+  }
+  // a push's ranges of different widths, {-1, -1} against {0, 1}
+  KvCacheExtParam widths{};
+  widths.dst_layer_range = {0, 1};
+  EXPECT_EQ(dd.PushKvCache(unknown, ddtest::Index(2, 1), 0, -1, widths), LLM_PARAM_INVALID);
+  // valid arguments: now the cache is looked up
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(2, 1), unknown), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(dd.PushKvCache(unknown, ddtest::Index(2, 1)), LLM_KV_CACHE_NOT_EXIST);
+}
+
 }  // namespace
 
 namespace {

@@ -271,7 +271,9 @@ class TestSwapBlocks:
             side.cm.swap_blocks(dev, host, [(0, 0)])
         with pytest.raises(TypeError):
             side.cm.swap_blocks(dev, host, {0: "0"})
-        with pytest.raises(ValueError):
+        # a negative index is out of the cache's range, not of uint64's: LLM_PARAM_INVALID,
+        # as hixl v2/cache_manager.py _verify_caches ("src_block_index:-1 must be in [0, 4)")
+        with pytest.raises(llm.LLMException, match=r"^src_block_index:-1 must be in \[0, 4\)"):
             side.cm.swap_blocks(dev, host, {-1: 0})
 
     def test_param_invalid(self, side):

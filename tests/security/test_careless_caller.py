@@ -485,7 +485,7 @@ libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_i
                       ctypes.c_int, ctypes.c_long]
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 engine = Engine(EngineConfig(cluster_id=2, role=2, device_pool=PoolConfig(1 << 20, 12)))
-cm = CacheManager(engine)
+cm = CacheManager(engine, mem_pool=True)
 desc = llm.CacheDesc(1, [4, 4096], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
 dev = cm.allocate_blocks_cache(desc)
 addr = libc.mmap(None, 4 * 4096, mmap.PROT_READ | mmap.PROT_WRITE,

@@ -940,8 +940,10 @@ LAYER_ERRORS = [
     ({"tensor_num_per_layer": -1}, pytest.raises(ValueError)),
     ({"tensor_num_per_layer": 2**32}, pytest.raises(ValueError)),
     ({"tensor_num_per_layer": "2"}, pytest.raises(TypeError)),
-    ({"src_cache_offset": 0}, code(S.LLM_PARAM_INVALID)),  # a v1-only kwarg
-    ({"layer_range": range(0, 1)}, code(S.LLM_PARAM_INVALID)),
+    # other keywords are ignored, as hixl v2/cache_manager.py (kwargs.get of the three):
+    # the pull goes as far as the missing link
+    ({"src_cache_offset": 0}, code(S.LLM_NOT_YET_LINK)),  # a v1-only kwarg
+    ({"layer_range": range(0, 1)}, code(S.LLM_NOT_YET_LINK)),
 ]
 
 
@@ -984,12 +986,17 @@ class TestPullCache:
         with code(S.LLM_PARAM_INVALID):
             cm.pull_cache(key, registered[0])
 
-    def test_unknown_local_cache_comes_first(self, cm):
+    def test_unknown_local_cache_comes_after_the_argument_checks(self, cm):
+        # the Python layer's checks come first (hixl v2/cache_manager.py pull_cache /
+        # pull_blocks), the lookup of the local cache (native there) after them: a
+        # create_cpu_cache handle is a blocks cache, which pull_cache refuses as such
         ghost = Cache.create_cpu_cache(contiguous_desc(), [4096, 8192, 12288, 16384])
-        with code(S.LLM_KV_CACHE_NOT_EXIST):
+        with code(S.LLM_PARAM_INVALID):
             cm.pull_cache(CacheKey(PEER, 1), ghost)
-        with code(S.LLM_KV_CACHE_NOT_EXIST):  # before any parameter check
-            cm.pull_cache(CacheKey(PEER, 1), ghost, size=0)
+        with code(S.LLM_PARAM_INVALID):
+            cm.pull_blocks(BlocksCacheKey(PEER, 0), ghost, [0], [])
+        with code(S.LLM_KV_CACHE_NOT_EXIST):
+            cm.pull_blocks(BlocksCacheKey(PEER, 0), ghost, [0], [0])
 
     def test_own_cluster_is_param_invalid(self, cm, registered):
         with code(S.LLM_PARAM_INVALID):

@@ -78,7 +78,7 @@ def _block_indices(name: str, value: Any) -> np.ndarray | None:
 def _layers(cfg: Any, num_layers: int) -> range:
     rng = cfg.src_layer_range if cfg.src_layer_range is not None else range(num_layers)
     raise_if_false(0 <= rng.start < rng.stop <= num_layers,
-                   f"src_layer_range {rng} out of range: the source has {num_layers} layers")
+                   f"src_layer_range: {rng} out of range, src_layer_num = {num_layers}")
     return rng
 
 
@@ -97,7 +97,7 @@ def start_transfer(
 ) -> CacheTask:
     """Check everything, then start the layer-wise thread. See the module docstring."""
     raise_if_false(desc.placement != Placement.HOST,
-                   "transfer_cache_async does not support a HOST source cache")
+                   "src cache not support placement HOST")  # v2/cache_manager.py's text
     src_blocks = _block_indices("src_block_indices", src_block_indices)
     dst_blocks = _block_indices("dst_block_indices", dst_block_indices)
     check_int("dst_block_memory_size", dst_block_memory_size, "uint64")
@@ -105,30 +105,30 @@ def start_transfer(
     has_dst_blocks = dst_blocks is not None and dst_blocks.size > 0
     if src_blocks is not None and has_src_blocks:
         raise_if_false(dst_blocks is not None and has_dst_blocks,
-                       "transfer from blocks to a contiguous cache is not supported: give "
+                       "transfer from blocks to cache is not supported: give "
                        "dst_block_indices")
         assert dst_blocks is not None
         raise_if_false(len(src_blocks) == len(dst_blocks),
-                       f"{len(src_blocks)} src_block_indices but {len(dst_blocks)} "
-                       "dst_block_indices")
+                       f"num_block_indices mismatches, src_num = {len(src_blocks)}, "
+                       f"dst_num = {len(dst_blocks)}")
     elif has_dst_blocks:
         raise_if_false(dst_block_memory_size is not None,
-                       "dst_block_memory_size must be set when transferring into blocks")
+                       "dst_block_memory_size must be set when transfer from cache to blocks")
     check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer,
                      allow_none=False)
     check_isinstance("transfer_configs", transfer_configs, (list, tuple), allow_none=False)
     kind = TransferWithCacheKeyConfig if key_configs else TransferConfig
     for cfg in transfer_configs:
         if not isinstance(cfg, kind):
-            mode = ("enable_remote_cache_accessible is True" if key_configs
-                    else "enable_remote_cache_accessible is off")
-            raise TypeError(f"while {mode}, transfer_configs only support "
+            # the original's check_isinstance(..., inner_class) text, and its prefix
+            prefix = "While enable_remote_cache_accessible is True, " if key_configs else ""
+            raise TypeError(f"{prefix}transfer_configs inner type only support "
                             f"[{kind.__name__}], but got {type(cfg)}.")
     raise_if_false(has_dst_blocks or dst_block_memory_size in (None, 0),
-                   f"dst_block_memory_size ({dst_block_memory_size}) must be None or 0 when "
-                   "the destination is not blocks")
+                   f"dst_block_memory_size ({dst_block_memory_size}) is neither None nor 0 "
+                   "while dst is not blocks")
     raise_if_false(desc.num_tensors % TENSORS_PER_LAYER == 0,
-                   f"num_tensors {desc.num_tensors} is not even")
+                   f"cache_desc.num_tensors ({desc.num_tensors}) is not even")
     with llm_errors("transfer_cache_async"):
         entry = engine.registry.get(cache_id)
     geo = entry.geometry
@@ -174,14 +174,16 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
          src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
          dbb: int) -> layerwise.LayerJob:
     """Plan one destination: its layers, its spans (same for every layer), its sender."""
-    layers = _layers(cfg, num_layers)
+    # The original's order (llm_utils.TransferCacheJob.check_transfer_config): the batch
+    # index, then the layer range, then the addresses; its texts start each message.
     src_unit = _src_unit(cfg)
     if src_blocks is not None:
-        raise_if_false(src_unit == 0,
-                       f"src_batch_index ({src_unit}) must be 0 for a blocks source")
+        raise_if_false(src_unit == 0, f"Invalid TransferConfig, src_batch_index ({src_unit}) "
+                       "!= 0 while src is blocks")
     else:
-        raise_if_false(src_unit < geo.units,
-                       f"src_batch_index {src_unit} out of range [0, {geo.units})")
+        raise_if_false(src_unit < geo.units, f"Invalid TransferConfig, src_batch_index "
+                       f"({src_unit}) out of range: [0, {geo.units})")
+    layers = _layers(cfg, num_layers)
     n = TENSORS_PER_LAYER
 
     def spans(unit_bytes_default: int) -> layerwise.LayerSpans:
@@ -197,8 +199,8 @@ def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
     if isinstance(cfg, TransferConfig):
         cluster = cfg.dst_cluster_id
         raise_if_false(len(cfg.dst_addrs) == len(layers) * n,
-                       f"expected {len(layers) * n} dst_addrs for src_layer_range {layers}, "
-                       f"got {len(cfg.dst_addrs)}")
+                       f"expect {len(layers) * n} dst_addrs, but len(dst_addrs) = "
+                       f"{len(cfg.dst_addrs)}, range = {layers}")
         raise_if_false(all(a != 0 for a in cfg.dst_addrs), "dst_addrs must be non-zero")
         addrs = list(cfg.dst_addrs)
         sp = spans(geo.unit_bytes)

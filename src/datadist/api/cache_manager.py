@@ -34,7 +34,6 @@ from datadist.api.status import (
     to_llm_exception,
 )
 from datadist.api.types import (
-    UINT64_MAX,
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -54,7 +53,6 @@ from datadist.memory import mapped
 from datadist.memory.user import user_memory
 
 _U64 = 2**64 - 1
-_PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
 
 
@@ -68,24 +66,54 @@ def local_keys(cache_keys: Any) -> list[KeyId | None]:
 
 def parse_layer_kwargs(kwargs: dict[str, Any], func: str = "",
                        num_tensors: int = 0) -> tuple[Any, Any, int]:
-    """The layer arguments of a pull or push: (src range, dst range, tensors per layer).
-    ``func`` and ``num_tensors`` (the local cache's) go into the original's text for a
-    tensor_num_per_layer of 0 (v2/cache_manager.py)."""
+    """The layer arguments of a pull: (src range, dst range, tensors per layer), with
+    tensor_num_per_layer checked (uint32, > 0; ``func`` and ``num_tensors``, the local
+    cache's, go into the original's text). The ranges are checked by
+    :func:`check_pull_ranges`, later, as v2/cache_manager.py pull_cache / pull_blocks do. Other
+    keywords are ignored, as there (it reads the three with ``kwargs.get``)."""
     if not kwargs:  # the usual call: every layer, two tensors per layer
         return None, None, 2
-    for k in kwargs:
-        if k not in _PULL_KWARGS:
-            raise_if_false(False, f"unknown argument {k!r}; expected one of {_PULL_KWARGS}")
     src = kwargs.get("src_layer_range")
     dst = kwargs.get("dst_layer_range")
     n = kwargs.get("tensor_num_per_layer", 2)
-    check_layer_range("src_layer_range", src)
-    check_layer_range("dst_layer_range", dst)
     check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
     raise_if_false(n > 0, f"[{func}] param check failed, tensor_num_per_layer ({n}) is invalid, "
                           f"should [1, {num_tensors}]")
     return src, dst, n
 
+
+def check_pull_ranges(src: Any, dst: Any) -> None:
+    """A pull's layer ranges, as v2/llm_utils.py layer_range_to_tensor_indices checks them
+    (both types, both steps, then each start and end), its texts; then datadist's own rule
+    (``check_layer_range``: a range that is not empty)."""
+    check_isinstance("src_layer_range", src, range)
+    check_isinstance("dst_layer_range", dst, range)
+    for name, rng in (("src_layer_range", src), ("dst_layer_range", dst)):
+        raise_if_false(rng is None or rng.step == 1,
+                       f"param check failed, {name} step must be 1.")
+    for name, rng in (("src_layer_range", src), ("dst_layer_range", dst)):
+        if rng is not None and len(rng):
+            raise_if_false(rng[0] >= 0, f"{name} is invalid, the start value:{rng[0]} is < 0")
+            check_int(name, rng[0], "uint32", allow_none=False)
+            check_int(name, rng[-1], "uint32", allow_none=False)
+        check_layer_range(name, rng)
+
+
+
+def push_layers(num_tensors: int, src: Any, dst: Any, n: Any,
+                func: str) -> tuple[range | None, range | None, int]:
+    """A push's layer arguments, checked as v2/cache_manager.py push_cache / push_blocks do:
+    tensor_num_per_layer (uint32, > 0), each range (``check_layer_range``), then the two
+    ranges as long as each other, a missing one being every local layer."""
+    check_int("tensor_num_per_layer", n, "uint32", allow_none=False)
+    raise_if_false(n > 0, f"[{func}] param check failed, tensor_num_per_layer ({n}) is invalid, "
+                          f"should [1, {num_tensors}]")
+    check_layer_range("src_layer_range", src)
+    check_layer_range("dst_layer_range", dst)
+    layers = num_tensors // n
+    raise_if_false((layers if src is None else len(src)) == (layers if dst is None else len(dst)),
+                   "src_layer_range size should be equal to size of dst_layer_range size.")
+    return src, dst, n
 
 
 def push_tensor_pairs(num_tensors: int, src_range: range | None, dst_range: range | None,
@@ -153,8 +181,14 @@ class CacheManager:
         self._is_call_linked = True
 
     def _engine_or_raise(self) -> Engine:
+        """Every operation's first step: a manager of a finalized session (``finalize()``, or
+        an ``init()`` after it that made a new manager) is refused before its arguments are
+        looked at, LLMException LLM_ENGINE_FINALIZED, as the original's newest CacheManager
+        (hixl tests/python/test_cache_manager_lifecycle.py). LLMException is a RuntimeError,
+        as the older revision's exception was."""
         if not self._initialized:
-            raise RuntimeError("llm datadist is not initialized")
+            raise LLMException("llm datadist is not initialized",
+                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
         return self._engine
 
     def _invalidate(self) -> None:
@@ -222,11 +256,15 @@ class CacheManager:
                        remote_accessible: bool | None = None) -> Cache:
         """Register user memory (one address per tensor) as a contiguous cache."""
         engine = self._engine_or_raise()
+        # v2/cache_manager.py register_cache's order: the types, the after-link rule, then
+        # the addresses' count and values
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
-        geo = geometry_of(cache_desc, blocks=False)
-        addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_cache")
+        check_isinstance("addrs", addrs, list, allow_none=False)
         keys = local_keys(cache_keys)
         ra = self._remote_accessible(cache_desc, remote_accessible)
+        raise_if_false(len(addrs) > 0, "addrs can not be empty.")
+        geo = geometry_of(cache_desc, blocks=False)
+        addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_cache")
         with llm_errors("register_cache"):
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
                                     keys=keys, remote_accessible=ra)
@@ -240,10 +278,12 @@ class CacheManager:
         """Register user memory as a paged cache: shape[0] is the number of blocks."""
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        check_isinstance("addrs", addrs, list, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        ra = self._remote_accessible(cache_desc, remote_accessible)
+        raise_if_false(len(addrs) > 0, "addrs can not be empty.")
         geo = geometry_of(cache_desc, blocks=True)
         addr_list, keep = self._addrs(addrs, cache_desc, geo, "register_blocks_cache")
-        ra = self._remote_accessible(cache_desc, remote_accessible)
         model = None if blocks_cache_key is None else blocks_cache_key.model_id & _U64
         with llm_errors("register_blocks_cache"):
             entry = engine.register(geo, addr_list, placement=int(cache_desc.placement),
@@ -280,12 +320,22 @@ class CacheManager:
 
     # ------------------------------------------------------------------ pools
 
+    def _check_pool(self, desc: CacheDesc) -> None:
+        """v2/cache_manager.py allocate_cache / allocate_blocks_cache, after the types: a
+        tensor count above zero, then a pool configured for the placement; their texts."""
+        raise_if_false(desc.num_tensors > 0, "num_tensors should be bigger than zero.")
+        raise_if_false((self._enabled_mem_pool and desc.placement == Placement.DEVICE)
+                       or (self._enable_host_mem_pool and desc.placement == Placement.HOST),
+                       "you should config memory pool firstly and then set placement that "
+                       "matches it.")
+
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
         """Allocate a contiguous cache from the pool of its placement; key i binds slot i."""
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         keys = local_keys(cache_keys)
+        self._check_pool(cache_desc)
         geo = geometry_of(cache_desc, blocks=False)
         with llm_errors("allocate_cache"):
             entry = engine.allocate(geo, placement=int(cache_desc.placement), keys=keys)
@@ -297,6 +347,7 @@ class CacheManager:
         engine = self._engine_or_raise()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
+        self._check_pool(cache_desc)
         geo = geometry_of(cache_desc, blocks=True)
         model = None if blocks_cache_key is None else blocks_cache_key.model_id & _U64
         with llm_errors("allocate_blocks_cache"):
@@ -347,10 +398,8 @@ class CacheManager:
             raise to_llm_exception(e, "") from e
 
     def _check_cache_key(self, key: Any) -> None:
-        if isinstance(key, CacheKey):
-            valid = [v not in (UINT64_MAX,) for v in (key.req_id, key.prefix_id)]
-            raise_if_false(sum(valid) == 1,
-                           "exactly one of req_id and prefix_id must be set in a CacheKey")
+        if isinstance(key, CacheKey):  # the original's CacheManager.check_cache_key, its texts
+            types.check_cache_key(key)
 
     def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache,
                    batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
@@ -359,24 +408,28 @@ class CacheManager:
         Blocks until done; LLMException LLM_TIMEOUT after ``sync_kv_timeout``.
         """
         engine = self._engine_or_raise()
-        check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
-                         allow_none=False)
+        # v2/cache_manager.py pull_cache's order: the key's type (for the mode), the cache,
+        # batch_index, size, the kind of cache, size's value, tensor_num_per_layer, the key's
+        # ids, the layer ranges; the registry (the native layer there) after them all
+        if self._enable_remote_cache_accessible:
+            check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
+        else:
+            check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
+                             allow_none=False)
         check_isinstance("cache", cache, Cache, allow_none=False)
         self._own("cache", cache)
         check_int("batch_index", batch_index, "uint32", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
-        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_cache",
-                                                     cache.cache_desc.num_tensors)
-        geo = self._check_local(engine, cache)
         raise_if_false(not cache.is_blocks_cache,
                        "param check failed, cache can not be blocks cache.")
         raise_if_false(size == -1 or size > 0,
                        f"[pull_cache] param check failed, size ({size}) is invalid, should be "
                        "= -1 or > 0")
-        if self._enable_remote_cache_accessible:
-            # llm_datadist type-checks the key against the mode: a TypeError.
-            check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
+        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_cache",
+                                                     cache.cache_desc.num_tensors)
         self._check_cache_key(cache_key)
+        check_pull_ranges(src_range, dst_range)
+        geo = self._check_local(engine, cache)
         with llm_errors("pull_cache"):
             def build() -> layout.Plan:
                 tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
@@ -401,19 +454,22 @@ class CacheManager:
         self._own("dst_cache", dst_cache)
         src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
-        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_blocks",
-                                                     dst_cache.cache_desc.num_tensors)
-        geo = self._check_local(engine, dst_cache)
+        # v2/cache_manager.py pull_blocks's order after the types: the kind of cache,
+        # dst_blocks, tensor_num_per_layer, the key's rules, then the layer ranges
         raise_if_false(dst_cache.is_blocks_cache,
                        "param check failed, dst_cache should be blocks cache.")
         raise_if_false(len(dst) > 0, "dst_blocks can not be empty.")
+        src_range, dst_range, n = parse_layer_kwargs(kwargs, "pull_blocks",
+                                                     dst_cache.cache_desc.num_tensors)
         by_blocks = isinstance(src_cache_key, BlocksCacheKey)
         if by_blocks:
             raise_if_false(len(src) > 0, "src_blocks can not be empty.")
         else:
+            self._check_cache_key(src_cache_key)
             raise_if_false(len(src) == 0, "src_blocks should be empty when src_cache_key is not "
                                           "instance of BlocksCacheKey.")
-            self._check_cache_key(src_cache_key)
+        check_pull_ranges(src_range, dst_range)
+        geo = self._check_local(engine, dst_cache)
         with llm_errors("pull_blocks"):
             def build() -> layout.Plan:
                 tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
@@ -445,22 +501,23 @@ class CacheManager:
                    tensor_num_per_layer: int = 2) -> None:
         """Write local slot ``src_batch_index`` into the remote cache id / batch slot."""
         engine = self._engine_or_raise()
+        # v2/cache_manager.py push_cache's order: the mode, the types, the kind of cache, the
+        # layers, then the size; the registry (the native layer there) after them all
+        self._require_remote_accessible("push_cache")
         check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex, allow_none=False)
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         self._own("src_cache", src_cache)
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
-        check_int("size", size, "int64", allow_none=False)
-        src_range, dst_range, n = parse_layer_kwargs(
-            {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer},
-            "push_cache", src_cache.cache_desc.num_tensors)
-        self._require_remote_accessible("push_cache")
-        geo = self._check_local(engine, src_cache)
         raise_if_false(not src_cache.is_blocks_cache,
                        "param check failed, cache can not be blocks cache.")
+        src_range, dst_range, n = push_layers(src_cache.cache_desc.num_tensors, src_layer_range,
+                                              dst_layer_range, tensor_num_per_layer,
+                                              "push_cache")
+        check_int("size", size, "int64", allow_none=False)
         raise_if_false(size == -1,
                        f"[push_cache] param check failed, size ({size}) is invalid, should be "
                        "= -1.")
+        geo = self._check_local(engine, src_cache)
         pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
         with llm_errors("push_cache"):
             plan = layout.plan_slot(geo, src_batch_index, pairs, size)
@@ -474,20 +531,20 @@ class CacheManager:
                     tensor_num_per_layer: int = 2) -> None:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
         engine = self._engine_or_raise()
+        # v2/cache_manager.py push_blocks's order, as push_cache's
+        self._require_remote_accessible("push_blocks")
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey, allow_none=False)
         check_isinstance("src_cache", src_cache, Cache, allow_none=False)
         self._own("src_cache", src_cache)
         src = int_list("src_blocks", src_blocks, "uint64", types=(list, tuple, np.ndarray))
         dst = int_list("dst_blocks", dst_blocks, "uint64", types=(list, tuple, np.ndarray))
-        src_range, dst_range, n = parse_layer_kwargs(
-            {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer},
-            "push_blocks", src_cache.cache_desc.num_tensors)
-        self._require_remote_accessible("push_blocks")
-        geo = self._check_local(engine, src_cache)
         raise_if_false(src_cache.is_blocks_cache,
                        "param check failed, cache should be blocks cache.")
         raise_if_false(len(dst) > 0, "dst_blocks can not be empty.")
+        src_range, dst_range, n = push_layers(src_cache.cache_desc.num_tensors, src_layer_range,
+                                              dst_layer_range, tensor_num_per_layer,
+                                              "push_blocks")
+        geo = self._check_local(engine, src_cache)
         pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
         with llm_errors("push_blocks"):
             def build() -> layout.Plan:
@@ -527,7 +584,8 @@ class CacheManager:
         check_int("src_batch_index", src_batch_index, "uint32", allow_none=False)
         check_int("offset", offset, "uint64", allow_none=False)
         check_int("size", size, "int64", allow_none=False)
-        check_int("req_id", req_id, "uint64")
+        local_ops.check_copy_cache(self._ref(dst), self._ref(src), size)
+        check_int("req_id", req_id, "uint64")  # after the caches and size, as the original
         local_ops.copy_cache(engine, self._ref(dst), self._ref(src), dst_batch_index,
                              src_batch_index, offset, size)
 

@@ -15,19 +15,32 @@ _RANGES = {
 }
 
 
+def is_instance(value: Any, types: type | tuple[type, ...]) -> bool:
+    """isinstance, except that a bool is no int: where the classes name int and not bool, a
+    bool is refused, as the original's newest checks do (hixl tests/python/test_utils.py
+    test_check_bool_rejected; bool subclasses int in Python)."""
+    if not isinstance(types, tuple):
+        types = (types,)
+    if isinstance(value, bool) and not any(issubclass(bool, t) and t is not int
+                                           for t in types):
+        return False
+    return isinstance(value, types)
+
+
 def check_isinstance(name: str, value: Any, types: type | tuple[type, ...],
                      allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
     if not isinstance(types, tuple):
         types = (types,)
-    if not isinstance(value, types):
+    if not is_instance(value, types):
         names = [t.__name__ for t in types]
         raise TypeError(f"{name} only support {names}, but got {type(value)}.")
 
 
 def check_int(name: str, value: Any, kind: str, allow_none: bool = True) -> None:
-    """Type-check for int (bool passes, as in llm_datadist), then range-check."""
+    """Type-check for int (a bool is refused, as in llm_datadist's newest checks), then
+    range-check."""
     check_isinstance(name, value, int, allow_none)
     if value is None:
         return
@@ -93,7 +106,7 @@ def int_list(name: str, values: Any, kind: str, *, types: tuple[type, ...] = (li
         for v in arr.tolist():
             check_int(f"{name} item", v, kind, allow_none=False)
         raise ValueError(f"{name} items must be in range of {kind}.")
-    if arr.ndim != 1 or arr.dtype.kind not in "iub":
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise TypeError(f"{name} items only support int, but got {arr.dtype}.")
     if len(arr):
         lo, hi = _RANGES[kind]

@@ -187,13 +187,14 @@ class LLMDataDist:
 
     def init(self, options: dict[str, str]) -> None:
         """Start the engine. A no-op when already initialized; one instance per process."""
-        check_isinstance("options", options, dict, allow_none=False)
         with LLMDataDist._instance_lock:
+            # v2/llm_datadist.py init: initialized, then another instance, then the options
             if self._engine is not None:
                 return
             if LLMDataDist.llm_engine_instance is not None:
                 raise LLMException("Cannot init multiple LLMDataDists",
                                    status_code=LLMStatusCode.LLM_FAILED)
+            check_isinstance("options", options, dict, allow_none=False)
             _check_flow_graph_max_size(options)
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
@@ -215,11 +216,16 @@ class LLMDataDist:
                 self._kv_cache_manager = KvCacheManager(engine, self._role)
             LLMDataDist.llm_engine_instance = self
 
+    @staticmethod
+    def _role_to_str(role: LLMRole) -> str:
+        """The ``llm.Role`` option's text for a role (the original's static helper of the
+        same name; its tests/python/test_llm_datadist_coverage.py calls it)."""
+        return {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder", LLMRole.MIX: "Mix"}[role]
+
     def _setup_options(self, options: dict[str, str]) -> dict[str, str]:
         """llm_datadist's mode selection, on a copy of the options."""
         opts = {str(k): str(v) for k, v in options.items()}
-        opts["llm.Role"] = {LLMRole.PROMPT: "Prompt", LLMRole.DECODER: "Decoder",
-                            LLMRole.MIX: "Mix"}[self._role]
+        opts["llm.Role"] = self._role_to_str(self._role)
         if cfg.OPT_LOCAL_COMM_RES in opts:
             opts.setdefault(cfg.OPT_ENABLE_CACHE_MANAGER, "1")
             opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1")
@@ -241,10 +247,7 @@ class LLMDataDist:
             _check_global_resource_config(opts.get(cfg.OPT_GLOBAL_RESOURCE, ""))
         listen = opts.get(cfg.OPT_LISTEN_IP_INFO)
         if listen and self._cache_manager_mode:
-            try:
-                ip, port = parse_host_port(listen)
-            except InvalidArgument as e:
-                raise _param_invalid(str(e)) from None
+            ip, port = _parse_listen(listen)
             opts["llm.ListenIp"], opts["llm.ListenPort"] = ip, str(port)
         if not self._cache_manager_mode and self._role == LLMRole.PROMPT and not listen:
             raise _param_invalid("a PROMPT without cache-manager mode needs llm.listenIpInfo")
@@ -322,12 +325,13 @@ class LLMDataDist:
     # ------------------------------------------------------------------ links
 
     def _check_clusters(self, clusters: Any, timeout: Any) -> list[LLMClusterInfo]:
-        check_isinstance("clusters", clusters, (list, tuple), allow_none=False)
-        for c in clusters:
-            check_isinstance("cluster", c, LLMClusterInfo, allow_none=False)
+        # v2/llm_datadist.py link_clusters / unlink_clusters: the timeout first, then the list
         check_int("timeout", timeout, "int32", allow_none=False)
         if timeout <= 0:
             raise _param_invalid(f"Param timeout should be greater than 0. (got {timeout})")
+        check_isinstance("clusters", clusters, (list, tuple), allow_none=False)
+        for c in clusters:
+            check_isinstance("cluster", c, LLMClusterInfo, allow_none=False)
         for c in clusters:
             # Unset (None) is a TypeError, as llm_datadist's check_uint64 makes it.
             check_int("remote_cluster_id", c.remote_cluster_id, "uint64", allow_none=False)
@@ -477,27 +481,27 @@ class LLMDataDist:
         """
         self._check_init()
         check_isinstance("role", role, LLMRole, allow_none=False)
+        # The original's Python layer (hixl v2/llm_datadist.py switch_role) checks, in v1
+        # mode, the role before the options' type, and both before its native layer refuses
+        # a datadist without enable_switch_role.
+        if not self._cache_manager_mode and role == self._role:
+            raise _param_invalid(f"role not changed, role = {role.name}")
         check_isinstance("switch_options", switch_options, dict)
         engine = self.engine
         if not self._cache_manager_mode:
-            if self._options.get(cfg.OPT_SWITCH_ROLE) != "1":
-                raise LLMException("switch_role needs enable_switch_role",
-                                   status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-            if role == self._role:
-                raise _param_invalid(f"role not changed, role = {role.name}")
             if role == LLMRole.PROMPT and not (switch_options or {}).get(cfg.OPT_LISTEN_IP_INFO):
                 raise _param_invalid(
                     'Failed to switch to Prompt, option "llm.listenIpInfo" must be specified')
+            if self._options.get(cfg.OPT_SWITCH_ROLE) != "1":
+                raise LLMException("switch_role needs enable_switch_role",
+                                   status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         if engine.has_links():
             raise LLMException("switch_role while links exist",
                                status_code=LLMStatusCode.LLM_EXIST_LINK)
         listen = (switch_options or {}).get(cfg.OPT_LISTEN_IP_INFO)
         with llm_errors("switch_role"):
             if listen:
-                try:
-                    host, port = parse_host_port(listen)
-                except InvalidArgument as e:
-                    raise _param_invalid(str(e)) from None
+                host, port = _parse_listen(listen)
                 if engine.listen_address != (host, port) or port == 0:
                     engine.start_listening(host, port)
             elif engine.listener is not None:
@@ -508,9 +512,9 @@ class LLMDataDist:
     def check_link_status(self, remote_cluster_id: int) -> None:
         """v1 mode: raise if the link to ``remote_cluster_id`` is not usable."""
         self._check_init()
-        check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
-        if self._cache_manager_mode:
+        if self._cache_manager_mode:  # the mode first, as v2/llm_datadist.py
             raise _not_in_mode("check_link_status", True)
+        check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
         with llm_errors("check_link_status"):
             self.engine.check_link(remote_cluster_id, self.engine.config.sync_timeout)
 
@@ -535,19 +539,23 @@ class LLMDataDist:
         self._check_init()
         if not self._cache_manager_mode:
             raise _not_in_mode("link", False)
+        # v2/llm_datadist.py link: its checks, their texts and their order (the name, the
+        # dict's types and size, its values' ranges, then the rank table's type, then ranks)
         check_isinstance("comm_name", comm_name, str, allow_none=False)
-        check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
-        check_isinstance("rank_table", rank_table, str, allow_none=False)
-        for cid, rank in cluster_rank_info.items():
-            check_int("cluster_id", cid, "uint64", allow_none=False)
-            check_int("rank_id", rank, "uint32", allow_none=False)
-        # v2/llm_datadist.py link: its checks' texts
         if not comm_name:
             raise _param_invalid("comm_name can not be empty")
         if len(comm_name) >= 128:
             raise _param_invalid("comm_name length should be smaller than 128.")
+        check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
+        for cid, rank in cluster_rank_info.items():
+            check_isinstance("cluster_rank_info dict key", cid, int, allow_none=False)
+            check_isinstance("cluster_rank_info dict value", rank, int, allow_none=False)
         if len(cluster_rank_info) > 4:
             raise _param_invalid("cluster_rank_info size can not be greater than 4.")
+        for cid, rank in cluster_rank_info.items():
+            check_int("cluster_rank_info key", cid, "uint64", allow_none=False)
+            check_int("cluster_rank_info value", rank, "uint32", allow_none=False)
+        check_isinstance("rank_table", rank_table, str, allow_none=False)
         if len(cluster_rank_info) <= 1:
             raise _param_invalid("cluster num must be bigger than 1.")
         ranks = list(cluster_rank_info.values())
@@ -586,7 +594,7 @@ class LLMDataDist:
         self._check_init()
         if not self._cache_manager_mode:
             raise _not_in_mode(func, False)
-        check_int("comm_id", comm_id, "int64", allow_none=False)
+        check_int("comm_id", comm_id, "uint64", allow_none=False)  # v2/llm_datadist.py
         if self._comms is None:
             raise LLMException(f"comm_id {comm_id} is not a live link",
                                status_code=LLMStatusCode.LLM_NOT_YET_LINK)
@@ -609,11 +617,28 @@ class LLMDataDist:
                 CommState.OK: RegisterMemStatus.OK}.get(state, RegisterMemStatus.FAILED)
 
 
-def _finalize_at_exit() -> None:
+def _parse_listen(listen: str) -> tuple[str, int]:
+    """llm.listenIpInfo of init (cache-manager mode) and switch_role: "ip:port" (IPv6 in
+    brackets). Without any ':' the original's text (v2/llm_utils.py parse_listen_ip_info);
+    datadist's own checks of the rest say what is wrong. LLM_PARAM_INVALID."""
+    if ":" not in listen:
+        raise _param_invalid(f'llm.listenIpInfo "{listen}" is invalid, format should be '
+                             '"ip:port"')
+    try:
+        return parse_host_port(listen)
+    except InvalidArgument as e:
+        raise _param_invalid(str(e)) from None
+
+
+def _shutdown_handler() -> None:
+    """Finalize the process's LLMDataDist, if any; an LLMException from finalize (another
+    framework finalized it already) is swallowed. Registered with atexit; also importable
+    from ``v2.llm_datadist`` under this name, as the original's (hixl v2/llm_datadist.py,
+    whose tests/python/test_llm_datadist_coverage.py calls it)."""
     inst = LLMDataDist.llm_engine_instance
     if inst is not None:
         with contextlib.suppress(LLMException):
             inst.finalize()
 
 
-atexit.register(_finalize_at_exit)
+atexit.register(_shutdown_handler)

@@ -90,13 +90,21 @@ def held(engine: Engine, ref: CacheRef) -> Iterator[_Side]:
 def copy_cache(engine: Engine, dst: CacheRef, src: CacheRef, dst_batch_index: int,
                src_batch_index: int, offset: int, size: int) -> None:
     """Copy one batch slot of every tensor (``size`` bytes from ``offset``). Types checked."""
-    raise_if_false(not src.is_blocks, "src cache can not be a blocks cache")
-    raise_if_false(not dst.is_blocks, "dst cache can not be a blocks cache")
-    raise_if_false(size == -1 or size > 0, f"size must be -1 or > 0, got {size}")
+    check_copy_cache(dst, src, size)
     with held(engine, src) as s, held(engine, dst) as d, llm_errors("copy_cache"):
         plan = local.plan_slot_copy(s.geometry, d.geometry, src_batch_index, dst_batch_index,
                                     offset, size)
         local.execute(plan, s.addrs, d.addrs)
+
+
+def check_copy_cache(dst: CacheRef, src: CacheRef, size: int) -> None:
+    """The original's checks after the types (v2/cache_manager.py copy_cache): neither cache
+    a blocks cache, then the size; its texts."""
+    raise_if_false(not src.is_blocks, "param check failed, src cache can not be blocks cache.")
+    raise_if_false(not dst.is_blocks, "param check failed, dst cache can not be blocks cache.")
+    raise_if_false(size == -1 or size > 0,
+                   f"[copy_cache] param check failed, size ({size}) is invalid, should be = -1 "
+                   "or > 0")
 
 
 def parse_copy_block_info(info: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -119,7 +127,7 @@ def copy_blocks(engine: Engine, cache: CacheRef, copy_block_info: Any) -> None:
     nor a destination twice (PARAM_INVALID).
     """
     src, dst = parse_copy_block_info(copy_block_info)
-    raise_if_false(cache.is_blocks, "copy_blocks needs a blocks cache")
+    raise_if_false(cache.is_blocks, "param check failed, cache should be blocks cache.")
     if dst.size == 0:
         return
     with held(engine, cache) as c, llm_errors("copy_blocks"):
@@ -128,20 +136,38 @@ def copy_blocks(engine: Engine, cache: CacheRef, copy_block_info: Any) -> None:
 
 
 def swap_blocks(engine: Engine, src: CacheRef, dst: CacheRef, src_to_dst: Any) -> None:
-    """Copy blocks between a HOST and a DEVICE cache (either way): ``{src: dst}``."""
+    """Copy blocks between a HOST and a DEVICE cache (either way): ``{src: dst}``.
+
+    The original's checks, texts and order (v2/cache_manager.py _verify_caches, then
+    swap_blocks): both blocks caches, the mapping, equal block bytes and tensor counts, every
+    index inside its cache, then one HOST and one DEVICE side.
+    """
+    raise_if_false(src.is_blocks, "param check failed, src cache should be blocks cache.")
+    raise_if_false(dst.is_blocks, "param check failed, dst cache should be blocks cache.")
     check_isinstance("src_to_dst", src_to_dst, dict, allow_none=False)
-    s_blocks = int_list("src_to_dst keys", list(src_to_dst.keys()), "uint64")
-    d_blocks = int_list("src_to_dst values", list(src_to_dst.values()), "uint64")
-    raise_if_false(src.is_blocks, "src cache should be a blocks cache")
-    raise_if_false(dst.is_blocks, "dst cache should be a blocks cache")
+    s_blocks = int_list("src_to_dst keys", list(src_to_dst.keys()), "int64")
+    d_blocks = int_list("src_to_dst values", list(src_to_dst.values()), "int64")
+    sg, dg = geometry_of(src.desc, blocks=True), geometry_of(dst.desc, blocks=True)
+    raise_if_false(sg.unit_bytes == dg.unit_bytes,
+                   f"src block size:{sg.unit_bytes} and dst block size:{dg.unit_bytes} "
+                   "must be equal")
+    raise_if_false(sg.num_tensors == dg.num_tensors,
+                   f"src num_tensors:{sg.num_tensors} and dst num_tensors:{dg.num_tensors} "
+                   "must be equal")
+    bad = np.flatnonzero((s_blocks < 0) | (s_blocks >= sg.units) | (d_blocks < 0)
+                         | (d_blocks >= dg.units))
+    if bad.size:  # the first pair out of range, its source index first
+        s_i, d_i = int(s_blocks[bad[0]]), int(d_blocks[bad[0]])
+        raise_if_false(0 <= s_i < sg.units, f"src_block_index:{s_i} must be in [0, {sg.units})")
+        raise_if_false(0 <= d_i < dg.units, f"dst_block_index:{d_i} must be in [0, {dg.units})")
     sp, dp = src.desc.placement, dst.desc.placement
     raise_if_false({sp, dp} == {Placement.HOST, Placement.DEVICE},
-                   f"swap from {sp} to {dp} is not supported: only HOST->DEVICE (swap in) "
-                   "and DEVICE->HOST (swap out)")
+                   f"swap src placement:{sp} to dst placement:{dp} is not support")
     if d_blocks.size == 0:
         return
     with held(engine, src) as s, held(engine, dst) as d, llm_errors("swap_blocks"):
-        plan = local.plan_block_copy(s.geometry, d.geometry, s_blocks, d_blocks)
+        plan = local.plan_block_copy(s.geometry, d.geometry, s_blocks.astype(np.uint64),
+                                     d_blocks.astype(np.uint64))
         local.execute(plan, s.addrs, d.addrs)
 
 

@@ -14,7 +14,7 @@ from datadist.api import checks
 
 def check_inner(arg_name: str, arg_value: Any, inner_class: Any) -> None:
     for val in arg_value:
-        if not isinstance(val, inner_class):
+        if not checks.is_instance(val, inner_class):
             raise TypeError(f"{arg_name} inner type only support {[inner_class]}, "
                             f"but got {type(val)}.")
 
@@ -22,9 +22,9 @@ def check_inner(arg_name: str, arg_value: Any, inner_class: Any) -> None:
 def check_dict(arg_name: str, arg_value: dict[Any, Any], k_class: Any, v_class: Any,
                v_inner_class: Any = None) -> None:
     for k, v in arg_value.items():
-        if not isinstance(k, k_class):
+        if not checks.is_instance(k, k_class):
             raise TypeError(f"{arg_name} dict key only support {k_class}, but got {type(k)}.")
-        if not isinstance(v, v_class):
+        if not checks.is_instance(v, v_class):
             raise TypeError(f"{arg_name} dict value only support {v_class}, "
                             f"but got {type(v)}.")
         if v_inner_class is not None:
