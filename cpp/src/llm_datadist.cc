@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <utility>
 #include <string>
 #include <thread>
 
@@ -311,17 +312,7 @@ class LlmDataDist::LlmDataDistImpl {
           Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
         // Both ends, as Python: the link we made and the one the peer made to us (its
         // reverse channel), whichever exist.
-        std::shared_ptr<datadist::Link> own, inbound;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          auto it = links_.find(id);
-          if (it != links_.end()) own = it->second;
-        }
-        {
-          std::lock_guard<std::mutex> lock(rev_mu_);
-          auto it = reverse_links_.find(id);
-          if (it != reverse_links_.end()) inbound = it->second;
-        }
+        auto [own, inbound] = BothEnds(id);
         if (!own && !inbound) {
           // Nothing of ours to drop (CANN: "entity not found", a warning): forced, a success;
           // otherwise as CANN, which tells a listener that has nothing to drop either.
@@ -360,8 +351,10 @@ class LlmDataDist::LlmDataDistImpl {
   // info and whatever force says; none is a success. Our link says BYE (LLM_UNLINK_FAILED if
   // the peer cannot be told: closed all the same); the peer's link to us (its reverse channel)
   // is its own to unlink, so it is closed without a word (both ends may unlink at once).
-  void UnlinkHixl(uint64_t id, int32_t timeout_ms) {
-    std::shared_ptr<datadist::Link> own, peer;
+  // The two ends of a link with `id`, either may be null: the link we made (links_) and the
+  // one the peer made to us (its reverse channel, reverse_links_). Takes each lock briefly.
+  std::pair<std::shared_ptr<datadist::Link>, std::shared_ptr<datadist::Link>> BothEnds(uint64_t id) {
+    std::shared_ptr<datadist::Link> own, inbound;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = links_.find(id);
@@ -370,8 +363,13 @@ class LlmDataDist::LlmDataDistImpl {
     {
       std::lock_guard<std::mutex> lock(rev_mu_);
       auto it = reverse_links_.find(id);
-      if (it != reverse_links_.end()) peer = it->second;
+      if (it != reverse_links_.end()) inbound = it->second;
     }
+    return {own, inbound};
+  }
+
+  void UnlinkHixl(uint64_t id, int32_t timeout_ms) {
+    auto [own, peer] = BothEnds(id);
     if (peer) {
       peer->Close(datadist::Deadline(), true);
       Forget(id, peer);
