@@ -1247,8 +1247,14 @@ class Engine:
             self._inbound.pop(peer.key, None)
             self._tokens.pop(peer.key, None)
             inbound = self._reverse.get(peer.cluster_id)
-            if inbound is not None and inbound.welcome.pid == peer.pid \
-                    and inbound.welcome.boot_id == peer.boot_id:
+            # Its own reverse channel (the token this channel issued), or one whose control
+            # channel is gone (the linker reconnected it) if the Hellos name one process: a
+            # stranger's control channel of that id cannot end a live link by claiming a pid.
+            if inbound is not None and (
+                    (peer.token and hmac.compare_digest(inbound.token, peer.token))
+                    or (inbound.welcome.pid == peer.pid
+                        and inbound.welcome.boot_id == peer.boot_id
+                        and not self._token_live(peer.cluster_id, inbound.token))):
                 del self._reverse[peer.cluster_id]
             else:
                 inbound = None
@@ -1259,12 +1265,14 @@ class Engine:
         """A linker's reverse channel arrived (the listener's end of its link): register it
         as the link to ``peer.cluster_id`` for transfers from this side, if its Hello echoed
         the link token of a live control channel of that cluster (the peer that linked;
-        compared in constant time). A newer one with that proof replaces the old; without it
-        nothing is displaced. Returns the release of the link's lock, held until the serving
-        thread has sent the handshake's last frame. Raises LinkFailed (no such token, as
-        many reverse channels as ``max_connections`` already, or finalizing): the serving
-        thread answers the Hello's handshake with that error, and the linker's link fails
-        with LLM_LINK_FAILED."""
+        compared in constant time). A newer one replaces a live old one only if it echoes
+        the old one's token or the control channel that token belongs to is gone: another
+        control channel of that id (anyone may open one) cannot take a live link. Returns
+        the release of the link's lock, held until the serving thread has sent the
+        handshake's last frame. Raises LinkFailed (no such token, a live reverse channel of
+        another live control channel, as many reverse channels as ``max_connections``
+        already, or finalizing): the serving thread answers the Hello's handshake with that
+        error, and the linker's link fails with LLM_LINK_FAILED."""
         assert isinstance(chan, Channel)
         welcome = p.Welcome(peer.cluster_id, peer.role, peer.pid, peer.pid_ns, peer.boot_id)
 
@@ -1276,7 +1284,8 @@ class Engine:
         # transfer (the peer grants direct reads only on its local channel, to peers the
         # kernel verified there).
         link = Link(peer.cluster_id, *split_address(peer.address), chan, welcome, TcpPath(),
-                    "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True)
+                    "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True,
+                    token=peer.token)
         with self._lock:
             if self._closed:
                 raise LinkFailed("this listener is finalizing: it takes no reverse channel")
@@ -1291,8 +1300,16 @@ class Engine:
                     and len(self._reverse) >= self.config.max_connections):
                 raise LinkFailed(f"too many reverse channels ({len(self._reverse)}) to this "
                                  "listener")
-            link.lock.acquire()
             old = self._reverse.get(peer.cluster_id)
+            if (old is not None and not old.chan.closed
+                    and not hmac.compare_digest(old.token, peer.token)
+                    and self._token_live(peer.cluster_id, old.token)):
+                # Another control channel of that id (a stranger may open one: the id is
+                # only a claim) must not take a live link from the one it belongs to.
+                raise LinkFailed(
+                    f"cluster {peer.cluster_id} already has a reverse channel to this "
+                    "listener, belonging to another of its control channels, which is live")
+            link.lock.acquire()
             self._reverse[peer.cluster_id] = link
         if old is not None:
             old.close()
@@ -1301,12 +1318,17 @@ class Engine:
 
     def _holds_token(self, peer: PeerInfo) -> bool:
         """``peer.token`` is the link token of a live control channel of ``peer.cluster_id``
+        (self._lock held)."""
+        return self._token_live(peer.cluster_id, peer.token)
+
+    def _token_live(self, cluster_id: int, token: bytes) -> bool:
+        """``token`` is the link token of a live control channel of ``cluster_id``
         (self._lock held). Every candidate is compared, in constant time."""
         ok = False
-        for cid, token in self._tokens.values():
-            if cid == peer.cluster_id:
-                ok |= hmac.compare_digest(token, peer.token)
-        return ok and len(peer.token) == p.LINK_TOKEN_BYTES
+        for cid, live in self._tokens.values():
+            if cid == cluster_id:
+                ok |= hmac.compare_digest(live, token)
+        return ok and len(token) == p.LINK_TOKEN_BYTES
 
     def on_disconnect(self, peer: PeerInfo) -> None:
         with self._lock:
