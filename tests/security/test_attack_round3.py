@@ -166,3 +166,28 @@ class TestSecondControlChannel:
         control.close()
         assert prompt.get_link(DECODER) is real and not real.chan.closed
         prompt.check_link(DECODER, 5.0)
+
+
+def test_stats_are_not_told_to_a_connection_that_claims_a_linked_peers_id(
+        engines: list[Engine]) -> None:
+    """Before: STATS answered the series of whatever cluster id the asking connection's Hello
+    claimed, so a raw Hello naming cluster 20 (a linked decoder's id) read that decoder's
+    transfer counts, bytes and latencies. Now, while cluster 20's link has a live reverse
+    channel, only the control channel it belongs to is told them."""
+    prompt = make(engines, PROMPT)
+    pcm = CacheManager(prompt)
+    blocks_cache(pcm, PROMPT, 7, seed=1)
+    a = make(engines, 20, listen=False)
+    a.link(PROMPT, *prompt.listen_address, 5.0)
+    cm = CacheManager(a)
+    dst, _ = blocks_cache(cm, 20, 1, seed=None)
+    cm.pull_blocks(llm.BlocksCacheKey(PROMPT, 7), dst, [0], [1])
+    assert set(a.peer_stats(PROMPT, 5.0)["links"]) == {"20"}  # the real one still is
+    stranger = Raw(prompt.listen_address)
+    assert isinstance(stranger.hello(20), p.Welcome)
+    stranger.send(p.StatsRequest(), 2)
+    got = stranger.next()
+    assert got is not None and isinstance(got[1], p.Stats)
+    told = got[1].json.decode()
+    assert '"links":{}' in told and "transfers" not in told, told
+    stranger.close()

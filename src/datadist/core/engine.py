@@ -608,13 +608,22 @@ class Engine:
         by the facade and tests for the whole process (``peer`` None), and by a serving
         thread for a peer's StatsRequest: then only that peer's own series (what we did
         for and with its cluster id: ``links`` holds its id alone, ``total`` is the same
-        series), never other peers' ids, counts, bytes or latencies."""
+        series), never other peers' ids, counts, bytes or latencies; none while that id's
+        live reverse channel belongs to another control channel (a connection claiming
+        the id of a linked peer)."""
         snap = metrics.PROCESS.snapshot()
         if peer is None:
             return {"cluster_id": self.config.cluster_id, "role": self.role,
                     "total": snap["total"],
                     "links": {str(cid): ops for cid, ops in snap["links"].items()}}
-        own = snap["links"].get(peer.cluster_id, {})
+        with self._lock:
+            rev = self._reverse.get(peer.cluster_id)
+            # The id is only a claim: while that cluster's link has a live reverse channel,
+            # its series are its control channel's (the token the channel echoed), not any
+            # connection's that names the id.
+            foreign = (rev is not None and not rev.chan.closed
+                       and not hmac.compare_digest(rev.token, peer.token))
+        own = {} if foreign else snap["links"].get(peer.cluster_id, {})
         return {"cluster_id": self.config.cluster_id, "role": self.role, "total": own,
                 "links": {str(peer.cluster_id): own} if own else {}}
 
