@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "addr.h"
+#include "auth.h"
 #include "errors.h"
 #include "link.h"
 #include "local.h"
@@ -580,8 +581,10 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::ParseHostPort(text, host, port);
     if (server_) server_->Stop();
     server_ = std::make_unique<datadist::Server>(
-        &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
-          AdoptReverse(cid, std::move(conn), last);
+        &registry_, &ident_,
+        [this](datadist::Server &server, uint64_t cid, std::unique_ptr<datadist::Conn> conn,
+               const std::vector<uint8_t> &last, const std::string &token) {
+          AdoptReverse(server, cid, std::move(conn), last, token);
         });
     server_->Start(host, port, max_conns_, max_per_peer_);
     listening_ = text;
@@ -626,12 +629,15 @@ class LlmDataDist::LlmDataDistImpl {
   }
 
   /// A client's reverse channel (a server thread calls this after the handshake, which
-  /// checked that the client holds that cluster's control channel): our end of its link,
-  /// replacing an older one. Not adopted (finalizing, or as many reverse channels as
-  /// connections already): the handshake is answered with ERROR LLM_LINK_FAILED, so the
-  /// client's link fails. Its own mutex: SetRole stops the server under mu_.
-  void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
-    auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn));
+  /// checked that the client holds that cluster's control channel: `token`): our end of its
+  /// link, replacing an older one only if that echoed the same token or its control channel is
+  /// gone (another control channel of that id, which anyone may open, cannot take a live
+  /// link). Not adopted (that, finalizing, or as many reverse channels as connections
+  /// already): the handshake is answered with ERROR LLM_LINK_FAILED, so the client's link
+  /// fails. Its own mutex: SetRole stops the server under mu_.
+  void AdoptReverse(datadist::Server &server, uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn,
+                    const std::vector<uint8_t> &last, const std::string &token) {
+    auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn), token);
     std::shared_ptr<datadist::Link> old;
     std::vector<std::shared_ptr<datadist::Link>> gone;  // closed by their clients: pruned
     try {
@@ -652,6 +658,12 @@ class LlmDataDist::LlmDataDistImpl {
             }
           if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
             return "too many reverse channels (" + std::to_string(reverse_links_.size()) + ") to this listener";
+          auto held = reverse_links_.find(cluster_id);
+          if (held != reverse_links_.end() && !datadist::auth::Same(held->second->link_token(), token) &&
+              !held->second->Gone() && server.HoldsToken(cluster_id, held->second->link_token()))
+            return "cluster " + std::to_string(cluster_id) +
+                   " already has a reverse channel to this listener, belonging to another of its control channels, "
+                   "which is live";
           old = std::move(reverse_links_[cluster_id]);
           reverse_links_[cluster_id] = link;
           return std::string();
