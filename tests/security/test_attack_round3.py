@@ -191,3 +191,32 @@ def test_stats_are_not_told_to_a_connection_that_claims_a_linked_peers_id(
     told = got[1].json.decode()
     assert '"links":{}' in told and "transfers" not in told, told
     stranger.close()
+
+
+def test_a_nixl_lease_needs_the_readers_own_reverse_channel(engines: list[Engine]) -> None:
+    """Before: NixlLease was granted to any connection whose Hello named a linked NIXL
+    reader's cluster id, pid and boot id (a same-host reader shares the owner's boot id,
+    which the owner's Welcome tells; pids are few): the stranger pinned the cache, and its
+    revokes went to the real reader's reverse channel. Now only the connection the reader's
+    reverse channel belongs to (its link token) gets a lease."""
+    from datadist.core.layout import Geometry
+    from datadist.transport import nixl
+
+    if nixl.available() is None:
+        pytest.skip("nixl-cu12 not installed")
+    owner = make(engines, PROMPT, nixl_serve=True, nixl_whole_process=True,
+                 remote_cache_accessible=True)
+    reader = make(engines, DECODER, listen=False, transport="nixl", nixl_whole_process=True)
+    src = np.full(4096, 3, np.uint8)
+    entry = owner.register(Geometry(1, 4096, 1), [src.ctypes.data], placement=0)
+    link = reader.link(PROMPT, *owner.listen_address, 5.0)
+    assert link.path_name == "nixl", link.reason
+    ident = reader.identity
+    stranger = Raw(owner.listen_address)
+    assert isinstance(stranger.hello(DECODER, pid=ident.pid, boot_id=ident.boot_id), p.Welcome)
+    stranger.send(p.NixlLease(p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0, 0), 0), 2)
+    got = stranger.next()
+    assert got is not None and isinstance(got[1], p.Error), got
+    assert got[1].code == int(Code.FEATURE_NOT_ENABLED) and "reverse channel" in got[1].message
+    assert not owner._nixl_held
+    stranger.close()

@@ -1087,8 +1087,12 @@ class Engine:
         nixl = self._serving_nixl()
         with self._lock:
             rev = self._reverse.get(peer.cluster_id)
+        # The reverse channel of this very connection (the token it echoed): a connection
+        # that only claims the reader's cluster id, pid and boot id gets no lease revoked on
+        # another's channel.
         if rev is None or rev.chan.closed or rev.welcome.pid != peer.pid \
-                or rev.welcome.boot_id != peer.boot_id:
+                or rev.welcome.boot_id != peer.boot_id \
+                or not hmac.compare_digest(rev.token, peer.token):
             raise NotSupported("no reverse channel from this reader to revoke a lease on: "
                                "read by request")
         with self._nixl_lock:
