@@ -8,6 +8,7 @@ by hand. Each test says what happened before its fix.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -220,3 +221,32 @@ def test_a_nixl_lease_needs_the_readers_own_reverse_channel(engines: list[Engine
     assert got[1].code == int(Code.FEATURE_NOT_ENABLED) and "reverse channel" in got[1].message
     assert not owner._nixl_held
     stranger.close()
+
+
+def test_one_address_cannot_fill_the_reverse_channel_table(engines: list[Engine]) -> None:
+    """Before: reverse channels were capped in all (max_connections) but not per address:
+    one host opened a control channel, its reverse channel, closed the control channel and
+    went on with the next cluster id, until the table was full and every other peer's link
+    failed ("too many reverse channels"), whatever max_connections_per_peer said."""
+    prompt = make(engines, PROMPT, max_connections=8, max_connections_per_peer=2)
+    held: list[Raw] = []
+    answers = []
+    for cid in range(10, 14):
+        for _ in range(100):  # until the listener noticed the last control channel's close
+            control = Raw(prompt.listen_address)
+            welcome = control.hello(cid)
+            if isinstance(welcome, p.Welcome):
+                break
+            control.close()
+            time.sleep(0.02)
+        assert isinstance(welcome, p.Welcome), welcome
+        token = p.split_token(welcome.proof, welcome.features)[1]
+        rev = Raw(prompt.listen_address)
+        answers.append(type(rev.hello(cid, p.FEATURE_REVERSE | p.FEATURE_TOKEN,
+                                      token)).__name__)
+        control.close()
+        held.append(rev)
+    assert answers == ["Welcome", "Welcome", "Error", "Error"], answers
+    assert len(prompt._reverse) == 2
+    for r in held:
+        r.close()

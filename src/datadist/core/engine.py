@@ -1284,8 +1284,9 @@ class Engine:
         the release of the link's lock, held until the serving thread has sent the
         handshake's last frame. Raises LinkFailed (no such token, a live reverse channel of
         another live control channel, as many reverse channels as ``max_connections``
-        already, or finalizing): the serving thread answers the Hello's handshake with that
-        error, and the linker's link fails with LLM_LINK_FAILED."""
+        already, or ``max_connections_per_peer`` from its address, or finalizing): the
+        serving thread answers the Hello's handshake with that error, and the linker's link
+        fails with LLM_LINK_FAILED."""
         assert isinstance(chan, Channel)
         welcome = p.Welcome(peer.cluster_id, peer.role, peer.pid, peer.pid_ns, peer.boot_id)
 
@@ -1313,6 +1314,16 @@ class Engine:
                     and len(self._reverse) >= self.config.max_connections):
                 raise LinkFailed(f"too many reverse channels ({len(self._reverse)}) to this "
                                  "listener")
+            # ... and max_connections_per_peer from one address, like connections: one host
+            # (closing each control channel once its reverse channel is up) cannot fill the
+            # table and so refuse every other peer's link.
+            if self._reverse_from(link.host, peer.cluster_id) >= \
+                    self.config.max_connections_per_peer:
+                self._prune_reverse()
+            held = self._reverse_from(link.host, peer.cluster_id)
+            if held >= self.config.max_connections_per_peer:
+                raise LinkFailed(f"too many reverse channels ({held}) from {link.host} to "
+                                 "this listener")
             old = self._reverse.get(peer.cluster_id)
             if (old is not None and not old.chan.closed
                     and not hmac.compare_digest(old.token, peer.token)
@@ -1328,6 +1339,12 @@ class Engine:
             old.close()
         log.debug("link.inbound %r", link)
         return link.lock.release
+
+    def _reverse_from(self, host: str, cluster_id: int) -> int:
+        """How many reverse channels of other clusters than ``cluster_id`` came from
+        ``host`` (self._lock held)."""
+        return sum(1 for cid, link in self._reverse.items()
+                   if link.host == host and cid != cluster_id)
 
     def _holds_token(self, peer: PeerInfo) -> bool:
         """``peer.token`` is the link token of a live control channel of ``peer.cluster_id``
