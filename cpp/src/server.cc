@@ -333,7 +333,7 @@ void Server::Serve(Worker *w) {
           taken = std::move(w->conn);
         }
         if (on_reverse_ && !stopping_) {
-          on_reverse_(*this, peer, std::move(taken), last, token);
+          on_reverse_(*this, peer, std::move(taken), last, token, w->peer);
         } else {  // stopping: the client's link fails with our answer, not a silent close
           const uint32_t rid = wire::DecodeHeader(last.data()).request_id;
           TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),

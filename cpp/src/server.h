@@ -76,10 +76,12 @@ void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &st
 /// handler sends once the link is registered (the client's link call returns on that frame,
 /// and the listener may push at once, as in CANN's push samples).
 /// `token`: the link token the HELLO echoed (a live control channel's of that cluster, checked);
-/// `server`: the listener, alive for the call (HoldsToken: is another token still live).
+/// `peer`: what the per-peer cap counts the connection by (its IP); `server`: the listener,
+/// alive for the call (HoldsToken: is another token still live).
 class Server;
-using ReverseHandler = std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn,
-                                          const std::vector<uint8_t> &last, const std::string &token)>;
+using ReverseHandler =
+    std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
+                       const std::string &token, const std::string &peer)>;
 
 class Server {
  public:

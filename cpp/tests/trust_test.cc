@@ -172,6 +172,35 @@ TEST(Trust, AListenerThatWillNotAdoptAReverseChannelFailsTheClientsLink) {
   EXPECT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_LINK_FAILED);
 }
 
+// Attack on round 3. Before: reverse channels were capped in all (MaxConnections) but not per
+// address: one host opened a control channel and its reverse channel, closed the control
+// channel, and went on with the next cluster id until the table was full and every other
+// peer's link failed, whatever MaxConnectionsPerPeer said.
+TEST(Trust, OneAddressCannotFillTheReverseChannelTable) {
+  uint16_t port = ddtest::FreePort();
+  LlmDataDist prompt(kPrompt, LlmRole::kPrompt);
+  auto opts = ddtest::Options(port);
+  opts["datadist.MaxConnections"] = "8";
+  opts["datadist.MaxConnectionsPerPeer"] = "2";
+  ASSERT_EQ(prompt.Initialize(opts), LLM_SUCCESS);
+  std::vector<Greeted> held;
+  std::vector<uint32_t> answers;
+  for (uint64_t cid : {10, 11, 12, 13}) {
+    Greeted control;
+    for (int i = 0; i < 100; ++i) {  // until the listener noticed the last control channel's close
+      control = Greet(port, RawHello(cid));
+      if (control.head.type == w::kWelcome) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_EQ(control.head.type, w::kWelcome);
+    Greeted rev = Greet(port, RawHello(cid, w::kFeatureReverse | w::kFeatureToken, TokenOf(control)));
+    answers.push_back(rev.head.type);
+    control.conn->Close();
+    held.push_back(std::move(rev));
+  }
+  EXPECT_EQ(answers, (std::vector<uint32_t>{w::kWelcome, w::kWelcome, w::kError, w::kError}));
+}
+
 // Item 2. Before: 0-byte spans passed every check, and an address-keyed WRITE answered OK,
 // LLM_PARAM_INVALID or LLM_KV_CACHE_NOT_EXIST depending on whether memory lay there.
 TEST(Trust, ZeroLengthSpansAreRefusedAndAddressWritesGetOneAnswer) {
