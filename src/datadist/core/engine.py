@@ -158,6 +158,12 @@ class _CacheLease:
     drop: Callable[[], None]  # shuts its connection down
 
 
+def _reverse_gone(link: Link) -> bool:
+    """A reverse channel its linker closed (or broke: it is readable while idle, as
+    Channel.peer_gone). One busy with a transfer is not gone. Never blocks."""
+    return link.chan.closed or (not link.lock.locked() and link.chan.peer_gone())
+
+
 def _revoke(msg: p.NixlRevoke, deadline: float, _path: Any, chan: Channel) -> None:
     """Send a revoke on a reader's reverse channel and wait for its Ok."""
     got = chan.call(msg, deadline)
@@ -621,7 +627,7 @@ class Engine:
             # The id is only a claim: while that cluster's link has a live reverse channel,
             # its series are its control channel's (the token the channel echoed), not any
             # connection's that names the id.
-            foreign = (rev is not None and not rev.chan.closed
+            foreign = (rev is not None and not _reverse_gone(rev)
                        and not hmac.compare_digest(rev.token, peer.token))
         own = {} if foreign else snap["links"].get(peer.cluster_id, {})
         return {"cluster_id": self.config.cluster_id, "role": self.role, "total": own,
@@ -659,7 +665,7 @@ class Engine:
     def _prune_reverse(self) -> None:
         """Drop the reverse channels their linkers closed (self._lock held; never blocks)."""
         for cid, link in list(self._reverse.items()):
-            if link.chan.closed or (not link.lock.locked() and link.chan.peer_gone()):
+            if _reverse_gone(link):
                 del self._reverse[cid]
                 link.close()
 
@@ -1325,7 +1331,7 @@ class Engine:
                 raise LinkFailed(f"too many reverse channels ({held}) from {link.host} to "
                                  "this listener")
             old = self._reverse.get(peer.cluster_id)
-            if (old is not None and not old.chan.closed
+            if (old is not None and not _reverse_gone(old)
                     and not hmac.compare_digest(old.token, peer.token)
                     and self._token_live(peer.cluster_id, old.token)):
                 # Another control channel of that id (a stranger may open one: the id is
