@@ -17,9 +17,10 @@ a raw socket. What counts as a finding (raised, with the input):
    or answered later than ANSWER_BOUND seconds (its cost must be bounded by its size);
 3. the owner crashing, or not serving an honest pull afterwards;
 4. reverse-channel HELLOs (any cluster id, feature bits, proof and token, with or without the
-   secret): one adopted without the link token of a live control channel of its cluster
-   id, the linked decoder's reverse channel displaced, or the owner's push to that decoder
-   no longer landing there (issue 21 item 1);
+   secret, or the token of the fuzzer's own control channel under the decoder's id): one
+   adopted without the link token of a live control channel of its cluster id, the linked
+   decoder's reverse channel displaced, or the owner's push to that decoder no longer
+   landing there (issue 21 item 1);
 5. WRITEs by raw address (any address near or inside a private or a public cache, any
    length, 0 included): anything but the one refusal (LLM_PARAM_INVALID, one message)
    unless the span lies inside one tensor of a remote-accessible cache, or a byte of the private
@@ -169,6 +170,28 @@ def expanded(owner: Engine, cache_id: int, data: np.ndarray, cases: list) -> Non
         cli.close()
 
 
+OWN = b"own"  # a token strategy: the one the owner issued the fuzzer's own control channel
+
+
+def own_control(owner: Engine, cluster_id: int) -> tuple[Client, bytes]:
+    """A control channel of the fuzzer's own under ``cluster_id`` (with the secret: the id
+    is only a claim), and the link token the owner issued it."""
+    cli = Client(owner.listen_address[1])
+    nonce = auth.nonce()
+    cli.send(p.encode(p.Hello(cluster_id, 2, 1, 0, b"\x01" * 16, p.FEATURE_AUTH, nonce), 1))
+    got = cli.next()
+    if got is None or not isinstance(got[1], p.Welcome):
+        raise Finding(f"a valid Hello was refused: {got!r}")
+    welcome = got[1]
+    rest, token = p.split_token(welcome.proof, welcome.features)
+    server_nonce, _ = auth.split_server_proof(rest)
+    cli.send(p.encode(p.Auth(auth.client_proof(SECRET, nonce, server_nonce,
+                                               owner.config.cluster_id, cluster_id)), 2))
+    if cli.next() != (2, p.Ok()):
+        raise Finding("a valid proof was refused")
+    return cli, token
+
+
 def reverse_hellos(owner: Engine, decoder: Engine, dst: np.ndarray, src_cache: int,
                    hellos: list[tuple[int, int, bytes, bool]]) -> None:
     """Finding 4: strangers' reverse HELLOs (cluster id, extra feature bits, token, with the
@@ -176,6 +199,10 @@ def reverse_hellos(owner: Engine, decoder: Engine, dst: np.ndarray, src_cache: i
     real = owner.get_link(DECODER_ID)
     before = set(owner._reverse)  # noqa: SLF001 - the fuzzer inspects the owner's table
     for cluster_id, extra, token, with_secret in hellos:
+        control = None
+        if token == OWN:  # a second control channel under the linked decoder's id
+            cluster_id, with_secret = DECODER_ID, True
+            control, token = own_control(owner, DECODER_ID)
         cli = Client(owner.listen_address[1])
         try:
             features = p.FEATURE_REVERSE | extra
@@ -192,6 +219,8 @@ def reverse_hellos(owner: Engine, decoder: Engine, dst: np.ndarray, src_cache: i
                 raise Finding(f"refused a reverse Hello with {got!r}")
         finally:
             cli.close()
+            if control is not None:
+                control.close()
         if owner.get_link(DECODER_ID) is not real or set(owner._reverse) != before:  # noqa: SLF001
             raise Finding(f"a stranger's reverse Hello (cluster {cluster_id}, features "
                           f"{features:#x}, token {token.hex()}) was adopted")
@@ -306,7 +335,8 @@ def main() -> None:
         st.lists(st.integers(0, TENSORS - 1), min_size=1, max_size=TENSORS, unique=True),
         st.lists(span, min_size=1, max_size=4096))
 
-    token = st.one_of(st.just(b""), st.binary(min_size=16, max_size=16), st.binary(max_size=40))
+    token = st.one_of(st.just(b""), st.binary(min_size=16, max_size=16), st.binary(max_size=40),
+                      st.just(OWN))
     reverse_hello = st.tuples(
         st.sampled_from([DECODER_ID, DECODER_ID + 1, 1, 0, 2**64 - 1]),
         st.sampled_from([0, p.FEATURE_TOKEN, p.FEATURE_TOKEN | p.FEATURE_LOCAL, 0xFFFFFFF0]),

@@ -60,9 +60,13 @@ class Link {
       : remote_(remote_cluster_id), host_(std::move(host)), port_(port), hello_(std::move(hello)),
         secret_(std::move(secret)), registry_(registry), same_host_(same_host), grant_above_(grant_above) {}
   /// Our end of a client's link: the reverse channel it opened to our listener (handshake
-  /// done). It cannot be reopened from here: once it closes, transfers fail LLM_LINK_FAILED.
-  Link(uint64_t remote_cluster_id, std::unique_ptr<Conn> reverse_conn)
-      : remote_(remote_cluster_id), conn_(std::move(reverse_conn)), reverse_end_(true) {}
+  /// done), with the link token its HELLO echoed (that of the control channel it belongs to)
+  /// and the key the listener's per-peer cap counts it by (its IP).
+  /// It cannot be reopened from here: once it closes, transfers fail LLM_LINK_FAILED.
+  Link(uint64_t remote_cluster_id, std::unique_ptr<Conn> reverse_conn, std::string token = {},
+       std::string peer_key = {})
+      : remote_(remote_cluster_id), conn_(std::move(reverse_conn)), reverse_end_(true), token_(std::move(token)),
+        peer_key_(std::move(peer_key)) {}
   ~Link();
 
   /// Connects and shakes hands within the deadline. LLM_LINK_FAILED / LLM_TIMEOUT.
@@ -86,6 +90,10 @@ class Link {
   /// The cluster id the link is filed under: the one it was made with, or after Open the id
   /// the peer announced, when TakePeerId was called.
   uint64_t remote_cluster_id() const { return remote_; }
+  /// A reverse end's link token (see the constructor); our link's: the one the peer issued.
+  const std::string &link_token() const { return token_; }
+  /// A reverse end's peer key (see the constructor).
+  const std::string &peer_key() const { return peer_key_; }
   /// Before Open: the first handshake takes the peer's announced cluster id instead of
   /// refusing one that differs (CANN's LinkMsgHandler files a link under the peer's id and
   /// never compares). Later handshakes (reverse channel, local channel, reconnects) must meet
@@ -155,7 +163,8 @@ class Link {
   bool closing_ = false;
   bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect
   bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
-  std::string token_;          // the link token the peer issued our control channel (conn_)
+  std::string token_;          // the link token the peer issued our control channel (conn_); a reverse end's: the one echoed
+  std::string peer_key_;       // a reverse end's: the listener's per-peer key of its connection
   bool same_host_ = true;      // the local channel may be used
   uint64_t grant_above_ = kGrantAbove;
   std::atomic<Path> path_{Path::kTcp};

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "addr.h"
+#include "auth.h"
 #include "errors.h"
 #include "link.h"
 #include "local.h"
@@ -582,8 +583,10 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::ParseHostPort(text, host, port);
     if (server_) server_->Stop();
     server_ = std::make_unique<datadist::Server>(
-        &registry_, &ident_, [this](uint64_t cid, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
-          AdoptReverse(cid, std::move(conn), last);
+        &registry_, &ident_,
+        [this](datadist::Server &server, uint64_t cid, std::unique_ptr<datadist::Conn> conn,
+               const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
+          AdoptReverse(server, cid, std::move(conn), last, token, peer);
         });
     server_->Start(host, port, max_conns_, max_per_peer_);
     listening_ = text;
@@ -628,12 +631,15 @@ class LlmDataDist::LlmDataDistImpl {
   }
 
   /// A client's reverse channel (a server thread calls this after the handshake, which
-  /// checked that the client holds that cluster's control channel): our end of its link,
-  /// replacing an older one. Not adopted (finalizing, or as many reverse channels as
-  /// connections already): the handshake is answered with ERROR LLM_LINK_FAILED, so the
-  /// client's link fails. Its own mutex: SetRole stops the server under mu_.
-  void AdoptReverse(uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last) {
-    auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn));
+  /// checked that the client holds that cluster's control channel: `token`): our end of its
+  /// link, replacing an older one only if that echoed the same token or its control channel is
+  /// gone (another control channel of that id, which anyone may open, cannot take a live
+  /// link). Not adopted (that, finalizing, as many reverse channels as connections already, or
+  /// as the per-peer cap from `peer`'s address): the handshake is answered with ERROR LLM_LINK_FAILED, so the client's link
+  /// fails. Its own mutex: SetRole stops the server under mu_.
+  void AdoptReverse(datadist::Server &server, uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn,
+                    const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
+    auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn), token, peer);
     std::shared_ptr<datadist::Link> old;
     std::vector<std::shared_ptr<datadist::Link>> gone;  // closed by their clients: pruned
     try {
@@ -643,7 +649,14 @@ class LlmDataDist::LlmDataDistImpl {
           if (rev_closed_) return "this listener is finalizing: it takes no reverse channel";
           // bounded like connections: a peer cannot hold sockets open without limit this way
           // (the ones their clients closed do not count)
-          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
+          // ... and from one address as connections are: one host (closing each control channel
+          // once its reverse channel is up) cannot fill the table and refuse every other link
+          auto from_peer = [&] {
+            size_t n = 0;
+            for (const auto &kv : reverse_links_) n += kv.first != cluster_id && kv.second->peer_key() == peer;
+            return n;
+          };
+          if ((!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_) || from_peer() >= max_per_peer_)
             for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
               if (it->second->Gone()) {
                 gone.push_back(std::move(it->second));
@@ -654,6 +667,14 @@ class LlmDataDist::LlmDataDistImpl {
             }
           if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
             return "too many reverse channels (" + std::to_string(reverse_links_.size()) + ") to this listener";
+          if (from_peer() >= max_per_peer_)
+            return "too many reverse channels (" + std::to_string(from_peer()) + ") from " + peer + " to this listener";
+          auto held = reverse_links_.find(cluster_id);
+          if (held != reverse_links_.end() && !datadist::auth::Same(held->second->link_token(), token) &&
+              !held->second->Gone() && server.HoldsToken(cluster_id, held->second->link_token()))
+            return "cluster " + std::to_string(cluster_id) +
+                   " already has a reverse channel to this listener, belonging to another of its control channels, "
+                   "which is live";
           old = std::move(reverse_links_[cluster_id]);
           reverse_links_[cluster_id] = link;
           return std::string();

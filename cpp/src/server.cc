@@ -333,7 +333,7 @@ void Server::Serve(Worker *w) {
           taken = std::move(w->conn);
         }
         if (on_reverse_ && !stopping_) {
-          on_reverse_(peer, std::move(taken), last);
+          on_reverse_(*this, peer, std::move(taken), last, token, w->peer);
         } else {  // stopping: the client's link fails with our answer, not a silent close
           const uint32_t rid = wire::DecodeHeader(last.data()).request_id;
           TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
@@ -428,6 +428,7 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<u
                                  rid));
     return true;
   };
+  if (greeted == Greeted::kReverse) token = parts.second;  // checked by refuse_reverse
   if (secret.empty()) {
     if (refuse_reverse(h.request_id)) return Greeted::kRefused;
     last = wire::EncodeHello(wire::kWelcome, welcome, h.request_id);

@@ -75,8 +75,13 @@ void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &st
 /// end of that client's link *before* the handshake's last frame (`last`) goes out, which the
 /// handler sends once the link is registered (the client's link call returns on that frame,
 /// and the listener may push at once, as in CANN's push samples).
+/// `token`: the link token the HELLO echoed (a live control channel's of that cluster, checked);
+/// `peer`: what the per-peer cap counts the connection by (its IP); `server`: the listener,
+/// alive for the call (HoldsToken: is another token still live).
+class Server;
 using ReverseHandler =
-    std::function<void(uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last)>;
+    std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
+                       const std::string &token, const std::string &peer)>;
 
 class Server {
  public:
@@ -98,6 +103,8 @@ class Server {
   bool serves_local() const { return serves_local_; }
   /// Connections refused over a cap so far (for tests).
   size_t refused() const { return refused_; }
+  /// `token` is that of a live control channel of `cluster` (constant-time compares).
+  bool HoldsToken(uint64_t cluster, const std::string &token);
 
  private:
   struct Worker {
@@ -127,12 +134,10 @@ class Server {
   enum class Greeted { kRefused, kControl, kReverse };
   /// HELLO, WELCOME (and the secret's proofs); the last frame to send (WELCOME, or OK after
   /// AUTH) is left in `last` for the caller, except on refusal. A control channel's link token
-  /// (issued in its WELCOME) is left in `token`; a reverse channel is refused (ERROR
+  /// (issued in its WELCOME), or the one a reverse channel echoed, is left in `token`; a reverse channel is refused (ERROR
   /// LLM_LINK_FAILED) unless its HELLO echoed the token of a live control channel of its
   /// cluster id.
   Greeted Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last, std::string &token);
-  /// `token` is that of a live control channel of `cluster` (constant-time compares).
-  bool HoldsToken(uint64_t cluster, const std::string &token);
   void ReapLocked();  // joins the workers that are done (mu_ held)
 
   Registry *registry_;

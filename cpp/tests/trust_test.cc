@@ -104,6 +104,36 @@ TEST_F(Linked, AStrangerCannotTakeOverTheDecodersReverseChannel) {
   EXPECT_EQ(mine.head.type, w::kWelcome);
 }
 
+// Attack on round 3 (tests/security/test_attack_round3.py in Python). Before: any live control
+// channel of cluster 2 made its token good for cluster 2's reverse channel, so a stranger opened
+// its own control channel claiming cluster 2 (the id is only a claim), echoed the token it got,
+// and replaced the decoder's reverse channel: the push went to the stranger.
+TEST_F(Linked, ASecondControlChannelOfTheSameIdCannotTakeTheReverseChannel) {
+  Greeted control = Greet(port, RawHello(kDecoder));
+  ASSERT_EQ(control.head.type, w::kWelcome);
+  Greeted rev = Greet(port, RawHello(kDecoder, w::kFeatureReverse | w::kFeatureToken, TokenOf(control)));
+  ASSERT_EQ(rev.head.type, w::kError) << "a second control channel's token displaced the live reverse channel";
+  EXPECT_EQ(w::DecodeError(rev.payload).code, static_cast<int64_t>(LLM_LINK_FAILED));
+  ASSERT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, dst.cache.cache_id, 2), 1), LLM_SUCCESS);
+  for (int t = 0; t < 2; ++t)
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(dst.T(t)[i], i >= 32 && i < 48 ? src.T(t)[16 + i - 32] : 0);
+  // once the control channel a reverse channel belongs to is gone, a new one's may replace it
+  Greeted c1 = Greet(port, RawHello(7));
+  Greeted r1 = Greet(port, RawHello(7, w::kFeatureReverse | w::kFeatureToken, TokenOf(c1)));
+  ASSERT_EQ(r1.head.type, w::kWelcome);
+  Greeted c2 = Greet(port, RawHello(7));
+  Greeted early = Greet(port, RawHello(7, w::kFeatureReverse | w::kFeatureToken, TokenOf(c2)));
+  EXPECT_EQ(early.head.type, w::kError);
+  c1.conn->Close();
+  bool replaced = false;
+  for (int i = 0; i < 100 && !replaced; ++i) {  // the serving thread notices the close
+    Greeted r2 = Greet(port, RawHello(7, w::kFeatureReverse | w::kFeatureToken, TokenOf(c2)));
+    replaced = r2.head.type == w::kWelcome;
+    if (!replaced) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(replaced);
+}
+
 // Issue 22 item 9. Before: C++ UnlinkLlmClusters dropped only the link it found first (ours),
 // leaving the peer's reverse channel to us up, where Python drops both ends.
 TEST_F(Linked, UnlinkDropsBothEndsOfATwoWayLink) {
@@ -140,6 +170,35 @@ TEST(Trust, AListenerThatWillNotAdoptAReverseChannelFailsTheClientsLink) {
   std::this_thread::sleep_for(std::chrono::milliseconds(150));  // the closed ones are reaped
   std::vector<Status> rets;
   EXPECT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_LINK_FAILED);
+}
+
+// Attack on round 3. Before: reverse channels were capped in all (MaxConnections) but not per
+// address: one host opened a control channel and its reverse channel, closed the control
+// channel, and went on with the next cluster id until the table was full and every other
+// peer's link failed, whatever MaxConnectionsPerPeer said.
+TEST(Trust, OneAddressCannotFillTheReverseChannelTable) {
+  uint16_t port = ddtest::FreePort();
+  LlmDataDist prompt(kPrompt, LlmRole::kPrompt);
+  auto opts = ddtest::Options(port);
+  opts["datadist.MaxConnections"] = "8";
+  opts["datadist.MaxConnectionsPerPeer"] = "2";
+  ASSERT_EQ(prompt.Initialize(opts), LLM_SUCCESS);
+  std::vector<Greeted> held;
+  std::vector<uint32_t> answers;
+  for (uint64_t cid : {10, 11, 12, 13}) {
+    Greeted control;
+    for (int i = 0; i < 100; ++i) {  // until the listener noticed the last control channel's close
+      control = Greet(port, RawHello(cid));
+      if (control.head.type == w::kWelcome) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_EQ(control.head.type, w::kWelcome);
+    Greeted rev = Greet(port, RawHello(cid, w::kFeatureReverse | w::kFeatureToken, TokenOf(control)));
+    answers.push_back(rev.head.type);
+    control.conn->Close();
+    held.push_back(std::move(rev));
+  }
+  EXPECT_EQ(answers, (std::vector<uint32_t>{w::kWelcome, w::kWelcome, w::kError, w::kError}));
 }
 
 // Item 2. Before: 0-byte spans passed every check, and an address-keyed WRITE answered OK,

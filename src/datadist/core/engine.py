@@ -158,6 +158,12 @@ class _CacheLease:
     drop: Callable[[], None]  # shuts its connection down
 
 
+def _reverse_gone(link: Link) -> bool:
+    """A reverse channel its linker closed (or broke: it is readable while idle, as
+    Channel.peer_gone). One busy with a transfer is not gone. Never blocks."""
+    return link.chan.closed or (not link.lock.locked() and link.chan.peer_gone())
+
+
 def _revoke(msg: p.NixlRevoke, deadline: float, _path: Any, chan: Channel) -> None:
     """Send a revoke on a reader's reverse channel and wait for its Ok."""
     got = chan.call(msg, deadline)
@@ -608,13 +614,22 @@ class Engine:
         by the facade and tests for the whole process (``peer`` None), and by a serving
         thread for a peer's StatsRequest: then only that peer's own series (what we did
         for and with its cluster id: ``links`` holds its id alone, ``total`` is the same
-        series), never other peers' ids, counts, bytes or latencies."""
+        series), never other peers' ids, counts, bytes or latencies; none while that id's
+        live reverse channel belongs to another control channel (a connection claiming
+        the id of a linked peer)."""
         snap = metrics.PROCESS.snapshot()
         if peer is None:
             return {"cluster_id": self.config.cluster_id, "role": self.role,
                     "total": snap["total"],
                     "links": {str(cid): ops for cid, ops in snap["links"].items()}}
-        own = snap["links"].get(peer.cluster_id, {})
+        with self._lock:
+            rev = self._reverse.get(peer.cluster_id)
+            # The id is only a claim: while that cluster's link has a live reverse channel,
+            # its series are its control channel's (the token the channel echoed), not any
+            # connection's that names the id.
+            foreign = (rev is not None and not _reverse_gone(rev)
+                       and not hmac.compare_digest(rev.token, peer.token))
+        own = {} if foreign else snap["links"].get(peer.cluster_id, {})
         return {"cluster_id": self.config.cluster_id, "role": self.role, "total": own,
                 "links": {str(peer.cluster_id): own} if own else {}}
 
@@ -650,7 +665,7 @@ class Engine:
     def _prune_reverse(self) -> None:
         """Drop the reverse channels their linkers closed (self._lock held; never blocks)."""
         for cid, link in list(self._reverse.items()):
-            if link.chan.closed or (not link.lock.locked() and link.chan.peer_gone()):
+            if _reverse_gone(link):
                 del self._reverse[cid]
                 link.close()
 
@@ -1078,8 +1093,12 @@ class Engine:
         nixl = self._serving_nixl()
         with self._lock:
             rev = self._reverse.get(peer.cluster_id)
+        # The reverse channel of this very connection (the token it echoed): a connection
+        # that only claims the reader's cluster id, pid and boot id gets no lease revoked on
+        # another's channel.
         if rev is None or rev.chan.closed or rev.welcome.pid != peer.pid \
-                or rev.welcome.boot_id != peer.boot_id:
+                or rev.welcome.boot_id != peer.boot_id \
+                or not hmac.compare_digest(rev.token, peer.token):
             raise NotSupported("no reverse channel from this reader to revoke a lease on: "
                                "read by request")
         with self._nixl_lock:
@@ -1247,8 +1266,14 @@ class Engine:
             self._inbound.pop(peer.key, None)
             self._tokens.pop(peer.key, None)
             inbound = self._reverse.get(peer.cluster_id)
-            if inbound is not None and inbound.welcome.pid == peer.pid \
-                    and inbound.welcome.boot_id == peer.boot_id:
+            # Its own reverse channel (the token this channel issued), or one whose control
+            # channel is gone (the linker reconnected it) if the Hellos name one process: a
+            # stranger's control channel of that id cannot end a live link by claiming a pid.
+            if inbound is not None and (
+                    (peer.token and hmac.compare_digest(inbound.token, peer.token))
+                    or (inbound.welcome.pid == peer.pid
+                        and inbound.welcome.boot_id == peer.boot_id
+                        and not self._token_live(peer.cluster_id, inbound.token))):
                 del self._reverse[peer.cluster_id]
             else:
                 inbound = None
@@ -1259,12 +1284,15 @@ class Engine:
         """A linker's reverse channel arrived (the listener's end of its link): register it
         as the link to ``peer.cluster_id`` for transfers from this side, if its Hello echoed
         the link token of a live control channel of that cluster (the peer that linked;
-        compared in constant time). A newer one with that proof replaces the old; without it
-        nothing is displaced. Returns the release of the link's lock, held until the serving
-        thread has sent the handshake's last frame. Raises LinkFailed (no such token, as
-        many reverse channels as ``max_connections`` already, or finalizing): the serving
-        thread answers the Hello's handshake with that error, and the linker's link fails
-        with LLM_LINK_FAILED."""
+        compared in constant time). A newer one replaces a live old one only if it echoes
+        the old one's token or the control channel that token belongs to is gone: another
+        control channel of that id (anyone may open one) cannot take a live link. Returns
+        the release of the link's lock, held until the serving thread has sent the
+        handshake's last frame. Raises LinkFailed (no such token, a live reverse channel of
+        another live control channel, as many reverse channels as ``max_connections``
+        already, or ``max_connections_per_peer`` from its address, or finalizing): the
+        serving thread answers the Hello's handshake with that error, and the linker's link
+        fails with LLM_LINK_FAILED."""
         assert isinstance(chan, Channel)
         welcome = p.Welcome(peer.cluster_id, peer.role, peer.pid, peer.pid_ns, peer.boot_id)
 
@@ -1276,7 +1304,8 @@ class Engine:
         # transfer (the peer grants direct reads only on its local channel, to peers the
         # kernel verified there).
         link = Link(peer.cluster_id, *split_address(peer.address), chan, welcome, TcpPath(),
-                    "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True)
+                    "inbound, over the peer's reverse channel", cannot_reconnect, inbound=True,
+                    token=peer.token)
         with self._lock:
             if self._closed:
                 raise LinkFailed("this listener is finalizing: it takes no reverse channel")
@@ -1291,22 +1320,51 @@ class Engine:
                     and len(self._reverse) >= self.config.max_connections):
                 raise LinkFailed(f"too many reverse channels ({len(self._reverse)}) to this "
                                  "listener")
-            link.lock.acquire()
+            # ... and max_connections_per_peer from one address, like connections: one host
+            # (closing each control channel once its reverse channel is up) cannot fill the
+            # table and so refuse every other peer's link.
+            if self._reverse_from(link.host, peer.cluster_id) >= \
+                    self.config.max_connections_per_peer:
+                self._prune_reverse()
+            held = self._reverse_from(link.host, peer.cluster_id)
+            if held >= self.config.max_connections_per_peer:
+                raise LinkFailed(f"too many reverse channels ({held}) from {link.host} to "
+                                 "this listener")
             old = self._reverse.get(peer.cluster_id)
+            if (old is not None and not _reverse_gone(old)
+                    and not hmac.compare_digest(old.token, peer.token)
+                    and self._token_live(peer.cluster_id, old.token)):
+                # Another control channel of that id (a stranger may open one: the id is
+                # only a claim) must not take a live link from the one it belongs to.
+                raise LinkFailed(
+                    f"cluster {peer.cluster_id} already has a reverse channel to this "
+                    "listener, belonging to another of its control channels, which is live")
+            link.lock.acquire()
             self._reverse[peer.cluster_id] = link
         if old is not None:
             old.close()
         log.debug("link.inbound %r", link)
         return link.lock.release
 
+    def _reverse_from(self, host: str, cluster_id: int) -> int:
+        """How many reverse channels of other clusters than ``cluster_id`` came from
+        ``host`` (self._lock held)."""
+        return sum(1 for cid, link in self._reverse.items()
+                   if link.host == host and cid != cluster_id)
+
     def _holds_token(self, peer: PeerInfo) -> bool:
         """``peer.token`` is the link token of a live control channel of ``peer.cluster_id``
+        (self._lock held)."""
+        return self._token_live(peer.cluster_id, peer.token)
+
+    def _token_live(self, cluster_id: int, token: bytes) -> bool:
+        """``token`` is the link token of a live control channel of ``cluster_id``
         (self._lock held). Every candidate is compared, in constant time."""
         ok = False
-        for cid, token in self._tokens.values():
-            if cid == peer.cluster_id:
-                ok |= hmac.compare_digest(token, peer.token)
-        return ok and len(peer.token) == p.LINK_TOKEN_BYTES
+        for cid, live in self._tokens.values():
+            if cid == cluster_id:
+                ok |= hmac.compare_digest(live, token)
+        return ok and len(token) == p.LINK_TOKEN_BYTES
 
     def on_disconnect(self, peer: PeerInfo) -> None:
         with self._lock:

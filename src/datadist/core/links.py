@@ -121,6 +121,9 @@ class Link:
     closing: bool = False  # unlinked: the transfer holding the lock closes the channel
     inbound: bool = False  # the listener's end: requests go over the linker's reverse channel
     served: Channel | None = None  # linker's end: the reverse channel we answer requests on
+    # listener's end: the link token its reverse Hello echoed (that of the control channel
+    # it belongs to; only that channel's token may replace it while that channel is live)
+    token: bytes = b""
 
     def __repr__(self) -> str:
         state = "closing" if self.closing else ("down" if self.chan.closed else "up")
