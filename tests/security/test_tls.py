@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +11,8 @@ import pytest
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import LinkFailed, Timeout
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks, plan_slot
+from datadist.testing.certs import make_ca as _ca
+from datadist.testing.certs import make_leaf as _leaf
 from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 
@@ -20,23 +20,6 @@ pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
 ]
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-             f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
-
-
-def _leaf(d: Path, name: str, ca: str) -> TlsConfig:
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", cwd=d)
-    return TlsConfig(str(d / f"{name}.pem"), str(d / f"{name}.key"), str(d / f"{ca}.pem"))
 
 
 @pytest.fixture(scope="module")

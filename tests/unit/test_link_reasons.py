@@ -173,7 +173,8 @@ def test_probe_not_datadist_and_version() -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_probe_tls(tmp_path) -> None:
-    from tests.security.test_tls import _ca, _leaf
+    from datadist.testing.certs import make_ca as _ca
+    from datadist.testing.certs import make_leaf as _leaf
 
     _ca(tmp_path, "ca")
     server, client = _leaf(tmp_path, "prompt", "ca"), _leaf(tmp_path, "decoder", "ca")

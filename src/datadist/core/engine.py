@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 
 HOST, DEVICE = 0, 1
 NIXL_REVOKE_WAIT = 5.0  # seconds an owner waits for readers to give NIXL leases back
+# Seconds a listener waits for a live-looking reverse channel to answer a Ping before a newer
+# one of the same cluster id (another control channel's) may replace it: a linker whose old
+# channels died unseen (a cut wire, a host that lost power) relinks; a live one keeps its link.
+REVERSE_PROBE = 0.5
 # NIXL leases one reader connection may hold (one per cache it reads): each is revoked on
 # unregister and finalize, and pins its cache until then.
 MAX_NIXL_LEASES_PER_PEER = 1024
@@ -162,6 +166,23 @@ def _reverse_gone(link: Link) -> bool:
     """A reverse channel its linker closed (or broke: it is readable while idle, as
     Channel.peer_gone). One busy with a transfer is not gone. Never blocks."""
     return link.chan.closed or (not link.lock.locked() and link.chan.peer_gone())
+
+
+def _answers_ping(link: Link, cluster_id: int) -> bool:
+    """Does the reverse channel ``link`` answer a Ping within REVERSE_PROBE s? A channel busy
+    with a transfer counts as live (the transfer has its own deadline); one that does not
+    answer is closed. Called by the listener, without its lock, before a newer reverse
+    channel of the same cluster id may replace ``link``; blocks up to REVERSE_PROBE s."""
+    if not link.lock.acquire(blocking=False):
+        return True
+    try:
+        reply = link.chan.call(p.Ping(cluster_id), time.monotonic() + REVERSE_PROBE)
+        return isinstance(reply, p.Pong)
+    except (DatadistError, OSError):
+        link.chan.close()
+        return False
+    finally:
+        link.lock.release()
 
 
 def _revoke(msg: p.NixlRevoke, deadline: float, _path: Any, chan: Channel) -> None:
@@ -1285,8 +1306,10 @@ class Engine:
         as the link to ``peer.cluster_id`` for transfers from this side, if its Hello echoed
         the link token of a live control channel of that cluster (the peer that linked;
         compared in constant time). A newer one replaces a live old one only if it echoes
-        the old one's token or the control channel that token belongs to is gone: another
-        control channel of that id (anyone may open one) cannot take a live link. Returns
+        the old one's token, the control channel that token belongs to is gone, or the old
+        one does not answer a Ping within REVERSE_PROBE s (its linker's channels died unseen,
+        a cut wire): another control channel of that id (anyone may open one) cannot take a
+        live link. Blocks up to REVERSE_PROBE s in that last case. Returns
         the release of the link's lock, held until the serving thread has sent the
         handshake's last frame. Raises LinkFailed (no such token, a live reverse channel of
         another live control channel, as many reverse channels as ``max_connections``
@@ -1331,14 +1354,20 @@ class Engine:
                 raise LinkFailed(f"too many reverse channels ({held}) from {link.host} to "
                                  "this listener")
             old = self._reverse.get(peer.cluster_id)
-            if (old is not None and not _reverse_gone(old)
-                    and not hmac.compare_digest(old.token, peer.token)
-                    and self._token_live(peer.cluster_id, old.token)):
-                # Another control channel of that id (a stranger may open one: the id is
-                # only a claim) must not take a live link from the one it belongs to.
-                raise LinkFailed(
-                    f"cluster {peer.cluster_id} already has a reverse channel to this "
-                    "listener, belonging to another of its control channels, which is live")
+            contested = (old is not None and not _reverse_gone(old)
+                         and not hmac.compare_digest(old.token, peer.token)
+                         and self._token_live(peer.cluster_id, old.token))
+        if contested and old is not None and _answers_ping(old, peer.cluster_id):
+            # Another control channel of that id (a stranger may open one: the id is only a
+            # claim) must not take a live link from the one it belongs to.
+            raise LinkFailed(
+                f"cluster {peer.cluster_id} already has a reverse channel to this "
+                "listener, belonging to another of its control channels, which is live")
+        with self._lock:
+            if self._closed:
+                raise LinkFailed("this listener is finalizing: it takes no reverse channel")
+            if self._reverse.get(peer.cluster_id) is not old:  # another adoption meanwhile
+                raise LinkFailed(f"cluster {peer.cluster_id} linked again meanwhile")
             link.lock.acquire()
             self._reverse[peer.cluster_id] = link
         if old is not None:
