@@ -106,6 +106,21 @@ bool Link::Gone() {
   return !conn_ || conn_->closed() || conn_->PeerGone();
 }
 
+bool Link::AnswersPing(Deadline deadline) {
+  if (!TryAcquire()) return true;  // busy with a transfer: live (the transfer has its deadline)
+  Busy guard(this);
+  if (!conn_ || conn_->closed()) return false;
+  try {
+    std::vector<uint8_t> payload;
+    const uint32_t rid = ++rid_;
+    if (Call(wire::EncodeU64(wire::kPing, rid, rid), payload, deadline).type == wire::kPong) return true;
+  } catch (const std::exception &) {
+    // no answer in time, or a broken channel: dead
+  }
+  conn_->Close();
+  return false;
+}
+
 bool Link::Adopted(const std::function<std::string()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline) {
   auto guard = Acquire(deadline);
   const std::string refused = adopt();

@@ -87,6 +87,10 @@ class Link {
   /// A reverse channel whose client went away (unlinked, or ended): closed, or readable while
   /// idle (EOF). A link busy with a transfer is not gone. Never blocks.
   bool Gone();
+  /// A reverse end: does its client answer a PING before `deadline`? Busy with a transfer
+  /// counts as yes; no answer closes the channel. Called by the listener, without its own
+  /// locks, before a newer reverse channel of the same id may replace this one. Blocks.
+  bool AnswersPing(Deadline deadline);
   /// The cluster id the link is filed under: the one it was made with, or after Open the id
   /// the peer announced, when TakePeerId was called.
   uint64_t remote_cluster_id() const { return remote_; }

@@ -37,6 +37,7 @@ namespace {
 constexpr double kUnregisterWait = 30.0;  // s UnregisterKvCache waits for transfers in flight
 constexpr double kFinalizeWait = 5.0;     // s Finalize waits for them
 constexpr double kAdoptWait = 10.0;       // s a reverse channel's last handshake frame may take
+constexpr double kReverseProbe = 0.5;    // s a contested reverse channel has to answer a PING (Python: REVERSE_PROBE)
 constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's option key too
 
 using datadist::LogEnabled;
@@ -640,6 +641,21 @@ class LlmDataDist::LlmDataDistImpl {
   void AdoptReverse(datadist::Server &server, uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn,
                     const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
     auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn), token, peer);
+    {
+      // A live-looking reverse channel of another control channel of this id: asked for a
+      // PONG first, outside the locks. One whose linker's channels died unseen (a cut wire)
+      // does not answer and is closed, so the check below lets the relink replace it; a live
+      // one answers and keeps its link.
+      std::shared_ptr<datadist::Link> incumbent;
+      {
+        std::lock_guard<std::mutex> lock(rev_mu_);
+        auto held = reverse_links_.find(cluster_id);
+        if (held != reverse_links_.end() && !datadist::auth::Same(held->second->link_token(), token) &&
+            !held->second->Gone() && server.HoldsToken(cluster_id, held->second->link_token()))
+          incumbent = held->second;
+      }
+      if (incumbent) incumbent->AnswersPing(datadist::After(kReverseProbe));
+    }
     std::shared_ptr<datadist::Link> old;
     std::vector<std::shared_ptr<datadist::Link>> gone;  // closed by their clients: pruned
     try {
@@ -732,7 +748,7 @@ class LlmDataDist::LlmDataDistImpl {
   // last_link_failure): kept per cluster until a link to it succeeds, and told on stderr
   // unless DATADIST_LINK_WARNINGS=0. Called from the linking threads of Link().
   void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why) {
-    std::string where = host + ":" + std::to_string(port);
+    std::string where = datadist::FormatHostPort(host, port);
     std::string text = "link to cluster " + std::to_string(id) + " at " + where + " failed (LLM_LINK_FAILED): " +
                        why + " [for more: datadist probe " + where + " --cluster-id " + std::to_string(id) + "]";
     {

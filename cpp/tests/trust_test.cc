@@ -117,21 +117,15 @@ TEST_F(Linked, ASecondControlChannelOfTheSameIdCannotTakeTheReverseChannel) {
   ASSERT_EQ(prompt.PushKvCache(src.cache, Index(kDecoder, dst.cache.cache_id, 2), 1), LLM_SUCCESS);
   for (int t = 0; t < 2; ++t)
     for (int i = 0; i < 64; ++i) ASSERT_EQ(dst.T(t)[i], i >= 32 && i < 48 ? src.T(t)[16 + i - 32] : 0);
-  // once the control channel a reverse channel belongs to is gone, a new one's may replace it
+  // A reverse channel that does not answer a PING (its linker's channels died unseen, as a cut
+  // wire leaves them; here a raw socket that never answers) is replaced by the relink's, even
+  // while its control channel looks live; the live decoder above answered and kept its link.
   Greeted c1 = Greet(port, RawHello(7));
   Greeted r1 = Greet(port, RawHello(7, w::kFeatureReverse | w::kFeatureToken, TokenOf(c1)));
   ASSERT_EQ(r1.head.type, w::kWelcome);
   Greeted c2 = Greet(port, RawHello(7));
-  Greeted early = Greet(port, RawHello(7, w::kFeatureReverse | w::kFeatureToken, TokenOf(c2)));
-  EXPECT_EQ(early.head.type, w::kError);
-  c1.conn->Close();
-  bool replaced = false;
-  for (int i = 0; i < 100 && !replaced; ++i) {  // the serving thread notices the close
-    Greeted r2 = Greet(port, RawHello(7, w::kFeatureReverse | w::kFeatureToken, TokenOf(c2)));
-    replaced = r2.head.type == w::kWelcome;
-    if (!replaced) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  EXPECT_TRUE(replaced);
+  Greeted r2 = Greet(port, RawHello(7, w::kFeatureReverse | w::kFeatureToken, TokenOf(c2)));
+  EXPECT_EQ(r2.head.type, w::kWelcome);
 }
 
 // Issue 22 item 9. Before: C++ UnlinkLlmClusters dropped only the link it found first (ours),

@@ -23,6 +23,7 @@ import threading
 import warnings
 
 from datadist.api.notices import LinkFailedWarning
+from datadist.transport.address import format_host_port
 
 log = logging.getLogger("datadist.api.llm_datadist")
 
@@ -39,8 +40,9 @@ class LinkFailures:
                reason: str) -> None:
         """A link to ``cluster_id`` at ``host:port`` failed with ``code_name``: remember
         ``reason``, log it, and warn (stderr by default)."""
-        text = (f"link to cluster {cluster_id} at {host}:{port} failed ({code_name}): "
-                f"{reason} [for more: datadist probe {host}:{port} --cluster-id {cluster_id}]")
+        where = format_host_port(host, port)  # [v6]:port, as datadist probe takes it
+        text = (f"link to cluster {cluster_id} at {where} failed ({code_name}): "
+                f"{reason} [for more: datadist probe {where} --cluster-id {cluster_id}]")
         with self._lock:
             self._last[cluster_id] = text
         log.warning("%s", text)
