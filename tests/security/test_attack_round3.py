@@ -7,82 +7,20 @@ by hand. Each test says what happened before its fix.
 
 from __future__ import annotations
 
-import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from _hand import DECODER, PROMPT, Raw, blocks_cache, make
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import Code
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
-PROMPT, DECODER = 1, 2
-SOCK_TIMEOUT = 5.0
-
-
-class Raw:
-    """A hand-driven TCP client; every wait bounded."""
-
-    def __init__(self, address: tuple[str, int]) -> None:
-        self.sock = socket.create_connection(address, timeout=SOCK_TIMEOUT)
-        self.dec = p.FrameDecoder()
-        self.items: list[Any] = []
-
-    def send(self, msg: p.Message, rid: int = 1) -> None:
-        self.sock.sendall(p.encode(msg, rid))
-
-    def next(self) -> Any:
-        """The next (request id, frame); None once the server closed."""
-        while not self.items:
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except (ConnectionResetError, TimeoutError):
-                chunk = b""
-            if not chunk:
-                return None
-            self.items.extend(self.dec.feed(chunk))
-        return self.items.pop(0)
-
-    def hello(self, cluster_id: int, features: int = 0, proof: bytes = b"",
-              pid: int = 1, boot_id: bytes = b"\x01" * 16) -> Any:
-        self.send(p.Hello(cluster_id, 2, pid, 0, boot_id, features, proof), 1)
-        got = self.next()
-        return got[1] if got is not None else None
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
-
-
-def make(made: list[Engine], cluster_id: int, *, listen: bool = True, **kw: Any) -> Engine:
-    engine = Engine(EngineConfig(cluster_id=cluster_id, role=1 if listen else 2,
-                                 listen=("127.0.0.1", 0) if listen else None, **kw))
-    made.append(engine)
-    return engine
-
-
-def blocks_cache(cm: CacheManager, cluster_id: int, model_id: int, seed: int | None
-                 ) -> tuple[Any, np.ndarray]:
-    desc = llm.CacheDesc(1, [4, 16], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
-    arr = np.zeros((1, 64), np.uint8)
-    if seed is not None:
-        arr[...] = np.random.default_rng(seed).integers(0, 256, arr.shape, dtype=np.uint8)
-    cache = cm.register_blocks_cache(desc, [int(arr[0].ctypes.data)],
-                                     llm.BlocksCacheKey(cluster_id, model_id))
-    return cache, arr
 
 
 def impostor_token(listener: tuple[str, int], cluster_id: int, **kw: Any) -> tuple[Raw, bytes]:

@@ -7,7 +7,6 @@ Engines on loopback; hostile peers are raw sockets speaking the wire by hand.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,80 +14,16 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _hand import DECODER, PROMPT, Raw, blocks_cache, make
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import Code, DatadistError
 from datadist.transport.local import local_name
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
-PROMPT, DECODER = 1, 2
-SOCK_TIMEOUT = 5.0
-
-
-class Raw:
-    """A hand-driven client on TCP or the local channel; every wait bounded."""
-
-    def __init__(self, address: tuple[str, int] | bytes) -> None:
-        if isinstance(address, bytes):
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(SOCK_TIMEOUT)
-            self.sock.connect(address)
-        else:
-            self.sock = socket.create_connection(address, timeout=SOCK_TIMEOUT)
-        self.dec = p.FrameDecoder()
-        self.items: list = []
-
-    def send(self, msg: p.Message, rid: int = 1) -> None:
-        self.sock.sendall(p.encode(msg, rid))
-
-    def next(self):  # type: ignore[no-untyped-def]
-        """The next frame; None once the server closed."""
-        while not self.items:
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except (ConnectionResetError, TimeoutError):
-                chunk = b""
-            if not chunk:
-                return None
-            self.items.extend(self.dec.feed(chunk))
-        return self.items.pop(0)
-
-    def hello(self, cluster_id: int, features: int = 0, proof: bytes = b""):  # type: ignore[no-untyped-def]
-        self.send(p.Hello(cluster_id, 2, 1, 0, b"\x01" * 16, features, proof), 1)
-        got = self.next()
-        return got[1] if got is not None else None
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
-
-
-def make(made: list[Engine], cluster_id: int, *, listen: bool = True, **kw: object) -> Engine:
-    engine = Engine(EngineConfig(cluster_id=cluster_id, role=1 if listen else 2,
-                                 listen=("127.0.0.1", 0) if listen else None, **kw))  # type: ignore[arg-type]
-    made.append(engine)
-    return engine
-
-
-def blocks_cache(cm: CacheManager, cluster_id: int, model_id: int, seed: int | None
-                 ) -> tuple[object, np.ndarray]:
-    desc = llm.CacheDesc(1, [4, 16], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
-    arr = np.zeros((1, 64), np.uint8)
-    if seed is not None:
-        arr[...] = np.random.default_rng(seed).integers(0, 256, arr.shape, dtype=np.uint8)
-    cache = cm.register_blocks_cache(desc, [int(arr[0].ctypes.data)],
-                                     llm.BlocksCacheKey(cluster_id, model_id))
-    return cache, arr
 
 
 # ------------------------------------------------------------------ item 1: reverse channels
