@@ -18,6 +18,7 @@
 
 #include "addr.h"
 #include "auth.h"
+#include "engine.h"
 #include "errors.h"
 #include "link.h"
 #include "local.h"
@@ -36,8 +37,6 @@ namespace {
 
 constexpr double kUnregisterWait = 30.0;  // s UnregisterKvCache waits for transfers in flight
 constexpr double kFinalizeWait = 5.0;     // s Finalize waits for them
-constexpr double kAdoptWait = 10.0;       // s a reverse channel's last handshake frame may take
-constexpr double kReverseProbe = 0.5;    // s a contested reverse channel has to answer a PING (Python: REVERSE_PROBE)
 constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's option key too
 
 using datadist::LogEnabled;
@@ -200,15 +199,12 @@ void CheckRole(LlmRole role) {
 
 class LlmDataDist::LlmDataDistImpl {
  public:
-  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) {
-    ident_.cluster_id = cluster_id;
-    ident_.role = static_cast<int32_t>(role);
-  }
+  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) : engine_(cluster_id, static_cast<int32_t>(role)) {}
 
   void Initialize(const std::map<AscendString, AscendString> &options) {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_ == kUp) return;  // as CANN: already initialized is a success
-    CheckRole(static_cast<LlmRole>(ident_.role.load()));
+    CheckRole(static_cast<LlmRole>(engine_.role()));
     if (const char *v = Find(options, OPTION_SYNC_CACHE_WAIT_TIME)) {
       std::string s = v;
       if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos || std::stol(s) <= 0)
@@ -229,44 +225,28 @@ class LlmDataDist::LlmDataDistImpl {
       Invalid(std::string(OPTION_GLOBAL_RESOURCE_CONFIG) + " must be a JSON object, got '" + grc + "'");
     // datadist extras (as the Python package): connection caps, and a shared secret every
     // linked peer must prove.
-    max_conns_ = CountOption(options, "datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", 256);
-    max_per_peer_ = CountOption(options, "datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", 64);
+    datadist::EngineOptions opts;
+    opts.max_conns = CountOption(options, "datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", 256);
+    opts.max_per_peer = CountOption(options, "datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", 64);
     const char *secret = Find(options, kOptionAuthSecret);
     if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
-    ident_.secret = secret ? secret : "";
-    ident_.serve_local = same_host_ = SameHostAllowed(options);
-    ident_.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
-    {
-      std::lock_guard<std::mutex> lock(rev_mu_);
-      rev_closed_ = false;
-    }
-    server_.reset();  // stopped by Finalize, if we were up before
+    opts.secret = secret ? secret : "";
+    opts.same_host = SameHostAllowed(options);
+    opts.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
+    engine_.Open(opts);
     listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
     state_ = kUp;
   }
 
   void Finalize() {
-    std::multimap<uint64_t, std::shared_ptr<datadist::Link>> links;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (state_ != kUp) {
-        state_ = kDown;
-        return;
-      }
+      bool up = state_ == kUp;
       state_ = kDown;
-      links.insert(links_.begin(), links_.end());
-      links_.clear();
+      if (!up) return;
     }
-    if (server_) server_->Stop();  // no new reverse channels after this
-    {
-      std::lock_guard<std::mutex> lock(rev_mu_);
-      rev_closed_ = true;
-      for (auto &kv : reverse_links_) links.emplace(kv.first, kv.second);
-      reverse_links_.clear();
-    }
-    for (auto &kv : links) kv.second->Close(Deadline(), true);
-    registry_.Clear(kFinalizeWait);
+    engine_.Close(kFinalizeWait);
   }
 
   // As CANN's LLMLinkManager::SwitchRole: refused while any link is up (ours, or a peer's to
@@ -276,15 +256,14 @@ class LlmDataDist::LlmDataDistImpl {
     std::lock_guard<std::mutex> lock(mu_);
     CheckUp();
     CheckRole(role);
-    if (HasLinks()) Fail(LLM_EXIST_LINK, "cannot switch role while links exist: unlink them first");
+    if (engine_.HasLinks()) Fail(LLM_EXIST_LINK, "cannot switch role while links exist: unlink them first");
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) {
-      if (!server_ || listening_ != v) StartListening(v);
-    } else if (server_) {
-      server_->Stop();
-      server_.reset();
+      if (!engine_.listening() || listening_ != v) StartListening(v);
+    } else if (engine_.listening()) {
+      engine_.StopListening();
       listening_.clear();
     }
-    ident_.role = static_cast<int32_t>(role);
+    engine_.set_role(static_cast<int32_t>(role));
   }
 
   // As CANN's LLMLinkManager::LinkClusters / UnlinkClusters: one code per cluster appended to
@@ -314,7 +293,7 @@ class LlmDataDist::LlmDataDistImpl {
           Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
         // Both ends, as Python: the link we made and the one the peer made to us (its
         // reverse channel), whichever exist.
-        auto [own, inbound] = BothEnds(id);
+        auto [own, inbound] = engine_.BothEnds(id);
         if (!own && !inbound) {
           // Nothing of ours to drop (CANN: "entity not found", a warning): forced, a success;
           // otherwise as CANN, which tells a listener that has nothing to drop either.
@@ -340,7 +319,7 @@ class LlmDataDist::LlmDataDistImpl {
             if (e.code() != LLM_UNLINK_FAILED) throw;
             untold = e.what();
           }
-          Forget(id, link);
+          engine_.Forget(id, link);
         }
         if (!untold.empty()) Fail(LLM_UNLINK_FAILED, untold);
       });
@@ -353,58 +332,30 @@ class LlmDataDist::LlmDataDistImpl {
   // info and whatever force says; none is a success. Our link says BYE (LLM_UNLINK_FAILED if
   // the peer cannot be told: closed all the same); the peer's link to us (its reverse channel)
   // is its own to unlink, so it is closed without a word (both ends may unlink at once).
-  // The two ends of a link with `id`, either may be null: the link we made (links_) and the
-  // one the peer made to us (its reverse channel, reverse_links_). Takes each lock briefly.
-  std::pair<std::shared_ptr<datadist::Link>, std::shared_ptr<datadist::Link>> BothEnds(uint64_t id) {
-    std::shared_ptr<datadist::Link> own, inbound;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = links_.find(id);
-      if (it != links_.end()) own = it->second;
-    }
-    {
-      std::lock_guard<std::mutex> lock(rev_mu_);
-      auto it = reverse_links_.find(id);
-      if (it != reverse_links_.end()) inbound = it->second;
-    }
-    return {own, inbound};
-  }
-
   void UnlinkHixl(uint64_t id, int32_t timeout_ms) {
-    auto [own, peer] = BothEnds(id);
+    auto [own, peer] = engine_.BothEnds(id);
     if (peer) {
       peer->Close(datadist::Deadline(), true);
-      Forget(id, peer);
+      engine_.Forget(id, peer);
     }
     if (!own) return;
     try {
       own->Close(datadist::After(timeout_ms / 1000.0), false);
     } catch (const Error &e) {
-      if (e.code() == LLM_UNLINK_FAILED) Forget(id, own);
+      if (e.code() == LLM_UNLINK_FAILED) engine_.Forget(id, own);
       throw;
     }
-    Forget(id, own);
-  }
-
-  void Forget(uint64_t id, const std::shared_ptr<datadist::Link> &link) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = links_.find(id);
-      if (it != links_.end() && it->second == link) links_.erase(it);
-    }
-    std::lock_guard<std::mutex> lock(rev_mu_);
-    auto it = reverse_links_.find(id);
-    if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
+    engine_.Forget(id, own);
   }
 
   void Register(const CacheDesc &desc, const std::vector<uint64_t> &addrs, int64_t &cache_id) {
     CheckUpLocked();
-    cache_id = registry_.Add(desc, addrs, {});
+    cache_id = engine_.registry().Add(desc, addrs, {});
   }
 
   void Unregister(int64_t cache_id) {
     CheckUpLocked();
-    registry_.Remove(cache_id, false, kUnregisterWait);
+    engine_.registry().Remove(cache_id, false, kUnregisterWait);
   }
 
   void Allocate(const CacheDesc &desc, Cache &cache) {
@@ -420,7 +371,7 @@ class LlmDataDist::LlmDataDistImpl {
       mem.emplace_back(p);
       addrs.push_back(reinterpret_cast<uint64_t>(p));
     }
-    int64_t id = registry_.Add(desc, addrs, std::move(mem));
+    int64_t id = engine_.registry().Add(desc, addrs, std::move(mem));
     cache.cache_id = id;
     cache.cache_desc = desc;
     cache.tensor_addrs.assign(addrs.begin(), addrs.end());
@@ -428,7 +379,7 @@ class LlmDataDist::LlmDataDistImpl {
 
   void Deallocate(int64_t cache_id) {
     CheckUpLocked();
-    registry_.Remove(cache_id, true, kUnregisterWait);
+    engine_.registry().Remove(cache_id, true, kUnregisterWait);
   }
 
   void PullCache(const CacheIndex &src, const Cache &dst, uint32_t batch_index, int64_t size, const KvCacheExtParam &ext) {
@@ -436,13 +387,13 @@ class LlmDataDist::LlmDataDistImpl {
     CheckRemote(src);
     if (size != -1 && size <= 0) Invalid("size must be -1 or > 0");
     datadist::CheckExtParam(ext, false);  // before the local cache is looked up, as CANN
-    auto lease = registry_.Hold(dst.cache_id);
+    auto lease = engine_.registry().Hold(dst.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
     datadist::PairTensors(plan, g.num_tensors, ext, false);
     datadist::PlanSlot(plan, g, batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), src.batch_index, g.layout & ~0xFFFFFFFFULL);
-    GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    engine_.GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
   }
 
   void PullBlocks(const CacheIndex &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
@@ -457,7 +408,7 @@ class LlmDataDist::LlmDataDistImpl {
       Invalid("src_blocks has " + std::to_string(src_blocks.size()) + " entries but dst_blocks is empty");
     }
     datadist::CheckExtParam(ext, false);
-    auto lease = registry_.Hold(dst.cache_id);
+    auto lease = engine_.registry().Hold(dst.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
     datadist::PairTensors(plan, g.num_tensors, ext, false);
@@ -468,7 +419,7 @@ class LlmDataDist::LlmDataDistImpl {
       for (uint64_t i = 0; i < dst_blocks.size(); ++i) remote.push_back(i);
     datadist::PlanBlocks(plan, g, remote, dst_blocks);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), 0, g.layout);
-    GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    engine_.GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
   }
 
   void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size, const KvCacheExtParam &ext) {
@@ -476,13 +427,13 @@ class LlmDataDist::LlmDataDistImpl {
     CheckRemote(dst, false);
     if (size != -1) Invalid("PushKvCache supports size -1 only (as CANN)");
     datadist::CheckExtParam(ext, true);
-    auto lease = registry_.Hold(src.cache_id);
+    auto lease = engine_.registry().Hold(src.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
     datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanSlot(plan, g, src_batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), dst.batch_index, g.layout & ~0xFFFFFFFFULL);
-    GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    engine_.GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
   }
 
   void PushBlocks(const Cache &src, const CacheIndex &dst, const std::vector<uint64_t> &src_blocks,
@@ -492,19 +443,19 @@ class LlmDataDist::LlmDataDistImpl {
     if (src_blocks.empty()) Invalid("src_blocks must not be empty");
     if (dst.batch_index != 0) Invalid("dst_cache_index.batch_index must be 0 for PushKvBlocks");
     datadist::CheckExtParam(ext, true);
-    auto lease = registry_.Hold(src.cache_id);
+    auto lease = engine_.registry().Hold(src.cache_id);
     const datadist::Geometry &g = lease->entry().geo;
     datadist::Plan plan;
     datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanBlocks(plan, g, dst_blocks, src_blocks);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), 0, g.layout);
-    GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    engine_.GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
   }
 
   void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset, int64_t size) {
     CheckUpLocked();
-    auto s = registry_.Hold(src.cache_id);
-    auto d = registry_.Hold(dst.cache_id);
+    auto s = engine_.registry().Hold(src.cache_id);
+    auto d = engine_.registry().Hold(dst.cache_id);
     const datadist::Geometry &sg = s->entry().geo, &dg = d->entry().geo;
     if (sg.num_tensors != dg.num_tensors) Invalid("source and destination differ in num_tensors");
     if (src_batch >= sg.units || dst_batch >= dg.units) Invalid("batch index out of range");
@@ -522,8 +473,8 @@ class LlmDataDist::LlmDataDistImpl {
   void CopyBlocks(const Cache &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
                   const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
     CheckUpLocked();
-    auto s = registry_.Hold(src.cache_id);
-    auto d = registry_.Hold(dst.cache_id);
+    auto s = engine_.registry().Hold(src.cache_id);
+    auto d = engine_.registry().Hold(dst.cache_id);
     const datadist::Geometry &sg = s->entry().geo, &dg = d->entry().geo;
     if (sg.num_tensors != dg.num_tensors || sg.unit_bytes != dg.unit_bytes)
       Invalid("source and destination differ in num_tensors or block size");
@@ -568,7 +519,7 @@ class LlmDataDist::LlmDataDistImpl {
   // for pushes (they find no link). A remote cache id CANN does not know, -1 included, is the
   // owner's LLM_KV_CACHE_NOT_EXIST, once a link exists (the id crosses the wire as uint64).
   void CheckRemote(const CacheIndex &idx, bool pull = true) {
-    if (pull && idx.cluster_id == ident_.cluster_id) Invalid("data can not be pulled from our own cluster");
+    if (pull && idx.cluster_id == engine_.cluster_id()) Invalid("data can not be pulled from our own cluster");
   }
   static Status Overall(const std::vector<Status> &rets) {
     Status last = LLM_SUCCESS;
@@ -582,127 +533,8 @@ class LlmDataDist::LlmDataDistImpl {
     std::string host;
     uint16_t port = 0;
     datadist::ParseHostPort(text, host, port);
-    if (server_) server_->Stop();
-    server_ = std::make_unique<datadist::Server>(
-        &registry_, &ident_,
-        [this](datadist::Server &server, uint64_t cid, std::unique_ptr<datadist::Conn> conn,
-               const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
-          AdoptReverse(server, cid, std::move(conn), last, token, peer);
-        });
-    server_->Start(host, port, max_conns_, max_per_peer_);
+    engine_.Listen(host, port);
     listening_ = text;
-  }
-
-  /// Our own link to the cluster, else its reverse channel to us (its link's other end).
-  std::shared_ptr<datadist::Link> GetLink(uint64_t cluster_id) {
-    std::shared_ptr<datadist::Link> link = FindLink(cluster_id);
-    if (!link) Fail(LLM_NOT_YET_LINK, "cluster " + std::to_string(cluster_id) + " is not linked");
-    return link;
-  }
-  std::shared_ptr<datadist::Link> FindLink(uint64_t cluster_id) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = links_.find(cluster_id);
-      if (it != links_.end()) return it->second;
-    }
-    std::lock_guard<std::mutex> lock(rev_mu_);
-    auto it = reverse_links_.find(cluster_id);
-    return it == reverse_links_.end() ? nullptr : it->second;
-  }
-  /// Any link up (mu_ held by the caller)? A client's reverse channel counts until that client
-  /// unlinks or ends (its channel then closes: dropped here, as the Python listener does).
-  bool HasLinks() {
-    if (!links_.empty()) return true;
-    std::vector<std::shared_ptr<datadist::Link>> gone;
-    bool any = false;
-    {
-      std::lock_guard<std::mutex> lock(rev_mu_);
-      for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
-        if (it->second->Gone()) {
-          gone.push_back(std::move(it->second));
-          it = reverse_links_.erase(it);
-        } else {
-          any = true;
-          ++it;
-        }
-      }
-    }
-    for (auto &link : gone) link->Close(datadist::Deadline(), true);
-    return any;
-  }
-
-  /// A client's reverse channel (a server thread calls this after the handshake, which
-  /// checked that the client holds that cluster's control channel: `token`): our end of its
-  /// link, replacing an older one only if that echoed the same token or its control channel is
-  /// gone (another control channel of that id, which anyone may open, cannot take a live
-  /// link). Not adopted (that, finalizing, as many reverse channels as connections already, or
-  /// as the per-peer cap from `peer`'s address): the handshake is answered with ERROR LLM_LINK_FAILED, so the client's link
-  /// fails. Its own mutex: SetRole stops the server under mu_.
-  void AdoptReverse(datadist::Server &server, uint64_t cluster_id, std::unique_ptr<datadist::Conn> conn,
-                    const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
-    auto link = std::make_shared<datadist::Link>(cluster_id, std::move(conn), token, peer);
-    {
-      // A live-looking reverse channel of another control channel of this id: asked for a
-      // PONG first, outside the locks. One whose linker's channels died unseen (a cut wire)
-      // does not answer and is closed, so the check below lets the relink replace it; a live
-      // one answers and keeps its link.
-      std::shared_ptr<datadist::Link> incumbent;
-      {
-        std::lock_guard<std::mutex> lock(rev_mu_);
-        auto held = reverse_links_.find(cluster_id);
-        if (held != reverse_links_.end() && !datadist::auth::Same(held->second->link_token(), token) &&
-            !held->second->Gone() && server.HoldsToken(cluster_id, held->second->link_token()))
-          incumbent = held->second;
-      }
-      if (incumbent) incumbent->AnswersPing(datadist::After(kReverseProbe));
-    }
-    std::shared_ptr<datadist::Link> old;
-    std::vector<std::shared_ptr<datadist::Link>> gone;  // closed by their clients: pruned
-    try {
-      link->Adopted(
-        [&]() -> std::string {
-          std::lock_guard<std::mutex> lock(rev_mu_);
-          if (rev_closed_) return "this listener is finalizing: it takes no reverse channel";
-          // bounded like connections: a peer cannot hold sockets open without limit this way
-          // (the ones their clients closed do not count)
-          // ... and from one address as connections are: one host (closing each control channel
-          // once its reverse channel is up) cannot fill the table and refuse every other link
-          auto from_peer = [&] {
-            size_t n = 0;
-            for (const auto &kv : reverse_links_) n += kv.first != cluster_id && kv.second->peer_key() == peer;
-            return n;
-          };
-          if ((!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_) || from_peer() >= max_per_peer_)
-            for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
-              if (it->second->Gone()) {
-                gone.push_back(std::move(it->second));
-                it = reverse_links_.erase(it);
-              } else {
-                ++it;
-              }
-            }
-          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns_)
-            return "too many reverse channels (" + std::to_string(reverse_links_.size()) + ") to this listener";
-          if (from_peer() >= max_per_peer_)
-            return "too many reverse channels (" + std::to_string(from_peer()) + ") from " + peer + " to this listener";
-          auto held = reverse_links_.find(cluster_id);
-          if (held != reverse_links_.end() && !datadist::auth::Same(held->second->link_token(), token) &&
-              !held->second->Gone() && server.HoldsToken(cluster_id, held->second->link_token()))
-            return "cluster " + std::to_string(cluster_id) +
-                   " already has a reverse channel to this listener, belonging to another of its control channels, "
-                   "which is live";
-          old = std::move(reverse_links_[cluster_id]);
-          reverse_links_[cluster_id] = link;
-          return std::string();
-        },
-        last, datadist::After(kAdoptWait));  // not adopted: the channel closes with `link`
-    } catch (const std::exception &) {  // the client went away mid-handshake: its link never came up
-      std::lock_guard<std::mutex> lock(rev_mu_);
-      auto it = reverse_links_.find(cluster_id);
-      if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
-    }
-    if (old) old->Close(datadist::Deadline(), true);
-    for (auto &g : gone) g->Close(datadist::Deadline(), true);
   }
 
   void LinkOne(const ClusterInfo &c, int32_t timeout_ms) {
@@ -710,64 +542,18 @@ class LlmDataDist::LlmDataDistImpl {
     if (c.remote_ip_infos.size() != 1)  // as CANN's LinkMsgHandler::LinkCluster, in this cluster's code
       Invalid("cluster " + std::to_string(id) + " needs exactly one remote ip info, got " +
               std::to_string(c.remote_ip_infos.size()));
-    if (id == ident_.cluster_id) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (links_.count(id)) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
-    }
-    datadist::wire::Hello hello;
-    hello.cluster_id = ident_.cluster_id;
-    hello.role = static_cast<uint8_t>(ident_.role.load());
-    hello.pid = static_cast<uint32_t>(getpid());
-    // Who we say we are, as Python does; an owner reads nothing on it (grants go by the pid
-    // the kernel reports for a local-channel connection).
-    hello.pid_ns = datadist::local::HostIdentity::Current().pid_ns;
-    hello.boot_id = datadist::local::HostIdentity::Current().boot_id;
     const IpInfo &ip = c.remote_ip_infos.front();
-    auto link = std::make_shared<datadist::Link>(id, ip.ip.GetString(), ip.port, hello, ident_.secret, &registry_,
-                                                 same_host_);
     // CANN's LinkMsgHandler::LinkCluster files the link under the cluster id the peer reports
     // (AddEntity(peer_exchange_info.cluster_id)), never comparing it with the one passed: a
-    // caller that passed another id finds no link under it (LLM_NOT_YET_LINK).
-    if (!hixl_) link->TakePeerId();  // HIXL files it under the id passed (here: it must match)
-    try {
-      link->Open(datadist::After(timeout_ms / 1000.0));
-    } catch (const Error &e) {
-      NoteLinkFailure(id, ip.ip.GetString(), ip.port, e.what());
-      Fail(LLM_LINK_FAILED, e.what());  // as Python: any failure to link is LLM_LINK_FAILED
-    }
-    id = link->remote_cluster_id();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (state_ != kUp) Fail(LLM_FAILED, "finalized");
-    if (!links_.emplace(id, link).second) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
-    std::lock_guard<std::mutex> failures(fail_mu_);
-    link_failures_.erase(id);  // linked: an old failure no longer applies
-  }
-
-  // Why a link failed, beyond its LLM_LINK_FAILED (as Python's LinkFailedWarning and
-  // last_link_failure): kept per cluster until a link to it succeeds, and told on stderr
-  // unless DATADIST_LINK_WARNINGS=0. Called from the linking threads of Link().
-  void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why) {
-    std::string where = datadist::FormatHostPort(host, port);
-    std::string text = "link to cluster " + std::to_string(id) + " at " + where + " failed (LLM_LINK_FAILED): " +
-                       why + " [for more: datadist probe " + where + " --cluster-id " + std::to_string(id) + "]";
-    {
-      std::lock_guard<std::mutex> lock(fail_mu_);
-      link_failures_[id] = text;
-    }
-    const char *quiet = std::getenv("DATADIST_LINK_WARNINGS");
-    if (quiet == nullptr || std::string(quiet) != "0") std::fprintf(stderr, "[datadist] warning: %s\n", text.c_str());
+    // caller that passed another id finds no link under it (LLM_NOT_YET_LINK). HIXL files it
+    // under the id passed (here: it must match).
+    engine_.Connect(id, ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0), !hixl_);
   }
 
  public:
-  std::string LastLinkFailure(uint64_t id) {
-    std::lock_guard<std::mutex> lock(fail_mu_);
-    auto it = link_failures_.find(id);
-    return it == link_failures_.end() ? std::string() : it->second;
-  }
+  std::string LastLinkFailure(uint64_t id) { return engine_.LastLinkFailure(id); }
 
  private:
-
   datadist::wire::Request Request(const datadist::Plan &plan, uint64_t cache_id, uint64_t slot, uint64_t layout) {
     // The owner's limit, checked before sending (docs/protocol.md).
     if (static_cast<unsigned __int128>(plan.remote_tensors.size()) * plan.lengths.size() > datadist::kMaxRequestSpans)
@@ -785,22 +571,12 @@ class LlmDataDist::LlmDataDistImpl {
     return r;
   }
 
-  std::mutex mu_;
+  std::mutex mu_;  // guards state_ and listening_
   State state_ = kNew;
-  datadist::Identity ident_;
   double sync_timeout_s_ = 1.0;
-  bool same_host_ = true;  // links may use a same-host peer's local channel
   bool hixl_ = false;      // OPTION_TRANSFER_BACKEND is "hixl": its unlink and option rules
-  size_t max_conns_ = 256, max_per_peer_ = 64;
-  datadist::Registry registry_;
-  std::unique_ptr<datadist::Server> server_;
-  std::string listening_;  // the OPTION_LISTEN_IP_INFO server_ was started with
-  std::map<uint64_t, std::shared_ptr<datadist::Link>> links_;
-  std::mutex fail_mu_;  // guards link_failures_
-  std::map<uint64_t, std::string> link_failures_;  // the last LinkLlmClusters failure per cluster
-  std::mutex rev_mu_;  // guards the two below
-  std::map<uint64_t, std::shared_ptr<datadist::Link>> reverse_links_;
-  bool rev_closed_ = false;
+  std::string listening_;  // the OPTION_LISTEN_IP_INFO the engine listens at
+  datadist::Engine engine_;
 };
 
 LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role) : impl_(new LlmDataDistImpl(cluster_id, role)) {}

@@ -1,0 +1,316 @@
+#include "engine.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "addr.h"
+#include "auth.h"
+#include "errors.h"
+#include "local.h"
+
+namespace datadist {
+
+using llm_datadist::LLM_ALREADY_LINK;
+using llm_datadist::LLM_FAILED;
+using llm_datadist::LLM_LINK_FAILED;
+using llm_datadist::LLM_NOT_YET_LINK;
+
+Engine::Engine(uint64_t cluster_id, int32_t role) {
+  ident_.cluster_id = cluster_id;
+  ident_.role = role;
+}
+
+Engine::~Engine() { Close(0.0); }
+
+void Engine::Open(const EngineOptions &options) {
+  Close(0.0);  // a re-open after Close, or a second Open: start clean
+  std::lock_guard<std::mutex> lock(mu_);
+  options_ = options;
+  ident_.secret = options.secret;
+  ident_.serve_local = options.same_host;
+  ident_.allow_ptrace = options.allow_ptrace;
+  {
+    std::lock_guard<std::mutex> rev(rev_mu_);
+    rev_closed_ = false;
+  }
+  open_ = true;
+}
+
+void Engine::Close(double wait_s) {
+  std::multimap<uint64_t, std::shared_ptr<Link>> links;
+  std::unique_ptr<Server> server;
+  bool was_open;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    was_open = open_;
+    open_ = false;
+    links.insert(links_.begin(), links_.end());
+    links_.clear();
+    server = std::move(server_);
+  }
+  if (server) server->Stop();  // no new reverse channels after this
+  {
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    rev_closed_ = true;
+    for (auto &kv : reverse_links_) links.emplace(kv.first, kv.second);
+    reverse_links_.clear();
+  }
+  for (auto &kv : links) kv.second->Close(Deadline(), true);
+  if (was_open) registry_.Clear(wait_s);
+}
+
+void Engine::Listen(const std::string &host, uint16_t port) {
+  std::unique_ptr<Server> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_) Fail(LLM_FAILED, "the engine is not open");
+    old = std::move(server_);
+  }
+  if (old) old->Stop();
+  auto server = std::make_unique<Server>(
+      &registry_, &ident_,
+      [this](Server &s, uint64_t cid, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
+             const std::string &token, const std::string &peer) {
+        AdoptReverse(s, cid, std::move(conn), last, token, peer);
+      });
+  server->Start(host, port, options_.max_conns, options_.max_per_peer);
+  std::lock_guard<std::mutex> lock(mu_);
+  server_ = std::move(server);
+}
+
+void Engine::StopListening() {
+  std::unique_ptr<Server> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::move(server_);
+  }
+  if (old) old->Stop();
+}
+
+bool Engine::listening() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return server_ != nullptr;
+}
+
+uint16_t Engine::port() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return server_ ? server_->port() : 0;
+}
+
+uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, Deadline deadline, bool take_peer_id,
+                         bool quiet) {
+  if (id == ident_.cluster_id) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_) Fail(LLM_FAILED, "the engine is not open");
+    if (links_.count(id)) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+  }
+  wire::Hello hello;
+  hello.cluster_id = ident_.cluster_id;
+  hello.role = static_cast<uint8_t>(ident_.role.load());
+  hello.pid = static_cast<uint32_t>(getpid());
+  // Who we say we are, as Python does; an owner reads nothing on it (grants go by the pid
+  // the kernel reports for a local-channel connection).
+  hello.pid_ns = local::HostIdentity::Current().pid_ns;
+  hello.boot_id = local::HostIdentity::Current().boot_id;
+  auto link = std::make_shared<Link>(id, host, port, hello, options_.secret, &registry_, options_.same_host);
+  if (take_peer_id) link->TakePeerId();
+  try {
+    link->Open(deadline);
+  } catch (const Error &e) {
+    NoteLinkFailure(id, host, port, e.what(), quiet);
+    Fail(LLM_LINK_FAILED, e.what());  // as Python: any failure to link is LLM_LINK_FAILED
+  }
+  id = link->remote_cluster_id();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!open_) {
+    link->Close(Deadline(), true);
+    Fail(LLM_FAILED, "finalized");
+  }
+  if (!links_.emplace(id, link).second) {
+    link->Close(Deadline(), true);
+    Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+  }
+  std::lock_guard<std::mutex> failures(fail_mu_);
+  link_failures_.erase(id);  // linked: an old failure no longer applies
+  return id;
+}
+
+// Why a link failed, beyond its LLM_LINK_FAILED (as Python's LinkFailedWarning and
+// last_link_failure): kept per cluster until a link to it succeeds, and told on stderr
+// unless DATADIST_LINK_WARNINGS=0 (or the caller warns its own way: `quiet`).
+void Engine::NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why,
+                             bool quiet) {
+  std::string where = FormatHostPort(host, port);
+  std::string text = "link to cluster " + std::to_string(id) + " at " + where + " failed (LLM_LINK_FAILED): " + why +
+                     " [for more: datadist probe " + where + " --cluster-id " + std::to_string(id) + "]";
+  {
+    std::lock_guard<std::mutex> lock(fail_mu_);
+    link_failures_[id] = text;
+  }
+  const char *env = std::getenv("DATADIST_LINK_WARNINGS");
+  if (!quiet && (env == nullptr || std::string(env) != "0")) std::fprintf(stderr, "[datadist] warning: %s\n", text.c_str());
+}
+
+std::string Engine::LastLinkFailure(uint64_t id) {
+  std::lock_guard<std::mutex> lock(fail_mu_);
+  auto it = link_failures_.find(id);
+  return it == link_failures_.end() ? std::string() : it->second;
+}
+
+std::shared_ptr<Link> Engine::GetLink(uint64_t cluster_id) {
+  std::shared_ptr<Link> link = FindLink(cluster_id);
+  if (!link) Fail(LLM_NOT_YET_LINK, "cluster " + std::to_string(cluster_id) + " is not linked");
+  return link;
+}
+
+std::shared_ptr<Link> Engine::FindLink(uint64_t cluster_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(cluster_id);
+    if (it != links_.end()) return it->second;
+  }
+  std::lock_guard<std::mutex> lock(rev_mu_);
+  auto it = reverse_links_.find(cluster_id);
+  return it == reverse_links_.end() ? nullptr : it->second;
+}
+
+std::pair<std::shared_ptr<Link>, std::shared_ptr<Link>> Engine::BothEnds(uint64_t id) {
+  std::shared_ptr<Link> own, inbound;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(id);
+    if (it != links_.end()) own = it->second;
+  }
+  {
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    auto it = reverse_links_.find(id);
+    if (it != reverse_links_.end()) inbound = it->second;
+  }
+  return {own, inbound};
+}
+
+void Engine::Forget(uint64_t id, const std::shared_ptr<Link> &link) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(id);
+    if (it != links_.end() && it->second == link) links_.erase(it);
+  }
+  std::lock_guard<std::mutex> lock(rev_mu_);
+  auto it = reverse_links_.find(id);
+  if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
+}
+
+// A client's reverse channel counts until that client unlinks or ends (its channel then
+// closes: dropped here, as the Python listener does).
+bool Engine::HasLinks() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!links_.empty()) return true;
+  }
+  return !LinkIds(true).empty();
+}
+
+std::vector<uint64_t> Engine::LinkIds(bool inbound) {
+  std::vector<uint64_t> ids;
+  if (!inbound) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto &kv : links_) ids.push_back(kv.first);
+    return ids;
+  }
+  std::vector<std::shared_ptr<Link>> gone;
+  {
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
+      if (it->second->Gone()) {
+        gone.push_back(std::move(it->second));
+        it = reverse_links_.erase(it);
+      } else {
+        ids.push_back(it->first);
+        ++it;
+      }
+    }
+  }
+  for (auto &link : gone) link->Close(Deadline(), true);
+  return ids;
+}
+
+/// A client's reverse channel (a server thread calls this after the handshake, which
+/// checked that the client holds that cluster's control channel: `token`): our end of its
+/// link, replacing an older one only if that echoed the same token or its control channel is
+/// gone (another control channel of that id, which anyone may open, cannot take a live
+/// link). Not adopted (that, closing, as many reverse channels as connections already, or
+/// as the per-peer cap from `peer`'s address): the handshake is answered with ERROR
+/// LLM_LINK_FAILED, so the client's link fails.
+void Engine::AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn,
+                          const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
+  auto link = std::make_shared<Link>(cluster_id, std::move(conn), token, peer);
+  const size_t max_conns = options_.max_conns, max_per_peer = options_.max_per_peer;
+  {
+    // A live-looking reverse channel of another control channel of this id: asked for a
+    // PONG first, outside the locks. One whose linker's channels died unseen (a cut wire)
+    // does not answer and is closed, so the check below lets the relink replace it; a live
+    // one answers and keeps its link.
+    std::shared_ptr<Link> incumbent;
+    {
+      std::lock_guard<std::mutex> lock(rev_mu_);
+      auto held = reverse_links_.find(cluster_id);
+      if (held != reverse_links_.end() && !auth::Same(held->second->link_token(), token) && !held->second->Gone() &&
+          server.HoldsToken(cluster_id, held->second->link_token()))
+        incumbent = held->second;
+    }
+    if (incumbent) incumbent->AnswersPing(After(kReverseProbe));
+  }
+  std::shared_ptr<Link> old;
+  std::vector<std::shared_ptr<Link>> gone;  // closed by their clients: pruned
+  try {
+    link->Adopted(
+        [&]() -> std::string {
+          std::lock_guard<std::mutex> lock(rev_mu_);
+          if (rev_closed_) return "this listener is finalizing: it takes no reverse channel";
+          // bounded like connections: a peer cannot hold sockets open without limit this way
+          // (the ones their clients closed do not count), and from one address as
+          // connections are: one host cannot fill the table and refuse every other link
+          auto from_peer = [&] {
+            size_t n = 0;
+            for (const auto &kv : reverse_links_) n += kv.first != cluster_id && kv.second->peer_key() == peer;
+            return n;
+          };
+          if ((!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns) ||
+              from_peer() >= max_per_peer)
+            for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
+              if (it->second->Gone()) {
+                gone.push_back(std::move(it->second));
+                it = reverse_links_.erase(it);
+              } else {
+                ++it;
+              }
+            }
+          if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns)
+            return "too many reverse channels (" + std::to_string(reverse_links_.size()) + ") to this listener";
+          if (from_peer() >= max_per_peer)
+            return "too many reverse channels (" + std::to_string(from_peer()) + ") from " + peer +
+                   " to this listener";
+          auto held = reverse_links_.find(cluster_id);
+          if (held != reverse_links_.end() && !auth::Same(held->second->link_token(), token) &&
+              !held->second->Gone() && server.HoldsToken(cluster_id, held->second->link_token()))
+            return "cluster " + std::to_string(cluster_id) +
+                   " already has a reverse channel to this listener, belonging to another of its control channels, "
+                   "which is live";
+          old = std::move(reverse_links_[cluster_id]);
+          reverse_links_[cluster_id] = link;
+          return std::string();
+        },
+        last, After(kAdoptWait));  // not adopted: the channel closes with `link`
+  } catch (const std::exception &) {  // the client went away mid-handshake: its link never came up
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    auto it = reverse_links_.find(cluster_id);
+    if (it != reverse_links_.end() && it->second == link) reverse_links_.erase(it);
+  }
+  if (old) old->Close(Deadline(), true);
+  for (auto &g : gone) g->Close(Deadline(), true);
+}
+
+}  // namespace datadist

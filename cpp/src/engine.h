@@ -1,0 +1,110 @@
+// The engine both APIs drive: who we are (Identity), our caches (Registry), our listener
+// (Server) and our links, both the ones we make (Connect) and our ends of the ones peers make
+// to us (their reverse channels, adopted by the listener). CANN's C++ API (llm_datadist.cc)
+// and the Python package's extension module (cpp/python/) are two facades over it: they check
+// arguments, build plans and map errors; the engine owns every socket and every thread.
+//
+// Thread-safety: every method may be called from any thread. Calls that touch the network
+// block up to the deadline they are given (Connect, Link::Read / Write, Close); the others
+// take short locks only. Errors are thrown as datadist::Error with their status code.
+#ifndef DATADIST_CPP_ENGINE_H_
+#define DATADIST_CPP_ENGINE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "link.h"
+#include "net.h"
+#include "registry.h"
+#include "server.h"
+
+namespace datadist {
+
+struct EngineOptions {
+  std::string secret;        // shared secret linked peers must prove (empty: none)
+  bool same_host = true;     // links may use a same-host peer's local channel; serve ours
+  bool allow_ptrace = true;  // may PR_SET_PTRACER_ANY be set for same-host readers
+  size_t max_conns = 256;    // inbound connections (and reverse channels) served at once
+  size_t max_per_peer = 64;  // ... of them from one peer (IP address, or uid for local ones)
+};
+
+class Engine {
+ public:
+  /// s a reverse channel's last handshake frame may take
+  static constexpr double kAdoptWait = 10.0;
+  /// s a contested reverse channel has to answer a PING (Python: REVERSE_PROBE)
+  static constexpr double kReverseProbe = 0.5;
+
+  Engine(uint64_t cluster_id, int32_t role);
+  ~Engine();
+  Engine(const Engine &) = delete;
+  Engine &operator=(const Engine &) = delete;
+
+  /// (Re)starts the engine with `options` (after Close too): no listener yet, no links.
+  void Open(const EngineOptions &options);
+  /// Stops the listener, closes every link at once (transfers in flight fail) and drops every
+  /// cache, waiting up to `wait_s` for leases. Idempotent.
+  void Close(double wait_s);
+
+  uint64_t cluster_id() const { return ident_.cluster_id; }
+  int32_t role() const { return ident_.role.load(); }
+  void set_role(int32_t role) { ident_.role = role; }
+  Registry &registry() { return registry_; }
+  const EngineOptions &options() const { return options_; }
+
+  /// Listens on host:port (port 0 picks one), replacing a listener we had. LLM_LINK_FAILED.
+  void Listen(const std::string &host, uint16_t port);
+  void StopListening();
+  bool listening() const;
+  uint16_t port() const;  // 0 when not listening
+
+  /// Opens a link to the listener at host:port within `deadline` and files it under
+  /// `cluster_id`, or with `take_peer_id` under the id the peer announces (CANN's
+  /// LinkMsgHandler). Returns the id it is filed under. LLM_ALREADY_LINK when we hold a link
+  /// to that id; LLM_LINK_FAILED (the reason kept for LastLinkFailure and, unless
+  /// DATADIST_LINK_WARNINGS=0 or `quiet`, told on stderr) for any failure to link.
+  uint64_t Connect(uint64_t cluster_id, const std::string &host, uint16_t port, Deadline deadline, bool take_peer_id,
+                   bool quiet = false);
+  /// The link transfers to `cluster_id` use: the one we made, else its reverse channel to us.
+  /// LLM_NOT_YET_LINK when neither exists.
+  std::shared_ptr<Link> GetLink(uint64_t cluster_id);
+  std::shared_ptr<Link> FindLink(uint64_t cluster_id);
+  /// The two ends of a link with `id`, either may be null: the link we made and the one the
+  /// peer made to us (its reverse channel).
+  std::pair<std::shared_ptr<Link>, std::shared_ptr<Link>> BothEnds(uint64_t id);
+  /// Drops `link` from the tables if it is still filed under `id` (it is not closed here).
+  void Forget(uint64_t id, const std::shared_ptr<Link> &link);
+  /// Any link up, either end? Reverse channels their clients closed are dropped here.
+  bool HasLinks();
+  /// The ids of the links we made, and of the live reverse channels peers made to us.
+  std::vector<uint64_t> LinkIds(bool inbound);
+  /// Why the last link to `id` failed ("" when none failed since it last succeeded).
+  std::string LastLinkFailure(uint64_t id);
+
+ private:
+  void AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
+                    const std::string &token, const std::string &peer);
+  void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why, bool quiet);
+
+  Identity ident_;
+  EngineOptions options_;
+  Registry registry_;
+  mutable std::mutex mu_;  // guards server_, links_, open_
+  bool open_ = false;
+  std::unique_ptr<Server> server_;
+  std::map<uint64_t, std::shared_ptr<Link>> links_;
+  std::mutex fail_mu_;  // guards link_failures_
+  std::map<uint64_t, std::string> link_failures_;
+  std::mutex rev_mu_;  // guards the two below (its own: Listen stops the server under mu_)
+  std::map<uint64_t, std::shared_ptr<Link>> reverse_links_;
+  bool rev_closed_ = false;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_ENGINE_H_
