@@ -121,6 +121,16 @@ bool Link::AnswersPing(Deadline deadline) {
   return false;
 }
 
+void Link::Ping(Deadline deadline) {
+  auto guard = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  if (Call(wire::EncodeU64(wire::kPing, remote_, ++rid_), payload, deadline).type != wire::kPong) {
+    conn_->Close();
+    ProtocolViolation("expected PONG");
+  }
+}
+
 bool Link::Adopted(const std::function<std::string()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline) {
   auto guard = Acquire(deadline);
   const std::string refused = adopt();

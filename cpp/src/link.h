@@ -87,6 +87,9 @@ class Link {
   /// A reverse channel whose client went away (unlinked, or ended): closed, or readable while
   /// idle (EOF). A link busy with a transfer is not gone. Never blocks.
   bool Gone();
+  /// A PING answered by a PONG within the deadline (check_link): LLM_TIMEOUT,
+  /// LLM_LINK_FAILED, LLM_LINK_BUSY. Reconnects a broken link as a transfer would.
+  void Ping(Deadline deadline);
   /// A reverse end: does its client answer a PING before `deadline`? Busy with a transfer
   /// counts as yes; no answer closes the channel. Called by the listener, without its own
   /// locks, before a newer reverse channel of the same id may replace this one. Blocks.

@@ -185,6 +185,24 @@ int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uin
   return e->id;
 }
 
+void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs) {
+  if (id <= 0) Invalid("cache ids are positive, got " + std::to_string(id));
+  if (geo.num_tensors == 0 || geo.units == 0 || geo.tensor_bytes == 0 || geo.tensor_bytes % geo.units ||
+      geo.unit_bytes != geo.tensor_bytes / geo.units)
+    Invalid("a cache geometry must have tensors, units and bytes that split into them");
+  if (addrs.size() != geo.num_tensors)
+    Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(geo.num_tensors) + " tensors");
+  for (uint64_t a : addrs)
+    if (a == 0 || a + geo.tensor_bytes < a) Invalid("tensor addresses must be non-zero and not wrap");
+  auto e = std::make_shared<Entry>();
+  e->id = id;
+  e->geo = geo;
+  e->addrs = addrs;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!by_id_.emplace(id, e).second) Invalid("cache " + std::to_string(id) + " already exists");
+  if (id >= next_id_) next_id_ = id + 1;
+}
+
 void Registry::Remove(int64_t id, bool owned, double wait_s) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = by_id_.find(id);

@@ -83,6 +83,10 @@ class Registry {
   /// Adds a cache; returns its id. `owned` is the memory AllocateCache made (may be empty).
   int64_t Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
               std::vector<std::unique_ptr<uint8_t[]>> owned);
+  /// Adds a cache described by its geometry under the id the caller chose (the Python
+  /// package's engine: its own registry numbers caches and computes geometry, this one serves
+  /// them to peers). LLM_PARAM_INVALID for a taken id or a bad geometry / address list.
+  void AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs);
   /// Removes a cache once no lease holds it (waits up to `wait_s`, then LLM_TIMEOUT and the
   /// cache stays). Unknown ids: no-op. `owned` says which kind the caller may remove
   /// (registered vs allocated); the other kind is LLM_PARAM_INVALID.

@@ -28,6 +28,7 @@ from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
+from datadist.core.native import engine_for
 from datadist.memory.pool import PoolConfig
 from datadist.transport.address import parse_host_port
 from datadist.transport.tls import TlsConfig
@@ -134,6 +135,7 @@ class LLMDataDist:
         self._role = role
         self._cluster_id = cluster_id
         self._engine: Engine | None = None
+        self._engine_reason = ""  # why init chose the engine it runs on (datadist info)
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None
         self._cache_manager_mode = False
@@ -199,7 +201,8 @@ class LLMDataDist:
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
-                engine = Engine(engine_cfg)
+                engine, self._engine_reason = engine_for(
+                    engine_cfg, opts, two_sided=bool(opts.get(cfg.OPT_LOCAL_COMM_RES)))
             self._engine = engine
             self._options = opts
             if self._cache_manager_mode:

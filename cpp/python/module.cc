@@ -1,0 +1,317 @@
+// datadist._core: the Python package's binding of the C++ engine (cpp/src/engine.h).
+//
+// A thin layer: no argument rules of CANN's API live here (the Python facade, datadist/api,
+// checks them and builds the plans); this file converts arrays, releases the GIL around
+// everything that can block, and turns datadist::Error into _core.CoreError(code, message),
+// which datadist/core/native.py maps to datadist's error classes in one place.
+//
+// Who calls: datadist.core.native.NativeEngine only. Serving (accepting, handshakes, peers'
+// requests, reverse channels, leases) runs on the engine's own threads and never takes the
+// GIL; transfers issued here release it for their whole duration; asynchronous ones run on a
+// fixed set of worker threads and are polled through Handle without the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sys/uio.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "errors.h"
+#include "tasks.h"
+#include "wire.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using datadist::Deadline;
+
+using U32Array = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+Deadline DeadlineIn(double seconds) { return datadist::After(seconds < 0 ? 0 : seconds); }
+
+std::vector<uint64_t> ToVector(const U64Array &a) {
+  const uint64_t *p = a.data();
+  return std::vector<uint64_t>(p, p + a.size());
+}
+
+/// An (n, 2) uint64 array of (address, length) rows: the local spans, tensor-major.
+std::vector<iovec> ToIov(const U64Array &a) {
+  if (a.ndim() != 2 || a.shape(1) != 2) throw py::value_error("local spans must be an (n, 2) uint64 array");
+  const uint64_t *p = a.data();
+  std::vector<iovec> iov(static_cast<size_t>(a.shape(0)));
+  for (size_t i = 0; i < iov.size(); ++i) {
+    iov[i].iov_base = reinterpret_cast<void *>(p[2 * i]);
+    iov[i].iov_len = static_cast<size_t>(p[2 * i + 1]);
+  }
+  return iov;
+}
+
+/// A READ / WRITE as the wire carries it, from the plan's arrays (copied: the GIL may go).
+datadist::wire::Request ToRequest(uint8_t kind, uint64_t a, uint64_t b, uint64_t c, uint64_t unit_bytes, uint32_t flags,
+                                  uint64_t layout, const U32Array &tensors, const U64Array &offsets,
+                                  const U64Array &lengths) {
+  datadist::wire::Request r;
+  r.kind = kind;
+  r.a = a;
+  r.b = b;
+  r.c = c;
+  r.unit_bytes = unit_bytes;
+  r.flags = flags;
+  r.layout = layout;
+  r.tensors.assign(tensors.data(), tensors.data() + tensors.size());
+  r.offsets = ToVector(offsets);
+  r.lengths = ToVector(lengths);
+  return r;
+}
+
+/// One engine plus the workers its asynchronous transfers run on.
+class Core {
+ public:
+  Core(uint64_t cluster_id, int32_t role, size_t async_threads)
+      : engine_(cluster_id, role), executor_(async_threads) {}
+  ~Core() {
+    executor_.Stop();
+    engine_.Close(0.0);
+  }
+  datadist::Engine &engine() { return engine_; }
+  datadist::Executor &executor() { return executor_; }
+
+ private:
+  datadist::Engine engine_;
+  datadist::Executor executor_;  // stopped before the engine closes (its tasks use links)
+};
+
+/// Unlink as the Python engine's Engine.unlink: both ends (the link we made, the peer's
+/// reverse channel to us); LLM_NOT_YET_LINK when neither exists; a peer we could not tell
+/// is LLM_UNLINK_FAILED once both ends were tried (our ends are closed); LLM_LINK_BUSY
+/// leaves the link up. `quiet_inbound`: the peer's end is closed without a word.
+void Unlink(datadist::Engine &engine, uint64_t id, double timeout_s, bool force, bool quiet_inbound) {
+  auto [own, inbound] = engine.BothEnds(id);
+  if (!own && !inbound) datadist::Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
+  std::string untold;
+  for (const auto &link : {own, inbound}) {
+    if (!link) continue;
+    bool forced = force || (quiet_inbound && link == inbound);
+    try {
+      link->Close(forced ? Deadline() : DeadlineIn(timeout_s), forced);
+    } catch (const datadist::Error &e) {
+      if (e.code() != llm_datadist::LLM_UNLINK_FAILED) throw;
+      untold = e.what();
+    }
+    engine.Forget(id, link);
+  }
+  if (!untold.empty()) datadist::Fail(llm_datadist::LLM_UNLINK_FAILED, untold);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "datadist's C++ engine (private: datadist.core.native drives it)";
+  m.attr("__version__") = "0.1.0";
+  m.def("build_info", [] {
+    py::dict d;
+#if defined(__clang__)
+    d["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+    d["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+    d["compiler"] = "unknown";
+#endif
+#ifdef NDEBUG
+    d["build_type"] = "release";
+#else
+    d["build_type"] = "debug";
+#endif
+    return d;
+  });
+
+  // CoreError(code, message): args[0] is the status code, args[1] the message.
+  static py::handle core_error = py::exception<datadist::Error>(m, "CoreError").release();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const datadist::Error &e) {
+      py::tuple args = py::make_tuple(static_cast<uint64_t>(e.code()), e.what());
+      PyErr_SetObject(core_error.ptr(), args.ptr());
+    }
+  });
+
+  py::class_<datadist::Task, std::shared_ptr<datadist::Task>>(m, "Handle",
+                                                             "An asynchronous transfer, run by the engine's workers")
+      .def("done", &datadist::Task::Done, "Ended, successfully or not? Never blocks.")
+      .def(
+          "wait",
+          [](datadist::Task &t, double timeout_s) {
+            py::gil_scoped_release nogil;
+            return t.Wait(DeadlineIn(timeout_s));
+          },
+          py::arg("timeout_s"), "Blocks (without the GIL) until it ends or timeout_s passes; True once ended.")
+      .def(
+          "error",
+          [](datadist::Task &t) -> py::object {
+            if (!t.Done() || t.code() == 0) return py::none();
+            return py::make_tuple(t.code(), t.message());
+          },
+          "(code, message) of a failed transfer; None while running or after a success.");
+
+  py::class_<Core>(m, "Engine")
+      .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
+      .def(
+          "open",
+          [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer) {
+            datadist::EngineOptions o;
+            o.secret = secret;
+            o.same_host = same_host;
+            o.allow_ptrace = allow_ptrace;
+            o.max_conns = max_conns;
+            o.max_per_peer = max_per_peer;
+            py::gil_scoped_release nogil;
+            c.engine().Open(o);
+          },
+          py::arg("secret"), py::arg("same_host"), py::arg("allow_ptrace"), py::arg("max_conns"),
+          py::arg("max_per_peer"))
+      .def(
+          "close",
+          [](Core &c, double wait_s) {
+            py::gil_scoped_release nogil;
+            c.executor().Stop();
+            c.engine().Close(wait_s);
+          },
+          py::arg("wait_s"))
+      .def_property("role", [](Core &c) { return c.engine().role(); },
+                    [](Core &c, int32_t r) { c.engine().set_role(r); })
+      .def(
+          "listen",
+          [](Core &c, const std::string &host, uint16_t port) {
+            py::gil_scoped_release nogil;
+            c.engine().Listen(host, port);
+            return c.engine().port();
+          },
+          py::arg("host"), py::arg("port"))
+      .def("stop_listening",
+           [](Core &c) {
+             py::gil_scoped_release nogil;
+             c.engine().StopListening();
+           })
+      .def_property_readonly("port", [](Core &c) { return c.engine().port(); })
+      .def(
+          "connect",
+          [](Core &c, uint64_t id, const std::string &host, uint16_t port, double timeout_s, bool take_peer_id) {
+            py::gil_scoped_release nogil;
+            return c.engine().Connect(id, host, port, DeadlineIn(timeout_s), take_peer_id, true);
+          },
+          py::arg("cluster_id"), py::arg("host"), py::arg("port"), py::arg("timeout_s"), py::arg("take_peer_id"))
+      .def(
+          "unlink",
+          [](Core &c, uint64_t id, double timeout_s, bool force, bool quiet_inbound) {
+            py::gil_scoped_release nogil;
+            Unlink(c.engine(), id, timeout_s, force, quiet_inbound);
+          },
+          py::arg("cluster_id"), py::arg("timeout_s"), py::arg("force"), py::arg("quiet_inbound"))
+      .def(
+          "ping",
+          [](Core &c, uint64_t id, double timeout_s) {
+            auto link = c.engine().GetLink(id);
+            py::gil_scoped_release nogil;
+            link->Ping(DeadlineIn(timeout_s));
+          },
+          py::arg("cluster_id"), py::arg("timeout_s"))
+      .def("has_links", [](Core &c) { return c.engine().HasLinks(); })
+      .def("link_ids", [](Core &c, bool inbound) { return c.engine().LinkIds(inbound); }, py::arg("inbound"))
+      .def(
+          "linked",
+          [](Core &c, uint64_t id) {
+            auto [own, inbound] = c.engine().BothEnds(id);
+            return py::make_tuple(own != nullptr, inbound != nullptr);
+          },
+          py::arg("cluster_id"), "(we made a link to it, it made one to us)")
+      .def(
+          "link_path",
+          [](Core &c, uint64_t id) -> py::object {
+            auto link = c.engine().FindLink(id);
+            if (!link) return py::none();
+            return py::str(datadist::Link::PathName(link->path()));
+          },
+          py::arg("cluster_id"))
+      .def("last_link_failure", [](Core &c, uint64_t id) { return c.engine().LastLinkFailure(id); },
+           py::arg("cluster_id"))
+      .def(
+          "add_cache",
+          [](Core &c, int64_t id, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
+             const U64Array &addrs) {
+            datadist::Geometry g;
+            g.num_tensors = num_tensors;
+            g.tensor_bytes = tensor_bytes;
+            g.units = units;
+            g.unit_bytes = units ? tensor_bytes / units : 0;
+            g.layout = layout;
+            c.engine().registry().AddAs(id, g, ToVector(addrs));
+          },
+          py::arg("cache_id"), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"),
+          py::arg("addrs"))
+      .def(
+          "remove_cache",
+          [](Core &c, int64_t id, double wait_s) {
+            py::gil_scoped_release nogil;
+            c.engine().registry().Remove(id, false, wait_s);
+          },
+          py::arg("cache_id"), py::arg("wait_s"))
+      .def(
+          "read",
+          [](Core &c, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc, uint64_t unit_bytes,
+             uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets, const U64Array &lengths,
+             const U64Array &local, double timeout_s) {
+            auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
+            auto iov = ToIov(local);
+            Deadline deadline = DeadlineIn(timeout_s);
+            py::gil_scoped_release nogil;
+            c.engine().GetLink(cluster)->Read(req, iov, deadline);
+          },
+          py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("unit_bytes"),
+          py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"), py::arg("lengths"),
+          py::arg("local"), py::arg("timeout_s"))
+      .def(
+          "write",
+          [](Core &c, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc, uint64_t unit_bytes,
+             uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets, const U64Array &lengths,
+             const U64Array &local, double timeout_s) {
+            auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
+            auto iov = ToIov(local);
+            Deadline deadline = DeadlineIn(timeout_s);
+            py::gil_scoped_release nogil;
+            c.engine().GetLink(cluster)->Write(req, iov, deadline);
+          },
+          py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("unit_bytes"),
+          py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"), py::arg("lengths"),
+          py::arg("local"), py::arg("timeout_s"))
+      .def(
+          "submit",
+          [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
+             uint64_t unit_bytes, uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets,
+             const U64Array &lengths, const U64Array &local, double timeout_s) {
+            auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
+            auto iov = ToIov(local);
+            // The deadline runs from now, as a blocking call's would; queueing counts.
+            Deadline deadline = DeadlineIn(timeout_s);
+            datadist::Engine *engine = &c.engine();
+            return c.executor().Submit([engine, cluster, write, req = std::move(req), iov = std::move(iov), deadline] {
+              auto link = engine->GetLink(cluster);
+              if (write)
+                link->Write(req, iov, deadline);
+              else
+                link->Read(req, iov, deadline);
+            });
+          },
+          py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
+          py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
+          py::arg("lengths"), py::arg("local"), py::arg("timeout_s"),
+          "Queues a READ (write=False) or WRITE on the engine's workers; returns its Handle at once.")
+      .def_property_readonly("async_threads", [](Core &c) { return c.executor().threads(); });
+}

@@ -1,0 +1,89 @@
+#include "tasks.h"
+
+#include <exception>
+
+#include "errors.h"
+
+namespace datadist {
+
+bool Task::Wait(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return ended_.wait_until(lock, deadline, [&] { return done_.load(std::memory_order_acquire); });
+}
+
+void Task::Finish(uint32_t code, std::string message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    code_ = code;
+    message_ = std::move(message);
+    done_.store(true, std::memory_order_release);
+  }
+  ended_.notify_all();
+}
+
+std::shared_ptr<Task> Executor::Submit(std::function<void()> fn) {
+  auto task = std::make_shared<Task>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stopped_) {
+      if (workers_.empty())
+        for (size_t i = 0; i < size_; ++i) workers_.emplace_back([this] { Run(); });
+      queue_.emplace_back(task, std::move(fn));
+      work_.notify_one();
+      return task;
+    }
+  }
+  task->Finish(llm_datadist::LLM_FAILED, "the engine is closed: the transfer was not started");
+  return task;
+}
+
+size_t Executor::pending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.size() + running_;
+}
+
+void Executor::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    work_.wait(lock, [&] { return stopped_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopped, nothing left
+    auto job = std::move(queue_.front());
+    queue_.pop_front();
+    ++running_;
+    lock.unlock();
+    uint32_t code = 0;
+    std::string message;
+    try {
+      job.second();
+    } catch (const Error &e) {
+      code = e.code();
+      message = e.what();
+    } catch (const std::exception &e) {
+      code = llm_datadist::LLM_FAILED;
+      message = e.what();
+    }
+    job.second = nullptr;  // what the closure holds goes before the task says it ended
+    job.first->Finish(code, std::move(message));
+    lock.lock();
+    --running_;
+  }
+}
+
+void Executor::Stop() {
+  std::deque<std::pair<std::shared_ptr<Task>, std::function<void()>>> dropped;
+  std::vector<std::thread> workers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    dropped.swap(queue_);
+    workers.swap(workers_);
+  }
+  work_.notify_all();
+  for (auto &job : dropped) {
+    job.second = nullptr;
+    job.first->Finish(llm_datadist::LLM_FAILED, "the engine was closed before the transfer started");
+  }
+  for (auto &t : workers) t.join();
+}
+
+}  // namespace datadist

@@ -1,0 +1,75 @@
+// Transfers a caller issues and then polls or waits on (datadist's asynchronous pulls and
+// pushes, NIXL's post-then-check pattern): a fixed set of worker threads runs them, whatever
+// their number, and a Task says when one has ended and how.
+//
+// Who calls: the Python extension (cpp/python/) for pull_*_async / push_*_async. Submit never
+// blocks; Task::Done never blocks; Task::Wait blocks up to its deadline. Thread-safe.
+#ifndef DATADIST_CPP_TASKS_H_
+#define DATADIST_CPP_TASKS_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "net.h"
+
+namespace datadist {
+
+class Task {
+ public:
+  /// Ended (successfully or not)? Never blocks: one atomic load.
+  bool Done() const { return done_.load(std::memory_order_acquire); }
+  /// Blocks until the task ends or `deadline` passes; true when it ended.
+  bool Wait(Deadline deadline);
+  /// Once Done: 0 (LLM_SUCCESS) or the status code of the error that ended it, and its message.
+  uint32_t code() const { return code_; }
+  const std::string &message() const { return message_; }
+
+ private:
+  friend class Executor;
+  void Finish(uint32_t code, std::string message);
+  std::mutex mu_;
+  std::condition_variable ended_;
+  std::atomic<bool> done_{false};
+  uint32_t code_ = 0;
+  std::string message_;
+};
+
+class Executor {
+ public:
+  /// `threads` workers, started at the first Submit.
+  explicit Executor(size_t threads) : size_(threads == 0 ? 1 : threads) {}
+  ~Executor() { Stop(); }
+  Executor(const Executor &) = delete;
+  Executor &operator=(const Executor &) = delete;
+  /// Queues `fn`; the task ends when it returns (code 0) or throws (datadist::Error: its code;
+  /// anything else: LLM_FAILED). After Stop, the task ends at once with LLM_FAILED.
+  std::shared_ptr<Task> Submit(std::function<void()> fn);
+  /// Tasks still queued end with LLM_FAILED ("closed"); running ones finish (each under its own
+  /// deadline); the workers are joined. Idempotent.
+  void Stop();
+  size_t threads() const { return size_; }
+  /// Queued or running right now.
+  size_t pending();
+
+ private:
+  void Run();
+  const size_t size_;
+  std::mutex mu_;
+  std::condition_variable work_;
+  bool stopped_ = false;
+  size_t running_ = 0;
+  std::deque<std::pair<std::shared_ptr<Task>, std::function<void()>>> queue_;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_TASKS_H_

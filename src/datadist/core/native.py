@@ -1,0 +1,501 @@
+"""The native engine: the Python API over the C++ core (``datadist._core``).
+
+Who calls: ``LLMDataDist.init`` creates a :class:`NativeEngine` instead of the Python
+:class:`~datadist.core.engine.Engine` when the core is built and the configuration needs
+nothing only the Python engine has yet (:func:`refusal` says what). Both engines present the
+same interface to the facade (``datadist/api``): caches, links, pull / push, and their
+asynchronous forms.
+
+What runs where: the facade checks arguments and plans transfers (``core/layout.py``); this
+module keeps the local bookkeeping (``core/registry.py``: ids, keys, pools, holds) and mirrors
+every cache into the core's registry, which serves peers. Accepting, handshakes, peers'
+requests, reverse channels, same-host grants and leases run on the core's native threads
+and never take the GIL; a pull or push issued here releases the GIL for its whole duration;
+asynchronous ones run on the core's fixed set of workers and are polled without the GIL.
+Errors from the core (``_core.CoreError(code, message)``) become datadist's error classes
+in one place (:func:`_raised`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from datadist.core import metrics
+from datadist.core.engine import EngineConfig, _check_local_plan, _counted
+from datadist.core.errors import (
+    AlreadyLinked,
+    Closed,
+    Code,
+    DatadistError,
+    DeviceOutOfMemory,
+    InvalidArgument,
+    NotLinked,
+    OutOfMemory,
+    error_for_code,
+)
+from datadist.core.layout import Geometry, Plan, wire_layout
+from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
+from datadist.core.registry import CacheEntry, KeyId, Registry
+from datadist.memory import shared
+from datadist.memory.pool import HostPool
+from datadist.wire import protocol as p
+
+log = logging.getLogger("datadist.native")
+
+DEVICE, HOST = 0, 1  # CachePlacement values (api.enums)
+UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache (as Python's)
+CLOSE_WAIT = 5.0  # s finalize waits for them
+ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever their number
+ENGINE_ENV = "DATADIST_ENGINE"  # "native", "python" or "auto" (the default)
+
+_core: Any = None
+_why_not: str | None = None
+
+
+def core_module() -> Any:
+    """``datadist._core``, imported once; None when it is not built (:func:`available`)."""
+    global _core, _why_not
+    if _core is None and _why_not is None:
+        try:
+            _core = importlib.import_module("datadist._core")
+        except ImportError as e:
+            _why_not = f"datadist._core is not built ({e}): pip install -e . builds it"
+    return _core
+
+
+def available() -> tuple[bool, str]:
+    """Is the native core importable here, and if not why (for ``datadist info``)."""
+    mod = core_module()
+    return (mod is not None, "built" if mod is not None else str(_why_not))
+
+
+def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
+    """What in ``config`` only the Python engine does yet (None: the core can run it).
+    ``two_sided``: the configuration uses ``link()`` with rank tables (local_comm_res)."""
+    if config.tls is not None:
+        return "TLS (datadist.TlsCert...) is served by the Python engine only"
+    if config.verify:
+        return "checksummed pulls (datadist.VerifyChecksum) are served by the Python engine only"
+    if config.transport not in (None, "", "auto", "tcp"):
+        return f"transport {config.transport!r} is served by the Python engine only"
+    if config.nixl_serve:
+        return "serving NIXL (datadist.NixlServe) is the Python engine's"
+    if two_sided:
+        return "link() with rank tables (local_comm_res) is the Python engine's"
+    return None
+
+
+def wanted(options: dict[str, str]) -> str:
+    """Which engine the caller asked for: the option ``datadist.Engine``, else the
+    environment's DATADIST_ENGINE, else "auto". InvalidArgument for anything else."""
+    choice = (options.get("datadist.Engine") or os.environ.get(ENGINE_ENV) or "auto").lower()
+    if choice not in ("auto", "native", "python"):
+        raise InvalidArgument(
+            f"datadist.Engine (or {ENGINE_ENV}) must be 'auto', 'native' or 'python', "
+            f"got {choice!r}")
+    return choice
+
+
+def _raised(e: BaseException) -> DatadistError:
+    """The datadist error for a core error (its status code and message)."""
+    code, message = e.args[0], e.args[1]
+    return error_for_code(int(code), str(message))
+
+
+@contextlib.contextmanager
+def _mapped() -> Iterator[None]:
+    """Core errors raised inside become datadist errors (the one place they are mapped)."""
+    try:
+        yield
+    except BaseException as e:
+        mod = core_module()
+        if mod is not None and isinstance(e, mod.CoreError):
+            raise _raised(e) from None
+        raise
+
+
+@dataclass(frozen=True)
+class NativeLink:
+    """What the facade and tools see of a link of the native engine (a snapshot)."""
+
+    cluster_id: int
+    path_name: str
+    inbound: bool = False
+
+    @property
+    def path(self) -> str:
+        return self.path_name
+
+
+@dataclass(frozen=True)
+class Listening:
+    """Where the core listens (``engine.listener`` for the facade and tools)."""
+
+    host: str
+    port: int
+
+
+class NativeHandle:
+    """An asynchronous transfer of the native engine: the core's handle, and the local cache
+    held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL."""
+
+    def __init__(self, engine: NativeEngine, handle: Any, entry: CacheEntry, op: str,
+                 cluster_id: int, nbytes: int) -> None:
+        self._engine = engine
+        self._handle = handle
+        self._entry: CacheEntry | None = entry
+        self._op, self._cluster_id, self._nbytes = op, cluster_id, nbytes
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def _settle(self) -> None:
+        with self._lock:
+            entry, self._entry = self._entry, None
+        if entry is None:
+            return
+        self._engine.registry.unhold(entry)
+        err = self._handle.error()
+        status = "" if err is None else Code(int(err[0])).status_name \
+            if int(err[0]) in Code._value2member_map_ else "LLM_FAILED"
+        metrics.PROCESS.record(self._op, self._cluster_id, 0 if err else self._nbytes,
+                               time.perf_counter() - self._t0, *(() if not status else (status,)))
+
+    def done(self) -> bool:
+        if not self._handle.done():
+            return False
+        self._settle()
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        if not self._handle.wait(max(0.0, timeout_s)):
+            return False
+        self._settle()
+        return True
+
+    def error(self) -> Exception | None:
+        err = self._handle.error()
+        return None if err is None else error_for_code(int(err[0]), str(err[1]))
+
+
+class NativeEngine:
+    """The engine interface of :class:`~datadist.core.engine.Engine`, run by the C++ core.
+    Created by ``LLMDataDist.init``, closed by ``finalize``."""
+
+    native = True
+
+    def __init__(self, config: EngineConfig) -> None:
+        mod = core_module()
+        if mod is None:
+            raise InvalidArgument(str(_why_not))
+        self.config = config
+        self.registry = Registry()
+        self._pools: dict[int, HostPool] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+        self._listen: tuple[str, int] | None = None
+        self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
+        self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
+        try:
+            with _mapped():
+                self._core.open(config.secret or b"", config.transport != "tcp",
+                                config.allow_ptrace, config.max_connections,
+                                config.max_connections_per_peer)
+            for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
+                if cfg is not None:
+                    name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
+                    pool = HostPool(cfg.memory_size, cfg.page_shift, name)
+                    self._pools[placement] = pool
+                    shared.register_arena(pool.base, pool.size, pool.fd)
+            if config.listen is not None:
+                self.start_listening(*config.listen)
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        return (f"NativeEngine(cluster_id={self.config.cluster_id}, role={self.role}, "
+                f"listen={self._listen})")
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def role(self) -> int:
+        return int(self._core.role)
+
+    @role.setter
+    def role(self, value: int) -> None:
+        self._core.role = int(value)
+
+    @property
+    def engine_name(self) -> str:
+        return "native"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("the engine is finalized")
+
+    # ------------------------------------------------------------------ listening
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        return self._listen
+
+    @property
+    def listener(self) -> Listening | None:
+        return None if self._listen is None else Listening(*self._listen)
+
+    def start_listening(self, host: str, port: int) -> None:
+        """Listen at host:port (0: any port), replacing where we listened. LinkFailed."""
+        self._check_open()
+        with _mapped():
+            bound = self._core.listen(host, port)
+        self._listen = (host, int(bound))
+
+    def stop_listening(self) -> None:
+        with _mapped():
+            self._core.stop_listening()
+        self._listen = None
+
+    # ------------------------------------------------------------------ caches
+
+    def _mirror(self, entry: CacheEntry) -> None:
+        g = entry.geometry
+        try:
+            with _mapped():
+                self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
+                                     g.layout, entry.addrs)
+        except BaseException:
+            self.registry.unregister(entry.cache_id)
+            raise
+
+    def register(self, geometry: Geometry, addrs: list[int], *, placement: int,
+                 keys: Sequence[KeyId | None] = (), blocks_model_id: int | None = None,
+                 remote_accessible: bool = True) -> CacheEntry:
+        self._check_open()
+        if any(a <= 0 for a in addrs):
+            raise InvalidArgument("tensor addresses must be non-zero")
+        arr = np.asarray(addrs, dtype=np.uint64)
+        entry = self.registry.add(geometry, arr, owned=False, placement=placement, keys=keys,
+                                  blocks_model_id=blocks_model_id,
+                                  remote_accessible=remote_accessible)
+        self._mirror(entry)
+        return entry
+
+    def allocate(self, geometry: Geometry, *, placement: int,
+                 keys: Sequence[KeyId | None] = (),
+                 blocks_model_id: int | None = None) -> CacheEntry:
+        """Carve a cache from the pool of its placement (as the Python engine)."""
+        self._check_open()
+        pool = self._pools.get(placement)
+        if pool is None:
+            what = "mem_pool_cfg" if placement == DEVICE else "host_mem_pool_cfg"
+            raise InvalidArgument(
+                f"no memory pool for {'DEVICE' if placement == DEVICE else 'HOST'} "
+                f"placement: set {what}")
+        self.registry.check_keys(list(keys), geometry.units)
+        step = -(-geometry.tensor_bytes // pool.page) * pool.page
+        try:
+            base = pool.allocate(step * geometry.num_tensors)
+        except OutOfMemory as e:
+            if placement == DEVICE:
+                raise DeviceOutOfMemory(str(e)) from None
+            raise
+        addrs = base + step * np.arange(geometry.num_tensors, dtype=np.uint64)
+        try:
+            entry = self.registry.add(geometry, addrs, owned=True, placement=placement,
+                                      keys=keys, blocks_model_id=blocks_model_id,
+                                      free=lambda: pool.free(base))
+        except BaseException:
+            pool.free(base)
+            raise
+        self._mirror(entry)
+        return entry
+
+    def _unmirror(self, cache_id: int, wait: float = UNREGISTER_WAIT) -> None:
+        with _mapped():
+            self._core.remove_cache(cache_id, wait)
+
+    def deallocate(self, cache_id: int, *, blocks: bool = False) -> None:
+        self._unmirror(cache_id)
+        self.registry.deallocate(cache_id, drop_keys=blocks)
+
+    def unregister(self, cache_id: int) -> None:
+        self._unmirror(cache_id)
+        self.registry.unregister(cache_id)
+
+    def remove_key(self, key: KeyId) -> None:
+        self.registry.remove_key(key)
+
+    # ------------------------------------------------------------------ links
+
+    def link(self, cluster_id: int, host: str, port: int, timeout: float,
+             as_announced: bool = False) -> NativeLink:
+        """Connect to a peer's listener (blocks <= timeout, without the GIL); filed under
+        the id the peer announces with ``as_announced``. AlreadyLinked, LinkFailed, Timeout."""
+        self._check_open()
+        with _mapped():
+            cid = self._core.connect(cluster_id, host, port, timeout, as_announced)
+        return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"))
+
+    def unlink(self, cluster_id: int, timeout: float, force: bool = False,
+               quiet_inbound: bool = False) -> None:
+        """As the Python engine's: both ends; NotLinked, Busy, UnlinkFailed."""
+        with _mapped():
+            self._core.unlink(cluster_id, timeout, force, quiet_inbound)
+
+    def get_link(self, cluster_id: int) -> NativeLink:
+        path = self._core.link_path(cluster_id)
+        if path is None:
+            raise NotLinked(f"cluster {cluster_id} is not linked (link_clusters or link first)")
+        own, inbound = self._core.linked(cluster_id)
+        return NativeLink(cluster_id, str(path), inbound=not own)
+
+    def check_link(self, cluster_id: int, timeout: float) -> None:
+        with _mapped():
+            self._core.ping(cluster_id, timeout)
+
+    def links(self) -> list[NativeLink]:
+        out = []
+        for cid in self._core.link_ids(False):
+            path = self._core.link_path(cid)
+            if path is not None:
+                out.append(NativeLink(int(cid), str(path)))
+        return out
+
+    def has_links(self) -> bool:
+        return bool(self._core.has_links())
+
+    def last_link_failure(self, cluster_id: int) -> str:
+        return str(self._core.last_link_failure(cluster_id))
+
+    # ------------------------------------------------------------------ transfers
+
+    def _local_iov(self, plan: Plan, entry: CacheEntry) -> np.ndarray:
+        """The local spans of ``plan`` in ``entry``'s memory, checked (as the Python engine's)."""
+        if plan.num_spans > SMALL_REQUEST:
+            _check_local_plan(plan, entry)
+            return plan.local_iovecs(entry.addrs)
+
+        def build() -> np.ndarray:
+            _check_local_plan(plan, entry)
+            iov = plan.local_iovecs(entry.addrs)
+            iov.flags.writeable = False
+            return iov
+
+        return self._local_iovs.get((plan, entry), build)
+
+    def _args(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+              entry: CacheEntry, write: bool, timeout: float | None) -> tuple[Any, ...]:
+        local = self._local_iov(plan, entry)
+        flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
+        return (cluster_id, int(key.kind), key.a, key.b, key.c, unit_bytes, flags,
+                wire_layout(entry.geometry), plan.remote_tensors, plan.remote_offsets,
+                plan.lengths, local,
+                timeout if timeout is not None else self.config.sync_timeout)
+
+    @_counted("pull")
+    def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+             dst_cache_id: int, timeout: float | None = None) -> None:
+        """Read ``plan`` from the remote cache ``key`` names into local cache
+        ``dst_cache_id``. Blocks (without the GIL) until every byte landed or the deadline."""
+        self._check_open()
+        entry = self.registry.hold(dst_cache_id)
+        try:
+            args = self._args(cluster_id, key, unit_bytes, plan, entry, False, timeout)
+            with _mapped():
+                self._core.read(*args)
+        finally:
+            self.registry.unhold(entry)
+
+    @_counted("push")
+    def push(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+             src_cache_id: int, timeout: float | None = None) -> None:
+        """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key``
+        names. Blocks (without the GIL) until the owner confirmed or the deadline."""
+        self._check_open()
+        entry = self.registry.hold(src_cache_id)
+        try:
+            args = self._args(cluster_id, key, unit_bytes, plan, entry, True, timeout)
+            with _mapped():
+                self._core.write(*args)
+        finally:
+            self.registry.unhold(entry)
+
+    def _submit(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,
+                plan: Plan, cache_id: int, timeout: float | None) -> NativeHandle:
+        self._check_open()
+        entry = self.registry.hold(cache_id)
+        try:
+            args = self._args(cluster_id, key, unit_bytes, plan, entry, write, timeout)
+            handle = self._core.submit(write, *args)
+        except BaseException:
+            self.registry.unhold(entry)
+            raise
+        return NativeHandle(self, handle, entry, "push" if write else "pull", cluster_id,
+                            plan.nbytes)
+
+    def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+                   dst_cache_id: int, timeout: float | None = None) -> NativeHandle:
+        """:meth:`pull`, issued to the core's workers; returns at once."""
+        return self._submit(False, cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
+
+    def push_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+                   src_cache_id: int, timeout: float | None = None) -> NativeHandle:
+        """:meth:`push`, issued to the core's workers; returns at once."""
+        return self._submit(True, cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Stop serving, close every link, drop every cache. Idempotent; does not raise."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._core.close(CLOSE_WAIT)
+        except Exception as e:  # noqa: BLE001 - closing must not raise
+            log.warning("closing the native engine: %s", e)
+        entries = self.registry.clear()
+        leased = self.registry.wait_unleased(entries, CLOSE_WAIT)
+        for pool in self._pools.values():
+            shared.ARENAS.remove(pool.base)
+            if leased:
+                log.warning("finalize: %d caches still in transfer; pool memory left mapped",
+                            leased)
+                continue
+            pool.close()
+        self._pools.clear()
+
+
+def engine_for(config: EngineConfig, options: dict[str, str], *,
+               two_sided: bool = False) -> tuple[Any, str]:
+    """The engine ``LLMDataDist.init`` runs with, and why that one: the native core when
+    it is built and the configuration needs nothing only the Python engine has (or the
+    caller asked for it: then a refusal is an InvalidArgument); else the Python engine."""
+    from datadist.core.engine import Engine
+
+    choice = wanted(options)
+    if choice == "python":
+        return Engine(config), "asked for (datadist.Engine / DATADIST_ENGINE = python)"
+    ok, why = available()
+    reason = why if not ok else refusal(config, two_sided=two_sided)
+    if reason is None:
+        return NativeEngine(config), "the native core"
+    if choice == "native":
+        raise InvalidArgument(f"the native engine cannot run this configuration: {reason}")
+    return Engine(config), reason
+
+
+__all__ = ["NativeEngine", "NativeHandle", "NativeLink", "available", "engine_for", "refusal",
+           "AlreadyLinked"]
