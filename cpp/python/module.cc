@@ -161,6 +161,15 @@ PYBIND11_MODULE(_core, m) {
           },
           "(code, message) of a failed transfer; None while running or after a success.");
 
+  py::class_<datadist::Link, std::shared_ptr<datadist::Link>>(
+      m, "PendingLink", "A two-sided link's connection, opened and checked but not filed yet (Engine.adopt_link)")
+      .def_property_readonly("cluster_id", &datadist::Link::remote_cluster_id)
+      .def_property_readonly("path_name", [](datadist::Link &l) { return datadist::Link::PathName(l.path()); })
+      .def("close", [](datadist::Link &l) {
+        py::gil_scoped_release nogil;
+        l.Close(Deadline(), true);
+      });
+
   py::class_<Core>(m, "Engine")
       .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
       .def(
@@ -223,6 +232,33 @@ PYBIND11_MODULE(_core, m) {
             link->Ping(DeadlineIn(timeout_s));
           },
           py::arg("cluster_id"), py::arg("timeout_s"))
+      .def(
+          "open_link",
+          [](Core &c, uint64_t id, const std::string &host, uint16_t port, double timeout_s, bool take_peer_id,
+             bool reverse) {
+            py::gil_scoped_release nogil;
+            return c.engine().OpenLink(id, host, port, DeadlineIn(timeout_s), take_peer_id, reverse);
+          },
+          py::arg("cluster_id"), py::arg("host"), py::arg("port"), py::arg("timeout_s"), py::arg("take_peer_id"),
+          py::arg("reverse"))
+      .def("adopt_link", [](Core &c, const std::shared_ptr<datadist::Link> &link) { c.engine().AdoptLink(link); },
+           py::arg("link"))
+      .def(
+          "listen_also",
+          [](Core &c, const std::string &host, uint16_t port) {
+            py::gil_scoped_release nogil;
+            return c.engine().ListenAlso(host, port);
+          },
+          py::arg("host"), py::arg("port"))
+      .def(
+          "stop_also",
+          [](Core &c, int key) {
+            py::gil_scoped_release nogil;
+            c.engine().StopAlso(key);
+          },
+          py::arg("key"))
+      .def("hello_count", [](Core &c, uint64_t id) { return c.engine().HelloCount(id); }, py::arg("cluster_id"))
+      .def("inbound_control", [](Core &c) { return c.engine().InboundControl(); })
       .def("has_links", [](Core &c) { return c.engine().HasLinks(); })
       .def("link_ids", [](Core &c, bool inbound) { return c.engine().LinkIds(inbound); }, py::arg("inbound"))
       .def(

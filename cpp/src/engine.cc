@@ -20,6 +20,10 @@ using llm_datadist::LLM_NOT_YET_LINK;
 Engine::Engine(uint64_t cluster_id, int32_t role) {
   ident_.cluster_id = cluster_id;
   ident_.role = role;
+  ident_.on_control = [this](uint64_t peer) {
+    std::lock_guard<std::mutex> lock(hello_mu_);
+    ++hellos_[peer];
+  };
 }
 
 Engine::~Engine() { Close(0.0); }
@@ -49,6 +53,8 @@ void Engine::Close(double wait_s) {
     links.insert(links_.begin(), links_.end());
     links_.clear();
     server = std::move(server_);
+    for (auto &kv : extra_) kv.second->Stop();
+    extra_.clear();
   }
   if (server) server->Stop();  // no new reverse channels after this
   {
@@ -69,6 +75,12 @@ void Engine::Listen(const std::string &host, uint16_t port) {
     old = std::move(server_);
   }
   if (old) old->Stop();
+  auto server = MakeServer(host, port);
+  std::lock_guard<std::mutex> lock(mu_);
+  server_ = std::move(server);
+}
+
+std::unique_ptr<Server> Engine::MakeServer(const std::string &host, uint16_t port) {
   auto server = std::make_unique<Server>(
       &registry_, &ident_,
       [this](Server &s, uint64_t cid, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
@@ -76,8 +88,80 @@ void Engine::Listen(const std::string &host, uint16_t port) {
         AdoptReverse(s, cid, std::move(conn), last, token, peer);
       });
   server->Start(host, port, options_.max_conns, options_.max_per_peer);
+  return server;
+}
+
+int Engine::ListenAlso(const std::string &host, uint16_t port) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_) Fail(LLM_FAILED, "the engine is not open");
+  }
+  auto server = MakeServer(host, port);
   std::lock_guard<std::mutex> lock(mu_);
-  server_ = std::move(server);
+  int key = next_extra_++;
+  extra_[key] = std::move(server);
+  return key;
+}
+
+void Engine::StopAlso(int key) {
+  std::unique_ptr<Server> server;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = extra_.find(key);
+    if (it == extra_.end()) return;
+    server = std::move(it->second);
+    extra_.erase(it);
+  }
+  server->Stop();
+}
+
+uint64_t Engine::HelloCount(uint64_t cluster_id) {
+  std::lock_guard<std::mutex> lock(hello_mu_);
+  auto it = hellos_.find(cluster_id);
+  return it == hellos_.end() ? 0 : it->second;
+}
+
+std::vector<uint64_t> Engine::InboundControl() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint64_t> ids;
+  if (server_) ids = server_->ControlClusters();
+  for (auto &kv : extra_) {
+    auto more = kv.second->ControlClusters();
+    ids.insert(ids.end(), more.begin(), more.end());
+  }
+  return ids;
+}
+
+std::shared_ptr<Link> Engine::OpenLink(uint64_t id, const std::string &host, uint16_t port, Deadline deadline,
+                                       bool take_peer_id, bool reverse) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!open_) Fail(LLM_FAILED, "the engine is not open");
+  }
+  if (id == ident_.cluster_id) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
+  wire::Hello hello;
+  hello.cluster_id = ident_.cluster_id;
+  hello.role = static_cast<uint8_t>(ident_.role.load());
+  hello.pid = static_cast<uint32_t>(getpid());
+  // Who we say we are, as Python does; an owner reads nothing on it (grants go by the pid
+  // the kernel reports for a local-channel connection).
+  hello.pid_ns = local::HostIdentity::Current().pid_ns;
+  hello.boot_id = local::HostIdentity::Current().boot_id;
+  auto link = std::make_shared<Link>(id, host, port, hello, options_.secret, reverse ? &registry_ : nullptr,
+                                     options_.same_host);
+  if (take_peer_id) link->TakePeerId();
+  link->Open(deadline);
+  return link;
+}
+
+void Engine::AdoptLink(const std::shared_ptr<Link> &link) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!open_) {
+    link->Close(Deadline(), true);
+    Fail(LLM_FAILED, "finalized");
+  }
+  const uint64_t id = link->remote_cluster_id();
+  if (!links_.emplace(id, link).second) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
 }
 
 void Engine::StopListening() {
@@ -101,41 +185,27 @@ uint16_t Engine::port() const {
 
 uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, Deadline deadline, bool take_peer_id,
                          bool quiet) {
-  if (id == ident_.cluster_id) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!open_) Fail(LLM_FAILED, "the engine is not open");
     if (links_.count(id)) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
   }
-  wire::Hello hello;
-  hello.cluster_id = ident_.cluster_id;
-  hello.role = static_cast<uint8_t>(ident_.role.load());
-  hello.pid = static_cast<uint32_t>(getpid());
-  // Who we say we are, as Python does; an owner reads nothing on it (grants go by the pid
-  // the kernel reports for a local-channel connection).
-  hello.pid_ns = local::HostIdentity::Current().pid_ns;
-  hello.boot_id = local::HostIdentity::Current().boot_id;
-  auto link = std::make_shared<Link>(id, host, port, hello, options_.secret, &registry_, options_.same_host);
-  if (take_peer_id) link->TakePeerId();
+  std::shared_ptr<Link> link;
   try {
-    link->Open(deadline);
+    link = OpenLink(id, host, port, deadline, take_peer_id, true);
   } catch (const Error &e) {
+    if (e.code() == LLM_FAILED) throw;  // not open
     NoteLinkFailure(id, host, port, e.what(), quiet);
     Fail(LLM_LINK_FAILED, e.what());  // as Python: any failure to link is LLM_LINK_FAILED
   }
-  id = link->remote_cluster_id();
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!open_) {
+  try {
+    AdoptLink(link);
+  } catch (const Error &) {
     link->Close(Deadline(), true);
-    Fail(LLM_FAILED, "finalized");
-  }
-  if (!links_.emplace(id, link).second) {
-    link->Close(Deadline(), true);
-    Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+    throw;
   }
   std::lock_guard<std::mutex> failures(fail_mu_);
-  link_failures_.erase(id);  // linked: an old failure no longer applies
-  return id;
+  link_failures_.erase(link->remote_cluster_id());  // linked: an old failure no longer applies
+  return link->remote_cluster_id();
 }
 
 // Why a link failed, beyond its LLM_LINK_FAILED (as Python's LinkFailedWarning and

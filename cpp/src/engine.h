@@ -70,6 +70,22 @@ class Engine {
   /// DATADIST_LINK_WARNINGS=0 or `quiet`, told on stderr) for any failure to link.
   uint64_t Connect(uint64_t cluster_id, const std::string &host, uint16_t port, Deadline deadline, bool take_peer_id,
                    bool quiet = false);
+  /// Two-sided links (the Python package's link() with rank tables): a link opened and checked
+  /// as Connect's, but not filed (transfers cannot use it yet) and, unless `reverse`, without
+  /// a reverse channel (every member connects to every other). AdoptLink files it:
+  /// LLM_ALREADY_LINK (left open) when that cluster is linked already.
+  std::shared_ptr<Link> OpenLink(uint64_t cluster_id, const std::string &host, uint16_t port, Deadline deadline,
+                                 bool take_peer_id, bool reverse);
+  void AdoptLink(const std::shared_ptr<Link> &link);
+  /// One more listener at host:port (a two-sided link's rank-table address), serving the same
+  /// caches and adopting reverse channels as the main one; returns its key for StopAlso.
+  /// LLM_LINK_FAILED if it cannot bind.
+  int ListenAlso(const std::string &host, uint16_t port);
+  void StopAlso(int key);
+  /// How many control channels `cluster_id` has opened to any listener of ours so far.
+  uint64_t HelloCount(uint64_t cluster_id);
+  /// The cluster ids of the peers' control channels live now, on every listener of ours.
+  std::vector<uint64_t> InboundControl();
   /// The link transfers to `cluster_id` use: the one we made, else its reverse channel to us.
   /// LLM_NOT_YET_LINK when neither exists.
   std::shared_ptr<Link> GetLink(uint64_t cluster_id);
@@ -87,6 +103,7 @@ class Engine {
   std::string LastLinkFailure(uint64_t id);
 
  private:
+  std::unique_ptr<Server> MakeServer(const std::string &host, uint16_t port);
   void AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
                     const std::string &token, const std::string &peer);
   void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why, bool quiet);
@@ -97,7 +114,11 @@ class Engine {
   mutable std::mutex mu_;  // guards server_, links_, open_
   bool open_ = false;
   std::unique_ptr<Server> server_;
+  std::map<int, std::unique_ptr<Server>> extra_;  // ListenAlso's, by key
+  int next_extra_ = 1;
   std::map<uint64_t, std::shared_ptr<Link>> links_;
+  std::mutex hello_mu_;  // guards hellos_
+  std::map<uint64_t, uint64_t> hellos_;
   std::mutex fail_mu_;  // guards link_failures_
   std::map<uint64_t, std::string> link_failures_;
   std::mutex rev_mu_;  // guards the two below (its own: Listen stops the server under mu_)

@@ -311,6 +311,7 @@ void Server::Serve(Worker *w) {
         w->token = token;
       }
       c.SendFrame(last, After(kHandshakeTimeout));
+      if (identity_->on_control) identity_->on_control(peer);
     }
     switch (greeted) {
       case Greeted::kRefused:
@@ -369,6 +370,14 @@ void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &st
     if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
   } catch (const std::exception &) {
   }
+}
+
+std::vector<uint64_t> Server::ControlClusters() {
+  std::vector<uint64_t> ids;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto &w : workers_)
+    if (!w->done && !w->token.empty()) ids.push_back(w->cluster);
+  return ids;
 }
 
 bool Server::HoldsToken(uint64_t cluster, const std::string &token) {

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "local.h"
 #include "net.h"
@@ -28,6 +29,10 @@ struct Identity {
   std::string secret;  // shared secret peers must prove (empty: none); set before serving
   bool serve_local = true;   // serve the local channel too (off when TCP is forced)
   bool allow_ptrace = true;  // may PR_SET_PTRACER_ANY be set for same-host readers (Yama 1)
+  /// Called (on a serving thread, no lock of the server held) each time a peer's control
+  /// channel completes its handshake, with the cluster id it announced: two-sided links see
+  /// a member join by it. Set before serving; may be empty.
+  std::function<void(uint64_t)> on_control;
 };
 
 /// Same-host grants outstanding per peer process (by its kernel-verified pid), over all its
@@ -103,6 +108,8 @@ class Server {
   bool serves_local() const { return serves_local_; }
   /// Connections refused over a cap so far (for tests).
   size_t refused() const { return refused_; }
+  /// The cluster ids of the peers' control channels being served now (handshake done).
+  std::vector<uint64_t> ControlClusters();
   /// `token` is that of a live control channel of `cluster` (constant-time compares).
   bool HoldsToken(uint64_t cluster, const std::string &token);
 

@@ -250,10 +250,39 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("cross-memory attach (process_vm_readv): available")
     except CmaRefused as e:
         print(f"cross-memory attach: refused ({e}); same-host links fall back to tcp")
+    _info_engine()
     _info_nixl()
     if args.peer:
         _info_peer(args)
     return 0
+
+
+def _info_engine() -> None:
+    """Which engine LLMDataDist.init picks here for a one-sided configuration
+    (local_comm_res = "") with this environment's settings, and why."""
+    from datadist.api.llm_datadist import _secret, _tls
+    from datadist.core import native
+    from datadist.core.engine import EngineConfig
+
+    ok, why = native.available()
+    print(f"native core: {why}")
+    try:
+        choice = native.wanted({})
+        config = EngineConfig(cluster_id=1, role=2, transport=os.environ.get("DATADIST_TRANSPORT"),
+                              secret=_secret({}), tls=_tls({}),
+                              verify=os.environ.get("DATADIST_VERIFY_CHECKSUM", "") == "1",
+                              nixl_serve=os.environ.get("DATADIST_NIXL_SERVE") == "1")
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        print(f"engine: cannot tell ({e})")
+        return
+    refused = why if not ok else native.refusal(config)
+    if choice == "python":
+        print("engine: python (DATADIST_ENGINE=python)")
+    elif refused is None:
+        print("engine: native (the C++ core serves and moves bytes without the GIL; "
+              "link() with rank tables, TLS, NIXL and checksums run on the Python engine)")
+    else:
+        print(f"engine: python ({refused})")
 
 
 def _info_peer(args: argparse.Namespace) -> None:

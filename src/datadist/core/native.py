@@ -91,7 +91,8 @@ def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
     if config.nixl_serve:
         return "serving NIXL (datadist.NixlServe) is the Python engine's"
     if two_sided:
-        return "link() with rank tables (local_comm_res) is the Python engine's"
+        return ("link() with rank tables (two-sided comms; local_comm_res unset or a rank "
+                "table) is the Python engine's")
     return None
 
 
@@ -143,6 +144,17 @@ class Listening:
 
     host: str
     port: int
+
+
+class NativeListener:
+    """A listener of the native engine beside its main one (:meth:`NativeEngine.make_listener`)."""
+
+    def __init__(self, core: Any, key: int, host: str, port: int) -> None:
+        self._core, self._key = core, key
+        self.host, self.port = host, port
+
+    def close(self) -> None:
+        self._core.stop_also(self._key)
 
 
 class NativeHandle:
@@ -377,6 +389,43 @@ class NativeEngine:
 
     def last_link_failure(self, cluster_id: int) -> str:
         return str(self._core.last_link_failure(cluster_id))
+
+    # ------------------------------------------------------------------ two-sided links
+    # core/comm.py (link() with rank tables): every member connects to every other, links
+    # become usable only once all are up; a member joins when its control channel reaches us.
+
+    def make_listener(self, host: str, port: int) -> NativeListener:
+        """One more listener (a comm's rank-table address), serving as the main one."""
+        self._check_open()
+        with _mapped():
+            key = self._core.listen_also(host, port)
+        return NativeListener(self._core, int(key), host, port)
+
+    def open_link(self, cluster_id: int, host: str, port: int, timeout: float,
+                  reverse: bool = True, as_announced: bool = False) -> Any:
+        """Connect and check as :meth:`link` without filing the link (:meth:`adopt_link`
+        does); with ``reverse`` also its reverse channel. Blocks <= timeout."""
+        self._check_open()
+        with _mapped():
+            return self._core.open_link(cluster_id, host, port, timeout, as_announced, reverse)
+
+    def adopt_link(self, link: Any) -> None:
+        """File a link from :meth:`open_link`. AlreadyLinked (left open) when that cluster is
+        linked already; Closed (link closed) after close."""
+        if self._closed:
+            link.close()
+            raise Closed("the engine is finalized")
+        with _mapped():
+            self._core.adopt_link(link)
+
+    def inbound_peers(self) -> list[NativeLink]:
+        """The peers whose control channels to us are live now."""
+        return [NativeLink(int(cid), "tcp", inbound=True)
+                for cid in sorted(set(self._core.inbound_control()))]
+
+    def hello_count(self, cluster_id: int) -> int:
+        """How many control channels ``cluster_id`` opened to us so far."""
+        return int(self._core.hello_count(cluster_id))
 
     # ------------------------------------------------------------------ transfers
 
