@@ -191,11 +191,13 @@ Lease::~Lease() { reg_->End(this); }
 bool Lease::WantedBack() const { return reg_->Closing(entry_.get()); }
 
 void Lease::Settle(bool ok) {
+  if (!reserved_) return;  // this lease's own state (one thread uses a lease): no lock for most reads
   std::lock_guard<std::mutex> lock(reg_->mu_);
   reg_->SettleLocked(this, ok);
 }
 
 void Lease::Unpin() {
+  if (!pinned_) return;
   std::lock_guard<std::mutex> lock(reg_->mu_);
   reg_->UnpinLocked(this);
 }
@@ -321,10 +323,7 @@ void Registry::SetModelMap(bool on) {
   model_map_ = on;
 }
 
-void Registry::SetRemoteWrites(bool allowed) {
-  std::lock_guard<std::mutex> lock(mu_);
-  remote_writes_ = allowed;
-}
+void Registry::SetRemoteWrites(bool allowed) { remote_writes_ = allowed; }
 
 void Registry::BindModel(uint64_t model_id, int64_t cache_id) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -522,10 +521,8 @@ std::unique_ptr<Lease> Registry::Open(const wire::Request &req) { return OpenChe
 std::unique_ptr<Lease> Registry::OpenWrite(const wire::Request &req) { return OpenChecked(req, false); }
 
 std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read) {
-  if (!read && req.kind != wire::kAddress) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!remote_writes_) Invalid(kWritesRefused);  // Engine._check_writable: before resolving
-  }
+  // Engine._check_writable: before anything is resolved
+  if (!read && req.kind != wire::kAddress && !remote_writes_) Invalid(kWritesRefused);
   if (req.kind == wire::kAddress) return OpenAddresses(req);
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Entry> e;

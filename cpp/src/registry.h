@@ -14,11 +14,17 @@
 // peers may not touch (CacheOptions::remote_accessible) and whether peers may write by key or
 // cache id (SetRemoteWrites), and drains what the server did to its keys (TakeConsumed) and
 // which deallocated caches nothing holds any more (TakeReleased), without callbacks.
+// Its calls, one per Python registry call: SetModelMap(true) and SetRemoteWrites(config) once;
+// add -> Add(id, ..., CacheOptions), then BindKeys (key i -> slot i) and BindModel; deallocate ->
+// Deallocate(id, drop_keys); unregister -> Remove(id, false, wait); remove_key -> UnbindKey;
+// clear -> Clear. Python's checks run first, so these refuse only what Python let through by a
+// bug of the embedder.
 #ifndef DATADIST_CPP_REGISTRY_H_
 #define DATADIST_CPP_REGISTRY_H_
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -127,8 +133,10 @@ class Lease {
   /// (a GRANT: when RELEASE says ok). ok commits the reservation: the tensors count as pulled
   /// and, once every tensor of the slot is, the req_id key is unbound and queued for
   /// Registry::TakeConsumed. Not ok drops the reservation. Only the first call counts; a lease
-  /// without a reservation (writes, cache ids, prefix keys, registered memory) ignores it.
-  /// Called by the server's thread; takes the registry's mutex, never blocks otherwise.
+  /// without a reservation (writes, cache ids, prefix keys, registered memory) ignores it
+  /// without locking. Called by the thread that serves the request (a Lease is used by one
+  /// thread at a time); takes the registry's mutex when there is a reservation, never blocks
+  /// otherwise.
   void Settle(bool ok);
   /// The transfer no longer touches the memory (Python's Registry.unlease) but its verdict is
   /// still to come: the reservation stays until Settle. Idempotent; the destructor does it too.
@@ -259,7 +267,7 @@ class Registry {
   std::vector<std::shared_ptr<Entry>> dropped_;  // deallocated, not yet TakeReleased
   std::vector<KeyId> consumed_;
   bool model_map_ = false;
-  bool remote_writes_ = true;
+  std::atomic<bool> remote_writes_{true};
 };
 
 /// Every check of a READ / WRITE by cache id (kind 2: slot `b`) or BlocksCacheKey (kind 3)

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -289,6 +290,45 @@ TEST_F(Native, AConsumingReadReservesItsTensors) {
   again->Settle(true);
   other->Settle(true);
   EXPECT_EQ(Consumed(), std::vector<KeyId>{K(1)});
+}
+
+// Python's module docstring, rule 2: "two concurrent readers can never both consume one key".
+// Readers on several threads race for one key while the embedder deallocates and polls:
+// the key is consumed once, and the cache released once, after every read ended.
+TEST_F(Native, ConcurrentReadersConsumeAKeyOnce) {
+  for (int round = 0; round < 20; ++round) {
+    const int64_t id = round + 1;
+    Pool(id, {K(1)});
+    std::atomic<int> opened{0}, refused{0};
+    std::vector<std::thread> readers;
+    for (int i = 0; i < 6; ++i)
+      readers.emplace_back([&] {
+        for (int j = 0; j < 20; ++j) {
+          try {
+            auto lease = reg.Open(ByKey(1));
+            ++opened;
+            lease->Unpin();
+            lease->Settle(true);
+          } catch (const datadist::Error &e) {
+            EXPECT_EQ(e.code(), LLM_KV_CACHE_NOT_EXIST);
+            ++refused;
+          }
+        }
+      });
+    reg.Deallocate(id, false);
+    std::vector<int64_t> released;
+    for (auto &t : readers) {
+      std::vector<int64_t> got = reg.TakeReleased();
+      released.insert(released.end(), got.begin(), got.end());
+      t.join();
+    }
+    std::vector<int64_t> got = reg.TakeReleased();
+    released.insert(released.end(), got.begin(), got.end());
+    EXPECT_EQ(Consumed(), std::vector<KeyId>{K(1)});
+    EXPECT_EQ(released, std::vector<int64_t>{id});
+    EXPECT_GE(opened.load(), 1);
+    EXPECT_EQ(opened + refused, 120);
+  }
 }
 
 // Prefix keys and keys on registered memory reserve nothing (Registry.open: `reserve` needs
