@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine.h"
@@ -281,17 +282,55 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "add_cache",
           [](Core &c, int64_t id, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
-             const U64Array &addrs) {
+             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks) {
             datadist::Geometry g;
             g.num_tensors = num_tensors;
             g.tensor_bytes = tensor_bytes;
             g.units = units;
             g.unit_bytes = units ? tensor_bytes / units : 0;
             g.layout = layout;
-            c.engine().registry().AddAs(id, g, ToVector(addrs));
+            datadist::CacheOptions o;
+            o.allocated = allocated;
+            o.remote_accessible = remote_accessible;
+            o.blocks = blocks;
+            c.engine().registry().AddAs(id, g, ToVector(addrs), o);
           },
           py::arg("cache_id"), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"),
-          py::arg("addrs"))
+          py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"))
+      .def(
+          "bind_keys",
+          [](Core &c, int64_t id, const std::vector<std::tuple<uint64_t, uint64_t, bool>> &keys,
+             const std::vector<uint64_t> &slots) {
+            std::vector<datadist::KeyId> ks;
+            for (const auto &k : keys) ks.push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k)});
+            c.engine().registry().BindKeys(id, ks, slots);
+          },
+          py::arg("cache_id"), py::arg("keys"), py::arg("slots"), "keys: (value, model_id, is_prefix) per slot")
+      .def(
+          "unbind_key",
+          [](Core &c, uint64_t value, uint64_t model_id, bool is_prefix) {
+            c.engine().registry().UnbindKey({value, model_id, is_prefix});
+          },
+          py::arg("value"), py::arg("model_id"), py::arg("is_prefix"))
+      .def("take_consumed",
+           [](Core &c) {
+             std::vector<std::tuple<uint64_t, uint64_t, bool>> out;
+             for (const auto &k : c.engine().registry().TakeConsumed()) out.emplace_back(k.value, k.model_id, k.is_prefix);
+             return out;
+           })
+      .def("take_released", [](Core &c) { return c.engine().registry().TakeReleased(); })
+      .def("set_model_map", [](Core &c, bool on) { c.engine().registry().SetModelMap(on); }, py::arg("on"))
+      .def("set_remote_writes", [](Core &c, bool on) { c.engine().registry().SetRemoteWrites(on); },
+           py::arg("allowed"))
+      .def(
+          "bind_model", [](Core &c, uint64_t model_id, int64_t id) { c.engine().registry().BindModel(model_id, id); },
+          py::arg("model_id"), py::arg("cache_id"))
+      .def("unbind_model", [](Core &c, uint64_t model_id) { c.engine().registry().UnbindModel(model_id); },
+           py::arg("model_id"))
+      .def(
+          "deallocate",
+          [](Core &c, int64_t id, bool drop_keys) { c.engine().registry().Deallocate(id, drop_keys); },
+          py::arg("cache_id"), py::arg("drop_keys"))
       .def(
           "remove_cache",
           [](Core &c, int64_t id, double wait_s) {

@@ -112,7 +112,10 @@ void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t
 }
 
 uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) {
-  const bool blocks = req.kind == wire::kBlocksKey;
+  return CheckRequestAt(g, id, req, req.kind == wire::kBlocksKey, req.b);
+}
+
+uint64_t CheckRequestAt(const Geometry &g, uint64_t id, const wire::Request &req, bool blocks, uint64_t slot) {
   if ((req.flags & wire::kFlagWhole) && req.tensors.size() != g.num_tensors)
     Invalid("the requester's cache has " + std::to_string(req.tensors.size()) + " tensors, cache " + std::to_string(id) +
             " " + std::to_string(g.num_tensors) + ": a pull without layer ranges needs the same count on both sides");
@@ -141,10 +144,10 @@ uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) 
       }
     }
   } else {
-    if (req.b >= g.units)
-      Invalid("batch index " + std::to_string(req.b) + " out of range: cache " + std::to_string(id) + " has " +
+    if (slot >= g.units)
+      Invalid("batch index " + std::to_string(slot) + " out of range: cache " + std::to_string(id) + " has " +
               std::to_string(g.units));
-    base = req.b * g.unit_bytes;
+    base = slot * g.unit_bytes;
     limit = g.tensor_bytes - base;
   }
   CheckSpans(req.offsets, req.lengths, limit);
@@ -152,19 +155,86 @@ uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) 
   return base;
 }
 
-Lease::~Lease() { reg_->Release(entry_.get()); }
+bool KeyOf(uint64_t req_id, uint64_t prefix_id, uint64_t model_id, KeyId *key) {
+  if (req_id != UINT64_MAX) {
+    *key = {req_id, model_id, false};
+    return true;
+  }
+  if (prefix_id != UINT64_MAX) {
+    *key = {prefix_id, model_id, true};
+    return true;
+  }
+  return false;
+}
+
+namespace {
+
+std::string KeyName(const KeyId &k) {
+  return std::string(k.is_prefix ? "prefix_id=" : "req_id=") + std::to_string(k.value) +
+         " model_id=" + std::to_string(k.model_id);
+}
+
+// Python's _check_servable: what refuses a cache whatever the request.
+void CheckServable(const Entry &e) {
+  if (e.closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(e.id) + " is being unregistered");
+  if (!e.opts.remote_accessible) Invalid("cache " + std::to_string(e.id) + " is not remote accessible");
+}
+
+// Engine._check_writable's refusal (and Engine.lease_cache's for write leases).
+const char *const kWritesRefused =
+    "this owner runs without enable_remote_cache_accessible: writes by key or cache id are refused";
+
+}  // namespace
+
+Lease::~Lease() { reg_->End(this); }
 
 bool Lease::WantedBack() const { return reg_->Closing(entry_.get()); }
 
-bool Registry::Closing(const Entry *e) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return e->closing;
+void Lease::Settle(bool ok) {
+  if (!reserved_) return;  // this lease's own state (one thread uses a lease): no lock for most reads
+  std::lock_guard<std::mutex> lock(reg_->mu_);
+  reg_->SettleLocked(this, ok);
 }
 
-void Registry::Release(Entry *e) {
+void Lease::Unpin() {
+  if (!pinned_) return;
+  std::lock_guard<std::mutex> lock(reg_->mu_);
+  reg_->UnpinLocked(this);
+}
+
+bool Registry::Closing(const Entry *e) {
   std::lock_guard<std::mutex> lock(mu_);
-  --e->leases;
+  return e->closing || (!e->id_held && e->keys.empty());
+}
+
+void Registry::End(Lease *l) {
+  std::lock_guard<std::mutex> lock(mu_);
+  SettleLocked(l, false);
+  UnpinLocked(l);
+}
+
+void Registry::UnpinLocked(Lease *l) {
+  if (!l->pinned_) return;
+  l->pinned_ = false;
+  --l->entry_->leases;
   changed_.notify_all();
+}
+
+// Python's Registry._settle: commit or drop a consuming read's reservation.
+void Registry::SettleLocked(Lease *l, bool ok) {
+  if (!l->reserved_) return;
+  l->reserved_ = false;
+  Binding &b = *l->binding_;
+  for (uint32_t t : l->tensors_) b.reserved[t] = false;
+  Entry &e = *l->entry_;
+  auto it = keys_.find(l->key_);
+  if (!ok || !e.keys.count(l->key_) || it == keys_.end() || it->second != l->binding_) return;
+  for (uint32_t t : l->tensors_) b.pulled[t] = true;
+  if (std::all_of(b.pulled.begin(), b.pulled.end(), [](bool p) { return p; })) {
+    keys_.erase(it);
+    e.keys.erase(l->key_);
+    consumed_.push_back(l->key_);
+  }
 }
 
 int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
@@ -180,27 +250,151 @@ int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uin
   e->addrs = addrs;
   e->owned = std::move(owned);
   std::lock_guard<std::mutex> lock(mu_);
+  while (by_id_.count(next_id_)) ++next_id_;  // ids an embedder chose (the other Add)
   e->id = next_id_++;
   by_id_[e->id] = e;
   return e->id;
 }
 
-void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs) {
-  if (id <= 0) Invalid("cache ids are positive, got " + std::to_string(id));
+void Registry::Add(int64_t id, const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
+                   const CacheOptions &opts) {
+  Insert(id, GeometryOf(desc), &desc, addrs, opts);
+}
+
+void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts) {
   if (geo.num_tensors == 0 || geo.units == 0 || geo.tensor_bytes == 0 || geo.tensor_bytes % geo.units ||
       geo.unit_bytes != geo.tensor_bytes / geo.units)
     Invalid("a cache geometry must have tensors, units and bytes that split into them");
-  if (addrs.size() != geo.num_tensors)
-    Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(geo.num_tensors) + " tensors");
   for (uint64_t a : addrs)
-    if (a == 0 || a + geo.tensor_bytes < a) Invalid("tensor addresses must be non-zero and not wrap");
+    if (a + geo.tensor_bytes < a) Invalid("tensor addresses must not wrap the address space");
+  Insert(id, geo, nullptr, addrs, opts);
+}
+
+void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDesc *desc,
+                      const std::vector<uint64_t> &addrs, const CacheOptions &opts) {
+  if (id <= 0) Invalid("cache id " + std::to_string(id) + " must be > 0");
+  if (addrs.size() != g.num_tensors)
+    Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
+  for (uint64_t a : addrs)
+    if (a == 0) Invalid("tensor addresses must be non-zero");
   auto e = std::make_shared<Entry>();
   e->id = id;
-  e->geo = geo;
+  e->geo = g;
+  if (desc) e->desc = *desc;
   e->addrs = addrs;
+  e->opts = opts;
   std::lock_guard<std::mutex> lock(mu_);
-  if (!by_id_.emplace(id, e).second) Invalid("cache " + std::to_string(id) + " already exists");
-  if (id >= next_id_) next_id_ = id + 1;
+  bool used = by_id_.count(id) != 0;
+  for (const auto &d : dropped_) used = used || d->id == id;
+  if (used) Invalid("cache id " + std::to_string(id) + " is in use");
+  by_id_[id] = e;
+}
+
+void Registry::BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots) {
+  if (keys.size() != slots.size()) Invalid(std::to_string(keys.size()) + " keys given with " + std::to_string(slots.size()) + " slots");
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(cache_id);
+  if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(cache_id) + " does not exist");
+  const std::shared_ptr<Entry> &e = it->second;
+  std::set<KeyId> seen;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (slots[i] >= e->geo.units)
+      Invalid("slot " + std::to_string(slots[i]) + " out of range: cache " + std::to_string(cache_id) + " has " +
+              std::to_string(e->geo.units));
+    if (!seen.insert(keys[i]).second) Invalid("duplicate cache keys");
+    if (keys_.count(keys[i])) Invalid("cache key " + KeyName(keys[i]) + " is already bound");
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto b = std::make_shared<Binding>();
+    b->entry = e;
+    b->slot = slots[i];
+    b->pulled.assign(e->geo.num_tensors, false);
+    b->reserved.assign(e->geo.num_tensors, false);
+    keys_[keys[i]] = b;
+    e->keys.insert(keys[i]);
+  }
+}
+
+void Registry::UnbindKey(const KeyId &key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = keys_.find(key);
+  if (it == keys_.end() || !it->second->entry->opts.allocated) return;
+  it->second->entry->keys.erase(key);
+  keys_.erase(it);
+  changed_.notify_all();
+}
+
+std::vector<KeyId> Registry::TakeConsumed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<KeyId> out;
+  out.swap(consumed_);
+  return out;
+}
+
+void Registry::SetModelMap(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  model_map_ = on;
+}
+
+void Registry::SetRemoteWrites(bool allowed) { remote_writes_ = allowed; }
+
+void Registry::BindModel(uint64_t model_id, int64_t cache_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(cache_id);
+  if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(cache_id) + " does not exist");
+  std::shared_ptr<Entry> &slot = models_[model_id];
+  if (slot && slot != it->second) {
+    if (slot->fence) slot->fence->Revoke();  // leases through the model id named the old cache
+    slot->has_model = false;
+  }
+  slot = it->second;
+  slot->has_model = true;
+  slot->blocks_model = model_id;
+}
+
+void Registry::UnbindModel(uint64_t model_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(model_id);
+  if (it == models_.end()) return;
+  if (it->second->fence) it->second->fence->Revoke();
+  it->second->has_model = false;
+  models_.erase(it);
+}
+
+// Python's Registry._unbind_all: the entry's keys and model id go. Lock held.
+void Registry::UnbindAll(Entry &e) {
+  for (const KeyId &k : e.keys) keys_.erase(k);
+  e.keys.clear();
+  if (e.has_model) {
+    auto it = models_.find(e.blocks_model);
+    if (it != models_.end() && it->second.get() == &e) models_.erase(it);
+    e.has_model = false;
+  }
+}
+
+void Registry::Deallocate(int64_t id, bool drop_keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end() || !it->second->opts.allocated) return;
+  std::shared_ptr<Entry> e = it->second;
+  by_id_.erase(it);
+  e->id_held = false;
+  if (e->fence) e->fence->Revoke();  // leases by cache id (or model id) end with the id
+  if (drop_keys) UnbindAll(*e);
+  dropped_.push_back(std::move(e));
+  changed_.notify_all();
+}
+
+std::vector<int64_t> Registry::TakeReleased() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  auto free = [&](const std::shared_ptr<Entry> &e) {
+    if (!e->keys.empty() || e->leases || (e->fence && !e->fence->Drained())) return false;
+    out.push_back(e->id);
+    return true;
+  };
+  dropped_.erase(std::remove_if(dropped_.begin(), dropped_.end(), free), dropped_.end());
+  return out;
 }
 
 void Registry::Remove(int64_t id, bool owned, double wait_s) {
@@ -219,6 +413,8 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
     Fail(llm_datadist::LLM_TIMEOUT, "cache " + std::to_string(id) + " is still being transferred; it stays registered");
   }
   by_id_.erase(id);
+  e->id_held = false;
+  UnbindAll(*e);
 }
 
 bool Registry::Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline) {
@@ -251,15 +447,34 @@ int Registry::RevokeLeases(double wait_s) {
   return held;
 }
 
+std::shared_ptr<Entry> Registry::Named(uint8_t kind, uint64_t a, uint64_t b) {
+  std::shared_ptr<Entry> e;
+  if (kind == wire::kBlocksKey && model_map_) {
+    auto it = models_.find(b);
+    if (it == models_.end())
+      Fail(LLM_KV_CACHE_NOT_EXIST, "no blocks cache registered for model_id=" + std::to_string(b) +
+                                       " (the owner must register_blocks_cache with BlocksCacheKey(its cluster id, " +
+                                       std::to_string(b) + "))");
+    e = it->second;
+  } else {
+    // kind 2 names cache id a; kind 3 a BlocksCacheKey's model_id b, which the C++ API (it
+    // has no model ids) resolves as its cache id.
+    const uint64_t id = kind == wire::kBlocksKey ? b : a;
+    auto it = by_id_.find(static_cast<int64_t>(id));
+    if (id > static_cast<uint64_t>(INT64_MAX) || it == by_id_.end())
+      Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
+    e = it->second;
+  }
+  CheckServable(*e);
+  return e;
+}
+
 wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
-  const uint64_t id = q.kind == wire::kBlocksKey ? q.b : q.a;
+  if (q.kind != wire::kCacheId && q.kind != wire::kBlocksKey) Invalid("a cache lease names a cache by id or BlocksCacheKey");
   std::shared_ptr<lease::Fence> retired;  // a revoked fence replaced here closes outside mu_
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = by_id_.find(static_cast<int64_t>(id));
-  if (id > static_cast<uint64_t>(INT64_MAX) || it == by_id_.end())
-    Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
-  Entry &e = *it->second;
-  if (e.closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " is being unregistered");
+  if ((q.flags & wire::kLeaseWrite) && !remote_writes_) Invalid(kWritesRefused);
+  Entry &e = *Named(q.kind, q.a, q.b);
   if (!e.fence || e.fence->revoked()) {
     // A revoked fence (an unregister that timed out) may still be held by a copy that
     // started before the revocation; closing our descriptor does not end it, and the copy
@@ -271,7 +486,7 @@ wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
   l.cache_id = static_cast<uint64_t>(e.id);
   l.tensor_bytes = e.geo.tensor_bytes;
   l.units = e.geo.units;
-  l.is_blocks = false;  // C++ caches carry no paged flag; the layout tag says the block shape
+  l.is_blocks = e.opts.blocks;  // C++ API caches carry no paged flag; the layout tag says the block shape
   l.layout = e.geo.layout;
   l.fence_fd = e.fence->fd();
   l.fence_ino = e.fence->ino();
@@ -289,6 +504,18 @@ int Registry::Clear(double wait_s) {
   by_id_.clear();
   auto deadline = std::chrono::steady_clock::now() +
                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
+  for (auto &e : dropped_) {  // deallocated, still held by keys or leases
+    e->closing = true;
+    all.push_back(e);
+  }
+  dropped_.clear();
+  for (auto &e : all) {
+    e->id_held = false;
+    e->keys.clear();
+    e->has_model = false;
+  }
+  keys_.clear();
+  models_.clear();
   int busy = 0;
   for (auto &e : all) busy += Drain(lock, *e, deadline) ? 0 : 1;
   return busy;
@@ -302,23 +529,54 @@ std::unique_ptr<Lease> Registry::Hold(int64_t id) {
   return std::make_unique<Lease>(this, it->second);
 }
 
-std::unique_ptr<Lease> Registry::Open(const wire::Request &req) {
+std::unique_ptr<Lease> Registry::Open(const wire::Request &req) { return OpenChecked(req, true); }
+
+std::unique_ptr<Lease> Registry::OpenWrite(const wire::Request &req) { return OpenChecked(req, false); }
+
+std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read) {
+  // Engine._check_writable: before anything is resolved
+  if (!read && req.kind != wire::kAddress && !remote_writes_) Invalid(kWritesRefused);
   if (req.kind == wire::kAddress) return OpenAddresses(req);
-  if (req.kind == wire::kCacheKey)
-    Fail(LLM_KV_CACHE_NOT_EXIST, "a C++ owner binds no CacheKeys (req_id=" + std::to_string(req.a) + ")");
   std::lock_guard<std::mutex> lock(mu_);
-  // kind 2 names (cache id a, batch slot b); kind 3 names a BlocksCacheKey's model_id b, which
-  // a C++ owner (it has no model ids) resolves as its cache id.
-  bool blocks = req.kind == wire::kBlocksKey;
-  uint64_t id = blocks ? req.b : req.a;
-  auto it = by_id_.find(static_cast<int64_t>(id));
-  if (id > static_cast<uint64_t>(INT64_MAX) || it == by_id_.end())
-    Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
-  const std::shared_ptr<Entry> &e = it->second;
-  if (e->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " is being unregistered");
-  const uint64_t base = CheckRequest(e->geo, id, req);
+  std::shared_ptr<Entry> e;
+  std::shared_ptr<Binding> binding;
+  KeyId key;
+  if (req.kind == wire::kCacheKey) {
+    // a = req_id, b = model_id, c = prefix_id (Python's Registry.open)
+    auto it = KeyOf(req.a, req.c, req.b, &key) ? keys_.find(key) : keys_.end();
+    if (it == keys_.end())
+      Fail(LLM_KV_CACHE_NOT_EXIST, "no cache bound to req_id=" + std::to_string(req.a) + " prefix_id=" +
+                                       std::to_string(req.c) + " model_id=" + std::to_string(req.b) +
+                                       " (the owner must allocate or register it with that CacheKey; a successful "
+                                       "pull consumes it)");
+    binding = it->second;
+    e = binding->entry;
+    CheckServable(*e);
+    const bool consumable = read && e->opts.allocated && !key.is_prefix;
+    return LeaseLocked(e, req, false, binding->slot, consumable ? binding : nullptr, key);
+  }
+  e = Named(req.kind, req.a, req.b);
+  return LeaseLocked(e, req, req.kind == wire::kBlocksKey, req.b, nullptr, key);
+}
+
+std::unique_ptr<Lease> Registry::LeaseLocked(const std::shared_ptr<Entry> &e, const wire::Request &req, bool blocks,
+                                             uint64_t slot, const std::shared_ptr<Binding> &reserve, const KeyId &key) {
+  const uint64_t base = CheckRequestAt(e->geo, static_cast<uint64_t>(e->id), req, blocks, slot);
+  if (reserve) {  // a consuming read: one at a time per tensor (Python's Registry.open)
+    for (uint32_t t : req.tensors)
+      if (reserve->reserved[t])
+        Fail(LLM_KV_CACHE_NOT_EXIST, "req_id=" + std::to_string(req.a) + " model_id=" + std::to_string(req.b) +
+                                         " is being read by another request: one read consumes it");
+  }
   auto lease = std::make_unique<Lease>(this, e);
   ++e->leases;
+  if (reserve) {
+    for (uint32_t t : req.tensors) reserve->reserved[t] = true;
+    lease->binding_ = reserve;
+    lease->key_ = key;
+    lease->tensors_ = req.tensors;
+    lease->reserved_ = true;
+  }
   uint64_t per_tensor = 0;
   for (uint64_t l : req.lengths) per_tensor += l;  // each <= tensor_bytes, at most 2^24 of them
   lease->nbytes = per_tensor * req.tensors.size();
@@ -345,9 +603,11 @@ std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto &kv : by_id_) {
     const std::shared_ptr<Entry> &e = kv.second;
+    // As Python's open_addresses: the first remote-accessible cache, not being unregistered,
+    // with a tensor holding the lowest address.
+    if (e->closing || !e->opts.remote_accessible) continue;
     for (uint64_t a : e->addrs) {
       if (a <= first && first - a < e->geo.tensor_bytes) {
-        if (e->closing) Invalid(refused);
         std::vector<uint64_t> rel(req.offsets.size());
         for (size_t i = 0; i < rel.size(); ++i) rel[i] = req.offsets[i] - a;  // below a wraps and fails
         try {

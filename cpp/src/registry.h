@@ -1,21 +1,38 @@
 // The registry: this process's caches (registered user memory or allocated host memory), the
-// ids peers name them by (1, 2, 3, ... in registration order), and their lifetimes.
+// ids peers name them by, the keys bound to them, and their lifetimes.
 //
 // Every span a peer asks for is checked here against the cache's tensors (Open); the server
 // moves only what Open returned. A read or write holds a lease on the cache until its bytes
 // have moved; unregistering waits (bounded) for leases, so a peer never touches memory that was
 // given back. Thread-safe: one mutex guards everything; waits use a condition on it.
+//
+// Two embedders. The C++ API (llm_datadist.cc) numbers caches 1, 2, 3 itself (Add), binds no
+// keys and resolves a BlocksCacheKey's model id as the cache id. The Python package's native
+// engine mirrors its Python registry (src/datadist/core/registry.py, the spec of every rule
+// here): it files each cache under the id Python chose (Add with an id), binds the same
+// CacheKeys and BlocksCacheKey model ids (BindKeys, BindModel; SetModelMap), says which caches
+// peers may not touch (CacheOptions::remote_accessible) and whether peers may write by key or
+// cache id (SetRemoteWrites), and drains what the server did to its keys (TakeConsumed) and
+// which deallocated caches nothing holds any more (TakeReleased), without callbacks.
+// Its calls, one per Python registry call: SetModelMap(true) and SetRemoteWrites(config) once;
+// add -> Add(id, ..., CacheOptions), then BindKeys (key i -> slot i) and BindModel; deallocate ->
+// Deallocate(id, drop_keys); unregister -> Remove(id, false, wait); remove_key -> UnbindKey;
+// clear -> Clear. Python's checks run first, so these refuse only what Python let through by a
+// bug of the embedder.
 #ifndef DATADIST_CPP_REGISTRY_H_
 #define DATADIST_CPP_REGISTRY_H_
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "llm_datadist/llm_datadist.h"
@@ -40,23 +57,68 @@ struct Geometry {
 /// Validates a CacheDesc (LLM_PARAM_INVALID) and computes its geometry.
 Geometry GeometryOf(const llm_datadist::CacheDesc &desc);
 
+/// A local CacheKey (Python's registry.KeyId): a req_id or a prefix_id within a model_id.
+/// Cluster ids are not part of it.
+struct KeyId {
+  uint64_t value = 0;
+  uint64_t model_id = 0;
+  bool is_prefix = false;
+  bool operator<(const KeyId &o) const {
+    return value != o.value ? value < o.value : model_id != o.model_id ? model_id < o.model_id : is_prefix < o.is_prefix;
+  }
+  bool operator==(const KeyId &o) const {
+    return value == o.value && model_id == o.model_id && is_prefix == o.is_prefix;
+  }
+};
+
+/// The key a CacheKey's fields name (Python's registry.key_id): its req_id unless that is
+/// UINT64_MAX, else its prefix_id; false for the padding key (both UINT64_MAX). On the wire a
+/// CacheKey is kind 1 with a = req_id, b = model_id, c = prefix_id.
+bool KeyOf(uint64_t req_id, uint64_t prefix_id, uint64_t model_id, KeyId *key);
+
+/// What the Python package says of a cache it files (Registry::Add with an id).
+struct CacheOptions {
+  /// Allocated from a pool (Python's CacheEntry.owned): a successful read through a req_id key
+  /// consumes it; Deallocate applies. False: registered user memory (keys never consumed).
+  bool allocated = false;
+  /// register_*_cache(remote_accessible=False): peers may not READ, WRITE or lease it.
+  bool remote_accessible = true;
+  /// A blocks (paged) cache: what a CACHE_LEASE says (is_blocks).
+  bool blocks = false;
+};
+
 struct Entry {
   int64_t id = 0;
   Geometry geo;
   llm_datadist::CacheDesc desc;
   std::vector<uint64_t> addrs;  // base of each tensor
   std::vector<std::unique_ptr<uint8_t[]>> owned;  // AllocateCache's memory; empty when registered
+  CacheOptions opts;
   int leases = 0;
   bool closing = false;
+  bool id_held = true;  // filed under its id (false once deallocated: keys may still hold it)
+  std::set<KeyId> keys;  // the keys bound to it
+  bool has_model = false;  // bound to blocks_model (BindModel)
+  uint64_t blocks_model = 0;
   /// Set once a reader leased the whole cache (LeaseCache); revoked and drained before the
   /// memory goes. A revoked one is replaced by a new one at the next lease.
   std::shared_ptr<lease::Fence> fence;
 };
 
+/// A CacheKey bound to one slot of a cache: which tensors were pulled through it (for
+/// consumption) and which a read in flight reserved (Python's registry.KeyBinding).
+struct Binding {
+  std::shared_ptr<Entry> entry;
+  uint64_t slot = 0;
+  std::vector<bool> pulled, reserved;  // per tensor
+};
+
 class Registry;
 
-/// A lease on one cache: the absolute spans of one transfer. Ends (and may let an unregister
-/// finish) when destroyed.
+/// A lease on one cache: the absolute spans of one transfer. Pins the memory until Unpin or
+/// destruction (which may let an unregister finish). A read through a consumable CacheKey
+/// also holds a reservation of the tensors it names until Settle (destruction settles it as
+/// failed).
 class Lease {
  public:
   Lease(Registry *reg, std::shared_ptr<Entry> entry) : reg_(reg), entry_(std::move(entry)) {}
@@ -64,9 +126,21 @@ class Lease {
   Lease(const Lease &) = delete;
   Lease &operator=(const Lease &) = delete;
   const Entry &entry() const { return *entry_; }
-  /// The owner wants the memory back (the cache is being unregistered or deallocated):
-  /// a same-host grant on it expires sooner.
+  /// The owner wants the memory back (the cache is being unregistered, or deallocated with no
+  /// key holding it): a same-host grant on it expires sooner.
   bool WantedBack() const;
+  /// The server's verdict on a read (Python's Registry.settle): ok once its bytes were sent
+  /// (a GRANT: when RELEASE says ok). ok commits the reservation: the tensors count as pulled
+  /// and, once every tensor of the slot is, the req_id key is unbound and queued for
+  /// Registry::TakeConsumed. Not ok drops the reservation. Only the first call counts; a lease
+  /// without a reservation (writes, cache ids, prefix keys, registered memory) ignores it
+  /// without locking. Called by the thread that serves the request (a Lease is used by one
+  /// thread at a time); takes the registry's mutex when there is a reservation, never blocks
+  /// otherwise.
+  void Settle(bool ok);
+  /// The transfer no longer touches the memory (Python's Registry.unlease) but its verdict is
+  /// still to come: the reservation stays until Settle. Idempotent; the destructor does it too.
+  void Unpin();
   std::vector<iovec> iov;
   /// Per requested tensor, the absolute address its offsets count from (the slot's base, or
   /// the tensor's for blocks): what a same-host GRANT discloses. Empty for raw addresses.
@@ -74,43 +148,119 @@ class Lease {
   uint64_t nbytes = 0;
 
  private:
+  friend class Registry;
   Registry *reg_;
   std::shared_ptr<Entry> entry_;
+  bool pinned_ = true;  // counted in entry_->leases
+  // A consuming read's reservation (Registry::Open): its binding, key and tensors.
+  std::shared_ptr<Binding> binding_;
+  KeyId key_;
+  std::vector<uint32_t> tensors_;
+  bool reserved_ = false;
 };
 
 class Registry {
  public:
-  /// Adds a cache; returns its id. `owned` is the memory AllocateCache made (may be empty).
+  /// The C++ API's AllocateCache / RegisterKvCache: adds a cache under the next free id and
+  /// returns it. `owned` is the memory AllocateCache made (may be empty). Not blocking.
   int64_t Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
               std::vector<std::unique_ptr<uint8_t[]>> owned);
-  /// Adds a cache described by its geometry under the id the caller chose (the Python
-  /// package's engine: its own registry numbers caches and computes geometry, this one serves
-  /// them to peers). LLM_PARAM_INVALID for a taken id or a bad geometry / address list.
-  void AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs);
+  /// The native engine's register / allocate (Python's Registry.add): files a cache whose
+  /// memory the caller keeps under the id `id` the Python registry gave it (> 0), with
+  /// `opts`. LLM_PARAM_INVALID for an id <= 0 or one in use (by a cache, or a deallocated one
+  /// not yet TakeReleased), and as the other Add for a bad desc or addresses. Not blocking.
+  void Add(int64_t id, const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
+           const CacheOptions &opts);
+  /// The same, for a cache described by its geometry (the Python package computes it; its
+  /// dtype and shape are not needed to serve it). LLM_PARAM_INVALID for a geometry whose
+  /// bytes do not split into its units, or addresses that are zero or wrap. Not blocking.
+  void AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts);
   /// Removes a cache once no lease holds it (waits up to `wait_s`, then LLM_TIMEOUT and the
-  /// cache stays). Unknown ids: no-op. `owned` says which kind the caller may remove
-  /// (registered vs allocated); the other kind is LLM_PARAM_INVALID.
+  /// cache stays), with its keys and model id (Python's Registry.unregister). Unknown ids:
+  /// no-op. `owned` says which kind the caller may remove (memory this registry allocated vs
+  /// not); the other kind is LLM_PARAM_INVALID. Blocks up to `wait_s`.
   void Remove(int64_t id, bool owned, double wait_s);
+  /// The native engine's deallocate (Python's Registry.deallocate): the id no longer names
+  /// the cache and its whole-cache leases are revoked; its keys (dropped too with
+  /// `drop_keys`, as Python does for blocks caches, with the model id) keep serving it until
+  /// they are consumed or unbound. Its memory may go once TakeReleased lists it. Unknown ids
+  /// and caches not added as `allocated`: no-op. Not blocking.
+  void Deallocate(int64_t id, bool drop_keys);
+  /// Ids of deallocated caches that nothing holds any more (no key, no lease, no leased copy
+  /// in flight): the caller may free their memory. Each id is listed once and becomes free
+  /// for Add again. The embedder polls it (after TakeConsumed, UnbindKey, Deallocate). Not
+  /// blocking; the fences of leased caches are polled here.
+  std::vector<int64_t> TakeReleased();
+
+  /// Binds `keys[i]` to slot `slots[i]` of cache `cache_id` (Python's Registry.add with keys
+  /// and check_keys), all or none: LLM_KV_CACHE_NOT_EXIST for an unknown cache;
+  /// LLM_PARAM_INVALID for a slot out of range, a key given twice, or one already bound. Not
+  /// blocking.
+  void BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots);
+  /// Python's Registry.remove_key: unbinds a key of an allocated cache. Unknown keys and keys
+  /// on registered memory: no-op (as Python). Not blocking.
+  void UnbindKey(const KeyId &key);
+  /// Keys that reads consumed since the last call (Lease::Settle), oldest first: the embedder
+  /// unbinds them from its own registry. Not blocking.
+  std::vector<KeyId> TakeConsumed();
+  /// Model-map mode (the native engine turns it on before it adds caches): a BlocksCacheKey
+  /// names the cache bound to its model id (BindModel) and nothing else. Off (the C++ API's
+  /// rule): its model id is the cache id.
+  void SetModelMap(bool on);
+  /// register_blocks_cache / allocate_blocks_cache with a BlocksCacheKey (Python's Registry.add
+  /// with blocks_model_id): `model_id` names cache `cache_id` from now on; the last binding
+  /// wins, and whole-cache leases taken through the model id on the cache it named before are
+  /// revoked. LLM_KV_CACHE_NOT_EXIST for an unknown cache. Not blocking.
+  void BindModel(uint64_t model_id, int64_t cache_id);
+  /// Unbinds `model_id` (no-op when unbound), revoking leases taken through it. Not blocking.
+  void UnbindModel(uint64_t model_id);
+  /// EngineConfig.remote_cache_accessible (default true). False: peers' WRITEs and write
+  /// leases by CacheKey, cache id or BlocksCacheKey are refused (LLM_PARAM_INVALID, as
+  /// Engine._check_writable); writes by raw address (kind 4) stay allowed.
+  void SetRemoteWrites(bool allowed);
+
   /// A lease on a local cache for a local transfer (LLM_KV_CACHE_NOT_EXIST if unknown).
   std::unique_ptr<Lease> Hold(int64_t id);
-  /// Owner side of a peer's READ / WRITE: resolve, bounds-check every span, lease.
-  /// LLM_KV_CACHE_NOT_EXIST for an unknown cache, LLM_PARAM_INVALID for anything that does not fit.
+  /// Owner side of a peer's READ (Python's Registry.open with read=True): resolve, check
+  /// servable, bounds-check every span, lease; a read through a req_id key of an allocated
+  /// cache also reserves the tensors it names until Lease::Settle. LLM_KV_CACHE_NOT_EXIST for
+  /// an unknown key or cache, one being unregistered, or tensors another read of that key
+  /// reserved; LLM_PARAM_INVALID for a cache that is not remote accessible and anything that
+  /// does not fit. Called on the server's threads; takes the mutex only.
   std::unique_ptr<Lease> Open(const wire::Request &req);
-  /// Owner side of LEASE_REQUEST: the cache a kCacheId (b ignored) or kBlocksKey key names
-  /// (a C++ owner resolves a model id as its cache id), its geometry and addresses, and its
-  /// live fence. LLM_KV_CACHE_NOT_EXIST for an unknown cache or one being unregistered.
+  /// Owner side of a peer's WRITE: as Open, never reserving or consuming, and refused
+  /// (LLM_PARAM_INVALID) by key or cache id when SetRemoteWrites(false).
+  std::unique_ptr<Lease> OpenWrite(const wire::Request &req);
+  /// Owner side of LEASE_REQUEST (Python's Registry.lease_cache and Engine.lease_cache's write
+  /// check): the cache a kCacheId (b ignored) or kBlocksKey key names (resolved as Open does),
+  /// its geometry and addresses, and its live fence. LLM_KV_CACHE_NOT_EXIST for an unknown
+  /// cache or one being unregistered; LLM_PARAM_INVALID for one not remote accessible, or a
+  /// write lease (kLeaseWrite) when SetRemoteWrites(false).
   wire::CacheLease LeaseCache(const wire::LeaseRequest &q);
   /// Revokes every cache's lease fence (the server stopped) and waits up to `wait_s` for
   /// the leased copies in flight. Returns how many fences are still held.
   int RevokeLeases(double wait_s);
-  /// Drops everything (Finalize); waits up to `wait_s` for leases. Returns how many remain leased.
+  /// Drops everything (Finalize): caches, keys, model ids; waits up to `wait_s` for leases.
+  /// Returns how many remain leased.
   int Clear(double wait_s);
 
  private:
   friend class Lease;
-  void Release(Entry *e);
+  void Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDesc *desc, const std::vector<uint64_t> &addrs,
+              const CacheOptions &opts);
+  void End(Lease *l);
+  void SettleLocked(Lease *l, bool ok);
+  void UnpinLocked(Lease *l);
   bool Closing(const Entry *e);
+  std::unique_ptr<Lease> OpenChecked(const wire::Request &req, bool read);
   std::unique_ptr<Lease> OpenAddresses(const wire::Request &req);
+  /// Checks `req` against `e` (block addressing or slot `slot`) and leases it; a non-null
+  /// `reserve` reserves the tensors of that binding of `key`. Lock held.
+  std::unique_ptr<Lease> LeaseLocked(const std::shared_ptr<Entry> &e, const wire::Request &req, bool blocks,
+                                     uint64_t slot, const std::shared_ptr<Binding> &reserve, const KeyId &key);
+  /// The entry a kCacheId or kBlocksKey key (id_or_a, model b) names, checked servable.
+  std::shared_ptr<Entry> Named(uint8_t kind, uint64_t a, uint64_t b);
+  void UnbindAll(Entry &e);
   /// Revokes `e`'s fence and waits (mu_ held by `lock`) until no transfer holds it and no
   /// leased copy is in flight, or the deadline passes (false).
   bool Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline);
@@ -118,6 +268,12 @@ class Registry {
   std::condition_variable changed_;
   int64_t next_id_ = 1;
   std::map<int64_t, std::shared_ptr<Entry>> by_id_;
+  std::map<KeyId, std::shared_ptr<Binding>> keys_;
+  std::map<uint64_t, std::shared_ptr<Entry>> models_;
+  std::vector<std::shared_ptr<Entry>> dropped_;  // deallocated, not yet TakeReleased
+  std::vector<KeyId> consumed_;
+  bool model_map_ = false;
+  std::atomic<bool> remote_writes_{true};
 };
 
 /// Every check of a READ / WRITE by cache id (kind 2: slot `b`) or BlocksCacheKey (kind 3)
@@ -127,6 +283,9 @@ class Registry {
 /// blocks). LLM_PARAM_INVALID. Used by the owner (Registry::Open) and by a reader holding a
 /// lease on the whole cache (lease.h), so both refuse exactly the same requests.
 uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req);
+/// CheckRequest for a request whose key resolved elsewhere: block addressing (`blocks`) or
+/// the batch slot `slot` (a CacheKey's bound slot), whatever req.kind and req.b say.
+uint64_t CheckRequestAt(const Geometry &g, uint64_t id, const wire::Request &req, bool blocks, uint64_t slot);
 
 /// Every span [offset, offset + length) must lie in [0, limit) (overflow-safe).
 void CheckSpans(const std::vector<uint64_t> &offsets, const std::vector<uint64_t> &lengths, uint64_t limit);

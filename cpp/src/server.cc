@@ -61,6 +61,7 @@ class Granted {
   }
   Granted(const Granted &) = delete;
   Granted &operator=(const Granted &) = delete;
+  void Settle() { lease_->Settle(true); }  // RELEASE said ok: the read may consume its key
   /// Past its time: kGrantTtl, or kReclaimGrace once the owner wants the memory back.
   bool Expired() const {
     const double age = SecondsSince(since_);
@@ -524,13 +525,14 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
         for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
         c.SendFrame(wire::EncodeChecksum(crc, lease->nbytes, rid), deadline);
       }
+      lease->Settle(true);  // sent: may consume its CacheKey (a throw above settles it failed)
       return true;
     }
     case wire::kWrite: {
       wire::Request req = wire::DecodeRequest(h.type, payload);
       std::unique_ptr<Lease> lease;
       try {
-        lease = registry_->Open(req);
+        lease = registry_->OpenWrite(req);
       } catch (const Error &e) {
         c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
         return true;
@@ -569,9 +571,10 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       return true;
     }
     case wire::kRelease: {
-      // Ends a grant of this connection (ok or not: a C++ owner consumes no keys). Unknown
+      // Ends a grant of this connection (ok: its read may consume its CacheKey). Unknown
       // ids (released already, expired, or lease 0, a checksum verdict) settle nothing.
       wire::Release rel = wire::DecodeRelease(payload);
+      if (rel.ok && grants.count(rel.lease_id)) grants[rel.lease_id]->Settle();
       grants.erase(rel.lease_id);
       return true;
     }

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +216,10 @@ class NativeEngine:
         self._lock = threading.Lock()
         self._listen: tuple[str, int] | None = None
         self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
+        self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
+        self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
+        self._core.set_remote_writes(config.remote_cache_accessible)
         try:
             with _mapped():
                 self._core.open(config.secret or b"", config.transport != "tcp",
@@ -280,15 +283,38 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ caches
 
-    def _mirror(self, entry: CacheEntry) -> None:
+    def _mirror(self, entry: CacheEntry, keys: Sequence[KeyId | None],
+                blocks_model_id: int | None) -> None:
+        """File ``entry`` (just added to our registry) in the core's, with its keys and
+        model id, so that its threads serve it to peers. All or nothing."""
         g = entry.geometry
         try:
             with _mapped():
                 self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
-                                     g.layout, entry.addrs)
+                                     g.layout, entry.addrs, entry.owned,
+                                     entry.remote_accessible, g.is_blocks)
+                bound = [(slot, k) for slot, k in enumerate(keys) if k is not None]
+                if bound:
+                    self._core.bind_keys(entry.cache_id,
+                                         [(k.value, k.model_id, k.is_prefix) for _, k in bound],
+                                         [slot for slot, _ in bound])
+                if blocks_model_id is not None:
+                    self._core.bind_model(blocks_model_id, entry.cache_id)
         except BaseException:
+            with contextlib.suppress(Exception):
+                self._core.remove_cache(entry.cache_id, 0.0)
             self.registry.unregister(entry.cache_id)
             raise
+
+    def _sync(self) -> None:
+        """What the core's threads did since: keys peers consumed leave our registry too,
+        and pool memory nothing holds any more goes back to its pool. Never blocks."""
+        for value, model_id, is_prefix in self._core.take_consumed():
+            self.registry.remove_key(KeyId(int(value), int(model_id), bool(is_prefix)))
+        for cache_id in self._core.take_released():
+            free = self._frees.pop(int(cache_id), None)
+            if free is not None:
+                free()
 
     def register(self, geometry: Geometry, addrs: list[int], *, placement: int,
                  keys: Sequence[KeyId | None] = (), blocks_model_id: int | None = None,
@@ -297,10 +323,11 @@ class NativeEngine:
         if any(a <= 0 for a in addrs):
             raise InvalidArgument("tensor addresses must be non-zero")
         arr = np.asarray(addrs, dtype=np.uint64)
+        self._sync()
         entry = self.registry.add(geometry, arr, owned=False, placement=placement, keys=keys,
                                   blocks_model_id=blocks_model_id,
                                   remote_accessible=remote_accessible)
-        self._mirror(entry)
+        self._mirror(entry, keys, blocks_model_id)
         return entry
 
     def allocate(self, geometry: Geometry, *, placement: int,
@@ -314,6 +341,7 @@ class NativeEngine:
             raise InvalidArgument(
                 f"no memory pool for {'DEVICE' if placement == DEVICE else 'HOST'} "
                 f"placement: set {what}")
+        self._sync()  # pool memory peers' pulls released goes back first
         self.registry.check_keys(list(keys), geometry.units)
         step = -(-geometry.tensor_bytes // pool.page) * pool.page
         try:
@@ -324,13 +352,20 @@ class NativeEngine:
             raise
         addrs = base + step * np.arange(geometry.num_tensors, dtype=np.uint64)
         try:
+            # The core decides when the memory may go (peers' reads hold it there): freed
+            # when take_released lists the cache (_sync), not by our registry.
             entry = self.registry.add(geometry, addrs, owned=True, placement=placement,
-                                      keys=keys, blocks_model_id=blocks_model_id,
-                                      free=lambda: pool.free(base))
+                                      keys=keys, blocks_model_id=blocks_model_id)
         except BaseException:
             pool.free(base)
             raise
-        self._mirror(entry)
+        self._frees[entry.cache_id] = lambda: pool.free(base)
+        try:
+            self._mirror(entry, keys, blocks_model_id)
+        except BaseException:
+            self._frees.pop(entry.cache_id, None)
+            pool.free(base)
+            raise
         return entry
 
     def _unmirror(self, cache_id: int, wait: float = UNREGISTER_WAIT) -> None:
@@ -338,15 +373,24 @@ class NativeEngine:
             self._core.remove_cache(cache_id, wait)
 
     def deallocate(self, cache_id: int, *, blocks: bool = False) -> None:
-        self._unmirror(cache_id)
+        """Drop a pool cache's id (and keys, for blocks caches); its memory goes back to the
+        pool once no key and no transfer holds it any more."""
+        with _mapped():
+            self._core.deallocate(cache_id, blocks)
         self.registry.deallocate(cache_id, drop_keys=blocks)
+        self._sync()
 
     def unregister(self, cache_id: int) -> None:
+        """Waits (bounded) for peers' transfers of the cache, then drops it."""
         self._unmirror(cache_id)
         self.registry.unregister(cache_id)
 
     def remove_key(self, key: KeyId) -> None:
+        self._sync()
+        with _mapped():
+            self._core.unbind_key(key.value, key.model_id, key.is_prefix)
         self.registry.remove_key(key)
+        self._sync()
 
     # ------------------------------------------------------------------ links
 
