@@ -284,6 +284,7 @@ EXTRAS = {
     "DataType": {"itemsize"},
     "CacheManager": {"pull_cache_async", "pull_blocks_async", "push_cache_async",
                      "push_blocks_async"},
+    "KvCacheManager": {"pull_cache_async", "pull_blocks_async"},
 }
 
 ENUMS = {"LLMStatusCode", "LLMRole", "DataType", "Placement", "RegisterMemStatus", "Memtype"}
