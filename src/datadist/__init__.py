@@ -19,7 +19,7 @@ from datadist.api.metrics import metrics, metrics_collector, reset_metrics
 from datadist.api.notices import DatadistWarning, LinkFailedWarning, NotListeningWarning
 from datadist.api.status import LLMException, LLMStatusCode, Status
 from datadist.api.tasks import CacheTask
-from datadist.api.transfer_handle import TransferHandle
+from datadist.api.transfer_handle import TransferHandle as TransferHandle  # explicit re-export
 from datadist.api.types import (
     BlocksCacheKey,
     Cache,

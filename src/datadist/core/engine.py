@@ -4,7 +4,9 @@ Who calls: the api facade (``LLMDataDist``, ``CacheManager``), with typed argume
 transports call back into it as the owner side of the protocol (:class:`RequestHandler`).
 
 Blocking: ``link``/``unlink``/``pull``/``push`` block up to their deadline; everything else
-returns at once (``unregister`` waits for live leases, bounded). Thread-safe.
+returns at once (``unregister`` waits for live leases, bounded). ``pull_async``/``push_async``
+return a ``core.transfers.Transfer`` at once and run on the engine's transfer pool (at most
+POOL_THREADS threads). Thread-safe.
 """
 
 from __future__ import annotations
