@@ -47,6 +47,7 @@ def _producer(addr_q, cmd_q, out_q, abort_timeout_s: float, extra: int = 0) -> N
     while time.monotonic() < deadline and cmd_q.empty():
         freed |= w.poll_sent()
         time.sleep(0.01)
+    freed |= w.poll_sent()  # DONEs that landed since the last step
     out_q.put((sorted(freed), w.stats.sent_notified, w.stats.sent_expired))
     w.close()
 
