@@ -93,9 +93,13 @@ def test_pull_blocks_async_moves_the_blocking_calls_bytes(decoder: Decoder) -> N
     key = llm_datadist.BlocksCacheKey(P, BLOCKS_MODEL)
     src, dst = [5, 200, 17, 3], [0, 9, 255, 4]
     decoder.cm.pull_blocks(key, blocking, src, dst)
+    llm_datadist.reset_metrics()
     handle = decoder.cm.pull_blocks_async(key, issued, src, dst)
     handle.wait()
     assert_bytes_equal(arr_i, arr_b)
+    pulls = llm_datadist.metrics()["total"]["pull"]  # counted as a blocking pull is
+    assert (pulls["transfers"], pulls["bytes"]) == (1, len(src) * BLOCKS.num_tensors *
+                                                   BLOCKS.unit_bytes)
     assert_bytes_equal(units(arr_i, BLOCKS)[:, dst], want[:, src])
 
 
@@ -283,3 +287,28 @@ def test_finalize_ends_every_handle_in_flight(transport: str, prompt: RunningPro
     with pytest.raises(llm_datadist.LLMException) as err:
         dec.cm.pull_blocks_async(key, cache, [0], [0])
     assert err.value.status_code == S.LLM_ENGINE_FINALIZED
+
+
+def test_finalize_fails_handles_waiting_on_a_silent_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handles issued to an owner that went silent mid-transfer: finalize fails every one of
+    them at once (those not started: LLM_ENGINE_FINALIZED; the running ones through their
+    closed link), without waiting for their deadlines, and never leaves one running."""
+    monkeypatch.setenv("DATADIST_TRANSPORT", "tcp")
+    with Peer(fake_owner_main, FAKE_ID, "stall", env=PROMPT_ENV) as fake:
+        address = tuple(fake.recv(timeout=10))
+        dec = Decoder(200 + 2, sync_kv_timeout=60_000)  # deadlines far beyond this test
+        try:
+            assert dec.link(FAKE_ID, address) == S.LLM_SUCCESS  # type: ignore[arg-type]
+            cache, _ = dec.local(SLOTS)
+            key = llm_datadist.CacheKeyByIdAndIndex(FAKE_ID, 1, 0)
+            handles = [dec.cm.pull_cache_async(key, cache) for _ in range(20)]
+            assert fake.recv(timeout=10) == "partial"
+            assert not any(h.done() for h in handles)
+            start = time.monotonic()
+        finally:
+            dec.dd.finalize()
+        for h in handles:
+            err = _failed(h)
+            assert err.status_code in (S.LLM_ENGINE_FINALIZED, S.LLM_LINK_FAILED,
+                                       S.LLM_FAILED), err
+        assert time.monotonic() - start < BOUND_S
