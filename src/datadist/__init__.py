@@ -19,6 +19,7 @@ from datadist.api.metrics import metrics, metrics_collector, reset_metrics
 from datadist.api.notices import DatadistWarning, LinkFailedWarning, NotListeningWarning
 from datadist.api.status import LLMException, LLMStatusCode, Status
 from datadist.api.tasks import CacheTask
+from datadist.api.transfer_handle import TransferHandle as TransferHandle  # explicit re-export
 from datadist.api.types import (
     BlocksCacheKey,
     Cache,
@@ -66,9 +67,10 @@ def __getattr__(name: str) -> Any:
 
 _: object = CacheManager  # re-exported for type hints; not in llm_datadist's __all__
 # datadist's own extras, outside llm_datadist's __all__: metrics(), reset_metrics(),
-# metrics_collector() (Prometheus), the warnings of api/notices.py
+# metrics_collector() (Prometheus), the warnings of api/notices.py, the TransferHandle that
+# CacheManager's *_async transfers return
 _ = (metrics, metrics_collector, reset_metrics, DatadistWarning, LinkFailedWarning,
-     NotListeningWarning)
+     NotListeningWarning, TransferHandle)
 
 # Every logger of the library hangs under "datadist"; the application decides where they go.
 logging.getLogger("datadist").addHandler(logging.NullHandler())

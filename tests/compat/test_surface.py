@@ -282,6 +282,9 @@ EXTRAS = {
                   "max_connections_per_peer", "nixl_serve", "nixl_allow_whole_process_access"},
     "LLMDataDist": {"engine", "listen_address", "last_link_failure"},
     "DataType": {"itemsize"},
+    "CacheManager": {"pull_cache_async", "pull_blocks_async", "push_cache_async",
+                     "push_blocks_async"},
+    "KvCacheManager": {"pull_cache_async", "pull_blocks_async"},
 }
 
 ENUMS = {"LLMStatusCode", "LLMRole", "DataType", "Placement", "RegisterMemStatus", "Memtype"}

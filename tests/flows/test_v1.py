@@ -176,6 +176,46 @@ class TestPullBlocks:
                 call()
 
 
+class TestIssuedPulls:
+    """pull_cache_async / pull_blocks_async (datadist extension): the blocking calls' bytes,
+    their argument errors at the call, the transfer's failures from wait()."""
+
+    def test_same_bytes_as_the_blocking_calls(self, v1):
+        p, d = v1
+        pc = p.kv.allocate_cache(desc((2, 64), n=4))
+        p.fill(pc, 5)
+        a, b = d.kv.allocate_cache(desc((2, 64), n=4)), d.kv.allocate_cache(desc((2, 64), n=4))
+        key = llm.CacheKeyByIdAndIndex(PROMPT_ID, pc.cache_id, 1)
+        kwargs = {"src_cache_offset": 16, "dst_cache_offset": 72}
+        d.kv.pull_cache(key, a, 0, 40, **kwargs)
+        handle = d.kv.pull_cache_async(key, b, 0, 40, **kwargs)
+        handle.wait(10)
+        assert handle.status == S.LLM_SUCCESS
+        np.testing.assert_array_equal(d.read(b), d.read(a))
+        pb = p.kv.allocate_blocks_cache(desc((8, 16)), llm.BlocksCacheKey(PROMPT_ID, 4))
+        p.fill(pb, 6)
+        x, y = d.kv.allocate_blocks_cache(desc((8, 16))), d.kv.allocate_blocks_cache(desc((8, 16)))
+        d.kv.pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 4), x, [0, 1, 5], [7, 2, 3])
+        d.kv.pull_blocks_async(llm.BlocksCacheKey(PROMPT_ID, 4), y, [0, 1, 5], [7, 2, 3]).wait()
+        np.testing.assert_array_equal(d.read(y), d.read(x))
+        assert d.read(y).any()
+
+    def test_errors(self, v1):
+        p, d = v1
+        pc = p.kv.allocate_cache(desc())
+        dc = d.kv.allocate_cache(desc())
+        with code(S.LLM_PARAM_INVALID):  # only a decoder pulls: refused at the call
+            p.kv.pull_cache_async(llm.CacheKeyByIdAndIndex(DECODER_ID, 1), pc)
+        with pytest.raises(ValueError):
+            d.kv.pull_cache_async(llm.CacheKeyByIdAndIndex(PROMPT_ID, 1), dc, src_cache_offset=-1)
+        with code(S.LLM_PARAM_INVALID):
+            d.kv.pull_blocks_async(llm.BlocksCacheKey(PROMPT_ID, 3), dc, [0], [1])
+        handle = d.kv.pull_cache_async(llm.CacheKeyByIdAndIndex(99, 1), dc)  # not linked
+        with code(S.LLM_NOT_YET_LINK):
+            handle.wait(10)
+        assert handle.status == S.LLM_NOT_YET_LINK
+
+
 # ================================================================================ roles
 
 

@@ -237,3 +237,21 @@ def test_share_gil_while_without_vllm_is_a_no_op(monkeypatch):
 
     monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, None)  # import raises ImportError
     assert not spin.share_gil_while(lambda: True, 0.0002)
+
+
+def test_the_spin_loop_is_patched_for_the_python_engine_only(monkeypatch):
+    """Only the Python engine's threads need the GIL: with an engine that says ``native``
+    vLLM's loop stays vLLM's."""
+    import types
+
+    from datadist.core.engine import Engine
+    from datadist.integrations.vllm import spin
+
+    fake = types.ModuleType(spin.SPIN_MODULE)
+    plain = fake.sched_yield = lambda: None
+    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, fake)
+    assert Engine.native is False
+    assert not spin.share_gil_for(types.SimpleNamespace(native=True), lambda: True, 0.0002)
+    assert fake.sched_yield is plain
+    assert spin.share_gil_for(types.SimpleNamespace(native=False), lambda: True, 0.0002)
+    assert fake.sched_yield is not plain

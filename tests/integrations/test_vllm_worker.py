@@ -7,6 +7,7 @@ it the way the decode side of the connector does: link, mailbox check, pull_bloc
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 
 import numpy as np
@@ -29,7 +30,7 @@ def _kv(fill: float = 0.0) -> tuple[list[np.ndarray], KvLayout]:
                           llm_datadist.DataType.DT_FLOAT, 1)
 
 
-def _producer(addr_q, cmd_q, out_q, abort_timeout_s: float) -> None:
+def _producer(addr_q, cmd_q, out_q, abort_timeout_s: float, extra: int = 0) -> None:
     arrs, layout = _kv()
     for layer, a in enumerate(arrs):
         for b in range(BLOCKS):
@@ -38,12 +39,15 @@ def _producer(addr_q, cmd_q, out_q, abort_timeout_s: float) -> None:
                        consumer=False)
     w.start(layout)
     w.hold([SendTask("p1", 3, TAG)])
+    # ``extra`` more finished requests: q<i> holds blocks i and i + 1 in slot 10 + i
+    w.hold([SendTask(f"q{i}", 10 + i, f"{i:02x}" * 16) for i in range(extra)])
     addr_q.put((w.address.host, w.address.port, w.cluster_id))
     freed: set[str] = set()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and cmd_q.empty():
         freed |= w.poll_sent()
         time.sleep(0.01)
+    freed |= w.poll_sent()  # DONEs that landed since the last step
     out_q.put((sorted(freed), w.stats.sent_notified, w.stats.sent_expired))
     w.close()
 
@@ -53,9 +57,9 @@ def producer():
     ctx = mp.get_context("spawn")
     procs = []
 
-    def start(abort_timeout_s: float = 30.0):
+    def start(abort_timeout_s: float = 30.0, extra: int = 0):
         addr_q, cmd_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=_producer, args=(addr_q, cmd_q, out_q, abort_timeout_s),
+        p = ctx.Process(target=_producer, args=(addr_q, cmd_q, out_q, abort_timeout_s, extra),
                         daemon=True)
         p.start()
         procs.append(p)
@@ -74,13 +78,14 @@ def _consumer(**kw) -> tuple[DatadistWorker, list[np.ndarray]]:
     return w, arrs
 
 
-def _task(addr, blocks=(5, 9, 3), local=(0, 1, 2), tokens=70) -> RecvTask:
+def _task(addr, blocks=(5, 9, 3), local=(0, 1, 2), tokens=70, *, rid="d1", remote="p1",
+          slot=3, tag=TAG) -> RecvTask:
     host, port, cid = addr
     params = {"remote_block_ids": list(blocks), "remote_num_tokens": tokens,
-              "remote_request_id": "p1",
-              "datadist": {"workers": [[host, port, cid]], "block_size": 32, "slot": 3,
-                           "tag": TAG}}
-    return RecvTask("d1", list(local), RemoteRequest.parse(params))
+              "remote_request_id": remote,
+              "datadist": {"workers": [[host, port, cid]], "block_size": 32, "slot": slot,
+                           "tag": tag}}
+    return RecvTask(rid, list(local), RemoteRequest.parse(params))
 
 
 def _wait(w: DatadistWorker, timeout: float = 30) -> tuple[set[str], set[str]]:
@@ -166,5 +171,38 @@ def test_kv_both_worker_serves_and_pulls(producer):
         w.submit([_task(addr)])
         assert _wait(w) == ({"d1"}, set())
         assert (arrs[1][0] == 100 + 5).all()
+    finally:
+        w.close()
+
+
+def test_many_requests_pull_at_once_without_a_thread_each(producer):
+    """The consumer issues its transfers and polls them from poll_recv: no puller thread,
+    and the thread count does not grow with the requests in flight."""
+    n = 12
+    _, addr, cmd_q, out_q = producer(extra=n)
+    w, arrs = _consumer()
+    try:
+        before = threading.active_count()
+        w.submit([_task(addr, blocks=(i, i + 1), local=(i, i + 1), tokens=64, rid=f"d{i}",
+                        remote=f"q{i}", slot=10 + i, tag=f"{i:02x}" * 16)
+                  for i in range(0, n, 2)])
+        done: set[str] = set()
+        peak = before
+        deadline = time.monotonic() + 30
+        while len(done) < n // 2 and time.monotonic() < deadline:
+            got, failed = w.poll_recv()
+            assert not failed
+            done |= got
+            peak = max(peak, threading.active_count())
+            time.sleep(0.002)
+        assert done == {f"d{i}" for i in range(0, n, 2)}
+        assert not any(t.name.startswith("datadist-puller") for t in threading.enumerate())
+        assert peak - before <= 6, f"{peak - before} threads for {n // 2} requests"
+        for layer, a in enumerate(arrs):
+            for b in range(n):
+                assert (a[b] == 100 * layer + b).all()
+        cmd_q.put("stop")
+        freed, notified, _ = out_q.get(timeout=30)
+        assert notified == n // 2 and {f"q{i}" for i in range(0, n, 2)} <= set(freed)
     finally:
         w.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from datadist.api.status import (
     raise_if_false,
     to_llm_exception,
 )
+from datadist.api.transfer_handle import TransferHandle
 from datadist.api.types import (
     BlocksCacheKey,
     Cache,
@@ -51,6 +52,7 @@ from datadist.core.errors import DatadistError, InvalidArgument
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
+from datadist.wire.protocol import KeyRef
 
 _U64 = 2**64 - 1
 
@@ -159,6 +161,15 @@ def _not_own(engine: Engine, cluster_id: int) -> None:
     such rule: vllm-ascend's V0 connector pulls from a peer with its own id."""
     if cluster_id == engine.config.cluster_id:
         raise InvalidArgument(f"data can not be pulled from own cluster:{cluster_id}")
+
+
+class _Request(NamedTuple):
+    """A checked transfer call: the engine and the arguments of its pull / push (cluster
+    id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms."""
+
+    engine: Engine
+    args: tuple[int, KeyRef, int, layout.Plan, int]
+
 
 class CacheManager:
     """Caches, keys and transfers in cache-manager mode. Obtain via ``cache_manager``."""
@@ -407,6 +418,23 @@ class CacheManager:
 
         Blocks until done; LLMException LLM_TIMEOUT after ``sync_kv_timeout``.
         """
+        req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
+        with llm_errors("pull_cache"):
+            req.engine.pull(*req.args)
+
+    def pull_cache_async(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache,
+                         batch_index: int = 0, size: int = -1,
+                         **kwargs: Any) -> TransferHandle:
+        """:meth:`pull_cache`, issued (datadist extension): the same parameters and argument
+        checks (TypeError / ValueError / LLMException raised here, before anything is
+        issued); returns a :class:`~datadist.TransferHandle` at once, which reports the
+        transfer's outcome (every failure of the transfer itself, not linked included)."""
+        req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
+        return TransferHandle(req.engine.pull_async(*req.args), "pull_cache_async")
+
+    def _pull_cache_request(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
+                            kwargs: dict[str, Any]) -> _Request:
+        """pull_cache's checks, in the original's order; the engine's arguments."""
         engine = self._engine_or_raise()
         # v2/cache_manager.py pull_cache's order: the key's type (for the mode), the cache,
         # batch_index, size, the kind of cache, size's value, tensor_num_per_layer, the key's
@@ -440,13 +468,31 @@ class CacheManager:
             plan = prepared_plan(("pull_slot", geo, batch_index, size, layer_pair(src_range),
                                   layer_pair(dst_range), n), build)
             _not_own(engine, cache_key.cluster_id)
-            engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, cache.cache_id)
+        return _Request(engine, (cache_key.cluster_id, key_ref(cache_key), 0, plan,
+                                 cache.cache_id))
 
     def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
                     dst_cache: Cache, src_blocks: tuple[int, ...] | list[int] = (),
                     dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> None:
         """Read remote blocks ``src_blocks[i]`` into local blocks ``dst_blocks[i]``; with a
         CacheKey / CacheKeyByIdAndIndex, split a contiguous remote slot into the blocks."""
+        req = self._pull_blocks_request(src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                        kwargs)
+        with llm_errors("pull_blocks"):
+            req.engine.pull(*req.args)
+
+    def pull_blocks_async(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+                          dst_cache: Cache, src_blocks: tuple[int, ...] | list[int] = (),
+                          dst_blocks: tuple[int, ...] | list[int] = (),
+                          **kwargs: Any) -> TransferHandle:
+        """:meth:`pull_blocks`, issued (datadist extension): as :meth:`pull_cache_async`."""
+        req = self._pull_blocks_request(src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                        kwargs)
+        return TransferHandle(req.engine.pull_async(*req.args), "pull_blocks_async")
+
+    def _pull_blocks_request(self, src_cache_key: Any, dst_cache: Any, src_blocks: Any,
+                             dst_blocks: Any, kwargs: dict[str, Any]) -> _Request:
+        """pull_blocks's checks, in the original's order; the engine's arguments."""
         engine = self._engine_or_raise()
         check_isinstance("src_cache_key", src_cache_key,
                          (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey), allow_none=False)
@@ -484,8 +530,8 @@ class CacheManager:
             plan = prepared_plan(("pull_blocks", by_blocks, geo, exact(src), exact(dst),
                                   layer_pair(src_range), layer_pair(dst_range), n), build, dst)
             _not_own(engine, src_cache_key.cluster_id)
-            engine.pull(src_cache_key.cluster_id, key_ref(src_cache_key),
-                        geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id)
+        return _Request(engine, (src_cache_key.cluster_id, key_ref(src_cache_key),
+                                 geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id))
 
     # ------------------------------------------------------------------ pushes
 
@@ -500,6 +546,26 @@ class CacheManager:
                    dst_layer_range: range | None = None, size: int = -1,
                    tensor_num_per_layer: int = 2) -> None:
         """Write local slot ``src_batch_index`` into the remote cache id / batch slot."""
+        req = self._push_cache_request(dst_cache_key, src_cache, src_batch_index,
+                                       src_layer_range, dst_layer_range, size,
+                                       tensor_num_per_layer)
+        with llm_errors("push_cache"):
+            req.engine.push(*req.args)
+
+    def push_cache_async(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
+                         src_batch_index: int = 0, src_layer_range: range | None = None,
+                         dst_layer_range: range | None = None, size: int = -1,
+                         tensor_num_per_layer: int = 2) -> TransferHandle:
+        """:meth:`push_cache`, issued (datadist extension): as :meth:`pull_cache_async`."""
+        req = self._push_cache_request(dst_cache_key, src_cache, src_batch_index,
+                                       src_layer_range, dst_layer_range, size,
+                                       tensor_num_per_layer)
+        return TransferHandle(req.engine.push_async(*req.args), "push_cache_async")
+
+    def _push_cache_request(self, dst_cache_key: Any, src_cache: Any, src_batch_index: Any,
+                            src_layer_range: Any, dst_layer_range: Any, size: Any,
+                            tensor_num_per_layer: Any) -> _Request:
+        """push_cache's checks, in the original's order; the engine's arguments."""
         engine = self._engine_or_raise()
         # v2/cache_manager.py push_cache's order: the mode, the types, the kind of cache, the
         # layers, then the size; the registry (the native layer there) after them all
@@ -521,8 +587,8 @@ class CacheManager:
         pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
         with llm_errors("push_cache"):
             plan = layout.plan_slot(geo, src_batch_index, pairs, size)
-            engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
-                        src_cache.cache_id)
+        return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
+                                 src_cache.cache_id))
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
                     src_blocks: tuple[int, ...] | list[int] = (),
@@ -530,6 +596,26 @@ class CacheManager:
                     src_layer_range: range | None = None, dst_layer_range: range | None = None,
                     tensor_num_per_layer: int = 2) -> None:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
+        req = self._push_blocks_request(dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                        src_layer_range, dst_layer_range, tensor_num_per_layer)
+        with llm_errors("push_blocks"):
+            req.engine.push(*req.args)
+
+    def push_blocks_async(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
+                          src_blocks: tuple[int, ...] | list[int] = (),
+                          dst_blocks: tuple[int, ...] | list[int] = (),
+                          src_layer_range: range | None = None,
+                          dst_layer_range: range | None = None,
+                          tensor_num_per_layer: int = 2) -> TransferHandle:
+        """:meth:`push_blocks`, issued (datadist extension): as :meth:`pull_cache_async`."""
+        req = self._push_blocks_request(dst_cache_key, src_cache, src_blocks, dst_blocks,
+                                        src_layer_range, dst_layer_range, tensor_num_per_layer)
+        return TransferHandle(req.engine.push_async(*req.args), "push_blocks_async")
+
+    def _push_blocks_request(self, dst_cache_key: Any, src_cache: Any, src_blocks: Any,
+                             dst_blocks: Any, src_layer_range: Any, dst_layer_range: Any,
+                             tensor_num_per_layer: Any) -> _Request:
+        """push_blocks's checks, in the original's order; the engine's arguments."""
         engine = self._engine_or_raise()
         # v2/cache_manager.py push_blocks's order, as push_cache's
         self._require_remote_accessible("push_blocks")
@@ -553,8 +639,8 @@ class CacheManager:
 
             plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), layer_pair(src_range),
                                   layer_pair(dst_range), n), build, dst)
-            engine.push(dst_cache_key.cluster_id, key_ref(dst_cache_key), geo.unit_bytes,
-                        plan, src_cache.cache_id)
+        return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key),
+                                 geo.unit_bytes, plan, src_cache.cache_id))
 
     # ------------------------------------------------------------------ local copies
     # Argument rules shared with the legacy KvCacheManager live in api/local_ops.py and

@@ -53,6 +53,7 @@ from datadist.api.status import (
     raise_if_false,
 )
 from datadist.api.tasks import CacheTask
+from datadist.api.transfer_handle import TransferHandle
 from datadist.api.types import (
     UINT64_MAX,
     BlocksCacheKey,
@@ -70,12 +71,15 @@ from datadist.core.engine import DEVICE, Engine
 from datadist.core.errors import DatadistError
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
+from datadist.wire.protocol import KeyRef
 
 DEFAULT_POOL_BYTES = 1 << 30
 OPT_FLOW_GRAPH_MEM_MAX_SIZE = "ge.flowGraphMemMaxSize"
 OPT_BUF_POOL = "llm.BufPoolCfg"
 _PULL_CACHE_KWARGS = ("src_layer_range", "dst_layer_range", "src_cache_offset",
                       "dst_cache_offset", "tensor_num_per_layer")
+# The engine's pull arguments: cluster id, wire key, unit bytes, plan, local cache id
+_PullArgs = tuple[int, KeyRef, int, layout.Plan, int]
 _PULL_BLOCKS_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
 
@@ -372,6 +376,22 @@ class KvCacheManager:
         at ``dst_cache_offset``. kwargs: ``src_layer_range``, ``dst_layer_range``,
         ``src_cache_offset``, ``dst_cache_offset``, ``tensor_num_per_layer`` (2)."""
         engine = self._engine_or_raise()
+        args = self._pull_cache_args(engine, cache_key, kv_cache, batch_index, size, kwargs)
+        with llm_errors("pull_cache"):
+            engine.pull(*args)
+
+    def pull_cache_async(self, cache_key: CacheKey | CacheKeyByIdAndIndex, kv_cache: KvCache,
+                         batch_index: int = 0, size: int = -1,
+                         **kwargs: Any) -> TransferHandle:
+        """:meth:`pull_cache`, issued (datadist extension): the same checks, raised here;
+        returns a :class:`~datadist.TransferHandle` at once (see CacheManager's)."""
+        engine = self._engine_or_raise()
+        args = self._pull_cache_args(engine, cache_key, kv_cache, batch_index, size, kwargs)
+        return TransferHandle(engine.pull_async(*args), "pull_cache_async")
+
+    def _pull_cache_args(self, engine: Engine, cache_key: Any, kv_cache: Any, batch_index: Any,
+                         size: Any, kwargs: dict[str, Any]) -> _PullArgs:
+        """pull_cache's checks after the engine's; the engine's pull arguments."""
         self._check_role("pull_cache", LLMRole.DECODER)
         self._kwargs(kwargs, _PULL_CACHE_KWARGS)
         check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
@@ -398,13 +418,31 @@ class KvCacheManager:
 
             plan = prepared_plan(("v1_pull_slot", geo, batch_index, size, src_off, dst_off,
                                   layer_pair(src_range), layer_pair(dst_range), n), build)
-            engine.pull(cache_key.cluster_id, key_ref(cache_key), 0, plan, kv_cache.cache_id)
+        return cache_key.cluster_id, key_ref(cache_key), 0, plan, kv_cache.cache_id
 
     def pull_blocks(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache,
                     prompt_blocks: list[int], decoder_blocks: list[int], **kwargs: Any) -> None:
         """DECODER only: remote block ``prompt_blocks[i]`` into ``decoder_blocks[i]``. Both
         lists non-empty, of the same length, and lists (not tuples)."""
         engine = self._engine_or_raise()
+        args = self._pull_blocks_args(engine, prompt_cache_key, decoder_kv_cache, prompt_blocks,
+                                      decoder_blocks, kwargs)
+        with llm_errors("pull_blocks"):
+            engine.pull(*args)
+
+    def pull_blocks_async(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache,
+                          prompt_blocks: list[int], decoder_blocks: list[int],
+                          **kwargs: Any) -> TransferHandle:
+        """:meth:`pull_blocks`, issued (datadist extension): as :meth:`pull_cache_async`."""
+        engine = self._engine_or_raise()
+        args = self._pull_blocks_args(engine, prompt_cache_key, decoder_kv_cache, prompt_blocks,
+                                      decoder_blocks, kwargs)
+        return TransferHandle(engine.pull_async(*args), "pull_blocks_async")
+
+    def _pull_blocks_args(self, engine: Engine, prompt_cache_key: Any, decoder_kv_cache: Any,
+                          prompt_blocks: Any, decoder_blocks: Any,
+                          kwargs: dict[str, Any]) -> _PullArgs:
+        """pull_blocks's checks after the engine's; the engine's pull arguments."""
         self._check_role("pull_blocks", LLMRole.DECODER)
         self._kwargs(kwargs, _PULL_BLOCKS_KWARGS)
         check_isinstance("prompt_cache_key", prompt_cache_key, BlocksCacheKey, allow_none=False)
@@ -430,8 +468,8 @@ class KvCacheManager:
 
             plan = prepared_plan(("v1_pull_blocks", geo, exact(src), exact(dst),
                                   layer_pair(src_range), layer_pair(dst_range), n), build, dst)
-            engine.pull(prompt_cache_key.cluster_id, key_ref(prompt_cache_key), geo.unit_bytes,
-                        plan, decoder_kv_cache.cache_id)
+        return (prompt_cache_key.cluster_id, key_ref(prompt_cache_key), geo.unit_bytes, plan,
+                decoder_kv_cache.cache_id)
 
     @staticmethod
     def check_cache_key(cache_key: CacheKey) -> None:

@@ -4,7 +4,9 @@ Who calls: the api facade (``LLMDataDist``, ``CacheManager``), with typed argume
 transports call back into it as the owner side of the protocol (:class:`RequestHandler`).
 
 Blocking: ``link``/``unlink``/``pull``/``push`` block up to their deadline; everything else
-returns at once (``unregister`` waits for live leases, bounded). Thread-safe.
+returns at once (``unregister`` waits for live leases, bounded). ``pull_async``/``push_async``
+return a ``core.transfers.Transfer`` at once and run on the engine's transfer pool (at most
+POOL_THREADS threads). Thread-safe.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from datadist.core.registry import (
     check_request_size,
     close_fences,
 )
+from datadist.core.transfers import POOL_THREADS, Job, Transfer, TransferPool
 from datadist.memory import mapped, shared
 from datadist.memory.pool import HostPool, PoolConfig
 from datadist.memory.spans import shm_pays
@@ -91,9 +94,21 @@ _LEASABLE = (p.KeyKind.CACHE_ID, p.KeyKind.BLOCKS_KEY)
 _F = TypeVar("_F", bound=Callable[..., None])
 
 
+def _record(op: str, cluster_id: int, plan: Plan, t0: float,
+            error: BaseException | None) -> None:
+    """Record one transfer's outcome in :data:`metrics.PROCESS`: its duration since ``t0``,
+    its bytes when it succeeded, its status code's name when it failed."""
+    dt = time.perf_counter() - t0
+    if error is None:
+        metrics.PROCESS.record(op, cluster_id, plan.nbytes, dt)
+    elif isinstance(error, DatadistError):
+        metrics.PROCESS.record(op, cluster_id, 0, dt, Code(error.code).status_name)
+    else:
+        metrics.PROCESS.record(op, cluster_id, 0, dt, "LLM_FAILED")
+
+
 def _counted(op: str) -> Callable[[_F], _F]:
-    """Record a transfer method's outcome in :data:`metrics.PROCESS`: its duration, its bytes
-    when it succeeded, its status code's name when it failed."""
+    """Record a transfer method's outcome (:func:`_record`)."""
 
     def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
@@ -102,15 +117,10 @@ def _counted(op: str) -> Callable[[_F], _F]:
             t0 = time.perf_counter()
             try:
                 fn(self, cluster_id, key, unit_bytes, plan, *args, **kwargs)
-            except DatadistError as e:
-                metrics.PROCESS.record(op, cluster_id, 0, time.perf_counter() - t0,
-                                       Code(e.code).status_name)
+            except BaseException as e:
+                _record(op, cluster_id, plan, t0, e)
                 raise
-            except BaseException:
-                metrics.PROCESS.record(op, cluster_id, 0, time.perf_counter() - t0,
-                                       "LLM_FAILED")
-                raise
-            metrics.PROCESS.record(op, cluster_id, plan.nbytes, time.perf_counter() - t0)
+            _record(op, cluster_id, plan, t0, None)
 
         # Called exactly as ``fn`` (same parameters, passed through): ``fn``'s type.
         return cast(_F, counted)
@@ -225,6 +235,10 @@ def _connect_nixl(path: Any, chan: Channel, connect: Callable[[float], tuple[Cha
 class Engine:
     """Typed core of datadist. Created by ``LLMDataDist.init``, closed by ``finalize``."""
 
+    #: The Python engine: its serving and transfer threads need the GIL (the native engine,
+    #: ``datadist._core``, says True). The vLLM connector keeps its GIL workaround for False.
+    native = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.role = config.role
@@ -243,6 +257,8 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self._stop = threading.Event()  # set at close: ends the reverse channels we serve
+        # pull_async / push_async run here: a few threads, started by the first ones
+        self._transfers = TransferPool(POOL_THREADS, f"datadist-xfer-{config.cluster_id}")
         # One budget of connections for every listener of ours (TCP and the local channel)
         self._budget = ConnBudget(config.max_connections, config.max_connections_per_peer)
         self.listener: TcpListener[Lease] | None = None
@@ -384,6 +400,7 @@ class Engine:
                 return
             self._closed = True
             links = [*self._links.values(), *self._reverse.values()]
+        self._transfers.close()  # queued asynchronous transfers fail (ENGINE_FINALIZED)
         self._nixl_revoke(lambda held: True)  # while the reverse channels are up
         with self._lock:
             self._links.clear()
@@ -397,6 +414,9 @@ class Engine:
             self.local_listener.close()
         if PTRACER.release(id(self)):
             log.info("same-host readers: %s", PTRACER.state)
+        # Running asynchronous transfers end with their links (or their deadline); their
+        # local caches are held until then, which the wait below covers too.
+        self._transfers.join(CLOSE_LEASE_WAIT)
         # Every cache not yet released, however it is held (a deallocated cache still bound
         # to a key counts): a serving thread may still be reading any of them.
         entries = self.registry.clear()
@@ -707,25 +727,78 @@ class Engine:
         Blocks until every byte has landed or the deadline (``sync_timeout``) passes.
         """
         self._check_open()
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
+        deadline = self._deadline(timeout)
         entry = self.registry.hold(dst_cache_id)
         try:
-            local = self._local_iov(plan, entry)
-            link = self.get_link(cluster_id)
-            if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
-                    and not self.config.verify
-                    and self._move_leased(link, link.path, key, unit_bytes, plan, entry, local,
-                                          deadline)):
-                return
-            flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
-            if plan.whole:
-                flags |= p.ReadFlags.WHOLE
-            msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
-                         plan.lengths, wire_layout(entry.geometry))
-            link.run(deadline,
-                     lambda path, chan: path.read(chan, msg, local, deadline))
+            self._pull_held(cluster_id, key, unit_bytes, plan, entry, deadline)
         finally:
             self.registry.unhold(entry)
+
+    def pull_async(
+        self,
+        cluster_id: int,
+        key: p.KeyRef,
+        unit_bytes: int,
+        plan: Plan,
+        dst_cache_id: int,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """:meth:`pull`, issued: returns at once a :class:`Transfer` that a pool thread
+        completes (``done()``, ``wait(timeout_s)``, ``error()``). Never raises: every failure,
+        an unknown local cache or a finalized engine included, is the transfer's ``error()``.
+        The deadline starts now; the local cache is held (its memory kept, ``unregister``
+        waiting) from now until the transfer ends. Metrics as :meth:`pull`'s."""
+        return self._issue("pull", cluster_id, plan, dst_cache_id, timeout,
+                           lambda entry, deadline: self._pull_held(
+                               cluster_id, key, unit_bytes, plan, entry, deadline))
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
+
+    def _issue(self, op: str, cluster_id: int, plan: Plan, cache_id: int,
+               timeout: float | None,
+               body: Callable[[CacheEntry, float], None]) -> Transfer:
+        """Hold the local cache, then queue ``body(entry, deadline)`` on the transfer pool."""
+        t0 = time.perf_counter()
+        deadline = self._deadline(timeout)
+        transfer = Transfer(f"{op} cluster={cluster_id} cache={cache_id}")
+        try:
+            self._check_open()
+            entry = self.registry.hold(cache_id)
+        except DatadistError as e:
+            _record(op, cluster_id, plan, t0, e)
+            transfer._finish(e)
+            return transfer
+
+        def run() -> None:
+            if time.monotonic() >= deadline:  # queued behind others past its deadline
+                raise Timeout(f"the {op} waited in the queue past its deadline; nothing moved")
+            body(entry, deadline)
+
+        def finish(error: BaseException | None) -> None:
+            self.registry.unhold(entry)
+            _record(op, cluster_id, plan, t0, error)
+
+        self._transfers.submit(Job(transfer, run, finish))
+        return transfer
+
+    def _pull_held(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+                   entry: CacheEntry, deadline: float) -> None:
+        """The body of a pull into ``entry``, which the caller holds."""
+        local = self._local_iov(plan, entry)
+        link = self.get_link(cluster_id)
+        if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
+                and not self.config.verify
+                and self._move_leased(link, link.path, key, unit_bytes, plan, entry, local,
+                                      deadline)):
+            return
+        flags = p.ReadFlags.CHECKSUM if self.config.verify else p.ReadFlags.NONE
+        if plan.whole:
+            flags |= p.ReadFlags.WHOLE
+        msg = p.Read(key, unit_bytes, flags, plan.remote_tensors, plan.remote_offsets,
+                     plan.lengths, wire_layout(entry.geometry))
+        link.run(deadline,
+                 lambda path, chan: path.read(chan, msg, local, deadline))
 
     def _local_iov(self, plan: Plan, entry: CacheEntry) -> np.ndarray:
         """The local spans of ``plan`` in ``entry``'s memory as an iovec array, once the plan
@@ -807,25 +880,45 @@ class Engine:
     ) -> None:
         """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key`` names."""
         self._check_open()
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.sync_timeout)
+        deadline = self._deadline(timeout)
         entry = self.registry.hold(src_cache_id)
         try:
-            local = self._local_iov(plan, entry)
-            link = self.get_link(cluster_id)
-            msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
-                          plan.lengths, wire_layout(entry.geometry))
-            if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
-                    and self._move_leased(link, link.path, key, unit_bytes, plan, entry,
-                                          local, deadline, write=True)):
-                return
-            # Pushes go over the control channel (the owner must check the spans before
-            # anything lands, which is what the two-step Write does), on the same host under
-            # a write lease, or, on the NIXL path, as one NIXL WRITE into spans the owner
-            # checked and leased (NixlWrite).
-            link.run(deadline, lambda path, chan: (
-                path if path.caps.name == "nixl" else _TCP).write(chan, msg, local, deadline))
+            self._push_held(cluster_id, key, unit_bytes, plan, entry, deadline)
         finally:
             self.registry.unhold(entry)
+
+    def push_async(
+        self,
+        cluster_id: int,
+        key: p.KeyRef,
+        unit_bytes: int,
+        plan: Plan,
+        src_cache_id: int,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """:meth:`push`, issued: as :meth:`pull_async` (the source cache held until the
+        transfer ends)."""
+        return self._issue("push", cluster_id, plan, src_cache_id, timeout,
+                           lambda entry, deadline: self._push_held(
+                               cluster_id, key, unit_bytes, plan, entry, deadline))
+
+    def _push_held(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+                   entry: CacheEntry, deadline: float) -> None:
+        """The body of a push from ``entry``, which the caller holds."""
+        local = self._local_iov(plan, entry)
+        link = self.get_link(cluster_id)
+        msg = p.Write(key, unit_bytes, 0, plan.remote_tensors, plan.remote_offsets,
+                      plan.lengths, wire_layout(entry.geometry))
+        if (key.kind in _LEASABLE and isinstance(link.path, CmaPath) and link.path.leases
+                and self._move_leased(link, link.path, key, unit_bytes, plan, entry,
+                                      local, deadline, write=True)):
+            return
+        # Pushes go over the control channel (the owner must check the spans before
+        # anything lands, which is what the two-step Write does), on the same host under
+        # a write lease, or, on the NIXL path, as one NIXL WRITE into spans the owner
+        # checked and leased (NixlWrite).
+        link.run(deadline, lambda path, chan: (
+            path if path.caps.name == "nixl" else _TCP).write(chan, msg, local, deadline))
 
     # ------------------------------------------------------------------ owner side
 

@@ -516,6 +516,9 @@ class Registry:
         with self._lock:
             entry.leases -= 1
             self._maybe_release(entry)
+            # unregister waits for the last hold (a pull into the cache, in another thread
+            # or issued): without this it slept its whole 30 s bound
+            self._changed.notify_all()
 
     def open(
         self,

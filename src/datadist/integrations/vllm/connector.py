@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from datadist.integrations.vllm.layout import kv_layout
 from datadist.integrations.vllm.scheduler import RecvTask, SchedulerSide, StepMeta
 from datadist.integrations.vllm.settings import LOGGER_NAME, ROLES, Settings, WorkerAddress
-from datadist.integrations.vllm.spin import share_gil_while
+from datadist.integrations.vllm.spin import share_gil_for
 from datadist.integrations.vllm.worker import DatadistWorker
 
 if TYPE_CHECKING:
@@ -93,10 +93,8 @@ class DatadistConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size,
                 producer=producer, consumer=consumer)
         else:
-            worker = DatadistWorker(self.settings, producer=producer, consumer=consumer,
-                                    rank=_tp_rank(), on_pulled=self._on_pulled)
-            self._worker = worker
-            share_gil_while(lambda: worker.active, self.settings.yield_us / 1e6)
+            self._worker = DatadistWorker(self.settings, producer=producer, consumer=consumer,
+                                          rank=_tp_rank(), on_pulled=self._on_pulled)
 
     # ================================================================== scheduler side
 
@@ -145,7 +143,14 @@ class DatadistConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         layout, self._kv_tensors = kv_layout(kv_caches)
-        self._worker.start(layout)
+        worker = self._worker
+        worker.start(layout)
+        # The Python engine's threads need the GIL that vLLM's spin loop keeps; the native
+        # engine's never take it, and vLLM's loop is left alone (spin.py).
+        patched = share_gil_for(worker.engine, lambda: worker.active,
+                                self.settings.yield_us / 1e6)
+        logger.debug("datadist: %s engine; vLLM's spin loop %s", "native" if getattr(
+            worker.engine, "native", False) else "Python", "patched" if patched else "untouched")
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.address is None:
@@ -189,7 +194,7 @@ class DatadistConnector(KVConnectorBase_V1):
             self._worker.close()
 
     def _on_pulled(self, task: RecvTask) -> None:
-        """Called on the puller thread after a request's blocks arrived in
+        """Called from ``get_finished`` (the worker's thread) after a request's blocks arrived in
         ``task.local_block_ids``, before vLLM is told. A hook for subclasses (the tests
         corrupt the KV here); does nothing."""
 

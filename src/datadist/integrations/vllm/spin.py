@@ -1,6 +1,12 @@
-"""Keep datadist's threads alive inside a vLLM worker process (no vLLM import at load time).
+"""Keep the Python engine's threads alive inside a vLLM worker process (no vLLM import at
+load time).
 
-Who calls: the connector's WORKER instance, once, in the worker process. Nothing blocks.
+Who calls: the connector's WORKER instance, once, in the worker process, after its datadist
+engine has started (:func:`share_gil_for`). Nothing blocks.
+
+Only the Python engine needs this: its serving and transfer threads run Python and wait for
+the GIL. The native engine (``engine.native`` True) never takes the GIL on its threads, so
+vLLM's loop is left alone with it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 SPIN_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+
+
+def share_gil_for(engine: object, active: Callable[[], bool], sleep_s: float) -> bool:
+    """:func:`share_gil_while` for the Python engine only; with a native engine
+    (``engine.native`` True) vLLM's loop is not touched. Returns whether it was patched."""
+    if getattr(engine, "native", False):
+        return False
+    return share_gil_while(active, sleep_s)
 
 
 def share_gil_while(active: Callable[[], bool], sleep_s: float) -> bool:

@@ -4,11 +4,14 @@ finished requests' blocks for decoders (producer), and pulls them (consumer). No
 Who calls what (connector.py, from vLLM's worker process):
 
 - ``start(layout)`` once, from ``register_kv_caches``: creates this process's LLMDataDist,
-  registers the KV cache as one blocks cache and the mailbox (mailbox.py), and starts the
-  puller thread on a consumer. Blocks up to the link timeout at most (it links nothing).
+  registers the KV cache as one blocks cache and the mailbox (mailbox.py). Links nothing.
 - ``hold`` / ``poll_sent`` on a producer and ``submit`` / ``poll_recv`` on a consumer, once per
-  engine step from the worker's main thread. None of them blocks: pulls run on the puller
-  thread, which bounds each one by ``sync_kv_timeout_ms`` and each link by ``link_timeout_ms``.
+  engine step from the worker's main thread. A consumer's pulls are issued transfers
+  (``pull_blocks_async``, NIXL's post-then-check): ``poll_recv`` checks their handles and
+  issues each request's next transfer (mailbox read, KV pull, mailbox read, DONE push), so no
+  thread of ours waits on a transfer. Each transfer is bounded by ``sync_kv_timeout_ms``; the
+  one blocking call left is the first pull from a producer, which links to it inside
+  ``poll_recv`` (up to ``link_timeout_ms``, once per producer).
 - ``close()`` at shutdown.
 
 Only datadist's public API is used (``import datadist as llm_datadist``), plus its documented
@@ -17,10 +20,9 @@ Only datadist's public API is used (``import datadist as llm_datadist``), plus i
 
 from __future__ import annotations
 
+import enum
 import logging
-import queue
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +43,15 @@ from datadist.transport.address import format_host_port
 
 logger = logging.getLogger(LOGGER_NAME)
 
-_OUTBOX_SLOTS = 2  # a consumer's local records: 0 = what it pushes, 1 = what it reads
+# Requests a consumer pulls at once; more wait their turn. Each has two local records in the
+# outbox: where its mailbox reads land, and the DONE it pushes.
+MAX_PULLS = 64
+_OUTBOX_SLOTS = 2 * MAX_PULLS
+# Link failures: a request failing with one of these drops the link (the next relinks).
+_LINK_CODES = frozenset({
+    llm_datadist.LLMStatusCode.LLM_LINK_FAILED, llm_datadist.LLMStatusCode.LLM_TIMEOUT,
+    llm_datadist.LLMStatusCode.LLM_NOT_YET_LINK,
+    llm_datadist.LLMStatusCode.LLM_SUSPECT_REMOTE_ERROR})
 
 
 class PullError(Exception):
@@ -63,6 +73,35 @@ class KvLayout:
     @property
     def num_layers(self) -> int:
         return len(self.addrs) // self.tensors_per_layer
+
+
+class _Step(enum.Enum):
+    """Where one request's pull is (Rules 2 and 3 of mailbox.py, in order)."""
+
+    CHECK_BEFORE = "mailbox read before the pull"
+    PULL = "KV pull"
+    CHECK_AFTER = "mailbox read after the pull"
+    NOTIFY = "DONE push"
+
+
+@dataclass
+class _Pull:
+    """One request being pulled: its step, the handle of its transfer in flight (None while
+    it waits to retry a mailbox read), its two outbox records."""
+
+    task: RecvTask
+    peer: WorkerAddress
+    tag: bytes
+    src: list[int]
+    record: int  # outbox record for its mailbox reads; record + 1 for its DONE
+    grace: float  # Rule 2's deadline for the producer's HELD
+    step: _Step = _Step.CHECK_BEFORE
+    handle: llm_datadist.TransferHandle | None = None
+    retry_at: float = 0.0
+    t0: float = 0.0
+    seconds: float = 0.0
+    failed: bool = False
+    reported: bool = False  # in poll_recv's answer already
 
 
 @dataclass
@@ -98,12 +137,11 @@ class DatadistWorker:
         self._outbox = mailbox.Mailbox(_OUTBOX_SLOTS)
         self._held: dict[str, tuple[int, bytes, float]] = {}
         self._links: dict[int, llm_datadist.LLMClusterInfo] = {}
-        self._tasks: queue.Queue[RecvTask | None] = queue.Queue()
-        self._lock = threading.Lock()
+        self._waiting: list[RecvTask] = []  # submitted, not yet started (MAX_PULLS)
+        self._pulls: list[_Pull] = []  # started: each with a transfer in flight or retrying
+        self._free_records = list(range(0, _OUTBOX_SLOTS, 2))
         self._done: set[str] = set()
         self._failed: set[str] = set()
-        self._inflight = 0
-        self._thread: threading.Thread | None = None
         self.address: WorkerAddress | None = None
 
     def __repr__(self) -> str:
@@ -114,7 +152,7 @@ class DatadistWorker:
     # ------------------------------------------------------------------ setup
 
     def start(self, layout: KvLayout) -> None:
-        """Create the LLMDataDist, register the KV cache and mailbox; start pulling."""
+        """Create the LLMDataDist, register the KV cache and mailbox."""
         if self._dd is not None:
             raise RuntimeError("DatadistWorker already started")
         cfg = llm_datadist.LLMConfig()
@@ -151,10 +189,6 @@ class DatadistWorker:
             listen = dd.listen_address
             assert listen is not None
             self.address = WorkerAddress(self.settings.host, listen[1], self.cluster_id)
-        if self.consumer:
-            self._thread = threading.Thread(target=self._pull_loop, daemon=True,
-                                            name=f"datadist-puller-{self.rank}")
-            self._thread.start()
         logger.info("datadist: worker %d started as cluster %d (%s%s), %d layers x %d blocks "
                     "of %s %s%s", self.rank, self.cluster_id,
                     "producer" if self.producer else "", "+consumer" if self.producer
@@ -199,80 +233,163 @@ class DatadistWorker:
 
     # ------------------------------------------------------------------ consumer
 
+    @property
+    def engine(self) -> object:
+        """This process's datadist engine (``native`` says which one); None before
+        ``start``."""
+        return None if self._dd is None else self._dd.engine
+
     def submit(self, tasks: list[RecvTask]) -> None:
-        """Queue pulls; their outcome shows in ``poll_recv`` of a later step."""
-        with self._lock:
-            self._inflight += len(tasks)
-        for t in tasks:
-            self._tasks.put(t)
+        """Queue pulls; their outcome shows in ``poll_recv`` of a later step. Never blocks:
+        the transfers are issued by ``poll_recv``."""
+        self._waiting.extend(tasks)
 
     @property
     def active(self) -> bool:
-        """Whether datadist threads of this process have work now or soon: requests held
-        for decoders (whose pulls this process serves) or pulls queued or running."""
-        return bool(self._held) or self._inflight > 0
+        """Whether datadist has work in this process now or soon: requests held for
+        decoders (whose pulls this process serves) or pulls queued or in flight."""
+        return bool(self._held) or bool(self._pulls) or bool(self._waiting)
 
     def poll_recv(self) -> tuple[set[str], set[str]]:
-        """(requests finished receiving, the subset that failed) since the last call."""
-        with self._lock:
-            done, failed = self._done, self._failed
-            self._done, self._failed = set(), set()
+        """(requests finished receiving, the subset that failed) since the last call.
+
+        Checks every pull's transfer in flight and issues its next one; starts queued
+        requests while fewer than MAX_PULLS run. Blocks only to link to a producer not linked
+        yet (up to ``link_timeout_ms``)."""
+        while self._waiting and self._free_records:
+            self._begin(self._waiting.pop(0))
+        for pull in list(self._pulls):
+            try:
+                self._advance(pull)
+            except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
+                self._fail(pull, e)
+        done, failed = self._done, self._failed
+        self._done, self._failed = set(), set()
         return done | failed, failed
 
-    def _pull_loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            try:
-                self._pull(task)
-            except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
-                self.stats.pull_failures += 1
-                logger.warning("datadist: pull of request %s (prefill request %s) failed: %s",
-                               task.request_id, task.remote.request_id, e)
-                with self._lock:
-                    self._failed.add(task.request_id)
-                    self._inflight -= 1
-            else:
-                with self._lock:
-                    self._done.add(task.request_id)
-                    self._inflight -= 1
-
-    def _pull(self, task: RecvTask) -> None:
-        assert self._dd is not None and self._kv is not None and self._layout is not None
+    def _begin(self, task: RecvTask) -> None:
+        """Start one request: link to its producer, then read its mailbox slot (Rule 2)."""
         remote = task.remote
-        if self.rank >= len(remote.workers):
-            raise PullError(f"prefill instance has {len(remote.workers)} workers, "
-                            f"we are rank {self.rank}")
-        peer = remote.workers[self.rank]
-        tag = bytes.fromhex(remote.tag)
-        src = remote.blocks_for(len(task.local_block_ids))
-        if not src:
-            return
+        record = self._free_records.pop()
+        pull = _Pull(task, remote.workers[0], b"", [], record,
+                     time.monotonic() + self.settings.hold_grace_s)
+        self._pulls.append(pull)
         try:
-            self._link(peer)
-            self._wait_held(peer, remote.slot, tag)
-            t0 = time.perf_counter()
-            self._dd.cache_manager.pull_blocks(
-                llm_datadist.BlocksCacheKey(peer.cluster_id, KV_MODEL_ID), self._kv,
-                src, task.local_block_ids)
-            dt = time.perf_counter() - t0
-            if self._read_slot(peer, remote.slot) != (tag, mailbox.HELD):
+            if self.rank >= len(remote.workers):
+                raise PullError(f"prefill instance has {len(remote.workers)} workers, "
+                                f"we are rank {self.rank}")
+            pull.peer = remote.workers[self.rank]
+            pull.tag = bytes.fromhex(remote.tag)
+            pull.src = remote.blocks_for(len(task.local_block_ids))
+            if not pull.src:
+                self._finish(pull)
+                return
+            self._link(pull.peer)
+            self._read_slot(pull)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
+            self._fail(pull, e)
+
+    def _advance(self, pull: _Pull) -> None:
+        """Move ``pull`` one step on if its transfer has ended; never blocks."""
+        if pull.handle is None:  # waiting to read the mailbox again
+            if time.monotonic() >= pull.retry_at:
+                self._read_slot(pull)
+            return
+        if not pull.handle.done():
+            return
+        handle, pull.handle = pull.handle, None
+        if pull.step is _Step.NOTIFY:  # Rule 3: best effort
+            if handle.exception() is not None:
+                logger.warning("datadist: could not tell cluster %d that slot %d was pulled: "
+                               "%s", pull.peer.cluster_id, pull.task.remote.slot,
+                               handle.exception())
+            self._finish(pull)
+            return
+        handle.wait(0)  # raises the transfer's LLMException
+        if pull.step is _Step.CHECK_BEFORE:
+            got_tag, state = mailbox.decode(self._outbox.buf[pull.record])
+            if got_tag == pull.tag and state == mailbox.HELD:
+                self._pull_kv(pull)
+            elif got_tag == pull.tag or time.monotonic() >= pull.grace:
+                raise PullError("the prefill instance no longer holds the request's blocks "
+                                "(freed by its abort timeout, or already pulled)")
+            else:  # the producer's next step marks it: read again in 10 ms
+                pull.retry_at = time.monotonic() + 0.01
+        elif pull.step is _Step.PULL:
+            pull.seconds = time.perf_counter() - pull.t0
+            pull.step = _Step.CHECK_AFTER
+            self._read_slot(pull)
+        elif pull.step is _Step.CHECK_AFTER:
+            if mailbox.decode(self._outbox.buf[pull.record]) != (pull.tag, mailbox.HELD):
                 raise PullError("the prefill instance freed the blocks during the pull")
-        except llm_datadist.LLMException as e:
-            self._drop_link(peer.cluster_id)
-            raise PullError(f"{type(e).__name__}: {e}") from e
+            self._pulled(pull)
+
+    def _read_slot(self, pull: _Pull) -> None:
+        """Issue the read of ``pull``'s mailbox slot into its outbox record."""
+        assert self._dd is not None and self._outbox_cache is not None
+        self._outbox.clear(pull.record)
+        pull.handle = self._dd.cache_manager.pull_blocks_async(
+            llm_datadist.BlocksCacheKey(pull.peer.cluster_id, MAILBOX_MODEL_ID),
+            self._outbox_cache, [pull.task.remote.slot], [pull.record])
+
+    def _pull_kv(self, pull: _Pull) -> None:
+        assert self._dd is not None and self._kv is not None
+        pull.step = _Step.PULL
+        pull.t0 = time.perf_counter()
+        pull.handle = self._dd.cache_manager.pull_blocks_async(
+            llm_datadist.BlocksCacheKey(pull.peer.cluster_id, KV_MODEL_ID), self._kv,
+            pull.src, pull.task.local_block_ids)
+
+    def _pulled(self, pull: _Pull) -> None:
+        """The KV has landed and both mailbox reads said HELD: count it, run the hook, and
+        push DONE (Rule 3); the request is reported once that push has ended."""
+        assert self._layout is not None and self._dd is not None
+        assert self._outbox_cache is not None
+        task, peer, src = pull.task, pull.peer, pull.src
         nbytes = len(src) * self._layout.num_layers * self._block_bytes()
         self.stats.requests_pulled += 1
         self.stats.blocks_pulled += len(src)
         self.stats.bytes_pulled += nbytes
-        self.stats.pull_seconds.append(dt)
+        self.stats.pull_seconds.append(pull.seconds)
         logger.info("datadist: pulled request %s (prefill request %s): %d blocks, %d bytes "
-                    "from cluster %d (%s:%d) in %.2f ms", task.request_id, remote.request_id,
-                    len(src), nbytes, peer.cluster_id, peer.host, peer.port, dt * 1e3)
+                    "from cluster %d (%s:%d) in %.2f ms", task.request_id,
+                    task.remote.request_id, len(src), nbytes, peer.cluster_id, peer.host,
+                    peer.port, pull.seconds * 1e3)
         if self.on_pulled is not None:
             self.on_pulled(task)
-        self._notify_done(peer, remote.slot, tag)
+        pull.step = _Step.NOTIFY
+        self._outbox.buf[pull.record + 1] = mailbox.encode(pull.tag, mailbox.DONE)
+        try:
+            pull.handle = self._dd.cache_manager.push_blocks_async(
+                llm_datadist.BlocksCacheKey(peer.cluster_id, MAILBOX_MODEL_ID),
+                self._outbox_cache, [pull.record + 1], [task.remote.slot])
+        except llm_datadist.LLMException as e:
+            logger.warning("datadist: could not tell cluster %d that slot %d was pulled: %s",
+                           peer.cluster_id, task.remote.slot, e)
+            self._finish(pull)
+
+    def _finish(self, pull: _Pull) -> None:
+        """Report ``pull`` (done, or failed) unless reported, and give its records back."""
+        self._pulls.remove(pull)
+        self._free_records.append(pull.record)
+        if not pull.reported:
+            (self._failed if pull.failed else self._done).add(pull.task.request_id)
+
+    def _fail(self, pull: _Pull, e: Exception) -> None:
+        self.stats.pull_failures += 1
+        logger.warning("datadist: pull of request %s (prefill request %s) failed: %s",
+                       pull.task.request_id, pull.task.remote.request_id, e)
+        if isinstance(e, llm_datadist.LLMException) and e.status_code in _LINK_CODES:
+            self._drop_link(pull.peer.cluster_id)
+        pull.failed = True
+        if pull.handle is not None and not pull.handle.done():
+            # Its transfer still uses our records (or the KV): they stay taken until it
+            # ends (then _advance finishes it as a NOTIFY); the request is reported now.
+            self._failed.add(pull.task.request_id)
+            pull.reported = True
+            pull.step = _Step.NOTIFY
+            return
+        self._finish(pull)
 
     def _block_bytes(self) -> int:
         assert self._layout is not None
@@ -302,46 +419,12 @@ class DatadistWorker:
         except Exception as e:  # noqa: BLE001 - the link is gone either way
             logger.debug("datadist: unlink of cluster %d: %s", cluster_id, e)
 
-    def _read_slot(self, peer: WorkerAddress, slot: int) -> tuple[bytes, int]:
-        assert self._dd is not None and self._outbox_cache is not None
-        self._outbox.clear(1)
-        self._dd.cache_manager.pull_blocks(
-            llm_datadist.BlocksCacheKey(peer.cluster_id, MAILBOX_MODEL_ID), self._outbox_cache,
-            [slot], [1])
-        return mailbox.decode(self._outbox.buf[1])
-
-    def _wait_held(self, peer: WorkerAddress, slot: int, tag: bytes) -> None:
-        """Rule 2 of mailbox.py; waits up to ``hold_grace_s`` for the producer's next step."""
-        deadline = time.monotonic() + self.settings.hold_grace_s
-        while True:
-            got_tag, state = self._read_slot(peer, slot)
-            if got_tag == tag and state == mailbox.HELD:
-                return
-            if got_tag == tag or time.monotonic() >= deadline:
-                raise PullError("the prefill instance no longer holds the request's blocks "
-                                "(freed by its abort timeout, or already pulled)")
-            time.sleep(0.01)
-
-    def _notify_done(self, peer: WorkerAddress, slot: int, tag: bytes) -> None:
-        """Rule 3: best effort; a lost DONE only delays the producer's free to its timeout."""
-        assert self._dd is not None and self._outbox_cache is not None
-        self._outbox.buf[0] = mailbox.encode(tag, mailbox.DONE)
-        try:
-            self._dd.cache_manager.push_blocks(
-                llm_datadist.BlocksCacheKey(peer.cluster_id, MAILBOX_MODEL_ID),
-                self._outbox_cache, [0], [slot])
-        except llm_datadist.LLMException as e:
-            logger.warning("datadist: could not tell cluster %d that slot %d was pulled: %s",
-                           peer.cluster_id, slot, e)
-
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Stop the puller, unlink, finalize. Idempotent."""
-        if self._thread is not None:
-            self._tasks.put(None)
-            self._thread.join(timeout=self.settings.sync_kv_timeout_ms / 1000 + 5)
-            self._thread = None
+        """Finalize (which ends every transfer still in flight). Idempotent."""
+        self._waiting.clear()
+        self._pulls.clear()
         dd, self._dd = self._dd, None
         if dd is not None:
             for cid in list(self._links):
