@@ -19,6 +19,7 @@ import pytest
 import datadist
 from datadist import cli
 from datadist.core import native_build
+from datadist.wire.protocol import VERSION
 
 SRC = Path(datadist.__file__).resolve().parents[1]
 
@@ -42,12 +43,14 @@ def test_the_native_core_is_built() -> None:
 def test_build_info_says_how_it_was_built() -> None:
     _core_or_skip()
     info = native_build.build_info()
-    assert set(info) == {"compiler", "build_type", "pybind11"}
+    assert {"compiler", "build_type", "pybind11", "protocol"} <= set(info)
     assert all(isinstance(value, str) for value in info.values())
     assert re.fullmatch(r"(GNU|Clang|AppleClang|IntelLLVM) \d+(\.\d+)+", info["compiler"]), info
     # pip builds Release (pyproject's cmake.build-type), as does the plain CMake build.
     assert info["build_type"] == "Release", info
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", info["pybind11"]), info
+    # Written by the linked C++ core's codec: the version the Python codec speaks.
+    assert info["protocol"] == str(VERSION), info
 
 
 def test_info_says_whether_the_core_is_built(capsys: pytest.CaptureFixture[str]) -> None:

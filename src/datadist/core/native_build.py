@@ -35,7 +35,8 @@ def native_available() -> tuple[bool, str]:
 
 def build_info() -> dict[str, str]:
     """How the built module was built: ``compiler`` ("GNU 12.2.0"), ``build_type``
-    ("Release"), ``pybind11`` (its version). Called by ``datadist info``; returns at once.
+    ("Release"), ``pybind11`` (its version), and ``protocol``, the wire protocol version its
+    C++ core writes ("1"). Called by ``datadist info``; returns at once.
     Raises ImportError when the module is not built (:func:`native_available` says why)."""
     import datadist._core as _core
 
