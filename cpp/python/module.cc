@@ -28,6 +28,10 @@
 
 namespace py = pybind11;
 
+#ifndef DATADIST_VERSION
+#error "DATADIST_VERSION is defined by the top-level CMakeLists.txt"
+#endif
+
 namespace {
 
 using datadist::Deadline;
@@ -115,23 +119,22 @@ void Unlink(datadist::Engine &engine, uint64_t id, double timeout_s, bool force,
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "datadist's C++ engine (private: datadist.core.native drives it)";
-  m.attr("__version__") = "0.1.0";
-  m.def("build_info", [] {
-    py::dict d;
-#if defined(__clang__)
-    d["compiler"] = std::string("clang ") + __clang_version__;
-#elif defined(__GNUC__)
-    d["compiler"] = std::string("gcc ") + __VERSION__;
-#else
-    d["compiler"] = "unknown";
-#endif
-#ifdef NDEBUG
-    d["build_type"] = "release";
-#else
-    d["build_type"] = "debug";
-#endif
-    return d;
-  });
+  m.attr("__version__") = DATADIST_VERSION;
+  // How this module was built, for `datadist info` and bug reports. Called by Python at any
+  // time; returns at once.
+  m.def(
+      "build_info",
+      [] {
+        py::dict info;
+        info["compiler"] = DATADIST_CXX_COMPILER;
+        info["build_type"] = DATADIST_BUILD_TYPE;
+        info["pybind11"] = DATADIST_PYBIND11_VERSION;
+        // The protocol version as datadist_core's codec writes it (byte 2 of a frame's
+        // header): a call into the linked core.
+        info["protocol"] = std::to_string(datadist::wire::EncodeEmpty(datadist::wire::kOk, 0).at(2));
+        return info;
+      },
+      "A dict: compiler, build_type, pybind11 (what it was built with), protocol (the core's wire version).");
 
   // CoreError(code, message): args[0] is the status code, args[1] the message.
   static py::handle core_error = py::exception<datadist::Error>(m, "CoreError").release();

@@ -234,6 +234,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     ident = HostIdentity.current()
     print(f"datadist {datadist.__version__}")
+    _info_native()
     print(f"host: boot_id={ident.boot_id.hex()} pid_ns={ident.pid_ns} pid={ident.pid}")
     print(f"IOV_MAX={IOV_MAX}")
     try:
@@ -265,7 +266,6 @@ def _info_engine() -> None:
     from datadist.core.engine import EngineConfig
 
     ok, why = native.available()
-    print(f"native core: {why}")
     try:
         choice = native.wanted({})
         config = EngineConfig(cluster_id=1, role=2, transport=os.environ.get("DATADIST_TRANSPORT"),
@@ -375,6 +375,19 @@ def metrics_lines(stats: dict[str, Any]) -> list[str]:
         for op, m in sorted(ops.items()):
             out.append(line(f"{op} with cluster {cid}", m))
     return out
+
+
+def _info_native() -> None:
+    """The native core (datadist._core): built or not, and how it was built."""
+    from datadist.core import native_build
+
+    ok, what = native_build.native_available()
+    if not ok:
+        print(f"native core: not available ({what})")
+        return
+    info = native_build.build_info()
+    print(f"native core: built, {what}: " +
+          ", ".join(f"{key} {value}" for key, value in sorted(info.items())))
 
 
 def _info_nixl() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from datadist.core import metrics
+from datadist.core import metrics, native_build
 from datadist.core.engine import EngineConfig, _check_local_plan, _counted
 from datadist.core.errors import (
     AlreadyLinked,
@@ -59,24 +59,20 @@ ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever the
 ENGINE_ENV = "DATADIST_ENGINE"  # "native", "python" or "auto" (the default)
 
 _core: Any = None
-_why_not: str | None = None
 
 
 def core_module() -> Any:
-    """``datadist._core``, imported once; None when it is not built (:func:`available`)."""
-    global _core, _why_not
-    if _core is None and _why_not is None:
-        try:
-            _core = importlib.import_module("datadist._core")
-        except ImportError as e:
-            _why_not = f"datadist._core is not built ({e}): pip install -e . builds it"
+    """``datadist._core``, imported once; None when it is not built or does not load
+    (:func:`available` says why)."""
+    global _core
+    if _core is None and native_build.native_available()[0]:
+        _core = importlib.import_module(native_build.MODULE)
     return _core
 
 
 def available() -> tuple[bool, str]:
     """Is the native core importable here, and if not why (for ``datadist info``)."""
-    mod = core_module()
-    return (mod is not None, "built" if mod is not None else str(_why_not))
+    return native_build.native_available()
 
 
 def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
@@ -208,7 +204,7 @@ class NativeEngine:
     def __init__(self, config: EngineConfig) -> None:
         mod = core_module()
         if mod is None:
-            raise InvalidArgument(str(_why_not))
+            raise InvalidArgument(available()[1])
         self.config = config
         self.registry = Registry()
         self._pools: dict[int, HostPool] = {}
