@@ -30,12 +30,18 @@ from typing import Any
 
 import numpy as np
 
-from datadist.core import metrics, native_build
-from datadist.core.engine import EngineConfig, _check_local_plan, _counted
+from datadist.core import native_build
+from datadist.core.engine import (
+    DEVICE,
+    HOST,
+    EngineConfig,
+    _check_local_plan,
+    _counted,
+    _record,
+)
 from datadist.core.errors import (
     AlreadyLinked,
     Closed,
-    Code,
     DatadistError,
     DeviceOutOfMemory,
     InvalidArgument,
@@ -44,15 +50,16 @@ from datadist.core.errors import (
     error_for_code,
 )
 from datadist.core.layout import Geometry, Plan, wire_layout
+from datadist.core.links import forced_path
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
+from datadist.transport.base import PathKind
 from datadist.wire import protocol as p
 
 log = logging.getLogger("datadist.native")
 
-DEVICE, HOST = 0, 1  # CachePlacement values (api.enums)
 UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache (as Python's)
 CLOSE_WAIT = 5.0  # s finalize waits for them
 ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever their number
@@ -82,8 +89,9 @@ def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
         return "TLS (datadist.TlsCert...) is served by the Python engine only"
     if config.verify:
         return "checksummed pulls (datadist.VerifyChecksum) are served by the Python engine only"
-    if config.transport not in (None, "", "auto", "tcp"):
-        return f"transport {config.transport!r} is served by the Python engine only"
+    forced = forced_path(config.transport)  # the option, else DATADIST_TRANSPORT
+    if forced not in (PathKind.AUTO, PathKind.TCP):
+        return f"transport {forced.value!r} is served by the Python engine only"
     if config.nixl_serve:
         return "serving NIXL (datadist.NixlServe) is the Python engine's"
     if two_sided:
@@ -158,25 +166,25 @@ class NativeHandle:
     held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL."""
 
     def __init__(self, engine: NativeEngine, handle: Any, entry: CacheEntry, op: str,
-                 cluster_id: int, nbytes: int) -> None:
+                 cluster_id: int, plan: Plan) -> None:
         self._engine = engine
         self._handle = handle
         self._entry: CacheEntry | None = entry
-        self._op, self._cluster_id, self._nbytes = op, cluster_id, nbytes
+        self._op, self._cluster_id, self._plan = op, cluster_id, plan
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
 
+    def __repr__(self) -> str:
+        state = "running" if not self._handle.done() else f"ended: {self.error()!r}"
+        return f"<NativeHandle {self._op} cluster {self._cluster_id} {state}>"
+
     def _settle(self) -> None:
+        """Once ended: the local cache is let go and the metrics recorded, exactly once."""
         with self._lock:
             entry, self._entry = self._entry, None
-        if entry is None:
-            return
-        self._engine.registry.unhold(entry)
-        err = self._handle.error()
-        status = "" if err is None else Code(int(err[0])).status_name \
-            if int(err[0]) in Code._value2member_map_ else "LLM_FAILED"
-        metrics.PROCESS.record(self._op, self._cluster_id, 0 if err else self._nbytes,
-                               time.perf_counter() - self._t0, *(() if not status else (status,)))
+        if entry is not None:
+            self._engine.registry.unhold(entry)
+            _record(self._op, self._cluster_id, self._plan, self._t0, self.error())
 
     def done(self) -> bool:
         if not self._handle.done():
@@ -184,13 +192,17 @@ class NativeHandle:
         self._settle()
         return True
 
-    def wait(self, timeout_s: float) -> bool:
-        if not self._handle.wait(max(0.0, timeout_s)):
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block (without the GIL) up to ``timeout_s`` seconds, None: until it ends."""
+        if timeout_s is None:
+            while not self._handle.wait(3600.0):
+                pass
+        elif not self._handle.wait(max(0.0, timeout_s)):
             return False
         self._settle()
         return True
 
-    def error(self) -> Exception | None:
+    def error(self) -> DatadistError | None:
         err = self._handle.error()
         return None if err is None else error_for_code(int(err[0]), str(err[1]))
 
@@ -218,7 +230,8 @@ class NativeEngine:
         self._core.set_remote_writes(config.remote_cache_accessible)
         try:
             with _mapped():
-                self._core.open(config.secret or b"", config.transport != "tcp",
+                self._core.open(config.secret or b"",
+                                forced_path(config.transport) != PathKind.TCP,
                                 config.allow_ptrace, config.max_connections,
                                 config.max_connections_per_peer)
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
@@ -530,8 +543,7 @@ class NativeEngine:
         except BaseException:
             self.registry.unhold(entry)
             raise
-        return NativeHandle(self, handle, entry, "push" if write else "pull", cluster_id,
-                            plan.nbytes)
+        return NativeHandle(self, handle, entry, "push" if write else "pull", cluster_id, plan)
 
     def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
                    dst_cache_id: int, timeout: float | None = None) -> NativeHandle:
