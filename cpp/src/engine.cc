@@ -138,7 +138,6 @@ std::shared_ptr<Link> Engine::OpenLink(uint64_t id, const std::string &host, uin
     std::lock_guard<std::mutex> lock(mu_);
     if (!open_) Fail(LLM_FAILED, "the engine is not open");
   }
-  if (id == ident_.cluster_id) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
   wire::Hello hello;
   hello.cluster_id = ident_.cluster_id;
   hello.role = static_cast<uint8_t>(ident_.role.load());

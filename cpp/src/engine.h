@@ -63,7 +63,8 @@ class Engine {
   bool listening() const;
   uint16_t port() const;  // 0 when not listening
 
-  /// Opens a link to the listener at host:port within `deadline` and files it under
+  /// Opens a link to the listener at host:port within `deadline` (a peer with our own cluster
+  /// id included: vllm-ascend's V0 connector gives both ends id 0) and files it under
   /// `cluster_id`, or with `take_peer_id` under the id the peer announces (CANN's
   /// LinkMsgHandler). Returns the id it is filed under. LLM_ALREADY_LINK when we hold a link
   /// to that id; LLM_LINK_FAILED (the reason kept for LastLinkFailure and, unless

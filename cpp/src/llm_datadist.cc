@@ -542,6 +542,7 @@ class LlmDataDist::LlmDataDistImpl {
     if (c.remote_ip_infos.size() != 1)  // as CANN's LinkMsgHandler::LinkCluster, in this cluster's code
       Invalid("cluster " + std::to_string(id) + " needs exactly one remote ip info, got " +
               std::to_string(c.remote_ip_infos.size()));
+    if (id == engine_.cluster_id()) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
     const IpInfo &ip = c.remote_ip_infos.front();
     // CANN's LinkMsgHandler::LinkCluster files the link under the cluster id the peer reports
     // (AddEntity(peer_exchange_info.cluster_id)), never comparing it with the one passed: a

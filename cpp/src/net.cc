@@ -1,5 +1,7 @@
 #include "net.h"
 
+#include <utility>
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -22,10 +24,20 @@ namespace {
 
 constexpr size_t kMaxIov = 1024;
 
+// Liveness from the kernel, as Python's transport/channel.py tune(): keepalive notices a peer
+// host that vanished while the connection is idle (5 s idle, 3 probes 2 s apart), and
+// TCP_USER_TIMEOUT one that stops acknowledging mid-transfer, a reader whose window stays
+// shut included (15 s), so a stalled peer never pins a cache for the whole serve deadline.
+constexpr int kKeepIdle = 5, kKeepInterval = 2, kKeepCount = 3;
+constexpr int kUserTimeoutMs = 15000;
+
 void Tune(int fd) {
   int one = 1;
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   (void)setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  for (auto [opt, val] : {std::pair<int, int>{TCP_KEEPIDLE, kKeepIdle}, {TCP_KEEPINTVL, kKeepInterval},
+                          {TCP_KEEPCNT, kKeepCount}, {TCP_USER_TIMEOUT, kUserTimeoutMs}})
+    (void)setsockopt(fd, IPPROTO_TCP, opt, &val, sizeof(val));  // fails harmlessly on unix sockets
   int flags = fcntl(fd, F_GETFL, 0);
   (void)fcntl(fd, F_SETFL, flags | O_NONBLOCK);
 }

@@ -401,9 +401,14 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<u
   // A reverse HELLO's proof ends with the link token it echoes: the challenge is the rest.
   const std::pair<std::string, std::string> parts = wire::SplitToken(hello.proof, hello.features);
   const std::string &client_nonce = parts.first;
-  if (hello.cluster_id == identity_->cluster_id) {
+  // Ourselves (as Python's Engine.on_hello). Another process with our cluster id is a peer
+  // like any other: vllm-ascend's V0 connector gives both sides cluster id = local rank.
+  const local::HostIdentity &self = local::HostIdentity::Current();
+  if (hello.cluster_id == identity_->cluster_id && hello.pid == static_cast<uint32_t>(getpid()) &&
+      hello.boot_id == self.boot_id && hello.pid_ns == self.pid_ns) {
     TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                  "peer uses our own cluster id " + std::to_string(hello.cluster_id)},
+                                  "a link from this engine to itself (cluster id " + std::to_string(hello.cluster_id) +
+                                      ")"},
                                  h.request_id));
     return Greeted::kRefused;
   }

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <thread>
 
+#include <unistd.h>
+
 #include "errors.h"
 #include "local.h"
 #include "test_util.h"
@@ -639,10 +641,14 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
     EXPECT_EQ(eh.type, w::kError);
     EXPECT_TRUE(r.Closed());
   }
-  {  // our own cluster id: ERROR LLM_LINK_FAILED, then closed
+  {  // ourselves (our cluster id, pid, boot id and pid namespace): ERROR LLM_LINK_FAILED, then
+     // closed. Another process with our cluster id is a peer (vllm-ascend's V0 connector).
     Raw r(port);
     w::Hello h;
     h.cluster_id = 9;
+    h.pid = static_cast<uint32_t>(getpid());
+    h.boot_id = datadist::local::HostIdentity::Current().boot_id;
+    h.pid_ns = datadist::local::HostIdentity::Current().pid_ns;
     r.Send(w::EncodeHello(w::kHello, h, 1));
     auto [head, payload] = r.Recv();
     ASSERT_EQ(head.type, w::kError);
