@@ -101,6 +101,8 @@ class Puller:
     def mechanism(self) -> str:
         """The link's path, and on the same host what moved the last request (shm or cma)."""
         path = self.dd.engine.get_link(OWNER_ID).path
+        if isinstance(path, str):  # the native engine's link: its path's name
+            return path
         last = getattr(path, "last", "")
         name = path.caps.name
         return f"{name}/{last}" if last and last != name else name
