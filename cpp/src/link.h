@@ -30,13 +30,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <atomic>
 #include <vector>
 
 #include <map>
 #include <tuple>
 
+#include "iopool.h"
 #include "lease.h"
 #include "net.h"
 #include "registry.h"
@@ -178,10 +178,10 @@ class Link {
   std::mutex lease_mu_;
   std::shared_ptr<lease::OwnerProc> lease_owner_;  // null: no leases on this connection
   std::map<LeaseKey, std::shared_ptr<lease::Leased>> leases_;
-  // Our reverse channel (client links): served by its own thread until unlink / finalize.
-  std::unique_ptr<Conn> rev_conn_;
-  std::thread rev_thread_;
-  std::atomic<bool> rev_stop_{false};
+  // Our reverse channel (client links): parked on the I/O pool (iopool.h) between the
+  // listener's requests, served by a pool thread a request at a time, until unlink / finalize
+  // (StopReverse). It is its own socket: our transfers (conn_, under busy_) never share it.
+  IoGroup rev_io_;
 };
 
 }  // namespace datadist
