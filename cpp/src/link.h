@@ -1,7 +1,9 @@
 // Links: our client connections to remote clusters (LinkLlmClusters). One control connection
 // per link, opened with HELLO / WELCOME; transfers on a link are serialised by its mutex and
 // each carries a deadline. A connection a timeout or a dead peer broke is reopened, with a
-// fresh handshake, on the next transfer.
+// fresh handshake, on the next transfer. Transfers run on the caller's thread; a link's reverse
+// channel (the listener's requests to us) has no thread of its own: it is parked on the
+// process's I/O pool (iopool.h) and served there a request at a time.
 //
 // Path choice, on every connect (as Python's core/links.py): a peer whose WELCOME over TCP
 // carries our boot id and FEATURE_LOCAL is greeted again on its local channel; if that works,
