@@ -176,6 +176,53 @@ TEST(IoPool, StopWakesAStepBlockedOnItsPeerAndOthersAreServedMeanwhile) {
   EXPECT_EQ(live.Ask(40), 41);
 }
 
+// A listener on a pool of two threads: a peer that sent half a request holds one of them (until
+// that request's deadline), the other serves a link meanwhile; Stop wakes the stalled one at
+// once rather than waiting 30 s for its frame.
+TEST(Server, AStalledPeerHoldsOneThreadAndStopWakesIt) {
+  HostCache owned{1, {2, 64}};
+  owned.Fill(5);
+  datadist::Registry registry;
+  ASSERT_EQ(registry.Add(owned.desc, owned.addrs, {}), 1);
+  datadist::Identity ident;
+  ident.cluster_id = kOwner;
+  ident.serve_local = false;
+  auto pool = std::make_shared<datadist::IoPool>(2);
+  datadist::Server server(&registry, &ident, nullptr, pool);
+  server.Start("127.0.0.1", 0);
+  auto stalled = datadist::Conn::Connect("127.0.0.1", server.port(), After(2));
+  w::Hello hello;
+  hello.cluster_id = 50;
+  stalled->SendFrame(w::EncodeHello(w::kHello, hello, 1), After(2));
+  std::vector<uint8_t> payload;
+  ASSERT_EQ(stalled->RecvFrame(payload, After(2)).type, w::kWelcome);
+  std::vector<uint8_t> ping = w::EncodeU64(w::kPing, 7, 2);
+  stalled->SendAll(ping.data(), 5, After(2));  // five bytes of a header, then nothing
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  hello.cluster_id = 51;
+  datadist::Link link(kOwner, "127.0.0.1", server.port(), hello, "", nullptr, /*same_host=*/false);
+  link.Open(After(5));
+  w::Request q;
+  q.kind = w::kCacheId;
+  q.a = 1;
+  q.b = 1;
+  q.tensors = {0};
+  q.offsets = {0};
+  q.lengths = {64};
+  for (int i = 0; i < 10; ++i) {
+    uint8_t got[64] = {};
+    link.Read(q, {{got, 64}}, After(5));
+    ASSERT_EQ(std::memcmp(got, owned.T(0) + 64, 64), 0);
+  }
+  EXPECT_EQ(server.connections(), 2u);
+  const auto t0 = std::chrono::steady_clock::now();
+  server.Stop();
+  EXPECT_LT(Seconds(t0), 2.0);
+  EXPECT_EQ(pool->tasks(), 0u);
+  uint8_t b = 0;
+  EXPECT_LE(recv(stalled->fd(), &b, 1, 0), 0);  // closed by the listener
+}
+
 // A listener with 1,000 linked clients (each with a reverse channel: 4,000 sockets in this
 // process) holds its accept thread and the pool's threads, whatever the link count; pulls on
 // several links and pushes over several reverse channels still move the right bytes.
