@@ -90,7 +90,9 @@ bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> con
 /// and the listener may push at once, as in CANN's push samples).
 /// `token`: the link token the HELLO echoed (a live control channel's of that cluster, checked);
 /// `peer`: what the per-peer cap counts the connection by (its IP); `server`: the listener,
-/// alive for the call (HoldsToken: is another token still live).
+/// alive for the call (HoldsToken: is another token still live). Called on an I/O pool thread:
+/// what it waits for (its frame's send, a PING of the channel it may replace) holds that
+/// thread, so it waits within short deadlines only.
 class Server;
 using ReverseHandler =
     std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
