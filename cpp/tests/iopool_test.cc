@@ -223,6 +223,34 @@ TEST(Server, AStalledPeerHoldsOneThreadAndStopWakesIt) {
   EXPECT_LE(recv(stalled->fd(), &b, 1, 0), 0);  // closed by the listener
 }
 
+// Clients that connect and never say HELLO cost the listener no thread (before: one each, for
+// the handshake's 10 s); a link made meanwhile is served; Stop closes them at once.
+TEST(Server, SilentConnectionsCostNoThread) {
+  datadist::Registry registry;
+  datadist::Identity ident;
+  ident.cluster_id = kOwner;
+  ident.serve_local = false;
+  const std::shared_ptr<datadist::IoPool> pool = datadist::IoPool::Shared();  // its threads counted below
+  datadist::Server server(&registry, &ident);
+  server.Start("127.0.0.1", 0, 1024, 1024);
+  const size_t threads = Threads();
+  std::vector<std::unique_ptr<datadist::Conn>> silent;
+  for (int i = 0; i < 300; ++i) silent.push_back(datadist::Conn::Connect("127.0.0.1", server.port(), After(2)));
+  for (int i = 0; i < 500 && server.connections() != 300; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(server.connections(), 300u);
+  EXPECT_EQ(Threads(), threads);
+  w::Hello hello;
+  hello.cluster_id = 60;
+  datadist::Link link(kOwner, "127.0.0.1", server.port(), hello, "", nullptr, /*same_host=*/false);
+  link.Open(After(5));
+  EXPECT_EQ(Threads(), threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  server.Stop();
+  EXPECT_LT(Seconds(t0), 2.0);
+  uint8_t b = 0;
+  EXPECT_LE(recv(silent[0]->fd(), &b, 1, 0), 0);  // closed by the listener
+}
+
 // A listener with 1,000 linked clients (each with a reverse channel: 4,000 sockets in this
 // process) holds its accept thread and the pool's threads, whatever the link count; pulls on
 // several links and pushes over several reverse channels still move the right bytes.
