@@ -41,11 +41,15 @@ size_t IoPool::DefaultThreads() {
 std::shared_ptr<IoPool> IoPool::Shared() {
   static std::mutex mu;
   static std::weak_ptr<IoPool> *shared = new std::weak_ptr<IoPool>();  // never destroyed: no exit-order trouble
+  static pid_t made_in = 0;
   std::lock_guard<std::mutex> lock(mu);
+  // A forked child inherits the parent's pool object but none of its threads: it makes its own.
+  if (made_in != getpid()) *shared = std::weak_ptr<IoPool>();
   std::shared_ptr<IoPool> pool = shared->lock();
   if (!pool) {
     pool = std::make_shared<IoPool>(DefaultThreads());
     *shared = pool;
+    made_in = getpid();
   }
   return pool;
 }

@@ -70,7 +70,8 @@ class IoPool {
   /// hardware's concurrency, at least 2 and at most 8.
   static size_t DefaultThreads();
   /// The process's pool (DefaultThreads() threads), made by the first caller; it lives while
-  /// anyone holds it.
+  /// anyone holds it. A forked child gets a pool of its own (the parent's threads are not
+  /// there).
   static std::shared_ptr<IoPool> Shared();
 
   explicit IoPool(size_t threads);

@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -174,6 +175,55 @@ TEST(IoPool, StopWakesAStepBlockedOnItsPeerAndOthersAreServedMeanwhile) {
   EXPECT_LT(Seconds(t0), 1.0);
   EXPECT_EQ(pool->tasks(), 1u);
   EXPECT_EQ(live.Ask(40), 41);
+}
+
+// A process that forks while the shared pool is up: the child inherits the pool object but
+// none of its threads. Before, its listener parked connections nobody served (its links
+// timed out); it now makes a pool of its own.
+TEST(IoPool, AForkedChildServesWithAPoolOfItsOwn) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer does not support starting threads after a multi-threaded fork";
+#endif
+  const std::shared_ptr<datadist::IoPool> parents = datadist::IoPool::Shared();
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    int code = 1;
+    try {
+      HostCache owned{1, {2, 64}};
+      owned.Fill(9);
+      datadist::Registry registry;
+      registry.Add(owned.desc, owned.addrs, {});
+      datadist::Identity ident;
+      ident.cluster_id = kOwner;
+      ident.serve_local = false;
+      datadist::Server server(&registry, &ident);
+      server.Start("127.0.0.1", 0);
+      w::Hello hello;
+      hello.cluster_id = 70;
+      datadist::Link link(kOwner, "127.0.0.1", server.port(), hello, "", nullptr, /*same_host=*/false);
+      link.Open(After(3));
+      w::Request q;
+      q.kind = w::kCacheId;
+      q.a = 1;
+      q.b = 0;
+      q.tensors = {0};
+      q.offsets = {0};
+      q.lengths = {64};
+      uint8_t got[64] = {};
+      link.Read(q, {{got, 64}}, After(3));
+      code = std::memcmp(got, owned.T(0), 64) == 0 ? 0 : 2;
+      link.Close(After(1), true);
+      server.Stop();
+    } catch (...) {
+      code = 3;
+    }
+    _exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the forked child's listener did not serve its link";
 }
 
 // A listener on a pool of two threads: a peer that sent half a request holds one of them (until
