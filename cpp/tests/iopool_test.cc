@@ -8,9 +8,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -175,6 +177,22 @@ TEST(IoPool, StopWakesAStepBlockedOnItsPeerAndOthersAreServedMeanwhile) {
   EXPECT_LT(Seconds(t0), 1.0);
   EXPECT_EQ(pool->tasks(), 1u);
   EXPECT_EQ(live.Ask(40), 41);
+}
+
+TEST(IoPool, DefaultThreadsFollowTheEnvironmentWithinBounds) {
+  const char *was = std::getenv("DATADIST_IO_THREADS");
+  const std::string saved = was ? was : "";
+  setenv("DATADIST_IO_THREADS", "3", 1);
+  EXPECT_EQ(datadist::IoPool::DefaultThreads(), 3u);
+  const size_t hw = std::max<size_t>(2, std::min<size_t>(8, std::thread::hardware_concurrency()));
+  for (const char *bad : {"0", "65", "two", "", "4x"}) {
+    setenv("DATADIST_IO_THREADS", bad, 1);
+    EXPECT_EQ(datadist::IoPool::DefaultThreads(), hw) << "'" << bad << "'";
+  }
+  if (was)
+    setenv("DATADIST_IO_THREADS", saved.c_str(), 1);
+  else
+    unsetenv("DATADIST_IO_THREADS");
 }
 
 // A process that forks while the shared pool is up: the child inherits the pool object but
