@@ -94,18 +94,16 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
 
 namespace {
 
-constexpr int kPipelined = 16;  // requests served in one step when they are already waiting
-
 /// One step of a parked connection whose handshake is done: the request that arrived (when
-/// `readable`), and any that followed it already (a RELEASE right after its GRANT's copy),
-/// up to kPipelined; grants checked for expiry either way. False when the connection is done
-/// (BYE, EOF, a broken or hostile stream): the caller releases its grants and closes it.
+/// `readable`); grants checked for expiry either way. False when the connection is done (BYE,
+/// EOF, a broken or hostile stream): the caller releases its grants and closes it. A request
+/// that followed at once (a RELEASE after its GRANT's copy) finds the connection readable as
+/// soon as it is parked again: no poll here for it, which every request would pay.
 bool ServeStep(const ServeContext &ctx, Grants &grants, Conn &c, bool readable, Deadline &wake) {
   std::vector<uint8_t> payload;
   try {
     ExpireGrants(grants);
-    for (int n = 0; readable && n < kPipelined; ++n) {
-      if (n > 0 && !c.WaitReadable(0)) break;
+    if (readable) {
       wire::Header h = c.RecvFrame(payload, After(kFrameTimeout));
       if (!Dispatch(ctx, grants, c, h, payload)) return false;
     }
