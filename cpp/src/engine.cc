@@ -306,7 +306,7 @@ std::vector<uint64_t> Engine::LinkIds(bool inbound) {
   return ids;
 }
 
-/// A client's reverse channel (a server thread calls this after the handshake, which
+/// A client's reverse channel (an I/O pool thread calls this after the handshake, which
 /// checked that the client holds that cluster's control channel: `token`): our end of its
 /// link, replacing an older one only if that echoed the same token or its control channel is
 /// gone (another control channel of that id, which anyone may open, cannot take a live

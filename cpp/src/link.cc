@@ -81,16 +81,15 @@ void Link::Open(Deadline deadline) {
     Connect(deadline);
     if (registry_ && peer_reverse_) {
       // The listener may use the link too: our reverse channel, opened before the link is
-      // reported up, served by its own thread (docs/protocol.md, Reverse channels).
+      // reported up, parked on the I/O pool between the listener's requests, which a pool
+      // thread serves (docs/protocol.md, Reverse channels). No thread of its own.
       uint32_t rid = 0;
       wire::Hello welcome;
-      rev_conn_ = Greet(true, deadline, rid, welcome);
-      rev_thread_ = std::thread([this] {
-        ServeContext ctx;  // a TCP connection: no grants on it
-        ctx.registry = registry_;
-        ServeRequests(ctx, *rev_conn_, rev_stop_);
-        rev_conn_->Close();
-      });
+      std::unique_ptr<Conn> rev = Greet(true, deadline, rid, welcome);
+      ServeContext ctx;  // a TCP connection: no grants on it
+      ctx.registry = registry_;
+      if (!ServeParked(rev_io_, ctx, std::move(rev)))
+        Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed while it opened");
     }
   } catch (const Error &e) {
     conn_.reset();
@@ -272,12 +271,7 @@ void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid,
 
 Link::~Link() { StopReverse(); }
 
-void Link::StopReverse() {
-  rev_stop_ = true;
-  if (rev_conn_) rev_conn_->Shutdown();
-  if (rev_thread_.joinable()) rev_thread_.join();
-  rev_conn_.reset();
-}
+void Link::StopReverse() { rev_io_.Stop(); }
 
 
 wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {

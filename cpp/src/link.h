@@ -1,7 +1,9 @@
 // Links: our client connections to remote clusters (LinkLlmClusters). One control connection
 // per link, opened with HELLO / WELCOME; transfers on a link are serialised by its mutex and
 // each carries a deadline. A connection a timeout or a dead peer broke is reopened, with a
-// fresh handshake, on the next transfer.
+// fresh handshake, on the next transfer. Transfers run on the caller's thread; a link's reverse
+// channel (the listener's requests to us) has no thread of its own: it is parked on the
+// process's I/O pool (iopool.h) and served there a request at a time.
 //
 // Path choice, on every connect (as Python's core/links.py): a peer whose WELCOME over TCP
 // carries our boot id and FEATURE_LOCAL is greeted again on its local channel; if that works,
@@ -30,13 +32,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <atomic>
 #include <vector>
 
 #include <map>
 #include <tuple>
 
+#include "iopool.h"
 #include "lease.h"
 #include "net.h"
 #include "registry.h"
@@ -181,10 +183,10 @@ class Link {
   std::mutex lease_mu_;
   std::shared_ptr<lease::OwnerProc> lease_owner_;  // null: no leases on this connection
   std::map<LeaseKey, std::shared_ptr<lease::Leased>> leases_;
-  // Our reverse channel (client links): served by its own thread until unlink / finalize.
-  std::unique_ptr<Conn> rev_conn_;
-  std::thread rev_thread_;
-  std::atomic<bool> rev_stop_{false};
+  // Our reverse channel (client links): parked on the I/O pool (iopool.h) between the
+  // listener's requests, served by a pool thread a request at a time, until unlink / finalize
+  // (StopReverse). It is its own socket: our transfers (conn_, under busy_) never share it.
+  IoGroup rev_io_;
 };
 
 }  // namespace datadist

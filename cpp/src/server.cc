@@ -77,7 +77,195 @@ class Granted {
 
 using Grants = std::map<uint64_t, std::unique_ptr<Granted>>;
 
+/// Grants their reader kept too long are released (as failed reads): a peer cannot pin caches
+/// for as long as it likes.
+void ExpireGrants(Grants &grants) {
+  for (auto it = grants.begin(); it != grants.end();) it = it->second->Expired() ? grants.erase(it) : std::next(it);
+}
+
+/// When a parked connection needs a timer step: while it holds grants, every poll slice (their
+/// expiry is checked, as the thread per connection did between its polls); else never.
+Deadline NextCheck(const Grants &grants) {
+  return grants.empty() ? Deadline::max() : After(kPollSliceMs / 1000.0);
+}
+
 }  // namespace
+
+bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload);
+
+namespace {
+
+/// One step of a parked connection whose handshake is done: the request that arrived (when
+/// `readable`); grants checked for expiry either way. False when the connection is done (BYE,
+/// EOF, a broken or hostile stream): the caller releases its grants and closes it. A request
+/// that followed at once (a RELEASE after its GRANT's copy) finds the connection readable as
+/// soon as it is parked again: no poll here for it, which every request would pay.
+bool ServeStep(const ServeContext &ctx, Grants &grants, Conn &c, bool readable, Deadline &wake) {
+  std::vector<uint8_t> payload;
+  try {
+    ExpireGrants(grants);
+    if (readable) {
+      wire::Header h = c.RecvFrame(payload, After(kFrameTimeout));
+      if (!Dispatch(ctx, grants, c, h, payload)) return false;
+    }
+  } catch (const Error &e) {
+    if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
+    return false;
+  } catch (const std::exception &) {
+    return false;
+  }
+  if (c.closed()) return false;
+  wake = NextCheck(grants);
+  return true;
+}
+
+/// A connection whose handshake is done, served parked (ServeParked).
+class Served : public IoPool::Task {
+ public:
+  Served(const ServeContext &ctx, std::unique_ptr<Conn> conn) : ctx_(ctx), conn_(std::move(conn)) {}
+  int fd() const override { return conn_->fd(); }
+  bool Run(bool readable, Deadline &wake) override {
+    if (ServeStep(ctx_, grants_, *conn_, readable, wake)) return true;
+    grants_.clear();
+    conn_->Close();
+    return false;
+  }
+  void Cancel() override { conn_->Shutdown(); }  // the connection is never handed on
+
+ private:
+  ServeContext ctx_;
+  Grants grants_;
+  std::unique_ptr<Conn> conn_;
+};
+
+}  // namespace
+
+bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> conn) {
+  return io.Add(std::make_shared<Served>(ctx, std::move(conn)));
+}
+
+/// The state of a handshake between its frames.
+struct Server::Shake {
+  Greeted greeted = Greeted::kRefused;
+  uint64_t cluster = 0;        // the peer's, from its HELLO
+  std::string client_nonce;    // its challenge
+  std::string server_nonce;    // ours (with a secret)
+  std::string echoed;          // a reverse HELLO's link token
+  std::string token;           // see Hello()
+  std::vector<uint8_t> last;   // see Hello()
+};
+
+/// One accepted connection: its handshake, then its requests (or, for a reverse channel, its
+/// hand-over to on_reverse_), a frame at a time on the I/O pool.
+class Server::Connection : public IoPool::Task {
+ public:
+  Connection(Server *server, std::unique_ptr<Conn> conn, std::string key, bool local, const local::Cred &cred)
+      : peer(std::move(key)), server_(server), local_(local), cred_(cred), conn_(std::move(conn)),
+        handshake_until_(After(kHandshakeTimeout)) {}
+  int fd() const override { return conn_ ? conn_->fd() : -1; }  // parked: conn_ is there
+  bool Run(bool readable, Deadline &wake) override;
+  void Cancel() override {
+    std::lock_guard<std::mutex> lock(conn_mu_);  // vs the hand-over of a reverse channel
+    if (conn_) conn_->Shutdown();
+  }
+  Deadline handshake_until() const { return handshake_until_; }
+
+  // Read by the server under its mu_ (caps, HoldsToken).
+  const std::string peer;  // what the per-peer cap counts by: the IP, or "uid N" for local ones
+  std::atomic<bool> done{false};
+  // A control channel whose handshake completed (under mu_): its peer's cluster id and the
+  // link token we issued it, which that peer's reverse channel must echo.
+  uint64_t cluster = 0;
+  std::string token;
+
+ private:
+  enum class Stage { kHello, kAuth, kServing };
+  bool Handshake(bool readable, Deadline &wake);
+  bool Finish() {  // done: grants released, closed
+    grants_.clear();
+    if (conn_) conn_->Close();
+    done = true;
+    return false;
+  }
+  Server *server_;
+  const bool local_;
+  const local::Cred cred_;  // local connections: the kernel-verified peer
+  std::mutex conn_mu_;      // guards conn_ being handed over (Cancel reads it from another thread)
+  std::unique_ptr<Conn> conn_;
+  const Deadline handshake_until_;
+  Stage stage_ = Stage::kHello;
+  Shake shake_;
+  ServeContext ctx_;
+  Grants grants_;
+};
+
+bool Server::Connection::Run(bool readable, Deadline &wake) {
+  if (server_->stopping_) return Finish();
+  if (stage_ != Stage::kServing) return Handshake(readable, wake);
+  if (ServeStep(ctx_, grants_, *conn_, readable, wake)) return true;
+  return Finish();
+}
+
+bool Server::Connection::Handshake(bool readable, Deadline &wake) {
+  Conn &c = *conn_;
+  if (!readable) {  // the timer: a peer silent past the handshake's deadline is closed
+    if (Clock::now() >= handshake_until_) return Finish();
+    wake = handshake_until_;
+    return true;
+  }
+  try {
+    const Greeted greeted =
+        stage_ == Stage::kHello ? server_->Hello(c, shake_, handshake_until_) : server_->Auth(c, shake_, handshake_until_);
+    switch (greeted) {
+      case Greeted::kPending:  // WELCOME sent; the client's AUTH is waited for parked
+        stage_ = Stage::kAuth;
+        wake = handshake_until_;
+        return true;
+      case Greeted::kRefused:
+        return Finish();
+      case Greeted::kControl: {
+        {  // before the last frame: the client may open its reverse channel as soon as it has it
+          std::lock_guard<std::mutex> lock(server_->mu_);
+          cluster = shake_.cluster;
+          token = shake_.token;
+        }
+        c.SendFrame(shake_.last, After(kHandshakeTimeout));
+        if (server_->identity_->on_control) server_->identity_->on_control(shake_.cluster);
+        stage_ = Stage::kServing;
+        ctx_.registry = server_->registry_;
+        if (local_) {
+          ctx_.peer = &cred_;
+          ctx_.grants = &server_->grants_;
+        }
+        wake = Deadline::max();
+        return true;
+      }
+      case Greeted::kReverse: {
+        // Unwatched already (a running task's socket is not in the pool's set): handed on.
+        std::unique_ptr<Conn> taken;
+        {
+          std::lock_guard<std::mutex> lock(conn_mu_);  // Cancel reaches it under this
+          taken = std::move(conn_);
+        }
+        if (server_->on_reverse_ && !server_->stopping_) {
+          server_->on_reverse_(*server_, shake_.cluster, std::move(taken), shake_.last, shake_.token, peer);
+        } else {  // stopping: the client's link fails with our answer, not a silent close
+          const uint32_t rid = wire::DecodeHeader(shake_.last.data()).request_id;
+          TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                                             "this listener is stopping: it takes no reverse channel"},
+                                            rid));
+          taken->Close();
+        }
+        done = true;
+        return false;
+      }
+    }
+  } catch (const Error &e) {
+    if (e.code() == kSuspectRemoteError && conn_ && !conn_->closed()) TrySend(*conn_, ErrorFrame(e, 0));
+  } catch (const std::exception &) {
+  }
+  return Finish();
+}
 
 GrantBook::~GrantBook() { Close(); }
 
@@ -116,9 +304,6 @@ void GrantBook::Drop(pid_t pid) {
   if (it != held_.end() && --it->second == 0) held_.erase(it);
 }
 
-
-bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload);
-
 void Server::Start(const std::string &host, uint16_t port, size_t max_conns, size_t max_per_peer) {
   max_conns_ = max_conns;
   max_per_peer_ = max_per_peer;
@@ -151,18 +336,16 @@ void Server::Stop() {
   listen_fd_ = -1;
   if (local_fd_ >= 0) close(local_fd_);
   local_fd_ = -1;
-  // Joined without mu_ held: a serving thread may take it (its handshake checks link tokens,
-  // a reverse channel is handed over under it) and would otherwise never end.
-  std::list<std::unique_ptr<Worker>> all;
+  // Without mu_ held: a connection being served may take it (its handshake checks link tokens,
+  // a control channel records its token under it) and would otherwise never end. Parked
+  // connections are removed at once, those being served are shut down and waited for.
+  io_.Stop();
+  std::list<std::shared_ptr<Connection>> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto &w : workers_)
-      if (w->conn) w->conn->Shutdown();
-    all.swap(workers_);
+    all.swap(conns_);
   }
-  for (auto &w : all)
-    if (w->thread.joinable()) w->thread.join();
-  all.clear();
+  all.clear();  // closed, their grants released
   grants_.Close();  // every grant ended with its connection
   // Nobody is served any more: whole-cache leases end too (a reader's next transfer asks
   // us, and finds nobody); copies in flight end first, within a bound.
@@ -170,14 +353,22 @@ void Server::Stop() {
 }
 
 void Server::ReapLocked() {
-  for (auto it = workers_.begin(); it != workers_.end();) {
-    if ((*it)->done) {  // its thread takes mu_ no more
-      if ((*it)->thread.joinable()) (*it)->thread.join();
-      it = workers_.erase(it);
-    } else {
-      ++it;
-    }
-  }
+  for (auto it = conns_.begin(); it != conns_.end();) it = (*it)->done ? conns_.erase(it) : std::next(it);
+}
+
+size_t Server::connections() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t live = 0;
+  for (const auto &c : conns_) live += !c->done;
+  return live;
+}
+
+std::vector<uint64_t> Server::ControlClusters() {
+  std::vector<uint64_t> ids;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto &c : conns_)
+    if (!c->done && !c->token.empty()) ids.push_back(c->cluster);
+  return ids;
 }
 
 void Server::AcceptLoop() {
@@ -244,7 +435,7 @@ void Server::AcceptOne(int listen_fd, bool is_local) {
   std::lock_guard<std::mutex> lock(mu_);
   ReapLocked();
   size_t live = 0, same_peer = 0;
-  for (const auto &other : workers_)
+  for (const auto &other : conns_)
     if (!other->done) {
       ++live;
       same_peer += other->peer == key;
@@ -256,14 +447,9 @@ void Server::AcceptOne(int listen_fd, bool is_local) {
                    ")");
     return;
   }
-  auto w = std::make_unique<Worker>();
-  w->peer = key;
-  w->local = is_local;
-  w->cred = cred;
-  w->conn = std::make_unique<Conn>(fd, address);
-  Worker *raw = w.get();
-  workers_.push_back(std::move(w));
-  raw->thread = std::thread([this, raw] { Serve(raw); });
+  auto c = std::make_shared<Connection>(this, std::make_unique<Conn>(fd, address), key, is_local, cred);
+  // Parked until its HELLO arrives; closed at the handshake's deadline if it never does.
+  if (io_.Add(c, c->handshake_until())) conns_.push_back(std::move(c));  // else stopping: closed with `c`
 }
 
 void Server::Refuse(int fd, std::string why) {
@@ -298,109 +484,44 @@ bool Server::StepRefusal(Refusal &r) {
   return true;
 }
 
-void Server::Serve(Worker *w) {
-  Conn &c = *w->conn;
-  try {
-    uint64_t peer = 0;
-    std::vector<uint8_t> last;
-    std::string token;
-    Greeted greeted = Handshake(c, peer, last, token);
-    if (greeted == Greeted::kControl) {
-      {  // before the last frame: the client may open its reverse channel as soon as it has it
-        std::lock_guard<std::mutex> lock(mu_);
-        w->cluster = peer;
-        w->token = token;
-      }
-      c.SendFrame(last, After(kHandshakeTimeout));
-      if (identity_->on_control) identity_->on_control(peer);
-    }
-    switch (greeted) {
-      case Greeted::kRefused:
-        c.Close();
-        break;
-      case Greeted::kControl: {
-        ServeContext ctx;
-        ctx.registry = registry_;
-        if (w->local) {
-          ctx.peer = &w->cred;
-          ctx.grants = &grants_;
-        }
-        ServeRequests(ctx, c, stopping_);
-        break;
-      }
-      case Greeted::kReverse: {
-        std::unique_ptr<Conn> taken;
-        {
-          std::lock_guard<std::mutex> lock(mu_);  // Stop() reaches worker connections under it
-          taken = std::move(w->conn);
-        }
-        if (on_reverse_ && !stopping_) {
-          on_reverse_(*this, peer, std::move(taken), last, token, w->peer);
-        } else {  // stopping: the client's link fails with our answer, not a silent close
-          const uint32_t rid = wire::DecodeHeader(last.data()).request_id;
-          TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                             "this listener is stopping: it takes no reverse channel"},
-                                            rid));
-          taken->Close();
-        }
-        w->done = true;
-        return;
-      }
-    }
-  } catch (const Error &e) {
-    if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
-  } catch (const std::exception &) {
-  }
-  c.Close();
-  w->done = true;
-}
-
-void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &stopping) {
-  std::vector<uint8_t> payload;
-  Grants grants;  // released, whatever happens, when this returns
-  try {
-    while (!c.closed() && !stopping) {
-      // Grants their reader kept too long are released (as failed reads): a peer cannot pin
-      // caches for as long as it likes.
-      for (auto it = grants.begin(); it != grants.end();) it = it->second->Expired() ? grants.erase(it) : std::next(it);
-      if (!c.WaitReadable(kPollSliceMs)) continue;
-      wire::Header h = c.RecvFrame(payload, After(kFrameTimeout));
-      if (!Dispatch(ctx, grants, c, h, payload)) break;
-    }
-  } catch (const Error &e) {
-    if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
-  } catch (const std::exception &) {
-  }
-}
-
-std::vector<uint64_t> Server::ControlClusters() {
-  std::vector<uint64_t> ids;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto &w : workers_)
-    if (!w->done && !w->token.empty()) ids.push_back(w->cluster);
-  return ids;
-}
-
 bool Server::HoldsToken(uint64_t cluster, const std::string &token) {
   if (token.size() != wire::kLinkTokenBytes) return false;
   std::lock_guard<std::mutex> lock(mu_);
   bool ok = false;
-  for (const auto &w : workers_)
+  for (const auto &w : conns_)
     if (!w->done && w->cluster == cluster && w->token.size() == token.size()) ok |= auth::Same(w->token, token);
   return ok;
 }
 
-Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last, std::string &token) {
+namespace {
+
+/// A reverse channel only from the peer holding its cluster's control channel (after the
+/// secret's proofs, when there is a secret): answered with an ERROR, never adopted. True: refused.
+bool RefuseReverse(Server &server, Conn &c, const std::string &what, uint64_t cluster, const std::string &echoed,
+                   uint32_t rid) {
+  if (server.HoldsToken(cluster, echoed)) return false;
+  TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED), what}, rid));
+  return true;
+}
+
+std::string ReverseRefusal(uint64_t cluster) {
+  return "a reverse channel for cluster " + std::to_string(cluster) +
+         " must come from the peer holding that cluster's control channel to us (its link token)";
+}
+
+}  // namespace
+
+Server::Greeted Server::Hello(Conn &c, Shake &s, Deadline deadline) {
   std::vector<uint8_t> payload;
-  const Deadline deadline = After(kHandshakeTimeout);
   wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
   if (h.type != wire::kHello) ProtocolViolation("expected HELLO");
   wire::Hello hello = wire::DecodeHello(payload);
-  peer_cluster = hello.cluster_id;
-  const Greeted greeted = (hello.features & wire::kFeatureReverse) ? Greeted::kReverse : Greeted::kControl;
+  s.cluster = hello.cluster_id;
+  s.greeted = (hello.features & wire::kFeatureReverse) ? Greeted::kReverse : Greeted::kControl;
   // A reverse HELLO's proof ends with the link token it echoes: the challenge is the rest.
-  const std::pair<std::string, std::string> parts = wire::SplitToken(hello.proof, hello.features);
-  const std::string &client_nonce = parts.first;
+  std::pair<std::string, std::string> parts = wire::SplitToken(hello.proof, hello.features);
+  s.client_nonce = std::move(parts.first);
+  s.echoed = std::move(parts.second);
   // Ourselves (as Python's Engine.on_hello). Another process with our cluster id is a peer
   // like any other: vllm-ascend's V0 connector gives both sides cluster id = local rank.
   const local::HostIdentity &self = local::HostIdentity::Current();
@@ -426,47 +547,45 @@ Server::Greeted Server::Handshake(Conn &c, uint64_t &peer_cluster, std::vector<u
   const std::string &secret = identity_->secret;
   if (!secret.empty()) {
     welcome.features |= auth::kFeatureAuth;
-    welcome.proof = auth::ServerProof(secret, client_nonce, auth::Nonce(), identity_->cluster_id, hello.cluster_id);
+    welcome.proof = auth::ServerProof(secret, s.client_nonce, auth::Nonce(), identity_->cluster_id, hello.cluster_id);
+    s.server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
   }
-  if (greeted == Greeted::kControl) {  // its link token, for its reverse channel to echo
-    token = auth::Nonce();  // kLinkTokenBytes random bytes
+  if (s.greeted == Greeted::kControl) {  // its link token, for its reverse channel to echo
+    s.token = auth::Nonce();  // kLinkTokenBytes random bytes
     welcome.features |= wire::kFeatureToken;
-    welcome.proof += token;
+    welcome.proof += s.token;
+  } else {
+    s.token = s.echoed;  // checked by RefuseReverse
   }
-  // A reverse channel only from the peer holding its cluster's control channel (after the
-  // secret's proofs, when there is a secret): answered with an ERROR, never adopted.
-  auto refuse_reverse = [&](uint32_t rid) {
-    if (greeted != Greeted::kReverse || HoldsToken(hello.cluster_id, parts.second)) return false;
-    TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                  "a reverse channel for cluster " + std::to_string(hello.cluster_id) +
-                                      " must come from the peer holding that cluster's control channel to us (its link token)"},
-                                 rid));
-    return true;
-  };
-  if (greeted == Greeted::kReverse) token = parts.second;  // checked by refuse_reverse
   if (secret.empty()) {
-    if (refuse_reverse(h.request_id)) return Greeted::kRefused;
-    last = wire::EncodeHello(wire::kWelcome, welcome, h.request_id);
-    return greeted;
+    if (s.greeted == Greeted::kReverse && RefuseReverse(*this, c, ReverseRefusal(s.cluster), s.cluster, s.echoed, h.request_id))
+      return Greeted::kRefused;
+    s.last = wire::EncodeHello(wire::kWelcome, welcome, h.request_id);
+    return s.greeted;
   }
   c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), deadline);
+  return Greeted::kPending;  // the client's proof comes next (Auth)
+}
+
+Server::Greeted Server::Auth(Conn &c, Shake &s, Deadline deadline) {
   // Nothing but the client's proof is accepted until it checks out.
-  h = c.RecvFrame(payload, deadline, kPreAuthPayload);
+  std::vector<uint8_t> payload;
+  wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
   bool ok = false;
   if (h.type == wire::kAuth) {
-    std::string server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
-    std::string want = auth::ClientProof(secret, client_nonce, server_nonce, identity_->cluster_id, hello.cluster_id);
+    std::string want = auth::ClientProof(identity_->secret, s.client_nonce, s.server_nonce, identity_->cluster_id, s.cluster);
     ok = auth::Same(want, wire::DecodeAuth(payload));
   }
   if (!ok) {
     TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                  "cluster " + std::to_string(hello.cluster_id) + " failed to prove the shared secret"},
+                                  "cluster " + std::to_string(s.cluster) + " failed to prove the shared secret"},
                                  h.request_id));
     return Greeted::kRefused;
   }
-  if (refuse_reverse(h.request_id)) return Greeted::kRefused;
-  last = wire::EncodeEmpty(wire::kOk, h.request_id);
-  return greeted;
+  if (s.greeted == Greeted::kReverse && RefuseReverse(*this, c, ReverseRefusal(s.cluster), s.cluster, s.echoed, h.request_id))
+    return Greeted::kRefused;
+  s.last = wire::EncodeEmpty(wire::kOk, h.request_id);
+  return s.greeted;
 }
 
 namespace {

@@ -1,8 +1,18 @@
 // Serving: a listener that accepts peers (over TCP and, on one host, the local channel) and
-// serves each connection on its own thread, as the owner side of the protocol (handshake,
-// READ, same-host GRANT and RELEASE, WRITE, PING, BYE), over the registry.
-// Start() binds and returns at once; Stop() stops accepting, wakes and joins every thread
-// (bounded by the poll slices below, never by a peer).
+// serves their connections as the owner side of the protocol (handshake, READ, same-host
+// GRANT and RELEASE, WRITE, PING, BYE), over the registry.
+//
+// Threads: one accept thread per listener; everything else runs on the I/O pool's fixed set
+// of threads (iopool.h), shared with every other listener and link of the process. A
+// connection waiting for its peer's next frame is parked (no thread waits on it); when a frame
+// (or EOF) arrives, a pool thread serves that one request with the blocking, deadline-bound
+// calls of net.h and parks the connection again. The handshake runs the same way, one frame
+// at a time (HELLO, then AUTH when there is a secret). So a server's thread count does not
+// grow with its connections; a peer that stalls mid-request holds one pool thread for at most
+// that request's deadline (docs/reliability.md).
+// Start() binds and returns at once; Stop() stops accepting, joins the accept thread, removes
+// every parked connection and waits for those being served (woken by a socket shutdown, so
+// bounded by what a request may wait for besides its socket, never by a peer).
 #ifndef DATADIST_CPP_SERVER_H_
 #define DATADIST_CPP_SERVER_H_
 
@@ -17,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "iopool.h"
 #include "local.h"
 #include "net.h"
 #include "registry.h"
@@ -70,11 +81,13 @@ struct ServeContext {
 };
 
 /// Serves requests on a connection whose handshake is done, as the owner of the context's
-/// caches (READ, WRITE, PING, BYE, RELEASE), until the peer says BYE or leaves, `stopping` is
-/// set, or the connection breaks. Used by the listener's threads and by a link's reverse
-/// channel (where the roles swap). Returns when done (every grant of the connection
-/// released); the caller closes the connection.
-void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &stopping);
+/// caches (READ, WRITE, PING, BYE, RELEASE), parked in `io` between requests (iopool.h), until
+/// the peer says BYE or leaves, the group is stopped, or the connection breaks; then every
+/// grant of the connection is released and the connection closed. Used for a link's reverse
+/// channel (where the roles swap); the listener's connections are served the same way.
+/// `ctx`'s pointers must outlive the group's Stop. Never blocks. False (the connection
+/// closed) when the group is stopped already.
+bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> conn);
 
 /// A client's reverse channel to us (HELLO with FEATURE_REVERSE): handed over to become our
 /// end of that client's link *before* the handshake's last frame (`last`) goes out, which the
@@ -82,7 +95,9 @@ void ServeRequests(const ServeContext &ctx, Conn &c, const std::atomic<bool> &st
 /// and the listener may push at once, as in CANN's push samples).
 /// `token`: the link token the HELLO echoed (a live control channel's of that cluster, checked);
 /// `peer`: what the per-peer cap counts the connection by (its IP); `server`: the listener,
-/// alive for the call (HoldsToken: is another token still live).
+/// alive for the call (HoldsToken: is another token still live). Called on an I/O pool thread:
+/// what it waits for (its frame's send, a PING of the channel it may replace) holds that
+/// thread, so it waits within short deadlines only.
 class Server;
 using ReverseHandler =
     std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
@@ -92,9 +107,11 @@ class Server {
  public:
   /// Stop waits at most this long (seconds) for leased copies in flight.
   static constexpr double kRevokeWait = 2.0;
-  Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr)
+  /// `pool`: the I/O threads its connections are served on (null: the process's shared pool).
+  Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr,
+         std::shared_ptr<IoPool> pool = nullptr)
       : registry_(registry), identity_(identity), on_reverse_(std::move(on_reverse)),
-        grants_(identity->allow_ptrace) {}
+        grants_(identity->allow_ptrace), io_(std::move(pool)) {}
   ~Server() { Stop(); }
   /// Binds host:port (port 0 picks one) and starts accepting; with identity->serve_local,
   /// also on the local channel (docs/protocol.md), unless its name is taken. LLM_LINK_FAILED
@@ -110,22 +127,16 @@ class Server {
   size_t refused() const { return refused_; }
   /// The cluster ids of the peers' control channels being served now (handshake done).
   std::vector<uint64_t> ControlClusters();
+  /// Connections being served now (handshake or requests; for tests).
+  size_t connections();
   /// `token` is that of a live control channel of `cluster` (constant-time compares).
   bool HoldsToken(uint64_t cluster, const std::string &token);
 
  private:
-  struct Worker {
-    std::string peer;  // what the per-peer cap counts by: the IP, or "uid N" for local ones
-    bool local = false;
-    local::Cred cred;  // local connections: the kernel-verified peer
-    std::unique_ptr<Conn> conn;
-    std::thread thread;
-    std::atomic<bool> done{false};
-    // A control channel whose handshake completed (under mu_): its peer's cluster id and the
-    // link token we issued it, which that peer's reverse channel must echo.
-    uint64_t cluster = 0;
-    std::string token;
-  };
+  /// One accepted connection, a task of the I/O pool (server.cc).
+  class Connection;
+  /// A handshake between its frames (HELLO, then AUTH when there is a secret).
+  struct Shake;
   /// A connection over a cap, waiting (on the accept thread) for its first frame.
   struct Refusal {
     int fd;
@@ -137,15 +148,18 @@ class Server {
   void AcceptOne(int listen_fd, bool local);
   void Refuse(int fd, std::string why);
   bool StepRefusal(Refusal &r);  // true: done with it (answered or given up)
-  void Serve(Worker *w);
-  enum class Greeted { kRefused, kControl, kReverse };
-  /// HELLO, WELCOME (and the secret's proofs); the last frame to send (WELCOME, or OK after
-  /// AUTH) is left in `last` for the caller, except on refusal. A control channel's link token
-  /// (issued in its WELCOME), or the one a reverse channel echoed, is left in `token`; a reverse channel is refused (ERROR
+  enum class Greeted { kRefused, kControl, kReverse, kPending };
+  /// The handshake, a frame per call, each as it arrives: HELLO answered by WELCOME (and,
+  /// with a secret, the client's AUTH checked: kPending after HELLO until then). The last
+  /// frame to send (WELCOME, or OK after AUTH) is left in `s.last` for the caller, except on
+  /// refusal. A control channel's link token (issued in its WELCOME), or the one a reverse
+  /// channel echoed, is left in `s.token`; a reverse channel is refused (ERROR
   /// LLM_LINK_FAILED) unless its HELLO echoed the token of a live control channel of its
-  /// cluster id.
-  Greeted Handshake(Conn &c, uint64_t &peer_cluster, std::vector<uint8_t> &last, std::string &token);
-  void ReapLocked();  // joins the workers that are done (mu_ held)
+  /// cluster id. `deadline`: the whole handshake's, from the accept.
+  Greeted Hello(Conn &c, Shake &s, Deadline deadline);
+  Greeted Auth(Conn &c, Shake &s, Deadline deadline);
+  /// The connections whose handshake is done, as reverse channels, refused or served: dropped (mu_ held).
+  void ReapLocked();
 
   Registry *registry_;
   Identity *identity_;
@@ -161,7 +175,8 @@ class Server {
   std::thread accept_thread_;
   std::vector<Refusal> refusing_;  // the accept thread's only
   std::mutex mu_;
-  std::list<std::unique_ptr<Worker>> workers_;
+  std::list<std::shared_ptr<Connection>> conns_;  // accepted, not reaped yet (mu_)
+  IoGroup io_;  // every accepted connection is a task of this group
 };
 
 }  // namespace datadist

@@ -1,0 +1,276 @@
+#include "iopool.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "errors.h"
+
+namespace datadist {
+namespace {
+
+constexpr uint64_t kWakeId = 1;   // the eventfd that ends the threads
+constexpr uint64_t kTimerId = 2;  // the timerfd
+constexpr long kTickNs = 100 * 1000 * 1000;  // timer steps are due to within this (100 ms)
+
+// The pool the current thread serves, and whether that pool was destroyed under it (its
+// last holder let go from one of its own tasks): the thread then leaves without touching it.
+thread_local IoPool *current_pool = nullptr;
+thread_local bool orphaned = false;
+
+}  // namespace
+
+size_t IoPool::DefaultThreads() {
+  if (const char *v = std::getenv("DATADIST_IO_THREADS")) {
+    char *end = nullptr;
+    long n = std::strtol(v, &end, 10);
+    if (end != v && *end == '\0' && n >= 1 && n <= 64) return static_cast<size_t>(n);
+  }
+  const size_t hw = std::thread::hardware_concurrency();
+  return std::min<size_t>(8, std::max<size_t>(2, hw));
+}
+
+std::shared_ptr<IoPool> IoPool::Shared() {
+  static std::mutex mu;
+  static std::weak_ptr<IoPool> *shared = new std::weak_ptr<IoPool>();  // never destroyed: no exit-order trouble
+  static pid_t made_in = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  // A forked child inherits the parent's pool object but none of its threads: it makes its own.
+  if (made_in != getpid()) *shared = std::weak_ptr<IoPool>();
+  std::shared_ptr<IoPool> pool = shared->lock();
+  if (!pool) {
+    pool = std::make_shared<IoPool>(DefaultThreads());
+    *shared = pool;
+    made_in = getpid();
+  }
+  return pool;
+}
+
+IoPool::IoPool(size_t threads) {
+  ep_ = epoll_create1(EPOLL_CLOEXEC);
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  timer_fd_ = timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK);
+  if (ep_ < 0 || wake_fd_ < 0 || timer_fd_ < 0) {
+    const std::string why = std::strerror(errno);
+    for (int fd : {ep_, wake_fd_, timer_fd_})
+      if (fd >= 0) close(fd);
+    Fail(llm_datadist::LLM_FAILED, "cannot make the I/O threads' epoll set: " + why);
+  }
+  // Level-triggered, never consumed: once written, every thread sees it and leaves.
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kWakeId;
+  (void)epoll_ctl(ep_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  ev.data.u64 = kTimerId;
+  (void)epoll_ctl(ep_, EPOLL_CTL_ADD, timer_fd_, &ev);
+  threads = std::max<size_t>(1, threads);
+  try {
+    for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+  } catch (const std::system_error &) {
+    if (threads_.empty()) {  // not one thread: nothing could be served
+      close(ep_);
+      close(wake_fd_);
+      close(timer_fd_);
+      throw;
+    }  // fewer threads than asked: served, more slowly
+  }
+}
+
+IoPool::~IoPool() {
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
+  const std::thread::id self = std::this_thread::get_id();
+  for (std::thread &t : threads_) {
+    if (t.get_id() == self) {  // our last holder let go from one of our tasks
+      orphaned = true;
+      t.detach();
+    } else if (t.joinable()) {
+      t.join();
+    }
+  }
+  // Every group was stopped before its owner let go of the pool: nothing is left, but should a
+  // task be, it goes (and closes its connection) here.
+  tasks_.clear();
+  close(ep_);
+  close(wake_fd_);
+  close(timer_fd_);
+}
+
+size_t IoPool::tasks() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tasks_.size();
+}
+
+bool IoPool::Watch(uint64_t id, int fd) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+  ev.data.u64 = id;
+  return fd >= 0 && epoll_ctl(ep_, EPOLL_CTL_ADD, fd, &ev) == 0;
+}
+
+void IoPool::ArmTimerLocked(bool on) {
+  if (on == timer_on_) return;
+  itimerspec spec{};
+  if (on) spec.it_value.tv_nsec = spec.it_interval.tv_nsec = kTickNs;
+  (void)timerfd_settime(timer_fd_, 0, &spec, nullptr);
+  timer_on_ = on;
+}
+
+bool IoPool::Park(Group &group, std::shared_ptr<Task> task, Deadline wake) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (group.stopped) return false;
+  const uint64_t id = next_id_++;
+  if (!Watch(id, task->fd())) return false;
+  Entry &e = tasks_[id];
+  e.task = std::move(task);
+  e.group = &group;
+  e.wake = wake;
+  group.ids.insert(id);
+  if (wake != Deadline::max()) {
+    timed_.insert(id);
+    ArmTimerLocked(true);
+  }
+  return true;
+}
+
+std::shared_ptr<IoPool::Task> IoPool::ClaimLocked(uint64_t id, Entry &e) {
+  // Unwatched while it runs: the socket is in the set exactly while its task is parked, so a
+  // task may close its connection or hand it on in Run, and a reused descriptor number never
+  // meets a stale registration.
+  (void)epoll_ctl(ep_, EPOLL_CTL_DEL, e.task->fd(), nullptr);
+  e.state = State::kRunning;
+  ++e.group->running;
+  timed_.erase(id);
+  return e.task;
+}
+
+void IoPool::Loop() {
+  current_pool = this;
+  pthread_setname_np(pthread_self(), "datadist-io");
+  for (;;) {
+    epoll_event ev{};
+    const int n = epoll_wait(ep_, &ev, 1, -1);
+    if (n < 0 && errno != EINTR) return;
+    if (n <= 0) continue;
+    if (ev.data.u64 == kWakeId) return;
+    if (ev.data.u64 == kTimerId) {
+      uint64_t ticks = 0;
+      if (read(timer_fd_, &ticks, sizeof(ticks)) == static_cast<ssize_t>(sizeof(ticks))) Tick();
+      if (orphaned) return;
+      continue;
+    }
+    std::shared_ptr<Task> task;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = tasks_.find(ev.data.u64);
+      // Gone (its group stopped), or taken by the timer meanwhile: that step parks it again.
+      if (it == tasks_.end() || it->second.state != State::kParked) continue;
+      task = ClaimLocked(it->first, it->second);
+    }
+    Step(ev.data.u64, std::move(task), true);
+    if (orphaned) return;
+  }
+}
+
+void IoPool::Tick() {
+  std::vector<std::pair<uint64_t, std::shared_ptr<Task>>> due;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Deadline now = Clock::now();
+    for (auto it = timed_.begin(); it != timed_.end();) {
+      const uint64_t id = *it++;  // ClaimLocked erases it
+      auto e = tasks_.find(id);
+      if (e != tasks_.end() && e->second.state == State::kParked && e->second.wake <= now)
+        due.emplace_back(id, ClaimLocked(id, e->second));
+    }
+    ArmTimerLocked(!timed_.empty());
+  }
+  // Timer steps are short (grants checked, an expired handshake closed): run here, in turn.
+  for (auto &d : due) {
+    Step(d.first, std::move(d.second), false);
+    if (orphaned) return;
+  }
+}
+
+void IoPool::Step(uint64_t id, std::shared_ptr<Task> task, bool readable) {
+  Deadline wake = Deadline::max();
+  bool again = false;
+  try {
+    again = task->Run(readable, wake);
+  } catch (const std::exception &) {
+    again = false;
+  }
+  if (orphaned) return;  // the pool is gone (see ~IoPool)
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = tasks_.find(id);
+  Group *group = it->second.group;
+  if (again && !group->stopped && Watch(id, task->fd())) {
+    it->second.state = State::kParked;
+    it->second.wake = wake;
+    if (wake != Deadline::max()) {
+      timed_.insert(id);
+      ArmTimerLocked(true);
+    }
+  } else {
+    // Done: destroyed (its grants released, its connection closed) before the group hears the
+    // task ended, so that a stopped owner never outlives a task that refers to it.
+    group->ids.erase(id);
+    tasks_.erase(it);
+    lock.unlock();
+    task.reset();
+    lock.lock();
+  }
+  if (--group->running == 0 && group->stopped) stopped_.notify_all();
+}
+
+void IoPool::Stop(Group &group) {
+  std::vector<std::shared_ptr<Task>> parked;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    group.stopped = true;
+    for (auto id = group.ids.begin(); id != group.ids.end();) {
+      auto it = tasks_.find(*id);
+      if (it->second.state == State::kParked) {
+        (void)epoll_ctl(ep_, EPOLL_CTL_DEL, it->second.task->fd(), nullptr);
+        parked.push_back(std::move(it->second.task));
+        timed_.erase(*id);
+        tasks_.erase(it);
+        id = group.ids.erase(id);
+      } else {
+        it->second.task->Cancel();
+        ++id;
+      }
+    }
+    stopped_.wait(lock, [&] { return group.running == 0; });
+  }
+  parked.clear();  // closes their connections, releases their grants
+}
+
+bool IoGroup::Add(std::shared_ptr<IoPool::Task> task, Deadline wake) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_) return false;
+  if (!pool_) pool_ = IoPool::Shared();
+  return pool_->Park(group_, std::move(task), wake);
+}
+
+void IoGroup::Stop() {
+  std::shared_ptr<IoPool> pool;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    pool = std::move(pool_);
+  }
+  if (pool) pool->Stop(group_);
+  // `pool` goes here: the last holder's going joins its threads.
+}
+
+}  // namespace datadist
