@@ -280,6 +280,14 @@ PYBIND11_MODULE(_core, m) {
             return py::str(datadist::Link::PathName(link->path()));
           },
           py::arg("cluster_id"))
+      .def(
+          "link_reason",
+          [](Core &c, uint64_t id) -> py::object {
+            auto link = c.engine().FindLink(id);
+            if (!link) return py::none();
+            return py::str(link->PathReason());
+          },
+          py::arg("cluster_id"), "why the link took its path")
       .def("last_link_failure", [](Core &c, uint64_t id) { return c.engine().LastLinkFailure(id); },
            py::arg("cluster_id"))
       .def(

@@ -158,7 +158,10 @@ void Link::Connect(Deadline deadline) {
 }
 
 void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
-  if (!local::HostIdentity::Current().ClaimsSameHost(welcome.boot_id)) return;  // another host
+  if (!local::HostIdentity::Current().ClaimsSameHost(welcome.boot_id)) {
+    SetPath(Path::kTcp, "the peer is on another host (its boot id is not ours)");
+    return;
+  }
   if (!(welcome.features & wire::kFeatureLocal)) {
     SetPath(Path::kTcp, "peer says it is on this host but offers no local channel");
     return;
@@ -213,7 +216,16 @@ const char *Link::PathName(Path p) {
 
 void Link::SetPath(Path p, const std::string &why) {
   path_ = p;
+  {
+    std::lock_guard<std::mutex> lock(why_mu_);
+    why_ = why;
+  }
   if (!why.empty()) Log("link to cluster " + std::to_string(remote_) + ": " + PathName(p) + " (" + why + ")");
+}
+
+std::string Link::PathReason() const {
+  std::lock_guard<std::mutex> lock(why_mu_);
+  return why_;
 }
 
 std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid, wire::Hello &welcome) {

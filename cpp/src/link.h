@@ -113,6 +113,8 @@ class Link {
   /// channel), and why.
   enum class Path { kTcp, kCma, kLocalStream };
   Path path() const { return path_; }
+  /// Why the link took its path (for `datadist info` and logs); "" before any choice.
+  std::string PathReason() const;
   static const char *PathName(Path p);
 
  private:
@@ -177,6 +179,8 @@ class Link {
   bool same_host_ = true;      // the local channel may be used
   uint64_t grant_above_ = kGrantAbove;
   std::atomic<Path> path_{Path::kTcp};
+  mutable std::mutex why_mu_;  // guards why_ only
+  std::string why_;
   pid_t peer_pid_ = 0;         // kCma: the pid SO_PEERCRED reported for conn_
   // Whole-cache leases of the current connection. lease_mu_ guards these two only; copies
   // under a lease hold its shared_ptr, not the mutex.

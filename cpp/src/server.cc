@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -138,6 +139,46 @@ class Served : public IoPool::Task {
   std::unique_ptr<Conn> conn_;
 };
 
+/// Frames up to this size are waited for whole while their connection stays parked (a socket's
+/// receive buffer always holds that much); bigger ones are read as they come.
+constexpr size_t kWholeFrameMax = 64 << 10;
+
+/// A parked TCP connection woke with bytes to read: is a whole frame there yet? When not (a
+/// peer that sends part of a frame and stops, on purpose or not), SO_RCVLOWAT is set to the
+/// frame's size, so that epoll wakes us again only once it is all there, and false says: park
+/// it again rather than wait on the peer with a pool thread. True: read now (a whole frame,
+/// EOF or an error, or a frame too big to wait for whole, read as before). Unix sockets do not
+/// honour SO_RCVLOWAT in poll: their partial frames are read as before (local peers are
+/// counted per uid, and their frames come whole from one send).
+bool FrameReady(int fd, bool tcp, bool &lowered) {
+  if (!tcp) return true;
+  int avail = 0;
+  if (ioctl(fd, FIONREAD, &avail) != 0 || avail <= 0) return true;  // EOF or an error: the read says
+  size_t need = wire::kHeaderSize;
+  if (static_cast<size_t>(avail) >= need) {
+    uint8_t head[wire::kHeaderSize];
+    if (recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof head)) return true;
+    try {
+      need += wire::DecodeHeader(head).length;
+    } catch (const std::exception &) {
+      return true;  // a bad header: the read refuses it
+    }
+    if (need > kWholeFrameMax) return true;
+    if (static_cast<size_t>(avail) >= need) return true;
+  }
+  int low = static_cast<int>(need);
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &low, sizeof(low)) != 0) return true;
+  lowered = true;
+  return false;
+}
+
+void RestoreLowWater(int fd, bool &lowered) {
+  if (!lowered) return;
+  int one = 1;
+  (void)setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
+  lowered = false;
+}
+
 }  // namespace
 
 bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> conn) {
@@ -181,6 +222,11 @@ class Server::Connection : public IoPool::Task {
  private:
   enum class Stage { kHello, kAuth, kServing };
   bool Handshake(bool readable, Deadline &wake);
+  /// When a frame begun at partial_since_ must be whole: its 30 s, or the handshake's end.
+  Deadline PartialDeadline() const {
+    Deadline d = partial_since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kFrameTimeout));
+    return stage_ == Stage::kServing ? d : std::min(d, handshake_until_);
+  }
   bool Finish() {  // done: grants released, closed
     grants_.clear();
     if (conn_) conn_->Close();
@@ -194,6 +240,8 @@ class Server::Connection : public IoPool::Task {
   std::unique_ptr<Conn> conn_;
   const Deadline handshake_until_;
   Stage stage_ = Stage::kHello;
+  Deadline partial_since_{};  // when part of the next frame arrived (epoch: none pending)
+  bool lowered_ = false;      // SO_RCVLOWAT raised to wait for a whole frame
   Shake shake_;
   ServeContext ctx_;
   Grants grants_;
@@ -201,9 +249,24 @@ class Server::Connection : public IoPool::Task {
 
 bool Server::Connection::Run(bool readable, Deadline &wake) {
   if (server_->stopping_) return Finish();
+  // Part of a frame: parked again (a timer step at its deadline) instead of a pool thread
+  // waiting on the peer; the frame's 30 s (the handshake's 10 s before it) still hold.
+  if (readable && conn_ && !FrameReady(conn_->fd(), !local_, lowered_)) {
+    if (partial_since_ == Deadline()) partial_since_ = Clock::now();
+    wake = PartialDeadline();
+    if (stage_ == Stage::kServing) wake = std::min(wake, After(kPollSliceMs / 1000.0));  // grants still expire
+    return true;
+  }
+  if (readable) {
+    partial_since_ = Deadline();
+    if (conn_) RestoreLowWater(conn_->fd(), lowered_);
+  } else if (partial_since_ != Deadline() && Clock::now() >= PartialDeadline()) {
+    return Finish();  // the rest of the frame never came
+  }
   if (stage_ != Stage::kServing) return Handshake(readable, wake);
-  if (ServeStep(ctx_, grants_, *conn_, readable, wake)) return true;
-  return Finish();
+  if (!ServeStep(ctx_, grants_, *conn_, readable, wake)) return Finish();
+  if (partial_since_ != Deadline()) wake = std::min(wake, PartialDeadline());
+  return true;
 }
 
 bool Server::Connection::Handshake(bool readable, Deadline &wake) {

@@ -299,6 +299,60 @@ TEST(Server, AStalledPeerHoldsOneThreadAndStopWakesIt) {
   EXPECT_LE(recv(stalled->fd(), &b, 1, 0), 0);  // closed by the listener
 }
 
+// Peers that send part of a frame and stop (half a HELLO before the handshake, half a PING
+// after it) hold no pool thread: their connections stay parked until the rest arrives, so a
+// pool of ONE thread still serves a good link meanwhile (before: each held the thread for the
+// handshake's 10 s or the frame's 30 s, and the link timed out); the rest, when it comes, is
+// served; past the handshake's deadline a partial HELLO is closed.
+TEST(Server, PartialFramesHoldNoThread) {
+  HostCache owned{1, {2, 64}};
+  owned.Fill(6);
+  datadist::Registry registry;
+  ASSERT_EQ(registry.Add(owned.desc, owned.addrs, {}), 1);
+  datadist::Identity ident;
+  ident.cluster_id = kOwner;
+  ident.serve_local = false;
+  auto pool = std::make_shared<datadist::IoPool>(1);
+  datadist::Server server(&registry, &ident, nullptr, pool);
+  server.Start("127.0.0.1", 0);
+  w::Hello hello;
+  std::vector<std::unique_ptr<datadist::Conn>> partial;
+  for (int i = 0; i < 4; ++i) {  // 7 bytes of a HELLO's header
+    auto c = datadist::Conn::Connect("127.0.0.1", server.port(), After(2));
+    hello.cluster_id = 60 + i;
+    std::vector<uint8_t> f = w::EncodeHello(w::kHello, hello, 1);
+    c->SendAll(f.data(), 7, After(2));
+    partial.push_back(std::move(c));
+  }
+  auto linked = datadist::Conn::Connect("127.0.0.1", server.port(), After(2));
+  hello.cluster_id = 70;
+  linked->SendFrame(w::EncodeHello(w::kHello, hello, 1), After(2));
+  std::vector<uint8_t> payload;
+  ASSERT_EQ(linked->RecvFrame(payload, After(2)).type, w::kWelcome);
+  std::vector<uint8_t> ping = w::EncodeU64(w::kPing, 9, 2);
+  linked->SendAll(ping.data(), 5, After(2));  // five bytes of a PING, then nothing (yet)
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  hello.cluster_id = 71;
+  datadist::Link link(kOwner, "127.0.0.1", server.port(), hello, "", nullptr, /*same_host=*/false);
+  link.Open(After(3));
+  w::Request q;
+  q.kind = w::kCacheId;
+  q.a = 1;
+  q.b = 1;
+  q.tensors = {0};
+  q.offsets = {0};
+  q.lengths = {64};
+  uint8_t got[64] = {};
+  link.Read(q, {{got, 64}}, After(3));
+  EXPECT_EQ(std::memcmp(got, owned.T(0) + 64, 64), 0);
+  linked->SendAll(ping.data() + 5, ping.size() - 5, After(2));  // the rest: answered
+  w::Header h = linked->RecvFrame(payload, After(3));
+  EXPECT_EQ(h.type, w::kPong);
+  EXPECT_EQ(w::DecodeU64(payload), 9u);
+  server.Stop();
+  EXPECT_EQ(pool->tasks(), 0u);
+}
+
 // Clients that connect and never say HELLO cost the listener no thread (before: one each, for
 // the handshake's 10 s); a link made meanwhile is served; Stop closes them at once.
 TEST(Server, SilentConnectionsCostNoThread) {

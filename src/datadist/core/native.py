@@ -136,6 +136,7 @@ class NativeLink:
     cluster_id: int
     path_name: str
     inbound: bool = False
+    reason: str = ""
 
     @property
     def path(self) -> str:
@@ -423,7 +424,8 @@ class NativeEngine:
         if path is None:
             raise NotLinked(f"cluster {cluster_id} is not linked (link_clusters or link first)")
         own, inbound = self._core.linked(cluster_id)
-        return NativeLink(cluster_id, str(path), inbound=not own)
+        return NativeLink(cluster_id, str(path), inbound=not own,
+                          reason=str(self._core.link_reason(cluster_id) or ""))
 
     def check_link(self, cluster_id: int, timeout: float) -> None:
         with _mapped():
@@ -434,7 +436,8 @@ class NativeEngine:
         for cid in self._core.link_ids(False):
             path = self._core.link_path(cid)
             if path is not None:
-                out.append(NativeLink(int(cid), str(path)))
+                out.append(NativeLink(int(cid), str(path),
+                                      reason=str(self._core.link_reason(cid) or "")))
         return out
 
     def has_links(self) -> bool:
