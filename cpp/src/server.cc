@@ -150,7 +150,7 @@ constexpr size_t kWholeFrameMax = 64 << 10;
 /// EOF or an error, or a frame too big to wait for whole, read as before). Unix sockets do not
 /// honour SO_RCVLOWAT in poll: their partial frames are read as before (local peers are
 /// counted per uid, and their frames come whole from one send).
-bool FrameReady(int fd, bool tcp, bool &lowered) {
+bool FrameReady(int fd, bool tcp, uint32_t max_payload, bool &lowered) {
   if (!tcp) return true;
   int avail = 0;
   if (ioctl(fd, FIONREAD, &avail) != 0 || avail <= 0) return true;  // EOF or an error: the read says
@@ -159,13 +159,19 @@ bool FrameReady(int fd, bool tcp, bool &lowered) {
     uint8_t head[wire::kHeaderSize];
     if (recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof head)) return true;
     try {
-      need += wire::DecodeHeader(head).length;
+      const uint32_t length = wire::DecodeHeader(head).length;
+      if (length > max_payload) return true;  // refused on its header: no need to wait
+      need += length;
     } catch (const std::exception &) {
-      return true;  // a bad header: the read refuses it
+      return true;  // a bad header: the read refuses it at once
     }
     if (need > kWholeFrameMax) return true;
     if (static_cast<size_t>(avail) >= need) return true;
   }
+  // The peer shut its side: the rest never comes, and the read ends it now (an EOF wakes
+  // epoll whatever SO_RCVLOWAT says, so waiting would spin).
+  pollfd hup{fd, POLLRDHUP, 0};
+  if (poll(&hup, 1, 0) != 0) return true;
   int low = static_cast<int>(need);
   if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &low, sizeof(low)) != 0) return true;
   lowered = true;
@@ -251,7 +257,8 @@ bool Server::Connection::Run(bool readable, Deadline &wake) {
   if (server_->stopping_) return Finish();
   // Part of a frame: parked again (a timer step at its deadline) instead of a pool thread
   // waiting on the peer; the frame's 30 s (the handshake's 10 s before it) still hold.
-  if (readable && conn_ && !FrameReady(conn_->fd(), !local_, lowered_)) {
+  const uint32_t cap = stage_ == Stage::kServing ? wire::kMaxPayload : kPreAuthPayload;
+  if (readable && conn_ && !FrameReady(conn_->fd(), !local_, cap, lowered_)) {
     if (partial_since_ == Deadline()) partial_since_ = Clock::now();
     wake = PartialDeadline();
     if (stage_ == Stage::kServing) wake = std::min(wake, After(kPollSliceMs / 1000.0));  // grants still expire
