@@ -111,7 +111,9 @@ def _run_decoder(address: tuple[str, int], transport: str, layers: int, num_bloc
         if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
             raise CliError(f"link_clusters failed: {code} {codes}")
         link = d.engine.links()[0]
-        print(f"  link to cluster {PROMPT_ID}: path={link.path_name} ({link.reason})")
+        engine = "native (C++ core)" if getattr(d.engine, "native", False) else "python"
+        print(f"  engine: {engine}; link to cluster {PROMPT_ID}: path={link.path_name} "
+              f"({link.reason})")
         dt = llm_datadist.DataType.DT_FLOAT16
         host = llm_datadist.Placement.HOST
         rng = np.random.default_rng(11)
@@ -259,8 +261,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _info_engine() -> None:
-    """Which engine LLMDataDist.init picks here for a one-sided configuration
-    (local_comm_res = "") with this environment's settings, and why."""
+    """Which engine LLMDataDist.init picks here for a configuration from this environment's
+    settings (DATADIST_ENGINE, DATADIST_TRANSPORT, TLS, checksums, NIXL serving), and why."""
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.core import native
     from datadist.core.engine import EngineConfig
@@ -280,7 +282,7 @@ def _info_engine() -> None:
         print("engine: python (DATADIST_ENGINE=python)")
     elif refused is None:
         print("engine: native (the C++ core serves and moves bytes without the GIL; "
-              "link() with rank tables, TLS, NIXL and checksums run on the Python engine)")
+              "TLS, NIXL, forced cma / shm and checksums run on the Python engine)")
     else:
         print(f"engine: python ({refused})")
 

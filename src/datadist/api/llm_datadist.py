@@ -201,12 +201,7 @@ class LLMDataDist:
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
-                # link() with rank tables (two-sided comms) is the Python engine's yet: a
-                # cache-manager configuration that may call it (local_comm_res unset or a
-                # rank table) runs there; local_comm_res = "" (one-sided links) need not.
-                engine, self._engine_reason = engine_for(
-                    engine_cfg, opts, two_sided=self._cache_manager_mode
-                    and opts.get(cfg.OPT_LOCAL_COMM_RES, None) != "")
+                engine, self._engine_reason = engine_for(engine_cfg, opts)
             self._engine = engine
             self._options = opts
             if self._cache_manager_mode:

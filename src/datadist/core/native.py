@@ -82,9 +82,8 @@ def available() -> tuple[bool, str]:
     return native_build.native_available()
 
 
-def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
-    """What in ``config`` only the Python engine does yet (None: the core can run it).
-    ``two_sided``: the configuration uses ``link()`` with rank tables (local_comm_res)."""
+def refusal(config: EngineConfig) -> str | None:
+    """What in ``config`` only the Python engine does yet (None: the core can run it)."""
     if config.tls is not None:
         return "TLS (datadist.TlsCert...) is served by the Python engine only"
     if config.verify:
@@ -94,9 +93,6 @@ def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
         return f"transport {forced.value!r} is served by the Python engine only"
     if config.nixl_serve:
         return "serving NIXL (datadist.NixlServe) is the Python engine's"
-    if two_sided:
-        return ("link() with rank tables (two-sided comms; local_comm_res unset or a rank "
-                "table) is the Python engine's")
     return None
 
 
@@ -582,8 +578,7 @@ class NativeEngine:
         self._pools.clear()
 
 
-def engine_for(config: EngineConfig, options: dict[str, str], *,
-               two_sided: bool = False) -> tuple[Any, str]:
+def engine_for(config: EngineConfig, options: dict[str, str]) -> tuple[Any, str]:
     """The engine ``LLMDataDist.init`` runs with, and why that one: the native core when
     it is built and the configuration needs nothing only the Python engine has (or the
     caller asked for it: then a refusal is an InvalidArgument); else the Python engine."""
@@ -593,7 +588,7 @@ def engine_for(config: EngineConfig, options: dict[str, str], *,
     if choice == "python":
         return Engine(config), "asked for (datadist.Engine / DATADIST_ENGINE = python)"
     ok, why = available()
-    reason = why if not ok else refusal(config, two_sided=two_sided)
+    reason = why if not ok else refusal(config)
     if reason is None:
         return NativeEngine(config), "the native core"
     if choice == "native":
