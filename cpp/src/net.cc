@@ -74,13 +74,20 @@ std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Dead
   if (fd < 0) Fail(llm_datadist::LLM_LINK_FAILED, std::string("socket: ") + std::strerror(errno));
   const std::string where = FormatHostPort(host, port);
   auto conn = std::make_unique<Conn>(fd, where);
+  // As Python's Channel.connect words it: a refused connection says what to set.
+  auto refused = [&](int err) {
+    std::string why = "cannot connect to " + where + ": " + std::strerror(err);
+    if (err == ECONNREFUSED)
+      why += ": nothing listens there (a PROMPT must set LLMConfig.listen_ip_info = 'ip:port' to be linked to)";
+    Fail(llm_datadist::LLM_LINK_FAILED, why);
+  };
   if (connect(fd, addr.get(), addr.len) != 0) {
-    if (errno != EINPROGRESS) Fail(llm_datadist::LLM_LINK_FAILED, "cannot connect to " + where + ": " + std::strerror(errno));
+    if (errno != EINPROGRESS) refused(errno);
     conn->Wait(POLLOUT, deadline);
     int err = 0;
     socklen_t len = sizeof(err);
     (void)getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err) Fail(llm_datadist::LLM_LINK_FAILED, "cannot connect to " + where + ": " + std::strerror(err));
+    if (err) refused(err);
   }
   return conn;
 }

@@ -165,7 +165,9 @@ class DatadistWorker:
         role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer else
                 llm_datadist.LLMRole.PROMPT if self.producer else llm_datadist.LLMRole.DECODER)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
-        dd.init(cfg.generate_options())
+        options = cfg.generate_options()
+        options["datadist.Engine"] = self.settings.engine  # Settings.engine: why "python"
+        dd.init(options)
         self._dd = dd
         try:
             cm = dd.cache_manager
