@@ -24,6 +24,17 @@ BLOCK_SIZE = 16  # tokens per block
 KV_HEADS, HEAD_DIM = 8, 128
 
 
+def _demo_options(cfg: Any) -> dict[str, str]:
+    """The demo's options: on the native core where it is built (a cache-manager
+    configuration, which may link two-sided, runs on the Python engine under "auto")."""
+    from datadist.core import native
+
+    options: dict[str, str] = cfg.generate_options()
+    if native.available()[0] and "DATADIST_ENGINE" not in os.environ:
+        options["datadist.Engine"] = "native"
+    return options
+
+
 def _prompt_main(conn: Any, layers: int, num_blocks: int, seq: int, batch: int) -> None:
     """The PROMPT side: register client memory, allocate from the pool, serve until told."""
     import datadist as llm_datadist
@@ -36,7 +47,7 @@ def _prompt_main(conn: Any, layers: int, num_blocks: int, seq: int, batch: int) 
         cfg.listen_ip_info = "127.0.0.1:0"
         pool_bytes = 2 * layers * batch * seq * KV_HEADS * HEAD_DIM * 2 + (64 << 20)
         cfg.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
-        d.init(cfg.generate_options())
+        d.init(_demo_options(cfg))
         cm = d.cache_manager
         rng = np.random.default_rng(7)
         dt = llm_datadist.DataType.DT_FLOAT16
@@ -99,7 +110,7 @@ def _run_decoder(address: tuple[str, int], transport: str, layers: int, num_bloc
     cfg.sync_kv_timeout = 20000
     if transport != "auto":
         cfg.transport = transport
-    d.init(cfg.generate_options())
+    d.init(_demo_options(cfg))
     rows: list[tuple[str, int, float, bool]] = []
     try:
         cm = d.cache_manager
