@@ -31,6 +31,9 @@ ROWS = {
     **{f"busy_{side}_{path}_{what}": unit for side in ("owner", "puller")
        for path in ("same_host", "tcp")
        for what, unit in (("p50", "us"), ("p99", "us"), ("work", "kround/s"))},
+    # the busy thread's own pulls, issued (pull_blocks_async) and polled between its rounds
+    **{f"busy_async_{path}_{what}": unit for path in ("same_host", "tcp")
+       for what, unit in (("p50", "us"), ("p99", "us"), ("work", "kround/s"))},
 }
 if nixl.available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     ROWS.update({"nixl_pull": "GB/s", "nixl_pull_blocks": "GB/s", "nixl_small": "us",
@@ -76,8 +79,15 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
         assert rows[key]["path"] != "tcp", rows[key]
     for key in ("nixl_pull", "nixl_pull_blocks", "nixl_small", "nixl_pull_prog"):
         assert key not in rows or rows[key]["path"] == "nixl", rows[key]
-    for key in ("busy_owner_tcp_p50", "busy_puller_tcp_work"):
+    for key in ("busy_owner_tcp_p50", "busy_puller_tcp_work", "busy_async_tcp_p50"):
         assert rows[key]["path"] == "tcp", rows[key]
+    # which engine each side ran on: the header line, and the JSON (the nixl rows' owner
+    # serves NIXL, which only the Python engine does)
+    engines = result["engines"]
+    assert {"owner", "puller (same host)", "puller (tcp)"} <= set(engines), engines
+    assert set(engines.values()) <= {"native", "python"}, engines
+    assert engines.get("nixl owner", "python") == "python", engines
+    assert "engines (asked: " in proc.stdout
     assert result["sizes"]["contig_bytes"] == 1 << 20 and not result["at_goal_size"]
     assert "address mod 4096" in result["alignment"]
     assert len(result["peers"]) == 2 and all("NIXL" in p or "Mooncake" in p

@@ -17,6 +17,7 @@ from datadist.bench.harness import (
     SMALL_CACHE_BLOCKS,
     U64,
     Row,
+    at_most,
     check_pattern,
     interleave,
     pattern_seed,
@@ -26,7 +27,11 @@ from datadist.bench.limits import RawCma, iov
 from datadist.bench.puller import Context, Puller, latency_row
 
 LAYER_BYTES = 2 * LAYER_BLOCKS * LAYER_BLOCK  # K and V of one layer
-PER_LAYER_GOAL = 1 / 1.1  # 32 per-layer pulls take at most 1.1x the time of one pull
+# 32 per-layer pulls of 1 MiB against one pull of the same bytes (GB/s over GB/s), by path:
+# issue "One engine, native" asks >= 0.95x on one host and >= 0.9x over TCP (until then both
+# were 1 / 1.1: at most 1.1x the time of one pull).
+PER_LAYER_GOALS = {"same host": 0.95, "TCP": 0.9}
+ASYNC_LAYERS_GOAL = 1 / 1.1  # transfer_cache_async of the 32 layers: at most 1.1x the time
 FEW_BLOCKS = {256: 0.85, 1024: 0.9}  # blocks pulled -> goal against raw process_vm_readv
 CALLS = 20  # pulls per sample of the few-blocks rows: one is too short to time alone
 
@@ -41,7 +46,7 @@ def _times(fn: Callable[[], object]) -> Callable[[], None]:
 def calls_rows(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     for transport, where in (("auto", "same host"), ("tcp", "TCP")):
-        p = Puller(ctx.info, ctx.sizes, ctx.bufs, transport, remote_accessible=True)
+        p = ctx.puller(transport, remote_accessible=True)
         try:
             rows.append(_per_layer_row(ctx, p, where))
             rows.append(_async_row(ctx, p, where))
@@ -74,7 +79,7 @@ def _per_layer_row(ctx: Context, p: Puller, where: str) -> Row:
     return throughput_row(
         f"{key}_per_layer", f"{LAYERS} per-layer pull_blocks of {LAYER_BYTES >> 20} MiB, "
         f"{where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
-        f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOAL)
+        f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOALS[where])
 
 
 def _async_row(ctx: Context, p: Puller, where: str) -> Row:
@@ -92,7 +97,7 @@ def _async_row(ctx: Context, p: Puller, where: str) -> Row:
     return throughput_row(
         f"{key}_async_layers", f"transfer_cache_async of {LAYERS} layers of "
         f"{LAYER_BYTES >> 20} MiB, {where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
-        f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOAL)
+        f"one pull_blocks of all {LAYERS} layers", lim, ASYNC_LAYERS_GOAL)
 
 
 def _few_blocks_rows(ctx: Context, p: Puller) -> list[Row]:
@@ -130,9 +135,9 @@ def _never_seen_row(ctx: Context, p: Puller) -> Row:
     n = SMALL_CACHE_BLOCKS
     order = np.random.default_rng(7).permutation(n * n).tolist()
     row = latency_row(ctx, p, "same_host_small_new", "small pull, never-seen request, same host",
-                      lambda i: p.pull_small(order[i % len(order)] // n, order[i % len(order)] % n))
+                      lambda i: p.pull_small(order[i % len(order)] // n, order[i % len(order)] % n),
+                      goal=None)
     row.title = "small pull, one 16 KiB block, same host, each request new"
-    row.goal, row.met = "reported", True
     return row
 
 
@@ -141,7 +146,6 @@ def _p99_row(ctx: Context, p: Puller) -> Row:
     figure = float(np.percentile(p50.figure_samples, 99))
     limit = float(np.percentile(p50.limit_samples, 99))
     row = Row(p50.key, "small pull, one 16 KiB block, same host, p99", "us", figure,
-              "16-byte request/reply on a plain socket, p99", limit, "<= 3.00x", path=p50.path,
+              "16-byte request/reply on a plain socket, p99", limit, path=p50.path,
               figure_samples=p50.figure_samples, limit_samples=p50.limit_samples)
-    row.met = row.ratio is not None and row.ratio <= 3.0
-    return row
+    return at_most(row, 3.0)

@@ -167,6 +167,18 @@ class Row:
         return d
 
 
+def at_most(row: Row, times: float | None) -> Row:
+    """Judge a time row (a latency: lower is better) against its goal: met when its ratio to
+    its limit is at most ``times``; ``None``: no goal, the row is "reported" (met). Returns
+    ``row``. Who calls: the row modules, once a row has its figure and limit."""
+    if times is None:
+        row.goal, row.met = "reported", True
+    else:
+        row.goal = f"<= {times:.2f}x"
+        row.met = row.ratio is not None and row.ratio <= times
+    return row
+
+
 def throughput_row(key: str, title: str, nbytes: int, path: str, fig_s: list[float],
                     limit_title: str, lim_s: list[float], goal: float) -> Row:
     gbs = [nbytes / t / 1e9 for t in fig_s]

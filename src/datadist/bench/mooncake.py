@@ -182,7 +182,7 @@ def mooncake_rows(ctx: Context) -> list[Row]:
     s, info, bufs = ctx.sizes, ctx.info, ctx.bufs
     if "mooncake_port" not in info:
         raise BenchError(f"the owner could not serve Mooncake: {info.get('mooncake_error')}")
-    p = Puller(info, s, bufs, "tcp")
+    p = ctx.puller("tcp")
     rows: list[Row] = []
     how = variant()
     try:

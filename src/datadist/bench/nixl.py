@@ -202,7 +202,7 @@ def nixl_rows(ctx: Context) -> list[Row]:
     settings is left out; every row's note names the UCX transports NIXL's reads used."""
     s, info, bufs = ctx.sizes, ctx.info, ctx.bufs
     rows: list[Row] = []
-    p = Puller(info, s, bufs, "nixl")
+    p = ctx.puller("nixl")
     raws: list[RawNixl] = []
     try:
         if p.path != "nixl":
@@ -299,7 +299,7 @@ def _beside_best(ctx: Context, nixl_s: list[float]) -> Row:
     """The NIXL path beside datadist's own best path here (auto: shared memory or
     cross-memory attach on one host), reported side by side, no goal."""
     s = ctx.sizes
-    p = Puller(ctx.info, s, ctx.bufs, "auto")
+    p = ctx.puller("auto")
     contig = ctx.bufs["contig"]
 
     def zero_contig() -> None:

@@ -43,6 +43,7 @@ from datadist.bench.harness import (
 )
 from datadist.bench.limits import serve_scatter
 from datadist.bench.pools import allocate_pool_blocks, pool_blocks_bytes
+from datadist.bench.puller import engine_name
 from datadist.bench.tcp import register_tiny_blocks
 
 
@@ -106,9 +107,12 @@ class PlainServer:
 
 
 def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
-               mooncake: bool = False) -> None:
+               mooncake: bool = False, nixl: bool = False) -> None:
     """The child: serve the caches through datadist and the plain sockets (and, with
-    ``mooncake``, through a Mooncake engine: bench/mooncake.py) until told to quit.
+    ``mooncake``, through a Mooncake engine: bench/mooncake.py) until told to quit. With
+    ``nixl`` it serves NIXL too, which only the Python engine does (docs/engine.md): the
+    runner starts such an owner for the nixl rows alone, so that every other row's owner
+    runs on the engine ``DATADIST_ENGINE`` (inherited from the parent) picks.
 
     Speaks to the parent over ``conn``: one dict with what it set up (or ``{"error": ...}``),
     then waits for ``"quit"``; ``"busy-start"`` starts a thread of Python work here and
@@ -123,10 +127,11 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
         cfg.listen_ip_info = "127.0.0.1:0"
         cfg.local_comm_res = ""
         cfg.enable_remote_cache_accessible = True  # the layer-wise push row writes into it
-        # The NIXL rows: serving NIXL is opt-in, and a bench on one host runs UCX over
-        # transports that check no memory key; its own processes trust each other.
-        cfg.nixl_serve = True
-        cfg.nixl_allow_whole_process_access = True
+        if nixl:
+            # The NIXL rows: serving NIXL is opt-in, and a bench on one host runs UCX over
+            # transports that check no memory key; its own processes trust each other.
+            cfg.nixl_serve = True
+            cfg.nixl_allow_whole_process_access = True
         cfg.host_mem_pool_cfg = json.dumps(
             {"memory_size": sizes.pool_bytes + pool_blocks_bytes(sizes)})
         dd.init(cfg.generate_options())
@@ -180,6 +185,7 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
         conn.send({
             **{k: v for k, v in peer.items() if k != "engine"},
             "pid": os.getpid(),
+            "engine": engine_name(dd.engine),
             "port": listen[1],
             "plain_port": server.port,
             "contig_id": contig.cache_id,
@@ -208,11 +214,11 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
         dd.finalize()
 
 
-def start_owner(sizes: Sizes, align: str,
-                mooncake: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+def start_owner(sizes: Sizes, align: str, mooncake: bool = False,
+                nixl: bool = False) -> tuple[Any, Any, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=owner_main, args=(there, asdict(sizes), align, mooncake),
+    proc = ctx.Process(target=owner_main, args=(there, asdict(sizes), align, mooncake, nixl),
                        name="datadist-bench-owner", daemon=True)
     proc.start()
     there.close()

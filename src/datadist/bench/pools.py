@@ -24,7 +24,7 @@ from datadist.bench.harness import (
     pattern_seed,
     throughput_row,
 )
-from datadist.bench.puller import Context, Puller
+from datadist.bench.puller import Context
 
 POOL_BLOCKS_MODEL = 3  # the owner's pool-allocated blocks cache
 POOL_TAG = 5  # its pattern's tag (harness.pattern_seed)
@@ -46,7 +46,7 @@ def allocate_pool_blocks(ll: Any, cm: Any, sizes: Sizes) -> None:
 
 def pool_rows(ctx: Context) -> list[Row]:
     s, buf = ctx.sizes, ctx.bufs["blocks"]
-    p = Puller(ctx.info, s, ctx.bufs, "auto")
+    p = ctx.puller("auto")
     try:
         cm, ll = p.dd.cache_manager, p.ll
         src, dst = ctx.src_list, ctx.dst_list

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -41,6 +43,7 @@ from datadist.bench.puller import (
 )
 from datadist.bench.same_host import same_host_rows
 from datadist.bench.tcp import tcp_rows
+from datadist.core.native import ENGINE_ENV
 from datadist.transport.nixl import available as nixl_available
 
 
@@ -64,7 +67,8 @@ GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped i
 # peers' (--peers adds them).
 DEFAULT_GROUPS = tuple(g for g in GROUPS if g not in ("cpp", "mooncake"))
 PEER_GROUPS = tuple(g for g in GROUPS if g == "mooncake")
-# the groups that pull from a Python owner
+ENGINES = ("auto", "native", "python")  # --engine, as DATADIST_ENGINE takes them
+# the groups that pull from an owner process
 _OWNED = ("same-host", "pools", "tcp", "calls", "busy", "nixl", "mooncake")
 
 
@@ -75,16 +79,20 @@ def timed_steps(repeat: int, groups: tuple[str, ...] = DEFAULT_GROUPS) -> int:
 
 def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         progress: Progress | None = None,
-        groups: tuple[str, ...] = DEFAULT_GROUPS) -> dict[str, Any]:
+        groups: tuple[str, ...] = DEFAULT_GROUPS, engine: str | None = None) -> dict[str, Any]:
     """One run of the row ``groups``; returns the JSON-ready result. Raises BenchError if a
-    row cannot run."""
+    row cannot run. ``engine`` ("auto", "native", "python"; None: as DATADIST_ENGINE says)
+    is the engine both processes are asked for, through DATADIST_ENGINE (the owner, a
+    spawned child, inherits it); the environment is restored after."""
     progress = progress or Progress(timed_steps(repeat, groups))
     t_start = time.monotonic()
     rows: list[Any] = []
     alignment = "no Python pulls in this run"
+    engines: dict[str, str] = {}
+    asked = engine or os.environ.get(ENGINE_ENV) or "auto"
     if any(g in _OWNED for g in groups):
-        progress.set_label("starting the owner process")
-        rows, alignment = _owned_rows(sizes, repeat, align, progress, groups)
+        with _engine_env(engine):
+            rows, alignment, engines = _owned_rows(sizes, repeat, align, progress, groups)
     rows += cpp_rows(sizes, repeat, progress) if "cpp" in groups else []
     rows += plan_rows(sizes, repeat, progress) if "plan" in groups else []
     progress.close()
@@ -93,6 +101,8 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         "sizes": asdict(sizes),
         "repeat": repeat,
         "alignment": alignment,
+        "engine_asked": asked,
+        "engines": engines,
         "host": {"cpus": os.cpu_count(), "kernel": platform.release(),
                  "python": platform.python_version(), "numpy": np.__version__},
         "seconds": round(time.monotonic() - t_start, 2),
@@ -102,43 +112,86 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
     }
 
 
-def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
-                groups: tuple[str, ...]) -> tuple[list[Any], str]:
-    """The rows that pull from a Python owner process, and the alignment line."""
-    proc, conn, info = start_owner(sizes, align, mooncake="mooncake" in groups)
-    plain = None
+@contextlib.contextmanager
+def _engine_env(engine: str | None) -> Iterator[None]:
+    """DATADIST_ENGINE set to ``engine`` for the duration (None: left as it is)."""
+    if engine is None:
+        yield
+        return
+    saved = os.environ.get(ENGINE_ENV)
+    os.environ[ENGINE_ENV] = engine
     try:
-        bufs = {
-            "contig": [aligned_array(sizes.tensor_bytes, align)
-                       for _ in range(sizes.contig_tensors)],
-            "blocks": aligned_array(sizes.cache_blocks * sizes.block_bytes, align),
-            "small": aligned_array(SMALL_CACHE_BLOCKS * SMALL_BLOCK, align),
-            "layers": aligned_array(2 * LAYERS * LAYER_BLOCKS * LAYER_BLOCK, align),
-        }
-        rng = np.random.default_rng(2024)
-        src_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
-        dst_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
-        plain = PlainClient(info["plain_port"])
-        ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain, conn)
-        rows = same_host_rows(ctx) if "same-host" in groups else []
-        rows += pool_rows(ctx) if "pools" in groups else []
-        rows += tcp_rows(ctx) if "tcp" in groups else []
-        rows += calls_rows(ctx) if "calls" in groups else []
-        rows += busy_rows(ctx) if "busy" in groups else []
-        if "nixl" in groups:
-            from datadist.bench.nixl import nixl_rows
-
-            rows += nixl_rows(ctx)
-        if "mooncake" in groups:
-            from datadist.bench.mooncake import mooncake_rows
-
-            rows += mooncake_rows(ctx)
-        alignment = alignment_text(bufs, info, align)
+        yield
     finally:
-        if plain is not None:
-            plain.close()
-        stop_owner(proc, conn)
-    return rows, alignment
+        if saved is None:
+            os.environ.pop(ENGINE_ENV, None)
+        else:
+            os.environ[ENGINE_ENV] = saved
+
+
+def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
+                groups: tuple[str, ...]) -> tuple[list[Any], str, dict[str, str]]:
+    """The rows that pull from an owner process, the alignment line, and which engine each
+    side ran on (:func:`engines_text`). The nixl rows get an owner of their own: serving
+    NIXL is the Python engine's, and the other rows' owner must not be moved to it."""
+    bufs = {
+        "contig": [aligned_array(sizes.tensor_bytes, align) for _ in range(sizes.contig_tensors)],
+        "blocks": aligned_array(sizes.cache_blocks * sizes.block_bytes, align),
+        "small": aligned_array(SMALL_CACHE_BLOCKS * SMALL_BLOCK, align),
+        "layers": aligned_array(2 * LAYERS * LAYER_BLOCKS * LAYER_BLOCK, align),
+    }
+    rng = np.random.default_rng(2024)
+    src_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
+    dst_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
+    rows: list[Any] = []
+    alignment = ""
+    engines: dict[str, str] = {}
+    owners = [([g for g in _OWNED if g in groups and g != "nixl"], False),
+              (["nixl"] if "nixl" in groups else [], True)]
+    for owned, nixl in owners:
+        if not owned:
+            continue
+        progress.set_label("starting the owner process")
+        proc, conn, info = start_owner(sizes, align, mooncake="mooncake" in owned, nixl=nixl)
+        plain = None
+        try:
+            plain = PlainClient(info["plain_port"])
+            ctx = Context(sizes, repeat, info, bufs, src_ids, dst_ids, progress, plain, conn)
+            for group in owned:
+                rows += _group_rows(group, ctx)
+            alignment = alignment or alignment_text(bufs, info, align)
+        finally:
+            if plain is not None:
+                plain.close()
+            stop_owner(proc, conn)
+        side = "nixl " if nixl else ""
+        engines[f"{side}owner"] = str(info.get("engine", "?"))
+        for transport, engine in ctx.engines.items():
+            where = "same host" if transport == "auto" else transport
+            engines[f"puller ({where})"] = engine
+    return rows, alignment, engines
+
+
+def _group_rows(group: str, ctx: Context) -> list[Any]:
+    """One group's rows, pulled from ``ctx``'s owner (the groups of ``_OWNED``)."""
+    if group == "nixl":
+        from datadist.bench.nixl import nixl_rows
+
+        return nixl_rows(ctx)
+    if group == "mooncake":
+        from datadist.bench.mooncake import mooncake_rows
+
+        return mooncake_rows(ctx)
+    make = {"same-host": same_host_rows, "pools": pool_rows, "tcp": tcp_rows,
+            "calls": calls_rows, "busy": busy_rows}[group]
+    return make(ctx)
+
+
+def engines_text(engines: dict[str, str], asked: str) -> str:
+    """The report's line of which engine each side ran on, e.g. "engines (asked: auto):
+    owner native, puller (same host) native, puller (tcp) native"."""
+    sides = ", ".join(f"{side} {engine}" for side, engine in engines.items())
+    return f"engines (asked: {asked}): {sides or 'no datadist pulls in this run'}"
 
 
 def datadist_version() -> str:
@@ -170,6 +223,8 @@ def format_table(result: dict[str, Any]) -> str:
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     out = [f"datadist bench: median of {result['repeat']}, {result['seconds']} s; "
            f"{result['alignment']}"]
+    if "engines" in result:  # results saved before the engines were reported have none
+        out.append(engines_text(result["engines"], result.get("engine_asked", "auto")))
     for i, line in enumerate([head, *lines]):
         out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
         if i == 0:
@@ -205,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", metavar="GROUPS", default=",".join(DEFAULT_GROUPS),
                     help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default "
                     "all but cpp, the C++ API's rows, which need build/cpp/dd_bench)")
+    ap.add_argument("--engine", choices=ENGINES, default=None,
+                    help="the engine both processes run on, passed as DATADIST_ENGINE "
+                    "(default: as DATADIST_ENGINE says, else auto: the native core where "
+                    "it can run the configuration; docs/engine.md)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     ap.add_argument("--plot", metavar="PATH",
                     help="also draw every row against its limit to PATH (.png or .svg; needs "
@@ -227,10 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [g for g in groups if g not in GROUPS]
     if unknown or not groups:
         ap.error(f"--only takes groups of {','.join(GROUPS)}, got {args.only!r}")
+    asked = args.engine or os.environ.get(ENGINE_ENV) or "auto"
+    if asked == "native" and "nixl" in groups:
+        ap.error("the nixl group runs on the Python engine only (serving NIXL is its own; "
+                 "docs/engine.md): leave it out with --only, or use --engine auto")
     sizes = Sizes.preset(args.quick, args.size)
     progress = Progress(timed_steps(repeat, groups), enabled=not args.no_progress)
     try:
-        result = run(sizes, repeat, args.align, args.peers, progress, groups)
+        result = run(sizes, repeat, args.align, args.peers, progress, groups, args.engine)
     except BenchError as e:
         progress.close()
         print(f"datadist bench failed: {e}", file=sys.stderr)
