@@ -263,8 +263,19 @@ PYBIND11_MODULE(_core, m) {
           py::arg("key"))
       .def("hello_count", [](Core &c, uint64_t id) { return c.engine().HelloCount(id); }, py::arg("cluster_id"))
       .def("inbound_control", [](Core &c) { return c.engine().InboundControl(); })
-      .def("has_links", [](Core &c) { return c.engine().HasLinks(); })
-      .def("link_ids", [](Core &c, bool inbound) { return c.engine().LinkIds(inbound); }, py::arg("inbound"))
+      // Both may close reverse channels their clients left (an I/O group stop): without the GIL.
+      .def("has_links",
+           [](Core &c) {
+             py::gil_scoped_release nogil;
+             return c.engine().HasLinks();
+           })
+      .def(
+          "link_ids",
+          [](Core &c, bool inbound) {
+            py::gil_scoped_release nogil;
+            return c.engine().LinkIds(inbound);
+          },
+          py::arg("inbound"))
       .def(
           "linked",
           [](Core &c, uint64_t id) {
@@ -350,33 +361,24 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("cache_id"), py::arg("wait_s"))
       .def(
-          "read",
-          [](Core &c, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc, uint64_t unit_bytes,
-             uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets, const U64Array &lengths,
-             const U64Array &local, double timeout_s) {
+          "transfer",
+          [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
+             uint64_t unit_bytes, uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets,
+             const U64Array &lengths, const U64Array &local, double timeout_s) {
             auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
             auto iov = ToIov(local);
             Deadline deadline = DeadlineIn(timeout_s);
             py::gil_scoped_release nogil;
-            c.engine().GetLink(cluster)->Read(req, iov, deadline);
+            auto link = c.engine().GetLink(cluster);
+            if (write)
+              link->Write(req, iov, deadline);
+            else
+              link->Read(req, iov, deadline);
           },
-          py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("unit_bytes"),
-          py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"), py::arg("lengths"),
-          py::arg("local"), py::arg("timeout_s"))
-      .def(
-          "write",
-          [](Core &c, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc, uint64_t unit_bytes,
-             uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets, const U64Array &lengths,
-             const U64Array &local, double timeout_s) {
-            auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
-            auto iov = ToIov(local);
-            Deadline deadline = DeadlineIn(timeout_s);
-            py::gil_scoped_release nogil;
-            c.engine().GetLink(cluster)->Write(req, iov, deadline);
-          },
-          py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("unit_bytes"),
-          py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"), py::arg("lengths"),
-          py::arg("local"), py::arg("timeout_s"))
+          py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
+          py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
+          py::arg("lengths"), py::arg("local"), py::arg("timeout_s"),
+          "A READ (write=False) or WRITE, blocking without the GIL until it ends or timeout_s passes.")
       .def(
           "submit",
           [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,

@@ -215,6 +215,24 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
     return True
 
 
+def checked_local_iov(kept: Prepared[np.ndarray], plan: Plan, entry: CacheEntry) -> np.ndarray:
+    """The local spans of ``plan`` in ``entry``'s memory as an iovec array, once the plan is
+    checked against the cache (InvalidArgument if it does not fit). Kept in ``kept`` for small
+    plans, so a plan that repeats is checked once (read-only: transports edit copies). Both
+    engines' pulls and pushes call it."""
+    if plan.num_spans > SMALL_REQUEST:
+        _check_local_plan(plan, entry)
+        return plan.local_iovecs(entry.addrs)
+
+    def build() -> np.ndarray:
+        _check_local_plan(plan, entry)
+        iov = plan.local_iovecs(entry.addrs)
+        iov.flags.writeable = False
+        return iov
+
+    return kept.get((plan, entry), build)
+
+
 def _connect_nixl(path: Any, chan: Channel, connect: Callable[[float], tuple[Channel, Any]],
                   deadline: float, welcome: p.Welcome
                   ) -> tuple[Channel, p.Welcome, Any, str]:
@@ -801,20 +819,7 @@ class Engine:
                  lambda path, chan: path.read(chan, msg, local, deadline))
 
     def _local_iov(self, plan: Plan, entry: CacheEntry) -> np.ndarray:
-        """The local spans of ``plan`` in ``entry``'s memory as an iovec array, once the plan
-        is checked against the cache (InvalidArgument if it does not fit). Kept for small
-        plans, so a plan that repeats is checked once (read-only: transports edit copies)."""
-        if plan.num_spans > SMALL_REQUEST:
-            _check_local_plan(plan, entry)
-            return plan.local_iovecs(entry.addrs)
-
-        def build() -> np.ndarray:
-            _check_local_plan(plan, entry)
-            iov = plan.local_iovecs(entry.addrs)
-            iov.flags.writeable = False
-            return iov
-
-        return self._local_iovs.get((plan, entry), build)
+        return checked_local_iov(self._local_iovs, plan, entry)
 
     def _move_leased(self, link: Link, path: CmaPath, key: p.KeyRef, unit_bytes: int,
                      plan: Plan, entry: CacheEntry, local: np.ndarray, deadline: float,

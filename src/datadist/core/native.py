@@ -35,9 +35,9 @@ from datadist.core.engine import (
     DEVICE,
     HOST,
     EngineConfig,
-    _check_local_plan,
     _counted,
     _record,
+    checked_local_iov,
 )
 from datadist.core.errors import (
     AlreadyLinked,
@@ -51,7 +51,7 @@ from datadist.core.errors import (
 )
 from datadist.core.layout import Geometry, Plan, wire_layout
 from datadist.core.links import forced_path
-from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
+from datadist.core.prepared import KEPT, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
@@ -486,23 +486,9 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ transfers
 
-    def _local_iov(self, plan: Plan, entry: CacheEntry) -> np.ndarray:
-        """The local spans of ``plan`` in ``entry``'s memory, checked (as the Python engine's)."""
-        if plan.num_spans > SMALL_REQUEST:
-            _check_local_plan(plan, entry)
-            return plan.local_iovecs(entry.addrs)
-
-        def build() -> np.ndarray:
-            _check_local_plan(plan, entry)
-            iov = plan.local_iovecs(entry.addrs)
-            iov.flags.writeable = False
-            return iov
-
-        return self._local_iovs.get((plan, entry), build)
-
     def _args(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
               entry: CacheEntry, write: bool, timeout: float | None) -> tuple[Any, ...]:
-        local = self._local_iov(plan, entry)
+        local = checked_local_iov(self._local_iovs, plan, entry)
         flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
         return (cluster_id, int(key.kind), key.a, key.b, key.c, unit_bytes, flags,
                 wire_layout(entry.geometry), plan.remote_tensors, plan.remote_offsets,
@@ -519,7 +505,7 @@ class NativeEngine:
         try:
             args = self._args(cluster_id, key, unit_bytes, plan, entry, False, timeout)
             with _mapped():
-                self._core.read(*args)
+                self._core.transfer(False, *args)
         finally:
             self.registry.unhold(entry)
 
@@ -533,7 +519,7 @@ class NativeEngine:
         try:
             args = self._args(cluster_id, key, unit_bytes, plan, entry, True, timeout)
             with _mapped():
-                self._core.write(*args)
+                self._core.transfer(True, *args)
         finally:
             self.registry.unhold(entry)
 
