@@ -104,6 +104,8 @@ constexpr std::array<const char *, 256> kTypeNames = [] {
   t[kChecksum] = "CHECKSUM";
   t[kLeaseRequest] = "LEASE_REQUEST";
   t[kCacheLease] = "CACHE_LEASE";
+  t[kStatsRequest] = "STATS_REQUEST";
+  t[kStats] = "STATS";
   return t;
 }();
 
@@ -257,6 +259,13 @@ std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid) {
   return w.Finish();
 }
 
+std::vector<uint8_t> EncodeStats(const std::string &json, uint32_t rid) {
+  Writer w(kStats, rid);
+  w.U32(json.size());
+  w.Raw(json.data(), json.size());
+  return w.Finish();
+}
+
 std::vector<uint8_t> EncodeGrant(const Grant &g, uint32_t rid) {
   Writer w(kGrant, rid);
   w.U64(g.lease_id);
@@ -367,6 +376,15 @@ std::string DecodeAuth(const std::vector<uint8_t> &payload) {
   std::string proof = r.Blob();
   r.Done();
   return proof;
+}
+
+std::string DecodeStats(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  const uint64_t n = r.Uint(4);
+  if (n > payload.size() - 4) ProtocolViolation("array count beyond the payload");
+  const uint8_t *b = r.Take(n);
+  r.Done();
+  return std::string(reinterpret_cast<const char *>(b), n);
 }
 
 Header DecodeHeader(const uint8_t *d) {

@@ -34,7 +34,9 @@ enum MsgType : uint8_t {
   kShmGrant = 13,
   kAuth = 14,
   kChecksum = 15,
-  // 16 to 22: NIXL and STATS, not spoken here (a frame of those types is malformed)
+  // 16 to 20: NIXL, not spoken here (a frame of those types is malformed)
+  kStatsRequest = 21,  // empty: the peer's transfer metrics, please (answer: kStats)
+  kStats = 22,         // u32 n, then n bytes of UTF-8 JSON (docs/protocol.md, "Metrics")
   kLeaseRequest = 23,
   kCacheLease = 24,
 };
@@ -153,6 +155,7 @@ std::vector<uint8_t> EncodeGrant(const Grant &g, uint32_t rid);
 std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid);
 std::vector<uint8_t> EncodeLeaseRequest(const LeaseRequest &r, uint32_t rid);
 std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid);
+std::vector<uint8_t> EncodeStats(const std::string &json, uint32_t rid);  // STATS
 
 // ---- decoding
 Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
@@ -172,9 +175,12 @@ LeaseRequest DecodeLeaseRequest(const std::vector<uint8_t> &payload);
 CacheLease DecodeCacheLease(const std::vector<uint8_t> &payload);
 Checksum DecodeChecksum(const std::vector<uint8_t> &payload);
 ShmGrant DecodeShmGrant(const std::vector<uint8_t> &payload);
+/// STATS: the JSON bytes as they came (the caller parses them); a count beyond the payload,
+/// or bytes after the JSON, are malformed.
+std::string DecodeStats(const std::vector<uint8_t> &payload);
 
 /// The name docs/protocol.md gives a message type this codec speaks ("HELLO"), or nullptr for
-/// a type it does not (NIXL and STATS, 16 to 22 and 30 to 32, reserved and unknown numbers):
+/// a type it does not (NIXL, 16 to 20 and 30 to 32, reserved and unknown numbers):
 /// DecodeHeader refuses those, as a version-1 peer without the extension must.
 const char *TypeName(uint8_t type);
 

@@ -95,8 +95,8 @@ inline Codec RequestCodec(uint8_t type) {
           [type](const Bytes &p, uint32_t rid) { return wire::EncodeRequest(type, wire::DecodeRequest(type, p), rid); }};
 }
 
-/// Every type this codec speaks. Types 16 to 22 and 30 to 32 (NIXL, STATS) are missing on
-/// purpose: the C++ core has no NIXL path and serves no metrics (docs/protocol.md's opening).
+/// Every type this codec speaks. Types 16 to 20 and 30 to 32 (NIXL) are missing on purpose:
+/// the C++ core has no NIXL path (docs/protocol.md's opening).
 inline const std::map<uint8_t, Codec> &Codecs() {
   static const std::map<uint8_t, Codec> codecs = {
       {wire::kHello, HelloCodec(wire::kHello)},
@@ -171,12 +171,16 @@ inline const std::map<uint8_t, Codec> &Codecs() {
                         {"shm_offsets", List(l.shm_offsets)}};
         },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeCacheLease(wire::DecodeCacheLease(p), rid); }}},
+      {wire::kStatsRequest, EmptyCodec(wire::kStatsRequest)},
+      {wire::kStats,
+       {[](const Bytes &p) { return Fields{{"json", Hex(wire::DecodeStats(p))}}; },
+        [](const Bytes &p, uint32_t rid) { return wire::EncodeStats(wire::DecodeStats(p), rid); }}},
   };
   return codecs;
 }
 
 /// The types of docs/protocol.md this codec does not speak, and must refuse at the header.
-inline const std::set<uint8_t> kNotSpoken = {16, 17, 18, 19, 20, 21, 22, 30, 31, 32};
+inline const std::set<uint8_t> kNotSpoken = {16, 17, 18, 19, 20, 30, 31, 32};
 
 /// "" if ``f`` returns; "protocol" if it throws the protocol error; else what it threw.
 inline std::string Outcome(const std::function<void()> &f) {

@@ -7,7 +7,7 @@
 // "TYPE rid=N field=value ...", compared as a set of pairs) and re-encodes to the same bytes
 // where this codec has an encoder for the type; a frame to refuse is refused with the protocol
 // error (Error with kSuspectRemoteError), by DecodeHeader for "refuse header", else by the
-// type's decoder. Types this codec does not speak (NIXL and STATS) are refused by DecodeHeader
+// type's decoder. Types this codec does not speak (NIXL) are refused by DecodeHeader
 // whatever their payload, as docs/protocol.md asks of a version-1 peer without them.
 #include <gtest/gtest.h>
 
@@ -145,7 +145,7 @@ TEST(WireVectors, EveryFrameDecodesRefusesAndEncodesAsTheVectorSays) {
   EXPECT_GT(decoded, 0);
   EXPECT_GT(refused, 0);
   EXPECT_GT(not_spoken, 0);
-  std::printf("vectors: %d decoded (%d re-encoded), %d refused, %d of types not spoken here (NIXL, STATS)\n",
+  std::printf("vectors: %d decoded (%d re-encoded), %d refused, %d of types not spoken here (NIXL)\n",
               decoded, encoded, refused, not_spoken);
 }
 
