@@ -23,6 +23,7 @@
 
 #include "engine.h"
 #include "errors.h"
+#include "metrics.h"
 #include "tasks.h"
 #include "wire.h"
 
@@ -74,6 +75,47 @@ datadist::wire::Request ToRequest(uint8_t kind, uint64_t a, uint64_t b, uint64_t
   r.offsets = ToVector(offsets);
   r.lengths = ToVector(lengths);
   return r;
+}
+
+uint64_t IovBytes(const std::vector<iovec> &iov) {
+  uint64_t n = 0;
+  for (const iovec &v : iov) n += v.iov_len;
+  return n;
+}
+
+/// A pull (write false) or push on the link to `cluster`, counted in the core's metrics as
+/// the Python engine counts its own (a missing link included), timed from `since`.
+void Transfer(datadist::Engine &engine, bool write, uint64_t cluster, const datadist::wire::Request &req,
+              const std::vector<iovec> &iov, Deadline deadline, datadist::Clock::time_point since) {
+  namespace metrics = datadist::metrics;
+  metrics::Timed(write ? metrics::Op::kPush : metrics::Op::kPull, cluster, IovBytes(iov), since, [&] {
+    auto link = engine.GetLink(cluster);
+    if (write)
+      link->Write(req, iov, deadline);
+    else
+      link->Read(req, iov, deadline);
+  });
+}
+
+/// The core's series as Python's datadist.core.metrics reads them: (op, cluster_id,
+/// transfers, bytes, {status name: count}, per-bucket counts (not cumulative, the last above
+/// all), nanoseconds summed).
+py::list MetricsSeries() {
+  std::vector<datadist::metrics::Series> all;
+  {
+    py::gil_scoped_release nogil;
+    all = datadist::metrics::Snapshot();
+  }
+  py::list out;
+  for (const auto &s : all) {
+    py::dict errors;
+    for (const auto &e : s.errors) errors[py::str(e.first)] = e.second;
+    py::list counts;
+    for (uint64_t n : s.counts) counts.append(n);
+    out.append(py::make_tuple(datadist::metrics::OpName(s.op), s.cluster_id, s.transfers, s.bytes, errors, counts,
+                              s.nanos));
+  }
+  return out;
 }
 
 /// One engine plus the workers its asynchronous transfers run on.
@@ -365,15 +407,12 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
              uint64_t unit_bytes, uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets,
              const U64Array &lengths, const U64Array &local, double timeout_s) {
+            const auto since = datadist::Clock::now();
             auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
             auto iov = ToIov(local);
             Deadline deadline = DeadlineIn(timeout_s);
             py::gil_scoped_release nogil;
-            auto link = c.engine().GetLink(cluster);
-            if (write)
-              link->Write(req, iov, deadline);
-            else
-              link->Read(req, iov, deadline);
+            Transfer(c.engine(), write, cluster, req, iov, deadline, since);
           },
           py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
           py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
@@ -386,20 +425,59 @@ PYBIND11_MODULE(_core, m) {
              const U64Array &lengths, const U64Array &local, double timeout_s) {
             auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
             auto iov = ToIov(local);
-            // The deadline runs from now, as a blocking call's would; queueing counts.
+            // The deadline runs from now, as a blocking call's would; queueing counts (in the
+            // metrics too: the transfer is timed from here).
+            const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
             datadist::Engine *engine = &c.engine();
-            return c.executor().Submit([engine, cluster, write, req = std::move(req), iov = std::move(iov), deadline] {
-              auto link = engine->GetLink(cluster);
-              if (write)
-                link->Write(req, iov, deadline);
-              else
-                link->Read(req, iov, deadline);
-            });
+            try {
+              return c.executor().Submit(
+                  [engine, cluster, write, req = std::move(req), iov = std::move(iov), deadline, since] {
+                    Transfer(*engine, write, cluster, req, iov, deadline, since);
+                  });
+            } catch (const datadist::Error &e) {  // not issued: counted as a transfer that failed
+              datadist::metrics::RecordSince(write ? datadist::metrics::Op::kPush : datadist::metrics::Op::kPull,
+                                             cluster, 0, since, e.code());
+              throw;
+            }
           },
           py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
           py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
           py::arg("lengths"), py::arg("local"), py::arg("timeout_s"),
           "Queues a READ (write=False) or WRITE on the engine's workers; returns its Handle at once.")
-      .def_property_readonly("async_threads", [](Core &c) { return c.executor().threads(); });
+      .def_property_readonly("async_threads", [](Core &c) { return c.executor().threads(); })
+      .def(
+          "peer_stats",
+          [](Core &c, uint64_t id, double timeout_s) {
+            std::string json;
+            {
+              py::gil_scoped_release nogil;
+              json = c.engine().PeerStats(id, DeadlineIn(timeout_s));
+            }
+            return py::bytes(json);
+          },
+          py::arg("cluster_id"), py::arg("timeout_s"),
+          "The linked peer's metrics (STATS_REQUEST): its JSON bytes. Blocks without the GIL up to timeout_s.");
+
+  // The process's transfer metrics, kept by the core (cpp/src/metrics.h): every engine of the
+  // process records there. Called by datadist.core.metrics at any time; never blocks.
+  m.def("metrics_series", &MetricsSeries,
+        "Every series with a transfer: (op, cluster_id, transfers, bytes, {status name: count}, "
+        "bucket counts, nanoseconds).");
+  m.def("metrics_reset", [] { datadist::metrics::Reset(); }, "Zeroes every counter (tests).");
+  m.def(
+      "metrics_record",
+      [](const std::string &op, uint64_t cluster, uint64_t nbytes, double seconds, uint64_t code) {
+        namespace metrics = datadist::metrics;
+        for (size_t i = 0; i < metrics::kOps; ++i)
+          if (op == metrics::OpName(static_cast<metrics::Op>(i))) {
+            const auto took = std::chrono::duration_cast<datadist::Clock::duration>(
+                std::chrono::duration<double>(seconds < 0 ? 0 : seconds));
+            metrics::Record(static_cast<metrics::Op>(i), cluster, nbytes, took, static_cast<datadist::Status>(code));
+            return;
+          }
+        throw py::value_error("unknown operation '" + op + "'");
+      },
+      py::arg("op"), py::arg("cluster_id"), py::arg("nbytes"), py::arg("seconds"), py::arg("code"),
+      "Counts one transfer the core did not run (code 0: succeeded), e.g. one refused before it reached the core.");
 }

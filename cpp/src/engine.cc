@@ -9,6 +9,7 @@
 #include "auth.h"
 #include "errors.h"
 #include "local.h"
+#include "metrics.h"
 
 namespace datadist {
 
@@ -24,6 +25,7 @@ Engine::Engine(uint64_t cluster_id, int32_t role) {
     std::lock_guard<std::mutex> lock(hello_mu_);
     ++hellos_[peer];
   };
+  ident_.stats = [this](uint64_t peer, const std::string &token) { return StatsFor(peer, token); };
 }
 
 Engine::~Engine() { Close(0.0); }
@@ -149,6 +151,7 @@ std::shared_ptr<Link> Engine::OpenLink(uint64_t id, const std::string &host, uin
   auto link = std::make_shared<Link>(id, host, port, hello, options_.secret, reverse ? &registry_ : nullptr,
                                      options_.same_host);
   if (take_peer_id) link->TakePeerId();
+  link->SetStatsAnswer(ident_.stats);
   link->Open(deadline);
   return link;
 }
@@ -228,6 +231,21 @@ std::string Engine::LastLinkFailure(uint64_t id) {
   auto it = link_failures_.find(id);
   return it == link_failures_.end() ? std::string() : it->second;
 }
+
+std::string Engine::StatsFor(uint64_t peer, const std::string &token) {
+  std::shared_ptr<Link> rev;
+  {
+    std::lock_guard<std::mutex> lock(rev_mu_);
+    auto it = reverse_links_.find(peer);
+    if (it != reverse_links_.end()) rev = it->second;
+  }
+  // The id is only a claim: while that cluster's link has a live reverse channel, its series
+  // are the control channel's it belongs to (the token it echoed), not any connection's.
+  const bool foreign = rev && !auth::Same(rev->link_token(), token) && !rev->Gone();
+  return metrics::StatsJson(ident_.cluster_id, ident_.role.load(), peer, !foreign);
+}
+
+std::string Engine::PeerStats(uint64_t cluster_id, Deadline deadline) { return GetLink(cluster_id)->Stats(deadline); }
 
 std::shared_ptr<Link> Engine::GetLink(uint64_t cluster_id) {
   std::shared_ptr<Link> link = FindLink(cluster_id);

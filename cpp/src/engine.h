@@ -102,6 +102,13 @@ class Engine {
   std::vector<uint64_t> LinkIds(bool inbound);
   /// Why the last link to `id` failed ("" when none failed since it last succeeded).
   std::string LastLinkFailure(uint64_t id);
+  /// What a peer's STATS_REQUEST is answered with (metrics.h's StatsJson): its own series,
+  /// none while its id's live reverse channel belongs to another control channel (`token`:
+  /// the asking connection's, "" for a reverse channel; Python's Engine.stats(peer)).
+  std::string StatsFor(uint64_t peer, const std::string &token);
+  /// Asks the linked peer `cluster_id` for its metrics (Link::Stats): the JSON it sent.
+  /// LLM_NOT_YET_LINK, and Link::Stats's errors. Blocks up to the deadline.
+  std::string PeerStats(uint64_t cluster_id, Deadline deadline);
 
  private:
   std::unique_ptr<Server> MakeServer(const std::string &host, uint16_t port);

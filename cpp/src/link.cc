@@ -88,6 +88,8 @@ void Link::Open(Deadline deadline) {
       std::unique_ptr<Conn> rev = Greet(true, deadline, rid, welcome);
       ServeContext ctx;  // a TCP connection: no grants on it
       ctx.registry = registry_;
+      ctx.cluster = remote_;  // the owner's requests on it count under its id
+      ctx.stats = stats_;
       if (!ServeParked(rev_io_, ctx, std::move(rev)))
         Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed while it opened");
     }
@@ -127,6 +129,22 @@ void Link::Ping(Deadline deadline) {
   if (Call(wire::EncodeU64(wire::kPing, remote_, ++rid_), payload, deadline).type != wire::kPong) {
     conn_->Close();
     ProtocolViolation("expected PONG");
+  }
+}
+
+std::string Link::Stats(Deadline deadline) {
+  auto guard = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  if (Call(wire::EncodeEmpty(wire::kStatsRequest, ++rid_), payload, deadline).type != wire::kStats) {
+    conn_->Close();
+    ProtocolViolation("expected STATS");
+  }
+  try {
+    return wire::DecodeStats(payload);
+  } catch (const Error &) {
+    conn_->Close();
+    throw;
   }
 }
 

@@ -92,6 +92,13 @@ class Link {
   /// A PING answered by a PONG within the deadline (check_link): LLM_TIMEOUT,
   /// LLM_LINK_FAILED, LLM_LINK_BUSY. Reconnects a broken link as a transfer would.
   void Ping(Deadline deadline);
+  /// The peer's transfer metrics (STATS_REQUEST answered by STATS): the JSON as it came, for
+  /// the caller to parse. Reconnects a broken link as a transfer would. LLM_TIMEOUT,
+  /// LLM_LINK_FAILED, LLM_LINK_BUSY; a peer without STATS breaks the protocol (ERROR, then
+  /// close: kSuspectRemoteError). Blocks up to the deadline.
+  std::string Stats(Deadline deadline);
+  /// How our reverse channel answers the peer's STATS_REQUEST (set before Open; unset: refused).
+  void SetStatsAnswer(std::function<std::string(uint64_t, const std::string &)> answer) { stats_ = std::move(answer); }
   /// A reverse end: does its client answer a PING before `deadline`? Busy with a transfer
   /// counts as yes; no answer closes the channel. Called by the listener, without its own
   /// locks, before a newer reverse channel of the same id may replace this one. Blocks.
@@ -166,6 +173,7 @@ class Link {
   wire::Hello hello_;
   std::string secret_;
   Registry *registry_ = nullptr;
+  std::function<std::string(uint64_t, const std::string &)> stats_;  // see SetStatsAnswer
   std::mutex mu_;  // guards busy_ only
   std::condition_variable idle_;
   bool busy_ = false;  // a transfer (or open / close) holds the fields below

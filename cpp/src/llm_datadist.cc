@@ -22,6 +22,7 @@
 #include "errors.h"
 #include "link.h"
 #include "local.h"
+#include "metrics.h"
 #include "plan.h"
 #include "registry.h"
 #include "server.h"
@@ -393,7 +394,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PairTensors(plan, g.num_tensors, ext, false);
     datadist::PlanSlot(plan, g, batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), src.batch_index, g.layout & ~0xFFFFFFFFULL);
-    engine_.GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    Move(false, src.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
   void PullBlocks(const CacheIndex &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
@@ -419,7 +420,7 @@ class LlmDataDist::LlmDataDistImpl {
       for (uint64_t i = 0; i < dst_blocks.size(); ++i) remote.push_back(i);
     datadist::PlanBlocks(plan, g, remote, dst_blocks);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), 0, g.layout);
-    engine_.GetLink(src.cluster_id)->Read(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    Move(false, src.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
   void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size, const KvCacheExtParam &ext) {
@@ -433,7 +434,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanSlot(plan, g, src_batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), dst.batch_index, g.layout & ~0xFFFFFFFFULL);
-    engine_.GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    Move(true, dst.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
   void PushBlocks(const Cache &src, const CacheIndex &dst, const std::vector<uint64_t> &src_blocks,
@@ -449,7 +450,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanBlocks(plan, g, dst_blocks, src_blocks);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), 0, g.layout);
-    engine_.GetLink(dst.cluster_id)->Write(req, datadist::LocalIov(plan, lease->entry().addrs), Deadline_());
+    Move(true, dst.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
   void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset, int64_t size) {
@@ -554,7 +555,28 @@ class LlmDataDist::LlmDataDistImpl {
  public:
   std::string LastLinkFailure(uint64_t id) { return engine_.LastLinkFailure(id); }
 
+  void PeerMetrics(uint64_t id, std::string &json, int32_t timeout_ms) {
+    CheckUpLocked();
+    if (timeout_ms <= 0) Invalid("timeout_in_millis must be > 0");
+    json = engine_.PeerStats(id, datadist::After(timeout_ms / 1000.0));
+  }
+
  private:
+  /// A pull (write false) or push on the link to `cluster` within the sync deadline, counted
+  /// in the process's metrics (metrics.h) as the Python package counts its own.
+  void Move(bool write, uint64_t cluster, const datadist::wire::Request &req, const std::vector<iovec> &local) {
+    namespace metrics = datadist::metrics;
+    uint64_t nbytes = 0;
+    for (const iovec &v : local) nbytes += v.iov_len;
+    metrics::Timed(write ? metrics::Op::kPush : metrics::Op::kPull, cluster, nbytes, datadist::Clock::now(), [&] {
+      auto link = engine_.GetLink(cluster);
+      if (write)
+        link->Write(req, local, Deadline_());
+      else
+        link->Read(req, local, Deadline_());
+    });
+  }
+
   datadist::wire::Request Request(const datadist::Plan &plan, uint64_t cache_id, uint64_t slot, uint64_t layout) {
     // The owner's limit, checked before sending (docs/protocol.md).
     if (static_cast<unsigned __int128>(plan.remote_tensors.size()) * plan.lengths.size() > datadist::kMaxRequestSpans)
@@ -607,6 +629,34 @@ AscendString LlmDataDist::LastLinkFailure(uint64_t remote_cluster_id) const {
   } catch (const std::exception &) {  // bad_alloc: never throws, as every method here
     return AscendString();
   }
+}
+
+Status LlmDataDist::GetMetrics(std::vector<TransferMetrics> &metrics) const {
+  return Guard("GetMetrics", [&] {
+    std::vector<TransferMetrics> out;
+    for (const datadist::metrics::Series &s : datadist::metrics::Snapshot()) {
+      TransferMetrics m;
+      m.op = datadist::metrics::OpName(s.op);
+      m.cluster_id = s.cluster_id;
+      m.transfers = s.transfers;
+      m.bytes = s.bytes;
+      m.seconds = s.seconds();
+      uint64_t cumulative = 0;
+      for (size_t i = 0; i < datadist::metrics::kBuckets; ++i) {
+        cumulative += s.counts[i];
+        m.latency_buckets.emplace_back(static_cast<double>(datadist::metrics::kBucketNs[i]) / 1e9, cumulative);
+      }
+      m.errors.insert(s.errors.begin(), s.errors.end());
+      out.push_back(std::move(m));
+    }
+    metrics.swap(out);
+  });
+}
+
+void LlmDataDist::ResetMetrics() { datadist::metrics::Reset(); }
+
+Status LlmDataDist::GetPeerMetrics(uint64_t remote_cluster_id, std::string &json, int32_t timeout_in_millis) {
+  return Guard("GetPeerMetrics", [&] { impl_->PeerMetrics(remote_cluster_id, json, timeout_in_millis); });
 }
 
 Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,

@@ -14,6 +14,7 @@
 #include "addr.h"
 #include "auth.h"
 #include "errors.h"
+#include "metrics.h"
 
 namespace datadist {
 namespace {
@@ -52,17 +53,25 @@ std::vector<uint8_t> ErrorFrame(const Error &e, uint32_t rid) {
 
 /// One granted read: the lease pins the cache until RELEASE (or expiry, or the connection
 /// ending); the grant counts against its reader's pid until then.
+/// Counted as serve_read when it ends (metrics.h): its bytes after a RELEASE that said ok,
+/// else LLM_FAILED, timed from the request.
 class Granted {
  public:
-  Granted(std::unique_ptr<Lease> lease, GrantBook *book, pid_t pid)
-      : lease_(std::move(lease)), book_(book), pid_(pid), since_(Clock::now()) {}
+  Granted(std::unique_ptr<Lease> lease, GrantBook *book, pid_t pid, uint64_t cluster, Clock::time_point asked)
+      : lease_(std::move(lease)), book_(book), pid_(pid), since_(Clock::now()), cluster_(cluster), asked_(asked),
+        nbytes_(lease_->nbytes) {}
   ~Granted() {
     lease_.reset();
     book_->Drop(pid_);
+    metrics::RecordSince(metrics::Op::kServeRead, cluster_, ok_ ? nbytes_ : 0, asked_,
+                         ok_ ? llm_datadist::LLM_SUCCESS : llm_datadist::LLM_FAILED);
   }
   Granted(const Granted &) = delete;
   Granted &operator=(const Granted &) = delete;
-  void Settle() { lease_->Settle(true); }  // RELEASE said ok: the read may consume its key
+  void Settle() {  // RELEASE said ok: the read may consume its key
+    lease_->Settle(true);
+    ok_ = true;
+  }
   /// Past its time: kGrantTtl, or kReclaimGrace once the owner wants the memory back.
   bool Expired() const {
     const double age = SecondsSince(since_);
@@ -74,6 +83,10 @@ class Granted {
   GrantBook *book_;
   pid_t pid_;
   Clock::time_point since_;
+  uint64_t cluster_;
+  Clock::time_point asked_;
+  uint64_t nbytes_;
+  bool ok_ = false;
 };
 
 using Grants = std::map<uint64_t, std::unique_ptr<Granted>>;
@@ -303,6 +316,9 @@ bool Server::Connection::Handshake(bool readable, Deadline &wake) {
         if (server_->identity_->on_control) server_->identity_->on_control(shake_.cluster);
         stage_ = Stage::kServing;
         ctx_.registry = server_->registry_;
+        ctx_.cluster = shake_.cluster;
+        ctx_.token = shake_.token;
+        ctx_.stats = server_->identity_->stats;
         if (local_) {
           ctx_.peer = &cred_;
           ctx_.grants = &server_->grants_;
@@ -662,7 +678,8 @@ namespace {
 
 /// A same-host read: the spans checked, the addresses granted, the lease held until RELEASE.
 /// Only on the local channel, to a peer the kernel says may read us, within the limits.
-void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request &req, uint32_t rid) {
+void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request &req, uint32_t rid,
+           Clock::time_point asked) {
   if (ctx.peer == nullptr || ctx.grants == nullptr)
     Invalid("grants are served on the local channel only, to peers the kernel verified on this host; read without GRANT");
   const local::Cred &peer = *ctx.peer;
@@ -674,13 +691,14 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
   std::unique_ptr<Lease> lease = ctx.registry->Open(req);  // every span checked here
   if (lease->bases.size() != req.tensors.size()) Invalid("this request cannot be granted");
   ctx.grants->Take(peer.pid);
+  // Granted: counted when the grant ends (Granted's destructor), not as a refusal any more.
   const uint64_t id = next_lease_id++;
   wire::Grant g{id, lease->bases};
   uint32_t crc = 0;
   const uint64_t nbytes = lease->nbytes;
   if (req.flags & wire::kFlagChecksum)  // computed while the lease holds the memory
     for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
-  grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid));
+  grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid, ctx.cluster, asked));
   const Deadline deadline = After(kServeTimeout);
   c.SendFrame(wire::EncodeGrant(g, rid), deadline);
   if (req.flags & wire::kFlagChecksum) c.SendFrame(wire::EncodeChecksum(crc, nbytes, rid), deadline);
@@ -694,15 +712,19 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
   switch (h.type) {
     case wire::kRead: {
       wire::Request req = wire::DecodeRequest(h.type, payload);
+      const Clock::time_point asked = Clock::now();  // counted as serve_read from here
+      const size_t held = grants.size();
       std::unique_ptr<Lease> lease;
       try {
         if (req.flags & wire::kFlagGrant) {
           // SHM too: nothing of ours is in shareable memory, so a plain GRANT answers it.
-          Grant(ctx, grants, c, req, rid);
+          Grant(ctx, grants, c, req, rid, asked);
           return true;
         }
         lease = registry_->Open(req);
       } catch (const Error &e) {
+        // Refused (a grant given, then not sent, is counted when it ends: Granted).
+        if (grants.size() == held) metrics::RecordSince(metrics::Op::kServeRead, ctx.cluster, 0, asked, e.code());
         if (e.code() == kSuspectRemoteError || c.closed()) throw;
         c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
         return true;
@@ -713,27 +735,33 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       iov.reserve(lease->iov.size() + 1);
       iov.push_back({head.data(), head.size()});
       iov.insert(iov.end(), lease->iov.begin(), lease->iov.end());
-      c.SendV(std::move(iov), deadline);
-      if (req.flags & wire::kFlagChecksum) {
-        uint32_t crc = 0;
-        for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
-        c.SendFrame(wire::EncodeChecksum(crc, lease->nbytes, rid), deadline);
-      }
+      metrics::Timed(metrics::Op::kServeRead, ctx.cluster, lease->nbytes, asked, [&] {
+        c.SendV(std::move(iov), deadline);
+        if (req.flags & wire::kFlagChecksum) {
+          uint32_t crc = 0;
+          for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
+          c.SendFrame(wire::EncodeChecksum(crc, lease->nbytes, rid), deadline);
+        }
+      });
       lease->Settle(true);  // sent: may consume its CacheKey (a throw above settles it failed)
       return true;
     }
     case wire::kWrite: {
       wire::Request req = wire::DecodeRequest(h.type, payload);
+      const Clock::time_point asked = Clock::now();  // counted as serve_write from here
       std::unique_ptr<Lease> lease;
       try {
         lease = registry_->OpenWrite(req);
       } catch (const Error &e) {
+        metrics::RecordSince(metrics::Op::kServeWrite, ctx.cluster, 0, asked, e.code());  // refused
         c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
         return true;
       }
       Deadline deadline = After(kServeTimeout);
-      c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
-      c.RecvV(lease->iov, deadline);
+      metrics::Timed(metrics::Op::kServeWrite, ctx.cluster, lease->nbytes, asked, [&] {
+        c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
+        c.RecvV(lease->iov, deadline);
+      });
       lease.reset();
       c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
       return true;
@@ -749,7 +777,9 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       // A whole-cache lease (docs/protocol.md, "Cache leases"): on the local channel, to a
       // peer the kernel says may read us, as grants. The reader checks and copies by itself;
       // the cache's fence is revoked and drained before its memory goes (Registry::Remove).
+      // Counted as serve_lease, 0 bytes: the reads under a lease are the reader's to count.
       wire::LeaseRequest q = wire::DecodeLeaseRequest(payload);
+      const Clock::time_point asked = Clock::now();
       std::vector<uint8_t> answer;
       try {
         if (ctx.peer == nullptr || ctx.grants == nullptr || !ctx.peer->MayReadUs())
@@ -757,10 +787,21 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
         wire::CacheLease l = registry_->LeaseCache(q);  // nothing of ours is in shareable memory: m = 0
         ctx.grants->AllowReaders();
         answer = wire::EncodeCacheLease(l, rid);
+        metrics::RecordSince(metrics::Op::kServeLease, ctx.cluster, 0, asked, llm_datadist::LLM_SUCCESS);
       } catch (const Error &e) {
+        metrics::RecordSince(metrics::Op::kServeLease, ctx.cluster, 0, asked, e.code());
         if (e.code() == kSuspectRemoteError) throw;
         answer = ErrorFrame(e, rid);
       }
+      c.SendFrame(answer, After(kServeTimeout));
+      return true;
+    }
+    case wire::kStatsRequest: {
+      // The peer's own series only (metrics.h's StatsJson; docs/protocol.md, STATS).
+      wire::DecodeEmpty(payload);
+      const std::vector<uint8_t> answer =
+          ctx.stats ? wire::EncodeStats(ctx.stats(ctx.cluster, ctx.token), rid)
+                    : ErrorFrame(Error(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this peer serves no metrics"), rid);
       c.SendFrame(answer, After(kServeTimeout));
       return true;
     }

@@ -34,6 +34,11 @@
 
 namespace datadist {
 
+/// The answer to a peer's STATS_REQUEST (metrics.h's StatsJson): `peer` is the cluster id the
+/// connection announced, `token` the link token of its control channel ("" on a reverse
+/// channel). Called on a serving thread; takes short locks only.
+using StatsAnswer = std::function<std::string(uint64_t peer, const std::string &token)>;
+
 struct Identity {
   uint64_t cluster_id = 0;
   std::atomic<int32_t> role{0};
@@ -44,6 +49,8 @@ struct Identity {
   /// channel completes its handshake, with the cluster id it announced: two-sided links see
   /// a member join by it. Set before serving; may be empty.
   std::function<void(uint64_t)> on_control;
+  /// Answers peers' STATS_REQUEST; set before serving (empty: refused, FEATURE_NOT_ENABLED).
+  StatsAnswer stats;
 };
 
 /// Same-host grants outstanding per peer process (by its kernel-verified pid), over all its
@@ -78,6 +85,12 @@ struct ServeContext {
   /// grants count in. Null (TCP, reverse channels): grants are refused.
   const local::Cred *peer = nullptr;
   GrantBook *grants = nullptr;
+  /// Who the peer is (the cluster id its HELLO announced; a reverse channel's: the linked
+  /// owner's) and its control channel's link token: what its requests are counted under
+  /// (metrics.h) and what STATS tells it.
+  uint64_t cluster = 0;
+  std::string token;
+  StatsAnswer stats;
 };
 
 /// Serves requests on a connection whose handshake is done, as the owner of the context's

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -161,6 +162,22 @@ struct RegisterCfg {
   uint8_t reserved[128] = {0};
 };
 
+/// datadist extension: one series of the process's transfer metrics (docs/cpp.md, "Metrics"),
+/// the Python package's datadist.metrics() entry: what this process did with or for one peer.
+struct TransferMetrics {
+  /// "pull", "push" (this process asked the peer), "serve_read", "serve_write" (the peer asked
+  /// this process), "serve_lease" (whole-cache leases granted; the reads under them are the
+  /// reader's to count)
+  std::string op;
+  uint64_t cluster_id = 0U;  // the peer
+  uint64_t transfers = 0U;   // ended, in any way
+  uint64_t bytes = 0U;       // moved by those that succeeded
+  double seconds = 0.0;      // their durations, summed
+  /// (upper bound in seconds, transfers that took at most that long): cumulative, 10 us .. 100 s
+  std::vector<std::pair<double, uint64_t>> latency_buckets;
+  std::map<std::string, uint64_t> errors;  // failed transfers per status name ("LLM_TIMEOUT")
+};
+
 /// One instance per cluster id. Every method returns a Status and never throws; transfers
 /// block until done or until llm.SyncKvCacheWaitTime passes (LLM_TIMEOUT). Thread-safe.
 class ASCEND_FUNC_VISIBILITY LlmDataDist {
@@ -180,6 +197,15 @@ class ASCEND_FUNC_VISIBILITY LlmDataDist {
   /// LLM_LINK_FAILED whatever the reason), empty when it has not failed since it last
   /// succeeded. Each failure is also told on stderr unless DATADIST_LINK_WARNINGS=0.
   AscendString LastLinkFailure(uint64_t remote_cluster_id) const;
+  /// datadist extension: the process's transfer metrics, one entry per (op, peer) with a
+  /// transfer counted (every instance in the process counts in the same place). Never blocks.
+  Status GetMetrics(std::vector<TransferMetrics> &metrics) const;
+  /// datadist extension: zeroes the process's transfer metrics (tests).
+  static void ResetMetrics();
+  /// datadist extension: the linked peer's own metrics, as the JSON it answers STATS with
+  /// (docs/protocol.md): {"cluster_id", "role", "total", "links"}. Blocks up to the timeout;
+  /// LLM_NOT_YET_LINK, LLM_TIMEOUT, LLM_LINK_FAILED, or a peer without STATS.
+  Status GetPeerMetrics(uint64_t remote_cluster_id, std::string &json, int32_t timeout_in_millis = 1000);
 
   Status AllocateCache(const CacheDesc &cache_desc, Cache &cache);
   Status DeallocateCache(int64_t cache_id);

@@ -1,0 +1,160 @@
+// Transfer metrics in the core (src/metrics.h) and through the C++ API (GetMetrics,
+// GetPeerMetrics, ResetMetrics): the counters the Python engine keeps, with its names and
+// units, on both sides of a link, and the STATS answer in the Python owner's JSON.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "metrics.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace llm_datadist;
+using ddtest::HostCache;
+using ddtest::Index;
+namespace metrics = datadist::metrics;
+
+// The core's own table (this test binary's copy of datadist_core; the API's is in the .so).
+TEST(MetricsCore, StatsAnswerIsThePythonOwnersJson) {
+  metrics::Reset();
+  metrics::Record(metrics::Op::kServeRead, 5, 100, std::chrono::microseconds(5), LLM_SUCCESS);
+  metrics::Record(metrics::Op::kServeRead, 5, 77, std::chrono::milliseconds(1), LLM_KV_CACHE_NOT_EXIST);
+  metrics::Record(metrics::Op::kPull, 6, 7, std::chrono::seconds(2), LLM_SUCCESS);
+  // What Python's json.dumps(Engine.stats(peer 5), separators=(",", ":")) gives for the same
+  // three records (made with datadist.core.metrics.Metrics): byte for byte.
+  const std::string series =
+      R"({"serve_read":{"transfers":2,"bytes":100,"errors":{"LLM_KV_CACHE_NOT_EXIST":1},"seconds":0.001005,)"
+      R"("latency_buckets":{"1e-05":1,"2.5e-05":1,"5e-05":1,"0.0001":1,"0.00025":1,"0.0005":1,"0.001":2,)"
+      R"("0.0025":2,"0.005":2,"0.01":2,"0.025":2,"0.05":2,"0.1":2,"0.25":2,"0.5":2,"1.0":2,"2.5":2,"5.0":2,)"
+      R"("10.0":2,"25.0":2,"50.0":2,"100.0":2},"p50_s":1e-05,"p99_s":0.001}})";
+  EXPECT_EQ(metrics::StatsJson(9, 1, 5, true),
+            R"({"cluster_id":9,"role":1,"total":)" + series + R"(,"links":{"5":)" + series + "}}");
+  // Another peer's series are never told; nor any to a connection that is not the peer's.
+  EXPECT_EQ(metrics::StatsJson(9, 1, 7, true), R"({"cluster_id":9,"role":1,"total":{},"links":{}})");
+  EXPECT_EQ(metrics::StatsJson(9, 1, 5, false), R"({"cluster_id":9,"role":1,"total":{},"links":{}})");
+  metrics::Reset();
+  EXPECT_TRUE(metrics::Snapshot().empty());
+}
+
+TEST(MetricsCore, BucketsQuantilesAndStatusNamesAsPython) {
+  metrics::Reset();
+  // Python's test_series_arithmetic, in the core: 5 us, 300 us twice, 2 ms, 500 s, and one
+  // LLM_TIMEOUT after 100 ms.
+  for (auto us : {5LL, 300LL, 300LL, 2000LL, 500000000LL})
+    metrics::Record(metrics::Op::kPush, 9, 100, std::chrono::microseconds(us), LLM_SUCCESS);
+  metrics::Record(metrics::Op::kPush, 9, 100, std::chrono::milliseconds(100), LLM_TIMEOUT);
+  const std::vector<metrics::Series> all = metrics::Snapshot();
+  ASSERT_EQ(all.size(), 1U);
+  const metrics::Series &s = all[0];
+  EXPECT_EQ(s.transfers, 6U);
+  EXPECT_EQ(s.bytes, 500U);
+  ASSERT_EQ(s.errors.size(), 1U);
+  EXPECT_EQ(s.errors[0].first, "LLM_TIMEOUT");
+  EXPECT_EQ(s.counts[0], 1U);           // 5 us <= 10 us
+  EXPECT_EQ(s.counts[metrics::kBuckets], 1U);  // 500 s lies above every bucket
+  EXPECT_EQ(s.Quantile(0.5), 5e-4);
+  EXPECT_TRUE(std::isinf(s.Quantile(0.99)));
+  EXPECT_STREQ(metrics::StatusName(0x5010B011U), "LLM_SEQ_LENOVERLIMIT");  // llm_datadist's spelling
+  EXPECT_STREQ(metrics::StatusName(0x12345U), "LLM_FAILED");  // anything else, as Python counts it
+  metrics::Reset();
+}
+
+TEST(MetricsCore, ManyThreadsAndManyPeersLoseNoCount) {
+  metrics::Reset();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([t] {
+      for (uint64_t i = 0; i < 2000; ++i)  // 1000 peers: the table grows past its first segment
+        metrics::Record(metrics::Op::kPull, i % 1000, 1, std::chrono::microseconds(t), LLM_SUCCESS);
+    });
+  for (auto &th : threads) th.join();
+  const std::vector<metrics::Series> all = metrics::Snapshot();
+  ASSERT_EQ(all.size(), 1000U);
+  for (const metrics::Series &s : all) {
+    EXPECT_EQ(s.transfers, 16U) << s.cluster_id;
+    EXPECT_EQ(s.bytes, 16U) << s.cluster_id;
+  }
+  metrics::Reset();
+}
+
+constexpr uint64_t kPrompt = 3;
+constexpr uint64_t kDecoder = 4;
+
+const TransferMetrics *Find(const std::vector<TransferMetrics> &all, const std::string &op, uint64_t cluster) {
+  for (const TransferMetrics &m : all)
+    if (m.op == op && m.cluster_id == cluster) return &m;
+  return nullptr;
+}
+
+TEST(MetricsApi, BothSidesCountAndThePeerTellsItsOwnSeries) {
+  LlmDataDist::ResetMetrics();
+  const uint16_t port = ddtest::FreePort();
+  HostCache src{4, {4, 16}};  // outlives the instances
+  HostCache dst{4, {4, 16}};
+  LlmDataDist prompt{kPrompt, LlmRole::kPrompt};
+  LlmDataDist decoder{kDecoder, LlmRole::kDecoder};
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  auto options = ddtest::Options(0, "2000");
+  options["datadist.Transport"] = "tcp";  // requests, not same-host leases: the owner sees each
+  ASSERT_EQ(decoder.Initialize(options), LLM_SUCCESS);
+  ASSERT_EQ(src.Register(prompt), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+  std::string json;
+  EXPECT_EQ(decoder.GetPeerMetrics(kPrompt, json), LLM_NOT_YET_LINK);
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
+
+  for (uint32_t slot = 0; slot < 3; ++slot) ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, slot), dst.cache, slot), LLM_SUCCESS);
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 9), dst.cache), LLM_KV_CACHE_NOT_EXIST);
+  ASSERT_EQ(decoder.PushKvCache(dst.cache, Index(kPrompt, 1, 3)), LLM_SUCCESS);
+
+  std::vector<TransferMetrics> all;
+  ASSERT_EQ(decoder.GetMetrics(all), LLM_SUCCESS);
+  const TransferMetrics *pull = Find(all, "pull", kPrompt);
+  ASSERT_NE(pull, nullptr);
+  EXPECT_EQ(pull->transfers, 4U);
+  EXPECT_EQ(pull->bytes, 3U * 4 * 16);  // a slot of 16 bytes in each of 4 tensors, successes only
+  EXPECT_EQ(pull->errors, (std::map<std::string, uint64_t>{{"LLM_KV_CACHE_NOT_EXIST", 1}}));
+  ASSERT_EQ(pull->latency_buckets.size(), 22U);
+  EXPECT_EQ(pull->latency_buckets.front().first, 1e-5);
+  EXPECT_EQ(pull->latency_buckets.back(), std::make_pair(100.0, uint64_t{4}));  // cumulative
+  EXPECT_GT(pull->seconds, 0.0);
+  const TransferMetrics *push = Find(all, "push", kPrompt);
+  ASSERT_NE(push, nullptr);
+  EXPECT_EQ(push->transfers, 1U);
+  EXPECT_EQ(push->bytes, 4U * 16);
+  // The owner's side of the same link (both instances count in this process's metrics).
+  const TransferMetrics *served = Find(all, "serve_read", kDecoder);
+  ASSERT_NE(served, nullptr);
+  EXPECT_EQ(served->transfers, 4U);
+  EXPECT_EQ(served->bytes, 3U * 4 * 16);
+  EXPECT_EQ(served->errors, pull->errors);  // the refusal, with its code
+  const TransferMetrics *written = Find(all, "serve_write", kDecoder);
+  ASSERT_NE(written, nullptr);
+  EXPECT_EQ(written->transfers, 1U);
+  EXPECT_EQ(written->bytes, 4U * 16);
+
+  // STATS over the link: the prompt tells the decoder what it did for the decoder, nothing else.
+  ASSERT_EQ(decoder.GetPeerMetrics(kPrompt, json), LLM_SUCCESS);
+  EXPECT_EQ(json.rfind(R"({"cluster_id":3,"role":1,"total":{)", 0), 0U) << json;
+  EXPECT_NE(json.find(R"("links":{"4":{)"), std::string::npos) << json;
+  EXPECT_NE(json.find(R"("serve_read":{"transfers":4,"bytes":192,"errors":{"LLM_KV_CACHE_NOT_EXIST":1})"),
+            std::string::npos)
+      << json;
+  EXPECT_NE(json.find(R"("serve_write":{"transfers":1,"bytes":64,)"), std::string::npos) << json;
+  EXPECT_EQ(json.find("\"pull\""), std::string::npos) << json;  // the decoder's own series are not the prompt's
+  EXPECT_EQ(decoder.GetPeerMetrics(kPrompt, json, 0), LLM_PARAM_INVALID);
+
+  LlmDataDist::ResetMetrics();
+  ASSERT_EQ(decoder.GetMetrics(all), LLM_SUCCESS);
+  EXPECT_TRUE(all.empty());
+  decoder.Finalize();
+  prompt.Finalize();
+}
+
+}  // namespace
