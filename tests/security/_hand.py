@@ -5,6 +5,7 @@ directory on sys.path); every socket wait is bounded by SOCK_TIMEOUT."""
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
 from datadist.core.engine import Engine, EngineConfig
+from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
 PROMPT, DECODER = 1, 2
@@ -61,9 +63,13 @@ class Raw:
 
 def make(made: list[Engine], cluster_id: int, *, listen: bool = True, **kw: Any) -> Engine:
     """An engine on loopback (a PROMPT that listens, or a DECODER), closed by the test's
-    ``engines`` fixture (conftest.py) through ``made``."""
-    engine = Engine(EngineConfig(cluster_id=cluster_id, role=1 if listen else 2,
-                                 listen=("127.0.0.1", 0) if listen else None, **kw))
+    ``engines`` fixture (conftest.py) through ``made``: the Python engine, or the C++ core's
+    when DATADIST_ENGINE=native (the tests that need only the engines' common interface then
+    run against the core)."""
+    config = EngineConfig(cluster_id=cluster_id, role=1 if listen else 2,
+                          listen=("127.0.0.1", 0) if listen else None, **kw)
+    native = os.environ.get("DATADIST_ENGINE", "").lower() == "native"
+    engine: Any = NativeEngine(config) if native else Engine(config)
     made.append(engine)
     return engine
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from datadist.core.metrics import BUCKETS, PROCESS
+from datadist.core import metrics as _metrics
+from datadist.core.metrics import BUCKETS
 
 
 def metrics() -> dict[str, Any]:
@@ -22,13 +23,13 @@ def metrics() -> dict[str, Any]:
     ``transfers``, ``bytes`` (moved by successful transfers), ``errors`` (count per status
     code name, e.g. ``"LLM_TIMEOUT"``), ``seconds`` (summed durations), ``latency_buckets``
     (cumulative counts per upper bound in seconds), ``p50_s`` and ``p99_s`` (bucket upper
-    bounds)."""
-    return PROCESS.snapshot()
+    bounds). Both engines' counters, summed: the Python engine's and the C++ core's."""
+    return _metrics.snapshot()
 
 
 def reset_metrics() -> None:
     """Clear every counter (tests; a Prometheus scraper sees a counter reset)."""
-    PROCESS.reset()
+    _metrics.reset()
 
 
 def metrics_collector() -> Any:
@@ -58,7 +59,7 @@ def metrics_collector() -> Any:
                                          "status code", labels=[*labels, "code"])
             seconds = HistogramMetricFamily("datadist_transfer_seconds", "Duration of "
                                             "transfers", labels=labels)
-            for op, cid, s in PROCESS.series():
+            for op, cid, s in _metrics.process_series():
                 lv = [op, str(cid)]
                 transfers.add_metric(lv, s.transfers)
                 nbytes.add_metric(lv, s.bytes)

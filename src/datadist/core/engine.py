@@ -15,7 +15,6 @@ import contextlib
 import functools
 import hmac
 import itertools
-import json
 import logging
 import secrets
 import ssl
@@ -669,18 +668,16 @@ class Engine:
             raise RemoteProtocolError(f"expected Pong, got {type(reply).__name__}")
 
     def stats(self, peer: PeerInfo | None = None) -> dict[str, Any]:
-        """Our transfer metrics (``metrics.PROCESS``), JSON-ready, with who we are. Called
-        by the facade and tests for the whole process (``peer`` None), and by a serving
+        """The process's transfer metrics (``metrics.snapshot``), JSON-ready, with who we
+        are. Called by the facade and tests for the whole process (``peer`` None), and by a serving
         thread for a peer's StatsRequest: then only that peer's own series (what we did
         for and with its cluster id: ``links`` holds its id alone, ``total`` is the same
         series), never other peers' ids, counts, bytes or latencies; none while that id's
         live reverse channel belongs to another control channel (a connection claiming
         the id of a linked peer)."""
-        snap = metrics.PROCESS.snapshot()
         if peer is None:
-            return {"cluster_id": self.config.cluster_id, "role": self.role,
-                    "total": snap["total"],
-                    "links": {str(cid): ops for cid, ops in snap["links"].items()}}
+            return metrics.stats(self.config.cluster_id, self.role)
+        snap = metrics.snapshot()
         with self._lock:
             rev = self._reverse.get(peer.cluster_id)
             # The id is only a claim: while that cluster's link has a live reverse channel,
@@ -702,13 +699,7 @@ class Engine:
                          lambda path, chan: chan.call(p.StatsRequest(), deadline))
         if not isinstance(reply, p.Stats):
             raise RemoteProtocolError(f"expected Stats, got {type(reply).__name__}")
-        try:
-            got = json.loads(reply.json)
-        except ValueError as e:
-            raise RemoteProtocolError(f"the peer's Stats is not JSON: {e}") from None
-        if not isinstance(got, dict):
-            raise RemoteProtocolError("the peer's Stats is not a JSON object")
-        return got
+        return metrics.parse_stats(reply.json)
 
     def links(self) -> list[Link]:
         with self._lock:

@@ -1,8 +1,11 @@
 """Transfer counters and latency histograms, per process and per link.
 
-Who calls: the engine records every pull and push it starts, and every request it serves
-(:meth:`Metrics.record`, after the transfer ended, in the calling or serving thread; never
-blocks beyond a short lock). Users read them with
+Who calls: the Python engine records every pull and push it starts, and every request it
+serves (:meth:`Metrics.record` on :data:`PROCESS`, after the transfer ended, in the calling or
+serving thread; never blocks beyond a short lock). The native engine's are kept by the C++
+core itself (``cpp/src/metrics.h``: the same counters, names and units, recorded by its
+transfer and serving threads without the GIL). :func:`process_series` and :func:`snapshot`
+give the process's view, both summed. Users read them with
 ``datadist.metrics()`` (a plain dict), or export them to Prometheus with
 ``datadist.metrics_collector()`` when ``prometheus_client`` is installed.
 
@@ -17,10 +20,15 @@ counters (a Prometheus counter must never go down); ``reset()`` clears everythin
 from __future__ import annotations
 
 import bisect
+import json
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from datadist.core import native_build
+from datadist.core.errors import RemoteProtocolError
 
 # Upper bounds of the latency buckets, seconds: 10 us .. 100 s, three per decade.
 BUCKETS: tuple[float, ...] = tuple(
@@ -96,20 +104,7 @@ class Metrics:
     def snapshot(self) -> dict[str, Any]:
         """``{"total": {op: ...}, "links": {cluster_id: {op: ...}}}``, each entry as
         :meth:`Series.snapshot` gives it."""
-        with self._lock:
-            items = [(k, _copy(s)) for k, s in self._series.items()]
-        total: dict[str, Series] = {}
-        links: dict[int, dict[str, Any]] = {}
-        for (op, cid), s in items:
-            links.setdefault(cid, {})[op] = s.snapshot()
-            t = total.setdefault(op, Series())
-            t.transfers += s.transfers
-            t.bytes += s.bytes
-            t.seconds += s.seconds
-            t.counts = [a + b for a, b in zip(t.counts, s.counts, strict=True)]
-            for name, n in s.errors.items():
-                t.errors[name] = t.errors.get(name, 0) + n
-        return {"total": {op: s.snapshot() for op, s in total.items()}, "links": links}
+        return _snapshot_of(self.series())
 
     def series(self) -> Iterator[tuple[str, int, Series]]:
         """Copies of every series, for exporters."""
@@ -127,4 +122,87 @@ def _copy(s: Series) -> Series:
     return Series(s.transfers, s.bytes, dict(s.errors), list(s.counts), s.seconds)
 
 
+def _merge(into: Series, s: Series) -> None:
+    into.transfers += s.transfers
+    into.bytes += s.bytes
+    into.seconds += s.seconds
+    into.counts = [a + b for a, b in zip(into.counts, s.counts, strict=True)]
+    for name, n in s.errors.items():
+        into.errors[name] = into.errors.get(name, 0) + n
+
+
+def _snapshot_of(items: Iterator[tuple[str, int, Series]]) -> dict[str, Any]:
+    total: dict[str, Series] = {}
+    links: dict[int, dict[str, Any]] = {}
+    for op, cid, s in items:
+        links.setdefault(cid, {})[op] = s.snapshot()
+        _merge(total.setdefault(op, Series()), s)
+    return {"total": {op: s.snapshot() for op, s in total.items()}, "links": links}
+
+
 PROCESS = Metrics()
+
+
+def _core() -> Any:
+    """The C++ core's module once something imported it (an engine ran on it), else None:
+    reading metrics never loads the extension."""
+    return sys.modules.get(native_build.MODULE)
+
+
+def _core_series() -> Iterator[tuple[str, int, Series]]:
+    core = _core()
+    if core is None:
+        return
+    for op, cid, transfers, nbytes, errors, counts, nanos in core.metrics_series():
+        yield str(op), int(cid), Series(int(transfers), int(nbytes),
+                                        {str(k): int(v) for k, v in errors.items()},
+                                        [int(c) for c in counts], nanos / 1e9)
+
+
+def process_series() -> Iterator[tuple[str, int, Series]]:
+    """Every series of the process: the Python engine's (:data:`PROCESS`) and the C++
+    core's, summed per (operation, cluster id). Copies; for exporters and :func:`snapshot`.
+    Called at any time; short locks only (the core's read takes none)."""
+    merged: dict[tuple[str, int], Series] = {}
+    for op, cid, s in (*PROCESS.series(), *_core_series()):
+        got = merged.get((op, cid))
+        if got is None:
+            merged[(op, cid)] = s
+        else:
+            _merge(got, s)
+    for (op, cid), s in merged.items():
+        yield op, cid, s
+
+
+def snapshot() -> dict[str, Any]:
+    """The process's metrics (:func:`process_series`) as :meth:`Metrics.snapshot` has them:
+    what ``datadist.metrics()`` returns."""
+    return _snapshot_of(process_series())
+
+
+def reset() -> None:
+    """Clear every counter of the process, the core's too (tests)."""
+    PROCESS.reset()
+    core = _core()
+    if core is not None:
+        core.metrics_reset()
+
+
+def stats(cluster_id: int, role: int) -> dict[str, Any]:
+    """What an engine says of the whole process (``Engine.stats()``, JSON-ready): who it is,
+    and :func:`snapshot` with the cluster ids of ``links`` as strings, as STATS carries them."""
+    snap = snapshot()
+    return {"cluster_id": cluster_id, "role": role, "total": snap["total"],
+            "links": {str(cid): ops for cid, ops in snap["links"].items()}}
+
+
+def parse_stats(raw: bytes) -> dict[str, Any]:
+    """A peer's STATS answer (JSON bytes) as a dict; RemoteProtocolError if it is not a
+    JSON object. Called by both engines' ``peer_stats``."""
+    try:
+        got = json.loads(raw)
+    except ValueError as e:
+        raise RemoteProtocolError(f"the peer's Stats is not JSON: {e}") from None
+    if not isinstance(got, dict):
+        raise RemoteProtocolError("the peer's Stats is not a JSON object")
+    return got

@@ -30,13 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from datadist.core import native_build
+from datadist.core import metrics, native_build
 from datadist.core.engine import (
     DEVICE,
     HOST,
     EngineConfig,
-    _counted,
-    _record,
     checked_local_iov,
 )
 from datadist.core.errors import (
@@ -165,15 +163,15 @@ class NativeListener:
 
 class NativeHandle:
     """An asynchronous transfer of the native engine: the core's handle, and the local cache
-    held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL."""
+    held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL. The core
+    counts the transfer in its metrics when it ends, polled or not."""
 
     def __init__(self, engine: NativeEngine, handle: Any, entry: CacheEntry, op: str,
-                 cluster_id: int, plan: Plan) -> None:
+                 cluster_id: int) -> None:
         self._engine = engine
         self._handle = handle
         self._entry: CacheEntry | None = entry
-        self._op, self._cluster_id, self._plan = op, cluster_id, plan
-        self._t0 = time.perf_counter()
+        self._op, self._cluster_id = op, cluster_id
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -181,12 +179,11 @@ class NativeHandle:
         return f"<NativeHandle {self._op} cluster {self._cluster_id} {state}>"
 
     def _settle(self) -> None:
-        """Once ended: the local cache is let go and the metrics recorded, exactly once."""
+        """Once ended: the local cache is let go, exactly once."""
         with self._lock:
             entry, self._entry = self._entry, None
         if entry is not None:
             self._engine.registry.unhold(entry)
-            _record(self._op, self._cluster_id, self._plan, self._t0, self.error())
 
     def done(self) -> bool:
         if not self._handle.done():
@@ -227,6 +224,7 @@ class NativeEngine:
         self._listen: tuple[str, int] | None = None
         self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
         self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
+        self._core_module = mod
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
         self._core.set_remote_writes(config.remote_cache_accessible)
@@ -495,29 +493,47 @@ class NativeEngine:
                 plan.lengths, local,
                 timeout if timeout is not None else self.config.sync_timeout)
 
-    @_counted("pull")
+    def _taken(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+               cache_id: int, timeout: float | None) -> tuple[CacheEntry, tuple[Any, ...]]:
+        """The local cache held and the core's arguments for a transfer. The core counts
+        every transfer it is handed (metrics); one refused here, before it (finalized, no
+        such local cache, spans outside it), is counted here, as the Python engine counts
+        it. The caller unholds the entry."""
+        t0 = time.perf_counter()
+        try:
+            self._check_open()
+            entry = self.registry.hold(cache_id)
+        except BaseException as e:
+            self._refused("push" if write else "pull", cluster_id, t0, e)
+            raise
+        try:
+            return entry, self._args(cluster_id, key, unit_bytes, plan, entry, write, timeout)
+        except BaseException as e:
+            self.registry.unhold(entry)
+            self._refused("push" if write else "pull", cluster_id, t0, e)
+            raise
+
+    def _refused(self, op: str, cluster_id: int, t0: float, error: BaseException) -> None:
+        code = int(error.code) if isinstance(error, DatadistError) else 0xFFFFFFFF
+        self._core_module.metrics_record(op, cluster_id, 0, time.perf_counter() - t0, code)
+
     def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              dst_cache_id: int, timeout: float | None = None) -> None:
         """Read ``plan`` from the remote cache ``key`` names into local cache
         ``dst_cache_id``. Blocks (without the GIL) until every byte landed or the deadline."""
-        self._check_open()
-        entry = self.registry.hold(dst_cache_id)
+        entry, args = self._taken(False, cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
         try:
-            args = self._args(cluster_id, key, unit_bytes, plan, entry, False, timeout)
             with _mapped():
                 self._core.transfer(False, *args)
         finally:
             self.registry.unhold(entry)
 
-    @_counted("push")
     def push(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              src_cache_id: int, timeout: float | None = None) -> None:
         """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key``
         names. Blocks (without the GIL) until the owner confirmed or the deadline."""
-        self._check_open()
-        entry = self.registry.hold(src_cache_id)
+        entry, args = self._taken(True, cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
         try:
-            args = self._args(cluster_id, key, unit_bytes, plan, entry, True, timeout)
             with _mapped():
                 self._core.transfer(True, *args)
         finally:
@@ -525,15 +541,28 @@ class NativeEngine:
 
     def _submit(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,
                 plan: Plan, cache_id: int, timeout: float | None) -> NativeHandle:
-        self._check_open()
-        entry = self.registry.hold(cache_id)
+        entry, args = self._taken(write, cluster_id, key, unit_bytes, plan, cache_id, timeout)
         try:
-            args = self._args(cluster_id, key, unit_bytes, plan, entry, write, timeout)
-            handle = self._core.submit(write, *args)
+            handle = self._core.submit(write, *args)  # counted by the core, refused or not
         except BaseException:
             self.registry.unhold(entry)
             raise
-        return NativeHandle(self, handle, entry, "push" if write else "pull", cluster_id, plan)
+        return NativeHandle(self, handle, entry, "push" if write else "pull", cluster_id)
+
+    # ------------------------------------------------------------------ metrics
+
+    def stats(self) -> dict[str, Any]:
+        """The process's transfer metrics, JSON-ready, with who we are (as the Python
+        engine's ``stats()``: both engines' counters, summed). Never blocks."""
+        return metrics.stats(self.config.cluster_id, self.role)
+
+    def peer_stats(self, cluster_id: int, timeout: float) -> dict[str, Any]:
+        """Ask a linked peer for its metrics over the link (STATS_REQUEST, sent by the
+        core without the GIL). Blocks <= timeout; NotLinked, Timeout, or a
+        RemoteProtocolError from a peer that does not know the request."""
+        with _mapped():
+            raw = self._core.peer_stats(cluster_id, timeout)
+        return metrics.parse_stats(raw)
 
     def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
                    dst_cache_id: int, timeout: float | None = None) -> NativeHandle:
