@@ -79,6 +79,29 @@ std::string StatsJson(uint64_t self_cluster_id, int32_t role, uint64_t peer, boo
 /// seconds, latency_buckets (cumulative), p50_s, p99_s).
 std::string SeriesJson(const Series &s);
 
+/// A served request being counted (Python's Engine._served): Done(nbytes) counts it as having
+/// moved its bytes; gone before Done (the connection broke, a deadline passed) it counts as
+/// LLM_FAILED, whatever the error was, as the Python owner counts it.
+class Serving {
+ public:
+  Serving(Op op, uint64_t cluster_id, Clock::time_point since) : op_(op), cluster_(cluster_id), since_(since) {}
+  ~Serving() {
+    if (!done_) RecordSince(op_, cluster_, 0, since_, llm_datadist::LLM_FAILED);
+  }
+  Serving(const Serving &) = delete;
+  Serving &operator=(const Serving &) = delete;
+  void Done(uint64_t nbytes) {
+    done_ = true;
+    RecordSince(op_, cluster_, nbytes, since_, llm_datadist::LLM_SUCCESS);
+  }
+
+ private:
+  Op op_;
+  uint64_t cluster_;
+  Clock::time_point since_;
+  bool done_ = false;
+};
+
 /// Runs a pull or push and counts its outcome (`nbytes` when it succeeded, else its status
 /// code) as `op` with `cluster_id`, timed from `since`; rethrows what it threw.
 template <typename F>

@@ -691,7 +691,6 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
   std::unique_ptr<Lease> lease = ctx.registry->Open(req);  // every span checked here
   if (lease->bases.size() != req.tensors.size()) Invalid("this request cannot be granted");
   ctx.grants->Take(peer.pid);
-  // Granted: counted when the grant ends (Granted's destructor), not as a refusal any more.
   const uint64_t id = next_lease_id++;
   wire::Grant g{id, lease->bases};
   uint32_t crc = 0;
@@ -735,14 +734,14 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       iov.reserve(lease->iov.size() + 1);
       iov.push_back({head.data(), head.size()});
       iov.insert(iov.end(), lease->iov.begin(), lease->iov.end());
-      metrics::Timed(metrics::Op::kServeRead, ctx.cluster, lease->nbytes, asked, [&] {
-        c.SendV(std::move(iov), deadline);
-        if (req.flags & wire::kFlagChecksum) {
-          uint32_t crc = 0;
-          for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
-          c.SendFrame(wire::EncodeChecksum(crc, lease->nbytes, rid), deadline);
-        }
-      });
+      metrics::Serving served(metrics::Op::kServeRead, ctx.cluster, asked);
+      c.SendV(std::move(iov), deadline);
+      if (req.flags & wire::kFlagChecksum) {
+        uint32_t crc = 0;
+        for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
+        c.SendFrame(wire::EncodeChecksum(crc, lease->nbytes, rid), deadline);
+      }
+      served.Done(lease->nbytes);
       lease->Settle(true);  // sent: may consume its CacheKey (a throw above settles it failed)
       return true;
     }
@@ -758,10 +757,10 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
         return true;
       }
       Deadline deadline = After(kServeTimeout);
-      metrics::Timed(metrics::Op::kServeWrite, ctx.cluster, lease->nbytes, asked, [&] {
-        c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
-        c.RecvV(lease->iov, deadline);
-      });
+      metrics::Serving served(metrics::Op::kServeWrite, ctx.cluster, asked);
+      c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
+      c.RecvV(lease->iov, deadline);
+      served.Done(lease->nbytes);
       lease.reset();
       c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
       return true;

@@ -157,4 +157,34 @@ TEST(MetricsApi, BothSidesCountAndThePeerTellsItsOwnSeries) {
   prompt.Finalize();
 }
 
+TEST(MetricsApi, SameHostReadsUnderALeaseAreTheReadersToCount) {
+  LlmDataDist::ResetMetrics();
+  const uint16_t port = ddtest::FreePort();
+  HostCache src{2, {4, 16}};
+  HostCache dst{2, {4, 16}};
+  LlmDataDist prompt{kPrompt, LlmRole::kPrompt};
+  LlmDataDist decoder{kDecoder, LlmRole::kDecoder};
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  ASSERT_EQ(decoder.Initialize(ddtest::Options(0, "2000")), LLM_SUCCESS);  // the local channel
+  ASSERT_EQ(src.Register(prompt), LLM_SUCCESS);
+  ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
+  for (uint32_t slot = 0; slot < 3; ++slot) ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, slot), dst.cache, slot), LLM_SUCCESS);
+  std::vector<TransferMetrics> all;
+  ASSERT_EQ(decoder.GetMetrics(all), LLM_SUCCESS);
+  const TransferMetrics *pull = Find(all, "pull", kPrompt);
+  ASSERT_NE(pull, nullptr);
+  EXPECT_EQ(pull->transfers, 3U);
+  EXPECT_EQ(pull->bytes, 3U * 2 * 16);
+  const TransferMetrics *lease = Find(all, "serve_lease", kDecoder);
+  ASSERT_NE(lease, nullptr) << "the pulls did not go under a lease";
+  EXPECT_EQ(lease->transfers, 1U);  // one lease for the three pulls
+  EXPECT_EQ(lease->bytes, 0U);
+  EXPECT_EQ(Find(all, "serve_read", kDecoder), nullptr);  // the owner never saw the reads
+  LlmDataDist::ResetMetrics();
+  decoder.Finalize();
+  prompt.Finalize();
+}
+
 }  // namespace
