@@ -25,10 +25,21 @@ Engine::Engine(uint64_t cluster_id, int32_t role) {
     std::lock_guard<std::mutex> lock(hello_mu_);
     ++hellos_[peer];
   };
-  ident_.stats = [this](uint64_t peer, const std::string &token) { return StatsFor(peer, token); };
+  alive_->engine = this;
+  ident_.stats = [alive = alive_, cluster_id](uint64_t peer, const std::string &token) {
+    std::lock_guard<std::mutex> lock(alive->mu);
+    if (alive->engine == nullptr) return metrics::StatsJson(cluster_id, 0, peer, false);
+    return alive->engine->StatsFor(peer, token);
+  };
 }
 
-Engine::~Engine() { Close(0.0); }
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(alive_->mu);
+    alive_->engine = nullptr;
+  }
+  Close(0.0);
+}
 
 void Engine::Open(const EngineOptions &options) {
   Close(0.0);  // a re-open after Close, or a second Open: start clean

@@ -116,6 +116,14 @@ class Engine {
                     const std::string &token, const std::string &peer);
   void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why, bool quiet);
 
+  /// What ident_.stats reaches the engine through: links hold a copy of that answer, and a
+  /// link opened but never adopted (OpenLink) may outlive the engine; the destructor sets
+  /// `engine` null first, under `mu`, and the answer then tells nothing.
+  struct Alive {
+    std::mutex mu;
+    Engine *engine = nullptr;
+  };
+  std::shared_ptr<Alive> alive_ = std::make_shared<Alive>();
   Identity ident_;
   EngineOptions options_;
   Registry registry_;
