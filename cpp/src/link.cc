@@ -5,6 +5,7 @@
 #include "errors.h"
 #include "local.h"
 #include "server.h"
+#include "verify.h"
 
 namespace datadist {
 namespace {
@@ -413,7 +414,8 @@ bool Link::TransferLeased(const wire::Request &req, const std::vector<iovec> &lo
 }
 
 void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
-  if (TransferLeased(req, local, false, deadline)) return;
+  const bool checked = req.flags & wire::kFlagChecksum;  // no lease: its copies carry no checksum
+  if (!checked && TransferLeased(req, local, false, deadline)) return;
   auto guard = Acquire(deadline);
   Prepare(deadline);
   // Small reads stream over the local socket even where cross-memory attach works: one round
@@ -431,6 +433,25 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
     ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(IovBytes(local)) + " were asked for");
   }
   conn_->RecvV(local, deadline);
+  if (checked) ReadVerdict(local, deadline);
+}
+
+void Link::ReadVerdict(const std::vector<iovec> &local, Deadline deadline) {
+  std::vector<uint8_t> payload;
+  wire::Header h = Answer(payload, deadline);
+  wire::Checksum ck;
+  try {
+    ck = verify::Expect(h, payload);
+  } catch (const Error &) {
+    conn_->Close();
+    throw;
+  }
+  const std::string why = verify::Compare(ck, local);
+  try {  // the verdict: only ok lets the owner consume the key; undelivered counts as not ok
+    conn_->SendFrame(wire::EncodeRelease({0, why.empty()}, rid_), deadline);
+  } catch (const Error &) {
+  }
+  if (!why.empty()) verify::Mismatch(why);
 }
 
 bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
@@ -446,6 +467,16 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
   } catch (const Error &) {
     conn_->Close();
     throw;
+  }
+  wire::Checksum ck;  // with CHECKSUM, its frame follows the GRANT
+  if (req.flags & wire::kFlagChecksum) {
+    h = Answer(payload, deadline);
+    try {
+      ck = verify::Expect(h, payload);
+    } catch (const Error &) {
+      conn_->Close();
+      throw;
+    }
   }
   // The owner's spans, in its address space: tensor-major, as `local` (entry i of both has
   // the same length). A base that would wrap is a lying owner: nothing is copied.
@@ -477,8 +508,13 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
     release(false);
     throw;
   }
-  release(got == local::CopyResult::kDone);
-  if (got == local::CopyResult::kDone) return true;
+  if (got == local::CopyResult::kDone) {
+    const std::string why = (req.flags & wire::kFlagChecksum) ? verify::Compare(ck, local) : std::string();
+    release(why.empty());  // ok: the owner may consume the key
+    if (!why.empty()) verify::Mismatch(why);
+    return true;
+  }
+  release(false);
   // The kernel refused (nothing to retry on this pid): stream from now on, on the same
   // connection, as Python's CmaPath does once its link saw the refusal.
   SetPath(Path::kLocalStream, "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" +

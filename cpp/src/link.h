@@ -79,7 +79,9 @@ class Link {
   /// When `adopt` refuses (returns a non-empty reason), ERROR LLM_LINK_FAILED with that
   /// reason answers the handshake instead (the client's link fails with it); returns false.
   bool Adopted(const std::function<std::string()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline);
-  /// Pull: READ answered by READ_DATA and exactly the bytes `local` names.
+  /// Pull: READ answered by READ_DATA and exactly the bytes `local` names. With flag CHECKSUM
+  /// in `req` (verify.h) no cache lease is used, what landed is checked against the owner's
+  /// CRC-32, and a mismatch is LLM_SUSPECT_REMOTE_ERROR ("checksum mismatch: ...").
   void Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Push: WRITE, go-ahead OK, the bytes, confirming OK.
   void Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
@@ -131,6 +133,10 @@ class Link {
   /// Same-host pull: GRANT, process_vm_readv, RELEASE. False (nothing moved, the link now
   /// streams) when the kernel refused cross-memory attach.
   bool ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  /// A streamed READ with CHECKSUM whose bytes landed: the owner's CHECKSUM frame, compared
+  /// with what landed, and our verdict (RELEASE, lease 0, the READ's id); a mismatch throws
+  /// (verify.h).
+  void ReadVerdict(const std::vector<iovec> &local, Deadline deadline);
   /// A pull (push) under a whole-cache lease; false when there is none to use (nothing
   /// moved: the caller asks the owner). Throws the owner's refusals (LEASE_REQUEST's answer,
   /// or the checks it would make).

@@ -42,8 +42,10 @@ from datadist.core.engine import (
 from datadist.core.errors import (
     AlreadyLinked,
     Closed,
+    Code,
     DatadistError,
     DeviceOutOfMemory,
+    IntegrityError,
     InvalidArgument,
     NotLinked,
     OutOfMemory,
@@ -88,8 +90,6 @@ def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
     (local_comm_res unset or a rank table): auto keeps those on the Python engine for now."""
     if config.tls is not None:
         return "TLS (datadist.TlsCert...) is served by the Python engine only"
-    if config.verify:
-        return "checksummed pulls (datadist.VerifyChecksum) are served by the Python engine only"
     if two_sided:
         return ("a configuration that may call link() with rank tables (local_comm_res unset) "
                 "runs on the Python engine for now; local_comm_res = \"\" runs on the core")
@@ -112,10 +112,20 @@ def wanted(options: dict[str, str]) -> str:
     return choice
 
 
+MISMATCH = "checksum mismatch"  # how the core's message for a failed checksum starts (verify.h)
+
+
+def _error(code: int, message: str) -> DatadistError:
+    """The datadist error for a core error's status code and message: a checksum mismatch
+    is an IntegrityError, as the Python engine raises; the rest by their code."""
+    if code == int(Code.SUSPECT_REMOTE_ERROR) and message.startswith(MISMATCH):
+        return IntegrityError(message)
+    return error_for_code(code, message)
+
+
 def _raised(e: BaseException) -> DatadistError:
     """The datadist error for a core error (its status code and message)."""
-    code, message = e.args[0], e.args[1]
-    return error_for_code(int(code), str(message))
+    return _error(int(e.args[0]), str(e.args[1]))
 
 
 @contextlib.contextmanager
@@ -206,7 +216,7 @@ class NativeHandle:
 
     def error(self) -> DatadistError | None:
         err = self._handle.error()
-        return None if err is None else error_for_code(int(err[0]), str(err[1]))
+        return None if err is None else _error(int(err[0]), str(err[1]))
 
 
 class NativeEngine:
@@ -490,6 +500,8 @@ class NativeEngine:
               entry: CacheEntry, write: bool, timeout: float | None) -> tuple[Any, ...]:
         local = checked_local_iov(self._local_iovs, plan, entry)
         flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
+        if self.config.verify and not write:  # the owner's CRC-32 of what it sent, checked
+            flags |= int(p.ReadFlags.CHECKSUM)
         return (cluster_id, int(key.kind), key.a, key.b, key.c, unit_bytes, flags,
                 wire_layout(entry.geometry), plan.remote_tensors, plan.remote_offsets,
                 plan.lengths, local,
