@@ -55,8 +55,9 @@ wire::Header CallOn(Conn &c, uint32_t rid, const std::vector<uint8_t> &frame, st
 std::unique_ptr<Link::Busy> Link::Acquire(Deadline deadline, bool timeout_if_late) {
   if (timeout_if_late && Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
   std::unique_lock<std::mutex> lock(mu_);
-  if (!idle_.wait_until(lock, deadline, [this] { return !busy_; }))
+  if (!idle_.wait_until(lock, deadline, [this] { return !busy_ || shut_; }))
     Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " stayed busy until the deadline");
+  if (shut_) Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed");
   busy_ = true;
   return std::make_unique<Busy>(this);
 }
@@ -76,6 +77,13 @@ void Link::Release() {
   idle_.notify_one();
 }
 
+void Link::SetConn(std::unique_ptr<Conn> conn) {
+  std::unique_ptr<Conn> old;  // closed outside the mutex
+  std::lock_guard<std::mutex> lock(mu_);
+  old = std::move(conn_);
+  conn_ = std::move(conn);
+}
+
 void Link::Open(Deadline deadline) {
   auto guard = Acquire(deadline);
   try {
@@ -93,7 +101,7 @@ void Link::Open(Deadline deadline) {
         Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed while it opened");
     }
   } catch (const Error &e) {
-    conn_.reset();
+    SetConn(nullptr);
     if (e.code() == kSuspectRemoteError || e.code() == llm_datadist::LLM_FAILED)
       Fail(llm_datadist::LLM_LINK_FAILED, e.what());
     throw;
@@ -145,9 +153,9 @@ bool Link::Adopted(const std::function<std::string()> &adopt, const std::vector<
 
 void Link::Connect(Deadline deadline) {
   DropLeases();
-  conn_.reset();
+  SetConn(nullptr);
   wire::Hello welcome;
-  conn_ = Greet(false, deadline, rid_, welcome);
+  SetConn(Greet(false, deadline, rid_, welcome));
   peer_reverse_ = welcome.features & wire::kFeatureReverse;
   token_ = wire::SplitToken(welcome.proof, welcome.features).second;
   SetPath(Path::kTcp, "");
@@ -185,7 +193,7 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
     SetPath(Path::kTcp, std::string("peer says it is on this host, but its local channel failed: ") + e.what());
     return;
   }
-  conn_ = std::move(lc);  // the TCP connection closes: the owner sees an idle connection end
+  SetConn(std::move(lc));  // the TCP connection closes: the owner sees an idle connection end
   rid_ = rid;
   token_ = wire::SplitToken(again.proof, again.features).second;  // the live control channel's
   const std::string who = "pid " + std::to_string(cred.pid) + ", uid " + std::to_string(cred.uid);
@@ -300,7 +308,7 @@ void Link::Prepare(Deadline deadline) {
   if (closing_) Fail(llm_datadist::LLM_NOT_YET_LINK, "link to cluster " + std::to_string(remote_) + " was unlinked");
   if (conn_ && !conn_->closed() && !conn_->PeerGone()) return;
   if (reverse_end_) {
-    conn_.reset();
+    SetConn(nullptr);
     Fail(llm_datadist::LLM_LINK_FAILED,
          "the reverse channel of cluster " + std::to_string(remote_) + " closed; it must link again");
   }
@@ -542,12 +550,20 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
 
 void Link::Close(Deadline deadline, bool force) {
   if (force) {
-    // A transfer in flight keeps the link object alive and ends by its own deadline; the
-    // connection closes when the last holder lets go of the link.
+    // At once, as the Python engine closes a link's channel: a transfer in flight has its
+    // socket shut down under it (it fails LLM_LINK_FAILED; the connection closes when it
+    // lets go of the link), and transfers waiting for the link fail the same way.
     if (TryAcquire()) {
       Busy guard(this);
       closing_ = true;
-      conn_.reset();
+      SetConn(nullptr);
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        shut_ = true;
+        if (conn_) conn_->Shutdown();
+      }
+      idle_.notify_all();
     }
     DropLeases();
     StopReverse();
@@ -563,7 +579,7 @@ void Link::Close(Deadline deadline, bool force) {
     untold = e.what();
   }
   closing_ = true;
-  conn_.reset();
+  SetConn(nullptr);
   DropLeases();
   StopReverse();
   // As CANN's UnlinkCluster when it cannot reach the peer; our end is closed all the same,

@@ -86,7 +86,8 @@ class Link {
   /// Push: WRITE, go-ahead OK, the bytes, confirming OK.
   void Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Tells the peer we leave (BYE), waiting for a transfer in flight up to the deadline:
-  /// LLM_LINK_BUSY if it does not finish. With force, closes at once.
+  /// LLM_LINK_BUSY if it does not finish. With force, closes at once: a transfer in flight
+  /// (its socket shut down) and those waiting for the link fail LLM_LINK_FAILED.
   void Close(Deadline deadline, bool force);
   /// A reverse channel whose client went away (unlinked, or ended): closed, or readable while
   /// idle (EOF). A link busy with a transfer is not gone. Never blocks.
@@ -172,10 +173,14 @@ class Link {
   wire::Hello hello_;
   std::string secret_;
   Registry *registry_ = nullptr;
-  std::mutex mu_;  // guards busy_ only
+  /// Replaces conn_ (busy held) under mu_, so that a forced Close on another thread may
+  /// shut the current connection down under a transfer in flight.
+  void SetConn(std::unique_ptr<Conn> conn);
+  std::mutex mu_;  // guards busy_ and shut_, and conn_'s replacement (SetConn)
   std::condition_variable idle_;
   bool busy_ = false;  // a transfer (or open / close) holds the fields below
-  std::unique_ptr<Conn> conn_;
+  bool shut_ = false;  // closed by force while busy: no transfer may take the link again
+  std::unique_ptr<Conn> conn_;  // replaced by SetConn only
   uint32_t rid_ = 0;
   bool closing_ = false;
   bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect
