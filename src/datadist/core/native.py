@@ -117,9 +117,13 @@ MISMATCH = "checksum mismatch"  # how the core's message for a failed checksum s
 
 def _error(code: int, message: str) -> DatadistError:
     """The datadist error for a core error's status code and message: a checksum mismatch
-    is an IntegrityError, as the Python engine raises; the rest by their code."""
+    is an IntegrityError, as the Python engine raises; a link the core holds already is
+    AlreadyLinked (callers catch it by class: link_clusters answers LLM_ALREADY_LINK, a
+    comm closes its duplicate); the rest by their code (error_for_code, a peer's codes)."""
     if code == int(Code.SUSPECT_REMOTE_ERROR) and message.startswith(MISMATCH):
         return IntegrityError(message)
+    if code == int(Code.ALREADY_LINK):
+        return AlreadyLinked(message)
     return error_for_code(code, message)
 
 
