@@ -179,7 +179,9 @@ class NativeListener:
 
 class NativeHandle:
     """An asynchronous transfer of the native engine: the core's handle, and the local cache
-    held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL."""
+    held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL. The engine
+    keeps it among its live handles until it is seen to end (by its caller, or by the
+    engine's unregister and close, which wait for it: :meth:`NativeEngine.unregister`)."""
 
     def __init__(self, engine: NativeEngine, handle: Any, entry: CacheEntry, op: str,
                  cluster_id: int, plan: Plan) -> None:
@@ -194,11 +196,18 @@ class NativeHandle:
         state = "running" if not self._handle.done() else f"ended: {self.error()!r}"
         return f"<NativeHandle {self._op} cluster {self._cluster_id} {state}>"
 
+    @property
+    def cache_id(self) -> int | None:
+        """The local cache it holds (None once it let go)."""
+        entry = self._entry
+        return None if entry is None else entry.cache_id
+
     def _settle(self) -> None:
         """Once ended: the local cache is let go and the metrics recorded, exactly once."""
         with self._lock:
             entry, self._entry = self._entry, None
         if entry is not None:
+            self._engine._handles.discard(self)
             self._engine.registry.unhold(entry)
             _record(self._op, self._cluster_id, self._plan, self._t0, self.error())
 
@@ -241,6 +250,8 @@ class NativeEngine:
         self._listen: tuple[str, int] | None = None
         self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
         self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
+        # Asynchronous transfers not yet seen to end: each holds its local cache until then.
+        self._handles: set[NativeHandle] = set()
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
         self._core.set_remote_writes(config.remote_cache_accessible)
@@ -406,9 +417,20 @@ class NativeEngine:
         self._sync()
 
     def unregister(self, cache_id: int) -> None:
-        """Waits (bounded) for peers' transfers of the cache, then drops it."""
-        self._unmirror(cache_id)
-        self.registry.unregister(cache_id)
+        """Waits (bounded, UNREGISTER_WAIT in all) for our asynchronous transfers of the
+        cache and peers' transfers of it, then drops it."""
+        deadline = time.monotonic() + UNREGISTER_WAIT
+        self._await_handles(cache_id, deadline)
+        self._unmirror(cache_id, max(0.0, deadline - time.monotonic()))
+        self.registry.unregister(cache_id, max(0.0, deadline - time.monotonic()))
+
+    def _await_handles(self, cache_id: int | None, deadline: float) -> None:
+        """Our asynchronous transfers of ``cache_id`` (None: all) still running: waited for
+        (without the GIL) until ``deadline`` and settled, so that their holds let go when
+        the core ends them, as the Python engine's do, not when their caller next polls."""
+        for handle in list(self._handles):
+            if cache_id is None or handle.cache_id == cache_id:
+                handle.wait(max(0.0, deadline - time.monotonic()))
 
     def remove_key(self, key: KeyId) -> None:
         self._sync()
@@ -549,7 +571,10 @@ class NativeEngine:
         except BaseException:
             self.registry.unhold(entry)
             raise
-        return NativeHandle(self, handle, entry, "push" if write else "pull", cluster_id, plan)
+        native_handle = NativeHandle(self, handle, entry, "push" if write else "pull",
+                                     cluster_id, plan)
+        self._handles.add(native_handle)
+        return native_handle
 
     def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
                    dst_cache_id: int, timeout: float | None = None) -> NativeHandle:
@@ -573,6 +598,7 @@ class NativeEngine:
             self._core.close(CLOSE_WAIT)
         except Exception as e:  # noqa: BLE001 - closing must not raise
             log.warning("closing the native engine: %s", e)
+        self._await_handles(None, time.monotonic())  # every one has ended: settled now
         entries = self.registry.clear()
         leased = self.registry.wait_unleased(entries, CLOSE_WAIT)
         for pool in self._pools.values():
