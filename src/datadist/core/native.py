@@ -84,15 +84,10 @@ def available() -> tuple[bool, str]:
     return native_build.native_available()
 
 
-def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
-    """What in ``config`` only the Python engine does yet (None: the core can run it).
-    ``two_sided``: a cache-manager configuration that may call ``link()`` with rank tables
-    (local_comm_res unset or a rank table): auto keeps those on the Python engine for now."""
+def refusal(config: EngineConfig) -> str | None:
+    """What in ``config`` only the Python engine does yet (None: the core can run it)."""
     if config.tls is not None:
         return "TLS (datadist.TlsCert...) is served by the Python engine only"
-    if two_sided:
-        return ("a configuration that may call link() with rank tables (local_comm_res unset) "
-                "runs on the Python engine for now; local_comm_res = \"\" runs on the core")
     forced = forced_path(config.transport)  # the option, else DATADIST_TRANSPORT
     if forced not in (PathKind.AUTO, PathKind.TCP):
         return f"transport {forced.value!r} is served by the Python engine only"
@@ -611,8 +606,7 @@ class NativeEngine:
         self._pools.clear()
 
 
-def engine_for(config: EngineConfig, options: dict[str, str], *,
-               two_sided: bool = False) -> tuple[Any, str]:
+def engine_for(config: EngineConfig, options: dict[str, str]) -> tuple[Any, str]:
     """The engine ``LLMDataDist.init`` runs with, and why that one: the native core when
     it is built and the configuration needs nothing only the Python engine has (or the
     caller asked for it: then a refusal is an InvalidArgument); else the Python engine."""
@@ -622,8 +616,7 @@ def engine_for(config: EngineConfig, options: dict[str, str], *,
     if choice == "python":
         return Engine(config), "asked for (datadist.Engine / DATADIST_ENGINE = python)"
     ok, why = available()
-    # Asked for by name, the core runs two-sided comms too (the soft reason is auto's).
-    reason = why if not ok else refusal(config, two_sided=two_sided and choice == "auto")
+    reason = why if not ok else refusal(config)
     if reason is None:
         return NativeEngine(config), "the native core"
     if choice == "native":
