@@ -236,8 +236,11 @@ PYBIND11_MODULE(_core, m) {
           "close",
           [](Core &c, double wait_s) {
             py::gil_scoped_release nogil;
-            c.executor().Stop();
+            // Queued transfers fail first; closing the links then fails the running ones at
+            // once (their sockets shut down), and only then are the workers joined.
+            c.executor().Close();
             c.engine().Close(wait_s);
+            c.executor().Stop();
           },
           py::arg("wait_s"))
       .def_property("role", [](Core &c) { return c.engine().role(); },

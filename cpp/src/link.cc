@@ -5,6 +5,7 @@
 #include "errors.h"
 #include "local.h"
 #include "server.h"
+#include "verify.h"
 
 namespace datadist {
 namespace {
@@ -54,8 +55,9 @@ wire::Header CallOn(Conn &c, uint32_t rid, const std::vector<uint8_t> &frame, st
 std::unique_ptr<Link::Busy> Link::Acquire(Deadline deadline, bool timeout_if_late) {
   if (timeout_if_late && Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
   std::unique_lock<std::mutex> lock(mu_);
-  if (!idle_.wait_until(lock, deadline, [this] { return !busy_; }))
+  if (!idle_.wait_until(lock, deadline, [this] { return !busy_ || shut_; }))
     Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " stayed busy until the deadline");
+  if (shut_) Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed");
   busy_ = true;
   return std::make_unique<Busy>(this);
 }
@@ -73,6 +75,13 @@ void Link::Release() {
     busy_ = false;
   }
   idle_.notify_one();
+}
+
+void Link::SetConn(std::unique_ptr<Conn> conn) {
+  std::unique_ptr<Conn> old;  // closed outside the mutex
+  std::lock_guard<std::mutex> lock(mu_);
+  old = std::move(conn_);
+  conn_ = std::move(conn);
 }
 
 void Link::Open(Deadline deadline) {
@@ -94,7 +103,7 @@ void Link::Open(Deadline deadline) {
         Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed while it opened");
     }
   } catch (const Error &e) {
-    conn_.reset();
+    SetConn(nullptr);
     if (e.code() == kSuspectRemoteError || e.code() == llm_datadist::LLM_FAILED)
       Fail(llm_datadist::LLM_LINK_FAILED, e.what());
     throw;
@@ -162,9 +171,9 @@ bool Link::Adopted(const std::function<std::string()> &adopt, const std::vector<
 
 void Link::Connect(Deadline deadline) {
   DropLeases();
-  conn_.reset();
+  SetConn(nullptr);
   wire::Hello welcome;
-  conn_ = Greet(false, deadline, rid_, welcome);
+  SetConn(Greet(false, deadline, rid_, welcome));
   peer_reverse_ = welcome.features & wire::kFeatureReverse;
   token_ = wire::SplitToken(welcome.proof, welcome.features).second;
   SetPath(Path::kTcp, "");
@@ -202,7 +211,7 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
     SetPath(Path::kTcp, std::string("peer says it is on this host, but its local channel failed: ") + e.what());
     return;
   }
-  conn_ = std::move(lc);  // the TCP connection closes: the owner sees an idle connection end
+  SetConn(std::move(lc));  // the TCP connection closes: the owner sees an idle connection end
   rid_ = rid;
   token_ = wire::SplitToken(again.proof, again.features).second;  // the live control channel's
   const std::string who = "pid " + std::to_string(cred.pid) + ", uid " + std::to_string(cred.uid);
@@ -317,7 +326,7 @@ void Link::Prepare(Deadline deadline) {
   if (closing_) Fail(llm_datadist::LLM_NOT_YET_LINK, "link to cluster " + std::to_string(remote_) + " was unlinked");
   if (conn_ && !conn_->closed() && !conn_->PeerGone()) return;
   if (reverse_end_) {
-    conn_.reset();
+    SetConn(nullptr);
     Fail(llm_datadist::LLM_LINK_FAILED,
          "the reverse channel of cluster " + std::to_string(remote_) + " closed; it must link again");
   }
@@ -431,7 +440,8 @@ bool Link::TransferLeased(const wire::Request &req, const std::vector<iovec> &lo
 }
 
 void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
-  if (TransferLeased(req, local, false, deadline)) return;
+  const bool checked = req.flags & wire::kFlagChecksum;  // no lease: its copies carry no checksum
+  if (!checked && TransferLeased(req, local, false, deadline)) return;
   auto guard = Acquire(deadline);
   Prepare(deadline);
   // Small reads stream over the local socket even where cross-memory attach works: one round
@@ -449,6 +459,25 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
     ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(IovBytes(local)) + " were asked for");
   }
   conn_->RecvV(local, deadline);
+  if (checked) ReadVerdict(local, deadline);
+}
+
+void Link::ReadVerdict(const std::vector<iovec> &local, Deadline deadline) {
+  std::vector<uint8_t> payload;
+  wire::Header h = Answer(payload, deadline);
+  wire::Checksum ck;
+  try {
+    ck = verify::Expect(h, payload);
+  } catch (const Error &) {
+    conn_->Close();
+    throw;
+  }
+  const std::string why = verify::Compare(ck, local);
+  try {  // the verdict: only ok lets the owner consume the key; undelivered counts as not ok
+    conn_->SendFrame(wire::EncodeRelease({0, why.empty()}, rid_), deadline);
+  } catch (const Error &) {
+  }
+  if (!why.empty()) verify::Mismatch(why);
 }
 
 bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
@@ -464,6 +493,16 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
   } catch (const Error &) {
     conn_->Close();
     throw;
+  }
+  wire::Checksum ck;  // with CHECKSUM, its frame follows the GRANT
+  if (req.flags & wire::kFlagChecksum) {
+    h = Answer(payload, deadline);
+    try {
+      ck = verify::Expect(h, payload);
+    } catch (const Error &) {
+      conn_->Close();
+      throw;
+    }
   }
   // The owner's spans, in its address space: tensor-major, as `local` (entry i of both has
   // the same length). A base that would wrap is a lying owner: nothing is copied.
@@ -495,8 +534,13 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
     release(false);
     throw;
   }
-  release(got == local::CopyResult::kDone);
-  if (got == local::CopyResult::kDone) return true;
+  if (got == local::CopyResult::kDone) {
+    const std::string why = (req.flags & wire::kFlagChecksum) ? verify::Compare(ck, local) : std::string();
+    release(why.empty());  // ok: the owner may consume the key
+    if (!why.empty()) verify::Mismatch(why);
+    return true;
+  }
+  release(false);
   // The kernel refused (nothing to retry on this pid): stream from now on, on the same
   // connection, as Python's CmaPath does once its link saw the refusal.
   SetPath(Path::kLocalStream, "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" +
@@ -524,12 +568,20 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
 
 void Link::Close(Deadline deadline, bool force) {
   if (force) {
-    // A transfer in flight keeps the link object alive and ends by its own deadline; the
-    // connection closes when the last holder lets go of the link.
+    // At once, as the Python engine closes a link's channel: a transfer in flight has its
+    // socket shut down under it (it fails LLM_LINK_FAILED; the connection closes when it
+    // lets go of the link), and transfers waiting for the link fail the same way.
     if (TryAcquire()) {
       Busy guard(this);
       closing_ = true;
-      conn_.reset();
+      SetConn(nullptr);
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        shut_ = true;
+        if (conn_) conn_->Shutdown();
+      }
+      idle_.notify_all();
     }
     DropLeases();
     StopReverse();
@@ -545,7 +597,7 @@ void Link::Close(Deadline deadline, bool force) {
     untold = e.what();
   }
   closing_ = true;
-  conn_.reset();
+  SetConn(nullptr);
   DropLeases();
   StopReverse();
   // As CANN's UnlinkCluster when it cannot reach the peer; our end is closed all the same,

@@ -79,12 +79,15 @@ class Link {
   /// When `adopt` refuses (returns a non-empty reason), ERROR LLM_LINK_FAILED with that
   /// reason answers the handshake instead (the client's link fails with it); returns false.
   bool Adopted(const std::function<std::string()> &adopt, const std::vector<uint8_t> &frame, Deadline deadline);
-  /// Pull: READ answered by READ_DATA and exactly the bytes `local` names.
+  /// Pull: READ answered by READ_DATA and exactly the bytes `local` names. With flag CHECKSUM
+  /// in `req` (verify.h) no cache lease is used, what landed is checked against the owner's
+  /// CRC-32, and a mismatch is LLM_SUSPECT_REMOTE_ERROR ("checksum mismatch: ...").
   void Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Push: WRITE, go-ahead OK, the bytes, confirming OK.
   void Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Tells the peer we leave (BYE), waiting for a transfer in flight up to the deadline:
-  /// LLM_LINK_BUSY if it does not finish. With force, closes at once.
+  /// LLM_LINK_BUSY if it does not finish. With force, closes at once: a transfer in flight
+  /// (its socket shut down) and those waiting for the link fail LLM_LINK_FAILED.
   void Close(Deadline deadline, bool force);
   /// A reverse channel whose client went away (unlinked, or ended): closed, or readable while
   /// idle (EOF). A link busy with a transfer is not gone. Never blocks.
@@ -138,6 +141,10 @@ class Link {
   /// Same-host pull: GRANT, process_vm_readv, RELEASE. False (nothing moved, the link now
   /// streams) when the kernel refused cross-memory attach.
   bool ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  /// A streamed READ with CHECKSUM whose bytes landed: the owner's CHECKSUM frame, compared
+  /// with what landed, and our verdict (RELEASE, lease 0, the READ's id); a mismatch throws
+  /// (verify.h).
+  void ReadVerdict(const std::vector<iovec> &local, Deadline deadline);
   /// A pull (push) under a whole-cache lease; false when there is none to use (nothing
   /// moved: the caller asks the owner). Throws the owner's refusals (LEASE_REQUEST's answer,
   /// or the checks it would make).
@@ -174,10 +181,14 @@ class Link {
   std::string secret_;
   Registry *registry_ = nullptr;
   std::function<std::string(uint64_t, const std::string &)> stats_;  // see SetStatsAnswer
-  std::mutex mu_;  // guards busy_ only
+  /// Replaces conn_ (busy held) under mu_, so that a forced Close on another thread may
+  /// shut the current connection down under a transfer in flight.
+  void SetConn(std::unique_ptr<Conn> conn);
+  std::mutex mu_;  // guards busy_ and shut_, and conn_'s replacement (SetConn)
   std::condition_variable idle_;
   bool busy_ = false;  // a transfer (or open / close) holds the fields below
-  std::unique_ptr<Conn> conn_;
+  bool shut_ = false;  // closed by force while busy: no transfer may take the link again
+  std::unique_ptr<Conn> conn_;  // replaced by SetConn only
   uint32_t rid_ = 0;
   bool closing_ = false;
   bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect

@@ -234,6 +234,8 @@ class LlmDataDist::LlmDataDistImpl {
     opts.secret = secret ? secret : "";
     opts.same_host = SameHostAllowed(options);
     opts.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
+    const char *verify_env = std::getenv("DATADIST_VERIFY_CHECKSUM");
+    verify_ = BoolOption(options, OPTION_DATADIST_VERIFY_CHECKSUM, verify_env != nullptr && std::string(verify_env) == "1");
     engine_.Open(opts);
     listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
@@ -394,6 +396,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PairTensors(plan, g.num_tensors, ext, false);
     datadist::PlanSlot(plan, g, batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), src.batch_index, g.layout & ~0xFFFFFFFFULL);
+    if (verify_) req.flags |= datadist::wire::kFlagChecksum;
     Move(false, src.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
@@ -420,6 +423,7 @@ class LlmDataDist::LlmDataDistImpl {
       for (uint64_t i = 0; i < dst_blocks.size(); ++i) remote.push_back(i);
     datadist::PlanBlocks(plan, g, remote, dst_blocks);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), 0, g.layout);
+    if (verify_) req.flags |= datadist::wire::kFlagChecksum;
     Move(false, src.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
@@ -598,6 +602,7 @@ class LlmDataDist::LlmDataDistImpl {
   State state_ = kNew;
   double sync_timeout_s_ = 1.0;
   bool hixl_ = false;      // OPTION_TRANSFER_BACKEND is "hixl": its unlink and option rules
+  bool verify_ = false;    // OPTION_DATADIST_VERIFY_CHECKSUM: pulls ask for the owner's CRC-32
   std::string listening_;  // the OPTION_LISTEN_IP_INFO the engine listens at
   datadist::Engine engine_;
 };

@@ -15,6 +15,7 @@
 #include "auth.h"
 #include "errors.h"
 #include "metrics.h"
+#include "verify.h"
 
 namespace datadist {
 namespace {
@@ -89,7 +90,15 @@ class Granted {
   bool ok_ = false;
 };
 
-using Grants = std::map<uint64_t, std::unique_ptr<Granted>>;
+/// A connection's same-host grants by lease id, and its streamed read awaiting a checksum
+/// verdict (verify.h); clear() ends both, as failed reads.
+struct Grants : std::map<uint64_t, std::unique_ptr<Granted>> {
+  verify::Pending verdict;
+  void clear() {
+    std::map<uint64_t, std::unique_ptr<Granted>>::clear();
+    verdict.Drop();
+  }
+};
 
 /// Grants their reader kept too long are released (as failed reads): a peer cannot pin caches
 /// for as long as it likes.
@@ -693,14 +702,12 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
   ctx.grants->Take(peer.pid);
   const uint64_t id = next_lease_id++;
   wire::Grant g{id, lease->bases};
-  uint32_t crc = 0;
-  const uint64_t nbytes = lease->nbytes;
-  if (req.flags & wire::kFlagChecksum)  // computed while the lease holds the memory
-    for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
+  std::vector<uint8_t> checksum;
+  if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(lease->iov, rid);  // while the lease holds the memory
   grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid, ctx.cluster, asked));
   const Deadline deadline = After(kServeTimeout);
   c.SendFrame(wire::EncodeGrant(g, rid), deadline);
-  if (req.flags & wire::kFlagChecksum) c.SendFrame(wire::EncodeChecksum(crc, nbytes, rid), deadline);
+  if (!checksum.empty()) c.SendFrame(checksum, deadline);
 }
 
 }  // namespace
@@ -708,6 +715,7 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
 bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {
   Registry *registry_ = ctx.registry;
   const uint32_t rid = h.request_id;
+  if (grants.verdict.Settle(h, payload)) return true;  // a checksummed read's verdict
   switch (h.type) {
     case wire::kRead: {
       wire::Request req = wire::DecodeRequest(h.type, payload);
@@ -736,10 +744,11 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       iov.insert(iov.end(), lease->iov.begin(), lease->iov.end());
       metrics::Serving served(metrics::Op::kServeRead, ctx.cluster, asked);
       c.SendV(std::move(iov), deadline);
-      if (req.flags & wire::kFlagChecksum) {
-        uint32_t crc = 0;
-        for (const iovec &v : lease->iov) crc = wire::Crc32(crc, v.iov_base, v.iov_len);
-        c.SendFrame(wire::EncodeChecksum(crc, lease->nbytes, rid), deadline);
+      if (req.flags & wire::kFlagChecksum) {  // the key waits for the reader's verdict
+        c.SendFrame(verify::Frame(lease->iov, rid), deadline);
+        served.Done(lease->nbytes);  // sent; whether the reader accepts it is its own count
+        grants.verdict.Await(rid, std::move(lease));
+        return true;
       }
       served.Done(lease->nbytes);
       lease->Settle(true);  // sent: may consume its CacheKey (a throw above settles it failed)
@@ -806,7 +815,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
     }
     case wire::kRelease: {
       // Ends a grant of this connection (ok: its read may consume its CacheKey). Unknown
-      // ids (released already, expired, or lease 0, a checksum verdict) settle nothing.
+      // ids (released already, expired, or lease 0 that was no read's verdict) settle nothing.
       wire::Release rel = wire::DecodeRelease(payload);
       if (rel.ok && grants.count(rel.lease_id)) grants[rel.lease_id]->Settle();
       grants.erase(rel.lease_id);

@@ -69,19 +69,26 @@ void Executor::Run() {
   }
 }
 
-void Executor::Stop() {
+void Executor::Close() {
   std::deque<std::pair<std::shared_ptr<Task>, std::function<void()>>> dropped;
-  std::vector<std::thread> workers;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopped_ = true;
     dropped.swap(queue_);
-    workers.swap(workers_);
   }
   work_.notify_all();
   for (auto &job : dropped) {
     job.second = nullptr;
     job.first->Finish(llm_datadist::LLM_FAILED, "the engine was closed before the transfer started");
+  }
+}
+
+void Executor::Stop() {
+  Close();
+  std::vector<std::thread> workers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    workers.swap(workers_);
   }
   for (auto &t : workers) t.join();
 }

@@ -52,8 +52,11 @@ class Executor {
   /// Queues `fn`; the task ends when it returns (code 0) or throws (datadist::Error: its code;
   /// anything else: LLM_FAILED). After Stop, the task ends at once with LLM_FAILED.
   std::shared_ptr<Task> Submit(std::function<void()> fn);
-  /// Tasks still queued end with LLM_FAILED ("closed"); running ones finish (each under its own
-  /// deadline); the workers are joined. Idempotent.
+  /// Takes no more work: tasks still queued (and any submitted later) end with LLM_FAILED
+  /// ("closed"); running ones go on. Never blocks. Idempotent.
+  void Close();
+  /// Close, then waits for the running tasks (each under its own deadline, or failed sooner
+  /// by whatever closed their links) and joins the workers. Idempotent.
   void Stop();
   size_t threads() const { return size_; }
   /// Queued or running right now.

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "crc32.h"
 #include "errors.h"
 
 namespace datadist {
@@ -474,21 +475,7 @@ ShmGrant DecodeShmGrant(const std::vector<uint8_t> &payload) {
   return g;
 }
 
-uint32_t Crc32(uint32_t crc, const void *data, size_t n) {
-  static const auto table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320U ^ (c >> 1) : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  const auto *p = static_cast<const uint8_t *>(data);
-  crc = ~crc;
-  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
-  return ~crc;
-}
+uint32_t Crc32(uint32_t crc, const void *data, size_t n) { return crc::Crc32(crc, data, n); }
 
 uint64_t LayoutTag(int32_t dtype, const std::vector<int64_t> &unit_shape) {
   std::string text;

@@ -358,6 +358,31 @@ TEST(Deadlines, PeerThatNeverAnswersHelloFailsTheLink) {
   EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, other.port)}, rets, 1000), LLM_SUCCESS);
 }
 
+// Finalize (the engine's Close: every link closed by force) fails a pull in flight on a peer
+// that went silent, and one waiting for that link, at once, as the Python engine does; before,
+// they ran to their own deadlines (here 60 s) and Finalize waited for them.
+TEST(Deadlines, FinalizeFailsTransfersInFlightAtOnce) {
+  HostCache h(2, {4, 8});
+  LlmDataDist dd(1, LlmRole::kDecoder);
+  ASSERT_EQ(dd.Initialize(ddtest::Options(0, "60000")), LLM_SUCCESS);
+  ASSERT_EQ(h.Register(dd), LLM_SUCCESS);
+  SilentPeer peer(2, true);
+  std::vector<Status> rets;
+  ASSERT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, peer.port)}, rets, 2000), LLM_SUCCESS);
+  std::atomic<Status> first{LLM_SUCCESS}, second{LLM_SUCCESS};
+  std::thread a([&] { first = dd.PullKvCache(Index(2, 1), h.cache); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a's READ is out, unanswered
+  std::thread b([&] { second = dd.PullKvCache(Index(2, 1, 1), h.cache); });  // waits for the link
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto t0 = std::chrono::steady_clock::now();
+  dd.Finalize();
+  a.join();
+  b.join();
+  EXPECT_LT(Seconds(t0), 5.0);
+  EXPECT_EQ(first.load(), LLM_LINK_FAILED);
+  EXPECT_EQ(second.load(), LLM_LINK_FAILED);
+}
+
 TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
   uint16_t port = ddtest::FreePort();
   LlmDataDist good(3, LlmRole::kPrompt), dd(1, LlmRole::kDecoder);

@@ -170,6 +170,33 @@ def test_python_pull_with_checksum_from_cpp_owner(xpeer):
         py.finalize()
 
 
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_cpp_pull_with_checksum_from_a_python_owner(xpeer, engine, monkeypatch):
+    """The C++ API with datadist.VerifyChecksum (here DATADIST_VERIFY_CHECKSUM=1) asks the
+    Python side's owner, on either engine, for its CRC-32 and checks it; an owner that lies
+    about it (the Python engine's CRC patched) fails the pull with LLM_SUSPECT_REMOTE_ERROR."""
+    import datadist.transport.tcp as tcp_mod
+
+    py = make_python(llm.LLMRole.PROMPT, listen=True, engine=engine)
+    try:
+        assert py.engine.native == (engine == "native")
+        shape = (4, 8, 4)
+        _, arrays = register(py, 2, shape)
+        _fill(arrays, 500)
+        cpp = xpeer({"DATADIST_VERIFY_CHECKSUM": "1"})
+        cpp.init(CPP_ID, DECODER)
+        local = cpp.register(2, shape)
+        cpp.ok(f"link {PY_ID} 127.0.0.1 {py.listen_address[1]} 3000")
+        cpp.ok(f"pullc {PY_ID} 1 2 {local} 1 -1 -1 -1 -1 -1 2")
+        for t in range(2):
+            assert cpp.read(local, t)[32:64] == arrays[t].tobytes()[64:96]
+        if engine == "python":
+            monkeypatch.setattr(tcp_mod, "crc_iov", lambda iov: 0xDEADBEEF)
+            assert cpp.status(f"pullc {PY_ID} 1 3 {local} 1 -1 -1 -1 -1 -1 2") == 507057
+    finally:
+        py.finalize()
+
+
 def _ipv6_loopback() -> bool:
     import socket
 

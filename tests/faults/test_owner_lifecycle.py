@@ -178,8 +178,14 @@ def test_item4_the_caps_are_options_of_the_facade() -> None:
     assert opts["datadist.MaxConnections"] == "5"
     assert opts["datadist.MaxConnectionsPerPeer"] == "2"
     dd = datadist.LLMDataDist(datadist.LLMRole.PROMPT, 1)
-    dd.init({**opts, "llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0"})
+    # On the Python engine: its listener object shows the caps it enforces. The core's are
+    # passed from the same EngineConfig (checked below) and enforced in C++
+    # (cpp/tests/transfer_test.cc Hostile.ConnectionCapsPerPeer).
+    dd.init({**opts, "llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1:0",
+             "datadist.Engine": "python"})
     try:
+        assert (dd.engine.config.max_connections,
+                dd.engine.config.max_connections_per_peer) == (5, 2)
         assert dd.engine.listener is not None
         assert (dd.engine.listener.max_conns, dd.engine.listener.max_per_peer) == (5, 2)
     finally:

@@ -114,12 +114,20 @@ def test_what_is_missing_is_named(make_decoder, prompt: RunningPrompt) -> None:
     assert "with that CacheKey" in str(info.value)
 
 
-def test_a_peer_reports_what_it_served(decoder: Decoder, prompt: RunningPrompt, transport: str,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_peer_reports_what_it_served(make_decoder, prompt: RunningPrompt, transport: str,
+                                      capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The owner counts the requests it serves (serve_read, per peer cluster id, refusals
     with their status code), and answers a StatsRequest over the link: what ``datadist info
     --peer`` prints for a running process. On the same host a BlocksCacheKey is read under a
     whole-cache lease: the owner counts the lease (serve_lease), not the reads."""
+    # Pinned to the Python engine: the core has no STATS yet (peer_stats, the StatsRequest
+    # it would send; issue 24's STATS / metrics gap, being moved into the core).
+    monkeypatch.setenv("DATADIST_ENGINE", "python")
+    decoder: Decoder = make_decoder()
+    assert decoder.link(prompt.cluster_id, prompt.address) == \
+        llm_datadist.LLMStatusCode.LLM_SUCCESS
+    assert decoder.path_name(prompt.cluster_id) == transport
     op = "serve_lease" if transport in ("cma", "shm") else "serve_read"
     cache, _ = decoder.local(BLOCKS, blocks=True)
     key = llm_datadist.BlocksCacheKey(PROMPT_ID, 3)

@@ -187,3 +187,28 @@ def test_update_dim_after_register_cannot_overrun_the_cache() -> None:
     finally:
         d.finalize()
         owner.close()
+
+
+def test_checksum_after_a_refused_attach_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A same-host link whose kernel refused cross-memory attach streams caches that are not
+    in shareable memory: the grant it got back is released, and the CHECKSUM frame that
+    followed that grant must be read first. Before, it was left on the channel and taken for
+    the answer to the streamed READ (RemoteProtocolError: answer to another request)."""
+    owner, puller = _pair("cma", verify=True)
+    try:
+        src = [np.arange(256, dtype=np.uint8)]
+        dst = [np.zeros(256, np.uint8)]
+        desc = CacheDesc(1, [1, 256], DataType.DT_UINT8, Placement.HOST)
+        _register(owner, desc, src, False)
+        local = _register(puller, desc, dst, False)
+        path = puller.get_link(1).path
+        path.cma_refused = True  # as Link.run sets it once the kernel refused
+        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        for _ in range(2):  # and the channel stays in step
+            dst[0][:] = 0
+            puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, local.cache_id, 2.0)
+            assert np.array_equal(dst[0], src[0])
+        assert path.last == "stream"
+    finally:
+        puller.close()
+        owner.close()

@@ -248,6 +248,10 @@ VALID: list[tuple[str, str, int, dict[str, Any]]] = [
     ("read.flag_shm", "READ", 2, request(key(2, 1), flags=2)),
     ("read.flag_grant_shm", "READ", 2, request(key(2, 1), flags=3)),
     ("read.flag_checksum", "READ", 2, request(key(2, 1), flags=4)),
+    # what a checksummed same-host pull sends (the C++ core's grants; Python adds SHM)
+    ("read.flags_grant_checksum", "READ", 2, request(key(2, 1), flags=5)),
+    ("read.flags_grant_shm_checksum", "READ", 2, request(key(2, 1), flags=7)),
+    ("read.flags_checksum_whole", "READ", 2, request(key(2, 1), flags=12)),
     ("read.flag_whole", "READ", 2, request(key(2, 1), flags=8)),
     ("read.flags_all", "READ", 2, request(key(2, 1), flags=15)),
     ("read_data.zero", "READ_DATA", 2, {"nbytes": 0}),

@@ -38,6 +38,11 @@ constexpr const char OPTION_ENABLE_SET_ROLE[] = "llm.EnableSwitchRole";    // ac
 constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";         // accepted, unused
 constexpr const char OPTION_TRANSFER_BACKEND[] = "llm.TransferBackend";    // "hixl" accepted
 constexpr const char OPTION_GLOBAL_RESOURCE_CONFIG[] = "llm.GlobalResourceConfig";  // accepted
+// datadist extras (not CANN's; the Python API's option keys too, docs/cpp.md).
+// "1": every pull is checked end to end: the owner sends zlib's CRC-32 of what it read, this
+// side compares it with what landed; a mismatch is LLM_SUSPECT_REMOTE_ERROR (ge's 507057)
+// and consumes nothing. Unset: DATADIST_VERIFY_CHECKSUM; default "0".
+constexpr const char OPTION_DATADIST_VERIFY_CHECKSUM[] = "datadist.VerifyChecksum";
 
 // Status codes: the values of Python's datadist.LLMStatusCode. The LLM_* codes are
 // llm_datadist/llm_error_codes.h's ge::LLM_* (one constant under both names, so code that uses

@@ -201,14 +201,7 @@ class LLMDataDist:
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
-                # A cache-manager configuration that may call link() with rank tables
-                # (local_comm_res unset, or a rank table) runs on the Python engine for now:
-                # the core runs those comms too (test_comm passes on it), but the suites that
-                # pin such configurations to Python-engine behaviour (shm, TLS paths)
-                # have not all been moved yet; local_comm_res = "" (one-sided) need not wait.
-                engine, self._engine_reason = engine_for(
-                    engine_cfg, opts, two_sided=self._cache_manager_mode
-                    and opts.get(cfg.OPT_LOCAL_COMM_RES, None) != "")
+                engine, self._engine_reason = engine_for(engine_cfg, opts)
             self._engine = engine
             self._options = opts
             if self._cache_manager_mode:

@@ -40,8 +40,10 @@ from datadist.core.engine import (
 from datadist.core.errors import (
     AlreadyLinked,
     Closed,
+    Code,
     DatadistError,
     DeviceOutOfMemory,
+    IntegrityError,
     InvalidArgument,
     NotLinked,
     OutOfMemory,
@@ -80,17 +82,10 @@ def available() -> tuple[bool, str]:
     return native_build.native_available()
 
 
-def refusal(config: EngineConfig, *, two_sided: bool = False) -> str | None:
-    """What in ``config`` only the Python engine does yet (None: the core can run it).
-    ``two_sided``: a cache-manager configuration that may call ``link()`` with rank tables
-    (local_comm_res unset or a rank table): auto keeps those on the Python engine for now."""
+def refusal(config: EngineConfig) -> str | None:
+    """What in ``config`` only the Python engine does yet (None: the core can run it)."""
     if config.tls is not None:
         return "TLS (datadist.TlsCert...) is served by the Python engine only"
-    if config.verify:
-        return "checksummed pulls (datadist.VerifyChecksum) are served by the Python engine only"
-    if two_sided:
-        return ("a configuration that may call link() with rank tables (local_comm_res unset) "
-                "runs on the Python engine for now; local_comm_res = \"\" runs on the core")
     forced = forced_path(config.transport)  # the option, else DATADIST_TRANSPORT
     if forced not in (PathKind.AUTO, PathKind.TCP):
         return f"transport {forced.value!r} is served by the Python engine only"
@@ -110,10 +105,24 @@ def wanted(options: dict[str, str]) -> str:
     return choice
 
 
+MISMATCH = "checksum mismatch"  # how the core's message for a failed checksum starts (verify.h)
+
+
+def _error(code: int, message: str) -> DatadistError:
+    """The datadist error for a core error's status code and message: a checksum mismatch
+    is an IntegrityError, as the Python engine raises; a link the core holds already is
+    AlreadyLinked (callers catch it by class: link_clusters answers LLM_ALREADY_LINK, a
+    comm closes its duplicate); the rest by their code (error_for_code, a peer's codes)."""
+    if code == int(Code.SUSPECT_REMOTE_ERROR) and message.startswith(MISMATCH):
+        return IntegrityError(message)
+    if code == int(Code.ALREADY_LINK):
+        return AlreadyLinked(message)
+    return error_for_code(code, message)
+
+
 def _raised(e: BaseException) -> DatadistError:
     """The datadist error for a core error (its status code and message)."""
-    code, message = e.args[0], e.args[1]
-    return error_for_code(int(code), str(message))
+    return _error(int(e.args[0]), str(e.args[1]))
 
 
 @contextlib.contextmanager
@@ -164,7 +173,9 @@ class NativeListener:
 class NativeHandle:
     """An asynchronous transfer of the native engine: the core's handle, and the local cache
     held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL. The core
-    counts the transfer in its metrics when it ends, polled or not."""
+    counts the transfer in its metrics when it ends, polled or not. The engine keeps it
+    among its live handles until it is seen to end (by its caller, or by the engine's
+    unregister and close, which wait for it: :meth:`NativeEngine.unregister`)."""
 
     def __init__(self, engine: NativeEngine, handle: Any, entry: CacheEntry, op: str,
                  cluster_id: int) -> None:
@@ -178,11 +189,18 @@ class NativeHandle:
         state = "running" if not self._handle.done() else f"ended: {self.error()!r}"
         return f"<NativeHandle {self._op} cluster {self._cluster_id} {state}>"
 
+    @property
+    def cache_id(self) -> int | None:
+        """The local cache it holds (None once it let go)."""
+        entry = self._entry
+        return None if entry is None else entry.cache_id
+
     def _settle(self) -> None:
         """Once ended: the local cache is let go, exactly once."""
         with self._lock:
             entry, self._entry = self._entry, None
         if entry is not None:
+            self._engine._handles.discard(self)
             self._engine.registry.unhold(entry)
 
     def done(self) -> bool:
@@ -203,7 +221,7 @@ class NativeHandle:
 
     def error(self) -> DatadistError | None:
         err = self._handle.error()
-        return None if err is None else error_for_code(int(err[0]), str(err[1]))
+        return None if err is None else _error(int(err[0]), str(err[1]))
 
 
 class NativeEngine:
@@ -225,6 +243,8 @@ class NativeEngine:
         self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
         self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
         self._core_module = mod
+        # Asynchronous transfers not yet seen to end: each holds its local cache until then.
+        self._handles: set[NativeHandle] = set()
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
         self._core.set_remote_writes(config.remote_cache_accessible)
@@ -390,9 +410,20 @@ class NativeEngine:
         self._sync()
 
     def unregister(self, cache_id: int) -> None:
-        """Waits (bounded) for peers' transfers of the cache, then drops it."""
-        self._unmirror(cache_id)
-        self.registry.unregister(cache_id)
+        """Waits (bounded, UNREGISTER_WAIT in all) for our asynchronous transfers of the
+        cache and peers' transfers of it, then drops it."""
+        deadline = time.monotonic() + UNREGISTER_WAIT
+        self._await_handles(cache_id, deadline)
+        self._unmirror(cache_id, max(0.0, deadline - time.monotonic()))
+        self.registry.unregister(cache_id, max(0.0, deadline - time.monotonic()))
+
+    def _await_handles(self, cache_id: int | None, deadline: float) -> None:
+        """Our asynchronous transfers of ``cache_id`` (None: all) still running: waited for
+        (without the GIL) until ``deadline`` and settled, so that their holds let go when
+        the core ends them, as the Python engine's do, not when their caller next polls."""
+        for handle in list(self._handles):
+            if cache_id is None or handle.cache_id == cache_id:
+                handle.wait(max(0.0, deadline - time.monotonic()))
 
     def remove_key(self, key: KeyId) -> None:
         self._sync()
@@ -488,6 +519,8 @@ class NativeEngine:
               entry: CacheEntry, write: bool, timeout: float | None) -> tuple[Any, ...]:
         local = checked_local_iov(self._local_iovs, plan, entry)
         flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
+        if self.config.verify and not write:  # the owner's CRC-32 of what it sent, checked
+            flags |= int(p.ReadFlags.CHECKSUM)
         return (cluster_id, int(key.kind), key.a, key.b, key.c, unit_bytes, flags,
                 wire_layout(entry.geometry), plan.remote_tensors, plan.remote_offsets,
                 plan.lengths, local,
@@ -547,7 +580,10 @@ class NativeEngine:
         except BaseException:
             self.registry.unhold(entry)
             raise
-        return NativeHandle(self, handle, entry, "push" if write else "pull", cluster_id)
+        native_handle = NativeHandle(self, handle, entry, "push" if write else "pull",
+                                     cluster_id)
+        self._handles.add(native_handle)
+        return native_handle
 
     # ------------------------------------------------------------------ metrics
 
@@ -586,6 +622,7 @@ class NativeEngine:
             self._core.close(CLOSE_WAIT)
         except Exception as e:  # noqa: BLE001 - closing must not raise
             log.warning("closing the native engine: %s", e)
+        self._await_handles(None, time.monotonic())  # every one has ended: settled now
         entries = self.registry.clear()
         leased = self.registry.wait_unleased(entries, CLOSE_WAIT)
         for pool in self._pools.values():
@@ -598,8 +635,7 @@ class NativeEngine:
         self._pools.clear()
 
 
-def engine_for(config: EngineConfig, options: dict[str, str], *,
-               two_sided: bool = False) -> tuple[Any, str]:
+def engine_for(config: EngineConfig, options: dict[str, str]) -> tuple[Any, str]:
     """The engine ``LLMDataDist.init`` runs with, and why that one: the native core when
     it is built and the configuration needs nothing only the Python engine has (or the
     caller asked for it: then a refusal is an InvalidArgument); else the Python engine."""
@@ -609,8 +645,7 @@ def engine_for(config: EngineConfig, options: dict[str, str], *,
     if choice == "python":
         return Engine(config), "asked for (datadist.Engine / DATADIST_ENGINE = python)"
     ok, why = available()
-    # Asked for by name, the core runs two-sided comms too (the soft reason is auto's).
-    reason = why if not ok else refusal(config, two_sided=two_sided and choice == "auto")
+    reason = why if not ok else refusal(config)
     if reason is None:
         return NativeEngine(config), "the native core"
     if choice == "native":

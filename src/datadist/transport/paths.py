@@ -209,6 +209,8 @@ class CmaPath:
             chan.close()
             raise RemoteProtocolError("grant does not match the request")
         if self.cma_refused:  # not in shareable memory, and we may not attach: stream it
+            if msg.flags & p.ReadFlags.CHECKSUM:  # its CHECKSUM follows the grant: not ours
+                _expect(chan.answer(deadline), p.Checksum, chan)
             chan.send(p.Release(grant.lease_id, False), deadline)
             plain = p.ReadFlags.GRANT | p.ReadFlags.SHM
             _TCP.read(chan, dataclasses.replace(msg, flags=msg.flags & ~plain), local, deadline)

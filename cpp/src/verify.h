@@ -1,0 +1,74 @@
+// Checksummed pulls (docs/protocol.md, READ flag CHECKSUM), both sides, as Python's engine:
+//
+// * owner: after the answer to a READ with the flag (READ_DATA and the bytes, or a GRANT) a
+//   CHECKSUM frame: zlib's CRC-32 (crc32.h) of the source spans in order, and their byte count,
+//   computed after the bytes were sent (stream) or while the grant holds the memory. A streamed
+//   read's CacheKey is consumed only once the reader's verdict says the CRC matched (Pending);
+//   a granted one at its RELEASE with ok, as without the flag;
+// * reader: computes the CRC of what landed, compares it and the byte count, tells the owner
+//   (stream: RELEASE with lease id 0 and the READ's request id; grant: its RELEASE's ok), and
+//   fails a mismatch with LLM_SUSPECT_REMOTE_ERROR, its message starting with kMismatch.
+//
+// Who calls: the server's Dispatch (owner), Link::Read (reader), on the thread serving or
+// making the request. Nothing here blocks but the frames' sends and receives, within their
+// deadlines.
+#ifndef DATADIST_CPP_VERIFY_H_
+#define DATADIST_CPP_VERIFY_H_
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "registry.h"
+#include "wire.h"
+
+namespace datadist {
+namespace verify {
+
+/// How a mismatch's message starts (the Python facade raises IntegrityError for
+/// LLM_SUSPECT_REMOTE_ERROR with this start, as the Python engine does).
+constexpr char kMismatch[] = "checksum mismatch";
+
+/// Owner: the CHECKSUM frame over `src` (the read's source spans), answering request `rid`.
+std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid);
+
+/// Reader: the CHECKSUM frame's content, from the frame that came after the answer (`h`,
+/// `payload`, already checked to answer the READ). Anything else: LLM_SUSPECT_REMOTE_ERROR
+/// (the caller closes the connection).
+wire::Checksum Expect(const wire::Header &h, const std::vector<uint8_t> &payload);
+
+/// Reader: "" when `local` (what landed) has the owner's CRC and byte count, else why not
+/// (the message a mismatch raises, starting with kMismatch).
+std::string Compare(const wire::Checksum &owner, const std::vector<iovec> &local);
+
+/// Reader: throws the mismatch `why` (from Compare) as LLM_SUSPECT_REMOTE_ERROR.
+[[noreturn]] void Mismatch(const std::string &why);
+
+/// Owner: the streamed read of a connection that awaits its reader's verdict (at most one: a
+/// reader sends its verdict before its next request). The memory is free meanwhile; only the
+/// key's reservation waits. Used by the thread serving the connection, one at a time.
+class Pending {
+ public:
+  /// The read `rid` was sent with its CHECKSUM: its lease lets go of the memory, its
+  /// reservation stays until Settle (or Drop).
+  void Await(uint32_t rid, std::unique_ptr<Lease> lease);
+  /// The frame after it settles it: a RELEASE with lease id 0 and that read's request id is
+  /// the verdict (true: consumed here, the read committed if ok said so); anything else means
+  /// no verdict, the read counts as failed, and the frame is served as usual (false). A
+  /// malformed RELEASE throws (the connection ends; the read counts as failed).
+  bool Settle(const wire::Header &h, const std::vector<uint8_t> &payload);
+  /// The connection ended: a read still awaiting its verdict counts as failed.
+  void Drop() { lease_.reset(); }
+
+ private:
+  uint32_t rid_ = 0;
+  std::unique_ptr<Lease> lease_;
+};
+
+}  // namespace verify
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_VERIFY_H_

@@ -1,0 +1,269 @@
+"""Checksummed pulls (datadist.VerifyChecksum) on both engines, and between them.
+
+The Python engine's rules (tests/security/test_integrity.py, test_owner_limits.py item 8) are
+the spec: the owner follows its answer with a CHECKSUM frame (zlib's CRC-32 of the source
+spans); the reader checks what landed, says so (streamed: RELEASE lease 0 with the READ's
+id; granted: its RELEASE's ok) and raises IntegrityError (LLM_SUSPECT_REMOTE_ERROR) on a
+mismatch; a CacheKey is consumed only by a read the reader confirmed. Here each rule runs with
+the C++ core (NativeEngine) on either side and a Python-engine peer on the other.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import datadist.transport.paths as paths_mod
+import datadist.transport.tcp as tcp_mod
+from datadist.core import native
+from datadist.core.engine import Engine, EngineConfig
+from datadist.core.errors import CacheNotFound, IntegrityError
+from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.registry import KeyId
+from datadist.memory.pool import PoolConfig
+from datadist.wire import protocol as p
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not native.available()[0], reason="the native core is not built"),
+]
+
+class Raw:
+    """A hand-driven client speaking the wire (as test_owner_limits.py's)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+        self.dec = p.FrameDecoder()
+        self.items: list = []
+
+    def send(self, msg: p.Message, rid: int) -> None:
+        self.sock.sendall(p.encode(msg, rid))
+
+    def next(self):  # type: ignore[no-untyped-def]
+        """The next frame (or raw bytes item)."""
+        while not self.items:
+            chunk = self.sock.recv(1 << 20)
+            assert chunk, "the owner closed the connection"
+            self.items.extend(self.dec.feed(chunk))
+        return self.items.pop(0)
+
+    def hello(self) -> None:
+        self.send(p.Hello(77, 2, 1, 0, b"\x01" * 16, 0, b""), 1)
+        assert isinstance(self.next()[1], p.Welcome)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+Eng = Engine | native.NativeEngine
+KIND = {"python": Engine, "native": native.NativeEngine}
+# "tcp": TCP forced on the puller; "host": the same-host path (the core grants above 64 KiB,
+# so the caches here are bigger than that; the Python engine grants every same-host pull).
+TRANSPORTS = {"tcp": "tcp", "host": None}
+TENSOR = 96 << 10  # bytes per tensor: above the core's 64 KiB streaming threshold
+
+
+def _owner(kind: str) -> Eng:
+    return KIND[kind](EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                   host_pool=PoolConfig(16 << 20, 16)))
+
+
+def _puller(kind: str, transport: str, verify: bool = True) -> Eng:
+    return KIND[kind](EngineConfig(cluster_id=2, role=2, transport=TRANSPORTS[transport],
+                                   verify=verify))
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest) -> Iterator[tuple[Eng, Eng]]:
+    owner_kind, puller_kind, transport = request.param
+    owner = _owner(owner_kind)
+    puller = _puller(puller_kind, transport)
+    try:
+        assert owner.listen_address is not None
+        host, port = owner.listen_address
+        puller.link(1, host, port, 5.0)
+        path = puller.get_link(1).path
+        assert (path if isinstance(path, str) else path.caps.name) == (
+            "tcp" if transport == "tcp" else "cma")
+        yield owner, puller
+    finally:
+        puller.close()
+        owner.close()
+
+
+def _pairs(owners: tuple[str, ...] = ("python", "native"),
+           pullers: tuple[str, ...] = ("python", "native")) -> list[tuple[str, str, str]]:
+    """(owner, puller, transport) with the core on at least one side."""
+    return [(o, q, t) for o in owners for q in pullers for t in TRANSPORTS
+            if "native" in (o, q)]
+
+
+def _keyed(owner: Eng, req_id: int = 7) -> np.ndarray:
+    """A pool cache of the owner bound to CacheKey(req_id), filled with a pattern."""
+    entry = owner.allocate(Geometry(2, TENSOR, 1), placement=0, keys=[KeyId(req_id, 0)])
+    want = np.empty((2, TENSOR), np.uint8)
+    for t in range(2):
+        view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * TENSOR).from_address(
+            int(entry.addrs[t])))
+        view[:] = (np.arange(TENSOR) * (t + 3)) % 253
+        want[t] = view
+    return want
+
+
+def _pull(puller: Eng, req_id: int = 7, *, asynchronous: bool = False) -> np.ndarray:
+    dst = np.zeros((2, TENSOR), np.uint8)
+    local = puller.register(Geometry(2, TENSOR, 1),
+                            [dst.ctypes.data, dst.ctypes.data + TENSOR], placement=0)
+    try:
+        plan = plan_slot(local.geometry, 0, layer_tensor_indices(2, None, None, 2))
+        key = p.KeyRef(p.KeyKind.CACHE_KEY, req_id, 0, 2**64 - 1)
+        if asynchronous:
+            handle = puller.pull_async(1, key, 0, plan, local.cache_id, 5.0)
+            assert handle.wait(10.0)
+            error = handle.error()
+            if error is not None:
+                raise error
+        else:
+            puller.pull(1, key, 0, plan, local.cache_id, 5.0)
+        return dst
+    finally:
+        puller.unregister(local.cache_id)
+
+
+@pytest.mark.parametrize("engines", _pairs(), indirect=True, ids="-".join)
+def test_a_checked_pull_lands_and_consumes_its_key(engines) -> None:
+    owner, puller = engines
+    want = _keyed(owner)
+    assert np.array_equal(_pull(puller), want)
+    with pytest.raises(CacheNotFound):  # the confirmed read consumed the key
+        _pull(puller)
+
+
+@pytest.mark.parametrize("engines", _pairs(owners=("python",), pullers=("native",)),
+                         indirect=True, ids="-".join)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["pull", "pull_async"])
+def test_the_core_catches_a_lying_owner_and_leaves_the_key(engines, asynchronous,
+                                                           monkeypatch) -> None:
+    """The Python owner lies about its CRC: the core's pull raises IntegrityError with the
+    Python engine's words and code, its verdict (ok = 0) leaves the key, and the retry gets
+    the bytes."""
+    owner, puller = engines
+    want = _keyed(owner)
+    with monkeypatch.context() as m:
+        m.setattr(tcp_mod, "crc_iov", lambda iov: 0xDEADBEEF)
+        with pytest.raises(IntegrityError, match="checksum mismatch: the owner sent crc "
+                                                 "0xdeadbeef") as e:
+            _pull(puller, asynchronous=asynchronous)
+    assert e.value.code == 507057  # LLM_SUSPECT_REMOTE_ERROR
+    assert np.array_equal(_pull(puller), want)
+    with pytest.raises(CacheNotFound):
+        _pull(puller)
+
+
+@pytest.mark.parametrize("engines", _pairs(owners=("native",), pullers=("python",)),
+                         indirect=True, ids="-".join)
+def test_the_core_consumes_a_key_only_on_a_confirmed_read(engines, monkeypatch) -> None:
+    """A Python puller that finds a mismatch (here: it miscounts) says so: the core's owner
+    keeps the key. Before, a streamed checked read consumed it as soon as the bytes were
+    sent, and the retry got LLM_KV_CACHE_NOT_EXIST."""
+    owner, puller = engines
+    want = _keyed(owner)
+    with monkeypatch.context() as m:
+        m.setattr(paths_mod, "crc_iov", lambda iov: 0xDEADBEEF)
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            _pull(puller)
+    assert np.array_equal(_pull(puller), want)
+    with pytest.raises(CacheNotFound):
+        _pull(puller)
+
+
+def test_without_a_verdict_the_core_keeps_the_key() -> None:
+    """A requester that asked for a checksum and never confirms it (closes instead, or sends
+    another request) consumes nothing on the core's owner either (Python's rule: item 8)."""
+    owner = _owner("native")
+    try:
+        want = _keyed(owner)
+        assert owner.listen_address is not None
+        read = p.Read(p.KeyRef(p.KeyKind.CACHE_KEY, 7, 0, 2**64 - 1), 0, p.ReadFlags.CHECKSUM,
+                      np.arange(2, dtype=np.uint32), np.zeros(1, np.uint64),
+                      np.full(1, 16, np.uint64))
+        for ending in ("close", "ping", "other_rid"):
+            cli = Raw(owner.listen_address[1])
+            try:
+                cli.hello()
+                deadline = time.monotonic() + 5
+                while True:  # until the owner noticed the previous connection closed
+                    cli.send(read, 4)
+                    first = cli.next()[1]
+                    if not isinstance(first, p.Error):
+                        break
+                    assert time.monotonic() < deadline, first
+                    time.sleep(0.05)
+                got = [first, *(cli.next()[1] for _ in range(2))]
+                assert isinstance(got[0], p.ReadData) and got[0].nbytes == 32
+                spans = b"".join(bytes(want[t, :16]) for t in range(2))
+                assert bytes(got[1]) == spans
+                assert got[2] == p.Checksum(zlib.crc32(spans), 32)
+                if ending == "ping":
+                    cli.send(p.Ping(1), 5)
+                    assert cli.next() == (5, p.Pong(1))
+                elif ending == "other_rid":  # a verdict for another request settles nothing
+                    cli.send(p.Release(0, True), 9)
+                    cli.send(p.Ping(2), 10)
+                    assert cli.next() == (10, p.Pong(2))
+            finally:
+                cli.close()
+        puller = _puller("python", "tcp")
+        try:
+            host, port = owner.listen_address
+            puller.link(1, host, port, 5.0)
+            assert np.array_equal(_pull(puller), want)  # still there; consumed now
+            with pytest.raises(CacheNotFound):
+                _pull(puller)
+        finally:
+            puller.close()
+    finally:
+        owner.close()
+
+
+def test_a_confirming_raw_reader_consumes_the_key_on_the_core() -> None:
+    """The verdict itself: RELEASE lease 0 with the READ's request id and ok = 1 commits."""
+    owner = _owner("native")
+    try:
+        _keyed(owner)
+        assert owner.listen_address is not None
+        read = p.Read(p.KeyRef(p.KeyKind.CACHE_KEY, 7, 0, 2**64 - 1), 0, p.ReadFlags.CHECKSUM,
+                      np.arange(2, dtype=np.uint32), np.zeros(1, np.uint64),
+                      np.full(1, 16, np.uint64))
+        cli = Raw(owner.listen_address[1])
+        try:
+            cli.hello()
+            cli.send(read, 4)
+            kinds = [type(cli.next()[1]) for _ in range(3)]
+            assert kinds == [p.ReadData, bytes, p.Checksum]
+            cli.send(p.Release(0, True), 4)
+            cli.send(read, 5)
+            answer = cli.next()
+            assert answer[0] == 5 and isinstance(answer[1], p.Error), answer
+            assert answer[1].code == int(CacheNotFound.code)
+        finally:
+            cli.close()
+    finally:
+        owner.close()
+
+
+def test_auto_runs_checksummed_pulls_on_the_core(monkeypatch) -> None:
+    """datadist.VerifyChecksum no longer keeps a configuration on the Python engine."""
+    monkeypatch.delenv(native.ENGINE_ENV, raising=False)
+    config = EngineConfig(cluster_id=3, role=2, verify=True)
+    assert native.refusal(config) is None
+    engine, why = native.engine_for(config, {})
+    try:
+        assert engine.native, why
+    finally:
+        engine.close()
