@@ -76,6 +76,24 @@ datadist::wire::Request ToRequest(uint8_t kind, uint64_t a, uint64_t b, uint64_t
   return r;
 }
 
+/// A transfer made ready once (Engine.prepare) and run any number of times (Engine.run,
+/// Engine.submit): the request and the local spans converted from the plan's arrays once, so
+/// that a repeated pull converts nothing. Immutable once made; shared by the runs in flight.
+struct Call {
+  bool write = false;
+  uint64_t cluster = 0;
+  datadist::wire::Request req;
+  std::vector<iovec> iov;
+};
+
+void Run(datadist::Engine &engine, const Call &call, Deadline deadline) {
+  auto link = engine.GetLink(call.cluster);
+  if (call.write)
+    link->Write(call.req, call.iov, deadline);
+  else
+    link->Read(call.req, call.iov, deadline);
+}
+
 /// One engine plus the workers its asynchronous transfers run on.
 class Core {
  public:
@@ -173,6 +191,11 @@ PYBIND11_MODULE(_core, m) {
         py::gil_scoped_release nogil;
         l.Close(Deadline(), true);
       });
+
+  py::class_<Call, std::shared_ptr<Call>>(m, "Call", "A transfer made ready by Engine.prepare (opaque)")
+      .def_property_readonly("write", [](const Call &c) { return c.write; })
+      .def_property_readonly("cluster_id", [](const Call &c) { return c.cluster; })
+      .def_property_readonly("spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds");
 
   py::class_<Core>(m, "Engine")
       .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
@@ -361,45 +384,40 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("cache_id"), py::arg("wait_s"))
       .def(
-          "transfer",
-          [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
+          "prepare",
+          [](Core &, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
              uint64_t unit_bytes, uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets,
-             const U64Array &lengths, const U64Array &local, double timeout_s) {
-            auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
-            auto iov = ToIov(local);
-            Deadline deadline = DeadlineIn(timeout_s);
-            py::gil_scoped_release nogil;
-            auto link = c.engine().GetLink(cluster);
-            if (write)
-              link->Write(req, iov, deadline);
-            else
-              link->Read(req, iov, deadline);
+             const U64Array &lengths, const U64Array &local) {
+            auto call = std::make_shared<Call>();
+            call->write = write;
+            call->cluster = cluster;
+            call->req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
+            call->iov = ToIov(local);
+            return call;
           },
           py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
           py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
-          py::arg("lengths"), py::arg("local"), py::arg("timeout_s"),
-          "A READ (write=False) or WRITE, blocking without the GIL until it ends or timeout_s passes.")
+          py::arg("lengths"), py::arg("local"),
+          "A READ (write=False) or WRITE made ready to run (run, submit); converts the arrays once. Never blocks.")
+      .def(
+          "run",
+          [](Core &c, const Call &call, double timeout_s) {
+            Deadline deadline = DeadlineIn(timeout_s);
+            py::gil_scoped_release nogil;
+            Run(c.engine(), call, deadline);
+          },
+          py::arg("call"), py::arg("timeout_s"),
+          "Runs a prepared transfer, blocking without the GIL until it ends or timeout_s passes.")
       .def(
           "submit",
-          [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
-             uint64_t unit_bytes, uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets,
-             const U64Array &lengths, const U64Array &local, double timeout_s) {
-            auto req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
-            auto iov = ToIov(local);
+          [](Core &c, std::shared_ptr<Call> call, double timeout_s) {
             // The deadline runs from now, as a blocking call's would; queueing counts.
             Deadline deadline = DeadlineIn(timeout_s);
             datadist::Engine *engine = &c.engine();
-            return c.executor().Submit([engine, cluster, write, req = std::move(req), iov = std::move(iov), deadline] {
-              auto link = engine->GetLink(cluster);
-              if (write)
-                link->Write(req, iov, deadline);
-              else
-                link->Read(req, iov, deadline);
-            });
+            std::shared_ptr<const Call> held = std::move(call);  // runs share it; none changes it
+            return c.executor().Submit([engine, held = std::move(held), deadline] { Run(*engine, *held, deadline); });
           },
-          py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
-          py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
-          py::arg("lengths"), py::arg("local"), py::arg("timeout_s"),
-          "Queues a READ (write=False) or WRITE on the engine's workers; returns its Handle at once.")
+          py::arg("call"), py::arg("timeout_s"),
+          "Queues a prepared transfer on the engine's workers; returns its Handle at once.")
       .def_property_readonly("async_threads", [](Core &c) { return c.executor().threads(); });
 }

@@ -200,6 +200,37 @@ def test_a_finalized_session_and_an_unlinked_peer_answer_a_planned_pull(sides):
         d.cm.pull_cache(key, dst, 0)
 
 
+def test_native_repeated_pull_prepares_the_core_call_once(sides):
+    p, d = sides
+    if not getattr(d.engine, "native", False):
+        pytest.skip("the native engine's prepared calls")
+    p.register(1, [4, 64], blocks=True, model_id=7, seed=7)
+    dst, b = d.register(1, [4, 64], blocks=True)
+    made = [0]
+    core = d.engine._core
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(core, name)
+
+        def prepare(self, *args: Any) -> Any:
+            made[0] += 1
+            return core.prepare(*args)
+
+    d.engine._core = Counting()
+    try:
+        key = llm.BlocksCacheKey(PROMPT_ID, 7)
+        for _ in range(3):
+            d.cm.pull_blocks(key, dst, [2], [3])
+        d.cm.pull_blocks_async(key, dst, [2], [3]).wait(10)
+        assert made[0] == 1
+        d.cm.pull_blocks(key, dst, [1], [3])
+        assert made[0] == 2
+    finally:
+        d.engine._core = core
+    assert units(b, 4)[:, 3].any()
+
+
 def test_planned_keys_tell_apart_what_compares_equal():
     class Sub(llm.BlocksCacheKey):
         pass

@@ -35,7 +35,6 @@ from datadist.core.engine import (
     DEVICE,
     HOST,
     EngineConfig,
-    _counted,
     _record,
     checked_local_iov,
 )
@@ -51,7 +50,7 @@ from datadist.core.errors import (
 )
 from datadist.core.layout import Geometry, Plan, wire_layout
 from datadist.core.links import forced_path
-from datadist.core.prepared import KEPT, Prepared
+from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
@@ -226,6 +225,11 @@ class NativeEngine:
         self._lock = threading.Lock()
         self._listen: tuple[str, int] | None = None
         self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
+        # the core's prepared transfers, by (plan, local entry, cluster, key, unit bytes,
+        # write): a repeated pull converts nothing (a plan and an entry are compared by
+        # identity: an unregistered cache's entry never comes back from hold)
+        self._calls: Prepared[Any] = Prepared(KEPT, lambda call: int(call.spans))
+        self._core_error: type[BaseException] = mod.CoreError
         self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
@@ -486,50 +490,67 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ transfers
 
-    def _args(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-              entry: CacheEntry, write: bool, timeout: float | None) -> tuple[Any, ...]:
-        local = checked_local_iov(self._local_iovs, plan, entry)
-        flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
-        return (cluster_id, int(key.kind), key.a, key.b, key.c, unit_bytes, flags,
-                wire_layout(entry.geometry), plan.remote_tensors, plan.remote_offsets,
-                plan.lengths, local,
-                timeout if timeout is not None else self.config.sync_timeout)
+    def _call(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+              entry: CacheEntry, write: bool) -> Any:
+        """The core's prepared transfer of ``plan`` into (from) ``entry``'s memory, made once
+        for small plans (the local spans checked against the cache then: InvalidArgument if
+        they do not fit) and kept; larger ones are made each time."""
+        ident = (plan, entry, cluster_id, key, unit_bytes, write)
+        call = self._calls.find(ident) if plan.num_spans <= SMALL_REQUEST else None
+        if call is None:
+            local = checked_local_iov(self._local_iovs, plan, entry)
+            flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
+            call = self._core.prepare(write, cluster_id, int(key.kind), key.a, key.b, key.c,
+                                      unit_bytes, flags, wire_layout(entry.geometry),
+                                      plan.remote_tensors, plan.remote_offsets, plan.lengths,
+                                      local)
+            if plan.num_spans <= SMALL_REQUEST:
+                self._calls.put(ident, call)
+        return call
 
-    @_counted("pull")
+    def _run(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+             cache_id: int, timeout: float | None) -> None:
+        """A blocking pull (``op`` "pull") or push ("push"), its outcome recorded (as
+        ``_counted`` does for the Python engine's). Straight-line: every pull passes here."""
+        t0 = time.perf_counter()
+        try:
+            if self._closed:
+                raise Closed("the engine is finalized")
+            entry = self.registry.hold(cache_id)
+            try:
+                call = self._call(cluster_id, key, unit_bytes, plan, entry, op == "push")
+                try:
+                    self._core.run(call, self.config.sync_timeout if timeout is None
+                                   else timeout)
+                except self._core_error as e:
+                    raise _raised(e) from None
+            finally:
+                self.registry.unhold(entry)
+        except BaseException as e:
+            _record(op, cluster_id, plan, t0, e)
+            raise
+        _record(op, cluster_id, plan, t0, None)
+
     def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              dst_cache_id: int, timeout: float | None = None) -> None:
         """Read ``plan`` from the remote cache ``key`` names into local cache
         ``dst_cache_id``. Blocks (without the GIL) until every byte landed or the deadline."""
-        self._check_open()
-        entry = self.registry.hold(dst_cache_id)
-        try:
-            args = self._args(cluster_id, key, unit_bytes, plan, entry, False, timeout)
-            with _mapped():
-                self._core.transfer(False, *args)
-        finally:
-            self.registry.unhold(entry)
+        self._run("pull", cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
 
-    @_counted("push")
     def push(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              src_cache_id: int, timeout: float | None = None) -> None:
         """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key``
         names. Blocks (without the GIL) until the owner confirmed or the deadline."""
-        self._check_open()
-        entry = self.registry.hold(src_cache_id)
-        try:
-            args = self._args(cluster_id, key, unit_bytes, plan, entry, True, timeout)
-            with _mapped():
-                self._core.transfer(True, *args)
-        finally:
-            self.registry.unhold(entry)
+        self._run("push", cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
 
     def _submit(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,
                 plan: Plan, cache_id: int, timeout: float | None) -> NativeHandle:
         self._check_open()
         entry = self.registry.hold(cache_id)
         try:
-            args = self._args(cluster_id, key, unit_bytes, plan, entry, write, timeout)
-            handle = self._core.submit(write, *args)
+            call = self._call(cluster_id, key, unit_bytes, plan, entry, write)
+            handle = self._core.submit(call, self.config.sync_timeout if timeout is None
+                                       else timeout)
         except BaseException:
             self.registry.unhold(entry)
             raise
