@@ -65,27 +65,24 @@ def blocks_bytes(blocks: Any) -> bytes | None:
         return None
 
 
-def _value(v: Any) -> Hashable:
-    t = type(v)
-    if v is None:
-        return None
-    if t is int:
-        return int(v)
-    if t is range:
-        return (v.start, v.stop, v.step)
-    raise KeyError  # no key for this value
-
-
 def kwargs_key(kwargs: dict[str, Any]) -> tuple[Hashable, ...] | None:
-    """A pull's layer keywords as part of a key (None: another keyword or value type)."""
+    """A pull's layer keywords as part of a key: a ``range`` by its start, stop and step, an
+    ``int`` (exactly) or None by itself (None: another keyword or value type). One loop, no
+    generator: a per-layer pull passes here once a layer."""
     if not kwargs:
         return ()
-    if not _LAYER_KWARGS.issuperset(kwargs):
-        return None
-    try:
-        return tuple((k, _value(v)) for k, v in kwargs.items())
-    except KeyError:
-        return None
+    out: list[Hashable] = []
+    for k, v in kwargs.items():
+        if k not in _LAYER_KWARGS:
+            return None
+        t = type(v)
+        if t is range:
+            out.append((k, v.start, v.stop, v.step))
+        elif v is None or t is int:
+            out.append((k, v))
+        else:
+            return None
+    return tuple(out)
 
 
 def blocks_key(src_cache_key: Any, dst_cache: Any, src_blocks: Any, dst_blocks: Any,
