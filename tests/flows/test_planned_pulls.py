@@ -253,3 +253,29 @@ def test_planned_keys_tell_apart_what_compares_equal():
                             {"tensor_num_per_layer": True}) is None
     assert (planned.slot_key(llm.CacheKey(1, 5), cache, 0, -1, {})
             != planned.slot_key(llm.CacheKeyByIdAndIndex(1, 5, 0), cache, 0, -1, {}))
+
+
+def test_native_small_issued_pull_under_a_lease_ends_in_the_issuing_call(sides):
+    """A small issued pull the link's whole-cache lease covers is a local copy: the core runs
+    it in the issuing call (no worker hand-over), so its handle has ended when the call
+    returns, with the bytes there; one the lease does not cover still goes to a worker and
+    fails its handle, not the call."""
+    p, d = sides
+    if not getattr(d.engine, "native", False):
+        pytest.skip("the native core's issued pulls")
+    _, a = p.register(1, [4, 64], blocks=True, model_id=8, seed=8)
+    dst, b = d.register(1, [4, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 8)
+    d.cm.pull_blocks(key, dst, [1], [2])  # the first pull takes the lease
+    if d.engine.get_link(PROMPT_ID).path != "cma":
+        pytest.skip("no cross-memory attach here: no leases")
+    for i in range(4):
+        b[...] = 0
+        handle = d.cm.pull_blocks_async(key, dst, [i], [3])
+        assert handle.done()  # ended before the call returned: no worker took it
+        handle.wait(0)
+        assert handle.status == S.LLM_SUCCESS
+        np.testing.assert_array_equal(units(b, 4)[:, 3], units(a, 4)[:, i])
+    bad = d.cm.pull_blocks_async(key, dst, [9], [3])  # outside the owner's cache
+    with code(S.LLM_PARAM_INVALID):
+        bad.wait(10)
