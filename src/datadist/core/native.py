@@ -558,7 +558,9 @@ class NativeEngine:
 
     def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
                    dst_cache_id: int, timeout: float | None = None) -> NativeHandle:
-        """:meth:`pull`, issued to the core's workers; returns at once."""
+        """:meth:`pull`, issued to the core's workers; returns at once. One of up to 64 KiB
+        that the link's whole-cache lease covers is copied in this call instead (a local copy
+        that waits for nobody): its handle has ended when it returns."""
         return self._submit(False, cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
 
     def push_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
