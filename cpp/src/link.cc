@@ -439,6 +439,20 @@ bool Link::TransferLeased(const wire::Request &req, const std::vector<iovec> &lo
   return false;
 }
 
+bool Link::ReadLeasedNow(const wire::Request &req, const std::vector<iovec> &local) {
+  if ((req.kind != wire::kCacheId && req.kind != wire::kBlocksKey) || path_ != Path::kCma) return false;
+  std::shared_ptr<lease::Leased> l;
+  {
+    std::lock_guard<std::mutex> lock(lease_mu_);
+    if (!lease_owner_) return false;
+    auto it = leases_.find(LeaseKey{req.kind, req.kind == wire::kCacheId ? req.a : req.b, false});
+    if (it == leases_.end()) return false;
+    l = it->second;
+  }
+  std::string why;
+  return lease::Copy(*l, req, local, why) == lease::Outcome::kDone;
+}
+
 void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
   const bool checked = req.flags & wire::kFlagChecksum;  // no lease: its copies carry no checksum
   if (!checked && TransferLeased(req, local, false, deadline)) return;

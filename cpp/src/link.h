@@ -83,6 +83,12 @@ class Link {
   /// in `req` (verify.h) no cache lease is used, what landed is checked against the owner's
   /// CRC-32, and a mismatch is LLM_SUSPECT_REMOTE_ERROR ("checksum mismatch: ...").
   void Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  /// A pull under a whole-cache lease this link holds already, copied in the caller's thread:
+  /// true once every byte moved. False when there is no such lease or it could not serve the
+  /// pull (revoked, refused, failed: nothing changed here, Read handles those). Throws what
+  /// the lease's checks refuse, as Read would. Never waits for the peer or the link (a leased
+  /// copy takes neither): the issued pulls' inline path (cpp/python/module.cc).
+  bool ReadLeasedNow(const wire::Request &req, const std::vector<iovec> &local);
   /// Push: WRITE, go-ahead OK, the bytes, confirming OK.
   void Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Tells the peer we leave (BYE), waiting for a transfer in flight up to the deadline:

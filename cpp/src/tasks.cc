@@ -6,6 +6,12 @@
 
 namespace datadist {
 
+std::shared_ptr<Task> Task::Ended(uint32_t code, std::string message) {
+  auto task = std::make_shared<Task>();
+  task->Finish(code, std::move(message));
+  return task;
+}
+
 bool Task::Wait(Deadline deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   return ended_.wait_until(lock, deadline, [&] { return done_.load(std::memory_order_acquire); });

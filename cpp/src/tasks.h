@@ -24,6 +24,8 @@ namespace datadist {
 
 class Task {
  public:
+  /// A task that ended already (code 0: success), for work done in the issuing thread.
+  static std::shared_ptr<Task> Ended(uint32_t code, std::string message);
   /// Ended (successfully or not)? Never blocks: one atomic load.
   bool Done() const { return done_.load(std::memory_order_acquire); }
   /// Blocks until the task ends or `deadline` passes; true when it ended.

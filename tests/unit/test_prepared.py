@@ -73,3 +73,17 @@ def test_concurrent_builders_of_one_key_count_it_once() -> None:
     for t in threads:
         t.join()
     assert len(m) == 5 and m.total == 50
+
+
+def test_find_and_put_keep_the_same_bounds_as_get() -> None:
+    kept: Prepared[list[int]] = Prepared(2, len, max_weight=5)
+    assert kept.find("a") is None
+    kept.put("a", [1, 2])
+    kept.put("b", [3])
+    assert kept.find("a") == [1, 2]  # now the most recently used
+    kept.put("c", [4])  # over the count: the least recently used ("b") goes
+    assert kept.find("b") is None and kept.find("a") == [1, 2]
+    kept.put("c", [9])  # "c" the newest, "a" the oldest
+    kept.put("a", [5, 6, 7, 8, 9])  # replaced, the newest; over the weight: "c" goes
+    assert kept.find("c") is None and kept.find("a") == [5, 6, 7, 8, 9]
+    assert kept.total == 5

@@ -7,6 +7,7 @@ callback records when the memory would go back to its pool.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -671,3 +672,25 @@ def test_unlease_frees_the_memory_and_settle_decides_the_key() -> None:
     reg.unlease(lease)
     reg.settle(lease, True)
     assert frees.calls == 1  # consumed, and with it the cache
+
+
+def test_unregister_waits_for_a_hold_and_wakes_at_its_end() -> None:
+    """A local pull's hold keeps unregister waiting; its unhold wakes it at once (unhold
+    notifies a closing entry's waiter only, so a pull nobody waits on pays nothing)."""
+    reg = Registry()
+    e = reg.add(GEO, ADDRS, owned=False)
+    held = reg.hold(e.cache_id)
+    reg.unhold(reg.hold(e.cache_id))  # nobody waits: nothing to wake
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (reg.unregister(e.cache_id, wait=25.0), done.set()))
+    t.start()
+    try:
+        assert not done.wait(0.2)
+    finally:
+        t0 = time.monotonic()
+        reg.unhold(held)
+        assert done.wait(10)
+        t.join(10)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(CacheNotFound):
+        reg.hold(e.cache_id)

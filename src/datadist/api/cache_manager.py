@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from datadist.api import async_transfer, local_ops, types
+from datadist.api import async_transfer, local_ops, planned, types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Memtype, Placement
 from datadist.api.geometry import (
@@ -165,10 +165,12 @@ def _not_own(engine: Engine, cluster_id: int) -> None:
 
 class _Request(NamedTuple):
     """A checked transfer call: the engine and the arguments of its pull / push (cluster
-    id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms."""
+    id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms; and
+    the local cache's geometry the plan was made for (api/planned.py)."""
 
     engine: Engine
     args: tuple[int, KeyRef, int, layout.Plan, int]
+    geometry: layout.Geometry
 
 
 class CacheManager:
@@ -184,6 +186,7 @@ class CacheManager:
         self._is_call_linked = False
         self._initialized = True
         self._kept: dict[int, list[Any]] = {}  # cache id -> memory objects registered
+        self._planned = planned.new_map()  # pulls' checked requests, by their arguments
         # A llm.LocalCommRes rank table: two-sided links (LLMDataDist.link) listen on its
         # ports, so a PROMPT without listen_ip_info is expected; nothing to warn about.
         self._told_not_listening = two_sided
@@ -432,8 +435,37 @@ class CacheManager:
         req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
         return TransferHandle(req.engine.pull_async(*req.args), "pull_cache_async")
 
+    def _current(self, key: Any, cache: Any) -> _Request | None:
+        """The request planned for a call with the arguments ``key`` names (api/planned.py),
+        when there is one and the local cache is still registered with the geometry it was
+        planned for; else None (the caller takes the full path, which raises what is wrong).
+        Its session must be open (LLM_ENGINE_FINALIZED, as every call's first check)."""
+        self._engine_or_raise()
+        if key is None:
+            return None
+        req = self._planned.find(key)
+        if req is None:
+            return None
+        try:
+            geo = self._engine.registry.get(cache.cache_id).geometry
+        except DatadistError:
+            return None
+        return req if geo is req.geometry or geo == req.geometry else None
+
     def _pull_cache_request(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
                             kwargs: dict[str, Any]) -> _Request:
+        """pull_cache's checks and plan, or those of an earlier call with the same arguments
+        (api/planned.py); the engine's arguments."""
+        key = planned.slot_key(cache_key, cache, batch_index, size, kwargs)
+        req = self._current(key, cache)
+        if req is None:
+            req = self._check_pull_cache(cache_key, cache, batch_index, size, kwargs)
+            if key is not None:
+                self._planned.put(key, req)
+        return req
+
+    def _check_pull_cache(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
+                          kwargs: dict[str, Any]) -> _Request:
         """pull_cache's checks, in the original's order; the engine's arguments."""
         engine = self._engine_or_raise()
         # v2/cache_manager.py pull_cache's order: the key's type (for the mode), the cache,
@@ -469,7 +501,7 @@ class CacheManager:
                                   layer_pair(dst_range), n), build)
             _not_own(engine, cache_key.cluster_id)
         return _Request(engine, (cache_key.cluster_id, key_ref(cache_key), 0, plan,
-                                 cache.cache_id))
+                                 cache.cache_id), geo)
 
     def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
                     dst_cache: Cache, src_blocks: tuple[int, ...] | list[int] = (),
@@ -492,6 +524,19 @@ class CacheManager:
 
     def _pull_blocks_request(self, src_cache_key: Any, dst_cache: Any, src_blocks: Any,
                              dst_blocks: Any, kwargs: dict[str, Any]) -> _Request:
+        """pull_blocks's checks and plan, or those of an earlier call with the same arguments
+        (api/planned.py); the engine's arguments."""
+        key = planned.blocks_key(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        req = self._current(key, dst_cache)
+        if req is None:
+            req = self._check_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                          kwargs)
+            if key is not None:
+                self._planned.put(key, req)
+        return req
+
+    def _check_pull_blocks(self, src_cache_key: Any, dst_cache: Any, src_blocks: Any,
+                           dst_blocks: Any, kwargs: dict[str, Any]) -> _Request:
         """pull_blocks's checks, in the original's order; the engine's arguments."""
         engine = self._engine_or_raise()
         check_isinstance("src_cache_key", src_cache_key,
@@ -531,7 +576,8 @@ class CacheManager:
                                   layer_pair(src_range), layer_pair(dst_range), n), build, dst)
             _not_own(engine, src_cache_key.cluster_id)
         return _Request(engine, (src_cache_key.cluster_id, key_ref(src_cache_key),
-                                 geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id))
+                                 geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id),
+                        geo)
 
     # ------------------------------------------------------------------ pushes
 
@@ -588,7 +634,7 @@ class CacheManager:
         with llm_errors("push_cache"):
             plan = layout.plan_slot(geo, src_batch_index, pairs, size)
         return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
-                                 src_cache.cache_id))
+                                 src_cache.cache_id), geo)
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
                     src_blocks: tuple[int, ...] | list[int] = (),
@@ -640,7 +686,7 @@ class CacheManager:
             plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), layer_pair(src_range),
                                   layer_pair(dst_range), n), build, dst)
         return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key),
-                                 geo.unit_bytes, plan, src_cache.cache_id))
+                                 geo.unit_bytes, plan, src_cache.cache_id), geo)
 
     # ------------------------------------------------------------------ local copies
     # Argument rules shared with the legacy KvCacheManager live in api/local_ops.py and

@@ -51,7 +51,7 @@ from datadist.core.errors import (
 )
 from datadist.core.layout import Geometry, Plan, wire_layout
 from datadist.core.links import forced_path
-from datadist.core.prepared import KEPT, Prepared
+from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
@@ -241,6 +241,11 @@ class NativeEngine:
         self._lock = threading.Lock()
         self._listen: tuple[str, int] | None = None
         self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
+        # the core's prepared transfers, by (plan, local entry, cluster, key, unit bytes,
+        # write): a repeated pull converts nothing (a plan and an entry are compared by
+        # identity: an unregistered cache's entry never comes back from hold)
+        self._calls: Prepared[Any] = Prepared(KEPT, lambda call: int(call.spans))
+        self._core_error: type[BaseException] = mod.CoreError
         self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
         self._core_module = mod
         # Asynchronous transfers not yet seen to end: each holds its local cache until then.
@@ -515,68 +520,85 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ transfers
 
-    def _args(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-              entry: CacheEntry, write: bool, timeout: float | None) -> tuple[Any, ...]:
-        local = checked_local_iov(self._local_iovs, plan, entry)
-        flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
-        if self.config.verify and not write:  # the owner's CRC-32 of what it sent, checked
-            flags |= int(p.ReadFlags.CHECKSUM)
-        return (cluster_id, int(key.kind), key.a, key.b, key.c, unit_bytes, flags,
-                wire_layout(entry.geometry), plan.remote_tensors, plan.remote_offsets,
-                plan.lengths, local,
-                timeout if timeout is not None else self.config.sync_timeout)
+    def _refused(self, op: str, cluster_id: int, t0: float, error: BaseException) -> None:
+        code = int(error.code) if isinstance(error, DatadistError) else 0xFFFFFFFF
+        self._core_module.metrics_record(op, cluster_id, 0, time.perf_counter() - t0, code)
 
-    def _taken(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-               cache_id: int, timeout: float | None) -> tuple[CacheEntry, tuple[Any, ...]]:
-        """The local cache held and the core's arguments for a transfer. The core counts
+    def _call(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+              entry: CacheEntry, write: bool) -> Any:
+        """The core's prepared transfer of ``plan`` into (from) ``entry``'s memory, made once
+        for small plans (the local spans checked against the cache then: InvalidArgument if
+        they do not fit) and kept; larger ones are made each time."""
+        ident = (plan, entry, cluster_id, key, unit_bytes, write)
+        call = self._calls.find(ident) if plan.num_spans <= SMALL_REQUEST else None
+        if call is None:
+            local = checked_local_iov(self._local_iovs, plan, entry)
+            flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
+            if self.config.verify and not write:  # the owner's CRC-32 of what it sent, checked
+                flags |= int(p.ReadFlags.CHECKSUM)
+            call = self._core.prepare(write, cluster_id, int(key.kind), key.a, key.b, key.c,
+                                      unit_bytes, flags, wire_layout(entry.geometry),
+                                      plan.remote_tensors, plan.remote_offsets, plan.lengths,
+                                      local)
+            if plan.num_spans <= SMALL_REQUEST:
+                self._calls.put(ident, call)
+        return call
+
+    def _taken(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+               cache_id: int) -> tuple[CacheEntry, Any]:
+        """The local cache held and the core's prepared call for a transfer. The core counts
         every transfer it is handed (metrics); one refused here, before it (finalized, no
         such local cache, spans outside it), is counted here, as the Python engine counts
         it. The caller unholds the entry."""
         t0 = time.perf_counter()
         try:
-            self._check_open()
+            if self._closed:
+                raise Closed("the engine is finalized")
             entry = self.registry.hold(cache_id)
         except BaseException as e:
-            self._refused("push" if write else "pull", cluster_id, t0, e)
+            self._refused(op, cluster_id, t0, e)
             raise
         try:
-            return entry, self._args(cluster_id, key, unit_bytes, plan, entry, write, timeout)
+            return entry, self._call(cluster_id, key, unit_bytes, plan, entry, op == "push")
         except BaseException as e:
             self.registry.unhold(entry)
-            self._refused("push" if write else "pull", cluster_id, t0, e)
+            self._refused(op, cluster_id, t0, e)
             raise
 
-    def _refused(self, op: str, cluster_id: int, t0: float, error: BaseException) -> None:
-        code = int(error.code) if isinstance(error, DatadistError) else 0xFFFFFFFF
-        self._core_module.metrics_record(op, cluster_id, 0, time.perf_counter() - t0, code)
+    def _run(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
+             cache_id: int, timeout: float | None) -> None:
+        """A blocking pull (``op`` "pull") or push ("push"), counted by the core.
+        Straight-line: every pull passes here."""
+        entry, call = self._taken(op, cluster_id, key, unit_bytes, plan, cache_id)
+        try:
+            self._core.run(call, self.config.sync_timeout if timeout is None else timeout)
+        except self._core_error as e:
+            raise _raised(e) from None
+        finally:
+            self.registry.unhold(entry)
 
     def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              dst_cache_id: int, timeout: float | None = None) -> None:
         """Read ``plan`` from the remote cache ``key`` names into local cache
         ``dst_cache_id``. Blocks (without the GIL) until every byte landed or the deadline."""
-        entry, args = self._taken(False, cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
-        try:
-            with _mapped():
-                self._core.transfer(False, *args)
-        finally:
-            self.registry.unhold(entry)
+        self._run("pull", cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
 
     def push(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              src_cache_id: int, timeout: float | None = None) -> None:
         """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key``
         names. Blocks (without the GIL) until the owner confirmed or the deadline."""
-        entry, args = self._taken(True, cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
-        try:
-            with _mapped():
-                self._core.transfer(True, *args)
-        finally:
-            self.registry.unhold(entry)
+        self._run("push", cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
 
     def _submit(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,
                 plan: Plan, cache_id: int, timeout: float | None) -> NativeHandle:
-        entry, args = self._taken(write, cluster_id, key, unit_bytes, plan, cache_id, timeout)
+        entry, call = self._taken("push" if write else "pull", cluster_id, key, unit_bytes,
+                                  plan, cache_id)
         try:
-            handle = self._core.submit(write, *args)  # counted by the core, refused or not
+            handle = self._core.submit(call, self.config.sync_timeout if timeout is None
+                                       else timeout)  # counted by the core, refused or not
+        except self._core_error as e:
+            self.registry.unhold(entry)
+            raise _raised(e) from None
         except BaseException:
             self.registry.unhold(entry)
             raise
@@ -602,7 +624,9 @@ class NativeEngine:
 
     def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
                    dst_cache_id: int, timeout: float | None = None) -> NativeHandle:
-        """:meth:`pull`, issued to the core's workers; returns at once."""
+        """:meth:`pull`, issued to the core's workers; returns at once. One of up to 64 KiB
+        that the link's whole-cache lease covers is copied in this call instead (a local copy
+        that waits for nobody): its handle has ended when it returns."""
         return self._submit(False, cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
 
     def push_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,

@@ -54,6 +54,20 @@ class Prepared(Generic[_V]):
     def __len__(self) -> int:
         return len(self._items)
 
+    def find(self, key: Hashable) -> _V | None:
+        """The value kept for ``key`` (now the most recently used), or None."""
+        got = self._items.get(key)
+        if got is not None:
+            try:  # noqa: SIM105 - as in get
+                self._items.move_to_end(key)
+            except KeyError:
+                pass
+        return got
+
+    def put(self, key: Hashable, value: _V) -> None:
+        """Keep ``value`` for ``key`` (replacing what was kept), evicting as :meth:`get`."""
+        self._store(key, value)
+
     def get(self, key: Hashable, build: Callable[[], _V]) -> _V:
         """The value built for ``key``, building it (outside the lock) on a miss. What
         ``build`` raises is raised and nothing is kept."""
@@ -65,16 +79,20 @@ class Prepared(Generic[_V]):
                 pass
             return got
         value = build()
+        self._store(key, value)
+        return value
+
+    def _store(self, key: Hashable, value: _V) -> None:
         w = self._weight(value) if self._weight is not None else 0
         with self._lock:
             self._items[key] = value
+            self._items.move_to_end(key)  # a replaced value is the newest too
             self.total += w - self._weights.get(key, 0)
             self._weights[key] = w
             while len(self._items) > self.size or (self.total > self._max_weight
                                                    and len(self._items) > 1):
                 old, _ = self._items.popitem(last=False)
                 self.total -= self._weights.pop(old, 0)
-        return value
 
     def clear(self) -> None:
         with self._lock:

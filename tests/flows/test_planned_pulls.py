@@ -1,0 +1,281 @@
+"""Planned pulls (api/planned.py, the native engine's prepared calls): a pull repeated with the
+same arguments is checked and planned once, and nothing about the repeat may differ from a
+first call: every argument error, an unregistered or replaced cache, a finalized session,
+an unlinked peer still answer exactly as the full path does. On both engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import datadist as llm
+from datadist.api import cache_manager as cm_module
+from datadist.api import planned
+from datadist.api.cache_manager import CacheManager
+from datadist.core import native
+from datadist.core.engine import Engine, EngineConfig
+
+from ._support import DECODER_ID, PROMPT_ID, Side, code, units
+
+pytestmark = pytest.mark.timeout(60)
+
+S = llm.LLMStatusCode
+ENGINES = ["python"] + (["native"] if native.available()[0] else [])
+
+
+@pytest.fixture(params=ENGINES)
+def sides(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side]]:
+    """A PROMPT and a DECODER of one engine kind, the DECODER linked to the PROMPT."""
+    kind = request.param
+    made: list[Any] = []
+
+    def make(cluster_id: int, role: int) -> Side:
+        cfg = EngineConfig(cluster_id=cluster_id, role=role, listen=("127.0.0.1", 0),
+                           sync_timeout=5.0)
+        engine = native.NativeEngine(cfg) if kind == "native" else Engine(cfg)
+        made.append(engine)
+        return Side(engine, CacheManager(engine))
+
+    try:
+        p, d = make(PROMPT_ID, 1), make(DECODER_ID, 2)
+        assert p.engine.listen_address is not None
+        d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+        yield p, d
+    finally:
+        for engine in made:
+            engine.close()
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls cache_manager makes to its function ``name``."""
+    calls = [0]
+    real: Callable[..., Any] = getattr(cm_module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cm_module, name, counted)
+    return calls
+
+
+def test_a_repeated_pull_blocks_is_checked_and_planned_once(sides, monkeypatch):
+    p, d = sides
+    _, a = p.register(2, [8, 64], blocks=True, model_id=3, seed=1)
+    dst, b = d.register(2, [8, 64], blocks=True)
+    lists = _counting(monkeypatch, "int_list")
+    key = llm.BlocksCacheKey(PROMPT_ID, 3)
+    d.cm.pull_blocks(key, dst, [1, 2], [5, 6])
+    assert lists[0] == 2  # the first call checks both lists
+    b[...] = 0
+    # the same arguments again, in new objects (a server makes them per request)
+    d.cm.pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 3), dst, [1, 2], [5, 6])
+    assert lists[0] == 2
+    np.testing.assert_array_equal(units(b, 8)[:, 5:7], units(a, 8)[:, 1:3])
+    d.cm.pull_blocks(key, dst, [1, 3], [5, 6])  # other blocks: checked, and the right bytes
+    assert lists[0] == 4
+    np.testing.assert_array_equal(units(b, 8)[:, 6], units(a, 8)[:, 3])
+
+
+def test_a_repeated_pull_cache_is_checked_and_planned_once(sides, monkeypatch):
+    p, d = sides
+    _, a = p.register(2, [4, 64], seed=2)
+    dst, b = d.register(2, [4, 64])
+    ints = _counting(monkeypatch, "check_int")
+    key = llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 2)
+    d.cm.pull_cache(key, dst, 1)
+    first = ints[0]
+    assert first > 0
+    b[...] = 0
+    d.cm.pull_cache(llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 2), dst, 1)
+    assert ints[0] == first
+    np.testing.assert_array_equal(units(b, 4)[:, 1], units(a, 4)[:, 2])
+
+
+def test_a_repeated_layer_pull_and_its_issued_form_reuse_the_plan(sides, monkeypatch):
+    p, d = sides
+    _, a = p.register(4, [8, 64], blocks=True, model_id=4, seed=3)
+    dst, b = d.register(4, [8, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 4)
+    r = range(1, 2)
+    d.cm.pull_blocks(key, dst, [0], [7], src_layer_range=r, dst_layer_range=r)
+    lists = _counting(monkeypatch, "int_list")
+    b[...] = 0
+    d.cm.pull_blocks_async(key, dst, [0], [7], src_layer_range=range(1, 2),
+                           dst_layer_range=range(1, 2)).wait(10)
+    d.cm.pull_blocks(key, dst, [0], [7], src_layer_range=r, dst_layer_range=r)
+    assert lists[0] == 0
+    np.testing.assert_array_equal(units(b, 8)[2:4, 7], units(a, 8)[2:4, 0])
+    assert not units(b, 8)[:2].any() and not units(b, 8)[:, :7].any()
+
+
+def _first_error(fn: Callable[[], Any]) -> tuple[type, str, Any]:
+    with pytest.raises(Exception) as info:  # noqa: PT011 - whatever it is, compared below
+        fn()
+    e = info.value
+    return type(e), str(e), getattr(e, "status_code", None)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(batch_index=True), dict(batch_index=1.0), dict(size=True), dict(size=2.5),
+    dict(size=0), dict(batch_index=-1), dict(src_layer_range=range(0, 1, 2)),
+    dict(src_layer_range=range(0, 1), dst_layer_range=range(0, 1, 3)),
+    dict(tensor_num_per_layer=True), dict(src_layer_range=(0, 1)),
+])
+def test_a_planned_pull_cache_never_hides_an_argument_error(sides, bad):
+    """Values equal to a planned call's (True == 1, range(0, 1, 2) == range(0, 1)) are not
+    the same arguments: each is refused exactly as a first call would refuse it."""
+    p, d = sides
+    p.register(2, [4, 64], seed=2)
+    dst, _ = d.register(2, [4, 64])
+    key = llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 1)
+    good: dict[str, Any] = dict(batch_index=1, size=-1)
+    if "tensor_num_per_layer" in bad or "layer_range" in str(bad):
+        good.update(src_layer_range=range(0, 1), dst_layer_range=range(0, 1),
+                    tensor_num_per_layer=1)
+    d.cm.pull_cache(key, dst, **good)
+    d.cm.pull_cache(key, dst, **good)  # planned now
+    fresh = Side(d.engine, CacheManager(d.engine))  # nothing planned: the full path
+    dst2, _ = fresh.register(2, [4, 64])
+    expected = _first_error(lambda: fresh.cm.pull_cache(key, dst2, **{**good, **bad}))
+    assert _first_error(lambda: d.cm.pull_cache(key, dst, **{**good, **bad})) == expected
+
+
+@pytest.mark.parametrize("blocks", [[1.0], [True], [-1], [2**64], np.array([1], np.int64)])
+def test_a_planned_pull_blocks_never_hides_an_argument_error(sides, blocks):
+    p, d = sides
+    p.register(1, [4, 64], blocks=True, model_id=5, seed=4)
+    dst, b = d.register(1, [4, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 5)
+    d.cm.pull_blocks(key, dst, [1], [1])
+    d.cm.pull_blocks(key, dst, [1], [1])  # planned now
+    other = Side(d.engine, CacheManager(d.engine))
+    dst2, _ = other.register(1, [4, 64], blocks=True)
+    try:
+        expected: Any = _first_error(lambda: other.cm.pull_blocks(key, dst2, blocks, [1]))
+    except pytest.fail.Exception:
+        expected = None  # accepted by the full path: accepted after a plan too
+    if expected is None:
+        d.cm.pull_blocks(key, dst, blocks, [1])
+    else:
+        assert _first_error(lambda: d.cm.pull_blocks(key, dst, blocks, [1])) == expected
+
+
+def test_an_unregistered_cache_is_refused_after_its_pulls_were_planned(sides):
+    p, d = sides
+    p.register(1, [4, 64], blocks=True, model_id=6, seed=5)
+    dst, _ = d.register(1, [4, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 6)
+    d.cm.pull_blocks(key, dst, [0], [0])
+    d.cm.unregister_cache(dst.cache_id)
+    with code(S.LLM_KV_CACHE_NOT_EXIST) as info:
+        d.cm.pull_blocks(key, dst, [0], [0])
+    assert str(info.value) == f"cache {dst.cache_id} does not exist"
+    with code(S.LLM_KV_CACHE_NOT_EXIST):
+        d.cm.pull_blocks_async(key, dst, [0], [0])
+    # a new registration of the same memory is a new cache: its pulls land in it
+    dst2, b2 = d.register(1, [4, 64], blocks=True)
+    d.cm.pull_blocks(key, dst2, [0], [0])
+    assert units(b2, 4)[:, 0].any()
+
+
+def test_a_finalized_session_and_an_unlinked_peer_answer_a_planned_pull(sides):
+    p, d = sides
+    p.register(2, [4, 64], seed=6)
+    dst, _ = d.register(2, [4, 64])
+    key = llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 0)
+    d.cm.pull_cache(key, dst, 0)
+    d.engine.unlink(PROMPT_ID, 5.0)
+    with code(S.LLM_NOT_YET_LINK):
+        d.cm.pull_cache(key, dst, 0)
+    assert p.engine.listen_address is not None
+    d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+    d.cm.pull_cache(key, dst, 0)  # the link is looked up per transfer: the new one
+    d.cm._invalidate()
+    with code(S.LLM_ENGINE_FINALIZED):
+        d.cm.pull_cache(key, dst, 0)
+
+
+def test_native_repeated_pull_prepares_the_core_call_once(sides):
+    p, d = sides
+    if not getattr(d.engine, "native", False):
+        pytest.skip("the native engine's prepared calls")
+    p.register(1, [4, 64], blocks=True, model_id=7, seed=7)
+    dst, b = d.register(1, [4, 64], blocks=True)
+    made = [0]
+    core = d.engine._core
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(core, name)
+
+        def prepare(self, *args: Any) -> Any:
+            made[0] += 1
+            return core.prepare(*args)
+
+    d.engine._core = Counting()
+    try:
+        key = llm.BlocksCacheKey(PROMPT_ID, 7)
+        for _ in range(3):
+            d.cm.pull_blocks(key, dst, [2], [3])
+        d.cm.pull_blocks_async(key, dst, [2], [3]).wait(10)
+        assert made[0] == 1
+        d.cm.pull_blocks(key, dst, [1], [3])
+        assert made[0] == 2
+    finally:
+        d.engine._core = core
+    assert units(b, 4)[:, 3].any()
+
+
+def test_planned_keys_tell_apart_what_compares_equal():
+    class Sub(llm.BlocksCacheKey):
+        pass
+
+    cache = object()
+    base = planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2], {})
+    assert base is not None
+    assert base == planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, (1,), [2], {})
+    assert planned.blocks_key(Sub(1, 2), cache, [1], [2], {}) is None
+    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1.0], [2], {}) is None
+    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, np.array([1]), [2], {}) is None
+    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), object(), [1], [2], {}) != base
+    r = planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2],
+                           {"src_layer_range": range(0, 1)})
+    assert r != planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2],
+                                   {"src_layer_range": range(0, 1, 2)})
+    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2], {"other": 1}) is None
+    assert planned.slot_key(llm.CacheKeyByIdAndIndex(1, 2, 0), cache, True, -1, {}) is None
+    assert planned.slot_key(llm.CacheKeyByIdAndIndex(1, 2, 0), cache, 1, -1,
+                            {"tensor_num_per_layer": True}) is None
+    assert (planned.slot_key(llm.CacheKey(1, 5), cache, 0, -1, {})
+            != planned.slot_key(llm.CacheKeyByIdAndIndex(1, 5, 0), cache, 0, -1, {}))
+
+
+def test_native_small_issued_pull_under_a_lease_ends_in_the_issuing_call(sides):
+    """A small issued pull the link's whole-cache lease covers is a local copy: the core runs
+    it in the issuing call (no worker hand-over), so its handle has ended when the call
+    returns, with the bytes there; one the lease does not cover still goes to a worker and
+    fails its handle, not the call."""
+    p, d = sides
+    if not getattr(d.engine, "native", False):
+        pytest.skip("the native core's issued pulls")
+    _, a = p.register(1, [4, 64], blocks=True, model_id=8, seed=8)
+    dst, b = d.register(1, [4, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 8)
+    d.cm.pull_blocks(key, dst, [1], [2])  # the first pull takes the lease
+    if d.engine.get_link(PROMPT_ID).path != "cma":
+        pytest.skip("no cross-memory attach here: no leases")
+    for i in range(4):
+        b[...] = 0
+        handle = d.cm.pull_blocks_async(key, dst, [i], [3])
+        assert handle.done()  # ended before the call returned: no worker took it
+        handle.wait(0)
+        assert handle.status == S.LLM_SUCCESS
+        np.testing.assert_array_equal(units(b, 4)[:, 3], units(a, 4)[:, i])
+    bad = d.cm.pull_blocks_async(key, dst, [9], [3])  # outside the owner's cache
+    with code(S.LLM_PARAM_INVALID):
+        bad.wait(10)
