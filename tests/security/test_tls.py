@@ -393,3 +393,36 @@ def test_frames_that_share_a_record_are_all_answered(certs, kind: str) -> None:
     finally:
         hand.close()
         owner.close()
+
+
+def test_auto_runs_tls_on_the_core_unless_it_was_built_without(certs, monkeypatch) -> None:
+    """A TLS configuration runs on the core when the core has TLS (it was refused before);
+    where the core was built without OpenSSL, auto keeps it on the Python engine and says
+    why, and DATADIST_ENGINE=native refuses it at init."""
+    import datadist as llm
+    from datadist.core.errors import InvalidArgument
+
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    config = EngineConfig(cluster_id=2, role=2, tls=certs["decoder"])
+    tls = certs["decoder"]
+    options = {"datadist.TlsCert": tls.cert_file, "datadist.TlsKey": tls.key_file,
+               "datadist.TlsCa": tls.ca_file}
+    monkeypatch.delenv("DATADIST_ENGINE", raising=False)
+    if _CORE_TLS:
+        assert native.refusal(config) is None
+        dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
+        dd.init(dict(options))
+        try:
+            assert dd.engine.native
+        finally:
+            dd.finalize()
+    monkeypatch.setattr(native, "tls_available", lambda: (False, "no OpenSSL in this build"))
+    assert "no OpenSSL in this build" in str(native.refusal(config))
+    eng, why = native.engine_for(config, {})
+    try:
+        assert isinstance(eng, Engine) and "no OpenSSL in this build" in why
+    finally:
+        eng.close()
+    with pytest.raises(InvalidArgument, match="no OpenSSL in this build"):
+        native.engine_for(config, {"datadist.Engine": "native"})
