@@ -71,6 +71,18 @@ def _owner(tls: TlsConfig | None, host: str = "127.0.0.1", kind: str = "python")
     return eng, blocks, big
 
 
+def _speaks_plain(address: tuple[str, int]) -> bool:
+    """Does the listener at ``address`` answer a plain-TCP HELLO with a frame (a TLS one
+    hangs up on it, or answers with a TLS alert)?"""
+    with socket.create_connection(address[:2], timeout=5.0) as s:
+        s.sendall(p.encode(p.Hello(9, 2, os.getpid(), 0, b"\0" * 16), 1))
+        got = b""
+        with contextlib.suppress(OSError):
+            while len(got) < 2 and (chunk := s.recv(65536)):
+                got += chunk
+    return got[:2] == b"DD"
+
+
 def _ipv6_loopback() -> bool:
     import socket
 
@@ -132,6 +144,7 @@ def test_tls_link_moves_the_right_bytes(certs, pair) -> None:
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 10.0)
         assert np.array_equal(out, big)
         puller.check_link(1, 5.0)
+        assert not _speaks_plain(owner.listen_address)  # and it was TLS all along
     finally:
         puller.close()
         owner.close()
@@ -222,6 +235,7 @@ def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(cert
         assert np.array_equal(dst[[2, 0]], src[[1, 3]])
         assert not dst[[1, 3]].any()
         assert owner.get_link(2).inbound
+        assert not _speaks_plain(owner.listen_address)
     finally:
         linker.close()
         owner.close()
