@@ -162,12 +162,15 @@ bool FrameReady(int fd, bool tcp, bool tls, uint32_t max_payload, bool &lowered)
   if (!tcp) return true;
   int avail = 0;
   if (ioctl(fd, FIONREAD, &avail) != 0 || avail <= 0) return true;  // EOF or an error: the read says
-  constexpr size_t kRecordHeader = 5;  // type, version, length (big-endian)
+  constexpr size_t kRecordHeader = 5;             // type, version, length (big-endian)
+  constexpr size_t kMaxRecordBody = 16384 + 2048;  // the most a TLS 1.2 / 1.3 record holds
   size_t need = tls ? kRecordHeader : wire::kHeaderSize;
   if (tls && static_cast<size_t>(avail) >= need) {
     uint8_t head[kRecordHeader];
     if (recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof head)) return true;
-    need += (size_t{head[3]} << 8) | head[4];
+    const size_t body = (size_t{head[3]} << 8) | head[4];
+    if (body > kMaxRecordBody) return true;  // not a TLS record: the read refuses it at once
+    need += body;
     if (static_cast<size_t>(avail) >= need) return true;
   } else if (static_cast<size_t>(avail) >= need) {
     uint8_t head[wire::kHeaderSize];
