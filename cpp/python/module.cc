@@ -195,6 +195,11 @@ PYBIND11_MODULE(_core, m) {
       },
       "A dict: compiler, build_type, pybind11 (what it was built with), protocol (the core's wire version).");
 
+  // Called by core/native.py refusal() and `datadist info`; returns at once.
+  m.def(
+      "tls", [] { return py::make_tuple(datadist::tls::Available(), datadist::tls::Describe()); },
+      "(available, what): does this build have TLS, and the OpenSSL it runs with (or why not).");
+
   // CoreError(code, message): args[0] is the status code, args[1] the message.
   static py::handle core_error = py::exception<datadist::Error>(m, "CoreError").release();
   py::register_exception_translator([](std::exception_ptr p) {
@@ -242,7 +247,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
       .def(
           "open",
-          [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer) {
+          [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer,
+             const std::string &tls_cert, const std::string &tls_key, const std::string &tls_ca) {
             datadist::EngineOptions o;
             o.secret = secret;
             o.same_host = same_host;
@@ -250,10 +256,13 @@ PYBIND11_MODULE(_core, m) {
             o.max_conns = max_conns;
             o.max_per_peer = max_per_peer;
             py::gil_scoped_release nogil;
+            datadist::tls::Files files{tls_cert, tls_key, tls_ca};
+            if (!files.empty()) o.tls = datadist::tls::Context::Load(files);  // LLM_PARAM_INVALID naming a file
             c.engine().Open(o);
           },
           py::arg("secret"), py::arg("same_host"), py::arg("allow_ptrace"), py::arg("max_conns"),
-          py::arg("max_per_peer"))
+          py::arg("max_per_peer"), py::arg("tls_cert") = "", py::arg("tls_key") = "", py::arg("tls_ca") = "",
+          "Starts the engine; with the three TLS files (PEM), every connection runs mutual TLS.")
       .def(
           "close",
           [](Core &c, double wait_s) {

@@ -48,6 +48,7 @@ void Engine::Open(const EngineOptions &options) {
   ident_.secret = options.secret;
   ident_.serve_local = options.same_host;
   ident_.allow_ptrace = options.allow_ptrace;
+  ident_.tls = options.tls;
   {
     std::lock_guard<std::mutex> rev(rev_mu_);
     rev_closed_ = false;
@@ -163,6 +164,7 @@ std::shared_ptr<Link> Engine::OpenLink(uint64_t id, const std::string &host, uin
                                      options_.same_host);
   if (take_peer_id) link->TakePeerId();
   link->SetStatsAnswer(ident_.stats);
+  link->SetTls(options_.tls);
   link->Open(deadline);
   return link;
 }

@@ -31,6 +31,8 @@ struct EngineOptions {
   bool allow_ptrace = true;  // may PR_SET_PTRACER_ANY be set for same-host readers
   size_t max_conns = 256;    // inbound connections (and reverse channels) served at once
   size_t max_per_peer = 64;  // ... of them from one peer (IP address, or uid for local ones)
+  /// Mutual TLS on every connection, both ways (tls.h; tls::Context::Load makes it); null: none.
+  std::shared_ptr<const tls::Context> tls;
 };
 
 class Engine {

@@ -202,6 +202,7 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   try {
     lc = local::Connect(local::Name(welcome.pid, remote_), deadline);
     cred = local::PeerCred(lc->fd());
+    if (tls_) lc->TlsConnect(*tls_, deadline);  // as over TCP: certificates decide who links
     // The pidfd before the handshake: a pid that died and was reused before this line cannot
     // complete a handshake on this connection.
     if (cred.WeMayRead()) owner = lease::OwnerProc::Open(cred.pid, no_lease);
@@ -257,6 +258,7 @@ std::string Link::PathReason() const {
 
 std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid, wire::Hello &welcome) {
   auto conn = Conn::Connect(host_, port_, deadline);
+  if (tls_) conn->TlsConnect(*tls_, deadline);
   Handshake(*conn, reverse, deadline, rid, welcome);
   return conn;
 }

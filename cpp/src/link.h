@@ -42,6 +42,7 @@
 #include "lease.h"
 #include "net.h"
 #include "registry.h"
+#include "tls.h"
 #include "wire.h"
 
 namespace datadist {
@@ -124,6 +125,9 @@ class Link {
   /// never compares). Later handshakes (reverse channel, local channel, reconnects) must meet
   /// that same id.
   void TakePeerId() { take_peer_id_ = true; }
+  /// Before Open: every connection of the link (control, reverse and local channel, and
+  /// reconnects) runs mutual TLS with `tls` before its HELLO (null: plain).
+  void SetTls(std::shared_ptr<const tls::Context> tls) { tls_ = std::move(tls); }
   /// The data path pulls use now: "tcp", "cma" (grants and process_vm_readv above
   /// kGrantAbove bytes, the local stream below) or "local" (the bytes stream over the local
   /// channel), and why.
@@ -185,6 +189,7 @@ class Link {
   uint16_t port_;
   wire::Hello hello_;
   std::string secret_;
+  std::shared_ptr<const tls::Context> tls_;  // see SetTls
   Registry *registry_ = nullptr;
   std::function<std::string(uint64_t, const std::string &)> stats_;  // see SetStatsAnswer
   /// Replaces conn_ (busy held) under mu_, so that a forced Close on another thread may

@@ -26,6 +26,7 @@
 #include "plan.h"
 #include "registry.h"
 #include "server.h"
+#include "tls.h"
 
 namespace llm_datadist {
 
@@ -97,6 +98,22 @@ bool SameHostAllowed(const std::map<AscendString, AscendString> &options) {
   if (s == "tcp") return false;
   if (s == "nixl") Fail(LLM_FEATURE_NOT_ENABLED, "transport 'nixl' is not available in the C++ library");
   Invalid("unknown transport '" + s + "'; use auto, tcp, cma or shm");
+}
+
+// datadist.TlsCert / TlsKey / TlsCa (each else its DATADIST_TLS_* variable), as the Python
+// package's: all three, or none (no TLS); some but not all is LLM_PARAM_INVALID.
+datadist::tls::Files TlsFiles(const std::map<AscendString, AscendString> &options) {
+  auto pick = [&](const char *key, const char *env) {
+    const char *v = Find(options, key);
+    if (v == nullptr || !*v) v = std::getenv(env);
+    return std::string(v ? v : "");
+  };
+  datadist::tls::Files f{pick(OPTION_DATADIST_TLS_CERT, "DATADIST_TLS_CERT"),
+                         pick(OPTION_DATADIST_TLS_KEY, "DATADIST_TLS_KEY"),
+                         pick(OPTION_DATADIST_TLS_CA, "DATADIST_TLS_CA")};
+  if (!f.empty() && (f.cert.empty() || f.key.empty() || f.ca.empty()))
+    Invalid("TLS needs a certificate, its key and a CA file together");
+  return f;
 }
 
 // JSON syntax (RFC 8259) of one value at `i`, nesting at most kMaxDepth deep; advances `i`.
@@ -236,6 +253,8 @@ class LlmDataDist::LlmDataDistImpl {
     opts.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
     const char *verify_env = std::getenv("DATADIST_VERIFY_CHECKSUM");
     verify_ = BoolOption(options, OPTION_DATADIST_VERIFY_CHECKSUM, verify_env != nullptr && std::string(verify_env) == "1");
+    const datadist::tls::Files tls = TlsFiles(options);
+    if (!tls.empty()) opts.tls = datadist::tls::Context::Load(tls);
     engine_.Open(opts);
     listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);

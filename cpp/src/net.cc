@@ -18,6 +18,7 @@
 
 #include "addr.h"
 #include "errors.h"
+#include "tls.h"
 
 namespace datadist {
 namespace {
@@ -65,8 +66,6 @@ size_t Advance(std::vector<iovec> &iov, size_t first, size_t n) {
 }  // namespace
 
 Conn::Conn(int fd, std::string address) : fd_(fd), address_(std::move(address)) { Tune(fd); }
-
-Conn::~Conn() { Close(); }
 
 std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Deadline deadline) {
   const SockAddr addr = ToSockAddr(host, port);
@@ -137,6 +136,7 @@ void Conn::RecvAll(void *data, size_t n, Deadline deadline) {
 
 void Conn::SendV(std::vector<iovec> iov, Deadline deadline) {
   if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  if (tls_) return TlsSendV(iov, deadline);
   size_t first = Advance(iov, 0, 0);
   while (first < iov.size()) {
     msghdr msg{};
@@ -157,6 +157,7 @@ void Conn::SendV(std::vector<iovec> iov, Deadline deadline) {
 
 void Conn::RecvV(std::vector<iovec> iov, Deadline deadline) {
   if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  if (tls_) return TlsRecvV(iov, deadline);
   size_t first = Advance(iov, 0, 0);
   while (first < iov.size()) {
     ssize_t n = readv(fd_, iov.data() + first, static_cast<int>(std::min(kMaxIov, iov.size() - first)));
@@ -188,11 +189,122 @@ wire::Header Conn::RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, u
 }
 
 bool Conn::WaitReadable(int ms) {
-  if (closed()) return true;
+  if (closed() || Buffered()) return true;
   pollfd p{fd_, POLLIN, 0};
   return poll(&p, 1, ms) > 0;
 }
 
-bool Conn::PeerGone() { return WaitReadable(0); }
+bool Conn::PeerGone() {
+  if (!WaitReadable(0)) return false;
+  // TLS: a readable socket may hold records that are not data (a Python server's session
+  // tickets, a key update): those are taken, and the connection is still idle.
+  return closed() || !tls_ || !tls_->IdleRecordsOnly();
+}
+
+// ---- TLS (tls.h): the same calls through the connection's session, waiting between its
+// non-blocking steps within the same deadlines.
+
+Conn::~Conn() { Close(); }
+
+size_t Conn::Buffered() const { return tls_ ? tls_->Pending() : 0; }
+
+void Conn::TlsConnect(const tls::Context &ctx, Deadline deadline) {
+  try {
+    tls_ = std::make_unique<tls::Session>(ctx, fd_, false);
+  } catch (const Error &) {
+    Close();
+    throw;
+  }
+  while (!TlsAccept(deadline)) {
+    pollfd p{fd_, POLLIN, 0};
+    for (;;) {
+      const int ms = MillisLeft(deadline);
+      if (ms <= 0) {
+        Close();
+        Fail(llm_datadist::LLM_TIMEOUT, "TLS handshake with " + address_ + " timed out");
+      }
+      const int n = poll(&p, 1, ms);
+      if (n > 0 || (n < 0 && errno != EINTR)) break;
+    }
+  }
+}
+
+void Conn::TlsServe(const tls::Context &ctx) { tls_ = std::make_unique<tls::Session>(ctx, fd_, true); }
+
+bool Conn::TlsAccept(Deadline deadline) {
+  if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  for (;;) {
+    tls::Session::Want want = tls::Session::Want::kNothing;
+    try {
+      if (tls_->Handshake(address_, want)) return true;
+    } catch (const Error &) {
+      Close();
+      throw;
+    }
+    if (want != tls::Session::Want::kWrite) return false;
+    // Our flight does not fit the socket's buffer yet (a peer that does not read): bounded.
+    const int ms = MillisLeft(deadline);
+    if (ms <= 0) {
+      Close();
+      Fail(llm_datadist::LLM_TIMEOUT, "TLS handshake with " + address_ + " timed out");
+    }
+    pollfd p{fd_, POLLOUT, 0};
+    (void)poll(&p, 1, ms);
+  }
+}
+
+void Conn::TlsSendV(std::vector<iovec> &iov, Deadline deadline) {
+  // Spans up to a record's size are gathered into one write, so that a frame's header and
+  // payload travel in one record (a TLS server parks a connection until a whole record is
+  // there: server.cc); larger spans go as they are, a record per 16 KiB.
+  constexpr size_t kRecord = 16384;
+  std::vector<uint8_t> stage;
+  auto put = [&](const uint8_t *p, size_t n) {
+    while (n) {
+      tls::Session::Step s = tls_->Write(p, n);
+      if (s.bytes) {
+        p += s.bytes;
+        n -= s.bytes;
+      } else if (s.want != tls::Session::Want::kNothing) {
+        Wait(s.want == tls::Session::Want::kRead ? POLLIN : POLLOUT, deadline);
+      } else {
+        Broken(s.eof ? std::string("closed by the peer") : "TLS send failed: " + s.error);
+      }
+    }
+  };
+  for (const iovec &v : iov) {
+    const auto *base = static_cast<const uint8_t *>(v.iov_base);
+    if (v.iov_len >= kRecord) {
+      if (!stage.empty()) put(stage.data(), stage.size());
+      stage.clear();
+      put(base, v.iov_len);
+      continue;
+    }
+    if (stage.size() + v.iov_len > kRecord) {
+      put(stage.data(), stage.size());
+      stage.clear();
+    }
+    stage.insert(stage.end(), base, base + v.iov_len);
+  }
+  if (!stage.empty()) put(stage.data(), stage.size());
+}
+
+void Conn::TlsRecvV(std::vector<iovec> &iov, Deadline deadline) {
+  for (const iovec &v : iov) {
+    auto *p = static_cast<uint8_t *>(v.iov_base);
+    size_t n = v.iov_len;
+    while (n) {
+      tls::Session::Step s = tls_->Read(p, n);
+      if (s.bytes) {
+        p += s.bytes;
+        n -= s.bytes;
+      } else if (s.want != tls::Session::Want::kNothing) {
+        Wait(s.want == tls::Session::Want::kRead ? POLLIN : POLLOUT, deadline);
+      } else {
+        Broken(s.eof ? std::string("closed by the peer") : "TLS receive failed: " + s.error);
+      }
+    }
+  }
+}
 
 }  // namespace datadist

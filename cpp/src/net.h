@@ -21,6 +21,11 @@
 
 namespace datadist {
 
+namespace tls {
+class Context;
+class Session;
+}  // namespace tls
+
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
@@ -54,6 +59,23 @@ class Conn {
   /// nothing, so readable means it closed or broke the protocol. Never blocks.
   bool PeerGone();
 
+  /// TLS on this connection (tls.h), as the client: the handshake runs here, bounded by the
+  /// deadline. LLM_LINK_FAILED "TLS handshake with <address> failed: <why>" (a certificate
+  /// refused either way, a peer that does not speak TLS), LLM_TIMEOUT "TLS handshake with
+  /// <address> timed out"; the connection is closed after either.
+  void TlsConnect(const tls::Context &ctx, Deadline deadline);
+  /// TLS on this connection, as the server: set up only; TlsAccept steps run the handshake.
+  void TlsServe(const tls::Context &ctx);
+  /// One non-blocking step of the server's handshake (after TlsServe): true once complete,
+  /// false when the client's next bytes are needed (park and call again when readable). A
+  /// write the socket cannot take yet is waited for, within `deadline`. LLM_LINK_FAILED or
+  /// LLM_TIMEOUT; the connection is closed after either.
+  bool TlsAccept(Deadline deadline);
+  bool tls() const { return tls_ != nullptr; }
+  /// Bytes decrypted from the socket and not taken yet (0 without TLS): a connection with
+  /// some has something to read whatever poll says of its socket.
+  size_t Buffered() const;
+
   void Close();
   void Shutdown();  // thread-safe: wakes a blocked user, who then closes
   bool closed() const { return fd_ < 0; }
@@ -63,7 +85,10 @@ class Conn {
  private:
   void Wait(short events, Deadline deadline);
   [[noreturn]] void Broken(const std::string &what);
+  void TlsSendV(std::vector<iovec> &iov, Deadline deadline);
+  void TlsRecvV(std::vector<iovec> &iov, Deadline deadline);
   int fd_;
+  std::unique_ptr<tls::Session> tls_;  // the owner's only
   std::mutex close_mu_;  // Close (owner) vs Shutdown (any thread)
   std::string address_;
 };

@@ -127,7 +127,9 @@ bool ServeStep(const ServeContext &ctx, Grants &grants, Conn &c, bool readable, 
   std::vector<uint8_t> payload;
   try {
     ExpireGrants(grants);
-    if (readable) {
+    // TLS: frames already decrypted (a record that held more than one) are served now; the
+    // socket would not wake a parked connection for them.
+    for (bool more = readable; more; more = !c.closed() && c.Buffered()) {
       wire::Header h = c.RecvFrame(payload, After(kFrameTimeout));
       if (!Dispatch(ctx, grants, c, h, payload)) return false;
     }
@@ -172,12 +174,27 @@ constexpr size_t kWholeFrameMax = 64 << 10;
 /// EOF or an error, or a frame too big to wait for whole, read as before). Unix sockets do not
 /// honour SO_RCVLOWAT in poll: their partial frames are read as before (local peers are
 /// counted per uid, and their frames come whole from one send).
-bool FrameReady(int fd, bool tcp, uint32_t max_payload, bool &lowered) {
+///
+/// TLS (`tls`): the socket holds records, not frames, so what is waited for whole is the next
+/// record (5 bytes of header, then at most 16 KiB and its overhead): a peer that stalls
+/// mid-record holds no thread. Frames up to 16 KiB travel in one record from either engine
+/// (both write a frame in one call); a frame split across records whose sender stalls between
+/// them is read as it comes, within its deadline, as a frame over kWholeFrameMax is.
+bool FrameReady(int fd, bool tcp, bool tls, uint32_t max_payload, bool &lowered) {
   if (!tcp) return true;
   int avail = 0;
   if (ioctl(fd, FIONREAD, &avail) != 0 || avail <= 0) return true;  // EOF or an error: the read says
-  size_t need = wire::kHeaderSize;
-  if (static_cast<size_t>(avail) >= need) {
+  constexpr size_t kRecordHeader = 5;             // type, version, length (big-endian)
+  constexpr size_t kMaxRecordBody = 16384 + 2048;  // the most a TLS 1.2 / 1.3 record holds
+  size_t need = tls ? kRecordHeader : wire::kHeaderSize;
+  if (tls && static_cast<size_t>(avail) >= need) {
+    uint8_t head[kRecordHeader];
+    if (recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof head)) return true;
+    const size_t body = (size_t{head[3]} << 8) | head[4];
+    if (body > kMaxRecordBody) return true;  // not a TLS record: the read refuses it at once
+    need += body;
+    if (static_cast<size_t>(avail) >= need) return true;
+  } else if (static_cast<size_t>(avail) >= need) {
     uint8_t head[wire::kHeaderSize];
     if (recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof head)) return true;
     try {
@@ -238,6 +255,7 @@ class Server::Connection : public IoPool::Task {
     if (conn_) conn_->Shutdown();
   }
   Deadline handshake_until() const { return handshake_until_; }
+  void StartTls() { stage_ = Stage::kTls; }
 
   // Read by the server under its mu_ (caps, HoldsToken).
   const std::string peer;  // what the per-peer cap counts by: the IP, or "uid N" for local ones
@@ -248,7 +266,7 @@ class Server::Connection : public IoPool::Task {
   std::string token;
 
  private:
-  enum class Stage { kHello, kAuth, kServing };
+  enum class Stage { kTls, kHello, kAuth, kServing };
   bool Handshake(bool readable, Deadline &wake);
   /// When a frame begun at partial_since_ must be whole: its 30 s, or the handshake's end.
   Deadline PartialDeadline() const {
@@ -267,7 +285,7 @@ class Server::Connection : public IoPool::Task {
   std::mutex conn_mu_;      // guards conn_ being handed over (Cancel reads it from another thread)
   std::unique_ptr<Conn> conn_;
   const Deadline handshake_until_;
-  Stage stage_ = Stage::kHello;
+  Stage stage_ = Stage::kHello;  // kTls first on a TLS listener (AcceptOne)
   Deadline partial_since_{};  // when part of the next frame arrived (epoch: none pending)
   bool lowered_ = false;      // SO_RCVLOWAT raised to wait for a whole frame
   Shake shake_;
@@ -280,7 +298,8 @@ bool Server::Connection::Run(bool readable, Deadline &wake) {
   // Part of a frame: parked again (a timer step at its deadline) instead of a pool thread
   // waiting on the peer; the frame's 30 s (the handshake's 10 s before it) still hold.
   const uint32_t cap = stage_ == Stage::kServing ? wire::kMaxPayload : kPreAuthPayload;
-  if (readable && conn_ && !FrameReady(conn_->fd(), !local_, cap, lowered_)) {
+  if (readable && conn_ && !conn_->Buffered() && stage_ != Stage::kTls &&
+      !FrameReady(conn_->fd(), !local_, conn_->tls(), cap, lowered_)) {
     if (partial_since_ == Deadline()) partial_since_ = Clock::now();
     wake = PartialDeadline();
     if (stage_ == Stage::kServing) wake = std::min(wake, After(kPollSliceMs / 1000.0));  // grants still expire
@@ -300,12 +319,24 @@ bool Server::Connection::Run(bool readable, Deadline &wake) {
 
 bool Server::Connection::Handshake(bool readable, Deadline &wake) {
   Conn &c = *conn_;
-  if (!readable) {  // the timer: a peer silent past the handshake's deadline is closed
+  if (!readable && !c.Buffered()) {  // the timer: a peer silent past the handshake's deadline is closed
     if (Clock::now() >= handshake_until_) return Finish();
     wake = handshake_until_;
     return true;
   }
   try {
+    if (stage_ == Stage::kTls) {
+      // The TLS handshake, a step per wake-up as the client's flights arrive (non-blocking):
+      // a client that stalls in it holds no thread, and is closed at the handshake's deadline.
+      try {
+        if (c.TlsAccept(handshake_until_)) stage_ = Stage::kHello;
+      } catch (const Error &e) {  // as Python's listener: told (DATADIST_CPP_LOG=1), closed
+        Log(std::string(e.what()) + " (a connection to our listener)");
+        return Finish();
+      }
+      wake = c.Buffered() ? Clock::now() : handshake_until_;  // a HELLO decrypted already: at once
+      return true;
+    }
     const Greeted greeted =
         stage_ == Stage::kHello ? server_->Hello(c, shake_, handshake_until_) : server_->Auth(c, shake_, handshake_until_);
     switch (greeted) {
@@ -542,14 +573,26 @@ void Server::AcceptOne(int listen_fd, bool is_local) {
                    ")");
     return;
   }
-  auto c = std::make_shared<Connection>(this, std::make_unique<Conn>(fd, address), key, is_local, cred);
+  auto conn = std::make_unique<Conn>(fd, address);
+  if (identity_->tls) {
+    try {
+      conn->TlsServe(*identity_->tls);
+    } catch (const Error &e) {
+      Log("cannot serve " + address + ": " + e.what());
+      return;  // closed with `conn`
+    }
+  }
+  auto c = std::make_shared<Connection>(this, std::move(conn), key, is_local, cred);
+  if (identity_->tls) c->StartTls();
   // Parked until its HELLO arrives; closed at the handshake's deadline if it never does.
   if (io_.Add(c, c->handshake_until())) conns_.push_back(std::move(c));  // else stopping: closed with `c`
 }
 
 void Server::Refuse(int fd, std::string why) {
   ++refused_;
-  if (refusing_.size() >= kMaxRefusing) {  // a flood: no word, no memory
+  // A flood: no word, no memory. TLS: no handshake is spent on a refused connection, so no
+  // ERROR frame can reach it (the client sees its handshake fail), as on Python's listener.
+  if (refusing_.size() >= kMaxRefusing || identity_->tls) {
     close(fd);
     return;
   }

@@ -31,6 +31,7 @@
 #include "local.h"
 #include "net.h"
 #include "registry.h"
+#include "tls.h"
 
 namespace datadist {
 
@@ -45,6 +46,9 @@ struct Identity {
   std::string secret;  // shared secret peers must prove (empty: none); set before serving
   bool serve_local = true;   // serve the local channel too (off when TCP is forced)
   bool allow_ptrace = true;  // may PR_SET_PTRACER_ANY be set for same-host readers (Yama 1)
+  /// Mutual TLS on every accepted connection, the local channel's too (null: none); set
+  /// before serving. Over the caps, a TLS listener closes without a word (no handshake spent).
+  std::shared_ptr<const tls::Context> tls;
   /// Called (on a serving thread, no lock of the server held) each time a peer's control
   /// channel completes its handshake, with the cluster id it announced: two-sided links see
   /// a member join by it. Set before serving; may be empty.

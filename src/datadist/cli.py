@@ -293,9 +293,13 @@ def _info_engine() -> None:
         print("engine: python (DATADIST_ENGINE=python)")
     elif refused is None:
         print("engine: native (the C++ core serves and moves bytes without the GIL; "
-              "TLS, NIXL, forced cma / shm and checksums run on the Python engine)")
+              "NIXL, forced cma / shm and checksums run on the Python engine)")
     else:
         print(f"engine: python ({refused})")
+    if ok:
+        has_tls, what = native.tls_available()
+        print(f"core TLS: {what}" if has_tls else
+              f"core TLS: none, TLS configurations run on the Python engine ({what})")
 
 
 def _info_peer(args: argparse.Namespace) -> None:

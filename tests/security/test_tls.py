@@ -1,13 +1,24 @@
-"""Mutual TLS on links: both ends need a certificate from the configured CA."""
+"""Mutual TLS on links: both ends need a certificate from the configured CA.
+
+Every test runs on both engines and across them (``pair``: the owner's engine, then the
+linker's: the Python engine, the C++ core through core/native.py, and each linking to the
+other), with the same certificates and the same outcomes."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import socket
+import ssl
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
 
+from datadist.core import native
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import LinkFailed, Timeout
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks, plan_slot
@@ -21,6 +32,24 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
 ]
 
+_CORE_TLS = native.tls_available()[0] if native.available()[0] else False
+ENGINES = ["python", "native"]
+PAIRS = [pytest.param((o, k), id=f"{o}-owner-{k}-linker",
+                      marks=[] if "native" not in (o, k) or _CORE_TLS else
+                      pytest.mark.skip(reason="the C++ core is not built with TLS here"))
+         for o in ENGINES for k in ENGINES]
+
+
+def _engine(kind: str, config: EngineConfig) -> Any:
+    """An engine of ``kind`` ("python": core/engine.py; "native": the C++ core)."""
+    return Engine(config) if kind == "python" else native.NativeEngine(config)
+
+
+@pytest.fixture(params=PAIRS)
+def pair(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(the owner's engine, the linker's engine)."""
+    return request.param  # type: ignore[no-any-return]
+
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
@@ -31,8 +60,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
             "stranger": _leaf(d, "stranger", "evil")}
 
 
-def _owner(tls: TlsConfig | None, host: str = "127.0.0.1"):
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=(host, 0), tls=tls))
+def _owner(tls: TlsConfig | None, host: str = "127.0.0.1", kind: str = "python"):
+    eng = _engine(kind, EngineConfig(cluster_id=1, role=1, listen=(host, 0), tls=tls))
     blocks = [np.random.default_rng(i).integers(0, 255, (64, 4096), dtype=np.uint8)
               for i in range(2)]
     eng.register(Geometry(2, 64 * 4096, 64, True), [b.ctypes.data for b in blocks],
@@ -40,6 +69,18 @@ def _owner(tls: TlsConfig | None, host: str = "127.0.0.1"):
     big = np.random.default_rng(9).integers(0, 255, 8 << 20, dtype=np.uint8)
     eng.register(Geometry(1, 8 << 20, 1), [big.ctypes.data], placement=0)
     return eng, blocks, big
+
+
+def _speaks_plain(address: tuple[str, int]) -> bool:
+    """Does the listener at ``address`` answer a plain-TCP HELLO with a frame (a TLS one
+    hangs up on it, or answers with a TLS alert)?"""
+    with socket.create_connection(address[:2], timeout=5.0) as s:
+        s.sendall(p.encode(p.Hello(9, 2, os.getpid(), 0, b"\0" * 16), 1))
+        got = b""
+        with contextlib.suppress(OSError):
+            while len(got) < 2 and (chunk := s.recv(65536)):
+                got += chunk
+    return got[:2] == b"DD"
 
 
 def _ipv6_loopback() -> bool:
@@ -54,13 +95,14 @@ def _ipv6_loopback() -> bool:
 
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
-def test_tls_link_over_ipv6(certs) -> None:
+def test_tls_link_over_ipv6(certs, pair) -> None:
     """Issue 22 item 8: mutual TLS checks certificates against the CA, never the peer's
     address, so a link to [::1] is as good as one to 127.0.0.1; a stranger still is not."""
-    owner, blocks, _ = _owner(certs["prompt"], "::1")
-    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=certs["decoder"]))
-    stranger = Engine(EngineConfig(cluster_id=3, role=2, transport="tcp",
-                                   tls=certs["stranger"]))
+    owner, blocks, _ = _owner(certs["prompt"], "::1", pair[0])
+    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+                                           tls=certs["decoder"]))
+    stranger = _engine(pair[1], EngineConfig(cluster_id=3, role=2, transport="tcp",
+                                             tls=certs["stranger"]))
     try:
         host, port = owner.listen_address
         assert host == "::1"
@@ -79,9 +121,10 @@ def test_tls_link_over_ipv6(certs) -> None:
             eng.close()
 
 
-def test_tls_link_moves_the_right_bytes(certs) -> None:
-    owner, blocks, big = _owner(certs["prompt"])
-    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=certs["decoder"]))
+def test_tls_link_moves_the_right_bytes(certs, pair) -> None:
+    owner, blocks, big = _owner(certs["prompt"], kind=pair[0])
+    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+                                           tls=certs["decoder"]))
     try:
         host, port = owner.listen_address
         puller.link(1, host, port, 5.0)
@@ -101,16 +144,20 @@ def test_tls_link_moves_the_right_bytes(certs) -> None:
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 10.0)
         assert np.array_equal(out, big)
         puller.check_link(1, 5.0)
+        assert not _speaks_plain(owner.listen_address)  # and it was TLS all along
     finally:
         puller.close()
         owner.close()
 
 
-@pytest.mark.parametrize("who", ["plain", "stranger"])
-def test_peers_without_a_valid_certificate_are_refused(certs, who: str) -> None:
-    owner, _, _ = _owner(certs["prompt"])
-    tls = None if who == "plain" else certs["stranger"]
-    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=tls))
+@pytest.mark.parametrize("who", ["plain", "stranger", "stranger-owner"])
+def test_peers_without_a_valid_certificate_are_refused(certs, pair, who: str) -> None:
+    """A linker without TLS, or with a certificate another CA signed, is refused; so is an
+    owner whose certificate another CA signed (the linker checks the owner's too)."""
+    owner, _, _ = _owner(certs["stranger" if who == "stranger-owner" else "prompt"],
+                         kind=pair[0])
+    tls = {"plain": None, "stranger": certs["stranger"], "stranger-owner": certs["decoder"]}[who]
+    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp", tls=tls))
     try:
         host, port = owner.listen_address
         with pytest.raises((LinkFailed, Timeout)):
@@ -121,9 +168,9 @@ def test_peers_without_a_valid_certificate_are_refused(certs, who: str) -> None:
         owner.close()
 
 
-def test_tls_client_refuses_a_plain_server(certs) -> None:
-    owner, _, _ = _owner(None)
-    puller = Engine(EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
+def test_tls_client_refuses_a_plain_server(certs, pair) -> None:
+    owner, _, _ = _owner(None, kind=pair[0])
+    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
     try:
         host, port = owner.listen_address
         with pytest.raises((LinkFailed, Timeout)):
@@ -133,22 +180,22 @@ def test_tls_client_refuses_a_plain_server(certs) -> None:
         owner.close()
 
 
-def test_same_host_link_runs_tls_on_the_local_channel(certs) -> None:
+def test_same_host_link_runs_tls_on_the_local_channel(certs, pair) -> None:
     """Between processes of one host the link moves to the local channel, still inside
     mutual TLS (certificates keep deciding who may link); a plain client there is refused."""
-    import os
-    import socket
-
     from datadist.transport.local import local_name
     from datadist.transport.paths import CmaPath
     from datadist.transport.tls import TlsChannel
 
-    owner, _, big = _owner(certs["prompt"])
-    puller = Engine(EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
+    owner, _, big = _owner(certs["prompt"], kind=pair[0])
+    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
     try:
         link = puller.link(1, *owner.listen_address, 5.0)
-        assert isinstance(link.path, CmaPath) and isinstance(link.chan, TlsChannel)
-        assert link.chan.local_cred is not None and link.chan.local_cred.pid == os.getpid()
+        if pair[1] == "python":
+            assert isinstance(link.path, CmaPath) and isinstance(link.chan, TlsChannel)
+            assert link.chan.local_cred is not None and link.chan.local_cred.pid == os.getpid()
+        else:
+            assert puller.get_link(1).path_name == "cma"
         out = np.zeros(8 << 20, np.uint8)
         c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
         plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
@@ -168,13 +215,13 @@ def test_same_host_link_runs_tls_on_the_local_channel(certs) -> None:
         owner.close()
 
 
-def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(certs) -> None:
+def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(certs, pair) -> None:
     """The reverse channel (docs/protocol.md) is opened like the control channel: inside
     mutual TLS and with the shared-secret challenge; the listener's push lands."""
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                                tls=certs["prompt"], secret=b"s3cret"))
-    linker = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=certs["decoder"],
-                                 secret=b"s3cret"))
+    owner = _engine(pair[0], EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                          tls=certs["prompt"], secret=b"s3cret"))
+    linker = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+                                           tls=certs["decoder"], secret=b"s3cret"))
     try:
         dst = np.zeros((4, 256), np.uint8)
         linker.register(Geometry(1, 4 * 256, 4, True), [dst.ctypes.data], placement=0,
@@ -188,6 +235,208 @@ def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(cert
         assert np.array_equal(dst[[2, 0]], src[[1, 3]])
         assert not dst[[1, 3]].any()
         assert owner.get_link(2).inbound
+        assert not _speaks_plain(owner.listen_address)
     finally:
         linker.close()
         owner.close()
+
+
+# ---- stalls: a peer that stops mid-handshake, or mid-record, gets an error (never a hang)
+# and holds nothing it should not: on the core, no I/O thread (there are 2 to 8 of them; each
+# test stalls STALLED connections, more than that), on the Python engine its own thread only.
+
+STALLED = 12
+
+
+def _client_hello(ctx: ssl.SSLContext) -> bytes:
+    """The first flight a TLS client sends (its ClientHello record), made in memory."""
+    out = ssl.MemoryBIO()
+    obj = ctx.wrap_bio(ssl.MemoryBIO(), out)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+class _HandTls:
+    """A TLS client driven by hand over a plain socket (ssl.SSLObject on memory BIOs), so
+    that a test chooses which of its bytes leave and when."""
+
+    def __init__(self, address: tuple[str, int], tls: TlsConfig) -> None:
+        self.sock = socket.create_connection(address, timeout=5.0)
+        self.inc, self.out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.obj = tls.client_context().wrap_bio(self.inc, self.out)
+        while True:
+            try:
+                self.obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self.out.read())
+                data = self.sock.recv(65536)
+                assert data, "the owner closed during the TLS handshake"
+                self.inc.write(data)
+        self.sock.sendall(self.out.read())
+        self.dec = p.FrameDecoder()
+
+    def record(self, data: bytes) -> bytes:
+        """``data`` as the bytes of the TLS record(s) that carry it (not sent)."""
+        self.obj.write(data)
+        return self.out.read()
+
+    def frames(self, n: int) -> list[Any]:
+        """The next ``n`` frames the owner sends (fewer if it closes)."""
+        got: list[Any] = []
+        while len(got) < n:
+            try:
+                got += [m for _, m in self.dec.feed(self.obj.read(65536))]
+                continue
+            except ssl.SSLWantReadError:
+                pass
+            data = self.sock.recv(65536)
+            if not data:
+                break
+            self.inc.write(data)
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _hello() -> bytes:
+    return p.encode(p.Hello(7, 2, os.getpid(), 0, b"\0" * 16), 1)
+
+
+def _pull_big(puller: Any, owner: Any, big: np.ndarray) -> None:
+    puller.link(1, *owner.listen_address, 5.0)
+    out = np.zeros(8 << 20, np.uint8)
+    c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
+    plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 5.0)
+    assert np.array_equal(out, big)
+
+
+@pytest.mark.parametrize("where", ["mid-handshake", "mid-record"])
+def test_peers_that_stall_hold_no_thread_and_are_dropped(certs, pair, where: str) -> None:
+    """STALLED clients stop halfway through their ClientHello, or (after the handshake) halfway
+    through the record of their HELLO: an honest peer still links and pulls at once (on the
+    core, a stalled connection stays parked: its I/O threads wait for a whole record, not on
+    a peer), and the stalled ones are closed at the handshake's deadline (10 s)."""
+    owner, _, big = _owner(certs["prompt"], kind=pair[0])
+    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+                                           tls=certs["decoder"]))
+    stalled: list[socket.socket] = []
+    try:
+        host, port = owner.listen_address
+        for _ in range(STALLED):
+            if where == "mid-handshake":
+                s = socket.create_connection((host, port), timeout=5.0)
+                hello = _client_hello(certs["decoder"].client_context())
+                s.sendall(hello[: len(hello) // 2])
+            else:
+                hand = _HandTls((host, port), certs["decoder"])
+                rec = hand.record(_hello())
+                hand.sock.sendall(rec[:-3])
+                s = hand.sock
+            stalled.append(s)
+        time.sleep(0.3)  # the owner has seen every stalled byte
+        t0 = time.monotonic()
+        _pull_big(puller, owner, big)
+        assert time.monotonic() - t0 < 4.0  # not behind a stalled peer's deadline
+        end = time.monotonic() + 15.0
+        for s in stalled:  # closed by the owner at the handshake's deadline, not left open
+            with contextlib.suppress(ConnectionResetError):
+                # (a Python owner's session tickets may come first: records, not frames)
+                while True:
+                    s.settimeout(max(0.1, end - time.monotonic()))
+                    if not s.recv(65536):
+                        break
+    finally:
+        for s in stalled:
+            s.close()
+        puller.close()
+        owner.close()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_linker_gives_up_on_a_listener_that_stalls_the_handshake(certs, kind: str) -> None:
+    """A listener that accepts and never answers the ClientHello: the link fails with its
+    deadline, saying where it stopped, and holds nothing after."""
+    if kind == "native" and not _CORE_TLS:
+        pytest.skip("the C++ core is not built with TLS here")
+    quiet = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        quiet.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                accepted.append(quiet.accept()[0])
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    linker = _engine(kind, EngineConfig(cluster_id=2, role=2, transport="tcp",
+                                        tls=certs["decoder"]))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises((LinkFailed, Timeout)) as e:
+            linker.link(1, *quiet.getsockname()[:2], 1.5)
+        assert time.monotonic() - t0 < 4.0
+        assert "TLS handshake" in str(e.value) and "timed out" in str(e.value)
+        assert not linker.links()
+    finally:
+        stop.set()
+        t.join()
+        linker.close()
+        for s in [quiet, *accepted]:
+            s.close()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_frames_that_share_a_record_are_all_answered(certs, kind: str) -> None:
+    """Two PINGs in one TLS record: the owner answers both (on the core, the second is
+    already decrypted when the first is served, and its socket will not wake for it)."""
+    if kind == "native" and not _CORE_TLS:
+        pytest.skip("the C++ core is not built with TLS here")
+    owner, _, _ = _owner(certs["prompt"], kind=kind)
+    hand = _HandTls(owner.listen_address, certs["decoder"])
+    try:
+        hand.sock.sendall(hand.record(_hello()))
+        assert isinstance(hand.frames(1)[0], p.Welcome)
+        hand.sock.sendall(hand.record(p.encode(p.Ping(11), 2) + p.encode(p.Ping(12), 3)))
+        assert [m.nonce for m in hand.frames(2)] == [11, 12]
+    finally:
+        hand.close()
+        owner.close()
+
+
+def test_auto_runs_tls_on_the_core_unless_it_was_built_without(certs, monkeypatch) -> None:
+    """A TLS configuration runs on the core when the core has TLS (it was refused before);
+    where the core was built without OpenSSL, auto keeps it on the Python engine and says
+    why, and DATADIST_ENGINE=native refuses it at init."""
+    import datadist as llm
+    from datadist.core.errors import InvalidArgument
+
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    config = EngineConfig(cluster_id=2, role=2, tls=certs["decoder"])
+    tls = certs["decoder"]
+    options = {"datadist.TlsCert": tls.cert_file, "datadist.TlsKey": tls.key_file,
+               "datadist.TlsCa": tls.ca_file}
+    monkeypatch.delenv("DATADIST_ENGINE", raising=False)
+    if _CORE_TLS:
+        assert native.refusal(config) is None
+        dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
+        dd.init(dict(options))
+        try:
+            assert dd.engine.native
+        finally:
+            dd.finalize()
+    monkeypatch.setattr(native, "tls_available", lambda: (False, "no OpenSSL in this build"))
+    assert "no OpenSSL in this build" in str(native.refusal(config))
+    eng, why = native.engine_for(config, {})
+    try:
+        assert isinstance(eng, Engine) and "no OpenSSL in this build" in why
+    finally:
+        eng.close()
+    with pytest.raises(InvalidArgument, match="no OpenSSL in this build"):
+        native.engine_for(config, {"datadist.Engine": "native"})

@@ -172,13 +172,19 @@ def test_probe_not_datadist_and_version() -> None:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-def test_probe_tls(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_probe_tls(tmp_path, kind: str) -> None:
+    """The probe tells a TLS listener from a plain one, on either engine's listener."""
+    from datadist.core import native
     from datadist.testing.certs import make_ca as _ca
     from datadist.testing.certs import make_leaf as _leaf
 
+    if kind == "native" and not (native.available()[0] and native.tls_available()[0]):
+        pytest.skip("the C++ core is not built with TLS here")
+    make = Engine if kind == "python" else native.NativeEngine
     _ca(tmp_path, "ca")
     server, client = _leaf(tmp_path, "prompt", "ca"), _leaf(tmp_path, "decoder", "ca")
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), tls=server))
+    eng = make(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), tls=server))
     try:
         host, port = eng.listen_address
         plain = probe(host, port, 1, timeout=2)
@@ -186,7 +192,7 @@ def test_probe_tls(tmp_path) -> None:
         assert probe(host, port, 1, tls=client.client_context(), timeout=2).ok
     finally:
         eng.close()
-    plain_eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    plain_eng = make(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
     try:
         found = probe(*plain_eng.listen_address, 1, tls=client.client_context(), timeout=2)
         assert found.kind == "tls"

@@ -43,6 +43,15 @@ constexpr const char OPTION_GLOBAL_RESOURCE_CONFIG[] = "llm.GlobalResourceConfig
 // side compares it with what landed; a mismatch is LLM_SUSPECT_REMOTE_ERROR (ge's 507057)
 // and consumes nothing. Unset: DATADIST_VERIFY_CHECKSUM; default "0".
 constexpr const char OPTION_DATADIST_VERIFY_CHECKSUM[] = "datadist.VerifyChecksum";
+// datadist extensions (not in CANN's header), the Python package's option keys: mutual TLS on
+// every link, both ways (docs/cpp.md, docs/security.md). Paths of PEM files: this process's
+// certificate, its key, and the CA that signs every peer's; all three or none (else
+// DATADIST_TLS_CERT / DATADIST_TLS_KEY / DATADIST_TLS_CA). Initialize answers LLM_PARAM_INVALID
+// for a file it cannot read or load, or some but not all of them, and LLM_FEATURE_NOT_ENABLED
+// when the library was built without OpenSSL.
+constexpr const char OPTION_DATADIST_TLS_CERT[] = "datadist.TlsCert";
+constexpr const char OPTION_DATADIST_TLS_KEY[] = "datadist.TlsKey";
+constexpr const char OPTION_DATADIST_TLS_CA[] = "datadist.TlsCa";
 
 // Status codes: the values of Python's datadist.LLMStatusCode. The LLM_* codes are
 // llm_datadist/llm_error_codes.h's ge::LLM_* (one constant under both names, so code that uses

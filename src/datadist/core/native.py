@@ -82,10 +82,23 @@ def available() -> tuple[bool, str]:
     return native_build.native_available()
 
 
+def tls_available() -> tuple[bool, str]:
+    """Does the built core have TLS (OpenSSL found when it was built), and which OpenSSL or
+    why not. ``(False, why)`` when the core is not built. For :func:`refusal` and
+    ``datadist info``; returns at once."""
+    mod = core_module()
+    if mod is None:
+        return False, available()[1]
+    has, what = mod.tls()
+    return bool(has), str(what)
+
+
 def refusal(config: EngineConfig) -> str | None:
     """What in ``config`` only the Python engine does yet (None: the core can run it)."""
     if config.tls is not None:
-        return "TLS (datadist.TlsCert...) is served by the Python engine only"
+        has, what = tls_available()
+        if not has:
+            return f"TLS (datadist.TlsCert...): {what}"
     forced = forced_path(config.transport)  # the option, else DATADIST_TRANSPORT
     if forced not in (PathKind.AUTO, PathKind.TCP):
         return f"transport {forced.value!r} is served by the Python engine only"
@@ -255,10 +268,13 @@ class NativeEngine:
         self._core.set_remote_writes(config.remote_cache_accessible)
         try:
             with _mapped():
+                tls = config.tls
                 self._core.open(config.secret or b"",
                                 forced_path(config.transport) != PathKind.TCP,
                                 config.allow_ptrace, config.max_connections,
-                                config.max_connections_per_peer)
+                                config.max_connections_per_peer,
+                                tls.cert_file if tls else "", tls.key_file if tls else "",
+                                tls.ca_file if tls else "")
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
                     name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
@@ -678,4 +694,4 @@ def engine_for(config: EngineConfig, options: dict[str, str]) -> tuple[Any, str]
 
 
 __all__ = ["NativeEngine", "NativeHandle", "NativeLink", "available", "engine_for", "refusal",
-           "AlreadyLinked"]
+           "tls_available", "AlreadyLinked"]
