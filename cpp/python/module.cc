@@ -168,7 +168,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<datadist::Link, std::shared_ptr<datadist::Link>>(
       m, "PendingLink", "A two-sided link's connection, opened and checked but not filed yet (Engine.adopt_link)")
       .def_property_readonly("cluster_id", &datadist::Link::remote_cluster_id)
-      .def_property_readonly("path_name", [](datadist::Link &l) { return datadist::Link::PathName(l.path()); })
+      .def_property_readonly("path_name", [](datadist::Link &l) { return l.path_name(); })
       .def("close", [](datadist::Link &l) {
         py::gil_scoped_release nogil;
         l.Close(Deadline(), true);
@@ -178,10 +178,13 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
       .def(
           "open",
-          [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer) {
+          [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer, bool shm,
+             bool shm_forced) {
             datadist::EngineOptions o;
             o.secret = secret;
             o.same_host = same_host;
+            o.shm = shm;
+            o.shm_forced = shm_forced;
             o.allow_ptrace = allow_ptrace;
             o.max_conns = max_conns;
             o.max_per_peer = max_per_peer;
@@ -189,7 +192,7 @@ PYBIND11_MODULE(_core, m) {
             c.engine().Open(o);
           },
           py::arg("secret"), py::arg("same_host"), py::arg("allow_ptrace"), py::arg("max_conns"),
-          py::arg("max_per_peer"))
+          py::arg("max_per_peer"), py::arg("shm") = true, py::arg("shm_forced") = false)
       .def(
           "close",
           [](Core &c, double wait_s) {
@@ -288,9 +291,17 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c, uint64_t id) -> py::object {
             auto link = c.engine().FindLink(id);
             if (!link) return py::none();
-            return py::str(datadist::Link::PathName(link->path()));
+            return py::str(link->path_name());
           },
           py::arg("cluster_id"))
+      .def(
+          "link_moved",
+          [](Core &c, uint64_t id) -> py::object {
+            auto link = c.engine().FindLink(id);
+            if (!link) return py::none();
+            return py::str(link->last_moved());
+          },
+          py::arg("cluster_id"), "how the link's last pull moved its bytes: shm, cma, stream or \"\"")
       .def(
           "link_reason",
           [](Core &c, uint64_t id) -> py::object {
@@ -304,7 +315,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "add_cache",
           [](Core &c, int64_t id, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
-             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks) {
+             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, const py::object &shm) {
             datadist::Geometry g;
             g.num_tensors = num_tensors;
             g.tensor_bytes = tensor_bytes;
@@ -315,10 +326,17 @@ PYBIND11_MODULE(_core, m) {
             o.allocated = allocated;
             o.remote_accessible = remote_accessible;
             o.blocks = blocks;
+            if (!shm.is_none()) {  // (fds, inos, offsets): where each tensor lies in a sealed memfd of ours
+              auto parts = shm.cast<std::tuple<std::vector<int32_t>, std::vector<uint64_t>, std::vector<uint64_t>>>();
+              o.shm_fds = std::move(std::get<0>(parts));
+              o.shm_inos = std::move(std::get<1>(parts));
+              o.shm_offsets = std::move(std::get<2>(parts));
+            }
             c.engine().registry().AddAs(id, g, ToVector(addrs), o);
           },
           py::arg("cache_id"), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"),
-          py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"))
+          py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"),
+          py::arg("shm") = py::none())
       .def(
           "bind_keys",
           [](Core &c, int64_t id, const std::vector<std::tuple<uint64_t, uint64_t, bool>> &keys,

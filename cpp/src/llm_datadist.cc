@@ -25,6 +25,7 @@
 #include "plan.h"
 #include "registry.h"
 #include "server.h"
+#include "shm.h"
 
 namespace llm_datadist {
 
@@ -361,17 +362,27 @@ class LlmDataDist::LlmDataDistImpl {
   void Allocate(const CacheDesc &desc, Cache &cache) {
     CheckUpLocked();
     datadist::Geometry g = datadist::GeometryOf(desc);
-    std::vector<std::unique_ptr<uint8_t[]>> mem;
-    std::vector<uint64_t> addrs;
-    for (uint32_t i = 0; i < g.num_tensors; ++i) {
-      uint8_t *p = new (std::nothrow) uint8_t[g.tensor_bytes]();
-      if (p == nullptr)
-        Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY,
-             "cannot allocate " + std::to_string(g.tensor_bytes) + " bytes");
-      mem.emplace_back(p);
-      addrs.push_back(reinterpret_cast<uint64_t>(p));
+    // One sealed memfd per cache, its tensors page-aligned in it: a same-host reader maps it
+    // and copies with memcpy (shm.h), as from a Python pool.
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t step = (g.tensor_bytes + page - 1) / page * page;
+    if (step < g.tensor_bytes || (g.num_tensors && step > UINT64_MAX / g.num_tensors))
+      Fail(LLM_OUT_OF_MEMORY, "cannot allocate " + std::to_string(g.num_tensors) + " x " + std::to_string(g.tensor_bytes) + " bytes");
+    std::shared_ptr<datadist::shm::Region> region;
+    try {
+      region = datadist::shm::Region::Create("datadist-cache", step * g.num_tensors);
+    } catch (const datadist::Error &e) {
+      Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY, e.what());
     }
-    int64_t id = engine_.registry().Add(desc, addrs, std::move(mem));
+    std::vector<uint64_t> addrs;
+    datadist::CacheOptions shared;
+    for (uint32_t i = 0; i < g.num_tensors; ++i) {
+      addrs.push_back(reinterpret_cast<uint64_t>(region->addr()) + i * step);
+      shared.shm_fds.push_back(region->fd());
+      shared.shm_inos.push_back(region->ino());
+      shared.shm_offsets.push_back(i * step);
+    }
+    int64_t id = engine_.registry().Add(desc, addrs, {}, region, shared);
     cache.cache_id = id;
     cache.cache_desc = desc;
     cache.tensor_addrs.assign(addrs.begin(), addrs.end());

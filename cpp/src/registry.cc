@@ -238,7 +238,8 @@ void Registry::SettleLocked(Lease *l, bool ok) {
 }
 
 int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
-                      std::vector<std::unique_ptr<uint8_t[]>> owned) {
+                      std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region,
+                      const CacheOptions &shared) {
   Geometry g = GeometryOf(desc);
   if (addrs.size() != g.num_tensors)
     Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
@@ -249,6 +250,13 @@ int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uin
   e->desc = desc;
   e->addrs = addrs;
   e->owned = std::move(owned);
+  const size_t m = shared.shm_fds.size();
+  if ((m && m != addrs.size()) || shared.shm_inos.size() != m || shared.shm_offsets.size() != m)
+    Invalid("shared memory of " + std::to_string(m) + " tensors given for " + std::to_string(addrs.size()));
+  e->opts.shm_fds = shared.shm_fds;
+  e->opts.shm_inos = shared.shm_inos;
+  e->opts.shm_offsets = shared.shm_offsets;
+  e->region = std::move(region);
   std::lock_guard<std::mutex> lock(mu_);
   while (by_id_.count(next_id_)) ++next_id_;  // ids an embedder chose (the other Add)
   e->id = next_id_++;
@@ -277,6 +285,9 @@ void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDe
     Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
   for (uint64_t a : addrs)
     if (a == 0) Invalid("tensor addresses must be non-zero");
+  const size_t m = opts.shm_fds.size();
+  if ((m && m != addrs.size()) || opts.shm_inos.size() != m || opts.shm_offsets.size() != m)
+    Invalid("shared memory of " + std::to_string(m) + " tensors given for " + std::to_string(addrs.size()));
   auto e = std::make_shared<Entry>();
   e->id = id;
   e->geo = g;
@@ -402,7 +413,7 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
   auto it = by_id_.find(id);
   if (it == by_id_.end()) return;
   std::shared_ptr<Entry> e = it->second;
-  if (e->owned.empty() == owned)
+  if ((e->owned.empty() && !e->region) == owned)
     Invalid(owned ? "cache " + std::to_string(id) + " was registered, not allocated: use UnregisterKvCache"
                   : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
   e->closing = true;
@@ -491,6 +502,11 @@ wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
   l.fence_fd = e.fence->fd();
   l.fence_ino = e.fence->ino();
   l.addrs = e.addrs;
+  if ((q.flags & wire::kFlagShm) && !(q.flags & wire::kLeaseWrite) && e.opts.shareable()) {
+    l.shm_fds = e.opts.shm_fds;  // a lease to write goes by cross-memory attach (Python's)
+    l.shm_inos = e.opts.shm_inos;
+    l.shm_offsets = e.opts.shm_offsets;
+  }
   return l;
 }
 

@@ -85,6 +85,13 @@ struct CacheOptions {
   bool remote_accessible = true;
   /// A blocks (paged) cache: what a CACHE_LEASE says (is_blocks).
   bool blocks = false;
+  /// Where each tensor lies in shareable memory (a sealed memfd of this process, shm.h): its
+  /// descriptor, inode and the tensor's offset in it; all empty when it does not. Same-host
+  /// readers asking for SHM get these (SHM_GRANT, CACHE_LEASE) instead of addresses to read
+  /// with cross-memory attach. The descriptors must stay open while the cache is filed.
+  std::vector<int32_t> shm_fds;
+  std::vector<uint64_t> shm_inos, shm_offsets;
+  bool shareable() const { return !shm_fds.empty(); }
 };
 
 struct Entry {
@@ -93,6 +100,7 @@ struct Entry {
   llm_datadist::CacheDesc desc;
   std::vector<uint64_t> addrs;  // base of each tensor
   std::vector<std::unique_ptr<uint8_t[]>> owned;  // AllocateCache's memory; empty when registered
+  std::shared_ptr<void> region;  // AllocateCache's shared memory (shm::Region), or null
   CacheOptions opts;
   int leases = 0;
   bool closing = false;
@@ -162,9 +170,12 @@ class Lease {
 class Registry {
  public:
   /// The C++ API's AllocateCache / RegisterKvCache: adds a cache under the next free id and
-  /// returns it. `owned` is the memory AllocateCache made (may be empty). Not blocking.
+  /// returns it. `owned` is the memory AllocateCache made (may be empty), or `region` (the
+  /// shared memory it made, held until the cache goes) with `shared.shm_*` saying where each
+  /// tensor lies in it. Not blocking.
   int64_t Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
-              std::vector<std::unique_ptr<uint8_t[]>> owned);
+              std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region = nullptr,
+              const CacheOptions &shared = {});
   /// The native engine's register / allocate (Python's Registry.add): files a cache whose
   /// memory the caller keeps under the id `id` the Python registry gave it (> 0), with
   /// `opts`. LLM_PARAM_INVALID for an id <= 0 or one in use (by a cache, or a deallocated one
@@ -233,7 +244,8 @@ class Registry {
   std::unique_ptr<Lease> OpenWrite(const wire::Request &req);
   /// Owner side of LEASE_REQUEST (Python's Registry.lease_cache and Engine.lease_cache's write
   /// check): the cache a kCacheId (b ignored) or kBlocksKey key names (resolved as Open does),
-  /// its geometry and addresses, and its live fence. LLM_KV_CACHE_NOT_EXIST for an unknown
+  /// its geometry and addresses, its memfds (CacheOptions::shm_*) when the request has
+  /// kFlagShm, is not a write and the cache is shareable, and its live fence. LLM_KV_CACHE_NOT_EXIST for an unknown
   /// cache or one being unregistered; LLM_PARAM_INVALID for one not remote accessible, or a
   /// write lease (kLeaseWrite) when SetRemoteWrites(false).
   wire::CacheLease LeaseCache(const wire::LeaseRequest &q);
