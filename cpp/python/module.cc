@@ -326,13 +326,14 @@ PYBIND11_MODULE(_core, m) {
             o.allocated = allocated;
             o.remote_accessible = remote_accessible;
             o.blocks = blocks;
+            datadist::ShmPlace place;
             if (!shm.is_none()) {  // (fds, inos, offsets): where each tensor lies in a sealed memfd of ours
               auto parts = shm.cast<std::tuple<std::vector<int32_t>, std::vector<uint64_t>, std::vector<uint64_t>>>();
-              o.shm_fds = std::move(std::get<0>(parts));
-              o.shm_inos = std::move(std::get<1>(parts));
-              o.shm_offsets = std::move(std::get<2>(parts));
+              place.fds = std::move(std::get<0>(parts));
+              place.inos = std::move(std::get<1>(parts));
+              place.offsets = std::move(std::get<2>(parts));
             }
-            c.engine().registry().AddAs(id, g, ToVector(addrs), o);
+            c.engine().registry().AddAs(id, g, ToVector(addrs), o, place);
           },
           py::arg("cache_id"), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"),
           py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"),

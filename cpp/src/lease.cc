@@ -179,7 +179,15 @@ std::shared_ptr<Leased> Make(wire::CacheLease msg, uint64_t id, bool write, std:
 
 Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &local, std::string &why, bool cma_refused,
              bool *shm_used) {
-  const uint64_t base = CheckRequest(l.geo, l.id, req);  // the owner's refusals, from here
+  uint64_t base = 0;
+  try {
+    base = CheckRequest(l.geo, l.id, req);  // the owner's refusals, from here
+  } catch (const Error &) {
+    // Checked against a cache the key may no longer name (a model id bound anew): the owner
+    // answers for the cache it names now.
+    if (l.fence->Revoked()) return Outcome::kRevoked;
+    throw;
+  }
   const bool use_shm = !l.write && !l.shm_maps.empty() && (cma_refused || shm::Pays(req.tensors.size(), req.lengths));
   if (shm_used) *shm_used = use_shm;
   if (!use_shm && cma_refused) {

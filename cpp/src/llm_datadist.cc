@@ -375,12 +375,12 @@ class LlmDataDist::LlmDataDistImpl {
       Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY, e.what());
     }
     std::vector<uint64_t> addrs;
-    datadist::CacheOptions shared;
+    datadist::ShmPlace shared;
     for (uint32_t i = 0; i < g.num_tensors; ++i) {
       addrs.push_back(reinterpret_cast<uint64_t>(region->addr()) + i * step);
-      shared.shm_fds.push_back(region->fd());
-      shared.shm_inos.push_back(region->ino());
-      shared.shm_offsets.push_back(i * step);
+      shared.fds.push_back(region->fd());
+      shared.inos.push_back(region->ino());
+      shared.offsets.push_back(i * step);
     }
     int64_t id = engine_.registry().Add(desc, addrs, {}, region, shared);
     cache.cache_id = id;

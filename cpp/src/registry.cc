@@ -237,9 +237,20 @@ void Registry::SettleLocked(Lease *l, bool ok) {
   }
 }
 
+namespace {
+
+// A ShmPlace names every tensor or none (LLM_PARAM_INVALID).
+void CheckShm(const ShmPlace &shm, size_t tensors) {
+  const size_t m = shm.fds.size();
+  if ((m && m != tensors) || shm.inos.size() != m || shm.offsets.size() != m)
+    Invalid("shared memory of " + std::to_string(m) + " tensors given for " + std::to_string(tensors));
+}
+
+}  // namespace
+
 int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
                       std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region,
-                      const CacheOptions &shared) {
+                      const ShmPlace &shm) {
   Geometry g = GeometryOf(desc);
   if (addrs.size() != g.num_tensors)
     Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
@@ -250,12 +261,8 @@ int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uin
   e->desc = desc;
   e->addrs = addrs;
   e->owned = std::move(owned);
-  const size_t m = shared.shm_fds.size();
-  if ((m && m != addrs.size()) || shared.shm_inos.size() != m || shared.shm_offsets.size() != m)
-    Invalid("shared memory of " + std::to_string(m) + " tensors given for " + std::to_string(addrs.size()));
-  e->opts.shm_fds = shared.shm_fds;
-  e->opts.shm_inos = shared.shm_inos;
-  e->opts.shm_offsets = shared.shm_offsets;
+  CheckShm(shm, addrs.size());
+  e->shm = shm;
   e->region = std::move(region);
   std::lock_guard<std::mutex> lock(mu_);
   while (by_id_.count(next_id_)) ++next_id_;  // ids an embedder chose (the other Add)
@@ -269,31 +276,31 @@ void Registry::Add(int64_t id, const llm_datadist::CacheDesc &desc, const std::v
   Insert(id, GeometryOf(desc), &desc, addrs, opts);
 }
 
-void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts) {
+void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
+                     const ShmPlace &shm) {
   if (geo.num_tensors == 0 || geo.units == 0 || geo.tensor_bytes == 0 || geo.tensor_bytes % geo.units ||
       geo.unit_bytes != geo.tensor_bytes / geo.units)
     Invalid("a cache geometry must have tensors, units and bytes that split into them");
   for (uint64_t a : addrs)
     if (a + geo.tensor_bytes < a) Invalid("tensor addresses must not wrap the address space");
-  Insert(id, geo, nullptr, addrs, opts);
+  Insert(id, geo, nullptr, addrs, opts, shm);
 }
 
 void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDesc *desc,
-                      const std::vector<uint64_t> &addrs, const CacheOptions &opts) {
+                      const std::vector<uint64_t> &addrs, const CacheOptions &opts, const ShmPlace &shm) {
   if (id <= 0) Invalid("cache id " + std::to_string(id) + " must be > 0");
   if (addrs.size() != g.num_tensors)
     Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
   for (uint64_t a : addrs)
     if (a == 0) Invalid("tensor addresses must be non-zero");
-  const size_t m = opts.shm_fds.size();
-  if ((m && m != addrs.size()) || opts.shm_inos.size() != m || opts.shm_offsets.size() != m)
-    Invalid("shared memory of " + std::to_string(m) + " tensors given for " + std::to_string(addrs.size()));
+  CheckShm(shm, addrs.size());
   auto e = std::make_shared<Entry>();
   e->id = id;
   e->geo = g;
   if (desc) e->desc = *desc;
   e->addrs = addrs;
   e->opts = opts;
+  e->shm = shm;
   std::lock_guard<std::mutex> lock(mu_);
   bool used = by_id_.count(id) != 0;
   for (const auto &d : dropped_) used = used || d->id == id;
@@ -502,10 +509,10 @@ wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
   l.fence_fd = e.fence->fd();
   l.fence_ino = e.fence->ino();
   l.addrs = e.addrs;
-  if ((q.flags & wire::kFlagShm) && !(q.flags & wire::kLeaseWrite) && e.opts.shareable()) {
-    l.shm_fds = e.opts.shm_fds;  // a lease to write goes by cross-memory attach (Python's)
-    l.shm_inos = e.opts.shm_inos;
-    l.shm_offsets = e.opts.shm_offsets;
+  if ((q.flags & wire::kFlagShm) && !(q.flags & wire::kLeaseWrite) && e.shm.shareable()) {
+    l.shm_fds = e.shm.fds;  // a lease to write goes by cross-memory attach (Python's)
+    l.shm_inos = e.shm.inos;
+    l.shm_offsets = e.shm.offsets;
   }
   return l;
 }

@@ -676,7 +676,7 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
   if (lease->bases.size() != req.tensors.size()) Invalid("this request cannot be granted");
   // SHM asked and the cache in shareable memory: where each tensor's unit lies in its memfd.
   const Entry &e = lease->entry();
-  const bool shm = (req.flags & wire::kFlagShm) && e.opts.shareable();
+  const bool shm = (req.flags & wire::kFlagShm) && e.shm.shareable();
   ctx.grants->Take(peer.pid, !shm);
   const uint64_t id = next_lease_id++;
   std::vector<uint8_t> frame;
@@ -685,9 +685,9 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
     g.lease_id = id;
     for (size_t i = 0; i < req.tensors.size(); ++i) {
       const uint32_t t = req.tensors[i];
-      g.fds.push_back(e.opts.shm_fds[t]);
-      g.inos.push_back(e.opts.shm_inos[t]);
-      g.offsets.push_back(e.opts.shm_offsets[t] + (lease->bases[i] - e.addrs[t]));
+      g.fds.push_back(e.shm.fds[t]);
+      g.inos.push_back(e.shm.inos[t]);
+      g.offsets.push_back(e.shm.offsets[t] + (lease->bases[i] - e.addrs[t]));
     }
     frame = wire::EncodeShmGrant(g, rid);
   } else {
