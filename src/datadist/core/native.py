@@ -435,6 +435,12 @@ class NativeEngine:
         return NativeLink(cluster_id, str(path), inbound=not own,
                           reason=str(self._core.link_reason(cluster_id) or ""))
 
+    def last_moved(self, cluster_id: int) -> str:
+        """How the last pull on our link to ``cluster_id`` moved its bytes: "shm" (memcpy
+        from the owner's mapped memfd), "cma", "stream" or "" (none yet, or no such link).
+        For tests and tools; never blocks."""
+        return str(self._core.link_moved(cluster_id) or "")
+
     def check_link(self, cluster_id: int, timeout: float) -> None:
         with _mapped():
             self._core.ping(cluster_id, timeout)
