@@ -105,11 +105,12 @@ class Puller:
         return engine_name(self.dd.engine)
 
     def mechanism(self) -> str:
-        """The link's path, and on the same host what moved the last request (shm or cma).
-        The native engine names its path only (a string, e.g. "tcp" or "local")."""
-        path = self.dd.engine.get_link(OWNER_ID).path
-        if isinstance(path, str):  # the native engine's link: its path's name
-            return path
+        """The link's path, and on the same host what moved the last request (shm or cma)."""
+        engine = self.dd.engine
+        path = engine.get_link(OWNER_ID).path
+        if isinstance(path, str):  # the native engine's link: its path's name, and its last pull's
+            last = engine.last_moved(OWNER_ID)
+            return f"{path}/{last}" if last in ("shm", "cma") and last != path else path
         last = getattr(path, "last", "")
         name = path.caps.name
         return f"{name}/{last}" if last and last != name else name
