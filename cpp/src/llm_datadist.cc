@@ -85,16 +85,15 @@ bool BoolOption(const std::map<AscendString, AscendString> &options, const char 
   Invalid(std::string(key) + " must be 1 or 0, got '" + s + "'");
 }
 
-// datadist.Transport (else DATADIST_TRANSPORT): whether links may use a peer's local channel.
-// "auto" (default) and "cma" / "shm" allow it (this library reads same-host memory with
-// cross-memory attach only), "tcp" forces TCP; "nixl" is not in this library.
-bool SameHostAllowed(const std::map<AscendString, AscendString> &options) {
+// datadist.Transport (else DATADIST_TRANSPORT), lower-cased: "auto" (default), "tcp", "cma" or
+// "shm"; "nixl" is not in this library (LLM_FEATURE_NOT_ENABLED), anything else LLM_PARAM_INVALID.
+std::string TransportOption(const std::map<AscendString, AscendString> &options) {
   const char *v = Find(options, "datadist.Transport");
   if (v == nullptr || !*v) v = std::getenv("DATADIST_TRANSPORT");
   std::string s = v ? v : "";
   for (char &c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (s.empty() || s == "auto" || s == "cma" || s == "shm") return true;
-  if (s == "tcp") return false;
+  if (s.empty()) return "auto";
+  if (s == "auto" || s == "cma" || s == "shm" || s == "tcp") return s;
   if (s == "nixl") Fail(LLM_FEATURE_NOT_ENABLED, "transport 'nixl' is not available in the C++ library");
   Invalid("unknown transport '" + s + "'; use auto, tcp, cma or shm");
 }
@@ -232,7 +231,12 @@ class LlmDataDist::LlmDataDistImpl {
     const char *secret = Find(options, kOptionAuthSecret);
     if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
     opts.secret = secret ? secret : "";
-    opts.same_host = SameHostAllowed(options);
+    // "tcp" neither serves nor uses the local channel; "cma" reads no shared memory; "shm"
+    // names the same-host path "shm" (as the Python package).
+    const std::string transport = TransportOption(options);
+    opts.same_host = transport != "tcp";
+    opts.shm = transport != "cma";
+    opts.shm_forced = transport == "shm";
     opts.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
     engine_.Open(opts);
     listening_.clear();
