@@ -106,11 +106,13 @@ class Puller:
 
     def mechanism(self) -> str:
         """The link's path, and on the same host what moved the last request (shm or cma)."""
-        engine = self.dd.engine
-        path = engine.get_link(OWNER_ID).path
-        if isinstance(path, str):  # the native engine's link: its path's name, and its last pull's
-            last = engine.last_moved(OWNER_ID)
-            return f"{path}/{last}" if last in ("shm", "cma") and last != path else path
+        from datadist.core.native import NativeEngine
+
+        engine: object = self.dd.engine
+        if isinstance(engine, NativeEngine):  # its link's path's name, and its last pull's
+            name, last = engine.get_link(OWNER_ID).path_name, engine.last_moved(OWNER_ID)
+            return f"{name}/{last}" if last in ("shm", "cma") and last != name else name
+        path = self.dd.engine.get_link(OWNER_ID).path
         last = getattr(path, "last", "")
         name = path.caps.name
         return f"{name}/{last}" if last and last != name else name
