@@ -111,6 +111,7 @@ struct Leased {
   /// each tensor's mapping, and its offset there. Empty: cross-memory attach only.
   std::vector<shm::MappingPtr> shm_maps;
   std::vector<uint64_t> shm_offsets;
+  uint64_t seq = 0;  // its holder's order of leases (the oldest go first)
 };
 
 /// Builds a lease from the owner's answer; `why` and null when it is unusable here (the fence).

@@ -404,6 +404,7 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
     conn_->Close();
     throw;
   }
+  std::vector<std::shared_ptr<lease::Leased>> gone;  // closed outside the mutex
   std::lock_guard<std::mutex> lock(lease_mu_);
   if (!l) {
     Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + why + "): every transfer asks the owner");
@@ -412,6 +413,24 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
     return nullptr;
   }
   if (lease_owner_ != owner) return nullptr;  // dropped meanwhile (a failed copy on another thread)
+  // Leases of caches that went (revoked) are dropped here, and the oldest beyond kMaxLeases:
+  // a reader of one cache per request must not keep a fence (a descriptor) per request.
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->first == key || it->second->fence->Revoked()) {
+      gone.push_back(std::move(it->second));
+      it = leases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  while (leases_.size() >= kMaxLeases) {
+    auto oldest = leases_.begin();
+    for (auto it = leases_.begin(); it != leases_.end(); ++it)
+      if (it->second->seq < oldest->second->seq) oldest = it;
+    gone.push_back(std::move(oldest->second));
+    leases_.erase(oldest);
+  }
+  l->seq = ++lease_seq_;
   leases_[key] = l;
   return l;
 }

@@ -213,6 +213,8 @@ class Link {
   std::mutex lease_mu_;
   std::shared_ptr<lease::OwnerProc> lease_owner_;  // null: no leases on this connection
   std::map<LeaseKey, std::shared_ptr<lease::Leased>> leases_;
+  uint64_t lease_seq_ = 0;  // lease_mu_: the last Leased::seq given
+  static constexpr size_t kMaxLeases = 64;  // kept per connection (Python's CmaPath.MAX_LEASES)
   // Our reverse channel (client links): parked on the I/O pool (iopool.h) between the
   // listener's requests, served by a pool thread a request at a time, until unlink / finalize
   // (StopReverse). It is its own socket: our transfers (conn_, under busy_) never share it.

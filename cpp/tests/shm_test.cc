@@ -280,6 +280,55 @@ TEST_F(ShmOwner, AGrantedPullCopiesFromTheMapping) {
   registry.Remove(1, false, 5.0);  // every grant was released
 }
 
+/// Descriptors of this process open on fence files (the owner's and the reader's views).
+size_t FenceFds() {
+  size_t n = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    char buf[256];
+    const std::string path = "/proc/self/fd/" + std::to_string(fd);
+    const ssize_t got = readlink(path.c_str(), buf, sizeof(buf) - 1);
+    if (got > 0 && std::string(buf, static_cast<size_t>(got)).find("datadist-fence") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// A reader of one cache per request keeps a bounded number of leases (each holds a descriptor
+// on the owner's fence): revoked ones go, and the oldest beyond 64 (Python's MAX_LEASES).
+TEST(Leases, AReaderKeepsABoundedNumberOfLeases) {
+  datadist::Registry registry;
+  datadist::Identity ident;
+  ident.cluster_id = kOwner;
+  std::vector<uint8_t> mem(80 * 256, 3);
+  for (int64_t id = 1; id <= 80; ++id)
+    registry.AddAs(id, datadist::Geometry{1, 256, 4, 64, 0}, {reinterpret_cast<uint64_t>(mem.data()) + (id - 1) * 256},
+                   datadist::CacheOptions{});
+  datadist::Server server(&registry, &ident);
+  server.Start("127.0.0.1", 0, 256, 8);
+  const size_t before = FenceFds();
+  datadist::Link link(kOwner, "127.0.0.1", server.port(), ClientHello(), "", nullptr, true, 0);
+  link.Open(After(3));
+  uint8_t a[64] = {};
+  for (uint64_t id = 1; id <= 80; ++id) {
+    w::Request q;
+    q.kind = w::kCacheId;
+    q.a = id;
+    q.b = 1;
+    q.tensors = {0};
+    q.offsets = {0};
+    q.lengths = {64};
+    link.Read(q, {{a, 64}}, After(2));
+    EXPECT_EQ(a[63], 3);
+    EXPECT_STREQ(link.last_moved(), "cma");  // under the lease
+  }
+  // the owner's 80 fences, and at most 64 views of them here
+  EXPECT_LE(FenceFds() - before, 80U + 64U);
+  EXPECT_GE(FenceFds() - before, 80U + 1U);
+  for (int64_t id = 1; id <= 80; ++id) registry.Remove(id, false, 5.0);
+  link.Close(After(1), true);
+  server.Stop();
+  EXPECT_EQ(FenceFds(), before);
+}
+
 // The C++ API's AllocateCache puts each cache in a sealed memfd (what a same-host reader maps).
 TEST(ShmApi, AllocatedCachesLieInASealedMemfd) {
   LlmDataDist dd(kOwner, LlmRole::kPrompt);
