@@ -232,7 +232,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<datadist::Link, std::shared_ptr<datadist::Link>>(
       m, "PendingLink", "A two-sided link's connection, opened and checked but not filed yet (Engine.adopt_link)")
       .def_property_readonly("cluster_id", &datadist::Link::remote_cluster_id)
-      .def_property_readonly("path_name", [](datadist::Link &l) { return datadist::Link::PathName(l.path()); })
+      .def_property_readonly("path_name", [](datadist::Link &l) { return l.path_name(); })
       .def("close", [](datadist::Link &l) {
         py::gil_scoped_release nogil;
         l.Close(Deadline(), true);
@@ -248,10 +248,13 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "open",
           [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer,
-             const std::string &tls_cert, const std::string &tls_key, const std::string &tls_ca) {
+             const std::string &tls_cert, const std::string &tls_key, const std::string &tls_ca, bool shm,
+             bool shm_forced) {
             datadist::EngineOptions o;
             o.secret = secret;
             o.same_host = same_host;
+            o.shm = shm;
+            o.shm_forced = shm_forced;
             o.allow_ptrace = allow_ptrace;
             o.max_conns = max_conns;
             o.max_per_peer = max_per_peer;
@@ -262,6 +265,7 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("secret"), py::arg("same_host"), py::arg("allow_ptrace"), py::arg("max_conns"),
           py::arg("max_per_peer"), py::arg("tls_cert") = "", py::arg("tls_key") = "", py::arg("tls_ca") = "",
+          py::arg("shm") = true, py::arg("shm_forced") = false,
           "Starts the engine; with the three TLS files (PEM), every connection runs mutual TLS.")
       .def(
           "close",
@@ -364,9 +368,17 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c, uint64_t id) -> py::object {
             auto link = c.engine().FindLink(id);
             if (!link) return py::none();
-            return py::str(datadist::Link::PathName(link->path()));
+            return py::str(link->path_name());
           },
           py::arg("cluster_id"))
+      .def(
+          "link_moved",
+          [](Core &c, uint64_t id) -> py::object {
+            auto link = c.engine().FindLink(id);
+            if (!link) return py::none();
+            return py::str(link->last_moved());
+          },
+          py::arg("cluster_id"), "how the link's last pull moved its bytes: shm, cma, stream or \"\"")
       .def(
           "link_reason",
           [](Core &c, uint64_t id) -> py::object {
@@ -380,7 +392,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "add_cache",
           [](Core &c, int64_t id, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
-             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks) {
+             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, const py::object &shm) {
             datadist::Geometry g;
             g.num_tensors = num_tensors;
             g.tensor_bytes = tensor_bytes;
@@ -391,10 +403,18 @@ PYBIND11_MODULE(_core, m) {
             o.allocated = allocated;
             o.remote_accessible = remote_accessible;
             o.blocks = blocks;
-            c.engine().registry().AddAs(id, g, ToVector(addrs), o);
+            datadist::ShmPlace place;
+            if (!shm.is_none()) {  // (fds, inos, offsets): where each tensor lies in a sealed memfd of ours
+              auto parts = shm.cast<std::tuple<std::vector<int32_t>, std::vector<uint64_t>, std::vector<uint64_t>>>();
+              place.fds = std::move(std::get<0>(parts));
+              place.inos = std::move(std::get<1>(parts));
+              place.offsets = std::move(std::get<2>(parts));
+            }
+            c.engine().registry().AddAs(id, g, ToVector(addrs), o, place);
           },
           py::arg("cache_id"), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"),
-          py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"))
+          py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"),
+          py::arg("shm") = py::none())
       .def(
           "bind_keys",
           [](Core &c, int64_t id, const std::vector<std::tuple<uint64_t, uint64_t, bool>> &keys,

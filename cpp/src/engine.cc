@@ -162,6 +162,7 @@ std::shared_ptr<Link> Engine::OpenLink(uint64_t id, const std::string &host, uin
   hello.boot_id = local::HostIdentity::Current().boot_id;
   auto link = std::make_shared<Link>(id, host, port, hello, options_.secret, reverse ? &registry_ : nullptr,
                                      options_.same_host);
+  link->SetShm(options_.shm, options_.shm_forced);
   if (take_peer_id) link->TakePeerId();
   link->SetStatsAnswer(ident_.stats);
   link->SetTls(options_.tls);

@@ -29,6 +29,8 @@ struct EngineOptions {
   std::string secret;        // shared secret linked peers must prove (empty: none)
   bool same_host = true;     // links may use a same-host peer's local channel; serve ours
   bool allow_ptrace = true;  // may PR_SET_PTRACER_ANY be set for same-host readers
+  bool shm = true;           // same-host links read owners' shared memory (off: transport cma)
+  bool shm_forced = false;   // transport shm: links name that path "shm" (Link::SetShm)
   size_t max_conns = 256;    // inbound connections (and reverse channels) served at once
   size_t max_per_peer = 64;  // ... of them from one peer (IP address, or uid for local ones)
   /// Mutual TLS on every connection, both ways (tls.h; tls::Context::Load makes it); null: none.

@@ -143,13 +143,27 @@ bool Fence::Drained() {
 }
 
 std::shared_ptr<Leased> Make(wire::CacheLease msg, uint64_t id, bool write, std::shared_ptr<OwnerProc> owner,
-                             std::string &why) {
+                             std::string &why, shm::Maps *maps, std::string *shm_why) {
   if (msg.addrs.size() > UINT32_MAX) ProtocolViolation("CACHE_LEASE names too many tensors");
   for (uint64_t a : msg.addrs)
     if (a == 0 || a + msg.tensor_bytes < a) ProtocolViolation("CACHE_LEASE names a tensor that wraps around");
   auto fence = FenceView::Open(owner->pid(), msg.fence_fd, msg.fence_ino, why);
   if (!fence) return nullptr;
   auto l = std::make_shared<Leased>();
+  std::string no_shm;
+  if (maps && !write && !msg.shm_fds.empty()) {
+    if (maps->pid() != owner->pid()) Fail(llm_datadist::LLM_FAILED, "lease: the mappings are another process's");
+    if (maps->Resolve(msg.shm_fds, msg.shm_inos, l->shm_maps, no_shm)) {
+      for (size_t t = 0; t < l->shm_maps.size(); ++t) {
+        const uint64_t size = l->shm_maps[t]->size(), off = msg.shm_offsets[t];
+        if (off > size || size - off < msg.tensor_bytes) ProtocolViolation("cache lease: a tensor runs past its shared mapping");
+      }
+      l->shm_offsets = msg.shm_offsets;
+    } else {
+      l->shm_maps.clear();
+      if (shm_why) *shm_why = no_shm;
+    }
+  }
   l->geo.num_tensors = static_cast<uint32_t>(msg.addrs.size());
   l->geo.tensor_bytes = msg.tensor_bytes;
   l->geo.units = msg.units;
@@ -163,8 +177,23 @@ std::shared_ptr<Leased> Make(wire::CacheLease msg, uint64_t id, bool write, std:
   return l;
 }
 
-Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &local, std::string &why) {
-  const uint64_t base = CheckRequest(l.geo, l.id, req);  // the owner's refusals, from here
+Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &local, std::string &why, bool cma_refused,
+             bool *shm_used) {
+  uint64_t base = 0;
+  try {
+    base = CheckRequest(l.geo, l.id, req);  // the owner's refusals, from here
+  } catch (const Error &) {
+    // Checked against a cache the key may no longer name (a model id bound anew): the owner
+    // answers for the cache it names now.
+    if (l.fence->Revoked()) return Outcome::kRevoked;
+    throw;
+  }
+  const bool use_shm = !l.write && !l.shm_maps.empty() && (cma_refused || shm::Pays(req.tensors.size(), req.lengths));
+  if (shm_used) *shm_used = use_shm;
+  if (!use_shm && cma_refused) {
+    why = "cross-memory attach refused, and the cache is not in shared memory";
+    return Outcome::kRefused;
+  }
   // The owner's spans, tensor-major as `local`: inside its tensors (checked above), so no
   // address wraps (Make checked every tensor's end).
   std::vector<iovec> remote;
@@ -184,7 +213,21 @@ Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &loca
     why = "the owner process " + std::to_string(l.owner->pid()) + " exited before the copy (nothing moved)";
     return Outcome::kFailed;
   }
-  local::CopyResult got = local::VmCopy(l.owner->pid(), local, remote, l.write, why);
+  local::CopyResult got = local::CopyResult::kDone;
+  if (use_shm) {
+    // Our mapping of the owner's memfd: the same tensor bases, offset; the spans lie inside
+    // the tensors (checked above) and the tensors inside their mappings (Make).
+    std::vector<iovec> src;
+    src.reserve(remote.size());
+    size_t k = 0;
+    for (uint32_t t : req.tensors)
+      for (size_t i = 0; i < req.offsets.size(); ++i, ++k)
+        src.push_back({const_cast<uint8_t *>(l.shm_maps[t]->addr() + l.shm_offsets[t] + base + req.offsets[i]),
+                       remote[k].iov_len});
+    shm::Copy(local, src);
+  } else {
+    got = local::VmCopy(l.owner->pid(), local, remote, l.write, why);
+  }
   l.fence->Leave();
   if (got == local::CopyResult::kRefused) return Outcome::kRefused;
   if (l.owner->Exited()) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "registry.h"
+#include "shm.h"
 #include "wire.h"
 
 namespace datadist {
@@ -106,12 +107,21 @@ struct Leased {
   bool write = false;
   std::shared_ptr<OwnerProc> owner;
   std::unique_ptr<FenceView> fence;
+  /// The cache in the owner's shareable memory (the answer had memfds, and we mapped them):
+  /// each tensor's mapping, and its offset there. Empty: cross-memory attach only.
+  std::vector<shm::MappingPtr> shm_maps;
+  std::vector<uint64_t> shm_offsets;
+  uint64_t seq = 0;  // its holder's order of leases (the oldest go first)
 };
 
 /// Builds a lease from the owner's answer; `why` and null when it is unusable here (the fence).
-/// A CACHE_LEASE whose tensors would wrap the address space is a protocol violation.
+/// A CACHE_LEASE whose tensors would wrap the address space is a protocol violation. `maps`
+/// (may be null: no shared memory): the connection's mappings of the owner, where the
+/// answer's memfds are mapped; one that cannot be mapped here leaves the lease without
+/// shared memory (`shm_why` says why); a tensor that runs past its memfd is a protocol
+/// violation.
 std::shared_ptr<Leased> Make(wire::CacheLease msg, uint64_t id, bool write, std::shared_ptr<OwnerProc> owner,
-                             std::string &why);
+                             std::string &why, shm::Maps *maps = nullptr, std::string *shm_why = nullptr);
 
 enum class Outcome {
   kDone,     // every byte moved
@@ -122,8 +132,12 @@ enum class Outcome {
 
 /// Checks `req` against the lease exactly as the owner would (LLM_PARAM_INVALID, thrown), then
 /// copies between `local` (our spans, tensor-major as the request's) and the owner's spans
-/// under the fence.
-Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &local, std::string &why);
+/// under the fence: a read of a cache in shared memory by memcpy from our mapping when that
+/// pays (shm::Pays) or `cma_refused`, else with process_vm_readv (_writev). `shm_used`, when
+/// given, says which moved the bytes. With `cma_refused`, a copy that would need cross-memory
+/// attach moves nothing (kRefused).
+Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &local, std::string &why,
+             bool cma_refused = false, bool *shm_used = nullptr);
 
 }  // namespace lease
 }  // namespace datadist

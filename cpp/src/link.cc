@@ -172,6 +172,8 @@ bool Link::Adopted(const std::function<std::string()> &adopt, const std::vector<
 void Link::Connect(Deadline deadline) {
   DropLeases();
   SetConn(nullptr);
+  maps_.reset();  // mappings of the old owner's memfds go with its connection
+  cma_refused_ = false;
   wire::Hello welcome;
   SetConn(Greet(false, deadline, rid_, welcome));
   peer_reverse_ = welcome.features & wire::kFeatureReverse;
@@ -218,7 +220,11 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   const std::string who = "pid " + std::to_string(cred.pid) + ", uid " + std::to_string(cred.uid);
   if (cred.WeMayRead()) {
     peer_pid_ = cred.pid;
-    SetPath(Path::kCma, "same host, verified by the kernel (" + who + "): cross-memory attach");
+    if (allow_shm_) maps_ = std::make_unique<shm::Maps>(cred.pid);
+    SetPath(Path::kCma, shm_forced_ ? "forced shm (" + who + "; cross-memory attach where the owner's memory is not shareable)"
+                        : allow_shm_ ? "same host, verified by the kernel (" + who +
+                                           "): shared memory for caches in shareable memory, cross-memory attach otherwise"
+                                     : "same host, verified by the kernel (" + who + "): cross-memory attach");
     if (!(again.features & wire::kFeatureLease)) return;
     if (!owner) {
       Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + no_lease + ")");
@@ -249,6 +255,34 @@ void Link::SetPath(Path p, const std::string &why) {
     why_ = why;
   }
   if (!why.empty()) Log("link to cluster " + std::to_string(remote_) + ": " + PathName(p) + " (" + why + ")");
+}
+
+const char *Link::path_name() const {
+  const Path p = path_;
+  return p == Path::kCma && shm_forced_ ? "shm" : PathName(p);
+}
+
+const char *Link::last_moved() const {
+  switch (last_.load()) {
+    case Moved::kShm:
+      return "shm";
+    case Moved::kCma:
+      return "cma";
+    case Moved::kStream:
+      return "stream";
+    default:
+      return "";
+  }
+}
+
+void Link::CmaRefused(const std::string &why) {
+  const std::string what = "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" + why + ")";
+  if (maps_ && allow_shm_) {
+    if (!cma_refused_.exchange(true)) SetPath(Path::kCma, what + ": shared memory where the owner's cache is in it, a stream elsewhere");
+    return;
+  }
+  DropLeases();
+  SetPath(Path::kLocalStream, what + ": bytes stream over the local socket");
 }
 
 std::string Link::PathReason() const {
@@ -370,7 +404,8 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
   wire::LeaseRequest q;
   q.kind = std::get<0>(key);
   (q.kind == wire::kCacheId ? q.a : q.b) = std::get<1>(key);
-  q.flags = std::get<2>(key) ? wire::kLeaseWrite : 0;  // no SHM: we read with cross-memory attach
+  // Reads ask for the memfds too: a cache in the owner's shared memory is read by memcpy.
+  q.flags = std::get<2>(key) ? wire::kLeaseWrite : (maps_ && allow_shm_ ? wire::kFlagShm : 0);
   std::vector<uint8_t> payload;
   wire::Header h;
   try {
@@ -389,11 +424,16 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
     wire::CacheLease msg = wire::DecodeCacheLease(payload);
     if (q.kind == wire::kCacheId && msg.cache_id != q.a)
       ProtocolViolation("asked a lease on cache " + std::to_string(q.a) + ", got one on " + std::to_string(msg.cache_id));
-    l = lease::Make(std::move(msg), std::get<1>(key), std::get<2>(key), owner, why);
+    std::string no_shm;
+    l = lease::Make(std::move(msg), std::get<1>(key), std::get<2>(key), owner, why, allow_shm_ ? maps_.get() : nullptr,
+                    &no_shm);
+    if (!no_shm.empty())
+      Log("link to cluster " + std::to_string(remote_) + ": leased cache without shared memory (" + no_shm + ")");
   } catch (const Error &) {
     conn_->Close();
     throw;
   }
+  std::vector<std::shared_ptr<lease::Leased>> gone;  // closed outside the mutex
   std::lock_guard<std::mutex> lock(lease_mu_);
   if (!l) {
     Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + why + "): every transfer asks the owner");
@@ -402,6 +442,24 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
     return nullptr;
   }
   if (lease_owner_ != owner) return nullptr;  // dropped meanwhile (a failed copy on another thread)
+  // Leases of caches that went (revoked) are dropped here, and the oldest beyond kMaxLeases:
+  // a reader of one cache per request must not keep a fence (a descriptor) per request.
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->first == key || it->second->fence->Revoked()) {
+      gone.push_back(std::move(it->second));
+      it = leases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  while (leases_.size() >= kMaxLeases) {
+    auto oldest = leases_.begin();
+    for (auto it = leases_.begin(); it != leases_.end(); ++it)
+      if (it->second->seq < oldest->second->seq) oldest = it;
+    gone.push_back(std::move(oldest->second));
+    leases_.erase(oldest);
+  }
+  l->seq = ++lease_seq_;
   leases_[key] = l;
   return l;
 }
@@ -418,18 +476,19 @@ bool Link::TransferLeased(const wire::Request &req, const std::vector<iovec> &lo
   }
   if (!l && !(l = AskLease(key, deadline))) return false;
   std::string why;
-  switch (lease::Copy(*l, req, local, why)) {
+  bool used_shm = false;
+  const bool refused = cma_refused_;
+  switch (lease::Copy(*l, req, local, why, refused, &used_shm)) {
     case lease::Outcome::kDone:
+      last_ = used_shm ? Moved::kShm : Moved::kCma;
       return true;
     case lease::Outcome::kRevoked:
       DropLeases(l);  // the owner's answer to the request says what became of the cache
       return false;
     case lease::Outcome::kRefused: {
-      DropLeases();
+      if (refused) return false;  // not in shared memory: the owner streams it
       auto guard = Acquire(deadline);
-      if (path_ == Path::kCma && peer_pid_ == l->owner->pid())
-        SetPath(Path::kLocalStream, "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" +
-                                        why + "): bytes stream over the local socket");
+      if (path_ == Path::kCma && peer_pid_ == l->owner->pid() && !cma_refused_) CmaRefused(why);
       return false;
     }
     case lease::Outcome::kFailed:
@@ -442,6 +501,7 @@ bool Link::TransferLeased(const wire::Request &req, const std::vector<iovec> &lo
 }
 
 bool Link::ReadLeasedNow(const wire::Request &req, const std::vector<iovec> &local) {
+  if (req.flags & wire::kFlagChecksum) return false;  // checked pulls take no lease (Read)
   if ((req.kind != wire::kCacheId && req.kind != wire::kBlocksKey) || path_ != Path::kCma) return false;
   std::shared_ptr<lease::Leased> l;
   {
@@ -464,6 +524,7 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
   // trip, where a grant costs the same round trip plus a copy call and a RELEASE.
   if (path_ == Path::kCma && IovBytes(local) > grant_above_ && ReadGranted(req, local, deadline)) return;
   std::vector<uint8_t> payload;
+  last_ = Moved::kStream;
   wire::Header h = Call(wire::EncodeRequest(wire::kRead, req, ++rid_), payload, deadline);
   if (h.type != wire::kReadData) {
     conn_->Close();
@@ -499,13 +560,25 @@ void Link::ReadVerdict(const std::vector<iovec> &local, Deadline deadline) {
 bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
   wire::Request granted = req;
   granted.flags |= wire::kFlagGrant;
+  const bool cma_refused = cma_refused_;
+  // SHM where the owner's memory may be mapped here and memcpy pays (or is all we have left).
+  const bool ask_shm = maps_ && allow_shm_ && (cma_refused || shm::Pays(req.tensors.size(), req.lengths));
+  if (ask_shm) granted.flags |= wire::kFlagShm;
   std::vector<uint8_t> payload;
   wire::Header h = Call(wire::EncodeRequest(wire::kRead, granted, ++rid_), payload, deadline);
   wire::Grant grant;
+  wire::ShmGrant sgrant;
+  const bool shm = h.type == wire::kShmGrant;
   try {
-    if (h.type != wire::kGrant) ProtocolViolation("expected GRANT");
-    grant = wire::DecodeGrant(payload);
-    if (grant.bases.size() != req.tensors.size()) ProtocolViolation("the grant does not match the request");
+    if (shm) {
+      if (!ask_shm) ProtocolViolation("SHM_GRANT for a read that did not ask for shared memory");
+      sgrant = wire::DecodeShmGrant(payload);
+      if (sgrant.fds.size() != req.tensors.size()) ProtocolViolation("shm grant does not match the request");
+    } else {
+      if (h.type != wire::kGrant) ProtocolViolation("expected GRANT");
+      grant = wire::DecodeGrant(payload);
+      if (grant.bases.size() != req.tensors.size()) ProtocolViolation("the grant does not match the request");
+    }
   } catch (const Error &) {
     conn_->Close();
     throw;
@@ -520,6 +593,51 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
       throw;
     }
   }
+  const uint64_t lease_id = shm ? sgrant.lease_id : grant.lease_id;
+  auto release = [&](bool ok) {
+    try {  // no answer comes; an undelivered RELEASE is taken back by the owner (TTL, close)
+      conn_->SendFrame(wire::EncodeRelease({lease_id, ok}, 0), deadline);
+    } catch (const Error &) {
+    }
+  };
+  if (shm) {
+    std::vector<shm::MappingPtr> maps;  // held until the copy ends: a later grant cannot unmap them
+    std::string why;
+    bool mapped = false;
+    try {
+      mapped = maps_->Resolve(sgrant.fds, sgrant.inos, maps, why);
+      if (mapped) {
+        shm::Copy(local, shm::Spans(maps, sgrant.offsets, req.offsets, req.lengths));
+        last_ = Moved::kShm;
+      }
+    } catch (const Error &) {  // a lying owner: nothing copied, the connection cannot be trusted
+      release(false);
+      conn_->Close();
+      throw;
+    }
+    if (mapped) {
+      const std::string bad = (req.flags & wire::kFlagChecksum) ? verify::Compare(ck, local) : std::string();
+      release(bad.empty());  // ok: the owner may consume the key
+      if (!bad.empty()) verify::Mismatch(bad);
+      return true;
+    }
+    release(false);
+    // Its shared memory cannot be mapped here: cross-memory attach may still work.
+    allow_shm_ = false;
+    if (cma_refused) {
+      SetPath(Path::kLocalStream, "shared memory of pid " + std::to_string(peer_pid_) + " unavailable too (" + why +
+                                      "): bytes stream over the local socket");
+      DropLeases();
+      return false;
+    }
+    Log("link to cluster " + std::to_string(remote_) + ": shared memory of pid " + std::to_string(peer_pid_) +
+        " unavailable (" + why + "): cross-memory attach");
+    return ReadGranted(req, local, deadline);
+  }
+  if (cma_refused) {  // not in shareable memory, and we may not attach: the caller streams it
+    release(false);
+    return false;
+  }
   // The owner's spans, in its address space: tensor-major, as `local` (entry i of both has
   // the same length). A base that would wrap is a lying owner: nothing is copied.
   std::vector<iovec> remote;
@@ -531,12 +649,6 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
       wraps |= at < base || at + req.lengths[i] < at;
       remote.push_back({reinterpret_cast<void *>(at), static_cast<size_t>(req.lengths[i])});
     }
-  auto release = [&](bool ok) {
-    try {  // no answer comes; an undelivered RELEASE is taken back by the owner (TTL, close)
-      conn_->SendFrame(wire::EncodeRelease({grant.lease_id, ok}, 0), deadline);
-    } catch (const Error &) {
-    }
-  };
   if (wraps || remote.size() != local.size()) {
     release(false);
     conn_->Close();
@@ -551,16 +663,16 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
     throw;
   }
   if (got == local::CopyResult::kDone) {
-    const std::string why = (req.flags & wire::kFlagChecksum) ? verify::Compare(ck, local) : std::string();
-    release(why.empty());  // ok: the owner may consume the key
-    if (!why.empty()) verify::Mismatch(why);
+    last_ = Moved::kCma;
+    const std::string bad = (req.flags & wire::kFlagChecksum) ? verify::Compare(ck, local) : std::string();
+    release(bad.empty());  // ok: the owner may consume the key
+    if (!bad.empty()) verify::Mismatch(bad);
     return true;
   }
   release(false);
-  // The kernel refused (nothing to retry on this pid): stream from now on, on the same
-  // connection, as Python's CmaPath does once its link saw the refusal.
-  SetPath(Path::kLocalStream, "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" +
-                                  why + "): bytes stream over the local socket");
+  // The kernel refused (nothing to retry on this pid): as Python's CmaPath once its link saw
+  // the refusal, shared memory where it can, a stream elsewhere, on the same connection.
+  CmaRefused(why);
   return false;
 }
 

@@ -43,6 +43,7 @@
 #include "net.h"
 #include "registry.h"
 #include "tls.h"
+#include "shm.h"
 #include "wire.h"
 
 namespace datadist {
@@ -133,6 +134,18 @@ class Link {
   /// channel), and why.
   enum class Path { kTcp, kCma, kLocalStream };
   Path path() const { return path_; }
+  /// Shared memory (shm.h) on the same-host path: `allow` (default on; off when cma is
+  /// forced) asks owners for SHM grants and leases, and reads caches in their shareable
+  /// memory by memcpy; `forced` (transport shm) names the path "shm". Before Open.
+  void SetShm(bool allow, bool forced) {
+    allow_shm_ = allow;
+    shm_forced_ = forced;
+  }
+  /// path() by name, as the Python engine names it: "shm" for kCma when shm is forced.
+  const char *path_name() const;
+  /// How the last pull (or leased push) moved its bytes: "shm", "cma", "stream" (over the
+  /// control channel) or "" (none yet). For tests and tools.
+  const char *last_moved() const;
   /// Why the link took its path (for `datadist info` and logs); "" before any choice.
   std::string PathReason() const;
   static const char *PathName(Path p);
@@ -148,13 +161,20 @@ class Link {
   /// After a TCP handshake: move to the peer's local channel if it is on this host.
   void TryLocal(const wire::Hello &welcome, Deadline deadline);
   void SetPath(Path p, const std::string &why);
-  /// Same-host pull: GRANT, process_vm_readv, RELEASE. False (nothing moved, the link now
-  /// streams) when the kernel refused cross-memory attach.
+  /// Same-host pull: GRANT (with SHM where that pays), then memcpy from the owner's mapped
+  /// memfd (SHM_GRANT) or process_vm_readv (GRANT), RELEASE. False (nothing moved: the caller
+  /// streams it) when the kernel refused cross-memory attach (the link then streams, or with
+  /// shared memory keeps it for caches in it), or refuses it still and the cache is not in
+  /// shared memory.
   bool ReadGranted(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// A streamed READ with CHECKSUM whose bytes landed: the owner's CHECKSUM frame, compared
   /// with what landed, and our verdict (RELEASE, lease 0, the READ's id); a mismatch throws
   /// (verify.h).
   void ReadVerdict(const std::vector<iovec> &local, Deadline deadline);
+  /// The kernel refused cross-memory attach to the owner (`why`): with shared memory allowed
+  /// the link keeps it for caches in it (no ptrace permission needed) and streams the rest;
+  /// else it streams. Busy held.
+  void CmaRefused(const std::string &why);
   /// A pull (push) under a whole-cache lease; false when there is none to use (nothing
   /// moved: the caller asks the owner). Throws the owner's refusals (LEASE_REQUEST's answer,
   /// or the checks it would make).
@@ -212,11 +232,19 @@ class Link {
   mutable std::mutex why_mu_;  // guards why_ only
   std::string why_;
   pid_t peer_pid_ = 0;         // kCma: the pid SO_PEERCRED reported for conn_
+  bool allow_shm_ = true;      // SetShm; cleared when the owner's shared memory cannot be mapped here
+  bool shm_forced_ = false;
+  std::atomic<bool> cma_refused_{false};  // kCma with shared memory only (CmaRefused); per connection
+  std::unique_ptr<shm::Maps> maps_;       // kCma: our mappings of the owner's memfds (busy_)
+  enum class Moved { kNone, kStream, kCma, kShm };
+  std::atomic<Moved> last_{Moved::kNone};
   // Whole-cache leases of the current connection. lease_mu_ guards these two only; copies
   // under a lease hold its shared_ptr, not the mutex.
   std::mutex lease_mu_;
   std::shared_ptr<lease::OwnerProc> lease_owner_;  // null: no leases on this connection
   std::map<LeaseKey, std::shared_ptr<lease::Leased>> leases_;
+  uint64_t lease_seq_ = 0;  // lease_mu_: the last Leased::seq given
+  static constexpr size_t kMaxLeases = 64;  // kept per connection (Python's CmaPath.MAX_LEASES)
   // Our reverse channel (client links): parked on the I/O pool (iopool.h) between the
   // listener's requests, served by a pool thread a request at a time, until unlink / finalize
   // (StopReverse). It is its own socket: our transfers (conn_, under busy_) never share it.

@@ -27,6 +27,7 @@
 #include "registry.h"
 #include "server.h"
 #include "tls.h"
+#include "shm.h"
 
 namespace llm_datadist {
 
@@ -86,16 +87,15 @@ bool BoolOption(const std::map<AscendString, AscendString> &options, const char 
   Invalid(std::string(key) + " must be 1 or 0, got '" + s + "'");
 }
 
-// datadist.Transport (else DATADIST_TRANSPORT): whether links may use a peer's local channel.
-// "auto" (default) and "cma" / "shm" allow it (this library reads same-host memory with
-// cross-memory attach only), "tcp" forces TCP; "nixl" is not in this library.
-bool SameHostAllowed(const std::map<AscendString, AscendString> &options) {
+// datadist.Transport (else DATADIST_TRANSPORT), lower-cased: "auto" (default), "tcp", "cma" or
+// "shm"; "nixl" is not in this library (LLM_FEATURE_NOT_ENABLED), anything else LLM_PARAM_INVALID.
+std::string TransportOption(const std::map<AscendString, AscendString> &options) {
   const char *v = Find(options, "datadist.Transport");
   if (v == nullptr || !*v) v = std::getenv("DATADIST_TRANSPORT");
   std::string s = v ? v : "";
   for (char &c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (s.empty() || s == "auto" || s == "cma" || s == "shm") return true;
-  if (s == "tcp") return false;
+  if (s.empty()) return "auto";
+  if (s == "auto" || s == "cma" || s == "shm" || s == "tcp") return s;
   if (s == "nixl") Fail(LLM_FEATURE_NOT_ENABLED, "transport 'nixl' is not available in the C++ library");
   Invalid("unknown transport '" + s + "'; use auto, tcp, cma or shm");
 }
@@ -249,7 +249,12 @@ class LlmDataDist::LlmDataDistImpl {
     const char *secret = Find(options, kOptionAuthSecret);
     if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
     opts.secret = secret ? secret : "";
-    opts.same_host = SameHostAllowed(options);
+    // "tcp" neither serves nor uses the local channel; "cma" reads no shared memory; "shm"
+    // names the same-host path "shm" (as the Python package).
+    const std::string transport = TransportOption(options);
+    opts.same_host = transport != "tcp";
+    opts.shm = transport != "cma";
+    opts.shm_forced = transport == "shm";
     opts.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
     const char *verify_env = std::getenv("DATADIST_VERIFY_CHECKSUM");
     verify_ = BoolOption(options, OPTION_DATADIST_VERIFY_CHECKSUM, verify_env != nullptr && std::string(verify_env) == "1");
@@ -383,17 +388,27 @@ class LlmDataDist::LlmDataDistImpl {
   void Allocate(const CacheDesc &desc, Cache &cache) {
     CheckUpLocked();
     datadist::Geometry g = datadist::GeometryOf(desc);
-    std::vector<std::unique_ptr<uint8_t[]>> mem;
-    std::vector<uint64_t> addrs;
-    for (uint32_t i = 0; i < g.num_tensors; ++i) {
-      uint8_t *p = new (std::nothrow) uint8_t[g.tensor_bytes]();
-      if (p == nullptr)
-        Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY,
-             "cannot allocate " + std::to_string(g.tensor_bytes) + " bytes");
-      mem.emplace_back(p);
-      addrs.push_back(reinterpret_cast<uint64_t>(p));
+    // One sealed memfd per cache, its tensors page-aligned in it: a same-host reader maps it
+    // and copies with memcpy (shm.h), as from a Python pool.
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t step = (g.tensor_bytes + page - 1) / page * page;
+    if (step < g.tensor_bytes || (g.num_tensors && step > UINT64_MAX / g.num_tensors))
+      Fail(LLM_OUT_OF_MEMORY, "cannot allocate " + std::to_string(g.num_tensors) + " x " + std::to_string(g.tensor_bytes) + " bytes");
+    std::shared_ptr<datadist::shm::Region> region;
+    try {
+      region = datadist::shm::Region::Create("datadist-cache", step * g.num_tensors);
+    } catch (const datadist::Error &e) {
+      Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY, e.what());
     }
-    int64_t id = engine_.registry().Add(desc, addrs, std::move(mem));
+    std::vector<uint64_t> addrs;
+    datadist::ShmPlace shared;
+    for (uint32_t i = 0; i < g.num_tensors; ++i) {
+      addrs.push_back(reinterpret_cast<uint64_t>(region->addr()) + i * step);
+      shared.fds.push_back(region->fd());
+      shared.inos.push_back(region->ino());
+      shared.offsets.push_back(i * step);
+    }
+    int64_t id = engine_.registry().Add(desc, addrs, {}, region, shared);
     cache.cache_id = id;
     cache.cache_desc = desc;
     cache.tensor_addrs.assign(addrs.begin(), addrs.end());

@@ -237,8 +237,20 @@ void Registry::SettleLocked(Lease *l, bool ok) {
   }
 }
 
+namespace {
+
+// A ShmPlace names every tensor or none (LLM_PARAM_INVALID).
+void CheckShm(const ShmPlace &shm, size_t tensors) {
+  const size_t m = shm.fds.size();
+  if ((m && m != tensors) || shm.inos.size() != m || shm.offsets.size() != m)
+    Invalid("shared memory of " + std::to_string(m) + " tensors given for " + std::to_string(tensors));
+}
+
+}  // namespace
+
 int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
-                      std::vector<std::unique_ptr<uint8_t[]>> owned) {
+                      std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region,
+                      const ShmPlace &shm) {
   Geometry g = GeometryOf(desc);
   if (addrs.size() != g.num_tensors)
     Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
@@ -249,6 +261,9 @@ int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uin
   e->desc = desc;
   e->addrs = addrs;
   e->owned = std::move(owned);
+  CheckShm(shm, addrs.size());
+  e->shm = shm;
+  e->region = std::move(region);
   std::lock_guard<std::mutex> lock(mu_);
   while (by_id_.count(next_id_)) ++next_id_;  // ids an embedder chose (the other Add)
   e->id = next_id_++;
@@ -261,28 +276,31 @@ void Registry::Add(int64_t id, const llm_datadist::CacheDesc &desc, const std::v
   Insert(id, GeometryOf(desc), &desc, addrs, opts);
 }
 
-void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts) {
+void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
+                     const ShmPlace &shm) {
   if (geo.num_tensors == 0 || geo.units == 0 || geo.tensor_bytes == 0 || geo.tensor_bytes % geo.units ||
       geo.unit_bytes != geo.tensor_bytes / geo.units)
     Invalid("a cache geometry must have tensors, units and bytes that split into them");
   for (uint64_t a : addrs)
     if (a + geo.tensor_bytes < a) Invalid("tensor addresses must not wrap the address space");
-  Insert(id, geo, nullptr, addrs, opts);
+  Insert(id, geo, nullptr, addrs, opts, shm);
 }
 
 void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDesc *desc,
-                      const std::vector<uint64_t> &addrs, const CacheOptions &opts) {
+                      const std::vector<uint64_t> &addrs, const CacheOptions &opts, const ShmPlace &shm) {
   if (id <= 0) Invalid("cache id " + std::to_string(id) + " must be > 0");
   if (addrs.size() != g.num_tensors)
     Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
   for (uint64_t a : addrs)
     if (a == 0) Invalid("tensor addresses must be non-zero");
+  CheckShm(shm, addrs.size());
   auto e = std::make_shared<Entry>();
   e->id = id;
   e->geo = g;
   if (desc) e->desc = *desc;
   e->addrs = addrs;
   e->opts = opts;
+  e->shm = shm;
   std::lock_guard<std::mutex> lock(mu_);
   bool used = by_id_.count(id) != 0;
   for (const auto &d : dropped_) used = used || d->id == id;
@@ -402,7 +420,7 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
   auto it = by_id_.find(id);
   if (it == by_id_.end()) return;
   std::shared_ptr<Entry> e = it->second;
-  if (e->owned.empty() == owned)
+  if ((e->owned.empty() && !e->region) == owned)
     Invalid(owned ? "cache " + std::to_string(id) + " was registered, not allocated: use UnregisterKvCache"
                   : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
   e->closing = true;
@@ -491,6 +509,11 @@ wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
   l.fence_fd = e.fence->fd();
   l.fence_ino = e.fence->ino();
   l.addrs = e.addrs;
+  if ((q.flags & wire::kFlagShm) && !(q.flags & wire::kLeaseWrite) && e.shm.shareable()) {
+    l.shm_fds = e.shm.fds;  // a lease to write goes by cross-memory attach (Python's)
+    l.shm_inos = e.shm.inos;
+    l.shm_offsets = e.shm.offsets;
+  }
   return l;
 }
 

@@ -87,13 +87,25 @@ struct CacheOptions {
   bool blocks = false;
 };
 
+/// Where each tensor of a cache lies in shareable memory (a sealed memfd of this process,
+/// shm.h): its descriptor, inode and the tensor's offset in it; all empty when it does not.
+/// Same-host readers asking for SHM get these (SHM_GRANT, CACHE_LEASE) instead of addresses
+/// to read with cross-memory attach. The descriptors must stay open while the cache is filed.
+struct ShmPlace {
+  std::vector<int32_t> fds;
+  std::vector<uint64_t> inos, offsets;
+  bool shareable() const { return !fds.empty(); }
+};
+
 struct Entry {
   int64_t id = 0;
   Geometry geo;
   llm_datadist::CacheDesc desc;
   std::vector<uint64_t> addrs;  // base of each tensor
   std::vector<std::unique_ptr<uint8_t[]>> owned;  // AllocateCache's memory; empty when registered
+  std::shared_ptr<void> region;  // AllocateCache's shared memory (shm::Region), or null
   CacheOptions opts;
+  ShmPlace shm;
   int leases = 0;
   bool closing = false;
   bool id_held = true;  // filed under its id (false once deallocated: keys may still hold it)
@@ -162,9 +174,12 @@ class Lease {
 class Registry {
  public:
   /// The C++ API's AllocateCache / RegisterKvCache: adds a cache under the next free id and
-  /// returns it. `owned` is the memory AllocateCache made (may be empty). Not blocking.
+  /// returns it. `owned` is the memory AllocateCache made (may be empty), or `region` (the
+  /// shared memory it made, held until the cache goes) with `shm` saying where each tensor
+  /// lies in it. Not blocking.
   int64_t Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
-              std::vector<std::unique_ptr<uint8_t[]>> owned);
+              std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region = nullptr,
+              const ShmPlace &shm = {});
   /// The native engine's register / allocate (Python's Registry.add): files a cache whose
   /// memory the caller keeps under the id `id` the Python registry gave it (> 0), with
   /// `opts`. LLM_PARAM_INVALID for an id <= 0 or one in use (by a cache, or a deallocated one
@@ -174,7 +189,9 @@ class Registry {
   /// The same, for a cache described by its geometry (the Python package computes it; its
   /// dtype and shape are not needed to serve it). LLM_PARAM_INVALID for a geometry whose
   /// bytes do not split into its units, or addresses that are zero or wrap. Not blocking.
-  void AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts);
+  /// `shm`: where its tensors lie in our shareable memory (none by default).
+  void AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
+             const ShmPlace &shm = {});
   /// Removes a cache once no lease holds it (waits up to `wait_s`, then LLM_TIMEOUT and the
   /// cache stays), with its keys and model id (Python's Registry.unregister). Unknown ids:
   /// no-op. `owned` says which kind the caller may remove (memory this registry allocated vs
@@ -233,7 +250,8 @@ class Registry {
   std::unique_ptr<Lease> OpenWrite(const wire::Request &req);
   /// Owner side of LEASE_REQUEST (Python's Registry.lease_cache and Engine.lease_cache's write
   /// check): the cache a kCacheId (b ignored) or kBlocksKey key names (resolved as Open does),
-  /// its geometry and addresses, and its live fence. LLM_KV_CACHE_NOT_EXIST for an unknown
+  /// its geometry and addresses, its memfds (ShmPlace) when the request has
+  /// kFlagShm, is not a write and the cache is shareable, and its live fence. LLM_KV_CACHE_NOT_EXIST for an unknown
   /// cache or one being unregistered; LLM_PARAM_INVALID for one not remote accessible, or a
   /// write lease (kLeaseWrite) when SetRemoteWrites(false).
   wire::CacheLease LeaseCache(const wire::LeaseRequest &q);
@@ -247,7 +265,7 @@ class Registry {
  private:
   friend class Lease;
   void Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDesc *desc, const std::vector<uint64_t> &addrs,
-              const CacheOptions &opts);
+              const CacheOptions &opts, const ShmPlace &shm = {});
   void End(Lease *l);
   void SettleLocked(Lease *l, bool ok);
   void UnpinLocked(Lease *l);

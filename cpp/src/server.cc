@@ -401,7 +401,7 @@ void GrantBook::Close() {
   ptracer_ = false;
 }
 
-void GrantBook::Take(pid_t pid) {
+void GrantBook::Take(pid_t pid, bool cma) {
   std::lock_guard<std::mutex> lock(mu_);
   size_t &held = held_[pid];
   if (held >= kMaxGrantsPerPeer) {
@@ -409,8 +409,9 @@ void GrantBook::Take(pid_t pid) {
     Fail(llm_datadist::LLM_LINK_BUSY, "pid " + std::to_string(pid) + " holds " + std::to_string(n) + " grants not released yet");
   }
   ++held;
-  // The first cross-memory-attach grant: let same-user readers in under Yama ptrace_scope=1.
-  if (allow_ptrace_ && !ptracer_) {
+  // The first cross-memory-attach grant: let same-user readers in under Yama ptrace_scope=1
+  // (shared memory needs no ptrace permission).
+  if (cma && allow_ptrace_ && !ptracer_) {
     local::Ptracer::Acquire(this);
     ptracer_ = true;
   }
@@ -742,14 +743,30 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
     Fail(llm_datadist::LLM_LINK_BUSY, std::to_string(grants.size()) + " grants are still not released on this connection");
   std::unique_ptr<Lease> lease = ctx.registry->Open(req);  // every span checked here
   if (lease->bases.size() != req.tensors.size()) Invalid("this request cannot be granted");
-  ctx.grants->Take(peer.pid);
+  // SHM asked and the cache in shareable memory: where each tensor's unit lies in its memfd.
+  const Entry &e = lease->entry();
+  const bool shm = (req.flags & wire::kFlagShm) && e.shm.shareable();
+  ctx.grants->Take(peer.pid, !shm);
   const uint64_t id = next_lease_id++;
-  wire::Grant g{id, lease->bases};
+  std::vector<uint8_t> frame;
+  if (shm) {
+    wire::ShmGrant g;
+    g.lease_id = id;
+    for (size_t i = 0; i < req.tensors.size(); ++i) {
+      const uint32_t t = req.tensors[i];
+      g.fds.push_back(e.shm.fds[t]);
+      g.inos.push_back(e.shm.inos[t]);
+      g.offsets.push_back(e.shm.offsets[t] + (lease->bases[i] - e.addrs[t]));
+    }
+    frame = wire::EncodeShmGrant(g, rid);
+  } else {
+    frame = wire::EncodeGrant({id, lease->bases}, rid);
+  }
   std::vector<uint8_t> checksum;
   if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(lease->iov, rid);  // while the lease holds the memory
   grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid, ctx.cluster, asked));
   const Deadline deadline = After(kServeTimeout);
-  c.SendFrame(wire::EncodeGrant(g, rid), deadline);
+  c.SendFrame(frame, deadline);
   if (!checksum.empty()) c.SendFrame(checksum, deadline);
 }
 
@@ -767,8 +784,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       std::unique_ptr<Lease> lease;
       try {
         if (req.flags & wire::kFlagGrant) {
-          // SHM too: nothing of ours is in shareable memory, so a plain GRANT answers it.
-          Grant(ctx, grants, c, req, rid, asked);
+          Grant(ctx, grants, c, req, rid, asked);  // SHM_GRANT for SHM on shareable memory
           return true;
         }
         lease = registry_->Open(req);
@@ -835,8 +851,8 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       try {
         if (ctx.peer == nullptr || ctx.grants == nullptr || !ctx.peer->MayReadUs())
           Invalid("cache leases are granted only on the local channel, to peers allowed to read this process's memory");
-        wire::CacheLease l = registry_->LeaseCache(q);  // nothing of ours is in shareable memory: m = 0
-        ctx.grants->AllowReaders();
+        wire::CacheLease l = registry_->LeaseCache(q);  // its memfds too, for SHM on shareable memory
+        if (l.shm_fds.empty()) ctx.grants->AllowReaders();  // read by cross-memory attach
         answer = wire::EncodeCacheLease(l, rid);
         metrics::RecordSince(metrics::Op::kServeLease, ctx.cluster, 0, asked, llm_datadist::LLM_SUCCESS);
       } catch (const Error &e) {

@@ -67,7 +67,9 @@ class GrantBook {
   GrantBook(const GrantBook &) = delete;
   GrantBook &operator=(const GrantBook &) = delete;
   /// One more grant to `pid`; LLM_LINK_BUSY when it holds kMaxGrantsPerPeer already.
-  void Take(pid_t pid);
+  /// `cma`: it is read with cross-memory attach (not from shared memory): the first such
+  /// grant lets same-user readers attach.
+  void Take(pid_t pid, bool cma = true);
   void Drop(pid_t pid);
   /// A whole-cache lease was given (not counted: a lease holds no memory of ours, its fence
   /// does): let same-user readers attach, as the first grant does.

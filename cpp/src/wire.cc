@@ -275,6 +275,18 @@ std::vector<uint8_t> EncodeGrant(const Grant &g, uint32_t rid) {
   return w.Finish();
 }
 
+std::vector<uint8_t> EncodeShmGrant(const ShmGrant &g, uint32_t rid) {
+  const size_t n = g.fds.size();
+  if (g.inos.size() != n || g.offsets.size() != n) Fail(llm_datadist::LLM_FAILED, "SHM_GRANT arrays differ in length");
+  Writer w(kShmGrant, rid);
+  w.U64(g.lease_id);
+  w.U32(n);
+  for (int32_t fd : g.fds) w.U32(static_cast<uint32_t>(fd));
+  for (uint64_t v : g.inos) w.U64(v);
+  for (uint64_t v : g.offsets) w.U64(v);
+  return w.Finish();
+}
+
 std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid) {
   Writer w(kRelease, rid);
   w.U64(r.lease_id);

@@ -113,7 +113,7 @@ struct Checksum {
 };
 
 /// SHM_GRANT: per requested tensor, the owner's memfd number, its inode and the offset of the
-/// tensor's unit base in it. Decoded only (this library asks no SHM grants and sends none).
+/// tensor's unit base in it (docs/protocol.md, "Pull on the same host"; shm.h).
 struct ShmGrant {
   uint64_t lease_id = 0;
   std::vector<int32_t> fds;
@@ -152,6 +152,7 @@ std::vector<uint8_t> EncodeEmpty(uint8_t type, uint32_t rid);                // 
 std::vector<uint8_t> EncodeChecksum(uint32_t crc, uint64_t nbytes, uint32_t rid);
 std::vector<uint8_t> EncodeAuth(const std::string &proof, uint32_t rid);
 std::vector<uint8_t> EncodeGrant(const Grant &g, uint32_t rid);
+std::vector<uint8_t> EncodeShmGrant(const ShmGrant &g, uint32_t rid);
 std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid);
 std::vector<uint8_t> EncodeLeaseRequest(const LeaseRequest &r, uint32_t rid);
 std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid);

@@ -126,7 +126,7 @@ inline const std::map<uint8_t, Codec> &Codecs() {
       {wire::kBye, EmptyCodec(wire::kBye)},
       {wire::kWrite, RequestCodec(wire::kWrite)},
       {wire::kOk, EmptyCodec(wire::kOk)},
-      {wire::kShmGrant,  // decoded only: this library never grants shared memory
+      {wire::kShmGrant,
        {[](const Bytes &p) {
           wire::ShmGrant g = wire::DecodeShmGrant(p);
           return Fields{{"lease_id", std::to_string(g.lease_id)},
@@ -134,7 +134,7 @@ inline const std::map<uint8_t, Codec> &Codecs() {
                         {"inos", List(g.inos)},
                         {"offsets", List(g.offsets)}};
         },
-        nullptr}},
+        [](const Bytes &p, uint32_t rid) { return wire::EncodeShmGrant(wire::DecodeShmGrant(p), rid); }}},
       {wire::kAuth,
        {[](const Bytes &p) { return Fields{{"proof", Hex(wire::DecodeAuth(p))}}; },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeAuth(wire::DecodeAuth(p), rid); }}},

@@ -157,7 +157,9 @@ def test_pushes_both_ways_over_the_local_channel(xpeer):
 def test_refused_cross_memory_attach_falls_back_to_the_stream(xpeer, owner):
     """The kernel refuses the C++ puller's process_vm_readv (a seccomp filter makes it answer
     EPERM, as Yama or another uid would): the pull still lands, streamed over the local
-    channel, and the link says why. (Pulls over 64 KiB are granted; smaller ones stream.)"""
+    channel, and the link says why. (Pulls over 64 KiB are granted; smaller ones stream.)
+    As the Python reader, the link stays on the same-host path for caches in the owner's
+    shared memory (which needs no ptrace permission); registered memory is streamed."""
     block = 16384
     shape = (8, block)
     py = None
@@ -184,7 +186,8 @@ def test_refused_cross_memory_attach_falls_back_to_the_stream(xpeer, owner):
         assert _path_lines(cpp.log(), owner_id)[-1].startswith("cma")
         cpp.ok(f"pullb {owner_id} {rid} 0 {local} 3,5,1 0,7,2 -1 -1 -1 -1 2")  # 96 KiB: granted
         lines = _path_lines(cpp.log(), owner_id)
-        assert lines[-1].startswith("local") and "refused" in lines[-1], lines
+        assert lines[-1].startswith("cma") and "refused" in lines[-1], lines
+        assert "shared memory" in lines[-1] and "stream" in lines[-1], lines
         assert f"pid {owner_pid}" in lines[-1]
         cpp.ok(f"pullb {owner_id} {rid} 0 {local} 6,4,2 3,4,5 -1 -1 -1 -1 2")  # stays usable
         for t in range(2):
@@ -196,6 +199,41 @@ def test_refused_cross_memory_attach_falls_back_to_the_stream(xpeer, owner):
     finally:
         if py is not None:
             py.finalize()
+
+
+def test_refused_cross_memory_attach_still_reads_allocated_caches_from_shared_memory(xpeer):
+    """AllocateCache puts a C++ cache in a sealed memfd: a C++ puller whose kernel refuses
+    process_vm_readv reads it from the owner's mapped memfd (no ptrace permission needed),
+    granted and leased, with no refusal to report; a registered cache of the same owner is
+    streamed after the refusal (as the Python reader, test_same_host_trust.py)."""
+    block = 16384
+    shape = (8, block)
+    own = xpeer()
+    own.init(CPP2_ID, PROMPT, listen=True)
+    alloc = int(own.ok(f"alloc 2 4 {','.join(map(str, shape))}")[0])
+    src = [pattern(40 + t, 8 * block) for t in range(2)]
+    for t in range(2):
+        own.write(alloc, t, src[t])
+    reg = own.register(2, shape)
+    for t in range(2):
+        own.write(reg, t, src[t])
+    cpp = xpeer()
+    cpp.ok("denycma")
+    cpp.init(CPP_ID, DECODER)
+    local = cpp.register(2, shape)
+    cpp.ok(f"link {CPP2_ID} 127.0.0.1 {own.port} 3000")
+    first = _path_lines(cpp.log(), CPP2_ID)
+    assert first[-1].startswith("cma") and "shared memory" in first[-1], first
+    for rid, picks in ((alloc, "3,5,1 0,7,2"), (alloc, "6,4,2 3,4,5"), (reg, "0 6")):
+        cpp.ok(f"pullb {CPP2_ID} {rid} 0 {local} {picks} -1 -1 -1 -1 2")  # 48 KiB x 2: granted
+    for t in range(2):
+        got = cpp.read(local, t)
+        for s, d in [(3, 0), (5, 7), (1, 2), (6, 3), (4, 4), (2, 5), (0, 6)]:
+            assert got[d * block:(d + 1) * block] == src[t][s * block:(s + 1) * block], (t, d)
+        assert got[block:2 * block] == bytes(block)
+    lines = _path_lines(cpp.log(), CPP2_ID)
+    # the allocated cache's pulls needed no cross-memory attach: the registered one's did
+    assert len(lines) == 2 and "refused" in lines[-1], lines
 
 
 def test_dead_owners_fail_within_the_deadline_over_the_local_channel(xpeer):

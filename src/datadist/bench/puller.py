@@ -105,11 +105,14 @@ class Puller:
         return engine_name(self.dd.engine)
 
     def mechanism(self) -> str:
-        """The link's path, and on the same host what moved the last request (shm or cma).
-        The native engine names its path only (a string, e.g. "tcp" or "local")."""
+        """The link's path, and on the same host what moved the last request (shm or cma)."""
+        from datadist.core.native import NativeEngine
+
+        engine: object = self.dd.engine
+        if isinstance(engine, NativeEngine):  # its link's path's name, and its last pull's
+            name, last = engine.get_link(OWNER_ID).path_name, engine.last_moved(OWNER_ID)
+            return f"{name}/{last}" if last in ("shm", "cma") and last != name else name
         path = self.dd.engine.get_link(OWNER_ID).path
-        if isinstance(path, str):  # the native engine's link: its path's name
-            return path
         last = getattr(path, "last", "")
         name = path.caps.name
         return f"{name}/{last}" if last and last != name else name

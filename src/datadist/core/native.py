@@ -100,7 +100,7 @@ def refusal(config: EngineConfig) -> str | None:
         if not has:
             return f"TLS (datadist.TlsCert...): {what}"
     forced = forced_path(config.transport)  # the option, else DATADIST_TRANSPORT
-    if forced not in (PathKind.AUTO, PathKind.TCP):
+    if forced == PathKind.NIXL:
         return f"transport {forced.value!r} is served by the Python engine only"
     if config.nixl_serve:
         return "serving NIXL (datadist.NixlServe) is the Python engine's"
@@ -267,14 +267,17 @@ class NativeEngine:
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
         self._core.set_remote_writes(config.remote_cache_accessible)
         try:
+            forced = forced_path(config.transport)
             with _mapped():
+                # Same-host links read owners' shared memory (memfds) unless cma is forced;
+                # forced shm names the path "shm" (as core/links.py).
                 tls = config.tls
-                self._core.open(config.secret or b"",
-                                forced_path(config.transport) != PathKind.TCP,
+                self._core.open(config.secret or b"", forced != PathKind.TCP,
                                 config.allow_ptrace, config.max_connections,
                                 config.max_connections_per_peer,
                                 tls.cert_file if tls else "", tls.key_file if tls else "",
-                                tls.ca_file if tls else "")
+                                tls.ca_file if tls else "",
+                                shm=forced != PathKind.CMA, shm_forced=forced == PathKind.SHM)
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
                     name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
@@ -338,11 +341,15 @@ class NativeEngine:
         """File ``entry`` (just added to our registry) in the core's, with its keys and
         model id, so that its threads serve it to peers. All or nothing."""
         g = entry.geometry
+        # Caches in shareable memory (our pools, shared_empty arrays): the core serves
+        # same-host readers their memfds (SHM_GRANT, CACHE_LEASE) to map and memcpy from.
+        found = shared.lookup(entry.addrs, g.tensor_bytes)
+        shm = None if found is None else tuple(a.tolist() for a in found)
         try:
             with _mapped():
                 self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
                                      g.layout, entry.addrs, entry.owned,
-                                     entry.remote_accessible, g.is_blocks)
+                                     entry.remote_accessible, g.is_blocks, shm=shm)
                 bound = [(slot, k) for slot, k in enumerate(keys) if k is not None]
                 if bound:
                     self._core.bind_keys(entry.cache_id,
@@ -477,6 +484,12 @@ class NativeEngine:
         own, inbound = self._core.linked(cluster_id)
         return NativeLink(cluster_id, str(path), inbound=not own,
                           reason=str(self._core.link_reason(cluster_id) or ""))
+
+    def last_moved(self, cluster_id: int) -> str:
+        """How the last pull on our link to ``cluster_id`` moved its bytes: "shm" (memcpy
+        from the owner's mapped memfd), "cma", "stream" or "" (none yet, or no such link).
+        For tests and tools; never blocks."""
+        return str(self._core.link_moved(cluster_id) or "")
 
     def check_link(self, cluster_id: int, timeout: float) -> None:
         with _mapped():

@@ -22,6 +22,7 @@ import contextlib
 import os
 import socket
 import struct
+from collections.abc import Callable
 
 from datadist.testing.procs import PeerLink
 from datadist.wire import protocol as p
@@ -81,17 +82,21 @@ class EchoOwner:
     READ with the GRANT flag is answered with a GRANT naming ``grant_addr`` for every tensor
     (what a remote attacker would send to make the puller copy its own memory), any other READ
     with READ_DATA of ``fill`` bytes. ``local_name``: also serve that abstract unix name (a
-    local squatter). ``reads`` records the flags of every READ. Serves on threads until
-    ``close``; every wait is bounded by the sockets' timeouts.
+    local squatter). ``shm_grant``: a READ with GRANT | SHM is answered with what it returns
+    for that READ (an SHM_GRANT naming whatever memfds a lying owner names; None: as without
+    SHM). ``reads`` records the flags of every READ. Serves on threads until ``close``; every
+    wait is bounded by the sockets' timeouts.
     """
 
     def __init__(self, cluster_id: int, *, grant_addr: int = 0, port: int = 0,
                  boot_id: bytes | None = None, local_name: bytes | None = None,
-                 fill: int = 0x5A) -> None:
+                 fill: int = 0x5A,
+                 shm_grant: Callable[[p.Read], p.ShmGrant | None] | None = None) -> None:
         import threading
 
         self.cluster_id, self.grant_addr, self.boot_id, self.fill = (cluster_id, grant_addr,
                                                                      boot_id, fill)
+        self.shm_grant = shm_grant
         self.reads: list[int] = []
         self._closing = threading.Event()
         self._socks: list[socket.socket] = []
@@ -155,7 +160,12 @@ class EchoOwner:
                 rid, msg = _next_message(conn, decoder, pending)
                 if isinstance(msg, p.Read):
                     self.reads.append(int(msg.flags))
-                    if msg.flags & p.ReadFlags.GRANT and self.grant_addr:
+                    shm = (self.shm_grant(msg) if self.shm_grant is not None
+                           and msg.flags & p.ReadFlags.GRANT and msg.flags & p.ReadFlags.SHM
+                           else None)
+                    if shm is not None:
+                        conn.sendall(p.encode(shm, rid))
+                    elif msg.flags & p.ReadFlags.GRANT and self.grant_addr:
                         lease += 1
                         bases = np.full(len(msg.tensors), self.grant_addr, dtype=np.uint64)
                         conn.sendall(p.encode(p.Grant(lease, bases), rid))
