@@ -13,20 +13,10 @@
 
 #include "errors.h"
 #include "local.h"
+#include "memfd.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434  // the same number on every architecture
-#endif
-#ifndef F_ADD_SEALS
-#define F_ADD_SEALS 1033
-#define F_GET_SEALS 1034
-#define F_SEAL_SEAL 0x0001
-#define F_SEAL_SHRINK 0x0002
-#define F_SEAL_GROW 0x0004
-#endif
-#ifndef MFD_CLOEXEC
-#define MFD_CLOEXEC 0x0001U
-#define MFD_ALLOW_SEALING 0x0002U
 #endif
 
 namespace datadist {

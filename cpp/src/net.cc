@@ -253,6 +253,21 @@ bool Conn::TlsAccept(Deadline deadline) {
   }
 }
 
+template <typename Byte, typename Step>
+void Conn::TlsPump(Byte *p, size_t n, Deadline deadline, const char *what, Step &&step) {
+  while (n) {
+    tls::Session::Step s = step(p, n);
+    if (s.bytes) {
+      p += s.bytes;
+      n -= s.bytes;
+    } else if (s.want != tls::Session::Want::kNothing) {
+      Wait(s.want == tls::Session::Want::kRead ? POLLIN : POLLOUT, deadline);
+    } else {
+      Broken(s.eof ? std::string("closed by the peer") : std::string("TLS ") + what + " failed: " + s.error);
+    }
+  }
+}
+
 void Conn::TlsSendV(std::vector<iovec> &iov, Deadline deadline) {
   // Spans up to a record's size are gathered into one write, so that a frame's header and
   // payload travel in one record (a TLS server parks a connection until a whole record is
@@ -260,17 +275,7 @@ void Conn::TlsSendV(std::vector<iovec> &iov, Deadline deadline) {
   constexpr size_t kRecord = 16384;
   std::vector<uint8_t> stage;
   auto put = [&](const uint8_t *p, size_t n) {
-    while (n) {
-      tls::Session::Step s = tls_->Write(p, n);
-      if (s.bytes) {
-        p += s.bytes;
-        n -= s.bytes;
-      } else if (s.want != tls::Session::Want::kNothing) {
-        Wait(s.want == tls::Session::Want::kRead ? POLLIN : POLLOUT, deadline);
-      } else {
-        Broken(s.eof ? std::string("closed by the peer") : "TLS send failed: " + s.error);
-      }
-    }
+    TlsPump(p, n, deadline, "send", [&](const uint8_t *at, size_t left) { return tls_->Write(at, left); });
   };
   for (const iovec &v : iov) {
     const auto *base = static_cast<const uint8_t *>(v.iov_base);
@@ -291,19 +296,8 @@ void Conn::TlsSendV(std::vector<iovec> &iov, Deadline deadline) {
 
 void Conn::TlsRecvV(std::vector<iovec> &iov, Deadline deadline) {
   for (const iovec &v : iov) {
-    auto *p = static_cast<uint8_t *>(v.iov_base);
-    size_t n = v.iov_len;
-    while (n) {
-      tls::Session::Step s = tls_->Read(p, n);
-      if (s.bytes) {
-        p += s.bytes;
-        n -= s.bytes;
-      } else if (s.want != tls::Session::Want::kNothing) {
-        Wait(s.want == tls::Session::Want::kRead ? POLLIN : POLLOUT, deadline);
-      } else {
-        Broken(s.eof ? std::string("closed by the peer") : "TLS receive failed: " + s.error);
-      }
-    }
+    TlsPump(static_cast<uint8_t *>(v.iov_base), v.iov_len, deadline, "receive",
+            [&](uint8_t *at, size_t left) { return tls_->Read(at, left); });
   }
 }
 

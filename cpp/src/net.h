@@ -87,6 +87,10 @@ class Conn {
   [[noreturn]] void Broken(const std::string &what);
   void TlsSendV(std::vector<iovec> &iov, Deadline deadline);
   void TlsRecvV(std::vector<iovec> &iov, Deadline deadline);
+  /// Moves n bytes at p through `step` (the session's Read or Write), waiting on the socket
+  /// for what TLS wants until `deadline`; EOF or an error breaks the connection.
+  template <typename Byte, typename Step>
+  void TlsPump(Byte *p, size_t n, Deadline deadline, const char *what, Step &&step);
   int fd_;
   std::unique_ptr<tls::Session> tls_;  // the owner's only
   std::mutex close_mu_;  // Close (owner) vs Shutdown (any thread)
