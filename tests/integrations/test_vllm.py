@@ -61,7 +61,14 @@ class Node:
                  dtype: str = "float32") -> None:
         log_config = log.with_suffix(".logging.json")
         log_config.write_text(json.dumps(LOG_CONFIG))
+        # vLLM's CPU backend binds every instance's worker to the same cores by default
+        # (`auto`: CPU 0 on this 2-core host), so two instances on one host share one CPU; a
+        # worker stepping in its sched_yield loop then starved the other instance's worker for
+        # minutes on Linux 6.18 (docs/vllm.md, "Two instances on one host"). Deployments give
+        # each instance its own cores; here, with fewer cores than engines, none is bound.
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
+                                                            "nobind"),
                    DATADIST_VLLM_DTYPE=os.environ.get("DATADIST_VLLM_DTYPE", dtype),
                    VLLM_LOGGING_CONFIG_PATH=str(log_config),
                    PYTHONPATH=os.pathsep.join([str(SRC), str(HERE),

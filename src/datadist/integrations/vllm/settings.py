@@ -41,13 +41,13 @@ class Settings:
     hold_grace_s: how long a decoder waits for the producer to mark a request's blocks as
         held before it gives up on the request.
     mailbox_slots: how many finished requests a producer can hold at once.
-    yield_us: while this worker holds requests or pulls, vLLM's worker loop waits this many
-        microseconds instead of ``os.sched_yield()`` between polls of its message queue, so
-        datadist's threads get the GIL (see docs/vllm.md); 0 leaves vLLM's loop alone.
-    engine: the datadist engine the worker runs on ("python", the default for now, "native"
-        or "auto"; docs/engine.md). On the native engine vLLM's loop is never patched, but
-        under vLLM's end-to-end test it stalled in 2 of 4 runs here (a link or a pull left
-        unanswered until the prefill instance exited; cause not found yet, docs/vllm.md).
+    yield_us: Python engine only: while this worker holds requests or pulls, vLLM's worker
+        loop waits this many microseconds instead of ``os.sched_yield()`` between polls of its
+        message queue, so datadist's threads get the GIL (see docs/vllm.md); 0 leaves vLLM's
+        loop alone. Unused on the native engine.
+    engine: the datadist engine the worker runs on ("native", the default: the C++ core,
+        which serves and pulls without the GIL and leaves vLLM alone; "python": the Python
+        engine, which needs ``yield_us``'s patch of vLLM's loop; "auto"; docs/engine.md).
     """
 
     host: str = "127.0.0.1"
@@ -58,7 +58,7 @@ class Settings:
     hold_grace_s: float = 2.0
     mailbox_slots: int = 4096
     yield_us: int = 200
-    engine: str = "python"
+    engine: str = "native"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -166,7 +167,7 @@ class DatadistWorker:
                 llm_datadist.LLMRole.PROMPT if self.producer else llm_datadist.LLMRole.DECODER)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
         options = cfg.generate_options()
-        options["datadist.Engine"] = self.settings.engine  # Settings.engine: why "python"
+        options["datadist.Engine"] = self.settings.engine  # native unless configured
         dd.init(options)
         self._dd = dd
         try:
@@ -192,13 +193,14 @@ class DatadistWorker:
             assert listen is not None
             self.address = WorkerAddress(self.settings.host, listen[1], self.cluster_id)
         logger.info("datadist: worker %d started as cluster %d (%s%s), %d layers x %d blocks "
-                    "of %s %s%s", self.rank, self.cluster_id,
+                    "of %s %s%s; %s engine, CPUs %s", self.rank, self.cluster_id,
                     "producer" if self.producer else "", "+consumer" if self.producer
                     and self.consumer else ("consumer" if self.consumer else ""),
                     layout.num_layers, layout.num_blocks, list(layout.block_shape),
                     layout.dtype.name,
                     f", serving on {self.address.host}:{self.address.port}" if self.address
-                    else "")
+                    else "", "native" if getattr(dd.engine, "native", False) else "Python",
+                    _cpus())
 
     @staticmethod
     def _box_desc(box: mailbox.Mailbox) -> llm_datadist.CacheDesc:
@@ -442,3 +444,21 @@ _ITEMSIZE = {
     llm_datadist.DataType.DT_BF16: 2, llm_datadist.DataType.DT_INT8: 1,
     llm_datadist.DataType.DT_UINT8: 1,
 }
+
+
+def _cpus() -> str:
+    """This process's CPU affinity, compressed ("0", "0-3,8"): the start-up log says it, since
+    two instances bound to the same cores (vLLM's CPU default) starve each other's workers
+    (docs/vllm.md, "Two instances on one host")."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return "unknown"
+    runs: list[str] = []
+    start = prev = cpus[0]
+    for c in [*cpus[1:], -2]:
+        if c != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = c
+        prev = c
+    return ",".join(runs)
