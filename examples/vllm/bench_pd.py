@@ -109,8 +109,12 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_pd_"))
     model = make_tiny_llama(work / "model", layers=LAYERS, hidden=HIDDEN, heads=HEADS,
                             kv_heads=HEADS)
+    # Two instances on one host: vLLM's CPU binding would put both workers on the same cores,
+    # where one's sched_yield loop starves the other (docs/vllm.md, "Two instances on one
+    # host"); unbound unless the caller binds them.
     base = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr",
-                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
     procs = {}
     for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
         env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i))
