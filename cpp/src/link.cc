@@ -285,6 +285,16 @@ void Link::CmaRefused(const std::string &why) {
   SetPath(Path::kLocalStream, what + ": bytes stream over the local socket");
 }
 
+void Link::ProbeCma(Deadline deadline) {
+  auto guard = Acquire(deadline);
+  if (path_ != Path::kCma || cma_refused_) return;
+  uint8_t scratch = 0;
+  const std::vector<iovec> local{{&scratch, 1}};
+  const std::vector<iovec> remote{{nullptr, 1}};
+  std::string why;
+  if (local::VmCopy(peer_pid_, local, remote, false, why) == local::CopyResult::kRefused) CmaRefused(why);
+}
+
 std::string Link::PathReason() const {
   std::lock_guard<std::mutex> lock(why_mu_);
   return why_;
