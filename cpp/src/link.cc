@@ -323,7 +323,15 @@ void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid,
   }
   std::vector<uint8_t> payload;
   ++r;
-  wire::Header h = CallOn(conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
+  wire::Header h;
+  try {
+    h = CallOn(conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
+  } catch (const Error &e) {
+    // A listener that requires TLS drops a plain HELLO: say so, as Python's handshake does
+    // (the one place for both APIs: every connection of a link says HELLO here).
+    if (tls_ || e.code() != llm_datadist::LLM_LINK_FAILED || !conn.closed()) throw;
+    Fail(llm_datadist::LLM_LINK_FAILED, std::string(e.what()) + " during the handshake (does it require TLS?)");
+  }
   if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
   welcome = wire::DecodeHello(payload);
   const std::string who = "the peer at " + FormatHostPort(host_, port_);
