@@ -306,7 +306,8 @@ def _info_peer(args: argparse.Namespace) -> None:
     """Link to ``--peer`` as a pull would, with the engine this host's configuration gets
     (``native.engine_for``: the core under auto; the same secret, TLS and transport settings
     from the environment), and say which path the pull will take and why, and the peer's
-    metrics (STATS). Blocks <= about 2 x ``--timeout``; CliError for what fails."""
+    metrics (STATS). Each step (link, the path probe, STATS) blocks <= ``--timeout``;
+    CliError for what fails."""
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.api.status import LLMException
     from datadist.core import native
