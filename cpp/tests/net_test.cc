@@ -112,6 +112,20 @@ TEST(Net, ABulkSendWaitsInTheKernelThenTheSocketIsNonBlockingAgain) {
   close(peer);
 }
 
+TEST(Net, TheLocalChannelsUnixSocketsMoveBulkBytesTheSameWay) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  Conn reader(sv[0], "local a"), writer(sv[1], "local b");
+  const auto src = Bytes(16 << 20, 5);
+  std::vector<uint8_t> a(1 << 20), b(15 << 20);
+  std::thread sender([&] { writer.SendV({{const_cast<uint8_t *>(src.data()), src.size()}}, datadist::After(60)); });
+  reader.RecvV({{a.data(), a.size()}, {b.data(), b.size()}}, datadist::After(60));
+  sender.join();
+  EXPECT_TRUE(NonBlocking(sv[0]) && NonBlocking(sv[1]));
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), src.begin()));
+  EXPECT_TRUE(std::equal(b.begin(), b.end(), src.begin() + a.size()));
+}
+
 TEST(Net, ADeadlineStillEndsABulkReceiveFromAStalledPeer) {
   auto [conn, peer] = Pair();
   const auto src = Bytes(1 << 20, 1);
