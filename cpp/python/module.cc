@@ -387,6 +387,17 @@ PYBIND11_MODULE(_core, m) {
             return py::str(link->PathReason());
           },
           py::arg("cluster_id"), "why the link took its path")
+      .def(
+          "probe_cma",
+          [](Core &c, uint64_t id, double timeout_s) {
+            auto link = c.engine().FindLink(id);
+            if (!link) datadist::Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
+            py::gil_scoped_release nogil;
+            link->ProbeCma(DeadlineIn(timeout_s));
+          },
+          py::arg("cluster_id"), py::arg("timeout_s"),
+          "on the cma path, ask the kernel now whether it lets us read the owner's memory; a refusal "
+          "changes the link's path and reason as the first pull would (datadist info --peer)")
       .def("last_link_failure", [](Core &c, uint64_t id) { return c.engine().LastLinkFailure(id); },
            py::arg("cluster_id"))
       .def(

@@ -285,6 +285,16 @@ void Link::CmaRefused(const std::string &why) {
   SetPath(Path::kLocalStream, what + ": bytes stream over the local socket");
 }
 
+void Link::ProbeCma(Deadline deadline) {
+  auto guard = Acquire(deadline);
+  if (path_ != Path::kCma || cma_refused_) return;
+  uint8_t scratch = 0;
+  const std::vector<iovec> local{{&scratch, 1}};
+  const std::vector<iovec> remote{{nullptr, 1}};
+  std::string why;
+  if (local::VmCopy(peer_pid_, local, remote, false, why) == local::CopyResult::kRefused) CmaRefused(why);
+}
+
 std::string Link::PathReason() const {
   std::lock_guard<std::mutex> lock(why_mu_);
   return why_;
@@ -313,7 +323,15 @@ void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid,
   }
   std::vector<uint8_t> payload;
   ++r;
-  wire::Header h = CallOn(conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
+  wire::Header h;
+  try {
+    h = CallOn(conn, r, wire::EncodeHello(wire::kHello, hello, r), payload, deadline);
+  } catch (const Error &e) {
+    // A listener that requires TLS drops a plain HELLO: say so, as Python's handshake does
+    // (the one place for both APIs: every connection of a link says HELLO here).
+    if (tls_ || e.code() != llm_datadist::LLM_LINK_FAILED || !conn.closed()) throw;
+    Fail(llm_datadist::LLM_LINK_FAILED, std::string(e.what()) + " during the handshake (does it require TLS?)");
+  }
   if (h.type != wire::kWelcome) ProtocolViolation("expected WELCOME");
   welcome = wire::DecodeHello(payload);
   const std::string who = "the peer at " + FormatHostPort(host_, port_);

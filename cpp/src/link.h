@@ -148,6 +148,12 @@ class Link {
   const char *last_moved() const;
   /// Why the link took its path (for `datadist info` and logs); "" before any choice.
   std::string PathReason() const;
+  /// On the cma path: asks the kernel now whether it lets us read the owner's memory (one
+  /// byte at address 0: the permission check comes before the copy, so EFAULT means allowed
+  /// and nothing is read); a refusal is taken as a pull's would be (CmaRefused), so path()
+  /// and PathReason() say what the first pull will do. Who calls: `datadist info --peer`,
+  /// before any pull. Waits for the link's transfer in progress (<= deadline); Timeout.
+  void ProbeCma(Deadline deadline);
   static const char *PathName(Path p);
 
  private:

@@ -85,6 +85,15 @@ class Conn {
  private:
   void Wait(short events, Deadline deadline);
   [[noreturn]] void Broken(const std::string &what);
+  [[noreturn]] void TimedOut();  // closes; LLM_TIMEOUT
+  /// Bulk transfers (net.cc, kBulkMin): O_NONBLOCK off until Unblock, the socket's `opt`
+  /// (SO_RCVTIMEO / SO_SNDTIMEO) armed with what is left of `deadline`. False (still
+  /// non-blocking: poll as before) if fcntl fails; TimedOut when no time is left.
+  bool Block(Deadline deadline, int opt);
+  void Unblock();  // O_NONBLOCK on again, unless the connection closed meanwhile
+  /// The socket's `opt` timeout kept within `deadline` for the next blocking call (after
+  /// one timed out, `expired`: all the time left); TimedOut when none is left.
+  void Arm(int opt, Deadline deadline, bool expired);
   void TlsSendV(std::vector<iovec> &iov, Deadline deadline);
   void TlsRecvV(std::vector<iovec> &iov, Deadline deadline);
   /// Moves n bytes at p through `step` (the session's Read or Write), waiting on the socket
@@ -92,6 +101,8 @@ class Conn {
   template <typename Byte, typename Step>
   void TlsPump(Byte *p, size_t n, Deadline deadline, const char *what, Step &&step);
   int fd_;
+  bool blocking_ = false;  // inside a bulk SendV / RecvV, O_NONBLOCK off (the owner's thread only)
+  int64_t armed_us_[2] = {INT64_MAX, INT64_MAX};  // SO_RCVTIMEO, SO_SNDTIMEO in force (none yet: forever)
   std::unique_ptr<tls::Session> tls_;  // the owner's only
   std::mutex close_mu_;  // Close (owner) vs Shutdown (any thread)
   std::string address_;

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
 #include <thread>
 #include <utility>
 #include <string>
@@ -105,6 +106,9 @@ TEST(Tls, APeerAnotherCaSignedOrWithoutTlsIsRefused) {
     LlmDataDist plain(2, LlmRole::kDecoder);
     ASSERT_EQ(plain.Initialize(ddtest::Options()), LLM_SUCCESS);
     EXPECT_EQ(plain.LinkLlmClusters({ddtest::Cluster(1, port)}, rets, 3000), LLM_LINK_FAILED);
+    // The owner dropped a plain HELLO: the failure asks whether it requires TLS, as Python's does.
+    const std::string why = plain.LastLinkFailure(1).GetString();
+    EXPECT_NE(why.find("during the handshake (does it require TLS?)"), std::string::npos) << why;
   }
   {
     LlmDataDist tls(2, LlmRole::kDecoder);

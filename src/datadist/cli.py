@@ -303,42 +303,37 @@ def _info_engine() -> None:
 
 
 def _info_peer(args: argparse.Namespace) -> None:
-    """Link to ``--peer`` as a pull would (same secret, TLS and transport settings from the
-    environment) and say which path the pull will take and why."""
+    """Link to ``--peer`` as a pull would, with the engine this host's configuration gets
+    (``native.engine_for``: the core under auto; the same secret, TLS and transport settings
+    from the environment), and say which path the pull will take and why, and the peer's
+    metrics (STATS). Each step (link, the path probe, STATS) blocks <= ``--timeout``;
+    CliError for what fails."""
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.api.status import LLMException
-    from datadist.core.engine import Engine, EngineConfig
+    from datadist.core import native
+    from datadist.core.engine import EngineConfig
     from datadist.core.errors import DatadistError
     from datadist.transport.address import format_host_port, parse_host_port
-    from datadist.transport.iov import cma_refusal
 
     try:
         host, port = parse_host_port(args.peer)
         if args.own_id == args.cluster_id:
             raise CliError(f"--own-id and --cluster-id are both {args.cluster_id}: a link "
                            "needs two clusters")
-        eng = Engine(EngineConfig(cluster_id=args.own_id, role=2,
-                                  transport=args.transport,
-                                  secret=_secret({}), tls=_tls({}),
-                                  nixl_whole_process=os.environ.get(
-                                      "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS") == "1"))
+        eng, _ = native.engine_for(EngineConfig(
+            cluster_id=args.own_id, role=2, transport=args.transport,
+            secret=_secret({}), tls=_tls({}),
+            nixl_whole_process=os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS") == "1"),
+            {})
     except (DatadistError, LLMException) as e:
         raise CliError(f"--peer {args.peer!r}: {e}") from None
     try:
         try:
-            link = eng.link(args.cluster_id, host, port, args.timeout)
+            eng.link(args.cluster_id, host, port, args.timeout)
+            path, reason = _first_pull_path(eng, args.cluster_id, args.timeout)
         except DatadistError as e:
             raise CliError(f"cannot link to cluster {args.cluster_id} at "
                            f"{format_host_port(host, port)}: {e}") from None
-        path, reason = link.path_name, link.reason
-        pid = getattr(link.path, "pid", None)
-        if pid is not None:
-            refused = cma_refusal(pid)
-            if refused is not None:
-                # What Link.run does at the first pull: the kernel refuses, tcp takes over.
-                path, reason = "tcp", (f"same host, but cross-memory attach to pid {pid} is "
-                                       f"refused ({refused}: another user, Yama or seccomp); "
-                                       "pulls fall back to tcp")
         print(f"link to cluster {args.cluster_id} at {format_host_port(host, port)}: "
               f"path={path} ({reason})")
         try:
@@ -349,6 +344,27 @@ def _info_peer(args: argparse.Namespace) -> None:
             print("\n".join(metrics_lines(stats)))
     finally:
         eng.close()
+
+
+def _first_pull_path(eng: Any, cluster_id: int, timeout: float) -> tuple[str, str]:
+    """The path (and why) the first pull on ``eng``'s link to ``cluster_id`` will take: the
+    link's, unless the kernel refuses cross-memory attach to the owner, which each engine
+    learns at its first pull (the core: asked now, as it asks then; the Python engine: tcp
+    takes over, as Link.run does). Blocks <= timeout (the core waits for the link)."""
+    from datadist.core import native
+    from datadist.transport.iov import cma_refusal
+
+    if isinstance(eng, native.NativeEngine):
+        eng.probe_cma(cluster_id, timeout)
+        link = eng.get_link(cluster_id)
+        return link.path_name, link.reason
+    link = eng.get_link(cluster_id)
+    pid = getattr(link.path, "pid", None)
+    refused = cma_refusal(pid) if pid is not None else None
+    if refused is None:
+        return link.path_name, link.reason
+    return "tcp", (f"same host, but cross-memory attach to pid {pid} is refused ({refused}: "
+                   "another user, Yama or seccomp); pulls fall back to tcp")
 
 
 def _duration(seconds: float | None) -> str:

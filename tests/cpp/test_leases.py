@@ -7,6 +7,8 @@ what the owner served is read from its metrics (``serve_lease``, ``serve_read``,
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,7 @@ from .conftest import (
     LLM_PARAM_INVALID,
     LLM_TIMEOUT,
     pattern,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,8 +34,20 @@ SHAPE = (8, BLOCK)
 
 
 def _served(py: llm.LLMDataDist, op: str) -> int:
-    """Requests of kind ``op`` the in-process Python owner served for the C++ peer."""
+    """Requests of kind ``op`` the in-process Python owner served for the C++ peer.
+
+    A streamed read is counted when the owner's send of its bytes returned (the outcome is
+    known only then), on the owner's connection thread: the reader may have every byte, and
+    its pull may have returned, before that. The owner serves a connection's requests one
+    after another, so a read is counted by the time the next request on that link is
+    answered; after a link's last read, wait for the count (:func:`_served_reaches`)."""
     return int(py.engine.stats()["links"].get(str(CPP_ID), {}).get(op, {}).get("transfers", 0))
+
+
+def _served_reaches(py: llm.LLMDataDist, op: str, want: int) -> bool:
+    """Does the owner's count of ``op`` come to exactly ``want`` (within 5 s)? For the last
+    streamed reads of a link, which the owner counts after the reader has their bytes."""
+    return wait_until(lambda: _served(py, op) >= want) and _served(py, op) == want
 
 
 def _fill(arrays: list[np.ndarray], seed: int) -> None:
@@ -167,7 +182,9 @@ def test_an_owner_without_remote_access_refuses_write_leases(xpeer):
 def test_an_owner_that_cannot_lease_now_is_read_by_request(xpeer, monkeypatch):
     """A Python owner out of fence descriptors answers a LEASE_REQUEST with
     FEATURE_NOT_ENABLED: that is no answer to the transfer, which asks the owner instead
-    (as Python's reader does), and the next transfer may ask for a lease again."""
+    (as Python's reader does), and the next transfer may ask for a lease again. The owner
+    counts each read late (as it may, after the reader has the bytes): the count is waited
+    for, never read as the last pull returns."""
     from datadist.core.errors import NotSupported
 
     py = make_python(llm.LLMRole.PROMPT, listen=True)
@@ -178,6 +195,13 @@ def test_an_owner_that_cannot_lease_now_is_read_by_request(xpeer, monkeypatch):
         raise NotSupported("no fence for a cache lease: too many open files (simulated)")
 
     monkeypatch.setattr(py.engine.registry, "lease_cache", no_fence)
+    counted = py.engine._served
+
+    def late(lease: object, ok: bool) -> None:  # the owner's thread, later than the reader
+        time.sleep(0.2)
+        counted(lease, ok)
+
+    monkeypatch.setattr(py.engine, "_served", late)
     try:
         cache, arrays = register(py, 2, SHAPE)
         _fill(arrays, 300)
@@ -189,7 +213,7 @@ def test_an_owner_that_cannot_lease_now_is_read_by_request(xpeer, monkeypatch):
             for t in range(2):
                 got, src = cpp.read(local, t), arrays[t].tobytes()
                 assert got[(i + 4) * BLOCK:(i + 5) * BLOCK] == src[i * BLOCK:(i + 1) * BLOCK]
-        assert _served(py, "serve_read") == reads + 3
+        assert _served_reaches(py, "serve_read", reads + 3), _served(py, "serve_read") - reads
         assert len(asked) == 3  # asked each time: the refusal is for now, not for the link
     finally:
         py.finalize()

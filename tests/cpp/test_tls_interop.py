@@ -69,6 +69,8 @@ def test_cpp_linker_and_python_owner_under_tls(xpeer, certs, python_tls) -> None
         right.init(CPP_ID + 2, 2, sync_ms=3000)
         assert stranger.status(f"link {PY_ID} 127.0.0.1 {port} 3000") == LLM_LINK_FAILED
         assert plain.status(f"link {PY_ID} 127.0.0.1 {port} 3000") == LLM_LINK_FAILED
+        # LinkLlmClusters' warning (LastLinkFailure's text) asks, as Python's LinkFailed does
+        assert "during the handshake (does it require TLS?)" in plain.log(), plain.log()
         right.ok(f"link {PY_ID} 127.0.0.1 {port} 3000")
         local = right.register(2, (4, 16))
         right.ok(f"pullc {PY_ID} 1 2 {local} 0 -1 -1 -1 -1 -1 2")

@@ -5,6 +5,7 @@ library's logger, and error messages that say what to set."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -115,19 +116,21 @@ def test_what_is_missing_is_named(make_decoder, prompt: RunningPrompt) -> None:
 
 
 def test_a_peer_reports_what_it_served(make_decoder, prompt: RunningPrompt, transport: str,
-                                      capsys: pytest.CaptureFixture[str],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The owner counts the requests it serves (serve_read, per peer cluster id, refusals
     with their status code), and answers a StatsRequest over the link: what ``datadist info
     --peer`` prints for a running process. On the same host a BlocksCacheKey is read under a
-    whole-cache lease: the owner counts the lease (serve_lease), not the reads."""
-    # Pinned to the Python engine: the core has no STATS yet (peer_stats, the StatsRequest
-    # it would send; issue 24's STATS / metrics gap, being moved into the core).
-    monkeypatch.setenv("DATADIST_ENGINE", "python")
+    whole-cache lease: the owner counts the lease (serve_lease), not the reads. The decoder
+    and ``info --peer`` run on the engine the configuration gets (the core but for NIXL)."""
+    from datadist.core import native
+
     decoder: Decoder = make_decoder()
     assert decoder.link(prompt.cluster_id, prompt.address) == \
         llm_datadist.LLMStatusCode.LLM_SUCCESS
     assert decoder.path_name(prompt.cluster_id) == transport
+    if transport != "nixl" and native.available()[0] and \
+            os.environ.get("DATADIST_ENGINE", "auto") != "python":
+        assert getattr(decoder.dd.engine, "engine_name", "python") == "native"
     op = "serve_lease" if transport in ("cma", "shm") else "serve_read"
     cache, _ = decoder.local(BLOCKS, blocks=True)
     key = llm_datadist.BlocksCacheKey(PROMPT_ID, 3)

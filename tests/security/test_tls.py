@@ -168,6 +168,24 @@ def test_peers_without_a_valid_certificate_are_refused(certs, pair, who: str) ->
         owner.close()
 
 
+def test_a_plain_linker_is_told_the_owner_may_require_tls(certs, pair) -> None:
+    """A linker without TLS whose HELLO a TLS owner drops hears why it may have been: the
+    link error says the peer closed the connection during the handshake and asks whether it
+    requires TLS, on either engine (the core: Link::Handshake, for both APIs)."""
+    owner, _, _ = _owner(certs["prompt"], kind=pair[0])
+    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp"))
+    try:
+        host, port = owner.listen_address
+        with pytest.raises(LinkFailed) as info:
+            puller.link(1, host, port, 10.0)
+        assert "during the handshake (does it require TLS?)" in str(info.value)
+        assert f"{host}:{port}" in str(info.value)
+        assert not puller.links()
+    finally:
+        puller.close()
+        owner.close()
+
+
 def test_tls_client_refuses_a_plain_server(certs, pair) -> None:
     owner, _, _ = _owner(None, kind=pair[0])
     puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))

@@ -485,6 +485,14 @@ class NativeEngine:
         return NativeLink(cluster_id, str(path), inbound=not own,
                           reason=str(self._core.link_reason(cluster_id) or ""))
 
+    def probe_cma(self, cluster_id: int, timeout: float) -> None:
+        """On a cma link, ask the kernel now whether it lets us read the owner's memory; a
+        refusal changes the link's path and reason (:meth:`get_link`) as the first pull would
+        change them. Who calls: ``datadist info --peer``, to say the path a pull will take.
+        Blocks <= timeout while a transfer holds the link; NotLinked, Timeout."""
+        with _mapped():
+            self._core.probe_cma(cluster_id, timeout)
+
     def last_moved(self, cluster_id: int) -> str:
         """How the last pull on our link to ``cluster_id`` moved its bytes: "shm" (memcpy
         from the owner's mapped memfd), "cma", "stream" or "" (none yet, or no such link).
