@@ -20,6 +20,7 @@
 
 #include "link.h"
 #include "net.h"
+#include "nixl.h"
 #include "registry.h"
 #include "server.h"
 
@@ -35,6 +36,8 @@ struct EngineOptions {
   size_t max_per_peer = 64;  // ... of them from one peer (IP address, or uid for local ones)
   /// Mutual TLS on every connection, both ways (tls.h; tls::Context::Load makes it); null: none.
   std::shared_ptr<const tls::Context> tls;
+  /// Serving NIXL readers (nixl.h): off unless asked for, as Python's EngineConfig.
+  nixl::ServeOptions nixl;
 };
 
 class Engine {
@@ -59,6 +62,8 @@ class Engine {
   int32_t role() const { return ident_.role.load(); }
   void set_role(int32_t role) { ident_.role = role; }
   Registry &registry() { return registry_; }
+  /// The owner side of NIXL (nixl.h): whether it serves, its agent and leases.
+  nixl::Owner &nixl_owner() { return *nixl_; }
   const EngineOptions &options() const { return options_; }
 
   /// Listens on host:port (port 0 picks one), replacing a listener we had. LLM_LINK_FAILED.
@@ -131,6 +136,7 @@ class Engine {
   Identity ident_;
   EngineOptions options_;
   Registry registry_;
+  std::unique_ptr<nixl::Owner> nixl_;  // outlives the servers (declared after them: destroyed later)
   mutable std::mutex mu_;  // guards server_, links_, open_
   bool open_ = false;
   std::unique_ptr<Server> server_;

@@ -99,6 +99,7 @@ void Link::Open(Deadline deadline) {
       ctx.registry = registry_;
       ctx.cluster = remote_;  // the owner's requests on it count under its id
       ctx.stats = stats_;
+      ctx.reverse = true;
       if (!ServeParked(rev_io_, ctx, std::move(rev)))
         Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed while it opened");
     }
@@ -138,6 +139,16 @@ void Link::Ping(Deadline deadline) {
   if (Call(wire::EncodeU64(wire::kPing, remote_, ++rid_), payload, deadline).type != wire::kPong) {
     conn_->Close();
     ProtocolViolation("expected PONG");
+  }
+}
+
+void Link::NixlRevoke(uint64_t lease_id, Deadline deadline) {
+  auto guard = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  if (Call(wire::EncodeU64(wire::kNixlRevoke, lease_id, ++rid_), payload, deadline).type != wire::kOk) {
+    conn_->Close();
+    ProtocolViolation("expected OK to a NIXL_REVOKE");
   }
 }
 

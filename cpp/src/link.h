@@ -110,6 +110,11 @@ class Link {
   std::string Stats(Deadline deadline);
   /// How our reverse channel answers the peer's STATS_REQUEST (set before Open; unset: refused).
   void SetStatsAnswer(std::function<std::string(uint64_t, const std::string &)> answer) { stats_ = std::move(answer); }
+  /// A reverse end: NIXL_REVOKE for `lease_id` (one of the client's NIXL leases on our
+  /// caches, nixl.h), answered by OK once no read of the client's is under it. Throws when the
+  /// answer does not come by `deadline` (LLM_TIMEOUT, LLM_LINK_BUSY), the channel is gone
+  /// (LLM_LINK_FAILED) or the client refuses (its ERROR's code). Blocks up to the deadline.
+  void NixlRevoke(uint64_t lease_id, Deadline deadline);
   /// A reverse end: does its client answer a PING before `deadline`? Busy with a transfer
   /// counts as yes; no answer closes the channel. Called by the listener, without its own
   /// locks, before a newer reverse channel of the same id may replace this one. Blocks.

@@ -1,0 +1,620 @@
+#include "nixl.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <sstream>
+#include <unistd.h>
+
+#include "errors.h"
+#include "metrics.h"
+
+namespace datadist {
+namespace nixl {
+namespace {
+
+// ---- NIXL's C API, as declared by its Rust bindings' wrapper (src/bindings/rust/wrapper.h of
+// ai-dynamo/nixl; nixl-cu12 1.5.1's libnixl_capi.so). Handles are opaque pointers; every call
+// returns a status: 0 success, 1 in progress, negative an error.
+using Status = int;
+constexpr Status kOk = 0, kInProgress = 1;
+constexpr int kDram = 0;  // nixl_capi_mem_type_t
+constexpr int kRead = 0;  // nixl_capi_xfer_op_t (kWrite = 1)
+constexpr unsigned kSyncStrict = 1;  // nixl_capi_thread_sync_t
+/// nixl_capi_agent_config_t (its field order and types are the ABI).
+struct AgentConfig {
+  bool enable_prog_thread;
+  bool enable_listen_thread;
+  int listen_port;
+  unsigned thread_sync;
+  uint64_t pthr_delay_us;
+  uint64_t lthr_delay_us;
+  bool capture_telemetry;
+};
+using H = void *;
+
+/// The functions we call, resolved once (Load). The one place NIXL's symbols are named.
+struct Api {
+  Status (*create_configured_agent)(const char *, const AgentConfig *, H *);
+  Status (*destroy_agent)(H);
+  Status (*get_plugin_params)(H, const char *, H *, H *);
+  Status (*destroy_mem_list)(H);
+  Status (*destroy_params)(H);
+  Status (*create_backend)(H, const char *, H, H *);
+  Status (*destroy_backend)(H);
+  Status (*create_opt_args)(H *);
+  Status (*destroy_opt_args)(H);
+  Status (*opt_args_add_backend)(H, H);
+  // (mem type, out, sorted): older versions take two arguments and ignore the third
+  Status (*create_reg_dlist)(int, H *, bool);
+  Status (*destroy_reg_dlist)(H);
+  // (list, addr, len, dev, metadata, metadata len): older versions ignore the last two
+  Status (*reg_dlist_add_desc)(H, uintptr_t, size_t, uint64_t, const void *, size_t);
+  Status (*register_mem)(H, H, H);
+  Status (*deregister_mem)(H, H, H);
+  Status (*get_local_md)(H, void **, size_t *);  // malloc'd: free()
+  Status (*create_notif_map)(H *);
+  Status (*destroy_notif_map)(H);
+  Status (*get_notifs)(H, H, H);
+  Status (*notif_map_clear)(H);
+};
+
+Api api;
+std::mutex load_mu;
+int loaded = 0;  // 0: not tried, 1: loaded, -1: failed
+std::string load_why;
+
+template <typename F>
+bool Sym(void *lib, const char *name, F &slot, std::string *missing) {
+  void *p = dlsym(lib, name);
+  if (p == nullptr) {
+    *missing += std::string(missing->empty() ? "" : ", ") + name;
+    return false;
+  }
+  slot = reinterpret_cast<F>(p);
+  return true;
+}
+
+void Check(Status s, const std::string &what) {
+  if (s != kOk) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "NIXL " + what + " failed (status " + std::to_string(s) + ")");
+}
+
+// UCX transports whose remote accesses the hardware checks against a registration's memory key,
+// and those that serve no remote access at all (transport/nixl.py's KEY_CHECKED_TLS).
+const std::set<std::string> kKeyCheckedTls = {
+    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_v",
+    "ud_x", "ud_verbs", "ud_mlx5", "cuda_copy", "rocm_copy", "gdr_copy"};
+constexpr const char *kRdmaDevices = "/sys/class/infiniband";
+constexpr const char *kSoftwareRma =
+    "UCX's software RMA emulation (ucp/rma/rma_sw.c) serves a PUT or GET at any address a peer names, with no key, "
+    "on every transport that carries active messages, RDMA verbs included";
+
+bool HasRdmaDevice() {
+  DIR *d = opendir(kRdmaDevices);
+  if (d == nullptr) return false;
+  bool any = false;
+  while (dirent *ent = readdir(d))
+    if (std::strcmp(ent->d_name, ".") != 0 && std::strcmp(ent->d_name, "..") != 0) any = true;
+  closedir(d);
+  return any;
+}
+
+std::string Trim(const std::string &s) {
+  const size_t a = s.find_first_not_of(" \t\n\r");
+  if (a == std::string::npos) return "";
+  return s.substr(a, s.find_last_not_of(" \t\n\r") - a + 1);
+}
+
+}  // namespace
+
+bool Load(const std::string &path, std::string *why) {
+  std::lock_guard<std::mutex> lock(load_mu);
+  if (loaded == 0 && path.empty()) {
+    if (why) *why = "no NIXL library was handed to the core (pip install nixl-cu12)";
+    return false;
+  }
+  if (loaded == 0) {
+    void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (lib == nullptr) {
+      const char *err = dlerror();
+      load_why = "cannot load NIXL's C API (" + path + "): " + (err ? err : "dlopen failed");
+      loaded = -1;
+    } else {
+      std::string missing;
+      bool ok = true;
+      ok &= Sym(lib, "nixl_capi_create_configured_agent", api.create_configured_agent, &missing);
+      ok &= Sym(lib, "nixl_capi_destroy_agent", api.destroy_agent, &missing);
+      ok &= Sym(lib, "nixl_capi_get_plugin_params", api.get_plugin_params, &missing);
+      ok &= Sym(lib, "nixl_capi_destroy_mem_list", api.destroy_mem_list, &missing);
+      ok &= Sym(lib, "nixl_capi_destroy_params", api.destroy_params, &missing);
+      ok &= Sym(lib, "nixl_capi_create_backend", api.create_backend, &missing);
+      ok &= Sym(lib, "nixl_capi_destroy_backend", api.destroy_backend, &missing);
+      ok &= Sym(lib, "nixl_capi_create_opt_args", api.create_opt_args, &missing);
+      ok &= Sym(lib, "nixl_capi_destroy_opt_args", api.destroy_opt_args, &missing);
+      ok &= Sym(lib, "nixl_capi_opt_args_add_backend", api.opt_args_add_backend, &missing);
+      ok &= Sym(lib, "nixl_capi_create_reg_dlist", api.create_reg_dlist, &missing);
+      ok &= Sym(lib, "nixl_capi_destroy_reg_dlist", api.destroy_reg_dlist, &missing);
+      ok &= Sym(lib, "nixl_capi_reg_dlist_add_desc", api.reg_dlist_add_desc, &missing);
+      ok &= Sym(lib, "nixl_capi_register_mem", api.register_mem, &missing);
+      ok &= Sym(lib, "nixl_capi_deregister_mem", api.deregister_mem, &missing);
+      ok &= Sym(lib, "nixl_capi_get_local_md", api.get_local_md, &missing);
+      ok &= Sym(lib, "nixl_capi_create_notif_map", api.create_notif_map, &missing);
+      ok &= Sym(lib, "nixl_capi_destroy_notif_map", api.destroy_notif_map, &missing);
+      ok &= Sym(lib, "nixl_capi_get_notifs", api.get_notifs, &missing);
+      ok &= Sym(lib, "nixl_capi_notif_map_clear", api.notif_map_clear, &missing);
+      if (ok) {
+        loaded = 1;
+      } else {
+        load_why = "NIXL's C API (" + path + ") lacks " + missing;
+        loaded = -1;  // the library stays loaded: NIXL does not expect to be unloaded
+      }
+    }
+  }
+  if (loaded < 0 && why) *why = load_why;
+  return loaded > 0;
+}
+
+bool Loaded() {
+  std::lock_guard<std::mutex> lock(load_mu);
+  return loaded > 0;
+}
+
+std::string UncheckedTransports() {
+  const char *env = std::getenv("UCX_TLS");
+  const std::string raw = Trim(env ? env : "");
+  if (raw.empty()) return "UCX_TLS is not set: UCX may use tcp and shared-memory transports";
+  if (raw[0] == '^') return "UCX_TLS=" + raw + " excludes transports instead of naming them";
+  std::string bad;
+  std::stringstream names(raw);
+  for (std::string t; std::getline(names, t, ',');) {
+    t = Trim(t);
+    while (!t.empty() && t[0] == '\\') t.erase(0, 1);
+    std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (!kKeyCheckedTls.count(t)) bad += (bad.empty() ? "" : ", ") + t;
+  }
+  if (!bad.empty()) return "UCX_TLS=" + raw + " names " + bad + ", whose memory keys nothing checks";
+  if (!HasRdmaDevice()) return std::string("no RDMA device on this host (") + kRdmaDevices + " is empty)";
+  return "";
+}
+
+std::string WholeProcessReach() {
+  std::string why = UncheckedTransports();
+  return why.empty() ? kSoftwareRma : why;
+}
+
+// ------------------------------------------------------------------------------------ Agent
+
+struct Agent::Region {
+  H dlist = nullptr;
+  std::vector<uint64_t> addrs;
+  uint64_t nbytes = 0;
+  bool is_private = false;
+};
+
+Agent::Agent(const std::string &name) : name_(name) {
+  if (!Loaded()) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "NIXL is not loaded in the core");
+  AgentConfig cfg{};
+  cfg.enable_prog_thread = false;  // our pump progresses it, and only while a lease is open
+  cfg.enable_listen_thread = false;
+  cfg.thread_sync = kSyncStrict;
+  try {
+    Check(api.create_configured_agent(name_.c_str(), &cfg, &agent_), "agent creation");
+    H mems = nullptr, params = nullptr;
+    Check(api.get_plugin_params(agent_, "UCX", &mems, &params), "UCX plugin lookup");
+    const Status s = api.create_backend(agent_, "UCX", params, &backend_);
+    api.destroy_mem_list(mems);
+    api.destroy_params(params);
+    Check(s, "UCX backend creation");
+    Check(api.create_opt_args(&opts_), "optional arguments");
+    Check(api.opt_args_add_backend(opts_, backend_), "optional arguments");
+    Check(api.create_notif_map(&notifs_), "notification map");
+  } catch (...) {
+    if (notifs_) api.destroy_notif_map(notifs_);
+    if (opts_) api.destroy_opt_args(opts_);
+    if (backend_) api.destroy_backend(backend_);
+    if (agent_) api.destroy_agent(agent_);
+    throw;
+  }
+}
+
+Agent::~Agent() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  pump_cv_.notify_all();
+  if (pump_.joinable()) pump_.join();
+  std::vector<const void *> keys;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto &kv : regions_) keys.push_back(kv.first);
+  }
+  for (const void *k : keys) Deregister(k);
+  api.destroy_notif_map(notifs_);
+  api.destroy_opt_args(opts_);
+  // The backend belongs to the agent, which releases it.
+  api.destroy_agent(agent_);
+}
+
+uint64_t Agent::generation() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
+void Agent::Register(const void *key, const std::vector<uint64_t> &addrs, uint64_t nbytes, bool is_private) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (regions_.count(key) || addrs.empty()) return;
+  auto r = std::make_unique<Region>();
+  Check(api.create_reg_dlist(kDram, &r->dlist, false), "descriptor list");
+  for (uint64_t a : addrs) {
+    const Status s = api.reg_dlist_add_desc(r->dlist, static_cast<uintptr_t>(a), nbytes, 0, nullptr, 0);
+    if (s != kOk) {
+      api.destroy_reg_dlist(r->dlist);
+      Check(s, "descriptor");
+    }
+  }
+  const Status s = api.register_mem(agent_, r->dlist, opts_);
+  if (s != kOk) {
+    api.destroy_reg_dlist(r->dlist);
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "NIXL cannot register DRAM memory (status " + std::to_string(s) + ")");
+  }
+  r->addrs = addrs;
+  r->nbytes = nbytes;
+  r->is_private = is_private;
+  private_ += is_private;
+  regions_[key] = std::move(r);
+  ++generation_;
+}
+
+void Agent::Deregister(const void *key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(key);
+  if (it == regions_.end()) return;
+  std::unique_ptr<Region> r = std::move(it->second);
+  regions_.erase(it);
+  private_ -= r->is_private;
+  ++generation_;
+  const Status s = api.deregister_mem(agent_, r->dlist, opts_);
+  if (s != kOk) Log("NIXL deregistration failed (status " + std::to_string(s) + ")");
+  api.destroy_reg_dlist(r->dlist);
+}
+
+bool Agent::Registered(const void *key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return regions_.count(key) != 0;
+}
+
+wire::NixlMd Agent::Metadata() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (private_)
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+         "this process registered private memory with NIXL: it hands its NIXL metadata to no one");
+  void *data = nullptr;
+  size_t len = 0;
+  Check(api.get_local_md(agent_, &data, &len), "metadata");
+  wire::NixlMd md;
+  md.agent = name_;
+  md.generation = generation_;
+  md.metadata.assign(static_cast<const char *>(data), len);
+  std::free(data);
+  return md;
+}
+
+void Agent::PumpAcquire(bool fresh) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++users_;
+  fresh_ += fresh;
+  if (!pump_.joinable() && !closed_) pump_ = std::thread([this] { Pump(); });
+  pump_cv_.notify_all();
+}
+
+void Agent::PumpRelease(bool fresh) {
+  std::lock_guard<std::mutex> lock(mu_);
+  users_ -= users_ > 0;
+  fresh_ -= fresh && fresh_ > 0;
+}
+
+size_t Agent::pump_users() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return users_;
+}
+
+void Agent::Pump() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    pump_cv_.wait(lock, [this] { return closed_ || users_ > 0; });  // idle: no beat, no CPU
+    if (closed_) return;
+    const double beat = fresh_ ? kPumpFast : kPumpSlow;
+    lock.unlock();
+    // Progresses the backend's worker (NIXL in strict sync mode serialises it with our
+    // other calls); the notifications themselves are not used.
+    if (api.get_notifs(agent_, notifs_, opts_) == kOk) api.notif_map_clear(notifs_);
+    usleep(static_cast<useconds_t>(beat * 1e6));
+    lock.lock();
+  }
+}
+
+// ------------------------------------------------------------------------------------ Owner
+
+/// A NIXL lease on a whole cache, held for a reader connection until revoked or the
+/// connection ends.
+struct Owner::Held {
+  uint64_t id = 0;
+  std::unique_ptr<Lease> lease;
+  const Entry *entry = nullptr;
+  const void *conn_key = nullptr;
+  Conn *conn = nullptr;  // valid while held_ lists it (DropConnection comes before its close)
+  uint64_t cluster = 0;
+  std::string token;
+  std::shared_ptr<Agent> agent;
+};
+
+Owner::Owner(Registry *registry, uint64_t cluster_id) : registry_(registry), cluster_id_(cluster_id) {
+  RegistryHooks hooks;
+  hooks.added = [this](const Entry &e) { Added(e); };
+  hooks.going = [this](const Entry *e) { Going(e); };
+  hooks.gone = [this](const Entry &e) { Gone(e); };
+  registry_->SetHooks(std::move(hooks));
+}
+
+Owner::~Owner() {
+  registry_->SetHooks({});
+  std::vector<std::thread> threads;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_ = true;
+    threads.swap(revokers_);
+  }
+  for (auto &t : threads) t.join();
+  std::map<uint64_t, std::shared_ptr<Held>> held;
+  std::shared_ptr<Agent> agent;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held.swap(held_);
+    agent = std::move(agent_);
+  }
+  for (auto &kv : held) kv.second->agent->PumpRelease(false);
+  held.clear();  // the registry's leases end here, outside mu_
+}
+
+void Owner::Configure(const ServeOptions &options, Revoker revoke, ReverseUp reverse_up) {
+  std::lock_guard<std::mutex> lock(mu_);
+  options_ = options;
+  revoke_ = std::move(revoke);
+  reverse_up_ = std::move(reverse_up);
+}
+
+std::string Owner::Refusal() {
+  ServeOptions o;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    o = options_;
+  }
+  const bool writes = registry_->remote_writes();
+  if (!o.serve) return "this owner does not serve NIXL (datadist.NixlServe / DATADIST_NIXL_SERVE)";
+  if (!writes)
+    return "this owner refuses remote writes (enable_remote_cache_accessible off) and NIXL registrations cannot be "
+           "made read-only: it does not serve NIXL";
+  if (o.whole_process) return "";
+  return WholeProcessReach() +
+         ": a NIXL peer could read and write this whole process; not without datadist.NixlAllowWholeProcessAccess "
+         "(DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS)";
+}
+
+std::shared_ptr<Agent> Owner::agent() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return agent_;
+}
+
+std::shared_ptr<Agent> Owner::Serving() {
+  const std::string why = Refusal();
+  if (!why.empty()) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, why);
+  if (std::shared_ptr<Agent> a = agent()) return a;
+  std::lock_guard<std::mutex> creating(create_mu_);
+  if (std::shared_ptr<Agent> a = agent()) return a;
+  std::string load_why;
+  if (!Load("", &load_why)) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "NIXL is not available to this owner: " + load_why);
+  std::ostringstream name;
+  name << "datadist-" << cluster_id_ << "-" << getpid() << "-" << std::hex << (reinterpret_cast<uintptr_t>(this) & 0xffffffff);
+  auto a = std::make_shared<Agent>(name.str());
+  // Every servable cache, then published: under the registry's mutex, so none filed meanwhile
+  // is missed (Added registers those once agent_ is set).
+  registry_->ForEach([&](const Entry &e) {
+    if (e.opts.remote_accessible && !e.closing) a->Register(&e, e.addrs, e.geo.tensor_bytes, false);
+  }, [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    agent_ = a;
+  });
+  return a;
+}
+
+void Owner::Added(const Entry &e) {
+  std::shared_ptr<Agent> a = agent();
+  // A private cache is never registered by a process that serves NIXL (its registration would
+  // be readable by whoever holds the metadata).
+  if (a && e.opts.remote_accessible) {
+    try {
+      a->Register(&e, e.addrs, e.geo.tensor_bytes, false);
+    } catch (const Error &err) {
+      Log(std::string("cache ") + std::to_string(e.id) + " not registered with NIXL: " + err.what());
+    }
+  }
+}
+
+void Owner::Gone(const Entry &e) {
+  if (std::shared_ptr<Agent> a = agent()) a->Deregister(&e);
+}
+
+void Owner::Going(const Entry *e) {
+  std::vector<std::shared_ptr<Held>> doomed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++epoch_;
+    for (auto &kv : held_)
+      if (e == nullptr || kv.second->entry == e) doomed.push_back(kv.second);
+  }
+  if (!doomed.empty()) StartRevoking(std::move(doomed));
+}
+
+void Owner::StartRevoking(std::vector<std::shared_ptr<Held>> doomed) {
+  // One thread per reader connection, all at once: a reader that answers each revoke just in
+  // time cannot make another run out of time (as Engine._nixl_revoke).
+  std::map<const void *, std::vector<uint64_t>> by_reader;
+  for (auto &h : doomed) by_reader[h->conn_key].push_back(h->id);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return;
+  for (auto &kv : by_reader) {
+    ++revoking_;
+    revokers_.emplace_back([this, ids = kv.second] { RevokeReader(ids); });
+  }
+}
+
+void Owner::RevokeReader(std::vector<uint64_t> ids) {
+  const Deadline deadline = After(kRevokeWait);
+  for (uint64_t id : ids) {
+    std::shared_ptr<Held> h;
+    Revoker revoke;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = held_.find(id);
+      if (it != held_.end()) h = it->second;
+      revoke = revoke_;
+    }
+    if (!h) continue;  // its connection ended meanwhile
+    try {
+      if (!revoke) Fail(llm_datadist::LLM_LINK_FAILED, "no way to reach the reader's reverse channel");
+      if (Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "the revoke's time is spent");
+      revoke(h->cluster, h->token, id, deadline);
+    } catch (const std::exception &err) {
+      // Not given back in time (or its reverse channel is gone): its connection is shut down,
+      // which ends its leases; its reads under them then fail.
+      Log("NIXL lease " + std::to_string(id) + " of cluster " + std::to_string(h->cluster) +
+          " not given back (" + err.what() + "): its connection is shut down");
+      std::lock_guard<std::mutex> lock(mu_);
+      if (held_.count(id) && h->conn) h->conn->Shutdown();
+    }
+    End(id);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  --revoking_;
+  revoked_.notify_all();
+}
+
+void Owner::End(uint64_t id) {
+  std::shared_ptr<Held> h;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = held_.find(id);
+    if (it == held_.end()) return;
+    h = std::move(it->second);
+    held_.erase(it);
+  }
+  h->agent->PumpRelease(false);
+  h.reset();  // the registry's lease ends here (its mutex), outside ours
+}
+
+void Owner::DropConnection(const void *conn_key) {
+  std::vector<std::shared_ptr<Held>> ended;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = held_.begin(); it != held_.end();) {
+      if (it->second->conn_key == conn_key) {
+        ended.push_back(std::move(it->second));
+        it = held_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto &h : ended) h->agent->PumpRelease(false);
+}
+
+void Owner::RevokeAll() {
+  Going(nullptr);
+  std::unique_lock<std::mutex> lock(mu_);
+  revoked_.wait_for(lock, std::chrono::duration<double>(kRevokeWait + 1.0), [this] { return revoking_ == 0; });
+}
+
+size_t Owner::leases() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_.size();
+}
+
+wire::NixlLeased Owner::OpenLease(const void *conn_key, Conn *conn, uint64_t cluster, const std::string &token,
+                                  const wire::NixlLease &q) {
+  const Clock::time_point asked = Clock::now();
+  try {
+    std::shared_ptr<Agent> a = Serving();
+    ReverseUp up;
+    uint64_t epoch;
+    size_t mine = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      up = reverse_up_;
+      epoch = epoch_;
+      for (auto &kv : held_) mine += kv.second->conn_key == conn_key;
+    }
+    // The reverse channel of this very connection (the token it echoed): a connection that
+    // only claims the reader's cluster id gets no lease revoked on another's channel.
+    if (token.empty() || !up || !up(cluster, token))
+      Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "no reverse channel from this reader to revoke a lease on: read by request");
+    if (mine >= kMaxLeasesPerPeer)
+      Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+           "this reader holds " + std::to_string(mine) + " NIXL leases already: read by request");
+    // Resolved and checked as a read of the whole cache: its first byte (spans of 0 bytes are refused).
+    wire::Request whole;
+    whole.kind = q.kind;
+    whole.a = q.kind == wire::kCacheId ? q.a : 0;
+    whole.b = q.kind == wire::kBlocksKey ? q.b : 0;
+    whole.unit_bytes = q.unit_bytes;
+    whole.tensors = {0};
+    whole.offsets = {0};
+    whole.lengths = {1};
+    auto h = std::make_shared<Held>();
+    h->lease = registry_->Open(whole);
+    const Entry &e = h->lease->entry();
+    if (!a->Registered(&e)) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache is not registered with NIXL on the owner");
+    h->entry = &e;
+    h->conn_key = conn_key;
+    h->conn = conn;
+    h->cluster = cluster;
+    h->token = token;
+    h->agent = a;
+    wire::NixlLeased l;
+    bool moved = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // A cache went (or a model id moved) while we resolved: this one may be it.
+      moved = closed_ || epoch != epoch_;
+      if (!moved) {
+        l.lease_id = next_lease_++;
+        h->id = l.lease_id;
+        held_[h->id] = h;
+      }
+    }
+    if (moved) Fail(llm_datadist::LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(e.id) + " is going: read by request");
+    a->PumpAcquire(false);  // a lease is asked for only after a completed NIXL read
+    l.agent = a->name();
+    l.generation = a->generation();
+    l.mem = wire::kMemDram;
+    l.device = 0;
+    l.blocks = q.kind == wire::kBlocksKey;
+    l.tensor_bytes = e.geo.tensor_bytes;
+    l.unit_bytes = e.geo.unit_bytes;
+    l.units = e.geo.units;
+    l.layout = e.geo.layout;
+    l.addrs = e.addrs;
+    metrics::RecordSince(metrics::Op::kServeLease, cluster, 0, asked, llm_datadist::LLM_SUCCESS);
+    return l;
+  } catch (const Error &err) {
+    metrics::RecordSince(metrics::Op::kServeLease, cluster, 0, asked, err.code());
+    throw;
+  }
+}
+
+}  // namespace nixl
+}  // namespace datadist
