@@ -295,10 +295,13 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c) -> py::object {
             std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent();
             if (!a) return py::none();
-            return py::make_tuple(a->name(), a->generation(), a->pump_users());
+            return py::make_tuple(a->name(), a->generation(), a->pump_users(), a->pump_fresh());
           },
-          "(name, generation, leases keeping its pump beating) of the owner's NIXL agent, or None "
-          "before a reader first asked for it (tests, `datadist info`).")
+          "(name, generation, leases keeping its pump beating, of them on connections without a "
+          "completed NIXL read) of the owner's NIXL agent, or None before a reader first asked for it "
+          "(tests, `datadist info`).")
+      .def("set_nixl_revoke_wait", [](Core &c, double s) { c.engine().nixl_owner().SetRevokeWait(s); },
+           "How long a reader has to give a revoked NIXL lease back (5 s; tests shorten it).")
       .def("nixl_leases", [](Core &c) { return c.engine().nixl_owner().leases(); },
            "NIXL cache leases readers hold on our caches now (tests).")
       .def(

@@ -323,6 +323,11 @@ size_t Agent::pump_users() {
   return users_;
 }
 
+size_t Agent::pump_fresh() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fresh_;
+}
+
 void Agent::Pump() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -473,8 +478,17 @@ void Owner::StartRevoking(std::vector<std::shared_ptr<Held>> doomed) {
   }
 }
 
+void Owner::SetRevokeWait(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  revoke_wait_ = seconds;
+}
+
 void Owner::RevokeReader(std::vector<uint64_t> ids) {
-  const Deadline deadline = After(kRevokeWait);
+  Deadline deadline;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    deadline = After(revoke_wait_);
+  }
   for (uint64_t id : ids) {
     std::shared_ptr<Held> h;
     Revoker revoke;
@@ -536,7 +550,7 @@ void Owner::DropConnection(const void *conn_key) {
 void Owner::RevokeAll() {
   Going(nullptr);
   std::unique_lock<std::mutex> lock(mu_);
-  revoked_.wait_for(lock, std::chrono::duration<double>(kRevokeWait + 1.0), [this] { return revoking_ == 0; });
+  revoked_.wait_for(lock, std::chrono::duration<double>(revoke_wait_ + 1.0), [this] { return revoking_ == 0; });
 }
 
 size_t Owner::leases() {

@@ -86,8 +86,10 @@ class Agent {
   /// completed a NIXL read yet.
   void PumpAcquire(bool fresh);
   void PumpRelease(bool fresh);
-  /// Leases keeping the pump beating now (tests).
+  /// Leases keeping the pump beating now, and of them those of connections without a
+  /// completed NIXL read (the fast beat). Tests.
   size_t pump_users();
+  size_t pump_fresh();
 
  private:
   void Pump();
@@ -152,6 +154,8 @@ class Owner {
   void RevokeAll();
   /// NIXL leases open now (tests).
   size_t leases();
+  /// How long a reader has to answer a revoke (kRevokeWait; tests shorten it).
+  void SetRevokeWait(double seconds);
 
  private:
   struct Held;
@@ -175,6 +179,7 @@ class Owner {
   std::map<uint64_t, std::shared_ptr<Held>> held_;  // NIXL cache leases by id
   uint64_t next_lease_ = 1;
   uint64_t epoch_ = 0;  // bumped by every Going: a lease opened across one is refused
+  double revoke_wait_ = kRevokeWait;
   std::vector<std::thread> revokers_;
   std::condition_variable revoked_;  // a revoker finished
   size_t revoking_ = 0;

@@ -1,5 +1,6 @@
 """The NIXL data path (transport/nixl.py) between two engines in this process, and how it is
-chosen. The two-process suites run over it too (TRANSPORTS in _support.py); these tests look
+chosen. The owner of the path tests (``pair``) is each engine in turn: the Python engine and
+the C++ core (core/native.py, cpp/src/nixl.h); the reader is the Python engine. The two-process suites run over it too (TRANSPORTS in _support.py); these tests look
 at what only NIXL has: selection and its errors, the owner's lazily created agent, metadata
 reloads when the owner's registrations change, handle reuse, the pump that runs only during
 transfers, the fallback to TCP for an owner without NIXL. The selection tests run everywhere;
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import datadist as llm_datadist
+from datadist.core import native
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import (
     BrokenLink,
@@ -86,13 +89,57 @@ def test_engine_without_nixl_refuses_nixl_transport(monkeypatch: pytest.MonkeyPa
 # ------------------------------------------------------------------------------ the path
 
 
-@pytest.fixture
-def pair():
-    owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))
+OWNERS = ["python", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available()[0], reason="the C++ core is not built"))]
+
+
+def _owner(kind: str, **config) -> Any:
+    """An owner of ``kind`` ("python": core/engine.py; "native": the C++ core) listening on
+    localhost, serving NIXL unless ``config`` says otherwise."""
+    cfg = EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), **{**NIXL_OK, **config})
+    return Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
+
+
+@pytest.fixture(params=OWNERS)
+def pair(request: pytest.FixtureRequest):
+    owner = _owner(request.param)
     puller = Engine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
     yield owner, puller
     puller.close()
     owner.close()
+
+
+def _is_native(owner: Any) -> bool:
+    return bool(getattr(owner, "native", False))
+
+
+def _agent(owner: Any) -> tuple[str, int, int, int] | None:
+    """(name, generation, leases keeping its pump beating, of them on connections without a
+    completed read) of an owner's NIXL agent, either engine; None before a reader asked."""
+    if _is_native(owner):
+        return owner.nixl_agent  # type: ignore[no-any-return]
+    a = owner.nixl
+    return None if a is None else (a.name, a.generation, a._pump_users, a._pump_fresh)
+
+
+def _held(owner: Any) -> int:
+    """NIXL leases on whole caches readers hold on the owner now."""
+    return int(owner.nixl_leases) if _is_native(owner) else len(owner._nixl_held)
+
+
+def _granted(owner: Any) -> int:
+    """NIXL grants (between NIXL_GRANT and RELEASE) open on the owner now."""
+    if not _is_native(owner):
+        return len(owner._nixl_leases)
+    agent = _agent(owner)
+    return 0 if agent is None else agent[2] - _held(owner)
+
+
+def _wait(cond, seconds: float = 5.0) -> bool:
+    end = time.monotonic() + seconds
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return bool(cond())
 
 
 def _link(owner: Engine, puller: Engine):
@@ -134,11 +181,8 @@ class _Calls:
         return self._call(msg, deadline)
 
 
-def _pump_idle(owner: Engine) -> bool:
-    end = time.monotonic() + 5
-    while owner.nixl.pump_busy and time.monotonic() < end:
-        time.sleep(0.01)
-    return not owner.nixl.pump_busy
+def _pump_idle(owner: Any) -> bool:
+    return _wait(lambda: (_agent(owner) or ("", 0, 0, 0))[2] == 0)
 
 
 @needs_nixl
@@ -148,24 +192,25 @@ def test_pull_over_nixl_reads_under_a_lease_and_reuses_its_handle(pair) -> None:
     sends nothing on the control channel and reposts its handle. The owner's pump beats
     slowly while the lease is held, and stops once it is revoked (unregister)."""
     owner, puller = pair
-    assert owner.nixl is None  # created when a reader first asks for it
+    assert _agent(owner) is None  # created when a reader first asks for it
     src, dst, entry, plan = _caches(owner, puller, 1 << 20)
     link = _link(owner, puller)
     assert link.path_name == "nixl" and "forced nixl" in link.reason
-    assert owner.nixl is not None and owner.nixl.name.encode() in repr(link.path).encode()
+    agent = _agent(owner)
+    assert agent is not None and agent[0].encode() in repr(link.path).encode()
     calls = _Calls(link.chan)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and calls.n == 1  # NixlRead
     # the owner counts the connection wired when it handles the read's one-way Release,
     # which may come after the pull returned
-    end = time.monotonic() + 5
-    while not owner._nixl_wired and time.monotonic() < end:
-        time.sleep(0.001)
-    assert not link.path._leases and len(owner._nixl_wired) == 1
+    assert _wait(lambda: _granted(owner) == 0)
+    if not _is_native(owner):
+        assert _wait(lambda: bool(owner._nixl_wired)) and len(owner._nixl_wired) == 1
+    assert not link.path._leases
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and calls.n == 2  # NixlLease
-    assert len(link.path._leases) == 1 and len(owner._nixl_held) == 1
+    assert len(link.path._leases) == 1 and _held(owner) == 1
     handle = next(iter(link.path._handles.values()))
     for _ in range(3):
         dst[:] = 0
@@ -173,10 +218,11 @@ def test_pull_over_nixl_reads_under_a_lease_and_reuses_its_handle(pair) -> None:
         assert np.array_equal(dst, src)
     assert calls.n == 2, "a pull under the lease sent a request"
     assert next(iter(link.path._handles.values())) is handle, "the handle was not reused"
-    assert owner.nixl.pump_busy and owner.nixl._pump_fresh == 0  # the slow beat
-    assert not owner._nixl_leases  # no per-pull lease left open
+    agent = _agent(owner)
+    assert agent is not None and agent[2] and agent[3] == 0  # the slow beat
+    assert _granted(owner) == 0  # no per-pull lease left open
     owner.unregister(1)
-    assert not owner._nixl_held and not link.path._leases
+    assert _held(owner) == 0 and not link.path._leases
     assert _pump_idle(owner), "the pump still beats without any lease"
 
 
@@ -235,6 +281,8 @@ def test_a_reader_that_does_not_give_the_lease_back_loses_its_connection(
 
     owner, puller = pair
     monkeypatch.setattr(engine_mod, "NIXL_REVOKE_WAIT", 0.5)
+    if _is_native(owner):
+        owner._core.set_nixl_revoke_wait(0.5)
     src, dst, entry, plan = _caches(owner, puller, 4096)
     src2 = np.full(4096, 3, np.uint8)
     owner.register(Geometry(1, 4096, 1), [src2.ctypes.data], placement=0)  # cache 2
@@ -246,7 +294,7 @@ def test_a_reader_that_does_not_give_the_lease_back_loses_its_connection(
         lease.reading += 1  # stuck
     t0 = time.monotonic()
     owner.unregister(1)
-    assert time.monotonic() - t0 < 3 and not owner._nixl_held
+    assert time.monotonic() - t0 < 3 and _held(owner) == 0
     with link.path._cv:
         lease.reading -= 1
     end = time.monotonic() + 5
@@ -272,16 +320,19 @@ def test_a_blocks_model_id_registered_again_revokes_the_lease(pair) -> None:
     link = _link(owner, puller)
     for _ in range(2):
         puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
-    assert link.path._leases and owner._nixl_held
+    assert link.path._leases and _held(owner)
     new = np.full(8 * 4096, 2, np.uint8)
     owner.register(geo, [new.ctypes.data], placement=0, blocks_model_id=7)
-    assert not owner._nixl_held and not link.path._leases
+    # the Python owner revokes before register returns, the core on its revoking thread
+    assert _wait(lambda: _held(owner) == 0 and not link.path._leases)
     puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
     assert (dst[3 * 4096:5 * 4096] == 2).all() and (dst[:3 * 4096] == 0).all()
+    dst[:] = 0
     puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)  # under a lease on the new one
-    assert len(owner._nixl_held) == 1
-    (held,) = owner._nixl_held.values()
-    assert held.lease.entry.addrs[0] == new.ctypes.data
+    assert _held(owner) == 1 and (dst[3 * 4096:5 * 4096] == 2).all()
+    if not _is_native(owner):
+        (held,) = owner._nixl_held.values()
+        assert held.lease.entry.addrs[0] == new.ctypes.data
 
 
 @needs_nixl
@@ -307,11 +358,13 @@ def test_unregister_deregisters_from_nixl_and_the_key_is_gone(pair) -> None:
     src, dst, entry, plan = _caches(owner, puller, 4096)
     _link(owner, puller)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    gen = owner.nixl.generation
-    assert owner.nixl.kind_of(src.ctypes.data, 4096) == (p.MEM_DRAM, 0)
+    gen = _agent(owner)[1]  # type: ignore[index]
+    if not _is_native(owner):
+        assert owner.nixl.kind_of(src.ctypes.data, 4096) == (p.MEM_DRAM, 0)
     owner.unregister(1)
-    assert owner.nixl.kind_of(src.ctypes.data, 4096) is None
-    assert owner.nixl.generation > gen
+    if not _is_native(owner):
+        assert owner.nixl.kind_of(src.ctypes.data, 4096) is None
+    assert _agent(owner)[1] > gen  # type: ignore[index]
     with pytest.raises(CacheNotFound):
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
 
@@ -337,10 +390,8 @@ def test_push_over_nixl_is_one_write_into_checked_spans(pair) -> None:
     src[:] = 9
     puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert (dst == 9).all()
-    end = time.monotonic() + 5  # RELEASE is one-way: the owner handles it after push returns
-    while owner._nixl_leases and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not owner._nixl_leases
+    # RELEASE is one-way: the owner handles it after push returns
+    assert _wait(lambda: _granted(owner) == 0)
 
 
 @needs_nixl
@@ -374,10 +425,7 @@ def test_deadline_covers_the_nixl_transfer_and_the_link_stays_usable(pair) -> No
     dst[:] = 0
     with pytest.raises(Timeout):
         puller.pull(1, KEY, 0, plan, entry.cache_id, 0.005)
-    end = time.monotonic() + 10
-    while owner._nixl_leases and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not owner._nixl_leases, "the owner kept the timed-out reader's lease"
+    assert _wait(lambda: _granted(owner) == 0, 10), "the owner kept the timed-out reader's lease"
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)
     assert np.array_equal(dst, src)
@@ -404,10 +452,7 @@ def test_a_stuck_nixl_transfer_ends_at_the_deadline(pair, monkeypatch: pytest.Mo
     assert 0.3 <= time.monotonic() - t0 < 3.0
     assert released, "the stuck handle was not released"
     monkeypatch.undo()
-    end = time.monotonic() + 5
-    while owner._nixl_leases and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not owner._nixl_leases
+    assert _wait(lambda: _granted(owner) == 0)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and link.path_name == "nixl"
 
@@ -428,6 +473,8 @@ def test_checksum_over_nixl(pair) -> None:
 @needs_nixl
 def test_owner_without_nixl_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> None:
     owner, puller = pair
+    if _is_native(owner):
+        pytest.skip("the core's NIXL is loaded once per process: tests/cpp covers an owner without it")
 
     def no_nixl():
         raise InvalidArgument("transport 'nixl' needs NIXL: pip install 'datadist[nixl]'")
@@ -463,21 +510,22 @@ def test_an_owner_that_does_not_serve_nixl_gets_tcp_readers(pair, why: str) -> N
     writable) and, on this host's key-unchecked UCX transports, nixl_whole_process: without
     any of them the owner makes no agent and hands out no metadata; a reader that forces nixl
     gets tcp, with the owner's reason, and pulls."""
-    import dataclasses
-
-    owner, puller = pair
+    served, puller = pair
     off = {"default": {"nixl_serve": False}, "no remote access":
            {"remote_cache_accessible": False}, "unchecked transports":
            {"nixl_whole_process": False}}[why]
-    owner.config = dataclasses.replace(owner.config, **off)
-    src, dst, entry, plan = _caches(owner, puller, 4096)
-    link = _link(owner, puller)
-    assert link.path_name == "tcp", link.reason
-    assert {"default": "datadist.NixlServe", "no remote access": "remote writes",
-            "unchecked transports": "NixlAllowWholeProcessAccess"}[why] in link.reason
-    assert owner.nixl is None
-    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    assert np.array_equal(dst, src)
+    owner = _owner("native" if _is_native(served) else "python", **off)
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096)
+        link = _link(owner, puller)
+        assert link.path_name == "tcp", link.reason
+        assert {"default": "datadist.NixlServe", "no remote access": "remote writes",
+                "unchecked transports": "NixlAllowWholeProcessAccess"}[why] in link.reason
+        assert _agent(owner) is None
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        owner.close()
 
 
 @needs_nixl

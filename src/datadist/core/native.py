@@ -366,11 +366,12 @@ class NativeEngine:
         return why or None
 
     @property
-    def nixl_agent(self) -> tuple[str, int, int] | None:
-        """(name, generation, leases keeping its pump beating) of the core's NIXL agent, or
-        None before a reader first asked for it. For tests and tools; never blocks."""
+    def nixl_agent(self) -> tuple[str, int, int, int] | None:
+        """(name, generation, leases keeping its pump beating, of them on connections without
+        a completed NIXL read) of the core's NIXL agent, or None before a reader first asked
+        for it. For tests and tools; never blocks."""
         got = self._core.nixl_agent()
-        return None if got is None else (str(got[0]), int(got[1]), int(got[2]))
+        return None if got is None else (str(got[0]), int(got[1]), int(got[2]), int(got[3]))
 
     @property
     def nixl_leases(self) -> int:
