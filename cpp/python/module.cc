@@ -300,8 +300,26 @@ PYBIND11_MODULE(_core, m) {
           "(name, generation, leases keeping its pump beating, of them on connections without a "
           "completed NIXL read) of the owner's NIXL agent, or None before a reader first asked for it "
           "(tests, `datadist info`).")
+      .def(
+          "set_nixl_options",
+          [](Core &c, bool serve, bool whole_process) {
+            datadist::nixl::ServeOptions o;
+            o.serve = serve;
+            o.whole_process = whole_process;
+            c.engine().nixl_owner().SetOptions(o);
+          },
+          py::arg("serve"), py::arg("whole_process"),
+          "Serving NIXL turned on or off on a running engine (asked anew on every NIXL request).")
       .def("set_nixl_revoke_wait", [](Core &c, double s) { c.engine().nixl_owner().SetRevokeWait(s); },
            "How long a reader has to give a revoked NIXL lease back (5 s; tests shorten it).")
+      .def(
+          "nixl_progress",
+          [](Core &c) {
+            std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent();
+            py::gil_scoped_release nogil;
+            if (a) a->Progress();
+          },
+          "One progress call of the owner's NIXL agent, if made (tests drive it while no lease is open).")
       .def("nixl_leases", [](Core &c) { return c.engine().nixl_owner().leases(); },
            "NIXL cache leases readers hold on our caches now (tests).")
       .def(

@@ -328,6 +328,12 @@ size_t Agent::pump_fresh() {
   return fresh_;
 }
 
+void Agent::Progress() {
+  // NIXL in strict sync mode serialises this with our other calls; the notifications
+  // themselves are not used.
+  if (api.get_notifs(agent_, notifs_, opts_) == kOk) api.notif_map_clear(notifs_);
+}
+
 void Agent::Pump() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -335,9 +341,7 @@ void Agent::Pump() {
     if (closed_) return;
     const double beat = fresh_ ? kPumpFast : kPumpSlow;
     lock.unlock();
-    // Progresses the backend's worker (NIXL in strict sync mode serialises it with our
-    // other calls); the notifications themselves are not used.
-    if (api.get_notifs(agent_, notifs_, opts_) == kOk) api.notif_map_clear(notifs_);
+    Progress();  // progresses the backend's worker
     usleep(static_cast<useconds_t>(beat * 1e6));
     lock.lock();
   }
@@ -391,6 +395,11 @@ void Owner::Configure(const ServeOptions &options, Revoker revoke, ReverseUp rev
   options_ = options;
   revoke_ = std::move(revoke);
   reverse_up_ = std::move(reverse_up);
+}
+
+void Owner::SetOptions(const ServeOptions &options) {
+  std::lock_guard<std::mutex> lock(mu_);
+  options_ = options;
 }
 
 std::string Owner::Refusal() {

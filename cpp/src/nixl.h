@@ -82,6 +82,9 @@ class Agent {
   bool Registered(const void *key);
   /// NIXL_MD for a reader; LLM_FEATURE_NOT_ENABLED while private memory is registered.
   wire::NixlMd Metadata();
+  /// One progress call (what the pump does each beat): for a caller that drives the agent
+  /// while no lease is open (tests). Never blocks beyond NIXL's call.
+  void Progress();
   /// A lease opened (closed): the pump beats while any is open; `fresh`: its connection has not
   /// completed a NIXL read yet.
   void PumpAcquire(bool fresh);
@@ -133,6 +136,8 @@ class Owner {
   /// Before serving (Engine::Open): the options, and how to reach readers' reverse channels.
   /// Whether peers may write our caches is the registry's (Registry::remote_writes).
   void Configure(const ServeOptions &options, Revoker revoke, ReverseUp reverse_up);
+  /// The options alone (tests: serving turned off under a live agent is asked anew).
+  void SetOptions(const ServeOptions &options);
   /// Why this process serves no NIXL reader ("": it does): Engine.nixl_refusal's rules, asked
   /// on every NIXL request. Never blocks.
   std::string Refusal();
