@@ -158,6 +158,23 @@ def _caches(owner: Engine, puller: Engine, n: int, fill: int = 7):
 
 
 @needs_nixl
+def test_an_owner_serving_nixl_runs_on_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving NIXL (datadist.NixlServe) no longer keeps an engine on Python: auto picks the
+    core, whose listener serves NIXL readers (the path tests below, owner "native")."""
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    monkeypatch.delenv("DATADIST_ENGINE", raising=False)
+    config = EngineConfig(cluster_id=1, role=1, **NIXL_OK)
+    assert native.refusal(config) is None
+    eng, why = native.engine_for(config, {})
+    try:
+        assert eng.native, why
+        assert eng.nixl_refusal() is None and eng.nixl_agent is None
+    finally:
+        eng.close()
+
+
+@needs_nixl
 def test_auto_never_picks_nixl() -> None:
     owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))
     puller = Engine(EngineConfig(cluster_id=2, role=2, **NIXL_OK))
