@@ -87,6 +87,15 @@ bool BoolOption(const std::map<AscendString, AscendString> &options, const char 
   Invalid(std::string(key) + " must be 1 or 0, got '" + s + "'");
 }
 
+// An environment variable that must be "0" or "1" when set (as the Python package's); unset: false.
+bool EnvFlag(const char *name) {
+  const char *v = std::getenv(name);
+  if (v == nullptr || !*v) return false;
+  const std::string s = v;
+  if (s != "0" && s != "1") Invalid(std::string(name) + " must be 0 or 1, got '" + s + "'");
+  return s == "1";
+}
+
 // datadist.Transport (else DATADIST_TRANSPORT), lower-cased: "auto" (default), "tcp", "cma" or
 // "shm"; "nixl" is not in this library (LLM_FEATURE_NOT_ENABLED), anything else LLM_PARAM_INVALID.
 std::string TransportOption(const std::map<AscendString, AscendString> &options) {
@@ -260,6 +269,17 @@ class LlmDataDist::LlmDataDistImpl {
     verify_ = BoolOption(options, OPTION_DATADIST_VERIFY_CHECKSUM, verify_env != nullptr && std::string(verify_env) == "1");
     const datadist::tls::Files tls = TlsFiles(options);
     if (!tls.empty()) opts.tls = datadist::tls::Context::Load(tls);
+    // Serving NIXL readers (the Python package's options and variables, "0" or "1").
+    opts.nixl.serve = BoolOption(options, OPTION_DATADIST_NIXL_SERVE, EnvFlag("DATADIST_NIXL_SERVE"));
+    opts.nixl.whole_process = BoolOption(options, OPTION_DATADIST_NIXL_WHOLE_PROCESS,
+                                         EnvFlag("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS"));
+    if (opts.nixl.serve) {
+      const char *lib = Find(options, OPTION_DATADIST_NIXL_LIBRARY);
+      if (lib == nullptr || !*lib) lib = std::getenv("DATADIST_NIXL_LIBRARY");
+      std::string why;
+      if (!datadist::nixl::Load(lib && *lib ? lib : "libnixl_capi.so", &why))
+        datadist::Log("serving NIXL asked for, but " + why);  // readers are told why when they ask
+    }
     engine_.Open(opts);
     listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);

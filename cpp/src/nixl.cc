@@ -118,6 +118,10 @@ bool Load(const std::string &path, std::string *why) {
     return false;
   }
   if (loaded == 0) {
+    // Where the RDMA user libraries are installed but the host has no RDMA device, UCX's ib
+    // module crashes the process at exit (transport/nixl.py's _skip_unusable_ib): kept out,
+    // unless the user chose UCX_MODULES.
+    if (std::getenv("UCX_MODULES") == nullptr && !HasRdmaDevice()) setenv("UCX_MODULES", "^ib", 0);
     void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
     if (lib == nullptr) {
       const char *err = dlerror();
