@@ -266,8 +266,9 @@ PYBIND11_MODULE(_core, m) {
           "open",
           [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer,
              const std::string &tls_cert, const std::string &tls_key, const std::string &tls_ca, bool shm,
-             bool shm_forced, bool nixl_serve, bool nixl_whole_process) {
+             bool shm_forced, bool nixl_serve, bool nixl_whole_process, bool nixl_read) {
             datadist::EngineOptions o;
+            o.nixl.read = nixl_read;
             o.nixl.serve = nixl_serve;
             o.nixl.whole_process = nixl_whole_process;
             o.secret = secret;
@@ -285,9 +286,10 @@ PYBIND11_MODULE(_core, m) {
           py::arg("secret"), py::arg("same_host"), py::arg("allow_ptrace"), py::arg("max_conns"),
           py::arg("max_per_peer"), py::arg("tls_cert") = "", py::arg("tls_key") = "", py::arg("tls_ca") = "",
           py::arg("shm") = true, py::arg("shm_forced") = false, py::arg("nixl_serve") = false,
-          py::arg("nixl_whole_process") = false,
+          py::arg("nixl_whole_process") = false, py::arg("nixl_read") = false,
           "Starts the engine; with the three TLS files (PEM), every connection runs mutual TLS; "
-          "nixl_serve (and nixl_whole_process): serve NIXL readers (core/engine.py's rules).")
+          "nixl_serve (and nixl_whole_process): serve NIXL readers (core/engine.py's rules); "
+          "nixl_read: links are forced to NIXL (LLM_PARAM_INVALID when it cannot be loaded).")
       .def("nixl_refusal", [](Core &c) { return c.engine().nixl_owner().Refusal(); },
            "Why this engine serves no NIXL reader (\"\": it does). Never blocks.")
       .def(
@@ -418,6 +420,13 @@ PYBIND11_MODULE(_core, m) {
             return py::make_tuple(own != nullptr, inbound != nullptr);
           },
           py::arg("cluster_id"), "(we made a link to it, it made one to us)")
+      .def(
+          "link_nixl_leases",
+          [](Core &c, uint64_t id) -> size_t {
+            auto link = c.engine().FindLink(id);
+            return link ? link->nixl_leases() : 0;
+          },
+          py::arg("cluster_id"), "NIXL leases on whole caches our link to `cluster_id` holds now (tests).")
       .def(
           "link_path",
           [](Core &c, uint64_t id) -> py::object {

@@ -65,6 +65,7 @@ void Engine::Open(const EngineOptions &options) {
       return nullptr;
     return it->second;
   };
+  nixl_reader_.reset();
   nixl_->Configure(
       options.nixl,
       [reverse_of](uint64_t cluster, const std::string &token, uint64_t lease_id, Deadline deadline) {
@@ -76,6 +77,7 @@ void Engine::Open(const EngineOptions &options) {
         std::shared_ptr<Link> link = reverse_of(cluster, token);
         return link && !link->Gone();
       });
+  if (options.nixl.read) nixl_reader_ = nixl_->Reading();  // LLM_PARAM_INVALID without NIXL
   open_ = true;
 }
 
@@ -190,6 +192,7 @@ std::shared_ptr<Link> Engine::OpenLink(uint64_t id, const std::string &host, uin
   auto link = std::make_shared<Link>(id, host, port, hello, options_.secret, reverse ? &registry_ : nullptr,
                                      options_.same_host);
   link->SetShm(options_.shm, options_.shm_forced);
+  if (options_.nixl.read) link->SetNixl(nixl_reader_, nixl_->ReaderRefusal());
   if (take_peer_id) link->TakePeerId();
   link->SetStatsAnswer(ident_.stats);
   link->SetTls(options_.tls);

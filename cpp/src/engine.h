@@ -53,6 +53,7 @@ class Engine {
   Engine &operator=(const Engine &) = delete;
 
   /// (Re)starts the engine with `options` (after Close too): no listener yet, no links.
+  /// LLM_PARAM_INVALID when options.nixl.read and NIXL cannot be used (what to install).
   void Open(const EngineOptions &options);
   /// Stops the listener, closes every link at once (transfers in flight fail) and drops every
   /// cache, waiting up to `wait_s` for leases. Idempotent.
@@ -137,6 +138,7 @@ class Engine {
   EngineOptions options_;
   Registry registry_;
   std::unique_ptr<nixl::Owner> nixl_;  // outlives the servers (declared after them: destroyed later)
+  std::shared_ptr<nixl::Agent> nixl_reader_;  // options_.nixl.read: the agent our links read with
   mutable std::mutex mu_;  // guards server_, links_, open_
   bool open_ = false;
   std::unique_ptr<Server> server_;

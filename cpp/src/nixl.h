@@ -21,10 +21,14 @@
 #ifndef DATADIST_CPP_NIXL_H_
 #define DATADIST_CPP_NIXL_H_
 
+#include <sys/uio.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -89,6 +93,23 @@ class Agent {
   /// completed a NIXL read yet.
   void PumpAcquire(bool fresh);
   void PumpRelease(bool fresh);
+  /// Reader side: loads a peer's metadata; returns the agent name NIXL says it holds.
+  /// LLM_LINK_FAILED when NIXL refuses it. Counted per name (DropRemote).
+  std::string LoadRemote(const std::string &metadata);
+  void DropRemote(const std::string &name);
+  /// Do `local`'s spans all lie in memory registered here (NIXL moves only between those)?
+  bool Covers(const std::vector<iovec> &local);
+  /// A prepared transfer: `op` 0 READ (from the peer into `local`), 1 WRITE, between `local`
+  /// (registered here) and the peer's `remote` spans (same total), of memory kind `mem` on
+  /// `device`. LLM_LINK_FAILED if NIXL cannot prepare it. Released with Release.
+  void *Prepare(int op, const std::string &remote_agent, const std::vector<iovec> &local,
+                const std::vector<iovec> &remote, uint8_t mem, uint32_t device);
+  /// Posts a prepared transfer and drives it until done: LLM_TIMEOUT past `deadline`,
+  /// LLM_LINK_FAILED when NIXL reports an error or `peer_gone()` turns true (looked at every
+  /// few polls); the handle is released then (the caller must not reuse it). Blocks.
+  void Run(void *xfer, Deadline deadline, const std::function<bool()> &peer_gone);
+  /// Releases a prepared transfer; one NIXL cannot release yet is retried when the agent goes.
+  void Release(void *xfer);
   /// Leases keeping the pump beating now, and of them those of connections without a
   /// completed NIXL read (the fast beat). Tests.
   size_t pump_users();
@@ -104,6 +125,8 @@ class Agent {
   void *notifs_ = nullptr;    // the pump's nixl_capi_notif_map_t
   std::mutex mu_;             // guards the fields below
   std::map<const void *, std::unique_ptr<Region>> regions_;
+  std::map<std::string, size_t> remotes_;  // loaded peers' metadata, by the links using them
+  std::vector<void *> stuck_;              // transfers NIXL could not release yet
   size_t private_ = 0;
   uint64_t generation_ = 1;
   std::condition_variable pump_cv_;
@@ -116,6 +139,7 @@ class Agent {
 struct ServeOptions {
   bool serve = false;          // datadist.NixlServe / DATADIST_NIXL_SERVE
   bool whole_process = false;  // datadist.NixlAllowWholeProcessAccess
+  bool read = false;           // transport "nixl": our links read (and push) by NIXL
 };
 
 /// The owner side of NIXL for one engine (see the file's comment). Hooked into the engine's
@@ -146,6 +170,14 @@ class Owner {
   std::shared_ptr<Agent> Serving();
   /// The agent if made already (null: none yet). For tests and the revocation path.
   std::shared_ptr<Agent> agent();
+  /// The agent for a reader forced to NIXL (Engine::Open), made if need be with every cache
+  /// registered (private ones marked so where we serve no NIXL: its metadata then goes to no
+  /// one). LLM_PARAM_INVALID naming what to install when NIXL is not loaded.
+  std::shared_ptr<Agent> Reading();
+  /// Why a reader of ours may not link by NIXL here ("": it may): the whole-process
+  /// allowance, where UCX may use transports that check no memory key (the reader's UCX
+  /// serves the owner's too). Never blocks.
+  std::string ReaderRefusal();
 
   /// NIXL_LEASE from a connection (`conn_key` identifies it, `conn` is shut down when a
   /// revoke is not answered in time, `cluster` / `token`: who asked): the lease, or an Error
@@ -164,6 +196,8 @@ class Owner {
 
  private:
   struct Held;
+  std::shared_ptr<Agent> Make(const std::function<std::string()> &refusal);
+  bool Registers(const Entry &e, bool *is_private);
   void Added(const Entry &e);
   void Going(const Entry *e);  // null: every lease
   void Gone(const Entry &e);
@@ -189,6 +223,78 @@ class Owner {
   std::condition_variable revoked_;  // a revoker finished
   size_t revoking_ = 0;
   bool closed_ = false;
+};
+
+/// The reader side of one connection of a link forced to NIXL (transport/nixl.py's NixlPath;
+/// docs/protocol.md, "Pull and push over NIXL", "NIXL leases"). A pull by cache id or blocks
+/// key reads under a lease on the whole remote cache (NIXL_LEASE, asked once per cache after
+/// a NIXL read completed on the connection): no request per pull, the bounds checked here
+/// against the lease's geometry (CheckRequestAt, the owner's own checks), one NIXL READ. Other
+/// pulls (by request key, with a checksum, the first, or where the owner grants no lease):
+/// NIXL_READ -> NIXL_GRANT, one NIXL READ, RELEASE. Pushes: NIXL_WRITE -> NIXL_GRANT, one NIXL
+/// WRITE, RELEASE. The owner's metadata is reloaded when a grant or lease names another agent
+/// or a newer generation. Prepared transfers for identical requests are kept (kHandles).
+/// Used under its link's busy flag, except Revoke (the reverse channel's serving thread).
+class ReadPath {
+ public:
+  static constexpr size_t kHandles = 32;       // HANDLE_CACHE
+  static constexpr size_t kEarlyRevokes = 16;  // MAX_EARLY_REVOKES
+  /// The link's control channel, as the path uses it.
+  struct Channel {
+    /// Sends a frame with a fresh request id and returns the answer (an ERROR is thrown with
+    /// its code; a broken stream closes the connection).
+    std::function<wire::Header(uint8_t type, const std::function<std::vector<uint8_t>(uint32_t rid)> &frame,
+                               std::vector<uint8_t> &payload, Deadline deadline)>
+        call;
+    /// The next frame answering the last call (a CHECKSUM after a NIXL_GRANT).
+    std::function<wire::Header(std::vector<uint8_t> &payload, Deadline deadline)> answer;
+    /// Sends a frame that gets no answer (RELEASE), with the last call's request id.
+    std::function<void(const std::function<std::vector<uint8_t>(uint32_t rid)> &frame, Deadline deadline)> send;
+    std::function<bool()> peer_gone;  // the owner closed the connection (never blocks)
+    std::function<bool()> closed;
+    std::function<void()> close;
+  };
+  explicit ReadPath(std::shared_ptr<Agent> agent) : agent_(std::move(agent)) {}
+  ~ReadPath() { Close(); }
+  ReadPath(const ReadPath &) = delete;
+  ReadPath &operator=(const ReadPath &) = delete;
+  /// NIXL_MD_REQUEST and the metadata loaded: link time, and when a grant shows it changed.
+  /// The owner's refusal is thrown with its code (LLM_FEATURE_NOT_ENABLED: it serves none).
+  void Connect(Channel &ch, Deadline deadline);
+  void Read(Channel &ch, const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  void Write(Channel &ch, const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  /// The owner revokes `lease_id` (NIXL_REVOKE on our reverse channel): no read under it
+  /// starts any more. False if one is still in flight after `wait` s. Blocks up to `wait`.
+  bool Revoke(uint64_t lease_id, double wait);
+  /// Kept transfers released, the peer's metadata dropped, no lease read starts. Idempotent.
+  void Close();
+  const std::string &remote() const { return remote_; }
+  size_t leases();  // tests
+
+ private:
+  struct Held;
+  using LeaseKey = std::pair<uint8_t, uint64_t>;
+  std::shared_ptr<Held> LeaseFor(Channel &ch, const wire::Request &req, Deadline deadline);
+  void ReadLeased(Channel &ch, Held &held, const wire::Request &req, const std::vector<iovec> &local,
+                  Deadline deadline);
+  void ReadGranted(Channel &ch, const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
+  void Refresh(Channel &ch, const std::string &agent, uint64_t generation, Deadline deadline);
+  void Transfer(int op, Channel &ch, const std::vector<iovec> &local, const std::vector<iovec> &remote, uint8_t mem,
+                uint32_t device, Deadline deadline);
+  void Forget();  // the kept transfers
+
+  std::shared_ptr<Agent> agent_;
+  std::string remote_;
+  uint64_t generation_ = 0;
+  bool wired_ = false;     // a NIXL read completed on this connection
+  bool lease_ok_ = true;   // false once the owner refused a lease for want of a reverse channel
+  std::list<std::pair<std::string, void *>> handles_;  // most recent first
+  std::mutex mu_;  // guards the leases below (Revoke comes from another thread)
+  std::condition_variable cv_;
+  std::map<LeaseKey, std::shared_ptr<Held>> leases_;
+  std::map<uint64_t, std::shared_ptr<Held>> lease_ids_;
+  std::set<uint64_t> revoked_early_;
+  bool asking_ = false;
 };
 
 }  // namespace nixl

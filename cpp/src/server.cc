@@ -895,10 +895,18 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, Conn &c, const wire::
       }
       break;
     }
-    case wire::kNixlRevoke:
-      (void)wire::DecodeU64(payload);  // this core reads under no NIXL lease: nothing to wait for
-      answer = wire::EncodeEmpty(wire::kOk, rid);
+    case wire::kNixlRevoke: {
+      // Answered once no read of ours is under the lease, which may take a while: the
+      // answer's deadline starts after.
+      const uint64_t lease_id = wire::DecodeU64(payload);
+      if (ctx.nixl_revoke && !ctx.nixl_revoke(lease_id, nixl::kRevokeWait))
+        answer = ErrorFrame(Error(llm_datadist::LLM_TIMEOUT,
+                                  "a NIXL read under lease " + std::to_string(lease_id) + " is still in flight"),
+                            rid);
+      else
+        answer = wire::EncodeEmpty(wire::kOk, rid);
       break;
+    }
     default:
       ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
   }

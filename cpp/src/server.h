@@ -110,6 +110,9 @@ struct ServeContext {
   bool reverse = false;
   /// The owner side of NIXL (nixl.h); null: NIXL requests are refused (LLM_FEATURE_NOT_ENABLED).
   nixl::Owner *nixl = nullptr;
+  /// A reverse channel's NIXL_REVOKE (the link's ReadPath::Revoke): true once no read under
+  /// the lease is in flight (within the wait). Empty: answered at once.
+  std::function<bool(uint64_t lease_id, double wait)> nixl_revoke;
 };
 
 /// Serves requests on a connection whose handshake is done, as the owner of the context's

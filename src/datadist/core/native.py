@@ -99,9 +99,6 @@ def refusal(config: EngineConfig) -> str | None:
         has, what = tls_available()
         if not has:
             return f"TLS (datadist.TlsCert...): {what}"
-    forced = forced_path(config.transport)  # the option, else DATADIST_TRANSPORT
-    if forced == PathKind.NIXL:
-        return f"transport {forced.value!r} is served by the Python engine only"
     return None
 
 
@@ -308,6 +305,13 @@ class NativeEngine:
         self._core.set_remote_writes(config.remote_cache_accessible)
         try:
             forced = forced_path(config.transport)
+            if (forced == PathKind.NIXL or config.nixl_serve) \
+                    and (why := load_nixl(mod)) is not None:
+                if forced == PathKind.NIXL:  # as the Python engine: init fails, saying what to install
+                    raise InvalidArgument(f"transport 'nixl' needs NIXL: pip install "
+                                          f"'datadist[nixl]' ({why})")
+                # As the Python owner: readers are refused (FEATURE_NOT_ENABLED) with why.
+                log.info("serving NIXL asked for, but %s", why)
             with _mapped():
                 # Same-host links read owners' shared memory (memfds) unless cma is forced;
                 # forced shm names the path "shm" (as core/links.py).
@@ -319,10 +323,8 @@ class NativeEngine:
                                 tls.ca_file if tls else "",
                                 shm=forced != PathKind.CMA, shm_forced=forced == PathKind.SHM,
                                 nixl_serve=config.nixl_serve,
-                                nixl_whole_process=config.nixl_whole_process)
-            if config.nixl_serve and (why := load_nixl(mod)) is not None:
-                # As the Python owner: readers are refused (FEATURE_NOT_ENABLED) with why.
-                log.info("serving NIXL asked for, but %s", why)
+                                nixl_whole_process=config.nixl_whole_process,
+                                nixl_read=forced == PathKind.NIXL)
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
                     name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
@@ -533,7 +535,8 @@ class NativeEngine:
         self._check_open()
         with _mapped():
             cid = self._core.connect(cluster_id, host, port, timeout, as_announced)
-        return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"))
+        return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"),
+                          reason=str(self._core.link_reason(cid) or ""))
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False,
                quiet_inbound: bool = False) -> None:
