@@ -38,15 +38,18 @@ ALL = list(range(16))
 BIG = {"num_tensors": 2, "blocks": 64, "block_bytes": 4 << 20}  # 512 MiB, one span a tensor
 BIG_ALL = list(range(64))
 BIG_SYNC_MS = 3000
-# The owner's engine in the owner-side tests: the Python engine, then the C++ core.
+# The engine of the owner-side tests' owner, and of every peer in the large-pull faults: the
+# Python engine, then the C++ core.
 ENGINES = ["python", "native"]
 
 
-def _world(peers: Peers) -> tuple[Peer, Peer, Peer]:
-    """A victim prompt holding a 512 MiB cache, a healthy prompt, a NIXL decoder."""
-    victim = peers.prompt(name="victim", env=SERVE)
-    healthy = peers.prompt(name="healthy", env=SERVE)
-    dec = peers.decoder(env=NIXL, sync_ms=BIG_SYNC_MS)
+def _world(peers: Peers, engine: str) -> tuple[Peer, Peer, Peer]:
+    """A victim prompt holding a 512 MiB cache, a healthy prompt, a NIXL decoder, all three
+    on ``engine`` (DATADIST_ENGINE)."""
+    which = {"DATADIST_ENGINE": engine}
+    victim = peers.prompt(name="victim", env={**SERVE, **which})
+    healthy = peers.prompt(name="healthy", env={**SERVE, **which})
+    dec = peers.decoder(env={**NIXL, **which}, sync_ms=BIG_SYNC_MS)
     victim.call("register", name="big", seed=5, model_id=1, cheap=True, **BIG)
     healthy.call("register", name="src", seed=2, **SMALL)
     dec.call("register", name="dst", **SMALL)
@@ -81,8 +84,9 @@ def _ended_in_time(r: dict, label: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_killed_during_large_nixl_pull(peers: Peers, shm_dir: str) -> None:
-    victim, healthy, dec = _world(peers)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_killed_during_large_nixl_pull(peers: Peers, shm_dir: str, engine: str) -> None:
+    victim, healthy, dec = _world(peers, engine)
     shm = _big_pull(dec, victim, shm_dir)
     assert watch_progress(shm, 8 << 20, timeout=30), "the pull never started"
     victim.kill()
@@ -92,11 +96,12 @@ def test_killed_during_large_nixl_pull(peers: Peers, shm_dir: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_stopped_during_large_nixl_pull(peers: Peers, shm_dir: str) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stopped_during_large_nixl_pull(peers: Peers, shm_dir: str, engine: str) -> None:
     """SIGSTOP mid-transfer: the deadline ends the pull (LLM_TIMEOUT) unless the bytes were
     through; after SIGCONT the owner lets go of the lease (unregister returns at once) and
     the same link pulls again."""
-    victim, healthy, dec = _world(peers)
+    victim, healthy, dec = _world(peers, engine)
     shm = _big_pull(dec, victim, shm_dir)
     assert watch_progress(shm, 8 << 20, timeout=30), "the pull never started"
     victim.signal(signal.SIGSTOP)

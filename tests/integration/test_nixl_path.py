@@ -723,3 +723,198 @@ def test_a_process_with_a_nixl_agent_exits_cleanly() -> None:
                           timeout=60, env=env)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "UCX" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ the core as reader
+
+@pytest.fixture(params=OWNERS)
+def core_pair(request: pytest.FixtureRequest):
+    """An owner of either engine, and a reader on the C++ core forced to NIXL."""
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    owner = _owner(request.param)
+    puller = native.NativeEngine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
+    yield owner, puller
+    puller.close()
+    owner.close()
+
+
+def _reader_leases(puller: Any) -> int:
+    return int(puller._core.link_nixl_leases(1))
+
+
+@needs_nixl
+def test_core_reader_pulls_under_a_lease_until_the_owner_revokes_it(core_pair) -> None:
+    """The core forced to NIXL: the first pull goes by NIXL_READ, the next ones under a
+    lease on the whole cache; unregister on the owner revokes it on the core's reverse
+    channel (answered once no read is under it), and the next pull fails as on any path.
+    Before: forced nixl kept the configuration on the Python engine."""
+    owner, puller = core_pair
+    assert native.refusal(puller.config) is None
+    src, dst, entry, plan = _caches(owner, puller, 1 << 20)
+    link = _link(owner, puller)
+    assert link.path_name == "nixl" and "forced nixl" in link.reason, link.reason
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src) and _reader_leases(puller) == 0
+    for _ in range(3):
+        dst[:] = 0
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    assert _reader_leases(puller) == 1 and _held(owner) == 1
+    owner.unregister(1)
+    assert _wait(lambda: _held(owner) == 0 and _reader_leases(puller) == 0)
+    with pytest.raises(CacheNotFound):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+
+
+@needs_nixl
+def test_core_reader_checks_a_leased_read_as_the_owner_would(core_pair) -> None:
+    owner, puller = core_pair
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert _reader_leases(puller) == 1
+    too_far = Plan(plan.remote_tensors, plan.local_tensors, plan.remote_offsets + np.uint64(1),
+                   plan.local_offsets, plan.lengths)
+    with pytest.raises(InvalidArgument):
+        puller.pull(1, KEY, 0, too_far, entry.cache_id, 5.0)
+    with pytest.raises(InvalidArgument):
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 1), 0, plan, entry.cache_id, 5.0)
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src) and _reader_leases(puller) == 1
+
+
+@needs_nixl
+def test_core_reader_pushes_by_nixl_write(core_pair) -> None:
+    """NIXL_WRITE into checked spans, by cache id and by raw address; a bad key is refused
+    before anything moves and the link stays usable."""
+    owner, puller = core_pair
+    n = 1 << 16
+    dst = np.zeros(n, np.uint8)
+    owner.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+    entry = puller.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    _link(owner, puller)
+    puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    with pytest.raises(CacheNotFound):
+        puller.push(1, p.KeyRef(p.KeyKind.CACHE_ID, 99, 0), 0, plan, entry.cache_id, 5.0)
+    dst[:] = 0
+    u32, u64 = np.uint32, np.uint64
+    raw = Plan(np.array([0], u32), np.array([0], u32), np.array([dst.ctypes.data + 4096], u64),
+               np.array([0], u64), np.array([256], u64))
+    puller.push(1, p.KeyRef(p.KeyKind.ADDRESS), 0, raw, entry.cache_id, 5.0)
+    assert np.array_equal(dst[4096:4352], src[:256])
+    assert not dst[:4096].any() and not dst[4352:].any()
+    assert _wait(lambda: _granted(owner) == 0)
+
+
+@needs_nixl
+def test_core_reader_ends_a_pull_at_its_deadline_and_the_link_stays_usable(core_pair) -> None:
+    owner, puller = core_pair
+    src, dst, entry, plan = _caches(owner, puller, 256 << 20, fill=5)
+    _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)  # wire up, warm
+    dst[:] = 0
+    with pytest.raises(Timeout):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 0.005)
+    assert _wait(lambda: _granted(owner) == 0 and _held(owner) == 0, 10)
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_core_reader_checksums_over_nixl(core_pair) -> None:
+    owner, _ = core_pair
+    puller = native.NativeEngine(EngineConfig(cluster_id=3, role=2, **NIXL_OK, transport="nixl",
+                                              verify=True))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 65536)
+        host, port = owner.listen_address
+        assert puller.link(1, host, port, 5.0).path_name == "nixl"
+        for _ in range(2):  # never under a lease: each goes by NIXL_READ with its CHECKSUM
+            dst[:] = 0
+            puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+            assert np.array_equal(dst, src)
+        assert int(puller._core.link_nixl_leases(1)) == 0
+    finally:
+        puller.close()
+
+
+@needs_nixl
+def test_core_reader_revoked_blocks_lease_reads_the_new_cache(core_pair) -> None:
+    owner, puller = core_pair
+    geo = Geometry(1, 8 * 4096, 8, is_blocks=True)
+    old = np.full(8 * 4096, 1, np.uint8)
+    owner.register(geo, [old.ctypes.data], placement=0, blocks_model_id=7)
+    dst = np.zeros(8 * 4096, np.uint8)
+    entry = puller.register(geo, [dst.ctypes.data], placement=0)
+    plan = plan_blocks(entry.geometry, [1, 2], [3, 4], layer_tensor_indices(1, None, None, 1))
+    key = p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 7, 0)
+    _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
+    assert _reader_leases(puller) == 1
+    new = np.full(8 * 4096, 2, np.uint8)
+    owner.register(geo, [new.ctypes.data], placement=0, blocks_model_id=7)
+    assert _wait(lambda: _held(owner) == 0 and _reader_leases(puller) == 0)
+    for _ in range(2):
+        dst[:] = 0
+        puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
+        assert (dst[3 * 4096:5 * 4096] == 2).all() and (dst[:3 * 4096] == 0).all()
+
+
+@needs_nixl
+@pytest.mark.parametrize("why", ["owner serves none", "no allowance here"])
+def test_core_reader_falls_back_to_tcp_saying_why(why: str) -> None:
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    owner = _owner("python", nixl_serve=why != "owner serves none")
+    puller = native.NativeEngine(EngineConfig(
+        cluster_id=2, role=2, transport="nixl", nixl_serve=True,
+        nixl_whole_process=why != "no allowance here"))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096)
+        link = _link(owner, puller)
+        assert link.path_name == "tcp", link.reason
+        assert {"owner serves none": "no NIXL agent",
+                "no allowance here": "NixlAllowWholeProcessAccess"}[why] in link.reason
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        puller.close()
+        owner.close()
+
+
+@needs_nixl
+def test_core_reader_force_unlink_breaks_a_transfer_in_flight(core_pair) -> None:
+    owner, puller = core_pair
+    src, dst, entry, plan = _caches(owner, puller, 64 << 20, fill=1)
+    _link(owner, puller)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def pull() -> None:
+        started.set()
+        try:
+            for _ in range(200):
+                puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    started.wait()
+    time.sleep(0.05)
+    puller.unlink(1, timeout=1.0, force=True)
+    t.join(20)
+    assert not t.is_alive()
+    assert errors and isinstance(errors[0], (BrokenLink, NotLinked, LinkFailed)), errors
+    _link(owner, puller)  # a fresh link works
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
