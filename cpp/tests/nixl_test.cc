@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -158,6 +159,36 @@ TEST_F(Serving, MetadataAndGrantsForCheckedSpansOnly) {
   EXPECT_EQ(g.bases[0], src.addrs[1]);  // the tensor's own unit base: offsets add to it
   raw.Send(w::EncodeRelease({g.lease_id, true}, raw.next_rid()));
   EXPECT_EQ(raw.Call(w::EncodeU64(w::kPing, 5, raw.next_rid())).type, w::kPong);
+}
+
+// A C++ decoder forced to NIXL (datadist.Transport "nixl") pulls from and pushes to a C++ owner
+// serving NIXL: every byte arrives, repeated pulls go under a lease, an unknown cache is
+// refused by the owner before anything moves. Before: "nixl" was LLM_FEATURE_NOT_ENABLED.
+TEST_F(Serving, ACppDecoderForcedToNixlPullsAndPushes) {
+  src.Fill(3);
+  LlmDataDist decoder(2, LlmRole::kDecoder);
+  auto options = ddtest::Options();
+  options[AscendString("datadist.Transport")] = AscendString("nixl");
+  options[AscendString(OPTION_DATADIST_NIXL_WHOLE_PROCESS)] = AscendString("1");
+  options[AscendString(OPTION_DATADIST_NIXL_LIBRARY)] = AscendString(NixlLibrary());
+  ASSERT_EQ(decoder.Initialize(options), LLM_SUCCESS);
+  HostCache dst(2, {4, 16});
+  ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(1, port)}, rets, 3000), LLM_SUCCESS);
+  for (int round = 0; round < 3; ++round) {  // a grant, then under a lease
+    std::memset(dst.T(0), 0, dst.bytes);
+    std::memset(dst.T(1), 0, dst.bytes);
+    ASSERT_EQ(decoder.PullKvCache(ddtest::Index(1, 1, 2), dst.cache, 1), LLM_SUCCESS);
+    for (size_t t = 0; t < 2; ++t)
+      for (uint64_t i = 0; i < 16; ++i) ASSERT_EQ(dst.T(t)[16 + i], src.T(t)[2 * 16 + i]) << t << " " << i;
+  }
+  EXPECT_EQ(decoder.PullKvCache(ddtest::Index(1, 9), dst.cache), LLM_KV_CACHE_NOT_EXIST);
+  dst.Fill(8);
+  ASSERT_EQ(decoder.PushKvCache(dst.cache, ddtest::Index(1, 1, 0), 3), LLM_SUCCESS);
+  for (size_t t = 0; t < 2; ++t)
+    for (uint64_t i = 0; i < 16; ++i) ASSERT_EQ(src.T(t)[i], dst.T(t)[3 * 16 + i]) << t << " " << i;
+  decoder.Finalize();
 }
 
 class ServingWithoutAllowance : public Serving {
