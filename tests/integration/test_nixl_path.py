@@ -1,10 +1,12 @@
 """The NIXL data path (transport/nixl.py) between two engines in this process, and how it is
 chosen. The owner of the path tests (``pair``) is each engine in turn: the Python engine and
-the C++ core (core/native.py, cpp/src/nixl.h); the reader is the Python engine. The two-process suites run over it too (TRANSPORTS in _support.py); these tests look
-at what only NIXL has: selection and its errors, the owner's lazily created agent, metadata
-reloads when the owner's registrations change, handle reuse, the pump that runs only during
-transfers, the fallback to TCP for an owner without NIXL. The selection tests run everywhere;
-the rest skip without the nixl-cu12 wheel.
+the C++ core (core/native.py, cpp/src/nixl.h); their reader is the Python engine; the
+``core_reader`` tests read with the core from either owner. The two-process suites run over
+it too (TRANSPORTS in _support.py); these tests look at what only NIXL has: selection and its
+errors, the owner's lazily created agent, metadata reloads when the owner's registrations
+change, handle reuse, the pump that runs only during transfers, the fallback to TCP for an
+owner without NIXL. The selection tests run everywhere; the rest skip without the nixl-cu12
+wheel.
 """
 
 from __future__ import annotations
@@ -491,7 +493,7 @@ def test_checksum_over_nixl(pair) -> None:
 def test_owner_without_nixl_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> None:
     owner, puller = pair
     if _is_native(owner):
-        pytest.skip("the core's NIXL is loaded once per process: tests/cpp covers an owner without it")
+        pytest.skip("the core loads NIXL once per process: tests/cpp covers an owner without it")
 
     def no_nixl():
         raise InvalidArgument("transport 'nixl' needs NIXL: pip install 'datadist[nixl]'")

@@ -307,7 +307,7 @@ class NativeEngine:
             forced = forced_path(config.transport)
             if (forced == PathKind.NIXL or config.nixl_serve) \
                     and (why := load_nixl(mod)) is not None:
-                if forced == PathKind.NIXL:  # as the Python engine: init fails, saying what to install
+                if forced == PathKind.NIXL:  # as the Python engine: init fails, saying why
                     raise InvalidArgument(f"transport 'nixl' needs NIXL: pip install "
                                           f"'datadist[nixl]' ({why})")
                 # As the Python owner: readers are refused (FEATURE_NOT_ENABLED) with why.
