@@ -488,13 +488,13 @@ Owner::Owner(Registry *registry, uint64_t cluster_id) : registry_(registry), clu
 
 Owner::~Owner() {
   registry_->SetHooks({});
-  std::vector<std::thread> threads;
+  std::vector<RevokeThread> threads;
   {
     std::unique_lock<std::mutex> lock(mu_);
     closed_ = true;
     threads.swap(revokers_);
   }
-  for (auto &t : threads) t.join();
+  for (auto &t : threads) t.thread.join();
   std::map<uint64_t, std::shared_ptr<Held>> held;
   std::shared_ptr<Agent> agent;
   {
@@ -639,9 +639,19 @@ void Owner::StartRevoking(std::vector<std::shared_ptr<Held>> doomed) {
   for (auto &h : doomed) by_reader[h->conn_key].push_back(h->id);
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return;
+  // Revokers that finished are joined (each set its flag as its last step).
+  for (auto it = revokers_.begin(); it != revokers_.end();) {
+    if (*it->done) {
+      it->thread.join();
+      it = revokers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
   for (auto &kv : by_reader) {
     ++revoking_;
-    revokers_.emplace_back([this, ids = kv.second] { RevokeReader(ids); });
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    revokers_.push_back({std::thread([this, ids = kv.second, done] { RevokeReader(ids, done); }), done});
   }
 }
 
@@ -650,7 +660,7 @@ void Owner::SetRevokeWait(double seconds) {
   revoke_wait_ = seconds;
 }
 
-void Owner::RevokeReader(std::vector<uint64_t> ids) {
+void Owner::RevokeReader(std::vector<uint64_t> ids, const std::shared_ptr<std::atomic<bool>> &done) {
   Deadline deadline;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -680,9 +690,12 @@ void Owner::RevokeReader(std::vector<uint64_t> ids) {
     }
     End(id);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  --revoking_;
-  revoked_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --revoking_;
+    revoked_.notify_all();
+  }
+  *done = true;
 }
 
 void Owner::End(uint64_t id) {

@@ -23,6 +23,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -203,7 +204,7 @@ class Owner {
   void Gone(const Entry &e);
   /// Ends the leases `ids` after revoking them on their readers' reverse channels (each
   /// reader within its kRevokeWait); run on a thread of its own.
-  void RevokeReader(std::vector<uint64_t> ids);
+  void RevokeReader(std::vector<uint64_t> ids, const std::shared_ptr<std::atomic<bool>> &done);
   void End(uint64_t id);
   void StartRevoking(std::vector<std::shared_ptr<Held>> doomed);
 
@@ -219,7 +220,11 @@ class Owner {
   uint64_t next_lease_ = 1;
   uint64_t epoch_ = 0;  // bumped by every Going: a lease opened across one is refused
   double revoke_wait_ = kRevokeWait;
-  std::vector<std::thread> revokers_;
+  struct RevokeThread {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<RevokeThread> revokers_;  // finished ones are joined when the next start
   std::condition_variable revoked_;  // a revoker finished
   size_t revoking_ = 0;
   bool closed_ = false;
