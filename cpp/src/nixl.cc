@@ -294,6 +294,7 @@ void Agent::Register(const void *key, const std::vector<uint64_t> &addrs, uint64
   r->addrs = addrs;
   r->nbytes = nbytes;
   r->is_private = is_private;
+  for (uint64_t a : addrs) starts_.emplace(a, a + nbytes);
   private_ += is_private;
   regions_[key] = std::move(r);
   ++generation_;
@@ -305,6 +306,14 @@ void Agent::Deregister(const void *key) {
   if (it == regions_.end()) return;
   std::unique_ptr<Region> r = std::move(it->second);
   regions_.erase(it);
+  for (uint64_t a : r->addrs) {
+    auto range = starts_.equal_range(a);
+    for (auto s = range.first; s != range.second; ++s)
+      if (s->second == a + r->nbytes) {
+        starts_.erase(s);
+        break;
+      }
+  }
   private_ -= r->is_private;
   ++generation_;
   const Status s = api.deregister_mem(agent_, r->dlist, opts_);
@@ -357,14 +366,15 @@ void Agent::DropRemote(const std::string &name) {
 }
 
 bool Agent::Covers(const std::vector<iovec> &local) {
+  constexpr int kLookBack = 8;  // registrations starting at or below a span looked at (as Python's kind_of)
   std::lock_guard<std::mutex> lock(mu_);
   for (const iovec &v : local) {
     const uint64_t a = reinterpret_cast<uintptr_t>(v.iov_base), n = v.iov_len;
     bool in = false;
-    for (const auto &kv : regions_) {
-      for (uint64_t base : kv.second->addrs)
-        if (a >= base && n <= kv.second->nbytes && a - base <= kv.second->nbytes - n) in = true;
-      if (in) break;
+    auto it = starts_.upper_bound(a);
+    for (int i = 0; i < kLookBack && it != starts_.begin() && !in; ++i) {
+      --it;
+      in = a >= it->first && n <= it->second - it->first && a - it->first <= it->second - it->first - n;
     }
     if (!in) return false;
   }

@@ -126,6 +126,7 @@ class Agent {
   void *notifs_ = nullptr;    // the pump's nixl_capi_notif_map_t
   std::mutex mu_;             // guards the fields below
   std::map<const void *, std::unique_ptr<Region>> regions_;
+  std::multimap<uint64_t, uint64_t> starts_;  // every registered tensor: its address -> its end
   std::map<std::string, size_t> remotes_;  // loaded peers' metadata, by the links using them
   std::vector<void *> stuck_;              // transfers NIXL could not release yet
   size_t private_ = 0;
