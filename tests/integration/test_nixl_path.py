@@ -920,3 +920,51 @@ def test_core_reader_force_unlink_breaks_a_transfer_in_flight(core_pair) -> None
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_core_reader_refuses_a_lying_grant_and_a_silent_owner_in_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant that does not match the request is a protocol error (the connection closed,
+    nothing read); an owner that does not answer a NIXL_READ ends the pull at its deadline;
+    neither hangs, and once the owner behaves the link pulls again."""
+    import dataclasses
+
+    from datadist.core.errors import DatadistError
+
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    owner = _owner("python")
+    puller = native.NativeEngine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096)
+        _link(owner, puller)
+        real = owner.open_nixl
+
+        def lying(peer, msg, lease_id):
+            lease, grant = real(peer, msg, lease_id)
+            more = np.zeros(len(grant.bases) + 1, np.uint64)
+            return lease, dataclasses.replace(grant, bases=more)
+
+        monkeypatch.setattr(owner, "open_nixl", lying)
+        t0 = time.monotonic()
+        with pytest.raises(DatadistError):
+            puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert time.monotonic() - t0 < 5.0 and not dst.any()
+
+        def silent(peer, msg, lease_id):
+            time.sleep(2.0)
+            return real(peer, msg, lease_id)
+
+        monkeypatch.setattr(owner, "open_nixl", silent)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            puller.pull(1, KEY, 0, plan, entry.cache_id, 0.5)
+        assert time.monotonic() - t0 < 1.5
+        monkeypatch.undo()
+        time.sleep(2.0)  # the silent answer goes to a connection the reader gave up on
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        puller.close()
+        owner.close()
