@@ -297,11 +297,11 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c) -> py::object {
             std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent();
             if (!a) return py::none();
-            return py::make_tuple(a->name(), a->generation(), a->pump_users(), a->pump_fresh());
+            return py::make_tuple(a->name(), a->generation(), a->pump_users(), a->pump_fresh(), a->prepared());
           },
           "(name, generation, leases keeping its pump beating, of them on connections without a "
-          "completed NIXL read) of the owner's NIXL agent, or None before a reader first asked for it "
-          "(tests, `datadist info`).")
+          "completed NIXL read, transfers prepared so far) of the engine's NIXL agent, or None before "
+          "one was needed (tests, `datadist info`).")
       .def(
           "set_nixl_options",
           [](Core &c, bool serve, bool whole_process) {

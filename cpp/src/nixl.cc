@@ -396,6 +396,7 @@ void *Agent::Prepare(int op, const std::string &remote_agent, const std::vector<
   if (s != kOk || req == nullptr)
     Fail(llm_datadist::LLM_LINK_FAILED, std::string("NIXL cannot prepare the ") + (op == kRead ? "READ" : "WRITE") +
                                             " (status " + std::to_string(s) + ")");
+  ++prepared_;
   return req;
 }
 

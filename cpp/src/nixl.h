@@ -109,6 +109,8 @@ class Agent {
   /// LLM_LINK_FAILED when NIXL reports an error or `peer_gone()` turns true (looked at every
   /// few polls); the handle is released then (the caller must not reuse it). Blocks.
   void Run(void *xfer, Deadline deadline, const std::function<bool()> &peer_gone);
+  /// Transfers prepared so far (tests: identical pulls reuse theirs).
+  uint64_t prepared() const { return prepared_; }
   /// Releases a prepared transfer; one NIXL cannot release yet is retried when the agent goes.
   void Release(void *xfer);
   /// Leases keeping the pump beating now, and of them those of connections without a
@@ -129,6 +131,7 @@ class Agent {
   std::multimap<uint64_t, uint64_t> starts_;  // every registered tensor: its address -> its end
   std::map<std::string, size_t> remotes_;  // loaded peers' metadata, by the links using them
   std::vector<void *> stuck_;              // transfers NIXL could not release yet
+  std::atomic<uint64_t> prepared_{0};
   size_t private_ = 0;
   uint64_t generation_ = 1;
   std::condition_variable pump_cv_;

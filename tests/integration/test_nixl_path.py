@@ -758,10 +758,14 @@ def test_core_reader_pulls_under_a_lease_until_the_owner_revokes_it(core_pair) -
     assert link.path_name == "nixl" and "forced nixl" in link.reason, link.reason
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and _reader_leases(puller) == 0
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)  # the first under the lease
+    prepared = puller.nixl_prepared
     for _ in range(3):
         dst[:] = 0
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
         assert np.array_equal(dst, src)
+    assert puller.nixl_prepared == prepared, "an identical pull prepared its transfer again"
     assert _reader_leases(puller) == 1 and _held(owner) == 1
     owner.unregister(1)
     assert _wait(lambda: _held(owner) == 0 and _reader_leases(puller) == 0)

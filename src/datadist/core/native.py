@@ -370,10 +370,17 @@ class NativeEngine:
     @property
     def nixl_agent(self) -> tuple[str, int, int, int] | None:
         """(name, generation, leases keeping its pump beating, of them on connections without
-        a completed NIXL read) of the core's NIXL agent, or None before a reader first asked
-        for it. For tests and tools; never blocks."""
+        a completed NIXL read) of the core's NIXL agent, or None before one was needed (a
+        reader asked, or this engine reads by NIXL). For tests and tools; never blocks."""
         got = self._core.nixl_agent()
         return None if got is None else (str(got[0]), int(got[1]), int(got[2]), int(got[3]))
+
+    @property
+    def nixl_prepared(self) -> int:
+        """NIXL transfers the core's agent prepared so far (0 without one): identical pulls
+        reuse theirs. For tests; never blocks."""
+        got = self._core.nixl_agent()
+        return 0 if got is None else int(got[4])
 
     @property
     def nixl_leases(self) -> int:
