@@ -305,14 +305,16 @@ def test_an_owner_refusing_writes_hands_out_no_writable_registration(
 
 @needs_nixl
 @pytest.mark.parametrize("reader_serves", [False, True])
-def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool) -> None:
+def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool,
+                                                           kind: str) -> None:
     """The owner's end of a NIXL reader's link is the reader's reverse channel: on it the
     reader answers NixlMdRequest, NixlRead, NixlWrite and NixlLease with NOT_SUPPORTED,
     even when it serves NIXL on its own listener (before: its metadata, destination caches
-    and pools included). The link stays usable both ways."""
+    and pools included). The link stays usable both ways. The reader is each engine."""
     owner = _owner(**SERVE)
-    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
-                                 nixl_serve=reader_serves, nixl_whole_process=True))
+    cfg = EngineConfig(cluster_id=READER, role=2, transport="nixl", nixl_serve=reader_serves,
+                       nixl_whole_process=True)
+    reader = Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
     try:
         dst = np.zeros(N, np.uint8)
         entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
@@ -383,13 +385,14 @@ def test_private_caches_are_never_registered_with_nixl(memory, thief, kind: str)
 
 
 @needs_nixl
-def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one() -> None:
+def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one(kind: str) -> None:
     """A reader that serves no NIXL registers its private destination (NIXL reads into
     registered memory only) and pulls into it; its agent then refuses to produce metadata
-    at all, even if serving were turned on later."""
+    at all, even if serving were turned on later. The reader is each engine in turn."""
     owner = _owner(**SERVE)
-    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
-                                 listen=("127.0.0.1", 0), nixl_whole_process=True))
+    cfg = EngineConfig(cluster_id=READER, role=2, transport="nixl", listen=("127.0.0.1", 0),
+                       nixl_whole_process=True)
+    reader = Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
     try:
         src = np.full(N, 4, np.uint8)
         owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
@@ -401,7 +404,7 @@ def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one() -> N
         plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
         reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 5.0)
         assert (dst == 4).all()
-        reader.config = dataclasses.replace(reader.config, nixl_serve=True)
+        _reconfigure(reader, nixl_serve=True)
         _refused(_metadata(reader), "private memory")
     finally:
         reader.close()
