@@ -41,6 +41,9 @@ Engine::~Engine() {
     alive_->engine = nullptr;
   }
   Close(0.0);
+  // Its revoking threads reach our reverse channels (Open's revoker): joined while those exist.
+  ident_.nixl = nullptr;
+  nixl_.reset();
 }
 
 void Engine::Open(const EngineOptions &options) {
