@@ -24,6 +24,7 @@
 #include "engine.h"
 #include "errors.h"
 #include "metrics.h"
+#include "nixl.h"
 #include "tasks.h"
 #include "wire.h"
 
@@ -199,6 +200,22 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "tls", [] { return py::make_tuple(datadist::tls::Available(), datadist::tls::Describe()); },
       "(available, what): does this build have TLS, and the OpenSSL it runs with (or why not).");
+  // Called by core/native.py with the nixl-cu12 wheel's libnixl_capi.so before an engine
+  // that serves NIXL opens; loads it once per process (without the GIL: NIXL's constructors).
+  m.def(
+      "nixl_load",
+      [](const std::string &path) {
+        std::string why;
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = datadist::nixl::Load(path, &why);
+        }
+        return py::make_tuple(ok, why);
+      },
+      py::arg("path"), "(loaded, why not): loads NIXL's C API from `path` (the first call wins).");
+  m.def("nixl_whole_process_reach", [] { return datadist::nixl::WholeProcessReach(); },
+        "How a NIXL peer of this process could reach memory never registered (transport/nixl.py's rule).");
 
   // CoreError(code, message): args[0] is the status code, args[1] the message.
   static py::handle core_error = py::exception<datadist::Error>(m, "CoreError").release();
@@ -249,8 +266,11 @@ PYBIND11_MODULE(_core, m) {
           "open",
           [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer,
              const std::string &tls_cert, const std::string &tls_key, const std::string &tls_ca, bool shm,
-             bool shm_forced) {
+             bool shm_forced, bool nixl_serve, bool nixl_whole_process, bool nixl_read) {
             datadist::EngineOptions o;
+            o.nixl.read = nixl_read;
+            o.nixl.serve = nixl_serve;
+            o.nixl.whole_process = nixl_whole_process;
             o.secret = secret;
             o.same_host = same_host;
             o.shm = shm;
@@ -265,8 +285,45 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("secret"), py::arg("same_host"), py::arg("allow_ptrace"), py::arg("max_conns"),
           py::arg("max_per_peer"), py::arg("tls_cert") = "", py::arg("tls_key") = "", py::arg("tls_ca") = "",
-          py::arg("shm") = true, py::arg("shm_forced") = false,
-          "Starts the engine; with the three TLS files (PEM), every connection runs mutual TLS.")
+          py::arg("shm") = true, py::arg("shm_forced") = false, py::arg("nixl_serve") = false,
+          py::arg("nixl_whole_process") = false, py::arg("nixl_read") = false,
+          "Starts the engine; with the three TLS files (PEM), every connection runs mutual TLS; "
+          "nixl_serve (and nixl_whole_process): serve NIXL readers (core/engine.py's rules); "
+          "nixl_read: links are forced to NIXL (LLM_PARAM_INVALID when it cannot be loaded).")
+      .def("nixl_refusal", [](Core &c) { return c.engine().nixl_owner().Refusal(); },
+           "Why this engine serves no NIXL reader (\"\": it does). Never blocks.")
+      .def(
+          "nixl_agent",
+          [](Core &c) -> py::object {
+            std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent();
+            if (!a) return py::none();
+            return py::make_tuple(a->name(), a->generation(), a->pump_users(), a->pump_fresh(), a->prepared());
+          },
+          "(name, generation, leases keeping its pump beating, of them on connections without a "
+          "completed NIXL read, transfers prepared so far) of the engine's NIXL agent, or None before "
+          "one was needed (tests, `datadist info`).")
+      .def(
+          "set_nixl_options",
+          [](Core &c, bool serve, bool whole_process) {
+            datadist::nixl::ServeOptions o;
+            o.serve = serve;
+            o.whole_process = whole_process;
+            c.engine().nixl_owner().SetOptions(o);
+          },
+          py::arg("serve"), py::arg("whole_process"),
+          "Serving NIXL turned on or off on a running engine (asked anew on every NIXL request).")
+      .def("set_nixl_revoke_wait", [](Core &c, double s) { c.engine().nixl_owner().SetRevokeWait(s); },
+           "How long a reader has to give a revoked NIXL lease back (5 s; tests shorten it).")
+      .def(
+          "nixl_progress",
+          [](Core &c) {
+            std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent();
+            py::gil_scoped_release nogil;
+            if (a) a->Progress();
+          },
+          "One progress call of the owner's NIXL agent, if made (tests drive it while no lease is open).")
+      .def("nixl_leases", [](Core &c) { return c.engine().nixl_owner().leases(); },
+           "NIXL cache leases readers hold on our caches now (tests).")
       .def(
           "close",
           [](Core &c, double wait_s) {
@@ -363,6 +420,13 @@ PYBIND11_MODULE(_core, m) {
             return py::make_tuple(own != nullptr, inbound != nullptr);
           },
           py::arg("cluster_id"), "(we made a link to it, it made one to us)")
+      .def(
+          "link_nixl_leases",
+          [](Core &c, uint64_t id) -> size_t {
+            auto link = c.engine().FindLink(id);
+            return link ? link->nixl_leases() : 0;
+          },
+          py::arg("cluster_id"), "NIXL leases on whole caches our link to `cluster_id` holds now (tests).")
       .def(
           "link_path",
           [](Core &c, uint64_t id) -> py::object {

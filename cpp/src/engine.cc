@@ -26,6 +26,8 @@ Engine::Engine(uint64_t cluster_id, int32_t role) {
     ++hellos_[peer];
   };
   alive_->engine = this;
+  nixl_ = std::make_unique<nixl::Owner>(&registry_, cluster_id);
+  ident_.nixl = nixl_.get();
   ident_.stats = [alive = alive_, cluster_id](uint64_t peer, const std::string &token) {
     std::lock_guard<std::mutex> lock(alive->mu);
     if (alive->engine == nullptr) return metrics::StatsJson(cluster_id, 0, peer, false);
@@ -39,6 +41,9 @@ Engine::~Engine() {
     alive_->engine = nullptr;
   }
   Close(0.0);
+  // Its revoking threads reach our reverse channels (Open's revoker): joined while those exist.
+  ident_.nixl = nullptr;
+  nixl_.reset();
 }
 
 void Engine::Open(const EngineOptions &options) {
@@ -53,6 +58,29 @@ void Engine::Open(const EngineOptions &options) {
     std::lock_guard<std::mutex> rev(rev_mu_);
     rev_closed_ = false;
   }
+  // NIXL leases are revoked on the reader's reverse channel to us: the one that echoed the
+  // asking connection's link token.
+  auto reverse_of = [this](uint64_t cluster, const std::string &token) -> std::shared_ptr<Link> {
+    std::lock_guard<std::mutex> rev(rev_mu_);
+    auto it = reverse_links_.find(cluster);
+    if (it == reverse_links_.end() || token.size() != it->second->link_token().size() ||
+        !auth::Same(it->second->link_token(), token))
+      return nullptr;
+    return it->second;
+  };
+  nixl_reader_.reset();
+  nixl_->Configure(
+      options.nixl,
+      [reverse_of](uint64_t cluster, const std::string &token, uint64_t lease_id, Deadline deadline) {
+        std::shared_ptr<Link> link = reverse_of(cluster, token);
+        if (!link) Fail(LLM_LINK_FAILED, "the reader's reverse channel is gone");
+        link->NixlRevoke(lease_id, deadline);
+      },
+      [reverse_of](uint64_t cluster, const std::string &token) {
+        std::shared_ptr<Link> link = reverse_of(cluster, token);
+        return link && !link->Gone();
+      });
+  if (options.nixl.read) nixl_reader_ = nixl_->Reading();  // LLM_PARAM_INVALID without NIXL
   open_ = true;
 }
 
@@ -67,6 +95,10 @@ void Engine::Close(double wait_s) {
     links.insert(links_.begin(), links_.end());
     links_.clear();
     server = std::move(server_);
+  }
+  nixl_->RevokeAll();  // while the readers' reverse channels are up (no wait when none is held)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     for (auto &kv : extra_) kv.second->Stop();
     extra_.clear();
   }
@@ -163,6 +195,7 @@ std::shared_ptr<Link> Engine::OpenLink(uint64_t id, const std::string &host, uin
   auto link = std::make_shared<Link>(id, host, port, hello, options_.secret, reverse ? &registry_ : nullptr,
                                      options_.same_host);
   link->SetShm(options_.shm, options_.shm_forced);
+  if (options_.nixl.read) link->SetNixl(nixl_reader_, nixl_->ReaderRefusal());
   if (take_peer_id) link->TakePeerId();
   link->SetStatsAnswer(ident_.stats);
   link->SetTls(options_.tls);

@@ -20,6 +20,7 @@
 
 #include "link.h"
 #include "net.h"
+#include "nixl.h"
 #include "registry.h"
 #include "server.h"
 
@@ -35,6 +36,8 @@ struct EngineOptions {
   size_t max_per_peer = 64;  // ... of them from one peer (IP address, or uid for local ones)
   /// Mutual TLS on every connection, both ways (tls.h; tls::Context::Load makes it); null: none.
   std::shared_ptr<const tls::Context> tls;
+  /// Serving NIXL readers (nixl.h): off unless asked for, as Python's EngineConfig.
+  nixl::ServeOptions nixl;
 };
 
 class Engine {
@@ -50,6 +53,7 @@ class Engine {
   Engine &operator=(const Engine &) = delete;
 
   /// (Re)starts the engine with `options` (after Close too): no listener yet, no links.
+  /// LLM_PARAM_INVALID when options.nixl.read and NIXL cannot be used (what to install).
   void Open(const EngineOptions &options);
   /// Stops the listener, closes every link at once (transfers in flight fail) and drops every
   /// cache, waiting up to `wait_s` for leases. Idempotent.
@@ -59,6 +63,8 @@ class Engine {
   int32_t role() const { return ident_.role.load(); }
   void set_role(int32_t role) { ident_.role = role; }
   Registry &registry() { return registry_; }
+  /// The owner side of NIXL (nixl.h): whether it serves, its agent and leases.
+  nixl::Owner &nixl_owner() { return *nixl_; }
   const EngineOptions &options() const { return options_; }
 
   /// Listens on host:port (port 0 picks one), replacing a listener we had. LLM_LINK_FAILED.
@@ -131,6 +137,8 @@ class Engine {
   Identity ident_;
   EngineOptions options_;
   Registry registry_;
+  std::unique_ptr<nixl::Owner> nixl_;  // outlives the servers (declared after them: destroyed later)
+  std::shared_ptr<nixl::Agent> nixl_reader_;  // options_.nixl.read: the agent our links read with
   mutable std::mutex mu_;  // guards server_, links_, open_
   bool open_ = false;
   std::unique_ptr<Server> server_;

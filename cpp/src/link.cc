@@ -99,6 +99,15 @@ void Link::Open(Deadline deadline) {
       ctx.registry = registry_;
       ctx.cluster = remote_;  // the owner's requests on it count under its id
       ctx.stats = stats_;
+      ctx.reverse = true;
+      ctx.nixl_revoke = [this](uint64_t lease_id, double wait) {
+        std::shared_ptr<nixl::ReadPath> path;
+        {
+          std::lock_guard<std::mutex> lock(nixl_mu_);
+          path = nixl_;
+        }
+        return path ? path->Revoke(lease_id, wait) : true;
+      };
       if (!ServeParked(rev_io_, ctx, std::move(rev)))
         Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed while it opened");
     }
@@ -141,6 +150,16 @@ void Link::Ping(Deadline deadline) {
   }
 }
 
+void Link::NixlRevoke(uint64_t lease_id, Deadline deadline) {
+  auto guard = Acquire(deadline);
+  Prepare(deadline);
+  std::vector<uint8_t> payload;
+  if (Call(wire::EncodeU64(wire::kNixlRevoke, lease_id, ++rid_), payload, deadline).type != wire::kOk) {
+    conn_->Close();
+    ProtocolViolation("expected OK to a NIXL_REVOKE");
+  }
+}
+
 std::string Link::Stats(Deadline deadline) {
   auto guard = Acquire(deadline);
   Prepare(deadline);
@@ -171,6 +190,7 @@ bool Link::Adopted(const std::function<std::string()> &adopt, const std::vector<
 
 void Link::Connect(Deadline deadline) {
   DropLeases();
+  DropNixl();
   SetConn(nullptr);
   maps_.reset();  // mappings of the old owner's memfds go with its connection
   cma_refused_ = false;
@@ -179,6 +199,10 @@ void Link::Connect(Deadline deadline) {
   peer_reverse_ = welcome.features & wire::kFeatureReverse;
   token_ = wire::SplitToken(welcome.proof, welcome.features).second;
   SetPath(Path::kTcp, "");
+  if (nixl_agent_) {
+    ConnectNixl(welcome, deadline);
+    return;
+  }
   if (!same_host_) {
     SetPath(Path::kTcp, "forced tcp");
     return;
@@ -237,8 +261,71 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   }
 }
 
+nixl::ReadPath::Channel Link::NixlChannel() {
+  nixl::ReadPath::Channel ch;
+  ch.call = [this](uint8_t, const std::function<std::vector<uint8_t>(uint32_t)> &frame, std::vector<uint8_t> &payload,
+                   Deadline deadline) { return Call(frame(++rid_), payload, deadline); };
+  ch.answer = [this](std::vector<uint8_t> &payload, Deadline deadline) { return Answer(payload, deadline); };
+  ch.send = [this](const std::function<std::vector<uint8_t>(uint32_t)> &frame, Deadline deadline) {
+    conn_->SendFrame(frame(rid_), deadline);
+  };
+  ch.peer_gone = [this] { return !conn_ || conn_->closed() || conn_->PeerGone(); };
+  ch.closed = [this] { return !conn_ || conn_->closed(); };
+  ch.close = [this] {
+    if (conn_) conn_->Close();
+  };
+  return ch;
+}
+
+void Link::ConnectNixl(const wire::Hello &welcome, Deadline deadline) {
+  (void)welcome;
+  if (!nixl_refusal_.empty()) {
+    SetPath(Path::kTcp, "nixl forced, but " + nixl_refusal_);
+    return;
+  }
+  auto path = std::make_shared<nixl::ReadPath>(nixl_agent_);
+  try {
+    nixl::ReadPath::Channel ch = NixlChannel();
+    path->Connect(ch, deadline);
+  } catch (const Error &e) {
+    // An owner without NIXL (ERROR, or a peer of an earlier version that closes), or whose
+    // metadata our NIXL refuses: TCP on this connection, and why.
+    if (e.code() == llm_datadist::LLM_TIMEOUT) throw;
+    path->Close();
+    if (!conn_ || conn_->closed()) {
+      wire::Hello again;
+      SetConn(Greet(false, deadline, rid_, again));
+      peer_reverse_ = again.features & wire::kFeatureReverse;
+      token_ = wire::SplitToken(again.proof, again.features).second;
+    }
+    SetPath(Path::kTcp, std::string("nixl forced but the peer offers no NIXL agent: ") + e.what());
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(nixl_mu_);
+    nixl_ = std::move(path);
+  }
+  SetPath(Path::kNixl, "forced nixl (UCX; metadata over the link)");
+}
+
+void Link::DropNixl() {
+  std::shared_ptr<nixl::ReadPath> path;
+  {
+    std::lock_guard<std::mutex> lock(nixl_mu_);
+    path.swap(nixl_);
+  }
+  if (path) path->Close();
+}
+
+size_t Link::nixl_leases() {
+  std::lock_guard<std::mutex> lock(nixl_mu_);
+  return nixl_ ? nixl_->leases() : 0;
+}
+
 const char *Link::PathName(Path p) {
   switch (p) {
+    case Path::kNixl:
+      return "nixl";
     case Path::kCma:
       return "cma";
     case Path::kLocalStream:
@@ -538,6 +625,11 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
   if (!checked && TransferLeased(req, local, false, deadline)) return;
   auto guard = Acquire(deadline);
   Prepare(deadline);
+  if (path_ == Path::kNixl && nixl_) {
+    nixl::ReadPath::Channel ch = NixlChannel();
+    nixl_->Read(ch, req, local, deadline);
+    return;
+  }
   // Small reads stream over the local socket even where cross-memory attach works: one round
   // trip, where a grant costs the same round trip plus a copy call and a RELEASE.
   if (path_ == Path::kCma && IovBytes(local) > grant_above_ && ReadGranted(req, local, deadline)) return;
@@ -698,6 +790,11 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
   if (TransferLeased(req, local, true, deadline)) return;
   auto guard = Acquire(deadline);
   Prepare(deadline);
+  if (path_ == Path::kNixl && nixl_) {
+    nixl::ReadPath::Channel ch = NixlChannel();
+    nixl_->Write(ch, req, local, deadline);
+    return;
+  }
   std::vector<uint8_t> payload;
   wire::Header h = Call(wire::EncodeRequest(wire::kWrite, req, ++rid_), payload, deadline);
   if (h.type != wire::kOk) {
@@ -721,6 +818,7 @@ void Link::Close(Deadline deadline, bool force) {
       Busy guard(this);
       closing_ = true;
       SetConn(nullptr);
+      DropNixl();
     } else {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -745,6 +843,7 @@ void Link::Close(Deadline deadline, bool force) {
   closing_ = true;
   SetConn(nullptr);
   DropLeases();
+  DropNixl();
   StopReverse();
   // As CANN's UnlinkCluster when it cannot reach the peer; our end is closed all the same,
   // so that a relink (or the forced unlink CANN programs retry with) succeeds.

@@ -41,6 +41,7 @@
 #include "iopool.h"
 #include "lease.h"
 #include "net.h"
+#include "nixl.h"
 #include "registry.h"
 #include "tls.h"
 #include "shm.h"
@@ -110,6 +111,11 @@ class Link {
   std::string Stats(Deadline deadline);
   /// How our reverse channel answers the peer's STATS_REQUEST (set before Open; unset: refused).
   void SetStatsAnswer(std::function<std::string(uint64_t, const std::string &)> answer) { stats_ = std::move(answer); }
+  /// A reverse end: NIXL_REVOKE for `lease_id` (one of the client's NIXL leases on our
+  /// caches, nixl.h), answered by OK once no read of the client's is under it. Throws when the
+  /// answer does not come by `deadline` (LLM_TIMEOUT, LLM_LINK_BUSY), the channel is gone
+  /// (LLM_LINK_FAILED) or the client refuses (its ERROR's code). Blocks up to the deadline.
+  void NixlRevoke(uint64_t lease_id, Deadline deadline);
   /// A reverse end: does its client answer a PING before `deadline`? Busy with a transfer
   /// counts as yes; no answer closes the channel. Called by the listener, without its own
   /// locks, before a newer reverse channel of the same id may replace this one. Blocks.
@@ -132,7 +138,18 @@ class Link {
   /// The data path pulls use now: "tcp", "cma" (grants and process_vm_readv above
   /// kGrantAbove bytes, the local stream below) or "local" (the bytes stream over the local
   /// channel), and why.
-  enum class Path { kTcp, kCma, kLocalStream };
+  enum class Path { kTcp, kCma, kLocalStream, kNixl };
+  /// Before Open: the link is forced to NIXL (transport "nixl"): every connection asks the
+  /// owner for its NIXL metadata (NIXL_MD_REQUEST) and, when it gets it, pulls and pushes by
+  /// NIXL (nixl.h's ReadPath) on `agent`; an owner that serves no NIXL, or `refusal` (why
+  /// this process may not: the whole-process allowance), leaves the connection on TCP, its
+  /// path's reason saying why.
+  void SetNixl(std::shared_ptr<nixl::Agent> agent, std::string refusal) {
+    nixl_agent_ = std::move(agent);
+    nixl_refusal_ = std::move(refusal);
+  }
+  /// NIXL leases on whole remote caches the current connection holds (tests).
+  size_t nixl_leases();
   Path path() const { return path_; }
   /// Shared memory (shm.h) on the same-host path: `allow` (default on; off when cma is
   /// forced) asks owners for SHM grants and leases, and reads caches in their shareable
@@ -190,6 +207,10 @@ class Link {
   std::shared_ptr<lease::Leased> AskLease(const LeaseKey &key, Deadline deadline);
   void DropLeases(const std::shared_ptr<lease::Leased> &only = nullptr);
   void StopReverse();
+  /// Busy held, at connect: the owner's NIXL metadata, and the path by NIXL or why not.
+  void ConnectNixl(const wire::Hello &welcome, Deadline deadline);
+  void DropNixl();
+  nixl::ReadPath::Channel NixlChannel();
   wire::Header Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline);
   wire::Header Answer(std::vector<uint8_t> &payload, Deadline deadline);
   /// Held for one transfer; released by the guard's destructor.
@@ -254,6 +275,13 @@ class Link {
   // Our reverse channel (client links): parked on the I/O pool (iopool.h) between the
   // listener's requests, served by a pool thread a request at a time, until unlink / finalize
   // (StopReverse). It is its own socket: our transfers (conn_, under busy_) never share it.
+  // NIXL (SetNixl): the agent, why this process may not use it, and the current connection's
+  // path (null: none; replaced under nixl_mu_, busy held, and read under it by the reverse
+  // channel's NIXL_REVOKE).
+  std::shared_ptr<nixl::Agent> nixl_agent_;
+  std::string nixl_refusal_;
+  std::mutex nixl_mu_;
+  std::shared_ptr<nixl::ReadPath> nixl_;
   IoGroup rev_io_;
 };
 

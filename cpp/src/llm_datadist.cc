@@ -87,17 +87,25 @@ bool BoolOption(const std::map<AscendString, AscendString> &options, const char 
   Invalid(std::string(key) + " must be 1 or 0, got '" + s + "'");
 }
 
-// datadist.Transport (else DATADIST_TRANSPORT), lower-cased: "auto" (default), "tcp", "cma" or
-// "shm"; "nixl" is not in this library (LLM_FEATURE_NOT_ENABLED), anything else LLM_PARAM_INVALID.
+// An environment variable that must be "0" or "1" when set (as the Python package's); unset: false.
+bool EnvFlag(const char *name) {
+  const char *v = std::getenv(name);
+  if (v == nullptr || !*v) return false;
+  const std::string s = v;
+  if (s != "0" && s != "1") Invalid(std::string(name) + " must be 0 or 1, got '" + s + "'");
+  return s == "1";
+}
+
+// datadist.Transport (else DATADIST_TRANSPORT), lower-cased: "auto" (default), "tcp", "cma",
+// "shm" or "nixl"; anything else LLM_PARAM_INVALID.
 std::string TransportOption(const std::map<AscendString, AscendString> &options) {
   const char *v = Find(options, "datadist.Transport");
   if (v == nullptr || !*v) v = std::getenv("DATADIST_TRANSPORT");
   std::string s = v ? v : "";
   for (char &c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (s.empty()) return "auto";
-  if (s == "auto" || s == "cma" || s == "shm" || s == "tcp") return s;
-  if (s == "nixl") Fail(LLM_FEATURE_NOT_ENABLED, "transport 'nixl' is not available in the C++ library");
-  Invalid("unknown transport '" + s + "'; use auto, tcp, cma or shm");
+  if (s == "auto" || s == "cma" || s == "shm" || s == "tcp" || s == "nixl") return s;
+  Invalid("unknown transport '" + s + "'; use auto, tcp, cma, shm or nixl");
 }
 
 // datadist.TlsCert / TlsKey / TlsCa (each else its DATADIST_TLS_* variable), as the Python
@@ -252,7 +260,8 @@ class LlmDataDist::LlmDataDistImpl {
     // "tcp" neither serves nor uses the local channel; "cma" reads no shared memory; "shm"
     // names the same-host path "shm" (as the Python package).
     const std::string transport = TransportOption(options);
-    opts.same_host = transport != "tcp";
+    opts.same_host = transport != "tcp" && transport != "nixl";
+    opts.nixl.read = transport == "nixl";
     opts.shm = transport != "cma";
     opts.shm_forced = transport == "shm";
     opts.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
@@ -260,6 +269,19 @@ class LlmDataDist::LlmDataDistImpl {
     verify_ = BoolOption(options, OPTION_DATADIST_VERIFY_CHECKSUM, verify_env != nullptr && std::string(verify_env) == "1");
     const datadist::tls::Files tls = TlsFiles(options);
     if (!tls.empty()) opts.tls = datadist::tls::Context::Load(tls);
+    // Serving NIXL readers (the Python package's options and variables, "0" or "1").
+    opts.nixl.serve = BoolOption(options, OPTION_DATADIST_NIXL_SERVE, EnvFlag("DATADIST_NIXL_SERVE"));
+    opts.nixl.whole_process = BoolOption(options, OPTION_DATADIST_NIXL_WHOLE_PROCESS,
+                                         EnvFlag("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS"));
+    if (opts.nixl.serve || opts.nixl.read) {
+      const char *lib = Find(options, OPTION_DATADIST_NIXL_LIBRARY);
+      if (lib == nullptr || !*lib) lib = std::getenv("DATADIST_NIXL_LIBRARY");
+      std::string why;
+      // A reader without NIXL fails at Open (LLM_PARAM_INVALID, what to install); an owner
+      // tells its readers why when they ask.
+      if (!datadist::nixl::Load(lib && *lib ? lib : "libnixl_capi.so", &why) && !opts.nixl.read)
+        datadist::Log("serving NIXL asked for, but " + why);
+    }
     engine_.Open(opts);
     listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);

@@ -268,6 +268,7 @@ int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uin
   while (by_id_.count(next_id_)) ++next_id_;  // ids an embedder chose (the other Add)
   e->id = next_id_++;
   by_id_[e->id] = e;
+  if (hooks_.added) hooks_.added(*e);
   return e->id;
 }
 
@@ -306,6 +307,18 @@ void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDe
   for (const auto &d : dropped_) used = used || d->id == id;
   if (used) Invalid("cache id " + std::to_string(id) + " is in use");
   by_id_[id] = e;
+  if (hooks_.added) hooks_.added(*e);
+}
+
+void Registry::ForEach(const std::function<void(const Entry &)> &each, const std::function<void()> &then) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto &kv : by_id_) each(*kv.second);
+  then();
+}
+
+void Registry::SetHooks(RegistryHooks hooks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  hooks_ = std::move(hooks);
 }
 
 void Registry::BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots) {
@@ -363,6 +376,7 @@ void Registry::BindModel(uint64_t model_id, int64_t cache_id) {
   std::shared_ptr<Entry> &slot = models_[model_id];
   if (slot && slot != it->second) {
     if (slot->fence) slot->fence->Revoke();  // leases through the model id named the old cache
+    if (hooks_.going) hooks_.going(slot.get());
     slot->has_model = false;
   }
   slot = it->second;
@@ -375,6 +389,7 @@ void Registry::UnbindModel(uint64_t model_id) {
   auto it = models_.find(model_id);
   if (it == models_.end()) return;
   if (it->second->fence) it->second->fence->Revoke();
+  if (hooks_.going) hooks_.going(it->second.get());
   it->second->has_model = false;
   models_.erase(it);
 }
@@ -398,6 +413,7 @@ void Registry::Deallocate(int64_t id, bool drop_keys) {
   by_id_.erase(it);
   e->id_held = false;
   if (e->fence) e->fence->Revoke();  // leases by cache id (or model id) end with the id
+  if (hooks_.going) hooks_.going(e.get());
   if (drop_keys) UnbindAll(*e);
   dropped_.push_back(std::move(e));
   changed_.notify_all();
@@ -409,6 +425,7 @@ std::vector<int64_t> Registry::TakeReleased() {
   auto free = [&](const std::shared_ptr<Entry> &e) {
     if (!e->keys.empty() || e->leases || (e->fence && !e->fence->Drained())) return false;
     out.push_back(e->id);
+    if (hooks_.gone) hooks_.gone(*e);
     return true;
   };
   dropped_.erase(std::remove_if(dropped_.begin(), dropped_.end(), free), dropped_.end());
@@ -424,6 +441,7 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
     Invalid(owned ? "cache " + std::to_string(id) + " was registered, not allocated: use UnregisterKvCache"
                   : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
   e->closing = true;
+  if (hooks_.going) hooks_.going(e.get());
   auto deadline = std::chrono::steady_clock::now() +
                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
   if (!Drain(lock, *e, deadline)) {
@@ -433,6 +451,7 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
   by_id_.erase(id);
   e->id_held = false;
   UnbindAll(*e);
+  if (hooks_.gone) hooks_.gone(*e);
 }
 
 bool Registry::Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline) {
@@ -539,8 +558,12 @@ int Registry::Clear(double wait_s) {
   }
   keys_.clear();
   models_.clear();
+  if (hooks_.going) hooks_.going(nullptr);
   int busy = 0;
-  for (auto &e : all) busy += Drain(lock, *e, deadline) ? 0 : 1;
+  for (auto &e : all) {
+    busy += Drain(lock, *e, deadline) ? 0 : 1;
+    if (hooks_.gone) hooks_.gone(*e);  // drained or given up on: finalize deregisters it either way
+  }
   return busy;
 }
 

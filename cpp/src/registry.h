@@ -28,6 +28,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -171,8 +172,24 @@ class Lease {
   bool reserved_ = false;
 };
 
+/// What else must know of a cache's life (NIXL's registrations and leases, nixl.h). Each is
+/// called with the registry's mutex held: it must not call the registry, and may take only
+/// locks that are never held while calling it.
+struct RegistryHooks {
+  std::function<void(const Entry &)> added;  // a cache was filed
+  /// The memory of `e` is wanted back (unregister, deallocate, its model id bound to another
+  /// cache, Clear: null, every cache): leases held outside the registry are revoked now.
+  std::function<void(const Entry *e)> going;
+  std::function<void(const Entry &)> gone;  // no longer filed, nothing holds it: its memory may go
+};
+
 class Registry {
  public:
+  /// Sets (or, with {}, clears) the hooks. Not blocking.
+  void SetHooks(RegistryHooks hooks);
+  /// `each` for every filed cache, then `then`, all under the registry's mutex (no cache is
+  /// filed meanwhile): the same rules as the hooks. Not blocking beyond what they do.
+  void ForEach(const std::function<void(const Entry &)> &each, const std::function<void()> &then);
   /// The C++ API's AllocateCache / RegisterKvCache: adds a cache under the next free id and
   /// returns it. `owned` is the memory AllocateCache made (may be empty), or `region` (the
   /// shared memory it made, held until the cache goes) with `shm` saying where each tensor
@@ -235,6 +252,7 @@ class Registry {
   /// leases by CacheKey, cache id or BlocksCacheKey are refused (LLM_PARAM_INVALID, as
   /// Engine._check_writable); writes by raw address (kind 4) stay allowed.
   void SetRemoteWrites(bool allowed);
+  bool remote_writes() const { return remote_writes_; }
 
   /// A lease on a local cache for a local transfer (LLM_KV_CACHE_NOT_EXIST if unknown).
   std::unique_ptr<Lease> Hold(int64_t id);
@@ -292,6 +310,7 @@ class Registry {
   std::vector<KeyId> consumed_;
   bool model_map_ = false;
   std::atomic<bool> remote_writes_{true};
+  RegistryHooks hooks_;
 };
 
 /// Every check of a READ / WRITE by cache id (kind 2: slot `b`) or BlocksCacheKey (kind 3)

@@ -15,6 +15,7 @@
 #include "auth.h"
 #include "errors.h"
 #include "metrics.h"
+#include "nixl.h"
 #include "verify.h"
 
 namespace datadist {
@@ -52,20 +53,37 @@ std::vector<uint8_t> ErrorFrame(const Error &e, uint32_t rid) {
   return wire::EncodeError({static_cast<int64_t>(e.code()), e.what()}, rid);
 }
 
+/// What a NIXL grant (NIXL_READ / NIXL_WRITE answered by NIXL_GRANT) holds besides its lease:
+/// the agent kept progressing until RELEASE, whether its connection had completed a NIXL read
+/// when it was granted, and the bytes of its request's span arrays (capped per connection).
+struct NixlGrantInfo {
+  std::shared_ptr<nixl::Agent> agent;
+  bool fresh = false;
+  bool write = false;
+  uint64_t request_bytes = 0;
+};
+
 /// One granted read: the lease pins the cache until RELEASE (or expiry, or the connection
-/// ending); the grant counts against its reader's pid until then.
-/// Counted as serve_read when it ends (metrics.h): its bytes after a RELEASE that said ok,
-/// else LLM_FAILED, timed from the request.
+/// ending); a same-host grant counts against its reader's pid until then, a NIXL grant keeps
+/// the agent's pump beating.
+/// Counted as serve_read (a NIXL write: serve_write) when it ends (metrics.h): its bytes after
+/// a RELEASE that said ok, else LLM_FAILED, timed from the request.
 class Granted {
  public:
   Granted(std::unique_ptr<Lease> lease, GrantBook *book, pid_t pid, uint64_t cluster, Clock::time_point asked)
       : lease_(std::move(lease)), book_(book), pid_(pid), since_(Clock::now()), cluster_(cluster), asked_(asked),
         nbytes_(lease_->nbytes) {}
+  Granted(std::unique_ptr<Lease> lease, NixlGrantInfo nixl, uint64_t cluster, Clock::time_point asked)
+      : lease_(std::move(lease)), book_(nullptr), pid_(0), since_(Clock::now()), cluster_(cluster), asked_(asked),
+        nbytes_(lease_->nbytes), nixl_(std::move(nixl)) {
+    nixl_.agent->PumpAcquire(nixl_.fresh);
+  }
   ~Granted() {
     lease_.reset();
-    book_->Drop(pid_);
-    metrics::RecordSince(metrics::Op::kServeRead, cluster_, ok_ ? nbytes_ : 0, asked_,
-                         ok_ ? llm_datadist::LLM_SUCCESS : llm_datadist::LLM_FAILED);
+    if (book_) book_->Drop(pid_);
+    if (nixl_.agent) nixl_.agent->PumpRelease(nixl_.fresh);
+    metrics::RecordSince(nixl_.write ? metrics::Op::kServeWrite : metrics::Op::kServeRead, cluster_, ok_ ? nbytes_ : 0,
+                         asked_, ok_ ? llm_datadist::LLM_SUCCESS : llm_datadist::LLM_FAILED);
   }
   Granted(const Granted &) = delete;
   Granted &operator=(const Granted &) = delete;
@@ -73,6 +91,8 @@ class Granted {
     lease_->Settle(true);
     ok_ = true;
   }
+  bool nixl() const { return nixl_.agent != nullptr; }
+  uint64_t request_bytes() const { return nixl_.request_bytes; }
   /// Past its time: kGrantTtl, or kReclaimGrace once the owner wants the memory back.
   bool Expired() const {
     const double age = SecondsSince(since_);
@@ -88,15 +108,21 @@ class Granted {
   Clock::time_point asked_;
   uint64_t nbytes_;
   bool ok_ = false;
+  NixlGrantInfo nixl_;
 };
 
-/// A connection's same-host grants by lease id, and its streamed read awaiting a checksum
-/// verdict (verify.h); clear() ends both, as failed reads.
+/// A connection's grants (same-host and NIXL) by lease id, and its streamed read awaiting a
+/// checksum verdict (verify.h); clear() ends both, as failed reads, and the connection's NIXL
+/// cache leases (nixl.h).
 struct Grants : std::map<uint64_t, std::unique_ptr<Granted>> {
   verify::Pending verdict;
+  nixl::Owner *nixl_owner = nullptr;  // set once the connection held a NIXL cache lease
+  bool nixl_wired = false;            // a NIXL read of this connection completed (RELEASE ok)
   void clear() {
     std::map<uint64_t, std::unique_ptr<Granted>>::clear();
     verdict.Drop();
+    if (nixl_owner) nixl_owner->DropConnection(this);
+    nixl_owner = nullptr;
   }
 };
 
@@ -359,6 +385,7 @@ bool Server::Connection::Handshake(bool readable, Deadline &wake) {
         ctx_.cluster = shake_.cluster;
         ctx_.token = shake_.token;
         ctx_.stats = server_->identity_->stats;
+        ctx_.nixl = server_->identity_->nixl;
         if (local_) {
           ctx_.peer = &cred_;
           ctx_.grants = &server_->grants_;
@@ -772,10 +799,130 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
 
 }  // namespace
 
+namespace {
+
+constexpr uint64_t kMaxGrantedRequestBytes = wire::kMaxPayload;  // NIXL grants' span arrays, per connection
+
+bool IsNixl(uint8_t type) {
+  return (type >= wire::kNixlMdRequest && type <= wire::kNixlWrite && type != wire::kNixlMd && type != wire::kNixlGrant) ||
+         type == wire::kNixlLease || type == wire::kNixlRevoke;
+}
+
+/// NIXL_READ / NIXL_WRITE (docs/protocol.md, "Pull and push over NIXL"): checked exactly as
+/// READ / WRITE, then granted (NIXL_GRANT, and CHECKSUM for a read with that flag) and held
+/// until RELEASE, as a same-host grant is. Refusals are ERROR frames; the connection stays.
+void NixlGrantOne(const ServeContext &ctx, Grants &grants, Conn &c, uint8_t type, const std::vector<uint8_t> &payload,
+                  uint32_t rid) {
+  wire::Request req = wire::DecodeRequest(type, payload);
+  const bool write = type == wire::kNixlWrite;
+  const Clock::time_point asked = Clock::now();
+  const metrics::Op op = write ? metrics::Op::kServeWrite : metrics::Op::kServeRead;
+  std::vector<uint8_t> frame, checksum;
+  try {
+    uint64_t granted = 0;
+    for (const auto &kv : grants) granted += kv.second->request_bytes();
+    const uint64_t size = req.tensors.size() * 4 + req.offsets.size() * 16;
+    if (grants.size() >= kMaxGrantsPerConnection || granted + size > kMaxGrantedRequestBytes)
+      Fail(llm_datadist::LLM_LINK_BUSY, std::to_string(grants.size()) + " grants (" + std::to_string(granted) +
+                                            " bytes of requests) are still not released on this connection");
+    if (ctx.nixl == nullptr) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner does not serve NIXL");
+    std::shared_ptr<nixl::Agent> agent = ctx.nixl->Serving();
+    std::unique_ptr<Lease> lease = write ? ctx.registry->OpenWrite(req) : ctx.registry->Open(req);
+    if (!agent->Registered(&lease->entry()))
+      Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache is not registered with NIXL on the owner");
+    const uint64_t id = next_lease_id++;
+    wire::NixlGrant g;
+    g.lease_id = id;
+    g.agent = agent->name();
+    g.generation = agent->generation();
+    // The client adds its offsets to the bases; raw-address offsets are absolute already.
+    g.bases = req.kind == wire::kAddress ? std::vector<uint64_t>(req.tensors.size(), 0) : lease->bases;
+    frame = wire::EncodeNixlGrant(g, rid);
+    if (!write && (req.flags & wire::kFlagChecksum)) checksum = verify::Frame(lease->iov, rid);
+    NixlGrantInfo info{agent, !grants.nixl_wired, write, size};
+    grants.emplace(id, std::make_unique<Granted>(std::move(lease), std::move(info), ctx.cluster, asked));
+  } catch (const Error &e) {
+    metrics::RecordSince(op, ctx.cluster, 0, asked, e.code());  // refused: nothing granted
+    if (e.code() == kSuspectRemoteError) throw;
+    c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
+    return;
+  }
+  const Deadline deadline = After(kServeTimeout);
+  c.SendFrame(frame, deadline);
+  if (!checksum.empty()) c.SendFrame(checksum, deadline);
+}
+
+/// The NIXL messages a peer may send (docs/protocol.md): on a link's reverse channel only
+/// NIXL_REVOKE (answered once no read of ours is under the lease: the core holds none, so at
+/// once), never anything that would hand the owner our agent, grants or leases; on any other
+/// connection everything but NIXL_REVOKE. A misplaced one is refused (FEATURE_NOT_ENABLED),
+/// the connection kept.
+void DispatchNixl(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h,
+                  const std::vector<uint8_t> &payload) {
+  const uint32_t rid = h.request_id;
+  if (ctx.reverse != (h.type == wire::kNixlRevoke)) {
+    c.SendFrame(ErrorFrame(Error(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+                                 std::string(wire::TypeName(h.type)) + " is not served on " +
+                                     (ctx.reverse ? "a reverse channel" : "a client's connection")),
+                           rid),
+                After(kServeTimeout));
+    return;
+  }
+  std::vector<uint8_t> answer;
+  switch (h.type) {
+    case wire::kNixlMdRequest:
+      wire::DecodeEmpty(payload);
+      try {
+        if (ctx.nixl == nullptr) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner does not serve NIXL");
+        answer = wire::EncodeNixlMd(ctx.nixl->Serving()->Metadata(), rid);
+      } catch (const Error &e) {
+        answer = ErrorFrame(e, rid);
+      }
+      break;
+    case wire::kNixlRead:
+    case wire::kNixlWrite:
+      NixlGrantOne(ctx, grants, c, h.type, payload, rid);
+      return;
+    case wire::kNixlLease: {
+      wire::NixlLease q = wire::DecodeNixlLease(payload);
+      try {
+        if (ctx.nixl == nullptr) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner does not serve NIXL");
+        answer = wire::EncodeNixlLeased(ctx.nixl->OpenLease(&grants, &c, ctx.cluster, ctx.token, q), rid);
+        grants.nixl_owner = ctx.nixl;
+      } catch (const Error &e) {
+        if (e.code() == kSuspectRemoteError) throw;
+        answer = ErrorFrame(e, rid);
+      }
+      break;
+    }
+    case wire::kNixlRevoke: {
+      // Answered once no read of ours is under the lease, which may take a while: the
+      // answer's deadline starts after.
+      const uint64_t lease_id = wire::DecodeU64(payload);
+      if (ctx.nixl_revoke && !ctx.nixl_revoke(lease_id, nixl::kRevokeWait))
+        answer = ErrorFrame(Error(llm_datadist::LLM_TIMEOUT,
+                                  "a NIXL read under lease " + std::to_string(lease_id) + " is still in flight"),
+                            rid);
+      else
+        answer = wire::EncodeEmpty(wire::kOk, rid);
+      break;
+    }
+    default:
+      ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
+  }
+  c.SendFrame(answer, After(kServeTimeout));
+}
+
+}  // namespace
+
 bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {
   Registry *registry_ = ctx.registry;
   const uint32_t rid = h.request_id;
   if (grants.verdict.Settle(h, payload)) return true;  // a checksummed read's verdict
+  if (IsNixl(h.type)) {
+    DispatchNixl(ctx, grants, c, h, payload);
+    return true;
+  }
   switch (h.type) {
     case wire::kRead: {
       wire::Request req = wire::DecodeRequest(h.type, payload);
@@ -876,7 +1023,11 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       // Ends a grant of this connection (ok: its read may consume its CacheKey). Unknown
       // ids (released already, expired, or lease 0 that was no read's verdict) settle nothing.
       wire::Release rel = wire::DecodeRelease(payload);
-      if (rel.ok && grants.count(rel.lease_id)) grants[rel.lease_id]->Settle();
+      auto it = grants.find(rel.lease_id);
+      if (rel.ok && it != grants.end()) {
+        it->second->Settle();
+        if (it->second->nixl()) grants.nixl_wired = true;  // UCX's endpoint is up: the pump may beat slowly
+      }
       grants.erase(rel.lease_id);
       return true;
     }

@@ -34,6 +34,12 @@
 #include "tls.h"
 
 namespace datadist {
+namespace nixl {
+class Owner;  // nixl.h
+}  // namespace nixl
+}  // namespace datadist
+
+namespace datadist {
 
 /// The answer to a peer's STATS_REQUEST (metrics.h's StatsJson): `peer` is the cluster id the
 /// connection announced, `token` the link token of its control channel ("" on a reverse
@@ -55,6 +61,8 @@ struct Identity {
   std::function<void(uint64_t)> on_control;
   /// Answers peers' STATS_REQUEST; set before serving (empty: refused, FEATURE_NOT_ENABLED).
   StatsAnswer stats;
+  /// Serves NIXL requests (nixl.h); null: each is refused with LLM_FEATURE_NOT_ENABLED.
+  nixl::Owner *nixl = nullptr;
 };
 
 /// Same-host grants outstanding per peer process (by its kernel-verified pid), over all its
@@ -97,6 +105,14 @@ struct ServeContext {
   uint64_t cluster = 0;
   std::string token;
   StatsAnswer stats;
+  /// A link's reverse channel (we linked; the peer is an owner we read from): of NIXL's
+  /// messages only NIXL_REVOKE is served on it, and only on it.
+  bool reverse = false;
+  /// The owner side of NIXL (nixl.h); null: NIXL requests are refused (LLM_FEATURE_NOT_ENABLED).
+  nixl::Owner *nixl = nullptr;
+  /// A reverse channel's NIXL_REVOKE (the link's ReadPath::Revoke): true once no read under
+  /// the lease is in flight (within the wait). Empty: answered at once.
+  std::function<bool(uint64_t lease_id, double wait)> nixl_revoke;
 };
 
 /// Serves requests on a connection whose handshake is done, as the owner of the context's

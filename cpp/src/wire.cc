@@ -107,6 +107,14 @@ constexpr std::array<const char *, 256> kTypeNames = [] {
   t[kCacheLease] = "CACHE_LEASE";
   t[kStatsRequest] = "STATS_REQUEST";
   t[kStats] = "STATS";
+  t[kNixlMdRequest] = "NIXL_MD_REQUEST";
+  t[kNixlMd] = "NIXL_MD";
+  t[kNixlRead] = "NIXL_READ";
+  t[kNixlGrant] = "NIXL_GRANT";
+  t[kNixlWrite] = "NIXL_WRITE";
+  t[kNixlLease] = "NIXL_LEASE";
+  t[kNixlLeased] = "NIXL_LEASED";
+  t[kNixlRevoke] = "NIXL_REVOKE";
   return t;
 }();
 
@@ -116,9 +124,13 @@ constexpr std::array<const char *, 256> kTypeNames = [] {
 
 std::string RequestFault(uint8_t type, uint8_t kind, uint32_t flags) {
   if (kind < kCacheKey || kind > kAddress) return "unknown key kind " + std::to_string(kind);
-  if (type == kRead) {
+  if (type == kRead || type == kNixlRead) {
     if (kind == kAddress) return "raw addresses (key kind 4) are for WRITE only";
-    if (flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) return "unknown read flags " + std::to_string(flags);
+    if (type == kNixlRead) {
+      if (flags & ~(kFlagChecksum | kFlagWhole)) return "unknown NIXL read flags " + std::to_string(flags);
+    } else if (flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) {
+      return "unknown read flags " + std::to_string(flags);
+    }
   } else if (flags != 0) {
     return "unknown write flags " + std::to_string(flags);  // none are defined in this version
   }
@@ -129,6 +141,16 @@ std::string LeaseKindFault(uint8_t kind) {
   if (kind != kCacheId && kind != kBlocksKey)
     return "a lease names a cache by id or BlocksCacheKey, not key kind " + std::to_string(kind);
   return "";
+}
+
+std::string NixlLeaseFault(uint8_t kind) {
+  if (kind != kCacheId && kind != kBlocksKey)
+    return "a NIXL lease names a cache id or a blocks key, not key kind " + std::to_string(kind);
+  return "";
+}
+
+std::string NixlMemFault(uint64_t mem) {
+  return mem == kMemDram || mem == kMemVram ? "" : "unknown NIXL memory kind " + std::to_string(mem);
 }
 
 std::string LeaseFlagsFault(uint32_t flags) {
@@ -326,6 +348,122 @@ std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid) {
   for (uint64_t v : l.shm_inos) w.U64(v);
   for (uint64_t v : l.shm_offsets) w.U64(v);
   return w.Finish();
+}
+
+std::vector<uint8_t> EncodeNixlMd(const NixlMd &m, uint32_t rid) {
+  if (m.metadata.size() > kMaxPayload / 2) Fail(llm_datadist::LLM_FAILED, "NIXL metadata too large");
+  Writer w(kNixlMd, rid);
+  w.U64(m.generation);
+  w.U32(m.metadata.size());
+  w.Blob(m.agent);
+  w.Raw(m.metadata.data(), m.metadata.size());
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeNixlGrant(const NixlGrant &g, uint32_t rid) {
+  Refuse(NixlMemFault(g.mem));
+  Writer w(kNixlGrant, rid);
+  w.U64(g.lease_id);
+  w.U64(g.generation);
+  w.U8(g.mem);
+  w.U32(g.device);
+  w.U32(g.bases.size());
+  w.Blob(g.agent);
+  for (uint64_t b : g.bases) w.U64(b);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeNixlLease(const NixlLease &l, uint32_t rid) {
+  Refuse(NixlLeaseFault(l.kind));
+  Writer w(kNixlLease, rid);
+  w.U8(l.kind);
+  w.U64(l.a);
+  w.U64(l.b);
+  w.U64(l.c);
+  w.U64(l.unit_bytes);
+  return w.Finish();
+}
+
+std::vector<uint8_t> EncodeNixlLeased(const NixlLeased &l, uint32_t rid) {
+  Refuse(NixlMemFault(l.mem));
+  Writer w(kNixlLeased, rid);
+  w.U64(l.lease_id);
+  w.U64(l.generation);
+  w.U8(l.mem);
+  w.U32(l.device);
+  w.U8(l.blocks ? 1 : 0);
+  w.U64(l.tensor_bytes);
+  w.U64(l.unit_bytes);
+  w.U64(l.units);
+  w.U64(l.layout);
+  w.U32(l.addrs.size());
+  w.Blob(l.agent);
+  for (uint64_t a : l.addrs) w.U64(a);
+  return w.Finish();
+}
+
+NixlMd DecodeNixlMd(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  NixlMd m;
+  m.generation = r.Uint(8);
+  const uint64_t n = r.Uint(4);
+  m.agent = r.Blob();
+  const uint8_t *b = r.Take(n);
+  m.metadata.assign(reinterpret_cast<const char *>(b), n);
+  r.Done();
+  return m;
+}
+
+NixlGrant DecodeNixlGrant(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  NixlGrant g;
+  g.lease_id = r.Uint(8);
+  g.generation = r.Uint(8);
+  const uint64_t mem = r.Uint(1);
+  g.device = static_cast<uint32_t>(r.Uint(4));
+  const uint64_t count = r.Uint(4);
+  Reject(NixlMemFault(mem));
+  g.mem = static_cast<uint8_t>(mem);
+  g.agent = r.Blob();
+  g.bases = r.Array<uint64_t>(count);
+  r.Done();
+  return g;
+}
+
+NixlLease DecodeNixlLease(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  NixlLease l;
+  l.kind = static_cast<uint8_t>(r.Uint(1));
+  l.a = r.Uint(8);
+  l.b = r.Uint(8);
+  l.c = r.Uint(8);
+  Reject(NixlLeaseFault(l.kind));
+  l.unit_bytes = r.Uint(8);
+  r.Done();
+  return l;
+}
+
+NixlLeased DecodeNixlLeased(const std::vector<uint8_t> &payload) {
+  Reader r(payload);
+  NixlLeased l;
+  l.lease_id = r.Uint(8);
+  l.generation = r.Uint(8);
+  const uint64_t mem = r.Uint(1);
+  l.device = static_cast<uint32_t>(r.Uint(4));
+  const uint64_t blocks = r.Uint(1);
+  l.tensor_bytes = r.Uint(8);
+  l.unit_bytes = r.Uint(8);
+  l.units = r.Uint(8);
+  l.layout = r.Uint(8);
+  const uint64_t count = r.Uint(4);
+  Reject(NixlMemFault(mem));
+  if (blocks > 1) ProtocolViolation("bad NIXL lease (blocks " + std::to_string(blocks) + ")");
+  l.mem = static_cast<uint8_t>(mem);
+  l.blocks = blocks == 1;
+  l.agent = r.Blob();
+  l.addrs = r.Array<uint64_t>(count);
+  r.Done();
+  return l;
 }
 
 LeaseRequest DecodeLeaseRequest(const std::vector<uint8_t> &payload) {

@@ -34,12 +34,22 @@ enum MsgType : uint8_t {
   kShmGrant = 13,
   kAuth = 14,
   kChecksum = 15,
-  // 16 to 20: NIXL, not spoken here (a frame of those types is malformed)
+  // 16 to 20, 30 to 32: the NIXL data path (docs/protocol.md, "Pull and push over NIXL")
+  kNixlMdRequest = 16,  // empty: the owner's NIXL agent metadata, please (answer: kNixlMd)
+  kNixlMd = 17,
+  kNixlRead = 18,   // READ's encoding; the bytes move by one NIXL READ (answer: kNixlGrant)
+  kNixlGrant = 19,
+  kNixlWrite = 20,  // WRITE's encoding; the bytes move by one NIXL WRITE (answer: kNixlGrant)
   kStatsRequest = 21,  // empty: the peer's transfer metrics, please (answer: kStats)
   kStats = 22,         // u32 n, then n bytes of UTF-8 JSON (docs/protocol.md, "Metrics")
   kLeaseRequest = 23,
   kCacheLease = 24,
+  kNixlLease = 30,   // a read lease on a whole cache for NIXL reads (answer: kNixlLeased)
+  kNixlLeased = 31,
+  kNixlRevoke = 32,  // owner to reader, on the reader's reverse channel (answer: kOk)
 };
+
+constexpr uint8_t kMemDram = 0, kMemVram = 1;  // NIXL_GRANT / NIXL_LEASED mem: DRAM_SEG, VRAM_SEG
 
 enum KeyKind : uint8_t { kCacheKey = 1, kCacheId = 2, kBlocksKey = 3, kAddress = 4 };
 
@@ -143,6 +153,44 @@ struct CacheLease {
   std::vector<uint64_t> shm_inos, shm_offsets;
 };
 
+/// NIXL_MD: the owner's NIXL agent name, the generation of its registrations and its metadata.
+struct NixlMd {
+  std::string agent;
+  uint64_t generation = 0;
+  std::string metadata;
+};
+
+/// NIXL_GRANT: a NIXL_READ (NIXL_WRITE) accepted: per requested tensor its unit base, the agent
+/// to read from (write into), its generation, and the memory kind and device of the spans.
+struct NixlGrant {
+  uint64_t lease_id = 0;
+  std::string agent;
+  uint64_t generation = 0;
+  uint8_t mem = kMemDram;
+  uint32_t device = 0;
+  std::vector<uint64_t> bases;
+};
+
+/// NIXL_LEASE: a read lease on a whole cache named by id (kCacheId) or model id (kBlocksKey),
+/// and for the latter the block size the reader assumes (0: any).
+struct NixlLease {
+  uint8_t kind = 0;
+  uint64_t a = 0, b = 0, c = 0;
+  uint64_t unit_bytes = 0;
+};
+
+/// NIXL_LEASED: the leased cache's geometry, every tensor's address, and the agent as in NixlGrant.
+struct NixlLeased {
+  uint64_t lease_id = 0;
+  std::string agent;
+  uint64_t generation = 0;
+  uint8_t mem = kMemDram;
+  uint32_t device = 0;
+  bool blocks = false;
+  uint64_t tensor_bytes = 0, unit_bytes = 0, units = 0, layout = 0;
+  std::vector<uint64_t> addrs;
+};
+
 // ---- encoding: whole frames
 std::vector<uint8_t> EncodeHello(uint8_t type, const Hello &h, uint32_t rid);
 std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid);
@@ -157,6 +205,10 @@ std::vector<uint8_t> EncodeRelease(const Release &r, uint32_t rid);
 std::vector<uint8_t> EncodeLeaseRequest(const LeaseRequest &r, uint32_t rid);
 std::vector<uint8_t> EncodeCacheLease(const CacheLease &l, uint32_t rid);
 std::vector<uint8_t> EncodeStats(const std::string &json, uint32_t rid);  // STATS
+std::vector<uint8_t> EncodeNixlMd(const NixlMd &m, uint32_t rid);
+std::vector<uint8_t> EncodeNixlGrant(const NixlGrant &g, uint32_t rid);
+std::vector<uint8_t> EncodeNixlLease(const NixlLease &l, uint32_t rid);
+std::vector<uint8_t> EncodeNixlLeased(const NixlLeased &l, uint32_t rid);
 
 // ---- decoding
 Header DecodeHeader(const uint8_t *data);  // exactly kHeaderSize bytes
@@ -179,10 +231,16 @@ ShmGrant DecodeShmGrant(const std::vector<uint8_t> &payload);
 /// STATS: the JSON bytes as they came (the caller parses them); a count beyond the payload,
 /// or bytes after the JSON, are malformed.
 std::string DecodeStats(const std::vector<uint8_t> &payload);
+NixlMd DecodeNixlMd(const std::vector<uint8_t> &payload);
+/// A memory kind other than kMemDram / kMemVram is malformed.
+NixlGrant DecodeNixlGrant(const std::vector<uint8_t> &payload);
+/// Key kinds other than kCacheId / kBlocksKey are malformed.
+NixlLease DecodeNixlLease(const std::vector<uint8_t> &payload);
+/// Malformed: an unknown memory kind, blocks > 1.
+NixlLeased DecodeNixlLeased(const std::vector<uint8_t> &payload);
 
 /// The name docs/protocol.md gives a message type this codec speaks ("HELLO"), or nullptr for
-/// a type it does not (NIXL, 16 to 20 and 30 to 32, reserved and unknown numbers):
-/// DecodeHeader refuses those, as a version-1 peer without the extension must.
+/// a type it does not (reserved and unknown numbers): DecodeHeader refuses those.
 const char *TypeName(uint8_t type);
 
 // ---- helpers shared with Python's implementation

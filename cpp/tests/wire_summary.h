@@ -95,8 +95,22 @@ inline Codec RequestCodec(uint8_t type) {
           [type](const Bytes &p, uint32_t rid) { return wire::EncodeRequest(type, wire::DecodeRequest(type, p), rid); }};
 }
 
-/// Every type this codec speaks. Types 16 to 20 and 30 to 32 (NIXL) are missing on purpose:
-/// the C++ core has no NIXL path (docs/protocol.md's opening).
+inline Fields NixlGrantFields(const wire::NixlGrant &g) {
+  return {{"lease_id", std::to_string(g.lease_id)}, {"agent", Hex(g.agent)},
+          {"generation", std::to_string(g.generation)}, {"mem", std::to_string(g.mem)},
+          {"device", std::to_string(g.device)}, {"bases", List(g.bases)}};
+}
+
+inline Fields NixlLeasedFields(const wire::NixlLeased &l) {
+  return {{"lease_id", std::to_string(l.lease_id)},   {"agent", Hex(l.agent)},
+          {"generation", std::to_string(l.generation)}, {"mem", std::to_string(l.mem)},
+          {"device", std::to_string(l.device)},       {"blocks", l.blocks ? "1" : "0"},
+          {"tensor_bytes", std::to_string(l.tensor_bytes)}, {"unit_bytes", std::to_string(l.unit_bytes)},
+          {"units", std::to_string(l.units)},         {"layout", std::to_string(l.layout)},
+          {"addrs", List(l.addrs)}};
+}
+
+/// Every type this codec speaks (docs/protocol.md's, NIXL's included).
 inline const std::map<uint8_t, Codec> &Codecs() {
   static const std::map<uint8_t, Codec> codecs = {
       {wire::kHello, HelloCodec(wire::kHello)},
@@ -172,6 +186,31 @@ inline const std::map<uint8_t, Codec> &Codecs() {
         },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeCacheLease(wire::DecodeCacheLease(p), rid); }}},
       {wire::kStatsRequest, EmptyCodec(wire::kStatsRequest)},
+      {wire::kNixlMdRequest, EmptyCodec(wire::kNixlMdRequest)},
+      {wire::kNixlMd,
+       {[](const Bytes &p) {
+          wire::NixlMd m = wire::DecodeNixlMd(p);
+          return Fields{{"agent", Hex(m.agent)}, {"generation", std::to_string(m.generation)},
+                        {"metadata", Hex(m.metadata)}};
+        },
+        [](const Bytes &p, uint32_t rid) { return wire::EncodeNixlMd(wire::DecodeNixlMd(p), rid); }}},
+      {wire::kNixlRead, RequestCodec(wire::kNixlRead)},
+      {wire::kNixlWrite, RequestCodec(wire::kNixlWrite)},
+      {wire::kNixlGrant,
+       {[](const Bytes &p) { return NixlGrantFields(wire::DecodeNixlGrant(p)); },
+        [](const Bytes &p, uint32_t rid) { return wire::EncodeNixlGrant(wire::DecodeNixlGrant(p), rid); }}},
+      {wire::kNixlLease,
+       {[](const Bytes &p) {
+          wire::NixlLease l = wire::DecodeNixlLease(p);
+          Fields f{{"unit_bytes", std::to_string(l.unit_bytes)}};
+          PutKey(f, l.kind, l.a, l.b, l.c);
+          return f;
+        },
+        [](const Bytes &p, uint32_t rid) { return wire::EncodeNixlLease(wire::DecodeNixlLease(p), rid); }}},
+      {wire::kNixlLeased,
+       {[](const Bytes &p) { return NixlLeasedFields(wire::DecodeNixlLeased(p)); },
+        [](const Bytes &p, uint32_t rid) { return wire::EncodeNixlLeased(wire::DecodeNixlLeased(p), rid); }}},
+      {wire::kNixlRevoke, U64Codec(wire::kNixlRevoke, "lease_id")},
       {wire::kStats,
        {[](const Bytes &p) { return Fields{{"json", Hex(wire::DecodeStats(p))}}; },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeStats(wire::DecodeStats(p), rid); }}},
@@ -179,8 +218,9 @@ inline const std::map<uint8_t, Codec> &Codecs() {
   return codecs;
 }
 
-/// The types of docs/protocol.md this codec does not speak, and must refuse at the header.
-inline const std::set<uint8_t> kNotSpoken = {16, 17, 18, 19, 20, 30, 31, 32};
+/// The types of docs/protocol.md this codec does not speak, and must refuse at the header: none
+/// since the core has the NIXL path (cpp/src/nixl.h).
+inline const std::set<uint8_t> kNotSpoken = {};
 
 /// "" if ``f`` returns; "protocol" if it throws the protocol error; else what it threw.
 inline std::string Outcome(const std::function<void()> &f) {

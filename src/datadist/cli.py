@@ -292,8 +292,8 @@ def _info_engine() -> None:
     if choice == "python":
         print("engine: python (DATADIST_ENGINE=python)")
     elif refused is None:
-        print("engine: native (the C++ core serves and moves bytes without the GIL; "
-              "NIXL, forced cma / shm and checksums run on the Python engine)")
+        print("engine: native (the C++ core serves and moves bytes without the GIL, "
+              "on every path: tcp, the local channel's cma / shm, NIXL)")
     else:
         print(f"engine: python ({refused})")
     if ok:

@@ -21,11 +21,10 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "cma", "shm")
 # prompts are told to serve NIXL readers: PROMPT_ENV and serving() below).
 if nixl.available() is not None:
     TRANSPORTS += ("nixl",)
-# DATADIST_ENGINE=native runs every LLMDataDist on the C++ core, which can be forced to no path
-# but tcp and serves no NIXL (core/native.py refusal): there the suites run over tcp, and the
-# prompts serve no NIXL readers (else their init would refuse the configuration).
+# DATADIST_ENGINE=native runs every LLMDataDist on the C++ core: there the suites run over tcp
+# and, where NIXL is installed, over NIXL (the core reads and serves it: cpp/src/nixl.h).
 if os.environ.get("DATADIST_ENGINE", "").lower() == "native":
-    TRANSPORTS = ("tcp",)
+    TRANSPORTS = ("tcp", "nixl") if "nixl" in TRANSPORTS else ("tcp",)
 
 # Peers never inherit the decoder's forced path: they only serve. Where NIXL is installed they
 # serve NIXL readers too, which is opt-in, and on this kind of host (UCX over tcp and shared

@@ -1,20 +1,25 @@
 """The NIXL data path (transport/nixl.py) between two engines in this process, and how it is
-chosen. The two-process suites run over it too (TRANSPORTS in _support.py); these tests look
-at what only NIXL has: selection and its errors, the owner's lazily created agent, metadata
-reloads when the owner's registrations change, handle reuse, the pump that runs only during
-transfers, the fallback to TCP for an owner without NIXL. The selection tests run everywhere;
-the rest skip without the nixl-cu12 wheel.
+chosen. The owner of the path tests (``pair``) is each engine in turn: the Python engine and
+the C++ core (core/native.py, cpp/src/nixl.h); their reader is the Python engine; the
+``core_reader`` tests read with the core from either owner. The two-process suites run over
+it too (TRANSPORTS in _support.py); these tests look at what only NIXL has: selection and its
+errors, the owner's lazily created agent, metadata reloads when the owner's registrations
+change, handle reuse, the pump that runs only during transfers, the fallback to TCP for an
+owner without NIXL. The selection tests run everywhere; the rest skip without the nixl-cu12
+wheel.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import datadist as llm_datadist
+from datadist.core import native
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import (
     BrokenLink,
@@ -86,13 +91,57 @@ def test_engine_without_nixl_refuses_nixl_transport(monkeypatch: pytest.MonkeyPa
 # ------------------------------------------------------------------------------ the path
 
 
-@pytest.fixture
-def pair():
-    owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))
+OWNERS = ["python", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available()[0], reason="the C++ core is not built"))]
+
+
+def _owner(kind: str, **config) -> Any:
+    """An owner of ``kind`` ("python": core/engine.py; "native": the C++ core) listening on
+    localhost, serving NIXL unless ``config`` says otherwise."""
+    cfg = EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), **{**NIXL_OK, **config})
+    return Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
+
+
+@pytest.fixture(params=OWNERS)
+def pair(request: pytest.FixtureRequest):
+    owner = _owner(request.param)
     puller = Engine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
     yield owner, puller
     puller.close()
     owner.close()
+
+
+def _is_native(owner: Any) -> bool:
+    return bool(getattr(owner, "native", False))
+
+
+def _agent(owner: Any) -> tuple[str, int, int, int] | None:
+    """(name, generation, leases keeping its pump beating, of them on connections without a
+    completed read) of an owner's NIXL agent, either engine; None before a reader asked."""
+    if _is_native(owner):
+        return owner.nixl_agent  # type: ignore[no-any-return]
+    a = owner.nixl
+    return None if a is None else (a.name, a.generation, a._pump_users, a._pump_fresh)
+
+
+def _held(owner: Any) -> int:
+    """NIXL leases on whole caches readers hold on the owner now."""
+    return int(owner.nixl_leases) if _is_native(owner) else len(owner._nixl_held)
+
+
+def _granted(owner: Any) -> int:
+    """NIXL grants (between NIXL_GRANT and RELEASE) open on the owner now."""
+    if not _is_native(owner):
+        return len(owner._nixl_leases)
+    agent = _agent(owner)
+    return 0 if agent is None else agent[2] - _held(owner)
+
+
+def _wait(cond, seconds: float = 5.0) -> bool:
+    end = time.monotonic() + seconds
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return bool(cond())
 
 
 def _link(owner: Engine, puller: Engine):
@@ -108,6 +157,23 @@ def _caches(owner: Engine, puller: Engine, n: int, fill: int = 7):
     entry = puller.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
     plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
     return src, dst, entry, plan
+
+
+@needs_nixl
+def test_an_owner_serving_nixl_runs_on_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serving NIXL (datadist.NixlServe) no longer keeps an engine on Python: auto picks the
+    core, whose listener serves NIXL readers (the path tests below, owner "native")."""
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    monkeypatch.delenv("DATADIST_ENGINE", raising=False)
+    config = EngineConfig(cluster_id=1, role=1, **NIXL_OK)
+    assert native.refusal(config) is None
+    eng, why = native.engine_for(config, {})
+    try:
+        assert eng.native, why
+        assert eng.nixl_refusal() is None and eng.nixl_agent is None
+    finally:
+        eng.close()
 
 
 @needs_nixl
@@ -134,11 +200,8 @@ class _Calls:
         return self._call(msg, deadline)
 
 
-def _pump_idle(owner: Engine) -> bool:
-    end = time.monotonic() + 5
-    while owner.nixl.pump_busy and time.monotonic() < end:
-        time.sleep(0.01)
-    return not owner.nixl.pump_busy
+def _pump_idle(owner: Any) -> bool:
+    return _wait(lambda: (_agent(owner) or ("", 0, 0, 0))[2] == 0)
 
 
 @needs_nixl
@@ -148,24 +211,25 @@ def test_pull_over_nixl_reads_under_a_lease_and_reuses_its_handle(pair) -> None:
     sends nothing on the control channel and reposts its handle. The owner's pump beats
     slowly while the lease is held, and stops once it is revoked (unregister)."""
     owner, puller = pair
-    assert owner.nixl is None  # created when a reader first asks for it
+    assert _agent(owner) is None  # created when a reader first asks for it
     src, dst, entry, plan = _caches(owner, puller, 1 << 20)
     link = _link(owner, puller)
     assert link.path_name == "nixl" and "forced nixl" in link.reason
-    assert owner.nixl is not None and owner.nixl.name.encode() in repr(link.path).encode()
+    agent = _agent(owner)
+    assert agent is not None and agent[0].encode() in repr(link.path).encode()
     calls = _Calls(link.chan)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and calls.n == 1  # NixlRead
     # the owner counts the connection wired when it handles the read's one-way Release,
     # which may come after the pull returned
-    end = time.monotonic() + 5
-    while not owner._nixl_wired and time.monotonic() < end:
-        time.sleep(0.001)
-    assert not link.path._leases and len(owner._nixl_wired) == 1
+    assert _wait(lambda: _granted(owner) == 0)
+    if not _is_native(owner):
+        assert _wait(lambda: bool(owner._nixl_wired)) and len(owner._nixl_wired) == 1
+    assert not link.path._leases
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and calls.n == 2  # NixlLease
-    assert len(link.path._leases) == 1 and len(owner._nixl_held) == 1
+    assert len(link.path._leases) == 1 and _held(owner) == 1
     handle = next(iter(link.path._handles.values()))
     for _ in range(3):
         dst[:] = 0
@@ -173,10 +237,11 @@ def test_pull_over_nixl_reads_under_a_lease_and_reuses_its_handle(pair) -> None:
         assert np.array_equal(dst, src)
     assert calls.n == 2, "a pull under the lease sent a request"
     assert next(iter(link.path._handles.values())) is handle, "the handle was not reused"
-    assert owner.nixl.pump_busy and owner.nixl._pump_fresh == 0  # the slow beat
-    assert not owner._nixl_leases  # no per-pull lease left open
+    agent = _agent(owner)
+    assert agent is not None and agent[2] and agent[3] == 0  # the slow beat
+    assert _granted(owner) == 0  # no per-pull lease left open
     owner.unregister(1)
-    assert not owner._nixl_held and not link.path._leases
+    assert _held(owner) == 0 and not link.path._leases
     assert _pump_idle(owner), "the pump still beats without any lease"
 
 
@@ -235,6 +300,8 @@ def test_a_reader_that_does_not_give_the_lease_back_loses_its_connection(
 
     owner, puller = pair
     monkeypatch.setattr(engine_mod, "NIXL_REVOKE_WAIT", 0.5)
+    if _is_native(owner):
+        owner._core.set_nixl_revoke_wait(0.5)
     src, dst, entry, plan = _caches(owner, puller, 4096)
     src2 = np.full(4096, 3, np.uint8)
     owner.register(Geometry(1, 4096, 1), [src2.ctypes.data], placement=0)  # cache 2
@@ -246,7 +313,7 @@ def test_a_reader_that_does_not_give_the_lease_back_loses_its_connection(
         lease.reading += 1  # stuck
     t0 = time.monotonic()
     owner.unregister(1)
-    assert time.monotonic() - t0 < 3 and not owner._nixl_held
+    assert time.monotonic() - t0 < 3 and _held(owner) == 0
     with link.path._cv:
         lease.reading -= 1
     end = time.monotonic() + 5
@@ -272,16 +339,19 @@ def test_a_blocks_model_id_registered_again_revokes_the_lease(pair) -> None:
     link = _link(owner, puller)
     for _ in range(2):
         puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
-    assert link.path._leases and owner._nixl_held
+    assert link.path._leases and _held(owner)
     new = np.full(8 * 4096, 2, np.uint8)
     owner.register(geo, [new.ctypes.data], placement=0, blocks_model_id=7)
-    assert not owner._nixl_held and not link.path._leases
+    # the Python owner revokes before register returns, the core on its revoking thread
+    assert _wait(lambda: _held(owner) == 0 and not link.path._leases)
     puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
     assert (dst[3 * 4096:5 * 4096] == 2).all() and (dst[:3 * 4096] == 0).all()
+    dst[:] = 0
     puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)  # under a lease on the new one
-    assert len(owner._nixl_held) == 1
-    (held,) = owner._nixl_held.values()
-    assert held.lease.entry.addrs[0] == new.ctypes.data
+    assert _held(owner) == 1 and (dst[3 * 4096:5 * 4096] == 2).all()
+    if not _is_native(owner):
+        (held,) = owner._nixl_held.values()
+        assert held.lease.entry.addrs[0] == new.ctypes.data
 
 
 @needs_nixl
@@ -307,11 +377,13 @@ def test_unregister_deregisters_from_nixl_and_the_key_is_gone(pair) -> None:
     src, dst, entry, plan = _caches(owner, puller, 4096)
     _link(owner, puller)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    gen = owner.nixl.generation
-    assert owner.nixl.kind_of(src.ctypes.data, 4096) == (p.MEM_DRAM, 0)
+    gen = _agent(owner)[1]  # type: ignore[index]
+    if not _is_native(owner):
+        assert owner.nixl.kind_of(src.ctypes.data, 4096) == (p.MEM_DRAM, 0)
     owner.unregister(1)
-    assert owner.nixl.kind_of(src.ctypes.data, 4096) is None
-    assert owner.nixl.generation > gen
+    if not _is_native(owner):
+        assert owner.nixl.kind_of(src.ctypes.data, 4096) is None
+    assert _agent(owner)[1] > gen  # type: ignore[index]
     with pytest.raises(CacheNotFound):
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
 
@@ -337,10 +409,8 @@ def test_push_over_nixl_is_one_write_into_checked_spans(pair) -> None:
     src[:] = 9
     puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert (dst == 9).all()
-    end = time.monotonic() + 5  # RELEASE is one-way: the owner handles it after push returns
-    while owner._nixl_leases and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not owner._nixl_leases
+    # RELEASE is one-way: the owner handles it after push returns
+    assert _wait(lambda: _granted(owner) == 0)
 
 
 @needs_nixl
@@ -374,10 +444,7 @@ def test_deadline_covers_the_nixl_transfer_and_the_link_stays_usable(pair) -> No
     dst[:] = 0
     with pytest.raises(Timeout):
         puller.pull(1, KEY, 0, plan, entry.cache_id, 0.005)
-    end = time.monotonic() + 10
-    while owner._nixl_leases and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not owner._nixl_leases, "the owner kept the timed-out reader's lease"
+    assert _wait(lambda: _granted(owner) == 0, 10), "the owner kept the timed-out reader's lease"
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)
     assert np.array_equal(dst, src)
@@ -404,10 +471,7 @@ def test_a_stuck_nixl_transfer_ends_at_the_deadline(pair, monkeypatch: pytest.Mo
     assert 0.3 <= time.monotonic() - t0 < 3.0
     assert released, "the stuck handle was not released"
     monkeypatch.undo()
-    end = time.monotonic() + 5
-    while owner._nixl_leases and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not owner._nixl_leases
+    assert _wait(lambda: _granted(owner) == 0)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and link.path_name == "nixl"
 
@@ -428,6 +492,8 @@ def test_checksum_over_nixl(pair) -> None:
 @needs_nixl
 def test_owner_without_nixl_gets_tcp(pair, monkeypatch: pytest.MonkeyPatch) -> None:
     owner, puller = pair
+    if _is_native(owner):
+        pytest.skip("the core loads NIXL once per process: tests/cpp covers an owner without it")
 
     def no_nixl():
         raise InvalidArgument("transport 'nixl' needs NIXL: pip install 'datadist[nixl]'")
@@ -463,21 +529,22 @@ def test_an_owner_that_does_not_serve_nixl_gets_tcp_readers(pair, why: str) -> N
     writable) and, on this host's key-unchecked UCX transports, nixl_whole_process: without
     any of them the owner makes no agent and hands out no metadata; a reader that forces nixl
     gets tcp, with the owner's reason, and pulls."""
-    import dataclasses
-
-    owner, puller = pair
+    served, puller = pair
     off = {"default": {"nixl_serve": False}, "no remote access":
            {"remote_cache_accessible": False}, "unchecked transports":
            {"nixl_whole_process": False}}[why]
-    owner.config = dataclasses.replace(owner.config, **off)
-    src, dst, entry, plan = _caches(owner, puller, 4096)
-    link = _link(owner, puller)
-    assert link.path_name == "tcp", link.reason
-    assert {"default": "datadist.NixlServe", "no remote access": "remote writes",
-            "unchecked transports": "NixlAllowWholeProcessAccess"}[why] in link.reason
-    assert owner.nixl is None
-    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    assert np.array_equal(dst, src)
+    owner = _owner("native" if _is_native(served) else "python", **off)
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096)
+        link = _link(owner, puller)
+        assert link.path_name == "tcp", link.reason
+        assert {"default": "datadist.NixlServe", "no remote access": "remote writes",
+                "unchecked transports": "NixlAllowWholeProcessAccess"}[why] in link.reason
+        assert _agent(owner) is None
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        owner.close()
 
 
 @needs_nixl
@@ -658,3 +725,250 @@ def test_a_process_with_a_nixl_agent_exits_cleanly() -> None:
                           timeout=60, env=env)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert "UCX" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ the core as reader
+
+@pytest.fixture(params=OWNERS)
+def core_pair(request: pytest.FixtureRequest):
+    """An owner of either engine, and a reader on the C++ core forced to NIXL."""
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    owner = _owner(request.param)
+    puller = native.NativeEngine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
+    yield owner, puller
+    puller.close()
+    owner.close()
+
+
+def _reader_leases(puller: Any) -> int:
+    return int(puller._core.link_nixl_leases(1))
+
+
+@needs_nixl
+def test_core_reader_pulls_under_a_lease_until_the_owner_revokes_it(core_pair) -> None:
+    """The core forced to NIXL: the first pull goes by NIXL_READ, the next ones under a
+    lease on the whole cache; unregister on the owner revokes it on the core's reverse
+    channel (answered once no read is under it), and the next pull fails as on any path.
+    Before: forced nixl kept the configuration on the Python engine."""
+    owner, puller = core_pair
+    assert native.refusal(puller.config) is None
+    src, dst, entry, plan = _caches(owner, puller, 1 << 20)
+    link = _link(owner, puller)
+    assert link.path_name == "nixl" and "forced nixl" in link.reason, link.reason
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src) and _reader_leases(puller) == 0
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)  # the first under the lease
+    prepared = puller.nixl_prepared
+    for _ in range(3):
+        dst[:] = 0
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    assert puller.nixl_prepared == prepared, "an identical pull prepared its transfer again"
+    assert _reader_leases(puller) == 1 and _held(owner) == 1
+    owner.unregister(1)
+    assert _wait(lambda: _held(owner) == 0 and _reader_leases(puller) == 0)
+    with pytest.raises(CacheNotFound):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+
+
+@needs_nixl
+def test_core_reader_checks_a_leased_read_as_the_owner_would(core_pair) -> None:
+    owner, puller = core_pair
+    src, dst, entry, plan = _caches(owner, puller, 4096)
+    _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert _reader_leases(puller) == 1
+    too_far = Plan(plan.remote_tensors, plan.local_tensors, plan.remote_offsets + np.uint64(1),
+                   plan.local_offsets, plan.lengths)
+    with pytest.raises(InvalidArgument):
+        puller.pull(1, KEY, 0, too_far, entry.cache_id, 5.0)
+    with pytest.raises(InvalidArgument):
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 1), 0, plan, entry.cache_id, 5.0)
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src) and _reader_leases(puller) == 1
+
+
+@needs_nixl
+def test_core_reader_pushes_by_nixl_write(core_pair) -> None:
+    """NIXL_WRITE into checked spans, by cache id and by raw address; a bad key is refused
+    before anything moves and the link stays usable."""
+    owner, puller = core_pair
+    n = 1 << 16
+    dst = np.zeros(n, np.uint8)
+    owner.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
+    src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+    entry = puller.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    _link(owner, puller)
+    puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+    with pytest.raises(CacheNotFound):
+        puller.push(1, p.KeyRef(p.KeyKind.CACHE_ID, 99, 0), 0, plan, entry.cache_id, 5.0)
+    dst[:] = 0
+    u32, u64 = np.uint32, np.uint64
+    raw = Plan(np.array([0], u32), np.array([0], u32), np.array([dst.ctypes.data + 4096], u64),
+               np.array([0], u64), np.array([256], u64))
+    puller.push(1, p.KeyRef(p.KeyKind.ADDRESS), 0, raw, entry.cache_id, 5.0)
+    assert np.array_equal(dst[4096:4352], src[:256])
+    assert not dst[:4096].any() and not dst[4352:].any()
+    assert _wait(lambda: _granted(owner) == 0)
+
+
+@needs_nixl
+def test_core_reader_ends_a_pull_at_its_deadline_and_the_link_stays_usable(core_pair) -> None:
+    owner, puller = core_pair
+    src, dst, entry, plan = _caches(owner, puller, 256 << 20, fill=5)
+    _link(owner, puller)
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)  # wire up, warm
+    dst[:] = 0
+    with pytest.raises(Timeout):
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 0.005)
+    assert _wait(lambda: _granted(owner) == 0 and _held(owner) == 0, 10)
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 30.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_core_reader_checksums_over_nixl(core_pair) -> None:
+    owner, _ = core_pair
+    puller = native.NativeEngine(EngineConfig(cluster_id=3, role=2, **NIXL_OK, transport="nixl",
+                                              verify=True))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 65536)
+        host, port = owner.listen_address
+        assert puller.link(1, host, port, 5.0).path_name == "nixl"
+        for _ in range(2):  # never under a lease: each goes by NIXL_READ with its CHECKSUM
+            dst[:] = 0
+            puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+            assert np.array_equal(dst, src)
+        assert int(puller._core.link_nixl_leases(1)) == 0
+    finally:
+        puller.close()
+
+
+@needs_nixl
+def test_core_reader_revoked_blocks_lease_reads_the_new_cache(core_pair) -> None:
+    owner, puller = core_pair
+    geo = Geometry(1, 8 * 4096, 8, is_blocks=True)
+    old = np.full(8 * 4096, 1, np.uint8)
+    owner.register(geo, [old.ctypes.data], placement=0, blocks_model_id=7)
+    dst = np.zeros(8 * 4096, np.uint8)
+    entry = puller.register(geo, [dst.ctypes.data], placement=0)
+    plan = plan_blocks(entry.geometry, [1, 2], [3, 4], layer_tensor_indices(1, None, None, 1))
+    key = p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 7, 0)
+    _link(owner, puller)
+    for _ in range(2):
+        puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
+    assert _reader_leases(puller) == 1
+    new = np.full(8 * 4096, 2, np.uint8)
+    owner.register(geo, [new.ctypes.data], placement=0, blocks_model_id=7)
+    assert _wait(lambda: _held(owner) == 0 and _reader_leases(puller) == 0)
+    for _ in range(2):
+        dst[:] = 0
+        puller.pull(1, key, 4096, plan, entry.cache_id, 5.0)
+        assert (dst[3 * 4096:5 * 4096] == 2).all() and (dst[:3 * 4096] == 0).all()
+
+
+@needs_nixl
+@pytest.mark.parametrize("why", ["owner serves none", "no allowance here"])
+def test_core_reader_falls_back_to_tcp_saying_why(why: str) -> None:
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    owner = _owner("python", nixl_serve=why != "owner serves none")
+    puller = native.NativeEngine(EngineConfig(
+        cluster_id=2, role=2, transport="nixl", nixl_serve=True,
+        nixl_whole_process=why != "no allowance here"))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096)
+        link = _link(owner, puller)
+        assert link.path_name == "tcp", link.reason
+        assert {"owner serves none": "no NIXL agent",
+                "no allowance here": "NixlAllowWholeProcessAccess"}[why] in link.reason
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        puller.close()
+        owner.close()
+
+
+@needs_nixl
+def test_core_reader_force_unlink_breaks_a_transfer_in_flight(core_pair) -> None:
+    owner, puller = core_pair
+    src, dst, entry, plan = _caches(owner, puller, 64 << 20, fill=1)
+    _link(owner, puller)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def pull() -> None:
+        started.set()
+        try:
+            for _ in range(200):
+                puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    started.wait()
+    time.sleep(0.05)
+    puller.unlink(1, timeout=1.0, force=True)
+    t.join(20)
+    assert not t.is_alive()
+    assert errors and isinstance(errors[0], (BrokenLink, NotLinked, LinkFailed)), errors
+    _link(owner, puller)  # a fresh link works
+    dst[:] = 0
+    puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+    assert np.array_equal(dst, src)
+
+
+@needs_nixl
+def test_core_reader_refuses_a_lying_grant_and_a_silent_owner_in_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant that does not match the request is a protocol error (the connection closed,
+    nothing read); an owner that does not answer a NIXL_READ ends the pull at its deadline;
+    neither hangs, and once the owner behaves the link pulls again."""
+    import dataclasses
+
+    from datadist.core.errors import DatadistError
+
+    if not native.available()[0]:
+        pytest.skip("the C++ core is not built here")
+    owner = _owner("python")
+    puller = native.NativeEngine(EngineConfig(cluster_id=2, role=2, **NIXL_OK, transport="nixl"))
+    try:
+        src, dst, entry, plan = _caches(owner, puller, 4096)
+        _link(owner, puller)
+        real = owner.open_nixl
+
+        def lying(peer, msg, lease_id):
+            lease, grant = real(peer, msg, lease_id)
+            more = np.zeros(len(grant.bases) + 1, np.uint64)
+            return lease, dataclasses.replace(grant, bases=more)
+
+        monkeypatch.setattr(owner, "open_nixl", lying)
+        t0 = time.monotonic()
+        with pytest.raises(DatadistError):
+            puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert time.monotonic() - t0 < 5.0 and not dst.any()
+
+        def silent(peer, msg, lease_id):
+            time.sleep(2.0)
+            return real(peer, msg, lease_id)
+
+        monkeypatch.setattr(owner, "open_nixl", silent)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            puller.pull(1, KEY, 0, plan, entry.cache_id, 0.5)
+        assert time.monotonic() - t0 < 1.5
+        monkeypatch.undo()
+        time.sleep(2.0)  # the silent answer goes to a connection the reader gave up on
+        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
+        assert np.array_equal(dst, src)
+    finally:
+        puller.close()
+        owner.close()

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 import datadist as llm_datadist
+from datadist.core import native
 from datadist.core.engine import Engine, EngineConfig
 from datadist.core.errors import NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
@@ -73,8 +74,39 @@ class Raw:
         self.sock.close()
 
 
-def _owner(**kw: Any) -> Engine:
-    return Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0), **kw))
+OWNERS = ["python", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available()[0], reason="the C++ core is not built"))]
+
+
+@pytest.fixture(params=OWNERS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """The owner's engine: the Python engine, then the C++ core (core/native.py)."""
+    return request.param  # type: ignore[no-any-return]
+
+
+def _owner(kind: str = "python", **kw: Any) -> Any:
+    cfg = EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0), **kw)
+    return Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
+
+
+def _is_native(owner: Any) -> bool:
+    return bool(getattr(owner, "native", False))
+
+
+def _made(owner: Any) -> bool:
+    """Has the owner made its NIXL agent (a reader asked, and it serves)?"""
+    return (owner.nixl_agent if _is_native(owner) else owner.nixl) is not None
+
+
+def _reconfigure(owner: Any, **kw: Any) -> None:
+    """The owner's NIXL options changed under it, as a running owner asks them anew."""
+    if not _is_native(owner):
+        owner.config = dataclasses.replace(owner.config, **kw)
+        return
+    cfg = dataclasses.replace(owner.config, **kw)
+    owner.config = cfg
+    owner._core.set_nixl_options(cfg.nixl_serve, cfg.nixl_whole_process)
+    owner._core.set_remote_writes(cfg.remote_cache_accessible)
 
 
 @pytest.fixture
@@ -103,9 +135,11 @@ def _metadata(owner: Engine) -> p.Message:
         raw.close()
 
 
-def _progress(owner: Engine) -> Any:
+def _progress(owner: Any) -> Any:
     """The owner's pump beats only while a lease is open: the thief drives it instead (as
     another reader's lease would)."""
+    if _is_native(owner):
+        return lambda: owner._core.nixl_progress()
     return lambda: owner.nixl.agent.get_new_notifs() if owner.nixl is not None else None
 
 
@@ -133,39 +167,40 @@ def _refused(got: Any, why: str) -> None:
 
 
 @needs_nixl
-def test_a_default_owner_hands_no_nixl_peer_anything(memory, thief) -> None:
+def test_a_default_owner_hands_no_nixl_peer_anything(memory, thief, kind: str) -> None:
     """NIXL merely installed is no consent: a default owner (no option) answers
     NixlMdRequest with NOT_SUPPORTED and makes no agent. Before, it served its metadata
     and a peer that stretched a region read the unregistered secret next to it."""
-    owner = _owner()
+    owner = _owner(kind)
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         _refused(_steal(owner, thief, memory), "datadist.NixlServe")
-        assert owner.nixl is None
+        assert not _made(owner)
     finally:
         owner.close()
 
 
 @needs_nixl
 def test_unchecked_transports_need_the_whole_process_allowance(
-        memory, thief, monkeypatch: pytest.MonkeyPatch) -> None:
+        memory, thief, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """Told to serve NIXL, an owner whose UCX may use tcp or shared memory (UCX_TLS unset,
     no RDMA device: this host) still refuses, naming the option that would allow it."""
     monkeypatch.delenv("UCX_TLS", raising=False)
-    owner = _owner(nixl_serve=True)
+    owner = _owner(kind, nixl_serve=True)
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         _refused(_steal(owner, thief, memory), "datadist.NixlAllowWholeProcessAccess")
-        assert owner.nixl is None
+        assert not _made(owner)
     finally:
         owner.close()
 
 
 @needs_nixl
-def test_with_the_allowance_a_nixl_peer_reaches_the_whole_process(memory, thief) -> None:
+def test_with_the_allowance_a_nixl_peer_reaches_the_whole_process(
+        memory, thief, kind: str) -> None:
     """What the allowance allows, as docs/security.md says: on key-unchecked transports a
     NIXL peer reads and writes outside every registered region."""
-    owner = _owner(**SERVE)
+    owner = _owner(kind, **SERVE)
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         got = _steal(owner, thief, memory)
@@ -247,11 +282,12 @@ def test_a_reader_links_by_nixl_over_unchecked_transports_only_when_allowed(
 
 
 @needs_nixl
-def test_an_owner_refusing_writes_hands_out_no_writable_registration(memory, thief) -> None:
+def test_an_owner_refusing_writes_hands_out_no_writable_registration(
+        memory, thief, kind: str) -> None:
     """NIXL registrations cannot be made read-only, so an owner with remote cache access
     off serves no NIXL at all: a peer that would post its own NIXL WRITE with the metadata
     exactly as sent gets none, and the cache is unchanged. Before, the write landed."""
-    owner = _owner(**SERVE, remote_cache_accessible=False)
+    owner = _owner(kind, **SERVE, remote_cache_accessible=False)
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         md = _metadata(owner)
@@ -269,14 +305,16 @@ def test_an_owner_refusing_writes_hands_out_no_writable_registration(memory, thi
 
 @needs_nixl
 @pytest.mark.parametrize("reader_serves", [False, True])
-def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool) -> None:
+def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool,
+                                                           kind: str) -> None:
     """The owner's end of a NIXL reader's link is the reader's reverse channel: on it the
     reader answers NixlMdRequest, NixlRead, NixlWrite and NixlLease with NOT_SUPPORTED,
     even when it serves NIXL on its own listener (before: its metadata, destination caches
-    and pools included). The link stays usable both ways."""
+    and pools included). The link stays usable both ways. The reader is each engine."""
     owner = _owner(**SERVE)
-    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
-                                 nixl_serve=reader_serves, nixl_whole_process=True))
+    cfg = EngineConfig(cluster_id=READER, role=2, transport="nixl", nixl_serve=reader_serves,
+                       nixl_whole_process=True)
+    reader = Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
     try:
         dst = np.zeros(N, np.uint8)
         entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
@@ -303,10 +341,10 @@ def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool) 
 
 
 @needs_nixl
-def test_a_client_connection_takes_no_nixl_revoke() -> None:
+def test_a_client_connection_takes_no_nixl_revoke(kind: str) -> None:
     """NixlRevoke is the owner's to send, on a reverse channel; from a client it is
     refused (it would make the owner's engine revoke its own reads from that cluster)."""
-    owner = _owner(**SERVE)
+    owner = _owner(kind, **SERVE)
     raw = Raw(owner.listen_address)  # type: ignore[arg-type]
     try:
         _refused(raw.call(p.NixlRevoke(1)), "client")
@@ -320,11 +358,11 @@ def test_a_client_connection_takes_no_nixl_revoke() -> None:
 
 
 @needs_nixl
-def test_private_caches_are_never_registered_with_nixl(memory, thief) -> None:
+def test_private_caches_are_never_registered_with_nixl(memory, thief, kind: str) -> None:
     """A cache registered with remote_accessible=False is not in the NIXL registrations:
     an unmodified NIXL READ of it is refused by the peer's own NIXL, while one of a public
     cache works (the thief works). Before, the private cache's bytes came back."""
-    owner = _owner(**SERVE)
+    owner = _owner(kind, **SERVE)
     try:
         public = np.full(N, 9, np.uint8)
         owner.register(Geometry(1, N, 1), [public.ctypes.data], placement=0)
@@ -340,19 +378,21 @@ def test_private_caches_are_never_registered_with_nixl(memory, thief) -> None:
             thief.read(name, memory.ctypes.data, N, progress=_progress(owner))
         assert "NIXL_ERR" in str(e.value) or "not" in str(e.value).lower(), e.value
         assert not isinstance(e.value, (AssertionError, TimeoutError))
-        assert owner.nixl.kind_of(memory.ctypes.data, N) is None
+        if not _is_native(owner):
+            assert owner.nixl.kind_of(memory.ctypes.data, N) is None
     finally:
         owner.close()
 
 
 @needs_nixl
-def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one() -> None:
+def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one(kind: str) -> None:
     """A reader that serves no NIXL registers its private destination (NIXL reads into
     registered memory only) and pulls into it; its agent then refuses to produce metadata
-    at all, even if serving were turned on later."""
+    at all, even if serving were turned on later. The reader is each engine in turn."""
     owner = _owner(**SERVE)
-    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
-                                 listen=("127.0.0.1", 0), nixl_whole_process=True))
+    cfg = EngineConfig(cluster_id=READER, role=2, transport="nixl", listen=("127.0.0.1", 0),
+                       nixl_whole_process=True)
+    reader = Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
     try:
         src = np.full(N, 4, np.uint8)
         owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
@@ -364,7 +404,7 @@ def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one() -> N
         plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
         reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 5.0)
         assert (dst == 4).all()
-        reader.config = dataclasses.replace(reader.config, nixl_serve=True)
+        _reconfigure(reader, nixl_serve=True)
         _refused(_metadata(reader), "private memory")
     finally:
         reader.close()
@@ -390,21 +430,21 @@ def test_nixl_serve_off_holds_for_a_process_whose_agent_exists(
     dd.init(cfg.generate_options())
     try:
         engine = dd.engine  # type: ignore[attr-defined]
-        assert engine.nixl is not None  # the reader's agent, made at init
+        assert _made(engine)  # the reader's agent, made at init (either engine)
         _refused(_metadata(engine), "NixlServe")
     finally:
         dd.finalize()
 
 
 @needs_nixl
-def test_the_serve_setting_is_checked_on_every_nixl_request(memory) -> None:
+def test_the_serve_setting_is_checked_on_every_nixl_request(memory, kind: str) -> None:
     """Every NIXL request asks anew: with serving turned off after the agent exists (and a
     reader was served), NixlMdRequest, NixlRead, NixlWrite and NixlLease are all refused."""
-    owner = _owner(**SERVE)
+    owner = _owner(kind, **SERVE)
     try:
         entry = owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
-        assert isinstance(_metadata(owner), p.NixlMd) and owner.nixl is not None
-        owner.config = dataclasses.replace(owner.config, nixl_serve=False)
+        assert isinstance(_metadata(owner), p.NixlMd) and _made(owner)
+        _reconfigure(owner, nixl_serve=False)
         raw = Raw(owner.listen_address)  # type: ignore[arg-type]
         key = p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0, 0)
         one, zero = np.ones(1, np.uint64), np.zeros(1, np.uint64)
@@ -516,9 +556,9 @@ def test_a_revoke_racing_its_lease_still_wins_and_is_bounded() -> None:
 
 
 @needs_nixl
-def test_no_metadata_before_the_shared_secret_is_proven() -> None:
+def test_no_metadata_before_the_shared_secret_is_proven(kind: str) -> None:
     """A peer that skips AUTH and asks for the metadata gets none: the connection ends."""
-    owner = _owner(**SERVE, secret=b"hunter2")
+    owner = _owner(kind, **SERVE, secret=b"hunter2")
     sock = socket.create_connection(owner.listen_address, timeout=10.0)  # type: ignore[arg-type]
     try:
         dec = p.FrameDecoder()
@@ -532,7 +572,7 @@ def test_no_metadata_before_the_shared_secret_is_proven() -> None:
             got += [m for _rid, m in dec.feed(chunk)]
         assert got and isinstance(got[0], p.Welcome)
         assert not any(isinstance(m, p.NixlMd) for m in got), got
-        assert owner.nixl is None
+        assert not _made(owner)
     finally:
         sock.close()
         owner.close()

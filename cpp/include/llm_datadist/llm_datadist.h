@@ -52,6 +52,17 @@ constexpr const char OPTION_DATADIST_VERIFY_CHECKSUM[] = "datadist.VerifyChecksu
 constexpr const char OPTION_DATADIST_TLS_CERT[] = "datadist.TlsCert";
 constexpr const char OPTION_DATADIST_TLS_KEY[] = "datadist.TlsKey";
 constexpr const char OPTION_DATADIST_TLS_CA[] = "datadist.TlsCa";
+// datadist extensions: serving NIXL readers (docs/cpp.md, docs/security.md "The NIXL path"),
+// the Python package's option keys. "1" / "0" (else DATADIST_NIXL_SERVE /
+// DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS; default "0"): serve NIXL (this process's agent
+// metadata, NIXL grants and leases; needs remote cache access, which this library always
+// allows), and allow it where a NIXL peer could reach the whole process (every UCX transport:
+// docs/security.md). NIXL's C API is loaded at run time from OPTION_DATADIST_NIXL_LIBRARY (else
+// DATADIST_NIXL_LIBRARY, else "libnixl_capi.so" on the loader's path; the nixl-cu12 wheel
+// ships it); when it cannot be loaded, readers are refused (LLM_FEATURE_NOT_ENABLED, why).
+constexpr const char OPTION_DATADIST_NIXL_SERVE[] = "datadist.NixlServe";
+constexpr const char OPTION_DATADIST_NIXL_WHOLE_PROCESS[] = "datadist.NixlAllowWholeProcessAccess";
+constexpr const char OPTION_DATADIST_NIXL_LIBRARY[] = "datadist.NixlLibrary";
 
 // Status codes: the values of Python's datadist.LLMStatusCode. The LLM_* codes are
 // llm_datadist/llm_error_codes.h's ge::LLM_* (one constant under both names, so code that uses

@@ -99,12 +99,49 @@ def refusal(config: EngineConfig) -> str | None:
         has, what = tls_available()
         if not has:
             return f"TLS (datadist.TlsCert...): {what}"
-    forced = forced_path(config.transport)  # the option, else DATADIST_TRANSPORT
-    if forced == PathKind.NIXL:
-        return f"transport {forced.value!r} is served by the Python engine only"
-    if config.nixl_serve:
-        return "serving NIXL (datadist.NixlServe) is the Python engine's"
     return None
+
+
+NIXL_CAPI = "libnixl_capi.so"  # NIXL's C API, beside the nixl-cu12 wheel's other libraries
+
+
+def nixl_library() -> str | None:
+    """The path of the installed NIXL wheel's C API library (``libnixl_capi.so``), or None
+    without one. Looks, without importing NIXL, in the wheel's library folder (meson-python
+    puts a wheel's libraries in ``.<module>.mesonpy.libs`` beside the module) and the
+    module's own folder. Never raises; returns at once."""
+    import importlib.util
+
+    from datadist.transport import nixl
+
+    for name in nixl.MODULES:
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(name)
+            if spec is None or not spec.submodule_search_locations:
+                continue
+            for where in spec.submodule_search_locations:
+                pkg = os.path.abspath(where)
+                for folder in (os.path.join(os.path.dirname(pkg), f".{name}.mesonpy.libs"),
+                               os.path.join(os.path.dirname(pkg), f"{name}.libs"), pkg):
+                    lib = os.path.join(folder, NIXL_CAPI)
+                    if os.path.isfile(lib):
+                        return lib
+    return None
+
+
+def load_nixl(mod: Any) -> str | None:
+    """Hand the installed NIXL to the core (``_core.nixl_load``), once per process, with the
+    environment the Python engine gives NIXL (transport/nixl.py: UCX's ib module kept out
+    where the host has no RDMA device). Returns why NIXL cannot be used, None once loaded.
+    Called by :class:`NativeEngine` when it serves NIXL; blocks while NIXL loads."""
+    from datadist.transport import nixl
+
+    lib = nixl_library()
+    if lib is None:
+        return "NIXL is not installed: pip install 'datadist[nixl]' (the nixl-cu12 wheel)"
+    nixl._skip_unusable_ib()
+    ok, why = mod.nixl_load(lib)
+    return None if ok else str(why)
 
 
 def wanted(options: dict[str, str]) -> str:
@@ -268,6 +305,13 @@ class NativeEngine:
         self._core.set_remote_writes(config.remote_cache_accessible)
         try:
             forced = forced_path(config.transport)
+            if (forced == PathKind.NIXL or config.nixl_serve) \
+                    and (why := load_nixl(mod)) is not None:
+                if forced == PathKind.NIXL:  # as the Python engine: init fails, saying why
+                    raise InvalidArgument(f"transport 'nixl' needs NIXL: pip install "
+                                          f"'datadist[nixl]' ({why})")
+                # As the Python owner: readers are refused (FEATURE_NOT_ENABLED) with why.
+                log.info("serving NIXL asked for, but %s", why)
             with _mapped():
                 # Same-host links read owners' shared memory (memfds) unless cma is forced;
                 # forced shm names the path "shm" (as core/links.py).
@@ -277,7 +321,10 @@ class NativeEngine:
                                 config.max_connections_per_peer,
                                 tls.cert_file if tls else "", tls.key_file if tls else "",
                                 tls.ca_file if tls else "",
-                                shm=forced != PathKind.CMA, shm_forced=forced == PathKind.SHM)
+                                shm=forced != PathKind.CMA, shm_forced=forced == PathKind.SHM,
+                                nixl_serve=config.nixl_serve,
+                                nixl_whole_process=config.nixl_whole_process,
+                                nixl_read=forced == PathKind.NIXL)
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
                     name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
@@ -313,6 +360,32 @@ class NativeEngine:
             raise Closed("the engine is finalized")
 
     # ------------------------------------------------------------------ listening
+
+    def nixl_refusal(self) -> str | None:
+        """Why this engine serves no NIXL reader (None: it does), asked of the core (the
+        Python engine's rules: Engine.nixl_refusal). Never blocks."""
+        why = str(self._core.nixl_refusal())
+        return why or None
+
+    @property
+    def nixl_agent(self) -> tuple[str, int, int, int] | None:
+        """(name, generation, leases keeping its pump beating, of them on connections without
+        a completed NIXL read) of the core's NIXL agent, or None before one was needed (a
+        reader asked, or this engine reads by NIXL). For tests and tools; never blocks."""
+        got = self._core.nixl_agent()
+        return None if got is None else (str(got[0]), int(got[1]), int(got[2]), int(got[3]))
+
+    @property
+    def nixl_prepared(self) -> int:
+        """NIXL transfers the core's agent prepared so far (0 without one): identical pulls
+        reuse theirs. For tests; never blocks."""
+        got = self._core.nixl_agent()
+        return 0 if got is None else int(got[4])
+
+    @property
+    def nixl_leases(self) -> int:
+        """NIXL cache leases readers hold on this engine's caches now (tests)."""
+        return int(self._core.nixl_leases())
 
     @property
     def listen_address(self) -> tuple[str, int] | None:
@@ -469,7 +542,8 @@ class NativeEngine:
         self._check_open()
         with _mapped():
             cid = self._core.connect(cluster_id, host, port, timeout, as_announced)
-        return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"))
+        return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"),
+                          reason=str(self._core.link_reason(cid) or ""))
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False,
                quiet_inbound: bool = False) -> None:
