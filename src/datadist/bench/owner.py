@@ -110,9 +110,9 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
                mooncake: bool = False, nixl: bool = False) -> None:
     """The child: serve the caches through datadist and the plain sockets (and, with
     ``mooncake``, through a Mooncake engine: bench/mooncake.py) until told to quit. With
-    ``nixl`` it serves NIXL too, which only the Python engine does (docs/engine.md): the
-    runner starts such an owner for the nixl rows alone, so that every other row's owner
-    runs on the engine ``DATADIST_ENGINE`` (inherited from the parent) picks.
+    ``nixl`` it serves NIXL too (with the whole-process allowance, docs/security.md): the
+    runner starts such an owner for the nixl rows alone. Both run on the engine
+    ``DATADIST_ENGINE`` (inherited from the parent) picks.
 
     Speaks to the parent over ``conn``: one dict with what it set up (or ``{"error": ...}``),
     then waits for ``"quit"``; ``"busy-start"`` starts a thread of Python work here and

@@ -132,8 +132,8 @@ def _engine_env(engine: str | None) -> Iterator[None]:
 def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
                 groups: tuple[str, ...]) -> tuple[list[Any], str, dict[str, str]]:
     """The rows that pull from an owner process, the alignment line, and which engine each
-    side ran on (:func:`engines_text`). The nixl rows get an owner of their own: serving
-    NIXL is the Python engine's, and the other rows' owner must not be moved to it."""
+    side ran on (:func:`engines_text`). The nixl rows get an owner of their own: it serves
+    NIXL with the whole-process allowance, which the other rows' owner must not have."""
     bufs = {
         "contig": [aligned_array(sizes.tensor_bytes, align) for _ in range(sizes.contig_tensors)],
         "blocks": aligned_array(sizes.cache_blocks * sizes.block_bytes, align),
@@ -286,10 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [g for g in groups if g not in GROUPS]
     if unknown or not groups:
         ap.error(f"--only takes groups of {','.join(GROUPS)}, got {args.only!r}")
-    asked = args.engine or os.environ.get(ENGINE_ENV) or "auto"
-    if asked == "native" and "nixl" in groups:
-        ap.error("the nixl group runs on the Python engine only (serving NIXL is its own; "
-                 "docs/engine.md): leave it out with --only, or use --engine auto")
     sizes = Sizes.preset(args.quick, args.size)
     progress = Progress(timed_steps(repeat, groups), enabled=not args.no_progress)
     try:
