@@ -421,6 +421,16 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("cluster_id"), "(we made a link to it, it made one to us)")
       .def(
+          "link_serial",
+          [](Core &c, uint64_t id) -> py::object {
+            auto link = c.engine().FindLink(id);
+            if (!link) return py::none();
+            return py::int_(link->serial());
+          },
+          py::arg("cluster_id"),
+          "which link `cluster_id` is filed under now (Link::serial, never reused): tells a replaced link from "
+          "the one seen before (tests)")
+      .def(
           "link_nixl_leases",
           [](Core &c, uint64_t id) -> size_t {
             auto link = c.engine().FindLink(id);

@@ -127,6 +127,10 @@ class Link {
   const std::string &link_token() const { return token_; }
   /// A reverse end's peer key (see the constructor).
   const std::string &peer_key() const { return peer_key_; }
+  /// Which link this is, for the process's lifetime (1, 2, ... in the order links are made,
+  /// never reused): tells a link that replaced another under the same cluster id from the one
+  /// a caller saw (tests and tools; the Python binding's NativeLink compares by it).
+  uint64_t serial() const { return serial_; }
   /// Before Open: the first handshake takes the peer's announced cluster id instead of
   /// refusing one that differs (CANN's LinkMsgHandler files a link under the peer's id and
   /// never compares). Later handshakes (reverse channel, local channel, reconnects) must meet
@@ -253,6 +257,11 @@ class Link {
   bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
   std::string token_;          // the link token the peer issued our control channel (conn_); a reverse end's: the one echoed
   std::string peer_key_;       // a reverse end's: the listener's per-peer key of its connection
+  static uint64_t NextSerial() {
+    static std::atomic<uint64_t> last{0};
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+  const uint64_t serial_ = NextSerial();  // see serial()
   bool same_host_ = true;      // the local channel may be used
   uint64_t grant_above_ = kGrantAbove;
   std::atomic<Path> path_{Path::kTcp};

@@ -488,4 +488,21 @@ TEST(Scale, AThousandLinksKeepTheThreadCountBounded) {
   EXPECT_EQ(Threads(), threads_before);  // the shared pool's last holder went: its threads joined
 }
 
+// Link::serial tells a link that replaced another under the same cluster id from the one a
+// caller saw (NativeLink compares by it): every link gets its own, later ones larger, and one
+// freed is never handed out again.
+TEST(LinkSerial, EveryLinkHasItsOwnNeverReused) {
+  w::Hello hello;
+  uint64_t first = 0;
+  {
+    datadist::Link gone(kOwner, "127.0.0.1", 1, hello, "", nullptr, /*same_host=*/false);
+    first = gone.serial();
+  }
+  datadist::Link a(kOwner, "127.0.0.1", 1, hello, "", nullptr, /*same_host=*/false);
+  datadist::Link b(kOwner, "127.0.0.1", 1, hello, "", nullptr, /*same_host=*/false);
+  EXPECT_NE(first, 0u);
+  EXPECT_GT(a.serial(), first);
+  EXPECT_GT(b.serial(), a.serial());
+}
+
 }  // namespace

@@ -58,7 +58,8 @@ class TestReverseChannelHijack:
         assert stranger.next() is None  # and closed
         stranger.close()
 
-        assert prompt.get_link(DECODER) is real and not real.chan.closed
+        assert prompt.get_link(DECODER) == real  # not replaced (NativeLink: same core link)
+        prompt.check_link(DECODER, 5.0)  # nor closed: a PING over it reaches the decoder
         pcm.push_blocks(llm.BlocksCacheKey(DECODER, 9), src, [1, 2], [0, 3])
         want = np.zeros((4, 16), np.uint8)
         want[[0, 3]] = data.reshape(4, 16)[[1, 2]]
@@ -78,7 +79,8 @@ class TestReverseChannelHijack:
         rev = Raw(prompt.listen_address)
         answer = rev.hello(DECODER, p.FEATURE_REVERSE | p.FEATURE_TOKEN, token)
         assert isinstance(answer, p.Error) and answer.code == int(Code.LINK_FAILED)
-        assert prompt.get_link(DECODER) is real
+        assert prompt.get_link(DECODER) == real  # not replaced (NativeLink: same core link)
+        prompt.check_link(DECODER, 5.0)
         # ... and with its own cluster id the same token is accepted
         rev2 = Raw(prompt.listen_address)
         ok = rev2.hello(5, p.FEATURE_REVERSE | p.FEATURE_TOKEN, token)
@@ -199,7 +201,7 @@ def test_the_local_per_peer_cap_counts_a_user_not_a_pid(engines: list[Engine],
                                                          keep: list[Raw]) -> None:
     """Item 3. Before: local peers were counted per pid, so a fork got a fresh allowance.
     Now per uid: a child process of the same user finds the cap already used."""
-    owner = make(engines, PROMPT, max_connections=64, max_connections_per_peer=2)
+    make(engines, PROMPT, max_connections=64, max_connections_per_peer=2)
     name = local_name(os.getpid(), PROMPT)
     assert [_local_hello(name) for _ in range(2)] == ["served", "served"]
     code = (
@@ -218,7 +220,8 @@ def test_the_local_per_peer_cap_counts_a_user_not_a_pid(engines: list[Engine],
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=30, env={**os.environ})
     assert out.stdout.strip() == "Error", (out.stdout, out.stderr)
-    assert owner.local_listener is not None
+    # and the owner's local listener is still up, the cap still used up by this user
+    assert _local_hello(name) == "refused"
 
 
 # ------------------------------------------------------------------------ item 4: STATS

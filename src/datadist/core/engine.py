@@ -712,6 +712,14 @@ class Engine:
             self._prune_reverse()
             return bool(self._links or self._inbound or self._reverse)
 
+    def reverse_ids(self) -> list[int]:
+        """The cluster ids whose reverse channels to our listener are live now (our ends of
+        their links), ascending; ones their linkers closed are dropped first (as
+        :meth:`has_links`). For tests and tools; never blocks."""
+        with self._lock:
+            self._prune_reverse()
+            return sorted(self._reverse)
+
     def _prune_reverse(self) -> None:
         """Drop the reverse channels their linkers closed (self._lock held; never blocks)."""
         for cid, link in list(self._reverse.items()):

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,7 +50,7 @@ from datadist.core.errors import (
     error_for_code,
 )
 from datadist.core.layout import Geometry, Plan, wire_layout
-from datadist.core.links import forced_path
+from datadist.core.links import HostIdentity, forced_path
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry
 from datadist.memory import shared
@@ -189,12 +189,16 @@ def _mapped() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class NativeLink:
-    """What the facade and tools see of a link of the native engine (a snapshot)."""
+    """What the facade and tools see of a link of the native engine (a snapshot). Two
+    snapshots are equal when they show the same link: the same cluster id, end and core link
+    (``serial``, which the core never reuses), whatever its path and reason then; a link that
+    replaced another under the same id compares unequal (as the Python engine's ``is``)."""
 
     cluster_id: int
-    path_name: str
+    path_name: str = field(compare=False)
     inbound: bool = False
-    reason: str = ""
+    reason: str = field(default="", compare=False)
+    serial: int = 0  # the core's Link::serial (0: not known)
 
     @property
     def path(self) -> str:
@@ -388,6 +392,13 @@ class NativeEngine:
         return int(self._core.nixl_leases())
 
     @property
+    def identity(self) -> HostIdentity:
+        """Who this engine says it is in its HELLOs and WELCOMEs (pid, pid namespace, boot
+        id): the core runs in this process, so the process's (as the Python engine's
+        ``identity``). Never blocks."""
+        return HostIdentity.current()
+
+    @property
     def listen_address(self) -> tuple[str, int] | None:
         return self._listen
 
@@ -557,7 +568,8 @@ class NativeEngine:
             raise NotLinked(f"cluster {cluster_id} is not linked (link_clusters or link first)")
         own, inbound = self._core.linked(cluster_id)
         return NativeLink(cluster_id, str(path), inbound=not own,
-                          reason=str(self._core.link_reason(cluster_id) or ""))
+                          reason=str(self._core.link_reason(cluster_id) or ""),
+                          serial=int(self._core.link_serial(cluster_id) or 0))
 
     def probe_cma(self, cluster_id: int, timeout: float) -> None:
         """On a cma link, ask the kernel now whether it lets us read the owner's memory; a
@@ -583,8 +595,15 @@ class NativeEngine:
             path = self._core.link_path(cid)
             if path is not None:
                 out.append(NativeLink(int(cid), str(path),
-                                      reason=str(self._core.link_reason(cid) or "")))
+                                      reason=str(self._core.link_reason(cid) or ""),
+                                      serial=int(self._core.link_serial(cid) or 0)))
         return out
+
+    def reverse_ids(self) -> list[int]:
+        """The cluster ids whose reverse channels to our listener are live now (our ends of
+        their links), ascending; ones their linkers closed are dropped first (as
+        :meth:`has_links`). For tests and tools; blocks only while it closes those."""
+        return sorted(int(cid) for cid in self._core.link_ids(True))
 
     def has_links(self) -> bool:
         return bool(self._core.has_links())
