@@ -176,6 +176,23 @@ def test_an_owner_serving_nixl_runs_on_the_core(monkeypatch: pytest.MonkeyPatch)
         eng.close()
 
 
+def test_nixl_stays_on_the_python_engine_where_there_is_a_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's NIXL registers host memory only: on a host with a GPU, where a cache may
+    be CUDA memory, NIXL configurations stay on the Python engine (which registers it as
+    VRAM); other configurations and GPU-less hosts are the core's."""
+    served = EngineConfig(cluster_id=1, role=1, **NIXL_OK)
+    forced = EngineConfig(cluster_id=1, role=2, transport="nixl")
+    plain = EngineConfig(cluster_id=1, role=2)
+    monkeypatch.setattr(nixl, "cuda_devices", lambda: 1)
+    for config in (served, forced):
+        why = native.refusal(config)
+        assert why is not None and "GPU" in why, why
+    assert native.refusal(plain) is None
+    monkeypatch.setattr(nixl, "cuda_devices", lambda: 0)
+    assert native.refusal(served) is None and native.refusal(forced) is None
+
+
 @needs_nixl
 def test_auto_never_picks_nixl() -> None:
     owner = Engine(EngineConfig(cluster_id=1, role=1, **NIXL_OK, listen=("127.0.0.1", 0)))

@@ -99,6 +99,12 @@ def refusal(config: EngineConfig) -> str | None:
         has, what = tls_available()
         if not has:
             return f"TLS (datadist.TlsCert...): {what}"
+    if forced_path(config.transport) == PathKind.NIXL or config.nixl_serve:
+        from datadist.transport import nixl  # only where NIXL is asked for
+
+        if nixl.cuda_devices() > 0:
+            return ("NIXL on a host with a GPU: the core registers host memory only, the "
+                    "Python engine registers device-placed caches as GPU memory (VRAM)")
     return None
 
 

@@ -210,8 +210,11 @@ class _CudaPointerAttributes(ctypes.Structure):
 _cudart: Any = None
 
 
-def _cuda_device(addr: int) -> int | None:
-    """The CUDA device ``addr`` lies on, or None for host memory (or no CUDA runtime)."""
+def cuda_runtime() -> Any:
+    """The CUDA runtime library (loaded once), or None where there is none. Device-placed
+    caches are asked of it (:func:`memory_kind`); core/native.py's ``refusal`` keeps NIXL
+    configurations on this engine where it sees a GPU (:func:`cuda_devices`), the core's
+    NIXL being host memory only."""
     global _cudart
     if _cudart is None:
         _cudart = False
@@ -219,7 +222,24 @@ def _cuda_device(addr: int) -> int | None:
             with contextlib.suppress(OSError):
                 _cudart = ctypes.CDLL(lib)
                 break
-    if not _cudart:
+    return _cudart or None
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices this process sees (0 without a runtime or a GPU)."""
+    rt = cuda_runtime()
+    if rt is None:
+        return 0
+    n = ctypes.c_int(0)
+    if rt.cudaGetDeviceCount(ctypes.byref(n)) != 0:
+        rt.cudaGetLastError()
+        return 0
+    return n.value
+
+
+def _cuda_device(addr: int) -> int | None:
+    """The CUDA device ``addr`` lies on, or None for host memory (or no CUDA runtime)."""
+    if cuda_runtime() is None:
         return None
     attrs = _CudaPointerAttributes()
     if _cudart.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(addr)) != 0:
