@@ -111,13 +111,16 @@ def main() -> int:
                             kv_heads=HEADS)
     # Two instances on one host: vLLM's CPU binding would put both workers on the same cores,
     # where one's sched_yield loop starves the other (docs/vllm.md, "Two instances on one
-    # host"); unbound unless the caller binds them.
+    # host"); each gets its own CPU here (CPU i of ours), unless the caller binds them.
     base = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr",
-                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    cpus = sorted(os.sched_getaffinity(0))
     procs = {}
     for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
-        env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i))
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or (
+            str(cpus[i]) if len(cpus) >= 2 else "nobind")
+        env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i),
+                   VLLM_CPU_OMP_THREADS_BIND=bind)
         procs[name] = Proc([sys.executable, __file__, "--node", str(model), role,
                             args.connector], env, work / f"{name}.log")
     try:
