@@ -242,7 +242,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     import datadist
-    from datadist.core.links import HostIdentity, forced_path
+    from datadist.core.config import HostIdentity, forced_path
     from datadist.transport.iov import IOV_MAX, CmaRefused, make_iov, vm_copy
 
     ident = HostIdentity.current()
@@ -276,7 +276,7 @@ def _info_engine() -> None:
     settings (DATADIST_ENGINE, DATADIST_TRANSPORT, TLS, checksums, NIXL serving), and why."""
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.core import native
-    from datadist.core.engine import EngineConfig
+    from datadist.core.config import EngineConfig
 
     ok, why = native.available()
     try:
@@ -311,7 +311,7 @@ def _info_peer(args: argparse.Namespace) -> None:
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.api.status import LLMException
     from datadist.core import native
-    from datadist.core.engine import EngineConfig
+    from datadist.core.config import EngineConfig
     from datadist.core.errors import DatadistError
     from datadist.transport.address import format_host_port, parse_host_port
 

@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass
 
 from datadist.core import auth
+from datadist.core.config import HostIdentity
 from datadist.core.errors import RemoteProtocolError
-from datadist.core.links import HostIdentity
 from datadist.transport.address import format_host_port as _at
 from datadist.wire import protocol as p
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import datadist as llm
+from datadist.core.config import TlsConfig
 from datadist.testing.certs import make_ca, make_leaf
-from datadist.transport.tls import TlsConfig
 
 from ._python_side import PY_ID, link_to, make_python, register
 from .conftest import LLM_LINK_FAILED, pattern

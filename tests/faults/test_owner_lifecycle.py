@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import datadist.core.engine as engine_mod
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import BrokenLink, LinkFailed
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.registry import KeyId

@@ -15,7 +15,8 @@ import pytest
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.memory.pool import PoolConfig
 
 from ._support import DECODER_ID, PROMPT_ID, Side

@@ -189,8 +189,8 @@ class TestWire:
         import socket
         import threading
 
+        from datadist.core.config import HostIdentity
         from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks
-        from datadist.core.links import HostIdentity
         from datadist.wire import protocol as p
 
         server = make_side(PROMPT_ID, remote_cache_accessible=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from datadist.core import native
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import AlreadyLinked
 
 pytestmark = [

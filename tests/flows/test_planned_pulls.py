@@ -17,7 +17,8 @@ from datadist.api import cache_manager as cm_module
 from datadist.api import planned
 from datadist.api.cache_manager import CacheManager
 from datadist.core import native
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 
 from ._support import DECODER_ID, PROMPT_ID, Side, code, units
 

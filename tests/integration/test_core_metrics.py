@@ -17,7 +17,8 @@ import pytest
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
 from datadist.core import native
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not native.available()[0], reason="datadist._core is not built")]

@@ -20,7 +20,8 @@ import pytest
 
 import datadist as llm_datadist
 from datadist.core import native
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import (
     BrokenLink,
     CacheNotFound,

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import datadist as llm_datadist
+from datadist.core.config import HostIdentity
 from datadist.core.errors import Code
-from datadist.core.links import HostIdentity
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt, pattern
 from datadist.transport.local import local_name
 from datadist.wire import protocol as p

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from datadist.core import layout
-from datadist.core.engine import HOST, Engine, EngineConfig
+from datadist.core.config import HOST, EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import InvalidArgument
 from datadist.core.registry import UINT64_MAX, KeyId
 from datadist.wire.protocol import KeyKind, KeyRef

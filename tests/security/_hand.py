@@ -13,7 +13,8 @@ import numpy as np
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from datadist.core import auth
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import LinkFailed
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.wire import protocol as p

@@ -14,7 +14,8 @@ import pytest
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -476,7 +477,8 @@ import ctypes, mmap
 import numpy as np
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.memory.pool import PoolConfig
 
 libc = ctypes.CDLL(None)

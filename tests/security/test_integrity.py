@@ -10,7 +10,8 @@ import datadist.transport.tcp as tcp_mod
 from datadist.api.cache_manager import geometry_of
 from datadist.api.enums import DataType, Placement
 from datadist.api.types import CacheDesc
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import IntegrityError, InvalidArgument
 from datadist.core.layout import layer_tensor_indices, plan_blocks, plan_slot
 from datadist.wire import protocol as p

@@ -21,7 +21,8 @@ import pytest
 import datadist.transport.paths as paths_mod
 import datadist.transport.tcp as tcp_mod
 from datadist.core import native
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import CacheNotFound, IntegrityError
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.registry import KeyId

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from datadist.core import native
-from datadist.core.engine import EngineConfig
+from datadist.core.config import EngineConfig
 from datadist.core.errors import DatadistError
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.memory.pool import memfd_map, unmap

@@ -35,7 +35,8 @@ import pytest
 
 import datadist as llm_datadist
 from datadist.core import native
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.transport import nixl

@@ -16,7 +16,8 @@ import pytest
 
 import datadist.transport.tcp as tcp_mod
 from datadist.core import auth
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import CacheNotFound, IntegrityError, InvalidArgument, LinkFailed
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.registry import MAX_REQUEST_SPANS, KeyId, Registry

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from datadist.core import engine as engine_mod
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import Code, DatadistError, OutOfMemory
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.memory import shared

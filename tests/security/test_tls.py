@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from datadist.core import native
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig, TlsConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import LinkFailed, Timeout
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks, plan_slot
 from datadist.testing.certs import make_ca as _ca
 from datadist.testing.certs import make_leaf as _leaf
-from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 
 pytestmark = [

@@ -37,7 +37,8 @@ from datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.layout import Geometry
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig

@@ -13,8 +13,9 @@ import datadist as llm
 from datadist.api.cache_manager import geometry_of
 from datadist.api.enums import DataType, Placement
 from datadist.api.types import CacheDesc
+from datadist.core.config import EngineConfig
 from datadist.core.dtypes import DTYPES, dtype_name, in_elements
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import InvalidArgument
 from datadist.core.layout import layer_tensor_indices, layout_tag, plan_blocks
 from datadist.core.local import plan_block_copy

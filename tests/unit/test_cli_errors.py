@@ -81,7 +81,7 @@ def test_dead_port(engine, capsys, monkeypatch):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_wrong_cluster_id(engine, capsys, monkeypatch):
-    from datadist.core.engine import EngineConfig
+    from datadist.core.config import EngineConfig
 
     monkeypatch.setenv("DATADIST_ENGINE", engine)
     owner = _engine(engine, EngineConfig(cluster_id=5, role=1, listen=("127.0.0.1", 0)))
@@ -129,7 +129,7 @@ def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: 
     from datadist.api.cache_manager import CacheManager
     from datadist.api.enums import DataType, Placement
     from datadist.api.types import CacheDesc, CacheKeyByIdAndIndex
-    from datadist.core.engine import EngineConfig
+    from datadist.core.config import EngineConfig
 
     if uid is not None:
         os.setgid(uid)
@@ -167,7 +167,7 @@ def test_info_predicts_the_path_of_a_real_pull(other_user, engine):
     from datadist.api.cache_manager import CacheManager
     from datadist.api.enums import DataType, Placement
     from datadist.api.types import CacheDesc
-    from datadist.core.engine import EngineConfig
+    from datadist.core.config import EngineConfig
 
     owner = _engine(engine, EngineConfig(cluster_id=5, role=1, listen=("127.0.0.1", 0)))
     try:

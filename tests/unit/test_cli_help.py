@@ -53,7 +53,7 @@ def test_help_has_no_markup_and_every_option_explained(argv, capsys):
 def test_demo_offers_every_forcible_data_path(capsys):
     rc, out = run(["demo", "--help"], capsys)
     assert rc == 0
-    from datadist.core.links import forced_path
+    from datadist.core.config import forced_path
 
     paths = re.search(r"--transport \{([\w,]+)\}", out).group(1).split(",")
     assert set(paths) >= {"auto", "tcp", "cma", "shm"}

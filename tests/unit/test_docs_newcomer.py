@@ -65,9 +65,9 @@ def test_vllm_page_says_exactly_what_works() -> None:
 @pytest.mark.parametrize("kind", ["python", "native"])
 def test_the_tls_recipe_makes_certificates_a_link_accepts(tmp_path: Path, kind: str) -> None:
     from datadist.core import native
-    from datadist.core.engine import Engine, EngineConfig
+    from datadist.core.config import EngineConfig, TlsConfig
+    from datadist.core.engine import Engine
     from datadist.probe import probe
-    from datadist.transport.tls import TlsConfig
 
     script = _block_after(DOCS / "deployment.md", "### Making the TLS certificates")
     done = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True,

@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import BrokenLink, Busy, NotLinked
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.wire import protocol as p

@@ -212,7 +212,8 @@ def test_a_copy_under_a_replaced_fence_is_waited_for_too() -> None:
 def test_finalize_closes_the_fences() -> None:
     """Engine.close: once nothing is in flight, every fence (and replaced one) is closed, so
     finalize + init cycles do not pile up memfds."""
-    from datadist.core.engine import Engine, EngineConfig
+    from datadist.core.config import EngineConfig
+    from datadist.core.engine import Engine
 
     def fences() -> int:  # fence files open here (a mapping holds a second descriptor)
         inodes = set()

@@ -13,7 +13,8 @@ import threading
 import pytest
 
 import datadist as llm
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine
 from datadist.probe import probe
 from datadist.wire import protocol as p
 

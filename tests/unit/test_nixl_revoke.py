@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from datadist.core import engine as engine_mod
-from datadist.core.engine import Engine, EngineConfig, _CacheLease
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine, _CacheLease
 from datadist.core.errors import Timeout
 
 WAIT = 0.6

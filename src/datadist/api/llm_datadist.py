@@ -26,12 +26,12 @@ from datadist.api.enums import LLMRole, RegisterMemStatus
 from datadist.api.link_failures import LinkFailures
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
 from datadist.core.comm import CommManager, CommState, Member
-from datadist.core.engine import Engine, EngineConfig
+from datadist.core.config import EngineConfig, TlsConfig
+from datadist.core.engine import Engine
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.core.native import engine_for
 from datadist.memory.pool import PoolConfig
 from datadist.transport.address import parse_host_port
-from datadist.transport.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 

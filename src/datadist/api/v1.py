@@ -67,7 +67,8 @@ from datadist.api.types import (
     check_layer_range,
 )
 from datadist.core import layout
-from datadist.core.engine import DEVICE, Engine
+from datadist.core.config import DEVICE
+from datadist.core.engine import Engine
 from datadist.core.errors import DatadistError
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig

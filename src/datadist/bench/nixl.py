@@ -102,7 +102,8 @@ class RawNixl:
     background) or off (this thread polls them to completion, as datadist does)."""
 
     def __init__(self, port: int, bufs: dict[str, Any], prog_thread: bool = False) -> None:
-        from datadist.core.links import HostIdentity, greet
+        from datadist.core.config import HostIdentity
+        from datadist.core.links import greet
         from datadist.transport import nixl
         from datadist.wire import protocol as p
 

@@ -28,6 +28,14 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from datadist.core import auth, metrics
+from datadist.core.config import (
+    DEVICE,
+    HOST,
+    EngineConfig,
+    HostIdentity,
+    PathKind,
+    forced_path,
+)
 from datadist.core.errors import (
     AlreadyLinked,
     BrokenLink,
@@ -47,7 +55,7 @@ from datadist.core.errors import (
     UnlinkFailed,
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
-from datadist.core.links import Connected, HostIdentity, Link, connect, forced_path, greet
+from datadist.core.links import Connected, Link, connect, greet
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import (
     CacheEntry,
@@ -60,21 +68,19 @@ from datadist.core.registry import (
 )
 from datadist.core.transfers import POOL_THREADS, Job, Transfer, TransferPool
 from datadist.memory import mapped, shared
-from datadist.memory.pool import HostPool, PoolConfig
+from datadist.memory.pool import HostPool
 from datadist.memory.spans import shm_pays
 from datadist.transport.address import split_address
-from datadist.transport.base import PathKind, PeerInfo
+from datadist.transport.base import PeerInfo
 from datadist.transport.channel import Channel
 from datadist.transport.iov import PTRACER, CmaRefused
 from datadist.transport.local import LocalListener, local_name
 from datadist.transport.paths import CmaPath, LeasedCopy, TcpPath, lease_key
 from datadist.transport.tcp import ConnBudget, ServerConnection, TcpListener
-from datadist.transport.tls import TlsConfig
 from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
 
-HOST, DEVICE = 0, 1
 NIXL_REVOKE_WAIT = 5.0  # seconds an owner waits for readers to give NIXL leases back
 # Seconds a listener waits for a live-looking reverse channel to answer a Ping before a newer
 # one of the same cluster id (another control channel's) may replace it: a linker whose old
@@ -125,39 +131,6 @@ def _counted(op: str) -> Callable[[_F], _F]:
         return cast(_F, counted)
 
     return wrap
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What an Engine runs with, parsed from ``LLMDataDist.init``'s options (cluster id, role,
-    listen address, timeouts, pools, transport, auth, TLS, connection caps)."""
-
-    cluster_id: int
-    role: int
-    listen: tuple[str, int] | None = None
-    sync_timeout: float = 1.0  # seconds, bounds every pull and push
-    device_pool: PoolConfig | None = None
-    host_pool: PoolConfig | None = None
-    transport: str | None = None
-    # NIXL (docs/security.md, "The NIXL path"): serve NIXL readers (our metadata, grants,
-    # leases) only when asked to (datadist.NixlServe); and, where UCX would carry NIXL over a
-    # transport whose memory keys the hardware does not check, only with
-    # nixl_whole_process (datadist.NixlAllowWholeProcessAccess), which also lets a reader
-    # link by NIXL there: a NIXL peer can then reach this whole process.
-    nixl_serve: bool = False
-    nixl_whole_process: bool = False
-    secret: bytes | None = None  # shared secret peers must prove at link time
-    verify: bool = False  # end-to-end CRC-32 of every pull
-    tls: TlsConfig | None = None  # mutual TLS on every connection
-    # May same-user readers be let in under Yama ptrace_scope=1 (PR_SET_PTRACER_ANY, set
-    # only once cross-memory attach is used)? Off: they fall back to a stream path.
-    allow_ptrace: bool = True
-    # enable_remote_cache_accessible: off, peers' WRITEs by key or cache id (push_cache,
-    # push_blocks, transfer_cache_async by key) are refused here, on the owner; WRITEs by
-    # raw address (transfer_cache_async with TransferConfig, that mode's push) stay allowed.
-    remote_cache_accessible: bool = True
-    max_connections: int = 256  # inbound connections served at once (listener cap)
-    max_connections_per_peer: int = 64  # ... of them from one peer IP (a link takes two)
 
 
 @dataclass(eq=False)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -38,17 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 from datadist.core import auth
+from datadist.core.config import HostIdentity, PathKind, forced_path
 from datadist.core.errors import (
     BrokenLink,
     Busy,
     DatadistError,
-    InvalidArgument,
     LinkFailed,
     RemoteProtocolError,
     Timeout,
 )
 from datadist.transport.address import format_host_port
-from datadist.transport.base import PathKind
 from datadist.transport.channel import Channel
 from datadist.transport.local import LocalCred, connect_local, local_name
 from datadist.transport.paths import CmaPath, CmaRefused, TcpPath
@@ -56,49 +54,6 @@ from datadist.transport.tcp import open_channel
 from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
-
-
-def _read_boot_id() -> bytes:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
-    except OSError:  # pragma: no cover - not Linux
-        return b"\0" * 16
-
-
-def _read_pid_ns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # pragma: no cover
-        return 0
-
-
-@dataclass(frozen=True, slots=True)
-class HostIdentity:
-    """What makes two processes 'on the same host' for memory access."""
-
-    boot_id: bytes
-    pid_ns: int
-    pid: int
-
-    @classmethod
-    def current(cls) -> HostIdentity:
-        return cls(_read_boot_id(), _read_pid_ns(), os.getpid())
-
-    def claims_same_host(self, boot_id: bytes) -> bool:
-        """A peer's boot id is ours: worth trying the local channel. A claim, not a proof."""
-        return self.boot_id == boot_id and any(self.boot_id)
-
-
-def forced_path(option: str | None) -> PathKind:
-    """The path the user forces: the option wins over ``DATADIST_TRANSPORT``."""
-    raw = option or os.environ.get("DATADIST_TRANSPORT", "") or "auto"
-    try:
-        return PathKind(raw.strip().lower())
-    except ValueError:
-        raise InvalidArgument(
-            f"unknown transport {raw!r}; use one of {[k.value for k in PathKind]}"
-        ) from None
 
 
 _R = TypeVar("_R")  # what a Link.run op returns

@@ -31,12 +31,8 @@ from typing import Any
 import numpy as np
 
 from datadist.core import metrics, native_build
-from datadist.core.engine import (
-    DEVICE,
-    HOST,
-    EngineConfig,
-    checked_local_iov,
-)
+from datadist.core.config import DEVICE, HOST, EngineConfig, HostIdentity, PathKind, forced_path
+from datadist.core.engine import checked_local_iov
 from datadist.core.errors import (
     AlreadyLinked,
     Closed,
@@ -50,12 +46,10 @@ from datadist.core.errors import (
     error_for_code,
 )
 from datadist.core.layout import Geometry, Plan, wire_layout
-from datadist.core.links import HostIdentity, forced_path
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
-from datadist.transport.base import PathKind
 from datadist.wire import protocol as p
 
 log = logging.getLogger("datadist.native")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from datadist.transport.tls import TlsConfig
+from datadist.core.config import TlsConfig
 
 
 def _openssl(*args: str, cwd: Path) -> None:

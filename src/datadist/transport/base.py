@@ -7,7 +7,6 @@ here imports core.engine or the api.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -32,16 +31,6 @@ from datadist.wire.protocol import (
 
 if TYPE_CHECKING:
     from datadist.transport.local import LocalCred
-
-
-class PathKind(str, enum.Enum):
-    """Data paths by name, as users force them (``DATADIST_TRANSPORT``)."""
-
-    AUTO = "auto"
-    TCP = "tcp"
-    CMA = "cma"
-    SHM = "shm"
-    NIXL = "nixl"  # optional: NIXL (UCX) moves the bytes, datadist keeps the control plane
 
 
 @dataclass(frozen=True, slots=True)

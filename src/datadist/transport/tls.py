@@ -15,65 +15,15 @@ their bytes never touch the network.
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
 import ssl
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from datadist.core.errors import BrokenLink, InvalidArgument, LinkFailed, Timeout
+from datadist.core.errors import BrokenLink, LinkFailed, Timeout
 from datadist.transport.channel import Channel
 from datadist.transport.iov import SockIo, sock_readv
-
-
-@dataclass(frozen=True)
-class TlsConfig:
-    """PEM files: this process's certificate and key, and the CA that signs every peer's."""
-
-    cert_file: str
-    key_file: str
-    ca_file: str
-
-    def check(self) -> None:
-        """Each file is a readable regular file; else InvalidArgument naming it. The PEM
-        contents are checked when the contexts are made (``init``), also InvalidArgument."""
-        for what, path in (("certificate", self.cert_file), ("key", self.key_file),
-                           ("CA", self.ca_file)):
-            try:
-                with open(path, "rb"):
-                    pass
-            except OSError as e:
-                raise InvalidArgument(
-                    f"cannot read the TLS {what} file {path!r}: {e.strerror or e}"
-                ) from None
-            if not os.path.isfile(path):
-                raise InvalidArgument(f"the TLS {what} file {path!r} is not a regular file")
-
-    def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
-        self.check()
-        try:
-            ctx = ssl.create_default_context(purpose, cafile=self.ca_file)
-        except (OSError, ssl.SSLError) as e:
-            raise InvalidArgument(f"cannot load the TLS CA file {self.ca_file!r}: {e}") from e
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        try:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-        except (OSError, ssl.SSLError) as e:
-            raise InvalidArgument(
-                f"cannot load the TLS certificate {self.cert_file!r} with its key "
-                f"{self.key_file!r}: {e}"
-            ) from e
-        return ctx
-
-    def client_context(self) -> ssl.SSLContext:
-        return self._context(ssl.Purpose.SERVER_AUTH)
-
-    def server_context(self) -> ssl.SSLContext:
-        return self._context(ssl.Purpose.CLIENT_AUTH)
 
 
 def _span_view(base: int, n: int) -> memoryview:
