@@ -43,7 +43,8 @@ import numpy as np  # noqa: E402
 from seeds import golden_frames  # noqa: E402 - fuzz/seeds.py, beside this file
 
 from datadist.core import auth  # noqa: E402
-from datadist.core.engine import Engine, EngineConfig  # noqa: E402
+from datadist.core.config import EngineConfig
+from datadist.core.engine import Engine  # noqa: E402
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks  # noqa: E402
 from datadist.wire import protocol as p  # noqa: E402
 

@@ -24,17 +24,6 @@ BLOCK_SIZE = 16  # tokens per block
 KV_HEADS, HEAD_DIM = 8, 128
 
 
-def _demo_options(cfg: Any) -> dict[str, str]:
-    """The demo's options: on the native core where it is built (a cache-manager
-    configuration, which may link two-sided, runs on the Python engine under "auto")."""
-    from datadist.core import native
-
-    options: dict[str, str] = cfg.generate_options()
-    if native.available()[0] and "DATADIST_ENGINE" not in os.environ:
-        options["datadist.Engine"] = "native"
-    return options
-
-
 def _prompt_main(conn: Any, layers: int, num_blocks: int, seq: int, batch: int) -> None:
     """The PROMPT side: register client memory, allocate from the pool, serve until told."""
     import datadist as llm_datadist
@@ -47,7 +36,7 @@ def _prompt_main(conn: Any, layers: int, num_blocks: int, seq: int, batch: int) 
         cfg.listen_ip_info = "127.0.0.1:0"
         pool_bytes = 2 * layers * batch * seq * KV_HEADS * HEAD_DIM * 2 + (64 << 20)
         cfg.host_mem_pool_cfg = f'{{"memory_size": {pool_bytes}}}'
-        d.init(_demo_options(cfg))
+        d.init(cfg.generate_options())
         cm = d.cache_manager
         rng = np.random.default_rng(7)
         dt = llm_datadist.DataType.DT_FLOAT16
@@ -110,7 +99,7 @@ def _run_decoder(address: tuple[str, int], transport: str, layers: int, num_bloc
     cfg.sync_kv_timeout = 20000
     if transport != "auto":
         cfg.transport = transport
-    d.init(_demo_options(cfg))
+    d.init(cfg.generate_options())
     rows: list[tuple[str, int, float, bool]] = []
     try:
         cm = d.cache_manager
@@ -272,15 +261,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _info_engine() -> None:
-    """Which engine LLMDataDist.init picks here for a configuration from this environment's
-    settings (DATADIST_ENGINE, DATADIST_TRANSPORT, TLS, checksums, NIXL serving), and why."""
+    """The engine LLMDataDist.init gets here (the native core, the only one), for a
+    configuration from this environment's settings (DATADIST_ENGINE, DATADIST_TRANSPORT,
+    TLS, checksums, NIXL serving), or why it would refuse that configuration."""
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.core import native
     from datadist.core.config import EngineConfig
 
-    ok, why = native.available()
     try:
-        choice = native.wanted({})
+        native.wanted({})
         config = EngineConfig(cluster_id=1, role=2, transport=os.environ.get("DATADIST_TRANSPORT"),
                               secret=_secret({}), tls=_tls({}),
                               verify=os.environ.get("DATADIST_VERIFY_CHECKSUM", "") == "1",
@@ -288,18 +277,20 @@ def _info_engine() -> None:
     except Exception as e:  # noqa: BLE001 - report, do not crash
         print(f"engine: cannot tell ({e})")
         return
-    refused = why if not ok else native.refusal(config)
-    if choice == "python":
-        print("engine: python (DATADIST_ENGINE=python)")
-    elif refused is None:
-        print("engine: native (the C++ core serves and moves bytes without the GIL, "
-              "on every path: tcp, the local channel's cma / shm, NIXL)")
+    ok, why = native.available()
+    if not ok:
+        print(f"engine: none here: the native core is not available ({why}); "
+              "docs/native-build.md")
+        return
+    refused = native.refusal(config)
+    if refused is None:
+        print("engine: native, the only one (the C++ core serves and moves bytes without the "
+              "GIL, on every path: tcp, the local channel's cma / shm, NIXL)")
     else:
-        print(f"engine: python ({refused})")
-    if ok:
-        has_tls, what = native.tls_available()
-        print(f"core TLS: {what}" if has_tls else
-              f"core TLS: none, TLS configurations run on the Python engine ({what})")
+        print(f"engine: native, but init would refuse this configuration: {refused}")
+    has_tls, what = native.tls_available()
+    print(f"core TLS: {what}" if has_tls else
+          f"core TLS: none, TLS configurations are refused ({what})")
 
 
 def _info_peer(args: argparse.Namespace) -> None:
@@ -348,23 +339,12 @@ def _info_peer(args: argparse.Namespace) -> None:
 
 def _first_pull_path(eng: Any, cluster_id: int, timeout: float) -> tuple[str, str]:
     """The path (and why) the first pull on ``eng``'s link to ``cluster_id`` will take: the
-    link's, unless the kernel refuses cross-memory attach to the owner, which each engine
-    learns at its first pull (the core: asked now, as it asks then; the Python engine: tcp
-    takes over, as Link.run does). Blocks <= timeout (the core waits for the link)."""
-    from datadist.core import native
-    from datadist.transport.iov import cma_refusal
-
-    if isinstance(eng, native.NativeEngine):
-        eng.probe_cma(cluster_id, timeout)
-        link = eng.get_link(cluster_id)
-        return link.path_name, link.reason
+    link's, unless the kernel refuses cross-memory attach to the owner, which the core learns
+    at a first pull (asked now, as it asks then). Blocks <= timeout (the core waits for the
+    link)."""
+    eng.probe_cma(cluster_id, timeout)
     link = eng.get_link(cluster_id)
-    pid = getattr(link.path, "pid", None)
-    refused = cma_refusal(pid) if pid is not None else None
-    if refused is None:
-        return link.path_name, link.reason
-    return "tcp", (f"same host, but cross-memory attach to pid {pid} is refused ({refused}: "
-                   "another user, Yama or seccomp); pulls fall back to tcp")
+    return str(link.path_name), str(link.reason)
 
 
 def _duration(seconds: float | None) -> str:
@@ -424,7 +404,9 @@ def _info_native() -> None:
 
 
 def _info_nixl() -> None:
-    """The NIXL data path: installed or not, and which backends NIXL offers here."""
+    """The NIXL data path: installed or not, which backends NIXL offers here, and the C API
+    library the core loads."""
+    from datadist.core import native
     from datadist.transport import nixl
 
     module = nixl.available()
@@ -439,6 +421,9 @@ def _info_nixl() -> None:
     ucx = "UCX available" if nixl.BACKEND in plugins else "no UCX backend: unusable"
     print(f"nixl: {module}, backends {', '.join(plugins)} ({ucx}; transport=nixl uses "
           f"{nixl.BACKEND})")
+    lib = native.nixl_library()
+    print(f"nixl C API: {lib} (the core drives NIXL through it)" if lib else
+          f"nixl C API: {native.NIXL_CAPI} not found beside {module}: the core cannot use NIXL")
     serve = os.environ.get("DATADIST_NIXL_SERVE", "")
     whole = os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "") == "1"
     print("nixl serving: " + ("on" if serve == "1" else "off") +

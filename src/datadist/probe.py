@@ -33,10 +33,10 @@ import ssl
 import time
 from dataclasses import dataclass
 
-from datadist.core import auth
 from datadist.core.config import HostIdentity
 from datadist.core.errors import RemoteProtocolError
 from datadist.transport.address import format_host_port as _at
+from datadist.wire import auth
 from datadist.wire import protocol as p
 
 ROLES = {1: "PROMPT", 2: "DECODER", 3: "MIX"}  # LLMRole's values

@@ -59,9 +59,9 @@ from datadist.api.types import (
     check_layer_range,
 )
 from datadist.core import layerwise
-from datadist.core.engine import Engine
 from datadist.core.errors import Code
 from datadist.core.layout import Geometry, checked_add
+from datadist.core.native import NativeEngine
 from datadist.wire.protocol import KeyKind, KeyRef
 
 TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
@@ -83,7 +83,7 @@ def _layers(cfg: Any, num_layers: int) -> range:
 
 
 def start_transfer(
-    engine: Engine,
+    engine: NativeEngine,
     cache_id: int,
     desc: CacheDesc,
     layer_synchronizer: Any,
@@ -170,7 +170,7 @@ def _src_unit(cfg: Any) -> int:
     return int(cfg.src_batch_index)
 
 
-def _job(engine: Engine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
+def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
          src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
          dbb: int) -> layerwise.LayerJob:
     """Plan one destination: its layers, its spans (same for every layer), its sender."""

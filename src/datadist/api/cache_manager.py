@@ -47,8 +47,8 @@ from datadist.api.types import (
     check_layer_range,
 )
 from datadist.core import layout
-from datadist.core.engine import Engine
 from datadist.core.errors import DatadistError, InvalidArgument
+from datadist.core.native import NativeEngine
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
@@ -154,7 +154,7 @@ def _whole(plan: layout.Plan, src_range: range | None, dst_range: range | None) 
     return plan
 
 
-def _not_own(engine: Engine, cluster_id: int) -> None:
+def _not_own(engine: NativeEngine, cluster_id: int) -> None:
     """Cache-manager mode refuses pulls naming our own cluster id, as the original's
     native LLMDataDistV2::PullCache does ("data can not be pulled from own cluster",
     LLM_PARAM_INVALID), even when a peer shares the id. Legacy mode (KvCacheManager) has no
@@ -168,7 +168,7 @@ class _Request(NamedTuple):
     id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms; and
     the local cache's geometry the plan was made for (api/planned.py)."""
 
-    engine: Engine
+    engine: NativeEngine
     args: tuple[int, KeyRef, int, layout.Plan, int]
     geometry: layout.Geometry
 
@@ -176,7 +176,7 @@ class _Request(NamedTuple):
 class CacheManager:
     """Caches, keys and transfers in cache-manager mode. Obtain via ``cache_manager``."""
 
-    def __init__(self, engine: Engine, *, remote_cache_accessible: bool = False,
+    def __init__(self, engine: NativeEngine, *, remote_cache_accessible: bool = False,
                  mem_pool: bool = False, host_mem_pool: bool = False,
                  two_sided: bool = False) -> None:
         self._engine = engine
@@ -194,7 +194,7 @@ class CacheManager:
     def set_is_call_linked(self) -> None:
         self._is_call_linked = True
 
-    def _engine_or_raise(self) -> Engine:
+    def _engine_or_raise(self) -> NativeEngine:
         """Every operation's first step: a manager of a finalized session (``finalize()``, or
         an ``init()`` after it that made a new manager) is refused before its arguments are
         looked at, LLMException LLM_ENGINE_FINALIZED, as the original's newest CacheManager
@@ -306,7 +306,7 @@ class CacheManager:
         self._check_listening(engine)
         return Cache(entry.cache_id, cache_desc, addr_list, self, True, True)
 
-    def _check_listening(self, engine: Engine) -> None:
+    def _check_listening(self, engine: NativeEngine) -> None:
         """After a PROMPT's first registration or allocation: warn once when it listens
         nowhere, so that no DECODER can link to it (its links would fail at once)."""
         if self._told_not_listening or engine.role != 1 or engine.listener is not None:
@@ -403,7 +403,7 @@ class CacheManager:
 
     # ------------------------------------------------------------------ pulls
 
-    def _check_local(self, engine: Engine, cache: Cache) -> layout.Geometry:
+    def _check_local(self, engine: NativeEngine, cache: Cache) -> layout.Geometry:
         """The local cache as it was registered (KV_CACHE_NOT_EXIST if gone). Plans use this
         geometry, not the Cache's CacheDesc, which the caller may have changed since."""
         try:

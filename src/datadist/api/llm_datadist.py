@@ -27,9 +27,8 @@ from datadist.api.link_failures import LinkFailures
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.config import EngineConfig, TlsConfig
-from datadist.core.engine import Engine
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
-from datadist.core.native import engine_for
+from datadist.core.native import NativeEngine, engine_for
 from datadist.memory.pool import PoolConfig
 from datadist.transport.address import parse_host_port
 
@@ -134,7 +133,7 @@ class LLMDataDist:
         check_int("cluster_id", cluster_id, "uint64", allow_none=False)
         self._role = role
         self._cluster_id = cluster_id
-        self._engine: Engine | None = None
+        self._engine: NativeEngine | None = None
         self._engine_reason = ""  # why init chose the engine it runs on (datadist info)
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None
@@ -175,7 +174,7 @@ class LLMDataDist:
         return None if self._engine is None else self._engine.listen_address
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> NativeEngine:
         """datadist extra: the typed engine under this facade (links, paths, caches)."""
         self._check_init()
         assert self._engine is not None

@@ -23,7 +23,7 @@ from datadist.api.geometry import geometry_of
 from datadist.api.status import llm_errors, raise_if_false
 from datadist.api.types import CacheDesc
 from datadist.core import layout, local
-from datadist.core.engine import Engine
+from datadist.core.native import NativeEngine
 from datadist.memory import mapped
 
 UNREGISTERED_ID = -1  # Cache.create_cpu_cache / KvCache.create_cpu_cache
@@ -63,7 +63,7 @@ def _check_cpu_cache(geo: layout.Geometry, addrs: np.ndarray) -> None:
 
 
 @contextlib.contextmanager
-def held(engine: Engine, ref: CacheRef) -> Iterator[_Side]:
+def held(engine: NativeEngine, ref: CacheRef) -> Iterator[_Side]:
     """The cache's geometry and tensor addresses, leased for the ``with`` body.
 
     A cache the engine knows is read from the registry (and held, so that it cannot be
@@ -87,7 +87,7 @@ def held(engine: Engine, ref: CacheRef) -> Iterator[_Side]:
         engine.registry.unhold(entry)
 
 
-def copy_cache(engine: Engine, dst: CacheRef, src: CacheRef, dst_batch_index: int,
+def copy_cache(engine: NativeEngine, dst: CacheRef, src: CacheRef, dst_batch_index: int,
                src_batch_index: int, offset: int, size: int) -> None:
     """Copy one batch slot of every tensor (``size`` bytes from ``offset``). Types checked."""
     check_copy_cache(dst, src, size)
@@ -120,7 +120,7 @@ def parse_copy_block_info(info: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(src, counts).astype(np.uint64), dst.astype(np.uint64)
 
 
-def copy_blocks(engine: Engine, cache: CacheRef, copy_block_info: Any) -> None:
+def copy_blocks(engine: NativeEngine, cache: CacheRef, copy_block_info: Any) -> None:
     """Copy blocks within one blocks cache: each source block to each of its destinations.
 
     An empty mapping copies nothing. A block may not be both a source and a destination,
@@ -135,7 +135,7 @@ def copy_blocks(engine: Engine, cache: CacheRef, copy_block_info: Any) -> None:
         local.execute(plan, c.addrs, c.addrs)
 
 
-def swap_blocks(engine: Engine, src: CacheRef, dst: CacheRef, src_to_dst: Any) -> None:
+def swap_blocks(engine: NativeEngine, src: CacheRef, dst: CacheRef, src_to_dst: Any) -> None:
     """Copy blocks between a HOST and a DEVICE cache (either way): ``{src: dst}``.
 
     The original's checks, texts and order (v2/cache_manager.py _verify_caches, then

@@ -23,7 +23,7 @@ def metrics() -> dict[str, Any]:
     ``transfers``, ``bytes`` (moved by successful transfers), ``errors`` (count per status
     code name, e.g. ``"LLM_TIMEOUT"``), ``seconds`` (summed durations), ``latency_buckets``
     (cumulative counts per upper bound in seconds), ``p50_s`` and ``p99_s`` (bucket upper
-    bounds). Both engines' counters, summed: the Python engine's and the C++ core's."""
+    bounds). The C++ core's counters: one per process, whatever the number of instances."""
     return _metrics.snapshot()
 
 

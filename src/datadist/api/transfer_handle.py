@@ -5,9 +5,9 @@ serving loop and poll them, instead of blocking a thread per transfer (NIXL's po
 pattern). ``done()`` and ``status`` never block; ``wait`` blocks its caller only, holding no
 lock of datadist's.
 
-The handle is written against :class:`EngineTransfer`, the three methods every engine's
-in-flight transfer has (the Python engine's ``core.transfers.Transfer``, the native engine's
-``datadist._core`` handle), so it works on either engine.
+The handle is written against :class:`EngineTransfer`, the three methods of the engine's
+in-flight transfer (``core/native.py``'s ``NativeHandle``, over the core's), so tests and
+tools may hand it anything that has them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from datadist.core.errors import DatadistError
 
 
 class EngineTransfer(Protocol):
-    """An engine's in-flight transfer, as ``Engine.pull_async`` / ``push_async`` return it.
+    """An engine's in-flight transfer, as ``NativeEngine.pull_async`` / ``push_async`` return it.
 
     Contract: thread-safe; ``done`` and ``error`` never block; ``wait(timeout_s)`` blocks
     its caller up to ``timeout_s`` seconds (None: until the end) without holding anything

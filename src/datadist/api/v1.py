@@ -68,8 +68,8 @@ from datadist.api.types import (
 )
 from datadist.core import layout
 from datadist.core.config import DEVICE
-from datadist.core.engine import Engine
 from datadist.core.errors import DatadistError
+from datadist.core.native import NativeEngine
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
 from datadist.wire.protocol import KeyRef
@@ -211,7 +211,7 @@ class KvCacheManager:
     returns when done. The role is read from the engine, so ``switch_role`` applies at once.
     """
 
-    def __init__(self, llm_engine: Engine, role: LLMRole) -> None:
+    def __init__(self, llm_engine: NativeEngine, role: LLMRole) -> None:
         self._engine = llm_engine
         self._initialized = True
         # (cache_id, is_blocks) of pool caches whose KvCache was garbage-collected without
@@ -234,7 +234,7 @@ class KvCacheManager:
     def _invalidate(self) -> None:
         self._initialized = False
 
-    def _engine_or_raise(self) -> Engine:
+    def _engine_or_raise(self) -> NativeEngine:
         if not self._initialized:
             raise RuntimeError("llm datadist is not initialized")
         self._free_dropped()
@@ -274,7 +274,7 @@ class KvCacheManager:
         check_same_session(name, cache.cache_id, cache._manager, self)
         return cache
 
-    def _geometry(self, engine: Engine, cache: KvCache) -> layout.Geometry:
+    def _geometry(self, engine: NativeEngine, cache: KvCache) -> layout.Geometry:
         """The cache as it was allocated (LLM_KV_CACHE_NOT_EXIST once it is gone)."""
         with llm_errors():
             return engine.registry.get(cache.cache_id).geometry
@@ -390,8 +390,8 @@ class KvCacheManager:
         args = self._pull_cache_args(engine, cache_key, kv_cache, batch_index, size, kwargs)
         return TransferHandle(engine.pull_async(*args), "pull_cache_async")
 
-    def _pull_cache_args(self, engine: Engine, cache_key: Any, kv_cache: Any, batch_index: Any,
-                         size: Any, kwargs: dict[str, Any]) -> _PullArgs:
+    def _pull_cache_args(self, engine: NativeEngine, cache_key: Any, kv_cache: Any,
+                         batch_index: Any, size: Any, kwargs: dict[str, Any]) -> _PullArgs:
         """pull_cache's checks after the engine's; the engine's pull arguments."""
         self._check_role("pull_cache", LLMRole.DECODER)
         self._kwargs(kwargs, _PULL_CACHE_KWARGS)
@@ -440,7 +440,7 @@ class KvCacheManager:
                                       decoder_blocks, kwargs)
         return TransferHandle(engine.pull_async(*args), "pull_blocks_async")
 
-    def _pull_blocks_args(self, engine: Engine, prompt_cache_key: Any, decoder_kv_cache: Any,
+    def _pull_blocks_args(self, engine: NativeEngine, prompt_cache_key: Any, decoder_kv_cache: Any,
                           prompt_blocks: Any, decoder_blocks: Any,
                           kwargs: dict[str, Any]) -> _PullArgs:
         """pull_blocks's checks after the engine's; the engine's pull arguments."""

@@ -56,10 +56,7 @@ from datadist.core.errors import (
 from datadist.transport.address import serves
 
 if TYPE_CHECKING:
-    from datadist.core.engine import Engine
-    from datadist.core.links import Link
-    from datadist.core.registry import Lease
-    from datadist.transport.tcp import TcpListener
+    from datadist.core.native import NativeEngine, NativeListener
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +96,7 @@ class Comm:
     deadline: float
     state: CommState = CommState.PREPARING
     reason: str = ""
-    opened: dict[int, Link] = field(default_factory=dict)  # connected, not yet registered
+    opened: dict[int, Any] = field(default_factory=dict)  # the core's open links, not yet filed
     owned: set[int] = field(default_factory=set)  # links this comm registered
     listener: tuple[str, int] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -113,12 +110,12 @@ class Comm:
 class CommManager:
     """The comms of one engine. Created lazily by the facade; ``close`` at finalize."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: NativeEngine) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._comms: dict[int, Comm] = {}
-        self._listeners: dict[tuple[str, int], list[Any]] = {}  # addr -> [TcpListener, users]
+        self._listeners: dict[tuple[str, int], list[Any]] = {}  # addr -> [NativeListener, users]
         self._link_lock = threading.Lock()  # one link at a time in a process
         self._closed = False
 
@@ -232,7 +229,7 @@ class CommManager:
                 entry[1] += 1
                 comm.listener = (host, port)
                 return
-        listener: TcpListener[Lease] | None = self.engine.make_listener(host, port)
+        listener: NativeListener | None = self.engine.make_listener(host, port)
         # (LinkFailed above if the port is taken)
         with self._lock:
             entry = self._listeners.get((host, port))

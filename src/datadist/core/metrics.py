@@ -1,19 +1,17 @@
 """Transfer counters and latency histograms, per process and per link.
 
-Who calls: the Python engine records every pull and push it starts, and every request it
-serves (:meth:`Metrics.record` on :data:`PROCESS`, after the transfer ended, in the calling or
-serving thread; never blocks beyond a short lock). The native engine's are kept by the C++
-core itself (``cpp/src/metrics.h``: the same counters, names and units, recorded by its
-transfer and serving threads without the GIL). :func:`process_series` and :func:`snapshot`
-give the process's view, both summed. Users read them with
+Who calls: nobody records here: the C++ core keeps the counters (``cpp/src/metrics.h``,
+recorded by its transfer and serving threads without the GIL; the binding counts the pulls
+and pushes this process issues). This module reads them: :func:`process_series` and
+:func:`snapshot` give the process's view, :func:`stats` what STATS answers. Users read them with
 ``datadist.metrics()`` (a plain dict), or export them to Prometheus with
 ``datadist.metrics_collector()`` when ``prometheus_client`` is installed.
 
 What is counted, for each (operation, remote cluster id): transfers, bytes moved by the ones
 that succeeded, failures by status code name, and a histogram of their durations. Operations
 are ``pull`` and ``push`` (what this process asked of a peer) and ``serve_read`` and
-``serve_write`` (what a peer asked of this process, from the lease's opening to its end; a
-refused request counts with its status code). A link that is unlinked keeps its
+``serve_write``, ``serve_lease`` (what a peer asked of this process, from the lease's opening
+to its end; a refused request counts with its status code). A link that is unlinked keeps its
 counters (a Prometheus counter must never go down); ``reset()`` clears everything.
 """
 
@@ -22,7 +20,6 @@ from __future__ import annotations
 import bisect
 import json
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,44 +81,6 @@ class Series:
         return float("inf")
 
 
-class Metrics:
-    """Thread-safe counters of one process (every engine in it records here)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._series: dict[tuple[str, int], Series] = {}
-
-    def record(self, op: str, cluster_id: int, nbytes: int, seconds: float,
-               error: str | None = None) -> None:
-        """Count one transfer that ended: ``error`` is its status code's name, None if it
-        succeeded (then ``nbytes`` count as moved)."""
-        with self._lock:
-            s = self._series.get((op, cluster_id))
-            if s is None:
-                s = self._series[(op, cluster_id)] = Series()
-            s.add(nbytes, seconds, error)
-
-    def snapshot(self) -> dict[str, Any]:
-        """``{"total": {op: ...}, "links": {cluster_id: {op: ...}}}``, each entry as
-        :meth:`Series.snapshot` gives it."""
-        return _snapshot_of(self.series())
-
-    def series(self) -> Iterator[tuple[str, int, Series]]:
-        """Copies of every series, for exporters."""
-        with self._lock:
-            items = [(k, _copy(s)) for k, s in self._series.items()]
-        for (op, cid), s in items:
-            yield op, cid, s
-
-    def reset(self) -> None:
-        with self._lock:
-            self._series.clear()
-
-
-def _copy(s: Series) -> Series:
-    return Series(s.transfers, s.bytes, dict(s.errors), list(s.counts), s.seconds)
-
-
 def _merge(into: Series, s: Series) -> None:
     into.transfers += s.transfers
     into.bytes += s.bytes
@@ -138,9 +97,6 @@ def _snapshot_of(items: Iterator[tuple[str, int, Series]]) -> dict[str, Any]:
         links.setdefault(cid, {})[op] = s.snapshot()
         _merge(total.setdefault(op, Series()), s)
     return {"total": {op: s.snapshot() for op, s in total.items()}, "links": links}
-
-
-PROCESS = Metrics()
 
 
 def _core() -> Any:
@@ -160,18 +116,10 @@ def _core_series() -> Iterator[tuple[str, int, Series]]:
 
 
 def process_series() -> Iterator[tuple[str, int, Series]]:
-    """Every series of the process: the Python engine's (:data:`PROCESS`) and the C++
-    core's, summed per (operation, cluster id). Copies; for exporters and :func:`snapshot`.
-    Called at any time; short locks only (the core's read takes none)."""
-    merged: dict[tuple[str, int], Series] = {}
-    for op, cid, s in (*PROCESS.series(), *_core_series()):
-        got = merged.get((op, cid))
-        if got is None:
-            merged[(op, cid)] = s
-        else:
-            _merge(got, s)
-    for (op, cid), s in merged.items():
-        yield op, cid, s
+    """Every series of the process, as the core keeps them per (operation, cluster id): one
+    core serves every instance of the process. Copies; for exporters and :func:`snapshot`.
+    Called at any time; takes no lock (the core's counters are atomics)."""
+    yield from _core_series()
 
 
 def snapshot() -> dict[str, Any]:
@@ -181,15 +129,14 @@ def snapshot() -> dict[str, Any]:
 
 
 def reset() -> None:
-    """Clear every counter of the process, the core's too (tests)."""
-    PROCESS.reset()
+    """Clear every counter of the process (tests)."""
     core = _core()
     if core is not None:
         core.metrics_reset()
 
 
 def stats(cluster_id: int, role: int) -> dict[str, Any]:
-    """What an engine says of the whole process (``Engine.stats()``, JSON-ready): who it is,
+    """What the engine says of the whole process (``NativeEngine.stats()``, JSON-ready): who it is,
     and :func:`snapshot` with the cluster ids of ``links`` as strings, as STATS carries them."""
     snap = snapshot()
     return {"cluster_id": cluster_id, "role": role, "total": snap["total"],
@@ -198,7 +145,7 @@ def stats(cluster_id: int, role: int) -> dict[str, Any]:
 
 def parse_stats(raw: bytes) -> dict[str, Any]:
     """A peer's STATS answer (JSON bytes) as a dict; RemoteProtocolError if it is not a
-    JSON object. Called by both engines' ``peer_stats``."""
+    JSON object. Called by the engine's ``peer_stats``."""
     try:
         got = json.loads(raw)
     except ValueError as e:

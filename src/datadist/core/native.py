@@ -1,15 +1,14 @@
-"""The native engine: the Python API over the C++ core (``datadist._core``).
+"""The engine: the Python API over the C++ core (``datadist._core``).
 
-Who calls: ``LLMDataDist.init`` creates a :class:`NativeEngine` instead of the Python
-:class:`~datadist.core.engine.Engine` when the core is built and the configuration needs
-nothing only the Python engine has yet (:func:`refusal` says what). Both engines present the
-same interface to the facade (``datadist/api``): caches, links, pull / push, and their
-asynchronous forms.
+Who calls: ``LLMDataDist.init`` creates one :class:`NativeEngine` per instance
+(:func:`engine_for`); the facade (``datadist/api``) calls it for caches, links, pull / push
+and their asynchronous forms. It is the only engine: the C++ API (``llm_datadist.h``) runs on
+the same core, so both APIs share one implementation of every protocol rule.
 
 What runs where: the facade checks arguments and plans transfers (``core/layout.py``); this
 module keeps the local bookkeeping (``core/registry.py``: ids, keys, pools, holds) and mirrors
 every cache into the core's registry, which serves peers. Accepting, handshakes, peers'
-requests, reverse channels, same-host grants and leases run on the core's native threads
+requests, reverse channels, same-host grants, NIXL and leases run on the core's native threads
 and never take the GIL; a pull or push issued here releases the GIL for its whole duration;
 asynchronous ones run on the core's fixed set of workers and are polled without the GIL.
 Errors from the core (``_core.CoreError(code, message)``) become datadist's error classes
@@ -32,7 +31,6 @@ import numpy as np
 
 from datadist.core import metrics, native_build
 from datadist.core.config import DEVICE, HOST, EngineConfig, HostIdentity, PathKind, forced_path
-from datadist.core.engine import checked_local_iov
 from datadist.core.errors import (
     AlreadyLinked,
     Closed,
@@ -42,22 +40,23 @@ from datadist.core.errors import (
     IntegrityError,
     InvalidArgument,
     NotLinked,
+    NotSupported,
     OutOfMemory,
     error_for_code,
 )
-from datadist.core.layout import Geometry, Plan, wire_layout
+from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
-from datadist.core.registry import CacheEntry, KeyId, Registry
+from datadist.core.registry import CacheEntry, KeyId, Registry, check_request_size
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
 from datadist.wire import protocol as p
 
 log = logging.getLogger("datadist.native")
 
-UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache (as Python's)
+UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache
 CLOSE_WAIT = 5.0  # s finalize waits for them
 ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever their number
-ENGINE_ENV = "DATADIST_ENGINE"  # "native", "python" or "auto" (the default)
+ENGINE_ENV = "DATADIST_ENGINE"  # "native" or "auto" (the default); "python" is refused
 
 _core: Any = None
 
@@ -131,7 +130,7 @@ def nixl_library() -> str | None:
 
 def load_nixl(mod: Any) -> str | None:
     """Hand the installed NIXL to the core (``_core.nixl_load``), once per process, with the
-    environment the Python engine gives NIXL (transport/nixl.py: UCX's ib module kept out
+    environment NIXL needs here (transport/nixl.py: UCX's ib module kept out
     where the host has no RDMA device). Returns why NIXL cannot be used, None once loaded.
     Called by :class:`NativeEngine` when it serves NIXL; blocks while NIXL loads."""
     from datadist.transport import nixl
@@ -145,14 +144,50 @@ def load_nixl(mod: Any) -> str | None:
 
 
 def wanted(options: dict[str, str]) -> str:
-    """Which engine the caller asked for: the option ``datadist.Engine``, else the
-    environment's DATADIST_ENGINE, else "auto". InvalidArgument for anything else."""
+    """Check the engine the caller asked for: the option ``datadist.Engine``, else the
+    environment's DATADIST_ENGINE, else "auto". "auto" and "native" both name the core, the
+    only engine; "python" (the engine that was removed) and anything else are an
+    InvalidArgument, so a deployment that still asks for it learns why at init."""
     choice = (options.get("datadist.Engine") or os.environ.get(ENGINE_ENV) or "auto").lower()
-    if choice not in ("auto", "native", "python"):
+    if choice == "python":
         raise InvalidArgument(
-            f"datadist.Engine (or {ENGINE_ENV}) must be 'auto', 'native' or 'python', "
-            f"got {choice!r}")
+            f"datadist.Engine (or {ENGINE_ENV}) = 'python': the Python engine was removed; "
+            "the native core runs every configuration (unset it, or use 'native')")
+    if choice not in ("auto", "native"):
+        raise InvalidArgument(
+            f"datadist.Engine (or {ENGINE_ENV}) must be 'auto' or 'native', got {choice!r}")
     return choice
+
+
+def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
+    """The local side of a plan must fit the cache as it was registered (the caller's
+    CacheDesc may have changed since): never read or write past registered memory. And the
+    request must be one an owner accepts (span count), or it is refused here, before a
+    byte moves."""
+    check_request_size(plan.remote_tensors, plan.remote_offsets)
+    g = entry.geometry
+    if len(plan.local_tensors) and max_int(plan.local_tensors) >= g.num_tensors:
+        raise InvalidArgument(f"cache {entry.cache_id} has {g.num_tensors} tensors")
+    check_source_spans(plan.local_offsets, plan.lengths, g.tensor_bytes)
+    return True
+
+
+def checked_local_iov(kept: Prepared[np.ndarray], plan: Plan, entry: CacheEntry) -> np.ndarray:
+    """The local spans of ``plan`` in ``entry``'s memory as an iovec array, once the plan is
+    checked against the cache (InvalidArgument if it does not fit). Kept in ``kept`` for small
+    plans, so a plan that repeats is checked once (read-only: transports edit copies). The
+    engine's pulls and pushes call it."""
+    if plan.num_spans > SMALL_REQUEST:
+        _check_local_plan(plan, entry)
+        return plan.local_iovecs(entry.addrs)
+
+    def build() -> np.ndarray:
+        _check_local_plan(plan, entry)
+        iov = plan.local_iovecs(entry.addrs)
+        iov.flags.writeable = False
+        return iov
+
+    return kept.get((plan, entry), build)
 
 
 MISMATCH = "checksum mismatch"  # how the core's message for a failed checksum starts (verify.h)
@@ -160,7 +195,7 @@ MISMATCH = "checksum mismatch"  # how the core's message for a failed checksum s
 
 def _error(code: int, message: str) -> DatadistError:
     """The datadist error for a core error's status code and message: a checksum mismatch
-    is an IntegrityError, as the Python engine raises; a link the core holds already is
+    is an IntegrityError; a link the core holds already is
     AlreadyLinked (callers catch it by class: link_clusters answers LLM_ALREADY_LINK, a
     comm closes its duplicate); the rest by their code (error_for_code, a peer's codes)."""
     if code == int(Code.SUSPECT_REMOTE_ERROR) and message.startswith(MISMATCH):
@@ -192,7 +227,7 @@ class NativeLink:
     """What the facade and tools see of a link of the native engine (a snapshot). Two
     snapshots are equal when they show the same link: the same cluster id, end and core link
     (``serial``, which the core never reuses), whatever its path and reason then; a link that
-    replaced another under the same id compares unequal (as the Python engine's ``is``)."""
+    replaced another under the same id compares unequal."""
 
     cluster_id: int
     path_name: str = field(compare=False)
@@ -279,8 +314,8 @@ class NativeHandle:
 
 
 class NativeEngine:
-    """The engine interface of :class:`~datadist.core.engine.Engine`, run by the C++ core.
-    Created by ``LLMDataDist.init``, closed by ``finalize``."""
+    """The engine the facade calls (caches, links, pull / push and their asynchronous
+    forms), run by the C++ core. Created by ``LLMDataDist.init``, closed by ``finalize``."""
 
     native = True
 
@@ -311,10 +346,10 @@ class NativeEngine:
             forced = forced_path(config.transport)
             if (forced == PathKind.NIXL or config.nixl_serve) \
                     and (why := load_nixl(mod)) is not None:
-                if forced == PathKind.NIXL:  # as the Python engine: init fails, saying why
+                if forced == PathKind.NIXL:  # a reader without NIXL: init fails, saying why
                     raise InvalidArgument(f"transport 'nixl' needs NIXL: pip install "
                                           f"'datadist[nixl]' ({why})")
-                # As the Python owner: readers are refused (FEATURE_NOT_ENABLED) with why.
+                # An owner without NIXL: readers are refused (FEATURE_NOT_ENABLED) with why.
                 log.info("serving NIXL asked for, but %s", why)
             with _mapped():
                 # Same-host links read owners' shared memory (memfds) unless cma is forced;
@@ -366,8 +401,8 @@ class NativeEngine:
     # ------------------------------------------------------------------ listening
 
     def nixl_refusal(self) -> str | None:
-        """Why this engine serves no NIXL reader (None: it does), asked of the core (the
-        Python engine's rules: Engine.nixl_refusal). Never blocks."""
+        """Why this engine serves no NIXL reader (None: it does), asked of the core
+        (docs/security.md, "The NIXL path"). Never blocks."""
         why = str(self._core.nixl_refusal())
         return why or None
 
@@ -394,8 +429,7 @@ class NativeEngine:
     @property
     def identity(self) -> HostIdentity:
         """Who this engine says it is in its HELLOs and WELCOMEs (pid, pid namespace, boot
-        id): the core runs in this process, so the process's (as the Python engine's
-        ``identity``). Never blocks."""
+        id): the core runs in this process, so the process's. Never blocks."""
         return HostIdentity.current()
 
     @property
@@ -474,7 +508,7 @@ class NativeEngine:
     def allocate(self, geometry: Geometry, *, placement: int,
                  keys: Sequence[KeyId | None] = (),
                  blocks_model_id: int | None = None) -> CacheEntry:
-        """Carve a cache from the pool of its placement (as the Python engine)."""
+        """Carve a cache from the pool of its placement."""
         self._check_open()
         pool = self._pools.get(placement)
         if pool is None:
@@ -532,7 +566,7 @@ class NativeEngine:
     def _await_handles(self, cache_id: int | None, deadline: float) -> None:
         """Our asynchronous transfers of ``cache_id`` (None: all) still running: waited for
         (without the GIL) until ``deadline`` and settled, so that their holds let go when
-        the core ends them, as the Python engine's do, not when their caller next polls."""
+        the core ends them, not when their caller next polls."""
         for handle in list(self._handles):
             if cache_id is None or handle.cache_id == cache_id:
                 handle.wait(max(0.0, deadline - time.monotonic()))
@@ -558,7 +592,7 @@ class NativeEngine:
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False,
                quiet_inbound: bool = False) -> None:
-        """As the Python engine's: both ends; NotLinked, Busy, UnlinkFailed."""
+        """Unlink both ends; NotLinked, Busy, UnlinkFailed."""
         with _mapped():
             self._core.unlink(cluster_id, timeout, force, quiet_inbound)
 
@@ -678,8 +712,7 @@ class NativeEngine:
                cache_id: int) -> tuple[CacheEntry, Any]:
         """The local cache held and the core's prepared call for a transfer. The core counts
         every transfer it is handed (metrics); one refused here, before it (finalized, no
-        such local cache, spans outside it), is counted here, as the Python engine counts
-        it. The caller unholds the entry."""
+        such local cache, spans outside it), is counted here too. The caller unholds the entry."""
         t0 = time.perf_counter()
         try:
             if self._closed:
@@ -789,22 +822,19 @@ class NativeEngine:
         self._pools.clear()
 
 
-def engine_for(config: EngineConfig, options: dict[str, str]) -> tuple[Any, str]:
-    """The engine ``LLMDataDist.init`` runs with, and why that one: the native core when
-    it is built and the configuration needs nothing only the Python engine has (or the
-    caller asked for it: then a refusal is an InvalidArgument); else the Python engine."""
-    from datadist.core.engine import Engine
-
-    choice = wanted(options)
-    if choice == "python":
-        return Engine(config), "asked for (datadist.Engine / DATADIST_ENGINE = python)"
+def engine_for(config: EngineConfig, options: dict[str, str]) -> tuple[NativeEngine, str]:
+    """The engine ``LLMDataDist.init`` runs with, and why: the native core, the only one.
+    Raises NotSupported when the core is not built or does not load here (docs/native-build.md)
+    or cannot run ``config`` on this host (:func:`refusal`: TLS on a core built without
+    OpenSSL), and InvalidArgument for an engine option other than auto / native."""
+    wanted(options)
     ok, why = available()
-    reason = why if not ok else refusal(config)
-    if reason is None:
-        return NativeEngine(config), "the native core"
-    if choice == "native":
-        raise InvalidArgument(f"the native engine cannot run this configuration: {reason}")
-    return Engine(config), reason
+    if not ok:
+        raise NotSupported(f"datadist's native core is not available: {why}")
+    reason = refusal(config)
+    if reason is not None:
+        raise NotSupported(f"the native core cannot run this configuration: {reason}")
+    return NativeEngine(config), "the native core"
 
 
 __all__ = ["NativeEngine", "NativeHandle", "NativeLink", "available", "engine_for", "refusal",

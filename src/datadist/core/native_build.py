@@ -18,8 +18,8 @@ def native_available() -> tuple[bool, str]:
     """``(True, "datadist._core VERSION (PATH)")`` when the module imports, else ``(False,
     why)``: not built, or built but not loadable here (another Python, a missing symbol).
 
-    Called by ``datadist info`` and the tests, and by whoever chooses between the native and
-    the Python engine. Imports the module on the first call (loads its shared object; no
+    Called by ``datadist info``, the tests, and ``LLMDataDist.init`` (no core, no engine).
+    Imports the module on the first call (loads its shared object; no
     threads, no sockets) and raises nothing but what that import raises beyond ImportError.
     """
     try:

@@ -68,7 +68,7 @@ UINT64_MAX = 2**64 - 1
 # built), so without a cap a sub-megabyte Read (40k tensor indexes x 40k spans) makes it
 # allocate tens of GB. 2**22 spans cost the owner ~200 MB at the peak and a few hundred ms,
 # and still cover 26k uncoalesced blocks in each of 160 tensors. Requesters check their own
-# plans against it (core/engine.py), so an honest request is never refused by the owner.
+# plans against it (core/native.py), so an honest request is never refused by the owner.
 MAX_REQUEST_SPANS = 1 << 22
 
 
@@ -159,7 +159,7 @@ class Lease:
     def wanted_back(self) -> bool:
         """Whether the owner wants this memory back: the cache is being unregistered, or
         nothing but leases holds it any more (deallocated, its keys gone). A peer's grant
-        on it then expires sooner (transport/tcp.py). Lock-free: a stale answer only moves
+        on it then expires sooner. Lock-free: a stale answer only moves
         an expiry by one sweep."""
         e = self.entry
         return e.closing or (not e.id_held and not e.keys)

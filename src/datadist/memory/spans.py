@@ -1,6 +1,6 @@
 """Which same-host copy suits a request out of a peer's shareable memory (a memfd).
 
-Who calls: the same-host path (``transport/paths.py``, ``CmaPath.read``), once per request,
+Who calls: the rule's reference: the core applies it (cpp/src/shm.h) when it reads a peer's cache; once per request,
 to decide whether to ask for a shared-memory grant. O(1) on top of one sum over the request's
 span lengths (numpy); never blocks.
 

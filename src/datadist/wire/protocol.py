@@ -85,7 +85,7 @@ class MsgType(enum.IntEnum):
 FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires one
 # Welcome only: the server also speaks this protocol on the abstract unix socket
 # "\0datadist-v1.<pid>.<cluster_id>" (its own pid and cluster id, in decimal); same-host
-# reads (GRANT) are served only there (transport/local.py, docs/protocol.md).
+# reads (GRANT) are served only there (cpp/src/local.cc, docs/protocol.md).
 FEATURE_LOCAL = 2
 # Welcome: the server takes reverse channels. Hello: this connection is the reverse channel of
 # the client's link: after the handshake the server sends requests and the client answers.

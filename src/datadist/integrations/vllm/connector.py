@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from datadist.integrations.vllm.layout import kv_layout
 from datadist.integrations.vllm.scheduler import RecvTask, SchedulerSide, StepMeta
 from datadist.integrations.vllm.settings import LOGGER_NAME, ROLES, Settings, WorkerAddress
-from datadist.integrations.vllm.spin import share_gil_for
 from datadist.integrations.vllm.worker import DatadistWorker
 
 if TYPE_CHECKING:
@@ -143,14 +142,7 @@ class DatadistConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         layout, self._kv_tensors = kv_layout(kv_caches)
-        worker = self._worker
-        worker.start(layout)
-        # The Python engine's threads need the GIL that vLLM's spin loop keeps; the native
-        # engine's never take it, and vLLM's loop is left alone (spin.py).
-        patched = share_gil_for(worker.engine, lambda: worker.active,
-                                self.settings.yield_us / 1e6)
-        logger.debug("datadist: %s engine; vLLM's spin loop %s", "native" if getattr(
-            worker.engine, "native", False) else "Python", "patched" if patched else "untouched")
+        self._worker.start(layout)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.address is None:

@@ -41,13 +41,6 @@ class Settings:
     hold_grace_s: how long a decoder waits for the producer to mark a request's blocks as
         held before it gives up on the request.
     mailbox_slots: how many finished requests a producer can hold at once.
-    yield_us: Python engine only: while this worker holds requests or pulls, vLLM's worker
-        loop waits this many microseconds instead of ``os.sched_yield()`` between polls of its
-        message queue, so datadist's threads get the GIL (see docs/vllm.md); 0 leaves vLLM's
-        loop alone. Unused on the native engine.
-    engine: the datadist engine the worker runs on ("native", the default: the C++ core,
-        which serves and pulls without the GIL and leaves vLLM alone; "python": the Python
-        engine, which needs ``yield_us``'s patch of vLLM's loop; "auto"; docs/engine.md).
     """
 
     host: str = "127.0.0.1"
@@ -57,8 +50,6 @@ class Settings:
     abort_timeout_s: float = 120.0
     hold_grace_s: float = 2.0
     mailbox_slots: int = 4096
-    yield_us: int = 200
-    engine: str = "native"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
@@ -86,9 +77,7 @@ class Settings:
         for name in ("sync_kv_timeout_ms", "link_timeout_ms", "mailbox_slots"):
             if getattr(s, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(s, name)}")
-        if s.engine not in ("python", "native", "auto"):
-            raise ValueError(f"engine must be 'python', 'native' or 'auto', got {s.engine!r}")
-        for name in ("abort_timeout_s", "hold_grace_s", "yield_us"):
+        for name in ("abort_timeout_s", "hold_grace_s"):
             if getattr(s, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(s, name)}")
         return s

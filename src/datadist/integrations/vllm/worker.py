@@ -167,7 +167,6 @@ class DatadistWorker:
                 llm_datadist.LLMRole.PROMPT if self.producer else llm_datadist.LLMRole.DECODER)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
         options = cfg.generate_options()
-        options["datadist.Engine"] = self.settings.engine  # native unless configured
         dd.init(options)
         self._dd = dd
         try:
@@ -193,14 +192,13 @@ class DatadistWorker:
             assert listen is not None
             self.address = WorkerAddress(self.settings.host, listen[1], self.cluster_id)
         logger.info("datadist: worker %d started as cluster %d (%s%s), %d layers x %d blocks "
-                    "of %s %s%s; %s engine, CPUs %s", self.rank, self.cluster_id,
+                    "of %s %s%s; CPUs %s", self.rank, self.cluster_id,
                     "producer" if self.producer else "", "+consumer" if self.producer
                     and self.consumer else ("consumer" if self.consumer else ""),
                     layout.num_layers, layout.num_blocks, list(layout.block_shape),
                     layout.dtype.name,
                     f", serving on {self.address.host}:{self.address.port}" if self.address
-                    else "", "native" if getattr(dd.engine, "native", False) else "Python",
-                    _cpus())
+                    else "", _cpus())
 
     @staticmethod
     def _box_desc(box: mailbox.Mailbox) -> llm_datadist.CacheDesc:
@@ -239,7 +237,7 @@ class DatadistWorker:
 
     @property
     def engine(self) -> object:
-        """This process's datadist engine (``native`` says which one); None before
+        """This process's datadist engine (tests and tools read its links); None before
         ``start``."""
         return None if self._dd is None else self._dd.engine
 

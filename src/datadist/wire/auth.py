@@ -10,7 +10,8 @@ last step succeeds the server answers nothing but an error: a peer without the s
 read nothing. Fresh nonces on both sides defeat replay; the direction labels defeat
 reflection. HMAC-SHA256, compared in constant time.
 
-Pure functions: no I/O, no clocks.
+Pure functions: no I/O, no clocks. The core computes the same MACs (cpp/src/auth.cc); these are
+the protocol's reference, for the probe (``datadist probe``) and for test peers.
 """
 
 from __future__ import annotations
