@@ -93,12 +93,6 @@ def refusal(config: EngineConfig) -> str | None:
         has, what = tls_available()
         if not has:
             return f"TLS (datadist.TlsCert...): {what}"
-    if forced_path(config.transport) == PathKind.NIXL or config.nixl_serve:
-        from datadist.transport import nixl  # only where NIXL is asked for
-
-        if nixl.cuda_devices() > 0:
-            return ("NIXL on a host with a GPU: the core registers host memory only, the "
-                    "Python engine registers device-placed caches as GPU memory (VRAM)")
     return None
 
 
@@ -433,7 +427,8 @@ class NativeEngine:
             with _mapped():
                 self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
                                      g.layout, entry.addrs, entry.owned,
-                                     entry.remote_accessible, g.is_blocks, shm=shm)
+                                     entry.remote_accessible, g.is_blocks, shm=shm,
+                                     device=entry.placement == DEVICE)
                 bound = [(slot, k) for slot, k in enumerate(keys) if k is not None]
                 if bound:
                     self._core.bind_keys(entry.cache_id,
