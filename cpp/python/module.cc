@@ -303,6 +303,16 @@ PYBIND11_MODULE(_core, m) {
           "completed NIXL read, transfers prepared so far) of the engine's NIXL agent, or None before "
           "one was needed (tests, `datadist info`).")
       .def(
+          "nixl_regions",
+          [](Core &c) {
+            py::list out;
+            if (std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent())
+              for (const auto &s : a->Spans()) out.append(py::make_tuple(s.start, s.end, s.kind.mem, s.kind.device));
+            return out;
+          },
+          "Every tensor the engine's NIXL agent registered: (start, end, memory kind: 0 DRAM, 1 VRAM, "
+          "CUDA device), by address; empty before an agent was made (tests, tools). Never blocks.")
+      .def(
           "set_nixl_options",
           [](Core &c, bool serve, bool whole_process) {
             datadist::nixl::ServeOptions o;
@@ -477,7 +487,8 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "add_cache",
           [](Core &c, int64_t id, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
-             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, const py::object &shm) {
+             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, const py::object &shm,
+             bool device) {
             datadist::Geometry g;
             g.num_tensors = num_tensors;
             g.tensor_bytes = tensor_bytes;
@@ -488,6 +499,7 @@ PYBIND11_MODULE(_core, m) {
             o.allocated = allocated;
             o.remote_accessible = remote_accessible;
             o.blocks = blocks;
+            o.device = device;
             datadist::ShmPlace place;
             if (!shm.is_none()) {  // (fds, inos, offsets): where each tensor lies in a sealed memfd of ours
               auto parts = shm.cast<std::tuple<std::vector<int32_t>, std::vector<uint64_t>, std::vector<uint64_t>>>();
@@ -499,7 +511,9 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("cache_id"), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"),
           py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"),
-          py::arg("shm") = py::none())
+          py::arg("shm") = py::none(), py::arg("device") = false,
+          "Files a cache of the Python registry's (its memory the caller's); `device`: DEVICE placement "
+          "(NIXL registers it as VRAM where CUDA says its memory is a GPU's).")
       .def(
           "bind_keys",
           [](Core &c, int64_t id, const std::vector<std::tuple<uint64_t, uint64_t, bool>> &keys,

@@ -23,7 +23,7 @@ namespace {
 // returns a status: 0 success, 1 in progress, negative an error.
 using Status = int;
 constexpr Status kOk = 0, kInProgress = 1;
-constexpr int kDram = 0;  // nixl_capi_mem_type_t
+constexpr int kDram = 0, kVram = 1;  // nixl_capi_mem_type_t: NIXL_CAPI_MEM_DRAM, NIXL_CAPI_MEM_VRAM
 constexpr int kRead = 0;  // nixl_capi_xfer_op_t (kWrite = 1)
 constexpr unsigned kSyncStrict = 1;  // nixl_capi_thread_sync_t
 /// nixl_capi_agent_config_t (its field order and types are the ABI).
@@ -121,7 +121,90 @@ std::string Trim(const std::string &s) {
   return s.substr(a, s.find_last_not_of(" \t\n\r") - a + 1);
 }
 
+// ---- The CUDA runtime, asked where a device-placed cache's memory lies (transport/nixl.py's
+// cuda_runtime and _cuda_device). cudaPointerAttributes since CUDA 11: {type, device,
+// devicePointer, hostPointer}; type 2 is cudaMemoryTypeDevice, 3 cudaMemoryTypeManaged.
+struct CudaPointerAttributes {
+  int type;
+  int device;
+  void *device_pointer;
+  void *host_pointer;
+};
+constexpr int kCudaDevice = 2, kCudaManaged = 3;
+struct Cudart {
+  int (*pointer_attributes)(CudaPointerAttributes *, const void *) = nullptr;
+  int (*last_error)() = nullptr;
+};
+
+/// The runtime named by kCudartEnv, else the first of the usual sonames that loads; null where
+/// none does. Loaded locally (RTLD_LOCAL: it never stands in for NIXL's own CUDA calls), once
+/// per name, and kept.
+const Cudart *CudaRuntime() {
+  static std::mutex mu;
+  static std::map<std::string, Cudart> loaded_by_name;  // a name that did not load: no function
+  const char *env = std::getenv(kCudartEnv);
+  const std::vector<std::string> names =
+      env && *env ? std::vector<std::string>{env}
+                  : std::vector<std::string>{"libcudart.so", "libcudart.so.12", "libcudart.so.13"};
+  std::lock_guard<std::mutex> lock(mu);
+  for (const std::string &name : names) {
+    auto it = loaded_by_name.find(name);
+    if (it == loaded_by_name.end()) {
+      Cudart rt;
+      if (void *lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL)) {
+        rt.pointer_attributes =
+            reinterpret_cast<decltype(rt.pointer_attributes)>(dlsym(lib, "cudaPointerGetAttributes"));
+        rt.last_error = reinterpret_cast<decltype(rt.last_error)>(dlsym(lib, "cudaGetLastError"));
+        if (!rt.pointer_attributes || !rt.last_error) {
+          Log("the CUDA runtime " + name + " lacks cudaPointerGetAttributes: device caches are NIXL DRAM");
+          rt = Cudart();
+        }
+      }
+      it = loaded_by_name.emplace(name, rt).first;
+    }
+    if (it->second.pointer_attributes) return &it->second;
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+bool CudaDevice(uint64_t addr, uint32_t *device) {
+  const Cudart *rt = CudaRuntime();
+  if (rt == nullptr) return false;
+  CudaPointerAttributes attrs{};
+  if (rt->pointer_attributes(&attrs, reinterpret_cast<const void *>(static_cast<uintptr_t>(addr))) != 0) {
+    rt->last_error();  // clears the error CUDA keeps for the thread
+    return false;
+  }
+  if ((attrs.type != kCudaDevice && attrs.type != kCudaManaged) || attrs.device < 0) return false;
+  *device = static_cast<uint32_t>(attrs.device);
+  return true;
+}
+
+MemKind MemoryKind(const std::vector<uint64_t> &addrs, bool device_placed) {
+  MemKind out;
+  if (!device_placed || addrs.empty()) return out;
+  size_t on_device = 0;
+  for (size_t i = 0; i < addrs.size(); ++i) {
+    uint32_t dev = 0;
+    const bool gpu = CudaDevice(addrs[i], &dev);
+    if (gpu && on_device && dev != out.device)
+      Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache's tensors lie on CUDA devices " +
+                                                      std::to_string(out.device) + " and " + std::to_string(dev) +
+                                                      ": one NIXL registration is on one device");
+    if (gpu) {
+      out.mem = wire::kMemVram;
+      out.device = dev;
+      ++on_device;
+    }
+  }
+  if (on_device != 0 && on_device != addrs.size())
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+         "the cache's tensors lie partly in GPU memory, partly in host memory: one NIXL registration has one memory "
+         "kind");
+  return out;
+}
 
 bool Load(const std::string &path, std::string *why) {
   std::lock_guard<std::mutex> lock(load_mu);
@@ -219,6 +302,7 @@ struct Agent::Region {
   std::vector<uint64_t> addrs;
   uint64_t nbytes = 0;
   bool is_private = false;
+  MemKind kind;
 };
 
 Agent::Agent(const std::string &name) : name_(name) {
@@ -274,13 +358,16 @@ uint64_t Agent::generation() {
   return generation_;
 }
 
-void Agent::Register(const void *key, const std::vector<uint64_t> &addrs, uint64_t nbytes, bool is_private) {
+void Agent::Register(const void *key, const std::vector<uint64_t> &addrs, uint64_t nbytes, bool is_private,
+                     MemKind kind) {
   std::lock_guard<std::mutex> lock(mu_);
   if (regions_.count(key) || addrs.empty()) return;
   auto r = std::make_unique<Region>();
-  Check(api.create_reg_dlist(kDram, &r->dlist, false), "descriptor list");
+  const bool vram = kind.mem == wire::kMemVram;
+  const uint64_t dev = vram ? kind.device : 0;
+  Check(api.create_reg_dlist(vram ? kVram : kDram, &r->dlist, false), "descriptor list");
   for (uint64_t a : addrs) {
-    const Status s = api.reg_dlist_add_desc(r->dlist, static_cast<uintptr_t>(a), nbytes, 0, nullptr, 0);
+    const Status s = api.reg_dlist_add_desc(r->dlist, static_cast<uintptr_t>(a), nbytes, dev, nullptr, 0);
     if (s != kOk) {
       api.destroy_reg_dlist(r->dlist);
       Check(s, "descriptor");
@@ -289,12 +376,15 @@ void Agent::Register(const void *key, const std::vector<uint64_t> &addrs, uint64
   const Status s = api.register_mem(agent_, r->dlist, opts_);
   if (s != kOk) {
     api.destroy_reg_dlist(r->dlist);
-    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "NIXL cannot register DRAM memory (status " + std::to_string(s) + ")");
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+         std::string("NIXL cannot register ") + (vram ? "VRAM memory of CUDA device " + std::to_string(dev) : "DRAM memory") +
+             " (status " + std::to_string(s) + ")");
   }
   r->addrs = addrs;
   r->nbytes = nbytes;
   r->is_private = is_private;
-  for (uint64_t a : addrs) starts_.emplace(a, a + nbytes);
+  r->kind = {vram ? wire::kMemVram : wire::kMemDram, static_cast<uint32_t>(dev)};
+  for (uint64_t a : addrs) starts_.emplace(a, std::make_pair(a + nbytes, r->kind));
   private_ += is_private;
   regions_[key] = std::move(r);
   ++generation_;
@@ -309,7 +399,7 @@ void Agent::Deregister(const void *key) {
   for (uint64_t a : r->addrs) {
     auto range = starts_.equal_range(a);
     for (auto s = range.first; s != range.second; ++s)
-      if (s->second == a + r->nbytes) {
+      if (s->second.first == a + r->nbytes) {
         starts_.erase(s);
         break;
       }
@@ -321,9 +411,20 @@ void Agent::Deregister(const void *key) {
   api.destroy_reg_dlist(r->dlist);
 }
 
-bool Agent::Registered(const void *key) {
+bool Agent::Registered(const void *key, MemKind *kind) {
   std::lock_guard<std::mutex> lock(mu_);
-  return regions_.count(key) != 0;
+  auto it = regions_.find(key);
+  if (it == regions_.end()) return false;
+  if (kind) *kind = it->second->kind;
+  return true;
+}
+
+std::vector<Agent::Span> Agent::Spans() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Span> out;
+  out.reserve(starts_.size());
+  for (const auto &kv : starts_) out.push_back({kv.first, kv.second.first, kv.second.second});
+  return out;
 }
 
 wire::NixlMd Agent::Metadata() {
@@ -365,31 +466,41 @@ void Agent::DropRemote(const std::string &name) {
   (void)api.invalidate_remote_md(agent_, name.c_str());
 }
 
-bool Agent::Covers(const std::vector<iovec> &local) {
+bool Agent::Covers(const std::vector<iovec> &local, MemKind *kind) {
   constexpr int kLookBack = 8;  // registrations starting at or below a span looked at (as Python's kind_of)
   std::lock_guard<std::mutex> lock(mu_);
+  bool first = true;
   for (const iovec &v : local) {
     const uint64_t a = reinterpret_cast<uintptr_t>(v.iov_base), n = v.iov_len;
     bool in = false;
     auto it = starts_.upper_bound(a);
     for (int i = 0; i < kLookBack && it != starts_.begin() && !in; ++i) {
       --it;
-      in = a >= it->first && n <= it->second - it->first && a - it->first <= it->second - it->first - n;
+      const uint64_t size = it->second.first - it->first;
+      in = a >= it->first && n <= size && a - it->first <= size - n;
     }
     if (!in) return false;
+    // One transfer's local descriptors are of one memory kind (NIXL's descriptor list has one).
+    if (!first && it->second.second != *kind) return false;
+    *kind = it->second.second;
+    first = false;
   }
   return true;
 }
 
-void *Agent::Prepare(int op, const std::string &remote_agent, const std::vector<iovec> &local,
-                     const std::vector<iovec> &remote, uint8_t mem, uint32_t device) {
+void *Agent::Prepare(int op, const std::string &remote_agent, const std::vector<iovec> &local, MemKind local_kind,
+                     const std::vector<iovec> &remote, MemKind remote_kind) {
+  // Each side's descriptor list has that side's registered memory kind, each descriptor its
+  // device id (0 for DRAM), as the registrations NIXL looks them up in.
+  auto type = [](MemKind k) { return k.mem == wire::kMemVram ? kVram : kDram; };
+  auto dev = [](MemKind k) { return k.mem == wire::kMemVram ? static_cast<uint64_t>(k.device) : uint64_t{0}; };
   H l = nullptr, r = nullptr, req = nullptr;
-  Status s = api.create_xfer_dlist(kDram, &l, false);
-  if (s == kOk) s = api.create_xfer_dlist(mem == wire::kMemVram ? 1 : kDram, &r, false);
+  Status s = api.create_xfer_dlist(type(local_kind), &l, false);
+  if (s == kOk) s = api.create_xfer_dlist(type(remote_kind), &r, false);
   for (const iovec &v : local)
-    if (s == kOk) s = api.xfer_dlist_add_desc(l, reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len, 0);
+    if (s == kOk) s = api.xfer_dlist_add_desc(l, reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len, dev(local_kind));
   for (const iovec &v : remote)
-    if (s == kOk) s = api.xfer_dlist_add_desc(r, reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len, device);
+    if (s == kOk) s = api.xfer_dlist_add_desc(r, reinterpret_cast<uintptr_t>(v.iov_base), v.iov_len, dev(remote_kind));
   if (s == kOk) s = api.create_xfer_req(agent_, op, l, r, remote_agent.c_str(), &req, opts_);
   if (l) api.destroy_xfer_dlist(l);
   if (r) api.destroy_xfer_dlist(r);
@@ -607,8 +718,7 @@ std::shared_ptr<Agent> Owner::Make(const std::function<std::string()> &unavailab
   // Every servable cache, then published: under the registry's mutex, so none filed meanwhile
   // is missed (Added registers those once agent_ is set).
   registry_->ForEach([&](const Entry &e) {
-    bool is_private = false;
-    if (!e.closing && Registers(e, &is_private)) a->Register(&e, e.addrs, e.geo.tensor_bytes, is_private);
+    if (!e.closing) Register(*a, e);
   }, [&] {
     std::lock_guard<std::mutex> lock(mu_);
     agent_ = a;
@@ -616,16 +726,20 @@ std::shared_ptr<Agent> Owner::Make(const std::function<std::string()> &unavailab
   return a;
 }
 
-void Owner::Added(const Entry &e) {
-  std::shared_ptr<Agent> a = agent();
+void Owner::Register(Agent &a, const Entry &e) {
   bool is_private = false;
-  if (a && Registers(e, &is_private)) {
-    try {
-      a->Register(&e, e.addrs, e.geo.tensor_bytes, is_private);
-    } catch (const Error &err) {
-      Log(std::string("cache ") + std::to_string(e.id) + " not registered with NIXL: " + err.what());
-    }
+  if (!Registers(e, &is_private)) return;
+  // A cache NIXL cannot register is not served by NIXL (a grant or lease of it is refused,
+  // and a reader cannot read into it); the others are.
+  try {
+    a.Register(&e, e.addrs, e.geo.tensor_bytes, is_private, MemoryKind(e.addrs, e.opts.device));
+  } catch (const Error &err) {
+    Log(std::string("cache ") + std::to_string(e.id) + " not registered with NIXL: " + err.what());
   }
+}
+
+void Owner::Added(const Entry &e) {
+  if (std::shared_ptr<Agent> a = agent()) Register(*a, e);
 }
 
 void Owner::Gone(const Entry &e) {
@@ -782,7 +896,9 @@ wire::NixlLeased Owner::OpenLease(const void *conn_key, Conn *conn, uint64_t clu
     auto h = std::make_shared<Held>();
     h->lease = registry_->Open(whole);
     const Entry &e = h->lease->entry();
-    if (!a->Registered(&e)) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache is not registered with NIXL on the owner");
+    MemKind kind;
+    if (!a->Registered(&e, &kind))
+      Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache is not registered with NIXL on the owner");
     h->entry = &e;
     h->conn_key = conn_key;
     h->conn = conn;
@@ -805,8 +921,8 @@ wire::NixlLeased Owner::OpenLease(const void *conn_key, Conn *conn, uint64_t clu
     a->PumpAcquire(false);  // a lease is asked for only after a completed NIXL read
     l.agent = a->name();
     l.generation = a->generation();
-    l.mem = wire::kMemDram;
-    l.device = 0;
+    l.mem = kind.mem;
+    l.device = kind.device;
     l.blocks = q.kind == wire::kBlocksKey;
     l.tensor_bytes = e.geo.tensor_bytes;
     l.unit_bytes = e.geo.unit_bytes;
@@ -904,13 +1020,14 @@ void ReadPath::Refresh(Channel &ch, const std::string &agent, uint64_t generatio
 }
 
 void ReadPath::Transfer(int op, Channel &ch, const std::vector<iovec> &local, const std::vector<iovec> &remote,
-                        uint8_t mem, uint32_t device, Deadline deadline) {
-  if (!agent_->Covers(local)) Invalid("the local cache is not registered with NIXL");
+                        MemKind remote_kind, Deadline deadline) {
+  MemKind local_kind;
+  if (!agent_->Covers(local, &local_kind)) Invalid("the local cache is not registered with NIXL");
   // Both sides' registration generations: a kept transfer never outlives the registrations it
   // was made against (a cache unregistered and another registered at its address).
   std::string key = std::to_string(op) + "|" + remote_ + "|" + std::to_string(generation_) + "|" +
-                    std::to_string(agent_->generation()) + "|" + std::to_string(mem) + "|" +
-                    std::to_string(device) + "|" + Bytes(local) + "|" + Bytes(remote);
+                    std::to_string(agent_->generation()) + "|" + std::to_string(remote_kind.mem) + "|" +
+                    std::to_string(remote_kind.device) + "|" + Bytes(local) + "|" + Bytes(remote);
   void *x = nullptr;
   for (auto it = handles_.begin(); it != handles_.end(); ++it)
     if (it->first == key) {
@@ -918,7 +1035,7 @@ void ReadPath::Transfer(int op, Channel &ch, const std::vector<iovec> &local, co
       handles_.erase(it);
       break;
     }
-  if (x == nullptr) x = agent_->Prepare(op, remote_, local, remote, mem, device);
+  if (x == nullptr) x = agent_->Prepare(op, remote_, local, local_kind, remote, remote_kind);
   try {
     agent_->Run(x, deadline, ch.peer_gone);  // released there when it fails
   } catch (...) {
@@ -937,7 +1054,13 @@ void ReadPath::Forget() {
   handles_.clear();
 }
 
+void ReadPath::Covered(const std::vector<iovec> &local) {
+  MemKind kind;
+  if (!agent_->Covers(local, &kind)) Invalid("the local cache is not registered with NIXL");
+}
+
 void ReadPath::Read(Channel &ch, const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  Covered(local);  // before the owner is asked anything: the connection stays as it is
   std::shared_ptr<Held> held = LeaseFor(ch, req, deadline);
   if (held) {
     bool usable;
@@ -1045,7 +1168,7 @@ void ReadPath::ReadLeased(Channel &ch, Held &held, const wire::Request &req, con
   const std::vector<iovec> src = Spans(bases, req);
   if (IovTotal(src) != IovTotal(local)) Invalid("the destination spans do not match the source spans");
   try {
-    Transfer(0, ch, local, src, held.info.mem, held.info.device, deadline);
+    Transfer(0, ch, local, src, {held.info.mem, held.info.device}, deadline);
     if (Clock::now() > deadline)  // NIXL may copy within the post (UCX cma)
       Fail(llm_datadist::LLM_TIMEOUT, "the NIXL read under the lease ended past the deadline");
     if (ch.peer_gone())
@@ -1098,7 +1221,7 @@ void ReadPath::ReadGranted(Channel &ch, const wire::Request &req, const std::vec
     Refresh(ch, g.agent, g.generation, deadline);
     const std::vector<iovec> src = Spans(g.bases, req);
     if (IovTotal(src) != IovTotal(local)) ProtocolViolation("the grant does not match the request");
-    Transfer(0, ch, local, src, g.mem, g.device, deadline);
+    Transfer(0, ch, local, src, {g.mem, g.device}, deadline);
     if (checked) {
       const std::string why = verify::Compare(ck, local);
       if (!why.empty()) verify::Mismatch(why);
@@ -1115,6 +1238,7 @@ void ReadPath::ReadGranted(Channel &ch, const wire::Request &req, const std::vec
 }
 
 void ReadPath::Write(Channel &ch, const wire::Request &req, const std::vector<iovec> &local, Deadline deadline) {
+  Covered(local);
   std::vector<uint8_t> payload;
   wire::Request q = req;
   q.flags = 0;
@@ -1134,7 +1258,7 @@ void ReadPath::Write(Channel &ch, const wire::Request &req, const std::vector<io
     Refresh(ch, g.agent, g.generation, deadline);
     const std::vector<iovec> dst = Spans(g.bases, req);
     if (IovTotal(dst) != IovTotal(local)) ProtocolViolation("the grant does not match the push");
-    Transfer(1, ch, local, dst, g.mem, g.device, deadline);
+    Transfer(1, ch, local, dst, {g.mem, g.device}, deadline);
     ok = true;
   } catch (...) {
     if (!ch.closed()) {

@@ -16,6 +16,10 @@
 // lease is open and beats fast while a connection's first NIXL read is under way (PumpFast),
 // slowly otherwise: never a Python thread, never the GIL.
 //
+// Memory kinds (MemoryKind): a device-placed cache (CacheOptions::device) whose memory the CUDA
+// runtime, loaded at run time, puts on a GPU is registered as NIXL VRAM with its device id, and
+// grants, leases and the reader's own descriptor lists carry that kind; everything else is DRAM.
+//
 // Thread-safety: every method may be called from any thread. Lock order: the registry's mutex,
 // then Owner's, then Agent's; nothing here calls the registry holding Owner's or Agent's.
 #ifndef DATADIST_CPP_NIXL_H_
@@ -66,6 +70,29 @@ std::string UncheckedTransports();
 /// software RMA emulation (transport/nixl.py's whole_process_reach). Never empty.
 std::string WholeProcessReach();
 
+/// The environment variable naming the CUDA runtime library the core asks (a path or a
+/// soname); unset: libcudart.so, libcudart.so.12, libcudart.so.13, the first that loads.
+constexpr const char *kCudartEnv = "DATADIST_CUDART_LIBRARY";
+
+/// The NIXL memory kind (wire::kMemDram / kMemVram) and device id of some memory.
+struct MemKind {
+  uint8_t mem = wire::kMemDram;
+  uint32_t device = 0;
+  bool operator==(const MemKind &o) const { return mem == o.mem && device == o.device; }
+  bool operator!=(const MemKind &o) const { return !(*this == o); }
+};
+
+/// The CUDA device `addr` lies on (cudaPointerGetAttributes says device or managed memory),
+/// false for host memory or where no CUDA runtime loads (kCudartEnv). The runtime is loaded
+/// with dlopen at the first call (per library named): CUDA is never a build dependency.
+/// Never throws; may block while CUDA initialises.
+bool CudaDevice(uint64_t addr, uint32_t *device);
+/// What NIXL registers `addrs` as (transport/nixl.py's memory_kind): DRAM unless
+/// `device_placed`, then VRAM on the device CUDA names where every tensor is on that one
+/// device, DRAM where none is on a device. LLM_FEATURE_NOT_ENABLED when they disagree (one
+/// registration has one memory kind). Asks CUDA only for device-placed caches.
+MemKind MemoryKind(const std::vector<uint64_t> &addrs, bool device_placed);
+
 /// One NIXL agent (UCX backend, no progress or listener thread of NIXL's, strict thread sync).
 class Agent {
  public:
@@ -77,14 +104,22 @@ class Agent {
   const std::string &name() const { return name_; }
   /// Bumped on every registration and deregistration (NIXL_MD's generation).
   uint64_t generation();
-  /// Registers `addrs` (`nbytes` each, host memory) under `key` (a cache entry); a key
-  /// registered already: no-op. `is_private`: memory no peer may reach; while one is
-  /// registered, Metadata refuses. LLM_FEATURE_NOT_ENABLED if NIXL refuses.
-  void Register(const void *key, const std::vector<uint64_t> &addrs, uint64_t nbytes, bool is_private);
+  /// Registers `addrs` (`nbytes` each, memory of `kind`: DRAM, or VRAM on its device) under
+  /// `key` (a cache entry); a key registered already: no-op. `is_private`: memory no peer may
+  /// reach; while one is registered, Metadata refuses. LLM_FEATURE_NOT_ENABLED if NIXL refuses.
+  void Register(const void *key, const std::vector<uint64_t> &addrs, uint64_t nbytes, bool is_private,
+                MemKind kind = {});
   /// Deregisters what Register registered under `key`; unknown keys: no-op.
   void Deregister(const void *key);
-  /// Is `key` registered (and so servable)?
-  bool Registered(const void *key);
+  /// Is `key` registered (and so servable)? `kind` (if given): as what.
+  bool Registered(const void *key, MemKind *kind = nullptr);
+  /// One registered tensor: [start, end) and its memory kind.
+  struct Span {
+    uint64_t start, end;
+    MemKind kind;
+  };
+  /// Every registered tensor, by address (tests, `_core.nixl_regions`).
+  std::vector<Span> Spans();
   /// NIXL_MD for a reader; LLM_FEATURE_NOT_ENABLED while private memory is registered.
   wire::NixlMd Metadata();
   /// One progress call (what the pump does each beat): for a caller that drives the agent
@@ -98,13 +133,15 @@ class Agent {
   /// LLM_LINK_FAILED when NIXL refuses it. Counted per name (DropRemote).
   std::string LoadRemote(const std::string &metadata);
   void DropRemote(const std::string &name);
-  /// Do `local`'s spans all lie in memory registered here (NIXL moves only between those)?
-  bool Covers(const std::vector<iovec> &local);
+  /// Do `local`'s spans all lie in memory registered here (NIXL moves only between those), all
+  /// of one memory kind (set in `kind`)?
+  bool Covers(const std::vector<iovec> &local, MemKind *kind);
   /// A prepared transfer: `op` 0 READ (from the peer into `local`), 1 WRITE, between `local`
-  /// (registered here) and the peer's `remote` spans (same total), of memory kind `mem` on
-  /// `device`. LLM_LINK_FAILED if NIXL cannot prepare it. Released with Release.
-  void *Prepare(int op, const std::string &remote_agent, const std::vector<iovec> &local,
-                const std::vector<iovec> &remote, uint8_t mem, uint32_t device);
+  /// (registered here as `local_kind`) and the peer's `remote` spans (same total), of memory
+  /// kind `remote_kind` (the owner's grant or lease says). LLM_LINK_FAILED if NIXL cannot
+  /// prepare it. Released with Release.
+  void *Prepare(int op, const std::string &remote_agent, const std::vector<iovec> &local, MemKind local_kind,
+                const std::vector<iovec> &remote, MemKind remote_kind);
   /// Posts a prepared transfer and drives it until done: LLM_TIMEOUT past `deadline`,
   /// LLM_LINK_FAILED when NIXL reports an error or `peer_gone()` turns true (looked at every
   /// few polls); the handle is released then (the caller must not reuse it). Blocks.
@@ -128,7 +165,7 @@ class Agent {
   void *notifs_ = nullptr;    // the pump's nixl_capi_notif_map_t
   std::mutex mu_;             // guards the fields below
   std::map<const void *, std::unique_ptr<Region>> regions_;
-  std::multimap<uint64_t, uint64_t> starts_;  // every registered tensor: its address -> its end
+  std::multimap<uint64_t, std::pair<uint64_t, MemKind>> starts_;  // every registered tensor: address -> end, kind
   std::map<std::string, size_t> remotes_;  // loaded peers' metadata, by the links using them
   std::vector<void *> stuck_;              // transfers NIXL could not release yet
   std::atomic<uint64_t> prepared_{0};
@@ -203,6 +240,9 @@ class Owner {
   struct Held;
   std::shared_ptr<Agent> Make(const std::function<std::string()> &refusal);
   bool Registers(const Entry &e, bool *is_private);
+  /// Registers `e` with `a` as its memory kind (MemoryKind), if it is to be (Registers);
+  /// a refusal is logged, the cache then not served by NIXL.
+  void Register(Agent &a, const Entry &e);
   void Added(const Entry &e);
   void Going(const Entry *e);  // null: every lease
   void Gone(const Entry &e);
@@ -288,9 +328,12 @@ class ReadPath {
                   Deadline deadline);
   void ReadGranted(Channel &ch, const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   void Refresh(Channel &ch, const std::string &agent, uint64_t generation, Deadline deadline);
-  void Transfer(int op, Channel &ch, const std::vector<iovec> &local, const std::vector<iovec> &remote, uint8_t mem,
-                uint32_t device, Deadline deadline);
+  void Transfer(int op, Channel &ch, const std::vector<iovec> &local, const std::vector<iovec> &remote,
+                MemKind remote_kind, Deadline deadline);
   void Forget();  // the kept transfers
+  /// LLM_PARAM_INVALID unless `local` lies in memory our agent registered, of one kind (a
+  /// device cache NIXL could not register as VRAM, a cache registered after a refusal).
+  void Covered(const std::vector<iovec> &local);
 
   std::shared_ptr<Agent> agent_;
   std::string remote_;

@@ -259,6 +259,7 @@ int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uin
   auto e = std::make_shared<Entry>();
   e->geo = g;
   e->desc = desc;
+  e->opts.device = desc.placement == llm_datadist::CachePlacement::kDevice;
   e->addrs = addrs;
   e->owned = std::move(owned);
   CheckShm(shm, addrs.size());
@@ -301,6 +302,7 @@ void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDe
   if (desc) e->desc = *desc;
   e->addrs = addrs;
   e->opts = opts;
+  e->opts.device = opts.device || (desc && desc->placement == llm_datadist::CachePlacement::kDevice);
   e->shm = shm;
   std::lock_guard<std::mutex> lock(mu_);
   bool used = by_id_.count(id) != 0;

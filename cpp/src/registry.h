@@ -86,6 +86,10 @@ struct CacheOptions {
   bool remote_accessible = true;
   /// A blocks (paged) cache: what a CACHE_LEASE says (is_blocks).
   bool blocks = false;
+  /// DEVICE placement (Python's CacheEntry.placement, the C++ API's CachePlacement::kDevice):
+  /// NIXL asks CUDA whether its memory is a GPU's (nixl.h, MemoryKind) and registers it as
+  /// VRAM if so; host placement is always DRAM.
+  bool device = false;
 };
 
 /// Where each tensor of a cache lies in shareable memory (a sealed memfd of this process,

@@ -828,13 +828,16 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, Conn &c, uint8_t type
     if (ctx.nixl == nullptr) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner does not serve NIXL");
     std::shared_ptr<nixl::Agent> agent = ctx.nixl->Serving();
     std::unique_ptr<Lease> lease = write ? ctx.registry->OpenWrite(req) : ctx.registry->Open(req);
-    if (!agent->Registered(&lease->entry()))
+    nixl::MemKind kind;
+    if (!agent->Registered(&lease->entry(), &kind))
       Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache is not registered with NIXL on the owner");
     const uint64_t id = next_lease_id++;
     wire::NixlGrant g;
     g.lease_id = id;
     g.agent = agent->name();
     g.generation = agent->generation();
+    g.mem = kind.mem;  // the cache's registration: VRAM on its CUDA device, or DRAM
+    g.device = kind.device;
     // The client adds its offsets to the bases; raw-address offsets are absolute already.
     g.bases = req.kind == wire::kAddress ? std::vector<uint64_t>(req.tensors.size(), 0) : lease->bases;
     frame = wire::EncodeNixlGrant(g, rid);

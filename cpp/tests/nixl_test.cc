@@ -3,6 +3,7 @@
 // and, where NIXL's C API is at hand (DATADIST_NIXL_LIBRARY: tests/cpp/test_ctest.py passes the
 // nixl-cu12 wheel's libnixl_capi.so), an owner that hands out its metadata and NIXL grants
 // for checked spans only. Without the library those tests skip.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -206,6 +207,152 @@ TEST_F(ServingWithoutAllowance, IsRefusedNamingTheAllowance) {
   Raw raw(port);
   ExpectRefused(raw, raw.Call(w::EncodeEmpty(w::kNixlMdRequest, raw.next_rid())), LLM_FEATURE_NOT_ENABLED,
                 "NixlAllowWholeProcessAccess");
+}
+
+// ---- VRAM: device-placed caches whose memory CUDA places on a GPU are NIXL VRAM with their
+// device id (as transport/nixl.py's memory_kind). No GPU here: a CUDA runtime stand-in
+// (tests/fake_cudart.cc, built beside this test) says which addresses are a device's.
+
+/// The stand-in, loaded as the core's CUDA runtime (DATADIST_CUDART_LIBRARY) for the test's
+/// life: `Place` makes [start, end) memory of `device`, `Calls` counts the core's questions.
+class FakeCuda {
+ public:
+  FakeCuda() {
+    const char *saved = std::getenv(datadist::nixl::kCudartEnv);
+    had_ = saved != nullptr;
+    if (had_) saved_ = saved;
+    setenv(datadist::nixl::kCudartEnv, DATADIST_FAKE_CUDART, 1);
+    lib_ = dlopen(DATADIST_FAKE_CUDART, RTLD_NOW | RTLD_LOCAL);  // the handle the core gets too
+    if (lib_ == nullptr) return;
+    set_ = reinterpret_cast<void (*)(uintptr_t, uintptr_t, int, int)>(dlsym(lib_, "fake_cudart_set"));
+    calls_ = reinterpret_cast<long (*)()>(dlsym(lib_, "fake_cudart_calls"));
+  }
+  ~FakeCuda() {
+    if (had_) {
+      setenv(datadist::nixl::kCudartEnv, saved_.c_str(), 1);
+    } else {
+      unsetenv(datadist::nixl::kCudartEnv);
+    }
+    if (lib_) dlclose(lib_);
+  }
+  bool ok() const { return set_ && calls_; }
+  void Place(const void *start, size_t n, int device, int type = 2) {
+    set_(reinterpret_cast<uintptr_t>(start), reinterpret_cast<uintptr_t>(start) + n, device, type);
+  }
+  long Calls() const { return calls_(); }
+
+ private:
+  void *lib_ = nullptr;
+  void (*set_)(uintptr_t, uintptr_t, int, int) = nullptr;
+  long (*calls_)() = nullptr;
+  bool had_ = false;
+  std::string saved_;
+};
+
+// Only device-placed caches are asked of CUDA; device or managed memory on one device is VRAM
+// with that device's id; host memory, or no CUDA runtime, is DRAM; a cache that is partly on a
+// GPU, or on two, cannot be one registration. Before: the core registered everything as DRAM
+// and asked nothing (core/native.py kept NIXL on the Python engine where CUDA saw a GPU).
+TEST(NixlVram, OnlyDevicePlacedCachesAreAskedOfCuda) {
+  FakeCuda cuda;
+  ASSERT_TRUE(cuda.ok()) << DATADIST_FAKE_CUDART;
+  std::vector<uint8_t> gpu(256), host(64);
+  const std::vector<uint64_t> on_gpu = {reinterpret_cast<uint64_t>(gpu.data()), reinterpret_cast<uint64_t>(&gpu[128])};
+  const std::vector<uint64_t> in_host = {reinterpret_cast<uint64_t>(host.data())};
+  namespace nx = datadist::nixl;
+  cuda.Place(gpu.data(), gpu.size(), 3);
+  const nx::MemKind dram{w::kMemDram, 0}, vram3{w::kMemVram, 3};
+  EXPECT_EQ(nx::MemoryKind(on_gpu, false), dram);  // host placement: never asked
+  EXPECT_EQ(cuda.Calls(), 0);
+  EXPECT_EQ(nx::MemoryKind(on_gpu, true), vram3);
+  EXPECT_EQ(cuda.Calls(), 2);  // each tensor
+  EXPECT_EQ(nx::MemoryKind(in_host, true), dram);
+  cuda.Place(gpu.data(), gpu.size(), 1, 3);  // managed memory counts as the device's
+  EXPECT_EQ(nx::MemoryKind(on_gpu, true), (nx::MemKind{w::kMemVram, 1}));
+  cuda.Place(gpu.data(), 128, 3);  // the second tensor in host memory
+  try {
+    nx::MemoryKind(on_gpu, true);
+    ADD_FAILURE() << "a cache partly on a GPU was given one memory kind";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_FEATURE_NOT_ENABLED);
+    EXPECT_NE(std::string(e.what()).find("partly in GPU memory"), std::string::npos) << e.what();
+  }
+  uint32_t dev = 7;
+  setenv(nx::kCudartEnv, "/nonexistent/libcudart.so", 1);  // no CUDA runtime: DRAM
+  EXPECT_FALSE(nx::CudaDevice(on_gpu[0], &dev));
+  EXPECT_EQ(nx::MemoryKind(on_gpu, true), dram);
+  EXPECT_EQ(dev, 7U);
+}
+
+/// Two tensors of `bytes` each, at `at` and `at + bytes`, registered with `placement`.
+Cache Carved(uint8_t *at, uint64_t bytes, CachePlacement placement) {
+  Cache c;
+  c.cache_desc.placement = placement;
+  c.cache_desc.num_tensors = 2;
+  c.cache_desc.data_type = DT_UINT8;
+  c.cache_desc.shape = {4, static_cast<int64_t>(bytes / 4)};
+  c.tensor_addrs = {reinterpret_cast<uintptr_t>(at), reinterpret_cast<uintptr_t>(at + bytes)};
+  return c;
+}
+
+// The placement a C++ caller gives (CacheDesc::placement) reaches the core's NIXL: a decoder
+// forced to NIXL registers the device-placed cache it pulls into as VRAM of the device CUDA
+// names, and so does an owner with the cache it serves; a host-placed cache at such an address
+// stays DRAM, unasked. Here NIXL's UCX has no CUDA support and refuses the VRAM registrations:
+// the decoder then cannot pull into its device cache, and the owner grants none of its own
+// (what a GPU host checks instead: examples/nixl/gpu_check.py). Before: every cache was DRAM,
+// pulled into and granted alike. (A failed VRAM registration also leaves NIXL 1.5.1's agent
+// with metadata no peer can load: the owner's comes last here, after the decoder linked.)
+TEST_F(Serving, DevicePlacedCachesOnAGpuAreRegisteredAsVram) {
+  FakeCuda cuda;
+  ASSERT_TRUE(cuda.ok());
+  constexpr uint64_t kBytes = 64;
+  std::vector<uint8_t> arena(8 * kBytes, 5);
+  cuda.Place(arena.data(), arena.size(), 3);
+  Cache host = Carved(arena.data() + 2 * kBytes, kBytes, CachePlacement::kHost);
+  ASSERT_EQ(prompt.RegisterKvCache(host.cache_desc, {host.tensor_addrs.begin(), host.tensor_addrs.end()}, {},
+                                   host.cache_id),
+            LLM_SUCCESS);
+
+  LlmDataDist decoder(2, LlmRole::kDecoder);
+  auto options = ddtest::Options();
+  options[AscendString("datadist.Transport")] = AscendString("nixl");
+  options[AscendString(OPTION_DATADIST_NIXL_WHOLE_PROCESS)] = AscendString("1");
+  options[AscendString(OPTION_DATADIST_NIXL_LIBRARY)] = AscendString(NixlLibrary());
+  ASSERT_EQ(decoder.Initialize(options), LLM_SUCCESS);  // its agent is made here
+  Cache into_gpu = Carved(arena.data() + 4 * kBytes, kBytes, CachePlacement::kDevice);
+  Cache into_host = Carved(arena.data() + 6 * kBytes, kBytes, CachePlacement::kHost);
+  ASSERT_EQ(decoder.RegisterKvCache(into_gpu.cache_desc, {into_gpu.tensor_addrs.begin(), into_gpu.tensor_addrs.end()},
+                                    {}, into_gpu.cache_id),
+            LLM_SUCCESS);
+  ASSERT_EQ(decoder.RegisterKvCache(into_host.cache_desc,
+                                    {into_host.tensor_addrs.begin(), into_host.tensor_addrs.end()}, {},
+                                    into_host.cache_id),
+            LLM_SUCCESS);
+  EXPECT_EQ(cuda.Calls(), 2);  // the decoder's device cache's two tensors, nothing else
+  std::vector<Status> rets;
+  ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(1, port)}, rets, 3000), LLM_SUCCESS);
+  for (uint8_t &b : arena) b = 0;
+  for (size_t i = 2 * kBytes; i < 4 * kBytes; ++i) arena[i] = static_cast<uint8_t>(i * 7);
+  ASSERT_EQ(decoder.PullKvCache(ddtest::Index(1, host.cache_id), into_host, 0), LLM_SUCCESS);
+  for (size_t t = 0; t < 2; ++t)  // batch slot 0 (16 bytes) of each tensor
+    EXPECT_EQ(std::memcmp(&arena[(6 + t) * kBytes], &arena[(2 + t) * kBytes], 16), 0) << t;
+  EXPECT_EQ(decoder.PullKvCache(ddtest::Index(1, host.cache_id), into_gpu, 0), LLM_PARAM_INVALID);
+  decoder.Finalize();
+
+  // The owner's side: a device cache filed once its agent is up (the decoder's link made it).
+  Cache gpu = Carved(arena.data(), kBytes, CachePlacement::kDevice);
+  ASSERT_EQ(prompt.RegisterKvCache(gpu.cache_desc, {gpu.tensor_addrs.begin(), gpu.tensor_addrs.end()}, {}, gpu.cache_id),
+            LLM_SUCCESS);
+  EXPECT_EQ(cuda.Calls(), 4);
+  Raw raw(port);
+  ExpectRefused(raw, raw.Read(w::kCacheId, static_cast<uint64_t>(gpu.cache_id), 0, 0, 8), LLM_FEATURE_NOT_ENABLED,
+                "not registered with NIXL");
+  ASSERT_EQ(raw.Read(w::kCacheId, static_cast<uint64_t>(host.cache_id), 1, 0, 8).type, w::kNixlGrant);
+  const w::NixlGrant g = w::DecodeNixlGrant(raw.payload);
+  EXPECT_EQ(g.mem, w::kMemDram);
+  EXPECT_EQ(g.device, 0U);
+  raw.Send(w::EncodeRelease({g.lease_id, true}, raw.next_rid()));
 }
 
 }  // namespace

@@ -5,7 +5,7 @@ The owner allocates a blocks cache the size of its numpy one from its host pool
 (:func:`allocate_pool_blocks`, filled with the same pattern); the puller pulls the same random
 blocks from each, into the same numpy destination, alternately. numpy's large arrays get
 transparent huge pages where the kernel offers them; the row shows whether pool memory (a
-memfd: shared memory or cross-memory attach, see ``memory/spans.py``) copies as well.
+memfd: shared memory or cross-memory attach, see ``cpp/src/shm.h``) copies as well.
 """
 
 from __future__ import annotations

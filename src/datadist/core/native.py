@@ -87,17 +87,12 @@ def tls_available() -> tuple[bool, str]:
 
 
 def refusal(config: EngineConfig) -> str | None:
-    """What in ``config`` only the Python engine does yet (None: the core can run it)."""
+    """What in ``config`` this host's core cannot run (None: it can): TLS where the core
+    was built without OpenSSL. Returns at once; :func:`engine_for` raises with it."""
     if config.tls is not None:
         has, what = tls_available()
         if not has:
-            return f"TLS (datadist.TlsCert...): {what}"
-    if forced_path(config.transport) == PathKind.NIXL or config.nixl_serve:
-        from datadist.transport import nixl  # only where NIXL is asked for
-
-        if nixl.cuda_devices() > 0:
-            return ("NIXL on a host with a GPU: the core registers host memory only, the "
-                    "Python engine registers device-placed caches as GPU memory (VRAM)")
+            return f"TLS (datadist.TlsCert...) needs a core built with OpenSSL 3: {what}"
     return None
 
 
@@ -467,7 +462,8 @@ class NativeEngine:
             with _mapped():
                 self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
                                      g.layout, entry.addrs, entry.owned,
-                                     entry.remote_accessible, g.is_blocks, shm=shm)
+                                     entry.remote_accessible, g.is_blocks, shm=shm,
+                                     device=entry.placement == DEVICE)
                 bound = [(slot, k) for slot, k in enumerate(keys) if k is not None]
                 if bound:
                     self._core.bind_keys(entry.cache_id,

@@ -1,4 +1,4 @@
-"""Finding NIXL: is it installed, which of UCX's transports would carry it, and CUDA.
+"""Finding NIXL: is it installed, and which of UCX's transports would carry it.
 
 Who calls: the engine (:mod:`datadist.core.native`: ``nixl_library`` / ``load_nixl`` hand the
 installed wheel's C API library to the core, which drives NIXL itself, without the GIL),
@@ -14,14 +14,12 @@ cpp/src/nixl.{h,cc}, docs/protocol.md "NIXL", docs/security.md "The NIXL path".
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import logging
 import os
 from typing import Any
 
 from datadist.core.errors import InvalidArgument
-from datadist.wire import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -140,62 +138,3 @@ def plugins() -> list[str]:
     cfg = mod.nixl_agent_config(enable_prog_thread=False, backends=[])
     agent = mod.nixl_agent(f"datadist-probe-{os.getpid()}", cfg)
     return list(agent.get_plugin_list())
-
-
-# ----------------------------------------------------------------------------- memory kinds
-
-
-class _CudaPointerAttributes(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
-
-
-_cudart: Any = None
-
-
-def cuda_runtime() -> Any:
-    """The CUDA runtime library (loaded once), or None where there is none. Device-placed
-    caches are asked of it (:func:`memory_kind`); core/native.py's ``refusal`` keeps NIXL
-    configurations on this engine where it sees a GPU (:func:`cuda_devices`), the core's
-    NIXL being host memory only."""
-    global _cudart
-    if _cudart is None:
-        _cudart = False
-        for lib in ("libcudart.so", "libcudart.so.12", "libcudart.so.13"):
-            with contextlib.suppress(OSError):
-                _cudart = ctypes.CDLL(lib)
-                break
-    return _cudart or None
-
-
-def cuda_devices() -> int:
-    """How many CUDA devices this process sees (0 without a runtime or a GPU)."""
-    rt = cuda_runtime()
-    if rt is None:
-        return 0
-    n = ctypes.c_int(0)
-    if rt.cudaGetDeviceCount(ctypes.byref(n)) != 0:
-        rt.cudaGetLastError()
-        return 0
-    return n.value
-
-
-def _cuda_device(addr: int) -> int | None:
-    """The CUDA device ``addr`` lies on, or None for host memory (or no CUDA runtime)."""
-    if cuda_runtime() is None:
-        return None
-    attrs = _CudaPointerAttributes()
-    if _cudart.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(addr)) != 0:
-        _cudart.cudaGetLastError()
-        return None
-    return attrs.device if attrs.type in (2, 3) else None  # cudaMemoryTypeDevice, Managed
-
-
-def memory_kind(addr: int, device_placement: bool) -> tuple[int, int]:
-    """(MEM_DRAM or MEM_VRAM, device id) of a cache's memory. Only device-placed caches are
-    asked of CUDA; host placement is always DRAM."""
-    if device_placement:
-        dev = _cuda_device(addr)
-        if dev is not None:
-            return p.MEM_VRAM, dev
-    return p.MEM_DRAM, 0
