@@ -1,8 +1,9 @@
 """Fixtures for the flow tests: two engines in this process, linked both ways.
 
 Most behaviour of copies, layer-wise transfers, two-sided links and the legacy manager is
-visible with two core engines (``NativeEngine``) in one process (the one-instance rule is LLMDataDist's, not
-the engine's); each gets the facade it needs (``CacheManager`` / ``KvCacheManager``) directly.
+visible with two core engines (``NativeEngine``) in one process (the one-instance rule is
+LLMDataDist's, not the engine's); each gets the facade it needs (``CacheManager`` /
+``KvCacheManager``) directly.
 Tests that need the real ``LLMDataDist`` take ``make_datadist`` (always finalized) or run a
 peer process (see ``_peer.py``).
 """

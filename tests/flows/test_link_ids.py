@@ -135,8 +135,8 @@ def test_a_shared_secret_is_proved_for_the_announced_id():
     """With a shared secret both sides prove it for the listener's own id: a link made with
     another id is still authenticated (and a wrong secret still fails)."""
     from datadist.core.config import EngineConfig
-    from datadist.core.native import NativeEngine
     from datadist.core.errors import LinkFailed
+    from datadist.core.native import NativeEngine
 
     engines = [NativeEngine(EngineConfig(cluster_id=PROMPT_ID, role=1,
                                          listen=("127.0.0.1", 0), secret=b"s3cret"))]

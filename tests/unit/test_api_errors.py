@@ -38,8 +38,8 @@ from datadist import (
     TransferWithCacheKeyConfig,
 )
 from datadist.core.config import EngineConfig
-from datadist.core.native import NativeEngine
 from datadist.core.layout import Geometry
+from datadist.core.native import NativeEngine
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
 
