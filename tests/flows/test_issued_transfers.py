@@ -1,26 +1,23 @@
 """The core's issued transfers (``NativeEngine.pull_async`` / ``push_async``) in one process:
 the queue of its fixed set of workers, a queued transfer's deadline, close, and the bound on
-threads. The core's workers are busied by pulls from a silent owner: a socket in this process
-that welcomes the link (another host: the TCP path) and then never answers. The
+threads. The core's workers are busied by pulls from a silent owner (datadist.testing.fakes:
+it welcomes the link, as another host, and then never answers). The
 engine-agnostic behaviour of ``TransferHandle`` is tested between two processes
 (tests/integration/test_async_handles.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import socket
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import datadist as llm
 from datadist.core.native import ASYNC_THREADS
-from datadist.wire import protocol as p
+from datadist.testing.fakes import SilentOwner
 
 from ._support import DECODER_ID, PROMPT_ID, Side, code, units
 
@@ -30,48 +27,10 @@ S = llm.LLMStatusCode
 SILENT_ID = 9
 
 
-@contextlib.contextmanager
-def silent_owner() -> Iterator[tuple[str, int]]:
-    """An owner at the yielded address that answers the Hello with a Welcome (an all-zero
-    boot id: another host) and then reads every request and answers none, until the test
-    ends."""
-    server = socket.create_server(("127.0.0.1", 0))
-    conns: list[socket.socket] = []
-
-    def serve() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = server.accept()
-                conns.append(conn)
-                threading.Thread(target=welcome_then_ignore, args=(conn,), daemon=True).start()
-
-    def welcome_then_ignore(conn: socket.socket) -> None:
-        dec = p.FrameDecoder()
-        with contextlib.suppress(OSError):
-            welcomed = False
-            while chunk := conn.recv(1 << 16):
-                for rid, msg in dec.feed(chunk):
-                    if not welcomed and isinstance(msg, p.Hello):
-                        conn.sendall(p.encode(p.Welcome(SILENT_ID, 1, os.getpid(), 0,
-                                                        b"\0" * 16), rid))
-                        welcomed = True
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        yield server.getsockname()[:2]
-    finally:
-        server.close()
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
-
-
-def _busy_workers(d: Side, address: tuple[str, int]) -> list[llm.TransferHandle]:
+def _busy_workers(d: Side, owner: SilentOwner) -> list[llm.TransferHandle]:
     """Links ``d`` to the silent owner and occupies every worker of its engine with a pull
     there (each waits out ``d``'s sync timeout)."""
-    d.engine.link(SILENT_ID, *address, 5.0)
+    d.engine.link(SILENT_ID, *owner.address, 5.0)
     blocker, _ = d.register(2, [4, 64])
     key = llm.CacheKeyByIdAndIndex(SILENT_ID, 1, 0)
     return [d.cm.pull_cache_async(key, blocker, 0) for _ in range(ASYNC_THREADS)]
@@ -83,8 +42,8 @@ def test_a_transfer_queued_past_its_deadline_fails_with_timeout_and_moves_nothin
     d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
     _, a = p.register(2, [4, 64], seed=1)
     dst, b = d.register(2, [4, 64])
-    with silent_owner() as address:
-        blockers = _busy_workers(d, address)
+    with SilentOwner(SILENT_ID) as owner:
+        blockers = _busy_workers(d, owner)
         d.engine.config = dataclasses.replace(d.engine.config, sync_timeout=0.05)
         handle = d.cm.pull_cache_async(llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 2), dst, 0)
         threading.Event().wait(0.2)  # its deadline passes while it is queued
@@ -111,8 +70,8 @@ def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
     d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
     p.register(2, [4, 64], seed=1)
     dst, b = d.register(2, [4, 64])
-    with silent_owner() as address:
-        blockers = _busy_workers(d, address)
+    with SilentOwner(SILENT_ID) as owner:
+        blockers = _busy_workers(d, owner)
         handles = [d.cm.pull_cache_async(llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 0), dst, 0)
                    for _ in range(5)]
         threading.Event().wait(0.1)
