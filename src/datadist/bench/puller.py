@@ -102,7 +102,11 @@ class Puller:
     def mechanism(self) -> str:
         """The link's path, and on the same host what moved the last request (shm or cma):
         the core's link's path name and its last pull's mechanism."""
+        from datadist.core.native import NativeEngine
+
         engine = self.dd.engine
+        if not isinstance(engine, NativeEngine):  # there is one engine: the core
+            raise BenchError(f"the puller runs on {type(engine).__name__}, not the core")
         name, last = engine.get_link(OWNER_ID).path_name, engine.last_moved(OWNER_ID)
         return f"{name}/{last}" if last in ("shm", "cma") and last != name else name
 
