@@ -63,8 +63,8 @@ def test_a_transfer_queued_past_its_deadline_fails_with_timeout_and_moves_nothin
 
 def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
     """Closes an engine whose workers are all busy and five more transfers are queued; checks
-    close ends every one of them at once (the queued never started: nothing moved) and
-    returns the queued ones' handles."""
+    close ends every one of them at once (the queued never started: nothing moved), which
+    lets their local cache go, and returns the queued ones' handles."""
     p = make_side(PROMPT_ID)
     d = make_side(DECODER_ID, role=2, sync_timeout=60.0)  # deadlines far beyond this test
     d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
@@ -76,6 +76,8 @@ def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
                    for _ in range(5)]
         threading.Event().wait(0.1)
         assert not any(h.done() for h in handles + blockers)
+        entry = d.engine.registry.get(dst.cache_id)
+        assert entry.leases == 5  # each queued transfer holds the local cache
         closer = threading.Thread(target=d.engine.close)
         closer.start()
         for h in handles + blockers:  # running ones fail through their closed link
@@ -83,6 +85,7 @@ def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
                 h.wait(10)
         closer.join(10)
         assert not closer.is_alive()
+    assert entry.leases == 0  # and let it go
     assert not b.any()
     return handles
 
