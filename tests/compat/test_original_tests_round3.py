@@ -40,7 +40,7 @@ OPTIONS = {"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL,
 
 
 @pytest.fixture
-def engines():
+def datadists():
     """Make LLMDataDist instances; every one is finalized afterwards."""
     made: list[Any] = []
 
@@ -96,12 +96,12 @@ def assert_expired(ops: dict[str, Callable[[], Any]]) -> None:
         assert caught.value.status_code is S.LLM_ENGINE_FINALIZED, name
 
 
-def test_manager_operations_after_finalize_are_engine_finalized(engines):
+def test_manager_operations_after_finalize_are_engine_finalized(datadists):
     # hixl tests/python/test_cache_manager_lifecycle.py
     # test_operations_reject_manager_after_public_finalize / test_repeated_finalize_keeps_
     # manager_expired: every CacheManager operation of a finalized engine raises LLMException
     # LLM_ENGINE_FINALIZED (and reaches nothing); the manager's _initialized is False.
-    d = engines()
+    d = datadists()
     d.init(dict(OPTIONS))
     cm = d.cache_manager
     ops = manager_operations(cm)
@@ -112,12 +112,12 @@ def test_manager_operations_after_finalize_are_engine_finalized(engines):
     assert_expired(ops)
 
 
-def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(engines):
+def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(datadists):
     # hixl tests/python/test_cache_manager_lifecycle.py
     # test_old_manager_cannot_access_reinitialized_same_engine / test_old_manager_cannot_
     # access_replacement_engine: init() after finalize() makes a new manager; the old one
     # stays expired, the new one works.
-    d = engines()
+    d = datadists()
     d.init(dict(OPTIONS))
     old = d.cache_manager
     ops = manager_operations(old)
@@ -127,7 +127,7 @@ def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(engines):
     assert_expired(ops)
     d.cache_manager.allocate_cache(CacheDesc(2, [4, 2], DataType.DT_INT8, Placement.DEVICE))
     d.finalize()
-    replacement = engines(cluster_id=1)
+    replacement = datadists(cluster_id=1)
     replacement.init(dict(OPTIONS))
     assert_expired(ops)
     assert replacement.cache_manager._initialized is True
@@ -136,7 +136,7 @@ def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(engines):
 # ------------------------------------------------------------------ LLMDataDist helpers
 
 
-def test_shutdown_handler_finalizes_the_instance(engines):
+def test_shutdown_handler_finalizes_the_instance(datadists):
     # hixl tests/python/test_llm_datadist_coverage.py test_shutdown_handler_no_instance /
     # test_shutdown_handler_with_instance / test_shutdown_handler_finalize_exception: the atexit
     # hook v2.llm_datadist._shutdown_handler finalizes LLMDataDist.llm_engine_instance, is a
@@ -145,7 +145,7 @@ def test_shutdown_handler_finalizes_the_instance(engines):
 
     assert llm.LLMDataDist.llm_engine_instance is None
     _shutdown_handler()
-    d = engines(cluster_id=3)
+    d = datadists(cluster_id=3)
     d.init(dict(OPTIONS))
     assert llm.LLMDataDist.llm_engine_instance is d
     _shutdown_handler()
@@ -169,13 +169,13 @@ def test_role_to_str():
     assert llm.LLMDataDist._role_to_str(llm.LLMRole.MIX) == "Mix"
 
 
-def test_v1_switch_role_checks_come_first(engines):
+def test_v1_switch_role_checks_come_first(datadists):
     # hixl v2/llm_datadist.py switch_role, v1 branch (tests/python/test_llm_datadist_coverage.py
     # test_v1_switch_role_same_role / _to_prompt_without_listen_ip): the role's type, then
     # "role not changed" (before the options' type), then the options' type, then a PROMPT
     # needs llm.listenIpInfo; all of them before the native layer (which refuses a datadist
     # without enable_switch_role, LLM_FEATURE_NOT_ENABLED).
-    d = engines(llm.LLMRole.MIX, 100)
+    d = datadists(llm.LLMRole.MIX, 100)
     d.init({"ge.exec.deviceId": "0"})
     with pytest.raises(TypeError):
         d.switch_role("not_a_role")
@@ -227,7 +227,7 @@ def test_type_checks_refuse_a_bool_for_an_int():
     assert check_isinstance("cluster", 1, [int]) == 1
 
 
-def test_api_arguments_refuse_a_bool_for_an_int(engines):
+def test_api_arguments_refuse_a_bool_for_an_int(datadists):
     # The same rule where the API checks its arguments (hixl configs.py LlmConfig.device_id:
     # check_isinstance(..., [int, list, tuple]) and its items; v2/llm_datadist.py
     # link_clusters: check_int32("timeout")).
@@ -238,7 +238,7 @@ def test_api_arguments_refuse_a_bool_for_an_int(engines):
         c.device_id = [0, True]
     with pytest.raises(TypeError):
         llm.LLMDataDist(llm.LLMRole.PROMPT, True)
-    d = engines()
+    d = datadists()
     d.init(dict(OPTIONS))
     with pytest.raises(TypeError):
         d.link_clusters([], timeout=True)
@@ -247,8 +247,8 @@ def test_api_arguments_refuse_a_bool_for_an_int(engines):
 # ------------------------------------------------------------------ transfer_cache_async
 
 
-def async_manager(engines, remote: bool = False):
-    d = engines()
+def async_manager(datadists, remote: bool = False):
+    d = datadists()
     opts = dict(OPTIONS)
     if not remote:
         del opts["llm.EnableRemoteCacheAccessible"]
@@ -256,13 +256,13 @@ def async_manager(engines, remote: bool = False):
     return d.cache_manager
 
 
-def test_transfer_cache_async_batch_index_texts(engines):
+def test_transfer_cache_async_batch_index_texts(datadists):
     # hixl tests/python/test_utils.py AsyncCacheBatchBoundsUt: a src_batch_index outside the
     # source's batch is refused before anything starts, "src_batch_index .* out of range:
     # \[0, 2\)"; with source blocks it must be 0, "!= 0 while src is blocks"
     # (v2/llm_utils.py TransferCacheJob.check_transfer_config).
     for remote in (False, True):
-        cm = async_manager(engines, remote)
+        cm = async_manager(datadists, remote)
         desc = CacheDesc(4, [2, 4], DataType.DT_INT8, Placement.DEVICE)
         cache = cm.allocate_cache(desc)
         for index in (2, 3, 2**32 - 1):
@@ -280,10 +280,10 @@ def test_transfer_cache_async_batch_index_texts(engines):
         llm.LLMDataDist.llm_engine_instance.finalize()
 
 
-def test_transfer_cache_async_texts(engines):
+def test_transfer_cache_async_texts(datadists):
     # hixl v2/llm_utils.py transfer_cache_async / TransferCacheJob: the original's texts start
     # each message (datadist's detail may follow).
-    cm = async_manager(engines)
+    cm = async_manager(datadists)
     desc = CacheDesc(4, [2, 4], DataType.DT_INT8, Placement.DEVICE)
     cache = cm.allocate_cache(desc)
     blocks = cm.allocate_blocks_cache(desc)
@@ -321,8 +321,8 @@ def test_transfer_cache_async_texts(engines):
 # ------------------------------------------------------------------ which error wins
 
 
-def cm_engine(engines, cluster_id=3):
-    d = engines(cluster_id=cluster_id)
+def cm_engine(datadists, cluster_id=3):
+    d = datadists(cluster_id=cluster_id)
     d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL})
     return d
 
@@ -332,20 +332,20 @@ def param_invalid(starts: str = ""):
                          and str(e).startswith(starts))
 
 
-def test_init_checks_another_instance_before_the_options(engines):
+def test_init_checks_another_instance_before_the_options(datadists):
     # hixl v2/llm_datadist.py init: already initialized (a no-op), then "Cannot init multiple
     # LLMDataDists" (LLM_FAILED), then the options' type (tests/python/
     # test_llm_datadist_coverage.py test_init_multiple_instances).
-    d = cm_engine(engines)
+    d = cm_engine(datadists)
     d.init("not a dict")  # already initialized: nothing is looked at
     with pytest.raises(LLMException, check=lambda e: e.status_code is S.LLM_FAILED):
-        engines(cluster_id=4).init("not a dict")
+        datadists(cluster_id=4).init("not a dict")
 
 
-def test_cluster_calls_check_the_timeout_first(engines):
+def test_cluster_calls_check_the_timeout_first(datadists):
     # hixl v2/llm_datadist.py link_clusters / unlink_clusters: check_int32(timeout), then
     # timeout > 0, then the clusters' type, then force's.
-    d = cm_engine(engines)
+    d = cm_engine(datadists)
     for call in (d.link_clusters, d.unlink_clusters):
         with param_invalid("Param timeout should be greater than 0."):
             call("not_list", 0)
@@ -355,11 +355,11 @@ def test_cluster_calls_check_the_timeout_first(engines):
         d.unlink_clusters("not_list", 5000, force="not_bool")
 
 
-def test_link_checks_in_the_originals_order(engines):
+def test_link_checks_in_the_originals_order(datadists):
     # hixl v2/llm_datadist.py link: comm_name's type, emptiness and length; cluster_rank_info's
     # type, its items' types, its size (<= 4), its items' ranges; rank_table's type; then two
     # ranks or more, ascending.
-    d = cm_engine(engines)
+    d = cm_engine(datadists)
     with param_invalid("comm_name can not be empty"):
         d.link("", [3, 2], 123)
     with param_invalid("comm_name length should be smaller than 128."):
@@ -378,19 +378,19 @@ def test_link_checks_in_the_originals_order(engines):
         d.link("link", {3: 1, 2: 0}, "{}")
 
 
-def test_mode_checks_come_before_argument_checks(engines):
+def test_mode_checks_come_before_argument_checks(datadists):
     # hixl v2/llm_datadist.py check_link_status: _check_is_not_cache_mgr_mode, then
     # check_uint64(remote_cluster_id).
-    d = cm_engine(engines)
+    d = cm_engine(datadists)
     with param_invalid("check_link_status is not supported when llm.EnableCacheManager is "
                        "configured."):
         d.check_link_status("not_int")
 
 
-def test_comm_ids_are_uint64(engines):
+def test_comm_ids_are_uint64(datadists):
     # hixl v2/llm_datadist.py unlink / query_register_mem_status: check_uint64(comm_id), a
     # ValueError for a negative id, before the native layer looks it up.
-    d = cm_engine(engines)
+    d = cm_engine(datadists)
     for call in (d.unlink, d.query_register_mem_status):
         with pytest.raises(ValueError, match="comm_id"):
             call(-1)
@@ -403,11 +403,11 @@ def test_comm_ids_are_uint64(engines):
 # ------------------------------------------------------------------ CacheManager texts
 
 
-def test_cache_manager_local_op_texts(engines):
+def test_cache_manager_local_op_texts(datadists):
     # hixl v2/cache_manager.py allocate_cache / allocate_blocks_cache, copy_cache,
     # copy_blocks, _verify_caches + swap_blocks and transfer_cache_async: their raise_if_false
     # texts, in their order.
-    d = engines()
+    d = datadists()
     d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL,
             "llm.HostMemPoolConfig": POOL})
     cm = d.cache_manager
@@ -458,10 +458,10 @@ def test_cache_manager_local_op_texts(engines):
         cm.copy_cache(cache, cache, size=0, req_id=-1)
 
 
-def test_allocate_needs_a_pool_for_the_placement(engines):
+def test_allocate_needs_a_pool_for_the_placement(datadists):
     # hixl v2/cache_manager.py allocate_cache / allocate_blocks_cache: "you should config
     # memory pool firstly and then set placement that matches it." before the native layer.
-    d = engines()
+    d = datadists()
     d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL})
     cm = d.cache_manager
     text = "you should config memory pool firstly and then set placement that matches it."
@@ -473,11 +473,11 @@ def test_allocate_needs_a_pool_for_the_placement(engines):
     cm.allocate_cache(CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.DEVICE))
 
 
-def test_register_checks_remote_accessible_before_the_addresses(engines):
+def test_register_checks_remote_accessible_before_the_addresses(datadists):
     # hixl v2/cache_manager.py register_cache / register_blocks_cache: the types (addrs,
     # cache_keys / blocks_cache_key, remote_accessible) and the after-link rule come before
     # "addrs can not be empty.".
-    d = engines()
+    d = datadists()
     d.init(dict(OPTIONS))
     cm = d.cache_manager
     desc = CacheDesc(2, [4, 8], DataType.DT_INT8, Placement.DEVICE)
@@ -496,17 +496,17 @@ def test_register_checks_remote_accessible_before_the_addresses(engines):
 # ------------------------------------------------------------------ pulls and pushes
 
 
-def ra_manager(engines):
-    d = engines()
+def ra_manager(datadists):
+    d = datadists()
     d.init(dict(OPTIONS))
     return d.cache_manager
 
 
-def test_push_checks_in_the_originals_order(engines):
+def test_push_checks_in_the_originals_order(datadists):
     # hixl v2/cache_manager.py push_cache / push_blocks: the mode first (before the types),
     # then the types, the kind of cache, dst_blocks, tensor_num_per_layer, the layer ranges
     # and their lengths, then (push_cache) the size; the registry after them all.
-    d = engines()
+    d = datadists()
     d.init({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": POOL})
     with param_invalid("push_cache is only supported while enable_remote_cache_accessible is "
                        "True"):
@@ -515,7 +515,7 @@ def test_push_checks_in_the_originals_order(engines):
                        "True"):
         d.cache_manager.push_blocks("not a key", "not a cache")
     d.finalize()
-    cm = ra_manager(engines)
+    cm = ra_manager(datadists)
     desc = CacheDesc(4, [4, 8], DataType.DT_INT8, Placement.DEVICE)
     cache, blocks = cm.allocate_cache(desc), cm.allocate_blocks_cache(desc)
     key, bkey = CacheKeyByIdAndIndex(9, 1), BlocksCacheKey(9, 0)
@@ -540,11 +540,11 @@ def test_push_checks_in_the_originals_order(engines):
         cm.push_cache(key, gone, size=5)
 
 
-def test_pull_checks_in_the_originals_order(engines):
+def test_pull_checks_in_the_originals_order(datadists):
     # hixl v2/cache_manager.py pull_cache / pull_blocks and v2/llm_utils.py
     # layer_range_to_tensor_indices: the key's type for the mode first; tensor_num_per_layer
     # before the layer ranges; the ranges' texts; other keywords ignored.
-    cm = ra_manager(engines)
+    cm = ra_manager(datadists)
     desc = CacheDesc(4, [4, 8], DataType.DT_INT8, Placement.DEVICE)
     cache, blocks = cm.allocate_cache(desc), cm.allocate_blocks_cache(desc)
     key = CacheKeyByIdAndIndex(9, 1)
@@ -568,12 +568,12 @@ def test_pull_checks_in_the_originals_order(engines):
         cm.pull_cache(key, cache, src_cache_offset=0)  # not a keyword of v2's pull: ignored
 
 
-def test_listen_ip_info_without_a_port_text(engines):
+def test_listen_ip_info_without_a_port_text(datadists):
     # hixl v2/llm_utils.py parse_listen_ip_info (init in cache-manager mode, switch_role):
     # 'llm.listenIpInfo "<value>" is invalid, format should be "ip:port"'.
     text = 'llm.listenIpInfo "127.0.0.1" is invalid, format should be "ip:port"'
     with param_invalid(text):
-        engines().init({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1"})
-    d = cm_engine(engines)
+        datadists().init({"llm.EnableCacheManager": "1", "llm.listenIpInfo": "127.0.0.1"})
+    d = cm_engine(datadists)
     with param_invalid(text):
         d.switch_role(llm.LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1"})

@@ -10,7 +10,7 @@ import pytest
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine
+from datadist.core.native import NativeEngine
 
 PROMPT_ID, DECODER_ID = 1, 2
 
@@ -19,7 +19,7 @@ PROMPT_ID, DECODER_ID = 1, 2
 class Side:
     """One engine and its cache manager; ``register`` keeps the numpy memory alive."""
 
-    engine: Engine
+    engine: NativeEngine
     cm: CacheManager
     arrays: list[np.ndarray] = field(default_factory=list)
 

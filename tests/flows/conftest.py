@@ -1,8 +1,9 @@
 """Fixtures for the flow tests: two engines in this process, linked both ways.
 
 Most behaviour of copies, layer-wise transfers, two-sided links and the legacy manager is
-visible with two core ``Engine`` s in one process (the one-instance rule is LLMDataDist's, not
-the engine's); each gets the facade it needs (``CacheManager`` / ``KvCacheManager``) directly.
+visible with two core engines (``NativeEngine``) in one process (the one-instance rule is
+LLMDataDist's, not the engine's); each gets the facade it needs (``CacheManager`` /
+``KvCacheManager``) directly.
 Tests that need the real ``LLMDataDist`` take ``make_datadist`` (always finalized) or run a
 peer process (see ``_peer.py``).
 """
@@ -16,7 +17,7 @@ import pytest
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
+from datadist.core.native import NativeEngine
 from datadist.memory.pool import PoolConfig
 
 from ._support import DECODER_ID, PROMPT_ID, Side
@@ -24,11 +25,11 @@ from ._support import DECODER_ID, PROMPT_ID, Side
 
 @pytest.fixture
 def make_side() -> Iterator[Callable[..., Side]]:
-    made: list[Engine] = []
+    made: list[NativeEngine] = []
 
     def make(cluster_id: int, *, listen: bool = True, remote_cache_accessible: bool = False,
              pool: int = 0, role: int = 1, sync_timeout: float = 2.0) -> Side:
-        engine = Engine(EngineConfig(
+        engine = NativeEngine(EngineConfig(
             cluster_id=cluster_id, role=role, listen=("127.0.0.1", 0) if listen else None,
             sync_timeout=sync_timeout,
             device_pool=PoolConfig(pool, 12) if pool else None))

@@ -1,57 +1,59 @@
-"""The Python engine's issued transfers (``Engine.pull_async`` / ``push_async``) in one
-process: the queue, its deadline, its bound, and close. The engine-agnostic behaviour of
-``TransferHandle`` is tested between two processes (tests/integration/test_async_handles.py).
+"""The core's issued transfers (``NativeEngine.pull_async`` / ``push_async``) in one process:
+the queue of its fixed set of workers, a queued transfer's deadline, close, and the bound on
+threads. The core's workers are busied by pulls from a silent owner (datadist.testing.fakes:
+it welcomes the link, as another host, and then never answers). The
+engine-agnostic behaviour of ``TransferHandle`` is tested between two processes
+(tests/integration/test_async_handles.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import numpy as np
 import pytest
 
 import datadist as llm
-from datadist.core.transfers import POOL_THREADS, Job, Transfer
+from datadist.core.native import ASYNC_THREADS
+from datadist.testing.fakes import SilentOwner
 
-from ._support import PROMPT_ID, code, units
+from ._support import DECODER_ID, PROMPT_ID, Side, code, units
 
 pytestmark = pytest.mark.timeout(30)
 
 S = llm.LLMStatusCode
+SILENT_ID = 9
 
 
-def _block_the_pool(engine) -> threading.Event:
-    """Occupy every transfer thread of ``engine`` until the returned event is set."""
-    gate = threading.Event()
-    started = threading.Semaphore(0)
-
-    def body():
-        started.release()
-        gate.wait()
-
-    for i in range(POOL_THREADS):
-        engine._transfers.submit(Job(Transfer(f"blocker {i}"), body, lambda err: None))
-    for _ in range(POOL_THREADS):
-        assert started.acquire(timeout=10)
-    return gate
+def _busy_workers(d: Side, owner: SilentOwner) -> list[llm.TransferHandle]:
+    """Links ``d`` to the silent owner and occupies every worker of its engine with a pull
+    there (each waits out ``d``'s sync timeout)."""
+    d.engine.link(SILENT_ID, *owner.address, 5.0)
+    blocker, _ = d.register(2, [4, 64])
+    key = llm.CacheKeyByIdAndIndex(SILENT_ID, 1, 0)
+    return [d.cm.pull_cache_async(key, blocker, 0) for _ in range(ASYNC_THREADS)]
 
 
-def test_a_transfer_queued_past_its_deadline_fails_with_timeout_and_moves_nothing(pair):
-    p, d = pair
+def test_a_transfer_queued_past_its_deadline_fails_with_timeout_and_moves_nothing(make_side):
+    p = make_side(PROMPT_ID)
+    d = make_side(DECODER_ID, role=2, sync_timeout=1.0)
+    d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
     _, a = p.register(2, [4, 64], seed=1)
     dst, b = d.register(2, [4, 64])
-    gate = _block_the_pool(d.engine)
-    try:
+    with SilentOwner(SILENT_ID) as owner:
+        blockers = _busy_workers(d, owner)
         d.engine.config = dataclasses.replace(d.engine.config, sync_timeout=0.05)
         handle = d.cm.pull_cache_async(llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 2), dst, 0)
+        threading.Event().wait(0.2)  # its deadline passes while it is queued
         assert not handle.done()
-        threading.Event().wait(0.1)  # its deadline passes while it is queued
-    finally:
-        gate.set()
-    with code(S.LLM_TIMEOUT):
-        handle.wait(10)
-    assert "queue" in str(handle.exception())
+        with code(S.LLM_TIMEOUT):
+            handle.wait(10)
+        for h in blockers:  # the first waits for the silent owner, the rest for the link
+            with pytest.raises(llm.LLMException) as err:
+                h.wait(10)
+            assert err.value.status_code in (S.LLM_TIMEOUT, S.LLM_LINK_BUSY), err.value
     assert not b.any()
     d.engine.config = dataclasses.replace(d.engine.config, sync_timeout=2.0)
     # the next one runs at once and moves the bytes
@@ -59,35 +61,70 @@ def test_a_transfer_queued_past_its_deadline_fails_with_timeout_and_moves_nothin
     np.testing.assert_array_equal(units(b, 4)[:, 0], units(a, 4)[:, 2])
 
 
-def test_close_fails_queued_transfers_with_engine_finalized_and_releases_their_caches(pair):
-    p, d = pair
+def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
+    """Closes an engine whose workers are all busy and five more transfers are queued; checks
+    close ends every one of them at once (the queued never started: nothing moved), which
+    lets their local cache go, and returns the queued ones' handles."""
+    p = make_side(PROMPT_ID)
+    d = make_side(DECODER_ID, role=2, sync_timeout=60.0)  # deadlines far beyond this test
+    d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
     p.register(2, [4, 64], seed=1)
     dst, b = d.register(2, [4, 64])
-    gate = _block_the_pool(d.engine)
-    handles = [d.cm.pull_cache_async(llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 0), dst, 0)
-               for _ in range(5)]
-    entry = d.engine.registry.get(dst.cache_id)
-    assert entry.leases == 5  # each queued transfer holds the local cache
-    closer = threading.Thread(target=d.engine.close)
-    closer.start()
-    for h in handles:
-        with code(S.LLM_ENGINE_FINALIZED):
-            h.wait(10)
-        assert "finalized before this transfer started" in str(h.exception())
-    assert entry.leases == 0
-    gate.set()
-    closer.join(10)
-    assert not closer.is_alive()
+    with SilentOwner(SILENT_ID) as owner:
+        blockers = _busy_workers(d, owner)
+        handles = [d.cm.pull_cache_async(llm.CacheKeyByIdAndIndex(PROMPT_ID, 1, 0), dst, 0)
+                   for _ in range(5)]
+        threading.Event().wait(0.1)
+        assert not any(h.done() for h in handles + blockers)
+        entry = d.engine.registry.get(dst.cache_id)
+        assert entry.leases == 5  # each queued transfer holds the local cache
+        closer = threading.Thread(target=d.engine.close)
+        closer.start()
+        for h in handles + blockers:  # running ones fail through their closed link
+            with pytest.raises(llm.LLMException):
+                h.wait(10)
+        closer.join(10)
+        assert not closer.is_alive()
+    assert entry.leases == 0  # and let it go
     assert not b.any()
+    return handles
 
 
-def test_threads_stay_at_the_pool_size_with_many_transfers(pair):
+def test_close_fails_queued_transfers_at_once(make_side):
+    for h in _closed_with_queued(make_side):
+        assert "closed before the transfer started" in str(h.exception())
+
+
+@pytest.mark.xfail(strict=True, reason="core: a transfer close dropped from the queue ends "
+                   "with LLM_FAILED (cpp/src/tasks.cc Executor::Close), where the Python "
+                   "engine and tests/integration/test_async_handles.py's docstring say "
+                   "LLM_ENGINE_FINALIZED")
+def test_close_fails_queued_transfers_with_engine_finalized(make_side):
+    for h in _closed_with_queued(make_side):
+        assert h.exception().status_code == S.LLM_ENGINE_FINALIZED
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (the core's are not Python's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_workers_start_at_the_first_transfer_and_stay_at_their_count(pair):
+    """The core's fixed set of workers: none before the first issued transfer, then
+    ASYNC_THREADS, and no more for 64 transfers at once. Each pull moves 128 KiB, over what
+    the core copies in the issuing thread (64 KiB under a lease): every one goes to a worker."""
     p, d = pair
-    _, a = p.register(2, [64, 64], seed=3, blocks=True, model_id=5)
-    dst, b = d.register(2, [64, 64], blocks=True)
+    _, a = p.register(2, [16, 65536], seed=3, blocks=True, model_id=5)
+    dst, b = d.register(2, [16, 65536], blocks=True)
     key = llm.BlocksCacheKey(PROMPT_ID, 5)
-    handles = [d.cm.pull_blocks_async(key, dst, [i], [63 - i]) for i in range(64)]
+    before = _threads()
+    d.cm.pull_blocks_async(key, dst, [0], [15]).wait(10)
+    started = _threads() - before
+    assert 0 < started <= ASYNC_THREADS, started
+    handles = [d.cm.pull_blocks_async(key, dst, [i % 16], [15 - i % 16]) for i in range(64)]
+    peak = _threads()
     for h in handles:
+        peak = max(peak, _threads())
         h.wait(10)
-    assert d.engine._transfers.threads <= POOL_THREADS
-    np.testing.assert_array_equal(units(b, 64)[:, ::-1], units(a, 64))
+    assert peak - before <= ASYNC_THREADS + 1, f"{peak - before} more threads"
+    np.testing.assert_array_equal(units(b, 16)[:, ::-1], units(a, 16))

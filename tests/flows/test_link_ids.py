@@ -135,14 +135,14 @@ def test_a_shared_secret_is_proved_for_the_announced_id():
     """With a shared secret both sides prove it for the listener's own id: a link made with
     another id is still authenticated (and a wrong secret still fails)."""
     from datadist.core.config import EngineConfig
-    from datadist.core.engine import Engine
     from datadist.core.errors import LinkFailed
+    from datadist.core.native import NativeEngine
 
-    engines = [Engine(EngineConfig(cluster_id=PROMPT_ID, role=1, listen=("127.0.0.1", 0),
-                                   secret=b"s3cret"))]
+    engines = [NativeEngine(EngineConfig(cluster_id=PROMPT_ID, role=1,
+                                         listen=("127.0.0.1", 0), secret=b"s3cret"))]
     try:
         for secret, ok in ((b"s3cret", True), (b"wrong", False)):
-            d = Engine(EngineConfig(cluster_id=DECODER_ID, role=2, secret=secret))
+            d = NativeEngine(EngineConfig(cluster_id=DECODER_ID, role=2, secret=secret))
             engines.append(d)
             if ok:
                 link = d.link(0, *engines[0].listen_address, 5.0, as_announced=True)

@@ -1,5 +1,5 @@
-"""The native engine raises the Python engine's error classes for the core's codes that
-callers catch by class (core/native.py ``_error``)."""
+"""The core's engine raises datadist's error classes for the core's codes that callers catch
+by class (core/native.py ``_error``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 
 from datadist.core import native
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
 from datadist.core.errors import AlreadyLinked
 
 pytestmark = [
@@ -21,7 +20,7 @@ def test_linking_a_linked_cluster_again_is_already_linked(as_announced: bool) ->
     """link_clusters answers LLM_ALREADY_LINK only for AlreadyLinked, and a two-sided comm
     closes its duplicate on it. Before, the core's LLM_ALREADY_LINK came back as a
     RemoteError, which link_clusters reported as LLM_LINK_FAILED."""
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    owner = native.NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
     puller = native.NativeEngine(EngineConfig(cluster_id=2, role=2))
     try:
         assert owner.listen_address is not None

@@ -1,7 +1,7 @@
 """Planned pulls (api/planned.py, the native engine's prepared calls): a pull repeated with the
 same arguments is checked and planned once, and nothing about the repeat may differ from a
 first call: every argument error, an unregistered or replaced cache, a finalized session,
-an unlinked peer still answer exactly as the full path does. On both engines.
+an unlinked peer still answer exactly as the full path does. On the core.
 """
 
 from __future__ import annotations
@@ -18,26 +18,23 @@ from datadist.api import planned
 from datadist.api.cache_manager import CacheManager
 from datadist.core import native
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
 
 from ._support import DECODER_ID, PROMPT_ID, Side, code, units
 
 pytestmark = pytest.mark.timeout(60)
 
 S = llm.LLMStatusCode
-ENGINES = ["python"] + (["native"] if native.available()[0] else [])
 
 
-@pytest.fixture(params=ENGINES)
-def sides(request: pytest.FixtureRequest) -> Iterator[tuple[Side, Side]]:
-    """A PROMPT and a DECODER of one engine kind, the DECODER linked to the PROMPT."""
-    kind = request.param
+@pytest.fixture
+def sides() -> Iterator[tuple[Side, Side]]:
+    """A PROMPT and a DECODER on the core, the DECODER linked to the PROMPT."""
     made: list[Any] = []
 
     def make(cluster_id: int, role: int) -> Side:
         cfg = EngineConfig(cluster_id=cluster_id, role=role, listen=("127.0.0.1", 0),
                            sync_timeout=5.0)
-        engine = native.NativeEngine(cfg) if kind == "native" else Engine(cfg)
+        engine = native.NativeEngine(cfg)
         made.append(engine)
         return Side(engine, CacheManager(engine))
 

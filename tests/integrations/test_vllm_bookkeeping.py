@@ -239,19 +239,23 @@ def test_share_gil_while_without_vllm_is_a_no_op(monkeypatch):
     assert not spin.share_gil_while(lambda: True, 0.0002)
 
 
-def test_the_spin_loop_is_patched_for_the_python_engine_only(monkeypatch):
-    """Only the Python engine's threads need the GIL: with an engine that says ``native``
-    vLLM's loop stays vLLM's."""
+def test_the_spin_loop_is_left_alone_for_the_core(monkeypatch):
+    """The core's threads never need the GIL: with the core's engine (``native`` True)
+    vLLM's loop stays vLLM's; only an engine that says otherwise gets it patched."""
     import types
 
-    from datadist.core.engine import Engine
+    from datadist.core.config import EngineConfig
+    from datadist.core.native import NativeEngine
     from datadist.integrations.vllm import spin
 
     fake = types.ModuleType(spin.SPIN_MODULE)
     plain = fake.sched_yield = lambda: None
     monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, fake)
-    assert Engine.native is False
-    assert not spin.share_gil_for(types.SimpleNamespace(native=True), lambda: True, 0.0002)
+    engine = NativeEngine(EngineConfig(cluster_id=1, role=1))
+    try:
+        assert not spin.share_gil_for(engine, lambda: True, 0.0002)
+    finally:
+        engine.close()
     assert fake.sched_yield is plain
     assert spin.share_gil_for(types.SimpleNamespace(native=False), lambda: True, 0.0002)
     assert fake.sched_yield is not plain

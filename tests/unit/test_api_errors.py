@@ -7,7 +7,7 @@ is not initialized; ``link_clusters``/``unlink_clusters`` return codes instead o
 
 Only one LLMDataDist may be initialized per process, so every test gets its instance from
 ``make_datadist``, which always finalizes. Where a linked peer is needed, it is a bare core
-``Engine`` in this process (the one-per-process rule is LLMDataDist's, not the engine's).
+``NativeEngine`` in this process (the one-per-process rule is LLMDataDist's, not the engine's).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from datadist import (
     TransferWithCacheKeyConfig,
 )
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
 from datadist.core.layout import Geometry
+from datadist.core.native import NativeEngine
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
 
@@ -145,8 +145,8 @@ def blocks(cm):
 @pytest.fixture
 def peer():
     """A bare engine listening on loopback, with a host pool, as the remote cluster."""
-    eng = Engine(EngineConfig(cluster_id=PEER, role=int(LLMRole.PROMPT),
-                              listen=("127.0.0.1", 0), host_pool=PoolConfig(POOL, 12)))
+    eng = NativeEngine(EngineConfig(cluster_id=PEER, role=int(LLMRole.PROMPT),
+                                          listen=("127.0.0.1", 0), host_pool=PoolConfig(POOL, 12)))
     yield eng
     eng.close()
 
@@ -471,8 +471,8 @@ class TestLinkClusters:
         assert datadist.unlink_clusters([c], 1000) == (S.LLM_UNLINK_FAILED,
                                                         [S.LLM_UNLINK_FAILED])
         assert datadist.engine.links() == []
-        again = Engine(EngineConfig(cluster_id=PEER, role=int(LLMRole.PROMPT),
-                                    listen=("127.0.0.1", 0)))
+        again = NativeEngine(EngineConfig(cluster_id=PEER, role=int(LLMRole.PROMPT),
+                                          listen=("127.0.0.1", 0)))
         try:
             c = cluster(PEER, again.listen_address[1])
             assert datadist.link_clusters([c], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])

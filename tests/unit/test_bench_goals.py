@@ -1,6 +1,6 @@
 """The benchmark's goals of issue "One engine, native" and its rows of pulls issued and
-polled by a busy thread: how rows are judged, the busy thread's polling loop, which engine
-each side runs on (``--engine``). Fakes stand for datadist here; never timings.
+polled by a busy thread: how rows are judged, the busy thread's polling loop, the one engine
+(``--engine`` takes only the core). Fakes stand for datadist here; never timings.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from datadist.bench import busy, calls, same_host, tcp
 from datadist.bench.harness import BenchError, Row, at_most, throughput_row
-from datadist.bench.runner import _engine_env, engines_text, format_table
+from datadist.bench.runner import format_table
 
 
 def _row(key: str, figure: float, limit: float) -> Row:
@@ -144,37 +144,19 @@ def test_the_busy_groups_rows_match_its_progress_steps() -> None:
     assert busy.ROWS == GROUPS["busy"] == 2 * (3 + 6)
 
 
-# ----------------------------------------------------------------------------- engines
+# ----------------------------------------------------------------------------- engine
+# One engine now (the C++ core): --engine takes only "native" (older commands keep running),
+# and a result names no engines.
 
 
-def test_engines_text_names_each_side() -> None:
-    text = engines_text({"owner": "native", "puller (tcp)": "python"}, "auto")
-    assert text == "engines (asked: auto): owner native, puller (tcp) python"
-    assert "no datadist pulls" in engines_text({}, "python")
-
-
-def test_format_table_says_which_engines_ran_and_replays_older_results() -> None:
+def test_format_table_replays_a_result_saved_when_engines_were_named() -> None:
     result: dict[str, Any] = {"rows": [], "repeat": 1, "seconds": 1.0, "alignment": "page",
                               "at_goal_size": True, "peers": []}
-    assert "engines" not in format_table(result)  # a result saved before engines were named
+    plain = format_table(result)
     result.update(engines={"owner": "python", "puller (same host)": "python"},
                   engine_asked="python")
-    assert "engines (asked: python): owner python, puller (same host) python" in \
-        format_table(result)
-
-
-def test_engine_env_sets_datadist_engine_for_the_run_and_restores_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DATADIST_ENGINE", "native")
-    with _engine_env("python"):
-        assert os.environ["DATADIST_ENGINE"] == "python"
-    assert os.environ["DATADIST_ENGINE"] == "native"
-    monkeypatch.delenv("DATADIST_ENGINE")
-    with _engine_env("auto"):
-        assert os.environ["DATADIST_ENGINE"] == "auto"
-    assert "DATADIST_ENGINE" not in os.environ
-    with _engine_env(None):
-        assert "DATADIST_ENGINE" not in os.environ
+    assert format_table(result) == plain
+    assert "engines" not in plain and "python" not in plain
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -183,20 +165,23 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=150, env=env)
 
 
-def test_engine_option_is_checked() -> None:
-    proc = run_bench("--engine", "fast")
-    assert proc.returncode == 2 and "--engine" in proc.stderr
+@pytest.mark.parametrize("engine", ["fast", "python", "auto"])
+def test_engine_option_takes_only_the_core(engine: str) -> None:
+    proc = run_bench("--engine", engine)
+    assert proc.returncode == 2 and "--engine" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(150)
-def test_engine_python_runs_both_processes_on_the_python_engine(tmp_path: Path) -> None:
-    """``--engine python``: the owner (a spawned child) and every puller run on the Python
-    engine, and the report says so."""
+def test_engine_native_runs_both_processes_on_the_core(tmp_path: Path) -> None:
+    """``--engine native`` (the commands in docs/performance.md) still runs: the owner (a
+    spawned child) and the puller link over the core's TCP path, and the result names no
+    engines any more."""
     out = tmp_path / "tcp.json"
     proc = run_bench("--quick", "--size", "1", "--repeat", "1", "--only", "tcp",
-                     "--engine", "python", "--no-progress", "--json", str(out))
+                     "--engine", "native", "--no-progress", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert result["engine_asked"] == "python"
-    assert result["engines"] == {"owner": "python", "puller (tcp)": "python"}
-    assert "engines (asked: python): owner python, puller (tcp) python" in proc.stdout
+    assert "engines" not in result and "engine_asked" not in result
+    rows = {r["key"]: r for r in result["rows"]}
+    assert rows["tcp_pull"]["path"] == "tcp", rows["tcp_pull"]
+    assert "engines" not in proc.stdout

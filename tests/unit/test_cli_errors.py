@@ -18,18 +18,7 @@ from datadist.testing.procs import Peer, PeerLink
 
 pytestmark = pytest.mark.timeout(120)
 SRC = str(Path(cli.__file__).resolve().parents[1])
-# ``info --peer`` links with the engine the configuration gets (DATADIST_ENGINE): each test
-# of it runs with the owner, info and the real decoder on the Python engine, then on the core.
-ENGINES = [pytest.param("python"),
-           pytest.param("native", marks=pytest.mark.skipif(
-               not native.available()[0], reason="the C++ core is not built here"))]
-
-
-def _engine(kind: str, config):
-    """An engine of ``kind`` ("python": core/engine.py; "native": the C++ core)."""
-    from datadist.core.engine import Engine
-
-    return Engine(config) if kind == "python" else native.NativeEngine(config)
+# ``info --peer`` links with the core (the one engine), as the owner and the real decoder do.
 
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -66,11 +55,9 @@ def test_bad_arguments_are_one_line(argv, says, capsys):
     assert says in line
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_dead_port(engine, capsys, monkeypatch):
+def test_dead_port(capsys):
     import socket
 
-    monkeypatch.setenv("DATADIST_ENGINE", engine)
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -79,19 +66,17 @@ def test_dead_port(engine, capsys, monkeypatch):
     assert "Connection refused" in one_error_line(rc, err)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_wrong_cluster_id(engine, capsys, monkeypatch):
+def test_wrong_cluster_id(capsys):
     from datadist.core.config import EngineConfig
 
-    monkeypatch.setenv("DATADIST_ENGINE", engine)
-    owner = _engine(engine, EngineConfig(cluster_id=5, role=1, listen=("127.0.0.1", 0)))
+    owner = native.NativeEngine(EngineConfig(cluster_id=5, role=1, listen=("127.0.0.1", 0)))
     try:
         host, port = owner.listen_address
         rc, _, err = run(["info", "--peer", f"{host}:{port}", "--cluster-id", "7"], capsys)
         assert "is cluster 5, not 7" in one_error_line(rc, err)
         rc, out, err = run(["info", "--peer", f"{host}:{port}", "--cluster-id", "5"], capsys)
         assert rc == 0 and "link to cluster 5" in out and not err
-        assert "peer metrics: cluster 5, role PROMPT" in out  # STATS, from either engine
+        assert "peer metrics: cluster 5, role PROMPT" in out  # STATS, from the core
     finally:
         owner.close()
 
@@ -110,10 +95,9 @@ def test_demo_child_failure_is_one_line():
 # ------------------------------------------------------------------ path prediction
 
 
-def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: int,
-               engine: str) -> None:
+def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: int) -> None:
     """As user ``uid`` (None: ours): run ``datadist info --peer`` and then a real pull from
-    the owner, both on ``engine``; report (the path and reason info predicted, the path and
+    the owner, both on the core; report (the path and reason info predicted, the path and
     reason of the decoder's link after the pull, bytes right, info's output)."""
     import contextlib
     import encodings.idna  # noqa: F401 - socket name lookups load it lazily
@@ -122,7 +106,6 @@ def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: 
     import datadist.api.llm_datadist  # noqa: F401 - everything imported before setuid
     import datadist.transport.iov  # noqa: F401
     import datadist.transport.nixl
-    import datadist.transport.tcp  # noqa: F401
 
     datadist.transport.nixl.available()  # info reports NIXL: its imports happen before setuid
     native.core_module()
@@ -140,7 +123,7 @@ def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: 
     assert rc == 0
     link_line = next(x for x in out.getvalue().splitlines() if x.startswith("link to cluster"))
     predicted = re.fullmatch(r".*: path=(\w+) \((.*)\)", link_line).groups()
-    decoder = _engine(engine, EngineConfig(cluster_id=9, role=2, sync_timeout=10.0))
+    decoder = native.NativeEngine(EngineConfig(cluster_id=9, role=2, sync_timeout=10.0))
     try:
         decoder.link(5, host, port, 5.0)
         dst = np.zeros(4096, np.uint8)
@@ -155,13 +138,11 @@ def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: 
         decoder.close()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("other_user", [False, True])
-def test_info_predicts_the_path_of_a_real_pull(other_user, engine):
-    """``info --peer`` says the path the first pull really takes, and why, as the engine
-    this host's configuration gets sees it (DATADIST_ENGINE; the core under auto). A decoder
-    of another user than the owner may not read its memory: the Python engine pulls by tcp,
-    the core over the local channel ("local"); info must say so then, not cma."""
+def test_info_predicts_the_path_of_a_real_pull(other_user):
+    """``info --peer`` says the path the first pull really takes, and why, as the core sees
+    it. A decoder of another user than the owner may not read its memory: the core pulls
+    over the local channel ("local"); info must say so then, not cma."""
     if other_user and os.geteuid() != 0:
         pytest.skip("needs root to start a decoder as another user")
     from datadist.api.cache_manager import CacheManager
@@ -169,25 +150,24 @@ def test_info_predicts_the_path_of_a_real_pull(other_user, engine):
     from datadist.api.types import CacheDesc
     from datadist.core.config import EngineConfig
 
-    owner = _engine(engine, EngineConfig(cluster_id=5, role=1, listen=("127.0.0.1", 0)))
+    owner = native.NativeEngine(EngineConfig(cluster_id=5, role=1, listen=("127.0.0.1", 0)))
     try:
         data = np.arange(4096, dtype=np.uint32).astype(np.uint8)
         cache = CacheManager(owner).register_cache(
             CacheDesc(1, [1, 4096], DataType.DT_UINT8, Placement.HOST), [data])
         host, port = owner.listen_address
         with Peer(decoder_as, 65534 if other_user else None, host, port, cache.cache_id,
-                  engine, env={"DATADIST_ENGINE": engine}, name="decoder") as peer:
+                  name="decoder") as peer:
             predicted, taken, ok, out = peer.recv(60)
     finally:
         owner.close()
     assert ok
     assert predicted[0] == taken[0], out
-    if engine == "native":  # the core asked the kernel as its first pull does: the same words
-        assert predicted[1] == taken[1], out
+    assert predicted[1] == taken[1], out  # info asked the kernel as the first pull does
     if other_user:
         # the kernel refuses cross-memory attach to another user's process ("refused"), or
         # the local channel's credentials already tell it is not ours to read
-        assert taken[0] == ("tcp" if engine == "python" else "local"), out
+        assert taken[0] == "local", out
         assert "refused" in out or "not ours to read" in out, out
     else:
         assert taken[0] == "cma", out

@@ -62,11 +62,9 @@ def test_vllm_page_says_exactly_what_works() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-@pytest.mark.parametrize("kind", ["python", "native"])
-def test_the_tls_recipe_makes_certificates_a_link_accepts(tmp_path: Path, kind: str) -> None:
+def test_the_tls_recipe_makes_certificates_a_link_accepts(tmp_path: Path) -> None:
     from datadist.core import native
     from datadist.core.config import EngineConfig, TlsConfig
-    from datadist.core.engine import Engine
     from datadist.probe import probe
 
     script = _block_after(DOCS / "deployment.md", "### Making the TLS certificates")
@@ -78,11 +76,10 @@ def test_the_tls_recipe_makes_certificates_a_link_accepts(tmp_path: Path, kind: 
         return TlsConfig(str(tmp_path / f"{name}.pem"), str(tmp_path / f"{name}.key"),
                          str(tmp_path / "ca.pem"))
 
-    if kind == "native" and not (native.available()[0] and native.tls_available()[0]):
+    if not (native.available()[0] and native.tls_available()[0]):
         pytest.skip("the C++ core is not built with TLS here")
-    make = Engine if kind == "python" else native.NativeEngine
-    owner = make(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                              tls=pair("prefill-1")))
+    owner = native.NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                             tls=pair("prefill-1")))
     try:
         host, port = owner.listen_address
         found = probe(host, port, 1, tls=pair("decode-1").client_context(), timeout=5)

@@ -1,16 +1,20 @@
-"""Engine link lifecycle: unlink against a transfer in flight, force, relink."""
+"""The core's link lifecycle (NativeEngine): unlink against a transfer in flight, force,
+relink. A transfer in flight is a pull from a silent owner (datadist.testing.fakes), which
+holds the link until its deadline."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
-from datadist.core.errors import BrokenLink, Busy, NotLinked
+from datadist.core.errors import BrokenLink, Busy, LinkFailed, NotLinked
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.native import NativeEngine
+from datadist.testing.fakes import SilentOwner
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(30)
@@ -18,32 +22,65 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture
 def pair():
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
-    puller = Engine(EngineConfig(cluster_id=2, role=2, transport="tcp"))
+    owner = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    puller = NativeEngine(EngineConfig(cluster_id=2, role=2, transport="tcp"))
     yield owner, puller
     puller.close()
     owner.close()
 
 
-def _link(owner: Engine, puller: Engine):
+def _link(owner: NativeEngine, puller: NativeEngine):
     host, port = owner.listen_address
     return puller.link(1, host, port, 2.0)
 
 
+SILENT = 9
+# A transfer its link broke under: the core says LinkFailed (the Python engine said BrokenLink;
+# both LLM_LINK_FAILED), or the next one found no link (NotLinked).
+BROKEN = (BrokenLink, LinkFailed, NotLinked)
+
+
+def _in_flight(puller: NativeEngine, owner: SilentOwner, seconds: float
+               ) -> tuple[threading.Thread, list[BaseException], np.ndarray]:
+    """Links ``puller`` to the silent ``owner`` and starts a pull from it (in flight until
+    ``seconds`` pass or the link breaks); returns its thread, its errors and its buffer."""
+    puller.link(SILENT, *owner.address, 2.0)
+    dst = np.zeros(4096, np.uint8)
+    entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
+    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def pull() -> None:
+        started.set()
+        try:
+            puller.pull(SILENT, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id,
+                        seconds)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=pull)
+    t.start()
+    assert started.wait(5)
+    time.sleep(0.1)  # the request is out: the pull waits for the owner
+    return t, errors, dst
+
+
 def test_unlink_waits_for_the_transfer_then_reports_busy(pair) -> None:
-    owner, puller = pair
-    link = _link(owner, puller)
-    link.lock.acquire()  # a transfer in flight holds the link
-    try:
+    _, puller = pair
+    with SilentOwner(SILENT) as owner:
+        t, errors, dst = _in_flight(puller, owner, 10.0)
         with pytest.raises(Busy):
-            puller.unlink(1, timeout=0.1)
-        assert puller.get_link(1) is link and not link.chan.closed  # still up
-    finally:
-        link.lock.release()
-    puller.unlink(1, timeout=1.0)
+            puller.unlink(SILENT, timeout=0.1)
+        assert puller.get_link(SILENT).cluster_id == SILENT  # still up
+        assert t.is_alive()  # and the transfer still in flight
+        puller.unlink(SILENT, timeout=1.0, force=True)
+        t.join(10)
+        assert not t.is_alive()
+    assert errors and isinstance(errors[0], BROKEN), errors
     with pytest.raises(NotLinked):
-        puller.get_link(1)
-    assert not owner.has_links() or _eventually(lambda: not owner.has_links())
+        puller.get_link(SILENT)
+    assert not dst.any()
 
 
 def _eventually(cond, seconds: float = 2.0) -> bool:
@@ -84,7 +121,7 @@ def test_force_unlink_breaks_a_transfer_in_flight(pair) -> None:
     t.join(10)
     assert not t.is_alive()
     # Either the pulls in flight broke, or the next one found no link: never a hang.
-    assert errors and isinstance(errors[0], (BrokenLink, NotLinked)), errors
+    assert errors and isinstance(errors[0], BROKEN), errors
     _link(owner, puller)  # and a fresh link works
     dst[:] = 0
     puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 5.0)
@@ -98,22 +135,19 @@ def test_unlink_unknown_cluster(pair) -> None:
 
 
 def test_a_pull_waiting_behind_another_transfer_is_link_busy(pair) -> None:
-    owner, puller = pair
-    src = np.ones(4096, np.uint8)
-    owner.register(Geometry(1, 4096, 1), [src.ctypes.data], placement=0)
-    dst = np.zeros(4096, np.uint8)
-    entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
-    link = _link(owner, puller)
-    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
-    link.lock.acquire()  # another transfer holds the link past our deadline
-    try:
+    _, puller = pair
+    with SilentOwner(SILENT) as owner:
+        t, _, _ = _in_flight(puller, owner, 10.0)  # holds the link past our deadline
+        dst = np.zeros(4096, np.uint8)
+        entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
+        plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
         with pytest.raises(Busy):
-            puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 0.1)
-    finally:
-        link.lock.release()
+            puller.pull(SILENT, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id,
+                        0.2)
+        assert t.is_alive()
+        puller.unlink(SILENT, timeout=1.0, force=True)
+        t.join(10)
     assert not dst.any()
-    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 2.0)
-    assert dst.all()
 
 
 def test_a_plan_beyond_the_registered_cache_is_refused_locally(pair) -> None:

@@ -210,10 +210,13 @@ def test_a_copy_under_a_replaced_fence_is_waited_for_too() -> None:
 
 
 def test_finalize_closes_the_fences() -> None:
-    """Engine.close: once nothing is in flight, every fence (and replaced one) is closed, so
-    finalize + init cycles do not pile up memfds."""
+    """The core's close: once nothing is in flight, every fence it made for a same-host lease
+    (and the puller's mapping of it) is closed, so finalize + init cycles do not pile up
+    memfds. Each cycle leases a blocks cache twice (the model id bound anew in between
+    revokes the first lease: a second fence)."""
     from datadist.core.config import EngineConfig
-    from datadist.core.engine import Engine
+    from datadist.core.layout import layer_tensor_indices, plan_blocks
+    from datadist.core.native import NativeEngine
 
     def fences() -> int:  # fence files open here (a mapping holds a second descriptor)
         inodes = set()
@@ -227,13 +230,24 @@ def test_finalize_closes_the_fences() -> None:
 
     before = fences()
     for _ in range(3):
-        eng = Engine(EngineConfig(cluster_id=5, role=1))
-        buf = np.zeros(GEO.tensor_bytes * 2, np.uint8)
-        entry = eng.register(GEO, [buf.ctypes.data, buf.ctypes.data + GEO.tensor_bytes],
-                             placement=0, blocks_model_id=3)
-        _, f = eng.registry.lease_cache(KeyRef(KeyKind.BLOCKS_KEY, 0, 3))
-        f.revoke()
-        eng.registry.lease_cache(KeyRef(KeyKind.CACHE_ID, entry.cache_id))  # a second fence
-        assert fences() == before + 2
-        eng.close()
+        owner = NativeEngine(EngineConfig(cluster_id=5, role=1, listen=("127.0.0.1", 0)))
+        puller = NativeEngine(EngineConfig(cluster_id=6, role=2))
+        try:
+            assert owner.listen_address is not None
+            puller.link(5, *owner.listen_address, 5.0)
+            bufs = [np.full(GEO.tensor_bytes * 2, i + 1, np.uint8) for i in range(2)]
+            dst = np.zeros(GEO.tensor_bytes * 2, np.uint8)
+            local = puller.register(GEO, [dst.ctypes.data, dst.ctypes.data + GEO.tensor_bytes],
+                                    placement=0)
+            plan = plan_blocks(local.geometry, [1], [2], layer_tensor_indices(2, None, None, 2))
+            for buf in bufs:  # the second binds model 3 anew: the first lease is revoked
+                owner.register(GEO, [buf.ctypes.data, buf.ctypes.data + GEO.tensor_bytes],
+                               placement=0, blocks_model_id=3)
+                puller.pull(5, KeyRef(KeyKind.BLOCKS_KEY, 0, 3), GEO.unit_bytes, plan,
+                            local.cache_id, 5.0)
+                assert dst[2 * GEO.unit_bytes] == buf[0]  # moved, from the cache bound now
+            assert fences() >= before + 1
+        finally:
+            puller.close()
+            owner.close()
         assert fences() == before

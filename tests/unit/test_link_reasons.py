@@ -14,7 +14,7 @@ import pytest
 
 import datadist as llm
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
+from datadist.core.native import NativeEngine
 from datadist.probe import probe
 from datadist.wire import protocol as p
 
@@ -47,7 +47,7 @@ def decoder():
 
 @pytest.fixture
 def owner():
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
     yield eng
     eng.close()
 
@@ -123,7 +123,8 @@ def test_probe_ok_and_wrong_cluster_id(owner) -> None:
 
 
 def test_probe_auth() -> None:
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), secret=b"s3cret"))
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                    secret=b"s3cret"))
     try:
         host, port = eng.listen_address
         none = probe(host, port, 1, timeout=2)
@@ -133,7 +134,7 @@ def test_probe_auth() -> None:
         assert probe(host, port, 1, secret=b"s3cret", timeout=2).ok
     finally:
         eng.close()
-    plain = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
+    plain = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
     try:
         found = probe(*plain.listen_address, 1, secret=b"s3cret", timeout=2)
         assert found.kind == "auth" and "uses no shared secret" in found.text
@@ -173,16 +174,15 @@ def test_probe_not_datadist_and_version() -> None:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-@pytest.mark.parametrize("kind", ["python", "native"])
-def test_probe_tls(tmp_path, kind: str) -> None:
-    """The probe tells a TLS listener from a plain one, on either engine's listener."""
+def test_probe_tls(tmp_path) -> None:
+    """The probe tells the core's TLS listener from a plain one."""
     from datadist.core import native
     from datadist.testing.certs import make_ca as _ca
     from datadist.testing.certs import make_leaf as _leaf
 
-    if kind == "native" and not (native.available()[0] and native.tls_available()[0]):
+    if not (native.available()[0] and native.tls_available()[0]):
         pytest.skip("the C++ core is not built with TLS here")
-    make = Engine if kind == "python" else native.NativeEngine
+    make = native.NativeEngine
     _ca(tmp_path, "ca")
     server, client = _leaf(tmp_path, "prompt", "ca"), _leaf(tmp_path, "decoder", "ca")
     eng = make(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), tls=server))

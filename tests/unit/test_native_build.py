@@ -91,7 +91,7 @@ def _run_without_core(code: str) -> subprocess.CompletedProcess[str]:
 def test_datadist_imports_and_runs_without_the_core() -> None:
     done = _run_without_core("""
 import datadist
-import datadist.cli, datadist.core.engine, datadist.api.llm_datadist
+import datadist.cli, datadist.core.native, datadist.api.llm_datadist
 assert "datadist._core" not in sys.modules, "imported at import time"
 from datadist.core.native_build import native_available
 ok, why = native_available()

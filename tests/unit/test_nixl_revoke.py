@@ -1,75 +1,135 @@
-"""Engine._nixl_revoke: how unregister / deallocate / finalize take NIXL cache leases back.
+"""How the core's NIXL owner takes cache leases back (unregister / deallocate / finalize).
 
-Each reader gets NIXL_REVOKE_WAIT for all of its leases, and the readers are asked at once: a
-reader that never answers (or answers each revoke just in time) has its connection shut down
-after that time, and neither makes the owner wait per lease nor uses up another reader's
-time. Readers are stand-ins here (no NIXL needed): a reverse link whose ``run`` answers at
-once, or only when the deadline has passed.
+Each reader gets the revoke wait (NIXL_REVOKE_WAIT; ``set_nixl_revoke_wait`` here) for all
+of its leases, and the readers are asked at once: a reader that never answers has its
+connection shut down after that time, and neither makes the owner wait per lease nor uses up
+another reader's time. The readers are spoken by hand on the wire (a control channel that
+takes the leases, a reverse channel on which the revokes come), against a NativeEngine owner
+in this process; no NIXL transfer runs, but the owner needs NIXL to serve leases.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
-from datadist.core import engine as engine_mod
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine, _CacheLease
-from datadist.core.errors import Timeout
+from datadist.core.layout import Geometry
+from datadist.core.native import NativeEngine
+from datadist.transport import nixl
+from datadist.wire import protocol as p
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(nixl.available() is None, reason="NIXL is not installed")]
 
 WAIT = 0.6
+OWNER, MODEL = 1, 1
+BOOT = b"\x01" * 16  # another host: no same-host path
 
 
-class _Reverse:
-    """A reader's reverse channel: answers a revoke at once, or never (until the deadline)."""
+class Raw:
+    """One connection spoken by hand; every wait bounded."""
 
-    def __init__(self, pid: int, silent: bool) -> None:
-        self.welcome = SimpleNamespace(pid=pid)
-        self.chan = SimpleNamespace(closed=False)
-        self.closing = False
-        self.silent = silent
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.dec = p.FrameDecoder()
+        self.items: list[tuple[int, Any]] = []
+
+    def send(self, msg: Any, rid: int) -> None:
+        self.sock.sendall(p.encode(msg, rid))
+
+    def next(self) -> tuple[int, Any] | None:
+        """The next (request id, message); None once the owner closed or shut us down."""
+        while not self.items:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return None
+            self.items.extend(self.dec.feed(chunk))
+        return self.items.pop(0)
+
+    def call(self, msg: Any, rid: int) -> Any:
+        self.send(msg, rid)
+        got = self.next()
+        assert got is not None and got[0] == rid, got
+        return got[1]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Reader:
+    """A NIXL reader of cluster ``cid``: its control channel holds ``leases`` leases of the
+    owner's blocks cache; its reverse channel answers each revoke at once (``silent``: never)."""
+
+    def __init__(self, port: int, cid: int, leases: int, silent: bool) -> None:
+        self.fwd = Raw(port)
+        welcome = self.fwd.call(p.Hello(cid, 2, 100 + cid, 0, BOOT), 1)
+        assert isinstance(welcome, p.Welcome), welcome
+        token = p.split_token(welcome.proof, welcome.features)[1]
+        self.rev = Raw(port)
+        got = self.rev.call(p.Hello(cid, 2, 100 + cid, 0, BOOT,
+                                    p.FEATURE_REVERSE | p.FEATURE_TOKEN, token), 1)
+        assert isinstance(got, p.Welcome), got
+        assert isinstance(self.fwd.call(p.NixlMdRequest(), 2), p.NixlMd)
+        for i in range(leases):
+            leased = self.fwd.call(p.NixlLease(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, MODEL, 0), 0),
+                                   10 + i)
+            assert isinstance(leased, p.NixlLeased), leased
         self.asked = 0
+        self.silent = silent
+        threading.Thread(target=self._answer, daemon=True).start()
 
-    def run(self, deadline: float, op: Any) -> None:
-        self.asked += 1
-        if self.silent:
-            time.sleep(max(0.0, deadline - time.monotonic()))
-            raise Timeout("no answer")
+    def _answer(self) -> None:
+        while (item := self.rev.next()) is not None:
+            self.asked += 1
+            if not self.silent:
+                self.rev.send(p.Ok(), item[0])
 
+    def alive(self) -> bool:
+        """Does the owner still answer on the control channel?"""
+        self.fwd.send(p.Ping(7), 99)
+        got = self.fwd.next()
+        return got is not None and isinstance(got[1], p.Pong)
 
-@pytest.fixture
-def owner(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(engine_mod, "NIXL_REVOKE_WAIT", WAIT)
-    eng = Engine(EngineConfig(cluster_id=1, role=1))
-    ended: list[int] = []
-    monkeypatch.setattr(eng, "_nixl_end", lambda lease_id: ended.append(lease_id))
-    yield eng, ended
-    eng._nixl_held.clear()  # the stand-ins are not real links
-    eng._reverse.clear()
-    eng.close()
-
-
-def _lease(eng: Engine, lease_id: int, cluster_id: int, dropped: list[int]) -> None:
-    eng._nixl_held[lease_id] = _CacheLease(
-        lease=SimpleNamespace(entry=SimpleNamespace(cache_id=7)), peer=(cluster_id, "peer"),
-        cluster_id=cluster_id, pid=100 + cluster_id, drop=lambda: dropped.append(lease_id))
+    def close(self) -> None:
+        self.fwd.close()
+        self.rev.close()
 
 
-def test_a_silent_reader_costs_one_wait_and_no_other_reader_its_lease(owner) -> None:
-    eng, ended = owner
-    silent, honest = _Reverse(102, True), _Reverse(103, False)
-    eng._reverse.update({2: silent, 3: honest})
-    dropped: list[int] = []
-    for lease_id in (1, 2, 3, 4):  # the silent reader's four leases come first
-        _lease(eng, lease_id, 2, dropped)
-    _lease(eng, 5, 3, dropped)
-    t0 = time.monotonic()
-    eng._nixl_revoke(lambda held: held.lease.entry.cache_id == 7)
-    took = time.monotonic() - t0
-    assert sorted(ended) == [1, 2, 3, 4, 5]  # every lease ends
-    assert sorted(dropped) == [1, 2, 3, 4]  # only the silent reader is cut off
-    assert silent.asked == 1 and honest.asked == 1  # its later leases: its time was spent
-    assert took < 3 * WAIT, took  # one wait, not one per lease (4 x WAIT before)
+def test_a_silent_reader_costs_one_wait_and_no_other_reader_its_lease() -> None:
+    owner = NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
+                                      nixl_serve=True, nixl_whole_process=True))
+    readers: list[Reader] = []
+    try:
+        owner._core.set_nixl_revoke_wait(WAIT)
+        assert owner.listen_address is not None
+        port = owner.listen_address[1]
+        buf = np.ones(2 * 16 * 4096, np.uint8)
+        geo = Geometry(2, 16 * 4096, 16, is_blocks=True)
+        entry = owner.register(geo, [buf.ctypes.data, buf.ctypes.data + 16 * 4096],
+                               placement=0, blocks_model_id=MODEL)
+        silent = Reader(port, 2, 4, silent=True)  # the silent reader's four leases first
+        readers.append(silent)
+        honest = Reader(port, 3, 1, silent=False)
+        readers.append(honest)
+        assert owner.nixl_leases == 5
+        t0 = time.monotonic()
+        owner.unregister(entry.cache_id)
+        took = time.monotonic() - t0
+        assert took < 3 * WAIT, took  # one wait, not one per lease (4 x WAIT before)
+        assert owner.nixl_leases == 0  # every lease ends
+        assert silent.asked >= 1 and honest.asked == 1
+        assert honest.alive()  # only the silent reader is cut off
+        assert not silent.alive()
+    finally:
+        for r in readers:
+            r.close()
+        owner.close()

@@ -12,8 +12,7 @@ every figure is a ratio to a *limit* measured in the same run, on the same buffe
 same two processes. The owner (the prompt side) is a child process started with
 multiprocessing's ``spawn``; the puller (the decoder side) is this process. Both sides use only
 the public API (``import datadist as llm_datadist``); the limits use ctypes and plain sockets.
-Both sides run on the engine ``--engine`` (or DATADIST_ENGINE) asks for, the native core or
-the Python engine (docs/engine.md); the report's header says which each side ran on.
+Both sides run on the C++ core (``datadist._core``, the one engine: docs/engine.md).
 
 Rules this module keeps:
 

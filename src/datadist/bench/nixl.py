@@ -5,18 +5,21 @@ The limit is the same READ through a second NIXL agent in this process: descript
 prepared once (``prep_xfer_dlist``), one transfer handle made once (``make_prepped_xfer``)
 and reposted for every repetition, polled to completion, with NIXL's progress thread off (the
 goal rows) and again on (the ``_prog`` rows, reported). It reads the same
-owner memory from the owner's own agent (created by datadist when the puller linked). The
-owner drives its agent only while a NIXL lease is open (transport/nixl.py), so the limit
-holds one open for its whole run on a side connection: both sides get the same owner.
+owner memory from the owner's own agent (created by the core when the puller linked). The
+owner drives its agent only while a NIXL lease is open (the core's NIXL owner), so the limit
+holds one open for its whole run on a side connection spoken by hand on the wire
+(:class:`SideChannel`): both sides get the same owner.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 import os
+import socket
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -96,6 +99,78 @@ def read_transports(text: str) -> list[str]:
     return list(found)
 
 
+BACKEND = "UCX"  # NIXL's backend the limit's agent uses (the core's NIXL path uses UCX too)
+SIDE_TIMEOUT = 10.0  # s any wait of the side connection may take
+
+
+def load_nixl() -> Any:
+    """The NIXL module, found as datadist finds it (transport/nixl.py: the wheels' names;
+    UCX's ib module left out where the host has no RDMA device). Raises BenchError without
+    NIXL. Called once per :class:`RawNixl`, before its agent is made."""
+    from datadist.transport import nixl
+
+    for name in nixl.MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        nixl._skip_unusable_ib()
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent made on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return mod
+    raise BenchError("the nixl rows need NIXL: pip install 'datadist[nixl]'")
+
+
+class SideChannel:
+    """The limit's side connection to the owner, spoken by hand on the wire
+    (``datadist.wire.protocol``): connect, say ``hello``, check the Welcome is the owner's,
+    then requests answered in order. Frames the owner sends unasked (request id 0) are
+    skipped. Every wait is bounded by SIDE_TIMEOUT; a closed or silent owner is a
+    BenchError. Who calls: :class:`RawNixl`, from the puller's thread."""
+
+    def __init__(self, port: int, hello: Any) -> None:
+        from datadist.wire import protocol as p
+
+        self._p = p
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=SIDE_TIMEOUT)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._dec = p.FrameDecoder()
+        self._got: list[tuple[int, Any]] = []
+        self._rid = 0
+        try:
+            welcome = self.call(hello)
+            if not isinstance(welcome, p.Welcome) or welcome.cluster_id != OWNER_ID:
+                raise BenchError(f"the owner did not welcome the side connection: {welcome!r}")
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def send(self, msg: Any) -> int:
+        """Sends ``msg`` under a new request id, which it returns."""
+        self._rid += 1
+        self.sock.sendall(self._p.encode(msg, self._rid))
+        return self._rid
+
+    def call(self, msg: Any) -> Any:
+        """Sends ``msg`` and returns the owner's answer to it."""
+        rid = self.send(msg)
+        while True:
+            while not self._got:
+                try:
+                    chunk = self.sock.recv(1 << 16)
+                except OSError as e:
+                    raise BenchError(f"the owner's side connection failed: {e}") from e
+                if not chunk:
+                    raise BenchError("the owner closed the side connection")
+                self._got.extend(self._dec.feed(chunk))
+            got_rid, answer = self._got.pop(0)
+            if got_rid == rid:
+                return answer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class RawNixl:
     """NIXL without datadist: an agent of its own, the owner's metadata, prepared handles.
     ``prog_thread``: NIXL's own progress thread on (it then completes transfers in the
@@ -103,23 +178,17 @@ class RawNixl:
 
     def __init__(self, port: int, bufs: dict[str, Any], prog_thread: bool = False) -> None:
         from datadist.core.config import HostIdentity
-        from datadist.core.links import greet
-        from datadist.transport import nixl
         from datadist.wire import protocol as p
 
-        mod = nixl.load()
+        mod = load_nixl()
         self.prog_thread = prog_thread
         self.agent = mod.nixl_agent(
             f"bench-raw-{os.getpid()}-{int(prog_thread)}",
-            mod.nixl_agent_config(enable_prog_thread=prog_thread, backends=[nixl.BACKEND]))
+            mod.nixl_agent_config(enable_prog_thread=prog_thread, backends=[BACKEND]))
         ident = HostIdentity.current()
-        deadline = time.monotonic() + 10
-
-        def hello() -> Any:
-            return p.Hello(SIDE_ID, 2, ident.pid, ident.pid_ns, ident.boot_id)
-
-        self.chan, _ = greet("127.0.0.1", port, OWNER_ID, hello, None, deadline)
-        md = self.chan.call(p.NixlMdRequest(), deadline)
+        self.chan = SideChannel(port, p.Hello(SIDE_ID, 2, ident.pid, ident.pid_ns,
+                                              ident.boot_id))
+        md = self.chan.call(p.NixlMdRequest())
         if not isinstance(md, p.NixlMd):
             raise BenchError(f"the owner sent no NIXL metadata: {md!r}")
         self.remote = self.agent.add_remote_agent(md.metadata)
@@ -131,12 +200,12 @@ class RawNixl:
 
     def _open_lease(self) -> int:
         """An open lease (one byte of the small cache) keeps the owner's agent progressing
-        for the limit as for the figure (transport/nixl.py, the pump)."""
+        for the limit as for the figure (the core's NIXL owner and its pump)."""
         from datadist.wire import protocol as p
 
         grant = self.chan.call(p.NixlRead(
             p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, SMALL_MODEL, 0), 0, p.ReadFlags.NONE,
-            np.zeros(1, np.uint32), np.zeros(1, U64), np.ones(1, U64)), time.monotonic() + 10)
+            np.zeros(1, np.uint32), np.zeros(1, U64), np.ones(1, U64)))
         if not isinstance(grant, p.NixlGrant):
             raise BenchError(f"the owner granted nothing: {grant!r}")
         return int(grant.lease_id)
@@ -147,7 +216,7 @@ class RawNixl:
         slowly; it beat fast while the endpoint was being wired up)."""
         from datadist.wire import protocol as p
 
-        self.chan.send(p.Release(self._lease, True), time.monotonic() + 2)
+        self.chan.send(p.Release(self._lease, True))
         self._lease = self._open_lease()
 
     def prepare(self, local: np.ndarray, remote: np.ndarray) -> Callable[[], None]:
@@ -180,7 +249,7 @@ class RawNixl:
             h.release()
         self.agent.deregister_memory(self._reg)
         try:
-            self.chan.send(p.Release(self._lease, True), time.monotonic() + 2)
+            self.chan.send(p.Release(self._lease, True))
         finally:
             self.chan.close()
         self.agent.remove_remote_agent(self.remote)
@@ -325,4 +394,4 @@ def _beside_best(ctx: Context, nixl_s: list[float]) -> Row:
     return row
 
 
-__all__ = ["BLOCKS_MODEL", "RawNixl", "nixl_rows"]
+__all__ = ["BLOCKS_MODEL", "RawNixl", "SideChannel", "nixl_rows"]

@@ -43,7 +43,6 @@ from datadist.bench.harness import (
 )
 from datadist.bench.limits import serve_scatter
 from datadist.bench.pools import allocate_pool_blocks, pool_blocks_bytes
-from datadist.bench.puller import engine_name
 from datadist.bench.tcp import register_tiny_blocks
 
 
@@ -111,8 +110,7 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
     """The child: serve the caches through datadist and the plain sockets (and, with
     ``mooncake``, through a Mooncake engine: bench/mooncake.py) until told to quit. With
     ``nixl`` it serves NIXL too (with the whole-process allowance, docs/security.md): the
-    runner starts such an owner for the nixl rows alone. Both run on the engine
-    ``DATADIST_ENGINE`` (inherited from the parent) picks.
+    runner starts such an owner for the nixl rows alone. Both run on the C++ core.
 
     Speaks to the parent over ``conn``: one dict with what it set up (or ``{"error": ...}``),
     then waits for ``"quit"``; ``"busy-start"`` starts a thread of Python work here and
@@ -185,7 +183,6 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
         conn.send({
             **{k: v for k, v in peer.items() if k != "engine"},
             "pid": os.getpid(),
-            "engine": engine_name(dd.engine),
             "port": listen[1],
             "plain_port": server.port,
             "contig_id": contig.cache_id,

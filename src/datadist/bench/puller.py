@@ -8,7 +8,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -99,23 +99,16 @@ class Puller:
             raise BenchError(f"link to the owner failed: {code}")
         self.path = self.dd.engine.get_link(OWNER_ID).path_name
 
-    @property
-    def engine(self) -> str:
-        """Which engine this side runs on: "native" (the C++ core) or "python"."""
-        return engine_name(self.dd.engine)
-
     def mechanism(self) -> str:
-        """The link's path, and on the same host what moved the last request (shm or cma)."""
+        """The link's path, and on the same host what moved the last request (shm or cma):
+        the core's link's path name and its last pull's mechanism."""
         from datadist.core.native import NativeEngine
 
-        engine: object = self.dd.engine
-        if isinstance(engine, NativeEngine):  # its link's path's name, and its last pull's
-            name, last = engine.get_link(OWNER_ID).path_name, engine.last_moved(OWNER_ID)
-            return f"{name}/{last}" if last in ("shm", "cma") and last != name else name
-        path = self.dd.engine.get_link(OWNER_ID).path
-        last = getattr(path, "last", "")
-        name = path.caps.name
-        return f"{name}/{last}" if last and last != name else name
+        engine = self.dd.engine
+        if not isinstance(engine, NativeEngine):  # there is one engine: the core
+            raise BenchError(f"the puller runs on {type(engine).__name__}, not the core")
+        name, last = engine.get_link(OWNER_ID).path_name, engine.last_moved(OWNER_ID)
+        return f"{name}/{last}" if last in ("shm", "cma") and last != name else name
 
     def pull_contig(self) -> None:
         key = self.ll.CacheKeyByIdAndIndex(OWNER_ID, self.info["contig_id"], 0)
@@ -171,12 +164,6 @@ class Puller:
         self.dd.finalize()
 
 
-def engine_name(engine: Any) -> str:
-    """ "native" for the C++ core's engine, "python" for the Python one (``LLMDataDist.engine``;
-    used for the puller here and the owner in bench/owner.py)."""
-    return "native" if getattr(engine, "native", False) else "python"
-
-
 def _Ready(ll: Any) -> Any:  # noqa: N802 - a class made on demand (datadist imported late)
     class Ready(ll.LayerSynchronizer):  # type: ignore[misc]
         def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
@@ -198,16 +185,11 @@ class Context:
     progress: Progress
     plain: PlainClient
     owner: Any = None  # the pipe to the owner process (its busy-start / busy-stop commands)
-    # the engine each puller ran on, by its transport ("auto", "tcp", "nixl"): the report's
-    # header (runner.engines_text)
-    engines: dict[str, str] = field(default_factory=dict)
 
     def puller(self, transport: str, remote_accessible: bool = False) -> Puller:
-        """A :class:`Puller` linked to the owner over ``transport``; the engine it runs on is
-        recorded in :attr:`engines`. Who calls: every row module, once per path it times."""
-        p = Puller(self.info, self.sizes, self.bufs, transport, remote_accessible)
-        self.engines[transport] = p.engine
-        return p
+        """A :class:`Puller` linked to the owner over ``transport``. Who calls: every row
+        module, once per path it times."""
+        return Puller(self.info, self.sizes, self.bufs, transport, remote_accessible)
 
     @property
     def src_list(self) -> list[int]:

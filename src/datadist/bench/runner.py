@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -43,7 +41,6 @@ from datadist.bench.puller import (
 )
 from datadist.bench.same_host import same_host_rows
 from datadist.bench.tcp import tcp_rows
-from datadist.core.native import ENGINE_ENV
 from datadist.transport.nixl import available as nixl_available
 
 
@@ -67,7 +64,8 @@ GROUPS["cpp"] = CPP_ROWS  # the C++ API (cpp/), run by its own driver; skipped i
 # peers' (--peers adds them).
 DEFAULT_GROUPS = tuple(g for g in GROUPS if g not in ("cpp", "mooncake"))
 PEER_GROUPS = tuple(g for g in GROUPS if g == "mooncake")
-ENGINES = ("auto", "native", "python")  # --engine, as DATADIST_ENGINE takes them
+# --engine: only the C++ core now (there is one engine); kept so that older commands run
+ENGINES = ("native",)
 # the groups that pull from an owner process
 _OWNED = ("same-host", "pools", "tcp", "calls", "busy", "nixl", "mooncake")
 
@@ -79,20 +77,15 @@ def timed_steps(repeat: int, groups: tuple[str, ...] = DEFAULT_GROUPS) -> int:
 
 def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         progress: Progress | None = None,
-        groups: tuple[str, ...] = DEFAULT_GROUPS, engine: str | None = None) -> dict[str, Any]:
+        groups: tuple[str, ...] = DEFAULT_GROUPS) -> dict[str, Any]:
     """One run of the row ``groups``; returns the JSON-ready result. Raises BenchError if a
-    row cannot run. ``engine`` ("auto", "native", "python"; None: as DATADIST_ENGINE says)
-    is the engine both processes are asked for, through DATADIST_ENGINE (the owner, a
-    spawned child, inherits it); the environment is restored after."""
+    row cannot run. Both processes run on the C++ core (the one engine)."""
     progress = progress or Progress(timed_steps(repeat, groups))
     t_start = time.monotonic()
     rows: list[Any] = []
     alignment = "no Python pulls in this run"
-    engines: dict[str, str] = {}
-    asked = engine or os.environ.get(ENGINE_ENV) or "auto"
     if any(g in _OWNED for g in groups):
-        with _engine_env(engine):
-            rows, alignment, engines = _owned_rows(sizes, repeat, align, progress, groups)
+        rows, alignment = _owned_rows(sizes, repeat, align, progress, groups)
     rows += cpp_rows(sizes, repeat, progress) if "cpp" in groups else []
     rows += plan_rows(sizes, repeat, progress) if "plan" in groups else []
     progress.close()
@@ -101,8 +94,6 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         "sizes": asdict(sizes),
         "repeat": repeat,
         "alignment": alignment,
-        "engine_asked": asked,
-        "engines": engines,
         "host": {"cpus": os.cpu_count(), "kernel": platform.release(),
                  "python": platform.python_version(), "numpy": np.__version__},
         "seconds": round(time.monotonic() - t_start, 2),
@@ -112,28 +103,11 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
     }
 
 
-@contextlib.contextmanager
-def _engine_env(engine: str | None) -> Iterator[None]:
-    """DATADIST_ENGINE set to ``engine`` for the duration (None: left as it is)."""
-    if engine is None:
-        yield
-        return
-    saved = os.environ.get(ENGINE_ENV)
-    os.environ[ENGINE_ENV] = engine
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENGINE_ENV, None)
-        else:
-            os.environ[ENGINE_ENV] = saved
-
-
 def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
-                groups: tuple[str, ...]) -> tuple[list[Any], str, dict[str, str]]:
-    """The rows that pull from an owner process, the alignment line, and which engine each
-    side ran on (:func:`engines_text`). The nixl rows get an owner of their own: it serves
-    NIXL with the whole-process allowance, which the other rows' owner must not have."""
+                groups: tuple[str, ...]) -> tuple[list[Any], str]:
+    """The rows that pull from an owner process and the alignment line. The nixl rows get an
+    owner of their own: it serves NIXL with the whole-process allowance, which the other rows'
+    owner must not have."""
     bufs = {
         "contig": [aligned_array(sizes.tensor_bytes, align) for _ in range(sizes.contig_tensors)],
         "blocks": aligned_array(sizes.cache_blocks * sizes.block_bytes, align),
@@ -145,7 +119,6 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
     dst_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
     rows: list[Any] = []
     alignment = ""
-    engines: dict[str, str] = {}
     owners = [([g for g in _OWNED if g in groups and g != "nixl"], False),
               (["nixl"] if "nixl" in groups else [], True)]
     for owned, nixl in owners:
@@ -164,12 +137,7 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
             if plain is not None:
                 plain.close()
             stop_owner(proc, conn)
-        side = "nixl " if nixl else ""
-        engines[f"{side}owner"] = str(info.get("engine", "?"))
-        for transport, engine in ctx.engines.items():
-            where = "same host" if transport == "auto" else transport
-            engines[f"puller ({where})"] = engine
-    return rows, alignment, engines
+    return rows, alignment
 
 
 def _group_rows(group: str, ctx: Context) -> list[Any]:
@@ -185,13 +153,6 @@ def _group_rows(group: str, ctx: Context) -> list[Any]:
     make = {"same-host": same_host_rows, "pools": pool_rows, "tcp": tcp_rows,
             "calls": calls_rows, "busy": busy_rows}[group]
     return make(ctx)
-
-
-def engines_text(engines: dict[str, str], asked: str) -> str:
-    """The report's line of which engine each side ran on, e.g. "engines (asked: auto):
-    owner native, puller (same host) native, puller (tcp) native"."""
-    sides = ", ".join(f"{side} {engine}" for side, engine in engines.items())
-    return f"engines (asked: {asked}): {sides or 'no datadist pulls in this run'}"
 
 
 def datadist_version() -> str:
@@ -223,8 +184,6 @@ def format_table(result: dict[str, Any]) -> str:
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     out = [f"datadist bench: median of {result['repeat']}, {result['seconds']} s; "
            f"{result['alignment']}"]
-    if "engines" in result:  # results saved before the engines were reported have none
-        out.append(engines_text(result["engines"], result.get("engine_asked", "auto")))
     for i, line in enumerate([head, *lines]):
         out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
         if i == 0:
@@ -261,9 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default "
                     "all but cpp, the C++ API's rows, which need build/cpp/dd_bench)")
     ap.add_argument("--engine", choices=ENGINES, default=None,
-                    help="the engine both processes run on, passed as DATADIST_ENGINE "
-                    "(default: as DATADIST_ENGINE says, else auto: the native core where "
-                    "it can run the configuration; docs/engine.md)")
+                    help="the engine both processes run on: only the C++ core (native) now, "
+                    "the one engine (docs/engine.md); the option stays for older commands")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     ap.add_argument("--plot", metavar="PATH",
                     help="also draw every row against its limit to PATH (.png or .svg; needs "
@@ -289,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = Sizes.preset(args.quick, args.size)
     progress = Progress(timed_steps(repeat, groups), enabled=not args.no_progress)
     try:
-        result = run(sizes, repeat, args.align, args.peers, progress, groups, args.engine)
+        result = run(sizes, repeat, args.align, args.peers, progress, groups)
     except BenchError as e:
         progress.close()
         print(f"datadist bench failed: {e}", file=sys.stderr)

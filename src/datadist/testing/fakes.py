@@ -22,12 +22,13 @@ import contextlib
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable
 
 from datadist.testing.procs import PeerLink
 from datadist.wire import protocol as p
 
-__all__ = ["BEHAVIOURS", "EchoOwner", "fake_owner_main"]
+__all__ = ["BEHAVIOURS", "EchoOwner", "SilentOwner", "fake_owner_main"]
 
 BEHAVIOURS = ("stall", "exit", "reset", "oversize")
 
@@ -179,3 +180,50 @@ class EchoOwner:
                     return
                 elif not isinstance(msg, p.Release):
                     return
+
+
+class SilentOwner:
+    """An owner in this process that welcomes every connection (cluster ``cluster_id``, an
+    all-zero boot id: another host, so pullers take the TCP path) and then reads every request
+    and answers none: transfers to it stay in flight until their deadlines, holding the link
+    and the puller's workers (tests of what waits behind them: unlink, a second transfer,
+    close). ``address`` is where it listens. A context manager; leaving it closes every
+    connection. Serving runs on daemon threads; nothing blocks the caller."""
+
+    def __init__(self, cluster_id: int) -> None:
+        self.cluster_id = cluster_id
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address: tuple[str, int] = self._server.getsockname()[:2]
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True, name="silent-owner").start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._server.accept()
+                self._conns.append(conn)
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        decoder = p.FrameDecoder()
+        welcomed = False
+        with contextlib.suppress(OSError):
+            while chunk := conn.recv(1 << 16):
+                for rid, msg in decoder.feed(chunk):
+                    if not welcomed and isinstance(msg, p.Hello):
+                        conn.sendall(p.encode(p.Welcome(self.cluster_id, 1, os.getpid(), 0,
+                                                        b"\0" * 16), rid))
+                        welcomed = True
+
+    def close(self) -> None:
+        self._server.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def __enter__(self) -> SilentOwner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
