@@ -209,53 +209,12 @@ def test_importing_datadist_and_the_bookkeeping_does_not_import_vllm():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_share_gil_while_sleeps_in_vllms_spin_only_while_active(monkeypatch):
-    import types
+def test_the_removed_engine_keys_of_old_configs_are_ignored():
+    """``yield_us`` and ``engine`` configured the removed Python engine (and its patch of
+    vLLM's spin loop): an old kv_connector_extra_config that still has them parses, as any
+    unknown key does, and nothing of vLLM is patched any more (no spin module)."""
+    import importlib.util
 
-    from datadist.integrations.vllm import spin
-
-    calls: list[str] = []
-    fake = types.ModuleType(spin.SPIN_MODULE)
-    fake.sched_yield = lambda: calls.append("yield")
-    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, fake)
-    monkeypatch.setattr(spin.time, "sleep", lambda s: calls.append(f"sleep {s}"))
-    active = [False]
-    assert spin.share_gil_while(lambda: active[0], 0.0002)
-    fake.sched_yield()
-    active[0] = True
-    fake.sched_yield()
-    assert calls == ["yield", "sleep 0.0002"]
-    # Patching twice wraps vLLM's function, not our wrapper.
-    assert spin.share_gil_while(lambda: False, 0.0002)
-    fake.sched_yield()
-    assert calls[-1] == "yield"
-    assert not spin.share_gil_while(lambda: True, 0)  # yield_us=0: vLLM's loop untouched
-
-
-def test_share_gil_while_without_vllm_is_a_no_op(monkeypatch):
-    from datadist.integrations.vllm import spin
-
-    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, None)  # import raises ImportError
-    assert not spin.share_gil_while(lambda: True, 0.0002)
-
-
-def test_the_spin_loop_is_left_alone_for_the_core(monkeypatch):
-    """The core's threads never need the GIL: with the core's engine (``native`` True)
-    vLLM's loop stays vLLM's; only an engine that says otherwise gets it patched."""
-    import types
-
-    from datadist.core.config import EngineConfig
-    from datadist.core.native import NativeEngine
-    from datadist.integrations.vllm import spin
-
-    fake = types.ModuleType(spin.SPIN_MODULE)
-    plain = fake.sched_yield = lambda: None
-    monkeypatch.setitem(sys.modules, spin.SPIN_MODULE, fake)
-    engine = NativeEngine(EngineConfig(cluster_id=1, role=1))
-    try:
-        assert not spin.share_gil_for(engine, lambda: True, 0.0002)
-    finally:
-        engine.close()
-    assert fake.sched_yield is plain
-    assert spin.share_gil_for(types.SimpleNamespace(native=False), lambda: True, 0.0002)
-    assert fake.sched_yield is not plain
+    s = Settings.from_extra_config({"yield_us": 500, "engine": "python", "port": 7})
+    assert s.port == 7 and not hasattr(s, "yield_us") and not hasattr(s, "engine")
+    assert importlib.util.find_spec("datadist.integrations.vllm.spin") is None

@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
+from datadist.core.engine import Engine
 
 from datadist.core import auth
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
 from datadist.core.errors import LinkFailed
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.wire import protocol as p

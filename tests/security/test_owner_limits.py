@@ -11,13 +11,13 @@ import threading
 import time
 import zlib
 
+import datadist.transport.tcp as tcp_mod
 import numpy as np
 import pytest
+from datadist.core.engine import Engine
 
-import datadist.transport.tcp as tcp_mod
 from datadist.core import auth
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
 from datadist.core.errors import CacheNotFound, IntegrityError, InvalidArgument, LinkFailed
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.registry import MAX_REQUEST_SPANS, KeyId, Registry
