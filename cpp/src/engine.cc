@@ -235,9 +235,23 @@ uint16_t Engine::port() const {
 uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, Deadline deadline, bool take_peer_id,
                          bool quiet) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    while (connecting_.count(id) && !links_.count(id))
+      if (connected_.wait_until(lock, deadline) == std::cv_status::timeout && connecting_.count(id) &&
+          !links_.count(id))
+        Fail(LLM_LINK_FAILED, "cluster " + std::to_string(id) + ": another link to it was still being made at the deadline");
     if (links_.count(id)) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+    connecting_.insert(id);
   }
+  struct Done {  // this Connect ends: the next one for `id` may go on
+    Engine *engine;
+    uint64_t id;
+    ~Done() {
+      std::lock_guard<std::mutex> lock(engine->mu_);
+      engine->connecting_.erase(id);
+      engine->connected_.notify_all();
+    }
+  } done{this, id};
   std::shared_ptr<Link> link;
   try {
     link = OpenLink(id, host, port, deadline, take_peer_id, true);

@@ -10,10 +10,12 @@
 #ifndef DATADIST_CPP_ENGINE_H_
 #define DATADIST_CPP_ENGINE_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -145,6 +147,11 @@ class Engine {
   std::map<int, std::unique_ptr<Server>> extra_;  // ListenAlso's, by key
   int next_extra_ = 1;
   std::map<uint64_t, std::shared_ptr<Link>> links_;
+  // Cluster ids a Connect is linking now (under mu_): a second Connect to one waits for the
+  // first, then is LLM_ALREADY_LINK if it linked (two links at once would fight over the
+  // peer's one reverse-channel slot for us, and the loser would read as a failed link).
+  std::set<uint64_t> connecting_;
+  std::condition_variable connected_;  // a Connect ended (with mu_)
   std::mutex hello_mu_;  // guards hellos_
   std::map<uint64_t, uint64_t> hellos_;
   std::mutex fail_mu_;  // guards link_failures_

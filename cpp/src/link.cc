@@ -530,8 +530,8 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
     if (q.kind == wire::kCacheId && msg.cache_id != q.a)
       ProtocolViolation("asked a lease on cache " + std::to_string(q.a) + ", got one on " + std::to_string(msg.cache_id));
     std::string no_shm;
-    l = lease::Make(std::move(msg), std::get<1>(key), std::get<2>(key), owner, why, allow_shm_ ? maps_.get() : nullptr,
-                    &no_shm);
+    const uint64_t cache_id = msg.cache_id;  // refusals name the cache, not the key's field
+    l = lease::Make(std::move(msg), cache_id, std::get<2>(key), owner, why, allow_shm_ ? maps_.get() : nullptr, &no_shm);
     if (!no_shm.empty())
       Log("link to cluster " + std::to_string(remote_) + ": leased cache without shared memory (" + no_shm + ")");
   } catch (const Error &) {

@@ -85,7 +85,7 @@ void Executor::Close() {
   work_.notify_all();
   for (auto &job : dropped) {
     job.second = nullptr;
-    job.first->Finish(llm_datadist::LLM_FAILED, "the engine was closed before the transfer started");
+    job.first->Finish(ge::LLM_ENGINE_FINALIZED, "the engine was finalized before the transfer started");
   }
 }
 

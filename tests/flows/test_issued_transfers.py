@@ -90,18 +90,12 @@ def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
     return handles
 
 
-def test_close_fails_queued_transfers_at_once(make_side):
-    for h in _closed_with_queued(make_side):
-        assert "closed before the transfer started" in str(h.exception())
-
-
-@pytest.mark.xfail(strict=True, reason="core: a transfer close dropped from the queue ends "
-                   "with LLM_FAILED (cpp/src/tasks.cc Executor::Close), where the Python "
-                   "engine and tests/integration/test_async_handles.py's docstring say "
-                   "LLM_ENGINE_FINALIZED")
-def test_close_fails_queued_transfers_with_engine_finalized(make_side):
+def test_close_fails_queued_transfers_at_once_with_engine_finalized(make_side):
+    """A transfer finalize drops from the queue ends at once, LLM_ENGINE_FINALIZED, as
+    docs/compatibility.md says (cpp/src/tasks.cc Executor::Close said LLM_FAILED)."""
     for h in _closed_with_queued(make_side):
         assert h.exception().status_code == S.LLM_ENGINE_FINALIZED
+        assert "finalized before the transfer started" in str(h.exception())
 
 
 def _threads() -> int:

@@ -134,10 +134,6 @@ class TestListenerUsesTheInboundLink:
         p.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [3], [0])
         np.testing.assert_array_equal(units(y, 4)[:, 0], units(x, 4)[:, 3])
 
-    @pytest.mark.xfail(strict=True, reason="core: the second of two concurrent links fails "
-                       "with LinkFailed (the listener refuses its reverse channel: 'already has "
-                       "a reverse channel ... which is live'), not AlreadyLinked as the Python "
-                       "engine answered (LLM_LINK_FAILED instead of LLM_ALREADY_LINK)")
     def test_the_loser_of_two_links_at_once_is_already_link(self, make_side):
         from datadist.core.errors import AlreadyLinked
 

@@ -46,16 +46,7 @@ def _register(eng: NativeEngine, desc: CacheDesc, arrays: list[np.ndarray], **kw
                         placement=0, **kw)
 
 
-# The same-host reader checks a leased cache's requests itself, and names the cache by the
-# id the lease was made with: cpp/src/link.cc (Link::Lease) passes the request key's first
-# field (0 here: a blocks key of model 0) to lease::Make instead of the CacheLease's
-# cache_id, so the refusal says "cache 0". Left to the core's owner (cpp/ is not this change).
-CMA_NAMES_THE_KEY = pytest.mark.xfail(
-    strict=True, reason="core: a same-host lease names the key's first field, not the cache id "
-    "(cpp/src/link.cc lease::Make(..., std::get<1>(key), ...))")
-
-
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("cma", marks=CMA_NAMES_THE_KEY)])
+@pytest.mark.parametrize("transport", ["tcp", "cma"])
 def test_a_source_block_out_of_range_is_named_in_blocks(transport: str) -> None:
     owner, puller = _pair(transport)
     try:
