@@ -1,12 +1,19 @@
-"""Hand-driven peers for the round-3 trust tests (test_trust_round3.py,
-test_attack_round3.py): a raw client speaking the wire by hand, in-process engines on
-loopback, and a small blocks cache. Imported by those test modules (pytest puts this
-directory on sys.path); every socket wait is bounded by SOCK_TIMEOUT."""
+"""Hand-driven peers for the security suite: a raw client speaking the wire by hand, the
+core's engines on loopback, a small blocks cache, the link proofs computed from
+docs/protocol.md (an oracle independent of the core's own code), and a raw owner that lies
+about its checksums. Imported by the test modules (pytest puts this directory on sys.path);
+every socket wait is bounded by SOCK_TIMEOUT."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import os
 import socket
+import struct
+import threading
+import zlib
 from typing import Any
 
 import numpy as np
@@ -14,12 +21,42 @@ import numpy as np
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
+from datadist.core.errors import Code
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
 PROMPT, DECODER = 1, 2
 SOCK_TIMEOUT = 5.0
+NONCE_BYTES, MAC_BYTES = 16, 32  # docs/protocol.md, "Authentication"
+
+
+def local_name(pid: int, cluster_id: int) -> bytes:
+    """The abstract unix socket name the core's owner with ``pid`` and ``cluster_id`` serves
+    its local channel on (docs/protocol.md): ``"\\0datadist-v1.<pid>.<cluster_id>"``."""
+    return b"\0" + f"datadist-v1.{pid}.{cluster_id}".encode()
+
+
+def nonce() -> bytes:
+    """A fresh HELLO nonce."""
+    return os.urandom(NONCE_BYTES)
+
+
+def _mac(secret: bytes, label: bytes, first: bytes, second: bytes, server_id: int,
+         client_id: int) -> bytes:
+    msg = label + first + second + struct.pack("<QQ", server_id, client_id)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def server_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes, server_id: int,
+               client_id: int) -> bytes:
+    """The MAC a server proves the secret with in its WELCOME (after its nonce)."""
+    return _mac(secret, b"datadist-server", client_nonce, server_nonce, server_id, client_id)
+
+
+def client_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes, server_id: int,
+                 client_id: int) -> bytes:
+    """The AUTH proof a client with ``secret`` sends."""
+    return _mac(secret, b"datadist-client", server_nonce, client_nonce, server_id, client_id)
 
 
 class Raw:
@@ -62,15 +99,13 @@ class Raw:
         self.sock.close()
 
 
-def make(made: list[Engine], cluster_id: int, *, listen: bool = True, **kw: Any) -> Engine:
-    """An engine on loopback (a PROMPT that listens, or a DECODER), closed by the test's
-    ``engines`` fixture (conftest.py) through ``made``: the Python engine, or the C++ core's
-    when DATADIST_ENGINE=native (the tests that need only the engines' common interface then
-    run against the core)."""
+def make(made: list[NativeEngine], cluster_id: int, *, listen: bool = True,
+         **kw: Any) -> NativeEngine:
+    """The core's engine on loopback (a PROMPT that listens, or a DECODER), closed by the
+    test's ``engines`` fixture (conftest.py) through ``made``."""
     config = EngineConfig(cluster_id=cluster_id, role=1 if listen else 2,
                           listen=("127.0.0.1", 0) if listen else None, **kw)
-    native = os.environ.get("DATADIST_ENGINE", "").lower() == "native"
-    engine: Any = NativeEngine(config) if native else Engine(config)
+    engine = NativeEngine(config)
     made.append(engine)
     return engine
 
@@ -86,3 +121,109 @@ def blocks_cache(cm: CacheManager, cluster_id: int, model_id: int, seed: int | N
     cache = cm.register_blocks_cache(desc, [int(arr[0].ctypes.data)],
                                      llm.BlocksCacheKey(cluster_id, model_id))
     return cache, arr
+
+
+LIE = 0xDEADBEEF  # the CRC a lying owner claims
+
+
+class LyingOwner:
+    """A raw owner that serves ``tensors`` (one numpy uint8 array per tensor index) and lies
+    about the CRC-32 of its first ``lies`` checksummed answers (claims :data:`LIE`).
+
+    It answers HELLO with a WELCOME of another host (an all-zero boot id: the puller takes
+    TCP), or, with ``local``, one that echoes the puller's identity, offers the local channel
+    and also serves it on this process's abstract name for ``cluster_id`` (the kernel then
+    verifies it as this process). A READ (any flags; the key's slot is ignored, offsets are
+    into the tensor) is answered READ_DATA, the spans tensor by tensor, then with flag
+    CHECKSUM a CHECKSUM frame. ``verdicts`` records each RELEASE with lease 0 as (request
+    id, ok); ``reads`` each READ's (request id, flags). Serves on threads until ``close``."""
+
+    def __init__(self, cluster_id: int, tensors: list[np.ndarray], *, lies: int = 1,
+                 local: bool = False) -> None:
+        self.cluster_id, self.tensors, self.lies, self.local = (cluster_id, tensors, lies,
+                                                                local)
+        self.verdicts: list[tuple[int, bool]] = []
+        self.reads: list[tuple[int, int]] = []
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        tcp = socket.create_server(("127.0.0.1", 0))
+        self.address: tuple[str, int] = tcp.getsockname()[:2]
+        listeners = [tcp]
+        if local:
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(local_name(os.getpid(), cluster_id))
+            unix.listen(8)
+            listeners.append(unix)
+        for s in listeners:
+            s.settimeout(0.2)
+            self._socks.append(s)
+            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def __enter__(self) -> LyingOwner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self, server: socket.socket) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(SOCK_TIMEOUT * 2)
+            self._socks.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _answer(self, rid: int, msg: p.Read) -> bytes:
+        body = b"".join(bytes(self.tensors[int(t)][int(o):int(o) + int(n)])
+                        for t in msg.tensors
+                        for o, n in zip(msg.offsets, msg.lengths, strict=True))
+        out = p.encode(p.ReadData(len(body)), rid) + body
+        if msg.flags & p.ReadFlags.CHECKSUM:
+            with self._lock:
+                lie, self.lies = self.lies > 0, self.lies - 1
+            out += p.encode(p.Checksum(LIE if lie else zlib.crc32(body), len(body)), rid)
+        return out
+
+    def _serve(self, conn: socket.socket) -> None:
+        dec = p.FrameDecoder()
+        pending: list[Any] = []
+        with contextlib.suppress(OSError), conn:
+            while not self._closing.is_set():
+                while not pending:
+                    chunk = conn.recv(1 << 16)
+                    if not chunk:
+                        return
+                    pending.extend(dec.feed(chunk))
+                rid, msg = pending.pop(0)
+                if isinstance(msg, p.Hello):
+                    if self.local:
+                        welcome = p.Welcome(self.cluster_id, 1, msg.pid, msg.pid_ns,
+                                            msg.boot_id, p.FEATURE_LOCAL)
+                    else:
+                        welcome = p.Welcome(self.cluster_id, 1, os.getpid(), 0, b"\0" * 16)
+                    conn.sendall(p.encode(welcome, rid))
+                elif isinstance(msg, p.Read):
+                    self.reads.append((rid, int(msg.flags)))
+                    conn.sendall(self._answer(rid, msg))
+                elif isinstance(msg, p.Release):
+                    if msg.lease_id == 0:
+                        self.verdicts.append((rid, bool(msg.ok)))
+                elif isinstance(msg, p.Ping):
+                    conn.sendall(p.encode(p.Pong(msg.nonce), rid))
+                elif isinstance(msg, p.Bye):
+                    conn.sendall(p.encode(p.Ok(), rid))
+                    return
+                else:
+                    conn.sendall(p.encode(p.Error(int(Code.PARAM_INVALID),
+                                                  f"{type(msg).__name__} not served"), rid))

@@ -6,13 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from datadist.core.engine import Engine
+from datadist.core.native import NativeEngine
 
 
 @pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    """Engines a test makes (``_hand.make``), closed after it."""
-    made: list[Engine] = []
+def engines() -> Iterator[list[NativeEngine]]:
+    """The core's engines a test makes (``_hand.make``), closed after it."""
+    made: list[NativeEngine] = []
     yield made
     for e in made:
         e.close()
