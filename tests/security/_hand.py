@@ -155,10 +155,12 @@ class LyingOwner:
             unix.bind(local_name(os.getpid(), cluster_id))
             unix.listen(8)
             listeners.append(unix)
+        self._accepting: list[threading.Thread] = []
         for s in listeners:
             s.settimeout(0.2)
             self._socks.append(s)
-            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+            self._accepting.append(threading.Thread(target=self._accept, args=(s,), daemon=True))
+            self._accepting[-1].start()
 
     def __enter__(self) -> LyingOwner:
         return self
@@ -167,7 +169,11 @@ class LyingOwner:
         self.close()
 
     def close(self) -> None:
+        """Stop serving; returns once the listeners let go of their names (a later owner
+        may bind the same local name)."""
         self._closing.set()
+        for t in self._accepting:
+            t.join(5)
         for s in self._socks:
             with contextlib.suppress(OSError):
                 s.close()
