@@ -123,6 +123,22 @@ def blocks_cache(cm: CacheManager, cluster_id: int, model_id: int, seed: int | N
     return cache, arr
 
 
+# Python source for a child process: from then on the kernel answers its process_vm_readv
+# with EPERM, as for a reader that may not ptrace its owner (Yama, another user): a seccomp
+# filter on every thread (x86-64). Used by the tests of a refused cross-memory attach.
+DENY_CMA = """
+import ctypes as _ct, struct as _st
+_prog = [(0x20, 0, 0, 4), (0x15, 1, 0, 0xC000003E), (0x06, 0, 0, 0x7FFF0000),  # x86-64 only
+         (0x20, 0, 0, 0), (0x15, 1, 0, 310), (0x06, 0, 0, 0x7FFF0000),  # process_vm_readv
+         (0x06, 0, 0, 0x00050000 | 1)]  # SECCOMP_RET_ERRNO | EPERM
+_buf = _ct.create_string_buffer(b"".join(_st.pack("<HBBI", *i) for i in _prog))
+_fprog = _ct.create_string_buffer(_st.pack("<HxxxxxxQ", len(_prog), _ct.addressof(_buf)))
+_libc = _ct.CDLL(None, use_errno=True)
+_libc.syscall.restype = _ct.c_long
+assert _libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert _libc.syscall(317, 1, 1, _fprog) == 0, _ct.get_errno()  # seccomp: FILTER, TSYNC
+"""
+
 LIE = 0xDEADBEEF  # the CRC a lying owner claims
 
 

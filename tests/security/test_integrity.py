@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from _hand import LIE, LyingOwner
+from _hand import DENY_CMA, LIE, LyingOwner
 
 from datadist.api.cache_manager import geometry_of
 from datadist.api.enums import DataType, Placement
@@ -221,8 +221,7 @@ def test_update_dim_after_register_cannot_overrun_the_cache() -> None:
         owner.close()
 
 
-_REFUSED_ATTACH = textwrap.dedent("""
-    import ctypes, struct
+_REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
     import numpy as np
     from datadist.api.cache_manager import geometry_of
     from datadist.api.enums import DataType, Placement
@@ -231,23 +230,6 @@ _REFUSED_ATTACH = textwrap.dedent("""
     from datadist.core.layout import layer_tensor_indices, plan_slot
     from datadist.core.native import NativeEngine
     from datadist.wire import protocol as p
-
-    # From now on the kernel answers this process's process_vm_readv with EPERM (as for a
-    # reader that may not ptrace its owner): a seccomp filter on every thread.
-    AUDIT_ARCH_X86_64, NR_PROCESS_VM_READV, NR_SECCOMP = 0xC000003E, 310, 317
-    LD, JEQ, RET = 0x20, 0x15, 0x06
-    ALLOW, EPERM = 0x7FFF0000, 0x00050000 | 1
-    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, AUDIT_ARCH_X86_64), (RET, 0, 0, ALLOW),
-            (LD, 0, 0, 0), (JEQ, 1, 0, NR_PROCESS_VM_READV), (RET, 0, 0, ALLOW),
-            (RET, 0, 0, EPERM)]
-    raw = b"".join(struct.pack("<HBBI", *ins) for ins in prog)
-    buf = ctypes.create_string_buffer(raw)
-    fprog = struct.pack("<HxxxxxxQ", len(prog), ctypes.addressof(buf))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
-    fp = ctypes.create_string_buffer(fprog)
-    assert libc.syscall(NR_SECCOMP, 1, 1, fp) == 0, ctypes.get_errno()  # FILTER, TSYNC
 
     owner = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0)))
     puller = NativeEngine(EngineConfig(cluster_id=2, role=2, transport="cma", verify=True))
