@@ -249,3 +249,115 @@ class LyingOwner:
                 else:
                     conn.sendall(p.encode(p.Error(int(Code.PARAM_INVALID),
                                                   f"{type(msg).__name__} not served"), rid))
+
+
+class Mitm:
+    """A hostile owner in the middle: a listener that forwards every connection a reader
+    makes to the real owner at ``owner`` (frame by frame, re-encoded), clearing
+    FEATURE_LOCAL in the owner's WELCOMEs (so the link stays on these TCP connections).
+    ``rewrite`` (settable) sees every frame the owner sends on a control channel and returns
+    what the reader gets instead; :meth:`inject` sends a request of its own to the reader
+    over the reader's reverse channel, as only the owner may, and returns the reader's
+    answer (which the owner never sees). Serves on daemon threads until ``close``."""
+
+    def __init__(self, owner: tuple[str, int]) -> None:
+        self.owner = owner
+        self.rewrite: Any = None
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.2)
+        self.address: tuple[str, int] = self._server.getsockname()[:2]
+        self._closing = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._reverse: list[tuple[socket.socket, threading.Lock]] = []
+        self._answers: dict[int, Any] = {}
+        self._cond = threading.Condition()
+        self._rid = 1 << 30  # request ids of ours: far above the owner's
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> Mitm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(5)
+        for s in [self._server, *self._socks]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def inject(self, msg: p.Message, timeout: float = SOCK_TIMEOUT) -> Any:
+        """Send ``msg`` to the reader on its (latest) reverse channel; its answer."""
+        with self._cond:
+            assert self._reverse, "no reverse channel from the reader yet"
+            sock, lock = self._reverse[-1]
+            self._rid += 1
+            rid = self._rid
+        with lock:
+            sock.sendall(p.encode(msg, rid))
+        with self._cond:
+            if not self._cond.wait_for(lambda: rid in self._answers, timeout):
+                raise TimeoutError(f"the reader did not answer {type(msg).__name__}")
+            return self._answers.pop(rid)
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                reader, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            owner = socket.create_connection(self.owner, timeout=SOCK_TIMEOUT)
+            for s in (reader, owner):
+                s.settimeout(None)
+                self._socks.append(s)
+            state: dict[str, Any] = {"reverse": None, "lock": threading.Lock()}
+            threading.Thread(target=self._up, args=(reader, owner, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(owner, reader, state), daemon=True).start()
+
+    @staticmethod
+    def _frames(src: socket.socket) -> Any:
+        dec = p.FrameDecoder()
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(1 << 16):
+                yield from dec.feed(chunk)
+
+    @staticmethod
+    def _encoded(rid: int, msg: Any) -> bytes:
+        return msg if isinstance(msg, bytes) else p.encode(msg, rid)
+
+    def _up(self, reader: socket.socket, owner: socket.socket, state: dict[str, Any]) -> None:
+        """Reader to owner: the HELLO says which channel this is; answers to our own
+        requests stop here."""
+        for rid, msg in self._frames(reader):
+            if isinstance(msg, p.Hello) and state["reverse"] is None:
+                state["reverse"] = bool(msg.features & p.FEATURE_REVERSE)
+                if state["reverse"]:
+                    with self._cond:
+                        self._reverse.append((reader, state["lock"]))
+            if state["reverse"] and rid > 1 << 30:
+                with self._cond:
+                    self._answers[rid] = msg
+                    self._cond.notify_all()
+                continue
+            with contextlib.suppress(OSError):
+                owner.sendall(self._encoded(rid, msg))
+        with contextlib.suppress(OSError):
+            owner.shutdown(socket.SHUT_WR)
+
+    def _down(self, owner: socket.socket, reader: socket.socket, state: dict[str, Any]) -> None:
+        """Owner to reader: WELCOMEs lose FEATURE_LOCAL; control frames pass ``rewrite``."""
+        for rid, msg in self._frames(owner):
+            if isinstance(msg, p.Welcome):
+                msg = p.Welcome(msg.cluster_id, msg.role, msg.pid, msg.pid_ns, msg.boot_id,
+                                msg.features & ~p.FEATURE_LOCAL, msg.proof)
+            elif not state["reverse"] and self.rewrite is not None \
+                    and not isinstance(msg, bytes):
+                msg = self.rewrite(msg)
+            with state["lock"], contextlib.suppress(OSError):
+                reader.sendall(self._encoded(rid, msg))
+        with contextlib.suppress(OSError):
+            reader.shutdown(socket.SHUT_WR)
