@@ -217,7 +217,7 @@ def test_the_core_consumes_a_key_only_on_a_confirmed_read(how: str) -> None:
 
 def test_without_a_verdict_the_core_keeps_the_key() -> None:
     """A requester that asked for a checksum and never confirms it (closes instead, or sends
-    another request) consumes nothing on the core's owner either (Python's rule: item 8)."""
+    another request) consumes nothing on the core's owner (test_owner_limits.py, item 8)."""
     owner = _owner()
     try:
         want = _keyed(owner)
