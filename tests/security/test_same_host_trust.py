@@ -11,13 +11,16 @@ owners are raw sockets (datadist.testing.fakes.EchoOwner), hostile readers raw c
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -369,9 +372,83 @@ def test_pools_and_shared_arrays_are_sealed_against_shrinking() -> None:
 # ---------------------------------------------------------------------------- item 12
 
 
-# PR_SET_PTRACER_ANY (set only for cross-memory attach, undone at the end) is the core's
-# local::Ptracer, checked by cpp/tests/local_test.cc
-# (Owner.PtracePermissionIsTakenAtTheFirstGrantAndGivenBackOnStop).
+_PTRACER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from datadist.core.config import EngineConfig
+    from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+    from datadist.core.native import NativeEngine
+    from datadist.memory import shared
+    from datadist.wire import protocol as p
+
+    owner_kw, transport = json.loads(sys.argv[1]), sys.argv[2] or None
+    N = 128 << 10  # above the 64 KiB under which same-host pulls stream
+    GEO = Geometry(1, N, 1)
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), **owner_kw))
+    data = shared.shared_empty(N, np.uint8)  # shareable: shm can read it without ptrace
+    data[:] = np.arange(N) % 251
+    eng.register(GEO, [data.ctypes.data], placement=0)
+    print("listening", flush=True)
+    puller = NativeEngine(EngineConfig(cluster_id=2, role=2, transport=transport))
+    puller.link(1, *eng.listen_address, 2.0)
+    dst = np.zeros(N, np.uint8)
+    entry = puller.register(GEO, [dst.ctypes.data], placement=0)
+    plan = plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2))
+    for _ in range(2):
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 2.0)
+        assert np.array_equal(dst, data)
+    print("pulled", puller.get_link(1).path_name, flush=True)
+    puller.close()
+    eng.close()
+    print("closed", flush=True)
+""")
+
+
+def _can_simulate_yama() -> bool:
+    return (os.geteuid() == 0 and shutil.which("strace") is not None
+            and shutil.which("unshare") is not None
+            and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0)
+
+
+@pytest.mark.skipif(not _can_simulate_yama(), reason="needs root, unshare and strace")
+@pytest.mark.parametrize(("owner_kw", "transport", "want"), [
+    ({}, "cma", ["PR_SET_PTRACER_ANY", "0"]),  # cross-memory attach: set, undone at close
+    ({}, "shm", []),  # shared memory needs no ptrace permission
+    ({}, "tcp", []),
+    ({"allow_ptrace": False}, "cma", []),  # the opt-out
+    ({"transport": "tcp"}, "cma", []),  # an owner forced to tcp serves no local channel
+])
+def test_ptracer_only_for_cross_memory_attach(owner_kw: dict, transport: str,
+                                              want: list[str], tmp_path) -> None:
+    """Under Yama ptrace_scope 1 the core's owner lets same-host readers ptrace it
+    (PR_SET_PTRACER_ANY) only once one reads it by cross-memory attach, and undoes it when
+    it stops; never for shared memory, TCP, with allow_ptrace off, or without a local
+    channel. The owner runs in a child in a mount namespace of its own whose
+    /proc/sys/kernel says ptrace_scope 1 (a tmpfs), under strace, which records its prctl
+    calls and answers them 0 (no Yama on the real kernel here)."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    log = tmp_path / "strace.txt"
+    setup = ("mount -t tmpfs none /proc/sys/kernel && "
+             "mkdir -p /proc/sys/kernel/yama /proc/sys/kernel/random && "
+             "echo 1 > /proc/sys/kernel/yama/ptrace_scope && "
+             f"echo {boot_id} > /proc/sys/kernel/random/boot_id && "
+             f'exec strace -f -qq -e trace=prctl,write -e inject=prctl:retval=0 -o {log} '
+             '"$0" -c "$1" "$2" "$3"')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(["unshare", "-m", "sh", "-c", setup, sys.executable, _PTRACER,
+                        json.dumps(owner_kw), transport], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    assert r.stdout.split() == ["listening", "pulled",
+                                "tcp" if "transport" in owner_kw else transport, "closed"]
+    calls: list[str] = []
+    for line in log.read_text().splitlines():
+        if 'write(1, "listening"' in line or 'write(1, "closed"' in line:
+            calls.append(line.split('"')[1])
+        elif "PR_SET_PTRACER," in line:
+            calls.append(line.split("PR_SET_PTRACER, ")[1].split(")")[0])
+    assert calls == ["listening", *want, "closed"], calls  # listening alone sets nothing
+
 
 _REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
     import numpy as np
