@@ -1,8 +1,8 @@
 """Trust, round 3, attacked (issues 21 and 26 after their fixes): what a hostile review of
 the link tokens, the connection budget, STATS and NIXL consent found, one test per defect.
 
-Owners are in-process Engines on loopback; hostile peers are raw sockets speaking the wire
-by hand. Each test says what happened before its fix.
+Owners are the core's engines in this process, on loopback; hostile peers are raw sockets
+speaking the wire by hand. Each test says what happened before its fix.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from _hand import DECODER, PROMPT, Raw, blocks_cache, make
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine
 from datadist.core.errors import Code
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
@@ -33,9 +32,9 @@ def impostor_token(listener: tuple[str, int], cluster_id: int, **kw: Any) -> tup
     return control, p.split_token(welcome.proof, welcome.features)[1]
 
 
-def assert_kept(engine: Engine, cluster_id: int, real: Any) -> None:
-    """``engine``'s link to ``cluster_id`` is still ``real`` (the Python engine's Link
-    object, or a NativeLink snapshot: equal only for the same core link) and its channel is
+def assert_kept(engine: NativeEngine, cluster_id: int, real: Any) -> None:
+    """``engine``'s link to ``cluster_id`` is still ``real`` (a NativeLink snapshot: equal
+    only for the same core link) and its channel is
     open: a PING over it (for a decoder's link to a listener: over its reverse channel)
     reaches the peer and is answered."""
     assert engine.get_link(cluster_id) == real
@@ -50,7 +49,7 @@ class TestSecondControlChannel:
     The token proved holding *a* control channel of that id, not *the* link's."""
 
     def test_a_second_control_channel_cannot_take_a_live_reverse_channel(
-            self, engines: list[Engine]) -> None:
+            self, engines: list[NativeEngine]) -> None:
         prompt = make(engines, PROMPT)
         decoder = make(engines, DECODER, listen=False)
         pcm = CacheManager(prompt, remote_cache_accessible=True)
@@ -75,7 +74,7 @@ class TestSecondControlChannel:
             r.close()
 
     def test_a_relink_after_the_first_control_channel_went_replaces_it(
-            self, engines: list[Engine]) -> None:
+            self, engines: list[NativeEngine]) -> None:
         """What still works: once the control channel a reverse channel belongs to is gone,
         a reverse channel of a new control channel of that id replaces it."""
         prompt = make(engines, PROMPT)
@@ -98,7 +97,7 @@ class TestSecondControlChannel:
             r.close()
 
     def test_a_strangers_bye_with_the_linkers_pid_does_not_end_its_link(
-            self, engines: list[Engine]) -> None:
+            self, engines: list[NativeEngine]) -> None:
         """Before: a Bye on any control channel of cluster 2 whose Hello named the linker's
         pid and boot id (a same-host linker has the listener's boot id, which the
         listener's Welcome tells; pids are few) closed the real reverse channel."""
@@ -117,7 +116,7 @@ class TestSecondControlChannel:
 
 
 def test_stats_are_not_told_to_a_connection_that_claims_a_linked_peers_id(
-        engines: list[Engine]) -> None:
+        engines: list[NativeEngine]) -> None:
     """Before: STATS answered the series of whatever cluster id the asking connection's Hello
     claimed, so a raw Hello naming cluster 20 (a linked decoder's id) read that decoder's
     transfer counts, bytes and latencies. Now, while cluster 20's link has a live reverse
@@ -141,7 +140,7 @@ def test_stats_are_not_told_to_a_connection_that_claims_a_linked_peers_id(
     stranger.close()
 
 
-def test_a_nixl_lease_needs_the_readers_own_reverse_channel(engines: list[Engine]) -> None:
+def test_a_nixl_lease_needs_the_readers_own_reverse_channel(engines: list[NativeEngine]) -> None:
     """Before: NixlLease was granted to any connection whose Hello named a linked NIXL
     reader's cluster id, pid and boot id (a same-host reader shares the owner's boot id,
     which the owner's Welcome tells; pids are few): the stranger pinned the cache, and its
@@ -166,11 +165,11 @@ def test_a_nixl_lease_needs_the_readers_own_reverse_channel(engines: list[Engine
     got = stranger.next()
     assert got is not None and isinstance(got[1], p.Error), got
     assert got[1].code == int(Code.FEATURE_NOT_ENABLED) and "reverse channel" in got[1].message
-    assert (owner.nixl_leases if isinstance(owner, NativeEngine) else len(owner._nixl_held)) == 0
+    assert owner.nixl_leases == 0
     stranger.close()
 
 
-def test_one_address_cannot_fill_the_reverse_channel_table(engines: list[Engine]) -> None:
+def test_one_address_cannot_fill_the_reverse_channel_table(engines: list[NativeEngine]) -> None:
     """Before: reverse channels were capped in all (max_connections) but not per address:
     one host opened a control channel, its reverse channel, closed the control channel and
     went on with the next cluster id, until the table was full and every other peer's link

@@ -1,15 +1,17 @@
-"""Checksummed pulls (datadist.VerifyChecksum) on both engines, and between them.
+"""Checksummed pulls (datadist.VerifyChecksum) on the C++ core, owner and reader.
 
-The Python engine's rules (tests/security/test_integrity.py, test_owner_limits.py item 8) are
-the spec: the owner follows its answer with a CHECKSUM frame (zlib's CRC-32 of the source
-spans); the reader checks what landed, says so (streamed: RELEASE lease 0 with the READ's
-id; granted: its RELEASE's ok) and raises IntegrityError (LLM_SUSPECT_REMOTE_ERROR) on a
-mismatch; a CacheKey is consumed only by a read the reader confirmed. Here each rule runs with
-the C++ core (NativeEngine) on either side and a Python-engine peer on the other.
+The rules (docs/protocol.md, "CHECKSUM"): the owner follows its answer with a CHECKSUM frame
+(zlib's CRC-32 of the source spans); the reader checks what landed, says so (streamed:
+RELEASE lease 0 with the READ's id; granted: its RELEASE's ok) and raises IntegrityError
+(LLM_SUSPECT_REMOTE_ERROR) on a mismatch; a CacheKey is consumed only by a read the reader
+confirmed. The core reads from the core here; its owner is also driven by raw readers that
+deny or withhold their verdict, and its reader by a raw owner that lies (tests/security/
+test_integrity.py::test_checksum_mismatch_raises).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import zlib
@@ -17,28 +19,30 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _hand import LyingOwner, local_name
 
-import datadist.transport.paths as paths_mod
-import datadist.transport.tcp as tcp_mod
 from datadist.core import native
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
 from datadist.core.errors import CacheNotFound, IntegrityError
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.native import NativeEngine
 from datadist.core.registry import KeyId
 from datadist.memory.pool import PoolConfig
 from datadist.wire import protocol as p
 
-pytestmark = [
-    pytest.mark.timeout(60),
-    pytest.mark.skipif(not native.available()[0], reason="the native core is not built"),
-]
+pytestmark = pytest.mark.timeout(60)
+
 
 class Raw:
     """A hand-driven client speaking the wire (as test_owner_limits.py's)."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+    def __init__(self, where: int | bytes) -> None:
+        if isinstance(where, bytes):  # the owner's local channel
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(5.0)
+            self.sock.connect(where)
+        else:
+            self.sock = socket.create_connection(("127.0.0.1", where), timeout=5.0)
         self.dec = p.FrameDecoder()
         self.items: list = []
 
@@ -61,50 +65,38 @@ class Raw:
         self.sock.close()
 
 
-Eng = Engine | native.NativeEngine
-KIND = {"python": Engine, "native": native.NativeEngine}
 # "tcp": TCP forced on the puller; "host": the same-host path (the core grants above 64 KiB,
-# so the caches here are bigger than that; the Python engine grants every same-host pull).
+# so the caches here are bigger than that).
 TRANSPORTS = {"tcp": "tcp", "host": None}
 TENSOR = 96 << 10  # bytes per tensor: above the core's 64 KiB streaming threshold
 
 
-def _owner(kind: str) -> Eng:
-    return KIND[kind](EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                                   host_pool=PoolConfig(16 << 20, 16)))
+def _owner() -> NativeEngine:
+    return NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                     host_pool=PoolConfig(16 << 20, 16)))
 
 
-def _puller(kind: str, transport: str, verify: bool = True) -> Eng:
-    return KIND[kind](EngineConfig(cluster_id=2, role=2, transport=TRANSPORTS[transport],
-                                   verify=verify))
+def _puller(transport: str, verify: bool = True) -> NativeEngine:
+    return NativeEngine(EngineConfig(cluster_id=2, role=2, transport=TRANSPORTS[transport],
+                                     verify=verify))
 
 
-@pytest.fixture
-def engines(request: pytest.FixtureRequest) -> Iterator[tuple[Eng, Eng]]:
-    owner_kind, puller_kind, transport = request.param
-    owner = _owner(owner_kind)
-    puller = _puller(puller_kind, transport)
+@pytest.fixture(params=list(TRANSPORTS))
+def engines(request: pytest.FixtureRequest) -> Iterator[tuple[NativeEngine, NativeEngine]]:
+    owner = _owner()
+    puller = _puller(request.param)
     try:
         assert owner.listen_address is not None
         host, port = owner.listen_address
         puller.link(1, host, port, 5.0)
-        path = puller.get_link(1).path
-        assert (path if isinstance(path, str) else path.caps.name) == (
-            "tcp" if transport == "tcp" else "cma")
+        assert puller.get_link(1).path == ("tcp" if request.param == "tcp" else "cma")
         yield owner, puller
     finally:
         puller.close()
         owner.close()
 
 
-def _pairs(owners: tuple[str, ...] = ("python", "native"),
-           pullers: tuple[str, ...] = ("python", "native")) -> list[tuple[str, str, str]]:
-    """(owner, puller, transport) with the core on at least one side."""
-    return [(o, q, t) for o in owners for q in pullers for t in TRANSPORTS
-            if "native" in (o, q)]
-
-
-def _keyed(owner: Eng, req_id: int = 7) -> np.ndarray:
+def _keyed(owner: NativeEngine, req_id: int = 7) -> np.ndarray:
     """A pool cache of the owner bound to CacheKey(req_id), filled with a pattern."""
     entry = owner.allocate(Geometry(2, TENSOR, 1), placement=0, keys=[KeyId(req_id, 0)])
     want = np.empty((2, TENSOR), np.uint8)
@@ -116,7 +108,7 @@ def _keyed(owner: Eng, req_id: int = 7) -> np.ndarray:
     return want
 
 
-def _pull(puller: Eng, req_id: int = 7, *, asynchronous: bool = False) -> np.ndarray:
+def _pull(puller: NativeEngine, req_id: int = 7, *, asynchronous: bool = False) -> np.ndarray:
     dst = np.zeros((2, TENSOR), np.uint8)
     local = puller.register(Geometry(2, TENSOR, 1),
                             [dst.ctypes.data, dst.ctypes.data + TENSOR], placement=0)
@@ -136,7 +128,6 @@ def _pull(puller: Eng, req_id: int = 7, *, asynchronous: bool = False) -> np.nda
         puller.unregister(local.cache_id)
 
 
-@pytest.mark.parametrize("engines", _pairs(), indirect=True, ids="-".join)
 def test_a_checked_pull_lands_and_consumes_its_key(engines) -> None:
     owner, puller = engines
     want = _keyed(owner)
@@ -145,48 +136,89 @@ def test_a_checked_pull_lands_and_consumes_its_key(engines) -> None:
         _pull(puller)
 
 
-@pytest.mark.parametrize("engines", _pairs(owners=("python",), pullers=("native",)),
-                         indirect=True, ids="-".join)
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["pull", "pull_async"])
-def test_the_core_catches_a_lying_owner_and_leaves_the_key(engines, asynchronous,
-                                                           monkeypatch) -> None:
-    """The Python owner lies about its CRC: the core's pull raises IntegrityError with the
-    Python engine's words and code, its verdict (ok = 0) leaves the key, and the retry gets
-    the bytes."""
-    owner, puller = engines
-    want = _keyed(owner)
-    with monkeypatch.context() as m:
-        m.setattr(tcp_mod, "crc_iov", lambda iov: 0xDEADBEEF)
-        with pytest.raises(IntegrityError, match="checksum mismatch: the owner sent crc "
-                                                 "0xdeadbeef") as e:
-            _pull(puller, asynchronous=asynchronous)
-    assert e.value.code == 507057  # LLM_SUSPECT_REMOTE_ERROR
-    assert np.array_equal(_pull(puller), want)
-    with pytest.raises(CacheNotFound):
-        _pull(puller)
+def test_the_core_catches_a_lying_owner(asynchronous: bool) -> None:
+    """A raw owner lies about its CRC: the core's pull raises IntegrityError with the words
+    and code of the rule, and its verdict (ok = 0) tells the owner; the retry gets the
+    bytes, confirmed."""
+    want = np.arange(2 * TENSOR, dtype=np.uint32).astype(np.uint8).reshape(2, TENSOR)
+    with LyingOwner(1, [want[0], want[1]]) as liar:
+        puller = _puller("tcp")
+        try:
+            puller.link(1, *liar.address, 5.0)
+            with pytest.raises(IntegrityError, match="checksum mismatch: the owner sent crc "
+                                                     "0xdeadbeef") as e:
+                _pull(puller, asynchronous=asynchronous)
+            assert e.value.code == 507057  # LLM_SUSPECT_REMOTE_ERROR
+            assert np.array_equal(_pull(puller), want)
+            end = time.monotonic() + 5  # the last verdict may still be on its way
+            while len(liar.verdicts) < 2 and time.monotonic() < end:
+                time.sleep(0.01)
+            assert [ok for _, ok in liar.verdicts] == [False, True], liar.verdicts
+        finally:
+            puller.close()
 
 
-@pytest.mark.parametrize("engines", _pairs(owners=("native",), pullers=("python",)),
-                         indirect=True, ids="-".join)
-def test_the_core_consumes_a_key_only_on_a_confirmed_read(engines, monkeypatch) -> None:
-    """A Python puller that finds a mismatch (here: it miscounts) says so: the core's owner
-    keeps the key. Before, a streamed checked read consumed it as soon as the bytes were
-    sent, and the retry got LLM_KV_CACHE_NOT_EXIST."""
-    owner, puller = engines
-    want = _keyed(owner)
-    with monkeypatch.context() as m:
-        m.setattr(paths_mod, "crc_iov", lambda iov: 0xDEADBEEF)
-        with pytest.raises(IntegrityError, match="checksum mismatch"):
-            _pull(puller)
-    assert np.array_equal(_pull(puller), want)
-    with pytest.raises(CacheNotFound):
-        _pull(puller)
+def _checked_read(cli: Raw, rid: int, flags: p.ReadFlags, n: int = 16) -> list:
+    """A checksummed READ of ``n`` bytes of both tensors of CacheKey(7); its answer."""
+    read = p.Read(p.KeyRef(p.KeyKind.CACHE_KEY, 7, 0, 2**64 - 1), 0,
+                  p.ReadFlags.CHECKSUM | flags, np.arange(2, dtype=np.uint32),
+                  np.zeros(1, np.uint64), np.full(1, n, np.uint64))
+    cli.send(read, rid)
+    first = cli.next()
+    if not isinstance(first[1], (p.ReadData, p.Grant)):
+        return [first[1]]
+    if isinstance(first[1], p.ReadData):
+        return [first[1], cli.next()[1], cli.next()[1]]
+    return [first[1], cli.next()[1]]
+
+
+@pytest.mark.parametrize("how", ["stream", "grant"])
+def test_the_core_consumes_a_key_only_on_a_confirmed_read(how: str) -> None:
+    """A reader that finds a mismatch says so (streamed: RELEASE lease 0 with the READ's id
+    and ok = 0; granted, on the local channel: its grant's RELEASE with ok = 0): the core's
+    owner keeps the key, and the next confirmed pull consumes it. Before, a streamed checked
+    read consumed it as soon as the bytes were sent, and the retry got
+    LLM_KV_CACHE_NOT_EXIST."""
+    owner = _owner()
+    try:
+        want = _keyed(owner)
+        assert owner.listen_address is not None
+        cli = Raw(owner.listen_address[1] if how == "stream"
+                  else local_name(os.getpid(), 1))
+        try:
+            cli.send(p.Hello(77, 2, os.getpid(), 0, b"\x01" * 16, 0, b""), 1)
+            assert isinstance(cli.next()[1], p.Welcome)
+            got = _checked_read(cli, 4, p.ReadFlags.GRANT if how == "grant" else p.ReadFlags.NONE)
+            spans = b"".join(bytes(want[t, :16]) for t in range(2))
+            if how == "stream":
+                assert isinstance(got[0], p.ReadData) and bytes(got[1]) == spans, got
+                assert got[2] == p.Checksum(zlib.crc32(spans), 32)
+                cli.send(p.Release(0, False), 4)  # the verdict: mismatch
+            else:
+                assert isinstance(got[0], p.Grant), got
+                assert got[1] == p.Checksum(zlib.crc32(spans), 32)
+                cli.send(p.Release(got[0].lease_id, False), 5)
+            cli.send(p.Ping(3), 6)
+            assert cli.next() == (6, p.Pong(3))
+        finally:
+            cli.close()
+        puller = _puller("tcp")
+        try:
+            puller.link(1, *owner.listen_address, 5.0)
+            assert np.array_equal(_pull(puller), want)  # still there; consumed now
+            with pytest.raises(CacheNotFound):
+                _pull(puller)
+        finally:
+            puller.close()
+    finally:
+        owner.close()
 
 
 def test_without_a_verdict_the_core_keeps_the_key() -> None:
     """A requester that asked for a checksum and never confirms it (closes instead, or sends
-    another request) consumes nothing on the core's owner either (Python's rule: item 8)."""
-    owner = _owner("native")
+    another request) consumes nothing on the core's owner (test_owner_limits.py, item 8)."""
+    owner = _owner()
     try:
         want = _keyed(owner)
         assert owner.listen_address is not None
@@ -219,7 +251,7 @@ def test_without_a_verdict_the_core_keeps_the_key() -> None:
                     assert cli.next() == (10, p.Pong(2))
             finally:
                 cli.close()
-        puller = _puller("python", "tcp")
+        puller = _puller("tcp")
         try:
             host, port = owner.listen_address
             puller.link(1, host, port, 5.0)
@@ -234,7 +266,7 @@ def test_without_a_verdict_the_core_keeps_the_key() -> None:
 
 def test_a_confirming_raw_reader_consumes_the_key_on_the_core() -> None:
     """The verdict itself: RELEASE lease 0 with the READ's request id and ok = 1 commits."""
-    owner = _owner("native")
+    owner = _owner()
     try:
         _keyed(owner)
         assert owner.listen_address is not None
@@ -259,12 +291,11 @@ def test_a_confirming_raw_reader_consumes_the_key_on_the_core() -> None:
 
 
 def test_auto_runs_checksummed_pulls_on_the_core(monkeypatch) -> None:
-    """datadist.VerifyChecksum no longer keeps a configuration on the Python engine."""
+    """datadist.VerifyChecksum is served by the core's engine."""
     monkeypatch.delenv(native.ENGINE_ENV, raising=False)
     config = EngineConfig(cluster_id=3, role=2, verify=True)
-    assert native.refusal(config) is None
     engine, why = native.engine_for(config, {})
     try:
-        assert engine.native, why
+        assert isinstance(engine, NativeEngine), why
     finally:
         engine.close()

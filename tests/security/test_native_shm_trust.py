@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from _hand import local_name
 
 from datadist.core import native
 from datadist.core.config import EngineConfig
@@ -25,7 +26,6 @@ from datadist.core.errors import DatadistError
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.memory.pool import memfd_map, unmap
 from datadist.testing.fakes import EchoOwner
-from datadist.transport.local import local_name
 from datadist.wire import protocol as p
 
 pytestmark = [

@@ -1,7 +1,9 @@
 """What a NIXL peer can do to the process it links to (issue 26; docs/security.md, "The NIXL
 path"). The attacker is stock NIXL driven by hand (datadist.testing.nixl_peer): it gets an
 owner's metadata over the control channel, as a reader does, then posts its own READs and
-WRITEs, with the metadata as sent or with a region's length rewritten.
+WRITEs, with the metadata as sent or with a region's length rewritten. Owners and readers
+are the C++ core's engines; a hostile owner's requests and answers to a reader come from a
+man in the middle (``_hand.Mitm``) between the reader and a real owner.
 
 What holds:
 
@@ -18,29 +20,33 @@ What holds:
 6. a reader keeps revokes of lease ids it does not know only while a lease request of its
    own is in flight, and boundedly.
 
-Skipped without NIXL (nixl-cu12), except the pure checks (transports, revokes).
+Skipped without NIXL (nixl-cu12), except the pure checks (transports).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
-import time
+import subprocess
+import sys
+import textwrap
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from _hand import Mitm
 
 import datadist as llm_datadist
-from datadist.core import native
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
-from datadist.core.errors import NotSupported
+from datadist.core.errors import DatadistError, InvalidArgument, NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.native import NativeEngine
 from datadist.transport import nixl
-from datadist.transport.nixl import MAX_EARLY_REVOKES, NixlPath, unchecked_transports
+from datadist.transport.nixl import unchecked_transports
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,35 +81,22 @@ class Raw:
         self.sock.close()
 
 
-OWNERS = ["python", pytest.param("native", marks=pytest.mark.skipif(
-    not native.available()[0], reason="the C++ core is not built"))]
+def _owner(**kw: Any) -> NativeEngine:
+    return NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0), **kw))
 
 
-@pytest.fixture(params=OWNERS)
-def kind(request: pytest.FixtureRequest) -> str:
-    """The owner's engine: the Python engine, then the C++ core (core/native.py)."""
-    return request.param  # type: ignore[no-any-return]
+def _reader(**kw: Any) -> NativeEngine:
+    return NativeEngine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
+                                     nixl_whole_process=True, **kw))
 
 
-def _owner(kind: str = "python", **kw: Any) -> Any:
-    cfg = EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0), **kw)
-    return Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
-
-
-def _is_native(owner: Any) -> bool:
-    return bool(getattr(owner, "native", False))
-
-
-def _made(owner: Any) -> bool:
+def _made(owner: NativeEngine) -> bool:
     """Has the owner made its NIXL agent (a reader asked, and it serves)?"""
-    return (owner.nixl_agent if _is_native(owner) else owner.nixl) is not None
+    return owner.nixl_agent is not None
 
 
-def _reconfigure(owner: Any, **kw: Any) -> None:
+def _reconfigure(owner: NativeEngine, **kw: Any) -> None:
     """The owner's NIXL options changed under it, as a running owner asks them anew."""
-    if not _is_native(owner):
-        owner.config = dataclasses.replace(owner.config, **kw)
-        return
     cfg = dataclasses.replace(owner.config, **kw)
     owner.config = cfg
     owner._core.set_nixl_options(cfg.nixl_serve, cfg.nixl_whole_process)
@@ -128,7 +121,7 @@ def thief() -> Iterator[Any]:
     t.close()
 
 
-def _metadata(owner: Engine) -> p.Message:
+def _metadata(owner: NativeEngine) -> p.Message:
     raw = Raw(owner.listen_address)  # type: ignore[arg-type]
     try:
         return raw.call(p.NixlMdRequest())
@@ -136,15 +129,13 @@ def _metadata(owner: Engine) -> p.Message:
         raw.close()
 
 
-def _progress(owner: Any) -> Any:
+def _progress(owner: NativeEngine) -> Any:
     """The owner's pump beats only while a lease is open: the thief drives it instead (as
     another reader's lease would)."""
-    if _is_native(owner):
-        return lambda: owner._core.nixl_progress()
-    return lambda: owner.nixl.agent.get_new_notifs() if owner.nixl is not None else None
+    return lambda: owner._core.nixl_progress()
 
 
-def _steal(owner: Engine, thief: Any, memory: np.ndarray) -> bytes | p.Message:
+def _steal(owner: NativeEngine, thief: Any, memory: np.ndarray) -> bytes | p.Message:
     """Item 1's attack: the owner's metadata with the cache's region stretched over the
     secret, a NIXL READ of the secret. The bytes read, or the owner's refusal."""
     md = _metadata(owner)
@@ -168,11 +159,11 @@ def _refused(got: Any, why: str) -> None:
 
 
 @needs_nixl
-def test_a_default_owner_hands_no_nixl_peer_anything(memory, thief, kind: str) -> None:
+def test_a_default_owner_hands_no_nixl_peer_anything(memory, thief) -> None:
     """NIXL merely installed is no consent: a default owner (no option) answers
     NixlMdRequest with NOT_SUPPORTED and makes no agent. Before, it served its metadata
     and a peer that stretched a region read the unregistered secret next to it."""
-    owner = _owner(kind)
+    owner = _owner()
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         _refused(_steal(owner, thief, memory), "datadist.NixlServe")
@@ -183,11 +174,11 @@ def test_a_default_owner_hands_no_nixl_peer_anything(memory, thief, kind: str) -
 
 @needs_nixl
 def test_unchecked_transports_need_the_whole_process_allowance(
-        memory, thief, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+        memory, thief, monkeypatch: pytest.MonkeyPatch) -> None:
     """Told to serve NIXL, an owner whose UCX may use tcp or shared memory (UCX_TLS unset,
     no RDMA device: this host) still refuses, naming the option that would allow it."""
     monkeypatch.delenv("UCX_TLS", raising=False)
-    owner = _owner(kind, nixl_serve=True)
+    owner = _owner(nixl_serve=True)
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         _refused(_steal(owner, thief, memory), "datadist.NixlAllowWholeProcessAccess")
@@ -198,10 +189,10 @@ def test_unchecked_transports_need_the_whole_process_allowance(
 
 @needs_nixl
 def test_with_the_allowance_a_nixl_peer_reaches_the_whole_process(
-        memory, thief, kind: str) -> None:
+        memory, thief) -> None:
     """What the allowance allows, as docs/security.md says: on key-unchecked transports a
     NIXL peer reads and writes outside every registered region."""
-    owner = _owner(kind, **SERVE)
+    owner = _owner(**SERVE)
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         got = _steal(owner, thief, memory)
@@ -235,30 +226,51 @@ def test_which_transports_count_as_key_checked(tmp_path, tls: str | None, device
     assert (why is None) == checked, why
 
 
-def test_key_checked_transports_still_need_the_allowance_and_consent(
-        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+_KEY_CHECKED = textwrap.dedent("""
+    import dataclasses
+    from datadist.core.config import EngineConfig
+    from datadist.core.native import NativeEngine
+    owner = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                      nixl_serve=True))
+
+    def ask(**kw):
+        cfg = dataclasses.replace(owner.config, **kw)
+        owner._core.set_nixl_options(cfg.nixl_serve, cfg.nixl_whole_process)
+        owner._core.set_remote_writes(cfg.remote_cache_accessible)
+        print(repr(owner.nixl_refusal()))
+
+    ask()
+    ask(nixl_whole_process=True)
+    ask(nixl_serve=False, nixl_whole_process=True)
+    ask(nixl_whole_process=True, remote_cache_accessible=False)
+    owner.close()
+""")
+
+
+@needs_nixl
+def test_key_checked_transports_still_need_the_allowance_and_consent() -> None:
     """On RDMA verbs only (UCX_TLS, a device present) the NIC checks keys, but UCX's software
     RMA emulation (ucp/rma/rma_sw.c: ucp_put_handler copies to whatever address the message
     names) answers a modified UCX on every transport with active messages: nixl_serve alone
     is refused, naming that; with the allowance it serves; without nixl_serve or remote cache
-    access it still refuses."""
-    (tmp_path / "mlx5_0").mkdir()
-    monkeypatch.setattr(nixl, "RDMA_DEVICES", str(tmp_path))
-    monkeypatch.setenv("UCX_TLS", "rc_mlx5,ud_mlx5")
-    assert unchecked_transports() is None
-    owner = _owner(nixl_serve=True)
-    try:
-        refusal = str(owner.nixl_refusal())
-        assert "rma_sw.c" in refusal and "NixlAllowWholeProcessAccess" in refusal, refusal
-        owner.config = dataclasses.replace(owner.config, nixl_whole_process=True)
-        assert owner.nixl_refusal() is None
-        owner.config = dataclasses.replace(owner.config, nixl_serve=False)
-        assert "NixlServe" in str(owner.nixl_refusal())
-        owner.config = dataclasses.replace(owner.config, nixl_serve=True,
-                                           remote_cache_accessible=False)
-        assert "enable_remote_cache_accessible" in str(owner.nixl_refusal())
-    finally:
-        owner.close()
+    access it still refuses. The core's owner runs in a child process in a mount namespace
+    of its own, where /sys/class/infiniband lists a device (a tmpfs; UCX's ib module off)."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (root, unshare)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
+           "UCX_TLS": "rc_mlx5,ud_mlx5", "UCX_MODULES": "^ib"}
+    script = ("mount -t tmpfs none /sys/class && mkdir -p /sys/class/infiniband/mlx5_0 && "
+              'exec "$0" -c "$1"')
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable, _KEY_CHECKED],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    serve_alone, allowed, not_served, no_writes = r.stdout.splitlines()[-4:]
+    assert "rma_sw.c" in serve_alone and "NixlAllowWholeProcessAccess" in serve_alone
+    assert "no RDMA device" not in serve_alone, serve_alone
+    assert allowed == "None"
+    assert "NixlServe" in not_served
+    assert "enable_remote_cache_accessible" in no_writes
 
 
 @needs_nixl
@@ -268,12 +280,12 @@ def test_a_reader_links_by_nixl_over_unchecked_transports_only_when_allowed(
     reader forced to nixl without the allowance links by TCP and says why."""
     monkeypatch.delenv("UCX_TLS", raising=False)
     owner = _owner(**SERVE)
-    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl"))
+    reader = NativeEngine(EngineConfig(cluster_id=READER, role=2, transport="nixl"))
     try:
         link = reader.link(OWNER, *owner.listen_address, 5.0)  # type: ignore[misc]
         assert link.path_name == "tcp"
         assert "NixlAllowWholeProcessAccess" in link.reason, link.reason
-        assert owner.nixl is None  # it never asked for the owner's metadata
+        assert not _made(owner)  # it never asked for the owner's metadata
     finally:
         reader.close()
         owner.close()
@@ -284,11 +296,11 @@ def test_a_reader_links_by_nixl_over_unchecked_transports_only_when_allowed(
 
 @needs_nixl
 def test_an_owner_refusing_writes_hands_out_no_writable_registration(
-        memory, thief, kind: str) -> None:
+        memory, thief) -> None:
     """NIXL registrations cannot be made read-only, so an owner with remote cache access
     off serves no NIXL at all: a peer that would post its own NIXL WRITE with the metadata
     exactly as sent gets none, and the cache is unchanged. Before, the write landed."""
-    owner = _owner(kind, **SERVE, remote_cache_accessible=False)
+    owner = _owner(**SERVE, remote_cache_accessible=False)
     try:
         owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         md = _metadata(owner)
@@ -306,46 +318,45 @@ def test_an_owner_refusing_writes_hands_out_no_writable_registration(
 
 @needs_nixl
 @pytest.mark.parametrize("reader_serves", [False, True])
-def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool,
-                                                           kind: str) -> None:
+def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool) -> None:
     """The owner's end of a NIXL reader's link is the reader's reverse channel: on it the
     reader answers NixlMdRequest, NixlRead, NixlWrite and NixlLease with NOT_SUPPORTED,
     even when it serves NIXL on its own listener (before: its metadata, destination caches
-    and pools included). The link stays usable both ways. The reader is each engine."""
+    and pools included). The requests come from a hostile owner in the middle; the link
+    stays usable both ways."""
     owner = _owner(**SERVE)
-    cfg = EngineConfig(cluster_id=READER, role=2, transport="nixl", nixl_serve=reader_serves,
-                       nixl_whole_process=True)
-    reader = Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
+    reader = _reader(nixl_serve=reader_serves)
     try:
-        dst = np.zeros(N, np.uint8)
-        entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
-        src = np.full(N, 3, np.uint8)
-        owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
-        link = reader.link(OWNER, *owner.listen_address, 5.0)  # type: ignore[misc]
-        assert link.path_name == "nixl", link.reason
-        rev = owner.get_link(READER)  # the reader's reverse channel
-        one, zero = np.ones(1, np.uint64), np.zeros(1, np.uint64)
-        key = p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0, 0)
-        for msg in (p.NixlMdRequest(),
-                    p.NixlRead(key, 0, p.ReadFlags.NONE, np.zeros(1, np.uint32), zero, one),
-                    p.NixlWrite(key, 0, 0, np.zeros(1, np.uint32), zero, one),
-                    p.NixlLease(key, 0)):
-            deadline = time.monotonic() + 5.0
-            with pytest.raises(NotSupported, match="reverse channel"):
-                rev.run(deadline, lambda _path, chan, m=msg, d=deadline: chan.call(m, d))
-        plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
-        reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 5.0)
-        assert (dst == 3).all()
+        with Mitm(owner.listen_address) as mitm:  # type: ignore[arg-type]
+            dst = np.zeros(N, np.uint8)
+            entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
+            src = np.full(N, 3, np.uint8)
+            owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
+            link = reader.link(OWNER, *mitm.address, 5.0)
+            assert link.path_name == "nixl", link.reason
+            one, zero = np.ones(1, np.uint64), np.zeros(1, np.uint64)
+            key = p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0, 0)
+            for msg in (p.NixlMdRequest(),
+                        p.NixlRead(key, 0, p.ReadFlags.NONE, np.zeros(1, np.uint32), zero, one),
+                        p.NixlWrite(key, 0, 0, np.zeros(1, np.uint32), zero, one),
+                        p.NixlLease(key, 0)):
+                _refused(mitm.inject(msg), "reverse channel")
+            assert not dst.any()
+            plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+            reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id,
+                        5.0)
+            assert (dst == 3).all()
+            owner.check_link(READER, 5.0)  # a PING over the reverse channel
     finally:
         reader.close()
         owner.close()
 
 
 @needs_nixl
-def test_a_client_connection_takes_no_nixl_revoke(kind: str) -> None:
+def test_a_client_connection_takes_no_nixl_revoke() -> None:
     """NixlRevoke is the owner's to send, on a reverse channel; from a client it is
     refused (it would make the owner's engine revoke its own reads from that cluster)."""
-    owner = _owner(kind, **SERVE)
+    owner = _owner(**SERVE)
     raw = Raw(owner.listen_address)  # type: ignore[arg-type]
     try:
         _refused(raw.call(p.NixlRevoke(1)), "client")
@@ -359,11 +370,11 @@ def test_a_client_connection_takes_no_nixl_revoke(kind: str) -> None:
 
 
 @needs_nixl
-def test_private_caches_are_never_registered_with_nixl(memory, thief, kind: str) -> None:
+def test_private_caches_are_never_registered_with_nixl(memory, thief) -> None:
     """A cache registered with remote_accessible=False is not in the NIXL registrations:
     an unmodified NIXL READ of it is refused by the peer's own NIXL, while one of a public
     cache works (the thief works). Before, the private cache's bytes came back."""
-    owner = _owner(kind, **SERVE)
+    owner = _owner(**SERVE)
     try:
         public = np.full(N, 9, np.uint8)
         owner.register(Geometry(1, N, 1), [public.ctypes.data], placement=0)
@@ -379,21 +390,17 @@ def test_private_caches_are_never_registered_with_nixl(memory, thief, kind: str)
             thief.read(name, memory.ctypes.data, N, progress=_progress(owner))
         assert "NIXL_ERR" in str(e.value) or "not" in str(e.value).lower(), e.value
         assert not isinstance(e.value, (AssertionError, TimeoutError))
-        if not _is_native(owner):
-            assert owner.nixl.kind_of(memory.ctypes.data, N) is None
     finally:
         owner.close()
 
 
 @needs_nixl
-def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one(kind: str) -> None:
+def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one() -> None:
     """A reader that serves no NIXL registers its private destination (NIXL reads into
     registered memory only) and pulls into it; its agent then refuses to produce metadata
-    at all, even if serving were turned on later. The reader is each engine in turn."""
+    at all, even if serving were turned on later."""
     owner = _owner(**SERVE)
-    cfg = EngineConfig(cluster_id=READER, role=2, transport="nixl", listen=("127.0.0.1", 0),
-                       nixl_whole_process=True)
-    reader = Engine(cfg) if kind == "python" else native.NativeEngine(cfg)
+    reader = _reader(listen=("127.0.0.1", 0))
     try:
         src = np.full(N, 4, np.uint8)
         owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
@@ -431,17 +438,17 @@ def test_nixl_serve_off_holds_for_a_process_whose_agent_exists(
     dd.init(cfg.generate_options())
     try:
         engine = dd.engine  # type: ignore[attr-defined]
-        assert _made(engine)  # the reader's agent, made at init (either engine)
+        assert _made(engine)  # the reader's agent, made at init
         _refused(_metadata(engine), "NixlServe")
     finally:
         dd.finalize()
 
 
 @needs_nixl
-def test_the_serve_setting_is_checked_on_every_nixl_request(memory, kind: str) -> None:
+def test_the_serve_setting_is_checked_on_every_nixl_request(memory) -> None:
     """Every NIXL request asks anew: with serving turned off after the agent exists (and a
     reader was served), NixlMdRequest, NixlRead, NixlWrite and NixlLease are all refused."""
-    owner = _owner(kind, **SERVE)
+    owner = _owner(**SERVE)
     try:
         entry = owner.register(Geometry(1, N, 1), [memory.ctypes.data], placement=0)
         assert isinstance(_metadata(owner), p.NixlMd) and _made(owner)
@@ -481,75 +488,95 @@ def test_nixl_options_are_on_or_off() -> None:
 
 
 # ------------------------------------------------------------------------------ item 6
+# A hostile owner's revokes reach the reader on its reverse channel; a man in the middle
+# (``Mitm``) plays that owner, in front of a real one.
 
 
-class _Agent:
-    no_leases: set[str] = set()
+@contextlib.contextmanager
+def _mitm_link() -> Iterator[Any]:
+    """A core reader linked by NIXL to a core owner (cache 1: N bytes of a pattern) through a
+    man in the middle; ``pull()`` pulls the cache into ``dst``."""
+    owner = _owner(**SERVE)
+    reader = _reader()
+    try:
+        with Mitm(owner.listen_address) as mitm:  # type: ignore[arg-type]
+            src = np.arange(N, dtype=np.uint64).astype(np.uint8)
+            owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
+            dst = np.zeros(N, np.uint8)
+            entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
+            link = reader.link(OWNER, *mitm.address, 5.0)
+            assert link.path_name == "nixl", link.reason
+            plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+
+            def pull(timeout: float = 5.0) -> None:
+                dst[:] = 0
+                reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan,
+                            entry.cache_id, timeout)
+
+            yield types.SimpleNamespace(owner=owner, reader=reader, mitm=mitm, src=src,
+                                        dst=dst, pull=pull)
+    finally:
+        reader.close()
+        owner.close()
 
 
-class _Chan:
-    """A control channel whose NixlLease answer is ``answer``; ``during`` runs while the
-    request is in flight (revokes arriving before the answer)."""
-
-    def __init__(self, answer: p.Message, during: Any = None) -> None:
-        self.answer, self.during = answer, during
-
-    def call(self, msg: p.Message, deadline: float) -> p.Message:
-        assert isinstance(msg, p.NixlLease)
-        if self.during is not None:
-            self.during()
-        return self.answer
-
-    def close(self) -> None:
-        pass
+def _leases(reader: NativeEngine) -> int:
+    """The NIXL leases the reader's link to OWNER holds now (the core's reader asks for a
+    lease from its second pull of a cache on: the first is granted)."""
+    return int(reader._core.link_nixl_leases(OWNER))
 
 
-def _path() -> NixlPath:
-    path = NixlPath(_Agent())  # type: ignore[arg-type]
-    path.remote, path.generation, path._wired = "owner", 5, True
-    return path
-
-
-def _leased(lease_id: int) -> p.NixlLeased:
-    return p.NixlLeased(lease_id, b"owner", 5, p.MEM_DRAM, 0, False, N, N, 1, 0,
-                        np.array([0x10000], np.uint64))
-
-
-READ = p.Read(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, p.ReadFlags.NONE,
-              np.zeros(1, np.uint32), np.zeros(1, np.uint64), np.full(1, 16, np.uint64))
-
-
+@needs_nixl
 def test_revokes_of_unknown_leases_are_not_kept() -> None:
-    """A hostile owner revoking ids we never asked for grows nothing (before: 20,000 of
-    20,000 kept)."""
-    path = _path()
-    assert all(path.revoke(i, 0.0) for i in range(20_000))
-    assert len(path._revoked_early) == 0
+    """A hostile owner revoking ids we never asked for, the next ones it will grant
+    included, while no lease request of ours is in flight: each is answered and none is
+    kept, so the lease then granted (id 1) is held and used (before: 20,000 of 20,000 kept,
+    and a lease granted later under one of those ids dropped)."""
+    with _mitm_link() as t:
+        for lease_id in [*range(1, 50), *range(100_000, 102_000)]:
+            assert isinstance(t.mitm.inject(p.NixlRevoke(lease_id)), p.Ok)
+        for _ in range(2):  # granted, then under a lease
+            t.pull()
+            assert np.array_equal(t.dst, t.src)
+        assert _leases(t.reader) == 1 and t.owner.nixl_leases == 1
+        t.pull()  # under the same lease: the owner grants no other
+        assert np.array_equal(t.dst, t.src) and t.owner.nixl_leases == 1
 
 
+@needs_nixl
 def test_a_revoke_in_advance_does_not_drop_a_lease_the_owner_holds() -> None:
-    """Id 7 revoked before we asked for any lease, then granted: the lease is ours and
+    """Id 1 revoked before we asked for any lease, then granted: the lease is ours and
     used (before: dropped, while the owner kept it pinned)."""
-    path = _path()
-    path.revoke(7, 0.0)
-    lease = path._lease(_Chan(_leased(7)), READ, 1e12)
-    assert lease is not None and path._lease_ids.get(7) is lease
+    with _mitm_link() as t:
+        assert isinstance(t.mitm.inject(p.NixlRevoke(1)), p.Ok)
+        for _ in range(2):  # granted, then under a lease
+            t.pull()
+            assert np.array_equal(t.dst, t.src)
+        assert _leases(t.reader) == 1 and t.owner.nixl_leases == 1
 
 
-def test_a_revoke_racing_its_lease_still_wins_and_is_bounded() -> None:
-    """The one race the memory is for: the revoke of our lease arrives before its
-    NixlLeased. It still ends the lease; a flood meanwhile keeps at most
-    MAX_EARLY_REVOKES ids, and none once the answer came."""
-    path = _path()
+@needs_nixl
+def test_a_revoke_racing_its_lease_still_wins() -> None:
+    """The one race early revokes are kept for: the revoke of our lease arrives before its
+    NIXL_LEASED (the man in the middle holds the answer back, revokes it, floods revokes of
+    other ids, then lets it through). The lease is not used nor kept, and the pull still
+    lands."""
+    raced: list[int] = []
+    with _mitm_link() as t:
+        def race(msg: Any) -> Any:
+            if isinstance(msg, p.NixlLeased) and not raced:
+                raced.append(msg.lease_id)
+                assert isinstance(t.mitm.inject(p.NixlRevoke(msg.lease_id)), p.Ok)
+                for i in range(10_000, 12_000):
+                    assert isinstance(t.mitm.inject(p.NixlRevoke(i)), p.Ok)
+            return msg
 
-    def flood() -> None:
-        path.revoke(7, 0.0)
-        for i in range(10_000, 30_000):
-            path.revoke(i, 0.0)
-        assert len(path._revoked_early) <= MAX_EARLY_REVOKES
-
-    assert path._lease(_Chan(_leased(7), flood), READ, 1e12) is None
-    assert 7 not in path._lease_ids and len(path._revoked_early) == 0
+        t.mitm.rewrite = race
+        for _ in range(2):  # granted, then it asks for a lease: raced
+            t.pull()
+            assert np.array_equal(t.dst, t.src)
+        assert raced
+        assert _leases(t.reader) == 0  # the revoked lease was not kept
 
 
 # ------------------------------------------------------------------- the control path, attacked
@@ -557,9 +584,9 @@ def test_a_revoke_racing_its_lease_still_wins_and_is_bounded() -> None:
 
 
 @needs_nixl
-def test_no_metadata_before_the_shared_secret_is_proven(kind: str) -> None:
+def test_no_metadata_before_the_shared_secret_is_proven() -> None:
     """A peer that skips AUTH and asks for the metadata gets none: the connection ends."""
-    owner = _owner(kind, **SERVE, secret=b"hunter2")
+    owner = _owner(**SERVE, secret=b"hunter2")
     sock = socket.create_connection(owner.listen_address, timeout=10.0)  # type: ignore[arg-type]
     try:
         dec = p.FrameDecoder()
@@ -579,92 +606,82 @@ def test_no_metadata_before_the_shared_secret_is_proven(kind: str) -> None:
         owner.close()
 
 
+@needs_nixl
 def test_a_lying_lease_cannot_widen_a_read() -> None:
-    """A NixlLeased whose geometry is smaller than the pull: the reader checks the pull
+    """A NIXL_LEASED whose geometry is smaller than the pull: the reader checks the pull
     against it as the owner would and refuses it before any NIXL transfer."""
-    from datadist.core.errors import InvalidArgument
-
-    path = _path()
-    small = p.NixlLeased(7, b"owner", 5, p.MEM_DRAM, 0, False, 64, 64, 1, 0,
-                         np.array([0x10000], np.uint64))
-    lease = path._lease(_Chan(small), READ, 1e12)
-    assert lease is not None
-    wide = p.Read(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, p.ReadFlags.NONE,
-                  np.zeros(1, np.uint32), np.full(1, 4096, np.uint64), np.full(1, 16, np.uint64))
-    with pytest.raises(InvalidArgument):
-        path._read_leased(_Chan(small), lease, wide, np.zeros((1, 2), np.uint64), 1e12)
-
-
-def test_a_lying_grant_is_refused_and_the_connection_closed() -> None:
-    """A NixlGrant with another number of bases than tensors asked for (or another message
-    altogether) ends the exchange with a protocol error; nothing is read."""
-    from datadist.core.errors import RemoteProtocolError
-
-    class Chan(_Chan):
-        closed = False
-
-        def call(self, msg: p.Message, deadline: float) -> p.Message:
-            return self.answer
-
-        def close(self) -> None:
-            self.closed = True
-
-    for answer in (p.NixlGrant(1, b"owner", 5, p.MEM_DRAM, 0, np.zeros(3, np.uint64)),
-                   p.Ok()):
-        chan = Chan(answer)
-        with pytest.raises(RemoteProtocolError):
-            _path()._read_granted(chan, READ, np.zeros((1, 2), np.uint64), 1e12)
-        assert chan.closed
+    with _mitm_link() as t:
+        t.mitm.rewrite = lambda m: dataclasses.replace(m, tensor_bytes=64, unit_bytes=64,
+                                                       units=1) \
+            if isinstance(m, p.NixlLeased) else m
+        t.pull()  # granted (no lease yet)
+        assert np.array_equal(t.dst, t.src)
+        with pytest.raises(InvalidArgument):  # under the lying lease
+            t.pull()
+        assert not t.dst.any()
 
 
 @needs_nixl
-def test_revokes_under_load_leave_the_reader_bounded_and_pulling() -> None:
+@pytest.mark.parametrize("answer", ["three bases", "ok"])
+def test_a_lying_grant_is_refused_and_the_connection_closed(answer: str) -> None:
+    """A NIXL_GRANT with another number of bases than tensors asked for (or another message
+    altogether) ends the exchange with a protocol error and closes the connection; nothing
+    is read; the next pull reconnects. (The man in the middle refuses the reader's lease
+    requests, so that it reads by grants.)"""
+    def no_lease(m: Any) -> Any:
+        if isinstance(m, p.NixlLeased):
+            return p.Error(int(NotSupported.code), "no lease (the man in the middle)")
+        return m
+
+    def lying(m: Any) -> Any:
+        if isinstance(m, p.NixlGrant):
+            return (dataclasses.replace(m, bases=np.zeros(3, np.uint64))
+                    if answer == "three bases" else p.Ok())
+        return no_lease(m)
+
+    with _mitm_link() as t:
+        t.mitm.rewrite = lying
+        hellos = t.owner.hello_count(READER)
+        with pytest.raises(DatadistError):
+            t.pull()
+        assert not t.dst.any()
+        t.mitm.rewrite = no_lease
+        t.pull()
+        assert np.array_equal(t.dst, t.src)
+        assert t.owner.hello_count(READER) > hellos  # the lying channel was closed
+
+
+@needs_nixl
+def test_revokes_under_load_leave_the_reader_pulling() -> None:
     """A hostile owner floods a NIXL reader's reverse channel with revokes of ids it never
-    granted, and of the real lease, while the reader pulls: every pull returns the right
-    bytes (a revoked lease is given back and asked for anew), and the reader keeps no
-    memory of the flood."""
+    granted, and of the real leases, while the reader pulls: every pull returns the right
+    bytes (a revoked lease is given back and asked for anew), and the reader holds at most
+    one lease after."""
     import threading
 
-    owner = _owner(**SERVE)
-    reader = Engine(EngineConfig(cluster_id=READER, role=2, transport="nixl",
-                                 nixl_whole_process=True))
-    stop = threading.Event()
-    try:
-        src = np.arange(N, dtype=np.uint64).astype(np.uint8)
-        owner.register(Geometry(1, N, 1), [src.ctypes.data], placement=0)
-        dst = np.zeros(N, np.uint8)
-        entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
-        link = reader.link(OWNER, *owner.listen_address, 5.0)  # type: ignore[misc]
-        assert link.path_name == "nixl", link.reason
-        rev = owner.get_link(READER)
+    with _mitm_link() as t:
+        stop = threading.Event()
         sent = [0]
 
         def flood() -> None:
             i = 0
             while not stop.is_set() and i < 3000:
                 i += 1
-                deadline = time.monotonic() + 5.0
-                lease_id = 1 if i % 7 == 0 else 1_000_000 + i  # the real first lease, too
-                msg = p.NixlRevoke(lease_id)
-                rev.run(deadline, lambda _p, chan, m=msg, d=deadline: chan.call(m, d))
+                lease_id = i // 7 if i % 7 == 0 else 1_000_000 + i  # the real leases, too
+                t.mitm.inject(p.NixlRevoke(lease_id))
                 sent[0] += 1
 
-        t = threading.Thread(target=flood, daemon=True)
-        t.start()
-        plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
-        for _ in range(50):
-            dst[:] = 0
-            reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id,
-                        5.0)
-            assert np.array_equal(dst, src)
-        stop.set()
-        t.join(30)
+        th = threading.Thread(target=flood, daemon=True)
+        th.start()
+        try:
+            for _ in range(50):
+                t.pull()
+                assert np.array_equal(t.dst, t.src)
+        finally:
+            stop.set()
+            th.join(30)
         assert sent[0] > 0
-        assert len(link.path._revoked_early) <= MAX_EARLY_REVOKES
-    finally:
-        stop.set()
-        reader.close()
-        owner.close()
+        assert _leases(t.reader) <= 1
 
 
 @needs_nixl

@@ -1,7 +1,8 @@
 """The owner against hostile and concurrent peers (issue 9, items 2, 5, 8, 9, 11, 13).
 
-Each test names its item and says what happened before the fix. The owner is an in-process
-Engine listening on loopback; hostile peers are raw sockets speaking the wire by hand.
+Each test names its item and says what happened before the fix. The owner is the C++ core's
+engine in this process, listening on loopback; hostile peers are raw sockets speaking the
+wire by hand.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ import threading
 import time
 import zlib
 
-import datadist.transport.tcp as tcp_mod
 import numpy as np
 import pytest
-from datadist.core.engine import Engine
+from _hand import nonce
 
-from datadist.core import auth
 from datadist.core.config import EngineConfig
-from datadist.core.errors import CacheNotFound, IntegrityError, InvalidArgument, LinkFailed
+from datadist.core.errors import CacheNotFound, InvalidArgument, LinkFailed
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
-from datadist.core.registry import MAX_REQUEST_SPANS, KeyId, Registry
+from datadist.core.native import NativeEngine
+from datadist.core.registry import MAX_REQUEST_SPANS, KeyId
 from datadist.memory.pool import PoolConfig
 from datadist.wire import protocol as p
 
@@ -56,7 +56,7 @@ class Raw:
 
     def hello(self, cluster_id: int = 77, *, secret: bool = False) -> p.Welcome:
         h = p.Hello(cluster_id, 2, 1, 0, b"\x01" * 16, p.FEATURE_AUTH if secret else 0,
-                    auth.nonce() if secret else b"")
+                    nonce() if secret else b"")
         self.send(h, 1)
         got = self.next()
         assert got is not None and isinstance(got[1], p.Welcome), got
@@ -68,17 +68,17 @@ class Raw:
 
 @pytest.fixture
 def owner():
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                              host_pool=PoolConfig(16 << 20, 16)))
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                    host_pool=PoolConfig(16 << 20, 16)))
     yield eng
     eng.close()
 
 
-def _puller(verify: bool = False) -> Engine:
-    return Engine(EngineConfig(cluster_id=2, role=2, transport="tcp", verify=verify))
+def _puller(verify: bool = False) -> NativeEngine:
+    return NativeEngine(EngineConfig(cluster_id=2, role=2, transport="tcp", verify=verify))
 
 
-def _link(puller: Engine, owner: Engine) -> None:
+def _link(puller: NativeEngine, owner: NativeEngine) -> None:
     host, port = owner.listen_address
     puller.link(1, host, port, 3.0)
 
@@ -86,8 +86,8 @@ def _link(puller: Engine, owner: Engine) -> None:
 # ------------------------------------------------------------------------------ item 2
 
 
-@pytest.mark.parametrize(("repeats", "why"), [(4096, "spans one request may name"),
-                                               (1024, "more than once")])
+@pytest.mark.parametrize(("repeats", "why"), [(4096, "too many spans in one request"),
+                                               (1024, "named twice in one request")])
 def test_item2_repeating_one_tensor_index_is_refused_at_once(owner, repeats, why) -> None:
     """The 80 KiB READ of the review: tensor 0 named 4096 times, 4096 one-byte spans, with a
     checksum. Before: 16M spans, a 16M-element Python list, GBs of RSS and 15 s of GIL.
@@ -170,7 +170,8 @@ def test_item2_span_expansion_stays_cheap_for_others(owner, tensors: int) -> Non
         items = got["items"]
         if tensors * 8192 > MAX_REQUEST_SPANS:
             assert isinstance(items[0][1], p.Error), items[0]
-            assert "spans one request may name" in items[0][1].message
+            assert items[0][1].code == InvalidArgument.code
+            assert "too many spans in one request" in items[0][1].message
             return
         assert isinstance(items[0][1], p.ReadData) and items[0][1].nbytes == tensors * 8192
         assert items[1][1] == big.tobytes()
@@ -223,7 +224,7 @@ def test_item5_a_big_first_frame_is_refused_before_it_is_buffered(owner, mtype) 
 
 
 def test_item5_a_big_auth_frame_is_refused_too() -> None:
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), secret=b"s"))
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), secret=b"s"))
     cli = Raw(eng.listen_address[1])
     try:
         cli.hello(secret=True)
@@ -240,8 +241,8 @@ def test_item5_a_big_auth_frame_is_refused_too() -> None:
 def test_item5_connections_per_peer_address_are_capped() -> None:
     """Over the per-address cap a connection is refused with LLM_LINK_FAILED and a reason,
     the ones already served go on, and a slot freed is usable again."""
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                              max_connections_per_peer=3))
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                    max_connections_per_peer=3))
     hogs = [Raw(eng.listen_address[1]) for _ in range(3)]
     puller = _puller()
     try:
@@ -249,6 +250,15 @@ def test_item5_connections_per_peer_address_are_capped() -> None:
             h.hello()
         with pytest.raises(LinkFailed, match="too many connections"):
             _link(puller, eng)
+        over = Raw(eng.listen_address[1])  # refused on the wire too: an ERROR
+        try:
+            over.send(p.Hello(77, 2, 1, 0, b"\x01" * 16, 0, b""), 1)
+            got = over.next()
+            assert got is not None and isinstance(got[1], p.Error), got
+            assert got[1].code == LinkFailed.code and "too many connections" in got[1].message
+            assert over.next() is None  # and closed
+        finally:
+            over.close()
         hogs.pop().close()  # a link takes two connections: its control and reverse channels
         hogs.pop().close()
         deadline = time.monotonic() + 5
@@ -260,7 +270,6 @@ def test_item5_connections_per_peer_address_are_capped() -> None:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
         puller.check_link(1, 2.0)
-        assert eng.listener is not None and eng.listener.refused >= 1
     finally:
         for h in hogs:
             h.close()
@@ -271,7 +280,7 @@ def test_item5_connections_per_peer_address_are_capped() -> None:
 # ------------------------------------------------------------------------------ item 8
 
 
-def _keyed_pool_cache(owner: Engine, req_id: int = 7) -> np.ndarray:
+def _keyed_pool_cache(owner: NativeEngine, req_id: int = 7) -> np.ndarray:
     """A pool cache bound to CacheKey(req_id, model 0), filled with a pattern."""
     entry = owner.allocate(Geometry(2, 4096, 1), placement=0, keys=[KeyId(req_id, 0)])
     want = np.empty((2, 4096), np.uint8)
@@ -283,7 +292,7 @@ def _keyed_pool_cache(owner: Engine, req_id: int = 7) -> np.ndarray:
     return want
 
 
-def _pull_key(puller: Engine, req_id: int = 7) -> np.ndarray:
+def _pull_key(puller: NativeEngine, req_id: int = 7) -> np.ndarray:
     dst = np.zeros((2, 4096), np.uint8)
     local = puller.register(Geometry(2, 4096, 1), [dst.ctypes.data, dst.ctypes.data + 4096],
                             placement=0)
@@ -296,24 +305,9 @@ def _pull_key(puller: Engine, req_id: int = 7) -> np.ndarray:
         puller.unregister(local.cache_id)
 
 
-def test_item8_a_checksum_mismatch_over_tcp_does_not_consume_the_key(
-        owner, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: the owner consumed the req_id key (and freed the cache) as soon as it had
-    sent the bytes, so the retry after a mismatch got LLM_KV_CACHE_NOT_EXIST. Now the key
-    is consumed only once the requester says the CRC matched."""
-    want = _keyed_pool_cache(owner)
-    puller = _puller(verify=True)
-    try:
-        _link(puller, owner)
-        with monkeypatch.context() as m:
-            m.setattr(tcp_mod, "crc_iov", lambda iov: 0xDEADBEEF)  # the owner lies
-            with pytest.raises(IntegrityError, match="checksum mismatch"):
-                _pull_key(puller)
-        assert np.array_equal(_pull_key(puller), want)  # the retry gets the cache
-        with pytest.raises(CacheNotFound):  # and that verified read consumed the key
-            _pull_key(puller)
-    finally:
-        puller.close()
+# item 8, "a checksum mismatch over TCP does not consume the key": the reader's ok = 0
+# verdict, streamed and granted, is checked against the core's owner by
+# test_integrity_engines.py::test_the_core_consumes_a_key_only_on_a_confirmed_read.
 
 
 def test_item8_without_a_verdict_the_key_stays(owner) -> None:
@@ -359,8 +353,8 @@ def test_item9_an_owner_without_remote_cache_access_refuses_keyed_writes() -> No
     """Before: only the pushing side checked enable_remote_cache_accessible; a peer that
     skipped the check wrote into the owner's caches. Raw-address writes
     (transfer_cache_async's TransferConfig, that mode's push) stay allowed."""
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                              remote_cache_accessible=False))
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                    remote_cache_accessible=False))
     target = np.zeros(4096, np.uint8)
     entry = eng.register(Geometry(1, 4096, 1), [target.ctypes.data], placement=0)
     pusher = _puller()
@@ -406,8 +400,8 @@ def test_item11_an_unauthenticated_hello_is_not_an_inbound_peer() -> None:
     """Before: the owner registered the peer when the HELLO arrived, before the proof, so
     switch_role said LLM_EXIST_LINK and comm's connected-back step could be satisfied by a
     peer without the secret. Now only a completed handshake registers it."""
-    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
-                              secret=b"hunter2"))
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                    secret=b"hunter2"))
     cli = Raw(eng.listen_address[1])
     try:
         cli.hello(cluster_id=2, secret=True)
@@ -416,7 +410,7 @@ def test_item11_an_unauthenticated_hello_is_not_an_inbound_peer() -> None:
         cli.send(p.Auth(b"\0" * 32), 2)  # a wrong proof: still nobody
         assert isinstance(cli.next()[1], p.Error)
         assert eng.inbound_peers() == [] and not eng.has_links()
-        good = Engine(EngineConfig(cluster_id=2, role=2, secret=b"hunter2"))
+        good = NativeEngine(EngineConfig(cluster_id=2, role=2, secret=b"hunter2"))
         try:
             _link(good, eng)
             deadline = time.monotonic() + 2
@@ -436,34 +430,67 @@ def test_item11_an_unauthenticated_hello_is_not_an_inbound_peer() -> None:
 # ------------------------------------------------------------------------------ item 13
 
 
-def test_item13_two_concurrent_readers_cannot_both_consume_one_key() -> None:
+def _read_key(cli: Raw, rid: int, req_id: int = 7) -> list:
+    """A checksummed READ of 16 bytes of both tensors of CacheKey(req_id) on ``cli``: the
+    answer's frames (READ_DATA, the bytes, CHECKSUM; or one ERROR)."""
+    cli.send(p.Read(p.KeyRef(p.KeyKind.CACHE_KEY, req_id, 0, 2**64 - 1), 0,
+                    p.ReadFlags.CHECKSUM, np.arange(2, dtype=np.uint32),
+                    np.zeros(1, np.uint64), np.full(1, 16, np.uint64)), rid)
+    first = cli.next()
+    assert first is not None and first[0] == rid, first
+    if isinstance(first[1], p.Error):
+        return [first[1]]
+    return [first[1], cli.next()[1], cli.next()[1]]
+
+
+def test_item13_two_concurrent_readers_cannot_both_consume_one_key(owner) -> None:
     """Before: the key was checked at open and consumed at close, so two reads opened
-    before either ended both succeeded. Now the first reserves it: exactly one succeeds."""
-    reg = Registry()
-    reg.add(Geometry(2, 256, 1), [0x10000, 0x20000], owned=True, keys=[KeyId(5, 0)])
-    ref = p.KeyRef(p.KeyKind.CACHE_KEY, 5, 0, 2**64 - 1)
-    args = (0, np.arange(2, dtype=np.uint32), np.zeros(1, np.uint64), np.full(1, 256, np.uint64))
-    first = reg.open(ref, *args)
-    with pytest.raises(CacheNotFound, match="another request"):
-        reg.open(ref, *args)
-    reg.close(first, True)
-    with pytest.raises(CacheNotFound):
-        reg.open(ref, *args)
+    before either ended both succeeded. Now the first reserves it: a second reader, while
+    the first's verdict is pending, is refused; the first's confirmation consumes it."""
+    _keyed_pool_cache(owner)
+    first, second = Raw(owner.listen_address[1]), Raw(owner.listen_address[1])
+    try:
+        first.hello(77)
+        second.hello(78)
+        assert [type(m) for m in _read_key(first, 4)] == [p.ReadData, bytes, p.Checksum]
+        refused = _read_key(second, 4)  # the first's verdict is pending: still reserved
+        assert isinstance(refused[0], p.Error) and refused[0].code == CacheNotFound.code
+        assert "another request" in refused[0].message
+        first.send(p.Release(0, True), 4)  # confirmed: consumed
+        first.send(p.Ping(1), 5)
+        assert first.next() == (5, p.Pong(1))
+        gone = _read_key(second, 6)
+        assert isinstance(gone[0], p.Error) and gone[0].code == CacheNotFound.code
+        assert "another request" not in gone[0].message
+    finally:
+        first.close()
+        second.close()
 
 
-def test_item13_a_failed_reader_leaves_the_key_to_the_next_one() -> None:
-    reg = Registry()
-    reg.add(Geometry(2, 256, 1), [0x10000, 0x20000], owned=True, keys=[KeyId(5, 0)])
-    ref = p.KeyRef(p.KeyKind.CACHE_KEY, 5, 0, 2**64 - 1)
-    args = (0, np.arange(2, dtype=np.uint32), np.zeros(1, np.uint64), np.full(1, 256, np.uint64))
-    reg.close(reg.open(ref, *args), False)
-    second = reg.open(ref, *args)
-    reg.unlease(second)  # bytes sent, verdict pending: still reserved
-    with pytest.raises(CacheNotFound, match="another request"):
-        reg.open(ref, *args)
-    reg.settle(second, True)
-    with pytest.raises(CacheNotFound):
-        reg.open(ref, *args)
+def test_item13_a_failed_reader_leaves_the_key_to_the_next_one(owner) -> None:
+    """A reader whose verdict says the bytes were wrong (ok = 0) consumes nothing: the key is
+    the next reader's, reserved by it until its own verdict."""
+    _keyed_pool_cache(owner)
+    first, second = Raw(owner.listen_address[1]), Raw(owner.listen_address[1])
+    try:
+        first.hello(77)
+        second.hello(78)
+        assert [type(m) for m in _read_key(first, 4)] == [p.ReadData, bytes, p.Checksum]
+        first.send(p.Release(0, False), 4)
+        first.send(p.Ping(1), 5)
+        assert first.next() == (5, p.Pong(1))
+        assert [type(m) for m in _read_key(second, 6)] == [p.ReadData, bytes, p.Checksum]
+        refused = _read_key(first, 7)  # the second's verdict is pending
+        assert isinstance(refused[0], p.Error) and "another request" in refused[0].message
+        second.send(p.Release(0, True), 6)
+        second.send(p.Ping(2), 8)
+        assert second.next() == (8, p.Pong(2))
+        gone = _read_key(first, 9)
+        assert isinstance(gone[0], p.Error) and gone[0].code == CacheNotFound.code
+        assert "another request" not in gone[0].message
+    finally:
+        first.close()
+        second.close()
 
 
 def test_item13_concurrent_pulls_over_tcp_consume_once(owner) -> None:
@@ -471,14 +498,14 @@ def test_item13_concurrent_pulls_over_tcp_consume_once(owner) -> None:
     LLM_KV_CACHE_NOT_EXIST, and exactly one gets it."""
     want = _keyed_pool_cache(owner, req_id=9)
     results: list[object] = []
-    pullers = [Engine(EngineConfig(cluster_id=10 + i, role=2, transport="tcp"))
+    pullers = [NativeEngine(EngineConfig(cluster_id=10 + i, role=2, transport="tcp"))
                for i in range(8)]
     try:
         for pl in pullers:
             _link(pl, owner)
         barrier = threading.Barrier(len(pullers))
 
-        def go(pl: Engine) -> None:
+        def go(pl: NativeEngine) -> None:
             barrier.wait(5)
             try:
                 results.append(_pull_key(pl, 9))

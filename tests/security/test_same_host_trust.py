@@ -3,35 +3,36 @@
 "Same host" is decided by the kernel (a unix-socket local channel and SO_PEERCRED), never by
 what a peer says; a puller only ever reads the memory of the pid the kernel verified; grants
 (addresses, leases) go only to verified peers, capped and expiring; a same-host owner cannot
-crash a puller through its shared-memory grants; PR_SET_PTRACER_ANY is set only for
-cross-memory attach, and undone.
+crash a puller through its shared-memory grants (test_native_shm_trust.py); a refused
+cross-memory attach keeps shared memory. Owners and pullers are the C++ core's engines; fake
+owners are raw sockets (datadist.testing.fakes.EchoOwner), hostile readers raw clients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+from _hand import DENY_CMA, local_name
 
-from datadist.core import engine as engine_mod
-from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
+from datadist.core.config import HOST, EngineConfig
 from datadist.core.errors import Code, DatadistError, OutOfMemory
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.native import NativeEngine
 from datadist.memory import shared
-from datadist.memory.pool import HostPool, PoolConfig, memfd_map, unmap
+from datadist.memory.pool import HostPool, PoolConfig
 from datadist.testing.fakes import EchoOwner
-from datadist.transport import iov, tcp
-from datadist.transport.local import local_name
-from datadist.transport.paths import CmaPath, ShmUnavailable
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,13 +41,23 @@ N = 4096
 OWNER, PULLER = 1, 2
 GEO = Geometry(1, N, 1)
 KEY = p.KeyRef(p.KeyKind.CACHE_ID, 1, 0)
+# the core's owner's grant limits (cpp/src/server.cc): unreleased grants per connection and
+# per peer process, a grant's life, and its life once the owner wants the memory back
+MAX_GRANTS_PER_CONNECTION, MAX_GRANTS_PER_PEER = 4, 16
+GRANT_TTL, RECLAIM_GRACE = 30.0, 5.0
 
 
-def _puller(transport: str | None = None, **kw: object) -> Engine:
-    return Engine(EngineConfig(cluster_id=PULLER, role=2, transport=transport, **kw))  # type: ignore[arg-type]
+def _verified(link: object, pid: int) -> bool:
+    """``link`` (a NativeLink) reads the process the kernel verified as ``pid``."""
+    return (getattr(link, "path_name", None) == "cma"
+            and f"verified by the kernel (pid {pid}," in getattr(link, "reason", ""))
 
 
-def _pull(puller: Engine, dst: np.ndarray, cluster_id: int = OWNER) -> None:
+def _puller(transport: str | None = None, **kw: object) -> NativeEngine:
+    return NativeEngine(EngineConfig(cluster_id=PULLER, role=2, transport=transport, **kw))  # type: ignore[arg-type]
+
+
+def _pull(puller: NativeEngine, dst: np.ndarray, cluster_id: int = OWNER) -> None:
     entry = puller.register(GEO, [dst.ctypes.data], placement=0)
     try:
         plan = plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2))
@@ -57,7 +68,7 @@ def _pull(puller: Engine, dst: np.ndarray, cluster_id: int = OWNER) -> None:
 
 @pytest.fixture
 def owner():
-    eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0)))
+    eng = NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0)))
     data = np.arange(N, dtype=np.uint8)
     eng.register(GEO, [data.ctypes.data], placement=0)
     yield eng, data
@@ -112,7 +123,7 @@ def test_a_local_squatter_is_read_by_its_own_pid_only() -> None:
         puller = _puller()
         try:
             link = puller.link(OWNER, "127.0.0.1", port, 5.0)
-            assert isinstance(link.path, CmaPath) and link.path.pid == proc.pid, link
+            assert _verified(link, proc.pid), link
             dst = np.zeros(N, dtype=np.uint8)
             with contextlib.suppress(DatadistError):  # not mapped in the squatter: fails
                 _pull(puller, dst)
@@ -134,7 +145,7 @@ def test_reconnect_chooses_the_path_anew(owner, moved_to: str) -> None:
     puller = _puller()
     try:
         link = puller.link(OWNER, host, port, 2.0)
-        assert isinstance(link.path, CmaPath) and link.path.pid == os.getpid()
+        assert _verified(link, os.getpid()), link
         dst = np.zeros(N, dtype=np.uint8)
         _pull(puller, dst)
         assert np.array_equal(dst, data)
@@ -143,7 +154,7 @@ def test_reconnect_chooses_the_path_anew(owner, moved_to: str) -> None:
         boot = b"\x07" * 16 if moved_to == "another-boot-id" else None
         with EchoOwner(OWNER, port=port, boot_id=boot, grant_addr=secret.ctypes.data) as fake:
             _pull(puller, dst)
-            assert link.path_name == "tcp", link
+            assert puller.get_link(OWNER).path_name == "tcp", puller.get_link(OWNER)
             assert (dst == 0x5A).all()
             assert fake.reads and not any(f & p.ReadFlags.GRANT for f in fake.reads)
     finally:
@@ -155,11 +166,11 @@ def test_genuine_same_host_link_uses_the_verified_pid(owner) -> None:
     puller = _puller()
     try:
         link = puller.link(OWNER, *eng.listen_address, 2.0)
-        assert isinstance(link.path, CmaPath) and link.path.pid == os.getpid()
-        assert link.chan.local_cred is not None
+        assert _verified(link, os.getpid()), link
         dst = np.zeros(N, dtype=np.uint8)
         _pull(puller, dst)
         assert np.array_equal(dst, data)
+        assert puller.last_moved(OWNER) == "cma"  # read from the verified pid's memory
     finally:
         puller.close()
 
@@ -266,10 +277,10 @@ def test_cache_leases_only_on_the_local_channel(owner) -> None:
 
 @pytest.fixture
 def pool_owner():
-    eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
+    eng = NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
                               host_pool=PoolConfig(1 << 20, 16)))
     clients: list[Raw] = []
-    entry = eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
+    entry = eng.allocate(Geometry(1, 1 << 20, 1), placement=HOST)
 
     def client() -> Raw:
         clients.append(Raw(local_name(os.getpid(), OWNER)))
@@ -282,12 +293,12 @@ def pool_owner():
     eng.close()
 
 
-def _wait_allocatable(eng: Engine, within: float) -> float:
+def _wait_allocatable(eng: NativeEngine, within: float) -> float:
     """Seconds until the whole pool can be allocated again (fails after ``within``)."""
     t0 = time.monotonic()
     while True:
         try:
-            eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
+            eng.allocate(Geometry(1, 1 << 20, 1), placement=HOST)
             return time.monotonic() - t0
         except OutOfMemory:
             assert time.monotonic() - t0 < within, "the pool stayed exhausted"
@@ -296,123 +307,52 @@ def _wait_allocatable(eng: Engine, within: float) -> float:
 
 def test_grants_are_capped_per_connection_and_per_peer(pool_owner) -> None:
     eng, key, client = pool_owner
-    conns = engine_mod.MAX_GRANTS_PER_PEER // tcp.MAX_GRANTS_PER_CONNECTION
+    conns = MAX_GRANTS_PER_PEER // MAX_GRANTS_PER_CONNECTION
     first = client()
     for c in [first] + [client() for _ in range(conns - 1)]:
-        for _ in range(tcp.MAX_GRANTS_PER_CONNECTION):
+        for _ in range(MAX_GRANTS_PER_CONNECTION):
             assert isinstance(c.grant(key), p.Grant)
     over = first.grant(key)  # this connection is full
     assert isinstance(over, p.Error) and over.code == Code.LINK_BUSY, over
-    over = client().grant(key)  # a new connection of the same process: the peer is full
+    last = client()
+    over = last.grant(key)  # a new connection of the same process: the peer is full
     assert isinstance(over, p.Error) and over.code == Code.LINK_BUSY, over
-    assert eng._grants == {os.getpid(): engine_mod.MAX_GRANTS_PER_PEER}
+    assert isinstance(last.call(p.Ping(2)), p.Pong)  # refused, still served
 
 
-def test_a_deallocated_cache_is_reclaimed_from_silent_grants(
-        pool_owner, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_deallocated_cache_is_reclaimed_from_silent_grants(pool_owner) -> None:
     """A verified peer takes grants and never releases them, nor disconnects: once the
     cache is deallocated its memory is back in the pool within RECLAIM_GRACE (+ a sweep),
     long before GRANT_TTL."""
-    monkeypatch.setattr(tcp, "RECLAIM_GRACE", 1.0)
     eng, key, client = pool_owner
     c = client()
-    for _ in range(tcp.MAX_GRANTS_PER_CONNECTION):
+    for _ in range(MAX_GRANTS_PER_CONNECTION):
         assert isinstance(c.grant(key), p.Grant)
     eng.deallocate(key.a)
     with pytest.raises(OutOfMemory):  # still leased: not back yet
-        eng.allocate(Geometry(1, 1 << 20, 1), placement=engine_mod.HOST)
-    assert _wait_allocatable(eng, 8.0) < tcp.GRANT_TTL
-    assert not eng._grants
+        eng.allocate(Geometry(1, 1 << 20, 1), placement=HOST)
+    assert _wait_allocatable(eng, GRANT_TTL - 5) < GRANT_TTL
     assert isinstance(c.call(p.Ping(1)), p.Pong)  # the peer is still served
 
 
-def test_grants_expire_after_their_ttl(pool_owner, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tcp, "GRANT_TTL", 1.0)
+@pytest.mark.timeout(120)
+def test_grants_expire_after_their_ttl(pool_owner) -> None:
+    """A grant nobody releases and nobody wants back ends after GRANT_TTL (30 s in the core):
+    a deallocation after that gets the memory back at once, not after RECLAIM_GRACE."""
     eng, key, client = pool_owner
     c = client()
     assert isinstance(c.grant(key), p.Grant)
-    assert eng._grants
-    deadline = time.monotonic() + 8.0
-    while eng._grants:
-        assert time.monotonic() < deadline, "the grant never expired"
-        time.sleep(0.05)
+    time.sleep(GRANT_TTL + 1)
+    assert isinstance(c.call(p.Ping(1)), p.Pong)  # the connection is served meanwhile
     eng.deallocate(key.a)  # nothing holds it now: back at once
-    assert _wait_allocatable(eng, 0.5) < 0.5
+    assert _wait_allocatable(eng, RECLAIM_GRACE - 1) < RECLAIM_GRACE - 1
 
 
 # ---------------------------------------------------------------------------- item 7
 
-_SAME_FD_NEW_INODE = textwrap.dedent("""
-    import os, socket, threading, time
-    import numpy as np
-    from datadist.core.errors import RemoteProtocolError
-    from datadist.memory.pool import memfd_map
-    from datadist.transport.paths import CmaPath
-    from datadist.transport.channel import Channel
-    from datadist.wire import protocol as p
-
-    SIZE = 1 << 16
-    fd_a, addr_a = memfd_map("a", SIZE)
-    (np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * SIZE).from_address(addr_a)))[:] = 1
-    FD = fd_a
-    ino = lambda fd: os.fstat(fd).st_ino
-    grants = []
-    a, b = socket.socketpair()
-
-    def owner():
-        dec, pending = p.FrameDecoder(), []
-        for g in iter(lambda: grants.pop(0) if grants else None, None):
-            while True:
-                while not pending:
-                    pending += dec.feed(a.recv(65536))
-                rid, msg = pending.pop(0)
-                if isinstance(msg, p.Read):
-                    a.sendall(p.encode(g, rid))
-                    break
-
-    chan = Channel(b, "pair")
-    path = CmaPath(os.getpid())
-    dst = np.zeros(2 * SIZE, dtype=np.uint8)
-
-    def read(n_tensors, grant):
-        grants.append(grant)
-        t = threading.Thread(target=owner, daemon=True)
-        t.start()
-        local = np.array([[dst.ctypes.data, n_tensors * SIZE]], dtype=np.uint64)
-        msg = p.Read(p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, p.ReadFlags.NONE,
-                     np.arange(n_tensors, dtype=np.uint32), np.array([0], np.uint64),
-                     np.array([SIZE], np.uint64))
-        try:
-            path.read(chan, msg, local, time.monotonic() + 5)
-        finally:
-            t.join(5)
-
-    read(1, p.ShmGrant(1, np.array([FD], "<i4"), np.array([ino(FD)], "<u8"),
-                       np.array([0], "<u8")))
-    assert (dst[:SIZE] == 1).all() and path.last == "shm"
-    old = ino(FD)
-    fd_b, addr_b = memfd_map("b", 4 * SIZE)  # a new, bigger file now behind the same fd number
-    os.dup2(fd_b, FD)
-    new = ino(FD)
-    try:
-        read(2, p.ShmGrant(2, np.array([FD, FD], "<i4"), np.array([old, new], "<u8"),
-                           np.array([0, 0], "<u8")))
-    except RemoteProtocolError as e:
-        print("refused:", e)
-    else:
-        print("copied")
-""")
-
-
-def test_shm_grant_naming_one_fd_with_two_inodes_is_refused() -> None:
-    """An owner names fd X with the inode we mapped, then fd X with a new inode, in one
-    grant. The old code unmapped the first mapping while resolving the second and copied
-    from it: SIGSEGV. Every mapping must be resolved before any is unmapped: refused."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run([sys.executable, "-c", _SAME_FD_NEW_INODE], env=env,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    assert "refused: shm grant names fd" in r.stdout, r.stdout
+# What a lying same-host owner's SHM_GRANTs can do to the core's reader (one fd named with
+# two inodes, an unsealed memfd, a FIFO, spans past a mapping) is checked in
+# test_native_shm_trust.py, and in cpp/tests/shm_test.cc (ShmMap, ShmMaps, ShmSpans).
 
 
 def test_pools_and_shared_arrays_are_sealed_against_shrinking() -> None:
@@ -429,137 +369,143 @@ def test_pools_and_shared_arrays_are_sealed_against_shrinking() -> None:
         os.ftruncate(arena.fd, 0)
 
 
-def test_unsealed_memfd_is_not_mapped() -> None:
-    """A memfd its owner could shrink under our copy (SIGBUS) is not mapped: the reader
-    falls back to cross-memory attach (ShmUnavailable), and maps nothing."""
-    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, 1 << 16)
-        path = CmaPath(os.getpid())
-        with pytest.raises(ShmUnavailable, match="not sealed"):
-            path._map(fd, os.fstat(fd).st_ino)
-        sealed, addr = memfd_map("sealed", 1 << 16)
-        try:
-            got, size = path._map(sealed, os.fstat(sealed).st_ino)
-            assert size == 1 << 16
-            unmap(got, size)
-        finally:
-            unmap(addr, 1 << 16)
-            os.close(sealed)
-    finally:
-        os.close(fd)
-
-
-def test_shm_grant_naming_a_fifo_does_not_hang() -> None:
-    r, w = os.pipe()
-    try:
-        path = CmaPath(os.getpid())
-        t0 = time.monotonic()
-        with pytest.raises(DatadistError):
-            path._map(r, os.fstat(r).st_ino)
-        assert time.monotonic() - t0 < 2
-    finally:
-        os.close(r)
-        os.close(w)
-
-
 # ---------------------------------------------------------------------------- item 12
 
 
-@pytest.fixture
-def ptracer(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A fresh process-wide Ptracer under a simulated Yama scope 1; returns the prctl
-    values set, in order."""
-    calls: list[int] = []
-    monkeypatch.setattr(iov, "_yama_scope", lambda: "1")
-    monkeypatch.setattr(iov, "_prctl_ptracer", lambda v: calls.append(v) or 0)
-    monkeypatch.setattr(engine_mod, "PTRACER", iov.Ptracer())
-    return calls
+_PTRACER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from datadist.core.config import EngineConfig
+    from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+    from datadist.core.native import NativeEngine
+    from datadist.memory import shared
+    from datadist.wire import protocol as p
 
-
-def _owner(**kw: object) -> tuple[Engine, np.ndarray]:
-    eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0), **kw))  # type: ignore[arg-type]
-    data = shared.shared_empty(N, np.uint8)
-    data[:] = np.arange(N, dtype=np.uint8)
+    owner_kw, transport = json.loads(sys.argv[1]), sys.argv[2] or None
+    N = 128 << 10  # above the 64 KiB under which same-host pulls stream
+    GEO = Geometry(1, N, 1)
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), **owner_kw))
+    data = shared.shared_empty(N, np.uint8)  # shareable: shm can read it without ptrace
+    data[:] = np.arange(N) % 251
     eng.register(GEO, [data.ctypes.data], placement=0)
-    return eng, data
+    print("listening", flush=True)
+    puller = NativeEngine(EngineConfig(cluster_id=2, role=2, transport=transport))
+    puller.link(1, *eng.listen_address, 2.0)
+    dst = np.zeros(N, np.uint8)
+    entry = puller.register(GEO, [dst.ctypes.data], placement=0)
+    plan = plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2))
+    for _ in range(2):
+        puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 2.0)
+        assert np.array_equal(dst, data)
+    print("pulled", puller.get_link(1).path_name, flush=True)
+    puller.close()
+    eng.close()
+    print("closed", flush=True)
+""")
 
 
+def _can_simulate_yama() -> bool:
+    return (os.geteuid() == 0 and shutil.which("strace") is not None
+            and shutil.which("unshare") is not None
+            and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0)
+
+
+@pytest.mark.skipif(not _can_simulate_yama(), reason="needs root, unshare and strace")
 @pytest.mark.parametrize(("owner_kw", "transport", "want"), [
-    ({}, "cma", [iov.PR_SET_PTRACER_ANY, 0]),  # cross-memory attach: set, undone at close
+    ({}, "cma", ["PR_SET_PTRACER_ANY", "0"]),  # cross-memory attach: set, undone at close
     ({}, "shm", []),  # shared memory needs no ptrace permission
     ({}, "tcp", []),
     ({"allow_ptrace": False}, "cma", []),  # the opt-out
     ({"transport": "tcp"}, "cma", []),  # an owner forced to tcp serves no local channel
 ])
-def test_ptracer_only_for_cross_memory_attach(ptracer: list[int], owner_kw: dict,
-                                              transport: str, want: list[int],
-                                              caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="datadist.core.engine")
-    eng, data = _owner(**owner_kw)
-    try:
-        assert ptracer == []  # listening alone sets nothing
-        puller = _puller(transport)
-        try:
-            link = puller.link(OWNER, *eng.listen_address, 2.0)
-            if "transport" in owner_kw:
-                assert link.path_name == "tcp"
-            dst = np.zeros(N, dtype=np.uint8)
-            _pull(puller, dst)
-            _pull(puller, dst)
-            assert np.array_equal(dst, data)
-        finally:
-            puller.close()
-    finally:
-        eng.close()
-    assert ptracer == want
-    said = [r.getMessage() for r in caplog.records if "same-host readers" in r.getMessage()]
-    if want:  # set and undone, both logged
-        assert any("PR_SET_PTRACER_ANY set" in m for m in said), said
-        assert any("PR_SET_PTRACER_ANY undone" in m for m in said), said
-    else:
-        assert not said, said
+def test_ptracer_only_for_cross_memory_attach(owner_kw: dict, transport: str,
+                                              want: list[str], tmp_path) -> None:
+    """Under Yama ptrace_scope 1 the core's owner lets same-host readers ptrace it
+    (PR_SET_PTRACER_ANY) only once one reads it by cross-memory attach, and undoes it when
+    it stops; never for shared memory, TCP, with allow_ptrace off, or without a local
+    channel. The owner runs in a child in a mount namespace of its own whose
+    /proc/sys/kernel says ptrace_scope 1 (a tmpfs), under strace, which records its prctl
+    calls and answers them 0 (no Yama on the real kernel here)."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    log = tmp_path / "strace.txt"
+    setup = ("mount -t tmpfs none /proc/sys/kernel && "
+             "mkdir -p /proc/sys/kernel/yama /proc/sys/kernel/random && "
+             "echo 1 > /proc/sys/kernel/yama/ptrace_scope && "
+             f"echo {boot_id} > /proc/sys/kernel/random/boot_id && "
+             f'exec strace -f -qq -e trace=prctl,write -e inject=prctl:retval=0 -o {log} '
+             '"$0" -c "$1" "$2" "$3"')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(["unshare", "-m", "sh", "-c", setup, sys.executable, _PTRACER,
+                        json.dumps(owner_kw), transport], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    assert r.stdout.split() == ["listening", "pulled",
+                                "tcp" if "transport" in owner_kw else transport, "closed"]
+    calls: list[str] = []
+    for line in log.read_text().splitlines():
+        if 'write(1, "listening"' in line or 'write(1, "closed"' in line:
+            calls.append(line.split('"')[1])
+        elif "PR_SET_PTRACER," in line:
+            calls.append(line.split("PR_SET_PTRACER, ")[1].split(")")[0])
+    assert calls == ["listening", *want, "closed"], calls  # listening alone sets nothing
 
 
-def test_refused_cross_memory_attach_keeps_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the kernel refuses cross-memory attach (an owner that did not let us ptrace
+_REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
+    import numpy as np
+    from datadist.core.config import HOST, EngineConfig
+    from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+    from datadist.core.native import NativeEngine
+    from datadist.memory.pool import PoolConfig
+    from datadist.wire import protocol as p
+
+    N = 128 << 10  # above the 64 KiB under which same-host pulls stream anyway
+    GEO = Geometry(1, N, 1)
+    eng = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                                    host_pool=PoolConfig(4 << 20, 12)))
+    puller = NativeEngine(EngineConfig(cluster_id=2, role=2))
+    # 300 spans of 512 bytes: too many, too short for shared memory to pay, were cross-memory
+    # attach allowed
+    many = Geometry(300, 512, 1)
+    pooled = eng.allocate(many, placement=HOST)
+    want = np.random.default_rng(5).integers(0, 255, (300, 512), dtype=np.uint8)
+    for t, addr in enumerate(pooled.addrs.tolist()):
+        np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 512).from_address(addr))[:] = \\
+            want[t]
+    plain = (np.arange(N) % 251).astype(np.uint8)
+    plain_entry = eng.register(GEO, [plain.ctypes.data], placement=0)
+    puller.link(1, *eng.listen_address, 2.0)
+    link = puller.get_link(1)
+    assert link.path_name == "cma", link
+    dst = np.zeros((300, 512), dtype=np.uint8)
+    entry = puller.register(many, [int(a) for a in dst.ctypes.data + 512 * np.arange(300)],
+                            placement=0)
+    plan = plan_slot(many, 0, layer_tensor_indices(300, None, None, 2))
+    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, pooled.cache_id, 0), 0, plan,
+                entry.cache_id, 2.0)
+    assert np.array_equal(dst, want)
+    print("pooled:", puller.last_moved(1), puller.get_link(1) == link)
+    dst1 = np.zeros(N, dtype=np.uint8)
+    entry1 = puller.register(GEO, [dst1.ctypes.data], placement=0)
+    puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, plain_entry.cache_id, 0), 0,
+                plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2)), entry1.cache_id, 2.0)
+    assert np.array_equal(dst1, plain)
+    print("plain:", puller.last_moved(1), puller.get_link(1) == link)
+    print("reason:", puller.get_link(1).reason)
+    puller.close()
+    eng.close()
+""")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64's")
+def test_refused_cross_memory_attach_keeps_shared_memory() -> None:
+    """Where the kernel refuses cross-memory attach (here a seccomp filter in a child
+    process makes process_vm_readv answer EPERM, as for an owner that did not let us ptrace
     it), caches in shareable memory are still read through it (no ptrace permission needed),
-    even with many spans; the others are streamed over the same channel."""
-    from datadist.transport import paths
-
-    def refused(*_: object, **__: object) -> None:
-        raise iov.CmaRefused("Operation not permitted (simulated)")
-
-    monkeypatch.setattr(paths, "vm_copy", refused)
-    monkeypatch.setattr(iov.VmCopy, "run", refused)  # a leased copy, prepared
-    eng = Engine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0),
-                              host_pool=PoolConfig(2 << 20, 12)))
-    puller = _puller()
-    try:
-        many = Geometry(300, 64, 1)  # 300 spans: above SHM_MAX_SPANS, cma would be asked
-        pooled = eng.allocate(many, placement=engine_mod.HOST)
-        want = np.random.default_rng(5).integers(0, 255, (300, 64), dtype=np.uint8)
-        for t, addr in enumerate(pooled.addrs.tolist()):
-            np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 64).from_address(addr))[:] = \
-                want[t]
-        plain = np.arange(N, dtype=np.uint8)
-        plain_entry = eng.register(GEO, [plain.ctypes.data], placement=0)
-        link = puller.link(OWNER, *eng.listen_address, 2.0)
-        path = link.path
-        assert isinstance(path, CmaPath)
-        dst = np.zeros((300, 64), dtype=np.uint8)
-        entry = puller.register(many, [int(a) for a in dst.ctypes.data + 64 * np.arange(300)],
-                                placement=0)
-        plan = plan_slot(many, 0, layer_tensor_indices(300, None, None, 2))
-        puller.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, pooled.cache_id, 0), 0, plan,
-                    entry.cache_id, 2.0)
-        assert np.array_equal(dst, want) and path.last == "shm" and link.path is path
-        dst1 = np.zeros(N, dtype=np.uint8)
-        entry1 = puller.register(GEO, [dst1.ctypes.data], placement=0)
-        puller.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, plain_entry.cache_id, 0), 0,
-                    plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2)),
-                    entry1.cache_id, 2.0)
-        assert np.array_equal(dst1, plain) and path.last == "stream" and link.path is path
-    finally:
-        puller.close()
-        eng.close()
+    even with many spans; the others are streamed over the same channel (the same link)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", _REFUSED_ATTACH], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["pooled: shm True", "plain: stream True"], lines
+    assert "refused by the kernel" in lines[2], lines

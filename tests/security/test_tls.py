@@ -1,8 +1,7 @@
 """Mutual TLS on links: both ends need a certificate from the configured CA.
 
-Every test runs on both engines and across them (``pair``: the owner's engine, then the
-linker's: the Python engine, the C++ core through core/native.py, and each linking to the
-other), with the same certificates and the same outcomes."""
+Owners and linkers are the C++ core's engines (core/native.py); hostile peers are raw sockets,
+and TLS clients driven by hand with Python's ssl module (``_HandTls``)."""
 
 from __future__ import annotations
 
@@ -17,12 +16,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _hand import local_name
 
 from datadist.core import native
 from datadist.core.config import EngineConfig, TlsConfig
-from datadist.core.engine import Engine
 from datadist.core.errors import LinkFailed, Timeout
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks, plan_slot
+from datadist.core.native import NativeEngine
 from datadist.testing.certs import make_ca as _ca
 from datadist.testing.certs import make_leaf as _leaf
 from datadist.wire import protocol as p
@@ -33,22 +33,12 @@ pytestmark = [
 ]
 
 _CORE_TLS = native.tls_available()[0] if native.available()[0] else False
-ENGINES = ["python", "native"]
-PAIRS = [pytest.param((o, k), id=f"{o}-owner-{k}-linker",
-                      marks=[] if "native" not in (o, k) or _CORE_TLS else
-                      pytest.mark.skip(reason="the C++ core is not built with TLS here"))
-         for o in ENGINES for k in ENGINES]
+pytestmark.append(pytest.mark.skipif(not _CORE_TLS,
+                                     reason="the C++ core is not built with TLS here"))
 
 
-def _engine(kind: str, config: EngineConfig) -> Any:
-    """An engine of ``kind`` ("python": core/engine.py; "native": the C++ core)."""
-    return Engine(config) if kind == "python" else native.NativeEngine(config)
-
-
-@pytest.fixture(params=PAIRS)
-def pair(request: pytest.FixtureRequest) -> tuple[str, str]:
-    """(the owner's engine, the linker's engine)."""
-    return request.param  # type: ignore[no-any-return]
+def _engine(config: EngineConfig) -> NativeEngine:
+    return NativeEngine(config)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +50,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsConfig]:
             "stranger": _leaf(d, "stranger", "evil")}
 
 
-def _owner(tls: TlsConfig | None, host: str = "127.0.0.1", kind: str = "python"):
-    eng = _engine(kind, EngineConfig(cluster_id=1, role=1, listen=(host, 0), tls=tls))
+def _owner(tls: TlsConfig | None, host: str = "127.0.0.1"):
+    eng = _engine(EngineConfig(cluster_id=1, role=1, listen=(host, 0), tls=tls))
     blocks = [np.random.default_rng(i).integers(0, 255, (64, 4096), dtype=np.uint8)
               for i in range(2)]
     eng.register(Geometry(2, 64 * 4096, 64, True), [b.ctypes.data for b in blocks],
@@ -95,13 +85,13 @@ def _ipv6_loopback() -> bool:
 
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
-def test_tls_link_over_ipv6(certs, pair) -> None:
+def test_tls_link_over_ipv6(certs) -> None:
     """Issue 22 item 8: mutual TLS checks certificates against the CA, never the peer's
     address, so a link to [::1] is as good as one to 127.0.0.1; a stranger still is not."""
-    owner, blocks, _ = _owner(certs["prompt"], "::1", pair[0])
-    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+    owner, blocks, _ = _owner(certs["prompt"], "::1")
+    puller = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp",
                                            tls=certs["decoder"]))
-    stranger = _engine(pair[1], EngineConfig(cluster_id=3, role=2, transport="tcp",
+    stranger = _engine(EngineConfig(cluster_id=3, role=2, transport="tcp",
                                              tls=certs["stranger"]))
     try:
         host, port = owner.listen_address
@@ -121,9 +111,9 @@ def test_tls_link_over_ipv6(certs, pair) -> None:
             eng.close()
 
 
-def test_tls_link_moves_the_right_bytes(certs, pair) -> None:
-    owner, blocks, big = _owner(certs["prompt"], kind=pair[0])
-    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+def test_tls_link_moves_the_right_bytes(certs) -> None:
+    owner, blocks, big = _owner(certs["prompt"])
+    puller = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp",
                                            tls=certs["decoder"]))
     try:
         host, port = owner.listen_address
@@ -151,13 +141,12 @@ def test_tls_link_moves_the_right_bytes(certs, pair) -> None:
 
 
 @pytest.mark.parametrize("who", ["plain", "stranger", "stranger-owner"])
-def test_peers_without_a_valid_certificate_are_refused(certs, pair, who: str) -> None:
+def test_peers_without_a_valid_certificate_are_refused(certs, who: str) -> None:
     """A linker without TLS, or with a certificate another CA signed, is refused; so is an
     owner whose certificate another CA signed (the linker checks the owner's too)."""
-    owner, _, _ = _owner(certs["stranger" if who == "stranger-owner" else "prompt"],
-                         kind=pair[0])
+    owner, _, _ = _owner(certs["stranger" if who == "stranger-owner" else "prompt"])
     tls = {"plain": None, "stranger": certs["stranger"], "stranger-owner": certs["decoder"]}[who]
-    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp", tls=tls))
+    puller = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp", tls=tls))
     try:
         host, port = owner.listen_address
         with pytest.raises((LinkFailed, Timeout)):
@@ -168,12 +157,12 @@ def test_peers_without_a_valid_certificate_are_refused(certs, pair, who: str) ->
         owner.close()
 
 
-def test_a_plain_linker_is_told_the_owner_may_require_tls(certs, pair) -> None:
+def test_a_plain_linker_is_told_the_owner_may_require_tls(certs) -> None:
     """A linker without TLS whose HELLO a TLS owner drops hears why it may have been: the
     link error says the peer closed the connection during the handshake and asks whether it
     requires TLS, on either engine (the core: Link::Handshake, for both APIs)."""
-    owner, _, _ = _owner(certs["prompt"], kind=pair[0])
-    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp"))
+    owner, _, _ = _owner(certs["prompt"])
+    puller = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp"))
     try:
         host, port = owner.listen_address
         with pytest.raises(LinkFailed) as info:
@@ -186,9 +175,9 @@ def test_a_plain_linker_is_told_the_owner_may_require_tls(certs, pair) -> None:
         owner.close()
 
 
-def test_tls_client_refuses_a_plain_server(certs, pair) -> None:
-    owner, _, _ = _owner(None, kind=pair[0])
-    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
+def test_tls_client_refuses_a_plain_server(certs) -> None:
+    owner, _, _ = _owner(None)
+    puller = _engine(EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
     try:
         host, port = owner.listen_address
         with pytest.raises((LinkFailed, Timeout)):
@@ -198,22 +187,16 @@ def test_tls_client_refuses_a_plain_server(certs, pair) -> None:
         owner.close()
 
 
-def test_same_host_link_runs_tls_on_the_local_channel(certs, pair) -> None:
+def test_same_host_link_runs_tls_on_the_local_channel(certs) -> None:
     """Between processes of one host the link moves to the local channel, still inside
     mutual TLS (certificates keep deciding who may link); a plain client there is refused."""
-    from datadist.transport.local import local_name
-    from datadist.transport.paths import CmaPath
-    from datadist.transport.tls import TlsChannel
-
-    owner, _, big = _owner(certs["prompt"], kind=pair[0])
-    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
+    owner, _, big = _owner(certs["prompt"])
+    puller = _engine(EngineConfig(cluster_id=2, role=2, tls=certs["decoder"]))
     try:
-        link = puller.link(1, *owner.listen_address, 5.0)
-        if pair[1] == "python":
-            assert isinstance(link.path, CmaPath) and isinstance(link.chan, TlsChannel)
-            assert link.chan.local_cred is not None and link.chan.local_cred.pid == os.getpid()
-        else:
-            assert puller.get_link(1).path_name == "cma"
+        puller.link(1, *owner.listen_address, 5.0)
+        link = puller.get_link(1)
+        assert link.path_name == "cma", link
+        assert f"verified by the kernel (pid {os.getpid()}," in link.reason, link
         out = np.zeros(8 << 20, np.uint8)
         c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
         plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
@@ -233,12 +216,12 @@ def test_same_host_link_runs_tls_on_the_local_channel(certs, pair) -> None:
         owner.close()
 
 
-def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(certs, pair) -> None:
+def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(certs) -> None:
     """The reverse channel (docs/protocol.md) is opened like the control channel: inside
     mutual TLS and with the shared-secret challenge; the listener's push lands."""
-    owner = _engine(pair[0], EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+    owner = _engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
                                           tls=certs["prompt"], secret=b"s3cret"))
-    linker = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+    linker = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp",
                                            tls=certs["decoder"], secret=b"s3cret"))
     try:
         dst = np.zeros((4, 256), np.uint8)
@@ -260,8 +243,8 @@ def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(cert
 
 
 # ---- stalls: a peer that stops mid-handshake, or mid-record, gets an error (never a hang)
-# and holds nothing it should not: on the core, no I/O thread (there are 2 to 8 of them; each
-# test stalls STALLED connections, more than that), on the Python engine its own thread only.
+# and holds nothing it should not: no I/O thread of the core's (there are 2 to 8 of them; each
+# test stalls STALLED connections, more than that).
 
 STALLED = 12
 
@@ -333,13 +316,13 @@ def _pull_big(puller: Any, owner: Any, big: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("where", ["mid-handshake", "mid-record"])
-def test_peers_that_stall_hold_no_thread_and_are_dropped(certs, pair, where: str) -> None:
+def test_peers_that_stall_hold_no_thread_and_are_dropped(certs, where: str) -> None:
     """STALLED clients stop halfway through their ClientHello, or (after the handshake) halfway
-    through the record of their HELLO: an honest peer still links and pulls at once (on the
-    core, a stalled connection stays parked: its I/O threads wait for a whole record, not on
+    through the record of their HELLO: an honest peer still links and pulls at once (a
+    stalled connection stays parked: the core's I/O threads wait for a whole record, not on
     a peer), and the stalled ones are closed at the handshake's deadline (10 s)."""
-    owner, _, big = _owner(certs["prompt"], kind=pair[0])
-    puller = _engine(pair[1], EngineConfig(cluster_id=2, role=2, transport="tcp",
+    owner, _, big = _owner(certs["prompt"])
+    puller = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp",
                                            tls=certs["decoder"]))
     stalled: list[socket.socket] = []
     try:
@@ -362,7 +345,6 @@ def test_peers_that_stall_hold_no_thread_and_are_dropped(certs, pair, where: str
         end = time.monotonic() + 15.0
         for s in stalled:  # closed by the owner at the handshake's deadline, not left open
             with contextlib.suppress(ConnectionResetError):
-                # (a Python owner's session tickets may come first: records, not frames)
                 while True:
                     s.settimeout(max(0.1, end - time.monotonic()))
                     if not s.recv(65536):
@@ -374,12 +356,9 @@ def test_peers_that_stall_hold_no_thread_and_are_dropped(certs, pair, where: str
         owner.close()
 
 
-@pytest.mark.parametrize("kind", ENGINES)
-def test_a_linker_gives_up_on_a_listener_that_stalls_the_handshake(certs, kind: str) -> None:
+def test_a_linker_gives_up_on_a_listener_that_stalls_the_handshake(certs) -> None:
     """A listener that accepts and never answers the ClientHello: the link fails with its
     deadline, saying where it stopped, and holds nothing after."""
-    if kind == "native" and not _CORE_TLS:
-        pytest.skip("the C++ core is not built with TLS here")
     quiet = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     stop = threading.Event()
@@ -392,7 +371,7 @@ def test_a_linker_gives_up_on_a_listener_that_stalls_the_handshake(certs, kind: 
 
     t = threading.Thread(target=accept, daemon=True)
     t.start()
-    linker = _engine(kind, EngineConfig(cluster_id=2, role=2, transport="tcp",
+    linker = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp",
                                         tls=certs["decoder"]))
     try:
         t0 = time.monotonic()
@@ -409,13 +388,10 @@ def test_a_linker_gives_up_on_a_listener_that_stalls_the_handshake(certs, kind: 
             s.close()
 
 
-@pytest.mark.parametrize("kind", ENGINES)
-def test_frames_that_share_a_record_are_all_answered(certs, kind: str) -> None:
-    """Two PINGs in one TLS record: the owner answers both (on the core, the second is
-    already decrypted when the first is served, and its socket will not wake for it)."""
-    if kind == "native" and not _CORE_TLS:
-        pytest.skip("the C++ core is not built with TLS here")
-    owner, _, _ = _owner(certs["prompt"], kind=kind)
+def test_frames_that_share_a_record_are_all_answered(certs) -> None:
+    """Two PINGs in one TLS record: the owner answers both (the second is already decrypted
+    when the first is served, and its socket will not wake for it)."""
+    owner, _, _ = _owner(certs["prompt"])
     hand = _HandTls(owner.listen_address, certs["decoder"])
     try:
         hand.sock.sendall(hand.record(_hello()))
@@ -427,34 +403,25 @@ def test_frames_that_share_a_record_are_all_answered(certs, kind: str) -> None:
         owner.close()
 
 
-def test_auto_runs_tls_on_the_core_unless_it_was_built_without(certs, monkeypatch) -> None:
-    """A TLS configuration runs on the core when the core has TLS (it was refused before);
-    where the core was built without OpenSSL, auto keeps it on the Python engine and says
-    why, and DATADIST_ENGINE=native refuses it at init."""
+def test_tls_options_run_on_the_core_and_a_core_without_tls_refuses_them(
+        certs, monkeypatch) -> None:
+    """A TLS configuration given to LLMDataDist runs on the core; a core built without
+    OpenSSL refuses it at init, saying why (never a link without TLS)."""
     import datadist as llm
     from datadist.core.errors import InvalidArgument
 
-    if not native.available()[0]:
-        pytest.skip("the C++ core is not built here")
     config = EngineConfig(cluster_id=2, role=2, tls=certs["decoder"])
     tls = certs["decoder"]
     options = {"datadist.TlsCert": tls.cert_file, "datadist.TlsKey": tls.key_file,
                "datadist.TlsCa": tls.ca_file}
     monkeypatch.delenv("DATADIST_ENGINE", raising=False)
-    if _CORE_TLS:
-        assert native.refusal(config) is None
-        dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
-        dd.init(dict(options))
-        try:
-            assert dd.engine.native
-        finally:
-            dd.finalize()
-    monkeypatch.setattr(native, "tls_available", lambda: (False, "no OpenSSL in this build"))
-    assert "no OpenSSL in this build" in str(native.refusal(config))
-    eng, why = native.engine_for(config, {})
+    dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
+    dd.init(dict(options))
     try:
-        assert isinstance(eng, Engine) and "no OpenSSL in this build" in why
+        assert isinstance(dd.engine, NativeEngine)
+        assert dd.engine.config.tls == tls
     finally:
-        eng.close()
+        dd.finalize()
+    monkeypatch.setattr(native, "tls_available", lambda: (False, "no OpenSSL in this build"))
     with pytest.raises(InvalidArgument, match="no OpenSSL in this build"):
         native.engine_for(config, {"datadist.Engine": "native"})

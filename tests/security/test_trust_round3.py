@@ -1,7 +1,8 @@
-"""Trust, round 3 (issue 21 items 1-4; issue 22 item 9): the Python owner and listener.
+"""Trust, round 3 (issue 21 items 1-4; issue 22 item 9): the owner and listener
+(the C++ core's).
 
-Each test names its item and says what happened before the fix. Owners are in-process
-Engines on loopback; hostile peers are raw sockets speaking the wire by hand.
+Each test names its item and says what happened before the fix. Owners are the core's
+engines in this process, on loopback; hostile peers are raw sockets speaking the wire by hand.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from _hand import DECODER, PROMPT, Raw, blocks_cache, make
+from _hand import DECODER, PROMPT, Raw, blocks_cache, local_name, make
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core.engine import Engine
 from datadist.core.errors import Code, DatadistError
-from datadist.transport.local import local_name
+from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,7 +37,7 @@ class TestReverseChannelHijack:
 
     @pytest.mark.parametrize("proof", ["none", "wrong token"])
     def test_a_stranger_cannot_take_over_a_decoders_reverse_channel(
-            self, engines: list[Engine], proof: str) -> None:
+            self, engines: list[NativeEngine], proof: str) -> None:
         prompt = make(engines, PROMPT)
         decoder = make(engines, DECODER, listen=False)
         pcm = CacheManager(prompt, remote_cache_accessible=True)
@@ -65,7 +65,8 @@ class TestReverseChannelHijack:
         want[[0, 3]] = data.reshape(4, 16)[[1, 2]]
         np.testing.assert_array_equal(dst.reshape(4, 16), want)
 
-    def test_a_token_of_another_cluster_does_not_count(self, engines: list[Engine]) -> None:
+    def test_a_token_of_another_cluster_does_not_count(self, engines: list[NativeEngine]
+                                                       ) -> None:
         """A peer holding its own control channel (cluster 5) cannot file a reverse channel
         under another cluster id with its token."""
         prompt = make(engines, PROMPT)
@@ -89,7 +90,7 @@ class TestReverseChannelHijack:
         for r in (control, rev, rev2):
             r.close()
 
-    def test_with_a_secret_the_token_rides_after_the_challenge(self, engines: list[Engine]
+    def test_with_a_secret_the_token_rides_after_the_challenge(self, engines: list[NativeEngine]
                                                                ) -> None:
         prompt = make(engines, PROMPT, secret=b"s3cret")
         decoder = make(engines, DECODER, listen=False, secret=b"s3cret")
@@ -103,7 +104,7 @@ class TestReverseChannelHijack:
 
 
 def test_a_listener_at_its_reverse_cap_answers_an_error_the_linker_reports(
-        engines: list[Engine]) -> None:
+        engines: list[NativeEngine]) -> None:
     """Issue 22 item 9. Before: a listener that did not adopt a reverse channel still sent
     the handshake's last frame, so ``link`` succeeded and the listener could not push over
     it. Now the linker's link fails with the listener's code."""
@@ -128,7 +129,8 @@ def test_a_listener_at_its_reverse_cap_answers_an_error_the_linker_reports(
 # ------------------------------------------------------------ item 2: the address oracle
 
 
-def test_address_writes_answer_alike_wherever_they_point(engines: list[Engine]) -> None:
+def test_address_writes_answer_alike_wherever_they_point(
+        engines: list[NativeEngine]) -> None:
     """Item 2. Before: a 0-byte WRITE by address passed the span checks and the answer (OK,
     "not remote accessible", KV_CACHE_NOT_EXIST) told whether an address lay inside a
     registered (even private) tensor. Now 0-byte spans are refused and every refusal for
@@ -181,7 +183,7 @@ def keep() -> Iterator[list[Raw]]:
     kept.clear()
 
 
-def test_the_local_channel_counts_in_the_configured_caps(engines: list[Engine],
+def test_the_local_channel_counts_in_the_configured_caps(engines: list[NativeEngine],
                                                           keep: list[Raw]) -> None:
     """Item 3. Before: the local channel had its own built-in caps (256, 32 per pid): with
     MaxConnections=4 one local process got every connection served. Now TCP and the local
@@ -197,7 +199,7 @@ def test_the_local_channel_counts_in_the_configured_caps(engines: list[Engine],
         r.close()
 
 
-def test_the_local_per_peer_cap_counts_a_user_not_a_pid(engines: list[Engine],
+def test_the_local_per_peer_cap_counts_a_user_not_a_pid(engines: list[NativeEngine],
                                                          keep: list[Raw]) -> None:
     """Item 3. Before: local peers were counted per pid, so a fork got a fresh allowance.
     Now per uid: a child process of the same user finds the cap already used."""
@@ -227,7 +229,7 @@ def test_the_local_per_peer_cap_counts_a_user_not_a_pid(engines: list[Engine],
 # ------------------------------------------------------------------------ item 4: STATS
 
 
-def test_stats_tell_a_peer_only_its_own_series(engines: list[Engine]) -> None:
+def test_stats_tell_a_peer_only_its_own_series(engines: list[NativeEngine]) -> None:
     """Item 4. Before: STATS answered any linked peer with the whole process's metrics:
     other peers' cluster ids, transfer and byte counts, errors and latencies."""
     prompt = make(engines, PROMPT)

@@ -8,12 +8,15 @@ whose memory keys the hardware does not check, the owner's UCX serves any addres
 
 Blocking: :meth:`NixlThief.read` and :meth:`NixlThief.write` wait for their transfer, at most
 ``timeout`` seconds. Needs NIXL (``datadist[nixl]``); creating a thief without it raises
-InvalidArgument (transport/nixl.py, ``load``).
+InvalidArgument. The thief drives NIXL's own Python bindings: of datadist it uses only what
+finds NIXL (``datadist.transport.nixl``: ``available``, ``_skip_unusable_ib``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 import os
 import secrets
 import struct
@@ -23,7 +26,25 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NixlThief", "forge_region_length"]
+__all__ = ["BACKEND", "NixlThief", "forge_region_length", "nixl_module"]
+
+BACKEND = "UCX"  # the NIXL backend a thief's agent uses (the one datadist's agents use)
+
+
+def nixl_module() -> Any:
+    """NIXL's Python module (nixl_cu12, ...), imported. Raises InvalidArgument when none is
+    installed. Where the host has no RDMA device, UCX's ib module is kept out first (it
+    crashes such a process at exit; ``_skip_unusable_ib``)."""
+    from datadist.core.errors import InvalidArgument
+    from datadist.transport import nixl
+
+    name = nixl.available()
+    if name is None:
+        raise InvalidArgument("a NIXL thief needs NIXL: pip install 'datadist[nixl]'")
+    nixl._skip_unusable_ib()
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs every agent at INFO
+    return importlib.import_module(name)
 
 
 def forge_region_length(blob: bytes, addr: int, length: int, new_length: int) -> bytes:
@@ -42,11 +63,9 @@ class NixlThief:
     with nothing but its metadata. Not thread-safe; :meth:`close` when done."""
 
     def __init__(self) -> None:
-        from datadist.transport import nixl
-
-        mod = nixl.load()
+        mod = nixl_module()
         cfg = mod.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                    backends=[nixl.BACKEND])
+                                    backends=[BACKEND])
         self.agent = mod.nixl_agent(f"thief-{os.getpid()}-{secrets.token_hex(4)}", cfg)
         self._buffers: list[np.ndarray] = []
         self._regs: list[Any] = []
