@@ -27,6 +27,9 @@ class Error : public std::runtime_error {
 // Codes the header does not name but the wire may carry (Python's LLMStatusCode).
 constexpr Status kEngineFinalized = 0x5010B006U;
 constexpr Status kSuspectRemoteError = 507057U;
+// LLM_DEVICE_MEM_ERROR (Python's Code.DEVICE_MEM_ERROR): memory registered for a cache is not
+// mapped any more (server.cc, CheckOwnMemory).
+constexpr Status kDeviceMemError = 507053U;
 
 [[noreturn]] inline void Fail(Status code, const std::string &msg) { throw Error(code, msg); }
 [[noreturn]] inline void Invalid(const std::string &msg) { throw Error(llm_datadist::LLM_PARAM_INVALID, msg); }

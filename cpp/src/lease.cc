@@ -92,16 +92,20 @@ void FenceView::Leave() {
 
 bool FenceView::Revoked() const { return __atomic_load_n(map_, __ATOMIC_ACQUIRE) != 0; }
 
+// An owner that cannot make a fence now (out of descriptors or memory) cannot lease, but still
+// serves requests: LLM_FEATURE_NOT_ENABLED tells the reader to ask per request (Link::Lease).
 Fence::Fence() {
   fd_ = static_cast<int>(syscall(SYS_memfd_create, "datadist-fence", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (fd_ < 0) Fail(llm_datadist::LLM_FAILED, std::string("memfd_create: ") + std::strerror(errno));
+  if (fd_ < 0)
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, std::string("no fence for a cache lease: memfd_create: ") +
+                                                    std::strerror(errno));
   struct stat st {};
   void *m = MAP_FAILED;
   if (ftruncate(fd_, kPage) != 0 || fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 ||
       fstat(fd_, &st) != 0 || (m = mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0)) == MAP_FAILED) {
     const int err = errno;
     close(fd_);
-    Fail(llm_datadist::LLM_FAILED, std::string("cannot make a fence file: ") + std::strerror(err));
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, std::string("no fence for a cache lease: ") + std::strerror(err));
   }
   ino_ = st.st_ino;
   map_ = static_cast<uint8_t *>(m);

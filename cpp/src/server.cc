@@ -6,9 +6,11 @@
 #include <poll.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "addr.h"
@@ -918,6 +920,40 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, Conn &c, const wire::
 
 }  // namespace
 
+// Registered user memory that its caller freed behind our back (their bug) must cost the peer
+// an error frame, not a connection cut mid-answer by a send() that hits EFAULT: before this
+// thread streams a request from or into such memory, the first and last byte of each tensor
+// it names are probed, with process_vm_readv on ourselves (one call per 512 tensors). Memory
+// the core or the Python package allocated (pools, AllocateCache) is ours and is not probed.
+// Throws LLM_DEVICE_MEM_ERROR naming the tensor (the lease then ends unsettled: nothing is
+// consumed); a kernel that will not tell (EPERM, ENOSYS: seccomp, no CMA) lets it go on.
+void CheckOwnMemory(const Entry &e, const std::vector<uint32_t> &tensors, const char *what) {
+  if (e.opts.allocated || !e.owned.empty() || e.region || e.geo.tensor_bytes == 0) return;
+  constexpr size_t kBatch = 1024;  // probes per call (<= IOV_MAX)
+  uint8_t scratch[kBatch];
+  std::vector<iovec> probes;
+  probes.reserve(2 * tensors.size());
+  for (uint32_t t : tensors) {
+    probes.push_back({reinterpret_cast<void *>(e.addrs[t]), 1});
+    probes.push_back({reinterpret_cast<void *>(e.addrs[t] + e.geo.tensor_bytes - 1), 1});
+  }
+  for (size_t start = 0; start < probes.size(); start += kBatch) {
+    const size_t n = std::min(kBatch, probes.size() - start);
+    iovec local{scratch, n};
+    const ssize_t got = process_vm_readv(getpid(), &local, 1, &probes[start], n, 0);
+    if (got == static_cast<ssize_t>(n)) continue;
+    if (got < 0 && errno != EFAULT) return;  // cannot tell
+    const size_t bad = start + static_cast<size_t>(got < 0 ? 0 : got);
+    const uint32_t tensor = tensors[bad / 2];
+    char at[32];
+    std::snprintf(at, sizeof at, "%#llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(probes[bad].iov_base)));
+    Log("cache " + std::to_string(e.id) + ": tensor " + std::to_string(tensor) + "'s memory at " + at +
+        " is not mapped any more (freed after it was registered?); a peer's " + what + " of it is refused");
+    Fail(kDeviceMemError, "the owner's memory of cache " + std::to_string(e.id) + " tensor " + std::to_string(tensor) +
+                              " is not mapped any more (freed after it was registered)");
+  }
+}
+
 bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {
   Registry *registry_ = ctx.registry;
   const uint32_t rid = h.request_id;
@@ -938,6 +974,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
           return true;
         }
         lease = registry_->Open(req);
+        CheckOwnMemory(lease->entry(), req.tensors, "read");
       } catch (const Error &e) {
         // Refused (a grant given, then not sent, is counted when it ends: Granted).
         if (grants.size() == held) metrics::RecordSince(metrics::Op::kServeRead, ctx.cluster, 0, asked, e.code());
@@ -969,6 +1006,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       std::unique_ptr<Lease> lease;
       try {
         lease = registry_->OpenWrite(req);
+        if (req.kind != wire::kAddress) CheckOwnMemory(lease->entry(), req.tensors, "write");
       } catch (const Error &e) {
         metrics::RecordSince(metrics::Op::kServeWrite, ctx.cluster, 0, asked, e.code());  // refused
         c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
