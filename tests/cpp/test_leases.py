@@ -8,8 +8,6 @@ what the owner served is read from its metrics (``serve_lease``, ``serve_read``,
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
