@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
 import threading
 import time
@@ -749,14 +750,14 @@ def test_without_rdma_devices_ucx_ib_module_is_kept_out(tmp_path, monkeypatch) -
     the user chose UCX_MODULES; with a device, nothing is changed."""
     monkeypatch.delenv("UCX_MODULES", raising=False)
     assert nixl._skip_unusable_ib(str(tmp_path / "missing"))
-    assert nixl.os.environ["UCX_MODULES"] == "^ib"
+    assert os.environ["UCX_MODULES"] == "^ib"
     monkeypatch.setenv("UCX_MODULES", "^cuda")
     assert not nixl._skip_unusable_ib(str(tmp_path))
-    assert nixl.os.environ["UCX_MODULES"] == "^cuda"
+    assert os.environ["UCX_MODULES"] == "^cuda"
     monkeypatch.delenv("UCX_MODULES")
     (tmp_path / "mlx5_0").mkdir()
     assert not nixl._skip_unusable_ib(str(tmp_path))
-    assert "UCX_MODULES" not in nixl.os.environ
+    assert "UCX_MODULES" not in os.environ
 
 
 EXIT_CHECK = """
@@ -791,7 +792,7 @@ def test_a_process_with_a_nixl_agent_exits_cleanly() -> None:
     import subprocess
     import sys
 
-    env = {k: v for k, v in nixl.os.environ.items() if k != "UCX_MODULES"}
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
     proc = subprocess.run([sys.executable, "-c", EXIT_CHECK], capture_output=True, text=True,
                           timeout=60, env=env)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
