@@ -648,8 +648,8 @@ class _Proxy:
 
 @needs_nixl
 def test_core_reader_refuses_a_lying_grant_and_a_silent_owner_in_time(core_pair) -> None:
-    """A grant that does not match the request (one base too many) is a protocol error (the
-    connection closed, nothing read); an owner that does not answer a NIXL_READ ends the
+    """A grant that does not match the request (one base too many, the others right) is a
+    protocol error (the connection closed, nothing read); an owner that does not answer a NIXL_READ ends the
     pull at its deadline; neither hangs, and once the owner behaves the link pulls again."""
     owner, puller = core_pair
     proxy = _Proxy(owner.listen_address)  # type: ignore[arg-type]
@@ -660,7 +660,8 @@ def test_core_reader_refuses_a_lying_grant_and_a_silent_owner_in_time(core_pair)
         def lying(msg: Any) -> Any:
             if not isinstance(msg, p.NixlGrant):
                 return msg
-            return dataclasses.replace(msg, bases=np.zeros(len(msg.bases) + 1, np.uint64))
+            # the right spans, and one more: readable, but not what was asked for
+            return dataclasses.replace(msg, bases=np.append(msg.bases, msg.bases[:1]))
 
         proxy.rewrite = lying
         t0 = time.monotonic()
