@@ -649,8 +649,9 @@ class _Proxy:
 @needs_nixl
 def test_core_reader_refuses_a_lying_grant_and_a_silent_owner_in_time(core_pair) -> None:
     """A grant that does not match the request (one base too many, the others right) is a
-    protocol error (the connection closed, nothing read); an owner that does not answer a NIXL_READ ends the
-    pull at its deadline; neither hangs, and once the owner behaves the link pulls again."""
+    protocol error (the connection closed, nothing read); an owner that does not answer a
+    NIXL_READ ends the pull at its deadline; neither hangs, and once the owner behaves the
+    link pulls again."""
     owner, puller = core_pair
     proxy = _Proxy(owner.listen_address)  # type: ignore[arg-type]
     try:
