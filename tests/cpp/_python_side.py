@@ -1,4 +1,5 @@
-"""The Python side of the cross-language tests: one real ``LLMDataDist`` in this process."""
+"""The Python side of the cross-language tests: one real ``LLMDataDist`` in this process, the
+core under the Python API (the other side is the same core under the C++ API, tests/xpeer)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,9 @@ PY_ID = 7  # cluster id of the Python side
 def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
                 sync_ms: int = 3000, secret: str = "",
                 transport: str = "", accessible: bool = True,
-                listen_ip_info: str = "127.0.0.1:0",
-                engine: str = "python") -> llm.LLMDataDist:
+                listen_ip_info: str = "127.0.0.1:0") -> llm.LLMDataDist:
     """An initialized LLMDataDist in cache-manager mode with remote-cache-accessible on
-    (unless ``accessible`` is False); the caller finalizes it. ``engine``: datadist.Engine.
-    The Python engine by default: these are tests of a C++ peer against the Python engine,
-    and some read that engine's own objects (its link's path and leases, its ``stats``
-    counters, which the core does not keep yet: issue 24's STATS gap); "native" or "auto"
-    where a test means the core."""
+    (unless ``accessible`` is False); the caller finalizes it."""
     dd = llm.LLMDataDist(role, PY_ID)
     cfg = llm.LLMConfig()
     cfg.device_id = 0
@@ -33,7 +29,7 @@ def make_python(role: llm.LLMRole, *, listen: bool, verify: bool = False,
         cfg.transport = transport
     if listen:
         cfg.listen_ip_info = listen_ip_info
-    dd.init({**cfg.generate_options(), "datadist.Engine": engine})
+    dd.init(cfg.generate_options())
     return dd
 
 

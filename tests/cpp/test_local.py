@@ -1,6 +1,7 @@
-"""C++ and Python on one host: the local channel both ways (docs/protocol.md, "The local
-channel", "Pull on the same host"). Every byte is checked; the path each side took is read
-from the Python link and from the C++ peer's log (DATADIST_CPP_LOG)."""
+"""The core under its C++ and its Python API on one host: the local channel both ways
+(docs/protocol.md, "The local channel", "Pull on the same host"). Every byte is checked; the
+path each side took is read from the Python API's link and from the C++ peer's log
+(DATADIST_CPP_LOG)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ def test_cpp_pulls_from_python_over_the_local_channel(xpeer):
                 want[2 * 64:3 * 64] = src[7 * 64:8 * 64]
                 want[6 * 64:7 * 64] = src[0:64]
             assert cpp.read(local, t) == bytes(want), t
-        # the Python owner served a local peer (the kernel's pid) and holds no grant now
-        peers = list(py.engine._inbound.values())
-        assert [p.local.pid for p in peers if p.local is not None] == [cpp.proc.pid]
+        # the owner serves the C++ peer's control channel (its local one: the C++ side's log
+        # above named our pid, which only the kernel's SO_PEERCRED tells it)
+        assert [p.cluster_id for p in py.engine.inbound_peers()] == [CPP_ID]
         # the owner's checks cross over as before
         bad = f"pullc {PY_ID} {cache.cache_id} 8 {local} 0 -1 -1 -1 -1 -1 2"
         assert cpp.status(bad) == LLM_PARAM_INVALID
@@ -95,7 +96,7 @@ def test_python_pulls_from_cpp_over_the_local_channel(xpeer):
         cm = py.cache_manager
         cache, arrays = register(py, 2, shape)
         cm.pull_cache(llm.CacheKeyByIdAndIndex(CPP_ID, remote, 6), cache, batch_index=1)
-        assert link.path.last == "cma"
+        assert py.engine.last_moved(CPP_ID) == "cma"
         bcache, barrays = register(py, 2, shape, blocks=True, model_id=3)
         # blocks in no order: one grant, one span per block
         src_blocks = [7, 1, 4, 2, 0, 6]
@@ -153,17 +154,18 @@ def test_pushes_both_ways_over_the_local_channel(xpeer):
         py.finalize()
 
 
-@pytest.mark.parametrize("owner", ["python", "cpp"])
+@pytest.mark.parametrize("owner", ["python-api", "cpp-api"])
 def test_refused_cross_memory_attach_falls_back_to_the_stream(xpeer, owner):
     """The kernel refuses the C++ puller's process_vm_readv (a seccomp filter makes it answer
     EPERM, as Yama or another uid would): the pull still lands, streamed over the local
     channel, and the link says why. (Pulls over 64 KiB are granted; smaller ones stream.)
-    As the Python reader, the link stays on the same-host path for caches in the owner's
-    shared memory (which needs no ptrace permission); registered memory is streamed."""
+    The link stays on the same-host path for caches in the owner's shared memory (which needs
+    no ptrace permission); registered memory is streamed. The owner is the core under either
+    API."""
     block = 16384
     shape = (8, block)
     py = None
-    if owner == "python":
+    if owner == "python-api":
         py = make_python(llm.LLMRole.PROMPT, listen=True)
         cache, arrays = register(py, 2, shape)
         _fill(arrays, 90)
@@ -205,7 +207,7 @@ def test_refused_cross_memory_attach_still_reads_allocated_caches_from_shared_me
     """AllocateCache puts a C++ cache in a sealed memfd: a C++ puller whose kernel refuses
     process_vm_readv reads it from the owner's mapped memfd (no ptrace permission needed),
     granted and leased, with no refusal to report; a registered cache of the same owner is
-    streamed after the refusal (as the Python reader, test_same_host_trust.py)."""
+    streamed after the refusal (tests/security/test_same_host_trust.py)."""
     block = 16384
     shape = (8, block)
     own = xpeer()
@@ -237,9 +239,9 @@ def test_refused_cross_memory_attach_still_reads_allocated_caches_from_shared_me
 
 
 def test_dead_owners_fail_within_the_deadline_over_the_local_channel(xpeer):
-    # (a Python owner gone under a C++ puller's local link: test_dead_peers.py, whose
-    # cross-language links take the local channel on one host)
-    # a C++ owner killed under a Python puller's local link
+    # (an owner under the Python API gone under a C++ puller's local link: test_dead_peers.py,
+    # whose links between the two APIs take the local channel on one host)
+    # an owner under the C++ API killed under a Python API puller's local link
     puller = make_python(llm.LLMRole.DECODER, listen=False, sync_ms=500)
     try:
         owner = xpeer()
@@ -262,7 +264,7 @@ def test_dead_owners_fail_within_the_deadline_over_the_local_channel(xpeer):
     finally:
         puller.finalize()
 
-    # a stopped C++ owner: LLM_TIMEOUT at the deadline, then served again
+    # a stopped owner under the C++ API: LLM_TIMEOUT at the deadline, then served again
     stopped = xpeer()
     stopped.init(CPP2_ID + 1, PROMPT, listen=True)
     remote = stopped.register(2, (4, 16))

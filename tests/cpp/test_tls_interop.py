@@ -1,8 +1,7 @@
-"""Mutual TLS across languages: the C++ API (options from DATADIST_TLS_CERT / _KEY / _CA, as
-the Python package reads them) and the Python engine link and move bytes both ways, the
-Python owner pushes over a C++ linker's reverse channel, and a certificate from another CA
-is refused both ways. The Python side runs the Python engine (DATADIST_ENGINE=python):
-tests/security/test_tls.py pairs the core with it under the Python API."""
+"""Mutual TLS between the core's two APIs: the C++ API (options from DATADIST_TLS_CERT / _KEY /
+_CA, as the Python package reads them) and the Python API link and move bytes both ways, the
+owner under the Python API pushes over a C++ linker's reverse channel, and a certificate from
+another CA is refused both ways."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import datadist as llm
+from datadist.core import native
 from datadist.core.config import TlsConfig
 from datadist.testing.certs import make_ca, make_leaf
 
@@ -22,6 +22,8 @@ from .conftest import LLM_LINK_FAILED, pattern
 pytestmark = [
     pytest.mark.timeout(600),
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
+    pytest.mark.skipif(not native.tls_available()[0],
+                       reason=f"the core was built without TLS: {native.tls_available()[1]}"),
 ]
 
 CPP_ID = 31
@@ -43,8 +45,7 @@ def _env(tls: TlsConfig) -> dict[str, str]:
 
 @pytest.fixture
 def python_tls(monkeypatch: pytest.MonkeyPatch, certs):
-    """Sets the Python side's TLS files (and its engine: Python) for what it makes next."""
-    monkeypatch.setenv("DATADIST_ENGINE", "python")
+    """Sets the Python side's TLS files for what it makes next."""
 
     def use(tls: TlsConfig) -> None:
         for k, v in _env(tls).items():
@@ -57,7 +58,6 @@ def test_cpp_linker_and_python_owner_under_tls(xpeer, certs, python_tls) -> None
     python_tls(certs["py"])
     py = make_python(llm.LLMRole.PROMPT, listen=True)
     try:
-        assert not py.engine.native
         src, arrays = register(py, 2, (4, 16))
         arrays[1].reshape(-1)[:] = list(pattern(3, 64))
         port = py.listen_address[1]
@@ -69,13 +69,13 @@ def test_cpp_linker_and_python_owner_under_tls(xpeer, certs, python_tls) -> None
         right.init(CPP_ID + 2, 2, sync_ms=3000)
         assert stranger.status(f"link {PY_ID} 127.0.0.1 {port} 3000") == LLM_LINK_FAILED
         assert plain.status(f"link {PY_ID} 127.0.0.1 {port} 3000") == LLM_LINK_FAILED
-        # LinkLlmClusters' warning (LastLinkFailure's text) asks, as Python's LinkFailed does
+        # LinkLlmClusters' warning (LastLinkFailure's text) asks, as the Python API's LinkFailed
         assert "during the handshake (does it require TLS?)" in plain.log(), plain.log()
         right.ok(f"link {PY_ID} 127.0.0.1 {port} 3000")
         local = right.register(2, (4, 16))
         right.ok(f"pullc {PY_ID} 1 2 {local} 0 -1 -1 -1 -1 -1 2")
         assert right.read(local, 1)[:16] == arrays[1][2].tobytes()
-        # the Python owner pushes over the C++ linker's reverse channel, inside TLS
+        # the owner under the Python API pushes over the C++ linker's reverse channel, in TLS
         py.cache_manager.push_cache(llm.CacheKeyByIdAndIndex(CPP_ID + 2, local, 3), src,
                                     src_batch_index=1)
         assert right.read(local, 1)[48:64] == arrays[1][1].tobytes()

@@ -33,15 +33,22 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from fault_harness import Hang, Peer, Peers, RawClient, link, measured
+from fault_harness import (
+    MAX_GRANTS_PER_CONNECTION,
+    Hang,
+    Peer,
+    Peers,
+    RawClient,
+    link,
+    local_name,
+    measured,
+)
 from fault_peer import GUARD_BYTE, pattern
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from datadist.core.errors import Code
 from datadist.transport.iov import make_iov, vm_copy
-from datadist.transport.local import local_name
-from datadist.transport.tcp import MAX_GRANTS_PER_CONNECTION
 from datadist.wire import protocol as p
 
 MAX = 2**64 - 1

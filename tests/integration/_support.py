@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
@@ -21,10 +20,6 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "cma", "shm")
 # prompts are told to serve NIXL readers: PROMPT_ENV and serving() below).
 if nixl.available() is not None:
     TRANSPORTS += ("nixl",)
-# DATADIST_ENGINE=native runs every LLMDataDist on the C++ core: there the suites run over tcp
-# and, where NIXL is installed, over NIXL (the core reads and serves it: cpp/src/nixl.h).
-if os.environ.get("DATADIST_ENGINE", "").lower() == "native":
-    TRANSPORTS = ("tcp", "nixl") if "nixl" in TRANSPORTS else ("tcp",)
 
 # Peers never inherit the decoder's forced path: they only serve. Where NIXL is installed they
 # serve NIXL readers too, which is opt-in, and on this kind of host (UCX over tcp and shared
@@ -33,6 +28,13 @@ if os.environ.get("DATADIST_ENGINE", "").lower() == "native":
 PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}
 if "nixl" in TRANSPORTS:
     PROMPT_ENV.update({"DATADIST_NIXL_SERVE": "1", "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS": "1"})
+
+
+def local_name(pid: int, cluster_id: int) -> bytes:
+    """The abstract unix socket name an owner (``pid`` in its own pid namespace, ``cluster_id``)
+    serves its local channel on, as docs/protocol.md and wire/protocol.py say and the core
+    binds it (cpp/src/local.cc): what a hostile local client connects to."""
+    return b"\0" + f"datadist-v1.{pid}.{cluster_id}".encode()
 
 
 def serving(config: PromptConfig) -> PromptConfig:

@@ -1,5 +1,5 @@
 """Metrics kept by the C++ core (cpp/src/metrics.h): an owner on the native engine counts what
-it serves and answers STATS as the Python owner does; ``datadist.metrics()``, the Prometheus
+it serves and answers STATS (the asking peer's series only); ``datadist.metrics()``, the Prometheus
 collector and ``peer_stats`` read the core's counters; a transfer issued to the core's workers
 is counted when it ends, whether or not anyone polls its handle. In-process engines on
 loopback, over TCP (requests, not same-host leases: the owner sees each read)."""
@@ -18,7 +18,6 @@ import datadist as llm
 from datadist.api.cache_manager import CacheManager
 from datadist.core import native
 from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not native.available()[0], reason="datadist._core is not built")]
@@ -37,12 +36,11 @@ def made() -> Iterator[list[Any]]:
     llm.reset_metrics()
 
 
-def make(made: list[Any], cluster_id: int, *, native_engine: bool = True,
-         listen: bool = False) -> Any:
+def make(made: list[Any], cluster_id: int, *, listen: bool = False) -> Any:
     config = EngineConfig(cluster_id=cluster_id, role=1 if listen else 2, transport="tcp",
                           listen=("127.0.0.1", 0) if listen else None,
                           remote_cache_accessible=True)
-    engine = native.NativeEngine(config) if native_engine else Engine(config)
+    engine = native.NativeEngine(config)
     made.append(engine)
     return engine
 
@@ -57,10 +55,10 @@ def blocks(engine: Any, model_id: int, seed: int | None) -> tuple[CacheManager, 
     return cm, cache, arr
 
 
-def owner_and_reader(made: list[Any], reader_native: bool = True) -> tuple[Any, Any, Any, Any]:
+def owner_and_reader(made: list[Any]) -> tuple[Any, Any, Any, Any]:
     owner = make(made, OWNER, listen=True)
     _, _, src = blocks(owner, 7, seed=3)
-    reader = make(made, READER, native_engine=reader_native)
+    reader = make(made, READER)
     reader.link(OWNER, *owner.listen_address, 5.0)
     cm, dst, _ = blocks(reader, 1, seed=None)
     return owner, reader, cm, dst
@@ -91,13 +89,11 @@ def test_a_native_owner_counts_what_it_serves(made: list[Any]) -> None:
     assert m["total"]["serve_read"]["transfers"] == 3
 
 
-@pytest.mark.parametrize("reader_native", [True, False], ids=["native-reader", "python-reader"])
-def test_a_native_owner_answers_stats_with_the_asking_peers_series_only(
-        made: list[Any], reader_native: bool) -> None:
+def test_a_native_owner_answers_stats_with_the_asking_peers_series_only(made: list[Any]) -> None:
     """Before: a native owner did not speak STATS (the core refused type 21 at the header and
-    closed the link) and NativeEngine had no peer_stats. Now either engine's reader gets what
-    the Python owner would tell it: its own series, never another peer's."""
-    owner, reader, cm, dst = owner_and_reader(made, reader_native)
+    closed the link) and NativeEngine had no peer_stats. Now a reader gets its own series,
+    never another peer's."""
+    owner, reader, cm, dst = owner_and_reader(made)
     other = make(made, OTHER)
     other.link(OWNER, *owner.listen_address, 5.0)
     ocm, odst, _ = blocks(other, 2, seed=None)
@@ -110,14 +106,14 @@ def test_a_native_owner_answers_stats_with_the_asking_peers_series_only(
     assert seen["total"] == seen["links"][str(READER)]
     mine = seen["total"]["serve_read"]
     assert mine["transfers"] == 1 and mine["bytes"] == 2 * 16 and mine["errors"] == {}
-    # Python's Series.snapshot() keys, with the bucket bounds as json.dumps writes them
+    # core/metrics.py's Series.snapshot() keys, with the bucket bounds as json.dumps writes them
     assert set(mine) == {"transfers", "bytes", "errors", "seconds", "latency_buckets",
                          "p50_s", "p99_s"}
     assert list(mine["latency_buckets"])[:4] == ["1e-05", "2.5e-05", "5e-05", "0.0001"]
     assert list(mine["latency_buckets"])[-1] == "100.0" and mine["p99_s"] >= mine["p50_s"]
     assert f'"{OTHER}"' not in json.dumps(seen)  # as a key anywhere (digits may be durations)
     assert set(other.peer_stats(OWNER, 5.0)["links"]) == {str(OTHER)}
-    # The process itself sees everyone (stats() is the whole process, as Python's).
+    # The process itself sees everyone (stats() is the whole process).
     assert {str(READER), str(OTHER)} <= set(owner.stats()["links"])
 
 

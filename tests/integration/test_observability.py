@@ -5,12 +5,12 @@ library's logger, and error messages that say what to set."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 
 import datadist as llm_datadist
 from datadist.core.metrics import BUCKETS, Metrics
+from datadist.core.native import NativeEngine
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt
 
 from ._support import DECODER_ID, PROMPT_ID
@@ -84,10 +84,10 @@ def test_series_arithmetic() -> None:
 def test_the_library_logs_under_one_logger_with_a_null_handler() -> None:
     root = logging.getLogger("datadist")
     assert any(isinstance(h, logging.NullHandler) for h in root.handlers)
-    from datadist.core import engine, links
-    from datadist.transport import tcp
+    from datadist.api import llm_datadist as facade
+    from datadist.core import native, registry
 
-    for mod in (engine, links, tcp):
+    for mod in (facade, native, registry):  # the core's own messages: "datadist.native"
         assert mod.log.name.startswith("datadist.")
 
 
@@ -121,16 +121,12 @@ def test_a_peer_reports_what_it_served(make_decoder, prompt: RunningPrompt, tran
     with their status code), and answers a StatsRequest over the link: what ``datadist info
     --peer`` prints for a running process. On the same host a BlocksCacheKey is read under a
     whole-cache lease: the owner counts the lease (serve_lease), not the reads. The decoder
-    and ``info --peer`` run on the engine the configuration gets (the core but for NIXL)."""
-    from datadist.core import native
-
+    and ``info --peer`` run on the core."""
     decoder: Decoder = make_decoder()
     assert decoder.link(prompt.cluster_id, prompt.address) == \
         llm_datadist.LLMStatusCode.LLM_SUCCESS
     assert decoder.path_name(prompt.cluster_id) == transport
-    if transport != "nixl" and native.available()[0] and \
-            os.environ.get("DATADIST_ENGINE", "auto") != "python":
-        assert getattr(decoder.dd.engine, "engine_name", "python") == "native"
+    assert isinstance(decoder.dd.engine, NativeEngine)
     op = "serve_lease" if transport in ("cma", "shm") else "serve_read"
     cache, _ = decoder.local(BLOCKS, blocks=True)
     key = llm_datadist.BlocksCacheKey(PROMPT_ID, 3)

@@ -22,10 +22,9 @@ import datadist as llm_datadist
 from datadist.core.config import HostIdentity
 from datadist.core.errors import Code
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt, pattern
-from datadist.transport.local import local_name
 from datadist.wire import protocol as p
 
-from ._support import PROMPT_ID, TRANSPORTS, assert_bytes_equal, units
+from ._support import PROMPT_ID, TRANSPORTS, assert_bytes_equal, local_name, units
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,10 +1,11 @@
 """Property: a pull moves exactly the bytes a plain-numpy model of the same request moves.
 
-Two Engines live in this process: an owner (cluster 1, listening on 127.0.0.1:0) and a
-puller (cluster 2) linked to it, once with the TCP data path forced and once with
-cross-memory attach. For random geometries, dtypes, batch indexes, offsets, block lists and
-layer ranges we build the Plan with core.layout exactly as api/cache_manager.py does, pull
-with ``Engine.pull``, and compare every destination byte with the model's.
+Two engines (the C++ core, core/native.py) live in this process: an owner (cluster 1,
+listening on 127.0.0.1:0) and a puller (cluster 2) linked to it, once with the TCP data path
+forced and once with cross-memory attach. For random geometries, dtypes, batch indexes,
+offsets, block lists and layer ranges we build the Plan with core.layout exactly as
+api/cache_manager.py does, pull with ``NativeEngine.pull``, and compare every destination
+byte with the model's.
 
 The model (``expected``) is written from the spec (reference §9 and DESIGN §5) with Python
 lists and numpy slices; it shares no code with core.layout or the registry. It also predicts
@@ -24,8 +25,8 @@ from hypothesis import strategies as st
 
 from datadist.core import layout
 from datadist.core.config import HOST, EngineConfig
-from datadist.core.engine import Engine
 from datadist.core.errors import InvalidArgument
+from datadist.core.native import NativeEngine as Engine
 from datadist.core.registry import UINT64_MAX, KeyId
 from datadist.wire.protocol import KeyKind, KeyRef
 
