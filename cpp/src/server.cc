@@ -947,8 +947,10 @@ void CheckOwnMemory(const Entry &e, const std::vector<uint32_t> &tensors, const 
     const uint32_t tensor = tensors[bad / 2];
     char at[32];
     std::snprintf(at, sizeof at, "%#llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(probes[bad].iov_base)));
-    Log("cache " + std::to_string(e.id) + ": tensor " + std::to_string(tensor) + "'s memory at " + at +
-        " is not mapped any more (freed after it was registered?); a peer's " + what + " of it is refused");
+    // Always told (a bug of the caller's, who may never see the peer's error), as link failures are.
+    std::fprintf(stderr, "[datadist] error: cache %lld: tensor %u's memory at %s is not mapped any more (freed after "
+                 "it was registered?); a peer's %s of it is refused\n",
+                 static_cast<long long>(e.id), tensor, at, what);
     Fail(kDeviceMemError, "the owner's memory of cache " + std::to_string(e.id) + " tensor " + std::to_string(tensor) +
                               " is not mapped any more (freed after it was registered)");
   }

@@ -4,12 +4,13 @@ library's logger, and error messages that say what to set."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import pytest
 
 import datadist as llm_datadist
-from datadist.core.metrics import BUCKETS, Metrics
+from datadist.core.metrics import BUCKETS, Series
 from datadist.core.native import NativeEngine
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt
 
@@ -66,19 +67,19 @@ def test_prometheus_collector_exposes_the_same_counters(decoder: Decoder,
 
 
 def test_series_arithmetic() -> None:
-    m = Metrics()
-    for s in (5e-6, 3e-4, 3e-4, 2e-3, 500.0):
-        m.record("push", 9, 100, s)
-    m.record("push", 9, 100, 0.1, "LLM_TIMEOUT")
-    push = m.snapshot()["links"][9]["push"]
+    """A series as the core hands it over (per-bucket counts) reads as cumulative buckets
+    and bucket-bound quantiles."""
+    counts = [0] * (len(BUCKETS) + 1)
+    for s in (5e-6, 3e-4, 3e-4, 2e-3, 500.0, 0.1):  # counts[i]: <= BUCKETS[i], > BUCKETS[i-1]
+        counts[bisect.bisect_left(BUCKETS, s)] += 1
+    push = Series(6, 500, {"LLM_TIMEOUT": 1}, counts, 500.1023).snapshot()
     assert push["transfers"] == 6 and push["bytes"] == 500
     assert push["errors"] == {"LLM_TIMEOUT": 1}
     assert push["latency_buckets"][BUCKETS[0]] == 1  # 5 us <= 10 us
     assert push["latency_buckets"][5e-4] == 3
     assert push["latency_buckets"][BUCKETS[-1]] == 5  # 500 s lies above every bucket
     assert push["p50_s"] == 5e-4 and push["p99_s"] == float("inf")
-    m.reset()
-    assert m.snapshot() == {"total": {}, "links": {}}
+    assert Series().snapshot()["p50_s"] is None
 
 
 def test_the_library_logs_under_one_logger_with_a_null_handler() -> None:

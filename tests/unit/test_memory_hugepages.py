@@ -16,7 +16,6 @@ import pytest
 
 from datadist.core.errors import OutOfMemory
 from datadist.memory import hugepages, pool, shared
-from datadist.memory.spans import SHM_MAX_SPANS, SHM_MIN_SPAN_BYTES, shm_pays
 
 HUGE = hugepages.pmd_size()
 
@@ -150,15 +149,3 @@ def test_shared_empty_is_huge_page_sized_and_found_by_lookup() -> None:
     assert found is not None
     fds, _, offs = found
     assert int(offs[0]) == 0 and os.fstat(int(fds[0])).st_size == 2 * HUGE
-
-
-def test_shm_pays_few_spans_or_long_ones() -> None:
-    small = np.full(SHM_MAX_SPANS, 64, np.uint64)
-    assert shm_pays(1, small)  # few spans, whatever their length
-    assert not shm_pays(2, small)  # many short spans: cma
-    assert not shm_pays(1, np.full(8192, 4096, np.uint64))
-    assert not shm_pays(1, np.full(8192, SHM_MIN_SPAN_BYTES - 1, np.uint64))
-    assert shm_pays(1, np.full(8192, SHM_MIN_SPAN_BYTES, np.uint64))
-    assert shm_pays(4, np.full(1024, 1 << 20, np.uint64))
-    mixed = np.array([4096] * 300 + [1 << 20] * 10, np.uint64)  # the average decides
-    assert shm_pays(1, mixed) == (int(mixed.sum()) >= SHM_MIN_SPAN_BYTES * len(mixed))

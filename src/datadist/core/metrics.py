@@ -17,7 +17,6 @@ counters (a Prometheus counter must never go down); ``reset()`` clears everythin
 
 from __future__ import annotations
 
-import bisect
 import json
 import sys
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ BUCKETS: tuple[float, ...] = tuple(
 
 @dataclass
 class Series:
-    """The counters of one (operation, cluster id)."""
+    """The counters of one (operation, cluster id), as the core hands them over."""
 
     transfers: int = 0
     bytes: int = 0
@@ -43,15 +42,6 @@ class Series:
     # counts[i]: durations <= BUCKETS[i] and > BUCKETS[i-1]; the last slot is "above all"
     counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
     seconds: float = 0.0
-
-    def add(self, nbytes: int, seconds: float, error: str | None) -> None:
-        self.transfers += 1
-        self.seconds += seconds
-        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        if error is None:
-            self.bytes += nbytes
-        else:
-            self.errors[error] = self.errors.get(error, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
         cumulative, total = [], 0
