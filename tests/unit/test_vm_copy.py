@@ -1,6 +1,6 @@
-"""transport.iov.VmCopy: a cross-memory copy prepared once and run many times (the copy of a
-small read or write under a cache lease). Run here on our own process, which the kernel
-always lets us read."""
+"""transport.iov.vm_copy: cross-memory copies between our memory and a process's (local copies
+of the API's copy / swap calls, ``datadist info``'s probe). Run here on our own process, which
+the kernel always lets us read."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from datadist.core.errors import BrokenLink
 from datadist.transport import iov as iov_mod
-from datadist.transport.iov import IOV_MAX, VmCopy, make_iov
+from datadist.transport.iov import IOV_MAX, make_iov, vm_copy
 
 U64 = np.uint64
 
@@ -23,25 +23,21 @@ def _spans(buf: np.ndarray, starts: list[int], length: int) -> np.ndarray:
     return make_iov(np.array([base + s for s in starts], U64), np.full(len(starts), length, U64))
 
 
-def test_copies_every_span_and_runs_again() -> None:
+def test_copies_every_span() -> None:
     src = np.random.default_rng(1).integers(0, 255, 1 << 16, dtype=np.uint8)
     dst = np.zeros_like(src)
     local, remote = _spans(dst, [0, 4096, 40000], 1000), _spans(src, [9000, 100, 60000], 1000)
-    copy = VmCopy(local, remote, 3000)
-    for _ in range(3):
+    for nbytes in (None, 3000):
         dst[:] = 0
-        copy.run(os.getpid())
+        vm_copy(os.getpid(), local, remote, nbytes=nbytes)
         for d, s in ((0, 9000), (4096, 100), (40000, 60000)):
             assert np.array_equal(dst[d:d + 1000], src[s:s + 1000])
-    assert not copy.local.flags.writeable and not copy.remote.flags.writeable
-    assert np.array_equal(copy.local, local) and np.array_equal(copy.remote, remote)
 
 
 def test_a_write_goes_the_other_way() -> None:
     mine = np.arange(4096, dtype=np.uint8)
     theirs = np.zeros_like(mine)
-    VmCopy(_spans(mine, [0], 4096), _spans(theirs, [0], 4096), 4096).run(os.getpid(),
-                                                                         write=True)
+    vm_copy(os.getpid(), _spans(mine, [0], 4096), _spans(theirs, [0], 4096), write=True)
     assert np.array_equal(theirs, mine)
 
 
@@ -50,14 +46,14 @@ def test_more_spans_than_one_system_call_takes() -> None:
     src = np.random.default_rng(2).integers(0, 255, n * 8, dtype=np.uint8)
     dst = np.zeros_like(src)
     starts = list(range(0, n * 8, 8))
-    VmCopy(_spans(dst, starts[::-1], 8), _spans(src, starts, 8), n * 8).run(os.getpid())
+    vm_copy(os.getpid(), _spans(dst, starts[::-1], 8), _spans(src, starts, 8))
     assert np.array_equal(dst.reshape(n, 8), src.reshape(n, 8)[::-1])
 
 
 def test_a_short_copy_is_retried_once_then_a_broken_link() -> None:
     """The second remote span is not mapped: the kernel copies the first and stops; the retry
-    of the rest fails, and that is the owner's memory gone (BrokenLink), never a partial
-    success."""
+    of the rest fails, and that is the other process's memory gone (BrokenLink), never a
+    partial success."""
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros(8192, dtype=np.uint8)
     local = _spans(dst, [0, 4096], 4096)
@@ -72,8 +68,8 @@ def test_a_short_copy_is_retried_once_then_a_broken_link() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(iov_mod, "_vm_call", counted)
         with pytest.raises(BrokenLink):
-            VmCopy(local, remote, 8192).run(os.getpid())
-    assert len(calls) == 1  # the retry of the rest, after the prepared call's short copy
+            vm_copy(os.getpid(), local, remote)
+    assert len(calls) == 2  # the copy, then one retry of the rest
     assert np.array_equal(dst[:4096], src)
 
 
@@ -82,10 +78,4 @@ def test_a_process_that_is_gone_is_a_broken_link() -> None:
     child.wait()
     buf = np.zeros(64, dtype=np.uint8)
     with pytest.raises(BrokenLink, match="gone"):
-        VmCopy(_spans(buf, [0], 64), _spans(buf, [0], 64), 64).run(child.pid)
-
-
-def test_span_counts_must_match() -> None:
-    buf = np.zeros(64, dtype=np.uint8)
-    with pytest.raises(ValueError):
-        VmCopy(_spans(buf, [0, 8], 8), _spans(buf, [0], 8), 16)
+        vm_copy(child.pid, _spans(buf, [0], 64), _spans(buf, [0], 64))
