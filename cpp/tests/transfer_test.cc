@@ -2,6 +2,7 @@
 // every owner-side check, deadlines against stopped and dead peers, and the xLLM-style flow.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <chrono>
@@ -420,6 +421,39 @@ TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
   EXPECT_EQ(dd.UnlinkLlmClusters({two_ips}, rets, 1000, true), LLM_SUCCESS);
   EXPECT_EQ(dd.LinkLlmClusters({two_ips}, rets), LLM_PARAM_INVALID);
   EXPECT_EQ(rets.back(), LLM_PARAM_INVALID);
+}
+
+// Two threads linking to one cluster at once (a deployment's retry racing its first try): one
+// links, the other waits for it and is LLM_ALREADY_LINK, never a LINK_FAILED caused by the
+// first link's reverse channel holding the peer's slot for us; and the link works.
+TEST(Deadlines, TwoLinksToOneClusterAtOnceAreOneLinkAndOneAlreadyLink) {
+  uint16_t port = ddtest::FreePort();
+  HostCache src{4, {4, 16}}, dst{4, {4, 16}};
+  for (int round = 0; round < 5; ++round) {
+    LlmDataDist prompt(kPrompt, LlmRole::kPrompt), decoder(kDecoder, LlmRole::kDecoder);
+    ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+    ASSERT_EQ(decoder.Initialize(ddtest::Options(0, "1000")), LLM_SUCCESS);
+    ASSERT_EQ(src.Register(prompt), LLM_SUCCESS);
+    ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
+    src.Fill(static_cast<uint8_t>(round + 1));
+    Status got[2] = {LLM_FAILED, LLM_FAILED};
+    std::thread a([&] {
+      std::vector<Status> rets;
+      got[0] = decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000);
+    });
+    std::thread b([&] {
+      std::vector<Status> rets;
+      got[1] = decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 5000);
+    });
+    a.join();
+    b.join();
+    EXPECT_EQ(std::min(got[0], got[1]), LLM_SUCCESS) << round;
+    EXPECT_EQ(std::max(got[0], got[1]), LLM_ALREADY_LINK) << round;
+    ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, src.cache.cache_id, 1), dst.cache, 2), LLM_SUCCESS) << round;
+    for (int t = 0; t < 4; ++t) EXPECT_EQ(std::memcmp(dst.T(t) + 32, src.T(t) + 16, 16), 0) << round << t;
+    prompt.Finalize();
+    decoder.Finalize();
+  }
 }
 
 TEST(Auth, SharedSecretLinksAndAWrongOneDoesNot) {
