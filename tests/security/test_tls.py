@@ -406,9 +406,10 @@ def test_frames_that_share_a_record_are_all_answered(certs) -> None:
 def test_tls_options_run_on_the_core_and_a_core_without_tls_refuses_them(
         certs, monkeypatch) -> None:
     """A TLS configuration given to LLMDataDist runs on the core; a core built without
-    OpenSSL refuses it at init, saying why (never a link without TLS)."""
+    OpenSSL refuses it at init, LLM_FEATURE_NOT_ENABLED saying why, as the C++ API does
+    (never a link without TLS)."""
     import datadist as llm
-    from datadist.core.errors import InvalidArgument
+    from datadist.core.errors import NotSupported
 
     config = EngineConfig(cluster_id=2, role=2, tls=certs["decoder"])
     tls = certs["decoder"]
@@ -423,5 +424,9 @@ def test_tls_options_run_on_the_core_and_a_core_without_tls_refuses_them(
     finally:
         dd.finalize()
     monkeypatch.setattr(native, "tls_available", lambda: (False, "no OpenSSL in this build"))
-    with pytest.raises(InvalidArgument, match="no OpenSSL in this build"):
+    with pytest.raises(NotSupported, match="no OpenSSL in this build"):
         native.engine_for(config, {"datadist.Engine": "native"})
+    dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
+    with pytest.raises(llm.LLMException) as e:
+        dd.init(dict(options))
+    assert e.value.status_code == llm.LLMStatusCode.LLM_FEATURE_NOT_ENABLED
