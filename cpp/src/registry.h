@@ -120,6 +120,9 @@ struct Entry {
   /// Set once a reader leased the whole cache (LeaseCache); revoked and drained before the
   /// memory goes. A revoked one is replaced by a new one at the next lease.
   std::shared_ptr<lease::Fence> fence;
+  /// Revoked fences a new one replaced (the cache was leased again while a copy under the old
+  /// one may still run): those copies must end too before the memory goes. Dropped once drained.
+  std::vector<std::shared_ptr<lease::Fence>> old_fences;
 };
 
 /// A CacheKey bound to one slot of a cache: which tensors were pulled through it (for
@@ -301,6 +304,9 @@ class Registry {
   /// The entry a kCacheId or kBlocksKey key (id_or_a, model b) names, checked servable.
   std::shared_ptr<Entry> Named(uint8_t kind, uint64_t a, uint64_t b);
   void UnbindAll(Entry &e);
+  /// No leased copy of `e` in flight, under its fence or any fence it had before (meaningful
+  /// once revoked); old fences found drained are dropped. Lock held; one non-blocking try each.
+  static bool FencesDrained(Entry &e);
   /// Revokes `e`'s fence and waits (mu_ held by `lock`) until no transfer holds it and no
   /// leased copy is in flight, or the deadline passes (false).
   bool Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline);
