@@ -571,10 +571,24 @@ int Registry::Clear(double wait_s) {
   if (hooks_.going) hooks_.going(nullptr);
   int busy = 0;
   for (auto &e : all) {
-    busy += Drain(lock, *e, deadline) ? 0 : 1;
+    if (!Drain(lock, *e, deadline)) {
+      ++busy;
+      stuck_.push_back(e);  // a copy may still be in flight: its memory must not go
+    }
     if (hooks_.gone) hooks_.gone(*e);  // drained or given up on: finalize deregisters it either way
   }
+  // those an earlier Clear gave up on, drained since, may go now
+  stuck_.erase(std::remove_if(stuck_.begin(), stuck_.end(),
+                              [](const std::shared_ptr<Entry> &e) { return e->leases == 0 && FencesDrained(*e); }),
+               stuck_.end());
   return busy;
+}
+
+Registry::~Registry() {
+  // A copy still in flight in another process may read an entry's memory (the registry's
+  // own, AllocateCache's): leaked rather than freed under it.
+  for (auto &e : stuck_)
+    if (e->leases != 0 || !FencesDrained(*e)) new std::shared_ptr<Entry>(std::move(e));
 }
 
 std::unique_ptr<Lease> Registry::Hold(int64_t id) {

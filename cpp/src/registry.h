@@ -284,8 +284,14 @@ class Registry {
   /// the leased copies in flight. Returns how many fences are still held.
   int RevokeLeases(double wait_s);
   /// Drops everything (Finalize): caches, keys, model ids; waits up to `wait_s` for leases.
-  /// Returns how many remain leased.
+  /// Returns how many remain leased: those are kept (their memory, when this registry holds
+  /// it, is never freed under a copy in flight: leaked at worst), and the embedder must keep
+  /// the memory it gave mapped.
   int Clear(double wait_s);
+  Registry() = default;
+  Registry(const Registry &) = delete;
+  Registry &operator=(const Registry &) = delete;
+  ~Registry();
 
  private:
   friend class Lease;
@@ -318,6 +324,7 @@ class Registry {
   std::map<uint64_t, std::shared_ptr<Entry>> models_;
   std::vector<std::shared_ptr<Entry>> dropped_;  // deallocated, not yet TakeReleased
   std::vector<KeyId> consumed_;
+  std::vector<std::shared_ptr<Entry>> stuck_;  // still leased when Clear gave up on them
   bool model_map_ = false;
   std::atomic<bool> remote_writes_{true};
   RegistryHooks hooks_;

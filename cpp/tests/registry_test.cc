@@ -590,6 +590,31 @@ TEST(RegistryCppApi, AModelIdIsTheCacheIdWithoutTheMap) {
   EXPECT_EQ(Refused([&] { reg.Open(ByKey(1)); }).code, LLM_KV_CACHE_NOT_EXIST);  // no keys bound
 }
 
+// Python: finalize leaves memory a copy still reads mapped (leaked) rather than freeing it
+// (docs/reliability.md). Clear counts the cache, and the memory the registry holds for it
+// (AllocateCache's) goes only once the copy ended. Before, Clear dropped the entry at its
+// deadline and with it the memory.
+TEST(RegistryCppApi, ClearKeepsTheMemoryOfACacheStillBeingCopied) {
+  Registry reg;
+  HostCache c(2, {8, 64});
+  auto freed = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<void> region(static_cast<void *>(new int(0)), [freed](void *p) {
+    delete static_cast<int *>(p);
+    *freed = true;
+  });
+  const int64_t id = reg.Add(c.desc, c.addrs, {}, region);
+  region.reset();
+  w::CacheLease l = reg.LeaseCache(LeaseBy(w::kCacheId, static_cast<uint64_t>(id), 0));
+  std::string why;
+  auto view = datadist::lease::FenceView::Open(getpid(), l.fence_fd, l.fence_ino, why);
+  ASSERT_TRUE(view && view->Enter()) << why;
+  EXPECT_EQ(reg.Clear(0.01), 1);
+  EXPECT_FALSE(freed->load()) << "freed under a copy in flight";
+  view->Leave();
+  EXPECT_EQ(reg.Clear(0.0), 0);
+  EXPECT_TRUE(freed->load());
+}
+
 // ------------------------------------------------------------------------------ 6. leases
 
 // Python: Registry.lease_cache resolves and refuses as open does (_named): unknown id or model
