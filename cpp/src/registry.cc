@@ -63,7 +63,7 @@ std::string InElements(uint64_t bytes, uint64_t layout) {
   return std::to_string(bytes / item) + " " + DtypeName(code) + " elements (" + plain + ")";
 }
 
-// The lowest-level check of the layout tags, as check_layouts() in Python: another dtype is
+// The lowest-level check of the layout tags (the only one; Python's check_layouts went): another dtype is
 // always refused; for block addressing, another block shape too. 0 on either side passes.
 void CheckLayouts(uint64_t mine, uint64_t theirs, bool blocks, int64_t id) {
   if (!mine || !theirs) return;

@@ -8,11 +8,13 @@
 //
 // Two embedders. The C++ API (llm_datadist.cc) numbers caches 1, 2, 3 itself (Add), binds no
 // keys and resolves a BlocksCacheKey's model id as the cache id. The Python package's native
-// engine mirrors its Python registry (src/datadist/core/registry.py, the spec of every rule
-// here): it files each cache under the id Python chose (Add with an id), binds the same
-// CacheKeys and BlocksCacheKey model ids (BindKeys, BindModel; SetModelMap), says which caches
-// peers may not touch (CacheOptions::remote_accessible) and whether peers may write by key or
-// cache id (SetRemoteWrites), and drains what the server did to its keys (TakeConsumed) and
+// engine keeps its own bookkeeping (src/datadist/core/registry.py: ids, keys, local holds) and
+// mirrors every cache here, where every rule of what peers may ask lives (the removed Python
+// owner's rules; cpp/tests/registry_test.cc): it files each cache under the id Python chose
+// (Add with an id), binds the same CacheKeys and BlocksCacheKey model ids (BindKeys,
+// BindModel; SetModelMap), says which caches peers may not touch
+// (CacheOptions::remote_accessible) and whether peers may write by key or cache id
+// (SetRemoteWrites), and drains what the server did to its keys (TakeConsumed) and
 // which deallocated caches nothing holds any more (TakeReleased), without callbacks.
 // Its calls, one per Python registry call: SetModelMap(true) and SetRemoteWrites(config) once;
 // add -> Add(id, ..., CacheOptions), then BindKeys (key i -> slot i) and BindModel; deallocate ->

@@ -1,6 +1,8 @@
-// The C++ Registry as the native engine uses it: every rule of a Python owner's registry
-// (src/datadist/core/registry.py and the checks of core/engine.py, the spec), each test naming
-// the Python function and the Python test (tests/unit/test_registry.py) it mirrors. The
+// The C++ Registry as the native engine uses it: every rule of the owner, the only
+// implementation since the Python owner (the spec these tests were ported from: the removed
+// Registry.open / open_addresses / lease_cache / settle of src/datadist/core/registry.py, the
+// checks of core/engine.py, transport/fence.py) went. Each test names the Python function and
+// the Python test (tests/unit/test_registry.py, test_fence.py) it mirrors. The
 // registry never touches memory, so most caches carry made-up addresses; the server tests at
 // the end use real memory.
 #include <gtest/gtest.h>
@@ -751,6 +753,12 @@ TEST_F(Native, OpenChecksTheRequestersLayoutTag) {
   Refusal shape = Refused([&] { reg.Open(with(w::LayoutTag(DT_FLOAT16, {32, 2}))); });
   EXPECT_EQ(shape.code, LLM_PARAM_INVALID);
   EXPECT_TRUE(shape.Says("block shape")) << shape.msg;
+  // by slot (cache id) the shapes may differ (sizes and offsets say what moves); the dtype may not
+  w::Request slot = Req(w::kCacheId, 1, 0, 0, {0, 1}, 0, 64);
+  slot.layout = w::LayoutTag(DT_FLOAT16, {32, 2});
+  Pull(reg, slot);
+  slot.layout = f32;
+  EXPECT_TRUE(Refused([&] { reg.Open(slot); }).Says("holds DT_FLOAT16, the requester's cache DT_FLOAT:"));
   reg.Remove(1, false, 0.0);
 }
 
