@@ -341,10 +341,13 @@ PYBIND11_MODULE(_core, m) {
             // Queued transfers fail first; closing the links then fails the running ones at
             // once (their sockets shut down), and only then are the workers joined.
             c.executor().Close();
-            c.engine().Close(wait_s);
+            const int leased = c.engine().Close(wait_s);
             c.executor().Stop();
+            return leased;
           },
-          py::arg("wait_s"))
+          py::arg("wait_s"),
+          "Stop serving, close every link and drop every cache, waiting up to wait_s for leases; "
+          "returns how many caches are still leased (their memory must stay mapped). Blocks.")
       .def_property("role", [](Core &c) { return c.engine().role(); },
                     [](Core &c, int32_t r) { c.engine().set_role(r); })
       .def(

@@ -84,7 +84,7 @@ void Engine::Open(const EngineOptions &options) {
   open_ = true;
 }
 
-void Engine::Close(double wait_s) {
+int Engine::Close(double wait_s) {
   std::multimap<uint64_t, std::shared_ptr<Link>> links;
   std::unique_ptr<Server> server;
   bool was_open;
@@ -110,7 +110,7 @@ void Engine::Close(double wait_s) {
     reverse_links_.clear();
   }
   for (auto &kv : links) kv.second->Close(Deadline(), true);
-  if (was_open) registry_.Clear(wait_s);
+  return was_open ? registry_.Clear(wait_s) : 0;
 }
 
 void Engine::Listen(const std::string &host, uint16_t port) {

@@ -58,8 +58,10 @@ class Engine {
   /// LLM_PARAM_INVALID when options.nixl.read and NIXL cannot be used (what to install).
   void Open(const EngineOptions &options);
   /// Stops the listener, closes every link at once (transfers in flight fail) and drops every
-  /// cache, waiting up to `wait_s` for leases. Idempotent.
-  void Close(double wait_s);
+  /// cache, waiting up to `wait_s` for leases. Returns how many caches are still leased
+  /// after that (a copy in flight): memory the embedder gave must stay mapped (leaked), as
+  /// the registry keeps its own (Registry::Clear). Idempotent (0 when already closed).
+  int Close(double wait_s);
 
   uint64_t cluster_id() const { return ident_.cluster_id; }
   int32_t role() const { return ident_.role.load(); }

@@ -63,7 +63,7 @@ std::string InElements(uint64_t bytes, uint64_t layout) {
   return std::to_string(bytes / item) + " " + DtypeName(code) + " elements (" + plain + ")";
 }
 
-// The lowest-level check of the layout tags, as check_layouts() in Python: another dtype is
+// The lowest-level check of the layout tags (the only one; Python's check_layouts went): another dtype is
 // always refused; for block addressing, another block shape too. 0 on either side passes.
 void CheckLayouts(uint64_t mine, uint64_t theirs, bool blocks, int64_t id) {
   if (!mine || !theirs) return;
@@ -425,7 +425,7 @@ std::vector<int64_t> Registry::TakeReleased() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
   auto free = [&](const std::shared_ptr<Entry> &e) {
-    if (!e->keys.empty() || e->leases || (e->fence && !e->fence->Drained())) return false;
+    if (!e->keys.empty() || e->leases || !FencesDrained(*e)) return false;
     out.push_back(e->id);
     if (hooks_.gone) hooks_.gone(*e);
     return true;
@@ -456,12 +456,19 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
   if (hooks_.gone) hooks_.gone(*e);
 }
 
+bool Registry::FencesDrained(Entry &e) {
+  e.old_fences.erase(std::remove_if(e.old_fences.begin(), e.old_fences.end(),
+                                    [](const std::shared_ptr<lease::Fence> &f) { return f->Drained(); }),
+                     e.old_fences.end());
+  return e.old_fences.empty() && (!e.fence || e.fence->Drained());
+}
+
 bool Registry::Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline) {
   if (e.fence) e.fence->Revoke();  // no leased copy starts from now on
   if (!changed_.wait_until(lock, deadline, [&] { return e.leases == 0; })) return false;
   // Leased copies in flight hold the fence's shared lock (another process's, so no condition
   // tells us): the exclusive lock is tried every 200 us until the deadline.
-  while (e.fence && !e.fence->Drained()) {
+  while (!FencesDrained(e)) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     changed_.wait_for(lock, std::chrono::microseconds(200));
   }
@@ -476,6 +483,7 @@ int Registry::RevokeLeases(double wait_s) {
       kv.second->fence->Revoke();
       fences.push_back(kv.second->fence);
     }
+  for (auto &kv : by_id_) fences.insert(fences.end(), kv.second->old_fences.begin(), kv.second->old_fences.end());
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
   int held = 0;
@@ -510,15 +518,15 @@ std::shared_ptr<Entry> Registry::Named(uint8_t kind, uint64_t a, uint64_t b) {
 
 wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
   if (q.kind != wire::kCacheId && q.kind != wire::kBlocksKey) Invalid("a cache lease names a cache by id or BlocksCacheKey");
-  std::shared_ptr<lease::Fence> retired;  // a revoked fence replaced here closes outside mu_
   std::lock_guard<std::mutex> lock(mu_);
   if ((q.flags & wire::kLeaseWrite) && !remote_writes_) Invalid(kWritesRefused);
   Entry &e = *Named(q.kind, q.a, q.b);
   if (!e.fence || e.fence->revoked()) {
-    // A revoked fence (an unregister that timed out) may still be held by a copy that
-    // started before the revocation; closing our descriptor does not end it, and the copy
-    // reads memory that is still registered.
-    retired = std::move(e.fence);
+    // A revoked fence (an unregister that timed out, the model id bound to another cache) may
+    // still be held by a copy that started before the revocation, reading memory that is still
+    // registered: it is kept (old_fences) and drained too before the memory goes.
+    if (e.fence) e.old_fences.push_back(std::move(e.fence));
+    FencesDrained(e);  // drops the old ones no copy holds any more
     e.fence = std::make_shared<lease::Fence>();
   }
   wire::CacheLease l;
@@ -563,10 +571,24 @@ int Registry::Clear(double wait_s) {
   if (hooks_.going) hooks_.going(nullptr);
   int busy = 0;
   for (auto &e : all) {
-    busy += Drain(lock, *e, deadline) ? 0 : 1;
+    if (!Drain(lock, *e, deadline)) {
+      ++busy;
+      stuck_.push_back(e);  // a copy may still be in flight: its memory must not go
+    }
     if (hooks_.gone) hooks_.gone(*e);  // drained or given up on: finalize deregisters it either way
   }
+  // those an earlier Clear gave up on, drained since, may go now
+  stuck_.erase(std::remove_if(stuck_.begin(), stuck_.end(),
+                              [](const std::shared_ptr<Entry> &e) { return e->leases == 0 && FencesDrained(*e); }),
+               stuck_.end());
   return busy;
+}
+
+Registry::~Registry() {
+  // A copy still in flight in another process may read an entry's memory (the registry's
+  // own, AllocateCache's): leaked rather than freed under it.
+  for (auto &e : stuck_)
+    if (e->leases != 0 || !FencesDrained(*e)) new std::shared_ptr<Entry>(std::move(e));
 }
 
 std::unique_ptr<Lease> Registry::Hold(int64_t id) {

@@ -8,11 +8,13 @@
 //
 // Two embedders. The C++ API (llm_datadist.cc) numbers caches 1, 2, 3 itself (Add), binds no
 // keys and resolves a BlocksCacheKey's model id as the cache id. The Python package's native
-// engine mirrors its Python registry (src/datadist/core/registry.py, the spec of every rule
-// here): it files each cache under the id Python chose (Add with an id), binds the same
-// CacheKeys and BlocksCacheKey model ids (BindKeys, BindModel; SetModelMap), says which caches
-// peers may not touch (CacheOptions::remote_accessible) and whether peers may write by key or
-// cache id (SetRemoteWrites), and drains what the server did to its keys (TakeConsumed) and
+// engine keeps its own bookkeeping (src/datadist/core/registry.py: ids, keys, local holds) and
+// mirrors every cache here, where every rule of what peers may ask lives (the removed Python
+// owner's rules; cpp/tests/registry_test.cc): it files each cache under the id Python chose
+// (Add with an id), binds the same CacheKeys and BlocksCacheKey model ids (BindKeys,
+// BindModel; SetModelMap), says which caches peers may not touch
+// (CacheOptions::remote_accessible) and whether peers may write by key or cache id
+// (SetRemoteWrites), and drains what the server did to its keys (TakeConsumed) and
 // which deallocated caches nothing holds any more (TakeReleased), without callbacks.
 // Its calls, one per Python registry call: SetModelMap(true) and SetRemoteWrites(config) once;
 // add -> Add(id, ..., CacheOptions), then BindKeys (key i -> slot i) and BindModel; deallocate ->
@@ -120,6 +122,9 @@ struct Entry {
   /// Set once a reader leased the whole cache (LeaseCache); revoked and drained before the
   /// memory goes. A revoked one is replaced by a new one at the next lease.
   std::shared_ptr<lease::Fence> fence;
+  /// Revoked fences a new one replaced (the cache was leased again while a copy under the old
+  /// one may still run): those copies must end too before the memory goes. Dropped once drained.
+  std::vector<std::shared_ptr<lease::Fence>> old_fences;
 };
 
 /// A CacheKey bound to one slot of a cache: which tensors were pulled through it (for
@@ -281,8 +286,14 @@ class Registry {
   /// the leased copies in flight. Returns how many fences are still held.
   int RevokeLeases(double wait_s);
   /// Drops everything (Finalize): caches, keys, model ids; waits up to `wait_s` for leases.
-  /// Returns how many remain leased.
+  /// Returns how many remain leased: those are kept (their memory, when this registry holds
+  /// it, is never freed under a copy in flight: leaked at worst), and the embedder must keep
+  /// the memory it gave mapped.
   int Clear(double wait_s);
+  Registry() = default;
+  Registry(const Registry &) = delete;
+  Registry &operator=(const Registry &) = delete;
+  ~Registry();
 
  private:
   friend class Lease;
@@ -301,6 +312,9 @@ class Registry {
   /// The entry a kCacheId or kBlocksKey key (id_or_a, model b) names, checked servable.
   std::shared_ptr<Entry> Named(uint8_t kind, uint64_t a, uint64_t b);
   void UnbindAll(Entry &e);
+  /// No leased copy of `e` in flight, under its fence or any fence it had before (meaningful
+  /// once revoked); old fences found drained are dropped. Lock held; one non-blocking try each.
+  static bool FencesDrained(Entry &e);
   /// Revokes `e`'s fence and waits (mu_ held by `lock`) until no transfer holds it and no
   /// leased copy is in flight, or the deadline passes (false).
   bool Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline);
@@ -312,6 +326,7 @@ class Registry {
   std::map<uint64_t, std::shared_ptr<Entry>> models_;
   std::vector<std::shared_ptr<Entry>> dropped_;  // deallocated, not yet TakeReleased
   std::vector<KeyId> consumed_;
+  std::vector<std::shared_ptr<Entry>> stuck_;  // still leased when Clear gave up on them
   bool model_map_ = false;
   std::atomic<bool> remote_writes_{true};
   RegistryHooks hooks_;

@@ -5,6 +5,7 @@ connection floods over the cap. In-process engines on loopback; every wait bound
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import select
 import socket
@@ -13,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from fault_harness import local_name
 
 import datadist.core.native as native_mod
 from datadist.core.config import EngineConfig
@@ -25,7 +27,6 @@ from datadist.transport.iov import make_iov, vm_copy
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
-NO_PREFIX = 2**64 - 1
 
 
 def _readable(addr: int, n: int) -> bytes:
@@ -38,40 +39,76 @@ def _readable(addr: int, n: int) -> bytes:
     return out.tobytes()
 
 
-def _owner_with_keyed_cache() -> tuple[Engine, int, object]:
+class _CopyInFlight:
+    """A same-host reader's copy of a leased cache, in flight: the reader's shared flock on
+    the owner's fence file (docs/protocol.md, "Cache leases"), taken through
+    /proc/<owner pid>/fd/<fence_fd> as a reader process does. While it is held the owner
+    cannot drain the fence, so the cache's memory must stay."""
+
+    def __init__(self, lease: p.CacheLease) -> None:
+        self.fd = os.open(f"/proc/{os.getpid()}/fd/{lease.fence_fd}", os.O_RDONLY | os.O_CLOEXEC)
+        assert os.fstat(self.fd).st_ino == lease.fence_ino
+        fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+    def end(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _owner_with_keyed_cache() -> tuple[Engine, int, _CopyInFlight]:
     """An owner whose only cache is deallocated and still held by its CacheKey, with a
-    transfer of it in progress (the lease a transfer holds on the engine's registry while it
-    copies, as local copies and issued transfers do)."""
-    eng = Engine(EngineConfig(cluster_id=1, role=1, host_pool=PoolConfig(1 << 20, 16)))
+    peer's copy of it in flight (a lease on the whole cache taken on the local channel before
+    the deallocation, as a same-host puller takes it, and a copy under its fence)."""
+    eng = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
+                              host_pool=PoolConfig(1 << 20, 16)))
     entry = eng.allocate(Geometry(1, 4096, 1), placement=0, keys=[KeyId(3, 0)])
     addr = int(entry.addrs[0])
     np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 4096).from_address(addr))[:] = 7
-    eng.deallocate(entry.cache_id)  # only the key holds the cache now
-    lease = eng.registry.open(p.KeyRef(p.KeyKind.CACHE_KEY, 3, 0, NO_PREFIX), 0,
-                              np.zeros(1, np.uint32), np.zeros(1, np.uint64),
-                              np.full(1, 4096, np.uint64))
-    return eng, addr, lease
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5.0)
+    try:
+        sock.connect(local_name(os.getpid(), 1))
+        dec = p.FrameDecoder()
+        got: list = []
+        for rid, msg in ((1, p.Hello(2, 2, os.getpid(), 0, b"\0" * 16)),
+                         (2, p.LeaseRequest(p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0)))):
+            sock.sendall(p.encode(msg, rid))
+            while len(got) < rid:
+                chunk = sock.recv(65536)
+                assert chunk, "the owner closed the local channel"
+                got += dec.feed(chunk)
+    finally:
+        sock.close()
+    lease = got[1][1]
+    assert isinstance(lease, p.CacheLease) and int(lease.addrs[0]) == addr, lease
+    copy = _CopyInFlight(lease)
+    eng.deallocate(entry.cache_id)  # only the key (and the copy) holds the cache now
+    return eng, addr, copy
 
 
 def test_item3_finalize_never_unmaps_memory_a_reader_still_uses(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: finalize waited only for caches still held by their id; a deallocated cache
     held by its key was unmapped under the transfer (SIGSEGV in the owner). Now every live
-    cache is waited for (CLOSE_WAIT), and memory still read after the bound stays mapped."""
+    cache is waited for (CLOSE_WAIT), and memory still read after the bound stays mapped.
+    On the core: Engine::Close returns the caches still leased (Registry::Clear), and the
+    engine leaves their pools mapped; before, it unmapped them under the copy."""
     monkeypatch.setattr(native_mod, "CLOSE_WAIT", 0.3)
-    eng, addr, lease = _owner_with_keyed_cache()
-    t0 = time.monotonic()
-    eng.close()
-    assert time.monotonic() - t0 >= 0.25  # it waited for the reader
-    assert _readable(addr, 4096) == b"\x07" * 4096  # and left the memory mapped
-    eng.registry.close(lease, False)  # type: ignore[arg-type]
+    eng, addr, copy = _owner_with_keyed_cache()
+    try:
+        t0 = time.monotonic()
+        eng.close()
+        assert time.monotonic() - t0 >= 0.25  # it waited for the reader
+        assert _readable(addr, 4096) == b"\x07" * 4096  # and left the memory mapped
+    finally:
+        copy.end()
 
 
 def test_item3_finalize_waits_for_the_reader_then_unmaps(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native_mod, "CLOSE_WAIT", 10.0)
-    eng, addr, lease = _owner_with_keyed_cache()
-    done = threading.Timer(0.4, lambda: eng.registry.close(lease, True))  # type: ignore[arg-type]
+    eng, addr, copy = _owner_with_keyed_cache()
+    done = threading.Timer(0.4, copy.end)
     done.start()
     t0 = time.monotonic()
     eng.close()

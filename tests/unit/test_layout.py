@@ -430,19 +430,3 @@ class TestLayoutTags:
         assert a != layout_tag(0, (16, 128))
         assert a == layout_tag(1, [16, 128])
         assert layout_tag(0, ()) != 0
-
-    def test_check_layouts(self) -> None:
-        from datadist.core.layout import check_layouts, layout_tag
-
-        f16, f32 = layout_tag(1, (4,)), layout_tag(0, (4,))
-        f16_wide = layout_tag(1, (8,))
-        check_layouts(0, f16, blocks=True, what="cache 1")  # unknown passes
-        check_layouts(f16, 0, blocks=True, what="cache 1")
-        check_layouts(f16, f16, blocks=True, what="cache 1")
-        want = "cache 1 holds DT_FLOAT16, the requester's cache DT_FLOAT:"
-        with pytest.raises(InvalidArgument, match=want):
-            check_layouts(f16, f32, blocks=False, what="cache 1")
-        with pytest.raises(InvalidArgument, match="block shape"):
-            check_layouts(f16, f16_wide, blocks=True, what="cache 1")
-        # slots may differ in shape (size and offsets say what moves); the dtype may not
-        check_layouts(f16, f16_wide, blocks=False, what="cache 1")

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from datadist.core.dtypes import dtype_name
 from datadist.core.errors import InvalidArgument
 from datadist.transport.iov import iovecs, span_iov
 
@@ -84,24 +83,6 @@ def wire_layout(geometry: Geometry) -> int:
     """The layout a requester states: the whole tag for a paged cache, the dtype alone for a
     contiguous one (whose slots need not have the shape of the peer's blocks)."""
     return geometry.layout if geometry.is_blocks else geometry.layout & ~0xFFFFFFFF
-
-
-def check_layouts(mine: int, theirs: int, *, blocks: bool, what: str) -> None:
-    """Owner side: refuse a request whose cache holds another dtype (always) or, for block
-    addressing, blocks of another shape. Unknown (0) on either side passes."""
-    if not mine or not theirs:
-        return
-    if mine >> 32 != theirs >> 32:
-        raise InvalidArgument(
-            f"{what} holds {dtype_name((mine >> 32) - 1)}, the requester's cache "
-            f"{dtype_name((theirs >> 32) - 1)}: refusing to move bytes that would be read as "
-            "the wrong type"
-        )
-    # A requester whose own cache is not paged (a contiguous source pushed into blocks) sends
-    # its dtype only: shape word 0.
-    if blocks and theirs & 0xFFFFFFFF and mine != theirs:
-        raise InvalidArgument(f"{what} has another block shape than the requester's cache "
-                              "(same data type and block size, the dimensions differ)")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

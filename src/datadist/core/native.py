@@ -801,13 +801,16 @@ class NativeEngine:
             if self._closed:
                 return
             self._closed = True
+        # caches a peer's copy still reads after CLOSE_WAIT (the core's count): their pool
+        # memory stays mapped (leaked), never unmapped under the copy
+        in_use = 0
         try:
-            self._core.close(CLOSE_WAIT)
+            in_use = int(self._core.close(CLOSE_WAIT) or 0)
         except Exception as e:  # noqa: BLE001 - closing must not raise
             log.warning("closing the native engine: %s", e)
         self._await_handles(None, time.monotonic())  # every one has ended: settled now
         entries = self.registry.clear()
-        leased = self.registry.wait_unleased(entries, CLOSE_WAIT)
+        leased = in_use + self.registry.wait_unleased(entries, CLOSE_WAIT)
         for pool in self._pools.values():
             shared.ARENAS.remove(pool.base)
             if leased:

@@ -1,7 +1,7 @@
 """iovec arrays, and the copies this process makes itself: local memmoves and
 cross-memory attach (``process_vm_readv`` / ``writev``).
 
-Who calls: the facade's planning (``core/layout.py``, ``core/registry.py``: an iovec array is
+Who calls: the facade's planning (``core/layout.py``: an iovec array is
 an ``(n, 2)`` uint64 numpy array, as ``struct iovec`` on 64-bit Linux), local copies
 (``core/local.py``: copy_cache, swap_blocks), ``datadist info`` (:func:`cma_refusal`) and the
 bench's limits. Peers' transfers are the core's (cpp/src). Nothing here loops in Python per

@@ -122,7 +122,7 @@ class KeyKind(enum.IntEnum):
     # Raw addresses (transfer_cache_async's TransferConfig; WRITE only, a READ naming them is
     # a protocol error): tensors == [0] and offsets are absolute addresses in the owner's
     # memory; the owner accepts them only inside one tensor of a remote-accessible cache it
-    # registered (Registry.open_addresses).
+    # registered (the core's Registry::OpenAddresses, cpp/src/registry.cc).
     ADDRESS = 4
 
 
