@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Shared memory or cross-memory attach: the measurement behind ``memory/spans.py``.
+"""Shared memory or cross-memory attach: the measurement behind the core's ``shm::Pays``.
 
 ``python benchmarks/shm_vs_cma.py [SPAN_BYTES,...] [SPAN_COUNTS,...]``: a forked child holds a
 memfd (as datadist's pools and ``shared_empty`` allocate it) and a numpy array; the parent

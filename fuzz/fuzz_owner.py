@@ -6,12 +6,14 @@ Run by hand, not in CI (the tests/faults fuzzers run a fixed set in CI):
     python fuzz/fuzz_owner.py                      # 2000 hypothesis examples
     python fuzz/fuzz_owner.py --examples 50000 --seed 3
 
-The owner is an in-process Engine with a shared secret, listening on loopback; the fuzzer is
-a raw socket. What counts as a finding (raised, with the input):
+The owner is an in-process engine (the core, ``NativeEngine``) with a shared secret,
+listening on loopback; the fuzzer is a raw socket. What counts as a finding (raised, with
+the input):
 
 1. before a valid AUTH (frames of its own and every golden frame of tests/vectors/frames.txt):
    any answer but WELCOME or ERROR, a peer registered as inbound
-   (``Engine.inbound_peers``), or the connection left open once the fuzzer stopped sending;
+   (``NativeEngine.inbound_peers``: any cluster id but the linked decoder's), or the
+   connection left open once the fuzzer stopped sending;
 2. after it: a request with duplicated or expanded spans (one tensor index repeated, many
    one-byte spans, a checksum asked for) answered by anything but ERROR or the exact bytes,
    or answered later than ANSWER_BOUND seconds (its cost must be bounded by its size);
@@ -42,10 +44,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 from seeds import golden_frames  # noqa: E402 - fuzz/seeds.py, beside this file
 
-from datadist.core import auth  # noqa: E402
-from datadist.core.config import EngineConfig
-from datadist.core.engine import Engine  # noqa: E402
+from datadist.core.config import EngineConfig  # noqa: E402
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks  # noqa: E402
+from datadist.core.native import NativeEngine  # noqa: E402
+from datadist.wire import auth  # noqa: E402
 from datadist.wire import protocol as p  # noqa: E402
 
 SECRET = b"fuzz-owner"
@@ -115,9 +117,8 @@ def authenticate(cli: Client, owner_id: int, cluster_id: int | None = None,
         raise Finding("a valid proof was refused")
 
 
-def before_auth(owner: Engine, hello: int, frames: list[bytes]) -> None:
+def before_auth(owner: NativeEngine, hello: int, frames: list[bytes]) -> None:
     cli = Client(owner.listen_address[1])
-    me = "{}:{}".format(*cli.sock.getsockname()[:2])
     try:
         if hello:
             flags, nonce = (p.FEATURE_AUTH, auth.nonce()) if hello == 2 else (0, b"")
@@ -125,20 +126,21 @@ def before_auth(owner: Engine, hello: int, frames: list[bytes]) -> None:
             got = cli.next()
             if got is None or not isinstance(got[1], (p.Welcome, p.Error)):
                 raise Finding(f"answered {got!r} to a Hello")
-            if any(peer.address == me for peer in owner.inbound_peers()):
-                raise Finding(f"registered {me} on its Hello, before any proof")
+            if strangers(owner):
+                raise Finding(f"registered {strangers(owner)} on its Hello, before any proof")
         cli.send(b"".join(frames))
-        cli.sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):  # the owner may have closed it already: fine
+            cli.sock.shutdown(socket.SHUT_WR)
         while (item := cli.next()) is not None:
             if not isinstance(item[1], (p.Welcome, p.Error)):
                 raise Finding(f"answered {item!r} before authentication")
-        if any(peer.address == me for peer in owner.inbound_peers()):
-            raise Finding(f"registered {me} without a valid proof")
+        if strangers(owner):
+            raise Finding(f"registered {strangers(owner)} without a valid proof")
     finally:
         cli.close()
 
 
-def expanded(owner: Engine, cache_id: int, data: np.ndarray, cases: list) -> None:
+def expanded(owner: NativeEngine, cache_id: int, data: np.ndarray, cases: list) -> None:
     cli = Client(owner.listen_address[1])
     try:
         authenticate(cli, owner.config.cluster_id)
@@ -174,7 +176,7 @@ def expanded(owner: Engine, cache_id: int, data: np.ndarray, cases: list) -> Non
 OWN = b"own"  # a token strategy: the one the owner issued the fuzzer's own control channel
 
 
-def own_control(owner: Engine, cluster_id: int) -> tuple[Client, bytes]:
+def own_control(owner: NativeEngine, cluster_id: int) -> tuple[Client, bytes]:
     """A control channel of the fuzzer's own under ``cluster_id`` (with the secret: the id
     is only a claim), and the link token the owner issued it."""
     cli = Client(owner.listen_address[1])
@@ -193,12 +195,12 @@ def own_control(owner: Engine, cluster_id: int) -> tuple[Client, bytes]:
     return cli, token
 
 
-def reverse_hellos(owner: Engine, decoder: Engine, dst: np.ndarray, src_cache: int,
+def reverse_hellos(owner: NativeEngine, decoder: NativeEngine, dst: np.ndarray, src_cache: int,
                    hellos: list[tuple[int, int, bytes, bool]]) -> None:
     """Finding 4: strangers' reverse HELLOs (cluster id, extra feature bits, token, with the
     secret or not) never take a reverse channel over nor add one; the push still lands."""
     real = owner.get_link(DECODER_ID)
-    before = set(owner._reverse)  # noqa: SLF001 - the fuzzer inspects the owner's table
+    before = set(owner.reverse_ids())
     for cluster_id, extra, token, with_secret in hellos:
         control = None
         if token == OWN:  # a second control channel under the linked decoder's id
@@ -222,7 +224,7 @@ def reverse_hellos(owner: Engine, decoder: Engine, dst: np.ndarray, src_cache: i
             cli.close()
             if control is not None:
                 control.close()
-        if owner.get_link(DECODER_ID) is not real or set(owner._reverse) != before:  # noqa: SLF001
+        if owner.get_link(DECODER_ID) != real or set(owner.reverse_ids()) != before:
             raise Finding(f"a stranger's reverse Hello (cluster {cluster_id}, features "
                           f"{features:#x}, token {token.hex()}) was adopted")
     dst[...] = 0
@@ -234,17 +236,23 @@ def reverse_hellos(owner: Engine, decoder: Engine, dst: np.ndarray, src_cache: i
         raise Finding("the owner's push no longer reaches the linked decoder")
 
 
+def strangers(owner: NativeEngine) -> set[int]:
+    """Cluster ids with a live control channel to the owner other than the linked decoder's:
+    only a valid proof may make one."""
+    return {link.cluster_id for link in owner.inbound_peers()} - {DECODER_ID}
+
+
 def p_code_link_failed() -> int:
     from datadist.core.errors import Code
 
     return int(Code.LINK_FAILED)
 
 
-def decoder_cache_id(decoder: Engine) -> int:
+def decoder_cache_id(decoder: NativeEngine) -> int:
     return int(decoder.registry.entries()[0].cache_id)
 
 
-def address_writes(owner: Engine, private: np.ndarray, public: np.ndarray,
+def address_writes(owner: NativeEngine, private: np.ndarray, public: np.ndarray,
                    spans: list[tuple[int, int, int]]) -> None:
     """Finding 5: a write by address is one refusal wherever it points, unless it lies inside
     one tensor of the public cache; the private cache never changes."""
@@ -296,10 +304,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()
 
-    owner = Engine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), secret=SECRET))
+    owner = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0), secret=SECRET))
     # a decoder linked to the owner (its reverse channel is the owner's end), and two caches
     # of the owner's own for address writes: one private, one public
-    decoder = Engine(EngineConfig(cluster_id=DECODER_ID, role=2, secret=SECRET))
+    decoder = NativeEngine(EngineConfig(cluster_id=DECODER_ID, role=2, secret=SECRET))
     dst = np.zeros((1, TENSOR_BYTES), np.uint8)
     decoder.register(Geometry(1, TENSOR_BYTES, 64), [dst.ctypes.data], placement=0)
     decoder.link(1, *owner.listen_address, 5.0)

@@ -274,8 +274,7 @@ class Owner {
   bool closed_ = false;
 };
 
-/// The reader side of one connection of a link forced to NIXL (transport/nixl.py's NixlPath;
-/// docs/protocol.md, "Pull and push over NIXL", "NIXL leases"). A pull by cache id or blocks
+/// The reader side of one connection of a link forced to NIXL (docs/protocol.md, "Pull and push over NIXL", "NIXL leases"). A pull by cache id or blocks
 /// key reads under a lease on the whole remote cache (NIXL_LEASE, asked once per cache after
 /// a NIXL read completed on the connection): no request per pull, the bounds checked here
 /// against the lease's geometry (CheckRequestAt, the owner's own checks), one NIXL READ. Other

@@ -1,5 +1,5 @@
 // Shared memory on one host (docs/transports.md, "shm"; docs/protocol.md, "Pull on the same
-// host"), as Python's memory/pool.py, memory/spans.py and transport/paths.py (CmaPath) do it.
+// host"): the memfds Python's memory/pool.py (and the C++ API's AllocateCache) allocate.
 //
 // An owner whose cache lies in a sealed memfd (a pool the Python package allocated, an array
 // from datadist.memory.shared_empty, or the C++ API's AllocateCache) answers a GRANT | SHM read
@@ -32,8 +32,8 @@ namespace datadist {
 namespace shm {
 
 /// Up to this many spans a request copies faster by memcpy from the owner's mapping whatever
-/// their length; above it, when its spans average kMinSpanBytes or more (Python's
-/// memory/spans.py, measured there).
+/// their length; above it, when its spans average kMinSpanBytes or more (measured by
+/// benchmarks/shm_vs_cma.py).
 constexpr uint64_t kMaxSpans = 256;
 constexpr uint64_t kMinSpanBytes = 32 << 10;
 
