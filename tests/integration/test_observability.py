@@ -86,9 +86,10 @@ def test_the_library_logs_under_one_logger_with_a_null_handler() -> None:
     root = logging.getLogger("datadist")
     assert any(isinstance(h, logging.NullHandler) for h in root.handlers)
     from datadist.api import llm_datadist as facade
-    from datadist.core import native, registry
+    from datadist.core import comm, native
+    from datadist.memory import pool
 
-    for mod in (facade, native, registry):  # the core's own messages: "datadist.native"
+    for mod in (facade, native, comm, pool):  # the core's own messages: "datadist.native"
         assert mod.log.name.startswith("datadist.")
 
 
