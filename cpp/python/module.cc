@@ -85,7 +85,7 @@ uint64_t IovBytes(const std::vector<iovec> &iov) {
 }
 
 /// A pull (write false) or push on the link to `cluster`, counted in the core's metrics as
-/// the Python engine counts its own (a missing link included), timed from `since`.
+/// the C++ API counts its own (a missing link included), timed from `since`.
 void Transfer(datadist::Engine &engine, bool write, uint64_t cluster, const datadist::wire::Request &req,
               const std::vector<iovec> &iov, Deadline deadline, datadist::Clock::time_point since) {
   namespace metrics = datadist::metrics;
@@ -153,7 +153,7 @@ class Core {
   datadist::Executor executor_;  // stopped before the engine closes (its tasks use links)
 };
 
-/// Unlink as the Python engine's Engine.unlink: both ends (the link we made, the peer's
+/// Unlink as LLMDataDist.unlink_clusters asks: both ends (the link we made, the peer's
 /// reverse channel to us); LLM_NOT_YET_LINK when neither exists; a peer we could not tell
 /// is LLM_UNLINK_FAILED once both ends were tried (our ends are closed); LLM_LINK_BUSY
 /// leaves the link up. `quiet_inbound`: the peer's end is closed without a word.

@@ -1,5 +1,5 @@
 // Whole-cache leases on the local channel (docs/protocol.md, "Cache leases"): the only
-// implementation (the Python engine's transport/fence.py and CmaPath.lease / copy_leased went).
+// implementation, under both APIs.
 //
 // A reader holding a lease checks its own requests against the leased cache's geometry
 // (CheckRequest, the owner's own checks) and copies with process_vm_readv / _writev, no frame

@@ -516,9 +516,8 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
   try {
     h = Call(wire::EncodeLeaseRequest(q, ++rid_), payload, deadline);  // ERROR: the refusal
   } catch (const Error &e) {
-    // An owner that cannot lease now (a Python owner out of fence descriptors says
-    // FEATURE_NOT_ENABLED) still answers requests: this transfer asks it, as Python's reader
-    // does. Any other refusal (no such cache, writes not allowed) is the transfer's answer.
+    // An owner that cannot lease now (out of fence descriptors: FEATURE_NOT_ENABLED, lease.cc)
+    // still answers requests: this transfer asks it. Any other refusal (no such cache, writes not allowed) is the transfer's answer.
     if (e.code() == llm_datadist::LLM_FEATURE_NOT_ENABLED) return nullptr;
     throw;
   }
@@ -811,7 +810,7 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
 
 void Link::Close(Deadline deadline, bool force) {
   if (force) {
-    // At once, as the Python engine closes a link's channel: a transfer in flight has its
+    // At once: a transfer in flight has its
     // socket shut down under it (it fails LLM_LINK_FAILED; the connection closes when it
     // lets go of the link), and transfers waiting for the link fail the same way.
     if (TryAcquire()) {

@@ -162,7 +162,7 @@ class Link {
     allow_shm_ = allow;
     shm_forced_ = forced;
   }
-  /// path() by name, as the Python engine names it: "shm" for kCma when shm is forced.
+  /// path() by name, as the Python API names it: "shm" for kCma when shm is forced.
   const char *path_name() const;
   /// How the last pull (or leased push) moved its bytes: "shm", "cma", "stream" (over the
   /// control channel) or "" (none yet). For tests and tools.

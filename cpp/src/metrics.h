@@ -1,7 +1,7 @@
 // Transfer metrics of the process: per (operation, remote cluster id), how many transfers
 // ended, the bytes the successful ones moved, the failed ones per status code, and a histogram
-// of their durations. The same counters, names and units as the Python engine's
-// (src/datadist/core/metrics.py, whose tests are their spec): operations "pull" and "push"
+// of their durations, with the names and units the Python API reports
+// (src/datadist/core/metrics.py reads them): operations "pull" and "push"
 // (what this process asked of a peer) and "serve_read", "serve_write", "serve_lease" (what a
 // peer asked of it; a refusal counts with its status code).
 //
@@ -81,7 +81,7 @@ std::string SeriesJson(const Series &s);
 
 /// A served request being counted (Python's Engine._served): Done(nbytes) counts it as having
 /// moved its bytes; gone before Done (the connection broke, a deadline passed) it counts as
-/// LLM_FAILED, whatever the error was, as the Python owner counts it.
+/// LLM_FAILED, whatever the error was.
 class Serving {
  public:
   Serving(Op op, uint64_t cluster_id, Clock::time_point since) : op_(op), cluster_(cluster_id), since_(since) {}

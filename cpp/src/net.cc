@@ -52,8 +52,9 @@ void Tune(int fd) {
 // sender writes kSendChunk bytes a call, and the kernel waits for room inside the call. The
 // non-blocking loop this replaces returned for a poll at every buffer-full or empty socket:
 // per 256 MiB pull on loopback (one range, 8192 x 32 KiB, 65536 x 4 KiB) the owner made 180
-// to 290 system calls and the puller 190 to 820, against the Python engine's 70 to 80 and 6
-// to 80; now about as many as it. Smaller transfers keep the non-blocking call: one does them.
+// to 290 system calls and the puller 190 to 820, against 70 to 80 and 6 to 80 for a loop that
+// blocks in the kernel (the Python engine's, since removed); now about as many. Smaller
+// transfers keep the non-blocking call: one does them.
 // A Shutdown from another thread wakes a blocked call as it woke poll.
 constexpr size_t kBulkMin = 256 << 10;
 constexpr size_t kSendChunk = 4 << 20;  // Python's iov.SEND_CHUNK: the socket lock is held for a call's copy

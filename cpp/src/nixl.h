@@ -1,5 +1,5 @@
-// NIXL in the core (docs/protocol.md, "Pull and push over NIXL" and "NIXL leases"; the
-// Python engine's transport/nixl.py and core/engine.py are the spec).
+// NIXL in the core (docs/protocol.md, "Pull and push over NIXL" and "NIXL leases";
+// docs/security.md, "The NIXL path").
 //
 // NIXL is never a build dependency: its C API (libnixl_capi.so, the nixl-cu12 wheel's library
 // behind NIXL's Rust bindings) is loaded at run time with dlopen from the path the embedder
@@ -274,8 +274,8 @@ class Owner {
   bool closed_ = false;
 };
 
-/// The reader side of one connection of a link forced to NIXL (docs/protocol.md, "Pull and push over NIXL", "NIXL leases"). A pull by cache id or blocks
-/// key reads under a lease on the whole remote cache (NIXL_LEASE, asked once per cache after
+/// The reader side of one connection of a link forced to NIXL (docs/protocol.md, "Pull and
+/// push over NIXL", "NIXL leases"). A pull by cache id or blocks key reads under a lease on the whole remote cache (NIXL_LEASE, asked once per cache after
 /// a NIXL read completed on the connection): no request per pull, the bounds checked here
 /// against the lease's geometry (CheckRequestAt, the owner's own checks), one NIXL READ. Other
 /// pulls (by request key, with a checksum, the first, or where the owner grants no lease):

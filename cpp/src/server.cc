@@ -205,8 +205,8 @@ constexpr size_t kWholeFrameMax = 64 << 10;
 ///
 /// TLS (`tls`): the socket holds records, not frames, so what is waited for whole is the next
 /// record (5 bytes of header, then at most 16 KiB and its overhead): a peer that stalls
-/// mid-record holds no thread. Frames up to 16 KiB travel in one record from either engine
-/// (both write a frame in one call); a frame split across records whose sender stalls between
+/// mid-record holds no thread. Frames up to 16 KiB travel in one record from the core
+/// (it writes a frame in one call); a frame split across records whose sender stalls between
 /// them is read as it comes, within its deadline, as a frame over kWholeFrameMax is.
 bool FrameReady(int fd, bool tcp, bool tls, uint32_t max_payload, bool &lowered) {
   if (!tcp) return true;

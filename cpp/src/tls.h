@@ -1,5 +1,5 @@
-// TLS for links that cross untrusted networks (an option), with OpenSSL 3: the Python
-// engine's transport/tls.py rules, so that either engine links to the other.
+// TLS for links that cross untrusted networks (an option), with OpenSSL 3, under both APIs
+// (docs/security.md, "TLS").
 //
 // Both ends present a certificate signed by the configured CA (mutual TLS: a peer without a
 // certificate, or with one the CA did not sign, fails the handshake), TLS 1.2 at least, the

@@ -29,7 +29,7 @@ namespace datadist {
 namespace verify {
 
 /// How a mismatch's message starts (the Python facade raises IntegrityError for
-/// LLM_SUSPECT_REMOTE_ERROR with this start, as the Python engine does).
+/// LLM_SUSPECT_REMOTE_ERROR with this start).
 constexpr char kMismatch[] = "checksum mismatch";
 
 /// Owner: the CHECKSUM frame over `src` (the read's source spans), answering request `rid`.

@@ -1,6 +1,6 @@
 // Transfer metrics in the core (src/metrics.h) and through the C++ API (GetMetrics,
-// GetPeerMetrics, ResetMetrics): the counters the Python engine keeps, with its names and
-// units, on both sides of a link, and the STATS answer in the Python owner's JSON.
+// GetPeerMetrics, ResetMetrics): the counters the Python API reports, with its names and
+// units, on both sides of a link, and the STATS answer in the JSON the Python API reads.
 #include <gtest/gtest.h>
 
 #include <chrono>

@@ -360,7 +360,7 @@ TEST(Deadlines, PeerThatNeverAnswersHelloFailsTheLink) {
 }
 
 // Finalize (the engine's Close: every link closed by force) fails a pull in flight on a peer
-// that went silent, and one waiting for that link, at once, as the Python engine does; before,
+// that went silent, and one waiting for that link, at once; before,
 // they ran to their own deadlines (here 60 s) and Finalize waited for them.
 TEST(Deadlines, FinalizeFailsTransfersInFlightAtOnce) {
   HostCache h(2, {4, 8});

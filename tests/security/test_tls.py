@@ -160,7 +160,7 @@ def test_peers_without_a_valid_certificate_are_refused(certs, who: str) -> None:
 def test_a_plain_linker_is_told_the_owner_may_require_tls(certs) -> None:
     """A linker without TLS whose HELLO a TLS owner drops hears why it may have been: the
     link error says the peer closed the connection during the handshake and asks whether it
-    requires TLS, on either engine (the core: Link::Handshake, for both APIs)."""
+    requires TLS (the core: Link::Handshake, for both APIs)."""
     owner, _, _ = _owner(certs["prompt"])
     puller = _engine(EngineConfig(cluster_id=2, role=2, transport="tcp"))
     try:

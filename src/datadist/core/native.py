@@ -769,8 +769,8 @@ class NativeEngine:
     # ------------------------------------------------------------------ metrics
 
     def stats(self) -> dict[str, Any]:
-        """The process's transfer metrics, JSON-ready, with who we are (as the Python
-        engine's ``stats()``: both engines' counters, summed). Never blocks."""
+        """The process's transfer metrics (the core's counters), JSON-ready, with who we
+        are: what STATS answers a peer. Never blocks."""
         return metrics.stats(self.config.cluster_id, self.role)
 
     def peer_stats(self, cluster_id: int, timeout: float) -> dict[str, Any]:
