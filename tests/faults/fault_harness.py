@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from datadist.wire import protocol as p
+from datadist.wire.protocol import local_name  # noqa: F401 - the tests import it from here
 
 PEER = Path(__file__).with_name("fault_peer.py")
 LOCALHOST = "127.0.0.1"
@@ -232,13 +233,6 @@ SOCK_TIMEOUT = 10.0  # a reply that takes longer is a hang
 # Unreleased GRANTs an owner answers on one connection before LINK_BUSY (cpp/src/server.cc,
 # kMaxGrantsPerConnection; docs/security.md).
 MAX_GRANTS_PER_CONNECTION = 4
-
-
-def local_name(pid: int, cluster_id: int) -> bytes:
-    """The abstract unix socket name of an owner's local channel (``pid`` in its own pid
-    namespace), as docs/protocol.md and wire/protocol.py say and cpp/src/local.cc binds it:
-    where a hostile same-host client connects to ask for grants."""
-    return b"\0" + f"datadist-v1.{pid}.{cluster_id}".encode()
 
 
 class Hang(BaseException):

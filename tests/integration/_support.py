@@ -8,6 +8,7 @@ import numpy as np
 
 from datadist.testing.peers import CacheSpec, PromptConfig
 from datadist.transport import nixl
+from datadist.wire.protocol import local_name  # noqa: F401 - the tests import it from here
 
 PROMPT_ID = 100
 DECODER_ID = 200
@@ -28,13 +29,6 @@ if nixl.available() is not None:
 PROMPT_ENV: dict[str, str | None] = {"DATADIST_TRANSPORT": None}
 if "nixl" in TRANSPORTS:
     PROMPT_ENV.update({"DATADIST_NIXL_SERVE": "1", "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS": "1"})
-
-
-def local_name(pid: int, cluster_id: int) -> bytes:
-    """The abstract unix socket name an owner (``pid`` in its own pid namespace, ``cluster_id``)
-    serves its local channel on, as docs/protocol.md and wire/protocol.py say and the core
-    binds it (cpp/src/local.cc): what a hostile local client connects to."""
-    return b"\0" + f"datadist-v1.{pid}.{cluster_id}".encode()
 
 
 def serving(config: PromptConfig) -> PromptConfig:

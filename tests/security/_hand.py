@@ -7,11 +7,8 @@ every socket wait is bounded by SOCK_TIMEOUT."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import os
 import socket
-import struct
 import threading
 import zlib
 from typing import Any
@@ -23,40 +20,20 @@ from datadist.api.cache_manager import CacheManager
 from datadist.core.config import EngineConfig
 from datadist.core.errors import Code
 from datadist.core.native import NativeEngine
+from datadist.wire import auth
 from datadist.wire import protocol as p
+from datadist.wire.auth import MAC_BYTES, NONCE_BYTES, client_proof, nonce  # noqa: F401
+from datadist.wire.protocol import local_name  # noqa: F401 - the tests import it from here
 
 PROMPT, DECODER = 1, 2
 SOCK_TIMEOUT = 5.0
-NONCE_BYTES, MAC_BYTES = 16, 32  # docs/protocol.md, "Authentication"
-
-
-def local_name(pid: int, cluster_id: int) -> bytes:
-    """The abstract unix socket name the core's owner with ``pid`` and ``cluster_id`` serves
-    its local channel on (docs/protocol.md): ``"\\0datadist-v1.<pid>.<cluster_id>"``."""
-    return b"\0" + f"datadist-v1.{pid}.{cluster_id}".encode()
-
-
-def nonce() -> bytes:
-    """A fresh HELLO nonce."""
-    return os.urandom(NONCE_BYTES)
-
-
-def _mac(secret: bytes, label: bytes, first: bytes, second: bytes, server_id: int,
-         client_id: int) -> bytes:
-    msg = label + first + second + struct.pack("<QQ", server_id, client_id)
-    return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
 def server_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes, server_id: int,
                client_id: int) -> bytes:
     """The MAC a server proves the secret with in its WELCOME (after its nonce)."""
-    return _mac(secret, b"datadist-server", client_nonce, server_nonce, server_id, client_id)
-
-
-def client_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes, server_id: int,
-                 client_id: int) -> bytes:
-    """The AUTH proof a client with ``secret`` sends."""
-    return _mac(secret, b"datadist-client", server_nonce, client_nonce, server_id, client_id)
+    proof = auth.server_proof(secret, client_nonce, server_nonce, server_id, client_id)
+    return proof[NONCE_BYTES:]
 
 
 class Raw:

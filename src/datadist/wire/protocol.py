@@ -87,6 +87,15 @@ FEATURE_AUTH = 1  # Hello: the client has a secret; Welcome: the server requires
 # "\0datadist-v1.<pid>.<cluster_id>" (its own pid and cluster id, in decimal); same-host
 # reads (GRANT) are served only there (cpp/src/local.cc, docs/protocol.md).
 FEATURE_LOCAL = 2
+
+
+def local_name(pid: int, cluster_id: int) -> bytes:
+    """The abstract unix socket name an owner (``pid`` in its own pid namespace,
+    ``cluster_id``) serves its local channel on (FEATURE_LOCAL): what same-host clients,
+    hostile test peers among them, connect to."""
+    return b"\0" + f"datadist-v1.{pid}.{cluster_id}".encode()
+
+
 # Welcome: the server takes reverse channels. Hello: this connection is the reverse channel of
 # the client's link: after the handshake the server sends requests and the client answers.
 FEATURE_REVERSE = 4
