@@ -18,6 +18,7 @@ import pytest
 
 import datadist as llm
 from datadist.core.errors import NotLinked
+from datadist.wire.protocol import local_name
 
 from ._support import DECODER_ID, PROMPT_ID, code, units
 
@@ -271,7 +272,7 @@ def test_stopping_to_listen_closes_the_local_channel_too(make_side):
     def local_open() -> bool:  # the name docs/protocol.md gives the local channel
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            s.connect(b"\0" + f"datadist-v1.{os.getpid()}.{PROMPT_ID}".encode())
+            s.connect(local_name(os.getpid(), PROMPT_ID))
             return True
         except (ConnectionRefusedError, FileNotFoundError):
             return False
