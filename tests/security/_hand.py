@@ -20,6 +20,7 @@ from datadist.api.cache_manager import CacheManager
 from datadist.core.config import EngineConfig
 from datadist.core.errors import Code
 from datadist.core.native import NativeEngine
+from datadist.testing.fakes import FakeServer
 from datadist.wire import auth
 from datadist.wire import protocol as p
 from datadist.wire.auth import MAC_BYTES, NONCE_BYTES, client_proof, nonce  # noqa: F401
@@ -119,7 +120,7 @@ assert _libc.syscall(317, 1, 1, _fprog) == 0, _ct.get_errno()  # seccomp: FILTER
 LIE = 0xDEADBEEF  # the CRC a lying owner claims
 
 
-class LyingOwner:
+class LyingOwner(FakeServer):
     """A raw owner that serves ``tensors`` (one numpy uint8 array per tensor index) and lies
     about the CRC-32 of its first ``lies`` checksummed answers (claims :data:`LIE`).
 
@@ -137,51 +138,9 @@ class LyingOwner:
                                                                 local)
         self.verdicts: list[tuple[int, bool]] = []
         self.reads: list[tuple[int, int]] = []
-        self._closing = threading.Event()
         self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        tcp = socket.create_server(("127.0.0.1", 0))
-        self.address: tuple[str, int] = tcp.getsockname()[:2]
-        listeners = [tcp]
-        if local:
-            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            unix.bind(local_name(os.getpid(), cluster_id))
-            unix.listen(8)
-            listeners.append(unix)
-        self._accepting: list[threading.Thread] = []
-        for s in listeners:
-            s.settimeout(0.2)
-            self._socks.append(s)
-            self._accepting.append(threading.Thread(target=self._accept, args=(s,), daemon=True))
-            self._accepting[-1].start()
-
-    def __enter__(self) -> LyingOwner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop serving; returns once the listeners let go of their names (a later owner
-        may bind the same local name)."""
-        self._closing.set()
-        for t in self._accepting:
-            t.join(5)
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.close()
-
-    def _accept(self, server: socket.socket) -> None:
-        while not self._closing.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(SOCK_TIMEOUT * 2)
-            self._socks.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__(local_name=local_name(os.getpid(), cluster_id) if local else None,
+                         conn_timeout=SOCK_TIMEOUT * 2)
 
     def _answer(self, rid: int, msg: p.Read) -> bytes:
         body = b"".join(bytes(self.tensors[int(t)][int(o):int(o) + int(n)])

@@ -24,13 +24,15 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 from datadist.testing.procs import PeerLink
 from datadist.wire import protocol as p
 
-__all__ = ["BEHAVIOURS", "EchoOwner", "SilentOwner", "fake_owner_main"]
+__all__ = ["BEHAVIOURS", "EchoOwner", "FakeServer", "SilentOwner", "fake_owner_main"]
 
 BEHAVIOURS = ("stall", "exit", "reset", "oversize")
+_S = TypeVar("_S", bound="FakeServer")
 
 
 def _next_message(conn: socket.socket, decoder: p.FrameDecoder,
@@ -74,7 +76,68 @@ def fake_owner_main(link: PeerLink, cluster_id: int, behaviour: str) -> None:
         link.recv()
 
 
-class EchoOwner:
+class FakeServer:
+    """What the fake owners share: a listener on 127.0.0.1 (``port``; 0 picks one) and, with
+    ``local_name``, one on that abstract unix name; one accepting thread per listener and one
+    serving thread per connection, running the subclass's ``_serve(conn)``. Connections get
+    ``conn_timeout`` (None: block). ``close`` stops accepting, waits for the accepting threads
+    (so a later owner may bind the same names) and shuts every connection down. A context
+    manager; nothing blocks the caller. Subclasses set their own state before calling
+    ``__init__``: connections may arrive at once."""
+
+    def __init__(self, *, port: int = 0, local_name: bytes | None = None,
+                 conn_timeout: float | None = 10.0) -> None:
+        self._closing = threading.Event()
+        self._conn_timeout = conn_timeout
+        self._conns: list[socket.socket] = []
+        tcp = socket.create_server(("127.0.0.1", port), backlog=16)
+        self.address: tuple[str, int] = tcp.getsockname()[:2]
+        self._listeners = [tcp]
+        if local_name is not None:
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(local_name)
+            unix.listen(16)
+            self._listeners.append(unix)
+        self._accepting = [threading.Thread(target=self._accept, args=(s,), daemon=True)
+                           for s in self._listeners]
+        for s, t in zip(self._listeners, self._accepting, strict=True):
+            s.settimeout(0.2)
+            t.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        for t in self._accepting:
+            t.join(5)
+        for s in self._listeners:
+            s.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self, server: socket.socket) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(self._conn_timeout)
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class EchoOwner(FakeServer):
     """A fake owner that *claims* to be on the puller's host (tests of the same-host trust
     model, tests/security/test_same_host_trust.py).
 
@@ -93,54 +156,11 @@ class EchoOwner:
                  boot_id: bytes | None = None, local_name: bytes | None = None,
                  fill: int = 0x5A,
                  shm_grant: Callable[[p.Read], p.ShmGrant | None] | None = None) -> None:
-        import threading
-
         self.cluster_id, self.grant_addr, self.boot_id, self.fill = (cluster_id, grant_addr,
                                                                      boot_id, fill)
         self.shm_grant = shm_grant
         self.reads: list[int] = []
-        self._closing = threading.Event()
-        self._socks: list[socket.socket] = []
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        tcp.bind(("127.0.0.1", port))
-        self.address: tuple[str, int] = tcp.getsockname()[:2]
-        listeners = [tcp]
-        if local_name is not None:
-            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            unix.bind(local_name)
-            listeners.append(unix)
-        for s in listeners:
-            s.listen(16)
-            s.settimeout(0.2)
-            self._socks.append(s)
-            threading.Thread(target=self._accept, args=(s,), daemon=True).start()
-
-    def close(self) -> None:
-        self._closing.set()
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.close()
-
-    def __enter__(self) -> EchoOwner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _accept(self, server: socket.socket) -> None:
-        import threading
-
-        while not self._closing.is_set():
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(10.0)
-            self._socks.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__(port=port, local_name=local_name)
 
     def _serve(self, conn: socket.socket) -> None:
         import numpy as np
@@ -182,7 +202,7 @@ class EchoOwner:
                     return
 
 
-class SilentOwner:
+class SilentOwner(FakeServer):
     """An owner in this process that welcomes every connection (cluster ``cluster_id``, an
     all-zero boot id: another host, so pullers take the TCP path) and then reads every request
     and answers none: transfers to it stay in flight until their deadlines, holding the link
@@ -192,17 +212,7 @@ class SilentOwner:
 
     def __init__(self, cluster_id: int) -> None:
         self.cluster_id = cluster_id
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.address: tuple[str, int] = self._server.getsockname()[:2]
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True, name="silent-owner").start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = self._server.accept()
-                self._conns.append(conn)
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().__init__(conn_timeout=None)
 
     def _serve(self, conn: socket.socket) -> None:
         decoder = p.FrameDecoder()
@@ -214,16 +224,3 @@ class SilentOwner:
                         conn.sendall(p.encode(p.Welcome(self.cluster_id, 1, os.getpid(), 0,
                                                         b"\0" * 16), rid))
                         welcomed = True
-
-    def close(self) -> None:
-        self._server.close()
-        for conn in self._conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
-
-    def __enter__(self) -> SilentOwner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
