@@ -203,16 +203,23 @@ def test_the_core_consumes_a_key_only_on_a_confirmed_read(how: str) -> None:
             assert cli.next() == (6, p.Pong(3))
         finally:
             cli.close()
-        puller = _puller("tcp")
-        try:
-            puller.link(1, *owner.listen_address, 5.0)
-            assert np.array_equal(_pull(puller), want)  # still there; consumed now
-            with pytest.raises(CacheNotFound):
-                _pull(puller)
-        finally:
-            puller.close()
+        _key_still_there_then_consumed(owner, want)
     finally:
         owner.close()
+
+
+def _key_still_there_then_consumed(owner: NativeEngine, want: np.ndarray) -> None:
+    """An honest puller over TCP still gets the keyed cache once, then LLM_KV_CACHE_NOT_EXIST:
+    the raw readers before it consumed nothing."""
+    puller = _puller("tcp")
+    try:
+        assert owner.listen_address is not None
+        puller.link(1, *owner.listen_address, 5.0)
+        assert np.array_equal(_pull(puller), want)
+        with pytest.raises(CacheNotFound):
+            _pull(puller)
+    finally:
+        puller.close()
 
 
 def test_without_a_verdict_the_core_keeps_the_key() -> None:
@@ -251,15 +258,7 @@ def test_without_a_verdict_the_core_keeps_the_key() -> None:
                     assert cli.next() == (10, p.Pong(2))
             finally:
                 cli.close()
-        puller = _puller("tcp")
-        try:
-            host, port = owner.listen_address
-            puller.link(1, host, port, 5.0)
-            assert np.array_equal(_pull(puller), want)  # still there; consumed now
-            with pytest.raises(CacheNotFound):
-                _pull(puller)
-        finally:
-            puller.close()
+        _key_still_there_then_consumed(owner, want)
     finally:
         owner.close()
 
