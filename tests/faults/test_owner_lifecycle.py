@@ -122,6 +122,17 @@ def test_item3_finalize_waits_for_the_reader_then_unmaps(
 # ------------------------------------------------------------------------------ item 4
 
 
+def _link_is_refused_as_too_many(host: str, port: int) -> None:
+    """A new peer's link to the owner at ``host:port`` fails, LLM_LINK_FAILED, over its
+    connection caps."""
+    puller = Engine(EngineConfig(cluster_id=2, role=2))
+    try:
+        with pytest.raises(LinkFailed, match="too many connections"):
+            puller.link(1, host, port, 3.0)
+    finally:
+        puller.close()
+
+
 def _pull_works(owner: Engine, cluster_id: int = 2) -> None:
     src = np.arange(4096, dtype=np.uint8)
     entry = owner.register(Geometry(1, 4096, 1), [src.ctypes.data], placement=0)
@@ -192,12 +203,7 @@ def test_item4_connections_over_the_cap_are_refused_cleanly() -> None:
     try:
         for _ in range(40):
             flood.append(socket.create_connection((host, port), timeout=5))
-        puller = Engine(EngineConfig(cluster_id=2, role=2))
-        try:
-            with pytest.raises(LinkFailed, match="too many connections"):
-                puller.link(1, host, port, 3.0)
-        finally:
-            puller.close()
+        _link_is_refused_as_too_many(host, port)
         # the excess is closed by the owner (a silent refused connection within seconds)
         deadline = time.monotonic() + 10
         closed: set[int] = set()
@@ -251,12 +257,9 @@ def test_item4_the_caps_are_options_of_the_facade() -> None:
         # Hostile.ConnectionCapsPerPeer)
         host, port = dd.engine.listen_address
         hogs = [socket.create_connection((host, port), timeout=5) for _ in range(2)]
-        puller = Engine(EngineConfig(cluster_id=2, role=2))
         try:
-            with pytest.raises(LinkFailed, match="too many connections"):
-                puller.link(1, host, port, 3.0)
+            _link_is_refused_as_too_many(host, port)
         finally:
-            puller.close()
             for s in hogs:
                 s.close()
     finally:
