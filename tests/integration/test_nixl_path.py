@@ -438,19 +438,27 @@ def test_an_owner_that_does_not_serve_nixl_gets_tcp_readers(why: str) -> None:
            {"remote_cache_accessible": False}, "unchecked transports":
            {"nixl_whole_process": False}}[why]
     owner = _owner(**off)
-    puller = _reader()
+    try:
+        _pulls_over_tcp_saying(owner, _reader(), {
+            "default": "datadist.NixlServe", "no remote access": "remote writes",
+            "unchecked transports": "NixlAllowWholeProcessAccess"}[why])
+        assert owner.nixl_agent is None
+    finally:
+        owner.close()
+
+
+def _pulls_over_tcp_saying(owner: NativeEngine, puller: NativeEngine, why: str) -> None:
+    """``puller``, which forces nixl, links to ``owner`` over tcp with ``why`` in its reason,
+    and a pull moves the bytes. Closes ``puller``."""
     try:
         src, dst, entry, plan = _caches(owner, puller, 4096)
         link = _link(owner, puller)
         assert link.path_name == "tcp", link.reason
-        assert {"default": "datadist.NixlServe", "no remote access": "remote writes",
-                "unchecked transports": "NixlAllowWholeProcessAccess"}[why] in link.reason
-        assert owner.nixl_agent is None
+        assert why in link.reason
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
         assert np.array_equal(dst, src)
     finally:
         puller.close()
-        owner.close()
 
 
 @needs_nixl
@@ -458,16 +466,10 @@ def test_core_reader_without_the_allowance_falls_back_to_tcp_saying_why() -> Non
     """The reader itself may not use NIXL on this host's key-unchecked transports without
     the whole-process allowance: tcp, naming it, and the pull works."""
     owner = _owner()
-    puller = _reader(nixl_whole_process=False)
     try:
-        src, dst, entry, plan = _caches(owner, puller, 4096)
-        link = _link(owner, puller)
-        assert link.path_name == "tcp", link.reason
-        assert "NixlAllowWholeProcessAccess" in link.reason
-        puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-        assert np.array_equal(dst, src)
+        _pulls_over_tcp_saying(owner, _reader(nixl_whole_process=False),
+                               "NixlAllowWholeProcessAccess")
     finally:
-        puller.close()
         owner.close()
 
 
