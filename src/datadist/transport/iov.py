@@ -3,7 +3,7 @@ cross-memory attach (``process_vm_readv`` / ``writev``).
 
 Who calls: the facade's planning (``core/layout.py``: an iovec array is
 an ``(n, 2)`` uint64 numpy array, as ``struct iovec`` on 64-bit Linux), local copies
-(``core/local.py``: copy_cache, swap_blocks), ``datadist info`` (:func:`cma_refusal`) and the
+(``core/local.py``: copy_cache, swap_blocks), ``datadist info`` (:func:`vm_copy`) and the
 bench's limits. Peers' transfers are the core's (cpp/src). Nothing here loops in Python per
 span; copies run in batches of ``IOV_MAX`` and block until done.
 """
@@ -51,64 +51,6 @@ MSG_WAITALL = 0x100  # <sys/socket.h>, Linux
 
 class CmaRefused(DatadistError):
     """The kernel refused cross-memory attach (EPERM, EACCES, ENOSYS): use another path."""
-
-
-CRC_GATHER = 1 << 20  # bytes of small spans gathered into one buffer per zlib call
-CRC_SMALL = 4096  # average span length below which crc_iov gathers instead of looping
-
-
-def crc_iov(iov: np.ndarray) -> int:
-    """CRC-32 of the bytes the iovecs name, in order (zlib's, ~4 GB/s). Used only when a
-    transfer's checksum is asked for.
-
-    The Python work is bounded by the bytes, never by the span count: spans of 4 KiB and more
-    on average take one zlib call each; smaller ones are gathered, IOV_MAX spans (at most
-    CRC_GATHER bytes) per system call, into a buffer that zlib then reads in one call
-    (``process_vm_readv`` on ourselves: a gather in the kernel, which also turns a span
-    outside our mappings into an error instead of a crash). Where the kernel refuses that
-    call, one zlib call per span, as before.
-    """
-    import zlib
-
-    iov = np.ascontiguousarray(iov, dtype=U64)
-    n = len(iov)
-    if not n:
-        return 0
-    lens = iov[:, 1]
-    if n <= 16 or int(lens.sum()) >= n * CRC_SMALL:
-        return _crc_each(iov, 0)
-    buf = np.empty(CRC_GATHER, dtype=np.uint8)
-    view = buf.data  # memoryview(buf)
-    ends = np.cumsum(lens, dtype=U64)
-    pid, crc, i = os.getpid(), 0, 0
-    while i < n:
-        ln = int(lens[i])
-        if ln > CRC_GATHER:  # a big span: straight from memory
-            crc = zlib.crc32((ctypes.c_char * ln).from_address(int(iov[i, 0])), crc)
-            i += 1
-            continue
-        start = int(ends[i]) - ln
-        window = ends[i : i + IOV_MAX]
-        j = i + max(1, int(np.searchsorted(window, np.uint64(start + CRC_GATHER), "right")))
-        total = int(ends[j - 1]) - start
-        local = np.array([[buf.ctypes.data, total]], dtype=U64)
-        try:
-            got = _vm_call(_libc.process_vm_readv, pid, local, iov[i:j])
-        except CmaRefused:
-            return _crc_each(iov[i:], crc)
-        if got != total:
-            raise BrokenLink(f"checksum: {total - got} bytes of the spans are not readable")
-        crc = zlib.crc32(view[:total], crc)
-        i = j
-    return crc
-
-
-def _crc_each(iov: np.ndarray, crc: int) -> int:
-    import zlib
-
-    for base, n in iov.tolist():
-        crc = zlib.crc32((ctypes.c_char * n).from_address(base), crc)
-    return crc
 
 
 def span_iov(
@@ -190,25 +132,6 @@ def _vm_rest(call: VmCall, pid: int, local: np.ndarray, remote: np.ndarray, got:
     got2 = _vm_call(call, pid, lb2, rb2)
     if got2 != want - got:
         raise BrokenLink(f"cross-memory copy moved {got + got2} of {want} bytes")
-
-
-def cma_refusal(pid: int) -> str | None:
-    """Why the kernel would refuse us ``process_vm_readv`` on ``pid``, or None if it allows
-    it. Reads one byte at address 0 of that process: the permission check (same uids, Yama,
-    no seccomp filter) comes before the copy, so EFAULT means allowed and nothing is read.
-    Who calls: ``datadist info``, to predict the path a pull will take."""
-    scratch = np.zeros(1, np.uint8)
-    local = make_iov(np.array([scratch.ctypes.data], U64), np.array([1], U64))
-    remote = np.array([[0, 1]], dtype=U64)
-    n = _libc.process_vm_readv(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0)
-    if n >= 0:
-        return None
-    err = ctypes.get_errno()
-    if err == errno.EFAULT:
-        return None
-    if err == errno.ESRCH:
-        return f"no process {pid} in our pid namespace"
-    return os.strerror(err)
 
 
 def vm_copy(pid: int, local: np.ndarray, remote: np.ndarray, *, write: bool = False,

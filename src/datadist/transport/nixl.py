@@ -86,20 +86,6 @@ def unchecked_transports(environ: Any = None, devices: str | None = None) -> str
     return None
 
 
-SOFTWARE_RMA = ("UCX's software RMA emulation (ucp/rma/rma_sw.c) serves a PUT or GET at any "
-                "address a peer names, with no key, on every transport that carries active "
-                "messages, RDMA verbs included")
-
-
-def whole_process_reach(environ: Any = None, devices: str | None = None) -> str:
-    """How a NIXL peer of this process could reach memory that was never registered: over a
-    key-unchecked transport (:func:`unchecked_transports`) with stock UCX, else, on RDMA verbs
-    only, through UCX's software RMA emulation with a modified UCX. There is always a way, so
-    serving NIXL always needs the whole-process allowance; this says which, for the refusal
-    and ``datadist info``. Never raises."""
-    return unchecked_transports(environ, devices) or SOFTWARE_RMA
-
-
 def load() -> Any:
     """The NIXL module. Raises InvalidArgument (PARAM_INVALID) with what to install."""
     for name in MODULES:
