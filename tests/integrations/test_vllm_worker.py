@@ -7,6 +7,7 @@ it the way the decode side of the connector does: link, mailbox check, pull_bloc
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 import threading
 import time
 
@@ -206,3 +207,37 @@ def test_many_requests_pull_at_once_without_a_thread_each(producer):
         assert notified == n // 2 and {f"q{i}" for i in range(0, n, 2)} <= set(freed)
     finally:
         w.close()
+
+
+def test_a_producer_being_linked_blocks_no_step(producer):
+    """Links are made off the engine's step: while the link to an unresponsive producer is
+    being made (it accepts and never answers, so the link takes its whole 3 s timeout), every
+    poll_recv returns at once and a linked producer's request is pulled; the unresponsive
+    one's request fails once its link times out. (Before, poll_recv linked inline and held
+    the step for the whole link timeout.)"""
+    _, addr, _, _ = producer()
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # the kernel completes connections; nobody ever answers HELLO
+    w, arrs = _consumer(link_timeout_ms=3000)
+    try:
+        w.submit([_task(("127.0.0.1", mute.getsockname()[1], 4242), rid="stuck"),
+                  _task(addr)])
+        slowest, done, failed, when = 0.0, set(), set(), {}
+        deadline = time.monotonic() + 30
+        while "stuck" not in done and time.monotonic() < deadline:
+            t0 = time.monotonic()
+            got, bad = w.poll_recv()
+            slowest = max(slowest, time.monotonic() - t0)
+            for rid in got:
+                when[rid] = time.monotonic()
+            done |= got
+            failed |= bad
+            time.sleep(0.005)
+        assert done == {"d1", "stuck"} and failed == {"stuck"}
+        assert when["d1"] < when["stuck"]  # pulled while the other link was still being made
+        assert (arrs[0][0] == 5).all()
+        assert slowest < 1.0, f"a step took {slowest:.2f} s: it waited for a link"
+    finally:
+        w.close()
+        mute.close()

@@ -9,9 +9,11 @@ Who calls what (connector.py, from vLLM's worker process):
   engine step from the worker's main thread. A consumer's pulls are issued transfers
   (``pull_blocks_async``, NIXL's post-then-check): ``poll_recv`` checks their handles and
   issues each request's next transfer (mailbox read, KV pull, mailbox read, DONE push), so no
-  thread of ours waits on a transfer. Each transfer is bounded by ``sync_kv_timeout_ms``; the
-  one blocking call left is the first pull from a producer, which links to it inside
-  ``poll_recv`` (up to ``link_timeout_ms``, once per producer).
+  thread of ours waits on a transfer. Each transfer is bounded by ``sync_kv_timeout_ms``.
+  Links to producers are made off the engine's step: at the first sight of a producer's
+  address (``submit``), a linker thread links to it (``_Linker``, bounded by
+  ``link_timeout_ms``) while the step goes on; that producer's requests wait, without blocking
+  anything, until the link is up (or fail when it cannot be made). No step ever blocks.
 - ``close()`` at shutdown.
 
 Only datadist's public API is used (``import datadist as llm_datadist``), plus its documented
@@ -24,6 +26,7 @@ import enum
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +82,7 @@ class KvLayout:
 class _Step(enum.Enum):
     """Where one request's pull is (Rules 2 and 3 of mailbox.py, in order)."""
 
+    LINK = "link to the prefill worker"
     CHECK_BEFORE = "mailbox read before the pull"
     PULL = "KV pull"
     CHECK_AFTER = "mailbox read after the pull"
@@ -96,13 +100,102 @@ class _Pull:
     src: list[int]
     record: int  # outbox record for its mailbox reads; record + 1 for its DONE
     grace: float  # Rule 2's deadline for the producer's HELD
-    step: _Step = _Step.CHECK_BEFORE
+    step: _Step = _Step.LINK
     handle: llm_datadist.TransferHandle | None = None
     retry_at: float = 0.0
     t0: float = 0.0
     seconds: float = 0.0
     failed: bool = False
     reported: bool = False  # in poll_recv's answer already
+
+
+class _Linker:
+    """Links to producers off the engine's step (no first-request stall). ``want`` starts
+    linking to a producer in a thread of its own and returns at once; ``state`` says whether
+    the link is up, still being made, or failed (with the reason). One thread per producer
+    being linked, ended when its link is made or refused: a process linked to every producer
+    it pulls from holds none.
+
+    Who calls: the worker's main thread (``submit``, ``poll_recv``); the linker threads only
+    call ``link_clusters``, which releases the GIL while it waits (bounded by
+    ``link_timeout_ms``)."""
+
+    UP = "up"
+    PENDING = "pending"
+
+    def __init__(self, dd: llm_datadist.LLMDataDist, timeout_ms: int) -> None:
+        self._dd = dd
+        self._timeout_ms = timeout_ms
+        self._lock = threading.Lock()
+        self._links: dict[int, llm_datadist.LLMClusterInfo] = {}
+        self._pending: dict[int, threading.Thread] = {}
+        self._failed: dict[int, Exception] = {}
+        self._closed = False
+        self.seconds: dict[int, float] = {}  # how long each link took (logs, tests)
+
+    def want(self, peer: WorkerAddress) -> None:
+        """Start linking to ``peer`` unless linked or being linked. Never blocks."""
+        with self._lock:
+            cid = peer.cluster_id
+            if self._closed or cid in self._links or cid in self._pending:
+                return
+            self._failed.pop(cid, None)  # a new request retries a link that failed
+            t = threading.Thread(target=self._link, args=(peer,), daemon=True,
+                                 name=f"datadist-link-{cid}")
+            self._pending[cid] = t
+        t.start()
+
+    def state(self, cluster_id: int) -> str | Exception | None:
+        """UP, PENDING, the exception that failed the last try (until ``want`` tries
+        again), or None: never asked for, or dropped."""
+        with self._lock:
+            if cluster_id in self._links:
+                return self.UP
+            if cluster_id in self._pending:
+                return self.PENDING
+            return self._failed.get(cluster_id)
+
+    def _link(self, peer: WorkerAddress) -> None:
+        info = llm_datadist.LLMClusterInfo()
+        info.remote_cluster_id = peer.cluster_id
+        info.append_local_ip_info("0.0.0.0", 0)
+        info.append_remote_ip_info(peer.host, peer.port)
+        t0 = time.perf_counter()
+        err: Exception | None = None
+        try:
+            code, codes = self._dd.link_clusters([info], timeout=self._timeout_ms)
+            if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
+                err = PullError(f"link to {peer.host}:{peer.port} (cluster "
+                                f"{peer.cluster_id}) failed: {codes[0]!s}")
+        except Exception as e:  # noqa: BLE001 - reported to the requests that wait on it
+            err = PullError(f"link to {peer.host}:{peer.port} (cluster {peer.cluster_id}) "
+                            f"failed: {e}")
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self._pending.pop(peer.cluster_id, None)
+            if err is not None:
+                self._failed[peer.cluster_id] = err
+            elif not self._closed:
+                self._links[peer.cluster_id] = info
+                self.seconds[peer.cluster_id] = seconds
+        if err is None:
+            logger.info("datadist: linked to cluster %d (%s:%d) in %.2f ms, off the engine's "
+                        "step", peer.cluster_id, peer.host, peer.port, seconds * 1e3)
+
+    def drop(self, cluster_id: int) -> llm_datadist.LLMClusterInfo | None:
+        """Forget the link (the caller unlinks it); the next ``want`` links again."""
+        with self._lock:
+            return self._links.pop(cluster_id, None)
+
+    def close(self, wait_s: float) -> None:
+        """No more links; waits up to ``wait_s`` for links being made."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._pending.values())
+            self._links.clear()
+        deadline = time.monotonic() + wait_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass
@@ -137,7 +230,7 @@ class DatadistWorker:
         self._mailbox = mailbox.Mailbox(settings.mailbox_slots)
         self._outbox = mailbox.Mailbox(_OUTBOX_SLOTS)
         self._held: dict[str, tuple[int, bytes, float]] = {}
-        self._links: dict[int, llm_datadist.LLMClusterInfo] = {}
+        self._linker: _Linker | None = None
         self._waiting: list[RecvTask] = []  # submitted, not yet started (MAX_PULLS)
         self._pulls: list[_Pull] = []  # started: each with a transfer in flight or retrying
         self._free_records = list(range(0, _OUTBOX_SLOTS, 2))
@@ -169,6 +262,7 @@ class DatadistWorker:
         options = cfg.generate_options()
         dd.init(options)
         self._dd = dd
+        self._linker = _Linker(dd, self.settings.link_timeout_ms)
         try:
             cm = dd.cache_manager
             desc = llm_datadist.CacheDesc(len(layout.addrs),
@@ -243,8 +337,13 @@ class DatadistWorker:
 
     def submit(self, tasks: list[RecvTask]) -> None:
         """Queue pulls; their outcome shows in ``poll_recv`` of a later step. Never blocks:
-        the transfers are issued by ``poll_recv``."""
+        the transfers are issued by ``poll_recv``; a producer not linked yet starts being
+        linked now, off the step (``_Linker``)."""
         self._waiting.extend(tasks)
+        if self._linker is not None:
+            for t in tasks:
+                if self.rank < len(t.remote.workers):
+                    self._linker.want(t.remote.workers[self.rank])
 
     @property
     def active(self) -> bool:
@@ -256,8 +355,8 @@ class DatadistWorker:
         """(requests finished receiving, the subset that failed) since the last call.
 
         Checks every pull's transfer in flight and issues its next one; starts queued
-        requests while fewer than MAX_PULLS run. Blocks only to link to a producer not linked
-        yet (up to ``link_timeout_ms``)."""
+        requests while fewer than MAX_PULLS run. Never blocks: a request whose producer is
+        still being linked waits for the link in a later step."""
         while self._waiting and self._free_records:
             self._begin(self._waiting.pop(0))
         for pull in list(self._pulls):
@@ -270,7 +369,7 @@ class DatadistWorker:
         return done | failed, failed
 
     def _begin(self, task: RecvTask) -> None:
-        """Start one request: link to its producer, then read its mailbox slot (Rule 2)."""
+        """Start one request: once its producer is linked, read its mailbox slot (Rule 2)."""
         remote = task.remote
         record = self._free_records.pop()
         pull = _Pull(task, remote.workers[0], b"", [], record,
@@ -286,13 +385,29 @@ class DatadistWorker:
             if not pull.src:
                 self._finish(pull)
                 return
-            self._link(pull.peer)
-            self._read_slot(pull)
+            self._linked(pull)
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
             self._fail(pull, e)
 
+    def _linked(self, pull: _Pull) -> None:
+        """A request waiting for its producer's link: read its slot once the link is up;
+        raise the link's failure. Never blocks."""
+        assert self._linker is not None
+        state = self._linker.state(pull.peer.cluster_id)
+        if state is None:  # dropped since (a failed transfer), or never asked for
+            self._linker.want(pull.peer)
+            return
+        if isinstance(state, Exception):  # a new request's submit tries again
+            raise state
+        if state == _Linker.UP:
+            pull.step = _Step.CHECK_BEFORE
+            self._read_slot(pull)
+
     def _advance(self, pull: _Pull) -> None:
         """Move ``pull`` one step on if its transfer has ended; never blocks."""
+        if pull.step is _Step.LINK:
+            self._linked(pull)
+            return
         if pull.handle is None:  # waiting to read the mailbox again
             if time.monotonic() >= pull.retry_at:
                 self._read_slot(pull)
@@ -398,22 +513,8 @@ class DatadistWorker:
         n = int(np.prod(self._layout.block_shape)) * self._layout.tensors_per_layer
         return n * _ITEMSIZE.get(self._layout.dtype, 1)
 
-    def _link(self, peer: WorkerAddress) -> None:
-        if peer.cluster_id in self._links:
-            return
-        assert self._dd is not None
-        info = llm_datadist.LLMClusterInfo()
-        info.remote_cluster_id = peer.cluster_id
-        info.append_local_ip_info("0.0.0.0", 0)
-        info.append_remote_ip_info(peer.host, peer.port)
-        code, codes = self._dd.link_clusters([info], timeout=self.settings.link_timeout_ms)
-        if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
-            raise PullError(f"link to {peer.host}:{peer.port} (cluster {peer.cluster_id}) "
-                            f"failed: {codes[0]!s}")
-        self._links[peer.cluster_id] = info
-
     def _drop_link(self, cluster_id: int) -> None:
-        info = self._links.pop(cluster_id, None)
+        info = None if self._linker is None else self._linker.drop(cluster_id)
         if info is None or self._dd is None:
             return
         try:
@@ -428,9 +529,10 @@ class DatadistWorker:
         self._waiting.clear()
         self._pulls.clear()
         dd, self._dd = self._dd, None
+        linker, self._linker = self._linker, None
+        if linker is not None:
+            linker.close(self.settings.link_timeout_ms / 1e3)
         if dd is not None:
-            for cid in list(self._links):
-                self._links.pop(cid)
             try:
                 dd.finalize()
             except Exception as e:  # noqa: BLE001 - shutting down
