@@ -106,6 +106,11 @@ def test_pull_copies_every_layer_and_frees_the_producer(producer):
         w.submit([_task(addr)])
         assert w.active
         assert _wait(w) == ({"d1"}, set())
+        # Reported as soon as the KV landed; the DONE push (Rule 3) ends in a later step.
+        deadline = time.monotonic() + 10
+        while w.active and time.monotonic() < deadline:
+            assert w.poll_recv() == (set(), set())  # reported once only
+            time.sleep(0.005)
         assert not w.active
         for layer, a in enumerate(arrs):
             for src, dst in zip((5, 9, 3), (0, 1, 2), strict=True):

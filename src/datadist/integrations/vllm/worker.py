@@ -360,10 +360,16 @@ class DatadistWorker:
         while self._waiting and self._free_records:
             self._begin(self._waiting.pop(0))
         for pull in list(self._pulls):
-            try:
-                self._advance(pull)
-            except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
-                self._fail(pull, e)
+            # As far as its transfers have ended: a same-host mailbox read of a leased cache
+            # ends in the call that issues it, so a request does not wait a step per stage.
+            for _ in range(len(_Step) + 1):
+                try:
+                    moved = self._advance(pull)
+                except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
+                    self._fail(pull, e)
+                    break
+                if not moved or pull not in self._pulls:
+                    break
         done, failed = self._done, self._failed
         self._done, self._failed = set(), set()
         return done | failed, failed
@@ -389,31 +395,34 @@ class DatadistWorker:
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed request
             self._fail(pull, e)
 
-    def _linked(self, pull: _Pull) -> None:
-        """A request waiting for its producer's link: read its slot once the link is up;
-        raise the link's failure. Never blocks."""
+    def _linked(self, pull: _Pull) -> bool:
+        """A request waiting for its producer's link: read its slot once the link is up
+        (True); raise the link's failure. Never blocks."""
         assert self._linker is not None
         state = self._linker.state(pull.peer.cluster_id)
         if state is None:  # dropped since (a failed transfer), or never asked for
             self._linker.want(pull.peer)
-            return
+            return False
         if isinstance(state, Exception):  # a new request's submit tries again
             raise state
-        if state == _Linker.UP:
-            pull.step = _Step.CHECK_BEFORE
-            self._read_slot(pull)
+        if state != _Linker.UP:
+            return False
+        pull.step = _Step.CHECK_BEFORE
+        self._read_slot(pull)
+        return True
 
-    def _advance(self, pull: _Pull) -> None:
-        """Move ``pull`` one step on if its transfer has ended; never blocks."""
+    def _advance(self, pull: _Pull) -> bool:
+        """Move ``pull`` one step on if its transfer has ended (True: it moved); never
+        blocks."""
         if pull.step is _Step.LINK:
-            self._linked(pull)
-            return
+            return self._linked(pull)
         if pull.handle is None:  # waiting to read the mailbox again
-            if time.monotonic() >= pull.retry_at:
-                self._read_slot(pull)
-            return
+            if time.monotonic() < pull.retry_at:
+                return False
+            self._read_slot(pull)
+            return True
         if not pull.handle.done():
-            return
+            return False
         handle, pull.handle = pull.handle, None
         if pull.step is _Step.NOTIFY:  # Rule 3: best effort
             if handle.exception() is not None:
@@ -421,7 +430,7 @@ class DatadistWorker:
                                "%s", pull.peer.cluster_id, pull.task.remote.slot,
                                handle.exception())
             self._finish(pull)
-            return
+            return True
         handle.wait(0)  # raises the transfer's LLMException
         if pull.step is _Step.CHECK_BEFORE:
             got_tag, state = mailbox.decode(self._outbox.buf[pull.record])
@@ -440,6 +449,7 @@ class DatadistWorker:
             if mailbox.decode(self._outbox.buf[pull.record]) != (pull.tag, mailbox.HELD):
                 raise PullError("the prefill instance freed the blocks during the pull")
             self._pulled(pull)
+        return True
 
     def _read_slot(self, pull: _Pull) -> None:
         """Issue the read of ``pull``'s mailbox slot into its outbox record."""
@@ -458,8 +468,9 @@ class DatadistWorker:
             pull.src, pull.task.local_block_ids)
 
     def _pulled(self, pull: _Pull) -> None:
-        """The KV has landed and both mailbox reads said HELD: count it, run the hook, and
-        push DONE (Rule 3); the request is reported once that push has ended."""
+        """The KV has landed and both mailbox reads said HELD: count it, run the hook, report
+        it (the blocks are the decoder's now), and push DONE (Rule 3, best effort: the
+        request's outbox records stay taken until that push ends)."""
         assert self._layout is not None and self._dd is not None
         assert self._outbox_cache is not None
         task, peer, src = pull.task, pull.peer, pull.src
@@ -474,6 +485,8 @@ class DatadistWorker:
                     peer.port, pull.seconds * 1e3)
         if self.on_pulled is not None:
             self.on_pulled(task)
+        self._done.add(task.request_id)  # not a step later, after the DONE's round trip
+        pull.reported = True
         pull.step = _Step.NOTIFY
         self._outbox.buf[pull.record + 1] = mailbox.encode(pull.tag, mailbox.DONE)
         try:
