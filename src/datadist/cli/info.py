@@ -224,17 +224,25 @@ def _info_nixl() -> None:
 
 def add_parser(sub: Any) -> None:
     """The ``info`` subcommand's options."""
-    info = sub.add_parser("info", help="this host's data paths; with --peer, which path a link "
-                                       "uses and why",
-                          description="Say which data paths this host offers; with --peer, link "
-                          "to a running PROMPT as a pull would and say which path it takes.")
-    info.add_argument("--peer", help="ip:port (or [ipv6]:port) of a datadist listener")
+    info = sub.add_parser("info", help="what datadist can do on this host; with --peer, which "
+                                       "data path a pull from that PROMPT takes, and why",
+                          description="Print what datadist can do on this host: its version, "
+                          "the native core, the data paths (cross-memory attach, TCP, NIXL) and "
+                          "the settings taken from the environment. With --peer, also link to a "
+                          "running PROMPT as a DECODER here would, then print the data path a "
+                          "pull from it takes, why, and the PROMPT's transfer counters.")
+    info.add_argument("--peer", metavar="IP:PORT",
+                      help="the running PROMPT's address, as its LLMConfig.listen_ip_info gives "
+                           "it ([IPv6]:PORT for IPv6)")
     info.add_argument("--cluster-id", type=count(0, 2**64 - 1), default=1,
-                      help="the peer's cluster id (default 1)")
+                      help="that PROMPT's cluster id (default 1); a wrong id fails the link")
     info.add_argument("--own-id", type=count(0, 2**64 - 1), default=2**63 - 1,
-                      help="the cluster id this probe links as (default 2**63-1; any id the "
-                           "peer does not use)")
-    info.add_argument("--timeout", type=float, default=3.0, help="seconds to link (3)")
+                      help="the cluster id this check links as (default 2**63-1, an id no "
+                           "real peer uses)")
+    info.add_argument("--timeout", type=float, default=3.0,
+                      help="seconds allowed for each step: the link, the path check, the "
+                           "counters (default 3)")
     info.add_argument("--transport", choices=["auto", "tcp", "cma", "shm", "nixl"],
-                      help="force the link's path (default: DATADIST_TRANSPORT, else auto)")
+                      help="check this data path instead of the one datadist would pick "
+                           "(default: DATADIST_TRANSPORT if set, else auto)")
     info.set_defaults(fn=cmd_info)
