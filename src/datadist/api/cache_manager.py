@@ -163,6 +163,16 @@ def _not_own(engine: NativeEngine, cluster_id: int) -> None:
         raise InvalidArgument(f"data can not be pulled from own cluster:{cluster_id}")
 
 
+# pull_cache's refusal of a CacheKey in remote-cache-accessible mode: the original's
+# TypeError text (v2/cache_manager.py pull_cache), then the mode and what to use instead.
+_BY_ID_ONLY = (
+    "cache_key only support ['CacheKeyByIdAndIndex'], but got CacheKey: pull_cache takes a "
+    "CacheKey only while enable_remote_cache_accessible is off (llm.EnableRemoteCacheAccessible"
+    " is '1' here; local_comm_res turns it on unless it is set). Use "
+    "CacheKeyByIdAndIndex(cluster_id, cache_id, batch_index) with the peer's cache id, or set "
+    "LLMConfig.enable_remote_cache_accessible = False to pull by CacheKey (docs/modes.md)")
+
+
 class _Request(NamedTuple):
     """A checked transfer call: the engine and the arguments of its pull / push (cluster
     id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms; and
@@ -336,12 +346,22 @@ class CacheManager:
 
     def _check_pool(self, desc: CacheDesc) -> None:
         """v2/cache_manager.py allocate_cache / allocate_blocks_cache, after the types: a
-        tensor count above zero, then a pool configured for the placement; their texts."""
+        tensor count above zero, then a pool configured for the placement; their texts, then
+        (datadist's addition) the setting that gives the missing pool and the ones there are."""
         raise_if_false(desc.num_tensors > 0, "num_tensors should be bigger than zero.")
-        raise_if_false((self._enabled_mem_pool and desc.placement == Placement.DEVICE)
-                       or (self._enable_host_mem_pool and desc.placement == Placement.HOST),
-                       "you should config memory pool firstly and then set placement that "
-                       "matches it.")
+        device = desc.placement == Placement.DEVICE
+        if (self._enabled_mem_pool and device) or (self._enable_host_mem_pool and not device):
+            return
+        want = ("LLMConfig.mem_pool_cfg (option llm.MemPoolConfig)" if device else
+                "LLMConfig.host_mem_pool_cfg (option llm.HostMemPoolConfig)")
+        have = [name for name, on in (("Placement.DEVICE", self._enabled_mem_pool),
+                                      ("Placement.HOST", self._enable_host_mem_pool)) if on]
+        raise LLMException(
+            "you should config memory pool firstly and then set placement that matches it. "
+            f"(a {desc.placement.name} cache is allocated from the pool that {want} gives, "
+            "e.g. '{\"memory_size\": 1073741824}', set before init(); this LLMDataDist has "
+            + (f"a pool for {' and '.join(have)} only" if have else "no pool") + ")",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
@@ -419,6 +439,12 @@ class CacheManager:
                    batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
         """Read one remote batch slot into slot ``batch_index`` of ``cache``.
 
+        The key kinds depend on the mode (docs/modes.md), as in llm_datadist: a
+        ``CacheKeyByIdAndIndex`` (the remote cache's id and batch slot) always; a ``CacheKey``
+        (a request's key, bound by the peer's ``allocate_cache``) only while
+        ``enable_remote_cache_accessible`` is off, which ``local_comm_res`` turns on unless it
+        is set to False: there a CacheKey is a TypeError that says so.
+
         Blocks until done; LLMException LLM_TIMEOUT after ``sync_kv_timeout``.
         """
         req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
@@ -472,6 +498,8 @@ class CacheManager:
         # batch_index, size, the kind of cache, size's value, tensor_num_per_layer, the key's
         # ids, the layer ranges; the registry (the native layer there) after them all
         if self._enable_remote_cache_accessible:
+            if isinstance(cache_key, CacheKey):
+                raise TypeError(_BY_ID_ONLY)
             check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
         else:
             check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
@@ -584,7 +612,9 @@ class CacheManager:
     def _require_remote_accessible(self, what: str) -> None:
         if not self._enable_remote_cache_accessible:
             raise LLMException(f"{what} is only supported while enable_remote_cache_accessible "
-                               "is True",
+                               "is True (this LLMDataDist runs in cache-manager mode without "
+                               "it: set LLMConfig.enable_remote_cache_accessible = True, or "
+                               "local_comm_res, on both sides; docs/modes.md)",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
