@@ -17,6 +17,7 @@ from datadist.api import async_transfer, local_ops, planned, types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Memtype, Placement
 from datadist.api.geometry import (
+    describe,
     exact,
     geometry_of,
     key_ref,
@@ -171,6 +172,30 @@ _BY_ID_ONLY = (
     " is '1' here; local_comm_res turns it on unless it is set). Use "
     "CacheKeyByIdAndIndex(cluster_id, cache_id, batch_index) with the peer's cache id, or set "
     "LLMConfig.enable_remote_cache_accessible = False to pull by CacheKey (docs/modes.md)")
+
+
+class _both_sides:  # noqa: N801 - used as a function-like context manager
+    """``with _both_sides(cache, blocks=...), llm_errors(func):`` around a transfer: a peer's
+    refusal of a mismatch (another dtype, block size or block shape: its text speaks of "the
+    requester's" cache, which the peer knows only by its layout) gets this side's cache as
+    the caller described it appended, so that the error shows both sides. Other errors pass
+    unchanged; a transfer that succeeds costs nothing."""
+
+    __slots__ = ("blocks", "cache")
+
+    def __init__(self, cache: Cache, *, blocks: bool) -> None:
+        self.cache, self.blocks = cache, blocks
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: object) -> None:
+        if (isinstance(err, LLMException) and err.status_code is LLMStatusCode.LLM_PARAM_INVALID
+                and "the requester's" in str(err)):
+            raise LLMException(f"{err} (the requester's cache, here: "
+                               f"{describe(self.cache.cache_desc, blocks=self.blocks)})",
+                               status_code=err.status_code) from err.__cause__
 
 
 class _Request(NamedTuple):
@@ -448,7 +473,7 @@ class CacheManager:
         Blocks until done; LLMException LLM_TIMEOUT after ``sync_kv_timeout``.
         """
         req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
-        with llm_errors("pull_cache"):
+        with _both_sides(cache, blocks=False), llm_errors("pull_cache"):
             req.engine.pull(*req.args)
 
     def pull_cache_async(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache,
@@ -538,7 +563,7 @@ class CacheManager:
         CacheKey / CacheKeyByIdAndIndex, split a contiguous remote slot into the blocks."""
         req = self._pull_blocks_request(src_cache_key, dst_cache, src_blocks, dst_blocks,
                                         kwargs)
-        with llm_errors("pull_blocks"):
+        with _both_sides(dst_cache, blocks=True), llm_errors("pull_blocks"):
             req.engine.pull(*req.args)
 
     def pull_blocks_async(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
@@ -625,7 +650,7 @@ class CacheManager:
         req = self._push_cache_request(dst_cache_key, src_cache, src_batch_index,
                                        src_layer_range, dst_layer_range, size,
                                        tensor_num_per_layer)
-        with llm_errors("push_cache"):
+        with _both_sides(src_cache, blocks=False), llm_errors("push_cache"):
             req.engine.push(*req.args)
 
     def push_cache_async(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
@@ -674,7 +699,7 @@ class CacheManager:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
         req = self._push_blocks_request(dst_cache_key, src_cache, src_blocks, dst_blocks,
                                         src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with llm_errors("push_blocks"):
+        with _both_sides(src_cache, blocks=True), llm_errors("push_blocks"):
             req.engine.push(*req.args)
 
     def push_blocks_async(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
