@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "installed) beside its limit, measured in the same run (raw process_vm_readv, "
         "memcpy, a plain socket, a bare round trip). Prints one table: each row's figure, "
         "its limit, the speed against the limit (higher is better) and whether it meets its "
-        "goal. A full run takes a few minutes; --quick takes seconds.",
+        "goal. --quick is a smoke run of a few seconds.",
         epilog="Rows, limits and goals: docs/performance.md. Exit code 0 when every row ran "
         "(goals met or not), 1 when the run failed.")
     ap.add_argument("--quick", action="store_true",

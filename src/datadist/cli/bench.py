@@ -17,5 +17,5 @@ def add_parser(sub: Any) -> None:
     benchmark's own parser (an argparse REMAINDER would not take options that start with a
     dash)."""
     # listed for --help; main() hands `bench ...` to the benchmark's own parser
-    sub.add_parser("bench", help="the benchmark: every data path against its limit (see "
-                                 "'datadist bench --help')")
+    sub.add_parser("bench", help="how fast datadist moves caches here, each data path beside "
+                                 "its limit (see 'datadist bench --help')")
