@@ -11,6 +11,8 @@ class CliError(Exception):
 
 
 def one_line(e: BaseException) -> str:
+    """``e`` as the one line ``datadist: error: ...`` prints (its type named unless it is a
+    CliError, whose text is already for the user)."""
     text = " ".join(str(e).split()) or type(e).__name__
     return text if isinstance(e, CliError) else f"{type(e).__name__}: {text}"
 

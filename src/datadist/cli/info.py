@@ -14,6 +14,8 @@ from datadist.cli.common import CliError, count
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``datadist info [--peer IP:PORT]``: print this host's report; with ``--peer``, link and
+    report the path (each step blocks <= ``--timeout``). CliError for what fails."""
     import datadist
     from datadist.core.config import HostIdentity, forced_path
     from datadist.transport.iov import IOV_MAX, CmaRefused, make_iov, vm_copy
