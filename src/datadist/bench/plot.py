@@ -123,8 +123,8 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
                 markersize=11, markeredgewidth=2, color=GOAL_COLOUR)
         entries = legend_entries(any(not p for p in peers), any(peers), bool(gy))
         ax.legend(handles=_legend_handles(entries), loc="lower right", fontsize=7)
-        ax.set_xlabel("speed against the limit (or the peer): right is better, 1.0 = the "
-                      "limit", fontsize=7)
+        ax.set_xlabel("speed against the limit" + (" (or the peer)" if any(peers) else "")
+                      + ": right is better, 1.0 = the limit", fontsize=7)
         size = result.get("sizes", {}).get("contig_bytes", 0) >> 20
         ax.set_title(f"datadist bench {result.get('datadist_version', '')}: {size} MiB, "
                      f"median of {result.get('repeat', '?')}, "
