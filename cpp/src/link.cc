@@ -388,9 +388,10 @@ std::string Link::PathReason() const {
 }
 
 std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid, wire::Hello &welcome) {
-  auto conn = Conn::Connect(host_, port_, deadline);
+  auto conn = Conn::Connect(host_, port_, deadline, greeted_);
   if (tls_) conn->TlsConnect(*tls_, deadline);
   Handshake(*conn, reverse, deadline, rid, welcome);
+  greeted_ = true;  // the peer listened here: a later refusal means it stopped
   return conn;
 }
 

@@ -270,6 +270,7 @@ class Link {
   pid_t peer_pid_ = 0;         // kCma: the pid SO_PEERCRED reported for conn_
   bool allow_shm_ = true;      // SetShm; cleared when the owner's shared memory cannot be mapped here
   bool shm_forced_ = false;
+  std::atomic<bool> greeted_{false};  // a handshake succeeded once (Greet): reconnects say the peer stopped
   std::atomic<bool> cma_refused_{false};  // kCma with shared memory only (CmaRefused); per connection
   std::unique_ptr<shm::Maps> maps_;       // kCma: our mappings of the owner's memfds (busy_)
   enum class Moved { kNone, kStream, kCma, kShm };

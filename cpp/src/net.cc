@@ -91,17 +91,24 @@ size_t Advance(std::vector<iovec> &iov, size_t first, size_t n) {
 
 Conn::Conn(int fd, std::string address) : fd_(fd), address_(std::move(address)) { Tune(fd); }
 
-std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Deadline deadline) {
+std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Deadline deadline,
+                                    bool was_listening) {
   const SockAddr addr = ToSockAddr(host, port);
   int fd = socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) Fail(llm_datadist::LLM_LINK_FAILED, std::string("socket: ") + std::strerror(errno));
   const std::string where = FormatHostPort(host, port);
   auto conn = std::make_unique<Conn>(fd, where);
-  // As Python's Channel.connect words it: a refused connection says what to set.
+  // A refused connection says what the caller can check: a peer that listened there before
+  // has stopped (or restarted elsewhere); a first connection may also name the wrong port, or
+  // a PROMPT without a listen address.
   auto refused = [&](int err) {
     std::string why = "cannot connect to " + where + ": " + std::strerror(err);
-    if (err == ECONNREFUSED)
-      why += ": nothing listens there (a PROMPT must set LLMConfig.listen_ip_info = 'ip:port' to be linked to)";
+    if (err == ECONNREFUSED && was_listening)
+      why += ": nothing listens there any more (the peer that listened there stopped; the next call reconnects once "
+             "it listens again)";
+    else if (err == ECONNREFUSED)
+      why += ": nothing listens there (is the PROMPT running, and is this the port its LLMConfig.listen_ip_info "
+             "names?)";
     Fail(llm_datadist::LLM_LINK_FAILED, why);
   };
   if (connect(fd, addr.get(), addr.len) != 0) {

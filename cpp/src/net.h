@@ -41,7 +41,10 @@ class Conn {
   Conn &operator=(const Conn &) = delete;
 
   /// Connects within the deadline. LLM_LINK_FAILED (refused, unreachable) or LLM_TIMEOUT.
-  static std::unique_ptr<Conn> Connect(const std::string &host, uint16_t port, Deadline deadline);
+  /// `was_listening`: a peer that listened there before (a link reconnecting), so a refusal
+  /// says it stopped, not that it may lack a listen address.
+  static std::unique_ptr<Conn> Connect(const std::string &host, uint16_t port, Deadline deadline,
+                                       bool was_listening = false);
 
   void SendAll(const void *data, size_t n, Deadline deadline);
   void SendFrame(const std::vector<uint8_t> &frame, Deadline deadline) { SendAll(frame.data(), frame.size(), deadline); }

@@ -17,7 +17,7 @@ from datadist.core import native
 from datadist.testing.procs import Peer, PeerLink
 
 pytestmark = pytest.mark.timeout(120)
-SRC = str(Path(cli.__file__).resolve().parents[1])
+SRC = str(Path(cli.__file__).resolve().parents[2])
 # ``info --peer`` links with the core (the one engine), as the owner and the real decoder do.
 
 

@@ -33,7 +33,8 @@ def test_version(capsys):
     assert rc == 0 and out.strip() == f"datadist {datadist.__version__}"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["info", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["info", "--help"],
+                                  ["probe", "--help"], ["bench", "--help"]])
 def test_help_has_no_markup_and_every_option_explained(argv, capsys):
     rc, out = run(argv, capsys)
     assert rc == 0
@@ -67,3 +68,26 @@ def test_parser_error_is_still_one_line(capsys):
         cli.main(["demo", "--transport", "carrier-pigeon"])
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_bench_help_says_what_the_user_gets(capsys):
+    # issue 38 item 12: the description was the runner module's docstring ("Driving a run:
+    # which row groups, the owner's lifetime, ..."), about the code, not the output
+    rc, out = run(["bench", "--help"], capsys)
+    assert rc == 0
+    assert "Driving a run" not in out and "owner's lifetime" not in out
+    description = " ".join(out.split("options:")[0].split())
+    for words in ("on this machine", "table", "limit", "higher is better", "goal"):
+        assert words in description, f"{words!r} not in bench's description: {description}"
+    assert "checked before anything is measured" in " ".join(out.split())
+
+
+def test_info_help_says_what_peer_is(capsys):
+    # issue 38 item 12: "--peer ip:port of a datadist listener" did not say which process to
+    # name or what comes back
+    rc, out = run(["info", "--help"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0
+    assert "--peer IP:PORT" in text
+    assert "running PROMPT" in text and "listen_ip_info" in text
+    assert "the data path a pull from it takes, why" in text

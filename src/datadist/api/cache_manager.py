@@ -17,6 +17,7 @@ from datadist.api import async_transfer, local_ops, planned, types
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Memtype, Placement
 from datadist.api.geometry import (
+    describe,
     exact,
     geometry_of,
     key_ref,
@@ -161,6 +162,40 @@ def _not_own(engine: NativeEngine, cluster_id: int) -> None:
     such rule: vllm-ascend's V0 connector pulls from a peer with its own id."""
     if cluster_id == engine.config.cluster_id:
         raise InvalidArgument(f"data can not be pulled from own cluster:{cluster_id}")
+
+
+# pull_cache's refusal of a CacheKey in remote-cache-accessible mode: the original's
+# TypeError text (v2/cache_manager.py pull_cache), then the mode and what to use instead.
+_BY_ID_ONLY = (
+    "cache_key only support ['CacheKeyByIdAndIndex'], but got CacheKey: pull_cache takes a "
+    "CacheKey only while enable_remote_cache_accessible is off (llm.EnableRemoteCacheAccessible"
+    " is '1' here; local_comm_res turns it on unless it is set). Use "
+    "CacheKeyByIdAndIndex(cluster_id, cache_id, batch_index) with the peer's cache id, or set "
+    "LLMConfig.enable_remote_cache_accessible = False to pull by CacheKey (docs/modes.md)")
+
+
+class _both_sides:  # noqa: N801 - used as a function-like context manager
+    """``with _both_sides(cache, blocks=...), llm_errors(func):`` around a transfer: a peer's
+    refusal of a mismatch (another dtype, block size or block shape: its text speaks of "the
+    requester's" cache, which the peer knows only by its layout) gets this side's cache as
+    the caller described it appended, so that the error shows both sides. Other errors pass
+    unchanged; a transfer that succeeds costs nothing."""
+
+    __slots__ = ("blocks", "cache")
+
+    def __init__(self, cache: Cache, *, blocks: bool) -> None:
+        self.cache, self.blocks = cache, blocks
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: object) -> None:
+        if (isinstance(err, LLMException) and err.status_code is LLMStatusCode.LLM_PARAM_INVALID
+                and "the requester's" in str(err)):
+            raise LLMException(f"{err} (the requester's cache, here: "
+                               f"{describe(self.cache.cache_desc, blocks=self.blocks)})",
+                               status_code=err.status_code) from err.__cause__
 
 
 class _Request(NamedTuple):
@@ -336,12 +371,22 @@ class CacheManager:
 
     def _check_pool(self, desc: CacheDesc) -> None:
         """v2/cache_manager.py allocate_cache / allocate_blocks_cache, after the types: a
-        tensor count above zero, then a pool configured for the placement; their texts."""
+        tensor count above zero, then a pool configured for the placement; their texts, then
+        (datadist's addition) the setting that gives the missing pool and the ones there are."""
         raise_if_false(desc.num_tensors > 0, "num_tensors should be bigger than zero.")
-        raise_if_false((self._enabled_mem_pool and desc.placement == Placement.DEVICE)
-                       or (self._enable_host_mem_pool and desc.placement == Placement.HOST),
-                       "you should config memory pool firstly and then set placement that "
-                       "matches it.")
+        device = desc.placement == Placement.DEVICE
+        if (self._enabled_mem_pool and device) or (self._enable_host_mem_pool and not device):
+            return
+        want = ("LLMConfig.mem_pool_cfg (option llm.MemPoolConfig)" if device else
+                "LLMConfig.host_mem_pool_cfg (option llm.HostMemPoolConfig)")
+        have = [name for name, on in (("Placement.DEVICE", self._enabled_mem_pool),
+                                      ("Placement.HOST", self._enable_host_mem_pool)) if on]
+        raise LLMException(
+            "you should config memory pool firstly and then set placement that matches it. "
+            f"(a {desc.placement.name} cache is allocated from the pool that {want} gives, "
+            "e.g. '{\"memory_size\": 1073741824}', set before init(); this LLMDataDist has "
+            + (f"a pool for {' and '.join(have)} only" if have else "no pool") + ")",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
@@ -419,10 +464,16 @@ class CacheManager:
                    batch_index: int = 0, size: int = -1, **kwargs: Any) -> None:
         """Read one remote batch slot into slot ``batch_index`` of ``cache``.
 
+        The key kinds depend on the mode (docs/modes.md), as in llm_datadist: a
+        ``CacheKeyByIdAndIndex`` (the remote cache's id and batch slot) always; a ``CacheKey``
+        (a request's key, bound by the peer's ``allocate_cache``) only while
+        ``enable_remote_cache_accessible`` is off, which ``local_comm_res`` turns on unless it
+        is set to False: there a CacheKey is a TypeError that says so.
+
         Blocks until done; LLMException LLM_TIMEOUT after ``sync_kv_timeout``.
         """
         req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
-        with llm_errors("pull_cache"):
+        with _both_sides(cache, blocks=False), llm_errors("pull_cache"):
             req.engine.pull(*req.args)
 
     def pull_cache_async(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache,
@@ -472,6 +523,8 @@ class CacheManager:
         # batch_index, size, the kind of cache, size's value, tensor_num_per_layer, the key's
         # ids, the layer ranges; the registry (the native layer there) after them all
         if self._enable_remote_cache_accessible:
+            if isinstance(cache_key, CacheKey):
+                raise TypeError(_BY_ID_ONLY)
             check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
         else:
             check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex),
@@ -510,7 +563,7 @@ class CacheManager:
         CacheKey / CacheKeyByIdAndIndex, split a contiguous remote slot into the blocks."""
         req = self._pull_blocks_request(src_cache_key, dst_cache, src_blocks, dst_blocks,
                                         kwargs)
-        with llm_errors("pull_blocks"):
+        with _both_sides(dst_cache, blocks=True), llm_errors("pull_blocks"):
             req.engine.pull(*req.args)
 
     def pull_blocks_async(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
@@ -584,7 +637,9 @@ class CacheManager:
     def _require_remote_accessible(self, what: str) -> None:
         if not self._enable_remote_cache_accessible:
             raise LLMException(f"{what} is only supported while enable_remote_cache_accessible "
-                               "is True",
+                               "is True (this LLMDataDist runs in cache-manager mode without "
+                               "it: set LLMConfig.enable_remote_cache_accessible = True, or "
+                               "local_comm_res, on both sides; docs/modes.md)",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
@@ -595,7 +650,7 @@ class CacheManager:
         req = self._push_cache_request(dst_cache_key, src_cache, src_batch_index,
                                        src_layer_range, dst_layer_range, size,
                                        tensor_num_per_layer)
-        with llm_errors("push_cache"):
+        with _both_sides(src_cache, blocks=False), llm_errors("push_cache"):
             req.engine.push(*req.args)
 
     def push_cache_async(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
@@ -644,7 +699,7 @@ class CacheManager:
         """Write local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``."""
         req = self._push_blocks_request(dst_cache_key, src_cache, src_blocks, dst_blocks,
                                         src_layer_range, dst_layer_range, tensor_num_per_layer)
-        with llm_errors("push_blocks"):
+        with _both_sides(src_cache, blocks=True), llm_errors("push_blocks"):
             req.engine.push(*req.args)
 
     def push_blocks_async(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,

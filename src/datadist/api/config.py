@@ -382,7 +382,9 @@ class LLMConfig:
     @property
     def local_comm_res(self) -> str:
         """Local communication resources, as LLM-DataDist takes them (default "", unset).
-        Emits ``llm.LocalCommRes`` once set, even to "" (which selects cache-manager mode)."""
+        Emits ``llm.LocalCommRes`` once set, even to "", which selects cache-manager mode with
+        ``enable_remote_cache_accessible`` on unless that is set (so ``pull_cache`` takes
+        ``CacheKeyByIdAndIndex``, not ``CacheKey``): docs/modes.md."""
         return self._local_comm_res or ""
 
     @local_comm_res.setter

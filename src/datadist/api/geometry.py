@@ -76,6 +76,19 @@ def _geometry(num_tensors: int, shape: tuple[int, ...], dtype: DataType,
                                layout.layout_tag(dtype.value, shape[1:]))
 
 
+def describe(desc: CacheDesc, *, blocks: bool) -> str:
+    """A cache as a mismatch error shows it, in the caller's terms: "2 tensors of [4, 8, 8]
+    DT_FLOAT16, 128 bytes per block". Who calls: the checks that compare two caches (or a
+    cache and a peer's), for both sides; only when they raise."""
+    shape = list(desc.shape)
+    per = "block" if blocks else "batch slot"
+    try:
+        unit = math.prod(shape[1:]) * desc.data_type.itemsize
+    except (TypeError, ValueError):  # DT_STRING and the like: no size to give
+        return f"{desc.num_tensors} tensors of {shape} {desc.data_type.name}"
+    return f"{desc.num_tensors} tensors of {shape} {desc.data_type.name}, {unit} bytes per {per}"
+
+
 def key_ref(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> KeyRef:
     """How the wire names a remote cache for each of llm_datadist's key kinds."""
     if isinstance(key, CacheKey):

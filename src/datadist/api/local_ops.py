@@ -19,10 +19,11 @@ import numpy as np
 
 from datadist.api.checks import check_isinstance, int_list
 from datadist.api.enums import Placement
-from datadist.api.geometry import geometry_of
+from datadist.api.geometry import describe, geometry_of
 from datadist.api.status import llm_errors, raise_if_false
 from datadist.api.types import CacheDesc
 from datadist.core import layout, local
+from datadist.core.errors import InvalidArgument
 from datadist.core.native import NativeEngine
 from datadist.memory import mapped
 
@@ -92,8 +93,12 @@ def copy_cache(engine: NativeEngine, dst: CacheRef, src: CacheRef, dst_batch_ind
     """Copy one batch slot of every tensor (``size`` bytes from ``offset``). Types checked."""
     check_copy_cache(dst, src, size)
     with held(engine, src) as s, held(engine, dst) as d, llm_errors("copy_cache"):
-        plan = local.plan_slot_copy(s.geometry, d.geometry, src_batch_index, dst_batch_index,
-                                    offset, size)
+        try:
+            plan = local.plan_slot_copy(s.geometry, d.geometry, src_batch_index,
+                                        dst_batch_index, offset, size)
+        except InvalidArgument as e:  # sizes or counts that do not fit: both sides shown
+            raise InvalidArgument(f"{e} (src: {describe(src.desc, blocks=False)}; dst: "
+                                  f"{describe(dst.desc, blocks=False)})") from None
         local.execute(plan, s.addrs, d.addrs)
 
 
@@ -148,12 +153,14 @@ def swap_blocks(engine: NativeEngine, src: CacheRef, dst: CacheRef, src_to_dst: 
     s_blocks = int_list("src_to_dst keys", list(src_to_dst.keys()), "int64")
     d_blocks = int_list("src_to_dst values", list(src_to_dst.values()), "int64")
     sg, dg = geometry_of(src.desc, blocks=True), geometry_of(dst.desc, blocks=True)
-    raise_if_false(sg.unit_bytes == dg.unit_bytes,
-                   f"src block size:{sg.unit_bytes} and dst block size:{dg.unit_bytes} "
-                   "must be equal")
-    raise_if_false(sg.num_tensors == dg.num_tensors,
-                   f"src num_tensors:{sg.num_tensors} and dst num_tensors:{dg.num_tensors} "
-                   "must be equal")
+    if sg.unit_bytes != dg.unit_bytes or sg.num_tensors != dg.num_tensors:
+        # the original's text first, then both caches as the caller described them
+        what = (f"src block size:{sg.unit_bytes} and dst block size:{dg.unit_bytes} must be "
+                "equal" if sg.unit_bytes != dg.unit_bytes else
+                f"src num_tensors:{sg.num_tensors} and dst num_tensors:{dg.num_tensors} must "
+                "be equal")
+        raise_if_false(False, f"{what} (src: {describe(src.desc, blocks=True)}; dst: "
+                              f"{describe(dst.desc, blocks=True)})")
     bad = np.flatnonzero((s_blocks < 0) | (s_blocks >= sg.units) | (d_blocks < 0)
                          | (d_blocks >= dg.units))
     if bad.size:  # the first pair out of range, its source index first

@@ -32,7 +32,8 @@ decoder side), one module per group of rows (:mod:`.same_host`, :mod:`.tcp`, :mo
 """
 
 from datadist.bench.harness import BenchError, Progress, Row, Sizes
-from datadist.bench.runner import GROUPS, format_table, main, run, timed_steps
+from datadist.bench.runner import GROUPS, main, run, timed_steps
+from datadist.bench.table import format_table
 
 __all__ = ["GROUPS", "BenchError", "Progress", "Row", "Sizes", "format_table", "main", "run",
            "timed_steps"]

@@ -9,9 +9,10 @@ only when a chart is asked for; without it :func:`plot` raises BenchError saying
 install.
 
 Each bar is a row's speed relative to its limit: figure / limit for throughputs, limit /
-figure for times (so right is always better, and 1.0 is the limit). Rows held against a peer
-library (Mooncake, NIXL with its progress thread on, datadist's own best path) are drawn in
-another colour: there 1.0 is the peer, not a limit. Planning rows have no limit; they are
+figure for times (so right is always better, and 1.0 is the limit), the table's ``x limit``
+column. Rows held against a peer library (Mooncake, NIXL with its progress thread on,
+datadist's own best path) are drawn in another colour: there 1.0 is the peer, not a limit.
+The legend names only the colours and marks the chart draws. Planning rows have no limit; they are
 drawn against their goal. The x axis is logarithmic: ratios run from a few hundredths (a
 Python small pull against a bare round trip) to a few units.
 """
@@ -26,6 +27,17 @@ from datadist.bench.harness import BenchError
 
 FORMATS = (".png", ".svg")
 PEER_WORDS = ("Mooncake", "progress thread on", "beside datadist")
+PLOT_MISSING = "--plot needs matplotlib: pip install 'datadist[plot]'"
+LIMIT_COLOUR, PEER_COLOUR, GOAL_COLOUR = "#3a6ea5", "#d08c2c", "#c0392b"
+
+
+def plot_available() -> bool:
+    """Whether :func:`plot` can draw here (matplotlib importable). ``runner.main`` asks
+    before measuring anything, so that a run does not end in an install hint. Looks the
+    module up without importing it (a fraction of a millisecond)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def speed(row: dict[str, Any]) -> float | None:
@@ -88,16 +100,17 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter
     except ImportError as e:
-        raise BenchError("--plot needs matplotlib: pip install 'datadist[plot]'") from e
+        raise BenchError(PLOT_MISSING) from e
 
     height = 1.2 + 0.26 * len(rows)
     fig, ax = plt.subplots(figsize=(9.5, height), dpi=100)
     try:
         labels = [f"{r['title']} [{r.get('path') or '-'}]" for r, _ in rows]
         values = [v for _, v in rows]
-        colors = ["#d08c2c" if is_peer(r) else "#3a6ea5" for r, _ in rows]
+        peers = [is_peer(r) for r, _ in rows]
         ys = list(range(len(rows)))[::-1]
-        ax.barh(ys, values, color=colors, height=0.7)
+        ax.barh(ys, values, color=[PEER_COLOUR if p else LIMIT_COLOUR for p in peers],
+                height=0.7)
         ax.axvline(1.0, color="black", linewidth=1)
         ax.set_xscale("log")
         ax.set_yticks(ys)
@@ -107,11 +120,11 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
         goals = [(y, goal_speed(r)) for y, (r, _) in zip(ys, rows, strict=True)]
         gy = [y for y, g in goals if g is not None]
         ax.plot([g for _, g in goals if g is not None], gy, linestyle="none", marker="|",
-                markersize=11, markeredgewidth=2, color="#c0392b", label="goal")
-        if gy:
-            ax.legend(loc="lower right", fontsize=7)
-        ax.set_xlabel("speed against the limit: right is better, 1.0 = the limit "
-                      "(orange: 1.0 = the peer); red: the goal", fontsize=7)
+                markersize=11, markeredgewidth=2, color=GOAL_COLOUR)
+        entries = legend_entries(any(not p for p in peers), any(peers), bool(gy))
+        ax.legend(handles=_legend_handles(entries), loc="lower right", fontsize=7)
+        ax.set_xlabel("speed against the limit" + (" (or the peer)" if any(peers) else "")
+                      + ": right is better, 1.0 = the limit", fontsize=7)
         size = result.get("sizes", {}).get("contig_bytes", 0) >> 20
         ax.set_title(f"datadist bench {result.get('datadist_version', '')}: {size} MiB, "
                      f"median of {result.get('repeat', '?')}, "
@@ -131,6 +144,29 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def legend_entries(limits: bool, peers: bool, goals: bool) -> list[tuple[str, str]]:
+    """The legend's entries, (colour, label): one per kind of mark the chart draws, none for a
+    kind it does not draw (a chart of limit rows names no peer colour)."""
+    entries = []
+    if limits:
+        entries.append((LIMIT_COLOUR, "against its limit"))
+    if peers:
+        entries.append((PEER_COLOUR, "beside a peer (1.0 = the peer)"))
+    if goals:
+        entries.append((GOAL_COLOUR, "goal"))
+    return entries
+
+
+def _legend_handles(entries: list[tuple[str, str]]) -> list[Any]:
+    """matplotlib's handles for :func:`legend_entries`: a bar's patch, or the goal's tick."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    return [Line2D([], [], color=colour, marker="|", linestyle="none", markersize=11,
+                   markeredgewidth=2, label=label) if colour == GOAL_COLOUR
+            else Patch(color=colour, label=label) for colour, label in entries]
 
 
 def _save_small_png(fig: Any, out: Path) -> None:

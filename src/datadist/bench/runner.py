@@ -35,11 +35,13 @@ from datadist.bench.mooncake import available as mooncake_available
 from datadist.bench.owner import start_owner, stop_owner
 from datadist.bench.peers import peer_lines
 from datadist.bench.plan import plan_rows
+from datadist.bench.plot import PLOT_MISSING, plot_available
 from datadist.bench.pools import pool_rows
 from datadist.bench.puller import (
     Context,
 )
 from datadist.bench.same_host import same_host_rows
+from datadist.bench.table import format_table
 from datadist.bench.tcp import tcp_rows
 from datadist.transport.nixl import available as nixl_available
 
@@ -161,76 +163,61 @@ def datadist_version() -> str:
     return __version__
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """The human-readable table of a result from :func:`run`."""
-    head = ("what", "path", "figure", "limit", "ratio", "goal", "")
-    lines = []
-    for r in result["rows"]:
-        unit = r["unit"]
-        if not unit:  # a group that could not run here, and why
-            lines.append((r["title"], "-", "skipped", "-", "-", "-", r["note"]))
-            continue
-        q = "p99" if r["key"].endswith("_p99") else "p50"
-        fig = f"{r['figure']:.2f} {unit}" if unit != "us" else f"{r['figure']:.0f} us {q}"
-        if r["limit"] is None:
-            lim, ratio = "-", "-"
-        else:
-            lim = (f"{r['limit']:.2f} {unit}" if unit != "us" else f"{r['limit']:.0f} us")
-            lim = f"{lim} ({r['limit_title']})"
-            ratio = f"{r['ratio']:.2f}x"
-        # Goals hold for full-size transfers only: a smaller run judges none (note below).
-        ok = ("ok" if r["met"] else "MISSED") if result["at_goal_size"] else "not judged"
-        lines.append((r["title"], r["path"] or "-", fig, lim, ratio, r["goal"], ok))
-    widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
-    out = [f"datadist bench: median of {result['repeat']}, {result['seconds']} s; "
-           f"{result['alignment']}"]
-    for i, line in enumerate([head, *lines]):
-        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
-        if i == 0:
-            out.append("  ".join("-" * w for w in widths))
-    if not result["at_goal_size"]:
-        out.append("note: no goal is judged in this run: its transfers are smaller than 256 MiB "
-                   "/ 8192 blocks, where fixed costs weigh more than the goals allow for; run "
-                   "without --quick/--size to judge them")
-    out.extend(result["peers"])
-    notes = dict.fromkeys(r.get("note") for r in result["rows"] if r["unit"] and r.get("note"))
-    out.extend(f"note: {n}" for n in notes)  # how a peer was driven, per row group
-    return "\n".join(out)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``datadist bench``: run, print the table, optionally write JSON. Returns the exit code:
     0 when every row ran (goals missed or not), 1 when the run failed."""
     from datadist.argparsing import OneLineParser  # errors on one line, as every datadist command
 
-    ap = OneLineParser(prog="datadist bench", description=__doc__.split("\n")[0])
+    ap = OneLineParser(
+        prog="datadist bench",
+        description="Measure how fast datadist moves KV caches on this machine: every data "
+        "path (same host, pools, TCP, small pulls, busy owners, block planning; NIXL where "
+        "installed) beside its limit, measured in the same run (raw process_vm_readv, "
+        "memcpy, a plain socket, a bare round trip). Prints one table: each row's figure, "
+        "its limit, the speed against the limit (higher is better) and whether it meets its "
+        "goal. --quick is a smoke run of a few seconds.",
+        epilog="Rows, limits and goals: docs/performance.md. Exit code 0 when every row ran "
+        "(goals met or not), 1 when the run failed.")
     ap.add_argument("--quick", action="store_true",
-                    help="8 MiB transfers and fewer small pulls (a smoke run, seconds)")
+                    help="a smoke run in seconds: 8 MiB transfers, fewer small pulls; judges "
+                    "no goal")
     ap.add_argument("--size", type=int, metavar="MiB",
-                    help="bytes per transfer in MiB (default 256, or 8 with --quick)")
+                    help="bytes per transfer, in MiB (default 256; 8 with --quick); below 256 "
+                    "no goal is judged")
     ap.add_argument("--repeat", type=int, default=None, metavar="N",
-                    help="repetitions per figure, the median is reported (default 7, quick 3)")
-    ap.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+                    help="measure each figure N times and report the median (default 7; 3 "
+                    "with --quick)")
+    ap.add_argument("--json", metavar="PATH",
+                    help="also save the result to PATH, for --input or your own tools")
     ap.add_argument("--align", choices=("page", "numpy"), default="page",
-                    help="placement of client buffers (default page; see docs/performance.md)")
+                    help="where the client buffers start: page (default), or where numpy "
+                    "puts them, to see what misalignment costs (docs/performance.md)")
     ap.add_argument("--peers", action="store_true",
-                    help="also run the peers' rows (Mooncake beside the TCP path) and report "
-                    "NIXL / Mooncake, where they are already importable")
+                    help="also measure Mooncake beside datadist's TCP path, and name the NIXL "
+                    "and Mooncake versions found, where they are installed")
     ap.add_argument("--only", metavar="GROUPS", default=",".join(DEFAULT_GROUPS),
-                    help=f"comma-separated row groups to run, of {','.join(GROUPS)} (default "
-                    "all but cpp, the C++ API's rows, which need build/cpp/dd_bench)")
+                    help=f"run these row groups only, comma-separated, of {','.join(GROUPS)} "
+                    "(default: all but cpp, the C++ API's rows, which need the C++ build "
+                    "build/cpp/dd_bench)")
     ap.add_argument("--engine", choices=ENGINES, default=None,
-                    help="the engine both processes run on: only the C++ core (native) now, "
-                    "the one engine (docs/engine.md); the option stays for older commands")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+                    help="accepted for older command lines; there is one engine (the C++ "
+                    "core), so it changes nothing")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bar on stderr (for logs)")
     ap.add_argument("--plot", metavar="PATH",
-                    help="also draw every row against its limit to PATH (.png or .svg; needs "
-                    "matplotlib: pip install 'datadist[plot]')")
+                    help="also draw the rows' speeds against their limits as a bar chart to "
+                    "PATH (.png or .svg); needs matplotlib: pip install 'datadist[plot]', "
+                    "checked before anything is measured")
     ap.add_argument("--input", metavar="JSON",
-                    help="run nothing: print (and --plot) a result saved with --json")
+                    help="measure nothing: print the table (and --plot the chart) of a result "
+                    "saved with --json")
     args = ap.parse_args(argv)
     if args.plot and not args.plot.lower().endswith((".png", ".svg")):
         ap.error("--plot writes a .png or .svg file")
+    if args.plot and not plot_available():
+        # before any measurement: a run of minutes must not end in "install matplotlib"
+        print(f"datadist bench --plot: {PLOT_MISSING}", file=sys.stderr)
+        return 1
     if args.input:
         return _replay(args.input, args.plot)
     repeat = args.repeat if args.repeat is not None else (3 if args.quick else 7)

@@ -1,0 +1,5 @@
+"""``python -m datadist.cli``: the ``datadist`` command."""
+
+from datadist.cli import main
+
+raise SystemExit(main())
