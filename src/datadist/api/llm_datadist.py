@@ -225,6 +225,8 @@ class LLMDataDist:
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
                 engine, self._engine_reason = engine_for(engine_cfg, opts)
+            # Accepted as the original does; checked when linking, as it parses it then.
+            engine.set_local_comm_res(opts.get(cfg.OPT_LOCAL_COMM_RES))
             self._engine = engine
             self._options = opts
             self._finalized = False
@@ -419,6 +421,12 @@ class LLMDataDist:
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
+            except InvalidArgument as e:
+                # local_comm_res (ours or the peer's) is not what the original can parse:
+                # its RankTableGeneratorFactory fails the link with LLM_PARAM_INVALID.
+                failures.append(self._link_failures.report(
+                    cluster_id, ip_text(ip), port, LLMStatusCode.LLM_PARAM_INVALID.name, str(e)))
+                return LLMStatusCode.LLM_PARAM_INVALID
             except DatadistError as e:
                 failures.append(self._link_failures.report(
                     cluster_id, ip_text(ip), port, LLMStatusCode.LLM_LINK_FAILED.name, str(e)))
