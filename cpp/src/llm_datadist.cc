@@ -788,8 +788,19 @@ class LlmDataDist::LlmDataDistImpl {
     // (AddEntity(peer_exchange_info.cluster_id)), never comparing it with the one passed: a
     // caller that passed another id finds no link under it (LLM_NOT_YET_LINK). HIXL files it
     // under the id passed (here: it must match).
-    const uint64_t filed =
-        engine_.Connect(id, ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0), !hixl_);
+    uint64_t filed = 0;
+    try {
+      // quiet: the engine keeps the reason (LastLinkFailure); it is told here, in this API's words
+      filed = engine_.Connect(id, ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0), !hixl_, true);
+    } catch (const Error &e) {
+      const std::string told = engine_.LastLinkFailure(id);
+      if (e.code() == LLM_LINK_FAILED && told.find(e.what()) != std::string::npos) {
+        const char *env = std::getenv("DATADIST_LINK_WARNINGS");
+        if (env == nullptr || std::string(env) != "0")
+          std::fprintf(stderr, "[datadist] warning: %s\n", InCppWords(told).c_str());
+      }
+      throw;
+    }
     // Linked as CANN does, but the caller named another cluster: said, not refused.
     if (filed != id) {
       const std::string f = std::to_string(filed), asked = std::to_string(id);
@@ -802,7 +813,7 @@ class LlmDataDist::LlmDataDistImpl {
   }
 
  public:
-  std::string LastLinkFailure(uint64_t id) { return engine_.LastLinkFailure(id); }
+  std::string LastLinkFailure(uint64_t id) { return InCppWords(engine_.LastLinkFailure(id)); }
 
   void PeerMetrics(uint64_t id, std::string &json, int32_t timeout_ms) {
     CheckUpLocked();

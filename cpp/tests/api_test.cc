@@ -455,6 +455,8 @@ TEST(Api, LastErrorMessageSaysWhyInTheCppApisWords) {
   EXPECT_TRUE(Has(why, "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO)")) << why;
   EXPECT_FALSE(Has(why, "LLMConfig")) << why;
   EXPECT_FALSE(Has(why, "listen_ip_info")) << why;
+  const std::string last = dd.LastLinkFailure(2).GetString();  // the same words there
+  EXPECT_TRUE(Has(last, "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO)")) << last;
   // the same text reached the log callback, as an error
   auto errors = log.Of(LogLevel::kError);
   ASSERT_FALSE(errors.empty());
@@ -462,8 +464,10 @@ TEST(Api, LastErrorMessageSaysWhyInTheCppApisWords) {
   // per thread: another thread's calls leave this one's message alone
   std::thread([&] {
     EXPECT_STREQ(GetLastErrorMessage(), "");
-    EXPECT_NE(dd.DeallocateCache(12345), LLM_SUCCESS);
-    EXPECT_TRUE(Has(GetLastErrorMessage(), "DeallocateCache failed (")) << GetLastErrorMessage();
+    std::vector<Status> none;
+    EXPECT_EQ(dd.LinkLlmClusters({}, none), LLM_PARAM_INVALID);
+    EXPECT_TRUE(Has(GetLastErrorMessage(), "LinkLlmClusters failed (LLM_PARAM_INVALID, 0x5010B005): "))
+        << GetLastErrorMessage();
   }).join();
   EXPECT_EQ(GetLastErrorMessage(), why);
 }
@@ -541,7 +545,9 @@ void ExpectLinkWithCommRes(const std::string &prompt_res, const std::string &dec
   std::vector<Status> rets;
   EXPECT_EQ(decoder.LinkLlmClusters({c}, rets), want);
   EXPECT_EQ(rets, std::vector<Status>{want});
-  if (why_part != nullptr) EXPECT_TRUE(Has(GetLastErrorMessage(), why_part)) << GetLastErrorMessage();
+  if (why_part != nullptr) {
+    EXPECT_TRUE(Has(GetLastErrorMessage(), why_part)) << GetLastErrorMessage();
+  }
 }
 
 TEST(Api, LocalCommResIsCheckedWhenLinkingAsCann) {
