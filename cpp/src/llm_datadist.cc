@@ -438,9 +438,11 @@ class LlmDataDist::LlmDataDistImpl {
         datadist::Log("serving NIXL asked for, but " + why);
     }
     engine_.Open(opts);
-    // Accepted as CANN does; checked when linking, as CANN parses it then (Engine::SetLocalCommRes).
+    // Accepted as CANN does; checked when linking, as CANN's default backend parses it then
+    // (Engine::SetLocalCommRes). HIXL reads another format there (its endpoint list, version
+    // "1.3": hixl's EndpointGenerator), which describes NICs datadist does not use.
     const char *comm_res = Find(options, OPTION_LOCAL_COMM_RES);
-    engine_.SetLocalCommRes(comm_res != nullptr, comm_res ? comm_res : "");
+    engine_.SetLocalCommRes(comm_res != nullptr && !hixl_, comm_res ? comm_res : "");
     listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
     state_ = kUp;

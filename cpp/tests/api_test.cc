@@ -564,6 +564,18 @@ TEST(Api, LocalCommResIsCheckedWhenLinkingAsCann) {
   // good ones link, 1.2 too, and so does an empty one (CANN generates one then)
   ExpectLinkWithCommRes(good_p, good_d, LLM_SUCCESS, nullptr);
   ExpectLinkWithCommRes(CommRes("0", "1.1.1.1", "1.2"), "", LLM_SUCCESS, nullptr);
+  // With llm.TransferBackend = "hixl" the value is HIXL's endpoint list (version "1.3", hixl's
+  // EndpointGenerator), not a rank table: not checked.
+  const uint16_t port = ddtest::FreePort();
+  LlmDataDist prompt(1, LlmRole::kPrompt);
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  LlmDataDist decoder(2, LlmRole::kDecoder);
+  auto d = ddtest::Options(ddtest::FreePort());
+  d[OPTION_TRANSFER_BACKEND] = "hixl";
+  d[OPTION_LOCAL_COMM_RES] = R"({"endpoint_list": [], "version": "1.3"})";
+  ASSERT_EQ(decoder.Initialize(d), LLM_SUCCESS);
+  std::vector<Status> rets;
+  EXPECT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(1, port)}, rets), LLM_SUCCESS) << GetLastErrorMessage();
 }
 
 }  // namespace

@@ -111,3 +111,24 @@ def test_a_linker_without_local_comm_res_does_not_ask(listener) -> None:
     ret, _, d = link(listener, None)
     d.finalize()
     assert ret == S.LLM_SUCCESS
+
+
+def test_the_hixl_backends_format_is_not_checked(listener) -> None:
+    # With llm.TransferBackend = "hixl" the original reads local_comm_res as HIXL's endpoint
+    # list (hixl src/hixl/engine/endpoint_generator/endpoint_generator.cc, version "1.3"),
+    # not through RankTableGeneratorFactory: such a value links.
+    hixl_res = json.dumps({"net_instance_id": "superpod1_1", "endpoint_list": [
+        {"protocol": "roce", "comm_id": "127.0.0.1", "placement": "host"}], "version": "1.3"})
+    cfg = llm.LLMConfig()
+    cfg.local_comm_res = hixl_res
+    cfg.transfer_backend = "hixl"
+    cfg.listen_ip_info = "127.0.0.1:0"
+    d = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
+    d.init(cfg.generate_options())
+    try:
+        info = llm.LLMClusterInfo()
+        info.remote_cluster_id = 1
+        info.append_remote_ip_info(*listener.listen_address)
+        assert d.link_clusters([info], 3000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+    finally:
+        d.finalize()

@@ -225,8 +225,11 @@ class LLMDataDist:
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
                 engine, self._engine_reason = engine_for(engine_cfg, opts)
-            # Accepted as the original does; checked when linking, as it parses it then.
-            engine.set_local_comm_res(opts.get(cfg.OPT_LOCAL_COMM_RES))
+            # Accepted as the original does; checked when linking, as its default backend
+            # parses it then. The HIXL backend reads another format (its endpoint list,
+            # version "1.3": hixl's EndpointGenerator), describing NICs datadist does not use.
+            engine.set_local_comm_res(
+                None if self._hixl_backend else opts.get(cfg.OPT_LOCAL_COMM_RES))
             self._engine = engine
             self._options = opts
             self._finalized = False
