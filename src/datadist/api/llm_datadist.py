@@ -417,9 +417,9 @@ class LLMDataDist:
                 link = engine.link(cluster_id, ip_text(ip), port, timeout / 1000.0,
                                    as_announced=not self._hixl_backend)
                 if link.cluster_id != cluster_id:
-                    mismatches.append(_mismatch_text(cluster_id, link.cluster_id, ip_text(ip),
-                                                     port))
-                    log.warning("%s", mismatches[-1])
+                    text = _mismatch_text(cluster_id, link.cluster_id, ip_text(ip), port)
+                    log.warning("%s", text)
+                    mismatches.append(text)  # links run in parallel: list.append is atomic
                 self._link_failures.succeeded(cluster_id)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
