@@ -268,8 +268,9 @@ class ASCEND_FUNC_VISIBILITY LlmDataDist {
 // stderr).
 
 /// Why the last LlmDataDist call on this thread failed: "<Method> failed (<code name>, <code
-/// in hex>): <reason>"; "" when it succeeded. Every LlmDataDist method clears it when it
-/// starts and fills it when it returns a code other than LLM_SUCCESS (LinkLlmClusters and
+/// in hex>): <reason>"; "" when it succeeded. Every LlmDataDist method that returns a Status
+/// (and Finalize) clears it when it starts and fills it when it returns a code other than
+/// LLM_SUCCESS (LinkLlmClusters and
 /// UnlinkLlmClusters name each cluster that failed, with its code). The pointer stays valid
 /// until this thread's next LlmDataDist call. Never blocks, never fails.
 ASCEND_FUNC_VISIBILITY const char *GetLastErrorMessage();
