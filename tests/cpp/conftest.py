@@ -57,7 +57,11 @@ def cpp_build(request: pytest.FixtureRequest) -> Path:
     _tell(request.config, f"building the C++ library and its tests in {build} (cmake, "
           f"-j{jobs}; the first build takes a minute or two, later ones only what changed) ...")
     for cmd in (configure, ["cmake", "--build", str(build), "-j", jobs]):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            _tell(request.config, f"C++ build stopped: not done within 900 s ({' '.join(cmd)})")
+            raise
         if done.returncode:
             _tell(request.config, f"C++ build failed after {time.monotonic() - started:.0f} s")
             pytest.fail(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
