@@ -290,6 +290,11 @@ PYBIND11_MODULE(_core, m) {
           "Starts the engine; with the three TLS files (PEM), every connection runs mutual TLS; "
           "nixl_serve (and nixl_whole_process): serve NIXL readers (core/engine.py's rules); "
           "nixl_read: links are forced to NIXL (LLM_PARAM_INVALID when it cannot be loaded).")
+      .def(
+          "set_local_comm_res",
+          [](Core &c, bool set, const std::string &text) { c.engine().SetLocalCommRes(set, text); },
+          py::arg("set"), py::arg("text"),
+          "After open: llm.LocalCommRes, checked when linking as CANN does (Engine::SetLocalCommRes).")
       .def("nixl_refusal", [](Core &c) { return c.engine().nixl_owner().Refusal(); },
            "Why this engine serves no NIXL reader (\"\": it does). Never blocks.")
       .def(

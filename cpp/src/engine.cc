@@ -2,8 +2,12 @@
 
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
 
 #include "addr.h"
 #include "auth.h"
@@ -12,6 +16,187 @@
 #include "metrics.h"
 
 namespace datadist {
+
+namespace {
+
+// A JSON reader (RFC 8259) for the few texts the engine looks into (llm.LocalCommRes, a peer's
+// STATS answer): checks the whole text and keeps the top-level object's string members.
+class JsonTop {
+ public:
+  /// Parses `text`; false (and `error` says where) when it is not one JSON value.
+  bool Parse(const std::string &text) {
+    s_ = &text;
+    i_ = 0;
+    Space();
+    if (!Value(0)) return false;
+    Space();
+    if (i_ != s_->size()) return Bad("text after the JSON value");
+    return true;
+  }
+  bool object = false;                          // the value is an object
+  std::map<std::string, std::string> strings;   // its members whose values are strings
+  std::map<std::string, bool> members;          // every member's name
+  std::string error;
+
+ private:
+  static constexpr int kMaxDepth = 256;
+  bool Bad(const std::string &what) {
+    error = what + " at byte " + std::to_string(i_);
+    return false;
+  }
+  bool More() const { return i_ < s_->size(); }
+  char At() const { return (*s_)[i_]; }
+  void Space() {
+    while (More() && (At() == ' ' || At() == '\t' || At() == '\n' || At() == '\r')) ++i_;
+  }
+  bool Lit(const char *word) {
+    const size_t n = std::strlen(word);
+    if (s_->compare(i_, n, word) != 0) return Bad("unexpected character");
+    i_ += n;
+    return true;
+  }
+  bool Digits() {
+    const size_t from = i_;
+    while (More() && std::isdigit(static_cast<unsigned char>(At()))) ++i_;
+    return i_ > from || Bad("a digit expected");
+  }
+  bool Number() {
+    if (At() == '-') ++i_;
+    if (More() && At() == '0') {
+      ++i_;
+    } else if (!Digits()) {
+      return false;
+    }
+    if (More() && At() == '.' && (++i_, !Digits())) return false;
+    if (More() && (At() == 'e' || At() == 'E')) {
+      ++i_;
+      if (More() && (At() == '+' || At() == '-')) ++i_;
+      if (!Digits()) return false;
+    }
+    return true;
+  }
+  bool String(std::string *out) {
+    ++i_;  // the opening quote
+    while (More()) {
+      const unsigned char c = static_cast<unsigned char>((*s_)[i_++]);
+      if (c == '"') return true;
+      if (c < 0x20) return Bad("a control character in a string");
+      if (c != '\\') {
+        if (out) out->push_back(static_cast<char>(c));
+        continue;
+      }
+      if (!More()) break;
+      const char e = (*s_)[i_++];
+      static const char kFrom[] = "\"\\/bfnrt", kTo[] = "\"\\/\b\f\n\r\t";
+      if (e == 'u') {
+        unsigned code = 0;
+        for (int k = 0; k < 4; ++k, ++i_) {
+          if (!More() || !std::isxdigit(static_cast<unsigned char>(At()))) return Bad("a bad \\u escape");
+          const char h = static_cast<char>(std::tolower(static_cast<unsigned char>(At())));
+          code = code * 16 + static_cast<unsigned>(h <= '9' ? h - '0' : h - 'a' + 10);
+        }
+        if (out) out->push_back(code < 0x80 ? static_cast<char>(code) : '?');  // only ASCII is compared
+      } else if (const char *p = e ? std::strchr(kFrom, e) : nullptr) {
+        if (out) out->push_back(kTo[p - kFrom]);
+      } else {
+        return Bad("a bad escape");
+      }
+    }
+    return Bad("an unterminated string");
+  }
+  bool Value(int depth) {
+    Space();
+    if (!More()) return Bad("a value expected");
+    if (depth > kMaxDepth) return Bad("nesting too deep");
+    const char c = At();
+    if (c == '"') return String(nullptr);
+    if (c == '{' || c == '[') {
+      if (depth == 0) object = c == '{';
+      const char close = c == '{' ? '}' : ']';
+      ++i_;
+      Space();
+      if (More() && At() == close) return ++i_, true;
+      for (;;) {
+        std::string name;
+        bool kept = false;  // a top-level string member, read into `strings`
+        if (c == '{') {
+          Space();
+          if (!More() || At() != '"') return Bad("a member name expected");
+          if (!String(&name)) return false;
+          Space();
+          if (!More() || (*s_)[i_++] != ':') return Bad("':' expected");
+          Space();
+          if (depth == 0) {
+            members[name] = true;
+            strings.erase(name);
+            if (More() && At() == '"') {
+              if (!String(&strings[name])) return false;
+              kept = true;
+            }
+          }
+        }
+        if (!kept && !Value(depth + 1)) return false;
+        Space();
+        if (!More()) return Bad("an unterminated " + std::string(c == '{' ? "object" : "array"));
+        if (At() == close) return ++i_, true;
+        if ((*s_)[i_++] != ',') return Bad("',' expected");
+      }
+    }
+    if (c == '-' || std::isdigit(static_cast<unsigned char>(c))) return Number();
+    if (c == 't') return Lit("true");
+    if (c == 'f') return Lit("false");
+    if (c == 'n') return Lit("null");
+    return Bad("unexpected character");
+  }
+  const std::string *s_ = nullptr;
+  size_t i_ = 0;
+};
+
+std::string JsonQuoted(const std::string &text) {
+  std::string out = "\"";
+  for (const char ch : text) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+// The string member `key` of the JSON object `json`; "" when absent, not a string, or the
+// text is no JSON object.
+std::string JsonStringField(const std::string &json, const std::string &key) {
+  JsonTop top;
+  if (!top.Parse(json) || !top.object) return {};
+  auto it = top.strings.find(key);
+  return it == top.strings.end() ? std::string() : it->second;
+}
+
+}  // namespace
+
+std::string CommResError(const std::string &text) {
+  constexpr size_t kMaxBytes = 64 * 1024;  // CANN's rank_table_json::kMaxCommResSizeInBytes
+  if (text.empty()) return {};
+  if (text.size() > kMaxBytes)
+    return "it is " + std::to_string(text.size()) + " bytes, over the limit of " + std::to_string(kMaxBytes) +
+           " bytes (64 KiB)";
+  JsonTop top;
+  if (!top.Parse(text)) return "it is not JSON (" + top.error + ")";
+  if (!top.object) return "it is not a JSON object";
+  if (!top.members.count("version")) return "it has no \"version\" (\"1.0\" or \"1.2\")";
+  auto it = top.strings.find("version");
+  if (it == top.strings.end()) return "its \"version\" is not a string (\"1.0\" or \"1.2\")";
+  if (it->second != "1.0" && it->second != "1.2")
+    return "its version \"" + it->second + "\" is not one CANN knows (\"1.0\" or \"1.2\")";
+  return {};
+}
 
 using llm_datadist::LLM_ALREADY_LINK;
 using llm_datadist::LLM_FAILED;
@@ -234,6 +419,14 @@ uint16_t Engine::port() const {
 
 uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, Deadline deadline, bool take_peer_id,
                          bool quiet) {
+  bool check_peer_comm_res = false;
+  {
+    std::lock_guard<std::mutex> lock(comm_res_mu_);
+    if (!comm_res_error_.empty())
+      Fail(llm_datadist::LLM_PARAM_INVALID, "our " + std::string(llm_datadist::OPTION_LOCAL_COMM_RES) +
+                                                " is not valid: " + comm_res_error_);
+    check_peer_comm_res = comm_res_set_;
+  }
   {
     std::unique_lock<std::mutex> lock(mu_);
     while (connecting_.count(id) && !links_.count(id))
@@ -261,6 +454,7 @@ uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, De
     Fail(LLM_LINK_FAILED, e.what());  // as Python: any failure to link is LLM_LINK_FAILED
   }
   try {
+    if (check_peer_comm_res) CheckPeerCommRes(*link, deadline);
     AdoptLink(link);
   } catch (const Error &) {
     link->Close(Deadline(), true);
@@ -303,7 +497,36 @@ std::string Engine::StatsFor(uint64_t peer, const std::string &token) {
   // The id is only a claim: while that cluster's link has a live reverse channel, its series
   // are the control channel's it belongs to (the token it echoed), not any connection's.
   const bool foreign = rev && !auth::Same(rev->link_token(), token) && !rev->Gone();
-  return metrics::StatsJson(ident_.cluster_id, ident_.role.load(), peer, !foreign);
+  std::string json = metrics::StatsJson(ident_.cluster_id, ident_.role.load(), peer, !foreign);
+  std::lock_guard<std::mutex> lock(comm_res_mu_);
+  if (!comm_res_error_.empty() && !json.empty() && json.back() == '}') {
+    json.pop_back();
+    json += ",\"comm_res_error\":" + JsonQuoted(comm_res_error_) + "}";
+  }
+  return json;
+}
+
+void Engine::SetLocalCommRes(bool set, const std::string &text) {
+  std::lock_guard<std::mutex> lock(comm_res_mu_);
+  comm_res_set_ = set;
+  comm_res_error_ = set ? CommResError(text) : std::string();
+}
+
+// The linker's half of CANN's rule (SetLocalCommRes): the peer's STATS answer names its own
+// llm.LocalCommRes's fault. A peer that answers STATS without the field, or not at all within
+// the deadline (an older datadist), is taken as valid: the link is not refused for that.
+void Engine::CheckPeerCommRes(Link &link, Deadline deadline) {
+  std::string json;
+  try {
+    json = link.Stats(deadline);
+  } catch (const Error &) {
+    return;
+  }
+  const std::string fault = JsonStringField(json, "comm_res_error");
+  if (!fault.empty())
+    Fail(llm_datadist::LLM_PARAM_INVALID, "the " + std::string(llm_datadist::OPTION_LOCAL_COMM_RES) + " of cluster " +
+                                              std::to_string(link.remote_cluster_id()) + " (the peer) is not valid: " +
+                                              fault);
 }
 
 std::string Engine::PeerStats(uint64_t cluster_id, Deadline deadline) { return GetLink(cluster_id)->Stats(deadline); }

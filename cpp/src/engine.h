@@ -42,6 +42,11 @@ struct EngineOptions {
   nixl::ServeOptions nixl;
 };
 
+/// Why `text`, an llm.LocalCommRes value, fails CANN's parse at link time
+/// (RankTableGeneratorFactory::Create: at most 64 KiB, JSON, a string "version" of "1.0" or
+/// "1.2"); "" when it passes. Empty text passes (CANN generates one). Never throws.
+std::string CommResError(const std::string &text);
+
 class Engine {
  public:
   /// s a reverse channel's last handshake frame may take
@@ -123,12 +128,23 @@ class Engine {
   /// Asks the linked peer `cluster_id` for its metrics (Link::Stats): the JSON it sent.
   /// LLM_NOT_YET_LINK, and Link::Stats's errors. Blocks up to the deadline.
   std::string PeerStats(uint64_t cluster_id, Deadline deadline);
+  /// After Open: this process's llm.LocalCommRes (Python: LLMConfig.local_comm_res), `set`
+  /// false when the option is absent. CANN accepts any text at Initialize and parses it when
+  /// it links (RankTableGeneratorFactory::Create): a text that is not JSON, or whose
+  /// "version" is not "1.0" / "1.2", fails the link on both ends with LLM_PARAM_INVALID.
+  /// Here, alike: a Connect of ours fails with it before dialing when our own text is bad;
+  /// when ours is set, a Connect asks the peer (STATS, within its deadline) and fails with
+  /// it when the peer's is bad; and our STATS answer carries "comm_res_error" when ours is
+  /// bad. An empty text is valid (CANN generates one then). Called by both faces' init.
+  void SetLocalCommRes(bool set, const std::string &text);
 
  private:
   std::unique_ptr<Server> MakeServer(const std::string &host, uint16_t port);
   void AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
                     const std::string &token, const std::string &peer);
   void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why, bool quiet);
+  /// LLM_PARAM_INVALID when `link`'s peer says its llm.LocalCommRes is not valid (SetLocalCommRes).
+  void CheckPeerCommRes(Link &link, Deadline deadline);
 
   /// What ident_.stats reaches the engine through: links hold a copy of that answer, and a
   /// link opened but never adopted (OpenLink) may outlive the engine; the destructor sets
@@ -158,6 +174,9 @@ class Engine {
   std::map<uint64_t, uint64_t> hellos_;
   std::mutex fail_mu_;  // guards link_failures_
   std::map<uint64_t, std::string> link_failures_;
+  std::mutex comm_res_mu_;  // guards the two below (SetLocalCommRes)
+  bool comm_res_set_ = false;      // llm.LocalCommRes given
+  std::string comm_res_error_;     // why it is not valid ("" when it is, or not given)
   std::mutex rev_mu_;  // guards the two below (its own: Listen stops the server under mu_)
   std::map<uint64_t, std::shared_ptr<Link>> reverse_links_;
   bool rev_closed_ = false;

@@ -44,19 +44,174 @@ constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's o
 
 using datadist::LogEnabled;
 
+// GetLastErrorMessage's text, per thread; SetLogCallback's callback, per process.
+thread_local std::string t_last_error;
+std::mutex g_log_mu;
+LogCallback g_log_callback = nullptr;
+void *g_log_user_data = nullptr;
+
+const char *CodeName(Status code) {
+  switch (code) {
+    case LLM_SUCCESS: return "LLM_SUCCESS";
+    case LLM_FAILED: return "LLM_FAILED";
+    case ge::LLM_WAIT_PROC_TIMEOUT: return "LLM_WAIT_PROC_TIMEOUT";
+    case ge::LLM_KV_CACHE_NOT_EXIST: return "LLM_KV_CACHE_NOT_EXIST";
+    case ge::LLM_REPEAT_REQUEST: return "LLM_REPEAT_REQUEST";
+    case ge::LLM_REQUEST_ALREADY_COMPLETED: return "LLM_REQUEST_ALREADY_COMPLETED";
+    case ge::LLM_PARAM_INVALID: return "LLM_PARAM_INVALID";
+    case ge::LLM_ENGINE_FINALIZED: return "LLM_ENGINE_FINALIZED";
+    case ge::LLM_NOT_YET_LINK: return "LLM_NOT_YET_LINK";
+    case ge::LLM_ALREADY_LINK: return "LLM_ALREADY_LINK";
+    case ge::LLM_LINK_FAILED: return "LLM_LINK_FAILED";
+    case ge::LLM_UNLINK_FAILED: return "LLM_UNLINK_FAILED";
+    case ge::LLM_NOTIFY_PROMPT_UNLINK_FAILED: return "LLM_NOTIFY_PROMPT_UNLINK_FAILED";
+    case ge::LLM_CLUSTER_NUM_EXCEED_LIMIT: return "LLM_CLUSTER_NUM_EXCEED_LIMIT";
+    case ge::LLM_PROCESSING_LINK: return "LLM_PROCESSING_LINK";
+    case ge::LLM_DEVICE_OUT_OF_MEMORY: return "LLM_DEVICE_OUT_OF_MEMORY";
+    case ge::LLM_PREFIX_ALREADY_EXIST: return "LLM_PREFIX_ALREADY_EXIST";
+    case ge::LLM_PREFIX_NOT_EXIST: return "LLM_PREFIX_NOT_EXIST";
+    case ge::LLM_SEQ_LEN_OVER_LIMIT: return "LLM_SEQ_LEN_OVER_LIMIT";
+    case ge::LLM_NO_FREE_BLOCK: return "LLM_NO_FREE_BLOCK";
+    case ge::LLM_BLOCKS_OUT_OF_MEMORY: return "LLM_BLOCKS_OUT_OF_MEMORY";
+    case ge::LLM_CACHE_INCOMPATIBLE: return "LLM_CACHE_INCOMPATIBLE";
+    case ge::LLM_CACHE_KEY_ALREADY_EXIST: return "LLM_CACHE_KEY_ALREADY_EXIST";
+    case ge::LLM_COPY_CACHE_FAILED: return "LLM_COPY_CACHE_FAILED";
+    case ge::LLM_CACHE_ID_ALREADY_EXIST: return "LLM_CACHE_ID_ALREADY_EXIST";
+    case ge::LLM_EXIST_LINK: return "LLM_EXIST_LINK";
+    case ge::LLM_FEATURE_NOT_ENABLED: return "LLM_FEATURE_NOT_ENABLED";
+    case ge::LLM_TIMEOUT: return "LLM_TIMEOUT";
+    case ge::LLM_LINK_BUSY: return "LLM_LINK_BUSY";
+    case ge::LLM_OUT_OF_MEMORY: return "LLM_OUT_OF_MEMORY";
+    case datadist::kSuspectRemoteError: return "LLM_SUSPECT_REMOTE_ERROR";
+    case datadist::kDeviceMemError: return "LLM_DEVICE_MEM_ERROR";
+    default: return "status";
+  }
+}
+
+// "1536" -> "1.5 KiB": the unit that keeps the number below 1024, one decimal.
+std::string HumanBytes(uint64_t n) {
+  static const char *const kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(n);
+  int unit = -1;
+  while (v >= 1024.0 && unit < 5) {
+    v /= 1024.0;
+    ++unit;
+  }
+  char buf[32];
+  if (v == static_cast<double>(static_cast<uint64_t>(v)))
+    std::snprintf(buf, sizeof buf, "%.0f %s", v, kUnits[unit < 0 ? 0 : unit]);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f %s", v, kUnits[unit < 0 ? 0 : unit]);
+  return buf;
+}
+
+// Every "<N> bytes" of 1024 or more in `text` gains its size in KiB / MiB / ... beside it
+// ("1048576 bytes (1 MiB)"), unless a parenthesis follows already.
+std::string WithReadableSizes(const std::string &text) {
+  static const std::string kBytes = " bytes";
+  std::string out;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (!std::isdigit(static_cast<unsigned char>(text[i])) || (i > 0 && std::isalnum(static_cast<unsigned char>(text[i - 1])))) {
+      out += text[i++];
+      continue;
+    }
+    size_t end = i;
+    while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
+    out.append(text, i, end - i);
+    const bool bytes = text.compare(end, kBytes.size(), kBytes) == 0 &&
+                       (end + kBytes.size() == text.size() || !std::isalnum(static_cast<unsigned char>(text[end + kBytes.size()])));
+    if (bytes && end - i <= 19) {
+      const uint64_t n = std::strtoull(text.c_str() + i, nullptr, 10);
+      const size_t after = end + kBytes.size();
+      out += kBytes;
+      if (n >= 1024 && text.compare(after, 2, " (") != 0) out += " (" + HumanBytes(n) + ")";
+      end = after;
+    }
+    i = end;
+  }
+  return out;
+}
+
+// The core writes a few hints in the Python API's words (its first face): the C++ caller
+// reads this header's names instead. Each pair: Python's phrase, the C++ API's.
+std::string InCppWords(std::string text) {
+  static const std::pair<const char *, const char *> kPhrases[] = {
+      {"LLMConfig.listen_ip_info = 'ip:port'",
+       "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO) = \"ip:port\" at Initialize"},
+      {"enable_remote_cache_accessible", "llm.EnableRemoteCacheAccessible"},
+  };
+  for (const auto &phrase : kPhrases) {
+    const std::string from = phrase.first;
+    for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + std::strlen(phrase.second)))
+      text.replace(at, from.size(), phrase.second);
+  }
+  return WithReadableSizes(text);
+}
+
+// To the log callback, if one is set (SetLogCallback). Never throws.
+void Tell(LogLevel level, const std::string &text) {
+  LogCallback callback;
+  void *user_data;
+  {
+    std::lock_guard<std::mutex> lock(g_log_mu);
+    callback = g_log_callback;
+    user_data = g_log_user_data;
+  }
+  if (callback != nullptr) callback(level, text.c_str(), user_data);
+}
+
+// A call of this API failed with `code` because of `why` (the core's words): the thread's
+// last error, the log callback, and stderr with DATADIST_CPP_LOG. Never throws.
+void Record(const char *func, Status code, const std::string &why) {
+  try {
+    char num[16];
+    std::snprintf(num, sizeof num, "0x%X", code);
+    t_last_error = std::string(func) + " failed (" + CodeName(code) + ", " + num + ")" +
+                   (why.empty() ? std::string() : ": " + InCppWords(why));
+    Tell(LogLevel::kError, t_last_error);
+    if (LogEnabled()) std::fprintf(stderr, "[datadist] %s\n", t_last_error.c_str());
+  } catch (const std::exception &) {  // out of memory: the code alone
+  }
+}
+
+// Runs `fn`, turning whatever it throws into a status and `why`.
 template <typename F>
-Status Guard(const char *func, F &&fn) {
+Status Run(F &&fn, std::string &why) {
   try {
     fn();
     return LLM_SUCCESS;
   } catch (const Error &e) {
-    if (LogEnabled()) std::fprintf(stderr, "[datadist] %s failed (%u): %s\n", func, e.code(), e.what());
+    why = e.what();
     return e.code();
   } catch (const std::bad_alloc &) {
+    why = "out of memory";
     return LLM_OUT_OF_MEMORY;
   } catch (const std::exception &e) {
-    if (LogEnabled()) std::fprintf(stderr, "[datadist] %s failed: %s\n", func, e.what());
+    why = e.what();
     return LLM_FAILED;
+  }
+}
+
+// Every entry point: clears the thread's last error, runs `fn`, and records a failure.
+template <typename F>
+Status Guard(const char *func, F &&fn) {
+  t_last_error.clear();
+  std::string why;
+  const Status s = Run(std::forward<F>(fn), why);
+  if (s != LLM_SUCCESS) Record(func, s, why);
+  return s;
+}
+
+// A call that succeeded has something to say (a link filed under another cluster id): the
+// log callback, and stderr unless DATADIST_LINK_WARNINGS=0 (as a link's failure). Never throws.
+void Warn(const std::string &text) {
+  try {
+    const std::string words = InCppWords(text);
+    Tell(LogLevel::kWarning, words);
+    const char *env = std::getenv("DATADIST_LINK_WARNINGS");
+    if (env == nullptr || std::string(env) != "0") std::fprintf(stderr, "[datadist] warning: %s\n", words.c_str());
+  } catch (const std::exception &) {
   }
 }
 
@@ -283,6 +438,11 @@ class LlmDataDist::LlmDataDistImpl {
         datadist::Log("serving NIXL asked for, but " + why);
     }
     engine_.Open(opts);
+    // Accepted as CANN does; checked when linking, as CANN's default backend parses it then
+    // (Engine::SetLocalCommRes). HIXL reads another format there (its endpoint list, version
+    // "1.3": hixl's EndpointGenerator), which describes NICs datadist does not use.
+    const char *comm_res = Find(options, OPTION_LOCAL_COMM_RES);
+    engine_.SetLocalCommRes(comm_res != nullptr && !hixl_, comm_res ? comm_res : "");
     listening_.clear();
     if (const char *v = Find(options, OPTION_LISTEN_IP_INFO)) StartListening(v);
     state_ = kUp;
@@ -317,23 +477,30 @@ class LlmDataDist::LlmDataDistImpl {
 
   // As CANN's LLMLinkManager::LinkClusters / UnlinkClusters: one code per cluster appended to
   // `rets` (what it held stays), and the last failure as the overall code.
-  Status Link(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms) {
+  /// The per-cluster codes go to `rets`; `why` says why each that failed did ("" if none).
+  Status Link(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms,
+              std::string &why) {
     CheckArgs(clusters, timeout_ms);
     // In parallel, each bounded by the timeout (as Python): one dead peer does not hold up the rest.
     std::vector<Status> codes(clusters.size(), LLM_SUCCESS);
+    std::vector<std::string> whys(clusters.size());
     std::vector<std::thread> threads;
     for (size_t i = 0; i < clusters.size(); ++i)
-      threads.emplace_back([&, i] { codes[i] = Guard("LinkLlmClusters", [&] { LinkOne(clusters[i], timeout_ms); }); });
+      threads.emplace_back([&, i] { codes[i] = Run([&] { LinkOne(clusters[i], timeout_ms); }, whys[i]); });
     for (auto &t : threads) t.join();
     rets.insert(rets.end(), codes.begin(), codes.end());
+    why = EachWhy(clusters, codes, whys);
     return Overall(codes);
   }
 
-  Status Unlink(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms, bool force) {
+  /// As Link.
+  Status Unlink(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms, bool force,
+                std::string &why) {
     CheckArgs(clusters, timeout_ms);
     std::vector<Status> codes(clusters.size(), LLM_SUCCESS);
+    std::vector<std::string> whys(clusters.size());
     for (size_t i = 0; i < clusters.size(); ++i) {
-      codes[i] = Guard("UnlinkLlmClusters", [&] {
+      codes[i] = Run([&] {
         const ClusterInfo &c = clusters[i];
         uint64_t id = c.remote_cluster_id;
         if (hixl_) return UnlinkHixl(id, timeout_ms);
@@ -371,10 +538,22 @@ class LlmDataDist::LlmDataDistImpl {
           engine_.Forget(id, link);
         }
         if (!untold.empty()) Fail(LLM_UNLINK_FAILED, untold);
-      });
+      }, whys[i]);
     }
     rets.insert(rets.end(), codes.begin(), codes.end());
+    why = EachWhy(clusters, codes, whys);
     return Overall(codes);
+  }
+
+  // "cluster 5 (LLM_LINK_FAILED): why; cluster 6 ...": each failed cluster's reason.
+  static std::string EachWhy(const std::vector<ClusterInfo> &clusters, const std::vector<Status> &codes,
+                             const std::vector<std::string> &whys) {
+    std::string out;
+    for (size_t i = 0; i < clusters.size(); ++i)
+      if (codes[i] != LLM_SUCCESS)
+        out += (out.empty() ? "" : "; ") + std::string("cluster ") + std::to_string(clusters[i].remote_cluster_id) +
+               " (" + CodeName(codes[i]) + "): " + whys[i];
+    return out;
   }
 
   // CANN's HixlTransferEngine::UnlinkCluster: the link of `id` is destroyed with no remote ip
@@ -559,7 +738,9 @@ class LlmDataDist::LlmDataDistImpl {
   enum State { kNew, kUp, kDown };
 
   void CheckUp() const {
-    if (state_ != kUp) Fail(LLM_FAILED, "not initialized: call Initialize first (again after Finalize)");
+    if (state_ == kDown)
+      Fail(LLM_FAILED, "this LlmDataDist was finalized (Finalize ran): call Initialize again, or use a new one");
+    if (state_ != kUp) Fail(LLM_FAILED, "not initialized: call Initialize first");
   }
   void CheckUpLocked() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -609,11 +790,32 @@ class LlmDataDist::LlmDataDistImpl {
     // (AddEntity(peer_exchange_info.cluster_id)), never comparing it with the one passed: a
     // caller that passed another id finds no link under it (LLM_NOT_YET_LINK). HIXL files it
     // under the id passed (here: it must match).
-    engine_.Connect(id, ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0), !hixl_);
+    uint64_t filed = 0;
+    try {
+      // quiet: the engine keeps the reason (LastLinkFailure); it is told here, in this API's words
+      filed = engine_.Connect(id, ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0), !hixl_, true);
+    } catch (const Error &e) {
+      const std::string told = engine_.LastLinkFailure(id);
+      if (e.code() == LLM_LINK_FAILED && told.find(e.what()) != std::string::npos) {
+        const char *env = std::getenv("DATADIST_LINK_WARNINGS");
+        if (env == nullptr || std::string(env) != "0")
+          std::fprintf(stderr, "[datadist] warning: %s\n", InCppWords(told).c_str());
+      }
+      throw;
+    }
+    // Linked as CANN does, but the caller named another cluster: said, not refused.
+    if (filed != id) {
+      const std::string f = std::to_string(filed), asked = std::to_string(id);
+      Warn("LinkLlmClusters: the listener at " + datadist::FormatHostPort(ip.ip.GetString(), ip.port) +
+           " answered as cluster " + f + ", not the remote_cluster_id " + asked +
+           " asked for; linked as CANN does, under cluster " + f + ": name " + f +
+           " in CacheIndex::cluster_id and UnlinkLlmClusters (transfers naming cluster " + asked +
+           " answer LLM_NOT_YET_LINK), or fix ClusterInfo::remote_cluster_id");
+    }
   }
 
  public:
-  std::string LastLinkFailure(uint64_t id) { return engine_.LastLinkFailure(id); }
+  std::string LastLinkFailure(uint64_t id) { return InCppWords(engine_.LastLinkFailure(id)); }
 
   void PeerMetrics(uint64_t id, std::string &json, int32_t timeout_ms) {
     CheckUpLocked();
@@ -680,8 +882,11 @@ Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendStr
 Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                                     int32_t timeout_in_millis) {
   Status overall = LLM_SUCCESS;
-  Status s = Guard("LinkLlmClusters", [&] { overall = impl_->Link(clusters, rets, timeout_in_millis); });
-  return s != LLM_SUCCESS ? s : overall;
+  std::string why;
+  Status s = Guard("LinkLlmClusters", [&] { overall = impl_->Link(clusters, rets, timeout_in_millis, why); });
+  if (s != LLM_SUCCESS) return s;
+  if (overall != LLM_SUCCESS) Record("LinkLlmClusters", overall, why);
+  return overall;
 }
 
 AscendString LlmDataDist::LastLinkFailure(uint64_t remote_cluster_id) const {
@@ -716,6 +921,14 @@ Status LlmDataDist::GetMetrics(std::vector<TransferMetrics> &metrics) const {
 
 void LlmDataDist::ResetMetrics() { datadist::metrics::Reset(); }
 
+const char *GetLastErrorMessage() { return t_last_error.c_str(); }
+
+void SetLogCallback(LogCallback callback, void *user_data) {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  g_log_callback = callback;
+  g_log_user_data = user_data;
+}
+
 Status LlmDataDist::GetPeerMetrics(uint64_t remote_cluster_id, std::string &json, int32_t timeout_in_millis) {
   return Guard("GetPeerMetrics", [&] { impl_->PeerMetrics(remote_cluster_id, json, timeout_in_millis); });
 }
@@ -723,8 +936,12 @@ Status LlmDataDist::GetPeerMetrics(uint64_t remote_cluster_id, std::string &json
 Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                                       int32_t timeout_in_millis, bool force_flag) {
   Status overall = LLM_SUCCESS;
-  Status s = Guard("UnlinkLlmClusters", [&] { overall = impl_->Unlink(clusters, rets, timeout_in_millis, force_flag); });
-  return s != LLM_SUCCESS ? s : overall;
+  std::string why;
+  Status s = Guard("UnlinkLlmClusters",
+                   [&] { overall = impl_->Unlink(clusters, rets, timeout_in_millis, force_flag, why); });
+  if (s != LLM_SUCCESS) return s;
+  if (overall != LLM_SUCCESS) Record("UnlinkLlmClusters", overall, why);
+  return overall;
 }
 
 Status LlmDataDist::AllocateCache(const CacheDesc &cache_desc, Cache &cache) {

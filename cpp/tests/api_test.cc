@@ -3,6 +3,11 @@
 
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "test_util.h"
 
@@ -407,6 +412,170 @@ TEST(Api, HixlGlobalResourceConfigMustBeAJsonObject) {
   auto o = ddtest::Options();
   o[OPTION_GLOBAL_RESOURCE_CONFIG] = "not json";
   EXPECT_EQ(plain.Initialize(o), LLM_SUCCESS);
+}
+
+// ---- issue 38: what a C++ caller is told (items 1, 4, 15) ----
+
+// Collects what SetLogCallback delivers, for one test; unset again when it ends.
+struct LogCapture {
+  LogCapture() { SetLogCallback(&LogCapture::On, this); }
+  ~LogCapture() { SetLogCallback(nullptr); }
+  static void On(LogLevel level, const char *message, void *self) {
+    auto *c = static_cast<LogCapture *>(self);
+    std::lock_guard<std::mutex> lock(c->mu);
+    c->lines.emplace_back(level, message);
+  }
+  std::vector<std::pair<LogLevel, std::string>> Of(LogLevel level) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<std::pair<LogLevel, std::string>> out;
+    for (const auto &l : lines)
+      if (l.first == level) out.push_back(l);
+    return out;
+  }
+  std::mutex mu;
+  std::vector<std::pair<LogLevel, std::string>> lines;
+};
+
+bool Has(const std::string &text, const std::string &part) { return text.find(part) != std::string::npos; }
+
+TEST(Api, LastErrorMessageSaysWhyInTheCppApisWords) {
+  LogCapture log;
+  LlmDataDist dd(1, LlmRole::kDecoder);
+  std::vector<Status> rets;
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, 1)}, rets), LLM_FAILED);
+  std::string why = GetLastErrorMessage();
+  EXPECT_TRUE(Has(why, "LinkLlmClusters failed (LLM_FAILED, 0xFFFFFFFF): not initialized")) << why;
+  ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
+  EXPECT_STREQ(GetLastErrorMessage(), "");  // a success clears it
+  // nobody listens there: the core's hint names the C++ option, not LLMConfig.listen_ip_info
+  const uint16_t dead = ddtest::FreePort();
+  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, dead)}, rets, 500), LLM_LINK_FAILED);
+  why = GetLastErrorMessage();
+  EXPECT_TRUE(Has(why, "LinkLlmClusters failed (LLM_LINK_FAILED, 0x5010B009): cluster 2 (LLM_LINK_FAILED): ")) << why;
+  EXPECT_TRUE(Has(why, "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO)")) << why;
+  EXPECT_FALSE(Has(why, "LLMConfig")) << why;
+  EXPECT_FALSE(Has(why, "listen_ip_info")) << why;
+  const std::string last = dd.LastLinkFailure(2).GetString();  // the same words there
+  EXPECT_TRUE(Has(last, "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO)")) << last;
+  // the same text reached the log callback, as an error
+  auto errors = log.Of(LogLevel::kError);
+  ASSERT_FALSE(errors.empty());
+  EXPECT_EQ(errors.back().second, why);
+  // per thread: another thread's calls leave this one's message alone
+  std::thread([&] {
+    EXPECT_STREQ(GetLastErrorMessage(), "");
+    std::vector<Status> none;
+    EXPECT_EQ(dd.LinkLlmClusters({}, none), LLM_PARAM_INVALID);
+    EXPECT_TRUE(Has(GetLastErrorMessage(), "LinkLlmClusters failed (LLM_PARAM_INVALID, 0x5010B005): "))
+        << GetLastErrorMessage();
+  }).join();
+  EXPECT_EQ(GetLastErrorMessage(), why);
+}
+
+TEST(Api, SizesInMessagesAreReadable) {
+  // A pull larger than the slot: the byte count, and KiB beside it.
+  const uint16_t port = ddtest::FreePort();
+  LlmDataDist prompt(10, LlmRole::kPrompt);
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  HostCache remote(1, {4, 2048});
+  ASSERT_EQ(remote.Register(prompt), LLM_SUCCESS);
+  LlmDataDist dd(20, LlmRole::kDecoder);
+  ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
+  std::vector<Status> rets;
+  ASSERT_EQ(dd.LinkLlmClusters({ddtest::Cluster(10, port)}, rets), LLM_SUCCESS);
+  HostCache local(1, {4, 2048});
+  ASSERT_EQ(local.Register(dd), LLM_SUCCESS);
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(10, remote.cache.cache_id), local.cache, 0, 4096), LLM_PARAM_INVALID);
+  const std::string why = GetLastErrorMessage();
+  EXPECT_TRUE(Has(why, "PullKvCache failed (LLM_PARAM_INVALID, 0x5010B005): ")) << why;
+  EXPECT_TRUE(Has(why, "2048 bytes (2 KiB)")) << why;
+}
+
+// CANN's LinkMsgHandler files a link under the cluster id the peer answers and never compares
+// it with remote_cluster_id (hicann/hixl src/llm_datadist/link_mgr/link_msg_handler.cc,
+// ExchangeInfoProcess): the link succeeds; datadist says so, naming both ids.
+TEST(Api, AWrongClusterIdLinksWithAWarningNamingBothIds) {
+  LogCapture log;
+  const uint16_t port = ddtest::FreePort();
+  LlmDataDist prompt(10, LlmRole::kPrompt);
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  HostCache remote(1, {4, 8});
+  ASSERT_EQ(remote.Register(prompt), LLM_SUCCESS);
+  LlmDataDist dd(20, LlmRole::kDecoder);
+  ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
+  std::vector<Status> rets;
+  ASSERT_EQ(dd.LinkLlmClusters({ddtest::Cluster(99, port)}, rets), LLM_SUCCESS);
+  EXPECT_EQ(rets, std::vector<Status>{LLM_SUCCESS});
+  auto warnings = log.Of(LogLevel::kWarning);
+  ASSERT_EQ(warnings.size(), 1U);
+  EXPECT_TRUE(Has(warnings[0].second, "answered as cluster 10, not the remote_cluster_id 99")) << warnings[0].second;
+  HostCache local(1, {4, 8});
+  ASSERT_EQ(local.Register(dd), LLM_SUCCESS);
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(99, remote.cache.cache_id), local.cache), LLM_NOT_YET_LINK);
+  EXPECT_EQ(dd.PullKvCache(ddtest::Index(10, remote.cache.cache_id), local.cache), LLM_SUCCESS);
+  // the right id: no warning
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(10, port)}, rets), LLM_SUCCESS);
+  ASSERT_EQ(dd.LinkLlmClusters({ddtest::Cluster(10, port)}, rets), LLM_SUCCESS);
+  EXPECT_EQ(log.Of(LogLevel::kWarning).size(), 1U);
+}
+
+// hicann/hixl tests/cpp/llm_datadist/llm_datadist_v2_api_unittest.cc, TestLocalCommResInvalidJson
+// and TestLocalCommResInvalidVersion: Initialize accepts a bad llm.LocalCommRes; linking fails
+// (RankTableGeneratorFactory::Create, LLM_PARAM_INVALID on both ends), whichever end has it.
+std::string CommRes(const char *device_id, const char *device_ip, const char *version, bool broken = false) {
+  return std::string(R"({"server_count": "1", "server_list": [{"device": [{"device_id": ")") + device_id +
+         (broken ? "\",xxxxxxxxxxxxxxx" : "\",") + R"( "device_ip": ")" + device_ip +
+         R"("}], "server_id": "127.0.0.1"}], "status": "completed", "version": ")" + version + "\"}";
+}
+
+void ExpectLinkWithCommRes(const std::string &prompt_res, const std::string &decoder_res, Status want,
+                           const char *why_part) {
+  const uint16_t port = ddtest::FreePort();
+  LlmDataDist prompt(1, LlmRole::kPrompt);
+  auto po = ddtest::Options(port);
+  po[OPTION_LOCAL_COMM_RES] = prompt_res.c_str();
+  ASSERT_EQ(prompt.Initialize(po), LLM_SUCCESS);  // accepted, as CANN
+  LlmDataDist decoder(2, LlmRole::kDecoder);
+  auto d = ddtest::Options();
+  d[OPTION_DEVICE_ID] = "1";
+  d[OPTION_LOCAL_COMM_RES] = decoder_res.c_str();
+  ASSERT_EQ(decoder.Initialize(d), LLM_SUCCESS);
+  ClusterInfo c = ddtest::Cluster(0, port);  // as the original's test: remote_cluster_id left 0
+  c.local_ip_infos = c.remote_ip_infos;
+  std::vector<Status> rets;
+  EXPECT_EQ(decoder.LinkLlmClusters({c}, rets), want);
+  EXPECT_EQ(rets, std::vector<Status>{want});
+  if (why_part != nullptr) {
+    EXPECT_TRUE(Has(GetLastErrorMessage(), why_part)) << GetLastErrorMessage();
+  }
+}
+
+TEST(Api, LocalCommResIsCheckedWhenLinkingAsCann) {
+  const std::string good_p = CommRes("0", "1.1.1.1", "1.0"), good_d = CommRes("1", "1.1.1.2", "1.0");
+  // the original's two tests: the PROMPT's text is bad, the DECODER's good
+  ExpectLinkWithCommRes(CommRes("0", "1.1.1.1", "1.0", true), good_d, LLM_PARAM_INVALID,
+                        "the llm.LocalCommRes of cluster 1 (the peer) is not valid: it is not JSON");
+  ExpectLinkWithCommRes(CommRes("0", "1.1.1.1", "1.9"), good_d, LLM_PARAM_INVALID,
+                        "its version \"1.9\" is not one CANN knows");
+  // the linker's own text is bad
+  ExpectLinkWithCommRes(good_p, CommRes("1", "1.1.1.2", "2.0"), LLM_PARAM_INVALID,
+                        "our llm.LocalCommRes is not valid: its version \"2.0\"");
+  ExpectLinkWithCommRes(good_p, "{\"server_count\": \"1\"}", LLM_PARAM_INVALID, "it has no \"version\"");
+  // good ones link, 1.2 too, and so does an empty one (CANN generates one then)
+  ExpectLinkWithCommRes(good_p, good_d, LLM_SUCCESS, nullptr);
+  ExpectLinkWithCommRes(CommRes("0", "1.1.1.1", "1.2"), "", LLM_SUCCESS, nullptr);
+  // With llm.TransferBackend = "hixl" the value is HIXL's endpoint list (version "1.3", hixl's
+  // EndpointGenerator), not a rank table: not checked.
+  const uint16_t port = ddtest::FreePort();
+  LlmDataDist prompt(1, LlmRole::kPrompt);
+  ASSERT_EQ(prompt.Initialize(ddtest::Options(port)), LLM_SUCCESS);
+  LlmDataDist decoder(2, LlmRole::kDecoder);
+  auto d = ddtest::Options(ddtest::FreePort());
+  d[OPTION_TRANSFER_BACKEND] = "hixl";
+  d[OPTION_LOCAL_COMM_RES] = R"({"endpoint_list": [], "version": "1.3"})";
+  ASSERT_EQ(decoder.Initialize(d), LLM_SUCCESS);
+  std::vector<Status> rets;
+  EXPECT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(1, port)}, rets), LLM_SUCCESS) << GetLastErrorMessage();
 }
 
 }  // namespace

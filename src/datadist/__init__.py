@@ -16,7 +16,12 @@ from datadist.api.config import LLMClusterInfo, LLMConfig, LlmConfig
 from datadist.api.enums import DataType, LLMRole, Memtype, Placement, RegisterMemStatus
 from datadist.api.llm_datadist import LLMDataDist
 from datadist.api.metrics import metrics, metrics_collector, reset_metrics
-from datadist.api.notices import DatadistWarning, LinkFailedWarning, NotListeningWarning
+from datadist.api.notices import (
+    ClusterIdMismatchWarning,
+    DatadistWarning,
+    LinkFailedWarning,
+    NotListeningWarning,
+)
 from datadist.api.status import LLMException, LLMStatusCode, Status
 from datadist.api.tasks import CacheTask
 from datadist.api.transfer_handle import TransferHandle as TransferHandle  # explicit re-export
@@ -70,7 +75,7 @@ _: object = CacheManager  # re-exported for type hints; not in llm_datadist's __
 # metrics_collector() (Prometheus), the warnings of api/notices.py, the TransferHandle that
 # CacheManager's *_async transfers return
 _ = (metrics, metrics_collector, reset_metrics, DatadistWarning, LinkFailedWarning,
-     NotListeningWarning, TransferHandle)
+     NotListeningWarning, ClusterIdMismatchWarning, TransferHandle)
 
 # Every logger of the library hangs under "datadist"; the application decides where they go.
 logging.getLogger("datadist").addHandler(logging.NullHandler())

@@ -211,9 +211,13 @@ class TestNotInitialized:
 
     @pytest.mark.parametrize("call", sorted(CALLS))
     def test_after_finalize(self, make_datadist, call):
+        # Issue 38 item 7: says "finalized" and what to do, LLM_ENGINE_FINALIZED; still a
+        # RuntimeError as the original's (tests/unit/test_facade_notices.py).
         dd = make_datadist()
         dd.finalize()
-        with not_initialized():
+        with pytest.raises(RuntimeError, match="^llm datadist was finalized .*init",
+                           check=lambda e: getattr(e, "status_code", None)
+                           is LLMStatusCode.LLM_ENGINE_FINALIZED):
             self.CALLS[call](dd)
 
     def test_finalize_without_init_is_a_noop(self):
@@ -388,7 +392,7 @@ class TestLinkClusters:
 
     @pytest.mark.timeout(30)
     def test_local_ip_info_not_required_with_local_comm_res(self, make_datadist, peer):
-        dd = make_datadist({"llm.LocalCommRes": '{"version": "1.3"}'})
+        dd = make_datadist({"llm.LocalCommRes": '{"version": "1.2"}'})
         c = cluster(PEER, peer.listen_address[1], local_ip=False)
         assert dd.link_clusters([c], 5000) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
 

@@ -35,7 +35,7 @@ constexpr const char OPTION_DEVICE_ID[] = "llm.DeviceId";                   // a
 constexpr const char OPTION_SYNC_CACHE_WAIT_TIME[] = "llm.SyncKvCacheWaitTime";  // ms, default 1000
 constexpr const char OPTION_BUF_POOL_CFG[] = "llm.BufPoolCfg";             // accepted, unused
 constexpr const char OPTION_ENABLE_SET_ROLE[] = "llm.EnableSwitchRole";    // accepted
-constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";         // accepted, unused
+constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";  // checked when linking, as CANN (docs/cpp.md)
 constexpr const char OPTION_TRANSFER_BACKEND[] = "llm.TransferBackend";    // "hixl" accepted
 constexpr const char OPTION_GLOBAL_RESOURCE_CONFIG[] = "llm.GlobalResourceConfig";  // accepted
 // datadist extras (not CANN's; the Python API's option keys too, docs/cpp.md).
@@ -260,6 +260,32 @@ class ASCEND_FUNC_VISIBILITY LlmDataDist {
   class LlmDataDistImpl;
   std::unique_ptr<LlmDataDistImpl> impl_;
 };
+
+// datadist extensions (not in CANN's header; docs/cpp.md, "Why a call failed"): the reason
+// behind a returned Status, in this header's words (option keys such as llm.ListenIpInfo /
+// OPTION_LISTEN_IP_INFO, never the Python API's names), sizes in bytes with KiB / MiB / GiB
+// beside them. Without them a caller sees the code alone (or sets DATADIST_CPP_LOG=1 for
+// stderr).
+
+/// Why the last LlmDataDist call on this thread failed: "<Method> failed (<code name>, <code
+/// in hex>): <reason>"; "" when it succeeded. Every LlmDataDist method that returns a Status
+/// (and Finalize) clears it when it starts and fills it when it returns a code other than
+/// LLM_SUCCESS (LinkLlmClusters and
+/// UnlinkLlmClusters name each cluster that failed, with its code). The pointer stays valid
+/// until this thread's next LlmDataDist call. Never blocks, never fails.
+ASCEND_FUNC_VISIBILITY const char *GetLastErrorMessage();
+
+/// How serious a message given to the log callback is.
+enum class LogLevel : int32_t { kInfo = 0, kWarning = 1, kError = 2 };
+/// Receives datadist's messages for the application's own log: kError, every failed call's
+/// text (as GetLastErrorMessage); kWarning, what a call that succeeded has to say (a link
+/// filed under another cluster id than the one asked for). Called on the thread that has the
+/// message (LinkLlmClusters' links run on threads of their own), possibly on several at once;
+/// `message` is valid during the call only. It must not call LlmDataDist methods.
+using LogCallback = void (*)(LogLevel level, const char *message, void *user_data);
+/// Sets the process's log callback (nullptr: none, the default) and the pointer passed back
+/// to it. Thread-safe; a message being delivered may still reach the previous callback.
+ASCEND_FUNC_VISIBILITY void SetLogCallback(LogCallback callback, void *user_data = nullptr);
 }  // namespace llm_datadist
 
 #endif  // DATADIST_LLM_DATADIST_LLM_DATADIST_H_

@@ -190,12 +190,16 @@ class LLMConfig:
 
     @device_id.setter
     def device_id(self, value: int | list[int] | tuple[int, ...]) -> None:
-        check_isinstance("device_id", value, (int, list, tuple), allow_none=False)
+        # The original's setter (llm_datadist/configs.py) checks with plain isinstance, so a
+        # bool is an int there: True is accepted and the options carry "True" (str(True)).
+        if not isinstance(value, bool):
+            check_isinstance("device_id", value, (int, list, tuple), allow_none=False)
         ids = list(value) if isinstance(value, (list, tuple)) else [value]
         if not ids:
             raise _param_invalid("device_id list must not be empty")
         for i in ids:
-            check_int("device_id", i, "int32", allow_none=False)
+            if not isinstance(i, bool):
+                check_int("device_id", i, "int32", allow_none=False)
             if i < 0:
                 raise _param_invalid(f"device_id should be greater than or equal to zero. "
                                      f"(got {i})")

@@ -37,16 +37,18 @@ class LinkFailures:
         self._last: dict[int, str] = {}
 
     def report(self, cluster_id: int, host: str, port: int, code_name: str,
-               reason: str) -> None:
+               reason: str) -> str:
         """A link to ``cluster_id`` at ``host:port`` failed with ``code_name``: remember
-        ``reason``, log it, and warn (stderr by default)."""
+        ``reason`` and log it; returns the text for :func:`warn_caller`. Called from the
+        facade's link workers (threads), which is why it does not warn itself: a warning
+        raised there would name the worker's frame, not the application's line."""
         where = format_host_port(host, port)  # [v6]:port, as datadist probe takes it
         text = (f"link to cluster {cluster_id} at {where} failed ({code_name}): "
                 f"{reason} [for more: datadist probe {where} --cluster-id {cluster_id}]")
         with self._lock:
             self._last[cluster_id] = text
         log.warning("%s", text)
-        warnings.warn(text, LinkFailedWarning, stacklevel=2)
+        return text
 
     def succeeded(self, cluster_id: int) -> None:
         """A link to ``cluster_id`` was made: its old failure no longer applies."""
@@ -59,4 +61,14 @@ class LinkFailures:
             return self._last.get(cluster_id)
 
 
-__all__ = ["LinkFailedWarning", "LinkFailures"]
+def warn_caller(texts: list[str], category: type[Warning], stacklevel: int) -> None:
+    """Warn once per text, attributed ``stacklevel`` frames up from the caller of this
+    function (2: the caller's caller). Who calls: ``LLMDataDist.link_clusters``, in the
+    application's thread after its link workers finished, with the stacklevel that names
+    the application's call of ``link_clusters`` (Python's ``warnings`` shows that file and
+    line, and filters by it). Never blocks."""
+    for text in texts:
+        warnings.warn(text, category, stacklevel=stacklevel + 1)
+
+
+__all__ = ["LinkFailedWarning", "LinkFailures", "warn_caller"]

@@ -23,14 +23,15 @@ from datadist.api.cache_manager import CacheManager
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.config import LLMClusterInfo, ip_text
 from datadist.api.enums import LLMRole, RegisterMemStatus
-from datadist.api.link_failures import LinkFailures
+from datadist.api.link_failures import LinkFailures, warn_caller
+from datadist.api.notices import ClusterIdMismatchWarning, LinkFailedWarning
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.config import EngineConfig, TlsConfig
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.core.native import NativeEngine, engine_for
 from datadist.memory.pool import PoolConfig
-from datadist.transport.address import parse_host_port
+from datadist.transport.address import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,15 @@ DEFAULT_LINK_TOTAL_TIME_S = 120  # HCCL_CONNECT_TIMEOUT's default
 
 def _param_invalid(msg: str) -> LLMException:
     return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def _mismatch_text(asked: int, answered: int, host: str, port: int) -> str:
+    """The ClusterIdMismatchWarning's text: both ids, and what to use."""
+    where = format_host_port(host, port)
+    return (f"link_clusters: the listener at {where} answered as cluster {answered}, not "
+            f"the remote_cluster_id {asked} asked for; linked as the original does, under "
+            f"cluster {answered}: name {answered} in cache keys and unlink_clusters (transfers "
+            f"from cluster {asked} answer LLM_NOT_YET_LINK), or fix remote_cluster_id")
 
 
 def _not_in_mode(what: str, cache_manager_mode: bool) -> LLMException:
@@ -142,6 +152,8 @@ class LLMDataDist:
         self._options: dict[str, str] = {}
         self._comms: CommManager | None = None  # two-sided links (link / unlink)
         self._link_failures = LinkFailures()  # why link_clusters failed, per cluster
+        self._finalized = False  # finalize() ran and no init() since
+        self._mode_selector = ""  # what selected cache-manager mode (set by init)
 
     def __repr__(self) -> str:
         state = "initialized" if self._engine is not None else "not initialized"
@@ -181,8 +193,20 @@ class LLMDataDist:
         return self._engine
 
     def _check_init(self) -> None:
-        if self._engine is None:
-            raise RuntimeError("llm datadist is not initialized")
+        """Every call but init / finalize: refused on an instance that is not running.
+        Never initialized: RuntimeError, the original's text (v2/llm_datadist.py
+        ``_check_is_inited``). After ``finalize()``: LLMException LLM_ENGINE_FINALIZED (a
+        RuntimeError too, so code written for the original still catches it; the code is
+        the one llm_datadist's status.py names for this state, and the one this package's
+        CacheManager raises after finalize), saying what to do."""
+        if self._engine is not None:
+            return
+        if self._finalized:
+            raise LLMException(
+                "llm datadist was finalized (finalize() ran, or the process is exiting): "
+                "call init(options) on it again, or create and init a new LLMDataDist",
+                status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+        raise RuntimeError("llm datadist is not initialized")
 
     # ------------------------------------------------------------------ init / finalize
 
@@ -201,8 +225,14 @@ class LLMDataDist:
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
                 engine, self._engine_reason = engine_for(engine_cfg, opts)
+            # Accepted as the original does; checked when linking, as its default backend
+            # parses it then. The HIXL backend reads another format (its endpoint list,
+            # version "1.3": hixl's EndpointGenerator), describing NICs datadist does not use.
+            engine.set_local_comm_res(
+                None if self._hixl_backend else opts.get(cfg.OPT_LOCAL_COMM_RES))
             self._engine = engine
             self._options = opts
+            self._finalized = False
             if self._cache_manager_mode:
                 self._cache_manager = CacheManager(
                     engine,
@@ -227,6 +257,12 @@ class LLMDataDist:
         """llm_datadist's mode selection, on a copy of the options."""
         opts = {str(k): str(v) for k, v in options.items()}
         opts["llm.Role"] = self._role_to_str(self._role)
+        # What selected cache-manager mode, in the caller's words (for refusals that name it).
+        self._mode_selector = (
+            f"{cfg.OPT_ENABLE_CACHE_MANAGER} = 1 (LLMConfig.enable_cache_manager)"
+            if opts.get(cfg.OPT_ENABLE_CACHE_MANAGER) == "1" else
+            f"{cfg.OPT_LOCAL_COMM_RES} (LLMConfig.local_comm_res) is set, which turns on "
+            f"{cfg.OPT_ENABLE_CACHE_MANAGER}")
         if cfg.OPT_LOCAL_COMM_RES in opts:
             opts.setdefault(cfg.OPT_ENABLE_CACHE_MANAGER, "1")
             opts.setdefault(cfg.OPT_REMOTE_CACHE_ACCESSIBLE, "1")
@@ -312,6 +348,7 @@ class LLMDataDist:
             engine, self._engine = self._engine, None
             if engine is None:
                 return
+            self._finalized = True
             if self._cache_manager is not None:
                 self._cache_manager._invalidate()
             if self._kv_cache_manager is not None:
@@ -348,7 +385,9 @@ class LLMDataDist:
         parallel, each bounded by ``timeout`` ms.
         As the original, a link is known by the cluster id its listener announces, whatever
         ``remote_cluster_id`` said (with the HIXL backend the two must match here);
-        transfers and unlinks name that id.
+        transfers and unlinks name that id. When the two differ the link still succeeds (as
+        LLM-DataDist, which never compares them), with a :class:`ClusterIdMismatchWarning`
+        naming both ids.
         """
         self._check_init()
         clusters = self._check_clusters(clusters, timeout)
@@ -364,6 +403,8 @@ class LLMDataDist:
             if not c.remote_ip_info_list:
                 raise _param_invalid(f"cluster {c.remote_cluster_id} has no remote ip info")
         engine = self.engine
+        failures: list[str] = []  # texts to warn about, in the application's thread
+        mismatches: list[str] = []
 
         def one(c: LLMClusterInfo) -> LLMStatusCode:
             ip, port = c.remote_ip_info_list[0]
@@ -376,19 +417,29 @@ class LLMDataDist:
                 link = engine.link(cluster_id, ip_text(ip), port, timeout / 1000.0,
                                    as_announced=not self._hixl_backend)
                 if link.cluster_id != cluster_id:
-                    log.info("link_clusters: the listener of cluster %d announced cluster %d: "
-                             "the link is filed under %d", cluster_id, link.cluster_id,
-                             link.cluster_id)
+                    text = _mismatch_text(cluster_id, link.cluster_id, ip_text(ip), port)
+                    log.warning("%s", text)
+                    mismatches.append(text)  # links run in parallel: list.append is atomic
                 self._link_failures.succeeded(cluster_id)
                 return LLMStatusCode.LLM_SUCCESS
             except AlreadyLinked:
                 return LLMStatusCode.LLM_ALREADY_LINK
+            except InvalidArgument as e:
+                # local_comm_res (ours or the peer's) is not what the original can parse:
+                # its RankTableGeneratorFactory fails the link with LLM_PARAM_INVALID.
+                failures.append(self._link_failures.report(
+                    cluster_id, ip_text(ip), port, LLMStatusCode.LLM_PARAM_INVALID.name, str(e)))
+                return LLMStatusCode.LLM_PARAM_INVALID
             except DatadistError as e:
-                self._link_failures.report(cluster_id, ip_text(ip), port,
-                                           LLMStatusCode.LLM_LINK_FAILED.name, str(e))
+                failures.append(self._link_failures.report(
+                    cluster_id, ip_text(ip), port, LLMStatusCode.LLM_LINK_FAILED.name, str(e)))
                 return LLMStatusCode.LLM_LINK_FAILED
 
         codes = self._each(one, clusters)
+        # Here, not in the workers: the warnings name the application's call (stacklevel 2
+        # from this method).
+        warn_caller(failures, LinkFailedWarning, stacklevel=2)
+        warn_caller(mismatches, ClusterIdMismatchWarning, stacklevel=2)
         return self._overall(codes), codes
 
     def last_link_failure(self, remote_cluster_id: int) -> str | None:
@@ -514,7 +565,15 @@ class LLMDataDist:
         """v1 mode: raise if the link to ``remote_cluster_id`` is not usable."""
         self._check_init()
         if self._cache_manager_mode:  # the mode first, as v2/llm_datadist.py
-            raise _not_in_mode("check_link_status", True)
+            # The original's text, then which mode this is and what to use in it.
+            e = _not_in_mode("check_link_status", True)
+            raise LLMException(
+                f"{e} This instance is in cache-manager mode ({self._mode_selector}); "
+                "check_link_status checks links of the legacy mode (KvCacheManager, "
+                "llm.EnableCacheManager unset). In cache-manager mode link_clusters' "
+                "return codes say whether each link was made, last_link_failure(cluster_id) "
+                "why one failed, and query_register_mem_status(comm_id) whether a link() "
+                "is ready.", status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
         check_int("remote_cluster_id", remote_cluster_id, "uint64", allow_none=False)
         with llm_errors("check_link_status"):
             self.engine.check_link(remote_cluster_id, self.engine.config.sync_timeout)

@@ -395,6 +395,13 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ listening
 
+    def set_local_comm_res(self, text: str | None) -> None:
+        """``llm.LocalCommRes`` as ``init`` got it (None: absent): the core checks it when
+        linking, as LLM-DataDist parses it then (a text that is not JSON, or of a version
+        other than 1.0 / 1.2, fails ``link`` with InvalidArgument on either end; the core's
+        Engine::SetLocalCommRes). Who calls: the facade's ``init``. Never blocks."""
+        self._core.set_local_comm_res(text is not None, text or "")
+
     def nixl_refusal(self) -> str | None:
         """Why this engine serves no NIXL reader (None: it does), asked of the core
         (docs/security.md, "The NIXL path"). Never blocks."""
