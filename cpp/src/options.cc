@@ -35,7 +35,7 @@ std::vector<OptionSpec> MakeTable() {
        "Allow NIXL where UCX may carry it over transports whose memory keys the hardware does not check (tcp, "
        "shared memory, cma): there a NIXL peer can read and write any address of this process. Set it only "
        "among processes that trust each other fully."});
-  add({"datadist.NixlLibrary", "DATADIST_NIXL_LIBRARY", OptionKind::kPath, {}, 0, 0, "", "", "nixl_library",
+  add({"datadist.NixlLibrary", "DATADIST_NIXL_LIBRARY", OptionKind::kPath, {}, 0, 0, "", "", "",
        "NIXL's C API library (libnixl_capi.so) to load; unset: the nixl-cu12 wheel's (Python), else the "
        "loader's search path."});
   add({"datadist.AuthSecret", "DATADIST_AUTH_SECRET", OptionKind::kSecret, {}, 0, 0, "", "", "auth_secret",

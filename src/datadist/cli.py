@@ -253,6 +253,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("cross-memory attach (process_vm_readv): available")
     except CmaRefused as e:
         print(f"cross-memory attach: refused ({e}); same-host links fall back to tcp")
+    _info_options()
     _info_engine()
     _info_nixl()
     if args.peer:
@@ -260,20 +261,40 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info_options() -> None:
+    """The init options of the core's table (cpp/src/options.h), each with the value this
+    environment gives it and where from (the variable, or the default); a secret is not
+    shown. What both APIs' init would start from, before their own options."""
+    from datadist.core import native
+
+    table = native.option_table()
+    if not table:
+        print("options: the native core is not built, its option table is unknown")
+        return
+    try:
+        parsed = native.parse_options({})
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        print(f"options: this environment's settings are refused: {e}")
+        return
+    print("options (option, or variable: value, from where):")
+    for spec in table:
+        value, source = parsed[spec.key]
+        shown = ("set" if value else "unset") if spec.kind == "secret" else (
+            ("1" if value else "0") if isinstance(value, bool) else str(value))
+        where = f" / {spec.env}" if spec.env else ""
+        print(f"  {spec.key}{where}: {shown} ({source})")
+
+
 def _info_engine() -> None:
     """The engine LLMDataDist.init gets here (the native core, the only one), for a
     configuration from this environment's settings (DATADIST_ENGINE, DATADIST_TRANSPORT,
     TLS, checksums, NIXL serving), or why it would refuse that configuration."""
-    from datadist.api.llm_datadist import _secret, _tls
     from datadist.core import native
-    from datadist.core.config import EngineConfig
+    from datadist.core.config import EngineConfig, engine_settings
 
     try:
         native.wanted({})
-        config = EngineConfig(cluster_id=1, role=2, transport=os.environ.get("DATADIST_TRANSPORT"),
-                              secret=_secret({}), tls=_tls({}),
-                              verify=os.environ.get("DATADIST_VERIFY_CHECKSUM", "") == "1",
-                              nixl_serve=os.environ.get("DATADIST_NIXL_SERVE") == "1")
+        config = EngineConfig(cluster_id=1, role=2, **engine_settings(native.parse_options({})))
     except Exception as e:  # noqa: BLE001 - report, do not crash
         print(f"engine: cannot tell ({e})")
         return

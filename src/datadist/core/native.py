@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from datadist.core import metrics, native_build
-from datadist.core.config import DEVICE, HOST, EngineConfig, HostIdentity, PathKind, forced_path
+from datadist.core.config import DEVICE, HOST, OPT_TRANSPORT, EngineConfig, HostIdentity, PathKind
 from datadist.core.errors import (
     AlreadyLinked,
     Closed,
@@ -56,7 +56,6 @@ log = logging.getLogger("datadist.native")
 UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache
 CLOSE_WAIT = 5.0  # s finalize waits for them
 ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever their number
-ENGINE_ENV = "DATADIST_ENGINE"  # "native" or "auto" (the default); "python" is refused
 
 _core: Any = None
 
@@ -123,14 +122,15 @@ def nixl_library() -> str | None:
     return None
 
 
-def load_nixl(mod: Any) -> str | None:
+def load_nixl(mod: Any, library: str = "") -> str | None:
     """Hand the installed NIXL to the core (``_core.nixl_load``), once per process, with the
     environment NIXL needs here (transport/nixl.py: UCX's ib module kept out
-    where the host has no RDMA device). Returns why NIXL cannot be used, None once loaded.
+    where the host has no RDMA device): ``library`` (``datadist.NixlLibrary``) when given,
+    else the nixl-cu12 wheel's. Returns why NIXL cannot be used, None once loaded.
     Called by :class:`NativeEngine` when it serves NIXL; blocks while NIXL loads."""
     from datadist.transport import nixl
 
-    lib = nixl_library()
+    lib = library or nixl_library()
     if lib is None:
         return "NIXL is not installed: pip install 'datadist[nixl]' (the nixl-cu12 wheel)"
     nixl._skip_unusable_ib()
@@ -138,20 +138,83 @@ def load_nixl(mod: Any) -> str | None:
     return None if ok else str(why)
 
 
+@dataclass(frozen=True)
+class OptionSpec:
+    """One row of the core's option table (cpp/src/options.h), as ``_core.options()`` gives
+    it: the option key, its environment variable ("" for none), its kind ("bool", "int",
+    "enum", "str", "path", "secret"), the accepted values (enum) or range (int, both ends
+    included) and unit, the default as text, the LLMConfig property generated for it ("" for
+    none) and its documentation."""
+
+    key: str
+    env: str
+    kind: str
+    values: tuple[str, ...]
+    range: tuple[int, int] | None
+    unit: str
+    default: str
+    attr: str
+    doc: str
+
+
+OptionValue = bool | int | str
+
+
+def _need_core() -> Any:
+    mod = core_module()
+    if mod is None:
+        raise NotSupported(f"datadist's native core is not available: {available()[1]}")
+    return mod
+
+
+def option_table() -> tuple[OptionSpec, ...]:
+    """Every row of the core's option table, in its order; () where the core is not built
+    (LLMConfig then has no datadist extras, and init says why it cannot run). Returns at
+    once (read from the core once)."""
+    global _option_table
+    if _option_table is None:
+        mod = core_module()
+        if mod is None:
+            return ()
+        _option_table = tuple(
+            OptionSpec(str(r.key), str(r.env), str(r.kind), tuple(str(v) for v in r.values),
+                       None if r.range is None else (int(r.range[0]), int(r.range[1])),
+                       str(r.unit), str(r.default), str(r.attr), str(r.doc))
+            for r in mod.options())
+    return _option_table
+
+
+_option_table: tuple[OptionSpec, ...] | None = None
+
+
+def parse_options(options: dict[str, str], *, environ: bool = True
+                  ) -> dict[str, tuple[OptionValue, str]]:
+    """The core's one parser (the C++ API's Initialize runs the same): ``{key: (value,
+    source)}`` for every row of the table, from ``options`` first, then (``environ``) the
+    process's environment, then the default; source is "option", "env" or "default".
+    InvalidArgument with the table's message for a bad value; NotSupported where the core
+    is not built. Who calls: ``LLMDataDist.init``, ``datadist info``. Returns at once."""
+    mod = _need_core()
+    with _mapped():
+        parsed = mod.parse_options({str(k): str(v) for k, v in options.items()},
+                                   environ=environ)
+    return {str(k): (v[0], str(v[1])) for k, v in parsed.items()}
+
+
+def check_option(key: str, value: str) -> OptionValue:
+    """One value of ``key`` checked alone by the core's table (LLMConfig's setters): its
+    parsed value, or InvalidArgument with the table's message. Returns at once."""
+    mod = _need_core()
+    with _mapped():
+        return mod.check_option(key, value)  # type: ignore[no-any-return]
+
+
 def wanted(options: dict[str, str]) -> str:
-    """Check the engine the caller asked for: the option ``datadist.Engine``, else the
-    environment's DATADIST_ENGINE, else "auto". "auto" and "native" both name the core, the
-    only engine; "python" (the engine that was removed) and anything else are an
-    InvalidArgument, so a deployment that still asks for it learns why at init."""
-    choice = (options.get("datadist.Engine") or os.environ.get(ENGINE_ENV) or "auto").lower()
-    if choice == "python":
-        raise InvalidArgument(
-            f"datadist.Engine (or {ENGINE_ENV}) = 'python': the Python engine was removed; "
-            "the native core runs every configuration (unset it, or use 'native')")
-    if choice not in ("auto", "native"):
-        raise InvalidArgument(
-            f"datadist.Engine (or {ENGINE_ENV}) must be 'auto' or 'native', got {choice!r}")
-    return choice
+    """Check the engine the caller asked for: ``datadist.Engine`` (its variable, its default:
+    the table's), "auto" or "native", both the core, the only engine; "python" (the engine
+    that was removed) and anything else are an InvalidArgument saying so, so a deployment
+    that still asks for it learns why at init. NotSupported where the core is not built."""
+    return str(parse_options(options)["datadist.Engine"][0])
 
 
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
@@ -338,27 +401,30 @@ class NativeEngine:
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
         self._core.set_remote_writes(config.remote_cache_accessible)
         try:
-            forced = forced_path(config.transport)
+            # A config made without LLMDataDist.init (tools, tests) leaves the transport to
+            # the table's variable and default.
+            forced = config.transport or str(
+                parse_options({})[OPT_TRANSPORT][0])
             if (forced == PathKind.NIXL or config.nixl_serve) \
-                    and (why := load_nixl(mod)) is not None:
+                    and (why := load_nixl(mod, config.nixl_library)) is not None:
                 if forced == PathKind.NIXL:  # a reader without NIXL: init fails, saying why
                     raise InvalidArgument(f"transport 'nixl' needs NIXL: pip install "
                                           f"'datadist[nixl]' ({why})")
                 # An owner without NIXL: readers are refused (FEATURE_NOT_ENABLED) with why.
                 log.info("serving NIXL asked for, but %s", why)
             with _mapped():
-                # Same-host links read owners' shared memory (memfds) unless cma is forced;
-                # forced shm names the path "shm" (as core/links.py).
+                # What the forced transport means for links is the core's rule (options.h
+                # ApplyTransport), the one the C++ API uses.
                 tls = config.tls
-                self._core.open(config.secret or b"", forced != PathKind.TCP,
-                                config.allow_ptrace, config.max_connections,
-                                config.max_connections_per_peer,
-                                tls.cert_file if tls else "", tls.key_file if tls else "",
-                                tls.ca_file if tls else "",
-                                shm=forced != PathKind.CMA, shm_forced=forced == PathKind.SHM,
+                self._core.open(secret=config.secret or b"", transport=forced,
+                                allow_ptrace=config.allow_ptrace,
+                                max_conns=config.max_connections,
+                                max_per_peer=config.max_connections_per_peer,
+                                tls_cert=tls.cert_file if tls else "",
+                                tls_key=tls.key_file if tls else "",
+                                tls_ca=tls.ca_file if tls else "",
                                 nixl_serve=config.nixl_serve,
-                                nixl_whole_process=config.nixl_whole_process,
-                                nixl_read=forced == PathKind.NIXL)
+                                nixl_whole_process=config.nixl_whole_process)
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
                     name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
