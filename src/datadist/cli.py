@@ -265,14 +265,14 @@ def _info_options() -> None:
     """The init options of the core's table (cpp/src/options.h), each with the value this
     environment gives it and where from (the variable, or the default); a secret is not
     shown. What both APIs' init would start from, before their own options."""
-    from datadist.core import native
+    from datadist.core import options
 
-    table = native.option_table()
+    table = options.option_table()
     if not table:
         print("options: the native core is not built, its option table is unknown")
         return
     try:
-        parsed = native.parse_options({})
+        parsed = options.parse_options({})
     except Exception as e:  # noqa: BLE001 - report, do not crash
         print(f"options: this environment's settings are refused: {e}")
         return
@@ -291,10 +291,11 @@ def _info_engine() -> None:
     TLS, checksums, NIXL serving), or why it would refuse that configuration."""
     from datadist.core import native
     from datadist.core.config import EngineConfig, engine_settings
+    from datadist.core.options import parse_options
 
     try:
         native.wanted({})
-        config = EngineConfig(cluster_id=1, role=2, **engine_settings(native.parse_options({})))
+        config = EngineConfig(cluster_id=1, role=2, **engine_settings(parse_options({})))
     except Exception as e:  # noqa: BLE001 - report, do not crash
         print(f"engine: cannot tell ({e})")
         return

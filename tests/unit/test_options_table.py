@@ -6,9 +6,10 @@ and, for "init" rows, through ``LLMDataDist.init`` itself: same values, same cod
 message. Among them the five places the two APIs disagreed (docs/compatibility.md,
 "Options"). Then: LLMConfig's extras are the table's rows, checked by the table.
 
-Before the table, on the code of 50b45c0, the D2..D5 init cases failed here (a 70000 cap was
-accepted by C++, "yes" turned checksums off in Python, DATADIST_ALLOW_PTRACE was ignored by
-C++) and D1 had no answer in common (Python served the local channel for nixl).
+Before the table (50b45c0), run there: ``datadist.VerifyChecksum = "yes"`` was accepted by
+Python's init with checksums off (verify_yes fails), and Python's messages were its own
+(nixl_serve_true, caps_above_range fail on the text); the C++ API accepted a 9-digit cap and
+"true" and ignored DATADIST_ALLOW_PTRACE (read from its code: it had no shared parser to run).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from datadist import LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from datadist.core import native
+from datadist.core import options as core_options
 from datadist.core.errors import InvalidArgument
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -76,7 +78,7 @@ def test_the_file_has_every_disagreement() -> None:
 @pytest.fixture
 def environ(monkeypatch: pytest.MonkeyPatch):
     """Unsets every variable of the table, then sets the case's."""
-    for spec in native.option_table():
+    for spec in core_options.option_table():
         if spec.env:
             monkeypatch.delenv(spec.env, raising=False)
 
@@ -113,7 +115,7 @@ def test_case(case: Case, environ) -> None:
     expected = _pairs(case.expect[3:] or "-") if ok else {}
     # the parser init calls
     if ok:
-        parsed = native.parse_options(case.options)
+        parsed = core_options.parse_options(case.options)
         for key, want in expected.items():
             if key == "local_channel":
                 transport = str(parsed["datadist.Transport"][0])
@@ -124,7 +126,7 @@ def test_case(case: Case, environ) -> None:
     else:
         message = case.expect.removeprefix("invalid ")
         with pytest.raises(InvalidArgument) as e:
-            native.parse_options(case.options)
+            core_options.parse_options(case.options)
         assert str(e.value) == message
     if not case.init:
         return
@@ -150,7 +152,7 @@ def test_case(case: Case, environ) -> None:
 
 
 def test_llmconfig_extras_are_the_table_rows() -> None:
-    rows = [s for s in native.option_table() if s.attr]
+    rows = [s for s in core_options.option_table() if s.attr]
     assert {s.attr for s in rows} >= {"transport", "verify_checksum", "allow_ptrace",
                                       "max_connections", "nixl_serve", "auth_secret"}
     for spec in rows:

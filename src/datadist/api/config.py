@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.status import LLMException, LLMStatusCode
 from datadist.core import config as core_config
-from datadist.core import native
+from datadist.core import options as core_options
 from datadist.core.errors import InvalidArgument
 from datadist.transport.address import format_host_port, ipv6_literal
 
@@ -549,9 +549,9 @@ class _Extra:
 
     _TYPES: dict[str, type] = {"bool": bool, "int": int}
 
-    def __init__(self, spec: native.OptionSpec) -> None:
+    def __init__(self, spec: core_options.OptionSpec) -> None:
         self.spec = spec
-        self.default = native.check_option(spec.key, spec.default)
+        self.default = core_options.check_option(spec.key, spec.default)
 
     @staticmethod
     def text(value: bool | int | str) -> str:
@@ -588,7 +588,7 @@ class _Extra:
             config._extras.pop(s.key, None)
             return
         try:
-            config._extras[s.key] = native.check_option(s.key, self.text(value))
+            config._extras[s.key] = core_options.check_option(s.key, self.text(value))
         except InvalidArgument as e:
             raise _param_invalid(str(e)) from None
 
@@ -596,7 +596,7 @@ class _Extra:
 def _add_extras() -> tuple[_Extra, ...]:
     """LLMConfig's extras, one property per row of the core's table with an LLMConfig name;
     none where the core is not built (init then says why it cannot run)."""
-    extras = tuple(_Extra(spec) for spec in native.option_table() if spec.attr)
+    extras = tuple(_Extra(spec) for spec in core_options.option_table() if spec.attr)
     for extra in extras:
         setattr(LLMConfig, extra.spec.attr,
                 property(extra.get, extra.set, doc=extra.doc()))

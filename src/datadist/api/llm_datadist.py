@@ -31,7 +31,7 @@ from datadist.api.status import (
     llm_errors,
     to_llm_exception,
 )
-from datadist.core import native
+from datadist.core import options as core_options
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.config import EngineConfig, TlsConfig, engine_settings
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
@@ -94,7 +94,7 @@ def _table(opts: dict[str, str]) -> dict[str, Any]:
     the environment): its one parser, the C++ API's too. LLMException PARAM_INVALID with the
     table's message for a bad value; FEATURE_NOT_ENABLED where the core is not built."""
     try:
-        parsed = native.parse_options(opts)
+        parsed = core_options.parse_options(opts)
     except InvalidArgument as e:
         raise _param_invalid(str(e)) from None
     except DatadistError as e:

@@ -3,7 +3,7 @@
 Who calls: the facade (``LLMDataDist.init`` has the core's option table parse its options,
 :func:`engine_settings` turns that into an :class:`EngineConfig`'s fields), the engine
 (:mod:`datadist.core.native`), ``datadist info`` / ``probe`` and the bench. Plain data and
-checks: nothing here blocks or opens a socket; only :func:`forced_path` asks the core.
+checks: nothing here blocks or opens a socket; only :func:`forced_path` asks the core's table.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datadist.core.errors import InvalidArgument
+from datadist.core.options import parse_options
 from datadist.memory.pool import PoolConfig
 
 HOST, DEVICE = 0, 1  # a cache's placement, as the core's registry keeps it
@@ -193,7 +194,5 @@ def _int(value: object) -> int:
 def forced_path(option: str | None) -> PathKind:
     """The path the user forces: the option, else its variable, else auto, as the core's
     option table reads them (InvalidArgument with the table's message for another name)."""
-    from datadist.core import native
-
-    parsed = native.parse_options({OPT_TRANSPORT: option or ""})
+    parsed = parse_options({OPT_TRANSPORT: option or ""})
     return PathKind(str(parsed[OPT_TRANSPORT][0]))
