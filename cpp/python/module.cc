@@ -2,8 +2,8 @@
 //
 // A thin layer: no argument rules of CANN's API live here (the Python facade, datadist/api,
 // checks them and builds the plans); this file converts arrays, releases the GIL around
-// everything that can block, and turns datadist::Error into _core.CoreError(code, message),
-// which datadist/core/native.py maps to datadist's error classes in one place.
+// everything that can block, and raises every datadist::Error as the package's own error
+// class (datadist.core.errors) from one code-to-class table (PyError).
 //
 // Who calls: datadist.core.native.NativeEngine only. Serving (accepting, handshakes, peers'
 // requests, reverse channels, leases) runs on the engine's own threads and never takes the
@@ -177,6 +177,40 @@ void Unlink(datadist::Engine &engine, uint64_t id, double timeout_s, bool force,
   if (!untold.empty()) datadist::Fail(llm_datadist::LLM_UNLINK_FAILED, untold);
 }
 
+/// The package's error for a core error: the binding's one code-to-class table. A checksum
+/// mismatch (its kind, not its code, which a peer's protocol error shares) is IntegrityError;
+/// the codes below their class; any other code RemoteError with that code (FAILED where
+/// datadist.core.errors.Code has none). Called with the GIL held (the exception translator,
+/// Handle.error); imports datadist.core.errors on first use.
+py::object PyError(datadist::Status code, const std::string &message, datadist::ErrorKind kind) {
+  struct Row {
+    datadist::Status code;
+    const char *cls;
+  };
+  static constexpr Row kClasses[] = {
+      {llm_datadist::LLM_KV_CACHE_NOT_EXIST, "CacheNotFound"}, {llm_datadist::LLM_PARAM_INVALID, "InvalidArgument"},
+      {llm_datadist::LLM_TIMEOUT, "Timeout"},                   {llm_datadist::LLM_NOT_YET_LINK, "NotLinked"},
+      {llm_datadist::LLM_ALREADY_LINK, "AlreadyLinked"},        {llm_datadist::LLM_LINK_FAILED, "LinkFailed"},
+      {llm_datadist::LLM_LINK_BUSY, "Busy"},                    {llm_datadist::LLM_FEATURE_NOT_ENABLED, "NotSupported"},
+      {llm_datadist::LLM_OUT_OF_MEMORY, "OutOfMemory"},
+  };
+  const char *cls = "RemoteError";
+  if (kind == datadist::ErrorKind::kChecksumMismatch) {
+    cls = "IntegrityError";
+  } else {
+    for (const Row &row : kClasses)
+      if (row.code == code) cls = row.cls;
+  }
+  py::module_ errors = py::module_::import("datadist.core.errors");
+  py::object known;
+  try {
+    known = errors.attr("Code")(code);
+  } catch (py::error_already_set &) {  // a code the package does not name
+    known = errors.attr("Code").attr("FAILED");
+  }
+  return errors.attr(cls)(message, py::arg("code") = known);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -261,7 +295,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("options"), py::kw_only(), py::arg("environ") = true,
       "{key: (value, source)} for every row of the table: `options` (str to str) first, then (with "
       "`environ`) the process's environment, then the default; source is 'option', 'env' or 'default'. "
-      "CoreError(LLM_PARAM_INVALID, the table's message) for a bad value.");
+      "InvalidArgument (LLM_PARAM_INVALID) with the table's message for a bad value.");
   m.def(
       "check_option",
       [](const std::string &key, const std::string &value) -> py::object {
@@ -274,7 +308,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("key"), py::arg("value"),
       "One value of `key` checked alone (LLMConfig's setters): its parsed value, or "
-      "CoreError(LLM_PARAM_INVALID, the table's message); KeyError for a key the table has not.");
+      "InvalidArgument (LLM_PARAM_INVALID) with the table's message; KeyError for a key the table has not.");
   m.def(
       "transport_settings",
       [](const std::string &transport) {
@@ -292,14 +326,13 @@ PYBIND11_MODULE(_core, m) {
       "What a forced transport means for links (options.h ApplyTransport): local_channel (used and "
       "served), shm, shm_forced, nixl_read.");
 
-  // CoreError(code, message): args[0] is the status code, args[1] the message.
-  static py::handle core_error = py::exception<datadist::Error>(m, "CoreError").release();
+  // Every datadist::Error leaves the core as the package's own error class (PyError's table).
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const datadist::Error &e) {
-      py::tuple args = py::make_tuple(static_cast<uint64_t>(e.code()), e.what());
-      PyErr_SetObject(core_error.ptr(), args.ptr());
+      py::object err = PyError(e.code(), e.what(), e.kind());
+      PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(err.ptr())), err.ptr());
     }
   });
 
@@ -317,9 +350,10 @@ PYBIND11_MODULE(_core, m) {
           "error",
           [](datadist::Task &t) -> py::object {
             if (!t.Done() || t.code() == 0) return py::none();
-            return py::make_tuple(t.code(), t.message());
+            return PyError(t.code(), t.message(), t.kind());
           },
-          "(code, message) of a failed transfer; None while running or after a success.");
+          "The error (datadist.core.errors) that ended a failed transfer; None while running or after a "
+          "success.");
 
   py::class_<datadist::Link, std::shared_ptr<datadist::Link>>(
       m, "PendingLink", "A two-sided link's connection, opened and checked but not filed yet (Engine.adopt_link)")
@@ -680,7 +714,7 @@ PYBIND11_MODULE(_core, m) {
                   }
                 } catch (const datadist::Error &e) {  // as a worker would end the task
                   metrics::RecordSince(op, call->cluster, 0, since, e.code());
-                  return datadist::Task::Ended(e.code(), e.what());
+                  return datadist::Task::Ended(e.code(), e.what(), e.kind());
                 } catch (const std::exception &e) {
                   metrics::RecordSince(op, call->cluster, 0, since, llm_datadist::LLM_FAILED);
                   return datadist::Task::Ended(llm_datadist::LLM_FAILED, e.what());

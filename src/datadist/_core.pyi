@@ -14,8 +14,8 @@ def metrics_record(op: str, cluster_id: int, nbytes: int, seconds: float, code: 
 
 # The option table (cpp/src/options.h): both APIs' one parser of the init options. Read by
 # datadist.core.native (option_table, parse_options, check_option), LLMConfig's extras and
-# `datadist info`. Every call returns at once; a bad value raises CoreError(LLM_PARAM_INVALID,
-# the table's message).
+# `datadist info`. Every call returns at once; a bad value raises
+# datadist.core.errors.InvalidArgument (LLM_PARAM_INVALID) with the table's message.
 class OptionSpec:
     @property
     def key(self) -> str: ...
@@ -44,4 +44,5 @@ def check_option(key: str, value: str) -> bool | int | str: ...
 # What a forced transport means for links: local_channel, shm, shm_forced, nixl_read.
 def transport_settings(transport: str) -> dict[str, bool]: ...
 
-class CoreError(Exception): ...  # args: (status code, message)
+# Every error of the core is raised as datadist.core.errors' class for its code (the binding's
+# one code-to-class table, cpp/python/module.cc PyError); a checksum mismatch as IntegrityError.

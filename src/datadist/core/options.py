@@ -11,14 +11,12 @@ where the core is not built.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from datadist.core import native_build
-from datadist.core.errors import NotSupported, error_for_code
+from datadist.core.errors import NotSupported
 
 
 @dataclass(frozen=True)
@@ -50,16 +48,6 @@ def _need_core() -> Any:
     return importlib.import_module(native_build.MODULE)
 
 
-@contextlib.contextmanager
-def _mapped(mod: Any) -> Iterator[None]:
-    """The core's CoreError(code, message) as datadist's error for the code (InvalidArgument
-    for LLM_PARAM_INVALID)."""
-    try:
-        yield
-    except mod.CoreError as e:
-        raise error_for_code(int(e.args[0]), str(e.args[1])) from None
-
-
 def option_table() -> tuple[OptionSpec, ...]:
     """Every row of the core's option table, in its order; () where the core is not built
     (LLMConfig then has no datadist extras, and init says why it cannot run). Returns at
@@ -88,9 +76,7 @@ def parse_options(options: dict[str, str], *, environ: bool = True
     InvalidArgument with the table's message for a bad value; NotSupported where the core
     is not built. Who calls: ``LLMDataDist.init``, ``datadist info``. Returns at once."""
     mod = _need_core()
-    with _mapped(mod):
-        parsed = mod.parse_options({str(k): str(v) for k, v in options.items()},
-                                   environ=environ)
+    parsed = mod.parse_options({str(k): str(v) for k, v in options.items()}, environ=environ)
     return {str(k): (v[0], str(v[1])) for k, v in parsed.items()}
 
 
@@ -98,5 +84,4 @@ def check_option(key: str, value: str) -> OptionValue:
     """One value of ``key`` checked alone by the core's table (LLMConfig's setters): its
     parsed value, or InvalidArgument with the table's message. Returns at once."""
     mod = _need_core()
-    with _mapped(mod):
-        return mod.check_option(key, value)  # type: ignore[no-any-return]
+    return mod.check_option(key, value)  # type: ignore[no-any-return]
