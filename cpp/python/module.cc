@@ -2,8 +2,8 @@
 //
 // A thin layer: no argument rules of CANN's API live here (the Python facade, datadist/api,
 // checks them and builds the plans); this file converts arrays, releases the GIL around
-// everything that can block, and turns datadist::Error into _core.CoreError(code, message),
-// which datadist/core/native.py maps to datadist's error classes in one place.
+// everything that can block, and raises every datadist::Error as the package's own error
+// class (datadist.core.errors) from one code-to-class table (PyError).
 //
 // Who calls: datadist.core.native.NativeEngine only. Serving (accepting, handshakes, peers'
 // requests, reverse channels, leases) runs on the engine's own threads and never takes the
@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -25,6 +26,7 @@
 #include "errors.h"
 #include "metrics.h"
 #include "nixl.h"
+#include "options.h"
 #include "tasks.h"
 #include "wire.h"
 
@@ -175,6 +177,40 @@ void Unlink(datadist::Engine &engine, uint64_t id, double timeout_s, bool force,
   if (!untold.empty()) datadist::Fail(llm_datadist::LLM_UNLINK_FAILED, untold);
 }
 
+/// The package's error for a core error: the binding's one code-to-class table. A checksum
+/// mismatch (its kind, not its code, which a peer's protocol error shares) is IntegrityError;
+/// the codes below their class; any other code RemoteError with that code (FAILED where
+/// datadist.core.errors.Code has none). Called with the GIL held (the exception translator,
+/// Handle.error); imports datadist.core.errors on first use.
+py::object PyError(datadist::Status code, const std::string &message, datadist::ErrorKind kind) {
+  struct Row {
+    datadist::Status code;
+    const char *cls;
+  };
+  static constexpr Row kClasses[] = {
+      {llm_datadist::LLM_KV_CACHE_NOT_EXIST, "CacheNotFound"}, {llm_datadist::LLM_PARAM_INVALID, "InvalidArgument"},
+      {llm_datadist::LLM_TIMEOUT, "Timeout"},                   {llm_datadist::LLM_NOT_YET_LINK, "NotLinked"},
+      {llm_datadist::LLM_ALREADY_LINK, "AlreadyLinked"},        {llm_datadist::LLM_LINK_FAILED, "LinkFailed"},
+      {llm_datadist::LLM_LINK_BUSY, "Busy"},                    {llm_datadist::LLM_FEATURE_NOT_ENABLED, "NotSupported"},
+      {llm_datadist::LLM_OUT_OF_MEMORY, "OutOfMemory"},
+  };
+  const char *cls = "RemoteError";
+  if (kind == datadist::ErrorKind::kChecksumMismatch) {
+    cls = "IntegrityError";
+  } else {
+    for (const Row &row : kClasses)
+      if (row.code == code) cls = row.cls;
+  }
+  py::module_ errors = py::module_::import("datadist.core.errors");
+  py::object known;
+  try {
+    known = errors.attr("Code")(code);
+  } catch (py::error_already_set &) {  // a code the package does not name
+    known = errors.attr("Code").attr("FAILED");
+  }
+  return errors.attr(cls)(message, py::arg("code") = known);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -217,14 +253,86 @@ PYBIND11_MODULE(_core, m) {
   m.def("nixl_whole_process_reach", [] { return datadist::nixl::WholeProcessReach(); },
         "How a NIXL peer of this process could reach memory never registered (transport/nixl.py's rule).");
 
-  // CoreError(code, message): args[0] is the status code, args[1] the message.
-  static py::handle core_error = py::exception<datadist::Error>(m, "CoreError").release();
+  // The option table (cpp/src/options.h): what LLMConfig's datadist extras and `datadist info`
+  // are generated from, and the one parser of the init options both faces use. Called by
+  // datadist.api (config, init) and the CLI; they return at once.
+  py::class_<datadist::OptionSpec>(m, "OptionSpec", "One row of the option table (read only)")
+      .def_property_readonly("key", [](const datadist::OptionSpec &s) { return std::string(s.key); })
+      .def_property_readonly("env", [](const datadist::OptionSpec &s) { return std::string(s.env); })
+      .def_property_readonly("kind", [](const datadist::OptionSpec &s) { return std::string(datadist::KindName(s.kind)); })
+      .def_property_readonly("values", [](const datadist::OptionSpec &s) { return s.values; })
+      .def_property_readonly("range",
+                             [](const datadist::OptionSpec &s) -> py::object {
+                               if (s.kind != datadist::OptionKind::kInt) return py::none();
+                               return py::make_tuple(s.lo, s.hi);
+                             })
+      .def_property_readonly("unit", [](const datadist::OptionSpec &s) { return std::string(s.unit); })
+      .def_property_readonly("default", [](const datadist::OptionSpec &s) { return std::string(s.def); })
+      .def_property_readonly("attr", [](const datadist::OptionSpec &s) { return std::string(s.attr); })
+      .def_property_readonly("doc", [](const datadist::OptionSpec &s) { return std::string(s.doc); })
+      .def("__repr__", [](const datadist::OptionSpec &s) { return std::string("<OptionSpec ") + s.key + ">"; });
+  m.def("options", [] { return datadist::OptionTable(); }, py::return_value_policy::copy,
+        "Every row of the option table, in its order.");
+  m.def(
+      "parse_options",
+      [](const std::map<std::string, std::string> &options, bool environ) {
+        const datadist::Options parsed =
+            datadist::ParseOptions(options, environ ? datadist::ProcessEnv() : datadist::NoEnv());
+        py::dict out;
+        for (const auto &spec : datadist::OptionTable()) {
+          const datadist::OptionValue &v = parsed.values.at(spec.key);
+          py::object value;
+          if (v.kind == datadist::OptionKind::kBool)
+            value = py::bool_(v.b);
+          else if (v.kind == datadist::OptionKind::kInt)
+            value = py::int_(v.i);
+          else
+            value = py::str(v.s);
+          out[py::str(spec.key)] = py::make_tuple(value, datadist::SourceName(v.source));
+        }
+        return out;
+      },
+      py::arg("options"), py::kw_only(), py::arg("environ") = true,
+      "{key: (value, source)} for every row of the table: `options` (str to str) first, then (with "
+      "`environ`) the process's environment, then the default; source is 'option', 'env' or 'default'. "
+      "InvalidArgument (LLM_PARAM_INVALID) with the table's message for a bad value.");
+  m.def(
+      "check_option",
+      [](const std::string &key, const std::string &value) -> py::object {
+        const datadist::OptionSpec *spec = datadist::FindOption(key);
+        if (spec == nullptr) throw py::key_error(key);
+        const datadist::OptionValue v = datadist::CheckValue(*spec, value, key);
+        if (v.kind == datadist::OptionKind::kBool) return py::bool_(v.b);
+        if (v.kind == datadist::OptionKind::kInt) return py::int_(v.i);
+        return py::str(v.s);
+      },
+      py::arg("key"), py::arg("value"),
+      "One value of `key` checked alone (LLMConfig's setters): its parsed value, or "
+      "InvalidArgument (LLM_PARAM_INVALID) with the table's message; KeyError for a key the table has not.");
+  m.def(
+      "transport_settings",
+      [](const std::string &transport) {
+        datadist::EngineOptions o;
+        const datadist::OptionSpec &spec = *datadist::FindOption("datadist.Transport");
+        datadist::ApplyTransport(datadist::CheckValue(spec, transport, spec.key).s, &o);
+        py::dict out;
+        out["local_channel"] = o.same_host;
+        out["shm"] = o.shm;
+        out["shm_forced"] = o.shm_forced;
+        out["nixl_read"] = o.nixl.read;
+        return out;
+      },
+      py::arg("transport"),
+      "What a forced transport means for links (options.h ApplyTransport): local_channel (used and "
+      "served), shm, shm_forced, nixl_read.");
+
+  // Every datadist::Error leaves the core as the package's own error class (PyError's table).
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const datadist::Error &e) {
-      py::tuple args = py::make_tuple(static_cast<uint64_t>(e.code()), e.what());
-      PyErr_SetObject(core_error.ptr(), args.ptr());
+      py::object err = PyError(e.code(), e.what(), e.kind());
+      PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(err.ptr())), err.ptr());
     }
   });
 
@@ -242,9 +350,10 @@ PYBIND11_MODULE(_core, m) {
           "error",
           [](datadist::Task &t) -> py::object {
             if (!t.Done() || t.code() == 0) return py::none();
-            return py::make_tuple(t.code(), t.message());
+            return PyError(t.code(), t.message(), t.kind());
           },
-          "(code, message) of a failed transfer; None while running or after a success.");
+          "The error (datadist.core.errors) that ended a failed transfer; None while running or after a "
+          "success.");
 
   py::class_<datadist::Link, std::shared_ptr<datadist::Link>>(
       m, "PendingLink", "A two-sided link's connection, opened and checked but not filed yet (Engine.adopt_link)")
@@ -264,32 +373,31 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
       .def(
           "open",
-          [](Core &c, py::bytes secret, bool same_host, bool allow_ptrace, size_t max_conns, size_t max_per_peer,
-             const std::string &tls_cert, const std::string &tls_key, const std::string &tls_ca, bool shm,
-             bool shm_forced, bool nixl_serve, bool nixl_whole_process, bool nixl_read) {
+          [](Core &c, py::bytes secret, const std::string &transport, bool allow_ptrace, size_t max_conns,
+             size_t max_per_peer, const std::string &tls_cert, const std::string &tls_key, const std::string &tls_ca,
+             bool nixl_serve, bool nixl_whole_process) {
             datadist::EngineOptions o;
-            o.nixl.read = nixl_read;
             o.nixl.serve = nixl_serve;
             o.nixl.whole_process = nixl_whole_process;
             o.secret = secret;
-            o.same_host = same_host;
-            o.shm = shm;
-            o.shm_forced = shm_forced;
             o.allow_ptrace = allow_ptrace;
             o.max_conns = max_conns;
             o.max_per_peer = max_per_peer;
+            // The forced path's meaning for links, the rule the C++ API uses too (options.h).
+            const datadist::OptionSpec &spec = *datadist::FindOption("datadist.Transport");
+            datadist::ApplyTransport(datadist::CheckValue(spec, transport, spec.key).s, &o);
             py::gil_scoped_release nogil;
             datadist::tls::Files files{tls_cert, tls_key, tls_ca};
             if (!files.empty()) o.tls = datadist::tls::Context::Load(files);  // LLM_PARAM_INVALID naming a file
             c.engine().Open(o);
           },
-          py::arg("secret"), py::arg("same_host"), py::arg("allow_ptrace"), py::arg("max_conns"),
+          py::kw_only(), py::arg("secret"), py::arg("transport"), py::arg("allow_ptrace"), py::arg("max_conns"),
           py::arg("max_per_peer"), py::arg("tls_cert") = "", py::arg("tls_key") = "", py::arg("tls_ca") = "",
-          py::arg("shm") = true, py::arg("shm_forced") = false, py::arg("nixl_serve") = false,
-          py::arg("nixl_whole_process") = false, py::arg("nixl_read") = false,
-          "Starts the engine; with the three TLS files (PEM), every connection runs mutual TLS; "
-          "nixl_serve (and nixl_whole_process): serve NIXL readers (core/engine.py's rules); "
-          "nixl_read: links are forced to NIXL (LLM_PARAM_INVALID when it cannot be loaded).")
+          py::arg("nixl_serve") = false, py::arg("nixl_whole_process") = false,
+          "Starts the engine; `transport` is a parsed datadist.Transport (auto, tcp, cma, shm, nixl: "
+          "options.h ApplyTransport says what each means for links; nixl: LLM_PARAM_INVALID when NIXL "
+          "cannot be loaded); with the three TLS files (PEM), every connection runs mutual TLS; "
+          "nixl_serve (and nixl_whole_process): serve NIXL readers.")
       .def(
           "set_local_comm_res",
           [](Core &c, bool set, const std::string &text) { c.engine().SetLocalCommRes(set, text); },
@@ -611,7 +719,7 @@ PYBIND11_MODULE(_core, m) {
                   }
                 } catch (const datadist::Error &e) {  // as a worker would end the task
                   metrics::RecordSince(op, call->cluster, 0, since, e.code());
-                  return datadist::Task::Ended(e.code(), e.what());
+                  return datadist::Task::Ended(e.code(), e.what(), e.kind());
                 } catch (const std::exception &e) {
                   metrics::RecordSince(op, call->cluster, 0, since, llm_datadist::LLM_FAILED);
                   return datadist::Task::Ended(llm_datadist::LLM_FAILED, e.what());

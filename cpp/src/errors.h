@@ -15,13 +15,21 @@ namespace datadist {
 
 using llm_datadist::Status;
 
+/// What an error is beyond its status code, where a caller must tell it from others with the
+/// same code: a checksum mismatch is LLM_SUSPECT_REMOTE_ERROR, as a peer that broke the
+/// protocol is, but the Python package raises IntegrityError for it (cpp/python/module.cc).
+enum class ErrorKind : uint8_t { kGeneral = 0, kChecksumMismatch = 1 };
+
 class Error : public std::runtime_error {
  public:
-  Error(Status code, const std::string &msg) : std::runtime_error(msg), code_(code) {}
+  Error(Status code, const std::string &msg, ErrorKind kind = ErrorKind::kGeneral)
+      : std::runtime_error(msg), code_(code), kind_(kind) {}
   Status code() const { return code_; }
+  ErrorKind kind() const { return kind_; }
 
  private:
   Status code_;
+  ErrorKind kind_;
 };
 
 // Codes the header does not name but the wire may carry (Python's LLMStatusCode).

@@ -23,6 +23,7 @@
 #include "link.h"
 #include "local.h"
 #include "metrics.h"
+#include "options.h"
 #include "plan.h"
 #include "registry.h"
 #include "server.h"
@@ -40,7 +41,6 @@ namespace {
 
 constexpr double kUnregisterWait = 30.0;  // s UnregisterKvCache waits for transfers in flight
 constexpr double kFinalizeWait = 5.0;     // s Finalize waits for them
-constexpr const char kOptionAuthSecret[] = "datadist.AuthSecret";  // Python's option key too
 
 using datadist::LogEnabled;
 
@@ -220,63 +220,11 @@ const char *Find(const std::map<AscendString, AscendString> &options, const char
   return it == options.end() ? nullptr : it->second.GetString();
 }
 
-// A positive count from the option, else the environment variable, else the default.
-size_t CountOption(const std::map<AscendString, AscendString> &options, const char *key, const char *env,
-                   size_t fallback) {
-  const char *v = Find(options, key);
-  if (v == nullptr || !*v) v = std::getenv(env);
-  if (v == nullptr || !*v) return fallback;
-  std::string s = v;
-  if (s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos || std::stoul(s) == 0)
-    Invalid(std::string(key) + " must be a positive integer, got '" + s + "'");
-  return std::stoul(s);
-}
-
-// "1" / "0" (and true / false), else the default when unset; anything else LLM_PARAM_INVALID.
-bool BoolOption(const std::map<AscendString, AscendString> &options, const char *key, bool fallback) {
-  const char *v = Find(options, key);
-  if (v == nullptr || !*v) return fallback;
-  std::string s = v;
-  if (s == "1" || s == "true" || s == "True") return true;
-  if (s == "0" || s == "false" || s == "False") return false;
-  Invalid(std::string(key) + " must be 1 or 0, got '" + s + "'");
-}
-
-// An environment variable that must be "0" or "1" when set (as the Python package's); unset: false.
-bool EnvFlag(const char *name) {
-  const char *v = std::getenv(name);
-  if (v == nullptr || !*v) return false;
-  const std::string s = v;
-  if (s != "0" && s != "1") Invalid(std::string(name) + " must be 0 or 1, got '" + s + "'");
-  return s == "1";
-}
-
-// datadist.Transport (else DATADIST_TRANSPORT), lower-cased: "auto" (default), "tcp", "cma",
-// "shm" or "nixl"; anything else LLM_PARAM_INVALID.
-std::string TransportOption(const std::map<AscendString, AscendString> &options) {
-  const char *v = Find(options, "datadist.Transport");
-  if (v == nullptr || !*v) v = std::getenv("DATADIST_TRANSPORT");
-  std::string s = v ? v : "";
-  for (char &c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (s.empty()) return "auto";
-  if (s == "auto" || s == "cma" || s == "shm" || s == "tcp" || s == "nixl") return s;
-  Invalid("unknown transport '" + s + "'; use auto, tcp, cma, shm or nixl");
-}
-
-// datadist.TlsCert / TlsKey / TlsCa (each else its DATADIST_TLS_* variable), as the Python
-// package's: all three, or none (no TLS); some but not all is LLM_PARAM_INVALID.
-datadist::tls::Files TlsFiles(const std::map<AscendString, AscendString> &options) {
-  auto pick = [&](const char *key, const char *env) {
-    const char *v = Find(options, key);
-    if (v == nullptr || !*v) v = std::getenv(env);
-    return std::string(v ? v : "");
-  };
-  datadist::tls::Files f{pick(OPTION_DATADIST_TLS_CERT, "DATADIST_TLS_CERT"),
-                         pick(OPTION_DATADIST_TLS_KEY, "DATADIST_TLS_KEY"),
-                         pick(OPTION_DATADIST_TLS_CA, "DATADIST_TLS_CA")};
-  if (!f.empty() && (f.cert.empty() || f.key.empty() || f.ca.empty()))
-    Invalid("TLS needs a certificate, its key and a CA file together");
-  return f;
+// The options as the option table reads them (options.h): keys and values as text.
+std::map<std::string, std::string> Strings(const std::map<AscendString, AscendString> &options) {
+  std::map<std::string, std::string> out;
+  for (const auto &kv : options) out[kv.first.GetString()] = kv.second.GetString();
+  return out;
 }
 
 // JSON syntax (RFC 8259) of one value at `i`, nesting at most kMaxDepth deep; advances `i`.
@@ -386,12 +334,10 @@ class LlmDataDist::LlmDataDistImpl {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_ == kUp) return;  // as CANN: already initialized is a success
     CheckRole(static_cast<LlmRole>(engine_.role()));
-    if (const char *v = Find(options, OPTION_SYNC_CACHE_WAIT_TIME)) {
-      std::string s = v;
-      if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos || std::stol(s) <= 0)
-        Invalid(std::string(OPTION_SYNC_CACHE_WAIT_TIME) + " must be a positive number of ms, got '" + s + "'");
-      sync_timeout_s_ = std::stol(s) / 1000.0;
-    }
+    // Every datadist.* option and llm.SyncKvCacheWaitTime, with their environment
+    // variables: the option table's one parser, as the Python package's init (options.h).
+    const datadist::Options parsed = datadist::ParseOptions(Strings(options), datadist::ProcessEnv());
+    sync_timeout_s_ = static_cast<double>(parsed.sync_timeout_ms) / 1000.0;
     hixl_ = false;
     if (const char *v = Find(options, OPTION_TRANSFER_BACKEND)) {
       std::string s = v;
@@ -404,37 +350,14 @@ class LlmDataDist::LlmDataDistImpl {
     const char *grc = Find(options, OPTION_GLOBAL_RESOURCE_CONFIG);
     if (hixl_ && grc != nullptr && *grc && !JsonScan(grc).IsObject())
       Invalid(std::string(OPTION_GLOBAL_RESOURCE_CONFIG) + " must be a JSON object, got '" + grc + "'");
-    // datadist extras (as the Python package): connection caps, and a shared secret every
-    // linked peer must prove.
-    datadist::EngineOptions opts;
-    opts.max_conns = CountOption(options, "datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", 256);
-    opts.max_per_peer = CountOption(options, "datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", 64);
-    const char *secret = Find(options, kOptionAuthSecret);
-    if (secret == nullptr || !*secret) secret = std::getenv("DATADIST_AUTH_SECRET");
-    opts.secret = secret ? secret : "";
-    // "tcp" neither serves nor uses the local channel; "cma" reads no shared memory; "shm"
-    // names the same-host path "shm" (as the Python package).
-    const std::string transport = TransportOption(options);
-    opts.same_host = transport != "tcp" && transport != "nixl";
-    opts.nixl.read = transport == "nixl";
-    opts.shm = transport != "cma";
-    opts.shm_forced = transport == "shm";
-    opts.allow_ptrace = BoolOption(options, "datadist.AllowPtrace", true);
-    const char *verify_env = std::getenv("DATADIST_VERIFY_CHECKSUM");
-    verify_ = BoolOption(options, OPTION_DATADIST_VERIFY_CHECKSUM, verify_env != nullptr && std::string(verify_env) == "1");
-    const datadist::tls::Files tls = TlsFiles(options);
-    if (!tls.empty()) opts.tls = datadist::tls::Context::Load(tls);
-    // Serving NIXL readers (the Python package's options and variables, "0" or "1").
-    opts.nixl.serve = BoolOption(options, OPTION_DATADIST_NIXL_SERVE, EnvFlag("DATADIST_NIXL_SERVE"));
-    opts.nixl.whole_process = BoolOption(options, OPTION_DATADIST_NIXL_WHOLE_PROCESS,
-                                         EnvFlag("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS"));
+    datadist::EngineOptions opts = datadist::ToEngineOptions(parsed);
+    verify_ = parsed.verify;
+    if (!parsed.tls.empty()) opts.tls = datadist::tls::Context::Load(parsed.tls);
     if (opts.nixl.serve || opts.nixl.read) {
-      const char *lib = Find(options, OPTION_DATADIST_NIXL_LIBRARY);
-      if (lib == nullptr || !*lib) lib = std::getenv("DATADIST_NIXL_LIBRARY");
       std::string why;
       // A reader without NIXL fails at Open (LLM_PARAM_INVALID, what to install); an owner
       // tells its readers why when they ask.
-      if (!datadist::nixl::Load(lib && *lib ? lib : "libnixl_capi.so", &why) && !opts.nixl.read)
+      if (!datadist::nixl::Load(parsed.nixl_library.empty() ? "libnixl_capi.so" : parsed.nixl_library, &why) && !opts.nixl.read)
         datadist::Log("serving NIXL asked for, but " + why);
     }
     engine_.Open(opts);

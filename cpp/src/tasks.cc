@@ -6,9 +6,9 @@
 
 namespace datadist {
 
-std::shared_ptr<Task> Task::Ended(uint32_t code, std::string message) {
+std::shared_ptr<Task> Task::Ended(uint32_t code, std::string message, ErrorKind kind) {
   auto task = std::make_shared<Task>();
-  task->Finish(code, std::move(message));
+  task->Finish(code, std::move(message), kind);
   return task;
 }
 
@@ -17,11 +17,12 @@ bool Task::Wait(Deadline deadline) {
   return ended_.wait_until(lock, deadline, [&] { return done_.load(std::memory_order_acquire); });
 }
 
-void Task::Finish(uint32_t code, std::string message) {
+void Task::Finish(uint32_t code, std::string message, ErrorKind kind) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     code_ = code;
     message_ = std::move(message);
+    kind_ = kind;
     done_.store(true, std::memory_order_release);
   }
   ended_.notify_all();
@@ -39,7 +40,7 @@ std::shared_ptr<Task> Executor::Submit(std::function<void()> fn) {
       return task;
     }
   }
-  task->Finish(llm_datadist::LLM_FAILED, "the engine is closed: the transfer was not started");
+  task->Finish(llm_datadist::LLM_FAILED, "the engine is closed: the transfer was not started", ErrorKind::kGeneral);
   return task;
 }
 
@@ -59,17 +60,19 @@ void Executor::Run() {
     lock.unlock();
     uint32_t code = 0;
     std::string message;
+    ErrorKind kind = ErrorKind::kGeneral;
     try {
       job.second();
     } catch (const Error &e) {
       code = e.code();
       message = e.what();
+      kind = e.kind();
     } catch (const std::exception &e) {
       code = llm_datadist::LLM_FAILED;
       message = e.what();
     }
     job.second = nullptr;  // what the closure holds goes before the task says it ended
-    job.first->Finish(code, std::move(message));
+    job.first->Finish(code, std::move(message), kind);
     lock.lock();
     --running_;
   }
@@ -85,7 +88,8 @@ void Executor::Close() {
   work_.notify_all();
   for (auto &job : dropped) {
     job.second = nullptr;
-    job.first->Finish(ge::LLM_ENGINE_FINALIZED, "the engine was finalized before the transfer started");
+    job.first->Finish(ge::LLM_ENGINE_FINALIZED, "the engine was finalized before the transfer started",
+                      ErrorKind::kGeneral);
   }
 }
 

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "errors.h"
 #include "net.h"
 
 namespace datadist {
@@ -25,7 +26,7 @@ namespace datadist {
 class Task {
  public:
   /// A task that ended already (code 0: success), for work done in the issuing thread.
-  static std::shared_ptr<Task> Ended(uint32_t code, std::string message);
+  static std::shared_ptr<Task> Ended(uint32_t code, std::string message, ErrorKind kind = ErrorKind::kGeneral);
   /// Ended (successfully or not)? Never blocks: one atomic load.
   bool Done() const { return done_.load(std::memory_order_acquire); }
   /// Blocks until the task ends or `deadline` passes; true when it ended.
@@ -33,15 +34,18 @@ class Task {
   /// Once Done: 0 (LLM_SUCCESS) or the status code of the error that ended it, and its message.
   uint32_t code() const { return code_; }
   const std::string &message() const { return message_; }
+  /// Once Done: the kind of the error that ended it (errors.h).
+  ErrorKind kind() const { return kind_; }
 
  private:
   friend class Executor;
-  void Finish(uint32_t code, std::string message);
+  void Finish(uint32_t code, std::string message, ErrorKind kind);
   std::mutex mu_;
   std::condition_variable ended_;
   std::atomic<bool> done_{false};
   uint32_t code_ = 0;
   std::string message_;
+  ErrorKind kind_ = ErrorKind::kGeneral;
 };
 
 class Executor {

@@ -42,7 +42,7 @@ std::string Compare(const wire::Checksum &owner, const std::vector<iovec> &local
          " bytes arrived (the source changed during the transfer, or the bytes were corrupted)";
 }
 
-void Mismatch(const std::string &why) { throw Error(kSuspectRemoteError, why); }
+void Mismatch(const std::string &why) { throw Error(kSuspectRemoteError, why, ErrorKind::kChecksumMismatch); }
 
 void Pending::Await(uint32_t rid, std::unique_ptr<Lease> lease) {
   lease->Unpin();

@@ -28,8 +28,8 @@
 namespace datadist {
 namespace verify {
 
-/// How a mismatch's message starts (the Python facade raises IntegrityError for
-/// LLM_SUSPECT_REMOTE_ERROR with this start).
+/// How a mismatch's message starts (for people: callers tell a mismatch by its kind,
+/// ErrorKind::kChecksumMismatch, not by this text).
 constexpr char kMismatch[] = "checksum mismatch";
 
 /// Owner: the CHECKSUM frame over `src` (the read's source spans), answering request `rid`.
@@ -44,7 +44,8 @@ wire::Checksum Expect(const wire::Header &h, const std::vector<uint8_t> &payload
 /// (the message a mismatch raises, starting with kMismatch).
 std::string Compare(const wire::Checksum &owner, const std::vector<iovec> &local);
 
-/// Reader: throws the mismatch `why` (from Compare) as LLM_SUSPECT_REMOTE_ERROR.
+/// Reader: throws the mismatch `why` (from Compare) as LLM_SUSPECT_REMOTE_ERROR of kind
+/// ErrorKind::kChecksumMismatch.
 [[noreturn]] void Mismatch(const std::string &why);
 
 /// Owner: the streamed read of a connection that awaits its reader's verdict (at most one: a

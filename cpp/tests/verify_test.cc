@@ -19,7 +19,9 @@
 #include "crc32.h"
 #include "errors.h"
 #include "net.h"
+#include "tasks.h"
 #include "test_util.h"
+#include "verify.h"
 #include "wire.h"
 
 namespace {
@@ -184,6 +186,29 @@ TEST(Verify, TheOptionIsOneOrZero) {
   LlmDataDist dd(1, LlmRole::kDecoder);
   EXPECT_EQ(dd.Initialize(Verifying(0, "maybe")), LLM_PARAM_INVALID);
   EXPECT_EQ(dd.Initialize(Verifying(0, "0")), LLM_SUCCESS);
+}
+
+// A mismatch is told by its kind, not by its text (the binding raises IntegrityError for it;
+// a peer's protocol error has the same code): thrown so, and kept so by an issued transfer.
+TEST(Verify, AMismatchIsItsOwnKind) {
+  try {
+    datadist::verify::Mismatch("the bytes differ");
+    FAIL() << "no throw";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), datadist::kSuspectRemoteError);
+    EXPECT_EQ(e.kind(), datadist::ErrorKind::kChecksumMismatch);
+  }
+  try {
+    datadist::ProtocolViolation("checksum mismatch, says a lying peer");
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.kind(), datadist::ErrorKind::kGeneral);  // the same words, not the same kind
+  }
+  datadist::Executor workers(1);
+  auto task = workers.Submit([] { datadist::verify::Mismatch("the bytes differ"); });
+  ASSERT_TRUE(task->Wait(datadist::After(10)));
+  EXPECT_EQ(task->code(), datadist::kSuspectRemoteError);
+  EXPECT_EQ(task->kind(), datadist::ErrorKind::kChecksumMismatch);
+  workers.Stop();
 }
 
 // Two instances with the option, over TCP (streamed) and the local channel (a slot above

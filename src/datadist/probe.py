@@ -27,7 +27,6 @@ connection that ends right after its handshake, as after ``datadist info --peer`
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import time
@@ -246,13 +245,14 @@ def probe(host: str, port: int, cluster_id: int | None = None, *,
 def main_args(peer: str, cluster_id: int | None, own_id: int, timeout: float) -> Finding:
     """``datadist probe``'s work: the secret and TLS files as a link would take them (the
     environment: DATADIST_AUTH_SECRET, DATADIST_TLS_CERT / _KEY / _CA)."""
-    from datadist.api.llm_datadist import _tls
+    from datadist.core.config import engine_settings
+    from datadist.core.options import parse_options
     from datadist.transport.address import parse_host_port
 
     host, port = parse_host_port(peer)
-    raw = os.environ.get("DATADIST_AUTH_SECRET", "")
-    files = _tls({})
-    return probe(host, port, cluster_id, own_id=own_id, secret=raw.encode() if raw else None,
+    table = engine_settings(parse_options({}))  # the core's option table, as init reads it
+    files = table["tls"]
+    return probe(host, port, cluster_id, own_id=own_id, secret=table["secret"],
                  tls=None if files is None else files.client_context(), timeout=timeout)
 
 

@@ -1,8 +1,9 @@
 """``LLMConfig`` (alias ``LlmConfig``) and ``LLMClusterInfo``, as in llm_datadist.
 
 ``LLMConfig.generate_options()`` emits exactly llm_datadist's option keys; ``init`` also accepts
-a hand-written dict of them. datadist's own extra: ``transport`` (``datadist.Transport``),
-forcing a data path (``tcp``, ``cma``, ``shm`` or ``auto``).
+a hand-written dict of them. datadist's own extras (``transport``, ``auth_secret``,
+``verify_checksum``, TLS files, connection caps, NIXL serving) are generated from the core's
+option table (cpp/src/options.h), which also parses them at init, for both APIs.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.status import LLMException, LLMStatusCode
-from datadist.core.config import EngineConfig
+from datadist.core import config as core_config
+from datadist.core import options as core_options
+from datadist.core.errors import InvalidArgument
 from datadist.transport.address import format_host_port, ipv6_literal
 
 OPT_DEVICE_ID = "ge.exec.deviceId"
@@ -38,23 +41,19 @@ OPT_MEM_UTILIZATION = "llm.MemoryUtilization"
 OPT_DEPLOY_RES_PATH = "llm.deployResPath"
 OPT_CLUSTER_INFO = "llm.ClusterInfo"
 OPT_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
-OPT_TRANSPORT = "datadist.Transport"
-# NIXL serving is consent (docs/security.md, "The NIXL path"): "1" to serve NIXL readers;
-# and where UCX may use transports whose memory keys nothing checks, "1" to allow a NIXL peer
-# to reach this whole process (also needed there to link by NIXL as a reader).
-OPT_NIXL_SERVE = "datadist.NixlServe"
-OPT_NIXL_WHOLE_PROCESS = "datadist.NixlAllowWholeProcessAccess"
-OPT_AUTH_SECRET = "datadist.AuthSecret"
-OPT_VERIFY = "datadist.VerifyChecksum"
-OPT_ALLOW_PTRACE = "datadist.AllowPtrace"
-OPT_TLS_CERT = "datadist.TlsCert"
-OPT_TLS_KEY = "datadist.TlsKey"
-OPT_TLS_CA = "datadist.TlsCa"
-OPT_MAX_CONNECTIONS = "datadist.MaxConnections"
-OPT_MAX_CONNECTIONS_PER_PEER = "datadist.MaxConnectionsPerPeer"
-# the engine's own defaults (a link takes two connections: control and reverse channel)
-DEFAULT_MAX_CONNECTIONS = EngineConfig.max_connections
-DEFAULT_MAX_CONNECTIONS_PER_PEER = EngineConfig.max_connections_per_peer
+# datadist's own options: their keys, variables, values, defaults and messages are the core's
+# option table (cpp/src/options.h, ``_core.options()``); LLMConfig's extras are generated from it.
+OPT_TRANSPORT = core_config.OPT_TRANSPORT
+OPT_NIXL_SERVE = core_config.OPT_NIXL_SERVE
+OPT_NIXL_WHOLE_PROCESS = core_config.OPT_NIXL_WHOLE_PROCESS
+OPT_AUTH_SECRET = core_config.OPT_AUTH_SECRET
+OPT_VERIFY = core_config.OPT_VERIFY
+OPT_ALLOW_PTRACE = core_config.OPT_ALLOW_PTRACE
+OPT_TLS_CERT = core_config.OPT_TLS_CERT
+OPT_TLS_KEY = core_config.OPT_TLS_KEY
+OPT_TLS_CA = core_config.OPT_TLS_CA
+OPT_MAX_CONNECTIONS = core_config.OPT_MAX_CONNECTIONS
+OPT_MAX_CONNECTIONS_PER_PEER = core_config.OPT_MAX_CONNECTIONS_PER_PEER
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -111,12 +110,6 @@ def int_option(name: str, raw: str, lo: int, hi: int, unit: str = "") -> int:
     return int(raw)
 
 
-def sync_kv_timeout_ms(opts: dict[str, str], default: int) -> int:
-    """``llm.SyncKvCacheWaitTime``: int32 milliseconds > 0 (as ``LLMConfig.sync_kv_timeout``)."""
-    raw = opts.get(OPT_SYNC_KV_WAIT)
-    return default if raw is None else int_option(OPT_SYNC_KV_WAIT, raw, 1, INT32_MAX, "ms")
-
-
 def link_total_time_s(opts: dict[str, str], environ: dict[str, str] | Any,
                       default: int) -> int:
     """``llm.LinkTotalTime`` seconds in [0, 2**32-1]; 0 (or unset) means
@@ -145,7 +138,16 @@ def pool_bytes_option(name: str, raw: str) -> int:
 
 
 class LLMConfig:
-    """Options for ``LLMDataDist.init``; set properties, then ``generate_options()``."""
+    """Options for ``LLMDataDist.init``; set properties, then ``generate_options()``.
+
+    datadist's extras (``transport``, ``auth_secret``, ``verify_checksum``, ...) are made
+    from the core's option table (``_core.options()``, cpp/src/options.h) below the class:
+    one property per row with an LLMConfig name, checked by the core as init checks it.
+    """
+
+    if TYPE_CHECKING:  # the extras are generated (_add_extras): typed by the table at run time
+        def __getattr__(self, name: str) -> Any: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __init__(self) -> None:
         self._options: dict[str, str] = {}
@@ -170,15 +172,8 @@ class LLMConfig:
         self._deploy_res_path: str | None = ""
         self._cluster_info = ""
         self._output_max_size: int | None = None
-        self._transport = ""
-        self._nixl_serve: bool | None = None
-        self._nixl_whole_process: bool | None = None
-        self._auth_secret = ""
-        self._verify_checksum: bool | None = False
-        self._allow_ptrace: bool | None = True
-        self._tls = {"cert": "", "key": "", "ca": ""}
-        self._max_connections: int | None = None
-        self._max_connections_per_peer: int | None = None
+        # datadist's extras set so far, by option key: their parsed values (_Extra)
+        self._extras: dict[str, bool | int | str] = {}
 
     # -- device and addresses
 
@@ -417,146 +412,6 @@ class LLMConfig:
         check_isinstance("global_resource_config", value, str, allow_none=True)  # None: unset
         self._global_resource_config = value
 
-    @property
-    def transport(self) -> str:
-        """datadist extra: force a data path ("tcp", "cma", "shm", "nixl", "auto"). "nixl"
-        needs the ``datadist[nixl]`` extra; without it ``init`` raises PARAM_INVALID. Default ""
-        (auto). Emits ``datadist.Transport``."""
-        return self._transport
-
-    @transport.setter
-    def transport(self, value: str) -> None:
-        check_isinstance("transport", value, str, allow_none=False)
-        if value not in ("", "auto", "tcp", "cma", "shm", "nixl"):
-            raise _param_invalid(f"transport must be auto, tcp, cma, shm or nixl, got {value!r}")
-        self._transport = value
-
-    @property
-    def nixl_serve(self) -> bool | None:
-        """datadist extra: serve NIXL readers (our NIXL metadata, grants and leases). Off
-        unless set: NIXL being installed is not consent. Needs
-        ``enable_remote_cache_accessible`` (NIXL registrations are writable) and, where UCX
-        may use transports whose memory keys the hardware does not check (UCX_TLS not
-        limited to RDMA verbs, or no RDMA device), ``nixl_allow_whole_process_access``. Also
-        ``DATADIST_NIXL_SERVE=1``. Default None (off). Emits ``datadist.NixlServe``."""
-        return self._nixl_serve
-
-    @nixl_serve.setter
-    def nixl_serve(self, value: bool | None) -> None:
-        self._nixl_serve = self._bool("nixl_serve", value)
-
-    @property
-    def nixl_allow_whole_process_access(self) -> bool | None:
-        """datadist extra: allow NIXL where UCX may carry it over transports whose memory
-        keys the hardware does not check (tcp, shared memory, cma, ...). There a NIXL peer
-        can read and write ANY address of this process, not only what was registered: set
-        it only among processes that trust each other fully. Also
-        ``DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS=1``. Default None (off). Emits
-        ``datadist.NixlAllowWholeProcessAccess``."""
-        return self._nixl_whole_process
-
-    @nixl_allow_whole_process_access.setter
-    def nixl_allow_whole_process_access(self, value: bool | None) -> None:
-        self._nixl_whole_process = self._bool("nixl_allow_whole_process_access", value)
-
-    @property
-    def auth_secret(self) -> str:
-        """datadist extra: a shared secret every linked peer must prove (challenge and
-        response; the secret never crosses the wire). Also ``DATADIST_AUTH_SECRET``. Default
-        "" (off). Emits ``datadist.AuthSecret``."""
-        return self._auth_secret
-
-    @auth_secret.setter
-    def auth_secret(self, value: str) -> None:
-        check_isinstance("auth_secret", value, str, allow_none=False)
-        self._auth_secret = value
-
-    @property
-    def verify_checksum(self) -> bool | None:
-        """datadist extra: check every pull end to end with a CRC-32 of the source spans
-        (costs about one extra read of the bytes on each side). Also
-        ``DATADIST_VERIFY_CHECKSUM=1``. Default False. Emits ``datadist.VerifyChecksum`` "1"."""
-        return self._verify_checksum
-
-    @verify_checksum.setter
-    def verify_checksum(self, value: bool | None) -> None:
-        self._verify_checksum = self._bool("verify_checksum", value)
-
-    @property
-    def allow_ptrace(self) -> bool | None:
-        """datadist extra: under Yama ``ptrace_scope=1``, let same-user readers attach to
-        this process for cross-memory attach (``PR_SET_PTRACER_ANY``, set only once a
-        same-host reader asks for it and undone at finalize). False: never; those readers
-        fall back to shared memory or a stream path. Also ``DATADIST_ALLOW_PTRACE=0``. Default
-        True. Emits ``datadist.AllowPtrace`` "0" when off."""
-        return self._allow_ptrace
-
-    @allow_ptrace.setter
-    def allow_ptrace(self, value: bool | None) -> None:
-        self._allow_ptrace = self._bool("allow_ptrace", value)
-
-    def _tls_set(self, which: str, value: str) -> None:
-        check_isinstance(f"tls_{which}_file", value, str, allow_none=False)
-        self._tls[which] = value
-
-    @property
-    def tls_cert_file(self) -> str:
-        """datadist extra: this process's TLS certificate (PEM). With ``tls_key_file`` and
-        ``tls_ca_file`` every link runs mutual TLS. Also ``DATADIST_TLS_CERT``. Default "" (no
-        TLS). Emits ``datadist.TlsCert``."""
-        return self._tls["cert"]
-
-    @tls_cert_file.setter
-    def tls_cert_file(self, value: str) -> None:
-        self._tls_set("cert", value)
-
-    @property
-    def tls_key_file(self) -> str:
-        """datadist extra: the key of ``tls_cert_file`` (PEM). Also ``DATADIST_TLS_KEY``.
-        Default "". Emits ``datadist.TlsKey``."""
-        return self._tls["key"]
-
-    @tls_key_file.setter
-    def tls_key_file(self, value: str) -> None:
-        self._tls_set("key", value)
-
-    @property
-    def tls_ca_file(self) -> str:
-        """datadist extra: the CA that signs every peer's certificate (PEM). Also
-        ``DATADIST_TLS_CA``. Default "". Emits ``datadist.TlsCa``."""
-        return self._tls["ca"]
-
-    @tls_ca_file.setter
-    def tls_ca_file(self, value: str) -> None:
-        self._tls_set("ca", value)
-
-    def _cap(self, name: str, value: int) -> int:
-        check_isinstance(name, value, int, allow_none=False)
-        if isinstance(value, bool) or not 1 <= value <= 65535:
-            raise _param_invalid(f"{name} must be in [1, 65535], got {value!r}")
-        return value
-
-    @property
-    def max_connections(self) -> int:
-        """datadist extra: inbound connections a listening process serves at once (default
-        256); more are refused with LLM_LINK_FAILED. Option ``datadist.MaxConnections``, or
-        ``DATADIST_MAX_CONNECTIONS``."""
-        return self._max_connections or DEFAULT_MAX_CONNECTIONS
-
-    @max_connections.setter
-    def max_connections(self, value: int) -> None:
-        self._max_connections = self._cap("max_connections", value)
-
-    @property
-    def max_connections_per_peer(self) -> int:
-        """datadist extra: of those, how many may come from one IP address (default 64).
-        Option ``datadist.MaxConnectionsPerPeer``, or ``DATADIST_MAX_CONNECTIONS_PER_PEER``."""
-        return self._max_connections_per_peer or DEFAULT_MAX_CONNECTIONS_PER_PEER
-
-    @max_connections_per_peer.setter
-    def max_connections_per_peer(self, value: int) -> None:
-        self._max_connections_per_peer = self._cap("max_connections_per_peer", value)
-
     # -- v1 / offline options
 
     @property
@@ -679,30 +534,82 @@ class LLMConfig:
         if self._enable_switch_role:
             o[OPT_SWITCH_ROLE] = "1"
         o[OPT_MEM_UTILIZATION] = str(self._mem_utilization)
-        # datadist's own
-        if self._transport:
-            o[OPT_TRANSPORT] = self._transport
-        for flag, key in ((self._nixl_serve, OPT_NIXL_SERVE),
-                          (self._nixl_whole_process, OPT_NIXL_WHOLE_PROCESS)):
-            if flag is not None:
-                o[key] = "1" if flag else "0"
-        if self._auth_secret:
-            o[OPT_AUTH_SECRET] = self._auth_secret
-        if self._verify_checksum:
-            o[OPT_VERIFY] = "1"
-        if self._allow_ptrace is False:  # None is unset, as for every option
-            o[OPT_ALLOW_PTRACE] = "0"
-        if self._max_connections is not None:
-            o[OPT_MAX_CONNECTIONS] = str(self._max_connections)
-        if self._max_connections_per_peer is not None:
-            o[OPT_MAX_CONNECTIONS_PER_PEER] = str(self._max_connections_per_peer)
-        for which, key in (("cert", OPT_TLS_CERT), ("key", OPT_TLS_KEY), ("ca", OPT_TLS_CA)):
-            if self._tls[which]:
-                o[key] = self._tls[which]
+        # datadist's own, as the table writes them; a bool at its default is left out, so
+        # that its environment variable still applies
+        for extra in _EXTRAS:
+            if extra.spec.key in self._extras:
+                value = self._extras[extra.spec.key]
+                if extra.spec.kind != "bool" or extra.text(value) != extra.spec.default:
+                    o[extra.spec.key] = extra.text(value)
         return o
 
     gen_options = generate_options
 
+
+class _Extra:
+    """One of datadist's extras of LLMConfig, made from a row of the core's option table:
+    its property (getter: the value set, else the table's default; setter: the Python type
+    of its kind, then the core's check of the value, LLMException PARAM_INVALID with the
+    table's message; None, or "" for a text, unsets it) and how ``generate_options`` writes
+    it."""
+
+    _TYPES: dict[str, type] = {"bool": bool, "int": int}
+
+    def __init__(self, spec: core_options.OptionSpec) -> None:
+        self.spec = spec
+        self.default = core_options.check_option(spec.key, spec.default)
+
+    @staticmethod
+    def text(value: bool | int | str) -> str:
+        """The option's text for a value ("1" / "0" for a bool)."""
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        return str(value)
+
+    def doc(self) -> str:
+        s = self.spec
+        where = f"Option ``{s.key}``" + (f", or the environment variable ``{s.env}``"
+                                         if s.env else "")
+        if s.kind == "enum":
+            accepted = f" One of {', '.join(s.values)}."
+        elif s.range is not None:
+            unit = f" {s.unit}" if s.unit else ""
+            accepted = f" An int in [{s.range[0]}, {s.range[1]}]{unit}."
+        else:
+            accepted = ""
+        return (f"datadist extra: {s.doc}{accepted} {where}. Default {self.default!r}; None "
+                "unsets it.")
+
+    def get(self, config: LLMConfig) -> bool | int | str:
+        return config._extras.get(self.spec.key, self.default)
+
+    def set(self, config: LLMConfig, value: bool | int | str | None) -> None:
+        s = self.spec
+        if value is None:
+            config._extras.pop(s.key, None)
+            return
+        # TypeError for another type (a bool is not an int here)
+        check_isinstance(s.attr, value, self._TYPES.get(s.kind, str), allow_none=False)
+        if value == "":
+            config._extras.pop(s.key, None)
+            return
+        try:
+            config._extras[s.key] = core_options.check_option(s.key, self.text(value))
+        except InvalidArgument as e:
+            raise _param_invalid(str(e)) from None
+
+
+def _add_extras() -> tuple[_Extra, ...]:
+    """LLMConfig's extras, one property per row of the core's table with an LLMConfig name;
+    none where the core is not built (init then says why it cannot run)."""
+    extras = tuple(_Extra(spec) for spec in core_options.option_table() if spec.attr)
+    for extra in extras:
+        setattr(LLMConfig, extra.spec.attr,
+                property(extra.get, extra.set, doc=extra.doc()))
+    return extras
+
+
+_EXTRAS = _add_extras()
 
 LlmConfig = LLMConfig
 

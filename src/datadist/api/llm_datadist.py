@@ -25,9 +25,16 @@ from datadist.api.config import LLMClusterInfo, ip_text
 from datadist.api.enums import LLMRole, RegisterMemStatus
 from datadist.api.link_failures import LinkFailures, warn_caller
 from datadist.api.notices import ClusterIdMismatchWarning, LinkFailedWarning
-from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
+from datadist.api.status import (
+    LLMException,
+    LLMStatusCode,
+    code_to_status,
+    llm_errors,
+    to_llm_exception,
+)
+from datadist.core import options as core_options
 from datadist.core.comm import CommManager, CommState, Member
-from datadist.core.config import EngineConfig, TlsConfig
+from datadist.core.config import EngineConfig, TlsConfig, engine_settings
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.core.native import NativeEngine, engine_for
 from datadist.memory.pool import PoolConfig
@@ -36,7 +43,6 @@ from datadist.transport.address import format_host_port, parse_host_port
 log = logging.getLogger(__name__)
 
 MAX_CLUSTERS_PER_CALL = 16
-DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_LINK_TOTAL_TIME_S = 120  # HCCL_CONNECT_TIMEOUT's default
 
 
@@ -93,32 +99,31 @@ def _check_flow_graph_max_size(options: dict[Any, Any]) -> None:
         raise _param_invalid(f"ge.flowGraphMemMaxSize must be digit, config value={value}")
 
 
+def _table(opts: dict[str, str]) -> dict[str, Any]:
+    """The :class:`EngineConfig` fields the core's option table decides for ``opts`` (with
+    the environment): its one parser, the C++ API's too. LLMException PARAM_INVALID with the
+    table's message for a bad value; FEATURE_NOT_ENABLED where the core is not built."""
+    try:
+        parsed = core_options.parse_options(opts)
+    except InvalidArgument as e:
+        raise _param_invalid(str(e)) from None
+    except DatadistError as e:
+        raise to_llm_exception(e, "init") from None
+    return engine_settings(parsed)
+
+
 def _secret(opts: dict[str, str]) -> bytes | None:
-    """The shared secret: the option wins over ``DATADIST_AUTH_SECRET``; empty means none."""
-    raw = opts.get(cfg.OPT_AUTH_SECRET) or os.environ.get("DATADIST_AUTH_SECRET", "")
-    return raw.encode() if raw else None
-
-
-def _flag(opts: dict[str, str], key: str, env: str) -> bool:
-    """An on/off option ("1" / "0"), else its environment variable; default off.
-    PARAM_INVALID for any other value (a typo must not turn a safety setting around)."""
-    raw = opts.get(key) or os.environ.get(env) or "0"
-    if raw not in ("0", "1"):
-        raise _param_invalid(f"{key} (or {env}) must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    """The shared secret (the option, else its variable: the core's table); None for none.
+    For tools (``datadist info``)."""
+    secret: bytes | None = _table(opts)["secret"]
+    return secret
 
 
 def _tls(opts: dict[str, str]) -> TlsConfig | None:
-    """Mutual TLS when a certificate, its key and a CA are all given (options win over
-    ``DATADIST_TLS_CERT`` / ``_KEY`` / ``_CA``); some but not all is PARAM_INVALID."""
-    files = [opts.get(key) or os.environ.get(env, "") for key, env in (
-        (cfg.OPT_TLS_CERT, "DATADIST_TLS_CERT"), (cfg.OPT_TLS_KEY, "DATADIST_TLS_KEY"),
-        (cfg.OPT_TLS_CA, "DATADIST_TLS_CA"))]
-    if not any(files):
-        return None
-    if not all(files):
-        raise _param_invalid("TLS needs a certificate, its key and a CA file together")
-    return TlsConfig(*files)
+    """The TLS files (the options, else their variables: the core's table) when all three
+    are given; some but not all is PARAM_INVALID. For tools (``datadist info``)."""
+    tls: TlsConfig | None = _table(opts)["tls"]
+    return tls
 
 
 def _answers(host: str, port: int, timeout_ms: int) -> bool:
@@ -299,7 +304,7 @@ class LLMDataDist:
                 listen = parse_host_port(raw.split(";")[0])
             except InvalidArgument as e:
                 raise _param_invalid(str(e)) from None
-        timeout_ms = cfg.sync_kv_timeout_ms(opts, DEFAULT_SYNC_KV_TIMEOUT_MS)
+        table = _table(opts)  # datadist.* and llm.SyncKvCacheWaitTime, as the core reads them
         cfg.link_total_time_s(opts, os.environ, DEFAULT_LINK_TOTAL_TIME_S)  # checked now
         pools = {}
         for key in (cfg.OPT_MEM_POOL, cfg.OPT_HOST_MEM_POOL):
@@ -310,36 +315,14 @@ class LLMDataDist:
             from datadist.api.v1 import v1_pool_config  # legacy mode: the KV pool
 
             pools[cfg.OPT_MEM_POOL] = v1_pool_config(opts)
-        caps = {}
-        for key, env, default in (
-            (cfg.OPT_MAX_CONNECTIONS, "DATADIST_MAX_CONNECTIONS", cfg.DEFAULT_MAX_CONNECTIONS),
-            (cfg.OPT_MAX_CONNECTIONS_PER_PEER, "DATADIST_MAX_CONNECTIONS_PER_PEER",
-             cfg.DEFAULT_MAX_CONNECTIONS_PER_PEER),
-        ):
-            raw_cap = opts.get(key) or os.environ.get(env) or str(default)
-            if not raw_cap.isdigit() or not 1 <= int(raw_cap) <= 65535:
-                raise _param_invalid(f"{key} must be an int in [1, 65535], got {raw_cap!r}")
-            caps[key] = int(raw_cap)
         return EngineConfig(
             cluster_id=self._cluster_id,
             role=int(self._role),
             listen=listen,
-            sync_timeout=timeout_ms / 1000.0,
             device_pool=pools.get(cfg.OPT_MEM_POOL),
             host_pool=pools.get(cfg.OPT_HOST_MEM_POOL),
-            transport=opts.get(cfg.OPT_TRANSPORT),
-            nixl_serve=_flag(opts, cfg.OPT_NIXL_SERVE, "DATADIST_NIXL_SERVE"),
-            nixl_whole_process=_flag(opts, cfg.OPT_NIXL_WHOLE_PROCESS,
-                                     "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS"),
-            secret=_secret(opts),
-            tls=_tls(opts),
-            verify=(opts.get(cfg.OPT_VERIFY) or os.environ.get("DATADIST_VERIFY_CHECKSUM", ""))
-            == "1",
-            allow_ptrace=(opts.get(cfg.OPT_ALLOW_PTRACE)
-                          or os.environ.get("DATADIST_ALLOW_PTRACE", "1")) != "0",
             remote_cache_accessible=opts.get(cfg.OPT_REMOTE_CACHE_ACCESSIBLE) == "1",
-            max_connections=caps[cfg.OPT_MAX_CONNECTIONS],
-            max_connections_per_peer=caps[cfg.OPT_MAX_CONNECTIONS_PER_PEER],
+            **table,
         )
 
     def finalize(self) -> None:

@@ -39,6 +39,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("cross-memory attach (process_vm_readv): available")
     except CmaRefused as e:
         print(f"cross-memory attach: refused ({e}); same-host links fall back to tcp")
+    _info_options()
     _info_engine()
     _info_nixl()
     if args.peer:
@@ -46,20 +47,41 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info_options() -> None:
+    """The init options of the core's table (cpp/src/options.h), each with the value this
+    environment gives it and where from (the variable, or the default); a secret is not
+    shown. What both APIs' init would start from, before their own options."""
+    from datadist.core import options
+
+    table = options.option_table()
+    if not table:
+        print("options: the native core is not built, its option table is unknown")
+        return
+    try:
+        parsed = options.parse_options({})
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        print(f"options: this environment's settings are refused: {e}")
+        return
+    print("options (option, or variable: value, from where):")
+    for spec in table:
+        value, source = parsed[spec.key]
+        shown = ("set" if value else "unset") if spec.kind == "secret" else (
+            ("1" if value else "0") if isinstance(value, bool) else str(value) or '""')
+        where = f" / {spec.env}" if spec.env else ""
+        print(f"  {spec.key}{where}: {shown} ({source})")
+
+
 def _info_engine() -> None:
     """The engine LLMDataDist.init gets here (the native core, the only one), for a
     configuration from this environment's settings (DATADIST_ENGINE, DATADIST_TRANSPORT,
     TLS, checksums, NIXL serving), or why it would refuse that configuration."""
-    from datadist.api.llm_datadist import _secret, _tls
     from datadist.core import native
-    from datadist.core.config import EngineConfig
+    from datadist.core.config import EngineConfig, engine_settings
+    from datadist.core.options import parse_options
 
     try:
         native.wanted({})
-        config = EngineConfig(cluster_id=1, role=2, transport=os.environ.get("DATADIST_TRANSPORT"),
-                              secret=_secret({}), tls=_tls({}),
-                              verify=os.environ.get("DATADIST_VERIFY_CHECKSUM", "") == "1",
-                              nixl_serve=os.environ.get("DATADIST_NIXL_SERVE") == "1")
+        config = EngineConfig(cluster_id=1, role=2, **engine_settings(parse_options({})))
     except Exception as e:  # noqa: BLE001 - report, do not crash
         print(f"engine: cannot tell ({e})")
         return
@@ -85,11 +107,11 @@ def _info_peer(args: argparse.Namespace) -> None:
     from the environment), and say which path the pull will take and why, and the peer's
     metrics (STATS). Each step (link, the path probe, STATS) blocks <= ``--timeout``;
     CliError for what fails."""
-    from datadist.api.llm_datadist import _secret, _tls
     from datadist.api.status import LLMException
     from datadist.core import native
-    from datadist.core.config import EngineConfig
+    from datadist.core.config import EngineConfig, engine_settings
     from datadist.core.errors import DatadistError
+    from datadist.core.options import parse_options
     from datadist.transport.address import format_host_port, parse_host_port
 
     try:
@@ -97,10 +119,11 @@ def _info_peer(args: argparse.Namespace) -> None:
         if args.own_id == args.cluster_id:
             raise CliError(f"--own-id and --cluster-id are both {args.cluster_id}: a link "
                            "needs two clusters")
+        table = engine_settings(parse_options({}))  # the secret, TLS and NIXL allowance
         eng, _ = native.engine_for(EngineConfig(
             cluster_id=args.own_id, role=2, transport=args.transport,
-            secret=_secret({}), tls=_tls({}),
-            nixl_whole_process=os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS") == "1"),
+            secret=table["secret"], tls=table["tls"],
+            nixl_whole_process=table["nixl_whole_process"]),
             {})
     except (DatadistError, LLMException) as e:
         raise CliError(f"--peer {args.peer!r}: {e}") from None
@@ -210,17 +233,24 @@ def _info_nixl() -> None:
     lib = native.nixl_library()
     print(f"nixl C API: {lib} (the core drives NIXL through it)" if lib else
           f"nixl C API: {native.NIXL_CAPI} not found beside {module}: the core cannot use NIXL")
-    serve = os.environ.get("DATADIST_NIXL_SERVE", "")
-    whole = os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "") == "1"
-    print("nixl serving: " + ("on" if serve == "1" else "off") +
-          f" (DATADIST_NIXL_SERVE={serve!r}, or the option datadist.NixlServe; needs "
+    from datadist.core.options import parse_options
+
+    try:
+        parsed = parse_options({})
+        serve = bool(parsed["datadist.NixlServe"][0])
+        whole = bool(parsed["datadist.NixlAllowWholeProcessAccess"][0])
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        print(f"nixl serving: cannot tell ({e})")
+        return
+    print("nixl serving: " + ("on" if serve else "off") +
+          " (datadist.NixlServe, or its variable: options above; needs "
           "enable_remote_cache_accessible)")
     unchecked = nixl.unchecked_transports()
     print("nixl transports: " + (
         "RDMA verbs only (UCX_TLS): memory keys checked by the NIC, but UCX's software RMA "
         "still answers any address" if unchecked is None else f"keys UNCHECKED ({unchecked})")
         + ": a NIXL peer can reach the whole process; serving NIXL is "
-        + ("ALLOWED (DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS=1)" if whole else
+        + ("ALLOWED (datadist.NixlAllowWholeProcessAccess)" if whole else
            "refused unless datadist.NixlAllowWholeProcessAccess is set"))
 
 

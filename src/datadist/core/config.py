@@ -1,8 +1,9 @@
 """What an engine runs with: its configuration and the names of its choices.
 
-Who calls: the facade (``LLMDataDist.init`` parses its options into an :class:`EngineConfig`),
-the engine (:mod:`datadist.core.native`), ``datadist info`` / ``probe`` and the bench. Plain
-data and checks: nothing here blocks, opens a socket or imports the core.
+Who calls: the facade (``LLMDataDist.init`` has the core's option table parse its options,
+:func:`engine_settings` turns that into an :class:`EngineConfig`'s fields), the engine
+(:mod:`datadist.core.native`), ``datadist info`` / ``probe`` and the bench. Plain data and
+checks: nothing here blocks or opens a socket; only :func:`forced_path` asks the core's table.
 """
 
 from __future__ import annotations
@@ -10,16 +11,36 @@ from __future__ import annotations
 import enum
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from datadist.core.errors import InvalidArgument
+from datadist.core.options import parse_options
 from datadist.memory.pool import PoolConfig
 
 HOST, DEVICE = 0, 1  # a cache's placement, as the core's registry keeps it
 
 
+# The option keys of the core's table (cpp/src/options.h) the Python face reads by name.
+OPT_TRANSPORT = "datadist.Transport"
+OPT_ENGINE = "datadist.Engine"
+OPT_NIXL_SERVE = "datadist.NixlServe"
+OPT_NIXL_WHOLE_PROCESS = "datadist.NixlAllowWholeProcessAccess"
+OPT_NIXL_LIBRARY = "datadist.NixlLibrary"
+OPT_AUTH_SECRET = "datadist.AuthSecret"
+OPT_VERIFY = "datadist.VerifyChecksum"
+OPT_ALLOW_PTRACE = "datadist.AllowPtrace"
+OPT_TLS_CERT = "datadist.TlsCert"
+OPT_TLS_KEY = "datadist.TlsKey"
+OPT_TLS_CA = "datadist.TlsCa"
+OPT_MAX_CONNECTIONS = "datadist.MaxConnections"
+OPT_MAX_CONNECTIONS_PER_PEER = "datadist.MaxConnectionsPerPeer"
+OPT_SYNC_KV_WAIT = "llm.SyncKvCacheWaitTime"
+
+
 class PathKind(str, enum.Enum):
-    """Data paths by name, as users force them (``DATADIST_TRANSPORT``)."""
+    """Data paths by name, as users force them (``datadist.Transport``)."""
 
     AUTO = "auto"
     TCP = "tcp"
@@ -87,7 +108,7 @@ class EngineConfig:
     sync_timeout: float = 1.0  # seconds, bounds every pull and push
     device_pool: PoolConfig | None = None
     host_pool: PoolConfig | None = None
-    transport: str | None = None
+    transport: str | None = None  # None: the table's (its variable, else auto)
     # NIXL (docs/security.md, "The NIXL path"): serve NIXL readers (our metadata, grants,
     # leases) only when asked to (datadist.NixlServe); and, where UCX would carry NIXL over a
     # transport whose memory keys the hardware does not check, only with
@@ -95,6 +116,7 @@ class EngineConfig:
     # link by NIXL there: a NIXL peer can then reach this whole process.
     nixl_serve: bool = False
     nixl_whole_process: bool = False
+    nixl_library: str = ""  # NIXL's C API to load ("": the nixl-cu12 wheel's)
     secret: bytes | None = None  # shared secret peers must prove at link time
     verify: bool = False  # end-to-end CRC-32 of every pull
     tls: TlsConfig | None = None  # mutual TLS on every connection
@@ -141,12 +163,36 @@ class HostIdentity:
         return self.boot_id == boot_id and any(self.boot_id)
 
 
+def engine_settings(parsed: Mapping[str, tuple[object, str]]) -> dict[str, Any]:
+    """The :class:`EngineConfig` fields the core's option table decides, from what it parsed
+    (``native.parse_options``: ``{key: (value, source)}``): transport, NIXL serving, secret,
+    checksums, ptrace, TLS, connection caps and the pull / push deadline. Returns at once."""
+    v = {key: value for key, (value, _source) in parsed.items()}
+    files = (str(v[OPT_TLS_CERT]), str(v[OPT_TLS_KEY]), str(v[OPT_TLS_CA]))
+    secret = str(v[OPT_AUTH_SECRET])
+    return {
+        "transport": str(v[OPT_TRANSPORT]),
+        "nixl_serve": bool(v[OPT_NIXL_SERVE]),
+        "nixl_whole_process": bool(v[OPT_NIXL_WHOLE_PROCESS]),
+        "nixl_library": str(v[OPT_NIXL_LIBRARY]),
+        "secret": secret.encode() if secret else None,
+        "verify": bool(v[OPT_VERIFY]),
+        "allow_ptrace": bool(v[OPT_ALLOW_PTRACE]),
+        "tls": TlsConfig(*files) if all(files) else None,
+        "max_connections": _int(v[OPT_MAX_CONNECTIONS]),
+        "max_connections_per_peer": _int(v[OPT_MAX_CONNECTIONS_PER_PEER]),
+        "sync_timeout": _int(v[OPT_SYNC_KV_WAIT]) / 1000.0,
+    }
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int):
+        raise TypeError(f"the option table gave {value!r} for an int option")
+    return value
+
+
 def forced_path(option: str | None) -> PathKind:
-    """The path the user forces: the option wins over ``DATADIST_TRANSPORT``."""
-    raw = option or os.environ.get("DATADIST_TRANSPORT", "") or "auto"
-    try:
-        return PathKind(raw.strip().lower())
-    except ValueError:
-        raise InvalidArgument(
-            f"unknown transport {raw!r}; use one of {[k.value for k in PathKind]}"
-        ) from None
+    """The path the user forces: the option, else its variable, else auto, as the core's
+    option table reads them (InvalidArgument with the table's message for another name)."""
+    parsed = parse_options({OPT_TRANSPORT: option or ""})
+    return PathKind(str(parsed[OPT_TRANSPORT][0]))

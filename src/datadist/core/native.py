@@ -11,8 +11,8 @@ every cache into the core's registry, which serves peers. Accepting, handshakes,
 requests, reverse channels, same-host grants, NIXL and leases run on the core's native threads
 and never take the GIL; a pull or push issued here releases the GIL for its whole duration;
 asynchronous ones run on the core's fixed set of workers and are polled without the GIL.
-Errors from the core (``_core.CoreError(code, message)``) become datadist's error classes
-in one place (:func:`_raised`).
+The core raises datadist's own error classes (``datadist.core.errors``), chosen by its
+binding from one code-to-class table (cpp/python/module.cc, ``PyError``).
 """
 
 from __future__ import annotations
@@ -23,28 +23,26 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from datadist.core import metrics, native_build
-from datadist.core.config import DEVICE, HOST, EngineConfig, HostIdentity, PathKind, forced_path
+from datadist.core.config import DEVICE, HOST, OPT_TRANSPORT, EngineConfig, HostIdentity, PathKind
 from datadist.core.errors import (
     AlreadyLinked,
     Closed,
-    Code,
     DatadistError,
     DeviceOutOfMemory,
-    IntegrityError,
     InvalidArgument,
     NotLinked,
     NotSupported,
     OutOfMemory,
-    error_for_code,
 )
 from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
+from datadist.core.options import parse_options
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry, check_request_size
 from datadist.memory import shared
@@ -56,7 +54,7 @@ log = logging.getLogger("datadist.native")
 UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache
 CLOSE_WAIT = 5.0  # s finalize waits for them
 ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever their number
-ENGINE_ENV = "DATADIST_ENGINE"  # "native" or "auto" (the default); "python" is refused
+ENGINE_ENV = "DATADIST_ENGINE"  # datadist.Engine's variable in the core's table (tests set it)
 
 _core: Any = None
 
@@ -123,14 +121,15 @@ def nixl_library() -> str | None:
     return None
 
 
-def load_nixl(mod: Any) -> str | None:
+def load_nixl(mod: Any, library: str = "") -> str | None:
     """Hand the installed NIXL to the core (``_core.nixl_load``), once per process, with the
     environment NIXL needs here (transport/nixl.py: UCX's ib module kept out
-    where the host has no RDMA device). Returns why NIXL cannot be used, None once loaded.
+    where the host has no RDMA device): ``library`` (``datadist.NixlLibrary``) when given,
+    else the nixl-cu12 wheel's. Returns why NIXL cannot be used, None once loaded.
     Called by :class:`NativeEngine` when it serves NIXL; blocks while NIXL loads."""
     from datadist.transport import nixl
 
-    lib = nixl_library()
+    lib = library or nixl_library()
     if lib is None:
         return "NIXL is not installed: pip install 'datadist[nixl]' (the nixl-cu12 wheel)"
     nixl._skip_unusable_ib()
@@ -139,19 +138,11 @@ def load_nixl(mod: Any) -> str | None:
 
 
 def wanted(options: dict[str, str]) -> str:
-    """Check the engine the caller asked for: the option ``datadist.Engine``, else the
-    environment's DATADIST_ENGINE, else "auto". "auto" and "native" both name the core, the
-    only engine; "python" (the engine that was removed) and anything else are an
-    InvalidArgument, so a deployment that still asks for it learns why at init."""
-    choice = (options.get("datadist.Engine") or os.environ.get(ENGINE_ENV) or "auto").lower()
-    if choice == "python":
-        raise InvalidArgument(
-            f"datadist.Engine (or {ENGINE_ENV}) = 'python': the Python engine was removed; "
-            "the native core runs every configuration (unset it, or use 'native')")
-    if choice not in ("auto", "native"):
-        raise InvalidArgument(
-            f"datadist.Engine (or {ENGINE_ENV}) must be 'auto' or 'native', got {choice!r}")
-    return choice
+    """Check the engine the caller asked for: ``datadist.Engine`` (its variable, its default:
+    the table's), "auto" or "native", both the core, the only engine; "python" (the engine
+    that was removed) and anything else are an InvalidArgument saying so, so a deployment
+    that still asks for it learns why at init. NotSupported where the core is not built."""
+    return str(parse_options(options)["datadist.Engine"][0])
 
 
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
@@ -183,38 +174,6 @@ def checked_local_iov(kept: Prepared[np.ndarray], plan: Plan, entry: CacheEntry)
         return iov
 
     return kept.get((plan, entry), build)
-
-
-MISMATCH = "checksum mismatch"  # how the core's message for a failed checksum starts (verify.h)
-
-
-def _error(code: int, message: str) -> DatadistError:
-    """The datadist error for a core error's status code and message: a checksum mismatch
-    is an IntegrityError; a link the core holds already is
-    AlreadyLinked (callers catch it by class: link_clusters answers LLM_ALREADY_LINK, a
-    comm closes its duplicate); the rest by their code (error_for_code, a peer's codes)."""
-    if code == int(Code.SUSPECT_REMOTE_ERROR) and message.startswith(MISMATCH):
-        return IntegrityError(message)
-    if code == int(Code.ALREADY_LINK):
-        return AlreadyLinked(message)
-    return error_for_code(code, message)
-
-
-def _raised(e: BaseException) -> DatadistError:
-    """The datadist error for a core error (its status code and message)."""
-    return _error(int(e.args[0]), str(e.args[1]))
-
-
-@contextlib.contextmanager
-def _mapped() -> Iterator[None]:
-    """Core errors raised inside become datadist errors (the one place they are mapped)."""
-    try:
-        yield
-    except BaseException as e:
-        mod = core_module()
-        if mod is not None and isinstance(e, mod.CoreError):
-            raise _raised(e) from None
-        raise
 
 
 @dataclass(frozen=True)
@@ -305,7 +264,7 @@ class NativeHandle:
 
     def error(self) -> DatadistError | None:
         err = self._handle.error()
-        return None if err is None else _error(int(err[0]), str(err[1]))
+        return err  # type: ignore[no-any-return]  # the core's error class for its code
 
 
 class NativeEngine:
@@ -329,7 +288,6 @@ class NativeEngine:
         # write): a repeated pull converts nothing (a plan and an entry are compared by
         # identity: an unregistered cache's entry never comes back from hold)
         self._calls: Prepared[Any] = Prepared(KEPT, lambda call: int(call.spans))
-        self._core_error: type[BaseException] = mod.CoreError
         self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
         self._core_module = mod
         # Asynchronous transfers not yet seen to end: each holds its local cache until then.
@@ -338,27 +296,29 @@ class NativeEngine:
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
         self._core.set_remote_writes(config.remote_cache_accessible)
         try:
-            forced = forced_path(config.transport)
+            # A config made without LLMDataDist.init (tools, tests) leaves the transport to
+            # the table's variable and default.
+            forced = config.transport or str(
+                parse_options({})[OPT_TRANSPORT][0])
             if (forced == PathKind.NIXL or config.nixl_serve) \
-                    and (why := load_nixl(mod)) is not None:
+                    and (why := load_nixl(mod, config.nixl_library)) is not None:
                 if forced == PathKind.NIXL:  # a reader without NIXL: init fails, saying why
                     raise InvalidArgument(f"transport 'nixl' needs NIXL: pip install "
                                           f"'datadist[nixl]' ({why})")
                 # An owner without NIXL: readers are refused (FEATURE_NOT_ENABLED) with why.
                 log.info("serving NIXL asked for, but %s", why)
-            with _mapped():
-                # Same-host links read owners' shared memory (memfds) unless cma is forced;
-                # forced shm names the path "shm" (as core/links.py).
-                tls = config.tls
-                self._core.open(config.secret or b"", forced != PathKind.TCP,
-                                config.allow_ptrace, config.max_connections,
-                                config.max_connections_per_peer,
-                                tls.cert_file if tls else "", tls.key_file if tls else "",
-                                tls.ca_file if tls else "",
-                                shm=forced != PathKind.CMA, shm_forced=forced == PathKind.SHM,
-                                nixl_serve=config.nixl_serve,
-                                nixl_whole_process=config.nixl_whole_process,
-                                nixl_read=forced == PathKind.NIXL)
+            # What the forced transport means for links is the core's rule (options.h
+            # ApplyTransport), the one the C++ API uses.
+            tls = config.tls
+            self._core.open(secret=config.secret or b"", transport=forced,
+                            allow_ptrace=config.allow_ptrace,
+                            max_conns=config.max_connections,
+                            max_per_peer=config.max_connections_per_peer,
+                            tls_cert=tls.cert_file if tls else "",
+                            tls_key=tls.key_file if tls else "",
+                            tls_ca=tls.ca_file if tls else "",
+                            nixl_serve=config.nixl_serve,
+                            nixl_whole_process=config.nixl_whole_process)
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
                 if cfg is not None:
                     name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
@@ -445,13 +405,11 @@ class NativeEngine:
     def start_listening(self, host: str, port: int) -> None:
         """Listen at host:port (0: any port), replacing where we listened. LinkFailed."""
         self._check_open()
-        with _mapped():
-            bound = self._core.listen(host, port)
+        bound = self._core.listen(host, port)
         self._listen = (host, int(bound))
 
     def stop_listening(self) -> None:
-        with _mapped():
-            self._core.stop_listening()
+        self._core.stop_listening()
         self._listen = None
 
     # ------------------------------------------------------------------ caches
@@ -466,18 +424,17 @@ class NativeEngine:
         found = shared.lookup(entry.addrs, g.tensor_bytes)
         shm = None if found is None else tuple(a.tolist() for a in found)
         try:
-            with _mapped():
-                self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
-                                     g.layout, entry.addrs, entry.owned,
-                                     entry.remote_accessible, g.is_blocks, shm=shm,
-                                     device=entry.placement == DEVICE)
-                bound = [(slot, k) for slot, k in enumerate(keys) if k is not None]
-                if bound:
-                    self._core.bind_keys(entry.cache_id,
-                                         [(k.value, k.model_id, k.is_prefix) for _, k in bound],
-                                         [slot for slot, _ in bound])
-                if blocks_model_id is not None:
-                    self._core.bind_model(blocks_model_id, entry.cache_id)
+            self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
+                                 g.layout, entry.addrs, entry.owned,
+                                 entry.remote_accessible, g.is_blocks, shm=shm,
+                                 device=entry.placement == DEVICE)
+            bound = [(slot, k) for slot, k in enumerate(keys) if k is not None]
+            if bound:
+                self._core.bind_keys(entry.cache_id,
+                                     [(k.value, k.model_id, k.is_prefix) for _, k in bound],
+                                     [slot for slot, _ in bound])
+            if blocks_model_id is not None:
+                self._core.bind_model(blocks_model_id, entry.cache_id)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._core.remove_cache(entry.cache_id, 0.0)
@@ -547,14 +504,12 @@ class NativeEngine:
         return entry
 
     def _unmirror(self, cache_id: int, wait: float = UNREGISTER_WAIT) -> None:
-        with _mapped():
-            self._core.remove_cache(cache_id, wait)
+        self._core.remove_cache(cache_id, wait)
 
     def deallocate(self, cache_id: int, *, blocks: bool = False) -> None:
         """Drop a pool cache's id (and keys, for blocks caches); its memory goes back to the
         pool once no key and no transfer holds it any more."""
-        with _mapped():
-            self._core.deallocate(cache_id, blocks)
+        self._core.deallocate(cache_id, blocks)
         self.registry.deallocate(cache_id, drop_keys=blocks)
         self._sync()
 
@@ -576,8 +531,7 @@ class NativeEngine:
 
     def remove_key(self, key: KeyId) -> None:
         self._sync()
-        with _mapped():
-            self._core.unbind_key(key.value, key.model_id, key.is_prefix)
+        self._core.unbind_key(key.value, key.model_id, key.is_prefix)
         self.registry.remove_key(key)
         self._sync()
 
@@ -588,16 +542,14 @@ class NativeEngine:
         """Connect to a peer's listener (blocks <= timeout, without the GIL); filed under
         the id the peer announces with ``as_announced``. AlreadyLinked, LinkFailed, Timeout."""
         self._check_open()
-        with _mapped():
-            cid = self._core.connect(cluster_id, host, port, timeout, as_announced)
+        cid = self._core.connect(cluster_id, host, port, timeout, as_announced)
         return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"),
                           reason=str(self._core.link_reason(cid) or ""))
 
     def unlink(self, cluster_id: int, timeout: float, force: bool = False,
                quiet_inbound: bool = False) -> None:
         """Unlink both ends; NotLinked, Busy, UnlinkFailed."""
-        with _mapped():
-            self._core.unlink(cluster_id, timeout, force, quiet_inbound)
+        self._core.unlink(cluster_id, timeout, force, quiet_inbound)
 
     def get_link(self, cluster_id: int) -> NativeLink:
         path = self._core.link_path(cluster_id)
@@ -613,8 +565,7 @@ class NativeEngine:
         refusal changes the link's path and reason (:meth:`get_link`) as the first pull would
         change them. Who calls: ``datadist info --peer``, to say the path a pull will take.
         Blocks <= timeout while a transfer holds the link; NotLinked, Timeout."""
-        with _mapped():
-            self._core.probe_cma(cluster_id, timeout)
+        self._core.probe_cma(cluster_id, timeout)
 
     def last_moved(self, cluster_id: int) -> str:
         """How the last pull on our link to ``cluster_id`` moved its bytes: "shm" (memcpy
@@ -623,8 +574,7 @@ class NativeEngine:
         return str(self._core.link_moved(cluster_id) or "")
 
     def check_link(self, cluster_id: int, timeout: float) -> None:
-        with _mapped():
-            self._core.ping(cluster_id, timeout)
+        self._core.ping(cluster_id, timeout)
 
     def links(self) -> list[NativeLink]:
         out = []
@@ -655,8 +605,7 @@ class NativeEngine:
     def make_listener(self, host: str, port: int) -> NativeListener:
         """One more listener (a comm's rank-table address), serving as the main one."""
         self._check_open()
-        with _mapped():
-            key = self._core.listen_also(host, port)
+        key = self._core.listen_also(host, port)
         return NativeListener(self._core, int(key), host, port)
 
     def open_link(self, cluster_id: int, host: str, port: int, timeout: float,
@@ -664,8 +613,7 @@ class NativeEngine:
         """Connect and check as :meth:`link` without filing the link (:meth:`adopt_link`
         does); with ``reverse`` also its reverse channel. Blocks <= timeout."""
         self._check_open()
-        with _mapped():
-            return self._core.open_link(cluster_id, host, port, timeout, as_announced, reverse)
+        return self._core.open_link(cluster_id, host, port, timeout, as_announced, reverse)
 
     def adopt_link(self, link: Any) -> None:
         """File a link from :meth:`open_link`. AlreadyLinked (left open) when that cluster is
@@ -673,8 +621,7 @@ class NativeEngine:
         if self._closed:
             link.close()
             raise Closed("the engine is finalized")
-        with _mapped():
-            self._core.adopt_link(link)
+        self._core.adopt_link(link)
 
     def inbound_peers(self) -> list[NativeLink]:
         """The peers whose control channels to us are live now."""
@@ -738,8 +685,6 @@ class NativeEngine:
         entry, call = self._taken(op, cluster_id, key, unit_bytes, plan, cache_id)
         try:
             self._core.run(call, self.config.sync_timeout if timeout is None else timeout)
-        except self._core_error as e:
-            raise _raised(e) from None
         finally:
             self.registry.unhold(entry)
 
@@ -762,9 +707,6 @@ class NativeEngine:
         try:
             handle = self._core.submit(call, self.config.sync_timeout if timeout is None
                                        else timeout)  # counted by the core, refused or not
-        except self._core_error as e:
-            self.registry.unhold(entry)
-            raise _raised(e) from None
         except BaseException:
             self.registry.unhold(entry)
             raise
@@ -784,8 +726,7 @@ class NativeEngine:
         """Ask a linked peer for its metrics over the link (STATS_REQUEST, sent by the
         core without the GIL). Blocks <= timeout; NotLinked, Timeout, or a
         RemoteProtocolError from a peer that does not know the request."""
-        with _mapped():
-            raw = self._core.peer_stats(cluster_id, timeout)
+        raw = self._core.peer_stats(cluster_id, timeout)
         return metrics.parse_stats(raw)
 
     def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
