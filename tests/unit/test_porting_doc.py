@@ -40,10 +40,14 @@ def test_the_ignored_options_are_accepted_and_change_no_mode() -> None:
 
 def test_the_cpp_options_it_names_are_read_by_the_engine() -> None:
     source = (ROOT / "cpp" / "src" / "llm_datadist.cc").read_text()
+    table = (ROOT / "cpp" / "src" / "options.cc").read_text()  # the core's option table
+    header = (ROOT / "cpp" / "include" / "llm_datadist" / "llm_datadist.h").read_text()
+    keys = dict(re.findall(r'(OPTION_[A-Z_]+)\[\] = "([^"]+)"', header))
     named = re.findall(r"`(OPTION_[A-Z_]+)`", _row("C++ options"))
     assert len(named) >= 4
     for option in named:
-        assert f"Find(options, {option})" in source, option
+        assert (f"Find(options, {option})" in source
+                or f'"{keys.get(option, option)}"' in table), option
 
 
 def test_the_pages_it_links_exist() -> None:
