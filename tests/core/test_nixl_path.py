@@ -57,6 +57,14 @@ NIXL_OK = {"nixl_serve": True, "nixl_whole_process": True}
 READER = 2  # the reader's cluster id: the owner's metrics of what it served are filed under it
 
 
+@pytest.fixture(autouse=True)
+def _nixl_readers_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where NIXL is installed, in-process readers that force NIXL get the whole-process
+    allowance (docs/security.md, "The NIXL path"), as e2e/conftest.py gives its decoders."""
+    if nixl.available() is not None:
+        monkeypatch.setenv("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "1")
+
+
 # ------------------------------------------------------------------------------ selection
 
 

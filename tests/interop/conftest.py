@@ -1,9 +1,7 @@
 """Cross-language tests: the C++ library (cpp/) against the Python package, over the wire.
 
-Who runs this: pytest (the README's test command). Once per session, ``cpp_build`` configures
-and builds cpp/ with CMake into ``build/cpp`` (or ``$DATADIST_CPP_BUILD_DIR``), warnings as
-errors; with ``DATADIST_CPP_SANITIZE`` set (``address,undefined`` or ``thread``) it builds with
-those sanitizers into their own directory. Without cmake or a C++ compiler every test here is
+Who runs this: pytest (tests/README.md). The C++ peer comes from the session's build of cpp/
+(``cpp_build``, tests/conftest.py); without cmake or a C++ compiler every test here is
 skipped, saying so.
 
 ``XPeer`` drives the C++ test peer (cpp/tests/xpeer.cc) over stdin/stdout, one command per
@@ -15,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import shutil
 import socket
 import subprocess
 import time
@@ -32,30 +29,6 @@ LLM_KV_CACHE_NOT_EXIST = 0x5010B002
 LLM_TIMEOUT = 0x5010B01A
 LLM_LINK_FAILED = 0x5010B009
 LLM_FAILED = 0xFFFFFFFF
-
-
-def _build_dir() -> Path:
-    san = os.environ.get("DATADIST_CPP_SANITIZE", "")
-    base = Path(os.environ.get("DATADIST_CPP_BUILD_DIR", ROOT / "build" / "cpp"))
-    return base.with_name(base.name + "-" + san.replace(",", "-")) if san else base
-
-
-@pytest.fixture(scope="session")
-def cpp_build() -> Path:
-    """Configure and build cpp/ once per session; returns the build directory."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"C++ tests need {' and '.join(missing)} (not found on PATH)")
-    build = _build_dir()
-    san = os.environ.get("DATADIST_CPP_SANITIZE", "")
-    configure = ["cmake", "-S", str(CPP), "-B", str(build), "-DDATADIST_WERROR=ON",
-                 f"-DDATADIST_SANITIZE={san}", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
-    jobs = str(min(4, os.cpu_count() or 1))
-    for cmd in (configure, ["cmake", "--build", str(build), "-j", jobs]):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if done.returncode:
-            pytest.fail(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    return build
 
 
 def free_port(host: str = "127.0.0.1") -> int:
