@@ -307,7 +307,7 @@ def _pull_key(puller: NativeEngine, req_id: int = 7) -> np.ndarray:
 
 # item 8, "a checksum mismatch over TCP does not consume the key": the reader's ok = 0
 # verdict, streamed and granted, is checked against the core's owner by
-# test_integrity_engines.py::test_the_core_consumes_a_key_only_on_a_confirmed_read.
+# test_checksummed_pulls.py::test_the_core_consumes_a_key_only_on_a_confirmed_read.
 
 
 def test_item8_without_a_verdict_the_key_stays(owner) -> None:

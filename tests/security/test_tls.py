@@ -12,6 +12,7 @@ import socket
 import ssl
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -403,15 +404,11 @@ def test_frames_that_share_a_record_are_all_answered(certs) -> None:
         owner.close()
 
 
-def test_tls_options_run_on_the_core_and_a_core_without_tls_refuses_them(
-        certs, monkeypatch) -> None:
-    """A TLS configuration given to LLMDataDist runs on the core; a core built without
-    OpenSSL refuses it at init, LLM_FEATURE_NOT_ENABLED saying why, as the C++ API does
-    (never a link without TLS)."""
+def test_tls_options_run_on_the_core(certs, monkeypatch) -> None:
+    """A TLS configuration given to LLMDataDist runs on the core (a core built without
+    OpenSSL refuses it: test_a_core_built_without_tls_refuses_tls)."""
     import datadist as llm
-    from datadist.core.errors import NotSupported
 
-    config = EngineConfig(cluster_id=2, role=2, tls=certs["decoder"])
     tls = certs["decoder"]
     options = {"datadist.TlsCert": tls.cert_file, "datadist.TlsKey": tls.key_file,
                "datadist.TlsCa": tls.ca_file}
@@ -423,10 +420,107 @@ def test_tls_options_run_on_the_core_and_a_core_without_tls_refuses_them(
         assert dd.engine.config.tls == tls
     finally:
         dd.finalize()
-    monkeypatch.setattr(native, "tls_available", lambda: (False, "no OpenSSL in this build"))
-    with pytest.raises(NotSupported, match="no OpenSSL in this build"):
-        native.engine_for(config, {"datadist.Engine": "native"})
-    dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
-    with pytest.raises(llm.LLMException) as e:
-        dd.init(dict(options))
-    assert e.value.status_code == llm.LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+
+
+# Run in a child with the core built without TLS: the package's Python files beside that
+# module. Prints one line per check; the parent asserts them.
+_NO_TLS_CHILD = """
+import sys
+import datadist as llm
+from datadist.core import native
+from datadist.core.config import EngineConfig, TlsConfig
+from datadist.core.errors import NotSupported
+
+cert, key, ca = sys.argv[1:4]
+assert native.core_module().__file__.startswith(sys.argv[4]), native.core_module().__file__
+print("tls", native.tls_available())
+dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
+try:
+    dd.init({"datadist.TlsCert": cert, "datadist.TlsKey": key, "datadist.TlsCa": ca})
+    print("init ok")
+except llm.LLMException as e:
+    print("init", e.status_code.name, e)
+# The core itself, past the package's own check (native.refusal): its engine must refuse.
+try:
+    native.NativeEngine(EngineConfig(cluster_id=3, role=2,
+                                     tls=TlsConfig(cert_file=cert, key_file=key, ca_file=ca)))
+    print("engine ok")
+except NotSupported as e:
+    print("engine", int(e.code), e)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_core_built_without_tls_refuses_tls(certs, tmp_path) -> None:
+    """The core built with -DDATADIST_TLS=OFF (docs/native-build.md; OpenSSL installed, so
+    only the option keeps it out), into a temporary directory: LLMDataDist.init with TLS
+    options fails with LLM_FEATURE_NOT_ENABLED saying why, and so does the core's own engine
+    when handed a TLS configuration past the package's check; never a link without TLS.
+    Builds the core once more (minutes on a busy 2-core machine): marked slow."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    build = tmp_path / "build"
+    found = subprocess.run([sys.executable, "-m", "pybind11", "--cmakedir"],
+                           capture_output=True, text=True)
+    if found.returncode:  # the C++ API's test below builds the same core without it
+        pytest.skip("building the module needs pybind11 here (pip install pybind11)")
+    cmakedir = found.stdout.strip()
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    # An unset CMAKE_BUILD_TYPE: no optimisation, the quickest compile.
+    for cmd in (["cmake", "-S", str(root), "-B", str(build), *gen, "-DDATADIST_TLS=OFF",
+                 "-DDATADIST_CORE_INPLACE=OFF", f"-Dpybind11_DIR={cmakedir}",
+                 f"-DPython_EXECUTABLE={sys.executable}"],
+                ["cmake", "--build", str(build), "--target", "_core", "-j",
+                 str(min(4, os.cpu_count() or 1))]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1400)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (module,) = build.glob("_core*.so")
+    pkg = tmp_path / "pkg"
+    src = Path(native.__file__).resolve().parents[1]  # src/datadist
+    shutil.copytree(src, pkg / "datadist", ignore=shutil.ignore_patterns("_core*", "__pycache__"))
+    shutil.copy2(module, pkg / "datadist" / module.name)
+    tls = certs["decoder"]
+    env = {**os.environ, "PYTHONPATH": str(pkg), "DATADIST_ENGINE": "native"}
+    done = subprocess.run([sys.executable, "-c", _NO_TLS_CHILD, tls.cert_file, tls.key_file,
+                           tls.ca_file, str(pkg)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("tls (False, "), lines
+    assert lines[1].startswith("init LLM_FEATURE_NOT_ENABLED"), lines
+    assert "TLS" in lines[1], lines
+    assert lines[2].startswith(f"engine {0x5010B019} "), lines  # FEATURE_NOT_ENABLED
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_cpp_api_built_without_tls_refuses_tls(certs, tmp_path) -> None:
+    """The same refusal through CANN's C++ API: cpp/ built with -DDATADIST_TLS=OFF into a
+    temporary directory (the library and its test peer, cpp/tests/xpeer.cc; no pybind11
+    needed), whose Initialize with the three TLS files (DATADIST_TLS_* variables) answers
+    LLM_FEATURE_NOT_ENABLED; without them it initializes. Builds the core once more: slow."""
+    import subprocess
+
+    from interop.conftest import LLM_SUCCESS, XPeer
+
+    root = Path(__file__).resolve().parents[2]
+    build = tmp_path / "build"
+    for cmd in (["cmake", "-S", str(root / "cpp"), "-B", str(build), "-DDATADIST_TLS=OFF",
+                 "-DDATADIST_BUILD_EXAMPLES=OFF"],
+                ["cmake", "--build", str(build), "--target", "dd_xpeer", "-j",
+                 str(min(4, os.cpu_count() or 1))]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1400)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tls = certs["decoder"]
+    env = {"DATADIST_TLS_CERT": tls.cert_file, "DATADIST_TLS_KEY": tls.key_file,
+           "DATADIST_TLS_CA": tls.ca_file}
+    for extra, want in ((env, 0x5010B019), ({}, LLM_SUCCESS)):  # LLM_FEATURE_NOT_ENABLED
+        peer = XPeer(build, extra)
+        try:
+            got = peer.status("init 41 2 - 1000")
+            assert got == want, f"{got:#x} != {want:#x}: {peer.log()[-2000:]}"
+        finally:
+            peer.close()

@@ -5,10 +5,10 @@ Who runs this: a person, after changing the protocol (docs/protocol.md):
     python tests/vectors/generate.py            # rewrite frames.txt
     python tests/vectors/generate.py --check    # exit 1 if frames.txt is not what this makes
 
-tests/unit/test_wire_vectors.py fails while frames.txt differs from what this file makes, and
+tests/protocol/test_wire_vectors.py fails while frames.txt differs from what this file makes, and
 tests it against the Python codec (src/datadist/wire/protocol.py); cpp/tests/
 wire_vectors_test.cc reads the same file at test time and tests the C++ codec (cpp/src/wire.cc)
-against it; tests/cpp/test_wire_differential.py compares the two codecs on mutations of its
+against it; tests/protocol/test_wire_differential.py compares the two codecs on mutations of its
 frames; fuzz/ starts from them (fuzz/seeds.py).
 
 The bytes are built here from ``SCHEMA``, the payload table of docs/protocol.md written as

@@ -1,6 +1,6 @@
 """The Python codec's account of a frame, in the form of the golden frames' summaries
-(generate.py's docstring). Who calls: tests/unit/test_wire_vectors.py (the vectors) and
-tests/cpp/test_wire_differential.py (mutated vectors, against the C++ codec's account from
+(generate.py's docstring). Who calls: tests/protocol/test_wire_vectors.py (the vectors) and
+tests/protocol/test_wire_differential.py (mutated vectors, against the C++ codec's account from
 build/cpp/dd_wire_decode, cpp/tests/wire_summary.h). Loaded by path: ``load(name)``."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_a_failed_link_keeps_its_code_and_warns_with_the_reason(decoder) -> None
 
 def test_the_last_failure_says_why_and_clears_on_success(decoder, owner) -> None:
     """(A wrong cluster id is no failure any more: the link is filed under the id the
-    listener announces, as the original's LinkMsgHandler; tests/flows/test_link_ids.py.)"""
+    listener announces, as the original's LinkMsgHandler; tests/api/test_link_ids.py.)"""
     _, port = owner.listen_address
     with pytest.warns(llm.LinkFailedWarning, match="nothing listens"):
         code, _ = decoder.link_clusters([_info(5, _free_port())], 2000)

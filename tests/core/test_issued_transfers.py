@@ -3,7 +3,7 @@ the queue of its fixed set of workers, a queued transfer's deadline, close, and 
 threads. The core's workers are busied by pulls from a silent owner (datadist.testing.fakes:
 it welcomes the link, as another host, and then never answers). The
 engine-agnostic behaviour of ``TransferHandle`` is tested between two processes
-(tests/integration/test_async_handles.py).
+(tests/e2e/test_async_handles.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import threading
 
 import numpy as np
 import pytest
+from api._support import DECODER_ID, PROMPT_ID, Side, code, units
 
 import datadist as llm
 from datadist.core.native import ASYNC_THREADS
 from datadist.testing.fakes import SilentOwner
-
-from ._support import DECODER_ID, PROMPT_ID, Side, code, units
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,9 +1,7 @@
 """Cross-language tests: the C++ library (cpp/) against the Python package, over the wire.
 
-Who runs this: pytest (the README's test command). Once per session, ``cpp_build`` configures
-and builds cpp/ with CMake into ``build/cpp`` (or ``$DATADIST_CPP_BUILD_DIR``), warnings as
-errors; with ``DATADIST_CPP_SANITIZE`` set (``address,undefined`` or ``thread``) it builds with
-those sanitizers into their own directory. Without cmake or a C++ compiler every test here is
+Who runs this: pytest (tests/README.md). The C++ peer comes from the session's build of cpp/
+(``cpp_build``, tests/conftest.py); without cmake or a C++ compiler every test here is
 skipped, saying so.
 
 ``XPeer`` drives the C++ test peer (cpp/tests/xpeer.cc) over stdin/stdout, one command per
@@ -15,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,57 +29,6 @@ LLM_KV_CACHE_NOT_EXIST = 0x5010B002
 LLM_TIMEOUT = 0x5010B01A
 LLM_LINK_FAILED = 0x5010B009
 LLM_FAILED = 0xFFFFFFFF
-
-
-def _build_dir() -> Path:
-    san = os.environ.get("DATADIST_CPP_SANITIZE", "")
-    base = Path(os.environ.get("DATADIST_CPP_BUILD_DIR", ROOT / "build" / "cpp"))
-    return base.with_name(base.name + "-" + san.replace(",", "-")) if san else base
-
-
-@pytest.fixture(scope="session")
-def cpp_build(request: pytest.FixtureRequest) -> Path:
-    """Configure and build cpp/ once per session; returns the build directory. Says on the
-    terminal when the build starts and ends (it takes minutes the first time)."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"C++ tests need {' and '.join(missing)} (not found on PATH)")
-    build = _build_dir()
-    san = os.environ.get("DATADIST_CPP_SANITIZE", "")
-    configure = ["cmake", "-S", str(CPP), "-B", str(build), "-DDATADIST_WERROR=ON",
-                 f"-DDATADIST_SANITIZE={san}", "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
-    jobs = str(min(4, os.cpu_count() or 1))
-    started = time.monotonic()
-    _tell(request.config, f"building the C++ library and its tests in {build} (cmake, "
-          f"-j{jobs}; the first build takes a minute or two, later ones only what changed) ...")
-    for cmd in (configure, ["cmake", "--build", str(build), "-j", jobs]):
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        except subprocess.TimeoutExpired:
-            _tell(request.config, f"C++ build stopped: not done within 900 s ({' '.join(cmd)})")
-            raise
-        if done.returncode:
-            _tell(request.config, f"C++ build failed after {time.monotonic() - started:.0f} s")
-            pytest.fail(f"{' '.join(cmd)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    _tell(request.config, f"C++ build done in {time.monotonic() - started:.0f} s")
-    return build
-
-
-def _tell(config: pytest.Config, line: str) -> None:
-    """One line on the terminal now, even under pytest's output capture (without -s): the
-    first C++ test waits for the build, silently otherwise. Who calls: ``cpp_build``. Output
-    capture is suspended for the write (pytest's capture manager), which goes through the
-    terminal reporter (or the real stderr when there is none, e.g. under -p no:terminal)."""
-    text = f"[datadist tests] {time.strftime('%H:%M:%S')} {line}"
-    capman = config.pluginmanager.getplugin("capturemanager")
-    reporter = config.pluginmanager.getplugin("terminalreporter")
-    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
-        if reporter is not None:
-            reporter.write_line("")
-            reporter.write_line(text)
-        elif sys.__stderr__ is not None:
-            sys.__stderr__.write(text + "\n")
-            sys.__stderr__.flush()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

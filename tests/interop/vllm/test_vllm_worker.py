@@ -43,10 +43,17 @@ def _producer(addr_q, cmd_q, out_q, abort_timeout_s: float, extra: int = 0) -> N
     # ``extra`` more finished requests: q<i> holds blocks i and i + 1 in slot 10 + i
     w.hold([SendTask(f"q{i}", 10 + i, f"{i:02x}" * 16) for i in range(extra)])
     addr_q.put((w.address.host, w.address.port, w.cluster_id))
+    # Commands: "stop", or a list of request ids: stop once all of them are freed (the test
+    # waits for the consumer's DONE to land rather than guessing how long it takes).
     freed: set[str] = set()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and cmd_q.empty():
+    cmd = None
+    while time.monotonic() < deadline:
         freed |= w.poll_sent()
+        if cmd is None and not cmd_q.empty():
+            cmd = cmd_q.get()
+        if cmd == "stop" or (isinstance(cmd, list) and set(cmd) <= freed):
+            break
         time.sleep(0.01)
     freed |= w.poll_sent()  # DONEs that landed since the last step
     out_q.put((sorted(freed), w.stats.sent_notified, w.stats.sent_expired))
@@ -118,9 +125,8 @@ def test_pull_copies_every_layer_and_frees_the_producer(producer):
             assert (a[3:] == -1).all()  # nothing else written
         assert (w.stats.requests_pulled, w.stats.blocks_pulled) == (1, 3)
         assert w.stats.bytes_pulled == 3 * LAYERS * int(np.prod(SHAPE)) * 4
-        time.sleep(0.3)
-        cmd_q.put("stop")
-        freed, notified, expired = out_q.get(timeout=30)
+        cmd_q.put(["p1"])  # stop once the consumer's DONE freed p1 (or the deadline passed)
+        freed, notified, expired = out_q.get(timeout=40)
         assert (freed, notified, expired) == (["p1"], 1, 0)  # freed by DONE, not by timeout
     finally:
         w.close()

@@ -426,7 +426,7 @@ class TestLinkClusters:
     @pytest.mark.timeout(30)
     def test_peer_with_another_cluster_id_is_linked_under_its_own(self, datadist, peer):
         # hicann/hixl link_msg_handler.cc: the link is filed under the id the peer reports
-        # (tests/flows/test_link_ids.py has the transfers)
+        # (tests/api/test_link_ids.py has the transfers)
         result = datadist.link_clusters([cluster(PEER + 1, peer.listen_address[1])], 5000)
         assert result == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         assert datadist.engine.get_link(PEER).cluster_id == PEER

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from .conftest import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the flow tests (importable; conftest.py holds the fixtures)."""
+"""Helpers shared by the API tests (importable; conftest.py holds the fixtures)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from datadist.core import native
 from datadist.core.config import DEVICE, HOST, EngineConfig
 from datadist.core.errors import InvalidArgument, NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.transport import nixl
 from datadist.wire import protocol as p
 
 pytestmark = [
@@ -42,6 +43,14 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_SOURCE = ROOT / "cpp" / "tests" / "fake_cudart.cc"
 MEM_DRAM, MEM_VRAM = 0, 1
 N = 4096  # bytes per tensor; two tensors per cache
+
+
+@pytest.fixture(autouse=True)
+def _nixl_readers_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where NIXL is installed, in-process readers that force NIXL get the whole-process
+    allowance (docs/security.md, "The NIXL path"), as e2e/conftest.py gives its decoders."""
+    if nixl.available() is not None:
+        monkeypatch.setenv("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "1")
 
 
 def _compile_fake(out: Path) -> Path:

@@ -10,6 +10,7 @@ import logging
 import pytest
 
 import datadist as llm_datadist
+from datadist.core.errors import LinkFailed
 from datadist.core.metrics import BUCKETS, Series
 from datadist.core.native import NativeEngine
 from datadist.testing.peers import CacheSpec, Decoder, PromptConfig, RunningPrompt
@@ -102,7 +103,7 @@ def test_what_is_missing_is_named(make_decoder, prompt: RunningPrompt) -> None:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     dec = make_decoder()
-    with pytest.raises(Exception) as info:
+    with pytest.raises(LinkFailed) as info:  # LLM_LINK_FAILED, naming what to set
         dec.dd.engine.link(PROMPT_ID, "127.0.0.1", dead, 2.0)
     assert "listen_ip_info" in str(info.value)
     assert dec.link(prompt.cluster_id, prompt.address) == llm_datadist.LLMStatusCode.LLM_SUCCESS

@@ -4,8 +4,10 @@ holds the link until its deadline."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,12 +37,41 @@ def _link(owner: NativeEngine, puller: NativeEngine):
 
 
 SILENT = 9
+
+
+class _Tap:
+    """A connection of the silent owner that notes each request it reads."""
+
+    def __init__(self, conn: socket.socket, seen: threading.Event) -> None:
+        self._conn, self._seen, self._decoder = conn, seen, p.FrameDecoder()
+
+    def recv(self, n: int) -> bytes:
+        data = self._conn.recv(n)
+        for _, msg in self._decoder.feed(data):
+            if not isinstance(msg, (p.Hello, p.Ping)):
+                self._seen.set()
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class _WatchedSilentOwner(SilentOwner):
+    """A SilentOwner whose ``request_seen`` is set once a request (not HELLO, not PING) came:
+    from then on the pull is in flight at the owner, not still on its way."""
+
+    def __init__(self, cluster_id: int) -> None:
+        self.request_seen = threading.Event()
+        super().__init__(cluster_id)
+
+    def _serve(self, conn: socket.socket) -> None:
+        super()._serve(_Tap(conn, self.request_seen))  # type: ignore[arg-type]
 # A transfer its link broke under: the core says LinkFailed (the Python engine said BrokenLink;
 # both LLM_LINK_FAILED), or the next one found no link (NotLinked).
 BROKEN = (BrokenLink, LinkFailed, NotLinked)
 
 
-def _in_flight(puller: NativeEngine, owner: SilentOwner, seconds: float
+def _in_flight(puller: NativeEngine, owner: _WatchedSilentOwner, seconds: float
                ) -> tuple[threading.Thread, list[BaseException], np.ndarray]:
     """Links ``puller`` to the silent ``owner`` and starts a pull from it (in flight until
     ``seconds`` pass or the link breaks); returns its thread, its errors and its buffer."""
@@ -62,13 +93,14 @@ def _in_flight(puller: NativeEngine, owner: SilentOwner, seconds: float
     t = threading.Thread(target=pull)
     t.start()
     assert started.wait(5)
-    time.sleep(0.1)  # the request is out: the pull waits for the owner
+    # the request is out: the pull waits for the owner
+    assert owner.request_seen.wait(5), "the pull's request never reached the owner"
     return t, errors, dst
 
 
 def test_unlink_waits_for_the_transfer_then_reports_busy(pair) -> None:
     _, puller = pair
-    with SilentOwner(SILENT) as owner:
+    with _WatchedSilentOwner(SILENT) as owner:
         t, errors, dst = _in_flight(puller, owner, 10.0)
         with pytest.raises(Busy):
             puller.unlink(SILENT, timeout=0.1)
@@ -84,8 +116,6 @@ def test_unlink_waits_for_the_transfer_then_reports_busy(pair) -> None:
 
 
 def _eventually(cond, seconds: float = 2.0) -> bool:
-    import time
-
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if cond():
@@ -136,7 +166,7 @@ def test_unlink_unknown_cluster(pair) -> None:
 
 def test_a_pull_waiting_behind_another_transfer_is_link_busy(pair) -> None:
     _, puller = pair
-    with SilentOwner(SILENT) as owner:
+    with _WatchedSilentOwner(SILENT) as owner:
         t, _, _ = _in_flight(puller, owner, 10.0)  # holds the link past our deadline
         dst = np.zeros(4096, np.uint8)
         entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)

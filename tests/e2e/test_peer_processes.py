@@ -176,7 +176,7 @@ def test_closing_a_serving_child_stops_it_cleanly() -> None:
 _ORPHANING_PARENT = """
 import os
 from datadist.testing.procs import Peer
-from integration.test_peer_processes import sleeping_target
+from e2e.test_peer_processes import sleeping_target
 peer = Peer(sleeping_target)
 print(peer.recv(timeout=20), flush=True)
 os._exit(0)

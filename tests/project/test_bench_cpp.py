@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(600)
 

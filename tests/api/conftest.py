@@ -1,4 +1,4 @@
-"""Fixtures for the flow tests: two engines in this process, linked both ways.
+"""Fixtures for the API tests: two engines in this process, linked both ways.
 
 Most behaviour of copies, layer-wise transfers, two-sided links and the legacy manager is
 visible with two core engines (``NativeEngine``) in one process (the one-instance rule is

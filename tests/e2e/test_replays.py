@@ -1,7 +1,7 @@
 """Replays of real llm_datadist code, call for call, as separate processes on this host.
 
 Each test runs the processes of one official sample (hicann/hixl examples/python) or one
-real connector (vllm-ascend, MindIE-LLM) from tests/flows/_replays.py, with datadist in
+real connector (vllm-ascend, MindIE-LLM) from tests/e2e/_replays.py, with datadist in
 place of llm_datadist, and checks every byte that moved against the sender's seeded
 pattern. Each names the sample or connector, and the rule of the original it depends on.
 """

@@ -242,9 +242,13 @@ def test_stats_tell_a_peer_only_its_own_series(engines: list[NativeEngine]) -> N
         cm = CacheManager(side)
         dst, _ = blocks_cache(cm, side.config.cluster_id, 1, seed=None)
         cm.pull_blocks(llm.BlocksCacheKey(PROMPT, 7), dst, [0], [1])
-    time.sleep(0.05)
-    whole = prompt.stats()
-    assert {"20", "21"} <= set(whole["links"])  # the process itself sees everyone
+    # The owner counts a pull once it has served it, which may be after the reader returned:
+    # wait for both series, with a deadline (a fixed sleep raced the owner).
+    deadline = time.monotonic() + 10
+    while not {"20", "21"} <= set((whole := prompt.stats())["links"]):
+        assert time.monotonic() < deadline, whole
+        time.sleep(0.01)
+    # the process itself sees everyone (above); a peer sees its own series only
     seen = a.peer_stats(PROMPT, 5.0)
     assert seen["cluster_id"] == PROMPT
     assert set(seen["links"]) == {"20"}

@@ -3,7 +3,7 @@ transfer level (issue 25, item 3): vLLM's per-layer KV tensors of that dtype bec
 cache of the matching DataType, and a decode worker pulls a prefill worker's blocks bit for
 bit; a decode worker whose KV has another dtype of the same size (float16 against bfloat16)
 is refused instead of reading bytes as the wrong type. torch only, no vLLM; the end-to-end
-run with vLLM is tests/integrations/test_vllm.py."""
+run with vLLM is tests/interop/vllm/test_vllm.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""CANN's own C++ samples (hicann/hixl examples/cpp, ported in tests/cpp/samples/) against
+"""CANN's own C++ samples (hicann/hixl examples/cpp, ported in tests/interop/samples/) against
 datadist's library: each prompt/decoder pair runs as two processes with the originals' API
 calls, options, order and checks; the test then checks their exit codes and every byte of every
-buffer (tests/cpp/samples/acl_host_shim.h dumps them)."""
+buffer (tests/interop/samples/acl_host_shim.h dumps them)."""
 
 from __future__ import annotations
 
