@@ -1,7 +1,7 @@
 // A stand-in for the CUDA runtime (libcudart), for tests on hosts without a GPU: it says that
 // one chosen address range is device memory of one chosen device, everything else host memory,
 // and counts the questions. The core loads it through DATADIST_CUDART_LIBRARY (src/nixl.h,
-// kCudartEnv); the tests that do (cpp/tests/nixl_test.cc, tests/integration/test_nixl_vram.py)
+// kCudartEnv); the tests that do (cpp/tests/nixl_test.cc, tests/core/test_nixl_vram.py)
 // set the range and read the count through fake_cudart_set / fake_cudart_calls. Only the
 // fields and functions the core uses are modelled (cudaPointerAttributes of CUDA 11 and later).
 #include <atomic>

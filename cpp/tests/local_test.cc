@@ -2,7 +2,7 @@
 // owner serves its local channel and grants only there, within its limits; a client on the
 // same host links over it and reads with process_vm_readv. In one process (the kernel lets a
 // process read itself); the cross-process cases, a refusing kernel included, are in
-// tests/cpp/test_local.py.
+// tests/interop/test_local.py.
 #include <gtest/gtest.h>
 #include <unistd.h>
 

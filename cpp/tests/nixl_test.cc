@@ -1,6 +1,6 @@
 // NIXL in the core (src/nixl.h) under the C++ API: the serving options (docs/cpp.md), the
 // consent rules a C++ owner applies to every NIXL request (docs/security.md, "The NIXL path"),
-// and, where NIXL's C API is at hand (DATADIST_NIXL_LIBRARY: tests/cpp/test_ctest.py passes the
+// and, where NIXL's C API is at hand (DATADIST_NIXL_LIBRARY: tests/core/test_googletest.py passes the
 // nixl-cu12 wheel's libnixl_capi.so), an owner that hands out its metadata and NIXL grants
 // for checked spans only. Without the library those tests skip.
 #include <dlfcn.h>

@@ -1,7 +1,7 @@
 // Every rule of the option table (src/options.h), key by key: its variable, its kind's valid
 // and invalid values with the code and message, the option-over-variable-over-default order,
 // the defaults; then the shared cases of tests/vectors/options.txt, which the Python face runs
-// too (tests/unit/test_options_table.py), through ParseOptions and the C++ API's Initialize.
+// too (tests/core/test_options_table.py), through ParseOptions and the C++ API's Initialize.
 #include <gtest/gtest.h>
 
 #include <cstdlib>

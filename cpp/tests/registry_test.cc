@@ -2,7 +2,7 @@
 // implementation since the Python owner (the spec these tests were ported from: the removed
 // Registry.open / open_addresses / lease_cache / settle of src/datadist/core/registry.py, the
 // checks of core/engine.py, transport/fence.py) went. Each test names the Python function and
-// the Python test (tests/unit/test_registry.py, test_fence.py) it mirrors. The
+// the Python test (tests/core/test_registry.py, test_fence.py) it mirrors. The
 // registry never touches memory, so most caches carry made-up addresses; the server tests at
 // the end use real memory.
 #include <gtest/gtest.h>
@@ -871,7 +871,7 @@ TEST_F(Native, AnUnregisterThatOutwaitsItsBoundKeepsTheCache) {
 
 // ------------------------------------------------------------------------------ 10. lease fences
 
-// Python: tests/unit/test_fence.py, the registry's part; a reader's view is opened through
+// Python: tests/core/test_fence.py, the registry's part; a reader's view is opened through
 // /proc/self/fd as another process would (its own open file description).
 std::unique_ptr<datadist::lease::FenceView> ViewOf(const w::CacheLease &l) {
   std::string why;
@@ -984,7 +984,7 @@ TEST_F(Native, ACopyUnderAReplacedFenceIsWaitedForToo) {
 
 // ------------------------------------------------------------------------------ 11. fence files
 
-// Python: tests/unit/test_fence.py, the file's part (a copy in flight keeping the fence from
+// Python: tests/core/test_fence.py, the file's part (a copy in flight keeping the fence from
 // draining: local_test.cc Fence.SharedLocksAreCountedPerDescriptionAndDrainWaitsForAll).
 
 // test_a_reader_never_waits_for_the_owner

@@ -1,6 +1,6 @@
 // dd_wire_decode: one frame per line on stdin (hex), the C++ codec's account of it per line on
 // stdout (wire_summary.h's Describe: the fields, "refuse header", "refuse payload",
-// "incomplete" or "crash ..."). tests/cpp/test_wire_differential.py feeds it mutations of the
+// "incomplete" or "crash ..."). tests/protocol/test_wire_differential.py feeds it mutations of the
 // protocol's golden frames and compares every line with Python's codec.
 #include <iostream>
 #include <string>

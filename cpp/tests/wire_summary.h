@@ -1,7 +1,7 @@
 // The C++ codec's account of one frame, in the form of the protocol's golden frames
 // (tests/vectors/generate.py): the decoded fields as "name=value" text, or the refusal. Used
 // by wire_vectors_test.cc (against tests/vectors/frames.txt) and by wire_decode.cc, the tool
-// tests/cpp/test_wire_differential.py feeds mutated frames to, comparing with Python's codec.
+// tests/protocol/test_wire_differential.py feeds mutated frames to, comparing with Python's codec.
 #ifndef DATADIST_CPP_TESTS_WIRE_SUMMARY_H_
 #define DATADIST_CPP_TESTS_WIRE_SUMMARY_H_
 

@@ -1,6 +1,6 @@
 // The C++ codec (src/wire.cc) against the protocol's golden frames: tests/vectors/frames.txt,
 // made by tests/vectors/generate.py from docs/protocol.md's payload table written as data. The
-// Python codec is tested against the same file (tests/unit/test_wire_vectors.py).
+// Python codec is tested against the same file (tests/protocol/test_wire_vectors.py).
 //
 // CMake passes the file's path (DATADIST_VECTORS_FILE); $DATADIST_VECTORS overrides it. For
 // every vector: a frame to accept decodes to the expected fields (the generator's summary:

