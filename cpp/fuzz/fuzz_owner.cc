@@ -3,8 +3,8 @@
 // One in-process owner for the whole run: a Server (public API only: Server, Identity,
 // Registry; so it keeps working whatever the server's I/O model is inside) over a Registry
 // holding two small registered caches: cache 1, healthy (2 tensors of 256 bytes, 4 units),
-// and cache 3, whose tensor 1 has a hole (3 pages, the middle one unmapped after registering:
-// the careless caller of docs/reliability.md). The cache ids are those of the protocol's
+// and cache 3, whose tensor 1 has a hole (3 pages, the middle one made unreadable after
+// registering: the careless caller of docs/reliability.md). The cache ids are those of the protocol's
 // golden frames (tests/vectors/frames.txt), which seed the corpus.
 //
 // Each input is one connection's bytes. Its first byte chooses: bit 0 the channel (TCP on
@@ -22,6 +22,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -63,7 +65,10 @@ struct Owner {
     if (m == MAP_FAILED) std::abort();
     registry.AddAs(3, {2, 3 * page, 3, page, 0},
                    {reinterpret_cast<uint64_t>(m), reinterpret_cast<uint64_t>(m + 3 * page)}, opts);
-    munmap(m + 4 * page, page);  // tensor 1's middle page: freed behind the registry's back
+    // Tensor 1's middle page made unreadable behind the registry's back: as unmapping it
+    // would, but the address stays reserved (an unmapped page is soon mapped again by the
+    // sanitizers' allocator, and the hole is gone).
+    if (mprotect(m + 4 * page, page, PROT_NONE) != 0) std::abort();
     server = std::make_unique<dd::Server>(&registry, &ident);
     server->Start("127.0.0.1", 0);
     port = server->port();
@@ -116,18 +121,48 @@ void CheckServing() {
   }
 }
 
+/// DD_FUZZ_VERBOSE=1: the frames the owner answered, on stderr (to see what a seed reaches,
+/// running the target on it: dd_fuzz_owner FILE).
+void Tell(const std::vector<uint8_t> &got) {
+  for (size_t at = 0; at + w::kHeaderSize <= got.size();) {
+    w::Header h;
+    try {
+      h = w::DecodeHeader(got.data() + at);
+    } catch (const dd::Error &) {
+      std::fprintf(stderr, "  answer: not a frame\n");
+      return;
+    }
+    const size_t end = std::min(got.size(), at + w::kHeaderSize + h.length);
+    std::string what = w::TypeName(h.type);
+    if (h.type == w::kError && end - at == w::kHeaderSize + h.length) {
+      try {
+        const w::ErrorMsg e = w::DecodeError(std::vector<uint8_t>(got.begin() + at + w::kHeaderSize, got.begin() + end));
+        what += " " + std::to_string(e.code) + " " + e.message;
+      } catch (const dd::Error &) {
+      }
+    }
+    std::fprintf(stderr, "  answer: %s (rid %u, %u bytes)\n", what.c_str(), h.request_id, h.length);
+    at = end;
+  }
+}
+
 /// Reads and discards until the owner closes; false if it has not after `ms`.
 bool Drain(int fd, int ms) {
+  static const bool verbose = std::getenv("DD_FUZZ_VERBOSE") != nullptr;
+  std::vector<uint8_t> got;
   char buf[65536];
   const dd::Deadline until = dd::After(ms / 1000.0);
-  while (dd::Clock::now() < until) {
+  bool closed = false;
+  while (!closed && dd::Clock::now() < until) {
     pollfd p{fd, POLLIN, 0};
     const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(until - dd::Clock::now()).count());
     if (poll(&p, 1, left > 0 ? left : 0) <= 0) continue;
     const ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return true;
+    if (n > 0 && verbose) got.insert(got.end(), buf, buf + n);
+    closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR);
   }
-  return false;
+  if (verbose) Tell(got);
+  return closed;
 }
 
 }  // namespace
