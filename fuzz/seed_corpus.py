@@ -58,19 +58,24 @@ def request(mtype: int, cache: int, flags: int, tensors: list[int], spans: list[
 def aimed() -> list[tuple[str, bytes]]:
     page = 4096  # cache 3: slots of a page; tensor 1's slot 1 is the hole
     hole = [(0, page)]
+    grant_check = FLAG_GRANT | FLAG_CHECKSUM
     return [
-        ("read_checksum_hole_tcp", b"\x00" + hello() + request(READ, 3, FLAG_CHECKSUM, [1], hole, 2, 1)),
+        ("read_checksum_hole_tcp", b"\x00" + hello()
+         + request(READ, 3, FLAG_CHECKSUM, [1], hole, 2, 1)),
         ("grant_checksum_hole_local", b"\x01" + hello()
-         + request(READ, 3, FLAG_GRANT | FLAG_CHECKSUM, [1], hole, 2, 1)),
+         + request(READ, 3, grant_check, [1], hole, 2, 1)),
         ("grant_checksum_ok_local", b"\x03" + hello()
-         + request(READ, 3, FLAG_GRANT | FLAG_CHECKSUM, [0], [(0, page)], 2)
+         + request(READ, 3, grant_check, [0], [(0, page)], 2)
          + frame(RELEASE, struct.pack("<QB", 1, 1), 3)),
         ("read_checksum_verdict_tcp", b"\x04" + hello()
          + request(READ, 1, FLAG_CHECKSUM, [0, 1], [(0, 64)], 2)
          + frame(RELEASE, struct.pack("<QB", 0, 1), 2)),
-        ("write_data_tcp", b"\x06" + hello() + request(WRITE, 1, 0, [0], [(8, 16)], 2) + bytes(range(16))),
-        ("ping_stats_local", b"\x01" + hello() + frame(PING, struct.pack("<Q", 5), 2) + frame(STATS_REQUEST, b"", 3)),
-        ("lease_local", b"\x01" + hello() + frame(LEASE_REQUEST, struct.pack("<BQQQI", KIND_CACHE_ID, 1, 0, 0, 0), 2)),
+        ("write_data_tcp", b"\x06" + hello()
+         + request(WRITE, 1, 0, [0], [(8, 16)], 2) + bytes(range(16))),
+        ("ping_stats_local", b"\x01" + hello()
+         + frame(PING, struct.pack("<Q", 5), 2) + frame(STATS_REQUEST, b"", 3)),
+        ("lease_local", b"\x01" + hello()
+         + frame(LEASE_REQUEST, struct.pack("<BQQQI", KIND_CACHE_ID, 1, 0, 0, 0), 2)),
     ]
 
 
