@@ -76,13 +76,18 @@ for t in $targets; do
     failed=1
   elif [ "${FUZZ_MERGE:-0}" = 1 ]; then
     # minimise the kept corpus: what it held, what was found, and the seeds, into fewest inputs
-    mkdir -p "$work/merged"
-    "$build/dd_fuzz_$t" -merge=1 -max_len=8192 -timeout=30 "$work/merged" "fuzz/corpus/$t" "$work/corpus" "$work/seeds" \
-      >>"$out/$t.log" 2>&1
+    mkdir -p "$work/merged" "fuzz/corpus/$t"
+    if ! "$build/dd_fuzz_$t" -merge=1 -max_len=8192 -timeout=30 "$work/merged" "fuzz/corpus/$t" "$work/corpus" \
+      "$work/seeds" >>"$out/$t.log" 2>&1; then
+      echo "fuzz: merging $t's corpus failed: see $out/$t.log" >&2
+      failed=1
+      rm -rf "$work"
+      continue
+    fi
     rm -rf "fuzz/corpus/$t"
     mkdir -p "fuzz/corpus/$t"
     cp "$work/merged"/* "fuzz/corpus/$t/"
-    echo "fuzz: fuzz/corpus/$t now holds $(ls "fuzz/corpus/$t" | wc -l) inputs ($(du -sh "fuzz/corpus/$t" | cut -f1))"
+    echo "fuzz: fuzz/corpus/$t now holds $(ls "fuzz/corpus/$t" | wc -l) inputs ($(du -sb "fuzz/corpus/$t" | cut -f1) bytes)"
   fi
   rm -rf "$work"
 done
