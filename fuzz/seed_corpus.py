@@ -5,7 +5,8 @@ golden frames (tests/vectors/frames.txt, read as text: no import of datadist or 
     python3 fuzz/seed_corpus.py owner DIR   # a mode byte, a HELLO, then each golden frame
 
 The owner target's input is one connection's bytes after a mode byte (cpp/fuzz/fuzz_owner.cc:
-bit 0 the local channel, bits 1-2 the number of writes); the seeds vary it. Besides the golden
+bit 0 the local channel, bits 1-2 the number of writes, bit 3 the owner with a secret); the
+seeds vary it. Besides the golden
 frames, a few streams aimed at what the harness's owner holds: checksummed reads and grants
 of cache 3 (whose tensor 1 has a hole), a WRITE with its data, PING, STATS_REQUEST and a lease
 request. Called by .ci/fuzz.sh before each run; the kept corpus fuzz/corpus/<target>/ holds
@@ -88,7 +89,12 @@ def main(argv: list[str]) -> int:
     seeds = golden()
     if target == "owner":
         start = hello()
-        seeds = [(name, bytes([i % 8]) + start + f) for i, (name, f) in enumerate(seeds)] + aimed()
+        # modes 0-7: the owner without a secret, every channel and split; every fourth frame
+        # also to the one with a secret (mode bit 3: its pre-auth stage)
+        seeds = ([(name, bytes([i % 8]) + start + f) for i, (name, f) in enumerate(seeds)]
+                 + [(f"{name}-secret", bytes([8 | i % 8]) + start + f)
+                    for i, (name, f) in enumerate(seeds) if i % 4 == 0]
+                 + aimed())
     for name, data in seeds:
         # named by content, as libFuzzer names its corpus: rerunning adds nothing twice
         (out / f"seed-{name}-{hashlib.sha1(data).hexdigest()[:12]}").write_bytes(data)

@@ -7,9 +7,13 @@
 // registering: the careless caller of docs/reliability.md). The cache ids are those of the protocol's
 // golden frames (tests/vectors/frames.txt), which seed the corpus.
 //
+// A second owner, the same but with a shared secret, has its pre-authentication stage fuzzed
+// (a stranger cannot prove the secret, so nothing past AUTH is reached there).
+//
 // Each input is one connection's bytes. Its first byte chooses: bit 0 the channel (TCP on
 // loopback, or the local channel, where GRANT, SHM and LEASE_REQUEST are served), bits 1-2
-// how many writes the rest is split into (1 to 4, at evenly spaced points). The harness
+// how many writes the rest is split into (1 to 4, at evenly spaced points), bit 3 the owner
+// with the secret. The harness
 // connects, writes, shuts its sending side, and reads and discards the answers until the
 // owner closes (or 5 s pass). A finding is: a crash or sanitizer report (a thread of the
 // owner dying kills the process: libFuzzer reports it); or, checked every 64 inputs and
@@ -43,7 +47,7 @@ namespace w = datadist::wire;
 
 namespace {
 
-constexpr uint64_t kOwnerCluster = 9;
+constexpr uint64_t kOwnerCluster = 9;  // the plain owner's; the one with a secret is 10
 
 struct Owner {
   dd::Registry registry;
@@ -53,9 +57,11 @@ struct Owner {
   uint16_t port = 0;
   std::string local_name;
 
-  Owner() {
-    ident.cluster_id = kOwnerCluster;
+  /// `secret`: the owner a client must prove it to (its handshake's pre-auth stage fuzzed).
+  Owner(uint64_t cluster, const std::string &secret) {
+    ident.cluster_id = cluster;
     ident.role = 1;
+    ident.secret = secret;
     registry.SetRemoteWrites(true);
     dd::CacheOptions opts;  // registered user memory: probed before it is streamed
     registry.AddAs(1, {2, 256, 4, 64, 0},
@@ -72,13 +78,15 @@ struct Owner {
     server = std::make_unique<dd::Server>(&registry, &ident);
     server->Start("127.0.0.1", 0);
     port = server->port();
-    if (server->serves_local()) local_name = dd::local::Name(static_cast<uint64_t>(getpid()), kOwnerCluster);
+    if (server->serves_local()) local_name = dd::local::Name(static_cast<uint64_t>(getpid()), cluster);
   }
 };
 
-Owner &TheOwner() {
-  static Owner *owner = new Owner();  // lives until exit: server threads may still run
-  return *owner;
+Owner &TheOwner(bool with_secret) {
+  // Live until exit: server threads may still run.
+  static Owner *plain = new Owner(kOwnerCluster, "");
+  static Owner *proving = new Owner(kOwnerCluster + 1, "fuzzing secret");
+  return with_secret ? *proving : *plain;
 }
 
 w::Hello ClientHello() {
@@ -89,8 +97,8 @@ w::Hello ClientHello() {
   return h;
 }
 
-std::unique_ptr<dd::Conn> Connect(bool local) {
-  Owner &o = TheOwner();
+std::unique_ptr<dd::Conn> Connect(bool local, bool with_secret) {
+  Owner &o = TheOwner(with_secret);
   try {
     if (local && !o.local_name.empty()) return dd::local::Connect(o.local_name, dd::After(5));
     return dd::Conn::Connect("127.0.0.1", o.port, dd::After(5));
@@ -99,23 +107,26 @@ std::unique_ptr<dd::Conn> Connect(bool local) {
   }
 }
 
-/// An honest client is served: HELLO answered by WELCOME, PING by PONG, within 5 s.
+/// An honest client is served, within 5 s each: HELLO answered by WELCOME, and (by the
+/// owner without a secret) PING by PONG.
 void CheckServing() {
-  for (bool local : {false, true}) {
-    std::unique_ptr<dd::Conn> c = Connect(local);
+  for (int i = 0; i < 4; ++i) {
+    const bool local = i & 1, with_secret = i & 2;
+    std::unique_ptr<dd::Conn> c = Connect(local, with_secret);
     bool ok = c != nullptr;
     try {
       std::vector<uint8_t> p;
       if (ok) c->SendFrame(w::EncodeHello(w::kHello, ClientHello(), 1), dd::After(5));
       ok = ok && c->RecvFrame(p, dd::After(5)).type == w::kWelcome;
-      if (ok) c->SendFrame(w::EncodeU64(w::kPing, 42, 2), dd::After(5));
-      ok = ok && c->RecvFrame(p, dd::After(5)).type == w::kPong;
+      if (ok && !with_secret) c->SendFrame(w::EncodeU64(w::kPing, 42, 2), dd::After(5));
+      ok = ok && (with_secret || c->RecvFrame(p, dd::After(5)).type == w::kPong);
     } catch (const dd::Error &e) {
       std::fprintf(stderr, "honest client: %s\n", e.what());
       ok = false;
     }
     if (!ok) {
-      std::fprintf(stderr, "the owner no longer serves an honest client (%s)\n", local ? "local" : "tcp");
+      std::fprintf(stderr, "the owner%s no longer serves an honest client (%s)\n", with_secret ? " with a secret" : "",
+                   local ? "local" : "tcp");
       std::abort();
     }
   }
@@ -168,7 +179,8 @@ bool Drain(int fd, int ms) {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int *, char ***) {
-  TheOwner();
+  TheOwner(false);
+  TheOwner(true);
   CheckServing();
   return 0;
 }
@@ -178,9 +190,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size == 0) return 0;
   const bool local = data[0] & 1;
   const size_t writes = 1 + ((data[0] >> 1) & 3);
+  const bool with_secret = data[0] & 8;
   ++data;
   --size;
-  std::unique_ptr<dd::Conn> c = Connect(local);
+  std::unique_ptr<dd::Conn> c = Connect(local, with_secret);
   if (!c) std::abort();  // the listener is gone
   const int fd = c->fd();
   size_t at = 0;
