@@ -1,7 +1,14 @@
 #include "crc32.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
+#include <memory>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -130,6 +137,135 @@ bool Accelerated() {
   return false;
 #endif
 }
+
+namespace {
+
+constexpr size_t kScratch = 256 << 10;  // per thread: fits a core's L2, so the CRC reads it there
+constexpr size_t kMaxSpans = 1024;      // remote iovecs per process_vm_readv (IOV_MAX)
+constexpr size_t kPipeChunk = 64 << 10;  // a default pipe's capacity: a write into an empty one never waits
+
+std::atomic<bool> vm_refused{false};  // process_vm_readv answered EPERM/ENOSYS once: the pipe from then on
+std::atomic<bool> force_pipe{false};
+
+/// The calling thread's scratch buffer and fallback pipe, made at first use, gone with the thread.
+struct ThreadState {
+  std::unique_ptr<uint8_t[]> scratch{new uint8_t[kScratch]};
+  int pipe_fds[2] = {-1, -1};
+  ~ThreadState() {
+    for (int fd : pipe_fds)
+      if (fd >= 0) close(fd);
+  }
+  bool Pipe() {
+    if (pipe_fds[0] >= 0) return true;
+    return pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) == 0;
+  }
+};
+
+ThreadState &State() {
+  thread_local ThreadState state;
+  return state;
+}
+
+/// Where the read stands: span `span`, `off` bytes into it.
+struct Cursor {
+  const std::vector<iovec> &iov;
+  size_t span = 0, off = 0;
+  void SkipEmpty() {
+    while (span < iov.size() && off == iov[span].iov_len) ++span, off = 0;
+  }
+  bool Done() {
+    SkipEmpty();
+    return span == iov.size();
+  }
+  uintptr_t Addr() const { return reinterpret_cast<uintptr_t>(iov[span].iov_base) + off; }
+  void Advance(size_t n) {
+    while (n > 0) {
+      const size_t step = std::min(n, iov[span].iov_len - off);
+      off += step;
+      n -= step;
+      SkipEmpty();
+    }
+  }
+};
+
+/// One pipe round: up to kPipeChunk bytes of the current span written into the empty pipe,
+/// read back into `dst`. Returns the bytes read, 0 when the first byte faults, -1 when the
+/// pipe fails otherwise.
+ssize_t ThroughPipe(ThreadState &st, const Cursor &at, uint8_t *dst) {
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t want = std::min(kPipeChunk, at.iov[at.span].iov_len - at.off);
+  ssize_t put;
+  for (;;) {
+    put = write(st.pipe_fds[1], reinterpret_cast<const void *>(at.Addr()), want);
+    if (put >= 0) break;
+    if (errno == EINTR) continue;
+    if (errno != EFAULT) return -1;
+    // A write that faults may copy nothing: narrow it to the first page, so that the bytes
+    // before the hole are read and the hole is found to the page.
+    const size_t to_page = page - at.Addr() % page;
+    if (want <= to_page) return 0;  // this page is not readable
+    want = to_page;
+  }
+  size_t got = 0;
+  while (got < static_cast<size_t>(put)) {
+    const ssize_t r = read(st.pipe_fds[0], dst + got, static_cast<size_t>(put) - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return -1;  // cannot happen: the bytes are in the pipe
+    got += static_cast<size_t>(r);
+  }
+  return put;
+}
+
+}  // namespace
+
+OwnRead Crc32Own(const std::vector<iovec> &iov) {
+  OwnRead out;
+  ThreadState &st = State();
+  uint8_t *scratch = st.scratch.get();
+  Cursor at{iov};
+  iovec remote[kMaxSpans];
+  uint32_t crc = 0;
+  while (!at.Done()) {
+    ssize_t got = -1;
+    if (!vm_refused.load(std::memory_order_relaxed) && !force_pipe.load(std::memory_order_relaxed)) {
+      size_t want = 0, k = 0;
+      for (size_t s = at.span, off = at.off; s < iov.size() && k < kMaxSpans && want < kScratch; ++s, off = 0) {
+        const size_t len = std::min(iov[s].iov_len - off, kScratch - want);
+        if (len == 0) continue;
+        remote[k++] = {static_cast<uint8_t *>(iov[s].iov_base) + off, len};
+        want += len;
+      }
+      iovec local{scratch, want};
+      got = process_vm_readv(getpid(), &local, 1, remote, k, 0);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0 && errno == EFAULT) got = 0;  // the first byte is not readable
+      if (got < 0 && (errno == EPERM || errno == ENOSYS)) vm_refused.store(true, std::memory_order_relaxed);
+      // any other failure (ENOMEM: the kernel short of memory) tries the pipe for this chunk
+    }
+    if (got < 0) {
+      if (!st.Pipe()) {
+        out.refused = "no fault-safe read of our own memory: process_vm_readv is refused and no pipe can be made";
+        return out;
+      }
+      got = ThroughPipe(st, at, scratch);
+      if (got < 0) {
+        out.refused = "no fault-safe read of our own memory: the pipe failed";
+        return out;
+      }
+    }
+    if (got == 0) {  // the byte at the cursor cannot be read
+      out.bad = at.Addr();
+      return out;
+    }
+    crc = Crc32(crc, scratch, static_cast<size_t>(got));
+    at.Advance(static_cast<size_t>(got));  // a short read: the next call starts at the hole
+  }
+  out.ok = true;
+  out.crc = crc;
+  return out;
+}
+
+void ForcePipeForTests(bool on) { force_pipe.store(on, std::memory_order_relaxed); }
 
 }  // namespace crc
 }  // namespace datadist

@@ -207,6 +207,7 @@ Engine::Engine(uint64_t cluster_id, int32_t role) {
   ident_.cluster_id = cluster_id;
   ident_.role = role;
   ident_.on_control = [this](uint64_t peer) {
+    metrics::Admit(peer);  // a completed handshake: its id may have a series (metrics.h's cap)
     std::lock_guard<std::mutex> lock(hello_mu_);
     ++hellos_[peer];
   };
@@ -396,6 +397,7 @@ void Engine::AdoptLink(const std::shared_ptr<Link> &link) {
   }
   const uint64_t id = link->remote_cluster_id();
   if (!links_.emplace(id, link).second) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
+  metrics::Admit(id);  // our link: its peer's requests on the reverse channel have a series (metrics.h)
 }
 
 void Engine::StopListening() {

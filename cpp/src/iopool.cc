@@ -160,8 +160,9 @@ void IoPool::Loop() {
     const int n = epoll_wait(ep_, &ev, 1, -1);
     if (n < 0 && errno != EINTR) return;
     if (n <= 0) continue;
-    if (ev.data.u64 == kWakeId) return;
-    if (ev.data.u64 == kTimerId) {
+    const uint64_t id = ev.data.u64;  // a copy: epoll_event is packed, a reference to its field misaligned (UBSan)
+    if (id == kWakeId) return;
+    if (id == kTimerId) {
       uint64_t ticks = 0;
       if (read(timer_fd_, &ticks, sizeof(ticks)) == static_cast<ssize_t>(sizeof(ticks))) Tick();
       if (orphaned) return;
@@ -170,12 +171,12 @@ void IoPool::Loop() {
     std::shared_ptr<Task> task;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = tasks_.find(ev.data.u64);
+      auto it = tasks_.find(id);
       // Gone (its group stopped), or taken by the timer meanwhile: that step parks it again.
       if (it == tasks_.end() || it->second.state != State::kParked) continue;
       task = ClaimLocked(it->first, it->second);
     }
-    Step(ev.data.u64, std::move(task), true);
+    Step(id, std::move(task), true);
     if (orphaned) return;
   }
 }

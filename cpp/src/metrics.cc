@@ -84,11 +84,22 @@ class Table {
  public:
   Table() : head_(new Segment(kFirst)) {}
   Cell *Find(Op op, uint64_t cluster) {
+    Cell *c = Lookup(op, cluster);
+    return c != nullptr ? c : Make(op, cluster);
+  }
+  /// The cell of (op, cluster), or null: nothing is made.
+  Cell *Lookup(Op op, uint64_t cluster) {
     for (Segment *s = head_; s != nullptr; s = s->next.load(std::memory_order_acquire)) {
       Cell *c = s->Probe(op, cluster);
       if (c != nullptr) return c;
     }
-    return Make(op, cluster);
+    return nullptr;
+  }
+  size_t Size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    for (Segment *s = head_; s != nullptr; s = s->next.load(std::memory_order_acquire)) n += s->used;
+    return n;
   }
   template <typename F>
   void ForEach(F &&f) {
@@ -154,6 +165,56 @@ Table &Process() {
   return *table;
 }
 
+/// The named cluster ids: an open-addressing set that is only added to, at most half full
+/// (kMaxNamedPeers ids in twice as many slots); readers probe without a lock, a new id is
+/// added under the mutex. kOtherPeers marks an empty slot (and is never named).
+class Names {
+ public:
+  Names() {
+    for (auto &s : slots_) s.store(kOtherPeers, std::memory_order_relaxed);
+  }
+  bool Has(uint64_t id) const {
+    if (id == kOtherPeers) return false;
+    for (size_t i = Slot(id), n = 0; n < kSlots; ++n, i = (i + 1) % kSlots) {
+      const uint64_t v = slots_[i].load(std::memory_order_acquire);
+      if (v == id) return true;
+      if (v == kOtherPeers) return false;
+    }
+    return false;
+  }
+  bool Add(uint64_t id) {
+    if (Has(id)) return true;
+    if (id == kOtherPeers) return false;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (Has(id)) return true;
+    if (count_ >= kMaxNamedPeers) return false;
+    size_t i = Slot(id);
+    while (slots_[i].load(std::memory_order_relaxed) != kOtherPeers) i = (i + 1) % kSlots;
+    slots_[i].store(id, std::memory_order_release);
+    ++count_;
+    return true;
+  }
+  size_t Count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return count_;
+  }
+
+ private:
+  static constexpr size_t kSlots = 2 * kMaxNamedPeers;
+  static size_t Slot(uint64_t id) {
+    const uint64_t h = id * 0x9E3779B97F4A7C15ULL;
+    return static_cast<size_t>((h ^ (h >> 31)) % kSlots);
+  }
+  std::array<std::atomic<uint64_t>, kSlots> slots_;
+  std::mutex mu_;
+  size_t count_ = 0;  // under mu_
+};
+
+Names &ProcessNames() {
+  static Names *names = new Names();  // never destroyed, as the table
+  return *names;
+}
+
 Series Copy(const Cell &c) {
   Series s;
   s.op = c.op;
@@ -202,8 +263,17 @@ double Series::Quantile(double q) const {
   return std::numeric_limits<double>::infinity();
 }
 
+bool Admit(uint64_t cluster_id) { return ProcessNames().Add(cluster_id); }
+bool IsNamed(uint64_t cluster_id) { return ProcessNames().Has(cluster_id); }
+size_t NamedCount() { return ProcessNames().Count(); }
+size_t CellCount() { return Process().Size(); }
+
 void Record(Op op, uint64_t cluster_id, uint64_t nbytes, Clock::duration took, Status code) {
-  Cell &c = *Process().Find(op, cluster_id);
+  // Our own pulls and pushes name their link's id (the caller chose it); a peer's requests
+  // count under its id only if its link named it.
+  const bool own = op == Op::kPull || op == Op::kPush;
+  const uint64_t series = (own ? Admit(cluster_id) : IsNamed(cluster_id)) ? cluster_id : kOtherPeers;
+  Cell &c = *Process().Find(op, series);
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(took).count();
   const uint64_t nanos = ns > 0 ? static_cast<uint64_t>(ns) : 0;
   size_t bucket = 0;
@@ -264,9 +334,12 @@ std::string SeriesJson(const Series &s) {
 
 std::string StatsJson(uint64_t self_cluster_id, int32_t role, uint64_t peer, bool told) {
   std::string own;
-  if (told)
-    for (const Series &s : Snapshot())
-      if (s.cluster_id == peer) own += (own.empty() ? "" : ",") + Quoted(OpName(s.op)) + ":" + SeriesJson(s);
+  if (told && IsNamed(peer))
+    for (size_t op = 0; op < kOps; ++op) {
+      const Cell *c = Process().Lookup(static_cast<Op>(op), peer);
+      if (c == nullptr || c->transfers.load(std::memory_order_acquire) == 0) continue;
+      own += (own.empty() ? "" : ",") + Quoted(OpName(c->op)) + ":" + SeriesJson(Copy(*c));
+    }
   std::string out = "{\"cluster_id\":" + std::to_string(self_cluster_id) + ",\"role\":" + std::to_string(role) +
                     ",\"total\":{" + own + "},\"links\":{";
   if (!own.empty()) out += Quoted(std::to_string(peer)) + ":{" + own + "}";

@@ -12,6 +12,17 @@
 // are atomics. Who reads: Snapshot (datadist.metrics(), the Prometheus collector, the C++
 // API's GetMetrics) and StatsJson (the answer to a peer's STATS_REQUEST), at any time.
 // Counters only grow (a Prometheus counter must never go down) until Reset (tests).
+//
+// Which cluster ids get a series of their own (docs/engine.md, "Metrics"): a peer's id is only
+// its claim, so a stranger must not be able to grow the table. An id is *named* (Admit) when a
+// link to it exists: a peer's control channel completed its handshake with us (after AUTH
+// when a secret is set: the engine's Identity::on_control), or we linked to it (the engine's
+// AdoptLink; our own pulls and pushes name their link's id too). At most kMaxNamedPeers ids are
+// ever named; everything else (a refusal before or during the handshake, requests on the
+// connection of an id not named, ids past the cap) counts in one series, cluster id
+// kOtherPeers. A named id keeps its series for the life of the process (an unlinked peer's
+// counters stay, as before; Reset zeroes them but names stay named). So the table holds at most
+// (kMaxNamedPeers + 1) x kOps series, whatever strangers claim.
 #ifndef DATADIST_CPP_METRICS_H_
 #define DATADIST_CPP_METRICS_H_
 
@@ -55,8 +66,24 @@ struct Series {
   double Quantile(double q) const;
 };
 
+/// The most cluster ids with series of their own; the rest fold into kOtherPeers.
+constexpr size_t kMaxNamedPeers = 1024;
+/// The cluster id of the folded series ("other peers": ids not named, or past the cap). A peer
+/// that claims this id counts there too.
+constexpr uint64_t kOtherPeers = ~uint64_t{0};
+/// Gives `cluster_id` a series of its own from now on, within the cap: true when it has one
+/// (now or before), false when it folds into kOtherPeers. Called when a link to that id is
+/// made (see above); never blocks beyond a short mutex the first time an id is named.
+bool Admit(uint64_t cluster_id);
+/// Has `cluster_id` a series of its own? Lock-free.
+bool IsNamed(uint64_t cluster_id);
+/// How many ids are named, and how many series (cells) the table holds (tests).
+size_t NamedCount();
+size_t CellCount();
+
 /// Counts one transfer or served request that ended: `code` 0 when it succeeded (then `nbytes`
-/// count as moved), else its status code. Never blocks.
+/// count as moved), else its status code. Under `cluster_id`'s series when it is named (pull
+/// and push name it: this process's own link), else under kOtherPeers. Never blocks.
 void Record(Op op, uint64_t cluster_id, uint64_t nbytes, Clock::duration took, Status code);
 /// Record, with the time since `since`.
 inline void RecordSince(Op op, uint64_t cluster_id, uint64_t nbytes, Clock::time_point since, Status code) {
@@ -73,7 +100,9 @@ const char *StatusName(Status code);
 /// What a peer's STATS_REQUEST is answered with (Python's Engine.stats(peer), as JSON):
 /// {"cluster_id": us, "role": role, "total": own, "links": {"<peer>": own}} where own holds
 /// the peer's own series by operation, nothing when `told` is false (the asking connection
-/// is not the one that peer's live link belongs to), and links is {} when own is empty.
+/// is not the one that peer's live link belongs to, or `peer` is not named: the folded series
+/// is nobody's own), and links is {} when own is empty. Looks up the peer's own cells (one
+/// probe per operation): its cost does not grow with the table.
 std::string StatsJson(uint64_t self_cluster_id, int32_t role, uint64_t peer, bool told);
 /// One series as Python's Series.snapshot() writes it in JSON (transfers, bytes, errors,
 /// seconds, latency_buckets (cumulative), p50_s, p99_s).

@@ -775,6 +775,8 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
   // SHM asked and the cache in shareable memory: where each tensor's unit lies in its memfd.
   const Entry &e = lease->entry();
   const bool shm = (req.flags & wire::kFlagShm) && e.shm.shareable();
+  std::vector<uint8_t> checksum;  // read fault-safely while the lease holds the memory: a hole is an error frame
+  if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(*lease, rid);
   ctx.grants->Take(peer.pid, !shm);
   const uint64_t id = next_lease_id++;
   std::vector<uint8_t> frame;
@@ -791,8 +793,6 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
   } else {
     frame = wire::EncodeGrant({id, lease->bases}, rid);
   }
-  std::vector<uint8_t> checksum;
-  if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(lease->iov, rid);  // while the lease holds the memory
   grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid, ctx.cluster, asked));
   const Deadline deadline = After(kServeTimeout);
   c.SendFrame(frame, deadline);
@@ -843,7 +843,7 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, Conn &c, uint8_t type
     // The client adds its offsets to the bases; raw-address offsets are absolute already.
     g.bases = req.kind == wire::kAddress ? std::vector<uint64_t>(req.tensors.size(), 0) : lease->bases;
     frame = wire::EncodeNixlGrant(g, rid);
-    if (!write && (req.flags & wire::kFlagChecksum)) checksum = verify::Frame(lease->iov, rid);
+    if (!write && (req.flags & wire::kFlagChecksum)) checksum = verify::Frame(*lease, rid);
     NixlGrantInfo info{agent, !grants.nixl_wired, write, size};
     grants.emplace(id, std::make_unique<Granted>(std::move(lease), std::move(info), ctx.cluster, asked));
   } catch (const Error &e) {
@@ -970,6 +970,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       const Clock::time_point asked = Clock::now();  // counted as serve_read from here
       const size_t held = grants.size();
       std::unique_ptr<Lease> lease;
+      std::vector<uint8_t> checksum;
       try {
         if (req.flags & wire::kFlagGrant) {
           Grant(ctx, grants, c, req, rid, asked);  // SHM_GRANT for SHM on shareable memory
@@ -977,6 +978,9 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
         }
         lease = registry_->Open(req);
         CheckOwnMemory(lease->entry(), req.tensors, "read");
+        // Before the bytes go, read fault-safely: a hole anywhere in the spans is an error
+        // frame here, not a cut connection (or a SIGSEGV) after READ_DATA.
+        if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(*lease, rid);
       } catch (const Error &e) {
         // Refused (a grant given, then not sent, is counted when it ends: Granted).
         if (grants.size() == held) metrics::RecordSince(metrics::Op::kServeRead, ctx.cluster, 0, asked, e.code());
@@ -993,7 +997,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       metrics::Serving served(metrics::Op::kServeRead, ctx.cluster, asked);
       c.SendV(std::move(iov), deadline);
       if (req.flags & wire::kFlagChecksum) {  // the key waits for the reader's verdict
-        c.SendFrame(verify::Frame(lease->iov, rid), deadline);
+        c.SendFrame(checksum, deadline);
         served.Done(lease->nbytes);  // sent; whether the reader accepts it is its own count
         grants.verdict.Await(rid, std::move(lease));
         return true;

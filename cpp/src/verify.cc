@@ -23,8 +23,50 @@ std::string Hex(uint32_t crc) {
 
 }  // namespace
 
-std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid) {
-  return wire::EncodeChecksum(crc::Crc32Iov(src), Bytes(src), rid);
+namespace {
+
+/// The CRC of `src`, read fault-safely; a hole throws LLM_DEVICE_MEM_ERROR with `what(bad)`.
+template <typename Name>
+uint32_t OwnCrc(const std::vector<iovec> &src, Name &&what) {
+  const crc::OwnRead r = crc::Crc32Own(src);
+  if (r.ok) return r.crc;
+  if (r.refused != nullptr) throw Error(llm_datadist::LLM_FAILED, std::string("cannot checksum: ") + r.refused);
+  throw Error(kDeviceMemError, what(r.bad));
+}
+
+std::string Address(uintptr_t a) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%#llx", static_cast<unsigned long long>(a));
+  return buf;
+}
+
+}  // namespace
+
+std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid, const std::string &what) {
+  const uint32_t crc = OwnCrc(src, [&](uintptr_t bad) {
+    return "the owner's " + what + " at " + Address(bad) + " is not mapped any more (freed after it was registered): "
+           "no checksum";
+  });
+  return wire::EncodeChecksum(crc, Bytes(src), rid);
+}
+
+std::vector<uint8_t> Frame(const Lease &lease, uint32_t rid) {
+  const uint32_t crc = OwnCrc(lease.iov, [&](uintptr_t bad) {
+    const Entry &e = lease.entry();
+    std::string tensor;
+    for (size_t t = 0; t < e.addrs.size(); ++t)
+      if (bad >= e.addrs[t] && bad - e.addrs[t] < e.geo.tensor_bytes) {
+        tensor = " tensor " + std::to_string(t);
+        break;
+      }
+    // Always told (a bug of the caller's, who may never see the peer's error), as CheckOwnMemory does.
+    std::fprintf(stderr, "[datadist] error: cache %lld%s: its memory at %s is not mapped any more (freed after it was "
+                 "registered?); a peer's checksummed read of it is refused\n",
+                 static_cast<long long>(e.id), tensor.c_str(), Address(bad).c_str());
+    return "the owner's memory of cache " + std::to_string(e.id) + tensor + " at " + Address(bad) +
+           " is not mapped any more (freed after it was registered): no checksum";
+  });
+  return wire::EncodeChecksum(crc, Bytes(lease.iov), rid);
 }
 
 wire::Checksum Expect(const wire::Header &h, const std::vector<uint8_t> &payload) {

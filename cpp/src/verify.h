@@ -2,8 +2,9 @@
 //
 // * owner: after the answer to a READ with the flag (READ_DATA and the bytes, or a GRANT) a
 //   CHECKSUM frame: zlib's CRC-32 (crc32.h) of the source spans in order, and their byte count,
-//   computed after the bytes were sent (stream) or while the grant holds the memory. A streamed
-//   read's CacheKey is consumed only once the reader's verdict says the CRC matched (Pending);
+//   computed before the bytes are sent (stream) or while the grant holds the memory, always
+//   with a fault-safe read (Frame: a hole in the memory is an error frame, no CHECKSUM). A
+//   streamed read's CacheKey is consumed only once the reader's verdict says the CRC matched (Pending);
 //   a granted one at its RELEASE with ok, as without the flag;
 // * reader: computes the CRC of what landed, compares it and the byte count, tells the owner
 //   (stream: RELEASE with lease id 0 and the READ's request id; grant: its RELEASE's ok), and
@@ -32,8 +33,17 @@ namespace verify {
 /// ErrorKind::kChecksumMismatch, not by this text).
 constexpr char kMismatch[] = "checksum mismatch";
 
-/// Owner: the CHECKSUM frame over `src` (the read's source spans), answering request `rid`.
-std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid);
+/// Owner: the CHECKSUM frame over `src` (the read's source spans, in this process's memory),
+/// answering request `rid`. The bytes are read fault-safely (crc::Crc32Own: a bounded scratch
+/// copy per thread, never an in-process load): a span that is not mapped any more (the
+/// caller freed registered memory behind our back) throws Error(LLM_DEVICE_MEM_ERROR) naming
+/// `what` and the address, and the caller answers the peer an error frame instead of dying of
+/// SIGSEGV. LLM_FAILED if no fault-safe read can be had (crc32.h). Blocks on nothing.
+std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid, const std::string &what = "registered memory");
+/// The same over a lease's spans (its iov), an error naming the cache and the tensor the
+/// unreadable byte lies in, also told on stderr (the caller's bug, which the peer's error may
+/// never reach): what the server's READ with CHECKSUM, GRANT and NIXL_GRANT call.
+std::vector<uint8_t> Frame(const Lease &lease, uint32_t rid);
 
 /// Reader: the CHECKSUM frame's content, from the frame that came after the answer (`h`,
 /// `payload`, already checked to answer the READ). Anything else: LLM_SUSPECT_REMOTE_ERROR

@@ -3,6 +3,7 @@
 // units, on both sides of a link, and the STATS answer in the JSON the Python API reads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <string>
@@ -22,6 +23,7 @@ namespace metrics = datadist::metrics;
 // The core's own table (this test binary's copy of datadist_core; the API's is in the .so).
 TEST(MetricsCore, StatsAnswerIsThePythonOwnersJson) {
   metrics::Reset();
+  ASSERT_TRUE(metrics::Admit(5));  // linked: its series is its own (a peer's handshake does this)
   metrics::Record(metrics::Op::kServeRead, 5, 100, std::chrono::microseconds(5), LLM_SUCCESS);
   metrics::Record(metrics::Op::kServeRead, 5, 77, std::chrono::milliseconds(1), LLM_KV_CACHE_NOT_EXIST);
   metrics::Record(metrics::Op::kPull, 6, 7, std::chrono::seconds(2), LLM_SUCCESS);
@@ -79,6 +81,59 @@ TEST(MetricsCore, ManyThreadsAndManyPeersLoseNoCount) {
     EXPECT_EQ(s.transfers, 16U) << s.cluster_id;
     EXPECT_EQ(s.bytes, 16U) << s.cluster_id;
   }
+  metrics::Reset();
+}
+
+// Issue 35, item 3: ids that strangers claim cannot grow the table. Before the cap, 5,000
+// claimed ids made 5,000 series per operation and each STATS copied all of them.
+TEST(MetricsCore, ClaimedIdsFoldIntoOneSeriesPastTheCapAndStatsDoesNotScale) {
+  metrics::Reset();
+  constexpr uint64_t kAsker = 7'000'000;  // a linked peer that asks for its STATS
+  ASSERT_TRUE(metrics::Admit(kAsker));
+  for (size_t op = 0; op < metrics::kOps; ++op)
+    metrics::Record(static_cast<metrics::Op>(op), kAsker, 10, std::chrono::microseconds(3), LLM_SUCCESS);
+  // One STATS answer's cost, the best of a few rounds (a loaded host only slows some).
+  auto stats_ns = [&] {
+    double best = 1e18;
+    for (int round = 0; round < 5; ++round) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 200; ++i) EXPECT_NE(metrics::StatsJson(1, 1, kAsker, true).find("serve_lease"), std::string::npos);
+      best = std::min(best, std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / 200);
+    }
+    return best;
+  };
+  const double before = stats_ns();
+  // 5,000 distinct ids: served requests of strangers whose handshake named them (up to the
+  // cap), of ids never named, and our own pulls (which name their link's id).
+  const uint64_t first = 1'000'000;
+  for (uint64_t i = 0; i < 5000; ++i) {
+    const uint64_t id = first + i;
+    if (i % 2 == 0) metrics::Admit(id);  // its control channel completed the handshake
+    for (size_t op = 0; op < metrics::kOps; ++op)
+      metrics::Record(static_cast<metrics::Op>(op), id, 1, std::chrono::microseconds(1), LLM_KV_CACHE_NOT_EXIST);
+  }
+  EXPECT_EQ(metrics::NamedCount(), metrics::kMaxNamedPeers);
+  // The bound: (cap + 1) x operations series, whatever was claimed.
+  EXPECT_LE(metrics::CellCount(), (metrics::kMaxNamedPeers + 1) * metrics::kOps);
+  const std::vector<metrics::Series> all = metrics::Snapshot();
+  EXPECT_LE(all.size(), (metrics::kMaxNamedPeers + 1) * metrics::kOps);
+  uint64_t transfers = 0, other = 0;
+  for (const metrics::Series &s : all) {
+    transfers += s.transfers;
+    if (s.cluster_id == metrics::kOtherPeers) other += s.transfers;
+    else EXPECT_TRUE(metrics::IsNamed(s.cluster_id)) << s.cluster_id;
+  }
+  EXPECT_EQ(transfers, 5001U * metrics::kOps);  // nothing lost: folded, not dropped
+  EXPECT_GE(other, 2500U * 3);  // at least the never-named ids' serve_read, serve_write, serve_lease
+  // A peer whose id is not named (the last ones: past the cap) is told nothing (the folded
+  // series is nobody's own).
+  const uint64_t unnamed = first + 4999;
+  ASSERT_FALSE(metrics::IsNamed(unnamed));
+  EXPECT_EQ(metrics::StatsJson(1, 1, unnamed, true), R"({"cluster_id":1,"role":1,"total":{},"links":{}})");
+  // STATS looks up the asker's cells: its cost does not grow with the table (it copied
+  // the whole table before: hundreds of times slower here).
+  const double after = stats_ns();
+  EXPECT_LT(after, 5 * before + 20000) << "ns per STATS answer: " << before << " before, " << after << " after";
   metrics::Reset();
 }
 

@@ -7,6 +7,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -53,6 +54,100 @@ TEST(Crc32, TheFastPathGivesTheTablesValueAtEveryLengthAndAlignment) {
   std::vector<iovec> iov{{buf.data(), 7}, {buf.data() + 7, 0}, {buf.data() + 7, 300}, {buf.data() + 307, 3789}};
   EXPECT_EQ(crc::Crc32Iov(iov), crc::Crc32(0, buf.data(), 4096));
 }
+
+// The owner's checksum reads registered memory on a peer's behalf: fault-safely (issue 35,
+// item 4). Before, verify::Frame ran the CRC in-process and these tests died of SIGSEGV.
+
+/// Three pages, the middle one unmapped (the caller freed part of a registered tensor).
+class Holed {
+ public:
+  Holed() : page_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {
+    void *m = mmap(nullptr, 3 * page_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    EXPECT_NE(m, MAP_FAILED);
+    base_ = static_cast<uint8_t *>(m);
+    std::memset(base_, 0x5a, 3 * page_);
+    EXPECT_EQ(munmap(base_ + page_, page_), 0);
+  }
+  ~Holed() {
+    munmap(base_, page_);
+    munmap(base_ + 2 * page_, page_);
+  }
+  uint8_t *base() const { return base_; }
+  size_t page() const { return page_; }
+
+ private:
+  size_t page_;
+  uint8_t *base_ = nullptr;
+};
+
+/// Runs the cases with process_vm_readv, then with the pipe fallback (a seccomp filter's case).
+class OwnRead : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { crc::ForcePipeForTests(GetParam()); }
+  void TearDown() override { crc::ForcePipeForTests(false); }
+};
+
+TEST_P(OwnRead, GivesCrc32IovsValueOverManySpansAndChunks) {
+  std::mt19937_64 rng(11);
+  std::vector<uint8_t> buf((1 << 20) + 333);
+  for (auto &b : buf) b = static_cast<uint8_t>(rng());
+  // one span over several scratch chunks; then more spans than one call takes (1024), some empty
+  std::vector<std::vector<iovec>> cases{{{buf.data() + 1, buf.size() - 1}}, {}};
+  for (size_t at = 0, i = 0; at + 700 < buf.size() && i < 2500; at += 400, ++i)
+    cases[1].push_back({buf.data() + at, i % 7 == 0 ? 0 : 300 + i % 100});
+  cases.push_back({});
+  for (const auto &iov : cases) {
+    const crc::OwnRead r = crc::Crc32Own(iov);
+    ASSERT_TRUE(r.ok) << (r.refused ? r.refused : "a hole?");
+    EXPECT_EQ(r.crc, crc::Crc32Iov(iov)) << iov.size() << " spans";
+  }
+}
+
+TEST_P(OwnRead, AHoleIsAnAnswerNotASegfault) {
+  Holed m;
+  const uintptr_t hole = reinterpret_cast<uintptr_t>(m.base() + m.page());
+  // the hole anywhere: at the start of a span, inside one, after whole healthy spans
+  const std::vector<std::vector<iovec>> cases{
+      {{m.base(), 3 * m.page()}},
+      {{m.base(), 10}, {m.base() + m.page() - 5, 100}},
+      {{m.base(), m.page()}, {m.base() + m.page(), 1}},
+      {{m.base() + 2 * m.page(), 64}, {m.base() + m.page() + 7, 1}}};
+  for (const auto &iov : cases) {
+    const crc::OwnRead r = crc::Crc32Own(iov);
+    EXPECT_FALSE(r.ok);
+    EXPECT_EQ(r.refused, nullptr);
+    EXPECT_GE(r.bad, hole);
+    EXPECT_LT(r.bad, hole + m.page());
+  }
+  // the pages around it are read as usual
+  const std::vector<iovec> healthy{{m.base(), m.page()}, {m.base() + 2 * m.page(), m.page()}};
+  const crc::OwnRead r = crc::Crc32Own(healthy);
+  ASSERT_TRUE(r.ok);
+  EXPECT_EQ(r.crc, crc::Crc32Iov(healthy));
+}
+
+TEST_P(OwnRead, TheOwnersChecksumFrameOverAHoleIsDeviceMemError) {
+  Holed m;
+  const std::vector<iovec> src{{m.base(), 3 * m.page()}};
+  try {
+    datadist::verify::Frame(src, 9, "cache 4 tensor 1");
+    FAIL() << "a checksum over unmapped memory";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), datadist::kDeviceMemError);
+    EXPECT_NE(std::string(e.what()).find("cache 4 tensor 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not mapped"), std::string::npos) << e.what();
+  }
+  // and the frame over healthy memory is the CRC of its bytes
+  const std::vector<iovec> ok{{m.base(), m.page()}};
+  std::vector<uint8_t> frame = datadist::verify::Frame(ok, 9);
+  std::vector<uint8_t> payload(frame.begin() + w::kHeaderSize, frame.end());
+  const w::Checksum ck = datadist::verify::Expect(w::DecodeHeader(frame.data()), payload);
+  EXPECT_EQ(ck.crc, crc::Crc32Iov(ok));
+  EXPECT_EQ(ck.nbytes, m.page());
+}
+
+INSTANTIATE_TEST_SUITE_P(Crc32Own, OwnRead, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool> &p) { return p.param ? "Pipe" : "ProcessVmReadv"; });
 
 /// An owner written by hand: WELCOME, then every READ answered with READ_DATA and a pattern,
 /// and with its CHECKSUM frame when the READ asks for one (`lie`: a wrong CRC); records what
