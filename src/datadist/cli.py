@@ -232,7 +232,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     import datadist
     from datadist.core.config import HostIdentity, forced_path
-    from datadist.transport.iov import IOV_MAX, CmaRefused, make_iov, vm_copy
+    from datadist.core.layout import make_iov
+    from datadist.core.local import IOV_MAX, CmaRefused, vm_copy
 
     ident = HostIdentity.current()
     print(f"datadist {datadist.__version__}")
@@ -262,14 +263,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _info_engine() -> None:
     """The engine LLMDataDist.init gets here (the native core, the only one), for a
-    configuration from this environment's settings (DATADIST_ENGINE, DATADIST_TRANSPORT,
-    TLS, checksums, NIXL serving), or why it would refuse that configuration."""
+    configuration from this environment's settings (DATADIST_TRANSPORT, TLS,
+    checksums, NIXL serving), or why it would refuse that configuration."""
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.core import native
     from datadist.core.config import EngineConfig
 
     try:
-        native.wanted({})
         config = EngineConfig(cluster_id=1, role=2, transport=os.environ.get("DATADIST_TRANSPORT"),
                               secret=_secret({}), tls=_tls({}),
                               verify=os.environ.get("DATADIST_VERIFY_CHECKSUM", "") == "1",
@@ -302,20 +302,19 @@ def _info_peer(args: argparse.Namespace) -> None:
     from datadist.api.llm_datadist import _secret, _tls
     from datadist.api.status import LLMException
     from datadist.core import native
+    from datadist.core.address import format_host_port, parse_host_port
     from datadist.core.config import EngineConfig
     from datadist.core.errors import DatadistError
-    from datadist.transport.address import format_host_port, parse_host_port
 
     try:
         host, port = parse_host_port(args.peer)
         if args.own_id == args.cluster_id:
             raise CliError(f"--own-id and --cluster-id are both {args.cluster_id}: a link "
                            "needs two clusters")
-        eng, _ = native.engine_for(EngineConfig(
+        eng = native.engine_for(EngineConfig(
             cluster_id=args.own_id, role=2, transport=args.transport,
             secret=_secret({}), tls=_tls({}),
-            nixl_whole_process=os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS") == "1"),
-            {})
+            nixl_whole_process=os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS") == "1"))
     except (DatadistError, LLMException) as e:
         raise CliError(f"--peer {args.peer!r}: {e}") from None
     try:
@@ -406,8 +405,7 @@ def _info_native() -> None:
 def _info_nixl() -> None:
     """The NIXL data path: installed or not, which backends NIXL offers here, and the C API
     library the core loads."""
-    from datadist.core import native
-    from datadist.transport import nixl
+    from datadist.core import nixl_wheel as nixl
 
     module = nixl.available()
     if module is None:
@@ -421,9 +419,9 @@ def _info_nixl() -> None:
     ucx = "UCX available" if nixl.BACKEND in plugins else "no UCX backend: unusable"
     print(f"nixl: {module}, backends {', '.join(plugins)} ({ucx}; transport=nixl uses "
           f"{nixl.BACKEND})")
-    lib = native.nixl_library()
+    lib = nixl.library()
     print(f"nixl C API: {lib} (the core drives NIXL through it)" if lib else
-          f"nixl C API: {native.NIXL_CAPI} not found beside {module}: the core cannot use NIXL")
+          f"nixl C API: {nixl.CAPI} not found beside {module}: the core cannot use NIXL")
     serve = os.environ.get("DATADIST_NIXL_SERVE", "")
     whole = os.environ.get("DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", "") == "1"
     print("nixl serving: " + ("on" if serve == "1" else "off") +

@@ -16,10 +16,10 @@ def test_ctest_passes(cpp_build: Path) -> None:
     if not (cpp_build / "llm_datadist_tests").exists():
         pytest.skip("GoogleTest not found when cpp/ was configured (apt-get install libgtest-dev)")
     # The NIXL tests (cpp/tests/nixl_test.cc) load the nixl-cu12 wheel's C API where it is here.
-    from datadist.core import native
+    from datadist.core import nixl_wheel
 
     env = dict(os.environ)
-    lib = native.nixl_library()
+    lib = nixl_wheel.library()
     if lib is not None:
         env.setdefault("DATADIST_NIXL_LIBRARY", lib)
     done = subprocess.run(["ctest", "--output-on-failure", "--timeout", "300"], cwd=cpp_build,

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from fault_harness import Peer, Peers, RawClient, link, measured, target, watch_progress
 
+from datadist.core import nixl_wheel as nixl
 from datadist.core.errors import Busy, NotSupported
-from datadist.transport import nixl
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.skipif(nixl.available() is None, reason="NIXL (nixl-cu12) not installed")

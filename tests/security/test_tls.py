@@ -415,7 +415,6 @@ def test_tls_options_run_on_the_core_and_a_core_without_tls_refuses_them(
     tls = certs["decoder"]
     options = {"datadist.TlsCert": tls.cert_file, "datadist.TlsKey": tls.key_file,
                "datadist.TlsCa": tls.ca_file}
-    monkeypatch.delenv("DATADIST_ENGINE", raising=False)
     dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
     dd.init(dict(options))
     try:
@@ -425,7 +424,7 @@ def test_tls_options_run_on_the_core_and_a_core_without_tls_refuses_them(
         dd.finalize()
     monkeypatch.setattr(native, "tls_available", lambda: (False, "no OpenSSL in this build"))
     with pytest.raises(NotSupported, match="no OpenSSL in this build"):
-        native.engine_for(config, {"datadist.Engine": "native"})
+        native.engine_for(config)
     dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
     with pytest.raises(llm.LLMException) as e:
         dd.init(dict(options))

@@ -14,8 +14,8 @@ from typing import Any
 
 from datadist.api.checks import check_int, check_isinstance
 from datadist.api.status import LLMException, LLMStatusCode
+from datadist.core.address import format_host_port, ipv6_literal
 from datadist.core.config import EngineConfig
-from datadist.transport.address import format_host_port, ipv6_literal
 
 OPT_DEVICE_ID = "ge.exec.deviceId"
 OPT_SESSION_DEVICE_ID = "ge.session_device_id"

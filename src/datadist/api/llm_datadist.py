@@ -25,12 +25,12 @@ from datadist.api.config import LLMClusterInfo, ip_text
 from datadist.api.enums import LLMRole, RegisterMemStatus
 from datadist.api.link_failures import LinkFailures
 from datadist.api.status import LLMException, LLMStatusCode, code_to_status, llm_errors
+from datadist.core.address import parse_host_port
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.config import EngineConfig, TlsConfig
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.core.native import NativeEngine, engine_for
 from datadist.memory.pool import PoolConfig
-from datadist.transport.address import parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,6 @@ class LLMDataDist:
         self._role = role
         self._cluster_id = cluster_id
         self._engine: NativeEngine | None = None
-        self._engine_reason = ""  # why init chose the engine it runs on (datadist info)
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None
         self._cache_manager_mode = False
@@ -200,7 +199,7 @@ class LLMDataDist:
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
-                engine, self._engine_reason = engine_for(engine_cfg, opts)
+                engine = engine_for(engine_cfg)
             self._engine = engine
             self._options = opts
             if self._cache_manager_mode:

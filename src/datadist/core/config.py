@@ -72,9 +72,6 @@ class TlsConfig:
     def client_context(self) -> ssl.SSLContext:
         return self._context(ssl.Purpose.SERVER_AUTH)
 
-    def server_context(self) -> ssl.SSLContext:
-        return self._context(ssl.Purpose.CLIENT_AUTH)
-
 
 @dataclass(frozen=True)
 class EngineConfig:
