@@ -96,7 +96,7 @@ void Check(Status s, const std::string &what) {
 }
 
 // UCX transports whose remote accesses the hardware checks against a registration's memory key,
-// and those that serve no remote access at all (transport/nixl.py's KEY_CHECKED_TLS).
+// and those that serve no remote access at all (the same set as core/nixl_wheel.py's KEY_CHECKED_TLS).
 const std::set<std::string> kKeyCheckedTls = {
     "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_v",
     "ud_x", "ud_verbs", "ud_mlx5", "cuda_copy", "rocm_copy", "gdr_copy"};
@@ -121,8 +121,8 @@ std::string Trim(const std::string &s) {
   return s.substr(a, s.find_last_not_of(" \t\n\r") - a + 1);
 }
 
-// ---- The CUDA runtime, asked where a device-placed cache's memory lies (transport/nixl.py's
-// cuda_runtime and _cuda_device). cudaPointerAttributes since CUDA 11: {type, device,
+// ---- The CUDA runtime, asked where a device-placed cache's memory lies.
+// cudaPointerAttributes since CUDA 11: {type, device,
 // devicePointer, hostPointer}; type 2 is cudaMemoryTypeDevice, 3 cudaMemoryTypeManaged.
 struct CudaPointerAttributes {
   int type;
@@ -214,7 +214,7 @@ bool Load(const std::string &path, std::string *why) {
   }
   if (loaded == 0) {
     // Where the RDMA user libraries are installed but the host has no RDMA device, UCX's ib
-    // module crashes the process at exit (transport/nixl.py's _skip_unusable_ib): kept out,
+    // module crashes the process at exit (as core/nixl_wheel.py's _skip_unusable_ib also says): kept out,
     // unless the user chose UCX_MODULES.
     if (std::getenv("UCX_MODULES") == nullptr && !HasRdmaDevice()) setenv("UCX_MODULES", "^ib", 0);
     void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
@@ -467,7 +467,7 @@ void Agent::DropRemote(const std::string &name) {
 }
 
 bool Agent::Covers(const std::vector<iovec> &local, MemKind *kind) {
-  constexpr int kLookBack = 8;  // registrations starting at or below a span looked at (as Python's kind_of)
+  constexpr int kLookBack = 8;  // registrations starting at or below a span looked at
   std::lock_guard<std::mutex> lock(mu_);
   bool first = true;
   for (const iovec &v : local) {
@@ -759,7 +759,7 @@ void Owner::Going(const Entry *e) {
 
 void Owner::StartRevoking(std::vector<std::shared_ptr<Held>> doomed) {
   // One thread per reader connection, all at once: a reader that answers each revoke just in
-  // time cannot make another run out of time (as Engine._nixl_revoke).
+  // time cannot make another run out of time.
   std::map<const void *, std::vector<uint64_t>> by_reader;
   for (auto &h : doomed) by_reader[h->conn_key].push_back(h->id);
   std::lock_guard<std::mutex> lock(mu_);

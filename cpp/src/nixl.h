@@ -7,7 +7,7 @@
 // one table (nixl.cc, Api), declared here from the C API's public facts.
 //
 // The owner side (Owner): whether this process serves NIXL at all (consent, Refusal: the option,
-// remote-accessible caches and the whole-process allowance, as Engine.nixl_refusal), its agent
+// remote-accessible caches and the whole-process allowance: docs/security.md, "The NIXL path"), its agent
 // (created at the first NIXL request, with every servable cache registered, later ones as they
 // come, Registry hooks), NIXL grants (leases between NIXL_GRANT and RELEASE, kept by the
 // connection: server.cc) and whole-cache NIXL leases, revoked on the reader's reverse channel
@@ -49,8 +49,7 @@ namespace nixl {
 
 /// Seconds an owner waits for a reader to give a NIXL lease back (NIXL_REVOKE answered by OK).
 constexpr double kRevokeWait = 5.0;
-/// Seconds between two progress calls of the owner's pump (transport/nixl.py's PUMP_FAST,
-/// PUMP_SLOW): fast while a lease of a connection without a completed NIXL read is open.
+/// Seconds between two progress calls of the owner's pump: fast while a lease of a connection without a completed NIXL read is open.
 constexpr double kPumpFast = 50e-6;
 constexpr double kPumpSlow = 2e-3;
 /// NIXL cache leases one reader connection may hold (MAX_NIXL_LEASES_PER_PEER).
@@ -64,10 +63,10 @@ bool Loaded();
 
 /// Why UCX may carry NIXL here over a transport whose memory keys nothing checks ("" where it
 /// cannot: UCX_TLS names only key-checked transports and the host has an RDMA device), as
-/// transport/nixl.py's unchecked_transports. Reads the environment; never throws.
+/// core/nixl_wheel.py's unchecked_transports (`datadist info` prints it). Reads the environment; never throws.
 std::string UncheckedTransports();
 /// How a NIXL peer could reach memory never registered: UncheckedTransports, else UCX's
-/// software RMA emulation (transport/nixl.py's whole_process_reach). Never empty.
+/// software RMA emulation. Never empty.
 std::string WholeProcessReach();
 
 /// The environment variable naming the CUDA runtime library the core asks (a path or a
@@ -87,7 +86,7 @@ struct MemKind {
 /// with dlopen at the first call (per library named): CUDA is never a build dependency.
 /// Never throws; may block while CUDA initialises.
 bool CudaDevice(uint64_t addr, uint32_t *device);
-/// What NIXL registers `addrs` as (transport/nixl.py's memory_kind): DRAM unless
+/// What NIXL registers `addrs` as: DRAM unless
 /// `device_placed`, then VRAM on the device CUDA names where every tensor is on that one
 /// device, DRAM where none is on a device. LLM_FEATURE_NOT_ENABLED when they disagree (one
 /// registration has one memory kind). Asks CUDA only for device-placed caches.
@@ -204,7 +203,7 @@ class Owner {
   void Configure(const ServeOptions &options, Revoker revoke, ReverseUp reverse_up);
   /// The options alone (tests: serving turned off under a live agent is asked anew).
   void SetOptions(const ServeOptions &options);
-  /// Why this process serves no NIXL reader ("": it does): Engine.nixl_refusal's rules, asked
+  /// Why this process serves no NIXL reader ("": it does; NativeEngine.nixl_refusal asks), asked
   /// on every NIXL request. Never blocks.
   std::string Refusal();
   /// The agent for a NIXL request, created (every servable cache registered) at the first;
