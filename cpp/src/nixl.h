@@ -4,7 +4,10 @@
 // NIXL is never a build dependency: its C API (libnixl_capi.so, the nixl-cu12 wheel's library
 // behind NIXL's Rust bindings) is loaded at run time with dlopen from the path the embedder
 // hands over (the Python package finds the wheel; Load). Every function of it we call is in
-// one table (nixl.cc, Api), declared here from the C API's public facts.
+// one table (nixl_capi.h, Api), loaded only from the releases it was written against
+// (kMinVersion, kEndVersion: Load checks the wheel's version first). The code: nixl_load.cc
+// (loading, the version, the environment UCX runs in), nixl_cuda.cc (memory kinds),
+// nixl_agent.cc (Agent), nixl_owner.cc (Owner), nixl_read.cc (ReadPath).
 //
 // The owner side (Owner): whether this process serves NIXL at all (consent, Refusal: the option,
 // remote-accessible caches and the whole-process allowance: docs/security.md, "The NIXL path"), its agent
@@ -55,9 +58,34 @@ constexpr double kPumpSlow = 2e-3;
 /// NIXL cache leases one reader connection may hold (MAX_NIXL_LEASES_PER_PEER).
 constexpr size_t kMaxLeasesPerPeer = 1024;
 
+/// The NIXL releases whose C API the core is written against (nixl_capi.h): from
+/// kMinVersion up to, not including, kEndVersion. NIXL's C API is the header of its Rust
+/// bindings, not a stable ABI (between releases an enum was renumbered and arguments were
+/// added), so a release outside this range is refused at Load rather than called. Widening it
+/// means reading that release's src/bindings/rust/wrapper.h against nixl_capi.h and running
+/// cpp/tests/nixl_test.cc and tests/integration/test_nixl_path.py with it (docs/transports.md).
+constexpr const char *kMinVersion = "1.5.0";
+constexpr const char *kEndVersion = "1.6.0";
+/// Names the version of a NIXL that is not installed from a wheel (no dist-info beside its
+/// library): checked against the range as the wheel's would be.
+constexpr const char *kVersionEnv = "DATADIST_NIXL_VERSION";
+
+/// The version of the wheel that installed `library` (a path to libnixl_capi.so): the
+/// `Version:` of the `<module>-<version>.dist-info/METADATA` in the site-packages folder above
+/// the wheel's library folder (`.nixl_cu12.mesonpy.libs`, `nixl_cu12.libs`, or the package
+/// folder itself). "" when there is none. Reads the file system only; never throws.
+std::string WheelVersion(const std::string &library);
+/// Why the core will not call NIXL `version` ("" when it is in [kMinVersion, kEndVersion)).
+/// An empty or unparsable version is refused too. Pure.
+std::string VersionRefusal(const std::string &version);
+
 /// Loads NIXL's C API from `path` (libnixl_capi.so) once per process; later calls return
-/// what the first one found. False with `why` when it cannot be loaded or lacks a function.
+/// what the first one found. False with `why` when it cannot be loaded, is a release outside
+/// [kMinVersion, kEndVersion) or of no version we can read (WheelVersion, else kVersionEnv),
+/// or lacks a function. Blocks while the library loads.
 bool Load(const std::string &path, std::string *why);
+/// The version of the NIXL Load loaded ("" before a successful Load).
+std::string LoadedVersion();
 /// Was NIXL loaded (Load succeeded)?
 bool Loaded();
 
