@@ -109,7 +109,6 @@ def load_nixl(mod: Any) -> str | None:
     return None if ok else str(why)
 
 
-
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
     """The local side of a plan must fit the cache as it was registered (the caller's
     CacheDesc may have changed since): never read or write past registered memory. And the
