@@ -179,9 +179,9 @@ std::string VersionRefusal(const std::string &version) {
 
 namespace {
 
-/// Why NIXL at `lib` (asked for as `asked`) is not a release the core calls ("" when it is).
-std::string CheckVersion(void *lib, const std::string &asked, std::string *version) {
-  const std::string where = LoadedPath(lib, asked);
+/// Why the NIXL C API library at `where` is not a release the core calls ("" when it is);
+/// `version` gets its version.
+std::string CheckVersion(const std::string &where, std::string *version) {
   const char *stated = std::getenv(kVersionEnv);
   *version = stated && *stated ? stated : WheelVersion(where);
   if (version->empty())
@@ -204,14 +204,20 @@ bool Load(const std::string &path, std::string *why) {
     // module crashes the process at exit (as core/nixl_wheel.py's _skip_unusable_ib also says): kept out,
     // unless the user chose UCX_MODULES.
     if (std::getenv("UCX_MODULES") == nullptr && !HasRdmaDevice()) setenv("UCX_MODULES", "^ib", 0);
-    void *lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
-    if (lib == nullptr) {
+    // The version first: a path is checked before the library is loaded at all; a bare name
+    // (found on the loader's search path) once loaded, where the loader found it.
+    std::string version, refused;
+    const bool named = path.find('/') == std::string::npos;
+    if (!named) refused = CheckVersion(path, &version);
+    void *lib = refused.empty() ? dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) : nullptr;
+    if (lib != nullptr && named) refused = CheckVersion(LoadedPath(lib, path), &version);
+    if (!refused.empty()) {
+      load_why = refused;
+      loaded = -1;  // a library loaded by name stays loaded (NIXL does not expect to be unloaded), never called
+    } else if (lib == nullptr) {
       const char *err = dlerror();
       load_why = "cannot load NIXL's C API (" + path + "): " + (err ? err : "dlopen failed");
       loaded = -1;
-    } else if (std::string version, refused = CheckVersion(lib, path, &version); !refused.empty()) {
-      load_why = refused;
-      loaded = -1;  // the library stays loaded (NIXL does not expect to be unloaded), never called
     } else {
       loaded_version = version;
       std::string missing;

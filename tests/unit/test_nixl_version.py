@@ -84,3 +84,15 @@ def test_without_a_wheel_the_version_must_be_stated(tmp_path: Path) -> None:
     assert not ok and "NIXL 1.4.0 is outside" in why, why
     ok, why = _load(lib, DATADIST_NIXL_VERSION="1.5.1")
     assert not ok and "lacks nixl_capi_" in why, why
+
+
+def test_a_refused_release_is_never_loaded(tmp_path: Path) -> None:
+    """The version is read before the library is: a file that is no shared object at all is
+    refused for its version, not for failing to load (nothing of it ran)."""
+    lib = _wheel(tmp_path, "1.4.1")
+    lib.write_bytes(b"")
+    ok, why = _load(lib)
+    assert not ok and "NIXL 1.4.1 is outside" in why, why
+    (tmp_path / "nixl_cu12-1.4.1.dist-info" / "METADATA").write_text("Version: 1.5.1\n")
+    ok, why = _load(lib)
+    assert not ok and "cannot load NIXL's C API" in why, why
