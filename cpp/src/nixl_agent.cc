@@ -74,8 +74,10 @@ Agent::~Agent() {
   for (auto &kv : remotes_) api.invalidate_remote_md(agent_, kv.first.c_str());
   api.destroy_notif_map(notifs_);
   api.destroy_opt_args(opts_);
-  // The backend belongs to the agent, which releases it.
+  // The backend belongs to the agent, which releases it; destroy_backend then frees only the C
+  // API's handle to it (1.5's nixl_capi_destroy_backend deletes the handle, nothing else).
   api.destroy_agent(agent_);
+  api.destroy_backend(backend_);
 }
 
 uint64_t Agent::generation() {
