@@ -11,7 +11,7 @@ only in that C function (``--toggle-collect=functools_reduce``, which counts the
 entered it: the caller's), so the count divided by ``--calls`` is what one call costs the
 calling thread (Python, the binding, the core's user-space code; not the kernel's work, not
 the core's other threads, nor the owner, a child process not under valgrind that runs on
-the engine DATADIST_ENGINE picks).
+the core too).
 
 Cases: ``small`` (pull_blocks of one 16 KiB block by BlocksCacheKey, 64 block pairs in
 turn, as the bench's latency rows), ``slot`` (pull_cache by CacheKeyByIdAndIndex of one

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from datadist.core.layout import make_iov
+from datadist.core.local import local_copy, vm_copy
 from datadist.memory.pool import map_shared, shareable_map
-from datadist.transport.iov import local_copy, make_iov, vm_copy
 
 TOTAL = 256 << 20
 SIZE = TOTAL * 5 // 4

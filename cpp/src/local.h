@@ -1,5 +1,4 @@
-// The same-host path (docs/protocol.md, "The local channel" and "Pull on the same host"), as
-// Python's transport/local.py and transport/iov.py do it:
+// The same-host path (docs/protocol.md, "The local channel" and "Pull on the same host"):
 //
 // * the local channel: the same protocol over a unix socket bound to the abstract name
 //   "\0datadist-v1.<pid>.<cluster_id>". The kernel decides "same host" (another host cannot

@@ -4,10 +4,13 @@
 // NIXL is never a build dependency: its C API (libnixl_capi.so, the nixl-cu12 wheel's library
 // behind NIXL's Rust bindings) is loaded at run time with dlopen from the path the embedder
 // hands over (the Python package finds the wheel; Load). Every function of it we call is in
-// one table (nixl.cc, Api), declared here from the C API's public facts.
+// one table (nixl_capi.h, Api), loaded only from the releases it was written against
+// (kMinVersion, kEndVersion: Load checks the wheel's version first). The code: nixl_load.cc
+// (loading, the version, the environment UCX runs in), nixl_cuda.cc (memory kinds),
+// nixl_agent.cc (Agent), nixl_owner.cc (Owner), nixl_read.cc (ReadPath).
 //
 // The owner side (Owner): whether this process serves NIXL at all (consent, Refusal: the option,
-// remote-accessible caches and the whole-process allowance, as Engine.nixl_refusal), its agent
+// remote-accessible caches and the whole-process allowance: docs/security.md, "The NIXL path"), its agent
 // (created at the first NIXL request, with every servable cache registered, later ones as they
 // come, Registry hooks), NIXL grants (leases between NIXL_GRANT and RELEASE, kept by the
 // connection: server.cc) and whole-cache NIXL leases, revoked on the reader's reverse channel
@@ -49,25 +52,49 @@ namespace nixl {
 
 /// Seconds an owner waits for a reader to give a NIXL lease back (NIXL_REVOKE answered by OK).
 constexpr double kRevokeWait = 5.0;
-/// Seconds between two progress calls of the owner's pump (transport/nixl.py's PUMP_FAST,
-/// PUMP_SLOW): fast while a lease of a connection without a completed NIXL read is open.
+/// Seconds between two progress calls of the owner's pump: fast while a lease of a connection without a completed NIXL read is open.
 constexpr double kPumpFast = 50e-6;
 constexpr double kPumpSlow = 2e-3;
 /// NIXL cache leases one reader connection may hold (MAX_NIXL_LEASES_PER_PEER).
 constexpr size_t kMaxLeasesPerPeer = 1024;
 
+/// The NIXL releases whose C API the core is written against (nixl_capi.h): from
+/// kMinVersion up to, not including, kEndVersion. NIXL's C API is the header of its Rust
+/// bindings, not a stable ABI (between releases an enum was renumbered and arguments were
+/// added), so a release outside this range is refused at Load rather than called. Widening it
+/// means reading that release's src/bindings/rust/wrapper.h against nixl_capi.h and running
+/// cpp/tests/nixl_test.cc and tests/integration/test_nixl_path.py with it (docs/transports.md).
+constexpr const char *kMinVersion = "1.5.0";
+constexpr const char *kEndVersion = "1.6.0";
+/// Names the version of a NIXL that is not installed from a wheel (no dist-info beside its
+/// library): checked against the range as the wheel's would be.
+constexpr const char *kVersionEnv = "DATADIST_NIXL_VERSION";
+
+/// The version of the wheel that installed `library` (a path to libnixl_capi.so): the
+/// `Version:` of the `<module>-<version>.dist-info/METADATA` in the site-packages folder above
+/// the wheel's library folder (`.nixl_cu12.mesonpy.libs`, `nixl_cu12.libs`, or the package
+/// folder itself). "" when there is none. Reads the file system only; never throws.
+std::string WheelVersion(const std::string &library);
+/// Why the core will not call NIXL `version` ("" when it is in [kMinVersion, kEndVersion)).
+/// An empty or unparsable version is refused too. Pure.
+std::string VersionRefusal(const std::string &version);
+
 /// Loads NIXL's C API from `path` (libnixl_capi.so) once per process; later calls return
-/// what the first one found. False with `why` when it cannot be loaded or lacks a function.
+/// what the first one found. False with `why` when it cannot be loaded, is a release outside
+/// [kMinVersion, kEndVersion) or of no version we can read (WheelVersion, else kVersionEnv),
+/// or lacks a function. Blocks while the library loads.
 bool Load(const std::string &path, std::string *why);
+/// The version of the NIXL Load loaded ("" before a successful Load).
+std::string LoadedVersion();
 /// Was NIXL loaded (Load succeeded)?
 bool Loaded();
 
 /// Why UCX may carry NIXL here over a transport whose memory keys nothing checks ("" where it
 /// cannot: UCX_TLS names only key-checked transports and the host has an RDMA device), as
-/// transport/nixl.py's unchecked_transports. Reads the environment; never throws.
+/// core/nixl_wheel.py's unchecked_transports (`datadist info` prints it). Reads the environment; never throws.
 std::string UncheckedTransports();
 /// How a NIXL peer could reach memory never registered: UncheckedTransports, else UCX's
-/// software RMA emulation (transport/nixl.py's whole_process_reach). Never empty.
+/// software RMA emulation. Never empty.
 std::string WholeProcessReach();
 
 /// The environment variable naming the CUDA runtime library the core asks (a path or a
@@ -87,7 +114,7 @@ struct MemKind {
 /// with dlopen at the first call (per library named): CUDA is never a build dependency.
 /// Never throws; may block while CUDA initialises.
 bool CudaDevice(uint64_t addr, uint32_t *device);
-/// What NIXL registers `addrs` as (transport/nixl.py's memory_kind): DRAM unless
+/// What NIXL registers `addrs` as: DRAM unless
 /// `device_placed`, then VRAM on the device CUDA names where every tensor is on that one
 /// device, DRAM where none is on a device. LLM_FEATURE_NOT_ENABLED when they disagree (one
 /// registration has one memory kind). Asks CUDA only for device-placed caches.
@@ -204,7 +231,7 @@ class Owner {
   void Configure(const ServeOptions &options, Revoker revoke, ReverseUp reverse_up);
   /// The options alone (tests: serving turned off under a live agent is asked anew).
   void SetOptions(const ServeOptions &options);
-  /// Why this process serves no NIXL reader ("": it does): Engine.nixl_refusal's rules, asked
+  /// Why this process serves no NIXL reader ("": it does; NativeEngine.nixl_refusal asks), asked
   /// on every NIXL request. Never blocks.
   std::string Refusal();
   /// The agent for a NIXL request, created (every servable cache registered) at the first;

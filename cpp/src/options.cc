@@ -22,10 +22,6 @@ std::vector<OptionSpec> MakeTable() {
        "by TCP), tcp, cma, shm or nixl (needs the datadist[nixl] extra). tcp and nixl neither use nor serve the "
        "local channel.",
        "unknown transport '{value}' in {name}; use auto, tcp, cma, shm or nixl"});
-  add({"datadist.Engine", "DATADIST_ENGINE", OptionKind::kEnum, {"auto", "native"}, 0, 0, "", "auto", "",
-       "Which engine: auto or native, both the C++ core (the only engine; 'python', the removed one, is refused).",
-       "{name} must be 'auto' or 'native', got '{value}' (the Python engine was removed; the native core runs "
-       "every configuration)"});
   add({"datadist.NixlServe", "DATADIST_NIXL_SERVE", OptionKind::kBool, {}, 0, 0, "", "0", "nixl_serve",
        "Serve NIXL readers (our NIXL metadata, grants and leases). Off unless set: NIXL being installed is not "
        "consent. Needs enable_remote_cache_accessible and, where UCX may use transports whose memory keys "
@@ -232,7 +228,6 @@ Options ParseOptions(const std::map<std::string, std::string> &options, const En
   }
   const auto &val = out.values;
   out.transport = val.at("datadist.Transport").s;
-  out.engine = val.at("datadist.Engine").s;
   out.nixl_serve = val.at("datadist.NixlServe").b;
   out.nixl_whole_process = val.at("datadist.NixlAllowWholeProcessAccess").b;
   out.nixl_library = val.at("datadist.NixlLibrary").s;

@@ -88,7 +88,6 @@ struct Options {
   std::map<std::string, OptionValue> values;  // by key, every row of the table
 
   std::string transport = "auto";  // datadist.Transport
-  std::string engine = "auto";     // datadist.Engine (the Python face's; the core is the only one)
   bool nixl_serve = false;         // datadist.NixlServe
   bool nixl_whole_process = false; // datadist.NixlAllowWholeProcessAccess
   std::string nixl_library;        // datadist.NixlLibrary ("" : the face finds NIXL)

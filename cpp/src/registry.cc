@@ -63,7 +63,7 @@ std::string InElements(uint64_t bytes, uint64_t layout) {
   return std::to_string(bytes / item) + " " + DtypeName(code) + " elements (" + plain + ")";
 }
 
-// The lowest-level check of the layout tags (the only one; Python's check_layouts went): another dtype is
+// The lowest-level check of the layout tags (the only one): another dtype is
 // always refused; for block addressing, another block shape too. 0 on either side passes.
 void CheckLayouts(uint64_t mine, uint64_t theirs, bool blocks, int64_t id) {
   if (!mine || !theirs) return;
@@ -174,13 +174,13 @@ std::string KeyName(const KeyId &k) {
          " model_id=" + std::to_string(k.model_id);
 }
 
-// Python's _check_servable: what refuses a cache whatever the request.
+// What refuses a cache whatever the request.
 void CheckServable(const Entry &e) {
   if (e.closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(e.id) + " is being unregistered");
   if (!e.opts.remote_accessible) Invalid("cache " + std::to_string(e.id) + " is not remote accessible");
 }
 
-// Engine._check_writable's refusal (and Engine.lease_cache's for write leases).
+// The refusal of writes by key or cache id (and of write leases) without remote writes.
 const char *const kWritesRefused =
     "this owner runs without enable_remote_cache_accessible: writes by key or cache id are refused";
 
@@ -220,7 +220,7 @@ void Registry::UnpinLocked(Lease *l) {
   changed_.notify_all();
 }
 
-// Python's Registry._settle: commit or drop a consuming read's reservation.
+// Commit or drop a consuming read's reservation (Lease::Settle).
 void Registry::SettleLocked(Lease *l, bool ok) {
   if (!l->reserved_) return;
   l->reserved_ = false;
@@ -604,7 +604,7 @@ std::unique_ptr<Lease> Registry::Open(const wire::Request &req) { return OpenChe
 std::unique_ptr<Lease> Registry::OpenWrite(const wire::Request &req) { return OpenChecked(req, false); }
 
 std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read) {
-  // Engine._check_writable: before anything is resolved
+  // Writes without remote writes: refused before anything is resolved
   if (!read && req.kind != wire::kAddress && !remote_writes_) Invalid(kWritesRefused);
   if (req.kind == wire::kAddress) return OpenAddresses(req);
   std::lock_guard<std::mutex> lock(mu_);
@@ -612,7 +612,7 @@ std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read
   std::shared_ptr<Binding> binding;
   KeyId key;
   if (req.kind == wire::kCacheKey) {
-    // a = req_id, b = model_id, c = prefix_id (Python's Registry.open)
+    // a = req_id, b = model_id, c = prefix_id (docs/protocol.md, "Spans")
     auto it = KeyOf(req.a, req.c, req.b, &key) ? keys_.find(key) : keys_.end();
     if (it == keys_.end())
       Fail(LLM_KV_CACHE_NOT_EXIST, "no cache bound to req_id=" + std::to_string(req.a) + " prefix_id=" +
@@ -632,7 +632,7 @@ std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read
 std::unique_ptr<Lease> Registry::LeaseLocked(const std::shared_ptr<Entry> &e, const wire::Request &req, bool blocks,
                                              uint64_t slot, const std::shared_ptr<Binding> &reserve, const KeyId &key) {
   const uint64_t base = CheckRequestAt(e->geo, static_cast<uint64_t>(e->id), req, blocks, slot);
-  if (reserve) {  // a consuming read: one at a time per tensor (Python's Registry.open)
+  if (reserve) {  // a consuming read: one at a time per tensor
     for (uint32_t t : req.tensors)
       if (reserve->reserved[t])
         Fail(LLM_KV_CACHE_NOT_EXIST, "req_id=" + std::to_string(req.a) + " model_id=" + std::to_string(req.b) +
@@ -673,7 +673,7 @@ std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto &kv : by_id_) {
     const std::shared_ptr<Entry> &e = kv.second;
-    // As Python's open_addresses: the first remote-accessible cache, not being unregistered,
+    // The first remote-accessible cache, not being unregistered,
     // with a tensor holding the lowest address.
     if (e->closing || !e->opts.remote_accessible) continue;
     for (uint64_t a : e->addrs) {

@@ -128,7 +128,7 @@ struct Entry {
 };
 
 /// A CacheKey bound to one slot of a cache: which tensors were pulled through it (for
-/// consumption) and which a read in flight reserved (Python's registry.KeyBinding).
+/// consumption) and which a read in flight reserved.
 struct Binding {
   std::shared_ptr<Entry> entry;
   uint64_t slot = 0;
@@ -151,7 +151,7 @@ class Lease {
   /// The owner wants the memory back (the cache is being unregistered, or deallocated with no
   /// key holding it): a same-host grant on it expires sooner.
   bool WantedBack() const;
-  /// The server's verdict on a read (Python's Registry.settle): ok once its bytes were sent
+  /// The server's verdict on a read: ok once its bytes were sent
   /// (a GRANT: when RELEASE says ok). ok commits the reservation: the tensors count as pulled
   /// and, once every tensor of the slot is, the req_id key is unbound and queued for
   /// Registry::TakeConsumed. Not ok drops the reservation. Only the first call counts; a lease
@@ -160,7 +160,7 @@ class Lease {
   /// thread at a time); takes the registry's mutex when there is a reservation, never blocks
   /// otherwise.
   void Settle(bool ok);
-  /// The transfer no longer touches the memory (Python's Registry.unlease) but its verdict is
+  /// The transfer no longer touches the memory but its verdict is
   /// still to come: the reservation stays until Settle. Idempotent; the destructor does it too.
   void Unpin();
   std::vector<iovec> iov;
@@ -258,14 +258,14 @@ class Registry {
   /// Unbinds `model_id` (no-op when unbound), revoking leases taken through it. Not blocking.
   void UnbindModel(uint64_t model_id);
   /// EngineConfig.remote_cache_accessible (default true). False: peers' WRITEs and write
-  /// leases by CacheKey, cache id or BlocksCacheKey are refused (LLM_PARAM_INVALID, as
-  /// Engine._check_writable); writes by raw address (kind 4) stay allowed.
+  /// leases by CacheKey, cache id or BlocksCacheKey are refused (LLM_PARAM_INVALID);
+  /// writes by raw address (kind 4) stay allowed.
   void SetRemoteWrites(bool allowed);
   bool remote_writes() const { return remote_writes_; }
 
   /// A lease on a local cache for a local transfer (LLM_KV_CACHE_NOT_EXIST if unknown).
   std::unique_ptr<Lease> Hold(int64_t id);
-  /// Owner side of a peer's READ (Python's Registry.open with read=True): resolve, check
+  /// Owner side of a peer's READ: resolve, check
   /// servable, bounds-check every span, lease; a read through a req_id key of an allocated
   /// cache also reserves the tensors it names until Lease::Settle. LLM_KV_CACHE_NOT_EXIST for
   /// an unknown key or cache, one being unregistered, or tensors another read of that key
@@ -275,8 +275,7 @@ class Registry {
   /// Owner side of a peer's WRITE: as Open, never reserving or consuming, and refused
   /// (LLM_PARAM_INVALID) by key or cache id when SetRemoteWrites(false).
   std::unique_ptr<Lease> OpenWrite(const wire::Request &req);
-  /// Owner side of LEASE_REQUEST (Python's Registry.lease_cache and Engine.lease_cache's write
-  /// check): the cache a kCacheId (b ignored) or kBlocksKey key names (resolved as Open does),
+  /// Owner side of LEASE_REQUEST (write leases refused as OpenWrite refuses writes): the cache a kCacheId (b ignored) or kBlocksKey key names (resolved as Open does),
   /// its geometry and addresses, its memfds (ShmPlace) when the request has
   /// kFlagShm, is not a write and the cache is shareable, and its live fence. LLM_KV_CACHE_NOT_EXIST for an unknown
   /// cache or one being unregistered; LLM_PARAM_INVALID for one not remote accessible, or a

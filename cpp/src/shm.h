@@ -38,7 +38,7 @@ constexpr uint64_t kMaxSpans = 256;
 constexpr uint64_t kMinSpanBytes = 32 << 10;
 
 /// Whether a request of `num_tensors` tensors with spans `lengths` (each tensor's) copies
-/// faster from shared memory than with process_vm_readv (Python's shm_pays).
+/// faster from shared memory than with process_vm_readv.
 bool Pays(size_t num_tensors, const std::vector<uint64_t> &lengths);
 
 /// One owner's memfd, mapped read-only here; unmapped when the last holder lets go (a copy in

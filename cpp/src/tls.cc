@@ -98,8 +98,9 @@ BIO_METHOD *SocketMethod() {
   return method;
 }
 
-/// One side's SSL_CTX with Python's settings (transport/tls.py: create_default_context, then
-/// TLS 1.2 at least, no host name check, a certificate required of the peer).
+/// One side's SSL_CTX with the settings of Python's ssl.create_default_context (which
+/// TlsConfig._context in core/config.py uses for the probe), then TLS 1.2 at least, no host
+/// name check, a certificate required of the peer.
 SSL_CTX *MakeCtx(const Files &f, bool server) {
   ERR_clear_error();
   SSL_CTX *ctx = SSL_CTX_new(server ? TLS_server_method() : TLS_client_method());

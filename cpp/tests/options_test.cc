@@ -72,7 +72,6 @@ TEST(OptionTable, EveryRowIsWhole) {
 TEST(OptionTable, Defaults) {
   const Options o = ParseOptions({}, NoEnv());
   EXPECT_EQ(o.transport, "auto");
-  EXPECT_EQ(o.engine, "auto");
   EXPECT_FALSE(o.nixl_serve);
   EXPECT_FALSE(o.nixl_whole_process);
   EXPECT_EQ(o.nixl_library, "");

@@ -2,7 +2,7 @@
 // leases served for caches in sealed memfds, and pulls that copy from the owner's mapping.
 // The rules are Python's (tests/security/test_same_host_trust.py is the spec); the owner and
 // the reader are one process here (a process may open its own /proc/self/fd), the
-// cross-process and mixed-engine pairs are in tests/integration (DATADIST_ENGINE=native).
+// cross-process pairs are in tests/e2e (test_shm_engines.py).
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>

@@ -32,9 +32,9 @@ import ssl
 import time
 from dataclasses import dataclass
 
+from datadist.core.address import format_host_port as _at
 from datadist.core.config import HostIdentity
 from datadist.core.errors import RemoteProtocolError
-from datadist.transport.address import format_host_port as _at
 from datadist.wire import auth
 from datadist.wire import protocol as p
 
@@ -245,9 +245,9 @@ def probe(host: str, port: int, cluster_id: int | None = None, *,
 def main_args(peer: str, cluster_id: int | None, own_id: int, timeout: float) -> Finding:
     """``datadist probe``'s work: the secret and TLS files as a link would take them (the
     environment: DATADIST_AUTH_SECRET, DATADIST_TLS_CERT / _KEY / _CA)."""
+    from datadist.core.address import parse_host_port
     from datadist.core.config import engine_settings
     from datadist.core.options import parse_options
-    from datadist.transport.address import parse_host_port
 
     host, port = parse_host_port(peer)
     table = engine_settings(parse_options({}))  # the core's option table, as init reads it

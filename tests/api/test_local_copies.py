@@ -14,7 +14,6 @@ import datadist as llm
 from datadist.core import local
 from datadist.core.errors import InvalidArgument
 from datadist.core.layout import Geometry
-from datadist.transport import iov
 
 from ._support import PROMPT_ID, code, units
 
@@ -89,12 +88,12 @@ class TestPlanners:
         else:
             monkeypatch.setattr(local, "MEMMOVE_MAX_SPANS", 0)
             monkeypatch.setattr(local, "MEMMOVE_MIN_AVG_SPAN", 10**12)
-        real_vm = iov.vm_copy
+        real_vm = local.vm_copy
 
         def vm(*a, **k):
             calls.append("vm")
             if path == "refused":
-                raise iov.CmaRefused("test")
+                raise local.CmaRefused("test")
             return real_vm(*a, **k)
 
         monkeypatch.setattr(local, "vm_copy", vm)

@@ -1,6 +1,6 @@
 """The core's TCP stream I/O as transfers see it: a frame and the raw bytes that follow it in
 one segment, thousands of scattered spans in both directions (several IOV_MAX batches), a
-silent owner, and transport/iov.py's local copy (kept: the local-copy helpers stay in
+silent owner, and core/local.py's local copy (kept: the local-copy helpers stay in
 Python).
 
 The Python Channel these tests were written for is gone with the Python engine; the core
@@ -18,12 +18,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from datadist.core import local as iovmod
 from datadist.core.config import EngineConfig
 from datadist.core.errors import Busy, Timeout
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks, plan_slot
+from datadist.core.layout import Geometry, layer_tensor_indices, make_iov, plan_blocks, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.testing.fakes import EchoOwner, SilentOwner
-from datadist.transport import iov as iovmod
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,7 +34,7 @@ OTHER_HOST = b"\x07" * 16  # a boot id that is not this host's: the fake is serv
 
 def spans(buf: np.ndarray, cuts: list[tuple[int, int]]) -> np.ndarray:
     base = buf.ctypes.data
-    return iovmod.make_iov(np.array([base + o for o, _ in cuts], dtype=np.uint64),
+    return make_iov(np.array([base + o for o, _ in cuts], dtype=np.uint64),
                            np.array([n for _, n in cuts], dtype=np.uint64))
 
 

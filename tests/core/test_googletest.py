@@ -47,9 +47,9 @@ DECLARED = _declared()
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     if "DATADIST_NIXL_LIBRARY" not in env:
-        from datadist.core import native
+        from datadist.core import nixl_wheel
 
-        lib = native.nixl_library()
+        lib = nixl_wheel.library()
         if lib is not None:
             env["DATADIST_NIXL_LIBRARY"] = lib
     return env

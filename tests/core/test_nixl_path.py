@@ -24,6 +24,7 @@ import pytest
 
 import datadist as llm_datadist
 from datadist.core import native
+from datadist.core import nixl_wheel as nixl
 from datadist.core.config import EngineConfig
 from datadist.core.errors import (
     BrokenLink,
@@ -42,7 +43,6 @@ from datadist.core.layout import (
     plan_slot,
 )
 from datadist.core.native import NativeEngine
-from datadist.transport import nixl
 from datadist.wire import protocol as p
 
 pytestmark = [pytest.mark.timeout(60),
@@ -180,9 +180,9 @@ def test_an_owner_serving_nixl_runs_on_the_core() -> None:
     """Serving NIXL (datadist.NixlServe): the engine is the core, whose listener serves NIXL
     readers; it makes no agent until a reader asks."""
     config = EngineConfig(cluster_id=1, role=1, **NIXL_OK)
-    eng, why = native.engine_for(config, {})
+    eng = native.engine_for(config)
     try:
-        assert isinstance(eng, NativeEngine), why
+        assert isinstance(eng, NativeEngine)
         assert eng.nixl_refusal() is None and eng.nixl_agent is None
     finally:
         eng.close()

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from datadist.core import nixl_wheel as nixl
 from datadist.core.config import EngineConfig
 from datadist.core.layout import Geometry
 from datadist.core.native import NativeEngine
-from datadist.transport import nixl
 from datadist.wire import protocol as p
 
 pytestmark = [pytest.mark.timeout(60),

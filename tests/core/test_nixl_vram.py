@@ -27,17 +27,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datadist.core import native
+from datadist.core import native, nixl_wheel
 from datadist.core.config import DEVICE, HOST, EngineConfig
 from datadist.core.errors import InvalidArgument, NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
-from datadist.transport import nixl
+from datadist.core import nixl_wheel as nixl
 from datadist.wire import protocol as p
 
 pytestmark = [
     pytest.mark.timeout(60),
     pytest.mark.skipif(not native.available()[0], reason="the C++ core is not built here"),
-    pytest.mark.skipif(native.nixl_library() is None, reason="nixl-cu12 not installed"),
+    pytest.mark.skipif(nixl_wheel.library() is None, reason="nixl-cu12 not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_SOURCE = ROOT / "cpp" / "tests" / "fake_cudart.cc"
@@ -175,7 +175,7 @@ def test_without_a_cuda_runtime_device_caches_are_dram(
 _ON_A_GPU_HOST = """
 import ctypes, json
 import numpy as np
-from datadist.core import native
+from datadist.core import native, nixl_wheel
 from datadist.core.config import DEVICE, EngineConfig
 from datadist.core.layout import Geometry
 fake = ctypes.CDLL("libcudart.so")  # found on LD_LIBRARY_PATH, as the core finds it

@@ -1,4 +1,4 @@
-"""transport.iov.vm_copy: cross-memory copies between our memory and a process's (local copies
+"""core.local.vm_copy: cross-memory copies between our memory and a process's (local copies
 of the API's copy / swap calls, ``datadist info``'s probe). Run here on our own process, which
 the kernel always lets us read."""
 
@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 
+from datadist.core import local as iov_mod
 from datadist.core.errors import BrokenLink
-from datadist.transport import iov as iov_mod
-from datadist.transport.iov import IOV_MAX, make_iov, vm_copy
+from datadist.core.layout import make_iov
+from datadist.core.local import IOV_MAX, vm_copy
 
 U64 = np.uint64
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from datadist.core import nixl_wheel as nixl
 from datadist.testing.peers import CacheSpec, PromptConfig
-from datadist.transport import nixl
 from datadist.wire.protocol import local_name  # noqa: F401 - the tests import it from here
 
 PROMPT_ID = 100

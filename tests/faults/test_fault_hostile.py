@@ -48,7 +48,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from datadist.core.errors import Code
-from datadist.transport.iov import make_iov, vm_copy
+from datadist.core.layout import make_iov
+from datadist.core.local import vm_copy
 from datadist.wire import protocol as p
 
 MAX = 2**64 - 1

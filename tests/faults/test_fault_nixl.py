@@ -21,8 +21,8 @@ import pytest
 from fault_harness import Peer, Peers, RawClient, link, measured, target, watch_progress
 from fault_peer import pattern
 
+from datadist.core import nixl_wheel as nixl
 from datadist.core.errors import Busy, NotSupported
-from datadist.transport import nixl
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.skipif(nixl.available() is None, reason="NIXL (nixl-cu12) not installed")

@@ -27,7 +27,7 @@ from fault_harness import (
 )
 from fault_peer import pattern
 
-from datadist.transport import nixl
+from datadist.core import nixl_wheel as nixl
 from datadist.wire import protocol as p
 
 MARGIN = 10.0  # seconds on top of a deadline: generous, this only catches hangs

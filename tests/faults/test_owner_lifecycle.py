@@ -19,11 +19,11 @@ from fault_harness import local_name
 import datadist.core.native as native_mod
 from datadist.core.config import EngineConfig
 from datadist.core.errors import BrokenLink, LinkFailed
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, layer_tensor_indices, make_iov, plan_slot
+from datadist.core.local import vm_copy
 from datadist.core.native import NativeEngine as Engine
 from datadist.core.registry import KeyId
 from datadist.memory.pool import PoolConfig
-from datadist.transport.iov import make_iov, vm_copy
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)

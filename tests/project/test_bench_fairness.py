@@ -153,7 +153,7 @@ def test_mooncake_rows_warm_and_check_both_sides_before_timing() -> None:
 
 @pytest.mark.timeout(180)
 def test_nixl_rows_warm_and_check_every_side_and_both_progress_settings() -> None:
-    from datadist.transport import nixl
+    from datadist.core import nixl_wheel as nixl
 
     if nixl.available() is None:
         pytest.skip("NIXL is not installed (pip install nixl-cu12)")

@@ -17,7 +17,7 @@ import pytest
 
 from datadist.bench import mooncake
 from datadist.bench.table import format_table
-from datadist.transport import nixl
+from datadist.core import nixl_wheel as nixl
 
 ROWS = {
     "same_host_pull": "GB/s", "same_host_pull_blocks": "GB/s", "same_host_pull_pool": "GB/s",

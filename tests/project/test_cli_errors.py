@@ -104,10 +104,10 @@ def decoder_as(link: PeerLink, uid: int | None, host: str, port: int, cache_id: 
     import io
 
     import datadist.api.llm_datadist  # noqa: F401 - everything imported before setuid
-    import datadist.transport.iov  # noqa: F401
-    import datadist.transport.nixl
+    import datadist.core.local  # noqa: F401
+    import datadist.core.nixl_wheel
 
-    datadist.transport.nixl.available()  # info reports NIXL: its imports happen before setuid
+    datadist.core.nixl_wheel.available()  # info reports NIXL: its imports happen before setuid
     native.core_module()
     from datadist.api.cache_manager import CacheManager
     from datadist.api.enums import DataType, Placement

@@ -1,6 +1,6 @@
 """Every public class of the library's layers, and every ``LLMConfig`` property, says what it
 is in a docstring (issue 14). Public: a name without a leading underscore, in a module of
-datadist.api, core, transport, memory or wire whose own name has none either."""
+datadist.api, core, memory or wire whose own name has none either."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from datadist.api.config import LLMConfig
 
-LAYERS = ("api", "core", "transport", "memory", "wire")
+LAYERS = ("api", "core", "memory", "wire")
 
 
 def _modules() -> list[str]:

@@ -146,22 +146,3 @@ def test_without_the_core_init_is_feature_not_enabled_saying_why() -> None:
     assert done.stdout.startswith("LLM_FEATURE_NOT_ENABLED"), done.stdout
     assert "native core is not available" in done.stdout and "not built" in done.stdout
 
-
-@pytest.mark.parametrize("asked", ["python", "Python", "fast"])
-def test_only_the_core_may_be_asked_for(asked: str) -> None:
-    """datadist.Engine (or DATADIST_ENGINE) = python, the engine that was removed, is
-    LLM_PARAM_INVALID saying so; auto and native run the core."""
-    _core_or_skip()
-    for value, want in ((asked, "LLM_PARAM_INVALID"), ("native", "INITIALIZED NativeEngine"),
-                        ("auto", "INITIALIZED NativeEngine")):
-        done = subprocess.run([sys.executable, "-c",
-                               f"EXTRA = {{'datadist.Engine': {value!r}}}\n" + _INIT],
-                              capture_output=True, text=True, timeout=100)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.startswith(want), (value, done.stdout)
-    if asked.lower() == "python":  # by the environment too, and the message says why
-        env = dict(os.environ, DATADIST_ENGINE=asked)
-        done = subprocess.run([sys.executable, "-c", "EXTRA = {}\n" + _INIT],
-                              capture_output=True, text=True, timeout=100, env=env)
-        assert done.stdout.startswith("LLM_PARAM_INVALID"), done.stdout
-        assert "the Python engine was removed" in done.stdout

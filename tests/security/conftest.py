@@ -7,14 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from datadist.core.native import ENGINE_ENV, NativeEngine
-
-
-@pytest.fixture(autouse=True)
-def _core_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LLMDataDist.init`` runs the core (a configuration it could not serve fails at init,
-    never falls back)."""
-    monkeypatch.setenv(ENGINE_ENV, "native")
+from datadist.core.native import NativeEngine
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from _hand import LyingOwner, local_name
 
-from datadist.core import native
 from datadist.core.config import EngineConfig
 from datadist.core.errors import CacheNotFound, IntegrityError
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
@@ -297,7 +296,6 @@ def test_the_verify_checksum_option_turns_on_the_cores_check(monkeypatch, verify
     bytes land. (Before: this test asserted only that the engine was the core's.)"""
     import datadist as llm
 
-    monkeypatch.delenv(native.ENGINE_ENV, raising=False)
     monkeypatch.delenv("DATADIST_VERIFY_CHECKSUM", raising=False)
     want = np.arange(256, dtype=np.uint8)
     with LyingOwner(1, [want]) as liar:

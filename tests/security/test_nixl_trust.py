@@ -41,12 +41,12 @@ import pytest
 from _hand import Mitm
 
 import datadist as llm_datadist
+from datadist.core import nixl_wheel as nixl
 from datadist.core.config import EngineConfig
 from datadist.core.errors import DatadistError, InvalidArgument, NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.native import NativeEngine
-from datadist.transport import nixl
-from datadist.transport.nixl import unchecked_transports
+from datadist.core.nixl_wheel import unchecked_transports
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)

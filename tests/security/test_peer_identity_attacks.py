@@ -146,8 +146,8 @@ def test_a_nixl_lease_needs_the_readers_own_reverse_channel(engines: list[Native
     which the owner's Welcome tells; pids are few): the stranger pinned the cache, and its
     revokes went to the real reader's reverse channel. Now only the connection the reader's
     reverse channel belongs to (its link token) gets a lease."""
+    from datadist.core import nixl_wheel as nixl
     from datadist.core.layout import Geometry
-    from datadist.transport import nixl
 
     if nixl.available() is None:
         pytest.skip("nixl-cu12 not installed")

@@ -412,7 +412,6 @@ def test_tls_options_run_on_the_core(certs, monkeypatch) -> None:
     tls = certs["decoder"]
     options = {"datadist.TlsCert": tls.cert_file, "datadist.TlsKey": tls.key_file,
                "datadist.TlsCa": tls.ca_file}
-    monkeypatch.delenv("DATADIST_ENGINE", raising=False)
     dd = llm.LLMDataDist(llm.LLMRole.DECODER, 2)
     dd.init(dict(options))
     try:
@@ -483,7 +482,7 @@ def test_a_core_built_without_tls_refuses_tls(certs, tmp_path) -> None:
     shutil.copytree(src, pkg / "datadist", ignore=shutil.ignore_patterns("_core*", "__pycache__"))
     shutil.copy2(module, pkg / "datadist" / module.name)
     tls = certs["decoder"]
-    env = {**os.environ, "PYTHONPATH": str(pkg), "DATADIST_ENGINE": "native"}
+    env = {**os.environ, "PYTHONPATH": str(pkg)}
     done = subprocess.run([sys.executable, "-c", _NO_TLS_CHILD, tls.cert_file, tls.key_file,
                            tls.ca_file, str(pkg)], capture_output=True, text=True, env=env,
                           timeout=120)

@@ -60,9 +60,9 @@ from datadist.api.types import (
 )
 from datadist.core import layerwise
 from datadist.core.errors import Code
+from datadist.core.keys import KeyKind, KeyRef
 from datadist.core.layout import Geometry, checked_add
 from datadist.core.native import NativeEngine
-from datadist.wire.protocol import KeyKind, KeyRef
 
 TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
 _U64 = 2**64 - 1

@@ -49,11 +49,11 @@ from datadist.api.types import (
 )
 from datadist.core import layout
 from datadist.core.errors import DatadistError, InvalidArgument
+from datadist.core.keys import KeyRef
 from datadist.core.native import NativeEngine
 from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
-from datadist.wire.protocol import KeyRef
 
 _U64 = 2**64 - 1
 

@@ -17,8 +17,8 @@ from datadist.api.checks import check_int, check_isinstance
 from datadist.api.status import LLMException, LLMStatusCode
 from datadist.core import config as core_config
 from datadist.core import options as core_options
+from datadist.core.address import format_host_port, ipv6_literal
 from datadist.core.errors import InvalidArgument
-from datadist.transport.address import format_host_port, ipv6_literal
 
 OPT_DEVICE_ID = "ge.exec.deviceId"
 OPT_SESSION_DEVICE_ID = "ge.session_device_id"

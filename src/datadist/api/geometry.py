@@ -16,8 +16,8 @@ from datadist.api.enums import DataType
 from datadist.api.status import llm_errors, raise_if_false
 from datadist.api.types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex
 from datadist.core import layout
+from datadist.core.keys import KeyKind, KeyRef
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
-from datadist.wire.protocol import KeyKind, KeyRef
 
 _U64 = 2**64 - 1
 _PLANS: Prepared[layout.Plan] = Prepared(KEPT, lambda plan: len(plan.lengths) * 3)

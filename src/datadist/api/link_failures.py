@@ -23,7 +23,7 @@ import threading
 import warnings
 
 from datadist.api.notices import LinkFailedWarning
-from datadist.transport.address import format_host_port
+from datadist.core.address import format_host_port
 
 log = logging.getLogger("datadist.api.llm_datadist")
 

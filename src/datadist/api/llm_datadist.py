@@ -33,12 +33,12 @@ from datadist.api.status import (
     to_llm_exception,
 )
 from datadist.core import options as core_options
+from datadist.core.address import format_host_port, parse_host_port
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.config import EngineConfig, TlsConfig, engine_settings
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.core.native import NativeEngine, engine_for
 from datadist.memory.pool import PoolConfig
-from datadist.transport.address import format_host_port, parse_host_port
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,6 @@ class LLMDataDist:
         self._role = role
         self._cluster_id = cluster_id
         self._engine: NativeEngine | None = None
-        self._engine_reason = ""  # why init chose the engine it runs on (datadist info)
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None
         self._cache_manager_mode = False
@@ -229,7 +228,7 @@ class LLMDataDist:
             opts = self._setup_options(options)
             engine_cfg = self._engine_config(opts)
             with llm_errors("init"):
-                engine, self._engine_reason = engine_for(engine_cfg, opts)
+                engine = engine_for(engine_cfg)
             # Accepted as the original does; checked when linking, as its default backend
             # parses it then. The HIXL backend reads another format (its endpoint list,
             # version "1.3": hixl's EndpointGenerator), describing NICs datadist does not use.

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datadist.api.status import LLMException, LLMStatusCode
-from datadist.transport.address import ipv6_literal
+from datadist.core.address import ipv6_literal
 
 VERSIONS = ("1.0", "1.2")
 DEFAULT_BASE_PORT = 16666  # as HIXL's default device NIC port; device d listens on base + d

@@ -69,10 +69,10 @@ from datadist.api.types import (
 from datadist.core import layout
 from datadist.core.config import DEVICE
 from datadist.core.errors import DatadistError
+from datadist.core.keys import KeyRef
 from datadist.core.native import NativeEngine
 from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
-from datadist.wire.protocol import KeyRef
 
 DEFAULT_POOL_BYTES = 1 << 30
 OPT_FLOW_GRAPH_MEM_MAX_SIZE = "ge.flowGraphMemMaxSize"

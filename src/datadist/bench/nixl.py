@@ -104,10 +104,10 @@ SIDE_TIMEOUT = 10.0  # s any wait of the side connection may take
 
 
 def load_nixl() -> Any:
-    """The NIXL module, found as datadist finds it (transport/nixl.py: the wheels' names;
+    """The NIXL module, found as datadist finds it (core/nixl_wheel.py: the wheels' names;
     UCX's ib module left out where the host has no RDMA device). Raises BenchError without
     NIXL. Called once per :class:`RawNixl`, before its agent is made."""
-    from datadist.transport import nixl
+    from datadist.core import nixl_wheel as nixl
 
     for name in nixl.MODULES:
         try:

@@ -43,7 +43,7 @@ from datadist.bench.puller import (
 from datadist.bench.same_host import same_host_rows
 from datadist.bench.table import format_table
 from datadist.bench.tcp import tcp_rows
-from datadist.transport.nixl import available as nixl_available
+from datadist.core.nixl_wheel import available as nixl_available
 
 
 def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> str:

@@ -18,7 +18,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     report the path (each step blocks <= ``--timeout``). CliError for what fails."""
     import datadist
     from datadist.core.config import HostIdentity, forced_path
-    from datadist.transport.iov import IOV_MAX, CmaRefused, make_iov, vm_copy
+    from datadist.core.layout import make_iov
+    from datadist.core.local import IOV_MAX, CmaRefused, vm_copy
 
     ident = HostIdentity.current()
     print(f"datadist {datadist.__version__}")
@@ -73,14 +74,13 @@ def _info_options() -> None:
 
 def _info_engine() -> None:
     """The engine LLMDataDist.init gets here (the native core, the only one), for a
-    configuration from this environment's settings (DATADIST_ENGINE, DATADIST_TRANSPORT,
+    configuration from this environment's settings (DATADIST_TRANSPORT,
     TLS, checksums, NIXL serving), or why it would refuse that configuration."""
     from datadist.core import native
     from datadist.core.config import EngineConfig, engine_settings
     from datadist.core.options import parse_options
 
     try:
-        native.wanted({})
         config = EngineConfig(cluster_id=1, role=2, **engine_settings(parse_options({})))
     except Exception as e:  # noqa: BLE001 - report, do not crash
         print(f"engine: cannot tell ({e})")
@@ -109,10 +109,10 @@ def _info_peer(args: argparse.Namespace) -> None:
     CliError for what fails."""
     from datadist.api.status import LLMException
     from datadist.core import native
+    from datadist.core.address import format_host_port, parse_host_port
     from datadist.core.config import EngineConfig, engine_settings
     from datadist.core.errors import DatadistError
     from datadist.core.options import parse_options
-    from datadist.transport.address import format_host_port, parse_host_port
 
     try:
         host, port = parse_host_port(args.peer)
@@ -120,11 +120,10 @@ def _info_peer(args: argparse.Namespace) -> None:
             raise CliError(f"--own-id and --cluster-id are both {args.cluster_id}: a link "
                            "needs two clusters")
         table = engine_settings(parse_options({}))  # the secret, TLS and NIXL allowance
-        eng, _ = native.engine_for(EngineConfig(
+        eng = native.engine_for(EngineConfig(
             cluster_id=args.own_id, role=2, transport=args.transport,
             secret=table["secret"], tls=table["tls"],
-            nixl_whole_process=table["nixl_whole_process"]),
-            {})
+            nixl_whole_process=table["nixl_whole_process"]))
     except (DatadistError, LLMException) as e:
         raise CliError(f"--peer {args.peer!r}: {e}") from None
     try:
@@ -215,8 +214,7 @@ def _info_native() -> None:
 def _info_nixl() -> None:
     """The NIXL data path: installed or not, which backends NIXL offers here, and the C API
     library the core loads."""
-    from datadist.core import native
-    from datadist.transport import nixl
+    from datadist.core import nixl_wheel as nixl
 
     module = nixl.available()
     if module is None:
@@ -230,9 +228,9 @@ def _info_nixl() -> None:
     ucx = "UCX available" if nixl.BACKEND in plugins else "no UCX backend: unusable"
     print(f"nixl: {module}, backends {', '.join(plugins)} ({ucx}; transport=nixl uses "
           f"{nixl.BACKEND})")
-    lib = native.nixl_library()
+    lib = nixl.library()
     print(f"nixl C API: {lib} (the core drives NIXL through it)" if lib else
-          f"nixl C API: {native.NIXL_CAPI} not found beside {module}: the core cannot use NIXL")
+          f"nixl C API: {nixl.CAPI} not found beside {module}: the core cannot use NIXL")
     from datadist.core.options import parse_options
 
     try:

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from datadist.core.address import serves
 from datadist.core.errors import (
     AlreadyLinked,
     BrokenLink,
@@ -53,7 +54,6 @@ from datadist.core.errors import (
     NotLinked,
     Timeout,
 )
-from datadist.transport.address import serves
 
 if TYPE_CHECKING:
     from datadist.core.native import NativeEngine, NativeListener

@@ -24,7 +24,6 @@ HOST, DEVICE = 0, 1  # a cache's placement, as the core's registry keeps it
 
 # The option keys of the core's table (cpp/src/options.h) the Python face reads by name.
 OPT_TRANSPORT = "datadist.Transport"
-OPT_ENGINE = "datadist.Engine"
 OPT_NIXL_SERVE = "datadist.NixlServe"
 OPT_NIXL_WHOLE_PROCESS = "datadist.NixlAllowWholeProcessAccess"
 OPT_NIXL_LIBRARY = "datadist.NixlLibrary"
@@ -92,9 +91,6 @@ class TlsConfig:
 
     def client_context(self) -> ssl.SSLContext:
         return self._context(ssl.Purpose.SERVER_AUTH)
-
-    def server_context(self) -> ssl.SSLContext:
-        return self._context(ssl.Purpose.CLIENT_AUTH)
 
 
 @dataclass(frozen=True)

@@ -87,12 +87,6 @@ class CacheNotFound(CacheError):
     code = Code.KV_CACHE_NOT_EXIST
 
 
-class CacheAlreadyExists(CacheError):
-    """A cache or key registered twice: REPEAT_REQUEST."""
-
-    code = Code.REPEAT_REQUEST
-
-
 class OutOfMemory(CacheError, MemoryError):
     """A pool or host allocation failed (also a MemoryError): OUT_OF_MEMORY."""
 
@@ -123,29 +117,10 @@ class AlreadyLinked(LinkError):
     code = Code.ALREADY_LINK
 
 
-class TooManyClusters(LinkError):
-    """More clusters than may be linked: CLUSTER_NUM_EXCEED_LIMIT."""
-
-    code = Code.CLUSTER_NUM_EXCEED_LIMIT
-
-
 class LinkFailed(LinkError):
     """A link could not be made (refused, unreachable, handshake failed): LINK_FAILED."""
 
     code = Code.LINK_FAILED
-
-
-class UnlinkFailed(LinkError):
-    """An unlink without force could not tell the peer (gone, unreachable): UNLINK_FAILED.
-    Our end is dropped all the same."""
-
-    code = Code.UNLINK_FAILED
-
-
-class LinksExist(LinkError):
-    """The operation needs no links, and some exist (e.g. switching role): EXIST_LINK."""
-
-    code = Code.EXIST_LINK
 
 
 class ProtocolError(DatadistError):

@@ -34,12 +34,49 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datadist.core.errors import InvalidArgument
-from datadist.transport.iov import iovecs, span_iov
 
 U64 = np.dtype("<u8")
 U32 = np.dtype("<u4")
 
 BlockList = Sequence[int] | np.ndarray
+
+
+# ---- iovec arrays: (n, 2) uint64 (base, length) rows, as ``struct iovec`` on 64-bit Linux,
+# the form the local copies (core/local.py) and the core's calls take spans in.
+
+
+def span_iov(
+    tensor_bases: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Broadcast per-tensor bases with per-span offsets: tensor-major (base, length) arrays,
+    the spans of a plan in every tensor (see core/layout.py)."""
+    bases = (tensor_bases.astype(U64)[:, None] + offsets[None, :]).reshape(-1)
+    lens = np.broadcast_to(lengths, (len(tensor_bases), len(lengths))).reshape(-1)
+    return bases, lens
+
+
+def iovecs(tensor_bases: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``make_iov(*span_iov(...))`` in one step: the ``(n, 2)`` uint64 iovec array of every
+    span in every tensor, tensor-major, zero-length spans dropped. Filled in place by
+    broadcasting: on the few-span requests of every small pull this is a third of the cost."""
+    t, s = len(tensor_bases), len(offsets)
+    iov = np.empty((t, s, 2), dtype=U64)
+    np.add(np.asarray(tensor_bases, dtype=U64)[:, None], offsets[None, :], out=iov[:, :, 0])
+    iov[:, :, 1] = lengths
+    out = iov.reshape(t * s, 2)
+    if s and (0 in lengths.tolist() if s <= 16 else not lengths.all()):
+        out = out[out[:, 1] != 0]
+    return out
+
+
+def make_iov(bases: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """An ``(n, 2)`` uint64 iovec array, zero-length spans dropped."""
+    iov = np.empty((len(bases), 2), dtype=U64)
+    iov[:, 0] = bases
+    iov[:, 1] = lengths
+    if len(iov) and not iov[:, 1].all():
+        iov = iov[iov[:, 1] != 0]
+    return iov
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +148,7 @@ class Plan:
         return span_iov(local_addrs[self.local_tensors], self.local_offsets, self.lengths)
 
     def local_iovecs(self, local_addrs: np.ndarray) -> np.ndarray:
-        """The local spans as an ``(n, 2)`` iovec array (``transport.iov.iovecs``)."""
+        """The local spans as an ``(n, 2)`` iovec array (:func:`iovecs`)."""
         return iovecs(local_addrs[self.local_tensors], self.local_offsets, self.lengths)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from datadist.core import keys as p  # p.KeyRef, p.ReadFlags
 from datadist.core import metrics, native_build
 from datadist.core.config import DEVICE, HOST, OPT_TRANSPORT, EngineConfig, HostIdentity, PathKind
 from datadist.core.errors import (
@@ -47,14 +47,12 @@ from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.core.registry import CacheEntry, KeyId, Registry, check_request_size
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
-from datadist.wire import protocol as p
 
 log = logging.getLogger("datadist.native")
 
 UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache
 CLOSE_WAIT = 5.0  # s finalize waits for them
 ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever their number
-ENGINE_ENV = "DATADIST_ENGINE"  # datadist.Engine's variable in the core's table (tests set it)
 
 _core: Any = None
 
@@ -94,55 +92,20 @@ def refusal(config: EngineConfig) -> str | None:
     return None
 
 
-NIXL_CAPI = "libnixl_capi.so"  # NIXL's C API, beside the nixl-cu12 wheel's other libraries
-
-
-def nixl_library() -> str | None:
-    """The path of the installed NIXL wheel's C API library (``libnixl_capi.so``), or None
-    without one. Looks, without importing NIXL, in the wheel's library folder (meson-python
-    puts a wheel's libraries in ``.<module>.mesonpy.libs`` beside the module) and the
-    module's own folder. Never raises; returns at once."""
-    import importlib.util
-
-    from datadist.transport import nixl
-
-    for name in nixl.MODULES:
-        with contextlib.suppress(ImportError, ValueError):
-            spec = importlib.util.find_spec(name)
-            if spec is None or not spec.submodule_search_locations:
-                continue
-            for where in spec.submodule_search_locations:
-                pkg = os.path.abspath(where)
-                for folder in (os.path.join(os.path.dirname(pkg), f".{name}.mesonpy.libs"),
-                               os.path.join(os.path.dirname(pkg), f"{name}.libs"), pkg):
-                    lib = os.path.join(folder, NIXL_CAPI)
-                    if os.path.isfile(lib):
-                        return lib
-    return None
-
-
 def load_nixl(mod: Any, library: str = "") -> str | None:
     """Hand the installed NIXL to the core (``_core.nixl_load``), once per process, with the
-    environment NIXL needs here (transport/nixl.py: UCX's ib module kept out
+    environment NIXL needs here (core/nixl_wheel.py: UCX's ib module kept out
     where the host has no RDMA device): ``library`` (``datadist.NixlLibrary``) when given,
     else the nixl-cu12 wheel's. Returns why NIXL cannot be used, None once loaded.
     Called by :class:`NativeEngine` when it serves NIXL; blocks while NIXL loads."""
-    from datadist.transport import nixl
+    from datadist.core import nixl_wheel as nixl
 
-    lib = library or nixl_library()
+    lib = library or nixl.library()
     if lib is None:
         return "NIXL is not installed: pip install 'datadist[nixl]' (the nixl-cu12 wheel)"
     nixl._skip_unusable_ib()
     ok, why = mod.nixl_load(lib)
     return None if ok else str(why)
-
-
-def wanted(options: dict[str, str]) -> str:
-    """Check the engine the caller asked for: ``datadist.Engine`` (its variable, its default:
-    the table's), "auto" or "native", both the core, the only engine; "python" (the engine
-    that was removed) and anything else are an InvalidArgument saying so, so a deployment
-    that still asks for it learns why at init. NotSupported where the core is not built."""
-    return str(parse_options(options)["datadist.Engine"][0])
 
 
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
@@ -271,8 +234,6 @@ class NativeEngine:
     """The engine the facade calls (caches, links, pull / push and their asynchronous
     forms), run by the C++ core. Created by ``LLMDataDist.init``, closed by ``finalize``."""
 
-    native = True
-
     def __init__(self, config: EngineConfig) -> None:
         mod = core_module()
         if mod is None:
@@ -344,10 +305,6 @@ class NativeEngine:
     @role.setter
     def role(self, value: int) -> None:
         self._core.role = int(value)
-
-    @property
-    def engine_name(self) -> str:
-        return "native"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -769,19 +726,18 @@ class NativeEngine:
         self._pools.clear()
 
 
-def engine_for(config: EngineConfig, options: dict[str, str]) -> tuple[NativeEngine, str]:
-    """The engine ``LLMDataDist.init`` runs with, and why: the native core, the only one.
+def engine_for(config: EngineConfig) -> NativeEngine:
+    """The engine ``LLMDataDist.init`` runs with: the native core, the only one.
     Raises NotSupported when the core is not built or does not load here (docs/native-build.md)
     or cannot run ``config`` on this host (:func:`refusal`: TLS on a core built without
-    OpenSSL), and InvalidArgument for an engine option other than auto / native."""
-    wanted(options)
+    OpenSSL)."""
     ok, why = available()
     if not ok:
         raise NotSupported(f"datadist's native core is not available: {why}")
     reason = refusal(config)
     if reason is not None:
         raise NotSupported(f"the native core cannot run this configuration: {reason}")
-    return NativeEngine(config), "the native core"
+    return NativeEngine(config)
 
 
 __all__ = ["NativeEngine", "NativeHandle", "NativeLink", "available", "engine_for", "refusal",

@@ -9,7 +9,7 @@ whose memory keys the hardware does not check, the owner's UCX serves any addres
 Blocking: :meth:`NixlThief.read` and :meth:`NixlThief.write` wait for their transfer, at most
 ``timeout`` seconds. Needs NIXL (``datadist[nixl]``); creating a thief without it raises
 InvalidArgument. The thief drives NIXL's own Python bindings: of datadist it uses only what
-finds NIXL (``datadist.transport.nixl``: ``available``, ``_skip_unusable_ib``).
+finds NIXL (``datadist.core.nixl_wheel``: ``available``, ``_skip_unusable_ib``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def nixl_module() -> Any:
     """NIXL's Python module (nixl_cu12, ...), imported. Raises InvalidArgument when none is
     installed. Where the host has no RDMA device, UCX's ib module is kept out first (it
     crashes such a process at exit; ``_skip_unusable_ib``)."""
+    from datadist.core import nixl_wheel as nixl
     from datadist.core.errors import InvalidArgument
-    from datadist.transport import nixl
 
     name = nixl.available()
     if name is None:

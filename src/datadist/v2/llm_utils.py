@@ -13,8 +13,8 @@ from __future__ import annotations
 from datadist.api.enums import DataType, Placement
 from datadist.api.status import LLMException, LLMStatusCode, raise_if_false
 from datadist.api.types import CacheDesc, is_invalid_id, is_valid_id
+from datadist.core.address import parse_host_port
 from datadist.core.errors import InvalidArgument
-from datadist.transport.address import parse_host_port
 
 
 def clone_cache_desc(cache_desc: CacheDesc) -> CacheDesc:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import datadist as llm_datadist
+from datadist.core.address import format_host_port
 from datadist.integrations.vllm import mailbox
 from datadist.integrations.vllm.scheduler import RecvTask, SendTask
 from datadist.integrations.vllm.settings import (
@@ -43,7 +44,6 @@ from datadist.integrations.vllm.settings import (
     Settings,
     WorkerAddress,
 )
-from datadist.transport.address import format_host_port
 
 logger = logging.getLogger(LOGGER_NAME)
 

@@ -1,8 +1,9 @@
 """Host addresses, IPv4 and IPv6: the one place that reads and writes them.
 
 Who calls: the facade (``listen_ip_info``, ``LLMClusterInfo``, rank tables, the CLI's
-``--peer``), the engine and the TCP transport (binding, connecting, printing an address).
-Nothing here blocks or touches the network.
+``--peer``), the engine's Python side (:mod:`datadist.core.comm`: which listener serves an
+address) and the vLLM connector. The core parses its own (cpp/src/addr.cc). Nothing here
+blocks or touches the network.
 
 The forms, as LLM-DataDist's own parser (``LLMUtils::ParseListenIpInfo``) takes them:
 

@@ -1,7 +1,7 @@
-"""Finding NIXL: is it installed, and which of UCX's transports would carry it.
+"""Finding the NIXL wheel: is it installed, and which of UCX's transports would carry it.
 
-Who calls: the engine (:mod:`datadist.core.native`: ``nixl_library`` / ``load_nixl`` hand the
-installed wheel's C API library to the core, which drives NIXL itself, without the GIL),
+Who calls: the engine (:mod:`datadist.core.native`: ``load_nixl`` hands the installed wheel's C API
+library, found by :func:`library`, to the core, which drives NIXL itself, without the GIL),
 ``datadist info`` and the bench (is NIXL here, which backends, does UCX check memory keys),
 and test tools that act as raw NIXL peers (:mod:`datadist.testing.nixl_peer`). NIXL comes
 with the ``datadist[nixl]`` extra (the ``nixl-cu12`` wheel, module ``nixl_cu12``). Nothing
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 from typing import Any
@@ -86,6 +87,29 @@ def unchecked_transports(environ: Any = None, devices: str | None = None) -> str
     return None
 
 
+CAPI = "libnixl_capi.so"  # NIXL's C API, beside the nixl-cu12 wheel's other libraries
+
+
+def library() -> str | None:
+    """The path of the installed NIXL wheel's C API library (``libnixl_capi.so``), or None
+    without one. Looks, without importing NIXL, in the wheel's library folder (meson-python
+    puts a wheel's libraries in ``.<module>.mesonpy.libs`` beside the module) and the
+    module's own folder. Never raises; returns at once."""
+    for name in MODULES:
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(name)
+            if spec is None or not spec.submodule_search_locations:
+                continue
+            for where in spec.submodule_search_locations:
+                pkg = os.path.abspath(where)
+                for folder in (os.path.join(os.path.dirname(pkg), f".{name}.mesonpy.libs"),
+                               os.path.join(os.path.dirname(pkg), f"{name}.libs"), pkg):
+                    lib = os.path.join(folder, CAPI)
+                    if os.path.isfile(lib):
+                        return lib
+    return None
+
+
 def load() -> Any:
     """The NIXL module. Raises InvalidArgument (PARAM_INVALID) with what to install."""
     for name in MODULES:
@@ -108,8 +132,6 @@ def load() -> Any:
 
 def available() -> str | None:
     """The importable NIXL module's name, or None. Never raises."""
-    import importlib.util
-
     for name in MODULES:
         with contextlib.suppress(ImportError, ValueError):
             if importlib.util.find_spec(name) is not None:

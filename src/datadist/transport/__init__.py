@@ -1,1 +1,0 @@
-"""Data paths: tcp between hosts, cross-memory attach on one host."""
