@@ -221,7 +221,7 @@ void IoPool::Step(uint64_t id, std::shared_ptr<Task> task, bool readable) {
   bool again = false;
   try {
     again = task->Run(readable, wake);
-  } catch (const std::exception &) {
+  } catch (...) {  // done: nothing a task throws escapes the thread
     again = false;
   }
   if (orphaned) return;  // the pool is gone (see ~IoPool)

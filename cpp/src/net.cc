@@ -385,8 +385,8 @@ void Conn::TlsPump(Byte *p, size_t n, Deadline deadline, const char *what, Step 
 
 void Conn::TlsSendV(std::vector<iovec> &iov, Deadline deadline) {
   // Spans up to a record's size are gathered into one write, so that a frame's header and
-  // payload travel in one record (a TLS server parks a connection until a whole record is
-  // there: server.cc); larger spans go as they are, a record per 16 KiB.
+  // payload travel in one record (one record to decrypt, not two); larger spans go as they
+  // are, a record per 16 KiB.
   constexpr size_t kRecord = 16384;
   std::vector<uint8_t> stage;
   auto put = [&](const uint8_t *p, size_t n) {

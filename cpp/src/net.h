@@ -1,9 +1,11 @@
 // One TCP connection with deadlines: every blocking call takes an absolute deadline and fails
 // with LLM_TIMEOUT past it (the socket is non-blocking; waits are poll()s bounded by the time
 // left), or with LLM_LINK_FAILED when the peer closes or the socket breaks. After either, the
-// connection is closed: a half-read stream cannot be resynchronised. Not thread-safe: its owner
-// serialises calls (a link's mutex, or the one server thread serving it); Shutdown() alone may
-// be called from another thread, to wake a blocked user.
+// connection is closed: a half-read stream cannot be resynchronised. A served connection
+// (server.cc) uses the non-blocking steps instead (ReadSome, SendSome, RecvSome), which never
+// wait: an I/O pool thread never waits on a peer. Not thread-safe: its owner serialises calls
+// (a link's mutex, or the one pool thread running its task); Shutdown() alone may be called
+// from another thread, to wake a blocked user.
 #ifndef DATADIST_CPP_NET_H_
 #define DATADIST_CPP_NET_H_
 
