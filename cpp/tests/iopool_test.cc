@@ -2,7 +2,10 @@
 // I/O threads (iopool.h). Before, the listener ran a thread per accepted connection and every
 // link a thread for its reverse channel: 1,000 links in one process held ~2,000 threads.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <dirent.h>
+#include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -18,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -123,6 +127,71 @@ struct Pair {
     return got;
   }
 };
+
+/// A task that waits for room to send (Interest EPOLLOUT): each step sends what the socket
+/// takes of `left` bytes, non-blocking, and parks again until all went.
+class Sender : public datadist::IoPool::Task {
+ public:
+  Sender(int fd, size_t bytes) : conn_(fd, "pair"), data_(bytes, 0x5a) { out_.iov = {{data_.data(), data_.size()}}; }
+  int fd() const override { return conn_.fd(); }
+  uint32_t Interest() const override { return EPOLLOUT; }
+  bool Run(bool, datadist::Deadline &) override {
+    ++steps;
+    short want = 0;
+    return !conn_.SendSome(out_, want);
+  }
+  void Cancel() override { conn_.Shutdown(); }
+  std::atomic<int> steps{0};
+
+ private:
+  datadist::Conn conn_;
+  std::vector<uint8_t> data_;
+  datadist::Spans out_;
+};
+
+// A task parked for EPOLLOUT is woken when its peer makes room, not before, and holds no
+// thread meanwhile (the pool's one thread serves another task); its answer arrives whole.
+TEST(IoPool, ATaskParkedForRoomWakesWhenThePeerReads) {
+  auto pool = std::make_shared<datadist::IoPool>(1);
+  datadist::IoPool::Group group;
+  Pair big, echo;
+  auto sender = std::make_shared<Sender>(big.ours, 8 << 20);
+  ASSERT_TRUE(pool->Park(group, sender));
+  auto e = std::make_shared<Echo>(echo.ours);
+  ASSERT_TRUE(pool->Park(group, e));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const int parked_steps = sender->steps;
+  EXPECT_EQ(echo.Ask(4), 5);  // served by the one thread while the sender waits for room
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(sender->steps, parked_steps) << "woken with no room";
+  std::vector<uint8_t> got(8 << 20);
+  size_t at = 0;
+  while (at < got.size()) {
+    const ssize_t k = read(big.theirs, got.data() + at, got.size() - at);
+    ASSERT_GT(k, 0);
+    at += static_cast<size_t>(k);
+  }
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](uint8_t b) { return b == 0x5a; }));
+  EXPECT_GT(sender->steps, parked_steps);
+  pool->Stop(group);
+}
+
+// The pool when no thread can be started (the process at its thread limit; here the test
+// hook): it throws std::system_error; IoGroup::Add then throws it, and the next Add tries
+// again and serves.
+TEST(IoPool, ThreadsThatCannotStart) {
+  datadist::IoPool::FailThreadStartsForTest(1000);
+  EXPECT_THROW(datadist::IoPool(2), std::system_error);
+  {
+    datadist::IoGroup group;  // the shared pool, made at the first Add
+    Pair p;
+    EXPECT_THROW(group.Add(std::make_shared<Echo>(p.ours)), std::system_error);
+    datadist::IoPool::FailThreadStartsForTest(0);
+    Pair q;
+    ASSERT_TRUE(group.Add(std::make_shared<Echo>(q.ours)));
+    EXPECT_EQ(q.Ask(1), 2);
+  }
+}
 
 TEST(IoPool, ServesManyParkedConnectionsOnItsFixedThreads) {
   ASSERT_TRUE(EnoughDescriptors(4096));
@@ -252,9 +321,9 @@ TEST(IoPool, AForkedChildServesWithAPoolOfItsOwn) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the forked child's listener did not serve its link";
 }
 
-// A listener on a pool of two threads: a peer that sent half a request holds one of them (until
-// that request's deadline), the other serves a link meanwhile; Stop wakes the stalled one at
-// once rather than waiting 30 s for its frame.
+// A listener on a pool of two threads: a peer that sent half a request holds neither (it is
+// parked until the rest comes, or its frame's 30 s pass); a link is served meanwhile; Stop
+// closes the stalled one at once rather than waiting 30 s for its frame.
 TEST(Server, AStalledPeerHoldsOneThreadAndStopWakesIt) {
   HostCache owned{1, {2, 64}};
   owned.Fill(5);
@@ -353,8 +422,28 @@ TEST(Server, PartialFramesHoldNoThread) {
   EXPECT_EQ(pool->tasks(), 0u);
 }
 
+/// A TCP connection to 127.0.0.1:port from the loopback address 127.0.0.<host> (a listener
+/// counts its budgets per address); -1 if it cannot be made.
+int ConnectFrom(int host, uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl((127u << 24) | static_cast<uint32_t>(host));
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  to.sin_port = htons(port);
+  if (bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof(a)) != 0 ||
+      connect(fd, reinterpret_cast<sockaddr *>(&to), sizeof(to)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 // Clients that connect and never say HELLO cost the listener no thread (before: one each, for
-// the handshake's 10 s); a link made meanwhile is served; Stop closes them at once.
+// the handshake's 10 s); a link made meanwhile is served; Stop closes them at once. (They come
+// from 15 loopback addresses: one address may hold 16 connections in their handshake.)
 TEST(Server, SilentConnectionsCostNoThread) {
   datadist::Registry registry;
   datadist::Identity ident;
@@ -365,9 +454,14 @@ TEST(Server, SilentConnectionsCostNoThread) {
   server.Start("127.0.0.1", 0, 1024, 1024);
   const size_t threads = Threads();
   std::vector<std::unique_ptr<datadist::Conn>> silent;
-  for (int i = 0; i < 300; ++i) silent.push_back(datadist::Conn::Connect("127.0.0.1", server.port(), After(2)));
-  for (int i = 0; i < 500 && server.connections() != 300; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  EXPECT_EQ(server.connections(), 300u);
+  for (int i = 0; i < 240; ++i) {
+    const int fd = ConnectFrom(2 + i / 16, server.port());
+    ASSERT_GE(fd, 0);
+    silent.push_back(std::make_unique<datadist::Conn>(fd, "silent"));
+  }
+  for (int i = 0; i < 500 && server.connections() != 240; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(server.connections(), 240u);
+  EXPECT_EQ(server.refused(), 0u);
   EXPECT_EQ(Threads(), threads);
   w::Hello hello;
   hello.cluster_id = 60;
