@@ -51,7 +51,7 @@ class Engine {
  public:
   /// s a reverse channel's last handshake frame may take
   static constexpr double kAdoptWait = 10.0;
-  /// s a contested reverse channel has to answer a PING (Python: REVERSE_PROBE)
+  /// s a contested reverse channel has to answer a PING
   static constexpr double kReverseProbe = 0.5;
 
   Engine(uint64_t cluster_id, int32_t role);
@@ -123,7 +123,7 @@ class Engine {
   std::string LastLinkFailure(uint64_t id);
   /// What a peer's STATS_REQUEST is answered with (metrics.h's StatsJson): its own series,
   /// none while its id's live reverse channel belongs to another control channel (`token`:
-  /// the asking connection's, "" for a reverse channel; Python's Engine.stats(peer)).
+  /// the asking connection's, "" for a reverse channel).
   std::string StatsFor(uint64_t peer, const std::string &token);
   /// Asks the linked peer `cluster_id` for its metrics (Link::Stats): the JSON it sent.
   /// LLM_NOT_YET_LINK, and Link::Stats's errors. Blocks up to the deadline.

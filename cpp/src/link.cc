@@ -780,7 +780,7 @@ bool Link::ReadGranted(const wire::Request &req, const std::vector<iovec> &local
     return true;
   }
   release(false);
-  // The kernel refused (nothing to retry on this pid): as Python's CmaPath once its link saw
+  // The kernel refused (nothing to retry on this pid): once this link saw
   // the refusal, shared memory where it can, a stream elsewhere, on the same connection.
   CmaRefused(why);
   return false;

@@ -5,7 +5,7 @@
 // channel (the listener's requests to us) has no thread of its own: it is parked on the
 // process's I/O pool (iopool.h) and served there a request at a time.
 //
-// Path choice, on every connect (as Python's core/links.py): a peer whose WELCOME over TCP
+// Path choice, on every connect: a peer whose WELCOME over TCP
 // carries our boot id and FEATURE_LOCAL is greeted again on its local channel; if that works,
 // the unix connection is the link's control channel and the TCP one is closed. Pulls then
 // ask for grants and copy with process_vm_readv from the pid the kernel reported for that
@@ -281,7 +281,7 @@ class Link {
   std::shared_ptr<lease::OwnerProc> lease_owner_;  // null: no leases on this connection
   std::map<LeaseKey, std::shared_ptr<lease::Leased>> leases_;
   uint64_t lease_seq_ = 0;  // lease_mu_: the last Leased::seq given
-  static constexpr size_t kMaxLeases = 64;  // kept per connection (Python's CmaPath.MAX_LEASES)
+  static constexpr size_t kMaxLeases = 64;  // kept per connection
   // Our reverse channel (client links): parked on the I/O pool (iopool.h) between the
   // listener's requests, served by a pool thread a request at a time, until unlink / finalize
   // (StopReverse). It is its own socket: our transfers (conn_, under busy_) never share it.

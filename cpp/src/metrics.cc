@@ -277,7 +277,7 @@ void Record(Op op, uint64_t cluster_id, uint64_t nbytes, Clock::duration took, S
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(took).count();
   const uint64_t nanos = ns > 0 ? static_cast<uint64_t>(ns) : 0;
   size_t bucket = 0;
-  while (bucket < kBuckets && nanos > kBucketNs[bucket]) ++bucket;  // Python's bisect_left
+  while (bucket < kBuckets && nanos > kBucketNs[bucket]) ++bucket;  // the first bound not below it
   c.counts[bucket].fetch_add(1, std::memory_order_relaxed);
   c.nanos.fetch_add(nanos, std::memory_order_relaxed);
   if (code == llm_datadist::LLM_SUCCESS)

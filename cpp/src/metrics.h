@@ -97,7 +97,7 @@ void Reset();
 /// are "LLM_FAILED", as Python's engine counts anything but its own errors.
 const char *StatusName(Status code);
 
-/// What a peer's STATS_REQUEST is answered with (Python's Engine.stats(peer), as JSON):
+/// What a peer's STATS_REQUEST is answered with (as JSON):
 /// {"cluster_id": us, "role": role, "total": own, "links": {"<peer>": own}} where own holds
 /// the peer's own series by operation, nothing when `told` is false (the asking connection
 /// is not the one that peer's live link belongs to, or `peer` is not named: the folded series
@@ -108,7 +108,7 @@ std::string StatsJson(uint64_t self_cluster_id, int32_t role, uint64_t peer, boo
 /// seconds, latency_buckets (cumulative), p50_s, p99_s).
 std::string SeriesJson(const Series &s);
 
-/// A served request being counted (Python's Engine._served): Done(nbytes) counts it as having
+/// A served request being counted: Done(nbytes) counts it as having
 /// moved its bytes; gone before Done (the connection broke, a deadline passed) it counts as
 /// LLM_FAILED, whatever the error was.
 class Serving {

@@ -26,7 +26,7 @@ namespace {
 
 constexpr size_t kMaxIov = 1024;
 
-// Liveness from the kernel, as Python's transport/channel.py tune(): keepalive notices a peer
+// Liveness from the kernel: keepalive notices a peer
 // host that vanished while the connection is idle (5 s idle, 3 probes 2 s apart), and
 // TCP_USER_TIMEOUT one that stops acknowledging mid-transfer, a reader whose window stays
 // shut included (15 s), so a stalled peer never pins a cache for the whole serve deadline.
@@ -44,8 +44,7 @@ void Tune(int fd) {
   (void)fcntl(fd, F_SETFL, flags | O_NONBLOCK);
 }
 
-// Bulk transfers wait in the kernel, as Python's channel does (transport/channel.py: a
-// blocking socket, SO_RCVTIMEO / SO_SNDTIMEO kept inside the deadline): a transfer that the
+// Bulk transfers wait in the kernel (a blocking socket, SO_RCVTIMEO / SO_SNDTIMEO kept inside the deadline): a transfer that the
 // socket cannot take or give at once, with at least kBulkMin bytes left, turns O_NONBLOCK off
 // for the rest of it. The receiver then asks recvmsg(MSG_WAITALL) for a whole batch of up to
 // kMaxIov spans, and the kernel copies segments as they arrive without returning; the
@@ -57,7 +56,7 @@ void Tune(int fd) {
 // transfers keep the non-blocking call: one does them.
 // A Shutdown from another thread wakes a blocked call as it woke poll.
 constexpr size_t kBulkMin = 256 << 10;
-constexpr size_t kSendChunk = 4 << 20;  // Python's iov.SEND_CHUNK: the socket lock is held for a call's copy
+constexpr size_t kSendChunk = 4 << 20;  // the socket lock is held for a call's copy
 
 size_t BytesFrom(const std::vector<iovec> &iov, size_t first) {
   size_t n = 0;
@@ -65,7 +64,7 @@ size_t BytesFrom(const std::vector<iovec> &iov, size_t first) {
   return n;
 }
 
-constexpr int64_t kArmSlackUs = 20000;  // a blocking call may run this far past its deadline (Python's ARM_SLACK)
+constexpr int64_t kArmSlackUs = 20000;  // a blocking call may run this far past its deadline
 
 int MillisLeft(Deadline deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -175,7 +174,7 @@ bool Conn::Block(Deadline deadline, int opt) {
   return true;
 }
 
-// As Python's Channel._arm: the timeout in force may be shorter than what is left (a call
+// The timeout in force may be shorter than what is left (a call
 // that times out early re-arms with all of it: `expired`), never longer by more than the
 // slack; so successive calls under one deadline mostly reuse the setting, no setsockopt.
 void Conn::Arm(int opt, Deadline deadline, bool expired) {

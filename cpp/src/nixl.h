@@ -63,7 +63,7 @@ constexpr size_t kMaxLeasesPerPeer = 1024;
 /// bindings, not a stable ABI (between releases an enum was renumbered and arguments were
 /// added), so a release outside this range is refused at Load rather than called. Widening it
 /// means reading that release's src/bindings/rust/wrapper.h against nixl_capi.h and running
-/// cpp/tests/nixl_test.cc and tests/integration/test_nixl_path.py with it (docs/transports.md).
+/// cpp/tests/nixl_test.cc and tests/core/test_nixl_path.py with it (docs/transports.md).
 constexpr const char *kMinVersion = "1.5.0";
 constexpr const char *kEndVersion = "1.6.0";
 /// Names the version of a NIXL that is not installed from a wheel (no dist-info beside its

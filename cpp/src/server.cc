@@ -921,7 +921,7 @@ Server::Greeted Server::Hello(PeerStream &c, Shake &s) {
   std::pair<std::string, std::string> parts = wire::SplitToken(hello.proof, hello.features);
   s.client_nonce = std::move(parts.first);
   s.echoed = std::move(parts.second);
-  // Ourselves (as Python's Engine.on_hello). Another process with our cluster id is a peer
+  // Ourselves. Another process with our cluster id is a peer
   // like any other: vllm-ascend's V0 connector gives both sides cluster id = local rank.
   const local::HostIdentity &self = local::HostIdentity::Current();
   if (hello.cluster_id == identity_->cluster_id && hello.pid == static_cast<uint32_t>(getpid()) &&
