@@ -139,6 +139,7 @@ std::string InCppWords(std::string text) {
   static const std::pair<const char *, const char *> kPhrases[] = {
       {"LLMConfig.listen_ip_info = 'ip:port'",
        "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO) = \"ip:port\" at Initialize"},
+      {"its LLMConfig.listen_ip_info names", "its llm.ListenIpInfo (OPTION_LISTEN_IP_INFO) names"},
       {"enable_remote_cache_accessible", "llm.EnableRemoteCacheAccessible"},
   };
   for (const auto &phrase : kPhrases) {

@@ -27,6 +27,10 @@ TESTS = ROOT / "cpp" / "tests"
 OWN_BINARY = {"wire_vectors_test.cc": "wire_vectors_test"}
 DEFAULT_BINARY = "llm_datadist_tests"
 _TEST = re.compile(r"^\s*TEST(?:_F)?\(\s*(\w+)\s*,\s*(\w+)\s*\)", re.M)
+# Value-parameterized tests: TEST_P(Suite, Name) runs once per INSTANTIATE_TEST_SUITE_P(Prefix,
+# Suite, ...) and value, as Prefix/Suite.Name/<value's name>; one item runs all its values.
+_TEST_P = re.compile(r"^\s*TEST_P\(\s*(\w+)\s*,\s*(\w+)\s*\)", re.M)
+_INSTANCES = re.compile(r"^\s*INSTANTIATE_TEST_SUITE_P\(\s*(\w+)\s*,\s*(\w+)\s*,", re.M)
 
 # The first test of a session builds cpp/ (minutes on a busy machine).
 pytestmark = pytest.mark.timeout(900)
@@ -37,7 +41,11 @@ def _declared() -> list[tuple[str, str]]:
     found = []
     for src in sorted(TESTS.glob("*_test.cc")):
         binary = OWN_BINARY.get(src.name, DEFAULT_BINARY)
-        found += [(binary, f"{suite}.{name}") for suite, name in _TEST.findall(src.read_text())]
+        text = src.read_text()
+        found += [(binary, f"{suite}.{name}") for suite, name in _TEST.findall(text)]
+        instances = _INSTANCES.findall(text)
+        found += [(binary, f"{prefix}/{suite}.{name}/*") for suite, name in _TEST_P.findall(text)
+                  for prefix, of in instances if of == suite]
     return found
 
 
@@ -78,7 +86,8 @@ def test_googletest(cpp_build: Path, binary: str, test: str) -> None:
     assert done.returncode == 0, out[-8000:]
     if f"[  SKIPPED ] {test}" in out:
         pytest.skip(_skip_reason(out, test))
-    assert f"[       OK ] {test}" in out, f"{test} did not run:\n{out[-4000:]}"
+    ran = f"[       OK ] {test[:-1]}" if test.endswith("/*") else f"[       OK ] {test}"
+    assert ran in out, f"{test} did not run:\n{out[-4000:]}"
 
 
 @pytest.mark.parametrize("binary", sorted({b for b, _ in DECLARED}))
@@ -93,5 +102,8 @@ def test_every_googletest_is_collected(cpp_build: Path, binary: str) -> None:
         else:
             listed.add(suite + line.split("#")[0].strip())
     declared = {t for b, t in DECLARED if b == binary}
+    patterns = {t for t in declared if t.endswith("/*")}
+    listed = {t for t in listed if not any(t.startswith(p[:-1]) for p in patterns)} | {
+        p for p in patterns if any(t.startswith(p[:-1]) for t in listed)}
     assert listed == declared, (f"only in the binary: {sorted(listed - declared)}; "
                                 f"only in the sources: {sorted(declared - listed)}")
