@@ -73,7 +73,13 @@ STAGE_HOWS = {
 
 class AttackError(RuntimeError):
     """An attacking connection could not reach the point it was to stall at (the owner
-    refused it, or answered something else): the attack is not what it says."""
+    answered something unexpected, or the attack was set up wrong)."""
+
+
+class Refused(AttackError):
+    """The owner refused an attacking connection in its handshake (an ERROR, or a close):
+    over a connection cap or a budget of connections in their handshake. Counted, not
+    raised, by :class:`Attack`."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class Stall:
     how: str
     source: str | int | None = None
 
+_PREPARE_ORDER = {"post": 0, "auth": 1, "tls": 2, "pre": 3}
+
 
 def mix(n: int, channel: str, stages: Sequence[str], sources: Sequence[str | int | None],
         ) -> list[Stall]:
@@ -119,10 +127,12 @@ def _frames(sock: socket.socket, dec: p.FrameDecoder, n: int) -> list[Any]:
     while len(got) < n:
         try:
             chunk = sock.recv(1 << 16)
-        except (OSError, ssl.SSLError) as e:
+        except (ConnectionError, ssl.SSLError) as e:
+            raise Refused(f"the owner closed the connection: {e}") from None
+        except OSError as e:
             raise AttackError(f"the owner did not answer: {e}") from None
         if not chunk:
-            raise AttackError(f"the owner closed the connection after {got}")
+            raise Refused(f"the owner closed the connection after {got}")
         got += [m for _, m in dec.feed(chunk)]
     return got
 
@@ -139,6 +149,8 @@ def _handshake(sock: socket.socket, t: Target, me: int, *, prove: bool = True) -
     sock.sendall(_hello(me, cn))
     dec = p.FrameDecoder()
     (welcome,) = _frames(sock, dec, 1)
+    if isinstance(welcome, p.Error):
+        raise Refused(f"HELLO answered {welcome}")
     if not isinstance(welcome, p.Welcome):
         raise AttackError(f"HELLO answered {welcome}")
     if not t.secret:
@@ -177,7 +189,11 @@ def _connect(t: Target, s: Stall) -> socket.socket:
         assert t.local is not None, "this owner's local channel is not attacked"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(SOCK_TIMEOUT)
-        sock.connect(t.local)
+        try:
+            sock.connect(t.local)
+        except BaseException:
+            sock.close()
+            raise
         return sock
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.settimeout(SOCK_TIMEOUT)
@@ -187,7 +203,11 @@ def _connect(t: Target, s: Stall) -> socket.socket:
         sock.bind((str(s.source), 0))
     sock.connect(t.address)
     if t.tls is not None and s.stage != "tls":
-        sock = t.tls.wrap_socket(sock)
+        try:
+            sock = t.tls.wrap_socket(sock)
+        except (ConnectionError, ssl.SSLError) as e:  # over a cap: closed without a word
+            sock.close()
+            raise Refused(f"the TLS handshake failed: {e}") from None
     return sock
 
 
@@ -239,18 +259,18 @@ class _Child:
 
     pid: int
     uid: int
-    report: Any  # a binary file: it writes "prepared N\n", then "placed N\n", or "failed: ..."
+    report: Any  # a binary file: "prepared N\n", then "placed N REFUSED\n", or "failed: ..."
     go: int  # we write a byte: send the tails; we close it: drop everything and exit
 
 
-def _said(child: _Child, want: str, timeout: float) -> int:
-    """The count in the child's next line, which must start with ``want``."""
+def _said(child: _Child, want: str, timeout: float) -> list[int]:
+    """The counts in the child's next line, which must start with ``want``."""
     if not select.select([child.report], [], [], timeout)[0]:
         raise AttackError(f"the attacker of uid {child.uid} said nothing in {timeout} s")
     line = child.report.readline().decode().strip()
     if not line.startswith(want + " "):
         raise AttackError(f"the attacker of uid {child.uid}: {line or 'died'}")
-    return int(line.split()[1])
+    return [int(x) for x in line.split()[1:]]
 
 
 @dataclass
@@ -261,7 +281,8 @@ class Attack:
 
     target: Target
     stalls: list[Stall]
-    placed: int = 0
+    placed: int = 0  # connections left at their stall (by us and the forked attackers)
+    refused: int = 0  # connections the owner refused in their handshake (Refused)
     _socks: list[socket.socket] = field(default_factory=list)
     _tails: list[tuple[Stall, socket.socket, bytes]] = field(default_factory=list)
     _trickling: list[socket.socket] = field(default_factory=list)
@@ -298,7 +319,9 @@ class Attack:
                 os.write(child.go, b"g")
             self._send_tails()
             for child in self._children:
-                self.placed += _said(child, "placed", SOCK_TIMEOUT * 4)
+                placed, refused = _said(child, "placed", SOCK_TIMEOUT * 4)
+                self.placed += placed
+                self.refused += refused
             self._stop.clear()
             self._thread = threading.Thread(target=self._trickle, name="stall-trickle",
                                             daemon=True)
@@ -309,9 +332,15 @@ class Attack:
         return self
 
     def _prepare(self, stalls: Iterable[tuple[int, Stall]]) -> None:
-        for i, s in stalls:
+        # Those that complete their handshake first, those that stall in it last: an owner
+        # that budgets connections in their handshake (per address, per uid) then counts
+        # the stalled ones only, and refuses what is over (Refused: counted).
+        for i, s in sorted(stalls, key=lambda x: _PREPARE_ORDER[x[1].stage]):
             try:
                 sock, tail, trickles = prepare(self.target, s, ATTACKER_ID + i)
+            except Refused:
+                self.refused += 1
+                continue
             except OSError as e:
                 raise AttackError(f"{s}: {e}") from None
             self._socks.append(sock)
@@ -320,11 +349,12 @@ class Attack:
                 self._trickling.append(sock)
 
     def _send_tails(self) -> None:
-        for s, sock, tail in self._tails:
+        for _, sock, tail in self._tails:
             try:
                 sock.sendall(tail)
-            except OSError as e:
-                raise AttackError(f"{s}: {e}") from None
+            except OSError:  # refused (and closed) by the owner meanwhile
+                self.refused += 1
+                continue
             self.placed += 1
         self._tails.clear()
 
@@ -344,13 +374,14 @@ class Attack:
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
-                self._socks, self._tails, self._trickling, self.placed = [], [], [], 0
+                self._socks, self._tails, self._trickling = [], [], []
+                self.placed = self.refused = 0
                 try:
                     self._prepare(stalls)
                     os.write(report_w, b"prepared %d\n" % len(self._socks))
                     if os.read(go_r, 1) == b"g":
                         self._send_tails()
-                        os.write(report_w, b"placed %d\n" % self.placed)
+                        os.write(report_w, b"placed %d %d\n" % (self.placed, self.refused))
                 except BaseException as e:  # noqa: BLE001 - told to the parent
                     os.write(report_w, f"failed: {e}".replace("\n", " ").encode()[:500] + b"\n")
                 os.read(go_r, 1)  # until the parent closes its end (or dies)
@@ -388,7 +419,7 @@ class Attack:
                 os.waitpid(child.pid, 0)
             child.report.close()
         self._children.clear()
-        self.placed = 0
+        self.placed = self.refused = 0
 
 
 def loopback_sources(n: int) -> list[str]:
@@ -573,13 +604,21 @@ def _owner_rows(threads: int, n: int, max_s: float, repeat: int, progress: Progr
             puller.close()
     finally:
         prompt.close()
+    return latency_rows(threads, clean, attacked, failures)
+
+
+def latency_rows(threads: int, clean: list[list[float]], attacked: list[list[float]],
+                 failures: list[str]) -> list[Row]:
+    """The p50 and p99 rows of one owner from its pulls' seconds, a list per repetition
+    (``clean``: no attacker; ``attacked``), judged by :data:`GOALS`. Any failed pull under
+    attack misses both goals (its note says how many); a pull that brought wrong bytes is
+    BenchError. The figure and limit are over every pull, the samples each repetition's."""
     wrong = [f for f in failures if "not the owner's" in f]
     if wrong:
         raise BenchError(f"stall rows: {wrong[0]}")
     rows = []
     for q, goal in GOALS.items():
         pct = 50 if q == "p50" else 99
-        # the figure and limit: over every pull; the samples: each repetition's own
         row = Row(f"stall_tcp_io{threads}_{q}",
                   f"small pull, 16 KiB, TCP, {ATTACKERS} stalled clients, {threads} I/O "
                   f"threads, {q}", "us", float(np.percentile(np.concatenate(attacked), pct))
@@ -590,7 +629,7 @@ def _owner_rows(threads: int, n: int, max_s: float, repeat: int, progress: Progr
         at_most(row, goal)
         if failures:
             row.met = False
-            row.note = (f"{len(failures)} of {len(attacked)} pulls under attack failed "
-                        f"(first: {failures[0][:120]})")
+            row.note = (f"{len(failures)} of {sum(map(len, attacked))} pulls under attack "
+                        f"failed (first: {failures[0][:120]})")
         rows.append(row)
     return rows
