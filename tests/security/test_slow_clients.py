@@ -216,3 +216,35 @@ def test_200_stalls_with_tls(tmp_path: Path) -> None:
                 + mix(80, "tcp", ("post",), tcp))
 
     assert_honest(attacked_pulls(stalls, secret=True, tmp_path=tmp_path))
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_declared_lengths_cost_the_owner_no_memory() -> None:
+    """100 linked connections (from two addresses) each send the header of a READ declaring
+    the protocol's largest payload, 64 MiB, and one byte of it, and stall: the owner's
+    buffers grow as bytes arrive, never to a declared length, so its resident memory grows by
+    a few MiB (64 KiB of buffer per connection at most), not 100 x 64 MiB. Before issue 35
+    each such frame taken up by an I/O thread got a buffer of its declared length (+64 MiB
+    per thread at once, 2 threads here), and the others waited for those threads."""
+    config = PromptConfig(PROMPT_ID, remote_cache_accessible=True,
+                          setup=stall.owner_setup(MODEL, SEED))
+    prompt = start_prompt(config, env={"DATADIST_IO_THREADS": "2", "DATADIST_TRANSPORT": None,
+                                       "DATADIST_AUTH_SECRET": None})
+    try:
+        target = Target(prompt.address, PROMPT_ID, big_cache_id=prompt.setup[1])
+        stalls = [Stall("tcp", "post", "largest_frame", src) for src in loopback_sources(2)] * 50
+        before = rss_bytes(prompt.pid)
+        with Attack(target, stalls) as attack:
+            assert attack.placed == len(stalls), (attack.placed, attack.refused)
+            time.sleep(1.0)  # every connection's byte read
+            grown = rss_bytes(prompt.pid) - before
+        assert grown < 32 << 20, f"the owner grew by {grown >> 20} MiB"
+    finally:
+        prompt.close()

@@ -19,9 +19,11 @@ stuck at a chosen point of a frame or of a transfer, then holds them open until 
   header of a 1 MiB READ and one byte of it), ``slow_reader`` (a READ of a whole big cache,
   never read, on a socket with a small receive buffer), ``trickle_writer`` (a WRITE of a whole
   big cache whose data comes a byte every :data:`TRICKLE_EVERY` seconds), ``client_hello``
-  (TLS: the client's first flight, then nothing).
+  (TLS: the client's first flight, then nothing); and, in no mix, asked for by name:
+  ``largest_frame`` (after the handshake, the header of a READ of the protocol's largest
+  payload, 64 MiB, and one byte: what a buffer sized to a declared length would cost).
 
-The owner must hold a blocks cache for the honest pulls and the big cache (:data:`BIG`) the
+The owner must hold a blocks cache for the honest pulls and the big cache (:data:`BIG_BYTES`) the
 slow readers and trickling writers name by cache id, and take remote writes
 (``enable_remote_cache_accessible``). Used by ``datadist bench --only stall`` (below) and by
 tests/security/test_slow_clients.py; every socket wait is bounded (:data:`SOCK_TIMEOUT`).
@@ -61,7 +63,7 @@ BIG_BYTES = 8 << 20  # the cache slow readers read and trickling writers write, 
 ATTACKER_ID = 100_000  # attackers claim cluster ids from here on, one each
 STAGES = ("pre", "auth", "tls", "post")
 HOWS = ("silent", "header_part", "payload_part", "big_frame", "slow_reader", "trickle_writer",
-        "client_hello")
+        "client_hello", "largest_frame")
 # What each stage can do (auth: only with a secret; tls: only on a TLS listener).
 STAGE_HOWS = {
     "pre": ("silent", "header_part", "payload_part"),
@@ -236,9 +238,10 @@ def prepare(t: Target, s: Stall, me: int) -> tuple[socket.socket, bytes, bool]:
             _handshake(sock, t, me)
             if s.how in ("slow_reader", "trickle_writer"):
                 return sock, _big_request(t, s.how == "trickle_writer"), s.how == "trickle_writer"
-            if s.how == "big_frame":
+            if s.how in ("big_frame", "largest_frame"):
+                declared = 1 << 20 if s.how == "big_frame" else p.MAX_PAYLOAD
                 return sock, p.HEADER.pack(p.MAGIC, p.VERSION, p.MsgType.READ, 3,
-                                           1 << 20) + b"\0", False
+                                           declared) + b"\0", False
             first = _big_request(t, write=False)
         if s.how == "header_part":
             return sock, first[: 1 + me % (p.HEADER_SIZE - 1)], False  # 1 to 11 bytes
