@@ -135,7 +135,6 @@ def attacked_pulls(stalls_for: Any, *, secret: bool, tmp_path: Path | None = Non
             # some may be refused (over a budget of connections in their handshake)
             assert attack.placed + attack.refused == len(stalls) and attack.placed
             held = {"placed": attack.placed, "refused": attack.refused}
-            time.sleep(0.3)  # the owner has read what the stalls sent
             reports: list[Any] = [None] * len(peers)
 
             def run(i: int) -> None:
@@ -243,7 +242,7 @@ def test_declared_lengths_cost_the_owner_no_memory() -> None:
         before = rss_bytes(prompt.pid)
         with Attack(target, stalls) as attack:
             assert attack.placed == len(stalls), (attack.placed, attack.refused)
-            time.sleep(1.0)  # every connection's byte read
+            time.sleep(0.7)  # every connection's byte read
             grown = rss_bytes(prompt.pid) - before
         assert grown < 32 << 20, f"the owner grew by {grown >> 20} MiB"
     finally:

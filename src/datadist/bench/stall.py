@@ -57,6 +57,7 @@ from datadist.wire import protocol as p
 
 SOCK_TIMEOUT = 5.0  # every wait on an attacking socket
 TRICKLE_EVERY = 0.25  # seconds between two bytes of a trickling writer
+SETTLE = 0.3  # seconds an attack waits after its stalls were sent, before counting them
 SMALL_BLOCK = 16 << 10  # an honest pull moves one block of this
 SMALL_BLOCKS = 64
 BIG_BYTES = 8 << 20  # the cache slow readers read and trickling writers write, whole
@@ -166,6 +167,13 @@ def _handshake(sock: socket.socket, t: Target, me: int, *, prove: bool = True) -
         if not isinstance(ok, p.Ok):
             raise AttackError(f"AUTH answered {ok}")
     return frame
+
+
+def _answered(sock: socket.socket) -> bool:
+    """The owner sent something on ``sock``, or closed it (without waiting)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def _big_request(t: Target, write: bool) -> bytes:
@@ -284,7 +292,10 @@ class Attack:
 
     target: Target
     stalls: list[Stall]
-    placed: int = 0  # connections left at their stall (by us and the forked attackers)
+    # connections left at their stall, open and unanswered SETTLE s after (ours and the
+    # forked attackers'); the owner may refuse some later (over a budget: in answer to a
+    # whole first frame, which a stalled one never sends, or at a deadline)
+    placed: int = 0
     refused: int = 0  # connections the owner refused in their handshake (Refused)
     _socks: list[socket.socket] = field(default_factory=list)
     _tails: list[tuple[Stall, socket.socket, bytes]] = field(default_factory=list)
@@ -341,7 +352,7 @@ class Attack:
         for i, s in sorted(stalls, key=lambda x: _PREPARE_ORDER[x[1].stage]):
             try:
                 sock, tail, trickles = prepare(self.target, s, ATTACKER_ID + i)
-            except Refused:
+            except (Refused, ConnectionError):  # answered ERROR, or closed (reset, EPIPE)
                 self.refused += 1
                 continue
             except OSError as e:
@@ -352,14 +363,27 @@ class Attack:
                 self._trickling.append(sock)
 
     def _send_tails(self) -> None:
-        for _, sock, tail in self._tails:
+        """Send every prepared connection's stalling bytes; then, after SETTLE seconds,
+        count as refused those stalled in their handshake that the owner answered or closed
+        meanwhile (an owner refuses a connection over a budget in answer to its first frame):
+        ``placed`` counts what the owner holds."""
+        sent = []
+        for s, sock, tail in self._tails:
             try:
                 sock.sendall(tail)
             except OSError:  # refused (and closed) by the owner meanwhile
                 self.refused += 1
                 continue
-            self.placed += 1
+            sent.append((s, sock))
         self._tails.clear()
+        time.sleep(SETTLE)
+        for s, sock in sent:
+            # in the handshake, the owner says nothing more unless it refuses (TLS: its
+            # ServerHello answers a ClientHello, so those are not looked at)
+            if s.stage in ("pre", "auth") and _answered(sock):
+                self.refused += 1
+            else:
+                self.placed += 1
 
     def _fork(self, uid: int, stalls: list[tuple[int, Stall]]) -> None:
         """A child under ``uid`` prepares ``stalls``, says so, sends their tails when we
@@ -576,6 +600,7 @@ def _owner_rows(threads: int, n: int, max_s: float, repeat: int, progress: Progr
                                        "DATADIST_AUTH_SECRET": SECRET,
                                        "DATADIST_TRANSPORT": None,
                                        "DATADIST_VERIFY_CHECKSUM": None})
+    held: list[tuple[int, int]] = []  # (placed, refused) of each repetition's attack
     clean: list[list[float]] = []  # seconds per pull, a list per repetition
     attacked: list[list[float]] = []
     failures: list[str] = []
@@ -598,7 +623,8 @@ def _owner_rows(threads: int, n: int, max_s: float, repeat: int, progress: Progr
                                      f"{bad[0]}")
                 clean.append(times)
                 progress.set_label(f"stall: {threads} I/O threads, {ATTACKERS} attackers")
-                with Attack(target, standard_mix(ATTACKERS, True, True)):
+                with Attack(target, standard_mix(ATTACKERS, True, True)) as attack:
+                    held.append((attack.placed, attack.refused))
                     times, bad = puller.pulls(n, max_s)
                 attacked.append(times)
                 failures += bad
@@ -607,11 +633,23 @@ def _owner_rows(threads: int, n: int, max_s: float, repeat: int, progress: Progr
             puller.close()
     finally:
         prompt.close()
-    return latency_rows(threads, clean, attacked, failures)
+    return latency_rows(threads, clean, attacked, failures, held)
+
+
+def _held_note(held: Sequence[tuple[int, int]]) -> str:
+    """What became of the attack's connections (:class:`Attack`'s counts, the smallest and
+    largest of the runs): left at their stall and unanswered (an owner may still refuse
+    some of those: one over a budget that has not sent a whole frame yet gets its answer
+    later), or refused in the handshake."""
+    if not held:
+        return ""
+    placed, refused = [h[0] for h in held], [h[1] for h in held]
+    return (f"; per run, open and unanswered once placed: {min(placed)}-{max(placed)}, "
+            f"refused in the handshake: {min(refused)}-{max(refused)}")
 
 
 def latency_rows(threads: int, clean: list[list[float]], attacked: list[list[float]],
-                 failures: list[str]) -> list[Row]:
+                 failures: list[str], held: Sequence[tuple[int, int]] = ()) -> list[Row]:
     """The p50 and p99 rows of one owner from its pulls' seconds, a list per repetition
     (``clean``: no attacker; ``attacked``), judged by :data:`GOALS`. Any failed pull under
     attack misses both goals (its note says how many); a pull that brought wrong bytes is
@@ -628,7 +666,8 @@ def latency_rows(threads: int, clean: list[list[float]], attacked: list[list[flo
                   * 1e6, f"the same pulls, no attacker, {q}",
                   float(np.percentile(np.concatenate(clean), pct)) * 1e6, path="tcp",
                   figure_samples=[float(np.percentile(a, pct)) * 1e6 for a in attacked],
-                  limit_samples=[float(np.percentile(c, pct)) * 1e6 for c in clean], note=NOTE)
+                  limit_samples=[float(np.percentile(c, pct)) * 1e6 for c in clean],
+                  note=NOTE + _held_note(held))
         at_most(row, goal)
         if failures:
             row.met = False
