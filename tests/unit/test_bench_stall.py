@@ -34,6 +34,14 @@ def test_a_slow_p99_misses_and_a_failed_pull_misses_both() -> None:
     assert all("1 of 300 pulls under attack failed" in r.note for r in failed)
 
 
+def test_same_host_rows_are_named_by_their_path() -> None:
+    rows = stall.latency_rows(2, CLEAN, CLEAN, [], [(180, 20)], "same host", "cma")
+    assert [r.key for r in rows] == ["stall_same_host_io2_p50", "stall_same_host_io2_p99"]
+    assert rows[0].path == "cma" and "same host" in rows[0].title
+    assert "open and unanswered once placed: 180-180, refused in the handshake: 20-20" in \
+        rows[0].note
+
+
 def test_wrong_bytes_fail_the_run() -> None:
     with pytest.raises(BenchError, match="not the owner's"):
         stall.latency_rows(2, CLEAN, CLEAN, ["pull 3: the bytes that arrived are not the owner's"])

@@ -29,7 +29,8 @@ slow readers and trickling writers name by cache id, and take remote writes
 tests/security/test_slow_clients.py; every socket wait is bounded (:data:`SOCK_TIMEOUT`).
 
 The rows: for 2 and for 8 I/O threads in the owner (``DATADIST_IO_THREADS``), honest 16 KiB
-pulls over TCP with end-to-end checksums, p50 and p99, with :data:`ATTACKERS` stalled
+pulls with end-to-end checksums (over TCP, then by the same-host path: each pull a request
+served by the owner's I/O threads), p50 and p99, with :data:`ATTACKERS` stalled
 connections (half TCP, half the local channel; half before authentication, half after: the
 owner has a secret and the attackers that authenticate know it) against the same pulls with no
 attacker, alternating, in one run. Goals (issue 35): p50 <= 1.5x, p99 <= 5x. A pull that fails
@@ -484,7 +485,9 @@ ATTACKERS = 200
 PULL_TIMEOUT_MS = 3000
 SECRET = "bench-stall-secret"
 GOALS = {"p50": 1.5, "p99": 5.0}
-ROWS = len(IO_THREADS) * len(GOALS)  # progress steps per repetition: runner.GROUPS
+# the honest puller's paths: (DATADIST_TRANSPORT, what the rows say)
+PATHS = (("tcp", "TCP"), ("auto", "same host"))
+ROWS = len(IO_THREADS) * len(PATHS) * len(GOALS)  # progress steps per repetition (runner)
 NOTE = (f"stall rows: {ATTACKERS} stalled or trickling connections (TCP from 2 addresses and "
         "the local channel; half before authentication, half after), the owner with a secret")
 
@@ -593,6 +596,7 @@ class HonestPuller:
 
 
 def _owner_rows(threads: int, n: int, max_s: float, repeat: int, progress: Progress) -> list[Row]:
+    """One owner on ``threads`` I/O threads; the rows of each path (:data:`PATHS`) in turn."""
     from datadist.testing.peers import PromptConfig, start_prompt
 
     config = PromptConfig(OWNER_ID, remote_cache_accessible=True, setup=owner_setup(0, 7))
@@ -600,40 +604,52 @@ def _owner_rows(threads: int, n: int, max_s: float, repeat: int, progress: Progr
                                        "DATADIST_AUTH_SECRET": SECRET,
                                        "DATADIST_TRANSPORT": None,
                                        "DATADIST_VERIFY_CHECKSUM": None})
+    rows: list[Row] = []
+    try:
+        target = Target(prompt.address, OWNER_ID, big_cache_id=prompt.setup[1],
+                        local=p.local_name(prompt.pid, OWNER_ID), secret=SECRET.encode())
+        for transport, where in PATHS:
+            rows += _path_rows(prompt.address, target, transport, where, threads, n, max_s,
+                               repeat, progress)
+    finally:
+        prompt.close()
+    return rows
+
+
+def _path_rows(address: tuple[str, int], target: Target, transport: str, where: str,
+               threads: int, n: int, max_s: float, repeat: int, progress: Progress
+               ) -> list[Row]:
     held: list[tuple[int, int]] = []  # (placed, refused) of each repetition's attack
     clean: list[list[float]] = []  # seconds per pull, a list per repetition
     attacked: list[list[float]] = []
     failures: list[str] = []
+    with _env(DATADIST_AUTH_SECRET=SECRET, DATADIST_TRANSPORT=transport,
+              DATADIST_VERIFY_CHECKSUM="1"):
+        puller = HonestPuller(PULLER_ID, OWNER_ID, 0, 7)
     try:
-        target = Target(prompt.address, OWNER_ID, big_cache_id=prompt.setup[1],
-                        local=p.local_name(prompt.pid, OWNER_ID), secret=SECRET.encode())
-        with _env(DATADIST_AUTH_SECRET=SECRET, DATADIST_TRANSPORT="tcp",
-                  DATADIST_VERIFY_CHECKSUM="1"):
-            puller = HonestPuller(PULLER_ID, OWNER_ID, 0, 7)
-        try:
-            puller.link(prompt.address)
-            _, bad = puller.pulls(10, 10.0)  # warm-up, checked (rule 2)
+        puller.link(address)
+        path = puller.dec.path_name(OWNER_ID)
+        _, bad = puller.pulls(10, 10.0)  # warm-up, checked (rule 2)
+        if bad:
+            raise BenchError(f"stall rows: an honest pull failed with no attacker: {bad[0]}")
+        label = f"stall: {where}, {threads} I/O threads"
+        for _ in range(repeat):
+            progress.set_label(f"{label}, no attacker")
+            times, bad = puller.pulls(n, 10.0)
             if bad:
-                raise BenchError(f"stall rows: an honest pull failed with no attacker: {bad[0]}")
-            for _ in range(repeat):
-                progress.set_label(f"stall: {threads} I/O threads, no attacker")
-                times, bad = puller.pulls(n, 10.0)
-                if bad:
-                    raise BenchError(f"stall rows: an honest pull failed with no attacker: "
-                                     f"{bad[0]}")
-                clean.append(times)
-                progress.set_label(f"stall: {threads} I/O threads, {ATTACKERS} attackers")
-                with Attack(target, standard_mix(ATTACKERS, True, True)) as attack:
-                    held.append((attack.placed, attack.refused))
-                    times, bad = puller.pulls(n, max_s)
-                attacked.append(times)
-                failures += bad
-                progress.step(n=ROWS // len(IO_THREADS))
-        finally:
-            puller.close()
+                raise BenchError(f"stall rows: an honest pull failed with no attacker: "
+                                 f"{bad[0]}")
+            clean.append(times)
+            progress.set_label(f"{label}, {ATTACKERS} attackers")
+            with Attack(target, standard_mix(ATTACKERS, True, True)) as attack:
+                held.append((attack.placed, attack.refused))
+                times, bad = puller.pulls(n, max_s)
+            attacked.append(times)
+            failures += bad
+            progress.step(n=len(GOALS))
     finally:
-        prompt.close()
-    return latency_rows(threads, clean, attacked, failures, held)
+        puller.close()
+    return latency_rows(threads, clean, attacked, failures, held, where, path)
 
 
 def _held_note(held: Sequence[tuple[int, int]]) -> str:
@@ -649,7 +665,8 @@ def _held_note(held: Sequence[tuple[int, int]]) -> str:
 
 
 def latency_rows(threads: int, clean: list[list[float]], attacked: list[list[float]],
-                 failures: list[str], held: Sequence[tuple[int, int]] = ()) -> list[Row]:
+                 failures: list[str], held: Sequence[tuple[int, int]] = (),
+                 where: str = "TCP", path: str = "tcp") -> list[Row]:
     """The p50 and p99 rows of one owner from its pulls' seconds, a list per repetition
     (``clean``: no attacker; ``attacked``), judged by :data:`GOALS`. Any failed pull under
     attack misses both goals (its note says how many); a pull that brought wrong bytes is
@@ -660,11 +677,12 @@ def latency_rows(threads: int, clean: list[list[float]], attacked: list[list[flo
     rows = []
     for q, goal in GOALS.items():
         pct = 50 if q == "p50" else 99
-        row = Row(f"stall_tcp_io{threads}_{q}",
-                  f"small pull, 16 KiB, TCP, {ATTACKERS} stalled clients, {threads} I/O "
+        key = "tcp" if where == "TCP" else "same_host"
+        row = Row(f"stall_{key}_io{threads}_{q}",
+                  f"small pull, 16 KiB, {where}, {ATTACKERS} stalled clients, {threads} I/O "
                   f"threads, {q}", "us", float(np.percentile(np.concatenate(attacked), pct))
                   * 1e6, f"the same pulls, no attacker, {q}",
-                  float(np.percentile(np.concatenate(clean), pct)) * 1e6, path="tcp",
+                  float(np.percentile(np.concatenate(clean), pct)) * 1e6, path=path,
                   figure_samples=[float(np.percentile(a, pct)) * 1e6 for a in attacked],
                   limit_samples=[float(np.percentile(c, pct)) * 1e6 for c in clean],
                   note=NOTE + _held_note(held))
