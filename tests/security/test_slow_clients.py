@@ -100,8 +100,9 @@ def tls_env(tmp_path: Path, name: str) -> dict[str, str | None]:
 
 def attacked_pulls(stalls_for: Any, *, secret: bool, tmp_path: Path | None = None
                    ) -> list[dict[str, Any]]:
-    """Start the owner and the honest peers, place ``stalls_for(prompt)``'s stalls, let the
-    honest peers link and pull meanwhile; returns their reports (the attack dropped)."""
+    """Start the owner (2 I/O threads; with a secret, or TLS, when asked) and the honest
+    peers, place the stalls ``stalls_for()`` lists, let the honest peers link and pull
+    meanwhile; returns their reports, each with the attack's counts (the attack dropped)."""
     common: dict[str, str | None] = {"DATADIST_AUTH_SECRET": SECRET if secret else None,
                                      "DATADIST_TLS_CERT": None, "DATADIST_TLS_KEY": None,
                                      "DATADIST_TLS_CA": None}
@@ -160,6 +161,8 @@ def assert_honest(reports: list[dict[str, Any]]) -> None:
     """Every honest peer linked and every pull of its succeeded with the owner's bytes,
     each within its timeout."""
     assert all(r is not None for r in reports), reports
+    # one pulled over TCP, the other by a same-host path (requests on the local channel)
+    assert [r.get("path") == "tcp" for r in reports] == [True, False], reports
     for r in reports:
         assert r["link"] == "ok", reports
         assert r["link_s"] < PULL_TIMEOUT_S, reports
