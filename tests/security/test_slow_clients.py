@@ -99,7 +99,7 @@ def tls_env(tmp_path: Path, name: str) -> dict[str, str | None]:
 
 
 def attacked_pulls(stalls_for: Any, *, secret: bool, tmp_path: Path | None = None
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[dict[str, Any] | None]:
     """Start the owner (2 I/O threads; with a secret, or TLS, when asked) and the honest
     peers, place the stalls ``stalls_for()`` lists, let the honest peers link and pull
     meanwhile; returns their reports, each with the attack's counts (the attack dropped)."""
@@ -157,13 +157,14 @@ def attacked_pulls(stalls_for: Any, *, secret: bool, tmp_path: Path | None = Non
             prompt.close()
 
 
-def assert_honest(reports: list[dict[str, Any]]) -> None:
+def assert_honest(reports: list[dict[str, Any] | None]) -> None:
     """Every honest peer linked and every pull of its succeeded with the owner's bytes,
     each within its timeout."""
-    assert all(r is not None for r in reports), reports
+    done = [r for r in reports if r is not None]
+    assert len(done) == len(reports), reports
     # one pulled over TCP, the other by a same-host path (requests on the local channel)
-    assert [r.get("path") == "tcp" for r in reports] == [True, False], reports
-    for r in reports:
+    assert [r.get("path") == "tcp" for r in done] == [True, False], reports
+    for r in done:
         assert r["link"] == "ok", reports
         assert r["link_s"] < PULL_TIMEOUT_S, reports
         assert r["failed"] == 0, reports
