@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <system_error>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -25,6 +27,8 @@ constexpr long kTickNs = 100 * 1000 * 1000;  // timer steps are due to within th
 // last holder let go from one of its own tasks): the thread then leaves without touching it.
 thread_local IoPool *current_pool = nullptr;
 thread_local bool orphaned = false;
+
+std::atomic<size_t> failing_starts{0};  // FailThreadStartsForTest
 
 }  // namespace
 
@@ -54,6 +58,8 @@ std::shared_ptr<IoPool> IoPool::Shared() {
   return pool;
 }
 
+void IoPool::FailThreadStartsForTest(size_t n) { failing_starts = n; }
+
 IoPool::IoPool(size_t threads) {
   ep_ = epoll_create1(EPOLL_CLOEXEC);
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -73,7 +79,12 @@ IoPool::IoPool(size_t threads) {
   (void)epoll_ctl(ep_, EPOLL_CTL_ADD, timer_fd_, &ev);
   threads = std::max<size_t>(1, threads);
   try {
-    for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+    for (size_t i = 0; i < threads; ++i) {
+      for (size_t n = failing_starts.load(); n > 0;)
+        if (failing_starts.compare_exchange_weak(n, n - 1))
+          throw std::system_error(EAGAIN, std::generic_category(), "thread start refused (test)");
+      threads_.emplace_back([this] { Loop(); });
+    }
   } catch (const std::system_error &) {
     if (threads_.empty()) {  // not one thread: nothing could be served
       close(ep_);
@@ -109,9 +120,14 @@ size_t IoPool::tasks() {
   return tasks_.size();
 }
 
-bool IoPool::Watch(uint64_t id, int fd) {
+bool IoPool::Watch(uint64_t id, const Task &task) {
+  const int fd = task.fd();
   epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+  // EPOLLRDHUP with reads only: a peer that shut its sending side but still reads what we
+  // send would wake a task waiting for room at once, again and again.
+  const uint32_t interest = task.Interest() & (EPOLLIN | EPOLLOUT);
+  ev.events = (interest ? interest : EPOLLIN) | EPOLLONESHOT;
+  if (ev.events & EPOLLIN) ev.events |= EPOLLRDHUP;
   ev.data.u64 = id;
   return fd >= 0 && epoll_ctl(ep_, EPOLL_CTL_ADD, fd, &ev) == 0;
 }
@@ -128,7 +144,7 @@ bool IoPool::Park(Group &group, std::shared_ptr<Task> task, Deadline wake) {
   std::lock_guard<std::mutex> lock(mu_);
   if (group.stopped) return false;
   const uint64_t id = next_id_++;
-  if (!Watch(id, task->fd())) return false;
+  if (!Watch(id, *task)) return false;
   Entry &e = tasks_[id];
   e.task = std::move(task);
   e.group = &group;
@@ -205,14 +221,14 @@ void IoPool::Step(uint64_t id, std::shared_ptr<Task> task, bool readable) {
   bool again = false;
   try {
     again = task->Run(readable, wake);
-  } catch (const std::exception &) {
+  } catch (...) {  // done: nothing a task throws escapes the thread
     again = false;
   }
   if (orphaned) return;  // the pool is gone (see ~IoPool)
   std::unique_lock<std::mutex> lock(mu_);
   auto it = tasks_.find(id);
   Group *group = it->second.group;
-  if (again && !group->stopped && Watch(id, task->fd())) {
+  if (again && !group->stopped && Watch(id, *task)) {
     it->second.state = State::kParked;
     it->second.wake = wake;
     if (wake != Deadline::max()) {

@@ -385,8 +385,8 @@ void Conn::TlsPump(Byte *p, size_t n, Deadline deadline, const char *what, Step 
 
 void Conn::TlsSendV(std::vector<iovec> &iov, Deadline deadline) {
   // Spans up to a record's size are gathered into one write, so that a frame's header and
-  // payload travel in one record (a TLS server parks a connection until a whole record is
-  // there: server.cc); larger spans go as they are, a record per 16 KiB.
+  // payload travel in one record (one record to decrypt, not two); larger spans go as they
+  // are, a record per 16 KiB.
   constexpr size_t kRecord = 16384;
   std::vector<uint8_t> stage;
   auto put = [&](const uint8_t *p, size_t n) {
@@ -414,6 +414,160 @@ void Conn::TlsRecvV(std::vector<iovec> &iov, Deadline deadline) {
     TlsPump(static_cast<uint8_t *>(v.iov_base), v.iov_len, deadline, "receive",
             [&](uint8_t *at, size_t left) { return tls_->Read(at, left); });
   }
+}
+
+// ---- Non-blocking steps (net.h): for connections served parked; they never wait.
+
+namespace {
+
+constexpr size_t kRecord = 16384;  // TLS: spans under this are gathered into one record
+
+}  // namespace
+
+size_t Conn::ReadSome(void *data, size_t n, short &want) {
+  if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  if (n == 0) return 0;
+  if (tls_) {
+    const tls::Session::Step s = tls_->Read(data, n);
+    if (s.bytes) return s.bytes;
+    if (s.want != tls::Session::Want::kNothing) {
+      want = s.want == tls::Session::Want::kRead ? POLLIN : POLLOUT;
+      return 0;
+    }
+    Broken(s.eof ? std::string("closed by the peer") : "TLS receive failed: " + s.error);
+  }
+  for (;;) {
+    const ssize_t got = recv(fd_, data, n, MSG_DONTWAIT);
+    if (got > 0) return static_cast<size_t>(got);
+    if (got == 0) Broken("closed by the peer");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      want = POLLIN;
+      return 0;
+    }
+    Broken(std::strerror(errno));
+  }
+}
+
+bool Conn::SendSome(Spans &out, short &want, size_t max_bytes) {
+  if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  size_t moved = 0;
+  if (tls_) {
+    // As TlsSendV: a frame's small spans travel in one record. The session takes partial
+    // writes and moved buffers (tls.cc), so a retry after a want may start anywhere.
+    auto step = [&](const uint8_t *p, size_t n, size_t &took) {
+      const tls::Session::Step s = tls_->Write(p, n);
+      took = s.bytes;
+      if (s.bytes) return true;
+      if (s.want != tls::Session::Want::kNothing) {
+        want = s.want == tls::Session::Want::kRead ? POLLIN : POLLOUT;
+        return false;
+      }
+      Broken(s.eof ? std::string("closed by the peer") : "TLS send failed: " + s.error);
+    };
+    for (;;) {
+      if (moved >= max_bytes) {
+        want = POLLOUT;
+        return false;
+      }
+      size_t took = 0;
+      if (out.staged < out.stage.size()) {
+        if (!step(out.stage.data() + out.staged, out.stage.size() - out.staged, took)) return false;
+        out.staged += took;
+        moved += took;
+        continue;
+      }
+      out.stage.clear();
+      out.staged = 0;
+      out.first = Advance(out.iov, out.first, 0);
+      if (out.first >= out.iov.size()) return true;
+      iovec &v = out.iov[out.first];
+      if (v.iov_len >= kRecord) {
+        // At most a share a write (the same length again after a want: OpenSSL's retry rule).
+        if (!step(static_cast<const uint8_t *>(v.iov_base), std::min(v.iov_len, max_bytes), took)) return false;
+        out.first = Advance(out.iov, out.first, took);
+        moved += took;
+        continue;
+      }
+      while (out.first < out.iov.size() && out.iov[out.first].iov_len < kRecord &&
+             out.stage.size() + out.iov[out.first].iov_len <= kRecord) {
+        const auto *b = static_cast<const uint8_t *>(out.iov[out.first].iov_base);
+        out.stage.insert(out.stage.end(), b, b + out.iov[out.first].iov_len);
+        ++out.first;
+      }
+    }
+  }
+  for (;;) {
+    out.first = Advance(out.iov, out.first, 0);
+    if (out.first >= out.iov.size()) return true;
+    if (moved >= max_bytes) {
+      want = POLLOUT;
+      return false;
+    }
+    msghdr msg{};
+    msg.msg_iov = out.iov.data() + out.first;
+    msg.msg_iovlen = std::min(kMaxIov, out.iov.size() - out.first);
+    const ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        want = POLLOUT;
+        return false;
+      }
+      Broken(std::strerror(errno));
+    }
+    out.first = Advance(out.iov, out.first, static_cast<size_t>(n));
+    moved += static_cast<size_t>(n);
+  }
+}
+
+bool Conn::RecvSome(Spans &in, short &want, size_t max_bytes) {
+  if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  size_t moved = 0;
+  for (;;) {
+    in.first = Advance(in.iov, in.first, 0);
+    if (in.first >= in.iov.size()) return true;
+    if (moved >= max_bytes) {
+      want = POLLIN;
+      return false;
+    }
+    size_t got = 0;
+    if (tls_) {
+      iovec &v = in.iov[in.first];
+      got = ReadSome(v.iov_base, v.iov_len, want);
+      if (!got) return false;
+    } else {
+      msghdr msg{};
+      msg.msg_iov = in.iov.data() + in.first;
+      msg.msg_iovlen = std::min(kMaxIov, in.iov.size() - in.first);
+      const ssize_t n = recvmsg(fd_, &msg, MSG_DONTWAIT);
+      if (n == 0) Broken("closed by the peer");
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          want = POLLIN;
+          return false;
+        }
+        Broken(std::strerror(errno));
+      }
+      got = static_cast<size_t>(n);
+    }
+    in.first = Advance(in.iov, in.first, got);
+    moved += got;
+  }
+}
+
+bool Conn::TlsAcceptStep(short &want) {
+  if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+  tls::Session::Want w = tls::Session::Want::kNothing;
+  try {
+    if (tls_->Handshake(address_, w)) return true;
+  } catch (const Error &) {
+    Close();
+    throw;
+  }
+  want = w == tls::Session::Want::kWrite ? POLLOUT : POLLIN;
+  return false;
 }
 
 }  // namespace datadist

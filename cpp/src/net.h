@@ -1,9 +1,11 @@
 // One TCP connection with deadlines: every blocking call takes an absolute deadline and fails
 // with LLM_TIMEOUT past it (the socket is non-blocking; waits are poll()s bounded by the time
 // left), or with LLM_LINK_FAILED when the peer closes or the socket breaks. After either, the
-// connection is closed: a half-read stream cannot be resynchronised. Not thread-safe: its owner
-// serialises calls (a link's mutex, or the one server thread serving it); Shutdown() alone may
-// be called from another thread, to wake a blocked user.
+// connection is closed: a half-read stream cannot be resynchronised. A served connection
+// (server.cc) uses the non-blocking steps instead (ReadSome, SendSome, RecvSome), which never
+// wait: an I/O pool thread never waits on a peer. Not thread-safe: its owner serialises calls
+// (a link's mutex, or the one pool thread running its task); Shutdown() alone may be called
+// from another thread, to wake a blocked user.
 #ifndef DATADIST_CPP_NET_H_
 #define DATADIST_CPP_NET_H_
 
@@ -14,6 +16,7 @@
 #include <mutex>
 #include <chrono>
 #include <cstdint>
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -25,6 +28,23 @@ namespace tls {
 class Context;
 class Session;
 }  // namespace tls
+
+/// A transfer in progress that must not wait (a connection served parked, server.cc): the
+/// spans still to send or fill, advanced as the socket takes or gives bytes. `stage` and
+/// `staged` are TLS's: spans under a record's size are gathered there into one write.
+struct Spans {
+  std::vector<iovec> iov;
+  size_t first = 0;            // the first entry not finished
+  std::vector<uint8_t> stage;  // TLS sends: small spans gathered into one record
+  size_t staged = 0;           // of which sent
+  bool done() const { return first >= iov.size() && staged >= stage.size(); }
+  void clear() {
+    iov.clear();
+    first = 0;
+    stage.clear();
+    staged = 0;
+  }
+};
 
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
@@ -52,6 +72,21 @@ class Conn {
   /// One frame: header, then its payload. A header announcing more than `max_payload` bytes
   /// is a protocol violation (the connection is closed before the payload is read).
   wire::Header RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, uint32_t max_payload = wire::kMaxPayload);
+
+  // ---- Non-blocking steps, for a connection served parked (server.cc, iopool.h): each does
+  // what the socket allows now and never waits. Where one cannot go on, it says what to wait
+  // for in `want` (POLLIN, or POLLOUT; TLS may want either way round). The peer closing, or
+  // the socket breaking: LLM_LINK_FAILED, the connection closed, as the blocking calls.
+  /// Up to `n` bytes of what has arrived: how many (> 0), or 0 when nothing is there yet.
+  size_t ReadSome(void *data, size_t n, short &want);
+  /// Sends what the socket takes now of `out`, at most `max_bytes` this call (a step's share
+  /// of a thread): true once all is sent; false with `want` set (POLLOUT at the share's end).
+  bool SendSome(Spans &out, short &want, size_t max_bytes = SIZE_MAX);
+  /// Fills `in`'s iovecs with what has arrived, at most `max_bytes` this call: true once full.
+  bool RecvSome(Spans &in, short &want, size_t max_bytes = SIZE_MAX);
+  /// One non-blocking step of the server's TLS handshake (after TlsServe): true once
+  /// complete; false with `want` set. LLM_LINK_FAILED, the connection closed.
+  bool TlsAcceptStep(short &want);
 
   /// Waits up to `ms` for something to read (or the peer closing). No error on timeout.
   bool WaitReadable(int ms);

@@ -4,7 +4,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <sys/ioctl.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <system_error>
 
 #include "addr.h"
 #include "auth.h"
@@ -28,6 +30,19 @@ constexpr double kFrameTimeout = 30.0;      // s a frame may take once its first
 constexpr double kServeTimeout = 120.0;     // s a stalled reader / writer is waited for
 constexpr int kPollSliceMs = 100;           // how often blocked waits look at the stop flag
 constexpr uint32_t kPreAuthPayload = 4096;  // largest frame before the handshake completed
+// A connection's own buffers (PeerStream): a frame's grows by at most kReadChunk beyond the
+// bytes that arrived, never to the length its header declares; one over kKeepBuffer is let
+// go once its frame is served. A step sends or receives at most kStepShare bytes of a
+// transfer and serves at most kFramesPerStep frames before it parks (ready again at once),
+// so that one busy peer does not keep a thread from the others.
+constexpr size_t kReadChunk = 64 << 10;
+constexpr size_t kKeepBuffer = 64 << 10;
+constexpr size_t kStepShare = 8 << 20;
+constexpr int kFramesPerStep = 32;
+// Connections still in their handshake (server.h, "Budgets"): counted apart from those whose
+// handshake is done, each budget smaller than the caps on those.
+constexpr size_t kPreAuthPerPeer = 16;   // from one IP address, or one uid on the local channel
+constexpr size_t kPreAuthNonReader = 2;  // from a uid that may not read this process (local channel)
 // Over-cap connections (docs/protocol.md, "Connection limits"): each gets this long to send its
 // first frame, which is answered with ERROR; past this many waiting, one is closed unanswered.
 constexpr double kRefuseTimeout = 2.0;
@@ -43,9 +58,14 @@ std::atomic<uint64_t> next_lease_id{1};
 
 double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+/// One non-blocking try at sending a last word before closing (an ERROR, BYE's OK): what the
+/// socket takes now, or nothing.
 void TrySend(Conn &c, const std::vector<uint8_t> &frame) {
+  Spans out;
+  out.iov.push_back({const_cast<uint8_t *>(frame.data()), frame.size()});
+  short want = 0;
   try {
-    c.SendFrame(frame, After(1.0));
+    (void)c.SendSome(out, want);
   } catch (const Error &) {
   }
 }
@@ -142,115 +162,276 @@ Deadline NextCheck(const Grants &grants) {
 
 }  // namespace
 
-bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload);
+/// One connection's bytes between its wake-ups (iopool.h): the frame being read (its header,
+/// then its payload, each as far as it arrived), and the answers not sent yet (frames queued
+/// here, and spans of registered memory a READ answers with, sent from where they lie). Every
+/// call is non-blocking: what the socket cannot give or take now is left for the next wake-up,
+/// and interest() says which event that is. Deadlines are the caller's to keep, from
+/// frame_until() and send_until(). Used by the one pool thread that runs its task at a time;
+/// Shutdown (Cancel) and buffered() may be called from any thread.
+class PeerStream {
+ public:
+  explicit PeerStream(std::unique_ptr<Conn> conn) : conn_(std::move(conn)) {}
+  Conn *conn() { return conn_.get(); }  // null once handed on
+  int fd() const { return conn_ ? conn_->fd() : -1; }
+  /// The connection, handed on (a reverse channel): nothing may be left to send.
+  std::unique_ptr<Conn> Take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::move(conn_);
+  }
+  void Shutdown() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (conn_) conn_->Shutdown();
+  }
+  void Close() {
+    if (conn_) conn_->Close();
+  }
+  uint32_t interest() const { return want_ == POLLOUT ? EPOLLOUT : EPOLLIN; }
+  /// The next step reads (a step that stopped while more may be there: epoll says at once).
+  void WantInput() { want_ = POLLIN; }
+  /// The next step waits for `want` (POLLIN or POLLOUT: what a TLS handshake step asked).
+  void Want(short want) { want_ = want; }
+
+  /// Reads what has arrived of the next frame: true once it is whole (header(), payload()
+  /// until the next call); false when the socket has no more for now. A header announcing a
+  /// payload over `cap` is refused before a byte of it is read (ProtocolViolation, the
+  /// connection still open: the caller may answer ERROR); EOF or a broken socket throw too.
+  bool ReadFrame(uint32_t cap) {
+    short want = POLLIN;
+    for (;;) {
+      if (have_ < wire::kHeaderSize) {
+        const size_t got = conn_->ReadSome(head_ + have_, wire::kHeaderSize - have_, want);
+        if (got == 0) return Wait(want);
+        if (have_ == 0) since_ = Clock::now();
+        have_ += got;
+        if (have_ < wire::kHeaderSize) continue;
+        h_ = wire::DecodeHeader(head_);
+        if (h_.length > cap)
+          ProtocolViolation("a frame of " + std::to_string(h_.length) + " bytes where at most " + std::to_string(cap) +
+                            " are allowed");
+        payload_.clear();
+      }
+      const size_t at = payload_.size();
+      if (at == h_.length) {
+        have_ = 0;
+        since_ = Deadline();
+        return true;
+      }
+      // Grown by what may arrive now, at most kReadChunk past what did: never to the length
+      // a stranger declared.
+      const size_t ask = std::min<size_t>(h_.length - at, kReadChunk);
+      payload_.resize(at + ask);
+      size_t got = 0;
+      try {
+        got = conn_->ReadSome(payload_.data() + at, ask, want);
+      } catch (...) {
+        payload_.resize(at);
+        throw;
+      }
+      payload_.resize(at + got);
+      held_ = payload_.capacity();
+      if (got == 0) return Wait(want);
+    }
+  }
+  const wire::Header &header() const { return h_; }
+  const std::vector<uint8_t> &payload() const { return payload_; }
+  /// A frame's buffer over kKeepBuffer is let go once it was served.
+  void Recycle() {
+    if (payload_.capacity() > kKeepBuffer) std::vector<uint8_t>().swap(payload_);
+    held_ = payload_.capacity();
+  }
+  /// When the frame begun must be whole: 30 s from its first byte (max: none begun).
+  Deadline frame_until() const {
+    return have_ == 0 ? Deadline::max()
+                      : since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kFrameTimeout));
+  }
+  /// The bytes its frame buffer holds now (for tests: Server::buffered).
+  size_t buffered() const { return held_; }
+
+  /// A small answer, sent by Flush after what is queued already.
+  void Queue(std::vector<uint8_t> frame) {
+    Started();
+    frames_.push_back(std::move(frame));
+    out_.iov.push_back({frames_.back().data(), frames_.back().size()});
+  }
+  /// Spans sent by Flush after what is queued, from where they lie: their memory must stay
+  /// (a READ's lease holds it) until nothing is left to send.
+  void QueueSpans(const std::vector<iovec> &iov) {
+    Started();
+    out_.iov.insert(out_.iov.end(), iov.begin(), iov.end());
+  }
+  /// Sends what the socket takes now of what is queued, at most a step's share: true once
+  /// everything was sent.
+  bool Flush() {
+    if (out_.done()) return true;
+    short want = POLLOUT;
+    if (!conn_->SendSome(out_, want, kStepShare)) return Wait(want);
+    out_.clear();
+    frames_.clear();
+    return true;
+  }
+  /// A last word before closing: what the socket takes now; never throws.
+  void FlushOnce() {
+    try {
+      if (conn_ && !conn_->closed()) (void)Flush();
+    } catch (const std::exception &) {
+    }
+  }
+  bool sending() const { return !out_.done(); }
+  /// When what is queued must have gone: 120 s from when the queue was last empty.
+  Deadline send_until() const { return sending() ? send_until_ : Deadline::max(); }
+  /// Fills `in` with what has arrived (a WRITE's data, into its lease's memory), at most a
+  /// step's share: true once full.
+  bool Receive(Spans &in) {
+    short want = POLLIN;
+    return conn_->RecvSome(in, want, kStepShare) || Wait(want);
+  }
+
+ private:
+  bool Wait(short want) {
+    want_ = want;
+    return false;
+  }
+  void Started() {
+    if (out_.done()) {
+      out_.clear();
+      frames_.clear();
+      send_until_ = After(kServeTimeout);
+    }
+  }
+  std::mutex mu_;  // conn_ handed on (Take) vs Shutdown
+  std::unique_ptr<Conn> conn_;
+  short want_ = POLLIN;
+  uint8_t head_[wire::kHeaderSize] = {};
+  size_t have_ = 0;  // bytes of the frame begun (header first): 0, none begun
+  wire::Header h_{};
+  std::vector<uint8_t> payload_;
+  Deadline since_{};  // the frame begun's first byte
+  std::atomic<size_t> held_{0};
+  Spans out_;
+  std::deque<std::vector<uint8_t>> frames_;  // the queued frames out_ points into
+  Deadline send_until_ = Deadline::max();
+};
+
+/// A READ's answer being sent, or a WRITE's data being received, under its lease, across the
+/// connection's parks (ServeStep).
+struct ServeJob {
+  enum class Kind { kNone, kRead, kWrite };
+  Kind kind = Kind::kNone;
+  std::unique_ptr<Lease> lease;
+  std::unique_ptr<metrics::Serving> served;  // gone before Done: counted failed
+  uint32_t rid = 0;
+  bool checksum = false;  // READ: its CHECKSUM frame follows the data, then the reader's verdict
+  bool tail = false;      // READ: the data sent, the CHECKSUM queued
+  Spans data;             // WRITE: the lease's spans being filled
+  Deadline until = Deadline::max();  // 120 s from the request, as a stalled reader's or writer's
+  void Reset() {
+    served.reset();  // counted failed unless Done
+    lease.reset();   // unsettled: nothing consumed
+    *this = ServeJob();
+  }
+};
+
+bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream &s, const wire::Header &h,
+              const std::vector<uint8_t> &payload);
 
 namespace {
 
-/// One step of a parked connection whose handshake is done: the request that arrived (when
-/// `readable`); grants checked for expiry either way. False when the connection is done (BYE,
-/// EOF, a broken or hostile stream): the caller releases its grants and closes it. A request
-/// that followed at once (a RELEASE after its GRANT's copy) finds the connection readable as
-/// soon as it is parked again: no poll here for it, which every request would pay.
-bool ServeStep(const ServeContext &ctx, Grants &grants, Conn &c, bool readable, Deadline &wake) {
-  std::vector<uint8_t> payload;
+/// The earliest deadline in force: the frame begun, the answer queued, the transfer.
+Deadline Due(const PeerStream &s, const ServeJob &job) {
+  return std::min({s.frame_until(), s.send_until(), job.kind == ServeJob::Kind::kNone ? Deadline::max() : job.until});
+}
+
+/// The transfer in progress, once what was queued before it has gone: true when it may go on
+/// now (or is done), false when it waits for the socket.
+bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
+  if (job.kind == ServeJob::Kind::kRead) {  // its data (and CHECKSUM) sent
+    if (job.checksum && !job.tail) {
+      job.tail = true;
+      s.Queue(verify::Frame(job.lease->iov, job.rid));  // while the lease holds the memory
+      return true;
+    }
+    job.served->Done(job.lease->nbytes);  // sent; whether the reader accepts it is its own count
+    if (job.checksum)
+      grants.verdict.Await(job.rid, std::move(job.lease));  // the key waits for the reader's verdict
+    else
+      job.lease->Settle(true);  // sent: may consume its CacheKey
+    job.Reset();
+    return true;
+  }
+  // WRITE: OK sent, then the data into the lease's memory as it arrives, then OK.
+  if (!s.Receive(job.data)) return false;
+  job.served->Done(job.lease->nbytes);
+  const uint32_t rid = job.rid;
+  job.lease.reset();
+  job.Reset();
+  s.Queue(wire::EncodeEmpty(wire::kOk, rid));
+  return true;
+}
+
+/// One step of a parked connection whose handshake is done: what was queued sent, the transfer
+/// in progress moved on, and the requests that arrived served, each as far as the socket
+/// allows now; grants checked for expiry either way. False when the connection is done (BYE,
+/// EOF, a broken or hostile stream, a deadline passed): the caller releases its grants and
+/// closes it. True: park it again (PeerStream::interest), with `wake` at its next deadline.
+bool ServeStep(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream &s, Deadline &wake) {
   try {
     ExpireGrants(grants);
-    // TLS: frames already decrypted (a record that held more than one) are served now; the
-    // socket would not wake a parked connection for them.
-    for (bool more = readable; more; more = !c.closed() && c.Buffered()) {
-      wire::Header h = c.RecvFrame(payload, After(kFrameTimeout));
-      if (!Dispatch(ctx, grants, c, h, payload)) return false;
+    if (Clock::now() >= Due(s, job)) return false;  // a frame, an answer or a transfer past its deadline
+    for (int frames = 0;;) {
+      if (!s.Flush()) break;
+      if (job.kind != ServeJob::Kind::kNone) {
+        if (!Progress(grants, job, s)) break;
+        continue;
+      }
+      // TLS: frames decrypted already are served on (the socket would not wake us for them).
+      if (frames >= kFramesPerStep && !s.conn()->Buffered()) {
+        s.WantInput();
+        break;
+      }
+      if (!s.ReadFrame(wire::kMaxPayload)) break;
+      ++frames;
+      if (!Dispatch(ctx, grants, job, s, s.header(), s.payload())) {
+        s.FlushOnce();
+        return false;
+      }
+      s.Recycle();
     }
   } catch (const Error &e) {
-    if (e.code() == kSuspectRemoteError && !c.closed()) TrySend(c, ErrorFrame(e, 0));
+    if (e.code() == kSuspectRemoteError && s.conn() && !s.conn()->closed()) {
+      s.Queue(ErrorFrame(e, 0));
+      s.FlushOnce();
+    }
     return false;
   } catch (const std::exception &) {
     return false;
   }
-  if (c.closed()) return false;
-  wake = NextCheck(grants);
+  if (s.conn()->closed()) return false;
+  wake = std::min(Due(s, job), NextCheck(grants));
   return true;
 }
 
 /// A connection whose handshake is done, served parked (ServeParked).
 class Served : public IoPool::Task {
  public:
-  Served(const ServeContext &ctx, std::unique_ptr<Conn> conn) : ctx_(ctx), conn_(std::move(conn)) {}
-  int fd() const override { return conn_->fd(); }
-  bool Run(bool readable, Deadline &wake) override {
-    if (ServeStep(ctx_, grants_, *conn_, readable, wake)) return true;
+  Served(const ServeContext &ctx, std::unique_ptr<Conn> conn) : ctx_(ctx), stream_(std::move(conn)) {}
+  int fd() const override { return stream_.fd(); }
+  uint32_t Interest() const override { return stream_.interest(); }
+  bool Run(bool, Deadline &wake) override {
+    if (ServeStep(ctx_, grants_, job_, stream_, wake)) return true;
+    job_.Reset();
     grants_.clear();
-    conn_->Close();
+    stream_.Close();
     return false;
   }
-  void Cancel() override { conn_->Shutdown(); }  // the connection is never handed on
+  void Cancel() override { stream_.Shutdown(); }  // the connection is never handed on
 
  private:
   ServeContext ctx_;
   Grants grants_;
-  std::unique_ptr<Conn> conn_;
+  ServeJob job_;
+  PeerStream stream_;
 };
-
-/// Frames up to this size are waited for whole while their connection stays parked (a socket's
-/// receive buffer always holds that much); bigger ones are read as they come.
-constexpr size_t kWholeFrameMax = 64 << 10;
-
-/// A parked TCP connection woke with bytes to read: is a whole frame there yet? When not (a
-/// peer that sends part of a frame and stops, on purpose or not), SO_RCVLOWAT is set to the
-/// frame's size, so that epoll wakes us again only once it is all there, and false says: park
-/// it again rather than wait on the peer with a pool thread. True: read now (a whole frame,
-/// EOF or an error, or a frame too big to wait for whole, read as before). Unix sockets do not
-/// honour SO_RCVLOWAT in poll: their partial frames are read as before (local peers are
-/// counted per uid, and their frames come whole from one send).
-///
-/// TLS (`tls`): the socket holds records, not frames, so what is waited for whole is the next
-/// record (5 bytes of header, then at most 16 KiB and its overhead): a peer that stalls
-/// mid-record holds no thread. Frames up to 16 KiB travel in one record from the core
-/// (it writes a frame in one call); a frame split across records whose sender stalls between
-/// them is read as it comes, within its deadline, as a frame over kWholeFrameMax is.
-bool FrameReady(int fd, bool tcp, bool tls, uint32_t max_payload, bool &lowered) {
-  if (!tcp) return true;
-  int avail = 0;
-  if (ioctl(fd, FIONREAD, &avail) != 0 || avail <= 0) return true;  // EOF or an error: the read says
-  constexpr size_t kRecordHeader = 5;             // type, version, length (big-endian)
-  constexpr size_t kMaxRecordBody = 16384 + 2048;  // the most a TLS 1.2 / 1.3 record holds
-  size_t need = tls ? kRecordHeader : wire::kHeaderSize;
-  if (tls && static_cast<size_t>(avail) >= need) {
-    uint8_t head[kRecordHeader];
-    if (recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof head)) return true;
-    const size_t body = (size_t{head[3]} << 8) | head[4];
-    if (body > kMaxRecordBody) return true;  // not a TLS record: the read refuses it at once
-    need += body;
-    if (static_cast<size_t>(avail) >= need) return true;
-  } else if (static_cast<size_t>(avail) >= need) {
-    uint8_t head[wire::kHeaderSize];
-    if (recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof head)) return true;
-    try {
-      const uint32_t length = wire::DecodeHeader(head).length;
-      if (length > max_payload) return true;  // refused on its header: no need to wait
-      need += length;
-    } catch (const std::exception &) {
-      return true;  // a bad header: the read refuses it at once
-    }
-    if (need > kWholeFrameMax) return true;
-    if (static_cast<size_t>(avail) >= need) return true;
-  }
-  // The peer shut its side: the rest never comes, and the read ends it now (an EOF wakes
-  // epoll whatever SO_RCVLOWAT says, so waiting would spin).
-  pollfd hup{fd, POLLRDHUP, 0};
-  if (poll(&hup, 1, 0) != 0) return true;
-  int low = static_cast<int>(need);
-  if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &low, sizeof(low)) != 0) return true;
-  lowered = true;
-  return false;
-}
-
-void RestoreLowWater(int fd, bool &lowered) {
-  if (!lowered) return;
-  int one = 1;
-  (void)setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
-  lowered = false;
-}
 
 }  // namespace
 
@@ -270,153 +451,137 @@ struct Server::Shake {
 };
 
 /// One accepted connection: its handshake, then its requests (or, for a reverse channel, its
-/// hand-over to on_reverse_), a frame at a time on the I/O pool.
+/// hand-over to on_reverse_), as a state machine run a step at a time on the I/O pool, never
+/// waiting on the peer (iopool.h).
 class Server::Connection : public IoPool::Task {
  public:
   Connection(Server *server, std::unique_ptr<Conn> conn, std::string key, bool local, const local::Cred &cred)
-      : peer(std::move(key)), server_(server), local_(local), cred_(cred), conn_(std::move(conn)),
+      : peer(std::move(key)), server_(server), local_(local), cred_(cred), stream_(std::move(conn)),
         handshake_until_(After(kHandshakeTimeout)) {}
-  int fd() const override { return conn_ ? conn_->fd() : -1; }  // parked: conn_ is there
-  bool Run(bool readable, Deadline &wake) override;
-  void Cancel() override {
-    std::lock_guard<std::mutex> lock(conn_mu_);  // vs the hand-over of a reverse channel
-    if (conn_) conn_->Shutdown();
-  }
+  int fd() const override { return stream_.fd(); }  // parked: the connection is there
+  uint32_t Interest() const override { return stream_.interest(); }
+  bool Run(bool ready, Deadline &wake) override;
+  void Cancel() override { stream_.Shutdown(); }  // vs the hand-over of a reverse channel: under its lock
   Deadline handshake_until() const { return handshake_until_; }
   void StartTls() { stage_ = Stage::kTls; }
+  size_t buffered() const { return stream_.buffered(); }
 
   // Read by the server under its mu_ (caps, HoldsToken).
   const std::string peer;  // what the per-peer cap counts by: the IP, or "uid N" for local ones
   std::atomic<bool> done{false};
   // A control channel whose handshake completed (under mu_): its peer's cluster id and the
-  // link token we issued it, which that peer's reverse channel must echo.
+  // link token we issued it, which that peer's reverse channel must echo. `authed` once its
+  // handshake completed: it counts under the caps, no longer under the pre-auth budgets.
   uint64_t cluster = 0;
   std::string token;
+  bool authed = false;
 
  private:
   enum class Stage { kTls, kHello, kAuth, kServing };
-  bool Handshake(bool readable, Deadline &wake);
-  /// When a frame begun at partial_since_ must be whole: its 30 s, or the handshake's end.
-  Deadline PartialDeadline() const {
-    Deadline d = partial_since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kFrameTimeout));
-    return stage_ == Stage::kServing ? d : std::min(d, handshake_until_);
-  }
-  bool Finish() {  // done: grants released, closed
+  bool Handshake(Deadline &wake);
+  bool Finish() {  // done: the transfer dropped, grants released, closed
+    job_.Reset();
     grants_.clear();
-    if (conn_) conn_->Close();
+    stream_.Close();
     done = true;
     return false;
   }
   Server *server_;
   const bool local_;
   const local::Cred cred_;  // local connections: the kernel-verified peer
-  std::mutex conn_mu_;      // guards conn_ being handed over (Cancel reads it from another thread)
-  std::unique_ptr<Conn> conn_;
+  PeerStream stream_;
   const Deadline handshake_until_;
   Stage stage_ = Stage::kHello;  // kTls first on a TLS listener (AcceptOne)
-  Deadline partial_since_{};  // when part of the next frame arrived (epoch: none pending)
-  bool lowered_ = false;      // SO_RCVLOWAT raised to wait for a whole frame
   Shake shake_;
   ServeContext ctx_;
   Grants grants_;
+  ServeJob job_;
 };
 
-bool Server::Connection::Run(bool readable, Deadline &wake) {
+bool Server::Connection::Run(bool, Deadline &wake) {
   if (server_->stopping_) return Finish();
-  // Part of a frame: parked again (a timer step at its deadline) instead of a pool thread
-  // waiting on the peer; the frame's 30 s (the handshake's 10 s before it) still hold.
-  const uint32_t cap = stage_ == Stage::kServing ? wire::kMaxPayload : kPreAuthPayload;
-  if (readable && conn_ && !conn_->Buffered() && stage_ != Stage::kTls &&
-      !FrameReady(conn_->fd(), !local_, conn_->tls(), cap, lowered_)) {
-    if (partial_since_ == Deadline()) partial_since_ = Clock::now();
-    wake = PartialDeadline();
-    if (stage_ == Stage::kServing) wake = std::min(wake, After(kPollSliceMs / 1000.0));  // grants still expire
-    return true;
-  }
-  if (readable) {
-    partial_since_ = Deadline();
-    if (conn_) RestoreLowWater(conn_->fd(), lowered_);
-  } else if (partial_since_ != Deadline() && Clock::now() >= PartialDeadline()) {
-    return Finish();  // the rest of the frame never came
-  }
-  if (stage_ != Stage::kServing) return Handshake(readable, wake);
-  if (!ServeStep(ctx_, grants_, *conn_, readable, wake)) return Finish();
-  if (partial_since_ != Deadline()) wake = std::min(wake, PartialDeadline());
-  return true;
+  if (stage_ != Stage::kServing) return Handshake(wake);
+  return ServeStep(ctx_, grants_, job_, stream_, wake) || Finish();
 }
 
-bool Server::Connection::Handshake(bool readable, Deadline &wake) {
-  Conn &c = *conn_;
-  if (!readable && !c.Buffered()) {  // the timer: a peer silent past the handshake's deadline is closed
-    if (Clock::now() >= handshake_until_) return Finish();
-    wake = handshake_until_;
-    return true;
-  }
+bool Server::Connection::Handshake(Deadline &wake) {
+  // Everything before the handshake completes (TLS's, HELLO, WELCOME, AUTH, each frame read
+  // as it comes) is bounded by its deadline, 10 s from the accept: the peer is parked between
+  // its bytes, and closed at that deadline (a timer step) if it has not finished.
+  if (Clock::now() >= handshake_until_) return Finish();
+  wake = handshake_until_;
+  Conn &c = *stream_.conn();
   try {
-    if (stage_ == Stage::kTls) {
-      // The TLS handshake, a step per wake-up as the client's flights arrive (non-blocking):
-      // a client that stalls in it holds no thread, and is closed at the handshake's deadline.
-      try {
-        if (c.TlsAccept(handshake_until_)) stage_ = Stage::kHello;
-      } catch (const Error &e) {  // as Python's listener: told (DATADIST_CPP_LOG=1), closed
-        Log(std::string(e.what()) + " (a connection to our listener)");
-        return Finish();
+    for (;;) {
+      if (stage_ == Stage::kTls) {
+        // The TLS handshake, a step per wake-up as the client's flights arrive.
+        short want = POLLIN;
+        try {
+          if (!c.TlsAcceptStep(want)) {  // the client's next flight, or room for ours
+            stream_.Want(want);
+            return true;
+          }
+        } catch (const Error &e) {  // as Python's listener: told (DATADIST_CPP_LOG=1), closed
+          Log(std::string(e.what()) + " (a connection to our listener)");
+          return Finish();
+        }
+        stage_ = Stage::kHello;
       }
-      wake = c.Buffered() ? Clock::now() : handshake_until_;  // a HELLO decrypted already: at once
-      return true;
-    }
-    const Greeted greeted =
-        stage_ == Stage::kHello ? server_->Hello(c, shake_, handshake_until_) : server_->Auth(c, shake_, handshake_until_);
-    switch (greeted) {
-      case Greeted::kPending:  // WELCOME sent; the client's AUTH is waited for parked
-        stage_ = Stage::kAuth;
-        wake = handshake_until_;
-        return true;
-      case Greeted::kRefused:
-        return Finish();
-      case Greeted::kControl: {
-        {  // before the last frame: the client may open its reverse channel as soon as it has it
-          std::lock_guard<std::mutex> lock(server_->mu_);
-          cluster = shake_.cluster;
-          token = shake_.token;
+      if (!stream_.Flush()) return true;  // WELCOME waits for room
+      if (!stream_.ReadFrame(kPreAuthPayload)) return true;
+      const Greeted greeted = stage_ == Stage::kHello ? server_->Hello(stream_, shake_) : server_->Auth(stream_, shake_);
+      switch (greeted) {
+        case Greeted::kPending:  // WELCOME queued; the client's AUTH is read next
+          stage_ = Stage::kAuth;
+          continue;
+        case Greeted::kRefused:
+          stream_.FlushOnce();
+          return Finish();
+        case Greeted::kControl: {
+          {  // before the last frame: the client may open its reverse channel as soon as it has it
+            std::lock_guard<std::mutex> lock(server_->mu_);
+            cluster = shake_.cluster;
+            token = shake_.token;
+            authed = true;
+          }
+          stream_.Queue(shake_.last);
+          if (server_->identity_->on_control) server_->identity_->on_control(shake_.cluster);
+          stage_ = Stage::kServing;
+          ctx_.registry = server_->registry_;
+          ctx_.cluster = shake_.cluster;
+          ctx_.token = shake_.token;
+          ctx_.stats = server_->identity_->stats;
+          ctx_.nixl = server_->identity_->nixl;
+          if (local_) {
+            ctx_.peer = &cred_;
+            ctx_.grants = &server_->grants_;
+          }
+          wake = Deadline::max();
+          return ServeStep(ctx_, grants_, job_, stream_, wake) || Finish();
         }
-        c.SendFrame(shake_.last, After(kHandshakeTimeout));
-        if (server_->identity_->on_control) server_->identity_->on_control(shake_.cluster);
-        stage_ = Stage::kServing;
-        ctx_.registry = server_->registry_;
-        ctx_.cluster = shake_.cluster;
-        ctx_.token = shake_.token;
-        ctx_.stats = server_->identity_->stats;
-        ctx_.nixl = server_->identity_->nixl;
-        if (local_) {
-          ctx_.peer = &cred_;
-          ctx_.grants = &server_->grants_;
+        case Greeted::kReverse: {
+          // Unwatched already (a running task's socket is not in the pool's set), nothing
+          // left to send (WELCOME went before AUTH was read): handed on.
+          std::unique_ptr<Conn> taken = stream_.Take();
+          if (server_->on_reverse_ && !server_->stopping_) {
+            server_->on_reverse_(*server_, shake_.cluster, std::move(taken), shake_.last, shake_.token, peer);
+          } else {  // stopping: the client's link fails with our answer, not a silent close
+            const uint32_t rid = wire::DecodeHeader(shake_.last.data()).request_id;
+            TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                                               "this listener is stopping: it takes no reverse channel"},
+                                              rid));
+            taken->Close();
+          }
+          done = true;
+          return false;
         }
-        wake = Deadline::max();
-        return true;
-      }
-      case Greeted::kReverse: {
-        // Unwatched already (a running task's socket is not in the pool's set): handed on.
-        std::unique_ptr<Conn> taken;
-        {
-          std::lock_guard<std::mutex> lock(conn_mu_);  // Cancel reaches it under this
-          taken = std::move(conn_);
-        }
-        if (server_->on_reverse_ && !server_->stopping_) {
-          server_->on_reverse_(*server_, shake_.cluster, std::move(taken), shake_.last, shake_.token, peer);
-        } else {  // stopping: the client's link fails with our answer, not a silent close
-          const uint32_t rid = wire::DecodeHeader(shake_.last.data()).request_id;
-          TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                             "this listener is stopping: it takes no reverse channel"},
-                                            rid));
-          taken->Close();
-        }
-        done = true;
-        return false;
       }
     }
   } catch (const Error &e) {
-    if (e.code() == kSuspectRemoteError && conn_ && !conn_->closed()) TrySend(*conn_, ErrorFrame(e, 0));
+    if (e.code() == kSuspectRemoteError && stream_.conn() && !stream_.conn()->closed()) {
+      stream_.Queue(ErrorFrame(e, 0));
+      stream_.FlushOnce();
+    }
   } catch (const std::exception &) {
   }
   return Finish();
@@ -481,7 +646,15 @@ void Server::Start(const std::string &host, uint16_t port, size_t max_conns, siz
   if (identity_->serve_local) local_fd_ = local::Listen(local::Name(static_cast<uint64_t>(getpid()), identity_->cluster_id));
   serves_local_ = local_fd_ >= 0;
   stopping_ = false;
-  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  try {
+    accept_thread_ = std::thread([this] { AcceptLoop(); });
+  } catch (const std::system_error &e) {  // the process at its thread limit: not listening
+    close(listen_fd_);
+    listen_fd_ = -1;
+    if (local_fd_ >= 0) close(local_fd_);
+    local_fd_ = -1;
+    Fail(llm_datadist::LLM_FAILED, std::string("cannot start the listener's accept thread: ") + e.what());
+  }
 }
 
 void Server::Stop() {
@@ -527,43 +700,59 @@ std::vector<uint64_t> Server::ControlClusters() {
   return ids;
 }
 
+size_t Server::buffered() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto &c : conns_) n += c->buffered();
+  return n;
+}
+
 void Server::AcceptLoop() {
   std::vector<pollfd> fds;
   while (!stopping_) {
-    // The listening sockets, then every refused connection still owed its ERROR.
-    fds.assign({{listen_fd_, POLLIN, 0}, {local_fd_, POLLIN, 0}});  // fd -1 is ignored by poll
-    int wait_ms = kPollSliceMs;
-    const size_t polled = refusing_.size();
-    for (const Refusal &r : refusing_) {
-      fds.push_back({r.fd, POLLIN, 0});
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(r.until - Clock::now()).count();
-      wait_ms = static_cast<int>(std::max<long long>(0, std::min<long long>(wait_ms, left + 1)));
+    try {
+      AcceptStep(fds);
+    } catch (const std::exception &e) {  // nothing escapes the thread: logged, and on after a pause
+      Log(std::string("the listener's accept thread: ") + e.what());
+      ::poll(nullptr, 0, kPollSliceMs);
     }
-    const int n = poll(fds.data(), fds.size(), wait_ms);
-    if (n > 0) {
-      if (fds[0].revents) AcceptOne(listen_fd_, false);
-      if (fds[1].revents) AcceptOne(local_fd_, true);
-    }
-    // Refusals: answered once their frame is whole, dropped when they break, stall or expire.
-    std::vector<Refusal> keep;
-    for (size_t i = 0; i < polled; ++i) {
-      Refusal &r = refusing_[i];
-      const bool done = (n > 0 && fds[2 + i].revents) ? StepRefusal(r) : false;
-      if (done || Clock::now() >= r.until) {
-        (void)::shutdown(r.fd, SHUT_RDWR);
-        close(r.fd);
-      } else {
-        keep.push_back(std::move(r));
-      }
-    }
-    // New refusals were appended by AcceptOne after the snapshot: keep them too.
-    for (size_t i = polled; i < refusing_.size(); ++i) keep.push_back(std::move(refusing_[i]));
-    refusing_ = std::move(keep);
-    std::lock_guard<std::mutex> lock(mu_);
-    ReapLocked();
   }
   for (Refusal &r : refusing_) close(r.fd);
   refusing_.clear();
+}
+
+void Server::AcceptStep(std::vector<pollfd> &fds) {
+  // The listening sockets, then every refused connection still owed its ERROR.
+  fds.assign({{listen_fd_, POLLIN, 0}, {local_fd_, POLLIN, 0}});  // fd -1 is ignored by poll
+  int wait_ms = kPollSliceMs;
+  const size_t polled = refusing_.size();
+  for (const Refusal &r : refusing_) {
+    fds.push_back({r.fd, POLLIN, 0});
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(r.until - Clock::now()).count();
+    wait_ms = static_cast<int>(std::max<long long>(0, std::min<long long>(wait_ms, left + 1)));
+  }
+  const int n = poll(fds.data(), fds.size(), wait_ms);
+  if (n > 0) {
+    if (fds[0].revents) AcceptOne(listen_fd_, false);
+    if (fds[1].revents) AcceptOne(local_fd_, true);
+  }
+  // Refusals: answered once their frame is whole, dropped when they break, stall or expire.
+  std::vector<Refusal> keep;
+  for (size_t i = 0; i < polled; ++i) {
+    Refusal &r = refusing_[i];
+    const bool done = (n > 0 && fds[2 + i].revents) ? StepRefusal(r) : false;
+    if (done || Clock::now() >= r.until) {
+      (void)::shutdown(r.fd, SHUT_RDWR);
+      close(r.fd);
+    } else {
+      keep.push_back(std::move(r));
+    }
+  }
+  // New refusals were appended by AcceptOne after the snapshot: keep them too.
+  for (size_t i = polled; i < refusing_.size(); ++i) keep.push_back(std::move(refusing_[i]));
+  refusing_ = std::move(keep);
+  std::lock_guard<std::mutex> lock(mu_);
+  ReapLocked();
 }
 
 void Server::AcceptOne(int listen_fd, bool is_local) {
@@ -571,51 +760,90 @@ void Server::AcceptOne(int listen_fd, bool is_local) {
   socklen_t len = sizeof(peer);
   int fd = accept4(listen_fd, reinterpret_cast<sockaddr *>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
   if (fd < 0) return;  // gone before we got to it, or out of descriptors: the next poll retries
-  std::string key, address;
-  local::Cred cred;
-  if (is_local) {
-    try {
-      cred = local::PeerCred(fd);
-    } catch (const Error &) {
-      close(fd);
+  std::string address = "a peer";
+  try {
+    AcceptFd(fd, peer, is_local, address);
+  } catch (const std::exception &e) {
+    // No I/O thread could be started (std::system_error: the process at its thread limit),
+    // or memory ran out: this connection is closed unserved (AcceptFd closed it), told and
+    // counted; the next accept tries again.
+    ++unserved_;
+    Log("cannot serve " + address + ": " + e.what() + " (the connection is closed; the next one is tried again)");
+  }
+}
+
+void Server::AcceptFd(int fd, const sockaddr_storage &peer, bool is_local, std::string &address) {
+  std::unique_ptr<Conn> conn;  // owns fd once made
+  try {
+    std::string key;
+    local::Cred cred;
+    bool reader = true;  // may read this process (TCP peers: not asked)
+    if (is_local) {
+      try {
+        cred = local::PeerCred(fd);
+      } catch (const Error &) {
+        close(fd);
+        return;
+      }
+      // Local peers share no address: they are counted per verified uid (a per-pid count would
+      // let a process multiply its share by forking).
+      key = "uid " + std::to_string(cred.uid);
+      address = "local pid " + std::to_string(cred.pid) + " uid " + std::to_string(cred.uid);
+      reader = cred.MayReadUs();
+    } else {
+      key = IpOf(peer);
+      address = FormatHostPort(key, PortOf(peer));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    ReapLocked();
+    size_t live = 0, same_peer = 0, shaking = 0, same_shaking = 0;
+    for (const auto &other : conns_)
+      if (!other->done) {
+        const bool same = other->peer == key;
+        ++live;
+        same_peer += same;
+        if (!other->authed) {
+          ++shaking;
+          same_shaking += same;
+        }
+      }
+    const size_t shaking_cap = std::max<size_t>(1, max_conns_ / 4);
+    const size_t same_shaking_cap = std::min(max_per_peer_, reader ? kPreAuthPerPeer : kPreAuthNonReader);
+    std::string why;
+    if (live >= max_conns_)
+      why = std::to_string(live) + " connections";
+    else if (same_peer >= max_per_peer_)
+      why = std::to_string(same_peer) + " connections from " + key;
+    else if (shaking >= shaking_cap)
+      why = std::to_string(shaking) + " connections in their handshake";
+    else if (same_shaking >= same_shaking_cap)
+      why = std::to_string(same_shaking) + " connections in their handshake from " + key;
+    if (!why.empty()) {
+      const int taken = fd;
+      fd = -1;
+      Refuse(taken, "too many connections to this owner (" + why + ")");
       return;
     }
-    // Local peers share no address: they are counted per verified uid (a per-pid count would
-    // let a process multiply its share by forking).
-    key = "uid " + std::to_string(cred.uid);
-    address = "local pid " + std::to_string(cred.pid) + " uid " + std::to_string(cred.uid);
-  } else {
-    key = IpOf(peer);
-    address = FormatHostPort(key, PortOf(peer));
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  ReapLocked();
-  size_t live = 0, same_peer = 0;
-  for (const auto &other : conns_)
-    if (!other->done) {
-      ++live;
-      same_peer += other->peer == key;
+    conn = std::make_unique<Conn>(fd, address);
+    fd = -1;
+    if (identity_->tls) {
+      try {
+        conn->TlsServe(*identity_->tls);
+      } catch (const Error &e) {
+        Log("cannot serve " + address + ": " + e.what());
+        return;  // closed with `conn`
+      }
     }
-  if (live >= max_conns_ || same_peer >= max_per_peer_) {
-    Refuse(fd, "too many connections to this owner (" +
-                   (live >= max_conns_ ? std::to_string(live) + " connections"
-                                       : std::to_string(same_peer) + " connections from " + key) +
-                   ")");
-    return;
+    auto c = std::make_shared<Connection>(this, std::move(conn), key, is_local, cred);
+    if (identity_->tls) c->StartTls();
+    // Parked until its HELLO arrives; closed at the handshake's deadline if it never does.
+    // Add makes the I/O pool at need, which throws when no thread can be started: `c` then
+    // closes the connection on the way out.
+    if (io_.Add(c, c->handshake_until())) conns_.push_back(std::move(c));  // else stopping: closed with `c`
+  } catch (...) {
+    if (fd >= 0) close(fd);
+    throw;
   }
-  auto conn = std::make_unique<Conn>(fd, address);
-  if (identity_->tls) {
-    try {
-      conn->TlsServe(*identity_->tls);
-    } catch (const Error &e) {
-      Log("cannot serve " + address + ": " + e.what());
-      return;  // closed with `conn`
-    }
-  }
-  auto c = std::make_shared<Connection>(this, std::move(conn), key, is_local, cred);
-  if (identity_->tls) c->StartTls();
-  // Parked until its HELLO arrives; closed at the handshake's deadline if it never does.
-  if (io_.Add(c, c->handshake_until())) conns_.push_back(std::move(c));  // else stopping: closed with `c`
 }
 
 void Server::Refuse(int fd, std::string why) {
@@ -665,10 +893,10 @@ namespace {
 
 /// A reverse channel only from the peer holding its cluster's control channel (after the
 /// secret's proofs, when there is a secret): answered with an ERROR, never adopted. True: refused.
-bool RefuseReverse(Server &server, Conn &c, const std::string &what, uint64_t cluster, const std::string &echoed,
+bool RefuseReverse(Server &server, PeerStream &c, const std::string &what, uint64_t cluster, const std::string &echoed,
                    uint32_t rid) {
   if (server.HoldsToken(cluster, echoed)) return false;
-  TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED), what}, rid));
+  c.Queue(wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED), what}, rid));
   return true;
 }
 
@@ -679,9 +907,9 @@ std::string ReverseRefusal(uint64_t cluster) {
 
 }  // namespace
 
-Server::Greeted Server::Hello(Conn &c, Shake &s, Deadline deadline) {
-  std::vector<uint8_t> payload;
-  wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
+Server::Greeted Server::Hello(PeerStream &c, Shake &s) {
+  const wire::Header &h = c.header();
+  const std::vector<uint8_t> &payload = c.payload();
   if (h.type != wire::kHello) ProtocolViolation("expected HELLO");
   wire::Hello hello = wire::DecodeHello(payload);
   s.cluster = hello.cluster_id;
@@ -695,7 +923,7 @@ Server::Greeted Server::Hello(Conn &c, Shake &s, Deadline deadline) {
   const local::HostIdentity &self = local::HostIdentity::Current();
   if (hello.cluster_id == identity_->cluster_id && hello.pid == static_cast<uint32_t>(getpid()) &&
       hello.boot_id == self.boot_id && hello.pid_ns == self.pid_ns) {
-    TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+    c.Queue(wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
                                   "a link from this engine to itself (cluster id " + std::to_string(hello.cluster_id) +
                                       ")"},
                                  h.request_id));
@@ -731,21 +959,21 @@ Server::Greeted Server::Hello(Conn &c, Shake &s, Deadline deadline) {
     s.last = wire::EncodeHello(wire::kWelcome, welcome, h.request_id);
     return s.greeted;
   }
-  c.SendFrame(wire::EncodeHello(wire::kWelcome, welcome, h.request_id), deadline);
+  c.Queue(wire::EncodeHello(wire::kWelcome, welcome, h.request_id));
   return Greeted::kPending;  // the client's proof comes next (Auth)
 }
 
-Server::Greeted Server::Auth(Conn &c, Shake &s, Deadline deadline) {
+Server::Greeted Server::Auth(PeerStream &c, Shake &s) {
   // Nothing but the client's proof is accepted until it checks out.
-  std::vector<uint8_t> payload;
-  wire::Header h = c.RecvFrame(payload, deadline, kPreAuthPayload);
+  const wire::Header &h = c.header();
+  const std::vector<uint8_t> &payload = c.payload();
   bool ok = false;
   if (h.type == wire::kAuth) {
     std::string want = auth::ClientProof(identity_->secret, s.client_nonce, s.server_nonce, identity_->cluster_id, s.cluster);
     ok = auth::Same(want, wire::DecodeAuth(payload));
   }
   if (!ok) {
-    TrySend(c, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+    c.Queue(wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
                                   "cluster " + std::to_string(s.cluster) + " failed to prove the shared secret"},
                                  h.request_id));
     return Greeted::kRefused;
@@ -760,7 +988,7 @@ namespace {
 
 /// A same-host read: the spans checked, the addresses granted, the lease held until RELEASE.
 /// Only on the local channel, to a peer the kernel says may read us, within the limits.
-void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request &req, uint32_t rid,
+void Grant(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::Request &req, uint32_t rid,
            Clock::time_point asked) {
   if (ctx.peer == nullptr || ctx.grants == nullptr)
     Invalid("grants are served on the local channel only, to peers the kernel verified on this host; read without GRANT");
@@ -794,9 +1022,8 @@ void Grant(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Request
   std::vector<uint8_t> checksum;
   if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(lease->iov, rid);  // while the lease holds the memory
   grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid, ctx.cluster, asked));
-  const Deadline deadline = After(kServeTimeout);
-  c.SendFrame(frame, deadline);
-  if (!checksum.empty()) c.SendFrame(checksum, deadline);
+  c.Queue(std::move(frame));
+  if (!checksum.empty()) c.Queue(std::move(checksum));
 }
 
 }  // namespace
@@ -813,7 +1040,7 @@ bool IsNixl(uint8_t type) {
 /// NIXL_READ / NIXL_WRITE (docs/protocol.md, "Pull and push over NIXL"): checked exactly as
 /// READ / WRITE, then granted (NIXL_GRANT, and CHECKSUM for a read with that flag) and held
 /// until RELEASE, as a same-host grant is. Refusals are ERROR frames; the connection stays.
-void NixlGrantOne(const ServeContext &ctx, Grants &grants, Conn &c, uint8_t type, const std::vector<uint8_t> &payload,
+void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_t type, const std::vector<uint8_t> &payload,
                   uint32_t rid) {
   wire::Request req = wire::DecodeRequest(type, payload);
   const bool write = type == wire::kNixlWrite;
@@ -849,12 +1076,11 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, Conn &c, uint8_t type
   } catch (const Error &e) {
     metrics::RecordSince(op, ctx.cluster, 0, asked, e.code());  // refused: nothing granted
     if (e.code() == kSuspectRemoteError) throw;
-    c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
+    c.Queue(ErrorFrame(e, rid));
     return;
   }
-  const Deadline deadline = After(kServeTimeout);
-  c.SendFrame(frame, deadline);
-  if (!checksum.empty()) c.SendFrame(checksum, deadline);
+  c.Queue(std::move(frame));
+  if (!checksum.empty()) c.Queue(std::move(checksum));
 }
 
 /// The NIXL messages a peer may send (docs/protocol.md): on a link's reverse channel only
@@ -862,15 +1088,14 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, Conn &c, uint8_t type
 /// once), never anything that would hand the owner our agent, grants or leases; on any other
 /// connection everything but NIXL_REVOKE. A misplaced one is refused (FEATURE_NOT_ENABLED),
 /// the connection kept.
-void DispatchNixl(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h,
+void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::Header &h,
                   const std::vector<uint8_t> &payload) {
   const uint32_t rid = h.request_id;
   if (ctx.reverse != (h.type == wire::kNixlRevoke)) {
-    c.SendFrame(ErrorFrame(Error(llm_datadist::LLM_FEATURE_NOT_ENABLED,
-                                 std::string(wire::TypeName(h.type)) + " is not served on " +
-                                     (ctx.reverse ? "a reverse channel" : "a client's connection")),
-                           rid),
-                After(kServeTimeout));
+    c.Queue(ErrorFrame(Error(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+                             std::string(wire::TypeName(h.type)) + " is not served on " +
+                                 (ctx.reverse ? "a reverse channel" : "a client's connection")),
+                       rid));
     return;
   }
   std::vector<uint8_t> answer;
@@ -892,7 +1117,7 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, Conn &c, const wire::
       wire::NixlLease q = wire::DecodeNixlLease(payload);
       try {
         if (ctx.nixl == nullptr) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner does not serve NIXL");
-        answer = wire::EncodeNixlLeased(ctx.nixl->OpenLease(&grants, &c, ctx.cluster, ctx.token, q), rid);
+        answer = wire::EncodeNixlLeased(ctx.nixl->OpenLease(&grants, c.conn(), ctx.cluster, ctx.token, q), rid);
         grants.nixl_owner = ctx.nixl;
       } catch (const Error &e) {
         if (e.code() == kSuspectRemoteError) throw;
@@ -915,7 +1140,7 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, Conn &c, const wire::
     default:
       ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
   }
-  c.SendFrame(answer, After(kServeTimeout));
+  c.Queue(std::move(answer));
 }
 
 }  // namespace
@@ -956,7 +1181,8 @@ void CheckOwnMemory(const Entry &e, const std::vector<uint32_t> &tensors, const 
   }
 }
 
-bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Header &h, const std::vector<uint8_t> &payload) {
+bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream &c, const wire::Header &h,
+              const std::vector<uint8_t> &payload) {
   Registry *registry_ = ctx.registry;
   const uint32_t rid = h.request_id;
   if (grants.verdict.Settle(h, payload)) return true;  // a checksummed read's verdict
@@ -980,26 +1206,20 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       } catch (const Error &e) {
         // Refused (a grant given, then not sent, is counted when it ends: Granted).
         if (grants.size() == held) metrics::RecordSince(metrics::Op::kServeRead, ctx.cluster, 0, asked, e.code());
-        if (e.code() == kSuspectRemoteError || c.closed()) throw;
-        c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
+        if (e.code() == kSuspectRemoteError || c.conn()->closed()) throw;
+        c.Queue(ErrorFrame(e, rid));
         return true;
       }
-      Deadline deadline = After(kServeTimeout);
-      std::vector<uint8_t> head = wire::EncodeU64(wire::kReadData, lease->nbytes, rid);
-      std::vector<iovec> iov;
-      iov.reserve(lease->iov.size() + 1);
-      iov.push_back({head.data(), head.size()});
-      iov.insert(iov.end(), lease->iov.begin(), lease->iov.end());
-      metrics::Serving served(metrics::Op::kServeRead, ctx.cluster, asked);
-      c.SendV(std::move(iov), deadline);
-      if (req.flags & wire::kFlagChecksum) {  // the key waits for the reader's verdict
-        c.SendFrame(verify::Frame(lease->iov, rid), deadline);
-        served.Done(lease->nbytes);  // sent; whether the reader accepts it is its own count
-        grants.verdict.Await(rid, std::move(lease));
-        return true;
-      }
-      served.Done(lease->nbytes);
-      lease->Settle(true);  // sent: may consume its CacheKey (a throw above settles it failed)
+      // The answer is sent from the registered memory as the socket takes it (ServeStep),
+      // the lease held across the connection's parks; then its CHECKSUM, if asked.
+      job.kind = ServeJob::Kind::kRead;
+      job.until = After(kServeTimeout);
+      job.rid = rid;
+      job.checksum = (req.flags & wire::kFlagChecksum) != 0;
+      job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, ctx.cluster, asked);
+      job.lease = std::move(lease);
+      c.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, rid));
+      c.QueueSpans(job.lease->iov);
       return true;
     }
     case wire::kWrite: {
@@ -1011,24 +1231,25 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
         if (req.kind != wire::kAddress) CheckOwnMemory(lease->entry(), req.tensors, "write");
       } catch (const Error &e) {
         metrics::RecordSince(metrics::Op::kServeWrite, ctx.cluster, 0, asked, e.code());  // refused
-        c.SendFrame(ErrorFrame(e, rid), After(kServeTimeout));
+        c.Queue(ErrorFrame(e, rid));
         return true;
       }
-      Deadline deadline = After(kServeTimeout);
-      metrics::Serving served(metrics::Op::kServeWrite, ctx.cluster, asked);
-      c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
-      c.RecvV(lease->iov, deadline);
-      served.Done(lease->nbytes);
-      lease.reset();
-      c.SendFrame(wire::EncodeEmpty(wire::kOk, rid), deadline);
+      // OK, then the data into the lease's memory as it arrives (ServeStep), then OK.
+      job.kind = ServeJob::Kind::kWrite;
+      job.until = After(kServeTimeout);
+      job.rid = rid;
+      job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeWrite, ctx.cluster, asked);
+      job.lease = std::move(lease);
+      job.data.iov = job.lease->iov;
+      c.Queue(wire::EncodeEmpty(wire::kOk, rid));
       return true;
     }
     case wire::kPing:
-      c.SendFrame(wire::EncodeU64(wire::kPong, wire::DecodeU64(payload), rid), After(kServeTimeout));
+      c.Queue(wire::EncodeU64(wire::kPong, wire::DecodeU64(payload), rid));
       return true;
     case wire::kBye:
       wire::DecodeEmpty(payload);
-      TrySend(c, wire::EncodeEmpty(wire::kOk, rid));
+      c.Queue(wire::EncodeEmpty(wire::kOk, rid));  // sent if the socket takes it now (FlushOnce)
       return false;
     case wire::kLeaseRequest: {
       // A whole-cache lease (docs/protocol.md, "Cache leases"): on the local channel, to a
@@ -1050,7 +1271,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
         if (e.code() == kSuspectRemoteError) throw;
         answer = ErrorFrame(e, rid);
       }
-      c.SendFrame(answer, After(kServeTimeout));
+      c.Queue(std::move(answer));
       return true;
     }
     case wire::kStatsRequest: {
@@ -1059,7 +1280,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, Conn &c, const wire::Head
       const std::vector<uint8_t> answer =
           ctx.stats ? wire::EncodeStats(ctx.stats(ctx.cluster, ctx.token), rid)
                     : ErrorFrame(Error(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this peer serves no metrics"), rid);
-      c.SendFrame(answer, After(kServeTimeout));
+      c.Queue(std::move(answer));
       return true;
     }
     case wire::kRelease: {

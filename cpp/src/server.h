@@ -3,18 +3,39 @@
 // GRANT and RELEASE, WRITE, PING, BYE), over the registry.
 //
 // Threads: one accept thread per listener; everything else runs on the I/O pool's fixed set
-// of threads (iopool.h), shared with every other listener and link of the process. A
-// connection waiting for its peer's next frame is parked (no thread waits on it); when a frame
-// (or EOF) arrives, a pool thread serves that one request with the blocking, deadline-bound
-// calls of net.h and parks the connection again. The handshake runs the same way, one frame
-// at a time (HELLO, then AUTH when there is a secret). So a server's thread count does not
-// grow with its connections; a peer that stalls mid-request holds one pool thread for at most
-// that request's deadline (docs/reliability.md).
+// of threads (iopool.h), shared with every other listener and link of the process. Each
+// connection is a state machine with its own buffers (server.cc's PeerStream): the frame it
+// is reading, its header first, grown only as its bytes arrive (never to the length a header
+// declares; at most 64 KiB past what came); the answers it has still to send. A pool thread
+// woken for it reads what the socket holds, non-blocking; when a frame is whole it serves it,
+// and parks the connection again when the socket has nothing more. Answers go the same way:
+// small ones (ERROR, PONG, OK, GRANT, STATS...) are queued and sent as the socket takes them,
+// a READ's data is sent from the registered memory under its lease, and a WRITE's data is
+// received into it, each as far as the socket allows, the connection parked for EPOLLOUT
+// (or EPOLLIN) in between with the lease held. The handshake runs the same way (TLS's, then
+// HELLO, then AUTH when there is a secret). So no pool thread waits on a peer, and a
+// server's thread count does not grow with its connections.
+//
+// Deadlines, kept as the parked connection's timer (closed past one): 10 s from the accept
+// for the whole handshake; 30 s for a frame from its first byte; 120 s for an answer (a READ's
+// data and CHECKSUM) from when it was queued, and for a WRITE's data from its request.
+//
+// Budgets: at most `max_conns` connections (256) and `max_per_peer` from one IP address or,
+// on the local channel, one uid (64), as before; besides, connections still in their
+// handshake are counted apart, in small budgets of their own: 16 from one address or uid
+// (2 from a uid that may not read this process: on the local channel it gains nothing a TCP
+// stranger does not have), max_conns / 4 in all (64). So strangers, who cost a parked
+// connection each (a descriptor and a few KiB: pre-auth frames are 4 KiB at most), can hold
+// at most a quarter of the connections, and never a thread; linked peers keep the rest.
+//
 // Start() binds and returns at once; Stop() stops accepting, joins the accept thread, removes
-// every parked connection and waits for those being served (woken by a socket shutdown, so
-// bounded by what a request may wait for besides its socket, never by a peer).
+// every parked connection and waits for those being served (a step, which never waits on
+// its peer).
 #ifndef DATADIST_CPP_SERVER_H_
 #define DATADIST_CPP_SERVER_H_
+
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <functional>
@@ -40,6 +61,8 @@ class Owner;  // nixl.h
 }  // namespace datadist
 
 namespace datadist {
+
+class PeerStream;  // server.cc: a connection's buffers between its steps
 
 /// The answer to a peer's STATS_REQUEST (metrics.h's StatsJson): `peer` is the cluster id the
 /// connection announced, `token` the link token of its control channel ("" on a reverse
@@ -152,14 +175,20 @@ class Server {
   /// also on the local channel (docs/protocol.md), unless its name is taken. LLM_LINK_FAILED
   /// if it cannot bind the TCP address. At most `max_conns` connections are served at once,
   /// `max_per_peer` from one IP address (local ones: from one uid, so that a fork gains
-  /// nothing); TCP and the local channel share the one budget. One over either cap gets
-  /// ERROR LLM_LINK_FAILED in answer to its first frame, from the accept thread, and is closed.
+  /// nothing); TCP and the local channel share the one budget. Connections in their handshake
+  /// also count in the pre-auth budgets (above). One over a cap or budget gets ERROR
+  /// LLM_LINK_FAILED in answer to its first frame, from the accept thread, and is closed.
   void Start(const std::string &host, uint16_t port, size_t max_conns = 256, size_t max_per_peer = 64);
   void Stop();
   uint16_t port() const { return port_; }
   bool serves_local() const { return serves_local_; }
   /// Connections refused over a cap so far (for tests).
   size_t refused() const { return refused_; }
+  /// Connections accepted and closed unserved because no I/O thread could be had (the
+  /// process at its thread limit: each is logged), so far. The next accept tries again.
+  size_t unserved() const { return unserved_; }
+  /// Bytes the connections' frame buffers hold now (for tests: never a declared length).
+  size_t buffered();
   /// The cluster ids of the peers' control channels being served now (handshake done).
   std::vector<uint64_t> ControlClusters();
   /// Connections being served now (handshake or requests; for tests).
@@ -180,7 +209,13 @@ class Server {
     std::string why;
   };
   void AcceptLoop();
+  void AcceptStep(std::vector<pollfd> &fds);  // one poll of the listeners and refusals
+  /// Accepts one connection: served, refused over a cap, or (no I/O thread to be had)
+  /// closed, logged and counted (unserved). Never throws.
   void AcceptOne(int listen_fd, bool local);
+  /// The connection `fd` accepted (closed on every way out but a hand-over); `address` is set
+  /// as soon as known. Throws when it cannot be served (std::system_error, bad_alloc).
+  void AcceptFd(int fd, const sockaddr_storage &peer, bool local, std::string &address);
   void Refuse(int fd, std::string why);
   bool StepRefusal(Refusal &r);  // true: done with it (answered or given up)
   enum class Greeted { kRefused, kControl, kReverse, kPending };
@@ -190,9 +225,10 @@ class Server {
   /// refusal. A control channel's link token (issued in its WELCOME), or the one a reverse
   /// channel echoed, is left in `s.token`; a reverse channel is refused (ERROR
   /// LLM_LINK_FAILED) unless its HELLO echoed the token of a live control channel of its
-  /// cluster id. `deadline`: the whole handshake's, from the accept.
-  Greeted Hello(Conn &c, Shake &s, Deadline deadline);
-  Greeted Auth(Conn &c, Shake &s, Deadline deadline);
+  /// cluster id. Each takes the frame whole in `c` (read by the caller, within the
+  /// handshake's deadline) and queues its answers there; never blocks.
+  Greeted Hello(PeerStream &c, Shake &s);
+  Greeted Auth(PeerStream &c, Shake &s);
   /// The connections whose handshake is done, as reverse channels, refused or served: dropped (mu_ held).
   void ReapLocked();
 
@@ -207,6 +243,7 @@ class Server {
   size_t max_conns_ = 256, max_per_peer_ = 64;
   std::atomic<bool> stopping_{false};
   std::atomic<size_t> refused_{0};
+  std::atomic<size_t> unserved_{0};
   std::thread accept_thread_;
   std::vector<Refusal> refusing_;  // the accept thread's only
   std::mutex mu_;

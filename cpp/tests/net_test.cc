@@ -6,6 +6,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -163,6 +164,54 @@ TEST(Net, AShutdownFromAnotherThreadWakesABlockedBulkReceive) {
   }
   stopper.join();
   close(peer);
+}
+
+// The non-blocking steps a served connection uses (server.cc): none waits for the peer. A send
+// larger than the socket takes stops with POLLOUT and resumes where it stopped; a read with
+// nothing there returns 0 with POLLIN; the bytes arrive whole and in order; EOF throws.
+TEST(Net, NonBlockingStepsNeverWaitAndResumeWhereTheyStopped) {
+  auto [conn, peer] = Pair();
+  const auto src = Bytes(16 << 20, 3);
+  datadist::Spans out;
+  out.iov = {{const_cast<uint8_t *>(src.data()), 1000}, {const_cast<uint8_t *>(src.data()) + 1000, src.size() - 1000}};
+  short want = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(conn->SendSome(out, want));  // the peer reads nothing yet: the socket fills
+  EXPECT_EQ(want, POLLOUT);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  std::vector<uint8_t> got(src.size());
+  std::thread reader([&, fd = peer] {
+    size_t at = 0;
+    while (at < got.size()) {
+      ssize_t k = recv(fd, got.data() + at, got.size() - at, 0);
+      if (k <= 0) break;
+      at += static_cast<size_t>(k);
+    }
+  });
+  while (!conn->SendSome(out, want, 1 << 20)) {  // a share at a time, waiting as a pool would
+    pollfd p{conn->fd(), want, 0};
+    ASSERT_GE(poll(&p, 1, 5000), 0);
+  }
+  reader.join();
+  EXPECT_EQ(got, src);
+  uint8_t b[4];
+  want = 0;
+  EXPECT_EQ(conn->ReadSome(b, sizeof b, want), 0u);
+  EXPECT_EQ(want, POLLIN);
+  const uint8_t hello[3] = {1, 2, 3};
+  SendRaw(peer, hello, 3);
+  ASSERT_TRUE(Eventually([&] { return conn->WaitReadable(0); }));
+  datadist::Spans in;
+  uint8_t two[2] = {}, one[1] = {};
+  in.iov = {{two, 2}, {one, 1}};
+  EXPECT_TRUE(conn->RecvSome(in, want));
+  EXPECT_EQ(two[0], 1);
+  EXPECT_EQ(two[1], 2);
+  EXPECT_EQ(one[0], 3);
+  close(peer);
+  ASSERT_TRUE(Eventually([&] { return conn->WaitReadable(0); }));
+  EXPECT_THROW(conn->ReadSome(b, sizeof b, want), datadist::Error);  // EOF: closed
+  EXPECT_TRUE(conn->closed());
 }
 
 }  // namespace
