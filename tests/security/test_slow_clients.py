@@ -133,8 +133,10 @@ def attacked_pulls(stalls_for: Any, *, secret: bool, tmp_path: Path | None = Non
                         secret=SECRET.encode() if secret else None, tls=tls_ctx)
         stalls = stalls_for()
         with Attack(target, stalls) as attack:
-            # some may be refused (over a budget of connections in their handshake)
+            # some may be refused (over a budget of connections in their handshake), never
+            # one that completed its handshake: the attack is not vacuous
             assert attack.placed + attack.refused == len(stalls) and attack.placed
+            assert attack.placed >= sum(s.stage == "post" for s in stalls), attack
             held = {"placed": attack.placed, "refused": attack.refused}
             reports: list[Any] = [None] * len(peers)
 
