@@ -41,7 +41,7 @@ constexpr size_t kStepShare = 8 << 20;
 constexpr int kFramesPerStep = 32;
 // Connections still in their handshake (server.h, "Budgets"): counted apart from those whose
 // handshake is done, each budget smaller than the caps on those.
-constexpr size_t kPreAuthPerPeer = 16;   // from one IP address, or one uid on the local channel
+constexpr size_t kPreAuthPerPeer = 32;   // from one IP address, or one uid on the local channel
 constexpr size_t kPreAuthNonReader = 2;  // from a uid that may not read this process (local channel)
 // Over-cap connections (docs/protocol.md, "Connection limits"): each gets this long to send its
 // first frame, which is answered with ERROR; past this many waiting, one is closed unanswered.
@@ -807,7 +807,9 @@ void Server::AcceptFd(int fd, const sockaddr_storage &peer, bool is_local, std::
           same_shaking += same;
         }
       }
-    const size_t shaking_cap = std::max<size_t>(1, max_conns_ / 4);
+    // A quarter of the connections, but never fewer than one address may hold (a small cap:
+    // all of them): an owner capped at 4 still lets 4 handshakes run at once.
+    const size_t shaking_cap = std::max(max_conns_ / 4, std::min(max_conns_, kPreAuthPerPeer));
     const size_t same_shaking_cap = std::min(max_per_peer_, reader ? kPreAuthPerPeer : kPreAuthNonReader);
     std::string why;
     if (live >= max_conns_)

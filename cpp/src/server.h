@@ -22,11 +22,14 @@
 //
 // Budgets: at most `max_conns` connections (256) and `max_per_peer` from one IP address or,
 // on the local channel, one uid (64), as before; besides, connections still in their
-// handshake are counted apart, in small budgets of their own: 16 from one address or uid
-// (2 from a uid that may not read this process: on the local channel it gains nothing a TCP
-// stranger does not have), max_conns / 4 in all (64). So strangers, who cost a parked
-// connection each (a descriptor and a few KiB: pre-auth frames are 4 KiB at most), can hold
-// at most a quarter of the connections, and never a thread; linked peers keep the rest.
+// handshake are counted apart, in small budgets of their own: 32 from one address or uid
+// (at most max_per_peer; 2 from a uid that may not read this process: on the local channel
+// it gains nothing a TCP stranger does not have), max_conns / 4 in all (64; but at least
+// min(max_conns, 32)). So strangers, who cost a parked connection each (a descriptor and a
+// few KiB: pre-auth frames are 4 KiB at most), can hold at most a quarter of the connections
+// for 10 s each, and never a thread; linked peers keep the rest. A stranger on the same
+// address (or uid) as an honest peer shares its budget: 32 stalled handshakes from one
+// address keep that address's next handshake out until one ends.
 //
 // Start() binds and returns at once; Stop() stops accepting, joins the accept thread, removes
 // every parked connection and waits for those being served (a step, which never waits on

@@ -234,19 +234,20 @@ TEST_F(SlowPeer, ATricklingWriteHoldsNoThread) {
   EXPECT_EQ(std::memcmp(owned->T(0), data.data(), data.size()), 0);
 }
 
-// Pre-auth budgets: connections still in their handshake are counted apart, 16 from one
-// address; beyond, a stranger's are refused while a linked peer (handshake done) is not
-// counted in that budget. Before: only the post-auth caps (64 per address) held them.
+// Pre-auth budgets: connections still in their handshake are counted apart, 32 from one
+// address; beyond, a stranger's are refused, while connections whose handshake is done are
+// not counted in that budget. Before: only the post-auth caps (64 per address) held them.
 TEST_F(SlowPeer, ConnectionsInTheirHandshakeHaveASmallBudgetPerAddress) {
   Start();
+  std::vector<std::unique_ptr<datadist::Conn>> linked;
+  for (int i = 0; i < 8; ++i) linked.push_back(Linked(700 + i));  // handshake done: not in the budget
   std::vector<std::unique_ptr<datadist::Conn>> silent;
-  for (int i = 0; i < 20; ++i) silent.push_back(datadist::Conn::Connect("127.0.0.1", server->port(), After(2)));
+  for (int i = 0; i < 36; ++i) silent.push_back(datadist::Conn::Connect("127.0.0.1", server->port(), After(2)));
   for (int i = 0; i < 200 && server->refused() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(server->refused(), 4u);
-  EXPECT_EQ(server->connections(), 16u);
-  // Connections that completed their handshake do not count in it: a link still comes in
-  // once a silent one goes.
-  silent.resize(15);
+  EXPECT_EQ(server->connections(), 40u);
+  // Once a silent one goes, a link comes in again.
+  silent.resize(31);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_LT(HonestPull(20), 1.0);
 }
