@@ -99,7 +99,7 @@ class IoPool {
   IoPool &operator=(const IoPool &) = delete;
 
   size_t threads() const { return threads_.size(); }
-  /// Parks `task` in `group`: its socket watched, a timer step at `wake`. False (nothing
+  /// Parks `task` in `group`: its socket watched for task->Interest(), a timer step at `wake`. False (nothing
   /// taken: the caller closes the connection) once the group is stopped, or if the socket
   /// cannot be watched. Never blocks.
   bool Park(Group &group, std::shared_ptr<Task> task, Deadline wake = Deadline::max());

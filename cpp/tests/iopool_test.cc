@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <dirent.h>
+#include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -20,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -125,6 +127,71 @@ struct Pair {
     return got;
   }
 };
+
+/// A task that waits for room to send (Interest EPOLLOUT): each step sends what the socket
+/// takes of `left` bytes, non-blocking, and parks again until all went.
+class Sender : public datadist::IoPool::Task {
+ public:
+  Sender(int fd, size_t bytes) : conn_(fd, "pair"), data_(bytes, 0x5a) { out_.iov = {{data_.data(), data_.size()}}; }
+  int fd() const override { return conn_.fd(); }
+  uint32_t Interest() const override { return EPOLLOUT; }
+  bool Run(bool, datadist::Deadline &) override {
+    ++steps;
+    short want = 0;
+    return !conn_.SendSome(out_, want);
+  }
+  void Cancel() override { conn_.Shutdown(); }
+  std::atomic<int> steps{0};
+
+ private:
+  datadist::Conn conn_;
+  std::vector<uint8_t> data_;
+  datadist::Spans out_;
+};
+
+// A task parked for EPOLLOUT is woken when its peer makes room, not before, and holds no
+// thread meanwhile (the pool's one thread serves another task); its answer arrives whole.
+TEST(IoPool, ATaskParkedForRoomWakesWhenThePeerReads) {
+  auto pool = std::make_shared<datadist::IoPool>(1);
+  datadist::IoPool::Group group;
+  Pair big, echo;
+  auto sender = std::make_shared<Sender>(big.ours, 8 << 20);
+  ASSERT_TRUE(pool->Park(group, sender));
+  auto e = std::make_shared<Echo>(echo.ours);
+  ASSERT_TRUE(pool->Park(group, e));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const int parked_steps = sender->steps;
+  EXPECT_EQ(echo.Ask(4), 5);  // served by the one thread while the sender waits for room
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(sender->steps, parked_steps) << "woken with no room";
+  std::vector<uint8_t> got(8 << 20);
+  size_t at = 0;
+  while (at < got.size()) {
+    const ssize_t k = read(big.theirs, got.data() + at, got.size() - at);
+    ASSERT_GT(k, 0);
+    at += static_cast<size_t>(k);
+  }
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](uint8_t b) { return b == 0x5a; }));
+  EXPECT_GT(sender->steps, parked_steps);
+  pool->Stop(group);
+}
+
+// The pool when no thread can be started (the process at its thread limit; here the test
+// hook): it throws std::system_error; IoGroup::Add then throws it, and the next Add tries
+// again and serves.
+TEST(IoPool, ThreadsThatCannotStart) {
+  datadist::IoPool::FailThreadStartsForTest(1000);
+  EXPECT_THROW(datadist::IoPool(2), std::system_error);
+  {
+    datadist::IoGroup group;  // the shared pool, made at the first Add
+    Pair p;
+    EXPECT_THROW(group.Add(std::make_shared<Echo>(p.ours)), std::system_error);
+    datadist::IoPool::FailThreadStartsForTest(0);
+    Pair q;
+    ASSERT_TRUE(group.Add(std::make_shared<Echo>(q.ours)));
+    EXPECT_EQ(q.Ask(1), 2);
+  }
+}
 
 TEST(IoPool, ServesManyParkedConnectionsOnItsFixedThreads) {
   ASSERT_TRUE(EnoughDescriptors(4096));

@@ -252,6 +252,48 @@ TEST_F(SlowPeer, ConnectionsInTheirHandshakeHaveASmallBudgetPerAddress) {
   EXPECT_LT(HonestPull(20), 1.0);
 }
 
+// Item 2's budget: a local uid that may not read this process (here: nobody, against root)
+// gets 2 connections in their handshake on the local channel, no more; its others are
+// refused, and an honest link (this uid) is still served. Before: 64, the post-auth cap.
+TEST_F(SlowPeer, AUidThatMayNotReadUsGetsATinyLocalBudget) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer and a fork of a multi-threaded process";
+#endif
+  if (geteuid() != 0) GTEST_SKIP() << "needs root, to connect as another uid";
+  Start("", /*local=*/true);
+  ASSERT_TRUE(server->serves_local());
+  const std::string name = datadist::local::Name(static_cast<uint64_t>(getpid()), kOwner);
+  int done[2];
+  ASSERT_EQ(pipe(done), 0);
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(done[1]);
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(11);
+    std::vector<std::unique_ptr<datadist::Conn>> held;
+    try {
+      for (int i = 0; i < 6; ++i) {
+        held.push_back(datadist::local::Connect(name, After(2)));
+        const uint8_t one = 'D';
+        held.back()->SendAll(&one, 1, After(2));
+      }
+    } catch (...) {
+      _exit(12);
+    }
+    char b;
+    (void)!read(done[0], &b, 1);  // held until the parent has counted
+    _exit(0);
+  }
+  close(done[0]);
+  for (int i = 0; i < 200 && server->refused() < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(server->refused(), 4u);
+  EXPECT_LT(HonestPull(30, /*same_host=*/true), 1.0);
+  close(done[1]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 // Item 5. Before: when no I/O pool thread could be started at the first accepted connection,
 // the std::system_error escaped the accept thread and the process aborted. Now the connection
 // is closed unserved (counted), and the next one is served once threads can be had. Here the
