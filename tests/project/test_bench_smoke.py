@@ -35,6 +35,9 @@ ROWS = {
     # the busy thread's own pulls, issued (pull_blocks_async) and polled between its rounds
     **{f"busy_async_{path}_{what}": unit for path in ("same_host", "tcp")
        for what, unit in (("p50", "us"), ("p99", "us"), ("work", "kround/s"))},
+    # honest pulls beside 200 stalled clients, an owner on 2 then 8 I/O threads (bench/stall.py)
+    **{f"stall_{path}_io{n}_{q}": "us" for path in ("tcp", "same_host") for n in (2, 8)
+       for q in ("p50", "p99")},
 }
 if nixl.available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     ROWS.update({"nixl_pull": "GB/s", "nixl_pull_blocks": "GB/s", "nixl_small": "us",

@@ -27,7 +27,8 @@ Rules this module keeps:
 
 Modules: :mod:`.harness` (sizes, patterns, rows, alternation), :mod:`.owner` (the child
 process), :mod:`.limits` (raw process_vm_readv, memcpy, plain sockets), :mod:`.puller` (the
-decoder side), one module per group of rows (:mod:`.same_host`, :mod:`.tcp`, :mod:`.plan`),
+decoder side), one module per group of rows (:mod:`.same_host`, :mod:`.tcp`, :mod:`.plan`,
+:mod:`.stall`: honest pulls beside stalled clients, with its own owners),
 :mod:`.peers`, and :mod:`.runner` (a run, the table, the command line).
 """
 

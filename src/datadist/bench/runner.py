@@ -41,6 +41,8 @@ from datadist.bench.puller import (
     Context,
 )
 from datadist.bench.same_host import same_host_rows
+from datadist.bench.stall import ROWS as STALL_ROWS
+from datadist.bench.stall import stall_rows
 from datadist.bench.table import format_table
 from datadist.bench.tcp import tcp_rows
 from datadist.core.nixl_wheel import available as nixl_available
@@ -56,7 +58,7 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
 
 
 GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 8, "busy": BUSY_ROWS,
-          "plan": 2}  # groups: rows
+          "plan": 2, "stall": STALL_ROWS}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 7
 if mooncake_available() is not None:  # a peer, beside the TCP path: with --peers or --only
@@ -90,6 +92,8 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
         rows, alignment = _owned_rows(sizes, repeat, align, progress, groups)
     rows += cpp_rows(sizes, repeat, progress) if "cpp" in groups else []
     rows += plan_rows(sizes, repeat, progress) if "plan" in groups else []
+    # stalled clients (issue 35): owners of their own, one per I/O thread count
+    rows += stall_rows(sizes, repeat, progress) if "stall" in groups else []
     progress.close()
     return {
         "datadist_version": datadist_version(),
