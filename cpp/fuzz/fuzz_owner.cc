@@ -65,9 +65,11 @@ struct Owner {
     registry.SetRemoteWrites(true);
     dd::CacheOptions opts;  // registered user memory: probed before it is streamed
     registry.AddAs(1, {2, 256, 4, 64, 0},
-                   {reinterpret_cast<uint64_t>(healthy.data()), reinterpret_cast<uint64_t>(healthy.data() + 256)}, opts);
+                   {reinterpret_cast<uint64_t>(healthy.data()), reinterpret_cast<uint64_t>(healthy.data() + 256)},
+                   opts);
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    auto *m = static_cast<uint8_t *>(mmap(nullptr, 6 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    auto *m =
+        static_cast<uint8_t *>(mmap(nullptr, 6 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     if (m == MAP_FAILED) std::abort();
     registry.AddAs(3, {2, 3 * page, 3, page, 0},
                    {reinterpret_cast<uint64_t>(m), reinterpret_cast<uint64_t>(m + 3 * page)}, opts);
@@ -147,7 +149,8 @@ void Tell(const std::vector<uint8_t> &got) {
     std::string what = w::TypeName(h.type);
     if (h.type == w::kError && end - at == w::kHeaderSize + h.length) {
       try {
-        const w::ErrorMsg e = w::DecodeError(std::vector<uint8_t>(got.begin() + at + w::kHeaderSize, got.begin() + end));
+        const w::ErrorMsg e =
+            w::DecodeError(std::vector<uint8_t>(got.begin() + at + w::kHeaderSize, got.begin() + end));
         what += " " + std::to_string(e.code) + " " + e.message;
       } catch (const dd::Error &) {
       }
@@ -166,7 +169,8 @@ bool Drain(int fd, int ms) {
   bool closed = false;
   while (!closed && dd::Clock::now() < until) {
     pollfd p{fd, POLLIN, 0};
-    const int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(until - dd::Clock::now()).count());
+    const int left =
+        static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(until - dd::Clock::now()).count());
     if (poll(&p, 1, left > 0 ? left : 0) <= 0) continue;
     const ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
     if (n > 0 && verbose) got.insert(got.end(), buf, buf + n);

@@ -115,8 +115,8 @@ py::list MetricsSeries() {
     for (const auto &e : s.errors) errors[py::str(e.first)] = e.second;
     py::list counts;
     for (uint64_t n : s.counts) counts.append(n);
-    out.append(py::make_tuple(datadist::metrics::OpName(s.op), s.cluster_id, s.transfers, s.bytes, errors, counts,
-                              s.nanos));
+    out.append(
+        py::make_tuple(datadist::metrics::OpName(s.op), s.cluster_id, s.transfers, s.bytes, errors, counts, s.nanos));
   }
   return out;
 }
@@ -141,8 +141,7 @@ constexpr uint64_t kInlineBytes = 64 << 10;
 /// One engine plus the workers its asynchronous transfers run on.
 class Core {
  public:
-  Core(uint64_t cluster_id, int32_t role, size_t async_threads)
-      : engine_(cluster_id, role), executor_(async_threads) {}
+  Core(uint64_t cluster_id, int32_t role, size_t async_threads) : engine_(cluster_id, role), executor_(async_threads) {}
   ~Core() {
     executor_.Stop();
     engine_.Close(0.0);
@@ -161,7 +160,8 @@ class Core {
 /// leaves the link up. `quiet_inbound`: the peer's end is closed without a word.
 void Unlink(datadist::Engine &engine, uint64_t id, double timeout_s, bool force, bool quiet_inbound) {
   auto [own, inbound] = engine.BothEnds(id);
-  if (!own && !inbound) datadist::Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
+  if (!own && !inbound)
+    datadist::Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
   std::string untold;
   for (const auto &link : {own, inbound}) {
     if (!link) continue;
@@ -188,10 +188,14 @@ py::object PyError(datadist::Status code, const std::string &message, datadist::
     const char *cls;
   };
   static constexpr Row kClasses[] = {
-      {llm_datadist::LLM_KV_CACHE_NOT_EXIST, "CacheNotFound"}, {llm_datadist::LLM_PARAM_INVALID, "InvalidArgument"},
-      {llm_datadist::LLM_TIMEOUT, "Timeout"},                   {llm_datadist::LLM_NOT_YET_LINK, "NotLinked"},
-      {llm_datadist::LLM_ALREADY_LINK, "AlreadyLinked"},        {llm_datadist::LLM_LINK_FAILED, "LinkFailed"},
-      {llm_datadist::LLM_LINK_BUSY, "Busy"},                    {llm_datadist::LLM_FEATURE_NOT_ENABLED, "NotSupported"},
+      {llm_datadist::LLM_KV_CACHE_NOT_EXIST, "CacheNotFound"},
+      {llm_datadist::LLM_PARAM_INVALID, "InvalidArgument"},
+      {llm_datadist::LLM_TIMEOUT, "Timeout"},
+      {llm_datadist::LLM_NOT_YET_LINK, "NotLinked"},
+      {llm_datadist::LLM_ALREADY_LINK, "AlreadyLinked"},
+      {llm_datadist::LLM_LINK_FAILED, "LinkFailed"},
+      {llm_datadist::LLM_LINK_BUSY, "Busy"},
+      {llm_datadist::LLM_FEATURE_NOT_ENABLED, "NotSupported"},
       {llm_datadist::LLM_OUT_OF_MEMORY, "OutOfMemory"},
   };
   const char *cls = "RemoteError";
@@ -250,8 +254,9 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(ok, why);
       },
       py::arg("path"), "(loaded, why not): loads NIXL's C API from `path` (the first call wins).");
-  m.def("nixl_whole_process_reach", [] { return datadist::nixl::WholeProcessReach(); },
-        "How a NIXL peer of this process could reach memory never registered (transport/nixl.py's rule).");
+  m.def(
+      "nixl_whole_process_reach", [] { return datadist::nixl::WholeProcessReach(); },
+      "How a NIXL peer of this process could reach memory never registered (transport/nixl.py's rule).");
 
   // The option table (cpp/src/options.h): what LLMConfig's datadist extras and `datadist info`
   // are generated from, and the one parser of the init options both faces use. Called by
@@ -259,7 +264,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<datadist::OptionSpec>(m, "OptionSpec", "One row of the option table (read only)")
       .def_property_readonly("key", [](const datadist::OptionSpec &s) { return std::string(s.key); })
       .def_property_readonly("env", [](const datadist::OptionSpec &s) { return std::string(s.env); })
-      .def_property_readonly("kind", [](const datadist::OptionSpec &s) { return std::string(datadist::KindName(s.kind)); })
+      .def_property_readonly("kind",
+                             [](const datadist::OptionSpec &s) { return std::string(datadist::KindName(s.kind)); })
       .def_property_readonly("values", [](const datadist::OptionSpec &s) { return s.values; })
       .def_property_readonly("range",
                              [](const datadist::OptionSpec &s) -> py::object {
@@ -271,8 +277,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("attr", [](const datadist::OptionSpec &s) { return std::string(s.attr); })
       .def_property_readonly("doc", [](const datadist::OptionSpec &s) { return std::string(s.doc); })
       .def("__repr__", [](const datadist::OptionSpec &s) { return std::string("<OptionSpec ") + s.key + ">"; });
-  m.def("options", [] { return datadist::OptionTable(); }, py::return_value_policy::copy,
-        "Every row of the option table, in its order.");
+  m.def(
+      "options", [] { return datadist::OptionTable(); }, py::return_value_policy::copy,
+      "Every row of the option table, in its order.");
   m.def(
       "parse_options",
       [](const std::map<std::string, std::string> &options, bool environ) {
@@ -337,7 +344,7 @@ PYBIND11_MODULE(_core, m) {
   });
 
   py::class_<datadist::Task, std::shared_ptr<datadist::Task>>(m, "Handle",
-                                                             "An asynchronous transfer, run by the engine's workers")
+                                                              "An asynchronous transfer, run by the engine's workers")
       .def("done", &datadist::Task::Done, "Ended, successfully or not? Never blocks.")
       .def(
           "wait",
@@ -367,7 +374,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Call, std::shared_ptr<Call>>(m, "Call", "A transfer made ready by Engine.prepare (opaque)")
       .def_property_readonly("write", [](const Call &c) { return c.write; })
       .def_property_readonly("cluster_id", [](const Call &c) { return c.cluster; })
-      .def_property_readonly("spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds");
+      .def_property_readonly(
+          "spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds");
 
   py::class_<Core>(m, "Engine")
       .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
@@ -400,11 +408,11 @@ PYBIND11_MODULE(_core, m) {
           "nixl_serve (and nixl_whole_process): serve NIXL readers.")
       .def(
           "set_local_comm_res",
-          [](Core &c, bool set, const std::string &text) { c.engine().SetLocalCommRes(set, text); },
-          py::arg("set"), py::arg("text"),
-          "After open: llm.LocalCommRes, checked when linking as CANN does (Engine::SetLocalCommRes).")
-      .def("nixl_refusal", [](Core &c) { return c.engine().nixl_owner().Refusal(); },
-           "Why this engine serves no NIXL reader (\"\": it does). Never blocks.")
+          [](Core &c, bool set, const std::string &text) { c.engine().SetLocalCommRes(set, text); }, py::arg("set"),
+          py::arg("text"), "After open: llm.LocalCommRes, checked when linking as CANN does (Engine::SetLocalCommRes).")
+      .def(
+          "nixl_refusal", [](Core &c) { return c.engine().nixl_owner().Refusal(); },
+          "Why this engine serves no NIXL reader (\"\": it does). Never blocks.")
       .def(
           "nixl_agent",
           [](Core &c) -> py::object {
@@ -435,8 +443,9 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("serve"), py::arg("whole_process"),
           "Serving NIXL turned on or off on a running engine (asked anew on every NIXL request).")
-      .def("set_nixl_revoke_wait", [](Core &c, double s) { c.engine().nixl_owner().SetRevokeWait(s); },
-           "How long a reader has to give a revoked NIXL lease back (5 s; tests shorten it).")
+      .def(
+          "set_nixl_revoke_wait", [](Core &c, double s) { c.engine().nixl_owner().SetRevokeWait(s); },
+          "How long a reader has to give a revoked NIXL lease back (5 s; tests shorten it).")
       .def(
           "nixl_progress",
           [](Core &c) {
@@ -445,8 +454,9 @@ PYBIND11_MODULE(_core, m) {
             if (a) a->Progress();
           },
           "One progress call of the owner's NIXL agent, if made (tests drive it while no lease is open).")
-      .def("nixl_leases", [](Core &c) { return c.engine().nixl_owner().leases(); },
-           "NIXL cache leases readers hold on our caches now (tests).")
+      .def(
+          "nixl_leases", [](Core &c) { return c.engine().nixl_owner().leases(); },
+          "NIXL cache leases readers hold on our caches now (tests).")
       .def(
           "close",
           [](Core &c, double wait_s) {
@@ -461,8 +471,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("wait_s"),
           "Stop serving, close every link and drop every cache, waiting up to wait_s for leases; "
           "returns how many caches are still leased (their memory must stay mapped). Blocks.")
-      .def_property("role", [](Core &c) { return c.engine().role(); },
-                    [](Core &c, int32_t r) { c.engine().set_role(r); })
+      .def_property(
+          "role", [](Core &c) { return c.engine().role(); }, [](Core &c, int32_t r) { c.engine().set_role(r); })
       .def(
           "listen",
           [](Core &c, const std::string &host, uint16_t port) {
@@ -508,8 +518,9 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("cluster_id"), py::arg("host"), py::arg("port"), py::arg("timeout_s"), py::arg("take_peer_id"),
           py::arg("reverse"))
-      .def("adopt_link", [](Core &c, const std::shared_ptr<datadist::Link> &link) { c.engine().AdoptLink(link); },
-           py::arg("link"))
+      .def(
+          "adopt_link", [](Core &c, const std::shared_ptr<datadist::Link> &link) { c.engine().AdoptLink(link); },
+          py::arg("link"))
       .def(
           "listen_also",
           [](Core &c, const std::string &host, uint16_t port) {
@@ -524,7 +535,8 @@ PYBIND11_MODULE(_core, m) {
             c.engine().StopAlso(key);
           },
           py::arg("key"))
-      .def("hello_count", [](Core &c, uint64_t id) { return c.engine().HelloCount(id); }, py::arg("cluster_id"))
+      .def(
+          "hello_count", [](Core &c, uint64_t id) { return c.engine().HelloCount(id); }, py::arg("cluster_id"))
       .def("inbound_control", [](Core &c) { return c.engine().InboundControl(); })
       // Both may close reverse channels their clients left (an I/O group stop): without the GIL.
       .def("has_links",
@@ -591,15 +603,17 @@ PYBIND11_MODULE(_core, m) {
           "probe_cma",
           [](Core &c, uint64_t id, double timeout_s) {
             auto link = c.engine().FindLink(id);
-            if (!link) datadist::Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
+            if (!link)
+              datadist::Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
             py::gil_scoped_release nogil;
             link->ProbeCma(DeadlineIn(timeout_s));
           },
           py::arg("cluster_id"), py::arg("timeout_s"),
           "on the cma path, ask the kernel now whether it lets us read the owner's memory; a refusal "
           "changes the link's path and reason as the first pull would (datadist info --peer)")
-      .def("last_link_failure", [](Core &c, uint64_t id) { return c.engine().LastLinkFailure(id); },
-           py::arg("cluster_id"))
+      .def(
+          "last_link_failure", [](Core &c, uint64_t id) { return c.engine().LastLinkFailure(id); },
+          py::arg("cluster_id"))
       .def(
           "add_cache",
           [](Core &c, int64_t id, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
@@ -648,21 +662,23 @@ PYBIND11_MODULE(_core, m) {
       .def("take_consumed",
            [](Core &c) {
              std::vector<std::tuple<uint64_t, uint64_t, bool>> out;
-             for (const auto &k : c.engine().registry().TakeConsumed()) out.emplace_back(k.value, k.model_id, k.is_prefix);
+             for (const auto &k : c.engine().registry().TakeConsumed())
+               out.emplace_back(k.value, k.model_id, k.is_prefix);
              return out;
            })
       .def("take_released", [](Core &c) { return c.engine().registry().TakeReleased(); })
-      .def("set_model_map", [](Core &c, bool on) { c.engine().registry().SetModelMap(on); }, py::arg("on"))
-      .def("set_remote_writes", [](Core &c, bool on) { c.engine().registry().SetRemoteWrites(on); },
-           py::arg("allowed"))
+      .def(
+          "set_model_map", [](Core &c, bool on) { c.engine().registry().SetModelMap(on); }, py::arg("on"))
+      .def(
+          "set_remote_writes", [](Core &c, bool on) { c.engine().registry().SetRemoteWrites(on); }, py::arg("allowed"))
       .def(
           "bind_model", [](Core &c, uint64_t model_id, int64_t id) { c.engine().registry().BindModel(model_id, id); },
           py::arg("model_id"), py::arg("cache_id"))
-      .def("unbind_model", [](Core &c, uint64_t model_id) { c.engine().registry().UnbindModel(model_id); },
-           py::arg("model_id"))
       .def(
-          "deallocate",
-          [](Core &c, int64_t id, bool drop_keys) { c.engine().registry().Deallocate(id, drop_keys); },
+          "unbind_model", [](Core &c, uint64_t model_id) { c.engine().registry().UnbindModel(model_id); },
+          py::arg("model_id"))
+      .def(
+          "deallocate", [](Core &c, int64_t id, bool drop_keys) { c.engine().registry().Deallocate(id, drop_keys); },
           py::arg("cache_id"), py::arg("drop_keys"))
       .def(
           "remove_cache",
@@ -728,8 +744,7 @@ PYBIND11_MODULE(_core, m) {
             }
             std::shared_ptr<const Call> held = std::move(call);  // runs share it; none changes it
             try {
-              return c.executor().Submit(
-                  [engine, held, deadline, since] { Run(*engine, *held, deadline, since); });
+              return c.executor().Submit([engine, held, deadline, since] { Run(*engine, *held, deadline, since); });
             } catch (const datadist::Error &e) {  // not issued: counted as a transfer that failed
               metrics::RecordSince(op, held->cluster, 0, since, e.code());
               throw;
@@ -756,7 +771,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("metrics_series", &MetricsSeries,
         "Every series with a transfer: (op, cluster_id, transfers, bytes, {status name: count}, "
         "bucket counts, nanoseconds).");
-  m.def("metrics_reset", [] { datadist::metrics::Reset(); }, "Zeroes every counter (tests).");
+  m.def(
+      "metrics_reset", [] { datadist::metrics::Reset(); }, "Zeroes every counter (tests).");
   m.def(
       "metrics_record",
       [](const std::string &op, uint64_t cluster, uint64_t nbytes, double seconds, uint64_t code) {

@@ -45,7 +45,14 @@ void Block(uint32_t h[8], const uint8_t *p) {
     b = a;
     a = t1 + t2;
   }
-  h[0] += a; h[1] += b; h[2] += c; h[3] += d; h[4] += e; h[5] += f; h[6] += g; h[7] += k;
+  h[0] += a;
+  h[1] += b;
+  h[2] += c;
+  h[3] += d;
+  h[4] += e;
+  h[5] += f;
+  h[6] += g;
+  h[7] += k;
 }
 
 std::string Mac(const std::string &secret, const char *label, const std::string &first, const std::string &second,

@@ -1,6 +1,6 @@
 // Shared-secret mutual authentication of a link (docs/protocol.md, "Authentication"): the
-// same challenge and response as the protocol's reference, src/datadist/wire/auth.py: HMAC-SHA256 over both nonces and both
-// cluster ids with direction labels. Pure functions; Nonce() reads the kernel's randomness.
+// same challenge and response as the protocol's reference, src/datadist/wire/auth.py: HMAC-SHA256 over both nonces and
+// both cluster ids with direction labels. Pure functions; Nonce() reads the kernel's randomness.
 #ifndef DATADIST_CPP_AUTH_H_
 #define DATADIST_CPP_AUTH_H_
 

@@ -140,8 +140,8 @@ bool Accelerated() {
 
 namespace {
 
-constexpr size_t kScratch = 256 << 10;  // per thread: fits a core's L2, so the CRC reads it there
-constexpr size_t kMaxSpans = 1024;      // remote iovecs per process_vm_readv (IOV_MAX)
+constexpr size_t kScratch = 256 << 10;   // per thread: fits a core's L2, so the CRC reads it there
+constexpr size_t kMaxSpans = 1024;       // remote iovecs per process_vm_readv (IOV_MAX)
 constexpr size_t kPipeChunk = 64 << 10;  // a default pipe's capacity: a write into an empty one never waits
 
 std::atomic<bool> vm_refused{false};  // process_vm_readv answered EPERM/ENOSYS once: the pipe from then on

@@ -33,9 +33,9 @@ class JsonTop {
     if (i_ != s_->size()) return Bad("text after the JSON value");
     return true;
   }
-  bool object = false;                          // the value is an object
-  std::map<std::string, std::string> strings;   // its members whose values are strings
-  std::map<std::string, bool> members;          // every member's name
+  bool object = false;                         // the value is an object
+  std::map<std::string, std::string> strings;  // its members whose values are strings
+  std::map<std::string, bool> members;         // every member's name
   std::string error;
 
  private:
@@ -316,9 +316,8 @@ std::unique_ptr<Server> Engine::MakeServer(const std::string &host, uint16_t por
   auto server = std::make_unique<Server>(
       &registry_, &ident_,
       [this](Server &s, uint64_t cid, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
-             const std::string &token, const std::string &peer) {
-        AdoptReverse(s, cid, std::move(conn), last, token, peer);
-      });
+             const std::string &token,
+             const std::string &peer) { AdoptReverse(s, cid, std::move(conn), last, token, peer); });
   server->Start(host, port, options_.max_conns, options_.max_per_peer);
   return server;
 }
@@ -425,8 +424,8 @@ uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, De
   {
     std::lock_guard<std::mutex> lock(comm_res_mu_);
     if (!comm_res_error_.empty())
-      Fail(llm_datadist::LLM_PARAM_INVALID, "our " + std::string(llm_datadist::OPTION_LOCAL_COMM_RES) +
-                                                " is not valid: " + comm_res_error_);
+      Fail(llm_datadist::LLM_PARAM_INVALID,
+           "our " + std::string(llm_datadist::OPTION_LOCAL_COMM_RES) + " is not valid: " + comm_res_error_);
     check_peer_comm_res = comm_res_set_;
   }
   {
@@ -434,7 +433,8 @@ uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, De
     while (connecting_.count(id) && !links_.count(id))
       if (connected_.wait_until(lock, deadline) == std::cv_status::timeout && connecting_.count(id) &&
           !links_.count(id))
-        Fail(LLM_LINK_FAILED, "cluster " + std::to_string(id) + ": another link to it was still being made at the deadline");
+        Fail(LLM_LINK_FAILED,
+             "cluster " + std::to_string(id) + ": another link to it was still being made at the deadline");
     if (links_.count(id)) Fail(LLM_ALREADY_LINK, "cluster " + std::to_string(id) + " is already linked");
     connecting_.insert(id);
   }
@@ -470,8 +470,7 @@ uint64_t Engine::Connect(uint64_t id, const std::string &host, uint16_t port, De
 // Why a link failed, beyond its LLM_LINK_FAILED (as Python's LinkFailedWarning and
 // last_link_failure): kept per cluster until a link to it succeeds, and told on stderr
 // unless DATADIST_LINK_WARNINGS=0 (or the caller warns its own way: `quiet`).
-void Engine::NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why,
-                             bool quiet) {
+void Engine::NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why, bool quiet) {
   std::string where = FormatHostPort(host, port);
   std::string text = "link to cluster " + std::to_string(id) + " at " + where + " failed (LLM_LINK_FAILED): " + why +
                      " [for more: datadist probe " + where + " --cluster-id " + std::to_string(id) + "]";
@@ -480,7 +479,8 @@ void Engine::NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port
     link_failures_[id] = text;
   }
   const char *env = std::getenv("DATADIST_LINK_WARNINGS");
-  if (!quiet && (env == nullptr || std::string(env) != "0")) std::fprintf(stderr, "[datadist] warning: %s\n", text.c_str());
+  if (!quiet && (env == nullptr || std::string(env) != "0"))
+    std::fprintf(stderr, "[datadist] warning: %s\n", text.c_str());
 }
 
 std::string Engine::LastLinkFailure(uint64_t id) {
@@ -527,8 +527,8 @@ void Engine::CheckPeerCommRes(Link &link, Deadline deadline) {
   const std::string fault = JsonStringField(json, "comm_res_error");
   if (!fault.empty())
     Fail(llm_datadist::LLM_PARAM_INVALID, "the " + std::string(llm_datadist::OPTION_LOCAL_COMM_RES) + " of cluster " +
-                                              std::to_string(link.remote_cluster_id()) + " (the peer) is not valid: " +
-                                              fault);
+                                              std::to_string(link.remote_cluster_id()) +
+                                              " (the peer) is not valid: " + fault);
 }
 
 std::string Engine::PeerStats(uint64_t cluster_id, Deadline deadline) { return GetLink(cluster_id)->Stats(deadline); }
@@ -651,8 +651,7 @@ void Engine::AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<C
             for (const auto &kv : reverse_links_) n += kv.first != cluster_id && kv.second->peer_key() == peer;
             return n;
           };
-          if ((!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns) ||
-              from_peer() >= max_per_peer)
+          if ((!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns) || from_peer() >= max_per_peer)
             for (auto it = reverse_links_.begin(); it != reverse_links_.end();) {
               if (it->second->Gone()) {
                 gone.push_back(std::move(it->second));
@@ -664,11 +663,10 @@ void Engine::AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<C
           if (!reverse_links_.count(cluster_id) && reverse_links_.size() >= max_conns)
             return "too many reverse channels (" + std::to_string(reverse_links_.size()) + ") to this listener";
           if (from_peer() >= max_per_peer)
-            return "too many reverse channels (" + std::to_string(from_peer()) + ") from " + peer +
-                   " to this listener";
+            return "too many reverse channels (" + std::to_string(from_peer()) + ") from " + peer + " to this listener";
           auto held = reverse_links_.find(cluster_id);
-          if (held != reverse_links_.end() && !auth::Same(held->second->link_token(), token) &&
-              !held->second->Gone() && server.HoldsToken(cluster_id, held->second->link_token()))
+          if (held != reverse_links_.end() && !auth::Same(held->second->link_token(), token) && !held->second->Gone() &&
+              server.HoldsToken(cluster_id, held->second->link_token()))
             return "cluster " + std::to_string(cluster_id) +
                    " already has a reverse channel to this listener, belonging to another of its control channels, "
                    "which is live";
@@ -676,7 +674,7 @@ void Engine::AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<C
           reverse_links_[cluster_id] = link;
           return std::string();
         },
-        last, After(kAdoptWait));  // not adopted: the channel closes with `link`
+        last, After(kAdoptWait));     // not adopted: the channel closes with `link`
   } catch (const std::exception &) {  // the client went away mid-handshake: its link never came up
     std::lock_guard<std::mutex> lock(rev_mu_);
     auto it = reverse_links_.find(cluster_id);

@@ -157,9 +157,9 @@ class Engine {
   Identity ident_;
   EngineOptions options_;
   Registry registry_;
-  std::unique_ptr<nixl::Owner> nixl_;  // outlives the servers (declared after them: destroyed later)
+  std::unique_ptr<nixl::Owner> nixl_;         // outlives the servers (declared after them: destroyed later)
   std::shared_ptr<nixl::Agent> nixl_reader_;  // options_.nixl.read: the agent our links read with
-  mutable std::mutex mu_;  // guards server_, links_, open_
+  mutable std::mutex mu_;                     // guards server_, links_, open_
   bool open_ = false;
   std::unique_ptr<Server> server_;
   std::map<int, std::unique_ptr<Server>> extra_;  // ListenAlso's, by key
@@ -170,14 +170,14 @@ class Engine {
   // peer's one reverse-channel slot for us, and the loser would read as a failed link).
   std::set<uint64_t> connecting_;
   std::condition_variable connected_;  // a Connect ended (with mu_)
-  std::mutex hello_mu_;  // guards hellos_
+  std::mutex hello_mu_;                // guards hellos_
   std::map<uint64_t, uint64_t> hellos_;
   std::mutex fail_mu_;  // guards link_failures_
   std::map<uint64_t, std::string> link_failures_;
-  std::mutex comm_res_mu_;  // guards the two below (SetLocalCommRes)
-  bool comm_res_set_ = false;      // llm.LocalCommRes given
-  std::string comm_res_error_;     // why it is not valid ("" when it is, or not given)
-  std::mutex rev_mu_;  // guards the two below (its own: Listen stops the server under mu_)
+  std::mutex comm_res_mu_;      // guards the two below (SetLocalCommRes)
+  bool comm_res_set_ = false;   // llm.LocalCommRes given
+  std::string comm_res_error_;  // why it is not valid ("" when it is, or not given)
+  std::mutex rev_mu_;           // guards the two below (its own: Listen stops the server under mu_)
   std::map<uint64_t, std::shared_ptr<Link>> reverse_links_;
   bool rev_closed_ = false;
 };

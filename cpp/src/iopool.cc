@@ -9,18 +9,18 @@
 
 #include <algorithm>
 #include <atomic>
-#include <system_error>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <system_error>
 
 #include "errors.h"
 
 namespace datadist {
 namespace {
 
-constexpr uint64_t kWakeId = 1;   // the eventfd that ends the threads
-constexpr uint64_t kTimerId = 2;  // the timerfd
+constexpr uint64_t kWakeId = 1;              // the eventfd that ends the threads
+constexpr uint64_t kTimerId = 2;             // the timerfd
 constexpr long kTickNs = 100 * 1000 * 1000;  // timer steps are due to within this (100 ms)
 
 // The pool the current thread serves, and whether that pool was destroyed under it (its

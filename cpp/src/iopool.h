@@ -74,8 +74,8 @@ class IoPool {
   /// The state of one group of tasks (see IoGroup), guarded by the pool's lock.
   struct Group {
     bool stopped = false;
-    size_t running = 0;       // tasks of the group in Run (or claimed for it)
-    std::set<uint64_t> ids;   // its tasks in the pool
+    size_t running = 0;      // tasks of the group in Run (or claimed for it)
+    std::set<uint64_t> ids;  // its tasks in the pool
   };
 
   /// The number of threads a pool gets by default: DATADIST_IO_THREADS (1..64) if set, else the

@@ -97,8 +97,8 @@ bool FenceView::Revoked() const { return __atomic_load_n(map_, __ATOMIC_ACQUIRE)
 Fence::Fence() {
   fd_ = static_cast<int>(syscall(SYS_memfd_create, "datadist-fence", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (fd_ < 0)
-    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, std::string("no fence for a cache lease: memfd_create: ") +
-                                                    std::strerror(errno));
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+         std::string("no fence for a cache lease: memfd_create: ") + std::strerror(errno));
   struct stat st {};
   void *m = MAP_FAILED;
   if (ftruncate(fd_, kPage) != 0 || fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 ||
@@ -150,7 +150,8 @@ std::shared_ptr<Leased> Make(wire::CacheLease msg, uint64_t id, bool write, std:
     if (maps->Resolve(msg.shm_fds, msg.shm_inos, l->shm_maps, no_shm)) {
       for (size_t t = 0; t < l->shm_maps.size(); ++t) {
         const uint64_t size = l->shm_maps[t]->size(), off = msg.shm_offsets[t];
-        if (off > size || size - off < msg.tensor_bytes) ProtocolViolation("cache lease: a tensor runs past its shared mapping");
+        if (off > size || size - off < msg.tensor_bytes)
+          ProtocolViolation("cache lease: a tensor runs past its shared mapping");
       }
       l->shm_offsets = msg.shm_offsets;
     } else {
@@ -194,8 +195,8 @@ Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &loca
   remote.reserve(local.size());
   for (uint32_t t : req.tensors)
     for (size_t i = 0; i < req.offsets.size(); ++i)
-      remote.push_back({reinterpret_cast<void *>(l.msg.addrs[t] + base + req.offsets[i]),
-                        static_cast<size_t>(req.lengths[i])});
+      remote.push_back(
+          {reinterpret_cast<void *>(l.msg.addrs[t] + base + req.offsets[i]), static_cast<size_t>(req.lengths[i])});
   if (remote.size() != local.size()) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");
   for (size_t i = 0; i < remote.size(); ++i)
     if (remote[i].iov_len != local[i].iov_len) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");

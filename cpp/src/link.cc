@@ -32,7 +32,8 @@ wire::Header AnswerOn(Conn &c, uint32_t rid, std::vector<uint8_t> &payload, Dead
   wire::Header h;
   try {
     h = c.RecvFrame(payload, deadline);
-    if (h.request_id != rid) ProtocolViolation("answer to request " + std::to_string(h.request_id) + ", expected " + std::to_string(rid));
+    if (h.request_id != rid)
+      ProtocolViolation("answer to request " + std::to_string(h.request_id) + ", expected " + std::to_string(rid));
     if (h.type == wire::kError) {
       wire::ErrorMsg e = wire::DecodeError(payload);
       Fail(CodeOf(e.code), "peer: " + e.message);
@@ -109,7 +110,8 @@ void Link::Open(Deadline deadline) {
         return path ? path->Revoke(lease_id, wait) : true;
       };
       if (!ServeParked(rev_io_, ctx, std::move(rev)))
-        Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed while it opened");
+        Fail(llm_datadist::LLM_LINK_FAILED,
+             "link to cluster " + std::to_string(remote_) + " was closed while it opened");
     }
   } catch (const Error &e) {
     SetConn(nullptr);
@@ -245,10 +247,11 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   if (cred.WeMayRead()) {
     peer_pid_ = cred.pid;
     if (allow_shm_) maps_ = std::make_unique<shm::Maps>(cred.pid);
-    SetPath(Path::kCma, shm_forced_ ? "forced shm (" + who + "; cross-memory attach where the owner's memory is not shareable)"
-                        : allow_shm_ ? "same host, verified by the kernel (" + who +
-                                           "): shared memory for caches in shareable memory, cross-memory attach otherwise"
-                                     : "same host, verified by the kernel (" + who + "): cross-memory attach");
+    SetPath(Path::kCma,
+            shm_forced_  ? "forced shm (" + who + "; cross-memory attach where the owner's memory is not shareable)"
+            : allow_shm_ ? "same host, verified by the kernel (" + who +
+                               "): shared memory for caches in shareable memory, cross-memory attach otherwise"
+                         : "same host, verified by the kernel (" + who + "): cross-memory attach");
     if (!(again.features & wire::kFeatureLease)) return;
     if (!owner) {
       Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + no_lease + ")");
@@ -257,7 +260,8 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
     std::lock_guard<std::mutex> lock(lease_mu_);
     lease_owner_ = std::move(owner);
   } else {
-    SetPath(Path::kLocalStream, "same host, verified by the kernel (" + who + "), but not ours to read: bytes stream over the local socket");
+    SetPath(Path::kLocalStream, "same host, verified by the kernel (" + who +
+                                    "), but not ours to read: bytes stream over the local socket");
   }
 }
 
@@ -324,14 +328,10 @@ size_t Link::nixl_leases() {
 
 const char *Link::PathName(Path p) {
   switch (p) {
-    case Path::kNixl:
-      return "nixl";
-    case Path::kCma:
-      return "cma";
-    case Path::kLocalStream:
-      return "local";
-    default:
-      return "tcp";
+    case Path::kNixl: return "nixl";
+    case Path::kCma: return "cma";
+    case Path::kLocalStream: return "local";
+    default: return "tcp";
   }
 }
 
@@ -351,21 +351,19 @@ const char *Link::path_name() const {
 
 const char *Link::last_moved() const {
   switch (last_.load()) {
-    case Moved::kShm:
-      return "shm";
-    case Moved::kCma:
-      return "cma";
-    case Moved::kStream:
-      return "stream";
-    default:
-      return "";
+    case Moved::kShm: return "shm";
+    case Moved::kCma: return "cma";
+    case Moved::kStream: return "stream";
+    default: return "";
   }
 }
 
 void Link::CmaRefused(const std::string &why) {
-  const std::string what = "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" + why + ")";
+  const std::string what =
+      "cross-memory attach to pid " + std::to_string(peer_pid_) + " refused by the kernel (" + why + ")";
   if (maps_ && allow_shm_) {
-    if (!cma_refused_.exchange(true)) SetPath(Path::kCma, what + ": shared memory where the owner's cache is in it, a stream elsewhere");
+    if (!cma_refused_.exchange(true))
+      SetPath(Path::kCma, what + ": shared memory where the owner's cache is in it, a stream elsewhere");
     return;
   }
   DropLeases();
@@ -454,7 +452,6 @@ Link::~Link() { StopReverse(); }
 
 void Link::StopReverse() { rev_io_.Stop(); }
 
-
 wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {
   return AnswerOn(*conn_, rid_, payload, deadline);
 }
@@ -518,7 +515,8 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
     h = Call(wire::EncodeLeaseRequest(q, ++rid_), payload, deadline);  // ERROR: the refusal
   } catch (const Error &e) {
     // An owner that cannot lease now (out of fence descriptors: FEATURE_NOT_ENABLED, lease.cc)
-    // still answers requests: this transfer asks it. Any other refusal (no such cache, writes not allowed) is the transfer's answer.
+    // still answers requests: this transfer asks it. Any other refusal (no such cache, writes not allowed) is the
+    // transfer's answer.
     if (e.code() == llm_datadist::LLM_FEATURE_NOT_ENABLED) return nullptr;
     throw;
   }
@@ -528,10 +526,12 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
     if (h.type != wire::kCacheLease) ProtocolViolation("expected CACHE_LEASE");
     wire::CacheLease msg = wire::DecodeCacheLease(payload);
     if (q.kind == wire::kCacheId && msg.cache_id != q.a)
-      ProtocolViolation("asked a lease on cache " + std::to_string(q.a) + ", got one on " + std::to_string(msg.cache_id));
+      ProtocolViolation("asked a lease on cache " + std::to_string(q.a) + ", got one on " +
+                        std::to_string(msg.cache_id));
     std::string no_shm;
     const uint64_t cache_id = msg.cache_id;  // refusals name the cache, not the key's field
-    l = lease::Make(std::move(msg), cache_id, std::get<2>(key), owner, why, allow_shm_ ? maps_.get() : nullptr, &no_shm);
+    l = lease::Make(std::move(msg), cache_id, std::get<2>(key), owner, why, allow_shm_ ? maps_.get() : nullptr,
+                    &no_shm);
     if (!no_shm.empty())
       Log("link to cluster " + std::to_string(remote_) + ": leased cache without shared memory (" + no_shm + ")");
   } catch (const Error &) {
@@ -541,7 +541,8 @@ std::shared_ptr<lease::Leased> Link::AskLease(const LeaseKey &key, Deadline dead
   std::vector<std::shared_ptr<lease::Leased>> gone;  // closed outside the mutex
   std::lock_guard<std::mutex> lock(lease_mu_);
   if (!l) {
-    Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + why + "): every transfer asks the owner");
+    Log("link to cluster " + std::to_string(remote_) + ": no cache leases (" + why +
+        "): every transfer asks the owner");
     lease_owner_.reset();  // until the link reconnects
     leases_.clear();
     return nullptr;
@@ -584,9 +585,7 @@ bool Link::TransferLeased(const wire::Request &req, const std::vector<iovec> &lo
   bool used_shm = false;
   const bool refused = cma_refused_;
   switch (lease::Copy(*l, req, local, why, refused, &used_shm)) {
-    case lease::Outcome::kDone:
-      last_ = used_shm ? Moved::kShm : Moved::kCma;
-      return true;
+    case lease::Outcome::kDone: last_ = used_shm ? Moved::kShm : Moved::kCma; return true;
     case lease::Outcome::kRevoked:
       DropLeases(l);  // the owner's answer to the request says what became of the cache
       return false;
@@ -643,7 +642,8 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
   uint64_t n = wire::DecodeU64(payload);
   if (n != IovBytes(local)) {
     conn_->Close();
-    ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(IovBytes(local)) + " were asked for");
+    ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(IovBytes(local)) +
+                      " were asked for");
   }
   conn_->RecvV(local, deadline);
   if (checked) ReadVerdict(local, deadline);

@@ -26,25 +26,24 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <atomic>
-#include <vector>
-
-#include <map>
 #include <tuple>
+#include <vector>
 
 #include "iopool.h"
 #include "lease.h"
 #include "net.h"
 #include "nixl.h"
 #include "registry.h"
-#include "tls.h"
 #include "shm.h"
+#include "tls.h"
 #include "wire.h"
 
 namespace datadist {
@@ -62,15 +61,24 @@ class Link {
   /// `grant_above`: see kGrantAbove (tests pass 0: every same-host pull is granted).
   Link(uint64_t remote_cluster_id, std::string host, uint16_t port, wire::Hello hello, std::string secret,
        Registry *registry, bool same_host = true, uint64_t grant_above = kGrantAbove)
-      : remote_(remote_cluster_id), host_(std::move(host)), port_(port), hello_(std::move(hello)),
-        secret_(std::move(secret)), registry_(registry), same_host_(same_host), grant_above_(grant_above) {}
+      : remote_(remote_cluster_id),
+        host_(std::move(host)),
+        port_(port),
+        hello_(std::move(hello)),
+        secret_(std::move(secret)),
+        registry_(registry),
+        same_host_(same_host),
+        grant_above_(grant_above) {}
   /// Our end of a client's link: the reverse channel it opened to our listener (handshake
   /// done), with the link token its HELLO echoed (that of the control channel it belongs to)
   /// and the key the listener's per-peer cap counts it by (its IP).
   /// It cannot be reopened from here: once it closes, transfers fail LLM_LINK_FAILED.
   Link(uint64_t remote_cluster_id, std::unique_ptr<Conn> reverse_conn, std::string token = {},
        std::string peer_key = {})
-      : remote_(remote_cluster_id), conn_(std::move(reverse_conn)), reverse_end_(true), token_(std::move(token)),
+      : remote_(remote_cluster_id),
+        conn_(std::move(reverse_conn)),
+        reverse_end_(true),
+        token_(std::move(token)),
         peer_key_(std::move(peer_key)) {}
   ~Link();
 
@@ -248,29 +256,29 @@ class Link {
   void SetConn(std::unique_ptr<Conn> conn);
   std::mutex mu_;  // guards busy_ and shut_, and conn_'s replacement (SetConn)
   std::condition_variable idle_;
-  bool busy_ = false;  // a transfer (or open / close) holds the fields below
-  bool shut_ = false;  // closed by force while busy: no transfer may take the link again
+  bool busy_ = false;           // a transfer (or open / close) holds the fields below
+  bool shut_ = false;           // closed by force while busy: no transfer may take the link again
   std::unique_ptr<Conn> conn_;  // replaced by SetConn only
   uint32_t rid_ = 0;
   bool closing_ = false;
-  bool reverse_end_ = false;  // conn_ is a client's reverse channel: no reconnect
+  bool reverse_end_ = false;   // conn_ is a client's reverse channel: no reconnect
   bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
-  std::string token_;          // the link token the peer issued our control channel (conn_); a reverse end's: the one echoed
-  std::string peer_key_;       // a reverse end's: the listener's per-peer key of its connection
+  std::string token_;     // the link token the peer issued our control channel (conn_); a reverse end's: the one echoed
+  std::string peer_key_;  // a reverse end's: the listener's per-peer key of its connection
   static uint64_t NextSerial() {
     static std::atomic<uint64_t> last{0};
     return last.fetch_add(1, std::memory_order_relaxed) + 1;
   }
   const uint64_t serial_ = NextSerial();  // see serial()
-  bool same_host_ = true;      // the local channel may be used
+  bool same_host_ = true;                 // the local channel may be used
   uint64_t grant_above_ = kGrantAbove;
   std::atomic<Path> path_{Path::kTcp};
   mutable std::mutex why_mu_;  // guards why_ only
   std::string why_;
-  pid_t peer_pid_ = 0;         // kCma: the pid SO_PEERCRED reported for conn_
-  bool allow_shm_ = true;      // SetShm; cleared when the owner's shared memory cannot be mapped here
+  pid_t peer_pid_ = 0;     // kCma: the pid SO_PEERCRED reported for conn_
+  bool allow_shm_ = true;  // SetShm; cleared when the owner's shared memory cannot be mapped here
   bool shm_forced_ = false;
-  std::atomic<bool> greeted_{false};  // a handshake succeeded once (Greet): reconnects say the peer stopped
+  std::atomic<bool> greeted_{false};      // a handshake succeeded once (Greet): reconnects say the peer stopped
   std::atomic<bool> cma_refused_{false};  // kCma with shared memory only (CmaRefused); per connection
   std::unique_ptr<shm::Maps> maps_;       // kCma: our mappings of the owner's memfds (busy_)
   enum class Moved { kNone, kStream, kCma, kShm };
@@ -280,7 +288,7 @@ class Link {
   std::mutex lease_mu_;
   std::shared_ptr<lease::OwnerProc> lease_owner_;  // null: no leases on this connection
   std::map<LeaseKey, std::shared_ptr<lease::Leased>> leases_;
-  uint64_t lease_seq_ = 0;  // lease_mu_: the last Leased::seq given
+  uint64_t lease_seq_ = 0;                  // lease_mu_: the last Leased::seq given
   static constexpr size_t kMaxLeases = 64;  // kept per connection
   // Our reverse channel (client links): parked on the I/O pool (iopool.h) between the
   // listener's requests, served by a pool thread a request at a time, until unlink / finalize

@@ -12,9 +12,9 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <utility>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "addr.h"
 #include "auth.h"
@@ -27,8 +27,8 @@
 #include "plan.h"
 #include "registry.h"
 #include "server.h"
-#include "tls.h"
 #include "shm.h"
+#include "tls.h"
 
 namespace llm_datadist {
 
@@ -112,15 +112,17 @@ std::string WithReadableSizes(const std::string &text) {
   std::string out;
   size_t i = 0;
   while (i < text.size()) {
-    if (!std::isdigit(static_cast<unsigned char>(text[i])) || (i > 0 && std::isalnum(static_cast<unsigned char>(text[i - 1])))) {
+    if (!std::isdigit(static_cast<unsigned char>(text[i])) ||
+        (i > 0 && std::isalnum(static_cast<unsigned char>(text[i - 1])))) {
       out += text[i++];
       continue;
     }
     size_t end = i;
     while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) ++end;
     out.append(text, i, end - i);
-    const bool bytes = text.compare(end, kBytes.size(), kBytes) == 0 &&
-                       (end + kBytes.size() == text.size() || !std::isalnum(static_cast<unsigned char>(text[end + kBytes.size()])));
+    const bool bytes =
+        text.compare(end, kBytes.size(), kBytes) == 0 &&
+        (end + kBytes.size() == text.size() || !std::isalnum(static_cast<unsigned char>(text[end + kBytes.size()])));
     if (bytes && end - i <= 19) {
       const uint64_t n = std::strtoull(text.c_str() + i, nullptr, 10);
       const size_t after = end + kBytes.size();
@@ -137,8 +139,7 @@ std::string WithReadableSizes(const std::string &text) {
 // reads this header's names instead. Each pair: Python's phrase, the C++ API's.
 std::string InCppWords(std::string text) {
   static const std::pair<const char *, const char *> kPhrases[] = {
-      {"LLMConfig.listen_ip_info = 'ip:port'",
-       "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO) = \"ip:port\" at Initialize"},
+      {"LLMConfig.listen_ip_info = 'ip:port'", "llm.ListenIpInfo (OPTION_LISTEN_IP_INFO) = \"ip:port\" at Initialize"},
       {"its LLMConfig.listen_ip_info names", "its llm.ListenIpInfo (OPTION_LISTEN_IP_INFO) names"},
       {"enable_remote_cache_accessible", "llm.EnableRemoteCacheAccessible"},
   };
@@ -358,7 +359,8 @@ class LlmDataDist::LlmDataDistImpl {
       std::string why;
       // A reader without NIXL fails at Open (LLM_PARAM_INVALID, what to install); an owner
       // tells its readers why when they ask.
-      if (!datadist::nixl::Load(parsed.nixl_library.empty() ? "libnixl_capi.so" : parsed.nixl_library, &why) && !opts.nixl.read)
+      if (!datadist::nixl::Load(parsed.nixl_library.empty() ? "libnixl_capi.so" : parsed.nixl_library, &why) &&
+          !opts.nixl.read)
         datadist::Log("serving NIXL asked for, but " + why);
     }
     engine_.Open(opts);
@@ -424,45 +426,47 @@ class LlmDataDist::LlmDataDistImpl {
     std::vector<Status> codes(clusters.size(), LLM_SUCCESS);
     std::vector<std::string> whys(clusters.size());
     for (size_t i = 0; i < clusters.size(); ++i) {
-      codes[i] = Run([&] {
-        const ClusterInfo &c = clusters[i];
-        uint64_t id = c.remote_cluster_id;
-        if (hixl_) return UnlinkHixl(id, timeout_ms);
-        // CANN's LinkMsgHandler::UnlinkCluster: without force it dials the peer's listener.
-        if (!force && c.remote_ip_infos.size() != 1)
-          Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
-        // Both ends, as Python: the link we made and the one the peer made to us (its
-        // reverse channel), whichever exist.
-        auto [own, inbound] = engine_.BothEnds(id);
-        if (!own && !inbound) {
-          // Nothing of ours to drop (CANN: "entity not found", a warning): forced, a success;
-          // otherwise as CANN, which tells a listener that has nothing to drop either.
-          if (!force) {
-            const IpInfo &ip = c.remote_ip_infos[0];
-            try {
-              datadist::Conn::Connect(ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0));
-            } catch (const Error &e) {
-              Fail(LLM_UNLINK_FAILED, "cluster " + std::to_string(id) + " is not linked and its listener at " +
-                                          datadist::FormatHostPort(ip.ip.GetString(), ip.port) +
-                                          " did not answer: " + e.what());
+      codes[i] = Run(
+          [&] {
+            const ClusterInfo &c = clusters[i];
+            uint64_t id = c.remote_cluster_id;
+            if (hixl_) return UnlinkHixl(id, timeout_ms);
+            // CANN's LinkMsgHandler::UnlinkCluster: without force it dials the peer's listener.
+            if (!force && c.remote_ip_infos.size() != 1)
+              Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
+            // Both ends, as Python: the link we made and the one the peer made to us (its
+            // reverse channel), whichever exist.
+            auto [own, inbound] = engine_.BothEnds(id);
+            if (!own && !inbound) {
+              // Nothing of ours to drop (CANN: "entity not found", a warning): forced, a success;
+              // otherwise as CANN, which tells a listener that has nothing to drop either.
+              if (!force) {
+                const IpInfo &ip = c.remote_ip_infos[0];
+                try {
+                  datadist::Conn::Connect(ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0));
+                } catch (const Error &e) {
+                  Fail(LLM_UNLINK_FAILED, "cluster " + std::to_string(id) + " is not linked and its listener at " +
+                                              datadist::FormatHostPort(ip.ip.GetString(), ip.port) +
+                                              " did not answer: " + e.what());
+                }
+              }
+              return;
             }
-          }
-          return;
-        }
-        std::string untold;  // LLM_UNLINK_FAILED of either end, raised once both were tried
-        for (const auto &link : {own, inbound}) {
-          if (!link) continue;
-          try {
-            link->Close(datadist::After(timeout_ms / 1000.0), force);
-          } catch (const Error &e) {
-            // LLM_UNLINK_FAILED: the peer was not told, our end is closed; LLM_LINK_BUSY: still up
-            if (e.code() != LLM_UNLINK_FAILED) throw;
-            untold = e.what();
-          }
-          engine_.Forget(id, link);
-        }
-        if (!untold.empty()) Fail(LLM_UNLINK_FAILED, untold);
-      }, whys[i]);
+            std::string untold;  // LLM_UNLINK_FAILED of either end, raised once both were tried
+            for (const auto &link : {own, inbound}) {
+              if (!link) continue;
+              try {
+                link->Close(datadist::After(timeout_ms / 1000.0), force);
+              } catch (const Error &e) {
+                // LLM_UNLINK_FAILED: the peer was not told, our end is closed; LLM_LINK_BUSY: still up
+                if (e.code() != LLM_UNLINK_FAILED) throw;
+                untold = e.what();
+              }
+              engine_.Forget(id, link);
+            }
+            if (!untold.empty()) Fail(LLM_UNLINK_FAILED, untold);
+          },
+          whys[i]);
     }
     rets.insert(rets.end(), codes.begin(), codes.end());
     why = EachWhy(clusters, codes, whys);
@@ -518,7 +522,8 @@ class LlmDataDist::LlmDataDistImpl {
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     const uint64_t step = (g.tensor_bytes + page - 1) / page * page;
     if (step < g.tensor_bytes || (g.num_tensors && step > UINT64_MAX / g.num_tensors))
-      Fail(LLM_OUT_OF_MEMORY, "cannot allocate " + std::to_string(g.num_tensors) + " x " + std::to_string(g.tensor_bytes) + " bytes");
+      Fail(LLM_OUT_OF_MEMORY,
+           "cannot allocate " + std::to_string(g.num_tensors) + " x " + std::to_string(g.tensor_bytes) + " bytes");
     std::shared_ptr<datadist::shm::Region> region;
     try {
       region = datadist::shm::Region::Create("datadist-cache", step * g.num_tensors);
@@ -544,7 +549,8 @@ class LlmDataDist::LlmDataDistImpl {
     engine_.registry().Remove(cache_id, true, kUnregisterWait);
   }
 
-  void PullCache(const CacheIndex &src, const Cache &dst, uint32_t batch_index, int64_t size, const KvCacheExtParam &ext) {
+  void PullCache(const CacheIndex &src, const Cache &dst, uint32_t batch_index, int64_t size,
+                 const KvCacheExtParam &ext) {
     CheckUpLocked();
     CheckRemote(src);
     if (size != -1 && size <= 0) Invalid("size must be -1 or > 0");
@@ -586,7 +592,8 @@ class LlmDataDist::LlmDataDistImpl {
     Move(false, src.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
-  void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size, const KvCacheExtParam &ext) {
+  void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size,
+                 const KvCacheExtParam &ext) {
     CheckUpLocked();
     CheckRemote(dst, false);
     if (size != -1) Invalid("PushKvCache supports size -1 only (as CANN)");
@@ -616,7 +623,8 @@ class LlmDataDist::LlmDataDistImpl {
     Move(true, dst.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
   }
 
-  void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset, int64_t size) {
+  void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset,
+                 int64_t size) {
     CheckUpLocked();
     auto s = engine_.registry().Hold(src.cache_id);
     auto d = engine_.registry().Hold(dst.cache_id);
@@ -625,8 +633,8 @@ class LlmDataDist::LlmDataDistImpl {
     if (src_batch >= sg.units || dst_batch >= dg.units) Invalid("batch index out of range");
     if (offset >= sg.unit_bytes) Invalid("offset out of range");
     if (size == -1) size = static_cast<int64_t>(sg.unit_bytes - offset);
-    if (size <= 0 || static_cast<uint64_t>(size) > sg.unit_bytes - offset || static_cast<uint64_t>(size) > dg.unit_bytes ||
-        offset > dg.unit_bytes - static_cast<uint64_t>(size))
+    if (size <= 0 || static_cast<uint64_t>(size) > sg.unit_bytes - offset ||
+        static_cast<uint64_t>(size) > dg.unit_bytes || offset > dg.unit_bytes - static_cast<uint64_t>(size))
       Invalid("size " + std::to_string(size) + " does not fit the slots after offset " + std::to_string(offset));
     for (uint32_t t = 0; t < sg.num_tensors; ++t)
       std::memmove(reinterpret_cast<void *>(d->entry().addrs[t] + dst_batch * dg.unit_bytes + offset),
@@ -797,7 +805,9 @@ Status LlmDataDist::Initialize(const std::map<AscendString, AscendString> &optio
   return Guard("Initialize", [&] { impl_->Initialize(options); });
 }
 
-void LlmDataDist::Finalize() { (void)Guard("Finalize", [&] { impl_->Finalize(); }); }
+void LlmDataDist::Finalize() {
+  (void)Guard("Finalize", [&] { impl_->Finalize(); });
+}
 
 Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
   return Guard("SetRole", [&] { impl_->SetRole(role, options); });
@@ -861,8 +871,8 @@ Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, 
                                       int32_t timeout_in_millis, bool force_flag) {
   Status overall = LLM_SUCCESS;
   std::string why;
-  Status s = Guard("UnlinkLlmClusters",
-                   [&] { overall = impl_->Unlink(clusters, rets, timeout_in_millis, force_flag, why); });
+  Status s =
+      Guard("UnlinkLlmClusters", [&] { overall = impl_->Unlink(clusters, rets, timeout_in_millis, force_flag, why); });
   if (s != LLM_SUCCESS) return s;
   if (overall != LLM_SUCCESS) Record("UnlinkLlmClusters", overall, why);
   return overall;
@@ -884,15 +894,18 @@ Status LlmDataDist::PullKvCache(const CacheIndex &src_cache_index, const Cache &
 Status LlmDataDist::PullKvBlocks(const CacheIndex &src_cache_index, const Cache &dst_cache,
                                  const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
                                  const KvCacheExtParam &ext_param) {
-  return Guard("PullKvBlocks", [&] { impl_->PullBlocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param); });
+  return Guard("PullKvBlocks",
+               [&] { impl_->PullBlocks(src_cache_index, dst_cache, src_blocks, dst_blocks, ext_param); });
 }
 
 Status LlmDataDist::CopyKvCache(const Cache &src_cache, const Cache &dst_cache, uint32_t src_batch_index,
                                 uint32_t dst_batch_index, uint64_t offset, int64_t size) {
-  return Guard("CopyKvCache", [&] { impl_->CopyCache(src_cache, dst_cache, src_batch_index, dst_batch_index, offset, size); });
+  return Guard("CopyKvCache",
+               [&] { impl_->CopyCache(src_cache, dst_cache, src_batch_index, dst_batch_index, offset, size); });
 }
 
-Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache, const std::vector<uint64_t> &src_blocks,
+Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
+                                 const std::vector<uint64_t> &src_blocks,
                                  const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
   return Guard("CopyKvBlocks", [&] { impl_->CopyBlocks(src_cache, dst_cache, src_blocks, dst_blocks_list); });
 }
@@ -905,7 +918,8 @@ Status LlmDataDist::PushKvCache(const Cache &src_cache, const CacheIndex &dst_ca
 Status LlmDataDist::PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_cache_index,
                                  const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
                                  const KvCacheExtParam &ext_param) {
-  return Guard("PushKvBlocks", [&] { impl_->PushBlocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param); });
+  return Guard("PushKvBlocks",
+               [&] { impl_->PushBlocks(src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param); });
 }
 
 Status LlmDataDist::RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs,

@@ -38,7 +38,8 @@ HostIdentity Read() {
     for (char c : text)
       if (c != '-') hex.push_back(c);
     if (hex.size() == 32 && hex.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos)
-      for (size_t i = 0; i < 16; ++i) id.boot_id[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+      for (size_t i = 0; i < 16; ++i)
+        id.boot_id[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
   }
   struct stat st {};
   if (stat("/proc/self/ns/pid", &st) == 0) id.pid_ns = st.st_ino;
@@ -197,7 +198,8 @@ void Ptracer::Acquire(const void *user) {
   if (!first) return;
   const std::string scope = YamaScope();
   if (scope != "1") {
-    s.state = scope.empty() ? "no Yama: cross-memory attach needs nothing" : "Yama ptrace_scope=" + scope + ": left as is";
+    s.state =
+        scope.empty() ? "no Yama: cross-memory attach needs nothing" : "Yama ptrace_scope=" + scope + ": left as is";
     return;
   }
   if (prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0) {
@@ -213,8 +215,9 @@ void Ptracer::Release(const void *user) {
   std::lock_guard<std::mutex> lock(s.mu);
   if (!s.users.erase(user) || !s.users.empty() || !s.set) return;
   s.set = false;
-  s.state = prctl(PR_SET_PTRACER, 0, 0, 0, 0) == 0 ? "PR_SET_PTRACER_ANY undone"
-                                                   : std::string("undoing PR_SET_PTRACER_ANY failed: ") + std::strerror(errno);
+  s.state = prctl(PR_SET_PTRACER, 0, 0, 0, 0) == 0
+                ? "PR_SET_PTRACER_ANY undone"
+                : std::string("undoing PR_SET_PTRACER_ANY failed: ") + std::strerror(errno);
 }
 
 size_t Ptracer::Users() {

@@ -11,14 +11,13 @@ namespace datadist {
 namespace metrics {
 
 const std::array<uint64_t, kBuckets> kBucketNs = {
-    10000ULL,      25000ULL,      50000ULL,       100000ULL,      250000ULL,      500000ULL,
-    1000000ULL,    2500000ULL,    5000000ULL,     10000000ULL,    25000000ULL,    50000000ULL,
-    100000000ULL,  250000000ULL,  500000000ULL,   1000000000ULL,  2500000000ULL,  5000000000ULL,
+    10000ULL,       25000ULL,       50000ULL,       100000ULL,      250000ULL,     500000ULL,
+    1000000ULL,     2500000ULL,     5000000ULL,     10000000ULL,    25000000ULL,   50000000ULL,
+    100000000ULL,   250000000ULL,   500000000ULL,   1000000000ULL,  2500000000ULL, 5000000000ULL,
     10000000000ULL, 25000000000ULL, 50000000000ULL, 100000000000ULL};
 const std::array<const char *, kBuckets> kBucketText = {
-    "1e-05", "2.5e-05", "5e-05", "0.0001", "0.00025", "0.0005", "0.001", "0.0025",
-    "0.005", "0.01",    "0.025", "0.05",   "0.1",     "0.25",   "0.5",   "1.0",
-    "2.5",   "5.0",     "10.0",  "25.0",   "50.0",    "100.0"};
+    "1e-05", "2.5e-05", "5e-05", "0.0001", "0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025",
+    "0.05",  "0.1",     "0.25",  "0.5",    "1.0",     "2.5",    "5.0",   "10.0",   "25.0",  "50.0", "100.0"};
 
 namespace {
 
@@ -306,8 +305,8 @@ void Reset() {
 }
 
 std::string SeriesJson(const Series &s) {
-  std::string out = "{\"transfers\":" + std::to_string(s.transfers) + ",\"bytes\":" + std::to_string(s.bytes) +
-                    ",\"errors\":{";
+  std::string out =
+      "{\"transfers\":" + std::to_string(s.transfers) + ",\"bytes\":" + std::to_string(s.bytes) + ",\"errors\":{";
   for (size_t i = 0; i < s.errors.size(); ++i)
     out += (i ? "," : "") + Quoted(s.errors[i].first) + ":" + std::to_string(s.errors[i].second);
   out += "},\"seconds\":" + Number(s.seconds()) + ",\"latency_buckets\":{";

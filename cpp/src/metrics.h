@@ -56,9 +56,9 @@ struct Series {
   Op op = Op::kPull;
   uint64_t cluster_id = 0;
   uint64_t transfers = 0;
-  uint64_t bytes = 0;     // moved by the transfers that succeeded
-  uint64_t nanos = 0;     // every transfer's duration, summed
-  std::array<uint64_t, kBuckets + 1> counts{};  // per bucket (not cumulative); the last: above all
+  uint64_t bytes = 0;                                    // moved by the transfers that succeeded
+  uint64_t nanos = 0;                                    // every transfer's duration, summed
+  std::array<uint64_t, kBuckets + 1> counts{};           // per bucket (not cumulative); the last: above all
   std::vector<std::pair<std::string, uint64_t>> errors;  // status code name ("LLM_TIMEOUT") -> count
   double seconds() const { return static_cast<double>(nanos) / 1e9; }
   /// The upper bound (s) of the bucket holding quantile q; -1 before any transfer, +inf above

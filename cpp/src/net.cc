@@ -1,7 +1,5 @@
 #include "net.h"
 
-#include <utility>
-
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -16,6 +14,7 @@
 #include <climits>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "addr.h"
 #include "errors.h"
@@ -37,24 +36,24 @@ void Tune(int fd) {
   int one = 1;
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   (void)setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  for (auto [opt, val] : {std::pair<int, int>{TCP_KEEPIDLE, kKeepIdle}, {TCP_KEEPINTVL, kKeepInterval},
-                          {TCP_KEEPCNT, kKeepCount}, {TCP_USER_TIMEOUT, kUserTimeoutMs}})
+  for (auto [opt, val] : {std::pair<int, int>{TCP_KEEPIDLE, kKeepIdle},
+                          {TCP_KEEPINTVL, kKeepInterval},
+                          {TCP_KEEPCNT, kKeepCount},
+                          {TCP_USER_TIMEOUT, kUserTimeoutMs}})
     (void)setsockopt(fd, IPPROTO_TCP, opt, &val, sizeof(val));  // fails harmlessly on unix sockets
   int flags = fcntl(fd, F_GETFL, 0);
   (void)fcntl(fd, F_SETFL, flags | O_NONBLOCK);
 }
 
-// Bulk transfers wait in the kernel (a blocking socket, SO_RCVTIMEO / SO_SNDTIMEO kept inside the deadline): a transfer that the
-// socket cannot take or give at once, with at least kBulkMin bytes left, turns O_NONBLOCK off
-// for the rest of it. The receiver then asks recvmsg(MSG_WAITALL) for a whole batch of up to
-// kMaxIov spans, and the kernel copies segments as they arrive without returning; the
-// sender writes kSendChunk bytes a call, and the kernel waits for room inside the call. The
-// non-blocking loop this replaces returned for a poll at every buffer-full or empty socket:
-// per 256 MiB pull on loopback (one range, 8192 x 32 KiB, 65536 x 4 KiB) the owner made 180
-// to 290 system calls and the puller 190 to 820, against 70 to 80 and 6 to 80 for a loop that
-// blocks in the kernel (the Python engine's, since removed); now about as many. Smaller
-// transfers keep the non-blocking call: one does them.
-// A Shutdown from another thread wakes a blocked call as it woke poll.
+// Bulk transfers wait in the kernel (a blocking socket, SO_RCVTIMEO / SO_SNDTIMEO kept inside the deadline): a transfer
+// that the socket cannot take or give at once, with at least kBulkMin bytes left, turns O_NONBLOCK off for the rest of
+// it. The receiver then asks recvmsg(MSG_WAITALL) for a whole batch of up to kMaxIov spans, and the kernel copies
+// segments as they arrive without returning; the sender writes kSendChunk bytes a call, and the kernel waits for room
+// inside the call. The non-blocking loop this replaces returned for a poll at every buffer-full or empty socket: per
+// 256 MiB pull on loopback (one range, 8192 x 32 KiB, 65536 x 4 KiB) the owner made 180 to 290 system calls and the
+// puller 190 to 820, against 70 to 80 and 6 to 80 for a loop that blocks in the kernel (the Python engine's, since
+// removed); now about as many. Smaller transfers keep the non-blocking call: one does them. A Shutdown from another
+// thread wakes a blocked call as it woke poll.
 constexpr size_t kBulkMin = 256 << 10;
 constexpr size_t kSendChunk = 4 << 20;  // the socket lock is held for a call's copy
 
@@ -90,8 +89,7 @@ size_t Advance(std::vector<iovec> &iov, size_t first, size_t n) {
 
 Conn::Conn(int fd, std::string address) : fd_(fd), address_(std::move(address)) { Tune(fd); }
 
-std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Deadline deadline,
-                                    bool was_listening) {
+std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Deadline deadline, bool was_listening) {
   const SockAddr addr = ToSockAddr(host, port);
   int fd = socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) Fail(llm_datadist::LLM_LINK_FAILED, std::string("socket: ") + std::strerror(errno));
@@ -103,11 +101,13 @@ std::unique_ptr<Conn> Conn::Connect(const std::string &host, uint16_t port, Dead
   auto refused = [&](int err) {
     std::string why = "cannot connect to " + where + ": " + std::strerror(err);
     if (err == ECONNREFUSED && was_listening)
-      why += ": nothing listens there any more (the peer that listened there stopped; the next call reconnects once "
-             "it listens again)";
+      why +=
+          ": nothing listens there any more (the peer that listened there stopped; the next call reconnects once "
+          "it listens again)";
     else if (err == ECONNREFUSED)
-      why += ": nothing listens there (is the PROMPT running, and is this the port its LLMConfig.listen_ip_info "
-             "names?)";
+      why +=
+          ": nothing listens there (is the PROMPT running, and is this the port its LLMConfig.listen_ip_info "
+          "names?)";
     Fail(llm_datadist::LLM_LINK_FAILED, why);
   };
   if (connect(fd, addr.get(), addr.len) != 0) {
@@ -185,7 +185,8 @@ void Conn::Arm(int opt, Deadline deadline, bool expired) {
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(left / 1000000);
   tv.tv_usec = static_cast<suseconds_t>(left % 1000000);
-  if (setsockopt(fd_, SOL_SOCKET, opt, &tv, sizeof(tv)) != 0) Broken(std::string("setsockopt: ") + std::strerror(errno));
+  if (setsockopt(fd_, SOL_SOCKET, opt, &tv, sizeof(tv)) != 0)
+    Broken(std::string("setsockopt: ") + std::strerror(errno));
   armed = left;
 }
 

@@ -12,11 +12,11 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <mutex>
-#include <chrono>
-#include <cstdint>
-#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -67,7 +67,9 @@ class Conn {
                                        bool was_listening = false);
 
   void SendAll(const void *data, size_t n, Deadline deadline);
-  void SendFrame(const std::vector<uint8_t> &frame, Deadline deadline) { SendAll(frame.data(), frame.size(), deadline); }
+  void SendFrame(const std::vector<uint8_t> &frame, Deadline deadline) {
+    SendAll(frame.data(), frame.size(), deadline);
+  }
   /// Sends / receives exactly the bytes the iovecs name (zero-length entries allowed).
   void SendV(std::vector<iovec> iov, Deadline deadline);
   void RecvV(std::vector<iovec> iov, Deadline deadline);
@@ -141,8 +143,8 @@ class Conn {
   int fd_;
   bool blocking_ = false;  // inside a bulk SendV / RecvV, O_NONBLOCK off (the owner's thread only)
   int64_t armed_us_[2] = {INT64_MAX, INT64_MAX};  // SO_RCVTIMEO, SO_SNDTIMEO in force (none yet: forever)
-  std::unique_ptr<tls::Session> tls_;  // the owner's only
-  std::mutex close_mu_;  // Close (owner) vs Shutdown (any thread)
+  std::unique_ptr<tls::Session> tls_;             // the owner's only
+  std::mutex close_mu_;                           // Close (owner) vs Shutdown (any thread)
   std::string address_;
 };
 

@@ -36,9 +36,9 @@
 #include <functional>
 #include <list>
 #include <map>
-#include <set>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,7 +52,8 @@ namespace nixl {
 
 /// Seconds an owner waits for a reader to give a NIXL lease back (NIXL_REVOKE answered by OK).
 constexpr double kRevokeWait = 5.0;
-/// Seconds between two progress calls of the owner's pump: fast while a lease of a connection without a completed NIXL read is open.
+/// Seconds between two progress calls of the owner's pump: fast while a lease of a connection without a completed NIXL
+/// read is open.
 constexpr double kPumpFast = 50e-6;
 constexpr double kPumpSlow = 2e-3;
 /// NIXL cache leases one reader connection may hold (MAX_NIXL_LEASES_PER_PEER).
@@ -186,15 +187,15 @@ class Agent {
   void Pump();
   struct Region;
   std::string name_;
-  void *agent_ = nullptr;     // nixl_capi_agent_t
-  void *backend_ = nullptr;   // nixl_capi_backend_t
-  void *opts_ = nullptr;      // nixl_capi_opt_args_t naming the backend
-  void *notifs_ = nullptr;    // the pump's nixl_capi_notif_map_t
-  std::mutex mu_;             // guards the fields below
+  void *agent_ = nullptr;    // nixl_capi_agent_t
+  void *backend_ = nullptr;  // nixl_capi_backend_t
+  void *opts_ = nullptr;     // nixl_capi_opt_args_t naming the backend
+  void *notifs_ = nullptr;   // the pump's nixl_capi_notif_map_t
+  std::mutex mu_;            // guards the fields below
   std::map<const void *, std::unique_ptr<Region>> regions_;
   std::multimap<uint64_t, std::pair<uint64_t, MemKind>> starts_;  // every registered tensor: address -> end, kind
-  std::map<std::string, size_t> remotes_;  // loaded peers' metadata, by the links using them
-  std::vector<void *> stuck_;              // transfers NIXL could not release yet
+  std::map<std::string, size_t> remotes_;                         // loaded peers' metadata, by the links using them
+  std::vector<void *> stuck_;                                     // transfers NIXL could not release yet
   std::atomic<uint64_t> prepared_{0};
   size_t private_ = 0;
   uint64_t generation_ = 1;
@@ -296,20 +297,19 @@ class Owner {
     std::shared_ptr<std::atomic<bool>> done;
   };
   std::vector<RevokeThread> revokers_;  // finished ones are joined when the next start
-  std::condition_variable revoked_;  // a revoker finished
+  std::condition_variable revoked_;     // a revoker finished
   size_t revoking_ = 0;
   bool closed_ = false;
 };
 
 /// The reader side of one connection of a link forced to NIXL (docs/protocol.md, "Pull and
-/// push over NIXL", "NIXL leases"). A pull by cache id or blocks key reads under a lease on the whole remote cache (NIXL_LEASE, asked once per cache after
-/// a NIXL read completed on the connection): no request per pull, the bounds checked here
-/// against the lease's geometry (CheckRequestAt, the owner's own checks), one NIXL READ. Other
-/// pulls (by request key, with a checksum, the first, or where the owner grants no lease):
-/// NIXL_READ -> NIXL_GRANT, one NIXL READ, RELEASE. Pushes: NIXL_WRITE -> NIXL_GRANT, one NIXL
-/// WRITE, RELEASE. The owner's metadata is reloaded when a grant or lease names another agent
-/// or a newer generation. Prepared transfers for identical requests are kept (kHandles).
-/// Used under its link's busy flag, except Revoke (the reverse channel's serving thread).
+/// push over NIXL", "NIXL leases"). A pull by cache id or blocks key reads under a lease on the whole remote cache
+/// (NIXL_LEASE, asked once per cache after a NIXL read completed on the connection): no request per pull, the bounds
+/// checked here against the lease's geometry (CheckRequestAt, the owner's own checks), one NIXL READ. Other pulls (by
+/// request key, with a checksum, the first, or where the owner grants no lease): NIXL_READ -> NIXL_GRANT, one NIXL
+/// READ, RELEASE. Pushes: NIXL_WRITE -> NIXL_GRANT, one NIXL WRITE, RELEASE. The owner's metadata is reloaded when a
+/// grant or lease names another agent or a newer generation. Prepared transfers for identical requests are kept
+/// (kHandles). Used under its link's busy flag, except Revoke (the reverse channel's serving thread).
 class ReadPath {
  public:
   static constexpr size_t kHandles = 32;       // HANDLE_CACHE
@@ -364,10 +364,10 @@ class ReadPath {
   std::shared_ptr<Agent> agent_;
   std::string remote_;
   uint64_t generation_ = 0;
-  bool wired_ = false;     // a NIXL read completed on this connection
-  bool lease_ok_ = true;   // false once the owner refused a lease for want of a reverse channel
+  bool wired_ = false;    // a NIXL read completed on this connection
+  bool lease_ok_ = true;  // false once the owner refused a lease for want of a reverse channel
   std::list<std::pair<std::string, void *>> handles_;  // most recent first
-  std::mutex mu_;  // guards the leases below (Revoke comes from another thread)
+  std::mutex mu_;                                      // guards the leases below (Revoke comes from another thread)
   std::condition_variable cv_;
   std::map<LeaseKey, std::shared_ptr<Held>> leases_;
   std::map<uint64_t, std::shared_ptr<Held>> lease_ids_;

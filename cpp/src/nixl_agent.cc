@@ -1,18 +1,17 @@
-#include "nixl.h"
-#include "nixl_capi.h"
-
 #include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
-#include <unistd.h>
 
 #include "errors.h"
 #include "metrics.h"
+#include "nixl.h"
+#include "nixl_capi.h"
 #include "verify.h"
 
 namespace datadist {
@@ -104,8 +103,9 @@ void Agent::Register(const void *key, const std::vector<uint64_t> &addrs, uint64
   if (s != kOk) {
     api.destroy_reg_dlist(r->dlist);
     Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
-         std::string("NIXL cannot register ") + (vram ? "VRAM memory of CUDA device " + std::to_string(dev) : "DRAM memory") +
-             " (status " + std::to_string(s) + ")");
+         std::string("NIXL cannot register ") +
+             (vram ? "VRAM memory of CUDA device " + std::to_string(dev) : "DRAM memory") + " (status " +
+             std::to_string(s) + ")");
   }
   r->addrs = addrs;
   r->nbytes = nbytes;

@@ -18,7 +18,7 @@ namespace capi {
 using Status = int;
 constexpr Status kOk = 0, kInProgress = 1;
 constexpr int kDram = 0, kVram = 1;  // nixl_capi_mem_type_t: NIXL_CAPI_MEM_DRAM, NIXL_CAPI_MEM_VRAM
-constexpr int kRead = 0;  // nixl_capi_xfer_op_t (kWrite = 1)
+constexpr int kRead = 0;             // nixl_capi_xfer_op_t (kWrite = 1)
 constexpr unsigned kSyncStrict = 1;  // nixl_capi_thread_sync_t
 /// nixl_capi_agent_config_t (its field order and types are the ABI).
 struct AgentConfig {
@@ -63,8 +63,8 @@ struct Api {
   Status (*destroy_xfer_dlist)(H);
   Status (*xfer_dlist_add_desc)(H, uintptr_t, size_t, uint64_t);
   Status (*create_xfer_req)(H, int, H, H, const char *, H *, H);
-  Status (*post_xfer_req)(H, H, H);     // 0 done, 1 in progress
-  Status (*get_xfer_status)(H, H);      // 0 done, 1 in progress
+  Status (*post_xfer_req)(H, H, H);  // 0 done, 1 in progress
+  Status (*get_xfer_status)(H, H);   // 0 done, 1 in progress
   Status (*release_xfer_req)(H, H);
   Status (*destroy_xfer_req)(H);
 };

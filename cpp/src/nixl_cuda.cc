@@ -1,17 +1,16 @@
-#include "nixl.h"
-
 #include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
-#include <unistd.h>
 
 #include "errors.h"
 #include "metrics.h"
+#include "nixl.h"
 #include "verify.h"
 
 namespace datadist {

@@ -1,8 +1,6 @@
-#include "nixl.h"
-#include "nixl_capi.h"
-
 #include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -11,10 +9,11 @@
 #include <fstream>
 #include <set>
 #include <sstream>
-#include <unistd.h>
 
 #include "errors.h"
 #include "metrics.h"
+#include "nixl.h"
+#include "nixl_capi.h"
 #include "verify.h"
 
 namespace datadist {
@@ -25,7 +24,8 @@ namespace capi {
 Api api;
 
 void Check(Status s, const std::string &what) {
-  if (s != kOk) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "NIXL " + what + " failed (status " + std::to_string(s) + ")");
+  if (s != kOk)
+    Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "NIXL " + what + " failed (status " + std::to_string(s) + ")");
 }
 
 }  // namespace capi
@@ -52,9 +52,9 @@ bool Sym(void *lib, const char *name, F &slot, std::string *missing) {
 
 // UCX transports whose remote accesses the hardware checks against a registration's memory key,
 // and those that serve no remote access at all (the same set as core/nixl_wheel.py's KEY_CHECKED_TLS).
-const std::set<std::string> kKeyCheckedTls = {
-    "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_v",
-    "ud_x", "ud_verbs", "ud_mlx5", "cuda_copy", "rocm_copy", "gdr_copy"};
+const std::set<std::string> kKeyCheckedTls = {"ib",       "rc",      "rc_v",      "rc_x",      "rc_verbs", "rc_mlx5",
+                                              "dc",       "dc_x",    "dc_mlx5",   "ud",        "ud_v",     "ud_x",
+                                              "ud_verbs", "ud_mlx5", "cuda_copy", "rocm_copy", "gdr_copy"};
 constexpr const char *kRdmaDevices = "/sys/class/infiniband";
 constexpr const char *kSoftwareRma =
     "UCX's software RMA emulation (ucp/rma/rma_sw.c) serves a PUT or GET at any address a peer names, with no key, "
@@ -76,7 +76,6 @@ std::string Trim(const std::string &s) {
   return s.substr(a, s.find_last_not_of(" \t\n\r") - a + 1);
 }
 
-
 /// "1.5.1" -> {1, 5, 1}; false unless it starts with three dot-separated numbers (a suffix
 /// such as ".post1" or "rc1" after them is ignored).
 bool ParseVersion(const std::string &text, int out[3]) {
@@ -96,9 +95,7 @@ bool ParseVersion(const std::string &text, int out[3]) {
   return true;
 }
 
-bool Before(const int a[3], const int b[3]) {
-  return std::lexicographical_compare(a, a + 3, b, b + 3);
-}
+bool Before(const int a[3], const int b[3]) { return std::lexicographical_compare(a, a + 3, b, b + 3); }
 
 std::string Dirname(const std::string &path) {
   const size_t slash = path.find_last_of('/');
@@ -119,8 +116,7 @@ bool EndsWith(const std::string &s, const std::string &tail) {
 std::string LoadedPath(void *lib, const std::string &asked) {
   Dl_info info{};
   void *sym = dlsym(lib, "nixl_capi_create_configured_agent");
-  if (sym != nullptr && dladdr(sym, &info) != 0 && info.dli_fname != nullptr && *info.dli_fname)
-    return info.dli_fname;
+  if (sym != nullptr && dladdr(sym, &info) != 0 && info.dli_fname != nullptr && *info.dli_fname) return info.dli_fname;
   return asked;
 }
 

@@ -1,18 +1,17 @@
-#include "nixl.h"
-#include "nixl_capi.h"
-
 #include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
-#include <unistd.h>
 
 #include "errors.h"
 #include "metrics.h"
+#include "nixl.h"
+#include "nixl_capi.h"
 #include "verify.h"
 
 namespace datadist {
@@ -124,8 +123,9 @@ std::string Owner::ReaderRefusal() {
   }
   const std::string why = UncheckedTransports();
   if (why.empty()) return "";
-  return why + ": the owner's UCX could reach this whole process; not without datadist.NixlAllowWholeProcessAccess "
-               "(DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS)";
+  return why +
+         ": the owner's UCX could reach this whole process; not without datadist.NixlAllowWholeProcessAccess "
+         "(DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS)";
 }
 
 bool Owner::Registers(const Entry &e, bool *is_private) {
@@ -148,16 +148,19 @@ std::shared_ptr<Agent> Owner::Make(const std::function<std::string()> &unavailab
   const std::string missing = unavailable();
   if (!missing.empty()) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, missing);
   std::ostringstream name;
-  name << "datadist-" << cluster_id_ << "-" << getpid() << "-" << std::hex << (reinterpret_cast<uintptr_t>(this) & 0xffffffff);
+  name << "datadist-" << cluster_id_ << "-" << getpid() << "-" << std::hex
+       << (reinterpret_cast<uintptr_t>(this) & 0xffffffff);
   auto a = std::make_shared<Agent>(name.str());
   // Every servable cache, then published: under the registry's mutex, so none filed meanwhile
   // is missed (Added registers those once agent_ is set).
-  registry_->ForEach([&](const Entry &e) {
-    if (!e.closing) Register(*a, e);
-  }, [&] {
-    std::lock_guard<std::mutex> lock(mu_);
-    agent_ = a;
-  });
+  registry_->ForEach(
+      [&](const Entry &e) {
+        if (!e.closing) Register(*a, e);
+      },
+      [&] {
+        std::lock_guard<std::mutex> lock(mu_);
+        agent_ = a;
+      });
   return a;
 }
 
@@ -243,8 +246,8 @@ void Owner::RevokeReader(std::vector<uint64_t> ids, const std::shared_ptr<std::a
     } catch (const std::exception &err) {
       // Not given back in time (or its reverse channel is gone): its connection is shut down,
       // which ends its leases; its reads under them then fail.
-      Log("NIXL lease " + std::to_string(id) + " of cluster " + std::to_string(h->cluster) +
-          " not given back (" + err.what() + "): its connection is shut down");
+      Log("NIXL lease " + std::to_string(id) + " of cluster " + std::to_string(h->cluster) + " not given back (" +
+          err.what() + "): its connection is shut down");
       std::lock_guard<std::mutex> lock(mu_);
       if (held_.count(id) && h->conn) h->conn->Shutdown();
     }
@@ -315,7 +318,8 @@ wire::NixlLeased Owner::OpenLease(const void *conn_key, Conn *conn, uint64_t clu
     // The reverse channel of this very connection (the token it echoed): a connection that
     // only claims the reader's cluster id gets no lease revoked on another's channel.
     if (token.empty() || !up || !up(cluster, token))
-      Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "no reverse channel from this reader to revoke a lease on: read by request");
+      Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
+           "no reverse channel from this reader to revoke a lease on: read by request");
     if (mine >= kMaxLeasesPerPeer)
       Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED,
            "this reader holds " + std::to_string(mine) + " NIXL leases already: read by request");
@@ -352,7 +356,8 @@ wire::NixlLeased Owner::OpenLease(const void *conn_key, Conn *conn, uint64_t clu
         held_[h->id] = h;
       }
     }
-    if (moved) Fail(llm_datadist::LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(e.id) + " is going: read by request");
+    if (moved)
+      Fail(llm_datadist::LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(e.id) + " is going: read by request");
     a->PumpAcquire(false);  // a lease is asked for only after a completed NIXL read
     l.agent = a->name();
     l.generation = a->generation();

@@ -1,18 +1,17 @@
-#include "nixl.h"
-#include "nixl_capi.h"
-
 #include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
-#include <unistd.h>
 
 #include "errors.h"
 #include "metrics.h"
+#include "nixl.h"
+#include "nixl_capi.h"
 #include "verify.h"
 
 namespace datadist {
@@ -47,8 +46,8 @@ std::vector<iovec> Spans(const std::vector<uint64_t> &bases, const wire::Request
   out.reserve(bases.size() * req.offsets.size());
   for (uint64_t b : bases)
     for (size_t j = 0; j < req.offsets.size(); ++j)
-      out.push_back({reinterpret_cast<void *>(static_cast<uintptr_t>(b + req.offsets[j])),
-                     static_cast<size_t>(req.lengths[j])});
+      out.push_back(
+          {reinterpret_cast<void *>(static_cast<uintptr_t>(b + req.offsets[j])), static_cast<size_t>(req.lengths[j])});
   return out;
 }
 
@@ -66,8 +65,9 @@ std::string Bytes(const std::vector<iovec> &v) {
 
 void ReadPath::Connect(Channel &ch, Deadline deadline) {
   std::vector<uint8_t> payload;
-  const wire::Header h = ch.call(wire::kNixlMdRequest, [](uint32_t rid) { return wire::EncodeEmpty(wire::kNixlMdRequest, rid); },
-                                 payload, deadline);
+  const wire::Header h = ch.call(
+      wire::kNixlMdRequest, [](uint32_t rid) { return wire::EncodeEmpty(wire::kNixlMdRequest, rid); }, payload,
+      deadline);
   if (h.type != wire::kNixlMd) {
     ch.close();
     ProtocolViolation("expected NIXL_MD");
@@ -193,7 +193,8 @@ std::shared_ptr<ReadPath::Held> ReadPath::LeaseFor(Channel &ch, const wire::Requ
   std::vector<uint8_t> payload;
   wire::Header h;
   try {
-    h = ch.call(wire::kNixlLease, [&q](uint32_t rid) { return wire::EncodeNixlLease(q, rid); }, payload, deadline);
+    h = ch.call(
+        wire::kNixlLease, [&q](uint32_t rid) { return wire::EncodeNixlLease(q, rid); }, payload, deadline);
   } catch (const Error &e) {
     // No reverse channel at the owner, or memory not registered with NIXL (FEATURE_NOT_ENABLED),
     // or the cache is going (KV_CACHE_NOT_EXIST): a request says what holds.
@@ -262,8 +263,8 @@ void ReadPath::ReadGranted(Channel &ch, const wire::Request &req, const std::vec
   wire::Request q = req;
   q.flags = req.flags & (wire::kFlagChecksum | wire::kFlagWhole);
   std::vector<uint8_t> payload;
-  const wire::Header h =
-      ch.call(wire::kNixlRead, [&q](uint32_t rid) { return wire::EncodeRequest(wire::kNixlRead, q, rid); }, payload, deadline);
+  const wire::Header h = ch.call(
+      wire::kNixlRead, [&q](uint32_t rid) { return wire::EncodeRequest(wire::kNixlRead, q, rid); }, payload, deadline);
   wire::NixlGrant g;
   try {
     if (h.type != wire::kNixlGrant) ProtocolViolation("expected NIXL_GRANT");
@@ -319,8 +320,9 @@ void ReadPath::Write(Channel &ch, const wire::Request &req, const std::vector<io
   std::vector<uint8_t> payload;
   wire::Request q = req;
   q.flags = 0;
-  const wire::Header h =
-      ch.call(wire::kNixlWrite, [&q](uint32_t rid) { return wire::EncodeRequest(wire::kNixlWrite, q, rid); }, payload, deadline);
+  const wire::Header h = ch.call(
+      wire::kNixlWrite, [&q](uint32_t rid) { return wire::EncodeRequest(wire::kNixlWrite, q, rid); }, payload,
+      deadline);
   wire::NixlGrant g;
   try {
     if (h.type != wire::kNixlGrant) ProtocolViolation("expected NIXL_GRANT");

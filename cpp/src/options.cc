@@ -16,49 +16,149 @@ constexpr int64_t kInt32Max = 2147483647;
 std::vector<OptionSpec> MakeTable() {
   std::vector<OptionSpec> t;
   auto add = [&t](OptionSpec s) { t.push_back(std::move(s)); };
-  add({"datadist.Transport", "DATADIST_TRANSPORT", OptionKind::kEnum, {"auto", "tcp", "cma", "shm", "nixl"}, 0, 0, "",
-       "auto", "transport",
+  add({"datadist.Transport",
+       "DATADIST_TRANSPORT",
+       OptionKind::kEnum,
+       {"auto", "tcp", "cma", "shm", "nixl"},
+       0,
+       0,
+       "",
+       "auto",
+       "transport",
        "Force this process's data path: auto (same-host peers by shared memory or cross-memory attach, others "
        "by TCP), tcp, cma, shm or nixl (needs the datadist[nixl] extra). tcp and nixl neither use nor serve the "
        "local channel.",
        "unknown transport '{value}' in {name}; use auto, tcp, cma, shm or nixl"});
-  add({"datadist.NixlServe", "DATADIST_NIXL_SERVE", OptionKind::kBool, {}, 0, 0, "", "0", "nixl_serve",
+  add({"datadist.NixlServe",
+       "DATADIST_NIXL_SERVE",
+       OptionKind::kBool,
+       {},
+       0,
+       0,
+       "",
+       "0",
+       "nixl_serve",
        "Serve NIXL readers (our NIXL metadata, grants and leases). Off unless set: NIXL being installed is not "
        "consent. Needs enable_remote_cache_accessible and, where UCX may use transports whose memory keys "
        "nothing checks, nixl_allow_whole_process_access."});
-  add({"datadist.NixlAllowWholeProcessAccess", "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS", OptionKind::kBool, {}, 0,
-       0, "", "0", "nixl_allow_whole_process_access",
+  add({"datadist.NixlAllowWholeProcessAccess",
+       "DATADIST_NIXL_ALLOW_WHOLE_PROCESS_ACCESS",
+       OptionKind::kBool,
+       {},
+       0,
+       0,
+       "",
+       "0",
+       "nixl_allow_whole_process_access",
        "Allow NIXL where UCX may carry it over transports whose memory keys the hardware does not check (tcp, "
        "shared memory, cma): there a NIXL peer can read and write any address of this process. Set it only "
        "among processes that trust each other fully."});
-  add({"datadist.NixlLibrary", "DATADIST_NIXL_LIBRARY", OptionKind::kPath, {}, 0, 0, "", "", "",
+  add({"datadist.NixlLibrary",
+       "DATADIST_NIXL_LIBRARY",
+       OptionKind::kPath,
+       {},
+       0,
+       0,
+       "",
+       "",
+       "",
        "NIXL's C API library (libnixl_capi.so) to load; unset: the nixl-cu12 wheel's (Python), else the "
        "loader's search path."});
-  add({"datadist.AuthSecret", "DATADIST_AUTH_SECRET", OptionKind::kSecret, {}, 0, 0, "", "", "auth_secret",
+  add({"datadist.AuthSecret",
+       "DATADIST_AUTH_SECRET",
+       OptionKind::kSecret,
+       {},
+       0,
+       0,
+       "",
+       "",
+       "auth_secret",
        "A shared secret every linked peer must prove (challenge and response; it never crosses the wire). "
        "Unset: none."});
-  add({"datadist.VerifyChecksum", "DATADIST_VERIFY_CHECKSUM", OptionKind::kBool, {}, 0, 0, "", "0",
+  add({"datadist.VerifyChecksum",
+       "DATADIST_VERIFY_CHECKSUM",
+       OptionKind::kBool,
+       {},
+       0,
+       0,
+       "",
+       "0",
        "verify_checksum",
        "Check every pull end to end with a CRC-32 of the source spans (about one extra read of the bytes on "
        "each side)."});
-  add({"datadist.AllowPtrace", "DATADIST_ALLOW_PTRACE", OptionKind::kBool, {}, 0, 0, "", "1", "allow_ptrace",
+  add({"datadist.AllowPtrace",
+       "DATADIST_ALLOW_PTRACE",
+       OptionKind::kBool,
+       {},
+       0,
+       0,
+       "",
+       "1",
+       "allow_ptrace",
        "Under Yama ptrace_scope=1, let same-user readers attach to this process for cross-memory attach "
        "(PR_SET_PTRACER_ANY, set once such a reader asks, undone at finalize). 0: never; they fall back to "
        "shared memory or a stream path."});
-  add({"datadist.TlsCert", "DATADIST_TLS_CERT", OptionKind::kPath, {}, 0, 0, "", "", "tls_cert_file",
+  add({"datadist.TlsCert",
+       "DATADIST_TLS_CERT",
+       OptionKind::kPath,
+       {},
+       0,
+       0,
+       "",
+       "",
+       "tls_cert_file",
        "This process's TLS certificate (PEM). With the key and the CA every connection runs mutual TLS; the "
        "three go together."});
-  add({"datadist.TlsKey", "DATADIST_TLS_KEY", OptionKind::kPath, {}, 0, 0, "", "", "tls_key_file",
+  add({"datadist.TlsKey",
+       "DATADIST_TLS_KEY",
+       OptionKind::kPath,
+       {},
+       0,
+       0,
+       "",
+       "",
+       "tls_key_file",
        "The key of the TLS certificate (PEM)."});
-  add({"datadist.TlsCa", "DATADIST_TLS_CA", OptionKind::kPath, {}, 0, 0, "", "", "tls_ca_file",
+  add({"datadist.TlsCa",
+       "DATADIST_TLS_CA",
+       OptionKind::kPath,
+       {},
+       0,
+       0,
+       "",
+       "",
+       "tls_ca_file",
        "The CA that signs every peer's certificate (PEM)."});
-  add({"datadist.MaxConnections", "DATADIST_MAX_CONNECTIONS", OptionKind::kInt, {}, 1, 65535, "", "256",
+  add({"datadist.MaxConnections",
+       "DATADIST_MAX_CONNECTIONS",
+       OptionKind::kInt,
+       {},
+       1,
+       65535,
+       "",
+       "256",
        "max_connections",
        "Inbound connections a listening process serves at once (a link takes two: control and reverse "
        "channel); more are refused with LLM_LINK_FAILED."});
-  add({"datadist.MaxConnectionsPerPeer", "DATADIST_MAX_CONNECTIONS_PER_PEER", OptionKind::kInt, {}, 1, 65535, "",
-       "64", "max_connections_per_peer", "Of those, how many may come from one peer (IP address, or uid on this host)."});
-  OptionSpec sync{"llm.SyncKvCacheWaitTime", "", OptionKind::kInt, {}, 1, kInt32Max, "ms", "1000", "",
+  add({"datadist.MaxConnectionsPerPeer",
+       "DATADIST_MAX_CONNECTIONS_PER_PEER",
+       OptionKind::kInt,
+       {},
+       1,
+       65535,
+       "",
+       "64",
+       "max_connections_per_peer",
+       "Of those, how many may come from one peer (IP address, or uid on this host)."});
+  OptionSpec sync{"llm.SyncKvCacheWaitTime",
+                  "",
+                  OptionKind::kInt,
+                  {},
+                  1,
+                  kInt32Max,
+                  "ms",
+                  "1000",
+                  "",
                   "Milliseconds a pull or push may take (LLMConfig.sync_kv_timeout)."};
   sync.empty_is_value = true;
   add(sync);
@@ -75,9 +175,7 @@ std::string Replace(std::string text, const std::string &what, const std::string
   std::string msg = spec.bad;
   if (msg.empty()) {
     switch (spec.kind) {
-      case OptionKind::kBool:
-        msg = "{name} must be 0 or 1, got '{value}'";
-        break;
+      case OptionKind::kBool: msg = "{name} must be 0 or 1, got '{value}'"; break;
       case OptionKind::kInt:
         msg = "{name} must be an integer in [" + std::to_string(spec.lo) + ", " + std::to_string(spec.hi) + "]" +
               (*spec.unit ? std::string(" (") + spec.unit + ")" : std::string()) + ", got '{value}'";
@@ -88,8 +186,7 @@ std::string Replace(std::string text, const std::string &what, const std::string
         msg = "{name} must be one of " + list + ", got '{value}'";
         break;
       }
-      default:
-        msg = "{name}: bad value '{value}'";
+      default: msg = "{name}: bad value '{value}'";
     }
   }
   Invalid(Replace(Replace(msg, "{name}", where), "{value}", raw));
@@ -104,30 +201,21 @@ std::string Lower(std::string s) {
 
 const char *KindName(OptionKind kind) {
   switch (kind) {
-    case OptionKind::kBool:
-      return "bool";
-    case OptionKind::kInt:
-      return "int";
-    case OptionKind::kEnum:
-      return "enum";
-    case OptionKind::kString:
-      return "str";
-    case OptionKind::kPath:
-      return "path";
-    case OptionKind::kSecret:
-      return "secret";
+    case OptionKind::kBool: return "bool";
+    case OptionKind::kInt: return "int";
+    case OptionKind::kEnum: return "enum";
+    case OptionKind::kString: return "str";
+    case OptionKind::kPath: return "path";
+    case OptionKind::kSecret: return "secret";
   }
   return "str";
 }
 
 const char *SourceName(OptionValue::Source source) {
   switch (source) {
-    case OptionValue::Source::kOption:
-      return "option";
-    case OptionValue::Source::kEnv:
-      return "env";
-    default:
-      return "default";
+    case OptionValue::Source::kOption: return "option";
+    case OptionValue::Source::kEnv: return "env";
+    default: return "default";
   }
 }
 
@@ -166,12 +254,9 @@ Env NoEnv() {
 
 std::string OptionValue::Text() const {
   switch (kind) {
-    case OptionKind::kBool:
-      return b ? "1" : "0";
-    case OptionKind::kInt:
-      return std::to_string(i);
-    default:
-      return s;
+    case OptionKind::kBool: return b ? "1" : "0";
+    case OptionKind::kInt: return std::to_string(i);
+    default: return s;
   }
 }
 
@@ -202,8 +287,7 @@ OptionValue CheckValue(const OptionSpec &spec, const std::string &raw, const std
       v.s = low;
       break;
     }
-    default:
-      v.s = raw;
+    default: v.s = raw;
   }
   return v;
 }
@@ -239,8 +323,9 @@ Options ParseOptions(const std::map<std::string, std::string> &options, const En
   out.max_per_peer = static_cast<size_t>(val.at("datadist.MaxConnectionsPerPeer").i);
   out.sync_timeout_ms = val.at("llm.SyncKvCacheWaitTime").i;
   if (!out.tls.empty() && (out.tls.cert.empty() || out.tls.key.empty() || out.tls.ca.empty()))
-    Invalid("TLS needs a certificate, its key and a CA file together (datadist.TlsCert, datadist.TlsKey, "
-            "datadist.TlsCa)");
+    Invalid(
+        "TLS needs a certificate, its key and a CA file together (datadist.TlsCert, datadist.TlsKey, "
+        "datadist.TlsCa)");
   return out;
 }
 

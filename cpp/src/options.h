@@ -38,8 +38,8 @@ const char *KindName(OptionKind kind);
 
 /// One row of the table.
 struct OptionSpec {
-  const char *key;      // the option key, e.g. "datadist.MaxConnections"
-  const char *env;      // its environment variable, "" when none
+  const char *key;  // the option key, e.g. "datadist.MaxConnections"
+  const char *env;  // its environment variable, "" when none
   OptionKind kind;
   std::vector<std::string> values;  // kEnum: the accepted values (lower case)
   int64_t lo = 0, hi = 0;           // kInt: the accepted range, both ends included
@@ -50,7 +50,7 @@ struct OptionSpec {
   /// A bad value's message; "{name}" is the option (or "VAR (key)" when the value came
   /// from the environment), "{value}" the value. Empty: the kind's message.
   const char *bad = "";
-  bool empty_is_value = false;      // "" is a value to check (refused unless it is valid)
+  bool empty_is_value = false;  // "" is a value to check (refused unless it is valid)
 };
 
 /// Every row, in the order `datadist info` shows them.
@@ -87,17 +87,17 @@ OptionValue CheckValue(const OptionSpec &spec, const std::string &raw, const std
 struct Options {
   std::map<std::string, OptionValue> values;  // by key, every row of the table
 
-  std::string transport = "auto";  // datadist.Transport
-  bool nixl_serve = false;         // datadist.NixlServe
-  bool nixl_whole_process = false; // datadist.NixlAllowWholeProcessAccess
-  std::string nixl_library;        // datadist.NixlLibrary ("" : the face finds NIXL)
-  std::string secret;              // datadist.AuthSecret
-  bool verify = false;             // datadist.VerifyChecksum
-  bool allow_ptrace = true;        // datadist.AllowPtrace
-  tls::Files tls;                  // datadist.TlsCert / TlsKey / TlsCa: all three or none
-  size_t max_conns = 256;          // datadist.MaxConnections
-  size_t max_per_peer = 64;        // datadist.MaxConnectionsPerPeer
-  int64_t sync_timeout_ms = 1000;  // llm.SyncKvCacheWaitTime
+  std::string transport = "auto";   // datadist.Transport
+  bool nixl_serve = false;          // datadist.NixlServe
+  bool nixl_whole_process = false;  // datadist.NixlAllowWholeProcessAccess
+  std::string nixl_library;         // datadist.NixlLibrary ("" : the face finds NIXL)
+  std::string secret;               // datadist.AuthSecret
+  bool verify = false;              // datadist.VerifyChecksum
+  bool allow_ptrace = true;         // datadist.AllowPtrace
+  tls::Files tls;                   // datadist.TlsCert / TlsKey / TlsCa: all three or none
+  size_t max_conns = 256;           // datadist.MaxConnections
+  size_t max_per_peer = 64;         // datadist.MaxConnectionsPerPeer
+  int64_t sync_timeout_ms = 1000;   // llm.SyncKvCacheWaitTime
 };
 
 /// Every key of the table from `options`, else `env`, else its default; the group rules

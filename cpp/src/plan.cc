@@ -97,8 +97,10 @@ void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &
   plan.lengths.clear();
   for (size_t i = 0; i < local_blocks.size(); ++i) {
     if (local_blocks[i] >= local.units)
-      Invalid("local block " + std::to_string(local_blocks[i]) + " out of range: the cache has " + std::to_string(local.units) + " blocks");
-    if (remote_blocks[i] >= UINT64_MAX / bb) Invalid("remote block " + std::to_string(remote_blocks[i]) + " is out of range");
+      Invalid("local block " + std::to_string(local_blocks[i]) + " out of range: the cache has " +
+              std::to_string(local.units) + " blocks");
+    if (remote_blocks[i] >= UINT64_MAX / bb)
+      Invalid("remote block " + std::to_string(remote_blocks[i]) + " is out of range");
     uint64_t r = remote_blocks[i] * bb, l = local_blocks[i] * bb;
     if (!plan.lengths.empty() && plan.remote_offsets.back() + plan.lengths.back() == r &&
         plan.local_offsets.back() + plan.lengths.back() == l) {

@@ -15,21 +15,34 @@ using llm_datadist::LLM_KV_CACHE_NOT_EXIST;
 // Bytes per element; 0 for types without a whole-byte size (refused).
 uint64_t ItemSize(ge::DataType dt) {
   switch (dt) {
-    case ge::DT_INT8: case ge::DT_UINT8: case ge::DT_BOOL: case ge::DT_QINT8: case ge::DT_QUINT8:
-    case ge::DT_HIFLOAT8: case ge::DT_FLOAT8_E5M2: case ge::DT_FLOAT8_E4M3FN: case ge::DT_FLOAT8_E8M0:
-    case ge::DT_DUAL_SUB_INT8: case ge::DT_DUAL_SUB_UINT8:
-      return 1;
-    case ge::DT_FLOAT16: case ge::DT_BF16: case ge::DT_INT16: case ge::DT_UINT16: case ge::DT_QINT16:
-    case ge::DT_QUINT16:
-      return 2;
-    case ge::DT_FLOAT: case ge::DT_INT32: case ge::DT_UINT32: case ge::DT_QINT32: case ge::DT_COMPLEX32:
-      return 4;
-    case ge::DT_INT64: case ge::DT_UINT64: case ge::DT_DOUBLE: case ge::DT_COMPLEX64:
-      return 8;
-    case ge::DT_COMPLEX128:
-      return 16;
-    default:
-      return 0;
+    case ge::DT_INT8:
+    case ge::DT_UINT8:
+    case ge::DT_BOOL:
+    case ge::DT_QINT8:
+    case ge::DT_QUINT8:
+    case ge::DT_HIFLOAT8:
+    case ge::DT_FLOAT8_E5M2:
+    case ge::DT_FLOAT8_E4M3FN:
+    case ge::DT_FLOAT8_E8M0:
+    case ge::DT_DUAL_SUB_INT8:
+    case ge::DT_DUAL_SUB_UINT8: return 1;
+    case ge::DT_FLOAT16:
+    case ge::DT_BF16:
+    case ge::DT_INT16:
+    case ge::DT_UINT16:
+    case ge::DT_QINT16:
+    case ge::DT_QUINT16: return 2;
+    case ge::DT_FLOAT:
+    case ge::DT_INT32:
+    case ge::DT_UINT32:
+    case ge::DT_QINT32:
+    case ge::DT_COMPLEX32: return 4;
+    case ge::DT_INT64:
+    case ge::DT_UINT64:
+    case ge::DT_DOUBLE:
+    case ge::DT_COMPLEX64: return 8;
+    case ge::DT_COMPLEX128: return 16;
+    default: return 0;
   }
 }
 
@@ -117,8 +130,9 @@ uint64_t CheckRequest(const Geometry &g, uint64_t id, const wire::Request &req) 
 
 uint64_t CheckRequestAt(const Geometry &g, uint64_t id, const wire::Request &req, bool blocks, uint64_t slot) {
   if ((req.flags & wire::kFlagWhole) && req.tensors.size() != g.num_tensors)
-    Invalid("the requester's cache has " + std::to_string(req.tensors.size()) + " tensors, cache " + std::to_string(id) +
-            " " + std::to_string(g.num_tensors) + ": a pull without layer ranges needs the same count on both sides");
+    Invalid("the requester's cache has " + std::to_string(req.tensors.size()) + " tensors, cache " +
+            std::to_string(id) + " " + std::to_string(g.num_tensors) +
+            ": a pull without layer ranges needs the same count on both sides");
   for (uint32_t t : req.tensors)
     if (t >= g.num_tensors)
       Invalid("tensor " + std::to_string(t) + " out of range: cache " + std::to_string(id) + " has " +
@@ -324,7 +338,8 @@ void Registry::SetHooks(RegistryHooks hooks) {
 }
 
 void Registry::BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots) {
-  if (keys.size() != slots.size()) Invalid(std::to_string(keys.size()) + " keys given with " + std::to_string(slots.size()) + " slots");
+  if (keys.size() != slots.size())
+    Invalid(std::to_string(keys.size()) + " keys given with " + std::to_string(slots.size()) + " slots");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = by_id_.find(cache_id);
   if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(cache_id) + " does not exist");
@@ -444,8 +459,8 @@ void Registry::Remove(int64_t id, bool owned, double wait_s) {
                   : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
   e->closing = true;
   if (hooks_.going) hooks_.going(e.get());
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                         std::chrono::duration<double>(wait_s));
   if (!Drain(lock, *e, deadline)) {
     e->closing = false;  // its fence stays revoked: the next lease gets a new one
     Fail(llm_datadist::LLM_TIMEOUT, "cache " + std::to_string(id) + " is still being transferred; it stays registered");
@@ -484,11 +499,13 @@ int Registry::RevokeLeases(double wait_s) {
       fences.push_back(kv.second->fence);
     }
   for (auto &kv : by_id_) fences.insert(fences.end(), kv.second->old_fences.begin(), kv.second->old_fences.end());
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
   int held = 0;
   for (auto &f : fences) {
-    while (!f->Drained() && std::chrono::steady_clock::now() < deadline) changed_.wait_for(lock, std::chrono::microseconds(200));
+    while (!f->Drained() && std::chrono::steady_clock::now() < deadline)
+      changed_.wait_for(lock, std::chrono::microseconds(200));
     held += f->Drained() ? 0 : 1;
   }
   return held;
@@ -517,7 +534,8 @@ std::shared_ptr<Entry> Registry::Named(uint8_t kind, uint64_t a, uint64_t b) {
 }
 
 wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
-  if (q.kind != wire::kCacheId && q.kind != wire::kBlocksKey) Invalid("a cache lease names a cache by id or BlocksCacheKey");
+  if (q.kind != wire::kCacheId && q.kind != wire::kBlocksKey)
+    Invalid("a cache lease names a cache by id or BlocksCacheKey");
   std::lock_guard<std::mutex> lock(mu_);
   if ((q.flags & wire::kLeaseWrite) && !remote_writes_) Invalid(kWritesRefused);
   Entry &e = *Named(q.kind, q.a, q.b);
@@ -554,8 +572,8 @@ int Registry::Clear(double wait_s) {
     all.push_back(kv.second);
   }
   by_id_.clear();
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait_s));
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                         std::chrono::duration<double>(wait_s));
   for (auto &e : dropped_) {  // deallocated, still held by keys or leases
     e->closing = true;
     all.push_back(e);
@@ -594,7 +612,8 @@ Registry::~Registry() {
 std::unique_ptr<Lease> Registry::Hold(int64_t id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = by_id_.find(id);
-  if (it == by_id_.end() || it->second->closing) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
+  if (it == by_id_.end() || it->second->closing)
+    Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
   ++it->second->leases;
   return std::make_unique<Lease>(this, it->second);
 }
@@ -615,8 +634,8 @@ std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read
     // a = req_id, b = model_id, c = prefix_id (docs/protocol.md, "Spans")
     auto it = KeyOf(req.a, req.c, req.b, &key) ? keys_.find(key) : keys_.end();
     if (it == keys_.end())
-      Fail(LLM_KV_CACHE_NOT_EXIST, "no cache bound to req_id=" + std::to_string(req.a) + " prefix_id=" +
-                                       std::to_string(req.c) + " model_id=" + std::to_string(req.b) +
+      Fail(LLM_KV_CACHE_NOT_EXIST, "no cache bound to req_id=" + std::to_string(req.a) +
+                                       " prefix_id=" + std::to_string(req.c) + " model_id=" + std::to_string(req.b) +
                                        " (the owner must allocate or register it with that CacheKey; a successful "
                                        "pull consumes it)");
     binding = it->second;
@@ -654,19 +673,21 @@ std::unique_ptr<Lease> Registry::LeaseLocked(const std::shared_ptr<Entry> &e, co
   for (uint32_t t : req.tensors) lease->bases.push_back(e->addrs[t] + base);
   for (uint32_t t : req.tensors)
     for (size_t i = 0; i < req.offsets.size(); ++i)
-      lease->iov.push_back({reinterpret_cast<void *>(e->addrs[t] + base + req.offsets[i]),
-                            static_cast<size_t>(req.lengths[i])});
+      lease->iov.push_back(
+          {reinterpret_cast<void *>(e->addrs[t] + base + req.offsets[i]), static_cast<size_t>(req.lengths[i])});
   return lease;
 }
 
 std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
   if (req.tensors.size() != 1 || req.tensors[0] != 0) Invalid("an address write names exactly one pseudo-tensor, 0");
   if (req.lengths.empty() || req.offsets.size() != req.lengths.size()) Invalid("an address write needs spans");
-  if (req.offsets.size() > kMaxRequestSpans) Invalid("too many spans in one request (over " + std::to_string(kMaxRequestSpans) + ")");
+  if (req.offsets.size() > kMaxRequestSpans)
+    Invalid("too many spans in one request (over " + std::to_string(kMaxRequestSpans) + ")");
   // Every refusal for where the addresses point (nothing there, a cache being unregistered, a
   // span leaving the tensor, a span of 0 bytes) is this one answer: a peer, never given our
   // addresses, cannot tell "no memory here" from "memory here, refused" (no address oracle).
-  const char *const refused = "the addresses do not lie inside one tensor of a remote-accessible registered cache (spans of >= 1 byte)";
+  const char *const refused =
+      "the addresses do not lie inside one tensor of a remote-accessible registered cache (spans of >= 1 byte)";
   for (uint64_t n : req.lengths)
     if (n == 0) Invalid(refused);
   uint64_t first = *std::min_element(req.offsets.begin(), req.offsets.end());

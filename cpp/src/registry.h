@@ -67,7 +67,9 @@ struct KeyId {
   uint64_t model_id = 0;
   bool is_prefix = false;
   bool operator<(const KeyId &o) const {
-    return value != o.value ? value < o.value : model_id != o.model_id ? model_id < o.model_id : is_prefix < o.is_prefix;
+    return value != o.value         ? value < o.value
+           : model_id != o.model_id ? model_id < o.model_id
+                                    : is_prefix < o.is_prefix;
   }
   bool operator==(const KeyId &o) const {
     return value == o.value && model_id == o.model_id && is_prefix == o.is_prefix;
@@ -108,15 +110,15 @@ struct Entry {
   int64_t id = 0;
   Geometry geo;
   llm_datadist::CacheDesc desc;
-  std::vector<uint64_t> addrs;  // base of each tensor
+  std::vector<uint64_t> addrs;                    // base of each tensor
   std::vector<std::unique_ptr<uint8_t[]>> owned;  // AllocateCache's memory; empty when registered
-  std::shared_ptr<void> region;  // AllocateCache's shared memory (shm::Region), or null
+  std::shared_ptr<void> region;                   // AllocateCache's shared memory (shm::Region), or null
   CacheOptions opts;
   ShmPlace shm;
   int leases = 0;
   bool closing = false;
-  bool id_held = true;  // filed under its id (false once deallocated: keys may still hold it)
-  std::set<KeyId> keys;  // the keys bound to it
+  bool id_held = true;     // filed under its id (false once deallocated: keys may still hold it)
+  std::set<KeyId> keys;    // the keys bound to it
   bool has_model = false;  // bound to blocks_model (BindModel)
   uint64_t blocks_model = 0;
   /// Set once a reader leased the whole cache (LeaseCache); revoked and drained before the
@@ -275,11 +277,11 @@ class Registry {
   /// Owner side of a peer's WRITE: as Open, never reserving or consuming, and refused
   /// (LLM_PARAM_INVALID) by key or cache id when SetRemoteWrites(false).
   std::unique_ptr<Lease> OpenWrite(const wire::Request &req);
-  /// Owner side of LEASE_REQUEST (write leases refused as OpenWrite refuses writes): the cache a kCacheId (b ignored) or kBlocksKey key names (resolved as Open does),
-  /// its geometry and addresses, its memfds (ShmPlace) when the request has
-  /// kFlagShm, is not a write and the cache is shareable, and its live fence. LLM_KV_CACHE_NOT_EXIST for an unknown
-  /// cache or one being unregistered; LLM_PARAM_INVALID for one not remote accessible, or a
-  /// write lease (kLeaseWrite) when SetRemoteWrites(false).
+  /// Owner side of LEASE_REQUEST (write leases refused as OpenWrite refuses writes): the cache a kCacheId (b ignored)
+  /// or kBlocksKey key names (resolved as Open does), its geometry and addresses, its memfds (ShmPlace) when the
+  /// request has kFlagShm, is not a write and the cache is shareable, and its live fence. LLM_KV_CACHE_NOT_EXIST for an
+  /// unknown cache or one being unregistered; LLM_PARAM_INVALID for one not remote accessible, or a write lease
+  /// (kLeaseWrite) when SetRemoteWrites(false).
   wire::CacheLease LeaseCache(const wire::LeaseRequest &q);
   /// Revokes every cache's lease fence (the server stopped) and waits up to `wait_s` for
   /// the leased copies in flight. Returns how many fences are still held.

@@ -93,11 +93,22 @@ struct NixlGrantInfo {
 class Granted {
  public:
   Granted(std::unique_ptr<Lease> lease, GrantBook *book, pid_t pid, uint64_t cluster, Clock::time_point asked)
-      : lease_(std::move(lease)), book_(book), pid_(pid), since_(Clock::now()), cluster_(cluster), asked_(asked),
+      : lease_(std::move(lease)),
+        book_(book),
+        pid_(pid),
+        since_(Clock::now()),
+        cluster_(cluster),
+        asked_(asked),
         nbytes_(lease_->nbytes) {}
   Granted(std::unique_ptr<Lease> lease, NixlGrantInfo nixl, uint64_t cluster, Clock::time_point asked)
-      : lease_(std::move(lease)), book_(nullptr), pid_(0), since_(Clock::now()), cluster_(cluster), asked_(asked),
-        nbytes_(lease_->nbytes), nixl_(std::move(nixl)) {
+      : lease_(std::move(lease)),
+        book_(nullptr),
+        pid_(0),
+        since_(Clock::now()),
+        cluster_(cluster),
+        asked_(asked),
+        nbytes_(lease_->nbytes),
+        nixl_(std::move(nixl)) {
     nixl_.agent->PumpAcquire(nixl_.fresh);
   }
   ~Granted() {
@@ -156,9 +167,7 @@ void ExpireGrants(Grants &grants) {
 
 /// When a parked connection needs a timer step: while it holds grants, every poll slice (their
 /// expiry is checked, as the thread per connection did between its polls); else never.
-Deadline NextCheck(const Grants &grants) {
-  return grants.empty() ? Deadline::max() : After(kPollSliceMs / 1000.0);
-}
+Deadline NextCheck(const Grants &grants) { return grants.empty() ? Deadline::max() : After(kPollSliceMs / 1000.0); }
 
 }  // namespace
 
@@ -242,8 +251,9 @@ class PeerStream {
   }
   /// When the frame begun must be whole: 30 s from its first byte (max: none begun).
   Deadline frame_until() const {
-    return have_ == 0 ? Deadline::max()
-                      : since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kFrameTimeout));
+    return have_ == 0
+               ? Deadline::max()
+               : since_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kFrameTimeout));
   }
   /// The bytes its frame buffer holds now (for tests: Server::buffered).
   size_t buffered() const { return held_; }
@@ -321,11 +331,11 @@ struct ServeJob {
   std::unique_ptr<Lease> lease;
   std::unique_ptr<metrics::Serving> served;  // gone before Done: counted failed
   uint32_t rid = 0;
-  bool checksum = false;  // READ: its CHECKSUM frame follows the data, then the reader's verdict
+  bool checksum = false;                // READ: its CHECKSUM frame follows the data, then the reader's verdict
   std::vector<uint8_t> checksum_frame;  // READ: that frame, read fault-safely before the data went
-  bool tail = false;      // READ: the data sent, the CHECKSUM queued
-  Spans data;             // WRITE: the lease's spans being filled
-  Deadline until = Deadline::max();  // 120 s from the request, as a stalled reader's or writer's
+  bool tail = false;                    // READ: the data sent, the CHECKSUM queued
+  Spans data;                           // WRITE: the lease's spans being filled
+  Deadline until = Deadline::max();     // 120 s from the request, as a stalled reader's or writer's
   void Reset() {
     served.reset();  // counted failed unless Done
     lease.reset();   // unsettled: nothing consumed
@@ -443,12 +453,12 @@ bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> con
 /// The state of a handshake between its frames.
 struct Server::Shake {
   Greeted greeted = Greeted::kRefused;
-  uint64_t cluster = 0;        // the peer's, from its HELLO
-  std::string client_nonce;    // its challenge
-  std::string server_nonce;    // ours (with a secret)
-  std::string echoed;          // a reverse HELLO's link token
-  std::string token;           // see Hello()
-  std::vector<uint8_t> last;   // see Hello()
+  uint64_t cluster = 0;       // the peer's, from its HELLO
+  std::string client_nonce;   // its challenge
+  std::string server_nonce;   // ours (with a secret)
+  std::string echoed;         // a reverse HELLO's link token
+  std::string token;          // see Hello()
+  std::vector<uint8_t> last;  // see Hello()
 };
 
 /// One accepted connection: its handshake, then its requests (or, for a reverse channel, its
@@ -457,7 +467,11 @@ struct Server::Shake {
 class Server::Connection : public IoPool::Task {
  public:
   Connection(Server *server, std::unique_ptr<Conn> conn, std::string key, bool local, const local::Cred &cred)
-      : peer(std::move(key)), server_(server), local_(local), cred_(cred), stream_(std::move(conn)),
+      : peer(std::move(key)),
+        server_(server),
+        local_(local),
+        cred_(cred),
+        stream_(std::move(conn)),
         handshake_until_(After(kHandshakeTimeout)) {}
   int fd() const override { return stream_.fd(); }  // parked: the connection is there
   uint32_t Interest() const override { return stream_.interest(); }
@@ -530,14 +544,13 @@ bool Server::Connection::Handshake(Deadline &wake) {
       }
       if (!stream_.Flush()) return true;  // WELCOME waits for room
       if (!stream_.ReadFrame(kPreAuthPayload)) return true;
-      const Greeted greeted = stage_ == Stage::kHello ? server_->Hello(stream_, shake_) : server_->Auth(stream_, shake_);
+      const Greeted greeted =
+          stage_ == Stage::kHello ? server_->Hello(stream_, shake_) : server_->Auth(stream_, shake_);
       switch (greeted) {
         case Greeted::kPending:  // WELCOME queued; the client's AUTH is read next
           stage_ = Stage::kAuth;
           continue;
-        case Greeted::kRefused:
-          stream_.FlushOnce();
-          return Finish();
+        case Greeted::kRefused: stream_.FlushOnce(); return Finish();
         case Greeted::kControl: {
           {  // before the last frame: the client may open its reverse channel as soon as it has it
             std::lock_guard<std::mutex> lock(server_->mu_);
@@ -601,7 +614,8 @@ void GrantBook::Take(pid_t pid, bool cma) {
   size_t &held = held_[pid];
   if (held >= kMaxGrantsPerPeer) {
     const size_t n = held;
-    Fail(llm_datadist::LLM_LINK_BUSY, "pid " + std::to_string(pid) + " holds " + std::to_string(n) + " grants not released yet");
+    Fail(llm_datadist::LLM_LINK_BUSY,
+         "pid " + std::to_string(pid) + " holds " + std::to_string(n) + " grants not released yet");
   }
   ++held;
   // The first cross-memory-attach grant: let same-user readers in under Yama ptrace_scope=1
@@ -644,7 +658,8 @@ void Server::Start(const std::string &host, uint16_t port, size_t max_conns, siz
   port_ = PortOf(addr.storage);
   listen_fd_ = fd;
   // The local channel: same-host peers are verified there, and only there get grants.
-  if (identity_->serve_local) local_fd_ = local::Listen(local::Name(static_cast<uint64_t>(getpid()), identity_->cluster_id));
+  if (identity_->serve_local)
+    local_fd_ = local::Listen(local::Name(static_cast<uint64_t>(getpid()), identity_->cluster_id));
   serves_local_ = local_fd_ >= 0;
   stopping_ = false;
   try {
@@ -675,7 +690,7 @@ void Server::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     all.swap(conns_);
   }
-  all.clear();  // closed, their grants released
+  all.clear();      // closed, their grants released
   grants_.Close();  // every grant ended with its connection
   // Nobody is served any more: whole-cache leases end too (a reader's next transfer asks
   // us, and finds nobody); copies in flight end first, within a bound.
@@ -926,10 +941,10 @@ Server::Greeted Server::Hello(PeerStream &c, Shake &s) {
   const local::HostIdentity &self = local::HostIdentity::Current();
   if (hello.cluster_id == identity_->cluster_id && hello.pid == static_cast<uint32_t>(getpid()) &&
       hello.boot_id == self.boot_id && hello.pid_ns == self.pid_ns) {
-    c.Queue(wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                  "a link from this engine to itself (cluster id " + std::to_string(hello.cluster_id) +
-                                      ")"},
-                                 h.request_id));
+    c.Queue(
+        wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
+                           "a link from this engine to itself (cluster id " + std::to_string(hello.cluster_id) + ")"},
+                          h.request_id));
     return Greeted::kRefused;
   }
   // Who we say we are (a client compares the boot id to decide whether to try our local
@@ -950,14 +965,15 @@ Server::Greeted Server::Hello(PeerStream &c, Shake &s) {
     s.server_nonce = welcome.proof.substr(0, auth::kNonceBytes);
   }
   if (s.greeted == Greeted::kControl) {  // its link token, for its reverse channel to echo
-    s.token = auth::Nonce();  // kLinkTokenBytes random bytes
+    s.token = auth::Nonce();             // kLinkTokenBytes random bytes
     welcome.features |= wire::kFeatureToken;
     welcome.proof += s.token;
   } else {
     s.token = s.echoed;  // checked by RefuseReverse
   }
   if (secret.empty()) {
-    if (s.greeted == Greeted::kReverse && RefuseReverse(*this, c, ReverseRefusal(s.cluster), s.cluster, s.echoed, h.request_id))
+    if (s.greeted == Greeted::kReverse &&
+        RefuseReverse(*this, c, ReverseRefusal(s.cluster), s.cluster, s.echoed, h.request_id))
       return Greeted::kRefused;
     s.last = wire::EncodeHello(wire::kWelcome, welcome, h.request_id);
     return s.greeted;
@@ -972,16 +988,18 @@ Server::Greeted Server::Auth(PeerStream &c, Shake &s) {
   const std::vector<uint8_t> &payload = c.payload();
   bool ok = false;
   if (h.type == wire::kAuth) {
-    std::string want = auth::ClientProof(identity_->secret, s.client_nonce, s.server_nonce, identity_->cluster_id, s.cluster);
+    std::string want =
+        auth::ClientProof(identity_->secret, s.client_nonce, s.server_nonce, identity_->cluster_id, s.cluster);
     ok = auth::Same(want, wire::DecodeAuth(payload));
   }
   if (!ok) {
     c.Queue(wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                  "cluster " + std::to_string(s.cluster) + " failed to prove the shared secret"},
-                                 h.request_id));
+                               "cluster " + std::to_string(s.cluster) + " failed to prove the shared secret"},
+                              h.request_id));
     return Greeted::kRefused;
   }
-  if (s.greeted == Greeted::kReverse && RefuseReverse(*this, c, ReverseRefusal(s.cluster), s.cluster, s.echoed, h.request_id))
+  if (s.greeted == Greeted::kReverse &&
+      RefuseReverse(*this, c, ReverseRefusal(s.cluster), s.cluster, s.echoed, h.request_id))
     return Greeted::kRefused;
   s.last = wire::EncodeEmpty(wire::kOk, h.request_id);
   return s.greeted;
@@ -994,13 +1012,15 @@ namespace {
 void Grant(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::Request &req, uint32_t rid,
            Clock::time_point asked) {
   if (ctx.peer == nullptr || ctx.grants == nullptr)
-    Invalid("grants are served on the local channel only, to peers the kernel verified on this host; read without GRANT");
+    Invalid(
+        "grants are served on the local channel only, to peers the kernel verified on this host; read without GRANT");
   const local::Cred &peer = *ctx.peer;
   if (!peer.MayReadUs())
     Invalid("pid " + std::to_string(peer.pid) + " (uid " + std::to_string(peer.uid) +
             ") may not read this process's memory: read without GRANT");
   if (grants.size() >= kMaxGrantsPerConnection)
-    Fail(llm_datadist::LLM_LINK_BUSY, std::to_string(grants.size()) + " grants are still not released on this connection");
+    Fail(llm_datadist::LLM_LINK_BUSY,
+         std::to_string(grants.size()) + " grants are still not released on this connection");
   std::unique_ptr<Lease> lease = ctx.registry->Open(req);  // every span checked here
   if (lease->bases.size() != req.tensors.size()) Invalid("this request cannot be granted");
   // SHM asked and the cache in shareable memory: where each tensor's unit lies in its memfd.
@@ -1036,15 +1056,16 @@ namespace {
 constexpr uint64_t kMaxGrantedRequestBytes = wire::kMaxPayload;  // NIXL grants' span arrays, per connection
 
 bool IsNixl(uint8_t type) {
-  return (type >= wire::kNixlMdRequest && type <= wire::kNixlWrite && type != wire::kNixlMd && type != wire::kNixlGrant) ||
+  return (type >= wire::kNixlMdRequest && type <= wire::kNixlWrite && type != wire::kNixlMd &&
+          type != wire::kNixlGrant) ||
          type == wire::kNixlLease || type == wire::kNixlRevoke;
 }
 
 /// NIXL_READ / NIXL_WRITE (docs/protocol.md, "Pull and push over NIXL"): checked exactly as
 /// READ / WRITE, then granted (NIXL_GRANT, and CHECKSUM for a read with that flag) and held
 /// until RELEASE, as a same-host grant is. Refusals are ERROR frames; the connection stays.
-void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_t type, const std::vector<uint8_t> &payload,
-                  uint32_t rid) {
+void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_t type,
+                  const std::vector<uint8_t> &payload, uint32_t rid) {
   wire::Request req = wire::DecodeRequest(type, payload);
   const bool write = type == wire::kNixlWrite;
   const Clock::time_point asked = Clock::now();
@@ -1095,10 +1116,10 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const 
                   const std::vector<uint8_t> &payload) {
   const uint32_t rid = h.request_id;
   if (ctx.reverse != (h.type == wire::kNixlRevoke)) {
-    c.Queue(ErrorFrame(Error(llm_datadist::LLM_FEATURE_NOT_ENABLED,
-                             std::string(wire::TypeName(h.type)) + " is not served on " +
-                                 (ctx.reverse ? "a reverse channel" : "a client's connection")),
-                       rid));
+    c.Queue(ErrorFrame(
+        Error(llm_datadist::LLM_FEATURE_NOT_ENABLED, std::string(wire::TypeName(h.type)) + " is not served on " +
+                                                         (ctx.reverse ? "a reverse channel" : "a client's connection")),
+        rid));
     return;
   }
   std::vector<uint8_t> answer;
@@ -1113,9 +1134,7 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const 
       }
       break;
     case wire::kNixlRead:
-    case wire::kNixlWrite:
-      NixlGrantOne(ctx, grants, c, h.type, payload, rid);
-      return;
+    case wire::kNixlWrite: NixlGrantOne(ctx, grants, c, h.type, payload, rid); return;
     case wire::kNixlLease: {
       wire::NixlLease q = wire::DecodeNixlLease(payload);
       try {
@@ -1140,8 +1159,7 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const 
         answer = wire::EncodeEmpty(wire::kOk, rid);
       break;
     }
-    default:
-      ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
+    default: ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
   }
   c.Queue(std::move(answer));
 }
@@ -1174,9 +1192,11 @@ void CheckOwnMemory(const Entry &e, const std::vector<uint32_t> &tensors, const 
     const size_t bad = start + static_cast<size_t>(got < 0 ? 0 : got);
     const uint32_t tensor = tensors[bad / 2];
     char at[32];
-    std::snprintf(at, sizeof at, "%#llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(probes[bad].iov_base)));
+    std::snprintf(at, sizeof at, "%#llx",
+                  static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(probes[bad].iov_base)));
     // Always told (a bug of the caller's, who may never see the peer's error), as link failures are.
-    std::fprintf(stderr, "[datadist] error: cache %lld: tensor %u's memory at %s is not mapped any more (freed after "
+    std::fprintf(stderr,
+                 "[datadist] error: cache %lld: tensor %u's memory at %s is not mapped any more (freed after "
                  "it was registered?); a peer's %s of it is refused\n",
                  static_cast<long long>(e.id), tensor, at, what);
     Fail(kDeviceMemError, "the owner's memory of cache " + std::to_string(e.id) + " tensor " + std::to_string(tensor) +
@@ -1252,9 +1272,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       c.Queue(wire::EncodeEmpty(wire::kOk, rid));
       return true;
     }
-    case wire::kPing:
-      c.Queue(wire::EncodeU64(wire::kPong, wire::DecodeU64(payload), rid));
-      return true;
+    case wire::kPing: c.Queue(wire::EncodeU64(wire::kPong, wire::DecodeU64(payload), rid)); return true;
     case wire::kBye:
       wire::DecodeEmpty(payload);
       c.Queue(wire::EncodeEmpty(wire::kOk, rid));  // sent if the socket takes it now (FlushOnce)
@@ -1270,7 +1288,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       try {
         if (ctx.peer == nullptr || ctx.grants == nullptr || !ctx.peer->MayReadUs())
           Invalid("cache leases are granted only on the local channel, to peers allowed to read this process's memory");
-        wire::CacheLease l = registry_->LeaseCache(q);  // its memfds too, for SHM on shareable memory
+        wire::CacheLease l = registry_->LeaseCache(q);      // its memfds too, for SHM on shareable memory
         if (l.shm_fds.empty()) ctx.grants->AllowReaders();  // read by cross-memory attach
         answer = wire::EncodeCacheLease(l, rid);
         metrics::RecordSince(metrics::Op::kServeLease, ctx.cluster, 0, asked, llm_datadist::LLM_SUCCESS);
@@ -1303,8 +1321,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       grants.erase(rel.lease_id);
       return true;
     }
-    default:
-      ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
+    default: ProtocolViolation("unexpected message type " + std::to_string(h.type) + " from a client");
   }
 }
 

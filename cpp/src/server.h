@@ -45,8 +45,8 @@
 #include <sys/socket.h>
 
 #include <atomic>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -79,7 +79,7 @@ using StatsAnswer = std::function<std::string(uint64_t peer, const std::string &
 struct Identity {
   uint64_t cluster_id = 0;
   std::atomic<int32_t> role{0};
-  std::string secret;  // shared secret peers must prove (empty: none); set before serving
+  std::string secret;        // shared secret peers must prove (empty: none); set before serving
   bool serve_local = true;   // serve the local channel too (off when TCP is forced)
   bool allow_ptrace = true;  // may PR_SET_PTRACER_ANY be set for same-host readers (Yama 1)
   /// Mutual TLS on every accepted connection, the local channel's too (null: none); set
@@ -165,8 +165,8 @@ bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> con
 /// thread, so it waits within short deadlines only.
 class Server;
 using ReverseHandler =
-    std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
-                       const std::string &token, const std::string &peer)>;
+    std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn,
+                       const std::vector<uint8_t> &last, const std::string &token, const std::string &peer)>;
 
 class Server {
  public:
@@ -175,8 +175,11 @@ class Server {
   /// `pool`: the I/O threads its connections are served on (null: the process's shared pool).
   Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr,
          std::shared_ptr<IoPool> pool = nullptr)
-      : registry_(registry), identity_(identity), on_reverse_(std::move(on_reverse)),
-        grants_(identity->allow_ptrace), io_(std::move(pool)) {}
+      : registry_(registry),
+        identity_(identity),
+        on_reverse_(std::move(on_reverse)),
+        grants_(identity->allow_ptrace),
+        io_(std::move(pool)) {}
   ~Server() { Stop(); }
   /// Binds host:port (port 0 picks one) and starts accepting; with identity->serve_local,
   /// also on the local channel (docs/protocol.md), unless its name is taken. LLM_LINK_FAILED
@@ -255,7 +258,7 @@ class Server {
   std::vector<Refusal> refusing_;  // the accept thread's only
   std::mutex mu_;
   std::list<std::shared_ptr<Connection>> conns_;  // accepted, not reaped yet (mu_)
-  IoGroup io_;  // every accepted connection is a task of this group
+  IoGroup io_;                                    // every accepted connection is a task of this group
 };
 
 }  // namespace datadist

@@ -145,7 +145,8 @@ void Copy(const std::vector<iovec> &local, const std::vector<iovec> &src) {
 
 std::unique_ptr<Region> Region::Create(const char *name, uint64_t size) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  if (size == 0 || size > (UINT64_MAX >> 1)) Fail(llm_datadist::LLM_OUT_OF_MEMORY, "cannot make shared memory of " + std::to_string(size) + " bytes");
+  if (size == 0 || size > (UINT64_MAX >> 1))
+    Fail(llm_datadist::LLM_OUT_OF_MEMORY, "cannot make shared memory of " + std::to_string(size) + " bytes");
   const uint64_t unit = size >= kHugePage ? kHugePage : page;  // whole huge pages from one up (Python's round_size)
   size = (size + unit - 1) / unit * unit;
   const long fd = syscall(SYS_memfd_create, name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -155,11 +156,13 @@ std::unique_ptr<Region> Region::Create(const char *name, uint64_t size) {
   void *m = MAP_FAILED;
   // Sealed at its size for good: a reader maps it, and a file shrunk under its mapping would
   // make its next copy fault (SIGBUS).
-  if (ftruncate(f, static_cast<off_t>(size)) != 0 || fcntl(f, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 ||
-      fstat(f, &st) != 0 || (m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0)) == MAP_FAILED) {
+  if (ftruncate(f, static_cast<off_t>(size)) != 0 ||
+      fcntl(f, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 || fstat(f, &st) != 0 ||
+      (m = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0)) == MAP_FAILED) {
     const int err = errno;
     close(f);
-    Fail(llm_datadist::LLM_OUT_OF_MEMORY, "cannot make shared memory of " + std::to_string(size) + " bytes: " + std::strerror(err));
+    Fail(llm_datadist::LLM_OUT_OF_MEMORY,
+         "cannot make shared memory of " + std::to_string(size) + " bytes: " + std::strerror(err));
   }
   AdviseHuge(m, size);
   return std::unique_ptr<Region>(new Region(static_cast<uint8_t *>(m), size, f, st.st_ino));

@@ -44,7 +44,8 @@ void CheckReadable(const char *what, const std::string &path) {
 namespace {
 
 // Python's ssl module's default cipher list for TLS 1.2 (TLS 1.3 suites are OpenSSL's own).
-constexpr const char kCiphers[] = "@SECLEVEL=2:ECDH+AESGCM:ECDH+CHACHA20:ECDH+AES:DHE+AES:!aNULL:!eNULL:!aDSS:!SHA1:!AESCCM";
+constexpr const char kCiphers[] =
+    "@SECLEVEL=2:ECDH+AESGCM:ECDH+CHACHA20:ECDH+AES:DHE+AES:!aNULL:!eNULL:!aDSS:!SHA1:!AESCCM";
 
 /// What OpenSSL's error queue says (emptied), "" when nothing.
 std::string Drain() {

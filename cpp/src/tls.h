@@ -65,10 +65,10 @@ class Session {
   enum class Want { kNothing, kRead, kWrite };
   /// What a Read or Write did.
   struct Step {
-    size_t bytes = 0;             // moved (> 0), or 0 with `want` / `eof` / `error`
-    Want want = Want::kNothing;   // wait for this, then call again
-    bool eof = false;             // the peer closed the connection (close_notify or EOF)
-    std::string error;            // the connection broke (what OpenSSL said)
+    size_t bytes = 0;            // moved (> 0), or 0 with `want` / `eof` / `error`
+    Want want = Want::kNothing;  // wait for this, then call again
+    bool eof = false;            // the peer closed the connection (close_notify or EOF)
+    std::string error;           // the connection broke (what OpenSSL said)
   };
   /// A session on `fd` as a client or as the server. LLM_LINK_FAILED if OpenSSL cannot make one.
   Session(const Context &ctx, int fd, bool server);

@@ -44,7 +44,8 @@ std::string Address(uintptr_t a) {
 
 std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid, const std::string &what) {
   const uint32_t crc = OwnCrc(src, [&](uintptr_t bad) {
-    return "the owner's " + what + " at " + Address(bad) + " is not mapped any more (freed after it was registered): "
+    return "the owner's " + what + " at " + Address(bad) +
+           " is not mapped any more (freed after it was registered): "
            "no checksum";
   });
   return wire::EncodeChecksum(crc, Bytes(src), rid);
@@ -60,7 +61,8 @@ std::vector<uint8_t> Frame(const Lease &lease, uint32_t rid) {
         break;
       }
     // Always told (a bug of the caller's, who may never see the peer's error), as CheckOwnMemory does.
-    std::fprintf(stderr, "[datadist] error: cache %lld%s: its memory at %s is not mapped any more (freed after it was "
+    std::fprintf(stderr,
+                 "[datadist] error: cache %lld%s: its memory at %s is not mapped any more (freed after it was "
                  "registered?); a peer's checksummed read of it is refused\n",
                  static_cast<long long>(e.id), tensor.c_str(), Address(bad).c_str());
     return "the owner's memory of cache " + std::to_string(e.id) + tensor + " at " + Address(bad) +

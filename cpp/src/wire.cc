@@ -543,8 +543,7 @@ Header DecodeHeader(const uint8_t *d) {
   if (d[2] != kVersion) ProtocolViolation("unsupported protocol version " + std::to_string(d[2]));
   Header h;
   h.type = d[3];
-  if (TypeName(h.type) == nullptr)
-    ProtocolViolation("unknown message type " + std::to_string(h.type));
+  if (TypeName(h.type) == nullptr) ProtocolViolation("unknown message type " + std::to_string(h.type));
   for (int i = 0; i < 4; ++i) h.request_id |= static_cast<uint32_t>(d[4 + i]) << (8 * i);
   for (int i = 0; i < 4; ++i) h.length |= static_cast<uint32_t>(d[8 + i]) << (8 * i);
   if (h.length > kMaxPayload) ProtocolViolation("frame exceeds 64 MiB");

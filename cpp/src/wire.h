@@ -37,14 +37,14 @@ enum MsgType : uint8_t {
   // 16 to 20, 30 to 32: the NIXL data path (docs/protocol.md, "Pull and push over NIXL")
   kNixlMdRequest = 16,  // empty: the owner's NIXL agent metadata, please (answer: kNixlMd)
   kNixlMd = 17,
-  kNixlRead = 18,   // READ's encoding; the bytes move by one NIXL READ (answer: kNixlGrant)
+  kNixlRead = 18,  // READ's encoding; the bytes move by one NIXL READ (answer: kNixlGrant)
   kNixlGrant = 19,
-  kNixlWrite = 20,  // WRITE's encoding; the bytes move by one NIXL WRITE (answer: kNixlGrant)
+  kNixlWrite = 20,     // WRITE's encoding; the bytes move by one NIXL WRITE (answer: kNixlGrant)
   kStatsRequest = 21,  // empty: the peer's transfer metrics, please (answer: kStats)
   kStats = 22,         // u32 n, then n bytes of UTF-8 JSON (docs/protocol.md, "Metrics")
   kLeaseRequest = 23,
   kCacheLease = 24,
-  kNixlLease = 30,   // a read lease on a whole cache for NIXL reads (answer: kNixlLeased)
+  kNixlLease = 30,  // a read lease on a whole cache for NIXL reads (answer: kNixlLeased)
   kNixlLeased = 31,
   kNixlRevoke = 32,  // owner to reader, on the reader's reverse channel (answer: kOk)
 };

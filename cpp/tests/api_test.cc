@@ -125,8 +125,8 @@ TEST(Api, InitializeChecksOptions) {
 // src/llm_datadist/common/llm_utils.cc) takes "[ipv6]:port" (and "[ipv4]:port"); a bare IPv6
 // address with a port is refused, as are brackets around no address, and a zone id.
 TEST(Api, ListenAddressForms) {
-  for (const char *bad : {"::1:26000", "fe80::1:26000", "[::1]", "[::1]26000", "[zz]:80", "[::1]:99999", "[::1]:",
-                          "[fe80::1%lo]:80", "[]:80", "[::1:80"}) {
+  for (const char *bad : {"::1:26000", "fe80::1:26000", "[::1]", "[::1]26000", "[zz]:80", "[::1]:99999",
+                          "[::1]:", "[fe80::1%lo]:80", "[]:80", "[::1:80"}) {
     LlmDataDist dd(1, LlmRole::kPrompt);
     auto o = ddtest::Options();
     o[OPTION_LISTEN_IP_INFO] = bad;
@@ -178,8 +178,8 @@ TEST_F(Initialized, CacheIdsCountFromOneInRegistrationOrder) {
   ASSERT_EQ(alloc.tensor_addrs.size(), 1U);
   EXPECT_EQ(reinterpret_cast<uint8_t *>(alloc.tensor_addrs[0])[1], 0);  // zeroed
   EXPECT_EQ(dd.UnregisterKvCache(1), LLM_SUCCESS);
-  EXPECT_EQ(dd.UnregisterKvCache(1), LLM_SUCCESS);   // gone: no-op, as Python's unregister
-  EXPECT_EQ(dd.UnregisterKvCache(99), LLM_SUCCESS);  // unknown: no-op
+  EXPECT_EQ(dd.UnregisterKvCache(1), LLM_SUCCESS);        // gone: no-op, as Python's unregister
+  EXPECT_EQ(dd.UnregisterKvCache(99), LLM_SUCCESS);       // unknown: no-op
   EXPECT_EQ(dd.UnregisterKvCache(3), LLM_PARAM_INVALID);  // allocated, not registered
   EXPECT_EQ(dd.DeallocateCache(2), LLM_PARAM_INVALID);    // registered, not allocated
   EXPECT_EQ(dd.DeallocateCache(3), LLM_SUCCESS);
@@ -294,7 +294,8 @@ TEST_F(Initialized, LinkAndTransferArgumentErrors) {
   // never linked: CANN dials the listener to tell it, and nobody answers there
   EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets), LLM_UNLINK_FAILED);
   EXPECT_EQ(rets.back(), LLM_UNLINK_FAILED);
-  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets, 1000, true), LLM_SUCCESS);  // forced: nothing to drop
+  EXPECT_EQ(dd.UnlinkLlmClusters({ddtest::Cluster(2, dead)}, rets, 1000, true),
+            LLM_SUCCESS);  // forced: nothing to drop
 
   HostCache h(2, {4, 8});
   ASSERT_EQ(h.Register(dd), LLM_SUCCESS);
@@ -401,7 +402,9 @@ TEST(Api, HixlGlobalResourceConfigMustBeAJsonObject) {
     o[OPTION_GLOBAL_RESOURCE_CONFIG] = bad;
     EXPECT_EQ(dd.Initialize(o), LLM_PARAM_INVALID) << bad;
   }
-  for (const char *good : {"", "{}", " { \"connect_pool.thread_num\" : \"4\", \"x\": [1, -2.5e3, true, null, {\"y\": \"\\u00e9\\n\"}] } "}) {
+  for (const char *good :
+       {"", "{}",
+        " { \"connect_pool.thread_num\" : \"4\", \"x\": [1, -2.5e3, true, null, {\"y\": \"\\u00e9\\n\"}] } "}) {
     LlmDataDist dd(1, LlmRole::kPrompt);
     auto o = ddtest::Options();
     o[OPTION_TRANSFER_BACKEND] = "hixl";

@@ -14,12 +14,12 @@
 //     bytes, 4 MiB recv()s (TCP).
 // Figure and limit repetitions alternate; every pull's bytes are checked once after warm-up.
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
-#include <dirent.h>
-#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -290,7 +290,8 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
       for (size_t at = 0; at < local.size(); at += 1024) {
         size_t n = std::min<size_t>(1024, local.size() - at);
         ssize_t want = static_cast<ssize_t>(n * kBlock);
-        if (process_vm_readv(s.pid, local.data() + at, n, remote.data() + at, n, 0) != want) Die("raw process_vm_readv failed");
+        if (process_vm_readv(s.pid, local.data() + at, n, remote.data() + at, n, 0) != want)
+          Die("raw process_vm_readv failed");
       }
       return;
     }
@@ -302,10 +303,11 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
     }
   };
   limit();  // warm
-  Row thr = MakeRow(std::string("cpp_") + (tcp ? "tcp" : "same_host") + "_pull_blocks",
-          std::string("C++ PullKvBlocks, ") + std::to_string(s.nblocks) + " x 32 KiB, " + (tcp ? "TCP" : "same host"),
-          "GB/s", path,
-          tcp ? "plain socket send/recv, same bytes, 4 MiB chunks" : "raw process_vm_readv, same iovecs", ">= 0.95x");
+  Row thr = MakeRow(
+      std::string("cpp_") + (tcp ? "tcp" : "same_host") + "_pull_blocks",
+      std::string("C++ PullKvBlocks, ") + std::to_string(s.nblocks) + " x 32 KiB, " + (tcp ? "TCP" : "same host"),
+      "GB/s", path, tcp ? "plain socket send/recv, same bytes, 4 MiB chunks" : "raw process_vm_readv, same iovecs",
+      ">= 0.95x");
   thr.nbytes = nbytes;
   for (int r = 0; r < s.repeat; ++r) {
     auto t0 = Clock::now();
@@ -317,9 +319,9 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
   }
   // small pulls: runs of pulls and of round trips, alternating
   Row lat = MakeRow(std::string("cpp_") + (tcp ? "tcp" : "same_host") + "_small",
-          std::string("C++ PullKvBlocks, one 16 KiB block, ") + (tcp ? "TCP" : "same host"), "us",
+                    std::string("C++ PullKvBlocks, one 16 KiB block, ") + (tcp ? "TCP" : "same host"), "us",
                     tcp ? "tcp" : "cma",  // same host: copied under a whole-cache lease
-          "16-byte request/reply on a plain TCP socket, p50", "<= 1.50x");
+                    "16-byte request/reply on a plain TCP socket, p50", "<= 1.50x");
   uint8_t ping[16] = {0}, pong[16];
   auto pull_one = [&](int i) {
     if (d.PullKvBlocks(ddtest::Index(kOwner, 2), sm, {static_cast<uint64_t>(i % kSmallBlocks)},
@@ -368,12 +370,18 @@ int main(int argc, char **argv) {
       if (i + 1 >= argc) Die("missing value after " + a);
       return std::atoll(argv[++i]);
     };
-    if (a == "--mib") mib = next();
-    else if (a == "--repeat") repeat = static_cast<int>(next());
-    else if (a == "--small-iters") small_iters = static_cast<int>(next());
-    else if (a == "--json") json = true;
-    else if (a.find_first_not_of("0123456789") == std::string::npos) mib = std::atoll(a.c_str());  // dd_bench [MiB]
-    else Die("usage: dd_bench [--mib N] [--repeat R] [--small-iters K] [--json]");
+    if (a == "--mib")
+      mib = next();
+    else if (a == "--repeat")
+      repeat = static_cast<int>(next());
+    else if (a == "--small-iters")
+      small_iters = static_cast<int>(next());
+    else if (a == "--json")
+      json = true;
+    else if (a.find_first_not_of("0123456789") == std::string::npos)
+      mib = std::atoll(a.c_str());  // dd_bench [MiB]
+    else
+      Die("usage: dd_bench [--mib N] [--repeat R] [--small-iters K] [--json]");
   }
   if (mib < 1 || repeat < 1 || small_iters < 1) Die("sizes must be >= 1");
   Setup s{};
@@ -409,10 +417,11 @@ int main(int argc, char **argv) {
     std::printf("{\"rows\": [");
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row &r = rows[i];
-      std::printf("%s{\"key\": \"%s\", \"title\": \"%s\", \"unit\": \"%s\", \"path\": \"%s\", \"limit_title\": \"%s\", "
-                  "\"goal\": \"%s\", \"nbytes\": %lu, \"figure_samples\": %s, \"limit_samples\": %s}",
-                  i ? ", " : "", r.key.c_str(), r.title.c_str(), r.unit.c_str(), r.path.c_str(), r.limit_title.c_str(),
-                  r.goal.c_str(), static_cast<unsigned long>(r.nbytes), Samples(r.figure).c_str(), Samples(r.limit).c_str());
+      std::printf(
+          "%s{\"key\": \"%s\", \"title\": \"%s\", \"unit\": \"%s\", \"path\": \"%s\", \"limit_title\": \"%s\", "
+          "\"goal\": \"%s\", \"nbytes\": %lu, \"figure_samples\": %s, \"limit_samples\": %s}",
+          i ? ", " : "", r.key.c_str(), r.title.c_str(), r.unit.c_str(), r.path.c_str(), r.limit_title.c_str(),
+          r.goal.c_str(), static_cast<unsigned long>(r.nbytes), Samples(r.figure).c_str(), Samples(r.limit).c_str());
     }
     std::printf("]}\n");
     return 0;

@@ -34,7 +34,10 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < n; ++i) src[i] = static_cast<unsigned char>(i * 131 + (i >> 12));
   std::memcpy(dst.data(), src.data(), n);  // both touched before timing
   volatile uint32_t sink = 0;
-  const double copy = BestGBs(n, repeat, [&] { std::memcpy(dst.data(), src.data(), n); sink = dst[n / 2]; });
+  const double copy = BestGBs(n, repeat, [&] {
+    std::memcpy(dst.data(), src.data(), n);
+    sink = dst[n / 2];
+  });
   const double fast = BestGBs(n, repeat, [&] { sink = datadist::crc::Crc32(0, src.data(), n); });
   const double table = BestGBs(n, repeat, [&] { sink = datadist::crc::Crc32Table(0, src.data(), n); });
   // The owner's checksum (verify::Frame): read fault-safely through a per-thread scratch copy,
@@ -44,12 +47,14 @@ int main(int argc, char **argv) {
   datadist::crc::ForcePipeForTests(true);
   const double pipe = BestGBs(n, repeat, [&] { sink = datadist::crc::Crc32Own(iov).crc; });
   datadist::crc::ForcePipeForTests(false);
-  std::printf("%zu MiB, best of %d: memcpy %.2f GB/s, crc32 %.2f GB/s (%s, %.2fx memcpy), crc32 table %.2f GB/s (%.2fx)\n",
-              mib, repeat, copy, fast, datadist::crc::Accelerated() ? "carry-less multiply" : "table", fast / copy,
-              table, table / copy);
-  std::printf("owner's fault-safe crc32 (Crc32Own): process_vm_readv %.2f GB/s (%.2fx crc32), pipe fallback %.2f GB/s "
-              "(%.2fx)\n",
-              own, own / fast, pipe, pipe / fast);
+  std::printf(
+      "%zu MiB, best of %d: memcpy %.2f GB/s, crc32 %.2f GB/s (%s, %.2fx memcpy), crc32 table %.2f GB/s (%.2fx)\n", mib,
+      repeat, copy, fast, datadist::crc::Accelerated() ? "carry-less multiply" : "table", fast / copy, table,
+      table / copy);
+  std::printf(
+      "owner's fault-safe crc32 (Crc32Own): process_vm_readv %.2f GB/s (%.2fx crc32), pipe fallback %.2f GB/s "
+      "(%.2fx)\n",
+      own, own / fast, pipe, pipe / fast);
   (void)sink;
   return 0;
 }

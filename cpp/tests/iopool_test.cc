@@ -1,10 +1,12 @@
 // Issue 23 item 5, "threads do not grow with links": connections are served by a fixed set of
 // I/O threads (iopool.h). Before, the listener ran a thread per accepted connection and every
 // link a thread for its reverse channel: 1,000 links in one process held ~2,000 threads.
-#include <gtest/gtest.h>
+#include "iopool.h"
+
 #include <arpa/inet.h>
-#include <netinet/in.h>
 #include <dirent.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -26,7 +28,6 @@
 #include <vector>
 
 #include "errors.h"
-#include "iopool.h"
 #include "link.h"
 #include "registry.h"
 #include "server.h"
@@ -101,9 +102,9 @@ class Echo : public datadist::IoPool::Task {
   }
   void Cancel() override { conn_.Shutdown(); }
   std::atomic<int> ticks{0};
-  size_t need = 1;           // bytes a step reads (at most 8)
-  double block_s = 1;        // how long a step waits for them
-  double wake_after_s = 0;   // > 0: ask for a timer step this long after each step
+  size_t need = 1;          // bytes a step reads (at most 8)
+  double block_s = 1;       // how long a step waits for them
+  double wake_after_s = 0;  // > 0: ask for a timer step this long after each step
 
  private:
   datadist::Conn conn_;
@@ -207,7 +208,8 @@ TEST(IoPool, ServesManyParkedConnectionsOnItsFixedThreads) {
   EXPECT_EQ(pool->tasks(), 500u);
   EXPECT_EQ(Threads(), before + 2);
   for (int round = 0; round < 3; ++round)  // each served again and again: parked after each step
-    for (size_t i = 0; i < pairs.size(); ++i) ASSERT_EQ(pairs[i]->Ask(static_cast<uint8_t>(i + round)), static_cast<uint8_t>(i + round + 1));
+    for (size_t i = 0; i < pairs.size(); ++i)
+      ASSERT_EQ(pairs[i]->Ask(static_cast<uint8_t>(i + round)), static_cast<uint8_t>(i + round + 1));
   // a peer that closes: its task ends (EOF is readable), the pool lets it go
   close(pairs[7]->theirs);
   pairs[7]->theirs = -1;
@@ -459,7 +461,8 @@ TEST(Server, SilentConnectionsCostNoThread) {
     ASSERT_GE(fd, 0);
     silent.push_back(std::make_unique<datadist::Conn>(fd, "silent"));
   }
-  for (int i = 0; i < 500 && server.connections() != 240; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 500 && server.connections() != 240; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(server.connections(), 240u);
   EXPECT_EQ(server.refused(), 0u);
   EXPECT_EQ(Threads(), threads);
@@ -528,14 +531,16 @@ TEST(Scale, AThousandLinksKeepTheThreadCountBounded) {
   }
   // The control channels (the reverse ones were handed on; the last may still be finishing
   // its hand-over when its client's Open returns).
-  for (int i = 0; i < 500 && server.connections() != kLinks; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 500 && server.connections() != kLinks; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(server.connections(), kLinks);
   // The listener's accept thread and the pool's threads, nothing per link (before: +2,000).
   EXPECT_LE(threads, threads_before + pool_threads + 1) << threads_before << " threads before";
-  std::printf("[scale] %zu links: %zu threads (%zu before, pool %zu); RSS +%ld KiB (%.1f KiB per link, both ends); "
-              "linked in %.2f s\n",
-              kLinks, threads, threads_before, pool_threads, rss_after - rss_before,
-              static_cast<double>(rss_after - rss_before) / kLinks, link_s);
+  std::printf(
+      "[scale] %zu links: %zu threads (%zu before, pool %zu); RSS +%ld KiB (%.1f KiB per link, both ends); "
+      "linked in %.2f s\n",
+      kLinks, threads, threads_before, pool_threads, rss_after - rss_before,
+      static_cast<double>(rss_after - rss_before) / kLinks, link_s);
   // Pulls on several links, pushes over several reverse channels (served parked by the
   // clients' side): the right bytes.
   for (size_t i : {size_t{0}, size_t{1}, kLinks / 3, kLinks / 2, kLinks - 1}) {

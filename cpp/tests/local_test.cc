@@ -3,6 +3,8 @@
 // same host links over it and reads with process_vm_readv. In one process (the kernel lets a
 // process read itself); the cross-process cases, a refusing kernel included, are in
 // tests/interop/test_local.py.
+#include "local.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -13,7 +15,6 @@
 #include "errors.h"
 #include "lease.h"
 #include "link.h"
-#include "local.h"
 #include "server.h"
 #include "test_util.h"
 #include "wire.h"

@@ -1,6 +1,8 @@
 // Transfer metrics in the core (src/metrics.h) and through the C++ API (GetMetrics,
 // GetPeerMetrics, ResetMetrics): the counters the Python API reports, with its names and
 // units, on both sides of a link, and the STATS answer in the JSON the Python API reads.
+#include "metrics.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,7 +12,6 @@
 #include <thread>
 #include <vector>
 
-#include "metrics.h"
 #include "test_util.h"
 
 namespace {
@@ -57,12 +58,12 @@ TEST(MetricsCore, BucketsQuantilesAndStatusNamesAsPython) {
   EXPECT_EQ(s.bytes, 500U);
   ASSERT_EQ(s.errors.size(), 1U);
   EXPECT_EQ(s.errors[0].first, "LLM_TIMEOUT");
-  EXPECT_EQ(s.counts[0], 1U);           // 5 us <= 10 us
+  EXPECT_EQ(s.counts[0], 1U);                  // 5 us <= 10 us
   EXPECT_EQ(s.counts[metrics::kBuckets], 1U);  // 500 s lies above every bucket
   EXPECT_EQ(s.Quantile(0.5), 5e-4);
   EXPECT_TRUE(std::isinf(s.Quantile(0.99)));
   EXPECT_STREQ(metrics::StatusName(0x5010B011U), "LLM_SEQ_LENOVERLIMIT");  // llm_datadist's spelling
-  EXPECT_STREQ(metrics::StatusName(0x12345U), "LLM_FAILED");  // anything else, as Python counts it
+  EXPECT_STREQ(metrics::StatusName(0x12345U), "LLM_FAILED");               // anything else, as Python counts it
   metrics::Reset();
 }
 
@@ -97,8 +98,10 @@ TEST(MetricsCore, ClaimedIdsFoldIntoOneSeriesPastTheCapAndStatsDoesNotScale) {
     double best = 1e18;
     for (int round = 0; round < 5; ++round) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < 200; ++i) EXPECT_NE(metrics::StatsJson(1, 1, kAsker, true).find("serve_lease"), std::string::npos);
-      best = std::min(best, std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / 200);
+      for (int i = 0; i < 200; ++i)
+        EXPECT_NE(metrics::StatsJson(1, 1, kAsker, true).find("serve_lease"), std::string::npos);
+      best =
+          std::min(best, std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / 200);
     }
     return best;
   };
@@ -120,11 +123,13 @@ TEST(MetricsCore, ClaimedIdsFoldIntoOneSeriesPastTheCapAndStatsDoesNotScale) {
   uint64_t transfers = 0, other = 0;
   for (const metrics::Series &s : all) {
     transfers += s.transfers;
-    if (s.cluster_id == metrics::kOtherPeers) other += s.transfers;
-    else EXPECT_TRUE(metrics::IsNamed(s.cluster_id)) << s.cluster_id;
+    if (s.cluster_id == metrics::kOtherPeers)
+      other += s.transfers;
+    else
+      EXPECT_TRUE(metrics::IsNamed(s.cluster_id)) << s.cluster_id;
   }
   EXPECT_EQ(transfers, 5001U * metrics::kOps);  // nothing lost: folded, not dropped
-  EXPECT_GE(other, 2500U * 3);  // at least the never-named ids' serve_read, serve_write, serve_lease
+  EXPECT_GE(other, 2500U * 3);                  // at least the never-named ids' serve_read, serve_write, serve_lease
   // A peer whose id is not named (the last ones: past the cap) is told nothing (the folded
   // series is nobody's own).
   const uint64_t unnamed = first + 4999;
@@ -164,7 +169,8 @@ TEST(MetricsApi, BothSidesCountAndThePeerTellsItsOwnSeries) {
   std::vector<Status> rets;
   ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
 
-  for (uint32_t slot = 0; slot < 3; ++slot) ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, slot), dst.cache, slot), LLM_SUCCESS);
+  for (uint32_t slot = 0; slot < 3; ++slot)
+    ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, slot), dst.cache, slot), LLM_SUCCESS);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 9), dst.cache), LLM_KV_CACHE_NOT_EXIST);
   ASSERT_EQ(decoder.PushKvCache(dst.cache, Index(kPrompt, 1, 3)), LLM_SUCCESS);
 
@@ -225,7 +231,8 @@ TEST(MetricsApi, SameHostReadsUnderALeaseAreTheReadersToCount) {
   ASSERT_EQ(dst.Register(decoder), LLM_SUCCESS);
   std::vector<Status> rets;
   ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(kPrompt, port)}, rets, 3000), LLM_SUCCESS);
-  for (uint32_t slot = 0; slot < 3; ++slot) ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, slot), dst.cache, slot), LLM_SUCCESS);
+  for (uint32_t slot = 0; slot < 3; ++slot)
+    ASSERT_EQ(decoder.PullKvCache(Index(kPrompt, 1, slot), dst.cache, slot), LLM_SUCCESS);
   std::vector<TransferMetrics> all;
   ASSERT_EQ(decoder.GetMetrics(all), LLM_SUCCESS);
   const TransferMetrics *pull = Find(all, "pull", kPrompt);

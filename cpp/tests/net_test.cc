@@ -2,12 +2,13 @@
 // once waits in the kernel (O_NONBLOCK off, recvmsg(MSG_WAITALL), sends in 4 MiB calls), as
 // Python's channel does, instead of a poll and a call per buffer-full; the deadline, a
 // Shutdown from another thread and the socket's non-blocking mode afterwards are as before.
-#include <gtest/gtest.h>
+#include "net.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <poll.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -21,7 +22,6 @@
 #include <vector>
 
 #include "errors.h"
-#include "net.h"
 
 namespace {
 

@@ -3,6 +3,8 @@
 // and, where NIXL's C API is at hand (DATADIST_NIXL_LIBRARY: tests/core/test_googletest.py passes the
 // nixl-cu12 wheel's libnixl_capi.so), an owner that hands out its metadata and NIXL grants
 // for checked spans only. Without the library those tests skip.
+#include "nixl.h"
+
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
@@ -13,7 +15,6 @@
 
 #include "errors.h"
 #include "net.h"
-#include "nixl.h"
 #include "test_util.h"
 #include "wire.h"
 
@@ -310,9 +311,9 @@ TEST_F(Serving, DevicePlacedCachesOnAGpuAreRegisteredAsVram) {
   std::vector<uint8_t> arena(8 * kBytes, 5);
   cuda.Place(arena.data(), arena.size(), 3);
   Cache host = Carved(arena.data() + 2 * kBytes, kBytes, CachePlacement::kHost);
-  ASSERT_EQ(prompt.RegisterKvCache(host.cache_desc, {host.tensor_addrs.begin(), host.tensor_addrs.end()}, {},
-                                   host.cache_id),
-            LLM_SUCCESS);
+  ASSERT_EQ(
+      prompt.RegisterKvCache(host.cache_desc, {host.tensor_addrs.begin(), host.tensor_addrs.end()}, {}, host.cache_id),
+      LLM_SUCCESS);
 
   LlmDataDist decoder(2, LlmRole::kDecoder);
   auto options = ddtest::Options();
@@ -325,10 +326,10 @@ TEST_F(Serving, DevicePlacedCachesOnAGpuAreRegisteredAsVram) {
   ASSERT_EQ(decoder.RegisterKvCache(into_gpu.cache_desc, {into_gpu.tensor_addrs.begin(), into_gpu.tensor_addrs.end()},
                                     {}, into_gpu.cache_id),
             LLM_SUCCESS);
-  ASSERT_EQ(decoder.RegisterKvCache(into_host.cache_desc,
-                                    {into_host.tensor_addrs.begin(), into_host.tensor_addrs.end()}, {},
-                                    into_host.cache_id),
-            LLM_SUCCESS);
+  ASSERT_EQ(
+      decoder.RegisterKvCache(into_host.cache_desc, {into_host.tensor_addrs.begin(), into_host.tensor_addrs.end()}, {},
+                              into_host.cache_id),
+      LLM_SUCCESS);
   EXPECT_EQ(cuda.Calls(), 2);  // the decoder's device cache's two tensors, nothing else
   std::vector<Status> rets;
   ASSERT_EQ(decoder.LinkLlmClusters({ddtest::Cluster(1, port)}, rets, 3000), LLM_SUCCESS);
@@ -342,8 +343,9 @@ TEST_F(Serving, DevicePlacedCachesOnAGpuAreRegisteredAsVram) {
 
   // The owner's side: a device cache filed once its agent is up (the decoder's link made it).
   Cache gpu = Carved(arena.data(), kBytes, CachePlacement::kDevice);
-  ASSERT_EQ(prompt.RegisterKvCache(gpu.cache_desc, {gpu.tensor_addrs.begin(), gpu.tensor_addrs.end()}, {}, gpu.cache_id),
-            LLM_SUCCESS);
+  ASSERT_EQ(
+      prompt.RegisterKvCache(gpu.cache_desc, {gpu.tensor_addrs.begin(), gpu.tensor_addrs.end()}, {}, gpu.cache_id),
+      LLM_SUCCESS);
   EXPECT_EQ(cuda.Calls(), 4);
   Raw raw(port);
   ExpectRefused(raw, raw.Read(w::kCacheId, static_cast<uint64_t>(gpu.cache_id), 0, 0, 8), LLM_FEATURE_NOT_ENABLED,

@@ -29,9 +29,7 @@ struct TempDir {
   }
 };
 
-void Write(const std::string &path, const std::string &text) {
-  std::ofstream(path) << text;
-}
+void Write(const std::string &path, const std::string &text) { std::ofstream(path) << text; }
 
 /// site/<libs>/libnixl_capi.so and, when `version` is given, site/<dist>/METADATA.
 std::string Install(const std::string &site, const std::string &libs, const std::string &dist,

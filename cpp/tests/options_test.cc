@@ -2,6 +2,8 @@
 // and invalid values with the code and message, the option-over-variable-over-default order,
 // the defaults; then the shared cases of tests/vectors/options.txt, which the Python face runs
 // too (tests/core/test_options_table.py), through ParseOptions and the C++ API's Initialize.
+#include "options.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -13,7 +15,6 @@
 
 #include "errors.h"
 #include "llm_datadist/llm_datadist.h"
-#include "options.h"
 
 #ifndef DATADIST_OPTION_VECTORS_FILE
 #error "cpp/CMakeLists.txt defines DATADIST_OPTION_VECTORS_FILE, the path of tests/vectors/options.txt"
@@ -117,7 +118,8 @@ TEST(OptionTable, Ints) {
     const std::string range = "[" + std::to_string(spec.lo) + ", " + std::to_string(spec.hi) + "]" + unit;
     EXPECT_EQ(Value({{key, std::to_string(spec.lo)}}, key), std::to_string(spec.lo));
     EXPECT_EQ(Value({{key, std::to_string(spec.hi)}}, key), std::to_string(spec.hi));
-    for (const std::string &bad : std::vector<std::string>{std::to_string(spec.lo - 1), std::to_string(spec.hi + 1), std::string("lots"),
+    for (const std::string &bad :
+         std::vector<std::string>{std::to_string(spec.lo - 1), std::to_string(spec.hi + 1), std::string("lots"),
                                   std::string("-1"), std::string("+1"), std::string(" 1"), std::string("1.0"),
                                   std::string("0x10"), std::string(40, '9'), std::string("\xd9\xa3")})
       EXPECT_EQ(Refusal({{key, bad}}), key + " must be an integer in " + range + ", got '" + bad + "'");
@@ -148,11 +150,13 @@ TEST(OptionTable, Enums) {
 TEST(OptionTable, TextsAreTakenAsGiven) {
   for (const char *key : {"datadist.AuthSecret", "datadist.NixlLibrary"})
     EXPECT_EQ(Value({{key, " any text, 1 "}}, key), " any text, 1 ");
-  const Options o = ParseOptions({{"datadist.TlsCert", "c"}, {"datadist.TlsKey", "k"}, {"datadist.TlsCa", "a"}}, NoEnv());
+  const Options o =
+      ParseOptions({{"datadist.TlsCert", "c"}, {"datadist.TlsKey", "k"}, {"datadist.TlsCa", "a"}}, NoEnv());
   EXPECT_EQ(o.tls.cert, "c");
   EXPECT_EQ(o.tls.key, "k");
   EXPECT_EQ(o.tls.ca, "a");
-  const std::string tls = "TLS needs a certificate, its key and a CA file together (datadist.TlsCert, datadist.TlsKey, datadist.TlsCa)";
+  const std::string tls =
+      "TLS needs a certificate, its key and a CA file together (datadist.TlsCert, datadist.TlsKey, datadist.TlsCa)";
   EXPECT_EQ(Refusal({{"datadist.TlsCert", "c"}}), tls);
   EXPECT_EQ(Refusal({{"datadist.TlsCert", "c"}, {"datadist.TlsKey", "k"}}), tls);
   EXPECT_EQ(Refusal({}, {{"DATADIST_TLS_CA", "a"}}), tls);
@@ -182,7 +186,11 @@ TEST(OptionTable, OptionThenEnvironmentThenDefault) {
     Options o = ParseOptions(with, MapEnv({{env, b}}));
     EXPECT_EQ(o.values.at(key).Text(), a) << key;
     EXPECT_EQ(o.values.at(key).source, OptionValue::Source::kOption) << key;
-    for (const Map &unset : {extra, [&] { Map m = extra; m[key] = ""; return m; }()}) {
+    for (const Map &unset : {extra, [&] {
+                               Map m = extra;
+                               m[key] = "";
+                               return m;
+                             }()}) {
       o = ParseOptions(unset, MapEnv({{env, b}}));
       EXPECT_EQ(o.values.at(key).Text(), b) << key;
       EXPECT_EQ(o.values.at(key).source, OptionValue::Source::kEnv) << key;

@@ -5,6 +5,8 @@
 // the Python test (tests/core/test_registry.py, test_fence.py) it mirrors. The
 // registry never touches memory, so most caches carry made-up addresses; the server tests at
 // the end use real memory.
+#include "registry.h"
+
 #include <gtest/gtest.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -25,7 +27,6 @@
 #include "lease.h"
 #include "local.h"
 #include "net.h"
-#include "registry.h"
 #include "server.h"
 #include "test_util.h"
 #include "wire.h"
@@ -83,7 +84,9 @@ w::Request Req(uint8_t kind, uint64_t a, uint64_t b, uint64_t c, std::vector<uin
 w::Request ByKey(uint64_t req, uint64_t model = 0, std::vector<uint32_t> tensors = kAll) {
   return Req(w::kCacheKey, req, model, kMax, std::move(tensors), 0, 256);
 }
-w::Request ByPrefix(uint64_t prefix, uint64_t model = 0) { return Req(w::kCacheKey, kMax, model, prefix, kAll, 0, 256); }
+w::Request ByPrefix(uint64_t prefix, uint64_t model = 0) {
+  return Req(w::kCacheKey, kMax, model, prefix, kAll, 0, 256);
+}
 w::Request ById(uint64_t id, uint64_t index = 0) { return Req(w::kCacheId, id, index, 0, kAll, 0, 256); }
 w::Request ByModel(uint64_t model) { return Req(w::kBlocksKey, 0, model, 0, {0, 1}, 0, 64); }
 w::LeaseRequest LeaseBy(uint8_t kind, uint64_t a, uint64_t b, uint32_t flags = 0) {
@@ -209,8 +212,9 @@ TEST_F(Native, UnknownKeysAreCacheNotFound) {
     EXPECT_EQ(r.code, LLM_KV_CACHE_NOT_EXIST) << r.msg;
   }
   Refusal r = Refused([&] { reg.Open(ByKey(2, 3)); });
-  EXPECT_EQ(r.msg, "no cache bound to req_id=2 prefix_id=18446744073709551615 model_id=3 (the owner must allocate or "
-                   "register it with that CacheKey; a successful pull consumes it)");
+  EXPECT_EQ(r.msg,
+            "no cache bound to req_id=2 prefix_id=18446744073709551615 model_id=3 (the owner must allocate or "
+            "register it with that CacheKey; a successful pull consumes it)");
 }
 
 // Python: Registry.check_keys / _check_unbound, all or nothing
@@ -492,7 +496,8 @@ TEST_F(Native, APrivateCacheIsRefusedToPeers) {
   EXPECT_EQ(Refused([&] { reg.LeaseCache(LeaseBy(w::kBlocksKey, 0, 5)); }).code, LLM_PARAM_INVALID);
   Refusal a = Refused([&] { reg.OpenWrite(Req(w::kAddress, 0, 0, 0, {0}, kAddrs[1] + 8, 8)); });
   EXPECT_EQ(a.code, LLM_PARAM_INVALID);
-  EXPECT_EQ(a.msg, "the addresses do not lie inside one tensor of a remote-accessible registered cache (spans of >= 1 byte)");
+  EXPECT_EQ(a.msg,
+            "the addresses do not lie inside one tensor of a remote-accessible registered cache (spans of >= 1 byte)");
   // nothing was leased: an unregister does not wait
   reg.Remove(1, false, 0.0);
 }
@@ -541,8 +546,9 @@ TEST_F(Native, ModelIdsResolveThroughTheMapLastWriterWins) {
   // the model id is not the cache id in this mode (Python has no such rule)
   Refusal r = Refused([&] { reg.Open(ByModel(1)); });
   EXPECT_EQ(r.code, LLM_KV_CACHE_NOT_EXIST);
-  EXPECT_EQ(r.msg, "no blocks cache registered for model_id=1 (the owner must register_blocks_cache with "
-                   "BlocksCacheKey(its cluster id, 1))");
+  EXPECT_EQ(r.msg,
+            "no blocks cache registered for model_id=1 (the owner must register_blocks_cache with "
+            "BlocksCacheKey(its cluster id, 1))");
   reg.UnbindModel(8);
   EXPECT_EQ(Refused([&] { reg.Open(ByModel(8)); }).code, LLM_KV_CACHE_NOT_EXIST);
   EXPECT_EQ(Refused([&] { reg.BindModel(9, 42); }).code, LLM_KV_CACHE_NOT_EXIST);
@@ -670,7 +676,8 @@ TEST_F(Native, OpenByCacheIdAndBatchIndex) {
 TEST_F(Native, ASlotReadMayRunIntoTheFollowingSlotsButNotPastTheTensor) {
   User(1);
   Pull(reg, Spans(w::kCacheId, 1, 1, kAll, {0}, {3 * 256}));
-  for (const w::Request &q : {Spans(w::kCacheId, 1, 1, kAll, {0}, {3 * 256 + 1}), Spans(w::kCacheId, 1, 3, kAll, {200}, {57})}) {
+  for (const w::Request &q :
+       {Spans(w::kCacheId, 1, 1, kAll, {0}, {3 * 256 + 1}), Spans(w::kCacheId, 1, 3, kAll, {200}, {57})}) {
     Refusal r = Refused([&] { reg.Open(q); });
     EXPECT_EQ(r.code, LLM_PARAM_INVALID);
     EXPECT_TRUE(r.Says("outside")) << r.msg;
@@ -790,7 +797,8 @@ TEST_F(Native, BlocksKeyOffsetsAreAbsoluteAndTheBlockSizeMustMatch) {
 // one answer (no address oracle, issue 21 item 2).
 const std::string kAddressRefused =
     "the addresses do not lie inside one tensor of a remote-accessible registered cache (spans of >= 1 byte)";
-w::Request AddrWrite(std::vector<uint64_t> offsets, std::vector<uint64_t> lengths, std::vector<uint32_t> tensors = {0}) {
+w::Request AddrWrite(std::vector<uint64_t> offsets, std::vector<uint64_t> lengths,
+                     std::vector<uint32_t> tensors = {0}) {
   return Spans(w::kAddress, 0, 0, std::move(tensors), std::move(offsets), std::move(lengths));
 }
 
@@ -811,9 +819,9 @@ TEST_F(Native, AnAddressWriteLeasesTheCacheHoldingItsSpans) {
 
 TEST_F(Native, AnAddressWriteLeavingItsTensorIsRefused) {
   User(1);
-  for (const w::Request &q : {AddrWrite({kAddrs[0] + 1000}, {25}),          // past the 1024-byte tensor
-                              AddrWrite({kAddrs[0], kAddrs[1]}, {8, 8}),    // two tensors
-                              AddrWrite({kAddrs[0] + 8}, {kMax - 7})}) {    // a length that wraps
+  for (const w::Request &q : {AddrWrite({kAddrs[0] + 1000}, {25}),        // past the 1024-byte tensor
+                              AddrWrite({kAddrs[0], kAddrs[1]}, {8, 8}),  // two tensors
+                              AddrWrite({kAddrs[0] + 8}, {kMax - 7})}) {  // a length that wraps
     Refusal r = Refused([&] { reg.OpenWrite(q); });
     EXPECT_EQ(r.code, LLM_PARAM_INVALID);
     EXPECT_EQ(r.msg, kAddressRefused);
@@ -1126,7 +1134,8 @@ TEST_F(Served, WritesAreRefusedWhenRemoteWritesAreOff) {
 // ok consumes the key, not ok does not. Before, the C++ server dropped every grant unsettled.
 TEST_F(Served, AGrantReleasedOkConsumesItsKey) {
   if (!server->serves_local()) GTEST_SKIP() << "no local channel here";
-  auto local = Hello(datadist::local::Connect(datadist::local::Name(static_cast<uint64_t>(getpid()), 9), datadist::After(2)));
+  auto local =
+      Hello(datadist::local::Connect(datadist::local::Name(static_cast<uint64_t>(getpid()), 9), datadist::After(2)));
   HostCache mem(4, {4, 256});
   reg.Add(1, mem.desc, mem.addrs, kPool);
   reg.BindKeys(1, {K(5), K(6)}, {0, 1});

@@ -3,6 +3,8 @@
 // The rules are Python's (tests/security/test_same_host_trust.py is the spec); the owner and
 // the reader are one process here (a process may open its own /proc/self/fd), the
 // cross-process pairs are in tests/e2e (test_shm_engines.py).
+#include "shm.h"
+
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -19,7 +21,6 @@
 #include "link.h"
 #include "local.h"
 #include "server.h"
-#include "shm.h"
 #include "test_util.h"
 #include "wire.h"
 
@@ -343,7 +344,7 @@ TEST(ShmApi, AllocatedCachesLieInASealedMemfd) {
   ASSERT_EQ(cache.tensor_addrs.size(), 3U);
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   for (uint64_t a : cache.tensor_addrs) {
-    EXPECT_EQ(a % page, 0U);  // page-aligned tensors
+    EXPECT_EQ(a % page, 0U);                                                         // page-aligned tensors
     for (int i = 0; i < 4000; ++i) ASSERT_EQ(reinterpret_cast<uint8_t *>(a)[i], 0);  // zeroed
   }
   std::ifstream maps("/proc/self/maps");
@@ -352,7 +353,8 @@ TEST(ShmApi, AllocatedCachesLieInASealedMemfd) {
   while (std::getline(maps, line)) {
     const uint64_t lo = std::stoull(line.substr(0, line.find('-')), nullptr, 16);
     const uint64_t hi = std::stoull(line.substr(line.find('-') + 1, line.find(' ')), nullptr, 16);
-    if (lo <= cache.tensor_addrs[0] && cache.tensor_addrs[0] < hi) found = line.find("memfd:datadist-cache") != std::string::npos;
+    if (lo <= cache.tensor_addrs[0] && cache.tensor_addrs[0] < hi)
+      found = line.find("memfd:datadist-cache") != std::string::npos;
   }
   EXPECT_TRUE(found) << "the allocated cache is not in a datadist memfd";
   EXPECT_EQ(dd.DeallocateCache(cache.cache_id), LLM_SUCCESS);

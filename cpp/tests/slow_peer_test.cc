@@ -4,9 +4,8 @@
 //
 // Each test says what the code before did; each was run against that code (the tests that use
 // only what it had) or follows its code path, as its comment says.
-#include <gtest/gtest.h>
-
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -136,7 +135,8 @@ TEST_F(SlowPeer, StalledLargeFramesHoldNoThread) {
   // The buffers hold what came (a byte each), not what was declared (24 MiB): about 64 KiB
   // at most per connection.
   EXPECT_LE(server->buffered(), (kStalled + 2) * (64u << 10));
-  for (int i = 0; i < 100 && server->connections() != kStalled; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 100 && server->connections() != kStalled; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_EQ(server->connections(), kStalled);  // parked, not closed: their frames' 30 s hold
 }
 
@@ -153,7 +153,8 @@ TEST_F(SlowPeer, ABufferGrowsWithTheBytesNotTheDeclaredLength) {
     head.resize(head.size() + 100, 0x5a);
     peers.back()->SendAll(head.data(), head.size(), After(2));
   }
-  for (int i = 0; i < 200 && server->buffered() < 32 * 100; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 200 && server->buffered() < 32 * 100; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_GE(server->buffered(), 32u * 100);
   EXPECT_LE(server->buffered(), 33u * (64u << 10)) << "a connection's buffer grew towards its declared 64 MiB";
   EXPECT_LT(HonestPull(9), 1.0);
@@ -172,7 +173,8 @@ TEST_F(SlowPeer, PartialHellosOnTheLocalChannelHoldNoThreadWithASecret) {
   hello.cluster_id = 300;
   const std::vector<uint8_t> frame = w::EncodeHello(w::kHello, hello, 1);
   for (int i = 0; i < 12; ++i) {  // within the pre-auth budget of one uid (16)
-    stalled.push_back(datadist::local::Connect(datadist::local::Name(static_cast<uint64_t>(getpid()), kOwner), After(2)));
+    stalled.push_back(
+        datadist::local::Connect(datadist::local::Name(static_cast<uint64_t>(getpid()), kOwner), After(2)));
     stalled.back()->SendAll(frame.data(), 1, After(2));
   }
   for (int i = 0; i < 4; ++i) {  // and over TCP, a byte of HELLO too

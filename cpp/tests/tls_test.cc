@@ -2,9 +2,10 @@
 // and the listener's pushes over a TLS link; a peer another CA signed, or one without TLS,
 // refused either way; the options checked at Initialize; and clients that stall mid-handshake
 // hold no I/O thread. Certificates are made with the openssl command (skipped without it).
-#include <gtest/gtest.h>
+#include "tls.h"
 
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -16,11 +17,9 @@
 #include <string>
 #include <thread>
 #include <utility>
-#include <string>
 #include <vector>
 
 #include "test_util.h"
-#include "tls.h"
 
 namespace {
 
@@ -41,8 +40,8 @@ std::string MakeCerts() {
       script += std::string("openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=") + ca + " -keyout " + ca +
                 ".key -out " + ca + ".pem && ";
     for (auto [leaf, ca] : {std::pair<const char *, const char *>{"a", "ca"}, {"b", "ca"}, {"stranger", "evil"}})
-      script += std::string("openssl req -newkey rsa:2048 -nodes -subj /CN=") + leaf + " -keyout " + leaf + ".key -out " +
-                leaf + ".csr && openssl x509 -req -in " + leaf + ".csr -CA " + ca + ".pem -CAkey " + ca +
+      script += std::string("openssl req -newkey rsa:2048 -nodes -subj /CN=") + leaf + " -keyout " + leaf +
+                ".key -out " + leaf + ".csr && openssl x509 -req -in " + leaf + ".csr -CA " + ca + ".pem -CAkey " + ca +
                 ".key -CAcreateserial -days 2 -out " + leaf + ".pem && ";
     script += "true";
     return std::system(script.c_str()) == 0 ? d : std::string();
@@ -61,7 +60,7 @@ std::map<AscendString, AscendString> WithTls(uint16_t port, const std::string &l
 
 #define NEEDS_TLS()                                                                     \
   do {                                                                                  \
-    if (!datadist::tls::Available()) GTEST_SKIP() << "built without OpenSSL";          \
+    if (!datadist::tls::Available()) GTEST_SKIP() << "built without OpenSSL";           \
     if (MakeCerts().empty()) GTEST_SKIP() << "no openssl command to make certificates"; \
   } while (0)
 

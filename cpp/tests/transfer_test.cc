@@ -1,15 +1,14 @@
 // Transfers between two LlmDataDist instances in this process, over TCP: every byte checked,
 // every owner-side check, deadlines against stopped and dead peers, and the xLLM-style flow.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
-
-#include <unistd.h>
 
 #include "errors.h"
 #include "local.h"
@@ -23,7 +22,7 @@ using ddtest::Ext;
 using ddtest::HostCache;
 using ddtest::Index;
 
-constexpr uint64_t kPrompt = 0;  // cluster id 0 is valid
+constexpr uint64_t kPrompt = 0;                                      // cluster id 0 is valid
 constexpr uint64_t kDecoder = (uint64_t{0x7F000001} << 32) | 26001;  // xLLM-style (ipv4 << 32) | port
 
 double Seconds(std::chrono::steady_clock::time_point since) {
@@ -96,7 +95,8 @@ TEST_F(Pair, PullKvBlocksWithLayerRanges) {
 
 TEST_F(Pair, OwnerAndLocalChecksGiveStatusCodes) {
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 9), dst.cache), LLM_KV_CACHE_NOT_EXIST);
-  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, -1), dst.cache), LLM_KV_CACHE_NOT_EXIST);  // as CANN: an id the peer does not have
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, -1), dst.cache),
+            LLM_KV_CACHE_NOT_EXIST);  // as CANN: an id the peer does not have
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1, 4), dst.cache), LLM_PARAM_INVALID);  // remote slot
   {
     // no layer range: every tensor, and the source must have as many (CANN's GetSendTask);
@@ -122,7 +122,8 @@ TEST_F(Pair, OwnerAndLocalChecksGiveStatusCodes) {
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 1}, {0, -2})), LLM_PARAM_INVALID);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 1})), LLM_PARAM_INVALID);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 2}, {0, 2})), LLM_PARAM_INVALID);
-  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({2, 2}, {1, 1})), LLM_PARAM_INVALID);  // remote has 2 layers
+  EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({2, 2}, {1, 1})),
+            LLM_PARAM_INVALID);  // remote has 2 layers
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({0, 0}, {0, 0}, 0)), LLM_PARAM_INVALID);
   EXPECT_EQ(decoder.PullKvCache(Index(kPrompt, 1), dst.cache, 0, -1, Ext({1, 1}, {1, 1}, 3)), LLM_PARAM_INVALID);
   // another dtype on the owner's side
@@ -372,7 +373,7 @@ TEST(Deadlines, FinalizeFailsTransfersInFlightAtOnce) {
   ASSERT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, peer.port)}, rets, 2000), LLM_SUCCESS);
   std::atomic<Status> first{LLM_SUCCESS}, second{LLM_SUCCESS};
   std::thread a([&] { first = dd.PullKvCache(Index(2, 1), h.cache); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a's READ is out, unanswered
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));               // a's READ is out, unanswered
   std::thread b([&] { second = dd.PullKvCache(Index(2, 1, 1), h.cache); });  // waits for the link
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   auto t0 = std::chrono::steady_clock::now();
@@ -391,9 +392,10 @@ TEST(Deadlines, ClustersLinkInParallelAndEachGetsItsCode) {
   ASSERT_EQ(dd.Initialize(ddtest::Options()), LLM_SUCCESS);
   SilentPeer silent_a(2, false), silent_b(4, false);
   std::vector<Status> rets;
-  EXPECT_EQ(dd.LinkLlmClusters({ddtest::Cluster(2, silent_a.port), ddtest::Cluster(3, port),
-                                ddtest::Cluster(4, silent_b.port)}, rets, 1500),
-            LLM_LINK_FAILED);
+  EXPECT_EQ(
+      dd.LinkLlmClusters(
+          {ddtest::Cluster(2, silent_a.port), ddtest::Cluster(3, port), ddtest::Cluster(4, silent_b.port)}, rets, 1500),
+      LLM_LINK_FAILED);
   // In parallel: both silent peers got their HELLO at once, not one timeout (1.5 s) apart.
   auto apart = std::chrono::steady_clock::duration(std::abs(silent_a.hello_at.load() - silent_b.hello_at.load()));
   EXPECT_GT(silent_a.hello_at.load(), 0);
@@ -565,7 +567,8 @@ TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
     Cache only_id{};
     only_id.cache_id = c->cache.cache_id;
     for (int32_t l = 0; l < kLayers; ++l)
-      ASSERT_EQ(d.PullKvBlocks(Index(kPrompt, c->cache.cache_id), only_id, blocks, blocks, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
+      ASSERT_EQ(d.PullKvBlocks(Index(kPrompt, c->cache.cache_id), only_id, blocks, blocks, Ext({l, l}, {l, l}, 1)),
+                LLM_SUCCESS);
   }
   // {0, 0} with one tensor per layer: layer 0 only
   ASSERT_EQ(one.Register(d), LLM_SUCCESS);
@@ -577,14 +580,15 @@ TEST(Xllm, PerLayerCachesPullThenLayerwisePush) {
       for (int kv = 0; kv < 2; ++kv) {
         HostCache &from = kv ? pv : pk;
         HostCache &to = kv ? dv : dk;
-        for (int i = 0; i < 32; ++i)
-          ASSERT_EQ(to.T(l)[b * 32 + i], moved ? from.T(l)[b * 32 + i] : 0) << l << " " << b;
+        for (int i = 0; i < 32; ++i) ASSERT_EQ(to.T(l)[b * 32 + i], moved ? from.T(l)[b * 32 + i] : 0) << l << " " << b;
       }
     }
   // the prompt pushes new blocks layer by layer, as each layer is computed
   for (int32_t l = 0; l < kLayers; ++l) {
-    ASSERT_EQ(p.PushKvBlocks(pk2.cache, Index(kDecoder, dk.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
-    ASSERT_EQ(p.PushKvBlocks(pv2.cache, Index(kDecoder, dv.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)), LLM_SUCCESS);
+    ASSERT_EQ(p.PushKvBlocks(pk2.cache, Index(kDecoder, dk.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)),
+              LLM_SUCCESS);
+    ASSERT_EQ(p.PushKvBlocks(pv2.cache, Index(kDecoder, dv.cache.cache_id), {3}, {6}, Ext({l, l}, {l, l}, 1)),
+              LLM_SUCCESS);
     for (int later = l + 1; later < kLayers; ++later)  // not yet pushed
       for (int i = 0; i < 32; ++i) ASSERT_EQ(dk.T(later)[6 * 32 + i], 0);
     EXPECT_EQ(std::memcmp(dk.T(l) + 6 * 32, pk2.T(l) + 3 * 32, 32), 0);
@@ -639,7 +643,9 @@ class Raw {
     setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   }
   ~Raw() { close(fd_); }
-  void Send(const std::vector<uint8_t> &b) { ASSERT_EQ(send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size())); }
+  void Send(const std::vector<uint8_t> &b) {
+    ASSERT_EQ(send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
+  }
   /// The next frame's header and payload; type 0 when the owner closed the connection.
   std::pair<datadist::wire::Header, std::vector<uint8_t>> Recv() {
     uint8_t head[12];
@@ -753,9 +759,9 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
       {{2}, 0, 16, 0, 0, LLM_PARAM_INVALID},
       {{0}, ~0ULL - 3, 8, 0, 0, LLM_PARAM_INVALID},
       {{0}, 0, 16, 4, 0, LLM_PARAM_INVALID},
-      {{0}, 16, 48, 1, 0, LLM_PARAM_INVALID},  // slot 1 leaves 48 bytes: 16 + 48 runs past
+      {{0}, 16, 48, 1, 0, LLM_PARAM_INVALID},             // slot 1 leaves 48 bytes: 16 + 48 runs past
       {{0}, 0, 16, 0, w::kFlagGrant, LLM_PARAM_INVALID},  // grants: local channel only
-      {{1, 0, 1}, 0, 16, 0, 0, LLM_PARAM_INVALID},         // a tensor named twice
+      {{1, 0, 1}, 0, 16, 0, 0, LLM_PARAM_INVALID},        // a tensor named twice
   };
   uint32_t rid = 2;
   for (const Case &c : cases) {
@@ -924,8 +930,14 @@ TEST(Hixl, UnlinkNeedsNoAddressAndBothEndsEndUnlinked) {
   dc.Fill(2);
   std::vector<Status> rets;
   Status pl = LLM_FAILED, dl = LLM_FAILED;
-  std::thread a([&] { std::vector<Status> r; pl = prompt.LinkLlmClusters({ddtest::Cluster(1, dport)}, r, 5000); });
-  std::thread b([&] { std::vector<Status> r; dl = decoder.LinkLlmClusters({ddtest::Cluster(0, pport)}, r, 5000); });
+  std::thread a([&] {
+    std::vector<Status> r;
+    pl = prompt.LinkLlmClusters({ddtest::Cluster(1, dport)}, r, 5000);
+  });
+  std::thread b([&] {
+    std::vector<Status> r;
+    dl = decoder.LinkLlmClusters({ddtest::Cluster(0, pport)}, r, 5000);
+  });
   a.join();
   b.join();
   ASSERT_EQ(pl, LLM_SUCCESS);
@@ -938,8 +950,14 @@ TEST(Hixl, UnlinkNeedsNoAddressAndBothEndsEndUnlinked) {
   to_decoder.remote_cluster_id = 1;
   to_prompt.remote_cluster_id = 0;
   Status pu = LLM_FAILED, du = LLM_FAILED;
-  std::thread c([&] { std::vector<Status> r; pu = prompt.UnlinkLlmClusters({to_decoder}, r, 5000); });
-  std::thread d([&] { std::vector<Status> r; du = decoder.UnlinkLlmClusters({to_prompt}, r, 5000); });
+  std::thread c([&] {
+    std::vector<Status> r;
+    pu = prompt.UnlinkLlmClusters({to_decoder}, r, 5000);
+  });
+  std::thread d([&] {
+    std::vector<Status> r;
+    du = decoder.UnlinkLlmClusters({to_prompt}, r, 5000);
+  });
   c.join();
   d.join();
   EXPECT_EQ(pu, LLM_SUCCESS);

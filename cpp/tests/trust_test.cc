@@ -216,8 +216,8 @@ TEST(Trust, ZeroLengthSpansAreRefusedAndAddressWritesGetOneAnswer) {
   };
   const std::string nowhere = answer(0x1000, 8);
   EXPECT_EQ(nowhere.rfind(std::to_string(LLM_PARAM_INVALID), 0), 0U) << nowhere;
-  EXPECT_EQ(answer(c.addrs[0], 0), nowhere);       // inside a tensor, 0 bytes
-  EXPECT_EQ(answer(0x1000, 0), nowhere);           // outside, 0 bytes
+  EXPECT_EQ(answer(c.addrs[0], 0), nowhere);        // inside a tensor, 0 bytes
+  EXPECT_EQ(answer(0x1000, 0), nowhere);            // outside, 0 bytes
   EXPECT_EQ(answer(c.addrs[1] + 250, 8), nowhere);  // leaves the tensor
   EXPECT_EQ(answer(c.addrs[1] + 8, 8), "opened");
   w::Request by_id;
@@ -282,7 +282,7 @@ TEST(Trust, ALeasedCopyChecksTheOwnerIsAliveBeforeCopying) {
   ASSERT_TRUE(owner) << why;
   siginfo_t info{};
   ASSERT_EQ(waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT), 0);  // exited, not reaped
-  datadist::lease::Fence fence;  // ours, standing for the owner's
+  datadist::lease::Fence fence;                                                     // ours, standing for the owner's
   auto view = datadist::lease::FenceView::Open(getpid(), fence.fd(), fence.ino(), why);
   ASSERT_TRUE(view) << why;
   HostCache target(1, {4, 16});

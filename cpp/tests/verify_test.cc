@@ -3,9 +3,10 @@
 // local channel's grants), and against a hand-written owner: the CHECKSUM frame read, the
 // verdict sent (RELEASE, lease 0, the READ's id), a lying owner's bytes refused with
 // LLM_SUSPECT_REMOTE_ERROR.
-#include <gtest/gtest.h>
+#include "verify.h"
 
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -22,7 +23,6 @@
 #include "net.h"
 #include "tasks.h"
 #include "test_util.h"
-#include "verify.h"
 #include "wire.h"
 
 namespace {
@@ -107,11 +107,10 @@ TEST_P(OwnRead, AHoleIsAnAnswerNotASegfault) {
   Holed m;
   const uintptr_t hole = reinterpret_cast<uintptr_t>(m.base() + m.page());
   // the hole anywhere: at the start of a span, inside one, after whole healthy spans
-  const std::vector<std::vector<iovec>> cases{
-      {{m.base(), 3 * m.page()}},
-      {{m.base(), 10}, {m.base() + m.page() - 5, 100}},
-      {{m.base(), m.page()}, {m.base() + m.page(), 1}},
-      {{m.base() + 2 * m.page(), 64}, {m.base() + m.page() + 7, 1}}};
+  const std::vector<std::vector<iovec>> cases{{{m.base(), 3 * m.page()}},
+                                              {{m.base(), 10}, {m.base() + m.page() - 5, 100}},
+                                              {{m.base(), m.page()}, {m.base() + m.page(), 1}},
+                                              {{m.base() + 2 * m.page(), 64}, {m.base() + m.page() + 7, 1}}};
   for (const auto &iov : cases) {
     const crc::OwnRead r = crc::Crc32Own(iov);
     EXPECT_FALSE(r.ok);
@@ -174,10 +173,10 @@ class HandOwner {
   static uint8_t Byte(size_t i) { return static_cast<uint8_t>(i * 31 + 5); }
 
   uint16_t port = 0;
-  std::mutex mu;  // guards the three below
-  std::vector<uint32_t> flags;        // of each READ
-  std::vector<w::Header> after;       // the frame after each CHECKSUM
-  std::vector<w::Release> verdicts;   // ... when it was a RELEASE
+  std::mutex mu;                     // guards the three below
+  std::vector<uint32_t> flags;       // of each READ
+  std::vector<w::Header> after;      // the frame after each CHECKSUM
+  std::vector<w::Release> verdicts;  // ... when it was a RELEASE
 
  private:
   void Serve() {

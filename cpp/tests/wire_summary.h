@@ -48,16 +48,22 @@ inline void PutKey(Fields &f, uint8_t kind, uint64_t a, uint64_t b, uint64_t c) 
 }
 
 inline Fields HelloFields(const wire::Hello &h) {
-  return {{"cluster_id", std::to_string(h.cluster_id)}, {"role", std::to_string(h.role)},
-          {"pid", std::to_string(h.pid)},               {"pid_ns", std::to_string(h.pid_ns)},
+  return {{"cluster_id", std::to_string(h.cluster_id)},
+          {"role", std::to_string(h.role)},
+          {"pid", std::to_string(h.pid)},
+          {"pid_ns", std::to_string(h.pid_ns)},
           {"boot_id", Hex(h.boot_id.data(), h.boot_id.size())},
-          {"features", std::to_string(h.features)},     {"proof", Hex(h.proof)}};
+          {"features", std::to_string(h.features)},
+          {"proof", Hex(h.proof)}};
 }
 
 inline Fields RequestFields(const wire::Request &r) {
-  Fields f{{"unit_bytes", std::to_string(r.unit_bytes)}, {"layout", std::to_string(r.layout)},
-           {"flags", std::to_string(r.flags)},           {"tensors", List(r.tensors)},
-           {"offsets", List(r.offsets)},                 {"lengths", List(r.lengths)}};
+  Fields f{{"unit_bytes", std::to_string(r.unit_bytes)},
+           {"layout", std::to_string(r.layout)},
+           {"flags", std::to_string(r.flags)},
+           {"tensors", List(r.tensors)},
+           {"offsets", List(r.offsets)},
+           {"lengths", List(r.lengths)}};
   PutKey(f, r.kind, r.a, r.b, r.c);
   return f;
 }
@@ -70,7 +76,9 @@ struct Codec {
 };
 
 inline Codec U64Codec(uint8_t type, const char *field) {
-  return {[field](const Bytes &p) { return Fields{{field, std::to_string(wire::DecodeU64(p))}}; },
+  return {[field](const Bytes &p) {
+            return Fields{{field, std::to_string(wire::DecodeU64(p))}};
+          },
           [type](const Bytes &p, uint32_t rid) { return wire::EncodeU64(type, wire::DecodeU64(p), rid); }};
 }
 
@@ -91,22 +99,28 @@ inline Codec HelloCodec(uint8_t type) {
 }
 
 inline Codec RequestCodec(uint8_t type) {
-  return {[type](const Bytes &p) { return RequestFields(wire::DecodeRequest(type, p)); },
-          [type](const Bytes &p, uint32_t rid) { return wire::EncodeRequest(type, wire::DecodeRequest(type, p), rid); }};
+  return {
+      [type](const Bytes &p) { return RequestFields(wire::DecodeRequest(type, p)); },
+      [type](const Bytes &p, uint32_t rid) { return wire::EncodeRequest(type, wire::DecodeRequest(type, p), rid); }};
 }
 
 inline Fields NixlGrantFields(const wire::NixlGrant &g) {
-  return {{"lease_id", std::to_string(g.lease_id)}, {"agent", Hex(g.agent)},
+  return {{"lease_id", std::to_string(g.lease_id)},     {"agent", Hex(g.agent)},
           {"generation", std::to_string(g.generation)}, {"mem", std::to_string(g.mem)},
-          {"device", std::to_string(g.device)}, {"bases", List(g.bases)}};
+          {"device", std::to_string(g.device)},         {"bases", List(g.bases)}};
 }
 
 inline Fields NixlLeasedFields(const wire::NixlLeased &l) {
-  return {{"lease_id", std::to_string(l.lease_id)},   {"agent", Hex(l.agent)},
-          {"generation", std::to_string(l.generation)}, {"mem", std::to_string(l.mem)},
-          {"device", std::to_string(l.device)},       {"blocks", l.blocks ? "1" : "0"},
-          {"tensor_bytes", std::to_string(l.tensor_bytes)}, {"unit_bytes", std::to_string(l.unit_bytes)},
-          {"units", std::to_string(l.units)},         {"layout", std::to_string(l.layout)},
+  return {{"lease_id", std::to_string(l.lease_id)},
+          {"agent", Hex(l.agent)},
+          {"generation", std::to_string(l.generation)},
+          {"mem", std::to_string(l.mem)},
+          {"device", std::to_string(l.device)},
+          {"blocks", l.blocks ? "1" : "0"},
+          {"tensor_bytes", std::to_string(l.tensor_bytes)},
+          {"unit_bytes", std::to_string(l.unit_bytes)},
+          {"units", std::to_string(l.units)},
+          {"layout", std::to_string(l.layout)},
           {"addrs", List(l.addrs)}};
 }
 
@@ -150,7 +164,9 @@ inline const std::map<uint8_t, Codec> &Codecs() {
         },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeShmGrant(wire::DecodeShmGrant(p), rid); }}},
       {wire::kAuth,
-       {[](const Bytes &p) { return Fields{{"proof", Hex(wire::DecodeAuth(p))}}; },
+       {[](const Bytes &p) {
+          return Fields{{"proof", Hex(wire::DecodeAuth(p))}};
+        },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeAuth(wire::DecodeAuth(p), rid); }}},
       {wire::kChecksum,
        {[](const Bytes &p) {
@@ -190,8 +206,8 @@ inline const std::map<uint8_t, Codec> &Codecs() {
       {wire::kNixlMd,
        {[](const Bytes &p) {
           wire::NixlMd m = wire::DecodeNixlMd(p);
-          return Fields{{"agent", Hex(m.agent)}, {"generation", std::to_string(m.generation)},
-                        {"metadata", Hex(m.metadata)}};
+          return Fields{
+              {"agent", Hex(m.agent)}, {"generation", std::to_string(m.generation)}, {"metadata", Hex(m.metadata)}};
         },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeNixlMd(wire::DecodeNixlMd(p), rid); }}},
       {wire::kNixlRead, RequestCodec(wire::kNixlRead)},
@@ -212,7 +228,9 @@ inline const std::map<uint8_t, Codec> &Codecs() {
         [](const Bytes &p, uint32_t rid) { return wire::EncodeNixlLeased(wire::DecodeNixlLeased(p), rid); }}},
       {wire::kNixlRevoke, U64Codec(wire::kNixlRevoke, "lease_id")},
       {wire::kStats,
-       {[](const Bytes &p) { return Fields{{"json", Hex(wire::DecodeStats(p))}}; },
+       {[](const Bytes &p) {
+          return Fields{{"json", Hex(wire::DecodeStats(p))}};
+        },
         [](const Bytes &p, uint32_t rid) { return wire::EncodeStats(wire::DecodeStats(p), rid); }}},
   };
   return codecs;

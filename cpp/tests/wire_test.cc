@@ -1,10 +1,11 @@
 // The protocol codec: round trips, and a decoder that trusts nothing.
+#include "wire.h"
+
 #include <gtest/gtest.h>
 
 #include <functional>
 
 #include "errors.h"
-#include "wire.h"
 
 namespace datadist {
 namespace {
@@ -152,12 +153,14 @@ TEST(Wire, ErrorMessageIsReadAsUtf8LikePython) {
   const std::string r = "\xEF\xBF\xBD";
   const std::pair<std::string, std::string> cases[] = {
       {"caf\xC3\xA9 \xE2\x9C\x93", "caf\xC3\xA9 \xE2\x9C\x93"},  // well formed: unchanged
-      {"caf\xA9", "caf" + r},                                  // a lone continuation byte
-      {"a\xC3", "a" + r},                                      // cut short at the end
-      {"\xE2\x9C" "b", r + "b"},                                // one U+FFFD for the part that fitted
-      {"\xC0\xAF", r + r},                                     // never a lead byte: one each
-      {"\xED\xA0\x80", r + r + r},                              // a surrogate: ED takes 80..9F only
-      {"\xF4\x90\x80\x80", r + r + r + r},                       // past U+10FFFF
+      {"caf\xA9", "caf" + r},                                    // a lone continuation byte
+      {"a\xC3", "a" + r},                                        // cut short at the end
+      {"\xE2\x9C"
+       "b",
+       r + "b"},                            // one U+FFFD for the part that fitted
+      {"\xC0\xAF", r + r},                  // never a lead byte: one each
+      {"\xED\xA0\x80", r + r + r},          // a surrogate: ED takes 80..9F only
+      {"\xF4\x90\x80\x80", r + r + r + r},  // past U+10FFFF
       {"\xF0\x9F\x98\x80\xFF", "\xF0\x9F\x98\x80" + r},
   };
   for (const auto &c : cases) {

@@ -46,7 +46,8 @@ std::string VectorsPath() {
 
 Bytes Unhex(const std::string &hex) {
   Bytes out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<uint8_t>(std::stoul(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<uint8_t>(std::stoul(hex.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -145,8 +146,8 @@ TEST(WireVectors, EveryFrameDecodesRefusesAndEncodesAsTheVectorSays) {
   EXPECT_GT(decoded, 0);
   EXPECT_GT(refused, 0);
   EXPECT_EQ(not_spoken, 0);  // the codec speaks every type of docs/protocol.md, NIXL's too
-  std::printf("vectors: %d decoded (%d re-encoded), %d refused, %d of types not spoken here\n",
-              decoded, encoded, refused, not_spoken);
+  std::printf("vectors: %d decoded (%d re-encoded), %d refused, %d of types not spoken here\n", decoded, encoded,
+              refused, not_spoken);
 }
 
 }  // namespace

@@ -58,9 +58,13 @@ std::vector<uint64_t> Csv(const std::string &s) {
 
 uint64_t ItemSize(int dt) {
   switch (dt) {
-    case DT_FLOAT16: case DT_BF16: case DT_INT16: return 2;
-    case DT_FLOAT: case DT_INT32: return 4;
-    case DT_INT64: case DT_DOUBLE: return 8;
+    case DT_FLOAT16:
+    case DT_BF16:
+    case DT_INT16: return 2;
+    case DT_FLOAT:
+    case DT_INT32: return 4;
+    case DT_INT64:
+    case DT_DOUBLE: return 8;
     default: return 1;
   }
 }
@@ -184,7 +188,8 @@ int main() {
       if (cmd == "write") {
         std::string hex;
         in >> hex;
-        for (uint64_t i = 0; i < local.tensor_bytes; ++i) p[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+        for (uint64_t i = 0; i < local.tensor_bytes; ++i)
+          p[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
       } else {
         static const char digits[] = "0123456789abcdef";
         std::string hex(2 * local.tensor_bytes, '0');

@@ -30,13 +30,13 @@ using AscendString = ge::AscendString;
 using DataType = ge::DataType;
 
 // Option keys of Initialize / SetRole (they differ from the Python API's keys).
-constexpr const char OPTION_LISTEN_IP_INFO[] = "llm.ListenIpInfo";          // "ip:port", "[ipv6]:port"
-constexpr const char OPTION_DEVICE_ID[] = "llm.DeviceId";                   // accepted, unused
+constexpr const char OPTION_LISTEN_IP_INFO[] = "llm.ListenIpInfo";               // "ip:port", "[ipv6]:port"
+constexpr const char OPTION_DEVICE_ID[] = "llm.DeviceId";                        // accepted, unused
 constexpr const char OPTION_SYNC_CACHE_WAIT_TIME[] = "llm.SyncKvCacheWaitTime";  // ms, default 1000
-constexpr const char OPTION_BUF_POOL_CFG[] = "llm.BufPoolCfg";             // accepted, unused
-constexpr const char OPTION_ENABLE_SET_ROLE[] = "llm.EnableSwitchRole";    // accepted
-constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";  // checked when linking, as CANN (docs/cpp.md)
-constexpr const char OPTION_TRANSFER_BACKEND[] = "llm.TransferBackend";    // "hixl" accepted
+constexpr const char OPTION_BUF_POOL_CFG[] = "llm.BufPoolCfg";                   // accepted, unused
+constexpr const char OPTION_ENABLE_SET_ROLE[] = "llm.EnableSwitchRole";          // accepted
+constexpr const char OPTION_LOCAL_COMM_RES[] = "llm.LocalCommRes";       // checked when linking, as CANN (docs/cpp.md)
+constexpr const char OPTION_TRANSFER_BACKEND[] = "llm.TransferBackend";  // "hixl" accepted
 constexpr const char OPTION_GLOBAL_RESOURCE_CONFIG[] = "llm.GlobalResourceConfig";  // accepted
 // datadist extras (not CANN's; the Python API's option keys too, docs/cpp.md).
 // "1": every pull is checked end to end: the owner sends zlib's CRC-32 of what it read, this
@@ -69,22 +69,22 @@ constexpr const char OPTION_DATADIST_NIXL_LIBRARY[] = "datadist.NixlLibrary";
 // both namespaces sees no ambiguity); LLM_SUCCESS / LLM_FAILED are this header's own.
 constexpr Status LLM_SUCCESS = 0x0U;
 constexpr Status LLM_FAILED = 0xFFFFFFFFU;
-using ge::LLM_WAIT_PROC_TIMEOUT;
-using ge::LLM_KV_CACHE_NOT_EXIST;
-using ge::LLM_PARAM_INVALID;
-using ge::LLM_NOT_YET_LINK;
 using ge::LLM_ALREADY_LINK;
-using ge::LLM_LINK_FAILED;
-using ge::LLM_UNLINK_FAILED;
-using ge::LLM_NOTIFY_PROMPT_UNLINK_FAILED;
 using ge::LLM_CLUSTER_NUM_EXCEED_LIMIT;
-using ge::LLM_PROCESSING_LINK;
 using ge::LLM_DEVICE_OUT_OF_MEMORY;
 using ge::LLM_EXIST_LINK;
 using ge::LLM_FEATURE_NOT_ENABLED;
-using ge::LLM_TIMEOUT;
+using ge::LLM_KV_CACHE_NOT_EXIST;
 using ge::LLM_LINK_BUSY;
+using ge::LLM_LINK_FAILED;
+using ge::LLM_NOT_YET_LINK;
+using ge::LLM_NOTIFY_PROMPT_UNLINK_FAILED;
 using ge::LLM_OUT_OF_MEMORY;
+using ge::LLM_PARAM_INVALID;
+using ge::LLM_PROCESSING_LINK;
+using ge::LLM_TIMEOUT;
+using ge::LLM_UNLINK_FAILED;
+using ge::LLM_WAIT_PROC_TIMEOUT;
 
 // Element types, reachable both as ge::DT_* and llm_datadist::DT_*.
 using ge::DT_BF16;
