@@ -200,8 +200,6 @@ def test_a_finalized_session_and_an_unlinked_peer_answer_a_planned_pull(sides):
 
 def test_native_repeated_pull_prepares_the_core_call_once(sides):
     p, d = sides
-    if not getattr(d.engine, "native", False):
-        pytest.skip("the native engine's prepared calls")
     p.register(1, [4, 64], blocks=True, model_id=7, seed=7)
     dst, b = d.register(1, [4, 64], blocks=True)
     made = [0]
@@ -259,8 +257,6 @@ def test_native_small_issued_pull_under_a_lease_ends_in_the_issuing_call(sides):
     returns, with the bytes there; one the lease does not cover still goes to a worker and
     fails its handle, not the call."""
     p, d = sides
-    if not getattr(d.engine, "native", False):
-        pytest.skip("the native core's issued pulls")
     _, a = p.register(1, [4, 64], blocks=True, model_id=8, seed=8)
     dst, b = d.register(1, [4, 64], blocks=True)
     key = llm.BlocksCacheKey(PROMPT_ID, 8)

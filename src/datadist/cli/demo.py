@@ -106,9 +106,7 @@ def _run_decoder(address: tuple[str, int], transport: str, layers: int, num_bloc
         if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
             raise CliError(f"link_clusters failed: {code} {codes}")
         link = d.engine.links()[0]
-        engine = "native (C++ core)" if getattr(d.engine, "native", False) else "python"
-        print(f"  engine: {engine}; link to cluster {PROMPT_ID}: path={link.path_name} "
-              f"({link.reason})")
+        print(f"  link to cluster {PROMPT_ID}: path={link.path_name} ({link.reason})")
         dt = llm_datadist.DataType.DT_FLOAT16
         host = llm_datadist.Placement.HOST
         rng = np.random.default_rng(11)
