@@ -9,27 +9,16 @@ one and not the other fails here, naming the message and both versions.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from vectors.python_side import load  # tests/ is on sys.path (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "protocol.md"
 
 
-def _generator() -> ModuleType:
-    path = ROOT / "tests" / "vectors" / "generate.py"
-    spec = importlib.util.spec_from_file_location("_vectors_generate", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _generator()
+GEN = load("generate")  # the vectors' schema, loaded as their own tests load it
 
 
 def _table_after(heading: str) -> list[list[str]]:
