@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,3 +75,19 @@ class _Code:
             got = self.info.value.status_code
             assert got == self.status, f"status {got}, expected {self.status}: {self.info.value}"
         return bool(handled)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def loopback_info(cluster_id: int, port: int) -> llm.LLMClusterInfo:
+    """An LLMClusterInfo for cluster ``cluster_id`` listening at 127.0.0.1:``port``."""
+    info = llm.LLMClusterInfo()
+    info.remote_cluster_id = cluster_id
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info("127.0.0.1", port)
+    return info

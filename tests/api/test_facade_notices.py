@@ -13,30 +13,20 @@
 from __future__ import annotations
 
 import inspect
-import socket
 import warnings
 
 import pytest
 
 import datadist as llm
 
+from ._support import free_port, loopback_info
+
 pytestmark = pytest.mark.timeout(60)
 
 S = llm.LLMStatusCode
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _info(cluster_id: int, port: int) -> llm.LLMClusterInfo:
-    info = llm.LLMClusterInfo()
-    info.remote_cluster_id = cluster_id
-    info.append_local_ip_info("127.0.0.1", 0)
-    info.append_remote_ip_info("127.0.0.1", port)
-    return info
+_free_port, _info = free_port, loopback_info
 
 
 def _datadist(**options: object) -> llm.LLMDataDist:
