@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 from datadist.core import native, nixl_wheel
+from datadist.core import nixl_wheel as nixl
 from datadist.core.config import DEVICE, HOST, EngineConfig
 from datadist.core.errors import InvalidArgument, NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
-from datadist.core import nixl_wheel as nixl
 from datadist.wire import protocol as p
 
 pytestmark = [
