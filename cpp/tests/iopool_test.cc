@@ -68,9 +68,7 @@ long RssKiB() {
   return 0;
 }
 
-double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
-}
+using ddtest::Seconds;
 
 /// Raises the descriptor limit to `want` if the hard limit allows; false if it does not.
 bool EnoughDescriptors(rlim_t want) {

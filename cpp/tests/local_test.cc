@@ -28,9 +28,7 @@ using ddtest::HostCache;
 
 constexpr uint64_t kOwner = 9, kClient = 10;
 
-double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
-}
+using ddtest::Seconds;
 
 w::Hello ClientHello() {
   w::Hello h;

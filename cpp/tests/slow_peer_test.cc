@@ -39,9 +39,7 @@ using ddtest::HostCache;
 constexpr uint64_t kOwner = 1;
 constexpr size_t kStalled = 24;  // stalled connections, against a pool of 2 threads
 
-double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
-}
+using ddtest::Seconds;
 
 w::Request Span(uint64_t batch, uint64_t length) {
   w::Request q;

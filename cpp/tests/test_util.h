@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -17,6 +18,11 @@
 namespace ddtest {
 
 using namespace llm_datadist;
+
+/// Seconds since `since` (steady clock).
+inline double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
 
 inline uint16_t FreePort() {
   int fd = socket(AF_INET, SOCK_STREAM, 0);

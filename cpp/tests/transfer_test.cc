@@ -25,9 +25,7 @@ using ddtest::Index;
 constexpr uint64_t kPrompt = 0;                                      // cluster id 0 is valid
 constexpr uint64_t kDecoder = (uint64_t{0x7F000001} << 32) | 26001;  // xLLM-style (ipv4 << 32) | port
 
-double Seconds(std::chrono::steady_clock::time_point since) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
-}
+using ddtest::Seconds;
 
 class Pair : public ::testing::Test {
  protected:

@@ -35,7 +35,7 @@ from datadist.api.status import (
 from datadist.core import options as core_options
 from datadist.core.address import format_host_port, parse_host_port
 from datadist.core.comm import CommManager, CommState, Member
-from datadist.core.config import EngineConfig, TlsConfig, engine_settings
+from datadist.core.config import EngineConfig, engine_settings
 from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
 from datadist.core.native import NativeEngine, engine_for
 from datadist.memory.pool import PoolConfig
@@ -110,20 +110,6 @@ def _table(opts: dict[str, str]) -> dict[str, Any]:
     except DatadistError as e:
         raise to_llm_exception(e, "init") from None
     return engine_settings(parsed)
-
-
-def _secret(opts: dict[str, str]) -> bytes | None:
-    """The shared secret (the option, else its variable: the core's table); None for none.
-    For tools (``datadist info``)."""
-    secret: bytes | None = _table(opts)["secret"]
-    return secret
-
-
-def _tls(opts: dict[str, str]) -> TlsConfig | None:
-    """The TLS files (the options, else their variables: the core's table) when all three
-    are given; some but not all is PARAM_INVALID. For tools (``datadist info``)."""
-    tls: TlsConfig | None = _table(opts)["tls"]
-    return tls
 
 
 def _answers(host: str, port: int, timeout_ms: int) -> bool:
