@@ -164,6 +164,8 @@ def judge(srv: Server, r: Req, write: bool = False) -> Verdict:
     ok = "grant" if r.flags & GRANT and not write else "data"
     if r.kind == 4 and not write:  # raw addresses are for writes (transfer_cache_async) only
         return Verdict("fatal")
+    if 0 in r.lengths:  # a 0-byte span moves nothing: refused, whatever else it names
+        return Verdict("error")
     if r.kind == 4:  # raw addresses: one pseudo tensor 0, spans inside one registered tensor
         if r.tensors != (0,) or not r.offsets:
             return Verdict("error")
