@@ -58,17 +58,27 @@ std::vector<Outcome> EachAtOnce(size_t n, const std::function<void(size_t)> &fn,
     Capture([&] { fn(0); }, out[0]);
     return out;
   }
-  std::vector<std::thread> threads;
+  // Joined however this returns (an exception past here would otherwise destroy joinable
+  // threads: std::terminate).
+  struct Joined {
+    std::vector<std::thread> threads;
+    ~Joined() {
+      for (auto &t : threads)
+        if (t.joinable()) t.join();
+    }
+  } joined;
+  std::vector<std::thread> &threads = joined.threads;
   threads.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     try {
       threads.push_back(StartThread([&fn, &out, i] { Capture([&] { fn(i); }, out[i]); }));
-    } catch (const std::system_error &e) {
+    } catch (const std::exception &e) {  // system_error, or bad_alloc copying `fn`: never terminate
       out[i].code = unstarted;
       out[i].why = std::string("could not start a thread for it (") + e.what() + "): nothing was done";
     }
   }
-  for (auto &t : threads) t.join();
+  for (auto &t : threads) t.join();  // before `out` is returned (moved): the threads write it
+  threads.clear();
   return out;
 }
 
