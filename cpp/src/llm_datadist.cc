@@ -435,7 +435,7 @@ class LlmDataDist::LlmDataDistImpl {
     // under the id passed (here: it must match).
     const std::vector<datadist::Outcome> done = session_.LinkMany(peers, datadist::After(timeout_ms / 1000.0), !hixl_);
     for (size_t k = 0; k < done.size(); ++k) outcomes[linked[k]] = done[k];
-    for (size_t k = 0; k < done.size(); ++k) Tell(peers[k], done[k]);
+    for (size_t k = 0; k < done.size(); ++k) TellLink(peers[k], done[k]);
     std::vector<Status> codes;
     std::vector<std::string> whys;
     for (const auto &o : outcomes) {
@@ -449,7 +449,7 @@ class LlmDataDist::LlmDataDistImpl {
 
   // A link's failure on stderr (the engine keeps the reason, LastLinkFailure; it is told here,
   // in this API's words), or a link filed under another id than asked (said, not refused).
-  void Tell(const datadist::Peer &p, const datadist::Outcome &o) {
+  void TellLink(const datadist::Peer &p, const datadist::Outcome &o) {
     if (o.code == LLM_LINK_FAILED) {
       const std::string told = engine_.LastLinkFailure(p.cluster_id);
       const char *env = std::getenv("DATADIST_LINK_WARNINGS");
