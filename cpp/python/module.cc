@@ -1,7 +1,9 @@
-// datadist._core: the Python package's binding of the C++ engine (cpp/src/engine.h).
+// datadist._core: the Python package's binding of the C++ core's session (cpp/src/session.h:
+// the engine, its asynchronous workers, and the rules both faces share).
 //
 // A thin layer: no argument rules of CANN's API live here (the Python facade, datadist/api,
-// checks them and builds the plans); this file converts arrays, releases the GIL around
+// checks them and builds the plans), and no rule of the core's (unlinking, linking many,
+// a transfer's cap and counting: session.h); this file converts arrays, releases the GIL around
 // everything that can block, and raises every datadist::Error as the package's own error
 // class (datadist.core.errors) from one code-to-class table (PyError).
 //
@@ -27,6 +29,7 @@
 #include "metrics.h"
 #include "nixl.h"
 #include "options.h"
+#include "session.h"
 #include "tasks.h"
 #include "wire.h"
 
@@ -80,26 +83,6 @@ datadist::wire::Request ToRequest(uint8_t kind, uint64_t a, uint64_t b, uint64_t
   return r;
 }
 
-uint64_t IovBytes(const std::vector<iovec> &iov) {
-  uint64_t n = 0;
-  for (const iovec &v : iov) n += v.iov_len;
-  return n;
-}
-
-/// A pull (write false) or push on the link to `cluster`, counted in the core's metrics as
-/// the C++ API counts its own (a missing link included), timed from `since`.
-void Transfer(datadist::Engine &engine, bool write, uint64_t cluster, const datadist::wire::Request &req,
-              const std::vector<iovec> &iov, Deadline deadline, datadist::Clock::time_point since) {
-  namespace metrics = datadist::metrics;
-  metrics::Timed(write ? metrics::Op::kPush : metrics::Op::kPull, cluster, IovBytes(iov), since, [&] {
-    auto link = engine.GetLink(cluster);
-    if (write)
-      link->Write(req, iov, deadline);
-    else
-      link->Read(req, iov, deadline);
-  });
-}
-
 /// The core's series as Python's datadist.core.metrics reads them: (op, cluster_id,
 /// transfers, bytes, {status name: count}, per-bucket counts (not cumulative, the last above
 /// all), nanoseconds summed).
@@ -121,61 +104,9 @@ py::list MetricsSeries() {
   return out;
 }
 
-/// A transfer made ready once (Engine.prepare) and run any number of times (Engine.run,
-/// Engine.submit): the request and the local spans converted from the plan's arrays once, so
-/// that a repeated pull converts nothing. Immutable once made; shared by the runs in flight.
-struct Call {
-  bool write = false;
-  uint64_t cluster = 0;
-  datadist::wire::Request req;
-  std::vector<iovec> iov;
-};
-
-void Run(datadist::Engine &engine, const Call &call, Deadline deadline, datadist::Clock::time_point since) {
-  Transfer(engine, call.write, call.cluster, call.req, call.iov, deadline, since);
-}
-
-/// Issued pulls up to this many bytes may run in the issuing thread (Engine.submit).
-constexpr uint64_t kInlineBytes = 64 << 10;
-
-/// One engine plus the workers its asynchronous transfers run on.
-class Core {
- public:
-  Core(uint64_t cluster_id, int32_t role, size_t async_threads) : engine_(cluster_id, role), executor_(async_threads) {}
-  ~Core() {
-    executor_.Stop();
-    engine_.Close(0.0);
-  }
-  datadist::Engine &engine() { return engine_; }
-  datadist::Executor &executor() { return executor_; }
-
- private:
-  datadist::Engine engine_;
-  datadist::Executor executor_;  // stopped before the engine closes (its tasks use links)
-};
-
-/// Unlink as LLMDataDist.unlink_clusters asks: both ends (the link we made, the peer's
-/// reverse channel to us); LLM_NOT_YET_LINK when neither exists; a peer we could not tell
-/// is LLM_UNLINK_FAILED once both ends were tried (our ends are closed); LLM_LINK_BUSY
-/// leaves the link up. `quiet_inbound`: the peer's end is closed without a word.
-void Unlink(datadist::Engine &engine, uint64_t id, double timeout_s, bool force, bool quiet_inbound) {
-  auto [own, inbound] = engine.BothEnds(id);
-  if (!own && !inbound)
-    datadist::Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
-  std::string untold;
-  for (const auto &link : {own, inbound}) {
-    if (!link) continue;
-    bool forced = force || (quiet_inbound && link == inbound);
-    try {
-      link->Close(forced ? Deadline() : DeadlineIn(timeout_s), forced);
-    } catch (const datadist::Error &e) {
-      if (e.code() != llm_datadist::LLM_UNLINK_FAILED) throw;
-      untold = e.what();
-    }
-    engine.Forget(id, link);
-  }
-  if (!untold.empty()) datadist::Fail(llm_datadist::LLM_UNLINK_FAILED, untold);
-}
+/// The engine Python drives: the core's session (session.h), the one seam both faces call.
+using Core = datadist::Session;
+using datadist::Call;
 
 /// The package's error for a core error: the binding's one code-to-class table. A checksum
 /// mismatch (its kind, not its code, which a peer's protocol error shares) is IntegrityError;
@@ -461,12 +392,7 @@ PYBIND11_MODULE(_core, m) {
           "close",
           [](Core &c, double wait_s) {
             py::gil_scoped_release nogil;
-            // Queued transfers fail first; closing the links then fails the running ones at
-            // once (their sockets shut down), and only then are the workers joined.
-            c.executor().Close();
-            const int leased = c.engine().Close(wait_s);
-            c.executor().Stop();
-            return leased;
+            return c.Close(wait_s);
           },
           py::arg("wait_s"),
           "Stop serving, close every link and drop every cache, waiting up to wait_s for leases; "
@@ -498,9 +424,42 @@ PYBIND11_MODULE(_core, m) {
           "unlink",
           [](Core &c, uint64_t id, double timeout_s, bool force, bool quiet_inbound) {
             py::gil_scoped_release nogil;
-            Unlink(c.engine(), id, timeout_s, force, quiet_inbound);
+            c.Unlink(id, DeadlineIn(timeout_s), force, quiet_inbound);
           },
           py::arg("cluster_id"), py::arg("timeout_s"), py::arg("force"), py::arg("quiet_inbound"))
+      .def(
+          "link_many",
+          [](Core &c, const std::vector<std::tuple<uint64_t, std::string, uint16_t>> &peers, double timeout_s,
+             bool take_peer_id) {
+            std::vector<datadist::Peer> ps;
+            for (const auto &p : peers) ps.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p)});
+            Deadline deadline = DeadlineIn(timeout_s);
+            py::gil_scoped_release nogil;
+            std::vector<std::tuple<uint32_t, uint64_t, std::string>> out;
+            for (const auto &o : c.LinkMany(ps, deadline, take_peer_id)) out.emplace_back(o.code, o.filed, o.why);
+            return out;
+          },
+          py::arg("peers"), py::arg("timeout_s"), py::arg("take_peer_id"),
+          "Links to every (cluster_id, host, port) at once (Session::LinkMany), each within timeout_s; "
+          "[(code, filed cluster id, why)] in order, code 0 on success. Blocks without the GIL.")
+      .def(
+          "unlink_many",
+          [](Core &c, const std::vector<std::tuple<uint64_t, std::string, uint16_t>> &peers, double timeout_s,
+             bool force, bool hixl) {
+            std::vector<datadist::Peer> ps;
+            for (const auto &p : peers) ps.push_back({std::get<0>(p), std::get<1>(p), std::get<2>(p)});
+            datadist::UnlinkRule rule;
+            rule.force = force;
+            rule.hixl = hixl;
+            Deadline deadline = DeadlineIn(timeout_s);
+            py::gil_scoped_release nogil;
+            std::vector<std::tuple<uint32_t, std::string>> out;
+            for (const auto &o : c.UnlinkMany(ps, deadline, rule)) out.emplace_back(o.code, o.why);
+            return out;
+          },
+          py::arg("peers"), py::arg("timeout_s"), py::kw_only(), py::arg("force"), py::arg("hixl"),
+          "CANN's unlink of every (cluster_id, host, port) at once (Session::UnlinkMany; host \"\": none "
+          "given); [(code, why)] in order, code 0 on success. Blocks without the GIL.")
       .def(
           "ping",
           [](Core &c, uint64_t id, double timeout_s) {
@@ -692,12 +651,10 @@ PYBIND11_MODULE(_core, m) {
           [](Core &, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
              uint64_t unit_bytes, uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets,
              const U64Array &lengths, const U64Array &local) {
-            auto call = std::make_shared<Call>();
-            call->write = write;
-            call->cluster = cluster;
-            call->req = ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
-            call->iov = ToIov(local);
-            return call;
+            datadist::wire::Request req =
+                ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
+            datadist::CheckRequestSize(req);  // before the local spans are converted
+            return Call::Make(write, cluster, std::move(req), ToIov(local));
           },
           py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
           py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
@@ -709,7 +666,7 @@ PYBIND11_MODULE(_core, m) {
             const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
             py::gil_scoped_release nogil;
-            Run(c.engine(), call, deadline, since);
+            c.Run(call, deadline, since);
           },
           py::arg("call"), py::arg("timeout_s"),
           "Runs a prepared transfer, blocking without the GIL until it ends or timeout_s passes.")
@@ -720,35 +677,8 @@ PYBIND11_MODULE(_core, m) {
             // metrics too: the transfer is timed from here).
             const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
-            namespace metrics = datadist::metrics;
-            const metrics::Op op = call->write ? metrics::Op::kPush : metrics::Op::kPull;
-            datadist::Engine *engine = &c.engine();
-            // A small pull under a lease the link holds is a local copy that waits for nobody:
-            // done here, without the hand-over to a worker and back (15-26 us, issue 23).
-            if (!call->write && IovBytes(call->iov) <= kInlineBytes) {
-              if (auto link = engine->FindLink(call->cluster)) {
-                py::gil_scoped_release nogil;
-                try {
-                  if (link->ReadLeasedNow(call->req, call->iov)) {
-                    metrics::RecordSince(op, call->cluster, IovBytes(call->iov), since, llm_datadist::LLM_SUCCESS);
-                    return datadist::Task::Ended(0, "");
-                  }
-                } catch (const datadist::Error &e) {  // as a worker would end the task
-                  metrics::RecordSince(op, call->cluster, 0, since, e.code());
-                  return datadist::Task::Ended(e.code(), e.what(), e.kind());
-                } catch (const std::exception &e) {
-                  metrics::RecordSince(op, call->cluster, 0, since, llm_datadist::LLM_FAILED);
-                  return datadist::Task::Ended(llm_datadist::LLM_FAILED, e.what());
-                }
-              }
-            }
-            std::shared_ptr<const Call> held = std::move(call);  // runs share it; none changes it
-            try {
-              return c.executor().Submit([engine, held, deadline, since] { Run(*engine, *held, deadline, since); });
-            } catch (const datadist::Error &e) {  // not issued: counted as a transfer that failed
-              metrics::RecordSince(op, held->cluster, 0, since, e.code());
-              throw;
-            }
+            py::gil_scoped_release nogil;
+            return c.Submit(std::move(call), deadline, since);
           },
           py::arg("call"), py::arg("timeout_s"),
           "Queues a prepared transfer on the engine's workers; returns its Handle at once.")

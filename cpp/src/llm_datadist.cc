@@ -13,7 +13,6 @@
 #include <mutex>
 #include <new>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "addr.h"
@@ -27,6 +26,7 @@
 #include "plan.h"
 #include "registry.h"
 #include "server.h"
+#include "session.h"
 #include "shm.h"
 #include "tls.h"
 
@@ -330,7 +330,9 @@ void CheckRole(LlmRole role) {
 
 class LlmDataDist::LlmDataDistImpl {
  public:
-  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) : engine_(cluster_id, static_cast<int32_t>(role)) {}
+  // One worker for asynchronous transfers, never started: CANN's C++ API has none.
+  LlmDataDistImpl(uint64_t cluster_id, LlmRole role)
+      : session_(cluster_id, static_cast<int32_t>(role), 1), engine_(session_.engine()) {}
 
   void Initialize(const std::map<AscendString, AscendString> &options) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -381,7 +383,7 @@ class LlmDataDist::LlmDataDistImpl {
       state_ = kDown;
       if (!up) return;
     }
-    engine_.Close(kFinalizeWait);
+    session_.Close(kFinalizeWait);
   }
 
   // As CANN's LLMLinkManager::SwitchRole: refused while any link is up (ours, or a peer's to
@@ -407,66 +409,96 @@ class LlmDataDist::LlmDataDistImpl {
   Status Link(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms,
               std::string &why) {
     CheckArgs(clusters, timeout_ms);
-    // In parallel, each bounded by the timeout (as Python): one dead peer does not hold up the rest.
-    std::vector<Status> codes(clusters.size(), LLM_SUCCESS);
-    std::vector<std::string> whys(clusters.size());
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < clusters.size(); ++i)
-      threads.emplace_back([&, i] { codes[i] = Run([&] { LinkOne(clusters[i], timeout_ms); }, whys[i]); });
-    for (auto &t : threads) t.join();
+    // This API's own refusals per cluster, then the rest linked at once by the session.
+    std::vector<datadist::Outcome> outcomes(clusters.size());
+    std::vector<datadist::Peer> peers;
+    std::vector<size_t> linked;  // index in `clusters` of each peer
+    for (size_t i = 0; i < clusters.size(); ++i) {
+      const ClusterInfo &c = clusters[i];
+      const uint64_t id = c.remote_cluster_id;
+      if (c.remote_ip_infos.size() != 1) {  // as CANN's LinkMsgHandler::LinkCluster, in this cluster's code
+        outcomes[i] = {LLM_PARAM_INVALID, "cluster " + std::to_string(id) + " needs exactly one remote ip info, got " +
+                                              std::to_string(c.remote_ip_infos.size())};
+        continue;
+      }
+      if (id == engine_.cluster_id()) {
+        outcomes[i] = {LLM_LINK_FAILED, "cannot link to our own cluster id"};
+        continue;
+      }
+      const IpInfo &ip = c.remote_ip_infos.front();
+      peers.push_back({id, ip.ip.GetString(), ip.port});
+      linked.push_back(i);
+    }
+    // CANN's LinkMsgHandler::LinkCluster files the link under the cluster id the peer reports
+    // (AddEntity(peer_exchange_info.cluster_id)), never comparing it with the one passed: a
+    // caller that passed another id finds no link under it (LLM_NOT_YET_LINK). HIXL files it
+    // under the id passed (here: it must match).
+    const std::vector<datadist::Outcome> done = session_.LinkMany(peers, datadist::After(timeout_ms / 1000.0), !hixl_);
+    for (size_t k = 0; k < done.size(); ++k) outcomes[linked[k]] = done[k];
+    for (size_t k = 0; k < done.size(); ++k) TellLink(peers[k], done[k]);
+    std::vector<Status> codes;
+    std::vector<std::string> whys;
+    for (const auto &o : outcomes) {
+      codes.push_back(o.code);
+      whys.push_back(o.why);
+    }
     rets.insert(rets.end(), codes.begin(), codes.end());
     why = EachWhy(clusters, codes, whys);
     return Overall(codes);
   }
 
-  /// As Link.
+  // A link's failure on stderr (the engine keeps the reason, LastLinkFailure; it is told here,
+  // in this API's words), or a link filed under another id than asked (said, not refused).
+  void TellLink(const datadist::Peer &p, const datadist::Outcome &o) {
+    if (o.code == LLM_LINK_FAILED) {
+      const std::string told = engine_.LastLinkFailure(p.cluster_id);
+      const char *env = std::getenv("DATADIST_LINK_WARNINGS");
+      if (told.find(o.why) != std::string::npos && (env == nullptr || std::string(env) != "0"))
+        std::fprintf(stderr, "[datadist] warning: %s\n", InCppWords(told).c_str());
+    }
+    if (o.code == LLM_SUCCESS && o.filed != p.cluster_id) {
+      const std::string f = std::to_string(o.filed), asked = std::to_string(p.cluster_id);
+      Warn("LinkLlmClusters: the listener at " + datadist::FormatHostPort(p.host, p.port) + " answered as cluster " +
+           f + ", not the remote_cluster_id " + asked + " asked for; linked as CANN does, under cluster " + f +
+           ": name " + f + " in CacheIndex::cluster_id and UnlinkLlmClusters (transfers naming cluster " + asked +
+           " answer LLM_NOT_YET_LINK), or fix ClusterInfo::remote_cluster_id");
+    }
+  }
+
+  /// As Link. CANN's LinkMsgHandler::UnlinkCluster without force dials the peer's listener,
+  /// so it needs exactly one remote ip info (HIXL's UnlinkCluster needs none); the session
+  /// unlinks both ends (Session::UnlinkMany).
   Status Unlink(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets, int32_t timeout_ms, bool force,
                 std::string &why) {
     CheckArgs(clusters, timeout_ms);
-    std::vector<Status> codes(clusters.size(), LLM_SUCCESS);
-    std::vector<std::string> whys(clusters.size());
+    std::vector<datadist::Outcome> outcomes(clusters.size());
+    std::vector<datadist::Peer> peers;
+    std::vector<size_t> asked;  // index in `clusters` of each peer
     for (size_t i = 0; i < clusters.size(); ++i) {
-      codes[i] = Run(
-          [&] {
-            const ClusterInfo &c = clusters[i];
-            uint64_t id = c.remote_cluster_id;
-            if (hixl_) return UnlinkHixl(id, timeout_ms);
-            // CANN's LinkMsgHandler::UnlinkCluster: without force it dials the peer's listener.
-            if (!force && c.remote_ip_infos.size() != 1)
-              Invalid("unlink without force needs exactly one remote ip info for cluster " + std::to_string(id));
-            // Both ends, as Python: the link we made and the one the peer made to us (its
-            // reverse channel), whichever exist.
-            auto [own, inbound] = engine_.BothEnds(id);
-            if (!own && !inbound) {
-              // Nothing of ours to drop (CANN: "entity not found", a warning): forced, a success;
-              // otherwise as CANN, which tells a listener that has nothing to drop either.
-              if (!force) {
-                const IpInfo &ip = c.remote_ip_infos[0];
-                try {
-                  datadist::Conn::Connect(ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0));
-                } catch (const Error &e) {
-                  Fail(LLM_UNLINK_FAILED, "cluster " + std::to_string(id) + " is not linked and its listener at " +
-                                              datadist::FormatHostPort(ip.ip.GetString(), ip.port) +
-                                              " did not answer: " + e.what());
-                }
-              }
-              return;
-            }
-            std::string untold;  // LLM_UNLINK_FAILED of either end, raised once both were tried
-            for (const auto &link : {own, inbound}) {
-              if (!link) continue;
-              try {
-                link->Close(datadist::After(timeout_ms / 1000.0), force);
-              } catch (const Error &e) {
-                // LLM_UNLINK_FAILED: the peer was not told, our end is closed; LLM_LINK_BUSY: still up
-                if (e.code() != LLM_UNLINK_FAILED) throw;
-                untold = e.what();
-              }
-              engine_.Forget(id, link);
-            }
-            if (!untold.empty()) Fail(LLM_UNLINK_FAILED, untold);
-          },
-          whys[i]);
+      const ClusterInfo &c = clusters[i];
+      if (!hixl_ && !force && c.remote_ip_infos.size() != 1) {
+        outcomes[i] = {LLM_PARAM_INVALID, "unlink without force needs exactly one remote ip info for cluster " +
+                                              std::to_string(c.remote_cluster_id)};
+        continue;
+      }
+      datadist::Peer p{c.remote_cluster_id, "", 0};
+      if (c.remote_ip_infos.size() == 1) {
+        p.host = c.remote_ip_infos[0].ip.GetString();
+        p.port = c.remote_ip_infos[0].port;
+      }
+      peers.push_back(p);
+      asked.push_back(i);
+    }
+    datadist::UnlinkRule rule;
+    rule.force = force;
+    rule.hixl = hixl_;
+    const std::vector<datadist::Outcome> done = session_.UnlinkMany(peers, datadist::After(timeout_ms / 1000.0), rule);
+    for (size_t k = 0; k < done.size(); ++k) outcomes[asked[k]] = done[k];
+    std::vector<Status> codes;
+    std::vector<std::string> whys;
+    for (const auto &o : outcomes) {
+      codes.push_back(o.code);
+      whys.push_back(o.why);
     }
     rets.insert(rets.end(), codes.begin(), codes.end());
     why = EachWhy(clusters, codes, whys);
@@ -482,26 +514,6 @@ class LlmDataDist::LlmDataDistImpl {
         out += (out.empty() ? "" : "; ") + std::string("cluster ") + std::to_string(clusters[i].remote_cluster_id) +
                " (" + CodeName(codes[i]) + "): " + whys[i];
     return out;
-  }
-
-  // CANN's HixlTransferEngine::UnlinkCluster: the link of `id` is destroyed with no remote ip
-  // info and whatever force says; none is a success. Our link says BYE (LLM_UNLINK_FAILED if
-  // the peer cannot be told: closed all the same); the peer's link to us (its reverse channel)
-  // is its own to unlink, so it is closed without a word (both ends may unlink at once).
-  void UnlinkHixl(uint64_t id, int32_t timeout_ms) {
-    auto [own, peer] = engine_.BothEnds(id);
-    if (peer) {
-      peer->Close(datadist::Deadline(), true);
-      engine_.Forget(id, peer);
-    }
-    if (!own) return;
-    try {
-      own->Close(datadist::After(timeout_ms / 1000.0), false);
-    } catch (const Error &e) {
-      if (e.code() == LLM_UNLINK_FAILED) engine_.Forget(id, own);
-      throw;
-    }
-    engine_.Forget(id, own);
   }
 
   void Register(const CacheDesc &desc, const std::vector<uint64_t> &addrs, int64_t &cache_id) {
@@ -562,7 +574,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PlanSlot(plan, g, batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), src.batch_index, g.layout & ~0xFFFFFFFFULL);
     if (verify_) req.flags |= datadist::wire::kFlagChecksum;
-    Move(false, src.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
+    Move(false, src.cluster_id, std::move(req), plan, *lease);
   }
 
   void PullBlocks(const CacheIndex &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
@@ -589,7 +601,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PlanBlocks(plan, g, remote, dst_blocks);
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), 0, g.layout);
     if (verify_) req.flags |= datadist::wire::kFlagChecksum;
-    Move(false, src.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
+    Move(false, src.cluster_id, std::move(req), plan, *lease);
   }
 
   void PushCache(const Cache &src, const CacheIndex &dst, uint32_t src_batch_index, int64_t size,
@@ -604,7 +616,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanSlot(plan, g, src_batch_index, size);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), dst.batch_index, g.layout & ~0xFFFFFFFFULL);
-    Move(true, dst.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
+    Move(true, dst.cluster_id, std::move(req), plan, *lease);
   }
 
   void PushBlocks(const Cache &src, const CacheIndex &dst, const std::vector<uint64_t> &src_blocks,
@@ -620,7 +632,7 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PairTensors(plan, g.num_tensors, ext, true);
     datadist::PlanBlocks(plan, g, dst_blocks, src_blocks);
     auto req = Request(plan, static_cast<uint64_t>(dst.cache_id), 0, g.layout);
-    Move(true, dst.cluster_id, req, datadist::LocalIov(plan, lease->entry().addrs));
+    Move(true, dst.cluster_id, std::move(req), plan, *lease);
   }
 
   void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset,
@@ -636,10 +648,16 @@ class LlmDataDist::LlmDataDistImpl {
     if (size <= 0 || static_cast<uint64_t>(size) > sg.unit_bytes - offset ||
         static_cast<uint64_t>(size) > dg.unit_bytes || offset > dg.unit_bytes - static_cast<uint64_t>(size))
       Invalid("size " + std::to_string(size) + " does not fit the slots after offset " + std::to_string(offset));
-    for (uint32_t t = 0; t < sg.num_tensors; ++t)
-      std::memmove(reinterpret_cast<void *>(d->entry().addrs[t] + dst_batch * dg.unit_bytes + offset),
-                   reinterpret_cast<const void *>(s->entry().addrs[t] + src_batch * sg.unit_bytes + offset),
-                   static_cast<size_t>(size));
+    // One span per tensor pair, copied as one (Session::CopyLocal).
+    datadist::Plan plan;
+    for (uint32_t t = 0; t < sg.num_tensors; ++t) {
+      plan.remote_tensors.push_back(t);
+      plan.local_tensors.push_back(t);
+    }
+    plan.remote_offsets = {src_batch * sg.unit_bytes + offset};
+    plan.local_offsets = {dst_batch * dg.unit_bytes + offset};
+    plan.lengths = {static_cast<uint64_t>(size)};
+    datadist::Session::CopyLocal(plan, s->entry().addrs, d->entry().addrs, static_cast<uint64_t>(size));
   }
 
   void CopyBlocks(const Cache &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
@@ -658,12 +676,17 @@ class LlmDataDist::LlmDataDistImpl {
       for (uint64_t b : list)
         if (b >= dg.units) Invalid("destination block " + std::to_string(b) + " out of range");
     }
-    for (const auto &list : dst_blocks_list)
-      for (uint32_t t = 0; t < sg.num_tensors; ++t)
-        for (size_t i = 0; i < list.size(); ++i)
-          std::memmove(reinterpret_cast<void *>(d->entry().addrs[t] + list[i] * dg.unit_bytes),
-                       reinterpret_cast<const void *>(s->entry().addrs[t] + src_blocks[i] * sg.unit_bytes),
-                       static_cast<size_t>(sg.unit_bytes));
+    // Each destination list in turn, runs of adjacent blocks coalesced (PlanBlocks), every
+    // tensor pair i <-> i (Session::CopyLocal).
+    datadist::Plan plan;
+    for (uint32_t t = 0; t < sg.num_tensors; ++t) {
+      plan.remote_tensors.push_back(t);
+      plan.local_tensors.push_back(t);
+    }
+    for (const auto &list : dst_blocks_list) {
+      datadist::PlanBlocks(plan, dg, src_blocks, list);
+      datadist::Session::CopyLocal(plan, s->entry().addrs, d->entry().addrs, sg.unit_bytes);
+    }
   }
 
  private:
@@ -711,41 +734,6 @@ class LlmDataDist::LlmDataDistImpl {
     listening_ = text;
   }
 
-  void LinkOne(const ClusterInfo &c, int32_t timeout_ms) {
-    uint64_t id = c.remote_cluster_id;
-    if (c.remote_ip_infos.size() != 1)  // as CANN's LinkMsgHandler::LinkCluster, in this cluster's code
-      Invalid("cluster " + std::to_string(id) + " needs exactly one remote ip info, got " +
-              std::to_string(c.remote_ip_infos.size()));
-    if (id == engine_.cluster_id()) Fail(LLM_LINK_FAILED, "cannot link to our own cluster id");
-    const IpInfo &ip = c.remote_ip_infos.front();
-    // CANN's LinkMsgHandler::LinkCluster files the link under the cluster id the peer reports
-    // (AddEntity(peer_exchange_info.cluster_id)), never comparing it with the one passed: a
-    // caller that passed another id finds no link under it (LLM_NOT_YET_LINK). HIXL files it
-    // under the id passed (here: it must match).
-    uint64_t filed = 0;
-    try {
-      // quiet: the engine keeps the reason (LastLinkFailure); it is told here, in this API's words
-      filed = engine_.Connect(id, ip.ip.GetString(), ip.port, datadist::After(timeout_ms / 1000.0), !hixl_, true);
-    } catch (const Error &e) {
-      const std::string told = engine_.LastLinkFailure(id);
-      if (e.code() == LLM_LINK_FAILED && told.find(e.what()) != std::string::npos) {
-        const char *env = std::getenv("DATADIST_LINK_WARNINGS");
-        if (env == nullptr || std::string(env) != "0")
-          std::fprintf(stderr, "[datadist] warning: %s\n", InCppWords(told).c_str());
-      }
-      throw;
-    }
-    // Linked as CANN does, but the caller named another cluster: said, not refused.
-    if (filed != id) {
-      const std::string f = std::to_string(filed), asked = std::to_string(id);
-      Warn("LinkLlmClusters: the listener at " + datadist::FormatHostPort(ip.ip.GetString(), ip.port) +
-           " answered as cluster " + f + ", not the remote_cluster_id " + asked +
-           " asked for; linked as CANN does, under cluster " + f + ": name " + f +
-           " in CacheIndex::cluster_id and UnlinkLlmClusters (transfers naming cluster " + asked +
-           " answer LLM_NOT_YET_LINK), or fix ClusterInfo::remote_cluster_id");
-    }
-  }
-
  public:
   std::string LastLinkFailure(uint64_t id) { return InCppWords(engine_.LastLinkFailure(id)); }
 
@@ -756,26 +744,14 @@ class LlmDataDist::LlmDataDistImpl {
   }
 
  private:
-  /// A pull (write false) or push on the link to `cluster` within the sync deadline, counted
-  /// in the process's metrics (metrics.h) as the Python package counts its own.
-  void Move(bool write, uint64_t cluster, const datadist::wire::Request &req, const std::vector<iovec> &local) {
-    namespace metrics = datadist::metrics;
-    uint64_t nbytes = 0;
-    for (const iovec &v : local) nbytes += v.iov_len;
-    metrics::Timed(write ? metrics::Op::kPush : metrics::Op::kPull, cluster, nbytes, datadist::Clock::now(), [&] {
-      auto link = engine_.GetLink(cluster);
-      if (write)
-        link->Write(req, local, Deadline_());
-      else
-        link->Read(req, local, Deadline_());
-    });
+  /// A pull (write false) or push of `plan` on the link to `cluster` within the sync deadline
+  /// (Session::Transfer: the request cap, the link, the metrics).
+  void Move(bool write, uint64_t cluster, datadist::wire::Request req, const datadist::Plan &plan,
+            const datadist::Lease &local) {
+    session_.Transfer(write, cluster, std::move(req), plan, local.entry().addrs, Deadline_());
   }
 
   datadist::wire::Request Request(const datadist::Plan &plan, uint64_t cache_id, uint64_t slot, uint64_t layout) {
-    // The owner's limit, checked before sending (docs/protocol.md).
-    if (static_cast<unsigned __int128>(plan.remote_tensors.size()) * plan.lengths.size() > datadist::kMaxRequestSpans)
-      Invalid("the transfer names more than " + std::to_string(datadist::kMaxRequestSpans) +
-              " spans (tensors x block runs); split it");
     datadist::wire::Request r;
     r.kind = datadist::wire::kCacheId;
     r.a = cache_id;
@@ -791,10 +767,11 @@ class LlmDataDist::LlmDataDistImpl {
   std::mutex mu_;  // guards state_ and listening_
   State state_ = kNew;
   double sync_timeout_s_ = 1.0;
-  bool hixl_ = false;      // OPTION_TRANSFER_BACKEND is "hixl": its unlink and option rules
-  bool verify_ = false;    // OPTION_DATADIST_VERIFY_CHECKSUM: pulls ask for the owner's CRC-32
-  std::string listening_;  // the OPTION_LISTEN_IP_INFO the engine listens at
-  datadist::Engine engine_;
+  bool hixl_ = false;          // OPTION_TRANSFER_BACKEND is "hixl": its unlink and option rules
+  bool verify_ = false;        // OPTION_DATADIST_VERIFY_CHECKSUM: pulls ask for the owner's CRC-32
+  std::string listening_;      // the OPTION_LISTEN_IP_INFO the engine listens at
+  datadist::Session session_;  // the core: every rule below the argument checks
+  datadist::Engine &engine_;   // session_.engine()
 };
 
 LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role) : impl_(new LlmDataDistImpl(cluster_id, role)) {}

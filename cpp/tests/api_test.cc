@@ -582,3 +582,59 @@ TEST(Api, LocalCommResIsCheckedWhenLinkingAsCann) {
 }
 
 }  // namespace
+
+// The session's rules as the C++ API shows them (cpp/src/session.h; session_test.cc tests
+// the session itself, a thread that cannot start included: the library's copy of the core
+// cannot be reached from here).
+namespace {
+
+// Failed pulls with `code_name` counted in the process's metrics, over every series.
+uint64_t PullErrors(LlmDataDist &dd, const std::string &code_name) {
+  std::vector<TransferMetrics> all;
+  EXPECT_EQ(dd.GetMetrics(all), LLM_SUCCESS);
+  uint64_t n = 0;
+  for (const auto &m : all) {
+    if (m.op != "pull") continue;
+    auto it = m.errors.find(code_name);
+    if (it != m.errors.end()) n += it->second;
+  }
+  return n;
+}
+
+}  // namespace
+
+// A block run shifted within one cache is coalesced for the copy, yet lands as copies of its
+// blocks one by one in order would (the session's CopyLocal): blocks 1..3 become block 0.
+TEST_F(Initialized, CopyKvBlocksCopiesRunsAsBlockByBlockCopiesWould) {
+  HostCache a(2, {8, 4}), b(2, {8, 4});
+  ASSERT_EQ(a.Register(dd), LLM_SUCCESS);
+  ASSERT_EQ(b.Register(dd), LLM_SUCCESS);
+  for (int t = 0; t < 2; ++t)
+    for (int i = 0; i < 32; ++i) a.T(t)[i] = static_cast<uint8_t>(t * 50 + i / 4 + 1);
+  ASSERT_EQ(dd.CopyKvBlocks(a.cache, a.cache, {0, 1, 2}, {{1, 2, 3}}), LLM_SUCCESS);
+  for (int t = 0; t < 2; ++t)
+    for (int blk = 0; blk < 4; ++blk) EXPECT_EQ(a.T(t)[blk * 4 + 3], t * 50 + 1) << t << " " << blk;
+  EXPECT_EQ(a.T(1)[4 * 4], 50 + 5);  // untouched
+  // two runs into another cache, and a second destination list
+  ASSERT_EQ(dd.CopyKvBlocks(a.cache, b.cache, {4, 5, 7}, {{0, 1, 6}, {2, 3, 4}}), LLM_SUCCESS);
+  for (int t = 0; t < 2; ++t) {
+    EXPECT_EQ(std::memcmp(b.T(t), a.T(t) + 16, 8), 0);
+    EXPECT_EQ(std::memcmp(b.T(t) + 24, a.T(t) + 28, 4), 0);
+    EXPECT_EQ(std::memcmp(b.T(t) + 8, a.T(t) + 16, 8), 0);
+    EXPECT_EQ(std::memcmp(b.T(t) + 16, a.T(t) + 28, 4), 0);
+    EXPECT_EQ(b.T(t)[20], 0);
+  }
+}
+
+// More spans than an owner serves in one request (tensors x block runs over 4194304):
+// refused before anything is sent, and counted as a failed pull as Python's are.
+TEST_F(Initialized, APullOverTheRequestCapIsRefusedAndCounted) {
+  HostCache big(1024, {8194, 1});
+  ASSERT_EQ(big.Register(dd), LLM_SUCCESS);
+  std::vector<uint64_t> every_other;
+  for (uint64_t b = 0; b < 8194; b += 2) every_other.push_back(b);  // 4097 runs of one block
+  const uint64_t before = PullErrors(dd, "LLM_PARAM_INVALID");
+  EXPECT_EQ(dd.PullKvBlocks(ddtest::Index(5, 1), big.cache, every_other, every_other), LLM_PARAM_INVALID);
+  EXPECT_NE(std::string(GetLastErrorMessage()).find("spans"), std::string::npos) << GetLastErrorMessage();
+  EXPECT_EQ(PullErrors(dd, "LLM_PARAM_INVALID"), before + 1);
+}

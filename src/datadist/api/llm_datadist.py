@@ -12,9 +12,7 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 from datadist.api import config as cfg
@@ -36,7 +34,7 @@ from datadist.core import options as core_options
 from datadist.core.address import format_host_port, parse_host_port
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.config import EngineConfig, engine_settings
-from datadist.core.errors import AlreadyLinked, DatadistError, InvalidArgument, NotLinked
+from datadist.core.errors import DatadistError, InvalidArgument
 from datadist.core.native import NativeEngine, engine_for
 from datadist.memory.pool import PoolConfig
 
@@ -110,17 +108,6 @@ def _table(opts: dict[str, str]) -> dict[str, Any]:
     except DatadistError as e:
         raise to_llm_exception(e, "init") from None
     return engine_settings(parsed)
-
-
-def _answers(host: str, port: int, timeout_ms: int) -> bool:
-    """Does a listener accept a connection at ``host:port`` within ``timeout_ms``? (What an
-    unlink without force of a cluster we have no link with amounts to: the original dials
-    the peer to tell it, and reports LLM_UNLINK_FAILED when it cannot.)"""
-    try:
-        with socket.create_connection((host, port), timeout=max(timeout_ms, 1) / 1000.0):
-            return True
-    except OSError:
-        return False
 
 
 class LLMDataDist:
@@ -370,42 +357,45 @@ class LLMDataDist:
                     "when local_comm_res option is unspecified or empty.")
             if not c.remote_ip_info_list:
                 raise _param_invalid(f"cluster {c.remote_cluster_id} has no remote ip info")
-        engine = self.engine
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            # A native limit in llm_datadist: reported in the codes, like any link failure.
+            return (LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+                    [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters))
         failures: list[str] = []  # texts to warn about, in the application's thread
         mismatches: list[str] = []
-
-        def one(c: LLMClusterInfo) -> LLMStatusCode:
+        peers: list[tuple[int, str, int]] = []
+        for c in clusters:
+            assert c.remote_cluster_id is not None  # _check_clusters refused an unset one
             ip, port = c.remote_ip_info_list[0]
-            cluster_id = c.remote_cluster_id
-            assert cluster_id is not None  # _check_clusters refused an unset one
-            try:
-                # The default backend files the link under the id the peer announces, as
-                # LinkMsgHandler::ExchangeInfoProcess (AddEntity(peer_exchange_info.cluster_id));
-                # HIXL's LinkCluster files it under the id passed (datadist: it must match).
-                link = engine.link(cluster_id, ip_text(ip), port, timeout / 1000.0,
-                                   as_announced=not self._hixl_backend)
-                if link.cluster_id != cluster_id:
-                    text = _mismatch_text(cluster_id, link.cluster_id, ip_text(ip), port)
+            peers.append((c.remote_cluster_id, ip_text(ip), port))
+        # The core links them all at once, each bounded by the timeout (Session::LinkMany).
+        # The default backend files a link under the id the peer announces, as
+        # LinkMsgHandler::ExchangeInfoProcess (AddEntity(peer_exchange_info.cluster_id));
+        # HIXL's LinkCluster files it under the id passed (datadist: it must match).
+        outcomes = self.engine.link_many(peers, timeout / 1000.0,
+                                         as_announced=not self._hixl_backend)
+        codes: list[LLMStatusCode] = []
+        for (cluster_id, host, port), (code, filed, why) in zip(peers, outcomes, strict=True):
+            if code == LLMStatusCode.LLM_SUCCESS:
+                if filed != cluster_id:
+                    text = _mismatch_text(cluster_id, filed, host, port)
                     log.warning("%s", text)
-                    mismatches.append(text)  # links run in parallel: list.append is atomic
+                    mismatches.append(text)
                 self._link_failures.succeeded(cluster_id)
-                return LLMStatusCode.LLM_SUCCESS
-            except AlreadyLinked:
-                return LLMStatusCode.LLM_ALREADY_LINK
-            except InvalidArgument as e:
-                # local_comm_res (ours or the peer's) is not what the original can parse:
-                # its RankTableGeneratorFactory fails the link with LLM_PARAM_INVALID.
-                failures.append(self._link_failures.report(
-                    cluster_id, ip_text(ip), port, LLMStatusCode.LLM_PARAM_INVALID.name, str(e)))
-                return LLMStatusCode.LLM_PARAM_INVALID
-            except DatadistError as e:
-                failures.append(self._link_failures.report(
-                    cluster_id, ip_text(ip), port, LLMStatusCode.LLM_LINK_FAILED.name, str(e)))
-                return LLMStatusCode.LLM_LINK_FAILED
-
-        codes = self._each(one, clusters)
-        # Here, not in the workers: the warnings name the application's call (stacklevel 2
-        # from this method).
+                codes.append(LLMStatusCode.LLM_SUCCESS)
+            elif code == LLMStatusCode.LLM_ALREADY_LINK:
+                codes.append(LLMStatusCode.LLM_ALREADY_LINK)
+            else:
+                # LLM_PARAM_INVALID: local_comm_res (ours or the peer's) is not what the
+                # original can parse (its RankTableGeneratorFactory fails the link so);
+                # any other failure is LLM_LINK_FAILED, as LLM-DataDist reports it.
+                status = (LLMStatusCode.LLM_PARAM_INVALID if code == LLMStatusCode.LLM_PARAM_INVALID
+                          else LLMStatusCode.LLM_LINK_FAILED)
+                failures.append(
+                    self._link_failures.report(cluster_id, host, port, status.name, why))
+                codes.append(status)
+        # Here, in the application's thread: the warnings name the application's call
+        # (stacklevel 2 from this method).
         warn_caller(failures, LinkFailedWarning, stacklevel=2)
         warn_caller(mismatches, ClusterIdMismatchWarning, stacklevel=2)
         return self._overall(codes), codes
@@ -441,50 +431,30 @@ class LLMDataDist:
         if not clusters:
             # As in llm_datadist's native UnlinkClusters.
             return LLMStatusCode.LLM_PARAM_INVALID, []
-        engine = self.engine
-
-        def hixl(cluster_id: int) -> LLMStatusCode:
-            # HixlTransferEngine::UnlinkCluster: destroy the link filed under the id, politely,
-            # whatever force says; nothing to destroy is a success.
-            try:
-                engine.unlink(cluster_id, timeout / 1000.0, force=False, quiet_inbound=True)
-                return LLMStatusCode.LLM_SUCCESS
-            except NotLinked:
-                return LLMStatusCode.LLM_SUCCESS
-            except DatadistError as e:
-                return code_to_status(int(e.code))
-
-        def one(c: LLMClusterInfo) -> LLMStatusCode:
-            cluster_id = c.remote_cluster_id
-            assert cluster_id is not None  # _check_clusters refused an unset one
-            if self._hixl_backend:
-                return hixl(cluster_id)
-            if not force and len(c.remote_ip_info_list) != 1:
-                return LLMStatusCode.LLM_PARAM_INVALID
-            try:
-                engine.unlink(cluster_id, timeout / 1000.0, force)
-                return LLMStatusCode.LLM_SUCCESS
-            except NotLinked:
-                if force:
-                    return LLMStatusCode.LLM_SUCCESS
-                ip, port = c.remote_ip_info_list[0]
-                return (LLMStatusCode.LLM_SUCCESS if _answers(ip_text(ip), port, timeout)
-                        else LLMStatusCode.LLM_UNLINK_FAILED)
-            except DatadistError as e:
-                return code_to_status(int(e.code))
-
-        codes = self._each(one, clusters)
-        return self._overall(codes), codes
-
-    @staticmethod
-    def _each(fn: Any, clusters: list[LLMClusterInfo]) -> list[LLMStatusCode]:
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             # A native limit in llm_datadist: reported in the codes, like any link failure.
-            return [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
-        if len(clusters) <= 1:
-            return [fn(c) for c in clusters]
-        with ThreadPoolExecutor(max_workers=len(clusters)) as pool:
-            return list(pool.map(fn, clusters))
+            return (LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+                    [LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters))
+        codes: list[LLMStatusCode | None] = []
+        peers: list[tuple[int, str, int]] = []
+        for c in clusters:
+            cluster_id = c.remote_cluster_id
+            assert cluster_id is not None  # _check_clusters refused an unset one
+            if not self._hixl_backend and not force and len(c.remote_ip_info_list) != 1:
+                codes.append(LLMStatusCode.LLM_PARAM_INVALID)
+                continue
+            codes.append(None)
+            if len(c.remote_ip_info_list) == 1:
+                ip, port = c.remote_ip_info_list[0]
+                peers.append((cluster_id, ip_text(ip), port))
+            else:
+                peers.append((cluster_id, "", 0))
+        # The core unlinks them all at once (Session::UnlinkMany: both ends; a cluster we have
+        # no link with succeeds when forced or HIXL, else as its listener answers a dial).
+        outcomes = iter(self.engine.unlink_many(peers, timeout / 1000.0, force=force,
+                                                hixl=self._hixl_backend))
+        done = [c if c is not None else code_to_status(next(outcomes)[0]) for c in codes]
+        return self._overall(done), done
 
     @staticmethod
     def _overall(codes: list[LLMStatusCode]) -> LLMStatusCode:

@@ -503,6 +503,21 @@ class NativeEngine:
         return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"),
                           reason=str(self._core.link_reason(cid) or ""))
 
+    def link_many(self, peers: list[tuple[int, str, int]], timeout: float,
+                  as_announced: bool = False) -> list[tuple[int, int, str]]:
+        """Link to every (cluster_id, host, port) at once (the core's Session::LinkMany),
+        each within ``timeout``: [(code, filed cluster id, why)], code 0 on success."""
+        self._check_open()
+        return [(int(code), int(filed), str(why))
+                for code, filed, why in self._core.link_many(peers, timeout, as_announced)]
+
+    def unlink_many(self, peers: list[tuple[int, str, int]], timeout: float, *, force: bool,
+                    hixl: bool) -> list[tuple[int, str]]:
+        """CANN's unlink of every (cluster_id, host or "", port) at once (the core's
+        Session::UnlinkMany): [(code, why)], code 0 on success."""
+        return [(int(code), str(why))
+                for code, why in self._core.unlink_many(peers, timeout, force=force, hixl=hixl)]
+
     def unlink(self, cluster_id: int, timeout: float, force: bool = False,
                quiet_inbound: bool = False) -> None:
         """Unlink both ends; NotLinked, Busy, UnlinkFailed."""

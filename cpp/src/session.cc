@@ -1,0 +1,244 @@
+#include "session.h"
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+#include "addr.h"
+#include "link.h"
+#include "metrics.h"
+#include "registry.h"
+
+namespace datadist {
+
+namespace {
+
+std::atomic<int> g_fail_thread_starts{0};
+
+// A thread running `fn`, or std::system_error as std::thread throws when none can be made
+// (and as FailThreadStarts makes it for tests).
+std::thread StartThread(std::function<void()> fn) {
+  for (int n = g_fail_thread_starts.load(); n > 0; n = g_fail_thread_starts.load())
+    if (g_fail_thread_starts.compare_exchange_weak(n, n - 1))
+      throw std::system_error(EAGAIN, std::generic_category(), "no thread could be started (test)");
+  return std::thread(std::move(fn));
+}
+
+// Runs `fn`, turning whatever it throws into `out` (the C++ face's rule for every entry point).
+void Capture(const std::function<void()> &fn, Outcome &out) {
+  try {
+    fn();
+  } catch (const Error &e) {
+    out.code = e.code();
+    out.why = e.what();
+  } catch (const std::bad_alloc &) {
+    out.code = llm_datadist::LLM_OUT_OF_MEMORY;
+    out.why = "out of memory";
+  } catch (const std::exception &e) {
+    out.code = llm_datadist::LLM_FAILED;
+    out.why = e.what();
+  }
+}
+
+metrics::Op OpOf(const Call &call) { return call.write ? metrics::Op::kPush : metrics::Op::kPull; }
+
+}  // namespace
+
+namespace testing {
+void FailThreadStarts(int n) { g_fail_thread_starts = n; }
+}  // namespace testing
+
+std::vector<Outcome> EachAtOnce(size_t n, const std::function<void(size_t)> &fn, Status unstarted) {
+  std::vector<Outcome> out(n);
+  if (n == 1) {
+    Capture([&] { fn(0); }, out[0]);
+    return out;
+  }
+  // Joined however this returns (an exception past here would otherwise destroy joinable
+  // threads: std::terminate).
+  struct Joined {
+    std::vector<std::thread> threads;
+    ~Joined() {
+      for (auto &t : threads)
+        if (t.joinable()) t.join();
+    }
+  } joined;
+  std::vector<std::thread> &threads = joined.threads;
+  threads.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    try {
+      threads.push_back(StartThread([&fn, &out, i] { Capture([&] { fn(i); }, out[i]); }));
+    } catch (const std::exception &e) {  // system_error, or bad_alloc copying `fn`: never terminate
+      out[i].code = unstarted;
+      out[i].why = std::string("could not start a thread for it (") + e.what() + "): nothing was done";
+    }
+  }
+  for (auto &t : threads) t.join();  // before `out` is returned (moved): the threads write it
+  threads.clear();
+  return out;
+}
+
+std::shared_ptr<Call> Call::Make(bool write, uint64_t cluster, wire::Request req, std::vector<iovec> iov) {
+  auto call = std::make_shared<Call>();
+  call->write = write;
+  call->cluster = cluster;
+  call->req = std::move(req);
+  call->iov = std::move(iov);
+  for (const iovec &v : call->iov) call->bytes += v.iov_len;
+  return call;
+}
+
+void CheckRequestSize(const wire::Request &req) {
+  if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
+    Invalid("the transfer names more than " + std::to_string(kMaxRequestSpans) +
+            " spans (tensors x block runs); split it");
+}
+
+Session::Session(uint64_t cluster_id, int32_t role, size_t async_threads)
+    : engine_(cluster_id, role), executor_(async_threads) {}
+
+Session::~Session() { Close(0.0); }
+
+int Session::Close(double wait_s) {
+  // Queued transfers fail first; closing the links then fails the running ones at once
+  // (their sockets shut down), and only then are the workers joined.
+  executor_.Close();
+  const int leased = engine_.Close(wait_s);
+  executor_.Stop();
+  return leased;
+}
+
+std::vector<Outcome> Session::LinkMany(const std::vector<Peer> &peers, Deadline deadline, bool take_peer_id) {
+  std::vector<uint64_t> filed(peers.size(), 0);
+  std::vector<Outcome> out = EachAtOnce(
+      peers.size(),
+      [&](size_t i) {
+        const Peer &p = peers[i];
+        filed[i] = engine_.Connect(p.cluster_id, p.host, p.port, deadline, take_peer_id, true);
+      },
+      llm_datadist::LLM_LINK_FAILED);
+  for (size_t i = 0; i < out.size(); ++i)
+    if (out[i].code == llm_datadist::LLM_SUCCESS) out[i].filed = filed[i];
+  return out;
+}
+
+void Session::Unlink(uint64_t id, Deadline deadline, bool force, bool quiet_inbound) {
+  auto [own, inbound] = engine_.BothEnds(id);
+  if (!own && !inbound) Fail(llm_datadist::LLM_NOT_YET_LINK, "cluster " + std::to_string(id) + " is not linked");
+  std::string untold;  // LLM_UNLINK_FAILED of either end, raised once both were tried
+  for (const auto &link : {own, inbound}) {
+    if (!link) continue;
+    const bool forced = force || (quiet_inbound && link == inbound);
+    try {
+      link->Close(forced ? Deadline() : deadline, forced);
+    } catch (const Error &e) {
+      // LLM_UNLINK_FAILED: the peer was not told, our end is closed; anything else
+      // (LLM_LINK_BUSY) leaves the link up.
+      if (e.code() != llm_datadist::LLM_UNLINK_FAILED) throw;
+      untold = e.what();
+    }
+    engine_.Forget(id, link);
+  }
+  if (!untold.empty()) Fail(llm_datadist::LLM_UNLINK_FAILED, untold);
+}
+
+std::vector<Outcome> Session::UnlinkMany(const std::vector<Peer> &peers, Deadline deadline, const UnlinkRule &rule) {
+  return EachAtOnce(
+      peers.size(),
+      [&](size_t i) {
+        const Peer &p = peers[i];
+        try {
+          // HIXL: politely whatever force says, the peer's own link to us without a word.
+          Unlink(p.cluster_id, deadline, rule.force && !rule.hixl, rule.hixl);
+        } catch (const Error &e) {
+          if (e.code() != llm_datadist::LLM_NOT_YET_LINK) throw;
+          // Nothing of ours to drop (CANN: "entity not found", a warning): forced or HIXL, a
+          // success; otherwise CANN tells the listener, which has nothing to drop either.
+          if (rule.force || rule.hixl) return;
+          if (p.host.empty())
+            Invalid("unlink without force needs the remote ip info of cluster " + std::to_string(p.cluster_id));
+          try {
+            Conn::Connect(p.host, p.port, deadline);
+          } catch (const Error &dial) {
+            Fail(llm_datadist::LLM_UNLINK_FAILED,
+                 "cluster " + std::to_string(p.cluster_id) + " is not linked and its listener at " +
+                     FormatHostPort(p.host, p.port) + " did not answer: " + dial.what());
+          }
+        }
+      },
+      llm_datadist::LLM_UNLINK_FAILED);
+}
+
+void Session::Run(const Call &call, Deadline deadline, Clock::time_point since) {
+  metrics::Timed(OpOf(call), call.cluster, call.bytes, since, [&] {
+    CheckRequestSize(call.req);
+    auto link = engine_.GetLink(call.cluster);
+    if (call.write)
+      link->Write(call.req, call.iov, deadline);
+    else
+      link->Read(call.req, call.iov, deadline);
+  });
+}
+
+void Session::Transfer(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+                       const std::vector<uint64_t> &local_addrs, Deadline deadline) {
+  const auto since = Clock::now();
+  std::shared_ptr<Call> call;
+  try {
+    CheckRequestSize(req);  // before the local spans are made: tensors x runs of them
+    call = Call::Make(write, cluster, std::move(req), LocalIov(plan, local_addrs));
+  } catch (const Error &e) {
+    metrics::RecordSince(write ? metrics::Op::kPush : metrics::Op::kPull, cluster, 0, since, e.code());
+    throw;
+  }
+  Run(*call, deadline, since);
+}
+
+std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since) {
+  const metrics::Op op = OpOf(*call);
+  if (!call->write && call->bytes <= kInlineBytes) {
+    if (auto link = engine_.FindLink(call->cluster)) {
+      try {
+        CheckRequestSize(call->req);
+        if (link->ReadLeasedNow(call->req, call->iov)) {
+          metrics::RecordSince(op, call->cluster, call->bytes, since, llm_datadist::LLM_SUCCESS);
+          return Task::Ended(0, "");
+        }
+      } catch (const Error &e) {  // as a worker would end the task
+        metrics::RecordSince(op, call->cluster, 0, since, e.code());
+        return Task::Ended(e.code(), e.what(), e.kind());
+      } catch (const std::exception &e) {
+        metrics::RecordSince(op, call->cluster, 0, since, llm_datadist::LLM_FAILED);
+        return Task::Ended(llm_datadist::LLM_FAILED, e.what());
+      }
+    }
+  }
+  const uint64_t cluster = call->cluster;
+  try {
+    return executor_.Submit([this, held = std::move(call), deadline, since] { Run(*held, deadline, since); });
+  } catch (const Error &e) {  // not issued: counted as a transfer that failed
+    metrics::RecordSince(op, cluster, 0, since, e.code());
+    throw;
+  }
+}
+
+void Session::CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs,
+                        const std::vector<uint64_t> &dst_addrs, uint64_t unit) {
+  for (size_t k = 0; k < plan.local_tensors.size(); ++k) {
+    const uint64_t src = src_addrs[plan.remote_tensors[k]], dst = dst_addrs[plan.local_tensors[k]];
+    for (size_t i = 0; i < plan.lengths.size(); ++i) {
+      const uint64_t from = src + plan.remote_offsets[i], to = dst + plan.local_offsets[i], len = plan.lengths[i];
+      const bool overlap = from < to + len && to < from + len && from != to;
+      const uint64_t step = overlap && unit > 0 ? unit : len;
+      for (uint64_t done = 0; done < len; done += step)
+        std::memmove(reinterpret_cast<void *>(to + done), reinterpret_cast<const void *>(from + done),
+                     static_cast<size_t>(step < len - done ? step : len - done));
+    }
+  }
+}
+
+}  // namespace datadist

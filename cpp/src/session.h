@@ -1,0 +1,181 @@
+// The seam: the one internal API both faces call. The Python binding (cpp/python/module.cc)
+// and CANN's C++ API (llm_datadist.cc) translate their arguments into these calls and these
+// calls' errors into their own (exceptions, Status codes); every rule that is not argument or
+// error mapping is written here once: unlinking both ends of a link, linking (and unlinking)
+// many clusters at once, a transfer's link lookup, request cap, timing and counting, the
+// asynchronous form with its inline small read, and local copies.
+//
+// Who calls: the two faces only; below it, the engine (engine.h), the asynchronous workers
+// (tasks.h) and the metrics (metrics.h). Thread-safety: every method may be called from any
+// thread at once. Which calls block, and up to what, is said on each; none takes the GIL
+// (the binding releases it before calling). Errors are thrown as datadist::Error with their
+// status code, except where a call returns per-cluster outcomes.
+#ifndef DATADIST_CPP_SESSION_H_
+#define DATADIST_CPP_SESSION_H_
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "errors.h"
+#include "net.h"
+#include "plan.h"
+#include "tasks.h"
+#include "wire.h"
+
+namespace datadist {
+
+/// One item of a many-cluster call: LLM_SUCCESS (0) or the code that item failed with, and
+/// why (the core's words; "" on success).
+struct Outcome {
+  Status code = 0;
+  std::string why;
+  uint64_t filed = 0;  // LinkMany: the cluster id the link is filed under (on success)
+};
+
+/// Where one cluster of LinkMany listens, and (UnlinkMany without force) where it is told.
+struct Peer {
+  uint64_t cluster_id = 0;
+  std::string host;  // an IP literal; "" in UnlinkMany: no address given
+  uint16_t port = 0;
+};
+
+/// How UnlinkMany drops a cluster: CANN's two unlink rules.
+struct UnlinkRule {
+  /// Close without telling the peer (CANN's force_flag); a cluster we have no link with is
+  /// then a success.
+  bool force = false;
+  /// HIXL's rule (HixlTransferEngine::UnlinkCluster): no remote address needed, `force`
+  /// ignored, our link closed politely and the peer's link to us without a word; a cluster
+  /// we have no link with is a success.
+  bool hixl = false;
+};
+
+/// A READ (write false) or WRITE on the link to `cluster`: the request as the wire carries
+/// it and the local spans (absolute addresses, tensor-major), made once and run any number
+/// of times (Run, Submit). Immutable once made; shared by the runs in flight. The local
+/// memory is the caller's to keep mapped (held) while a run uses it.
+struct Call {
+  bool write = false;
+  uint64_t cluster = 0;
+  wire::Request req;
+  std::vector<iovec> iov;
+  uint64_t bytes = 0;  // the local spans' total (Call::Make sums it)
+  /// A call with `bytes` summed from `iov`. Never blocks, never throws but bad_alloc.
+  static std::shared_ptr<Call> Make(bool write, uint64_t cluster, wire::Request req, std::vector<iovec> iov);
+};
+
+/// Issued pulls up to this many bytes may run in the issuing thread (Submit).
+constexpr uint64_t kInlineBytes = 64 << 10;
+
+/// LLM_PARAM_INVALID when `req` names more spans (tensors x spans) than an owner serves in
+/// one request (kMaxRequestSpans, docs/protocol.md): checked before sending. Never blocks.
+void CheckRequestSize(const wire::Request &req);
+
+class Session {
+ public:
+  /// An engine for `cluster_id` and `role` (not open yet: engine().Open) and the workers
+  /// asynchronous transfers run on (`async_threads`, started at the first Submit).
+  Session(uint64_t cluster_id, int32_t role, size_t async_threads);
+  /// Close(0): queued transfers fail, links close, workers are joined.
+  ~Session();
+  Session(const Session &) = delete;
+  Session &operator=(const Session &) = delete;
+
+  Engine &engine() { return engine_; }
+  Executor &executor() { return executor_; }
+
+  /// Stops serving: queued asynchronous transfers fail first, then every link closes (the
+  /// running transfers fail at once), the caches are dropped waiting up to `wait_s` for
+  /// leases, and the workers are joined. Returns Engine::Close's count of caches still
+  /// leased. Blocks up to about `wait_s`. Idempotent; the engine may be opened again (the
+  /// workers may not: a Submit after Close ends at once with LLM_FAILED).
+  int Close(double wait_s);
+
+  // ---- links
+
+  /// Links to every peer at once, each within `deadline` (a thread per peer: one dead peer
+  /// does not hold up the rest), filed as Engine::Connect files them (`take_peer_id`).
+  /// Returns one Outcome per peer, in order: LLM_SUCCESS with `filed`, or Connect's code
+  /// (LLM_LINK_FAILED, LLM_ALREADY_LINK, LLM_PARAM_INVALID for a bad llm.LocalCommRes, ...)
+  /// and why; a thread that cannot be started is LLM_LINK_FAILED for its peer. Never throws
+  /// but bad_alloc. Blocks up to `deadline`. The reasons are kept for LastLinkFailure and
+  /// not told on stderr: the faces tell them in their own words.
+  std::vector<Outcome> LinkMany(const std::vector<Peer> &peers, Deadline deadline, bool take_peer_id);
+
+  /// Unlinks `cluster_id` at both ends: the link we made and the peer's reverse channel to
+  /// us, whichever exist. LLM_NOT_YET_LINK when neither does. Each end says BYE within
+  /// `deadline` unless `force` (or, for the peer's end, `quiet_inbound`: closed without a
+  /// word); a peer that could not be told is LLM_UNLINK_FAILED once both ends were tried
+  /// (both are closed and forgotten); LLM_LINK_BUSY (a transfer in flight) leaves the link
+  /// up. Blocks up to `deadline`.
+  void Unlink(uint64_t cluster_id, Deadline deadline, bool force, bool quiet_inbound);
+
+  /// CANN's UnlinkClusters for every peer at once (as LinkMany): per `rule`, each as Unlink,
+  /// and a cluster we have no link with is LLM_SUCCESS when forced or HIXL; otherwise its
+  /// listener is dialled at `host:port` as CANN tells it (success if it answers within
+  /// `deadline`, LLM_UNLINK_FAILED if not, LLM_PARAM_INVALID without an address). A thread
+  /// that cannot be started is LLM_UNLINK_FAILED for its cluster (the link stays up). Never
+  /// throws but bad_alloc. Blocks up to `deadline`.
+  std::vector<Outcome> UnlinkMany(const std::vector<Peer> &peers, Deadline deadline, const UnlinkRule &rule);
+
+  // ---- transfers
+
+  /// Runs `call` on the link to its cluster: the request's size checked (CheckRequestSize),
+  /// the link found (LLM_NOT_YET_LINK without one), Link::Read / Write within `deadline`,
+  /// and the whole counted and timed from `since` in the process's metrics (op pull or push,
+  /// its cluster; a refusal counts as a failed transfer). Blocks up to `deadline`; throws
+  /// the transfer's error.
+  void Run(const Call &call, Deadline deadline, Clock::time_point since);
+
+  /// The C++ face's one call: `req` (its spans from `plan`) on the link to `cluster`, the
+  /// local spans made from `plan` and the local tensors' addresses (`local_addrs`, held by
+  /// the caller) only once the request's size passed; counted and timed from now as Run
+  /// (a refused size included). Blocks up to `deadline`.
+  void Transfer(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+                const std::vector<uint64_t> &local_addrs, Deadline deadline);
+
+  /// Run, issued: a pull of up to kInlineBytes that a whole-cache lease of its link covers
+  /// is copied now, in the caller's thread (waiting for nobody: 15-26 us less than the hand
+  /// over, issue 23); anything else is queued on the workers. Returns the Task (ended
+  /// already for an inline copy); a Task that cannot be queued (Close ran) is counted as a
+  /// failed transfer and thrown. Blocks only for the inline copy.
+  std::shared_ptr<Task> Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since);
+
+  // ---- local copies
+
+  /// Copies the spans of `plan` from the source tensors (`src_addrs`; the plan's remote_*
+  /// side, offsets absolute in the tensor) to the destination tensors (`dst_addrs`; its
+  /// local_* side), tensor pair by tensor pair, span by span in the plan's order: one
+  /// memmove per span, the spans coalesced by the planner (PlanBlocks). A span whose source
+  /// and destination bytes overlap (a run shifted within one cache) is copied `unit` bytes
+  /// at a time in order, as copies of its blocks one by one would be. The caller has checked
+  /// every span against both caches (plan.h) and holds them. Blocks on memory only.
+  static void CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs,
+                        const std::vector<uint64_t> &dst_addrs, uint64_t unit);
+
+ private:
+  Engine engine_;
+  Executor executor_;  // stopped before the engine closes (its tasks use links)
+};
+
+/// Runs fn(i) for every i in [0, n) at once, one thread each (n == 1: in the caller's
+/// thread), and waits for all; fn's Error is its item's code and reason, anything else
+/// LLM_FAILED. An item whose thread cannot be started gets `unstarted` and a reason, and
+/// does not run. Blocks until every started item returned.
+std::vector<Outcome> EachAtOnce(size_t n, const std::function<void(size_t)> &fn, Status unstarted);
+
+namespace testing {
+/// Tests only: the next `n` threads EachAtOnce starts fail to start (as std::thread does
+/// when the system has none left). Thread-safe.
+void FailThreadStarts(int n);
+}  // namespace testing
+
+}  // namespace datadist
+
+#endif  // DATADIST_CPP_SESSION_H_

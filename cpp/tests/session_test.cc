@@ -1,0 +1,315 @@
+// The session (cpp/src/session.h), the seam both faces call, tested directly: unlinking both
+// ends, linking and unlinking many clusters at once (one bad address, a thread that cannot
+// start), a transfer's request cap and its counting, submit, and local copies.
+#include "session.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "metrics.h"
+#include "registry.h"
+#include "test_util.h"
+
+namespace {
+
+using datadist::After;
+using datadist::Outcome;
+using datadist::Peer;
+using datadist::Session;
+using namespace llm_datadist;
+
+// Cluster ids of this file's own (the metrics are the process's).
+constexpr uint64_t kOwner = 9101, kOwner2 = 9102, kReader = 9103, kNobody = 9104;
+
+// An open session listening on the loopback.
+std::unique_ptr<Session> Listening(uint64_t id) {
+  auto s = std::make_unique<Session>(id, 0, 2);
+  s->engine().Open(datadist::EngineOptions{});
+  s->engine().Listen("127.0.0.1", 0);
+  return s;
+}
+
+std::unique_ptr<Session> Opened(uint64_t id) {
+  auto s = std::make_unique<Session>(id, 1, 2);
+  s->engine().Open(datadist::EngineOptions{});
+  return s;
+}
+
+Peer At(const Session &s, uint64_t id) { return {id, "127.0.0.1", const_cast<Session &>(s).engine().port()}; }
+
+// Waits up to 5 s for `cond` (a reverse channel's adoption or teardown runs on the peer's
+// threads); the test asserts the outcome, not the time.
+template <typename F>
+bool Eventually(F &&cond) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// The process's pull series of `cluster` (op pull), with the "other peers" series (where an id
+// counts once the process named the most ids it names, as a whole test run may have):
+// transfers, bytes, and the count of `error`. Tests compare it before and after.
+struct Count {
+  uint64_t transfers = 0, bytes = 0, errors = 0;
+};
+Count Pulls(uint64_t cluster, const std::string &error, datadist::metrics::Op op = datadist::metrics::Op::kPull) {
+  Count c;
+  for (const auto &s : datadist::metrics::Snapshot()) {
+    if (s.op != op || (s.cluster_id != cluster && s.cluster_id != datadist::metrics::kOtherPeers)) continue;
+    c.transfers += s.transfers;
+    c.bytes += s.bytes;
+    for (const auto &e : s.errors)
+      if (e.first == error) c.errors += e.second;
+  }
+  return c;
+}
+
+// A host cache of `blocks` blocks of `block` bytes in each of `tensors` tensors.
+struct Blocks {
+  Blocks(uint32_t tensors, uint64_t blocks, uint64_t block)
+      : cache(tensors, {static_cast<int64_t>(blocks), static_cast<int64_t>(block)}) {}
+  ddtest::HostCache cache;
+  datadist::Geometry geo() const { return datadist::GeometryOf(cache.desc); }
+};
+
+// The C++ face's pull of blocks (llm_datadist.cc PullBlocks): every tensor i <-> i.
+datadist::Plan BlockPlan(const datadist::Geometry &local, const std::vector<uint64_t> &remote,
+                         const std::vector<uint64_t> &mine) {
+  datadist::Plan plan;
+  for (uint32_t t = 0; t < local.num_tensors; ++t) {
+    plan.remote_tensors.push_back(t);
+    plan.local_tensors.push_back(t);
+  }
+  datadist::PlanBlocks(plan, local, remote, mine);
+  return plan;
+}
+
+datadist::wire::Request BlockRequest(const datadist::Plan &plan, int64_t cache_id, uint64_t layout) {
+  datadist::wire::Request r;
+  r.kind = datadist::wire::kCacheId;
+  r.a = static_cast<uint64_t>(cache_id);
+  r.layout = layout;
+  r.tensors = plan.remote_tensors;
+  r.offsets = plan.remote_offsets;
+  r.lengths = plan.lengths;
+  return r;
+}
+
+Status CodeOf(const std::function<void()> &fn) {
+  try {
+    fn();
+    return LLM_SUCCESS;
+  } catch (const datadist::Error &e) {
+    return e.code();
+  }
+}
+
+TEST(Session, UnlinkClosesBothEndsThenNothingIsLeftToUnlink) {
+  auto a = Listening(kOwner), b = Listening(kReader);
+  ASSERT_EQ(a->engine().Connect(kReader, "127.0.0.1", b->engine().port(), After(5), false, true), kReader);
+  ASSERT_EQ(b->engine().Connect(kOwner, "127.0.0.1", a->engine().port(), After(5), false, true), kOwner);
+  // a holds both ends for b: the link it made, and b's reverse channel to it
+  ASSERT_TRUE(Eventually([&] {
+    auto [own, inbound] = a->engine().BothEnds(kReader);
+    return own && inbound;
+  }));
+  a->Unlink(kReader, After(5), false, false);
+  auto [own, inbound] = a->engine().BothEnds(kReader);
+  EXPECT_FALSE(own);
+  EXPECT_FALSE(inbound);
+  EXPECT_EQ(CodeOf([&] { a->Unlink(kReader, After(1), false, false); }), LLM_NOT_YET_LINK);
+  // b was told (BYE): its end of the link a made (its reverse channel from a) goes too
+  EXPECT_TRUE(Eventually([&] {
+    for (uint64_t id : b->engine().LinkIds(true))
+      if (id == kOwner) return false;
+    return true;
+  }));
+}
+
+TEST(Session, UnlinkManyOfAClusterNeverLinkedFollowsCannsRules) {
+  auto a = Listening(kOwner), b = Opened(kReader);
+  const uint16_t dead = ddtest::FreePort();
+  datadist::UnlinkRule plain, forced, hixl;
+  forced.force = true;
+  hixl.hixl = true;
+  // Without force CANN dials the listener to tell it: one answers (success), one does not.
+  auto got = b->UnlinkMany({At(*a, kOwner), {kNobody, "127.0.0.1", dead}, {kNobody, "", 0}}, After(2), plain);
+  ASSERT_EQ(got.size(), 3U);
+  EXPECT_EQ(got[0].code, LLM_SUCCESS) << got[0].why;
+  EXPECT_EQ(got[1].code, LLM_UNLINK_FAILED);
+  EXPECT_NE(got[1].why.find("did not answer"), std::string::npos) << got[1].why;
+  EXPECT_EQ(got[2].code, LLM_PARAM_INVALID);  // no address to dial
+  // Forced, or HIXL: nothing to drop is a success, no address needed.
+  for (const auto *rule : {&forced, &hixl}) {
+    got = b->UnlinkMany({{kNobody, "127.0.0.1", dead}, {kNobody, "", 0}}, After(2), *rule);
+    ASSERT_EQ(got.size(), 2U);
+    EXPECT_EQ(got[0].code, LLM_SUCCESS);
+    EXPECT_EQ(got[1].code, LLM_SUCCESS);
+  }
+}
+
+TEST(Session, LinkManyLinksEveryGoodPeerAndReportsTheBadAddress) {
+  auto a = Listening(kOwner), a2 = Listening(kOwner2), b = Opened(kReader);
+  const uint16_t dead = ddtest::FreePort();
+  auto got = b->LinkMany({At(*a, kOwner), {kNobody, "127.0.0.1", dead}, At(*a2, kOwner2)}, After(3), false);
+  ASSERT_EQ(got.size(), 3U);
+  EXPECT_EQ(got[0].code, LLM_SUCCESS) << got[0].why;
+  EXPECT_EQ(got[0].filed, kOwner);
+  EXPECT_EQ(got[1].code, LLM_LINK_FAILED);
+  EXPECT_FALSE(got[1].why.empty());
+  EXPECT_FALSE(b->engine().LastLinkFailure(kNobody).empty());
+  EXPECT_EQ(got[2].code, LLM_SUCCESS) << got[2].why;
+  EXPECT_TRUE(b->engine().FindLink(kOwner));
+  EXPECT_TRUE(b->engine().FindLink(kOwner2));
+  EXPECT_FALSE(b->engine().FindLink(kNobody));
+  // again: linked already; a peer announcing another id is filed under its own
+  got = b->LinkMany({At(*a, kOwner)}, After(3), false);
+  EXPECT_EQ(got[0].code, LLM_ALREADY_LINK);
+  auto c = Opened(kNobody);
+  got = c->LinkMany({At(*a, 1234)}, After(3), true);
+  EXPECT_EQ(got[0].code, LLM_SUCCESS) << got[0].why;
+  EXPECT_EQ(got[0].filed, kOwner);
+  // both ends of both of b's links, at once
+  auto un = b->UnlinkMany({At(*a, kOwner), At(*a2, kOwner2)}, After(3), {});
+  EXPECT_EQ(un[0].code, LLM_SUCCESS) << un[0].why;
+  EXPECT_EQ(un[1].code, LLM_SUCCESS) << un[1].why;
+  EXPECT_FALSE(b->engine().HasLinks());
+}
+
+TEST(Session, AThreadThatCannotStartFailsItsClusterOnlyAndNeverTerminates) {
+  auto a = Listening(kOwner), a2 = Listening(kOwner2), b = Opened(kReader);
+  datadist::testing::FailThreadStarts(1);  // the first peer's thread
+  auto got = b->LinkMany({At(*a, kOwner), At(*a2, kOwner2)}, After(3), false);
+  datadist::testing::FailThreadStarts(0);
+  ASSERT_EQ(got.size(), 2U);
+  EXPECT_EQ(got[0].code, LLM_LINK_FAILED);
+  EXPECT_NE(got[0].why.find("could not start a thread"), std::string::npos) << got[0].why;
+  EXPECT_EQ(got[1].code, LLM_SUCCESS) << got[1].why;
+  EXPECT_FALSE(b->engine().FindLink(kOwner));
+  EXPECT_TRUE(b->engine().FindLink(kOwner2));
+  // an unlink whose thread cannot start leaves its link up and says so
+  ASSERT_EQ(b->LinkMany({At(*a, kOwner)}, After(3), false)[0].code, LLM_SUCCESS);
+  datadist::testing::FailThreadStarts(1);
+  auto un = b->UnlinkMany({At(*a, kOwner), At(*a2, kOwner2)}, After(3), {});
+  datadist::testing::FailThreadStarts(0);
+  EXPECT_EQ(un[0].code, LLM_UNLINK_FAILED);
+  EXPECT_TRUE(b->engine().FindLink(kOwner));
+  EXPECT_EQ(un[1].code, LLM_SUCCESS) << un[1].why;
+  EXPECT_FALSE(b->engine().FindLink(kOwner2));
+}
+
+// One owner with a blocks cache filled with known bytes, and a reader linked to it.
+struct SessionPair : ::testing::Test {
+  void SetUp() override {
+    owner = Listening(kOwner);
+    reader = Opened(kReader);
+    for (uint32_t t = 0; t < 2; ++t)
+      for (uint64_t i = 0; i < 8 * 64; ++i) src.cache.T(t)[i] = static_cast<uint8_t>(t * 100 + i / 64 + 1);
+    id = owner->engine().registry().Add(src.cache.desc, src.cache.addrs, {});
+    auto got = reader->LinkMany({At(*owner, kOwner)}, After(5), false);
+    ASSERT_EQ(got[0].code, LLM_SUCCESS) << got[0].why;
+  }
+  Blocks src{2, 8, 64}, dst{2, 8, 64};
+  std::unique_ptr<Session> owner, reader;
+  int64_t id = 0;
+};
+
+TEST_F(SessionPair, TransferMovesTheBytesAndCountsThemAndItsRefusals) {
+  const auto before = Pulls(kOwner, "");
+  const datadist::Plan plan = BlockPlan(dst.geo(), {2, 3, 6}, {0, 1, 5});
+  EXPECT_EQ(plan.lengths.size(), 2U);  // 2, 3 -> 0, 1 coalesced
+  reader->Transfer(false, kOwner, BlockRequest(plan, id, dst.geo().layout), plan, dst.cache.addrs, After(5));
+  for (uint32_t t = 0; t < 2; ++t) {
+    EXPECT_EQ(dst.cache.T(t)[0], t * 100 + 3);
+    EXPECT_EQ(dst.cache.T(t)[64], t * 100 + 4);
+    EXPECT_EQ(dst.cache.T(t)[5 * 64 + 63], t * 100 + 7);
+    EXPECT_EQ(dst.cache.T(t)[2 * 64], 0);
+  }
+  const auto after = Pulls(kOwner, "");
+  EXPECT_EQ(after.transfers, before.transfers + 1);
+  EXPECT_EQ(after.bytes, before.bytes + 2 * 3 * 64);
+
+  // Over the cap: refused before anything is sent (or a local span made), and counted.
+  const auto refused = Pulls(kOwner, "LLM_PARAM_INVALID");
+  datadist::Plan huge;
+  huge.remote_tensors.assign(4096, 0);
+  huge.local_tensors.assign(4096, 0);
+  huge.remote_offsets.assign(datadist::kMaxRequestSpans / 4096 + 1, 0);
+  huge.local_offsets = huge.remote_offsets;
+  huge.lengths.assign(huge.remote_offsets.size(), 1);
+  EXPECT_EQ(CodeOf([&] {
+              reader->Transfer(false, kOwner, BlockRequest(huge, id, dst.geo().layout), huge, dst.cache.addrs,
+                               After(5));
+            }),
+            LLM_PARAM_INVALID);
+  auto call = datadist::Call::Make(false, kOwner, BlockRequest(huge, id, dst.geo().layout), {});
+  EXPECT_EQ(CodeOf([&] { reader->Run(*call, After(5), datadist::Clock::now()); }), LLM_PARAM_INVALID);
+  auto task = reader->Submit(call, After(5), datadist::Clock::now());
+  ASSERT_TRUE(task->Wait(After(5)));
+  EXPECT_EQ(task->code(), LLM_PARAM_INVALID);
+  EXPECT_EQ(Pulls(kOwner, "LLM_PARAM_INVALID").errors, refused.errors + 3);
+
+  // No link: LLM_NOT_YET_LINK, counted under the id asked for (our own pulls name it).
+  const auto other = Pulls(kNobody, "LLM_NOT_YET_LINK");
+  EXPECT_EQ(CodeOf([&] {
+              reader->Transfer(false, kNobody, BlockRequest(plan, id, dst.geo().layout), plan, dst.cache.addrs,
+                               After(1));
+            }),
+            LLM_NOT_YET_LINK);
+  EXPECT_EQ(Pulls(kNobody, "LLM_NOT_YET_LINK").errors, other.errors + 1);
+}
+
+TEST_F(SessionPair, SubmitEndsWithTheTransfersOutcomeAndFailsOnceClosed) {
+  const datadist::Plan plan = BlockPlan(dst.geo(), {7}, {4});
+  auto call = datadist::Call::Make(false, kOwner, BlockRequest(plan, id, dst.geo().layout),
+                                   datadist::LocalIov(plan, dst.cache.addrs));
+  EXPECT_EQ(call->bytes, 2U * 64);
+  auto task = reader->Submit(call, After(5), datadist::Clock::now());
+  ASSERT_TRUE(task->Wait(After(5)));
+  EXPECT_EQ(task->code(), LLM_SUCCESS) << task->message();
+  EXPECT_EQ(dst.cache.T(1)[4 * 64], 108);
+  auto nowhere = datadist::Call::Make(false, kNobody, call->req, call->iov);
+  task = reader->Submit(nowhere, After(5), datadist::Clock::now());
+  ASSERT_TRUE(task->Wait(After(5)));
+  EXPECT_EQ(task->code(), LLM_NOT_YET_LINK);
+  EXPECT_EQ(reader->Close(0.0), 0);
+  task = reader->Submit(call, After(5), datadist::Clock::now());
+  ASSERT_TRUE(task->Wait(After(1)));
+  EXPECT_NE(task->code(), LLM_SUCCESS);
+}
+
+TEST(Session, CopyLocalCoalescesRunsAndCopiesAnOverlappingRunBlockByBlock) {
+  Blocks c{1, 8, 16};
+  for (uint64_t i = 0; i < 8 * 16; ++i) c.cache.T(0)[i] = static_cast<uint8_t>(i / 16 + 1);
+  // 0, 1, 2 -> 1, 2, 3 in one cache: one span whose bytes overlap, copied in order as three
+  // block copies are (CANN's CopyKvBlocks): blocks 1..3 all become block 0.
+  datadist::Plan plan = BlockPlan(c.geo(), {0, 1, 2}, {1, 2, 3});
+  ASSERT_EQ(plan.lengths.size(), 1U);
+  Session::CopyLocal(plan, c.cache.addrs, c.cache.addrs, 16);
+  for (uint64_t b = 0; b < 4; ++b) EXPECT_EQ(c.cache.T(0)[b * 16 + 15], 1) << b;
+  // 4, 5 -> 6, 7: no overlap, one memmove
+  plan = BlockPlan(c.geo(), {4, 5}, {6, 7});
+  ASSERT_EQ(plan.lengths.size(), 1U);
+  Session::CopyLocal(plan, c.cache.addrs, c.cache.addrs, 16);
+  EXPECT_EQ(c.cache.T(0)[6 * 16], 5);
+  EXPECT_EQ(c.cache.T(0)[7 * 16 + 15], 6);
+  // between two caches, tensor pairs as planned
+  Blocks d{1, 8, 16};
+  plan = BlockPlan(d.geo(), {6, 7, 0}, {0, 1, 7});
+  Session::CopyLocal(plan, c.cache.addrs, d.cache.addrs, 16);
+  EXPECT_EQ(d.cache.T(0)[0], 5);
+  EXPECT_EQ(d.cache.T(0)[16], 6);
+  EXPECT_EQ(d.cache.T(0)[7 * 16], 1);
+  EXPECT_EQ(d.cache.T(0)[2 * 16], 0);
+}
+
+}  // namespace
