@@ -82,7 +82,8 @@ class TestRawAddresses:
         cfg = llm.TransferConfig(DECODER_ID, addrs(b, range(8)))
         task = p.cm.transfer_cache_async(src, Sync(hook=hook), [cfg])
         assert task.synchronize(WAIT) == S.LLM_SUCCESS
-        assert seen[0] == seen[1] == [False] * 8
+        assert seen[0] == [False] * 8
+        assert seen[1][2:] == [False] * 6  # layer 0 may have landed already, or not
         for i in (2, 3):  # layers 0 .. i-2 (tensors 0 .. 2i-3) landed; i and later not sent
             assert seen[i][:2 * (i - 1)] == [True] * (2 * (i - 1)), (i, seen[i])
             assert seen[i][2 * i:] == [False] * (8 - 2 * i), (i, seen[i])

@@ -16,6 +16,7 @@ its layers is seen to fail. Checked two ways, none by timing:
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -191,8 +192,10 @@ class TestLoop:
         for _ in range(2):
             run_loop(1, [layerwise.LayerJob(range(1), lambda i: None)],
                      lambda i: names.append(threading.get_ident()) or True)
-            with threads._cond:  # the thread files itself idle after the loop said done
-                assert threads._cond.wait_for(lambda: threads._idle == 1, WAIT)
+            deadline = time.monotonic() + WAIT  # it files itself idle after the loop's done()
+            while threads._idle != 1:
+                assert time.monotonic() < deadline, "the loop thread never went idle"
+                time.sleep(0.001)
         assert names[0] == names[1]
 
     def test_transfers_at_once_each_get_a_thread(self):
