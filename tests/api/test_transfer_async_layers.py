@@ -15,6 +15,7 @@ its layers is seen to fail. Checked two ways, none by timing:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -197,6 +198,25 @@ class TestLoop:
                 assert time.monotonic() < deadline, "the loop thread never went idle"
                 time.sleep(0.001)
         assert names[0] == names[1]
+
+    @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+    def test_a_forked_child_runs_its_own_loops(self):
+        """After fork the parent's idle loop threads do not exist in the child: a transfer
+        there starts its own thread instead of waiting for one that never comes."""
+        run_loop(1, [layerwise.LayerJob(range(1), lambda i: None)], lambda i: True)
+        deadline = time.monotonic() + WAIT  # the parent's loop thread is idle now
+        while layerwise._THREADS._idle < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 once its transfer ended, 1 if it never did
+            ended = threading.Event()
+            layerwise.LayerwiseTransfer(1, lambda i: True,
+                                        [layerwise.LayerJob(range(1), lambda i: None)],
+                                        lambda k, c: None, ended.set).start()
+            os._exit(0 if ended.wait(WAIT) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
     def test_transfers_at_once_each_get_a_thread(self):
         """Two transfers whose synchronizers block each other's progress: each runs on its own

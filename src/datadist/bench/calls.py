@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from datadist.bench.harness import (
     OWNER_ID,
     SMALL_CACHE_BLOCKS,
     U64,
+    BenchError,
     Row,
     at_most,
     check_pattern,
@@ -104,11 +106,11 @@ def _async_rows(ctx: Context, p: Puller, where: str) -> list[Row]:
         f"{key}_async_layers", title, LAYERS * LAYER_BYTES, p.mechanism(), f,
         f"one pull_blocks of all {LAYERS} layers", lim, ASYNC_LAYERS_GOAL)]
     blocks = list(range(LAYER_BLOCKS))
-    cm = p.dd.cache_manager
+    cm, cache = p.dd.cache_manager, _layers_cache(p)
     owner_layers = p.ll.BlocksCacheKey(OWNER_ID, LAYERS_MODEL)
 
     def push_all() -> None:
-        cm.push_blocks(owner_layers, p.layers, blocks, blocks)
+        cm.push_blocks(owner_layers, cache, blocks, blocks)
 
     push_all()
     ctx.progress.set_label(f"{where}: transfer_cache_async against one push")
@@ -130,12 +132,12 @@ def _ahead_row(ctx: Context, p: Puller, where: str) -> Row:
     back)."""
     layers = ctx.bufs["layers"]
     blocks = list(range(LAYER_BLOCKS))
-    cm = p.dd.cache_manager
+    cm, cache = p.dd.cache_manager, _layers_cache(p)
     owner_layers = p.ll.BlocksCacheKey(OWNER_ID, LAYERS_MODEL)
     ranges = [range(i, i + 1) for i in range(LAYERS)]
 
     def ahead() -> None:
-        handles = [cm.pull_blocks_async(owner_layers, p.layers, blocks, blocks,
+        handles = [cm.pull_blocks_async(owner_layers, cache, blocks, blocks,
                                         src_layer_range=r, dst_layer_range=r) for r in ranges]
         for h in handles:
             h.wait()
@@ -150,6 +152,13 @@ def _ahead_row(ctx: Context, p: Puller, where: str) -> Row:
         f"{key}_pull_ahead", f"{LAYERS} pull_blocks_async of {LAYER_BYTES >> 20} MiB issued "
         f"ahead, {where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
         f"one pull_blocks of all {LAYERS} layers", lim, ASYNC_LAYERS_GOAL)
+
+
+def _layers_cache(p: Puller) -> Any:
+    """The puller's layers cache (the run's buffers have one for these rows)."""
+    if p.layers is None:
+        raise BenchError("no layers cache: the run's buffers have no 'layers'")
+    return p.layers
 
 
 def _few_blocks_rows(ctx: Context, p: Puller) -> list[Row]:

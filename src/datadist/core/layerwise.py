@@ -17,8 +17,8 @@ Rules:
    exception from it aborts them with the task's default error. Jobs not needing the layer
    go on.
 2. A job that fails to send a layer stops there with the error's code: no later layer of it
-   is issued once the failure is seen (layers already in flight, at most ``DEPTH`` of them,
-   end as they end and change nothing); the others go on.
+   is issued once the failure is seen (at most ``DEPTH - 1`` later layers can have been
+   issued before that; they end as they end and change nothing); the others go on.
 3. Outcomes are settled in layer order: a job's code is that of its first failing layer in
    layer order (an earlier layer still in flight is waited for before a later failure is
    reported), and SUCCESS once its last layer and every one before it ended well. A job
@@ -36,6 +36,7 @@ layer's spans are the same for every layer, so they are computed once per destin
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -69,10 +70,11 @@ class Pending(Protocol):
 
 
 class _Ended:
-    """An outcome known when the layer was issued (a refusal, a synchronizer's answer)."""
+    """An outcome known when the layer was issued: success, or the error that refused it (a
+    refusal of the engine's, a synchronizer's answer)."""
 
-    def __init__(self, code: Code) -> None:
-        self.code = code
+    def __init__(self, error: DatadistError | None = None) -> None:
+        self._error = error
 
     def done(self) -> bool:
         return True
@@ -81,7 +83,7 @@ class _Ended:
         return True
 
     def error(self) -> DatadistError | None:
-        return None if self.code == Code.SUCCESS else DatadistError("", code=self.code)
+        return self._error
 
 
 class _All:
@@ -158,7 +160,16 @@ class _LoopThreads:
                 fn = self._work.popleft()
 
 
+    def forked(self) -> None:
+        """In a child after fork: the parent's loop threads do not exist here."""
+        self._cond = threading.Condition()
+        self._work.clear()
+        self._idle = 0
+
+
 _THREADS = _LoopThreads()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _THREADS.forked())
 
 
 class LayerwiseTransfer:
@@ -228,9 +239,10 @@ class LayerwiseTransfer:
             if not ready:
                 log.warning("layer %d was not synchronized: %d destination(s) aborted",
                             layer, len(needing))
+                refused = DatadistError(f"layer {layer} was not synchronized", code=code)
                 for k in needing:
                     self._issuing[k] = False
-                    issued.append((k, _Ended(code)))
+                    issued.append((k, _Ended(refused)))
             else:
                 for k in needing:
                     issued.append((k, self._issue(k, layer)))
@@ -239,16 +251,15 @@ class LayerwiseTransfer:
     def _issue(self, k: int, layer: int) -> Pending:
         try:
             got = self._jobs[k].send(layer)
-        except DatadistError as e:
-            log.warning("sending layer %d to destination %d failed: %s", layer, k, e)
+        except DatadistError as e:  # logged when settled, in layer order
             self._issuing[k] = False
-            return _Ended(e.code)
-        except Exception:  # a bug; keep the other destinations going
+            return _Ended(e)
+        except Exception as e:  # a bug; keep the other destinations going
             log.exception("sending layer %d to destination %d failed", layer, k)
             self._issuing[k] = False
-            return _Ended(Code.FAILED)
+            return _Ended(DatadistError(f"{type(e).__name__}: {e}", code=Code.FAILED))
         if got is None:
-            return _Ended(Code.SUCCESS)
+            return _Ended()
         if isinstance(got, Sequence):
             return _All(got)
         return got
