@@ -352,3 +352,27 @@ class TestThroughTheFacade:
         units(want, 2)[:, [1, 0]] = units(a, 2)[:, [0, 1]]
         np.testing.assert_array_equal(b, want)
         np.testing.assert_array_equal(c, want)
+
+    def test_a_layer_issued_in_part_is_waited_for(self, pair):
+        """Raw addresses send K and V apart: when V's push is refused after K's went out, the
+        destination reports the refusal, and K's push is still waited for (its hold on the
+        source cache let go: no handle left behind)."""
+        p, d = pair
+        src, a = p.register(4, [1, 64], seed=24)
+        _, b = d.register(4, [1, 64])
+        real = p.engine.push_async
+        calls = []
+
+        def push_async(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise NotLinked("refused after the first tensor went out")
+            return real(*args, **kwargs)
+
+        p.engine.push_async = push_async
+        task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+            DECODER_ID, [int(b[t].ctypes.data) for t in range(4)])])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_NOT_YET_LINK]
+        np.testing.assert_array_equal(b[0], a[0])  # K of layer 0 went out
+        assert not b[1:].any()
+        assert not p.engine._handles

@@ -61,7 +61,7 @@ from datadist.api.types import (
     check_layer_range,
 )
 from datadist.core import layerwise
-from datadist.core.errors import Code
+from datadist.core.errors import Code, DatadistError
 from datadist.core.keys import KeyKind, KeyRef
 from datadist.core.layout import Geometry, checked_add
 from datadist.core.native import NativeEngine, NativeHandle
@@ -215,13 +215,22 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
                 checked_add(sp.remote_offsets, sp.lengths, a, "dst address")
         ref = KeyRef(KeyKind.ADDRESS)
 
-        def send_addresses(i: int) -> list[NativeHandle]:
-            # each tensor has its own destination address: one push each, both issued
+        def send_addresses(i: int) -> list[layerwise.Pending]:
+            # each tensor has its own destination address: one push each, all issued; one
+            # refused after another went out is returned as its error beside it, so that the
+            # loop still waits for the one in flight
             k = i - layers.start
-            return [engine.push_async(cluster, ref, 0,
-                                      sp.plan([0], [i * n + t], remote_base=addrs[k * n + t]),
-                                      cache_id)
-                    for t in range(n)]
+            plans = [sp.plan([0], [i * n + t], remote_base=addrs[k * n + t]) for t in range(n)]
+            issued: list[layerwise.Pending] = []
+            for plan in plans:
+                try:
+                    issued.append(engine.push_async(cluster, ref, 0, plan, cache_id))
+                except DatadistError as e:
+                    if not issued:
+                        raise
+                    issued.append(layerwise.Ended(e))
+                    break
+            return issued
 
         return layerwise.LayerJob(layers, send_addresses)
 

@@ -69,9 +69,10 @@ class Pending(Protocol):
     def error(self) -> DatadistError | None: ...  # once ended
 
 
-class _Ended:
+class Ended:
     """An outcome known when the layer was issued: success, or the error that refused it (a
-    refusal of the engine's, a synchronizer's answer)."""
+    refusal of the engine's, a synchronizer's answer). A job's ``send`` may return one among
+    the parts of a layer it could issue only in part."""
 
     def __init__(self, error: DatadistError | None = None) -> None:
         self._error = error
@@ -242,7 +243,7 @@ class LayerwiseTransfer:
                 refused = DatadistError(f"layer {layer} was not synchronized", code=code)
                 for k in needing:
                     self._issuing[k] = False
-                    issued.append((k, _Ended(refused)))
+                    issued.append((k, Ended(refused)))
             else:
                 for k in needing:
                     issued.append((k, self._issue(k, layer)))
@@ -253,16 +254,17 @@ class LayerwiseTransfer:
             got = self._jobs[k].send(layer)
         except DatadistError as e:  # logged when settled, in layer order
             self._issuing[k] = False
-            return _Ended(e)
+            return Ended(e)
         except Exception as e:  # a bug; keep the other destinations going
             log.exception("sending layer %d to destination %d failed", layer, k)
             self._issuing[k] = False
-            return _Ended(DatadistError(f"{type(e).__name__}: {e}", code=Code.FAILED))
+            return Ended(DatadistError(f"{type(e).__name__}: {e}", code=Code.FAILED))
         if got is None:
-            return _Ended()
-        if isinstance(got, Sequence):
-            return _All(got)
-        return got
+            return Ended()
+        parts = list(got) if isinstance(got, Sequence) else [got]
+        if any(p.done() and p.error() is not None for p in parts):
+            self._issuing[k] = False  # refused in part, or failed at once: no later layer
+        return _All(parts) if len(parts) != 1 else parts[0]
 
     def _reap(self) -> None:
         """Settles the oldest issued layers that have ended, never blocking."""
@@ -381,5 +383,5 @@ def slot_to_blocks_spans(src: Geometry, src_unit: int, dst_blocks: np.ndarray,
                   starts + np.uint64(src_unit * stride), lengths)
 
 
-__all__ = ["DEPTH", "LayerJob", "LayerSpans", "LayerwiseTransfer", "Pending", "blocks_spans",
-           "slot_spans", "slot_to_blocks_spans"]
+__all__ = ["DEPTH", "Ended", "LayerJob", "LayerSpans", "LayerwiseTransfer", "Pending",
+           "blocks_spans", "slot_spans", "slot_to_blocks_spans"]
