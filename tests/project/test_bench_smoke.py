@@ -28,6 +28,8 @@ ROWS = {
     "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "same_host_small_p99": "us",
     "same_host_small_new": "us",
     "same_host_async_layers": "GB/s", "tcp_async_layers": "GB/s",
+    "same_host_async_layers_push": "GB/s", "tcp_async_layers_push": "GB/s",
+    "same_host_pull_ahead": "GB/s", "tcp_pull_ahead": "GB/s",
     # the busy interpreter (bench/busy.py): Python work in the owner, then in the puller
     **{f"busy_{side}_{path}_{what}": unit for side in ("owner", "puller")
        for path in ("same_host", "tcp")

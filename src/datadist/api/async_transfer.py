@@ -2,8 +2,10 @@
 ``KvCacheManager``.
 
 Who calls: those facades. Everything is checked here, synchronously (TypeError, ValueError,
-LLMException PARAM_INVALID), before the transfer thread starts; after that, failures are
-codes in the returned :class:`CacheTask`, one per transfer config.
+LLMException PARAM_INVALID), before the layer loop starts (``core/layerwise.py``: each
+layer's push issued to the core's workers as soon as the layer is synchronized); after that,
+failures are codes in the returned :class:`CacheTask`, one per transfer config. Returns at
+once; never blocks on a transfer.
 
 Destinations:
 
@@ -59,12 +61,13 @@ from datadist.api.types import (
     check_layer_range,
 )
 from datadist.core import layerwise
-from datadist.core.errors import Code
+from datadist.core.errors import Code, DatadistError
 from datadist.core.keys import KeyKind, KeyRef
 from datadist.core.layout import Geometry, checked_add
-from datadist.core.native import NativeEngine
+from datadist.core.native import NativeEngine, NativeHandle
 
 TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
+WAIT_GRACE = 5.0  # s past an issued layer's own deadline that its end is waited for
 _U64 = 2**64 - 1
 
 
@@ -157,6 +160,9 @@ def start_transfer(
         lambda k, code: task._set(k, LLMStatusCode(int(code))),
         task._finish,
         sync_error=Code(int(default_error)),
+        # each issued layer ends by its own deadline (sync_kv_timeout from its issue, in the
+        # core); waited for a little longer, then TIMEOUT, should the core not end it
+        wait_s=engine.config.sync_timeout + WAIT_GRACE,
     ).start()
     return task
 
@@ -209,11 +215,22 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
                 checked_add(sp.remote_offsets, sp.lengths, a, "dst address")
         ref = KeyRef(KeyKind.ADDRESS)
 
-        def send_addresses(i: int) -> None:
+        def send_addresses(i: int) -> list[layerwise.Pending]:
+            # each tensor has its own destination address: one push each, all issued; one
+            # refused after another went out is returned as its error beside it, so that the
+            # loop still waits for the one in flight
             k = i - layers.start
-            for t in range(n):
-                plan = sp.plan([0], [i * n + t], remote_base=addrs[k * n + t])
-                engine.push(cluster, ref, 0, plan, cache_id)
+            plans = [sp.plan([0], [i * n + t], remote_base=addrs[k * n + t]) for t in range(n)]
+            issued: list[layerwise.Pending] = []
+            for plan in plans:
+                try:
+                    issued.append(engine.push_async(cluster, ref, 0, plan, cache_id))
+                except DatadistError as e:
+                    if not issued:
+                        raise
+                    issued.append(layerwise.Ended(e))
+                    break
+            return issued
 
         return layerwise.LayerJob(layers, send_addresses)
 
@@ -247,12 +264,13 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
     spans_key = ("async", geo, src_unit, _exact(src_blocks), _exact(dst_blocks), dbb)
     blocks = src_blocks if src_blocks is not None else dst_blocks
 
-    def send_by_key(i: int) -> None:
+    def send_by_key(i: int) -> NativeHandle:
         j = dst_start + (i - layers.start)
         remote, local = tuple(j * n + t for t in range(n)), tuple(i * n + t for t in range(n))
         plan = prepared_plan(spans_key + (remote, local), lambda: sp.plan(remote, local),
                              blocks)
-        engine.push(cluster, ref, unit_bytes, plan, cache_id)
+        # issued: the loop synchronizes the next layer while this one moves
+        return engine.push_async(cluster, ref, unit_bytes, plan, cache_id)
 
     return layerwise.LayerJob(layers, send_by_key)
 

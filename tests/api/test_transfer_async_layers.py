@@ -1,0 +1,378 @@
+"""``transfer_cache_async``'s layer loop: layers issued ahead, outcomes settled in layer order.
+
+The loop (``datadist.core.layerwise``) issues each layer as soon as it is synchronized and
+goes on to synchronize the next one while it moves; it waits for layer i - DEPTH before it
+synchronizes layer i, settles outcomes in layer order, and stops a destination once one of
+its layers is seen to fail. Checked two ways, none by timing:
+
+* the loop alone, with transfers the test ends by hand (``Gate``): what was in flight when
+  each layer was awaited, which code a destination reports when two of its layers fail,
+  a transfer that never ends (the deadline);
+* through the facade on two engines in this process (``pair`` / ``ra_pair``), with the
+  engine's issued pushes watched: a layer's push is issued before the next layer is awaited
+  and not waited for until two layers later; a failing layer stops the later ones.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import datadist as llm
+from datadist.core import layerwise
+from datadist.core.errors import Code, DatadistError, NotLinked, Timeout
+
+from ._support import DECODER_ID, units
+
+pytestmark = pytest.mark.timeout(30)
+
+S = llm.LLMStatusCode
+WAIT = 5.0  # s, every wait of these tests
+
+
+class Gate:
+    """An issued transfer the test ends: ``end(code)`` once; records whether (and when, in
+    the loop's log) the loop waited on it."""
+
+    def __init__(self, layer: int, log: list[tuple[str, int]],
+                 end_on_wait: DatadistError | None = None) -> None:
+        self.layer = layer
+        self._ended = threading.Event()
+        self._error: DatadistError | None = None
+        self._log = log
+        self._end_on_wait = end_on_wait  # ends (with this error) once the loop waits on it
+
+    def end(self, error: DatadistError | None = None) -> None:
+        self._error = error
+        self._ended.set()
+
+    def done(self) -> bool:
+        return self._ended.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        self._log.append(("wait", self.layer))
+        if self._end_on_wait is not None:
+            self.end(self._end_on_wait)
+        return self._ended.wait(timeout_s)
+
+    def error(self) -> DatadistError | None:
+        return self._error
+
+
+def run_loop(num_layers: int, jobs: list[layerwise.LayerJob], synchronize,
+             wait_s: float | None = WAIT) -> dict[int, Code]:
+    reports: dict[int, Code] = {}
+    order: list[int] = []
+    finished = threading.Event()
+
+    def report(k: int, c: Code) -> None:
+        assert k not in reports, f"destination {k} reported twice"
+        reports[k] = c
+        order.append(k)
+
+    layerwise.LayerwiseTransfer(num_layers, synchronize, jobs, report, finished.set,
+                                wait_s=wait_s).start()
+    assert finished.wait(WAIT), "the loop never ended"
+    return reports
+
+
+class TestLoop:
+    def test_a_layer_moves_while_the_next_is_awaited(self):
+        """At synchronize(i), layer i-1 is issued and still moving (the test ends it only
+        then), every earlier layer has ended, and the loop has waited on none but i-2."""
+        n = 6
+        log: list[tuple[str, int]] = []
+        gates = [Gate(i, log) for i in range(n)]
+        seen: dict[int, tuple[list[int], list[int]]] = {}
+
+        def synchronize(i: int) -> bool:
+            moving = [g.layer for g in gates if g in issued and not g.done()]
+            seen[i] = (moving, [layer for what, layer in log if what == "wait"])
+            if i >= 1:
+                gates[i - 1].end()  # layer i-1 ends once layer i is awaited
+            if i == n - 1:
+                gates[i].end()
+            return True
+
+        issued: list[Gate] = []
+
+        def send(i: int) -> Gate:
+            issued.append(gates[i])
+            return gates[i]
+
+        reports = run_loop(n, [layerwise.LayerJob(range(n), send)], synchronize)
+        assert reports == {0: Code.SUCCESS}
+        for i in range(n):
+            moving, waited = seen[i]
+            assert moving == ([i - 1] if i else []), (i, moving)
+            # a layer is waited on (if at all: done() is asked first) only once two later
+            # layers were issued
+            assert all(layer <= i - layerwise.DEPTH for layer in waited), (i, waited)
+
+    def test_outcomes_are_settled_in_layer_order(self):
+        """Layer 2 fails at once, layer 1 (issued before it) fails later: the destination
+        reports layer 1's code. Layer 3 was not sent to it (layer 1's failure was seen before
+        layer 3 was issued), and a second destination goes on to its end."""
+        log: list[tuple[str, int]] = []
+        gates = {0: Gate(0, log), 1: Gate(1, log, end_on_wait=Timeout("too late")),
+                 2: Gate(2, log)}
+        gates[0].end()
+        gates[2].end(NotLinked("gone"))
+        sent: list[tuple[int, int]] = []
+        synced: list[int] = []
+
+        def send_a(i: int) -> Gate:
+            sent.append((0, i))
+            return gates[i]
+
+        def send_b(i: int) -> None:
+            sent.append((1, i))
+
+        reports = run_loop(5, [layerwise.LayerJob(range(5), send_a),
+                               layerwise.LayerJob(range(5), send_b)],
+                           lambda i: synced.append(i) or True)
+        assert reports == {0: Code.TIMEOUT, 1: Code.SUCCESS}
+        assert [i for k, i in sent if k == 0] == [0, 1, 2]
+        assert [i for k, i in sent if k == 1] == [0, 1, 2, 3, 4]
+        assert synced == [0, 1, 2, 3, 4]
+        assert ("wait", 1) in log and ("wait", 2) not in log
+
+    def test_a_failure_seen_stops_the_destination(self):
+        """Layer 0 failed and ended at once: layer 1 (synchronized before the loop looked)
+        may go out, layer 2 is neither synchronized nor sent for that destination."""
+        sent: list[int] = []
+        synced: list[int] = []
+        log: list[tuple[str, int]] = []
+
+        def send(i: int) -> Gate:
+            sent.append(i)
+            g = Gate(i, log)
+            g.end(NotLinked("gone") if i == 0 else None)
+            return g
+
+        reports = run_loop(4, [layerwise.LayerJob(range(4), send)],
+                           lambda i: synced.append(i) or True)
+        assert reports == {0: Code.NOT_YET_LINK}
+        assert sent == synced == [0]  # ended before layer 1 was looked at: seen then
+
+    def test_a_synchronizer_refusal_waits_for_earlier_layers(self):
+        """synchronize(1) says False while layer 0 is moving; layer 0 then fails: its code is
+        the destination's (layer order), not the refusal's PARAM_INVALID."""
+        log: list[tuple[str, int]] = []
+        g0 = Gate(0, log)
+
+        def synchronize(i: int) -> bool:
+            if i == 1:
+                g0.end(NotLinked("gone"))  # after this call returns, in the loop's eyes
+                return False
+            return True
+
+        reports = run_loop(3, [layerwise.LayerJob(range(3), lambda i: g0)], synchronize)
+        assert reports == {0: Code.NOT_YET_LINK}
+
+    def test_a_transfer_that_never_ends_is_a_timeout(self):
+        """The deadline: an issued layer not ended within wait_s is TIMEOUT, and the loop ends
+        (it does not wait for ever on a transfer the core failed to end)."""
+        log: list[tuple[str, int]] = []
+        stuck = Gate(0, log)
+        reports = run_loop(2, [layerwise.LayerJob(range(2), lambda i: stuck if i == 0 else None)],
+                           lambda i: True, wait_s=0.05)
+        assert reports == {0: Code.TIMEOUT}
+        assert ("wait", 0) in log
+
+    def test_loop_threads_are_reused(self, monkeypatch):
+        """A transfer does not start a thread when one is idle: two transfers in a row run on
+        the same loop thread."""
+        threads = layerwise._LoopThreads()
+        monkeypatch.setattr(layerwise, "_THREADS", threads)
+        names: list[int] = []
+        for _ in range(2):
+            run_loop(1, [layerwise.LayerJob(range(1), lambda i: None)],
+                     lambda i: names.append(threading.get_ident()) or True)
+            deadline = time.monotonic() + WAIT  # it files itself idle after the loop's done()
+            while threads._idle != 1:
+                assert time.monotonic() < deadline, "the loop thread never went idle"
+                time.sleep(0.001)
+        assert names[0] == names[1]
+
+    @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+    def test_a_forked_child_runs_its_own_loops(self):
+        """After fork the parent's idle loop threads do not exist in the child: a transfer
+        there starts its own thread instead of waiting for one that never comes."""
+        run_loop(1, [layerwise.LayerJob(range(1), lambda i: None)], lambda i: True)
+        deadline = time.monotonic() + WAIT  # the parent's loop thread is idle now
+        while layerwise._THREADS._idle < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 once its transfer ended, 1 if it never did
+            ended = threading.Event()
+            layerwise.LayerwiseTransfer(1, lambda i: True,
+                                        [layerwise.LayerJob(range(1), lambda i: None)],
+                                        lambda k, c: None, ended.set).start()
+            os._exit(0 if ended.wait(WAIT) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+    def test_transfers_at_once_each_get_a_thread(self):
+        """Two transfers whose synchronizers block each other's progress: each runs on its own
+        loop thread (the second does not queue behind the first)."""
+        first_waiting, release = threading.Event(), threading.Event()
+        done = [threading.Event(), threading.Event()]
+
+        def blocked(i: int) -> bool:
+            first_waiting.set()
+            return release.wait(WAIT)
+
+        layerwise.LayerwiseTransfer(1, blocked, [layerwise.LayerJob(range(1), lambda i: None)],
+                                    lambda k, c: None, done[0].set).start()
+        assert first_waiting.wait(WAIT)
+        layerwise.LayerwiseTransfer(1, lambda i: True,
+                                    [layerwise.LayerJob(range(1), lambda i: None)],
+                                    lambda k, c: None, done[1].set).start()
+        assert done[1].wait(WAIT)  # while the first is still blocked
+        assert not done[0].is_set()
+        release.set()
+        assert done[0].wait(WAIT)
+
+
+# ============================================================================ through the facade
+
+
+class Watched:
+    """Wraps an engine's push_async: each issued push's handle records waits on it."""
+
+    def __init__(self, engine, log: list[tuple[str, int]]) -> None:
+        self.issued: list[object] = []
+        self._real = engine.push_async
+        self._log = log
+        engine.push_async = self.push_async
+
+    def push_async(self, *args, **kwargs):
+        handle = self._real(*args, **kwargs)
+        n = len(self.issued)
+        log = self._log
+        real_wait = handle.wait
+
+        def wait(timeout_s=None):
+            log.append(("wait", n))
+            return real_wait(timeout_s)
+
+        handle.wait = wait
+        self.issued.append(handle)
+        return handle
+
+
+class Sync(llm.LayerSynchronizer):
+    def __init__(self, hook=None):
+        self.calls: list[int] = []
+        self.hook = hook
+
+    def synchronize_layer(self, layer_index, timeout_in_millis):
+        self.calls.append(layer_index)
+        if self.hook is not None:
+            self.hook(layer_index)
+        return True
+
+
+class TestThroughTheFacade:
+    def test_each_layer_is_issued_before_the_next_is_awaited(self, ra_pair):
+        """Blocks by key, 8 layers: at synchronize(i), layer i-1's push was issued (one push
+        per layer) and the loop has waited on no layer after i-2; every byte lands."""
+        p, d = ra_pair
+        src, a = p.register(16, [4, 64], blocks=True, seed=21)
+        _, b = d.register(16, [4, 64], blocks=True, model_id=3)
+        log: list[tuple[str, int]] = []
+        watched = Watched(p.engine, log)
+        seen: dict[int, tuple[int, list[int]]] = {}
+        sync = Sync(hook=lambda i: seen.__setitem__(
+            i, (len(watched.issued), [n for what, n in log if what == "wait"])))
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 3), range(8),
+                                             range(8))
+        task = p.cm.transfer_cache_async(src, sync, [cfg], [0, 1, 2, 3], [3, 2, 1, 0])
+        assert task.synchronize(int(WAIT * 1000)) == S.LLM_SUCCESS
+        assert sync.calls == list(range(8))
+        for i in range(8):
+            issued, waited = seen[i]
+            assert issued == i, (i, issued)  # layers 0..i-1 issued, layer i not yet
+            assert all(n <= i - layerwise.DEPTH for n in waited), (i, waited)
+        want = np.zeros_like(b)
+        units(want, 4)[:, [3, 2, 1, 0]] = units(a, 4)[:, [0, 1, 2, 3]]
+        np.testing.assert_array_equal(b, want)
+        assert not p.engine._handles  # every issued push seen to end: no cache held
+
+    def test_a_failing_layer_stops_the_later_ones(self, pair):
+        """Raw addresses, 6 layers; layer 1's point outside every registered cache. The
+        destination reports PARAM_INVALID; layer 0 landed; layer 1 did not; layers 3 to 5
+        were neither awaited nor sent (layer 1's failure was seen before layer 3 at the
+        latest: the loop waits for layer i - 2 before awaiting layer i)."""
+        p, d = pair
+        src, a = p.register(12, [1, 64], seed=22)
+        _, b = d.register(12, [1, 64])
+        scratch = np.zeros(4096, np.uint8)
+        dst = [int(b[t].ctypes.data) for t in range(12)]
+        dst[2] = dst[3] = int(scratch.ctypes.data)  # layer 1's K and V
+        sync = Sync()
+        task = p.cm.transfer_cache_async(src, sync, [llm.TransferConfig(DECODER_ID, dst)])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_PARAM_INVALID]
+        # layer 2 was awaited (and sent) only if layer 1's failure was not seen by then
+        assert sync.calls in ([0, 1], [0, 1, 2])
+        np.testing.assert_array_equal(b[:2], a[:2])
+        assert not scratch.any() and not b[2:4].any()
+        if sync.calls == [0, 1]:
+            assert not b[4:6].any()
+        assert not b[6:].any()
+        assert not p.engine._handles
+
+    def test_several_destinations_in_flight(self, ra_pair, make_side):
+        """Two destinations, 4 layers: both get each layer's push issued before the next
+        layer is awaited; the unlinked third reports NOT_YET_LINK and the others succeed."""
+        p, d = ra_pair
+        src, a = p.register(8, [2, 32], blocks=True, seed=23)
+        _, b = d.register(8, [2, 32], blocks=True, model_id=4)
+        _, c = d.register(8, [2, 32], blocks=True, model_id=5)
+        log: list[tuple[str, int]] = []
+        watched = Watched(p.engine, log)
+        seen: dict[int, int] = {}
+        sync = Sync(hook=lambda i: seen.__setitem__(i, len(watched.issued)))
+        cfgs = [llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 4), range(4),
+                                               range(4)),
+                llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(77, 4), range(4), range(4)),
+                llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 5), range(4),
+                                               range(4))]
+        task = p.cm.transfer_cache_async(src, sync, cfgs, [0, 1], [1, 0])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_SUCCESS, S.LLM_NOT_YET_LINK,
+                                                      S.LLM_SUCCESS]
+        assert seen[1] >= 2  # layer 0 to both linked destinations before layer 1 is awaited
+        want = np.zeros_like(b)
+        units(want, 2)[:, [1, 0]] = units(a, 2)[:, [0, 1]]
+        np.testing.assert_array_equal(b, want)
+        np.testing.assert_array_equal(c, want)
+
+    def test_a_layer_issued_in_part_is_waited_for(self, pair):
+        """Raw addresses send K and V apart: when V's push is refused after K's went out, the
+        destination reports the refusal, and K's push is still waited for (its hold on the
+        source cache let go: no handle left behind)."""
+        p, d = pair
+        src, a = p.register(4, [1, 64], seed=24)
+        _, b = d.register(4, [1, 64])
+        real = p.engine.push_async
+        calls = []
+
+        def push_async(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise NotLinked("refused after the first tensor went out")
+            return real(*args, **kwargs)
+
+        p.engine.push_async = push_async
+        task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+            DECODER_ID, [int(b[t].ctypes.data) for t in range(4)])])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_NOT_YET_LINK]
+        np.testing.assert_array_equal(b[0], a[0])  # K of layer 0 went out
+        assert not b[1:].any()
+        assert not p.engine._handles
