@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +45,13 @@ from datadist.integrations.vllm.settings import (
     Settings,
     WorkerAddress,
 )
+
+if TYPE_CHECKING:
+    from datadist.integrations.vllm.layerwise import (
+        LayerwiseConsumer,
+        LayerwiseProducer,
+        LayerwiseRecvTask,
+    )
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -237,6 +245,9 @@ class DatadistWorker:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self.address: WorkerAddress | None = None
+        # Layer-wise mode (settings.mode == "layerwise", layerwise.py); None in pull mode.
+        self.lw_producer: LayerwiseProducer | None = None
+        self.lw_consumer: LayerwiseConsumer | None = None
 
     def __repr__(self) -> str:
         state = "started" if self._dd is not None else "not started"
@@ -281,6 +292,24 @@ class DatadistWorker:
             self.close()
             raise
         self._layout = layout
+        if self.settings.mode == "layerwise":
+            from datadist.integrations.vllm.layerwise import (
+                LayerwiseConsumer,
+                LayerwiseProducer,
+            )
+
+            try:
+                if self.producer:
+                    self.lw_producer = LayerwiseProducer(
+                        dd, self._kv, layout.tensors_per_layer, layout.num_layers,
+                        self.settings, self.cluster_id)
+                if self.consumer:
+                    self.lw_consumer = LayerwiseConsumer(
+                        dd, self.settings, self.cluster_id, self._linker, MAX_PULLS,
+                        self._block_bytes(), self._received)
+            except Exception:
+                self.close()
+                raise
         if self.producer:
             listen = dd.listen_address
             assert listen is not None
@@ -310,9 +339,10 @@ class DatadistWorker:
 
     def poll_sent(self) -> set[str]:
         """Requests whose blocks may be freed now: a decoder pushed DONE, or the abort
-        timeout passed. Their slots are cleared first (Rule 1 of mailbox.py)."""
+        timeout passed. Their slots are cleared first (Rule 1 of mailbox.py). Layer-wise:
+        every push of the request ended (or failed) and vLLM finished it."""
         now = time.monotonic()
-        out: set[str] = set()
+        out: set[str] = set() if self.lw_producer is None else self.lw_producer.poll()
         for rid, (slot, tag, deadline) in list(self._held.items()):
             if self._mailbox.is_done(slot, tag):
                 self.stats.sent_notified += 1
@@ -335,6 +365,31 @@ class DatadistWorker:
         ``start``."""
         return None if self._dd is None else self._dd.engine
 
+    def submit_layerwise(self, tasks: list[LayerwiseRecvTask]) -> None:
+        """Queue layer-wise receives (decode side); their outcome shows in ``poll_recv``.
+        Never blocks; a task in pull mode fails in the next ``poll_recv``."""
+        if self.lw_consumer is None:
+            self._failed.update(t.request_id for t in tasks)
+            logger.warning("datadist: layer-wise requests %s refused: this decoder runs in "
+                           "mode %r", [t.request_id for t in tasks], self.settings.mode)
+            return
+        self.lw_consumer.submit(tasks, self.rank)
+
+    def _received(self, task: LayerwiseRecvTask, seconds: float, cluster_id: int) -> None:
+        """A layer-wise request's every layer landed: count it and run the hook."""
+        assert self._layout is not None
+        n = len(task.local_block_ids)
+        nbytes = n * self._layout.num_layers * self._block_bytes()
+        self.stats.requests_pulled += 1
+        self.stats.blocks_pulled += n
+        self.stats.bytes_pulled += nbytes
+        self.stats.pull_seconds.append(seconds)
+        logger.info("datadist: received request %s layer by layer (%s): %d blocks, %d bytes "
+                    "from cluster %d, DONE %.2f ms after the plan was sent", task.request_id,
+                    task.remote.request_id, n, nbytes, cluster_id, seconds * 1e3)
+        if self.on_pulled is not None:
+            self.on_pulled(task)  # type: ignore[arg-type]
+
     def submit(self, tasks: list[RecvTask]) -> None:
         """Queue pulls; their outcome shows in ``poll_recv`` of a later step. Never blocks:
         the transfers are issued by ``poll_recv``; a producer not linked yet starts being
@@ -349,7 +404,9 @@ class DatadistWorker:
     def active(self) -> bool:
         """Whether datadist has work in this process now or soon: requests held for
         decoders (whose pulls this process serves) or pulls queued or in flight."""
-        return bool(self._held) or bool(self._pulls) or bool(self._waiting)
+        return (bool(self._held) or bool(self._pulls) or bool(self._waiting)
+                or (self.lw_producer is not None and self.lw_producer.active)
+                or (self.lw_consumer is not None and self.lw_consumer.active))
 
     def poll_recv(self) -> tuple[set[str], set[str]]:
         """(requests finished receiving, the subset that failed) since the last call.
@@ -372,6 +429,10 @@ class DatadistWorker:
                     break
         done, failed = self._done, self._failed
         self._done, self._failed = set(), set()
+        if self.lw_consumer is not None:
+            lw_done, lw_failed = self.lw_consumer.poll()
+            done |= lw_done - lw_failed
+            failed |= lw_failed
         return done | failed, failed
 
     def _begin(self, task: RecvTask) -> None:
@@ -541,6 +602,8 @@ class DatadistWorker:
         """Finalize (which ends every transfer still in flight). Idempotent."""
         self._waiting.clear()
         self._pulls.clear()
+        if self.lw_consumer is not None:
+            self.lw_consumer.close()
         dd, self._dd = self._dd, None
         linker, self._linker = self._linker, None
         if linker is not None:
