@@ -39,9 +39,10 @@ def _kv(fill: float) -> tuple[list[np.ndarray], KvLayout]:
 
 
 def _prefill(addr_q, cmd_q, out_q, settings: dict) -> None:
-    """Commands: ("run", plan_first, chunks, ok): compute the prompt in ``chunks`` steps
-    (waiting first for the decoder's plan when ``plan_first``), end the request, report
-    (freed, pushed, layer of each step's pushes). "stop" ends."""
+    """Commands: ("run", plan_first, chunks, ok, saves): compute the prompt in ``chunks``
+    steps (waiting first for the decoder's plan when ``plan_first``; calling save_layer
+    after each layer when ``saves``), end the request, report (freed, requests pushed);
+    ("refuse",); "stop" ends."""
     arrs, layout = _kv(0.0)
     w = DatadistWorker(Settings(mode="layerwise", **settings), producer=True, consumer=False)
     w.start(layout)
@@ -59,7 +60,7 @@ def _prefill(addr_q, cmd_q, out_q, settings: dict) -> None:
                 w.poll_sent()
                 time.sleep(0.005)
             continue
-        _, plan_first, chunks, ok = cmd
+        _, plan_first, chunks, ok, saves = cmd
         if plan_first:
             deadline = time.monotonic() + 20
             while not any(bytes(lw.inbox[s, :16]) == bytes.fromhex(TAG)
@@ -76,7 +77,8 @@ def _prefill(addr_q, cmd_q, out_q, settings: dict) -> None:
                 # the model writes this step's tokens of the layer, then vLLM saves it
                 for t in range(done, done + n):
                     arrs[layer][SRC[t // BLOCK_SIZE], :, t % BLOCK_SIZE] = 1000 * layer + t
-                lw.save_layer(layer)
+                if saves:
+                    lw.save_layer(layer)
             lw.wait_for_save()
             w.poll_sent()
             done += n
@@ -153,15 +155,16 @@ def _check(arrs, local) -> None:
     assert all((a[others] == -1).all() for a in arrs)  # nothing else written
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_each_layer_is_pushed_into_the_decoders_blocks(prefill, chunks):
+@pytest.mark.parametrize(("chunks", "saves"), [(1, True), (3, True), (2, False)])
+def test_each_layer_is_pushed_into_the_decoders_blocks(prefill, chunks, saves):
     """The plan is in before the prefill computes: every step pushes each layer as it is
-    saved (chunked prefill: a block split across steps is pushed again, complete)."""
+    saved (chunked prefill: a block split across steps is pushed again, complete). Without
+    the saves (the step began after its layers ran), each step's blocks go at its end."""
     _, addr, cmd_q, out_q = prefill()
     w, arrs = _decoder()
     try:
         w.submit_layerwise([_task(addr)])
-        cmd_q.put(("run", True, chunks, True))
+        cmd_q.put(("run", True, chunks, True, saves))
         assert _wait(w) == ({"d1"}, set())
         _check(arrs, (1, 3, 5, 7, 9))
         assert out_q.get(timeout=30) == (["p1"], 1)
@@ -177,7 +180,7 @@ def test_a_plan_after_the_prefill_gets_every_layer_at_once(prefill):
     request): the producer pushes every layer then, and frees the blocks after DONE. A
     local prefix hit: only the prompt's last 2 blocks come."""
     _, addr, cmd_q, out_q = prefill()
-    cmd_q.put(("run", False, 1, True))
+    cmd_q.put(("run", False, 1, True, True))
     time.sleep(1.0)
     w, arrs = _decoder()
     try:
@@ -202,7 +205,7 @@ def test_a_decoder_that_gives_up_gets_no_push_after_it(prefill):
         assert _wait(w) == ({"d1"}, {"d1"})
         took = time.monotonic() - t0
         assert 0.5 + 0.5 <= took < 10, took  # the grace after the ABANDON landed
-        cmd_q.put(("run", True, 1, True))  # its plan is still there, ABANDONED
+        cmd_q.put(("run", True, 1, True, True))  # its plan is still there, ABANDONED
         assert out_q.get(timeout=30) == (["p1"], 0)
         assert all((a == -1).all() for a in arrs)
         cmd_q.put("stop")

@@ -87,7 +87,8 @@ class DatadistConnector(KVConnectorBase_V1):
         self._worker: DatadistWorker | None = None
         self._kv_tensors: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
-        self._pushing = False  # this step has layer-wise pushes (prefill worker)
+        # The step whose layer-wise requests the producer has (prefill worker).
+        self._pushing_meta: DatadistConnectorMetadata | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self.settings, engine_id=str(ktc.engine_id),
@@ -174,14 +175,21 @@ class DatadistConnector(KVConnectorBase_V1):
             self._worker.submit(step.recv)
         if step.lw_recv:
             self._worker.submit_layerwise(step.lw_recv)
-        lw = self._worker.lw_producer
-        if lw is not None:
-            for rid, ok in step.lw_release:
-                lw.release(rid, ok)
-            for tag in step.lw_refuse:
-                lw.refuse(tag)
-            lw.step(step.lw_steps)
-            self._pushing = bool(step.lw_steps)
+        self._begin_pushes(meta)
+
+    def _begin_pushes(self, meta: DatadistConnectorMetadata) -> None:
+        """Hand a step's layer-wise prefill requests to the producer, once per step: at the
+        first ``save_kv_layer`` (vLLM 0.32 calls ``start_load_kv`` after the forward when no
+        load is synchronous), else at ``start_load_kv``."""
+        lw = None if self._worker is None else self._worker.lw_producer
+        if lw is None or meta is self._pushing_meta:
+            return
+        self._pushing_meta = meta
+        for rid, ok in meta.step.lw_release:
+            lw.release(rid, ok)
+        for tag in meta.step.lw_refuse:
+            lw.refuse(tag)
+        lw.step(meta.step.lw_steps)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous in both modes: the request waits, no layer does
@@ -189,15 +197,17 @@ class DatadistConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         # Layer-wise prefill: push this layer of the step's planned requests (issued only).
-        if self._pushing:
-            assert self._worker is not None and self._worker.lw_producer is not None
+        if self._worker is None or self._worker.lw_producer is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DatadistConnectorMetadata)
+        self._begin_pushes(meta)
+        if meta.step.lw_steps:
             self._worker.lw_producer.save_layer(self._layer_index[layer_name])
 
     def wait_for_save(self) -> None:
-        if self._pushing:
-            assert self._worker is not None and self._worker.lw_producer is not None
+        if self._worker is not None and self._worker.lw_producer is not None:
             self._worker.lw_producer.wait_for_save()
-            self._pushing = False
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:

@@ -205,6 +205,7 @@ class _Send:
     t_last_save: float = 0.0
     pushes: int = 0
     report: bool = True  # a request vLLM delayed the free of (else: only a refused plan)
+    layers: int = 0  # layers pushed in this step
 
     @property
     def num_blocks(self) -> int:
@@ -264,6 +265,7 @@ class LayerwiseProducer:
             if s.plan is not None and s.state is _S.OPEN:
                 s.lo = max(s.pushed_upto, s.first)
                 s.hi = min(-(-s.computed // s.block_size), s.num_blocks)
+                s.layers = 0
                 if s.hi > s.lo:
                     self._step.append(s)
 
@@ -276,23 +278,20 @@ class LayerwiseProducer:
             if not self._planned(s):
                 continue
             assert s.plan is not None
-            off = s.first
-            try:
-                s.handles.append(self._dd.cache_manager.push_blocks_async(
-                    llm_datadist.BlocksCacheKey(s.plan.cluster_id, KV_MODEL_ID), self._kv,
-                    s.block_ids[s.lo:s.hi], s.plan.dst[s.lo - off:s.hi - off],
-                    src_layer_range=range(layer, layer + 1),
-                    dst_layer_range=range(layer, layer + 1),
-                    tensor_num_per_layer=self._tpl))
-                s.pushes += 1
-            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
-                self._fail(s, f"push of layer {layer} failed: {e}")
-            s.t_last_save = time.perf_counter()
+            self._push(s, s.lo, s.hi, layer)
+            s.layers += 1
 
     def wait_for_save(self) -> None:
         """Wait for this step's pushes (each bounded by its deadline); after the step that
-        computed a prompt's last token, push its DONE. Blocks for the last layer's push."""
+        computed a prompt's last token, push its DONE. Blocks for the last layer's push.
+        A request whose plan came after some of the step's layers were saved gets the
+        step's blocks of every layer in one push now, and its DONE from ``poll``."""
         for s in self._step:
+            if s.state is _S.OPEN and s.layers < self._num_layers:
+                self._push(s, s.lo, s.hi, None)
+                s.pushed_upto = (s.num_blocks if s.computed >= s.prompt_len
+                                 else s.computed // s.block_size)
+                continue
             self._settle(s, block=True)
             if s.handles and s.state is _S.OPEN:
                 self._fail(s, "a push still runs past its deadline")
@@ -304,6 +303,24 @@ class LayerwiseProducer:
             else:  # a later chunk rewrites the last, partly computed block
                 s.pushed_upto = s.computed // s.block_size
         self._step = []
+
+    def _push(self, s: _Send, lo: int, hi: int, layer: int | None) -> None:
+        """Issue the push of the prompt's blocks [lo, hi): one layer, or all (None)."""
+        assert s.plan is not None
+        off = s.first
+        layers: dict[str, Any] = {} if layer is None else {
+            "src_layer_range": range(layer, layer + 1),
+            "dst_layer_range": range(layer, layer + 1)}
+        try:
+            s.handles.append(self._dd.cache_manager.push_blocks_async(
+                llm_datadist.BlocksCacheKey(s.plan.cluster_id, KV_MODEL_ID), self._kv,
+                s.block_ids[lo:hi], s.plan.dst[lo - off:hi - off],
+                tensor_num_per_layer=self._tpl, **layers))
+            s.pushes += 1
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+            self._fail(s, f"push of {'every layer' if layer is None else f'layer {layer}'} "
+                          f"failed: {e}")
+        s.t_last_save = time.perf_counter()
 
     def release(self, request_id: str, ok: bool) -> None:
         """vLLM finished the request (``request_finished`` delayed its free): its blocks are
@@ -396,20 +413,9 @@ class LayerwiseProducer:
 
     def _push_all(self, s: _Send) -> None:
         """A late plan: every layer of the prompt's blocks in one push."""
-        assert s.plan is not None
-        if not self._planned(s):
-            return
-        off = s.first
-        lo = max(s.pushed_upto, off)
-        try:
-            s.handles.append(self._dd.cache_manager.push_blocks_async(
-                llm_datadist.BlocksCacheKey(s.plan.cluster_id, KV_MODEL_ID), self._kv,
-                s.block_ids[lo:s.num_blocks], s.plan.dst[lo - off:],
-                tensor_num_per_layer=self._tpl))
-            s.pushes += 1
-            s.t_last_save = time.perf_counter()
-        except Exception as e:  # noqa: BLE001
-            self._fail(s, f"push of every layer failed: {e}")
+        if self._planned(s):
+            self._push(s, max(s.pushed_upto, s.first), s.num_blocks, None)
+            s.pushed_upto = s.num_blocks
 
     def _settle(self, s: _Send, *, block: bool) -> None:
         """Collect ended pushes (all of them when ``block``); a failed one fails ``s``."""
