@@ -53,10 +53,12 @@ def node(model: str, role: str, connector: str) -> None:
         ktc = KVTransferConfig(kv_connector="DatadistConnector",
                                kv_connector_module_path="datadist.integrations.vllm",
                                kv_role=role, kv_connector_extra_config={
+                                   **json.loads(os.environ.get("BENCH_PD_EXTRA", "{}")),
                                    "mode": "layerwise" if connector.endswith("layerwise")
                                    else "pull"})
     llm = LLM(model=model, load_format="dummy", dtype="float32", block_size=32,
-              max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0,
+              max_model_len=int(os.environ.get("BENCH_PD_MAX_LEN", "2048")), max_num_seqs=4,
+              enforce_eager=True, seed=0,
               kv_transfer_config=ktc, enable_prefix_caching=False)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -123,8 +125,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connector", choices=("datadist", "datadist-layerwise", "nixl"),
                     default="datadist")
-    ap.add_argument("--tokens", type=int, default=1000, help="prompt length")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1000],
+                    help="prompt lengths (one engine pair runs each in turn)")
     ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--extra", default="{}", help="datadist's kv_connector_extra_config "
+                    "(JSON), e.g. '{\"idle_wait_ms\": 0}'")
     ap.add_argument("--node", nargs=3, metavar=("MODEL", "ROLE", "CONNECTOR"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -148,6 +153,10 @@ def main() -> int:
                            "stream": "ext://sys.stderr"}},
         "loggers": {"vllm": {"handlers": ["h"], "level": "INFO", "propagate": False}}}))
     base = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(work / "logging.json"),
+                BENCH_PD_EXTRA=json.dumps(json.loads(args.extra)),
+                BENCH_PD_MAX_LEN=str(max(2048, -(-(max(args.tokens) + 64) // 1024) * 1024)),
+                # the tiny model says 2048 positions; random weights do not mind longer prompts
+                VLLM_ALLOW_LONG_MAX_MODEL_LEN="1",
                 VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     cpus = sorted(os.sched_getaffinity(0))
     procs = {}
@@ -170,55 +179,57 @@ def main() -> int:
             hello = procs["prefill"].ask([5, 6, 7], {"do_remote_decode": True,
                                                      "datadist": {"mode": "layerwise"}})
             workers = hello["params"]["datadist"]
-        ttft, after, total, ends, same = [], [], [], [], 0
-        for r in range(args.requests + 1):  # the first request warms up (links, handshakes)
-            prompt = [rnd.randrange(3, 259) for _ in range(args.tokens)]
-            if layerwise:
-                assert workers is not None
-                tag = secrets.token_hex(16)
-                procs["decode"].send(prompt, {"do_remote_prefill": True, "datadist": {
-                    "mode": "layerwise", "tag": tag, "workers": workers["workers"],
-                    "block_size": workers["block_size"]}})
-                procs["prefill"].send(prompt, {"do_remote_decode": True,
-                                               "datadist": {"mode": "layerwise", "tag": tag}})
-                pre, dec = procs["prefill"].answer(), procs["decode"].answer()
-                first = min(pre["start"], dec["start"])
-                row = (dec["end"] - first, dec["end"] - pre["end"], dec["end"] - first)
-            else:
-                pre = procs["prefill"].ask(prompt, {"do_remote_decode": True})
-                dec = procs["decode"].ask(prompt, pre["params"])
-                row = (dec["seconds"], dec["seconds"], dec["end"] - pre["start"])
-            if r:
-                ttft.append(row[0])
-                after.append(row[1])
-                total.append(row[2])
-                ends.append(dec["end"])
-                same += dec["tokens"] == pre["tokens"]
-        log = (work / "decode.log").read_text()
-        pulls = [float(m) for m in re.findall(r"datadist: (?:pulled|received) request .* in "
-                                                r"([\d.]+) ms", log)][1:]
-        if layerwise:
-            pulls = [float(m) for m in re.findall(r"DONE ([\d.]+) ms after the plan", log)][1:]
-        # The pull's end (the worker's log line) to the engine call's return: the step that
-        # learns of it, the scheduler's hand-off, the last token's forward, the output.
-        stamps = [_stamp(m) for m in re.findall(
-            r"^(\S+ \S+) .*datadist: (?:pulled|received) request", log, re.M)][1:]
-        tail = [(e - s) * 1e3 for e, s in zip(ends, stamps, strict=False)]
-        kib = args.tokens * LAYERS * 2 * HIDDEN * 4 / 1024
+        seen = 0  # decode log characters of earlier lengths
+        for tokens in args.tokens:
+            ttft, after, total, ends, same = [], [], [], [], 0
+            for r in range(args.requests + 1):  # the first one warms up (links, handshakes)
+                prompt = [rnd.randrange(3, 259) for _ in range(tokens)]
+                if layerwise:
+                    assert workers is not None
+                    tag = secrets.token_hex(16)
+                    procs["decode"].send(prompt, {"do_remote_prefill": True, "datadist": {
+                        "mode": "layerwise", "tag": tag, "workers": workers["workers"],
+                        "block_size": workers["block_size"]}})
+                    procs["prefill"].send(prompt, {"do_remote_decode": True, "datadist": {
+                        "mode": "layerwise", "tag": tag}})
+                    pre, dec = procs["prefill"].answer(), procs["decode"].answer()
+                    first = min(pre["start"], dec["start"])
+                    row = (dec["end"] - first, dec["end"] - pre["end"], dec["end"] - first)
+                else:
+                    pre = procs["prefill"].ask(prompt, {"do_remote_decode": True})
+                    dec = procs["decode"].ask(prompt, pre["params"])
+                    row = (dec["seconds"], dec["seconds"], dec["end"] - pre["start"])
+                if r:
+                    ttft.append(row[0])
+                    after.append(row[1])
+                    total.append(row[2])
+                    ends.append(dec["end"])
+                    same += dec["tokens"] == pre["tokens"]
+            log = (work / "decode.log").read_text()[seen:]
+            seen += len(log)
+            pattern = (r"DONE ([\d.]+) ms after the plan" if layerwise else
+                       r"datadist: pulled request .* in ([\d.]+) ms")
+            pulls = [float(m) for m in re.findall(pattern, log)][1:]
+            # The transfer's end (the worker's log line) to the engine call's return: the step
+            # that learns of it, the scheduler's hand-off, the last token's forward, the output.
+            stamps = [_stamp(m) for m in re.findall(
+                r"^(\S+ \S+) .*datadist: (?:pulled|received) request", log, re.M)][1:]
+            tail = [(e - s) * 1e3 for e, s in zip(ends, stamps, strict=False)]
+            kib = tokens * LAYERS * 2 * HIDDEN * 4 / 1024
 
-        def med(xs: list[float], scale: float = 1e3) -> str:
-            if not xs:
-                return "-"
-            return (f"{statistics.median(xs) * scale:.1f} ms "
-                    f"[{min(xs) * scale:.1f}-{max(xs) * scale:.1f}]")
+            def med(xs: list[float], scale: float = 1e3) -> str:
+                if not xs:
+                    return "-"
+                return (f"{statistics.median(xs) * scale:.1f} ms "
+                        f"[{min(xs) * scale:.1f}-{max(xs) * scale:.1f}]")
 
-        print(f"{args.connector}: {args.requests} requests of {args.tokens} tokens "
-              f"({kib:.0f} KiB of KV each); median [min-max]: decode TTFT {med(ttft)}; "
-              f"first token after the prefill's {med(after)}; prefill start to decode "
-              f"token {med(total)}"
-              + (f"; datadist transfer {med(pulls, 1)}" if pulls else "")
-              + (f"; transfer's end to the decode's return {med(tail, 1)}" if tail else "")
-              + f"; first token equal to the prefill's in {same}/{args.requests}")
+            print(f"{args.connector}: {args.requests} requests of {tokens} tokens "
+                  f"({kib:.0f} KiB of KV each); median [min-max]: decode TTFT {med(ttft)}; "
+                  f"first token after the prefill's {med(after)}; prefill start to decode "
+                  f"token {med(total)}"
+                  + (f"; datadist transfer {med(pulls, 1)}" if pulls else "")
+                  + (f"; transfer's end to the decode's return {med(tail, 1)}" if tail else "")
+                  + f"; first token equal to the prefill's in {same}/{args.requests}")
         print(f"logs: {work}")
     finally:
         for p in procs.values():

@@ -553,6 +553,16 @@ class LayerwiseConsumer:
     def active(self) -> bool:
         return bool(self._waiting) or bool(self._recvs)
 
+    @property
+    def waiting_for_layers(self) -> bool:
+        """Whether a request waits for its prefill's DONE (its plan announced)."""
+        return any(r.step is _R.WAIT for r in self._recvs)
+
+    def landed(self) -> bool:
+        """Whether a waiting request's DONE is in (local memory; never blocks)."""
+        return any(r.step is _R.WAIT and self.landing.is_done(r.record, r.tag)
+                   for r in self._recvs)
+
     def submit(self, tasks: list[LayerwiseRecvTask], rank: int) -> None:
         self._waiting.extend(tasks)
         self._rank = rank

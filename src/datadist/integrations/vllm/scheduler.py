@@ -73,6 +73,7 @@ class StepMeta:
     lw_steps: list[LayerwiseStep] = field(default_factory=list)
     lw_release: list[tuple[str, bool]] = field(default_factory=list)
     lw_refuse: list[str] = field(default_factory=list)
+    idle: bool = False  # the step scheduled no tokens (the workers may wait for transfers)
 
 
 @dataclass

@@ -51,6 +51,8 @@ class Settings:
         (the router sends the request to both instances at once; the decoder allocates its
         blocks first and the prefill pushes each layer into them as vLLM saves it; see
         layerwise.py). Both instances of a pair must use the same mode.
+    idle_wait_ms: a decoder's step that scheduled nothing waits up to this long for a
+        transfer in flight to end (0: never), so the engine learns of it in this step.
     layerwise_timeout_s: layer-wise decoder: how long a request waits for the prefill to
         push all its layers before the decoder gives up on it (the prefill's compute time
         counts here, so it is longer than a pull's ``sync_kv_timeout_ms``).
@@ -64,6 +66,7 @@ class Settings:
     hold_grace_s: float = 2.0
     mailbox_slots: int = 4096
     mode: str = "pull"
+    idle_wait_ms: int = 10
     layerwise_timeout_s: float = 30.0
 
     @classmethod
@@ -94,6 +97,8 @@ class Settings:
                 raise ValueError(f"{name} must be > 0, got {getattr(s, name)}")
         if s.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {s.mode!r}")
+        if s.idle_wait_ms < 0:
+            raise ValueError(f"idle_wait_ms must be >= 0, got {s.idle_wait_ms}")
         if s.layerwise_timeout_s <= 0:
             raise ValueError(f"layerwise_timeout_s must be > 0, got {s.layerwise_timeout_s}")
         for name in ("abort_timeout_s", "hold_grace_s"):

@@ -22,6 +22,7 @@ Only datadist's public API is used (``import datadist as llm_datadist``), plus i
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -434,6 +435,27 @@ class DatadistWorker:
             done |= lw_done - lw_failed
             failed |= lw_failed
         return done | failed, failed
+
+    def wait_recv(self, seconds: float) -> bool:
+        """Block up to ``seconds`` (GIL released) for one of this worker's KV transfers in
+        flight to end, or a layer-wise DONE to land; True if there was one to wait for.
+        Who calls: the connector's ``get_transfer_results`` on a step that scheduled
+        nothing, before it asks ``poll_recv`` again."""
+        deadline = time.monotonic() + seconds
+        kv = [p.handle for p in self._pulls
+              if p.step is _Step.PULL and p.handle is not None and not p.handle.done()]
+        if kv:
+            with contextlib.suppress(Exception):  # its failure is poll_recv's to report
+                kv[0].wait(seconds)
+            return True
+        lw = self.lw_consumer
+        if lw is None or not lw.waiting_for_layers:
+            return False
+        while time.monotonic() < deadline:
+            if lw.landed():
+                break
+            time.sleep(0.0002)
+        return True
 
     def _begin(self, task: RecvTask) -> None:
         """Start one request: once its producer is linked, read its mailbox slot (Rule 2)."""
