@@ -59,7 +59,10 @@ def node(model: str, role: str, connector: str) -> None:
     llm = LLM(model=model, load_format="dummy", dtype="float32", block_size=32,
               max_model_len=int(os.environ.get("BENCH_PD_MAX_LEN", "2048")), max_num_seqs=4,
               enforce_eager=True, seed=0,
-              kv_transfer_config=ktc, enable_prefix_caching=False)
+              kv_transfer_config=ktc,
+              # the decode engine's "local" figure is a prefix hit (--local); the prompts are
+              # random, so no connector run hits its cache
+              enable_prefix_caching=role == "kv_consumer")
     print("READY", flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -128,6 +131,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1000],
                     help="prompt lengths (one engine pair runs each in turn)")
     ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--local", action="store_true",
+                    help="also time each length with the prompt's KV already local")
     ap.add_argument("--extra", default="{}", help="datadist's kv_connector_extra_config "
                     "(JSON), e.g. '{\"idle_wait_ms\": 0}'")
     ap.add_argument("--node", nargs=3, metavar=("MODEL", "ROLE", "CONNECTOR"),
@@ -230,6 +235,19 @@ def main() -> int:
                   + (f"; datadist transfer {med(pulls, 1)}" if pulls else "")
                   + (f"; transfer's end to the decode's return {med(tail, 1)}" if tail else "")
                   + f"; first token equal to the prefill's in {same}/{args.requests}")
+        if args.local:  # the same decode engine, each prompt's KV already local
+            for tokens in args.tokens:
+                hit = []
+                for r in range(args.requests + 1):
+                    prompt = [rnd.randrange(3, 259) for _ in range(tokens)]
+                    procs["decode"].ask(prompt, None)  # computes it: its blocks stay cached
+                    again = procs["decode"].ask(prompt, None)
+                    if r:
+                        hit.append(again["seconds"])
+                print(f"local: {args.requests} requests of {tokens} tokens, the prompt's KV "
+                      f"already in the decode engine (prefix hit): TTFT median "
+                      f"{statistics.median(hit) * 1e3:.1f} ms [{min(hit) * 1e3:.1f}-"
+                      f"{max(hit) * 1e3:.1f}]")
         print(f"logs: {work}")
     finally:
         for p in procs.values():

@@ -250,6 +250,24 @@ def test_a_request_vllm_ended_before_its_first_step_fails_fast_on_the_decoder(pr
         w.close()
 
 
+def test_a_dead_decoder_costs_the_prefill_nothing_but_its_pushes(prefill):
+    """The decoder announced its plan, then went away: the prefill's link or pushes fail,
+    nothing is reported pushed, and the blocks are freed when the request ends."""
+    _, addr, cmd_q, out_q = prefill(abort_timeout_s=60)
+    w, _ = _decoder()
+    w.submit_layerwise([_task(addr)])
+    deadline = time.monotonic() + 20
+    while w.lw_consumer is not None and not any(
+            r.step is layerwise._R.WAIT for r in w.lw_consumer._recvs):
+        assert time.monotonic() < deadline
+        w.poll_recv()
+        time.sleep(0.005)
+    w.close()  # finalize: its listener and KV cache are gone
+    cmd_q.put(("run", True, 1, True, True))
+    assert out_q.get(timeout=40) == (["p1"], 0)  # freed long before abort_timeout_s
+    cmd_q.put("stop")
+
+
 def test_a_pull_mode_decoder_refuses_layerwise_requests():
     arrs, layout = _kv(-1.0)
     w = DatadistWorker(Settings(), producer=False, consumer=True)

@@ -68,7 +68,8 @@ logger = logging.getLogger(LOGGER_NAME)
 SLOTS = 256  # inbox records per prefill worker (plans of requests being pushed)
 WINDOW = 4  # slots a tag may use: a decoder takes the first free one
 MAX_BLOCKS = 2048  # blocks one plan can name (longer prompts fall back to recompute)
-HEADER = 64
+HEADER = 128
+HOST_BYTES = 64  # the decoder's listen host, utf-8, zero-padded (an IPv6 literal fits)
 RECORD = HEADER + 4 * MAX_BLOCKS
 FREE, PLAN, ABANDONED, REFUSED = 0, 1, 3, 4
 HEARTBEAT_S = 0.5
@@ -80,27 +81,39 @@ def window(tag: bytes) -> list[int]:
     return [(h + j) % SLOTS for j in range(WINDOW)]
 
 
-def write_plan(rec: np.ndarray, tag: bytes, state: int, cluster_id: int, landing: int,
-               dst: list[int]) -> None:
-    """Fill one inbox record: ``tag[16] state[1] pad[7] cluster_id u64 landing u32 n u32``,
-    then ``n`` u32 block ids."""
+def write_plan(rec: np.ndarray, tag: bytes, state: int, decoder: WorkerAddress,
+               landing: int, dst: list[int]) -> None:
+    """Fill one inbox record: ``tag[16] state[1] pad[7] cluster_id u64 landing u32 n u32
+    port u32 pad[20] host[64]``, then ``n`` u32 block ids."""
     if len(dst) > MAX_BLOCKS:
         raise ValueError(f"{len(dst)} blocks; a layer-wise plan names at most {MAX_BLOCKS}")
+    host = decoder.host.encode()
+    if len(host) > HOST_BYTES:
+        raise ValueError(f"host {decoder.host!r} is longer than {HOST_BYTES} bytes")
     rec[:HEADER] = 0
     rec[:16] = np.frombuffer(tag, np.uint8)
     rec[16] = state
-    rec[24:32] = np.frombuffer(np.uint64(cluster_id).tobytes(), np.uint8)
+    rec[24:32] = np.frombuffer(np.uint64(decoder.cluster_id).tobytes(), np.uint8)
     rec[32:36] = np.frombuffer(np.uint32(landing).tobytes(), np.uint8)
     rec[36:40] = np.frombuffer(np.uint32(len(dst)).tobytes(), np.uint8)
+    rec[40:44] = np.frombuffer(np.uint32(decoder.port).tobytes(), np.uint8)
+    rec[HEADER - HOST_BYTES:HEADER - HOST_BYTES + len(host)] = np.frombuffer(host, np.uint8)
     rec[HEADER:HEADER + 4 * len(dst)] = np.frombuffer(np.asarray(dst, np.uint32).tobytes(),
                                                       np.uint8)
 
 
 @dataclass(frozen=True)
 class Plan:
-    cluster_id: int
+    """A decoder's plan: where it listens (the prefill links to it and pushes by
+    cross-memory attach on one host), its landing record, its blocks."""
+
+    decoder: WorkerAddress
     landing: int
     dst: list[int]
+
+    @property
+    def cluster_id(self) -> int:
+        return self.decoder.cluster_id
 
 
 def read_plan(rec: np.ndarray) -> tuple[bytes, int, Plan]:
@@ -108,8 +121,10 @@ def read_plan(rec: np.ndarray) -> tuple[bytes, int, Plan]:
     cid = int(rec[24:32].view(np.uint64)[0])
     landing = int(rec[32:36].view(np.uint32)[0])
     n = min(int(rec[36:40].view(np.uint32)[0]), MAX_BLOCKS)
+    port = int(rec[40:44].view(np.uint32)[0])
+    host = bytes(rec[HEADER - HOST_BYTES:HEADER]).rstrip(b"\0").decode(errors="replace")
     dst = rec[HEADER:HEADER + 4 * n].view(np.uint32).tolist()
-    return bytes(rec[:16]), int(rec[16]), Plan(cid, landing, dst)
+    return bytes(rec[:16]), int(rec[16]), Plan(WorkerAddress(host, port, cid), landing, dst)
 
 
 # ====================================================================== what the scheduler sends
@@ -223,8 +238,11 @@ class LayerwiseProducer:
 
     def __init__(self, dd: llm_datadist.LLMDataDist, kv: llm_datadist.Cache,
                  tensors_per_layer: int, num_layers: int, settings: Settings,
-                 cluster_id: int) -> None:
+                 cluster_id: int, linker: Any,
+                 on_error: Callable[[int, BaseException], None]) -> None:
         self._dd, self._kv, self._tpl = dd, kv, tensors_per_layer
+        self._linker = linker  # worker.py's _Linker: links to decoders off the step
+        self._on_error = on_error  # a push failed: the worker drops a broken link
         self._num_layers = num_layers
         self.settings = settings
         self.inbox = np.zeros((SLOTS, RECORD), np.uint8)
@@ -240,6 +258,7 @@ class LayerwiseProducer:
         self._free_records = list(range(SLOTS))
         self._sends: dict[str, _Send] = {}
         self._step: list[_Send] = []
+        self._pending: list[_Send] = []  # in this step, without a plan or link so far
         self._strangers: dict[int, tuple[bytes, float]] = {}
         self._next_sweep = 0.0
         self.pushed = 0  # requests whose every layer reached a decoder (tests, logs)
@@ -250,7 +269,7 @@ class LayerwiseProducer:
 
     def step(self, entries: list[LayerwiseStep]) -> None:
         """This step's layer-wise requests (``start_load_kv``). Never blocks."""
-        self._step = []
+        self._step, self._pending = [], []
         for e in entries:
             s = self._sends.get(e.request_id)
             if s is None:
@@ -260,14 +279,35 @@ class LayerwiseProducer:
                 continue
             s.block_ids = list(e.block_ids)
             s.computed = min(e.computed_before + e.scheduled, s.prompt_len)
+            s.layers = 0
             if s.plan is None:
                 self._find_plan(s)
-            if s.plan is not None and s.state is _S.OPEN:
-                s.lo = max(s.pushed_upto, s.first)
-                s.hi = min(-(-s.computed // s.block_size), s.num_blocks)
-                s.layers = 0
+            if s.state is not _S.OPEN:
+                continue
+            if s.plan is not None and self._ready(s):
+                self._range(s)
                 if s.hi > s.lo:
                     self._step.append(s)
+            else:
+                self._pending.append(s)
+
+    def _range(self, s: _Send) -> None:
+        """This step's blocks of ``s``: from the first not pushed to the last computed."""
+        s.lo = max(s.pushed_upto, s.first)
+        s.hi = min(-(-s.computed // s.block_size), s.num_blocks)
+
+    def _ready(self, s: _Send) -> bool:
+        """Whether ``s``'s decoder is linked (its link is asked for when the plan comes);
+        a link that failed fails the request. Never blocks."""
+        assert s.plan is not None
+        state = self._linker.state(s.plan.cluster_id)
+        if state is None:
+            self._linker.want(s.plan.decoder)
+            return False
+        if isinstance(state, Exception):
+            self._fail(s, f"{state}")
+            return False
+        return bool(state == "up")
 
     def save_layer(self, layer: int) -> None:
         """Push ``layer`` of this step's blocks of every planned request (``save_kv_layer``,
@@ -280,6 +320,20 @@ class LayerwiseProducer:
             assert s.plan is not None
             self._push(s, s.lo, s.hi, layer)
             s.layers += 1
+        for s in list(self._pending):  # a plan (or link) that came during the forward
+            if s.state is not _S.OPEN:
+                self._pending.remove(s)
+                continue
+            if s.plan is None:
+                self._find_plan(s)
+            if s.state is not _S.OPEN or s.plan is None or not self._ready(s):
+                continue
+            self._pending.remove(s)
+            self._range(s)
+            if s.hi > s.lo and self._planned(s):
+                self._push(s, s.lo, s.hi, range(layer + 1))  # the layers saved so far
+                s.layers = layer + 1
+                self._step.append(s)
 
     def wait_for_save(self) -> None:
         """Wait for this step's pushes (each bounded by its deadline); after the step that
@@ -302,15 +356,17 @@ class LayerwiseProducer:
                 self._complete(s)
             else:  # a later chunk rewrites the last, partly computed block
                 s.pushed_upto = s.computed // s.block_size
-        self._step = []
+        self._step, self._pending = [], []
 
-    def _push(self, s: _Send, lo: int, hi: int, layer: int | None) -> None:
-        """Issue the push of the prompt's blocks [lo, hi): one layer, or all (None)."""
+    def _push(self, s: _Send, lo: int, hi: int, layer: int | range | None) -> None:
+        """Issue the push of the prompt's blocks [lo, hi): one layer, a range of layers, or
+        all (None)."""
         assert s.plan is not None
         off = s.first
+        if isinstance(layer, int):
+            layer = range(layer, layer + 1)
         layers: dict[str, Any] = {} if layer is None else {
-            "src_layer_range": range(layer, layer + 1),
-            "dst_layer_range": range(layer, layer + 1)}
+            "src_layer_range": layer, "dst_layer_range": layer}
         try:
             s.handles.append(self._dd.cache_manager.push_blocks_async(
                 llm_datadist.BlocksCacheKey(s.plan.cluster_id, KV_MODEL_ID), self._kv,
@@ -318,8 +374,8 @@ class LayerwiseProducer:
                 tensor_num_per_layer=self._tpl, **layers))
             s.pushes += 1
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
-            self._fail(s, f"push of {'every layer' if layer is None else f'layer {layer}'} "
-                          f"failed: {e}")
+            self._fail(s, f"push of layers {layer or 'all'} failed: {e}")
+            self._on_error(s.plan.cluster_id, e)
         s.t_last_save = time.perf_counter()
 
     def release(self, request_id: str, ok: bool) -> None:
@@ -357,16 +413,18 @@ class LayerwiseProducer:
                 if now >= s.deadline:
                     self._forget(s)
                 continue
-            if s.state is _S.OPEN and s.plan is None and s.tag:
-                self._find_plan(s)
-                if s.plan is not None and s.state is _S.OPEN and s.computed >= s.prompt_len \
-                        and not s.handles:
-                    self._push_all(s)
-            if s.state is _S.OPEN and s.handles and s not in self._step:
-                self._settle(s, block=False)
-                if s.state is _S.OPEN and not s.handles and s.computed >= s.prompt_len:
-                    s.pushed_upto = s.num_blocks
-                    self._complete(s)
+            if s.state is _S.OPEN and s.tag and s not in self._step:
+                if s.plan is None:
+                    self._find_plan(s)
+                if s.state is _S.OPEN and s.plan is not None and s.handles:
+                    self._settle(s, block=False)
+                if (s.state is _S.OPEN and s.plan is not None and not s.handles
+                        and s.computed >= s.prompt_len):
+                    if s.pushed_upto < s.num_blocks:
+                        if self._ready(s):  # a plan or link that came after the prefill
+                            self._push_all(s)
+                    else:
+                        self._complete(s)
             if s.state is _S.COMPLETING:
                 self._settle(s, block=False)
             if not s.released:
@@ -430,6 +488,8 @@ class LayerwiseProducer:
             exc = h.exception()
             if exc is not None and s.state in (_S.OPEN, _S.COMPLETING):
                 self._fail(s, f"a push failed: {exc}")
+                if s.plan is not None:
+                    self._on_error(s.plan.cluster_id, exc)
         s.handles = left
         if s.state is _S.COMPLETING and not left:
             s.state = _S.DONE
@@ -455,6 +515,7 @@ class LayerwiseProducer:
             s.state = _S.COMPLETING
         except Exception as e:  # noqa: BLE001
             self._fail(s, f"DONE push failed: {e}")
+            self._on_error(s.plan.cluster_id, e)
 
     def _fail(self, s: _Send, why: str) -> None:
         if s.state is _S.FAILED:
@@ -525,11 +586,12 @@ class LayerwiseConsumer:
     """A decode worker's layer-wise receives. Registers its landing records (by key: the
     prefill pushes DONE into them) and a local buffer for plans and inbox reads."""
 
-    def __init__(self, dd: llm_datadist.LLMDataDist, settings: Settings, cluster_id: int,
-                 linker: Any, slots: int, block_bytes: int,
+    def __init__(self, dd: llm_datadist.LLMDataDist, settings: Settings,
+                 address: WorkerAddress, linker: Any, slots: int, block_bytes: int,
                  on_done: Callable[[LayerwiseRecvTask, float, int], None]) -> None:
         self._dd, self.settings, self._linker = dd, settings, linker
-        self._cluster_id = cluster_id
+        self._address = address  # where we listen: the prefill links here to push
+        self._cluster_id = address.cluster_id
         self._block_bytes = block_bytes
         self._on_done = on_done
         self.landing = mailbox.Mailbox(slots)
@@ -539,7 +601,7 @@ class LayerwiseConsumer:
             llm_datadist.CacheDesc(1, [slots, mailbox.RECORD_BYTES],
                                    llm_datadist.DataType.DT_UINT8),
             [self.landing.buf.ctypes.data],
-            llm_datadist.BlocksCacheKey(cluster_id, LANDING_MODEL_ID))
+            llm_datadist.BlocksCacheKey(address.cluster_id, LANDING_MODEL_ID))
         self._buf_cache = cm.register_blocks_cache(
             llm_datadist.CacheDesc(1, list(self._buf.shape), llm_datadist.DataType.DT_UINT8),
             [self._buf.ctypes.data])
@@ -654,7 +716,7 @@ class LayerwiseConsumer:
                         break
                 else:
                     raise RuntimeError("the prefill worker's inbox has no free slot for it")
-                write_plan(self._buf[base], r.tag, PLAN, self._cluster_id, r.record,
+                write_plan(self._buf[base], r.tag, PLAN, self._address, r.record,
                            r.task.local_block_ids)
                 r.step = _R.ANNOUNCE
                 r.t0 = time.perf_counter()

@@ -265,11 +265,16 @@ class DatadistWorker:
         cfg.device_id = 0
         cfg.local_comm_res = ""  # cache-manager mode, one-sided links
         cfg.sync_kv_timeout = self.settings.sync_kv_timeout_ms
-        if self.producer:
+        # A layer-wise decoder listens too: its prefill links to it and pushes by
+        # cross-memory attach on one host (a push on the decoder's own link would go over
+        # that link's reverse channel, TCP; docs/compatibility.md).
+        lw_consumer = self.consumer and self.settings.mode == "layerwise"
+        if self.producer or lw_consumer:
             port = self.settings.port + self.rank if self.settings.port else 0
             cfg.listen_ip_info = format_host_port(self.settings.host, port)
-        role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer else
-                llm_datadist.LLMRole.PROMPT if self.producer else llm_datadist.LLMRole.DECODER)
+        role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer or lw_consumer
+                else llm_datadist.LLMRole.PROMPT if self.producer
+                else llm_datadist.LLMRole.DECODER)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
         options = cfg.generate_options()
         dd.init(options)
@@ -303,11 +308,14 @@ class DatadistWorker:
                 if self.producer:
                     self.lw_producer = LayerwiseProducer(
                         dd, self._kv, layout.tensors_per_layer, layout.num_layers,
-                        self.settings, self.cluster_id)
+                        self.settings, self.cluster_id, self._linker, self._push_failed)
                 if self.consumer:
+                    listen = dd.listen_address
+                    assert listen is not None
                     self.lw_consumer = LayerwiseConsumer(
-                        dd, self.settings, self.cluster_id, self._linker, MAX_PULLS,
-                        self._block_bytes(), self._received)
+                        dd, self.settings,
+                        WorkerAddress(self.settings.host, listen[1], self.cluster_id),
+                        self._linker, MAX_PULLS, self._block_bytes(), self._received)
             except Exception:
                 self.close()
                 raise
@@ -608,6 +616,12 @@ class DatadistWorker:
         assert self._layout is not None
         n = int(np.prod(self._layout.block_shape)) * self._layout.tensors_per_layer
         return n * _ITEMSIZE.get(self._layout.dtype, 1)
+
+    def _push_failed(self, cluster_id: int, e: BaseException) -> None:
+        """A layer-wise push to a decoder failed: a broken link is dropped (the next request
+        to that decoder links again)."""
+        if isinstance(e, llm_datadist.LLMException) and e.status_code in _LINK_CODES:
+            self._drop_link(cluster_id)
 
     def _drop_link(self, cluster_id: int) -> None:
         info = None if self._linker is None else self._linker.drop(cluster_id)
