@@ -459,6 +459,7 @@ class LayerwiseProducer:
                 return
             s.plan = plan
             s.pushed_upto = s.first
+            self._linker.want(plan.decoder)  # off the step; retries a link that failed
             return
 
     def _planned(self, s: _Send) -> bool:
