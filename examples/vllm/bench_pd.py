@@ -220,6 +220,15 @@ def main() -> int:
             stamps = [_stamp(m) for m in re.findall(
                 r"^(\S+ \S+) .*datadist: (?:pulled|received) request", log, re.M)][1:]
             tail = [(e - s) * 1e3 for e, s in zip(ends, stamps, strict=False)]
+            exposed: list[float] = []
+            if layerwise:  # the last layer's push (prefill log) to the DONE seen (decode log)
+                pre_log = (work / "prefill.log").read_text()
+                issued = dict(re.findall(r"\(tag ([0-9a-f]+)\) layer by layer .* the last push "
+                                         r"issued at ([\d.]+)", pre_log))
+                for tag, seen_at in re.findall(r"\(tag:([0-9a-f]+)\): .* seen at ([\d.]+)",
+                                               log)[1:]:
+                    if tag in issued:
+                        exposed.append((float(seen_at) - float(issued[tag])) * 1e3)
             kib = tokens * LAYERS * 2 * HIDDEN * 4 / 1024
 
             def med(xs: list[float], scale: float = 1e3) -> str:
@@ -234,6 +243,8 @@ def main() -> int:
                   f"token {med(total)}"
                   + (f"; datadist transfer {med(pulls, 1)}" if pulls else "")
                   + (f"; transfer's end to the decode's return {med(tail, 1)}" if tail else "")
+              + (f"; last layer's push to the DONE seen {med(exposed, 1)}" if exposed
+                 else "")
                   + f"; first token equal to the prefill's in {same}/{args.requests}")
         if args.local:  # the same decode engine, each prompt's KV already local
             for tokens in args.tokens:

@@ -217,7 +217,8 @@ class _Send:
     released: bool = False
     deadline: float = float("inf")
     t_plan: float = 0.0
-    t_last_save: float = 0.0
+    t_last_push: float = 0.0  # wall clock (time.time()) of its last KV push's issue
+    t_done: float = 0.0  # wall clock of its DONE push's issue
     pushes: int = 0
     report: bool = True  # a request vLLM delayed the free of (else: only a refused plan)
     layers: int = 0  # layers pushed in this step
@@ -376,7 +377,7 @@ class LayerwiseProducer:
         except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
             self._fail(s, f"push of layers {layer or 'all'} failed: {e}")
             self._on_error(s.plan.cluster_id, e)
-        s.t_last_save = time.perf_counter()
+        s.t_last_push = time.time()
 
     def release(self, request_id: str, ok: bool) -> None:
         """vLLM finished the request (``request_finished`` delayed its free): its blocks are
@@ -496,11 +497,12 @@ class LayerwiseProducer:
             s.state = _S.DONE
             self.pushed += 1
             assert s.plan is not None
-            logger.info("datadist: pushed request %s layer by layer to cluster %d: %d "
-                        "blocks x %d layers in %d pushes; DONE landed %.2f ms after the last "
-                        "push was issued", s.rid, s.plan.cluster_id, len(s.plan.dst),
-                        self._num_layers, s.pushes,
-                        (time.perf_counter() - s.t_last_save) * 1e3)
+            # Wall clocks, so a bench can set them against the decoder's log (one host).
+            logger.info("datadist: pushed request %s (tag %s) layer by layer to cluster %d: "
+                        "%d blocks x %d layers in %d pushes; the last push issued at %.4f, "
+                        "its DONE at %.4f (%.2f ms later)", s.rid, s.tag.hex(), s.plan.cluster_id,
+                        len(s.plan.dst), self._num_layers, s.pushes, s.t_last_push, s.t_done,
+                        (s.t_done - s.t_last_push) * 1e3)
 
     def _complete(self, s: _Send) -> None:
         assert s.plan is not None
@@ -508,6 +510,7 @@ class LayerwiseProducer:
             self._fail(s, "no record left for its DONE")
             return
         s.record = self._free_records.pop()
+        s.t_done = time.time()
         self._out.buf[s.record] = mailbox.encode(s.tag, mailbox.DONE)
         try:
             s.handles.append(self._dd.cache_manager.push_blocks_async(

@@ -394,8 +394,9 @@ class DatadistWorker:
         self.stats.bytes_pulled += nbytes
         self.stats.pull_seconds.append(seconds)
         logger.info("datadist: received request %s layer by layer (%s): %d blocks, %d bytes "
-                    "from cluster %d, DONE %.2f ms after the plan was sent", task.request_id,
-                    task.remote.request_id, n, nbytes, cluster_id, seconds * 1e3)
+                    "from cluster %d, DONE %.2f ms after the plan was sent, seen at %.4f",
+                    task.request_id, task.remote.request_id, n, nbytes, cluster_id,
+                    seconds * 1e3, time.time())
         if self.on_pulled is not None:
             self.on_pulled(task)  # type: ignore[arg-type]
 
