@@ -337,26 +337,25 @@ class LayerwiseProducer:
                 self._step.append(s)
 
     def wait_for_save(self) -> None:
-        """Wait for this step's pushes (each bounded by its deadline); after the step that
-        computed a prompt's last token, push its DONE. Blocks for the last layer's push.
-        A request whose plan came after some of the step's layers were saved gets the
-        step's blocks of every layer in one push now, and its DONE from ``poll``."""
+        """End of a step's forward. After the step that computed a prompt's last token, the
+        DONE goes out as soon as its pushes ended: now if they have, else from ``poll``
+        (the engine is not held up by a push backlog). After an earlier chunk, blocks until
+        the step's pushes ended (each bounded by its deadline): the next chunk writes into
+        the last, partly computed block, which goes again then. A request whose plan came
+        after some of the step's layers were saved gets the step's blocks of every layer
+        in one push now."""
         for s in self._step:
+            last = s.computed >= s.prompt_len
             if s.state is _S.OPEN and s.layers < self._num_layers:
                 self._push(s, s.lo, s.hi, None)
-                s.pushed_upto = (s.num_blocks if s.computed >= s.prompt_len
-                                 else s.computed // s.block_size)
-                continue
-            self._settle(s, block=True)
-            if s.handles and s.state is _S.OPEN:
+            self._settle(s, block=not last)
+            if s.handles and s.state is _S.OPEN and not last:
                 self._fail(s, "a push still runs past its deadline")
             if s.state is not _S.OPEN:
                 continue
-            if s.computed >= s.prompt_len:
-                s.pushed_upto = s.num_blocks
+            s.pushed_upto = s.num_blocks if last else s.computed // s.block_size
+            if last and not s.handles:
                 self._complete(s)
-            else:  # a later chunk rewrites the last, partly computed block
-                s.pushed_upto = s.computed // s.block_size
         self._step, self._pending = [], []
 
     def _push(self, s: _Send, lo: int, hi: int, layer: int | range | None) -> None:
