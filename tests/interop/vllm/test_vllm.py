@@ -103,12 +103,20 @@ class Node:
         while self._readline(START_TIMEOUT).strip() != "READY":
             pass
 
-    def generate(self, prompts: list[list[int]], max_tokens: int,
-                 params: list[dict | None]) -> list[dict]:
+    def send(self, prompts: list[list[int]], max_tokens: int,
+             params: list[dict | None]) -> None:
+        """Start a batch; ``receive`` answers it (two engines can then work at once)."""
         self.proc.stdin.write((json.dumps({"prompts": prompts, "max_tokens": max_tokens,
                                            "params": params}) + "\n").encode())
         self.proc.stdin.flush()
+
+    def receive(self) -> list[dict]:
         return json.loads(self._readline(REQUEST_TIMEOUT))["outputs"]
+
+    def generate(self, prompts: list[list[int]], max_tokens: int,
+                 params: list[dict | None]) -> list[dict]:
+        self.send(prompts, max_tokens, params)
+        return self.receive()
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -178,7 +178,9 @@ def test_settings_from_extra_config_and_env():
 
 
 @pytest.mark.parametrize("extra", [{"port": 70000}, {"port": "x"}, {"mailbox_slots": 0},
-                                   {"sync_kv_timeout_ms": -1}, {"abort_timeout_s": -2}])
+                                   {"sync_kv_timeout_ms": -1}, {"abort_timeout_s": -2},
+                                   {"mode": "push"}, {"layerwise_timeout_s": 0},
+                                   {"idle_wait_ms": -1}])
 def test_bad_settings_raise(extra):
     with pytest.raises(ValueError):
         Settings.from_extra_config(extra, env={})
@@ -218,3 +220,96 @@ def test_the_removed_engine_keys_of_old_configs_are_ignored():
     s = Settings.from_extra_config({"yield_us": 500, "engine": "python", "port": 7})
     assert s.port == 7 and not hasattr(s, "yield_us") and not hasattr(s, "engine")
     assert importlib.util.find_spec("datadist.integrations.vllm.spin") is None
+
+
+# ---------------------------------------------------------------------- layer-wise mode
+
+TAG = "ab" * 16
+
+
+def lw_decode_params(tag: str = TAG) -> dict:
+    return {"do_remote_prefill": True,
+            PARAMS_KEY: {"mode": "layerwise", "tag": tag, "block_size": BS,
+                         "workers": [["10.0.0.1", 4000, 77]]}}
+
+
+def test_layerwise_settings():
+    s = Settings.from_extra_config({"mode": "layerwise", "layerwise_timeout_s": "2.5",
+                                    "idle_wait_ms": 0}, env={})
+    assert (s.mode, s.layerwise_timeout_s, s.idle_wait_ms) == ("layerwise", 2.5, 0)
+    assert Settings().mode == "pull"  # pull stays the default
+
+
+def test_layerwise_decoder_loads_the_whole_prompt_asynchronously_once():
+    s = SchedulerSide(Settings(mode="layerwise"), engine_id="D", block_size=BS,
+                      producer=False, consumer=True)
+    params = lw_decode_params()
+    assert s.matched_tokens(75, 0, params) == (75, True)
+    assert s.matched_tokens(75, 32, params) == (43, True)  # a local prefix hit
+    s.after_alloc("d1", params, [7, 8], 43, 75)
+    s.after_alloc("d1", params, [7, 8], 43, 75)  # vLLM calls again after the load
+    meta = s.build_meta()
+    assert [(t.request_id, t.local_block_ids, t.remote.tag) for t in meta.lw_recv] == \
+        [("d1", [7, 8], TAG)]
+    assert meta.recv == [] and s.build_meta().lw_recv == []
+
+
+@pytest.mark.parametrize("mode", ["pull", "layerwise"])
+def test_layerwise_params_a_decoder_cannot_use_are_recomputed(mode):
+    s = SchedulerSide(Settings(mode=mode), engine_id="D", block_size=BS, producer=False,
+                      consumer=True)
+    bad = lw_decode_params()
+    if mode == "layerwise":
+        bad[PARAMS_KEY]["block_size"] = 16
+    assert s.matched_tokens(75, 0, bad) == (0, False)
+    assert s.matched_tokens(75, 0, {**lw_decode_params(), PARAMS_KEY: {
+        "mode": "layerwise", "tag": "xyz"}}) == (0, False)
+
+
+def lw_prefill() -> SchedulerSide:
+    s = SchedulerSide(Settings(mode="layerwise"), engine_id="P", block_size=BS,
+                      producer=True, consumer=False)
+    s.set_workers([WorkerAddress("10.0.0.1", 4000, 77)])
+    return s
+
+
+def test_layerwise_prefill_hands_each_step_to_the_workers_and_holds_until_pushed():
+    s = lw_prefill()
+    params = {"do_remote_decode": True, PARAMS_KEY: {"mode": "layerwise", "tag": TAG}}
+    s.after_alloc("p1", params, [], 0, 75)
+    s.scheduled([("p1", [4, 9], 0), ("other", [1], 0)], [], {"p1": 40, "other": 5})
+    s.scheduled([], [("p1", [2], 40, False)], {"p1": 35})  # a second chunk, one more block
+    steps = s.build_meta().lw_steps
+    assert [(e.request_id, e.block_ids, e.computed_before, e.scheduled, e.prompt_len)
+            for e in steps] == [("p1", [4, 9], 0, 40, 75), ("p1", [4, 9, 2], 40, 35, 75)]
+    s.scheduled([], [("p1", None, 75, False)], {"p1": 1})  # decoding: nothing to push
+    assert s.build_meta().lw_steps == []
+    delay, out = s.finished("p1", params, finished_ok=True, block_ids=[4, 9, 2],
+                            num_computed_tokens=75)
+    assert delay is True
+    assert out == {PARAMS_KEY: {"mode": "layerwise", "block_size": BS,
+                                "workers": [["10.0.0.1", 4000, 77]]}}
+    assert s.build_meta().lw_release == [("p1", True)]
+
+
+def test_layerwise_prefill_ended_before_its_first_step_refuses_the_plan():
+    s = lw_prefill()
+    params = {"do_remote_decode": True, PARAMS_KEY: {"mode": "layerwise", "tag": TAG}}
+    s.after_alloc("p1", params, [], 0, 75)
+    assert s.finished("p1", params, finished_ok=False, block_ids=[],
+                      num_computed_tokens=0)[0] is False
+    meta = s.build_meta()
+    assert meta.lw_refuse == [TAG] and meta.lw_release == []
+
+
+def test_layerwise_answer_without_a_tag_names_the_workers_and_holds_nothing():
+    s = lw_prefill()
+    hello = {"do_remote_decode": True, PARAMS_KEY: {"mode": "layerwise"}}
+    s.after_alloc("h", hello, [], 0, 3)
+    s.scheduled([("h", [0], 0)], [], {"h": 3})
+    assert s.build_meta().lw_steps == []
+    delay, out = s.finished("h", hello, finished_ok=True, block_ids=[0],
+                            num_computed_tokens=3)
+    assert delay is False and out is not None
+    assert out[PARAMS_KEY]["workers"] == [["10.0.0.1", 4000, 77]]
+    assert s.held == 0

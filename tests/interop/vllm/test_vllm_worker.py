@@ -252,3 +252,30 @@ def test_a_producer_being_linked_blocks_no_step(producer):
     finally:
         w.close()
         mute.close()
+
+
+def test_an_idle_step_waits_for_the_pull_in_flight(producer):
+    """wait_recv (the connector calls it on a step that scheduled nothing) returns False at
+    once with nothing in flight, else blocks until the KV pull in flight ended, so the
+    poll_recv right after reports the request in this step, not the next."""
+    _, addr, _, _ = producer()
+    w, arrs = _consumer()
+    try:
+        assert w.wait_recv(5.0) is False
+        w.submit([_task(addr)])
+        deadline = time.monotonic() + 30
+        while True:  # until it is reported, or its KV pull is in flight
+            got, _ = w.poll_recv()
+            if got or (w._pulls and w._pulls[0].step.name == "PULL"):
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        if not got:  # the KV pull is in flight: wait for it, then it is reported at once
+            assert w.wait_recv(10.0) is True
+            assert w._pulls[0].handle is not None and w._pulls[0].handle.done()
+            got, failed = w.poll_recv()
+            assert not failed
+        assert got == {"d1"}
+        assert (arrs[0][0] == 5).all()
+    finally:
+        w.close()

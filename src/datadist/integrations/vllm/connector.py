@@ -86,6 +86,9 @@ class DatadistConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: DatadistWorker | None = None
         self._kv_tensors: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        # The step whose layer-wise requests the producer has (prefill worker).
+        self._pushing_meta: DatadistConnectorMetadata | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self.settings, engine_id=str(ktc.engine_id),
@@ -108,11 +111,23 @@ class DatadistConnector(KVConnectorBase_V1):
         assert self._sched is not None
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self._sched.after_alloc(request.request_id, request.kv_transfer_params, local,
-                                num_external_tokens)
+                                num_external_tokens, len(request.prompt_token_ids or ()))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
-        return DatadistConnectorMetadata(self._sched.build_meta())
+        if self.settings.mode == "layerwise" and self._sched.producer:
+            cached = scheduler_output.scheduled_cached_reqs
+            resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+            self._sched.scheduled(
+                ((r.req_id, list(r.block_ids[0]), r.num_computed_tokens)
+                 for r in scheduler_output.scheduled_new_reqs),
+                ((rid, None if b is None else list(b[0]), c, rid in resumed)
+                 for rid, b, c in zip(cached.req_ids, cached.new_block_ids,
+                                      cached.num_computed_tokens, strict=False)),
+                scheduler_output.num_scheduled_tokens)
+        meta = self._sched.build_meta()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        return DatadistConnectorMetadata(meta)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -142,6 +157,7 @@ class DatadistConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         layout, self._kv_tensors = kv_layout(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._worker.start(layout)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
@@ -154,20 +170,46 @@ class DatadistConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
-        if meta.step.send:
-            self._worker.hold(meta.step.send)
-        if meta.step.recv:
-            self._worker.submit(meta.step.recv)
+        step = meta.step
+        if step.send:
+            self._worker.hold(step.send)
+        if step.recv:
+            self._worker.submit(step.recv)
+        if step.lw_recv:
+            self._worker.submit_layerwise(step.lw_recv)
+        self._begin_pushes(meta)
+
+    def _begin_pushes(self, meta: DatadistConnectorMetadata) -> None:
+        """Hand a step's layer-wise prefill requests to the producer, once per step: at the
+        first ``save_kv_layer`` (vLLM 0.32 calls ``start_load_kv`` after the forward when no
+        load is synchronous), else at ``start_load_kv``."""
+        lw = None if self._worker is None else self._worker.lw_producer
+        if lw is None or meta is self._pushing_meta:
+            return
+        self._pushing_meta = meta
+        for rid, ok in meta.step.lw_release:
+            lw.release(rid, ok)
+        for tag in meta.step.lw_refuse:
+            lw.refuse(tag)
+        lw.step(meta.step.lw_steps)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: the request waits, no layer does
+        return  # loads are asynchronous in both modes: the request waits, no layer does
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return  # the decoder pulls; nothing is pushed
+        # Layer-wise prefill: push this layer of the step's planned requests (issued only).
+        if self._worker is None or self._worker.lw_producer is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DatadistConnectorMetadata)
+        self._begin_pushes(meta)
+        if meta.step.lw_steps:
+            self._worker.lw_producer.save_layer(self._layer_index[layer_name])
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None and self._worker.lw_producer is not None:
+            self._worker.lw_producer.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
@@ -178,6 +220,14 @@ class DatadistConnector(KVConnectorBase_V1):
         assert self._worker is not None
         sent = self._worker.poll_sent() if self._worker.producer else set()
         recv, failed = self._worker.poll_recv() if self._worker.consumer else (set(), set())
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        # Nothing else runs in this engine: rather than end the step and learn of the
+        # transfer's end one empty step (a 1 ms sleep and two process hops) later, wait here
+        # for it, a bounded time (docs/vllm.md, "Speed").
+        if (not recv and self._worker.consumer and self.settings.idle_wait_ms > 0
+                and isinstance(meta, DatadistConnectorMetadata) and meta.step.idle
+                and self._worker.wait_recv(self.settings.idle_wait_ms / 1e3)):
+            recv, failed = self._worker.poll_recv()
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recv,
                                           failed_recving=failed)
 

@@ -16,6 +16,9 @@ from typing import Any
 #: Model ids of the two blocks caches every worker registers under its cluster id.
 KV_MODEL_ID = 0
 MAILBOX_MODEL_ID = 1
+#: Layer-wise mode: a producer's inbox of decoders' plans, a consumer's landing records.
+INBOX_MODEL_ID = 2
+LANDING_MODEL_ID = 3
 
 #: Key of datadist's own fields inside ``kv_transfer_params``.
 PARAMS_KEY = "datadist"
@@ -23,6 +26,9 @@ PARAMS_KEY = "datadist"
 #: Log records go to a child of vLLM's logger, so they show up in vLLM's log with its format
 #: (datadist itself installs no handler).
 LOGGER_NAME = "vllm.datadist_connector"
+
+#: Transfer modes (``kv_connector_extra_config["mode"]``).
+MODES = ("pull", "layerwise")
 
 ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
 
@@ -41,6 +47,15 @@ class Settings:
     hold_grace_s: how long a decoder waits for the producer to mark a request's blocks as
         held before it gives up on the request.
     mailbox_slots: how many finished requests a producer can hold at once.
+    mode: "pull" (default: the decoder pulls a finished prefill's blocks) or "layerwise"
+        (the router sends the request to both instances at once; the decoder allocates its
+        blocks first and the prefill pushes each layer into them as vLLM saves it; see
+        layerwise.py). Both instances of a pair must use the same mode.
+    idle_wait_ms: a decoder's step that scheduled nothing waits up to this long for a
+        transfer in flight to end (0: never), so the engine learns of it in this step.
+    layerwise_timeout_s: layer-wise decoder: how long a request waits for the prefill to
+        push all its layers before the decoder gives up on it (the prefill's compute time
+        counts here, so it is longer than a pull's ``sync_kv_timeout_ms``).
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +65,9 @@ class Settings:
     abort_timeout_s: float = 120.0
     hold_grace_s: float = 2.0
     mailbox_slots: int = 4096
+    mode: str = "pull"
+    idle_wait_ms: int = 10
+    layerwise_timeout_s: float = 30.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
@@ -77,6 +95,12 @@ class Settings:
         for name in ("sync_kv_timeout_ms", "link_timeout_ms", "mailbox_slots"):
             if getattr(s, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(s, name)}")
+        if s.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {s.mode!r}")
+        if s.idle_wait_ms < 0:
+            raise ValueError(f"idle_wait_ms must be >= 0, got {s.idle_wait_ms}")
+        if s.layerwise_timeout_s <= 0:
+            raise ValueError(f"layerwise_timeout_s must be > 0, got {s.layerwise_timeout_s}")
         for name in ("abort_timeout_s", "hold_grace_s"):
             if getattr(s, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(s, name)}")

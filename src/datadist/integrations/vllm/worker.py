@@ -22,6 +22,7 @@ Only datadist's public API is used (``import datadist as llm_datadist``), plus i
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,6 +46,13 @@ from datadist.integrations.vllm.settings import (
     Settings,
     WorkerAddress,
 )
+
+if TYPE_CHECKING:
+    from datadist.integrations.vllm.layerwise import (
+        LayerwiseConsumer,
+        LayerwiseProducer,
+        LayerwiseRecvTask,
+    )
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -237,6 +246,9 @@ class DatadistWorker:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self.address: WorkerAddress | None = None
+        # Layer-wise mode (settings.mode == "layerwise", layerwise.py); None in pull mode.
+        self.lw_producer: LayerwiseProducer | None = None
+        self.lw_consumer: LayerwiseConsumer | None = None
 
     def __repr__(self) -> str:
         state = "started" if self._dd is not None else "not started"
@@ -253,11 +265,16 @@ class DatadistWorker:
         cfg.device_id = 0
         cfg.local_comm_res = ""  # cache-manager mode, one-sided links
         cfg.sync_kv_timeout = self.settings.sync_kv_timeout_ms
-        if self.producer:
+        # A layer-wise decoder listens too: its prefill links to it and pushes by
+        # cross-memory attach on one host (a push on the decoder's own link would go over
+        # that link's reverse channel, TCP; docs/compatibility.md).
+        lw_consumer = self.consumer and self.settings.mode == "layerwise"
+        if self.producer or lw_consumer:
             port = self.settings.port + self.rank if self.settings.port else 0
             cfg.listen_ip_info = format_host_port(self.settings.host, port)
-        role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer else
-                llm_datadist.LLMRole.PROMPT if self.producer else llm_datadist.LLMRole.DECODER)
+        role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer or lw_consumer
+                else llm_datadist.LLMRole.PROMPT if self.producer
+                else llm_datadist.LLMRole.DECODER)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
         options = cfg.generate_options()
         dd.init(options)
@@ -281,6 +298,27 @@ class DatadistWorker:
             self.close()
             raise
         self._layout = layout
+        if self.settings.mode == "layerwise":
+            from datadist.integrations.vllm.layerwise import (
+                LayerwiseConsumer,
+                LayerwiseProducer,
+            )
+
+            try:
+                if self.producer:
+                    self.lw_producer = LayerwiseProducer(
+                        dd, self._kv, layout.tensors_per_layer, layout.num_layers,
+                        self.settings, self.cluster_id, self._linker, self._push_failed)
+                if self.consumer:
+                    listen = dd.listen_address
+                    assert listen is not None
+                    self.lw_consumer = LayerwiseConsumer(
+                        dd, self.settings,
+                        WorkerAddress(self.settings.host, listen[1], self.cluster_id),
+                        self._linker, MAX_PULLS, self._block_bytes(), self._received)
+            except Exception:
+                self.close()
+                raise
         if self.producer:
             listen = dd.listen_address
             assert listen is not None
@@ -310,9 +348,10 @@ class DatadistWorker:
 
     def poll_sent(self) -> set[str]:
         """Requests whose blocks may be freed now: a decoder pushed DONE, or the abort
-        timeout passed. Their slots are cleared first (Rule 1 of mailbox.py)."""
+        timeout passed. Their slots are cleared first (Rule 1 of mailbox.py). Layer-wise:
+        every push of the request ended (or failed) and vLLM finished it."""
         now = time.monotonic()
-        out: set[str] = set()
+        out: set[str] = set() if self.lw_producer is None else self.lw_producer.poll()
         for rid, (slot, tag, deadline) in list(self._held.items()):
             if self._mailbox.is_done(slot, tag):
                 self.stats.sent_notified += 1
@@ -335,6 +374,32 @@ class DatadistWorker:
         ``start``."""
         return None if self._dd is None else self._dd.engine
 
+    def submit_layerwise(self, tasks: list[LayerwiseRecvTask]) -> None:
+        """Queue layer-wise receives (decode side); their outcome shows in ``poll_recv``.
+        Never blocks; a task in pull mode fails in the next ``poll_recv``."""
+        if self.lw_consumer is None:
+            self._failed.update(t.request_id for t in tasks)
+            logger.warning("datadist: layer-wise requests %s refused: this decoder runs in "
+                           "mode %r", [t.request_id for t in tasks], self.settings.mode)
+            return
+        self.lw_consumer.submit(tasks, self.rank)
+
+    def _received(self, task: LayerwiseRecvTask, seconds: float, cluster_id: int) -> None:
+        """A layer-wise request's every layer landed: count it and run the hook."""
+        assert self._layout is not None
+        n = len(task.local_block_ids)
+        nbytes = n * self._layout.num_layers * self._block_bytes()
+        self.stats.requests_pulled += 1
+        self.stats.blocks_pulled += n
+        self.stats.bytes_pulled += nbytes
+        self.stats.pull_seconds.append(seconds)
+        logger.info("datadist: received request %s layer by layer (%s): %d blocks, %d bytes "
+                    "from cluster %d, DONE %.2f ms after the plan was sent, seen at %.4f",
+                    task.request_id, task.remote.request_id, n, nbytes, cluster_id,
+                    seconds * 1e3, time.time())
+        if self.on_pulled is not None:
+            self.on_pulled(task)  # type: ignore[arg-type]
+
     def submit(self, tasks: list[RecvTask]) -> None:
         """Queue pulls; their outcome shows in ``poll_recv`` of a later step. Never blocks:
         the transfers are issued by ``poll_recv``; a producer not linked yet starts being
@@ -349,7 +414,9 @@ class DatadistWorker:
     def active(self) -> bool:
         """Whether datadist has work in this process now or soon: requests held for
         decoders (whose pulls this process serves) or pulls queued or in flight."""
-        return bool(self._held) or bool(self._pulls) or bool(self._waiting)
+        return (bool(self._held) or bool(self._pulls) or bool(self._waiting)
+                or (self.lw_producer is not None and self.lw_producer.active)
+                or (self.lw_consumer is not None and self.lw_consumer.active))
 
     def poll_recv(self) -> tuple[set[str], set[str]]:
         """(requests finished receiving, the subset that failed) since the last call.
@@ -372,7 +439,32 @@ class DatadistWorker:
                     break
         done, failed = self._done, self._failed
         self._done, self._failed = set(), set()
+        if self.lw_consumer is not None:
+            lw_done, lw_failed = self.lw_consumer.poll()
+            done |= lw_done - lw_failed
+            failed |= lw_failed
         return done | failed, failed
+
+    def wait_recv(self, seconds: float) -> bool:
+        """Block up to ``seconds`` (GIL released) for one of this worker's KV transfers in
+        flight to end, or a layer-wise DONE to land; True if there was one to wait for.
+        Who calls: the connector's ``get_transfer_results`` on a step that scheduled
+        nothing, before it asks ``poll_recv`` again."""
+        deadline = time.monotonic() + seconds
+        kv = [p.handle for p in self._pulls
+              if p.step is _Step.PULL and p.handle is not None and not p.handle.done()]
+        if kv:
+            with contextlib.suppress(Exception):  # its failure is poll_recv's to report
+                kv[0].wait(seconds)
+            return True
+        lw = self.lw_consumer
+        if lw is None or not lw.waiting_for_layers:
+            return False
+        while time.monotonic() < deadline:
+            if lw.landed():
+                break
+            time.sleep(0.0002)
+        return True
 
     def _begin(self, task: RecvTask) -> None:
         """Start one request: once its producer is linked, read its mailbox slot (Rule 2)."""
@@ -526,6 +618,12 @@ class DatadistWorker:
         n = int(np.prod(self._layout.block_shape)) * self._layout.tensors_per_layer
         return n * _ITEMSIZE.get(self._layout.dtype, 1)
 
+    def _push_failed(self, cluster_id: int, e: BaseException) -> None:
+        """A layer-wise push to a decoder failed: a broken link is dropped (the next request
+        to that decoder links again)."""
+        if isinstance(e, llm_datadist.LLMException) and e.status_code in _LINK_CODES:
+            self._drop_link(cluster_id)
+
     def _drop_link(self, cluster_id: int) -> None:
         info = None if self._linker is None else self._linker.drop(cluster_id)
         if info is None or self._dd is None:
@@ -541,6 +639,8 @@ class DatadistWorker:
         """Finalize (which ends every transfer still in flight). Idempotent."""
         self._waiting.clear()
         self._pulls.clear()
+        if self.lw_consumer is not None:
+            self.lw_consumer.close()
         dd, self._dd = self._dd, None
         linker, self._linker = self._linker, None
         if linker is not None:
