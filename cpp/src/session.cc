@@ -223,6 +223,9 @@ std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline
   } catch (const Error &e) {  // not issued: counted as a transfer that failed
     metrics::RecordSince(op, cluster, 0, since, e.code());
     throw;
+  } catch (const std::exception &e) {  // no worker could be started: the task's code, counted
+    metrics::RecordSince(op, cluster, 0, since, llm_datadist::LLM_FAILED);
+    return Task::Ended(llm_datadist::LLM_FAILED, std::string("the transfer could not be queued: ") + e.what());
   }
 }
 

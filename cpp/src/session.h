@@ -143,8 +143,9 @@ class Session {
   /// Run, issued: a pull of up to kInlineBytes that a whole-cache lease of its link covers
   /// is copied now, in the caller's thread (waiting for nobody: 15-26 us less than the hand
   /// over, issue 23); anything else is queued on the workers. Returns the Task (ended
-  /// already for an inline copy); a Task that cannot be queued (Close ran) is counted as a
-  /// failed transfer and thrown. Blocks only for the inline copy.
+  /// already for an inline copy, and for a transfer no worker could be started for:
+  /// LLM_FAILED, counted). After Close the Task ends at once with LLM_FAILED (the engine is
+  /// closed). Blocks only for the inline copy.
   std::shared_ptr<Task> Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since);
 
   // ---- local copies
