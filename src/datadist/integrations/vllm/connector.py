@@ -6,9 +6,11 @@ parameter names, so routers written for NIXL work unchanged (see docs/vllm.md).
 
 The decode side loads asynchronously (``get_num_new_matched_tokens`` returns ``load_async``):
 the request waits in WAITING_FOR_REMOTE_KVS until ``get_finished`` reports its pull, so no
-forward pass ever waits for a layer and ``wait_for_layer_load`` / ``save_kv_layer`` /
-``wait_for_save`` have nothing to do. Pull failures are reported as ``failed_recving``, and
-vLLM applies ``kv_load_failure_policy`` (recompute or fail).
+forward pass ever waits for a layer and ``wait_for_layer_load`` has nothing to do. In the
+layer-wise mode (``kv_connector_extra_config["mode"] = "layerwise"``, layerwise.py) the
+prefill side pushes each layer from ``save_kv_layer``, and ``wait_for_save`` ends the step's
+pushes. Failures are reported as ``failed_recving``, and vLLM applies
+``kv_load_failure_policy`` (recompute or fail).
 """
 
 from __future__ import annotations

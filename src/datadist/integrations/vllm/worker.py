@@ -14,6 +14,11 @@ Who calls what (connector.py, from vLLM's worker process):
   address (``submit``), a linker thread links to it (``_Linker``, bounded by
   ``link_timeout_ms``) while the step goes on; that producer's requests wait, without blocking
   anything, until the link is up (or fail when it cannot be made). No step ever blocks.
+- Layer-wise mode (``settings.mode == "layerwise"``): ``lw_producer`` / ``lw_consumer``
+  (layerwise.py) do the pushes and receives; ``submit_layerwise`` queues a decoder's
+  requests, ``poll_sent`` / ``poll_recv`` report them with the pulls'. A layer-wise decoder
+  listens (its prefill links to it and pushes).
+- ``wait_recv`` on a step that scheduled nothing: waits, bounded, for a transfer in flight.
 - ``close()`` at shutdown.
 
 Only datadist's public API is used (``import datadist as llm_datadist``), plus its documented
