@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -97,7 +98,8 @@ def _reaches_hooks(tree: ast.AST) -> list[str]:
     reads ``<x>.testing.<hook>`` in ``tree``."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in ("datadist._core", "datadist.testing"):
+        if isinstance(node, ast.ImportFrom) and node.module in ("datadist._core",
+                                                                "datadist.testing"):
             found += [f"from {node.module} import {a.name}" for a in node.names
                       if a.name in ("testing", "engine")]
         elif isinstance(node, ast.ImportFrom) and node.module in (
@@ -134,3 +136,12 @@ def test_production_code_does_not_reach_the_hooks() -> None:
         if found:
             offenders[rel] = found
     assert not offenders, f"production modules reach the core's test hooks: {offenders}"
+
+
+def test_the_generator_is_pinned_once() -> None:
+    """tools/gen_stub.py, the `test` extra and CI's lint stage name one pybind11-stubgen
+    version (another writes other text, and the check would fail for it, not for the code)."""
+    gen = _generator()
+    pins = re.findall(r'"pybind11-stubgen([^"]*)"', (ROOT / "pyproject.toml").read_text())
+    assert pins and set(pins) == {f"=={gen.STUBGEN}"}, pins  # the test and dev extras
+    assert f"'pybind11-stubgen=={gen.STUBGEN}'" in (ROOT / ".ci" / "run").read_text()
