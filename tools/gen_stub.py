@@ -39,7 +39,7 @@ STUBGEN = "3.0.0"  # pyproject.toml's test extra pins the same
 REGENERATE = "python tools/gen_stub.py"
 
 HEADER = (f"# Generated from the built {MODULE} by pybind11-stubgen {STUBGEN} ({REGENERATE}):\n"
-          "# do not edit; change cpp/python/*.cc and regenerate "
+          "# do not edit; change the binding (cpp/python/) and regenerate "
           "(tests/project/test_stub.py checks it).\n")
 
 # pybind11 3's input name of py::array_t<T, forcecast> -> what our callers must pass.

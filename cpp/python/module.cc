@@ -242,7 +242,10 @@ struct pybind11::detail::handle_type_name<ErrorObject> {
 };
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "datadist's C++ engine (private: datadist.core.native drives it)";
+  m.doc() =
+      "datadist's C++ engine (private: datadist.core.native drives it). Every error of the core is raised as "
+      "datadist.core.errors' class for its code (one code-to-class table, module.cc PyError); a checksum mismatch "
+      "as IntegrityError. Hooks for tests and tools: the `testing` submodule.";
   m.attr("__version__") = DATADIST_VERSION;
   // How this module was built, for `datadist info` and bug reports. Called by Python at any
   // time; returns at once.
@@ -286,20 +289,28 @@ PYBIND11_MODULE(_core, m) {
   // are generated from, and the one parser of the init options both faces use. Called by
   // datadist.api (config, init) and the CLI; they return at once.
   py::class_<datadist::OptionSpec>(m, "OptionSpec", "One row of the option table (read only)")
-      .def_property_readonly("key", [](const datadist::OptionSpec &s) { return std::string(s.key); })
-      .def_property_readonly("env", [](const datadist::OptionSpec &s) { return std::string(s.env); })
-      .def_property_readonly("kind",
-                             [](const datadist::OptionSpec &s) { return std::string(datadist::KindName(s.kind)); })
-      .def_property_readonly("values", [](const datadist::OptionSpec &s) { return s.values; })
+      .def_property_readonly(
+          "key", [](const datadist::OptionSpec &s) { return std::string(s.key); }, "the option's key")
+      .def_property_readonly(
+          "env", [](const datadist::OptionSpec &s) { return std::string(s.env); },
+          "its environment variable (\"\": none)")
+      .def_property_readonly(
+          "kind", [](const datadist::OptionSpec &s) { return std::string(datadist::KindName(s.kind)); },
+          "\"bool\", \"int\", \"enum\", \"str\", \"path\" or \"secret\"")
+      .def_property_readonly(
+          "values", [](const datadist::OptionSpec &s) { return s.values; }, "an enum's accepted values")
       .def_property_readonly(
           "range",
           [](const datadist::OptionSpec &s) -> py::typing::Optional<py::typing::Tuple<int64_t, int64_t>> {
             if (s.kind != datadist::OptionKind::kInt) return py::none();
             return py::make_tuple(s.lo, s.hi);
-          })
+          },
+          "an int's range, both ends included (None for other kinds)")
       .def_property_readonly("unit", [](const datadist::OptionSpec &s) { return std::string(s.unit); })
       .def_property_readonly("default", [](const datadist::OptionSpec &s) { return std::string(s.def); })
-      .def_property_readonly("attr", [](const datadist::OptionSpec &s) { return std::string(s.attr); })
+      .def_property_readonly(
+          "attr", [](const datadist::OptionSpec &s) { return std::string(s.attr); },
+          "the LLMConfig property made for it (\"\": none)")
       .def_property_readonly("doc", [](const datadist::OptionSpec &s) { return std::string(s.doc); })
       .def("__repr__", [](const datadist::OptionSpec &s) { return std::string("<OptionSpec ") + s.key + ">"; });
   m.def(

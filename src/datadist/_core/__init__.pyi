@@ -1,7 +1,7 @@
 # Generated from the built datadist._core by pybind11-stubgen 3.0.0 (python tools/gen_stub.py):
-# do not edit; change cpp/python/*.cc and regenerate (tests/project/test_stub.py checks it).
+# do not edit; change the binding (cpp/python/) and regenerate (tests/project/test_stub.py checks it).
 """
-datadist's C++ engine (private: datadist.core.native drives it)
+datadist's C++ engine (private: datadist.core.native drives it). Every error of the core is raised as datadist.core.errors' class for its code (one code-to-class table, module.cc PyError); a checksum mismatch as IntegrityError. Hooks for tests and tools: the `testing` submodule.
 """
 from __future__ import annotations
 import collections.abc
@@ -19,7 +19,9 @@ class OptionSpec:
         ...
     @property
     def attr(self) -> str:
-        ...
+        """
+        the LLMConfig property made for it ("": none)
+        """
     @property
     def default(self) -> str:
         ...
@@ -28,22 +30,32 @@ class OptionSpec:
         ...
     @property
     def env(self) -> str:
-        ...
+        """
+        its environment variable ("": none)
+        """
     @property
     def key(self) -> str:
-        ...
+        """
+        the option's key
+        """
     @property
     def kind(self) -> str:
-        ...
+        """
+        "bool", "int", "enum", "str", "path" or "secret"
+        """
     @property
     def range(self) -> tuple[int, int] | None:
-        ...
+        """
+        an int's range, both ends included (None for other kinds)
+        """
     @property
     def unit(self) -> str:
         ...
     @property
     def values(self) -> list[str]:
-        ...
+        """
+        an enum's accepted values
+        """
 class Handle:
     """
     An asynchronous transfer, run by the engine's workers

@@ -1,5 +1,5 @@
 # Generated from the built datadist._core by pybind11-stubgen 3.0.0 (python tools/gen_stub.py):
-# do not edit; change cpp/python/*.cc and regenerate (tests/project/test_stub.py checks it).
+# do not edit; change the binding (cpp/python/) and regenerate (tests/project/test_stub.py checks it).
 """
 Hooks into an Engine for tests and tools (datadist.testing.engine); not for production code.
 """
