@@ -35,6 +35,8 @@ void BindTesting(pybind11::module_ &parent) {
   namespace py = pybind11;
   py::module_ m = parent.def_submodule(
       "testing", "Hooks into an Engine for tests and tools (datadist.testing.engine); not for production code.");
+  // Importable by its name too (`import datadist._core.testing`), as its stub says it is.
+  py::module_::import("sys").attr("modules")[m.attr("__name__")] = m;
 
   m.def(
       "nixl_agent",

@@ -15,6 +15,7 @@ src/datadist outside ``datadist/testing`` imports either.
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import os
 import re
@@ -97,6 +98,8 @@ def test_test_hooks_are_not_on_the_production_engine() -> None:
     assert not on_engine, f"test hooks bound on the production module: {on_engine}"
     missing = [name for name in HOOKS if not hasattr(core.testing, name)]
     assert not missing, f"_core.testing lacks {missing}"
+    # importable by name too, as the stub package (_core/testing.pyi) tells mypy it is
+    assert importlib.import_module("datadist._core.testing") is core.testing
 
 
 def _reaches_hooks(tree: ast.AST) -> list[str]:
