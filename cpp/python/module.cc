@@ -14,6 +14,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <pybind11/typing.h>
 #include <sys/uio.h>
 
 #include <chrono>
@@ -31,6 +32,7 @@
 #include "options.h"
 #include "session.h"
 #include "tasks.h"
+#include "testing.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -83,10 +85,15 @@ datadist::wire::Request ToRequest(uint8_t kind, uint64_t a, uint64_t b, uint64_t
   return r;
 }
 
+/// (op, cluster_id, transfers, bytes, {status name: count}, bucket counts, nanoseconds) per series.
+using MetricsTable =
+    py::typing::List<py::typing::Tuple<py::str, uint64_t, uint64_t, uint64_t, py::typing::Dict<py::str, uint64_t>,
+                                       py::typing::List<uint64_t>, uint64_t>>;
+
 /// The core's series as Python's datadist.core.metrics reads them: (op, cluster_id,
 /// transfers, bytes, {status name: count}, per-bucket counts (not cumulative, the last above
 /// all), nanoseconds summed).
-py::list MetricsSeries() {
+MetricsTable MetricsSeries() {
   std::vector<datadist::metrics::Series> all;
   {
     py::gil_scoped_release nogil;
@@ -107,6 +114,18 @@ py::list MetricsSeries() {
 /// The engine Python drives: the core's session (session.h), the one seam both faces call.
 using Core = datadist::Session;
 using datadist::Call;
+
+/// A datadist.core.errors.DatadistError (PyError's result), named so in the stub (handle_type_name below).
+class ErrorObject : public py::object {
+ public:
+  using py::object::object;
+  ErrorObject(const py::object &o) : py::object(o) {}  // NOLINT: implicit, as pybind11's own wrappers
+};
+
+/// A parsed option's value: bool, int or str by its row's kind.
+using OptionValue = py::typing::Union<bool, int64_t, py::str>;
+/// parse_options' answer: {key: (value, source)}.
+using ParsedOptions = py::typing::Dict<py::str, py::typing::Tuple<OptionValue, py::str>>;
 
 /// The package's error for a core error: the binding's one code-to-class table. A checksum
 /// mismatch (its kind, not its code, which a peer's protocol error shares) is IntegrityError;
@@ -148,14 +167,22 @@ py::object PyError(datadist::Status code, const std::string &message, datadist::
 
 }  // namespace
 
+template <>
+struct pybind11::detail::handle_type_name<ErrorObject> {
+  static constexpr auto name = const_name("datadist.core.errors.DatadistError");
+};
+
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "datadist's C++ engine (private: datadist.core.native drives it)";
+  m.doc() =
+      "datadist's C++ engine (private: datadist.core.native drives it). Every error of the core is raised as "
+      "datadist.core.errors' class for its code (one code-to-class table, module.cc PyError); a checksum mismatch "
+      "as IntegrityError. Hooks for tests and tools: the `testing` submodule.";
   m.attr("__version__") = DATADIST_VERSION;
   // How this module was built, for `datadist info` and bug reports. Called by Python at any
   // time; returns at once.
   m.def(
       "build_info",
-      [] {
+      []() -> py::typing::Dict<py::str, py::str> {
         py::dict info;
         info["compiler"] = DATADIST_CXX_COMPILER;
         info["build_type"] = DATADIST_BUILD_TYPE;
@@ -169,13 +196,16 @@ PYBIND11_MODULE(_core, m) {
 
   // Called by core/native.py refusal() and `datadist info`; returns at once.
   m.def(
-      "tls", [] { return py::make_tuple(datadist::tls::Available(), datadist::tls::Describe()); },
+      "tls",
+      []() -> py::typing::Tuple<bool, py::str> {
+        return py::make_tuple(datadist::tls::Available(), datadist::tls::Describe());
+      },
       "(available, what): does this build have TLS, and the OpenSSL it runs with (or why not).");
   // Called by core/native.py with the nixl-cu12 wheel's libnixl_capi.so before an engine
   // that serves NIXL opens; loads it once per process (without the GIL: NIXL's constructors).
   m.def(
       "nixl_load",
-      [](const std::string &path) {
+      [](const std::string &path) -> py::typing::Tuple<bool, py::str> {
         std::string why;
         bool ok;
         {
@@ -185,27 +215,33 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(ok, why);
       },
       py::arg("path"), "(loaded, why not): loads NIXL's C API from `path` (the first call wins).");
-  m.def(
-      "nixl_whole_process_reach", [] { return datadist::nixl::WholeProcessReach(); },
-      "How a NIXL peer of this process could reach memory never registered (transport/nixl.py's rule).");
 
   // The option table (cpp/src/options.h): what LLMConfig's datadist extras and `datadist info`
   // are generated from, and the one parser of the init options both faces use. Called by
   // datadist.api (config, init) and the CLI; they return at once.
   py::class_<datadist::OptionSpec>(m, "OptionSpec", "One row of the option table (read only)")
-      .def_property_readonly("key", [](const datadist::OptionSpec &s) { return std::string(s.key); })
-      .def_property_readonly("env", [](const datadist::OptionSpec &s) { return std::string(s.env); })
-      .def_property_readonly("kind",
-                             [](const datadist::OptionSpec &s) { return std::string(datadist::KindName(s.kind)); })
-      .def_property_readonly("values", [](const datadist::OptionSpec &s) { return s.values; })
-      .def_property_readonly("range",
-                             [](const datadist::OptionSpec &s) -> py::object {
-                               if (s.kind != datadist::OptionKind::kInt) return py::none();
-                               return py::make_tuple(s.lo, s.hi);
-                             })
+      .def_property_readonly(
+          "key", [](const datadist::OptionSpec &s) { return std::string(s.key); }, "the option's key")
+      .def_property_readonly(
+          "env", [](const datadist::OptionSpec &s) { return std::string(s.env); },
+          "its environment variable (\"\": none)")
+      .def_property_readonly(
+          "kind", [](const datadist::OptionSpec &s) { return std::string(datadist::KindName(s.kind)); },
+          "\"bool\", \"int\", \"enum\", \"str\", \"path\" or \"secret\"")
+      .def_property_readonly(
+          "values", [](const datadist::OptionSpec &s) { return s.values; }, "an enum's accepted values")
+      .def_property_readonly(
+          "range",
+          [](const datadist::OptionSpec &s) -> py::typing::Optional<py::typing::Tuple<int64_t, int64_t>> {
+            if (s.kind != datadist::OptionKind::kInt) return py::none();
+            return py::make_tuple(s.lo, s.hi);
+          },
+          "an int's range, both ends included (None for other kinds)")
       .def_property_readonly("unit", [](const datadist::OptionSpec &s) { return std::string(s.unit); })
       .def_property_readonly("default", [](const datadist::OptionSpec &s) { return std::string(s.def); })
-      .def_property_readonly("attr", [](const datadist::OptionSpec &s) { return std::string(s.attr); })
+      .def_property_readonly(
+          "attr", [](const datadist::OptionSpec &s) { return std::string(s.attr); },
+          "the LLMConfig property made for it (\"\": none)")
       .def_property_readonly("doc", [](const datadist::OptionSpec &s) { return std::string(s.doc); })
       .def("__repr__", [](const datadist::OptionSpec &s) { return std::string("<OptionSpec ") + s.key + ">"; });
   m.def(
@@ -213,7 +249,7 @@ PYBIND11_MODULE(_core, m) {
       "Every row of the option table, in its order.");
   m.def(
       "parse_options",
-      [](const std::map<std::string, std::string> &options, bool environ) {
+      [](const std::map<std::string, std::string> &options, bool environ) -> ParsedOptions {
         const datadist::Options parsed =
             datadist::ParseOptions(options, environ ? datadist::ProcessEnv() : datadist::NoEnv());
         py::dict out;
@@ -236,7 +272,7 @@ PYBIND11_MODULE(_core, m) {
       "InvalidArgument (LLM_PARAM_INVALID) with the table's message for a bad value.");
   m.def(
       "check_option",
-      [](const std::string &key, const std::string &value) -> py::object {
+      [](const std::string &key, const std::string &value) -> OptionValue {
         const datadist::OptionSpec *spec = datadist::FindOption(key);
         if (spec == nullptr) throw py::key_error(key);
         const datadist::OptionValue v = datadist::CheckValue(*spec, value, key);
@@ -247,22 +283,6 @@ PYBIND11_MODULE(_core, m) {
       py::arg("key"), py::arg("value"),
       "One value of `key` checked alone (LLMConfig's setters): its parsed value, or "
       "InvalidArgument (LLM_PARAM_INVALID) with the table's message; KeyError for a key the table has not.");
-  m.def(
-      "transport_settings",
-      [](const std::string &transport) {
-        datadist::EngineOptions o;
-        const datadist::OptionSpec &spec = *datadist::FindOption("datadist.Transport");
-        datadist::ApplyTransport(datadist::CheckValue(spec, transport, spec.key).s, &o);
-        py::dict out;
-        out["local_channel"] = o.same_host;
-        out["shm"] = o.shm;
-        out["shm_forced"] = o.shm_forced;
-        out["nixl_read"] = o.nixl.read;
-        return out;
-      },
-      py::arg("transport"),
-      "What a forced transport means for links (options.h ApplyTransport): local_channel (used and "
-      "served), shm, shm_forced, nixl_read.");
 
   // Every datadist::Error leaves the core as the package's own error class (PyError's table).
   py::register_exception_translator([](std::exception_ptr p) {
@@ -286,7 +306,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("timeout_s"), "Blocks (without the GIL) until it ends or timeout_s passes; True once ended.")
       .def(
           "error",
-          [](datadist::Task &t) -> py::object {
+          [](datadist::Task &t) -> py::typing::Optional<ErrorObject> {
             if (!t.Done() || t.code() == 0) return py::none();
             return PyError(t.code(), t.message(), t.kind());
           },
@@ -308,7 +328,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly(
           "spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds");
 
-  py::class_<Core>(m, "Engine")
+  py::class_<Core>(
+      m, "Engine",
+      "An engine (cpp/src/engine.h) and its asynchronous workers: datadist.core.native.NativeEngine drives it")
       .def(py::init<uint64_t, int32_t, size_t>(), py::arg("cluster_id"), py::arg("role"), py::arg("async_threads") = 4)
       .def(
           "open",
@@ -342,53 +364,6 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c, bool set, const std::string &text) { c.engine().SetLocalCommRes(set, text); }, py::arg("set"),
           py::arg("text"), "After open: llm.LocalCommRes, checked when linking as CANN does (Engine::SetLocalCommRes).")
       .def(
-          "nixl_refusal", [](Core &c) { return c.engine().nixl_owner().Refusal(); },
-          "Why this engine serves no NIXL reader (\"\": it does). Never blocks.")
-      .def(
-          "nixl_agent",
-          [](Core &c) -> py::object {
-            std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent();
-            if (!a) return py::none();
-            return py::make_tuple(a->name(), a->generation(), a->pump_users(), a->pump_fresh(), a->prepared());
-          },
-          "(name, generation, leases keeping its pump beating, of them on connections without a "
-          "completed NIXL read, transfers prepared so far) of the engine's NIXL agent, or None before "
-          "one was needed (tests, `datadist info`).")
-      .def(
-          "nixl_regions",
-          [](Core &c) {
-            py::list out;
-            if (std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent())
-              for (const auto &s : a->Spans()) out.append(py::make_tuple(s.start, s.end, s.kind.mem, s.kind.device));
-            return out;
-          },
-          "Every tensor the engine's NIXL agent registered: (start, end, memory kind: 0 DRAM, 1 VRAM, "
-          "CUDA device), by address; empty before an agent was made (tests, tools). Never blocks.")
-      .def(
-          "set_nixl_options",
-          [](Core &c, bool serve, bool whole_process) {
-            datadist::nixl::ServeOptions o;
-            o.serve = serve;
-            o.whole_process = whole_process;
-            c.engine().nixl_owner().SetOptions(o);
-          },
-          py::arg("serve"), py::arg("whole_process"),
-          "Serving NIXL turned on or off on a running engine (asked anew on every NIXL request).")
-      .def(
-          "set_nixl_revoke_wait", [](Core &c, double s) { c.engine().nixl_owner().SetRevokeWait(s); },
-          "How long a reader has to give a revoked NIXL lease back (5 s; tests shorten it).")
-      .def(
-          "nixl_progress",
-          [](Core &c) {
-            std::shared_ptr<datadist::nixl::Agent> a = c.engine().nixl_owner().agent();
-            py::gil_scoped_release nogil;
-            if (a) a->Progress();
-          },
-          "One progress call of the owner's NIXL agent, if made (tests drive it while no lease is open).")
-      .def(
-          "nixl_leases", [](Core &c) { return c.engine().nixl_owner().leases(); },
-          "NIXL cache leases readers hold on our caches now (tests).")
-      .def(
           "close",
           [](Core &c, double wait_s) {
             py::gil_scoped_release nogil;
@@ -419,14 +394,15 @@ PYBIND11_MODULE(_core, m) {
             py::gil_scoped_release nogil;
             return c.engine().Connect(id, host, port, DeadlineIn(timeout_s), take_peer_id, true);
           },
-          py::arg("cluster_id"), py::arg("host"), py::arg("port"), py::arg("timeout_s"), py::arg("take_peer_id"))
+          py::arg("cluster_id"), py::arg("host"), py::arg("port"), py::arg("timeout_s"), py::kw_only(),
+          py::arg("take_peer_id"))
       .def(
           "unlink",
           [](Core &c, uint64_t id, double timeout_s, bool force, bool quiet_inbound) {
             py::gil_scoped_release nogil;
             c.Unlink(id, DeadlineIn(timeout_s), force, quiet_inbound);
           },
-          py::arg("cluster_id"), py::arg("timeout_s"), py::arg("force"), py::arg("quiet_inbound"))
+          py::arg("cluster_id"), py::arg("timeout_s"), py::kw_only(), py::arg("force"), py::arg("quiet_inbound"))
       .def(
           "link_many",
           [](Core &c, const std::vector<std::tuple<uint64_t, std::string, uint16_t>> &peers, double timeout_s,
@@ -475,8 +451,8 @@ PYBIND11_MODULE(_core, m) {
             py::gil_scoped_release nogil;
             return c.engine().OpenLink(id, host, port, DeadlineIn(timeout_s), take_peer_id, reverse);
           },
-          py::arg("cluster_id"), py::arg("host"), py::arg("port"), py::arg("timeout_s"), py::arg("take_peer_id"),
-          py::arg("reverse"))
+          py::arg("cluster_id"), py::arg("host"), py::arg("port"), py::arg("timeout_s"), py::kw_only(),
+          py::arg("take_peer_id"), py::arg("reverse"))
       .def(
           "adopt_link", [](Core &c, const std::shared_ptr<datadist::Link> &link) { c.engine().AdoptLink(link); },
           py::arg("link"))
@@ -512,14 +488,14 @@ PYBIND11_MODULE(_core, m) {
           py::arg("inbound"))
       .def(
           "linked",
-          [](Core &c, uint64_t id) {
+          [](Core &c, uint64_t id) -> py::typing::Tuple<bool, bool> {
             auto [own, inbound] = c.engine().BothEnds(id);
             return py::make_tuple(own != nullptr, inbound != nullptr);
           },
           py::arg("cluster_id"), "(we made a link to it, it made one to us)")
       .def(
           "link_serial",
-          [](Core &c, uint64_t id) -> py::object {
+          [](Core &c, uint64_t id) -> py::typing::Optional<py::int_> {
             auto link = c.engine().FindLink(id);
             if (!link) return py::none();
             return py::int_(link->serial());
@@ -528,15 +504,8 @@ PYBIND11_MODULE(_core, m) {
           "which link `cluster_id` is filed under now (Link::serial, never reused): tells a replaced link from "
           "the one seen before (tests)")
       .def(
-          "link_nixl_leases",
-          [](Core &c, uint64_t id) -> size_t {
-            auto link = c.engine().FindLink(id);
-            return link ? link->nixl_leases() : 0;
-          },
-          py::arg("cluster_id"), "NIXL leases on whole caches our link to `cluster_id` holds now (tests).")
-      .def(
           "link_path",
-          [](Core &c, uint64_t id) -> py::object {
+          [](Core &c, uint64_t id) -> py::typing::Optional<py::str> {
             auto link = c.engine().FindLink(id);
             if (!link) return py::none();
             return py::str(link->path_name());
@@ -544,7 +513,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("cluster_id"))
       .def(
           "link_moved",
-          [](Core &c, uint64_t id) -> py::object {
+          [](Core &c, uint64_t id) -> py::typing::Optional<py::str> {
             auto link = c.engine().FindLink(id);
             if (!link) return py::none();
             return py::str(link->last_moved());
@@ -552,7 +521,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("cluster_id"), "how the link's last pull moved its bytes: shm, cma, stream or \"\"")
       .def(
           "link_reason",
-          [](Core &c, uint64_t id) -> py::object {
+          [](Core &c, uint64_t id) -> py::typing::Optional<py::str> {
             auto link = c.engine().FindLink(id);
             if (!link) return py::none();
             return py::str(link->PathReason());
@@ -718,4 +687,7 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("op"), py::arg("cluster_id"), py::arg("nbytes"), py::arg("seconds"), py::arg("code"),
       "Counts one transfer the core did not run (code 0: succeeded), e.g. one refused before it reached the core.");
+
+  // The hooks for tests and tools (testing.h), in their own submodule: after Engine is bound.
+  datadist::python::BindTesting<Core>(m);
 }

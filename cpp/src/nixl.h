@@ -146,7 +146,7 @@ class Agent {
     uint64_t start, end;
     MemKind kind;
   };
-  /// Every registered tensor, by address (tests, `_core.nixl_regions`).
+  /// Every registered tensor, by address (tests, `_core.testing.nixl_regions`).
   std::vector<Span> Spans();
   /// NIXL_MD for a reader; LLM_FEATURE_NOT_ENABLED while private memory is registered.
   wire::NixlMd Metadata();
@@ -232,7 +232,7 @@ class Owner {
   void Configure(const ServeOptions &options, Revoker revoke, ReverseUp reverse_up);
   /// The options alone (tests: serving turned off under a live agent is asked anew).
   void SetOptions(const ServeOptions &options);
-  /// Why this process serves no NIXL reader ("": it does; NativeEngine.nixl_refusal asks), asked
+  /// Why this process serves no NIXL reader ("": it does; datadist.testing.engine.nixl_refusal asks), asked
   /// on every NIXL request. Never blocks.
   std::string Refusal();
   /// The agent for a NIXL request, created (every servable cache registered) at the first;

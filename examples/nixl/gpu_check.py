@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 import datadist as llm_datadist
+from datadist.testing import engine as hooks
 
 OWNER, DECODER = 101, 202
 TENSORS, SLOTS, SLOT_SHAPE = 4, 8, (16, 256)  # 4 tensors of 8 slots of 16x256 fp16 (8 KiB)
@@ -59,7 +60,7 @@ def register(dd: Any, tensors: list[Any], placement: Any) -> Any:
 
 def regions(dd: Any) -> list[tuple[int, int, int, int]]:
     """(start, end, memory kind, device) of what the core's NIXL agent registered."""
-    return [tuple(r) for r in dd.engine._core.nixl_regions()]
+    return [tuple(r) for r in hooks.nixl_regions(dd.engine)]
 
 
 def check(ok: bool, what: str) -> bool:

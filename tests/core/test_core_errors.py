@@ -37,14 +37,14 @@ def test_engine_errors_by_code() -> None:
             engine._core.ping(99, 0.1)
         assert e.value.code is errors.Code.NOT_YET_LINK and "99" in str(e.value)
         with pytest.raises(errors.LinkFailed):  # nobody listens there
-            engine._core.connect(5, "127.0.0.1", 1, 0.5, False)
+            engine._core.connect(5, "127.0.0.1", 1, 0.5, take_peer_id=False)
         with pytest.raises(errors.AlreadyLinked):
             owner = native.NativeEngine(EngineConfig(cluster_id=5, role=1, transport="tcp",
                                                      listen=("127.0.0.1", 0)))
             try:
                 host, port = owner.listen_address
-                engine._core.connect(5, host, port, 5.0, False)
-                engine._core.connect(5, host, port, 5.0, False)
+                engine._core.connect(5, host, port, 5.0, take_peer_id=False)
+                engine._core.connect(5, host, port, 5.0, take_peer_id=False)
             finally:
                 owner.close()
     finally:
@@ -55,6 +55,6 @@ def test_unlink_of_an_unknown_cluster_is_not_linked() -> None:
     engine = native.NativeEngine(EngineConfig(cluster_id=1, role=2, transport="tcp"))
     try:
         with pytest.raises(errors.NotLinked):
-            engine._core.unlink(42, 0.1, True, False)
+            engine._core.unlink(42, 0.1, force=True, quiet_inbound=False)
     finally:
         engine.close()

@@ -43,6 +43,7 @@ from datadist.core.layout import (
     plan_slot,
 )
 from datadist.core.native import NativeEngine
+from datadist.testing import engine as hooks
 from datadist.wire import protocol as p
 
 pytestmark = [pytest.mark.timeout(60),
@@ -131,17 +132,17 @@ def core_pair() -> Iterator[tuple[NativeEngine, NativeEngine]]:
 
 def _held(owner: NativeEngine) -> int:
     """NIXL leases on whole caches readers hold on the owner now."""
-    return owner.nixl_leases
+    return hooks.nixl_leases(owner)
 
 
 def _granted(owner: NativeEngine) -> int:
     """NIXL grants (between NIXL_GRANT and RELEASE) open on the owner now."""
-    agent = owner.nixl_agent
+    agent = hooks.nixl_agent(owner)
     return 0 if agent is None else agent[2] - _held(owner)
 
 
 def _reader_leases(puller: NativeEngine, cluster_id: int = 1) -> int:
-    return int(puller._core.link_nixl_leases(cluster_id))
+    return int(hooks.link_nixl_leases(puller, cluster_id))
 
 
 def _served(op: str) -> int:
@@ -172,7 +173,7 @@ def _caches(owner: NativeEngine, puller: NativeEngine, n: int, fill: int = 7):
 
 
 def _pump_idle(owner: NativeEngine) -> bool:
-    return _wait(lambda: (owner.nixl_agent or ("", 0, 0, 0))[2] == 0)
+    return _wait(lambda: (hooks.nixl_agent(owner) or ("", 0, 0, 0))[2] == 0)
 
 
 @needs_nixl
@@ -183,7 +184,7 @@ def test_an_owner_serving_nixl_runs_on_the_core() -> None:
     eng = native.engine_for(config)
     try:
         assert isinstance(eng, NativeEngine)
-        assert eng.nixl_refusal() is None and eng.nixl_agent is None
+        assert hooks.nixl_refusal(eng) is None and hooks.nixl_agent(eng) is None
     finally:
         eng.close()
 
@@ -194,7 +195,7 @@ def test_auto_never_picks_nixl() -> None:
     puller = _reader(transport="auto")
     try:
         assert _link(owner, puller).path_name in ("cma", "shm")
-        assert puller.nixl_agent is None and owner.nixl_agent is None
+        assert hooks.nixl_agent(puller) is None and hooks.nixl_agent(owner) is None
     finally:
         puller.close()
         owner.close()
@@ -210,11 +211,11 @@ def test_core_reader_pulls_under_a_lease_until_the_owner_revokes_it(core_pair) -
     revokes it on the reader's reverse channel, the pump stops, and the next pull fails as
     on any path."""
     owner, puller = core_pair
-    assert owner.nixl_agent is None  # created when a reader first asks for it
+    assert hooks.nixl_agent(owner) is None  # created when a reader first asks for it
     src, dst, entry, plan = _caches(owner, puller, 1 << 20)
     link = _link(owner, puller)
     assert link.path_name == "nixl" and "forced nixl" in link.reason, link.reason
-    assert owner.nixl_agent is not None
+    assert hooks.nixl_agent(owner) is not None
     reads, leases = _served("serve_read"), _served("serve_lease")
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src) and _reader_leases(puller) == 0
@@ -225,16 +226,16 @@ def test_core_reader_pulls_under_a_lease_until_the_owner_revokes_it(core_pair) -
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)  # the first under the lease
     assert np.array_equal(dst, src) and _served("serve_lease") == leases + 1
-    prepared = puller.nixl_prepared
+    prepared = hooks.nixl_prepared(puller)
     for _ in range(3):
         dst[:] = 0
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
         assert np.array_equal(dst, src)
-    assert puller.nixl_prepared == prepared, "an identical pull prepared its transfer again"
+    assert hooks.nixl_prepared(puller) == prepared, "an identical pull prepared its transfer again"
     assert (_served("serve_read"), _served("serve_lease")) == (reads + 1, leases + 1), \
         "a pull under the lease sent a request"
     assert _reader_leases(puller) == 1 and _held(owner) == 1
-    agent = owner.nixl_agent
+    agent = hooks.nixl_agent(owner)
     assert agent is not None and agent[2] and agent[3] == 0  # the slow beat
     assert _granted(owner) == 0  # no per-pull grant left open
     owner.unregister(1)
@@ -338,10 +339,10 @@ def test_metadata_is_reloaded_when_the_owner_registers_after_the_link(core_pair)
     owner, puller = core_pair
     _caches(owner, puller, 4096)
     link = _link(owner, puller)
-    gen = owner.nixl_agent[1]  # type: ignore[index]
+    gen = hooks.nixl_agent(owner)[1]  # type: ignore[index]
     src2 = np.arange(8192, dtype=np.uint8)
     owner.register(Geometry(1, 8192, 1), [src2.ctypes.data], placement=0)  # cache 2
-    assert owner.nixl_agent[1] > gen  # type: ignore[index]
+    assert hooks.nixl_agent(owner)[1] > gen  # type: ignore[index]
     dst2 = np.zeros(8192, np.uint8)
     e2 = puller.register(Geometry(1, 8192, 1), [dst2.ctypes.data], placement=0)
     plan = plan_slot(e2.geometry, 0, layer_tensor_indices(1, None, None, 2))
@@ -356,9 +357,9 @@ def test_unregister_deregisters_from_nixl_and_the_key_is_gone(core_pair) -> None
     src, dst, entry, plan = _caches(owner, puller, 4096)
     _link(owner, puller)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    gen = owner.nixl_agent[1]  # type: ignore[index]
+    gen = hooks.nixl_agent(owner)[1]  # type: ignore[index]
     owner.unregister(1)
-    assert owner.nixl_agent[1] > gen  # type: ignore[index]
+    assert hooks.nixl_agent(owner)[1] > gen  # type: ignore[index]
     with pytest.raises(CacheNotFound):
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
 
@@ -377,10 +378,10 @@ def test_core_reader_pushes_by_nixl_write(core_pair) -> None:
     entry = puller.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
     plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
     _link(owner, puller)
-    prepared = puller.nixl_prepared
+    prepared = hooks.nixl_prepared(puller)
     puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
     assert np.array_equal(dst, src)
-    assert puller.nixl_prepared > prepared, "the push did not go by NIXL"
+    assert hooks.nixl_prepared(puller) > prepared, "the push did not go by NIXL"
     with pytest.raises(CacheNotFound):
         puller.push(1, p.KeyRef(p.KeyKind.CACHE_ID, 99, 0), 0, plan, entry.cache_id, 5.0)
     src[:] = 9
@@ -450,7 +451,7 @@ def test_an_owner_that_does_not_serve_nixl_gets_tcp_readers(why: str) -> None:
         _pulls_over_tcp_saying(owner, _reader(), {
             "default": "datadist.NixlServe", "no remote access": "remote writes",
             "unchecked transports": "NixlAllowWholeProcessAccess"}[why])
-        assert owner.nixl_agent is None
+        assert hooks.nixl_agent(owner) is None
     finally:
         owner.close()
 
@@ -522,15 +523,15 @@ def test_a_kept_transfer_is_not_reused_across_a_local_reregistration(core_pair) 
     _link(owner, puller)
     for _ in range(2):
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    prepared = puller.nixl_prepared
+    prepared = hooks.nixl_prepared(puller)
     puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-    assert puller.nixl_prepared == prepared  # kept, while the registration stands
+    assert hooks.nixl_prepared(puller) == prepared  # kept, while the registration stands
     puller.unregister(entry.cache_id)
     again = puller.register(Geometry(1, 8192, 1), [dst.ctypes.data], placement=0)
     dst[:] = 0
     puller.pull(1, KEY, 0, plan, again.cache_id, 5.0)
     assert np.array_equal(dst, src)
-    assert puller.nixl_prepared > prepared, "a transfer of the old registration was reused"
+    assert hooks.nixl_prepared(puller) > prepared, "a transfer of the old registration was reused"
 
 
 @needs_nixl
@@ -545,13 +546,13 @@ def test_reader_reconnecting_to_a_restarted_owner_finds_its_new_agent() -> None:
         src, dst, entry, plan = _caches(owner, puller, 4096, fill=1)
         _link(owner, puller)
         puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
-        first_agent = owner.nixl_agent[0]  # type: ignore[index]
+        first_agent = hooks.nixl_agent(owner)[0]  # type: ignore[index]
         host, port = owner.listen_address  # type: ignore[misc]
         owner.close()
         reborn = _owner(listen=(host, port))
         src2 = np.full(4096, 2, np.uint8)
         reborn.register(Geometry(1, 4096, 1), [src2.ctypes.data], placement=0)
-        assert reborn.nixl_agent is None
+        assert hooks.nixl_agent(reborn) is None
         for _ in range(2):  # the first pull may find the dead connection
             try:
                 puller.pull(1, KEY, 0, plan, entry.cache_id, 5.0)
@@ -559,7 +560,7 @@ def test_reader_reconnecting_to_a_restarted_owner_finds_its_new_agent() -> None:
             except (BrokenLink, LinkFailed):
                 continue
         assert (dst == 2).all()
-        assert reborn.nixl_agent is not None and reborn.nixl_agent[0] != first_agent
+        assert hooks.nixl_agent(reborn) is not None and hooks.nixl_agent(reborn)[0] != first_agent
         assert puller.links()[0].path_name == "nixl"
     finally:
         puller.close()

@@ -22,6 +22,7 @@ from datadist.core import nixl_wheel as nixl
 from datadist.core.config import EngineConfig
 from datadist.core.layout import Geometry
 from datadist.core.native import NativeEngine
+from datadist.testing import engine as hooks
 from datadist.wire import protocol as p
 
 pytestmark = [pytest.mark.timeout(60),
@@ -109,7 +110,7 @@ def test_a_silent_reader_costs_one_wait_and_no_other_reader_its_lease() -> None:
                                       nixl_serve=True, nixl_whole_process=True))
     readers: list[Reader] = []
     try:
-        owner._core.set_nixl_revoke_wait(WAIT)
+        hooks.set_nixl_revoke_wait(owner, WAIT)
         assert owner.listen_address is not None
         port = owner.listen_address[1]
         buf = np.ones(2 * 16 * 4096, np.uint8)
@@ -120,12 +121,12 @@ def test_a_silent_reader_costs_one_wait_and_no_other_reader_its_lease() -> None:
         readers.append(silent)
         honest = Reader(port, 3, 1, silent=False)
         readers.append(honest)
-        assert owner.nixl_leases == 5
+        assert hooks.nixl_leases(owner) == 5
         t0 = time.monotonic()
         owner.unregister(entry.cache_id)
         took = time.monotonic() - t0
         assert took < 3 * WAIT, took  # one wait, not one per lease (4 x WAIT before)
-        assert owner.nixl_leases == 0  # every lease ends
+        assert hooks.nixl_leases(owner) == 0  # every lease ends
         assert silent.asked >= 1 and honest.asked == 1
         assert honest.alive()  # only the silent reader is cut off
         assert not silent.alive()

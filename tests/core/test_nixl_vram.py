@@ -32,6 +32,7 @@ from datadist.core import nixl_wheel as nixl
 from datadist.core.config import DEVICE, HOST, EngineConfig
 from datadist.core.errors import InvalidArgument, NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.testing import engine as hooks
 from datadist.wire import protocol as p
 
 pytestmark = [
@@ -111,7 +112,7 @@ def _register(eng: native.NativeEngine, arena: np.ndarray, first: int, placement
 
 def _regions(eng: native.NativeEngine) -> dict[int, tuple[int, int]]:
     """What the engine's NIXL agent registered: start -> (memory kind, device)."""
-    return {start: (mem, dev) for start, _end, mem, dev in eng._core.nixl_regions()}
+    return {start: (mem, dev) for start, _end, mem, dev in hooks.nixl_regions(eng)}
 
 
 def _pull(reader: native.NativeEngine, src_id: int, dst_id: int) -> None:
@@ -178,6 +179,7 @@ import numpy as np
 from datadist.core import native, nixl_wheel
 from datadist.core.config import DEVICE, EngineConfig
 from datadist.core.layout import Geometry
+from datadist.testing import engine as hooks
 fake = ctypes.CDLL("libcudart.so")  # found on LD_LIBRARY_PATH, as the core finds it
 fake.fake_cudart_calls.restype = ctypes.c_long
 fake.fake_cudart_set.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
@@ -189,7 +191,7 @@ arena = np.zeros(8192, np.uint8)
 fake.fake_cudart_set(arena.ctypes.data, arena.ctypes.data + arena.nbytes, 1, 2)
 eng.register(Geometry(1, 8192, 1), [arena.ctypes.data], placement=DEVICE)
 out["calls"] = fake.fake_cudart_calls()
-out["regions"] = eng._core.nixl_regions()
+out["regions"] = hooks.nixl_regions(eng)
 eng.close()
 print(json.dumps(out))
 """

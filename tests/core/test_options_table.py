@@ -104,7 +104,7 @@ CONFIG = {
     "datadist.NixlServe": lambda c: _text(c.nixl_serve),
     "datadist.AuthSecret": lambda c: (c.secret or b"").decode(),
     "llm.SyncKvCacheWaitTime": lambda c: str(round(c.sync_timeout * 1000)),
-    "local_channel": lambda c: _text(core.transport_settings(c.transport)["local_channel"]),
+    "local_channel": lambda c: _text(core.testing.transport_settings(c.transport)["local_channel"]),
 }
 
 
@@ -119,7 +119,7 @@ def test_case(case: Case, environ) -> None:
         for key, want in expected.items():
             if key == "local_channel":
                 transport = str(parsed["datadist.Transport"][0])
-                got = _text(core.transport_settings(transport)["local_channel"])
+                got = _text(core.testing.transport_settings(transport)["local_channel"])
             else:
                 got = _text(parsed[key][0])
             assert got == want, key

@@ -47,6 +47,7 @@ from datadist.core.errors import DatadistError, InvalidArgument, NotSupported
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.core.nixl_wheel import unchecked_transports
+from datadist.testing import engine as hooks
 from datadist.wire import protocol as p
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,14 +93,14 @@ def _reader(**kw: Any) -> NativeEngine:
 
 def _made(owner: NativeEngine) -> bool:
     """Has the owner made its NIXL agent (a reader asked, and it serves)?"""
-    return owner.nixl_agent is not None
+    return hooks.nixl_agent(owner) is not None
 
 
 def _reconfigure(owner: NativeEngine, **kw: Any) -> None:
     """The owner's NIXL options changed under it, as a running owner asks them anew."""
     cfg = dataclasses.replace(owner.config, **kw)
     owner.config = cfg
-    owner._core.set_nixl_options(cfg.nixl_serve, cfg.nixl_whole_process)
+    hooks.set_nixl_options(owner, serve=cfg.nixl_serve, whole_process=cfg.nixl_whole_process)
     owner._core.set_remote_writes(cfg.remote_cache_accessible)
 
 
@@ -132,7 +133,7 @@ def _metadata(owner: NativeEngine) -> p.Message:
 def _progress(owner: NativeEngine) -> Any:
     """The owner's pump beats only while a lease is open: the thief drives it instead (as
     another reader's lease would)."""
-    return lambda: owner._core.nixl_progress()
+    return lambda: hooks.nixl_progress(owner)
 
 
 def _steal(owner: NativeEngine, thief: Any, memory: np.ndarray) -> bytes | p.Message:
@@ -230,14 +231,15 @@ _KEY_CHECKED = textwrap.dedent("""
     import dataclasses
     from datadist.core.config import EngineConfig
     from datadist.core.native import NativeEngine
+    from datadist.testing import engine as hooks
     owner = NativeEngine(EngineConfig(cluster_id=1, role=1, listen=("127.0.0.1", 0),
                                       nixl_serve=True))
 
     def ask(**kw):
         cfg = dataclasses.replace(owner.config, **kw)
-        owner._core.set_nixl_options(cfg.nixl_serve, cfg.nixl_whole_process)
+        hooks.set_nixl_options(owner, serve=cfg.nixl_serve, whole_process=cfg.nixl_whole_process)
         owner._core.set_remote_writes(cfg.remote_cache_accessible)
-        print(repr(owner.nixl_refusal()))
+        print(repr(hooks.nixl_refusal(owner)))
 
     ask()
     ask(nixl_whole_process=True)
@@ -527,7 +529,7 @@ def _mitm_link() -> Iterator[Any]:
 def _leases(reader: NativeEngine) -> int:
     """The NIXL leases the reader's link to OWNER holds now (the core's reader asks for a
     lease from its second pull of a cache on: the first is granted)."""
-    return int(reader._core.link_nixl_leases(OWNER))
+    return int(hooks.link_nixl_leases(reader, OWNER))
 
 
 @needs_nixl
@@ -542,9 +544,9 @@ def test_revokes_of_unknown_leases_are_not_kept() -> None:
         for _ in range(2):  # granted, then under a lease
             t.pull()
             assert np.array_equal(t.dst, t.src)
-        assert _leases(t.reader) == 1 and t.owner.nixl_leases == 1
+        assert _leases(t.reader) == 1 and hooks.nixl_leases(t.owner) == 1
         t.pull()  # under the same lease: the owner grants no other
-        assert np.array_equal(t.dst, t.src) and t.owner.nixl_leases == 1
+        assert np.array_equal(t.dst, t.src) and hooks.nixl_leases(t.owner) == 1
 
 
 @needs_nixl
@@ -556,7 +558,7 @@ def test_a_revoke_in_advance_does_not_drop_a_lease_the_owner_holds() -> None:
         for _ in range(2):  # granted, then under a lease
             t.pull()
             assert np.array_equal(t.dst, t.src)
-        assert _leases(t.reader) == 1 and t.owner.nixl_leases == 1
+        assert _leases(t.reader) == 1 and hooks.nixl_leases(t.owner) == 1
 
 
 @needs_nixl

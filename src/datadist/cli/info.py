@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from datadist.cli.common import CliError, count
+
+if TYPE_CHECKING:  # imported where used: the CLI starts without the engine
+    from datadist.core.native import NativeEngine
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -145,7 +148,7 @@ def _info_peer(args: argparse.Namespace) -> None:
         eng.close()
 
 
-def _first_pull_path(eng: Any, cluster_id: int, timeout: float) -> tuple[str, str]:
+def _first_pull_path(eng: NativeEngine, cluster_id: int, timeout: float) -> tuple[str, str]:
     """The path (and why) the first pull on ``eng``'s link to ``cluster_id`` will take: the
     link's, unless the kernel refuses cross-memory attach to the owner, which the core learns
     at a first pull (asked now, as it asks then). Blocks <= timeout (the core waits for the

@@ -56,6 +56,7 @@ from datadist.core.errors import (
 )
 
 if TYPE_CHECKING:
+    from datadist._core import PendingLink
     from datadist.core.native import NativeEngine, NativeListener
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class Comm:
     deadline: float
     state: CommState = CommState.PREPARING
     reason: str = ""
-    opened: dict[int, Any] = field(default_factory=dict)  # the core's open links, not yet filed
+    opened: dict[int, PendingLink] = field(default_factory=dict)  # open, not yet filed
     owned: set[int] = field(default_factory=set)  # links this comm registered
     listener: tuple[str, int] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)

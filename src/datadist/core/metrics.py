@@ -89,16 +89,17 @@ def _snapshot_of(items: Iterator[tuple[str, int, Series]]) -> dict[str, Any]:
     return {"total": {op: s.snapshot() for op, s in total.items()}, "links": links}
 
 
-def _core() -> Any:
-    """The C++ core's module once something imported it (an engine ran on it), else None:
-    reading metrics never loads the extension."""
-    return sys.modules.get(native_build.MODULE)
+def _core_loaded() -> bool:
+    """Has something imported the C++ core's module (an engine ran on it)? Reading metrics
+    never loads the extension: without it there is nothing to read or reset."""
+    return native_build.MODULE in sys.modules
 
 
 def _core_series() -> Iterator[tuple[str, int, Series]]:
-    core = _core()
-    if core is None:
+    if not _core_loaded():
         return
+    from datadist import _core as core
+
     for op, cid, transfers, nbytes, errors, counts, nanos in core.metrics_series():
         yield str(op), int(cid), Series(int(transfers), int(nbytes),
                                         {str(k): int(v) for k, v in errors.items()},
@@ -120,8 +121,9 @@ def snapshot() -> dict[str, Any]:
 
 def reset() -> None:
     """Clear every counter of the process (tests)."""
-    core = _core()
-    if core is not None:
+    if _core_loaded():
+        from datadist import _core as core
+
         core.metrics_reset()
 
 

@@ -24,7 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,22 +49,23 @@ from datadist.core.registry import CacheEntry, KeyId, Registry, check_request_si
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
 
+if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
+    from datadist._core import Call, Engine, Handle, PendingLink
+
 log = logging.getLogger("datadist.native")
 
 UNREGISTER_WAIT = 30.0  # s an unregister waits for peers' transfers of the cache
 CLOSE_WAIT = 5.0  # s finalize waits for them
 ASYNC_THREADS = 4  # the core's workers for asynchronous transfers, whatever their number
 
-_core: Any = None
 
-
-def core_module() -> Any:
-    """``datadist._core``, imported once; None when it is not built or does not load
-    (:func:`available` says why)."""
-    global _core
-    if _core is None and native_build.native_available()[0]:
-        _core = importlib.import_module(native_build.MODULE)
-    return _core
+def core_module() -> ModuleType | None:
+    """``datadist._core``; None when it is not built or does not load (:func:`available`
+    says why). For tests and tools: the engine imports the module itself once this says it
+    loads (``from datadist import _core``), so that mypy reads its stub."""
+    if native_build.native_available()[0]:
+        return importlib.import_module(native_build.MODULE)
+    return None
 
 
 def available() -> tuple[bool, str]:
@@ -75,9 +77,10 @@ def tls_available() -> tuple[bool, str]:
     """Does the built core have TLS (OpenSSL found when it was built), and which OpenSSL or
     why not. ``(False, why)`` when the core is not built. For :func:`refusal` and
     ``datadist info``; returns at once."""
-    mod = core_module()
-    if mod is None:
+    if core_module() is None:
         return False, available()[1]
+    from datadist import _core as mod
+
     has, what = mod.tls()
     return bool(has), str(what)
 
@@ -92,12 +95,13 @@ def refusal(config: EngineConfig) -> str | None:
     return None
 
 
-def load_nixl(mod: Any, library: str = "") -> str | None:
+def load_nixl(library: str = "") -> str | None:
     """Hand the installed NIXL to the core (``_core.nixl_load``), once per process, with the
     environment NIXL needs here (core/nixl_wheel.py: UCX's ib module kept out
     where the host has no RDMA device): ``library`` (``datadist.NixlLibrary``) when given,
     else the nixl-cu12 wheel's. Returns why NIXL cannot be used, None once loaded.
     Called by :class:`NativeEngine` when it serves NIXL; blocks while NIXL loads."""
+    from datadist import _core as mod
     from datadist.core import nixl_wheel as nixl
 
     lib = library or nixl.library()
@@ -168,7 +172,7 @@ class Listening:
 class NativeListener:
     """A listener of the native engine beside its main one (:meth:`NativeEngine.make_listener`)."""
 
-    def __init__(self, core: Any, key: int, host: str, port: int) -> None:
+    def __init__(self, core: Engine, key: int, host: str, port: int) -> None:
         self._core, self._key = core, key
         self.host, self.port = host, port
 
@@ -183,7 +187,7 @@ class NativeHandle:
     among its live handles until it is seen to end (by its caller, or by the engine's
     unregister and close, which wait for it: :meth:`NativeEngine.unregister`)."""
 
-    def __init__(self, engine: NativeEngine, handle: Any, entry: CacheEntry, op: str,
+    def __init__(self, engine: NativeEngine, handle: Handle, entry: CacheEntry, op: str,
                  cluster_id: int) -> None:
         self._engine = engine
         self._handle = handle
@@ -227,7 +231,7 @@ class NativeHandle:
 
     def error(self) -> DatadistError | None:
         err = self._handle.error()
-        return err  # type: ignore[no-any-return]  # the core's error class for its code
+        return err  # the core's error class for its code
 
 
 class NativeEngine:
@@ -235,9 +239,9 @@ class NativeEngine:
     forms), run by the C++ core. Created by ``LLMDataDist.init``, closed by ``finalize``."""
 
     def __init__(self, config: EngineConfig) -> None:
-        mod = core_module()
-        if mod is None:
+        if core_module() is None:
             raise InvalidArgument(available()[1])
+        from datadist import _core as mod
         self.config = config
         self.registry = Registry()
         self._pools: dict[int, HostPool] = {}
@@ -248,7 +252,7 @@ class NativeEngine:
         # the core's prepared transfers, by (plan, local entry, cluster, key, unit bytes,
         # write): a repeated pull converts nothing (a plan and an entry are compared by
         # identity: an unregistered cache's entry never comes back from hold)
-        self._calls: Prepared[Any] = Prepared(KEPT, lambda call: int(call.spans))
+        self._calls: Prepared[Call] = Prepared(KEPT, lambda call: int(call.spans))
         self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
         self._core_module = mod
         # Asynchronous transfers not yet seen to end: each holds its local cache until then.
@@ -262,7 +266,7 @@ class NativeEngine:
             forced = config.transport or str(
                 parse_options({})[OPT_TRANSPORT][0])
             if (forced == PathKind.NIXL or config.nixl_serve) \
-                    and (why := load_nixl(mod, config.nixl_library)) is not None:
+                    and (why := load_nixl(config.nixl_library)) is not None:
                 if forced == PathKind.NIXL:  # a reader without NIXL: init fails, saying why
                     raise InvalidArgument(f"transport 'nixl' needs NIXL: pip install "
                                           f"'datadist[nixl]' ({why})")
@@ -318,32 +322,6 @@ class NativeEngine:
         other than 1.0 / 1.2, fails ``link`` with InvalidArgument on either end; the core's
         Engine::SetLocalCommRes). Who calls: the facade's ``init``. Never blocks."""
         self._core.set_local_comm_res(text is not None, text or "")
-
-    def nixl_refusal(self) -> str | None:
-        """Why this engine serves no NIXL reader (None: it does), asked of the core
-        (docs/security.md, "The NIXL path"). Never blocks."""
-        why = str(self._core.nixl_refusal())
-        return why or None
-
-    @property
-    def nixl_agent(self) -> tuple[str, int, int, int] | None:
-        """(name, generation, leases keeping its pump beating, of them on connections without
-        a completed NIXL read) of the core's NIXL agent, or None before one was needed (a
-        reader asked, or this engine reads by NIXL). For tests and tools; never blocks."""
-        got = self._core.nixl_agent()
-        return None if got is None else (str(got[0]), int(got[1]), int(got[2]), int(got[3]))
-
-    @property
-    def nixl_prepared(self) -> int:
-        """NIXL transfers the core's agent prepared so far (0 without one): identical pulls
-        reuse theirs. For tests; never blocks."""
-        got = self._core.nixl_agent()
-        return 0 if got is None else int(got[4])
-
-    @property
-    def nixl_leases(self) -> int:
-        """NIXL cache leases readers hold on this engine's caches now (tests)."""
-        return int(self._core.nixl_leases())
 
     @property
     def identity(self) -> HostIdentity:
@@ -499,7 +477,7 @@ class NativeEngine:
         """Connect to a peer's listener (blocks <= timeout, without the GIL); filed under
         the id the peer announces with ``as_announced``. AlreadyLinked, LinkFailed, Timeout."""
         self._check_open()
-        cid = self._core.connect(cluster_id, host, port, timeout, as_announced)
+        cid = self._core.connect(cluster_id, host, port, timeout, take_peer_id=as_announced)
         return NativeLink(int(cid), str(self._core.link_path(cid) or "tcp"),
                           reason=str(self._core.link_reason(cid) or ""))
 
@@ -521,7 +499,7 @@ class NativeEngine:
     def unlink(self, cluster_id: int, timeout: float, force: bool = False,
                quiet_inbound: bool = False) -> None:
         """Unlink both ends; NotLinked, Busy, UnlinkFailed."""
-        self._core.unlink(cluster_id, timeout, force, quiet_inbound)
+        self._core.unlink(cluster_id, timeout, force=force, quiet_inbound=quiet_inbound)
 
     def get_link(self, cluster_id: int) -> NativeLink:
         path = self._core.link_path(cluster_id)
@@ -581,13 +559,14 @@ class NativeEngine:
         return NativeListener(self._core, int(key), host, port)
 
     def open_link(self, cluster_id: int, host: str, port: int, timeout: float,
-                  reverse: bool = True, as_announced: bool = False) -> Any:
+                  reverse: bool = True, as_announced: bool = False) -> PendingLink:
         """Connect and check as :meth:`link` without filing the link (:meth:`adopt_link`
         does); with ``reverse`` also its reverse channel. Blocks <= timeout."""
         self._check_open()
-        return self._core.open_link(cluster_id, host, port, timeout, as_announced, reverse)
+        return self._core.open_link(cluster_id, host, port, timeout, take_peer_id=as_announced,
+                                    reverse=reverse)
 
-    def adopt_link(self, link: Any) -> None:
+    def adopt_link(self, link: PendingLink) -> None:
         """File a link from :meth:`open_link`. AlreadyLinked (left open) when that cluster is
         linked already; Closed (link closed) after close."""
         if self._closed:
@@ -611,7 +590,7 @@ class NativeEngine:
         self._core_module.metrics_record(op, cluster_id, 0, time.perf_counter() - t0, code)
 
     def _call(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-              entry: CacheEntry, write: bool) -> Any:
+              entry: CacheEntry, write: bool) -> Call:
         """The core's prepared transfer of ``plan`` into (from) ``entry``'s memory, made once
         for small plans (the local spans checked against the cache then: InvalidArgument if
         they do not fit) and kept; larger ones are made each time."""
@@ -631,7 +610,7 @@ class NativeEngine:
         return call
 
     def _taken(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-               cache_id: int) -> tuple[CacheEntry, Any]:
+               cache_id: int) -> tuple[CacheEntry, Call]:
         """The local cache held and the core's prepared call for a transfer. The core counts
         every transfer it is handed (metrics); one refused here, before it (finalized, no
         such local cache, spans outside it), is counted here too. The caller unholds the entry."""

@@ -11,9 +11,7 @@ where the core is not built.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any
 
 from datadist.core import native_build
 from datadist.core.errors import NotSupported
@@ -41,11 +39,12 @@ class OptionSpec:
 OptionValue = bool | int | str
 
 
-def _need_core() -> Any:
+def _need_core() -> None:
+    """NotSupported unless the core loads; its callers then import it (``from datadist import
+    _core``), so that mypy reads its stub."""
     ok, why = native_build.native_available()
     if not ok:
         raise NotSupported(f"datadist's native core is not available: {why}")
-    return importlib.import_module(native_build.MODULE)
 
 
 def option_table() -> tuple[OptionSpec, ...]:
@@ -56,7 +55,9 @@ def option_table() -> tuple[OptionSpec, ...]:
     if _option_table is None:
         if not native_build.native_available()[0]:
             return ()
-        mod = _need_core()
+        _need_core()
+        from datadist import _core as mod
+
         _option_table = tuple(
             OptionSpec(str(r.key), str(r.env), str(r.kind), tuple(str(v) for v in r.values),
                        None if r.range is None else (int(r.range[0]), int(r.range[1])),
@@ -75,7 +76,9 @@ def parse_options(options: dict[str, str], *, environ: bool = True
     process's environment, then the default; source is "option", "env" or "default".
     InvalidArgument with the table's message for a bad value; NotSupported where the core
     is not built. Who calls: ``LLMDataDist.init``, ``datadist info``. Returns at once."""
-    mod = _need_core()
+    _need_core()
+    from datadist import _core as mod
+
     parsed = mod.parse_options({str(k): str(v) for k, v in options.items()}, environ=environ)
     return {str(k): (v[0], str(v[1])) for k, v in parsed.items()}
 
@@ -83,5 +86,7 @@ def parse_options(options: dict[str, str], *, environ: bool = True
 def check_option(key: str, value: str) -> OptionValue:
     """One value of ``key`` checked alone by the core's table (LLMConfig's setters): its
     parsed value, or InvalidArgument with the table's message. Returns at once."""
-    mod = _need_core()
-    return mod.check_option(key, value)  # type: ignore[no-any-return]
+    _need_core()
+    from datadist import _core as mod
+
+    return mod.check_option(key, value)

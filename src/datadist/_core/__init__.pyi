@@ -1,0 +1,260 @@
+# Generated from the built datadist._core by pybind11-stubgen 3.0.0 (python tools/gen_stub.py):
+# do not edit; change the binding (cpp/python/) and regenerate (tests/project/test_stub.py checks it).
+"""
+datadist's C++ engine (private: datadist.core.native drives it). Every error of the core is raised as datadist.core.errors' class for its code (one code-to-class table, module.cc PyError); a checksum mismatch as IntegrityError. Hooks for tests and tools: the `testing` submodule.
+"""
+from __future__ import annotations
+import collections.abc
+import datadist.core.errors
+import numpy
+import numpy.typing
+import typing
+from . import testing
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'OptionSpec', 'PendingLink', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
+class OptionSpec:
+    """
+    One row of the option table (read only)
+    """
+    def __repr__(self) -> str:
+        ...
+    @property
+    def attr(self) -> str:
+        """
+        the LLMConfig property made for it ("": none)
+        """
+    @property
+    def default(self) -> str:
+        ...
+    @property
+    def doc(self) -> str:
+        ...
+    @property
+    def env(self) -> str:
+        """
+        its environment variable ("": none)
+        """
+    @property
+    def key(self) -> str:
+        """
+        the option's key
+        """
+    @property
+    def kind(self) -> str:
+        """
+        "bool", "int", "enum", "str", "path" or "secret"
+        """
+    @property
+    def range(self) -> tuple[int, int] | None:
+        """
+        an int's range, both ends included (None for other kinds)
+        """
+    @property
+    def unit(self) -> str:
+        ...
+    @property
+    def values(self) -> list[str]:
+        """
+        an enum's accepted values
+        """
+class Handle:
+    """
+    An asynchronous transfer, run by the engine's workers
+    """
+    def done(self) -> bool:
+        """
+        Ended, successfully or not? Never blocks.
+        """
+    def error(self) -> datadist.core.errors.DatadistError | None:
+        """
+        The error (datadist.core.errors) that ended a failed transfer; None while running or after a success.
+        """
+    def wait(self, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool:
+        """
+        Blocks (without the GIL) until it ends or timeout_s passes; True once ended.
+        """
+class PendingLink:
+    """
+    A two-sided link's connection, opened and checked but not filed yet (Engine.adopt_link)
+    """
+    def close(self) -> None:
+        ...
+    @property
+    def cluster_id(self) -> int:
+        ...
+    @property
+    def path_name(self) -> str:
+        ...
+class Call:
+    """
+    A transfer made ready by Engine.prepare (opaque)
+    """
+    @property
+    def cluster_id(self) -> int:
+        ...
+    @property
+    def spans(self) -> int:
+        """
+        local spans it holds
+        """
+    @property
+    def write(self) -> bool:
+        ...
+class Engine:
+    """
+    An engine (cpp/src/engine.h) and its asynchronous workers: datadist.core.native.NativeEngine drives it
+    """
+    def __init__(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, role: typing.SupportsInt | typing.SupportsIndex, async_threads: typing.SupportsInt | typing.SupportsIndex = 4) -> None:
+        ...
+    def add_cache(self, cache_id: typing.SupportsInt | typing.SupportsIndex, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64], allocated: bool, remote_accessible: bool, blocks: bool, shm: typing.Any = None, device: bool = False) -> None:
+        """
+        Files a cache of the Python registry's (its memory the caller's); `device`: DEVICE placement (NIXL registers it as VRAM where CUDA says its memory is a GPU's).
+        """
+    def adopt_link(self, link: PendingLink) -> None:
+        ...
+    def bind_keys(self, cache_id: typing.SupportsInt | typing.SupportsIndex, keys: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, bool]], slots: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
+        """
+        keys: (value, model_id, is_prefix) per slot
+        """
+    def bind_model(self, model_id: typing.SupportsInt | typing.SupportsIndex, cache_id: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def close(self, wait_s: typing.SupportsFloat | typing.SupportsIndex) -> int:
+        """
+        Stop serving, close every link and drop every cache, waiting up to wait_s for leases; returns how many caches are still leased (their memory must stay mapped). Blocks.
+        """
+    def connect(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, host: str, port: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, take_peer_id: bool) -> int:
+        ...
+    def deallocate(self, cache_id: typing.SupportsInt | typing.SupportsIndex, drop_keys: bool) -> None:
+        ...
+    def has_links(self) -> bool:
+        ...
+    def hello_count(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> int:
+        ...
+    def inbound_control(self) -> list[int]:
+        ...
+    def last_link_failure(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str:
+        ...
+    def link_ids(self, inbound: bool) -> list[int]:
+        ...
+    def link_moved(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str | None:
+        """
+        how the link's last pull moved its bytes: shm, cma, stream or ""
+        """
+    def link_path(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str | None:
+        ...
+    def link_reason(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str | None:
+        """
+        why the link took its path
+        """
+    def link_serial(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> int | None:
+        """
+        which link `cluster_id` is filed under now (Link::serial, never reused): tells a replaced link from the one seen before (tests)
+        """
+    def linked(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> tuple[bool, bool]:
+        """
+        (we made a link to it, it made one to us)
+        """
+    def listen(self, host: str, port: typing.SupportsInt | typing.SupportsIndex) -> int:
+        ...
+    def listen_also(self, host: str, port: typing.SupportsInt | typing.SupportsIndex) -> int:
+        ...
+    def open(self, *, secret: bytes, transport: str, allow_ptrace: bool, max_conns: typing.SupportsInt | typing.SupportsIndex, max_per_peer: typing.SupportsInt | typing.SupportsIndex, tls_cert: str = '', tls_key: str = '', tls_ca: str = '', nixl_serve: bool = False, nixl_whole_process: bool = False) -> None:
+        """
+        Starts the engine; `transport` is a parsed datadist.Transport (auto, tcp, cma, shm, nixl: options.h ApplyTransport says what each means for links; nixl: LLM_PARAM_INVALID when NIXL cannot be loaded); with the three TLS files (PEM), every connection runs mutual TLS; nixl_serve (and nixl_whole_process): serve NIXL readers.
+        """
+    def open_link(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, host: str, port: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, take_peer_id: bool, reverse: bool) -> PendingLink:
+        ...
+    def peer_stats(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bytes:
+        """
+        The linked peer's metrics (STATS_REQUEST): its JSON bytes. Blocks without the GIL up to timeout_s.
+        """
+    def ping(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    def prepare(self, write: bool, cluster_id: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex, a: typing.SupportsInt | typing.SupportsIndex, b: typing.SupportsInt | typing.SupportsIndex, c: typing.SupportsInt | typing.SupportsIndex, unit_bytes: typing.SupportsInt | typing.SupportsIndex, flags: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, tensors: numpy.typing.NDArray[numpy.uint32], offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64], local: numpy.typing.NDArray[numpy.uint64]) -> Call:
+        """
+        A READ (write=False) or WRITE made ready to run (run, submit); converts the arrays once. Never blocks.
+        """
+    def probe_cma(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        on the cma path, ask the kernel now whether it lets us read the owner's memory; a refusal changes the link's path and reason as the first pull would (datadist info --peer)
+        """
+    def remove_cache(self, cache_id: typing.SupportsInt | typing.SupportsIndex, wait_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    def run(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        Runs a prepared transfer, blocking without the GIL until it ends or timeout_s passes.
+        """
+    def set_local_comm_res(self, set: bool, text: str) -> None:
+        """
+        After open: llm.LocalCommRes, checked when linking as CANN does (Engine::SetLocalCommRes).
+        """
+    def set_model_map(self, on: bool) -> None:
+        ...
+    def set_remote_writes(self, allowed: bool) -> None:
+        ...
+    def stop_also(self, key: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def stop_listening(self) -> None:
+        ...
+    def submit(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> Handle:
+        """
+        Queues a prepared transfer on the engine's workers; returns its Handle at once.
+        """
+    def take_consumed(self) -> list[tuple[int, int, bool]]:
+        ...
+    def take_released(self) -> list[int]:
+        ...
+    def unbind_key(self, value: typing.SupportsInt | typing.SupportsIndex, model_id: typing.SupportsInt | typing.SupportsIndex, is_prefix: bool) -> None:
+        ...
+    def unbind_model(self, model_id: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def unlink(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, force: bool, quiet_inbound: bool) -> None:
+        ...
+    @property
+    def async_threads(self) -> int:
+        ...
+    @property
+    def port(self) -> int:
+        ...
+    @property
+    def role(self) -> int:
+        ...
+    @role.setter
+    def role(self, arg1: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+def build_info() -> dict[str, str]:
+    """
+    A dict: compiler, build_type, pybind11 (what it was built with), protocol (the core's wire version).
+    """
+def check_option(key: str, value: str) -> bool | int | str:
+    """
+    One value of `key` checked alone (LLMConfig's setters): its parsed value, or InvalidArgument (LLM_PARAM_INVALID) with the table's message; KeyError for a key the table has not.
+    """
+def metrics_record(op: str, cluster_id: typing.SupportsInt | typing.SupportsIndex, nbytes: typing.SupportsInt | typing.SupportsIndex, seconds: typing.SupportsFloat | typing.SupportsIndex, code: typing.SupportsInt | typing.SupportsIndex) -> None:
+    """
+    Counts one transfer the core did not run (code 0: succeeded), e.g. one refused before it reached the core.
+    """
+def metrics_reset() -> None:
+    """
+    Zeroes every counter (tests).
+    """
+def metrics_series() -> list[tuple[str, int, int, int, dict[str, int], list[int], int]]:
+    """
+    Every series with a transfer: (op, cluster_id, transfers, bytes, {status name: count}, bucket counts, nanoseconds).
+    """
+def nixl_load(path: str) -> tuple[bool, str]:
+    """
+    (loaded, why not): loads NIXL's C API from `path` (the first call wins).
+    """
+def options() -> list[OptionSpec]:
+    """
+    Every row of the option table, in its order.
+    """
+def parse_options(options: collections.abc.Mapping[str, str], *, environ: bool = True) -> dict[str, tuple[bool | int | str, str]]:
+    """
+    {key: (value, source)} for every row of the table: `options` (str to str) first, then (with `environ`) the process's environment, then the default; source is 'option', 'env' or 'default'. InvalidArgument (LLM_PARAM_INVALID) with the table's message for a bad value.
+    """
+def tls() -> tuple[bool, str]:
+    """
+    (available, what): does this build have TLS, and the OpenSSL it runs with (or why not).
+    """
+__version__: str = '0.1.0'
