@@ -7,7 +7,7 @@
 //
 // Who calls: datadist.core.native.NativeEngine only. Serving (accepting, handshakes, peers'
 // requests, reverse channels, leases) runs on the engine's own threads and never takes the
-// GIL; transfers issued here release it for their whole duration; asynchronous ones run on a
+// GIL; transfers issued here keep it until the core would wait (gil.h); asynchronous ones run on a
 // fixed set of worker threads and are polled through Handle without the GIL.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -24,6 +24,7 @@
 
 #include "engine.h"
 #include "errors.h"
+#include "gil.h"
 #include "metrics.h"
 #include "nixl.h"
 #include "options.h"
@@ -708,11 +709,11 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c, const Call &call, double timeout_s) {
             const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
-            py::gil_scoped_release nogil;
+            datadist_py::GilHold hold(IovBytes(call.iov));  // released only where the core waits (gil.h)
             Run(c.engine(), call, deadline, since);
           },
           py::arg("call"), py::arg("timeout_s"),
-          "Runs a prepared transfer, blocking without the GIL until it ends or timeout_s passes.")
+          "Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits.")
       .def(
           "submit",
           [](Core &c, std::shared_ptr<Call> call, double timeout_s) {
@@ -727,7 +728,7 @@ PYBIND11_MODULE(_core, m) {
             // done here, without the hand-over to a worker and back (15-26 us, issue 23).
             if (!call->write && IovBytes(call->iov) <= kInlineBytes) {
               if (auto link = engine->FindLink(call->cluster)) {
-                py::gil_scoped_release nogil;
+                datadist_py::GilHold hold(IovBytes(call->iov));  // a leased copy never waits (gil.h)
                 try {
                   if (link->ReadLeasedNow(call->req, call->iov)) {
                     metrics::RecordSince(op, call->cluster, IovBytes(call->iov), since, llm_datadist::LLM_SUCCESS);

@@ -1,0 +1,55 @@
+// A bounded hold of the GIL around one call into the core (Engine.run, Engine.submit's inline
+// copy): the calling thread keeps the interpreter's lock while the core works and gives it up
+// only right before the core would really wait (cpp/src/blocking.h: a peer's answer not there
+// after a short budget, a link another transfer holds, a bulk transfer waiting in the kernel),
+// then takes it back when the call returns. A call that never waits (a leased same-host copy,
+// a small pull whose answer comes within the budget) never hands the interpreter to another
+// thread, and so never waits up to the switch interval (5 ms) to get it back from a busy one.
+//
+// Rules kept: the GIL is taken back only on the calling thread at the scope's end, with no core
+// lock held (no core thread ever takes it); it is never held while waiting on a peer beyond
+// kWaitBudget, nor across a copy of more than kHoldBytes (released at once for those).
+// Who uses it: cpp/python/module.cc, with the GIL held on entry. Never blocks on its own.
+#ifndef DATADIST_CPP_PYTHON_GIL_H_
+#define DATADIST_CPP_PYTHON_GIL_H_
+
+#include <Python.h>
+
+#include <chrono>
+#include <cstdint>
+
+#include "blocking.h"
+
+namespace datadist_py {
+
+/// Calls moving more than this many bytes release the GIL at once: their copy alone may take
+/// longer than other Python threads should wait (1 MiB: ~0.1 ms at memory speed).
+constexpr uint64_t kHoldBytes = 1 << 20;
+/// How long a call may wait for a peer's bytes holding the GIL (in ppoll, not spinning) before
+/// it lets go: a small pull's round trip over TCP on loopback is 30-100 us.
+constexpr std::chrono::microseconds kWaitBudget{200};
+
+class GilHold final : public datadist::blocking::Hook {
+ public:
+  /// `bytes`: what the call moves (over kHoldBytes: released here).
+  explicit GilHold(uint64_t bytes) : scope_(this) {
+    budget = kWaitBudget;
+    if (bytes > kHoldBytes) datadist::blocking::AboutToBlock();
+  }
+  ~GilHold() override {
+    if (saved_) PyEval_RestoreThread(saved_);
+  }
+  GilHold(const GilHold &) = delete;
+  GilHold &operator=(const GilHold &) = delete;
+  void Blocking() noexcept override { saved_ = PyEval_SaveThread(); }
+  /// Whether the call gave the GIL up (tests, the bench's counters).
+  bool released() const { return saved_ != nullptr; }
+
+ private:
+  PyThreadState *saved_ = nullptr;
+  datadist::blocking::Scope scope_;  // installs this hook for the call; uninstalled after
+};
+
+}  // namespace datadist_py
+
+#endif  // DATADIST_CPP_PYTHON_GIL_H_
