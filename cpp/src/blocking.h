@@ -4,8 +4,8 @@
 // lock, cpp/python/gil.h) lets go of it only when the call really waits.
 //
 // Who installs: a face's calling thread, for one call (blocking::Scope); the Python binding
-// for Engine.run and Engine.submit. The core's own threads (accept, I/O pool, workers) never
-// install one, so for them every function here is a no-op and nothing changes.
+// for its transfers (cpp/python/module.cc, run and submit). The core's own threads (accept,
+// I/O pool, workers) never install one, so for them every function here is a no-op.
 // Who calls AboutToBlock / WaitBriefly: net.cc before poll() and before a bulk transfer turns
 // blocking, link.cc before waiting for a link another transfer holds. Neither blocks beyond
 // the hook's own budget (WaitBriefly) and neither takes a lock.
