@@ -13,7 +13,8 @@ a stage's cost is its p50 less the next one's.
 - ``process_vm_readv``: the copy alone, through ctypes (its own call cost included).
 
 Also the 32 per-layer pulls of 1 MiB against one pull of the same 32 MiB (the calls group's
-row), on the same engines. Who calls: ``python -m datadist.bench.stages [--tcp]`` by hand.
+row), on the same engines, and on one host its limit: 32 calls of raw ``process_vm_readv``
+of 1 MiB against one of the 32 MiB. Who calls: ``python -m datadist.bench.stages [--tcp]`` by hand.
 Blocks while it runs (a few seconds).
 """
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         r = range(3, 4)
         lraw = None if args.tcp else [
             (int(ldst[t].ctypes.data), int(lsrc[t].ctypes.data), LAYER_BLOCKS * LAYER_BLOCK)
-            for t in (3, LAYERS + 3)]
+            for t in (6, 7)]  # layer 3: tensors 6 and 7 (K, V)
         stages(f"1 MiB layer pull, {where}", puller, pcm, lkey, layers,
                list(range(LAYER_BLOCKS)), list(range(LAYER_BLOCKS)),
                {"src_layer_range": r, "dst_layer_range": r}, lraw, max(20, args.n // 20),
@@ -144,6 +145,24 @@ def main(argv: list[str] | None = None) -> None:
         assert np.array_equal(ldst, lsrc)
         print(f"32 x 1 MiB per-layer: {lay['32 per-layer pulls']:.0f} us, one 32 MiB pull: "
               f"{lay['one pull']:.0f} us: {lay['one pull'] / lay['32 per-layer pulls']:.3f}x")
+        if not args.tcp:  # the limit: the same 32 calls and one call of raw process_vm_readv
+            cma = RawCma(os.getpid())
+            half = LAYER_BLOCKS * LAYER_BLOCK
+
+            def spans(ts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+                return (iov([int(ldst[t].ctypes.data) for t in ts], [half] * len(ts)),
+                        iov([int(lsrc[t].ctypes.data) for t in ts], [half] * len(ts)))
+
+            calls = [cma.prepare(*spans([2 * i, 2 * i + 1])) for i in range(LAYERS)]
+            whole = cma.prepare(*spans(list(range(2 * LAYERS))))
+
+            def raw_layers() -> None:
+                for c in calls:
+                    c()
+
+            lim = p50_us({"32 calls": raw_layers, "one call": whole}, 20, args.rounds)
+            print(f"raw process_vm_readv, 32 calls of 1 MiB: {lim['32 calls']:.0f} us, one of "
+                  f"32 MiB: {lim['one call']:.0f} us: {lim['one call'] / lim['32 calls']:.3f}x")
     finally:
         puller.close()
         owner.close()
