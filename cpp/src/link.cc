@@ -49,7 +49,6 @@ wire::Header AnswerOn(Conn &c, uint32_t rid, std::vector<uint8_t> &payload, Dead
 wire::Header CallOn(Conn &c, uint32_t rid, const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload,
                     Deadline deadline) {
   c.SendFrame(frame, deadline);
-  c.AwaitReadable(deadline);  // the answer cannot be there yet: no receive tried before the wait
   return AnswerOn(c, rid, payload, deadline);
 }
 
@@ -466,7 +465,8 @@ wire::Header Link::Answer(std::vector<uint8_t> &payload, Deadline deadline) {
 }
 
 wire::Header Link::Call(const std::vector<uint8_t> &frame, std::vector<uint8_t> &payload, Deadline deadline) {
-  return CallOn(*conn_, rid_, frame, payload, deadline);
+  conn_->SendFrame(frame, deadline);
+  return Answer(payload, deadline);
 }
 
 void Link::Prepare(Deadline deadline) {

@@ -9,7 +9,6 @@
 #ifndef DATADIST_CPP_NET_H_
 #define DATADIST_CPP_NET_H_
 
-#include <poll.h>
 #include <sys/uio.h>
 
 #include <atomic>
@@ -94,13 +93,6 @@ class Conn {
   /// complete; false with `want` set. LLM_LINK_FAILED, the connection closed.
   bool TlsAcceptStep(short &want);
 
-  /// After sending a request: waits for its answer's first bytes (or the peer closing), so the
-  /// receive that follows does not first try a socket that is still empty (one system call a
-  /// round trip). LLM_TIMEOUT past the deadline, as a receive's wait. Bytes TLS decrypted
-  /// already count as there.
-  void AwaitReadable(Deadline deadline) {
-    if (!closed() && !Buffered()) Wait(POLLIN, deadline);
-  }
   /// Waits up to `ms` for something to read (or the peer closing). No error on timeout.
   bool WaitReadable(int ms);
   /// True when an idle connection has something to read: between requests the peer sends
