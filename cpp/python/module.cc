@@ -9,7 +9,7 @@
 //
 // Who calls: datadist.core.native.NativeEngine only. Serving (accepting, handshakes, peers'
 // requests, reverse channels, leases) runs on the engine's own threads and never takes the
-// GIL; transfers issued here release it for their whole duration; asynchronous ones run on a
+// GIL; transfers issued here keep it until the core would wait (gil.h); asynchronous ones run on a
 // fixed set of worker threads and are polled through Handle without the GIL.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -27,6 +27,7 @@
 
 #include "engine.h"
 #include "errors.h"
+#include "gil.h"
 #include "metrics.h"
 #include "nixl.h"
 #include "options.h"
@@ -634,11 +635,11 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c, const Call &call, double timeout_s) {
             const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
-            py::gil_scoped_release nogil;
+            datadist_py::GilHold hold(call.bytes);  // released only where the core waits (gil.h)
             c.Run(call, deadline, since);
           },
           py::arg("call"), py::arg("timeout_s"),
-          "Runs a prepared transfer, blocking without the GIL until it ends or timeout_s passes.")
+          "Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits.")
       .def(
           "submit",
           [](Core &c, std::shared_ptr<Call> call, double timeout_s) {
@@ -646,7 +647,9 @@ PYBIND11_MODULE(_core, m) {
             // metrics too: the transfer is timed from here).
             const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
-            py::gil_scoped_release nogil;
+            // A small pull may end inline under a lease (Session::Submit): that copy waits for
+            // nobody, so it keeps the GIL (gil.h); anything else gives it up at once.
+            datadist_py::GilHold hold(call->write || call->bytes > datadist::kInlineBytes ? ~uint64_t{0} : call->bytes);
             return c.Submit(std::move(call), deadline, since);
           },
           py::arg("call"), py::arg("timeout_s"),

@@ -2,6 +2,7 @@
 
 #include "addr.h"
 #include "auth.h"
+#include "blocking.h"
 #include "errors.h"
 #include "local.h"
 #include "server.h"
@@ -56,6 +57,13 @@ wire::Header CallOn(Conn &c, uint32_t rid, const std::vector<uint8_t> &frame, st
 std::unique_ptr<Link::Busy> Link::Acquire(Deadline deadline, bool timeout_if_late) {
   if (timeout_if_late && Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
   std::unique_lock<std::mutex> lock(mu_);
+  if (busy_ && !shut_ && blocking::Pending()) {
+    // Another transfer holds the link (it may need what our caller holds, the GIL, to end):
+    // let go before waiting for it (blocking.h).
+    lock.unlock();
+    blocking::AboutToBlock();
+    lock.lock();
+  }
   if (!idle_.wait_until(lock, deadline, [this] { return !busy_ || shut_; }))
     Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " stayed busy until the deadline");
   if (shut_) Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed");
@@ -626,6 +634,7 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
   Prepare(deadline);
   if (path_ == Path::kNixl && nixl_) {
     nixl::ReadPath::Channel ch = NixlChannel();
+    blocking::AboutToBlock();  // NIXL waits in its own loops, which call no hook
     nixl_->Read(ch, req, local, deadline);
     return;
   }
@@ -792,6 +801,7 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
   Prepare(deadline);
   if (path_ == Path::kNixl && nixl_) {
     nixl::ReadPath::Channel ch = NixlChannel();
+    blocking::AboutToBlock();
     nixl_->Write(ch, req, local, deadline);
     return;
   }

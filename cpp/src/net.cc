@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "addr.h"
+#include "blocking.h"
 #include "errors.h"
 #include "tls.h"
 
@@ -141,6 +142,12 @@ void Conn::Broken(const std::string &what) {
 }
 
 void Conn::Wait(short events, Deadline deadline) {
+  // A caller holding something for a short call (blocking.h: the Python binding's GIL) waits
+  // its budget out first, holding it; past that it lets go, and the wait is the same as ever.
+  if (blocking::Pending()) {
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now()).count();
+    if (blocking::WaitBriefly(fd_, events, left)) return;
+  }
   for (;;) {
     int ms = MillisLeft(deadline);
     if (ms <= 0) {
@@ -165,6 +172,7 @@ void Conn::RecvAll(void *data, size_t n, Deadline deadline) {
 }
 
 bool Conn::Block(Deadline deadline, int opt) {
+  blocking::AboutToBlock();  // a bulk rest waits in the kernel: no hold kept through it
   if (!blocking_) {
     const int flags = fcntl(fd_, F_GETFL, 0);
     if (flags < 0 || fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) return false;  // poll instead
@@ -339,6 +347,7 @@ void Conn::TlsConnect(const tls::Context &ctx, Deadline deadline) {
   }
   while (!TlsAccept(deadline)) {
     pollfd p{fd_, POLLIN, 0};
+    blocking::AboutToBlock();  // a handshake's round trips: no hold kept through them
     for (;;) {
       const int ms = MillisLeft(deadline);
       if (ms <= 0) {
@@ -371,6 +380,7 @@ bool Conn::TlsAccept(Deadline deadline) {
       Fail(llm_datadist::LLM_TIMEOUT, "TLS handshake with " + address_ + " timed out");
     }
     pollfd p{fd_, POLLOUT, 0};
+    blocking::AboutToBlock();
     (void)poll(&p, 1, ms);
   }
 }

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "blocking.h"
 #include "errors.h"
 
 namespace {
@@ -163,6 +164,98 @@ TEST(Net, AShutdownFromAnotherThreadWakesABlockedBulkReceive) {
     EXPECT_EQ(e.code(), llm_datadist::LLM_LINK_FAILED) << e.what();
   }
   stopper.join();
+  close(peer);
+}
+
+// The "about to block" hook (blocking.h) a face installs for one call (the Python binding's
+// GIL, cpp/python/gil.h): a wait that ends within the hook's budget keeps the caller's hold (the
+// hook never runs); a longer one runs it once, right before the real wait, and the deadline
+// still ends that wait; a bulk rest lets go at once, before it waits in the kernel; a thread
+// with no hook (every core thread) waits as ever.
+class CountingHook final : public datadist::blocking::Hook {
+ public:
+  explicit CountingHook(std::chrono::microseconds b) { budget = b; }
+  void Blocking() noexcept override { ++calls; }
+  int calls = 0;
+};
+
+TEST(Net, AnAnswerWithinTheHooksBudgetKeepsTheCallersHold) {
+  auto [conn, peer] = Pair();
+  CountingHook hook(std::chrono::seconds(5));
+  const auto src = Bytes(16 << 10, 4);
+  std::thread owner([&, fd = peer] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the answer is not there yet
+    SendRaw(fd, src.data(), src.size());
+  });
+  std::vector<uint8_t> dst(src.size());
+  {
+    datadist::blocking::Scope scope(&hook);
+    conn->RecvAll(dst.data(), dst.size(), datadist::After(30));
+    EXPECT_TRUE(datadist::blocking::Pending());  // still installed, never run
+  }
+  owner.join();
+  EXPECT_FALSE(datadist::blocking::Pending());  // uninstalled with its scope
+  EXPECT_EQ(hook.calls, 0);
+  EXPECT_EQ(dst, src);
+  close(peer);
+}
+
+TEST(Net, AWaitPastTheBudgetLetsGoOnceAndTheDeadlineStillEndsIt) {
+  auto [conn, peer] = Pair();
+  CountingHook hook(std::chrono::milliseconds(1));
+  uint8_t head[24];
+  const auto t0 = datadist::Clock::now();
+  {
+    datadist::blocking::Scope scope(&hook);
+    try {
+      conn->RecvAll(head, sizeof(head), datadist::After(0.3));  // a peer that never answers
+      FAIL() << "no timeout";
+    } catch (const datadist::Error &e) {
+      EXPECT_EQ(e.code(), llm_datadist::LLM_TIMEOUT) << e.what();
+    }
+  }
+  const double took = std::chrono::duration<double>(datadist::Clock::now() - t0).count();
+  EXPECT_EQ(hook.calls, 1);
+  EXPECT_GE(took, 0.25);
+  EXPECT_LT(took, 5.0);
+  close(peer);
+}
+
+TEST(Net, ABulkRestLetsGoBeforeItWaitsInTheKernel) {
+  auto [conn, peer] = Pair();
+  CountingHook hook(std::chrono::seconds(30));  // a budget it must not wait out
+  const auto src = Bytes(1 << 20, 6);
+  std::thread owner([&, fd = peer] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    SendRaw(fd, src.data(), src.size());
+  });
+  std::vector<uint8_t> dst(src.size());
+  const auto t0 = datadist::Clock::now();
+  {
+    datadist::blocking::Scope scope(&hook);
+    conn->RecvAll(dst.data(), dst.size(), datadist::After(30));
+  }
+  const double took = std::chrono::duration<double>(datadist::Clock::now() - t0).count();
+  owner.join();
+  EXPECT_EQ(hook.calls, 1);
+  EXPECT_LT(took, 10.0);
+  EXPECT_EQ(dst, src);
+  close(peer);
+}
+
+TEST(Net, AThreadWithNoHookWaitsAsEver) {
+  auto [conn, peer] = Pair();
+  EXPECT_FALSE(datadist::blocking::Pending());
+  datadist::blocking::AboutToBlock();  // no hook: nothing to run
+  const auto src = Bytes(64, 8);
+  std::thread owner([&, fd = peer] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    SendRaw(fd, src.data(), src.size());
+  });
+  std::vector<uint8_t> dst(src.size());
+  conn->RecvAll(dst.data(), dst.size(), datadist::After(30));
+  owner.join();
+  EXPECT_EQ(dst, src);
   close(peer);
 }
 

@@ -642,13 +642,15 @@ class NativeEngine:
     def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              dst_cache_id: int, timeout: float | None = None) -> None:
         """Read ``plan`` from the remote cache ``key`` names into local cache
-        ``dst_cache_id``. Blocks (without the GIL) until every byte landed or the deadline."""
+        ``dst_cache_id``. Blocks until every byte landed or the deadline; the GIL is kept until
+        the core would wait (cpp/python/gil.h): a leased same-host copy never gives it up."""
         self._run("pull", cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
 
     def push(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              src_cache_id: int, timeout: float | None = None) -> None:
         """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key``
-        names. Blocks (without the GIL) until the owner confirmed or the deadline."""
+        names. Blocks until the owner confirmed or the deadline; the GIL is kept until the
+        core would wait (cpp/python/gil.h)."""
         self._run("push", cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
 
     def _submit(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,

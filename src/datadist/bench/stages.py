@@ -1,0 +1,172 @@
+"""Where the time of one small pull goes, stage by stage (issue 37 item 1; docs/performance.md,
+round 8): the same 16 KiB pull of one block entered at each layer of the Python face, in one
+process (an owner engine and a puller engine, as the API tests run them), against raw
+``process_vm_readv`` of the same bytes on one host. Each stage's p50 over interleaved runs;
+a stage's cost is its p50 less the next one's.
+
+- ``pull_blocks``: the facade (``CacheManager.pull_blocks``: the planned request's lookup,
+  the cache-alive checks, the error mapping), then everything below;
+- ``engine.pull``: the driver (``NativeEngine.pull``: hold the local cache, the prepared
+  call's lookup, unhold), then the binding;
+- ``core.run``: the binding (``Engine.run``: the deadline, the GIL hold, the link's lookup,
+  the metrics) and the core (``Link::Read``: the lease's checks, the copy);
+- ``process_vm_readv``: the copy alone, through ctypes (its own call cost included).
+
+Also the 32 per-layer pulls of 1 MiB against one pull of the same 32 MiB (the calls group's
+row), on the same engines, and on one host its limit: 32 calls of raw ``process_vm_readv``
+of 1 MiB against one of the 32 MiB. Who calls: ``python -m datadist.bench.stages [--tcp]`` by hand.
+Blocks while it runs (a few seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from datadist import BlocksCacheKey, CacheDesc, DataType, Placement
+from datadist.api.cache_manager import CacheManager
+from datadist.bench.limits import RawCma, iov
+from datadist.core.config import EngineConfig
+from datadist.core.native import NativeEngine
+
+OWNER, PULLER, MODEL = 1, 2, 0
+BLOCK = 16 << 10
+BLOCKS = 64
+LAYERS, LAYER_BLOCKS, LAYER_BLOCK = 32, 16, 32 << 10
+
+
+def p50_us(fns: dict[str, Callable[[], object]], n: int, rounds: int) -> dict[str, float]:
+    """Each function ``n`` times per round, the functions interleaved round by round; the
+    median of every call's time in us."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            out = samples[k]
+            for _ in range(n):
+                t0 = clock()
+                fn()
+                out.append((clock() - t0) / 1e3)
+    return {k: float(np.median(v)) for k, v in samples.items()}
+
+
+def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCacheKey,
+           cache: Any, src: list[int], dst: list[int], kwargs: dict[str, Any],
+           raw: list[tuple[int, int, int]] | None, n: int, rounds: int) -> None:
+    """Prints the p50 of one pull_blocks entered at each stage, and each stage's share.
+    ``raw``: (local, remote, length) spans in this process for process_vm_readv."""
+    pcm.pull_blocks(key, cache, src, dst, **kwargs)
+    req = pcm._pull_blocks_request(key, cache, src, dst, kwargs)
+    eng_args = req.args
+    native_pull = req.engine.pull
+    entry, call = puller._taken("pull", *eng_args)
+    puller.registry.unhold(entry)
+    core_run = puller._core.run
+    fns: dict[str, Callable[[], object]] = {
+        "pull_blocks": lambda: pcm.pull_blocks(key, cache, src, dst, **kwargs),
+        "engine.pull": lambda: native_pull(*eng_args),
+        "core.run": lambda: core_run(call, 5.0),
+    }
+    if raw is not None:
+        fns["process_vm_readv"] = RawCma(os.getpid()).prepare(
+            iov([a for a, _, _ in raw], [n for _, _, n in raw]),
+            iov([b for _, b, _ in raw], [n for _, _, n in raw]))
+    got = p50_us(fns, n, rounds)
+    print(f"{label} ({puller.last_moved(OWNER) or 'tcp'}), p50 us:")
+    names = list(got)
+    for i, k in enumerate(names):
+        below = got[names[i + 1]] if i + 1 < len(names) else 0.0
+        print(f"  {k:18s} {got[k]:8.2f}   this stage: {got[k] - below:8.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Where the time of one small pull goes.")
+    ap.add_argument("--tcp", action="store_true", help="force TCP (no same-host path)")
+    ap.add_argument("-n", type=int, default=2000, help="calls per stage per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    owner = NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0)))
+    puller = NativeEngine(EngineConfig(cluster_id=PULLER, role=2,
+                                       transport="tcp" if args.tcp else None))
+    try:
+        ocm, pcm = CacheManager(owner), CacheManager(puller)
+        src = np.random.default_rng(1).integers(0, 256, (1, BLOCKS * BLOCK), dtype=np.uint8)
+        dst = np.zeros_like(src)
+        desc = CacheDesc(1, [BLOCKS, BLOCK], DataType.DT_UINT8, Placement.DEVICE)
+        ocm.register_blocks_cache(desc, [src.ctypes.data], BlocksCacheKey(OWNER, MODEL))
+        small = pcm.register_blocks_cache(desc, [dst.ctypes.data], None)
+        lsrc = np.random.default_rng(2).integers(
+            0, 256, (2 * LAYERS, LAYER_BLOCKS * LAYER_BLOCK), dtype=np.uint8)
+        ldst = np.zeros_like(lsrc)
+        ldesc = CacheDesc(2 * LAYERS, [LAYER_BLOCKS, LAYER_BLOCK], DataType.DT_UINT8,
+                          Placement.DEVICE)
+        ocm.register_blocks_cache(ldesc, [int(a.ctypes.data) for a in lsrc],
+                                  BlocksCacheKey(OWNER, MODEL + 1))
+        layers = pcm.register_blocks_cache(ldesc, [int(a.ctypes.data) for a in ldst], None)
+        address = owner.listen_address
+        assert address is not None
+        host, port = address
+        puller.link(OWNER, host, port, 5.0)
+        key = BlocksCacheKey(OWNER, MODEL)
+        pcm.pull_blocks(key, small, [5], [9])
+        pcm.pull_blocks(key, small, [5], [9])  # the lease (same host) exists from here
+        assert np.array_equal(dst[0, 9 * BLOCK:10 * BLOCK], src[0, 5 * BLOCK:6 * BLOCK])
+        where = "TCP" if args.tcp else "same host"
+        raw = None if args.tcp else [(dst.ctypes.data + 9 * BLOCK, src.ctypes.data + 5 * BLOCK,
+                                      BLOCK)]
+        stages(f"16 KiB pull, {where}", puller, pcm, key, small, [5], [9], {}, raw,
+               args.n, args.rounds)
+        lkey = BlocksCacheKey(OWNER, MODEL + 1)
+        r = range(3, 4)
+        lraw = None if args.tcp else [
+            (int(ldst[t].ctypes.data), int(lsrc[t].ctypes.data), LAYER_BLOCKS * LAYER_BLOCK)
+            for t in (6, 7)]  # layer 3: tensors 6 and 7 (K, V)
+        stages(f"1 MiB layer pull, {where}", puller, pcm, lkey, layers,
+               list(range(LAYER_BLOCKS)), list(range(LAYER_BLOCKS)),
+               {"src_layer_range": r, "dst_layer_range": r}, lraw, max(20, args.n // 20),
+               args.rounds)
+        blocks = list(range(LAYER_BLOCKS))
+
+        def per_layer() -> None:
+            for i in range(LAYERS):
+                r = range(i, i + 1)
+                pcm.pull_blocks(BlocksCacheKey(OWNER, MODEL + 1), layers, blocks, blocks,
+                                src_layer_range=r, dst_layer_range=r)
+
+        def one_pull() -> None:
+            pcm.pull_blocks(BlocksCacheKey(OWNER, MODEL + 1), layers, blocks, blocks)
+
+        lay = p50_us({"32 per-layer pulls": per_layer, "one pull": one_pull}, 20, args.rounds)
+        assert np.array_equal(ldst, lsrc)
+        print(f"32 x 1 MiB per-layer: {lay['32 per-layer pulls']:.0f} us, one 32 MiB pull: "
+              f"{lay['one pull']:.0f} us: {lay['one pull'] / lay['32 per-layer pulls']:.3f}x")
+        if not args.tcp:  # the limit: the same 32 calls and one call of raw process_vm_readv
+            cma = RawCma(os.getpid())
+            half = LAYER_BLOCKS * LAYER_BLOCK
+
+            def spans(ts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+                return (iov([int(ldst[t].ctypes.data) for t in ts], [half] * len(ts)),
+                        iov([int(lsrc[t].ctypes.data) for t in ts], [half] * len(ts)))
+
+            calls = [cma.prepare(*spans([2 * i, 2 * i + 1])) for i in range(LAYERS)]
+            whole = cma.prepare(*spans(list(range(2 * LAYERS))))
+
+            def raw_layers() -> None:
+                for c in calls:
+                    c()
+
+            lim = p50_us({"32 calls": raw_layers, "one call": whole}, 20, args.rounds)
+            print(f"raw process_vm_readv, 32 calls of 1 MiB: {lim['32 calls']:.0f} us, one of "
+                  f"32 MiB: {lim['one call']:.0f} us: {lim['one call'] / lim['32 calls']:.3f}x")
+    finally:
+        puller.close()
+        owner.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The bounded GIL hold of a blocking transfer (cpp/python/gil.h, cpp/src/blocking.h).
+
+``Engine.run`` keeps the interpreter's lock while the core works and gives it up only right
+before the core would really wait (a peer's answer not there within a short budget, a link
+another transfer holds, a bulk transfer), so a call that ends in microseconds does not wait
+up to the switch interval to get the GIL back from a busy thread. What must still hold:
+
+- a leased same-host copy never waits, and so never lets another Python thread run;
+- a pull whose owner is slow, or whose every byte goes through Python (a proxy of Python
+  threads, which need the GIL to forward), ends: the GIL was released while it waited;
+- two Python threads on one link, one waiting for the link the other holds while the owner is
+  slow: both end, neither keeps the GIL the other's forwarding needs;
+- a dead peer still ends the pull at its deadline (LLM_TIMEOUT), with the GIL released
+  meanwhile (another thread ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from datadist.core.config import EngineConfig
+from datadist.core.errors import Timeout
+from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.native import NativeEngine
+from datadist.wire import protocol as p
+
+BYTES = 16 << 10
+HOLD_BYTES = 1 << 20  # gil.h's kHoldBytes: the largest call that keeps the GIL
+OWNER_ID, PULLER_ID = 1, 2
+
+
+class Counter:
+    """A pure-Python thread counting loop steps until stopped."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.steps += 1
+
+    def __enter__(self) -> Counter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join(10)
+
+
+class Proxy:
+    """A TCP proxy whose bytes go through Python threads (they need the GIL to move
+    anything), each chunk held ``delay`` seconds first; ``stalled`` forwards nothing more."""
+
+    def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
+        self.target = target
+        self.delay = delay
+        self.stalled = False
+        self._lsock = socket.socket()
+        self._lsock.bind(("127.0.0.1", 0))
+        self._lsock.listen(16)
+        self._socks: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._lsock.getsockname()
+        return host, port
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                a, _ = self._lsock.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self.target)
+            self._socks += [a, b]
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 20)
+                if not data:
+                    break
+                while self.stalled and not self._closed:
+                    time.sleep(0.01)
+                if self.delay:
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self._lsock.close()
+        for s in self._socks:
+            s.close()
+
+
+class Pair:
+    """An owner engine with one 16 KiB cache (a pattern) and a puller with its own cache."""
+
+    def __init__(self, transport: str | None, size: int = BYTES) -> None:
+        self.owner = NativeEngine(EngineConfig(cluster_id=OWNER_ID, role=1,
+                                               listen=("127.0.0.1", 0), sync_timeout=5.0))
+        self.puller = NativeEngine(EngineConfig(cluster_id=PULLER_ID, role=2, sync_timeout=5.0,
+                                                transport=transport))
+        self.src = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+        self.src_entry = self.owner.register(Geometry(1, size, 1), [self.src.ctypes.data],
+                                             placement=0)
+        self.dst = np.zeros(size, np.uint8)
+        self.dst_entry = self.puller.register(Geometry(1, size, 1), [self.dst.ctypes.data],
+                                              placement=0)
+        self.plan = plan_slot(self.dst_entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        self.key = p.KeyRef(p.KeyKind.CACHE_ID, self.src_entry.cache_id, 0)
+
+    def link(self, address: tuple[str, int] | None = None) -> None:
+        host, port = address or self.owner.listen_address
+        self.puller.link(OWNER_ID, host, port, 5.0)
+
+    def pull(self, timeout: float = 5.0) -> None:
+        self.puller.pull(OWNER_ID, self.key, 0, self.plan, self.dst_entry.cache_id, timeout)
+
+    def pulled_right(self) -> bool:
+        ok = np.array_equal(self.dst, self.src)
+        self.dst.fill(0)
+        return ok
+
+    def close(self) -> None:
+        self.puller.close()
+        self.owner.close()
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., Pair]]:
+    made: list[Pair] = []
+
+    def make(transport: str | None, size: int = BYTES) -> Pair:
+        made.append(Pair(transport, size))
+        return made[-1]
+
+    yield make
+    for pr in made:
+        pr.close()
+
+
+@pytest.fixture
+def switch_interval() -> Iterator[Callable[[float], None]]:
+    old = sys.getswitchinterval()
+    yield sys.setswitchinterval
+    sys.setswitchinterval(old)
+
+
+def test_a_leased_same_host_pull_never_lets_a_busy_thread_run(make_pair, switch_interval) -> None:
+    """Before: every pull released the GIL for its whole duration, so a busy thread ran (and
+    the pull waited up to the switch interval to get the GIL back, when the copy outlasted
+    the busy thread's wake-up). Now a leased copy of up to 1 MiB (the hold's bound), which
+    never waits, keeps the GIL: with a switch interval long enough that the interpreter
+    never takes the GIL from us on its own, a busy thread's counter does not move across 50
+    pulls."""
+    pr = make_pair(None, HOLD_BYTES)
+    pr.link()
+    pr.pull()
+    pr.pull()  # the lease is asked for (a round trip) by the first pulls
+    if pr.puller.last_moved(OWNER_ID) not in ("cma", "shm"):
+        pytest.skip(f"no same-host lease here: pulls move by {pr.puller.last_moved(OWNER_ID)}")
+    assert pr.pulled_right()
+    switch_interval(1.0)
+    with Counter() as busy:
+        time.sleep(0.01)  # the busy thread runs; we get the GIL back by the interval
+        assert busy.steps > 0
+        before = busy.steps
+        for _ in range(50):
+            pr.pull()
+        after = busy.steps
+    assert after == before, f"the busy thread ran {after - before} steps during 50 leased pulls"
+    assert pr.pulled_right()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.03])
+def test_a_pull_through_python_threads_ends(make_pair, delay: float) -> None:
+    """Every byte of the link goes through a proxy of Python threads, which need the GIL to
+    forward the answer: a pull that kept the GIL while it waited could never end. With the
+    proxy holding each chunk 30 ms (beyond the hold's budget) or not at all."""
+    pr = make_pair("tcp")
+    proxy = Proxy(pr.owner.listen_address, delay)
+    try:
+        pr.link(proxy.address)
+        for _ in range(5):
+            pr.pull(10.0)
+            assert pr.pulled_right()
+    finally:
+        proxy.close()
+
+
+def test_two_threads_on_one_link_with_a_slow_owner_both_end(make_pair) -> None:
+    """Two Python threads pull on one link through a slow proxy of Python threads: one holds
+    the link and waits for the owner, the other waits for the link. Neither may keep the GIL
+    while it waits (the proxy's forwarding and the other thread need it); both end, every
+    pull's bytes right, and a third thread kept running meanwhile."""
+    pr = make_pair("tcp")
+    proxy = Proxy(pr.owner.listen_address, 0.02)
+    errors: list[BaseException] = []
+
+    def puller() -> None:
+        try:
+            for _ in range(4):
+                pr.pull(20.0)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        pr.link(proxy.address)
+        with Counter() as busy:
+            threads = [threading.Thread(target=puller) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads), "a pull never ended"
+            steps = busy.steps
+        assert not errors, errors
+        assert steps > 0
+        assert pr.pulled_right()
+    finally:
+        proxy.close()
+
+
+def test_a_dead_peer_still_ends_the_pull_at_its_deadline(make_pair) -> None:
+    """A linked owner that stops answering (the proxy forwards nothing more): the pull fails
+    LLM_TIMEOUT at its deadline, and another Python thread ran while it waited."""
+    pr = make_pair("tcp")
+    proxy = Proxy(pr.owner.listen_address)
+    try:
+        pr.link(proxy.address)
+        pr.pull()
+        assert pr.pulled_right()
+        proxy.stalled = True
+        with Counter() as busy:
+            time.sleep(0.01)
+            before = busy.steps
+            t0 = time.monotonic()
+            with pytest.raises(Timeout):
+                pr.pull(0.5)
+            took = time.monotonic() - t0
+            during = busy.steps - before
+        assert 0.4 <= took < 5.0
+        assert during > 0, "the GIL was held while the pull waited for a dead peer"
+    finally:
+        proxy.stalled = False
+        proxy.close()
