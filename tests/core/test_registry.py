@@ -24,10 +24,12 @@ from datadist.core.keys import (
     MAX_REQUEST_SPANS,
     UINT64_MAX,
     KeyId,
+    KeyKind,
+    KeyRef,
     check_request_size,
     key_id,
 )
-from datadist.core.layout import Geometry
+from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.memory.pool import PoolConfig
 
 pytestmark = [
@@ -186,6 +188,32 @@ def test_deallocate_or_remove_key_of_registered_memory_is_a_no_op(
     eng.deallocate(42)  # unknown
     assert eng.cache(entry.cache_id).cache_id == entry.cache_id
     assert eng.key_bound(K(1))
+
+
+def test_a_key_a_peer_consumed_releases_the_deallocated_cache(eng: native.NativeEngine) -> None:
+    """The core consumes a req_id key when a peer's read of it succeeds, and with it the last
+    hold on a deallocated pool cache: the pool gets the memory back at the engine's next
+    call, with no Python copy of the keys to keep in step."""
+    eng.start_listening("127.0.0.1", 0)
+    entry = eng.allocate(GEO, placement=HOST, keys=[K(7)])
+    eng.deallocate(entry.cache_id)
+    held = used(eng)
+    assert held > 0 and eng.key_bound(K(7))
+    puller = native.NativeEngine(EngineConfig(cluster_id=2, role=2, transport="tcp"))
+    dst = np.zeros((4, 1024), np.uint8)
+    try:
+        assert eng.listen_address is not None
+        puller.link(1, "127.0.0.1", eng.listen_address[1], 5.0)
+        local = puller.register(GEO, [int(dst[i].ctypes.data) for i in range(4)],
+                                placement=HOST)
+        # one slot of 256 bytes per tensor: the puller's cache is GEO too, slot 0
+        plan = plan_slot(local.geometry, 0, layer_tensor_indices(4, None, None, 4))
+        puller.pull(1, KeyRef(KeyKind.CACHE_KEY, 7, 0, UINT64_MAX), 0, plan, local.cache_id, 5.0)
+    finally:
+        puller.close()
+    assert not eng.key_bound(K(7))  # consumed by the read
+    eng.remove_key(K(99))  # any later call frees what the core released
+    assert used(eng) == 0
 
 
 # ------------------------------------------------------------------------------ unregister
