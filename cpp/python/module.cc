@@ -157,8 +157,10 @@ class Core {
 };
 
 /// A local transfer's hold on one of the registry's caches (Engine.hold): Remove waits for it.
-/// Released by release() or when Python drops it; keeps its Core alive (keep_alive).
+/// Released by release() or when Python drops it. Holds the Python Engine (declared first, so
+/// destroyed after the lease): the registry the lease ends in outlives it.
 struct Hold {
+  py::object engine;
   std::unique_ptr<datadist::Lease> lease;
   int64_t cache_id = 0;
 };
@@ -715,11 +717,16 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "cache_ids", [](Core &c) { return c.engine().registry().Ids(); }, "The ids filed now, ascending.")
       .def(
+          "filed", [](Core &c, int64_t id) { return c.engine().registry().Filed(id); }, py::arg("cache_id"),
+          "Whether a cache is filed under `cache_id` now (not deallocated, unregistered or being "
+          "unregistered). Never blocks.")
+      .def(
           "hold",
-          [](Core &c, int64_t id) {
-            return Hold{c.engine().registry().Hold(id), id};
+          [](py::object self, int64_t id) {
+            std::unique_ptr<datadist::Lease> lease = self.cast<Core &>().engine().registry().Hold(id);
+            return Hold{std::move(self), std::move(lease), id};
           },
-          py::arg("cache_id"), py::keep_alive<0, 1>(),
+          py::arg("cache_id"),
           "Holds a filed cache for a local transfer until the Hold's release(): unregistering waits for it. "
           "CacheNotFound for an unknown id or one being unregistered. Never blocks.")
       .def(

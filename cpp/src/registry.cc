@@ -374,6 +374,12 @@ Registry::Info Registry::Describe(int64_t id) {
   return Info{e.id, e.geo, e.addrs, e.opts, e.leases};
 }
 
+bool Registry::Filed(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  return it != by_id_.end() && !it->second->closing;
+}
+
 std::vector<int64_t> Registry::Ids() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;

@@ -248,6 +248,9 @@ class Registry {
     int leases = 0;  // transfers holding it now (peers', and Hold's)
   };
   Info Describe(int64_t id);
+  /// Whether a cache is filed under `id` and not being unregistered: what a plan made for it
+  /// needs (ids are never reused, a filed cache's geometry never changes). Not blocking.
+  bool Filed(int64_t id);
   /// The ids filed now, ascending (tools and tests). Not blocking.
   std::vector<int64_t> Ids();
   /// Removes a cache once no lease holds it (waits up to `wait_s`, then LLM_TIMEOUT and the

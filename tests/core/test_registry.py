@@ -87,6 +87,7 @@ def test_the_core_numbers_caches_from_one_and_describes_them(
     b = eng.allocate(BLOCKS, placement=HOST)
     assert (a.cache_id, b.cache_id) == (1, 2)
     assert eng.cache_ids() == [1, 2]
+    assert eng.filed(1) and eng.filed(2) and not eng.filed(3)
     got = eng.cache(1)
     assert (got.geometry, got.addrs.tolist(), got.owned, got.placement,
             got.remote_accessible) == (GEO, addrs_of(user_mem), False, DEVICE, False)
@@ -154,6 +155,7 @@ def test_deallocate_defers_the_free_while_keys_hold_the_cache(eng: native.Native
     eng.deallocate(entry.cache_id)
     with pytest.raises(CacheNotFound):
         eng.cache(entry.cache_id)  # the id is gone at once
+    assert not eng.filed(entry.cache_id)
     assert used(eng) == held  # the keys still serve the cache
     eng.remove_key(K(1))
     assert used(eng) == held
@@ -247,6 +249,7 @@ def test_unregister_waits_for_holds_and_refuses_new_ones_meanwhile(
             except CacheNotFound:
                 refused = True
         assert refused
+        assert not eng.filed(entry.cache_id)  # being unregistered: no plan is reused for it
         assert not done.is_set()
     assert done.wait(10)
     t.join()

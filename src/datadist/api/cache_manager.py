@@ -496,11 +496,9 @@ class CacheManager:
         req = self._planned.find(key)
         if req is None:
             return None
-        try:
-            geo = self._engine.cache(cache.cache_id).geometry
-        except DatadistError:
-            return None
-        return req if geo is req.geometry or geo == req.geometry else None
+        # The plan was made for this Cache's id (the key holds the Cache), whose geometry the
+        # core never changes and whose id it never reuses: still filed is still the same.
+        return req if self._engine.filed(cache.cache_id) else None
 
     def _pull_cache_request(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
                             kwargs: dict[str, Any]) -> _Request:

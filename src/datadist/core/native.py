@@ -446,6 +446,12 @@ class NativeEngine:
         and local copies; tests). CacheNotFound for an unknown id. Never blocks."""
         return int(self._core.cache_info(cache_id)[9])
 
+    def filed(self, cache_id: int) -> bool:
+        """Whether a cache is filed under ``cache_id`` now (not deallocated, unregistered or
+        being unregistered): all a plan made for it needs to know, as the core never reuses an
+        id and a filed cache's geometry never changes. Never blocks."""
+        return bool(self._core.filed(cache_id))
+
     def cache_ids(self) -> list[int]:
         """The ids of the caches filed now, ascending (tools, tests). Never blocks."""
         return [int(i) for i in self._core.cache_ids()]
