@@ -249,7 +249,7 @@ def p_code_link_failed() -> int:
 
 
 def decoder_cache_id(decoder: NativeEngine) -> int:
-    return int(decoder.registry.entries()[0].cache_id)
+    return decoder.cache_ids()[0]
 
 
 def address_writes(owner: NativeEngine, private: np.ndarray, public: np.ndarray,
@@ -273,7 +273,8 @@ def address_writes(owner: NativeEngine, private: np.ndarray, public: np.ndarray,
                 raise Finding(f"no answer to a write at {addr:#x} +{n}: {got!r}")
             inside = n >= 1 and any(  # wholly inside a tensor of a remote-accessible cache
                 int(b) <= addr and addr + n <= int(b) + e.geometry.tensor_bytes
-                for e in owner.registry.entries() if e.remote_accessible for b in e.addrs)
+                for e in map(owner.cache, owner.cache_ids()) if e.remote_accessible
+                for b in e.addrs)
             if isinstance(got[1], p.Ok):
                 if not inside:
                     raise Finding(f"accepted a write at {addr:#x} +{n} outside every "

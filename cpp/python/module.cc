@@ -17,10 +17,12 @@
 #include <pybind11/typing.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -127,6 +129,26 @@ class ErrorObject : public py::object {
 using OptionValue = py::typing::Union<bool, int64_t, py::str>;
 /// parse_options' answer: {key: (value, source)}.
 using ParsedOptions = py::typing::Dict<py::str, py::typing::Tuple<OptionValue, py::str>>;
+
+/// A local transfer's hold on one of the registry's caches (Engine.hold): Remove waits for it.
+/// Released by release() or when Python drops it. Holds the Python Engine (declared first, so
+/// destroyed after the lease): the registry the lease ends in outlives it.
+struct Hold {
+  py::object engine;
+  std::unique_ptr<datadist::Lease> lease;
+  int64_t cache_id = 0;
+};
+
+/// add_cache's keys: (value, model_id, is_prefix) or None per slot, from slot 0; the Nones
+/// (padding keys) bind nothing.
+void KeysOf(const std::vector<py::object> &keys, std::vector<datadist::KeyId> *out, std::vector<uint64_t> *slots) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i].is_none()) continue;
+    auto k = keys[i].cast<std::tuple<uint64_t, uint64_t, bool>>();
+    out->push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k)});
+    slots->push_back(i);
+  }
+}
 
 /// The package's error for a core error: the binding's one code-to-class table. A checksum
 /// mismatch (its kind, not its code, which a peer's protocol error shares) is IntegrityError;
@@ -328,6 +350,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("cluster_id", [](const Call &c) { return c.cluster; })
       .def_property_readonly(
           "spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds");
+
+  // A local transfer's hold on a cache (Engine.hold): release() ends it (idempotent, never blocks).
+  py::class_<Hold>(m, "Hold", "A hold on a local cache (Engine.hold); release() ends it")
+      .def_readonly("cache_id", &Hold::cache_id)
+      .def("release", [](Hold &h) { h.lease.reset(); })
+      .def_property_readonly("held", [](const Hold &h) { return h.lease != nullptr; });
 
   py::class_<Core>(
       m, "Engine",
@@ -543,11 +571,14 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "last_link_failure", [](Core &c, uint64_t id) { return c.engine().LastLinkFailure(id); },
           py::arg("cluster_id"))
+      // The caches: one registry, the core's (cpp/src/registry.h). NativeEngine files its caches
+      // here and asks for what it plans with; calls that run the registry's hooks (a NIXL
+      // registration, a CUDA query, revoking leases) or wait for leases release the GIL.
       .def(
           "add_cache",
-          [](Core &c, int64_t id, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
-             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, const py::object &shm,
-             bool device) {
+          [](Core &c, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
+             const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, bool device,
+             const py::object &shm, const std::vector<py::object> &keys, std::optional<uint64_t> model_id) {
             datadist::Geometry g;
             g.num_tensors = num_tensors;
             g.tensor_bytes = tensor_bytes;
@@ -566,49 +597,114 @@ PYBIND11_MODULE(_core, m) {
               place.inos = std::move(std::get<1>(parts));
               place.offsets = std::move(std::get<2>(parts));
             }
-            c.engine().registry().AddAs(id, g, ToVector(addrs), o, place);
-          },
-          py::arg("cache_id"), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"),
-          py::arg("addrs"), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"),
-          py::arg("shm") = py::none(), py::arg("device") = false,
-          "Files a cache of the Python registry's (its memory the caller's); `device`: DEVICE placement "
-          "(NIXL registers it as VRAM where CUDA says its memory is a GPU's).")
-      .def(
-          "bind_keys",
-          [](Core &c, int64_t id, const std::vector<std::tuple<uint64_t, uint64_t, bool>> &keys,
-             const std::vector<uint64_t> &slots) {
             std::vector<datadist::KeyId> ks;
-            for (const auto &k : keys) ks.push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k)});
-            c.engine().registry().BindKeys(id, ks, slots);
+            std::vector<uint64_t> slots;
+            KeysOf(keys, &ks, &slots);
+            const std::vector<uint64_t> bases = ToVector(addrs);
+            py::gil_scoped_release nogil;
+            return c.engine().registry().File(g, bases, o, place, ks, slots, model_id);
           },
-          py::arg("cache_id"), py::arg("keys"), py::arg("slots"), "keys: (value, model_id, is_prefix) per slot")
+          py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"), py::arg("addrs"),
+          py::kw_only(), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"), py::arg("device"),
+          py::arg("shm") = py::none(), py::arg("keys") = std::vector<py::object>(), py::arg("model_id") = py::none(),
+          "Files a cache (its memory the caller's) under the next free id and returns it, with `keys` "
+          "((value, model_id, is_prefix) or None per slot, from slot 0) and `model_id` (a BlocksCacheKey's) "
+          "bound to it, all or nothing; `device`: DEVICE placement (NIXL registers it as VRAM where CUDA says "
+          "its memory is a GPU's). InvalidArgument for bad keys or addresses. Blocks without the GIL while "
+          "NIXL registers it.")
+      .def(
+          "check_keys",
+          [](Core &c, const std::vector<py::object> &keys, uint64_t units) {
+            std::vector<datadist::KeyId> ks;
+            std::vector<uint64_t> slots;
+            KeysOf(keys, &ks, &slots);
+            c.engine().registry().CheckKeys(ks, slots, units);
+          },
+          py::arg("keys"), py::arg("units"),
+          "add_cache's key rules for a cache of `units` slots, checked before its memory is allocated "
+          "(InvalidArgument). Never blocks.")
+      .def(
+          "key_bound",
+          [](Core &c, uint64_t value, uint64_t model_id, bool is_prefix) {
+            return c.engine().registry().Bound({value, model_id, is_prefix});
+          },
+          py::arg("value"), py::arg("model_id"), py::arg("is_prefix"),
+          "Whether the key is bound to a cache now (false once a peer's read consumed it). Never blocks.")
+      .def(
+          "cache_info",
+          [](Core &c, int64_t id) {
+            const datadist::Registry::Info info = c.engine().registry().Describe(id);
+            U64Array addrs(static_cast<py::ssize_t>(info.addrs.size()));
+            std::copy(info.addrs.begin(), info.addrs.end(), addrs.mutable_data());
+            return py::make_tuple(info.geo.num_tensors, info.geo.tensor_bytes, info.geo.units, info.opts.blocks,
+                                  info.geo.layout, addrs, info.opts.allocated, info.opts.device,
+                                  info.opts.remote_accessible, info.leases);
+          },
+          py::arg("cache_id"),
+          "(num_tensors, tensor_bytes, units, blocks, layout, addrs, allocated, device, remote_accessible, leases) "
+          "of a filed cache; CacheNotFound for an unknown (deallocated, unregistered) id. Never blocks.")
+      .def(
+          "cache_ids", [](Core &c) { return c.engine().registry().Ids(); }, "The ids filed now, ascending.")
+      .def(
+          "filed", [](Core &c, int64_t id) { return c.engine().registry().Filed(id); }, py::arg("cache_id"),
+          "Whether a cache is filed under `cache_id` now (not deallocated, unregistered or being "
+          "unregistered). Never blocks.")
+      .def(
+          "hold",
+          [](py::object self, int64_t id) {
+            std::unique_ptr<datadist::Lease> lease = self.cast<Core &>().engine().registry().Hold(id);
+            return Hold{std::move(self), std::move(lease), id};
+          },
+          py::arg("cache_id"),
+          "Holds a filed cache for a local transfer until the Hold's release(): unregistering waits for it. "
+          "CacheNotFound for an unknown id or one being unregistered. Never blocks.")
       .def(
           "unbind_key",
           [](Core &c, uint64_t value, uint64_t model_id, bool is_prefix) {
             c.engine().registry().UnbindKey({value, model_id, is_prefix});
           },
           py::arg("value"), py::arg("model_id"), py::arg("is_prefix"))
-      .def("take_consumed",
-           [](Core &c) {
-             std::vector<std::tuple<uint64_t, uint64_t, bool>> out;
-             for (const auto &k : c.engine().registry().TakeConsumed())
-               out.emplace_back(k.value, k.model_id, k.is_prefix);
-             return out;
-           })
-      .def("take_released", [](Core &c) { return c.engine().registry().TakeReleased(); })
+      .def(
+          "take_released",
+          [](Core &c) {
+            py::gil_scoped_release nogil;  // NIXL deregisters each
+            return c.engine().registry().TakeReleased();
+          },
+          "Ids of deallocated caches nothing holds any more: their pool memory may go (each listed once).")
       .def(
           "set_model_map", [](Core &c, bool on) { c.engine().registry().SetModelMap(on); }, py::arg("on"))
       .def(
           "set_remote_writes", [](Core &c, bool on) { c.engine().registry().SetRemoteWrites(on); }, py::arg("allowed"))
       .def(
-          "bind_model", [](Core &c, uint64_t model_id, int64_t id) { c.engine().registry().BindModel(model_id, id); },
+          "bind_model",
+          [](Core &c, uint64_t model_id, int64_t id) {
+            py::gil_scoped_release nogil;  // revokes the leases through it on the cache it named
+            c.engine().registry().BindModel(model_id, id);
+          },
           py::arg("model_id"), py::arg("cache_id"))
       .def(
-          "unbind_model", [](Core &c, uint64_t model_id) { c.engine().registry().UnbindModel(model_id); },
+          "unbind_model",
+          [](Core &c, uint64_t model_id) {
+            py::gil_scoped_release nogil;
+            c.engine().registry().UnbindModel(model_id);
+          },
           py::arg("model_id"))
       .def(
-          "deallocate", [](Core &c, int64_t id, bool drop_keys) { c.engine().registry().Deallocate(id, drop_keys); },
+          "deallocate",
+          [](Core &c, int64_t id, bool drop_keys) {
+            py::gil_scoped_release nogil;  // revokes its whole-cache leases
+            c.engine().registry().Deallocate(id, drop_keys);
+          },
           py::arg("cache_id"), py::arg("drop_keys"))
+      .def(
+          "caches_in_use",
+          [](Core &c, double wait_s) {
+            py::gil_scoped_release nogil;
+            return c.engine().registry().AwaitStuck(wait_s);
+          },
+          py::arg("wait_s"),
+          "After close: waits up to wait_s for the caches a transfer still held when they were dropped; "
+          "returns how many still are (their memory must stay mapped).")
       .def(
           "remove_cache",
           [](Core &c, int64_t id, double wait_s) {

@@ -23,8 +23,9 @@
 // runtime, loaded at run time, puts on a GPU is registered as NIXL VRAM with its device id, and
 // grants, leases and the reader's own descriptor lists carry that kind; everything else is DRAM.
 //
-// Thread-safety: every method may be called from any thread. Lock order: the registry's mutex,
-// then Owner's, then Agent's; nothing here calls the registry holding Owner's or Agent's.
+// Thread-safety: every method may be called from any thread. Lock order: the registry's hook
+// mutex (its hooks run under it, not under its state mutex), then Owner's, then Agent's;
+// nothing here calls the registry holding Owner's or Agent's.
 #ifndef DATADIST_CPP_NIXL_H_
 #define DATADIST_CPP_NIXL_H_
 

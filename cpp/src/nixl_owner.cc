@@ -151,16 +151,13 @@ std::shared_ptr<Agent> Owner::Make(const std::function<std::string()> &unavailab
   name << "datadist-" << cluster_id_ << "-" << getpid() << "-" << std::hex
        << (reinterpret_cast<uintptr_t>(this) & 0xffffffff);
   auto a = std::make_shared<Agent>(name.str());
-  // Every servable cache, then published: under the registry's mutex, so none filed meanwhile
-  // is missed (Added registers those once agent_ is set).
-  registry_->ForEach(
-      [&](const Entry &e) {
-        if (!e.closing) Register(*a, e);
-      },
-      [&] {
-        std::lock_guard<std::mutex> lock(mu_);
-        agent_ = a;
-      });
+  // Every servable cache, then published: under the registry's hook mutex, so none filed
+  // meanwhile is missed (Added registers those once agent_ is set).
+  registry_->ForEach([&](const Entry &e) { Register(*a, e); },
+                     [&] {
+                       std::lock_guard<std::mutex> lock(mu_);
+                       agent_ = a;
+                     });
   return a;
 }
 

@@ -246,8 +246,7 @@ void Registry::SettleLocked(Lease *l, bool ok) {
   for (uint32_t t : l->tensors_) b.pulled[t] = true;
   if (std::all_of(b.pulled.begin(), b.pulled.end(), [](bool p) { return p; })) {
     keys_.erase(it);
-    e.keys.erase(l->key_);
-    consumed_.push_back(l->key_);
+    e.keys.erase(l->key_);  // consumed: a deallocated cache it held may be released now
   }
 }
 
@@ -262,28 +261,38 @@ void CheckShm(const ShmPlace &shm, size_t tensors) {
 
 }  // namespace
 
-int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
-                      std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region,
-                      const ShmPlace &shm) {
-  Geometry g = GeometryOf(desc);
+std::shared_ptr<Entry> Registry::Make(const Geometry &g, const llm_datadist::CacheDesc *desc,
+                                      const std::vector<uint64_t> &addrs, const CacheOptions &opts,
+                                      const ShmPlace &shm) {
   if (addrs.size() != g.num_tensors)
     Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
   for (uint64_t a : addrs)
     if (a == 0) Invalid("tensor addresses must be non-zero");
+  CheckShm(shm, addrs.size());
   auto e = std::make_shared<Entry>();
   e->geo = g;
-  e->desc = desc;
-  e->opts.device = desc.placement == llm_datadist::CachePlacement::kDevice;
+  if (desc) e->desc = *desc;
   e->addrs = addrs;
-  e->owned = std::move(owned);
-  CheckShm(shm, addrs.size());
+  e->opts = opts;
+  e->opts.device = opts.device || (desc && desc->placement == llm_datadist::CachePlacement::kDevice);
   e->shm = shm;
+  return e;
+}
+
+int64_t Registry::Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
+                      std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region,
+                      const ShmPlace &shm) {
+  std::shared_ptr<Entry> e = Make(GeometryOf(desc), &desc, addrs, {}, shm);
+  e->owned = std::move(owned);
   e->region = std::move(region);
-  std::lock_guard<std::mutex> lock(mu_);
-  while (by_id_.count(next_id_)) ++next_id_;  // ids an embedder chose (the other Add)
-  e->id = next_id_++;
-  by_id_[e->id] = e;
-  if (hooks_.added) hooks_.added(*e);
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (by_id_.count(next_id_)) ++next_id_;  // ids an embedder chose (the other Add)
+    e->id = next_id_++;
+    by_id_[e->id] = e;
+  }
+  if (hooks_.added) hooks_.added(*e);  // outside mu_: a NIXL registration stalls no Open
   return e->id;
 }
 
@@ -292,66 +301,129 @@ void Registry::Add(int64_t id, const llm_datadist::CacheDesc &desc, const std::v
   Insert(id, GeometryOf(desc), &desc, addrs, opts);
 }
 
-void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
-                     const ShmPlace &shm) {
+namespace {
+
+void CheckGeometry(const Geometry &geo, const std::vector<uint64_t> &addrs) {
   if (geo.num_tensors == 0 || geo.units == 0 || geo.tensor_bytes == 0 || geo.tensor_bytes % geo.units ||
       geo.unit_bytes != geo.tensor_bytes / geo.units)
     Invalid("a cache geometry must have tensors, units and bytes that split into them");
   for (uint64_t a : addrs)
     if (a + geo.tensor_bytes < a) Invalid("tensor addresses must not wrap the address space");
+}
+
+}  // namespace
+
+void Registry::AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
+                     const ShmPlace &shm) {
+  CheckGeometry(geo, addrs);
   Insert(id, geo, nullptr, addrs, opts, shm);
 }
 
 void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDesc *desc,
                       const std::vector<uint64_t> &addrs, const CacheOptions &opts, const ShmPlace &shm) {
   if (id <= 0) Invalid("cache id " + std::to_string(id) + " must be > 0");
-  if (addrs.size() != g.num_tensors)
-    Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(g.num_tensors) + " tensors");
-  for (uint64_t a : addrs)
-    if (a == 0) Invalid("tensor addresses must be non-zero");
-  CheckShm(shm, addrs.size());
-  auto e = std::make_shared<Entry>();
+  std::shared_ptr<Entry> e = Make(g, desc, addrs, opts, shm);
   e->id = id;
-  e->geo = g;
-  if (desc) e->desc = *desc;
-  e->addrs = addrs;
-  e->opts = opts;
-  e->opts.device = opts.device || (desc && desc->placement == llm_datadist::CachePlacement::kDevice);
-  e->shm = shm;
-  std::lock_guard<std::mutex> lock(mu_);
-  bool used = by_id_.count(id) != 0;
-  for (const auto &d : dropped_) used = used || d->id == id;
-  if (used) Invalid("cache id " + std::to_string(id) + " is in use");
-  by_id_[id] = e;
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bool used = by_id_.count(id) != 0;
+    for (const auto &d : dropped_) used = used || d->id == id;
+    if (used) Invalid("cache id " + std::to_string(id) + " is in use");
+    by_id_[id] = e;
+  }
   if (hooks_.added) hooks_.added(*e);
 }
 
-void Registry::ForEach(const std::function<void(const Entry &)> &each, const std::function<void()> &then) {
+int64_t Registry::File(const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
+                       const ShmPlace &shm, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots,
+                       std::optional<uint64_t> model) {
+  CheckGeometry(geo, addrs);
+  std::shared_ptr<Entry> e = Make(geo, nullptr, addrs, opts, shm);
+  std::shared_ptr<Entry> displaced;
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    CheckKeysLocked(keys, slots, geo.units, "the cache");  // before anything is filed: all or nothing
+    while (by_id_.count(next_id_)) ++next_id_;
+    e->id = next_id_++;
+    by_id_[e->id] = e;
+    BindKeysLocked(e, keys, slots);
+    if (model) displaced = BindModelLocked(*model, e);
+  }
+  if (hooks_.added) hooks_.added(*e);
+  if (displaced && hooks_.going) hooks_.going(displaced.get());
+  return e->id;
+}
+
+void Registry::CheckKeys(const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, uint64_t units) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto &kv : by_id_) each(*kv.second);
+  CheckKeysLocked(keys, slots, units, "the cache");
+}
+
+bool Registry::Bound(const KeyId &key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return keys_.count(key) != 0;
+}
+
+Registry::Info Registry::Describe(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(id) + " does not exist");
+  const Entry &e = *it->second;
+  return Info{e.id, e.geo, e.addrs, e.opts, e.leases};
+}
+
+bool Registry::Filed(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id);
+  return it != by_id_.end() && !it->second->closing;
+}
+
+std::vector<int64_t> Registry::Ids() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  for (const auto &kv : by_id_) out.push_back(kv.first);
+  return out;
+}
+
+void Registry::ForEach(const std::function<void(const Entry &)> &each, const std::function<void()> &then) {
+  std::lock_guard<std::mutex> order(hooks_mu_);  // no hook runs meanwhile
+  std::vector<std::shared_ptr<Entry>> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto &kv : by_id_)
+      if (!kv.second->closing) live.push_back(kv.second);
+  }
+  for (auto &e : live) each(*e);
   then();
 }
 
 void Registry::SetHooks(RegistryHooks hooks) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> order(hooks_mu_);
   hooks_ = std::move(hooks);
 }
 
-void Registry::BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots) {
+void Registry::Going(const Entry *e) {
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  if (hooks_.going) hooks_.going(e);
+}
+
+void Registry::CheckKeysLocked(const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, uint64_t units,
+                               const std::string &cache) {
   if (keys.size() != slots.size())
     Invalid(std::to_string(keys.size()) + " keys given with " + std::to_string(slots.size()) + " slots");
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = by_id_.find(cache_id);
-  if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(cache_id) + " does not exist");
-  const std::shared_ptr<Entry> &e = it->second;
   std::set<KeyId> seen;
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (slots[i] >= e->geo.units)
-      Invalid("slot " + std::to_string(slots[i]) + " out of range: cache " + std::to_string(cache_id) + " has " +
-              std::to_string(e->geo.units));
+    if (slots[i] >= units)
+      Invalid("slot " + std::to_string(slots[i]) + " out of range: " + cache + " has " + std::to_string(units));
     if (!seen.insert(keys[i]).second) Invalid("duplicate cache keys");
     if (keys_.count(keys[i])) Invalid("cache key " + KeyName(keys[i]) + " is already bound");
   }
+}
+
+void Registry::BindKeysLocked(const std::shared_ptr<Entry> &e, const std::vector<KeyId> &keys,
+                              const std::vector<uint64_t> &slots) {
   for (size_t i = 0; i < keys.size(); ++i) {
     auto b = std::make_shared<Binding>();
     b->entry = e;
@@ -363,6 +435,14 @@ void Registry::BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const 
   }
 }
 
+void Registry::BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(cache_id);
+  if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(cache_id) + " does not exist");
+  CheckKeysLocked(keys, slots, it->second->geo.units, "cache " + std::to_string(cache_id));
+  BindKeysLocked(it->second, keys, slots);
+}
+
 void Registry::UnbindKey(const KeyId &key) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = keys_.find(key);
@@ -372,13 +452,6 @@ void Registry::UnbindKey(const KeyId &key) {
   changed_.notify_all();
 }
 
-std::vector<KeyId> Registry::TakeConsumed() {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<KeyId> out;
-  out.swap(consumed_);
-  return out;
-}
-
 void Registry::SetModelMap(bool on) {
   std::lock_guard<std::mutex> lock(mu_);
   model_map_ = on;
@@ -386,32 +459,48 @@ void Registry::SetModelMap(bool on) {
 
 void Registry::SetRemoteWrites(bool allowed) { remote_writes_ = allowed; }
 
-void Registry::BindModel(uint64_t model_id, int64_t cache_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = by_id_.find(cache_id);
-  if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(cache_id) + " does not exist");
+std::shared_ptr<Entry> Registry::BindModelLocked(uint64_t model_id, const std::shared_ptr<Entry> &e) {
   std::shared_ptr<Entry> &slot = models_[model_id];
-  if (slot && slot != it->second) {
+  std::shared_ptr<Entry> displaced;
+  if (slot && slot != e) {
     if (slot->fence) slot->fence->Revoke();  // leases through the model id named the old cache
-    if (hooks_.going) hooks_.going(slot.get());
     slot->has_model = false;
+    displaced = slot;
   }
-  slot = it->second;
+  slot = e;
   slot->has_model = true;
   slot->blocks_model = model_id;
+  return displaced;
+}
+
+void Registry::BindModel(uint64_t model_id, int64_t cache_id) {
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  std::shared_ptr<Entry> displaced;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_id_.find(cache_id);
+    if (it == by_id_.end()) Fail(LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(cache_id) + " does not exist");
+    displaced = BindModelLocked(model_id, it->second);
+  }
+  if (displaced && hooks_.going) hooks_.going(displaced.get());
 }
 
 void Registry::UnbindModel(uint64_t model_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = models_.find(model_id);
-  if (it == models_.end()) return;
-  if (it->second->fence) it->second->fence->Revoke();
-  if (hooks_.going) hooks_.going(it->second.get());
-  it->second->has_model = false;
-  models_.erase(it);
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = models_.find(model_id);
+    if (it == models_.end()) return;
+    e = it->second;
+    if (e->fence) e->fence->Revoke();
+    e->has_model = false;
+    models_.erase(it);
+  }
+  if (hooks_.going) hooks_.going(e.get());
 }
 
-// Python's Registry._unbind_all: the entry's keys and model id go. Lock held.
+// The entry's keys and model id go. Lock held.
 void Registry::UnbindAll(Entry &e) {
   for (const KeyId &k : e.keys) keys_.erase(k);
   e.keys.clear();
@@ -423,51 +512,72 @@ void Registry::UnbindAll(Entry &e) {
 }
 
 void Registry::Deallocate(int64_t id, bool drop_keys) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = by_id_.find(id);
-  if (it == by_id_.end() || !it->second->opts.allocated) return;
-  std::shared_ptr<Entry> e = it->second;
-  by_id_.erase(it);
-  e->id_held = false;
-  if (e->fence) e->fence->Revoke();  // leases by cache id (or model id) end with the id
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_id_.find(id);
+    if (it == by_id_.end() || !it->second->opts.allocated) return;
+    e = it->second;
+    by_id_.erase(it);
+    e->id_held = false;
+    if (e->fence) e->fence->Revoke();  // leases by cache id (or model id) end with the id
+    if (drop_keys) UnbindAll(*e);
+    dropped_.push_back(e);
+    changed_.notify_all();
+  }
   if (hooks_.going) hooks_.going(e.get());
-  if (drop_keys) UnbindAll(*e);
-  dropped_.push_back(std::move(e));
-  changed_.notify_all();
 }
 
 std::vector<int64_t> Registry::TakeReleased() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  std::vector<std::shared_ptr<Entry>> freed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto free = [&](const std::shared_ptr<Entry> &e) {
+      if (!e->keys.empty() || e->leases || !FencesDrained(*e)) return false;
+      freed.push_back(e);
+      return true;
+    };
+    dropped_.erase(std::remove_if(dropped_.begin(), dropped_.end(), free), dropped_.end());
+  }
   std::vector<int64_t> out;
-  auto free = [&](const std::shared_ptr<Entry> &e) {
-    if (!e->keys.empty() || e->leases || !FencesDrained(*e)) return false;
+  for (const auto &e : freed) {
+    if (hooks_.gone) hooks_.gone(*e);  // before the caller frees the memory
     out.push_back(e->id);
-    if (hooks_.gone) hooks_.gone(*e);
-    return true;
-  };
-  dropped_.erase(std::remove_if(dropped_.begin(), dropped_.end(), free), dropped_.end());
+  }
   return out;
 }
 
 void Registry::Remove(int64_t id, bool owned, double wait_s) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto it = by_id_.find(id);
-  if (it == by_id_.end()) return;
-  std::shared_ptr<Entry> e = it->second;
-  if ((e->owned.empty() && !e->region) == owned)
-    Invalid(owned ? "cache " + std::to_string(id) + " was registered, not allocated: use UnregisterKvCache"
-                  : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
-  e->closing = true;
-  if (hooks_.going) hooks_.going(e.get());
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                          std::chrono::duration<double>(wait_s));
-  if (!Drain(lock, *e, deadline)) {
-    e->closing = false;  // its fence stays revoked: the next lease gets a new one
-    Fail(llm_datadist::LLM_TIMEOUT, "cache " + std::to_string(id) + " is still being transferred; it stays registered");
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_id_.find(id);
+    if (it == by_id_.end()) return;
+    e = it->second;
+    if ((e->owned.empty() && !e->region) == owned)
+      Invalid(owned ? "cache " + std::to_string(id) + " was registered, not allocated: use UnregisterKvCache"
+                    : "cache " + std::to_string(id) + " was allocated, not registered: use DeallocateCache");
+    e->closing = true;  // no new lease from here on
   }
-  by_id_.erase(id);
-  e->id_held = false;
-  UnbindAll(*e);
+  Going(e.get());  // NIXL's leases revoked, outside mu_
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!Drain(lock, *e, deadline)) {
+      e->closing = false;  // its fence stays revoked: the next lease gets a new one
+      Fail(llm_datadist::LLM_TIMEOUT,
+           "cache " + std::to_string(id) + " is still being transferred; it stays registered");
+    }
+    auto it = by_id_.find(id);
+    if (it == by_id_.end() || it->second != e) return;  // a concurrent Remove or Clear took it
+    by_id_.erase(it);
+    e->id_held = false;
+    UnbindAll(*e);
+  }
+  std::lock_guard<std::mutex> order(hooks_mu_);
   if (hooks_.gone) hooks_.gone(*e);
 }
 
@@ -565,41 +675,61 @@ wire::CacheLease Registry::LeaseCache(const wire::LeaseRequest &q) {
 }
 
 int Registry::Clear(double wait_s) {
-  std::unique_lock<std::mutex> lock(mu_);
-  std::vector<std::shared_ptr<Entry>> all;
-  for (auto &kv : by_id_) {
-    kv.second->closing = true;
-    all.push_back(kv.second);
-  }
-  by_id_.clear();
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                          std::chrono::duration<double>(wait_s));
-  for (auto &e : dropped_) {  // deallocated, still held by keys or leases
-    e->closing = true;
-    all.push_back(e);
-  }
-  dropped_.clear();
-  for (auto &e : all) {
-    e->id_held = false;
-    e->keys.clear();
-    e->has_model = false;
-  }
-  keys_.clear();
-  models_.clear();
-  if (hooks_.going) hooks_.going(nullptr);
-  int busy = 0;
-  for (auto &e : all) {
-    if (!Drain(lock, *e, deadline)) {
-      ++busy;
-      stuck_.push_back(e);  // a copy may still be in flight: its memory must not go
+  std::vector<std::shared_ptr<Entry>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto &kv : by_id_) {
+      kv.second->closing = true;
+      all.push_back(kv.second);
     }
-    if (hooks_.gone) hooks_.gone(*e);  // drained or given up on: finalize deregisters it either way
+    by_id_.clear();
+    for (auto &e : dropped_) {  // deallocated, still held by keys or leases
+      e->closing = true;
+      all.push_back(e);
+    }
+    dropped_.clear();
+    for (auto &e : all) {
+      e->id_held = false;
+      e->keys.clear();
+      e->has_model = false;
+    }
+    keys_.clear();
+    models_.clear();
   }
-  // those an earlier Clear gave up on, drained since, may go now
+  Going(nullptr);
+  int busy = 0;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (auto &e : all) {
+      if (!Drain(lock, *e, deadline)) {
+        ++busy;
+        stuck_.push_back(e);  // a copy may still be in flight: its memory must not go
+      }
+    }
+    // those an earlier Clear gave up on, drained since, may go now
+    stuck_.erase(std::remove_if(stuck_.begin(), stuck_.end(),
+                                [](const std::shared_ptr<Entry> &e) { return e->leases == 0 && FencesDrained(*e); }),
+                 stuck_.end());
+  }
+  std::lock_guard<std::mutex> order(hooks_mu_);
+  for (auto &e : all)
+    if (hooks_.gone) hooks_.gone(*e);  // drained or given up on: finalize deregisters it either way
+  return busy;
+}
+
+int Registry::AwaitStuck(double wait_s) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                         std::chrono::duration<double>(wait_s));
+  std::unique_lock<std::mutex> lock(mu_);
+  int held = 0;
+  for (auto &e : stuck_)
+    if (!Drain(lock, *e, deadline)) ++held;
   stuck_.erase(std::remove_if(stuck_.begin(), stuck_.end(),
                               [](const std::shared_ptr<Entry> &e) { return e->leases == 0 && FencesDrained(*e); }),
                stuck_.end());
-  return busy;
+  return held;
 }
 
 Registry::~Registry() {

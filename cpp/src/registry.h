@@ -1,26 +1,23 @@
 // The registry: this process's caches (registered user memory or allocated host memory), the
-// ids peers name them by, the keys bound to them, and their lifetimes.
+// ids peers name them by, the keys bound to them, and their lifetimes. The only one: both faces
+// file their caches here and ask it, and nothing keeps a copy.
 //
 // Every span a peer asks for is checked here against the cache's tensors (Open); the server
 // moves only what Open returned. A read or write holds a lease on the cache until its bytes
-// have moved; unregistering waits (bounded) for leases, so a peer never touches memory that was
-// given back. Thread-safe: one mutex guards everything; waits use a condition on it.
+// have moved, and so does a local transfer (Hold: a pull's destination, a push's or a local
+// copy's source); unregistering waits (bounded) for leases, so neither a peer nor a local
+// transfer ever touches memory that was given back. Thread-safe: one mutex guards the state;
+// waits use a condition on it. The hooks (NIXL's registrations and leases, the CUDA query that
+// says what memory a cache is in) run outside that mutex, in the order the changes were made
+// (a second mutex orders them): a slow registration never stalls a peer's Open.
 //
-// Two embedders. The C++ API (llm_datadist.cc) numbers caches 1, 2, 3 itself (Add), binds no
-// keys and resolves a BlocksCacheKey's model id as the cache id. The Python package's native
-// engine keeps its own bookkeeping (src/datadist/core/registry.py: ids, keys, local holds) and
-// mirrors every cache here, where every rule of what peers may ask lives (the removed Python
-// owner's rules; cpp/tests/registry_test.cc): it files each cache under the id Python chose
-// (Add with an id), binds the same CacheKeys and BlocksCacheKey model ids (BindKeys,
-// BindModel; SetModelMap), says which caches peers may not touch
-// (CacheOptions::remote_accessible) and whether peers may write by key or cache id
-// (SetRemoteWrites), and drains what the server did to its keys (TakeConsumed) and
-// which deallocated caches nothing holds any more (TakeReleased), without callbacks.
-// Its calls, one per Python registry call: SetModelMap(true) and SetRemoteWrites(config) once;
-// add -> Add(id, ..., CacheOptions), then BindKeys (key i -> slot i) and BindModel; deallocate ->
-// Deallocate(id, drop_keys); unregister -> Remove(id, false, wait); remove_key -> UnbindKey;
-// clear -> Clear. Python's checks run first, so these refuse only what Python let through by a
-// bug of the embedder.
+// Two embedders. The C++ API (llm_datadist.cc) files caches with Add (ids 1, 2, 3), binds no
+// keys and resolves a BlocksCacheKey's model id as the cache id. The Python package
+// (datadist.core.native) files them with File: the ids, its CacheKeys (key i -> slot i) and its
+// BlocksCacheKey model ids are the registry's (SetModelMap(true): a model id names the cache
+// bound to it); it asks Info for what it plans with, Bound and CheckKeys before it allocates,
+// Hold for its local transfers, and frees pool memory once TakeReleased lists the cache (its
+// pools are Python's; the registry decides when). A read through a CacheKey consumes it here.
 #ifndef DATADIST_CPP_REGISTRY_H_
 #define DATADIST_CPP_REGISTRY_H_
 
@@ -34,7 +31,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -60,7 +59,7 @@ struct Geometry {
 /// Validates a CacheDesc (LLM_PARAM_INVALID) and computes its geometry.
 Geometry GeometryOf(const llm_datadist::CacheDesc &desc);
 
-/// A local CacheKey (Python's registry.KeyId): a req_id or a prefix_id within a model_id.
+/// A local CacheKey (Python's keys.KeyId): a req_id or a prefix_id within a model_id.
 /// Cluster ids are not part of it.
 struct KeyId {
   uint64_t value = 0;
@@ -76,12 +75,12 @@ struct KeyId {
   }
 };
 
-/// The key a CacheKey's fields name (Python's registry.key_id): its req_id unless that is
+/// The key a CacheKey's fields name (Python's keys.key_id): its req_id unless that is
 /// UINT64_MAX, else its prefix_id; false for the padding key (both UINT64_MAX). On the wire a
 /// CacheKey is kind 1 with a = req_id, b = model_id, c = prefix_id.
 bool KeyOf(uint64_t req_id, uint64_t prefix_id, uint64_t model_id, KeyId *key);
 
-/// What the Python package says of a cache it files (Registry::Add with an id).
+/// What the Python package says of a cache it files (Registry::File).
 struct CacheOptions {
   /// Allocated from a pool (Python's CacheEntry.owned): a successful read through a req_id key
   /// consumes it; Deallocate applies. False: registered user memory (keys never consumed).
@@ -155,12 +154,11 @@ class Lease {
   bool WantedBack() const;
   /// The server's verdict on a read: ok once its bytes were sent
   /// (a GRANT: when RELEASE says ok). ok commits the reservation: the tensors count as pulled
-  /// and, once every tensor of the slot is, the req_id key is unbound and queued for
-  /// Registry::TakeConsumed. Not ok drops the reservation. Only the first call counts; a lease
-  /// without a reservation (writes, cache ids, prefix keys, registered memory) ignores it
-  /// without locking. Called by the thread that serves the request (a Lease is used by one
-  /// thread at a time); takes the registry's mutex when there is a reservation, never blocks
-  /// otherwise.
+  /// and, once every tensor of the slot is, the req_id key is unbound (consumed: Bound says
+  /// false, and a deallocated cache it held may be released). Not ok drops the reservation. Only the first call counts;
+  /// a lease without a reservation (writes, cache ids, prefix keys, registered memory) ignores it without locking.
+  /// Called by the thread that serves the request (a Lease is used by one thread at a time); takes the registry's mutex
+  /// when there is a reservation, never blocks otherwise.
   void Settle(bool ok);
   /// The transfer no longer touches the memory but its verdict is
   /// still to come: the reservation stays until Settle. Idempotent; the destructor does it too.
@@ -184,8 +182,12 @@ class Lease {
 };
 
 /// What else must know of a cache's life (NIXL's registrations and leases, nixl.h). Each is
-/// called with the registry's mutex held: it must not call the registry, and may take only
-/// locks that are never held while calling it.
+/// called without the registry's mutex, by the thread that made the change, after it (`added`)
+/// or before the wait for its leases (`going`), one hook at a time and in the order of the
+/// changes (the registry's hook mutex is held): a hook may block (a NIXL registration, a CUDA
+/// query) without stalling Open, Hold or a lease's end, and may call the registry's state
+/// calls (Open, Hold, Info, ...) but none that runs a hook (Add, File, Remove, Deallocate,
+/// TakeReleased, BindModel, UnbindModel, Clear, ForEach, SetHooks: they would wait for it).
 struct RegistryHooks {
   std::function<void(const Entry &)> added;  // a cache was filed
   /// The memory of `e` is wanted back (unregister, deallocate, its model id bound to another
@@ -198,8 +200,9 @@ class Registry {
  public:
   /// Sets (or, with {}, clears) the hooks. Not blocking.
   void SetHooks(RegistryHooks hooks);
-  /// `each` for every filed cache, then `then`, all under the registry's mutex (no cache is
-  /// filed meanwhile): the same rules as the hooks. Not blocking beyond what they do.
+  /// `each` for every filed cache not being unregistered, then `then`, all under the hook mutex
+  /// (no hook runs meanwhile: a cache filed or gone meanwhile has its hook called after
+  /// `then`), not the registry's: the same rules as the hooks. Blocks while a hook runs.
   void ForEach(const std::function<void(const Entry &)> &each, const std::function<void()> &then);
   /// The C++ API's AllocateCache / RegisterKvCache: adds a cache under the next free id and
   /// returns it. `owned` is the memory AllocateCache made (may be empty), or `region` (the
@@ -208,10 +211,10 @@ class Registry {
   int64_t Add(const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
               std::vector<std::unique_ptr<uint8_t[]>> owned, std::shared_ptr<void> region = nullptr,
               const ShmPlace &shm = {});
-  /// The native engine's register / allocate (Python's Registry.add): files a cache whose
-  /// memory the caller keeps under the id `id` the Python registry gave it (> 0), with
-  /// `opts`. LLM_PARAM_INVALID for an id <= 0 or one in use (by a cache, or a deallocated one
-  /// not yet TakeReleased), and as the other Add for a bad desc or addresses. Not blocking.
+  /// Files a cache whose memory the caller keeps under the id `id` (> 0), with `opts` (tests,
+  /// and embedders that number their caches). LLM_PARAM_INVALID for an id <= 0 or one in use
+  /// (by a cache, or a deallocated one not yet TakeReleased), and as the other Add for a bad
+  /// desc or addresses. Blocks while the `added` hook runs.
   void Add(int64_t id, const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
            const CacheOptions &opts);
   /// The same, for a cache described by its geometry (the Python package computes it; its
@@ -220,44 +223,71 @@ class Registry {
   /// `shm`: where its tensors lie in our shareable memory (none by default).
   void AddAs(int64_t id, const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
              const ShmPlace &shm = {});
+  /// The Python package's register / allocate (datadist.core.native): files a cache described
+  /// by its geometry under the next free id and returns it, with its keys (`keys[i]` bound to
+  /// slot `slots[i]`, checked as CheckKeys) and, when `model` is set, its BlocksCacheKey model
+  /// id (as BindModel); all or nothing. LLM_PARAM_INVALID as AddAs and CheckKeys. Blocks while
+  /// the hooks run (NIXL registers the cache; `model` may revoke the leases of the cache it
+  /// named before), never under the registry's mutex.
+  int64_t File(const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts, const ShmPlace &shm,
+               const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, std::optional<uint64_t> model);
+  /// The key rules of a filing, checked before the caller allocates memory for it (so a bad
+  /// key is LLM_PARAM_INVALID, never an out-of-memory): every slot below `units`, no key given
+  /// twice, none bound already. Not blocking.
+  void CheckKeys(const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, uint64_t units);
+  /// Whether `key` is bound to a cache now (false once a read consumed it). Not blocking.
+  bool Bound(const KeyId &key);
+  /// What a cache filed under `id` is (a copy, taken under the mutex): what the Python face
+  /// plans with. LLM_KV_CACHE_NOT_EXIST for an unknown id (deallocated and unregistered ones
+  /// included). Not blocking.
+  struct Info {
+    int64_t id = 0;
+    Geometry geo;
+    std::vector<uint64_t> addrs;
+    CacheOptions opts;
+    int leases = 0;  // transfers holding it now (peers', and Hold's)
+  };
+  Info Describe(int64_t id);
+  /// Whether a cache is filed under `id` and not being unregistered: what a plan made for it
+  /// needs (ids are never reused, a filed cache's geometry never changes). Not blocking.
+  bool Filed(int64_t id);
+  /// The ids filed now, ascending (tools and tests). Not blocking.
+  std::vector<int64_t> Ids();
   /// Removes a cache once no lease holds it (waits up to `wait_s`, then LLM_TIMEOUT and the
-  /// cache stays), with its keys and model id (Python's Registry.unregister). Unknown ids:
-  /// no-op. `owned` says which kind the caller may remove (memory this registry allocated vs
-  /// not); the other kind is LLM_PARAM_INVALID. Blocks up to `wait_s`.
+  /// cache stays), with its keys and model id. Unknown ids: no-op. `owned` says which kind the caller may remove
+  /// (memory this registry allocated vs not); the other kind is LLM_PARAM_INVALID. Blocks up to `wait_s`.
   void Remove(int64_t id, bool owned, double wait_s);
-  /// The native engine's deallocate (Python's Registry.deallocate): the id no longer names
-  /// the cache and its whole-cache leases are revoked; its keys (dropped too with
-  /// `drop_keys`, as Python does for blocks caches, with the model id) keep serving it until
-  /// they are consumed or unbound. Its memory may go once TakeReleased lists it. Unknown ids
-  /// and caches not added as `allocated`: no-op. Not blocking.
+  /// The Python package's deallocate: the id no longer names the cache and its whole-cache
+  /// leases are revoked; its keys (dropped too with `drop_keys`, as the facade asks for
+  /// blocks caches, with the model id) keep serving it until they are consumed or unbound.
+  /// Its memory may go once TakeReleased lists it. Unknown ids and caches not added as
+  /// `allocated`: no-op. Blocks while the `going` hook runs.
   void Deallocate(int64_t id, bool drop_keys);
   /// Ids of deallocated caches that nothing holds any more (no key, no lease, no leased copy
   /// in flight): the caller may free their memory. Each id is listed once and becomes free
-  /// for Add again. The embedder polls it (after TakeConsumed, UnbindKey, Deallocate). Not
-  /// blocking; the fences of leased caches are polled here.
+  /// for Add again. The pools' owner asks before it allocates (after Deallocate, UnbindKey,
+  /// or a peer's read that consumed the last key). Runs the `gone` hook of each (NIXL
+  /// deregisters it) before it returns; the fences of leased caches are polled here.
   std::vector<int64_t> TakeReleased();
 
-  /// Binds `keys[i]` to slot `slots[i]` of cache `cache_id` (Python's Registry.add with keys
-  /// and check_keys), all or none: LLM_KV_CACHE_NOT_EXIST for an unknown cache;
+  /// Binds `keys[i]` to slot `slots[i]` of cache `cache_id`, all or none: LLM_KV_CACHE_NOT_EXIST for an unknown cache;
   /// LLM_PARAM_INVALID for a slot out of range, a key given twice, or one already bound. Not
   /// blocking.
   void BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots);
-  /// Python's Registry.remove_key: unbinds a key of an allocated cache. Unknown keys and keys
-  /// on registered memory: no-op (as Python). Not blocking.
+  /// remove_cache_key: unbinds a key of an allocated cache. Unknown keys and keys on
+  /// registered memory: no-op (as the original). Not blocking.
   void UnbindKey(const KeyId &key);
-  /// Keys that reads consumed since the last call (Lease::Settle), oldest first: the embedder
-  /// unbinds them from its own registry. Not blocking.
-  std::vector<KeyId> TakeConsumed();
   /// Model-map mode (the native engine turns it on before it adds caches): a BlocksCacheKey
   /// names the cache bound to its model id (BindModel) and nothing else. Off (the C++ API's
   /// rule): its model id is the cache id.
   void SetModelMap(bool on);
-  /// register_blocks_cache / allocate_blocks_cache with a BlocksCacheKey (Python's Registry.add
-  /// with blocks_model_id): `model_id` names cache `cache_id` from now on; the last binding
-  /// wins, and whole-cache leases taken through the model id on the cache it named before are
-  /// revoked. LLM_KV_CACHE_NOT_EXIST for an unknown cache. Not blocking.
+  /// register_blocks_cache / allocate_blocks_cache with a BlocksCacheKey: `model_id` names
+  /// cache `cache_id` from now on; the last binding wins, and whole-cache leases taken through
+  /// the model id on the cache it named before are revoked. LLM_KV_CACHE_NOT_EXIST for an
+  /// unknown cache. Blocks while the `going` hook runs.
   void BindModel(uint64_t model_id, int64_t cache_id);
-  /// Unbinds `model_id` (no-op when unbound), revoking leases taken through it. Not blocking.
+  /// Unbinds `model_id` (no-op when unbound), revoking leases taken through it. Blocks while
+  /// the `going` hook runs.
   void UnbindModel(uint64_t model_id);
   /// EngineConfig.remote_cache_accessible (default true). False: peers' WRITEs and write
   /// leases by CacheKey, cache id or BlocksCacheKey are refused (LLM_PARAM_INVALID);
@@ -265,7 +295,8 @@ class Registry {
   void SetRemoteWrites(bool allowed);
   bool remote_writes() const { return remote_writes_; }
 
-  /// A lease on a local cache for a local transfer (LLM_KV_CACHE_NOT_EXIST if unknown).
+  /// A lease on a local cache for a local transfer (LLM_KV_CACHE_NOT_EXIST if unknown or being
+  /// unregistered): Remove waits for it. Not blocking.
   std::unique_ptr<Lease> Hold(int64_t id);
   /// Owner side of a peer's READ: resolve, check
   /// servable, bounds-check every span, lease; a read through a req_id key of an allocated
@@ -291,6 +322,10 @@ class Registry {
   /// it, is never freed under a copy in flight: leaked at worst), and the embedder must keep
   /// the memory it gave mapped.
   int Clear(double wait_s);
+  /// Waits up to `wait_s` for the caches Clear gave up on (a transfer still held them) and
+  /// returns how many still are held: the Python face clears without waiting, lets go of its
+  /// own asynchronous transfers' holds, then waits here. Blocks up to `wait_s`.
+  int AwaitStuck(double wait_s);
   Registry() = default;
   Registry(const Registry &) = delete;
   Registry &operator=(const Registry &) = delete;
@@ -298,8 +333,20 @@ class Registry {
 
  private:
   friend class Lease;
+  /// A checked entry, not filed yet (LLM_PARAM_INVALID for bad addresses or shm).
+  static std::shared_ptr<Entry> Make(const Geometry &g, const llm_datadist::CacheDesc *desc,
+                                     const std::vector<uint64_t> &addrs, const CacheOptions &opts, const ShmPlace &shm);
   void Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDesc *desc, const std::vector<uint64_t> &addrs,
               const CacheOptions &opts, const ShmPlace &shm = {});
+  void CheckKeysLocked(const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, uint64_t units,
+                       const std::string &cache);
+  void BindKeysLocked(const std::shared_ptr<Entry> &e, const std::vector<KeyId> &keys,
+                      const std::vector<uint64_t> &slots);
+  /// Binds `model_id` to `e`; returns the cache it named before (whose leases must be revoked:
+  /// its fence is revoked here, the `going` hook is the caller's, outside the mutex), or null.
+  std::shared_ptr<Entry> BindModelLocked(uint64_t model_id, const std::shared_ptr<Entry> &e);
+  /// Runs a hook under hooks_mu_ (taken here: never call with mu_ held).
+  void Going(const Entry *e);
   void End(Lease *l);
   void SettleLocked(Lease *l, bool ok);
   void UnpinLocked(Lease *l);
@@ -319,6 +366,9 @@ class Registry {
   /// Revokes `e`'s fence and waits (mu_ held by `lock`) until no transfer holds it and no
   /// leased copy is in flight, or the deadline passes (false).
   bool Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline);
+  // Lock order: hooks_mu_, then mu_. hooks_mu_ is held while a hook runs (and by the calls
+  // that run hooks, around their change and its hook), never taken with mu_ held.
+  std::mutex hooks_mu_;
   std::mutex mu_;
   std::condition_variable changed_;
   int64_t next_id_ = 1;
@@ -326,8 +376,7 @@ class Registry {
   std::map<KeyId, std::shared_ptr<Binding>> keys_;
   std::map<uint64_t, std::shared_ptr<Entry>> models_;
   std::vector<std::shared_ptr<Entry>> dropped_;  // deallocated, not yet TakeReleased
-  std::vector<KeyId> consumed_;
-  std::vector<std::shared_ptr<Entry>> stuck_;  // still leased when Clear gave up on them
+  std::vector<std::shared_ptr<Entry>> stuck_;    // still leased when Clear gave up on them
   bool model_map_ = false;
   std::atomic<bool> remote_writes_{true};
   RegistryHooks hooks_;

@@ -16,8 +16,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -125,11 +129,30 @@ class Native : public ::testing::Test {
     reg.Add(id, kGeo, kAddrs, opts);
     std::vector<uint64_t> slots;
     for (size_t i = 0; i < keys.size(); ++i) slots.push_back(i);
-    reg.BindKeys(id, keys, slots);
+    Bind(id, keys, slots);
   }
   void User(int64_t id, std::vector<KeyId> keys = {}) { Pool(id, std::move(keys), kUser); }
-  std::vector<KeyId> Consumed() { return reg.TakeConsumed(); }
+  /// BindKeys, the keys remembered for Consumed.
+  void Bind(int64_t id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots) {
+    reg.BindKeys(id, keys, slots);
+    bound_.insert(bound_.end(), keys.begin(), keys.end());
+  }
+  /// remove_cache_key: a key the test unbound is not a consumed one.
+  void Unbind(const KeyId &key) {
+    reg.UnbindKey(key);
+    if (!reg.Bound(key)) bound_.erase(std::remove(bound_.begin(), bound_.end(), key), bound_.end());
+  }
+  /// The keys reads consumed since the last call (bound by Bind, not Bound any more, not
+  /// unbound by the test), in the order they were bound: what the registry alone knows.
+  std::vector<KeyId> Consumed() {
+    std::vector<KeyId> out;
+    for (const KeyId &k : bound_)
+      if (!reg.Bound(k) && std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+    for (const KeyId &k : out) bound_.erase(std::remove(bound_.begin(), bound_.end(), k), bound_.end());
+    return out;
+  }
   Registry reg;
+  std::vector<KeyId> bound_;
 };
 
 // ------------------------------------------------------------------------------ 1. ids
@@ -181,7 +204,7 @@ TEST(RegistryKeys, KeyOfCacheKeyFields) {
 // (test_key_i_binds_slot_i_and_padding_skips_a_slot).
 TEST_F(Native, AKeyResolvesToItsSlot) {
   reg.Add(1, kGeo, kAddrs, kPool);
-  reg.BindKeys(1, {K(10), K(12)}, {0, 2});
+  Bind(1, {K(10), K(12)}, {0, 2});
   auto lease = reg.Open(ByKey(10));
   EXPECT_EQ(lease->bases, kAddrs);
   lease.reset();
@@ -233,8 +256,7 @@ TEST_F(Native, BindKeysRefusesBoundDuplicateAndOutOfRangeKeysAndBindsNothing) {
 }
 
 // Python: Registry._settle consumes a req_id key of a pool cache once every tensor was read
-// (test_req_id_key_of_a_pool_cache_is_consumed_by_one_successful_read); the embedder learns it
-// from TakeConsumed.
+// (test_req_id_key_of_a_pool_cache_is_consumed_by_one_successful_read); Bound says so.
 TEST_F(Native, OneSuccessfulReadConsumesAReqIdKeyOfAPoolCache) {
   Pool(1, {K(1), K(2)});
   Pull(reg, ByKey(1));
@@ -280,7 +302,7 @@ TEST_F(Native, PrefixKeysRegisteredMemoryAndCacheIdsAreNeverConsumed) {
     Pull(reg, ByKey(2));
     Pull(reg, ById(3, 0));
   }
-  reg.UnbindKey(K(2));
+  Unbind(K(2));
   Pull(reg, ByKey(2));
   EXPECT_TRUE(Consumed().empty());
   Pull(reg, ByKey(3));
@@ -362,7 +384,7 @@ TEST_F(Native, NonConsumingReadsAndWritesReserveNothing) {
 TEST_F(Native, AKeyRemovedAndReboundDuringAReadIsNotConsumed) {
   Pool(1, {K(1)});
   auto lease = reg.Open(ByKey(1));
-  reg.UnbindKey(K(1));
+  Unbind(K(1));
   Pool(2, {K(1)});
   lease->Settle(true);
   lease.reset();
@@ -388,12 +410,12 @@ TEST_F(Native, UnpinEndsTheMemoryLeaseAndSettleDecidesTheKey) {
 
 // Python: Registry.remove_key (test_remove_key_unknown_is_a_no_op).
 TEST_F(Native, UnbindKeyOfAPoolCache) {
-  reg.UnbindKey(K(5));
+  Unbind(K(5));
   Pool(1, {K(1), K(2)});
-  reg.UnbindKey(K(2));
+  Unbind(K(2));
   EXPECT_EQ(Refused([&] { reg.Open(ByKey(2)); }).code, LLM_KV_CACHE_NOT_EXIST);
   Pull(reg, ByKey(1, 0, {0}));
-  EXPECT_TRUE(Consumed().empty());  // unbinding is the embedder's, not reported back
+  EXPECT_TRUE(Consumed().empty());  // K(2) was unbound, not consumed
 }
 
 // ------------------------------------------------------------------------------ lifetimes
@@ -407,9 +429,9 @@ TEST_F(Native, DeallocateKeepsTheCacheWhileKeysHoldIt) {
   EXPECT_TRUE(reg.TakeReleased().empty());
   Pull(reg, ByKey(1));  // keys still work; this consumes K(1)
   EXPECT_TRUE(reg.TakeReleased().empty());
-  reg.UnbindKey(K(2));
+  Unbind(K(2));
   EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
-  reg.UnbindKey(K(2));
+  Unbind(K(2));
   reg.Deallocate(1, false);
   EXPECT_TRUE(reg.TakeReleased().empty());  // listed once
 }
@@ -421,7 +443,7 @@ TEST_F(Native, ALeaseDefersTheReleaseAndRegisteredCachesAreNotDeallocated) {
   auto lease = reg.Open(ByKey(1));
   EXPECT_FALSE(lease->WantedBack());
   reg.Deallocate(1, false);
-  reg.UnbindKey(K(1));
+  Unbind(K(1));
   EXPECT_TRUE(lease->WantedBack());
   EXPECT_TRUE(reg.TakeReleased().empty());  // a peer is still reading this memory
   lease.reset();
@@ -473,6 +495,154 @@ TEST_F(Native, ClearForgetsCachesKeysAndModelIds) {
     EXPECT_EQ(Refused([&] { reg.Open(q); }).code, LLM_KV_CACHE_NOT_EXIST);
 }
 
+// ------------------------------------------------------------------------------ filing (the Python face)
+
+// The Python face's register / allocate: the registry numbers the cache and binds its keys
+// (key i -> slot i) and model id in one call, all or nothing; Describe, Bound and CheckKeys
+// answer what the face used to keep a copy of.
+TEST_F(Native, FileNumbersTheCacheAndBindsItsKeysAndModelAllOrNothing) {
+  const datadist::Geometry geo = datadist::GeometryOf(kGeo);
+  const int64_t first = reg.File(geo, kAddrs, kPool, {}, {K(1), K(2)}, {0, 2}, std::nullopt);
+  EXPECT_EQ(first, 1);
+  EXPECT_TRUE(reg.Bound(K(1)));
+  EXPECT_TRUE(reg.Bound(K(2)));
+  EXPECT_EQ(reg.Open(ByKey(2))->bases[0], kAddrs[0] + 2 * 256);  // slot 2
+  const datadist::Registry::Info info = reg.Describe(first);
+  EXPECT_EQ(info.geo.tensor_bytes, 1024U);
+  EXPECT_EQ(info.addrs, kAddrs);
+  EXPECT_TRUE(info.opts.allocated);
+  // a key bound already: nothing is filed, no id is spent, no key of the call is bound
+  Refusal r = Refused([&] { reg.File(geo, kAddrs, kPool, {}, {K(3), K(1)}, {0, 1}, 7); });
+  EXPECT_EQ(r.code, LLM_PARAM_INVALID);
+  EXPECT_TRUE(r.Says("already bound")) << r.msg;
+  EXPECT_FALSE(reg.Bound(K(3)));
+  EXPECT_EQ(Refused([&] { reg.Open(ByModel(7)); }).code, LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(reg.Ids(), std::vector<int64_t>{1});
+  EXPECT_EQ(Refused([&] { reg.CheckKeys({K(4)}, {4}, 4); }).code, LLM_PARAM_INVALID);  // slot out of range
+  EXPECT_EQ(Refused([&] { reg.CheckKeys({K(4), K(4)}, {0, 1}, 4); }).code, LLM_PARAM_INVALID);
+  reg.CheckKeys({K(4)}, {3}, 4);
+  const datadist::Geometry blocks = datadist::GeometryOf(kBlocks);
+  const int64_t second = reg.File(blocks, kBlockAddrs, kPoolBlocks, {}, {}, {}, 7);
+  EXPECT_EQ(second, 2);
+  EXPECT_EQ(reg.Open(ByModel(7))->entry().id, 2);
+  // a consumed key is no longer bound; a deallocated cache is no longer described
+  Pull(reg, ByKey(1));
+  EXPECT_FALSE(reg.Bound(K(1)));
+  reg.Deallocate(first, false);
+  EXPECT_EQ(Refused([&] { reg.Describe(first); }).code, LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_TRUE(reg.TakeReleased().empty());  // K(2) still holds it
+  reg.UnbindKey(K(2));
+  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{first});
+  EXPECT_EQ(reg.File(geo, kAddrs, kUser, {}, {}, {}, std::nullopt), 3);  // ids are never reused
+}
+
+// ------------------------------------------------------------------------------ hooks outside the mutex
+
+/// A hook that blocks until the test lets it go (at most 10 s): a slow NIXL registration or
+/// CUDA query. `let_go` says whether the test let it go, rather than the bound.
+struct Gate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool entered = false, open = false, let_go = false;
+  void Block() {
+    std::unique_lock<std::mutex> lock(mu);
+    entered = true;
+    cv.notify_all();
+    let_go = cv.wait_for(lock, std::chrono::seconds(10), [&] { return open; });
+  }
+  bool AwaitEntered() {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(10), [&] { return entered; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu);
+    open = true;
+    cv.notify_all();
+  }
+};
+
+// A registration that takes long (NIXL registering the memory, CUDA asked what it is) runs
+// outside the registry's mutex: while it runs, a peer's READ of another cache is opened and
+// ended, a local transfer holds and lets go, and the cache being filed is already described.
+// Before, `added` ran under the mutex and each of these waited for the registration.
+TEST_F(Native, ASlowAddedHookStallsNoOpenHoldOrLeaseEnd) {
+  Pool(1, {K(1)});
+  Gate gate;
+  datadist::RegistryHooks hooks;
+  hooks.added = [&](const Entry &e) {
+    if (e.id == 2) gate.Block();
+  };
+  reg.SetHooks(hooks);
+  std::thread adder([&] { reg.Add(2, kGeo, kAddrs, kPool); });
+  ASSERT_TRUE(gate.AwaitEntered());
+  reg.Open(ById(1))->Settle(true);
+  reg.Hold(1).reset();
+  Pull(reg, ByKey(1));  // a consuming read settles under the mutex too
+  gate.Open();
+  adder.join();
+  EXPECT_TRUE(gate.let_go) << "the reads waited for the registration";
+  EXPECT_FALSE(reg.Bound(K(1)));
+  reg.SetHooks({});
+}
+
+// The same for the hooks of removal: revoking NIXL's leases (`going`) and deregistering
+// (`gone`) while an unregister runs leave peers' reads of other caches alone.
+TEST_F(Native, SlowRemovalHooksStallNoOpen) {
+  Pool(1, {});
+  User(2, {});
+  for (bool on_going : {true, false}) {
+    Gate gate;
+    datadist::RegistryHooks hooks;
+    hooks.going = [&](const Entry *e) {
+      if (on_going && e && e->id == 2) gate.Block();
+    };
+    hooks.gone = [&](const Entry &e) {
+      if (!on_going && e.id == 3) gate.Block();
+    };
+    reg.SetHooks(hooks);
+    if (!on_going) reg.Add(3, kGeo, kAddrs, kUser);
+    const int64_t id = on_going ? 2 : 3;
+    std::thread remover([&] { reg.Remove(id, false, 5.0); });
+    ASSERT_TRUE(gate.AwaitEntered());
+    reg.Open(ById(1)).reset();
+    reg.Hold(1).reset();
+    gate.Open();
+    remover.join();
+    EXPECT_TRUE(gate.let_go) << (on_going ? "going" : "gone") << " stalled a read";
+    EXPECT_EQ(Refused([&] { reg.Open(ById(static_cast<uint64_t>(id))); }).code, LLM_KV_CACHE_NOT_EXIST);
+  }
+  reg.SetHooks({});
+}
+
+// Hooks run in the order of the changes: a cache removed while its registration still runs
+// is deregistered after it was registered, never before (NIXL would keep the registration).
+TEST_F(Native, ACacheRemovedDuringItsRegistrationIsDeregisteredAfterIt) {
+  Gate gate;
+  std::mutex mu;
+  std::vector<std::string> order;
+  datadist::RegistryHooks hooks;
+  hooks.added = [&](const Entry &) {
+    gate.Block();
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back("added");
+  };
+  hooks.gone = [&](const Entry &) {
+    std::lock_guard<std::mutex> lock(mu);
+    order.push_back("gone");
+  };
+  reg.SetHooks(hooks);
+  std::thread adder([&] { reg.Add(1, kGeo, kAddrs, kUser); });
+  ASSERT_TRUE(gate.AwaitEntered());
+  std::thread remover([&] { reg.Remove(1, false, 5.0); });
+  // the removal may run up to its hook; it cannot pass the registration
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  gate.Open();
+  adder.join();
+  remover.join();
+  EXPECT_EQ(order, (std::vector<std::string>{"added", "gone"}));
+  reg.SetHooks({});
+}
+
 // ------------------------------------------------------------------------------ 2. private caches
 
 // Python: _check_servable (test_open_refuses_a_cache_that_is_not_remote_accessible): by id,
@@ -480,7 +650,7 @@ TEST_F(Native, ClearForgetsCachesKeysAndModelIds) {
 // an address write into it gets the one ADDRESS_REFUSED answer (Registry.open_addresses).
 TEST_F(Native, APrivateCacheIsRefusedToPeers) {
   reg.Add(1, kGeo, kAddrs, kPrivate);
-  reg.BindKeys(1, {K(1)}, {0});
+  Bind(1, {K(1)}, {0});
   reg.Add(2, kBlocks, kBlockAddrs, CacheOptions{false, false, true});
   reg.BindModel(5, 2);
   for (const w::Request &q : {ById(1), ByKey(1), ByModel(5)}) {
@@ -1105,7 +1275,7 @@ TEST_F(Served, AReadSentOverTcpConsumesItsKey) {
   HostCache mem(4, {4, 256});
   mem.Fill(3);
   reg.Add(1, mem.desc, mem.addrs, kPool);
-  reg.BindKeys(1, {K(5)}, {1});
+  Bind(1, {K(5)}, {1});
   std::vector<uint8_t> got;
   ASSERT_EQ(Read(*conn, ByKey(5), &got), 0);
   ASSERT_EQ(got.size(), 4U * 256);
@@ -1119,7 +1289,7 @@ TEST_F(Served, AReadSentOverTcpConsumesItsKey) {
 TEST_F(Served, WritesAreRefusedWhenRemoteWritesAreOff) {
   HostCache mem(4, {4, 256});
   reg.Add(1, mem.desc, mem.addrs, kPool);
-  reg.BindKeys(1, {K(5)}, {0});
+  Bind(1, {K(5)}, {0});
   reg.SetRemoteWrites(false);
   w::Request q = ByKey(5);
   conn->SendFrame(w::EncodeRequest(w::kWrite, q, 4), datadist::After(2));
@@ -1138,7 +1308,7 @@ TEST_F(Served, AGrantReleasedOkConsumesItsKey) {
       Hello(datadist::local::Connect(datadist::local::Name(static_cast<uint64_t>(getpid()), 9), datadist::After(2)));
   HostCache mem(4, {4, 256});
   reg.Add(1, mem.desc, mem.addrs, kPool);
-  reg.BindKeys(1, {K(5), K(6)}, {0, 1});
+  Bind(1, {K(5), K(6)}, {0, 1});
   for (uint64_t req : {5, 6}) {
     w::Request q = ByKey(req);
     q.flags = w::kFlagGrant;

@@ -38,9 +38,9 @@ from datadist import (
     TransferWithCacheKeyConfig,
 )
 from datadist.core.config import EngineConfig
+from datadist.core.keys import key_id
 from datadist.core.layout import Geometry
 from datadist.core.native import NativeEngine
-from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
 
 # Some tests open sockets (listeners, refused connects, an in-process peer): bound them all.

@@ -75,8 +75,7 @@ def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
                    for _ in range(5)]
         threading.Event().wait(0.1)
         assert not any(h.done() for h in handles + blockers)
-        entry = d.engine.registry.get(dst.cache_id)
-        assert entry.leases == 5  # each queued transfer holds the local cache
+        assert d.engine.leases(dst.cache_id) == 5  # each queued transfer holds the local cache
         closer = threading.Thread(target=d.engine.close)
         closer.start()
         for h in handles + blockers:  # running ones fail through their closed link
@@ -84,7 +83,7 @@ def _closed_with_queued(make_side) -> list[llm.TransferHandle]:
                 h.wait(10)
         closer.join(10)
         assert not closer.is_alive()
-    assert entry.leases == 0  # and let it go
+    assert not d.engine._handles  # and each let go of its hold
     assert not b.any()
     return handles
 

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from datadist.core import layout
 from datadist.core.config import HOST, EngineConfig
 from datadist.core.errors import InvalidArgument
+from datadist.core.keys import UINT64_MAX, KeyId
 from datadist.core.native import NativeEngine as Engine
-from datadist.core.registry import UINT64_MAX, KeyId
 from datadist.wire.protocol import KeyKind, KeyRef
 
 pytestmark = pytest.mark.timeout(120)

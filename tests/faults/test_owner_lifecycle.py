@@ -19,10 +19,10 @@ from fault_harness import local_name
 import datadist.core.native as native_mod
 from datadist.core.config import EngineConfig
 from datadist.core.errors import BrokenLink, LinkFailed
+from datadist.core.keys import KeyId
 from datadist.core.layout import Geometry, layer_tensor_indices, make_iov, plan_slot
 from datadist.core.local import vm_copy
 from datadist.core.native import NativeEngine as Engine
-from datadist.core.registry import KeyId
 from datadist.memory.pool import PoolConfig
 from datadist.wire import protocol as p
 

@@ -218,11 +218,11 @@ def test_each_kind_of_citation_is_checked(tmp_path: Path) -> None:
     cited.write_text(
         "// core/layout.py and core/links.py\n"
         "// datadist.core.keys.KeyRef and datadist.core.keys.Gone\n"
-        "// as Registry.add, not Registry.settle; WELCOME.proof is the protocol's\n"
-        "// Python's registry.KeyId and Python's CmaPath; Python's codec is a word\n"
+        "// as NativeEngine.register, not NativeEngine.settle; WELCOME.proof is the protocol's\n"
+        "// Python's keys.KeyId and Python's CmaPath; Python's codec is a word\n"
         "// (Python: mmap.PAGESIZE), Python's bytes.fromhex; datadist.Transport, an option\n")
     stale = sorted(what for _, what, ok in citations(index, cited.read_text()) if not ok)
-    assert stale == ["CmaPath", "Registry.settle", "core/links.py", "datadist.core.keys.Gone"]
+    assert stale == ["CmaPath", "NativeEngine.settle", "core/links.py", "datadist.core.keys.Gone"]
 
 
 # ------------------------------------------------------------------------ the tree

@@ -52,7 +52,7 @@ def test_the_walk_finds_the_layers() -> None:
     # A broken walk would pass with nothing to check.
     assert "datadist.api.config.LLMConfig" in names
     assert "datadist.wire.protocol.Hello" in names
-    assert "datadist.core.registry.CacheEntry" in names
+    assert "datadist.core.native.CacheEntry" in names
     assert len(names) > 50
 
 

@@ -162,7 +162,7 @@ class TestStaleHandles:
                 with code(S.LLM_KV_CACHE_NOT_EXIST, "another LLMDataDist session"):
                     call()
             # the new session's cache is intact and usable
-            assert dd.engine.registry.get(new.cache_id).addrs.tolist() == new.tensor_addrs
+            assert dd.engine.cache(new.cache_id).addrs.tolist() == new.tensor_addrs
             cm.copy_cache(new, new, 1, 0)
             cm.deallocate_cache(new)
         finally:
@@ -183,7 +183,7 @@ class TestStaleHandles:
                 kv.deallocate_cache(old)
             with code(S.LLM_KV_CACHE_NOT_EXIST):
                 kv.get_cache_tensors(old)
-            dd.engine.registry.get(new.cache_id)  # still there
+            dd.engine.cache(new.cache_id)  # still there
         finally:
             dd.finalize()
 
@@ -466,8 +466,7 @@ class TestOwnerThatCannotReadItsMemory:
             from datadist.core.layout import layer_tensor_indices, plan_slot
             from datadist.wire import protocol as p
 
-            entry = reader.registry.hold(dst.cache_id)
-            reader.registry.unhold(entry)
+            entry = reader.cache(dst.cache_id)
             plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
             with pytest.raises(DatadistError) as err:
                 reader.push(PROMPT_ID, p.KeyRef(p.KeyKind.CACHE_ID, src.cache_id, 0), 0, plan,

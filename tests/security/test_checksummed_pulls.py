@@ -23,9 +23,9 @@ from _hand import LyingOwner, local_name
 
 from datadist.core.config import EngineConfig
 from datadist.core.errors import CacheNotFound, IntegrityError
+from datadist.core.keys import KeyId
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.native import NativeEngine
-from datadist.core.registry import KeyId
 from datadist.memory.pool import PoolConfig
 from datadist.wire import protocol as p
 

@@ -18,9 +18,9 @@ from _hand import nonce
 
 from datadist.core.config import EngineConfig
 from datadist.core.errors import CacheNotFound, InvalidArgument, LinkFailed
+from datadist.core.keys import MAX_REQUEST_SPANS, KeyId
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.native import NativeEngine
-from datadist.core.registry import MAX_REQUEST_SPANS, KeyId
 from datadist.memory.pool import PoolConfig
 from datadist.wire import protocol as p
 
@@ -182,7 +182,7 @@ def test_item2_span_expansion_stays_cheap_for_others(owner, tensors: int) -> Non
 
 def test_item2_a_requester_refuses_a_plan_over_the_cap_itself() -> None:
     """Counted after the layer-range expansion, on the requesting side too: nothing is sent."""
-    from datadist.core.registry import MAX_REQUEST_SPANS
+    from datadist.core.keys import MAX_REQUEST_SPANS
 
     eng = _puller()
     try:

@@ -133,7 +133,7 @@ def start_transfer(
     raise_if_false(desc.num_tensors % TENSORS_PER_LAYER == 0,
                    f"cache_desc.num_tensors ({desc.num_tensors}) is not even")
     with llm_errors("transfer_cache_async"):
-        entry = engine.registry.get(cache_id)
+        entry = engine.cache(cache_id)
     geo = entry.geometry
     raise_if_false(geo.is_blocks or not has_src_blocks,
                    "src_block_indices need a blocks cache source")

@@ -49,9 +49,8 @@ from datadist.api.types import (
 )
 from datadist.core import layout
 from datadist.core.errors import DatadistError, InvalidArgument
-from datadist.core.keys import KeyRef
+from datadist.core.keys import KeyId, KeyRef, key_id
 from datadist.core.native import NativeEngine
-from datadist.core.registry import KeyId, key_id
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
 
@@ -443,7 +442,7 @@ class CacheManager:
         """The local cache as it was registered (KV_CACHE_NOT_EXIST if gone). Plans use this
         geometry, not the Cache's CacheDesc, which the caller may have changed since."""
         try:
-            return engine.registry.get(cache.cache_id).geometry
+            return engine.cache(cache.cache_id).geometry
         except DatadistError as e:
             raise to_llm_exception(e, "") from e
 
@@ -490,11 +489,9 @@ class CacheManager:
         req = self._planned.find(key)
         if req is None:
             return None
-        try:
-            geo = self._engine.registry.get(cache.cache_id).geometry
-        except DatadistError:
-            return None
-        return req if geo is req.geometry or geo == req.geometry else None
+        # The plan was made for this Cache's id (the key holds the Cache), whose geometry the
+        # core never changes and whose id it never reuses: still filed is still the same.
+        return req if self._engine.filed(cache.cache_id) else None
 
     def _pull_cache_request(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
                             kwargs: dict[str, Any]) -> _Request:

@@ -3,7 +3,7 @@ mode) and ``KvCacheManager`` (legacy mode): ``copy_cache``, ``copy_blocks``, ``s
 
 Who calls: those two facades, after their own type checks of the cache objects. Everything
 here blocks until the copy is done. The geometry and the copy itself are the core's
-(:mod:`datadist.core.local`); this module resolves cache objects to live registry entries,
+(:mod:`datadist.core.local`); this module resolves cache objects to the core's registry's caches,
 holds them for the duration of the copy, and maps errors to LLMException.
 """
 
@@ -67,8 +67,8 @@ def _check_cpu_cache(geo: layout.Geometry, addrs: np.ndarray) -> None:
 def held(engine: NativeEngine, ref: CacheRef) -> Iterator[_Side]:
     """The cache's geometry and tensor addresses, leased for the ``with`` body.
 
-    A cache the engine knows is read from the registry (and held, so that it cannot be
-    freed mid-copy); an unregistered one (``create_cpu_cache``) from the object itself.
+    A cache the engine knows is described by the core's registry (and held there, so that it
+    cannot be freed mid-copy); an unregistered one (``create_cpu_cache``) from the object itself.
     Raises LLM_KV_CACHE_NOT_EXIST for a cache that was deallocated or unregistered.
     """
     if ref.cache_id == UNREGISTERED_ID:
@@ -80,12 +80,10 @@ def held(engine: NativeEngine, ref: CacheRef) -> Iterator[_Side]:
         _check_cpu_cache(geo, addrs)
         yield _Side(geo, addrs)
         return
-    with llm_errors():
-        entry = engine.registry.hold(ref.cache_id)
-    try:
+    with contextlib.ExitStack() as stack:
+        with llm_errors():
+            entry = stack.enter_context(engine.held(ref.cache_id))
         yield _Side(entry.geometry, entry.addrs)
-    finally:
-        engine.registry.unhold(entry)
 
 
 def copy_cache(engine: NativeEngine, dst: CacheRef, src: CacheRef, dst_batch_index: int,

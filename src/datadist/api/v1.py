@@ -69,9 +69,8 @@ from datadist.api.types import (
 from datadist.core import layout
 from datadist.core.config import DEVICE
 from datadist.core.errors import DatadistError
-from datadist.core.keys import KeyRef
+from datadist.core.keys import KeyRef, key_id
 from datadist.core.native import NativeEngine
-from datadist.core.registry import key_id
 from datadist.memory.pool import PoolConfig
 
 DEFAULT_POOL_BYTES = 1 << 30
@@ -277,7 +276,7 @@ class KvCacheManager:
     def _geometry(self, engine: NativeEngine, cache: KvCache) -> layout.Geometry:
         """The cache as it was allocated (LLM_KV_CACHE_NOT_EXIST once it is gone)."""
         with llm_errors():
-            return engine.registry.get(cache.cache_id).geometry
+            return engine.cache(cache.cache_id).geometry
 
     # ------------------------------------------------------------------ pool caches
 
@@ -539,7 +538,7 @@ class KvCacheManager:
         # A cache of ours: shape, dtype and address as allocated, whatever the CacheDesc says
         # now (update_dim after allocation must not make a view reach past the cache).
         with llm_errors("get_cache_tensors"):
-            entry = engine.registry.get(cache.cache_id)
+            entry = engine.cache(cache.cache_id)
         registered = self._registered.get(cache.cache_id)
         g = entry.geometry
         raise_if_false(0 <= tensor_index < g.num_tensors,

@@ -1,6 +1,9 @@
 """How a request names a remote cache (:class:`KeyRef`, :class:`KeyKind`) and a READ's flags
 (:class:`ReadFlags`): the values the facade builds, the engine hands to the core
-(:mod:`datadist.core.native`), and the protocol's frames carry.
+(:mod:`datadist.core.native`), and the protocol's frames carry. And how a local cache is named
+by a CacheKey (:class:`KeyId`, :func:`key_id`: what the core's registry binds and consumes,
+cpp/src/registry.h ``KeyId``), with the requester's own check of a plan's size
+(:func:`check_request_size`).
 
 Who calls: the facade (``api/``: geometry, cache manager, async transfers, v1), the engine
 binding, and the protocol's reference codec (:mod:`datadist.wire.protocol`), which encodes and
@@ -14,6 +17,15 @@ import enum
 import struct
 from dataclasses import dataclass
 from typing import ClassVar
+
+import numpy as np
+
+from datadist.core.errors import InvalidArgument
+
+UINT64_MAX = 2**64 - 1
+# Most spans (tensors x spans per tensor, counted after the expansion) one request may name
+# (docs/protocol.md; the core's owner refuses more, kMaxRequestSpans in cpp/src/registry.h).
+MAX_REQUEST_SPANS = 1 << 22
 
 
 class KeyKind(enum.IntEnum):
@@ -53,4 +65,39 @@ class KeyRef:
     _S: ClassVar[struct.Struct] = struct.Struct("<BQQQ")
 
 
-__all__ = ["KeyKind", "KeyRef", "ReadFlags"]
+@dataclass(frozen=True, slots=True)
+class KeyId:
+    """A local CacheKey: a req_id or a prefix_id, within a model_id (cluster ids are not part).
+    The core's registry binds it to a slot of a cache (cpp/src/registry.h ``KeyId``)."""
+
+    value: int
+    model_id: int
+    is_prefix: bool = False
+
+
+def key_id(req_id: int, prefix_id: int, model_id: int) -> KeyId | None:
+    """The local key for a CacheKey's fields; None for the padding key (both unset)."""
+    if req_id != UINT64_MAX:
+        return KeyId(req_id, model_id, False)
+    if prefix_id != UINT64_MAX:
+        return KeyId(prefix_id, model_id, True)
+    return None
+
+
+def check_request_size(tensors: np.ndarray, offsets: np.ndarray) -> None:
+    """A requester's check of its own plan before it asks (the owner refuses the same): at
+    most MAX_REQUEST_SPANS spans after the tensors x spans expansion, and no tensor named
+    twice. Vectorised; O(T log T). Raises InvalidArgument. Kept in Python because the facade
+    raises it before the core is called (the refused call is counted then, NativeEngine)."""
+    if len(tensors) * len(offsets) > MAX_REQUEST_SPANS:
+        raise InvalidArgument(
+            f"{len(tensors)} tensors x {len(offsets)} spans exceeds the "
+            f"{MAX_REQUEST_SPANS} spans one request may name"
+        )
+    n = len(tensors)
+    if n > 1 and (len(set(tensors.tolist())) if n <= 256 else len(np.unique(tensors))) != n:
+        raise InvalidArgument("a request names the same tensor more than once")
+
+
+__all__ = ["MAX_REQUEST_SPANS", "UINT64_MAX", "KeyId", "KeyKind", "KeyRef", "ReadFlags",
+           "check_request_size", "key_id"]

@@ -5,14 +5,17 @@ Who calls: ``LLMDataDist.init`` creates one :class:`NativeEngine` per instance
 and their asynchronous forms. It is the only engine: the C++ API (``llm_datadist.h``) runs on
 the same core, so both APIs share one implementation of every protocol rule.
 
-What runs where: the facade checks arguments and plans transfers (``core/layout.py``); this
-module keeps the local bookkeeping (``core/registry.py``: ids, keys, pools, holds) and mirrors
-every cache into the core's registry, which serves peers. Accepting, handshakes, peers'
-requests, reverse channels, same-host grants, NIXL and leases run on the core's native threads
-and never take the GIL; a pull or push issued here releases the GIL for its whole duration;
-asynchronous ones run on the core's fixed set of workers and are polled without the GIL.
-The core raises datadist's own error classes (``datadist.core.errors``), chosen by its
-binding from one code-to-class table (cpp/python/module.cc, ``PyError``).
+What runs where: the facade checks arguments and plans transfers (``core/layout.py``); the
+core's registry (cpp/src/registry.h) is the only one: it numbers every cache this module
+files there, binds its keys and model id, holds it for local transfers, consumes keys when
+peers read them and decides when pool memory may go; this module asks it
+(:meth:`NativeEngine.cache`) and keeps no copy. The pools themselves are Python's
+(``memory/pool.py``). Accepting, handshakes, peers' requests, reverse channels, same-host
+grants, NIXL and leases run on the core's native threads and never take the GIL; a pull or push
+issued here releases the GIL for its whole duration; asynchronous ones run on the core's fixed
+set of workers and are polled without the GIL. The core raises datadist's own error classes
+(``datadist.core.errors``), chosen by its binding from one code-to-class table
+(cpp/python/module.cc, ``PyError``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -42,15 +45,15 @@ from datadist.core.errors import (
     NotSupported,
     OutOfMemory,
 )
+from datadist.core.keys import KeyId, check_request_size
 from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
 from datadist.core.options import parse_options
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
-from datadist.core.registry import CacheEntry, KeyId, Registry, check_request_size
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
 
 if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
-    from datadist._core import Call, Engine, Handle, PendingLink
+    from datadist._core import Call, Engine, Handle, Hold, PendingLink
 
 log = logging.getLogger("datadist.native")
 
@@ -112,6 +115,27 @@ def load_nixl(library: str = "") -> str | None:
     return None if ok else str(why)
 
 
+@dataclass(frozen=True, eq=False)
+class CacheEntry:
+    """One of the core's caches as it was filed: what the facade plans with. A snapshot the
+    core's registry gives (:meth:`NativeEngine.cache`, and register / allocate return one);
+    nothing keeps it in step, and nothing needs to: a cache's id, geometry and addresses never
+    change while it is filed, and the core never reuses an id."""
+
+    cache_id: int
+    geometry: Geometry
+    addrs: np.ndarray  # uint64, base address of each tensor (read-only)
+    owned: bool  # allocated from a pool (True) or registered user memory (False)
+    placement: int = HOST
+    remote_accessible: bool = True
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        kind = "blocks" if g.is_blocks else "cache"
+        return (f"<CacheEntry {kind} id={self.cache_id} tensors={g.num_tensors} "
+                f"units={g.units} unit_bytes={g.unit_bytes} owned={self.owned}>")
+
+
 def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
     """The local side of a plan must fit the cache as it was registered (the caller's
     CacheDesc may have changed since): never read or write past registered memory. And the
@@ -128,8 +152,8 @@ def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
 def checked_local_iov(kept: Prepared[np.ndarray], plan: Plan, entry: CacheEntry) -> np.ndarray:
     """The local spans of ``plan`` in ``entry``'s memory as an iovec array, once the plan is
     checked against the cache (InvalidArgument if it does not fit). Kept in ``kept`` for small
-    plans, so a plan that repeats is checked once (read-only: transports edit copies). The
-    engine's pulls and pushes call it."""
+    plans, by (plan, cache id), so a plan that repeats is checked once (read-only: transports
+    edit copies; the core never reuses a cache id). The engine's pulls and pushes call it."""
     if plan.num_spans > SMALL_REQUEST:
         _check_local_plan(plan, entry)
         return plan.local_iovecs(entry.addrs)
@@ -140,7 +164,13 @@ def checked_local_iov(kept: Prepared[np.ndarray], plan: Plan, entry: CacheEntry)
         iov.flags.writeable = False
         return iov
 
-    return kept.get((plan, entry), build)
+    return kept.get((plan, entry.cache_id), build)
+
+
+def _wire_keys(keys: Sequence[KeyId | None]) -> list[tuple[int, int, bool] | None]:
+    """The core's form of a cache's keys, slot by slot: (value, model_id, is_prefix) or None
+    (the padding key)."""
+    return [None if k is None else (k.value, k.model_id, k.is_prefix) for k in keys]
 
 
 @dataclass(frozen=True)
@@ -187,11 +217,11 @@ class NativeHandle:
     among its live handles until it is seen to end (by its caller, or by the engine's
     unregister and close, which wait for it: :meth:`NativeEngine.unregister`)."""
 
-    def __init__(self, engine: NativeEngine, handle: Handle, entry: CacheEntry, op: str,
+    def __init__(self, engine: NativeEngine, handle: Handle, hold: Hold, op: str,
                  cluster_id: int) -> None:
         self._engine = engine
         self._handle = handle
-        self._entry: CacheEntry | None = entry
+        self._hold: Any = hold  # the core's Hold on the local cache (None once let go)
         self._op, self._cluster_id = op, cluster_id
         self._lock = threading.Lock()
 
@@ -202,16 +232,16 @@ class NativeHandle:
     @property
     def cache_id(self) -> int | None:
         """The local cache it holds (None once it let go)."""
-        entry = self._entry
-        return None if entry is None else entry.cache_id
+        hold = self._hold
+        return None if hold is None else int(hold.cache_id)
 
     def _settle(self) -> None:
         """Once ended: the local cache is let go, exactly once."""
         with self._lock:
-            entry, self._entry = self._entry, None
-        if entry is not None:
+            hold, self._hold = self._hold, None
+        if hold is not None:
             self._engine._handles.discard(self)
-            self._engine.registry.unhold(entry)
+            hold.release()
 
     def done(self) -> bool:
         if not self._handle.done():
@@ -243,17 +273,17 @@ class NativeEngine:
             raise InvalidArgument(available()[1])
         from datadist import _core as mod
         self.config = config
-        self.registry = Registry()
         self._pools: dict[int, HostPool] = {}
         self._closed = False
         self._lock = threading.Lock()
         self._listen: tuple[str, int] | None = None
         self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
-        # the core's prepared transfers, by (plan, local entry, cluster, key, unit bytes,
-        # write): a repeated pull converts nothing (a plan and an entry are compared by
-        # identity: an unregistered cache's entry never comes back from hold)
+        # the core's prepared transfers, by (plan, local cache id, cluster, key, unit bytes,
+        # write): a repeated pull converts nothing (a plan is compared by identity; the core
+        # never reuses a cache id, and an unregistered one is refused by hold first)
         self._calls: Prepared[Call] = Prepared(KEPT, lambda call: int(call.spans))
-        self._frees: dict[int, Callable[[], None]] = {}  # pool caches' memory, by cache id
+        # pool caches' memory, by cache id: freed once the core releases the cache
+        self._frees: dict[int, Callable[[], None]] = {}
         self._core_module = mod
         # Asynchronous transfers not yet seen to end: each holds its local cache until then.
         self._handles: set[NativeHandle] = set()
@@ -349,61 +379,94 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ caches
 
-    def _mirror(self, entry: CacheEntry, keys: Sequence[KeyId | None],
-                blocks_model_id: int | None) -> None:
-        """File ``entry`` (just added to our registry) in the core's, with its keys and
-        model id, so that its threads serve it to peers. All or nothing."""
-        g = entry.geometry
+    def _file(self, geometry: Geometry, addrs: np.ndarray, *, owned: bool, placement: int,
+              keys: Sequence[KeyId | None], blocks_model_id: int | None,
+              remote_accessible: bool = True) -> CacheEntry:
+        """File a cache in the core's registry, which numbers it and binds its keys (key i ->
+        slot i) and model id, all or nothing (InvalidArgument). Blocks without the GIL while
+        NIXL registers it."""
+        g = geometry
         # Caches in shareable memory (our pools, shared_empty arrays): the core serves
         # same-host readers their memfds (SHM_GRANT, CACHE_LEASE) to map and memcpy from.
-        found = shared.lookup(entry.addrs, g.tensor_bytes)
+        found = shared.lookup(addrs, g.tensor_bytes)
         shm = None if found is None else tuple(a.tolist() for a in found)
-        try:
-            self._core.add_cache(entry.cache_id, g.num_tensors, g.tensor_bytes, g.units,
-                                 g.layout, entry.addrs, entry.owned,
-                                 entry.remote_accessible, g.is_blocks, shm=shm,
-                                 device=entry.placement == DEVICE)
-            bound = [(slot, k) for slot, k in enumerate(keys) if k is not None]
-            if bound:
-                self._core.bind_keys(entry.cache_id,
-                                     [(k.value, k.model_id, k.is_prefix) for _, k in bound],
-                                     [slot for slot, _ in bound])
-            if blocks_model_id is not None:
-                self._core.bind_model(blocks_model_id, entry.cache_id)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self._core.remove_cache(entry.cache_id, 0.0)
-            self.registry.unregister(entry.cache_id)
-            raise
+        cache_id = self._core.add_cache(
+            g.num_tensors, g.tensor_bytes, g.units, g.layout, addrs, allocated=owned,
+            remote_accessible=remote_accessible, blocks=g.is_blocks, device=placement == DEVICE,
+            shm=shm, keys=_wire_keys(keys), model_id=blocks_model_id)
+        addrs.flags.writeable = False
+        return CacheEntry(int(cache_id), g, addrs, owned, placement, remote_accessible)
 
-    def _sync(self) -> None:
-        """What the core's threads did since: keys peers consumed leave our registry too,
-        and pool memory nothing holds any more goes back to its pool. Never blocks."""
-        for value, model_id, is_prefix in self._core.take_consumed():
-            self.registry.remove_key(KeyId(int(value), int(model_id), bool(is_prefix)))
+    def _free_released(self) -> None:
+        """Pool memory of caches the core released (deallocated, and no key, transfer or
+        leased copy holds them any more) goes back to its pool. The decision is the core's
+        (Registry::TakeReleased); the pools are Python's and no core thread takes the GIL, so
+        the engine frees what the core lists whenever it allocates, deallocates or unbinds a
+        key. Blocks (without the GIL) only while NIXL deregisters them."""
         for cache_id in self._core.take_released():
             free = self._frees.pop(int(cache_id), None)
             if free is not None:
                 free()
 
+    def cache(self, cache_id: int) -> CacheEntry:
+        """What the core's registry says of a filed cache (geometry, addresses, kind).
+        CacheNotFound for an unknown, deallocated or unregistered id. Never blocks."""
+        (num_tensors, tensor_bytes, units, blocks, layout, addrs, allocated, device,
+         remote_accessible, _) = self._core.cache_info(cache_id)
+        addrs.flags.writeable = False
+        return CacheEntry(cache_id, Geometry(int(num_tensors), int(tensor_bytes), int(units),
+                                             bool(blocks), int(layout)),
+                          addrs, bool(allocated), DEVICE if device else HOST,
+                          bool(remote_accessible))
+
+    def leases(self, cache_id: int) -> int:
+        """How many transfers hold the cache now (peers' reads and writes, our pulls, pushes
+        and local copies; tests). CacheNotFound for an unknown id. Never blocks."""
+        return int(self._core.cache_info(cache_id)[9])
+
+    def filed(self, cache_id: int) -> bool:
+        """Whether a cache is filed under ``cache_id`` now (not deallocated, unregistered or
+        being unregistered): all a plan made for it needs to know, as the core never reuses an
+        id and a filed cache's geometry never changes. Never blocks."""
+        return bool(self._core.filed(cache_id))
+
+    def cache_ids(self) -> list[int]:
+        """The ids of the caches filed now, ascending (tools, tests). Never blocks."""
+        return [int(i) for i in self._core.cache_ids()]
+
+    def key_bound(self, key: KeyId) -> bool:
+        """Whether ``key`` is bound to a cache now (false once a peer's read consumed it, or
+        after remove_key). Never blocks."""
+        return bool(self._core.key_bound(key.value, key.model_id, key.is_prefix))
+
+    @contextlib.contextmanager
+    def held(self, cache_id: int) -> Iterator[CacheEntry]:
+        """The cache, held by the core for the ``with`` body (a local copy's side): it cannot
+        be unregistered, and its pool memory not freed, under the body. CacheNotFound for an
+        unknown cache or one being unregistered. Never blocks."""
+        hold = self._core.hold(cache_id)
+        try:
+            yield self.cache(cache_id)
+        finally:
+            hold.release()
+
     def register(self, geometry: Geometry, addrs: list[int], *, placement: int,
                  keys: Sequence[KeyId | None] = (), blocks_model_id: int | None = None,
                  remote_accessible: bool = True) -> CacheEntry:
+        """File the caller's memory as a cache (register_cache / register_blocks_cache).
+        InvalidArgument for bad addresses or keys. Blocks while NIXL registers it."""
         self._check_open()
         if any(a <= 0 for a in addrs):
             raise InvalidArgument("tensor addresses must be non-zero")
         arr = np.asarray(addrs, dtype=np.uint64)
-        self._sync()
-        entry = self.registry.add(geometry, arr, owned=False, placement=placement, keys=keys,
-                                  blocks_model_id=blocks_model_id,
-                                  remote_accessible=remote_accessible)
-        self._mirror(entry, keys, blocks_model_id)
-        return entry
+        return self._file(geometry, arr, owned=False, placement=placement, keys=keys,
+                          blocks_model_id=blocks_model_id, remote_accessible=remote_accessible)
 
     def allocate(self, geometry: Geometry, *, placement: int,
                  keys: Sequence[KeyId | None] = (),
                  blocks_model_id: int | None = None) -> CacheEntry:
-        """Carve a cache from the pool of its placement."""
+        """Carve a cache from the pool of its placement and file it. The keys are checked by
+        the core first, so a bad key is InvalidArgument, never an out-of-memory."""
         self._check_open()
         pool = self._pools.get(placement)
         if pool is None:
@@ -411,8 +474,8 @@ class NativeEngine:
             raise InvalidArgument(
                 f"no memory pool for {'DEVICE' if placement == DEVICE else 'HOST'} "
                 f"placement: set {what}")
-        self._sync()  # pool memory peers' pulls released goes back first
-        self.registry.check_keys(list(keys), geometry.units)
+        self._free_released()  # pool memory peers' pulls released goes back first
+        self._core.check_keys(_wire_keys(keys), geometry.units)
         step = -(-geometry.tensor_bytes // pool.page) * pool.page
         try:
             base = pool.allocate(step * geometry.num_tensors)
@@ -422,39 +485,30 @@ class NativeEngine:
             raise
         addrs = base + step * np.arange(geometry.num_tensors, dtype=np.uint64)
         try:
-            # The core decides when the memory may go (peers' reads hold it there): freed
-            # when take_released lists the cache (_sync), not by our registry.
-            entry = self.registry.add(geometry, addrs, owned=True, placement=placement,
-                                      keys=keys, blocks_model_id=blocks_model_id)
+            entry = self._file(geometry, addrs, owned=True, placement=placement, keys=keys,
+                               blocks_model_id=blocks_model_id)
         except BaseException:
             pool.free(base)
             raise
+        # The core decides when the memory may go (peers' reads, keys and local transfers
+        # hold it): freed when take_released lists the cache (_free_released).
         self._frees[entry.cache_id] = lambda: pool.free(base)
-        try:
-            self._mirror(entry, keys, blocks_model_id)
-        except BaseException:
-            self._frees.pop(entry.cache_id, None)
-            pool.free(base)
-            raise
         return entry
-
-    def _unmirror(self, cache_id: int, wait: float = UNREGISTER_WAIT) -> None:
-        self._core.remove_cache(cache_id, wait)
 
     def deallocate(self, cache_id: int, *, blocks: bool = False) -> None:
         """Drop a pool cache's id (and keys, for blocks caches); its memory goes back to the
-        pool once no key and no transfer holds it any more."""
+        pool once no key and no transfer holds it any more (the core's word). Blocks without
+        the GIL while its NIXL leases are revoked."""
         self._core.deallocate(cache_id, blocks)
-        self.registry.deallocate(cache_id, drop_keys=blocks)
-        self._sync()
+        self._free_released()
 
     def unregister(self, cache_id: int) -> None:
         """Waits (bounded, UNREGISTER_WAIT in all) for our asynchronous transfers of the
-        cache and peers' transfers of it, then drops it."""
+        cache, then has the core drop it once no transfer holds it (peers' and ours; Timeout
+        and the cache stays registered if one outlives the wait). Blocks without the GIL."""
         deadline = time.monotonic() + UNREGISTER_WAIT
         self._await_handles(cache_id, deadline)
-        self._unmirror(cache_id, max(0.0, deadline - time.monotonic()))
-        self.registry.unregister(cache_id, max(0.0, deadline - time.monotonic()))
+        self._core.remove_cache(cache_id, max(0.0, deadline - time.monotonic()))
 
     def _await_handles(self, cache_id: int | None, deadline: float) -> None:
         """Our asynchronous transfers of ``cache_id`` (None: all) still running: waited for
@@ -465,10 +519,10 @@ class NativeEngine:
                 handle.wait(max(0.0, deadline - time.monotonic()))
 
     def remove_key(self, key: KeyId) -> None:
-        self._sync()
+        """remove_cache_key: unbind a key of a pool cache (no-op for unknown keys and keys on
+        registered memory); a deallocated cache it alone held goes back to its pool."""
         self._core.unbind_key(key.value, key.model_id, key.is_prefix)
-        self.registry.remove_key(key)
-        self._sync()
+        self._free_released()
 
     # ------------------------------------------------------------------ links
 
@@ -590,13 +644,15 @@ class NativeEngine:
         self._core_module.metrics_record(op, cluster_id, 0, time.perf_counter() - t0, code)
 
     def _call(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-              entry: CacheEntry, write: bool) -> Call:
-        """The core's prepared transfer of ``plan`` into (from) ``entry``'s memory, made once
+              cache_id: int, write: bool) -> Call:
+        """The core's prepared transfer of ``plan`` into (from) local cache ``cache_id``'s
+        memory (held by the caller), made once
         for small plans (the local spans checked against the cache then: InvalidArgument if
         they do not fit) and kept; larger ones are made each time."""
-        ident = (plan, entry, cluster_id, key, unit_bytes, write)
+        ident = (plan, cache_id, cluster_id, key, unit_bytes, write)
         call = self._calls.find(ident) if plan.num_spans <= SMALL_REQUEST else None
         if call is None:
+            entry = self.cache(cache_id)
             local = checked_local_iov(self._local_iovs, plan, entry)
             flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
             if self.config.verify and not write:  # the owner's CRC-32 of what it sent, checked
@@ -610,22 +666,22 @@ class NativeEngine:
         return call
 
     def _taken(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-               cache_id: int) -> tuple[CacheEntry, Call]:
+               cache_id: int) -> tuple[Hold, Call]:
         """The local cache held and the core's prepared call for a transfer. The core counts
         every transfer it is handed (metrics); one refused here, before it (finalized, no
-        such local cache, spans outside it), is counted here too. The caller unholds the entry."""
+        such local cache, spans outside it), is counted here too. The caller releases the hold."""
         t0 = time.perf_counter()
         try:
             if self._closed:
                 raise Closed("the engine is finalized")
-            entry = self.registry.hold(cache_id)
+            hold = self._core.hold(cache_id)
         except BaseException as e:
             self._refused(op, cluster_id, t0, e)
             raise
         try:
-            return entry, self._call(cluster_id, key, unit_bytes, plan, entry, op == "push")
+            return hold, self._call(cluster_id, key, unit_bytes, plan, cache_id, op == "push")
         except BaseException as e:
-            self.registry.unhold(entry)
+            hold.release()
             self._refused(op, cluster_id, t0, e)
             raise
 
@@ -633,11 +689,11 @@ class NativeEngine:
              cache_id: int, timeout: float | None) -> None:
         """A blocking pull (``op`` "pull") or push ("push"), counted by the core.
         Straight-line: every pull passes here."""
-        entry, call = self._taken(op, cluster_id, key, unit_bytes, plan, cache_id)
+        hold, call = self._taken(op, cluster_id, key, unit_bytes, plan, cache_id)
         try:
             self._core.run(call, self.config.sync_timeout if timeout is None else timeout)
         finally:
-            self.registry.unhold(entry)
+            hold.release()
 
     def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              dst_cache_id: int, timeout: float | None = None) -> None:
@@ -655,15 +711,15 @@ class NativeEngine:
 
     def _submit(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,
                 plan: Plan, cache_id: int, timeout: float | None) -> NativeHandle:
-        entry, call = self._taken("push" if write else "pull", cluster_id, key, unit_bytes,
+        hold, call = self._taken("push" if write else "pull", cluster_id, key, unit_bytes,
                                   plan, cache_id)
         try:
             handle = self._core.submit(call, self.config.sync_timeout if timeout is None
                                        else timeout)  # counted by the core, refused or not
         except BaseException:
-            self.registry.unhold(entry)
+            hold.release()
             raise
-        native_handle = NativeHandle(self, handle, entry, "push" if write else "pull",
+        native_handle = NativeHandle(self, handle, hold, "push" if write else "pull",
                                      cluster_id)
         self._handles.add(native_handle)
         return native_handle
@@ -702,16 +758,21 @@ class NativeEngine:
             if self._closed:
                 return
             self._closed = True
-        # caches a peer's copy still reads after CLOSE_WAIT (the core's count): their pool
-        # memory stays mapped (leaked), never unmapped under the copy
-        in_use = 0
+        # The core stops serving, closes every link (so every transfer ends) and drops every
+        # cache without waiting; our asynchronous transfers, ended now, let go of their
+        # holds; then the core waits (CLOSE_WAIT) for the caches still held (a peer's copy,
+        # a pull of another thread). Those left: their pool memory stays mapped (leaked),
+        # never unmapped under the copy.
+        leased = 0
         try:
-            in_use = int(self._core.close(CLOSE_WAIT) or 0)
+            self._core.close(0.0)
         except Exception as e:  # noqa: BLE001 - closing must not raise
             log.warning("closing the native engine: %s", e)
         self._await_handles(None, time.monotonic())  # every one has ended: settled now
-        entries = self.registry.clear()
-        leased = in_use + self.registry.wait_unleased(entries, CLOSE_WAIT)
+        try:
+            leased = int(self._core.caches_in_use(CLOSE_WAIT))
+        except Exception as e:  # noqa: BLE001 - closing must not raise
+            log.warning("closing the native engine: %s", e)
         for pool in self._pools.values():
             shared.ARENAS.remove(pool.base)
             if leased:

@@ -1,8 +1,8 @@
 """Host memory pools: page-aligned, shareable memory that datadist allocates caches from.
 
-Who calls: the registry, for ``allocate_cache``/``allocate_blocks_cache`` (``mem_pool_cfg``
-and ``host_mem_pool_cfg``), and users who want their own KV caches in fast memory
-(:func:`datadist.memory.alloc_shared_array`).
+Who calls: the native engine (``core/native.py``), for ``allocate_cache`` /
+``allocate_blocks_cache`` (``mem_pool_cfg`` and ``host_mem_pool_cfg``), and users who want
+their own KV caches in fast memory (:func:`datadist.memory.alloc_shared_array`).
 
 The pool is one ``memfd`` mapped once. Its pages are committed on first touch, so a large pool
 costs nothing until used. Because it is a memfd, a peer on the same host can map the same pages
