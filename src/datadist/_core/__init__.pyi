@@ -10,7 +10,7 @@ import numpy
 import numpy.typing
 import typing
 from . import testing
-__all__: list[str] = ['Call', 'Engine', 'Handle', 'OptionSpec', 'PendingLink', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
 class OptionSpec:
     """
     One row of the option table (read only)
@@ -99,24 +99,48 @@ class Call:
     @property
     def write(self) -> bool:
         ...
+class Hold:
+    """
+    A hold on a local cache (Engine.hold); release() ends it
+    """
+    def release(self) -> None:
+        ...
+    @property
+    def cache_id(self) -> int:
+        ...
+    @property
+    def held(self) -> bool:
+        ...
 class Engine:
     """
     An engine (cpp/src/engine.h) and its asynchronous workers: datadist.core.native.NativeEngine drives it
     """
     def __init__(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, role: typing.SupportsInt | typing.SupportsIndex, async_threads: typing.SupportsInt | typing.SupportsIndex = 4) -> None:
         ...
-    def add_cache(self, cache_id: typing.SupportsInt | typing.SupportsIndex, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64], allocated: bool, remote_accessible: bool, blocks: bool, shm: typing.Any = None, device: bool = False) -> None:
+    def add_cache(self, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64], *, allocated: bool, remote_accessible: bool, blocks: bool, device: bool, shm: typing.Any = None, keys: collections.abc.Sequence[typing.Any] = [], model_id: typing.SupportsInt | typing.SupportsIndex | None = None) -> int:
         """
-        Files a cache of the Python registry's (its memory the caller's); `device`: DEVICE placement (NIXL registers it as VRAM where CUDA says its memory is a GPU's).
+        Files a cache (its memory the caller's) under the next free id and returns it, with `keys` ((value, model_id, is_prefix) or None per slot, from slot 0) and `model_id` (a BlocksCacheKey's) bound to it, all or nothing; `device`: DEVICE placement (NIXL registers it as VRAM where CUDA says its memory is a GPU's). InvalidArgument for bad keys or addresses. Blocks without the GIL while NIXL registers it.
         """
     def adopt_link(self, link: PendingLink) -> None:
         ...
-    def bind_keys(self, cache_id: typing.SupportsInt | typing.SupportsIndex, keys: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, bool]], slots: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
-        """
-        keys: (value, model_id, is_prefix) per slot
-        """
     def bind_model(self, model_id: typing.SupportsInt | typing.SupportsIndex, cache_id: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
+    def cache_ids(self) -> list[int]:
+        """
+        The ids filed now, ascending.
+        """
+    def cache_info(self, cache_id: typing.SupportsInt | typing.SupportsIndex) -> tuple[int, int, int, bool, int, numpy.typing.NDArray[numpy.uint64], bool, bool, bool, int]:
+        """
+        (num_tensors, tensor_bytes, units, blocks, layout, addrs, allocated, device, remote_accessible, leases) of a filed cache; CacheNotFound for an unknown (deallocated, unregistered) id. Never blocks.
+        """
+    def caches_in_use(self, wait_s: typing.SupportsFloat | typing.SupportsIndex) -> int:
+        """
+        After close: waits up to wait_s for the caches a transfer still held when they were dropped; returns how many still are (their memory must stay mapped).
+        """
+    def check_keys(self, keys: collections.abc.Sequence[typing.Any], units: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        add_cache's key rules for a cache of `units` slots, checked before its memory is allocated (InvalidArgument). Never blocks.
+        """
     def close(self, wait_s: typing.SupportsFloat | typing.SupportsIndex) -> int:
         """
         Stop serving, close every link and drop every cache, waiting up to wait_s for leases; returns how many caches are still leased (their memory must stay mapped). Blocks.
@@ -125,16 +149,32 @@ class Engine:
         ...
     def deallocate(self, cache_id: typing.SupportsInt | typing.SupportsIndex, drop_keys: bool) -> None:
         ...
+    def filed(self, cache_id: typing.SupportsInt | typing.SupportsIndex) -> bool:
+        """
+        Whether a cache is filed under `cache_id` now (not deallocated, unregistered or being unregistered). Never blocks.
+        """
     def has_links(self) -> bool:
         ...
     def hello_count(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> int:
         ...
+    def hold(self, cache_id: typing.SupportsInt | typing.SupportsIndex) -> Hold:
+        """
+        Holds a filed cache for a local transfer until the Hold's release(): unregistering waits for it. CacheNotFound for an unknown id or one being unregistered. Never blocks.
+        """
     def inbound_control(self) -> list[int]:
         ...
+    def key_bound(self, value: typing.SupportsInt | typing.SupportsIndex, model_id: typing.SupportsInt | typing.SupportsIndex, is_prefix: bool) -> bool:
+        """
+        Whether the key is bound to a cache now (false once a peer's read consumed it). Never blocks.
+        """
     def last_link_failure(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str:
         ...
     def link_ids(self, inbound: bool) -> list[int]:
         ...
+    def link_many(self, peers: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, str, typing.SupportsInt | typing.SupportsIndex]], timeout_s: typing.SupportsFloat | typing.SupportsIndex, take_peer_id: bool) -> list[tuple[int, int, str]]:
+        """
+        Links to every (cluster_id, host, port) at once (Session::LinkMany), each within timeout_s; [(code, filed cluster id, why)] in order, code 0 on success. Blocks without the GIL.
+        """
     def link_moved(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str | None:
         """
         how the link's last pull moved its bytes: shm, cma, stream or ""
@@ -181,7 +221,7 @@ class Engine:
         ...
     def run(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         """
-        Runs a prepared transfer, blocking without the GIL until it ends or timeout_s passes.
+        Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits.
         """
     def set_local_comm_res(self, set: bool, text: str) -> None:
         """
@@ -199,16 +239,20 @@ class Engine:
         """
         Queues a prepared transfer on the engine's workers; returns its Handle at once.
         """
-    def take_consumed(self) -> list[tuple[int, int, bool]]:
-        ...
     def take_released(self) -> list[int]:
-        ...
+        """
+        Ids of deallocated caches nothing holds any more: their pool memory may go (each listed once).
+        """
     def unbind_key(self, value: typing.SupportsInt | typing.SupportsIndex, model_id: typing.SupportsInt | typing.SupportsIndex, is_prefix: bool) -> None:
         ...
     def unbind_model(self, model_id: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def unlink(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, force: bool, quiet_inbound: bool) -> None:
         ...
+    def unlink_many(self, peers: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, str, typing.SupportsInt | typing.SupportsIndex]], timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, force: bool, hixl: bool) -> list[tuple[int, str]]:
+        """
+        CANN's unlink of every (cluster_id, host, port) at once (Session::UnlinkMany; host "": none given); [(code, why)] in order, code 0 on success. Blocks without the GIL.
+        """
     @property
     def async_threads(self) -> int:
         ...

@@ -64,8 +64,8 @@ def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCache
     req = pcm._pull_blocks_request(key, cache, src, dst, kwargs)
     eng_args = req.args
     native_pull = req.engine.pull
-    entry, call = puller._taken("pull", *eng_args)
-    puller.registry.unhold(entry)
+    hold, call = puller._taken("pull", *eng_args)
+    hold.release()
     core_run = puller._core.run
     fns: dict[str, Callable[[], object]] = {
         "pull_blocks": lambda: pcm.pull_blocks(key, cache, src, dst, **kwargs),
