@@ -728,14 +728,16 @@ PYBIND11_MODULE(_core, m) {
           "A READ (write=False) or WRITE made ready to run (run, submit); converts the arrays once. Never blocks.")
       .def(
           "run",
-          [](Core &c, const Call &call, double timeout_s) {
+          [](Core &c, const Call &call, double timeout_s, int64_t hold_cache) {
             const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
             datadist_py::GilHold hold(call.bytes);  // released only where the core waits (gil.h)
-            c.Run(call, deadline, since);
+            c.Run(call, deadline, since, hold_cache);
           },
-          py::arg("call"), py::arg("timeout_s"),
-          "Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits.")
+          py::arg("call"), py::arg("timeout_s"), py::kw_only(), py::arg("hold_cache") = -1,
+          "Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits. "
+          "hold_cache >= 0: that local cache is held for the transfer (CacheNotFound, counted, when it is "
+          "gone), as Engine.hold would.")
       .def(
           "submit",
           [](Core &c, std::shared_ptr<Call> call, double timeout_s) {

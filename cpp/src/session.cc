@@ -173,8 +173,10 @@ std::vector<Outcome> Session::UnlinkMany(const std::vector<Peer> &peers, Deadlin
       llm_datadist::LLM_UNLINK_FAILED);
 }
 
-void Session::Run(const Call &call, Deadline deadline, Clock::time_point since) {
+void Session::Run(const Call &call, Deadline deadline, Clock::time_point since, int64_t local_cache) {
   metrics::Timed(OpOf(call), call.cluster, call.bytes, since, [&] {
+    std::unique_ptr<Lease> held;  // released when the transfer ends, whatever its outcome
+    if (local_cache >= 0) held = engine_.registry().Hold(local_cache);
     CheckRequestSize(call.req);
     auto link = engine_.GetLink(call.cluster);
     if (call.write)

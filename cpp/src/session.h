@@ -130,8 +130,10 @@ class Session {
   /// the link found (LLM_NOT_YET_LINK without one), Link::Read / Write within `deadline`,
   /// and the whole counted and timed from `since` in the process's metrics (op pull or push,
   /// its cluster; a refusal counts as a failed transfer). Blocks up to `deadline`; throws
-  /// the transfer's error.
-  void Run(const Call &call, Deadline deadline, Clock::time_point since);
+  /// the transfer's error. `local_cache` >= 0: that cache of our registry is held for the
+  /// transfer (Registry::Hold: it cannot be unregistered under the copy; CacheNotFound,
+  /// counted, when it is gone), so a face needs no call of its own around it.
+  void Run(const Call &call, Deadline deadline, Clock::time_point since, int64_t local_cache = -1);
 
   /// The C++ face's one call: `req` (its spans from `plan`) on the link to `cluster`, the
   /// local spans made from `plan` and the local tensors' addresses (`local_addrs`, held by

@@ -266,3 +266,47 @@ def test_a_dead_peer_still_ends_the_pull_at_its_deadline(make_pair) -> None:
     finally:
         proxy.stalled = False
         proxy.close()
+
+
+def test_the_destination_is_held_for_a_blocking_pull_in_flight(make_pair) -> None:
+    """``Engine.run(hold_cache=...)`` holds the local cache for the transfer (the driver makes
+    one native call, not hold, run and release): unregistering the destination while a pull
+    into it waits for a slow owner waits for the pull to end, and only then lets the cache go;
+    a pull after that is refused (CacheNotFound) and moves nothing."""
+    from datadist.core.errors import CacheNotFound
+
+    pr = make_pair("tcp")
+    proxy = Proxy(pr.owner.listen_address)
+    try:
+        pr.link(proxy.address)
+        pr.pull()
+        assert pr.pulled_right()
+        proxy.stalled = True
+        ended: list[float] = []
+        errors: list[BaseException] = []
+
+        def pull() -> None:
+            try:
+                pr.pull(20.0)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            ended.append(time.monotonic())
+
+        t = threading.Thread(target=pull)
+        t.start()
+        deadline = time.monotonic() + 10
+        while pr.puller.leases(pr.dst_entry.cache_id) == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pr.puller.leases(pr.dst_entry.cache_id) == 1, "the pull holds its destination"
+        threading.Timer(0.3, lambda: setattr(proxy, "stalled", False)).start()
+        pr.puller.unregister(pr.dst_entry.cache_id)
+        gone = time.monotonic()
+        t.join(30)
+        assert not errors, errors
+        assert ended and ended[0] <= gone, "unregister returned before the pull in flight ended"
+        assert pr.pulled_right()
+        with pytest.raises(CacheNotFound):
+            pr.pull()
+        assert not pr.dst.any(), "a refused pull moved bytes"
+    finally:
+        proxy.close()

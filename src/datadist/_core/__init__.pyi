@@ -219,9 +219,9 @@ class Engine:
         """
     def remove_cache(self, cache_id: typing.SupportsInt | typing.SupportsIndex, wait_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         ...
-    def run(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+    def run(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, hold_cache: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
         """
-        Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits.
+        Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits. hold_cache >= 0: that local cache is held for the transfer (CacheNotFound, counted, when it is gone), as Engine.hold would.
         """
     def set_local_comm_res(self, set: bool, text: str) -> None:
         """

@@ -687,13 +687,19 @@ class NativeEngine:
 
     def _run(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              cache_id: int, timeout: float | None) -> None:
-        """A blocking pull (``op`` "pull") or push ("push"), counted by the core.
+        """A blocking pull (``op`` "pull") or push ("push"), counted by the core, which holds
+        the local cache for the transfer itself (``hold_cache``: one native call, not three).
         Straight-line: every pull passes here."""
-        hold, call = self._taken(op, cluster_id, key, unit_bytes, plan, cache_id)
+        t0 = time.perf_counter()
         try:
-            self._core.run(call, self.config.sync_timeout if timeout is None else timeout)
-        finally:
-            hold.release()
+            if self._closed:
+                raise Closed("the engine is finalized")
+            call = self._call(cluster_id, key, unit_bytes, plan, cache_id, op == "push")
+        except BaseException as e:
+            self._refused(op, cluster_id, t0, e)
+            raise
+        self._core.run(call, self.config.sync_timeout if timeout is None else timeout,
+                       hold_cache=cache_id)
 
     def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              dst_cache_id: int, timeout: float | None = None) -> None:
