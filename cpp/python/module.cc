@@ -141,11 +141,14 @@ struct Hold {
 
 /// add_cache's keys: (value, model_id, is_prefix) or None per slot, from slot 0; the Nones
 /// (padding keys) bind nothing.
-void KeysOf(const std::vector<py::object> &keys, std::vector<datadist::KeyId> *out, std::vector<uint64_t> *slots) {
+/// add_cache's keys as Python passes them: (value, model_id, is_prefix) or None per slot.
+using KeyList = std::vector<std::optional<std::tuple<uint64_t, uint64_t, bool>>>;
+
+void KeysOf(const KeyList &keys, std::vector<datadist::KeyId> *out, std::vector<uint64_t> *slots) {
   for (size_t i = 0; i < keys.size(); ++i) {
-    if (keys[i].is_none()) continue;
-    auto k = keys[i].cast<std::tuple<uint64_t, uint64_t, bool>>();
-    out->push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k)});
+    if (!keys[i]) continue;
+    const auto &[value, model_id, is_prefix] = *keys[i];
+    out->push_back({value, model_id, is_prefix});
     slots->push_back(i);
   }
 }
@@ -578,7 +581,7 @@ PYBIND11_MODULE(_core, m) {
           "add_cache",
           [](Core &c, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
              const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, bool device,
-             const py::object &shm, const std::vector<py::object> &keys, std::optional<uint64_t> model_id) {
+             const py::object &shm, const KeyList &keys, std::optional<uint64_t> model_id) {
             datadist::Geometry g;
             g.num_tensors = num_tensors;
             g.tensor_bytes = tensor_bytes;
@@ -606,7 +609,7 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"), py::arg("addrs"),
           py::kw_only(), py::arg("allocated"), py::arg("remote_accessible"), py::arg("blocks"), py::arg("device"),
-          py::arg("shm") = py::none(), py::arg("keys") = std::vector<py::object>(), py::arg("model_id") = py::none(),
+          py::arg("shm") = py::none(), py::arg("keys") = KeyList(), py::arg("model_id") = py::none(),
           "Files a cache (its memory the caller's) under the next free id and returns it, with `keys` "
           "((value, model_id, is_prefix) or None per slot, from slot 0) and `model_id` (a BlocksCacheKey's) "
           "bound to it, all or nothing; `device`: DEVICE placement (NIXL registers it as VRAM where CUDA says "
@@ -614,7 +617,7 @@ PYBIND11_MODULE(_core, m) {
           "NIXL registers it.")
       .def(
           "check_keys",
-          [](Core &c, const std::vector<py::object> &keys, uint64_t units) {
+          [](Core &c, const KeyList &keys, uint64_t units) {
             std::vector<datadist::KeyId> ks;
             std::vector<uint64_t> slots;
             KeysOf(keys, &ks, &slots);

@@ -273,7 +273,9 @@ class Owner {
   /// a refusal is logged, the cache then not served by NIXL.
   void Register(Agent &a, const Entry &e);
   void Added(const Entry &e);
-  void Going(const Entry *e);  // null: every lease
+  // Revokes the leases on `e` (null: every lease, not waited for); for one cache, blocks until
+  // each reader gave its lease back or was cut off (at most the revoke wait + 1 s).
+  void Going(const Entry *e);
   void Gone(const Entry &e);
   /// Ends the leases `ids` after revoking them on their readers' reverse channels (each
   /// reader within its kRevokeWait); run on a thread of its own.
@@ -298,7 +300,7 @@ class Owner {
     std::shared_ptr<std::atomic<bool>> done;
   };
   std::vector<RevokeThread> revokers_;  // finished ones are joined when the next start
-  std::condition_variable revoked_;     // a revoker finished
+  std::condition_variable revoked_;     // a revoker finished, or a lease ended
   size_t revoking_ = 0;
   bool closed_ = false;
 };

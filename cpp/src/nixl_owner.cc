@@ -189,7 +189,18 @@ void Owner::Going(const Entry *e) {
     for (auto &kv : held_)
       if (e == nullptr || kv.second->entry == e) doomed.push_back(kv.second);
   }
-  if (!doomed.empty()) StartRevoking(std::move(doomed));
+  if (doomed.empty()) return;
+  StartRevoking(std::move(doomed));
+  if (e == nullptr) return;  // RevokeAll waits for every revoker itself
+  // The change that doomed them (deallocate, a model id bound anew, unregister) returns only
+  // once each reader gave its lease back or had its connection shut down (docs/transports.md:
+  // a pull after it fails as on the other paths): bounded by the revoke's own wait.
+  std::unique_lock<std::mutex> lock(mu_);
+  revoked_.wait_for(lock, std::chrono::duration<double>(revoke_wait_ + 1.0), [&] {
+    for (const auto &kv : held_)
+      if (kv.second->entry == e) return false;
+    return true;
+  });
 }
 
 void Owner::StartRevoking(std::vector<std::shared_ptr<Held>> doomed) {
@@ -266,6 +277,7 @@ void Owner::End(uint64_t id) {
     if (it == held_.end()) return;
     h = std::move(it->second);
     held_.erase(it);
+    revoked_.notify_all();  // Going may wait for this lease
   }
   h->agent->PumpRelease(false);
   h.reset();  // the registry's lease ends here (its mutex), outside ours
@@ -279,6 +291,7 @@ void Owner::DropConnection(const void *conn_key) {
       if (it->second->conn_key == conn_key) {
         ended.push_back(std::move(it->second));
         it = held_.erase(it);
+        revoked_.notify_all();
       } else {
         ++it;
       }

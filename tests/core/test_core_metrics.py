@@ -123,8 +123,15 @@ def test_the_prometheus_collector_reads_the_core(made: list[Any]) -> None:
     cm.pull_blocks(llm.BlocksCacheKey(OWNER, 7), dst, [4, 5], [0, 1])
     registry = prometheus_client.CollectorRegistry()
     registry.register(llm.metrics_collector())
+    served = f'datadist_transfers_total{{cluster_id="{READER}",op="serve_read"}} 1.0'
+    # The owner counts a read once its answer is sent, on its own I/O thread: the puller may
+    # return (it holds the GIL throughout a leased or quick pull) before that count lands.
+    deadline = time.monotonic() + 10.0
     text = prometheus_client.generate_latest(registry).decode()
-    assert f'datadist_transfers_total{{cluster_id="{READER}",op="serve_read"}} 1.0' in text
+    while served not in text and time.monotonic() < deadline:
+        time.sleep(0.01)
+        text = prometheus_client.generate_latest(registry).decode()
+    assert served in text
     assert f'datadist_transfer_bytes_total{{cluster_id="{READER}",op="serve_read"}} 32.0' in text
     assert f'datadist_transfer_bytes_total{{cluster_id="{OWNER}",op="pull"}} 32.0' in text
 

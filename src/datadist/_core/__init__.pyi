@@ -117,7 +117,7 @@ class Engine:
     """
     def __init__(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, role: typing.SupportsInt | typing.SupportsIndex, async_threads: typing.SupportsInt | typing.SupportsIndex = 4) -> None:
         ...
-    def add_cache(self, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64], *, allocated: bool, remote_accessible: bool, blocks: bool, device: bool, shm: typing.Any = None, keys: collections.abc.Sequence[typing.Any] = [], model_id: typing.SupportsInt | typing.SupportsIndex | None = None) -> int:
+    def add_cache(self, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64], *, allocated: bool, remote_accessible: bool, blocks: bool, device: bool, shm: typing.Any = None, keys: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, bool] | None] = [], model_id: typing.SupportsInt | typing.SupportsIndex | None = None) -> int:
         """
         Files a cache (its memory the caller's) under the next free id and returns it, with `keys` ((value, model_id, is_prefix) or None per slot, from slot 0) and `model_id` (a BlocksCacheKey's) bound to it, all or nothing; `device`: DEVICE placement (NIXL registers it as VRAM where CUDA says its memory is a GPU's). InvalidArgument for bad keys or addresses. Blocks without the GIL while NIXL registers it.
         """
@@ -137,7 +137,7 @@ class Engine:
         """
         After close: waits up to wait_s for the caches a transfer still held when they were dropped; returns how many still are (their memory must stay mapped).
         """
-    def check_keys(self, keys: collections.abc.Sequence[typing.Any], units: typing.SupportsInt | typing.SupportsIndex) -> None:
+    def check_keys(self, keys: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, bool] | None], units: typing.SupportsInt | typing.SupportsIndex) -> None:
         """
         add_cache's key rules for a cache of `units` slots, checked before its memory is allocated (InvalidArgument). Never blocks.
         """
