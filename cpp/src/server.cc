@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <system_error>
 
 #include "addr.h"
@@ -490,6 +491,9 @@ class Server::Connection : public IoPool::Task {
   uint64_t cluster = 0;
   std::string token;
   bool authed = false;
+  // Shut down by AcceptFd to make room for a newcomer's handshake (EvictShakingLocked), under
+  // mu_: no longer counted in the pre-auth budgets while it closes.
+  bool evicted = false;
 
  private:
   enum class Stage { kTls, kHello, kAuth, kServing };
@@ -813,14 +817,16 @@ void Server::AcceptFd(int fd, const sockaddr_storage &peer, bool is_local, std::
     std::lock_guard<std::mutex> lock(mu_);
     ReapLocked();
     size_t live = 0, same_peer = 0, shaking = 0, same_shaking = 0;
+    std::map<std::string, size_t> shaking_from;  // connections in their handshake, by address / uid
     for (const auto &other : conns_)
       if (!other->done) {
         const bool same = other->peer == key;
         ++live;
         same_peer += same;
-        if (!other->authed) {
+        if (!other->authed && !other->evicted) {
           ++shaking;
           same_shaking += same;
+          ++shaking_from[other->peer];
         }
       }
     // A quarter of the connections, but never fewer than one address may hold (a small cap:
@@ -832,10 +838,10 @@ void Server::AcceptFd(int fd, const sockaddr_storage &peer, bool is_local, std::
       why = std::to_string(live) + " connections";
     else if (same_peer >= max_per_peer_)
       why = std::to_string(same_peer) + " connections from " + key;
-    else if (shaking >= shaking_cap)
-      why = std::to_string(shaking) + " connections in their handshake";
     else if (same_shaking >= same_shaking_cap)
       why = std::to_string(same_shaking) + " connections in their handshake from " + key;
+    else if (shaking >= shaking_cap && !EvictShakingLocked(shaking_from, same_shaking))
+      why = std::to_string(shaking) + " connections in their handshake";
     if (!why.empty()) {
       const int taken = fd;
       fd = -1;
@@ -862,6 +868,30 @@ void Server::AcceptFd(int fd, const sockaddr_storage &peer, bool is_local, std::
     if (fd >= 0) close(fd);
     throw;
   }
+}
+
+bool Server::EvictShakingLocked(const std::map<std::string, size_t> &shaking_from, size_t same_shaking) {
+  // The address (or uid) holding the most handshakes, if it holds more than the newcomer's
+  // would once it is in: ties and smaller holders are never evicted for a newcomer, so an
+  // address can only lose handshakes to one holding fewer (an honest peer's one or two).
+  const std::string *heaviest = nullptr;
+  size_t most = same_shaking + 1;
+  for (const auto &[peer, n] : shaking_from)
+    if (n > most) {
+      most = n;
+      heaviest = &peer;
+    }
+  if (heaviest == nullptr) return false;
+  for (const auto &c : conns_)  // accepted in order: the first found is its oldest
+    if (!c->done && !c->authed && !c->evicted && c->peer == *heaviest) {
+      // Shut down under its stream's lock (PeerStream::Shutdown): the parked connection wakes
+      // to an end of stream and closes on its I/O thread, as any handshake that broke.
+      c->evicted = true;
+      c->Cancel();
+      ++evicted_;
+      return true;
+    }
+  return false;
 }
 
 void Server::Refuse(int fd, std::string why) {

@@ -31,9 +31,12 @@
 // it gains nothing a TCP stranger does not have), max_conns / 4 in all (64; but at least
 // min(max_conns, 32)). So strangers, who cost a parked connection each (a descriptor and a
 // few KiB: pre-auth frames are 4 KiB at most), can hold at most a quarter of the connections
-// for 10 s each, and never a thread; linked peers keep the rest. A stranger on the same
-// address (or uid) as an honest peer shares its budget: 32 stalled handshakes from one
-// address keep that address's next handshake out until one ends.
+// for 10 s each, and never a thread; linked peers keep the rest. When that total is full, a
+// newcomer whose address holds fewer handshakes than the heaviest holder (by more than one)
+// is let in and that holder's oldest handshake is shut down (EvictShakingLocked): strangers
+// must come from max_conns / 4 addresses (64), not two, to keep a new peer's handshake out.
+// A stranger on the same address (or uid) as an honest peer shares its budget: 32 stalled
+// handshakes from one address keep that address's next handshake out until one ends.
 //
 // Start() binds and returns at once; Stop() stops accepting, joins the accept thread, removes
 // every parked connection and waits for those being served (a step, which never waits on
@@ -197,6 +200,9 @@ class Server {
   /// Connections accepted and closed unserved because no I/O thread could be had (the
   /// process at its thread limit: each is logged), so far. The next accept tries again.
   size_t unserved() const { return unserved_; }
+  /// Connections in their handshake shut down to let a newcomer's in, so far (AcceptFd: the
+  /// pre-auth total full, the newcomer's address holding fewer than the heaviest).
+  size_t evicted() const { return evicted_; }
   /// Bytes the connections' frame buffers hold now (for tests: never a declared length).
   size_t buffered();
   /// The cluster ids of the peers' control channels being served now (handshake done).
@@ -227,6 +233,10 @@ class Server {
   /// as soon as known. Throws when it cannot be served (std::system_error, bad_alloc).
   void AcceptFd(int fd, const sockaddr_storage &peer, bool local, std::string &address);
   void Refuse(int fd, std::string why);
+  /// The pre-auth total is full: shuts down the oldest handshake of the address (or uid) that
+  /// holds the most, if it holds more than the newcomer's address would with it
+  /// (`same_shaking` + 1); false (the newcomer is refused) when none does. mu_ held; never blocks.
+  bool EvictShakingLocked(const std::map<std::string, size_t> &shaking_from, size_t same_shaking);
   bool StepRefusal(Refusal &r);  // true: done with it (answered or given up)
   enum class Greeted { kRefused, kControl, kReverse, kPending };
   /// The handshake, a frame per call, each as it arrives: HELLO answered by WELCOME (and,
@@ -254,6 +264,7 @@ class Server {
   std::atomic<bool> stopping_{false};
   std::atomic<size_t> refused_{0};
   std::atomic<size_t> unserved_{0};
+  std::atomic<size_t> evicted_{0};
   std::thread accept_thread_;
   std::vector<Refusal> refusing_;  // the accept thread's only
   std::mutex mu_;

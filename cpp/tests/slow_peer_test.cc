@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -62,7 +63,8 @@ std::vector<uint8_t> Header(uint8_t type, uint32_t length, uint32_t rid = 2) {
 /// An owner of one host cache, its listener on a pool of two threads.
 class SlowPeer : public ::testing::Test {
  protected:
-  void Start(const std::string &secret = "", bool local = false, std::vector<int64_t> shape = {2, 64}) {
+  void Start(const std::string &secret = "", bool local = false, std::vector<int64_t> shape = {2, 64},
+             size_t max_conns = 256) {
     owned = std::make_unique<HostCache>(1, shape);
     owned->Fill(7);
     ASSERT_EQ(registry.Add(owned->desc, owned->addrs, {}), 1);
@@ -70,7 +72,7 @@ class SlowPeer : public ::testing::Test {
     ident.secret = secret;
     ident.serve_local = local;
     server = std::make_unique<datadist::Server>(&registry, &ident, nullptr, pool);
-    server->Start("127.0.0.1", 0);
+    server->Start("127.0.0.1", 0, max_conns);
   }
   void TearDown() override {
     if (server) server->Stop();
@@ -250,6 +252,56 @@ TEST_F(SlowPeer, ConnectionsInTheirHandshakeHaveASmallBudgetPerAddress) {
   silent.resize(31);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_LT(HonestPull(20), 1.0);
+}
+
+/// A TCP connection to the owner from the loopback address `source` (127.0.0.x), saying
+/// nothing: a stranger stalled in its handshake. The descriptor, or -1.
+int ConnectFrom(const char *source, uint16_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, source, &a.sin_addr);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr *>(&a), sizeof a) != 0 ||
+      connect(fd, reinterpret_cast<sockaddr *>(&to), sizeof to) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The pre-auth total full from one address (an owner capped at 128 connections: 32 in their
+// handshake in all, all of them 127.0.0.2's): a newcomer from 127.0.0.1 (0 handshakes) is let
+// in and 127.0.0.2's oldest handshake is shut down; a newcomer from 127.0.0.2 itself is still
+// refused (its own budget), evicting nobody. Before: the honest link was refused ("too many
+// connections in their handshake") until a stalled one's 10 s ran out.
+TEST_F(SlowPeer, ANewcomerEvictsTheHeaviestAddresssOldestHandshake) {
+  Start("", /*local=*/false, {2, 64}, /*max_conns=*/128);
+  std::vector<int> silent;
+  for (int i = 0; i < 32; ++i) silent.push_back(ConnectFrom("127.0.0.2", server->port()));
+  ASSERT_EQ(std::count(silent.begin(), silent.end(), -1), 0);
+  for (int i = 0; i < 200 && server->connections() < 32; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_EQ(server->connections(), 32u);
+  EXPECT_LT(HonestPull(40), 1.0);
+  EXPECT_EQ(server->evicted(), 1u);
+  EXPECT_EQ(server->refused(), 0u);
+  // The oldest stalled connection was shut down: it reads the end of its stream.
+  timeval tv{2, 0};
+  setsockopt(silent.front(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  uint8_t b;
+  EXPECT_EQ(recv(silent.front(), &b, 1, 0), 0);
+  // 127.0.0.2 fills the total again (31 + 1), then its next is over its own budget: refused,
+  // never evicting one of its own.
+  for (int i = 0; i < 2; ++i) silent.push_back(ConnectFrom("127.0.0.2", server->port()));
+  for (int i = 0; i < 200 && server->refused() < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(server->refused(), 1u);
+  EXPECT_EQ(server->evicted(), 1u);
+  for (int fd : silent)
+    if (fd >= 0) close(fd);
 }
 
 // Item 2's budget: a local uid that may not read this process (here: nobody, against root)
