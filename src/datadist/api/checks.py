@@ -16,14 +16,8 @@ _RANGES = {
 
 
 def is_instance(value: Any, types: type | tuple[type, ...]) -> bool:
-    """isinstance, except that a bool is no int: where the classes name int and not bool, a
-    bool is refused, as the original's newest checks do (hixl tests/python/test_utils.py
-    test_check_bool_rejected; bool subclasses int in Python)."""
-    if not isinstance(types, tuple):
-        types = (types,)
-    if isinstance(value, bool) and not any(issubclass(bool, t) and t is not int
-                                           for t in types):
-        return False
+    """isinstance, as the original's checks use it (``llm_datadist/utils/utils.py``): a bool
+    is an int (bool subclasses int), so ``True`` passes where an int is asked for."""
     return isinstance(value, types)
 
 
@@ -39,8 +33,7 @@ def check_isinstance(name: str, value: Any, types: type | tuple[type, ...],
 
 
 def check_int(name: str, value: Any, kind: str, allow_none: bool = True) -> None:
-    """Type-check for int (a bool is refused, as in llm_datadist's newest checks), then
-    range-check."""
+    """Type-check for int (a bool passes, as in llm_datadist), then range-check."""
     check_isinstance(name, value, int, allow_none)
     if value is None:
         return
