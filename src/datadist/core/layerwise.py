@@ -14,11 +14,14 @@ Rules:
 
 1. ``synchronize(i)`` is called at most once per layer, only for layers some live job needs.
    False aborts every job that needs layer i (PARAM_INVALID, as LLM-DataDist reports it); an
-   exception from it aborts them with the task's default error. Jobs not needing the layer
-   go on.
-2. A job that fails to send a layer stops there with the error's code: no later layer of it
-   is issued once the failure is seen (at most ``DEPTH - 1`` later layers can have been
-   issued before that; they end as they end and change nothing); the others go on.
+   exception from it aborts them with the task's default error. The transfer stops there:
+   no job is sent another layer (rule 2).
+2. A job that fails to send a layer reports the error's code, and the whole transfer stops
+   there, as LLM-DataDist's (``v2/llm_utils.py`` ``TransferCacheJob.transfer_layers``
+   returns at the first failure): no later layer of any job is issued once the failure is
+   seen, nor the failing layer to the jobs after it (at most ``DEPTH - 1`` later layers can
+   have been issued before an asynchronous failure is seen; they end as they end and change
+   nothing). A job stopped before its last layer ended reports nothing (None).
 3. Outcomes are settled in layer order: a job's code is that of its first failing layer in
    layer order (an earlier layer still in flight is waited for before a later failure is
    reported), and SUCCESS once its last layer and every one before it ended well. A job
@@ -242,28 +245,33 @@ class LayerwiseTransfer:
                             layer, len(needing))
                 refused = DatadistError(f"layer {layer} was not synchronized", code=code)
                 for k in needing:
-                    self._issuing[k] = False
                     issued.append((k, Ended(refused)))
+                self._stop()
             else:
                 for k in needing:
-                    issued.append((k, self._issue(k, layer)))
+                    if self._issuing[k]:  # not if an earlier job's failed at this layer
+                        issued.append((k, self._issue(k, layer)))
             self._inflight.append((layer, issued))
+
+    def _stop(self) -> None:
+        """A failure: no job is sent another layer (rule 2)."""
+        self._issuing = [False] * len(self._issuing)
 
     def _issue(self, k: int, layer: int) -> Pending:
         try:
             got = self._jobs[k].send(layer)
         except DatadistError as e:  # logged when settled, in layer order
-            self._issuing[k] = False
+            self._stop()
             return Ended(e)
-        except Exception as e:  # a bug; keep the other destinations going
+        except Exception as e:  # a bug: this transfer stops, the loop thread goes on
             log.exception("sending layer %d to destination %d failed", layer, k)
-            self._issuing[k] = False
+            self._stop()
             return Ended(DatadistError(f"{type(e).__name__}: {e}", code=Code.FAILED))
         if got is None:
             return Ended()
         parts = list(got) if isinstance(got, Sequence) else [got]
         if any(p.done() and p.error() is not None for p in parts):
-            self._issuing[k] = False  # refused in part, or failed at once: no later layer
+            self._stop()  # refused in part, or failed at once: no later layer
         return _All(parts) if len(parts) != 1 else parts[0]
 
     def _reap(self) -> None:
@@ -288,7 +296,7 @@ class LayerwiseTransfer:
             if code != Code.SUCCESS:
                 log.warning("sending layer %d to destination %d failed: %s", layer, k,
                             pending.error() or "not ended in time")
-                self._issuing[k] = False
+                self._stop()
                 self._settled[k] = True
                 self._report(k, code)
             elif layer == self._last[k]:
