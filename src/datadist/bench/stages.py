@@ -6,10 +6,12 @@ a stage's cost is its p50 less the next one's.
 
 - ``pull_blocks``: the facade (``CacheManager.pull_blocks``: the planned request's lookup,
   the cache-alive checks, the error mapping), then everything below;
-- ``engine.pull``: the driver (``NativeEngine.pull``: hold the local cache, the prepared
-  call's lookup, unhold), then the binding;
-- ``core.run``: the binding (``Engine.run``: the deadline, the GIL hold, the link's lookup,
-  the metrics) and the core (``Link::Read``: the lease's checks, the copy);
+- ``engine.run``: the driver (``NativeEngine.run`` with the request's prepared call: the
+  finalized check), then the binding (``engine.pull``, the path of unplanned requests,
+  adds the lookup in the engine's map of prepared calls: printed beside);
+- ``core.run``: the binding (``Engine.run``: the deadline, the GIL hold) and the core
+  (``Session::Run``: the local cache's hold, the link's lookup, the metrics; ``Link::Read``:
+  the lease's checks, the copy);
 - ``process_vm_readv``: the copy alone, through ctypes (its own call cost included).
 
 Also the 32 per-layer pulls of 1 MiB against one pull of the same 32 MiB (the calls group's
@@ -64,24 +66,28 @@ def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCache
     req = pcm._pull_blocks_request(key, cache, src, dst, kwargs)
     eng_args = req.args
     native_pull = req.engine.pull
-    hold, call = puller._taken("pull", *eng_args)
-    hold.release()
+    call = req.prepared()
+    engine_run = req.engine.run
     core_run = puller._core.run
     fns: dict[str, Callable[[], object]] = {
         "pull_blocks": lambda: pcm.pull_blocks(key, cache, src, dst, **kwargs),
-        "engine.pull": lambda: native_pull(*eng_args),
+        "engine.run": lambda: engine_run(call),
         "core.run": lambda: core_run(call, 5.0),
     }
     if raw is not None:
         fns["process_vm_readv"] = RawCma(os.getpid()).prepare(
             iov([a for a, _, _ in raw], [n for _, _, n in raw]),
             iov([b for _, b, _ in raw], [n for _, _, n in raw]))
+    # beside the stages: the driver's unplanned path (the engine's map of prepared calls)
+    fns["engine.pull"] = lambda: native_pull(*eng_args)
     got = p50_us(fns, n, rounds)
+    aside = got.pop("engine.pull")
     print(f"{label} ({puller.last_moved(OWNER) or 'tcp'}), p50 us:")
     names = list(got)
     for i, k in enumerate(names):
         below = got[names[i + 1]] if i + 1 < len(names) else 0.0
         print(f"  {k:18s} {got[k]:8.2f}   this stage: {got[k] - below:8.2f}")
+    print(f"  (engine.pull, unplanned: {aside:.2f})")
 
 
 def main(argv: list[str] | None = None) -> None:
