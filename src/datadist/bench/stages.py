@@ -14,6 +14,10 @@ a stage's cost is its p50 less the next one's.
   the lease's checks, the copy);
 - ``process_vm_readv``: the copy alone, through ctypes (its own call cost included).
 
+With ``--maps``: the small pull with each memo map of its path taken away in turn (the
+planned requests, the prepared call kept in a request, the engine's map of prepared calls,
+the plan memos), what each saves.
+
 Also the 32 per-layer pulls of 1 MiB against one pull of the same 32 MiB (the calls group's
 row), on the same engines, and on one host its limit: 32 calls of raw ``process_vm_readv``
 of 1 MiB against one of the 32 MiB. Who calls: ``python -m datadist.bench.stages [--tcp]`` by hand.
@@ -90,11 +94,74 @@ def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCache
     print(f"  (engine.pull, unplanned: {aside:.2f})")
 
 
+class _Off:
+    """A memo map that never keeps anything (``--maps``: the path without that map)."""
+
+    def find(self, key: object) -> None:
+        return None
+
+    def put(self, key: object, value: object) -> None:
+        pass
+
+    def get(self, key: object, build: Callable[[], Any]) -> Any:
+        return build()
+
+
+def maps(puller: NativeEngine, pcm: CacheManager, pull: Callable[[], None], n: int,
+         rounds: int) -> None:
+    """Prints the p50 of one small ``pull`` with each memo map of its path taken away in turn
+    (docs/performance.md, round 9): every map left must save a measured figure. Each setting
+    runs in its own batches of ``n`` calls, the settings interleaved."""
+    from datadist.api import cache_manager, geometry
+
+    kept = (pcm._planned, puller._calls, geometry._PLANS, geometry._SPANS,
+            cache_manager._Request.prepared)
+
+    def unkept(self: Any) -> Any:
+        return self.engine.prepared(self.write, *self.args)
+
+    def use(planned: bool = True, request: bool = True, calls: bool = True,
+            plans: bool = True) -> None:
+        pcm._planned = kept[0] if planned else _Off()  # type: ignore[assignment]
+        puller._calls = kept[1] if calls else _Off()  # type: ignore[assignment]
+        geometry._PLANS = kept[2] if plans else _Off()  # type: ignore[assignment]
+        geometry._SPANS = kept[3] if plans else _Off()  # type: ignore[assignment]
+        cache_manager._Request.prepared = kept[4] if request else unkept  # type: ignore[method-assign]
+
+    settings: dict[str, dict[str, bool]] = {
+        "shipped": {},
+        "no call kept in the request": {"request": False},
+        "and no engine map of calls": {"request": False, "calls": False},
+        "no planned-request map": {"planned": False},
+        "and no plan memos": {"planned": False, "plans": False},
+    }
+    samples: dict[str, list[float]] = {k: [] for k in settings}
+    clock = time.perf_counter_ns
+    try:
+        for _ in range(rounds):
+            for name, setting in settings.items():
+                use(**setting)
+                for _ in range(20):  # warm this setting
+                    pull()
+                out = samples[name]
+                for _ in range(n):
+                    t0 = clock()
+                    pull()
+                    out.append((clock() - t0) / 1e3)
+    finally:
+        use()
+    print("16 KiB pull_blocks with each memo map taken away, p50 us:")
+    for name, v in samples.items():
+        print(f"  {name:30s} {float(np.median(v)):8.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Where the time of one small pull goes.")
     ap.add_argument("--tcp", action="store_true", help="force TCP (no same-host path)")
     ap.add_argument("-n", type=int, default=2000, help="calls per stage per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--maps", action="store_true",
+                    help="only the small pull with each memo map of its path taken away")
     args = ap.parse_args(argv)
     owner = NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0)))
     puller = NativeEngine(EngineConfig(cluster_id=PULLER, role=2,
@@ -122,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         pcm.pull_blocks(key, small, [5], [9])
         pcm.pull_blocks(key, small, [5], [9])  # the lease (same host) exists from here
         assert np.array_equal(dst[0, 9 * BLOCK:10 * BLOCK], src[0, 5 * BLOCK:6 * BLOCK])
+        if args.maps:
+            maps(puller, pcm, lambda: pcm.pull_blocks(key, small, [5], [9]), args.n, args.rounds)
+            return
         where = "TCP" if args.tcp else "same host"
         raw = None if args.tcp else [(dst.ctypes.data + 9 * BLOCK, src.ctypes.data + 5 * BLOCK,
                                       BLOCK)]
