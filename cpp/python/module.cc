@@ -15,7 +15,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <pybind11/typing.h>
-#include <sys/uio.h>
 
 #include <algorithm>
 #include <chrono>
@@ -56,36 +55,6 @@ Deadline DeadlineIn(double seconds) { return datadist::After(seconds < 0 ? 0 : s
 std::vector<uint64_t> ToVector(const U64Array &a) {
   const uint64_t *p = a.data();
   return std::vector<uint64_t>(p, p + a.size());
-}
-
-/// An (n, 2) uint64 array of (address, length) rows: the local spans, tensor-major.
-std::vector<iovec> ToIov(const U64Array &a) {
-  if (a.ndim() != 2 || a.shape(1) != 2) throw py::value_error("local spans must be an (n, 2) uint64 array");
-  const uint64_t *p = a.data();
-  std::vector<iovec> iov(static_cast<size_t>(a.shape(0)));
-  for (size_t i = 0; i < iov.size(); ++i) {
-    iov[i].iov_base = reinterpret_cast<void *>(p[2 * i]);
-    iov[i].iov_len = static_cast<size_t>(p[2 * i + 1]);
-  }
-  return iov;
-}
-
-/// A READ / WRITE as the wire carries it, from the plan's arrays (copied: the GIL may go).
-datadist::wire::Request ToRequest(uint8_t kind, uint64_t a, uint64_t b, uint64_t c, uint64_t unit_bytes, uint32_t flags,
-                                  uint64_t layout, const U32Array &tensors, const U64Array &offsets,
-                                  const U64Array &lengths) {
-  datadist::wire::Request r;
-  r.kind = kind;
-  r.a = a;
-  r.b = b;
-  r.c = c;
-  r.unit_bytes = unit_bytes;
-  r.flags = flags;
-  r.layout = layout;
-  r.tensors.assign(tensors.data(), tensors.data() + tensors.size());
-  r.offsets = ToVector(offsets);
-  r.lengths = ToVector(lengths);
-  return r;
 }
 
 /// (op, cluster_id, transfers, bytes, {status name: count}, bucket counts, nanoseconds) per series.
@@ -352,7 +321,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("write", [](const Call &c) { return c.write; })
       .def_property_readonly("cluster_id", [](const Call &c) { return c.cluster; })
       .def_property_readonly(
-          "spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds");
+          "spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds")
+      .def_property_readonly(
+          "cache_id", [](const Call &c) { return c.local_cache; }, "the local cache its spans lie in");
 
   // A local transfer's hold on a cache (Engine.hold): release() ends it (idempotent, never blocks).
   py::class_<Hold>(m, "Hold", "A hold on a local cache (Engine.hold); release() ends it")
@@ -717,30 +688,43 @@ PYBIND11_MODULE(_core, m) {
           py::arg("cache_id"), py::arg("wait_s"))
       .def(
           "prepare",
-          [](Core &, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
-             uint64_t unit_bytes, uint32_t flags, uint64_t layout, const U32Array &tensors, const U64Array &offsets,
-             const U64Array &lengths, const U64Array &local) {
-            datadist::wire::Request req =
-                ToRequest(kind, a, b, cc, unit_bytes, flags, layout, tensors, offsets, lengths);
-            datadist::CheckRequestSize(req);  // before the local spans are converted
-            return Call::Make(write, cluster, std::move(req), ToIov(local));
+          [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,
+             uint64_t unit_bytes, uint32_t flags, int64_t cache_id, const U32Array &remote_tensors,
+             const U64Array &remote_offsets, const U64Array &lengths, const U32Array &local_tensors,
+             const U64Array &local_offsets) {
+            datadist::wire::Request req;
+            req.kind = kind;
+            req.a = a;
+            req.b = b;
+            req.c = cc;
+            req.unit_bytes = unit_bytes;
+            req.flags = flags;
+            datadist::Plan plan;  // copied: the arrays are Python's
+            plan.remote_tensors.assign(remote_tensors.data(), remote_tensors.data() + remote_tensors.size());
+            plan.local_tensors.assign(local_tensors.data(), local_tensors.data() + local_tensors.size());
+            plan.remote_offsets = ToVector(remote_offsets);
+            plan.local_offsets = ToVector(local_offsets);
+            plan.lengths = ToVector(lengths);
+            return c.Prepare(write, cluster, std::move(req), plan, cache_id);
           },
-          py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("c"),
-          py::arg("unit_bytes"), py::arg("flags"), py::arg("layout"), py::arg("tensors"), py::arg("offsets"),
-          py::arg("lengths"), py::arg("local"),
-          "A READ (write=False) or WRITE made ready to run (run, submit); converts the arrays once. Never blocks.")
+          py::kw_only(), py::arg("write"), py::arg("cluster_id"), py::arg("kind"), py::arg("a"), py::arg("b"),
+          py::arg("c"), py::arg("unit_bytes"), py::arg("flags"), py::arg("cache_id"), py::arg("remote_tensors"),
+          py::arg("remote_offsets"), py::arg("lengths"), py::arg("local_tensors"), py::arg("local_offsets"),
+          "A READ (write=False) or WRITE of the plan's spans into (from) local cache `cache_id`, made ready "
+          "to run (run, submit): the core checks every local span against that cache's geometry "
+          "(InvalidArgument) and makes the local spans from its registry's addresses; the layout stated is "
+          "the cache's. CacheNotFound for an unknown cache. Never blocks.")
       .def(
           "run",
-          [](Core &c, const Call &call, double timeout_s, int64_t hold_cache) {
+          [](Core &c, const Call &call, double timeout_s) {
             const auto since = datadist::Clock::now();
             Deadline deadline = DeadlineIn(timeout_s);
             datadist_py::GilHold hold(call.bytes);  // released only where the core waits (gil.h)
-            c.Run(call, deadline, since, hold_cache);
+            c.Run(call, deadline, since);
           },
-          py::arg("call"), py::arg("timeout_s"), py::kw_only(), py::arg("hold_cache") = -1,
-          "Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits. "
-          "hold_cache >= 0: that local cache is held for the transfer (CacheNotFound, counted, when it is "
-          "gone), as Engine.hold would.")
+          py::arg("call"), py::arg("timeout_s"),
+          "Runs a prepared transfer until it ends or timeout_s passes, its local cache held by the core "
+          "for the transfer (CacheNotFound, counted, when it is gone); the GIL is released where it waits.")
       .def(
           "submit",
           [](Core &c, std::shared_ptr<Call> call, double timeout_s) {
@@ -754,7 +738,9 @@ PYBIND11_MODULE(_core, m) {
             return c.Submit(std::move(call), deadline, since);
           },
           py::arg("call"), py::arg("timeout_s"),
-          "Queues a prepared transfer on the engine's workers; returns its Handle at once.")
+          "Queues a prepared transfer on the engine's workers; returns its Handle at once. The core holds "
+          "the call's local cache from now until the transfer ends (CacheNotFound, counted, when it is gone: "
+          "nothing is queued), so unregistering it waits for the transfer.")
       .def_property_readonly("async_threads", [](Core &c) { return c.executor().threads(); })
       .def(
           "peer_stats",

@@ -745,10 +745,10 @@ class LlmDataDist::LlmDataDistImpl {
 
  private:
   /// A pull (write false) or push of `plan` on the link to `cluster` within the sync deadline
-  /// (Session::Transfer: the request cap, the link, the metrics).
+  /// (Session::Transfer: the request cap, the local spans' check, the link, the metrics).
   void Move(bool write, uint64_t cluster, datadist::wire::Request req, const datadist::Plan &plan,
             const datadist::Lease &local) {
-    session_.Transfer(write, cluster, std::move(req), plan, local.entry().addrs, Deadline_());
+    session_.Transfer(write, cluster, std::move(req), plan, local.entry().geo, local.entry().addrs, Deadline_());
   }
 
   datadist::wire::Request Request(const datadist::Plan &plan, uint64_t cache_id, uint64_t slot, uint64_t layout) {

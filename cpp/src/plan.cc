@@ -113,6 +113,29 @@ void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &
   }
 }
 
+void CheckLocalSpans(const Plan &plan, const Geometry &local, int64_t cache_id) {
+  const std::string cache = cache_id >= 0 ? "cache " + std::to_string(cache_id) : std::string("the local cache");
+  if (plan.local_tensors.size() != plan.remote_tensors.size())
+    Invalid("the transfer pairs " + std::to_string(plan.local_tensors.size()) + " local tensors with " +
+            std::to_string(plan.remote_tensors.size()) + " remote ones");
+  if (plan.local_offsets.size() != plan.lengths.size() || plan.remote_offsets.size() != plan.lengths.size())
+    Invalid("the transfer's span arrays differ in length (" + std::to_string(plan.local_offsets.size()) +
+            " local offsets, " + std::to_string(plan.remote_offsets.size()) + " remote offsets, " +
+            std::to_string(plan.lengths.size()) + " lengths)");
+  for (uint32_t t : plan.local_tensors)
+    if (t >= local.num_tensors)
+      Invalid("local tensor " + std::to_string(t) + " is out of range: " + cache + " has " +
+              std::to_string(local.num_tensors) + " tensors");
+  const uint64_t limit = local.tensor_bytes;
+  for (size_t i = 0; i < plan.lengths.size(); ++i) {
+    const uint64_t off = plan.local_offsets[i], len = plan.lengths[i];
+    if (len == 0) Invalid("local span [" + std::to_string(off) + ", +0) is empty: spans move >= 1 byte");
+    if (len > limit || off > limit - len)  // off + len <= limit, without overflow
+      Invalid("local span [" + std::to_string(off) + ", +" + std::to_string(len) + ") lies outside the " +
+              std::to_string(limit) + " bytes of each tensor of " + cache);
+  }
+}
+
 std::vector<iovec> LocalIov(const Plan &plan, const std::vector<uint64_t> &addrs) {
   std::vector<iovec> iov;
   iov.reserve(plan.local_tensors.size() * plan.lengths.size());

@@ -43,7 +43,16 @@ void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t si
 void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
                 const std::vector<uint64_t> &local_blocks);
 
-/// The local spans, absolute, tensor-major (the order the wire moves them in).
+/// The one check of a transfer's local side, both faces' (Session::Prepare for the Python
+/// binding's, Session::Transfer for the C++ API's): the plan's arrays agree in length (tensor
+/// pairs; spans), every local tensor index is below `local.num_tensors`, and every local span
+/// [offset, offset + length) is at least one byte long and lies inside a tensor's
+/// `local.tensor_bytes` (compared overflow-safe). LLM_PARAM_INVALID naming the first that does
+/// not fit and cache `cache_id`. O(tensors + spans); never blocks.
+void CheckLocalSpans(const Plan &plan, const Geometry &local, int64_t cache_id);
+
+/// The local spans, absolute, tensor-major (the order the wire moves them in). The plan must
+/// have passed CheckLocalSpans against the cache `addrs` are the tensors of.
 std::vector<iovec> LocalIov(const Plan &plan, const std::vector<uint64_t> &addrs);
 
 }  // namespace datadist

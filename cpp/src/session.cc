@@ -173,25 +173,58 @@ std::vector<Outcome> Session::UnlinkMany(const std::vector<Peer> &peers, Deadlin
       llm_datadist::LLM_UNLINK_FAILED);
 }
 
-void Session::Run(const Call &call, Deadline deadline, Clock::time_point since, int64_t local_cache) {
+std::shared_ptr<Call> Session::Prepare(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+                                       int64_t local_cache) {
+  req.tensors = plan.remote_tensors;
+  req.offsets = plan.remote_offsets;
+  req.lengths = plan.lengths;
+  CheckRequestSize(req);  // before the local spans are made: tensors x runs of them
+  const std::unique_ptr<Lease> held = engine_.registry().Hold(local_cache);
+  const Entry &local = held->entry();  // immutable while filed (and held)
+  CheckLocalSpans(plan, local.geo, local_cache);
+  req.layout = local.opts.blocks ? local.geo.layout : local.geo.layout & ~uint64_t{0xFFFFFFFF};
+  auto call = Call::Make(write, cluster, std::move(req), LocalIov(plan, local.addrs));
+  call->local_cache = local_cache;
+  call->local_addrs = local.addrs;
+  call->local_tensor_bytes = local.geo.tensor_bytes;
+  return call;
+}
+
+std::unique_ptr<Lease> Session::HoldLocal(const Call &call) {
+  if (call.local_cache < 0) return nullptr;
+  std::unique_ptr<Lease> held = engine_.registry().Hold(call.local_cache);
+  // The spans lie in these tensors: a cache filed anew under the id (the C++ API's Add may
+  // choose ids) with other memory is not the one they were checked against.
+  const Entry &e = held->entry();
+  if (e.geo.tensor_bytes != call.local_tensor_bytes || e.addrs != call.local_addrs)
+    Fail(llm_datadist::LLM_KV_CACHE_NOT_EXIST,
+         "cache " + std::to_string(call.local_cache) + " is not the cache the transfer was prepared for");
+  return held;
+}
+
+void Session::Move(const Call &call, Deadline deadline) {
+  CheckRequestSize(call.req);
+  auto link = engine_.GetLink(call.cluster);
+  if (call.write)
+    link->Write(call.req, call.iov, deadline);
+  else
+    link->Read(call.req, call.iov, deadline);
+}
+
+void Session::Run(const Call &call, Deadline deadline, Clock::time_point since) {
   metrics::Timed(OpOf(call), call.cluster, call.bytes, since, [&] {
-    std::unique_ptr<Lease> held;  // released when the transfer ends, whatever its outcome
-    if (local_cache >= 0) held = engine_.registry().Hold(local_cache);
-    CheckRequestSize(call.req);
-    auto link = engine_.GetLink(call.cluster);
-    if (call.write)
-      link->Write(call.req, call.iov, deadline);
-    else
-      link->Read(call.req, call.iov, deadline);
+    const std::unique_ptr<Lease> held = HoldLocal(call);  // released when the transfer ends, whatever its outcome
+    Move(call, deadline);
   });
 }
 
-void Session::Transfer(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+void Session::Transfer(bool write, uint64_t cluster, wire::Request req, const Plan &plan, const Geometry &local,
                        const std::vector<uint64_t> &local_addrs, Deadline deadline) {
   const auto since = Clock::now();
   std::shared_ptr<Call> call;
   try {
     CheckRequestSize(req);  // before the local spans are made: tensors x runs of them
+    CheckLocalSpans(plan, local, -1);
     call = Call::Make(write, cluster, std::move(req), LocalIov(plan, local_addrs));
   } catch (const Error &e) {
     metrics::RecordSince(write ? metrics::Op::kPush : metrics::Op::kPull, cluster, 0, since, e.code());
@@ -202,6 +235,13 @@ void Session::Transfer(bool write, uint64_t cluster, wire::Request req, const Pl
 
 std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since) {
   const metrics::Op op = OpOf(*call);
+  std::shared_ptr<Lease> held;  // the task's, until the transfer ends (Executor drops its closure first)
+  try {
+    held = HoldLocal(*call);
+  } catch (const Error &e) {  // nothing issued: counted, and the caller's error
+    metrics::RecordSince(op, call->cluster, 0, since, e.code());
+    throw;
+  }
   if (!call->write && call->bytes <= kInlineBytes) {
     if (auto link = engine_.FindLink(call->cluster)) {
       try {
@@ -221,7 +261,9 @@ std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline
   }
   const uint64_t cluster = call->cluster;
   try {
-    return executor_.Submit([this, held = std::move(call), deadline, since] { Run(*held, deadline, since); });
+    return executor_.Submit([this, c = std::move(call), held = std::move(held), deadline, since] {
+      metrics::Timed(OpOf(*c), c->cluster, c->bytes, since, [&] { Move(*c, deadline); });
+    });
   } catch (const Error &e) {  // not issued: counted as a transfer that failed
     metrics::RecordSince(op, cluster, 0, since, e.code());
     throw;

@@ -58,15 +58,25 @@ struct UnlinkRule {
 
 /// A READ (write false) or WRITE on the link to `cluster`: the request as the wire carries
 /// it and the local spans (absolute addresses, tensor-major), made once and run any number
-/// of times (Run, Submit). Immutable once made; shared by the runs in flight. The local
-/// memory is the caller's to keep mapped (held) while a run uses it.
+/// of times (Run, Submit). Immutable once made; shared by the runs in flight.
+///
+/// A call made by Session::Prepare (the Python binding's only way to make one) names its
+/// local cache (`local_cache`): its spans were checked against that cache's geometry and made
+/// from the registry's addresses, and every run holds the cache for the transfer and refuses
+/// it unless it still has those addresses (`local_addrs`, `local_tensor_bytes`). A call made
+/// by Call::Make (`local_cache` -1: the C++ face's Transfer, tests) leaves the memory to its
+/// caller to check and keep mapped.
 struct Call {
   bool write = false;
   uint64_t cluster = 0;
   wire::Request req;
   std::vector<iovec> iov;
   uint64_t bytes = 0;  // the local spans' total (Call::Make sums it)
-  /// A call with `bytes` summed from `iov`. Never blocks, never throws but bad_alloc.
+  int64_t local_cache = -1;
+  std::vector<uint64_t> local_addrs;  // the local cache's tensor bases when the call was made
+  uint64_t local_tensor_bytes = 0;
+  /// A call with `bytes` summed from `iov`, no local cache named. Never blocks, never throws
+  /// but bad_alloc.
   static std::shared_ptr<Call> Make(bool write, uint64_t cluster, wire::Request req, std::vector<iovec> iov);
 };
 
@@ -126,23 +136,37 @@ class Session {
 
   // ---- transfers
 
-  /// Runs `call` on the link to its cluster: the request's size checked (CheckRequestSize),
-  /// the link found (LLM_NOT_YET_LINK without one), Link::Read / Write within `deadline`,
-  /// and the whole counted and timed from `since` in the process's metrics (op pull or push,
-  /// its cluster; a refusal counts as a failed transfer). Blocks up to `deadline`; throws
-  /// the transfer's error. `local_cache` >= 0: that cache of our registry is held for the
-  /// transfer (Registry::Hold: it cannot be unregistered under the copy; CacheNotFound,
-  /// counted, when it is gone), so a face needs no call of its own around it.
-  void Run(const Call &call, Deadline deadline, Clock::time_point since, int64_t local_cache = -1);
+  /// The Python binding's one way to make a transfer: `req` (its kind, key, unit bytes and
+  /// flags; its spans and layout are set here) moving `plan` on the link to `cluster`, into
+  /// (write false) or from local cache `local_cache` of the registry. The request's size is
+  /// checked (CheckRequestSize), then every local span against the cache's geometry
+  /// (CheckLocalSpans, LLM_PARAM_INVALID), and the local spans are made from the registry's
+  /// addresses; the layout stated is the cache's (a blocks cache's whole tag, a contiguous
+  /// one's dtype alone). LLM_KV_CACHE_NOT_EXIST for an unknown cache or one being
+  /// unregistered. Never blocks (the registry's mutex only).
+  std::shared_ptr<Call> Prepare(bool write, uint64_t cluster, wire::Request req, const Plan &plan, int64_t local_cache);
+
+  /// Runs `call` on the link to its cluster: the call's local cache held for the transfer
+  /// (Registry::Hold: it cannot be unregistered, nor its pool memory freed, under the copy;
+  /// LLM_KV_CACHE_NOT_EXIST when it is gone or no longer has the addresses the call was made
+  /// with), the request's size checked (CheckRequestSize), the link found
+  /// (LLM_NOT_YET_LINK without one), Link::Read / Write within `deadline`, and the whole
+  /// counted and timed from `since` in the process's metrics (op pull or push, its cluster; a
+  /// refusal counts as a failed transfer). Blocks up to `deadline`; throws the transfer's
+  /// error.
+  void Run(const Call &call, Deadline deadline, Clock::time_point since);
 
   /// The C++ face's one call: `req` (its spans from `plan`) on the link to `cluster`, the
-  /// local spans made from `plan` and the local tensors' addresses (`local_addrs`, held by
-  /// the caller) only once the request's size passed; counted and timed from now as Run
-  /// (a refused size included). Blocks up to `deadline`.
-  void Transfer(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+  /// local spans checked against the local cache's geometry (`local`, CheckLocalSpans, as
+  /// Prepare) and made from its tensors' addresses (`local_addrs`, held by the caller) only
+  /// once the request's size passed; counted and timed from now as Run (a refusal included).
+  /// Blocks up to `deadline`.
+  void Transfer(bool write, uint64_t cluster, wire::Request req, const Plan &plan, const Geometry &local,
                 const std::vector<uint64_t> &local_addrs, Deadline deadline);
 
-  /// Run, issued: a pull of up to kInlineBytes that a whole-cache lease of its link covers
+  /// Run, issued: the call's local cache is held now (LLM_KV_CACHE_NOT_EXIST, counted and
+  /// thrown, when it is gone: nothing is issued) and until the transfer ends, the task
+  /// owning the hold. A pull of up to kInlineBytes that a whole-cache lease of its link covers
   /// is copied now, in the caller's thread (waiting for nobody: 15-26 us less than the hand
   /// over, issue 23); anything else is queued on the workers. Returns the Task (ended
   /// already for an inline copy, and for a transfer no worker could be started for:
@@ -163,6 +187,12 @@ class Session {
                         const std::vector<uint64_t> &dst_addrs, uint64_t unit);
 
  private:
+  /// The call's local cache held (nullptr for a call that names none), or
+  /// LLM_KV_CACHE_NOT_EXIST when it is gone or no longer the memory the call was made for.
+  std::unique_ptr<Lease> HoldLocal(const Call &call);
+  /// The transfer itself (the size check, the link, Read / Write), the local memory held.
+  void Move(const Call &call, Deadline deadline);
+
   Engine engine_;
   Executor executor_;  // stopped before the engine closes (its tasks use links)
 };

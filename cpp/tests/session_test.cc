@@ -227,7 +227,7 @@ TEST_F(SessionPair, TransferMovesTheBytesAndCountsThemAndItsRefusals) {
   const auto before = Pulls(kOwner, "");
   const datadist::Plan plan = BlockPlan(dst.geo(), {2, 3, 6}, {0, 1, 5});
   EXPECT_EQ(plan.lengths.size(), 2U);  // 2, 3 -> 0, 1 coalesced
-  reader->Transfer(false, kOwner, BlockRequest(plan, id, dst.geo().layout), plan, dst.cache.addrs, After(5));
+  reader->Transfer(false, kOwner, BlockRequest(plan, id, dst.geo().layout), plan, dst.geo(), dst.cache.addrs, After(5));
   for (uint32_t t = 0; t < 2; ++t) {
     EXPECT_EQ(dst.cache.T(t)[0], t * 100 + 3);
     EXPECT_EQ(dst.cache.T(t)[64], t * 100 + 4);
@@ -247,8 +247,8 @@ TEST_F(SessionPair, TransferMovesTheBytesAndCountsThemAndItsRefusals) {
   huge.local_offsets = huge.remote_offsets;
   huge.lengths.assign(huge.remote_offsets.size(), 1);
   EXPECT_EQ(CodeOf([&] {
-              reader->Transfer(false, kOwner, BlockRequest(huge, id, dst.geo().layout), huge, dst.cache.addrs,
-                               After(5));
+              reader->Transfer(false, kOwner, BlockRequest(huge, id, dst.geo().layout), huge, dst.geo(),
+                               dst.cache.addrs, After(5));
             }),
             LLM_PARAM_INVALID);
   auto call = datadist::Call::Make(false, kOwner, BlockRequest(huge, id, dst.geo().layout), {});
@@ -261,8 +261,8 @@ TEST_F(SessionPair, TransferMovesTheBytesAndCountsThemAndItsRefusals) {
   // No link: LLM_NOT_YET_LINK, counted under the id asked for (our own pulls name it).
   const auto other = Pulls(kNobody, "LLM_NOT_YET_LINK");
   EXPECT_EQ(CodeOf([&] {
-              reader->Transfer(false, kNobody, BlockRequest(plan, id, dst.geo().layout), plan, dst.cache.addrs,
-                               After(1));
+              reader->Transfer(false, kNobody, BlockRequest(plan, id, dst.geo().layout), plan, dst.geo(),
+                               dst.cache.addrs, After(1));
             }),
             LLM_NOT_YET_LINK);
   EXPECT_EQ(Pulls(kNobody, "LLM_NOT_YET_LINK").errors, other.errors + 1);
@@ -285,6 +285,109 @@ TEST_F(SessionPair, SubmitEndsWithTheTransfersOutcomeAndFailsOnceClosed) {
   task = reader->Submit(call, After(5), datadist::Clock::now());
   ASSERT_TRUE(task->Wait(After(1)));
   EXPECT_NE(task->code(), LLM_SUCCESS);
+}
+
+// The one check of a transfer's local side (plan.h CheckLocalSpans), both faces': every local
+// tensor index and span inside the cache's geometry, overflow-safe, or LLM_PARAM_INVALID
+// naming what does not fit.
+TEST(Session, CheckLocalSpansRefusesEverySpanOutsideTheLocalCache) {
+  datadist::Geometry g;
+  g.num_tensors = 2;
+  g.tensor_bytes = 512;
+  g.units = 8;
+  g.unit_bytes = 64;
+  auto plan = [](std::vector<uint32_t> tensors, uint64_t off, uint64_t len) {
+    datadist::Plan p;
+    p.remote_tensors = tensors;
+    p.local_tensors = tensors;
+    p.remote_offsets = {0};
+    p.local_offsets = {off};
+    p.lengths = {len};
+    return p;
+  };
+  auto why = [&](const datadist::Plan &p) -> std::string {
+    try {
+      datadist::CheckLocalSpans(p, g, 7);
+      return "";
+    } catch (const datadist::Error &e) {
+      EXPECT_EQ(e.code(), LLM_PARAM_INVALID);
+      return e.what();
+    }
+  };
+  EXPECT_EQ(why(plan({0, 1}, 0, 512)), "");  // a whole tensor
+  EXPECT_EQ(why(plan({1}, 448, 64)), "");    // the last block
+  EXPECT_NE(why(plan({0, 2}, 0, 64)).find("local tensor 2 is out of range: cache 7 has 2 tensors"), std::string::npos);
+  EXPECT_NE(why(plan({0}, 449, 64)).find("local span [449, +64) lies outside the 512 bytes of each tensor of cache 7"),
+            std::string::npos);
+  EXPECT_NE(why(plan({0}, 0, 513)).find("outside"), std::string::npos);
+  // offset + length wraps to a small number: refused all the same
+  EXPECT_NE(why(plan({0}, UINT64_MAX - 31, 64)).find("outside"), std::string::npos);
+  EXPECT_NE(why(plan({0}, 0, UINT64_MAX)).find("outside"), std::string::npos);
+  EXPECT_NE(why(plan({0}, 64, 0)).find("is empty"), std::string::npos);
+  datadist::Plan odd = plan({0}, 0, 64);
+  odd.local_offsets.push_back(64);
+  EXPECT_NE(why(odd).find("differ in length"), std::string::npos);
+  odd = plan({0}, 0, 64);
+  odd.local_tensors.push_back(1);
+  EXPECT_NE(why(odd).find("pairs 2 local tensors with 1"), std::string::npos);
+}
+
+// Session::Prepare (the Python binding's only way to make a transfer): the local spans are
+// made from the registry's addresses once checked against the cache; Run and Submit hold the
+// cache and refuse one that is gone, or filed anew under the id with other memory.
+TEST_F(SessionPair, PrepareChecksTheLocalCacheAndItsRunsHoldIt) {
+  auto &reg = reader->engine().registry();
+  const int64_t mine = reg.Add(dst.cache.desc, dst.cache.addrs, {});
+  datadist::wire::Request head;
+  head.kind = datadist::wire::kCacheId;
+  head.a = static_cast<uint64_t>(id);
+  datadist::Plan bad = BlockPlan(dst.geo(), {7}, {4});
+  bad.local_offsets[0] = 8 * 64 - 32;  // half past the last block
+  const auto refused = Pulls(kOwner, "LLM_PARAM_INVALID");
+  try {
+    reader->Prepare(false, kOwner, head, bad, mine);
+    ADD_FAILURE() << "a span outside the cache was prepared";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_PARAM_INVALID);
+    EXPECT_NE(std::string(e.what()).find("lies outside the 512 bytes of each tensor of cache " + std::to_string(mine)),
+              std::string::npos)
+        << e.what();
+  }
+  bad = BlockPlan(dst.geo(), {7}, {4});
+  bad.local_tensors[1] = 2;
+  EXPECT_EQ(CodeOf([&] { reader->Prepare(false, kOwner, head, bad, mine); }), LLM_PARAM_INVALID);
+  EXPECT_EQ(CodeOf([&] { reader->Prepare(false, kOwner, head, BlockPlan(dst.geo(), {7}, {4}), 999); }),
+            LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(Pulls(kOwner, "LLM_PARAM_INVALID").errors, refused.errors);  // nothing was run
+
+  auto call = reader->Prepare(false, kOwner, head, BlockPlan(dst.geo(), {7}, {4}), mine);
+  EXPECT_EQ(call->local_cache, mine);
+  EXPECT_EQ(call->req.layout, dst.geo().layout & ~uint64_t{0xFFFFFFFF});  // a contiguous cache's: the dtype
+  ASSERT_EQ(call->iov.size(), 2U);
+  EXPECT_EQ(reinterpret_cast<uint64_t>(call->iov[1].iov_base), dst.cache.addrs[1] + 4 * 64);
+  reader->Run(*call, After(5), datadist::Clock::now());
+  EXPECT_EQ(dst.cache.T(1)[4 * 64], 108);
+  auto task = reader->Submit(call, After(5), datadist::Clock::now());
+  ASSERT_TRUE(task->Wait(After(5)));
+  EXPECT_EQ(task->code(), LLM_SUCCESS) << task->message();
+
+  // Gone: the prepared call is refused, run or issued, and counted.
+  reg.Remove(mine, false, 1.0);
+  const auto gone = Pulls(kOwner, "LLM_KV_CACHE_NOT_EXIST");
+  EXPECT_EQ(CodeOf([&] { reader->Run(*call, After(5), datadist::Clock::now()); }), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(CodeOf([&] { reader->Submit(call, After(5), datadist::Clock::now()); }), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(Pulls(kOwner, "LLM_KV_CACHE_NOT_EXIST").errors, gone.errors + 2);
+  // Filed anew under the same id with other memory: not the cache the spans lie in.
+  Blocks other{2, 8, 64};
+  reg.Add(mine, other.cache.desc, other.cache.addrs, {});
+  try {
+    reader->Run(*call, After(5), datadist::Clock::now());
+    ADD_FAILURE() << "a call ran into memory it was not prepared for";
+  } catch (const datadist::Error &e) {
+    EXPECT_EQ(e.code(), LLM_KV_CACHE_NOT_EXIST);
+    EXPECT_NE(std::string(e.what()).find("not the cache the transfer was prepared for"), std::string::npos);
+  }
+  EXPECT_EQ(other.cache.T(1)[4 * 64], 0);
 }
 
 TEST(Session, CopyLocalCoalescesRunsAndCopiesAnOverlappingRunBlockByBlock) {

@@ -305,7 +305,7 @@ class TestThroughTheFacade:
         want = np.zeros_like(b)
         units(want, 4)[:, [3, 2, 1, 0]] = units(a, 4)[:, [0, 1, 2, 3]]
         np.testing.assert_array_equal(b, want)
-        assert not p.engine._handles  # every issued push seen to end: no cache held
+        assert p.engine.leases(src.cache_id) == 0  # every issued push ended: no hold left
 
     def test_a_failing_layer_stops_the_later_ones(self, pair):
         """Raw addresses, 6 layers; layer 1's point outside every registered cache. The
@@ -328,7 +328,7 @@ class TestThroughTheFacade:
         if sync.calls == [0, 1]:
             assert not b[4:6].any()
         assert not b[6:].any()
-        assert not p.engine._handles
+        assert p.engine.leases(src.cache_id) == 0  # no issued push holds the source
 
     def test_several_destinations_in_flight(self, ra_pair, make_side):
         """Two destinations, 4 layers: both get each layer's push issued before the next
@@ -385,4 +385,4 @@ class TestThroughTheFacade:
         assert task.get_results(int(WAIT * 1000)) == [S.LLM_NOT_YET_LINK]
         np.testing.assert_array_equal(b[0], a[0])  # K of layer 0 went out
         assert not b[1:].any()
-        assert not p.engine._handles
+        assert p.engine.leases(src.cache_id) == 0  # no issued push holds the source

@@ -89,6 +89,11 @@ class Call:
     A transfer made ready by Engine.prepare (opaque)
     """
     @property
+    def cache_id(self) -> int:
+        """
+        the local cache its spans lie in
+        """
+    @property
     def cluster_id(self) -> int:
         ...
     @property
@@ -209,9 +214,9 @@ class Engine:
         """
     def ping(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         ...
-    def prepare(self, write: bool, cluster_id: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex, a: typing.SupportsInt | typing.SupportsIndex, b: typing.SupportsInt | typing.SupportsIndex, c: typing.SupportsInt | typing.SupportsIndex, unit_bytes: typing.SupportsInt | typing.SupportsIndex, flags: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, tensors: numpy.typing.NDArray[numpy.uint32], offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64], local: numpy.typing.NDArray[numpy.uint64]) -> Call:
+    def prepare(self, *, write: bool, cluster_id: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex, a: typing.SupportsInt | typing.SupportsIndex, b: typing.SupportsInt | typing.SupportsIndex, c: typing.SupportsInt | typing.SupportsIndex, unit_bytes: typing.SupportsInt | typing.SupportsIndex, flags: typing.SupportsInt | typing.SupportsIndex, cache_id: typing.SupportsInt | typing.SupportsIndex, remote_tensors: numpy.typing.NDArray[numpy.uint32], remote_offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64], local_tensors: numpy.typing.NDArray[numpy.uint32], local_offsets: numpy.typing.NDArray[numpy.uint64]) -> Call:
         """
-        A READ (write=False) or WRITE made ready to run (run, submit); converts the arrays once. Never blocks.
+        A READ (write=False) or WRITE of the plan's spans into (from) local cache `cache_id`, made ready to run (run, submit): the core checks every local span against that cache's geometry (InvalidArgument) and makes the local spans from its registry's addresses; the layout stated is the cache's. CacheNotFound for an unknown cache. Never blocks.
         """
     def probe_cma(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         """
@@ -219,9 +224,9 @@ class Engine:
         """
     def remove_cache(self, cache_id: typing.SupportsInt | typing.SupportsIndex, wait_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         ...
-    def run(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, hold_cache: typing.SupportsInt | typing.SupportsIndex = -1) -> None:
+    def run(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         """
-        Runs a prepared transfer until it ends or timeout_s passes; the GIL is released where it waits. hold_cache >= 0: that local cache is held for the transfer (CacheNotFound, counted, when it is gone), as Engine.hold would.
+        Runs a prepared transfer until it ends or timeout_s passes, its local cache held by the core for the transfer (CacheNotFound, counted, when it is gone); the GIL is released where it waits.
         """
     def set_local_comm_res(self, set: bool, text: str) -> None:
         """
@@ -237,7 +242,7 @@ class Engine:
         ...
     def submit(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> Handle:
         """
-        Queues a prepared transfer on the engine's workers; returns its Handle at once.
+        Queues a prepared transfer on the engine's workers; returns its Handle at once. The core holds the call's local cache from now until the transfer ends (CacheNotFound, counted, when it is gone: nothing is queued), so unregistering it waits for the transfer.
         """
     def take_released(self) -> list[int]:
         """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from datadist.core.keys import KeyId, KeyRef, key_id
 from datadist.core.native import NativeEngine
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
+
+if TYPE_CHECKING:  # the core's prepared transfer, from its stub
+    from datadist._core import Call
 
 _U64 = 2**64 - 1
 
@@ -188,14 +191,30 @@ def _refusal(err: DatadistError, func: str, cache: Cache, *, blocks: bool) -> LL
     return exc
 
 
-class _Request(NamedTuple):
+class _Request:
     """A checked transfer call: the engine and the arguments of its pull / push (cluster
-    id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms; and
-    the local cache's geometry the plan was made for (api/planned.py)."""
+    id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms; the
+    local cache's geometry the plan was made for (api/planned.py); and the core's prepared
+    call, made at the first transfer and kept with the request, so a planned request's
+    repeats go straight to the core (no lookup in the engine's map of calls)."""
 
-    engine: NativeEngine
-    args: tuple[int, KeyRef, int, layout.Plan, int]
-    geometry: layout.Geometry
+    __slots__ = ("engine", "args", "geometry", "write", "call")
+
+    def __init__(self, engine: NativeEngine, args: tuple[int, KeyRef, int, layout.Plan, int],
+                 geometry: layout.Geometry, write: bool = False) -> None:
+        self.engine = engine
+        self.args = args
+        self.geometry = geometry
+        self.write = write
+        self.call: Call | None = None
+
+    def prepared(self) -> Call:
+        """The core's call (NativeEngine.prepared), made once. Two threads may both make it
+        the first time; either call is the same transfer."""
+        call = self.call
+        if call is None:
+            call = self.call = self.engine.prepared(self.write, *self.args)
+        return call
 
 
 class CacheManager:
@@ -464,7 +483,7 @@ class CacheManager:
         """
         req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
         try:
-            req.engine.pull(*req.args)
+            req.engine.run(req.prepared())
         except DatadistError as e:
             raise _refusal(e, "pull_cache", cache, blocks=False) from e
 
@@ -476,22 +495,24 @@ class CacheManager:
         issued); returns a :class:`~datadist.TransferHandle` at once, which reports the
         transfer's outcome (every failure of the transfer itself, not linked included)."""
         req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
-        return TransferHandle(req.engine.pull_async(*req.args), "pull_cache_async")
+        try:
+            return TransferHandle(req.engine.submit(req.prepared()), "pull_cache_async")
+        except DatadistError as e:  # refused before anything was issued (its cache gone)
+            raise _refusal(e, "pull_cache_async", cache, blocks=False) from e
 
     def _current(self, key: Any, cache: Any) -> _Request | None:
         """The request planned for a call with the arguments ``key`` names (api/planned.py),
-        when there is one and the local cache is still registered with the geometry it was
-        planned for; else None (the caller takes the full path, which raises what is wrong).
-        Its session must be open (LLM_ENGINE_FINALIZED, as every call's first check)."""
+        when there is one; else None (the caller takes the full path, which raises what is
+        wrong). Its session must be open (LLM_ENGINE_FINALIZED, as every call's first
+        check)."""
         self._engine_or_raise()
         if key is None:
             return None
-        req = self._planned.find(key)
-        if req is None:
-            return None
         # The plan was made for this Cache's id (the key holds the Cache), whose geometry the
-        # core never changes and whose id it never reuses: still filed is still the same.
-        return req if self._engine.filed(cache.cache_id) else None
+        # core never changes: the core refuses the transfer (CacheNotFound) once the cache
+        # is gone, and its spans were checked against that cache (Session::Prepare), so a
+        # hit needs no look of its own.
+        return self._planned.find(key)
 
     def _pull_cache_request(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
                             kwargs: dict[str, Any]) -> _Request:
@@ -554,7 +575,7 @@ class CacheManager:
         req = self._pull_blocks_request(src_cache_key, dst_cache, src_blocks, dst_blocks,
                                         kwargs)
         try:
-            req.engine.pull(*req.args)
+            req.engine.run(req.prepared())
         except DatadistError as e:
             raise _refusal(e, "pull_blocks", dst_cache, blocks=True) from e
 
@@ -565,7 +586,10 @@ class CacheManager:
         """:meth:`pull_blocks`, issued (datadist extension): as :meth:`pull_cache_async`."""
         req = self._pull_blocks_request(src_cache_key, dst_cache, src_blocks, dst_blocks,
                                         kwargs)
-        return TransferHandle(req.engine.pull_async(*req.args), "pull_blocks_async")
+        try:
+            return TransferHandle(req.engine.submit(req.prepared()), "pull_blocks_async")
+        except DatadistError as e:  # refused before anything was issued (its cache gone)
+            raise _refusal(e, "pull_blocks_async", dst_cache, blocks=True) from e
 
     def _pull_blocks_request(self, src_cache_key: Any, dst_cache: Any, src_blocks: Any,
                              dst_blocks: Any, kwargs: dict[str, Any]) -> _Request:
@@ -643,7 +667,7 @@ class CacheManager:
                                        src_layer_range, dst_layer_range, size,
                                        tensor_num_per_layer)
         try:
-            req.engine.push(*req.args)
+            req.engine.run(req.prepared())
         except DatadistError as e:
             raise _refusal(e, "push_cache", src_cache, blocks=False) from e
 
@@ -655,7 +679,10 @@ class CacheManager:
         req = self._push_cache_request(dst_cache_key, src_cache, src_batch_index,
                                        src_layer_range, dst_layer_range, size,
                                        tensor_num_per_layer)
-        return TransferHandle(req.engine.push_async(*req.args), "push_cache_async")
+        try:
+            return TransferHandle(req.engine.submit(req.prepared()), "push_cache_async")
+        except DatadistError as e:  # refused before anything was issued (its cache gone)
+            raise _refusal(e, "push_cache_async", src_cache, blocks=False) from e
 
     def _push_cache_request(self, dst_cache_key: Any, src_cache: Any, src_batch_index: Any,
                             src_layer_range: Any, dst_layer_range: Any, size: Any,
@@ -683,7 +710,7 @@ class CacheManager:
         with llm_errors("push_cache"):
             plan = layout.plan_slot(geo, src_batch_index, pairs, size)
         return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
-                                 src_cache.cache_id), geo)
+                                 src_cache.cache_id), geo, write=True)
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
                     src_blocks: tuple[int, ...] | list[int] = (),
@@ -694,7 +721,7 @@ class CacheManager:
         req = self._push_blocks_request(dst_cache_key, src_cache, src_blocks, dst_blocks,
                                         src_layer_range, dst_layer_range, tensor_num_per_layer)
         try:
-            req.engine.push(*req.args)
+            req.engine.run(req.prepared())
         except DatadistError as e:
             raise _refusal(e, "push_blocks", src_cache, blocks=True) from e
 
@@ -707,7 +734,10 @@ class CacheManager:
         """:meth:`push_blocks`, issued (datadist extension): as :meth:`pull_cache_async`."""
         req = self._push_blocks_request(dst_cache_key, src_cache, src_blocks, dst_blocks,
                                         src_layer_range, dst_layer_range, tensor_num_per_layer)
-        return TransferHandle(req.engine.push_async(*req.args), "push_blocks_async")
+        try:
+            return TransferHandle(req.engine.submit(req.prepared()), "push_blocks_async")
+        except DatadistError as e:  # refused before anything was issued (its cache gone)
+            raise _refusal(e, "push_blocks_async", src_cache, blocks=True) from e
 
     def _push_blocks_request(self, dst_cache_key: Any, src_cache: Any, src_blocks: Any,
                              dst_blocks: Any, src_layer_range: Any, dst_layer_range: Any,
@@ -737,7 +767,7 @@ class CacheManager:
             plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), layer_pair(src_range),
                                   layer_pair(dst_range), n), build, dst)
         return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key),
-                                 geo.unit_bytes, plan, src_cache.cache_id), geo)
+                                 geo.unit_bytes, plan, src_cache.cache_id), geo, write=True)
 
     # ------------------------------------------------------------------ local copies
     # Argument rules shared with the legacy KvCacheManager live in api/local_ops.py and

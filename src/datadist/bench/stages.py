@@ -6,11 +6,17 @@ a stage's cost is its p50 less the next one's.
 
 - ``pull_blocks``: the facade (``CacheManager.pull_blocks``: the planned request's lookup,
   the cache-alive checks, the error mapping), then everything below;
-- ``engine.pull``: the driver (``NativeEngine.pull``: hold the local cache, the prepared
-  call's lookup, unhold), then the binding;
-- ``core.run``: the binding (``Engine.run``: the deadline, the GIL hold, the link's lookup,
-  the metrics) and the core (``Link::Read``: the lease's checks, the copy);
+- ``engine.run``: the driver (``NativeEngine.run`` with the request's prepared call: the
+  finalized check), then the binding (``engine.pull``, the path of unplanned requests,
+  adds the lookup in the engine's map of prepared calls: printed beside);
+- ``core.run``: the binding (``Engine.run``: the deadline, the GIL hold) and the core
+  (``Session::Run``: the local cache's hold, the link's lookup, the metrics; ``Link::Read``:
+  the lease's checks, the copy);
 - ``process_vm_readv``: the copy alone, through ctypes (its own call cost included).
+
+With ``--maps``: the small pull with each memo map of its path taken away in turn (the
+planned requests, the prepared call kept in a request, the engine's map of prepared calls,
+the plan memos), what each saves.
 
 Also the 32 per-layer pulls of 1 MiB against one pull of the same 32 MiB (the calls group's
 row), on the same engines, and on one host its limit: 32 calls of raw ``process_vm_readv``
@@ -64,24 +70,89 @@ def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCache
     req = pcm._pull_blocks_request(key, cache, src, dst, kwargs)
     eng_args = req.args
     native_pull = req.engine.pull
-    hold, call = puller._taken("pull", *eng_args)
-    hold.release()
+    call = req.prepared()
+    engine_run = req.engine.run
     core_run = puller._core.run
     fns: dict[str, Callable[[], object]] = {
         "pull_blocks": lambda: pcm.pull_blocks(key, cache, src, dst, **kwargs),
-        "engine.pull": lambda: native_pull(*eng_args),
+        "engine.run": lambda: engine_run(call),
         "core.run": lambda: core_run(call, 5.0),
     }
     if raw is not None:
         fns["process_vm_readv"] = RawCma(os.getpid()).prepare(
             iov([a for a, _, _ in raw], [n for _, _, n in raw]),
             iov([b for _, b, _ in raw], [n for _, _, n in raw]))
+    # beside the stages: the driver's unplanned path (the engine's map of prepared calls)
+    fns["engine.pull"] = lambda: native_pull(*eng_args)
     got = p50_us(fns, n, rounds)
+    aside = got.pop("engine.pull")
     print(f"{label} ({puller.last_moved(OWNER) or 'tcp'}), p50 us:")
     names = list(got)
     for i, k in enumerate(names):
         below = got[names[i + 1]] if i + 1 < len(names) else 0.0
         print(f"  {k:18s} {got[k]:8.2f}   this stage: {got[k] - below:8.2f}")
+    print(f"  (engine.pull, unplanned: {aside:.2f})")
+
+
+class _Off:
+    """A memo map that never keeps anything (``--maps``: the path without that map)."""
+
+    def find(self, key: object) -> None:
+        return None
+
+    def put(self, key: object, value: object) -> None:
+        pass
+
+    def get(self, key: object, build: Callable[[], Any]) -> Any:
+        return build()
+
+
+def maps(puller: NativeEngine, pcm: CacheManager, pull: Callable[[], None], n: int,
+         rounds: int) -> None:
+    """Prints the p50 of one small ``pull`` with each memo map of its path taken away in turn
+    (docs/performance.md, round 9): every map left must save a measured figure. Each setting
+    runs in its own batches of ``n`` calls, the settings interleaved."""
+    from datadist.api import cache_manager, geometry
+
+    kept = (pcm._planned, puller._calls, geometry._PLANS, geometry._SPANS,
+            cache_manager._Request.prepared)
+
+    def unkept(self: Any) -> Any:
+        return self.engine.prepared(self.write, *self.args)
+
+    def use(planned: bool = True, request: bool = True, calls: bool = True,
+            plans: bool = True) -> None:
+        pcm._planned = kept[0] if planned else _Off()  # type: ignore[assignment]
+        puller._calls = kept[1] if calls else _Off()  # type: ignore[assignment]
+        geometry._PLANS = kept[2] if plans else _Off()  # type: ignore[assignment]
+        geometry._SPANS = kept[3] if plans else _Off()  # type: ignore[assignment]
+        cache_manager._Request.prepared = kept[4] if request else unkept  # type: ignore[method-assign]
+
+    settings: dict[str, dict[str, bool]] = {
+        "shipped": {},
+        "no call kept in the request": {"request": False},
+        "and no engine map of calls": {"request": False, "calls": False},
+        "no planned-request map": {"planned": False},
+        "and no plan memos": {"planned": False, "plans": False},
+    }
+    samples: dict[str, list[float]] = {k: [] for k in settings}
+    clock = time.perf_counter_ns
+    try:
+        for _ in range(rounds):
+            for name, setting in settings.items():
+                use(**setting)
+                for _ in range(20):  # warm this setting
+                    pull()
+                out = samples[name]
+                for _ in range(n):
+                    t0 = clock()
+                    pull()
+                    out.append((clock() - t0) / 1e3)
+    finally:
+        use()
+    print("16 KiB pull_blocks with each memo map taken away, p50 us:")
+    for name, v in samples.items():
+        print(f"  {name:30s} {float(np.median(v)):8.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tcp", action="store_true", help="force TCP (no same-host path)")
     ap.add_argument("-n", type=int, default=2000, help="calls per stage per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--maps", action="store_true",
+                    help="only the small pull with each memo map of its path taken away")
     args = ap.parse_args(argv)
     owner = NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0)))
     puller = NativeEngine(EngineConfig(cluster_id=PULLER, role=2,
@@ -116,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         pcm.pull_blocks(key, small, [5], [9])
         pcm.pull_blocks(key, small, [5], [9])  # the lease (same host) exists from here
         assert np.array_equal(dst[0, 9 * BLOCK:10 * BLOCK], src[0, 5 * BLOCK:6 * BLOCK])
+        if args.maps:
+            maps(puller, pcm, lambda: pcm.pull_blocks(key, small, [5], [9]), args.n, args.rounds)
+            return
         where = "TCP" if args.tcp else "same host"
         raw = None if args.tcp else [(dst.ctypes.data + 9 * BLOCK, src.ctypes.data + 5 * BLOCK,
                                       BLOCK)]

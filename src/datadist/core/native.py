@@ -45,15 +45,15 @@ from datadist.core.errors import (
     NotSupported,
     OutOfMemory,
 )
-from datadist.core.keys import KeyId, check_request_size
-from datadist.core.layout import Geometry, Plan, check_source_spans, max_int, wire_layout
+from datadist.core.keys import KeyId
+from datadist.core.layout import Geometry, Plan
 from datadist.core.options import parse_options
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.memory import shared
 from datadist.memory.pool import HostPool
 
 if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
-    from datadist._core import Call, Engine, Handle, Hold, PendingLink
+    from datadist._core import Call, Engine, Handle, PendingLink
 
 log = logging.getLogger("datadist.native")
 
@@ -136,37 +136,6 @@ class CacheEntry:
                 f"units={g.units} unit_bytes={g.unit_bytes} owned={self.owned}>")
 
 
-def _check_local_plan(plan: Plan, entry: CacheEntry) -> bool:
-    """The local side of a plan must fit the cache as it was registered (the caller's
-    CacheDesc may have changed since): never read or write past registered memory. And the
-    request must be one an owner accepts (span count), or it is refused here, before a
-    byte moves."""
-    check_request_size(plan.remote_tensors, plan.remote_offsets)
-    g = entry.geometry
-    if len(plan.local_tensors) and max_int(plan.local_tensors) >= g.num_tensors:
-        raise InvalidArgument(f"cache {entry.cache_id} has {g.num_tensors} tensors")
-    check_source_spans(plan.local_offsets, plan.lengths, g.tensor_bytes)
-    return True
-
-
-def checked_local_iov(kept: Prepared[np.ndarray], plan: Plan, entry: CacheEntry) -> np.ndarray:
-    """The local spans of ``plan`` in ``entry``'s memory as an iovec array, once the plan is
-    checked against the cache (InvalidArgument if it does not fit). Kept in ``kept`` for small
-    plans, by (plan, cache id), so a plan that repeats is checked once (read-only: transports
-    edit copies; the core never reuses a cache id). The engine's pulls and pushes call it."""
-    if plan.num_spans > SMALL_REQUEST:
-        _check_local_plan(plan, entry)
-        return plan.local_iovecs(entry.addrs)
-
-    def build() -> np.ndarray:
-        _check_local_plan(plan, entry)
-        iov = plan.local_iovecs(entry.addrs)
-        iov.flags.writeable = False
-        return iov
-
-    return kept.get((plan, entry.cache_id), build)
-
-
 def _wire_keys(keys: Sequence[KeyId | None]) -> list[tuple[int, int, bool] | None]:
     """The core's form of a cache's keys, slot by slot: (value, model_id, is_prefix) or None
     (the padding key)."""
@@ -211,53 +180,30 @@ class NativeListener:
 
 
 class NativeHandle:
-    """An asynchronous transfer of the native engine: the core's handle, and the local cache
-    held until it ends. ``done`` never blocks; ``wait`` blocks without the GIL. The core
-    counts the transfer in its metrics when it ends, polled or not. The engine keeps it
-    among its live handles until it is seen to end (by its caller, or by the engine's
-    unregister and close, which wait for it: :meth:`NativeEngine.unregister`)."""
+    """An asynchronous transfer of the native engine: the core's handle. The core holds the
+    local cache from the submit until the transfer ends (Session::Submit: the task owns the
+    hold), so unregistering or deallocating it waits for the transfer, polled or not.
+    ``done`` never blocks; ``wait`` blocks without the GIL. The core counts the transfer in its
+    metrics when it ends, polled or not."""
 
-    def __init__(self, engine: NativeEngine, handle: Handle, hold: Hold, op: str,
-                 cluster_id: int) -> None:
-        self._engine = engine
+    def __init__(self, handle: Handle, op: str, cluster_id: int) -> None:
         self._handle = handle
-        self._hold: Any = hold  # the core's Hold on the local cache (None once let go)
         self._op, self._cluster_id = op, cluster_id
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         state = "running" if not self._handle.done() else f"ended: {self.error()!r}"
         return f"<NativeHandle {self._op} cluster {self._cluster_id} {state}>"
 
-    @property
-    def cache_id(self) -> int | None:
-        """The local cache it holds (None once it let go)."""
-        hold = self._hold
-        return None if hold is None else int(hold.cache_id)
-
-    def _settle(self) -> None:
-        """Once ended: the local cache is let go, exactly once."""
-        with self._lock:
-            hold, self._hold = self._hold, None
-        if hold is not None:
-            self._engine._handles.discard(self)
-            hold.release()
-
     def done(self) -> bool:
-        if not self._handle.done():
-            return False
-        self._settle()
-        return True
+        return bool(self._handle.done())
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block (without the GIL) up to ``timeout_s`` seconds, None: until it ends."""
         if timeout_s is None:
             while not self._handle.wait(3600.0):
                 pass
-        elif not self._handle.wait(max(0.0, timeout_s)):
-            return False
-        self._settle()
-        return True
+            return True
+        return bool(self._handle.wait(max(0.0, timeout_s)))
 
     def error(self) -> DatadistError | None:
         err = self._handle.error()
@@ -277,16 +223,14 @@ class NativeEngine:
         self._closed = False
         self._lock = threading.Lock()
         self._listen: tuple[str, int] | None = None
-        self._local_iovs: Prepared[np.ndarray] = Prepared(KEPT, len)
         # the core's prepared transfers, by (plan, local cache id, cluster, key, unit bytes,
-        # write): a repeated pull converts nothing (a plan is compared by identity; the core
-        # never reuses a cache id, and an unregistered one is refused by hold first)
+        # write): a repeated pull converts nothing (a plan is compared by identity). Safe
+        # whatever happens to the cache: every run holds it in the core and refuses one that
+        # is gone or no longer the memory the call was made for (Session::Run).
         self._calls: Prepared[Call] = Prepared(KEPT, lambda call: int(call.spans))
         # pool caches' memory, by cache id: freed once the core releases the cache
         self._frees: dict[int, Callable[[], None]] = {}
         self._core_module = mod
-        # Asynchronous transfers not yet seen to end: each holds its local cache until then.
-        self._handles: set[NativeHandle] = set()
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
         self._core.set_remote_writes(config.remote_cache_accessible)
@@ -503,20 +447,11 @@ class NativeEngine:
         self._free_released()
 
     def unregister(self, cache_id: int) -> None:
-        """Waits (bounded, UNREGISTER_WAIT in all) for our asynchronous transfers of the
-        cache, then has the core drop it once no transfer holds it (peers' and ours; Timeout
-        and the cache stays registered if one outlives the wait). Blocks without the GIL."""
-        deadline = time.monotonic() + UNREGISTER_WAIT
-        self._await_handles(cache_id, deadline)
-        self._core.remove_cache(cache_id, max(0.0, deadline - time.monotonic()))
-
-    def _await_handles(self, cache_id: int | None, deadline: float) -> None:
-        """Our asynchronous transfers of ``cache_id`` (None: all) still running: waited for
-        (without the GIL) until ``deadline`` and settled, so that their holds let go when
-        the core ends them, not when their caller next polls."""
-        for handle in list(self._handles):
-            if cache_id is None or handle.cache_id == cache_id:
-                handle.wait(max(0.0, deadline - time.monotonic()))
+        """Has the core drop the cache once no transfer holds it (peers', and ours, blocking
+        or issued: the core holds the local cache of each until it ends), waiting up to
+        UNREGISTER_WAIT; Timeout and the cache stays registered if one outlives the wait.
+        Blocks without the GIL."""
+        self._core.remove_cache(cache_id, UNREGISTER_WAIT)
 
     def remove_key(self, key: KeyId) -> None:
         """remove_cache_key: unbind a key of a pool cache (no-op for unknown keys and keys on
@@ -645,90 +580,81 @@ class NativeEngine:
 
     def _call(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
               cache_id: int, write: bool) -> Call:
-        """The core's prepared transfer of ``plan`` into (from) local cache ``cache_id``'s
-        memory (held by the caller), made once
-        for small plans (the local spans checked against the cache then: InvalidArgument if
-        they do not fit) and kept; larger ones are made each time."""
+        """The core's prepared transfer of ``plan`` into (from) local cache ``cache_id``:
+        the core checks every local span against that cache's geometry (InvalidArgument) and
+        makes the local spans from its own registry's addresses (CacheNotFound for an
+        unknown cache). Made once for small plans and kept; larger ones each time."""
+        small = plan.num_spans <= SMALL_REQUEST
         ident = (plan, cache_id, cluster_id, key, unit_bytes, write)
-        call = self._calls.find(ident) if plan.num_spans <= SMALL_REQUEST else None
+        call = self._calls.find(ident) if small else None
         if call is None:
-            entry = self.cache(cache_id)
-            local = checked_local_iov(self._local_iovs, plan, entry)
             flags = int(p.ReadFlags.WHOLE) if plan.whole and not write else 0
             if self.config.verify and not write:  # the owner's CRC-32 of what it sent, checked
                 flags |= int(p.ReadFlags.CHECKSUM)
-            call = self._core.prepare(write, cluster_id, int(key.kind), key.a, key.b, key.c,
-                                      unit_bytes, flags, wire_layout(entry.geometry),
-                                      plan.remote_tensors, plan.remote_offsets, plan.lengths,
-                                      local)
-            if plan.num_spans <= SMALL_REQUEST:
+            call = self._core.prepare(
+                write=write, cluster_id=cluster_id, kind=int(key.kind), a=key.a, b=key.b,
+                c=key.c, unit_bytes=unit_bytes, flags=flags, cache_id=cache_id,
+                remote_tensors=plan.remote_tensors, remote_offsets=plan.remote_offsets,
+                lengths=plan.lengths, local_tensors=plan.local_tensors,
+                local_offsets=plan.local_offsets)
+            if small:
                 self._calls.put(ident, call)
         return call
 
-    def _taken(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-               cache_id: int) -> tuple[Hold, Call]:
-        """The local cache held and the core's prepared call for a transfer. The core counts
-        every transfer it is handed (metrics); one refused here, before it (finalized, no
-        such local cache, spans outside it), is counted here too. The caller releases the hold."""
+    def prepared(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,
+                 plan: Plan, cache_id: int) -> Call:
+        """The core's prepared pull (``write`` False) or push of ``plan`` (:meth:`_call`),
+        for :meth:`run` and :meth:`submit` any number of times; a refusal (finalized, no such
+        local cache, spans outside it) counted as the core counts the transfers it is handed
+        (metrics). Never blocks."""
         t0 = time.perf_counter()
         try:
             if self._closed:
                 raise Closed("the engine is finalized")
-            hold = self._core.hold(cache_id)
+            return self._call(cluster_id, key, unit_bytes, plan, cache_id, write)
         except BaseException as e:
-            self._refused(op, cluster_id, t0, e)
-            raise
-        try:
-            return hold, self._call(cluster_id, key, unit_bytes, plan, cache_id, op == "push")
-        except BaseException as e:
-            hold.release()
-            self._refused(op, cluster_id, t0, e)
+            self._refused("push" if write else "pull", cluster_id, t0, e)
             raise
 
-    def _run(self, op: str, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
-             cache_id: int, timeout: float | None) -> None:
-        """A blocking pull (``op`` "pull") or push ("push"), counted by the core, which holds
-        the local cache for the transfer itself (``hold_cache``: one native call, not three).
-        Straight-line: every pull passes here."""
-        t0 = time.perf_counter()
-        try:
-            if self._closed:
-                raise Closed("the engine is finalized")
-            call = self._call(cluster_id, key, unit_bytes, plan, cache_id, op == "push")
-        except BaseException as e:
-            self._refused(op, cluster_id, t0, e)
-            raise
-        self._core.run(call, self.config.sync_timeout if timeout is None else timeout,
-                       hold_cache=cache_id)
+    def _closed_refusal(self, call: Call) -> Closed:
+        error = Closed("the engine is finalized")
+        self._refused("push" if call.write else "pull", int(call.cluster_id),
+                      time.perf_counter(), error)
+        return error
+
+    def run(self, call: Call, timeout: float | None = None) -> None:
+        """A prepared pull or push (:meth:`prepared`), blocking: counted by the core, which
+        holds the call's local cache for the transfer (CacheNotFound when it is gone;
+        Session::Run). Blocks until every byte landed (or the owner confirmed) or the
+        deadline; the GIL is kept until the core would wait (cpp/python/gil.h): a leased
+        same-host copy never gives it up. Straight-line: every pull passes here."""
+        if self._closed:
+            raise self._closed_refusal(call)
+        self._core.run(call, self.config.sync_timeout if timeout is None else timeout)
+
+    def submit(self, call: Call, timeout: float | None = None) -> NativeHandle:
+        """:meth:`run`, issued to the core's workers; returns at once. The core holds the
+        call's local cache from now until the transfer ends (CacheNotFound, counted, when it
+        is gone: nothing is issued). A pull of up to 64 KiB that the link's whole-cache lease
+        covers is copied in this call instead (a local copy that waits for nobody): its
+        handle has ended when it returns."""
+        if self._closed:
+            raise self._closed_refusal(call)
+        handle = self._core.submit(call, self.config.sync_timeout if timeout is None
+                                   else timeout)  # counted by the core, refused or not
+        return NativeHandle(handle, "push" if call.write else "pull", int(call.cluster_id))
 
     def pull(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              dst_cache_id: int, timeout: float | None = None) -> None:
         """Read ``plan`` from the remote cache ``key`` names into local cache
-        ``dst_cache_id``. Blocks until every byte landed or the deadline; the GIL is kept until
-        the core would wait (cpp/python/gil.h): a leased same-host copy never gives it up."""
-        self._run("pull", cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
+        ``dst_cache_id`` (:meth:`prepared`, then :meth:`run`)."""
+        self.run(self.prepared(False, cluster_id, key, unit_bytes, plan, dst_cache_id), timeout)
 
     def push(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
              src_cache_id: int, timeout: float | None = None) -> None:
         """Write local cache ``src_cache_id`` per ``plan`` into the remote cache ``key``
-        names. Blocks until the owner confirmed or the deadline; the GIL is kept until the
-        core would wait (cpp/python/gil.h)."""
-        self._run("push", cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
-
-    def _submit(self, write: bool, cluster_id: int, key: p.KeyRef, unit_bytes: int,
-                plan: Plan, cache_id: int, timeout: float | None) -> NativeHandle:
-        hold, call = self._taken("push" if write else "pull", cluster_id, key, unit_bytes,
-                                  plan, cache_id)
-        try:
-            handle = self._core.submit(call, self.config.sync_timeout if timeout is None
-                                       else timeout)  # counted by the core, refused or not
-        except BaseException:
-            hold.release()
-            raise
-        native_handle = NativeHandle(self, handle, hold, "push" if write else "pull",
-                                     cluster_id)
-        self._handles.add(native_handle)
-        return native_handle
+        names (:meth:`prepared`, then :meth:`run`)."""
+        self.run(self.prepared(True, cluster_id, key, unit_bytes, plan, src_cache_id), timeout)
 
     # ------------------------------------------------------------------ metrics
 
@@ -746,15 +672,15 @@ class NativeEngine:
 
     def pull_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
                    dst_cache_id: int, timeout: float | None = None) -> NativeHandle:
-        """:meth:`pull`, issued to the core's workers; returns at once. One of up to 64 KiB
-        that the link's whole-cache lease covers is copied in this call instead (a local copy
-        that waits for nobody): its handle has ended when it returns."""
-        return self._submit(False, cluster_id, key, unit_bytes, plan, dst_cache_id, timeout)
+        """:meth:`pull`, issued (:meth:`submit`); returns at once."""
+        return self.submit(self.prepared(False, cluster_id, key, unit_bytes, plan, dst_cache_id),
+                           timeout)
 
     def push_async(self, cluster_id: int, key: p.KeyRef, unit_bytes: int, plan: Plan,
                    src_cache_id: int, timeout: float | None = None) -> NativeHandle:
-        """:meth:`push`, issued to the core's workers; returns at once."""
-        return self._submit(True, cluster_id, key, unit_bytes, plan, src_cache_id, timeout)
+        """:meth:`push`, issued (:meth:`submit`); returns at once."""
+        return self.submit(self.prepared(True, cluster_id, key, unit_bytes, plan, src_cache_id),
+                           timeout)
 
     # ------------------------------------------------------------------ closing
 
@@ -764,17 +690,16 @@ class NativeEngine:
             if self._closed:
                 return
             self._closed = True
-        # The core stops serving, closes every link (so every transfer ends) and drops every
-        # cache without waiting; our asynchronous transfers, ended now, let go of their
-        # holds; then the core waits (CLOSE_WAIT) for the caches still held (a peer's copy,
-        # a pull of another thread). Those left: their pool memory stays mapped (leaked),
-        # never unmapped under the copy.
+        # The core stops serving, fails the queued asynchronous transfers (their holds go),
+        # closes every link (so every transfer ends, letting its hold go) and drops every
+        # cache without waiting; then it waits (CLOSE_WAIT) for the caches still held (a
+        # peer's copy, a pull of another thread). Those left: their pool memory stays mapped
+        # (leaked), never unmapped under the copy.
         leased = 0
         try:
             self._core.close(0.0)
         except Exception as e:  # noqa: BLE001 - closing must not raise
             log.warning("closing the native engine: %s", e)
-        self._await_handles(None, time.monotonic())  # every one has ended: settled now
         try:
             leased = int(self._core.caches_in_use(CLOSE_WAIT))
         except Exception as e:  # noqa: BLE001 - closing must not raise
