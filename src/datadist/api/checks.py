@@ -94,6 +94,10 @@ def int_list(name: str, values: Any, kind: str, *, types: tuple[type, ...] = (li
             arr = np.array(values) if len(values) else np.zeros(0, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
             raise TypeError(f"{name} items only support int.") from None
+        if arr.dtype == bool:
+            # a list of bools only: numpy makes a bool array, but each item is an int to the
+            # original's per-item checks (isinstance(True, int)), so True is 1 as there.
+            arr = arr.astype(np.int64)
     if arr.dtype == object:
         # Python ints beyond int64 (or mixed objects): check them one by one.
         for v in arr.tolist():

@@ -65,12 +65,12 @@ def ip_value(ip: str | int) -> int | str:
     little-endian uint32 llm_datadist stores (inet_aton order); IPv6, which no uint32 holds,
     as its short-form literal (``"::1"``). Anything else: RuntimeError("Can not parse ip
     str:..."), llm_datadist's error."""
-    if isinstance(ip, int) and not isinstance(ip, bool):
+    if isinstance(ip, int):
+        # a bool too, kept as given: the original checks isinstance(ip, [str, int]) and keeps
+        # an int as it is (configs.py LLMClusterInfo._check_inputs, trans_str_ip)
         check_int("ip", ip, "uint32", allow_none=False)
         return ip
     check_isinstance("ip", ip, (str, int), allow_none=False)
-    if not isinstance(ip, str):  # a bool: inet_aton's own TypeError, as before
-        raise TypeError(f"inet_aton() argument 1 must be str, not {type(ip).__name__}")
     v6 = ipv6_literal(ip)
     if v6 is not None:
         return v6
