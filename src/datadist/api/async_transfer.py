@@ -180,17 +180,23 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
          src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
          dbb: int) -> layerwise.LayerJob:
     """Plan one destination: its layers, its spans (same for every layer), its sender."""
-    # The original's order (llm_utils.TransferCacheJob.check_transfer_config): the batch
-    # index, then the layer range, then the addresses; its texts start each message.
+    # The original's checks, in its order (v2/llm_utils.py TransferCacheJob.
+    # check_transfer_config): with source blocks, src_batch_index must be 0; then the layer
+    # range, then (TransferConfig) the number of addresses; its texts start each message.
     src_unit = _src_unit(cfg)
     if src_blocks is not None:
         raise_if_false(src_unit == 0, f"Invalid TransferConfig, src_batch_index ({src_unit}) "
                        "!= 0 while src is blocks")
-    else:
-        raise_if_false(src_unit < geo.units, f"Invalid TransferConfig, src_batch_index "
-                       f"({src_unit}) out of range: [0, {geo.units})")
     layers = _layers(cfg, num_layers)
     n = TENSORS_PER_LAYER
+
+    def check_unit() -> None:
+        # datadist's own check, after the original's: the original checks src_batch_index
+        # of a contiguous source natively (its result is the task's); here it is refused at
+        # the call, with the text the original has for the range (check_transfer_config)
+        if src_blocks is None:
+            raise_if_false(src_unit < geo.units, f"Invalid TransferConfig, src_batch_index "
+                           f"({src_unit}) out of range: [0, {geo.units})")
 
     def spans(unit_bytes_default: int) -> layerwise.LayerSpans:
         with llm_errors("transfer_cache_async"):
@@ -207,6 +213,7 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
         raise_if_false(len(cfg.dst_addrs) == len(layers) * n,
                        f"expect {len(layers) * n} dst_addrs, but len(dst_addrs) = "
                        f"{len(cfg.dst_addrs)}, range = {layers}")
+        check_unit()
         raise_if_false(all(a != 0 for a in cfg.dst_addrs), "dst_addrs must be non-zero")
         addrs = list(cfg.dst_addrs)
         sp = spans(geo.unit_bytes)
@@ -234,6 +241,7 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
 
         return layerwise.LayerJob(layers, send_addresses)
 
+    check_unit()
     key = cfg.cache_key
     check_isinstance("cache_key", key, (BlocksCacheKey, CacheKeyByIdAndIndex), allow_none=False)
     check_layer_range("src_layer_range", cfg.src_layer_range)
