@@ -354,6 +354,8 @@ def test_transfer_cache_async_texts(datadists):
     odd = cm.allocate_cache(CacheDesc(3, [2, 4], DataType.DT_INT8, Placement.DEVICE))
     cfg = TransferConfig(1, [10, 11, 12, 13])
     sync = Synchronizer()
+    with pytest.raises(TypeError, match="dst_block_indices"):  # dst's checked before src's
+        cm.transfer_cache_async(blocks, sync, [cfg], ["0"], ["0"], 16)
     cases = [
         (lambda: cm.transfer_cache_async(blocks, sync, [cfg], [0]),
          "transfer from blocks to cache is not supported"),

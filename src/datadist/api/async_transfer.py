@@ -101,8 +101,9 @@ def start_transfer(
     """Check everything, then start the layer-wise thread. See the module docstring."""
     raise_if_false(desc.placement != Placement.HOST,
                    "src cache not support placement HOST")  # v2/cache_manager.py's text
-    src_blocks = _block_indices("src_block_indices", src_block_indices)
+    # dst before src, as v2/llm_utils.py transfer_cache_async checks them
     dst_blocks = _block_indices("dst_block_indices", dst_block_indices)
+    src_blocks = _block_indices("src_block_indices", src_block_indices)
     check_int("dst_block_memory_size", dst_block_memory_size, "uint64")
     has_src_blocks = src_blocks is not None and src_blocks.size > 0
     has_dst_blocks = dst_blocks is not None and dst_blocks.size > 0
