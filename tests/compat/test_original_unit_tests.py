@@ -650,3 +650,55 @@ def test_listen_ip_info_without_a_port_text(datadists):
     d = cm_engine(datadists)
     with param_invalid(text):
         d.switch_role(llm.LLMRole.DECODER, {"llm.listenIpInfo": "127.0.0.1"})
+
+
+# ------------------------------------------------------------------ utils/log.py
+
+
+def test_find_caller_thread_stack_top():
+    # hixl tests/python/test_log.py TestLogUtils.test_find_caller_thread_stack_top, as there:
+    # _find_caller called at the top of a thread's stack returns (no frame left to walk).
+    import threading
+
+    from datadist.utils.log import _find_caller
+
+    result_holder = []
+
+    def target():
+        def inner():
+            result_holder.append(_find_caller())
+
+        inner()
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    assert len(result_holder) == 1
+
+
+def test_find_caller_names_the_caller_of_the_log_helpers(monkeypatch):
+    # hixl utils/log.py _find_caller, installed as the logger's findCaller there: a record
+    # made through the module's helpers (log.error) names the helper's caller.
+    import logging
+    import sys
+
+    from datadist.utils import log
+
+    logger = log.get_logger()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    monkeypatch.setattr(logger, "findCaller", log._find_caller)
+    logger.addHandler(handler)
+    try:
+        line = sys._getframe().f_lineno + 1
+        log.error("where from")
+        log.error("with its stack", stack_info=True)
+    finally:
+        logger.removeHandler(handler)
+    name = "test_find_caller_names_the_caller_of_the_log_helpers"
+    assert [(r.pathname, r.lineno, r.funcName) for r in records] == [
+        (__file__, line, name), (__file__, line + 1, name)]
+    assert records[0].stack_info is None
+    assert records[1].stack_info.startswith("Stack (most recent call last):\n")
+    assert name in records[1].stack_info

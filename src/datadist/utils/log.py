@@ -8,6 +8,9 @@ the application's choice.
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
+from types import FrameType
 from typing import Any
 
 
@@ -25,6 +28,31 @@ def warn(msg: Any, *args: Any, **kwargs: Any) -> None:
 
 def error(msg: Any, *args: Any, **kwargs: Any) -> None:
     get_logger().error(msg, *args, **kwargs)
+
+
+def _find_caller(stack_info: bool = False,
+                 stack_level: int = 1) -> tuple[str, int, str, str | None]:
+    """llm_datadist's ``Logger.findCaller`` replacement (its utils/log.py, which installs it on
+    its logger; its tests/python/test_log.py calls it from a thread): the file, line, function
+    (and, with ``stack_info``, the stack) of the first frame, counting outwards from three
+    frames above this one, whose file is not that frame's file; "(unknown file)", 0,
+    "(unknown function)", None when there is none. ``stack_level`` is accepted and unused, as
+    there. datadist's own logger keeps the standard ``findCaller``."""
+    f: FrameType | None = sys._getframe(3)
+    assert f is not None
+    log_file = f.f_code.co_filename
+    rv: tuple[str, int, str, str | None] = ("(unknown file)", 0, "(unknown function)", None)
+    while f:
+        f = f.f_back
+        if f is None:
+            break
+        code = f.f_code
+        if code.co_filename != log_file:
+            sinfo = ("Stack (most recent call last):\n" + "".join(traceback.format_stack(f))
+                     if stack_info else None)
+            rv = (code.co_filename, f.f_lineno, code.co_name, sinfo)
+            break
+    return rv
 
 
 __all__ = ["get_logger", "info", "warn", "error"]
