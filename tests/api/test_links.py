@@ -412,11 +412,24 @@ class TestFacade:
             ("c", {DECODER_ID: 1, PROMPT_ID: 0}, t),  # ranks descending in dict order
             ("c", {PROMPT_ID: 0, DECODER_ID: 0}, t),  # duplicate rank
             ("c", {7: 0, DECODER_ID: 1}, t),  # this instance is not a member
-            ("c", {PROMPT_ID: 0, DECODER_ID: 9}, t),  # rank not in the table
-            ("c", {PROMPT_ID: 0, DECODER_ID: 1}, "{}"),
         ]:
             with code(S.LLM_PARAM_INVALID):
                 dd.link(name, info, text)
+
+    def test_a_table_that_cannot_link_is_link_failed(self, make_datadist):
+        # hixl comm_link_manager.cc CommLinkManager::Link: the table goes to HCCL
+        # (HcclCommInitClusterInfoMemConfig), whose refusal is LLM_LINK_FAILED; here the
+        # table is read first, its faults named, nothing dialled.
+        dd = make_datadist(CM_OPTS)
+        for info, text in [
+            ({PROMPT_ID: 0, DECODER_ID: 9}, table(1, 2)),  # rank not in the table
+            ({PROMPT_ID: 0, DECODER_ID: 1}, "{}"),
+            ({PROMPT_ID: 0, DECODER_ID: 1}, "not json"),
+            ({PROMPT_ID: 0, DECODER_ID: 1}, '{"server_list":[{"device":[{}]}]}'),
+        ]:
+            with pytest.raises(llm.LLMException, match="rank_table",
+                               check=lambda e: e.status_code is S.LLM_LINK_FAILED):
+                dd.link("c", info, text)
 
     def test_unknown_comm_ids_are_not_yet_link(self, make_datadist):
         """CommLinkManager::Unlink / QueryRegisterMemStatus: LLM_NOT_YET_LINK."""

@@ -564,14 +564,22 @@ class LLMDataDist:
         if self._cluster_id not in cluster_rank_info:
             raise _param_invalid(f"cluster_rank_info does not list this cluster "
                                  f"({self._cluster_id})")
-        table = rank_table_mod.parse(rank_table)
         engine = self.engine
-        members = []
-        for cid, rank in cluster_rank_info.items():
-            entry = table.get(rank)
-            if entry is None:
-                raise _param_invalid(f"rank {rank} (cluster {cid}) is not in the rank_table")
-            members.append(Member(cid, rank, entry.device_ip, rank_table_mod.port_of(entry)))
+        # A table that names no usable rank is LLM_LINK_FAILED: the original hands it to HCCL
+        # (comm_link_manager.cc CommLinkManager::Link, HcclCommInitClusterInfoMemConfig) and
+        # answers any refusal LLM_LINK_FAILED. rank_table's own errors say what is wrong.
+        try:
+            table = rank_table_mod.parse(rank_table)
+            members = []
+            for cid, rank in cluster_rank_info.items():
+                entry = table.get(rank)
+                if entry is None:
+                    raise _param_invalid(f"rank {rank} (cluster {cid}) is not in the "
+                                         "rank_table")
+                members.append(Member(cid, rank, entry.device_ip,
+                                      rank_table_mod.port_of(entry)))
+        except LLMException as e:
+            raise LLMException(f"[link] {e}", status_code=LLMStatusCode.LLM_LINK_FAILED) from None
         me = next(m for m in members if m.cluster_id == self._cluster_id)
         peers = [m for m in members if m is not me]
         with LLMDataDist._instance_lock:
