@@ -204,7 +204,7 @@ def test_a_finalized_session_and_an_unlinked_peer_answer_a_planned_pull(sides):
     d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
     d.cm.pull_cache(key, dst, 0)  # the link is looked up per transfer: the new one
     d.cm._invalidate()
-    with code(S.LLM_ENGINE_FINALIZED):
+    with code(S.LLM_PARAM_INVALID):  # the original's wrapper's code once its engine is gone
         d.cm.pull_cache(key, dst, 0)
 
 

@@ -94,20 +94,39 @@ def manager_operations(cm: Any) -> dict[str, Callable[[], Any]]:
     }
 
 
+# The original's wrapper after finalize_v2 (src/python/llm_wrapper/
+# llm_datadist_v2_wrapper.cc, llm_data_dist reset to null): AllocateCache / RegisterCache /
+# UnregisterCache return ge::FAILED (LLM_FAILED through status.py code_2_status); the others
+# return LLM_CHECK_NOTNULL's ge::LLM_PARAM_INVALID (src/llm_datadist/common/llm_log.h).
+# transfer_cache_async: the original's task reports LLM_PARAM_INVALID; datadist raises it at
+# the call (its argument errors are raised at the call too: docs/compatibility.md).
+ORIGINAL_CODE_AFTER_FINALIZE = {
+    "allocate_cache": S.LLM_FAILED, "allocate_blocks_cache": S.LLM_FAILED,
+    "register_cache": S.LLM_FAILED, "register_blocks_cache": S.LLM_FAILED,
+    "unregister_cache": S.LLM_FAILED,
+    "deallocate_cache": S.LLM_PARAM_INVALID, "deallocate_blocks_cache": S.LLM_PARAM_INVALID,
+    "copy_cache": S.LLM_PARAM_INVALID, "copy_blocks": S.LLM_PARAM_INVALID,
+    "pull_cache": S.LLM_PARAM_INVALID, "pull_blocks": S.LLM_PARAM_INVALID,
+    "push_cache": S.LLM_PARAM_INVALID, "push_blocks": S.LLM_PARAM_INVALID,
+    "remove_cache_key": S.LLM_PARAM_INVALID, "remap_registered_memory": S.LLM_PARAM_INVALID,
+    "swap_blocks": S.LLM_PARAM_INVALID, "transfer_cache_async": S.LLM_PARAM_INVALID,
+}
+
+
 def assert_expired(ops: dict[str, Callable[[], Any]]) -> None:
+    assert set(ops) == set(ORIGINAL_CODE_AFTER_FINALIZE)
     for name, op in ops.items():
         with pytest.raises(LLMException) as caught:
             op()
-        assert caught.value.status_code is S.LLM_ENGINE_FINALIZED, name
+        assert caught.value.status_code is ORIGINAL_CODE_AFTER_FINALIZE[name], name
+        assert "finalized" in str(caught.value), name
 
 
-def test_manager_operations_after_finalize_are_engine_finalized(datadists):
-    # datadist's own rule (docs/compatibility.md, "Exception messages"): every CacheManager
-    # operation of a finalized engine raises LLMException LLM_ENGINE_FINALIZED before its
-    # arguments are looked at. The original has no such check (and no test of it): its
-    # CacheManager never reads _initialized (v2/cache_manager.py; only
-    # v2/llm_datadist.py finalize sets it False), so its argument checks run and then its
-    # wrapper, whose engine is gone, fails (see the xfail test below).
+def test_manager_operations_after_finalize_fail_with_the_originals_codes(datadists):
+    # The original's CacheManager after finalize (v2/cache_manager.py never reads
+    # _initialized): its wrapper, whose engine is gone, fails with the codes above
+    # (handle_llm_status raises LLMException). datadist refuses before the arguments are
+    # checked (the original's Python checks run first) and says why.
     d = datadists()
     d.init(dict(OPTIONS))
     cm = d.cache_manager
@@ -119,12 +138,12 @@ def test_manager_operations_after_finalize_are_engine_finalized(datadists):
     assert_expired(ops)
 
 
-def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(datadists):
+def test_old_manager_of_a_reinitialized_engine_is_refused(datadists):
     # datadist's own rule: init() after finalize() makes a new manager; the old one stays
-    # expired, the new one works. The original's old manager would act on the new engine
-    # (its wrapper, src/python/llm_wrapper/llm_datadist_v2_wrapper.cc, holds one static
-    # LLMDataDistV2 for the process) with the cache ids of the finished one; refusing it is
-    # datadist's extension.
+    # refused (the codes above), the new one works. The original's old manager would act on
+    # the new engine (its wrapper, src/python/llm_wrapper/llm_datadist_v2_wrapper.cc, holds
+    # one static LLMDataDistV2 for the process) with the cache ids of the finished one;
+    # refusing it is datadist's extension.
     d = datadists()
     d.init(dict(OPTIONS))
     old = d.cache_manager
@@ -139,40 +158,6 @@ def test_old_manager_of_a_reinitialized_engine_is_engine_finalized(datadists):
     replacement.init(dict(OPTIONS))
     assert_expired(ops)
     assert replacement.cache_manager._initialized is True
-
-
-# The original's wrapper after finalize_v2 (src/python/llm_wrapper/
-# llm_datadist_v2_wrapper.cc, llm_data_dist reset to null): AllocateCache / RegisterCache /
-# UnregisterCache return ge::FAILED (LLM_FAILED through status.py code_2_status); the others
-# return LLM_CHECK_NOTNULL's ge::LLM_PARAM_INVALID (src/llm_datadist/common/llm_log.h).
-ORIGINAL_CODE_AFTER_FINALIZE = {
-    "allocate_cache": S.LLM_FAILED, "allocate_blocks_cache": S.LLM_FAILED,
-    "register_cache": S.LLM_FAILED, "register_blocks_cache": S.LLM_FAILED,
-    "unregister_cache": S.LLM_FAILED,
-    "deallocate_cache": S.LLM_PARAM_INVALID, "deallocate_blocks_cache": S.LLM_PARAM_INVALID,
-    "copy_cache": S.LLM_PARAM_INVALID, "copy_blocks": S.LLM_PARAM_INVALID,
-    "pull_cache": S.LLM_PARAM_INVALID, "pull_blocks": S.LLM_PARAM_INVALID,
-    "push_cache": S.LLM_PARAM_INVALID, "push_blocks": S.LLM_PARAM_INVALID,
-    "remove_cache_key": S.LLM_PARAM_INVALID, "remap_registered_memory": S.LLM_PARAM_INVALID,
-    "swap_blocks": S.LLM_PARAM_INVALID,
-}
-
-
-@pytest.mark.xfail(strict=True, reason="the original's codes after finalize need a change in "
-                   "src/datadist/api/cache_manager.py (_engine_or_raise), not made yet")
-def test_manager_operations_after_finalize_fail_with_the_originals_codes(datadists):
-    # The original after finalize: the Python checks of v2/cache_manager.py run, then its
-    # wrapper call fails with the code above (handle_llm_status raises LLMException).
-    # transfer_cache_async is left out: there the failure is the task's result.
-    d = datadists()
-    d.init(dict(OPTIONS))
-    cm = d.cache_manager
-    ops = manager_operations(cm)
-    d.finalize()
-    for name, code in ORIGINAL_CODE_AFTER_FINALIZE.items():
-        with pytest.raises(LLMException) as caught:
-            ops[name]()
-        assert caught.value.status_code is code, name
 
 
 # ------------------------------------------------------------------ LLMDataDist helpers

@@ -23,8 +23,8 @@ docs/security.md); a newcomer whose address holds fewer of them than the heavies
 is let in by shutting that holder's oldest one down, so strangers from two addresses keep no
 new link out (one test); from 64 addresses or more they can keep *new* links out for as long
 as they refill the budget (a remaining bound, documented), never the links already made:
-one test floods from four addresses with the honest peers linked before. Connections the owner refuses over a budget are counted
-(``Attack.refused``), not an error.
+one test floods from four addresses with the honest peers linked before. Connections the
+owner refuses over a budget are counted (``Attack.refused``), not an error.
 
 Before issue 35 (checked on the tree before it): every variant failed. The honest pulls timed
 out (LLM_TIMEOUT, 3 s each) behind the stalled connections holding both I/O threads: a frame

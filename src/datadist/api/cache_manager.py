@@ -238,15 +238,21 @@ class CacheManager:
     def set_is_call_linked(self) -> None:
         self._is_call_linked = True
 
-    def _engine_or_raise(self) -> NativeEngine:
+    def _engine_or_raise(self, code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID
+                         ) -> NativeEngine:
         """Every operation's first step: a manager of a finalized session (``finalize()``, or
-        an ``init()`` after it that made a new manager) is refused before its arguments are
-        looked at, LLMException LLM_ENGINE_FINALIZED, as the original's newest CacheManager
-        (hixl tests/python/test_cache_manager_lifecycle.py). LLMException is a RuntimeError,
-        as the older revision's exception was."""
+        an ``init()`` after it that made a new manager) is refused, LLMException with the
+        code the original's wrapper answers once ``finalize_v2`` dropped its engine
+        (src/python/llm_wrapper/llm_datadist_v2_wrapper.cc): ``code`` is LLM_FAILED for
+        allocate / register / unregister (their ge::FAILED), LLM_PARAM_INVALID for the rest
+        (LLM_CHECK_NOTNULL, src/llm_datadist/common/llm_log.h). Unlike there, before the
+        arguments are checked, and also for a manager an ``init()`` replaced (the original's
+        would act on the new engine with the old session's cache ids)."""
         if not self._initialized:
-            raise LLMException("llm datadist is not initialized",
-                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
+            raise LLMException("llm datadist is not initialized: it was finalized, and this "
+                               "CacheManager's engine is gone (init() again, then use "
+                               "LLMDataDist.cache_manager)",
+                               status_code=code)
         return self._engine
 
     def _invalidate(self) -> None:
@@ -313,7 +319,7 @@ class CacheManager:
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),
                        remote_accessible: bool | None = None) -> Cache:
         """Register user memory (one address per tensor) as a contiguous cache."""
-        engine = self._engine_or_raise()
+        engine = self._engine_or_raise(LLMStatusCode.LLM_FAILED)
         # v2/cache_manager.py register_cache's order: the types, the after-link rule, then
         # the addresses' count and values
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
@@ -334,7 +340,7 @@ class CacheManager:
                               blocks_cache_key: BlocksCacheKey | None = None,
                               remote_accessible: bool | None = None) -> Cache:
         """Register user memory as a paged cache: shape[0] is the number of blocks."""
-        engine = self._engine_or_raise()
+        engine = self._engine_or_raise(LLMStatusCode.LLM_FAILED)
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_isinstance("addrs", addrs, list, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
@@ -370,7 +376,7 @@ class CacheManager:
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache; unknown ids are fine. Waits for transfers using it."""
-        engine = self._engine_or_raise()
+        engine = self._engine_or_raise(LLMStatusCode.LLM_FAILED)
         check_int("cache_id", cache_id, "int64", allow_none=False)
         with llm_errors("unregister_cache"):
             engine.unregister(cache_id)
@@ -400,7 +406,7 @@ class CacheManager:
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
         """Allocate a contiguous cache from the pool of its placement; key i binds slot i."""
-        engine = self._engine_or_raise()
+        engine = self._engine_or_raise(LLMStatusCode.LLM_FAILED)
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         keys = local_keys(cache_keys)
         self._check_pool(cache_desc)
@@ -412,7 +418,7 @@ class CacheManager:
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc,
                               blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
-        engine = self._engine_or_raise()
+        engine = self._engine_or_raise(LLMStatusCode.LLM_FAILED)
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         self._check_pool(cache_desc)
@@ -503,7 +509,7 @@ class CacheManager:
     def _current(self, key: Any, cache: Any) -> _Request | None:
         """The request planned for a call with the arguments ``key`` names (api/planned.py),
         when there is one; else None (the caller takes the full path, which raises what is
-        wrong). Its session must be open (LLM_ENGINE_FINALIZED, as every call's first
+        wrong). Its session must be open (``_engine_or_raise``, as every call's first
         check)."""
         self._engine_or_raise()
         if key is None:
