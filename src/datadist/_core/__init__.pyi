@@ -10,7 +10,7 @@ import numpy
 import numpy.typing
 import typing
 from . import testing
-__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
 class OptionSpec:
     """
     One row of the option table (read only)
@@ -111,6 +111,23 @@ class Hold:
     @property
     def held(self) -> bool:
         ...
+class UserCache:
+    """
+    Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_local
+    """
+    def __init__(self, *, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64]) -> None:
+        """
+        `num_tensors` tensors of `tensor_bytes` bytes, `units` slots or blocks each, at `addrs`. InvalidArgument for a zero base, a tensor past the end of the address space, or units that do not split a tensor.
+        """
+    @property
+    def num_tensors(self) -> int:
+        ...
+    @property
+    def tensor_bytes(self) -> int:
+        ...
+    @property
+    def units(self) -> int:
+        ...
 class Engine:
     """
     An engine (cpp/src/engine.h) and its asynchronous workers: datadist.core.native.NativeEngine drives it
@@ -147,6 +164,10 @@ class Engine:
         """
     def connect(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, host: str, port: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, take_peer_id: bool) -> int:
         ...
+    def copy_local(self, *, src: typing.SupportsInt | typing.SupportsIndex | UserCache, dst: typing.SupportsInt | typing.SupportsIndex | UserCache, src_tensors: numpy.typing.NDArray[numpy.uint32], dst_tensors: numpy.typing.NDArray[numpy.uint32], src_offsets: numpy.typing.NDArray[numpy.uint64], dst_offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64]) -> int:
+        """
+        Copies, for every tensor pair (src_tensors[k], dst_tensors[k]), every span (src_offsets[i], dst_offsets[i], lengths[i]; offsets absolute in the tensor) from `src` to `dst` (a filed cache's id, or a UserCache), in order, a run shifted within one cache unit by unit (Session::CopyCaches). Both caches are held for the copy (CacheNotFound when one is not filed); every span is checked against both before a byte moves (InvalidArgument). Returns the bytes copied. Over 1 MiB, copies without the GIL.
+        """
     def deallocate(self, cache_id: typing.SupportsInt | typing.SupportsIndex, drop_keys: bool) -> None:
         ...
     def filed(self, cache_id: typing.SupportsInt | typing.SupportsIndex) -> bool:

@@ -53,7 +53,7 @@ from datadist.memory import shared
 from datadist.memory.pool import HostPool
 
 if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
-    from datadist._core import Call, Engine, Handle, Hold, PendingLink
+    from datadist._core import Call, Engine, Handle, Hold, PendingLink, UserCache
 
 log = logging.getLogger("datadist.native")
 
@@ -449,6 +449,28 @@ class NativeEngine:
             yield self.cache(cache_id)
         finally:
             hold.release()
+
+    def user_cache(self, geometry: Geometry, addrs: np.ndarray) -> UserCache:
+        """The caller's memory that is never filed (a ``create_cpu_cache``), described for
+        :meth:`copy_local`: ``geometry``'s tensors at ``addrs``. InvalidArgument for a zero
+        address or a tensor past the end of the address space. Never blocks."""
+        return self._core_module.UserCache(num_tensors=geometry.num_tensors,
+                                           tensor_bytes=geometry.tensor_bytes,
+                                           units=geometry.units, addrs=addrs)
+
+    def copy_local(self, src: int | UserCache, dst: int | UserCache, plan: Plan) -> int:
+        """Copy ``plan`` (source in its ``remote_*`` fields, offsets absolute in the tensor;
+        destination in its ``local_*`` fields) from ``src`` to ``dst``: filed caches' ids or
+        :meth:`user_cache` memory. One core call (Session::CopyCaches, the C++ API's too): it
+        holds both caches (CacheNotFound for one not filed), checks every span against both
+        before a byte moves (InvalidArgument) and copies in the plan's order, a run shifted
+        within one cache unit by unit. Returns the bytes copied. Blocks on memory only, without
+        the GIL for copies over 1 MiB."""
+        self._check_open()
+        return int(self._core.copy_local(
+            src=src, dst=dst, src_tensors=plan.remote_tensors, dst_tensors=plan.local_tensors,
+            src_offsets=plan.remote_offsets, dst_offsets=plan.local_offsets,
+            lengths=plan.lengths))
 
     def register(self, geometry: Geometry, addrs: list[int], *, placement: int,
                  keys: Sequence[KeyId | None] = (), blocks_model_id: int | None = None,
