@@ -34,6 +34,7 @@
 #include "metrics.h"
 #include "nixl.h"
 #include "options.h"
+#include "pool.h"
 #include "session.h"
 #include "tasks.h"
 #include "testing.h"
@@ -711,16 +712,56 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "unbind_key",
           [](Core &c, uint64_t value, uint64_t model_id, bool is_prefix) {
+            py::gil_scoped_release nogil;  // a cache it alone held is released (NIXL deregisters it)
             c.engine().registry().UnbindKey({value, model_id, is_prefix});
           },
           py::arg("value"), py::arg("model_id"), py::arg("is_prefix"))
+      // ---- pools (pool.h): the registry carves pool caches and gives their pages back itself
       .def(
-          "take_released",
-          [](Core &c) {
-            py::gil_scoped_release nogil;  // NIXL deregisters each
-            return c.engine().registry().TakeReleased();
+          "open_pool",
+          [](Core &c, bool device, uint64_t memory_size, uint32_t page_shift) {
+            auto pool = datadist::Pool::Create(device ? "datadist-device-pool" : "datadist-host-pool", memory_size,
+                                               page_shift);
+            c.engine().registry().SetPool(device, std::move(pool));
           },
-          "Ids of deallocated caches nothing holds any more: their pool memory may go (each listed once).")
+          py::kw_only(), py::arg("device"), py::arg("memory_size"), py::arg("page_shift"),
+          "The pool DEVICE (device=True) or HOST caches are allocated from (mem_pool_cfg, host_mem_pool_cfg): "
+          "one sealed memfd of memory_size bytes in pages of 1 << page_shift. InvalidArgument for a bad size or "
+          "page_shift, OutOfMemory when it cannot be mapped. Never blocks.")
+      .def(
+          "pool_info",
+          [](Core &c, bool device) -> py::typing::Optional<py::typing::Tuple<uint64_t, uint64_t, uint64_t>> {
+            auto pool = c.engine().registry().PoolOf(device);
+            if (!pool) return py::none();
+            return py::make_tuple(pool->size(), pool->used(), pool->page());
+          },
+          py::kw_only(), py::arg("device"),
+          "(size, used, page) of the DEVICE or HOST pool in bytes; None without one (or after close). Never "
+          "blocks.")
+      .def(
+          "allocate",
+          [](Core &c, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout, bool blocks,
+             bool device, const KeyList &keys, std::optional<uint64_t> model_id) {
+            datadist::Geometry g;
+            g.num_tensors = num_tensors;
+            g.tensor_bytes = tensor_bytes;
+            g.units = units;
+            g.unit_bytes = units ? tensor_bytes / units : 0;
+            g.layout = layout;
+            datadist::CacheOptions o;
+            o.blocks = blocks;
+            std::vector<datadist::KeyId> ks;
+            std::vector<uint64_t> slots;
+            KeysOf(keys, &ks, &slots);
+            py::gil_scoped_release nogil;  // NIXL registers it; a released cache is deregistered
+            return c.engine().registry().Allocate(device, g, o, ks, slots, model_id);
+          },
+          py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"), py::kw_only(),
+          py::arg("blocks"), py::arg("device"), py::arg("keys") = KeyList(), py::arg("model_id") = py::none(),
+          "allocate_cache / allocate_blocks_cache: carves the tensors (each on a page) from the pool of the "
+          "placement and files them as add_cache files a cache (keys, model_id), all or nothing; returns its id. "
+          "Deallocated pool caches nothing holds any more are released first. InvalidArgument without a pool or "
+          "for bad keys, OutOfMemory when the pool has no room. Blocks without the GIL while NIXL registers it.")
       .def(
           "set_model_map", [](Core &c, bool on) { c.engine().registry().SetModelMap(on); }, py::arg("on"))
       .def(
@@ -742,7 +783,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "deallocate",
           [](Core &c, int64_t id, bool drop_keys) {
-            py::gil_scoped_release nogil;  // revokes its whole-cache leases
+            py::gil_scoped_release nogil;  // revokes its whole-cache leases; NIXL deregisters it
             c.engine().registry().Deallocate(id, drop_keys);
           },
           py::arg("cache_id"), py::arg("drop_keys"))

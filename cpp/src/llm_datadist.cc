@@ -24,10 +24,10 @@
 #include "metrics.h"
 #include "options.h"
 #include "plan.h"
+#include "pool.h"
 #include "registry.h"
 #include "server.h"
 #include "session.h"
-#include "shm.h"
 #include "tls.h"
 
 namespace llm_datadist {
@@ -529,28 +529,24 @@ class LlmDataDist::LlmDataDistImpl {
   void Allocate(const CacheDesc &desc, Cache &cache) {
     CheckUpLocked();
     datadist::Geometry g = datadist::GeometryOf(desc);
-    // One sealed memfd per cache, its tensors page-aligned in it: a same-host reader maps it
-    // and copies with memcpy (shm.h), as from a Python pool.
+    // The allocator Python's pools use (pool.h), a pool the size of this cache: one sealed
+    // memfd, its tensors page-aligned in it; a same-host reader maps it and copies with
+    // memcpy (shm.h). The memory goes with the cache (Registry::Remove).
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     const uint64_t step = (g.tensor_bytes + page - 1) / page * page;
     if (step < g.tensor_bytes || (g.num_tensors && step > UINT64_MAX / g.num_tensors))
       Fail(LLM_OUT_OF_MEMORY,
            "cannot allocate " + std::to_string(g.num_tensors) + " x " + std::to_string(g.tensor_bytes) + " bytes");
-    std::shared_ptr<datadist::shm::Region> region;
+    std::vector<uint64_t> addrs;
+    datadist::ShmPlace shared;
+    std::shared_ptr<datadist::Pool::Allocation> memory;
     try {
-      region = datadist::shm::Region::Create("datadist-cache", step * g.num_tensors);
+      auto pool = datadist::Pool::Create("datadist-cache", step * g.num_tensors, 12);
+      memory = pool->AllocateTensors(g.num_tensors, g.tensor_bytes, &addrs, &shared);
     } catch (const datadist::Error &e) {
       Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY, e.what());
     }
-    std::vector<uint64_t> addrs;
-    datadist::ShmPlace shared;
-    for (uint32_t i = 0; i < g.num_tensors; ++i) {
-      addrs.push_back(reinterpret_cast<uint64_t>(region->addr()) + i * step);
-      shared.fds.push_back(region->fd());
-      shared.inos.push_back(region->ino());
-      shared.offsets.push_back(i * step);
-    }
-    int64_t id = engine_.registry().Add(desc, addrs, {}, region, shared);
+    int64_t id = engine_.registry().Add(desc, addrs, {}, memory, shared);
     cache.cache_id = id;
     cache.cache_desc = desc;
     cache.tensor_addrs.assign(addrs.begin(), addrs.end());

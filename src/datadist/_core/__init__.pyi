@@ -140,6 +140,10 @@ class Engine:
         """
     def adopt_link(self, link: PendingLink) -> None:
         ...
+    def allocate(self, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, *, blocks: bool, device: bool, keys: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, bool] | None] = [], model_id: typing.SupportsInt | typing.SupportsIndex | None = None) -> int:
+        """
+        allocate_cache / allocate_blocks_cache: carves the tensors (each on a page) from the pool of the placement and files them as add_cache files a cache (keys, model_id), all or nothing; returns its id. Deallocated pool caches nothing holds any more are released first. InvalidArgument without a pool or for bad keys, OutOfMemory when the pool has no room. Blocks without the GIL while NIXL registers it.
+        """
     def bind_model(self, model_id: typing.SupportsInt | typing.SupportsIndex, cache_id: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def cache_ids(self) -> list[int]:
@@ -224,12 +228,20 @@ class Engine:
         """
     def open_link(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, host: str, port: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, take_peer_id: bool, reverse: bool) -> PendingLink:
         ...
+    def open_pool(self, *, device: bool, memory_size: typing.SupportsInt | typing.SupportsIndex, page_shift: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        The pool DEVICE (device=True) or HOST caches are allocated from (mem_pool_cfg, host_mem_pool_cfg): one sealed memfd of memory_size bytes in pages of 1 << page_shift. InvalidArgument for a bad size or page_shift, OutOfMemory when it cannot be mapped. Never blocks.
+        """
     def peer_stats(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bytes:
         """
         The linked peer's metrics (STATS_REQUEST): its JSON bytes. Blocks without the GIL up to timeout_s.
         """
     def ping(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         ...
+    def pool_info(self, *, device: bool) -> tuple[int, int, int] | None:
+        """
+        (size, used, page) of the DEVICE or HOST pool in bytes; None without one (or after close). Never blocks.
+        """
     def prepare(self, write: bool, cluster_id: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex, a: typing.SupportsInt | typing.SupportsIndex, b: typing.SupportsInt | typing.SupportsIndex, c: typing.SupportsInt | typing.SupportsIndex, unit_bytes: typing.SupportsInt | typing.SupportsIndex, flags: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, tensors: numpy.typing.NDArray[numpy.uint32], offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64], local: numpy.typing.NDArray[numpy.uint64]) -> Call:
         """
         A READ (write=False) or WRITE made ready to run (run, submit); converts the arrays once. Never blocks.
@@ -259,10 +271,6 @@ class Engine:
     def submit(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> Handle:
         """
         Queues a prepared transfer on the engine's workers; returns its Handle at once.
-        """
-    def take_released(self) -> list[int]:
-        """
-        Ids of deallocated caches nothing holds any more: their pool memory may go (each listed once).
         """
     def unbind_key(self, value: typing.SupportsInt | typing.SupportsIndex, model_id: typing.SupportsInt | typing.SupportsIndex, is_prefix: bool) -> None:
         ...
