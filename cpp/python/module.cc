@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
 #include <vector>
 
 #include "engine.h"
@@ -32,6 +33,7 @@
 #include "metrics.h"
 #include "nixl.h"
 #include "options.h"
+#include "pool.h"
 #include "session.h"
 #include "tasks.h"
 #include "testing.h"
@@ -107,6 +109,32 @@ struct Hold {
   std::unique_ptr<datadist::Lease> lease;
   int64_t cache_id = 0;
 };
+
+/// Memory the caller describes for a local copy but never files (Python's create_cpu_cache):
+/// its geometry and tensor bases, checked when made (datadist::CheckUnfiled). The caller keeps
+/// it mapped while a copy uses it.
+struct UserCache {
+  datadist::Geometry geo;
+  std::vector<uint64_t> addrs;
+};
+
+/// One side of Engine.copy_local: a filed cache's id, or unfiled memory.
+using CopySideArg = std::variant<int64_t, UserCache>;
+
+datadist::CopySide ToCopySide(const CopySideArg &arg) {
+  datadist::CopySide side;
+  if (const int64_t *id = std::get_if<int64_t>(&arg)) {
+    // an id below 0 names no cache (and must not be read as "unfiled")
+    if (*id < 0)
+      datadist::Fail(llm_datadist::LLM_KV_CACHE_NOT_EXIST, "cache " + std::to_string(*id) + " does not exist");
+    side.cache_id = *id;
+  } else {
+    const UserCache &u = std::get<UserCache>(arg);
+    side.geo = u.geo;
+    side.addrs = u.addrs;
+  }
+  return side;
+}
 
 /// add_cache's keys: (value, model_id, is_prefix) or None per slot, from slot 0; the Nones
 /// (padding keys) bind nothing.
@@ -330,6 +358,26 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("cache_id", &Hold::cache_id)
       .def("release", [](Hold &h) { h.lease.reset(); })
       .def_property_readonly("held", [](const Hold &h) { return h.lease != nullptr; });
+
+  // ---- local copies (Engine.copy_local): the caller's unfiled memory, described once.
+  py::class_<UserCache>(m, "UserCache",
+                        "Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_local")
+      .def(py::init([](uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, const U64Array &addrs) {
+             UserCache u;
+             u.geo.num_tensors = num_tensors;
+             u.geo.tensor_bytes = tensor_bytes;
+             u.geo.units = units;
+             u.geo.unit_bytes = units ? tensor_bytes / units : 0;
+             u.addrs = ToVector(addrs);
+             datadist::CheckUnfiled(u.geo, u.addrs);
+             return u;
+           }),
+           py::kw_only(), py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("addrs"),
+           "`num_tensors` tensors of `tensor_bytes` bytes, `units` slots or blocks each, at `addrs`. InvalidArgument "
+           "for a zero base, a tensor past the end of the address space, or units that do not split a tensor.")
+      .def_property_readonly("num_tensors", [](const UserCache &u) { return u.geo.num_tensors; })
+      .def_property_readonly("tensor_bytes", [](const UserCache &u) { return u.geo.tensor_bytes; })
+      .def_property_readonly("units", [](const UserCache &u) { return u.geo.units; });
 
   py::class_<Core>(
       m, "Engine",
@@ -635,16 +683,56 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "unbind_key",
           [](Core &c, uint64_t value, uint64_t model_id, bool is_prefix) {
+            py::gil_scoped_release nogil;  // a cache it alone held is released (NIXL deregisters it)
             c.engine().registry().UnbindKey({value, model_id, is_prefix});
           },
           py::arg("value"), py::arg("model_id"), py::arg("is_prefix"))
+      // ---- pools (pool.h): the registry carves pool caches and gives their pages back itself
       .def(
-          "take_released",
-          [](Core &c) {
-            py::gil_scoped_release nogil;  // NIXL deregisters each
-            return c.engine().registry().TakeReleased();
+          "open_pool",
+          [](Core &c, bool device, uint64_t memory_size, uint32_t page_shift) {
+            auto pool = datadist::Pool::Create(device ? "datadist-device-pool" : "datadist-host-pool", memory_size,
+                                               page_shift);
+            c.engine().registry().SetPool(device, std::move(pool));
           },
-          "Ids of deallocated caches nothing holds any more: their pool memory may go (each listed once).")
+          py::kw_only(), py::arg("device"), py::arg("memory_size"), py::arg("page_shift"),
+          "The pool DEVICE (device=True) or HOST caches are allocated from (mem_pool_cfg, host_mem_pool_cfg): "
+          "one sealed memfd of memory_size bytes in pages of 1 << page_shift. InvalidArgument for a bad size or "
+          "page_shift, OutOfMemory when it cannot be mapped. Never blocks.")
+      .def(
+          "pool_info",
+          [](Core &c, bool device) -> py::typing::Optional<py::typing::Tuple<uint64_t, uint64_t, uint64_t>> {
+            auto pool = c.engine().registry().PoolOf(device);
+            if (!pool) return py::none();
+            return py::make_tuple(pool->size(), pool->used(), pool->page());
+          },
+          py::kw_only(), py::arg("device"),
+          "(size, used, page) of the DEVICE or HOST pool in bytes; None without one (or after close). Never "
+          "blocks.")
+      .def(
+          "allocate",
+          [](Core &c, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout, bool blocks,
+             bool device, const KeyList &keys, std::optional<uint64_t> model_id) {
+            datadist::Geometry g;
+            g.num_tensors = num_tensors;
+            g.tensor_bytes = tensor_bytes;
+            g.units = units;
+            g.unit_bytes = units ? tensor_bytes / units : 0;
+            g.layout = layout;
+            datadist::CacheOptions o;
+            o.blocks = blocks;
+            std::vector<datadist::KeyId> ks;
+            std::vector<uint64_t> slots;
+            KeysOf(keys, &ks, &slots);
+            py::gil_scoped_release nogil;  // NIXL registers it; a released cache is deregistered
+            return c.engine().registry().Allocate(device, g, o, ks, slots, model_id);
+          },
+          py::arg("num_tensors"), py::arg("tensor_bytes"), py::arg("units"), py::arg("layout"), py::kw_only(),
+          py::arg("blocks"), py::arg("device"), py::arg("keys") = KeyList(), py::arg("model_id") = py::none(),
+          "allocate_cache / allocate_blocks_cache: carves the tensors (each on a page) from the pool of the "
+          "placement and files them as add_cache files a cache (keys, model_id), all or nothing; returns its id. "
+          "Deallocated pool caches nothing holds any more are released first. InvalidArgument without a pool or "
+          "for bad keys, OutOfMemory when the pool has no room. Blocks without the GIL while NIXL registers it.")
       .def(
           "set_model_map", [](Core &c, bool on) { c.engine().registry().SetModelMap(on); }, py::arg("on"))
       .def(
@@ -666,7 +754,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "deallocate",
           [](Core &c, int64_t id, bool drop_keys) {
-            py::gil_scoped_release nogil;  // revokes its whole-cache leases
+            py::gil_scoped_release nogil;  // revokes its whole-cache leases; NIXL deregisters it
             c.engine().registry().Deallocate(id, drop_keys);
           },
           py::arg("cache_id"), py::arg("drop_keys"))
@@ -686,6 +774,35 @@ PYBIND11_MODULE(_core, m) {
             c.engine().registry().Remove(id, false, wait_s);
           },
           py::arg("cache_id"), py::arg("wait_s"))
+      // ---- local copies: one core call per copy_cache / copy_blocks / swap_blocks
+      .def(
+          "copy_local",
+          [](Core &c, const CopySideArg &src, const CopySideArg &dst, const U32Array &src_tensors,
+             const U32Array &dst_tensors, const U64Array &src_offsets, const U64Array &dst_offsets,
+             const U64Array &lengths) {
+            datadist::Plan plan;
+            plan.remote_tensors.assign(src_tensors.data(), src_tensors.data() + src_tensors.size());
+            plan.local_tensors.assign(dst_tensors.data(), dst_tensors.data() + dst_tensors.size());
+            plan.remote_offsets = ToVector(src_offsets);
+            plan.local_offsets = ToVector(dst_offsets);
+            plan.lengths = ToVector(lengths);
+            const datadist::CopySide s = ToCopySide(src), d = ToCopySide(dst);
+            uint64_t bytes = 0;  // what the copy moves at most, for the GIL's rule (gil.h)
+            for (uint64_t len : plan.lengths) bytes += len;
+            bytes *= plan.local_tensors.size();
+            datadist_py::GilHold hold(bytes);  // over kHoldBytes: copied without the GIL
+            return c.CopyCaches(s, d, [&](datadist::Plan &out, const datadist::Geometry &, const datadist::Geometry &) {
+              out = std::move(plan);
+            });
+          },
+          py::kw_only(), py::arg("src"), py::arg("dst"), py::arg("src_tensors"), py::arg("dst_tensors"),
+          py::arg("src_offsets"), py::arg("dst_offsets"), py::arg("lengths"),
+          "Copies, for every tensor pair (src_tensors[k], dst_tensors[k]), every span (src_offsets[i], "
+          "dst_offsets[i], lengths[i]; offsets absolute in the tensor) from `src` to `dst` (a filed cache's id, "
+          "or a UserCache), in order, a run shifted within one cache unit by unit (Session::CopyCaches). Both "
+          "caches are held for the copy (CacheNotFound when one is not filed); every span is checked against "
+          "both before a byte moves (InvalidArgument). Returns the bytes copied. Over 1 MiB, copies without "
+          "the GIL.")
       .def(
           "prepare",
           [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,

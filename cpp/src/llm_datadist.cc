@@ -24,10 +24,10 @@
 #include "metrics.h"
 #include "options.h"
 #include "plan.h"
+#include "pool.h"
 #include "registry.h"
 #include "server.h"
 #include "session.h"
-#include "shm.h"
 #include "tls.h"
 
 namespace llm_datadist {
@@ -529,28 +529,24 @@ class LlmDataDist::LlmDataDistImpl {
   void Allocate(const CacheDesc &desc, Cache &cache) {
     CheckUpLocked();
     datadist::Geometry g = datadist::GeometryOf(desc);
-    // One sealed memfd per cache, its tensors page-aligned in it: a same-host reader maps it
-    // and copies with memcpy (shm.h), as from a Python pool.
+    // The allocator Python's pools use (pool.h), a pool the size of this cache: one sealed
+    // memfd, its tensors page-aligned in it; a same-host reader maps it and copies with
+    // memcpy (shm.h). The memory goes with the cache (Registry::Remove).
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     const uint64_t step = (g.tensor_bytes + page - 1) / page * page;
     if (step < g.tensor_bytes || (g.num_tensors && step > UINT64_MAX / g.num_tensors))
       Fail(LLM_OUT_OF_MEMORY,
            "cannot allocate " + std::to_string(g.num_tensors) + " x " + std::to_string(g.tensor_bytes) + " bytes");
-    std::shared_ptr<datadist::shm::Region> region;
+    std::vector<uint64_t> addrs;
+    datadist::ShmPlace shared;
+    std::shared_ptr<datadist::Pool::Allocation> memory;
     try {
-      region = datadist::shm::Region::Create("datadist-cache", step * g.num_tensors);
+      auto pool = datadist::Pool::Create("datadist-cache", step * g.num_tensors, 12);
+      memory = pool->AllocateTensors(g.num_tensors, g.tensor_bytes, &addrs, &shared);
     } catch (const datadist::Error &e) {
       Fail(desc.placement == CachePlacement::kDevice ? LLM_DEVICE_OUT_OF_MEMORY : LLM_OUT_OF_MEMORY, e.what());
     }
-    std::vector<uint64_t> addrs;
-    datadist::ShmPlace shared;
-    for (uint32_t i = 0; i < g.num_tensors; ++i) {
-      addrs.push_back(reinterpret_cast<uint64_t>(region->addr()) + i * step);
-      shared.fds.push_back(region->fd());
-      shared.inos.push_back(region->ino());
-      shared.offsets.push_back(i * step);
-    }
-    int64_t id = engine_.registry().Add(desc, addrs, {}, region, shared);
+    int64_t id = engine_.registry().Add(desc, addrs, {}, memory, shared);
     cache.cache_id = id;
     cache.cache_desc = desc;
     cache.tensor_addrs.assign(addrs.begin(), addrs.end());
@@ -638,55 +634,63 @@ class LlmDataDist::LlmDataDistImpl {
   void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset,
                  int64_t size) {
     CheckUpLocked();
-    auto s = engine_.registry().Hold(src.cache_id);
-    auto d = engine_.registry().Hold(dst.cache_id);
-    const datadist::Geometry &sg = s->entry().geo, &dg = d->entry().geo;
-    if (sg.num_tensors != dg.num_tensors) Invalid("source and destination differ in num_tensors");
-    if (src_batch >= sg.units || dst_batch >= dg.units) Invalid("batch index out of range");
-    if (offset >= sg.unit_bytes) Invalid("offset out of range");
-    if (size == -1) size = static_cast<int64_t>(sg.unit_bytes - offset);
-    if (size <= 0 || static_cast<uint64_t>(size) > sg.unit_bytes - offset ||
-        static_cast<uint64_t>(size) > dg.unit_bytes || offset > dg.unit_bytes - static_cast<uint64_t>(size))
-      Invalid("size " + std::to_string(size) + " does not fit the slots after offset " + std::to_string(offset));
-    // One span per tensor pair, copied as one (Session::CopyLocal).
-    datadist::Plan plan;
-    for (uint32_t t = 0; t < sg.num_tensors; ++t) {
-      plan.remote_tensors.push_back(t);
-      plan.local_tensors.push_back(t);
-    }
-    plan.remote_offsets = {src_batch * sg.unit_bytes + offset};
-    plan.local_offsets = {dst_batch * dg.unit_bytes + offset};
-    plan.lengths = {static_cast<uint64_t>(size)};
-    datadist::Session::CopyLocal(plan, s->entry().addrs, d->entry().addrs, static_cast<uint64_t>(size));
+    // One span per tensor pair, copied as one (Session::CopyCaches holds both caches and
+    // checks the spans against both).
+    datadist::CopySide s, d;
+    s.cache_id = src.cache_id;
+    d.cache_id = dst.cache_id;
+    auto plan_slot = [&](datadist::Plan &plan, const datadist::Geometry &sg, const datadist::Geometry &dg) {
+      if (sg.num_tensors != dg.num_tensors) Invalid("source and destination differ in num_tensors");
+      if (src_batch >= sg.units || dst_batch >= dg.units) Invalid("batch index out of range");
+      if (offset >= sg.unit_bytes) Invalid("offset out of range");
+      if (size == -1) size = static_cast<int64_t>(sg.unit_bytes - offset);
+      if (size <= 0 || static_cast<uint64_t>(size) > sg.unit_bytes - offset ||
+          static_cast<uint64_t>(size) > dg.unit_bytes || offset > dg.unit_bytes - static_cast<uint64_t>(size))
+        Invalid("size " + std::to_string(size) + " does not fit the slots after offset " + std::to_string(offset));
+      for (uint32_t t = 0; t < sg.num_tensors; ++t) {
+        plan.remote_tensors.push_back(t);
+        plan.local_tensors.push_back(t);
+      }
+      plan.remote_offsets = {src_batch * sg.unit_bytes + offset};
+      plan.local_offsets = {dst_batch * dg.unit_bytes + offset};
+      plan.lengths = {static_cast<uint64_t>(size)};
+    };
+    session_.CopyCaches(s, d, plan_slot);
   }
 
   void CopyBlocks(const Cache &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
                   const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
     CheckUpLocked();
-    auto s = engine_.registry().Hold(src.cache_id);
-    auto d = engine_.registry().Hold(dst.cache_id);
-    const datadist::Geometry &sg = s->entry().geo, &dg = d->entry().geo;
-    if (sg.num_tensors != dg.num_tensors || sg.unit_bytes != dg.unit_bytes)
-      Invalid("source and destination differ in num_tensors or block size");
-    if (src_blocks.empty() || dst_blocks_list.empty()) Invalid("block lists must not be empty");
-    for (uint64_t b : src_blocks)
-      if (b >= sg.units) Invalid("source block " + std::to_string(b) + " out of range");
-    for (const auto &list : dst_blocks_list) {
-      if (list.size() != src_blocks.size()) Invalid("every destination block list must match src_blocks in length");
-      for (uint64_t b : list)
-        if (b >= dg.units) Invalid("destination block " + std::to_string(b) + " out of range");
-    }
+    datadist::CopySide s, d;
+    s.cache_id = src.cache_id;
+    d.cache_id = dst.cache_id;
     // Each destination list in turn, runs of adjacent blocks coalesced (PlanBlocks), every
-    // tensor pair i <-> i (Session::CopyLocal).
-    datadist::Plan plan;
-    for (uint32_t t = 0; t < sg.num_tensors; ++t) {
-      plan.remote_tensors.push_back(t);
-      plan.local_tensors.push_back(t);
-    }
-    for (const auto &list : dst_blocks_list) {
-      datadist::PlanBlocks(plan, dg, src_blocks, list);
-      datadist::Session::CopyLocal(plan, s->entry().addrs, d->entry().addrs, sg.unit_bytes);
-    }
+    // tensor pair i <-> i; the lists' spans follow each other in one plan, copied in order,
+    // a run shifted within the cache block by block (Session::CopyCaches, CopyLocal).
+    auto plan_blocks = [&](datadist::Plan &plan, const datadist::Geometry &sg, const datadist::Geometry &dg) {
+      if (sg.num_tensors != dg.num_tensors || sg.unit_bytes != dg.unit_bytes)
+        Invalid("source and destination differ in num_tensors or block size");
+      if (src_blocks.empty() || dst_blocks_list.empty()) Invalid("block lists must not be empty");
+      for (uint64_t b : src_blocks)
+        if (b >= sg.units) Invalid("source block " + std::to_string(b) + " out of range");
+      for (const auto &list : dst_blocks_list) {
+        if (list.size() != src_blocks.size()) Invalid("every destination block list must match src_blocks in length");
+        for (uint64_t b : list)
+          if (b >= dg.units) Invalid("destination block " + std::to_string(b) + " out of range");
+      }
+      for (uint32_t t = 0; t < sg.num_tensors; ++t) {
+        plan.remote_tensors.push_back(t);
+        plan.local_tensors.push_back(t);
+      }
+      datadist::Plan one;
+      for (const auto &list : dst_blocks_list) {
+        datadist::PlanBlocks(one, dg, src_blocks, list);
+        plan.remote_offsets.insert(plan.remote_offsets.end(), one.remote_offsets.begin(), one.remote_offsets.end());
+        plan.local_offsets.insert(plan.local_offsets.end(), one.local_offsets.begin(), one.local_offsets.end());
+        plan.lengths.insert(plan.lengths.end(), one.lengths.begin(), one.lengths.end());
+      }
+    };
+    session_.CopyCaches(s, d, plan_blocks);
   }
 
  private:

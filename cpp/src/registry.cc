@@ -6,6 +6,7 @@
 
 #include "errors.h"
 #include "lease.h"
+#include "pool.h"
 
 namespace datadist {
 namespace {
@@ -337,9 +338,10 @@ void Registry::Insert(int64_t id, const Geometry &g, const llm_datadist::CacheDe
 
 int64_t Registry::File(const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts,
                        const ShmPlace &shm, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots,
-                       std::optional<uint64_t> model) {
+                       std::optional<uint64_t> model, std::shared_ptr<void> region) {
   CheckGeometry(geo, addrs);
   std::shared_ptr<Entry> e = Make(geo, nullptr, addrs, opts, shm);
+  e->region = std::move(region);
   std::shared_ptr<Entry> displaced;
   std::lock_guard<std::mutex> order(hooks_mu_);
   {
@@ -354,6 +356,33 @@ int64_t Registry::File(const Geometry &geo, const std::vector<uint64_t> &addrs, 
   if (hooks_.added) hooks_.added(*e);
   if (displaced && hooks_.going) hooks_.going(displaced.get());
   return e->id;
+}
+
+void Registry::SetPool(bool device, std::shared_ptr<Pool> pool) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pools_[device ? 1 : 0] = std::move(pool);
+}
+
+std::shared_ptr<Pool> Registry::PoolOf(bool device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pools_[device ? 1 : 0];
+}
+
+int64_t Registry::Allocate(bool device, const Geometry &geo, CacheOptions opts, const std::vector<KeyId> &keys,
+                           const std::vector<uint64_t> &slots, std::optional<uint64_t> model) {
+  Release();  // pool memory nothing holds any more goes back first
+  std::shared_ptr<Pool> pool = PoolOf(device);
+  if (!pool)
+    Invalid(std::string("no memory pool for ") + (device ? "DEVICE" : "HOST") + " placement: set " +
+            (device ? "mem_pool_cfg" : "host_mem_pool_cfg"));
+  CheckKeys(keys, slots, geo.units);
+  CheckGeometry(geo, {});
+  std::vector<uint64_t> addrs;
+  ShmPlace place;
+  std::shared_ptr<Pool::Allocation> memory = pool->AllocateTensors(geo.num_tensors, geo.tensor_bytes, &addrs, &place);
+  opts.allocated = true;
+  opts.device = device;
+  return File(geo, addrs, opts, place, keys, slots, model, std::move(memory));  // freed if it throws
 }
 
 void Registry::CheckKeys(const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, uint64_t units) {
@@ -444,12 +473,16 @@ void Registry::BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const 
 }
 
 void Registry::UnbindKey(const KeyId &key) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = keys_.find(key);
-  if (it == keys_.end() || !it->second->entry->opts.allocated) return;
-  it->second->entry->keys.erase(key);
-  keys_.erase(it);
-  changed_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = keys_.find(key);
+    if (it != keys_.end() && it->second->entry->opts.allocated) {
+      it->second->entry->keys.erase(key);
+      keys_.erase(it);
+      changed_.notify_all();
+    }
+  }
+  Release();  // a deallocated cache this key alone held (or a peer's read consumed) goes now
 }
 
 void Registry::SetModelMap(bool on) {
@@ -527,10 +560,15 @@ void Registry::Deallocate(int64_t id, bool drop_keys) {
     changed_.notify_all();
   }
   if (hooks_.going) hooks_.going(e.get());
+  ReleaseHooked();  // with no key and no lease holding it, its memory goes now
 }
 
-std::vector<int64_t> Registry::TakeReleased() {
+void Registry::Release() {
   std::lock_guard<std::mutex> order(hooks_mu_);
+  ReleaseHooked();
+}
+
+void Registry::ReleaseHooked() {
   std::vector<std::shared_ptr<Entry>> freed;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -540,12 +578,21 @@ std::vector<int64_t> Registry::TakeReleased() {
       return true;
     };
     dropped_.erase(std::remove_if(dropped_.begin(), dropped_.end(), free), dropped_.end());
+    for (const auto &e : freed) released_.push_back(e->id);
+    constexpr size_t kKept = 4096;
+    if (released_.size() > kKept)
+      released_.erase(released_.begin(), released_.end() - static_cast<std::ptrdiff_t>(kKept));
   }
+  for (const auto &e : freed)
+    if (hooks_.gone) hooks_.gone(*e);  // before the memory goes (NIXL deregisters it)
+  freed.clear();                       // the last holders: a pool allocation's pages go back to its pool here
+}
+
+std::vector<int64_t> Registry::Released() {
+  Release();
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
-  for (const auto &e : freed) {
-    if (hooks_.gone) hooks_.gone(*e);  // before the caller frees the memory
-    out.push_back(e->id);
-  }
+  out.swap(released_);
   return out;
 }
 
@@ -697,6 +744,9 @@ int Registry::Clear(double wait_s) {
     }
     keys_.clear();
     models_.clear();
+    // the pools go once their last allocation does (a cache still leased keeps its pool mapped)
+    pools_[0].reset();
+    pools_[1].reset();
   }
   Going(nullptr);
   int busy = 0;

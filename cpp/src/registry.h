@@ -16,8 +16,9 @@
 // (datadist.core.native) files them with File: the ids, its CacheKeys (key i -> slot i) and its
 // BlocksCacheKey model ids are the registry's (SetModelMap(true): a model id names the cache
 // bound to it); it asks Info for what it plans with, Bound and CheckKeys before it allocates,
-// Hold for its local transfers, and frees pool memory once TakeReleased lists the cache (its
-// pools are Python's; the registry decides when). A read through a CacheKey consumes it here.
+// Hold for its local transfers. Its pools are here too (SetPool, Allocate: pool.h): the registry
+// carves a pool cache's memory and gives its pages back itself once nothing holds the cache (no
+// id, key, transfer or leased copy; Release). A read through a CacheKey consumes it here.
 #ifndef DATADIST_CPP_REGISTRY_H_
 #define DATADIST_CPP_REGISTRY_H_
 
@@ -44,6 +45,7 @@ namespace datadist {
 namespace lease {
 class Fence;  // lease.h
 }  // namespace lease
+class Pool;  // pool.h
 
 /// Most spans (tensors x spans per tensor) one request may name (docs/protocol.md).
 constexpr uint64_t kMaxRequestSpans = 1ULL << 22;
@@ -186,8 +188,9 @@ class Lease {
 /// or before the wait for its leases (`going`), one hook at a time and in the order of the
 /// changes (the registry's hook mutex is held): a hook may block (a NIXL registration, a CUDA
 /// query) without stalling Open, Hold or a lease's end, and may call the registry's state
-/// calls (Open, Hold, Info, ...) but none that runs a hook (Add, File, Remove, Deallocate,
-/// TakeReleased, BindModel, UnbindModel, Clear, ForEach, SetHooks: they would wait for it).
+/// calls (Open, Hold, Info, ...) but none that runs a hook (Add, File, Allocate, Remove,
+/// Deallocate, Release, Released, UnbindKey, BindModel, UnbindModel, Clear, ForEach, SetHooks:
+/// they would wait for it).
 struct RegistryHooks {
   std::function<void(const Entry &)> added;  // a cache was filed
   /// The memory of `e` is wanted back (unregister, deallocate, its model id bound to another
@@ -213,7 +216,7 @@ class Registry {
               const ShmPlace &shm = {});
   /// Files a cache whose memory the caller keeps under the id `id` (> 0), with `opts` (tests,
   /// and embedders that number their caches). LLM_PARAM_INVALID for an id <= 0 or one in use
-  /// (by a cache, or a deallocated one not yet TakeReleased), and as the other Add for a bad
+  /// (by a cache, or a deallocated one not yet released), and as the other Add for a bad
   /// desc or addresses. Blocks while the `added` hook runs.
   void Add(int64_t id, const llm_datadist::CacheDesc &desc, const std::vector<uint64_t> &addrs,
            const CacheOptions &opts);
@@ -229,8 +232,24 @@ class Registry {
   /// id (as BindModel); all or nothing. LLM_PARAM_INVALID as AddAs and CheckKeys. Blocks while
   /// the hooks run (NIXL registers the cache; `model` may revoke the leases of the cache it
   /// named before), never under the registry's mutex.
+  /// `region`: memory the entry keeps until it goes (a pool allocation: its pages go back then).
   int64_t File(const Geometry &geo, const std::vector<uint64_t> &addrs, const CacheOptions &opts, const ShmPlace &shm,
-               const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, std::optional<uint64_t> model);
+               const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots, std::optional<uint64_t> model,
+               std::shared_ptr<void> region = nullptr);
+  /// The pool DEVICE (`device`) or HOST caches are allocated from (null: none), set by the
+  /// embedder before it allocates (mem_pool_cfg, host_mem_pool_cfg); Clear drops both. Not
+  /// blocking.
+  void SetPool(bool device, std::shared_ptr<Pool> pool);
+  std::shared_ptr<Pool> PoolOf(bool device);
+  /// allocate_cache / allocate_blocks_cache: what nothing holds any more is released first
+  /// (Release), the keys are checked (CheckKeys: a bad key is LLM_PARAM_INVALID, never an
+  /// out-of-memory), the tensors carved from the pool of `device` (Pool::AllocateTensors, each
+  /// on a page) and filed as File files them, `opts.allocated` set and its memfd told to
+  /// same-host readers (ShmPlace); all or nothing. LLM_PARAM_INVALID without a pool for the
+  /// placement; LLM_OUT_OF_MEMORY when the pool has no free run large enough. Blocks while the
+  /// hooks run (NIXL registers the cache).
+  int64_t Allocate(bool device, const Geometry &geo, CacheOptions opts, const std::vector<KeyId> &keys,
+                   const std::vector<uint64_t> &slots, std::optional<uint64_t> model);
   /// The key rules of a filing, checked before the caller allocates memory for it (so a bad
   /// key is LLM_PARAM_INVALID, never an out-of-memory): every slot below `units`, no key given
   /// twice, none bound already. Not blocking.
@@ -260,22 +279,27 @@ class Registry {
   /// The Python package's deallocate: the id no longer names the cache and its whole-cache
   /// leases are revoked; its keys (dropped too with `drop_keys`, as the facade asks for
   /// blocks caches, with the model id) keep serving it until they are consumed or unbound.
-  /// Its memory may go once TakeReleased lists it. Unknown ids and caches not added as
-  /// `allocated`: no-op. Blocks while the `going` hook runs.
+  /// Its memory goes at once when nothing holds it (Release). Unknown ids and caches not
+  /// added as `allocated`: no-op. Blocks while the `going` and `gone` hooks run.
   void Deallocate(int64_t id, bool drop_keys);
-  /// Ids of deallocated caches that nothing holds any more (no key, no lease, no leased copy
-  /// in flight): the caller may free their memory. Each id is listed once and becomes free
-  /// for Add again. The pools' owner asks before it allocates (after Deallocate, UnbindKey,
-  /// or a peer's read that consumed the last key). Runs the `gone` hook of each (NIXL
-  /// deregisters it) before it returns; the fences of leased caches are polled here.
-  std::vector<int64_t> TakeReleased();
+  /// Releases the deallocated caches nothing holds any more (no key, no lease, no leased copy
+  /// in flight): runs the `gone` hook of each (NIXL deregisters it), then drops them, so that
+  /// the memory they keep (a pool allocation) goes back; each id becomes free for Add again.
+  /// The registry calls it itself after Deallocate and UnbindKey and before Allocate; what a
+  /// peer's read (the last key consumed) or a lease's end left releasable goes at the next of
+  /// those (the fences of leased caches are polled here). Blocks while the hooks run.
+  void Release();
+  /// The ids Release freed since the last call, oldest first (at most the last 4096): tests
+  /// and tools; it runs Release first. Blocks while the hooks run.
+  std::vector<int64_t> Released();
 
   /// Binds `keys[i]` to slot `slots[i]` of cache `cache_id`, all or none: LLM_KV_CACHE_NOT_EXIST for an unknown cache;
   /// LLM_PARAM_INVALID for a slot out of range, a key given twice, or one already bound. Not
   /// blocking.
   void BindKeys(int64_t cache_id, const std::vector<KeyId> &keys, const std::vector<uint64_t> &slots);
-  /// remove_cache_key: unbinds a key of an allocated cache. Unknown keys and keys on
-  /// registered memory: no-op (as the original). Not blocking.
+  /// remove_cache_key: unbinds a key of an allocated cache; a deallocated cache it alone held
+  /// is released (Release). Unknown keys and keys on registered memory: no-op (as the
+  /// original). Blocks only while the `gone` hook runs.
   void UnbindKey(const KeyId &key);
   /// Model-map mode (the native engine turns it on before it adds caches): a BlocksCacheKey
   /// names the cache bound to its model id (BindModel) and nothing else. Off (the C++ API's
@@ -360,6 +384,8 @@ class Registry {
   /// The entry a kCacheId or kBlocksKey key (id_or_a, model b) names, checked servable.
   std::shared_ptr<Entry> Named(uint8_t kind, uint64_t a, uint64_t b);
   void UnbindAll(Entry &e);
+  /// Release with hooks_mu_ held by the caller.
+  void ReleaseHooked();
   /// No leased copy of `e` in flight, under its fence or any fence it had before (meaningful
   /// once revoked); old fences found drained are dropped. Lock held; one non-blocking try each.
   static bool FencesDrained(Entry &e);
@@ -375,7 +401,9 @@ class Registry {
   std::map<int64_t, std::shared_ptr<Entry>> by_id_;
   std::map<KeyId, std::shared_ptr<Binding>> keys_;
   std::map<uint64_t, std::shared_ptr<Entry>> models_;
-  std::vector<std::shared_ptr<Entry>> dropped_;  // deallocated, not yet TakeReleased
+  std::vector<std::shared_ptr<Entry>> dropped_;  // deallocated, not yet released
+  std::vector<int64_t> released_;                // Release's ids, for Released (bounded)
+  std::shared_ptr<Pool> pools_[2];               // HOST, DEVICE
   std::vector<std::shared_ptr<Entry>> stuck_;    // still leased when Clear gave up on them
   bool model_map_ = false;
   std::atomic<bool> remote_writes_{true};

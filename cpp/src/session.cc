@@ -288,4 +288,71 @@ void Session::CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs
   }
 }
 
+namespace {
+
+// "the source" / "the destination" span check of CheckCopyPlan.
+void CheckSide(const char *side, const std::vector<uint32_t> &tensors, const std::vector<uint64_t> &offsets,
+               const std::vector<uint64_t> &lengths, const Geometry &g) {
+  for (uint32_t t : tensors)
+    if (t >= g.num_tensors)
+      Invalid(std::string("local copy: ") + side + " tensor " + std::to_string(t) + " out of range: the " + side +
+              " has " + std::to_string(g.num_tensors) + " tensors");
+  if (offsets.size() != lengths.size())
+    Invalid(std::string("local copy: ") + std::to_string(offsets.size()) + " " + side + " offsets for " +
+            std::to_string(lengths.size()) + " lengths");
+  for (size_t i = 0; i < offsets.size(); ++i)
+    if (lengths[i] == 0 || lengths[i] > g.tensor_bytes || offsets[i] > g.tensor_bytes - lengths[i])
+      Invalid(std::string("local copy: ") + side + " span [" + std::to_string(offsets[i]) + ", +" +
+              std::to_string(lengths[i]) + ") lies outside the " + side + "'s tensors of " +
+              std::to_string(g.tensor_bytes) + " bytes");
+}
+
+}  // namespace
+
+void CheckUnfiled(const Geometry &geo, const std::vector<uint64_t> &addrs) {
+  if (addrs.size() != geo.num_tensors)
+    Invalid(std::to_string(addrs.size()) + " addresses given for " + std::to_string(geo.num_tensors) + " tensors");
+  if (geo.units == 0 || geo.tensor_bytes % geo.units != 0 || geo.unit_bytes != geo.tensor_bytes / geo.units)
+    Invalid("a cache of " + std::to_string(geo.tensor_bytes) + " bytes a tensor does not split into " +
+            std::to_string(geo.units) + " units");
+  for (uint64_t a : addrs) {
+    if (a == 0) Invalid("tensor addresses must be non-zero");
+    if (a > UINT64_MAX - geo.tensor_bytes) Invalid("a tensor passes the end of the address space");
+  }
+}
+
+void CheckCopyPlan(const Plan &plan, const Geometry &src, const Geometry &dst) {
+  if (plan.remote_tensors.size() != plan.local_tensors.size())
+    Invalid("local copy: " + std::to_string(plan.remote_tensors.size()) + " source tensors paired with " +
+            std::to_string(plan.local_tensors.size()) + " destination tensors");
+  CheckSide("source", plan.remote_tensors, plan.remote_offsets, plan.lengths, src);
+  CheckSide("destination", plan.local_tensors, plan.local_offsets, plan.lengths, dst);
+}
+
+uint64_t Session::CopyCaches(const CopySide &src, const CopySide &dst,
+                             const std::function<void(Plan &, const Geometry &, const Geometry &)> &planner) {
+  std::unique_ptr<Lease> held[2];  // released when the copy ends, whatever its outcome
+  const Geometry *geo[2];
+  const std::vector<uint64_t> *addrs[2];
+  const CopySide *sides[2] = {&src, &dst};
+  for (int i = 0; i < 2; ++i) {
+    if (sides[i]->cache_id >= 0) {
+      held[i] = engine_.registry().Hold(sides[i]->cache_id);
+      geo[i] = &held[i]->entry().geo;
+      addrs[i] = &held[i]->entry().addrs;
+    } else {
+      CheckUnfiled(sides[i]->geo, sides[i]->addrs);
+      geo[i] = &sides[i]->geo;
+      addrs[i] = &sides[i]->addrs;
+    }
+  }
+  Plan plan;
+  planner(plan, *geo[0], *geo[1]);
+  CheckCopyPlan(plan, *geo[0], *geo[1]);
+  CopyLocal(plan, *addrs[0], *addrs[1], geo[1]->unit_bytes);
+  uint64_t bytes = 0;
+  for (uint64_t len : plan.lengths) bytes += len;
+  return bytes * plan.local_tensors.size();
+}
+
 }  // namespace datadist

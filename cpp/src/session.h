@@ -80,6 +80,26 @@ struct Call {
   static std::shared_ptr<Call> Make(bool write, uint64_t cluster, wire::Request req, std::vector<iovec> iov);
 };
 
+/// One side of a local copy (Session::CopyCaches): the registry's cache `cache_id` (>= 0),
+/// or, with `cache_id` < 0, memory the caller describes but never filed (Python's
+/// create_cpu_cache): its geometry and tensor bases, which the caller keeps mapped for the
+/// copy (CheckUnfiled says what is refused).
+struct CopySide {
+  int64_t cache_id = -1;
+  Geometry geo;                 // unfiled memory only
+  std::vector<uint64_t> addrs;  // unfiled memory only: each tensor's base
+};
+
+/// An unfiled side's description: one non-zero base per tensor, none whose tensor would pass
+/// the end of the address space, units that split the tensor (LLM_PARAM_INVALID). Never blocks.
+void CheckUnfiled(const Geometry &geo, const std::vector<uint64_t> &addrs);
+
+/// A local copy's plan against its two sides: as many source as destination tensors, each
+/// index inside its side, as many offsets as lengths on both sides, and every span
+/// [offset, offset + length) of >= 1 byte inside the tensor on its side (overflow-safe).
+/// LLM_PARAM_INVALID naming the side and the span. Never blocks.
+void CheckCopyPlan(const Plan &plan, const Geometry &src, const Geometry &dst);
+
 /// Issued pulls up to this many bytes may run in the issuing thread (Submit).
 constexpr uint64_t kInlineBytes = 64 << 10;
 
@@ -185,6 +205,17 @@ class Session {
   /// every span against both caches (plan.h) and holds them. Blocks on memory only.
   static void CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs,
                         const std::vector<uint64_t> &dst_addrs, uint64_t unit);
+
+  /// The local copy both faces call (Python's copy_cache / copy_blocks / swap_blocks, CANN's
+  /// CopyKvCache / CopyKvBlocks): both sides resolved and held for the copy (a filed cache:
+  /// Registry::Hold, LLM_KV_CACHE_NOT_EXIST when it is unknown or being unregistered; the
+  /// source first), `plan` made by `planner` from the two geometries (the face's own rules and
+  /// words; it may throw), every span of it checked against both sides (CheckCopyPlan) before
+  /// a byte moves, then copied as CopyLocal copies, the destination's unit (a block, a batch
+  /// slot) the overlap rule's step. Returns the bytes copied. Blocks on memory only; never
+  /// takes the GIL (the binding releases it for a large copy).
+  uint64_t CopyCaches(const CopySide &src, const CopySide &dst,
+                      const std::function<void(Plan &, const Geometry &src, const Geometry &dst)> &planner);
 
  private:
   /// The call's local cache held (nullptr for a call that names none), or

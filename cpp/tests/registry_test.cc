@@ -184,7 +184,7 @@ TEST_F(Native, TheIdOfADeallocatedCacheIsInUseUntilReleased) {
   reg.Deallocate(1, false);
   EXPECT_EQ(Refused([&] { reg.Add(1, kGeo, kAddrs, kUser); }).code, LLM_PARAM_INVALID);
   Pull(reg, ByKey(1));
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{1});
   reg.Add(1, kGeo, kAddrs, kUser);
 }
 
@@ -353,11 +353,11 @@ TEST_F(Native, ConcurrentReadersConsumeAKeyOnce) {
     reg.Deallocate(id, false);
     std::vector<int64_t> released;
     for (auto &t : readers) {
-      std::vector<int64_t> got = reg.TakeReleased();
+      std::vector<int64_t> got = reg.Released();
       released.insert(released.end(), got.begin(), got.end());
       t.join();
     }
-    std::vector<int64_t> got = reg.TakeReleased();
+    std::vector<int64_t> got = reg.Released();
     released.insert(released.end(), got.begin(), got.end());
     EXPECT_EQ(Consumed(), std::vector<KeyId>{K(1)});
     EXPECT_EQ(released, std::vector<int64_t>{id});
@@ -398,14 +398,14 @@ TEST_F(Native, UnpinEndsTheMemoryLeaseAndSettleDecidesTheKey) {
   reg.Deallocate(1, false);
   auto lease = reg.Open(ByKey(1));
   lease->Unpin();
-  EXPECT_TRUE(reg.TakeReleased().empty());  // the key still holds the cache
+  EXPECT_TRUE(reg.Released().empty());  // the key still holds the cache
   lease->Settle(false);
   lease = reg.Open(ByKey(1));  // not consumed: readable again
   lease->Unpin();
   lease->Settle(true);
   lease->Settle(false);  // only the first verdict counts
   EXPECT_EQ(Consumed(), std::vector<KeyId>{K(1)});
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{1});
 }
 
 // Python: Registry.remove_key (test_remove_key_unknown_is_a_no_op).
@@ -426,14 +426,14 @@ TEST_F(Native, DeallocateKeepsTheCacheWhileKeysHoldIt) {
   Pool(1, {K(1), K(2)});
   reg.Deallocate(1, false);
   EXPECT_EQ(Refused([&] { reg.Open(ById(1)); }).code, LLM_KV_CACHE_NOT_EXIST);
-  EXPECT_TRUE(reg.TakeReleased().empty());
+  EXPECT_TRUE(reg.Released().empty());
   Pull(reg, ByKey(1));  // keys still work; this consumes K(1)
-  EXPECT_TRUE(reg.TakeReleased().empty());
+  EXPECT_TRUE(reg.Released().empty());
   Unbind(K(2));
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{1});
   Unbind(K(2));
   reg.Deallocate(1, false);
-  EXPECT_TRUE(reg.TakeReleased().empty());  // listed once
+  EXPECT_TRUE(reg.Released().empty());  // listed once
 }
 
 // Python: test_a_lease_defers_the_free_until_the_transfer_ends, test_deallocate_without_keys_frees_at_once,
@@ -445,12 +445,12 @@ TEST_F(Native, ALeaseDefersTheReleaseAndRegisteredCachesAreNotDeallocated) {
   reg.Deallocate(1, false);
   Unbind(K(1));
   EXPECT_TRUE(lease->WantedBack());
-  EXPECT_TRUE(reg.TakeReleased().empty());  // a peer is still reading this memory
+  EXPECT_TRUE(reg.Released().empty());  // a peer is still reading this memory
   lease.reset();
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{1});
   Pool(2, {});
   reg.Deallocate(2, false);
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{2});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{2});
   User(3, {K(3)});
   reg.Deallocate(3, false);
   reg.Deallocate(99, false);
@@ -530,9 +530,9 @@ TEST_F(Native, FileNumbersTheCacheAndBindsItsKeysAndModelAllOrNothing) {
   EXPECT_FALSE(reg.Bound(K(1)));
   reg.Deallocate(first, false);
   EXPECT_EQ(Refused([&] { reg.Describe(first); }).code, LLM_KV_CACHE_NOT_EXIST);
-  EXPECT_TRUE(reg.TakeReleased().empty());  // K(2) still holds it
+  EXPECT_TRUE(reg.Released().empty());  // K(2) still holds it
   reg.UnbindKey(K(2));
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{first});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{first});
   EXPECT_EQ(reg.File(geo, kAddrs, kUser, {}, {}, {}, std::nullopt), 3);  // ids are never reused
 }
 
@@ -752,7 +752,7 @@ TEST_F(Native, DeallocatingABlocksCacheDropsItsModelId) {
   ASSERT_TRUE(view) << why;
   reg.Deallocate(1, true);
   EXPECT_TRUE(view->Revoked());  // leases by id or model id end with the id
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{1});
   EXPECT_EQ(Refused([&] { reg.Open(ByModel(4)); }).code, LLM_KV_CACHE_NOT_EXIST);
 }
 
@@ -1086,9 +1086,9 @@ TEST_F(Native, PoolMemoryGoesBackOnlyOnceTheLeasedCopyEnded) {
   auto view = ViewOf(reg.LeaseCache(LeaseBy(w::kCacheId, 1, 0)));
   ASSERT_TRUE(view && view->Enter());
   reg.Deallocate(1, true);
-  EXPECT_TRUE(reg.TakeReleased().empty());  // a leased copy is still reading it
+  EXPECT_TRUE(reg.Released().empty());  // a leased copy is still reading it
   view->Leave();
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{1});
 }
 
 // Python: test_pool_memory_goes_back_only_once_the_copy_ended's wait_unleased: finalize
@@ -1155,9 +1155,9 @@ TEST_F(Native, ACopyUnderAReplacedFenceIsWaitedForToo) {
   ASSERT_TRUE(view2 && !view2->Revoked());
   EXPECT_EQ(Refused([&] { reg.Remove(1, false, 0.05); }).code, llm_datadist::LLM_TIMEOUT);
   reg.Deallocate(1, true);
-  EXPECT_TRUE(reg.TakeReleased().empty());
+  EXPECT_TRUE(reg.Released().empty());
   first->Leave();
-  EXPECT_EQ(reg.TakeReleased(), std::vector<int64_t>{1});
+  EXPECT_EQ(reg.Released(), std::vector<int64_t>{1});
 }
 
 // ------------------------------------------------------------------------------ 11. fence files

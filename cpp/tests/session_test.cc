@@ -415,4 +415,88 @@ TEST(Session, CopyLocalCoalescesRunsAndCopiesAnOverlappingRunBlockByBlock) {
   EXPECT_EQ(d.cache.T(0)[2 * 16], 0);
 }
 
+// CopyCaches: both sides held and every span checked against both before a byte moves.
+TEST(Session, CopyCachesRefusesASpanOutsideEitherCacheAndWritesNothing) {
+  Session s(9105, 0, 1);
+  Blocks a{2, 8, 16}, b{2, 4, 16};
+  for (uint64_t i = 0; i < 8 * 16; ++i) a.cache.T(1)[i] = static_cast<uint8_t>(i / 16 + 1);
+  const int64_t src = s.engine().registry().Add(a.cache.desc, a.cache.addrs, {});
+  const int64_t dst = s.engine().registry().Add(b.cache.desc, b.cache.addrs, {});
+  datadist::CopySide from, to;
+  from.cache_id = src;
+  to.cache_id = dst;
+  auto planned = [](std::vector<uint32_t> st, std::vector<uint32_t> dt, std::vector<uint64_t> so,
+                    std::vector<uint64_t> dof, std::vector<uint64_t> len) {
+    return [=](datadist::Plan &p, const datadist::Geometry &, const datadist::Geometry &) {
+      p.remote_tensors = st;
+      p.local_tensors = dt;
+      p.remote_offsets = so;
+      p.local_offsets = dof;
+      p.lengths = len;
+    };
+  };
+  // a good first span, then one past the destination's 64 bytes: nothing is copied
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(from, to, planned({1}, {1}, {0, 16}, {0, 56}, {16, 16})); }), LLM_PARAM_INVALID);
+  // past the source, a tensor the destination has not, an empty span, offsets that wrap
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(from, to, planned({1}, {1}, {120}, {0}, {16})); }), LLM_PARAM_INVALID);
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(from, to, planned({1}, {2}, {0}, {0}, {16})); }), LLM_PARAM_INVALID);
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(from, to, planned({1}, {1}, {0}, {0}, {0})); }), LLM_PARAM_INVALID);
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(from, to, planned({1}, {1}, {UINT64_MAX - 7}, {0}, {16})); }), LLM_PARAM_INVALID);
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(from, to, planned({0, 1}, {1}, {0}, {0}, {16})); }), LLM_PARAM_INVALID);
+  for (uint64_t i = 0; i < 4 * 16; ++i) ASSERT_EQ(b.cache.T(1)[i], 0) << i;
+  // a cache not filed: LLM_KV_CACHE_NOT_EXIST, and its hold is let go of the other side
+  datadist::CopySide gone;
+  gone.cache_id = 999;
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(from, gone, planned({0}, {0}, {0}, {0}, {16})); }), LLM_KV_CACHE_NOT_EXIST);
+  EXPECT_EQ(s.engine().registry().Describe(src).leases, 0);
+  // the good one copies, and says how many bytes
+  EXPECT_EQ(s.CopyCaches(from, to, planned({1}, {1}, {16, 96}, {0, 32}, {32, 16})), 48U);
+  EXPECT_EQ(b.cache.T(1)[0], 2);
+  EXPECT_EQ(b.cache.T(1)[31], 3);
+  EXPECT_EQ(b.cache.T(1)[32], 7);
+  EXPECT_EQ(b.cache.T(1)[48], 0);
+  EXPECT_EQ(s.engine().registry().Describe(src).leases, 0);
+  EXPECT_EQ(s.engine().registry().Describe(dst).leases, 0);
+}
+
+TEST(Session, CopyCachesHoldsTheCachesAndCopiesUnfiledMemoryWithinItsDescription) {
+  Session s(9106, 0, 1);
+  Blocks a{1, 8, 16};
+  for (uint64_t i = 0; i < 8 * 16; ++i) a.cache.T(0)[i] = static_cast<uint8_t>(i / 16 + 1);
+  const int64_t id = s.engine().registry().Add(a.cache.desc, a.cache.addrs, {});
+  std::vector<uint8_t> mine(4 * 16, 0);
+  datadist::CopySide filed, unfiled;
+  filed.cache_id = id;
+  unfiled.geo = {1, 64, 4, 16, 0};
+  unfiled.addrs = {reinterpret_cast<uint64_t>(mine.data())};
+  // while the planner runs, the filed cache is held: an unregister would wait for it
+  int leases_seen = -1;
+  s.CopyCaches(filed, unfiled, [&](datadist::Plan &p, const datadist::Geometry &sg, const datadist::Geometry &dg) {
+    leases_seen = s.engine().registry().Describe(id).leases;
+    EXPECT_EQ(sg.units, 8U);
+    EXPECT_EQ(dg.units, 4U);
+    p = BlockPlan(dg, {3, 4}, {0, 1});
+  });
+  EXPECT_EQ(leases_seen, 1);
+  EXPECT_EQ(mine[0], 4);
+  EXPECT_EQ(mine[31], 5);
+  EXPECT_EQ(mine[32], 0);
+  // an unfiled side whose description is bad is refused before anything
+  datadist::CopySide bad = unfiled;
+  bad.addrs = {0};
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(filed, bad, [](datadist::Plan &, auto &, auto &) {}); }), LLM_PARAM_INVALID);
+  bad.addrs = {UINT64_MAX - 8};
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(filed, bad, [](datadist::Plan &, auto &, auto &) {}); }), LLM_PARAM_INVALID);
+  bad = unfiled;
+  bad.geo.units = 3;
+  bad.geo.unit_bytes = 21;
+  EXPECT_EQ(CodeOf([&] { s.CopyCaches(filed, bad, [](datadist::Plan &, auto &, auto &) {}); }), LLM_PARAM_INVALID);
+  // within one cache, a run shifted by a block copies block by block in order (CopyLocal)
+  s.CopyCaches(filed, filed, [](datadist::Plan &p, const datadist::Geometry &sg, const datadist::Geometry &) {
+    p = BlockPlan(sg, {0, 1, 2}, {1, 2, 3});
+  });
+  for (uint64_t blk = 0; blk < 4; ++blk) EXPECT_EQ(a.cache.T(0)[blk * 16 + 15], 1) << blk;
+  EXPECT_EQ(a.cache.T(0)[4 * 16], 5);
+}
+
 }  // namespace

@@ -1,5 +1,6 @@
 """Local copies: ``copy_cache``, ``copy_blocks``, ``swap_blocks`` (with ``create_cpu_cache``),
-``remap_registered_memory``; the planners and executor of ``core/local.py``.
+``remap_registered_memory``; the planners of ``core/local.py`` and the core's copy
+(``NativeEngine.copy_local``, the session's CopyCaches) they call.
 
 Every copy is checked byte for byte against the same copy done with numpy slicing, including
 the bytes that must stay untouched.
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 
 import datadist as llm
+from datadist.api.cache_manager import CacheManager
 from datadist.core import local
-from datadist.core.errors import InvalidArgument
-from datadist.core.layout import Geometry
+from datadist.core.errors import CacheNotFound, InvalidArgument
+from datadist.core.layout import Geometry, Plan
 
 from ._support import PROMPT_ID, code, units
 
@@ -78,41 +80,129 @@ class TestPlanners:
             local.plan_block_copy(Geometry(1, 64, 2, True), Geometry(1, 64, 4, True),
                                   np.array([0]), np.array([0]))
 
-    @pytest.mark.parametrize("path", ["memmove", "vm_copy", "refused"])
-    def test_executor_paths_copy_the_same_bytes(self, path, monkeypatch):
-        """Few spans go through memmove, many through process_vm_readv on our own pid, and
-        a kernel refusal falls back to memmove: all three give numpy's answer."""
-        calls = []
-        if path == "memmove":
-            monkeypatch.setattr(local, "MEMMOVE_MAX_SPANS", 10**9)
-        else:
-            monkeypatch.setattr(local, "MEMMOVE_MAX_SPANS", 0)
-            monkeypatch.setattr(local, "MEMMOVE_MIN_AVG_SPAN", 10**12)
-        real_vm = local.vm_copy
 
-        def vm(*a, **k):
-            calls.append("vm")
-            if path == "refused":
-                raise local.CmaRefused("test")
-            return real_vm(*a, **k)
 
-        monkeypatch.setattr(local, "vm_copy", vm)
-        rng = np.random.default_rng(1)
+# ================================================================================ the core's copy
+
+
+def _plan(src_tensors, dst_tensors, src_offsets, dst_offsets, lengths):
+    return Plan(np.array(src_tensors, np.uint32), np.array(dst_tensors, np.uint32),
+                np.array(src_offsets, np.uint64), np.array(dst_offsets, np.uint64),
+                np.array(lengths, np.uint64))
+
+
+class TestCoreCopy:
+    """``NativeEngine.copy_local``: one core call holds both caches, checks every span against
+    both and copies; the facade's planning is not what keeps memory safe."""
+
+    def test_a_span_outside_either_cache_is_refused_and_nothing_is_written(self, side):
+        src, a = side.register(2, [8, 16], blocks=True, seed=11)
+        dst, b = side.register(2, [4, 16], blocks=True)
+        eng = side.engine
+        for plan in [
+            _plan([1], [1], [0, 16], [0, 56], [16, 16]),  # the second span passes dst's 64 bytes
+            _plan([1], [1], [120], [0], [16]),  # passes the source's 128 bytes
+            _plan([1], [2], [0], [0], [16]),  # dst has 2 tensors
+            _plan([0], [0], [0], [0], [0]),  # an empty span
+            _plan([0], [0], [2**64 - 8], [0], [16]),  # wraps
+        ]:
+            with pytest.raises(InvalidArgument, match="local copy"):
+                eng.copy_local(src.cache_id, dst.cache_id, plan)
+        assert not b.any()
+        assert eng.leases(src.cache_id) == eng.leases(dst.cache_id) == 0
+
+    def test_copies_what_the_plan_names_and_counts_it(self, side):
+        src, a = side.register(2, [8, 16], blocks=True, seed=12)
+        dst, b = side.register(2, [4, 16], blocks=True)
+        plan = _plan([1, 0], [0, 1], [16, 96], [0, 32], [32, 16])
+        assert side.engine.copy_local(src.cache_id, dst.cache_id, plan) == 2 * 48
+        want = np.zeros_like(b)
+        want[0, 0:32], want[0, 32:48] = a[1, 16:48], a[1, 96:112]
+        want[1, 0:32], want[1, 32:48] = a[0, 16:48], a[0, 96:112]
+        np.testing.assert_array_equal(b, want)
+
+    def test_a_cache_not_filed_is_cache_not_found(self, side):
+        src, _ = side.register(1, [4, 16], blocks=True)
+        gone, _ = side.register(1, [4, 16], blocks=True)
+        side.cm.unregister_cache(gone.cache_id)
+        for s_id, d_id in [(src.cache_id, gone.cache_id), (gone.cache_id, src.cache_id),
+                           (src.cache_id, -1)]:
+            with pytest.raises(CacheNotFound):
+                side.engine.copy_local(s_id, d_id, _plan([0], [0], [0], [0], [16]))
+
+    def test_unfiled_memory_is_checked_against_its_description(self, side):
+        src, a = side.register(1, [4, 16], blocks=True, seed=13)
+        mine = np.zeros(64, np.uint8)
+        user = side.engine.user_cache(Geometry(1, 64, 4, True), np.array([mine.ctypes.data]))
+        with pytest.raises(InvalidArgument, match="outside the destination"):
+            side.engine.copy_local(src.cache_id, user, _plan([0], [0], [0], [48], [32]))
+        assert not mine.any()
+        side.engine.copy_local(src.cache_id, user, _plan([0], [0], [16], [48], [16]))
+        np.testing.assert_array_equal(mine[48:], a[0, 16:32])
+        with pytest.raises(InvalidArgument):
+            side.engine.user_cache(Geometry(1, 64, 4, True), np.array([0]))
+
+    def test_a_run_shifted_within_one_cache_copies_block_by_block(self, side):
+        c, a = side.register(1, [8, 16], blocks=True)
+        units(a, 8)[0] = np.arange(1, 9, dtype=np.uint8)[:, None]
+        # blocks 0..2 -> 1..3 as one span that overlaps itself: as three block copies in
+        # order, every one of blocks 1..3 ends up block 0's
+        side.engine.copy_local(c.cache_id, c.cache_id, _plan([0], [0], [0], [16], [48]))
+        assert units(a, 8)[0, :, 0].tolist() == [1, 1, 1, 1, 5, 6, 7, 8]
+
+    def test_many_blocks_land_as_numpy_says(self, side):
         n_blocks, bb = 512, 64
-        src = rng.integers(0, 256, (2, n_blocks * bb), dtype=np.uint8)
-        dst = np.zeros_like(src)
+        dev, d = side.register(2, [n_blocks, bb], blocks=True, seed=14)
+        host, h = side.register(2, [n_blocks, bb], blocks=True, placement=HOST)
+        rng = np.random.default_rng(1)
         s_blocks = rng.permutation(n_blocks)[:300]
         d_blocks = rng.permutation(n_blocks)[:300]
-        g = Geometry(2, n_blocks * bb, n_blocks, True)
-        plan = local.plan_block_copy(g, g, s_blocks, d_blocks)
-        def addrs(a):
-            return np.array([a[i].ctypes.data for i in range(2)], dtype=np.uint64)
+        side.cm.swap_blocks(dev, host, dict(zip(s_blocks.tolist(), d_blocks.tolist(),
+                                                strict=True)))
+        want = np.zeros_like(h)
+        units(want, n_blocks)[:, d_blocks] = units(d, n_blocks)[:, s_blocks]
+        np.testing.assert_array_equal(h, want)
 
-        assert local.execute(plan, addrs(src), addrs(dst)) == 2 * 300 * bb
-        want = np.zeros_like(src)
-        units(want, n_blocks)[:, d_blocks] = units(src, n_blocks)[:, s_blocks]
-        np.testing.assert_array_equal(dst, want)
-        assert calls == ([] if path == "memmove" else ["vm"])
+
+class TestPoolAndUserCaches:
+    """Copies between caches carved from a pool and the caller's memory, both ways."""
+
+    @pytest.fixture
+    def pooled(self, make_side):
+        side = make_side(PROMPT_ID, listen=False, pool=1 << 20)
+        side.cm = CacheManager(side.engine, mem_pool=True)
+        return side
+
+    def test_swap_between_a_pool_cache_and_a_cpu_cache(self, pooled):
+        desc = llm.CacheDesc(2, [8, 32], llm.DataType.DT_UINT8, DEVICE)
+        dev = pooled.cm.allocate_blocks_cache(desc)
+        entry = pooled.engine.cache(dev.cache_id)
+        assert entry.owned
+        pool_mem = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 256).from_address(
+            int(entry.addrs[i]))) for i in range(2)]
+        for i in range(2):
+            pool_mem[i][:] = np.arange(256, dtype=np.uint8) + i
+        host, h = cpu_cache(2, [8, 32])
+        pooled.cm.swap_blocks(dev, host, {1: 0, 2: 1, 7: 5})
+        want = np.zeros_like(h)
+        for i in range(2):
+            units(want, 8)[i, [0, 1, 5]] = pool_mem[i].reshape(8, 32)[[1, 2, 7]]
+        np.testing.assert_array_equal(h, want)
+        h[...] = 200
+        pooled.cm.swap_blocks(host, dev, {0: 3})
+        for i in range(2):
+            assert (pool_mem[i].reshape(8, 32)[3] == 200).all()
+            assert pool_mem[i][0] == i  # block 0 untouched
+
+    def test_copy_cache_between_a_pool_cache_and_a_registered_one(self, pooled):
+        desc = llm.CacheDesc(1, [2, 64], llm.DataType.DT_UINT8, DEVICE)
+        pool_cache = pooled.cm.allocate_cache(desc)
+        user, u = pooled.register(1, [2, 64], seed=15)
+        pooled.cm.copy_cache(pool_cache, user, dst_batch_index=1, src_batch_index=0)
+        back, b = pooled.register(1, [2, 64])
+        pooled.cm.copy_cache(back, pool_cache, dst_batch_index=0, src_batch_index=1)
+        np.testing.assert_array_equal(units(b, 2)[0, 0], units(u, 2)[0, 0])
+        assert not units(b, 2)[0, 1].any()
 
 
 # ================================================================================ copy_cache

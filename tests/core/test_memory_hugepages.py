@@ -129,17 +129,35 @@ def test_a_real_hugetlb_attempt_without_free_pages_falls_back(
         os.close(m.fd)
 
 
+def _pool_fd() -> int:
+    """Our descriptor of the memfd the core made for an engine's host pool."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:datadist-host-pool "):
+                return int(fd)
+        except OSError:  # the directory's own descriptor, closed since
+            continue
+    raise AssertionError("no host pool memfd")
+
+
 def test_pool_maps_whole_huge_pages_but_allocates_what_was_asked() -> None:
-    p = pool.HostPool(HUGE + (1 << 16), page_shift=16)
+    """The core's pool (cpp/src/pool.h, shm::Region): its memfd is whole huge pages, and it
+    hands out exactly the size asked for (rounded to its pages), not a byte more."""
+    from datadist.core.config import HOST, EngineConfig
+    from datadist.core.layout import Geometry
+    from datadist.core.native import NativeEngine
+
+    eng = NativeEngine(EngineConfig(cluster_id=63, role=0,
+                                    host_pool=pool.PoolConfig(HUGE + (1 << 16), 16)))
     try:
-        assert p.size == HUGE + (1 << 16) and p.map_size == 2 * HUGE
-        assert p.backing in repr(p)
-        a = p.allocate(p.size)  # all of it, and not a byte more
+        fd = _pool_fd()
+        assert os.fstat(fd).st_size == 2 * HUGE
+        entry = eng.allocate(Geometry(1, HUGE + (1 << 16), 1), placement=HOST)  # all of it
         with pytest.raises(OutOfMemory):
-            p.allocate(1)
-        _view(a, p.size)[[0, -1]] = 1
+            eng.allocate(Geometry(1, 1, 1), placement=HOST)
+        _view(int(entry.addrs[0]), HUGE + (1 << 16))[[0, -1]] = 1
     finally:
-        p.close()
+        eng.close()
 
 
 def test_shared_empty_is_huge_page_sized_and_found_by_lookup() -> None:

@@ -1,237 +1,114 @@
-"""Unit and property tests of memory.pool: the memfd-backed first-fit host pool."""
+"""The core's pools (cpp/src/pool.h) as the engine uses them, and memory.pool's PoolConfig.
+
+The allocator itself (first fit in pages, coalescing, exhaustion, a random model check against
+a page bitmap) is tested in cpp/tests/pool_test.cc; here: what the Python face sees of it.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from datadist.core.errors import Code, InvalidArgument, OutOfMemory
-from datadist.memory.pool import OS_PAGE, HostPool, PoolConfig, map_shared, unmap
+from datadist.core.config import DEVICE, HOST, EngineConfig
+from datadist.core.errors import DeviceOutOfMemory, InvalidArgument, OutOfMemory
+from datadist.core.keys import KeyId
+from datadist.core.layout import Geometry
+from datadist.core.native import NativeEngine
+from datadist.memory.pool import PoolConfig, map_shared, unmap
 
 PAGE = 4096
-
-
-@pytest.fixture
-def pool():  # type: ignore[no-untyped-def]
-    p = HostPool(16 * PAGE, page_shift=12)
-    yield p
-    p.close()
 
 
 def view(addr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
-# ------------------------------------------------------------------------------ basics
+def pool_fd(name: str) -> int:
+    """Our descriptor of the memfd the core made for a pool (``datadist-host-pool``)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} "):
+                return int(fd)
+        except OSError:
+            continue
+    raise AssertionError(f"no memfd {name}")
 
 
-def test_size_rounds_up_to_the_page() -> None:
-    p = HostPool(PAGE + 1, page_shift=12)
-    try:
-        assert p.size == 2 * PAGE
-    finally:
-        p.close()
+@pytest.fixture
+def engine() -> Iterator[NativeEngine]:
+    eng = NativeEngine(EngineConfig(cluster_id=61, role=0, host_pool=PoolConfig(16 * PAGE, 12),
+                                    device_pool=PoolConfig(4 * PAGE, 12)))
+    yield eng
+    eng.close()
 
 
-def test_page_is_at_least_the_os_page() -> None:
-    p = HostPool(1, page_shift=10)
-    try:
-        assert p.page == OS_PAGE
-        assert p.size == OS_PAGE
-    finally:
-        p.close()
+GEO = Geometry(2, 2 * PAGE + 8, 2)  # 2 tensors of 2 slots, each tensor 3 pages once rounded
 
 
-@pytest.mark.parametrize("shift", [12, 16])
-def test_allocations_are_page_aligned(shift: int) -> None:
-    page = max(1 << shift, OS_PAGE)
-    p = HostPool(8 * page, page_shift=shift)
-    try:
-        addrs = [p.allocate(n) for n in (1, page - 1, page, page + 1, 3)]
-        for a in addrs:
-            assert a % OS_PAGE == 0
-            assert (a - p.base) % page == 0
-            assert p.contains(a, 1)
-        # rounded up to whole pages: 1 + 1 + 1 + 2 + 1 pages
-        assert [a - p.base for a in addrs] == [0, page, 2 * page, 3 * page, 5 * page]
-        assert p.used == 6 * page
-    finally:
-        p.close()
-
-
-def test_memory_is_usable_and_shared_through_the_memfd(pool: HostPool) -> None:
-    a = pool.allocate(PAGE)
-    mem = view(a, PAGE)
+def test_pool_caches_are_page_aligned_and_shared_through_the_memfd(engine: NativeEngine) -> None:
+    a = engine.allocate(GEO, placement=HOST)
+    b = engine.allocate(GEO, placement=HOST)
+    assert a.owned and engine.pool_used(HOST) == 4 * 3 * PAGE
+    base = int(a.addrs[0])
+    assert base % PAGE == 0
+    assert [int(x) - base for x in (*a.addrs, *b.addrs)] == [0, 3 * PAGE, 6 * PAGE, 9 * PAGE]
+    mem = view(int(b.addrs[1]), PAGE)
     mem[:] = np.arange(PAGE, dtype=np.uint64).astype(np.uint8)
-    # Another mapping of the same fd sees the same bytes: this is what a peer on the same
-    # host maps through /proc/<pid>/fd/<fd>.
-    other = map_shared(pool.fd, pool.size, writable=False)
+    # another mapping of the memfd sees the same bytes: what a same-host reader maps
+    fd = pool_fd("datadist-host-pool")
+    other = map_shared(fd, 16 * PAGE, writable=False)
     try:
-        assert view(other + (a - pool.base), PAGE).tolist() == mem.tolist()
+        assert view(other + 9 * PAGE, PAGE).tolist() == mem.tolist()
     finally:
-        unmap(other, pool.size)
+        unmap(other, 16 * PAGE)
+    with pytest.raises(PermissionError):  # sealed: a reader's mapping can never fault
+        os.ftruncate(fd, PAGE)
 
 
-def test_first_fit_reuses_the_lowest_hole(pool: HostPool) -> None:
-    a = pool.allocate(PAGE)
-    b = pool.allocate(2 * PAGE)
-    c = pool.allocate(PAGE)
-    pool.free(b)
-    # one page fits the hole at b: first fit takes it rather than the space after c
-    assert pool.allocate(PAGE) == b
-    # three pages do not fit the one page left in the hole: they go after c
-    assert pool.allocate(3 * PAGE) == c + PAGE
-    assert pool.allocate(PAGE) == b + PAGE
-    assert a == pool.base
+def test_the_core_gives_the_pages_back_once_nothing_holds_the_cache(engine: NativeEngine) -> None:
+    key = KeyId(5, 0, False)
+    kept = engine.allocate(GEO, placement=HOST, keys=[key])
+    gone = engine.allocate(GEO, placement=HOST)
+    engine.deallocate(gone.cache_id)
+    assert engine.pool_used(HOST) == 2 * 3 * PAGE  # at once: nobody polls for it
+    engine.deallocate(kept.cache_id)
+    assert engine.pool_used(HOST) == 2 * 3 * PAGE  # its key still serves it
+    engine.remove_key(key)
+    assert engine.pool_used(HOST) == 0
+    again = engine.allocate(GEO, placement=HOST)  # the lowest pages again
+    assert int(again.addrs[0]) == int(kept.addrs[0])
 
 
-def test_free_coalesces_with_both_neighbours(pool: HostPool) -> None:
-    addrs = [pool.allocate(PAGE) for _ in range(16)]
+def test_a_full_pool_is_out_of_memory_and_allocates_nothing(engine: NativeEngine) -> None:
+    with pytest.raises(DeviceOutOfMemory):
+        engine.allocate(Geometry(1, 5 * PAGE, 1), placement=DEVICE)
+    assert engine.pool_used(DEVICE) == 0
+    engine.allocate(Geometry(1, 4 * PAGE, 1), placement=DEVICE)
+    with pytest.raises(DeviceOutOfMemory):
+        engine.allocate(Geometry(1, 1, 1), placement=DEVICE)
     with pytest.raises(OutOfMemory):
-        pool.allocate(1)
-    for i in (3, 5, 4):  # 4 frees the page between two free neighbours
-        pool.free(addrs[i])
-    assert pool.allocate(3 * PAGE) == addrs[3]  # pages 3..5 merged into one range
-    for i in (0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15):  # 3: the 3-page allocation
-        pool.free(addrs[i])
-    assert pool.used == 0
-    assert pool.allocate(16 * PAGE) == pool.base  # one range again
+        engine.allocate(Geometry(1, 17 * PAGE, 1), placement=HOST)
+    with pytest.raises(InvalidArgument):  # a bad key (given twice), before any memory
+        engine.allocate(Geometry(1, PAGE, 1), placement=HOST,
+                        keys=[KeyId(1, 0, False), KeyId(1, 0, False)])
+    assert engine.pool_used(HOST) == 0
 
 
-def test_exhaustion_raises_out_of_memory(pool: HostPool) -> None:
-    pool.allocate(10 * PAGE)
-    with pytest.raises(OutOfMemory, match="exhausted") as info:
-        pool.allocate(7 * PAGE)
-    assert info.value.code == Code.OUT_OF_MEMORY
-    assert isinstance(info.value, MemoryError)
-    assert pool.used == 10 * PAGE  # a failed allocation takes nothing
-    pool.allocate(6 * PAGE)
-
-
-def test_fragmentation_can_exhaust_a_pool_with_enough_free_bytes(pool: HostPool) -> None:
-    addrs = [pool.allocate(PAGE) for _ in range(16)]
-    for a in addrs[::2]:
-        pool.free(a)
-    assert pool.size - pool.used == 8 * PAGE
-    with pytest.raises(OutOfMemory):
-        pool.allocate(2 * PAGE)
-
-
-@pytest.mark.parametrize("nbytes", [0, -1])
-def test_allocate_nothing_is_invalid(pool: HostPool, nbytes: int) -> None:
-    with pytest.raises(InvalidArgument):
-        pool.allocate(nbytes)
-
-
-def test_double_free_is_invalid(pool: HostPool) -> None:
-    a = pool.allocate(PAGE)
-    pool.free(a)
-    with pytest.raises(InvalidArgument, match="not an allocation") as info:
-        pool.free(a)
-    assert info.value.code == Code.PARAM_INVALID
-    assert pool.used == 0
-    assert pool.allocate(16 * PAGE) == pool.base  # the double free did not corrupt the lists
-
-
-def test_free_of_a_foreign_or_interior_address_is_invalid(pool: HostPool) -> None:
-    a = pool.allocate(2 * PAGE)
-    for bad in (a + PAGE, a + 1, pool.base + pool.size, 0):
-        with pytest.raises(InvalidArgument):
-            pool.free(bad)
-    assert pool.used == 2 * PAGE
-
-
-def test_contains(pool: HostPool) -> None:
-    assert pool.contains(pool.base, pool.size)
-    assert not pool.contains(pool.base, pool.size + 1)
-    assert not pool.contains(pool.base - 1, 1)
-
-
-def test_close_is_idempotent_and_closes_the_fd() -> None:
-    p = HostPool(PAGE, page_shift=12)
-    fd = p.fd
-    p.close()
-    p.close()
-    with pytest.raises(OSError):
-        os.fstat(fd)
-
-
-# ------------------------------------------------------------------------------ model check
-
-
-class PoolModel(RuleBasedStateMachine):
-    """Random allocate/free sequences against a page bitmap with lowest-address first fit.
-
-    The bitmap never fragments by bookkeeping, so agreeing with it shows that every free
-    coalesces fully: two adjacent free ranges left unmerged would refuse an allocation that
-    the bitmap grants.
-    """
-
-    PAGES = 24
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pool = HostPool(self.PAGES * PAGE, page_shift=12)
-        self.free_pages = [True] * self.PAGES
-        self.live: dict[int, int] = {}  # addr -> pages
-
-    def teardown(self) -> None:
-        self.pool.close()
-
-    def _model_fit(self, need: int) -> int | None:
-        run = 0
-        for i, free in enumerate(self.free_pages):
-            run = run + 1 if free else 0
-            if run == need:
-                return i - need + 1
-        return None
-
-    @rule(nbytes=st.integers(1, 8 * PAGE))
-    def allocate(self, nbytes: int) -> None:
-        need = -(-nbytes // PAGE)
-        want = self._model_fit(need)
-        if want is None:
-            with pytest.raises(OutOfMemory):
-                self.pool.allocate(nbytes)
-            return
-        addr = self.pool.allocate(nbytes)
-        assert addr == self.pool.base + want * PAGE
-        self.free_pages[want : want + need] = [False] * need
-        self.live[addr] = need
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def free(self, data) -> None:  # type: ignore[no-untyped-def]
-        addr = data.draw(st.sampled_from(sorted(self.live)))
-        need = self.live.pop(addr)
-        self.pool.free(addr)
-        start = (addr - self.pool.base) // PAGE
-        self.free_pages[start : start + need] = [True] * need
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def double_free(self, data) -> None:  # type: ignore[no-untyped-def]
-        addr = data.draw(st.sampled_from(sorted(self.live)))
-        need = self.live.pop(addr)
-        self.pool.free(addr)
-        start = (addr - self.pool.base) // PAGE
-        self.free_pages[start : start + need] = [True] * need
-        with pytest.raises(InvalidArgument):
-            self.pool.free(addr)
-
-    @invariant()
-    def used_matches(self) -> None:
-        assert self.pool.used == PAGE * sum(self.live.values())
-
-
-PoolModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
-TestPoolModel = PoolModel.TestCase
+def test_no_pool_is_invalid_and_close_drops_the_pools() -> None:
+    eng = NativeEngine(EngineConfig(cluster_id=62, role=0, host_pool=PoolConfig(4 * PAGE, 12)))
+    try:
+        with pytest.raises(InvalidArgument, match="no memory pool for DEVICE placement"):
+            eng.allocate(Geometry(1, PAGE, 1), placement=DEVICE)
+        eng.allocate(Geometry(1, PAGE, 1), placement=HOST)
+    finally:
+        eng.close()
+    assert eng.pool_used(HOST) is None
+    with pytest.raises(AssertionError, match="no memfd"):
+        pool_fd("datadist-host-pool")  # unmapped and closed: nothing held a cache
 
 
 # ------------------------------------------------------------------------------ PoolConfig

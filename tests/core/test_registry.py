@@ -10,6 +10,8 @@ a key consumed by a peer's read, through the API, in tests/api.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -69,7 +71,9 @@ def addrs_of(mem: np.ndarray, geo: Geometry = GEO) -> list[int]:
 
 
 def used(eng: native.NativeEngine) -> int:
-    return eng._pools[HOST].used
+    got = eng.pool_used(HOST)
+    assert got is not None
+    return got
 
 
 # ------------------------------------------------------------------------------ ids and keys
@@ -194,8 +198,8 @@ def test_deallocate_or_remove_key_of_registered_memory_is_a_no_op(
 
 def test_a_key_a_peer_consumed_releases_the_deallocated_cache(eng: native.NativeEngine) -> None:
     """The core consumes a req_id key when a peer's read of it succeeds, and with it the last
-    hold on a deallocated pool cache: the pool gets the memory back at the engine's next
-    call, with no Python copy of the keys to keep in step."""
+    hold on a deallocated pool cache: the core gives the memory back at its next release
+    (any allocate, deallocate or remove_key), with no Python copy of the keys to keep in step."""
     eng.start_listening("127.0.0.1", 0)
     entry = eng.allocate(GEO, placement=HOST, keys=[K(7)])
     eng.deallocate(entry.cache_id)
@@ -277,10 +281,15 @@ def test_unregister_that_outwaits_its_bound_keeps_the_cache_registered(
 def test_close_frees_the_pool_once_nothing_holds_a_cache() -> None:
     eng = native.NativeEngine(EngineConfig(cluster_id=1, role=1,
                                            host_pool=PoolConfig(1 << 20, 16)))
-    pool = eng._pools[HOST]
     eng.allocate(GEO, placement=HOST, keys=[K(1)])
+    assert used(eng) > 0
     eng.close()
-    assert pool._closed
+    assert eng.pool_used(HOST) is None
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the directory's own descriptor, closed since
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert not any(n.startswith("/memfd:datadist-host-pool ") for n in names)  # closed
     with pytest.raises(CacheNotFound):
         eng.cache(1)
 

@@ -10,7 +10,7 @@ import numpy
 import numpy.typing
 import typing
 from . import testing
-__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
 class OptionSpec:
     """
     One row of the option table (read only)
@@ -116,6 +116,23 @@ class Hold:
     @property
     def held(self) -> bool:
         ...
+class UserCache:
+    """
+    Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_local
+    """
+    def __init__(self, *, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64]) -> None:
+        """
+        `num_tensors` tensors of `tensor_bytes` bytes, `units` slots or blocks each, at `addrs`. InvalidArgument for a zero base, a tensor past the end of the address space, or units that do not split a tensor.
+        """
+    @property
+    def num_tensors(self) -> int:
+        ...
+    @property
+    def tensor_bytes(self) -> int:
+        ...
+    @property
+    def units(self) -> int:
+        ...
 class Engine:
     """
     An engine (cpp/src/engine.h) and its asynchronous workers: datadist.core.native.NativeEngine drives it
@@ -128,6 +145,10 @@ class Engine:
         """
     def adopt_link(self, link: PendingLink) -> None:
         ...
+    def allocate(self, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, layout: typing.SupportsInt | typing.SupportsIndex, *, blocks: bool, device: bool, keys: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, bool] | None] = [], model_id: typing.SupportsInt | typing.SupportsIndex | None = None) -> int:
+        """
+        allocate_cache / allocate_blocks_cache: carves the tensors (each on a page) from the pool of the placement and files them as add_cache files a cache (keys, model_id), all or nothing; returns its id. Deallocated pool caches nothing holds any more are released first. InvalidArgument without a pool or for bad keys, OutOfMemory when the pool has no room. Blocks without the GIL while NIXL registers it.
+        """
     def bind_model(self, model_id: typing.SupportsInt | typing.SupportsIndex, cache_id: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def cache_ids(self) -> list[int]:
@@ -152,6 +173,10 @@ class Engine:
         """
     def connect(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, host: str, port: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, take_peer_id: bool) -> int:
         ...
+    def copy_local(self, *, src: typing.SupportsInt | typing.SupportsIndex | UserCache, dst: typing.SupportsInt | typing.SupportsIndex | UserCache, src_tensors: numpy.typing.NDArray[numpy.uint32], dst_tensors: numpy.typing.NDArray[numpy.uint32], src_offsets: numpy.typing.NDArray[numpy.uint64], dst_offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64]) -> int:
+        """
+        Copies, for every tensor pair (src_tensors[k], dst_tensors[k]), every span (src_offsets[i], dst_offsets[i], lengths[i]; offsets absolute in the tensor) from `src` to `dst` (a filed cache's id, or a UserCache), in order, a run shifted within one cache unit by unit (Session::CopyCaches). Both caches are held for the copy (CacheNotFound when one is not filed); every span is checked against both before a byte moves (InvalidArgument). Returns the bytes copied. Over 1 MiB, copies without the GIL.
+        """
     def deallocate(self, cache_id: typing.SupportsInt | typing.SupportsIndex, drop_keys: bool) -> None:
         ...
     def filed(self, cache_id: typing.SupportsInt | typing.SupportsIndex) -> bool:
@@ -208,12 +233,20 @@ class Engine:
         """
     def open_link(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, host: str, port: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, take_peer_id: bool, reverse: bool) -> PendingLink:
         ...
+    def open_pool(self, *, device: bool, memory_size: typing.SupportsInt | typing.SupportsIndex, page_shift: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        The pool DEVICE (device=True) or HOST caches are allocated from (mem_pool_cfg, host_mem_pool_cfg): one sealed memfd of memory_size bytes in pages of 1 << page_shift. InvalidArgument for a bad size or page_shift, OutOfMemory when it cannot be mapped. Never blocks.
+        """
     def peer_stats(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bytes:
         """
         The linked peer's metrics (STATS_REQUEST): its JSON bytes. Blocks without the GIL up to timeout_s.
         """
     def ping(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         ...
+    def pool_info(self, *, device: bool) -> tuple[int, int, int] | None:
+        """
+        (size, used, page) of the DEVICE or HOST pool in bytes; None without one (or after close). Never blocks.
+        """
     def prepare(self, *, write: bool, cluster_id: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex, a: typing.SupportsInt | typing.SupportsIndex, b: typing.SupportsInt | typing.SupportsIndex, c: typing.SupportsInt | typing.SupportsIndex, unit_bytes: typing.SupportsInt | typing.SupportsIndex, flags: typing.SupportsInt | typing.SupportsIndex, cache_id: typing.SupportsInt | typing.SupportsIndex, remote_tensors: numpy.typing.NDArray[numpy.uint32], remote_offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64], local_tensors: numpy.typing.NDArray[numpy.uint32], local_offsets: numpy.typing.NDArray[numpy.uint64]) -> Call:
         """
         A READ (write=False) or WRITE of the plan's spans into (from) local cache `cache_id`, made ready to run (run, submit): the core checks every local span against that cache's geometry (InvalidArgument) and makes the local spans from its registry's addresses; the layout stated is the cache's. CacheNotFound for an unknown cache. Never blocks.
@@ -243,10 +276,6 @@ class Engine:
     def submit(self, call: Call, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> Handle:
         """
         Queues a prepared transfer on the engine's workers; returns its Handle at once. The core holds the call's local cache from now until the transfer ends (CacheNotFound, counted, when it is gone: nothing is queued), so unregistering it waits for the transfer.
-        """
-    def take_released(self) -> list[int]:
-        """
-        Ids of deallocated caches nothing holds any more: their pool memory may go (each listed once).
         """
     def unbind_key(self, value: typing.SupportsInt | typing.SupportsIndex, model_id: typing.SupportsInt | typing.SupportsIndex, is_prefix: bool) -> None:
         ...

@@ -2,18 +2,19 @@
 mode) and ``KvCacheManager`` (legacy mode): ``copy_cache``, ``copy_blocks``, ``swap_blocks``.
 
 Who calls: those two facades, after their own type checks of the cache objects. Everything
-here blocks until the copy is done. The geometry and the copy itself are the core's
-(:mod:`datadist.core.local`); this module resolves cache objects to the core's registry's caches,
-holds them for the duration of the copy, and maps errors to LLMException.
+here blocks until the copy is done. This module keeps the original's argument rules and
+words, resolves cache objects to the core's caches (or, for a ``create_cpu_cache``, to a
+description of the caller's memory) and plans the copy (:mod:`datadist.core.local`); the copy
+itself is one core call (``NativeEngine.copy_local``: the session's CopyCaches, the one CANN's
+CopyKvCache and CopyKvBlocks use), which holds both caches, checks every span against both
+before a byte moves, and copies. Errors are mapped to LLMException.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from datadist.core import layout, local
 from datadist.core.errors import InvalidArgument
 from datadist.core.native import NativeEngine
 from datadist.memory import mapped
+
+if TYPE_CHECKING:
+    from datadist._core import UserCache
 
 UNREGISTERED_ID = -1  # Cache.create_cpu_cache / KvCache.create_cpu_cache
 
@@ -42,10 +46,11 @@ class CacheRef:
 
 @dataclass(frozen=True)
 class _Side:
+    """One side of a copy as the planner and the core take it: its geometry, and the core's
+    name for it (a filed cache's id, or the caller's unfiled memory)."""
+
     geometry: layout.Geometry
-    addrs: np.ndarray
-
-
+    core: int | UserCache
 
 
 def _check_cpu_cache(geo: layout.Geometry, addrs: np.ndarray) -> None:
@@ -63,14 +68,11 @@ def _check_cpu_cache(geo: layout.Geometry, addrs: np.ndarray) -> None:
                               f"in this process (no access at {int(probes[bad]):#x})")
 
 
-@contextlib.contextmanager
-def held(engine: NativeEngine, ref: CacheRef) -> Iterator[_Side]:
-    """The cache's geometry and tensor addresses, leased for the ``with`` body.
-
-    A cache the engine knows is described by the core's registry (and held there, so that it
-    cannot be freed mid-copy); an unregistered one (``create_cpu_cache``) from the object itself.
-    Raises LLM_KV_CACHE_NOT_EXIST for a cache that was deallocated or unregistered.
-    """
+def side(engine: NativeEngine, ref: CacheRef) -> _Side:
+    """The cache's geometry and the core's name for it. A cache the engine knows is described
+    by the core's registry (LLM_KV_CACHE_NOT_EXIST for one deallocated or unregistered; the
+    core holds it for the copy itself); an unregistered one (``create_cpu_cache``) is described
+    from the object, its memory probed first (:func:`_check_cpu_cache`)."""
     if ref.cache_id == UNREGISTERED_ID:
         raise_if_false(len(ref.addrs) == ref.desc.num_tensors and all(ref.addrs),
                        f"the cpu cache has {len(ref.addrs)} addresses for "
@@ -78,26 +80,25 @@ def held(engine: NativeEngine, ref: CacheRef) -> Iterator[_Side]:
         geo = geometry_of(ref.desc, blocks=ref.is_blocks)
         addrs = np.asarray(ref.addrs, dtype=np.uint64)
         _check_cpu_cache(geo, addrs)
-        yield _Side(geo, addrs)
-        return
-    with contextlib.ExitStack() as stack:
         with llm_errors():
-            entry = stack.enter_context(engine.held(ref.cache_id))
-        yield _Side(entry.geometry, entry.addrs)
+            return _Side(geo, engine.user_cache(geo, addrs))
+    with llm_errors():
+        return _Side(engine.cache(ref.cache_id).geometry, ref.cache_id)
 
 
 def copy_cache(engine: NativeEngine, dst: CacheRef, src: CacheRef, dst_batch_index: int,
                src_batch_index: int, offset: int, size: int) -> None:
     """Copy one batch slot of every tensor (``size`` bytes from ``offset``). Types checked."""
     check_copy_cache(dst, src, size)
-    with held(engine, src) as s, held(engine, dst) as d, llm_errors("copy_cache"):
+    s, d = side(engine, src), side(engine, dst)
+    with llm_errors("copy_cache"):
         try:
             plan = local.plan_slot_copy(s.geometry, d.geometry, src_batch_index,
                                         dst_batch_index, offset, size)
         except InvalidArgument as e:  # sizes or counts that do not fit: both sides shown
             raise InvalidArgument(f"{e} (src: {describe(src.desc, blocks=False)}; dst: "
                                   f"{describe(dst.desc, blocks=False)})") from None
-        local.execute(plan, s.addrs, d.addrs)
+        engine.copy_local(s.core, d.core, plan)
 
 
 def check_copy_cache(dst: CacheRef, src: CacheRef, size: int) -> None:
@@ -133,9 +134,10 @@ def copy_blocks(engine: NativeEngine, cache: CacheRef, copy_block_info: Any) -> 
     raise_if_false(cache.is_blocks, "param check failed, cache should be blocks cache.")
     if dst.size == 0:
         return
-    with held(engine, cache) as c, llm_errors("copy_blocks"):
+    c = side(engine, cache)
+    with llm_errors("copy_blocks"):
         plan = local.plan_block_copy(c.geometry, c.geometry, src, dst, same_cache=True)
-        local.execute(plan, c.addrs, c.addrs)
+        engine.copy_local(c.core, c.core, plan)
 
 
 def swap_blocks(engine: NativeEngine, src: CacheRef, dst: CacheRef, src_to_dst: Any) -> None:
@@ -170,10 +172,11 @@ def swap_blocks(engine: NativeEngine, src: CacheRef, dst: CacheRef, src_to_dst: 
                    f"swap src placement:{sp} to dst placement:{dp} is not support")
     if d_blocks.size == 0:
         return
-    with held(engine, src) as s, held(engine, dst) as d, llm_errors("swap_blocks"):
+    s, d = side(engine, src), side(engine, dst)
+    with llm_errors("swap_blocks"):
         plan = local.plan_block_copy(s.geometry, d.geometry, s_blocks.astype(np.uint64),
                                      d_blocks.astype(np.uint64))
-        local.execute(plan, s.addrs, d.addrs)
+        engine.copy_local(s.core, d.core, plan)
 
 
-__all__ = ["CacheRef", "copy_blocks", "copy_cache", "held", "swap_blocks"]
+__all__ = ["CacheRef", "copy_blocks", "copy_cache", "side", "swap_blocks"]

@@ -1,8 +1,8 @@
-"""Local copies: between or within caches of this process.
+"""Local copies: between or within caches of this process, planned here, copied by the core.
 
 Who calls: the facade's ``copy_cache``, ``copy_blocks`` and ``swap_blocks`` (cache-manager and
-legacy mode alike), with caches already resolved to a :class:`Geometry` and tensor addresses.
-Blocks until the bytes are copied; thread-safe (no state).
+legacy mode alike, through ``api/local_ops.py``), with caches already resolved to a
+:class:`Geometry`. Never blocks; thread-safe (no state).
 
 Theory of operation
 -------------------
@@ -10,20 +10,23 @@ A local copy is planned exactly like a transfer: :mod:`datadist.core.layout` tur
 into a :class:`Plan` (tensor pairs x byte spans, coalesced where a run of blocks is adjacent on
 both sides), with the *source* in the plan's ``remote_*`` fields and the destination in its
 ``local_*`` fields. Source offsets here are absolute within the source tensor (the source unit
-base is folded in by the planners below), so both sides become absolute iovecs with one
-broadcast add each.
+base is folded in by the planners below). The copy is the core's (``NativeEngine.copy_local``,
+cpp/src/session.h ``Session::CopyCaches``, the one the C++ API's CopyKvCache / CopyKvBlocks
+use): it holds both caches, checks every span against both, and copies one memmove a span.
 
 Rules this module keeps:
 
-1. No Python loop per block. Spans are numpy arrays from the start; the executor issues either
-   one ``memmove`` per *coalesced* span (few or large spans: memmove beats the kernel for
-   bulk bytes) or one ``process_vm_readv`` on our own pid per ``IOV_MAX`` spans (many small
-   spans: one system call instead of thousands of ctypes calls).
-2. Every index and size is checked here, against both caches, before any byte moves; errors
-   are :class:`InvalidArgument` naming the culprit.
+1. No Python loop per block: spans are numpy arrays from the start.
+2. Every index and size is checked here, against both caches, before the core is called;
+   errors are :class:`InvalidArgument` naming the culprit (the core checks the spans again:
+   what reaches memory never depends on these checks alone).
 3. A copy never reads and writes the same bytes in one call, except a span copied onto itself:
    ``plan_block_copy`` refuses a block that is both a source and a destination, and duplicate
    destinations (which source would win is not defined).
+
+Also here: :func:`vm_copy` (cross-memory copies with another process; ``datadist info`` asks
+whether this process may read itself) and :func:`local_copy` (memmove between iovec arrays, for
+benchmarks/shm_vs_cma.py).
 
 On a host without CUDA, DEVICE placement is host memory too, so "host <-> device" swaps are
 host copies; placement rules are the facade's to check.
@@ -42,13 +45,12 @@ import numpy as np
 
 from datadist.core.dtypes import in_elements
 from datadist.core.errors import BrokenLink, DatadistError, InvalidArgument
-from datadist.core.layout import U32, U64, Geometry, Plan, iovecs, plan_blocks, plan_slot
+from datadist.core.layout import U32, U64, Geometry, Plan, plan_blocks, plan_slot
 
-# ---- The copies this process makes itself: memmove, and cross-memory attach
-# (process_vm_readv / writev). The core (cpp/src/local.cc) has its own cross-memory read for
-# same-host pulls; the binding does not expose a copy within this process, so these stay.
-# Also called by ``datadist info`` (:func:`vm_copy`: can this process read itself?). Copies
-# run in batches of ``IOV_MAX`` spans and block until done.
+# ---- Copies this process makes itself with memmove or cross-memory attach
+# (process_vm_readv / writev), outside the engine: ``datadist info`` (:func:`vm_copy`: can this
+# process read itself?), benchmarks and tests. Copies run in batches of ``IOV_MAX`` spans and
+# block until done.
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -158,12 +160,6 @@ def local_copy(dst: np.ndarray, src: np.ndarray) -> None:
           maxlen=0)
 
 
-# memmove per span while there are at most this many spans, or while spans are this large on
-# average; beyond, batched process_vm_readv on our own pid (one syscall per IOV_MAX spans).
-MEMMOVE_MAX_SPANS = 64
-MEMMOVE_MIN_AVG_SPAN = 1 << 20
-
-
 def _all_tensors(src: Geometry, dst: Geometry) -> tuple[np.ndarray, np.ndarray]:
     if src.num_tensors != dst.num_tensors:
         raise InvalidArgument(
@@ -201,7 +197,7 @@ def plan_slot_copy(
                 f"offset {offset}"
             )
     # plan_slot checks the destination side; the source offset it carries is made absolute
-    # here (slot base + offset), which is what execute() expects.
+    # here (slot base + offset), which is what the core's copy expects.
     return plan_slot(dst, dst_unit, tensors, size,
                      src_offset=src_unit * src.unit_bytes + offset, dst_offset=offset)
 
@@ -245,33 +241,4 @@ def plan_block_copy(
     return plan_blocks(dst, s, d, tensors)
 
 
-def _copy_iov(dst: np.ndarray, src: np.ndarray) -> None:
-    n = len(dst)
-    if n == 0:
-        return
-    if n <= MEMMOVE_MAX_SPANS or int(dst[:, 1].sum()) // n >= MEMMOVE_MIN_AVG_SPAN:
-        local_copy(dst, src)
-        return
-    try:
-        vm_copy(os.getpid(), dst, src)
-    except CmaRefused:
-        # The kernel forbids cross-memory attach even on ourselves (seccomp, Yama): fall
-        # back to one memmove per coalesced span.
-        local_copy(dst, src)
-
-
-def execute(plan: Plan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> int:
-    """Copy what ``plan`` names from the source tensors to the destination tensors.
-
-    ``src_addrs`` / ``dst_addrs``: base address of each tensor (uint64). Returns the bytes
-    copied. The caller keeps both caches alive (leases) for the duration.
-    """
-    src = iovecs(np.asarray(src_addrs, dtype=U64)[plan.remote_tensors],
-                 plan.remote_offsets, plan.lengths)
-    dst = plan.local_iovecs(np.asarray(dst_addrs, dtype=U64))
-    _copy_iov(dst, src)
-    return plan.nbytes
-
-
-__all__ = ["IOV_MAX", "CmaRefused", "execute", "local_copy", "plan_block_copy", "plan_slot_copy",
-           "vm_copy"]
+__all__ = ["IOV_MAX", "CmaRefused", "local_copy", "plan_block_copy", "plan_slot_copy", "vm_copy"]

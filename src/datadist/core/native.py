@@ -8,14 +8,14 @@ the same core, so both APIs share one implementation of every protocol rule.
 What runs where: the facade checks arguments and plans transfers (``core/layout.py``); the
 core's registry (cpp/src/registry.h) is the only one: it numbers every cache this module
 files there, binds its keys and model id, holds it for local transfers, consumes keys when
-peers read them and decides when pool memory may go; this module asks it
-(:meth:`NativeEngine.cache`) and keeps no copy. The pools themselves are Python's
-(``memory/pool.py``). Accepting, handshakes, peers' requests, reverse channels, same-host
-grants, NIXL and leases run on the core's native threads and never take the GIL; a pull or push
-issued here releases the GIL for its whole duration; asynchronous ones run on the core's fixed
-set of workers and are polled without the GIL. The core raises datadist's own error classes
-(``datadist.core.errors``), chosen by its binding from one code-to-class table
-(cpp/python/module.cc, ``PyError``).
+peers read them; this module asks it (:meth:`NativeEngine.cache`) and keeps no copy. The
+pools are the core's too (cpp/src/pool.h): its registry carves pool caches and gives their
+pages back itself once nothing holds them. Accepting, handshakes, peers' requests, reverse
+channels, same-host grants, NIXL and leases run on the core's native threads and never take
+the GIL; a pull or push issued here releases the GIL for its whole duration; asynchronous ones
+run on the core's fixed set of workers and are polled without the GIL. The core raises
+datadist's own error classes (``datadist.core.errors``), chosen by its binding from one
+code-to-class table (cpp/python/module.cc, ``PyError``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -50,10 +50,9 @@ from datadist.core.layout import Geometry, Plan
 from datadist.core.options import parse_options
 from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.memory import shared
-from datadist.memory.pool import HostPool
 
 if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
-    from datadist._core import Call, Engine, Handle, PendingLink
+    from datadist._core import Call, Engine, Handle, PendingLink, UserCache
 
 log = logging.getLogger("datadist.native")
 
@@ -219,7 +218,6 @@ class NativeEngine:
             raise InvalidArgument(available()[1])
         from datadist import _core as mod
         self.config = config
-        self._pools: dict[int, HostPool] = {}
         self._closed = False
         self._lock = threading.Lock()
         self._listen: tuple[str, int] | None = None
@@ -228,8 +226,6 @@ class NativeEngine:
         # whatever happens to the cache: every run holds it in the core and refuses one that
         # is gone or no longer the memory the call was made for (Session::Run).
         self._calls: Prepared[Call] = Prepared(KEPT, lambda call: int(call.spans))
-        # pool caches' memory, by cache id: freed once the core releases the cache
-        self._frees: dict[int, Callable[[], None]] = {}
         self._core_module = mod
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
@@ -259,11 +255,9 @@ class NativeEngine:
                             nixl_serve=config.nixl_serve,
                             nixl_whole_process=config.nixl_whole_process)
             for placement, cfg in ((DEVICE, config.device_pool), (HOST, config.host_pool)):
-                if cfg is not None:
-                    name = "datadist-device-pool" if placement == DEVICE else "datadist-host-pool"
-                    pool = HostPool(cfg.memory_size, cfg.page_shift, name)
-                    self._pools[placement] = pool
-                    shared.register_arena(pool.base, pool.size, pool.fd)
+                if cfg is not None:  # the core's pools (pool.h): OutOfMemory if not mapped
+                    self._core.open_pool(device=placement == DEVICE,
+                                         memory_size=cfg.memory_size, page_shift=cfg.page_shift)
             if config.listen is not None:
                 self.start_listening(*config.listen)
         except BaseException:
@@ -341,17 +335,6 @@ class NativeEngine:
         addrs.flags.writeable = False
         return CacheEntry(int(cache_id), g, addrs, owned, placement, remote_accessible)
 
-    def _free_released(self) -> None:
-        """Pool memory of caches the core released (deallocated, and no key, transfer or
-        leased copy holds them any more) goes back to its pool. The decision is the core's
-        (Registry::TakeReleased); the pools are Python's and no core thread takes the GIL, so
-        the engine frees what the core lists whenever it allocates, deallocates or unbinds a
-        key. Blocks (without the GIL) only while NIXL deregisters them."""
-        for cache_id in self._core.take_released():
-            free = self._frees.pop(int(cache_id), None)
-            if free is not None:
-                free()
-
     def cache(self, cache_id: int) -> CacheEntry:
         """What the core's registry says of a filed cache (geometry, addresses, kind).
         CacheNotFound for an unknown, deallocated or unregistered id. Never blocks."""
@@ -394,6 +377,28 @@ class NativeEngine:
         finally:
             hold.release()
 
+    def user_cache(self, geometry: Geometry, addrs: np.ndarray) -> UserCache:
+        """The caller's memory that is never filed (a ``create_cpu_cache``), described for
+        :meth:`copy_local`: ``geometry``'s tensors at ``addrs``. InvalidArgument for a zero
+        address or a tensor past the end of the address space. Never blocks."""
+        return self._core_module.UserCache(num_tensors=geometry.num_tensors,
+                                           tensor_bytes=geometry.tensor_bytes,
+                                           units=geometry.units, addrs=addrs)
+
+    def copy_local(self, src: int | UserCache, dst: int | UserCache, plan: Plan) -> int:
+        """Copy ``plan`` (source in its ``remote_*`` fields, offsets absolute in the tensor;
+        destination in its ``local_*`` fields) from ``src`` to ``dst``: filed caches' ids or
+        :meth:`user_cache` memory. One core call (Session::CopyCaches, the C++ API's too): it
+        holds both caches (CacheNotFound for one not filed), checks every span against both
+        before a byte moves (InvalidArgument) and copies in the plan's order, a run shifted
+        within one cache unit by unit. Returns the bytes copied. Blocks on memory only, without
+        the GIL for copies over 1 MiB."""
+        self._check_open()
+        return int(self._core.copy_local(
+            src=src, dst=dst, src_tensors=plan.remote_tensors, dst_tensors=plan.local_tensors,
+            src_offsets=plan.remote_offsets, dst_offsets=plan.local_offsets,
+            lengths=plan.lengths))
+
     def register(self, geometry: Geometry, addrs: list[int], *, placement: int,
                  keys: Sequence[KeyId | None] = (), blocks_model_id: int | None = None,
                  remote_accessible: bool = True) -> CacheEntry:
@@ -406,45 +411,38 @@ class NativeEngine:
         return self._file(geometry, arr, owned=False, placement=placement, keys=keys,
                           blocks_model_id=blocks_model_id, remote_accessible=remote_accessible)
 
+    def pool_used(self, placement: int) -> int | None:
+        """Bytes allocated now from the pool of ``placement`` (DEVICE or HOST); None without
+        one (or once closed). Tests and tools; never blocks."""
+        info = self._core.pool_info(device=placement == DEVICE)
+        return None if info is None else int(info[1])
+
     def allocate(self, geometry: Geometry, *, placement: int,
                  keys: Sequence[KeyId | None] = (),
                  blocks_model_id: int | None = None) -> CacheEntry:
-        """Carve a cache from the pool of its placement and file it. The keys are checked by
-        the core first, so a bad key is InvalidArgument, never an out-of-memory."""
+        """Carve a cache from the pool of its placement and file it, in one core call
+        (Registry::Allocate): pool caches nothing holds any more are released first, the keys
+        are checked first (a bad key is InvalidArgument, never an out-of-memory), the core
+        gives the pages back itself once nothing holds the cache. InvalidArgument without a
+        pool; OutOfMemory (DeviceOutOfMemory for DEVICE) when it has no room. Blocks without
+        the GIL while NIXL registers it."""
         self._check_open()
-        pool = self._pools.get(placement)
-        if pool is None:
-            what = "mem_pool_cfg" if placement == DEVICE else "host_mem_pool_cfg"
-            raise InvalidArgument(
-                f"no memory pool for {'DEVICE' if placement == DEVICE else 'HOST'} "
-                f"placement: set {what}")
-        self._free_released()  # pool memory peers' pulls released goes back first
-        self._core.check_keys(_wire_keys(keys), geometry.units)
-        step = -(-geometry.tensor_bytes // pool.page) * pool.page
+        g = geometry
         try:
-            base = pool.allocate(step * geometry.num_tensors)
+            cache_id = self._core.allocate(
+                g.num_tensors, g.tensor_bytes, g.units, g.layout, blocks=g.is_blocks,
+                device=placement == DEVICE, keys=_wire_keys(keys), model_id=blocks_model_id)
         except OutOfMemory as e:
             if placement == DEVICE:
                 raise DeviceOutOfMemory(str(e)) from None
             raise
-        addrs = base + step * np.arange(geometry.num_tensors, dtype=np.uint64)
-        try:
-            entry = self._file(geometry, addrs, owned=True, placement=placement, keys=keys,
-                               blocks_model_id=blocks_model_id)
-        except BaseException:
-            pool.free(base)
-            raise
-        # The core decides when the memory may go (peers' reads, keys and local transfers
-        # hold it): freed when take_released lists the cache (_free_released).
-        self._frees[entry.cache_id] = lambda: pool.free(base)
-        return entry
+        return self.cache(int(cache_id))
 
     def deallocate(self, cache_id: int, *, blocks: bool = False) -> None:
-        """Drop a pool cache's id (and keys, for blocks caches); its memory goes back to the
-        pool once no key and no transfer holds it any more (the core's word). Blocks without
-        the GIL while its NIXL leases are revoked."""
+        """Drop a pool cache's id (and keys, for blocks caches); the core gives its memory back
+        to the pool once no key and no transfer holds it any more. Blocks without the GIL
+        while its NIXL leases are revoked."""
         self._core.deallocate(cache_id, blocks)
-        self._free_released()
 
     def unregister(self, cache_id: int) -> None:
         """Has the core drop the cache once no transfer holds it (peers', and ours, blocking
@@ -457,7 +455,6 @@ class NativeEngine:
         """remove_cache_key: unbind a key of a pool cache (no-op for unknown keys and keys on
         registered memory); a deallocated cache it alone held goes back to its pool."""
         self._core.unbind_key(key.value, key.model_id, key.is_prefix)
-        self._free_released()
 
     # ------------------------------------------------------------------ links
 
@@ -692,26 +689,20 @@ class NativeEngine:
             self._closed = True
         # The core stops serving, fails the queued asynchronous transfers (their holds go),
         # closes every link (so every transfer ends, letting its hold go) and drops every
-        # cache without waiting; then it waits (CLOSE_WAIT) for the caches still held (a
-        # peer's copy, a pull of another thread). Those left: their pool memory stays mapped
-        # (leaked), never unmapped under the copy.
-        leased = 0
+        # cache and its pools without waiting; then it waits (CLOSE_WAIT) for the caches
+        # still held (a peer's copy, a pull of another thread). A pool goes with its last
+        # cache: one still held keeps its pool mapped (leaked), never unmapped under the copy.
         try:
             self._core.close(0.0)
         except Exception as e:  # noqa: BLE001 - closing must not raise
             log.warning("closing the native engine: %s", e)
         try:
             leased = int(self._core.caches_in_use(CLOSE_WAIT))
+            if leased:
+                log.warning("finalize: %d caches still in transfer; their memory left mapped",
+                            leased)
         except Exception as e:  # noqa: BLE001 - closing must not raise
             log.warning("closing the native engine: %s", e)
-        for pool in self._pools.values():
-            shared.ARENAS.remove(pool.base)
-            if leased:
-                log.warning("finalize: %d caches still in transfer; pool memory left mapped",
-                            leased)
-                continue
-            pool.close()
-        self._pools.clear()
 
 
 def engine_for(config: EngineConfig) -> NativeEngine:

@@ -1,30 +1,28 @@
-"""Host memory pools: page-aligned, shareable memory that datadist allocates caches from.
+"""Shareable memory and the pool settings: page-aligned memfd mappings, and ``PoolConfig``.
 
-Who calls: the native engine (``core/native.py``), for ``allocate_cache`` /
-``allocate_blocks_cache`` (``mem_pool_cfg`` and ``host_mem_pool_cfg``), and users who want
-their own KV caches in fast memory (:func:`datadist.memory.alloc_shared_array`).
+Who calls: ``datadist.memory.shared`` (``shared_empty``: users who want their own KV caches in
+fast memory), ``datadist info`` and benchmarks (``shareable_map``, ``map_shared``), and the
+configuration (``PoolConfig``: ``mem_pool_cfg`` / ``host_mem_pool_cfg``). The pools themselves
+are the core's (cpp/src/pool.h): one sealed memfd each, carved first fit in pages, their pages
+given back by the core's registry once nothing holds a cache.
 
-The pool is one ``memfd`` mapped once. Its pages are committed on first touch, so a large pool
-costs nothing until used. Because it is a memfd, a peer on the same host can map the same pages
+A memfd's pages are committed on first touch, so a large mapping costs nothing until used.
+Because it is a memfd, a peer on the same host can map the same pages
 (``/proc/<pid>/fd/<fd>``) and copy out of them with memcpy: the fastest same-host path. Huge
 pages back it where the kernel offers them (:func:`shareable_map`, :mod:`.hugepages`).
-
-Allocation is first fit over a sorted free list, every allocation rounded up to the pool's page
-(``1 << page_shift``, at least the OS page) so that caches start page-aligned. Thread-safe.
+Nothing here blocks; thread-safe.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import fcntl
 import logging
 import mmap
 import os
-import threading
 from dataclasses import dataclass
 
-from datadist.core.errors import InvalidArgument, OutOfMemory
+from datadist.core.errors import InvalidArgument
 from datadist.memory import hugepages
 
 log = logging.getLogger(__name__)
@@ -144,84 +142,3 @@ class PoolConfig:
         if (size >> shift) >= 0xFFFFFFFF:
             raise InvalidArgument("memory_size >> page_shift must be below 2**32 - 1")
         return cls(size, shift)
-
-
-class HostPool:
-    """A memfd-backed arena with a first-fit allocator. ``close()`` unmaps it."""
-
-    def __init__(self, size: int, page_shift: int = 16, name: str = "datadist-pool") -> None:
-        self.page = max(1 << page_shift, OS_PAGE)
-        self.size = -(-size // self.page) * self.page  # what the allocator hands out
-        try:
-            mapped = shareable_map(name, self.size)
-        except (OSError, OverflowError) as e:  # ENOMEM, EFBIG, a size past the address space
-            raise OutOfMemory(f"cannot map a memory pool of {size} bytes: "
-                              f"{getattr(e, 'strerror', None) or e}") from e
-        self.fd, self.base = mapped.fd, mapped.addr
-        self.map_size = mapped.size  # >= size: whole huge pages (hugepages.round_size)
-        self.backing = mapped.backing
-        self._closed = False
-        self._lock = threading.Lock()
-        self._free_starts: list[int] = [0]
-        self._free_sizes: dict[int, int] = {0: self.size}
-        self._used: dict[int, int] = {}
-
-    def __repr__(self) -> str:
-        return (f"<HostPool {self.size} bytes, {self.used} used, base={self.base:#x}, "
-                f"{self.backing} pages>")
-
-    @property
-    def used(self) -> int:
-        with self._lock:
-            return sum(self._used.values())
-
-    def allocate(self, nbytes: int) -> int:
-        """Reserve ``nbytes`` (rounded up to the page); returns the absolute address."""
-        if nbytes <= 0:
-            raise InvalidArgument(f"cannot allocate {nbytes} bytes")
-        need = -(-nbytes // self.page) * self.page
-        with self._lock:
-            for i, start in enumerate(self._free_starts):
-                have = self._free_sizes[start]
-                if have >= need:
-                    del self._free_starts[i]
-                    del self._free_sizes[start]
-                    if have > need:
-                        bisect.insort(self._free_starts, start + need)
-                        self._free_sizes[start + need] = have - need
-                    self._used[start] = need
-                    return self.base + start
-        raise OutOfMemory(
-            f"memory pool exhausted: {nbytes} bytes requested, pool of {self.size} bytes"
-        )
-
-    def free(self, addr: int) -> None:
-        """Return an allocation. Unknown addresses raise InvalidArgument."""
-        start = addr - self.base
-        with self._lock:
-            size = self._used.pop(start, None)
-            if size is None:
-                raise InvalidArgument(f"{addr:#x} is not an allocation of this pool")
-            i = bisect.bisect(self._free_starts, start)
-            # merge with the next free range
-            if i < len(self._free_starts) and self._free_starts[i] == start + size:
-                nxt = self._free_starts.pop(i)
-                size += self._free_sizes.pop(nxt)
-            # merge with the previous free range
-            if i > 0:
-                prev = self._free_starts[i - 1]
-                if prev + self._free_sizes[prev] == start:
-                    self._free_sizes[prev] += size
-                    return
-            self._free_starts.insert(i, start)
-            self._free_sizes[start] = size
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        return self.base <= addr and addr + nbytes <= self.base + self.size
-
-    def close(self) -> None:
-        """Unmap and close. Idempotent. Callers make sure nothing uses the memory any more."""
-        if not self._closed:
-            self._closed = True
-            unmap(self.base, self.map_size)
-            os.close(self.fd)
