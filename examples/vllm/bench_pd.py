@@ -13,11 +13,13 @@ the pull time its worker logs, and where the time between the pull's end and the
 first token goes (the worker's log timestamps against the engine call's return).
 
 ``datadist-layerwise`` runs the connectors with ``mode="layerwise"`` and routes as a
-layer-wise router does: each request goes to both engines at once (one tag), the prefill
-pushes each layer as it saves it. Its figure to compare is the decode's first token *after
-the prefill's* (``after prefill``): for the pull modes that is the decode call's time (it
-starts when the prefill's answer is in), for the layer-wise mode the decode's end minus the
-prefill's end. NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch
+layer-wise router does: each request goes to both engines at once (one tag), the decoder
+pulls each layer as the prefill says it saved it. Its figure to compare is the decode's
+first token *after the prefill's* (``after prefill``): for the pull modes that is the decode
+call's time (it starts when the prefill's answer is in), for the layer-wise mode the decode's
+end minus the prefill's end; and ``last layer written to all in``: the prefill's log line
+saying its last layer is written to the decoder's saying every layer is in (wall clocks, one
+host). NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch
 first) and runs with ``kv_buffer_device="cpu"``, UCX backend.
 """
 
@@ -212,7 +214,7 @@ def main() -> int:
                     same += dec["tokens"] == pre["tokens"]
             log = (work / "decode.log").read_text()[seen:]
             seen += len(log)
-            pattern = (r"DONE ([\d.]+) ms after the plan" if layerwise else
+            pattern = (r"([\d.]+) ms after its record was first read" if layerwise else
                        r"datadist: pulled request .* in ([\d.]+) ms")
             pulls = [float(m) for m in re.findall(pattern, log)][1:]
             # The transfer's end (the worker's log line) to the engine call's return: the step
@@ -221,14 +223,14 @@ def main() -> int:
                 r"^(\S+ \S+) .*datadist: (?:pulled|received) request", log, re.M)][1:]
             tail = [(e - s) * 1e3 for e, s in zip(ends, stamps, strict=False)]
             exposed: list[float] = []
-            if layerwise:  # the last layer's push (prefill log) to the DONE seen (decode log)
+            if layerwise:  # the last layer written (prefill log) to all in (decode log)
                 pre_log = (work / "prefill.log").read_text()
-                issued = dict(re.findall(r"\(tag ([0-9a-f]+)\) layer by layer .* the last push "
-                                         r"issued at ([\d.]+)", pre_log))
+                written = dict(re.findall(r"\(tag ([0-9a-f]+)\): every layer of \d+ blocks "
+                                          r"written at ([\d.]+)", pre_log))
                 for tag, seen_at in re.findall(r"\(tag:([0-9a-f]+)\): .* seen at ([\d.]+)",
                                                log)[1:]:
-                    if tag in issued:
-                        exposed.append((float(seen_at) - float(issued[tag])) * 1e3)
+                    if tag in written:
+                        exposed.append((float(seen_at) - float(written[tag])) * 1e3)
             kib = tokens * LAYERS * 2 * HIDDEN * 4 / 1024
 
             def med(xs: list[float], scale: float = 1e3) -> str:
@@ -243,8 +245,8 @@ def main() -> int:
                   f"token {med(total)}"
                   + (f"; datadist transfer {med(pulls, 1)}" if pulls else "")
                   + (f"; transfer's end to the decode's return {med(tail, 1)}" if tail else "")
-              + (f"; last layer's push to the DONE seen {med(exposed, 1)}" if exposed
-                 else "")
+                  + (f"; last layer written to all in {med(exposed, 1)}" if exposed
+                     else "")
                   + f"; first token equal to the prefill's in {same}/{args.requests}")
         if args.local:  # the same decode engine, each prompt's KV already local
             for tokens in args.tokens:
