@@ -3,6 +3,7 @@
     python examples/vllm/bench_pd.py --connector datadist --tokens 1000 --requests 5
     python examples/vllm/bench_pd.py --connector datadist-layerwise --tokens 1000 --requests 5
     python examples/vllm/bench_pd.py --connector nixl     --tokens 1000 --requests 5
+    python examples/vllm/bench_pd.py --connector nixl-tuned --tokens 1000 --requests 5
 
 Starts a prefill and a decode vLLM engine (offline ``LLM`` API, each in its own process) with
 the chosen connector on a locally made random-weight Llama (8 layers, 8 KV heads x 64, fp32:
@@ -20,7 +21,8 @@ call's time (it starts when the prefill's answer is in), for the layer-wise mode
 end minus the prefill's end; and ``last layer written to all in``: the prefill's log line
 saying its last layer is written to the decoder's saying every layer is in (wall clocks, one
 host). NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch
-first) and runs with ``kv_buffer_device="cpu"``, UCX backend.
+first) and runs with ``kv_buffer_device="cpu"``, UCX backend; ``nixl-tuned`` removes the two
+things that slow it on a CPU host, from outside vLLM (``nixl_tuned/sitecustomize.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def node(model: str, role: str, connector: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    if connector == "nixl":
+    if connector.startswith("nixl"):
         ktc = KVTransferConfig(kv_connector="NixlConnector", kv_role=role,
                                kv_buffer_device="cpu")
     else:
@@ -128,7 +130,8 @@ class Proc:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--connector", choices=("datadist", "datadist-layerwise", "nixl"),
+    ap.add_argument("--connector", choices=("datadist", "datadist-layerwise", "nixl",
+                                            "nixl-tuned"),
                     default="datadist")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1000],
                     help="prompt lengths (one engine pair runs each in turn)")
@@ -172,6 +175,10 @@ def main() -> int:
             str(cpus[i]) if len(cpus) >= 2 else "nobind")
         env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i),
                    VLLM_CPU_OMP_THREADS_BIND=bind)
+        if args.connector == "nixl-tuned":  # every process of the engine runs it at start
+            tuned = str(Path(__file__).resolve().parent / "nixl_tuned")
+            env.update(BENCH_PD_NIXL_TUNED="1", PYTHONPATH=os.pathsep.join(
+                [tuned, *filter(None, [os.environ.get("PYTHONPATH")])]))
         procs[name] = Proc([sys.executable, __file__, "--node", str(model), role,
                             args.connector], env, work / f"{name}.log")
     try:
