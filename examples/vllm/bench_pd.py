@@ -3,6 +3,7 @@
     python examples/vllm/bench_pd.py --connector datadist --tokens 1000 --requests 5
     python examples/vllm/bench_pd.py --connector datadist-layerwise --tokens 1000 --requests 5
     python examples/vllm/bench_pd.py --connector nixl     --tokens 1000 --requests 5
+    python examples/vllm/bench_pd.py --connector nixl-tuned --tokens 1000 --requests 5
 
 Starts a prefill and a decode vLLM engine (offline ``LLM`` API, each in its own process) with
 the chosen connector on a locally made random-weight Llama (8 layers, 8 KV heads x 64, fp32:
@@ -13,12 +14,15 @@ the pull time its worker logs, and where the time between the pull's end and the
 first token goes (the worker's log timestamps against the engine call's return).
 
 ``datadist-layerwise`` runs the connectors with ``mode="layerwise"`` and routes as a
-layer-wise router does: each request goes to both engines at once (one tag), the prefill
-pushes each layer as it saves it. Its figure to compare is the decode's first token *after
-the prefill's* (``after prefill``): for the pull modes that is the decode call's time (it
-starts when the prefill's answer is in), for the layer-wise mode the decode's end minus the
-prefill's end. NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch
-first) and runs with ``kv_buffer_device="cpu"``, UCX backend.
+layer-wise router does: each request goes to both engines at once (one tag), the decoder
+pulls each layer as the prefill says it saved it. Its figure to compare is the decode's
+first token *after the prefill's* (``after prefill``): for the pull modes that is the decode
+call's time (it starts when the prefill's answer is in), for the layer-wise mode the decode's
+end minus the prefill's end; and ``last layer written to all in``: the prefill's log line
+saying its last layer is written to the decoder's saying every layer is in (wall clocks, one
+host). NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch
+first) and runs with ``kv_buffer_device="cpu"``, UCX backend; ``nixl-tuned`` removes the two
+things that slow it on a CPU host, from outside vLLM (``nixl_tuned/sitecustomize.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def node(model: str, role: str, connector: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    if connector == "nixl":
+    if connector.startswith("nixl"):
         ktc = KVTransferConfig(kv_connector="NixlConnector", kv_role=role,
                                kv_buffer_device="cpu")
     else:
@@ -126,7 +130,8 @@ class Proc:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--connector", choices=("datadist", "datadist-layerwise", "nixl"),
+    ap.add_argument("--connector", choices=("datadist", "datadist-layerwise", "nixl",
+                                            "nixl-tuned"),
                     default="datadist")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1000],
                     help="prompt lengths (one engine pair runs each in turn)")
@@ -170,6 +175,10 @@ def main() -> int:
             str(cpus[i]) if len(cpus) >= 2 else "nobind")
         env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i),
                    VLLM_CPU_OMP_THREADS_BIND=bind)
+        if args.connector == "nixl-tuned":  # every process of the engine runs it at start
+            tuned = str(Path(__file__).resolve().parent / "nixl_tuned")
+            env.update(BENCH_PD_NIXL_TUNED="1", PYTHONPATH=os.pathsep.join(
+                [tuned, *filter(None, [os.environ.get("PYTHONPATH")])]))
         procs[name] = Proc([sys.executable, __file__, "--node", str(model), role,
                             args.connector], env, work / f"{name}.log")
     try:
@@ -212,7 +221,7 @@ def main() -> int:
                     same += dec["tokens"] == pre["tokens"]
             log = (work / "decode.log").read_text()[seen:]
             seen += len(log)
-            pattern = (r"DONE ([\d.]+) ms after the plan" if layerwise else
+            pattern = (r"([\d.]+) ms after its record was first read" if layerwise else
                        r"datadist: pulled request .* in ([\d.]+) ms")
             pulls = [float(m) for m in re.findall(pattern, log)][1:]
             # The transfer's end (the worker's log line) to the engine call's return: the step
@@ -221,14 +230,14 @@ def main() -> int:
                 r"^(\S+ \S+) .*datadist: (?:pulled|received) request", log, re.M)][1:]
             tail = [(e - s) * 1e3 for e, s in zip(ends, stamps, strict=False)]
             exposed: list[float] = []
-            if layerwise:  # the last layer's push (prefill log) to the DONE seen (decode log)
+            if layerwise:  # the last layer written (prefill log) to all in (decode log)
                 pre_log = (work / "prefill.log").read_text()
-                issued = dict(re.findall(r"\(tag ([0-9a-f]+)\) layer by layer .* the last push "
-                                         r"issued at ([\d.]+)", pre_log))
+                written = dict(re.findall(r"\(tag ([0-9a-f]+)\): every layer of \d+ blocks "
+                                          r"written at ([\d.]+)", pre_log))
                 for tag, seen_at in re.findall(r"\(tag:([0-9a-f]+)\): .* seen at ([\d.]+)",
                                                log)[1:]:
-                    if tag in issued:
-                        exposed.append((float(seen_at) - float(issued[tag])) * 1e3)
+                    if tag in written:
+                        exposed.append((float(seen_at) - float(written[tag])) * 1e3)
             kib = tokens * LAYERS * 2 * HIDDEN * 4 / 1024
 
             def med(xs: list[float], scale: float = 1e3) -> str:
@@ -243,8 +252,8 @@ def main() -> int:
                   f"token {med(total)}"
                   + (f"; datadist transfer {med(pulls, 1)}" if pulls else "")
                   + (f"; transfer's end to the decode's return {med(tail, 1)}" if tail else "")
-              + (f"; last layer's push to the DONE seen {med(exposed, 1)}" if exposed
-                 else "")
+                  + (f"; last layer written to all in {med(exposed, 1)}" if exposed
+                     else "")
                   + f"; first token equal to the prefill's in {same}/{args.requests}")
         if args.local:  # the same decode engine, each prompt's KV already local
             for tokens in args.tokens:

@@ -1,9 +1,8 @@
 """End to end, layer-wise mode: a vLLM prefill and a vLLM decode engine whose connectors run
 ``mode="layerwise"`` (docs/vllm.md, "Layer-wise mode"). The router (this test) sends each
-request to both engines at once with one random tag; the decoder announces its blocks, the
-prefill pushes each layer into them as vLLM saves it. The decode tokens must be one
-instance's; a decoder whose prefill never comes, or dies, recomputes (``recompute`` policy)
-instead of using blocks the prefill might still write.
+request to both engines at once with one random tag; the prefill announces each layer as
+vLLM saves it, the decoder pulls it. The decode tokens must be one instance's; a decoder
+whose prefill never comes, or dies, recomputes (``recompute`` policy).
 
 Skipped without vLLM, as test_vllm.py. Two engines (about a minute to start on 2 cores).
 """
@@ -105,19 +104,24 @@ def test_layerwise_tokens_equal_one_instance(pair, setup):
         assert received_blocks(log, t) == -(-len(p) // BLOCK), log[-3000:]
     assert "failed" not in log
     deadline = time.monotonic() + 10
-    while True:  # every request's prefill says how many pushes its layers took
+    while True:  # every request's prefill said when its last layer was written
         text = nodes["prefill"].log_text()
-        pushes = [re.search(rf"\(tag {t}\) layer by layer .* in (\d+) pushes", text)
-                  for t in tags]
-        if all(pushes):
+        written = [re.search(rf"\(tag {t}\): every layer of (\d+) blocks written", text)
+                   for t in tags]
+        if all(written):
             break
         assert time.monotonic() < deadline, text[-3000:]
         time.sleep(0.1)
-    assert all(m is not None and int(m.group(1)) >= 1 for m in pushes)  # all came by push
+    for p, m in zip(prompts, written, strict=True):
+        assert m is not None and int(m.group(1)) == -(-len(p) // BLOCK)
+    # the decoder pulled them, layer by layer (8 layers: more than one pull per request)
+    pulls = [re.search(rf"\(tag:{t}\): .* in (\d+) pulls", log) for t in tags]
+    assert all(m is not None and int(m.group(1)) >= 1 for m in pulls), log[-3000:]
+    assert "pushed request" not in nodes["prefill"].log_text()
 
 
 def test_layerwise_corrupted_transfer_changes_tokens(pair, setup):
-    """Control: the decoder really uses the pushed KV."""
+    """Control: the decoder really uses the pulled KV."""
     nodes, corrupt = pair
     prompts, ref, dd = setup
     pre, dec, tags = params_for(dd, 1)
@@ -134,8 +138,8 @@ def test_layerwise_corrupted_transfer_changes_tokens(pair, setup):
 
 
 def test_layerwise_decoder_without_its_prefill_recomputes(pair, setup):
-    """The prefill never gets the request: after layerwise_timeout_s the decoder abandons
-    it (and waits out a push's deadline before its blocks can be reused), then recomputes."""
+    """The prefill never gets the request: after layerwise_timeout_s the decoder gives it
+    up, then recomputes."""
     nodes, _ = pair
     prompts, ref, dd = setup
     _, dec, tags = params_for(dd, 1)
@@ -144,19 +148,20 @@ def test_layerwise_decoder_without_its_prefill_recomputes(pair, setup):
     took = time.monotonic() - t0
     assert outs[0]["tokens"] == ref[0]
     log = nodes["decode"].log_text()
-    assert re.search(rf"tag {tags[0]}\) failed: abandon: no KV within", log), log[-3000:]
+    assert re.search(rf"tag {tags[0]}\) failed: no KV within", log), log[-3000:]
     assert received_blocks(log, tags[0]) is None
     assert LAYERWISE_TIMEOUT_S <= took < LAYERWISE_TIMEOUT_S + SYNC_KV_TIMEOUT_MS / 1e3 + 20
 
 
 def test_layerwise_prefill_killed_mid_request(pair, setup):
     """The prefill engine dies while the decoder waits for its layers: the decoder's next
-    heartbeat fails the request, well before layerwise_timeout_s, and it recomputes."""
+    read of its record fails the request, well before layerwise_timeout_s, and it
+    recomputes."""
     nodes, _ = pair
     prompts, ref, dd = setup
     _, dec, tags = params_for(dd, 2)
     nodes["decode"].send(prompts[1:3], NEW_TOKENS, dec)
-    time.sleep(1.0)  # the decoder (linked since the first test) announces its plans
+    time.sleep(1.0)  # the decoder (linked since the first test) reads the directory
     t0 = time.monotonic()
     nodes["prefill"].kill()
     outs = nodes["decode"].receive()

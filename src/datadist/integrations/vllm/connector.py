@@ -8,9 +8,9 @@ The decode side loads asynchronously (``get_num_new_matched_tokens`` returns ``l
 the request waits in WAITING_FOR_REMOTE_KVS until ``get_finished`` reports its pull, so no
 forward pass ever waits for a layer and ``wait_for_layer_load`` has nothing to do. In the
 layer-wise mode (``kv_connector_extra_config["mode"] = "layerwise"``, layerwise.py) the
-prefill side pushes each layer from ``save_kv_layer``, and ``wait_for_save`` ends the step's
-pushes. Failures are reported as ``failed_recving``, and vLLM applies
-``kv_load_failure_policy`` (recompute or fail).
+prefill side's ``save_kv_layer`` records that the layer is written (no transfer) and the
+decode side pulls it, overlapping the prefill's forward. Failures are reported as
+``failed_recving``, and vLLM applies ``kv_load_failure_policy`` (recompute or fail).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class DatadistConnector(KVConnectorBase_V1):
         self._kv_tensors: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         # The step whose layer-wise requests the producer has (prefill worker).
-        self._pushing_meta: DatadistConnectorMetadata | None = None
+        self._lw_meta: DatadistConnectorMetadata | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self.settings, engine_id=str(ktc.engine_id),
@@ -179,16 +179,17 @@ class DatadistConnector(KVConnectorBase_V1):
             self._worker.submit(step.recv)
         if step.lw_recv:
             self._worker.submit_layerwise(step.lw_recv)
-        self._begin_pushes(meta)
+        self._begin_layerwise_step(meta)
 
-    def _begin_pushes(self, meta: DatadistConnectorMetadata) -> None:
-        """Hand a step's layer-wise prefill requests to the producer, once per step: at the
+    def _begin_layerwise_step(self, meta: DatadistConnectorMetadata) -> None:
+        """Hand a step's layer-wise prefill requests to the producer (which announces what
+        the step writes), once per step: at the
         first ``save_kv_layer`` (vLLM 0.32 calls ``start_load_kv`` after the forward when no
         load is synchronous), else at ``start_load_kv``."""
         lw = None if self._worker is None else self._worker.lw_producer
-        if lw is None or meta is self._pushing_meta:
+        if lw is None or meta is self._lw_meta:
             return
-        self._pushing_meta = meta
+        self._lw_meta = meta
         for rid, ok in meta.step.lw_release:
             lw.release(rid, ok)
         for tag in meta.step.lw_refuse:
@@ -200,12 +201,13 @@ class DatadistConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        # Layer-wise prefill: push this layer of the step's planned requests (issued only).
+        # Layer-wise prefill: say this layer of the step's requests is written (a record in
+        # local memory; the decoder pulls it).
         if self._worker is None or self._worker.lw_producer is None:
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
-        self._begin_pushes(meta)
+        self._begin_layerwise_step(meta)
         if meta.step.lw_steps:
             self._worker.lw_producer.save_layer(self._layer_index[layer_name])
 

@@ -1,4 +1,5 @@
-"""Layer-wise mode of the datadist connector: the prefill pushes each layer as vLLM saves it.
+"""Layer-wise mode of the datadist connector: the decoder pulls each layer as the prefill
+saves it.
 
 Theory of operation. The router sends a request to both instances at once, with the same
 random ``tag`` (docs/vllm.md, "Layer-wise mode"): the decode instance's copy also names the
@@ -6,43 +7,51 @@ prefill instance's workers (which every layer-wise prefill answer carries). The 
 allocates blocks for the prompt's tokens at once, as for a pull, and the request waits in
 WAITING_FOR_REMOTE_KVS; then
 
-1. the decode worker links to the prefill worker (off the step, ``_Linker``), reads the
-   ``WINDOW`` slots of the prefill's *inbox* that the tag hashes to, and pushes its *plan*
-   into the first free one: tag, state PLAN, its cluster id, its landing record, and the
-   local block ids of the prompt's last ``n`` blocks (those a local prefix hit lacks);
-2. the prefill worker looks for its requests' tags in its inbox (local memory) at each step.
-   Once it has the plan, each ``save_kv_layer`` of a step that computed some of the prompt
-   pushes that layer's blocks (``push_blocks_async`` with a layer range; over the decoder's
-   link, whose reverse channel carries the prefill's pushes); ``wait_for_save`` waits for the
-   step's pushes (only the last layer's is usually left) and, after the step that computed
-   the prompt's last token, pushes ``(tag, DONE)`` into the decoder's landing record. A plan
-   that arrives after the prompt was computed gets every layer in one push, then the DONE;
-3. the decode worker sees DONE in its landing record (local memory) in ``poll_recv`` and
-   reports the request received; the prefill reports it sent once the DONE push ended and
-   vLLM finished the request, then clears the inbox slot.
+1. the prefill worker, at the request's first step, takes a free record of its *directory*
+   (a small registered cache, ``SLOTS`` records of ``HEADER`` bytes, local memory) and
+   writes there the tag, the prompt's length in blocks, and its *progress*: ``full`` (the
+   prompt blocks whose every layer was written in earlier steps), ``hi`` (the blocks
+   complete once this step has run) and ``layers`` (the layers this step wrote so far), with
+   a hash of the record; its block ids go into the same slot of a second cache (``ids``).
+   Each ``save_kv_layer`` only raises ``layers`` (a few microseconds, no transfer: the
+   prefill's CPU stays on its forward pass); ``wait_for_save`` after the step that computed
+   the prompt's last token marks the record COMPLETE;
+2. the decode worker links to the prefill worker (off the step, ``_Linker``), reads the
+   whole directory until it finds its tag, then reads its record again and again (a few
+   dozen bytes by cross-memory attach on one host: the prefill's CPU does nothing for it),
+   and pulls each layer's blocks as soon as the record says they are written
+   (``pull_blocks_async`` with a layer range, run by the decoder's own threads, overlapping
+   the prefill's compute). When the prefill's last layer is written only that layer is left
+   to move. Blocks split across the chunks of a chunked prefill are pulled once complete;
+3. once every layer is in and a read of the record issued after the last pull ended still
+   says (tag, COMPLETE), the decoder reports the request received and pushes ``(tag, DONE)``
+   into the prefill's *ack* record (a third cache, ``SLOTS`` records); the prefill frees the
+   blocks when it has seen DONE and vLLM finished the request, clearing the record first.
 
-Faults. A decode worker reads its inbox slot every ``HEARTBEAT_S`` while it waits: a read
-that fails (the prefill is gone) or finds another tag or REFUSED fails the request at once
-(vLLM's ``kv_load_failure_policy`` applies). After ``layerwise_timeout_s`` it writes
-ABANDONED into its slot; the prefill checks the slot (local memory) before every push, so no
-push starts after that write lands, and each push in flight ends within its deadline
-(``sync_kv_timeout_ms``): the decoder reports the request failed (vLLM then frees or reuses
-its blocks) only that long after the write landed. If the write fails the prefill is
-unreachable, and so are its pushes: the request fails at once. A prefill whose pushes fail
-(the decoder is gone) marks the slot REFUSED and frees the blocks when vLLM finishes the
-request; one whose plan never comes frees them ``abort_timeout_s`` after the request ended.
-Inbox records whose tag no request here claims are cleared after ``abort_timeout_s``.
+A record is written by the prefill only, with numpy (not atomically): the decoder takes it
+only when its hash matches (a torn read is read again).
 
-Who calls: connector.py, from vLLM's worker thread (``step`` from ``start_load_kv``,
-``save_layer`` from ``save_kv_layer``, ``wait_for_save``, ``poll`` from ``get_finished``);
-nothing here takes a lock or starts a thread. Only ``wait_for_save`` blocks, for this step's
-pushes, each bounded by ``sync_kv_timeout_ms``.
+Faults. A read of the record that fails (the prefill is gone) or finds another tag, or
+REFUSED, fails the request at once (vLLM's ``kv_load_failure_policy`` applies). After
+``layerwise_timeout_s`` the decoder issues no more pulls, waits for those in flight (each
+bounded by ``sync_kv_timeout_ms``; only the decoder's own threads write its blocks), pushes
+ABANDONED into the ack record (best effort) and reports the request failed: vLLM then reuses
+its blocks. A prefill whose request vLLM ended abnormally, or before its first step, marks
+the record REFUSED. A prefill frees blocks no decoder acknowledged ``abort_timeout_s`` after
+vLLM finished the request (a dead decoder), clearing the record first, so a decoder whose
+last read comes after that fails instead of using blocks that may have been reused (Rule 2
+of mailbox.py, per request rather than per pull).
+
+Who calls: connector.py, from vLLM's worker thread (``step`` from ``start_load_kv`` or the
+first ``save_kv_layer``, ``save_layer`` from ``save_kv_layer``, ``wait_for_save``, ``poll``
+from ``get_finished``; ``advance`` from the worker's ``wait_recv``). Nothing here takes a
+lock, starts a thread or blocks: every transfer is issued and its handle checked later.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -54,10 +63,11 @@ import numpy as np
 import datadist as llm_datadist
 from datadist.integrations.vllm import mailbox
 from datadist.integrations.vllm.settings import (
-    INBOX_MODEL_ID,
     KV_MODEL_ID,
-    LANDING_MODEL_ID,
     LOGGER_NAME,
+    LW_ACK_MODEL_ID,
+    LW_DIR_MODEL_ID,
+    LW_IDS_MODEL_ID,
     PARAMS_KEY,
     Settings,
     WorkerAddress,
@@ -65,66 +75,56 @@ from datadist.integrations.vllm.settings import (
 
 logger = logging.getLogger(LOGGER_NAME)
 
-SLOTS = 256  # inbox records per prefill worker (plans of requests being pushed)
-WINDOW = 4  # slots a tag may use: a decoder takes the first free one
-MAX_BLOCKS = 2048  # blocks one plan can name (longer prompts fall back to recompute)
-HEADER = 128
-HOST_BYTES = 64  # the decoder's listen host, utf-8, zero-padded (an IPv6 literal fits)
-RECORD = HEADER + 4 * MAX_BLOCKS
-FREE, PLAN, ABANDONED, REFUSED = 0, 1, 3, 4
-HEARTBEAT_S = 0.5
-
-
-def window(tag: bytes) -> list[int]:
-    """The inbox slots ``tag``'s plan may take (the tag is random: its bytes are the hash)."""
-    h = int.from_bytes(tag[:4], "little") % SLOTS
-    return [(h + j) % SLOTS for j in range(WINDOW)]
-
-
-def write_plan(rec: np.ndarray, tag: bytes, state: int, decoder: WorkerAddress,
-               landing: int, dst: list[int]) -> None:
-    """Fill one inbox record: ``tag[16] state[1] pad[7] cluster_id u64 landing u32 n u32
-    port u32 pad[20] host[64]``, then ``n`` u32 block ids."""
-    if len(dst) > MAX_BLOCKS:
-        raise ValueError(f"{len(dst)} blocks; a layer-wise plan names at most {MAX_BLOCKS}")
-    host = decoder.host.encode()
-    if len(host) > HOST_BYTES:
-        raise ValueError(f"host {decoder.host!r} is longer than {HOST_BYTES} bytes")
-    rec[:HEADER] = 0
-    rec[:16] = np.frombuffer(tag, np.uint8)
-    rec[16] = state
-    rec[24:32] = np.frombuffer(np.uint64(decoder.cluster_id).tobytes(), np.uint8)
-    rec[32:36] = np.frombuffer(np.uint32(landing).tobytes(), np.uint8)
-    rec[36:40] = np.frombuffer(np.uint32(len(dst)).tobytes(), np.uint8)
-    rec[40:44] = np.frombuffer(np.uint32(decoder.port).tobytes(), np.uint8)
-    rec[HEADER - HOST_BYTES:HEADER - HOST_BYTES + len(host)] = np.frombuffer(host, np.uint8)
-    rec[HEADER:HEADER + 4 * len(dst)] = np.frombuffer(np.asarray(dst, np.uint32).tobytes(),
-                                                      np.uint8)
+SLOTS = 256  # directory records per prefill worker (layer-wise requests at once)
+MAX_BLOCKS = 2048  # blocks one request can name (longer prompts fall back to recompute)
+HEADER = 64  # one directory record
+IDS_BYTES = 4 * MAX_BLOCKS
+FREE, OPEN, COMPLETE, REFUSED = 0, 1, 2, 4  # a directory record's state
+ABANDONED = 3  # an ack record's state besides mailbox.DONE
+_HASHED = 56  # bytes of a record the hash covers; the hash is the last 8
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A decoder's plan: where it listens (the prefill links to it and pushes by
-    cross-memory attach on one host), its landing record, its blocks."""
+class Progress:
+    """One directory record: how far the prefill has written a request's KV. Blocks
+    ``[0, full)`` have every layer written; ``[full, hi)`` have layers ``[0, layers)``."""
 
-    decoder: WorkerAddress
-    landing: int
-    dst: list[int]
+    tag: bytes
+    state: int
+    blocks: int  # the prompt's blocks
+    ids: int  # how many of its block ids the ids record holds
+    full: int
+    hi: int
+    layers: int
 
-    @property
-    def cluster_id(self) -> int:
-        return self.decoder.cluster_id
+    def avail(self, layer: int) -> int:
+        """Prompt blocks whose ``layer`` is written."""
+        return self.hi if layer < self.layers else self.full
 
 
-def read_plan(rec: np.ndarray) -> tuple[bytes, int, Plan]:
-    """(tag, state, plan) of one inbox record."""
-    cid = int(rec[24:32].view(np.uint64)[0])
-    landing = int(rec[32:36].view(np.uint32)[0])
-    n = min(int(rec[36:40].view(np.uint32)[0]), MAX_BLOCKS)
-    port = int(rec[40:44].view(np.uint32)[0])
-    host = bytes(rec[HEADER - HOST_BYTES:HEADER]).rstrip(b"\0").decode(errors="replace")
-    dst = rec[HEADER:HEADER + 4 * n].view(np.uint32).tolist()
-    return bytes(rec[:16]), int(rec[16]), Plan(WorkerAddress(host, port, cid), landing, dst)
+def _digest(raw: bytes) -> bytes:
+    return hashlib.blake2b(raw, digest_size=8).digest()
+
+
+def write_progress(rec: np.ndarray, p: Progress) -> None:
+    """Fill one directory record: ``tag[16] state[1] pad[3] blocks ids full hi layers u32
+    pad[20] hash[8]`` (the hash covers the first 56 bytes)."""
+    buf = np.zeros(HEADER, np.uint8)
+    buf[:16] = np.frombuffer(p.tag, np.uint8)
+    buf[16] = p.state
+    buf[20:40] = np.frombuffer(np.asarray([p.blocks, p.ids, p.full, p.hi, p.layers],
+                                          np.uint32).tobytes(), np.uint8)
+    buf[_HASHED:] = np.frombuffer(_digest(buf[:_HASHED].tobytes()), np.uint8)
+    rec[:] = buf
+
+
+def read_progress(rec: np.ndarray) -> Progress | None:
+    """The record's progress, or None for a torn read (hash mismatch) or a free record."""
+    raw = rec.tobytes()
+    if raw[16] == FREE or _digest(raw[:_HASHED]) != raw[_HASHED:HEADER]:
+        return None
+    f = np.frombuffer(raw[20:40], np.uint32).tolist()
+    return Progress(raw[:16], raw[16], *f)
 
 
 # ====================================================================== what the scheduler sends
@@ -188,14 +188,8 @@ class LayerwiseStep:
     block_size: int
 
 
+
 # ====================================================================== prefill side
-
-
-class _S(enum.Enum):
-    OPEN = "pushing"
-    COMPLETING = "DONE push in flight"
-    DONE = "done"
-    FAILED = "failed"
 
 
 @dataclass
@@ -205,357 +199,200 @@ class _Send:
     prompt_len: int
     block_size: int
     block_ids: list[int] = field(default_factory=list)
-    computed: int = 0
     slot: int = -1
-    plan: Plan | None = None
-    pushed_upto: int = 0  # prompt block index from which blocks still go (re)pushed
-    lo: int = 0
-    hi: int = 0
-    handles: list[llm_datadist.TransferHandle] = field(default_factory=list)
-    record: int = -1  # complete-outbox record of its DONE
-    state: _S = _S.OPEN
+    full: int = 0  # blocks every layer of which was written in earlier steps
+    hi: int = 0  # blocks complete once this step has run
+    layers: int = 0  # layers this step has written so far
+    state: int = OPEN
+    acked: bool = False
     released: bool = False
+    report: bool = True  # a request vLLM delayed the free of (else: only a refused tag)
     deadline: float = float("inf")
-    t_plan: float = 0.0
-    t_last_push: float = 0.0  # wall clock (time.time()) of its last KV push's issue
-    t_done: float = 0.0  # wall clock of its DONE push's issue
-    pushes: int = 0
-    report: bool = True  # a request vLLM delayed the free of (else: only a refused plan)
-    layers: int = 0  # layers pushed in this step
+    t_first: float = 0.0  # wall clock of its first step (logs, the bench)
+    t_complete: float = 0.0  # wall clock of its last layer's save
 
     @property
     def num_blocks(self) -> int:
         return -(-self.prompt_len // self.block_size)
 
-    @property
-    def first(self) -> int:
-        assert self.plan is not None
-        return self.num_blocks - len(self.plan.dst)
-
 
 class LayerwiseProducer:
-    """A prefill worker's layer-wise pushes. Registers its inbox (by key, decoders push their
-    plans into it) and a local outbox of DONE records."""
+    """A prefill worker's side of the layer-wise mode: it announces how far each request's
+    KV is written and holds the blocks until its decoder pulled them. Registers the
+    directory, the block ids and the ack records (decoders read the first two and push
+    into the third, by key). Moves no KV itself."""
 
-    def __init__(self, dd: llm_datadist.LLMDataDist, kv: llm_datadist.Cache,
-                 tensors_per_layer: int, num_layers: int, settings: Settings,
-                 cluster_id: int, linker: Any,
-                 on_error: Callable[[int, BaseException], None]) -> None:
-        self._dd, self._kv, self._tpl = dd, kv, tensors_per_layer
-        self._linker = linker  # worker.py's _Linker: links to decoders off the step
-        self._on_error = on_error  # a push failed: the worker drops a broken link
+    def __init__(self, dd: llm_datadist.LLMDataDist, num_layers: int, settings: Settings,
+                 cluster_id: int) -> None:
         self._num_layers = num_layers
         self.settings = settings
-        self.inbox = np.zeros((SLOTS, RECORD), np.uint8)
-        self._out = mailbox.Mailbox(SLOTS)
+        self.directory = np.zeros((SLOTS, HEADER), np.uint8)
+        self.ids = np.zeros((SLOTS, IDS_BYTES), np.uint8)
+        self.acks = mailbox.Mailbox(SLOTS)
         cm = dd.cache_manager
-        cm.register_blocks_cache(
-            llm_datadist.CacheDesc(1, [SLOTS, RECORD], llm_datadist.DataType.DT_UINT8),
-            [self.inbox.ctypes.data], llm_datadist.BlocksCacheKey(cluster_id, INBOX_MODEL_ID))
-        self._out_cache = cm.register_blocks_cache(
-            llm_datadist.CacheDesc(1, [SLOTS, mailbox.RECORD_BYTES],
-                                   llm_datadist.DataType.DT_UINT8),
-            [self._out.buf.ctypes.data])
-        self._free_records = list(range(SLOTS))
+        for arr, model_id in ((self.directory, LW_DIR_MODEL_ID), (self.ids, LW_IDS_MODEL_ID),
+                              (self.acks.buf, LW_ACK_MODEL_ID)):
+            cm.register_blocks_cache(
+                llm_datadist.CacheDesc(1, list(arr.shape), llm_datadist.DataType.DT_UINT8),
+                [arr.ctypes.data], llm_datadist.BlocksCacheKey(cluster_id, model_id))
+        self._free_slots = list(range(SLOTS - 1, -1, -1))
         self._sends: dict[str, _Send] = {}
         self._step: list[_Send] = []
-        self._pending: list[_Send] = []  # in this step, without a plan or link so far
-        self._strangers: dict[int, tuple[bytes, float]] = {}
-        self._next_sweep = 0.0
-        self.pushed = 0  # requests whose every layer reached a decoder (tests, logs)
+        self.served = 0  # requests whose decoder acknowledged every layer (tests, logs)
+        self.abandoned = 0  # requests whose decoder gave up
 
     @property
     def active(self) -> bool:
         return bool(self._sends)
 
     def step(self, entries: list[LayerwiseStep]) -> None:
-        """This step's layer-wise requests (``start_load_kv``). Never blocks."""
-        self._step, self._pending = [], []
+        """This step's layer-wise requests (``start_load_kv`` or the first
+        ``save_kv_layer``): announce what the step will write. Never blocks."""
+        self._step = []
         for e in entries:
             s = self._sends.get(e.request_id)
             if s is None:
                 s = self._sends[e.request_id] = _Send(e.request_id, bytes.fromhex(e.tag),
-                                                      e.prompt_len, e.block_size)
-            if s.state is not _S.OPEN:
+                                                      e.prompt_len, e.block_size,
+                                                      t_first=time.time())
+                if s.num_blocks > MAX_BLOCKS:
+                    self._refuse(s, f"{s.num_blocks} blocks; a layer-wise request names at "
+                                    f"most {MAX_BLOCKS}")
+                elif not self._free_slots:
+                    s.state = REFUSED  # no record to say so: its decoder times out
+                    logger.warning("datadist: layer-wise request %s: all %d directory "
+                                   "records taken; its decoder will recompute", s.rid, SLOTS)
+                else:
+                    s.slot = self._free_slots.pop()
+            if s.state != OPEN:
                 continue
-            s.block_ids = list(e.block_ids)
-            s.computed = min(e.computed_before + e.scheduled, s.prompt_len)
+            ids = list(e.block_ids)
+            if ids[:len(s.block_ids)] != s.block_ids:  # preempted and resumed: new blocks
+                self._refuse(s, "its blocks changed (preempted)")
+                continue
+            if len(ids) > len(s.block_ids):
+                n = min(len(ids), MAX_BLOCKS)
+                self.ids[s.slot, :4 * n] = np.frombuffer(
+                    np.asarray(ids[:n], np.uint32).tobytes(), np.uint8)
+                s.block_ids = ids
+            computed = min(e.computed_before + e.scheduled, s.prompt_len)
+            s.full = min(e.computed_before // s.block_size, s.num_blocks)
+            s.hi = s.num_blocks if computed >= s.prompt_len else computed // s.block_size
             s.layers = 0
-            if s.plan is None:
-                self._find_plan(s)
-            if s.state is not _S.OPEN:
-                continue
-            if s.plan is not None and self._ready(s):
-                self._range(s)
-                if s.hi > s.lo:
-                    self._step.append(s)
-            else:
-                self._pending.append(s)
-
-    def _range(self, s: _Send) -> None:
-        """This step's blocks of ``s``: from the first not pushed to the last computed."""
-        s.lo = max(s.pushed_upto, s.first)
-        s.hi = min(-(-s.computed // s.block_size), s.num_blocks)
-
-    def _ready(self, s: _Send) -> bool:
-        """Whether ``s``'s decoder is linked (its link is asked for when the plan comes);
-        a link that failed fails the request. Never blocks."""
-        assert s.plan is not None
-        state = self._linker.state(s.plan.cluster_id)
-        if state is None:
-            self._linker.want(s.plan.decoder)
-            return False
-        if isinstance(state, Exception):
-            self._fail(s, f"{state}")
-            return False
-        return bool(state == "up")
+            self._publish(s)
+            self._step.append(s)
 
     def save_layer(self, layer: int) -> None:
-        """Push ``layer`` of this step's blocks of every planned request (``save_kv_layer``,
-        right after vLLM wrote the layer). Never blocks: the pushes are issued."""
+        """vLLM wrote ``layer`` of this step (``save_kv_layer``): say so. Never blocks."""
         for s in self._step:
-            if s.state is not _S.OPEN:
-                continue
-            if not self._planned(s):
-                continue
-            assert s.plan is not None
-            self._push(s, s.lo, s.hi, layer)
-            s.layers += 1
-        for s in list(self._pending):  # a plan (or link) that came during the forward
-            if s.state is not _S.OPEN:
-                self._pending.remove(s)
-                continue
-            if s.plan is None:
-                self._find_plan(s)
-            if s.state is not _S.OPEN or s.plan is None or not self._ready(s):
-                continue
-            self._pending.remove(s)
-            self._range(s)
-            if s.hi > s.lo and self._planned(s):
-                self._push(s, s.lo, s.hi, range(layer + 1))  # the layers saved so far
+            if s.state == OPEN and layer + 1 > s.layers:
                 s.layers = layer + 1
-                self._step.append(s)
+                self._publish(s)
 
     def wait_for_save(self) -> None:
-        """End of a step's forward. After the step that computed a prompt's last token, the
-        DONE goes out as soon as its pushes ended: now if they have, else from ``poll``
-        (the engine is not held up by a push backlog). After an earlier chunk, blocks until
-        the step's pushes ended (each bounded by its deadline): the next chunk writes into
-        the last, partly computed block, which goes again then. A request whose plan came
-        after some of the step's layers were saved gets the step's blocks of every layer
-        in one push now."""
+        """End of a step's forward: every layer of the step is written (also when the step
+        was handed over after the forward, without ``save_layer`` calls). After the step
+        that computed the prompt's last token the record says COMPLETE. Never blocks."""
         for s in self._step:
-            last = s.computed >= s.prompt_len
-            if s.state is _S.OPEN and s.layers < self._num_layers:
-                self._push(s, s.lo, s.hi, None)
-            self._settle(s, block=not last)
-            if s.handles and s.state is _S.OPEN and not last:
-                self._fail(s, "a push still runs past its deadline")
-            if s.state is not _S.OPEN:
+            if s.state != OPEN:
                 continue
-            s.pushed_upto = s.num_blocks if last else s.computed // s.block_size
-            if last and not s.handles:
-                self._complete(s)
-        self._step, self._pending = [], []
-
-    def _push(self, s: _Send, lo: int, hi: int, layer: int | range | None) -> None:
-        """Issue the push of the prompt's blocks [lo, hi): one layer, a range of layers, or
-        all (None)."""
-        assert s.plan is not None
-        off = s.first
-        if isinstance(layer, int):
-            layer = range(layer, layer + 1)
-        layers: dict[str, Any] = {} if layer is None else {
-            "src_layer_range": layer, "dst_layer_range": layer}
-        try:
-            s.handles.append(self._dd.cache_manager.push_blocks_async(
-                llm_datadist.BlocksCacheKey(s.plan.cluster_id, KV_MODEL_ID), self._kv,
-                s.block_ids[lo:hi], s.plan.dst[lo - off:hi - off],
-                tensor_num_per_layer=self._tpl, **layers))
-            s.pushes += 1
-        except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
-            self._fail(s, f"push of layers {layer or 'all'} failed: {e}")
-            self._on_error(s.plan.cluster_id, e)
-        s.t_last_push = time.time()
+            s.layers = self._num_layers
+            if s.hi >= s.num_blocks:
+                s.full = s.hi = s.num_blocks
+                s.state = COMPLETE
+                s.t_complete = time.time()
+                logger.info("datadist: layer-wise request %s (tag %s): every layer of %d "
+                            "blocks written at %.4f, %.1f ms after its first step",
+                            s.rid, s.tag.hex(), s.num_blocks, s.t_complete,
+                            (s.t_complete - s.t_first) * 1e3)
+            else:
+                s.full = s.hi
+            self._publish(s)
+        self._step = []
 
     def release(self, request_id: str, ok: bool) -> None:
         """vLLM finished the request (``request_finished`` delayed its free): its blocks are
-        reported sent once no push reads them."""
+        reported sent once its decoder acknowledged, or ``abort_timeout_s`` from now."""
         s = self._sends.get(request_id)
         if s is None:
-            self._sends[request_id] = s = _Send(request_id, b"", 0, 1, state=_S.FAILED)
+            self._sends[request_id] = s = _Send(request_id, b"", 0, 1, state=REFUSED)
         s.released = True
         s.deadline = time.monotonic() + self.settings.abort_timeout_s
-        if not ok and s.state is _S.OPEN:
-            self._fail(s, "the prefill request did not finish normally")
+        if s.state == OPEN:
+            self._refuse(s, "the prefill request ended before its prompt was computed"
+                         if ok else "the prefill request did not finish normally")
 
     def refuse(self, tag: str) -> None:
-        """vLLM ended a layer-wise request before its first step: its decoder's plan (now
-        or when it comes, for ``abort_timeout_s``) is marked REFUSED, so the decoder fails
-        it at its next heartbeat instead of waiting out ``layerwise_timeout_s``."""
-        s = _Send(f"refused:{tag}", bytes.fromhex(tag), 0, 1, state=_S.FAILED,
-                  released=True, report=False,
+        """vLLM ended a layer-wise request before its first step: its record says REFUSED
+        for ``abort_timeout_s``, so its decoder fails it at its next read instead of waiting
+        out ``layerwise_timeout_s``."""
+        s = _Send(f"refused:{tag}", bytes.fromhex(tag), 0, 1, released=True, report=False,
                   deadline=time.monotonic() + self.settings.abort_timeout_s)
+        if self._free_slots:
+            s.slot = self._free_slots.pop()
         self._sends[s.rid] = s
+        self._refuse(s, None)
 
     def poll(self) -> set[str]:
-        """Requests whose blocks may be freed (``get_finished``); late plans get their
-        pushes here. Never blocks."""
+        """Requests whose blocks may be freed (``get_finished``): acknowledged by their
+        decoder, or ``abort_timeout_s`` after vLLM finished them. Never blocks."""
         now = time.monotonic()
         out: set[str] = set()
         for s in list(self._sends.values()):
-            if not s.report:
-                if s.slot < 0:
-                    for slot in window(s.tag):
-                        if bytes(self.inbox[slot, :16]) == s.tag:
-                            s.slot = slot
-                            self.inbox[slot, 16] = REFUSED
-                if now >= s.deadline:
-                    self._forget(s)
-                continue
-            if s.state is _S.OPEN and s.tag and s not in self._step:
-                if s.plan is None:
-                    self._find_plan(s)
-                if s.state is _S.OPEN and s.plan is not None and s.handles:
-                    self._settle(s, block=False)
-                if (s.state is _S.OPEN and s.plan is not None and not s.handles
-                        and s.computed >= s.prompt_len):
-                    if s.pushed_upto < s.num_blocks:
-                        if self._ready(s):  # a plan or link that came after the prefill
-                            self._push_all(s)
-                    else:
-                        self._complete(s)
-            if s.state is _S.COMPLETING:
-                self._settle(s, block=False)
+            acked = s.slot >= 0 and bool(s.tag) and self._acked(s)
             if not s.released:
                 continue
-            if s.state in (_S.OPEN, _S.COMPLETING) and now >= s.deadline:
-                self._fail(s, f"not pushed within {self.settings.abort_timeout_s:.1f} s "
-                              "of the request's end")
-            if s.state in (_S.DONE, _S.FAILED) and all(h.done() for h in s.handles):
-                self._forget(s)
+            if not acked and now < s.deadline:
+                continue
+            if not acked and s.report and s.state != REFUSED:
+                logger.warning("datadist: layer-wise request %s (tag %s): no decoder "
+                               "acknowledged it within %.1f s; freeing its blocks", s.rid,
+                               s.tag.hex(), self.settings.abort_timeout_s)
+            self._forget(s)
+            if s.report:
                 out.add(s.rid)
-        if now >= self._next_sweep:
-            self._next_sweep = now + 1.0
-            self._sweep(now)
         return out
 
     # ------------------------------------------------------------------ internals
 
-    def _find_plan(self, s: _Send) -> None:
-        for slot in window(s.tag):
-            tag, state, plan = read_plan(self.inbox[slot])
-            if tag != s.tag or state == FREE:
-                continue
-            if state != PLAN:  # the decoder gave up before we looked
-                s.slot = slot
-                self._fail(s, "the decoder gave up on the request (layerwise_timeout_s)")
-                return
-            s.slot, s.t_plan = slot, time.perf_counter()
-            self._strangers.pop(slot, None)
-            if not 0 < len(plan.dst) <= s.num_blocks:
-                self._fail(s, f"the decoder's plan names {len(plan.dst)} blocks, the prompt "
-                              f"has {s.num_blocks}")
-                return
-            s.plan = plan
-            s.pushed_upto = s.first
-            self._linker.want(plan.decoder)  # off the step; retries a link that failed
+    def _acked(self, s: _Send) -> bool:
+        """Whether the decoder acknowledged ``s`` (DONE, or ABANDONED: then the record says
+        REFUSED, so nothing reads on). Local memory; counted once."""
+        tag, state = mailbox.decode(self.acks.buf[s.slot])
+        if tag != s.tag or state not in (mailbox.DONE, ABANDONED):
+            return False
+        if not s.acked:
+            s.acked = True
+            if state == mailbox.DONE and s.state == COMPLETE:
+                self.served += s.report
+            elif state == ABANDONED:
+                self.abandoned += 1
+                if s.state != REFUSED:
+                    self._refuse(s, None)
+        return True
+
+    def _publish(self, s: _Send) -> None:
+        if s.slot < 0:
             return
+        write_progress(self.directory[s.slot], Progress(
+            s.tag, s.state, s.num_blocks, min(len(s.block_ids), MAX_BLOCKS),
+            s.full, s.hi, s.layers))
 
-    def _planned(self, s: _Send) -> bool:
-        """Whether the decoder still waits (its slot says PLAN): checked before each push."""
-        tag, state, _ = read_plan(self.inbox[s.slot])
-        if tag == s.tag and state == PLAN:
-            return True
-        self._fail(s, "the decoder gave up on the request (layerwise_timeout_s)")
-        return False
-
-    def _push_all(self, s: _Send) -> None:
-        """A late plan: every layer of the prompt's blocks in one push."""
-        if self._planned(s):
-            self._push(s, max(s.pushed_upto, s.first), s.num_blocks, None)
-            s.pushed_upto = s.num_blocks
-
-    def _settle(self, s: _Send, *, block: bool) -> None:
-        """Collect ended pushes (all of them when ``block``); a failed one fails ``s``."""
-        left = []
-        for h in s.handles:
-            if block and not h.done():
-                with contextlib.suppress(Exception):  # its failure is read below
-                    h.wait(self.settings.sync_kv_timeout_ms / 1e3 + 1.0)
-            if not h.done():
-                left.append(h)
-                continue
-            exc = h.exception()
-            if exc is not None and s.state in (_S.OPEN, _S.COMPLETING):
-                self._fail(s, f"a push failed: {exc}")
-                if s.plan is not None:
-                    self._on_error(s.plan.cluster_id, exc)
-        s.handles = left
-        if s.state is _S.COMPLETING and not left:
-            s.state = _S.DONE
-            self.pushed += 1
-            assert s.plan is not None
-            # Wall clocks, so a bench can set them against the decoder's log (one host).
-            logger.info("datadist: pushed request %s (tag %s) layer by layer to cluster %d: "
-                        "%d blocks x %d layers in %d pushes; the last push issued at %.4f, "
-                        "its DONE at %.4f (%.2f ms later)", s.rid, s.tag.hex(), s.plan.cluster_id,
-                        len(s.plan.dst), self._num_layers, s.pushes, s.t_last_push, s.t_done,
-                        (s.t_done - s.t_last_push) * 1e3)
-
-    def _complete(self, s: _Send) -> None:
-        assert s.plan is not None
-        if not self._free_records:
-            self._fail(s, "no record left for its DONE")
-            return
-        s.record = self._free_records.pop()
-        s.t_done = time.time()
-        self._out.buf[s.record] = mailbox.encode(s.tag, mailbox.DONE)
-        try:
-            s.handles.append(self._dd.cache_manager.push_blocks_async(
-                llm_datadist.BlocksCacheKey(s.plan.cluster_id, LANDING_MODEL_ID),
-                self._out_cache, [s.record], [s.plan.landing]))
-            s.state = _S.COMPLETING
-        except Exception as e:  # noqa: BLE001
-            self._fail(s, f"DONE push failed: {e}")
-            self._on_error(s.plan.cluster_id, e)
-
-    def _fail(self, s: _Send, why: str) -> None:
-        if s.state is _S.FAILED:
-            return
-        s.state = _S.FAILED
-        if s.tag:
+    def _refuse(self, s: _Send, why: str | None) -> None:
+        if why is not None and s.tag:
             logger.warning("datadist: layer-wise request %s (tag %s): %s", s.rid,
                            s.tag.hex(), why)
-        if s.slot >= 0:
-            tag, state, _ = read_plan(self.inbox[s.slot])
-            if tag == s.tag:
-                self.inbox[s.slot, 16] = REFUSED  # a decoder's next heartbeat fails it
+        s.state = REFUSED
+        self._publish(s)
 
     def _forget(self, s: _Send) -> None:
+        """Clear the records (the directory's first: Rule 1 of mailbox.py), then the slot
+        may be reused."""
         del self._sends[s.rid]
-        if s.record >= 0:
-            self._free_records.append(s.record)
-        if s.slot >= 0 and bytes(self.inbox[s.slot, :16]) == s.tag:
-            self.inbox[s.slot, :HEADER] = 0
-
-    def _sweep(self, now: float) -> None:
-        """Clear plans no request here claims after ``abort_timeout_s`` (their prefill
-        request never came, or ended before the plan)."""
-        mine = {s.slot for s in self._sends.values() if s.slot >= 0}
-        tags = {s.tag for s in self._sends.values()}
-        for slot in np.flatnonzero(self.inbox[:, 16]).tolist():
-            if slot in mine:
-                continue
-            tag = bytes(self.inbox[slot, :16])
-            if tag in tags:  # its request has not looked yet
-                continue
-            seen = self._strangers.get(slot)
-            if seen is None or seen[0] != tag:
-                self._strangers[slot] = (tag, now)
-            elif now - seen[1] >= self.settings.abort_timeout_s:
-                self.inbox[slot, :HEADER] = 0
-                del self._strangers[slot]
+        if s.slot >= 0:
+            self.directory[s.slot] = 0
+            self.acks.clear(s.slot)
+            self._free_slots.append(s.slot)
 
 
 # ====================================================================== decode side
@@ -563,9 +400,8 @@ class LayerwiseProducer:
 
 class _R(enum.Enum):
     LINK = "link to the prefill worker"
-    READ = "inbox read"
-    ANNOUNCE = "plan push"
-    WAIT = "layers"
+    FIND = "directory read"
+    TRACK = "layers"
     ABANDON = "abandon"
 
 
@@ -574,59 +410,54 @@ class _Recv:
     task: LayerwiseRecvTask
     peer: WorkerAddress
     tag: bytes
-    record: int
+    record: int  # our local records: directory scan rows, ids row, ack row
     deadline: float
     step: _R = _R.LINK
-    handle: llm_datadist.TransferHandle | None = None
+    read: llm_datadist.TransferHandle | None = None  # directory or ids read in flight
+    ids_wanted: int = 0  # the read in flight is of this many block ids
+    pulls: list[llm_datadist.TransferHandle] = field(default_factory=list)
     slot: int = -1
-    next_beat: float = 0.0
-    grace_until: float = float("inf")
+    ids: list[int] = field(default_factory=list)
+    pulled: list[int] = field(default_factory=list)  # per layer: prompt blocks pulled
+    clean: bool = False  # the read in flight was issued with no pull in flight
+    outcome: str | None = None  # ABANDON: why it failed
+    npulls: int = 0
     t0: float = 0.0
-    beat: bool = False  # the handle in flight is a heartbeat read
 
 
 class LayerwiseConsumer:
-    """A decode worker's layer-wise receives. Registers its landing records (by key: the
-    prefill pushes DONE into them) and a local buffer for plans and inbox reads."""
+    """A decode worker's side of the layer-wise mode: for each request it follows the
+    prefill's record and pulls each layer's blocks as soon as they are written. Registers
+    only local caches (where reads land, where its acks start)."""
 
-    def __init__(self, dd: llm_datadist.LLMDataDist, settings: Settings,
-                 address: WorkerAddress, linker: Any, slots: int, block_bytes: int,
-                 on_done: Callable[[LayerwiseRecvTask, float, int], None]) -> None:
-        self._dd, self.settings, self._linker = dd, settings, linker
-        self._address = address  # where we listen: the prefill links here to push
-        self._cluster_id = address.cluster_id
-        self._block_bytes = block_bytes
-        self._on_done = on_done
-        self.landing = mailbox.Mailbox(slots)
-        self._buf = np.zeros((slots * (1 + WINDOW), RECORD), np.uint8)
+    def __init__(self, dd: llm_datadist.LLMDataDist, kv: llm_datadist.Cache,
+                 tensors_per_layer: int, num_layers: int, settings: Settings, linker: Any,
+                 slots: int, on_done: Callable[[LayerwiseRecvTask, float, int, int], None],
+                 on_error: Callable[[int, BaseException], None]) -> None:
+        self._dd, self._kv, self._tpl = dd, kv, tensors_per_layer
+        self._num_layers = num_layers
+        self.settings, self._linker = settings, linker
+        self._on_done, self._on_error = on_done, on_error
+        self._dir = np.zeros((slots * SLOTS, HEADER), np.uint8)
+        self._ids = np.zeros((slots, IDS_BYTES), np.uint8)
+        self._acks = mailbox.Mailbox(slots)
         cm = dd.cache_manager
-        cm.register_blocks_cache(
-            llm_datadist.CacheDesc(1, [slots, mailbox.RECORD_BYTES],
-                                   llm_datadist.DataType.DT_UINT8),
-            [self.landing.buf.ctypes.data],
-            llm_datadist.BlocksCacheKey(address.cluster_id, LANDING_MODEL_ID))
-        self._buf_cache = cm.register_blocks_cache(
-            llm_datadist.CacheDesc(1, list(self._buf.shape), llm_datadist.DataType.DT_UINT8),
-            [self._buf.ctypes.data])
+        self._dir_cache, self._ids_cache, self._ack_cache = (
+            cm.register_blocks_cache(
+                llm_datadist.CacheDesc(1, list(a.shape), llm_datadist.DataType.DT_UINT8),
+                [a.ctypes.data])
+            for a in (self._dir, self._ids, self._acks.buf))
         self._free = list(range(slots))
         self._waiting: list[LayerwiseRecvTask] = []
         self._recvs: list[_Recv] = []
-        self._draining: list[tuple[int, llm_datadist.TransferHandle]] = []
+        self._draining: list[tuple[int, list[llm_datadist.TransferHandle]]] = []
+        self._done: set[str] = set()
+        self._failed: set[str] = set()
         self._rank = 0
 
     @property
     def active(self) -> bool:
         return bool(self._waiting) or bool(self._recvs)
-
-    @property
-    def waiting_for_layers(self) -> bool:
-        """Whether a request waits for its prefill's DONE (its plan announced)."""
-        return any(r.step is _R.WAIT for r in self._recvs)
-
-    def landed(self) -> bool:
-        """Whether a waiting request's DONE is in (local memory; never blocks)."""
-        return any(r.step is _R.WAIT and self.landing.is_done(r.record, r.tag)
-                   for r in self._recvs)
 
     def submit(self, tasks: list[LayerwiseRecvTask], rank: int) -> None:
         self._waiting.extend(tasks)
@@ -637,13 +468,18 @@ class LayerwiseConsumer:
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(received, failed) since the last call. Never blocks."""
-        done: set[str] = set()
-        failed: set[str] = set()
-        for record, h in list(self._draining):
-            if h.done():
-                self._draining.remove((record, h))
-                self.landing.clear(record)
-                self._free.append(record)
+        self.advance()
+        done, failed = self._done, self._failed
+        self._done, self._failed = set(), set()
+        return done | failed, failed
+
+    def advance(self) -> bool:
+        """Check every transfer in flight and issue the next ones (reads, pulls of newly
+        written layers); True when a request ended since the last ``poll``. Never blocks.
+        Who calls: ``poll``, and the worker's ``wait_recv`` in a loop on an idle step."""
+        for item in [d for d in self._draining if all(h.done() for h in d[1])]:
+            self._draining.remove(item)
+            self._free.append(item[0])
         while self._waiting and self._free:
             t = self._waiting.pop(0)
             r = _Recv(t, t.remote.workers[0], b"", self._free.pop(),
@@ -654,33 +490,28 @@ class LayerwiseConsumer:
                     raise ValueError(f"prefill instance has {len(t.remote.workers)} "
                                      f"workers, we are rank {self._rank}")
                 if len(t.local_block_ids) > MAX_BLOCKS:
-                    raise ValueError(f"{len(t.local_block_ids)} blocks; a layer-wise plan "
-                                     f"names at most {MAX_BLOCKS}")
+                    raise ValueError(f"{len(t.local_block_ids)} blocks; a layer-wise "
+                                     f"request names at most {MAX_BLOCKS}")
                 r.peer = t.remote.workers[self._rank]
                 r.tag = bytes.fromhex(t.remote.tag)
-                self.landing.clear(r.record)
             except Exception as e:  # noqa: BLE001
-                self._end(r, failed, f"{e}")
+                self._end(r, ABANDONED, f"{e}")
         for r in list(self._recvs):
-            for _ in range(len(_R) + 1):
+            for _ in range(8):
                 try:
-                    moved = self._advance(r, done, failed)
+                    moved = self._advance(r)
                 except Exception as e:  # noqa: BLE001 - every failure fails the request
-                    self._end(r, failed, f"{r.step.value}: {e}")
-                    break
+                    if isinstance(e, llm_datadist.LLMException):
+                        self._on_error(r.peer.cluster_id, e)
+                    if r in self._recvs and r.step is not _R.ABANDON:
+                        self._stop(r, f"{r.step.value}: {e}")
+                    moved = True
                 if not moved or r not in self._recvs:
                     break
-        return done | failed, failed
+        return bool(self._done or self._failed)
 
-    def _advance(self, r: _Recv, done: set[str], failed: set[str]) -> bool:
+    def _advance(self, r: _Recv) -> bool:
         now = time.monotonic()
-        if r.step in (_R.WAIT, _R.ABANDON) and self.landing.is_done(r.record, r.tag):
-            if r.handle is not None and not r.handle.done():
-                return False  # our read or write still uses the buffer: end after it
-            seconds = time.perf_counter() - r.t0
-            self._on_done(r.task, seconds, r.peer.cluster_id)
-            self._end(r, done, None)
-            return True
         if r.step is _R.LINK:
             state = self._linker.state(r.peer.cluster_id)
             if state is None:
@@ -692,95 +523,157 @@ class LayerwiseConsumer:
                 if now >= r.deadline:
                     raise TimeoutError("no link in time")
                 return False
-            r.step = _R.READ
-            base = r.record * (1 + WINDOW)
-            r.handle = self._dd.cache_manager.pull_blocks_async(
-                self._key(r, INBOX_MODEL_ID), self._buf_cache, window(r.tag),
-                list(range(base + 1, base + 1 + WINDOW)))
+            r.step = _R.FIND
+            r.t0 = time.perf_counter()
+            self._read_record(r)
             return True
-        if r.handle is not None:
-            if not r.handle.done():
-                return False
-            handle, r.handle = r.handle, None
-            exc = handle.exception()
-            if r.step is _R.ABANDON:
-                if exc is not None:  # unreachable: so are its pushes
-                    raise exc
-                r.grace_until = now + self.settings.sync_kv_timeout_ms / 1e3 + 1.0
-                return True
-            if exc is not None:
-                raise exc
-            base = r.record * (1 + WINDOW)
-            if r.step is _R.READ:
-                slots = window(r.tag)
-                for j in range(WINDOW):
-                    if self._buf[base + 1 + j, 16] == FREE:
-                        r.slot = slots[j]
-                        break
-                else:
-                    raise RuntimeError("the prefill worker's inbox has no free slot for it")
-                write_plan(self._buf[base], r.tag, PLAN, self._address, r.record,
-                           r.task.local_block_ids)
-                r.step = _R.ANNOUNCE
-                r.t0 = time.perf_counter()
-                r.handle = self._dd.cache_manager.push_blocks_async(
-                    self._key(r, INBOX_MODEL_ID), self._buf_cache, [base], [r.slot])
-                return True
-            if r.step is _R.ANNOUNCE:
-                r.step = _R.WAIT
-                r.next_beat = now + HEARTBEAT_S
-                return True
-            if r.step is _R.WAIT and r.beat:  # heartbeat read landed in base + 1
-                r.beat = False
-                tag, state, _ = read_plan(self._buf[base + 1])
-                if tag != r.tag or state != PLAN:
-                    if self.landing.is_done(r.record, r.tag):
-                        return True
-                    why = "refused it" if tag == r.tag and state == REFUSED else \
-                        "no longer has its plan"
-                    raise RuntimeError(f"the prefill worker {why}")
-                return True
+        if r.step is _R.ABANDON:
+            return self._wait_pulls(r)
+        # FIND / TRACK: collect ended pulls; a failed one fails the request
+        for h in [h for h in r.pulls if h.done()]:
+            r.pulls.remove(h)
+            if h.exception() is not None:
+                raise h.exception()  # type: ignore[misc]
+        if now >= r.deadline:
+            self._stop(r, f"no KV within layerwise_timeout_s "
+                          f"({self.settings.layerwise_timeout_s:.1f} s)")
             return True
-        if r.step is _R.WAIT:
-            if now >= r.deadline:
-                base = r.record * (1 + WINDOW)
-                self._buf[base, 16] = ABANDONED
-                r.step = _R.ABANDON
-                logger.warning("datadist: layer-wise request %s: no KV within %.1f s; "
-                               "abandoning it", r.task.request_id,
-                               self.settings.layerwise_timeout_s)
-                r.handle = self._dd.cache_manager.push_blocks_async(
-                    self._key(r, INBOX_MODEL_ID), self._buf_cache, [base], [r.slot])
-                return True
-            if now >= r.next_beat:
-                r.next_beat = now + HEARTBEAT_S
-                r.beat = True
-                base = r.record * (1 + WINDOW)
-                r.handle = self._dd.cache_manager.pull_blocks_async(
-                    self._key(r, INBOX_MODEL_ID), self._buf_cache, [r.slot], [base + 1])
-                return True
+        if r.read is None:
+            self._read_record(r)
+            return True
+        if not r.read.done():
             return False
-        if r.step is _R.ABANDON and now >= r.grace_until:
-            raise TimeoutError(f"no KV within layerwise_timeout_s "
-                               f"({self.settings.layerwise_timeout_s:.1f} s)")
+        handle, r.read = r.read, None
+        exc = handle.exception()
+        if exc is not None:
+            raise exc
+        base = r.record * SLOTS
+        if r.ids_wanted:  # the block ids landed: read the record again
+            n, r.ids_wanted = r.ids_wanted, 0
+            r.ids = np.frombuffer(self._ids[r.record, :4 * n].tobytes(), np.uint32).tolist()
+            self._read_record(r)
+            return True
+        if r.step is _R.FIND:
+            tags = self._dir[base:base + SLOTS, :16]
+            for slot in np.flatnonzero((tags == np.frombuffer(r.tag, np.uint8)).all(axis=1)):
+                if read_progress(self._dir[base + int(slot)]) is not None:
+                    r.slot, r.step = int(slot), _R.TRACK
+                    self._dir[base] = self._dir[base + r.slot]  # where its reads land
+                    break
+            else:
+                self._read_record(r)  # not there yet: the prefill has not scheduled it
+                return False
+        p = read_progress(self._dir[base])
+        if p is None and self._dir[base, 16] != FREE:  # torn: read again
+            self._read_record(r)
+            return False
+        if p is None or p.tag != r.tag:
+            raise RuntimeError("the prefill worker no longer has the request (freed by "
+                               "its abort timeout)")
+        if p.state == REFUSED:
+            raise RuntimeError("the prefill worker refused the request (ended, "
+                               "abandoned, or no room)")
+        n = len(r.task.local_block_ids)
+        if not 0 < n <= p.blocks:
+            raise RuntimeError(f"the decoder has {n} blocks for the prompt's {p.blocks}")
+        first = p.blocks - n
+        if not r.pulled:
+            r.pulled = [first] * self._num_layers
+        if p.state == COMPLETE and r.clean and not r.pulls and min(r.pulled) >= p.blocks:
+            self._end(r, mailbox.DONE, None)  # a read issued after the last pull ended
+            return True
+        need = max(min(p.avail(layer), p.blocks) for layer in range(self._num_layers))
+        if need > len(r.ids) and p.ids > len(r.ids):
+            r.ids_wanted = p.ids
+            r.read = self._dd.cache_manager.pull_blocks_async(
+                self._key(r, LW_IDS_MODEL_ID), self._ids_cache, [r.slot], [r.record])
+            return True
+        self._pull_new(r, p, first)
+        r.clean = not r.pulls
+        self._read_record(r)
         return False
+
+    def _pull_new(self, r: _Recv, p: Progress, first: int) -> None:
+        """Issue the pulls of every layer's blocks written since the last: consecutive
+        layers with the same blocks go in one pull."""
+        def avail(layer: int) -> int:
+            return min(p.avail(layer), p.blocks, len(r.ids))
+
+        layer, last = 0, self._num_layers
+        while layer < last:
+            a, b = r.pulled[layer], avail(layer)
+            if b <= a:
+                layer += 1
+                continue
+            end = layer + 1
+            while end < last and r.pulled[end] == a and avail(end) == b:
+                end += 1
+            layers = range(layer, end)
+            r.pulls.append(self._dd.cache_manager.pull_blocks_async(
+                self._key(r, KV_MODEL_ID), self._kv, r.ids[a:b],
+                r.task.local_block_ids[a - first:b - first],
+                tensor_num_per_layer=self._tpl, src_layer_range=layers,
+                dst_layer_range=layers))
+            r.npulls += 1
+            for i in layers:
+                r.pulled[i] = b
+            layer = end
+
+    def _read_record(self, r: _Recv) -> None:
+        """Issue the read of the prefill's directory (the whole of it until the tag is
+        found, then the request's record) into our rows."""
+        base = r.record * SLOTS
+        if r.step is _R.FIND:
+            src, dst = list(range(SLOTS)), list(range(base, base + SLOTS))
+        else:
+            src, dst = [r.slot], [base]
+        r.read = self._dd.cache_manager.pull_blocks_async(
+            self._key(r, LW_DIR_MODEL_ID), self._dir_cache, src, dst)
 
     def _key(self, r: _Recv, model_id: int) -> llm_datadist.BlocksCacheKey:
         return llm_datadist.BlocksCacheKey(r.peer.cluster_id, model_id)
 
-    def _end(self, r: _Recv, into: set[str], why: str | None) -> None:
-        if why is not None:
+    def _stop(self, r: _Recv, why: str) -> None:
+        """Fail ``r``: no more pulls; once those in flight ended (each within its deadline:
+        only they write its blocks) it is reported failed and its prefill told."""
+        r.outcome = why
+        r.step = _R.ABANDON
+        if not any(not h.done() for h in r.pulls):
+            self._end(r, ABANDONED, why)
+
+    def _wait_pulls(self, r: _Recv) -> bool:
+        r.pulls = [h for h in r.pulls if not h.done()]
+        if r.pulls:
+            return False
+        self._end(r, ABANDONED, r.outcome)
+        return True
+
+    def _end(self, r: _Recv, state: int, why: str | None) -> None:
+        """Report ``r`` (received when ``why`` is None) and push ``state`` into its
+        prefill's ack record (best effort). Its local records are reused once no transfer
+        of ours uses them."""
+        busy = [h for h in (r.read, *r.pulls) if h is not None and not h.done()]
+        if r.slot >= 0:
+            self._acks.buf[r.record] = mailbox.encode(r.tag, state)
+            try:
+                busy.append(self._dd.cache_manager.push_blocks_async(
+                    self._key(r, LW_ACK_MODEL_ID), self._ack_cache, [r.record], [r.slot]))
+            except Exception as e:  # noqa: BLE001 - best effort: the prefill times out
+                logger.debug("datadist: ack of layer-wise request %s: %s",
+                             r.task.request_id, e)
+        if why is None:
+            self._on_done(r.task, time.perf_counter() - r.t0, r.peer.cluster_id, r.npulls)
+            self._done.add(r.task.request_id)
+        else:
             logger.warning("datadist: layer-wise request %s (tag %s) failed: %s",
                            r.task.request_id, r.task.remote.tag, why)
-        into.add(r.task.request_id)
+            self._failed.add(r.task.request_id)
         if r in self._recvs:
             self._recvs.remove(r)
-        if r.handle is not None and not r.handle.done():
-            # a read or write of ours still uses the record: back to the pool when it ends
-            self._draining.append((r.record, r.handle))
-            return
-        self.landing.clear(r.record)
-        self._free.append(r.record)
+        if busy:
+            self._draining.append((r.record, busy))
+        else:
+            self._free.append(r.record)
 
     def close(self) -> None:
         self._waiting.clear()

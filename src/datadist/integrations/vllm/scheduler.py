@@ -208,7 +208,7 @@ class SchedulerSide:
 
     def _finished_layerwise(self, request_id: str,
                             finished_ok: bool) -> tuple[bool, dict[str, Any] | None]:
-        """A layer-wise prefill request ended: keep its blocks while pushes may read them.
+        """A layer-wise prefill request ended: keep its blocks until its decoder pulled them.
         Every answer names this instance's workers (a router learns them from any layer-wise
         answer, e.g. one without a tag)."""
         lw = self._lw.pop(request_id, None)
@@ -217,7 +217,7 @@ class SchedulerSide:
                                         for w in self.workers]}}
         if lw is None:
             return False, out
-        if not lw.scheduled:  # ended before its first step: nothing to push, refuse the plan
+        if not lw.scheduled:  # ended before its first step: refuse the decoder
             self._pending.lw_refuse.append(lw.tag)
             return False, out
         self._pending.lw_release.append((request_id, finished_ok))

@@ -16,9 +16,11 @@ from typing import Any
 #: Model ids of the two blocks caches every worker registers under its cluster id.
 KV_MODEL_ID = 0
 MAILBOX_MODEL_ID = 1
-#: Layer-wise mode: a producer's inbox of decoders' plans, a consumer's landing records.
-INBOX_MODEL_ID = 2
-LANDING_MODEL_ID = 3
+#: Layer-wise mode (layerwise.py), a producer's: its directory of progress records, the
+#: block ids of each, and the records its decoders acknowledge in.
+LW_DIR_MODEL_ID = 2
+LW_IDS_MODEL_ID = 3
+LW_ACK_MODEL_ID = 4
 
 #: Key of datadist's own fields inside ``kv_transfer_params``.
 PARAMS_KEY = "datadist"
@@ -49,13 +51,14 @@ class Settings:
     mailbox_slots: how many finished requests a producer can hold at once.
     mode: "pull" (default: the decoder pulls a finished prefill's blocks) or "layerwise"
         (the router sends the request to both instances at once; the decoder allocates its
-        blocks first and the prefill pushes each layer into them as vLLM saves it; see
+        blocks first and pulls each layer as soon as the prefill says vLLM saved it; see
         layerwise.py). Both instances of a pair must use the same mode.
     idle_wait_ms: a decoder's step that scheduled nothing waits up to this long for a
-        transfer in flight to end (0: never), so the engine learns of it in this step.
+        transfer in flight to end (0: never), so the engine learns of it in this step (a
+        layer-wise decoder follows its prefill's progress meanwhile).
     layerwise_timeout_s: layer-wise decoder: how long a request waits for the prefill to
-        push all its layers before the decoder gives up on it (the prefill's compute time
-        counts here, so it is longer than a pull's ``sync_kv_timeout_ms``).
+        write, and itself to pull, all its layers before it gives up on it (the prefill's
+        compute time counts here, so it is longer than a pull's ``sync_kv_timeout_ms``).
     """
 
     host: str = "127.0.0.1"

@@ -15,9 +15,9 @@ Who calls what (connector.py, from vLLM's worker process):
   ``link_timeout_ms``) while the step goes on; that producer's requests wait, without blocking
   anything, until the link is up (or fail when it cannot be made). No step ever blocks.
 - Layer-wise mode (``settings.mode == "layerwise"``): ``lw_producer`` / ``lw_consumer``
-  (layerwise.py) do the pushes and receives; ``submit_layerwise`` queues a decoder's
-  requests, ``poll_sent`` / ``poll_recv`` report them with the pulls'. A layer-wise decoder
-  listens (its prefill links to it and pushes).
+  (layerwise.py): the prefill announces each layer it saved, the decoder pulls it;
+  ``submit_layerwise`` queues a decoder's requests, ``poll_sent`` / ``poll_recv`` report
+  them with the pulls'.
 - ``wait_recv`` on a step that scheduled nothing: waits, bounded, for a transfer in flight.
 - ``close()`` at shutdown.
 
@@ -270,14 +270,10 @@ class DatadistWorker:
         cfg.device_id = 0
         cfg.local_comm_res = ""  # cache-manager mode, one-sided links
         cfg.sync_kv_timeout = self.settings.sync_kv_timeout_ms
-        # A layer-wise decoder listens too: its prefill links to it and pushes by
-        # cross-memory attach on one host (a push on the decoder's own link would go over
-        # that link's reverse channel, TCP; docs/compatibility.md).
-        lw_consumer = self.consumer and self.settings.mode == "layerwise"
-        if self.producer or lw_consumer:
+        if self.producer:
             port = self.settings.port + self.rank if self.settings.port else 0
             cfg.listen_ip_info = format_host_port(self.settings.host, port)
-        role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer or lw_consumer
+        role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer
                 else llm_datadist.LLMRole.PROMPT if self.producer
                 else llm_datadist.LLMRole.DECODER)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
@@ -311,16 +307,14 @@ class DatadistWorker:
 
             try:
                 if self.producer:
-                    self.lw_producer = LayerwiseProducer(
-                        dd, self._kv, layout.tensors_per_layer, layout.num_layers,
-                        self.settings, self.cluster_id, self._linker, self._push_failed)
+                    self.lw_producer = LayerwiseProducer(dd, layout.num_layers, self.settings,
+                                                         self.cluster_id)
                 if self.consumer:
-                    listen = dd.listen_address
-                    assert listen is not None
+                    assert self._kv is not None
                     self.lw_consumer = LayerwiseConsumer(
-                        dd, self.settings,
-                        WorkerAddress(self.settings.host, listen[1], self.cluster_id),
-                        self._linker, MAX_PULLS, self._block_bytes(), self._received)
+                        dd, self._kv, layout.tensors_per_layer, layout.num_layers,
+                        self.settings, self._linker, MAX_PULLS, self._received,
+                        self._push_failed)
             except Exception:
                 self.close()
                 raise
@@ -389,7 +383,8 @@ class DatadistWorker:
             return
         self.lw_consumer.submit(tasks, self.rank)
 
-    def _received(self, task: LayerwiseRecvTask, seconds: float, cluster_id: int) -> None:
+    def _received(self, task: LayerwiseRecvTask, seconds: float, cluster_id: int,
+                  pulls: int) -> None:
         """A layer-wise request's every layer landed: count it and run the hook."""
         assert self._layout is not None
         n = len(task.local_block_ids)
@@ -398,10 +393,11 @@ class DatadistWorker:
         self.stats.blocks_pulled += n
         self.stats.bytes_pulled += nbytes
         self.stats.pull_seconds.append(seconds)
+        # The wall clock, so a bench can set it against the prefill's log (one host).
         logger.info("datadist: received request %s layer by layer (%s): %d blocks, %d bytes "
-                    "from cluster %d, DONE %.2f ms after the plan was sent, seen at %.4f",
-                    task.request_id, task.remote.request_id, n, nbytes, cluster_id,
-                    seconds * 1e3, time.time())
+                    "from cluster %d in %d pulls, %.2f ms after its record was first read, "
+                    "seen at %.4f", task.request_id, task.remote.request_id, n, nbytes,
+                    cluster_id, pulls, seconds * 1e3, time.time())
         if self.on_pulled is not None:
             self.on_pulled(task)  # type: ignore[arg-type]
 
@@ -452,7 +448,9 @@ class DatadistWorker:
 
     def wait_recv(self, seconds: float) -> bool:
         """Block up to ``seconds`` (GIL released) for one of this worker's KV transfers in
-        flight to end, or a layer-wise DONE to land; True if there was one to wait for.
+        flight to end, or, layer-wise, for a request to end while following its prefill's
+        progress (reading it every 0.3 ms, pulling each layer once written); True if there
+        was one to wait for.
         Who calls: the connector's ``get_transfer_results`` on a step that scheduled
         nothing, before it asks ``poll_recv`` again."""
         deadline = time.monotonic() + seconds
@@ -463,12 +461,13 @@ class DatadistWorker:
                 kv[0].wait(seconds)
             return True
         lw = self.lw_consumer
-        if lw is None or not lw.waiting_for_layers:
+        if lw is None or not lw.active:
             return False
-        while time.monotonic() < deadline:
-            if lw.landed():
+        while not lw.advance():  # follow the prefill's progress, pull what it wrote
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-            time.sleep(0.0002)
+            time.sleep(min(left, 0.0003))
         return True
 
     def _begin(self, task: RecvTask) -> None:
@@ -624,8 +623,8 @@ class DatadistWorker:
         return n * _ITEMSIZE.get(self._layout.dtype, 1)
 
     def _push_failed(self, cluster_id: int, e: BaseException) -> None:
-        """A layer-wise push to a decoder failed: a broken link is dropped (the next request
-        to that decoder links again)."""
+        """A layer-wise transfer from a prefill worker failed: a broken link is dropped (the
+        next request to that worker links again)."""
         if isinstance(e, llm_datadist.LLMException) and e.status_code in _LINK_CODES:
             self._drop_link(cluster_id)
 
