@@ -197,7 +197,14 @@ class PeerStream {
   void Close() {
     if (conn_) conn_->Close();
   }
-  uint32_t interest() const { return want_ == POLLOUT ? EPOLLOUT : EPOLLIN; }
+  /// What its park waits for. Bytes taken from the socket already and not served (read ahead
+  /// with a handshake's last frame before the connection was handed here, or TLS's decrypted
+  /// ones) are not reported by the socket: such a connection waits for room instead, which is
+  /// there at once, and its step reads them.
+  uint32_t interest() const {
+    if (want_ != POLLOUT && conn_ && conn_->Buffered()) return EPOLLOUT;
+    return want_ == POLLOUT ? EPOLLOUT : EPOLLIN;
+  }
   /// The next step reads (a step that stopped while more may be there: epoll says at once).
   void WantInput() { want_ = POLLIN; }
   /// The next step waits for `want` (POLLIN or POLLOUT: what a TLS handshake step asked).

@@ -29,6 +29,7 @@
 
 #include "blocking.h"
 #include "errors.h"
+#include "iopool.h"
 #include "link.h"
 #include "registry.h"
 #include "server.h"
@@ -415,6 +416,36 @@ TEST(Net, WhatASmallReadTookAheadIsTakenFirstByEveryLaterRead) {
   EXPECT_EQ(std::memcmp(rest.data() + tail.size() - sizeof small, more.data(), more.size()), 0);
   EXPECT_LE(conn->ahead_held(), 4096u);
   close(peer);
+}
+
+// A connection handed to the I/O pool with a request already read ahead (it came right behind
+// the handshake's last frame, as the owner's first request on a link's reverse channel may) is
+// served at once: the socket would not report those bytes. Before this the read-ahead did not
+// exist; without PeerStream::interest's rule the request waited until the next byte came.
+TEST(Net, ARequestReadAheadBeforeTheHandOverIsServedAtOnce) {
+  auto [conn, peer] = Pair();
+  std::vector<uint8_t> stream = datadist::wire::EncodeU64(datadist::wire::kPong, 1, 1);  // the handshake's last
+  const std::vector<uint8_t> ping = datadist::wire::EncodeU64(datadist::wire::kPing, 77, 9);
+  stream.insert(stream.end(), ping.begin(), ping.end());
+  SendRaw(peer, stream.data(), stream.size());
+  ASSERT_TRUE(Eventually([&] { return conn->WaitReadable(0); }));
+  std::vector<uint8_t> payload;
+  ASSERT_EQ(conn->RecvFrame(payload, datadist::After(2)).type, datadist::wire::kPong);
+  ASSERT_EQ(conn->Buffered(), ping.size()) << "the PING came in the same recv";
+  datadist::IoGroup io(std::make_shared<datadist::IoPool>(1));
+  datadist::Registry registry;
+  datadist::ServeContext ctx;
+  ctx.registry = &registry;
+  ctx.reverse = true;
+  ASSERT_TRUE(datadist::ServeParked(io, ctx, std::move(conn)));
+  pollfd p{peer, POLLIN, 0};
+  ASSERT_EQ(poll(&p, 1, 2000), 1) << "the PING read ahead was not served";
+  Conn answers(peer, "peer");
+  const datadist::wire::Header h = answers.RecvFrame(payload, datadist::After(2));
+  EXPECT_EQ(h.type, datadist::wire::kPong);
+  EXPECT_EQ(h.request_id, 9u);
+  EXPECT_EQ(datadist::wire::DecodeU64(payload), 77u);
+  io.Stop();
 }
 
 constexpr uint64_t kOwner = 1;
