@@ -120,8 +120,9 @@ size_t IoPool::tasks() {
   return tasks_.size();
 }
 
-bool IoPool::Watch(uint64_t id, const Task &task) {
+bool IoPool::Watch(uint64_t id, const Task &task, bool in_set) {
   const int fd = task.fd();
+  if (fd < 0) return false;
   epoll_event ev{};
   // EPOLLRDHUP with reads only: a peer that shut its sending side but still reads what we
   // send would wake a task waiting for room at once, again and again.
@@ -129,7 +130,13 @@ bool IoPool::Watch(uint64_t id, const Task &task) {
   ev.events = (interest ? interest : EPOLLIN) | EPOLLONESHOT;
   if (ev.events & EPOLLIN) ev.events |= EPOLLRDHUP;
   ev.data.u64 = id;
-  return fd >= 0 && epoll_ctl(ep_, EPOLL_CTL_ADD, fd, &ev) == 0;
+  // A socket whose one-shot event fired is still in the set, disarmed: re-armed by one MOD
+  // (level-triggered: what is there already is reported at once). One handed on by a task
+  // that ended (a reverse channel) and parked anew is there too, under its old id: ADD finds
+  // it (EEXIST) and MOD arms it under the new one.
+  if (in_set && epoll_ctl(ep_, EPOLL_CTL_MOD, fd, &ev) == 0) return true;
+  if (epoll_ctl(ep_, EPOLL_CTL_ADD, fd, &ev) == 0) return true;
+  return errno == EEXIST && epoll_ctl(ep_, EPOLL_CTL_MOD, fd, &ev) == 0;
 }
 
 void IoPool::ArmTimerLocked(bool on) {
@@ -144,7 +151,7 @@ bool IoPool::Park(Group &group, std::shared_ptr<Task> task, Deadline wake) {
   std::lock_guard<std::mutex> lock(mu_);
   if (group.stopped) return false;
   const uint64_t id = next_id_++;
-  if (!Watch(id, *task)) return false;
+  if (!Watch(id, *task, false)) return false;
   Entry &e = tasks_[id];
   e.task = std::move(task);
   e.group = &group;
@@ -157,11 +164,13 @@ bool IoPool::Park(Group &group, std::shared_ptr<Task> task, Deadline wake) {
   return true;
 }
 
-std::shared_ptr<IoPool::Task> IoPool::ClaimLocked(uint64_t id, Entry &e) {
-  // Unwatched while it runs: the socket is in the set exactly while its task is parked, so a
-  // task may close its connection or hand it on in Run, and a reused descriptor number never
-  // meets a stale registration.
-  (void)epoll_ctl(ep_, EPOLL_CTL_DEL, e.task->fd(), nullptr);
+std::shared_ptr<IoPool::Task> IoPool::ClaimLocked(uint64_t id, Entry &e, bool fired) {
+  // Never watched while it runs. Claimed for its event (`fired`): the one-shot event disarmed
+  // the socket, which stays in the set (re-armed by one MOD when parked again: no DEL + ADD
+  // per request). A disarmed socket reports nothing, so the task may close its connection in
+  // Run (closing removes it from the set) or hand it on (see Watch). Claimed for a timer
+  // step: still armed, so taken out (the descriptor is open: the task is parked).
+  if (!fired) (void)epoll_ctl(ep_, EPOLL_CTL_DEL, e.task->fd(), nullptr);
   e.state = State::kRunning;
   ++e.group->running;
   timed_.erase(id);
@@ -190,7 +199,7 @@ void IoPool::Loop() {
       auto it = tasks_.find(id);
       // Gone (its group stopped), or taken by the timer meanwhile: that step parks it again.
       if (it == tasks_.end() || it->second.state != State::kParked) continue;
-      task = ClaimLocked(it->first, it->second);
+      task = ClaimLocked(it->first, it->second, true);
     }
     Step(id, std::move(task), true);
     if (orphaned) return;
@@ -206,7 +215,7 @@ void IoPool::Tick() {
       const uint64_t id = *it++;  // ClaimLocked erases it
       auto e = tasks_.find(id);
       if (e != tasks_.end() && e->second.state == State::kParked && e->second.wake <= now)
-        due.emplace_back(id, ClaimLocked(id, e->second));
+        due.emplace_back(id, ClaimLocked(id, e->second, false));
     }
     ArmTimerLocked(!timed_.empty());
   }
@@ -229,7 +238,7 @@ void IoPool::Step(uint64_t id, std::shared_ptr<Task> task, bool readable) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = tasks_.find(id);
   Group *group = it->second.group;
-  if (again && !group->stopped && Watch(id, *task)) {
+  if (again && !group->stopped && Watch(id, *task, readable)) {
     it->second.state = State::kParked;
     it->second.wake = wake;
     if (wake != Deadline::max()) {

@@ -120,11 +120,15 @@ class IoPool {
   };
   void Loop();
   /// Claims a parked task for a step (lock held): unwatched, counted running.
-  std::shared_ptr<Task> ClaimLocked(uint64_t id, Entry &e);
+  /// `fired`: for its event (its socket left in the set, disarmed); else for a timer step.
+  std::shared_ptr<Task> ClaimLocked(uint64_t id, Entry &e, bool fired);
   void Step(uint64_t id, std::shared_ptr<Task> task, bool readable);
   void Tick();  // the timer: tasks whose wake passed get their step
   void ArmTimerLocked(bool on);
-  bool Watch(uint64_t id, const Task &task);
+  /// Arms the task's socket for one event of its Interest() under `id`: MOD where it is in
+  /// the set, disarmed (`in_set`: its event fired), else ADD (MOD where a handed-on socket is
+  /// still there). False if the socket cannot be watched.
+  bool Watch(uint64_t id, const Task &task, bool in_set);
 
   int ep_ = -1;
   int wake_fd_ = -1;   // eventfd: readable once the pool ends (every thread leaves)

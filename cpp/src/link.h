@@ -29,6 +29,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -228,19 +229,21 @@ class Link {
   /// Held for one transfer; released by the guard's destructor.
   class Busy {
    public:
-    explicit Busy(Link *link) : link_(link) {}
-    ~Busy() { link_->Release(); }
+    explicit Busy(Link *link) : link_(link), unwinding_(std::uncaught_exceptions()) {}
+    ~Busy() { link_->Release(std::uncaught_exceptions() > unwinding_); }
     Busy(const Busy &) = delete;
     Busy &operator=(const Busy &) = delete;
 
    private:
     Link *link_;
+    int unwinding_;  // exceptions in flight when taken: more at the end, the transfer failed
   };
   /// Takes the link for one transfer by the deadline, else LLM_LINK_BUSY (as Python). A
   /// mutex and a flag rather than a timed mutex: ThreadSanitizer sees through these.
   std::unique_ptr<Busy> Acquire(Deadline deadline, bool timeout_if_late = true);
   bool TryAcquire();
-  void Release();
+  /// Ends a transfer; `failed` (it threw): conn_ is no longer known to be at a frame's end.
+  void Release(bool failed = false);
 
   uint64_t remote_;
   bool take_peer_id_ = false;  // see TakePeerId
@@ -259,6 +262,9 @@ class Link {
   bool busy_ = false;           // a transfer (or open / close) holds the fields below
   bool shut_ = false;           // closed by force while busy: no transfer may take the link again
   std::unique_ptr<Conn> conn_;  // replaced by SetConn only
+  // When conn_ last gave a whole answer (Answer), in a transfer that did not fail: Prepare
+  // takes a connection heard from within kFresh as open without asking the kernel (busy held).
+  Deadline heard_{};
   uint32_t rid_ = 0;
   bool closing_ = false;
   bool reverse_end_ = false;   // conn_ is a client's reverse channel: no reconnect

@@ -171,6 +171,39 @@ void Conn::RecvAll(void *data, size_t n, Deadline deadline) {
   RecvV(std::move(iov), deadline);
 }
 
+size_t Conn::TakeAhead(void *data, size_t n) {
+  const size_t k = std::min(n, ahead_end_ - ahead_at_);
+  if (k == 0) return 0;
+  std::memcpy(data, ahead_.get() + ahead_at_, k);
+  ahead_at_ += k;
+  if (ahead_at_ == ahead_end_) ahead_at_ = ahead_end_ = 0;
+  return k;
+}
+
+size_t Conn::TakeAhead(std::vector<iovec> &iov, size_t first) {
+  while (first < iov.size() && ahead_end_ > ahead_at_) {
+    const size_t k = TakeAhead(iov[first].iov_base, iov[first].iov_len);
+    first = Advance(iov, first, k);
+  }
+  return first;
+}
+
+size_t Conn::FillAhead() {
+  if (!ahead_) ahead_.reset(new uint8_t[kAhead]);
+  for (;;) {
+    const ssize_t got = recv(fd_, ahead_.get(), kAhead, MSG_DONTWAIT);
+    if (got > 0) {
+      ahead_at_ = 0;
+      ahead_end_ = static_cast<size_t>(got);
+      return ahead_end_;
+    }
+    if (got == 0) Broken("closed by the peer");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    Broken(std::strerror(errno));
+  }
+}
+
 bool Conn::Block(Deadline deadline, int opt) {
   blocking::AboutToBlock();  // a bulk rest waits in the kernel: no hold kept through it
   if (!blocking_) {
@@ -268,7 +301,7 @@ void Conn::SendV(std::vector<iovec> iov, Deadline deadline) {
 void Conn::RecvV(std::vector<iovec> iov, Deadline deadline) {
   if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
   if (tls_) return TlsRecvV(iov, deadline);
-  size_t first = Advance(iov, 0, 0);
+  size_t first = TakeAhead(iov, Advance(iov, 0, 0));
   try {
     while (first < iov.size()) {
       msghdr msg{};
@@ -306,6 +339,12 @@ void Conn::RecvV(std::vector<iovec> iov, Deadline deadline) {
 
 wire::Header Conn::RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, uint32_t max_payload) {
   uint8_t head[wire::kHeaderSize];
+  // A plain socket: the header, a small payload and what follows (a READ_DATA's first data)
+  // in one recv, read ahead (RecvAll takes from there first).
+  if (!tls_ && ahead_end_ == ahead_at_) {
+    if (closed()) Fail(llm_datadist::LLM_LINK_FAILED, "connection to " + address_ + " is closed");
+    while (FillAhead() == 0) Wait(POLLIN, deadline);
+  }
   RecvAll(head, sizeof(head), deadline);
   // A bad header throws with the connection still open: the caller may answer ERROR, then
   // closes (nothing after it on the stream can be trusted).
@@ -336,7 +375,7 @@ bool Conn::PeerGone() {
 
 Conn::~Conn() { Close(); }
 
-size_t Conn::Buffered() const { return tls_ ? tls_->Pending() : 0; }
+size_t Conn::Buffered() const { return tls_ ? tls_->Pending() : ahead_end_ - ahead_at_; }
 
 void Conn::TlsConnect(const tls::Context &ctx, Deadline deadline) {
   try {
@@ -453,6 +492,14 @@ size_t Conn::ReadSome(void *data, size_t n, short &want) {
     }
     Broken(s.eof ? std::string("closed by the peer") : "TLS receive failed: " + s.error);
   }
+  if (const size_t taken = TakeAhead(data, n)) return taken;
+  if (n < kAhead) {  // a header, a small payload: what has arrived, in one call
+    if (FillAhead() == 0) {
+      want = POLLIN;
+      return 0;
+    }
+    return TakeAhead(data, n);
+  }
   for (;;) {
     const ssize_t got = recv(fd_, data, n, MSG_DONTWAIT);
     if (got > 0) return static_cast<size_t>(got);
@@ -549,6 +596,12 @@ bool Conn::RecvSome(Spans &in, short &want, size_t max_bytes) {
       return false;
     }
     size_t got = 0;
+    if (ahead_end_ > ahead_at_) {  // read ahead with the frame before
+      const size_t before = ahead_end_ - ahead_at_;
+      in.first = TakeAhead(in.iov, in.first);
+      moved += before - (ahead_end_ - ahead_at_);
+      continue;
+    }
     if (tls_) {
       iovec &v = in.iov[in.first];
       got = ReadSome(v.iov_base, v.iov_len, want);

@@ -112,9 +112,13 @@ class Conn {
   /// LLM_TIMEOUT; the connection is closed after either.
   bool TlsAccept(Deadline deadline);
   bool tls() const { return tls_ != nullptr; }
-  /// Bytes decrypted from the socket and not taken yet (0 without TLS): a connection with
-  /// some has something to read whatever poll says of its socket.
+  /// Bytes taken from the socket and not by a caller yet: TLS's decrypted ones, or a plain
+  /// socket's read ahead (below). A connection with some has something to read whatever
+  /// poll or epoll says of its socket.
   size_t Buffered() const;
+  /// The memory its read-ahead holds (0 or kAhead): counted in a server's per-connection
+  /// buffers (Server::buffered).
+  size_t ahead_held() const { return ahead_ ? kAhead : 0; }
 
   void Close();
   void Shutdown();  // thread-safe: wakes a blocked user, who then closes
@@ -140,6 +144,21 @@ class Conn {
   /// for what TLS wants until `deadline`; EOF or an error breaks the connection.
   template <typename Byte, typename Step>
   void TlsPump(Byte *p, size_t n, Deadline deadline, const char *what, Step &&step);
+  /// Read-ahead (plain sockets): a read of a few bytes (a frame's header) takes what has
+  /// arrived, up to kAhead, in one call, so that a small frame's header and payload (and a
+  /// READ_DATA's first data) cost one recv, not one each. What a caller did not ask for yet
+  /// stays here and every read takes it first (Buffered() counts it). At most kAhead bytes
+  /// a connection, allocated at its first small read.
+  static constexpr size_t kAhead = 2048;
+  /// Copies up to `n` read-ahead bytes to `data`: how many.
+  size_t TakeAhead(void *data, size_t n);
+  /// Fills `iov` from index `first` with read-ahead bytes: the first unfinished entry after.
+  size_t TakeAhead(std::vector<iovec> &iov, size_t first);
+  /// One non-blocking recv into the empty read-ahead buffer: bytes read (> 0), or 0 (EAGAIN).
+  /// EOF or an error breaks the connection.
+  size_t FillAhead();
+  std::unique_ptr<uint8_t[]> ahead_;
+  size_t ahead_at_ = 0, ahead_end_ = 0;  // the bytes not taken: [ahead_at_, ahead_end_)
   int fd_;
   bool blocking_ = false;  // inside a bulk SendV / RecvV, O_NONBLOCK off (the owner's thread only)
   int64_t armed_us_[2] = {INT64_MAX, INT64_MAX};  // SO_RCVTIMEO, SO_SNDTIMEO in force (none yet: forever)

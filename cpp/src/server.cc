@@ -4,12 +4,14 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -33,13 +35,13 @@ constexpr int kPollSliceMs = 100;           // how often blocked waits look at t
 constexpr uint32_t kPreAuthPayload = 4096;  // largest frame before the handshake completed
 // A connection's own buffers (PeerStream): a frame's grows by at most kReadChunk beyond the
 // bytes that arrived, never to the length its header declares; one over kKeepBuffer is let
-// go once its frame is served. A step sends or receives at most kStepShare bytes of a
-// transfer and serves at most kFramesPerStep frames before it parks (ready again at once),
-// so that one busy peer does not keep a thread from the others.
+// go once its frame is served (besides, the connection's read-ahead: Conn::kAhead, 2 KiB).
+// A step sends or receives at most kStepShare bytes of a transfer and serves the frames it
+// read in one go (one recv's, at most 2 KiB of read-ahead; TLS: a record's) before it parks
+// (ready again at once), so that one busy peer does not keep a thread from the others.
 constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kKeepBuffer = 64 << 10;
 constexpr size_t kStepShare = 8 << 20;
-constexpr int kFramesPerStep = 32;
 // Connections still in their handshake (server.h, "Budgets"): counted apart from those whose
 // handshake is done, each budget smaller than the caps on those.
 constexpr size_t kPreAuthPerPeer = 32;   // from one IP address, or one uid on the local channel
@@ -196,7 +198,14 @@ class PeerStream {
   void Close() {
     if (conn_) conn_->Close();
   }
-  uint32_t interest() const { return want_ == POLLOUT ? EPOLLOUT : EPOLLIN; }
+  /// What its park waits for. Bytes taken from the socket already and not served (read ahead
+  /// with a handshake's last frame before the connection was handed here, or TLS's decrypted
+  /// ones) are not reported by the socket: such a connection waits for room instead, which is
+  /// there at once, and its step reads them.
+  uint32_t interest() const {
+    if (want_ != POLLOUT && conn_ && conn_->Buffered()) return EPOLLOUT;
+    return want_ == POLLOUT ? EPOLLOUT : EPOLLIN;
+  }
   /// The next step reads (a step that stopped while more may be there: epoll says at once).
   void WantInput() { want_ = POLLIN; }
   /// The next step waits for `want` (POLLIN or POLLOUT: what a TLS handshake step asked).
@@ -211,6 +220,7 @@ class PeerStream {
     for (;;) {
       if (have_ < wire::kHeaderSize) {
         const size_t got = conn_->ReadSome(head_ + have_, wire::kHeaderSize - have_, want);
+        held_ = payload_.capacity() + conn_->ahead_held();
         if (got == 0) return Wait(want);
         if (have_ == 0) since_ = Clock::now();
         have_ += got;
@@ -239,7 +249,7 @@ class PeerStream {
         throw;
       }
       payload_.resize(at + got);
-      held_ = payload_.capacity();
+      held_ = payload_.capacity() + conn_->ahead_held();
       if (got == 0) return Wait(want);
     }
   }
@@ -248,7 +258,7 @@ class PeerStream {
   /// A frame's buffer over kKeepBuffer is let go once it was served.
   void Recycle() {
     if (payload_.capacity() > kKeepBuffer) std::vector<uint8_t>().swap(payload_);
-    held_ = payload_.capacity();
+    held_ = payload_.capacity() + (conn_ ? conn_->ahead_held() : 0);
   }
   /// When the frame begun must be whole: 30 s from its first byte (max: none begun).
   Deadline frame_until() const {
@@ -396,8 +406,11 @@ bool ServeStep(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStrea
         if (!Progress(grants, job, s)) break;
         continue;
       }
-      // TLS: frames decrypted already are served on (the socket would not wake us for them).
-      if (frames >= kFramesPerStep && !s.conn()->Buffered()) {
+      // After a frame served, with nothing read ahead or decrypted already (TLS: the socket
+      // would not wake us for those; they are served on): parked at once, no recv to find the
+      // socket empty. The socket's event is level-triggered: a frame already there (pipelined)
+      // wakes the connection again at once.
+      if (frames > 0 && !s.conn()->Buffered()) {
         s.WantInput();
         break;
       }
@@ -578,7 +591,7 @@ bool Server::Connection::Handshake(Deadline &wake) {
           return ServeStep(ctx_, grants_, job_, stream_, wake) || Finish();
         }
         case Greeted::kReverse: {
-          // Unwatched already (a running task's socket is not in the pool's set), nothing
+          // Unwatched already (a running task's socket is never armed in the pool's set), nothing
           // left to send (WELCOME went before AUTH was read): handed on.
           std::unique_ptr<Conn> taken = stream_.Take();
           if (server_->on_reverse_ && !server_->stopping_) {
@@ -1203,6 +1216,27 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const 
 // the core or the Python package allocated (pools, AllocateCache) is ours and is not probed.
 // Throws LLM_DEVICE_MEM_ERROR naming the tensor (the lease then ends unsettled: nothing is
 // consumed); a kernel that will not tell (EPERM, ENOSYS: seccomp, no CMA) lets it go on.
+namespace {
+
+// This process's id without a system call per request (glibc no longer caches getpid): taken
+// once, and taken anew in a forked child (pthread_atfork), whose id differs from its parent's.
+std::atomic<pid_t> self_pid{0};
+
+pid_t SelfPid() {
+  pid_t pid = self_pid.load(std::memory_order_relaxed);
+  if (pid != 0) return pid;
+  static const bool hooked = [] {
+    (void)pthread_atfork(nullptr, nullptr, [] { self_pid.store(0, std::memory_order_relaxed); });
+    return true;
+  }();
+  (void)hooked;
+  pid = getpid();
+  self_pid.store(pid, std::memory_order_relaxed);
+  return pid;
+}
+
+}  // namespace
+
 void CheckOwnMemory(const Entry &e, const std::vector<uint32_t> &tensors, const char *what) {
   if (e.opts.allocated || !e.owned.empty() || e.region || e.geo.tensor_bytes == 0) return;
   constexpr size_t kBatch = 1024;  // probes per call (<= IOV_MAX)
@@ -1216,7 +1250,7 @@ void CheckOwnMemory(const Entry &e, const std::vector<uint32_t> &tensors, const 
   for (size_t start = 0; start < probes.size(); start += kBatch) {
     const size_t n = std::min(kBatch, probes.size() - start);
     iovec local{scratch, n};
-    const ssize_t got = process_vm_readv(getpid(), &local, 1, &probes[start], n, 0);
+    const ssize_t got = process_vm_readv(SelfPid(), &local, 1, &probes[start], n, 0);
     if (got == static_cast<ssize_t>(n)) continue;
     if (got < 0 && errno != EFAULT) return;  // cannot tell
     const size_t bad = start + static_cast<size_t>(got < 0 ? 0 : got);
