@@ -588,7 +588,11 @@ class _Extra:
         if value is None:
             config._extras.pop(s.key, None)
             return
-        # TypeError for another type (a bool is not an int here)
+        # TypeError for another type. A bool is not an int here: these are datadist's own
+        # settings (a connection cap of True is a mistake), not the original's int arguments,
+        # which take a bool as its isinstance checks do.
+        if isinstance(value, bool) and s.kind == "int":
+            raise TypeError(f"{s.attr} only support ['int'], but got {type(value)}.")
         check_isinstance(s.attr, value, self._TYPES.get(s.kind, str), allow_none=False)
         if value == "":
             config._extras.pop(s.key, None)
