@@ -14,8 +14,9 @@
 // received into it, each as far as the socket allows, the connection parked for EPOLLOUT
 // (or EPOLLIN) in between with the lease held. The handshake runs the same way (TLS's, then
 // HELLO, then AUTH when there is a secret). So no pool thread waits on a peer, and a
-// server's thread count does not grow with its connections. A step serves at most 32 frames
-// and moves at most 8 MiB of a transfer before it parks the connection again (ready at once),
+// server's thread count does not grow with its connections. A step serves the frames one read
+// brought (at most 2 KiB of read-ahead) and moves at most 8 MiB of a transfer before it parks
+// the connection again (ready at once),
 // so a busy peer shares the threads; what a linked peer may still cost the others is CPU (its
 // requests' work: a checksum, a large request's decoding) and the short waits of a reverse
 // channel's adoption (ReverseHandler), never a wait on its own bytes (docs/reliability.md).
