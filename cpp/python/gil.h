@@ -26,12 +26,14 @@ namespace datadist_py {
 /// longer than other Python threads should wait (1 MiB: ~0.1 ms at memory speed).
 constexpr uint64_t kHoldBytes = 1 << 20;
 /// How long a call may wait for a peer's bytes holding the GIL (asleep in ppoll) before it lets
-/// go. 0: at the first wait. Measured (docs/performance.md, round 8): a budget of 200 or 1000 us
-/// made every idle 16 KiB TCP pull 4-20 us slower (a sleep on a short timer costs that much
-/// more to wake from than one on the deadline, in this VM), and did not lower the busy p99,
-/// which the interpreter's own forced switches set; a same-host leased pull, which never waits,
-/// keeps the GIL whatever the budget.
-constexpr std::chrono::microseconds kWaitBudget{0};
+/// go: a small TCP pull's answer comes in 20-60 us, and a wait that gave the GIL up made the
+/// pull wait a whole switch interval (5 ms) to get it back whenever another Python thread was
+/// busy. Measured on a quiet machine (docs/performance.md, round 9, "The busy interpreter over
+/// TCP"): with 0 (round 8's choice, measured under heavy load) the 16 KiB TCP pull beside a
+/// busy thread had a p50 of 5.2 ms in 4 runs of 6; with 1 ms its p50 was 27-36 us and its p99
+/// 120-190 us, the idle pull unchanged (27-36 us). The cost: another Python thread waits up to
+/// the budget per such call, as it waits for a leased copy's.
+constexpr std::chrono::microseconds kWaitBudget{1000};
 
 class GilHold final : public datadist::blocking::Hook {
  public:
