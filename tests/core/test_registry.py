@@ -23,12 +23,10 @@ from datadist.core import native
 from datadist.core.config import DEVICE, HOST, EngineConfig
 from datadist.core.errors import CacheNotFound, Code, InvalidArgument, Timeout
 from datadist.core.keys import (
-    MAX_REQUEST_SPANS,
     UINT64_MAX,
     KeyId,
     KeyKind,
     KeyRef,
-    check_request_size,
     key_id,
 )
 from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
@@ -293,17 +291,3 @@ def test_close_frees_the_pool_once_nothing_holds_a_cache() -> None:
     with pytest.raises(CacheNotFound):
         eng.cache(1)
 
-
-# ------------------------------------------------------------------------------ request size
-
-
-def test_a_requester_checks_its_own_request_size() -> None:
-    """What the core's owner refuses (Native.OpenRefusesRequestsNamingTooManySpans, ...
-    in cpp/tests/registry_test.cc), refused before asking."""
-    check_request_size(np.arange(4, dtype=np.uint32), np.zeros(8, np.uint64))
-    spans = MAX_REQUEST_SPANS // 4096 + 1
-    with pytest.raises(InvalidArgument, match="spans one request may name"):
-        check_request_size(np.arange(4096, dtype=np.uint32), np.zeros(spans, np.uint64))
-    for tensors in (np.array([1, 1], np.uint32), np.array([*range(300), 7], np.uint32)):
-        with pytest.raises(InvalidArgument, match="same tensor"):
-            check_request_size(tensors, np.zeros(1, np.uint64))

@@ -198,7 +198,7 @@ def test_item2_a_requester_refuses_a_plan_over_the_cap_itself() -> None:
         many = np.arange(MAX_REQUEST_SPANS // 4 + 4, dtype=np.uint64) * 2
         huge = type(plan)(plan.remote_tensors, plan.local_tensors, many, many % 8,
                           np.ones(len(many), np.uint64))
-        with pytest.raises(InvalidArgument, match="spans one request may name"):
+        with pytest.raises(InvalidArgument, match=r"more than \d+ spans"):
             eng.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY), 0, huge, local.cache_id, 1.0)
     finally:
         eng.close()

@@ -2,8 +2,8 @@
 (:class:`ReadFlags`): the values the facade builds, the engine hands to the core
 (:mod:`datadist.core.native`), and the protocol's frames carry. And how a local cache is named
 by a CacheKey (:class:`KeyId`, :func:`key_id`: what the core's registry binds and consumes,
-cpp/src/registry.h ``KeyId``), with the requester's own check of a plan's size
-(:func:`check_request_size`).
+cpp/src/registry.h ``KeyId``). A plan's size is checked by the core (session.cc
+``CheckRequestSize``, for both faces) and again by the owner.
 
 Who calls: the facade (``api/``: geometry, cache manager, async transfers, v1), the engine
 binding, and the protocol's reference codec (:mod:`datadist.wire.protocol`), which encodes and
@@ -17,10 +17,6 @@ import enum
 import struct
 from dataclasses import dataclass
 from typing import ClassVar
-
-import numpy as np
-
-from datadist.core.errors import InvalidArgument
 
 UINT64_MAX = 2**64 - 1
 # Most spans (tensors x spans per tensor, counted after the expansion) one request may name
@@ -84,20 +80,5 @@ def key_id(req_id: int, prefix_id: int, model_id: int) -> KeyId | None:
     return None
 
 
-def check_request_size(tensors: np.ndarray, offsets: np.ndarray) -> None:
-    """A requester's check of its own plan before it asks (the owner refuses the same): at
-    most MAX_REQUEST_SPANS spans after the tensors x spans expansion, and no tensor named
-    twice. Vectorised; O(T log T). Raises InvalidArgument. Kept in Python because the facade
-    raises it before the core is called (the refused call is counted then, NativeEngine)."""
-    if len(tensors) * len(offsets) > MAX_REQUEST_SPANS:
-        raise InvalidArgument(
-            f"{len(tensors)} tensors x {len(offsets)} spans exceeds the "
-            f"{MAX_REQUEST_SPANS} spans one request may name"
-        )
-    n = len(tensors)
-    if n > 1 and (len(set(tensors.tolist())) if n <= 256 else len(np.unique(tensors))) != n:
-        raise InvalidArgument("a request names the same tensor more than once")
-
-
 __all__ = ["MAX_REQUEST_SPANS", "UINT64_MAX", "KeyId", "KeyKind", "KeyRef", "ReadFlags",
-           "check_request_size", "key_id"]
+           "key_id"]
