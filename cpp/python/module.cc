@@ -136,11 +136,22 @@ datadist::CopySide ToCopySide(const CopySideArg &arg) {
   return side;
 }
 
-/// add_cache's keys: (value, model_id, is_prefix) or None per slot, from slot 0; the Nones
-/// (padding keys) bind nothing.
 /// add_cache's keys as Python passes them: (value, model_id, is_prefix) or None per slot.
 using KeyList = std::vector<std::optional<std::tuple<uint64_t, uint64_t, bool>>>;
 
+/// A cache's geometry from what the Python face states of it (unit_bytes derived: 0 without units).
+datadist::Geometry GeometryOf(uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout = 0) {
+  datadist::Geometry g;
+  g.num_tensors = num_tensors;
+  g.tensor_bytes = tensor_bytes;
+  g.units = units;
+  g.unit_bytes = units ? tensor_bytes / units : 0;
+  g.layout = layout;
+  return g;
+}
+
+/// add_cache's keys, from slot 0, as the registry's keys and their slots; the Nones (padding
+/// keys) bind nothing.
 void KeysOf(const KeyList &keys, std::vector<datadist::KeyId> *out, std::vector<uint64_t> *slots) {
   for (size_t i = 0; i < keys.size(); ++i) {
     if (!keys[i]) continue;
@@ -364,10 +375,7 @@ PYBIND11_MODULE(_core, m) {
                         "Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_local")
       .def(py::init([](uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, const U64Array &addrs) {
              UserCache u;
-             u.geo.num_tensors = num_tensors;
-             u.geo.tensor_bytes = tensor_bytes;
-             u.geo.units = units;
-             u.geo.unit_bytes = units ? tensor_bytes / units : 0;
+             u.geo = GeometryOf(num_tensors, tensor_bytes, units);
              u.addrs = ToVector(addrs);
              datadist::CheckUnfiled(u.geo, u.addrs);
              return u;
@@ -601,12 +609,7 @@ PYBIND11_MODULE(_core, m) {
           [](Core &c, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout,
              const U64Array &addrs, bool allocated, bool remote_accessible, bool blocks, bool device,
              const py::object &shm, const KeyList &keys, std::optional<uint64_t> model_id) {
-            datadist::Geometry g;
-            g.num_tensors = num_tensors;
-            g.tensor_bytes = tensor_bytes;
-            g.units = units;
-            g.unit_bytes = units ? tensor_bytes / units : 0;
-            g.layout = layout;
+            const datadist::Geometry g = GeometryOf(num_tensors, tensor_bytes, units, layout);
             datadist::CacheOptions o;
             o.allocated = allocated;
             o.remote_accessible = remote_accessible;
@@ -713,12 +716,7 @@ PYBIND11_MODULE(_core, m) {
           "allocate",
           [](Core &c, uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, uint64_t layout, bool blocks,
              bool device, const KeyList &keys, std::optional<uint64_t> model_id) {
-            datadist::Geometry g;
-            g.num_tensors = num_tensors;
-            g.tensor_bytes = tensor_bytes;
-            g.units = units;
-            g.unit_bytes = units ? tensor_bytes / units : 0;
-            g.layout = layout;
+            const datadist::Geometry g = GeometryOf(num_tensors, tensor_bytes, units, layout);
             datadist::CacheOptions o;
             o.blocks = blocks;
             std::vector<datadist::KeyId> ks;

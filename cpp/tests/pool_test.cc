@@ -16,6 +16,7 @@
 
 #include "errors.h"
 #include "registry.h"
+#include "test_util.h"
 #include "wire.h"
 
 namespace {
@@ -28,14 +29,7 @@ using namespace llm_datadist;
 
 constexpr uint64_t kPage = 4096;
 
-Status CodeOf(const std::function<void()> &fn) {
-  try {
-    fn();
-    return LLM_SUCCESS;
-  } catch (const datadist::Error &e) {
-    return e.code();
-  }
-}
+using ddtest::CodeOf;
 
 TEST(Pool, FirstFitInWholePagesReusesTheLowestHoleAndCoalesces) {
   auto pool = Pool::Create("datadist-test-pool", 16 * kPage, 12);

@@ -104,14 +104,7 @@ datadist::wire::Request BlockRequest(const datadist::Plan &plan, int64_t cache_i
   return r;
 }
 
-Status CodeOf(const std::function<void()> &fn) {
-  try {
-    fn();
-    return LLM_SUCCESS;
-  } catch (const datadist::Error &e) {
-    return e.code();
-  }
-}
+using ddtest::CodeOf;
 
 TEST(Session, UnlinkClosesBothEndsThenNothingIsLeftToUnlink) {
   auto a = Listening(kOwner), b = Listening(kReader);

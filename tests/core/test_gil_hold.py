@@ -162,6 +162,23 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
 
 
 @pytest.fixture
+def stalled_pair(make_pair) -> Iterator[tuple[Pair, Proxy]]:
+    """A TCP pair linked through a Python proxy, one pull made right, the proxy then stalled
+    (it forwards nothing more until ``stalled`` is False again)."""
+    pr = make_pair("tcp")
+    proxy = Proxy(pr.owner.listen_address)
+    try:
+        pr.link(proxy.address)
+        pr.pull()
+        assert pr.pulled_right()
+        proxy.stalled = True
+        yield pr, proxy
+    finally:
+        proxy.stalled = False
+        proxy.close()
+
+
+@pytest.fixture
 def switch_interval() -> Iterator[Callable[[float], None]]:
     old = sys.getswitchinterval()
     yield sys.setswitchinterval
@@ -269,73 +286,56 @@ def test_two_threads_on_one_link_with_a_slow_owner_both_end(make_pair) -> None:
         proxy.close()
 
 
-def test_a_dead_peer_still_ends_the_pull_at_its_deadline(make_pair) -> None:
+def test_a_dead_peer_still_ends_the_pull_at_its_deadline(stalled_pair) -> None:
     """A linked owner that stops answering (the proxy forwards nothing more): the pull fails
     LLM_TIMEOUT at its deadline, and another Python thread ran while it waited."""
-    pr = make_pair("tcp")
-    proxy = Proxy(pr.owner.listen_address)
-    try:
-        pr.link(proxy.address)
-        pr.pull()
-        assert pr.pulled_right()
-        proxy.stalled = True
-        with Counter() as busy:
-            time.sleep(0.01)
-            before = busy.steps
-            t0 = time.monotonic()
-            with pytest.raises(Timeout):
-                pr.pull(0.5)
-            took = time.monotonic() - t0
-            during = busy.steps - before
-        assert 0.4 <= took < 5.0
-        assert during > 0, "the GIL was held while the pull waited for a dead peer"
-    finally:
-        proxy.stalled = False
-        proxy.close()
+    pr, _ = stalled_pair
+    with Counter() as busy:
+        time.sleep(0.01)
+        before = busy.steps
+        t0 = time.monotonic()
+        with pytest.raises(Timeout):
+            pr.pull(0.5)
+        took = time.monotonic() - t0
+        during = busy.steps - before
+    assert 0.4 <= took < 5.0
+    assert during > 0, "the GIL was held while the pull waited for a dead peer"
 
 
-def test_the_destination_is_held_for_a_blocking_pull_in_flight(make_pair) -> None:
+def test_the_destination_is_held_for_a_blocking_pull_in_flight(stalled_pair) -> None:
     """``Engine.run`` holds the call's local cache in the core for the transfer (the driver makes
     one native call, not hold, run and release): unregistering the destination while a pull
     into it waits for a slow owner waits for the pull to end, and only then lets the cache go;
     a pull after that is refused (CacheNotFound) and moves nothing."""
     from datadist.core.errors import CacheNotFound
 
-    pr = make_pair("tcp")
-    proxy = Proxy(pr.owner.listen_address)
-    try:
-        pr.link(proxy.address)
+    pr, proxy = stalled_pair
+    ended: list[float] = []
+    errors: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            pr.pull(20.0)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        ended.append(time.monotonic())
+
+    t = threading.Thread(target=pull)
+    t.start()
+    deadline = time.monotonic() + 10
+    while pr.puller.leases(pr.dst_entry.cache_id) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert pr.puller.leases(pr.dst_entry.cache_id) == 1, "the pull holds its destination"
+    threading.Timer(0.3, lambda: setattr(proxy, "stalled", False)).start()
+    pr.puller.unregister(pr.dst_entry.cache_id)
+    # Every byte landed when unregister returns: it waited for the transfer's end. (Not
+    # the pull thread's clock: it reads it only once it has the GIL back, which may be
+    # after this thread's.)
+    landed = np.array_equal(pr.dst, pr.src)
+    t.join(30)
+    assert not errors, errors
+    assert ended and landed, "unregister returned before the pull in flight ended"
+    assert pr.pulled_right()
+    with pytest.raises(CacheNotFound):
         pr.pull()
-        assert pr.pulled_right()
-        proxy.stalled = True
-        ended: list[float] = []
-        errors: list[BaseException] = []
-
-        def pull() -> None:
-            try:
-                pr.pull(20.0)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-            ended.append(time.monotonic())
-
-        t = threading.Thread(target=pull)
-        t.start()
-        deadline = time.monotonic() + 10
-        while pr.puller.leases(pr.dst_entry.cache_id) == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert pr.puller.leases(pr.dst_entry.cache_id) == 1, "the pull holds its destination"
-        threading.Timer(0.3, lambda: setattr(proxy, "stalled", False)).start()
-        pr.puller.unregister(pr.dst_entry.cache_id)
-        # Every byte landed when unregister returns: it waited for the transfer's end. (Not
-        # the pull thread's clock: it reads it only once it has the GIL back, which may be
-        # after this thread's.)
-        landed = np.array_equal(pr.dst, pr.src)
-        t.join(30)
-        assert not errors, errors
-        assert ended and landed, "unregister returned before the pull in flight ended"
-        assert pr.pulled_right()
-        with pytest.raises(CacheNotFound):
-            pr.pull()
-        assert not pr.dst.any(), "a refused pull moved bytes"
-    finally:
-        proxy.close()
+    assert not pr.dst.any(), "a refused pull moved bytes"

@@ -16,6 +16,7 @@ import pytest
 
 from datadist.core.errors import OutOfMemory
 from datadist.memory import hugepages, pool, shared
+from datadist.testing.engine import host_pool_fd
 
 HUGE = hugepages.pmd_size()
 
@@ -129,17 +130,6 @@ def test_a_real_hugetlb_attempt_without_free_pages_falls_back(
         os.close(m.fd)
 
 
-def _pool_fd() -> int:
-    """Our descriptor of the memfd the core made for an engine's host pool."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:datadist-host-pool "):
-                return int(fd)
-        except OSError:  # the directory's own descriptor, closed since
-            continue
-    raise AssertionError("no host pool memfd")
-
-
 def test_pool_maps_whole_huge_pages_but_allocates_what_was_asked() -> None:
     """The core's pool (cpp/src/pool.h, shm::Region): its memfd is whole huge pages, and it
     hands out exactly the size asked for (rounded to its pages), not a byte more."""
@@ -150,7 +140,7 @@ def test_pool_maps_whole_huge_pages_but_allocates_what_was_asked() -> None:
     eng = NativeEngine(EngineConfig(cluster_id=63, role=0,
                                     host_pool=pool.PoolConfig(HUGE + (1 << 16), 16)))
     try:
-        fd = _pool_fd()
+        fd = host_pool_fd()
         assert os.fstat(fd).st_size == 2 * HUGE
         entry = eng.allocate(Geometry(1, HUGE + (1 << 16), 1), placement=HOST)  # all of it
         with pytest.raises(OutOfMemory):

@@ -35,6 +35,7 @@ from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.memory import shared
 from datadist.memory.pool import PoolConfig
+from datadist.testing.engine import host_pool_fd
 from datadist.testing.fakes import EchoOwner
 from datadist.wire import protocol as p
 
@@ -374,24 +375,13 @@ def test_grants_expire_after_their_ttl(pool_owner) -> None:
 # test_native_shm_trust.py, and in cpp/tests/shm_test.cc (ShmMap, ShmMaps, ShmSpans).
 
 
-def _pool_fd() -> int:
-    """Our descriptor of the memfd the core made for an engine's host pool."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:datadist-host-pool "):
-                return int(fd)
-        except OSError:  # the directory's own descriptor, closed since
-            continue
-    raise AssertionError("no host pool memfd")
-
-
 def test_pools_and_shared_arrays_are_sealed_against_shrinking() -> None:
     from datadist.core.config import EngineConfig
     from datadist.core.native import NativeEngine
 
     eng = NativeEngine(EngineConfig(cluster_id=64, role=0, host_pool=PoolConfig(1 << 20, 16)))
     try:  # the core's pool memfd
-        fd = _pool_fd()
+        fd = host_pool_fd()
         with pytest.raises(PermissionError):
             os.ftruncate(fd, 4096)
     finally:

@@ -13,6 +13,7 @@ without the GIL).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from datadist.core.native import NativeEngine
@@ -100,6 +101,18 @@ def nixl_progress(engine: NativeEngine) -> None:
     _hooks.nixl_progress(engine._core)
 
 
-__all__ = ["NixlAgent", "link_nixl_leases", "nixl_agent", "nixl_leases", "nixl_prepared",
-           "nixl_progress", "nixl_refusal", "nixl_regions", "set_nixl_options",
+__all__ = ["NixlAgent", "host_pool_fd", "link_nixl_leases", "nixl_agent", "nixl_leases",
+           "nixl_prepared", "nixl_progress", "nixl_refusal", "nixl_regions", "set_nixl_options",
            "set_nixl_revoke_wait"]
+
+
+def host_pool_fd() -> int:
+    """This process's descriptor of the memfd the core made for an engine's HOST pool (its
+    name: ``datadist-host-pool``). AssertionError when there is none. Reads /proc only."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:datadist-host-pool "):
+                return int(fd)
+        except OSError:  # the directory's own descriptor, closed since
+            continue
+    raise AssertionError("no host pool memfd")
