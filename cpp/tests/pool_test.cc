@@ -14,9 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include "code_of.h"
 #include "errors.h"
 #include "registry.h"
-#include "test_util.h"
 #include "wire.h"
 
 namespace {

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "code_of.h"
 #include "metrics.h"
 #include "registry.h"
 #include "test_util.h"

@@ -9,12 +9,10 @@
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "errors.h"
 #include "llm_datadist/llm_datadist.h"
 
 namespace ddtest {
@@ -121,16 +119,6 @@ inline KvCacheExtParam Ext(std::pair<int32_t, int32_t> src, std::pair<int32_t, i
   e.dst_layer_range = dst;
   e.tensor_num_per_layer = n;
   return e;
-}
-
-/// The status code `fn` fails with (datadist::Error), or LLM_SUCCESS when it returns.
-inline Status CodeOf(const std::function<void()> &fn) {
-  try {
-    fn();
-    return LLM_SUCCESS;
-  } catch (const datadist::Error &e) {
-    return e.code();
-  }
 }
 
 }  // namespace ddtest
