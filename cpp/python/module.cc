@@ -362,7 +362,34 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly(
           "spans", [](const Call &c) { return c.iov.size(); }, "local spans it holds")
       .def_property_readonly(
-          "cache_id", [](const Call &c) { return c.local_cache; }, "the local cache its spans lie in");
+          "cache_id", [](const Call &c) { return c.local_cache; }, "the local cache its spans lie in")
+      .def_property_readonly(
+          "bytes", [](const Call &c) { return c.bytes; }, "the bytes it moves")
+      .def_property_readonly(
+          "unit_bytes", [](const Call &c) { return c.req.unit_bytes; }, "the unit bytes its request states")
+      .def_property_readonly(
+          "flags", [](const Call &c) { return c.req.flags; }, "its request's flags (wire.h kFlag*)")
+      .def_property_readonly(
+          "remote_tensors", [](const Call &c) { return U32Array(static_cast<py::ssize_t>(c.req.tensors.size()), c.req.tensors.data()); },
+          "its request's remote tensor indices (a copy)")
+      .def_property_readonly(
+          "remote_offsets", [](const Call &c) { return U64Array(static_cast<py::ssize_t>(c.req.offsets.size()), c.req.offsets.data()); },
+          "its request's remote span offsets (a copy)")
+      .def_property_readonly(
+          "lengths", [](const Call &c) { return U64Array(static_cast<py::ssize_t>(c.req.lengths.size()), c.req.lengths.data()); },
+          "its request's span lengths (a copy)")
+      .def_property_readonly(
+          "local_iov",
+          [](const Call &c) {
+            U64Array out({static_cast<py::ssize_t>(c.iov.size()), py::ssize_t{2}});
+            auto o = out.mutable_unchecked<2>();
+            for (size_t k = 0; k < c.iov.size(); ++k) {
+              o(static_cast<py::ssize_t>(k), 0) = reinterpret_cast<uint64_t>(c.iov[k].iov_base);
+              o(static_cast<py::ssize_t>(k), 1) = c.iov[k].iov_len;
+            }
+            return out;
+          },
+          "its local spans, (address, length) rows in the order the request moves them (a copy)");
 
   // A local transfer's hold on a cache (Engine.hold): release() ends it (idempotent, never blocks).
   py::class_<Hold>(m, "Hold", "A hold on a local cache (Engine.hold); release() ends it")
@@ -829,6 +856,44 @@ PYBIND11_MODULE(_core, m) {
           "to run (run, submit): the core checks every local span against that cache's geometry "
           "(InvalidArgument) and makes the local spans from its registry's addresses; the layout stated is "
           "the cache's. CacheNotFound for an unknown cache. Never blocks.")
+      .def(
+          "prepare_pull",
+          [](Core &c, uint64_t cluster, uint8_t key_kind, uint64_t a, uint64_t b, uint64_t cc, bool checksum,
+             int64_t cache_id, uint8_t kind, uint64_t batch_index, int64_t size, uint64_t src_offset,
+             uint64_t dst_offset, const U64Array &src_blocks, const U64Array &dst_blocks,
+             std::optional<std::pair<uint64_t, uint64_t>> src_layers,
+             std::optional<std::pair<uint64_t, uint64_t>> dst_layers, int64_t tensor_num_per_layer) {
+            if (kind > datadist::PullSpec::kSlotToBlocks) datadist::Invalid("unknown pull kind " + std::to_string(kind));
+            datadist::wire::Request req;
+            req.kind = key_kind;
+            req.a = a;
+            req.b = b;
+            req.c = cc;
+            if (checksum) req.flags |= datadist::wire::kFlagChecksum;
+            datadist::PullSpec spec;
+            spec.kind = static_cast<datadist::PullSpec::Kind>(kind);
+            spec.batch_index = batch_index;
+            spec.size = size;
+            spec.src_offset = src_offset;
+            spec.dst_offset = dst_offset;
+            spec.src_blocks = ToVector(src_blocks);
+            spec.dst_blocks = ToVector(dst_blocks);
+            if (src_layers) spec.src_layers = {true, src_layers->first, src_layers->second};
+            if (dst_layers) spec.dst_layers = {true, dst_layers->first, dst_layers->second};
+            spec.tensor_num_per_layer = tensor_num_per_layer;
+            return c.PreparePull(cluster, std::move(req), spec, cache_id);
+          },
+          py::arg("cluster_id"), py::arg("key_kind"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("checksum"),
+          py::arg("cache_id"), py::arg("kind"), py::arg("batch_index"), py::arg("size"), py::arg("src_offset"),
+          py::arg("dst_offset"), py::arg("src_blocks"), py::arg("dst_blocks"), py::arg("src_layers"),
+          py::arg("dst_layers"), py::arg("tensor_num_per_layer"),
+          "The Python face's pull, planned, checked and made ready to run (run, submit) in one call "
+          "(Session::PreparePull): local cache `cache_id` held (CacheNotFound), the pull planned against its "
+          "geometry with the Python API's rules and texts (InvalidArgument: kind 0 a slot, `batch_index`, "
+          "`size` (-1: the rest), `src_offset` / `dst_offset` in it; 1 blocks `src_blocks` into `dst_blocks`; "
+          "2 the remote slot split into `dst_blocks`; half-open layer ranges, None for none), the request's "
+          "size and every local span checked. `key_kind`, `a`, `b`, `c` name the remote cache; `checksum` "
+          "asks the owner for a CRC-32. Never blocks; positional for speed (every pull passes here).")
       .def(
           "run",
           [](Core &c, const Call &call, double timeout_s) {

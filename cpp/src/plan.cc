@@ -1,6 +1,8 @@
 #include "plan.h"
 
+#include <algorithm>
 #include <string>
+#include <utility>
 
 #include "errors.h"
 
@@ -74,34 +76,48 @@ void PairTensors(Plan &plan, uint32_t local_n, const llm_datadist::KvCacheExtPar
   }
 }
 
-void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t size) {
+void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t size, uint64_t remote_offset,
+              uint64_t local_offset) {
+  const uint64_t stride = local.unit_bytes;
   if (local_unit >= local.units)
     Invalid("batch_index " + std::to_string(local_unit) + " out of range [0, " + std::to_string(local.units) + ")");
-  if (size == -1) size = static_cast<int64_t>(local.unit_bytes);
-  if (size <= 0 || static_cast<uint64_t>(size) > local.unit_bytes)
-    Invalid("size " + std::to_string(size) + " does not fit a slot of " + std::to_string(local.unit_bytes) + " bytes");
-  plan.remote_offsets = {0};
-  plan.local_offsets = {local_unit * local.unit_bytes};
+  if (local_offset >= stride)
+    Invalid("dst offset " + std::to_string(local_offset) + " out of range [0, " + std::to_string(stride) + ")");
+  const uint64_t rest = stride - local_offset;
+  if (size == -1) size = static_cast<int64_t>(rest);  // a slot is < 2**63 bytes: it was registered
+  if (size <= 0 || static_cast<uint64_t>(size) > rest)
+    Invalid("size " + std::to_string(size) + " does not fit the destination slot of " + std::to_string(stride) +
+            " bytes after offset " + std::to_string(local_offset));
+  if (remote_offset > UINT64_MAX - static_cast<uint64_t>(size))
+    Invalid("src offset " + std::to_string(remote_offset) + " plus size " + std::to_string(size) +
+            " overflows 64 bits");
+  plan.remote_offsets = {remote_offset};
+  plan.local_offsets = {local_unit * stride + local_offset};
   plan.lengths = {static_cast<uint64_t>(size)};
 }
 
 void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
                 const std::vector<uint64_t> &local_blocks) {
-  if (local_blocks.empty()) Invalid("block lists must not be empty");
+  if (local_blocks.empty()) Invalid("dst_blocks must not be empty");
   if (remote_blocks.size() != local_blocks.size())
     Invalid("src_blocks has " + std::to_string(remote_blocks.size()) + " entries but dst_blocks has " +
             std::to_string(local_blocks.size()));
   const uint64_t bb = local.unit_bytes;
+  const uint64_t local_max = *std::max_element(local_blocks.begin(), local_blocks.end());
+  if (local_max >= local.units)
+    Invalid("dst block " + std::to_string(local_max) + " out of range: the cache has " + std::to_string(local.units) +
+            " blocks");
+  // A block's whole extent [b * bb, (b + 1) * bb) must fit in 64 bits: a wrapped offset names
+  // another block than the one asked for.
+  const uint64_t remote_max = *std::max_element(remote_blocks.begin(), remote_blocks.end());
+  if (bb == 0 || remote_max > UINT64_MAX / bb - 1)
+    Invalid("src block " + std::to_string(remote_max) + " is out of range: its offset (" + std::to_string(bb) +
+            " bytes a block) overflows 64 bits");
   plan.remote_offsets.clear();
   plan.local_offsets.clear();
   plan.lengths.clear();
   for (size_t i = 0; i < local_blocks.size(); ++i) {
-    if (local_blocks[i] >= local.units)
-      Invalid("local block " + std::to_string(local_blocks[i]) + " out of range: the cache has " +
-              std::to_string(local.units) + " blocks");
-    if (remote_blocks[i] >= UINT64_MAX / bb)
-      Invalid("remote block " + std::to_string(remote_blocks[i]) + " is out of range");
-    uint64_t r = remote_blocks[i] * bb, l = local_blocks[i] * bb;
+    const uint64_t r = remote_blocks[i] * bb, l = local_blocks[i] * bb;
     if (!plan.lengths.empty() && plan.remote_offsets.back() + plan.lengths.back() == r &&
         plan.local_offsets.back() + plan.lengths.back() == l) {
       plan.lengths.back() += bb;
@@ -111,6 +127,82 @@ void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &
     plan.local_offsets.push_back(l);
     plan.lengths.push_back(bb);
   }
+}
+
+namespace {
+
+// A half-open range as Python prints the tuple the original's messages show: "(0, 2)".
+std::string Pair(uint64_t start, uint64_t stop) { return "(" + std::to_string(start) + ", " + std::to_string(stop) + ")"; }
+std::string Pair(const LayerRange &r) { return Pair(r.start, r.stop); }
+
+}  // namespace
+
+void PairLayers(Plan &plan, uint32_t local_n, const LayerRange &src_in, const LayerRange &dst_in, int64_t n_in) {
+  if (n_in <= 0) Invalid("tensor_num_per_layer must be > 0, got " + std::to_string(n_in));
+  plan.remote_tensors.clear();
+  plan.local_tensors.clear();
+  plan.whole = !src_in.set && !dst_in.set;
+  if (plan.whole) {
+    plan.remote_tensors.reserve(local_n);
+    for (uint32_t i = 0; i < local_n; ++i) plan.remote_tensors.push_back(i);
+    plan.local_tensors = plan.remote_tensors;
+    return;
+  }
+  const uint64_t n = static_cast<uint64_t>(n_in);
+  if (local_n % n != 0)
+    Invalid("destination num_tensors " + std::to_string(local_n) + " is not a multiple of tensor_num_per_layer " +
+            std::to_string(n));
+  for (const auto &[name, r] : {std::pair<const char *, const LayerRange &>{"src_layer_range", src_in},
+                                std::pair<const char *, const LayerRange &>{"dst_layer_range", dst_in}})
+    if (r.set && r.start >= r.stop)
+      Invalid(std::string(name) + " must satisfy 0 <= start < stop, got " + Pair(r));
+  const uint64_t dst_layers = local_n / n;
+  LayerRange src = src_in, dst = dst_in;
+  if (!dst.set) {
+    // __int128: a range of up to 2**64 layers times n tensors
+    const unsigned __int128 covers = static_cast<unsigned __int128>(src.stop - src.start) * n;
+    if (covers != local_n)
+      Invalid("src_layer_range " + Pair(src) + " covers " +
+              (covers > UINT64_MAX ? std::string("more than 2**64") : std::to_string(static_cast<uint64_t>(covers))) +
+              " tensors but the destination has " + std::to_string(local_n));
+    dst = {true, 0, dst_layers};
+  }
+  if (dst.stop > dst_layers)
+    Invalid("dst_layer_range " + Pair(dst) + " exceeds the destination's " + std::to_string(dst_layers) + " layers");
+  const uint64_t width = dst.stop - dst.start;
+  if (!src.set) src = {true, 0, width};
+  if (src.stop - src.start != width)
+    Invalid("src_layer_range " + Pair(src) + " and dst_layer_range " + Pair(dst) + " differ in length");
+  // Tensor indices travel as u32; the owner checks them against its own count.
+  if (static_cast<unsigned __int128>(src.stop) * n > (uint64_t{1} << 32))
+    Invalid("src_layer_range " + Pair(src) + " reaches past the largest tensor index");
+  const uint64_t count = width * n;
+  plan.remote_tensors.reserve(count);
+  plan.local_tensors.reserve(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    plan.remote_tensors.push_back(static_cast<uint32_t>(src.start * n + i));
+    plan.local_tensors.push_back(static_cast<uint32_t>(dst.start * n + i));
+  }
+}
+
+void PlanPull(Plan &plan, const Geometry &local, const PullSpec &spec) {
+  PairLayers(plan, local.num_tensors, spec.src_layers, spec.dst_layers, spec.tensor_num_per_layer);
+  switch (spec.kind) {
+    case PullSpec::kSlot:
+      PlanSlot(plan, local, spec.batch_index, spec.size, spec.src_offset, spec.dst_offset);
+      return;
+    case PullSpec::kBlocks:
+      PlanBlocks(plan, local, spec.src_blocks, spec.dst_blocks);
+      return;
+    case PullSpec::kSlotToBlocks: {
+      // Chunk i of the remote slot goes to dst_blocks[i].
+      std::vector<uint64_t> chunks(spec.dst_blocks.size());
+      for (uint64_t i = 0; i < chunks.size(); ++i) chunks[i] = i;
+      PlanBlocks(plan, local, chunks, spec.dst_blocks);
+      return;
+    }
+  }
+  Invalid("unknown pull kind " + std::to_string(static_cast<int>(spec.kind)));
 }
 
 void CheckLocalSpans(const Plan &plan, const Geometry &local, int64_t cache_id) {

@@ -1,9 +1,14 @@
-// Turning a C++ API call into byte spans (the counterpart of Python's core/layout.py).
-// A transfer is a list of tensor pairs (remote, local) from the layer ranges, and a list of
-// spans (remote offset, local offset, length) repeated in every tensor pair. Remote offsets
-// are relative to the remote unit the key names (a batch slot, or the tensor base for blocks);
-// the owner checks them. Local offsets are absolute in the local tensor and checked here.
-// Errors are LLM_PARAM_INVALID.
+// The one planner: turning a transfer call of either face into byte spans. The C++ API
+// (llm_datadist.cc) pairs tensors by CANN's rules (CheckExtParam, PairTensors) and plans its
+// spans with PlanSlot / PlanBlocks; the Python face states a pull as a PullSpec (PlanPull,
+// through Session::PreparePull), whose layer rules are llm_datadist's Python ones and whose
+// spans are planned by the same PlanSlot / PlanBlocks. A transfer is a list of tensor pairs
+// (remote, local) from the layer ranges, and a list of spans (remote offset, local offset,
+// length) repeated in every tensor pair. Remote offsets are relative to the remote unit the
+// key names (a batch slot, or the tensor base for blocks); the owner checks them. Local
+// offsets are absolute in the local tensor and checked here. Errors are LLM_PARAM_INVALID,
+// their texts the Python API's (tests/api and tests/compat check some). Pure functions:
+// never block, thread-safe.
 #ifndef DATADIST_CPP_PLAN_H_
 #define DATADIST_CPP_PLAN_H_
 
@@ -35,13 +40,59 @@ struct Plan {
 void CheckExtParam(const llm_datadist::KvCacheExtParam &ext, bool push);
 void PairTensors(Plan &plan, uint32_t local_num_tensors, const llm_datadist::KvCacheExtParam &ext, bool push);
 
-/// One slot: remote slot (relative offset 0) <-> local slot `local_unit`; size -1 = the whole slot.
-void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t size);
+/// One slot: `size` bytes from `remote_offset` in the remote slot (the owner checks it fits
+/// there) <-> local slot `local_unit` from `local_offset`; size -1 = the rest of the local slot
+/// after `local_offset`. LLM_PARAM_INVALID: the unit outside the local cache, the local offset
+/// outside the slot, a size that is not -1 and not in [1, rest of the slot], a remote span
+/// whose end passes 2**64 - 1.
+void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t size, uint64_t remote_offset = 0,
+              uint64_t local_offset = 0);
 
 /// Blocks: remote block remote_blocks[i] <-> local block local_blocks[i]; runs adjacent on both
-/// sides become one span.
+/// sides become one span. LLM_PARAM_INVALID, in this order: no local block, lists of other
+/// lengths, the largest local block outside the cache, the largest remote block whose extent
+/// passes 2**64 - 1 (a wrapped offset would name another block).
 void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
                 const std::vector<uint64_t> &local_blocks);
+
+/// A layer range as the Python face states it: half-open [start, stop); `set` false = none.
+struct LayerRange {
+  bool set = false;
+  uint64_t start = 0, stop = 0;
+};
+
+/// A pull as the Python face states it (CacheManager / KvCacheManager pull_cache and
+/// pull_blocks, their asynchronous forms): what it reads and into which local unit, with
+/// llm_datadist's Python layer rules. The key, cluster and local cache travel beside it
+/// (Session::PreparePull).
+struct PullSpec {
+  enum Kind : uint8_t {
+    kSlot = 0,          // remote slot -> local slot `batch_index` (PlanSlot, with offsets and size)
+    kBlocks = 1,        // remote blocks `src_blocks` -> local blocks `dst_blocks` (PlanBlocks)
+    kSlotToBlocks = 2,  // remote slot split in blocks -> local blocks `dst_blocks`
+  };
+  Kind kind = kSlot;
+  uint64_t batch_index = 0;
+  int64_t size = -1;
+  uint64_t src_offset = 0, dst_offset = 0;
+  std::vector<uint64_t> src_blocks, dst_blocks;
+  LayerRange src_layers, dst_layers;
+  int64_t tensor_num_per_layer = 2;
+};
+
+/// Python's layer rule: pairs source and destination tensor indices. Layer i is tensors
+/// [i*n, (i+1)*n). With no range on either side, every local tensor with the remote one of the
+/// same index (plan.whole: the owner wants the same count); with only a source range, it must
+/// cover every local tensor; with only a destination range, the same number of layers from
+/// remote layer 0. LLM_PARAM_INVALID: n <= 0, a local tensor count that is not a multiple of
+/// n (with a range), an empty range, a destination range past the local layers, ranges of
+/// other widths, a source range past the largest u32 tensor index.
+void PairLayers(Plan &plan, uint32_t local_num_tensors, const LayerRange &src, const LayerRange &dst, int64_t n);
+
+/// The whole plan of a Python-face pull against the local cache's geometry: PairLayers, then
+/// PlanSlot (kSlot), PlanBlocks (kBlocks; kSlotToBlocks as remote blocks 0, 1, ...), in the
+/// Python API's order of checks. LLM_PARAM_INVALID with its texts.
+void PlanPull(Plan &plan, const Geometry &local, const PullSpec &spec);
 
 /// The one check of a transfer's local side, both faces' (Session::Prepare for the Python
 /// binding's, Session::Transfer for the C++ API's): the plan's arrays agree in length (tensor

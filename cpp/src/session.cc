@@ -173,14 +173,12 @@ std::vector<Outcome> Session::UnlinkMany(const std::vector<Peer> &peers, Deadlin
       llm_datadist::LLM_UNLINK_FAILED);
 }
 
-std::shared_ptr<Call> Session::Prepare(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
-                                       int64_t local_cache) {
+std::shared_ptr<Call> Session::MakeCall(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+                                       int64_t local_cache, const Entry &local) {
   req.tensors = plan.remote_tensors;
   req.offsets = plan.remote_offsets;
   req.lengths = plan.lengths;
   CheckRequestSize(req);  // before the local spans are made: tensors x runs of them
-  const std::unique_ptr<Lease> held = engine_.registry().Hold(local_cache);
-  const Entry &local = held->entry();  // immutable while filed (and held)
   CheckLocalSpans(plan, local.geo, local_cache);
   req.layout = local.opts.blocks ? local.geo.layout : local.geo.layout & ~uint64_t{0xFFFFFFFF};
   auto call = Call::Make(write, cluster, std::move(req), LocalIov(plan, local.addrs));
@@ -188,6 +186,34 @@ std::shared_ptr<Call> Session::Prepare(bool write, uint64_t cluster, wire::Reque
   call->local_addrs = local.addrs;
   call->local_tensor_bytes = local.geo.tensor_bytes;
   return call;
+}
+
+std::shared_ptr<Call> Session::Prepare(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+                                       int64_t local_cache) {
+  // The request's size before the cache is looked up, as before: tensors x runs of them.
+  req.tensors = plan.remote_tensors;
+  req.offsets = plan.remote_offsets;
+  req.lengths = plan.lengths;
+  CheckRequestSize(req);
+  const std::unique_ptr<Lease> held = engine_.registry().Hold(local_cache);
+  return MakeCall(write, cluster, std::move(req), plan, local_cache, held->entry());  // immutable while held
+}
+
+std::shared_ptr<Call> Session::PreparePull(uint64_t cluster, wire::Request req, const PullSpec &spec,
+                                           int64_t local_cache) {
+  const std::unique_ptr<Lease> held = engine_.registry().Hold(local_cache);
+  const Entry &local = held->entry();  // immutable while filed (and held)
+  Plan plan;
+  PlanPull(plan, local.geo, spec);
+  req.unit_bytes = spec.kind == PullSpec::kBlocks ? local.geo.unit_bytes : 0;
+  if (plan.whole) req.flags |= wire::kFlagWhole;
+  const auto since = Clock::now();
+  try {
+    return MakeCall(false, cluster, std::move(req), plan, local_cache, local);
+  } catch (const Error &e) {  // refused before anything moved: counted, as Run counts its own
+    metrics::RecordSince(metrics::Op::kPull, cluster, 0, since, e.code());
+    throw;
+  }
 }
 
 std::unique_ptr<Lease> Session::HoldLocal(const Call &call) {

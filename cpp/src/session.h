@@ -166,6 +166,16 @@ class Session {
   /// unregistered. Never blocks (the registry's mutex only).
   std::shared_ptr<Call> Prepare(bool write, uint64_t cluster, wire::Request req, const Plan &plan, int64_t local_cache);
 
+  /// The Python face's pull, planned here: local cache `local_cache` held (LLM_KV_CACHE_NOT_EXIST
+  /// for an unknown one or one being unregistered), `spec` planned against its geometry
+  /// (PlanPull: the Python API's rules and texts, LLM_PARAM_INVALID), then made as Prepare makes
+  /// a call (the request's size, every local span, the layout). `req` carries the key (kind, a,
+  /// b, c) and the checksum flag; the unit bytes (a block pull's: the local block size) and the
+  /// whole-cache flag are set from the plan. A refusal after planning (the request's size, a
+  /// local span) is counted in the metrics as a failed pull, as Run counts its own. Never blocks
+  /// (the registry's mutex only).
+  std::shared_ptr<Call> PreparePull(uint64_t cluster, wire::Request req, const PullSpec &spec, int64_t local_cache);
+
   /// Runs `call` on the link to its cluster: the call's local cache held for the transfer
   /// (Registry::Hold: it cannot be unregistered, nor its pool memory freed, under the copy;
   /// LLM_KV_CACHE_NOT_EXIST when it is gone or no longer has the addresses the call was made
@@ -218,6 +228,9 @@ class Session {
                       const std::function<void(Plan &, const Geometry &src, const Geometry &dst)> &planner);
 
  private:
+  /// Prepare's and PreparePull's call from `plan`, local cache `local_cache` held (`local`).
+  static std::shared_ptr<Call> MakeCall(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+                                        int64_t local_cache, const Entry &local);
   /// The call's local cache held (nullptr for a call that names none), or
   /// LLM_KV_CACHE_NOT_EXIST when it is gone or no longer the memory the call was made for.
   std::unique_ptr<Lease> HoldLocal(const Call &call);

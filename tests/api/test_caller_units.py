@@ -16,7 +16,7 @@ from datadist.api.types import CacheDesc
 from datadist.core.config import EngineConfig
 from datadist.core.dtypes import DTYPES, dtype_name, in_elements
 from datadist.core.errors import InvalidArgument
-from datadist.core.layout import layer_tensor_indices, layout_tag, plan_blocks
+from datadist.core.layout import every_tensor, layout_tag, plan_blocks
 from datadist.core.local import plan_block_copy
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
@@ -57,7 +57,7 @@ def test_a_source_block_out_of_range_is_named_in_blocks(transport: str) -> None:
         local = _register(puller, CacheDesc(2, [64, 16, 4], DataType.DT_FLOAT16,
                                             Placement.HOST), big)
         plan = plan_blocks(local.geometry, [1, 30], [3, 4],
-                           layer_tensor_indices(2, None, None, 2))
+                           every_tensor(2))
         with pytest.raises(InvalidArgument,
                            match=f"src block 30 out of range: cache {entry.cache_id} has 8 "
                                  "blocks"):
@@ -78,7 +78,7 @@ def test_a_block_size_mismatch_is_in_elements() -> None:
                   blocks_model_id=0)
         local = _register(puller, CacheDesc(2, [8, 16, 8], DataType.DT_FLOAT16,
                                             Placement.HOST), dst)
-        plan = plan_blocks(local.geometry, [1], [3], layer_tensor_indices(2, None, None, 2))
+        plan = plan_blocks(local.geometry, [1], [3], every_tensor(2))
         with pytest.raises(InvalidArgument, match=r"the requester's blocks hold 128 DT_FLOAT16 "
                            r"elements \(256 bytes\), cache \d+'s 64 DT_FLOAT16 elements"):
             puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), local.geometry.unit_bytes,
@@ -105,7 +105,7 @@ def test_a_dtype_mismatch_names_the_datatypes() -> None:
                   blocks_model_id=0)
         local = _register(puller, CacheDesc(2, [8, 16, 4], DataType.DT_FLOAT16,
                                             Placement.HOST), dst)
-        plan = plan_blocks(local.geometry, [1], [3], layer_tensor_indices(2, None, None, 2))
+        plan = plan_blocks(local.geometry, [1], [3], every_tensor(2))
         with pytest.raises(InvalidArgument, match="holds DT_BF16, the requester's cache "
                                                   "DT_FLOAT16"):
             puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), local.geometry.unit_bytes,

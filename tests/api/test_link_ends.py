@@ -206,7 +206,7 @@ class TestWire:
         import threading
 
         from datadist.core.config import HostIdentity
-        from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks
+        from datadist.core.layout import Geometry, every_tensor, plan_blocks
         from datadist.wire import protocol as p
 
         server = make_side(PROMPT_ID, remote_cache_accessible=True)
@@ -231,7 +231,7 @@ class TestWire:
             assert welcome.features & p.FEATURE_REVERSE  # the server takes reverse channels
             assert server.engine.get_link(DECODER_ID).inbound
             plan = plan_blocks(Geometry(1, 64, 4, True), [2], [1],
-                               layer_tensor_indices(1, None, None, 1))
+                               every_tensor(1))
             errors = []
 
             def push():

@@ -19,7 +19,7 @@ import datadist as llm
 from datadist.api import rank_table
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.errors import AlreadyLinked, InvalidArgument, LinkFailed, NotLinked
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks
+from datadist.core.layout import Geometry, every_tensor, plan_blocks
 from datadist.wire.protocol import KeyKind, KeyRef
 
 from ._support import DECODER_ID, PROMPT_ID, code, units
@@ -186,7 +186,7 @@ class TestStateMachine:
         dst_b, y2 = b.register(2, [4, 32], blocks=True)
         link_both(ca, cb, ma, mb)
         g = Geometry(2, 128, 4, True)
-        plan = plan_blocks(g, [0, 3], [2, 1], layer_tensor_indices(2, None, None, 2))
+        plan = plan_blocks(g, [0, 3], [2, 1], every_tensor(2))
         key = KeyRef(KeyKind.BLOCKS_KEY, 0, 0, 0)
         b.engine.pull(PROMPT_ID, key, 32, plan, dst_b.cache_id)
         a.engine.pull(DECODER_ID, key, 32, plan, dst_a.cache_id)

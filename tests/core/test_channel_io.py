@@ -21,7 +21,7 @@ import pytest
 from datadist.core import local as iovmod
 from datadist.core.config import EngineConfig
 from datadist.core.errors import Busy, Timeout
-from datadist.core.layout import Geometry, layer_tensor_indices, make_iov, plan_blocks, plan_slot
+from datadist.core.layout import Geometry, every_tensor, make_iov, plan_blocks, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.testing.fakes import EchoOwner, SilentOwner
 from datadist.wire import protocol as p
@@ -70,7 +70,7 @@ def test_thousands_of_scattered_blocks_both_ways_over_tcp(pair) -> None:
                             placement=0)
     order = rng.permutation(count)
     plan = plan_blocks(local.geometry, list(range(count)), order.tolist(),
-                       layer_tensor_indices(tensors, None, None, 2))
+                       every_tensor(tensors))
     key = p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0)
     puller.pull(OWNER, key, geo.unit_bytes, plan, local.cache_id, 10.0)
     got = dst.reshape(tensors, count, block)
@@ -80,7 +80,7 @@ def test_thousands_of_scattered_blocks_both_ways_over_tcp(pair) -> None:
     dst[...] = rng.integers(0, 256, dst.shape, dtype=np.uint8)
     back = rng.permutation(count)
     plan = plan_blocks(local.geometry, list(range(count)), back.tolist(),
-                       layer_tensor_indices(tensors, None, None, 2))
+                       every_tensor(tensors))
     puller.push(OWNER, key, geo.unit_bytes, plan, local.cache_id, 10.0)
     np.testing.assert_array_equal(src.reshape(tensors, count, block), got[:, back])
 
@@ -99,7 +99,7 @@ def test_a_frame_and_its_raw_bytes_in_one_segment_land_in_the_spans() -> None:
             local = puller.register(geo, [int(dst[t].ctypes.data) for t in range(2)],
                                     placement=0)
             for slot in (2, 1):
-                plan = plan_slot(local.geometry, slot, layer_tensor_indices(2, None, None, 2))
+                plan = plan_slot(local.geometry, slot, every_tensor(2))
                 puller.pull(FAKE, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan,
                             local.cache_id, 5.0)
             assert (dst[:, 1000:3000] == 0xA5).all()
@@ -119,7 +119,7 @@ def test_a_silent_owner_ends_in_timeout_and_the_link_is_not_left_stuck() -> None
             geo = Geometry(1, 4096, 1)
             dst = np.zeros(4096, np.uint8)
             local = puller.register(geo, [dst.ctypes.data], placement=0)
-            plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+            plan = plan_slot(local.geometry, 0, every_tensor(1))
             key = p.KeyRef(p.KeyKind.CACHE_ID, 1, 0)
             for _ in range(2):
                 with pytest.raises((Timeout, Busy)):

@@ -14,7 +14,7 @@ import pytest
 
 from datadist.core.config import EngineConfig
 from datadist.core.errors import BrokenLink, Busy, LinkFailed, NotLinked
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.testing.fakes import SilentOwner
 from datadist.wire import protocol as p
@@ -78,7 +78,7 @@ def _in_flight(puller: NativeEngine, owner: _WatchedSilentOwner, seconds: float
     puller.link(SILENT, *owner.address, 2.0)
     dst = np.zeros(4096, np.uint8)
     entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
-    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(entry.geometry, 0, every_tensor(1))
     errors: list[BaseException] = []
     started = threading.Event()
 
@@ -132,7 +132,7 @@ def test_force_unlink_breaks_a_transfer_in_flight(pair) -> None:
     dst = np.zeros(n, np.uint8)
     entry = puller.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
     _link(owner, puller)
-    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(entry.geometry, 0, every_tensor(1))
     errors: list[BaseException] = []
     started = threading.Event()
 
@@ -170,7 +170,7 @@ def test_a_pull_waiting_behind_another_transfer_is_link_busy(pair) -> None:
         t, _, _ = _in_flight(puller, owner, 10.0)  # holds the link past our deadline
         dst = np.zeros(4096, np.uint8)
         entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
-        plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(entry.geometry, 0, every_tensor(1))
         with pytest.raises(Busy):
             puller.pull(SILENT, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id,
                         0.2)
@@ -190,7 +190,7 @@ def test_a_plan_beyond_the_registered_cache_is_refused_locally(pair) -> None:
     entry = puller.register(Geometry(1, 16, 1), [buf.ctypes.data], placement=0)
     _link(owner, puller)
     bigger = Geometry(1, 64, 4)  # what a changed desc would claim
-    plan = plan_slot(bigger, 3, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(bigger, 3, every_tensor(1))
     from datadist.core.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument):

@@ -23,7 +23,7 @@ def test_finalize_closes_the_fences() -> None:
     memfds. Each cycle leases a blocks cache twice (the model id bound anew in between
     revokes the first lease: a second fence)."""
     from datadist.core.config import EngineConfig
-    from datadist.core.layout import layer_tensor_indices, plan_blocks
+    from datadist.core.layout import every_tensor, plan_blocks
     from datadist.core.native import NativeEngine
 
     def fences() -> int:  # fence files open here (a mapping holds a second descriptor)
@@ -47,7 +47,7 @@ def test_finalize_closes_the_fences() -> None:
             dst = np.zeros(GEO.tensor_bytes * 2, np.uint8)
             local = puller.register(GEO, [dst.ctypes.data, dst.ctypes.data + GEO.tensor_bytes],
                                     placement=0)
-            plan = plan_blocks(local.geometry, [1], [2], layer_tensor_indices(2, None, None, 2))
+            plan = plan_blocks(local.geometry, [1], [2], every_tensor(2))
             for buf in bufs:  # the second binds model 3 anew: the first lease is revoked
                 owner.register(GEO, [buf.ctypes.data, buf.ctypes.data + GEO.tensor_bytes],
                                placement=0, blocks_model_id=3)

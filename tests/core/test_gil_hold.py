@@ -28,7 +28,7 @@ import pytest
 
 from datadist.core.config import EngineConfig
 from datadist.core.errors import Timeout
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
@@ -128,7 +128,7 @@ class Pair:
         self.dst = np.zeros(size, np.uint8)
         self.dst_entry = self.puller.register(Geometry(1, size, 1), [self.dst.ctypes.data],
                                               placement=0)
-        self.plan = plan_slot(self.dst_entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        self.plan = plan_slot(self.dst_entry.geometry, 0, every_tensor(1))
         self.key = p.KeyRef(p.KeyKind.CACHE_ID, self.src_entry.cache_id, 0)
 
     def link(self, address: tuple[str, int] | None = None) -> None:

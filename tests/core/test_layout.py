@@ -1,4 +1,6 @@
-"""Unit and property tests of core.layout: geometry, layer ranges, plans, owner bounds checks.
+"""Unit and property tests of core.layout (pushes and local copies): geometry, plans, owner
+bounds checks. A pull's layer ranges and spans are the core's (tests/core/test_core_planner.py,
+cpp/tests/plan_test.cc).
 
 The expected spans are written out by hand or computed with plain Python loops, never with
 the vectorised code under test.
@@ -16,9 +18,8 @@ from datadist.core.layout import (
     Geometry,
     Plan,
     check_source_spans,
-    layer_tensor_indices,
+    every_tensor,
     plan_blocks,
-    plan_contiguous_to_blocks,
     plan_slot,
     span_iov,
 )
@@ -27,7 +28,7 @@ U64_MAX = 2**64 - 1
 
 
 def all_tensors(n: int) -> tuple[np.ndarray, np.ndarray]:
-    return layer_tensor_indices(n, None, None, 2)
+    return every_tensor(n)
 
 
 def spans(plan: Plan) -> list[tuple[int, int, int]]:
@@ -70,86 +71,6 @@ class TestGeometry:
         g = Geometry(1, 8, 2)
         with pytest.raises(AttributeError):
             g.units = 4  # type: ignore[misc]
-
-
-# ------------------------------------------------------------------------------ layer ranges
-
-
-class TestLayerTensorIndices:
-    def test_no_ranges_pairs_every_destination_tensor_with_the_same_index(self) -> None:
-        src, dst = layer_tensor_indices(5, None, None, 2)  # 5: no multiple of N needed
-        assert src.tolist() == dst.tolist() == [0, 1, 2, 3, 4]
-        assert src.dtype == np.uint32
-
-    def test_both_ranges(self) -> None:
-        # 4 layers of 2 tensors locally; remote layers 3..4 into local layers 1..2
-        src, dst = layer_tensor_indices(8, (3, 5), (1, 3), 2)
-        assert src.tolist() == [6, 7, 8, 9]
-        assert dst.tolist() == [2, 3, 4, 5]
-
-    def test_tensor_num_per_layer_three(self) -> None:
-        src, dst = layer_tensor_indices(9, (0, 1), (2, 3), 3)
-        assert src.tolist() == [0, 1, 2]
-        assert dst.tolist() == [6, 7, 8]
-
-    def test_only_src_must_cover_every_destination_tensor(self) -> None:
-        src, dst = layer_tensor_indices(4, (5, 7), None, 2)
-        assert src.tolist() == [10, 11, 12, 13]
-        assert dst.tolist() == [0, 1, 2, 3]
-        with pytest.raises(InvalidArgument, match="covers 2 tensors"):
-            layer_tensor_indices(4, (5, 6), None, 2)
-
-    def test_only_dst_reads_the_same_number_of_layers_from_layer_zero(self) -> None:
-        src, dst = layer_tensor_indices(8, None, (2, 4), 2)
-        assert src.tolist() == [0, 1, 2, 3]
-        assert dst.tolist() == [4, 5, 6, 7]
-
-    def test_num_tensors_must_be_a_multiple_of_n_when_a_range_is_given(self) -> None:
-        with pytest.raises(InvalidArgument, match="multiple"):
-            layer_tensor_indices(5, (0, 1), (0, 1), 2)
-
-    @pytest.mark.parametrize("n", [0, -1])
-    def test_tensor_num_per_layer_positive(self, n: int) -> None:
-        with pytest.raises(InvalidArgument, match="tensor_num_per_layer"):
-            layer_tensor_indices(4, None, None, n)
-
-    @pytest.mark.parametrize("rng", [(1, 1), (2, 1), (-1, 1)])
-    def test_ranges_must_be_non_empty_and_non_negative(self, rng: tuple[int, int]) -> None:
-        with pytest.raises(InvalidArgument, match="src_layer_range"):
-            layer_tensor_indices(4, rng, (0, 1), 2)
-        with pytest.raises(InvalidArgument, match="dst_layer_range"):
-            layer_tensor_indices(4, (0, 1), rng, 2)
-
-    def test_dst_range_must_fit_the_destination(self) -> None:
-        with pytest.raises(InvalidArgument, match="exceeds"):
-            layer_tensor_indices(4, (0, 3), (0, 3), 2)
-
-    def test_src_and_dst_ranges_differ_in_length(self) -> None:
-        with pytest.raises(InvalidArgument, match="differ in length"):
-            layer_tensor_indices(8, (0, 1), (0, 2), 2)
-
-    def test_src_range_beyond_uint32_tensor_indices_is_param_invalid(self) -> None:
-        # The owner checks the source's tensor count; the requester must still refuse what
-        # does not fit the wire's u32 tensor index rather than fail with an OverflowError.
-        with pytest.raises(InvalidArgument, match="tensor index"):
-            layer_tensor_indices(2, (2**31, 2**31 + 1), None, 2)
-
-    @given(
-        n=st.integers(1, 4),
-        dst_layers=st.integers(1, 6),
-        data=st.data(),
-    )
-    def test_property_pairs_layer_by_layer(self, n: int, dst_layers: int, data) -> None:
-        d0 = data.draw(st.integers(0, dst_layers - 1))
-        d1 = data.draw(st.integers(d0 + 1, dst_layers))
-        s0 = data.draw(st.integers(0, 20))
-        src, dst = layer_tensor_indices(dst_layers * n, (s0, s0 + d1 - d0), (d0, d1), n)
-        expected = [
-            (s * n + k, d * n + k)
-            for s, d in zip(range(s0, s0 + d1 - d0), range(d0, d1), strict=True)
-            for k in range(n)
-        ]
-        assert list(zip(src.tolist(), dst.tolist(), strict=True)) == expected
 
 
 # ------------------------------------------------------------------------------ plan_slot
@@ -204,7 +125,7 @@ class TestPlanSlot:
 
     def test_layer_range_tensors_are_carried(self) -> None:
         g = Geometry(num_tensors=4, tensor_bytes=64, units=2)
-        plan = plan_slot(g, 0, layer_tensor_indices(4, (2, 3), (1, 2), 2))
+        plan = plan_slot(g, 0, (np.array([4, 5], np.uint32), np.array([2, 3], np.uint32)))
         assert plan.remote_tensors.tolist() == [4, 5]
         assert plan.local_tensors.tolist() == [2, 3]
         assert plan.nbytes == 2 * 32
@@ -308,41 +229,12 @@ class TestPlanBlocks:
             assert not (s0 + n0 == s1 and d0 + n0 == d1)
 
 
-# ------------------------------------------------------------------------------ contiguous->blocks
-
-
-class TestPlanContiguousToBlocks:
-    g = Geometry(num_tensors=1, tensor_bytes=8 * 16, units=8, is_blocks=True)  # 16 B blocks
-
-    def test_chunk_i_goes_to_dst_block_i(self) -> None:
-        plan = plan_contiguous_to_blocks(self.g, [6, 2, 3, 0], all_tensors(1))
-        assert spans(plan) == [(0, 96, 16), (16, 32, 32), (48, 0, 16)]
-        assert plan.nbytes == 64
-
-    def test_ascending_destination_is_one_span(self) -> None:
-        plan = plan_contiguous_to_blocks(self.g, list(range(8)), all_tensors(1))
-        assert spans(plan) == [(0, 0, 128)]
-
-    def test_errors(self) -> None:
-        with pytest.raises(InvalidArgument, match="must not be empty"):
-            plan_contiguous_to_blocks(self.g, [], all_tensors(1))
-        with pytest.raises(InvalidArgument, match="out of range"):
-            plan_contiguous_to_blocks(self.g, [8], all_tensors(1))
-        with pytest.raises(InvalidArgument, match="negative"):
-            plan_contiguous_to_blocks(self.g, [-1], all_tensors(1))
-
-    @given(dst=st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True))
-    def test_property_matches_a_loop(self, dst: list[int]) -> None:
-        plan = plan_contiguous_to_blocks(self.g, dst, all_tensors(1))
-        assert spans(plan) == reference_block_spans(list(range(len(dst))), dst, 16)
-
-
 # ------------------------------------------------------------------------------ iov
 
 
 def test_local_iov_is_tensor_major() -> None:
     g = Geometry(num_tensors=3, tensor_bytes=4 * 8, units=4, is_blocks=True)
-    plan = plan_blocks(g, [0, 2], [1, 3], layer_tensor_indices(3, None, None, 1))
+    plan = plan_blocks(g, [0, 2], [1, 3], every_tensor(3))
     addrs = np.array([1000, 2000, 3000], dtype=np.uint64)
     bases, lens = plan.local_iov(addrs)
     assert bases.tolist() == [1008, 1024, 2008, 2024, 3008, 3024]

@@ -38,7 +38,7 @@ from datadist.core.errors import (
 from datadist.core.layout import (
     Geometry,
     Plan,
-    layer_tensor_indices,
+    every_tensor,
     plan_blocks,
     plan_slot,
 )
@@ -168,7 +168,7 @@ def _caches(owner: NativeEngine, puller: NativeEngine, n: int, fill: int = 7):
     owner.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
     dst = np.zeros(n, np.uint8)
     entry = puller.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
-    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(entry.geometry, 0, every_tensor(1))
     return src, dst, entry, plan
 
 
@@ -316,7 +316,7 @@ def test_core_reader_revoked_blocks_lease_reads_the_new_cache(core_pair) -> None
     owner.register(geo, [old.ctypes.data], placement=0, blocks_model_id=7)
     dst = np.zeros(8 * 4096, np.uint8)
     entry = puller.register(geo, [dst.ctypes.data], placement=0)
-    plan = plan_blocks(entry.geometry, [1, 2], [3, 4], layer_tensor_indices(1, None, None, 1))
+    plan = plan_blocks(entry.geometry, [1, 2], [3, 4], every_tensor(1))
     key = p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 7, 0)
     _link(owner, puller)
     for _ in range(2):
@@ -345,7 +345,7 @@ def test_metadata_is_reloaded_when_the_owner_registers_after_the_link(core_pair)
     assert hooks.nixl_agent(owner)[1] > gen  # type: ignore[index]
     dst2 = np.zeros(8192, np.uint8)
     e2 = puller.register(Geometry(1, 8192, 1), [dst2.ctypes.data], placement=0)
-    plan = plan_slot(e2.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(e2.geometry, 0, every_tensor(1))
     puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, e2.cache_id, 5.0)
     assert np.array_equal(dst2, src2)
     assert link.path_name == "nixl" and puller.links()[0].path_name == "nixl"
@@ -376,7 +376,7 @@ def test_core_reader_pushes_by_nixl_write(core_pair) -> None:
     owner.register(Geometry(1, n, 1), [dst.ctypes.data], placement=0)
     src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
     entry = puller.register(Geometry(1, n, 1), [src.ctypes.data], placement=0)
-    plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(entry.geometry, 0, every_tensor(1))
     _link(owner, puller)
     prepared = hooks.nixl_prepared(puller)
     puller.push(1, KEY, 0, plan, entry.cache_id, 5.0)
@@ -777,7 +777,7 @@ def test_without_rdma_devices_ucx_ib_module_is_kept_out(tmp_path, monkeypatch) -
 EXIT_CHECK = """
 import numpy as np
 from datadist.core.config import EngineConfig
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
@@ -788,7 +788,7 @@ src = np.full(4096, 3, np.uint8)
 owner.register(Geometry(1, 4096, 1), [src.ctypes.data], placement=0)
 dst = np.zeros(4096, np.uint8)
 entry = reader.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
-plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+plan = plan_slot(entry.geometry, 0, every_tensor(1))
 print(reader.link(1, *owner.listen_address, 5.0).reason)
 reader.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 5.0)
 assert (dst == 3).all()

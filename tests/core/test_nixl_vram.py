@@ -31,7 +31,7 @@ from datadist.core import native, nixl_wheel
 from datadist.core import nixl_wheel as nixl
 from datadist.core.config import DEVICE, HOST, EngineConfig
 from datadist.core.errors import InvalidArgument, NotSupported
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.testing import engine as hooks
 from datadist.wire import protocol as p
 
@@ -117,7 +117,7 @@ def _regions(eng: native.NativeEngine) -> dict[int, tuple[int, int]]:
 
 def _pull(reader: native.NativeEngine, src_id: int, dst_id: int) -> None:
     geo = Geometry(2, N, 1)
-    plan = plan_slot(geo, 0, layer_tensor_indices(2, None, None, 2))
+    plan = plan_slot(geo, 0, every_tensor(2))
     reader.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, src_id, 0), 0, plan, dst_id, 5.0)
 
 

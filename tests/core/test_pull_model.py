@@ -3,12 +3,12 @@
 Two engines (the C++ core, core/native.py) live in this process: an owner (cluster 1,
 listening on 127.0.0.1:0) and a puller (cluster 2) linked to it, once with the TCP data path
 forced and once with cross-memory attach. For random geometries, dtypes, batch indexes,
-offsets, block lists and layer ranges we build the Plan with core.layout exactly as
-api/cache_manager.py does, pull with ``NativeEngine.pull``, and compare every destination
-byte with the model's.
+offsets, block lists and layer ranges we ask the core for the pull exactly as
+api/cache_manager.py does (``NativeEngine.prepare_pull``: the core plans it), run it, and
+compare every destination byte with the model's.
 
 The model (``expected``) is written from the spec (reference §9 and DESIGN §5) with Python
-lists and numpy slices; it shares no code with core.layout or the registry. It also predicts
+lists and numpy slices; it shares no code with the core's planner or the registry. It also predicts
 which requests must be refused (PARAM_INVALID), and then no destination byte may change.
 """
 
@@ -27,6 +27,7 @@ from datadist.core import layout
 from datadist.core.config import HOST, EngineConfig
 from datadist.core.errors import InvalidArgument
 from datadist.core.keys import UINT64_MAX, KeyId
+from datadist.core.native import PULL_BLOCKS, PULL_SLOT, PULL_SLOT_TO_BLOCKS
 from datadist.core.native import NativeEngine as Engine
 from datadist.wire.protocol import KeyKind, KeyRef
 
@@ -289,14 +290,19 @@ def make_tensors(rng: np.random.Generator, count: int, units: int, inner: tuple[
     return out
 
 
-def plan_like_cache_manager(r: Request, geo: layout.Geometry) -> layout.Plan:
-    """core.layout calls exactly as CacheManager.pull_cache / pull_blocks make them."""
-    tensors = layout.layer_tensor_indices(geo.num_tensors, r.src_range, r.dst_range, r.n)
-    if r.kind == "slot":
-        return layout.plan_slot(geo, r.dst_index, tensors, r.size, r.src_offset, r.dst_offset)
-    if r.kind == "blocks":
-        return layout.plan_blocks(geo, r.src_blocks, r.dst_blocks, tensors)
-    return layout.plan_contiguous_to_blocks(geo, r.dst_blocks, tensors)
+def pull_like_cache_manager(peers: Peers, r: Request, key: KeyRef, cache_id: int) -> int:
+    """The core's pull as CacheManager.pull_cache / pull_blocks ask for it (the core plans
+    it: NativeEngine.prepare_pull), run; returns the bytes it moved."""
+    kinds = {"slot": PULL_SLOT, "blocks": PULL_BLOCKS, "c2b": PULL_SLOT_TO_BLOCKS}
+    blocks = {} if r.kind == "slot" else {
+        "dst_blocks": np.asarray(r.dst_blocks, dtype=np.uint64),
+        "src_blocks": np.asarray(r.src_blocks if r.kind == "blocks" else [], dtype=np.uint64)}
+    call = peers.puller.prepare_pull(
+        OWNER, key, cache_id, kinds[r.kind], batch_index=r.dst_index, size=r.size,
+        src_offset=r.src_offset, dst_offset=r.dst_offset, src_layers=r.src_range,
+        dst_layers=r.dst_range, tensor_num_per_layer=r.n, **blocks)
+    peers.puller.run(call, PULL_TIMEOUT)
+    return int(call.bytes)
 
 
 def run_pull(peers: Peers, r: Request) -> str | None:
@@ -336,15 +342,12 @@ def run_pull(peers: Peers, r: Request) -> str | None:
         key = KeyRef(KeyKind.CACHE_ID, src_entry.cache_id, r.src_index, 0)
     try:
         try:
-            plan = plan_like_cache_manager(r, dst_geo)
-            # unit_bytes as CacheManager sends it: the local block size for block reads
-            peers.puller.pull(OWNER, key, dst_geo.unit_bytes if src_blocky else 0, plan,
-                              dst_entry.cache_id, timeout=PULL_TIMEOUT)
+            moved = pull_like_cache_manager(peers, r, key, dst_entry.cache_id)
         except InvalidArgument as e:
             assert refused is not None, f"refused a valid request: {e}"
         else:
             assert refused is None, f"accepted a request the model refuses: {refused}"
-            assert plan.nbytes == nbytes
+            assert moved == nbytes
     finally:
         peers.puller.unregister(dst_entry.cache_id)
         peers.owner.unregister(src_entry.cache_id)

@@ -29,7 +29,7 @@ from datadist.core.keys import (
     KeyRef,
     key_id,
 )
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.memory.pool import PoolConfig
 
 pytestmark = [
@@ -211,7 +211,7 @@ def test_a_key_a_peer_consumed_releases_the_deallocated_cache(eng: native.Native
         local = puller.register(GEO, [int(dst[i].ctypes.data) for i in range(4)],
                                 placement=HOST)
         # one slot of 256 bytes per tensor: the puller's cache is GEO too, slot 0
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(4, None, None, 4))
+        plan = plan_slot(local.geometry, 0, every_tensor(4))
         puller.pull(1, KeyRef(KeyKind.CACHE_KEY, 7, 0, UINT64_MAX), 0, plan, local.cache_id, 5.0)
     finally:
         puller.close()

@@ -20,7 +20,7 @@ import datadist.core.native as native_mod
 from datadist.core.config import EngineConfig
 from datadist.core.errors import BrokenLink, LinkFailed
 from datadist.core.keys import KeyId
-from datadist.core.layout import Geometry, layer_tensor_indices, make_iov, plan_slot
+from datadist.core.layout import Geometry, every_tensor, make_iov, plan_slot
 from datadist.core.local import vm_copy
 from datadist.core.native import NativeEngine as Engine
 from datadist.memory.pool import PoolConfig
@@ -142,7 +142,7 @@ def _pull_works(owner: Engine, cluster_id: int = 2) -> None:
         puller.link(1, host, port, 3.0)
         dst = np.zeros(4096, np.uint8)
         local = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(local.geometry, 0, every_tensor(1))
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0), 0, plan,
                     local.cache_id, 3.0)
         assert np.array_equal(dst, src)

@@ -12,7 +12,7 @@ from _hand import MAC_BYTES, NONCE_BYTES, client_proof, nonce, server_mac
 
 from datadist.core.config import EngineConfig
 from datadist.core.errors import LinkFailed
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
@@ -81,7 +81,7 @@ def _pull(puller: NativeEngine, owner_eng: NativeEngine) -> np.ndarray:
     puller.link(1, host, port, 2.0)
     dst = np.zeros(4096, dtype=np.uint8)
     entry = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
-    plan = plan_slot(Geometry(1, 4096, 1), 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(Geometry(1, 4096, 1), 0, every_tensor(1))
     puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 2.0)
     return dst
 

@@ -463,11 +463,11 @@ class TestOwnerThatCannotReadItsMemory:
             assert np.array_equal(dst_arr, good)
             # a push into the freed memory is refused the same way
             from datadist.core.errors import DatadistError
-            from datadist.core.layout import layer_tensor_indices, plan_slot
+            from datadist.core.layout import every_tensor, plan_slot
             from datadist.wire import protocol as p
 
             entry = reader.cache(dst.cache_id)
-            plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+            plan = plan_slot(entry.geometry, 0, every_tensor(1))
             with pytest.raises(DatadistError) as err:
                 reader.push(PROMPT_ID, p.KeyRef(p.KeyKind.CACHE_ID, src.cache_id, 0), 0, plan,
                             dst.cache_id, 5.0)

@@ -24,7 +24,7 @@ from _hand import LyingOwner, local_name
 from datadist.core.config import EngineConfig
 from datadist.core.errors import CacheNotFound, IntegrityError
 from datadist.core.keys import KeyId
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.memory.pool import PoolConfig
 from datadist.wire import protocol as p
@@ -112,7 +112,7 @@ def _pull(puller: NativeEngine, req_id: int = 7, *, asynchronous: bool = False) 
     local = puller.register(Geometry(2, TENSOR, 1),
                             [dst.ctypes.data, dst.ctypes.data + TENSOR], placement=0)
     try:
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(2, None, None, 2))
+        plan = plan_slot(local.geometry, 0, every_tensor(2))
         key = p.KeyRef(p.KeyKind.CACHE_KEY, req_id, 0, 2**64 - 1)
         if asynchronous:
             handle = puller.pull_async(1, key, 0, plan, local.cache_id, 5.0)

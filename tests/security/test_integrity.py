@@ -18,7 +18,7 @@ from datadist.api.enums import DataType, Placement
 from datadist.api.types import CacheDesc
 from datadist.core.config import EngineConfig
 from datadist.core.errors import IntegrityError, InvalidArgument
-from datadist.core.layout import layer_tensor_indices, plan_blocks, plan_slot
+from datadist.core.layout import every_tensor, plan_blocks, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
@@ -49,7 +49,7 @@ def test_checksum_passes_when_bytes_are_right(transport: str) -> None:
         desc = CacheDesc(2, [4, 64], F16, Placement.HOST)
         _register(owner, desc, src, False)
         local = _register(puller, desc, dst, False)
-        plan = plan_slot(local.geometry, 1, layer_tensor_indices(2, None, None, 2))
+        plan = plan_slot(local.geometry, 1, every_tensor(2))
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 2), 0, plan, local.cache_id, 2.0)
         for s, d in zip(src, dst, strict=True):
             assert np.array_equal(d[1], s[2])
@@ -75,7 +75,7 @@ def test_checksum_mismatch_raises(transport: str, asynchronous: bool) -> None:
             dst = [np.zeros(256, np.uint8)]
             desc = CacheDesc(1, [1, 256], DataType.DT_UINT8, Placement.HOST)
             local = _register(puller, desc, dst, False)
-            plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+            plan = plan_slot(local.geometry, 0, every_tensor(1))
             key = p.KeyRef(p.KeyKind.CACHE_ID, 1, 0)
 
             def pull() -> None:
@@ -113,7 +113,7 @@ def test_dtype_mismatch_is_refused(transport: str) -> None:
         _register(owner, CacheDesc(2, [8, 16, 4], F16, Placement.HOST), src, True,
                   blocks_model_id=0)
         local = _register(puller, CacheDesc(2, [8, 16, 4], BF16, Placement.HOST), dst, True)
-        plan = plan_blocks(local.geometry, [1, 2], [3, 4], layer_tensor_indices(2, None, None, 2))
+        plan = plan_blocks(local.geometry, [1, 2], [3, 4], every_tensor(2))
         with pytest.raises(InvalidArgument, match="holds DT_FLOAT16, the requester's cache DT_BF16"):  # noqa: E501
             puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), local.geometry.unit_bytes,
                         plan, local.cache_id, 2.0)
@@ -132,7 +132,7 @@ def test_block_shape_mismatch_is_refused() -> None:
         _register(owner, CacheDesc(2, [8, 16, 4], F16, Placement.HOST), src, True,
                   blocks_model_id=0)
         local = _register(puller, CacheDesc(2, [8, 8, 8], F16, Placement.HOST), dst, True)
-        plan = plan_blocks(local.geometry, [1], [3], layer_tensor_indices(2, None, None, 2))
+        plan = plan_blocks(local.geometry, [1], [3], every_tensor(2))
         with pytest.raises(InvalidArgument, match="block shape"):
             puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), local.geometry.unit_bytes,
                         plan, local.cache_id, 2.0)
@@ -150,7 +150,7 @@ def test_contiguous_slots_of_other_seq_len_still_pull() -> None:
         dst = [np.zeros((1, 16, 4), np.float16)]
         _register(owner, CacheDesc(1, [2, 32, 4], F16, Placement.HOST), src, False)
         local = _register(puller, CacheDesc(1, [1, 16, 4], F16, Placement.HOST), dst, False)
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(local.geometry, 0, every_tensor(1))
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 1), 0, plan, local.cache_id, 2.0)
         assert np.array_equal(dst[0][0], src[0][1][:16])
     finally:
@@ -168,7 +168,7 @@ def test_contiguous_push_into_blocks_checks_dtype_only() -> None:
                   blocks_model_id=0)
         src = [np.full((1, 64, 2), i + 1, np.float16) for i in range(2)]  # 256 B = two blocks
         local = _register(pusher, CacheDesc(2, [1, 64, 2], F16, Placement.HOST), src, False)
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(2, None, None, 2))
+        plan = plan_slot(local.geometry, 0, every_tensor(2))
         # remote offset 5 blocks (of 128 B) in: the slot lands in blocks 5 and 6
         from dataclasses import replace
 
@@ -177,7 +177,7 @@ def test_contiguous_push_into_blocks_checks_dtype_only() -> None:
         assert (dst[0][5:7] == 1).all() and (dst[1][5:7] == 2).all() and not dst[0][4].any()
         bf = [np.ones((1, 64, 2), np.float16)]
         other = _register(pusher, CacheDesc(1, [1, 64, 2], BF16, Placement.HOST), bf, False)
-        plan1 = replace(plan_slot(other.geometry, 0, layer_tensor_indices(1, None, None, 2)),
+        plan1 = replace(plan_slot(other.geometry, 0, every_tensor(1)),
                         remote_offsets=np.array([0], np.uint64))
         with pytest.raises(InvalidArgument, match="the requester's cache DT_BF16"):
             pusher.push(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 0, plan1, other.cache_id, 2.0)
@@ -227,7 +227,7 @@ _REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
     from datadist.api.enums import DataType, Placement
     from datadist.api.types import CacheDesc
     from datadist.core.config import EngineConfig
-    from datadist.core.layout import layer_tensor_indices, plan_slot
+    from datadist.core.layout import every_tensor, plan_slot
     from datadist.core.native import NativeEngine
     from datadist.wire import protocol as p
 
@@ -241,7 +241,7 @@ _REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
     puller.link(1, *owner.listen_address, 2.0)
     puller.probe_cma(1, 2.0)  # the kernel refuses: the link says so, and streams
     print("reason:", puller.get_link(1).reason)
-    plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(local.geometry, 0, every_tensor(1))
     for _ in range(2):  # and the channel stays in step
         dst[:] = 0
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, local.cache_id, 2.0)

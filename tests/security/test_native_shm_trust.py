@@ -23,7 +23,7 @@ from _hand import local_name
 from datadist.core import native
 from datadist.core.config import EngineConfig
 from datadist.core.errors import DatadistError
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.memory.pool import memfd_map, unmap
 from datadist.testing.fakes import EchoOwner
 from datadist.wire import protocol as p
@@ -66,7 +66,7 @@ def _pull(grant: Callable[[p.Read], p.ShmGrant | None], grant_addr: int = 0,
             link = eng.link(owner, *fake.address, 2.0)
             assert link.path_name == "cma", link
             entry = eng.register(GEO, [dst.ctypes.data], placement=0)
-            plan = plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2))
+            plan = plan_slot(GEO, 0, every_tensor(1))
             try:
                 eng.pull(owner, KEY, 0, plan, entry.cache_id, 2.0)
                 how = eng.last_moved(owner)
@@ -115,7 +115,7 @@ def test_one_fd_named_with_two_inodes_is_refused(sealed: tuple[int, int]) -> Non
         try:
             eng.link(owner, *fake.address, 2.0)
             entry = eng.register(geo, [dst.ctypes.data, dst.ctypes.data + N], placement=0)
-            plan = plan_slot(geo, 0, layer_tensor_indices(2, None, None, 2))
+            plan = plan_slot(geo, 0, every_tensor(2))
             with pytest.raises(DatadistError, match="with two different files"):
                 eng.pull(owner, KEY, 0, plan, entry.cache_id, 2.0)
         finally:

@@ -44,7 +44,7 @@ import datadist as llm_datadist
 from datadist.core import nixl_wheel as nixl
 from datadist.core.config import EngineConfig
 from datadist.core.errors import DatadistError, InvalidArgument, NotSupported
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.core.nixl_wheel import unchecked_transports
 from datadist.testing import engine as hooks
@@ -344,7 +344,7 @@ def test_a_readers_reverse_channel_answers_no_nixl_request(reader_serves: bool) 
                         p.NixlLease(key, 0)):
                 _refused(mitm.inject(msg), "reverse channel")
             assert not dst.any()
-            plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+            plan = plan_slot(entry.geometry, 0, every_tensor(1))
             reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id,
                         5.0)
             assert (dst == 3).all()
@@ -415,7 +415,7 @@ def test_a_reader_pulls_into_a_private_destination_and_hands_it_to_no_one() -> N
                                 remote_accessible=False)
         link = reader.link(OWNER, *owner.listen_address, 5.0)  # type: ignore[misc]
         assert link.path_name == "nixl", link.reason
-        plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(entry.geometry, 0, every_tensor(1))
         reader.pull(OWNER, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 5.0)
         assert (dst == 4).all()
         _reconfigure(reader, nixl_serve=True)
@@ -512,7 +512,7 @@ def _mitm_link() -> Iterator[Any]:
             entry = reader.register(Geometry(1, N, 1), [dst.ctypes.data], placement=0)
             link = reader.link(OWNER, *mitm.address, 5.0)
             assert link.path_name == "nixl", link.reason
-            plan = plan_slot(entry.geometry, 0, layer_tensor_indices(1, None, None, 2))
+            plan = plan_slot(entry.geometry, 0, every_tensor(1))
 
             def pull(timeout: float = 5.0) -> None:
                 dst[:] = 0

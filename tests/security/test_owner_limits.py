@@ -19,7 +19,7 @@ from _hand import nonce
 from datadist.core.config import EngineConfig
 from datadist.core.errors import CacheNotFound, InvalidArgument, LinkFailed
 from datadist.core.keys import MAX_REQUEST_SPANS, KeyId
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.memory.pool import PoolConfig
 from datadist.wire import protocol as p
@@ -156,7 +156,7 @@ def test_item2_span_expansion_stays_cheap_for_others(owner, tensors: int) -> Non
         _link(puller, owner)
         dst = np.zeros(4096, np.uint8)
         local = puller.register(Geometry(1, 4096, 1), [dst.ctypes.data], placement=0)
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(local.geometry, 0, every_tensor(1))
         key = p.KeyRef(p.KeyKind.CACHE_ID, honest.cache_id, 0)
         t = threading.Thread(target=attack)
         t.start()
@@ -193,7 +193,7 @@ def test_item2_a_requester_refuses_a_plan_over_the_cap_itself() -> None:
         from datadist.core.layout import plan_blocks
 
         blocks = np.arange(0, 4096, 2)  # never adjacent: one span per block
-        plan = plan_blocks(geo, blocks, blocks, layer_tensor_indices(4, None, None, 2))
+        plan = plan_blocks(geo, blocks, blocks, every_tensor(4))
         assert plan.num_spans <= MAX_REQUEST_SPANS  # fine
         many = np.arange(MAX_REQUEST_SPANS // 4 + 4, dtype=np.uint64) * 2
         huge = type(plan)(plan.remote_tensors, plan.local_tensors, many, many % 8,
@@ -297,7 +297,7 @@ def _pull_key(puller: NativeEngine, req_id: int = 7) -> np.ndarray:
     local = puller.register(Geometry(2, 4096, 1), [dst.ctypes.data, dst.ctypes.data + 4096],
                             placement=0)
     try:
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(2, None, None, 2))
+        plan = plan_slot(local.geometry, 0, every_tensor(2))
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_KEY, req_id, 0, 2**64 - 1), 0, plan,
                     local.cache_id, 3.0)
         return dst
@@ -362,7 +362,7 @@ def test_item9_an_owner_without_remote_cache_access_refuses_keyed_writes() -> No
         _link(pusher, eng)
         src = np.full(4096, 9, np.uint8)
         local = pusher.register(Geometry(1, 4096, 1), [src.ctypes.data], placement=0)
-        plan = plan_slot(local.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(local.geometry, 0, every_tensor(1))
         with pytest.raises(InvalidArgument, match="enable_remote_cache_accessible"):
             pusher.push(1, p.KeyRef(p.KeyKind.CACHE_ID, entry.cache_id, 0), 0, plan,
                         local.cache_id, 3.0)

@@ -31,7 +31,7 @@ from _hand import DENY_CMA, local_name
 
 from datadist.core.config import HOST, EngineConfig
 from datadist.core.errors import Code, DatadistError, OutOfMemory
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.memory import shared
 from datadist.memory.pool import PoolConfig
@@ -64,7 +64,7 @@ def _puller(transport: str | None = None, **kw: object) -> NativeEngine:
 def _pull(puller: NativeEngine, dst: np.ndarray, cluster_id: int = OWNER) -> None:
     entry = puller.register(GEO, [dst.ctypes.data], placement=0)
     try:
-        plan = plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(GEO, 0, every_tensor(1))
         puller.pull(cluster_id, KEY, 0, plan, entry.cache_id, 2.0)
     finally:
         puller.unregister(entry.cache_id)
@@ -400,7 +400,7 @@ _PTRACER = textwrap.dedent("""
     import json, sys
     import numpy as np
     from datadist.core.config import EngineConfig
-    from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+    from datadist.core.layout import Geometry, every_tensor, plan_slot
     from datadist.core.native import NativeEngine
     from datadist.memory import shared
     from datadist.wire import protocol as p
@@ -417,7 +417,7 @@ _PTRACER = textwrap.dedent("""
     puller.link(1, *eng.listen_address, 2.0)
     dst = np.zeros(N, np.uint8)
     entry = puller.register(GEO, [dst.ctypes.data], placement=0)
-    plan = plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(GEO, 0, every_tensor(1))
     for _ in range(2):
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 1, 0), 0, plan, entry.cache_id, 2.0)
         assert np.array_equal(dst, data)
@@ -477,7 +477,7 @@ def test_ptracer_only_for_cross_memory_attach(owner_kw: dict, transport: str,
 _REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
     import numpy as np
     from datadist.core.config import HOST, EngineConfig
-    from datadist.core.layout import Geometry, layer_tensor_indices, plan_slot
+    from datadist.core.layout import Geometry, every_tensor, plan_slot
     from datadist.core.native import NativeEngine
     from datadist.memory.pool import PoolConfig
     from datadist.wire import protocol as p
@@ -503,7 +503,7 @@ _REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
     dst = np.zeros((300, 512), dtype=np.uint8)
     entry = puller.register(many, [int(a) for a in dst.ctypes.data + 512 * np.arange(300)],
                             placement=0)
-    plan = plan_slot(many, 0, layer_tensor_indices(300, None, None, 2))
+    plan = plan_slot(many, 0, every_tensor(300))
     puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, pooled.cache_id, 0), 0, plan,
                 entry.cache_id, 2.0)
     assert np.array_equal(dst, want)
@@ -511,7 +511,7 @@ _REFUSED_ATTACH = DENY_CMA + textwrap.dedent("""
     dst1 = np.zeros(N, dtype=np.uint8)
     entry1 = puller.register(GEO, [dst1.ctypes.data], placement=0)
     puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, plain_entry.cache_id, 0), 0,
-                plan_slot(GEO, 0, layer_tensor_indices(1, None, None, 2)), entry1.cache_id, 2.0)
+                plan_slot(GEO, 0, every_tensor(1)), entry1.cache_id, 2.0)
     assert np.array_equal(dst1, plain)
     print("plain:", puller.last_moved(1), puller.get_link(1) == link)
     print("reason:", puller.get_link(1).reason)

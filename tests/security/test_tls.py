@@ -22,7 +22,7 @@ from _hand import local_name
 from datadist.core import native
 from datadist.core.config import EngineConfig, TlsConfig
 from datadist.core.errors import LinkFailed, Timeout
-from datadist.core.layout import Geometry, layer_tensor_indices, plan_blocks, plan_slot
+from datadist.core.layout import Geometry, every_tensor, plan_blocks, plan_slot
 from datadist.core.native import NativeEngine
 from datadist.testing.certs import make_ca as _ca
 from datadist.testing.certs import make_leaf as _leaf
@@ -101,7 +101,7 @@ def test_tls_link_over_ipv6(certs) -> None:
         dst = [np.zeros((64, 4096), np.uint8) for _ in range(2)]
         local = puller.register(Geometry(2, 64 * 4096, 64, True), [d.ctypes.data for d in dst],
                                 placement=0)
-        plan = plan_blocks(local.geometry, [7], [1], layer_tensor_indices(2, None, None, 2))
+        plan = plan_blocks(local.geometry, [7], [1], every_tensor(2))
         puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 4096, plan, local.cache_id, 10.0)
         for t in range(2):
             assert np.array_equal(dst[t][1], blocks[t][7])
@@ -124,14 +124,14 @@ def test_tls_link_moves_the_right_bytes(certs) -> None:
         local = puller.register(Geometry(2, 64 * 4096, 64, True), [d.ctypes.data for d in dst],
                                 placement=0)
         src_b, dst_b = [3, 4, 5, 40, 9], [0, 1, 2, 7, 63]
-        plan = plan_blocks(local.geometry, src_b, dst_b, layer_tensor_indices(2, None, None, 2))
+        plan = plan_blocks(local.geometry, src_b, dst_b, every_tensor(2))
         puller.pull(1, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 4096, plan, local.cache_id, 10.0)
         for t in range(2):
             assert np.array_equal(dst[t][dst_b], blocks[t][src_b])
         # contiguous, larger than any buffer
         out = np.zeros(8 << 20, np.uint8)
         c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
-        plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(c.geometry, 0, every_tensor(1))
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 10.0)
         assert np.array_equal(out, big)
         puller.check_link(1, 5.0)
@@ -200,7 +200,7 @@ def test_same_host_link_runs_tls_on_the_local_channel(certs) -> None:
         assert f"verified by the kernel (pid {os.getpid()}," in link.reason, link
         out = np.zeros(8 << 20, np.uint8)
         c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
-        plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
+        plan = plan_slot(c.geometry, 0, every_tensor(1))
         puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 10.0)
         assert np.array_equal(out, big)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -232,7 +232,7 @@ def test_the_listener_pushes_over_the_reverse_channel_with_tls_and_a_secret(cert
         src = np.random.default_rng(3).integers(0, 255, (4, 256), dtype=np.uint8)
         mine = owner.register(Geometry(1, 4 * 256, 4, True), [src.ctypes.data], placement=0)
         # remote (the linker's) blocks 2, 0 <- local blocks 1, 3
-        plan = plan_blocks(mine.geometry, [2, 0], [1, 3], layer_tensor_indices(1, None, None, 1))
+        plan = plan_blocks(mine.geometry, [2, 0], [1, 3], every_tensor(1))
         owner.push(2, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 256, plan, mine.cache_id, 5.0)
         assert np.array_equal(dst[[2, 0]], src[[1, 3]])
         assert not dst[[1, 3]].any()
@@ -311,7 +311,7 @@ def _pull_big(puller: Any, owner: Any, big: np.ndarray) -> None:
     puller.link(1, *owner.listen_address, 5.0)
     out = np.zeros(8 << 20, np.uint8)
     c = puller.register(Geometry(1, 8 << 20, 1), [out.ctypes.data], placement=0)
-    plan = plan_slot(c.geometry, 0, layer_tensor_indices(1, None, None, 2))
+    plan = plan_slot(c.geometry, 0, every_tensor(1))
     puller.pull(1, p.KeyRef(p.KeyKind.CACHE_ID, 2, 0), 0, plan, c.cache_id, 5.0)
     assert np.array_equal(out, big)
 

@@ -7,7 +7,6 @@ core's. Pulls and pushes block until done or ``sync_kv_timeout``; the rest retur
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +47,9 @@ from datadist.api.types import (
     check_layer_range,
 )
 from datadist.core import layout
-from datadist.core.errors import DatadistError, InvalidArgument
+from datadist.core.errors import CacheNotFound, DatadistError, InvalidArgument
 from datadist.core.keys import KeyId, KeyRef, key_id
-from datadist.core.native import NativeEngine
+from datadist.core.native import PULL_BLOCKS, PULL_SLOT, PULL_SLOT_TO_BLOCKS, NativeEngine
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
 
@@ -148,15 +147,6 @@ def push_tensor_pairs(num_tensors: int, src_range: range | None, dst_range: rang
             np.arange(src[0] * n, src[1] * n, dtype=np.uint32))
 
 
-def _whole(plan: layout.Plan, src_range: range | None, dst_range: range | None) -> layout.Plan:
-    """A pull without layer ranges names every local tensor: the source must have as many
-    (CANN's GetSendTask: "src addr count ... not match received dst_addr_count"), which its
-    owner checks (ReadFlags.WHOLE)."""
-    if src_range is None and dst_range is None:
-        return dataclasses.replace(plan, whole=True)
-    return plan
-
-
 def _not_own(engine: NativeEngine, cluster_id: int) -> None:
     """Cache-manager mode refuses pulls naming our own cluster id, as the original's
     native LLMDataDistV2::PullCache does ("data can not be pulled from own cluster",
@@ -192,29 +182,51 @@ def _refusal(err: DatadistError, func: str, cache: Cache, *, blocks: bool) -> LL
 
 
 class _Request:
-    """A checked transfer call: the engine and the arguments of its pull / push (cluster
-    id, wire key, unit bytes, plan, local cache id), for the blocking and issued forms; the
-    local cache's geometry the plan was made for (api/planned.py); and the core's prepared
-    call, made at the first transfer and kept with the request, so a planned request's
-    repeats go straight to the core (no lookup in the engine's map of calls)."""
+    """A checked transfer call: the engine and the core's prepared call, for the blocking and
+    issued forms. A pull's call is made by the core when it is checked (it plans the pull:
+    Session::PreparePull); a push's from its arguments (cluster id, wire key, unit bytes,
+    plan, local cache id), made at the first transfer."""
 
-    __slots__ = ("engine", "args", "geometry", "write", "call")
+    __slots__ = ("engine", "args", "write", "call")
 
-    def __init__(self, engine: NativeEngine, args: tuple[int, KeyRef, int, layout.Plan, int],
-                 geometry: layout.Geometry, write: bool = False) -> None:
+    def __init__(self, engine: NativeEngine,
+                 args: tuple[int, KeyRef, int, layout.Plan, int] | None = None,
+                 write: bool = False, call: Call | None = None) -> None:
         self.engine = engine
         self.args = args
-        self.geometry = geometry
         self.write = write
-        self.call: Call | None = None
+        self.call = call
 
     def prepared(self) -> Call:
-        """The core's call (NativeEngine.prepared), made once. Two threads may both make it
-        the first time; either call is the same transfer."""
+        """The core's call (NativeEngine.prepared for a push), made once. Two threads may
+        both make it the first time; either call is the same transfer."""
         call = self.call
         if call is None:
+            assert self.args is not None
             call = self.call = self.engine.prepared(self.write, *self.args)
         return call
+
+
+def _prepare_pull(func: str, engine: NativeEngine, key: Any, cache_id: int, kind: int,
+                  src_range: range | None, dst_range: range | None, n: int,
+                  **spec: Any) -> Call:
+    """The core's pull of ``key`` into local cache ``cache_id``, planned and checked there
+    (NativeEngine.prepare_pull): a local cache that is gone is its LLMException without a
+    prefix (as the registry's answer always was), a plan the core refuses ``func``'s; then
+    cache-manager mode's own-cluster rule."""
+    try:
+        call = engine.prepare_pull(
+            key.cluster_id, key_ref(key), cache_id, kind,
+            src_layers=None if src_range is None else (src_range.start, src_range.stop),
+            dst_layers=None if dst_range is None else (dst_range.start, dst_range.stop),
+            tensor_num_per_layer=n, **spec)
+    except CacheNotFound as e:
+        raise to_llm_exception(e, "") from e
+    except DatadistError as e:
+        raise to_llm_exception(e, func) from e
+    with llm_errors(func):
+        _not_own(engine, key.cluster_id)
+    return call
 
 
 class CacheManager:
@@ -559,19 +571,9 @@ class CacheManager:
                                                      cache.cache_desc.num_tensors)
         self._check_cache_key(cache_key)
         check_pull_ranges(src_range, dst_range)
-        geo = self._check_local(engine, cache)
-        with llm_errors("pull_cache"):
-            def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
-                                                      layer_pair(dst_range), n)
-                return _whole(layout.plan_slot(geo, batch_index, tensors, size),
-                              src_range, dst_range)
-
-            plan = prepared_plan(("pull_slot", geo, batch_index, size, layer_pair(src_range),
-                                  layer_pair(dst_range), n), build)
-            _not_own(engine, cache_key.cluster_id)
-        return _Request(engine, (cache_key.cluster_id, key_ref(cache_key), 0, plan,
-                                 cache.cache_id), geo)
+        return _Request(engine, call=_prepare_pull(
+            "pull_cache", engine, cache_key, cache.cache_id, PULL_SLOT, src_range, dst_range, n,
+            batch_index=batch_index, size=size))
 
     def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
                     dst_cache: Cache, src_blocks: tuple[int, ...] | list[int] = (),
@@ -635,24 +637,14 @@ class CacheManager:
             raise_if_false(len(src) == 0, "src_blocks should be empty when src_cache_key is not "
                                           "instance of BlocksCacheKey.")
         check_pull_ranges(src_range, dst_range)
-        geo = self._check_local(engine, dst_cache)
-        with llm_errors("pull_blocks"):
-            def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
-                                                      layer_pair(dst_range), n)
-                if by_blocks:
-                    plan = layout.plan_blocks(geo, src, dst, tensors,
-                                              prepared_block_spans(geo, src, dst))
-                else:
-                    plan = layout.plan_contiguous_to_blocks(geo, dst, tensors)
-                return _whole(plan, src_range, dst_range)
-
-            plan = prepared_plan(("pull_blocks", by_blocks, geo, exact(src), exact(dst),
-                                  layer_pair(src_range), layer_pair(dst_range), n), build, dst)
-            _not_own(engine, src_cache_key.cluster_id)
-        return _Request(engine, (src_cache_key.cluster_id, key_ref(src_cache_key),
-                                 geo.unit_bytes if by_blocks else 0, plan, dst_cache.cache_id),
-                        geo)
+        if by_blocks:
+            call = _prepare_pull("pull_blocks", engine, src_cache_key, dst_cache.cache_id,
+                                 PULL_BLOCKS, src_range, dst_range, n, src_blocks=src,
+                                 dst_blocks=dst)
+        else:
+            call = _prepare_pull("pull_blocks", engine, src_cache_key, dst_cache.cache_id,
+                                 PULL_SLOT_TO_BLOCKS, src_range, dst_range, n, dst_blocks=dst)
+        return _Request(engine, call=call)
 
     # ------------------------------------------------------------------ pushes
 
@@ -716,7 +708,7 @@ class CacheManager:
         with llm_errors("push_cache"):
             plan = layout.plan_slot(geo, src_batch_index, pairs, size)
         return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
-                                 src_cache.cache_id), geo, write=True)
+                                 src_cache.cache_id), write=True)
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
                     src_blocks: tuple[int, ...] | list[int] = (),
@@ -773,7 +765,7 @@ class CacheManager:
             plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), layer_pair(src_range),
                                   layer_pair(dst_range), n), build, dst)
         return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key),
-                                 geo.unit_bytes, plan, src_cache.cache_id), geo, write=True)
+                                 geo.unit_bytes, plan, src_cache.cache_id), write=True)
 
     # ------------------------------------------------------------------ local copies
     # Argument rules shared with the legacy KvCacheManager live in api/local_ops.py and

@@ -37,7 +37,7 @@ _LAYER_KWARGS = frozenset(("src_layer_range", "dst_layer_range", "tensor_num_per
 
 def new_map() -> Prepared[Any]:
     """A map of planned requests (at most KEPT, and KEPT_ROWS spans in all)."""
-    return Prepared(KEPT, lambda req: req.args[3].num_spans)
+    return Prepared(KEPT, lambda req: int(req.call.spans))
 
 
 def key_fields(key: Any) -> tuple[Hashable, ...] | None:

@@ -28,7 +28,7 @@ import collections
 import contextlib
 import json
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,14 +37,7 @@ from datadist.api.cache_manager import local_keys
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.config import pool_bytes_option
 from datadist.api.enums import DataType, LLMRole, Placement, from_numpy_dtype, numpy_dtype
-from datadist.api.geometry import (
-    exact,
-    geometry_of,
-    key_ref,
-    layer_pair,
-    prepared_block_spans,
-    prepared_plan,
-)
+from datadist.api.geometry import geometry_of, key_ref, layer_pair
 from datadist.api.status import (
     LLMException,
     LLMStatusCode,
@@ -69,9 +62,12 @@ from datadist.api.types import (
 from datadist.core import layout
 from datadist.core.config import DEVICE
 from datadist.core.errors import DatadistError
-from datadist.core.keys import KeyRef, key_id
-from datadist.core.native import NativeEngine
+from datadist.core.keys import key_id
+from datadist.core.native import PULL_BLOCKS, PULL_SLOT, NativeEngine
 from datadist.memory.pool import PoolConfig
+
+if TYPE_CHECKING:  # the core's prepared transfer, from its stub
+    from datadist._core import Call
 
 DEFAULT_POOL_BYTES = 1 << 30
 OPT_FLOW_GRAPH_MEM_MAX_SIZE = "ge.flowGraphMemMaxSize"
@@ -79,7 +75,6 @@ OPT_BUF_POOL = "llm.BufPoolCfg"
 _PULL_CACHE_KWARGS = ("src_layer_range", "dst_layer_range", "src_cache_offset",
                       "dst_cache_offset", "tensor_num_per_layer")
 # The engine's pull arguments: cluster id, wire key, unit bytes, plan, local cache id
-_PullArgs = tuple[int, KeyRef, int, layout.Plan, int]
 _PULL_BLOCKS_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
 
@@ -378,7 +373,7 @@ class KvCacheManager:
         engine = self._engine_or_raise()
         args = self._pull_cache_args(engine, cache_key, kv_cache, batch_index, size, kwargs)
         with llm_errors("pull_cache"):
-            engine.pull(*args)
+            engine.run(args)
 
     def pull_cache_async(self, cache_key: CacheKey | CacheKeyByIdAndIndex, kv_cache: KvCache,
                          batch_index: int = 0, size: int = -1,
@@ -387,10 +382,10 @@ class KvCacheManager:
         returns a :class:`~datadist.TransferHandle` at once (see CacheManager's)."""
         engine = self._engine_or_raise()
         args = self._pull_cache_args(engine, cache_key, kv_cache, batch_index, size, kwargs)
-        return TransferHandle(engine.pull_async(*args), "pull_cache_async")
+        return TransferHandle(engine.submit(args), "pull_cache_async")
 
     def _pull_cache_args(self, engine: NativeEngine, cache_key: Any, kv_cache: Any,
-                         batch_index: Any, size: Any, kwargs: dict[str, Any]) -> _PullArgs:
+                         batch_index: Any, size: Any, kwargs: dict[str, Any]) -> Call:
         """pull_cache's checks after the engine's; the engine's pull arguments."""
         self._check_role("pull_cache", LLMRole.DECODER)
         self._kwargs(kwargs, _PULL_CACHE_KWARGS)
@@ -407,18 +402,14 @@ class KvCacheManager:
         if isinstance(cache_key, CacheKey):
             KvCacheManager.check_cache_key(cache_key)
         src_range, dst_range, n = self._layers(kwargs)
-        geo = self._geometry(engine, kv_cache)
+        self._geometry(engine, kv_cache)  # LLM_KV_CACHE_NOT_EXIST first, as always
         raise_if_false(not kv_cache._is_blocks_cache, "pull_cache needs a contiguous cache")
         with llm_errors("pull_cache"):
-            def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
-                                                      layer_pair(dst_range), n)
-                return layout.plan_slot(geo, batch_index, tensors, size,
-                                        src_offset=max(src_off, 0), dst_offset=max(dst_off, 0))
-
-            plan = prepared_plan(("v1_pull_slot", geo, batch_index, size, src_off, dst_off,
-                                  layer_pair(src_range), layer_pair(dst_range), n), build)
-        return cache_key.cluster_id, key_ref(cache_key), 0, plan, kv_cache.cache_id
+            return engine.prepare_pull(
+                cache_key.cluster_id, key_ref(cache_key), kv_cache.cache_id, PULL_SLOT,
+                batch_index=batch_index, size=size, src_offset=max(src_off, 0),
+                dst_offset=max(dst_off, 0), src_layers=layer_pair(src_range),
+                dst_layers=layer_pair(dst_range), tensor_num_per_layer=n)
 
     def pull_blocks(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache,
                     prompt_blocks: list[int], decoder_blocks: list[int], **kwargs: Any) -> None:
@@ -428,7 +419,7 @@ class KvCacheManager:
         args = self._pull_blocks_args(engine, prompt_cache_key, decoder_kv_cache, prompt_blocks,
                                       decoder_blocks, kwargs)
         with llm_errors("pull_blocks"):
-            engine.pull(*args)
+            engine.run(args)
 
     def pull_blocks_async(self, prompt_cache_key: BlocksCacheKey, decoder_kv_cache: KvCache,
                           prompt_blocks: list[int], decoder_blocks: list[int],
@@ -437,11 +428,11 @@ class KvCacheManager:
         engine = self._engine_or_raise()
         args = self._pull_blocks_args(engine, prompt_cache_key, decoder_kv_cache, prompt_blocks,
                                       decoder_blocks, kwargs)
-        return TransferHandle(engine.pull_async(*args), "pull_blocks_async")
+        return TransferHandle(engine.submit(args), "pull_blocks_async")
 
     def _pull_blocks_args(self, engine: NativeEngine, prompt_cache_key: Any, decoder_kv_cache: Any,
                           prompt_blocks: Any, decoder_blocks: Any,
-                          kwargs: dict[str, Any]) -> _PullArgs:
+                          kwargs: dict[str, Any]) -> Call:
         """pull_blocks's checks after the engine's; the engine's pull arguments."""
         self._check_role("pull_blocks", LLMRole.DECODER)
         self._kwargs(kwargs, _PULL_BLOCKS_KWARGS)
@@ -457,19 +448,14 @@ class KvCacheManager:
                        f"prompt_blocks ({len(src)}) and decoder_blocks ({len(dst)}) must have "
                        "the same length")
         src_range, dst_range, n = self._layers(kwargs)
-        geo = self._geometry(engine, decoder_kv_cache)
+        self._geometry(engine, decoder_kv_cache)  # as pull_cache
         raise_if_false(decoder_kv_cache._is_blocks_cache, "pull_blocks needs a blocks cache")
         with llm_errors("pull_blocks"):
-            def build() -> layout.Plan:
-                tensors = layout.layer_tensor_indices(geo.num_tensors, layer_pair(src_range),
-                                                      layer_pair(dst_range), n)
-                return layout.plan_blocks(geo, src, dst, tensors,
-                                          prepared_block_spans(geo, src, dst))
-
-            plan = prepared_plan(("v1_pull_blocks", geo, exact(src), exact(dst),
-                                  layer_pair(src_range), layer_pair(dst_range), n), build, dst)
-        return (prompt_cache_key.cluster_id, key_ref(prompt_cache_key), geo.unit_bytes, plan,
-                decoder_kv_cache.cache_id)
+            return engine.prepare_pull(
+                prompt_cache_key.cluster_id, key_ref(prompt_cache_key),
+                decoder_kv_cache.cache_id, PULL_BLOCKS, src_blocks=src, dst_blocks=dst,
+                src_layers=layer_pair(src_range), dst_layers=layer_pair(dst_range),
+                tensor_num_per_layer=n)
 
     @staticmethod
     def check_cache_key(cache_key: CacheKey) -> None:

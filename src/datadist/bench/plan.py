@@ -29,13 +29,13 @@ def plan_rows(sizes: Sizes, repeat: int, progress: Progress) -> list[Row]:
     src_l, dst_l = src.tolist(), dst.tolist()
 
     def from_numpy() -> None:
-        tensors = layout.layer_tensor_indices(geo.num_tensors, None, None, 2)
+        tensors = layout.every_tensor(geo.num_tensors)
         layout.plan_blocks(geo, src, dst, tensors)
 
     def from_lists() -> None:
         s = int_list("src_blocks", src_l, "uint64", types=(list, tuple, np.ndarray))
         d = int_list("dst_blocks", dst_l, "uint64", types=(list, tuple, np.ndarray))
-        tensors = layout.layer_tensor_indices(geo.num_tensors, None, None, 2)
+        tensors = layout.every_tensor(geo.num_tensors)
         layout.plan_blocks(geo, s, d, tensors)
 
     rows = []

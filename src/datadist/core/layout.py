@@ -5,7 +5,8 @@ Theory of operation
 A cache is ``num_tensors`` equally shaped tensors. Dim 0 of the shape counts *units*: batch
 slots for a contiguous cache, blocks for a blocks cache. ``unit_bytes = tensor_bytes / units``.
 
-Every transfer, whatever API asked for it, becomes one :class:`Plan`:
+Every push and local copy becomes one :class:`Plan` here (a pull is planned by the core:
+cpp/src/plan.h, ``NativeEngine.prepare_pull``):
 
 * a list of tensor pairs ``(src_tensor, dst_tensor)`` (from the layer ranges), and
 * a list of byte spans ``(src_offset, dst_offset, length)`` inside a tensor (from batch
@@ -17,7 +18,7 @@ product until a transport needs absolute addresses (a broadcast add).
 
 Rules this module keeps:
 
-1. Everything is computed here and nowhere else; transports only move spans.
+1. Transports only move spans; the core checks every local span again (CheckLocalSpans).
 2. No Python loop per block: block lists are numpy arrays from the start, coalesced with
    vectorised comparisons (a run of blocks adjacent on *both* sides becomes one span).
 3. Source offsets are *relative to the source unit* that the owner resolves (a batch slot, or
@@ -153,65 +154,15 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------
-# layer ranges -> tensor indices
+# tensor pairs
 
 
-def layer_tensor_indices(
-    dst_num_tensors: int,
-    src_layer_range: tuple[int, int] | None,
-    dst_layer_range: tuple[int, int] | None,
-    tensor_num_per_layer: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pair source and destination tensor indices for a layer-range request.
-
-    Layer ``i`` is tensors ``[i*N, (i+1)*N)``; ranges are half-open ``(start, stop)``.
-    With no range on either side, every destination tensor is paired with the source tensor
-    of the same index. The source's own tensor count is checked by its owner.
-    """
-    n = tensor_num_per_layer
-    if n <= 0:
-        raise InvalidArgument(f"tensor_num_per_layer must be > 0, got {n}")
-    if src_layer_range is None and dst_layer_range is None:
-        idx = np.arange(dst_num_tensors, dtype=U32)
-        return idx, idx
-    if dst_num_tensors % n:
-        raise InvalidArgument(
-            f"destination num_tensors {dst_num_tensors} is not a multiple of "
-            f"tensor_num_per_layer {n}"
-        )
-    for name, rng in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
-        if rng is not None and not 0 <= rng[0] < rng[1]:
-            raise InvalidArgument(f"{name} must satisfy 0 <= start < stop, got {rng}")
-    dst_layers = dst_num_tensors // n
-    if dst_layer_range is None:
-        assert src_layer_range is not None
-        if (src_layer_range[1] - src_layer_range[0]) * n != dst_num_tensors:
-            raise InvalidArgument(
-                f"src_layer_range {src_layer_range} covers "
-                f"{(src_layer_range[1] - src_layer_range[0]) * n} tensors but the destination "
-                f"has {dst_num_tensors}"
-            )
-        dst_layer_range = (0, dst_layers)
-    if dst_layer_range[1] > dst_layers:
-        raise InvalidArgument(
-            f"dst_layer_range {dst_layer_range} exceeds the destination's {dst_layers} layers"
-        )
-    width = dst_layer_range[1] - dst_layer_range[0]
-    if src_layer_range is None:
-        src_layer_range = (0, width)
-    if src_layer_range[1] - src_layer_range[0] != width:
-        raise InvalidArgument(
-            f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
-            "differ in length"
-        )
-    if src_layer_range[1] * n > 2**32:
-        # Tensor indices travel as u32; the owner checks them against its own count.
-        raise InvalidArgument(
-            f"src_layer_range {src_layer_range} reaches past the largest tensor index"
-        )
-    src = np.arange(src_layer_range[0] * n, src_layer_range[1] * n, dtype=U32)
-    dst = np.arange(dst_layer_range[0] * n, dst_layer_range[1] * n, dtype=U32)
-    return src, dst
+def every_tensor(num_tensors: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every tensor paired with the one of the same index (uint32): the tensor pairs of a
+    transfer without layer ranges (a local copy, a push of every layer). A pull's pairs,
+    layer ranges included, are the core's (PairLayers, cpp/src/plan.h)."""
+    idx = np.arange(num_tensors, dtype=U32)
+    return idx, idx
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,27 +321,6 @@ def block_spans(
     so, do, ln = coalesce(block_offsets(s, dst.unit_bytes, "src block"), d * bb, lengths)
     _freeze(so, do, ln)
     return so, do, ln
-
-
-def plan_contiguous_to_blocks(
-    dst: Geometry,
-    dst_blocks: BlockList,
-    tensors: tuple[np.ndarray, np.ndarray],
-) -> Plan:
-    """Split the source slot into block-sized chunks: chunk ``i`` goes to ``dst_blocks[i]``."""
-    d = _as_block_array(dst_blocks, "dst_blocks")
-    if d.size == 0:
-        raise InvalidArgument("dst_blocks must not be empty")
-    if int(d.max()) >= dst.units:
-        raise InvalidArgument(
-            f"dst block {int(d.max())} out of range: the cache has {dst.units} blocks"
-        )
-    bb = np.uint64(dst.unit_bytes)
-    s = np.arange(d.size, dtype=U64) * bb
-    lengths = np.full(d.size, bb, dtype=U64)
-    so, do, ln = coalesce(s, d * bb, lengths)
-    _freeze(so, do, ln, *tensors)
-    return Plan(tensors[0], tensors[1], so, do, ln)
 
 
 def check_source_spans(

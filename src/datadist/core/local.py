@@ -45,7 +45,7 @@ import numpy as np
 
 from datadist.core.dtypes import in_elements
 from datadist.core.errors import BrokenLink, DatadistError, InvalidArgument
-from datadist.core.layout import U32, U64, Geometry, Plan, plan_blocks, plan_slot
+from datadist.core.layout import U64, Geometry, Plan, every_tensor, plan_blocks, plan_slot
 
 # ---- Copies this process makes itself with memmove or cross-memory attach
 # (process_vm_readv / writev), outside the engine: ``datadist info`` (:func:`vm_copy`: can this
@@ -165,8 +165,7 @@ def _all_tensors(src: Geometry, dst: Geometry) -> tuple[np.ndarray, np.ndarray]:
         raise InvalidArgument(
             f"src has {src.num_tensors} tensors but dst has {dst.num_tensors}"
         )
-    idx = np.arange(dst.num_tensors, dtype=U32)
-    return idx, idx
+    return every_tensor(dst.num_tensors)
 
 
 def plan_slot_copy(

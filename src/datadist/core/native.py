@@ -209,6 +209,12 @@ class NativeHandle:
         return err  # the core's error class for its code
 
 
+# Session::PreparePull's kinds of pull (PullSpec::Kind, cpp/src/plan.h).
+PULL_SLOT, PULL_BLOCKS, PULL_SLOT_TO_BLOCKS = 0, 1, 2
+_NO_BLOCKS = np.zeros(0, dtype=np.uint64)
+_NO_BLOCKS.flags.writeable = False
+
+
 class NativeEngine:
     """The engine the facade calls (caches, links, pull / push and their asynchronous
     forms), run by the C++ core. Created by ``LLMDataDist.init``, closed by ``finalize``."""
@@ -612,6 +618,29 @@ class NativeEngine:
         except BaseException as e:
             self._refused("push" if write else "pull", cluster_id, t0, e)
             raise
+
+    def prepare_pull(self, cluster_id: int, key: p.KeyRef, cache_id: int, kind: int, *,
+                     batch_index: int = 0, size: int = -1, src_offset: int = 0,
+                     dst_offset: int = 0, src_blocks: np.ndarray = _NO_BLOCKS,
+                     dst_blocks: np.ndarray = _NO_BLOCKS,
+                     src_layers: tuple[int, int] | None = None,
+                     dst_layers: tuple[int, int] | None = None,
+                     tensor_num_per_layer: int = 2) -> Call:
+        """A pull into local cache ``cache_id``, planned, checked and made ready to run
+        (:meth:`run`, :meth:`submit`) by the core in one call (Session::PreparePull): the
+        core holds the cache (CacheNotFound), plans the pull against its geometry with the
+        Python API's rules and texts (InvalidArgument; ``kind``: PULL_SLOT, PULL_BLOCKS or
+        PULL_SLOT_TO_BLOCKS), and checks the request's size and every local span. Layer
+        ranges are half-open ``(start, stop)`` pairs. A refusal after planning is counted by
+        the core; one of a finalized engine here (Closed). Never blocks."""
+        if self._closed:
+            error = Closed("the engine is finalized")
+            self._refused("pull", cluster_id, time.perf_counter(), error)
+            raise error
+        return self._core.prepare_pull(
+            cluster_id, int(key.kind), key.a, key.b, key.c, self.config.verify, cache_id, kind,
+            batch_index, size, src_offset, dst_offset, src_blocks, dst_blocks, src_layers,
+            dst_layers, tensor_num_per_layer)
 
     def _closed_refusal(self, call: Call) -> Closed:
         error = Closed("the engine is finalized")

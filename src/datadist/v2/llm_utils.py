@@ -4,7 +4,7 @@ Left out (docs/compatibility.md): the ``pack_*`` functions, which build the tupl
 llm_datadist hands to its native wrapper; ``TransferCacheParameters``, ``TransferCacheJob``,
 ``TransferAsyncThread`` and ``transfer_cache_async``, its layer-wise thread around that
 wrapper (datadist's is :mod:`datadist.core.layerwise`); ``layer_range_to_tensor_indices``
-(datadist's is :func:`datadist.core.layout.layer_tensor_indices`); ``CacheDescParser``,
+(datadist's is the core's ``PairLayers``, cpp/src/plan.h); ``CacheDescParser``,
 which reads the model-serving options ``llm.RefInputShapes`` / ``llm.RefInputDtypes``.
 """
 
