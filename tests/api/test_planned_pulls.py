@@ -219,9 +219,9 @@ def test_native_repeated_pull_prepares_the_core_call_once(sides):
         def __getattr__(self, name: str) -> Any:
             return getattr(core, name)
 
-        def prepare(self, **kwargs: Any) -> Any:
+        def prepare_pull(self, *args: Any) -> Any:
             made[0] += 1
-            return core.prepare(**kwargs)
+            return core.prepare_pull(*args)
 
     d.engine._core = Counting()
     try:

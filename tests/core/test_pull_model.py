@@ -208,6 +208,9 @@ class Refused(Exception):
 def tensor_pairs(r: Request) -> list[tuple[int, int]]:
     """(source tensor, destination tensor) pairs; spec §9 'Layer range -> tensor indices'."""
     if r.src_range is None and r.dst_range is None:
+        # every tensor: the source must have as many (CANN's GetSendTask; ReadFlags.WHOLE)
+        if r.src_tensors != r.dst_tensors:
+            raise Refused("a pull without layer ranges needs the same tensor count")
         pairs = [(i, i) for i in range(r.dst_tensors)]
     else:
         if r.dst_tensors % r.n:

@@ -89,6 +89,11 @@ class Call:
     A transfer made ready by Engine.prepare (opaque)
     """
     @property
+    def bytes(self) -> int:
+        """
+        the bytes it moves
+        """
+    @property
     def cache_id(self) -> int:
         """
         the local cache its spans lie in
@@ -97,9 +102,39 @@ class Call:
     def cluster_id(self) -> int:
         ...
     @property
+    def flags(self) -> int:
+        """
+        its request's flags (wire.h kFlag*)
+        """
+    @property
+    def lengths(self) -> numpy.typing.NDArray[numpy.uint64]:
+        """
+        its request's span lengths (a copy)
+        """
+    @property
+    def local_iov(self) -> numpy.typing.NDArray[numpy.uint64]:
+        """
+        its local spans, (address, length) rows in the order the request moves them (a copy)
+        """
+    @property
+    def remote_offsets(self) -> numpy.typing.NDArray[numpy.uint64]:
+        """
+        its request's remote span offsets (a copy)
+        """
+    @property
+    def remote_tensors(self) -> numpy.typing.NDArray[numpy.uint32]:
+        """
+        its request's remote tensor indices (a copy)
+        """
+    @property
     def spans(self) -> int:
         """
         local spans it holds
+        """
+    @property
+    def unit_bytes(self) -> int:
+        """
+        the unit bytes its request states
         """
     @property
     def write(self) -> bool:
@@ -250,6 +285,10 @@ class Engine:
     def prepare(self, *, write: bool, cluster_id: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex, a: typing.SupportsInt | typing.SupportsIndex, b: typing.SupportsInt | typing.SupportsIndex, c: typing.SupportsInt | typing.SupportsIndex, unit_bytes: typing.SupportsInt | typing.SupportsIndex, flags: typing.SupportsInt | typing.SupportsIndex, cache_id: typing.SupportsInt | typing.SupportsIndex, remote_tensors: numpy.typing.NDArray[numpy.uint32], remote_offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64], local_tensors: numpy.typing.NDArray[numpy.uint32], local_offsets: numpy.typing.NDArray[numpy.uint64]) -> Call:
         """
         A READ (write=False) or WRITE of the plan's spans into (from) local cache `cache_id`, made ready to run (run, submit): the core checks every local span against that cache's geometry (InvalidArgument) and makes the local spans from its registry's addresses; the layout stated is the cache's. CacheNotFound for an unknown cache. Never blocks.
+        """
+    def prepare_pull(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, key_kind: typing.SupportsInt | typing.SupportsIndex, a: typing.SupportsInt | typing.SupportsIndex, b: typing.SupportsInt | typing.SupportsIndex, c: typing.SupportsInt | typing.SupportsIndex, checksum: bool, cache_id: typing.SupportsInt | typing.SupportsIndex, kind: typing.SupportsInt | typing.SupportsIndex, batch_index: typing.SupportsInt | typing.SupportsIndex, size: typing.SupportsInt | typing.SupportsIndex, src_offset: typing.SupportsInt | typing.SupportsIndex, dst_offset: typing.SupportsInt | typing.SupportsIndex, src_blocks: numpy.typing.NDArray[numpy.uint64], dst_blocks: numpy.typing.NDArray[numpy.uint64], src_layers: tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex] | None, dst_layers: tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex] | None, tensor_num_per_layer: typing.SupportsInt | typing.SupportsIndex) -> Call:
+        """
+        The Python face's pull, planned, checked and made ready to run (run, submit) in one call (Session::PreparePull): local cache `cache_id` held (CacheNotFound), the pull planned against its geometry with the Python API's rules and texts (InvalidArgument: kind 0 a slot, `batch_index`, `size` (-1: the rest), `src_offset` / `dst_offset` in it; 1 blocks `src_blocks` into `dst_blocks`; 2 the remote slot split into `dst_blocks`; half-open layer ranges, None for none), the request's size and every local span checked. `key_kind`, `a`, `b`, `c` name the remote cache; `checksum` asks the owner for a CRC-32. Never blocks; positional for speed (every pull passes here).
         """
     def probe_cma(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         """

@@ -7,16 +7,15 @@ a stage's cost is its p50 less the next one's.
 - ``pull_blocks``: the facade (``CacheManager.pull_blocks``: the planned request's lookup,
   the cache-alive checks, the error mapping), then everything below;
 - ``engine.run``: the driver (``NativeEngine.run`` with the request's prepared call: the
-  finalized check), then the binding (``engine.pull``, the path of unplanned requests,
-  adds the lookup in the engine's map of prepared calls: printed beside);
+  finalized check); beside, the path of an unplanned request (every argument check, the
+  core's planning and prepared call: ``Engine.prepare_pull``, then the run);
 - ``core.run``: the binding (``Engine.run``: the deadline, the GIL hold) and the core
   (``Session::Run``: the local cache's hold, the link's lookup, the metrics; ``Link::Read``:
   the lease's checks, the copy);
 - ``process_vm_readv``: the copy alone, through ctypes (its own call cost included).
 
-With ``--maps``: the small pull with each memo map of its path taken away in turn (the
-planned requests, the prepared call kept in a request, the engine's map of prepared calls,
-the plan memos), what each saves.
+With ``--maps``: the small pull with and without the one memo map of its path (the planned
+requests, each holding the core's prepared call), what it saves.
 
 Also the 32 per-layer pulls of 1 MiB against one pull of the same 32 MiB (the calls group's
 row), on the same engines, and on one host its limit: 32 calls of raw ``process_vm_readv``
@@ -68,8 +67,6 @@ def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCache
     ``raw``: (local, remote, length) spans in this process for process_vm_readv."""
     pcm.pull_blocks(key, cache, src, dst, **kwargs)
     req = pcm._pull_blocks_request(key, cache, src, dst, kwargs)
-    eng_args = req.args
-    native_pull = req.engine.pull
     call = req.prepared()
     engine_run = req.engine.run
     core_run = puller._core.run
@@ -82,16 +79,18 @@ def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCache
         fns["process_vm_readv"] = RawCma(os.getpid()).prepare(
             iov([a for a, _, _ in raw], [n for _, _, n in raw]),
             iov([b for _, b, _ in raw], [n for _, _, n in raw]))
-    # beside the stages: the driver's unplanned path (the engine's map of prepared calls)
-    fns["engine.pull"] = lambda: native_pull(*eng_args)
+    # beside the stages: the unplanned path (every argument check, the core plans and
+    # prepares the call: Engine.prepare_pull), then the run
+    fns["unplanned"] = lambda: engine_run(
+        pcm._check_pull_blocks(key, cache, src, dst, kwargs).prepared())
     got = p50_us(fns, n, rounds)
-    aside = got.pop("engine.pull")
+    aside = got.pop("unplanned")
     print(f"{label} ({puller.last_moved(OWNER) or 'tcp'}), p50 us:")
     names = list(got)
     for i, k in enumerate(names):
         below = got[names[i + 1]] if i + 1 < len(names) else 0.0
         print(f"  {k:18s} {got[k]:8.2f}   this stage: {got[k] - below:8.2f}")
-    print(f"  (engine.pull, unplanned: {aside:.2f})")
+    print(f"  (pull_blocks unplanned: checked, planned by the core, run: {aside:.2f})")
 
 
 class _Off:
@@ -112,28 +111,16 @@ def maps(puller: NativeEngine, pcm: CacheManager, pull: Callable[[], None], n: i
     """Prints the p50 of one small ``pull`` with each memo map of its path taken away in turn
     (docs/performance.md, round 9): every map left must save a measured figure. Each setting
     runs in its own batches of ``n`` calls, the settings interleaved."""
-    from datadist.api import cache_manager, geometry
+    # A pull's path has one map left: the planned requests (api/planned.py), each holding the
+    # core's prepared call; without it every call checks its arguments and the core plans.
+    kept = pcm._planned
 
-    kept = (pcm._planned, puller._calls, geometry._PLANS, geometry._SPANS,
-            cache_manager._Request.prepared)
-
-    def unkept(self: Any) -> Any:
-        return self.engine.prepared(self.write, *self.args)
-
-    def use(planned: bool = True, request: bool = True, calls: bool = True,
-            plans: bool = True) -> None:
-        pcm._planned = kept[0] if planned else _Off()  # type: ignore[assignment]
-        puller._calls = kept[1] if calls else _Off()  # type: ignore[assignment]
-        geometry._PLANS = kept[2] if plans else _Off()  # type: ignore[assignment]
-        geometry._SPANS = kept[3] if plans else _Off()  # type: ignore[assignment]
-        cache_manager._Request.prepared = kept[4] if request else unkept  # type: ignore[method-assign]
+    def use(planned: bool = True) -> None:
+        pcm._planned = kept if planned else _Off()  # type: ignore[assignment]
 
     settings: dict[str, dict[str, bool]] = {
         "shipped": {},
-        "no call kept in the request": {"request": False},
-        "and no engine map of calls": {"request": False, "calls": False},
         "no planned-request map": {"planned": False},
-        "and no plan memos": {"planned": False, "plans": False},
     }
     samples: dict[str, list[float]] = {k: [] for k in settings}
     clock = time.perf_counter_ns
