@@ -370,13 +370,16 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly(
           "flags", [](const Call &c) { return c.req.flags; }, "its request's flags (wire.h kFlag*)")
       .def_property_readonly(
-          "remote_tensors", [](const Call &c) { return U32Array(static_cast<py::ssize_t>(c.req.tensors.size()), c.req.tensors.data()); },
+          "remote_tensors",
+          [](const Call &c) { return U32Array(static_cast<py::ssize_t>(c.req.tensors.size()), c.req.tensors.data()); },
           "its request's remote tensor indices (a copy)")
       .def_property_readonly(
-          "remote_offsets", [](const Call &c) { return U64Array(static_cast<py::ssize_t>(c.req.offsets.size()), c.req.offsets.data()); },
+          "remote_offsets",
+          [](const Call &c) { return U64Array(static_cast<py::ssize_t>(c.req.offsets.size()), c.req.offsets.data()); },
           "its request's remote span offsets (a copy)")
       .def_property_readonly(
-          "lengths", [](const Call &c) { return U64Array(static_cast<py::ssize_t>(c.req.lengths.size()), c.req.lengths.data()); },
+          "lengths",
+          [](const Call &c) { return U64Array(static_cast<py::ssize_t>(c.req.lengths.size()), c.req.lengths.data()); },
           "its request's span lengths (a copy)")
       .def_property_readonly(
           "local_iov",

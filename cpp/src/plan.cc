@@ -132,7 +132,9 @@ void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &
 namespace {
 
 // A half-open range as Python prints the tuple the original's messages show: "(0, 2)".
-std::string Pair(uint64_t start, uint64_t stop) { return "(" + std::to_string(start) + ", " + std::to_string(stop) + ")"; }
+std::string Pair(uint64_t start, uint64_t stop) {
+  return "(" + std::to_string(start) + ", " + std::to_string(stop) + ")";
+}
 std::string Pair(const LayerRange &r) { return Pair(r.start, r.stop); }
 
 }  // namespace
@@ -154,8 +156,7 @@ void PairLayers(Plan &plan, uint32_t local_n, const LayerRange &src_in, const La
             std::to_string(n));
   for (const auto &[name, r] : {std::pair<const char *, const LayerRange &>{"src_layer_range", src_in},
                                 std::pair<const char *, const LayerRange &>{"dst_layer_range", dst_in}})
-    if (r.set && r.start >= r.stop)
-      Invalid(std::string(name) + " must satisfy 0 <= start < stop, got " + Pair(r));
+    if (r.set && r.start >= r.stop) Invalid(std::string(name) + " must satisfy 0 <= start < stop, got " + Pair(r));
   const uint64_t dst_layers = local_n / n;
   LayerRange src = src_in, dst = dst_in;
   if (!dst.set) {
@@ -188,12 +189,8 @@ void PairLayers(Plan &plan, uint32_t local_n, const LayerRange &src_in, const La
 void PlanPull(Plan &plan, const Geometry &local, const PullSpec &spec) {
   PairLayers(plan, local.num_tensors, spec.src_layers, spec.dst_layers, spec.tensor_num_per_layer);
   switch (spec.kind) {
-    case PullSpec::kSlot:
-      PlanSlot(plan, local, spec.batch_index, spec.size, spec.src_offset, spec.dst_offset);
-      return;
-    case PullSpec::kBlocks:
-      PlanBlocks(plan, local, spec.src_blocks, spec.dst_blocks);
-      return;
+    case PullSpec::kSlot: PlanSlot(plan, local, spec.batch_index, spec.size, spec.src_offset, spec.dst_offset); return;
+    case PullSpec::kBlocks: PlanBlocks(plan, local, spec.src_blocks, spec.dst_blocks); return;
     case PullSpec::kSlotToBlocks: {
       // Chunk i of the remote slot goes to dst_blocks[i].
       std::vector<uint64_t> chunks(spec.dst_blocks.size());

@@ -174,7 +174,7 @@ std::vector<Outcome> Session::UnlinkMany(const std::vector<Peer> &peers, Deadlin
 }
 
 std::shared_ptr<Call> Session::MakeCall(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
-                                       int64_t local_cache, const Entry &local) {
+                                        int64_t local_cache, const Entry &local) {
   req.tensors = plan.remote_tensors;
   req.offsets = plan.remote_offsets;
   req.lengths = plan.lengths;

@@ -1,6 +1,8 @@
 // The one planner (plan.h): the Python face's pull rules (PairLayers, PlanPull), the spans
 // both faces plan with (PlanSlot, PlanBlocks), their refusals and texts (the Python API's,
 // which tests/api and tests/compat check), and that both faces plan the same pull the same way.
+#include "plan.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -10,7 +12,6 @@
 
 #include "code_of.h"
 #include "errors.h"
-#include "plan.h"
 
 namespace {
 
@@ -149,9 +150,13 @@ TEST(PlanBlocks, RefusalsInThePythonOrder) {
   EXPECT_EQ(Refusal([&] { datadist::PlanBlocks(p, g, {}, {}); }), "dst_blocks must not be empty");
   EXPECT_EQ(Refusal([&] { datadist::PlanBlocks(p, g, {1}, {1, 2}); }), "src_blocks has 1 entries but dst_blocks has 2");
   // the largest local block is named, before any remote block is looked at
-  EXPECT_EQ(Refusal([&] { datadist::PlanBlocks(p, g, {UINT64_MAX, 0, 0}, {16, 3, 20}); }),
+  EXPECT_EQ(Refusal([&] {
+              datadist::PlanBlocks(p, g, {UINT64_MAX, 0, 0}, {16, 3, 20});
+            }),
             "dst block 20 out of range: the cache has 16 blocks");
-  EXPECT_EQ(Refusal([&] { datadist::PlanBlocks(p, g, {0, (UINT64_MAX / 32)}, {0, 1}); }),
+  EXPECT_EQ(Refusal([&] {
+              datadist::PlanBlocks(p, g, {0, (UINT64_MAX / 32)}, {0, 1});
+            }),
             "src block 576460752303423487 is out of range: its offset (32 bytes a block) overflows 64 bits");
   datadist::PlanBlocks(p, g, {UINT64_MAX / 32 - 1}, {0});  // its extent ends at 2**64 - 32: fits
   EXPECT_EQ(p.remote_offsets.back(), (UINT64_MAX / 32 - 1) * 32);
@@ -225,7 +230,7 @@ TEST(BothFaces, LayerRangedBlockPullPlansTheSame) {
 TEST(BothFaces, WholeSlotPullPlansTheSame) {
   const Geometry g = Geo(4, 3, 128);
   llm_datadist::KvCacheExtParam ext;  // {-1, -1}: every tensor
-  Plan cpp;  // as llm_datadist.cc's PullCache plans
+  Plan cpp;                           // as llm_datadist.cc's PullCache plans
   datadist::CheckExtParam(ext, false);
   datadist::PairTensors(cpp, g.num_tensors, ext, false);
   datadist::PlanSlot(cpp, g, 2, 100);
