@@ -1,5 +1,5 @@
-"""Planned requests: a pull's checked arguments and plan, kept for the next call with the same
-arguments.
+"""Planned requests: a pull's checked arguments and the call the core planned for them
+(Engine.prepare_pull), kept for the next call with the same arguments.
 
 A serving process repeats its pulls: the same block of a small cache, the same blocks layer
 by layer. Checking the arguments and planning the transfer cost more Python time than the copy
