@@ -202,3 +202,12 @@ def test_block_refusals(blocks: Local, src: list[int], dst: list[int], text: str
 def test_unknown_cache_is_cache_not_found(engine: Engine) -> None:
     with pytest.raises(CacheNotFound, match="does not exist"):
         engine.prepare_pull(OWNER, KEY, 10**9, PULL_SLOT)
+
+
+def test_a_layer_range_past_64_bits_is_a_refusal_not_a_type_error(slots: Local) -> None:
+    """The legacy API checks only 0 <= start < stop: a stop past 2**64 reaches the core as a
+    range past every tensor index (InvalidArgument), as the Python planner refused it."""
+    with pytest.raises(InvalidArgument, match="covers more than 2\\*\\*64 tensors"):
+        slots.pull(PULL_SLOT, src_layers=(0, 2**70))
+    with pytest.raises(InvalidArgument, match="exceeds the destination's 2 layers"):
+        slots.pull(PULL_SLOT, src_layers=(2**65, 2**65 + 1), dst_layers=(0, 2**66))

@@ -212,6 +212,7 @@ class NativeHandle:
 # Session::PreparePull's kinds of pull (PullSpec::Kind, cpp/src/plan.h).
 PULL_SLOT, PULL_BLOCKS, PULL_SLOT_TO_BLOCKS = 0, 1, 2
 _NO_BLOCKS = np.zeros(0, dtype=np.uint64)
+_U64 = 2**64 - 1
 _NO_BLOCKS.flags.writeable = False
 
 
@@ -637,6 +638,12 @@ class NativeEngine:
             error = Closed("the engine is finalized")
             self._refused("pull", cluster_id, time.perf_counter(), error)
             raise error
+        # A range past 64 bits (the legacy API checks only 0 <= start < stop) is refused by the
+        # core as any range past the largest tensor index, not by the binding's conversion.
+        if src_layers is not None and src_layers[1] > _U64:
+            src_layers = (min(src_layers[0], _U64 - 1), _U64)
+        if dst_layers is not None and dst_layers[1] > _U64:
+            dst_layers = (min(dst_layers[0], _U64 - 1), _U64)
         return self._core.prepare_pull(
             cluster_id, int(key.kind), key.a, key.b, key.c, self.config.verify, cache_id, kind,
             batch_index, size, src_offset, dst_offset, src_blocks, dst_blocks, src_layers,
