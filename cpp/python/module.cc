@@ -898,6 +898,35 @@ PYBIND11_MODULE(_core, m) {
           "size and every local span checked. `key_kind`, `a`, `b`, `c` name the remote cache; `checksum` "
           "asks the owner for a CRC-32. Never blocks; positional for speed (every pull passes here).")
       .def(
+          "prepare_push",
+          [](Core &c, uint64_t cluster, uint8_t key_kind, uint64_t a, uint64_t b, uint64_t cc, int64_t cache_id,
+             bool blocks, uint64_t batch_index, int64_t size, const U64Array &src_blocks, const U64Array &dst_blocks,
+             uint64_t remote_first, uint64_t local_first, uint64_t count) {
+            datadist::wire::Request req;
+            req.kind = key_kind;
+            req.a = a;
+            req.b = b;
+            req.c = cc;
+            datadist::PushSpec spec;
+            spec.blocks = blocks;
+            spec.batch_index = batch_index;
+            spec.size = size;
+            spec.src_blocks = ToVector(src_blocks);
+            spec.dst_blocks = ToVector(dst_blocks);
+            spec.remote_first = remote_first;
+            spec.local_first = local_first;
+            spec.count = count;
+            return c.PreparePush(cluster, std::move(req), spec, cache_id);
+          },
+          py::arg("cluster_id"), py::arg("key_kind"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("cache_id"),
+          py::arg("blocks"), py::arg("batch_index"), py::arg("size"), py::arg("src_blocks"), py::arg("dst_blocks"),
+          py::arg("remote_first"), py::arg("local_first"), py::arg("count"),
+          "The Python face's push, planned, checked and made ready to run in one call (Session::PreparePush): "
+          "local cache `cache_id` held (CacheNotFound), remote tensor remote_first + i <- local tensor "
+          "local_first + i for i < count, then local slot `batch_index` (`size` bytes, -1: all) or local "
+          "blocks `src_blocks` into remote blocks `dst_blocks` (InvalidArgument with the Python API's texts), "
+          "the request's size and every local span checked. Never blocks; positional for speed.")
+      .def(
           "run",
           [](Core &c, const Call &call, double timeout_s) {
             const auto since = datadist::Clock::now();

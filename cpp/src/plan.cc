@@ -225,6 +225,23 @@ void CheckLocalSpans(const Plan &plan, const Geometry &local, int64_t cache_id) 
   }
 }
 
+void PlanPush(Plan &plan, const Geometry &local, const PushSpec &spec) {
+  if (spec.count > (uint64_t{1} << 32) || spec.remote_first > (uint64_t{1} << 32) - spec.count ||
+      spec.local_first > (uint64_t{1} << 32) - spec.count)
+    Invalid("the push's tensor pairs reach past the largest tensor index");
+  plan.whole = false;
+  plan.remote_tensors.resize(spec.count);
+  plan.local_tensors.resize(spec.count);
+  for (uint64_t i = 0; i < spec.count; ++i) {
+    plan.remote_tensors[i] = static_cast<uint32_t>(spec.remote_first + i);
+    plan.local_tensors[i] = static_cast<uint32_t>(spec.local_first + i);
+  }
+  if (spec.blocks)
+    PlanBlocks(plan, local, spec.dst_blocks, spec.src_blocks);
+  else
+    PlanSlot(plan, local, spec.batch_index, spec.size);
+}
+
 std::vector<iovec> LocalIov(const Plan &plan, const std::vector<uint64_t> &addrs) {
   std::vector<iovec> iov;
   iov.reserve(plan.local_tensors.size() * plan.lengths.size());

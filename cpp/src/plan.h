@@ -80,6 +80,25 @@ struct PullSpec {
   int64_t tensor_num_per_layer = 2;
 };
 
+/// A push as the Python face states it (CacheManager push_cache / push_blocks, their
+/// asynchronous forms): its tensor pairs, made by the face's argument rules (llm_datadist's
+/// push_tensor_pairs: remote tensor `remote_first + i` <- local tensor `local_first + i`, for i
+/// < `count`), then local slot `batch_index` (`size` bytes, -1: all of it) into the remote slot
+/// the key names, or local blocks `src_blocks[i]` into remote blocks `dst_blocks[i]`.
+struct PushSpec {
+  bool blocks = false;
+  uint64_t remote_first = 0, local_first = 0, count = 0;
+  uint64_t batch_index = 0;
+  int64_t size = -1;
+  std::vector<uint64_t> src_blocks, dst_blocks;
+};
+
+/// The whole plan of a Python-face push against the local (source) cache's geometry: the
+/// tensor pairs (LLM_PARAM_INVALID past the u32 tensor indices; the local ones are checked
+/// with the spans), then PlanSlot or PlanBlocks (remote: the destination's blocks), with
+/// their texts. Never blocks.
+void PlanPush(Plan &plan, const Geometry &local, const PushSpec &spec);
+
 /// Python's layer rule: pairs source and destination tensor indices. Layer i is tensors
 /// [i*n, (i+1)*n). With no range on either side, every local tensor with the remote one of the
 /// same index (plan.whole: the owner wants the same count); with only a source range, it must

@@ -216,6 +216,22 @@ std::shared_ptr<Call> Session::PreparePull(uint64_t cluster, wire::Request req, 
   }
 }
 
+std::shared_ptr<Call> Session::PreparePush(uint64_t cluster, wire::Request req, const PushSpec &spec,
+                                           int64_t local_cache) {
+  const std::unique_ptr<Lease> held = engine_.registry().Hold(local_cache);
+  const Entry &local = held->entry();
+  Plan plan;
+  PlanPush(plan, local.geo, spec);
+  req.unit_bytes = spec.blocks ? local.geo.unit_bytes : 0;
+  const auto since = Clock::now();
+  try {
+    return MakeCall(true, cluster, std::move(req), plan, local_cache, local);
+  } catch (const Error &e) {  // refused before anything moved: counted, as Run counts its own
+    metrics::RecordSince(metrics::Op::kPush, cluster, 0, since, e.code());
+    throw;
+  }
+}
+
 std::unique_ptr<Lease> Session::HoldLocal(const Call &call) {
   if (call.local_cache < 0) return nullptr;
   std::unique_ptr<Lease> held = engine_.registry().Hold(call.local_cache);

@@ -176,6 +176,12 @@ class Session {
   /// (the registry's mutex only).
   std::shared_ptr<Call> PreparePull(uint64_t cluster, wire::Request req, const PullSpec &spec, int64_t local_cache);
 
+  /// The Python face's push, planned here as PreparePull plans a pull: local (source) cache
+  /// `local_cache` held, `spec` planned against it (PlanPush), the request's size and every
+  /// local span checked; the unit bytes a blocks push states are the local block size. A
+  /// refusal after planning is counted as a failed push. Never blocks.
+  std::shared_ptr<Call> PreparePush(uint64_t cluster, wire::Request req, const PushSpec &spec, int64_t local_cache);
+
   /// Runs `call` on the link to its cluster: the call's local cache held for the transfer
   /// (Registry::Hold: it cannot be unregistered, nor its pool memory freed, under the copy;
   /// LLM_KV_CACHE_NOT_EXIST when it is gone or no longer has the addresses the call was made

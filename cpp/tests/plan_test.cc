@@ -190,6 +190,37 @@ TEST(PlanPull, LayersAreCheckedBeforeSpans) {
             "destination num_tensors 3 is not a multiple of tensor_num_per_layer 2");
 }
 
+// ---- PlanPush: a Python-face push, its tensor pairs given
+
+TEST(PlanPush, SlotAndBlocks) {
+  const Geometry g = Geo(4, 8, 16);
+  datadist::PushSpec s;  // local layer 1 (tensors 2, 3) into remote layer 3 (tensors 6, 7)
+  s.remote_first = 6;
+  s.local_first = 2;
+  s.count = 2;
+  s.batch_index = 5;
+  Plan p;
+  datadist::PlanPush(p, g, s);
+  EXPECT_EQ(p.remote_tensors, Iota(6, 8));
+  EXPECT_EQ(p.local_tensors, Iota(2, 4));
+  EXPECT_EQ(p.local_offsets, std::vector<uint64_t>{80});
+  EXPECT_EQ(p.lengths, std::vector<uint64_t>{16});
+  EXPECT_FALSE(p.whole);
+  s.blocks = true;
+  s.src_blocks = {1, 2, 7};  // local
+  s.dst_blocks = {4, 5, 0};  // remote
+  datadist::PlanPush(p, g, s);
+  EXPECT_EQ(p.remote_offsets, (std::vector<uint64_t>{64, 0}));
+  EXPECT_EQ(p.local_offsets, (std::vector<uint64_t>{16, 112}));
+  EXPECT_EQ(p.lengths, (std::vector<uint64_t>{32, 16}));
+  s.src_blocks = {8};  // the local block is named "dst" (the planner's pull-side name), as in Python
+  s.dst_blocks = {0};
+  EXPECT_EQ(Refusal([&] { datadist::PlanPush(p, g, s); }), "dst block 8 out of range: the cache has 8 blocks");
+  s.remote_first = UINT32_MAX;
+  EXPECT_EQ(Refusal([&] { datadist::PlanPush(p, g, s); }),
+            "the push's tensor pairs reach past the largest tensor index");
+}
+
 // ---- both faces: the C++ API's pulls (llm_datadist.cc: CheckExtParam, PairTensors with
 // CANN's inclusive ranges, then PlanSlot / PlanBlocks) and the Python face's (PlanPull with
 // half-open ranges) plan the same request identically.
@@ -256,6 +287,29 @@ TEST(BothFaces, SlotIntoBlocksPlansTheSame) {
   s.dst_blocks = dst;
   Plan py;
   datadist::PlanPull(py, g, s);
+  ExpectSame(cpp, py);
+}
+
+TEST(BothFaces, LayerRangedBlockPushPlansTheSame) {
+  const Geometry g = Geo(4, 16, 64);
+  llm_datadist::KvCacheExtParam ext;
+  ext.src_layer_range = {1, 1};  // CANN: local layer 1 ...
+  ext.dst_layer_range = {0, 0};  // ... into remote layer 0
+  ext.tensor_num_per_layer = 2;
+  const std::vector<uint64_t> src = {3, 4}, dst = {9, 10};
+  Plan cpp;  // as llm_datadist.cc's PushKvBlocks plans
+  datadist::CheckExtParam(ext, true);
+  datadist::PairTensors(cpp, g.num_tensors, ext, true);
+  datadist::PlanBlocks(cpp, g, dst, src);
+  datadist::PushSpec s;  // CacheManager.push_blocks(..., src_layer_range=range(1, 2), dst_layer_range=range(0, 1))
+  s.blocks = true;
+  s.src_blocks = src;
+  s.dst_blocks = dst;
+  s.remote_first = 0;
+  s.local_first = 2;
+  s.count = 2;
+  Plan py;
+  datadist::PlanPush(py, g, s);
   ExpectSame(cpp, py);
 }
 

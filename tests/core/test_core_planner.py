@@ -211,3 +211,24 @@ def test_a_layer_range_past_64_bits_is_a_refusal_not_a_type_error(slots: Local) 
         slots.pull(PULL_SLOT, src_layers=(0, 2**70))
     with pytest.raises(InvalidArgument, match="exceeds the destination's 2 layers"):
         slots.pull(PULL_SLOT, src_layers=(2**65, 2**65 + 1), dst_layers=(0, 2**66))
+
+
+def test_a_push_is_planned_by_the_core_too(blocks: Local, slots: Local) -> None:
+    """push_blocks / push_cache: the face's tensor pairs, the core's spans (the destination's
+    blocks are the remote side), the local block size stated; a slot push states none."""
+    call = blocks.engine.prepare_push(OWNER, KEY, blocks.entry.cache_id, blocks=True,
+                                      remote_first=0, local_first=2, count=2,
+                                      src_blocks=np.array([1, 2, 7], np.uint64),
+                                      dst_blocks=np.array([4, 5, 0], np.uint64))
+    assert call.write
+    assert call.unit_bytes == 16
+    assert call.remote_tensors.tolist() == [0, 1]
+    assert call.remote_offsets.tolist() == [64, 0]
+    assert blocks.spans(call) == [(2, 16, 32), (2, 112, 16), (3, 16, 32), (3, 112, 16)]
+    call = slots.engine.prepare_push(OWNER, KEY, slots.entry.cache_id, blocks=False,
+                                     remote_first=0, local_first=0, count=4, batch_index=2)
+    assert call.unit_bytes == 0 and not call.flags
+    assert slots.spans(call) == [(t, 128, 64) for t in range(4)]
+    with pytest.raises(InvalidArgument, match="batch_index 3 out of range"):
+        slots.engine.prepare_push(OWNER, KEY, slots.entry.cache_id, blocks=False,
+                                  remote_first=0, local_first=0, count=4, batch_index=3)

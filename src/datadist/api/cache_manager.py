@@ -8,6 +8,7 @@ core's. Pulls and pushes block until done or ``sync_kv_timeout``; the rest retur
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,12 +18,8 @@ from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Memtype, Placement
 from datadist.api.geometry import (
     describe,
-    exact,
     geometry_of,
     key_ref,
-    layer_pair,
-    prepared_block_spans,
-    prepared_plan,
 )
 from datadist.api.notices import NotListeningWarning
 from datadist.api.status import (
@@ -48,7 +45,7 @@ from datadist.api.types import (
 )
 from datadist.core import layout
 from datadist.core.errors import CacheNotFound, DatadistError, InvalidArgument
-from datadist.core.keys import KeyId, KeyRef, key_id
+from datadist.core.keys import KeyId, key_id
 from datadist.core.native import PULL_BLOCKS, PULL_SLOT, PULL_SLOT_TO_BLOCKS, NativeEngine
 from datadist.memory import mapped
 from datadist.memory.user import user_memory
@@ -121,18 +118,19 @@ def push_layers(num_tensors: int, src: Any, dst: Any, n: Any,
 
 
 def push_tensor_pairs(num_tensors: int, src_range: range | None, dst_range: range | None,
-                      n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (remote, local) tensor indices of a push, as the original's push_cache /
-    push_blocks: one native layer-wise transfer per layer of ``src_range`` (default: every
-    local layer) into the same position of ``dst_range`` (default: every *local* layer too,
-    so a source range alone must cover them all); each transfer refuses a local cache whose
-    tensor count is not a multiple of ``n`` (LayerWiseTransferJob::Prepare). A source of
-    fewer tensors than one layer has no layer at all: the original then transfers nothing and
-    reports success; datadist pushes the tensors there are (the same code, and the only
-    reading under which the call does anything)."""
+                      n: int) -> tuple[int, int, int]:
+    """The tensor pairs of a push, as the original's push_cache / push_blocks: remote tensor
+    ``remote_first + i`` <- local tensor ``local_first + i`` for ``i < count``, returned as
+    ``(remote_first, local_first, count)`` (the core makes the pairs: PlanPush). One native
+    layer-wise transfer per layer of ``src_range`` (default: every local layer) into the same
+    position of ``dst_range`` (default: every *local* layer too, so a source range alone must
+    cover them all); each transfer refuses a local cache whose tensor count is not a multiple
+    of ``n`` (LayerWiseTransferJob::Prepare). A source of fewer tensors than one layer has no
+    layer at all: the original then transfers nothing and reports success; datadist pushes
+    the tensors there are (the same code, and the only reading under which the call does
+    anything)."""
     if num_tensors < n and src_range is None and dst_range is None:
-        idx = np.arange(num_tensors, dtype=np.uint32)
-        return idx, idx
+        return 0, 0, num_tensors
     layers = num_tensors // n
     src = (0, layers) if src_range is None else (src_range.start, src_range.stop)
     dst = (0, layers) if dst_range is None else (dst_range.start, dst_range.stop)
@@ -143,8 +141,7 @@ def push_tensor_pairs(num_tensors: int, src_range: range | None, dst_range: rang
                    f"tensor_num_per_layer {n}")
     raise_if_false(src[1] <= layers,
                    f"src_layer_range {range(*src)} is out of range [0, {layers}) of the source")
-    return (np.arange(dst[0] * n, dst[1] * n, dtype=np.uint32),
-            np.arange(src[0] * n, src[1] * n, dtype=np.uint32))
+    return dst[0] * n, src[0] * n, (src[1] - src[0]) * n
 
 
 def _not_own(engine: NativeEngine, cluster_id: int) -> None:
@@ -182,48 +179,44 @@ def _refusal(err: DatadistError, func: str, cache: Cache, *, blocks: bool) -> LL
 
 
 class _Request:
-    """A checked transfer call: the engine and the core's prepared call, for the blocking and
-    issued forms. A pull's call is made by the core when it is checked (it plans the pull:
-    Session::PreparePull); a push's from its arguments (cluster id, wire key, unit bytes,
-    plan, local cache id), made at the first transfer."""
+    """A checked transfer call: the engine and the core's prepared call (planned, checked
+    and made by the core: Engine.prepare_pull / prepare_push), for the blocking and issued
+    forms; a planned pull's is kept for its repeats (api/planned.py)."""
 
-    __slots__ = ("engine", "args", "write", "call")
+    __slots__ = ("engine", "call")
 
-    def __init__(self, engine: NativeEngine,
-                 args: tuple[int, KeyRef, int, layout.Plan, int] | None = None,
-                 write: bool = False, call: Call | None = None) -> None:
+    def __init__(self, engine: NativeEngine, call: Call) -> None:
         self.engine = engine
-        self.args = args
-        self.write = write
         self.call = call
 
     def prepared(self) -> Call:
-        """The core's call (NativeEngine.prepared for a push), made once. Two threads may
-        both make it the first time; either call is the same transfer."""
-        call = self.call
-        if call is None:
-            assert self.args is not None
-            call = self.call = self.engine.prepared(self.write, *self.args)
-        return call
+        """The core's call."""
+        return self.call
+
+
+def _core_call(func: str, make: Callable[[], Call]) -> Call:
+    """The core's call ``make`` makes, its refusals as ``func``'s LLMException: a local cache
+    that is gone without a prefix (as the registry's answer always was), anything else (a
+    plan the core refuses, the request's size, a local span) with it."""
+    try:
+        return make()
+    except CacheNotFound as e:
+        raise to_llm_exception(e, "") from e
+    except DatadistError as e:
+        raise to_llm_exception(e, func) from e
 
 
 def _prepare_pull(func: str, engine: NativeEngine, key: Any, cache_id: int, kind: int,
                   src_range: range | None, dst_range: range | None, n: int,
                   **spec: Any) -> Call:
     """The core's pull of ``key`` into local cache ``cache_id``, planned and checked there
-    (NativeEngine.prepare_pull): a local cache that is gone is its LLMException without a
-    prefix (as the registry's answer always was), a plan the core refuses ``func``'s; then
-    cache-manager mode's own-cluster rule."""
-    try:
-        call = engine.prepare_pull(
-            key.cluster_id, key_ref(key), cache_id, kind,
-            src_layers=None if src_range is None else (src_range.start, src_range.stop),
-            dst_layers=None if dst_range is None else (dst_range.start, dst_range.stop),
-            tensor_num_per_layer=n, **spec)
-    except CacheNotFound as e:
-        raise to_llm_exception(e, "") from e
-    except DatadistError as e:
-        raise to_llm_exception(e, func) from e
+    (NativeEngine.prepare_pull; refusals as :func:`_core_call`); then cache-manager mode's
+    own-cluster rule."""
+    call = _core_call(func, lambda: engine.prepare_pull(
+        key.cluster_id, key_ref(key), cache_id, kind,
+        src_layers=None if src_range is None else (src_range.start, src_range.stop),
+        dst_layers=None if dst_range is None else (dst_range.start, dst_range.stop),
+        tensor_num_per_layer=n, **spec))
     with llm_errors(func):
         _not_own(engine, key.cluster_id)
     return call
@@ -571,7 +564,7 @@ class CacheManager:
                                                      cache.cache_desc.num_tensors)
         self._check_cache_key(cache_key)
         check_pull_ranges(src_range, dst_range)
-        return _Request(engine, call=_prepare_pull(
+        return _Request(engine, _prepare_pull(
             "pull_cache", engine, cache_key, cache.cache_id, PULL_SLOT, src_range, dst_range, n,
             batch_index=batch_index, size=size))
 
@@ -644,7 +637,7 @@ class CacheManager:
         else:
             call = _prepare_pull("pull_blocks", engine, src_cache_key, dst_cache.cache_id,
                                  PULL_SLOT_TO_BLOCKS, src_range, dst_range, n, dst_blocks=dst)
-        return _Request(engine, call=call)
+        return _Request(engine, call)
 
     # ------------------------------------------------------------------ pushes
 
@@ -704,11 +697,11 @@ class CacheManager:
                        f"[push_cache] param check failed, size ({size}) is invalid, should be "
                        "= -1.")
         geo = self._check_local(engine, src_cache)
-        pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
-        with llm_errors("push_cache"):
-            plan = layout.plan_slot(geo, src_batch_index, pairs, size)
-        return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key), 0, plan,
-                                 src_cache.cache_id), write=True)
+        remote, local, count = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
+        return _Request(engine, _core_call("push_cache", lambda: engine.prepare_push(
+            dst_cache_key.cluster_id, key_ref(dst_cache_key), src_cache.cache_id, blocks=False,
+            batch_index=src_batch_index, size=size, remote_first=remote, local_first=local,
+            count=count)))
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
                     src_blocks: tuple[int, ...] | list[int] = (),
@@ -756,16 +749,11 @@ class CacheManager:
                                               dst_layer_range, tensor_num_per_layer,
                                               "push_blocks")
         geo = self._check_local(engine, src_cache)
-        pairs = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
-        with llm_errors("push_blocks"):
-            def build() -> layout.Plan:
-                return layout.plan_blocks(geo, dst, src, pairs,
-                                          prepared_block_spans(geo, dst, src))
-
-            plan = prepared_plan(("push_blocks", geo, exact(src), exact(dst), layer_pair(src_range),
-                                  layer_pair(dst_range), n), build, dst)
-        return _Request(engine, (dst_cache_key.cluster_id, key_ref(dst_cache_key),
-                                 geo.unit_bytes, plan, src_cache.cache_id), write=True)
+        remote, local, count = push_tensor_pairs(geo.num_tensors, src_range, dst_range, n)
+        return _Request(engine, _core_call("push_blocks", lambda: engine.prepare_push(
+            dst_cache_key.cluster_id, key_ref(dst_cache_key), src_cache.cache_id, blocks=True,
+            src_blocks=src, dst_blocks=dst, remote_first=remote, local_first=local,
+            count=count)))
 
     # ------------------------------------------------------------------ local copies
     # Argument rules shared with the legacy KvCacheManager live in api/local_ops.py and

@@ -34,21 +34,8 @@ def prepared_plan(key: tuple[Hashable, ...], build: Callable[[], layout.Plan],
     return _PLANS.get(key, build)
 
 
-_SPANS: Prepared[tuple[Any, Any, Any]] = Prepared(128)
-SPANS_KEPT = 8192  # block lists up to this long keep their spans (core/layout.block_spans)
-
-
-def prepared_block_spans(geo: layout.Geometry, src: Any, dst: Any) -> tuple[Any, Any, Any]:
-    """``layout.block_spans`` of these block lists, kept: a layer-wise transfer pulls the
-    same blocks once per layer, and only the layer range changes."""
-    if len(dst) > SPANS_KEPT:
-        return layout.block_spans(geo, src, dst)
-    return _SPANS.get((geo.unit_bytes, geo.units, exact(src), exact(dst)),
-                      lambda: layout.block_spans(geo, src, dst))
-
-
 def layer_pair(r: range | None) -> tuple[int, int] | None:
-    """A checked layer range (step 1) as the ``(start, stop)`` pair core/layout takes."""
+    """A checked layer range (step 1) as the ``(start, stop)`` pair Engine.prepare_pull takes."""
     return None if r is None else (r.start, r.stop)
 
 

@@ -5,8 +5,9 @@ Theory of operation
 A cache is ``num_tensors`` equally shaped tensors. Dim 0 of the shape counts *units*: batch
 slots for a contiguous cache, blocks for a blocks cache. ``unit_bytes = tensor_bytes / units``.
 
-Every push and local copy becomes one :class:`Plan` here (a pull is planned by the core:
-cpp/src/plan.h, ``NativeEngine.prepare_pull``):
+Every local copy and every per-layer push of ``transfer_cache_async`` becomes one
+:class:`Plan` here (CacheManager's pulls and pushes are planned by the core: cpp/src/plan.h,
+``NativeEngine.prepare_pull`` / ``prepare_push``):
 
 * a list of tensor pairs ``(src_tensor, dst_tensor)`` (from the layer ranges), and
 * a list of byte spans ``(src_offset, dst_offset, length)`` inside a tensor (from batch
@@ -159,8 +160,8 @@ class Plan:
 
 def every_tensor(num_tensors: int) -> tuple[np.ndarray, np.ndarray]:
     """Every tensor paired with the one of the same index (uint32): the tensor pairs of a
-    transfer without layer ranges (a local copy, a push of every layer). A pull's pairs,
-    layer ranges included, are the core's (PairLayers, cpp/src/plan.h)."""
+    local copy. A pull's pairs, layer ranges included, are the core's (PairLayers,
+    cpp/src/plan.h)."""
     idx = np.arange(num_tensors, dtype=U32)
     return idx, idx
 

@@ -649,6 +649,23 @@ class NativeEngine:
             batch_index, size, src_offset, dst_offset, src_blocks, dst_blocks, src_layers,
             dst_layers, tensor_num_per_layer)
 
+    def prepare_push(self, cluster_id: int, key: p.KeyRef, cache_id: int, *, blocks: bool,
+                     remote_first: int, local_first: int, count: int, batch_index: int = 0,
+                     size: int = -1, src_blocks: np.ndarray = _NO_BLOCKS,
+                     dst_blocks: np.ndarray = _NO_BLOCKS) -> Call:
+        """A push from local cache ``cache_id``, planned, checked and made ready to run by the
+        core in one call (Session::PreparePush), as :meth:`prepare_pull`: remote tensor
+        ``remote_first + i`` <- local tensor ``local_first + i`` for ``i < count``, then local
+        slot ``batch_index`` (``size`` bytes, -1: all of it), or, with ``blocks``, local blocks
+        ``src_blocks`` into remote blocks ``dst_blocks``. Never blocks."""
+        if self._closed:
+            error = Closed("the engine is finalized")
+            self._refused("push", cluster_id, time.perf_counter(), error)
+            raise error
+        return self._core.prepare_push(
+            cluster_id, int(key.kind), key.a, key.b, key.c, cache_id, blocks, batch_index, size,
+            src_blocks, dst_blocks, remote_first, local_first, count)
+
     def _closed_refusal(self, call: Call) -> Closed:
         error = Closed("the engine is finalized")
         self._refused("push" if call.write else "pull", int(call.cluster_id),
