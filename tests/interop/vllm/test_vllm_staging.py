@@ -67,6 +67,11 @@ def test_slot_mappings_of_every_metadata_form_without_duplicates() -> None:
     found = slot_mappings([{"l0": md}, {"l0": SimpleNamespace(slot_mapping=b)}])
     assert len(found) == 2 and found[1] is b
     assert slot_mappings(None) == [] and slot_mappings(SimpleNamespace()) == []
+    # vLLM 0.32's forward context: slot mappings by layer beside the attention metadata
+    ctx = SimpleNamespace(slot_mapping={"l0": a, "l1": a}, attn_metadata={"l0": md})
+    assert [t is a for t in slot_mappings(ctx)] == [True]
+    old = SimpleNamespace(slot_mapping={}, attn_metadata={"l0": SimpleNamespace(slot_mapping=b)})
+    assert [t is b for t in slot_mappings(old)] == [True]
 
 
 def test_pull_prefill_holds_only_once_the_step_is_copied_to_host() -> None:

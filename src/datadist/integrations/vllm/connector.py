@@ -185,7 +185,7 @@ class DatadistConnector(KVConnectorBase_V1):
         assert isinstance(meta, DatadistConnectorMetadata)
         step = meta.step
         if self._staging is not None:
-            self._staging.begin_step(getattr(forward_context, "attn_metadata", None))
+            self._staging.begin_step(forward_context)
         if step.send:
             if self._staging is not None:  # once their blocks are in host memory
                 self._staging.hold(step.send)

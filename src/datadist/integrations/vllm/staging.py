@@ -168,10 +168,11 @@ def runs(ids: Iterable[int]) -> list[tuple[int, int]]:
     return out
 
 
-def slot_mappings(attn_metadata: Any) -> list[torch.Tensor]:
-    """The distinct ``slot_mapping`` tensors of vLLM's attention metadata (a dict by layer, a
-    list of such dicts with micro-batching, or one object): where the step writes KV, one
-    slot per token (``block * block_size + offset``; -1 for padding)."""
+def slot_mappings(context: Any) -> list[torch.Tensor]:
+    """The distinct ``slot_mapping`` tensors of vLLM's forward context (vLLM 0.32: its
+    ``slot_mapping``, a dict by layer, else its ``attn_metadata``) or of one layer's
+    attention metadata (dicts by layer and lists of them are searched): where the step writes
+    KV, one slot per token (``block * block_size + offset``; -1 for padding)."""
     found: dict[int, torch.Tensor] = {}
 
     def visit(md: Any) -> None:
@@ -183,12 +184,15 @@ def slot_mappings(attn_metadata: Any) -> list[torch.Tensor]:
         elif isinstance(md, (list, tuple)):
             for v in md:
                 visit(v)
+        elif isinstance(md, torch.Tensor):
+            found.setdefault(id(md), md)
         else:
             sm = getattr(md, "slot_mapping", None)
-            if isinstance(sm, torch.Tensor):
-                found.setdefault(id(sm), sm)
+            if sm is None or (isinstance(sm, (dict, list)) and not sm):
+                sm = getattr(md, "attn_metadata", None)  # a forward context of old
+            visit(sm)
 
-    visit(attn_metadata)
+    visit(context)
     return list(found.values())
 
 
@@ -262,13 +266,14 @@ class Staging:
 
     # ------------------------------------------------------------------ producer
 
-    def begin_step(self, attn_metadata: Any) -> None:
-        """``start_load_kv`` (or the step's first ``save_kv_layer``): read where this step
+    def begin_step(self, context: Any) -> None:
+        """The step's first ``save_kv_layer`` (its attention metadata), else ``start_load_kv``
+        (the forward context; vLLM 0.32 calls it after the forward): read where this step
         writes KV, without waiting. Once per step; a step without metadata writes nothing.
         Producers only: a decoder's own writes are never read by another instance."""
         if self.mode != "cpu" or not self._producer or self._reads:
             return
-        self._reads = [self.engine.read(sm) for sm in slot_mappings(attn_metadata)]
+        self._reads = [self.engine.read(sm) for sm in slot_mappings(context)]
 
     def lw_step(self, entries: list[LayerwiseStep]) -> list[LayerwiseStep]:
         """A step's layer-wise prefill requests, before the producer announces them: note
