@@ -178,6 +178,23 @@ def test_layerwise_prefill_announces_a_layer_only_once_it_is_copied(mode: str) -
         assert not any(e[0] == "copy" for e in gpu.log)
 
 
+@pytest.mark.parametrize("mode", ["cpu", "cuda"])
+def test_layers_vllm_did_not_save_are_copied_before_the_step_is_announced(mode: str) -> None:
+    """Inside a full CUDA graph vLLM calls no save_kv_layer: wait_for_save covers those
+    layers itself before the producer says the step is written."""
+    gpu = FakeCuda(pace=1, first="staging")
+    st, dev = _stage(gpu, mode)
+    st.bind(_Worker(st))  # type: ignore[arg-type]
+    st.lw_step([_lw_entry(0, 8, [4, 1, 6, 2, 3, 5])])  # blocks 4, 1
+    gpu.launch(lambda: _write(dev, [4, 1], range(LAYERS), 700.0))
+    assert st.save_layer(0) == -1  # only layer 0 seen
+    assert st.wait_for_save() == LAYERS - 1
+    mirror = st.host if mode == "cpu" else st.dev
+    for layer in range(LAYERS):
+        for b in (4, 1):
+            assert all((g == 700.0 + 100 * layer + b).all() for g in _block(mirror, layer, b))
+
+
 def test_decoder_fence_orders_the_next_forward_after_the_copies() -> None:
     gpu = FakeCuda(pace=1)
     st, dev = _stage(gpu)

@@ -221,6 +221,7 @@ class Staging:
         self._lw_blocks: list[int] = []  # this step's layer-wise blocks, to copy per layer
         self._lw_started: set[str] = set()  # layer-wise requests whose first step was seen
         self._layer_marks: list[tuple[int, Marker]] = []  # (layer, its copy/compute marker)
+        self._lw_saved: set[int] = set()  # layers of this step given to save_layer
         self._announced = -1
         self._last_copy: Marker | None = None  # the last device -> host copy queued
         self._dirty = False  # host -> device copies queued since the last fence
@@ -282,6 +283,7 @@ class Staging:
         the producer must announce those blocks only once copied). Returns the entries to
         hand to ``LayerwiseProducer.step``."""
         self._layer_marks = []
+        self._lw_saved = set()
         self._announced = -1
         self._lw_blocks = []
         out = []
@@ -306,6 +308,7 @@ class Staging:
         layer up to it copied or computed; -1: none yet). Never waits."""
         if not self._lw_blocks:
             return self._announced
+        self._lw_saved.add(layer)
         if self.mode == "cpu":
             self.engine.after_compute()
             self.stats["d2h_blocks"] += self._copy(self._lw_blocks, [layer], True)
@@ -322,9 +325,21 @@ class Staging:
         return self._announced
 
     def wait_for_save(self) -> int:
-        """``wait_for_save`` (the forward is queued): wait for the layer copies still
-        running (bounded), queue the copy of every other block the step wrote, every layer,
-        and return the highest layer saved (-1 when the step had no layer-wise request)."""
+        """``wait_for_save`` (the forward is queued): copy the layer-wise blocks of layers
+        that had no ``save_layer`` (vLLM calls none inside a full CUDA graph), wait for the
+        layer copies still running (bounded), queue the copy of every other block the step
+        wrote, every layer, and return the highest layer saved: the last one (-1 when the
+        step had no layer-wise request)."""
+        lw = self._lw_blocks
+        missing = [i for i in range(self.num_layers) if i not in self._lw_saved] if lw else []
+        if missing:
+            if self.mode == "cpu":
+                self.engine.after_compute()
+                self.stats["d2h_blocks"] += self._copy(lw, missing, True)
+                self._last_copy = self.engine.record()
+                self._layer_marks.append((max(missing), self._last_copy))
+            else:
+                self._layer_marks.append((max(missing), self.engine.record_compute()))
         for layer, mark in self._layer_marks:
             self._wait(mark, f"the copy of layer {layer} to host memory")
             self._announced = max(self._announced, layer)
@@ -341,9 +356,9 @@ class Staging:
                 self.stats["d2h_blocks"] += self._copy(ids, range(self.num_layers), True)
                 self._last_copy = self.engine.record()
         self._reads = []
-        out = self._announced if self._lw_blocks else -1
         self._lw_blocks = []
-        return out
+        self._lw_saved = set()
+        return self.num_layers - 1 if lw else -1
 
     def hold(self, tasks: list[SendTask]) -> None:
         """``start_load_kv`` of the step after these requests finished: once every copy to
