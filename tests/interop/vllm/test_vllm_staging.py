@@ -272,26 +272,15 @@ def test_setup_on_a_cpu_vllm_registers_vllms_own_tensors() -> None:
 def test_setup_stages_a_device_cache_through_a_mirror_of_the_same_layout() -> None:
     gpu = FakeCuda()
     dev = {f"l{i}": torch.zeros(SHAPE) for i in range(2)}
-    # setup decides by the tensors' device: a CPU tensor that says it is on CUDA
-    fake = {k: _OnCuda(v) for k, v in dev.items()}
-    registered, st = staging.setup(fake, Settings(), BS, lambda d: gpu)  # type: ignore[arg-type]
+    # CPU tensors staged as a GPU's (setup otherwise decides by the tensors' device)
+    registered, st = staging.setup(dev, Settings(), BS, lambda d: gpu, device_type="cuda")
     assert st is not None and st.mode == "cpu" and set(registered) == {"l0", "l1"}
-    assert all(registered[k].shape == dev[k].shape and registered[k].device.type == "cpu"
-               for k in dev)
+    assert all(registered[k].shape == dev[k].shape and registered[k].stride() == dev[k].stride()
+               and registered[k].data_ptr() != dev[k].data_ptr() for k in dev)
     assert [p.data_ptr() for p in st.host] == [
         p.data_ptr() for t in registered.values() for p in staging.split_layer(t)]
-    registered, st = staging.setup(fake, Settings(kv_buffer_device="cuda"), BS,
-                                   lambda d: gpu)  # type: ignore[arg-type]
-    assert registered is fake and st is not None and st.mode == "cuda" and st.host == []
-
-
-class _OnCuda(torch.Tensor):
-    """A CPU tensor whose ``device`` says cuda:0 (setup reads nothing else of it here)."""
-
-    @staticmethod
-    def __new__(cls, t: torch.Tensor) -> _OnCuda:
-        return t.as_subclass(cls)  # type: ignore[return-value]
-
-    @property  # type: ignore[override]
-    def device(self) -> torch.device:
-        return torch.device("cuda", 0)
+    assert [p.data_ptr() for p in st.dev] == [
+        p.data_ptr() for t in dev.values() for p in staging.split_layer(t)]
+    registered, st = staging.setup(dev, Settings(kv_buffer_device="cuda"), BS, lambda d: gpu,
+                                   device_type="cuda")
+    assert registered is dev and st is not None and st.mode == "cuda" and st.host == []

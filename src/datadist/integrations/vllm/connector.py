@@ -162,7 +162,7 @@ class DatadistConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        registered, st = staging.setup(kv_caches, self.settings, self._block_size)
+        registered, st = self._setup_staging(kv_caches)
         layout, self._kv_tensors = kv_layout(registered, device_ok=st is not None)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         if st is not None:
@@ -172,6 +172,12 @@ class DatadistConnector(KVConnectorBase_V1):
         if st is not None:
             st.bind(self._worker)
         self._staging = st
+
+    def _setup_staging(self, kv_caches: dict[str, torch.Tensor],
+                       ) -> tuple[dict[str, torch.Tensor], staging.Staging | None]:
+        """The tensors to register and their staging (staging.setup); a hook for tests,
+        which stage a CPU vLLM's cache through a stand-in engine."""
+        return staging.setup(kv_caches, self.settings, self._block_size)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.address is None:

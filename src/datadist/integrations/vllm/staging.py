@@ -419,13 +419,14 @@ def llm_options(mode: str | None, producer: bool) -> dict[str, object]:
 
 def setup(kv_caches: dict[str, torch.Tensor], settings: Settings, block_size: int,
           engine_factory: Callable[[torch.device], CopyEngine] = CudaEngine,
-          ) -> tuple[dict[str, torch.Tensor], Staging | None]:
+          device_type: str | None = None) -> tuple[dict[str, torch.Tensor], Staging | None]:
     """What ``register_kv_caches`` registers with datadist and the staging that keeps it in
     step with vLLM's tensors: vLLM's own tensors and None on a CPU vLLM; host mirrors (of
     the same names and shapes) and a "cpu" Staging with kv_buffer_device "cpu"; the device
-    tensors and a "cuda" Staging with "cuda"."""
+    tensors and a "cuda" Staging with "cuda". ``device_type`` overrides the tensors' own
+    (tests stage CPU tensors through a stand-in engine as if they were on a GPU)."""
     first = next(iter(kv_caches.values()))
-    mode = kv_buffer_mode(settings, first.device.type)
+    mode = kv_buffer_mode(settings, device_type or first.device.type)
     if mode is None:
         return kv_caches, None
     if any(t.device != first.device for t in kv_caches.values()):
