@@ -13,6 +13,7 @@ kernel queued after the report.
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import time
 from types import SimpleNamespace
 
@@ -223,5 +224,37 @@ def test_staged_layerwise_copies_each_layer_as_it_lands(prefill):
         # every layer copied to the device as its pull landed, in more than one pull
         assert {i for r in landed for i in r} == set(range(LAYERS)) and len(landed) > 1
         assert out_q.get(timeout=40) == ["p1"]  # freed once the decoder acknowledged
+    finally:
+        w.close()
+
+
+def test_a_gpu_memory_decoder_refuses_a_link_that_is_not_nixl(prefill, caplog):
+    """kv_buffer_device "cuda": the decoder's link must be NIXL; over any other path (here
+    the default one, NIXL not asked for) its requests fail with the link's path, and the
+    link is dropped, instead of aiming host-memory reads at GPU addresses."""
+    addr, cmd_q, _ = prefill(_pull_prefill)
+    w = DatadistWorker(Settings(link_timeout_ms=3000), producer=False, consumer=True)
+    w.link_path = "nixl"
+    layout, _ = kv_layout({"l": torch.zeros(SHAPE)})
+    w.start(layout)
+    try:
+        host, port, cid = addr
+        params = {"remote_block_ids": SRC, "remote_num_tokens": PROMPT,
+                  "remote_request_id": "p1",
+                  "datadist": {"workers": [[host, port, cid]], "block_size": BS, "slot": 3,
+                               "tag": TAG}}
+        with caplog.at_level("WARNING", logger="vllm.datadist_connector"):
+            w.submit([RecvTask("d1", LOCAL, RemoteRequest.parse(params))])
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                done, failed = w.poll_recv()
+                if done:
+                    break
+                time.sleep(0.01)
+        assert (done, failed) == ({"d1"}, {"d1"})
+        assert re.search(r"link to \S+ uses (?!nixl)\w+, not nixl .*kv_buffer_device 'cuda' "
+                         r"needs NIXL", caplog.text), caplog.text
+        assert w.stats.requests_pulled == 0
+        cmd_q.put("stop")
     finally:
         w.close()
