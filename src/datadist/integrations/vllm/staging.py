@@ -436,6 +436,8 @@ def setup(kv_caches: dict[str, torch.Tensor], settings: Settings, block_size: in
     engine = engine_factory(first.device)
     timeout_s = settings.sync_kv_timeout_ms / 1e3
     if mode == "cuda":
+        logger.info("datadist: KV cache on %s registered as is, moved by NIXL "
+                    "(kv_buffer_device 'cuda')", first.device)
         return kv_caches, Staging(parts, [], per_layer, block_size, engine, mode, timeout_s)
     # The mirror: one host tensor per vLLM tensor, so layout.py sees the same shapes.
     mirror = {name: engine.host_like(t) for name, t in kv_caches.items()}
