@@ -265,7 +265,17 @@ def main() -> int:
         model = make_tiny_llama(work / "model", layers=8, hidden=1024, heads=16, kv_heads=8)
         load = "dummy"
     gpus = args.gpus[:2]
-    env = dict(os.environ, GPU_CHECK_LOAD=load, GPU_CHECK_DTYPE=args.dtype,
+    # vLLM logs to stdout by default, where the engines answer: its log (the connector's
+    # lines included) goes to each engine's log file instead.
+    (work / "logging.json").write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"f": {"format": "%(asctime)s %(process)d %(name)s %(levelname)s "
+                                       "%(message)s"}},
+        "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f",
+                           "stream": "ext://sys.stderr"}},
+        "loggers": {"vllm": {"handlers": ["h"], "level": "INFO", "propagate": False}}}))
+    env = dict(os.environ, VLLM_LOGGING_CONFIG_PATH=str(work / "logging.json"),
+               GPU_CHECK_LOAD=load, GPU_CHECK_DTYPE=args.dtype,
                GPU_CHECK_MEM=str(args.mem or (0.4 if len(set(gpus)) == 1 else 0.8)),
                GPU_CHECK_MAX_LEN=str(-(-(max(args.tokens) + args.new + 64) // 1024) * 1024),
                GPU_CHECK_EAGER="1" if args.eager else "0", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
