@@ -194,9 +194,10 @@ def run_config(config: str, model: Path, gpus: list[str], env: dict[str, str], w
             local = []
             for prompt, _ in batch[1:]:  # the decode engine holds these prompts' KV now
                 local.append(dec.ask(prompt, None, 1)["seconds"])
-            print(f"     {config}: {tokens} tokens: decode TTFT {ms(ttft)} "
-                  f"(first token after the prefill's, layer-wise); KV already local "
-                  f"(prefix hit) {ms(local)}", flush=True)
+            how = ("its first token after the prefill's" if mode == "layerwise"
+                   else "the decode call, transfer included")
+            print(f"     {config}: {tokens} tokens: decode TTFT {ms(ttft)} ({how}); KV "
+                  f"already local (prefix hit) {ms(local)}", flush=True)
         ok &= check(request(hit, new)[1] == reference[(0, 0)], f"{config}: a prompt whose "
                     f"first {len(hit) // 2} tokens the prefill engine had cached: decode "
                     "tokens equal one engine's")
