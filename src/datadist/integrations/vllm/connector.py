@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from datadist.integrations.vllm import staging
 from datadist.integrations.vllm.layout import kv_layout
 from datadist.integrations.vllm.scheduler import RecvTask, SchedulerSide, StepMeta
 from datadist.integrations.vllm.settings import LOGGER_NAME, ROLES, Settings, WorkerAddress
@@ -88,6 +89,9 @@ class DatadistConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: DatadistWorker | None = None
         self._kv_tensors: list[torch.Tensor] = []
+        # A CUDA vLLM's KV cache: staged through host buffers, or read by NIXL (staging.py).
+        self._staging: staging.Staging | None = None
+        self._block_size = int(vllm_config.cache_config.block_size)
         self._layer_index: dict[str, int] = {}
         # The step whose layer-wise requests the producer has (prefill worker).
         self._lw_meta: DatadistConnectorMetadata | None = None
@@ -98,7 +102,7 @@ class DatadistConnector(KVConnectorBase_V1):
                 producer=producer, consumer=consumer)
         else:
             self._worker = DatadistWorker(self.settings, producer=producer, consumer=consumer,
-                                          rank=_tp_rank(), on_pulled=self._on_pulled)
+                                          rank=_tp_rank(), on_pulled=self._pulled)
 
     # ================================================================== scheduler side
 
@@ -158,9 +162,22 @@ class DatadistConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        layout, self._kv_tensors = kv_layout(kv_caches)
+        registered, st = self._setup_staging(kv_caches)
+        layout, self._kv_tensors = kv_layout(registered, device_ok=st is not None)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        if st is not None:
+            self._worker.options.update(staging.llm_options(st.mode, self._worker.producer))
+            self._worker.link_path = "nixl" if st.mode == "cuda" else None
         self._worker.start(layout)
+        if st is not None:
+            st.bind(self._worker)
+        self._staging = st
+
+    def _setup_staging(self, kv_caches: dict[str, torch.Tensor],
+                       ) -> tuple[dict[str, torch.Tensor], staging.Staging | None]:
+        """The tensors to register and their staging (staging.setup); a hook for tests,
+        which stage a CPU vLLM's cache through a stand-in engine."""
+        return staging.setup(kv_caches, self.settings, self._block_size)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.address is None:
@@ -173,8 +190,13 @@ class DatadistConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
         step = meta.step
+        if self._staging is not None:
+            self._staging.begin_step(forward_context)
         if step.send:
-            self._worker.hold(step.send)
+            if self._staging is not None:  # once their blocks are in host memory
+                self._staging.hold(step.send)
+            else:
+                self._worker.hold(step.send)
         if step.recv:
             self._worker.submit(step.recv)
         if step.lw_recv:
@@ -192,28 +214,47 @@ class DatadistConnector(KVConnectorBase_V1):
         self._lw_meta = meta
         for rid, ok in meta.step.lw_release:
             lw.release(rid, ok)
+            if self._staging is not None:
+                self._staging.lw_released(rid)
         for tag in meta.step.lw_refuse:
             lw.refuse(tag)
-        lw.step(meta.step.lw_steps)
+        lw.step(meta.step.lw_steps if self._staging is None
+                else self._staging.lw_step(meta.step.lw_steps))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous in both modes: the request waits, no layer does
+        # Loads are asynchronous in both modes: the request waits, no layer does. A GPU
+        # worker's copies to the device are fenced before the request is reported.
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         # Layer-wise prefill: say this layer of the step's requests is written (a record in
-        # local memory; the decoder pulls it).
-        if self._worker is None or self._worker.lw_producer is None:
+        # local memory; the decoder pulls it). A GPU worker says so once the layer is
+        # copied to host memory (or, read by NIXL, computed): staging.py.
+        if self._worker is None:
+            return
+        if self._staging is not None:
+            self._staging.begin_step(attn_metadata)
+        if self._worker.lw_producer is None:
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
         self._begin_layerwise_step(meta)
         if meta.step.lw_steps:
-            self._worker.lw_producer.save_layer(self._layer_index[layer_name])
+            layer = self._layer_index[layer_name]
+            if self._staging is not None:
+                layer = self._staging.save_layer(layer)
+            if layer >= 0:
+                self._worker.lw_producer.save_layer(layer)
 
     def wait_for_save(self) -> None:
-        if self._worker is not None and self._worker.lw_producer is not None:
-            self._worker.lw_producer.wait_for_save()
+        lw = None if self._worker is None else self._worker.lw_producer
+        if self._staging is not None:  # the step's copies to host memory (staging.py)
+            last = self._staging.wait_for_save()
+            if lw is not None and last >= 0:
+                lw.save_layer(last)
+        if lw is not None:
+            lw.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
@@ -232,12 +273,23 @@ class DatadistConnector(KVConnectorBase_V1):
                 and isinstance(meta, DatadistConnectorMetadata) and meta.step.idle
                 and self._worker.wait_recv(self.settings.idle_wait_ms / 1e3)):
             recv, failed = self._worker.poll_recv()
+        if recv and self._staging is not None:  # the next forward runs after their copies
+            self._staging.fence()
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recv,
                                           failed_recving=failed)
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+    def _pulled(self, task: Any) -> None:
+        """A request's KV has landed (pull mode: a RecvTask; layer-wise: every layer): the
+        subclass hook, then a GPU worker's copies to the device (fenced in
+        ``get_transfer_results``)."""
+        self._on_pulled(task)
+        if self._staging is not None:
+            self._staging.received(list(task.local_block_ids),
+                                   every_layer=isinstance(task, RecvTask))
 
     def _on_pulled(self, task: RecvTask) -> None:
         """Called from ``get_finished`` (the worker's thread) after a request's blocks arrived in

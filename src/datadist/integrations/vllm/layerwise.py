@@ -416,6 +416,7 @@ class _Recv:
     read: llm_datadist.TransferHandle | None = None  # directory or ids read in flight
     ids_wanted: int = 0  # the read in flight is of this many block ids
     pulls: list[llm_datadist.TransferHandle] = field(default_factory=list)
+    landing: dict[int, tuple[range, list[int]]] = field(default_factory=dict)  # per pull
     slot: int = -1
     ids: list[int] = field(default_factory=list)
     pulled: list[int] = field(default_factory=list)  # per layer: prompt blocks pulled
@@ -454,6 +455,9 @@ class LayerwiseConsumer:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._rank = 0
+        # Called as each pull lands (request id, its layers, the local blocks it wrote):
+        # staging.py copies them to the GPU. From ``advance``, the worker's thread.
+        self.on_layers: Callable[[str, range, list[int]], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -532,8 +536,11 @@ class LayerwiseConsumer:
         # FIND / TRACK: collect ended pulls; a failed one fails the request
         for h in [h for h in r.pulls if h.done()]:
             r.pulls.remove(h)
+            landed = r.landing.pop(id(h), None)
             if h.exception() is not None:
                 raise h.exception()  # type: ignore[misc]
+            if landed is not None and self.on_layers is not None:
+                self.on_layers(r.task.request_id, *landed)
         if now >= r.deadline:
             self._stop(r, f"no KV within layerwise_timeout_s "
                           f"({self.settings.layerwise_timeout_s:.1f} s)")
@@ -609,11 +616,12 @@ class LayerwiseConsumer:
             while end < last and r.pulled[end] == a and avail(end) == b:
                 end += 1
             layers = range(layer, end)
+            local = r.task.local_block_ids[a - first:b - first]
             r.pulls.append(self._dd.cache_manager.pull_blocks_async(
-                self._key(r, KV_MODEL_ID), self._kv, r.ids[a:b],
-                r.task.local_block_ids[a - first:b - first],
+                self._key(r, KV_MODEL_ID), self._kv, r.ids[a:b], local,
                 tensor_num_per_layer=self._tpl, src_layer_range=layers,
                 dst_layer_range=layers))
+            r.landing[id(r.pulls[-1])] = (layers, local)
             r.npulls += 1
             for i in layers:
                 r.pulled[i] = b

@@ -20,21 +20,26 @@ _DTYPES = {
 }
 
 
-def kv_layout(kv_caches: dict[str, torch.Tensor]) -> tuple[KvLayout, list[torch.Tensor]]:
+def kv_layout(kv_caches: dict[str, torch.Tensor], *,
+              device_ok: bool = False) -> tuple[KvLayout, list[torch.Tensor]]:
     """datadist's view of vLLM's per-layer KV tensors, and the block-major tensors it covers.
 
     Handles the CPU backend's packed ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` and
     any other block-major layout (one tensor per layer), and the ``[2, num_blocks, ...]``
     layout of CUDA backends (K and V as two tensors per layer). Each block must be contiguous.
+    Tensors on a GPU only with ``device_ok`` (NIXL's VRAM path, staging.py); a CUDA vLLM's
+    cache is otherwise staged through host tensors, which are what this is given.
     """
     if not kv_caches:
         raise ValueError("no KV cache tensors to register")
     parts: list[torch.Tensor] = []
     per_layer = None
     for name, t in kv_caches.items():
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" and not device_ok:
             raise ValueError(f"layer {name}: the KV cache is on {t.device}; the datadist "
-                             "connector moves host memory only (vLLM's CPU backend)")
+                             "connector registers host memory only here (a GPU's is "
+                             "staged through host buffers, or read by NIXL: "
+                             "kv_buffer_device)")
         split = [t[0], t[1]] if t.dim() == 5 and t.shape[0] == 2 else [t]
         per_layer = per_layer or len(split)
         if len(split) != per_layer:

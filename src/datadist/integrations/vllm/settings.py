@@ -32,6 +32,11 @@ LOGGER_NAME = "vllm.datadist_connector"
 #: Transfer modes (``kv_connector_extra_config["mode"]``).
 MODES = ("pull", "layerwise")
 
+#: Where a CUDA worker's KV cache is moved from (``kv_connector_extra_config
+#: ["kv_buffer_device"]``, NixlConnector's name; staging.py): staged through host buffers, or
+#: read in GPU memory by NIXL.
+KV_BUFFER_DEVICES = ("cpu", "cuda")
+
 ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
 
 
@@ -59,6 +64,14 @@ class Settings:
     layerwise_timeout_s: layer-wise decoder: how long a request waits for the prefill to
         write, and itself to pull, all its layers before it gives up on it (the prefill's
         compute time counts here, so it is longer than a pull's ``sync_kv_timeout_ms``).
+    kv_buffer_device: a CUDA vLLM only (a CPU vLLM's KV cache is read where it lies): "cpu"
+        (default) stages the KV cache through host buffers registered with datadist (copies
+        device -> host after the prefill's forward, host -> device before the decode's;
+        every transport works); "cuda" registers the GPU memory itself and moves it by NIXL
+        (its VRAM path: ``pip install 'datadist[nixl]'``, a UCX with CUDA, on both
+        instances; both instances of a pair use "cuda"). Read from
+        ``kv_connector_extra_config``, not from vLLM's ``KVTransferConfig.kv_buffer_device``
+        (whose default, "cuda", would pick NIXL without asking).
     """
 
     host: str = "127.0.0.1"
@@ -71,6 +84,7 @@ class Settings:
     mode: str = "pull"
     idle_wait_ms: int = 10
     layerwise_timeout_s: float = 30.0
+    kv_buffer_device: str = "cpu"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
@@ -100,6 +114,9 @@ class Settings:
                 raise ValueError(f"{name} must be > 0, got {getattr(s, name)}")
         if s.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {s.mode!r}")
+        if s.kv_buffer_device not in KV_BUFFER_DEVICES:
+            raise ValueError(f"kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
+                             f"got {s.kv_buffer_device!r}")
         if s.idle_wait_ms < 0:
             raise ValueError(f"idle_wait_ms must be >= 0, got {s.idle_wait_ms}")
         if s.layerwise_timeout_s <= 0:

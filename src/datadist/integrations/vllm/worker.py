@@ -137,9 +137,11 @@ class _Linker:
     UP = "up"
     PENDING = "pending"
 
-    def __init__(self, dd: llm_datadist.LLMDataDist, timeout_ms: int) -> None:
+    def __init__(self, dd: llm_datadist.LLMDataDist, timeout_ms: int,
+                 path: str | None = None) -> None:
         self._dd = dd
         self._timeout_ms = timeout_ms
+        self._path = path  # the transfer path a link must have (None: any)
         self._lock = threading.Lock()
         self._links: dict[int, llm_datadist.LLMClusterInfo] = {}
         self._pending: dict[int, threading.Thread] = {}
@@ -184,6 +186,14 @@ class _Linker:
         except Exception as e:  # noqa: BLE001 - reported to the requests that wait on it
             err = PullError(f"link to {peer.host}:{peer.port} (cluster {peer.cluster_id}) "
                             f"failed: {e}")
+        if err is None and self._path is not None:  # e.g. GPU memory: NIXL only (staging.py)
+            got = self._dd.engine.get_link(peer.cluster_id)
+            if got.path_name != self._path:
+                err = PullError(f"link to {peer.host}:{peer.port} uses {got.path_name}, not "
+                                f"{self._path} ({got.reason}); kv_buffer_device 'cuda' "
+                                "needs NIXL on both instances")
+                with contextlib.suppress(Exception):
+                    self._dd.unlink_clusters([info], self._timeout_ms, force=True)
         seconds = time.perf_counter() - t0
         with self._lock:
             self._pending.pop(peer.cluster_id, None)
@@ -254,6 +264,10 @@ class DatadistWorker:
         # Layer-wise mode (settings.mode == "layerwise", layerwise.py); None in pull mode.
         self.lw_producer: LayerwiseProducer | None = None
         self.lw_consumer: LayerwiseConsumer | None = None
+        # GPU workers (staging.py): LLMConfig extras set before init, and the path every
+        # link must have.
+        self.options: dict[str, object] = {}
+        self.link_path: str | None = None
 
     def __repr__(self) -> str:
         state = "started" if self._dd is not None else "not started"
@@ -270,6 +284,8 @@ class DatadistWorker:
         cfg.device_id = 0
         cfg.local_comm_res = ""  # cache-manager mode, one-sided links
         cfg.sync_kv_timeout = self.settings.sync_kv_timeout_ms
+        for name, value in self.options.items():
+            setattr(cfg, name, value)
         if self.producer:
             port = self.settings.port + self.rank if self.settings.port else 0
             cfg.listen_ip_info = format_host_port(self.settings.host, port)
@@ -280,7 +296,7 @@ class DatadistWorker:
         options = cfg.generate_options()
         dd.init(options)
         self._dd = dd
-        self._linker = _Linker(dd, self.settings.link_timeout_ms)
+        self._linker = _Linker(dd, self.settings.link_timeout_ms, self.link_path)
         try:
             cm = dd.cache_manager
             desc = llm_datadist.CacheDesc(len(layout.addrs),
