@@ -16,6 +16,7 @@ decode side pulls it, overlapping the prefill's forward. Failures are reported a
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER_NAME)
 
+
+def _trace(request_id: str, event: str) -> None:
+    """One timestamped step of a request's way through the connector (``trace`` in
+    ``kv_connector_extra_config``): wall clocks, so the two engines' lines (and a bench's
+    own clock) compare on one host. examples/vllm/bench_pd.py reads them."""
+    logger.info("datadist trace: %s %s at %.5f", request_id, event, time.time())
 
 
 @dataclass
@@ -84,6 +91,10 @@ class DatadistConnector(KVConnectorBase_V1):
         if kind is None:
             raise ValueError(f"DatadistConnector: unknown kv_role {ktc.kv_role!r}")
         self.settings = Settings.from_extra_config(ktc.kv_connector_extra_config)
+        # Timestamps of each request's steps in the log (bench_pd.py's breakdown of the time
+        # from the pull's end to the first token); off by default.
+        self._trace = bool((ktc.kv_connector_extra_config or {}).get("trace", False))
+        self._traced: set[str] = set()  # scheduler: requests loaded, not yet computed
         producer, consumer = kind in ("producer", "both"), kind in ("consumer", "both")
         self._sched: SchedulerSide | None = None
         self._worker: DatadistWorker | None = None
@@ -114,6 +125,9 @@ class DatadistConnector(KVConnectorBase_V1):
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self._sched.after_alloc(request.request_id, request.kv_transfer_params, local,
                                 num_external_tokens, len(request.prompt_token_ids or ()))
+        if self._trace and num_external_tokens > 0:
+            self._traced.add(request.request_id)
+            _trace(request.request_id, "allocated")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -129,6 +143,11 @@ class DatadistConnector(KVConnectorBase_V1):
                 scheduler_output.num_scheduled_tokens)
         meta = self._sched.build_meta()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self._trace:  # a loaded request's (or a local one's) first computing step
+            for r in scheduler_output.scheduled_new_reqs:
+                if scheduler_output.num_scheduled_tokens.get(r.req_id, 0) > 0:
+                    self._traced.discard(r.req_id)
+                    _trace(r.req_id, f"scheduled ({r.num_computed_tokens} computed)")
         return DatadistConnectorMetadata(meta)
 
     def request_finished(self, request: Request,
@@ -145,6 +164,9 @@ class DatadistConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         self._sched.sent(connector_output.finished_sending or ())
+        if self._trace:
+            for rid in connector_output.finished_recving or ():
+                _trace(rid, "learned")
 
     def set_xfer_handshake_metadata(
             self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -232,6 +254,9 @@ class DatadistConnector(KVConnectorBase_V1):
                 and isinstance(meta, DatadistConnectorMetadata) and meta.step.idle
                 and self._worker.wait_recv(self.settings.idle_wait_ms / 1e3)):
             recv, failed = self._worker.poll_recv()
+        if self._trace:
+            for rid in recv:
+                _trace(rid, "reported")
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recv,
                                           failed_recving=failed)
 
@@ -242,7 +267,9 @@ class DatadistConnector(KVConnectorBase_V1):
     def _on_pulled(self, task: RecvTask) -> None:
         """Called from ``get_finished`` (the worker's thread) after a request's blocks arrived in
         ``task.local_block_ids``, before vLLM is told. A hook for subclasses (the tests
-        corrupt the KV here); does nothing."""
+        corrupt the KV here); traces the pull's end."""
+        if self._trace:
+            _trace(task.request_id, "pulled")
 
     @property
     def worker(self) -> DatadistWorker | None:
