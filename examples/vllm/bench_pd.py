@@ -1,28 +1,35 @@
-"""Decode time-to-first-token and KV transfer time: DatadistConnector vs NixlConnector.
+"""Decode time-to-first-token and exposed KV transfer: DatadistConnector against the peers.
 
-    python examples/vllm/bench_pd.py --connector datadist --tokens 1000 --requests 5
-    python examples/vllm/bench_pd.py --connector datadist-layerwise --tokens 1000 --requests 5
-    python examples/vllm/bench_pd.py --connector nixl     --tokens 1000 --requests 5
-    python examples/vllm/bench_pd.py --connector nixl-tuned --tokens 1000 --requests 5
+    python examples/vllm/bench_pd.py --connector datadist --tokens 257 993 4001 --requests 4 \
+        --local --rate 1.5 0.4 0.08 --rate-requests 5
+    # --connector datadist | datadist-layerwise | nixl | nixl-tuned | mooncake
 
-Starts a prefill and a decode vLLM engine (offline ``LLM`` API, each in its own process) with
-the chosen connector on a locally made random-weight Llama (8 layers, 8 KV heads x 64, fp32:
-32 KiB of KV per token), then, one request at a time: prefill with ``max_tokens=1``, decode
-with ``max_tokens=1`` and the prefill's ``kv_transfer_params``. Reports per request the
-decode call's wall time (TTFT on the decode instance, transfer included) and, for datadist,
-the pull time its worker logs, and where the time between the pull's end and the decode's
-first token goes (the worker's log timestamps against the engine call's return).
+Starts a prefill and a decode vLLM engine (``AsyncLLM``, as a server runs it, each in its
+own process tree) with the chosen connector on a locally made random-weight Llama (8 layers,
+8 KV heads x 64, fp32: 32 KiB of KV per token), prefill on CPU 0 and decode on CPU 1, and
+routes each request as a P/D router does: prefill with ``max_tokens=1``, then decode with
+``max_tokens=1`` and the prefill's ``kv_transfer_params`` (layer-wise: both at once, one
+tag; Mooncake: the router names the prefill's bootstrap server and a ``transfer_id``).
 
-``datadist-layerwise`` runs the connectors with ``mode="layerwise"`` and routes as a
-layer-wise router does: each request goes to both engines at once (one tag), the decoder
-pulls each layer as the prefill says it saved it. Its figure to compare is the decode's
-first token *after the prefill's* (``after prefill``): for the pull modes that is the decode
-call's time (it starts when the prefill's answer is in), for the layer-wise mode the decode's
-end minus the prefill's end; and ``last layer written to all in``: the prefill's log line
-saying its last layer is written to the decoder's saying every layer is in (wall clocks, one
-host). NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch
-first) and runs with ``kv_buffer_device="cpu"``, UCX backend; ``nixl-tuned`` removes the two
-things that slow it on a CPU host, from outside vLLM (``nixl_tuned/sitecustomize.py``).
+Passes, per prompt length: ``--local`` first (the decode engine with the prompt's KV already
+local, a prefix hit, sent as the prefill engine answers a short request, so both engines are
+as busy as in a P/D request); then one request at a time (the first of each length warms
+up); then, with ``--rate``, requests arriving at that steady rate (``--arrivals poisson`` or
+``fixed``), several in flight. Reported per pass: the decode's first token after the
+prefill's answer (the decode call; layer-wise: the decode's end minus the prefill's), minus
+the local hit's median: the *exposed transfer*; arrival to first token; and, for datadist,
+the connector's trace (``kv_connector_extra_config["trace"]``, wall clocks in both engines'
+logs): decode call -> allocated (scheduler) -> pulled (worker: the KV is in and checked) ->
+reported (the worker's ``get_finished`` returns it) -> learned (the scheduler's
+``update_connector_output``) -> scheduled (the request's computing step) -> answer (the
+front end's output); layer-wise also the prefill's last layer written -> all in.
+
+NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch first) and runs with
+``kv_buffer_device="cpu"``, UCX backend; ``nixl-tuned`` removes the two things that slow it
+on a CPU host, from outside vLLM (``nixl_tuned/sitecustomize.py``). ``mooncake`` runs vLLM's
+MooncakeConnector over TCP (``mooncake-transfer-engine-non-cuda``); vLLM 0.32's worker
+asks torch for an accelerator at start, which ``mooncake_cpu/sitecustomize.py`` answers on a
+CPU host (docs/vllm.md, "Speed").
 """
 
 from __future__ import annotations
@@ -319,6 +326,10 @@ def main() -> int:
             tuned = str(Path(__file__).resolve().parent / "nixl_tuned")
             env.update(BENCH_PD_NIXL_TUNED="1", PYTHONPATH=os.pathsep.join(
                 [tuned, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        if args.connector == "mooncake":  # its worker asks for an accelerator
+            shim = str(Path(__file__).resolve().parent / "mooncake_cpu")
+            env.update(BENCH_PD_MOONCAKE_CPU="1", PYTHONPATH=os.pathsep.join(
+                [shim, *filter(None, [os.environ.get("PYTHONPATH")])]))
         procs[name] = Proc([sys.executable, __file__, "--node", str(model), role,
                             args.connector], env, work / f"{name}.log")
     import random
@@ -437,7 +448,10 @@ def main() -> int:
                        "rate": rate, "arrivals": args.arrivals if rates else None,
                        "after_prefill": after, "e2e": e2e, "steps": steps,
                        "exposed_ms": None if exposed is None else exposed * 1e3,
-                       "same": same, "n": len(rows), "load": [load0, load1]}
+                       "same": same, "n": len(rows), "load": [load0, load1],
+                       "requests": [[r["dec"]["id"], r["dec"]["tokens"] == r["pre"]["tokens"],
+                                     r["pre"]["start"], r["pre"]["end"], r["dec"]["start"],
+                                     r["dec"]["end"]] for r in rows]}
                 emit(rec)
                 print(f"{args.connector}, {label}"
                       + (f" ({rate:g}/s, {args.arrivals})" if rates else "")

@@ -102,6 +102,10 @@ class DatadistConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         # The step whose layer-wise requests the producer has (prefill worker).
         self._lw_meta: DatadistConnectorMetadata | None = None
+        # The step whose holds and pulls were started (worker), and what a poll at that
+        # start found finished (requests, failed ones): get_finished reports them.
+        self._started: DatadistConnectorMetadata | None = None
+        self._early: tuple[set[str], set[str]] = (set(), set())
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self.settings, engine_id=str(ktc.engine_id),
@@ -190,10 +194,33 @@ class DatadistConnector(KVConnectorBase_V1):
         a = self._worker.address
         return DatadistHandshakeMetadata(a.host, a.port, a.cluster_id)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds a step's metadata before the step's forward; the step's holds and pulls
+        start here. vLLM 0.32 calls ``start_load_kv`` only *after* the forward when no load
+        is synchronous (``KVConnectorModelRunnerMixin._get_kv_connector_output``): started
+        there, a producer busy with another request's long prefill marked a finished
+        request HELD seconds late (past the decoder's ``hold_grace_s``: the pull failed and
+        the decoder recomputed), and a decoder's pulls waited for the other requests'
+        forward. Never blocks (``hold`` writes local memory; pulls are issued, not waited)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata,
+                                                   DatadistConnectorMetadata):
+            self._start_step(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
+        self._start_step(meta)  # done at bind already, unless a caller skipped it
+
+    def _start_step(self, meta: DatadistConnectorMetadata) -> None:
+        """Once per step: hold the finished requests (mailbox HELD), queue the pulls and
+        issue their first transfers, hand the layer-wise requests over. What the decoder's
+        poll finds finished here is reported by this step's ``get_finished``."""
+        assert self._worker is not None
+        if meta is self._started:
+            return
+        self._started = meta
         step = meta.step
         if step.send:
             self._worker.hold(step.send)
@@ -201,6 +228,10 @@ class DatadistConnector(KVConnectorBase_V1):
             self._worker.submit(step.recv)
         if step.lw_recv:
             self._worker.submit_layerwise(step.lw_recv)
+        if (step.recv or step.lw_recv) and self._worker.consumer:
+            done, failed = self._worker.poll_recv()  # issues the mailbox reads and pulls
+            self._early[0].update(done)
+            self._early[1].update(failed)
         self._begin_layerwise_step(meta)
 
     def _begin_layerwise_step(self, meta: DatadistConnectorMetadata) -> None:
@@ -246,6 +277,9 @@ class DatadistConnector(KVConnectorBase_V1):
         assert self._worker is not None
         sent = self._worker.poll_sent() if self._worker.producer else set()
         recv, failed = self._worker.poll_recv() if self._worker.consumer else (set(), set())
+        if self._early[0] or self._early[1]:
+            recv, failed = recv | self._early[0] | self._early[1], failed | self._early[1]
+            self._early = (set(), set())
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         # Nothing else runs in this engine: rather than end the step and learn of the
         # transfer's end one empty step (a 1 ms sleep and two process hops) later, wait here
