@@ -202,12 +202,15 @@ def drive(procs: dict[str, Proc], connector: str, prompts: list[list[int]],
     nxt = 0
     deadline = time.monotonic() + 900 + 60 * n
     layerwise = connector == "datadist-layerwise"
-    while sum("dec" in r for r in rows.values()) < n:
+    def done(r: dict) -> bool:  # layer-wise: the decode may answer before the prefill
+        return "dec" in r and "pre" in r
+
+    while sum(map(done, rows.values())) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{n - len(rows)} requests unanswered")
         now = time.time()
         due = nxt < n and (now >= t0 + arrivals[nxt] if arrivals is not None
-                           else all("dec" in r for r in rows.values()))
+                           else all(map(done, rows.values())))
         if due:
             rid = f"{prefix}{nxt}"
             prompt = prompts[nxt]
