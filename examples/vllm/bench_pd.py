@@ -84,6 +84,9 @@ def node(model: str, role: str, connector: str) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if os.environ.get("BENCH_PD_CPUS"):  # --bind-all: the engine's every process
+        os.sched_setaffinity(0, {int(c) for c in os.environ["BENCH_PD_CPUS"].split(",")})
+
     async def serve() -> None:
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=model, load_format="dummy", dtype="float32", block_size=32,
@@ -286,6 +289,9 @@ def main() -> int:
     ap.add_argument("--extra", default="{}", help="datadist's kv_connector_extra_config "
                     "(JSON), e.g. '{\"idle_wait_ms\": 0}'")
     ap.add_argument("--json", help="append one JSON line per pass to this file")
+    ap.add_argument("--bind-all", action="store_true",
+                    help="bind each engine's every process (front end, engine core, worker) "
+                    "to its CPU, not only the worker's compute threads")
     ap.add_argument("--node", nargs=3, metavar=("MODEL", "ROLE", "CONNECTOR"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -325,6 +331,10 @@ def main() -> int:
             str(cpus[i]) if len(cpus) >= 2 else "nobind")
         env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i),
                    VLLM_CPU_OMP_THREADS_BIND=bind)
+        if args.bind_all and bind != "nobind":  # "0", "0-3", "0,2": as vLLM reads it
+            env["BENCH_PD_CPUS"] = ",".join(
+                str(c) for part in bind.split(",") for c in range(
+                    int(part.split("-")[0]), int(part.split("-")[-1]) + 1))
         if args.connector == "nixl-tuned":  # every process of the engine runs it at start
             tuned = str(Path(__file__).resolve().parent / "nixl_tuned")
             env.update(BENCH_PD_NIXL_TUNED="1", PYTHONPATH=os.pathsep.join(
