@@ -57,7 +57,6 @@ def _connector(cls: Any, worker: DatadistWorker) -> Any:
     conn._worker = worker
     conn._sched = None
     conn._trace = False
-    conn._traced = set()
     conn._lw_meta = None
     conn._started = None
     conn._early = (set(), set())

@@ -6,7 +6,9 @@ parameter names, so routers written for NIXL work unchanged (see docs/vllm.md).
 
 The decode side loads asynchronously (``get_num_new_matched_tokens`` returns ``load_async``):
 the request waits in WAITING_FOR_REMOTE_KVS until ``get_finished`` reports its pull, so no
-forward pass ever waits for a layer and ``wait_for_layer_load`` has nothing to do. In the
+forward pass ever waits for a layer and ``wait_for_layer_load`` has nothing to do. A step's
+holds (prefill) and pulls (decode) start when vLLM binds the step's metadata, before its
+forward (vLLM 0.32 calls ``start_load_kv`` after it). In the
 layer-wise mode (``kv_connector_extra_config["mode"] = "layerwise"``, layerwise.py) the
 prefill side's ``save_kv_layer`` records that the layer is written (no transfer) and the
 decode side pulls it, overlapping the prefill's forward. Failures are reported as
@@ -94,7 +96,6 @@ class DatadistConnector(KVConnectorBase_V1):
         # Timestamps of each request's steps in the log (bench_pd.py's breakdown of the time
         # from the pull's end to the first token); off by default.
         self._trace = bool((ktc.kv_connector_extra_config or {}).get("trace", False))
-        self._traced: set[str] = set()  # scheduler: requests loaded, not yet computed
         producer, consumer = kind in ("producer", "both"), kind in ("consumer", "both")
         self._sched: SchedulerSide | None = None
         self._worker: DatadistWorker | None = None
@@ -130,7 +131,6 @@ class DatadistConnector(KVConnectorBase_V1):
         self._sched.after_alloc(request.request_id, request.kv_transfer_params, local,
                                 num_external_tokens, len(request.prompt_token_ids or ()))
         if self._trace and num_external_tokens > 0:
-            self._traced.add(request.request_id)
             _trace(request.request_id, "allocated")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -150,7 +150,6 @@ class DatadistConnector(KVConnectorBase_V1):
         if self._trace:  # a loaded request's (or a local one's) first computing step
             for r in scheduler_output.scheduled_new_reqs:
                 if scheduler_output.num_scheduled_tokens.get(r.req_id, 0) > 0:
-                    self._traced.discard(r.req_id)
                     _trace(r.req_id, f"scheduled ({r.num_computed_tokens} computed)")
         return DatadistConnectorMetadata(meta)
 
@@ -299,7 +298,8 @@ class DatadistConnector(KVConnectorBase_V1):
             self._worker.close()
 
     def _on_pulled(self, task: RecvTask) -> None:
-        """Called from ``get_finished`` (the worker's thread) after a request's blocks arrived in
+        """Called from the worker's thread (``get_finished``, or the step's start at
+        ``bind_connector_metadata``) after a request's blocks arrived in
         ``task.local_block_ids``, before vLLM is told. A hook for subclasses (the tests
         corrupt the KV here); traces the pull's end."""
         if self._trace:
