@@ -1,28 +1,35 @@
-"""Decode time-to-first-token and KV transfer time: DatadistConnector vs NixlConnector.
+"""Decode time-to-first-token and exposed KV transfer: DatadistConnector against the peers.
 
-    python examples/vllm/bench_pd.py --connector datadist --tokens 1000 --requests 5
-    python examples/vllm/bench_pd.py --connector datadist-layerwise --tokens 1000 --requests 5
-    python examples/vllm/bench_pd.py --connector nixl     --tokens 1000 --requests 5
-    python examples/vllm/bench_pd.py --connector nixl-tuned --tokens 1000 --requests 5
+    python examples/vllm/bench_pd.py --connector datadist --tokens 257 993 4001 --requests 4 \
+        --local --rate 1.5 0.4 0.08 --rate-requests 5
+    # --connector datadist | datadist-layerwise | nixl | nixl-tuned | mooncake
 
-Starts a prefill and a decode vLLM engine (offline ``LLM`` API, each in its own process) with
-the chosen connector on a locally made random-weight Llama (8 layers, 8 KV heads x 64, fp32:
-32 KiB of KV per token), then, one request at a time: prefill with ``max_tokens=1``, decode
-with ``max_tokens=1`` and the prefill's ``kv_transfer_params``. Reports per request the
-decode call's wall time (TTFT on the decode instance, transfer included) and, for datadist,
-the pull time its worker logs, and where the time between the pull's end and the decode's
-first token goes (the worker's log timestamps against the engine call's return).
+Starts a prefill and a decode vLLM engine (``AsyncLLM``, as a server runs it, each in its
+own process tree) with the chosen connector on a locally made random-weight Llama (8 layers,
+8 KV heads x 64, fp32: 32 KiB of KV per token), prefill on CPU 0 and decode on CPU 1, and
+routes each request as a P/D router does: prefill with ``max_tokens=1``, then decode with
+``max_tokens=1`` and the prefill's ``kv_transfer_params`` (layer-wise: both at once, one
+tag; Mooncake: the router names the prefill's bootstrap server and a ``transfer_id``).
 
-``datadist-layerwise`` runs the connectors with ``mode="layerwise"`` and routes as a
-layer-wise router does: each request goes to both engines at once (one tag), the decoder
-pulls each layer as the prefill says it saved it. Its figure to compare is the decode's
-first token *after the prefill's* (``after prefill``): for the pull modes that is the decode
-call's time (it starts when the prefill's answer is in), for the layer-wise mode the decode's
-end minus the prefill's end; and ``last layer written to all in``: the prefill's log line
-saying its last layer is written to the decoder's saying every layer is in (wall clocks, one
-host). NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch
-first) and runs with ``kv_buffer_device="cpu"``, UCX backend; ``nixl-tuned`` removes the two
-things that slow it on a CPU host, from outside vLLM (``nixl_tuned/sitecustomize.py``).
+Passes, per prompt length: ``--local`` first (the decode engine with the prompt's KV already
+local, a prefix hit, sent as the prefill engine answers a short request, so both engines are
+as busy as in a P/D request); then one request at a time (the first of each length warms
+up); then, with ``--rate``, requests arriving at that steady rate (``--arrivals poisson`` or
+``fixed``), several in flight. Reported per pass: the decode's first token after the
+prefill's answer (the decode call; layer-wise: the decode's end minus the prefill's), minus
+the local hit's median: the *exposed transfer*; arrival to first token; and, for datadist,
+the connector's trace (``kv_connector_extra_config["trace"]``, wall clocks in both engines'
+logs): decode call -> allocated (scheduler) -> pulled (worker: the KV is in and checked) ->
+reported (the worker's ``get_finished`` returns it) -> learned (the scheduler's
+``update_connector_output``) -> scheduled (the request's computing step) -> answer (the
+front end's output); layer-wise also the prefill's last layer written -> all in.
+
+NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch first) and runs with
+``kv_buffer_device="cpu"``, UCX backend; ``nixl-tuned`` removes the two things that slow it
+on a CPU host, from outside vLLM (``nixl_tuned/sitecustomize.py``). ``mooncake`` runs vLLM's
+MooncakeConnector over TCP (``mooncake-transfer-engine-non-cuda``); vLLM 0.32's worker
+asks torch for an accelerator at start, which ``mooncake_cpu/sitecustomize.py`` answers on a
+CPU host (docs/vllm.md, "Speed").
 """
 
 from __future__ import annotations
@@ -41,51 +48,87 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 LAYERS, HIDDEN, HEADS = 8, 512, 8
 
 
-def node(model: str, role: str, connector: str) -> None:
-    from vllm import LLM, SamplingParams
+def _ktc(role: str, connector: str) -> Any:
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     if connector.startswith("nixl"):
-        ktc = KVTransferConfig(kv_connector="NixlConnector", kv_role=role,
-                               kv_buffer_device="cpu")
-    else:
-        ktc = KVTransferConfig(kv_connector="DatadistConnector",
-                               kv_connector_module_path="datadist.integrations.vllm",
-                               kv_role=role, kv_connector_extra_config={
-                                   **json.loads(os.environ.get("BENCH_PD_EXTRA", "{}")),
-                                   "mode": "layerwise" if connector.endswith("layerwise")
-                                   else "pull"})
-    llm = LLM(model=model, load_format="dummy", dtype="float32", block_size=32,
-              max_model_len=int(os.environ.get("BENCH_PD_MAX_LEN", "2048")), max_num_seqs=4,
-              enforce_eager=True, seed=0,
-              kv_transfer_config=ktc,
-              # the decode engine's "local" figure is a prefix hit (--local); the prompts are
-              # random, so no connector run hits its cache
-              enable_prefix_caching=role == "kv_consumer")
-    print("READY", flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
-                            extra_args={"kv_transfer_params": req["params"]})
-        start = time.time()
-        t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])], [sp],
-                           use_tqdm=False)[0]
-        dt = time.perf_counter() - t0
-        print("@@" + json.dumps({"params": out.kv_transfer_params, "seconds": dt,
-                                 "start": start, "end": time.time(),
-                                 "tokens": list(out.outputs[0].token_ids)}), flush=True)
+        return KVTransferConfig(kv_connector="NixlConnector", kv_role=role,
+                                kv_buffer_device="cpu")
+    if connector == "mooncake":  # TCP: no RDMA device here
+        return KVTransferConfig(kv_connector="MooncakeConnector", kv_role=role,
+                                engine_id=f"bench-{role}",
+                                kv_connector_extra_config={"mooncake_protocol": "tcp"})
+    return KVTransferConfig(kv_connector="DatadistConnector",
+                            kv_connector_module_path="datadist.integrations.vllm",
+                            kv_role=role, kv_connector_extra_config={
+                                "trace": True,  # the per-request timestamps read below
+                                **json.loads(os.environ.get("BENCH_PD_EXTRA", "{}")),
+                                "mode": "layerwise" if connector.endswith("layerwise")
+                                else "pull"})
 
 
-def _stamp(text: str) -> float:
-    """A log record's asctime ("2026-12-06 23:52:09,464", local time) as epoch seconds."""
-    day, _, ms = text.partition(",")
-    return time.mktime(time.strptime(day, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1e3
+def node(model: str, role: str, connector: str) -> None:
+    """One engine (vLLM's AsyncLLM, as a server runs it): each stdin line is a request
+    (``id``, ``prompt``, ``params``), answered on stdout (``@@`` + JSON) when its one token is
+    out; requests run concurrently (the rate mode)."""
+    import asyncio
+    import threading
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if os.environ.get("BENCH_PD_CPUS"):  # --bind-all: the engine's every process
+        os.sched_setaffinity(0, {int(c) for c in os.environ["BENCH_PD_CPUS"].split(",")})
+
+    async def serve() -> None:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model, load_format="dummy", dtype="float32", block_size=32,
+            max_model_len=int(os.environ.get("BENCH_PD_MAX_LEN", "2048")), max_num_seqs=8,
+            enforce_eager=True, seed=0, kv_transfer_config=_ktc(role, connector),
+            # the decode engine's "local" figure is a prefix hit (--local); the prompts are
+            # random, so no connector run hits its cache
+            enable_prefix_caching=role == "kv_consumer"))
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def read() -> None:
+            for ln in sys.stdin:
+                loop.call_soon_threadsafe(lines.put_nowait, ln)
+            loop.call_soon_threadsafe(lines.put_nowait, None)
+
+        threading.Thread(target=read, daemon=True).start()
+
+        async def one(req: dict) -> None:
+            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                extra_args={"kv_transfer_params": req["params"]})
+            start = time.time()
+            t0 = time.perf_counter()
+            out = None
+            async for o in engine.generate(TokensPrompt(prompt_token_ids=req["prompt"]),
+                                           sp, request_id=req["id"]):
+                out = o
+            dt = time.perf_counter() - t0
+            assert out is not None
+            print("@@" + json.dumps({"id": req["id"], "params": out.kv_transfer_params,
+                                     "seconds": dt, "start": start, "end": time.time(),
+                                     "tokens": list(out.outputs[0].token_ids)}), flush=True)
+
+        running = set()
+        print("READY", flush=True)
+        while (ln := await lines.get()) is not None:
+            task = asyncio.create_task(one(json.loads(ln)))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        engine.shutdown()
+
+    asyncio.run(serve())
 
 
 class Proc:
@@ -96,31 +139,33 @@ class Proc:
                                   start_new_session=True)  # stop() ends the engine's children
         self.buf = b""
 
-    def line(self, timeout: float = 600) -> str:
+    def take(self) -> str | None:
+        """A complete READY or answer line already read, else None."""
+        while b"\n" in self.buf:
+            ln, _, self.buf = self.buf.partition(b"\n")
+            s = ln.decode(errors="replace")
+            if s == "READY" or s.startswith("@@"):
+                return s
+        return None
+
+    def fill(self) -> None:
+        chunk = os.read(self.p.stdout.fileno(), 65536)
+        if not chunk:
+            raise RuntimeError(f"engine exited; see {self.log}")
+        self.buf += chunk
+
+    def line(self, timeout: float = 900) -> str:
         end = time.monotonic() + timeout
-        while True:
-            while b"\n" in self.buf:
-                ln, _, self.buf = self.buf.partition(b"\n")
-                s = ln.decode(errors="replace")
-                if s == "READY" or s.startswith("@@"):
-                    return s
+        while (s := self.take()) is None:
             if not select.select([self.p.stdout], [], [], max(0.0, end - time.monotonic()))[0]:
                 raise TimeoutError(f"no answer; see {self.log}")
-            chunk = os.read(self.p.stdout.fileno(), 65536)
-            if not chunk:
-                raise RuntimeError(f"engine exited; see {self.log}")
-            self.buf += chunk
+            self.fill()
+        return s
 
-    def send(self, prompt: list[int], params: dict | None) -> None:
-        self.p.stdin.write((json.dumps({"prompt": prompt, "params": params}) + "\n").encode())
+    def send(self, rid: str, prompt: list[int], params: dict | None) -> None:
+        self.p.stdin.write((json.dumps({"id": rid, "prompt": prompt, "params": params})
+                            + "\n").encode())
         self.p.stdin.flush()
-
-    def answer(self) -> dict:
-        return json.loads(self.line()[2:])
-
-    def ask(self, prompt: list[int], params: dict | None) -> dict:
-        self.send(prompt, params)
-        return self.answer()
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -128,24 +173,133 @@ class Proc:
         self.p.wait(30)
 
 
+def drain(p: Proc) -> list[str]:
+    out = []
+    while (s := p.take()) is not None:
+        out.append(s)
+    return out
+
+
+def answers(procs: dict[str, Proc], timeout: float) -> list[tuple[str, dict]]:
+    """The engines' answers read within ``timeout`` seconds: (engine name, answer)."""
+    out = [(n, json.loads(s[2:])) for n, p in procs.items() for s in drain(p)]
+    if out:
+        return out
+    ready = select.select([p.p.stdout for p in procs.values()], [], [], max(0.0, timeout))[0]
+    for p in procs.values():
+        if p.p.stdout in ready:
+            p.fill()
+    return [(n, json.loads(s[2:])) for n, p in procs.items() for s in drain(p)]
+
+
+def drive(procs: dict[str, Proc], connector: str, prompts: list[list[int]],
+          arrivals: list[float] | None, prefix: str, workers: dict | None) -> list[dict]:
+    """Run ``prompts`` through the pair, as a router would: one at a time (``arrivals``
+    None: each request starts when the previous one's decode answered) or at the given
+    offsets (seconds from the start; the rate mode). Pull modes (datadist, NIXL, Mooncake):
+    the prefill first, the decode once the prefill's answer is in; layer-wise: both at
+    once, one tag. Returns per request its arrival and both engines' answers."""
+    n = len(prompts)
+    rows: dict[str, dict] = {}
+    t0 = time.time()
+    nxt = 0
+    deadline = time.monotonic() + 900 + 60 * n
+    layerwise = connector == "datadist-layerwise"
+    def done(r: dict) -> bool:  # layer-wise: the decode may answer before the prefill
+        return "dec" in r and "pre" in r
+
+    while sum(map(done, rows.values())) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n - len(rows)} requests unanswered")
+        now = time.time()
+        due = nxt < n and (now >= t0 + arrivals[nxt] if arrivals is not None
+                           else all(map(done, rows.values())))
+        if due:
+            rid = f"{prefix}{nxt}"
+            prompt = prompts[nxt]
+            rows[rid] = {"arrival": now, "prompt": prompt}
+            if layerwise:
+                assert workers is not None
+                tag = secrets.token_hex(16)
+                procs["decode"].send(rid, prompt, {"do_remote_prefill": True, "datadist": {
+                    "mode": "layerwise", "tag": tag, "workers": workers["workers"],
+                    "block_size": workers["block_size"]}})
+                procs["prefill"].send(rid, prompt, {"do_remote_decode": True, "datadist": {
+                    "mode": "layerwise", "tag": tag}})
+            else:
+                params: dict[str, Any] = {"do_remote_decode": True}
+                if connector == "mooncake":
+                    params["transfer_id"] = rid
+                procs["prefill"].send(rid, prompt, params)
+            nxt += 1
+            continue
+        wait = (t0 + arrivals[nxt] - now) if arrivals is not None and nxt < n else 1.0
+        for name, a in answers(procs, wait):
+            row = rows[a["id"]]
+            if name == "prefill":
+                row["pre"] = a
+                if layerwise:
+                    continue
+                params = a["params"]
+                if connector == "mooncake":  # the router names the prefill's bootstrap
+                    params = {"do_remote_prefill": True, "transfer_id": a["id"],
+                              "remote_engine_id": "bench-kv_producer",
+                              "remote_bootstrap_addr": "http://127.0.0.1:"
+                              + os.environ["BENCH_PD_MOONCAKE_PORT"]}
+                procs["decode"].send(a["id"], row["prompt"], params)
+            else:
+                row["dec"] = a
+    return [rows[f"{prefix}{i}"] for i in range(n)]
+
+
+def traces(log: str) -> dict[str, dict[str, float]]:
+    """The connector's trace lines (connector.py ``_trace``): request id -> event -> time.
+    vLLM may suffix the id it was given; the bench's ids are ``<letter><digits>x<digits>``."""
+    out: dict[str, dict[str, float]] = {}
+    for rid, event, at in re.findall(
+            r"datadist trace: ([a-z]\d+x\d+)\S* (\w+)[^\n]* at ([\d.]+)", log):
+        out.setdefault(rid, {}).setdefault(event, float(at))
+    return out
+
+
+def med(xs: list[float], scale: float = 1e3) -> str:
+    """median [min-max] in ms."""
+    if not xs:
+        return "-"
+    return (f"{statistics.median(xs) * scale:.1f} [{min(xs) * scale:.1f}-"
+            f"{max(xs) * scale:.1f}]")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connector", choices=("datadist", "datadist-layerwise", "nixl",
-                                            "nixl-tuned"),
+                                            "nixl-tuned", "mooncake"),
                     default="datadist")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1000],
                     help="prompt lengths (one engine pair runs each in turn)")
     ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--rate", type=float, nargs="+", default=[],
+                    help="also run each length at a steady rate, requests/s (one value, or "
+                    "one per --tokens)")
+    ap.add_argument("--rate-requests", type=int, default=0,
+                    help="requests per length at --rate (default: --requests)")
+    ap.add_argument("--arrivals", choices=("poisson", "fixed"), default="poisson")
     ap.add_argument("--local", action="store_true",
                     help="also time each length with the prompt's KV already local")
     ap.add_argument("--extra", default="{}", help="datadist's kv_connector_extra_config "
                     "(JSON), e.g. '{\"idle_wait_ms\": 0}'")
+    ap.add_argument("--json", help="append one JSON line per pass to this file")
+    ap.add_argument("--bind-all", action="store_true",
+                    help="bind each engine's every process (front end, engine core, worker) "
+                    "to its CPU, not only the worker's compute threads")
     ap.add_argument("--node", nargs=3, metavar=("MODEL", "ROLE", "CONNECTOR"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.node:
         node(*args.node)
         return 0
+    if args.rate and len(args.rate) not in (1, len(args.tokens)):
+        ap.error("--rate takes one value or one per --tokens")
     from datadist.integrations.vllm.tiny_model import make_tiny_llama
 
     work = Path(tempfile.mkdtemp(prefix="bench_pd_"))
@@ -167,7 +321,9 @@ def main() -> int:
                 BENCH_PD_MAX_LEN=str(max(2048, -(-(max(args.tokens) + 64) // 1024) * 1024)),
                 # the tiny model says 2048 positions; random weights do not mind longer prompts
                 VLLM_ALLOW_LONG_MAX_MODEL_LEN="1",
-                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                VLLM_MOONCAKE_BOOTSTRAP_PORT="25700", BENCH_PD_MOONCAKE_PORT="25700")
+    os.environ["BENCH_PD_MOONCAKE_PORT"] = "25700"
     cpus = sorted(os.sched_getaffinity(0))
     procs = {}
     for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
@@ -175,99 +331,151 @@ def main() -> int:
             str(cpus[i]) if len(cpus) >= 2 else "nobind")
         env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(25600 + 10 * i),
                    VLLM_CPU_OMP_THREADS_BIND=bind)
+        if args.bind_all and bind != "nobind":  # "0", "0-3", "0,2": as vLLM reads it
+            env["BENCH_PD_CPUS"] = ",".join(
+                str(c) for part in bind.split(",") for c in range(
+                    int(part.split("-")[0]), int(part.split("-")[-1]) + 1))
         if args.connector == "nixl-tuned":  # every process of the engine runs it at start
             tuned = str(Path(__file__).resolve().parent / "nixl_tuned")
             env.update(BENCH_PD_NIXL_TUNED="1", PYTHONPATH=os.pathsep.join(
                 [tuned, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        if args.connector == "mooncake":  # its worker asks for an accelerator
+            shim = str(Path(__file__).resolve().parent / "mooncake_cpu")
+            env.update(BENCH_PD_MOONCAKE_CPU="1", PYTHONPATH=os.pathsep.join(
+                [shim, *filter(None, [os.environ.get("PYTHONPATH")])]))
         procs[name] = Proc([sys.executable, __file__, "--node", str(model), role,
                             args.connector], env, work / f"{name}.log")
+    import random
+
+    rnd = random.Random(0)
+    report: list[dict] = []
+
+    def emit(rec: dict) -> None:
+        report.append(rec)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
     try:
         for p in procs.values():
             assert p.line() == "READY"
-        import random
-
-        rnd = random.Random(0)
         layerwise = args.connector == "datadist-layerwise"
         workers = None
         if layerwise:  # a layer-wise router learns the prefill's workers from any answer
-            hello = procs["prefill"].ask([5, 6, 7], {"do_remote_decode": True,
-                                                     "datadist": {"mode": "layerwise"}})
-            workers = hello["params"]["datadist"]
-        seen = 0  # decode log characters of earlier lengths
-        for tokens in args.tokens:
-            ttft, after, total, ends, same = [], [], [], [], 0
-            for r in range(args.requests + 1):  # the first one warms up (links, handshakes)
-                prompt = [rnd.randrange(3, 259) for _ in range(tokens)]
-                if layerwise:
-                    assert workers is not None
-                    tag = secrets.token_hex(16)
-                    procs["decode"].send(prompt, {"do_remote_prefill": True, "datadist": {
-                        "mode": "layerwise", "tag": tag, "workers": workers["workers"],
-                        "block_size": workers["block_size"]}})
-                    procs["prefill"].send(prompt, {"do_remote_decode": True, "datadist": {
-                        "mode": "layerwise", "tag": tag}})
-                    pre, dec = procs["prefill"].answer(), procs["decode"].answer()
-                    first = min(pre["start"], dec["start"])
-                    row = (dec["end"] - first, dec["end"] - pre["end"], dec["end"] - first)
-                else:
-                    pre = procs["prefill"].ask(prompt, {"do_remote_decode": True})
-                    dec = procs["decode"].ask(prompt, pre["params"])
-                    row = (dec["seconds"], dec["seconds"], dec["end"] - pre["start"])
-                if r:
-                    ttft.append(row[0])
-                    after.append(row[1])
-                    total.append(row[2])
-                    ends.append(dec["end"])
-                    same += dec["tokens"] == pre["tokens"]
-            log = (work / "decode.log").read_text()[seen:]
-            seen += len(log)
-            pattern = (r"([\d.]+) ms after its record was first read" if layerwise else
-                       r"datadist: pulled request .* in ([\d.]+) ms")
-            pulls = [float(m) for m in re.findall(pattern, log)][1:]
-            # The transfer's end (the worker's log line) to the engine call's return: the step
-            # that learns of it, the scheduler's hand-off, the last token's forward, the output.
-            stamps = [_stamp(m) for m in re.findall(
-                r"^(\S+ \S+) .*datadist: (?:pulled|received) request", log, re.M)][1:]
-            tail = [(e - s) * 1e3 for e, s in zip(ends, stamps, strict=False)]
-            exposed: list[float] = []
-            if layerwise:  # the last layer written (prefill log) to all in (decode log)
-                pre_log = (work / "prefill.log").read_text()
-                written = dict(re.findall(r"\(tag ([0-9a-f]+)\): every layer of \d+ blocks "
-                                          r"written at ([\d.]+)", pre_log))
-                for tag, seen_at in re.findall(r"\(tag:([0-9a-f]+)\): .* seen at ([\d.]+)",
-                                               log)[1:]:
-                    if tag in written:
-                        exposed.append((float(seen_at) - float(written[tag])) * 1e3)
-            kib = tokens * LAYERS * 2 * HIDDEN * 4 / 1024
-
-            def med(xs: list[float], scale: float = 1e3) -> str:
-                if not xs:
-                    return "-"
-                return (f"{statistics.median(xs) * scale:.1f} ms "
-                        f"[{min(xs) * scale:.1f}-{max(xs) * scale:.1f}]")
-
-            print(f"{args.connector}: {args.requests} requests of {tokens} tokens "
-                  f"({kib:.0f} KiB of KV each); median [min-max]: decode TTFT {med(ttft)}; "
-                  f"first token after the prefill's {med(after)}; prefill start to decode "
-                  f"token {med(total)}"
-                  + (f"; datadist transfer {med(pulls, 1)}" if pulls else "")
-                  + (f"; transfer's end to the decode's return {med(tail, 1)}" if tail else "")
-                  + (f"; last layer written to all in {med(exposed, 1)}" if exposed
-                     else "")
-                  + f"; first token equal to the prefill's in {same}/{args.requests}")
-        if args.local:  # the same decode engine, each prompt's KV already local
+            procs["prefill"].send("h0", [5, 6, 7], {"do_remote_decode": True,
+                                                    "datadist": {"mode": "layerwise"}})
+            workers = json.loads(procs["prefill"].line()[2:])["params"]["datadist"]
+        local: dict[int, list[float]] = {}
+        if args.local:  # the decode engine, each prompt's KV already local: TTFT of a hit
             for tokens in args.tokens:
-                hit = []
+                hit, sched = [], []
                 for r in range(args.requests + 1):
                     prompt = [rnd.randrange(3, 259) for _ in range(tokens)]
-                    procs["decode"].ask(prompt, None)  # computes it: its blocks stay cached
-                    again = procs["decode"].ask(prompt, None)
+                    procs["decode"].send(f"a{tokens}x{r}", prompt, None)  # now it is cached
+                    procs["decode"].line()
+                    # as in a P/D request, the hit comes as the prefill engine answers (its
+                    # processes just active beside the decode's): a short plain request there
+                    procs["prefill"].send(f"p{tokens}x{r}", prompt[:16], None)
+                    procs["prefill"].line()
+                    procs["decode"].send(f"b{tokens}x{r}", prompt, None)
+                    a = json.loads(procs["decode"].line()[2:])
                     if r:
-                        hit.append(again["seconds"])
+                        hit.append(a["seconds"])
+                        sched.append(a)
+                tr = traces((work / "decode.log").read_text())
+                path = [a["end"] - tr[f"b{tokens}x{i + 1}"[:1] + a["id"][1:]]["scheduled"]
+                        for i, a in enumerate(sched) if a["id"] in tr
+                        and "scheduled" in tr[a["id"]]] if not args.connector.startswith(
+                            ("nixl", "mooncake")) else []
+                local[tokens] = hit
+                emit({"pass": "local", "connector": args.connector, "tokens": tokens,
+                      "ttft": hit, "scheduled_to_answer": path, "load": os.getloadavg()})
                 print(f"local: {args.requests} requests of {tokens} tokens, the prompt's KV "
-                      f"already in the decode engine (prefix hit): TTFT median "
-                      f"{statistics.median(hit) * 1e3:.1f} ms [{min(hit) * 1e3:.1f}-"
-                      f"{max(hit) * 1e3:.1f}]")
+                      f"already in the decode engine (prefix hit): TTFT {med(hit)} ms"
+                      + (f"; scheduled to answer {med(path)} ms" if path else "")
+                      + f"; load {os.getloadavg()[0]:.1f}", flush=True)
+        passes = [("one at a time", None)]
+        if args.rate:
+            passes.append(("rate", args.rate))
+        seq = 0
+        for label, rates in passes:
+            for li, tokens in enumerate(args.tokens):
+                n = args.requests if rates is None else (args.rate_requests or args.requests)
+                prompts = [[rnd.randrange(3, 259) for _ in range(tokens)]
+                           for _ in range(n + 1)]
+                arrivals = None
+                rate = 0.0
+                if rates is not None:
+                    rate = rates[li] if len(rates) > 1 else rates[0]
+                    t, arrivals = 0.0, []
+                    for _ in prompts:
+                        arrivals.append(t)
+                        t += rnd.expovariate(rate) if args.arrivals == "poisson" else 1 / rate
+                load0 = os.getloadavg()[0]
+                if rates is not None:  # its warm-up alone, then the rated requests
+                    drive(procs, args.connector, prompts[:1], None, f"w{seq}x", workers)
+                    prompts, arrivals = prompts[1:], [a - arrivals[1] for a in arrivals[1:]]
+                rows = drive(procs, args.connector, prompts, arrivals, f"r{seq}x", workers)
+                seq += 1
+                if rates is None:
+                    rows = rows[1:]  # the first one warmed up (links, handshakes)
+                load1 = os.getloadavg()[0]
+                after, e2e, same = [], [], 0
+                for row in rows:
+                    pre, dec = row["pre"], row["dec"]
+                    # the decode's first token after the prefill's answer: the decode call
+                    # (it starts then) or, layer-wise, the decode's end minus the prefill's
+                    after.append(dec["end"] - pre["end"] if layerwise else dec["seconds"])
+                    e2e.append(dec["end"] - row["arrival"])
+                    same += dec["tokens"] == pre["tokens"]
+                tr = traces((work / "decode.log").read_text())
+                steps: dict[str, list[float]] = {}
+
+                def gap(name: str, a: float | None, b: float | None,
+                        steps: dict[str, list[float]] = steps) -> None:
+                    if a is not None and b is not None:
+                        steps.setdefault(name, []).append(b - a)
+
+                for row in rows:
+                    t = tr.get(row["dec"]["id"], {})
+                    gap("decode call->allocated", row["dec"]["start"], t.get("allocated"))
+                    gap("pulled->reported", t.get("pulled"), t.get("reported"))
+                    gap("reported->learned", t.get("reported"), t.get("learned"))
+                    gap("learned->scheduled", t.get("learned"), t.get("scheduled"))
+                    gap("pulled->scheduled", t.get("pulled"), t.get("scheduled"))
+                    gap("scheduled->answer", t.get("scheduled"), row["dec"]["end"])
+                    gap("allocated->pulled", t.get("allocated"), t.get("pulled"))
+                if layerwise:  # the prefill's last layer written to every layer in
+                    first = min(r["arrival"] for r in rows)
+                    last = max(r["dec"]["end"] for r in rows)
+                    written = dict(re.findall(r"\(tag ([0-9a-f]+)\): every layer of \d+ "
+                                              r"blocks written at ([\d.]+)",
+                                              (work / "prefill.log").read_text()))
+                    for tag, at in re.findall(r"\(tag:([0-9a-f]+)\): .* seen at ([\d.]+)",
+                                              (work / "decode.log").read_text()):
+                        if tag in written and first <= float(at) <= last:
+                            gap("last layer written->all in", float(written[tag]), float(at))
+                hit = local.get(tokens)
+                exposed = (statistics.median(after) - statistics.median(hit)) if hit else None
+                rec = {"pass": label, "connector": args.connector, "tokens": tokens,
+                       "rate": rate, "arrivals": args.arrivals if rates else None,
+                       "after_prefill": after, "e2e": e2e, "steps": steps,
+                       "exposed_ms": None if exposed is None else exposed * 1e3,
+                       "same": same, "n": len(rows), "load": [load0, load1],
+                       "requests": [[r["dec"]["id"], r["dec"]["tokens"] == r["pre"]["tokens"],
+                                     r["pre"]["start"], r["pre"]["end"], r["dec"]["start"],
+                                     r["dec"]["end"]] for r in rows]}
+                emit(rec)
+                print(f"{args.connector}, {label}"
+                      + (f" ({rate:g}/s, {args.arrivals})" if rates else "")
+                      + f": {len(rows)} requests of {tokens} tokens, median [min-max] ms: "
+                      f"decode's first token after the prefill's answer {med(after)}"
+                      + (f" (exposed, minus the local hit's median: {exposed * 1e3:.1f})"
+                         if exposed is not None else "")
+                      + f"; arrival to first token {med(e2e)}"
+                      + "".join(f"; {k} {med(v)}" for k, v in steps.items())
+                      + f"; first token equal to the prefill's in {same}/{len(rows)}"
+                      + f"; load {load0:.1f}-{load1:.1f}", flush=True)
         print(f"logs: {work}")
     finally:
         for p in procs.values():

@@ -6,7 +6,9 @@ parameter names, so routers written for NIXL work unchanged (see docs/vllm.md).
 
 The decode side loads asynchronously (``get_num_new_matched_tokens`` returns ``load_async``):
 the request waits in WAITING_FOR_REMOTE_KVS until ``get_finished`` reports its pull, so no
-forward pass ever waits for a layer and ``wait_for_layer_load`` has nothing to do. In the
+forward pass ever waits for a layer and ``wait_for_layer_load`` has nothing to do. A step's
+holds (prefill) and pulls (decode) start when vLLM binds the step's metadata, before its
+forward (vLLM 0.32 calls ``start_load_kv`` after it). In the
 layer-wise mode (``kv_connector_extra_config["mode"] = "layerwise"``, layerwise.py) the
 prefill side's ``save_kv_layer`` records that the layer is written (no transfer) and the
 decode side pulls it, overlapping the prefill's forward. Failures are reported as
@@ -16,6 +18,7 @@ decode side pulls it, overlapping the prefill's forward. Failures are reported a
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +48,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER_NAME)
 
+
+def _trace(request_id: str, event: str) -> None:
+    """One timestamped step of a request's way through the connector (``trace`` in
+    ``kv_connector_extra_config``): wall clocks, so the two engines' lines (and a bench's
+    own clock) compare on one host. examples/vllm/bench_pd.py reads them."""
+    logger.info("datadist trace: %s %s at %.5f", request_id, event, time.time())
 
 
 @dataclass
@@ -85,6 +94,9 @@ class DatadistConnector(KVConnectorBase_V1):
         if kind is None:
             raise ValueError(f"DatadistConnector: unknown kv_role {ktc.kv_role!r}")
         self.settings = Settings.from_extra_config(ktc.kv_connector_extra_config)
+        # Timestamps of each request's steps in the log (bench_pd.py's breakdown of the time
+        # from the pull's end to the first token); off by default.
+        self._trace = bool((ktc.kv_connector_extra_config or {}).get("trace", False))
         producer, consumer = kind in ("producer", "both"), kind in ("consumer", "both")
         self._sched: SchedulerSide | None = None
         self._worker: DatadistWorker | None = None
@@ -95,6 +107,10 @@ class DatadistConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}
         # The step whose layer-wise requests the producer has (prefill worker).
         self._lw_meta: DatadistConnectorMetadata | None = None
+        # The step whose holds and pulls were started (worker), and what a poll at that
+        # start found finished (requests, failed ones): get_finished reports them.
+        self._started: DatadistConnectorMetadata | None = None
+        self._early: tuple[set[str], set[str]] = (set(), set())
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
                 self.settings, engine_id=str(ktc.engine_id),
@@ -118,6 +134,8 @@ class DatadistConnector(KVConnectorBase_V1):
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self._sched.after_alloc(request.request_id, request.kv_transfer_params, local,
                                 num_external_tokens, len(request.prompt_token_ids or ()))
+        if self._trace and num_external_tokens > 0:
+            _trace(request.request_id, "allocated")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -133,6 +151,10 @@ class DatadistConnector(KVConnectorBase_V1):
                 scheduler_output.num_scheduled_tokens)
         meta = self._sched.build_meta()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        if self._trace:  # a loaded request's (or a local one's) first computing step
+            for r in scheduler_output.scheduled_new_reqs:
+                if scheduler_output.num_scheduled_tokens.get(r.req_id, 0) > 0:
+                    _trace(r.req_id, f"scheduled ({r.num_computed_tokens} computed)")
         return DatadistConnectorMetadata(meta)
 
     def request_finished(self, request: Request,
@@ -149,6 +171,9 @@ class DatadistConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         self._sched.sent(connector_output.finished_sending or ())
+        if self._trace:
+            for rid in connector_output.finished_recving or ():
+                _trace(rid, "learned")
 
     def set_xfer_handshake_metadata(
             self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -185,13 +210,36 @@ class DatadistConnector(KVConnectorBase_V1):
         a = self._worker.address
         return DatadistHandshakeMetadata(a.host, a.port, a.cluster_id)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds a step's metadata before the step's forward; the step's holds and pulls
+        start here. vLLM 0.32 calls ``start_load_kv`` only *after* the forward when no load
+        is synchronous (``KVConnectorModelRunnerMixin._get_kv_connector_output``): started
+        there, a producer busy with another request's long prefill marked a finished
+        request HELD seconds late (past the decoder's ``hold_grace_s``: the pull failed and
+        the decoder recomputed), and a decoder's pulls waited for the other requests'
+        forward. Never blocks (``hold`` writes local memory; pulls are issued, not waited)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata,
+                                                   DatadistConnectorMetadata):
+            self._start_step(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, DatadistConnectorMetadata)
-        step = meta.step
-        if self._staging is not None:
+        if self._staging is not None:  # after the forward: where this step wrote KV
             self._staging.begin_step(forward_context)
+        self._start_step(meta)  # done at bind already, unless a caller skipped it
+
+    def _start_step(self, meta: DatadistConnectorMetadata) -> None:
+        """Once per step: hold the finished requests (mailbox HELD), queue the pulls and
+        issue their first transfers, hand the layer-wise requests over. What the decoder's
+        poll finds finished here is reported by this step's ``get_finished``."""
+        assert self._worker is not None
+        if meta is self._started:
+            return
+        self._started = meta
+        step = meta.step
         if step.send:
             if self._staging is not None:  # once their blocks are in host memory
                 self._staging.hold(step.send)
@@ -201,6 +249,10 @@ class DatadistConnector(KVConnectorBase_V1):
             self._worker.submit(step.recv)
         if step.lw_recv:
             self._worker.submit_layerwise(step.lw_recv)
+        if (step.recv or step.lw_recv) and self._worker.consumer:
+            done, failed = self._worker.poll_recv()  # issues the mailbox reads and pulls
+            self._early[0].update(done)
+            self._early[1].update(failed)
         self._begin_layerwise_step(meta)
 
     def _begin_layerwise_step(self, meta: DatadistConnectorMetadata) -> None:
@@ -265,6 +317,9 @@ class DatadistConnector(KVConnectorBase_V1):
         assert self._worker is not None
         sent = self._worker.poll_sent() if self._worker.producer else set()
         recv, failed = self._worker.poll_recv() if self._worker.consumer else (set(), set())
+        if self._early[0] or self._early[1]:
+            recv, failed = recv | self._early[0] | self._early[1], failed | self._early[1]
+            self._early = (set(), set())
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         # Nothing else runs in this engine: rather than end the step and learn of the
         # transfer's end one empty step (a 1 ms sleep and two process hops) later, wait here
@@ -275,6 +330,9 @@ class DatadistConnector(KVConnectorBase_V1):
             recv, failed = self._worker.poll_recv()
         if recv and self._staging is not None:  # the next forward runs after their copies
             self._staging.fence()
+        if self._trace:
+            for rid in recv:
+                _trace(rid, "reported")
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=recv,
                                           failed_recving=failed)
 
@@ -292,9 +350,12 @@ class DatadistConnector(KVConnectorBase_V1):
                                    every_layer=isinstance(task, RecvTask))
 
     def _on_pulled(self, task: RecvTask) -> None:
-        """Called from ``get_finished`` (the worker's thread) after a request's blocks arrived in
+        """Called from the worker's thread (``get_finished``, or the step's start at
+        ``bind_connector_metadata``) after a request's blocks arrived in
         ``task.local_block_ids``, before vLLM is told. A hook for subclasses (the tests
-        corrupt the KV here); does nothing."""
+        corrupt the KV here); traces the pull's end."""
+        if self._trace:
+            _trace(task.request_id, "pulled")
 
     @property
     def worker(self) -> DatadistWorker | None:
