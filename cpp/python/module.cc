@@ -250,6 +250,25 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("path"), "(loaded, why not): loads NIXL's C API from `path` (the first call wins).");
 
+  // Called by the Python face's register_cache / register_blocks_cache for a DEVICE-placed
+  // cache whose range /proc/self/maps does not show readable and writable (GPU memory): is it
+  // a CUDA device's? Asks the CUDA runtime the core loads at run time (nixl.h, CudaDevice;
+  // the first call may dlopen it), without the GIL.
+  m.def(
+      "cuda_device",
+      [](uint64_t addr) -> std::optional<uint32_t> {
+        uint32_t device = 0;
+        bool on_device;
+        {
+          py::gil_scoped_release nogil;
+          on_device = datadist::nixl::CudaDevice(addr, &device);
+        }
+        if (!on_device) return std::nullopt;
+        return device;
+      },
+      py::arg("addr"),
+      "The CUDA device whose memory (device or managed) `addr` is, or None: host memory, no CUDA runtime.");
+
   // The option table (cpp/src/options.h): what LLMConfig's datadist extras and `datadist info`
   // are generated from, and the one parser of the init options both faces use. Called by
   // datadist.api (config, init) and the CLI; they return at once.

@@ -214,3 +214,52 @@ def test_nixl_runs_on_the_core_where_cuda_sees_a_gpu(fake_lib: Path, tmp_path: P
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["refusals"] == [None, None]
     assert out["calls"] == 1 and out["regions"] == []  # asked; VRAM of device 1 refused by UCX
+
+
+def _no_access(nbytes: int) -> int:
+    """``nbytes`` of address space mapped with no access (PROT_NONE), as GPU memory appears
+    in /proc/self/maps; never unmapped (the test's process ends with it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    addr = libc.mmap(None, nbytes, 0, 0x22, -1, 0)  # PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    return int(addr)
+
+
+def test_register_cache_accepts_gpu_memory_the_cuda_runtime_vouches_for(cuda: FakeCuda) -> None:
+    """GPU memory is not mapped readable and writable for the CPU, so the facade's
+    /proc/self/maps check refused every DEVICE cache of a CUDA tensor (vLLM's
+    kv_buffer_device="cuda"). Now a DEVICE cache whose first and last bytes the CUDA runtime
+    says are one device's registers; HOST placement of the same memory, and DEVICE memory
+    CUDA does not know, are still LLM_PARAM_INVALID."""
+    import datadist as llm
+
+    gpu = _no_access(4 * N)
+    cuda.lib.fake_cudart_set(gpu, gpu + 4 * N, 0, 2)
+    dd = llm.LLMDataDist(llm.LLMRole.DECODER, 7)
+    cfg = llm.LLMConfig()
+    cfg.local_comm_res = ""
+    dd.init(cfg.generate_options())
+    try:
+        cm = dd.cache_manager
+        u8 = llm.DataType.DT_UINT8
+        device = llm.CacheDesc(2, [N], u8, llm.Placement.DEVICE)
+        cache = cm.register_cache(device, [gpu, gpu + N])
+        assert cuda.calls >= 2
+        cm.unregister_cache(cache.cache_id)
+        host = llm.CacheDesc(2, [N], u8, llm.Placement.HOST)
+        with pytest.raises(llm.LLMException) as e:
+            cm.register_cache(host, [gpu, gpu + N])
+        assert e.value.status_code == llm.LLMStatusCode.LLM_PARAM_INVALID
+        unknown = _no_access(N)  # not in the runtime's range: unmapped host memory
+        with pytest.raises(llm.LLMException) as e:
+            cm.register_cache(llm.CacheDesc(1, [N], u8, llm.Placement.DEVICE), [unknown])
+        assert e.value.status_code == llm.LLMStatusCode.LLM_PARAM_INVALID
+        # a range that ends past the device's memory is refused too
+        with pytest.raises(llm.LLMException) as e:
+            cm.register_cache(device, [gpu + 3 * N, gpu + 3 * N + N // 2])
+        assert e.value.status_code == llm.LLMStatusCode.LLM_PARAM_INVALID
+    finally:
+        dd.finalize()

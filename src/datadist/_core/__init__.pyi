@@ -10,7 +10,7 @@ import numpy
 import numpy.typing
 import typing
 from . import testing
-__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'cuda_device', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
 class OptionSpec:
     """
     One row of the option table (read only)
@@ -349,6 +349,10 @@ def build_info() -> dict[str, str]:
 def check_option(key: str, value: str) -> bool | int | str:
     """
     One value of `key` checked alone (LLMConfig's setters): its parsed value, or InvalidArgument (LLM_PARAM_INVALID) with the table's message; KeyError for a key the table has not.
+    """
+def cuda_device(addr: typing.SupportsInt | typing.SupportsIndex) -> int | None:
+    """
+    The CUDA device whose memory (device or managed) `addr` is, or None: host memory, no CUDA runtime.
     """
 def metrics_record(op: str, cluster_id: typing.SupportsInt | typing.SupportsIndex, nbytes: typing.SupportsInt | typing.SupportsIndex, seconds: typing.SupportsFloat | typing.SupportsIndex, code: typing.SupportsInt | typing.SupportsIndex) -> None:
     """

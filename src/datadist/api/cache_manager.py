@@ -43,7 +43,7 @@ from datadist.api.types import (
     TransferWithCacheKeyConfig,
     check_layer_range,
 )
-from datadist.core import layout
+from datadist.core import layout, native
 from datadist.core.errors import CacheNotFound, DatadistError, InvalidArgument
 from datadist.core.keys import KeyId, key_id
 from datadist.core.native import PULL_BLOCKS, PULL_SLOT, PULL_SLOT_TO_BLOCKS, NativeEngine
@@ -316,8 +316,11 @@ class CacheManager:
                        "a tensor's range passes the end of the address space")
         bases = np.array([m.addr for m in mems], dtype=np.uint64)
         with llm_errors(func):
+            # GPU memory (a DEVICE cache on a CUDA host) is not mapped for the CPU: the CUDA
+            # runtime vouches for it instead (NIXL then registers it as VRAM)
+            gpu = native.cuda_device if desc.placement == Placement.DEVICE else None
             mapped.check_ranges([f"tensor {i}" for i in range(len(mems))], bases,
-                                np.full(len(mems), need, dtype=np.uint64), func)
+                                np.full(len(mems), need, dtype=np.uint64), func, gpu=gpu)
         return [m.addr for m in mems], [m.owner for m in mems if m.owner is not None]
 
     def register_cache(self, cache_desc: CacheDesc, addrs: list[int],

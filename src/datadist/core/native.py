@@ -87,6 +87,19 @@ def tls_available() -> tuple[bool, str]:
     return bool(has), str(what)
 
 
+def cuda_device(addr: int) -> int | None:
+    """The CUDA device whose memory ``addr`` is (device or managed memory), or None: host
+    memory, no CUDA runtime on this host, or no core. Who calls: registration of a
+    DEVICE-placed cache whose range is not mapped readable and writable in this process (GPU
+    memory is not), through :func:`datadist.memory.mapped.check_ranges`. May load the CUDA
+    runtime on its first call; does not hold the GIL while asking it."""
+    if core_module() is None:
+        return None
+    from datadist import _core as mod
+
+    return mod.cuda_device(addr)
+
+
 def refusal(config: EngineConfig) -> str | None:
     """What in ``config`` this host's core cannot run (None: it can): TLS where the core
     was built without OpenSSL. Returns at once; :func:`engine_for` raises with it."""

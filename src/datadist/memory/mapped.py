@@ -24,6 +24,7 @@ import ctypes
 import logging
 import os
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -148,11 +149,17 @@ def _first_unreadable_few(addrs: list[int]) -> int | None:
 
 
 def check_ranges(names: list[str], bases: np.ndarray, lengths: np.ndarray,
-                 what: str) -> None:
+                 what: str, gpu: Callable[[int], int | None] | None = None) -> None:
     """Raise InvalidArgument naming the first range not wholly mapped readable and writable.
-    ``names[i]`` says which tensor range i is (for the message)."""
+    ``names[i]`` says which tensor range i is (for the message). ``gpu``: for a DEVICE-placed
+    cache, the CUDA device an address lies on, or None (core/native.py ``cuda_device``); a
+    range not mapped for the CPU whose first and last bytes are on one device is GPU memory
+    (never in /proc/self/maps with access) and passes."""
     bad = unmapped(bases, lengths)
     hit = np.flatnonzero(bad)
+    if gpu is not None:
+        hit = np.array([i for i in hit if not _on_one_gpu(gpu, int(bases[i]), int(lengths[i]))],
+                       dtype=np.int64)
     if not len(hit):
         return
     i = int(hit[0])
@@ -162,6 +169,11 @@ def check_ranges(names: list[str], bases: np.ndarray, lengths: np.ndarray,
         f"readable and writable in this process: no access from {at:#x} "
         f"({at - base} bytes in)"
     )
+
+
+def _on_one_gpu(gpu: Callable[[int], int | None], base: int, n: int) -> bool:
+    first = gpu(base)
+    return first is not None and gpu(base + n - 1) == first
 
 
 __all__ = ["check_ranges", "first_unreadable", "unmapped"]
