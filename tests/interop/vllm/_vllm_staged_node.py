@@ -63,17 +63,19 @@ class StagedDatadistConnector(DatadistConnector):
         return staging.setup(kv_caches, self.settings, self._block_size,
                              engine_factory=lambda device: HostEngine(), device_type="cuda")
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        # Noise in vLLM's own blocks of every request whose KV arrives now (after vLLM
-        # zeroed new blocks, before the pull): what the decoder reads there is only right
-        # if the copy back from the host mirror wrote every byte.
-        meta = self._get_connector_metadata()
-        gen = torch.Generator().manual_seed(1)
-        for task in [*meta.step.recv, *meta.step.lw_recv]:
-            for t in self._vllm_tensors:
-                for b in task.local_block_ids:
-                    t[b].copy_(torch.randn(t[b].shape, generator=gen).to(t.dtype) * 4)
-        super().start_load_kv(forward_context, **kwargs)
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        # Noise in vLLM's own blocks of every request whose KV arrives in this step, before
+        # the connector starts the step's pulls (at bind, before the forward): what the
+        # decoder reads there is only right if the copy back from the host mirror wrote
+        # every byte.
+        steps = getattr(connector_metadata, "step", None)
+        if steps is not None and getattr(self, "_vllm_tensors", None):
+            gen = torch.Generator().manual_seed(1)
+            for task in [*steps.recv, *steps.lw_recv]:
+                for t in self._vllm_tensors:
+                    for b in task.local_block_ids:
+                        t[b].copy_(torch.randn(t[b].shape, generator=gen).to(t.dtype) * 4)
+        super().bind_connector_metadata(connector_metadata)
 
     def _pulled(self, task: Any) -> None:
         path = self._kv_transfer_config.kv_connector_extra_config.get("test_skip_h2d_file")

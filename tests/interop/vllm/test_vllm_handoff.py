@@ -62,6 +62,8 @@ def _connector(cls: Any, worker: DatadistWorker) -> Any:
     conn._early = (set(), set())
     conn._layer_index = {}
     conn._kv_tensors = []
+    conn._staging = None  # host KV: nothing staged
+    conn._block_size = 4
     return conn
 
 
