@@ -15,9 +15,11 @@
 
 #include <sys/uio.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -107,6 +109,8 @@ constexpr uint64_t kInlineBytes = 64 << 10;
 /// one request (kMaxRequestSpans, docs/protocol.md): checked before sending. Never blocks.
 void CheckRequestSize(const wire::Request &req);
 
+class LayerRun;
+
 class Session {
  public:
   /// An engine for `cluster_id` and `role` (not open yet: engine().Open) and the workers
@@ -194,6 +198,12 @@ class Session {
   /// closed). Blocks only for the inline copy.
   std::shared_ptr<Task> Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since);
 
+  /// transfer_cache_async's layer loop, in the core (LayerRun): `jobs` destinations, `steps`
+  /// steps, each step's calls run by the workers once the caller lets it go, each within
+  /// `step_timeout_s` of its start. Never blocks. The session must outlive the run (the
+  /// binding keeps it alive).
+  std::shared_ptr<LayerRun> Layers(size_t jobs, size_t steps, double step_timeout_s);
+
   // ---- local copies
 
   /// Copies the spans of `plan` from the source tensors (`src_addrs`; the plan's remote_*
@@ -226,6 +236,101 @@ class Session {
 
   Engine engine_;
   Executor executor_;  // stopped before the engine closes (its tasks use links)
+};
+
+/// A layer-wise transfer run by the core (issue 37: the layer loop of transfer_cache_async
+/// out of Python). The caller hands over every step's prepared calls at once (Add, AddRefusal:
+/// planned once, before the first Go), then lets each step go as soon as its layer is
+/// synchronized (Go: a mutex and at most one hand-over to a worker; never blocks, so the
+/// binding keeps the GIL for it). One worker at a time runs the steps in order, back to back,
+/// while the caller synchronizes the next layer; a step's calls run in the order added (one
+/// destination after another, a destination's calls in order), each within `step_timeout_s`
+/// of its step's start (Session::Run: held, counted and timed as a blocking transfer).
+///
+/// The rules of LLM-DataDist's loop (v2/llm_utils.py TransferCacheJob.transfer_layers):
+/// * the first failure stops the run: no later call of that step, no later step is run;
+///   the failing destination's outcome is its code;
+/// * a step the caller could not synchronize (Refuse) is applied in step order, after the
+///   steps before it ran: every destination of it not settled yet gets the code;
+/// * a destination succeeds once its last step ran well; one never reached has no outcome.
+///
+/// Who calls: the Python binding (datadist.api.async_transfer). Thread-safe. Go, Refuse,
+/// Close, Abandon and the getters never block; WaitEnded and Wait block up to their deadline.
+/// No thread of it takes the GIL.
+class LayerRun : public std::enable_shared_from_this<LayerRun> {
+ public:
+  /// One destination's outcome: settled (false: none, the original's None), its code and why.
+  struct Result {
+    bool settled = false;
+    Status code = 0;
+    std::string why;
+  };
+
+  LayerRun(Session &session, size_t jobs, size_t steps, double step_timeout_s);
+  /// Step `step` sends `call` for destination `job`. Before the first Go only
+  /// (LLM_PARAM_INVALID otherwise, or for a job or step out of range).
+  void Add(size_t step, size_t job, std::shared_ptr<const Call> call);
+  /// Step `step` fails for destination `job` with `code` when it is reached (a call that could
+  /// not be made; applied in order as a failing call would be).
+  void AddRefusal(size_t step, size_t job, Status code, std::string why);
+  /// Step `step` may run: steps are let go in order, each once (LLM_PARAM_INVALID otherwise).
+  void Go(size_t step);
+  /// Step `step` was not synchronized: its destinations not settled by then get `code`, and
+  /// the run stops there (and is closed). In order, as Go.
+  void Refuse(size_t step, Status code, std::string why);
+  /// No more steps will be let go: the run ends once the steps let go have run.
+  void Close();
+  /// The caller gave up waiting (its own deadline): every destination with a step let go and
+  /// no outcome yet gets `code`; nothing more is run. Idempotent.
+  void Abandon(Status code, std::string why);
+  /// A failure was seen: no later step will run (the caller need not synchronize more).
+  bool Stopped();
+  /// Steps that have ended (run, failed or skipped), in order.
+  size_t Ended();
+  /// Blocks until `steps` steps ended, the run stopped, or `deadline`; true unless the deadline
+  /// passed first.
+  bool WaitEnded(size_t steps, Deadline deadline);
+  /// Blocks until the run is over (closed and nothing running) or `deadline`; true once over.
+  bool Wait(Deadline deadline);
+  /// Every destination's outcome (settled or not yet).
+  std::vector<Result> Results();
+  /// Steps, and calls run so far (tests: no more calls than the steps need).
+  size_t steps();
+  uint64_t calls_run();
+
+ private:
+  struct Entry {
+    size_t job = 0;
+    std::shared_ptr<const Call> call;  // null: a refusal (code, why)
+    Status code = 0;
+    std::string why;
+  };
+  struct Step {
+    std::vector<Entry> entries;
+    bool refused = false;  // Refuse: not synchronized
+    Status code = 0;
+    std::string why;
+  };
+  void Put(size_t step, Entry e);
+  void Kick(std::unique_lock<std::mutex> &lock);          // a worker runs the steps let go, if none does
+  void Drain();                                           // on a worker: runs steps until none is let go
+  void Unrun();                                           // the worker's closure was dropped unrun
+  void Settle(size_t job, Status code, std::string why);  // under mu_
+  bool Over() const;                                      // under mu_
+
+  Session &session_;
+  const double step_timeout_s_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::vector<Step> steps_;
+  std::vector<size_t> last_;  // each job's last step (+1; 0: none)
+  std::vector<Result> results_;
+  size_t gone_ = 0;  // steps let go
+  size_t next_ = 0;  // the next step to run (== steps ended)
+  bool running_ = false;
+  bool closed_ = false;
+  bool stopped_ = false;
+  uint64_t calls_run_ = 0;
 };
 
 /// Runs fn(i) for every i in [0, n) at once, one thread each (n == 1: in the caller's
