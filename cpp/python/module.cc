@@ -908,10 +908,10 @@ PYBIND11_MODULE(_core, m) {
           "Queues a prepared transfer on the engine's workers; returns its Handle at once. The core holds "
           "the call's local cache from now until the transfer ends (CacheNotFound, counted, when it is gone: "
           "nothing is queued), so unregistering it waits for the transfer.")
-      .def("layers", &Core::Layers, py::arg("jobs"), py::arg("steps"), py::arg("step_timeout_s"),
+      .def("layers", &Core::Layers, py::arg("jobs"), py::arg("steps"), py::arg("width"), py::arg("step_timeout_s"),
            py::keep_alive<0, 1>(),
-           "A layer-wise run of `steps` steps for `jobs` destinations (LayerRun), each step within step_timeout_s "
-           "of its start; "
+           "A layer-wise run of `steps` steps for `jobs` destinations (LayerRun), up to `width` steps at once, each "
+           "within step_timeout_s of its start; "
            "the run keeps the engine alive. Never blocks.")
       .def_property_readonly("async_threads", [](Core &c) { return c.executor().threads(); })
       .def(

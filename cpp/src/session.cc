@@ -274,12 +274,17 @@ std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline
   }
 }
 
-std::shared_ptr<LayerRun> Session::Layers(size_t jobs, size_t steps, double step_timeout_s) {
-  return std::make_shared<LayerRun>(*this, jobs, steps, step_timeout_s);
+std::shared_ptr<LayerRun> Session::Layers(size_t jobs, size_t steps, size_t width, double step_timeout_s) {
+  return std::make_shared<LayerRun>(*this, jobs, steps, width, step_timeout_s);
 }
 
-LayerRun::LayerRun(Session &session, size_t jobs, size_t steps, double step_timeout_s)
-    : session_(session), step_timeout_s_(step_timeout_s), steps_(steps), last_(jobs, 0), results_(jobs) {}
+LayerRun::LayerRun(Session &session, size_t jobs, size_t steps, size_t width, double step_timeout_s)
+    : session_(session),
+      width_(width == 0 ? 1 : width),
+      step_timeout_s_(step_timeout_s),
+      steps_(steps),
+      last_(jobs, 0),
+      results_(jobs) {}
 
 void LayerRun::Put(size_t step, Entry e) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -327,7 +332,7 @@ void LayerRun::Refuse(size_t step, Status code, std::string why) {
   s.why = std::move(why);
   ++gone_;
   closed_ = true;  // nothing after a refusal
-  Kick(lock);
+  Kick(lock);      // settled in order, as a step that ran (a worker runs nothing for it)
 }
 
 void LayerRun::Close() {
@@ -338,7 +343,7 @@ void LayerRun::Close() {
 
 void LayerRun::Abandon(Status code, std::string why) {
   std::lock_guard<std::mutex> lock(mu_);
-  closed_ = stopped_ = true;
+  closed_ = stopped_ = halted_ = true;
   for (size_t k = 0; k < steps_.size() && k < gone_; ++k)
     for (const Entry &e : steps_[k].entries)
       if (!results_[e.job].settled) Settle(e.job, code, why);
@@ -347,7 +352,7 @@ void LayerRun::Abandon(Status code, std::string why) {
 
 bool LayerRun::Stopped() {
   std::lock_guard<std::mutex> lock(mu_);
-  return stopped_;
+  return stopped_ || halted_;
 }
 
 size_t LayerRun::Ended() {
@@ -367,7 +372,7 @@ uint64_t LayerRun::calls_run() {
 
 bool LayerRun::WaitEnded(size_t steps, Deadline deadline) {
   std::unique_lock<std::mutex> lock(mu_);
-  return changed_.wait_until(lock, deadline, [&] { return next_ >= steps || stopped_ || Over(); });
+  return changed_.wait_until(lock, deadline, [&] { return next_ >= steps || stopped_ || halted_ || Over(); });
 }
 
 bool LayerRun::Wait(Deadline deadline) {
@@ -380,7 +385,7 @@ std::vector<LayerRun::Result> LayerRun::Results() {
   return results_;
 }
 
-bool LayerRun::Over() const { return closed_ && !running_ && (stopped_ || next_ >= gone_); }
+bool LayerRun::Over() const { return closed_ && in_flight_ == 0 && (stopped_ || next_ >= gone_); }
 
 void LayerRun::Settle(size_t job, Status code, std::string why) {
   Result &r = results_[job];
@@ -390,60 +395,58 @@ void LayerRun::Settle(size_t job, Status code, std::string why) {
 }
 
 void LayerRun::Kick(std::unique_lock<std::mutex> &lock) {
-  if (running_ || stopped_ || next_ >= gone_) {
-    changed_.notify_all();
-    return;
+  std::vector<size_t> start;
+  while (!halted_ && !stopped_ && started_ < gone_ && in_flight_ < width_) {
+    ++in_flight_;
+    start.push_back(started_++);
   }
-  running_ = true;
-  lock.unlock();
-  // Run when the worker's closure is dropped unrun (the engine closed with it queued, or
-  // already closed): the step it was to run fails, and the run stops.
-  struct Ran {
-    std::shared_ptr<LayerRun> run;
-    bool ran = false;
-    ~Ran() {
-      if (!ran) run->Unrun();
-    }
-  };
-  auto ran = std::make_shared<Ran>();
-  ran->run = shared_from_this();
-  try {
-    session_.executor().Submit([ran] {
-      ran->ran = true;
-      ran->run->Drain();
-    });
-  } catch (const std::exception &) {  // bad_alloc queueing: the closure (and `ran`) went unrun
-  }
-}
-
-void LayerRun::Unrun() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (next_ < steps_.size())
-    for (const Entry &e : steps_[next_].entries)
-      if (!results_[e.job].settled) {
-        Settle(e.job, llm_datadist::LLM_FAILED, "the engine is closed: the layer was not sent");
-        break;
-      }
-  stopped_ = true;
-  running_ = false;
   changed_.notify_all();
+  if (start.empty()) return;
+  lock.unlock();
+  for (size_t k : start) {
+    // Runs Unrun when the worker's closure is dropped unrun (the engine closed with it
+    // queued, or already closed): the step fails, and the run stops.
+    struct Ran {
+      std::shared_ptr<LayerRun> run;
+      size_t step = 0;
+      bool ran = false;
+      ~Ran() {
+        if (!ran) run->Unrun(step);
+      }
+    };
+    auto ran = std::make_shared<Ran>();
+    ran->run = shared_from_this();
+    ran->step = k;
+    try {
+      session_.executor().Submit([ran] {
+        ran->ran = true;
+        ran->run->RunStep(ran->step);
+      });
+    } catch (const std::exception &) {  // bad_alloc queueing: the closure (and `ran`) went unrun
+    }
+  }
+  lock.lock();
 }
 
-void LayerRun::Drain() {
+void LayerRun::Unrun(size_t k) {
   std::unique_lock<std::mutex> lock(mu_);
-  while (!stopped_ && next_ < gone_) {
-    Step &step = steps_[next_];  // steps_ no longer changes: steps were added before the first Go
-    if (step.refused) {
-      for (const Entry &e : step.entries)
-        if (!results_[e.job].settled) Settle(e.job, step.code, step.why);
-      stopped_ = true;
-      ++next_;
-      break;
-    }
+  Step &step = steps_[k];
+  step.failed = 0;
+  step.fail_code = ge::LLM_ENGINE_FINALIZED;
+  step.fail_why = "the engine was finalized before the layer was sent";
+  halted_ = true;
+  StepEnded(k, lock);
+}
+
+void LayerRun::RunStep(size_t k) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Step &step = steps_[k];  // its entries no longer change: added before the first Go
+  if (!step.refused) {
     const auto since = Clock::now();
     const Deadline deadline = since + std::chrono::duration_cast<Clock::duration>(
                                           std::chrono::duration<double>(step_timeout_s_ < 0 ? 0 : step_timeout_s_));
-    for (const Entry &e : step.entries) {
+    for (size_t i = 0; i < step.entries.size() && !stopped_; ++i) {
+      const Entry &e = step.entries[i];
       if (results_[e.job].settled) continue;  // abandoned meanwhile
       Outcome out;
       if (e.call) {
@@ -451,25 +454,45 @@ void LayerRun::Drain() {
         lock.unlock();
         Capture([&] { session_.Run(*e.call, deadline, since); }, out);
         lock.lock();
-        if (stopped_) break;  // abandoned while it ran: its outcome is settled already
       } else {
         out.code = e.code;
         out.why = e.why;
       }
       if (out.code != llm_datadist::LLM_SUCCESS) {
-        Settle(e.job, out.code, std::move(out.why));
-        stopped_ = true;
+        step.failed = i;
+        step.fail_code = out.code;
+        step.fail_why = std::move(out.why);
+        halted_ = true;  // no step starts after a failure, whichever step it is in
         break;
       }
     }
-    if (!stopped_)  // every call of the step ran well: the destinations it ends succeed
-      for (const Entry &e : step.entries)
-        if (last_[e.job] == next_ + 1 && !results_[e.job].settled) Settle(e.job, llm_datadist::LLM_SUCCESS, "");
-    ++next_;
-    changed_.notify_all();
   }
-  running_ = false;
-  changed_.notify_all();
+  StepEnded(k, lock);
+}
+
+void LayerRun::StepEnded(size_t k, std::unique_lock<std::mutex> &lock) {
+  steps_[k].ended = true;
+  --in_flight_;
+  // Outcomes in step order: a step's failure is settled only after every step before it.
+  while (next_ < started_ && steps_[next_].ended) {
+    Step &step = steps_[next_];
+    if (!stopped_) {
+      if (step.refused) {
+        for (const Entry &e : step.entries)
+          if (!results_[e.job].settled) Settle(e.job, step.code, step.why);
+        stopped_ = true;
+      } else if (step.failed < step.entries.size()) {
+        const size_t job = step.entries[step.failed].job;
+        if (!results_[job].settled) Settle(job, step.fail_code, std::move(step.fail_why));
+        stopped_ = true;
+      } else {  // every call ran well: the destinations it ends succeed
+        for (const Entry &e : step.entries)
+          if (last_[e.job] == next_ + 1 && !results_[e.job].settled) Settle(e.job, llm_datadist::LLM_SUCCESS, "");
+      }
+    }
+    ++next_;
+  }
+  Kick(lock);  // the next steps let go, and the waiters told
 }
 
 void Session::CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs,

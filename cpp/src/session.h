@@ -16,6 +16,7 @@
 #include <sys/uio.h>
 
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -199,10 +200,11 @@ class Session {
   std::shared_ptr<Task> Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since);
 
   /// transfer_cache_async's layer loop, in the core (LayerRun): `jobs` destinations, `steps`
-  /// steps, each step's calls run by the workers once the caller lets it go, each within
+  /// steps, each step's calls run by the workers once the caller lets it go, up to `width`
+  /// steps at once, each within
   /// `step_timeout_s` of its start. Never blocks. The session must outlive the run (the
   /// binding keeps it alive).
-  std::shared_ptr<LayerRun> Layers(size_t jobs, size_t steps, double step_timeout_s);
+  std::shared_ptr<LayerRun> Layers(size_t jobs, size_t steps, size_t width, double step_timeout_s);
 
   // ---- local copies
 
@@ -242,14 +244,17 @@ class Session {
 /// out of Python). The caller hands over every step's prepared calls at once (Add, AddRefusal:
 /// planned once, before the first Go), then lets each step go as soon as its layer is
 /// synchronized (Go: a mutex and at most one hand-over to a worker; never blocks, so the
-/// binding keeps the GIL for it). One worker at a time runs the steps in order, back to back,
-/// while the caller synchronizes the next layer; a step's calls run in the order added (one
-/// destination after another, a destination's calls in order), each within `step_timeout_s`
-/// of its step's start (Session::Run: held, counted and timed as a blocking transfer).
+/// binding keeps the GIL for it). The session's workers start the steps in order, up to
+/// `width` at once (the layers overlap, as the caller's loop overlapped them with one
+/// asynchronous transfer each), while the caller synchronizes the next layer; a step's calls
+/// run in the order added (one destination after another, a destination's calls in order),
+/// each within `step_timeout_s` of its step's start (Session::Run: held, counted and timed as
+/// a blocking transfer). Outcomes are settled in step order.
 ///
 /// The rules of LLM-DataDist's loop (v2/llm_utils.py TransferCacheJob.transfer_layers):
-/// * the first failure stops the run: no later call of that step, no later step is run;
-///   the failing destination's outcome is its code;
+/// * the first failure stops the run: no later call of that step, no later step is started
+///   (at most `width` - 1 started before it are let end); the failing destination's outcome
+///   is its code, unless a failure in an earlier step settles first;
 /// * a step the caller could not synchronize (Refuse) is applied in step order, after the
 ///   steps before it ran: every destination of it not settled yet gets the code;
 /// * a destination succeeds once its last step ran well; one never reached has no outcome.
@@ -266,7 +271,7 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
     std::string why;
   };
 
-  LayerRun(Session &session, size_t jobs, size_t steps, double step_timeout_s);
+  LayerRun(Session &session, size_t jobs, size_t steps, size_t width, double step_timeout_s);
   /// Step `step` sends `call` for destination `job`. Before the first Go only
   /// (LLM_PARAM_INVALID otherwise, or for a job or step out of range).
   void Add(size_t step, size_t job, std::shared_ptr<const Call> call);
@@ -307,29 +312,38 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   };
   struct Step {
     std::vector<Entry> entries;
-    bool refused = false;  // Refuse: not synchronized
+    bool refused = false;  // Refuse: not synchronized (code, why)
     Status code = 0;
     std::string why;
+    bool ended = false;        // run (or refused, or dropped unrun)
+    size_t failed = SIZE_MAX;  // the entry that failed, if one did
+    Status fail_code = 0;
+    std::string fail_why;
   };
   void Put(size_t step, Entry e);
-  void Kick(std::unique_lock<std::mutex> &lock);          // a worker runs the steps let go, if none does
-  void Drain();                                           // on a worker: runs steps until none is let go
-  void Unrun();                                           // the worker's closure was dropped unrun
-  void Settle(size_t job, Status code, std::string why);  // under mu_
-  bool Over() const;                                      // under mu_
+  // Under mu_: hands the steps let go to workers, up to width_ at once (unlocks to queue).
+  void Kick(std::unique_lock<std::mutex> &lock);
+  void RunStep(size_t step);                                        // on a worker
+  void Unrun(size_t step);                                          // its closure was dropped unrun
+  void StepEnded(size_t step, std::unique_lock<std::mutex> &lock);  // settles ended steps in order
+  void Settle(size_t job, Status code, std::string why);            // under mu_
+  bool Over() const;                                                // under mu_
 
   Session &session_;
+  const size_t width_;
   const double step_timeout_s_;
   std::mutex mu_;
   std::condition_variable changed_;
   std::vector<Step> steps_;
   std::vector<size_t> last_;  // each job's last step (+1; 0: none)
   std::vector<Result> results_;
-  size_t gone_ = 0;  // steps let go
-  size_t next_ = 0;  // the next step to run (== steps ended)
-  bool running_ = false;
+  size_t gone_ = 0;       // steps let go
+  size_t started_ = 0;    // steps handed to a worker (or refused)
+  size_t in_flight_ = 0;  // started and not ended
+  size_t next_ = 0;       // steps settled, in order (== Ended())
   bool closed_ = false;
-  bool stopped_ = false;
+  bool halted_ = false;   // a failure was seen: no step starts
+  bool stopped_ = false;  // a failure was settled: no outcome changes
   uint64_t calls_run_ = 0;
 };
 

@@ -255,9 +255,9 @@ class Engine:
         """
     def last_link_failure(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str:
         ...
-    def layers(self, jobs: typing.SupportsInt | typing.SupportsIndex, steps: typing.SupportsInt | typing.SupportsIndex, step_timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> LayerRun:
+    def layers(self, jobs: typing.SupportsInt | typing.SupportsIndex, steps: typing.SupportsInt | typing.SupportsIndex, width: typing.SupportsInt | typing.SupportsIndex, step_timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> LayerRun:
         """
-        A layer-wise run of `steps` steps for `jobs` destinations (LayerRun), each step within step_timeout_s of its start; the run keeps the engine alive. Never blocks.
+        A layer-wise run of `steps` steps for `jobs` destinations (LayerRun), up to `width` steps at once, each within step_timeout_s of its start; the run keeps the engine alive. Never blocks.
         """
     def link_ids(self, inbound: bool) -> list[int]:
         ...

@@ -286,10 +286,11 @@ def _exact(blocks: np.ndarray | None) -> Any:
     return None if blocks is None else exact(blocks)
 
 
-# Steps let go and not ended yet, at most, when the next layer is synchronized: layer i is
+# Layers let go and not ended yet, at most, and the core's steps at once: layer i is
 # synchronized once layer i - AHEAD ended (as the Python loop's DEPTH was), so layer i - 1
-# moves while layer i is awaited, and at most AHEAD - 1 layers are synchronized past a failure
-# nobody has seen yet. No layer is *sent* past a failure: the core stops at it.
+# moves while layer i is awaited and the core overlaps two layers' copies, and at most
+# AHEAD - 1 layers are synchronized (and started) past a failure nobody has seen yet. The core
+# starts no layer once it has seen a failure.
 AHEAD = layerwise.DEPTH
 
 
@@ -339,7 +340,7 @@ class _CoreLoop:
         try:
             steps = sorted(set().union(*(set(j.layers) for j in self._jobs)))
             try:
-                run = self._engine.layers(len(self._jobs), len(steps))
+                run = self._engine.layers(len(self._jobs), len(steps), AHEAD)
             except DatadistError as e:  # finalized: the first destination's first layer fails
                 first = min(range(len(self._jobs)), key=lambda k: self._jobs[k].layers[0])
                 self._report(first, int(e.code))
