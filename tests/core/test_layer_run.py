@@ -16,11 +16,10 @@ import time
 
 import numpy as np
 import pytest
+from test_gil_hold import OWNER_ID, Pair, Proxy, make_pair, stalled_pair  # noqa: F401
 
 from datadist.core.errors import Code, InvalidArgument
 from datadist.core.layout import Geometry, plan_slot
-
-from test_gil_hold import OWNER_ID, Pair, Proxy, make_pair, stalled_pair  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
