@@ -436,38 +436,47 @@ void LayerRun::Unrun(size_t k) {
   step.fail_why = "the engine was finalized before the layer was sent";
   halted_ = true;
   StepEnded(k, lock);
+  Kick(lock);
 }
 
 void LayerRun::RunStep(size_t k) {
   std::unique_lock<std::mutex> lock(mu_);
-  Step &step = steps_[k];  // its entries no longer change: added before the first Go
-  if (!step.refused) {
-    const auto since = Clock::now();
-    const Deadline deadline = since + std::chrono::duration_cast<Clock::duration>(
-                                          std::chrono::duration<double>(step_timeout_s_ < 0 ? 0 : step_timeout_s_));
-    for (size_t i = 0; i < step.entries.size() && !stopped_; ++i) {
-      const Entry &e = step.entries[i];
-      if (results_[e.job].settled) continue;  // abandoned meanwhile
-      Outcome out;
-      if (e.call) {
-        ++calls_run_;
-        lock.unlock();
-        Capture([&] { session_.Run(*e.call, deadline, since); }, out);
-        lock.lock();
-      } else {
-        out.code = e.code;
-        out.why = e.why;
-      }
-      if (out.code != llm_datadist::LLM_SUCCESS) {
-        step.failed = i;
-        step.fail_code = out.code;
-        step.fail_why = std::move(out.why);
-        halted_ = true;  // no step starts after a failure, whichever step it is in
-        break;
+  for (;;) {
+    Step &step = steps_[k];  // its entries no longer change: added before the first Go
+    if (!step.refused) {
+      const auto since = Clock::now();
+      const Deadline deadline = since + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(step_timeout_s_ < 0 ? 0 : step_timeout_s_));
+      for (size_t i = 0; i < step.entries.size() && !stopped_; ++i) {
+        const Entry &e = step.entries[i];
+        if (results_[e.job].settled) continue;  // abandoned meanwhile
+        Outcome out;
+        if (e.call) {
+          ++calls_run_;
+          lock.unlock();
+          Capture([&] { session_.Run(*e.call, deadline, since); }, out);
+          lock.lock();
+        } else {
+          out.code = e.code;
+          out.why = e.why;
+        }
+        if (out.code != llm_datadist::LLM_SUCCESS) {
+          step.failed = i;
+          step.fail_code = out.code;
+          step.fail_why = std::move(out.why);
+          halted_ = true;  // no step starts after a failure, whichever step it is in
+          break;
+        }
       }
     }
+    StepEnded(k, lock);
+    // The next step let go and not started, run by this worker: no hand-over to another
+    // (a wake-up per layer) while the caller keeps ahead.
+    if (halted_ || stopped_ || started_ >= gone_) break;
+    k = started_++;
+    ++in_flight_;
   }
-  StepEnded(k, lock);
+  Kick(lock);
 }
 
 void LayerRun::StepEnded(size_t k, std::unique_lock<std::mutex> &lock) {
@@ -492,7 +501,7 @@ void LayerRun::StepEnded(size_t k, std::unique_lock<std::mutex> &lock) {
     }
     ++next_;
   }
-  Kick(lock);  // the next steps let go, and the waiters told
+  changed_.notify_all();
 }
 
 void Session::CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs,
