@@ -435,7 +435,7 @@ void LayerRun::Unrun(size_t k) {
   step.fail_code = ge::LLM_ENGINE_FINALIZED;
   step.fail_why = "the engine was finalized before the layer was sent";
   halted_ = true;
-  StepEnded(k, lock);
+  StepEnded(k);
   Kick(lock);
 }
 
@@ -469,7 +469,7 @@ void LayerRun::RunStep(size_t k) {
         }
       }
     }
-    StepEnded(k, lock);
+    StepEnded(k);
     // The next step let go and not started, run by this worker: no hand-over to another
     // (a wake-up per layer) while the caller keeps ahead.
     if (halted_ || stopped_ || started_ >= gone_) break;
@@ -479,7 +479,7 @@ void LayerRun::RunStep(size_t k) {
   Kick(lock);
 }
 
-void LayerRun::StepEnded(size_t k, std::unique_lock<std::mutex> &lock) {
+void LayerRun::StepEnded(size_t k) {
   steps_[k].ended = true;
   --in_flight_;
   // Outcomes in step order: a step's failure is settled only after every step before it.

@@ -323,11 +323,11 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   void Put(size_t step, Entry e);
   // Under mu_: hands the steps let go to workers, up to width_ at once (unlocks to queue).
   void Kick(std::unique_lock<std::mutex> &lock);
-  void RunStep(size_t step);                                        // on a worker: the step, then the next ones let go
-  void Unrun(size_t step);                                          // its closure was dropped unrun
-  void StepEnded(size_t step, std::unique_lock<std::mutex> &lock);  // settles ended steps in order
-  void Settle(size_t job, Status code, std::string why);            // under mu_
-  bool Over() const;                                                // under mu_
+  void RunStep(size_t step);                              // on a worker: the step, then the next ones let go
+  void Unrun(size_t step);                                // its closure was dropped unrun
+  void StepEnded(size_t step);                            // under mu_: settles ended steps in order
+  void Settle(size_t job, Status code, std::string why);  // under mu_
+  bool Over() const;                                      // under mu_
 
   Session &session_;
   const size_t width_;
