@@ -2,10 +2,10 @@
 ``KvCacheManager``.
 
 Who calls: those facades. Everything is checked here, synchronously (TypeError, ValueError,
-LLMException PARAM_INVALID), before the layer loop starts (``core/layerwise.py``: each
-layer's push issued to the core's workers as soon as the layer is synchronized); after that,
-failures are codes in the returned :class:`CacheTask`, one per transfer config. Returns at
-once; never blocks on a transfer.
+LLMException PARAM_INVALID), before the layer loop starts (:class:`_CoreLoop`: every layer's
+push prepared once and handed to the core's LayerRun, each layer let go to the core's workers
+as soon as it is synchronized); after that, failures are codes in the returned
+:class:`CacheTask`, one per transfer config. Returns at once; never blocks on a transfer.
 
 Destinations:
 
