@@ -311,11 +311,12 @@ class _CoreLoop:
     are prepared once and handed to a core LayerRun (``cpp/src/session.h``); then for each
     layer some destination needs, in order, the user's ``synchronize`` (Python, on this
     thread: no core thread takes the GIL) and the layer let go (``go``: never blocks). The
-    core's worker runs the layers let go back to back while this thread synchronizes the
-    next. The rules are LLM-DataDist's (``v2/llm_utils.py`` TransferCacheJob.transfer_layers),
-    as ``core/layerwise.py`` states them: False from ``synchronize`` is PARAM_INVALID for the
-    destinations needing that layer, an exception the task's default error; the first
-    failure stops the transfer (the core runs nothing after it); a destination succeeds at
+    core's workers run the layers let go in order, AHEAD at once, while this thread
+    synchronizes the next. The rules are LLM-DataDist's (``v2/llm_utils.py``
+    TransferCacheJob.transfer_layers), as ``core/layerwise.py`` states them: False from
+    ``synchronize`` is PARAM_INVALID for the destinations needing that layer, an exception
+    the task's default error; the first failure stops the transfer (the core starts no layer
+    once it saw it, and settles outcomes in layer order); a destination succeeds at
     its last layer, and one never reached reports None. ``report(k, code)`` and ``done()``
     are called from the loop thread once the run is over (every layer let go ended, or its
     wait ran out: TIMEOUT)."""
@@ -414,7 +415,7 @@ class _CoreLoop:
 
     def _finish(self, run: LayerRun) -> None:
         """Waits for the run to be over, up to ``wait_s`` without a layer ending."""
-        last = -1
+        last = int(run.ended())
         while not run.wait(self._wait_s):
             ended = int(run.ended())
             if ended == last:
