@@ -246,7 +246,8 @@ class Session {
 /// synchronized (Go: a mutex and at most one hand-over to a worker; never blocks, so the
 /// binding keeps the GIL for it). The session's workers start the steps in order, up to
 /// `width` at once (the layers overlap, as the caller's loop overlapped them with one
-/// asynchronous transfer each), while the caller synchronizes the next layer; a step's calls
+/// asynchronous transfer each; a worker that ends a step runs the next one let go itself, with
+/// no hand-over), while the caller synchronizes the next layer; a step's calls
 /// run in the order added (one destination after another, a destination's calls in order),
 /// each within `step_timeout_s` of its step's start (Session::Run: held, counted and timed as
 /// a blocking transfer). Outcomes are settled in step order.
@@ -286,7 +287,8 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   /// No more steps will be let go: the run ends once the steps let go have run.
   void Close();
   /// The caller gave up waiting (its own deadline): every destination with a step let go and
-  /// no outcome yet gets `code`; nothing more is run. Idempotent.
+  /// no outcome yet gets `code`; no step starts (calls in flight end by their deadline, their
+  /// outcomes ignored). Idempotent.
   void Abandon(Status code, std::string why);
   /// A failure was seen: no later step will run (the caller need not synchronize more).
   bool Stopped();
