@@ -438,3 +438,29 @@ class _Spy:
 
     def __getattr__(self, name):
         return getattr(self._real, name)
+
+
+class TestLayerRanges:
+    def test_destinations_with_their_own_layers(self, ra_pair):
+        """Two destinations taking layers 1-2 and 4-5 of 6 (the core's steps: layers some
+        destination needs): the synchronizer is called for those four only, in order; each
+        destination gets its layers, into its own range, and succeeds at its last one."""
+        p, d = ra_pair
+        src, a = p.register(12, [2, 32], blocks=True, seed=26)
+        _, b = d.register(12, [2, 32], blocks=True, model_id=7)
+        _, c = d.register(12, [2, 32], blocks=True, model_id=8)
+        to_b = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 7), range(1, 3),
+                                              range(0, 2))
+        to_c = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 8), range(4, 6),
+                                              range(3, 5))
+        log: list[tuple[str, int]] = []
+        watched = Watched(p.engine, log)
+        sync = Sync()
+        task = p.cm.transfer_cache_async(src, sync, [to_b, to_c], [0, 1], [0, 1])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
+        assert sync.calls == [1, 2, 4, 5]
+        assert watched.runs[0].steps == 4 and watched.runs[0].calls_run == 4
+        np.testing.assert_array_equal(b[0:4], a[2:6])
+        assert not b[4:].any()
+        np.testing.assert_array_equal(c[6:10], a[8:12])
+        assert not c[:6].any() and not c[10:].any()
