@@ -436,6 +436,58 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("tensor_bytes", [](const UserCache &u) { return u.geo.tensor_bytes; })
       .def_property_readonly("units", [](const UserCache &u) { return u.geo.units; });
 
+  // transfer_cache_async's layer loop in the core (Session::Layers, LayerRun): made by
+  // Engine.layers, filled by add / add_refusal, then each step let go from the Python loop
+  // thread (go keeps the GIL: a mutex and a hand-over, never a wait).
+  py::class_<datadist::LayerRun, std::shared_ptr<datadist::LayerRun>>(
+      m, "LayerRun", "A layer-wise transfer whose steps the core runs in order (Engine.layers)")
+      .def("add", &datadist::LayerRun::Add, py::arg("step"), py::arg("job"), py::arg("call"),
+           "Step `step` sends `call` for destination `job` (before the first go; InvalidArgument after).")
+      .def("add_refusal", &datadist::LayerRun::AddRefusal, py::arg("step"), py::arg("job"), py::arg("code"),
+           py::arg("why"), "Step `step` fails for destination `job` with `code` when reached.")
+      .def("go", &datadist::LayerRun::Go, py::arg("step"),
+           "Step `step` may run (in order, once each; InvalidArgument otherwise). Never blocks.")
+      .def("refuse", &datadist::LayerRun::Refuse, py::arg("step"), py::arg("code"), py::arg("why"),
+           "Step `step` was not synchronized: applied in order, then the run stops. Never blocks.")
+      .def("close", &datadist::LayerRun::Close, "No more steps will be let go. Never blocks.")
+      .def("abandon", &datadist::LayerRun::Abandon, py::arg("code"), py::arg("why"),
+           "Every destination with a step let go and no outcome gets `code`; nothing more runs.")
+      .def("stopped", &datadist::LayerRun::Stopped, "A failure was seen: no later step runs. Never blocks.")
+      .def("ended", &datadist::LayerRun::Ended, "Steps ended so far. Never blocks.")
+      .def(
+          "wait_ended",
+          [](datadist::LayerRun &r, size_t steps, double timeout_s) {
+            const Deadline deadline = DeadlineIn(timeout_s);
+            if (r.WaitEnded(steps, datadist::Clock::time_point::min())) return true;  // no wait: keep the GIL
+            py::gil_scoped_release nogil;
+            return r.WaitEnded(steps, deadline);
+          },
+          py::arg("steps"), py::arg("timeout_s"),
+          "Blocks (without the GIL, once it must wait) until `steps` steps ended or the run stopped; False "
+          "when timeout_s passed first.")
+      .def(
+          "wait",
+          [](datadist::LayerRun &r, double timeout_s) {
+            const Deadline deadline = DeadlineIn(timeout_s);
+            if (r.Wait(datadist::Clock::time_point::min())) return true;
+            py::gil_scoped_release nogil;
+            return r.Wait(deadline);
+          },
+          py::arg("timeout_s"), "Blocks (without the GIL) until the run is over; False when timeout_s passed first.")
+      .def(
+          "results",
+          [](datadist::LayerRun &r) {
+            std::vector<std::optional<std::tuple<uint32_t, std::string>>> out;
+            for (auto &res : r.Results())
+              out.push_back(res.settled ? std::optional(std::make_tuple(static_cast<uint32_t>(res.code), res.why))
+                                        : std::nullopt);
+            return out;
+          },
+          "Each destination's outcome: (code, why), or None when it has none (yet).")
+      .def_property_readonly("steps", &datadist::LayerRun::steps)
+      .def_property_readonly("calls_run", &datadist::LayerRun::calls_run,
+                             "Calls the core ran so far (tests: one per destination and layer).");
+
   py::class_<Core>(
       m, "Engine",
       "An engine (cpp/src/engine.h) and its asynchronous workers: datadist.core.native.NativeEngine drives it")
@@ -972,6 +1024,11 @@ PYBIND11_MODULE(_core, m) {
           "Queues a prepared transfer on the engine's workers; returns its Handle at once. The core holds "
           "the call's local cache from now until the transfer ends (CacheNotFound, counted, when it is gone: "
           "nothing is queued), so unregistering it waits for the transfer.")
+      .def("layers", &Core::Layers, py::arg("jobs"), py::arg("steps"), py::arg("width"), py::arg("step_timeout_s"),
+           py::keep_alive<0, 1>(),
+           "A layer-wise run of `steps` steps for `jobs` destinations (LayerRun), up to `width` steps at once, each "
+           "within step_timeout_s of its start; "
+           "the run keeps the engine alive. Never blocks.")
       .def_property_readonly("async_threads", [](Core &c) { return c.executor().threads(); })
       .def(
           "peer_stats",

@@ -201,9 +201,13 @@ Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &loca
   for (size_t i = 0; i < remote.size(); ++i)
     if (remote[i].iov_len != local[i].iov_len) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");
   if (!l.fence->Enter()) return Outcome::kRevoked;
-  // The owner still alive before the copy too (docs/protocol.md, "Cache leases"): a pid that
-  // died may have been reused, and a write lease would write into that other process.
-  if (l.owner->Exited()) {
+  // A write checks that the owner is still alive before the copy too (docs/protocol.md,
+  // "Cache leases"): a pid that died may have been reused, and a write would land in that
+  // other process. A read does not (issue 37: one poll less per leased read): an owner that
+  // exited before the copy has exited after it too (its pidfd stays readable), so the check
+  // after the copy fails the read (kFailed: what moved is not trusted, and it only ever
+  // landed in our own memory).
+  if (l.write && l.owner->Exited()) {
     l.fence->Leave();
     why = "the owner process " + std::to_string(l.owner->pid()) + " exited before the copy (nothing moved)";
     return Outcome::kFailed;

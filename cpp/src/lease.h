@@ -7,7 +7,8 @@
 //
 // * reader: around every copy a shared flock on its own open file description of the fence
 //   (opened through /proc/<owner pid>/fd/<fd>), taken without blocking, and the file's first
-//   byte must be 0; before and after the copy, the owner's pidfd must not say it exited;
+//   byte must be 0; after the copy (and, for a write, before it too) the owner's pidfd must
+//   not say it exited;
 // * owner: writes 1 to the first byte (revoke), then takes the exclusive lock without blocking,
 //   retried under a deadline (drain): a copy in flight ends first, none starts after.
 //

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <system_error>
@@ -313,6 +314,236 @@ std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline
     metrics::RecordSince(op, cluster, 0, since, llm_datadist::LLM_FAILED);
     return Task::Ended(llm_datadist::LLM_FAILED, std::string("the transfer could not be queued: ") + e.what());
   }
+}
+
+std::shared_ptr<LayerRun> Session::Layers(size_t jobs, size_t steps, size_t width, double step_timeout_s) {
+  return std::make_shared<LayerRun>(*this, jobs, steps, width, step_timeout_s);
+}
+
+LayerRun::LayerRun(Session &session, size_t jobs, size_t steps, size_t width, double step_timeout_s)
+    : session_(session),
+      width_(width == 0 ? 1 : width),
+      step_timeout_s_(step_timeout_s),
+      steps_(steps),
+      last_(jobs, 0),
+      results_(jobs) {}
+
+void LayerRun::Put(size_t step, Entry e) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (gone_ > 0 || closed_) Invalid("a layer-wise run takes its transfers before its first step goes");
+  if (e.job >= last_.size())
+    Invalid("destination " + std::to_string(e.job) + " out of range: the run has " + std::to_string(last_.size()));
+  if (step >= steps_.size())
+    Invalid("step " + std::to_string(step) + " out of range: the run has " + std::to_string(steps_.size()));
+  if (last_[e.job] < step + 1) last_[e.job] = step + 1;
+  steps_[step].entries.push_back(std::move(e));
+}
+
+void LayerRun::Add(size_t step, size_t job, std::shared_ptr<const Call> call) {
+  if (!call) Invalid("a layer-wise run's transfer is missing");
+  Entry e;
+  e.job = job;
+  e.call = std::move(call);
+  Put(step, std::move(e));
+}
+
+void LayerRun::AddRefusal(size_t step, size_t job, Status code, std::string why) {
+  Entry e;
+  e.job = job;
+  e.code = code == llm_datadist::LLM_SUCCESS ? llm_datadist::LLM_FAILED : code;
+  e.why = std::move(why);
+  Put(step, std::move(e));
+}
+
+void LayerRun::Go(size_t step) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_ || step != gone_ || step >= steps_.size())
+    Invalid("layer-wise step " + std::to_string(step) + " let go out of order (next: " + std::to_string(gone_) +
+            " of " + std::to_string(steps_.size()) + (closed_ ? ", closed" : "") + ")");
+  ++gone_;
+  Kick(lock);
+}
+
+void LayerRun::Refuse(size_t step, Status code, std::string why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_ || step != gone_ || step >= steps_.size())
+    Invalid("layer-wise step " + std::to_string(step) + " refused out of order");
+  Step &s = steps_[step];
+  s.refused = true;
+  s.code = code == llm_datadist::LLM_SUCCESS ? llm_datadist::LLM_FAILED : code;
+  s.why = std::move(why);
+  ++gone_;
+  closed_ = true;  // nothing after a refusal
+  Kick(lock);      // settled in order, as a step that ran (a worker runs nothing for it)
+}
+
+void LayerRun::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  changed_.notify_all();
+}
+
+void LayerRun::Abandon(Status code, std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = stopped_ = halted_ = true;
+  for (size_t k = 0; k < steps_.size() && k < gone_; ++k)
+    for (const Entry &e : steps_[k].entries)
+      if (!results_[e.job].settled) Settle(e.job, code, why);
+  changed_.notify_all();
+}
+
+bool LayerRun::Stopped() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopped_ || halted_;
+}
+
+size_t LayerRun::Ended() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_;
+}
+
+size_t LayerRun::steps() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return steps_.size();
+}
+
+uint64_t LayerRun::calls_run() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return calls_run_;
+}
+
+bool LayerRun::WaitEnded(size_t steps, Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return changed_.wait_until(lock, deadline, [&] { return next_ >= steps || stopped_ || halted_ || Over(); });
+}
+
+bool LayerRun::Wait(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return changed_.wait_until(lock, deadline, [&] { return Over(); });
+}
+
+std::vector<LayerRun::Result> LayerRun::Results() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return results_;
+}
+
+bool LayerRun::Over() const { return closed_ && in_flight_ == 0 && (stopped_ || next_ >= gone_); }
+
+void LayerRun::Settle(size_t job, Status code, std::string why) {
+  Result &r = results_[job];
+  r.settled = true;
+  r.code = code;
+  r.why = std::move(why);
+}
+
+void LayerRun::Kick(std::unique_lock<std::mutex> &lock) {
+  std::vector<size_t> start;
+  while (!halted_ && !stopped_ && started_ < gone_ && in_flight_ < width_) {
+    ++in_flight_;
+    start.push_back(started_++);
+  }
+  changed_.notify_all();
+  if (start.empty()) return;
+  lock.unlock();
+  for (size_t k : start) {
+    // Runs Unrun when the worker's closure is dropped unrun (the engine closed with it
+    // queued, or already closed): the step fails, and the run stops.
+    struct Ran {
+      std::shared_ptr<LayerRun> run;
+      size_t step = 0;
+      bool ran = false;
+      ~Ran() {
+        if (!ran) run->Unrun(step);
+      }
+    };
+    auto ran = std::make_shared<Ran>();
+    ran->run = shared_from_this();
+    ran->step = k;
+    try {
+      session_.executor().Submit([ran] {
+        ran->ran = true;
+        ran->run->RunStep(ran->step);
+      });
+    } catch (const std::exception &) {  // bad_alloc queueing: the closure (and `ran`) went unrun
+    }
+  }
+  lock.lock();
+}
+
+void LayerRun::Unrun(size_t k) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Step &step = steps_[k];
+  step.failed = 0;
+  step.fail_code = ge::LLM_ENGINE_FINALIZED;
+  step.fail_why = "the engine was finalized before the layer was sent";
+  halted_ = true;
+  StepEnded(k);
+  Kick(lock);
+}
+
+void LayerRun::RunStep(size_t k) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    Step &step = steps_[k];  // its entries no longer change: added before the first Go
+    if (!step.refused) {
+      const auto since = Clock::now();
+      const Deadline deadline = since + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(step_timeout_s_ < 0 ? 0 : step_timeout_s_));
+      for (size_t i = 0; i < step.entries.size() && !stopped_; ++i) {
+        const Entry &e = step.entries[i];
+        if (results_[e.job].settled) continue;  // abandoned meanwhile
+        Outcome out;
+        if (e.call) {
+          ++calls_run_;
+          lock.unlock();
+          Capture([&] { session_.Run(*e.call, deadline, since); }, out);
+          lock.lock();
+        } else {
+          out.code = e.code;
+          out.why = e.why;
+        }
+        if (out.code != llm_datadist::LLM_SUCCESS) {
+          step.failed = i;
+          step.fail_code = out.code;
+          step.fail_why = std::move(out.why);
+          halted_ = true;  // no step starts after a failure, whichever step it is in
+          break;
+        }
+      }
+    }
+    StepEnded(k);
+    // The next step let go and not started, run by this worker: no hand-over to another
+    // (a wake-up per layer) while the caller keeps ahead.
+    if (halted_ || stopped_ || started_ >= gone_) break;
+    k = started_++;
+    ++in_flight_;
+  }
+  Kick(lock);
+}
+
+void LayerRun::StepEnded(size_t k) {
+  steps_[k].ended = true;
+  --in_flight_;
+  // Outcomes in step order: a step's failure is settled only after every step before it.
+  while (next_ < started_ && steps_[next_].ended) {
+    Step &step = steps_[next_];
+    if (!stopped_) {
+      if (step.refused) {
+        for (const Entry &e : step.entries)
+          if (!results_[e.job].settled) Settle(e.job, step.code, step.why);
+        stopped_ = true;
+      } else if (step.failed < step.entries.size()) {
+        const size_t job = step.entries[step.failed].job;
+        if (!results_[job].settled) Settle(job, step.fail_code, std::move(step.fail_why));
+        stopped_ = true;
+      } else {  // every call ran well: the destinations it ends succeed
+        for (const Entry &e : step.entries)
+          if (last_[e.job] == next_ + 1 && !results_[e.job].settled) Settle(e.job, llm_datadist::LLM_SUCCESS, "");
+      }
+    }
+    ++next_;
+  }
+  changed_.notify_all();
 }
 
 void Session::CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs,

@@ -15,9 +15,12 @@
 
 #include <sys/uio.h>
 
+#include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -106,6 +109,8 @@ constexpr uint64_t kInlineBytes = 64 << 10;
 /// LLM_PARAM_INVALID when `req` names more spans (tensors x spans) than an owner serves in
 /// one request (kMaxRequestSpans, docs/protocol.md): checked before sending. Never blocks.
 void CheckRequestSize(const wire::Request &req);
+
+class LayerRun;
 
 class Session {
  public:
@@ -210,6 +215,13 @@ class Session {
   /// closed). Blocks only for the inline copy.
   std::shared_ptr<Task> Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since);
 
+  /// transfer_cache_async's layer loop, in the core (LayerRun): `jobs` destinations, `steps`
+  /// steps, each step's calls run by the workers once the caller lets it go, up to `width`
+  /// steps at once, each within
+  /// `step_timeout_s` of its start. Never blocks. The session must outlive the run (the
+  /// binding keeps it alive).
+  std::shared_ptr<LayerRun> Layers(size_t jobs, size_t steps, size_t width, double step_timeout_s);
+
   // ---- local copies
 
   /// Copies the spans of `plan` from the source tensors (`src_addrs`; the plan's remote_*
@@ -245,6 +257,115 @@ class Session {
 
   Engine engine_;
   Executor executor_;  // stopped before the engine closes (its tasks use links)
+};
+
+/// A layer-wise transfer run by the core (issue 37: the layer loop of transfer_cache_async
+/// out of Python). The caller hands over every step's prepared calls at once (Add, AddRefusal:
+/// planned once, before the first Go), then lets each step go as soon as its layer is
+/// synchronized (Go: a mutex and at most one hand-over to a worker; never blocks, so the
+/// binding keeps the GIL for it). The session's workers start the steps in order, up to
+/// `width` at once (the layers overlap, as the caller's loop overlapped them with one
+/// asynchronous transfer each; a worker that ends a step runs the next one let go itself, with
+/// no hand-over), while the caller synchronizes the next layer; a step's calls
+/// run in the order added (one destination after another, a destination's calls in order),
+/// each within `step_timeout_s` of its step's start (Session::Run: held, counted and timed as
+/// a blocking transfer). Outcomes are settled in step order.
+///
+/// The rules of LLM-DataDist's loop (v2/llm_utils.py TransferCacheJob.transfer_layers):
+/// * the first failure stops the run: no later call of that step, no later step is started
+///   (at most `width` - 1 started before it are let end); the failing destination's outcome
+///   is its code, unless a failure in an earlier step settles first;
+/// * a step the caller could not synchronize (Refuse) is applied in step order, after the
+///   steps before it ran: every destination of it not settled yet gets the code;
+/// * a destination succeeds once its last step ran well; one never reached has no outcome.
+///
+/// Who calls: the Python binding (datadist.api.async_transfer). Thread-safe. Go, Refuse,
+/// Close, Abandon and the getters never block; WaitEnded and Wait block up to their deadline.
+/// No thread of it takes the GIL.
+class LayerRun : public std::enable_shared_from_this<LayerRun> {
+ public:
+  /// One destination's outcome: settled (false: none, the original's None), its code and why.
+  struct Result {
+    bool settled = false;
+    Status code = 0;
+    std::string why;
+  };
+
+  LayerRun(Session &session, size_t jobs, size_t steps, size_t width, double step_timeout_s);
+  /// Step `step` sends `call` for destination `job`. Before the first Go only
+  /// (LLM_PARAM_INVALID otherwise, or for a job or step out of range).
+  void Add(size_t step, size_t job, std::shared_ptr<const Call> call);
+  /// Step `step` fails for destination `job` with `code` when it is reached (a call that could
+  /// not be made; applied in order as a failing call would be).
+  void AddRefusal(size_t step, size_t job, Status code, std::string why);
+  /// Step `step` may run: steps are let go in order, each once (LLM_PARAM_INVALID otherwise).
+  void Go(size_t step);
+  /// Step `step` was not synchronized: its destinations not settled by then get `code`, and
+  /// the run stops there (and is closed). In order, as Go.
+  void Refuse(size_t step, Status code, std::string why);
+  /// No more steps will be let go: the run ends once the steps let go have run.
+  void Close();
+  /// The caller gave up waiting (its own deadline): every destination with a step let go and
+  /// no outcome yet gets `code`; no step starts (calls in flight end by their deadline, their
+  /// outcomes ignored). Idempotent.
+  void Abandon(Status code, std::string why);
+  /// A failure was seen: no later step will run (the caller need not synchronize more).
+  bool Stopped();
+  /// Steps that have ended (run, failed or skipped), in order.
+  size_t Ended();
+  /// Blocks until `steps` steps ended, the run stopped, or `deadline`; true unless the deadline
+  /// passed first.
+  bool WaitEnded(size_t steps, Deadline deadline);
+  /// Blocks until the run is over (closed and nothing running) or `deadline`; true once over.
+  bool Wait(Deadline deadline);
+  /// Every destination's outcome (settled or not yet).
+  std::vector<Result> Results();
+  /// Steps, and calls run so far (tests: no more calls than the steps need).
+  size_t steps();
+  uint64_t calls_run();
+
+ private:
+  struct Entry {
+    size_t job = 0;
+    std::shared_ptr<const Call> call;  // null: a refusal (code, why)
+    Status code = 0;
+    std::string why;
+  };
+  struct Step {
+    std::vector<Entry> entries;
+    bool refused = false;  // Refuse: not synchronized (code, why)
+    Status code = 0;
+    std::string why;
+    bool ended = false;        // run (or refused, or dropped unrun)
+    size_t failed = SIZE_MAX;  // the entry that failed, if one did
+    Status fail_code = 0;
+    std::string fail_why;
+  };
+  void Put(size_t step, Entry e);
+  // Under mu_: hands the steps let go to workers, up to width_ at once (unlocks to queue).
+  void Kick(std::unique_lock<std::mutex> &lock);
+  void RunStep(size_t step);                              // on a worker: the step, then the next ones let go
+  void Unrun(size_t step);                                // its closure was dropped unrun
+  void StepEnded(size_t step);                            // under mu_: settles ended steps in order
+  void Settle(size_t job, Status code, std::string why);  // under mu_
+  bool Over() const;                                      // under mu_
+
+  Session &session_;
+  const size_t width_;
+  const double step_timeout_s_;
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::vector<Step> steps_;
+  std::vector<size_t> last_;  // each job's last step (+1; 0: none)
+  std::vector<Result> results_;
+  size_t gone_ = 0;       // steps let go
+  size_t started_ = 0;    // steps handed to a worker (or refused)
+  size_t in_flight_ = 0;  // started and not ended
+  size_t next_ = 0;       // steps settled, in order (== Ended())
+  bool closed_ = false;
+  bool halted_ = false;   // a failure was seen: no step starts
+  bool stopped_ = false;  // a failure was settled: no outcome changes
+  uint64_t calls_run_ = 0;
 };
 
 /// Runs fn(i) for every i in [0, n) at once, one thread each (n == 1: in the caller's

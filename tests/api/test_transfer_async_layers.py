@@ -246,27 +246,42 @@ class TestLoop:
 
 
 class Watched:
-    """Wraps an engine's push_async: each issued push's handle records waits on it."""
+    """Wraps an engine's ``layers`` (the core's LayerRun, transfer_cache_async's loop): each
+    run is recorded, and every ``go`` / ``wait_ended`` it is given is logged, with the calls
+    added by then."""
 
     def __init__(self, engine, log: list[tuple[str, int]]) -> None:
-        self.issued: list[object] = []
-        self._real = engine.push_async
+        self.runs: list[object] = []
+        self.added = 0  # calls handed to the core so far
+        self._real = engine.layers
         self._log = log
-        engine.push_async = self.push_async
+        engine.layers = self.layers
 
-    def push_async(self, *args, **kwargs):
-        handle = self._real(*args, **kwargs)
-        n = len(self.issued)
-        log = self._log
-        real_wait = handle.wait
+    def layers(self, *args, **kwargs):
+        watched = self
+        run = self._real(*args, **kwargs)
 
-        def wait(timeout_s=None):
-            log.append(("wait", n))
-            return real_wait(timeout_s)
+        class Run:
+            def __getattr__(self, name):
+                return getattr(run, name)
 
-        handle.wait = wait
-        self.issued.append(handle)
-        return handle
+            def add(self, *a, **k):
+                watched.added += 1
+                return run.add(*a, **k)
+
+            def go(self, step):
+                watched._log.append(("go", step))
+                return run.go(step)
+
+            def wait_ended(self, steps, timeout_s):
+                watched._log.append(("wait", steps - 1))  # waits for step `steps - 1` to end
+                return run.wait_ended(steps, timeout_s)
+
+        self.runs.append(run)
+        return Run()
+
+    def gone(self) -> int:
+        return sum(1 for what, _ in self._log if what == "go")
 
 
 class Sync(llm.LayerSynchronizer):
@@ -283,29 +298,44 @@ class Sync(llm.LayerSynchronizer):
 
 class TestThroughTheFacade:
     def test_each_layer_is_issued_before_the_next_is_awaited(self, ra_pair):
-        """Blocks by key, 8 layers: at synchronize(i), layer i-1's push was issued (one push
-        per layer) and the loop has waited on no layer after i-2; every byte lands."""
+        """Blocks by key, 8 layers, through the core's layer loop (issue 37): every layer's
+        call is handed to the core before layer 0 is awaited (planned once); at
+        synchronize(i) layers 0..i-1 were let go and the loop has waited on no layer after
+        i-2; the core ran one call per layer (one push each: no extra round trip); every
+        byte lands. A second transfer of the same layers prepares nothing anew."""
         p, d = ra_pair
         src, a = p.register(16, [4, 64], blocks=True, seed=21)
         _, b = d.register(16, [4, 64], blocks=True, model_id=3)
         log: list[tuple[str, int]] = []
         watched = Watched(p.engine, log)
-        seen: dict[int, tuple[int, list[int]]] = {}
+        seen: dict[int, tuple[int, int, list[int]]] = {}
         sync = Sync(hook=lambda i: seen.__setitem__(
-            i, (len(watched.issued), [n for what, n in log if what == "wait"])))
+            i, (watched.added, watched.gone(), [n for what, n in log if what == "wait"])))
         cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 3), range(8),
                                              range(8))
         task = p.cm.transfer_cache_async(src, sync, [cfg], [0, 1, 2, 3], [3, 2, 1, 0])
         assert task.synchronize(int(WAIT * 1000)) == S.LLM_SUCCESS
         assert sync.calls == list(range(8))
         for i in range(8):
-            issued, waited = seen[i]
-            assert issued == i, (i, issued)  # layers 0..i-1 issued, layer i not yet
+            added, gone, waited = seen[i]
+            assert added == 8, (i, added)  # every layer's call handed over before layer 0
+            assert gone == i, (i, gone)  # layers 0..i-1 let go, layer i not yet
             assert all(n <= i - layerwise.DEPTH for n in waited), (i, waited)
+        (run,) = watched.runs
+        assert run.calls_run == 8 and run.ended() == 8  # one push per layer, all ended
         want = np.zeros_like(b)
         units(want, 4)[:, [3, 2, 1, 0]] = units(a, 4)[:, [0, 1, 2, 3]]
         np.testing.assert_array_equal(b, want)
-        assert p.engine.leases(src.cache_id) == 0  # every issued push ended: no hold left
+        assert p.engine.leases(src.cache_id) == 0  # every layer ended: no hold left
+        prepares = []
+        real_prepare = p.engine._core.prepare
+        p.engine._core = _Spy(p.engine._core, prepare=lambda *a_, **k: (
+            prepares.append(1), real_prepare(*a_, **k))[1])
+        b[:] = 0
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], [0, 1, 2, 3], [3, 2, 1, 0])
+        assert task.synchronize(int(WAIT * 1000)) == S.LLM_SUCCESS
+        np.testing.assert_array_equal(b, want)
+        assert prepares == []  # the calls of the first transfer, kept
 
     def test_a_failing_layer_stops_the_later_ones(self, pair):
         """Raw addresses, 6 layers; layer 1's point outside every registered cache. The
@@ -331,11 +361,13 @@ class TestThroughTheFacade:
         assert p.engine.leases(src.cache_id) == 0  # no issued push holds the source
 
     def test_several_destinations_in_flight(self, ra_pair, make_side):
-        """Two destinations, 4 layers: both get each layer's push issued before the next
-        layer is awaited. With an unlinked destination between them, the transfer stops at
-        its refusal, as LLM-DataDist's (v2/llm_utils.py TransferCacheJob.transfer_layers
-        returns at the first failure): no layer is issued to any once the refusal is seen, and
-        the two linked ones report nothing (None)."""
+        """Two destinations, 4 layers: both get every layer's call handed to the core before
+        layer 0 is awaited, and the core runs one push per destination and layer. With an
+        unlinked destination between them, the transfer stops at its refusal, as
+        LLM-DataDist's (v2/llm_utils.py TransferCacheJob.transfer_layers returns at the
+        first failure): layer 0 reached the first destination, nothing the third (a layer
+        goes to no destination after the failing one), no layer past those started beside
+        the failing one; the two linked ones report nothing (None)."""
         p, d = ra_pair
         src, a = p.register(8, [2, 32], blocks=True, seed=23)
         _, b = d.register(8, [2, 32], blocks=True, model_id=4)
@@ -343,12 +375,13 @@ class TestThroughTheFacade:
         log: list[tuple[str, int]] = []
         watched = Watched(p.engine, log)
         seen: dict[int, int] = {}
-        sync = Sync(hook=lambda i: seen.__setitem__(i, len(watched.issued)))
+        sync = Sync(hook=lambda i: seen.__setitem__(i, watched.added))
         to_b, to_c = (llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, m),
                                                      range(4), range(4)) for m in (4, 5))
         task = p.cm.transfer_cache_async(src, sync, [to_b, to_c], [0, 1], [1, 0])
         assert task.get_results(int(WAIT * 1000)) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
-        assert seen[1] >= 2  # layer 0 to both destinations before layer 1 is awaited
+        assert seen[0] == 8  # both destinations' 4 layers before layer 0 is awaited
+        assert watched.runs[0].calls_run == 8
         want = np.zeros_like(b)
         units(want, 2)[:, [1, 0]] = units(a, 2)[:, [0, 1]]
         np.testing.assert_array_equal(b, want)
@@ -356,33 +389,78 @@ class TestThroughTheFacade:
         b[:] = 0
         c[:] = 0
         unlinked = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(77, 4), range(4), range(4))
-        task = p.cm.transfer_cache_async(src, Sync(), [to_b, unlinked, to_c], [0, 1], [1, 0])
+        sync = Sync()
+        task = p.cm.transfer_cache_async(src, sync, [to_b, unlinked, to_c], [0, 1], [1, 0])
         assert task.get_results(int(WAIT * 1000)) == [None, S.LLM_NOT_YET_LINK, None]
         assert task.synchronize(int(WAIT * 1000)) == S.LLM_NOT_YET_LINK
-        # The refusal comes from the core's worker, after layer 0 was issued to all three:
-        # layers issued before it is seen (at most DEPTH) end as they end; none after.
-        assert not b[2 * layerwise.DEPTH:].any() and not c[2 * layerwise.DEPTH:].any()
+        np.testing.assert_array_equal(b[:2], want[:2])  # layer 0 to the first
+        # The core starts no layer once it saw the failure; a layer started beside the
+        # failing one (DEPTH at once) ends as it ends. Within each layer the refused
+        # destination comes before the third, which so gets nothing at all.
+        assert not b[2 * layerwise.DEPTH:].any() and not c.any()
+        assert watched.runs[1].calls_run in range(2, 2 * layerwise.DEPTH + 1)
+        # the loop synchronizes at most DEPTH layers before the failure is seen
+        assert sync.calls == list(range(len(sync.calls))) and len(sync.calls) <= layerwise.DEPTH
 
     def test_a_layer_issued_in_part_is_waited_for(self, pair):
-        """Raw addresses send K and V apart: when V's push is refused after K's went out, the
-        destination reports the refusal, and K's push is still waited for (its hold on the
-        source cache let go: no handle left behind)."""
+        """Raw addresses send K and V apart: when V's call cannot be made after K's was,
+        the destination reports the refusal at that layer, after K's push ran (in order,
+        in the core), and nothing holds the source cache after."""
         p, d = pair
         src, a = p.register(4, [1, 64], seed=24)
         _, b = d.register(4, [1, 64])
-        real = p.engine.push_async
+        real = p.engine.prepared
         calls = []
 
-        def push_async(*args, **kwargs):
+        def prepared(*args, **kwargs):
             calls.append(1)
             if len(calls) == 2:
-                raise NotLinked("refused after the first tensor went out")
+                raise NotLinked("refused after the first tensor's call was made")
             return real(*args, **kwargs)
 
-        p.engine.push_async = push_async
-        task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+        p.engine.prepared = prepared
+        sync = Sync()
+        task = p.cm.transfer_cache_async(src, sync, [llm.TransferConfig(
             DECODER_ID, [int(b[t].ctypes.data) for t in range(4)])])
         assert task.get_results(int(WAIT * 1000)) == [S.LLM_NOT_YET_LINK]
+        assert sync.calls == [0]  # the refusal is layer 0's, seen there
         np.testing.assert_array_equal(b[0], a[0])  # K of layer 0 went out
         assert not b[1:].any()
-        assert p.engine.leases(src.cache_id) == 0  # no issued push holds the source
+        assert p.engine.leases(src.cache_id) == 0  # no transfer holds the source
+
+
+class _Spy:
+    """An object with some attributes replaced (the core's bound methods are read-only)."""
+
+    def __init__(self, real, **replaced) -> None:
+        self._real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class TestLayerRanges:
+    def test_destinations_with_their_own_layers(self, ra_pair):
+        """Two destinations taking layers 1-2 and 4-5 of 6 (the core's steps: layers some
+        destination needs): the synchronizer is called for those four only, in order; each
+        destination gets its layers, into its own range, and succeeds at its last one."""
+        p, d = ra_pair
+        src, a = p.register(12, [2, 32], blocks=True, seed=26)
+        _, b = d.register(12, [2, 32], blocks=True, model_id=7)
+        _, c = d.register(12, [2, 32], blocks=True, model_id=8)
+        to_b = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 7), range(1, 3),
+                                              range(0, 2))
+        to_c = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 8), range(4, 6),
+                                              range(3, 5))
+        log: list[tuple[str, int]] = []
+        watched = Watched(p.engine, log)
+        sync = Sync()
+        task = p.cm.transfer_cache_async(src, sync, [to_b, to_c], [0, 1], [0, 1])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_SUCCESS, S.LLM_SUCCESS]
+        assert sync.calls == [1, 2, 4, 5]
+        assert watched.runs[0].steps == 4 and watched.runs[0].calls_run == 4
+        np.testing.assert_array_equal(b[0:4], a[2:6])
+        assert not b[4:].any()
+        np.testing.assert_array_equal(c[6:10], a[8:12])
+        assert not c[:6].any() and not c[10:].any()

@@ -10,7 +10,7 @@ import numpy
 import numpy.typing
 import typing
 from . import testing
-__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'cuda_device', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'LayerRun', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'cuda_device', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
 class OptionSpec:
     """
     One row of the option table (read only)
@@ -168,6 +168,62 @@ class UserCache:
     @property
     def units(self) -> int:
         ...
+class LayerRun:
+    """
+    A layer-wise transfer whose steps the core runs in order (Engine.layers)
+    """
+    def abandon(self, code: typing.SupportsInt | typing.SupportsIndex, why: str) -> None:
+        """
+        Every destination with a step let go and no outcome gets `code`; nothing more runs.
+        """
+    def add(self, step: typing.SupportsInt | typing.SupportsIndex, job: typing.SupportsInt | typing.SupportsIndex, call: Call) -> None:
+        """
+        Step `step` sends `call` for destination `job` (before the first go; InvalidArgument after).
+        """
+    def add_refusal(self, step: typing.SupportsInt | typing.SupportsIndex, job: typing.SupportsInt | typing.SupportsIndex, code: typing.SupportsInt | typing.SupportsIndex, why: str) -> None:
+        """
+        Step `step` fails for destination `job` with `code` when reached.
+        """
+    def close(self) -> None:
+        """
+        No more steps will be let go. Never blocks.
+        """
+    def ended(self) -> int:
+        """
+        Steps ended so far. Never blocks.
+        """
+    def go(self, step: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Step `step` may run (in order, once each; InvalidArgument otherwise). Never blocks.
+        """
+    def refuse(self, step: typing.SupportsInt | typing.SupportsIndex, code: typing.SupportsInt | typing.SupportsIndex, why: str) -> None:
+        """
+        Step `step` was not synchronized: applied in order, then the run stops. Never blocks.
+        """
+    def results(self) -> list[tuple[int, str] | None]:
+        """
+        Each destination's outcome: (code, why), or None when it has none (yet).
+        """
+    def stopped(self) -> bool:
+        """
+        A failure was seen: no later step runs. Never blocks.
+        """
+    def wait(self, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool:
+        """
+        Blocks (without the GIL) until the run is over; False when timeout_s passed first.
+        """
+    def wait_ended(self, steps: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool:
+        """
+        Blocks (without the GIL, once it must wait) until `steps` steps ended or the run stopped; False when timeout_s passed first.
+        """
+    @property
+    def calls_run(self) -> int:
+        """
+        Calls the core ran so far (tests: one per destination and layer).
+        """
+    @property
+    def steps(self) -> int:
+        ...
 class Engine:
     """
     An engine (cpp/src/engine.h) and its asynchronous workers: datadist.core.native.NativeEngine drives it
@@ -234,6 +290,10 @@ class Engine:
         """
     def last_link_failure(self, cluster_id: typing.SupportsInt | typing.SupportsIndex) -> str:
         ...
+    def layers(self, jobs: typing.SupportsInt | typing.SupportsIndex, steps: typing.SupportsInt | typing.SupportsIndex, width: typing.SupportsInt | typing.SupportsIndex, step_timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> LayerRun:
+        """
+        A layer-wise run of `steps` steps for `jobs` destinations (LayerRun), up to `width` steps at once, each within step_timeout_s of its start; the run keeps the engine alive. Never blocks.
+        """
     def link_ids(self, inbound: bool) -> list[int]:
         ...
     def link_many(self, peers: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, str, typing.SupportsInt | typing.SupportsIndex]], timeout_s: typing.SupportsFloat | typing.SupportsIndex, take_peer_id: bool) -> list[tuple[int, int, str]]:

@@ -2,10 +2,10 @@
 ``KvCacheManager``.
 
 Who calls: those facades. Everything is checked here, synchronously (TypeError, ValueError,
-LLMException PARAM_INVALID), before the layer loop starts (``core/layerwise.py``: each
-layer's push issued to the core's workers as soon as the layer is synchronized); after that,
-failures are codes in the returned :class:`CacheTask`, one per transfer config. Returns at
-once; never blocks on a transfer.
+LLMException PARAM_INVALID), before the layer loop starts (:class:`_CoreLoop`: every layer's
+push prepared once and handed to the core's LayerRun, each layer let go to the core's workers
+as soon as it is synchronized); after that, failures are codes in the returned
+:class:`CacheTask`, one per transfer config. Returns at once; never blocks on a transfer.
 
 Destinations:
 
@@ -42,7 +42,10 @@ same cache-to-cache copy: the source slot lands at the start of each destination
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -64,7 +67,12 @@ from datadist.core import layerwise
 from datadist.core.errors import Code, DatadistError
 from datadist.core.keys import KeyKind, KeyRef
 from datadist.core.layout import Geometry, checked_add
-from datadist.core.native import NativeEngine, NativeHandle
+from datadist.core.native import NativeEngine
+
+if TYPE_CHECKING:
+    from datadist._core import Call, LayerRun
+
+log = logging.getLogger(__name__)
 
 TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
 WAIT_GRACE = 5.0  # s past an issued layer's own deadline that its end is waited for
@@ -154,15 +162,15 @@ def start_transfer(
         for cfg in transfer_configs
     ]
     task = CacheTask(len(jobs), default_error)
-    layerwise.LayerwiseTransfer(
-        num_layers,
+    _CoreLoop(
+        engine,
         lambda i: layer_synchronizer.synchronize_layer(i, None),
         jobs,
         lambda k, code: task._set(k, LLMStatusCode(int(code))),
         task._finish,
         sync_error=Code(int(default_error)),
-        # each issued layer ends by its own deadline (sync_kv_timeout from its issue, in the
-        # core); waited for a little longer, then TIMEOUT, should the core not end it
+        # each layer ends by its own deadline (sync_kv_timeout from its start, in the core);
+        # waited for a little longer, then TIMEOUT, should the core not end it
         wait_s=engine.config.sync_timeout + WAIT_GRACE,
     ).start()
     return task
@@ -179,7 +187,7 @@ def _src_unit(cfg: Any) -> int:
 
 def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
          src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
-         dbb: int) -> layerwise.LayerJob:
+         dbb: int) -> _Job:
     """Plan one destination: its layers, its spans (same for every layer), its sender."""
     # The original's checks, in its order (v2/llm_utils.py TransferCacheJob.
     # check_transfer_config): with source blocks, src_batch_index must be 0; then the layer
@@ -223,24 +231,15 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
                 checked_add(sp.remote_offsets, sp.lengths, a, "dst address")
         ref = KeyRef(KeyKind.ADDRESS)
 
-        def send_addresses(i: int) -> list[layerwise.Pending]:
-            # each tensor has its own destination address: one push each, all issued; one
-            # refused after another went out is returned as its error beside it, so that the
-            # loop still waits for the one in flight
+        def address_calls(i: int) -> Iterator[Call]:
+            # each tensor has its own destination address: one push each, in order; one
+            # that cannot be made after another was is the layer's failure after it
             k = i - layers.start
-            plans = [sp.plan([0], [i * n + t], remote_base=addrs[k * n + t]) for t in range(n)]
-            issued: list[layerwise.Pending] = []
-            for plan in plans:
-                try:
-                    issued.append(engine.push_async(cluster, ref, 0, plan, cache_id))
-                except DatadistError as e:
-                    if not issued:
-                        raise
-                    issued.append(layerwise.Ended(e))
-                    break
-            return issued
+            for t in range(n):
+                plan = sp.plan([0], [i * n + t], remote_base=addrs[k * n + t])
+                yield engine.prepared(True, cluster, ref, 0, plan, cache_id)
 
-        return layerwise.LayerJob(layers, send_addresses)
+        return _Job(layers, address_calls)
 
     check_unit()
     key = cfg.cache_key
@@ -273,19 +272,156 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
     spans_key = ("async", geo, src_unit, _exact(src_blocks), _exact(dst_blocks), dbb)
     blocks = src_blocks if src_blocks is not None else dst_blocks
 
-    def send_by_key(i: int) -> NativeHandle:
+    def key_calls(i: int) -> Iterator[Call]:
         j = dst_start + (i - layers.start)
         remote, local = tuple(j * n + t for t in range(n)), tuple(i * n + t for t in range(n))
         plan = prepared_plan(spans_key + (remote, local), lambda: sp.plan(remote, local),
                              blocks)
-        # issued: the loop synchronizes the next layer while this one moves
-        return engine.push_async(cluster, ref, unit_bytes, plan, cache_id)
+        yield engine.prepared(True, cluster, ref, unit_bytes, plan, cache_id)
 
-    return layerwise.LayerJob(layers, send_by_key)
+    return _Job(layers, key_calls)
 
 
 def _exact(blocks: np.ndarray | None) -> Any:
     return None if blocks is None else exact(blocks)
+
+
+# Layers let go and not ended yet, at most, and the core's steps at once: layer i is
+# synchronized once layer i - AHEAD ended (as the Python loop's DEPTH was), so layer i - 1
+# moves while layer i is awaited and the core overlaps two layers' copies, and at most
+# AHEAD - 1 layers are synchronized (and started) past a failure nobody has seen yet. The core
+# starts no layer once it has seen a failure.
+AHEAD = layerwise.DEPTH
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One destination: the source layers it takes (ascending) and the core's prepared calls
+    of one layer, in order (a generator: a call that cannot be made raises after the ones
+    before it were yielded)."""
+
+    layers: range
+    calls: Callable[[int], Iterator[Call]]
+
+
+class _CoreLoop:
+    """transfer_cache_async's layer loop with its transfers in the core (issue 37).
+
+    On a loop thread (``core/layerwise.py``'s, kept between transfers): every layer's calls
+    are prepared once and handed to a core LayerRun (``cpp/src/session.h``); then for each
+    layer some destination needs, in order, the user's ``synchronize`` (Python, on this
+    thread: no core thread takes the GIL) and the layer let go (``go``: never blocks). The
+    core's workers run the layers let go in order, AHEAD at once, while this thread
+    synchronizes the next. The rules are LLM-DataDist's (``v2/llm_utils.py``
+    TransferCacheJob.transfer_layers), as ``core/layerwise.py`` states them: False from
+    ``synchronize`` is PARAM_INVALID for the destinations needing that layer, an exception
+    the task's default error; the first failure stops the transfer (the core starts no layer
+    once it saw it, and settles outcomes in layer order); a destination succeeds at
+    its last layer, and one never reached reports None. ``report(k, code)`` and ``done()``
+    are called from the loop thread once the run is over (every layer let go ended, or its
+    wait ran out: TIMEOUT)."""
+
+    def __init__(self, engine: NativeEngine, synchronize: Callable[[int], bool],
+                 jobs: list[_Job], report: Callable[[int, int], None],
+                 done: Callable[[], None], sync_error: Code, wait_s: float) -> None:
+        self._engine = engine
+        self._synchronize = synchronize
+        self._jobs = jobs
+        self._report = report
+        self._done = done
+        self._sync_error = sync_error
+        self._wait_s = wait_s
+
+    def start(self) -> None:
+        """Hands the loop to a loop thread; returns at once."""
+        layerwise._THREADS.run(self._run)
+
+    def _run(self) -> None:
+        run: LayerRun | None = None
+        try:
+            steps = sorted(set().union(*(set(j.layers) for j in self._jobs)))
+            try:
+                run = self._engine.layers(len(self._jobs), len(steps), AHEAD)
+            except DatadistError as e:  # finalized: the first destination's first layer fails
+                first = min(range(len(self._jobs)), key=lambda k: self._jobs[k].layers[0])
+                self._report(first, int(e.code))
+                return
+            last = self._fill(run, {layer: s for s, layer in enumerate(steps)})
+            if not self._loop(run, steps[:last + 1]):
+                self._finish(run)
+        except Exception:  # a bug: what was not settled stays None
+            log.exception("layer-wise transfer failed")
+            if run is not None:
+                run.abandon(int(Code.FAILED), "the layer loop failed")
+        finally:
+            try:
+                if run is not None:
+                    for k, got in enumerate(run.results()):
+                        if got is not None:
+                            code, why = got
+                            if code != Code.SUCCESS:
+                                log.warning("transfer_cache_async to destination %d failed: %s",
+                                            k, why)
+                            self._report(k, code)
+            finally:
+                self._done()
+
+    def _fill(self, run: LayerRun, step_of: dict[int, int]) -> int:
+        """Every layer's calls, prepared now (planned once: the plans and calls are kept for
+        the next transfer of the same layers); one that cannot be made is its layer's
+        failure, in order. Returns the last step the run can reach (the first refused one
+        stops it: no layer after it is awaited)."""
+        last = len(step_of) - 1
+        for k, job in enumerate(self._jobs):
+            for layer in job.layers:
+                s = step_of[layer]
+                try:
+                    for call in job.calls(layer):
+                        run.add(s, k, call)
+                except DatadistError as e:
+                    run.add_refusal(s, k, int(e.code), str(e))
+                    last = min(last, s)
+                    break
+                except Exception as e:  # a bug: this destination fails there
+                    log.exception("preparing layer %d for destination %d failed", layer, k)
+                    run.add_refusal(s, k, int(Code.FAILED), f"{type(e).__name__}: {e}")
+                    last = min(last, s)
+                    break
+        return last
+
+    def _loop(self, run: LayerRun, steps: list[int]) -> bool:
+        """Synchronizes each layer and lets it go; True when a wait ran out (abandoned)."""
+        try:
+            for s, layer in enumerate(steps):
+                if s >= AHEAD and not run.wait_ended(s - AHEAD + 1, self._wait_s):
+                    run.abandon(int(Code.TIMEOUT), f"layer {steps[s - AHEAD]} did not end in time")
+                    return True
+                if run.stopped():  # a failure: no later layer is awaited
+                    return False
+                try:
+                    ready = bool(self._synchronize(layer))
+                    code = Code.PARAM_INVALID
+                except Exception:  # user code: report, never kill the thread silently
+                    log.exception("synchronize_layer(%d) raised", layer)
+                    ready, code = False, self._sync_error
+                if not ready:
+                    log.warning("layer %d was not synchronized", layer)
+                    run.refuse(s, int(code), f"layer {layer} was not synchronized")
+                    return False
+                run.go(s)
+            return False
+        finally:
+            run.close()
+
+    def _finish(self, run: LayerRun) -> None:
+        """Waits for the run to be over, up to ``wait_s`` without a layer ending."""
+        last = int(run.ended())
+        while not run.wait(self._wait_s):
+            ended = int(run.ended())
+            if ended == last:
+                run.abandon(int(Code.TIMEOUT), "a layer did not end in time")
+                return
+            last = ended
 
 
 __all__ = ["start_transfer"]

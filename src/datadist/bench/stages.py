@@ -14,6 +14,8 @@ a stage's cost is its p50 less the next one's.
   the lease's checks, the copy);
 - ``process_vm_readv``: the copy alone, through ctypes (its own call cost included).
 
+With ``--async``: transfer_cache_async of the 32 layers against one push_blocks of them.
+
 With ``--maps``: the small pull with and without the one memo map of its path (the planned
 requests, each holding the core's prepared call), what it saves.
 
@@ -142,6 +144,90 @@ def maps(puller: NativeEngine, pcm: CacheManager, pull: Callable[[], None], n: i
         print(f"  {name:30s} {float(np.median(v)):8.2f}")
 
 
+def async_layers(ocm: CacheManager, pcm: CacheManager, lsrc: np.ndarray, ldst: np.ndarray,
+                 ldesc: CacheDesc, n: int, rounds: int) -> None:
+    """transfer_cache_async of the 32 layers of 1 MiB (a push by key, layer by layer, every
+    layer ready at once) against its limit, one push_blocks of all 32 layers, interleaved
+    call by call; prints each p50 and the ratio of the limit's p50 to the figure's (issue 37
+    item 2: >= 0.95x). Pushes the puller's layers into a second owner cache."""
+    from datadist import LayerSynchronizer, LLMStatusCode, TransferWithCacheKeyConfig
+    from datadist.api import async_transfer
+
+    class Ready(LayerSynchronizer):
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            return True
+
+    back = np.zeros_like(lsrc)
+    ocm.register_blocks_cache(ldesc, [int(a.ctypes.data) for a in back],
+                              BlocksCacheKey(OWNER, MODEL + 2))
+    cache = pcm.register_blocks_cache(ldesc, [int(a.ctypes.data) for a in ldst], None)
+    ldst[:] = lsrc
+    blocks = list(range(LAYER_BLOCKS))
+    key = BlocksCacheKey(OWNER, MODEL + 2)
+    cfg = TransferWithCacheKeyConfig(key, range(LAYERS), range(LAYERS))
+    ready = Ready()
+
+    def layerwise() -> None:
+        task = pcm.transfer_cache_async(cache, ready, [cfg], blocks, blocks)
+        if task.synchronize(60000) != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError("transfer_cache_async failed")
+
+    def one_push() -> None:
+        pcm.push_blocks(key, cache, blocks, blocks)
+
+    def python_loop() -> None:  # the same, with the round start's loop in Python
+        real = async_transfer._CoreLoop
+        async_transfer._CoreLoop = _PythonLoop  # type: ignore[assignment,misc]
+        try:
+            layerwise()
+        finally:
+            async_transfer._CoreLoop = real  # type: ignore[misc]
+
+    for fn in (layerwise, python_loop):
+        back[:] = 0
+        fn()
+        assert np.array_equal(back, lsrc)
+    fns = {"core loop": layerwise, "python loop": python_loop, "one push_blocks": one_push}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+
+    def timed_cpu(k: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:  # the process's CPU time (every thread): robust to a busy machine
+            t0 = time.process_time()
+            fn()
+            cpu[k].append((time.process_time() - t0) * 1e6)
+        return run
+
+    got = p50_us({k: timed_cpu(k, fn) for k, fn in fns.items()}, n, rounds)
+    lim = got["one push_blocks"]
+    print(f"transfer_cache_async of 32 x 1 MiB against one push of 32 MiB ({lim:.0f} us, CPU "
+          f"{float(np.median(cpu['one push_blocks'])):.0f} us), p50:")
+    for k in ("core loop", "python loop"):
+        print(f"  {k:12s} {got[k]:8.0f} us: {lim / got[k]:.3f}x; CPU of the process "
+              f"{float(np.median(cpu[k])):8.0f} us")
+
+
+class _PythonLoop:
+    """transfer_cache_async's loop as the round start ran it (``core/layerwise.py``: each
+    layer's calls submitted from Python, DEPTH layers in flight), on the same prepared calls:
+    the comparison ``--async`` prints beside the core's loop, in the same run."""
+
+    def __init__(self, engine: NativeEngine, synchronize: Callable[[int], bool], jobs: Any,
+                 report: Callable[[int, int], None], done: Callable[[], None], sync_error: Any,
+                 wait_s: float) -> None:
+        from datadist.core import layerwise as lw
+
+        def send(job: Any) -> Callable[[int], list[Any]]:
+            return lambda i: [engine.submit(c) for c in job.calls(i)]
+
+        self._loop = lw.LayerwiseTransfer(
+            max(j.layers.stop for j in jobs), synchronize,
+            [lw.LayerJob(j.layers, send(j)) for j in jobs], report, done,
+            sync_error=sync_error, wait_s=wait_s)
+
+    def start(self) -> None:
+        self._loop.start()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Where the time of one small pull goes.")
     ap.add_argument("--tcp", action="store_true", help="force TCP (no same-host path)")
@@ -149,12 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--maps", action="store_true",
                     help="only the small pull with each memo map of its path taken away")
+    ap.add_argument("--async", dest="async_", action="store_true",
+                    help="only transfer_cache_async of 32 layers against one push of them")
     args = ap.parse_args(argv)
     owner = NativeEngine(EngineConfig(cluster_id=OWNER, role=1, listen=("127.0.0.1", 0)))
     puller = NativeEngine(EngineConfig(cluster_id=PULLER, role=2,
                                        transport="tcp" if args.tcp else None))
     try:
-        ocm, pcm = CacheManager(owner), CacheManager(puller)
+        ocm = CacheManager(owner, remote_cache_accessible=args.async_)
+        pcm = CacheManager(puller, remote_cache_accessible=args.async_)
         src = np.random.default_rng(1).integers(0, 256, (1, BLOCKS * BLOCK), dtype=np.uint8)
         dst = np.zeros_like(src)
         desc = CacheDesc(1, [BLOCKS, BLOCK], DataType.DT_UINT8, Placement.DEVICE)
@@ -176,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
         pcm.pull_blocks(key, small, [5], [9])
         pcm.pull_blocks(key, small, [5], [9])  # the lease (same host) exists from here
         assert np.array_equal(dst[0, 9 * BLOCK:10 * BLOCK], src[0, 5 * BLOCK:6 * BLOCK])
+        if args.async_:
+            async_layers(ocm, pcm, lsrc, ldst, ldesc, max(5, args.n // 200), args.rounds)
+            return
         if args.maps:
             maps(puller, pcm, lambda: pcm.pull_blocks(key, small, [5], [9]), args.n, args.rounds)
             return

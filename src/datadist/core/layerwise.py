@@ -1,6 +1,9 @@
 """Layer-wise asynchronous transfer: send each layer as soon as it is computed.
 
-Who calls: the facade's ``transfer_cache_async`` (cache-manager and legacy mode). It builds
+Who calls: the loop is the round-9 form of ``transfer_cache_async``'s, which now runs its
+layers in the core (``api/async_transfer.py`` ``_CoreLoop``, ``cpp/src/session.h``
+LayerRun) and uses this module's loop threads, DEPTH and span planners; the loop itself stays
+for ``python -m datadist.bench.stages --async`` (the two side by side) and its tests. It builds
 one :class:`LayerJob` per destination and starts a :class:`LayerwiseTransfer`; one of this
 module's loop threads then calls the user's ``synchronize`` for each layer some job needs, in
 layer order, and hands that layer to every job that needs it. A job *issues* its layer (the

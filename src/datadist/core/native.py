@@ -52,7 +52,7 @@ from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.memory import shared
 
 if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
-    from datadist._core import Call, Engine, Handle, PendingLink, UserCache
+    from datadist._core import Call, Engine, Handle, LayerRun, PendingLink, UserCache
 
 log = logging.getLogger("datadist.native")
 
@@ -744,6 +744,20 @@ class NativeEngine:
         """:meth:`push`, issued (:meth:`submit`); returns at once."""
         return self.submit(self.prepared(True, cluster_id, key, unit_bytes, plan, src_cache_id),
                            timeout)
+
+    def layers(self, jobs: int, steps: int, width: int,
+               timeout: float | None = None) -> LayerRun:
+        """A layer-wise run in the core of ``steps`` steps for ``jobs`` destinations
+        (transfer_cache_async's loop; ``cpp/src/session.h`` LayerRun): the caller adds every
+        layer's prepared calls
+        (:meth:`prepared`), then lets each layer go as it is synchronized; the core's workers
+        start the layers in order, up to ``width`` at once, each within ``timeout``
+        (sync_timeout) of its start. The run
+        keeps the core alive. Never blocks; Closed once finalized."""
+        if self._closed:
+            raise Closed("the engine is finalized")
+        return self._core.layers(jobs, steps, width,
+                                 self.config.sync_timeout if timeout is None else timeout)
 
     # ------------------------------------------------------------------ closing
 
