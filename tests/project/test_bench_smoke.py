@@ -26,7 +26,7 @@ ROWS = {
     "plan_numpy": "ms", "plan_lists": "ms",
     # per-call cost rows (bench/calls.py); at --size 1 (32 blocks) no 256 / 1k blocks rows
     "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "same_host_small_p99": "us",
-    "same_host_small_new": "us",
+    "same_host_small_new": "us", "same_host_small_vs_raw": "us",
     "same_host_async_layers": "GB/s", "tcp_async_layers": "GB/s",
     "same_host_async_layers_push": "GB/s", "tcp_async_layers_push": "GB/s",
     "same_host_pull_ahead": "GB/s", "tcp_pull_ahead": "GB/s",

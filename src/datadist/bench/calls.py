@@ -8,6 +8,7 @@ p99 of a plain round trip (the per-call cost issue's rows).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from datadist.bench.harness import (
     LAYERS,
     LAYERS_MODEL,
     OWNER_ID,
+    SMALL_BLOCK,
     SMALL_CACHE_BLOCKS,
     U64,
     BenchError,
@@ -30,7 +32,7 @@ from datadist.bench.harness import (
     throughput_row,
 )
 from datadist.bench.limits import RawCma, iov
-from datadist.bench.puller import Context, Puller, latency_row
+from datadist.bench.puller import Context, Puller, alternate_runs, latency_row, one_cpu
 
 LAYER_BYTES = 2 * LAYER_BLOCKS * LAYER_BLOCK  # K and V of one layer
 # 32 per-layer pulls of 1 MiB against one pull of the same bytes (GB/s over GB/s), by path:
@@ -62,6 +64,7 @@ def calls_rows(ctx: Context) -> list[Row]:
             if transport == "auto":
                 rows += _few_blocks_rows(ctx, p)
                 rows.append(_p99_row(ctx, p))
+                rows.append(_small_vs_raw_row(ctx, p))
                 rows.append(_never_seen_row(ctx, p))
         finally:
             p.close()
@@ -200,6 +203,37 @@ def _never_seen_row(ctx: Context, p: Puller) -> Row:
                       goal=None)
     row.title = "small pull, one 16 KiB block, same host, each request new"
     return row
+
+
+def _small_vs_raw_row(ctx: Context, p: Puller) -> Row:
+    """The small pull against raw ``process_vm_readv`` of the very same 16 KiB (issue 37: a
+    Python pull on one host <= 2x it). Both walk the 64 block pairs the small-pull rows use
+    (block i % 64 into block 7i % 64: 2 MiB touched on each side), one call per sample, in
+    alternating runs: a limit that copied one block over and over would keep its pages in
+    the caches and the TLB, and measured so it is 2-2.5 us (about half) faster than the same
+    call walking the blocks (docs/performance.md, "Where the same-host small pull's
+    microseconds go")."""
+    n = SMALL_CACHE_BLOCKS
+    cma = RawCma(ctx.info["pid"])
+    local, remote = ctx.bufs["small"].ctypes.data, ctx.info["small_addr"]
+    raws = [cma.prepare(iov(np.array([local + (i * 7) % n * SMALL_BLOCK], dtype=U64),
+                            np.array([SMALL_BLOCK], dtype=U64)),
+                        iov(np.array([remote + i % n * SMALL_BLOCK], dtype=U64),
+                            np.array([SMALL_BLOCK], dtype=U64))) for i in range(n)]
+    turn = [0]
+
+    def raw() -> None:
+        raws[turn[0] % n]()
+        turn[0] += 1
+
+    ctx.progress.set_label("small pull against raw process_vm_readv")
+    with one_cpu(os.getpid(), ctx.info["pid"]):
+        pulls, lims = alternate_runs(ctx, lambda i: p.pull_small(i % n, (i * 7) % n), raw)
+    row = Row("same_host_small_vs_raw", "small pull, one 16 KiB block, same host, p50", "us",
+              float(np.median(pulls)), "raw process_vm_readv of the same 16 KiB, p50",
+              float(np.median(lims)), path=p.mechanism(), figure_samples=pulls,
+              limit_samples=lims)
+    return at_most(row, 2.0)
 
 
 def _p99_row(ctx: Context, p: Puller) -> Row:
