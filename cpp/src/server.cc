@@ -16,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <system_error>
 
 #include "addr.h"
@@ -42,6 +43,7 @@ constexpr uint32_t kPreAuthPayload = 4096;  // largest frame before the handshak
 constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kKeepBuffer = 64 << 10;
 constexpr size_t kStepShare = 8 << 20;
+constexpr size_t kSumSpans = 64 << 10;  // spans a step checksums at most (besides kStepShare bytes)
 // Connections still in their handshake (server.h, "Budgets"): counted apart from those whose
 // handshake is done, each budget smaller than the caps on those.
 constexpr size_t kPreAuthPerPeer = 32;   // from one IP address, or one uid on the local channel
@@ -50,6 +52,8 @@ constexpr size_t kPreAuthNonReader = 2;  // from a uid that may not read this pr
 // first frame, which is answered with ERROR; past this many waiting, one is closed unanswered.
 constexpr double kRefuseTimeout = 2.0;
 constexpr size_t kMaxRefusing = 64;
+// Threads a server adopts reverse channels on (Server::Adopt), one address's at a time each.
+constexpr size_t kAdopters = 4;
 // Same-host grants (docs/protocol.md, "Pull on the same host"): an honest reader holds one per
 // connection at a time and releases it right after its copy.
 constexpr size_t kMaxGrantsPerConnection = 4;
@@ -345,9 +349,18 @@ struct ServeJob {
   bool checksum = false;                // READ: its CHECKSUM frame follows the data, then the reader's verdict
   std::vector<uint8_t> checksum_frame;  // READ: that frame, read fault-safely before the data went
   bool tail = false;                    // READ: the data sent, the CHECKSUM queued
-  Spans data;                           // WRITE: the lease's spans being filled
-  Deadline until = Deadline::max();     // 120 s from the request, as a stalled reader's or writer's
+  // READ with CHECKSUM: its CRC, computed a step's share at a time (SumStep) before a byte
+  // goes; where it stands (span, bytes into it), the CRC and the bytes so far.
+  bool summing = false;
+  size_t sum_span = 0, sum_off = 0;
+  uint32_t sum_crc = 0;
+  uint64_t sum_bytes = 0;
+  uint64_t cluster = 0;              // READ: whom it is counted for (a hole found while summing)
+  Clock::time_point asked{};         // READ: when it was asked
+  Spans data;                        // WRITE: the lease's spans being filled
+  Deadline until = Deadline::max();  // 120 s from the request, as a stalled reader's or writer's
   void Reset() {
+    if (summing) metrics::RecordSince(metrics::Op::kServeRead, cluster, 0, asked, llm_datadist::LLM_FAILED);
     served.reset();  // counted failed unless Done
     lease.reset();   // unsettled: nothing consumed
     *this = ServeJob();
@@ -364,9 +377,64 @@ Deadline Due(const PeerStream &s, const ServeJob &job) {
   return std::min({s.frame_until(), s.send_until(), job.kind == ServeJob::Kind::kNone ? Deadline::max() : job.until});
 }
 
+/// A checksummed READ's next share of its CRC (at most kStepShare bytes and kSumSpans spans,
+/// read fault-safely: verify::Continue): true once the CRC is whole. A request's spans may
+/// repeat (4M spans of a whole tensor: terabytes), so its CRC is never computed in one go on
+/// the I/O thread, which the other connections share; the 120 s of the job bound it in all.
+/// Throws verify's errors (a hole: LLM_DEVICE_MEM_ERROR).
+bool SumStep(ServeJob &job) {
+  const std::vector<iovec> &iov = job.lease->iov;
+  std::vector<iovec> part;
+  size_t bytes = 0;
+  while (job.sum_span < iov.size() && bytes < kStepShare && part.size() < kSumSpans) {
+    const iovec &v = iov[job.sum_span];
+    const size_t len = std::min(v.iov_len - job.sum_off, kStepShare - bytes);
+    part.push_back({static_cast<uint8_t *>(v.iov_base) + job.sum_off, len});
+    bytes += len;
+    job.sum_off += len;
+    if (job.sum_off == v.iov_len) {
+      ++job.sum_span;
+      job.sum_off = 0;
+    }
+  }
+  job.sum_crc = verify::Continue(*job.lease, part, job.sum_crc);
+  job.sum_bytes += bytes;
+  return job.sum_span == iov.size();
+}
+
 /// The transfer in progress, once what was queued before it has gone: true when it may go on
-/// now (or is done), false when it waits for the socket.
+/// now (or is done), false when it waits for the socket (or, summing, for its next step).
 bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
+  if (job.kind == ServeJob::Kind::kRead && job.summing) {  // its CRC first, a share per step
+    // A reader that went (or shut its sending side: its verdict can never come) is not
+    // summed for any longer: the connection ends.
+    pollfd gone{s.fd(), POLLRDHUP, 0};
+    if (::poll(&gone, 1, 0) > 0 && (gone.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+      Fail(kSuspectRemoteError, "the reader went while its checksummed read was being prepared");
+    bool whole = false;
+    try {
+      whole = SumStep(job);
+    } catch (const Error &e) {  // a hole (the caller freed registered memory): an ERROR, not a cut
+      if (e.code() == kSuspectRemoteError) throw;
+      metrics::RecordSince(metrics::Op::kServeRead, job.cluster, 0, job.asked, e.code());
+      const uint32_t rid = job.rid;
+      job.served.reset();
+      job.lease.reset();  // unsettled: nothing consumed
+      job = ServeJob();
+      s.Queue(ErrorFrame(e, rid));
+      return true;
+    }
+    if (!whole) {
+      s.Want(POLLOUT);  // the next share at the next step, after the other connections' turns
+      return false;
+    }
+    job.summing = false;
+    job.checksum_frame = wire::EncodeChecksum(job.sum_crc, job.sum_bytes, job.rid);
+    job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, job.cluster, job.asked);
+    s.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, job.rid));
+    s.QueueSpans(job.lease->iov);
+    return true;
+  }
   if (job.kind == ServeJob::Kind::kRead) {  // its data (and CHECKSUM) sent
     if (job.checksum && !job.tail) {
       job.tail = true;
@@ -593,16 +661,11 @@ bool Server::Connection::Handshake(Deadline &wake) {
         case Greeted::kReverse: {
           // Unwatched already (a running task's socket is never armed in the pool's set), nothing
           // left to send (WELCOME went before AUTH was read): handed on.
-          std::unique_ptr<Conn> taken = stream_.Take();
-          if (server_->on_reverse_ && !server_->stopping_) {
-            server_->on_reverse_(*server_, shake_.cluster, std::move(taken), shake_.last, shake_.token, peer);
-          } else {  // stopping: the client's link fails with our answer, not a silent close
-            const uint32_t rid = wire::DecodeHeader(shake_.last.data()).request_id;
-            TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                               "this listener is stopping: it takes no reverse channel"},
-                                              rid));
-            taken->Close();
-          }
+          Adoption a{shake_.cluster, stream_.Take(), shake_.last, shake_.token, peer};
+          if (server_->on_reverse_ && !server_->stopping_)
+            server_->Adopt(std::move(a));  // off this thread: the adoption may wait on a PONG
+          else                             // stopping: the client's link fails with our answer, not a silent close
+            RefuseAdoption(a, "this listener is stopping: it takes no reverse channel");
           done = true;
           return false;
         }
@@ -616,6 +679,100 @@ bool Server::Connection::Handshake(Deadline &wake) {
   } catch (const std::exception &) {
   }
   return Finish();
+}
+
+void Server::RefuseAdoption(Adoption &a, const std::string &why) {
+  if (!a.conn) return;
+  const uint32_t rid = wire::DecodeHeader(a.last.data()).request_id;
+  TrySend(*a.conn, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED), why}, rid));
+  a.conn->Close();
+}
+
+void Server::Adopt(Adoption a) {
+  std::unique_lock<std::mutex> lock(adopt_mu_);
+  if (adopt_stop_) {
+    lock.unlock();
+    RefuseAdoption(a, "this listener is stopping: it takes no reverse channel");
+    return;
+  }
+  std::deque<Adoption> &waiting = adopt_waiting_[a.peer];
+  if (waiting.size() >= kPreAuthPerPeer) {
+    const std::string why = "too many reverse channels (" + std::to_string(waiting.size()) + ") from " + a.peer +
+                            " waiting to be adopted by this listener";
+    lock.unlock();
+    RefuseAdoption(a, why);
+    return;
+  }
+  const std::string peer = a.peer;
+  waiting.push_back(std::move(a));
+  if (waiting.size() == 1 && !adopting_.count(peer)) adopt_turns_.push_back(peer);
+  if (adopters_idle_ == 0 && adopters_.size() < kAdopters) {
+    try {
+      adopters_.emplace_back([this] { AdoptLoop(); });
+    } catch (const std::system_error &e) {  // at the thread limit: the threads there are serve it in turn
+      if (adopters_.empty()) {              // none: this one is refused, the next one tries again
+        Adoption refused = std::move(adopt_waiting_[peer].back());
+        adopt_waiting_[peer].pop_back();
+        if (adopt_waiting_[peer].empty()) {
+          adopt_waiting_.erase(peer);
+          adopt_turns_.erase(std::remove(adopt_turns_.begin(), adopt_turns_.end(), peer), adopt_turns_.end());
+        }
+        lock.unlock();
+        Log(std::string("cannot start a thread to adopt a reverse channel: ") + e.what());
+        RefuseAdoption(refused, "this listener cannot start a thread to adopt a reverse channel now");
+        return;
+      }
+    }
+  }
+  adopt_cv_.notify_one();
+}
+
+void Server::AdoptLoop() {
+  std::unique_lock<std::mutex> lock(adopt_mu_);
+  for (;;) {
+    ++adopters_idle_;
+    adopt_cv_.wait(lock, [this] { return adopt_stop_ || !adopt_turns_.empty(); });
+    --adopters_idle_;
+    if (adopt_stop_) return;
+    const std::string peer = std::move(adopt_turns_.front());
+    adopt_turns_.pop_front();
+    std::deque<Adoption> &waiting = adopt_waiting_[peer];
+    Adoption a = std::move(waiting.front());
+    waiting.pop_front();
+    adopting_.insert(peer);
+    lock.unlock();
+    try {
+      on_reverse_(*this, a.cluster, std::move(a.conn), a.last, a.token, a.peer);
+    } catch (const std::exception &e) {  // nothing escapes the thread: that channel is lost
+      Log(std::string("adopting a reverse channel from ") + peer + ": " + e.what());
+    }
+    lock.lock();
+    adopting_.erase(peer);
+    auto it = adopt_waiting_.find(peer);
+    if (it != adopt_waiting_.end() && !it->second.empty())
+      adopt_turns_.push_back(peer);  // its next one, after the other addresses' turns
+    else if (it != adopt_waiting_.end())
+      adopt_waiting_.erase(it);
+  }
+}
+
+void Server::StopAdopters() {
+  std::vector<std::thread> threads;
+  std::map<std::string, std::deque<Adoption>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(adopt_mu_);
+    adopt_stop_ = true;
+    threads.swap(adopters_);
+  }
+  adopt_cv_.notify_all();
+  for (std::thread &t : threads) t.join();  // each ends its adoption (bounded waits) first
+  {
+    std::lock_guard<std::mutex> lock(adopt_mu_);
+    waiting.swap(adopt_waiting_);
+    adopt_turns_.clear();
+  }
+  for (auto &kv : waiting)
+    for (Adoption &a : kv.second) RefuseAdoption(a, "this listener is stopping: it takes no reverse channel");
 }
 
 GrantBook::~GrantBook() { Close(); }
@@ -679,6 +836,10 @@ void Server::Start(const std::string &host, uint16_t port, size_t max_conns, siz
     local_fd_ = local::Listen(local::Name(static_cast<uint64_t>(getpid()), identity_->cluster_id));
   serves_local_ = local_fd_ >= 0;
   stopping_ = false;
+  {
+    std::lock_guard<std::mutex> lock(adopt_mu_);
+    adopt_stop_ = false;
+  }
   try {
     accept_thread_ = std::thread([this] { AcceptLoop(); });
   } catch (const std::system_error &e) {  // the process at its thread limit: not listening
@@ -702,6 +863,7 @@ void Server::Stop() {
   // a control channel records its token under it) and would otherwise never end. Parked
   // connections are removed at once, those being served are shut down and waited for.
   io_.Stop();
+  StopAdopters();  // after the pool: no handshake hands a reverse channel on any more
   std::list<std::shared_ptr<Connection>> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1283,7 +1445,6 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       const Clock::time_point asked = Clock::now();  // counted as serve_read from here
       const size_t held = grants.size();
       std::unique_ptr<Lease> lease;
-      std::vector<uint8_t> checksum;
       try {
         if (req.flags & wire::kFlagGrant) {
           Grant(ctx, grants, c, req, rid, asked);  // SHM_GRANT for SHM on shareable memory
@@ -1291,9 +1452,6 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
         }
         lease = registry_->Open(req);
         CheckOwnMemory(lease->entry(), req.tensors, "read");
-        // Before the bytes go, read fault-safely: a hole anywhere in the spans is an error
-        // frame here, not a cut connection (or a SIGSEGV) after READ_DATA.
-        if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(*lease, rid);
       } catch (const Error &e) {
         // Refused (a grant given, then not sent, is counted when it ends: Granted).
         if (grants.size() == held) metrics::RecordSince(metrics::Op::kServeRead, ctx.cluster, 0, asked, e.code());
@@ -1307,9 +1465,17 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       job.until = After(kServeTimeout);
       job.rid = rid;
       job.checksum = (req.flags & wire::kFlagChecksum) != 0;
-      job.checksum_frame = std::move(checksum);  // computed above, before any byte went
-      job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, ctx.cluster, asked);
       job.lease = std::move(lease);
+      job.cluster = ctx.cluster;
+      job.asked = asked;
+      if (job.checksum) {
+        // Before the bytes go, their CRC, read fault-safely, a step's share at a time
+        // (Progress): a hole anywhere in the spans is an error frame then, not a cut
+        // connection (or a SIGSEGV) after READ_DATA.
+        job.summing = true;
+        return true;
+      }
+      job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, ctx.cluster, asked);
       c.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, rid));
       c.QueueSpans(job.lease->iov);
       return true;
