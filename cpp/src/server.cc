@@ -43,6 +43,7 @@ constexpr uint32_t kPreAuthPayload = 4096;  // largest frame before the handshak
 constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kKeepBuffer = 64 << 10;
 constexpr size_t kStepShare = 8 << 20;
+constexpr size_t kSumShare = 1 << 20;   // bytes a step checksums at most (a checksummed READ's CRC)
 constexpr size_t kSumSpans = 64 << 10;  // spans a step checksums at most (besides kStepShare bytes)
 // Connections still in their handshake (server.h, "Budgets"): counted apart from those whose
 // handshake is done, each budget smaller than the caps on those.
@@ -355,6 +356,8 @@ struct ServeJob {
   size_t sum_span = 0, sum_off = 0;
   uint32_t sum_crc = 0;
   uint64_t sum_bytes = 0;
+  size_t next_span = 0;              // the first span not queued to send (READ) or to receive into (WRITE)
+  int parts_this_step = 0;           // parts of its spans moved in this step (ServeStep)
   uint64_t cluster = 0;              // READ: whom it is counted for (a hole found while summing)
   Clock::time_point asked{};         // READ: when it was asked
   Spans data;                        // WRITE: the lease's spans being filled
@@ -377,18 +380,18 @@ Deadline Due(const PeerStream &s, const ServeJob &job) {
   return std::min({s.frame_until(), s.send_until(), job.kind == ServeJob::Kind::kNone ? Deadline::max() : job.until});
 }
 
-/// A checksummed READ's next share of its CRC (at most kStepShare bytes and kSumSpans spans,
+/// A checksummed READ's next share of its CRC (at most kSumShare bytes and kSumSpans spans,
 /// read fault-safely: verify::Continue): true once the CRC is whole. A request's spans may
 /// repeat (4M spans of a whole tensor: terabytes), so its CRC is never computed in one go on
 /// the I/O thread, which the other connections share; the 120 s of the job bound it in all.
 /// Throws verify's errors (a hole: LLM_DEVICE_MEM_ERROR).
 bool SumStep(ServeJob &job) {
-  const std::vector<iovec> &iov = job.lease->iov;
+  const Lease &lease = *job.lease;
   std::vector<iovec> part;
   size_t bytes = 0;
-  while (job.sum_span < iov.size() && bytes < kStepShare && part.size() < kSumSpans) {
-    const iovec &v = iov[job.sum_span];
-    const size_t len = std::min(v.iov_len - job.sum_off, kStepShare - bytes);
+  while (job.sum_span < lease.spans() && bytes < kSumShare && part.size() < kSumSpans) {
+    const iovec v = lease.Span(job.sum_span);
+    const size_t len = std::min(v.iov_len - job.sum_off, kSumShare - bytes);
     part.push_back({static_cast<uint8_t *>(v.iov_base) + job.sum_off, len});
     bytes += len;
     job.sum_off += len;
@@ -397,9 +400,21 @@ bool SumStep(ServeJob &job) {
       job.sum_off = 0;
     }
   }
-  job.sum_crc = verify::Continue(*job.lease, part, job.sum_crc);
+  job.sum_crc = verify::Continue(lease, part, job.sum_crc);
   job.sum_bytes += bytes;
-  return job.sum_span == iov.size();
+  return job.sum_span == lease.spans();
+}
+
+/// The next part of a transfer's spans (at most kSumSpans of them, from `job.next_span`),
+/// expanded from its lease: what a READ's data is sent from, or a WRITE's received into, part
+/// after part. False when none is left.
+bool NextSpans(ServeJob &job, std::vector<iovec> &out) {
+  const size_t from = job.next_span;
+  if (from >= job.lease->spans()) return false;
+  out.clear();
+  job.lease->Expand(from, kSumSpans, out);
+  job.next_span = from + out.size();
+  return true;
 }
 
 /// The transfer in progress, once what was queued before it has gone: true when it may go on
@@ -432,7 +447,19 @@ bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
     job.checksum_frame = wire::EncodeChecksum(job.sum_crc, job.sum_bytes, job.rid);
     job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, job.cluster, job.asked);
     s.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, job.rid));
-    s.QueueSpans(job.lease->iov);
+    return true;
+  }
+  if (job.kind == ServeJob::Kind::kRead && !job.tail && job.next_span < job.lease->spans()) {
+    // its data, a part of its spans at a time, one part per step at most (with Flush's share:
+    // a busy reader shares the threads)
+    if (job.parts_this_step > 0) {
+      s.Want(POLLOUT);
+      return false;
+    }
+    std::vector<iovec> part;
+    (void)NextSpans(job, part);
+    s.QueueSpans(part);
+    ++job.parts_this_step;
     return true;
   }
   if (job.kind == ServeJob::Kind::kRead) {  // its data (and CHECKSUM) sent
@@ -449,8 +476,17 @@ bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
     job.Reset();
     return true;
   }
-  // WRITE: OK sent, then the data into the lease's memory as it arrives, then OK.
-  if (!s.Receive(job.data)) return false;
+  // WRITE: OK sent, then the data into the lease's memory as it arrives (a part of its spans
+  // at a time), then OK.
+  for (;;) {
+    if (!s.Receive(job.data)) return false;
+    job.data.clear();
+    if (!NextSpans(job, job.data.iov)) break;
+    if (++job.parts_this_step > 1) {  // the next part at the next step (level-triggered: at once)
+      s.WantInput();
+      return false;
+    }
+  }
   job.served->Done(job.lease->nbytes);
   const uint32_t rid = job.rid;
   job.lease.reset();
@@ -468,6 +504,7 @@ bool ServeStep(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStrea
   try {
     ExpireGrants(grants);
     if (Clock::now() >= Due(s, job)) return false;  // a frame, an answer or a transfer past its deadline
+    job.parts_this_step = 0;
     for (int frames = 0;;) {
       if (!s.Flush()) break;
       if (job.kind != ServeJob::Kind::kNone) {
@@ -1450,7 +1487,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
           Grant(ctx, grants, c, req, rid, asked);  // SHM_GRANT for SHM on shareable memory
           return true;
         }
-        lease = registry_->Open(req);
+        lease = registry_->Open(req, false);  // its spans expanded a part at a time, as they go
         CheckOwnMemory(lease->entry(), req.tensors, "read");
       } catch (const Error &e) {
         // Refused (a grant given, then not sent, is counted when it ends: Granted).
@@ -1476,8 +1513,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
         return true;
       }
       job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, ctx.cluster, asked);
-      c.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, rid));
-      c.QueueSpans(job.lease->iov);
+      c.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, rid));  // its spans follow (Progress)
       return true;
     }
     case wire::kWrite: {
@@ -1485,7 +1521,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       const Clock::time_point asked = Clock::now();  // counted as serve_write from here
       std::unique_ptr<Lease> lease;
       try {
-        lease = registry_->OpenWrite(req);
+        lease = registry_->OpenWrite(req, false);  // its spans expanded a part at a time, as they come
         if (req.kind != wire::kAddress) CheckOwnMemory(lease->entry(), req.tensors, "write");
       } catch (const Error &e) {
         metrics::RecordSince(metrics::Op::kServeWrite, ctx.cluster, 0, asked, e.code());  // refused
@@ -1498,7 +1534,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       job.rid = rid;
       job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeWrite, ctx.cluster, asked);
       job.lease = std::move(lease);
-      job.data.iov = job.lease->iov;
+      (void)NextSpans(job, job.data.iov);
       c.Queue(wire::EncodeEmpty(wire::kOk, rid));
       return true;
     }

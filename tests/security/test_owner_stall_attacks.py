@@ -143,7 +143,7 @@ def test_a_checksummed_read_of_repeated_spans_holds_no_io_thread(
     1 MiB tensor (a 512 KiB frame) asked for a CRC over 32 GiB: seconds of an I/O thread
     (minutes with a bigger tensor or 4M spans), and a few such READs (one per pool thread)
     stopped every other peer's service; each honest pull here failed its 1 s deadline. Now
-    the CRC is computed a step's share (8 MiB) at a time, the connection parked in between,
+    the CRC is computed a step's share (1 MiB) at a time, the connection parked in between,
     like the data it precedes: the other peers are served at full speed."""
     prompt = make(engines, PROMPT)
     decoder = make(engines, DECODER, listen=False, transport="tcp")
@@ -178,6 +178,57 @@ def test_a_checksummed_read_of_repeated_spans_holds_no_io_thread(
     finally:
         for a in attackers:
             a.close()
-    assert attacked[len(attacked) // 2] < 0.05, attacked[-5:]
-    assert attacked[-1] < 0.25, attacked[-5:]
+    # served in turn with the attackers' shares (CPU, not a wait on them): well within the
+    # pulls' 1 s deadline
+    assert attacked[len(attacked) // 2] < 0.1, attacked[-5:]
+    assert attacked[-1] < 0.5, attacked[-5:]
     np.testing.assert_array_equal(got.reshape(4, 16)[2], data.reshape(4, 16)[1])
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_read_of_many_spans_costs_the_owner_what_its_frame_costs(
+        engines: list[NativeEngine]) -> None:
+    """Before: the owner expanded a READ's spans (tensors x spans, up to 4M) into one iovec
+    each (16 bytes) when it opened the request, and copied them again into its send queue:
+    a 1 MiB READ of 64 tensors x 65536 spans held 128 MiB of the owner's memory for as long as
+    its reader did not read the answer (120 s). A stranger without a secret, or any linked
+    peer, from one address (64 connections) held 8 GiB this way; here 8 connections grew the
+    owner by 1 GiB. Now a request's spans are kept as they came (16 bytes per span, not per
+    expanded span) and expanded a bounded part at a time as they are sent."""
+    prompt = make(engines, PROMPT)
+    pcm = CacheManager(prompt, remote_cache_accessible=True)
+    tensors = 64
+    mem = np.zeros((tensors, 4096), np.uint8)
+    desc = llm.CacheDesc(tensors, [4, 1024], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
+    pcm.register_blocks_cache(desc, [int(mem[t].ctypes.data) for t in range(tensors)],
+                              llm.BlocksCacheKey(PROMPT, 8))
+    n = 65536
+    read = p.Read(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 8), 0, p.ReadFlags.NONE,
+                  np.arange(tensors, dtype=np.uint32), np.zeros(n, np.uint64),
+                  np.full(n, 16, np.uint64))  # 64 MiB of data: more than the socket holds
+    probe = linked(prompt.listen_address, 2999)  # warm: the pool's threads, a first READ
+    probe.send(read, 2)
+    time.sleep(0.5)
+    probe.close()
+    time.sleep(0.5)
+    before = rss_bytes()
+    attackers = [linked(prompt.listen_address, 3000 + i) for i in range(8)]
+    try:
+        for a in attackers:
+            a.send(read, 2)  # and never read the answer
+        time.sleep(1.5)  # every READ opened and its answer begun
+        grown = rss_bytes() - before
+        # the READs are being served: each reader gets its data when it reads
+        rid, head = attackers[0].next()
+        assert isinstance(head, p.ReadData) and head.nbytes == tensors * n * 16, head
+    finally:
+        for a in attackers:
+            a.close()
+    assert grown < 128 << 20, f"the owner grew by {grown >> 20} MiB for 8 READs of 1 MiB"
