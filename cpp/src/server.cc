@@ -356,10 +356,13 @@ struct ServeJob {
   size_t sum_span = 0, sum_off = 0;
   uint32_t sum_crc = 0;
   uint64_t sum_bytes = 0;
-  size_t next_span = 0;              // the first span not queued to send (READ) or to receive into (WRITE)
-  int parts_this_step = 0;           // parts of its spans moved in this step (ServeStep)
-  uint64_t cluster = 0;              // READ: whom it is counted for (a hole found while summing)
-  Clock::time_point asked{};         // READ: when it was asked
+  size_t next_span = 0;       // the first span not queued to send (READ) or to receive into (WRITE)
+  int parts_this_step = 0;    // parts of its spans moved in this step (ServeStep)
+  uint64_t cluster = 0;       // READ: whom it is counted for (a hole found while summing)
+  Clock::time_point asked{};  // READ: when it was asked
+  // A same-host or NIXL grant with CHECKSUM: what is done once the CRC is whole (the grant
+  // filed and answered, from the job's lease and CRC) instead of sending data.
+  std::function<void(Grants &, PeerStream &, ServeJob &)> granted;
   Spans data;                        // WRITE: the lease's spans being filled
   Deadline until = Deadline::max();  // 120 s from the request, as a stalled reader's or writer's
   void Reset() {
@@ -405,6 +408,20 @@ bool SumStep(ServeJob &job) {
   return job.sum_span == lease.spans();
 }
 
+/// Makes `job` a checksummed grant's: the CRC of `lease`'s spans computed a share per step
+/// (Progress), then `then` (which files and answers the grant, or answers an ERROR).
+void StartSum(ServeJob &job, std::unique_ptr<Lease> lease, uint32_t rid, uint64_t cluster, Clock::time_point asked,
+              std::function<void(Grants &, PeerStream &, ServeJob &)> then) {
+  job.kind = ServeJob::Kind::kRead;
+  job.until = After(kServeTimeout);
+  job.rid = rid;
+  job.lease = std::move(lease);
+  job.cluster = cluster;
+  job.asked = asked;
+  job.summing = true;
+  job.granted = std::move(then);
+}
+
 /// The next part of a transfer's spans (at most kSumSpans of them, from `job.next_span`),
 /// expanded from its lease: what a READ's data is sent from, or a WRITE's received into, part
 /// after part. False when none is left.
@@ -444,6 +461,12 @@ bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
       return false;
     }
     job.summing = false;
+    if (job.granted) {  // a grant: filed and answered now, its CHECKSUM after its frame
+      auto then = std::move(job.granted);
+      then(grants, s, job);
+      job.Reset();
+      return true;
+    }
     job.checksum_frame = wire::EncodeChecksum(job.sum_crc, job.sum_bytes, job.rid);
     job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, job.cluster, job.asked);
     s.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, job.rid));
@@ -1252,7 +1275,7 @@ namespace {
 /// A same-host read: the spans checked, the addresses granted, the lease held until RELEASE.
 /// Only on the local channel, to a peer the kernel says may read us, within the limits.
 void Grant(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::Request &req, uint32_t rid,
-           Clock::time_point asked) {
+           Clock::time_point asked, ServeJob &job) {
   if (ctx.peer == nullptr || ctx.grants == nullptr)
     Invalid(
         "grants are served on the local channel only, to peers the kernel verified on this host; read without GRANT");
@@ -1263,32 +1286,49 @@ void Grant(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::R
   if (grants.size() >= kMaxGrantsPerConnection)
     Fail(llm_datadist::LLM_LINK_BUSY,
          std::to_string(grants.size()) + " grants are still not released on this connection");
-  std::unique_ptr<Lease> lease = ctx.registry->Open(req);  // every span checked here
+  std::unique_ptr<Lease> lease = ctx.registry->Open(req, false);  // every span checked here
   if (lease->bases.size() != req.tensors.size()) Invalid("this request cannot be granted");
   // SHM asked and the cache in shareable memory: where each tensor's unit lies in its memfd.
-  const Entry &e = lease->entry();
-  const bool shm = (req.flags & wire::kFlagShm) && e.shm.shareable();
-  std::vector<uint8_t> checksum;  // read fault-safely while the lease holds the memory: a hole is an error frame
-  if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(*lease, rid);
-  ctx.grants->Take(peer.pid, !shm);
-  const uint64_t id = next_lease_id++;
-  std::vector<uint8_t> frame;
-  if (shm) {
-    wire::ShmGrant g;
-    g.lease_id = id;
-    for (size_t i = 0; i < req.tensors.size(); ++i) {
-      const uint32_t t = req.tensors[i];
-      g.fds.push_back(e.shm.fds[t]);
-      g.inos.push_back(e.shm.inos[t]);
-      g.offsets.push_back(e.shm.offsets[t] + (lease->bases[i] - e.addrs[t]));
+  const bool shm = (req.flags & wire::kFlagShm) && lease->entry().shm.shareable();
+  const ServeContext *cx = &ctx;  // the connection's, alive as long as its job
+  auto grant = [cx, tensors = req.tensors, shm, rid, asked](Grants &grants, PeerStream &c, std::unique_ptr<Lease> lease,
+                                                            std::vector<uint8_t> checksum) {
+    const pid_t pid = cx->peer->pid;
+    cx->grants->Take(pid, !shm);
+    const uint64_t id = next_lease_id++;
+    const Entry &e = lease->entry();
+    std::vector<uint8_t> frame;
+    if (shm) {
+      wire::ShmGrant g;
+      g.lease_id = id;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const uint32_t t = tensors[i];
+        g.fds.push_back(e.shm.fds[t]);
+        g.inos.push_back(e.shm.inos[t]);
+        g.offsets.push_back(e.shm.offsets[t] + (lease->bases[i] - e.addrs[t]));
+      }
+      frame = wire::EncodeShmGrant(g, rid);
+    } else {
+      frame = wire::EncodeGrant({id, lease->bases}, rid);
     }
-    frame = wire::EncodeShmGrant(g, rid);
-  } else {
-    frame = wire::EncodeGrant({id, lease->bases}, rid);
+    grants.emplace(id, std::make_unique<Granted>(std::move(lease), cx->grants, pid, cx->cluster, asked));
+    c.Queue(std::move(frame));
+    if (!checksum.empty()) c.Queue(std::move(checksum));
+  };
+  if (!(req.flags & wire::kFlagChecksum)) {
+    grant(grants, c, std::move(lease), {});
+    return;
   }
-  grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid, ctx.cluster, asked));
-  c.Queue(std::move(frame));
-  if (!checksum.empty()) c.Queue(std::move(checksum));
+  // Its CRC first, read fault-safely while the lease holds the memory (a hole is an error
+  // frame), a share per step (Progress), then the grant.
+  StartSum(job, std::move(lease), rid, ctx.cluster, asked, [grant](Grants &g, PeerStream &s, ServeJob &j) {
+    try {
+      grant(g, s, std::move(j.lease), wire::EncodeChecksum(j.sum_crc, j.sum_bytes, j.rid));
+    } catch (const Error &e) {  // over the grants per peer (LLM_LINK_BUSY)
+      metrics::RecordSince(metrics::Op::kServeRead, j.cluster, 0, j.asked, e.code());
+      s.Queue(ErrorFrame(e, j.rid));
+    }
+  });
 }
 
 }  // namespace
@@ -1307,12 +1347,12 @@ bool IsNixl(uint8_t type) {
 /// READ / WRITE, then granted (NIXL_GRANT, and CHECKSUM for a read with that flag) and held
 /// until RELEASE, as a same-host grant is. Refusals are ERROR frames; the connection stays.
 void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_t type,
-                  const std::vector<uint8_t> &payload, uint32_t rid) {
+                  const std::vector<uint8_t> &payload, uint32_t rid, ServeJob &job) {
   wire::Request req = wire::DecodeRequest(type, payload);
   const bool write = type == wire::kNixlWrite;
   const Clock::time_point asked = Clock::now();
   const metrics::Op op = write ? metrics::Op::kServeWrite : metrics::Op::kServeRead;
-  std::vector<uint8_t> frame, checksum;
+  std::vector<uint8_t> frame;
   try {
     uint64_t granted = 0;
     for (const auto &kv : grants) granted += kv.second->request_bytes();
@@ -1322,7 +1362,7 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
                                             " bytes of requests) are still not released on this connection");
     if (ctx.nixl == nullptr) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner does not serve NIXL");
     std::shared_ptr<nixl::Agent> agent = ctx.nixl->Serving();
-    std::unique_ptr<Lease> lease = write ? ctx.registry->OpenWrite(req) : ctx.registry->Open(req);
+    std::unique_ptr<Lease> lease = write ? ctx.registry->OpenWrite(req, false) : ctx.registry->Open(req, false);
     nixl::MemKind kind;
     if (!agent->Registered(&lease->entry(), &kind))
       Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache is not registered with NIXL on the owner");
@@ -1336,8 +1376,18 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
     // The client adds its offsets to the bases; raw-address offsets are absolute already.
     g.bases = req.kind == wire::kAddress ? std::vector<uint64_t>(req.tensors.size(), 0) : lease->bases;
     frame = wire::EncodeNixlGrant(g, rid);
-    if (!write && (req.flags & wire::kFlagChecksum)) checksum = verify::Frame(*lease, rid);
     NixlGrantInfo info{agent, !grants.nixl_wired, write, size};
+    if (!write && (req.flags & wire::kFlagChecksum)) {
+      // Its CRC first (computed when granting: the source must not change while granted), a
+      // share per step (Progress), then the grant filed and answered.
+      StartSum(job, std::move(lease), rid, ctx.cluster, asked,
+               [frame, info, id](Grants &gs, PeerStream &s, ServeJob &j) {
+                 gs.emplace(id, std::make_unique<Granted>(std::move(j.lease), info, j.cluster, j.asked));
+                 s.Queue(frame);
+                 s.Queue(wire::EncodeChecksum(j.sum_crc, j.sum_bytes, j.rid));
+               });
+      return;
+    }
     grants.emplace(id, std::make_unique<Granted>(std::move(lease), std::move(info), ctx.cluster, asked));
   } catch (const Error &e) {
     metrics::RecordSince(op, ctx.cluster, 0, asked, e.code());  // refused: nothing granted
@@ -1346,7 +1396,6 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
     return;
   }
   c.Queue(std::move(frame));
-  if (!checksum.empty()) c.Queue(std::move(checksum));
 }
 
 /// The NIXL messages a peer may send (docs/protocol.md): on a link's reverse channel only
@@ -1354,7 +1403,7 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
 /// once), never anything that would hand the owner our agent, grants or leases; on any other
 /// connection everything but NIXL_REVOKE. A misplaced one is refused (FEATURE_NOT_ENABLED),
 /// the connection kept.
-void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::Header &h,
+void DispatchNixl(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream &c, const wire::Header &h,
                   const std::vector<uint8_t> &payload) {
   const uint32_t rid = h.request_id;
   if (ctx.reverse != (h.type == wire::kNixlRevoke)) {
@@ -1376,7 +1425,7 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const 
       }
       break;
     case wire::kNixlRead:
-    case wire::kNixlWrite: NixlGrantOne(ctx, grants, c, h.type, payload, rid); return;
+    case wire::kNixlWrite: NixlGrantOne(ctx, grants, c, h.type, payload, rid, job); return;
     case wire::kNixlLease: {
       wire::NixlLease q = wire::DecodeNixlLease(payload);
       try {
@@ -1473,7 +1522,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
   const uint32_t rid = h.request_id;
   if (grants.verdict.Settle(h, payload)) return true;  // a checksummed read's verdict
   if (IsNixl(h.type)) {
-    DispatchNixl(ctx, grants, c, h, payload);
+    DispatchNixl(ctx, grants, job, c, h, payload);
     return true;
   }
   switch (h.type) {
@@ -1484,7 +1533,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       std::unique_ptr<Lease> lease;
       try {
         if (req.flags & wire::kFlagGrant) {
-          Grant(ctx, grants, c, req, rid, asked);  // SHM_GRANT for SHM on shareable memory
+          Grant(ctx, grants, c, req, rid, asked, job);  // SHM_GRANT for SHM on shareable memory
           return true;
         }
         lease = registry_->Open(req, false);  // its spans expanded a part at a time, as they go

@@ -6,13 +6,14 @@ speaking the wire by hand (_hand.py). Each test says what happened before its fi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
-from _hand import DECODER, PROMPT, Raw, blocks_cache, make
+from _hand import DECODER, PROMPT, Raw, blocks_cache, local_name, make
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
@@ -120,8 +121,9 @@ def test_reverse_channel_probes_do_not_hold_the_io_threads(engines: list[NativeE
     assert attacked[-1] < 0.25, (quiet[10], attacked[-5:])
 
 
-def linked(listener: tuple[str, int], cluster_id: int) -> Raw:
-    """A raw peer linked to ``listener`` (no secret: a HELLO is the whole handshake)."""
+def linked(listener: tuple[str, int] | bytes, cluster_id: int) -> Raw:
+    """A raw peer linked to ``listener`` (no secret: a HELLO is the whole handshake); bytes:
+    the local channel's name."""
     r = Raw(listener)
     assert isinstance(r.hello(cluster_id), p.Welcome)
     return r
@@ -136,13 +138,16 @@ def honest_pulls(pull_s: Any, seconds: float) -> list[float]:
     return sorted(out)
 
 
+@pytest.mark.parametrize("path", ["tcp", "grant"])
 def test_a_checksummed_read_of_repeated_spans_holds_no_io_thread(
-        engines: list[NativeEngine]) -> None:
+        engines: list[NativeEngine], path: str) -> None:
     """Before: a READ with flag CHECKSUM had its CRC computed in one go, on the I/O thread,
     before a byte was sent; spans may repeat, so one READ of 32768 spans each naming a whole
     1 MiB tensor (a 512 KiB frame) asked for a CRC over 32 GiB: seconds of an I/O thread
     (minutes with a bigger tensor or 4M spans), and a few such READs (one per pool thread)
-    stopped every other peer's service; each honest pull here failed its 1 s deadline. Now
+    stopped every other peer's service; each honest pull here failed its 1 s deadline. The
+    same on the local channel (a READ with GRANT and CHECKSUM: the CRC before the GRANT) and
+    for NIXL_READ (CRC before NIXL_GRANT; not run here: no NIXL). Now
     the CRC is computed a step's share (1 MiB) at a time, the connection parked in between,
     like the data it precedes: the other peers are served at full speed."""
     prompt = make(engines, PROMPT)
@@ -166,10 +171,12 @@ def test_a_checksummed_read_of_repeated_spans_holds_no_io_thread(
         return time.monotonic() - t0
 
     n = 32768
-    bomb = p.Read(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 8), 0, p.ReadFlags.CHECKSUM,
+    flags = p.ReadFlags.CHECKSUM | (p.ReadFlags.GRANT if path == "grant" else 0)
+    bomb = p.Read(p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 8), 0, flags,
                   np.zeros(1, np.uint32), np.zeros(n, np.uint64),
                   np.full(n, 1 << 20, np.uint64))
-    attackers = [linked(prompt.listen_address, 2000 + i) for i in range(PROBERS)]
+    where = local_name(os.getpid(), PROMPT) if path == "grant" else prompt.listen_address
+    attackers = [linked(where, 2000 + i) for i in range(PROBERS)]
     try:
         for a in attackers:
             a.send(bomb, 2)  # and never read the answer
