@@ -53,8 +53,6 @@ constexpr size_t kPreAuthNonReader = 2;  // from a uid that may not read this pr
 // first frame, which is answered with ERROR; past this many waiting, one is closed unanswered.
 constexpr double kRefuseTimeout = 2.0;
 constexpr size_t kMaxRefusing = 64;
-// Threads a server adopts reverse channels on (Server::Adopt), one address's at a time each.
-constexpr size_t kAdopters = 4;
 // Same-host grants (docs/protocol.md, "Pull on the same host"): an honest reader holds one per
 // connection at a time and releases it right after its copy.
 constexpr size_t kMaxGrantsPerConnection = 4;
@@ -766,7 +764,9 @@ void Server::Adopt(Adoption a) {
   const std::string peer = a.peer;
   waiting.push_back(std::move(a));
   if (waiting.size() == 1 && !adopting_.count(peer)) adopt_turns_.push_back(peer);
-  if (adopters_idle_ == 0 && adopters_.size() < kAdopters) {
+  // Another thread only when the ones there are all busy with an adoption (the next one free
+  // takes it otherwise): one thread while adoptions are quick, up to kAdopters while they wait.
+  if (adopt_turns_.size() > adopters_.size() - adopters_busy_ && adopters_.size() < kAdopters) {
     try {
       adopters_.emplace_back([this] { AdoptLoop(); });
     } catch (const std::system_error &e) {  // at the thread limit: the threads there are serve it in turn
@@ -790,10 +790,9 @@ void Server::Adopt(Adoption a) {
 void Server::AdoptLoop() {
   std::unique_lock<std::mutex> lock(adopt_mu_);
   for (;;) {
-    ++adopters_idle_;
     adopt_cv_.wait(lock, [this] { return adopt_stop_ || !adopt_turns_.empty(); });
-    --adopters_idle_;
     if (adopt_stop_) return;
+    ++adopters_busy_;
     const std::string peer = std::move(adopt_turns_.front());
     adopt_turns_.pop_front();
     std::deque<Adoption> &waiting = adopt_waiting_[peer];
@@ -807,6 +806,7 @@ void Server::AdoptLoop() {
       Log(std::string("adopting a reverse channel from ") + peer + ": " + e.what());
     }
     lock.lock();
+    --adopters_busy_;
     adopting_.erase(peer);
     auto it = adopt_waiting_.find(peer);
     if (it != adopt_waiting_.end() && !it->second.empty())

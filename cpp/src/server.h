@@ -181,6 +181,9 @@ class Server {
  public:
   /// Stop waits at most this long (seconds) for leased copies in flight.
   static constexpr double kRevokeWait = 2.0;
+  /// Threads a server adopts reverse channels on at most (Adopt), started as adoptions wait:
+  /// one while they are quick.
+  static constexpr size_t kAdopters = 4;
   /// `pool`: the I/O threads its connections are served on (null: the process's shared pool).
   Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr,
          std::shared_ptr<IoPool> pool = nullptr)
@@ -304,7 +307,7 @@ class Server {
   std::deque<std::string> adopt_turns_;
   std::set<std::string> adopting_;
   std::vector<std::thread> adopters_;
-  size_t adopters_idle_ = 0;
+  size_t adopters_busy_ = 0;  // adopter threads in on_reverse_
   bool adopt_stop_ = false;
 };
 
