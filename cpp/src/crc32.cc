@@ -218,13 +218,12 @@ ssize_t ThroughPipe(ThreadState &st, const Cursor &at, uint8_t *dst) {
 
 }  // namespace
 
-OwnRead Crc32Own(const std::vector<iovec> &iov) {
+OwnRead Crc32Own(const std::vector<iovec> &iov, uint32_t crc) {
   OwnRead out;
   ThreadState &st = State();
   uint8_t *scratch = st.scratch.get();
   Cursor at{iov};
   iovec remote[kMaxSpans];
-  uint32_t crc = 0;
   while (!at.Done()) {
     ssize_t got = -1;
     if (!vm_refused.load(std::memory_order_relaxed) && !force_pipe.load(std::memory_order_relaxed)) {

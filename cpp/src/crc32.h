@@ -53,8 +53,9 @@ struct OwnRead {
 /// cross-memory attach; remembered for the process), the bytes go through a pipe of the thread
 /// instead (write answers EFAULT the same way; one copy more). Only when neither can be had
 /// (no pipe: out of descriptors) is the CRC refused. Blocks on nothing but these syscalls.
-/// Called by the thread serving a checksummed read (verify::Frame).
-OwnRead Crc32Own(const std::vector<iovec> &iov);
+/// Called by the thread serving a checksummed read (verify::Frame, verify::Continue). `crc`:
+/// the CRC of the bytes before these (0: none), to compute one CRC over spans taken in parts.
+OwnRead Crc32Own(const std::vector<iovec> &iov, uint32_t crc = 0);
 
 /// Tests: make Crc32Own take its pipe fallback (true) or choose as usual (false).
 void ForcePipeForTests(bool on);

@@ -798,14 +798,16 @@ std::unique_ptr<Lease> Registry::Hold(int64_t id) {
   return std::make_unique<Lease>(this, it->second);
 }
 
-std::unique_ptr<Lease> Registry::Open(const wire::Request &req) { return OpenChecked(req, true); }
+std::unique_ptr<Lease> Registry::Open(const wire::Request &req, bool expand) { return OpenChecked(req, true, expand); }
 
-std::unique_ptr<Lease> Registry::OpenWrite(const wire::Request &req) { return OpenChecked(req, false); }
+std::unique_ptr<Lease> Registry::OpenWrite(const wire::Request &req, bool expand) {
+  return OpenChecked(req, false, expand);
+}
 
-std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read) {
+std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read, bool expand) {
   // Writes without remote writes: refused before anything is resolved
   if (!read && req.kind != wire::kAddress && !remote_writes_) Invalid(kWritesRefused);
-  if (req.kind == wire::kAddress) return OpenAddresses(req);
+  if (req.kind == wire::kAddress) return OpenAddresses(req, expand);
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Entry> e;
   std::shared_ptr<Binding> binding;
@@ -822,14 +824,15 @@ std::unique_ptr<Lease> Registry::OpenChecked(const wire::Request &req, bool read
     e = binding->entry;
     CheckServable(*e);
     const bool consumable = read && e->opts.allocated && !key.is_prefix;
-    return LeaseLocked(e, req, false, binding->slot, consumable ? binding : nullptr, key);
+    return LeaseLocked(e, req, false, binding->slot, consumable ? binding : nullptr, key, expand);
   }
   e = Named(req.kind, req.a, req.b);
-  return LeaseLocked(e, req, req.kind == wire::kBlocksKey, req.b, nullptr, key);
+  return LeaseLocked(e, req, req.kind == wire::kBlocksKey, req.b, nullptr, key, expand);
 }
 
 std::unique_ptr<Lease> Registry::LeaseLocked(const std::shared_ptr<Entry> &e, const wire::Request &req, bool blocks,
-                                             uint64_t slot, const std::shared_ptr<Binding> &reserve, const KeyId &key) {
+                                             uint64_t slot, const std::shared_ptr<Binding> &reserve, const KeyId &key,
+                                             bool expand) {
   const uint64_t base = CheckRequestAt(e->geo, static_cast<uint64_t>(e->id), req, blocks, slot);
   if (reserve) {  // a consuming read: one at a time per tensor
     for (uint32_t t : req.tensors)
@@ -849,16 +852,18 @@ std::unique_ptr<Lease> Registry::LeaseLocked(const std::shared_ptr<Entry> &e, co
   uint64_t per_tensor = 0;
   for (uint64_t l : req.lengths) per_tensor += l;  // each <= tensor_bytes, at most 2^24 of them
   lease->nbytes = per_tensor * req.tensors.size();
-  lease->iov.reserve(req.tensors.size() * req.offsets.size());
   for (uint32_t t : req.tensors) lease->bases.push_back(e->addrs[t] + base);
-  for (uint32_t t : req.tensors)
-    for (size_t i = 0; i < req.offsets.size(); ++i)
-      lease->iov.push_back(
-          {reinterpret_cast<void *>(e->addrs[t] + base + req.offsets[i]), static_cast<size_t>(req.lengths[i])});
+  lease->span_bases_ = lease->bases;
+  lease->span_offsets_ = req.offsets;
+  lease->span_lengths_ = req.lengths;
+  if (expand) {
+    lease->iov.reserve(lease->spans());
+    lease->Expand(0, lease->spans(), lease->iov);
+  }
   return lease;
 }
 
-std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
+std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req, bool expand) {
   if (req.tensors.size() != 1 || req.tensors[0] != 0) Invalid("an address write names exactly one pseudo-tensor, 0");
   if (req.lengths.empty() || req.offsets.size() != req.lengths.size()) Invalid("an address write needs spans");
   if (req.offsets.size() > kMaxRequestSpans)
@@ -888,10 +893,11 @@ std::unique_ptr<Lease> Registry::OpenAddresses(const wire::Request &req) {
         }
         auto lease = std::make_unique<Lease>(this, e);
         ++e->leases;
-        for (size_t i = 0; i < rel.size(); ++i) {
-          lease->iov.push_back({reinterpret_cast<void *>(req.offsets[i]), static_cast<size_t>(req.lengths[i])});
-          lease->nbytes += req.lengths[i];
-        }
+        for (uint64_t n : req.lengths) lease->nbytes += n;
+        lease->span_bases_ = {0};  // the offsets are absolute addresses
+        lease->span_offsets_ = req.offsets;
+        lease->span_lengths_ = req.lengths;
+        if (expand) lease->Expand(0, lease->spans(), lease->iov);
         return lease;
       }
     }

@@ -24,6 +24,7 @@
 
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -165,7 +166,23 @@ class Lease {
   /// The transfer no longer touches the memory but its verdict is
   /// still to come: the reservation stays until Settle. Idempotent; the destructor does it too.
   void Unpin();
+  /// The absolute spans, tensor-major, expanded (one per tensor x span): filled only when the
+  /// opener asked (Open's `expand`); else read them a part at a time (Span, Expand), so that a
+  /// request of 4M expanded spans costs the owner its frame's size, not 16 bytes per expanded
+  /// span (64 MiB) for as long as its reader takes.
   std::vector<iovec> iov;
+  /// How many spans the transfer has (expanded: tensors x spans), whether or not `iov` holds them.
+  size_t spans() const { return span_bases_.size() * span_offsets_.size(); }
+  /// Span `k` (k < spans()) as `iov[k]` would hold it.
+  iovec Span(size_t k) const {
+    const size_t per = span_offsets_.size();
+    return {reinterpret_cast<void *>(span_bases_[k / per] + span_offsets_[k % per]),
+            static_cast<size_t>(span_lengths_[k % per])};
+  }
+  /// Appends spans [from, from + n) to `out` (n clipped to spans()).
+  void Expand(size_t from, size_t n, std::vector<iovec> &out) const {
+    for (size_t k = from, end = std::min(spans(), from + n); k < end; ++k) out.push_back(Span(k));
+  }
   /// Per requested tensor, the absolute address its offsets count from (the slot's base, or
   /// the tensor's for blocks): what a same-host GRANT discloses. Empty for raw addresses.
   std::vector<uint64_t> bases;
@@ -181,6 +198,9 @@ class Lease {
   KeyId key_;
   std::vector<uint32_t> tensors_;
   bool reserved_ = false;
+  // The spans as the request gave them (Span): per tensor its absolute base, the offsets from
+  // it and the lengths (raw addresses: one base, 0).
+  std::vector<uint64_t> span_bases_, span_offsets_, span_lengths_;
 };
 
 /// What else must know of a cache's life (NIXL's registrations and leases, nixl.h). Each is
@@ -328,10 +348,11 @@ class Registry {
   /// an unknown key or cache, one being unregistered, or tensors another read of that key
   /// reserved; LLM_PARAM_INVALID for a cache that is not remote accessible and anything that
   /// does not fit. Called on the server's threads; takes the mutex only.
-  std::unique_ptr<Lease> Open(const wire::Request &req);
+  /// `expand`: fill the lease's `iov` (else the caller reads its spans with Lease::Span).
+  std::unique_ptr<Lease> Open(const wire::Request &req, bool expand = true);
   /// Owner side of a peer's WRITE: as Open, never reserving or consuming, and refused
   /// (LLM_PARAM_INVALID) by key or cache id when SetRemoteWrites(false).
-  std::unique_ptr<Lease> OpenWrite(const wire::Request &req);
+  std::unique_ptr<Lease> OpenWrite(const wire::Request &req, bool expand = true);
   /// Owner side of LEASE_REQUEST (write leases refused as OpenWrite refuses writes): the cache a kCacheId (b ignored)
   /// or kBlocksKey key names (resolved as Open does), its geometry and addresses, its memfds (ShmPlace) when the
   /// request has kFlagShm, is not a write and the cache is shareable, and its live fence. LLM_KV_CACHE_NOT_EXIST for an
@@ -375,12 +396,13 @@ class Registry {
   void SettleLocked(Lease *l, bool ok);
   void UnpinLocked(Lease *l);
   bool Closing(const Entry *e);
-  std::unique_ptr<Lease> OpenChecked(const wire::Request &req, bool read);
-  std::unique_ptr<Lease> OpenAddresses(const wire::Request &req);
+  std::unique_ptr<Lease> OpenChecked(const wire::Request &req, bool read, bool expand);
+  std::unique_ptr<Lease> OpenAddresses(const wire::Request &req, bool expand);
   /// Checks `req` against `e` (block addressing or slot `slot`) and leases it; a non-null
   /// `reserve` reserves the tensors of that binding of `key`. Lock held.
   std::unique_ptr<Lease> LeaseLocked(const std::shared_ptr<Entry> &e, const wire::Request &req, bool blocks,
-                                     uint64_t slot, const std::shared_ptr<Binding> &reserve, const KeyId &key);
+                                     uint64_t slot, const std::shared_ptr<Binding> &reserve, const KeyId &key,
+                                     bool expand);
   /// The entry a kCacheId or kBlocksKey key (id_or_a, model b) names, checked servable.
   std::shared_ptr<Entry> Named(uint8_t kind, uint64_t a, uint64_t b);
   void UnbindAll(Entry &e);

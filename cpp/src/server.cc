@@ -16,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <set>
 #include <system_error>
 
 #include "addr.h"
@@ -42,6 +43,8 @@ constexpr uint32_t kPreAuthPayload = 4096;  // largest frame before the handshak
 constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kKeepBuffer = 64 << 10;
 constexpr size_t kStepShare = 8 << 20;
+constexpr size_t kSumShare = 1 << 20;   // bytes a step checksums at most (a checksummed READ's CRC)
+constexpr size_t kSumSpans = 64 << 10;  // spans a step checksums at most (besides kStepShare bytes)
 // Connections still in their handshake (server.h, "Budgets"): counted apart from those whose
 // handshake is done, each budget smaller than the caps on those.
 constexpr size_t kPreAuthPerPeer = 32;   // from one IP address, or one uid on the local channel
@@ -345,9 +348,23 @@ struct ServeJob {
   bool checksum = false;                // READ: its CHECKSUM frame follows the data, then the reader's verdict
   std::vector<uint8_t> checksum_frame;  // READ: that frame, read fault-safely before the data went
   bool tail = false;                    // READ: the data sent, the CHECKSUM queued
-  Spans data;                           // WRITE: the lease's spans being filled
-  Deadline until = Deadline::max();     // 120 s from the request, as a stalled reader's or writer's
+  // READ with CHECKSUM: its CRC, computed a step's share at a time (SumStep) before a byte
+  // goes; where it stands (span, bytes into it), the CRC and the bytes so far.
+  bool summing = false;
+  size_t sum_span = 0, sum_off = 0;
+  uint32_t sum_crc = 0;
+  uint64_t sum_bytes = 0;
+  size_t next_span = 0;       // the first span not queued to send (READ) or to receive into (WRITE)
+  int parts_this_step = 0;    // parts of its spans moved in this step (ServeStep)
+  uint64_t cluster = 0;       // READ: whom it is counted for (a hole found while summing)
+  Clock::time_point asked{};  // READ: when it was asked
+  // A same-host or NIXL grant with CHECKSUM: what is done once the CRC is whole (the grant
+  // filed and answered, from the job's lease and CRC) instead of sending data.
+  std::function<void(Grants &, PeerStream &, ServeJob &)> granted;
+  Spans data;                        // WRITE: the lease's spans being filled
+  Deadline until = Deadline::max();  // 120 s from the request, as a stalled reader's or writer's
   void Reset() {
+    if (summing) metrics::RecordSince(metrics::Op::kServeRead, cluster, 0, asked, llm_datadist::LLM_FAILED);
     served.reset();  // counted failed unless Done
     lease.reset();   // unsettled: nothing consumed
     *this = ServeJob();
@@ -364,9 +381,108 @@ Deadline Due(const PeerStream &s, const ServeJob &job) {
   return std::min({s.frame_until(), s.send_until(), job.kind == ServeJob::Kind::kNone ? Deadline::max() : job.until});
 }
 
+/// A checksummed READ's next share of its CRC (at most kSumShare bytes and kSumSpans spans,
+/// read fault-safely: verify::Continue): true once the CRC is whole. A request's spans may
+/// repeat (4M spans of a whole tensor: terabytes), so its CRC is never computed in one go on
+/// the I/O thread, which the other connections share; the 120 s of the job bound it in all.
+/// Throws verify's errors (a hole: LLM_DEVICE_MEM_ERROR).
+bool SumStep(ServeJob &job) {
+  const Lease &lease = *job.lease;
+  std::vector<iovec> part;
+  size_t bytes = 0;
+  while (job.sum_span < lease.spans() && bytes < kSumShare && part.size() < kSumSpans) {
+    const iovec v = lease.Span(job.sum_span);
+    const size_t len = std::min(v.iov_len - job.sum_off, kSumShare - bytes);
+    part.push_back({static_cast<uint8_t *>(v.iov_base) + job.sum_off, len});
+    bytes += len;
+    job.sum_off += len;
+    if (job.sum_off == v.iov_len) {
+      ++job.sum_span;
+      job.sum_off = 0;
+    }
+  }
+  job.sum_crc = verify::Continue(lease, part, job.sum_crc);
+  job.sum_bytes += bytes;
+  return job.sum_span == lease.spans();
+}
+
+/// Makes `job` a checksummed grant's: the CRC of `lease`'s spans computed a share per step
+/// (Progress), then `then` (which files and answers the grant, or answers an ERROR).
+void StartSum(ServeJob &job, std::unique_ptr<Lease> lease, uint32_t rid, uint64_t cluster, Clock::time_point asked,
+              std::function<void(Grants &, PeerStream &, ServeJob &)> then) {
+  job.kind = ServeJob::Kind::kRead;
+  job.until = After(kServeTimeout);
+  job.rid = rid;
+  job.lease = std::move(lease);
+  job.cluster = cluster;
+  job.asked = asked;
+  job.summing = true;
+  job.granted = std::move(then);
+}
+
+/// The next part of a transfer's spans (at most kSumSpans of them, from `job.next_span`),
+/// expanded from its lease: what a READ's data is sent from, or a WRITE's received into, part
+/// after part. False when none is left.
+bool NextSpans(ServeJob &job, std::vector<iovec> &out) {
+  const size_t from = job.next_span;
+  if (from >= job.lease->spans()) return false;
+  out.clear();
+  job.lease->Expand(from, kSumSpans, out);
+  job.next_span = from + out.size();
+  return true;
+}
+
 /// The transfer in progress, once what was queued before it has gone: true when it may go on
-/// now (or is done), false when it waits for the socket.
+/// now (or is done), false when it waits for the socket (or, summing, for its next step).
 bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
+  if (job.kind == ServeJob::Kind::kRead && job.summing) {  // its CRC first, a share per step
+    // A reader that went (or shut its sending side: its verdict can never come) is not
+    // summed for any longer: the connection ends.
+    pollfd gone{s.fd(), POLLRDHUP, 0};
+    if (::poll(&gone, 1, 0) > 0 && (gone.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+      Fail(kSuspectRemoteError, "the reader went while its checksummed read was being prepared");
+    bool whole = false;
+    try {
+      whole = SumStep(job);
+    } catch (const Error &e) {  // a hole (the caller freed registered memory): an ERROR, not a cut
+      if (e.code() == kSuspectRemoteError) throw;
+      metrics::RecordSince(metrics::Op::kServeRead, job.cluster, 0, job.asked, e.code());
+      const uint32_t rid = job.rid;
+      job.served.reset();
+      job.lease.reset();  // unsettled: nothing consumed
+      job = ServeJob();
+      s.Queue(ErrorFrame(e, rid));
+      return true;
+    }
+    if (!whole) {
+      s.Want(POLLOUT);  // the next share at the next step, after the other connections' turns
+      return false;
+    }
+    job.summing = false;
+    if (job.granted) {  // a grant: filed and answered now, its CHECKSUM after its frame
+      auto then = std::move(job.granted);
+      then(grants, s, job);
+      job.Reset();
+      return true;
+    }
+    job.checksum_frame = wire::EncodeChecksum(job.sum_crc, job.sum_bytes, job.rid);
+    job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, job.cluster, job.asked);
+    s.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, job.rid));
+    return true;
+  }
+  if (job.kind == ServeJob::Kind::kRead && !job.tail && job.next_span < job.lease->spans()) {
+    // its data, a part of its spans at a time, one part per step at most (with Flush's share:
+    // a busy reader shares the threads)
+    if (job.parts_this_step > 0) {
+      s.Want(POLLOUT);
+      return false;
+    }
+    std::vector<iovec> part;
+    (void)NextSpans(job, part);
+    s.QueueSpans(part);
+    ++job.parts_this_step;
+    return true;
+  }
   if (job.kind == ServeJob::Kind::kRead) {  // its data (and CHECKSUM) sent
     if (job.checksum && !job.tail) {
       job.tail = true;
@@ -381,8 +497,17 @@ bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
     job.Reset();
     return true;
   }
-  // WRITE: OK sent, then the data into the lease's memory as it arrives, then OK.
-  if (!s.Receive(job.data)) return false;
+  // WRITE: OK sent, then the data into the lease's memory as it arrives (a part of its spans
+  // at a time), then OK.
+  for (;;) {
+    if (!s.Receive(job.data)) return false;
+    job.data.clear();
+    if (!NextSpans(job, job.data.iov)) break;
+    if (++job.parts_this_step > 1) {  // the next part at the next step (level-triggered: at once)
+      s.WantInput();
+      return false;
+    }
+  }
   job.served->Done(job.lease->nbytes);
   const uint32_t rid = job.rid;
   job.lease.reset();
@@ -400,6 +525,7 @@ bool ServeStep(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStrea
   try {
     ExpireGrants(grants);
     if (Clock::now() >= Due(s, job)) return false;  // a frame, an answer or a transfer past its deadline
+    job.parts_this_step = 0;
     for (int frames = 0;;) {
       if (!s.Flush()) break;
       if (job.kind != ServeJob::Kind::kNone) {
@@ -593,16 +719,11 @@ bool Server::Connection::Handshake(Deadline &wake) {
         case Greeted::kReverse: {
           // Unwatched already (a running task's socket is never armed in the pool's set), nothing
           // left to send (WELCOME went before AUTH was read): handed on.
-          std::unique_ptr<Conn> taken = stream_.Take();
-          if (server_->on_reverse_ && !server_->stopping_) {
-            server_->on_reverse_(*server_, shake_.cluster, std::move(taken), shake_.last, shake_.token, peer);
-          } else {  // stopping: the client's link fails with our answer, not a silent close
-            const uint32_t rid = wire::DecodeHeader(shake_.last.data()).request_id;
-            TrySend(*taken, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED),
-                                               "this listener is stopping: it takes no reverse channel"},
-                                              rid));
-            taken->Close();
-          }
+          Adoption a{shake_.cluster, stream_.Take(), shake_.last, shake_.token, peer};
+          if (server_->on_reverse_ && !server_->stopping_)
+            server_->Adopt(std::move(a));  // off this thread: the adoption may wait on a PONG
+          else                             // stopping: the client's link fails with our answer, not a silent close
+            RefuseAdoption(a, "this listener is stopping: it takes no reverse channel");
           done = true;
           return false;
         }
@@ -616,6 +737,102 @@ bool Server::Connection::Handshake(Deadline &wake) {
   } catch (const std::exception &) {
   }
   return Finish();
+}
+
+void Server::RefuseAdoption(Adoption &a, const std::string &why) {
+  if (!a.conn) return;
+  const uint32_t rid = wire::DecodeHeader(a.last.data()).request_id;
+  TrySend(*a.conn, wire::EncodeError({static_cast<int64_t>(llm_datadist::LLM_LINK_FAILED), why}, rid));
+  a.conn->Close();
+}
+
+void Server::Adopt(Adoption a) {
+  std::unique_lock<std::mutex> lock(adopt_mu_);
+  if (adopt_stop_) {
+    lock.unlock();
+    RefuseAdoption(a, "this listener is stopping: it takes no reverse channel");
+    return;
+  }
+  std::deque<Adoption> &waiting = adopt_waiting_[a.peer];
+  if (waiting.size() >= kPreAuthPerPeer) {
+    const std::string why = "too many reverse channels (" + std::to_string(waiting.size()) + ") from " + a.peer +
+                            " waiting to be adopted by this listener";
+    lock.unlock();
+    RefuseAdoption(a, why);
+    return;
+  }
+  const std::string peer = a.peer;
+  waiting.push_back(std::move(a));
+  if (waiting.size() == 1 && !adopting_.count(peer)) adopt_turns_.push_back(peer);
+  // Another thread only when the ones there are all busy with an adoption (the next one free
+  // takes it otherwise): one thread while adoptions are quick, up to kAdopters while they wait.
+  if (adopt_turns_.size() > adopters_.size() - adopters_busy_ && adopters_.size() < kAdopters) {
+    try {
+      adopters_.emplace_back([this] { AdoptLoop(); });
+    } catch (const std::system_error &e) {  // at the thread limit: the threads there are serve it in turn
+      if (adopters_.empty()) {              // none: this one is refused, the next one tries again
+        Adoption refused = std::move(adopt_waiting_[peer].back());
+        adopt_waiting_[peer].pop_back();
+        if (adopt_waiting_[peer].empty()) {
+          adopt_waiting_.erase(peer);
+          adopt_turns_.erase(std::remove(adopt_turns_.begin(), adopt_turns_.end(), peer), adopt_turns_.end());
+        }
+        lock.unlock();
+        Log(std::string("cannot start a thread to adopt a reverse channel: ") + e.what());
+        RefuseAdoption(refused, "this listener cannot start a thread to adopt a reverse channel now");
+        return;
+      }
+    }
+  }
+  adopt_cv_.notify_one();
+}
+
+void Server::AdoptLoop() {
+  std::unique_lock<std::mutex> lock(adopt_mu_);
+  for (;;) {
+    adopt_cv_.wait(lock, [this] { return adopt_stop_ || !adopt_turns_.empty(); });
+    if (adopt_stop_) return;
+    ++adopters_busy_;
+    const std::string peer = std::move(adopt_turns_.front());
+    adopt_turns_.pop_front();
+    std::deque<Adoption> &waiting = adopt_waiting_[peer];
+    Adoption a = std::move(waiting.front());
+    waiting.pop_front();
+    adopting_.insert(peer);
+    lock.unlock();
+    try {
+      on_reverse_(*this, a.cluster, std::move(a.conn), a.last, a.token, a.peer);
+    } catch (const std::exception &e) {  // nothing escapes the thread: that channel is lost
+      Log(std::string("adopting a reverse channel from ") + peer + ": " + e.what());
+    }
+    lock.lock();
+    --adopters_busy_;
+    adopting_.erase(peer);
+    auto it = adopt_waiting_.find(peer);
+    if (it != adopt_waiting_.end() && !it->second.empty())
+      adopt_turns_.push_back(peer);  // its next one, after the other addresses' turns
+    else if (it != adopt_waiting_.end())
+      adopt_waiting_.erase(it);
+  }
+}
+
+void Server::StopAdopters() {
+  std::vector<std::thread> threads;
+  std::map<std::string, std::deque<Adoption>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(adopt_mu_);
+    adopt_stop_ = true;
+    threads.swap(adopters_);
+  }
+  adopt_cv_.notify_all();
+  for (std::thread &t : threads) t.join();  // each ends its adoption (bounded waits) first
+  {
+    std::lock_guard<std::mutex> lock(adopt_mu_);
+    waiting.swap(adopt_waiting_);
+    adopt_turns_.clear();
+  }
+  for (auto &kv : waiting)
+    for (Adoption &a : kv.second) RefuseAdoption(a, "this listener is stopping: it takes no reverse channel");
 }
 
 GrantBook::~GrantBook() { Close(); }
@@ -679,6 +896,10 @@ void Server::Start(const std::string &host, uint16_t port, size_t max_conns, siz
     local_fd_ = local::Listen(local::Name(static_cast<uint64_t>(getpid()), identity_->cluster_id));
   serves_local_ = local_fd_ >= 0;
   stopping_ = false;
+  {
+    std::lock_guard<std::mutex> lock(adopt_mu_);
+    adopt_stop_ = false;
+  }
   try {
     accept_thread_ = std::thread([this] { AcceptLoop(); });
   } catch (const std::system_error &e) {  // the process at its thread limit: not listening
@@ -702,6 +923,7 @@ void Server::Stop() {
   // a control channel records its token under it) and would otherwise never end. Parked
   // connections are removed at once, those being served are shut down and waited for.
   io_.Stop();
+  StopAdopters();  // after the pool: no handshake hands a reverse channel on any more
   std::list<std::shared_ptr<Connection>> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1053,7 +1275,7 @@ namespace {
 /// A same-host read: the spans checked, the addresses granted, the lease held until RELEASE.
 /// Only on the local channel, to a peer the kernel says may read us, within the limits.
 void Grant(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::Request &req, uint32_t rid,
-           Clock::time_point asked) {
+           Clock::time_point asked, ServeJob &job) {
   if (ctx.peer == nullptr || ctx.grants == nullptr)
     Invalid(
         "grants are served on the local channel only, to peers the kernel verified on this host; read without GRANT");
@@ -1064,32 +1286,49 @@ void Grant(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::R
   if (grants.size() >= kMaxGrantsPerConnection)
     Fail(llm_datadist::LLM_LINK_BUSY,
          std::to_string(grants.size()) + " grants are still not released on this connection");
-  std::unique_ptr<Lease> lease = ctx.registry->Open(req);  // every span checked here
+  std::unique_ptr<Lease> lease = ctx.registry->Open(req, false);  // every span checked here
   if (lease->bases.size() != req.tensors.size()) Invalid("this request cannot be granted");
   // SHM asked and the cache in shareable memory: where each tensor's unit lies in its memfd.
-  const Entry &e = lease->entry();
-  const bool shm = (req.flags & wire::kFlagShm) && e.shm.shareable();
-  std::vector<uint8_t> checksum;  // read fault-safely while the lease holds the memory: a hole is an error frame
-  if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(*lease, rid);
-  ctx.grants->Take(peer.pid, !shm);
-  const uint64_t id = next_lease_id++;
-  std::vector<uint8_t> frame;
-  if (shm) {
-    wire::ShmGrant g;
-    g.lease_id = id;
-    for (size_t i = 0; i < req.tensors.size(); ++i) {
-      const uint32_t t = req.tensors[i];
-      g.fds.push_back(e.shm.fds[t]);
-      g.inos.push_back(e.shm.inos[t]);
-      g.offsets.push_back(e.shm.offsets[t] + (lease->bases[i] - e.addrs[t]));
+  const bool shm = (req.flags & wire::kFlagShm) && lease->entry().shm.shareable();
+  const ServeContext *cx = &ctx;  // the connection's, alive as long as its job
+  auto grant = [cx, tensors = req.tensors, shm, rid, asked](Grants &grants, PeerStream &c, std::unique_ptr<Lease> lease,
+                                                            std::vector<uint8_t> checksum) {
+    const pid_t pid = cx->peer->pid;
+    cx->grants->Take(pid, !shm);
+    const uint64_t id = next_lease_id++;
+    const Entry &e = lease->entry();
+    std::vector<uint8_t> frame;
+    if (shm) {
+      wire::ShmGrant g;
+      g.lease_id = id;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const uint32_t t = tensors[i];
+        g.fds.push_back(e.shm.fds[t]);
+        g.inos.push_back(e.shm.inos[t]);
+        g.offsets.push_back(e.shm.offsets[t] + (lease->bases[i] - e.addrs[t]));
+      }
+      frame = wire::EncodeShmGrant(g, rid);
+    } else {
+      frame = wire::EncodeGrant({id, lease->bases}, rid);
     }
-    frame = wire::EncodeShmGrant(g, rid);
-  } else {
-    frame = wire::EncodeGrant({id, lease->bases}, rid);
+    grants.emplace(id, std::make_unique<Granted>(std::move(lease), cx->grants, pid, cx->cluster, asked));
+    c.Queue(std::move(frame));
+    if (!checksum.empty()) c.Queue(std::move(checksum));
+  };
+  if (!(req.flags & wire::kFlagChecksum)) {
+    grant(grants, c, std::move(lease), {});
+    return;
   }
-  grants.emplace(id, std::make_unique<Granted>(std::move(lease), ctx.grants, peer.pid, ctx.cluster, asked));
-  c.Queue(std::move(frame));
-  if (!checksum.empty()) c.Queue(std::move(checksum));
+  // Its CRC first, read fault-safely while the lease holds the memory (a hole is an error
+  // frame), a share per step (Progress), then the grant.
+  StartSum(job, std::move(lease), rid, ctx.cluster, asked, [grant](Grants &g, PeerStream &s, ServeJob &j) {
+    try {
+      grant(g, s, std::move(j.lease), wire::EncodeChecksum(j.sum_crc, j.sum_bytes, j.rid));
+    } catch (const Error &e) {  // over the grants per peer (LLM_LINK_BUSY)
+      metrics::RecordSince(metrics::Op::kServeRead, j.cluster, 0, j.asked, e.code());
+      s.Queue(ErrorFrame(e, j.rid));
+    }
+  });
 }
 
 }  // namespace
@@ -1108,12 +1347,12 @@ bool IsNixl(uint8_t type) {
 /// READ / WRITE, then granted (NIXL_GRANT, and CHECKSUM for a read with that flag) and held
 /// until RELEASE, as a same-host grant is. Refusals are ERROR frames; the connection stays.
 void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_t type,
-                  const std::vector<uint8_t> &payload, uint32_t rid) {
+                  const std::vector<uint8_t> &payload, uint32_t rid, ServeJob &job) {
   wire::Request req = wire::DecodeRequest(type, payload);
   const bool write = type == wire::kNixlWrite;
   const Clock::time_point asked = Clock::now();
   const metrics::Op op = write ? metrics::Op::kServeWrite : metrics::Op::kServeRead;
-  std::vector<uint8_t> frame, checksum;
+  std::vector<uint8_t> frame;
   try {
     uint64_t granted = 0;
     for (const auto &kv : grants) granted += kv.second->request_bytes();
@@ -1123,7 +1362,7 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
                                             " bytes of requests) are still not released on this connection");
     if (ctx.nixl == nullptr) Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "this owner does not serve NIXL");
     std::shared_ptr<nixl::Agent> agent = ctx.nixl->Serving();
-    std::unique_ptr<Lease> lease = write ? ctx.registry->OpenWrite(req) : ctx.registry->Open(req);
+    std::unique_ptr<Lease> lease = write ? ctx.registry->OpenWrite(req, false) : ctx.registry->Open(req, false);
     nixl::MemKind kind;
     if (!agent->Registered(&lease->entry(), &kind))
       Fail(llm_datadist::LLM_FEATURE_NOT_ENABLED, "the cache is not registered with NIXL on the owner");
@@ -1137,8 +1376,18 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
     // The client adds its offsets to the bases; raw-address offsets are absolute already.
     g.bases = req.kind == wire::kAddress ? std::vector<uint64_t>(req.tensors.size(), 0) : lease->bases;
     frame = wire::EncodeNixlGrant(g, rid);
-    if (!write && (req.flags & wire::kFlagChecksum)) checksum = verify::Frame(*lease, rid);
     NixlGrantInfo info{agent, !grants.nixl_wired, write, size};
+    if (!write && (req.flags & wire::kFlagChecksum)) {
+      // Its CRC first (computed when granting: the source must not change while granted), a
+      // share per step (Progress), then the grant filed and answered.
+      StartSum(job, std::move(lease), rid, ctx.cluster, asked,
+               [frame, info, id](Grants &gs, PeerStream &s, ServeJob &j) {
+                 gs.emplace(id, std::make_unique<Granted>(std::move(j.lease), info, j.cluster, j.asked));
+                 s.Queue(frame);
+                 s.Queue(wire::EncodeChecksum(j.sum_crc, j.sum_bytes, j.rid));
+               });
+      return;
+    }
     grants.emplace(id, std::make_unique<Granted>(std::move(lease), std::move(info), ctx.cluster, asked));
   } catch (const Error &e) {
     metrics::RecordSince(op, ctx.cluster, 0, asked, e.code());  // refused: nothing granted
@@ -1147,7 +1396,6 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
     return;
   }
   c.Queue(std::move(frame));
-  if (!checksum.empty()) c.Queue(std::move(checksum));
 }
 
 /// The NIXL messages a peer may send (docs/protocol.md): on a link's reverse channel only
@@ -1155,7 +1403,7 @@ void NixlGrantOne(const ServeContext &ctx, Grants &grants, PeerStream &c, uint8_
 /// once), never anything that would hand the owner our agent, grants or leases; on any other
 /// connection everything but NIXL_REVOKE. A misplaced one is refused (FEATURE_NOT_ENABLED),
 /// the connection kept.
-void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const wire::Header &h,
+void DispatchNixl(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream &c, const wire::Header &h,
                   const std::vector<uint8_t> &payload) {
   const uint32_t rid = h.request_id;
   if (ctx.reverse != (h.type == wire::kNixlRevoke)) {
@@ -1177,7 +1425,7 @@ void DispatchNixl(const ServeContext &ctx, Grants &grants, PeerStream &c, const 
       }
       break;
     case wire::kNixlRead:
-    case wire::kNixlWrite: NixlGrantOne(ctx, grants, c, h.type, payload, rid); return;
+    case wire::kNixlWrite: NixlGrantOne(ctx, grants, c, h.type, payload, rid, job); return;
     case wire::kNixlLease: {
       wire::NixlLease q = wire::DecodeNixlLease(payload);
       try {
@@ -1274,7 +1522,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
   const uint32_t rid = h.request_id;
   if (grants.verdict.Settle(h, payload)) return true;  // a checksummed read's verdict
   if (IsNixl(h.type)) {
-    DispatchNixl(ctx, grants, c, h, payload);
+    DispatchNixl(ctx, grants, job, c, h, payload);
     return true;
   }
   switch (h.type) {
@@ -1283,17 +1531,13 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       const Clock::time_point asked = Clock::now();  // counted as serve_read from here
       const size_t held = grants.size();
       std::unique_ptr<Lease> lease;
-      std::vector<uint8_t> checksum;
       try {
         if (req.flags & wire::kFlagGrant) {
-          Grant(ctx, grants, c, req, rid, asked);  // SHM_GRANT for SHM on shareable memory
+          Grant(ctx, grants, c, req, rid, asked, job);  // SHM_GRANT for SHM on shareable memory
           return true;
         }
-        lease = registry_->Open(req);
+        lease = registry_->Open(req, false);  // its spans expanded a part at a time, as they go
         CheckOwnMemory(lease->entry(), req.tensors, "read");
-        // Before the bytes go, read fault-safely: a hole anywhere in the spans is an error
-        // frame here, not a cut connection (or a SIGSEGV) after READ_DATA.
-        if (req.flags & wire::kFlagChecksum) checksum = verify::Frame(*lease, rid);
       } catch (const Error &e) {
         // Refused (a grant given, then not sent, is counted when it ends: Granted).
         if (grants.size() == held) metrics::RecordSince(metrics::Op::kServeRead, ctx.cluster, 0, asked, e.code());
@@ -1307,11 +1551,18 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       job.until = After(kServeTimeout);
       job.rid = rid;
       job.checksum = (req.flags & wire::kFlagChecksum) != 0;
-      job.checksum_frame = std::move(checksum);  // computed above, before any byte went
-      job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, ctx.cluster, asked);
       job.lease = std::move(lease);
-      c.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, rid));
-      c.QueueSpans(job.lease->iov);
+      job.cluster = ctx.cluster;
+      job.asked = asked;
+      if (job.checksum) {
+        // Before the bytes go, their CRC, read fault-safely, a step's share at a time
+        // (Progress): a hole anywhere in the spans is an error frame then, not a cut
+        // connection (or a SIGSEGV) after READ_DATA.
+        job.summing = true;
+        return true;
+      }
+      job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, ctx.cluster, asked);
+      c.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, rid));  // its spans follow (Progress)
       return true;
     }
     case wire::kWrite: {
@@ -1319,7 +1570,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       const Clock::time_point asked = Clock::now();  // counted as serve_write from here
       std::unique_ptr<Lease> lease;
       try {
-        lease = registry_->OpenWrite(req);
+        lease = registry_->OpenWrite(req, false);  // its spans expanded a part at a time, as they come
         if (req.kind != wire::kAddress) CheckOwnMemory(lease->entry(), req.tensors, "write");
       } catch (const Error &e) {
         metrics::RecordSince(metrics::Op::kServeWrite, ctx.cluster, 0, asked, e.code());  // refused
@@ -1332,7 +1583,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       job.rid = rid;
       job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeWrite, ctx.cluster, asked);
       job.lease = std::move(lease);
-      job.data.iov = job.lease->iov;
+      (void)NextSpans(job, job.data.iov);
       c.Queue(wire::EncodeEmpty(wire::kOk, rid));
       return true;
     }

@@ -18,8 +18,9 @@
 // brought (at most 2 KiB of read-ahead) and moves at most 8 MiB of a transfer before it parks
 // the connection again (ready at once),
 // so a busy peer shares the threads; what a linked peer may still cost the others is CPU (its
-// requests' work: a checksum, a large request's decoding) and the short waits of a reverse
-// channel's adoption (ReverseHandler), never a wait on its own bytes (docs/reliability.md).
+// requests' work: a checksum, a large request's decoding), never a wait on its own bytes
+// (docs/reliability.md). A reverse channel's adoption (ReverseHandler), which may wait on a
+// PING of the channel it replaces, runs on the server's adopter threads (Server::Adopt).
 //
 // Deadlines, kept as the parked connection's timer (closed past one): 10 s from the accept
 // for the whole handshake; 30 s for a frame from its first byte; 120 s for an answer (a READ's
@@ -49,12 +50,15 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <list>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -164,9 +168,10 @@ bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> con
 /// and the listener may push at once, as in CANN's push samples).
 /// `token`: the link token the HELLO echoed (a live control channel's of that cluster, checked);
 /// `peer`: what the per-peer cap counts the connection by (its IP); `server`: the listener,
-/// alive for the call (HoldsToken: is another token still live). Called on an I/O pool thread:
-/// what it waits for (its frame's send, a PING of the channel it may replace) holds that
-/// thread, so it waits within short deadlines only.
+/// alive for the call (HoldsToken: is another token still live). Called on one of the
+/// server's adopter threads (Server::Adopt), never on an I/O pool thread: what it waits for
+/// (its frame's send, a PING of the channel it may replace, which the peer may never answer)
+/// holds that thread and delays the next adoptions, so it waits within short deadlines only.
 class Server;
 using ReverseHandler =
     std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn,
@@ -176,6 +181,9 @@ class Server {
  public:
   /// Stop waits at most this long (seconds) for leased copies in flight.
   static constexpr double kRevokeWait = 2.0;
+  /// Threads a server adopts reverse channels on at most (Adopt), started as adoptions wait:
+  /// one while they are quick.
+  static constexpr size_t kAdopters = 4;
   /// `pool`: the I/O threads its connections are served on (null: the process's shared pool).
   Server(Registry *registry, Identity *identity, ReverseHandler on_reverse = nullptr,
          std::shared_ptr<IoPool> pool = nullptr)
@@ -252,6 +260,26 @@ class Server {
   Greeted Auth(PeerStream &c, Shake &s);
   /// The connections whose handshake is done, as reverse channels, refused or served: dropped (mu_ held).
   void ReapLocked();
+  /// A reverse channel whose handshake is done, waiting for on_reverse_ (Adopt).
+  struct Adoption {
+    uint64_t cluster = 0;
+    std::unique_ptr<Conn> conn;
+    std::vector<uint8_t> last;
+    std::string token;
+    std::string peer;
+  };
+  /// Hands a reverse channel to on_reverse_ off the I/O pool (on_reverse_ may wait: up to
+  /// Engine::kReverseProbe for the PONG of the channel it would replace, which the peer may
+  /// never send), on at most kAdopters threads of this server's, started at need, one
+  /// adoption at a time per peer address (or uid) and the addresses served in turn: a peer
+  /// whose adoptions wait on its own silence holds one such thread, never an I/O thread, and
+  /// delays other addresses' adoptions by its turn only. At most kPreAuthPerPeer waiting per
+  /// address; beyond that, or stopping, the channel is refused (ERROR LLM_LINK_FAILED). Called
+  /// on an I/O pool thread; never blocks (but to start a thread).
+  void Adopt(Adoption a);
+  void AdoptLoop();                                                 // an adopter thread
+  static void RefuseAdoption(Adoption &a, const std::string &why);  // ERROR, closed
+  void StopAdopters();                                              // joined; the waiting ones refused
 
   Registry *registry_;
   Identity *identity_;
@@ -271,6 +299,16 @@ class Server {
   std::mutex mu_;
   std::list<std::shared_ptr<Connection>> conns_;  // accepted, not reaped yet (mu_)
   IoGroup io_;                                    // every accepted connection is a task of this group
+  // Adopt's: the reverse channels waiting by peer address, the addresses with some waiting and
+  // none being adopted in the order they are served, those being adopted, the threads.
+  std::mutex adopt_mu_;
+  std::condition_variable adopt_cv_;
+  std::map<std::string, std::deque<Adoption>> adopt_waiting_;
+  std::deque<std::string> adopt_turns_;
+  std::set<std::string> adopting_;
+  std::vector<std::thread> adopters_;
+  size_t adopters_busy_ = 0;  // adopter threads in on_reverse_
+  bool adopt_stop_ = false;
 };
 
 }  // namespace datadist

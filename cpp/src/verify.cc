@@ -51,23 +51,37 @@ std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid, const st
   return wire::EncodeChecksum(crc, Bytes(src), rid);
 }
 
+namespace {
+
+/// Frame's and Continue's error for a byte of `lease` that cannot be read (told on stderr too).
+std::string Hole(const Lease &lease, uintptr_t bad) {
+  const Entry &e = lease.entry();
+  std::string tensor;
+  for (size_t t = 0; t < e.addrs.size(); ++t)
+    if (bad >= e.addrs[t] && bad - e.addrs[t] < e.geo.tensor_bytes) {
+      tensor = " tensor " + std::to_string(t);
+      break;
+    }
+  // Always told (a bug of the caller's, who may never see the peer's error), as CheckOwnMemory does.
+  std::fprintf(stderr,
+               "[datadist] error: cache %lld%s: its memory at %s is not mapped any more (freed after it was "
+               "registered?); a peer's checksummed read of it is refused\n",
+               static_cast<long long>(e.id), tensor.c_str(), Address(bad).c_str());
+  return "the owner's memory of cache " + std::to_string(e.id) + tensor + " at " + Address(bad) +
+         " is not mapped any more (freed after it was registered): no checksum";
+}
+
+}  // namespace
+
+uint32_t Continue(const Lease &lease, const std::vector<iovec> &part, uint32_t crc) {
+  const crc::OwnRead r = crc::Crc32Own(part, crc);
+  if (r.ok) return r.crc;
+  if (r.refused != nullptr) throw Error(llm_datadist::LLM_FAILED, std::string("cannot checksum: ") + r.refused);
+  throw Error(kDeviceMemError, Hole(lease, r.bad));
+}
+
 std::vector<uint8_t> Frame(const Lease &lease, uint32_t rid) {
-  const uint32_t crc = OwnCrc(lease.iov, [&](uintptr_t bad) {
-    const Entry &e = lease.entry();
-    std::string tensor;
-    for (size_t t = 0; t < e.addrs.size(); ++t)
-      if (bad >= e.addrs[t] && bad - e.addrs[t] < e.geo.tensor_bytes) {
-        tensor = " tensor " + std::to_string(t);
-        break;
-      }
-    // Always told (a bug of the caller's, who may never see the peer's error), as CheckOwnMemory does.
-    std::fprintf(stderr,
-                 "[datadist] error: cache %lld%s: its memory at %s is not mapped any more (freed after it was "
-                 "registered?); a peer's checksummed read of it is refused\n",
-                 static_cast<long long>(e.id), tensor.c_str(), Address(bad).c_str());
-    return "the owner's memory of cache " + std::to_string(e.id) + tensor + " at " + Address(bad) +
-           " is not mapped any more (freed after it was registered): no checksum";
-  });
+  const uint32_t crc = OwnCrc(lease.iov, [&](uintptr_t bad) { return Hole(lease, bad); });
   return wire::EncodeChecksum(crc, Bytes(lease.iov), rid);
 }
 

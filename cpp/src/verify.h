@@ -44,6 +44,11 @@ std::vector<uint8_t> Frame(const std::vector<iovec> &src, uint32_t rid, const st
 /// unreadable byte lies in, also told on stderr (the caller's bug, which the peer's error may
 /// never reach): what the server's READ with CHECKSUM, GRANT and NIXL_GRANT call.
 std::vector<uint8_t> Frame(const Lease &lease, uint32_t rid);
+/// The same CRC, a part at a time: continued from `crc` (that of the lease's bytes before
+/// `part`, 0 at the start) over `part`, spans inside the lease's, with Frame's errors. The
+/// server's READ with CHECKSUM computes its CRC this way, a step's share per step, so that a
+/// request naming terabytes (spans may repeat) never holds an I/O thread for long.
+uint32_t Continue(const Lease &lease, const std::vector<iovec> &part, uint32_t crc);
 
 /// Reader: the CHECKSUM frame's content, from the frame that came after the answer (`h`,
 /// `payload`, already checked to answer the READ). Anything else: LLM_SUSPECT_REMOTE_ERROR

@@ -819,6 +819,28 @@ w::Request Spans(uint8_t kind, uint64_t a, uint64_t b, std::vector<uint32_t> ten
   return r;
 }
 
+// The server opens a peer's READ and WRITE without expanding its spans (a request of 4M
+// expanded spans costs its frame's size, not 64 MiB): Span and Expand give what iov would hold.
+TEST_F(Native, AnUnexpandedLeaseGivesTheSameSpansAPartAtATime) {
+  User(1);
+  const w::Request req = Spans(w::kCacheId, 1, 3, {1, 2}, {16, 0, 100}, {240, 8, 4});
+  auto full = reg.Open(req);
+  auto lazy = reg.Open(req, false);
+  EXPECT_TRUE(lazy->iov.empty());
+  ASSERT_EQ(lazy->spans(), full->iov.size());
+  EXPECT_EQ(lazy->nbytes, full->nbytes);
+  EXPECT_EQ(lazy->bases, full->bases);
+  std::vector<iovec> parts;
+  lazy->Expand(0, 4, parts);
+  lazy->Expand(4, 100, parts);  // clipped to the spans there are
+  ASSERT_EQ(parts.size(), full->iov.size());
+  for (size_t k = 0; k < parts.size(); ++k) {
+    EXPECT_EQ(parts[k].iov_base, full->iov[k].iov_base) << k;
+    EXPECT_EQ(parts[k].iov_len, full->iov[k].iov_len) << k;
+    EXPECT_EQ(lazy->Span(k).iov_base, full->iov[k].iov_base) << k;
+  }
+}
+
 // Python: Registry.add (test_address_count_must_match_num_tensors).
 TEST_F(Native, TheAddressCountMustMatchTheTensors) {
   Refusal r = Refused([&] { reg.Add(1, kGeo, {kAddrs[0], kAddrs[1], kAddrs[2]}, kUser); });
