@@ -610,8 +610,9 @@ std::vector<uint64_t> Engine::LinkIds(bool inbound) {
   return ids;
 }
 
-/// A client's reverse channel (an I/O pool thread calls this after the handshake, which
-/// checked that the client holds that cluster's control channel: `token`): our end of its
+/// A client's reverse channel (one of the server's adopter threads calls this after the
+/// handshake, never an I/O pool thread: the PING of a link it would replace may wait; the
+/// handshake checked that the client holds that cluster's control channel: `token`): our end of its
 /// link, replacing an older one only if that echoed the same token or its control channel is
 /// gone (another control channel of that id, which anyone may open, cannot take a live
 /// link). Not adopted (that, closing, as many reverse channels as connections already, or
