@@ -271,7 +271,7 @@ class Session {
 /// each within `step_timeout_s` of its step's start (Session::Run: held, counted and timed as
 /// a blocking transfer). Outcomes are settled in step order.
 ///
-/// The rules of LLM-DataDist's loop (v2/llm_utils.py TransferCacheJob.transfer_layers):
+/// The rules of LLM-DataDist's loop (hixl, llm_datadist v2 llm_utils: the transfer_layers method of its job class):
 /// * the first failure stops the run: no later call of that step, no later step is started
 ///   (at most `width` - 1 started before it are let end); the failing destination's outcome
 ///   is its code, unless a failure in an earlier step settles first;

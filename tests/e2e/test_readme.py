@@ -92,9 +92,13 @@ SH: dict[tuple[str, str], tuple[list[tuple[str, dict[str, str], str]], str]] = {
     ("docs/vllm.md", "grep -o -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u   # none: "
                      "the reported case"):
         ([], "needs vLLM and a model: tests/interop/vllm/test_vllm.py"),
-    ("docs/vllm.md", "python examples/vllm/bench_pd.py --connector datadist --tokens 1000 "
-                     "--requests 5"):
-        ([], "needs vLLM, a model and NIXL"),
+    ("docs/vllm.md", "python examples/vllm/gpu_check.py                 # both engines on "
+                     "GPU 0, 40 % of it each"):
+        ([], "needs a CUDA GPU, vLLM and a model: tests/interop/vllm/test_vllm_staged_e2e.py "
+             "runs the staged path with a CUDA stand-in"),
+    ("docs/vllm.md", "# the comparison below: one engine pair per command; per length it "
+                     "times the local hit,"):
+        ([], "needs vLLM, a model, NIXL and Mooncake, and minutes per length"),
 }
 # python blocks that cannot run here, and why
 NOT_RUNNABLE = {

@@ -28,11 +28,12 @@ from datadist.bench.harness import (
     at_most,
     check_pattern,
     interleave,
+    one_cpu,
     pattern_seed,
     throughput_row,
 )
 from datadist.bench.limits import RawCma, iov
-from datadist.bench.puller import Context, Puller, alternate_runs, latency_row, one_cpu
+from datadist.bench.puller import Context, Puller, alternate_runs, latency_row
 
 LAYER_BYTES = 2 * LAYER_BLOCKS * LAYER_BLOCK  # K and V of one layer
 # 32 per-layer pulls of 1 MiB against one pull of the same bytes (GB/s over GB/s), by path:
