@@ -113,10 +113,20 @@ void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &
   if (bb == 0 || remote_max > UINT64_MAX / bb - 1)
     Invalid("src block " + std::to_string(remote_max) + " is out of range: its offset (" + std::to_string(bb) +
             " bytes a block) overflows 64 bits");
+  // Runs of blocks adjacent on both sides are one span. Counted first, so that each array is
+  // allocated once at its size: grown by push_back, a 100k-run plan allocated (and the kernel
+  // zeroed) twice its bytes, and kept up to twice the capacity it needs.
+  const size_t n = local_blocks.size();
+  size_t runs = 1;
+  for (size_t i = 1; i < n; ++i)
+    runs += remote_blocks[i] != remote_blocks[i - 1] + 1 || local_blocks[i] != local_blocks[i - 1] + 1;
   plan.remote_offsets.clear();
   plan.local_offsets.clear();
   plan.lengths.clear();
-  for (size_t i = 0; i < local_blocks.size(); ++i) {
+  plan.remote_offsets.reserve(runs);
+  plan.local_offsets.reserve(runs);
+  plan.lengths.reserve(runs);
+  for (size_t i = 0; i < n; ++i) {
     const uint64_t r = remote_blocks[i] * bb, l = local_blocks[i] * bb;
     if (!plan.lengths.empty() && plan.remote_offsets.back() + plan.lengths.back() == r &&
         plan.local_offsets.back() + plan.lengths.back() == l) {

@@ -93,11 +93,17 @@ std::shared_ptr<Call> Call::Make(bool write, uint64_t cluster, wire::Request req
   return call;
 }
 
-void CheckRequestSize(const wire::Request &req) {
-  if (static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() > kMaxRequestSpans)
+namespace {
+
+void CheckRequestSize(size_t tensors, size_t runs) {
+  if (static_cast<unsigned __int128>(tensors) * runs > kMaxRequestSpans)
     Invalid("the transfer names more than " + std::to_string(kMaxRequestSpans) +
             " spans (tensors x block runs); split it");
 }
+
+}  // namespace
+
+void CheckRequestSize(const wire::Request &req) { CheckRequestSize(req.tensors.size(), req.offsets.size()); }
 
 Session::Session(uint64_t cluster_id, int32_t role, size_t async_threads)
     : engine_(cluster_id, role), executor_(async_threads) {}
@@ -174,15 +180,18 @@ std::vector<Outcome> Session::UnlinkMany(const std::vector<Peer> &peers, Deadlin
       llm_datadist::LLM_UNLINK_FAILED);
 }
 
-std::shared_ptr<Call> Session::MakeCall(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+std::shared_ptr<Call> Session::MakeCall(bool write, uint64_t cluster, wire::Request req, Plan &&plan,
                                         int64_t local_cache, const Entry &local) {
-  req.tensors = plan.remote_tensors;
-  req.offsets = plan.remote_offsets;
-  req.lengths = plan.lengths;
-  CheckRequestSize(req);  // before the local spans are made: tensors x runs of them
+  CheckRequestSize(plan.remote_tensors.size(), plan.remote_offsets.size());  // before the local spans are made
   CheckLocalSpans(plan, local.geo, local_cache);
   req.layout = local.opts.blocks ? local.geo.layout : local.geo.layout & ~uint64_t{0xFFFFFFFF};
-  auto call = Call::Make(write, cluster, std::move(req), LocalIov(plan, local.addrs));
+  std::vector<iovec> iov = LocalIov(plan, local.addrs);
+  // Moved, not copied: a request of 100k runs is megabytes, and every byte copied or newly
+  // allocated here is paid again on each call (docs/performance.md, "Large requests").
+  req.tensors = std::move(plan.remote_tensors);
+  req.offsets = std::move(plan.remote_offsets);
+  req.lengths = std::move(plan.lengths);
+  auto call = Call::Make(write, cluster, std::move(req), std::move(iov));
   call->local_cache = local_cache;
   call->local_addrs = local.addrs;
   call->local_tensor_bytes = local.geo.tensor_bytes;
@@ -192,12 +201,9 @@ std::shared_ptr<Call> Session::MakeCall(bool write, uint64_t cluster, wire::Requ
 std::shared_ptr<Call> Session::Prepare(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
                                        int64_t local_cache) {
   // The request's size before the cache is looked up, as before: tensors x runs of them.
-  req.tensors = plan.remote_tensors;
-  req.offsets = plan.remote_offsets;
-  req.lengths = plan.lengths;
-  CheckRequestSize(req);
+  CheckRequestSize(plan.remote_tensors.size(), plan.remote_offsets.size());
   const std::unique_ptr<Lease> held = engine_.registry().Hold(local_cache);
-  return MakeCall(write, cluster, std::move(req), plan, local_cache, held->entry());  // immutable while held
+  return MakeCall(write, cluster, std::move(req), Plan(plan), local_cache, held->entry());  // immutable while held
 }
 
 std::shared_ptr<Call> Session::PreparePull(uint64_t cluster, wire::Request req, const PullSpec &spec,
@@ -210,7 +216,7 @@ std::shared_ptr<Call> Session::PreparePull(uint64_t cluster, wire::Request req, 
   if (plan.whole) req.flags |= wire::kFlagWhole;
   const auto since = Clock::now();
   try {
-    return MakeCall(false, cluster, std::move(req), plan, local_cache, local);
+    return MakeCall(false, cluster, std::move(req), std::move(plan), local_cache, local);
   } catch (const Error &e) {  // refused before anything moved: counted, as Run counts its own
     metrics::RecordSince(metrics::Op::kPull, cluster, 0, since, e.code());
     throw;
@@ -226,7 +232,7 @@ std::shared_ptr<Call> Session::PreparePush(uint64_t cluster, wire::Request req, 
   req.unit_bytes = spec.blocks ? local.geo.unit_bytes : 0;
   const auto since = Clock::now();
   try {
-    return MakeCall(true, cluster, std::move(req), plan, local_cache, local);
+    return MakeCall(true, cluster, std::move(req), std::move(plan), local_cache, local);
   } catch (const Error &e) {  // refused before anything moved: counted, as Run counts its own
     metrics::RecordSince(metrics::Op::kPush, cluster, 0, since, e.code());
     throw;

@@ -247,7 +247,8 @@ class Session {
 
  private:
   /// Prepare's and PreparePull's call from `plan`, local cache `local_cache` held (`local`).
-  static std::shared_ptr<Call> MakeCall(bool write, uint64_t cluster, wire::Request req, const Plan &plan,
+  /// Consumes `plan`: its remote side is moved into the request, not copied.
+  static std::shared_ptr<Call> MakeCall(bool write, uint64_t cluster, wire::Request req, Plan &&plan,
                                         int64_t local_cache, const Entry &local);
   /// The call's local cache held (nullptr for a call that names none), or
   /// LLM_KV_CACHE_NOT_EXIST when it is gone or no longer the memory the call was made for.

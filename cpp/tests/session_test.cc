@@ -384,6 +384,70 @@ TEST_F(SessionPair, PrepareChecksTheLocalCacheAndItsRunsHoldIt) {
   EXPECT_EQ(other.cache.T(1)[4 * 64], 0);
 }
 
+// A pull of 100k blocks that coalesce into no run (docs/performance.md, "Large requests"): its
+// plan's arrays are each allocated once, at their size (grown by push_back they were allocated
+// twice over and kept 131072 slots), and the call PreparePull makes names every block's span,
+// local and remote, in order. The C++ face's pulls plan with the same PlanBlocks.
+TEST(Session, PreparePullOf100kBlocksSizesEachArrayOnceAndNamesEverySpan) {
+  constexpr uint64_t kN = 100000, kBlock = 64;
+  Session s(kReader, 1, 1);
+  s.engine().Open(datadist::EngineOptions{});
+  Blocks dst{2, kN, kBlock};
+  const int64_t mine = s.engine().registry().Add(dst.cache.desc, dst.cache.addrs, {});
+  datadist::PullSpec spec;
+  spec.kind = datadist::PullSpec::kBlocks;
+  // remote blocks shuffled (Fisher-Yates, a fixed LCG), local blocks descending: no two
+  // neighbours are adjacent on the local side, so every block is a run of its own
+  for (uint64_t i = 0; i < kN; ++i) {
+    spec.src_blocks.push_back(i);
+    spec.dst_blocks.push_back(kN - 1 - i);
+  }
+  uint64_t x = 7;
+  for (uint64_t i = kN - 1; i > 0; --i) {
+    x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+    std::swap(spec.src_blocks[i], spec.src_blocks[(x >> 33) % (i + 1)]);
+  }
+  datadist::Plan plan;
+  datadist::PlanBlocks(plan, dst.geo(), spec.src_blocks, spec.dst_blocks);
+  ASSERT_EQ(plan.lengths.size(), kN);
+  EXPECT_EQ(plan.remote_offsets.capacity(), kN);
+  EXPECT_EQ(plan.local_offsets.capacity(), kN);
+  EXPECT_EQ(plan.lengths.capacity(), kN);
+
+  datadist::wire::Request head;
+  head.kind = datadist::wire::kBlocksKey;
+  head.b = 1;
+  auto call = s.PreparePull(kOwner, head, spec, mine);
+  ASSERT_EQ(call->req.offsets.size(), kN);
+  ASSERT_EQ(call->req.lengths.size(), kN);
+  ASSERT_EQ(call->iov.size(), 2 * kN);
+  EXPECT_EQ(call->iov.capacity(), 2 * kN);
+  EXPECT_EQ(call->bytes, 2 * kN * kBlock);
+  uint64_t wrong = 0;
+  for (uint64_t i = 0; i < kN; ++i) {
+    wrong += call->req.offsets[i] != spec.src_blocks[i] * kBlock || call->req.lengths[i] != kBlock;
+    for (uint64_t t = 0; t < 2; ++t) {
+      const iovec &v = call->iov[t * kN + i];
+      wrong +=
+          reinterpret_cast<uint64_t>(v.iov_base) != dst.cache.addrs[t] + (kN - 1 - i) * kBlock || v.iov_len != kBlock;
+    }
+  }
+  EXPECT_EQ(wrong, 0U);
+
+  // the same blocks in order: one run, and no array keeps room for 100k
+  for (uint64_t i = 0; i < kN; ++i) spec.src_blocks[i] = spec.dst_blocks[i] = i;
+  datadist::Plan one;
+  datadist::PlanBlocks(one, dst.geo(), spec.src_blocks, spec.dst_blocks);
+  EXPECT_EQ(one.lengths.capacity(), 1U);
+  call = s.PreparePull(kOwner, head, spec, mine);
+  ASSERT_EQ(call->req.lengths.size(), 1U);
+  EXPECT_EQ(call->req.lengths[0], kN * kBlock);
+  EXPECT_EQ(call->req.offsets.capacity(), 1U);
+  ASSERT_EQ(call->iov.size(), 2U);
+  EXPECT_EQ(reinterpret_cast<uint64_t>(call->iov[1].iov_base), dst.cache.addrs[1]);
+  s.Close(0.0);
+}
+
 TEST(Session, CopyLocalCoalescesRunsAndCopiesAnOverlappingRunBlockByBlock) {
   Blocks c{1, 8, 16};
   for (uint64_t i = 0; i < 8 * 16; ++i) c.cache.T(0)[i] = static_cast<uint8_t>(i / 16 + 1);
