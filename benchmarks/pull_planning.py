@@ -13,6 +13,11 @@ memo keeps; one layer of a 4-tensor blocks cache of 64 x 16 KiB blocks):
 (p50 us of a repeated request, of a request never seen before, and of a pull of every tensor),
 a run any tree's build can make (it uses only ``CacheManager`` and the engine's public calls):
 run it with each tree's interpreter, alternating. Blocks a few seconds.
+
+``--large``: ``Engine.prepare_pull`` of 10k and 100k random (uncoalesced) block pairs into a
+2-tensor blocks cache of 64-byte blocks (docs/performance.md, "Large requests"): p50 ms of 31
+calls each, interleaved, and the 100k / 10k ratio (10x: linear in the spans). A run any tree's
+build can make: run it with each tree's interpreter, alternating.
 """
 
 from __future__ import annotations
@@ -116,5 +121,43 @@ def api() -> None:
         owner.close()
 
 
+def large(sizes: tuple[int, ...] = (10_000, 100_000), rounds: int = 31) -> None:
+    from datadist.core.keys import KeyKind, KeyRef
+    from datadist.core.layout import Geometry
+    from datadist.core.native import PULL_BLOCKS
+
+    e = NativeEngine(EngineConfig(cluster_id=8, role=2))
+    try:
+        key = KeyRef(KeyKind.BLOCKS_KEY, 0, 1, 0)
+        rng = np.random.default_rng(7)
+        cases = []
+        for n in sizes:
+            arrs = [np.zeros(n * 64, np.uint8) for _ in range(2)]
+            ent = e.register(Geometry(2, n * 64, n, True), [int(a.ctypes.data) for a in arrs],
+                             placement=HOST)
+            src, dst = rng.permutation(n).astype(np.uint64), rng.permutation(n).astype(np.uint64)
+            cases.append((n, ent.cache_id, src, dst, arrs))
+        samples: dict[int, list[float]] = {n: [] for n in sizes}
+        for _ in range(rounds):
+            for n, cache_id, src, dst, _arrs in cases:
+                t0 = time.perf_counter_ns()
+                call = e.prepare_pull(1, key, cache_id, PULL_BLOCKS, src_blocks=src,
+                                      dst_blocks=dst)
+                samples[n].append((time.perf_counter_ns() - t0) / 1e6)
+                del call
+        p50 = {n: float(np.median(v)) for n, v in samples.items()}
+        for n in sizes:
+            print(f"prepare_pull, {n:7d} uncoalesced blocks  p50 {p50[n]:7.3f} ms")
+        print(f"{sizes[-1]} / {sizes[0]} blocks: {p50[sizes[-1]] / p50[sizes[0]]:.1f}x the time "
+              f"for {sizes[-1] / sizes[0]:.0f}x the spans")
+    finally:
+        e.close()
+
+
 if __name__ == "__main__":
-    api() if "--api" in sys.argv[1:] else stage()
+    if "--api" in sys.argv[1:]:
+        api()
+    elif "--large" in sys.argv[1:]:
+        large()
+    else:
+        stage()
