@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ pytestmark = pytest.mark.timeout(60)
 
 BLOCKS, BLOCK, GUARD = 4, 64, 256
 SILENT_ID = 9
+# The dropped pull's deadline, past the module's timeout (60 s): it never ends on its own while
+# a test runs; remove_cache's wait, shorter, fails (LLM_TIMEOUT) unless the pull ended.
+PULL_DEADLINE_S, REMOVE_WAIT_S = 300.0, 20.0
 
 
 def _guarded(d: Side) -> tuple[llm.Cache, np.ndarray]:
@@ -95,30 +99,59 @@ def test_no_raw_address_entry_point_is_left_for_transfers(pair):
     assert "cache_id" in doc and "local:" not in doc
 
 
+def _until(cond: Callable[[], bool], seconds: float = 20.0) -> bool:
+    """Polls ``cond`` until it holds or ``seconds`` pass (a state the core reaches on
+    another thread); the caller asserts the outcome, never the time."""
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 def test_an_issued_pull_holds_its_cache_in_the_core_until_it_ends(make_side):
     """An issued pull that nobody polls, whose Python handle is dropped, still holds its
     destination (the core's task owns the hold): removing the cache waits for the transfer's
-    end (its deadline, against an owner that never answers) and not a moment past it; a
-    prepared call for it is refused afterwards and moves nothing."""
-    d = make_side(DECODER_ID, role=2, sync_timeout=1.0)
+    end and returns once it ends; a prepared call for it is refused afterwards and moves
+    nothing.
+
+    The transfer ends when the test says, not at a deadline: its owner never answers and its
+    deadline (PULL_DEADLINE_S) lies past the test's own timeout and past remove_cache's wait,
+    so the pull is in flight for every check below however slowly this process runs, and only
+    closing the owner's connection ends it. remove_cache returning at all (within its wait,
+    which is shorter than the pull's deadline) shows it returned for the transfer's end."""
+    d = make_side(DECODER_ID, role=2, sync_timeout=PULL_DEADLINE_S)
     cache, rows = _guarded(d)
+    key = llm.CacheKeyByIdAndIndex(SILENT_ID, 1, 0)
     with SilentOwner(SILENT_ID) as owner:
         d.engine.link(SILENT_ID, *owner.address, 5.0)
-        key = llm.CacheKeyByIdAndIndex(SILENT_ID, 1, 0)
-        t0 = time.monotonic()
         handle = d.cm.pull_blocks_async(key, cache, [], [0])
         del handle
         gc.collect()
         assert d.engine.leases(cache.cache_id) == 1, "the issued pull holds its destination"
         removed: list[float] = []
-        remover = threading.Thread(
-            target=lambda: (d.engine._core.remove_cache(cache.cache_id, 20.0),
-                            removed.append(time.monotonic())))
+        failed: list[BaseException] = []
+
+        def remove() -> None:
+            try:
+                d.engine._core.remove_cache(cache.cache_id, REMOVE_WAIT_S)
+                removed.append(time.monotonic())
+            except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+                failed.append(e)
+
+        remover = threading.Thread(target=remove)
         remover.start()
-        remover.join(30)
-        assert removed, "remove_cache did not return"
-        took = removed[0] - t0
-        assert 0.9 <= took < 15.0, took  # waited for the pull's deadline, not its own wait
+        # remove_cache has begun (the cache is closing: no new lease) and waits for the pull
+        assert _until(lambda: not d.engine.filed(cache.cache_id) or not remover.is_alive())
+        assert remover.is_alive() and not removed and not failed, (removed, failed)
+        assert d.engine.leases(cache.cache_id) == 1, "still held while the pull is in flight"
+        ended = time.monotonic()
+        owner.close()  # the pull fails at once (its connection shut down) and lets go
+        remover.join(REMOVE_WAIT_S + 10)
+        assert not failed, failed
+        assert removed, "remove_cache did not return once the pull ended"
+        assert removed[0] >= ended  # it returned after the pull's end, not before
     assert not d.engine.filed(cache.cache_id)
     with pytest.raises(llm.LLMException) as err:
         d.cm.pull_blocks(key, cache, [], [0])
