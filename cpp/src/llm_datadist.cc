@@ -634,63 +634,32 @@ class LlmDataDist::LlmDataDistImpl {
   void CopyCache(const Cache &src, const Cache &dst, uint32_t src_batch, uint32_t dst_batch, uint64_t offset,
                  int64_t size) {
     CheckUpLocked();
-    // One span per tensor pair, copied as one (Session::CopyCaches holds both caches and
-    // checks the spans against both).
+    // Planned, held, checked and copied by the session, as Python's copy_cache (PlanSlotCopy).
     datadist::CopySide s, d;
     s.cache_id = src.cache_id;
     d.cache_id = dst.cache_id;
-    auto plan_slot = [&](datadist::Plan &plan, const datadist::Geometry &sg, const datadist::Geometry &dg) {
-      if (sg.num_tensors != dg.num_tensors) Invalid("source and destination differ in num_tensors");
-      if (src_batch >= sg.units || dst_batch >= dg.units) Invalid("batch index out of range");
-      if (offset >= sg.unit_bytes) Invalid("offset out of range");
-      if (size == -1) size = static_cast<int64_t>(sg.unit_bytes - offset);
-      if (size <= 0 || static_cast<uint64_t>(size) > sg.unit_bytes - offset ||
-          static_cast<uint64_t>(size) > dg.unit_bytes || offset > dg.unit_bytes - static_cast<uint64_t>(size))
-        Invalid("size " + std::to_string(size) + " does not fit the slots after offset " + std::to_string(offset));
-      for (uint32_t t = 0; t < sg.num_tensors; ++t) {
-        plan.remote_tensors.push_back(t);
-        plan.local_tensors.push_back(t);
-      }
-      plan.remote_offsets = {src_batch * sg.unit_bytes + offset};
-      plan.local_offsets = {dst_batch * dg.unit_bytes + offset};
-      plan.lengths = {static_cast<uint64_t>(size)};
-    };
-    session_.CopyCaches(s, d, plan_slot);
+    session_.CopySlot(s, d, src_batch, dst_batch, offset, size);
   }
 
   void CopyBlocks(const Cache &src, const Cache &dst, const std::vector<uint64_t> &src_blocks,
                   const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
     CheckUpLocked();
+    // Translation only: each destination list pairs with src_blocks, the lists one after
+    // another as one list of pairs; the session plans it as Python's copy_blocks and
+    // swap_blocks (PlanBlockCopy: a destination block named twice, in one list or two, is
+    // refused, and within one cache a block both read and written; docs/compatibility.md).
+    std::vector<uint64_t> from, to;
+    for (const auto &list : dst_blocks_list) {
+      if (list.size() != src_blocks.size())
+        Invalid("every destination block list must match src_blocks in length (" + std::to_string(list.size()) +
+                " and " + std::to_string(src_blocks.size()) + ")");
+      from.insert(from.end(), src_blocks.begin(), src_blocks.end());
+      to.insert(to.end(), list.begin(), list.end());
+    }
     datadist::CopySide s, d;
     s.cache_id = src.cache_id;
     d.cache_id = dst.cache_id;
-    // Each destination list in turn, runs of adjacent blocks coalesced (PlanBlocks), every
-    // tensor pair i <-> i; the lists' spans follow each other in one plan, copied in order,
-    // a run shifted within the cache block by block (Session::CopyCaches, CopyLocal).
-    auto plan_blocks = [&](datadist::Plan &plan, const datadist::Geometry &sg, const datadist::Geometry &dg) {
-      if (sg.num_tensors != dg.num_tensors || sg.unit_bytes != dg.unit_bytes)
-        Invalid("source and destination differ in num_tensors or block size");
-      if (src_blocks.empty() || dst_blocks_list.empty()) Invalid("block lists must not be empty");
-      for (uint64_t b : src_blocks)
-        if (b >= sg.units) Invalid("source block " + std::to_string(b) + " out of range");
-      for (const auto &list : dst_blocks_list) {
-        if (list.size() != src_blocks.size()) Invalid("every destination block list must match src_blocks in length");
-        for (uint64_t b : list)
-          if (b >= dg.units) Invalid("destination block " + std::to_string(b) + " out of range");
-      }
-      for (uint32_t t = 0; t < sg.num_tensors; ++t) {
-        plan.remote_tensors.push_back(t);
-        plan.local_tensors.push_back(t);
-      }
-      datadist::Plan one;
-      for (const auto &list : dst_blocks_list) {
-        datadist::PlanBlocks(one, dg, src_blocks, list);
-        plan.remote_offsets.insert(plan.remote_offsets.end(), one.remote_offsets.begin(), one.remote_offsets.end());
-        plan.local_offsets.insert(plan.local_offsets.end(), one.local_offsets.begin(), one.local_offsets.end());
-        plan.lengths.insert(plan.lengths.end(), one.lengths.begin(), one.lengths.end());
-      }
-    };
-    session_.CopyCaches(s, d, plan_blocks);
+    session_.CopyBlocks(s, d, from, to);
   }
 
  private:

@@ -252,6 +252,73 @@ void PlanPush(Plan &plan, const Geometry &local, const PushSpec &spec) {
     PlanSlot(plan, local, spec.batch_index, spec.size);
 }
 
+namespace {
+
+// Every tensor i with tensor i, once both sides have as many (the copies' rule).
+void EveryTensor(Plan &plan, const Geometry &src, const Geometry &dst) {
+  if (src.num_tensors != dst.num_tensors)
+    Invalid("src has " + std::to_string(src.num_tensors) + " tensors but dst has " + std::to_string(dst.num_tensors) +
+            " tensors");
+  plan.whole = false;
+  plan.remote_tensors.resize(src.num_tensors);
+  for (uint32_t i = 0; i < src.num_tensors; ++i) plan.remote_tensors[i] = i;
+  plan.local_tensors = plan.remote_tensors;
+}
+
+}  // namespace
+
+void PlanSlotCopy(Plan &plan, const Geometry &src, const Geometry &dst, uint64_t src_unit, uint64_t dst_unit,
+                  uint64_t offset, int64_t size) {
+  EveryTensor(plan, src, dst);
+  if (src_unit >= src.units)
+    Invalid("src_batch_index " + std::to_string(src_unit) + " out of range [0, " + std::to_string(src.units) + ")");
+  if (dst_unit >= dst.units)
+    Invalid("dst_batch_index " + std::to_string(dst_unit) + " out of range [0, " + std::to_string(dst.units) + ")");
+  const std::pair<const char *, const Geometry *> sides[] = {{"src", &src}, {"dst", &dst}};
+  for (const auto &[name, g] : sides)
+    if (offset >= g->unit_bytes)
+      Invalid("offset " + std::to_string(offset) + " out of range of the " + name + " batch stride " +
+              std::to_string(g->unit_bytes));
+  if (size == -1) size = static_cast<int64_t>(src.unit_bytes - offset);  // a slot is < 2**63 bytes
+  for (const auto &[name, g] : sides)
+    if (size <= 0 || static_cast<uint64_t>(size) > g->unit_bytes - offset)
+      Invalid("size " + std::to_string(size) + " does not fit the " + name + " batch stride " +
+              std::to_string(g->unit_bytes) + " after offset " + std::to_string(offset));
+  // The source offset absolute in the tensor (slot base + offset), as the copy takes it.
+  PlanSlot(plan, dst, dst_unit, size, src_unit * src.unit_bytes + offset, offset);
+}
+
+void PlanBlockCopy(Plan &plan, const Geometry &src, const Geometry &dst, const std::vector<uint64_t> &src_blocks,
+                   const std::vector<uint64_t> &dst_blocks, bool same_cache) {
+  EveryTensor(plan, src, dst);
+  if (src.unit_bytes != dst.unit_bytes)
+    Invalid("block sizes differ: the source's blocks hold " + InElements(src.unit_bytes, src.layout) +
+            ", the destination's " + InElements(dst.unit_bytes, dst.layout));
+  if (src_blocks.empty()) Invalid("no blocks to copy");
+  const uint64_t src_max = *std::max_element(src_blocks.begin(), src_blocks.end());
+  if (src_max >= src.units)
+    Invalid("src block " + std::to_string(src_max) + " out of range: the cache has " + std::to_string(src.units) +
+            " blocks");
+  std::vector<uint64_t> d(dst_blocks);
+  std::sort(d.begin(), d.end());
+  if (std::adjacent_find(d.begin(), d.end()) != d.end()) Invalid("a destination block is listed more than once");
+  if (same_cache) {
+    std::vector<uint64_t> s(src_blocks);
+    std::sort(s.begin(), s.end());
+    // the smallest block in both lists (both sorted)
+    for (auto i = s.begin(), j = d.begin(); i != s.end() && j != d.end();) {
+      if (*i < *j) {
+        ++i;
+      } else if (*j < *i) {
+        ++j;
+      } else {
+        Invalid("block " + std::to_string(*i) + " is both a source and a destination");
+      }
+    }
+  }
+  PlanBlocks(plan, dst, src_blocks, dst_blocks);
+}
+
 std::vector<iovec> LocalIov(const Plan &plan, const std::vector<uint64_t> &addrs) {
   std::vector<iovec> iov;
   iov.reserve(plan.local_tensors.size() * plan.lengths.size());

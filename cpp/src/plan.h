@@ -113,6 +113,30 @@ void PairLayers(Plan &plan, uint32_t local_num_tensors, const LayerRange &src, c
 /// Python API's order of checks. LLM_PARAM_INVALID with its texts.
 void PlanPull(Plan &plan, const Geometry &local, const PullSpec &spec);
 
+/// A local copy's plan (both faces: Python's copy_cache / copy_blocks / swap_blocks, CANN's
+/// CopyKvCache / CopyKvBlocks; through Session::CopySlot / CopyBlocks). Source in the plan's
+/// remote_* fields, its offsets absolute in the source tensor; destination in its local_*
+/// fields; every tensor i with tensor i. The rules and texts are the Python API's
+/// (tests/api/test_local_copies.py): LLM_PARAM_INVALID. Pure functions: never block.
+///
+/// PlanSlotCopy: slot `src_unit` of every source tensor into slot `dst_unit` of the same-index
+/// destination tensor, `size` bytes from `offset` within the slot on both sides; size -1 = the
+/// rest of the source slot after `offset`, which must fit the destination slot too. Refused,
+/// in this order: other tensor counts, either slot index outside its cache, `offset` outside
+/// either side's slot, a size that does not fit either side's slot after `offset`.
+void PlanSlotCopy(Plan &plan, const Geometry &src, const Geometry &dst, uint64_t src_unit, uint64_t dst_unit,
+                  uint64_t offset, int64_t size);
+
+/// PlanBlockCopy: block `src_blocks[i]` of every source tensor into block `dst_blocks[i]` of
+/// the same-index destination tensor, runs adjacent on both sides coalesced (PlanBlocks).
+/// Refused, in this order: other tensor counts, other block sizes (in the caller's units), no
+/// block, the largest source block outside the source, a destination block listed twice (which
+/// source would win is not defined), with `same_cache` a block that is both a source and a
+/// destination (the smallest such), then PlanBlocks' refusals (lists of other lengths, the
+/// largest destination block outside the destination). O(n log n) in the blocks.
+void PlanBlockCopy(Plan &plan, const Geometry &src, const Geometry &dst, const std::vector<uint64_t> &src_blocks,
+                   const std::vector<uint64_t> &dst_blocks, bool same_cache);
+
 /// The one check of a transfer's local side, both faces' (Session::Prepare for the Python
 /// binding's, Session::Transfer for the C++ API's): the plan's arrays agree in length (tensor
 /// pairs; spans), every local tensor index is below `local.num_tensors`, and every local span

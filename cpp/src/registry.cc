@@ -67,16 +67,6 @@ std::string DtypeName(int64_t code) {
   }
 }
 
-// "4096 DT_FLOAT16 elements (8192 bytes)" where the layout tag names a sized type; else bytes.
-std::string InElements(uint64_t bytes, uint64_t layout) {
-  std::string plain = std::to_string(bytes) + " bytes";
-  if (!layout) return plain;
-  int64_t code = static_cast<int64_t>(layout >> 32) - 1;
-  uint64_t item = code < 0 ? 0 : ItemSize(static_cast<ge::DataType>(code));
-  if (!item || bytes % item) return plain;
-  return std::to_string(bytes / item) + " " + DtypeName(code) + " elements (" + plain + ")";
-}
-
 // The lowest-level check of the layout tags (the only one): another dtype is
 // always refused; for block addressing, another block shape too. 0 on either side passes.
 void CheckLayouts(uint64_t mine, uint64_t theirs, bool blocks, int64_t id) {
@@ -92,6 +82,16 @@ void CheckLayouts(uint64_t mine, uint64_t theirs, bool blocks, int64_t id) {
 }
 
 }  // namespace
+
+// Declared in registry.h: "4096 DT_FLOAT16 elements (8192 bytes)" where the layout tag names a sized type; else bytes.
+std::string InElements(uint64_t bytes, uint64_t layout) {
+  std::string plain = std::to_string(bytes) + " bytes";
+  if (!layout) return plain;
+  int64_t code = static_cast<int64_t>(layout >> 32) - 1;
+  uint64_t item = code < 0 ? 0 : ItemSize(static_cast<ge::DataType>(code));
+  if (!item || bytes % item) return plain;
+  return std::to_string(bytes / item) + " " + DtypeName(code) + " elements (" + plain + ")";
+}
 
 Geometry GeometryOf(const llm_datadist::CacheDesc &desc) {
   if (desc.num_tensors == 0) Invalid("num_tensors must be > 0");

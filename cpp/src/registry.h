@@ -62,6 +62,11 @@ struct Geometry {
 /// Validates a CacheDesc (LLM_PARAM_INVALID) and computes its geometry.
 Geometry GeometryOf(const llm_datadist::CacheDesc &desc);
 
+/// `bytes` in the caller's units for messages: "4096 DT_FLOAT16 elements (8192 bytes)" where
+/// `layout`'s tag names a sized type that divides them, else "8192 bytes" (Python:
+/// core/dtypes.py in_elements). Never blocks.
+std::string InElements(uint64_t bytes, uint64_t layout);
+
 /// A local CacheKey (Python's keys.KeyId): a req_id or a prefix_id within a model_id.
 /// Cluster ids are not part of it.
 struct KeyId {

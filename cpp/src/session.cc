@@ -609,7 +609,8 @@ void CheckCopyPlan(const Plan &plan, const Geometry &src, const Geometry &dst) {
 }
 
 uint64_t Session::CopyCaches(const CopySide &src, const CopySide &dst,
-                             const std::function<void(Plan &, const Geometry &, const Geometry &)> &planner) {
+                             const std::function<void(Plan &, const Geometry &, const Geometry &)> &planner,
+                             const std::function<void(uint64_t)> &before_copy) {
   std::unique_ptr<Lease> held[2];  // released when the copy ends, whatever its outcome
   const Geometry *geo[2];
   const std::vector<uint64_t> *addrs[2];
@@ -628,10 +629,34 @@ uint64_t Session::CopyCaches(const CopySide &src, const CopySide &dst,
   Plan plan;
   planner(plan, *geo[0], *geo[1]);
   CheckCopyPlan(plan, *geo[0], *geo[1]);
-  CopyLocal(plan, *addrs[0], *addrs[1], geo[1]->unit_bytes);
   uint64_t bytes = 0;
   for (uint64_t len : plan.lengths) bytes += len;
-  return bytes * plan.local_tensors.size();
+  bytes *= plan.local_tensors.size();
+  if (before_copy) before_copy(bytes);
+  CopyLocal(plan, *addrs[0], *addrs[1], geo[1]->unit_bytes);
+  return bytes;
+}
+
+uint64_t Session::CopySlot(const CopySide &src, const CopySide &dst, uint64_t src_unit, uint64_t dst_unit,
+                           uint64_t offset, int64_t size, const std::function<void(uint64_t)> &before_copy) {
+  return CopyCaches(
+      src, dst,
+      [&](Plan &plan, const Geometry &sg, const Geometry &dg) {
+        PlanSlotCopy(plan, sg, dg, src_unit, dst_unit, offset, size);
+      },
+      before_copy);
+}
+
+uint64_t Session::CopyBlocks(const CopySide &src, const CopySide &dst, const std::vector<uint64_t> &src_blocks,
+                             const std::vector<uint64_t> &dst_blocks,
+                             const std::function<void(uint64_t)> &before_copy) {
+  const bool same = src.cache_id >= 0 ? src.cache_id == dst.cache_id : dst.cache_id < 0 && src.addrs == dst.addrs;
+  return CopyCaches(
+      src, dst,
+      [&](Plan &plan, const Geometry &sg, const Geometry &dg) {
+        PlanBlockCopy(plan, sg, dg, src_blocks, dst_blocks, same);
+      },
+      before_copy);
 }
 
 }  // namespace datadist

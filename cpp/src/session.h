@@ -240,10 +240,28 @@ class Session {
   /// source first), `plan` made by `planner` from the two geometries (the face's own rules and
   /// words; it may throw), every span of it checked against both sides (CheckCopyPlan) before
   /// a byte moves, then copied as CopyLocal copies, the destination's unit (a block, a batch
-  /// slot) the overlap rule's step. Returns the bytes copied. Blocks on memory only; never
-  /// takes the GIL (the binding releases it for a large copy).
+  /// slot) the overlap rule's step. `before_copy`, if set, is called with the bytes the copy
+  /// will move once the plan passed, right before the first byte moves, in the caller's thread
+  /// (the binding releases the GIL there for a large copy); it must not throw. Returns the
+  /// bytes copied. Blocks on memory only; never takes the GIL.
   uint64_t CopyCaches(const CopySide &src, const CopySide &dst,
-                      const std::function<void(Plan &, const Geometry &src, const Geometry &dst)> &planner);
+                      const std::function<void(Plan &, const Geometry &src, const Geometry &dst)> &planner,
+                      const std::function<void(uint64_t bytes)> &before_copy = nullptr);
+
+  /// Both faces' slot copy (Python's copy_cache, CANN's CopyKvCache): CopyCaches planned by
+  /// PlanSlotCopy (plan.h: the Python API's rules and texts) against the two held sides' geometries.
+  /// Returns the bytes copied. Blocks on memory only.
+  uint64_t CopySlot(const CopySide &src, const CopySide &dst, uint64_t src_unit, uint64_t dst_unit, uint64_t offset,
+                    int64_t size, const std::function<void(uint64_t bytes)> &before_copy = nullptr);
+
+  /// Both faces' block copy (Python's copy_blocks and swap_blocks, CANN's CopyKvBlocks):
+  /// CopyCaches planned by PlanBlockCopy, `src_blocks[i]` -> `dst_blocks[i]`; the sides are one
+  /// cache (a block may then not be both a source and a destination) when they name the same
+  /// filed cache, or unfiled memory at the same tensor bases. Returns the bytes copied. Blocks
+  /// on memory only.
+  uint64_t CopyBlocks(const CopySide &src, const CopySide &dst, const std::vector<uint64_t> &src_blocks,
+                      const std::vector<uint64_t> &dst_blocks,
+                      const std::function<void(uint64_t bytes)> &before_copy = nullptr);
 
  private:
   /// Prepare's and PreparePull's call from `plan`, local cache `local_cache` held (`local`).

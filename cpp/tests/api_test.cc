@@ -603,17 +603,20 @@ uint64_t PullErrors(LlmDataDist &dd, const std::string &code_name) {
 
 }  // namespace
 
-// A block run shifted within one cache is coalesced for the copy, yet lands as copies of its
-// blocks one by one in order would (the session's CopyLocal): blocks 1..3 become block 0.
-TEST_F(Initialized, CopyKvBlocksCopiesRunsAsBlockByBlockCopiesWould) {
+// Runs of blocks are coalesced for the copy; within one cache a block may not be both read
+// and written (the planner's rule, Python's copy_blocks' too: docs/compatibility.md), so a run
+// shifted onto itself is refused and nothing is written.
+TEST_F(Initialized, CopyKvBlocksCoalescesRunsAndRefusesABlockBothReadAndWritten) {
   HostCache a(2, {8, 4}), b(2, {8, 4});
   ASSERT_EQ(a.Register(dd), LLM_SUCCESS);
   ASSERT_EQ(b.Register(dd), LLM_SUCCESS);
   for (int t = 0; t < 2; ++t)
     for (int i = 0; i < 32; ++i) a.T(t)[i] = static_cast<uint8_t>(t * 50 + i / 4 + 1);
-  ASSERT_EQ(dd.CopyKvBlocks(a.cache, a.cache, {0, 1, 2}, {{1, 2, 3}}), LLM_SUCCESS);
+  ASSERT_EQ(dd.CopyKvBlocks(a.cache, a.cache, {0, 1, 2}, {{1, 2, 3}}), LLM_PARAM_INVALID);
   for (int t = 0; t < 2; ++t)
-    for (int blk = 0; blk < 4; ++blk) EXPECT_EQ(a.T(t)[blk * 4 + 3], t * 50 + 1) << t << " " << blk;
+    for (int blk = 0; blk < 4; ++blk) EXPECT_EQ(a.T(t)[blk * 4 + 3], t * 50 + blk + 1) << t << " " << blk;
+  ASSERT_EQ(dd.CopyKvBlocks(a.cache, a.cache, {0, 1}, {{6, 7}}), LLM_SUCCESS);  // a run within one cache
+  for (int t = 0; t < 2; ++t) EXPECT_EQ(std::memcmp(a.T(t) + 24, a.T(t), 8), 0);
   EXPECT_EQ(a.T(1)[4 * 4], 50 + 5);  // untouched
   // two runs into another cache, and a second destination list
   ASSERT_EQ(dd.CopyKvBlocks(a.cache, b.cache, {4, 5, 7}, {{0, 1, 6}, {2, 3, 4}}), LLM_SUCCESS);

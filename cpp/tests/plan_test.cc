@@ -1,17 +1,22 @@
 // The one planner (plan.h): the Python face's pull rules (PairLayers, PlanPull), the spans
-// both faces plan with (PlanSlot, PlanBlocks), their refusals and texts (the Python API's,
-// which tests/api and tests/compat check), and that both faces plan the same pull the same way.
+// both faces plan with (PlanSlot, PlanBlocks), the local copies' (PlanSlotCopy, PlanBlockCopy),
+// their refusals and texts (the Python API's, which tests/api and tests/compat check), and that
+// both faces plan the same pull, and refuse and make the same local copy, the same way.
 #include "plan.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "code_of.h"
 #include "errors.h"
+#include "session.h"
+#include "test_util.h"
 
 namespace {
 
@@ -221,6 +226,96 @@ TEST(PlanPush, SlotAndBlocks) {
             "the push's tensor pairs reach past the largest tensor index");
 }
 
+// ---- local copies: PlanSlotCopy / PlanBlockCopy (the Python API's rules and texts)
+
+TEST(PlanSlotCopy, SpansAbsoluteInTheSourceAndEveryTensor) {
+  Plan p;
+  datadist::PlanSlotCopy(p, Geo(3, 4, 64), Geo(3, 2, 64), 3, 1, 8, 16);
+  EXPECT_EQ(p.remote_offsets, std::vector<uint64_t>{3 * 64 + 8});
+  EXPECT_EQ(p.local_offsets, std::vector<uint64_t>{64 + 8});
+  EXPECT_EQ(p.lengths, std::vector<uint64_t>{16});
+  EXPECT_EQ(p.remote_tensors, Iota(0, 3));
+  EXPECT_EQ(p.local_tensors, Iota(0, 3));
+  EXPECT_FALSE(p.whole);
+  // size -1: the rest of the source slot after the offset (which must fit the destination's)
+  datadist::PlanSlotCopy(p, Geo(1, 1, 64), Geo(1, 1, 128), 0, 0, 10, -1);
+  EXPECT_EQ(p.lengths, std::vector<uint64_t>{54});
+}
+
+TEST(PlanSlotCopy, RefusalsInThePythonOrder) {
+  const Geometry src = Geo(2, 4, 64), dst = Geo(2, 2, 32);
+  Plan p;
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, Geo(2, 1, 64), Geo(3, 1, 64), 9, 9, 0, -1); }),
+            "src has 2 tensors but dst has 3 tensors");
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, src, dst, 4, 2, 0, -1); }),
+            "src_batch_index 4 out of range [0, 4)");
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, src, dst, 0, 2, 99, -1); }),
+            "dst_batch_index 2 out of range [0, 2)");
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, src, dst, 0, 0, 64, -1); }),
+            "offset 64 out of range of the src batch stride 64");
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, src, dst, 0, 0, 32, -1); }),
+            "offset 32 out of range of the dst batch stride 32");
+  // -1 is the rest of the source slot: too much for the destination's
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, src, dst, 0, 0, 8, -1); }),
+            "size 56 does not fit the dst batch stride 32 after offset 8");
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, src, dst, 0, 0, 0, 0); }),
+            "size 0 does not fit the src batch stride 64 after offset 0");
+  EXPECT_EQ(Refusal([&] { datadist::PlanSlotCopy(p, dst, src, 0, 0, 30, 3); }),
+            "size 3 does not fit the src batch stride 32 after offset 30");
+  datadist::PlanSlotCopy(p, src, dst, 3, 1, 8, 24);  // fits both
+  EXPECT_EQ(p.lengths, std::vector<uint64_t>{24});
+}
+
+TEST(PlanBlockCopy, CoalescesRunsAdjacentOnBothSides) {
+  const Geometry g = Geo(2, 16, 32);
+  Plan p;
+  datadist::PlanBlockCopy(p, g, g, {0, 1, 2, 9}, {5, 6, 7, 3}, false);
+  EXPECT_EQ(p.remote_offsets, (std::vector<uint64_t>{0, 9 * 32}));
+  EXPECT_EQ(p.local_offsets, (std::vector<uint64_t>{5 * 32, 3 * 32}));
+  EXPECT_EQ(p.lengths, (std::vector<uint64_t>{3 * 32, 32}));
+  EXPECT_EQ(p.local_tensors, Iota(0, 2));
+  // within one cache, blocks that are read or written but not both
+  datadist::PlanBlockCopy(p, g, g, {0, 1}, {2, 3}, true);
+  EXPECT_EQ(p.lengths, std::vector<uint64_t>{64});
+}
+
+TEST(PlanBlockCopy, RefusalsInThePythonOrder) {
+  const Geometry g = Geo(1, 16, 32);
+  Plan p;
+  EXPECT_EQ(Refusal([&] { datadist::PlanBlockCopy(p, g, Geo(2, 16, 32), {99}, {99}, false); }),
+            "src has 1 tensors but dst has 2 tensors");
+  Geometry half = Geo(1, 32, 16);
+  half.layout = (uint64_t{ge::DT_FLOAT16} + 1) << 32;
+  Geometry whole = g;
+  whole.layout = half.layout;
+  EXPECT_EQ(Refusal([&] { datadist::PlanBlockCopy(p, whole, half, {}, {}, false); }),
+            "block sizes differ: the source's blocks hold 16 DT_FLOAT16 elements (32 bytes), the destination's "
+            "8 DT_FLOAT16 elements (16 bytes)");
+  EXPECT_EQ(Refusal([&] { datadist::PlanBlockCopy(p, g, g, {}, {}, false); }), "no blocks to copy");
+  EXPECT_EQ(Refusal([&] {
+              datadist::PlanBlockCopy(p, g, g, {16, 3}, {99, 99}, false);
+            }),
+            "src block 16 out of range: the cache has 16 blocks");
+  EXPECT_EQ(Refusal([&] {
+              datadist::PlanBlockCopy(p, g, g, {0, 1}, {99, 99}, false);
+            }),
+            "a destination block is listed more than once");
+  EXPECT_EQ(Refusal([&] {
+              datadist::PlanBlockCopy(p, g, g, {5, 1, 9}, {7, 9, 5}, true);
+            }),
+            "block 5 is both a source and a destination");
+  EXPECT_EQ(Refusal([&] {
+              datadist::PlanBlockCopy(p, g, g, {0, 1}, {3}, false);
+            }),
+            "src_blocks has 2 entries but dst_blocks has 1");
+  EXPECT_EQ(Refusal([&] {
+              datadist::PlanBlockCopy(p, g, g, {0, 1}, {3, 16}, false);
+            }),
+            "dst block 16 out of range: the cache has 16 blocks");
+  datadist::PlanBlockCopy(p, g, g, {5, 1, 9}, {7, 9, 5}, false);  // two caches: no overlap rule
+  EXPECT_EQ(p.lengths.size(), 3U);
+}
+
 // ---- both faces: the C++ API's pulls (llm_datadist.cc: CheckExtParam, PairTensors with
 // CANN's inclusive ranges, then PlanSlot / PlanBlocks) and the Python face's (PlanPull with
 // half-open ranges) plan the same request identically.
@@ -311,6 +406,125 @@ TEST(BothFaces, LayerRangedBlockPushPlansTheSame) {
   Plan py;
   datadist::PlanPush(py, g, s);
   ExpectSame(cpp, py);
+}
+
+// ---- both faces' local copies: the C++ API's CopyKvCache / CopyKvBlocks (llm_datadist.cc)
+// and the Python binding's copy_slot / copy_blocks (Session::CopySlot / CopyBlocks with the
+// caches' ids) refuse the same copies with the same words and copy the same bytes.
+
+struct CopyFaces {
+  // The C++ face: an initialized LlmDataDist and caches registered through it.
+  llm_datadist::LlmDataDist dd{1, llm_datadist::LlmRole::kDecoder};
+  // The Python face's core: a session whose registry holds caches of the same shapes.
+  datadist::Session session{2, 0, 1};
+  std::vector<std::unique_ptr<ddtest::HostCache>> cpp, py;
+  std::vector<datadist::CopySide> sides;
+
+  CopyFaces() { EXPECT_EQ(dd.Initialize(ddtest::Options()), llm_datadist::LLM_SUCCESS); }
+  ~CopyFaces() { dd.Finalize(); }
+  // Cache `i` of both faces (in the order added), same shape, same contents.
+  size_t Add(uint32_t tensors, std::vector<int64_t> shape, uint32_t seed) {
+    cpp.emplace_back(new ddtest::HostCache(tensors, shape));
+    py.emplace_back(new ddtest::HostCache(tensors, shape));
+    cpp.back()->Fill(seed);
+    py.back()->Fill(seed);
+    EXPECT_EQ(cpp.back()->Register(dd), llm_datadist::LLM_SUCCESS);
+    datadist::CopySide side;
+    side.cache_id = session.engine().registry().Add(py.back()->desc, py.back()->addrs, {});
+    sides.push_back(side);
+    return cpp.size() - 1;
+  }
+  // What the C++ face said: "" on success, else the planner's words after its prefix.
+  static std::string Said(llm_datadist::Status s, const std::string &func) {
+    if (s == llm_datadist::LLM_SUCCESS) return "";
+    const std::string prefix = func + " failed (LLM_PARAM_INVALID, 0x5010B005): ";
+    const std::string text = llm_datadist::GetLastErrorMessage();
+    if (text.compare(0, prefix.size(), prefix) != 0) return "unexpected: " + text;
+    return text.substr(prefix.size());
+  }
+  bool SameBytes() {
+    for (size_t c = 0; c < cpp.size(); ++c)
+      for (size_t t = 0; t < cpp[c]->mem.size(); ++t)
+        if (std::memcmp(cpp[c]->T(t), py[c]->T(t), cpp[c]->bytes) != 0) return false;
+    return true;
+  }
+};
+
+TEST(BothFaces, SlotCopiesRefuseAndCopyTheSame) {
+  CopyFaces f;
+  const size_t a = f.Add(2, {4, 64}, 1), b = f.Add(2, {2, 32}, 2), three = f.Add(3, {2, 32}, 3);
+  struct Case {
+    size_t src, dst;
+    uint32_t src_batch, dst_batch;
+    uint64_t offset;
+    int64_t size;
+    const char *text;  // "" for a copy that is made
+  };
+  const Case cases[] = {
+      {a, b, 3, 1, 8, 24, ""},
+      {a, b, 0, 0, 8, -1, "size 56 does not fit the dst batch stride 32 after offset 8"},
+      {b, a, 1, 2, 0, -1, ""},
+      {a, three, 0, 0, 0, -1, "src has 2 tensors but dst has 3 tensors"},
+      {a, b, 4, 0, 0, -1, "src_batch_index 4 out of range [0, 4)"},
+      {a, b, 0, 2, 0, -1, "dst_batch_index 2 out of range [0, 2)"},
+      {a, b, 0, 0, 32, 1, "offset 32 out of range of the dst batch stride 32"},
+      {a, b, 0, 0, 4, 0, "size 0 does not fit the src batch stride 64 after offset 4"},
+      {a, a, 2, 0, 0, -1, ""},  // one slot onto another of the same cache
+  };
+  for (const Case &c : cases) {
+    const std::string py = Refusal(
+        [&] { f.session.CopySlot(f.sides[c.src], f.sides[c.dst], c.src_batch, c.dst_batch, c.offset, c.size); });
+    const std::string cpp = CopyFaces::Said(
+        f.dd.CopyKvCache(f.cpp[c.src]->cache, f.cpp[c.dst]->cache, c.src_batch, c.dst_batch, c.offset, c.size),
+        "CopyKvCache");
+    EXPECT_EQ(py, c.text);
+    EXPECT_EQ(cpp, c.text);
+    EXPECT_TRUE(f.SameBytes()) << c.text;
+  }
+  // and the copies made are the ones asked for: a's slot 3 from byte 8 in b's slot 1
+  EXPECT_EQ(std::memcmp(f.py[b]->T(1) + 32 + 8, f.py[a]->T(1) + 3 * 64 + 8, 24), 0);
+}
+
+TEST(BothFaces, BlockCopiesRefuseAndCopyTheSame) {
+  CopyFaces f;
+  const size_t a = f.Add(2, {8, 16}, 4), b = f.Add(2, {8, 16}, 5), small = f.Add(2, {8, 8}, 6);
+  struct Case {
+    size_t src, dst;
+    std::vector<uint64_t> src_blocks;
+    std::vector<std::vector<uint64_t>> lists;  // the C++ face's; the Python face's pairs are these in order
+    const char *text;
+  };
+  const Case cases[] = {
+      {a, b, {0, 1, 2}, {{5, 6, 7}, {0, 1, 2}}, ""},
+      {a, b, {0, 1}, {{2, 3}, {3, 4}}, "a destination block is listed more than once"},
+      {a, a, {0, 1, 2}, {{1, 2, 3}}, "block 1 is both a source and a destination"},
+      {a, a, {0, 1}, {{4, 5}}, ""},
+      {a, b, {8}, {{0}}, "src block 8 out of range: the cache has 8 blocks"},
+      {a, b, {0}, {{8}}, "dst block 8 out of range: the cache has 8 blocks"},
+      {a,
+       small,
+       {0},
+       {{0}},
+       "block sizes differ: the source's blocks hold 16 DT_UINT8 elements (16 bytes), "
+       "the destination's 8 DT_UINT8 elements (8 bytes)"},
+      {a, b, {}, {}, "no blocks to copy"},
+  };
+  for (const Case &c : cases) {
+    std::vector<uint64_t> from, to;
+    for (const auto &list : c.lists) {
+      from.insert(from.end(), c.src_blocks.begin(), c.src_blocks.end());
+      to.insert(to.end(), list.begin(), list.end());
+    }
+    const std::string py = Refusal([&] { f.session.CopyBlocks(f.sides[c.src], f.sides[c.dst], from, to); });
+    const std::string cpp = CopyFaces::Said(
+        f.dd.CopyKvBlocks(f.cpp[c.src]->cache, f.cpp[c.dst]->cache, c.src_blocks, c.lists), "CopyKvBlocks");
+    EXPECT_EQ(py, c.text);
+    EXPECT_EQ(cpp, c.text);
+    EXPECT_TRUE(f.SameBytes()) << c.text;
+  }
+  EXPECT_EQ(std::memcmp(f.py[b]->T(0) + 5 * 16, f.py[a]->T(0), 3 * 16), 0);
+  // a destination list of another length than src_blocks is the C++ face's own translation
+  EXPECT_EQ(f.dd.CopyKvBlocks(f.cpp[a]->cache, f.cpp[b]->cache, {0, 1}, {{2}}), llm_datadist::LLM_PARAM_INVALID);
 }
 
 }  // namespace
