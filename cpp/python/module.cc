@@ -118,7 +118,7 @@ struct UserCache {
   std::vector<uint64_t> addrs;
 };
 
-/// One side of Engine.copy_local: a filed cache's id, or unfiled memory.
+/// One side of Engine.copy_slot / copy_blocks: a filed cache's id, or unfiled memory.
 using CopySideArg = std::variant<int64_t, UserCache>;
 
 datadist::CopySide ToCopySide(const CopySideArg &arg) {
@@ -419,9 +419,10 @@ PYBIND11_MODULE(_core, m) {
       .def("release", [](Hold &h) { h.lease.reset(); })
       .def_property_readonly("held", [](const Hold &h) { return h.lease != nullptr; });
 
-  // ---- local copies (Engine.copy_local): the caller's unfiled memory, described once.
-  py::class_<UserCache>(m, "UserCache",
-                        "Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_local")
+  // ---- local copies (Engine.copy_slot / copy_blocks): the caller's unfiled memory, described once.
+  py::class_<UserCache>(
+      m, "UserCache",
+      "Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_slot / copy_blocks")
       .def(py::init([](uint32_t num_tensors, uint64_t tensor_bytes, uint64_t units, const U64Array &addrs) {
              UserCache u;
              u.geo = GeometryOf(num_tensors, tensor_bytes, units);
@@ -873,35 +874,40 @@ PYBIND11_MODULE(_core, m) {
             c.engine().registry().Remove(id, false, wait_s);
           },
           py::arg("cache_id"), py::arg("wait_s"))
-      // ---- local copies: one core call per copy_cache / copy_blocks / swap_blocks
+      // ---- local copies: one core call per copy_cache / copy_blocks / swap_blocks, planned by
+      // the session (Session::CopySlot / CopyBlocks, the C++ face's too). The GIL is let go
+      // once the plan passed, before a copy of over kHoldBytes (gil.h), and taken back after.
       .def(
-          "copy_local",
-          [](Core &c, const CopySideArg &src, const CopySideArg &dst, const U32Array &src_tensors,
-             const U32Array &dst_tensors, const U64Array &src_offsets, const U64Array &dst_offsets,
-             const U64Array &lengths) {
-            datadist::Plan plan;
-            plan.remote_tensors.assign(src_tensors.data(), src_tensors.data() + src_tensors.size());
-            plan.local_tensors.assign(dst_tensors.data(), dst_tensors.data() + dst_tensors.size());
-            plan.remote_offsets = ToVector(src_offsets);
-            plan.local_offsets = ToVector(dst_offsets);
-            plan.lengths = ToVector(lengths);
+          "copy_slot",
+          [](Core &c, const CopySideArg &src, const CopySideArg &dst, uint64_t src_unit, uint64_t dst_unit,
+             uint64_t offset, int64_t size) {
             const datadist::CopySide s = ToCopySide(src), d = ToCopySide(dst);
-            uint64_t bytes = 0;  // what the copy moves at most, for the GIL's rule (gil.h)
-            for (uint64_t len : plan.lengths) bytes += len;
-            bytes *= plan.local_tensors.size();
-            datadist_py::GilHold hold(bytes);  // over kHoldBytes: copied without the GIL
-            return c.CopyCaches(s, d, [&](datadist::Plan &out, const datadist::Geometry &, const datadist::Geometry &) {
-              out = std::move(plan);
-            });
+            std::optional<datadist_py::GilHold> hold;
+            return c.CopySlot(s, d, src_unit, dst_unit, offset, size, [&](uint64_t bytes) { hold.emplace(bytes); });
           },
-          py::kw_only(), py::arg("src"), py::arg("dst"), py::arg("src_tensors"), py::arg("dst_tensors"),
-          py::arg("src_offsets"), py::arg("dst_offsets"), py::arg("lengths"),
-          "Copies, for every tensor pair (src_tensors[k], dst_tensors[k]), every span (src_offsets[i], "
-          "dst_offsets[i], lengths[i]; offsets absolute in the tensor) from `src` to `dst` (a filed cache's id, "
-          "or a UserCache), in order, a run shifted within one cache unit by unit (Session::CopyCaches). Both "
-          "caches are held for the copy (CacheNotFound when one is not filed); every span is checked against "
-          "both before a byte moves (InvalidArgument). Returns the bytes copied. Over 1 MiB, copies without "
-          "the GIL.")
+          py::kw_only(), py::arg("src"), py::arg("dst"), py::arg("src_unit"), py::arg("dst_unit"), py::arg("offset"),
+          py::arg("size"),
+          "Copies slot src_unit of every tensor of `src` into slot dst_unit of the same tensor of `dst` (a filed "
+          "cache's id, or a UserCache): `size` bytes from `offset` in the slot on both sides (-1: the rest of the "
+          "source slot). Planned, held and checked by the core (Session::CopySlot, PlanSlotCopy: InvalidArgument "
+          "with the Python API's texts; CacheNotFound when a cache is not filed). Returns the bytes copied. Over "
+          "1 MiB, copies without the GIL.")
+      .def(
+          "copy_blocks",
+          [](Core &c, const CopySideArg &src, const CopySideArg &dst, const U64Array &src_blocks,
+             const U64Array &dst_blocks) {
+            const datadist::CopySide s = ToCopySide(src), d = ToCopySide(dst);
+            const std::vector<uint64_t> from = ToVector(src_blocks), to = ToVector(dst_blocks);
+            std::optional<datadist_py::GilHold> hold;
+            return c.CopyBlocks(s, d, from, to, [&](uint64_t bytes) { hold.emplace(bytes); });
+          },
+          py::kw_only(), py::arg("src"), py::arg("dst"), py::arg("src_blocks"), py::arg("dst_blocks"),
+          "Copies block src_blocks[i] of every tensor of `src` into block dst_blocks[i] of the same tensor of "
+          "`dst` (a filed cache's id, or a UserCache), runs adjacent on both sides as one copy. Planned, held and "
+          "checked by the core (Session::CopyBlocks, PlanBlockCopy: InvalidArgument with the Python API's texts, "
+          "a destination named twice and, within one cache, a block both read and written included; "
+          "CacheNotFound when a cache is not filed). Returns the bytes copied. Over 1 MiB, copies without the "
+          "GIL.")
       .def(
           "prepare",
           [](Core &c, bool write, uint64_t cluster, uint8_t kind, uint64_t a, uint64_t b, uint64_t cc,

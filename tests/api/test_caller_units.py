@@ -17,7 +17,6 @@ from datadist.core.config import EngineConfig
 from datadist.core.dtypes import DTYPES, dtype_name, in_elements
 from datadist.core.errors import InvalidArgument
 from datadist.core.layout import every_tensor, layout_tag, plan_blocks
-from datadist.core.local import plan_block_copy
 from datadist.core.native import NativeEngine
 from datadist.wire import protocol as p
 
@@ -89,11 +88,18 @@ def test_a_block_size_mismatch_is_in_elements() -> None:
 
 
 def test_a_local_block_size_mismatch_is_in_elements() -> None:
-    a = geometry_of(CacheDesc(1, [4, 8], DataType.DT_FLOAT, Placement.HOST), blocks=True)
-    b = geometry_of(CacheDesc(1, [4, 4], DataType.DT_FLOAT, Placement.HOST), blocks=True)
-    with pytest.raises(InvalidArgument, match=r"the source's blocks hold 8 DT_FLOAT elements "
-                       r"\(32 bytes\), the destination's 4 DT_FLOAT elements \(16 bytes\)"):
-        plan_block_copy(a, b, [0], [0])
+    # the core's copy planner (PlanBlockCopy), the one both faces' local copies use
+    eng = NativeEngine(EngineConfig(cluster_id=3, role=1))
+    try:
+        mem = [np.zeros((4, 8), np.float32)], [np.zeros((4, 4), np.float32)]
+        a = _register(eng, CacheDesc(1, [4, 8], DataType.DT_FLOAT, Placement.HOST), mem[0])
+        b = _register(eng, CacheDesc(1, [4, 4], DataType.DT_FLOAT, Placement.HOST), mem[1])
+        one = np.array([0], np.uint64)
+        with pytest.raises(InvalidArgument, match=r"the source's blocks hold 8 DT_FLOAT elements "
+                           r"\(32 bytes\), the destination's 4 DT_FLOAT elements \(16 bytes\)"):
+            eng.copy_blocks(a.cache_id, b.cache_id, one, one)
+    finally:
+        eng.close()
 
 
 def test_a_dtype_mismatch_names_the_datatypes() -> None:

@@ -1,6 +1,6 @@
 """Local copies: ``copy_cache``, ``copy_blocks``, ``swap_blocks`` (with ``create_cpu_cache``),
-``remap_registered_memory``; the planners of ``core/local.py`` and the core's copy
-(``NativeEngine.copy_local``, the session's CopyCaches) they call.
+``remap_registered_memory``; the core's planned copies they call (``NativeEngine.copy_slot`` /
+``copy_blocks``: the session's CopySlot / CopyBlocks, planned by cpp/src/plan.cc).
 
 Every copy is checked byte for byte against the same copy done with numpy slicing, including
 the bytes that must stay untouched.
@@ -13,9 +13,9 @@ import pytest
 
 import datadist as llm
 from datadist.api.cache_manager import CacheManager
-from datadist.core import local
 from datadist.core.errors import CacheNotFound, InvalidArgument
-from datadist.core.layout import Geometry, Plan
+from datadist.core.layout import Geometry
+from datadist.core.native import NativeEngine
 
 from ._support import PROMPT_ID, code, units
 
@@ -28,127 +28,150 @@ def side(make_side):
     return make_side(PROMPT_ID, listen=False)
 
 
-# ================================================================================ core planners
+# ================================================================================ the core's copies
 
 
-class TestPlanners:
-    def test_slot_copy_spans(self):
-        src, dst = Geometry(3, 4 * 64, 4), Geometry(3, 2 * 64, 2)
-        plan = local.plan_slot_copy(src, dst, 3, 1, offset=8, size=16)
-        assert plan.remote_offsets.tolist() == [3 * 64 + 8]
-        assert plan.local_offsets.tolist() == [64 + 8]
-        assert plan.lengths.tolist() == [16]
-        assert plan.local_tensors.tolist() == plan.remote_tensors.tolist() == [0, 1, 2]
+class TestCorePlanner:
+    """``NativeEngine.copy_slot`` / ``copy_blocks``: one core call plans the copy with the
+    Python API's rules and texts (cpp/src/plan.cc PlanSlotCopy / PlanBlockCopy, the C++ API's
+    CopyKvCache / CopyKvBlocks plan with them too), holds both caches, checks every span against
+    both and copies. A refusal writes nothing and leaves no hold."""
 
-    def test_slot_copy_default_size_is_rest_of_source_slot(self):
-        plan = local.plan_slot_copy(Geometry(1, 64, 1), Geometry(1, 128, 1), 0, 0, offset=10)
-        assert plan.lengths.tolist() == [54]
-
-    @pytest.mark.parametrize("args", [
-        dict(src_unit=4, dst_unit=0), dict(src_unit=0, dst_unit=2),
-        dict(src_unit=0, dst_unit=0, offset=64), dict(src_unit=0, dst_unit=0, size=65),
-        dict(src_unit=0, dst_unit=0, offset=60, size=5),
-    ])
-    def test_slot_copy_bounds(self, args):
-        with pytest.raises(InvalidArgument):
-            local.plan_slot_copy(Geometry(2, 4 * 64, 4), Geometry(2, 2 * 64, 2), **args)
-
-    def test_slot_copy_needs_equal_tensor_counts(self):
-        with pytest.raises(InvalidArgument, match="tensors"):
-            local.plan_slot_copy(Geometry(2, 64, 1), Geometry(3, 64, 1), 0, 0)
-
-    def test_block_copy_coalesces_runs_adjacent_on_both_sides(self):
-        g = Geometry(2, 16 * 32, 16, True)
-        plan = local.plan_block_copy(g, g, np.array([0, 1, 2, 9]), np.array([5, 6, 7, 3]))
-        assert plan.remote_offsets.tolist() == [0, 9 * 32]
-        assert plan.local_offsets.tolist() == [5 * 32, 3 * 32]
-        assert plan.lengths.tolist() == [3 * 32, 32]
-
-    @pytest.mark.parametrize("src,dst,same,match", [
-        ([16], [0], False, "src block"),
-        ([0], [16], False, "dst block"),
-        ([0, 1], [2, 2], False, "more than once"),
-        ([0, 1], [1, 2], True, "both a source and a destination"),
-    ])
-    def test_block_copy_errors(self, src, dst, same, match):
-        g = Geometry(1, 16 * 32, 16, True)
-        with pytest.raises(InvalidArgument, match=match):
-            local.plan_block_copy(g, g, np.array(src), np.array(dst), same_cache=same)
-
-    def test_block_copy_needs_equal_block_bytes(self):
-        with pytest.raises(InvalidArgument, match="block size"):
-            local.plan_block_copy(Geometry(1, 64, 2, True), Geometry(1, 64, 4, True),
-                                  np.array([0]), np.array([0]))
-
-
-
-# ================================================================================ the core's copy
-
-
-def _plan(src_tensors, dst_tensors, src_offsets, dst_offsets, lengths):
-    return Plan(np.array(src_tensors, np.uint32), np.array(dst_tensors, np.uint32),
-                np.array(src_offsets, np.uint64), np.array(dst_offsets, np.uint64),
-                np.array(lengths, np.uint64))
-
-
-class TestCoreCopy:
-    """``NativeEngine.copy_local``: one core call holds both caches, checks every span against
-    both and copies; the facade's planning is not what keeps memory safe."""
-
-    def test_a_span_outside_either_cache_is_refused_and_nothing_is_written(self, side):
-        src, a = side.register(2, [8, 16], blocks=True, seed=11)
-        dst, b = side.register(2, [4, 16], blocks=True)
-        eng = side.engine
-        for plan in [
-            _plan([1], [1], [0, 16], [0, 56], [16, 16]),  # the second span passes dst's 64 bytes
-            _plan([1], [1], [120], [0], [16]),  # passes the source's 128 bytes
-            _plan([1], [2], [0], [0], [16]),  # dst has 2 tensors
-            _plan([0], [0], [0], [0], [0]),  # an empty span
-            _plan([0], [0], [2**64 - 8], [0], [16]),  # wraps
-        ]:
-            with pytest.raises(InvalidArgument, match="local copy"):
-                eng.copy_local(src.cache_id, dst.cache_id, plan)
-        assert not b.any()
-        assert eng.leases(src.cache_id) == eng.leases(dst.cache_id) == 0
-
-    def test_copies_what_the_plan_names_and_counts_it(self, side):
-        src, a = side.register(2, [8, 16], blocks=True, seed=12)
-        dst, b = side.register(2, [4, 16], blocks=True)
-        plan = _plan([1, 0], [0, 1], [16, 96], [0, 32], [32, 16])
-        assert side.engine.copy_local(src.cache_id, dst.cache_id, plan) == 2 * 48
+    def test_slot_copy_lands_where_the_plan_says_and_counts_it(self, side):
+        src, a = side.register(3, [4, 64], seed=21)
+        dst, b = side.register(3, [2, 64])
+        n = side.engine.copy_slot(src.cache_id, dst.cache_id, src_unit=3, dst_unit=1, offset=8,
+                                  size=16)
+        assert n == 3 * 16
         want = np.zeros_like(b)
-        want[0, 0:32], want[0, 32:48] = a[1, 16:48], a[1, 96:112]
-        want[1, 0:32], want[1, 32:48] = a[0, 16:48], a[0, 96:112]
+        units(want, 2)[:, 1, 8:24] = units(a, 4)[:, 3, 8:24]
         np.testing.assert_array_equal(b, want)
+
+    def test_slot_copy_default_size_is_rest_of_source_slot(self, side):
+        src, a = side.register(1, [1, 64], seed=22)
+        dst, b = side.register(1, [1, 128])
+        assert side.engine.copy_slot(src.cache_id, dst.cache_id, src_unit=0, dst_unit=0,
+                                     offset=10) == 54
+        np.testing.assert_array_equal(b[0, 10:64], a[0, 10:64])
+        assert not b[0, :10].any() and not b[0, 64:].any()
+
+    @pytest.mark.parametrize("args,text", [
+        (dict(src_unit=4, dst_unit=0), "src_batch_index 4 out of range [0, 4)"),
+        (dict(src_unit=0, dst_unit=2), "dst_batch_index 2 out of range [0, 2)"),
+        (dict(src_unit=0, dst_unit=0, offset=64),
+         "offset 64 out of range of the src batch stride 64"),
+        (dict(src_unit=0, dst_unit=0, size=65),
+         "size 65 does not fit the src batch stride 64 after offset 0"),
+        (dict(src_unit=0, dst_unit=0, offset=60, size=5),
+         "size 5 does not fit the src batch stride 64 after offset 60"),
+    ])
+    def test_slot_copy_refusals_are_the_python_api_texts(self, side, args, text):
+        src, _ = side.register(2, [4, 64], seed=23)
+        dst, b = side.register(2, [2, 64])
+        with pytest.raises(InvalidArgument) as e:
+            side.engine.copy_slot(src.cache_id, dst.cache_id, **args)
+        assert str(e.value) == text
+        assert not b.any()
+        assert side.engine.leases(src.cache_id) == side.engine.leases(dst.cache_id) == 0
+
+    def test_slot_copy_needs_equal_tensor_counts(self, side):
+        two, _ = side.register(2, [1, 64])
+        three, _ = side.register(3, [1, 64])
+        with pytest.raises(InvalidArgument, match="^src has 2 tensors but dst has 3 tensors$"):
+            side.engine.copy_slot(two.cache_id, three.cache_id, src_unit=0, dst_unit=0)
+
+    def test_block_copy_coalesced_runs_land_as_numpy_says(self, side):
+        src, a = side.register(2, [16, 32], blocks=True, seed=24)
+        dst, b = side.register(2, [16, 32], blocks=True)
+        s, d = np.array([0, 1, 2, 9], np.uint64), np.array([5, 6, 7, 3], np.uint64)
+        assert side.engine.copy_blocks(src.cache_id, dst.cache_id, s, d) == 2 * 4 * 32
+        want = np.zeros_like(b)
+        units(want, 16)[:, d.astype(int)] = units(a, 16)[:, s.astype(int)]
+        np.testing.assert_array_equal(b, want)
+
+    @pytest.mark.parametrize("src,dst,same,text", [
+        ([16], [0], False, "src block 16 out of range: the cache has 16 blocks"),
+        ([0], [16], False, "dst block 16 out of range: the cache has 16 blocks"),
+        ([0, 1], [2, 2], False, "a destination block is listed more than once"),
+        ([0, 1], [3, 1], True, "block 1 is both a source and a destination"),
+        ([], [], False, "no blocks to copy"),
+        ([0, 1], [2], False, "src_blocks has 2 entries but dst_blocks has 1"),
+    ])
+    def test_block_copy_refusals_are_the_python_api_texts(self, side, src, dst, same, text):
+        a_cache, a = side.register(1, [16, 32], blocks=True, seed=25)
+        b_cache, _ = side.register(1, [16, 32], blocks=True)
+        before = a.copy()
+        other = a_cache if same else b_cache
+        with pytest.raises(InvalidArgument) as e:
+            side.engine.copy_blocks(a_cache.cache_id, other.cache_id, np.array(src, np.uint64),
+                                    np.array(dst, np.uint64))
+        assert str(e.value) == text
+        np.testing.assert_array_equal(a, before)
+
+    def test_block_copy_needs_equal_block_sizes_in_the_callers_units(self, side):
+        small, _ = side.register(1, [2, 32], blocks=True, dtype=llm.DataType.DT_FLOAT16)
+        big, _ = side.register(1, [2, 64], blocks=True, dtype=llm.DataType.DT_FLOAT16)
+        with pytest.raises(InvalidArgument) as e:
+            side.engine.copy_blocks(small.cache_id, big.cache_id, np.array([0], np.uint64),
+                                    np.array([0], np.uint64))
+        assert str(e.value) == ("block sizes differ: the source's blocks hold 32 DT_FLOAT16 "
+                                "elements (64 bytes), the destination's 64 DT_FLOAT16 elements "
+                                "(128 bytes)")
 
     def test_a_cache_not_filed_is_cache_not_found(self, side):
         src, _ = side.register(1, [4, 16], blocks=True)
         gone, _ = side.register(1, [4, 16], blocks=True)
         side.cm.unregister_cache(gone.cache_id)
+        one = np.array([0], np.uint64)
         for s_id, d_id in [(src.cache_id, gone.cache_id), (gone.cache_id, src.cache_id),
                            (src.cache_id, -1)]:
             with pytest.raises(CacheNotFound):
-                side.engine.copy_local(s_id, d_id, _plan([0], [0], [0], [0], [16]))
+                side.engine.copy_blocks(s_id, d_id, one, one)
+            with pytest.raises(CacheNotFound):
+                side.engine.copy_slot(s_id, d_id, src_unit=0, dst_unit=0)
 
-    def test_unfiled_memory_is_checked_against_its_description(self, side):
+    def test_unfiled_memory_is_planned_against_its_description(self, side):
         src, a = side.register(1, [4, 16], blocks=True, seed=13)
         mine = np.zeros(64, np.uint8)
         user = side.engine.user_cache(Geometry(1, 64, 4, True), np.array([mine.ctypes.data]))
-        with pytest.raises(InvalidArgument, match="outside the destination"):
-            side.engine.copy_local(src.cache_id, user, _plan([0], [0], [0], [48], [32]))
+        with pytest.raises(InvalidArgument, match="^dst block 4 out of range"):
+            side.engine.copy_blocks(src.cache_id, user, np.array([0], np.uint64),
+                                    np.array([4], np.uint64))
         assert not mine.any()
-        side.engine.copy_local(src.cache_id, user, _plan([0], [0], [16], [48], [16]))
+        side.engine.copy_blocks(src.cache_id, user, np.array([1], np.uint64),
+                                np.array([3], np.uint64))
         np.testing.assert_array_equal(mine[48:], a[0, 16:32])
+        # the same unfiled memory on both sides is one cache
+        with pytest.raises(InvalidArgument, match="both a source and a destination"):
+            side.engine.copy_blocks(user, user, np.array([3], np.uint64), np.array([3], np.uint64))
         with pytest.raises(InvalidArgument):
             side.engine.user_cache(Geometry(1, 64, 4, True), np.array([0]))
 
-    def test_a_run_shifted_within_one_cache_copies_block_by_block(self, side):
-        c, a = side.register(1, [8, 16], blocks=True)
-        units(a, 8)[0] = np.arange(1, 9, dtype=np.uint8)[:, None]
-        # blocks 0..2 -> 1..3 as one span that overlaps itself: as three block copies in
-        # order, every one of blocks 1..3 ends up block 0's
-        side.engine.copy_local(c.cache_id, c.cache_id, _plan([0], [0], [0], [16], [48]))
-        assert units(a, 8)[0, :, 0].tolist() == [1, 1, 1, 1, 5, 6, 7, 8]
+    def test_the_facades_copy_through_the_core_planner(self, side, monkeypatch):
+        """copy_cache, copy_blocks and swap_blocks make one core planning call each, with the
+        caller's indices as they are (nothing planned in Python)."""
+        calls = []
+        for name in ("copy_slot", "copy_blocks"):
+            real = getattr(NativeEngine, name)
+
+            def spy(self, *args, _real=real, _name=name, **kwargs):
+                calls.append((_name, args, kwargs))
+                return _real(self, *args, **kwargs)
+
+            monkeypatch.setattr(NativeEngine, name, spy)
+        c, _ = side.register(1, [4, 16], seed=26)
+        d, _ = side.register(1, [4, 16])
+        blocks, _ = side.register(1, [8, 16], blocks=True, seed=27)
+        host, _ = side.register(1, [8, 16], blocks=True, placement=HOST)
+        side.cm.copy_cache(d, c, dst_batch_index=1, src_batch_index=2, offset=4, size=8)
+        side.cm.copy_blocks(blocks, {0: [5, 6], 1: [7]})
+        side.cm.swap_blocks(blocks, host, {2: 3, 3: 4})
+        assert [n for n, _, _ in calls] == ["copy_slot", "copy_blocks", "copy_blocks"]
+        assert calls[0][1] == (c.cache_id, d.cache_id)
+        assert calls[0][2] == dict(src_unit=2, dst_unit=1, offset=4, size=8)
+        assert [a.tolist() for a in calls[1][1][2:]] == [[0, 0, 1], [5, 6, 7]]
+        assert calls[1][1][:2] == (blocks.cache_id, blocks.cache_id)
+        assert [a.tolist() for a in calls[2][1][2:]] == [[2, 3], [3, 4]]
 
     def test_many_blocks_land_as_numpy_says(self, side):
         n_blocks, bb = 512, 64

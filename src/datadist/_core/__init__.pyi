@@ -153,7 +153,7 @@ class Hold:
         ...
 class UserCache:
     """
-    Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_local
+    Memory the caller keeps but never filed (create_cpu_cache), as one side of Engine.copy_slot / copy_blocks
     """
     def __init__(self, *, num_tensors: typing.SupportsInt | typing.SupportsIndex, tensor_bytes: typing.SupportsInt | typing.SupportsIndex, units: typing.SupportsInt | typing.SupportsIndex, addrs: numpy.typing.NDArray[numpy.uint64]) -> None:
         """
@@ -264,9 +264,13 @@ class Engine:
         """
     def connect(self, cluster_id: typing.SupportsInt | typing.SupportsIndex, host: str, port: typing.SupportsInt | typing.SupportsIndex, timeout_s: typing.SupportsFloat | typing.SupportsIndex, *, take_peer_id: bool) -> int:
         ...
-    def copy_local(self, *, src: typing.SupportsInt | typing.SupportsIndex | UserCache, dst: typing.SupportsInt | typing.SupportsIndex | UserCache, src_tensors: numpy.typing.NDArray[numpy.uint32], dst_tensors: numpy.typing.NDArray[numpy.uint32], src_offsets: numpy.typing.NDArray[numpy.uint64], dst_offsets: numpy.typing.NDArray[numpy.uint64], lengths: numpy.typing.NDArray[numpy.uint64]) -> int:
+    def copy_blocks(self, *, src: typing.SupportsInt | typing.SupportsIndex | UserCache, dst: typing.SupportsInt | typing.SupportsIndex | UserCache, src_blocks: numpy.typing.NDArray[numpy.uint64], dst_blocks: numpy.typing.NDArray[numpy.uint64]) -> int:
         """
-        Copies, for every tensor pair (src_tensors[k], dst_tensors[k]), every span (src_offsets[i], dst_offsets[i], lengths[i]; offsets absolute in the tensor) from `src` to `dst` (a filed cache's id, or a UserCache), in order, a run shifted within one cache unit by unit (Session::CopyCaches). Both caches are held for the copy (CacheNotFound when one is not filed); every span is checked against both before a byte moves (InvalidArgument). Returns the bytes copied. Over 1 MiB, copies without the GIL.
+        Copies block src_blocks[i] of every tensor of `src` into block dst_blocks[i] of the same tensor of `dst` (a filed cache's id, or a UserCache), runs adjacent on both sides as one copy. Planned, held and checked by the core (Session::CopyBlocks, PlanBlockCopy: InvalidArgument with the Python API's texts, a destination named twice and, within one cache, a block both read and written included; CacheNotFound when a cache is not filed). Returns the bytes copied. Over 1 MiB, copies without the GIL.
+        """
+    def copy_slot(self, *, src: typing.SupportsInt | typing.SupportsIndex | UserCache, dst: typing.SupportsInt | typing.SupportsIndex | UserCache, src_unit: typing.SupportsInt | typing.SupportsIndex, dst_unit: typing.SupportsInt | typing.SupportsIndex, offset: typing.SupportsInt | typing.SupportsIndex, size: typing.SupportsInt | typing.SupportsIndex) -> int:
+        """
+        Copies slot src_unit of every tensor of `src` into slot dst_unit of the same tensor of `dst` (a filed cache's id, or a UserCache): `size` bytes from `offset` in the slot on both sides (-1: the rest of the source slot). Planned, held and checked by the core (Session::CopySlot, PlanSlotCopy: InvalidArgument with the Python API's texts; CacheNotFound when a cache is not filed). Returns the bytes copied. Over 1 MiB, copies without the GIL.
         """
     def deallocate(self, cache_id: typing.SupportsInt | typing.SupportsIndex, drop_keys: bool) -> None:
         ...

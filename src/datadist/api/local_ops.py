@@ -3,11 +3,12 @@ mode) and ``KvCacheManager`` (legacy mode): ``copy_cache``, ``copy_blocks``, ``s
 
 Who calls: those two facades, after their own type checks of the cache objects. Everything
 here blocks until the copy is done. This module keeps the original's argument rules and
-words, resolves cache objects to the core's caches (or, for a ``create_cpu_cache``, to a
-description of the caller's memory) and plans the copy (:mod:`datadist.core.local`); the copy
-itself is one core call (``NativeEngine.copy_local``: the session's CopyCaches, the one CANN's
-CopyKvCache and CopyKvBlocks use), which holds both caches, checks every span against both
-before a byte moves, and copies. Errors are mapped to LLMException.
+words that come before planning, and names each cache to the core (a filed cache's id or, for
+a ``create_cpu_cache``, a description of the caller's memory); the copy is one core call
+(``NativeEngine.copy_slot`` / ``copy_blocks``: the session's CopySlot / CopyBlocks, the ones
+CANN's CopyKvCache and CopyKvBlocks use), which holds both caches, plans the copy with the
+Python API's rules and texts (cpp/src/plan.h PlanSlotCopy / PlanBlockCopy), checks every span
+against both before a byte moves, and copies. Errors are mapped to LLMException.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from datadist.api.enums import Placement
 from datadist.api.geometry import describe, geometry_of
 from datadist.api.status import llm_errors, raise_if_false
 from datadist.api.types import CacheDesc
-from datadist.core import layout, local
+from datadist.core import layout
 from datadist.core.errors import InvalidArgument
 from datadist.core.native import NativeEngine
 from datadist.memory import mapped
@@ -44,15 +45,6 @@ class CacheRef:
     addrs: list[int]
 
 
-@dataclass(frozen=True)
-class _Side:
-    """One side of a copy as the planner and the core take it: its geometry, and the core's
-    name for it (a filed cache's id, or the caller's unfiled memory)."""
-
-    geometry: layout.Geometry
-    core: int | UserCache
-
-
 def _check_cpu_cache(geo: layout.Geometry, addrs: np.ndarray) -> None:
     """A ``create_cpu_cache`` is the caller's memory, never registered: before copying into
     or out of it, probe the first and last byte of each tensor (one system call), so that
@@ -68,11 +60,11 @@ def _check_cpu_cache(geo: layout.Geometry, addrs: np.ndarray) -> None:
                               f"in this process (no access at {int(probes[bad]):#x})")
 
 
-def side(engine: NativeEngine, ref: CacheRef) -> _Side:
-    """The cache's geometry and the core's name for it. A cache the engine knows is described
-    by the core's registry (LLM_KV_CACHE_NOT_EXIST for one deallocated or unregistered; the
-    core holds it for the copy itself); an unregistered one (``create_cpu_cache``) is described
-    from the object, its memory probed first (:func:`_check_cpu_cache`)."""
+def side(engine: NativeEngine, ref: CacheRef) -> int | UserCache:
+    """The core's name for the cache: a filed cache's id (the core holds it for the copy;
+    LLM_KV_CACHE_NOT_EXIST for one deallocated or unregistered), or, for an unregistered one
+    (``create_cpu_cache``), a description of the caller's memory, probed first
+    (:func:`_check_cpu_cache`)."""
     if ref.cache_id == UNREGISTERED_ID:
         raise_if_false(len(ref.addrs) == ref.desc.num_tensors and all(ref.addrs),
                        f"the cpu cache has {len(ref.addrs)} addresses for "
@@ -81,9 +73,8 @@ def side(engine: NativeEngine, ref: CacheRef) -> _Side:
         addrs = np.asarray(ref.addrs, dtype=np.uint64)
         _check_cpu_cache(geo, addrs)
         with llm_errors():
-            return _Side(geo, engine.user_cache(geo, addrs))
-    with llm_errors():
-        return _Side(engine.cache(ref.cache_id).geometry, ref.cache_id)
+            return engine.user_cache(geo, addrs)
+    return ref.cache_id
 
 
 def copy_cache(engine: NativeEngine, dst: CacheRef, src: CacheRef, dst_batch_index: int,
@@ -93,12 +84,11 @@ def copy_cache(engine: NativeEngine, dst: CacheRef, src: CacheRef, dst_batch_ind
     s, d = side(engine, src), side(engine, dst)
     with llm_errors("copy_cache"):
         try:
-            plan = local.plan_slot_copy(s.geometry, d.geometry, src_batch_index,
-                                        dst_batch_index, offset, size)
+            engine.copy_slot(s, d, src_unit=src_batch_index, dst_unit=dst_batch_index,
+                             offset=offset, size=size)
         except InvalidArgument as e:  # sizes or counts that do not fit: both sides shown
             raise InvalidArgument(f"{e} (src: {describe(src.desc, blocks=False)}; dst: "
                                   f"{describe(dst.desc, blocks=False)})") from None
-        engine.copy_local(s.core, d.core, plan)
 
 
 def check_copy_cache(dst: CacheRef, src: CacheRef, size: int) -> None:
@@ -136,8 +126,7 @@ def copy_blocks(engine: NativeEngine, cache: CacheRef, copy_block_info: Any) -> 
         return
     c = side(engine, cache)
     with llm_errors("copy_blocks"):
-        plan = local.plan_block_copy(c.geometry, c.geometry, src, dst, same_cache=True)
-        engine.copy_local(c.core, c.core, plan)
+        engine.copy_blocks(c, c, src, dst)  # one cache: a block both read and written is refused
 
 
 def swap_blocks(engine: NativeEngine, src: CacheRef, dst: CacheRef, src_to_dst: Any) -> None:
@@ -174,9 +163,7 @@ def swap_blocks(engine: NativeEngine, src: CacheRef, dst: CacheRef, src_to_dst: 
         return
     s, d = side(engine, src), side(engine, dst)
     with llm_errors("swap_blocks"):
-        plan = local.plan_block_copy(s.geometry, d.geometry, s_blocks.astype(np.uint64),
-                                     d_blocks.astype(np.uint64))
-        engine.copy_local(s.core, d.core, plan)
+        engine.copy_blocks(s, d, s_blocks.astype(np.uint64), d_blocks.astype(np.uint64))
 
 
 __all__ = ["CacheRef", "copy_blocks", "copy_cache", "side", "swap_blocks"]

@@ -1,35 +1,13 @@
-"""Local copies: between or within caches of this process, planned here, copied by the core.
+"""Copies this process makes itself, outside the engine: cross-memory copies with another
+process (:func:`vm_copy`: ``datadist info`` asks whether this process may read itself) and
+memmove between iovec arrays (:func:`local_copy`, for benchmarks/shm_vs_cma.py). Both block
+until done; thread-safe (no state).
 
-Who calls: the facade's ``copy_cache``, ``copy_blocks`` and ``swap_blocks`` (cache-manager and
-legacy mode alike, through ``api/local_ops.py``), with caches already resolved to a
-:class:`Geometry`. Never blocks; thread-safe (no state).
-
-Theory of operation
--------------------
-A local copy is planned exactly like a transfer: :mod:`datadist.core.layout` turns the request
-into a :class:`Plan` (tensor pairs x byte spans, coalesced where a run of blocks is adjacent on
-both sides), with the *source* in the plan's ``remote_*`` fields and the destination in its
-``local_*`` fields. Source offsets here are absolute within the source tensor (the source unit
-base is folded in by the planners below). The copy is the core's (``NativeEngine.copy_local``,
-cpp/src/session.h ``Session::CopyCaches``, the one the C++ API's CopyKvCache / CopyKvBlocks
-use): it holds both caches, checks every span against both, and copies one memmove a span.
-
-Rules this module keeps:
-
-1. No Python loop per block: spans are numpy arrays from the start.
-2. Every index and size is checked here, against both caches, before the core is called;
-   errors are :class:`InvalidArgument` naming the culprit (the core checks the spans again:
-   what reaches memory never depends on these checks alone).
-3. A copy never reads and writes the same bytes in one call, except a span copied onto itself:
-   ``plan_block_copy`` refuses a block that is both a source and a destination, and duplicate
-   destinations (which source would win is not defined).
-
-Also here: :func:`vm_copy` (cross-memory copies with another process; ``datadist info`` asks
-whether this process may read itself) and :func:`local_copy` (memmove between iovec arrays, for
-benchmarks/shm_vs_cma.py).
-
-On a host without CUDA, DEVICE placement is host memory too, so "host <-> device" swaps are
-host copies; placement rules are the facade's to check.
+The API's local copies (``copy_cache``, ``copy_blocks``, ``swap_blocks``) are not here: the
+core plans, holds, checks and copies them in one call (``NativeEngine.copy_slot`` /
+``copy_blocks``: cpp/src/session.h ``Session::CopySlot`` / ``CopyBlocks``, planned by
+cpp/src/plan.h ``PlanSlotCopy`` / ``PlanBlockCopy``, the C++ API's CopyKvCache and
+CopyKvBlocks too); ``api/local_ops.py`` translates the facades' arguments.
 """
 
 from __future__ import annotations
@@ -43,9 +21,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from datadist.core.dtypes import in_elements
-from datadist.core.errors import BrokenLink, DatadistError, InvalidArgument
-from datadist.core.layout import U64, Geometry, Plan, every_tensor, plan_blocks, plan_slot
+from datadist.core.errors import BrokenLink, DatadistError
 
 # ---- Copies this process makes itself with memmove or cross-memory attach
 # (process_vm_readv / writev), outside the engine: ``datadist info`` (:func:`vm_copy`: can this
@@ -160,84 +136,4 @@ def local_copy(dst: np.ndarray, src: np.ndarray) -> None:
           maxlen=0)
 
 
-def _all_tensors(src: Geometry, dst: Geometry) -> tuple[np.ndarray, np.ndarray]:
-    if src.num_tensors != dst.num_tensors:
-        raise InvalidArgument(
-            f"src has {src.num_tensors} tensors but dst has {dst.num_tensors}"
-        )
-    return every_tensor(dst.num_tensors)
-
-
-def plan_slot_copy(
-    src: Geometry, dst: Geometry, src_unit: int, dst_unit: int, offset: int = 0, size: int = -1
-) -> Plan:
-    """Slot ``src_unit`` of every source tensor into slot ``dst_unit`` of the same-index
-    destination tensor, ``size`` bytes from ``offset`` within the slot on both sides.
-
-    ``size == -1`` means the rest of the source slot after ``offset``; it must fit the
-    destination slot too.
-    """
-    tensors = _all_tensors(src, dst)
-    if not 0 <= src_unit < src.units:
-        raise InvalidArgument(f"src_batch_index {src_unit} out of range [0, {src.units})")
-    if not 0 <= dst_unit < dst.units:
-        raise InvalidArgument(f"dst_batch_index {dst_unit} out of range [0, {dst.units})")
-    for name, g in (("src", src), ("dst", dst)):
-        if not 0 <= offset < g.unit_bytes:
-            raise InvalidArgument(
-                f"offset {offset} out of range of the {name} batch stride {g.unit_bytes}"
-            )
-    if size == -1:
-        size = src.unit_bytes - offset
-    for name, g in (("src", src), ("dst", dst)):
-        if size <= 0 or size > g.unit_bytes - offset:
-            raise InvalidArgument(
-                f"size {size} does not fit the {name} batch stride {g.unit_bytes} after "
-                f"offset {offset}"
-            )
-    # plan_slot checks the destination side; the source offset it carries is made absolute
-    # here (slot base + offset), which is what the core's copy expects.
-    return plan_slot(dst, dst_unit, tensors, size,
-                     src_offset=src_unit * src.unit_bytes + offset, dst_offset=offset)
-
-
-def plan_block_copy(
-    src: Geometry,
-    dst: Geometry,
-    src_blocks: np.ndarray,
-    dst_blocks: np.ndarray,
-    *,
-    same_cache: bool = False,
-) -> Plan:
-    """Block ``src_blocks[i]`` of every source tensor into block ``dst_blocks[i]`` of the
-    same-index destination tensor. Both caches need the same block bytes and tensor count.
-
-    ``same_cache``: source and destination are one cache (``copy_blocks``), so a block may
-    not be both read and written.
-    """
-    tensors = _all_tensors(src, dst)
-    if src.unit_bytes != dst.unit_bytes:
-        raise InvalidArgument(
-            f"block sizes differ: the source's blocks hold "
-            f"{in_elements(src.unit_bytes, src.layout)}, the destination's "
-            f"{in_elements(dst.unit_bytes, dst.layout)}"
-        )
-    s = np.asarray(src_blocks, dtype=U64)
-    d = np.asarray(dst_blocks, dtype=U64)
-    if s.size == 0:
-        raise InvalidArgument("no blocks to copy")
-    if int(s.max()) >= src.units:
-        raise InvalidArgument(
-            f"src block {int(s.max())} out of range: the cache has {src.units} blocks"
-        )
-    if np.unique(d).size != d.size:
-        raise InvalidArgument("a destination block is listed more than once")
-    if same_cache and np.intersect1d(s, d).size:
-        raise InvalidArgument(
-            f"block {int(np.intersect1d(s, d)[0])} is both a source and a destination"
-        )
-    # plan_blocks checks the destination indices and coalesces runs adjacent on both sides.
-    return plan_blocks(dst, s, d, tensors)
-
-
-__all__ = ["IOV_MAX", "CmaRefused", "local_copy", "plan_block_copy", "plan_slot_copy", "vm_copy"]
+__all__ = ["IOV_MAX", "CmaRefused", "local_copy", "vm_copy"]

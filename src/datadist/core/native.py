@@ -399,25 +399,39 @@ class NativeEngine:
 
     def user_cache(self, geometry: Geometry, addrs: np.ndarray) -> UserCache:
         """The caller's memory that is never filed (a ``create_cpu_cache``), described for
-        :meth:`copy_local`: ``geometry``'s tensors at ``addrs``. InvalidArgument for a zero
-        address or a tensor past the end of the address space. Never blocks."""
+        :meth:`copy_slot` / :meth:`copy_blocks`: ``geometry``'s tensors at ``addrs``.
+        InvalidArgument for a zero address or a tensor past the end of the address space.
+        Never blocks."""
         return self._core_module.UserCache(num_tensors=geometry.num_tensors,
                                            tensor_bytes=geometry.tensor_bytes,
                                            units=geometry.units, addrs=addrs)
 
-    def copy_local(self, src: int | UserCache, dst: int | UserCache, plan: Plan) -> int:
-        """Copy ``plan`` (source in its ``remote_*`` fields, offsets absolute in the tensor;
-        destination in its ``local_*`` fields) from ``src`` to ``dst``: filed caches' ids or
-        :meth:`user_cache` memory. One core call (Session::CopyCaches, the C++ API's too): it
-        holds both caches (CacheNotFound for one not filed), checks every span against both
-        before a byte moves (InvalidArgument) and copies in the plan's order, a run shifted
-        within one cache unit by unit. Returns the bytes copied. Blocks on memory only, without
-        the GIL for copies over 1 MiB."""
+    def copy_slot(self, src: int | UserCache, dst: int | UserCache, *, src_unit: int, dst_unit: int,
+                  offset: int = 0, size: int = -1) -> int:
+        """Copy slot ``src_unit`` of every tensor of ``src`` into slot ``dst_unit`` of the same
+        tensor of ``dst`` (filed caches' ids or :meth:`user_cache` memory): ``size`` bytes from
+        ``offset`` in the slot on both sides, -1 the rest of the source slot. One core call
+        (Session::CopySlot, the C++ API's CopyKvCache too): it holds both caches (CacheNotFound
+        for one not filed), plans the copy (PlanSlotCopy: InvalidArgument with the Python API's
+        texts), checks every span against both and copies. Returns the bytes copied. Blocks on
+        memory only, without the GIL for copies over 1 MiB."""
         self._check_open()
-        return int(self._core.copy_local(
-            src=src, dst=dst, src_tensors=plan.remote_tensors, dst_tensors=plan.local_tensors,
-            src_offsets=plan.remote_offsets, dst_offsets=plan.local_offsets,
-            lengths=plan.lengths))
+        return int(self._core.copy_slot(src=src, dst=dst, src_unit=src_unit, dst_unit=dst_unit,
+                                        offset=offset, size=size))
+
+    def copy_blocks(self, src: int | UserCache, dst: int | UserCache, src_blocks: np.ndarray,
+                    dst_blocks: np.ndarray) -> int:
+        """Copy block ``src_blocks[i]`` of every tensor of ``src`` into block ``dst_blocks[i]``
+        of the same tensor of ``dst`` (uint64 arrays; filed caches' ids or :meth:`user_cache`
+        memory), runs adjacent on both sides as one copy. One core call (Session::CopyBlocks,
+        the C++ API's CopyKvBlocks too): it holds both caches (CacheNotFound for one not filed),
+        plans the copy (PlanBlockCopy: InvalidArgument with the Python API's texts; a
+        destination named twice, and within one cache a block both read and written, are
+        refused), checks every span against both and copies. Returns the bytes copied. Blocks
+        on memory only, without the GIL for copies over 1 MiB."""
+        self._check_open()
+        return int(self._core.copy_blocks(src=src, dst=dst, src_blocks=src_blocks,
+                                          dst_blocks=dst_blocks))
 
     def register(self, geometry: Geometry, addrs: list[int], *, placement: int,
                  keys: Sequence[KeyId | None] = (), blocks_model_id: int | None = None,
