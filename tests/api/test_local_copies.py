@@ -8,6 +8,10 @@ the bytes that must stay untouched.
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -29,6 +33,27 @@ def side(make_side):
 
 
 # ================================================================================ the core's copies
+
+
+class _Busy:
+    """A pure-Python thread counting loop steps until stopped (it runs only with the GIL)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self.steps += 1
+
+    def __enter__(self) -> _Busy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join(10)
 
 
 class TestCorePlanner:
@@ -172,6 +197,41 @@ class TestCorePlanner:
         assert [a.tolist() for a in calls[1][1][2:]] == [[0, 0, 1], [5, 6, 7]]
         assert calls[1][1][:2] == (blocks.cache_id, blocks.cache_id)
         assert [a.tolist() for a in calls[2][1][2:]] == [[2, 3], [3, 4]]
+
+    def test_a_small_copy_keeps_the_gil_and_a_large_one_lets_it_go(self, side):
+        """Up to 1 MiB (cpp/python/gil.h's kHoldBytes) a copy keeps the interpreter's lock: a
+        busy Python thread does not run across 50 of them, with a switch interval too long for
+        the interpreter to take the lock from us. A 16 MiB copy lets it go once planned (the
+        busy thread runs during such copies) and lands whole."""
+        small_src, _ = side.register(2, [4, 256], seed=28)
+        small_dst, _ = side.register(2, [4, 256])
+        big_src, a = side.register(4, [2, 4 << 20], seed=29)
+        big_dst, b = side.register(4, [2, 4 << 20])
+        eng = side.engine
+        old = sys.getswitchinterval()
+        try:
+            sys.setswitchinterval(1.0)
+            with _Busy() as busy:
+                time.sleep(0.01)  # the busy thread runs; we get the lock back by the interval
+                assert busy.steps > 0
+                before = busy.steps
+                for _ in range(50):
+                    eng.copy_slot(small_src.cache_id, small_dst.cache_id, src_unit=1, dst_unit=2)
+                assert busy.steps == before
+            # 0.1 s: longer than the copies take on a quiet machine, so the busy thread runs
+            # only if they let the lock go (the system must schedule it during one of them;
+            # we then wait up to the interval to get the lock back)
+            sys.setswitchinterval(0.1)
+            with _Busy() as busy:
+                time.sleep(0.01)
+                before = busy.steps
+                for _ in range(10):
+                    assert eng.copy_slot(big_src.cache_id, big_dst.cache_id, src_unit=0,
+                                         dst_unit=1) == 4 * (4 << 20)
+                assert busy.steps > before
+        finally:
+            sys.setswitchinterval(old)
+        np.testing.assert_array_equal(units(b, 2)[:, 1], units(a, 2)[:, 0])
 
     def test_many_blocks_land_as_numpy_says(self, side):
         n_blocks, bb = 512, 64
