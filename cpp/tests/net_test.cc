@@ -508,18 +508,32 @@ TEST(WireCalls, ASmallTcpPullMakesNoCallTheBytesDoNotNeed) {
   for (int i = 0; i < 20; ++i) pair.Pull(got.data(), got.size());  // warm: the lease, the pool
   constexpr int kPulls = 200;
   calls::puller = std::this_thread::get_id();
-  for (auto &side : calls::counts)
-    for (auto &c : side) c = 0;
-  calls::on = true;
-  for (int i = 0; i < kPulls; ++i) pair.Pull(got.data(), got.size());
-  calls::on = false;
+  // A loaded machine adds calls no code asks for (a request split in two segments, a spurious
+  // wake, a pull more than 1 ms after the last: Link::Prepare polls). Each count is the
+  // fewest seen in up to five rounds of 200 pulls: a call the code makes every pull shows in
+  // every round, one the scheduler caused does not.
+  size_t best[2][calls::kKinds];
+  for (auto &side : best)
+    for (auto &c : side) c = SIZE_MAX;
+  auto within = [&] {
+    return best[1][calls::kEpollCtl] <= 1.5 * kPulls && best[1][calls::kRecv] <= 1.5 * kPulls &&
+           best[0][calls::kPoll] <= 1.5 * kPulls && best[0][calls::kRecv] <= 2.5 * kPulls;
+  };
+  for (int round = 0; round < 5 && !(round > 0 && within()); ++round) {
+    for (auto &side : calls::counts)
+      for (auto &c : side) c = 0;
+    calls::on = true;
+    for (int i = 0; i < kPulls; ++i) pair.Pull(got.data(), got.size());
+    calls::on = false;
+    for (int side = 0; side < 2; ++side)
+      for (int k = 0; k < calls::kKinds; ++k) best[side][k] = std::min(best[side][k], calls::counts[side][k].load());
+  }
   EXPECT_EQ(std::memcmp(got.data(), pair.owned.T(0), got.size()), 0);
-  auto per = [&](int side, calls::Kind k) { return static_cast<double>(calls::counts[side][k]) / kPulls; };
+  auto per = [&](int side, calls::Kind k) { return static_cast<double>(best[side][k]) / kPulls; };
   std::printf("a pull: owner %.2f epoll_ctl, %.2f recv, %.2f getpid; puller %.2f poll, %.2f recv\n",
               per(1, calls::kEpollCtl), per(1, calls::kRecv), per(1, calls::kGetpid), per(0, calls::kPoll),
               per(0, calls::kRecv));
-  // Bounds between the figures before and now, for a loaded machine: a request split in two
-  // segments, a spurious wake, a pull more than 1 ms after the last (Link::Prepare polls).
+  // Bounds between the figures before and now.
   EXPECT_LE(per(1, calls::kEpollCtl), 1.5) << "the owner re-arms a connection with one MOD";
   EXPECT_EQ(per(1, calls::kEpollDel), 0.0) << "nor takes it out of the set when its event comes";
   EXPECT_LE(per(1, calls::kRecv), 1.5) << "the owner reads a request in one recv, none after serving";
