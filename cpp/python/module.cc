@@ -1004,6 +1004,46 @@ PYBIND11_MODULE(_core, m) {
           "blocks `src_blocks` into remote blocks `dst_blocks` (InvalidArgument with the Python API's texts), "
           "the request's size and every local span checked. Never blocks; positional for speed.")
       .def(
+          "prepare_layer_pushes",
+          [](Core &c, uint64_t cluster, uint8_t key_kind, uint64_t a, uint64_t b, uint64_t cc, uint64_t unit_bytes,
+             int64_t cache_id, uint8_t kind, uint64_t src_unit, const U64Array &src_blocks, const U64Array &dst_blocks,
+             uint64_t dst_block_bytes, uint64_t src_first, uint64_t dst_first, uint64_t layers,
+             uint64_t tensors_per_layer, const U64Array &dst_addrs) {
+            if (kind > datadist::LayerPushSpec::kSlotToBlocks)
+              datadist::Invalid("unknown layer push kind " + std::to_string(kind));
+            datadist::wire::Request req;
+            req.kind = key_kind;
+            req.a = a;
+            req.b = b;
+            req.c = cc;
+            req.unit_bytes = unit_bytes;
+            datadist::LayerPushSpec spec;
+            spec.kind = static_cast<datadist::LayerPushSpec::Kind>(kind);
+            spec.src_unit = src_unit;
+            spec.src_blocks = ToVector(src_blocks);
+            spec.dst_blocks = ToVector(dst_blocks);
+            spec.dst_block_bytes = dst_block_bytes;
+            spec.src_first = src_first;
+            spec.dst_first = dst_first;
+            spec.layers = layers;
+            spec.tensors_per_layer = tensors_per_layer;
+            spec.dst_addrs = ToVector(dst_addrs);
+            return c.PrepareLayerPushes(cluster, req, spec, cache_id);
+          },
+          py::kw_only(), py::arg("cluster_id"), py::arg("key_kind"), py::arg("a"), py::arg("b"), py::arg("c"),
+          py::arg("unit_bytes"), py::arg("cache_id"), py::arg("kind"), py::arg("src_unit"), py::arg("src_blocks"),
+          py::arg("dst_blocks"), py::arg("dst_block_bytes"), py::arg("src_first"), py::arg("dst_first"),
+          py::arg("layers"), py::arg("tensors_per_layer"), py::arg("dst_addrs"),
+          "transfer_cache_async's pushes of one destination, every layer's, planned, checked and made ready to "
+          "run in one call (Session::PrepareLayerPushes): local cache `cache_id` held (CacheNotFound), one "
+          "layer's spans planned against its view with the Python API's texts (InvalidArgument: kind 0 slot "
+          "`src_unit`, 1 blocks `src_blocks` into `dst_blocks` (`dst_block_bytes` apart, 0: a source block), 2 "
+          "slot `src_unit` cut into `dst_block_bytes` chunks into `dst_blocks`), source layers src_first + k "
+          "into destination layers dst_first + k for k < `layers`; by key (`dst_addrs` empty) one call per "
+          "layer, by raw address one per tensor of each layer (layer-major), every address plus every span "
+          "checked below 2**64 first. `key_kind`, `a`, `b`, `c`, `unit_bytes` name the destination. Never "
+          "blocks.")
+      .def(
           "run",
           [](Core &c, const Call &call, double timeout_s) {
             const auto since = datadist::Clock::now();

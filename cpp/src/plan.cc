@@ -1,6 +1,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -317,6 +318,129 @@ void PlanBlockCopy(Plan &plan, const Geometry &src, const Geometry &dst, const s
     }
   }
   PlanBlocks(plan, dst, src_blocks, dst_blocks);
+}
+
+namespace {
+
+// Python's coalesce (core/layout.py): spans adjacent on both sides merged, in order.
+void Coalesce(Plan &plan) {
+  size_t out = 0;
+  for (size_t i = 0; i < plan.lengths.size(); ++i) {
+    if (out > 0 && plan.remote_offsets[out - 1] + plan.lengths[out - 1] == plan.remote_offsets[i] &&
+        plan.local_offsets[out - 1] + plan.lengths[out - 1] == plan.local_offsets[i]) {
+      plan.lengths[out - 1] += plan.lengths[i];
+      continue;
+    }
+    plan.remote_offsets[out] = plan.remote_offsets[i];
+    plan.local_offsets[out] = plan.local_offsets[i];
+    plan.lengths[out] = plan.lengths[i];
+    ++out;
+  }
+  plan.remote_offsets.resize(out);
+  plan.local_offsets.resize(out);
+  plan.lengths.resize(out);
+}
+
+// Python's block_offsets (core/layout.py) for destination blocks: every block's whole extent
+// [b * size, (b + 1) * size) must fit in 64 bits (a wrapped offset would name another block).
+void CheckDstBlockExtent(const std::vector<uint64_t> &blocks, uint64_t block_bytes) {
+  if (block_bytes == 0) Invalid("dst block size must be > 0, got 0");
+  if (blocks.empty()) return;
+  const uint64_t top = *std::max_element(blocks.begin(), blocks.end());
+  if (top > UINT64_MAX / block_bytes - 1)
+    Invalid("dst block " + std::to_string(top) + " is out of range: its offset (" + std::to_string(block_bytes) +
+            " bytes a block) overflows 64 bits");
+}
+
+void CheckSlot(const Geometry &view, uint64_t unit) {
+  if (unit >= view.units)
+    Invalid("src_batch_index " + std::to_string(unit) + " out of range [0, " + std::to_string(view.units) + ")");
+}
+
+}  // namespace
+
+Geometry LayerPushView(const Geometry &local, bool local_blocks, LayerPushSpec::Kind kind) {
+  if (kind == LayerPushSpec::kBlocks) {
+    if (!local_blocks) Invalid("src_block_indices need a blocks cache source");
+    return local;
+  }
+  Geometry view = local;
+  if (local_blocks && kind == LayerPushSpec::kSlotToBlocks) {  // one slot: the whole tensor
+    view.units = 1;
+    view.unit_bytes = local.tensor_bytes;
+  }
+  return view;
+}
+
+void PlanLayerSpans(Plan &plan, const Geometry &view, const LayerPushSpec &spec) {
+  plan.remote_offsets.clear();
+  plan.local_offsets.clear();
+  plan.lengths.clear();
+  const uint64_t stride = view.unit_bytes;
+  switch (spec.kind) {
+    case LayerPushSpec::kSlot:
+      CheckSlot(view, spec.src_unit);
+      plan.remote_offsets = {0};
+      plan.local_offsets = {spec.src_unit * stride};
+      plan.lengths = {stride};
+      return;
+    case LayerPushSpec::kBlocks: {
+      const auto &s = spec.src_blocks, &d = spec.dst_blocks;
+      if (s.empty() || s.size() != d.size())
+        Invalid("src_block_indices (" + std::to_string(s.size()) + ") and dst_block_indices (" +
+                std::to_string(d.size()) + ") must be non-empty and of the same length");
+      const uint64_t top = *std::max_element(s.begin(), s.end());
+      if (top >= view.units)
+        Invalid("src block " + std::to_string(top) + " out of range [0, " + std::to_string(view.units) + ")");
+      const uint64_t dbb = spec.dst_block_bytes ? spec.dst_block_bytes : stride;
+      if (dbb < stride)
+        Invalid("dst_block_memory_size " + std::to_string(dbb) + " is smaller than a source block (" +
+                std::to_string(stride) + " bytes)");
+      CheckDstBlockExtent(d, dbb);
+      plan.remote_offsets.resize(s.size());
+      plan.local_offsets.resize(s.size());
+      plan.lengths.assign(s.size(), stride);
+      for (size_t i = 0; i < s.size(); ++i) {
+        plan.remote_offsets[i] = d[i] * dbb;
+        plan.local_offsets[i] = s[i] * stride;
+      }
+      break;
+    }
+    case LayerPushSpec::kSlotToBlocks: {
+      CheckSlot(view, spec.src_unit);
+      const auto &d = spec.dst_blocks;
+      const uint64_t dbb = spec.dst_block_bytes;
+      if (dbb == 0) Invalid("dst_block_memory_size must be > 0 for a transfer into blocks");
+      // __int128: (n - 1) * size could wrap below the stride in 64 bits
+      if (d.empty() || static_cast<unsigned __int128>(d.size() - 1) * dbb >= stride)
+        Invalid(std::to_string(d.size()) + " destination blocks of " + std::to_string(dbb) +
+                " bytes do not fit a source slot of " + std::to_string(stride) + " bytes");
+      CheckDstBlockExtent(d, dbb);
+      plan.remote_offsets.resize(d.size());
+      plan.local_offsets.resize(d.size());
+      plan.lengths.resize(d.size());
+      const uint64_t base = spec.src_unit * stride;
+      for (size_t i = 0; i < d.size(); ++i) {
+        const uint64_t start = i * dbb;  // < stride: checked above
+        plan.remote_offsets[i] = d[i] * dbb;
+        plan.local_offsets[i] = base + start;
+        plan.lengths[i] = std::min(dbb, stride - start);
+      }
+      break;
+    }
+    default: Invalid("unknown layer push kind " + std::to_string(static_cast<int>(spec.kind)));
+  }
+  Coalesce(plan);
+}
+
+void CheckAddressSpans(const Plan &plan, uint64_t addr) {
+  const uint64_t room = UINT64_MAX - addr;
+  for (size_t i = 0; i < plan.lengths.size(); ++i)
+    if (plan.remote_offsets[i] > room || plan.lengths[i] > room - plan.remote_offsets[i]) {
+      char hex[32];
+      std::snprintf(hex, sizeof hex, "0x%llx", static_cast<unsigned long long>(addr));
+      Invalid("dst address " + std::string(hex) + " plus a span offset overflows 64 bits");
+    }
 }
 
 std::vector<iovec> LocalIov(const Plan &plan, const std::vector<uint64_t> &addrs) {

@@ -137,6 +137,48 @@ void PlanSlotCopy(Plan &plan, const Geometry &src, const Geometry &dst, uint64_t
 void PlanBlockCopy(Plan &plan, const Geometry &src, const Geometry &dst, const std::vector<uint64_t> &src_blocks,
                    const std::vector<uint64_t> &dst_blocks, bool same_cache);
 
+/// transfer_cache_async's push of a destination's layers, as the Python face states it
+/// (api/async_transfer.py; LLM-DataDist's TransferCacheJob): source layer `src_first + k` into
+/// destination layer `dst_first + k` for k < `layers`, layer i being tensors [i*n, (i+1)*n),
+/// each layer's tensors moved by the same spans (PlanLayerSpans). By key (`dst_addrs` empty):
+/// one push per layer, remote tensor `(dst_first + k)*n + t` <- local `(src_first + k)*n + t`. By
+/// raw address: one push per tensor, tensor t of layer k to `dst_addrs[k*n + t]` (remote tensor
+/// 0 of the write the peer resolves, the spans' remote offsets added to the address).
+struct LayerPushSpec {
+  enum Kind : uint8_t {
+    kSlot = 0,          // local slot `src_unit` into the destination slot (or address)
+    kBlocks = 1,        // local blocks `src_blocks[i]` into destination blocks `dst_blocks[i]`
+    kSlotToBlocks = 2,  // local slot `src_unit` cut in `dst_block_bytes` chunks, chunk i -> dst_blocks[i]
+  };
+  Kind kind = kSlot;
+  uint64_t src_unit = 0;
+  std::vector<uint64_t> src_blocks, dst_blocks;
+  uint64_t dst_block_bytes = 0;  // kBlocks: 0 = the source's block size
+  uint64_t src_first = 0, dst_first = 0, layers = 0, tensors_per_layer = 2;
+  std::vector<uint64_t> dst_addrs;  // raw destination addresses, layers * n of them; empty: by key
+};
+
+/// The view of a local (source) cache a layer push takes, LLM-DataDist's (its cache_manager.cc
+/// files a blocks cache as a batch of one block): a blocks cache sent without source blocks is
+/// contiguous, its slots one block each (kSlot) or one slot of the whole tensor
+/// (kSlotToBlocks); anything else is the cache's geometry.
+Geometry LayerPushView(const Geometry &local, bool local_blocks, LayerPushSpec::Kind kind);
+
+/// One layer's spans of a layer push against the source's view (LayerPushView), the same for
+/// every layer: remote offsets relative to what the destination names (a batch slot, a tensor
+/// base, an address), local ones absolute in the tensor; spans adjacent on both sides
+/// coalesced. The tensor pairs are left alone. LLM_PARAM_INVALID with the Python face's texts,
+/// in its order: kSlot the slot outside the view; kBlocks the lists empty or of other lengths,
+/// the largest source block outside the cache, a destination block smaller than a source one,
+/// the largest destination block's extent past 2**64 - 1; kSlotToBlocks the slot outside the
+/// view, a zero block size, blocks that do not fit the slot (none, or one starting past its
+/// end), the extent past 2**64 - 1. Never blocks.
+void PlanLayerSpans(Plan &plan, const Geometry &view, const LayerPushSpec &spec);
+
+/// LLM_PARAM_INVALID ("dst address 0x... plus a span offset overflows 64 bits") when a span of
+/// `plan` moved to raw address `addr` would end past 2**64 - 1. Never blocks.
+void CheckAddressSpans(const Plan &plan, uint64_t addr);
+
 /// The one check of a transfer's local side, both faces' (Session::Prepare for the Python
 /// binding's, Session::Transfer for the C++ API's): the plan's arrays agree in length (tensor
 /// pairs; spans), every local tensor index is below `local.num_tensors`, and every local span

@@ -239,6 +239,61 @@ std::shared_ptr<Call> Session::PreparePush(uint64_t cluster, wire::Request req, 
   }
 }
 
+std::vector<std::shared_ptr<Call>> Session::PrepareLayerPushes(uint64_t cluster, const wire::Request &req,
+                                                               const LayerPushSpec &spec, int64_t local_cache) {
+  const std::unique_ptr<Lease> held = engine_.registry().Hold(local_cache);
+  const Entry &local = held->entry();  // immutable while held
+  Plan spans;
+  PlanLayerSpans(spans, LayerPushView(local.geo, local.opts.blocks, spec.kind), spec);
+  const uint64_t n = spec.tensors_per_layer;
+  const bool raw = !spec.dst_addrs.empty();
+  if (n == 0 || n > (uint64_t{1} << 32) || spec.layers == 0)
+    Invalid("a layer push needs >= 1 layer of 1 to 2**32 tensors");
+  // The local tensors are checked with the spans (CheckLocalSpans); the remote ones travel as u32.
+  using U128 = unsigned __int128;
+  const U128 limit = U128{1} << 32;
+  const U128 local_top = (U128{spec.src_first} + spec.layers) * n;
+  const U128 remote_top = raw ? 1 : (U128{spec.dst_first} + spec.layers) * n;
+  if (local_top > limit || remote_top > limit) Invalid("the layer push's layers reach past the largest tensor index");
+  if (raw) {
+    if (spec.dst_addrs.size() != spec.layers * n)
+      Invalid("expect " + std::to_string(spec.layers * n) + " dst_addrs, but got " +
+              std::to_string(spec.dst_addrs.size()));
+    for (uint64_t addr : spec.dst_addrs) CheckAddressSpans(spans, addr);  // all before any call
+  }
+  std::vector<std::shared_ptr<Call>> calls;
+  calls.reserve(raw ? spec.dst_addrs.size() : spec.layers);
+  const auto since = Clock::now();
+  try {
+    for (uint64_t k = 0; k < spec.layers; ++k) {
+      const uint64_t src = (spec.src_first + k) * n;
+      if (raw) {
+        for (uint64_t t = 0; t < n; ++t) {
+          Plan plan = spans;
+          plan.remote_tensors = {0};
+          plan.local_tensors = {static_cast<uint32_t>(src + t)};
+          for (uint64_t &off : plan.remote_offsets) off += spec.dst_addrs[k * n + t];
+          calls.push_back(MakeCall(true, cluster, req, std::move(plan), local_cache, local));
+        }
+        continue;
+      }
+      Plan plan = spans;
+      const uint64_t dst = (spec.dst_first + k) * n;
+      plan.remote_tensors.resize(n);
+      plan.local_tensors.resize(n);
+      for (uint64_t t = 0; t < n; ++t) {
+        plan.remote_tensors[t] = static_cast<uint32_t>(dst + t);
+        plan.local_tensors[t] = static_cast<uint32_t>(src + t);
+      }
+      calls.push_back(MakeCall(true, cluster, req, std::move(plan), local_cache, local));
+    }
+  } catch (const Error &e) {  // refused before anything moved: counted, as Run counts its own
+    metrics::RecordSince(metrics::Op::kPush, cluster, 0, since, e.code());
+    throw;
+  }
+  return calls;
+}
+
 std::unique_ptr<Lease> Session::HoldLocal(const Call &call) {
   if (call.local_cache < 0) return nullptr;
   std::unique_ptr<Lease> held = engine_.registry().Hold(call.local_cache);

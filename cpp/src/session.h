@@ -187,6 +187,18 @@ class Session {
   /// refusal after planning is counted as a failed push. Never blocks.
   std::shared_ptr<Call> PreparePush(uint64_t cluster, wire::Request req, const PushSpec &spec, int64_t local_cache);
 
+  /// transfer_cache_async's pushes of one destination, every layer's at once (the Python face,
+  /// api/async_transfer.py, keeps them for the next transfer of the same layers): local (source)
+  /// cache `local_cache` held (LLM_KV_CACHE_NOT_EXIST), its view (LayerPushView) and one
+  /// layer's spans planned once (PlanLayerSpans: the Python face's texts), the remote tensors'
+  /// u32 indices and, by raw address, every address plus every span checked (CheckAddressSpans)
+  /// before any call is made; then each call made as PreparePush makes its one (the request's
+  /// size, every local span). Returns one call per layer (by key) or per tensor of each layer,
+  /// layer-major (by raw address). `req` carries the key and the unit bytes it states; a refusal
+  /// after planning is counted as a failed push. LLM_PARAM_INVALID. Never blocks.
+  std::vector<std::shared_ptr<Call>> PrepareLayerPushes(uint64_t cluster, const wire::Request &req,
+                                                        const LayerPushSpec &spec, int64_t local_cache);
+
   /// Runs `call` on the link to its cluster: the call's local cache held for the transfer
   /// (Registry::Hold: it cannot be unregistered, nor its pool memory freed, under the copy;
   /// LLM_KV_CACHE_NOT_EXIST when it is gone or no longer has the addresses the call was made

@@ -528,3 +528,176 @@ TEST(BothFaces, BlockCopiesRefuseAndCopyTheSame) {
 }
 
 }  // namespace
+
+// ---- transfer_cache_async's layer pushes: PlanLayerSpans, LayerPushView, CheckAddressSpans
+// and Session::PrepareLayerPushes (the Python face's texts: tests/api/test_transfer_async.py)
+
+namespace {
+
+using datadist::LayerPushSpec;
+
+LayerPushSpec Spec(LayerPushSpec::Kind kind, uint64_t unit, std::vector<uint64_t> src, std::vector<uint64_t> dst,
+                   uint64_t dst_block_bytes) {
+  LayerPushSpec s;
+  s.kind = kind;
+  s.src_unit = unit;
+  s.src_blocks = std::move(src);
+  s.dst_blocks = std::move(dst);
+  s.dst_block_bytes = dst_block_bytes;
+  return s;
+}
+
+using U64s = std::vector<uint64_t>;
+
+}  // namespace
+
+TEST(PlanLayerSpans, SlotIsTheWholeSlot) {
+  const Geometry g = Geo(2, 3, 100);
+  Plan p;
+  datadist::PlanLayerSpans(p, g, Spec(LayerPushSpec::kSlot, 1, {}, {}, 0));
+  EXPECT_EQ(p.remote_offsets, U64s{0});
+  EXPECT_EQ(p.local_offsets, U64s{100});
+  EXPECT_EQ(p.lengths, U64s{100});
+  EXPECT_EQ(Refusal([&] { datadist::PlanLayerSpans(p, g, Spec(LayerPushSpec::kSlot, 3, {}, {}, 0)); }),
+            "src_batch_index 3 out of range [0, 3)");
+}
+
+TEST(PlanLayerSpans, SlotCutIntoBlocksCoalescesAndEndsShort) {
+  const Geometry g = Geo(2, 3, 100);
+  Plan p;
+  // chunks [0,40) [40,80) [80,100) of slot 1; blocks 5 and 6 are adjacent on both sides
+  datadist::PlanLayerSpans(p, g, Spec(LayerPushSpec::kSlotToBlocks, 1, {}, {5, 6, 0}, 40));
+  EXPECT_EQ(p.remote_offsets, (U64s{200, 0}));
+  EXPECT_EQ(p.local_offsets, (U64s{100, 180}));
+  EXPECT_EQ(p.lengths, (U64s{80, 20}));
+  const auto refusal = [&](uint64_t unit, U64s dst, uint64_t bb) {
+    return Refusal([&] { datadist::PlanLayerSpans(p, g, Spec(LayerPushSpec::kSlotToBlocks, unit, {}, dst, bb)); });
+  };
+  EXPECT_EQ(refusal(3, {0}, 40), "src_batch_index 3 out of range [0, 3)");
+  EXPECT_EQ(refusal(0, {0}, 0), "dst_block_memory_size must be > 0 for a transfer into blocks");
+  EXPECT_EQ(refusal(0, {0, 1, 2}, 50), "3 destination blocks of 50 bytes do not fit a source slot of 100 bytes");
+  EXPECT_EQ(refusal(0, {}, 50), "0 destination blocks of 50 bytes do not fit a source slot of 100 bytes");
+  // (3 - 1) * 2**63 wraps to 0 in 64 bits: still refused
+  EXPECT_EQ(refusal(0, {0, 1, 2}, uint64_t{1} << 63),
+            "3 destination blocks of 9223372036854775808 bytes do not fit a source slot of 100 bytes");
+  EXPECT_EQ(refusal(0, {uint64_t{1} << 63}, 64),
+            "dst block 9223372036854775808 is out of range: its offset (64 bytes a block) overflows 64 bits");
+}
+
+TEST(PlanLayerSpans, BlocksIntoBlocksOfTheirOwnSize) {
+  const Geometry g = Geo(1, 4, 16);
+  Plan p;
+  // 0 -> 2 and 1 -> 3 adjacent on both sides; 3 -> 7 alone
+  datadist::PlanLayerSpans(p, g, Spec(LayerPushSpec::kBlocks, 0, {0, 1, 3}, {2, 3, 7}, 0));
+  EXPECT_EQ(p.remote_offsets, (U64s{32, 112}));
+  EXPECT_EQ(p.local_offsets, (U64s{0, 48}));
+  EXPECT_EQ(p.lengths, (U64s{32, 16}));
+  // larger destination blocks: a source block at the start of each, never adjacent
+  datadist::PlanLayerSpans(p, g, Spec(LayerPushSpec::kBlocks, 0, {0, 1}, {2, 3}, 32));
+  EXPECT_EQ(p.remote_offsets, (U64s{64, 96}));
+  EXPECT_EQ(p.local_offsets, (U64s{0, 16}));
+  EXPECT_EQ(p.lengths, (U64s{16, 16}));
+  const auto refusal = [&](U64s src, U64s dst, uint64_t bb) {
+    return Refusal([&] { datadist::PlanLayerSpans(p, g, Spec(LayerPushSpec::kBlocks, 0, src, dst, bb)); });
+  };
+  EXPECT_EQ(refusal({}, {}, 0),
+            "src_block_indices (0) and dst_block_indices (0) must be non-empty and of the same length");
+  EXPECT_EQ(refusal({0}, {0, 1}, 0),
+            "src_block_indices (1) and dst_block_indices (2) must be non-empty and of the same length");
+  EXPECT_EQ(refusal({1, 4}, {0, 1}, 0), "src block 4 out of range [0, 4)");
+  EXPECT_EQ(refusal({0}, {0}, 8), "dst_block_memory_size 8 is smaller than a source block (16 bytes)");
+  EXPECT_EQ(refusal({0}, {uint64_t{1} << 60}, 0),
+            "dst block 1152921504606846976 is out of range: its offset (16 bytes a block) overflows 64 bits");
+}
+
+TEST(LayerPushView, ABlocksCacheWithoutSourceBlocksIsContiguous) {
+  const Geometry g = Geo(2, 4, 16);
+  // kSlot: a slot is a block (the original's batch of one block)
+  const Geometry slots = datadist::LayerPushView(g, true, LayerPushSpec::kSlot);
+  EXPECT_EQ(slots.units, 4u);
+  EXPECT_EQ(slots.unit_bytes, 16u);
+  // kSlotToBlocks: one slot, the whole tensor
+  const Geometry whole = datadist::LayerPushView(g, true, LayerPushSpec::kSlotToBlocks);
+  EXPECT_EQ(whole.units, 1u);
+  EXPECT_EQ(whole.unit_bytes, 64u);
+  EXPECT_EQ(datadist::LayerPushView(g, false, LayerPushSpec::kSlotToBlocks).units, 4u);
+  EXPECT_EQ(Refusal([&] { datadist::LayerPushView(g, false, LayerPushSpec::kBlocks); }),
+            "src_block_indices need a blocks cache source");
+}
+
+TEST(CheckAddressSpans, ASpanEndingPast64BitsIsRefused) {
+  Plan p;
+  p.remote_offsets = {200, 0};
+  p.local_offsets = {0, 280};
+  p.lengths = {80, 20};
+  datadist::CheckAddressSpans(p, UINT64_MAX - 280);  // the last span ends at 2**64 - 1
+  EXPECT_EQ(Refusal([&] { datadist::CheckAddressSpans(p, UINT64_MAX - 279); }),
+            "dst address 0xfffffffffffffee8 plus a span offset overflows 64 bits");
+  EXPECT_EQ(Refusal([&] { datadist::CheckAddressSpans(p, UINT64_MAX); }),
+            "dst address 0xffffffffffffffff plus a span offset overflows 64 bits");
+}
+
+TEST(PrepareLayerPushes, OneCallPerLayerByKeyAndPerTensorByAddress) {
+  datadist::Session session{1, 0, 1};
+  ddtest::HostCache cache(6, {4, 16});  // 3 layers of (K, V), 4 blocks of 16 bytes
+  datadist::CacheOptions opts;
+  opts.blocks = true;
+  session.engine().registry().Add(7, cache.desc, cache.addrs, opts);
+  datadist::wire::Request req;
+  req.kind = 3;
+  req.b = 9;
+  req.unit_bytes = 16;
+  LayerPushSpec spec = Spec(LayerPushSpec::kBlocks, 0, {0, 1}, {2, 3}, 0);
+  spec.src_first = 1;  // source layers 1, 2 into destination layers 4, 5
+  spec.dst_first = 4;
+  spec.layers = 2;
+  auto calls = session.PrepareLayerPushes(5, req, spec, 7);
+  ASSERT_EQ(calls.size(), 2u);
+  for (size_t k = 0; k < 2; ++k) {
+    const datadist::Call &c = *calls[k];
+    EXPECT_TRUE(c.write);
+    EXPECT_EQ(c.cluster, 5u);
+    EXPECT_EQ(c.req.b, 9u);
+    EXPECT_EQ(c.req.unit_bytes, 16u);
+    EXPECT_EQ(c.req.tensors,
+              (std::vector<uint32_t>{static_cast<uint32_t>(8 + 2 * k), static_cast<uint32_t>(9 + 2 * k)}));
+    EXPECT_EQ(c.req.offsets, U64s{32});
+    EXPECT_EQ(c.req.lengths, U64s{32});
+    ASSERT_EQ(c.iov.size(), 2u);  // local tensors 2 + 2k, 3 + 2k, blocks 0..1
+    EXPECT_EQ(reinterpret_cast<uint64_t>(c.iov[0].iov_base), cache.addrs[2 + 2 * k]);
+    EXPECT_EQ(reinterpret_cast<uint64_t>(c.iov[1].iov_base), cache.addrs[3 + 2 * k]);
+    EXPECT_EQ(c.bytes, 64u);
+    EXPECT_EQ(c.local_cache, 7);
+  }
+  // By raw address: the whole tensor's slot (a blocks cache cut into destination blocks is one
+  // slot), one call per tensor, the address added to every remote offset.
+  req = {};
+  spec = Spec(LayerPushSpec::kSlotToBlocks, 0, {}, {1, 0}, 32);
+  spec.src_first = 0;
+  spec.layers = 2;
+  spec.dst_addrs = {0x1000, 0x2000, 0x3000, 0x4000};
+  calls = session.PrepareLayerPushes(5, req, spec, 7);
+  ASSERT_EQ(calls.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(calls[i]->req.tensors, std::vector<uint32_t>{0});
+    EXPECT_EQ(calls[i]->req.offsets, (U64s{0x1000 * (i + 1) + 32, 0x1000 * (i + 1)}));
+    EXPECT_EQ(calls[i]->req.lengths, (U64s{32, 32}));
+    EXPECT_EQ(reinterpret_cast<uint64_t>(calls[i]->iov[0].iov_base), cache.addrs[i]);
+  }
+  // Every address is checked before any call is made; the refusals are the planner's.
+  spec.dst_addrs[3] = UINT64_MAX - 40;
+  EXPECT_EQ(Refusal([&] { session.PrepareLayerPushes(5, req, spec, 7); }),
+            "dst address 0xffffffffffffffd7 plus a span offset overflows 64 bits");
+  spec.dst_addrs.pop_back();
+  EXPECT_EQ(Refusal([&] { session.PrepareLayerPushes(5, req, spec, 7); }), "expect 4 dst_addrs, but got 3");
+  spec.dst_addrs.clear();
+  spec.dst_first = UINT32_MAX;
+  EXPECT_EQ(Refusal([&] { session.PrepareLayerPushes(5, req, spec, 7); }),
+            "the layer push's layers reach past the largest tensor index");
+  spec.dst_first = 0;
+  spec.src_first = 2;  // layers 2 and 3 of a 3-layer cache: the local spans' check
+  EXPECT_NE(Refusal([&] { session.PrepareLayerPushes(5, req, spec, 7); }).find("local tensor 6 is out of range"),
+            std::string::npos);
+  EXPECT_EQ(Refusal([&] { session.PrepareLayerPushes(5, req, spec, 8); }),
+            "code " + std::to_string(llm_datadist::LLM_KV_CACHE_NOT_EXIST));
+}
