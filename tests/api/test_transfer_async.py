@@ -15,8 +15,7 @@ import pytest
 
 import datadist as llm
 from datadist.core import layerwise
-from datadist.core.errors import Code, InvalidArgument, NotLinked
-from datadist.core.layout import Geometry
+from datadist.core.errors import Code, NotLinked
 
 from ._support import DECODER_ID, PROMPT_ID, code, units
 
@@ -170,17 +169,20 @@ class TestByKey:
         np.testing.assert_array_equal(b, want)
 
     def test_a_model_s_layers_are_planned_once(self, ra_pair, monkeypatch):
-        """Every request of a model sends the same layers of (often) the same blocks: the
-        second transfer of an 80-layer model to two destinations (into other layers of
-        each) builds no plan (160 plans kept: a cache smaller than the cycle never hits)."""
+        """Every request of a model sends the same layers of (often) the same blocks: each
+        destination's 80 layers are planned and prepared by the core in one call
+        (Engine.prepare_layer_pushes: no span planned in Python, no raw plan handed over),
+        and the second transfer of the model to two destinations (into other layers of
+        each) prepares nothing (160 calls kept)."""
         p, d = ra_pair
         src, a = p.register(160, [4, 16], blocks=True, seed=9)
         _, b = d.register(160, [4, 16], blocks=True, model_id=6)
         _, c = d.register(320, [4, 16], blocks=True, model_id=7)
-        built = []
-        real = layerwise.LayerSpans.plan
-        monkeypatch.setattr(layerwise.LayerSpans, "plan",
-                            lambda self, *args, **kw: built.append(1) or real(self, *args, **kw))
+        planned, raw = [], []
+        core = p.engine._core
+        monkeypatch.setattr(p.engine, "_core", _Spy(
+            core, prepare=lambda *a_, **k: raw.append(1) or core.prepare(*a_, **k),
+            prepare_layer_pushes=lambda **k: planned.append(k) or core.prepare_layer_pushes(**k)))
         cfgs = [llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 6), range(80),
                                                range(80)),
                 llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 7), range(80),
@@ -191,7 +193,9 @@ class TestByKey:
             task = p.cm.transfer_cache_async(src, Sync(), cfgs, [1, 3], [2, 0])
             assert task.synchronize(WAIT) == S.LLM_SUCCESS
             assert task.get_results() == [S.LLM_SUCCESS, S.LLM_SUCCESS]
-            assert len(built) == 160, round_  # 80 layers x 2 destinations, built once
+            # one core call per destination, in the first round only
+            assert [(k["dst_first"], k["layers"]) for k in planned] == [(0, 80), (80, 80)], round_
+            assert raw == []
             for dst, first in ((b, 0), (c, 160)):
                 want = np.zeros_like(dst)
                 units(want, 4)[first:first + 160, [2, 0]] = units(a, 4)[:, [1, 3]]
@@ -415,21 +419,34 @@ class TestArguments:
 
 
 class TestCore:
-    def test_layer_spans(self):
-        g = Geometry(2, 3 * 100, 3)
-        sp = layerwise.slot_to_blocks_spans(g, 1, np.array([5, 6, 0]), 40)
-        # chunks [0,40) [40,80) [80,100) of slot 1; blocks 5 and 6 are adjacent on both sides
-        assert sp.remote_offsets.tolist() == [200, 0]
-        assert sp.local_offsets.tolist() == [100, 180]
-        assert sp.lengths.tolist() == [80, 20]
-        plan = sp.plan([0], [3], remote_base=1 << 20)
-        assert plan.remote_offsets.tolist() == [(1 << 20) + 200, 1 << 20]
-        with pytest.raises(InvalidArgument):
-            layerwise.slot_to_blocks_spans(g, 0, np.array([0, 1, 2]), 50)
-        with pytest.raises(InvalidArgument):
-            layerwise.slot_spans(g, 3)
-        with pytest.raises(InvalidArgument):
-            layerwise.blocks_spans(Geometry(1, 64, 4, True), np.array([4]), np.array([0]), 16)
+    def test_the_core_refuses_spans_with_the_face_s_texts(self, pair):
+        """The spans' refusals are the core's (PlanLayerSpans, CheckAddressSpans), raised from
+        the call as LLMException PARAM_INVALID with the texts the Python planners had."""
+        p, _ = pair
+        src, _ = p.register(2, [3, 100])  # 1 layer, 3 slots of 100 bytes
+        blocks, _ = p.register(2, [4, 16], blocks=True)
+        top = 2**64 - 64  # slot 1 (offset 100) of 100 bytes ends past 2**64 - 1
+        for call, text in [
+            (lambda: p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+                DECODER_ID, [top, 4096], None, 1)]),
+             f"dst address {top:#x} plus a span offset overflows 64 bits"),
+            (lambda: p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+                DECODER_ID, [4096, 8192], None, 0)], None, [0, 1, 2], 50),
+             "3 destination blocks of 50 bytes do not fit a source slot of 100 bytes"),
+            (lambda: p.cm.transfer_cache_async(blocks, Sync(), [llm.TransferConfig(
+                DECODER_ID, [4096, 8192])], [0], [0], 8),
+             "dst_block_memory_size 8 is smaller than a source block (16 bytes)"),
+            (lambda: p.cm.transfer_cache_async(blocks, Sync(), [llm.TransferConfig(
+                DECODER_ID, [4096, 8192])], [4], [0]),
+             "src block 4 out of range [0, 4)"),
+            (lambda: p.cm.transfer_cache_async(src, Sync(), [llm.TransferConfig(
+                DECODER_ID, [4096, 8192])], None, [2**63], 64),
+             f"dst block {2**63} is out of range: its offset (64 bytes a block) overflows "
+             "64 bits"),
+        ]:
+            with code(S.LLM_PARAM_INVALID) as info:
+                call()
+            assert text in str(info.value), (text, str(info.value))
 
     def test_runner_reports_each_job(self):
         sent, reports, done = [], {}, threading.Event()
@@ -611,3 +628,14 @@ class TestBlocksSourceWithoutIndices:
         task = p.cm.transfer_cache_async(src, Sync(), [llm.TransferWithCacheKeyConfig(
             llm.CacheKeyByIdAndIndex(PROMPT_ID, 1), range(1), range(1))])
         assert task.get_results(WAIT) == [S.LLM_NOT_YET_LINK]
+
+
+class _Spy:
+    """An object with some attributes replaced (the core's bound methods are read-only)."""
+
+    def __init__(self, real, **replaced) -> None:
+        self._real = real
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import datadist as llm
+from datadist.api import async_transfer
 from datadist.core import layerwise
 from datadist.core.errors import Code, DatadistError, NotLinked, Timeout
 
@@ -329,8 +330,10 @@ class TestThroughTheFacade:
         assert p.engine.leases(src.cache_id) == 0  # every layer ended: no hold left
         prepares = []
         real_prepare = p.engine._core.prepare
+        real_layers = p.engine._core.prepare_layer_pushes
         p.engine._core = _Spy(p.engine._core, prepare=lambda *a_, **k: (
-            prepares.append(1), real_prepare(*a_, **k))[1])
+            prepares.append(1), real_prepare(*a_, **k))[1],
+            prepare_layer_pushes=lambda **k: (prepares.append(2), real_layers(**k))[1])
         b[:] = 0
         task = p.cm.transfer_cache_async(src, Sync(), [cfg], [0, 1, 2, 3], [3, 2, 1, 0])
         assert task.synchronize(int(WAIT * 1000)) == S.LLM_SUCCESS
@@ -402,23 +405,25 @@ class TestThroughTheFacade:
         # the loop synchronizes at most DEPTH layers before the failure is seen
         assert sync.calls == list(range(len(sync.calls))) and len(sync.calls) <= layerwise.DEPTH
 
-    def test_a_layer_issued_in_part_is_waited_for(self, pair):
-        """Raw addresses send K and V apart: when V's call cannot be made after K's was,
-        the destination reports the refusal at that layer, after K's push ran (in order,
-        in the core), and nothing holds the source cache after."""
+    def test_a_layer_issued_in_part_is_waited_for(self, pair, monkeypatch):
+        """Raw addresses send K and V apart: when V's call cannot be had after K's was
+        handed to the run, the destination reports the refusal at that layer, after K's push
+        ran (in order, in the core), and nothing holds the source cache after."""
         p, d = pair
         src, a = p.register(4, [1, 64], seed=24)
         _, b = d.register(4, [1, 64])
-        real = p.engine.prepared
-        calls = []
+        real_job = async_transfer._Job
 
-        def prepared(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:
-                raise NotLinked("refused after the first tensor's call was made")
-            return real(*args, **kwargs)
+        def job(layers, calls):
+            def parts(i):
+                got = calls(i)  # the core's calls of layer i: K's, then V's
+                yield got[0]
+                if i == layers.start:
+                    raise NotLinked("refused after the first tensor's call was made")
+                yield from got[1:]
+            return real_job(layers, parts)
 
-        p.engine.prepared = prepared
+        monkeypatch.setattr(async_transfer, "_Job", job)
         sync = Sync()
         task = p.cm.transfer_cache_async(src, sync, [llm.TransferConfig(
             DECODER_ID, [int(b[t].ctypes.data) for t in range(4)])])

@@ -43,7 +43,7 @@ same cache-to-cache copy: the source slot lands at the start of each destination
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +51,6 @@ import numpy as np
 
 from datadist.api.checks import check_int, check_isinstance, int_list
 from datadist.api.enums import Placement
-from datadist.api.geometry import exact, prepared_plan
 from datadist.api.status import LLMStatusCode, llm_errors, raise_if_false
 from datadist.api.tasks import CacheTask
 from datadist.api.types import (
@@ -66,8 +65,13 @@ from datadist.api.types import (
 from datadist.core import layerwise
 from datadist.core.errors import Code, DatadistError
 from datadist.core.keys import KeyKind, KeyRef
-from datadist.core.layout import Geometry, checked_add
-from datadist.core.native import NativeEngine
+from datadist.core.layout import Geometry
+from datadist.core.native import (
+    LAYER_BLOCKS,
+    LAYER_SLOT,
+    LAYER_SLOT_TO_BLOCKS,
+    NativeEngine,
+)
 
 if TYPE_CHECKING:
     from datadist._core import Call, LayerRun
@@ -77,6 +81,7 @@ log = logging.getLogger(__name__)
 TENSORS_PER_LAYER = 2  # hard-coded by LLM-DataDist for this API
 WAIT_GRACE = 5.0  # s past an issued layer's own deadline that its end is waited for
 _U64 = 2**64 - 1
+_NO_BLOCKS = np.zeros(0, dtype=np.uint64)
 
 
 def _block_indices(name: str, value: Any) -> np.ndarray | None:
@@ -188,7 +193,8 @@ def _src_unit(cfg: Any) -> int:
 def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: int,
          src_blocks: np.ndarray | None, dst_blocks: np.ndarray | None,
          dbb: int) -> _Job:
-    """Plan one destination: its layers, its spans (same for every layer), its sender."""
+    """One destination: the face's checks of its config, then every layer's calls prepared
+    by the core in one call (spans planned and checked there), kept by the engine."""
     # The original's checks, in its order (v2/llm_utils.py TransferCacheJob.
     # check_transfer_config): with source blocks, src_batch_index must be 0; then the layer
     # range, then (TransferConfig) the number of addresses; its texts start each message.
@@ -207,15 +213,25 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
             raise_if_false(src_unit < geo.units, f"Invalid TransferConfig, src_batch_index "
                            f"({src_unit}) out of range: [0, {geo.units})")
 
-    def spans(unit_bytes_default: int) -> layerwise.LayerSpans:
+    # The spans of a layer, their bounds and every raw address's overflow are the core's
+    # (Session::PrepareLayerPushes, PlanLayerSpans): every layer's calls made here, at once,
+    # its refusals raised from this call.
+    if src_blocks is not None:
+        kind, blocks_dbb = LAYER_BLOCKS, dbb  # 0: a source block apart
+    elif dst_blocks is not None:
+        kind, blocks_dbb = LAYER_SLOT_TO_BLOCKS, dbb
+    else:
+        kind, blocks_dbb = LAYER_SLOT, 0
+
+    def prepare(cluster: int, ref: KeyRef, unit_bytes: int, dst_first: int,
+                dst_addrs: Sequence[int] = ()) -> list[Call]:
         with llm_errors("transfer_cache_async"):
-            if src_blocks is not None:
-                assert dst_blocks is not None
-                return layerwise.blocks_spans(geo, src_blocks, dst_blocks,
-                                              dbb or unit_bytes_default)
-            if dst_blocks is not None:
-                return layerwise.slot_to_blocks_spans(geo, src_unit, dst_blocks, dbb)
-            return layerwise.slot_spans(geo, src_unit)
+            return engine.prepare_layer_pushes(
+                cluster, ref, unit_bytes, cache_id, kind=kind, src_unit=src_unit,
+                src_blocks=src_blocks if src_blocks is not None else _NO_BLOCKS,
+                dst_blocks=dst_blocks if dst_blocks is not None else _NO_BLOCKS,
+                dst_block_bytes=blocks_dbb, src_first=layers.start, dst_first=dst_first,
+                layers=len(layers), tensors_per_layer=n, dst_addrs=dst_addrs)
 
     if isinstance(cfg, TransferConfig):
         cluster = cfg.dst_cluster_id
@@ -224,22 +240,10 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
                        f"{len(cfg.dst_addrs)}, range = {layers}")
         check_unit()
         raise_if_false(all(a != 0 for a in cfg.dst_addrs), "dst_addrs must be non-zero")
-        addrs = list(cfg.dst_addrs)
-        sp = spans(geo.unit_bytes)
-        with llm_errors("transfer_cache_async"):
-            for a in addrs:  # every address + span must stay below 2**64, checked up front
-                checked_add(sp.remote_offsets, sp.lengths, a, "dst address")
-        ref = KeyRef(KeyKind.ADDRESS)
-
-        def address_calls(i: int) -> Iterator[Call]:
-            # each tensor has its own destination address: one push each, in order; one
-            # that cannot be made after another was is the layer's failure after it
-            k = i - layers.start
-            for t in range(n):
-                plan = sp.plan([0], [i * n + t], remote_base=addrs[k * n + t])
-                yield engine.prepared(True, cluster, ref, 0, plan, cache_id)
-
-        return _Job(layers, address_calls)
+        # each tensor has its own destination address: one push each, in order
+        by_tensor = prepare(cluster, KeyRef(KeyKind.ADDRESS), 0, 0, list(cfg.dst_addrs))
+        return _Job(layers, lambda i: by_tensor[(i - layers.start) * n:
+                                                (i - layers.start + 1) * n])
 
     check_unit()
     key = cfg.cache_key
@@ -252,38 +256,20 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
                    f"src_layer_range {cfg.src_layer_range} and dst_layer_range "
                    f"{cfg.dst_layer_range} differ in length")
     cluster = key.cluster_id  # equal to ours is fine: another process may share it (V0)
-    dst_start = cfg.dst_layer_range.start
     if isinstance(key, CacheKeyByIdAndIndex):
         raise_if_false(dst_blocks is None, "a CacheKeyByIdAndIndex destination is contiguous: "
                        "dst_block_indices are not supported")
         ref = KeyRef(KeyKind.CACHE_ID, key.cache_id & _U64, key.batch_index, 0)
         unit_bytes = 0
-        sp = spans(geo.unit_bytes)
     else:
         assert isinstance(key, BlocksCacheKey)
         ref = KeyRef(KeyKind.BLOCKS_KEY, 0, key.model_id & _U64, 0)
         # Without destination blocks the copy lands at offset 0 of each tensor (the
         # original's batch index 0 of a blocks cache): no block size to check.
         unit_bytes = (dbb or geo.unit_bytes) if dst_blocks is not None else 0
-        sp = spans(geo.unit_bytes)
-
-    # The plans of the layers sent together, kept across calls (a model sends the same
-    # layers of the same blocks for every request): the engine's prepared copies key on them.
-    spans_key = ("async", geo, src_unit, _exact(src_blocks), _exact(dst_blocks), dbb)
-    blocks = src_blocks if src_blocks is not None else dst_blocks
-
-    def key_calls(i: int) -> Iterator[Call]:
-        j = dst_start + (i - layers.start)
-        remote, local = tuple(j * n + t for t in range(n)), tuple(i * n + t for t in range(n))
-        plan = prepared_plan(spans_key + (remote, local), lambda: sp.plan(remote, local),
-                             blocks)
-        yield engine.prepared(True, cluster, ref, unit_bytes, plan, cache_id)
-
-    return _Job(layers, key_calls)
-
-
-def _exact(blocks: np.ndarray | None) -> Any:
-    return None if blocks is None else exact(blocks)
+    # one push per layer; kept by the engine for the next transfer of the same layers
+    by_layer = prepare(cluster, ref, unit_bytes, cfg.dst_layer_range.start)
+    return _Job(layers, lambda i: by_layer[i - layers.start:i - layers.start + 1])
 
 
 # Layers let go and not ended yet, at most, and the core's steps at once: layer i is
@@ -297,11 +283,11 @@ AHEAD = layerwise.DEPTH
 @dataclass(frozen=True)
 class _Job:
     """One destination: the source layers it takes (ascending) and the core's prepared calls
-    of one layer, in order (a generator: a call that cannot be made raises after the ones
-    before it were yielded)."""
+    of one layer, in order (Engine.prepare_layer_pushes made them all when the transfer was
+    asked for; a layer whose calls cannot be had raises: its failure, in order)."""
 
     layers: range
-    calls: Callable[[int], Iterator[Call]]
+    calls: Callable[[int], Sequence[Call]]
 
 
 class _CoreLoop:
@@ -367,10 +353,10 @@ class _CoreLoop:
                 self._done()
 
     def _fill(self, run: LayerRun, step_of: dict[int, int]) -> int:
-        """Every layer's calls, prepared now (planned once: the plans and calls are kept for
-        the next transfer of the same layers); one that cannot be made is its layer's
-        failure, in order. Returns the last step the run can reach (the first refused one
-        stops it: no layer after it is awaited)."""
+        """Every layer's calls, handed to the run now (prepared by the core when the transfer
+        was asked for, and kept for the next transfer of the same layers); a layer whose
+        calls cannot be had is its failure, in order. Returns the last step the run can
+        reach (the first refused one stops it: no layer after it is awaited)."""
         last = len(step_of) - 1
         for k, job in enumerate(self._jobs):
             for layer in job.layers:

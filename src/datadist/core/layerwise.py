@@ -2,7 +2,8 @@
 
 Who calls: the loop is the round-9 form of ``transfer_cache_async``'s, which now runs its
 layers in the core (``api/async_transfer.py`` ``_CoreLoop``, ``cpp/src/session.h``
-LayerRun) and uses this module's loop threads, DEPTH and span planners; the loop itself stays
+LayerRun) and uses this module's loop threads and DEPTH; its spans are planned in the core
+(``cpp/src/plan.h`` PlanLayerSpans, Session::PrepareLayerPushes). The loop itself stays
 for ``python -m datadist.bench.stages --async`` (the two side by side) and its tests. It builds
 one :class:`LayerJob` per destination and starts a :class:`LayerwiseTransfer`; one of this
 module's loop threads then calls the user's ``synchronize`` for each layer some job needs, in
@@ -34,9 +35,6 @@ Rules:
 The loop threads are this module's (:class:`_LoopThreads`), kept between transfers: a
 transfer does not pay a thread's start. They call user code (``synchronize``) and so hold
 the GIL then; the core's threads never do.
-
-Also here: the span planners for one layer of such a transfer (geometry lives in core). A
-layer's spans are the same for every layer, so they are computed once per destination.
 """
 
 from __future__ import annotations
@@ -50,10 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
-from datadist.core.errors import Code, DatadistError, InvalidArgument
-from datadist.core.layout import U32, U64, Geometry, Plan, block_offsets, checked_add, coalesce
+from datadist.core.errors import Code, DatadistError
 
 log = logging.getLogger(__name__)
 
@@ -307,92 +302,4 @@ class LayerwiseTransfer:
                 self._report(k, Code.SUCCESS)
 
 
-# --------------------------------------------------------------------------------------------
-# spans of one layer. Remote offsets are relative to what the destination key names (a batch
-# slot, or a tensor base for blocks and raw addresses); local offsets are absolute in the
-# source tensor.
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class LayerSpans:
-    """One layer's spans of a layer-wise transfer: remote and local offsets and lengths,
-    turned into a transfer plan per layer by :meth:`plan`."""
-
-    remote_offsets: np.ndarray
-    local_offsets: np.ndarray
-    lengths: np.ndarray
-
-    def plan(self, remote_tensors: Sequence[int], local_tensors: Sequence[int],
-             remote_base: int = 0) -> Plan:
-        """The plan for one layer's tensors; ``remote_base`` is added to remote offsets (a
-        raw destination address; InvalidArgument when a span would pass 2**64)."""
-        remote = (checked_add(self.remote_offsets, self.lengths, remote_base, "dst address")
-                  if remote_base else self.remote_offsets)
-        return Plan(np.asarray(remote_tensors, dtype=U32), np.asarray(local_tensors, dtype=U32),
-                    remote, self.local_offsets, self.lengths)
-
-
-def _spans(remote: np.ndarray, local: np.ndarray, lengths: np.ndarray) -> LayerSpans:
-    r, lo, n = coalesce(remote.astype(U64), local.astype(U64), lengths.astype(U64))
-    return LayerSpans(r, lo, n)
-
-
-def slot_spans(src: Geometry, src_unit: int) -> LayerSpans:
-    """One whole batch slot of a contiguous source into a destination slot (or address)."""
-    if src.is_blocks:
-        raise InvalidArgument("a blocks cache source needs src_block_indices")
-    if not 0 <= src_unit < src.units:
-        raise InvalidArgument(f"src_batch_index {src_unit} out of range [0, {src.units})")
-    return _spans(np.zeros(1, U64), np.array([src_unit * src.unit_bytes], U64),
-                  np.array([src.unit_bytes], U64))
-
-
-def blocks_spans(src: Geometry, src_blocks: np.ndarray, dst_blocks: np.ndarray,
-                 dst_block_bytes: int) -> LayerSpans:
-    """Block ``src_blocks[i]`` into destination block ``dst_blocks[i]`` (``dst_block_bytes``
-    apart at the destination; each copy is one source block)."""
-    s = np.asarray(src_blocks, dtype=U64)
-    d = np.asarray(dst_blocks, dtype=U64)
-    if s.size == 0 or s.size != d.size:
-        raise InvalidArgument(
-            f"src_block_indices ({s.size}) and dst_block_indices ({d.size}) must be "
-            "non-empty and of the same length"
-        )
-    if int(s.max()) >= src.units:
-        raise InvalidArgument(f"src block {int(s.max())} out of range [0, {src.units})")
-    if dst_block_bytes < src.unit_bytes:
-        raise InvalidArgument(
-            f"dst_block_memory_size {dst_block_bytes} is smaller than a source block "
-            f"({src.unit_bytes} bytes)"
-        )
-    bb = np.uint64(src.unit_bytes)
-    return _spans(block_offsets(d, dst_block_bytes, "dst block"), s * bb,
-                  np.full(s.size, bb, dtype=U64))
-
-
-def slot_to_blocks_spans(src: Geometry, src_unit: int, dst_blocks: np.ndarray,
-                         dst_block_bytes: int) -> LayerSpans:
-    """A contiguous slot cut into ``dst_block_bytes`` chunks: chunk k -> ``dst_blocks[k]``.
-    The last chunk may be short; every chunk must start inside the slot."""
-    if src.is_blocks:
-        raise InvalidArgument("a blocks cache source needs src_block_indices")
-    if not 0 <= src_unit < src.units:
-        raise InvalidArgument(f"src_batch_index {src_unit} out of range [0, {src.units})")
-    d = np.asarray(dst_blocks, dtype=U64)
-    if dst_block_bytes <= 0:
-        raise InvalidArgument("dst_block_memory_size must be > 0 for a transfer into blocks")
-    stride = src.unit_bytes
-    # In Python ints: (n - 1) * size in uint64 could wrap below the stride.
-    if d.size == 0 or (d.size - 1) * dst_block_bytes >= stride:
-        raise InvalidArgument(
-            f"{d.size} destination blocks of {dst_block_bytes} bytes do not fit a source "
-            f"slot of {stride} bytes"
-        )
-    starts = np.arange(d.size, dtype=U64) * np.uint64(dst_block_bytes)
-    lengths = np.minimum(np.uint64(dst_block_bytes), np.uint64(stride) - starts)
-    return _spans(block_offsets(d, dst_block_bytes, "dst block"),
-                  starts + np.uint64(src_unit * stride), lengths)
-
-
-__all__ = ["DEPTH", "Ended", "LayerJob", "LayerSpans", "LayerwiseTransfer", "Pending",
-           "blocks_spans", "slot_spans", "slot_to_blocks_spans"]
+__all__ = ["DEPTH", "Ended", "LayerJob", "LayerwiseTransfer", "Pending"]

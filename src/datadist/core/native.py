@@ -224,6 +224,7 @@ class NativeHandle:
 
 # Session::PreparePull's kinds of pull (PullSpec::Kind, cpp/src/plan.h).
 PULL_SLOT, PULL_BLOCKS, PULL_SLOT_TO_BLOCKS = 0, 1, 2
+LAYER_SLOT, LAYER_BLOCKS, LAYER_SLOT_TO_BLOCKS = 0, 1, 2  # prepare_layer_pushes kinds
 _NO_BLOCKS = np.zeros(0, dtype=np.uint64)
 _U64 = 2**64 - 1
 _NO_BLOCKS.flags.writeable = False
@@ -246,6 +247,10 @@ class NativeEngine:
         # whatever happens to the cache: every run holds it in the core and refuses one that
         # is gone or no longer the memory the call was made for (Session::Run).
         self._calls: Prepared[Call] = Prepared(KEPT, lambda call: int(call.spans))
+        # transfer_cache_async's calls of one destination's layers (prepare_layer_pushes), by
+        # its whole spec: a model's next transfer of the same layers prepares nothing.
+        self._layer_calls: Prepared[list[Call]] = Prepared(
+            KEPT, lambda calls: sum(int(call.spans) for call in calls))
         self._core_module = mod
         self._core = mod.Engine(config.cluster_id, config.role, ASYNC_THREADS)
         self._core.set_model_map(True)  # BlocksCacheKey model ids name caches (bind_model)
@@ -692,6 +697,47 @@ class NativeEngine:
         return self._core.prepare_push(
             cluster_id, int(key.kind), key.a, key.b, key.c, cache_id, blocks, batch_index, size,
             src_blocks, dst_blocks, remote_first, local_first, count)
+
+    def prepare_layer_pushes(self, cluster_id: int, key: p.KeyRef, unit_bytes: int,
+                             cache_id: int, *, kind: int, src_unit: int = 0,
+                             src_blocks: np.ndarray = _NO_BLOCKS,
+                             dst_blocks: np.ndarray = _NO_BLOCKS, dst_block_bytes: int = 0,
+                             src_first: int, dst_first: int, layers: int,
+                             tensors_per_layer: int,
+                             dst_addrs: Sequence[int] = ()) -> list[Call]:
+        """transfer_cache_async's pushes of one destination, every layer's, planned, checked and
+        made ready to run by the core in one call (Session::PrepareLayerPushes): source layer
+        ``src_first + k`` into destination layer ``dst_first + k`` for ``k < layers``, each
+        layer's spans those of ``kind`` (LAYER_SLOT, LAYER_BLOCKS, LAYER_SLOT_TO_BLOCKS), one
+        call per layer by key, one per tensor of each layer (layer-major) to ``dst_addrs``.
+        InvalidArgument with the Python API's texts, CacheNotFound. The calls are kept for the
+        next transfer of the same layers (block lists of up to SMALL_REQUEST blocks): the
+        core's runs hold the cache and refuse one that is gone or other memory. A refusal of
+        a finalized engine here (Closed), counted. Called on the caller's thread by
+        api/async_transfer.py; never blocks."""
+        if self._closed:
+            error = Closed("the engine is finalized")
+            self._refused("push", cluster_id, time.perf_counter(), error)
+            raise error
+        keep = max(len(src_blocks), len(dst_blocks)) <= SMALL_REQUEST
+        ident = None
+        if keep:
+            ident = (cluster_id, key, unit_bytes, cache_id, kind, src_unit, src_blocks.tobytes(),
+                     dst_blocks.tobytes(), dst_block_bytes, src_first, dst_first, layers,
+                     tensors_per_layer, tuple(dst_addrs))
+            kept = self._layer_calls.find(ident)
+            if kept is not None:
+                return kept
+        calls = self._core.prepare_layer_pushes(
+            cluster_id=cluster_id, key_kind=int(key.kind), a=key.a, b=key.b, c=key.c,
+            unit_bytes=unit_bytes, cache_id=cache_id, kind=kind, src_unit=src_unit,
+            src_blocks=src_blocks, dst_blocks=dst_blocks, dst_block_bytes=dst_block_bytes,
+            src_first=src_first, dst_first=dst_first, layers=layers,
+            tensors_per_layer=tensors_per_layer,
+            dst_addrs=np.asarray(dst_addrs, dtype=np.uint64) if dst_addrs else _NO_BLOCKS)
+        if ident is not None:
+            self._layer_calls.put(ident, calls)
+        return calls
 
     def _closed_refusal(self, call: Call) -> Closed:
         error = Closed("the engine is finalized")
