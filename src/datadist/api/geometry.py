@@ -9,39 +9,19 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable
-from typing import Any
 
 from datadist.api.enums import DataType
 from datadist.api.status import llm_errors, raise_if_false
 from datadist.api.types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex
 from datadist.core import layout
 from datadist.core.keys import KeyKind, KeyRef
-from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 
 _U64 = 2**64 - 1
-_PLANS: Prepared[layout.Plan] = Prepared(KEPT, lambda plan: len(plan.lengths) * 3)
-
-
-def prepared_plan(key: tuple[Hashable, ...], build: Callable[[], layout.Plan],
-                  blocks: Any = None) -> layout.Plan:
-    """The plan ``build`` makes, kept for the next call with the same ``key`` (every input
-    of ``build``; block arrays as :func:`exact`). Requests of more than SMALL_REQUEST blocks
-    (``blocks``, an array) are built each time: their keys cost more to hash, and their
-    copies dwarf the build."""
-    if blocks is not None and len(blocks) > SMALL_REQUEST:
-        return build()
-    return _PLANS.get(key, build)
 
 
 def layer_pair(r: range | None) -> tuple[int, int] | None:
     """A checked layer range (step 1) as the ``(start, stop)`` pair Engine.prepare_pull takes."""
     return None if r is None else (r.start, r.stop)
-
-
-def exact(arr: Any) -> tuple[str, tuple[int, ...], bytes]:
-    """A numpy array as part of a key: equal keys, equal arrays."""
-    return arr.dtype.str, arr.shape, arr.tobytes()
 
 
 def geometry_of(desc: CacheDesc, *, blocks: bool) -> layout.Geometry:

@@ -227,19 +227,6 @@ def block_offsets(blocks: np.ndarray, block_bytes: int, name: str) -> np.ndarray
     return offsets
 
 
-def checked_add(offsets: np.ndarray, lengths: np.ndarray, base: int, name: str) -> np.ndarray:
-    """``base + offsets`` (uint64), refusing a span whose end passes 2**64 - 1."""
-    if base < 0 or base > 2**64 - 1:
-        raise InvalidArgument(f"{name} {base} is not a 64-bit address")
-    if len(offsets):
-        room = np.uint64(2**64 - 1 - base)
-        if bool((offsets > room).any()) or bool((lengths > room - np.minimum(offsets, room))
-                                                .any()):
-            raise InvalidArgument(f"{name} {base:#x} plus a span offset overflows 64 bits")
-    addrs: np.ndarray = offsets + np.uint64(base)
-    return addrs
-
-
 def _freeze(*arrays: np.ndarray) -> None:
     for a in arrays:
         a.flags.writeable = False

@@ -7,14 +7,13 @@ itself; :class:`Prepared` keeps the last results, keyed by the exact inputs they
 from (so a hit is the same result a build would give).
 
 Who calls: the API layer (planned requests, api/planned.py: a pull's checked arguments and
-the call the core planned for them, Engine.prepare_pull; transfer_cache_async's per-layer
-plans, keyed by the local geometry, the block lists' bytes and the layer ranges; only small
-requests, whose keys are cheap to hash) and the engine (the core's prepared calls of
-transfer_cache_async's pushes, keyed by plan, local cache, cluster, key and direction: the
-core checks the local spans when it makes one, and every run holds the cache and refuses one
-that is gone). What each map saves is measured in docs/performance.md ("Round 9"; a pull's
-one map: "The core plans the Python face's pulls and pushes"). Thread-safe; never blocks
-beyond a dict update.
+the call the core planned for them, Engine.prepare_pull; only small requests, whose keys are
+cheap to hash) and the engine (the core's prepared calls: of a raw plan, keyed by plan, local
+cache, cluster, key and direction; of transfer_cache_async's destinations, every layer's
+calls keyed by the whole spec, Engine.prepare_layer_pushes: the core checks the local spans
+when it makes one, and every run holds the cache and refuses one that is gone). What each
+map saves is measured in docs/performance.md ("Round 9"; a pull's one map: "The core plans
+the Python face's pulls and pushes"). Thread-safe; never blocks beyond a dict update.
 """
 
 from __future__ import annotations
