@@ -72,9 +72,11 @@ inline int Notify(const char *ip, uint16_t port) {
   return -1;
 }
 
-/// Waits (up to timeout_s) for one connection on `port` and its byte.
-inline int WaitNotified(uint16_t port, int timeout_s) {
+/// Listens on `port` for the peer's notice (WaitNotified); -1 if the port cannot be had.
+/// Taken before the data port is announced, so a port another process holds is found at once.
+inline int ListenForNotice(uint16_t port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
   int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
@@ -85,6 +87,11 @@ inline int WaitNotified(uint16_t port, int timeout_s) {
     close(fd);
     return -1;
   }
+  return fd;
+}
+
+/// Waits (up to timeout_s) for one connection on `fd` (ListenForNotice) and its byte; closes fd.
+inline int WaitNotified(int fd, int timeout_s) {
   timeval tv{timeout_s, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   int c = accept(fd, nullptr, nullptr);

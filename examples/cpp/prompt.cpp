@@ -21,6 +21,13 @@ int main(int argc, char **argv) {
   const auto port = static_cast<uint16_t>(std::atoi(argv[2]));
   const auto control_port = static_cast<uint16_t>(std::atoi(argv[3]));
 
+  // The port the decoder reports back on, taken before anything is announced.
+  const int notice_fd = example::ListenForNotice(control_port);
+  if (notice_fd < 0) {
+    std::printf("[ERROR] cannot listen on control port %u\n", control_port);
+    return 1;
+  }
+
   LlmDataDist llm_datadist(example::kPromptClusterId, LlmRole::kPrompt);
   std::map<AscendString, AscendString> options;
   options[OPTION_DEVICE_ID] = "0";
@@ -52,7 +59,7 @@ int main(int argc, char **argv) {
               static_cast<long>(source_id), static_cast<long>(landing_id));
   std::fflush(stdout);
 
-  if (example::WaitNotified(control_port, 60) != 0) {
+  if (example::WaitNotified(notice_fd, 60) != 0) {
     std::printf("[ERROR] the decoder did not report back\n");
     return 1;
   }

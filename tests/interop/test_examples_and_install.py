@@ -42,8 +42,11 @@ int main() {
 def _start_prompt(ex: Path) -> tuple[subprocess.Popen, int, int]:
     """The example prompt, once it listens. A free port can be taken by another process
     before the prompt binds it (tests of other projects run here too): then try new ports."""
+    first = ""
     for _ in range(5):
         port, control = free_port(), free_port()
+        if port == control:  # two calls may be handed the same free port
+            continue
         prompt = subprocess.Popen([str(ex / "dd_example_prompt"), "127.0.0.1", str(port),
                                    str(control)], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
@@ -66,7 +69,8 @@ def test_examples_prompt_and_decoder(cpp_build: Path) -> None:
         if prompt.poll() is None:
             prompt.kill()
             prompt.wait()
-    assert decoder.returncode == 0, decoder.stdout + decoder.stderr
+    assert decoder.returncode == 0, (decoder.stdout + decoder.stderr
+                                     + f"\n--- the prompt (exit {prompt.returncode}):\n{out}")
     assert "PullKvBlocks: every byte of blocks 1..7 is right" in decoder.stdout
     assert prompt.returncode == 0, out
     assert "every byte the decoder pushed is right" in out
