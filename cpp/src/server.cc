@@ -432,6 +432,18 @@ bool NextSpans(ServeJob &job, std::vector<iovec> &out) {
   return true;
 }
 
+/// READ_DATA's header and the first part of the read's spans, queued together, so that a
+/// small read leaves in one send (the header sent alone made two, and a second wake-up of the
+/// reader). Later parts follow, one a step (Progress).
+void QueueReadData(ServeJob &job, PeerStream &s) {
+  s.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, job.rid));
+  std::vector<iovec> part;
+  if (NextSpans(job, part)) {
+    s.QueueSpans(part);
+    ++job.parts_this_step;
+  }
+}
+
 /// The transfer in progress, once what was queued before it has gone: true when it may go on
 /// now (or is done), false when it waits for the socket (or, summing, for its next step).
 bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
@@ -467,7 +479,7 @@ bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
     }
     job.checksum_frame = wire::EncodeChecksum(job.sum_crc, job.sum_bytes, job.rid);
     job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, job.cluster, job.asked);
-    s.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, job.rid));
+    QueueReadData(job, s);
     return true;
   }
   if (job.kind == ServeJob::Kind::kRead && !job.tail && job.next_span < job.lease->spans()) {
@@ -1562,7 +1574,7 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
         return true;
       }
       job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeRead, ctx.cluster, asked);
-      c.Queue(wire::EncodeU64(wire::kReadData, job.lease->nbytes, rid));  // its spans follow (Progress)
+      QueueReadData(job, c);  // with its first part of spans; the rest follow (Progress)
       return true;
     }
     case wire::kWrite: {

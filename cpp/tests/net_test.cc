@@ -53,7 +53,7 @@
 #endif
 
 namespace calls {
-enum Kind { kEpollCtl, kEpollDel, kRecv, kPoll, kGetpid, kKinds };
+enum Kind { kEpollCtl, kEpollDel, kRecv, kPoll, kGetpid, kSend, kKinds };
 std::atomic<bool> on{false};
 std::atomic<std::thread::id> puller{};
 std::atomic<size_t> counts[2][kKinds];  // [0]: the puller, [1]: the owner
@@ -89,6 +89,11 @@ int poll(struct pollfd *fds, nfds_t n, int ms) {
   static const auto real = calls::Real<int (*)(pollfd *, nfds_t, int)>("poll");
   calls::Count(calls::kPoll);
   return real(fds, n, ms);
+}
+ssize_t sendmsg(int fd, const struct msghdr *msg, int flags) {
+  static const auto real = calls::Real<ssize_t (*)(int, const msghdr *, int)>("sendmsg");
+  calls::Count(calls::kSend);
+  return real(fd, msg, flags);
 }
 pid_t getpid() noexcept {
   static const auto real = calls::Real<pid_t (*)()>("getpid");
@@ -517,7 +522,8 @@ TEST(WireCalls, ASmallTcpPullMakesNoCallTheBytesDoNotNeed) {
     for (auto &c : side) c = SIZE_MAX;
   auto within = [&] {
     return best[1][calls::kEpollCtl] <= 1.5 * kPulls && best[1][calls::kRecv] <= 1.5 * kPulls &&
-           best[0][calls::kPoll] <= 1.5 * kPulls && best[0][calls::kRecv] <= 2.5 * kPulls;
+           best[1][calls::kSend] <= 1.5 * kPulls && best[0][calls::kPoll] <= 1.5 * kPulls &&
+           best[0][calls::kRecv] <= 2.5 * kPulls;
   };
   for (int round = 0; round < 5 && !(round > 0 && within()); ++round) {
     for (auto &side : calls::counts)
@@ -530,14 +536,15 @@ TEST(WireCalls, ASmallTcpPullMakesNoCallTheBytesDoNotNeed) {
   }
   EXPECT_EQ(std::memcmp(got.data(), pair.owned.T(0), got.size()), 0);
   auto per = [&](int side, calls::Kind k) { return static_cast<double>(best[side][k]) / kPulls; };
-  std::printf("a pull: owner %.2f epoll_ctl, %.2f recv, %.2f getpid; puller %.2f poll, %.2f recv\n",
-              per(1, calls::kEpollCtl), per(1, calls::kRecv), per(1, calls::kGetpid), per(0, calls::kPoll),
-              per(0, calls::kRecv));
+  std::printf("a pull: owner %.2f epoll_ctl, %.2f recv, %.2f sendmsg, %.2f getpid; puller %.2f poll, %.2f recv\n",
+              per(1, calls::kEpollCtl), per(1, calls::kRecv), per(1, calls::kSend), per(1, calls::kGetpid),
+              per(0, calls::kPoll), per(0, calls::kRecv));
   // Bounds between the figures before and now.
   EXPECT_LE(per(1, calls::kEpollCtl), 1.5) << "the owner re-arms a connection with one MOD";
   EXPECT_EQ(per(1, calls::kEpollDel), 0.0) << "nor takes it out of the set when its event comes";
   EXPECT_LE(per(1, calls::kRecv), 1.5) << "the owner reads a request in one recv, none after serving";
   EXPECT_EQ(per(1, calls::kGetpid), 0.0) << "CheckOwnMemory's pid is taken once";
+  EXPECT_LE(per(1, calls::kSend), 1.5) << "READ_DATA's header and its data leave in one sendmsg";
   EXPECT_LE(per(0, calls::kPoll), 1.5) << "no idle-check poll between back-to-back pulls";
   EXPECT_LE(per(0, calls::kRecv), 2.5) << "the answer's header, READ_DATA's 8 bytes and the data in one";
 #endif
