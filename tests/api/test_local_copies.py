@@ -9,7 +9,6 @@ the bytes that must stay untouched.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import numpy as np
@@ -20,6 +19,7 @@ from datadist.api.cache_manager import CacheManager
 from datadist.core.errors import CacheNotFound, InvalidArgument
 from datadist.core.layout import Geometry
 from datadist.core.native import NativeEngine
+from datadist.testing.doubles import BusyCounter
 
 from ._support import PROMPT_ID, code, units
 
@@ -33,27 +33,6 @@ def side(make_side):
 
 
 # ================================================================================ the core's copies
-
-
-class _Busy:
-    """A pure-Python thread counting loop steps until stopped (it runs only with the GIL)."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.steps += 1
-
-    def __enter__(self) -> _Busy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join(10)
 
 
 class TestCorePlanner:
@@ -211,7 +190,7 @@ class TestCorePlanner:
         old = sys.getswitchinterval()
         try:
             sys.setswitchinterval(1.0)
-            with _Busy() as busy:
+            with BusyCounter() as busy:
                 time.sleep(0.01)  # the busy thread runs; we get the lock back by the interval
                 assert busy.steps > 0
                 before = busy.steps
@@ -222,7 +201,7 @@ class TestCorePlanner:
             # only if they let the lock go (the system must schedule it during one of them;
             # we then wait up to the interval to get the lock back)
             sys.setswitchinterval(0.1)
-            with _Busy() as busy:
+            with BusyCounter() as busy:
                 time.sleep(0.01)
                 before = busy.steps
                 for _ in range(10):

@@ -16,6 +16,7 @@ import pytest
 import datadist as llm
 from datadist.core import layerwise
 from datadist.core.errors import Code, NotLinked
+from datadist.testing.doubles import Spy
 
 from ._support import DECODER_ID, PROMPT_ID, code, units
 
@@ -180,7 +181,7 @@ class TestByKey:
         _, c = d.register(320, [4, 16], blocks=True, model_id=7)
         planned, raw = [], []
         core = p.engine._core
-        monkeypatch.setattr(p.engine, "_core", _Spy(
+        monkeypatch.setattr(p.engine, "_core", Spy(
             core, prepare=lambda *a_, **k: raw.append(1) or core.prepare(*a_, **k),
             prepare_layer_pushes=lambda **k: planned.append(k) or core.prepare_layer_pushes(**k)))
         cfgs = [llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 6), range(80),
@@ -630,12 +631,3 @@ class TestBlocksSourceWithoutIndices:
         assert task.get_results(WAIT) == [S.LLM_NOT_YET_LINK]
 
 
-class _Spy:
-    """An object with some attributes replaced (the core's bound methods are read-only)."""
-
-    def __init__(self, real, **replaced) -> None:
-        self._real = real
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)

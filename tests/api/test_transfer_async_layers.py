@@ -26,6 +26,7 @@ import datadist as llm
 from datadist.api import async_transfer
 from datadist.core import layerwise
 from datadist.core.errors import Code, DatadistError, NotLinked, Timeout
+from datadist.testing.doubles import Spy
 
 from ._support import DECODER_ID, units
 
@@ -331,7 +332,7 @@ class TestThroughTheFacade:
         prepares = []
         real_prepare = p.engine._core.prepare
         real_layers = p.engine._core.prepare_layer_pushes
-        p.engine._core = _Spy(p.engine._core, prepare=lambda *a_, **k: (
+        p.engine._core = Spy(p.engine._core, prepare=lambda *a_, **k: (
             prepares.append(1), real_prepare(*a_, **k))[1],
             prepare_layer_pushes=lambda **k: (prepares.append(2), real_layers(**k))[1])
         b[:] = 0
@@ -432,17 +433,6 @@ class TestThroughTheFacade:
         np.testing.assert_array_equal(b[0], a[0])  # K of layer 0 went out
         assert not b[1:].any()
         assert p.engine.leases(src.cache_id) == 0  # no transfer holds the source
-
-
-class _Spy:
-    """An object with some attributes replaced (the core's bound methods are read-only)."""
-
-    def __init__(self, real, **replaced) -> None:
-        self._real = real
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
 
 
 class TestLayerRanges:

@@ -30,32 +30,12 @@ from datadist.core.config import EngineConfig
 from datadist.core.errors import Timeout
 from datadist.core.layout import Geometry, every_tensor, plan_slot
 from datadist.core.native import NativeEngine
+from datadist.testing.doubles import BusyCounter
 from datadist.wire import protocol as p
 
 BYTES = 16 << 10
 HOLD_BYTES = 1 << 20  # gil.h's kHoldBytes: the largest call that keeps the GIL
 OWNER_ID, PULLER_ID = 1, 2
-
-
-class Counter:
-    """A pure-Python thread counting loop steps until stopped."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop:
-            self.steps += 1
-
-    def __enter__(self) -> Counter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join(10)
 
 
 class Proxy:
@@ -200,7 +180,7 @@ def test_a_leased_same_host_pull_never_lets_a_busy_thread_run(make_pair, switch_
         pytest.skip(f"no same-host lease here: pulls move by {pr.puller.last_moved(OWNER_ID)}")
     assert pr.pulled_right()
     switch_interval(1.0)
-    with Counter() as busy:
+    with BusyCounter() as busy:
         time.sleep(0.01)  # the busy thread runs; we get the GIL back by the interval
         assert busy.steps > 0
         before = busy.steps
@@ -227,7 +207,7 @@ def test_a_small_tcp_pull_keeps_the_gil_through_a_quick_answer(make_pair,
     assert pr.pulled_right()
     switch_interval(0.1)
     handed = 0
-    with Counter() as busy:
+    with BusyCounter() as busy:
         time.sleep(0.01)
         for _ in range(20):
             before = busy.steps
@@ -271,7 +251,7 @@ def test_two_threads_on_one_link_with_a_slow_owner_both_end(make_pair) -> None:
 
     try:
         pr.link(proxy.address)
-        with Counter() as busy:
+        with BusyCounter() as busy:
             threads = [threading.Thread(target=puller) for _ in range(2)]
             for t in threads:
                 t.start()
@@ -290,7 +270,7 @@ def test_a_dead_peer_still_ends_the_pull_at_its_deadline(stalled_pair) -> None:
     """A linked owner that stops answering (the proxy forwards nothing more): the pull fails
     LLM_TIMEOUT at its deadline, and another Python thread ran while it waited."""
     pr, _ = stalled_pair
-    with Counter() as busy:
+    with BusyCounter() as busy:
         time.sleep(0.01)
         before = busy.steps
         t0 = time.monotonic()
