@@ -59,6 +59,62 @@ std::vector<uint64_t> ToVector(const U64Array &a) {
   return std::vector<uint64_t>(p, p + a.size());
 }
 
+/// A block list as prepare_pull / prepare_push / prepare_layer_pushes take it: a view of the
+/// caller's numpy buffer when it is C-contiguous, aligned, native-order 64-bit integers (uint64,
+/// or int64, whose negative items read as their uint64 wrap, as numpy's cast makes them);
+/// anything else (a list, another dtype, strides) converted to uint64 once, as U64Array. The
+/// planner reads it while the call holds the GIL (Session::PreparePull never lets it go), so
+/// nothing changes the buffer meanwhile, and keeps nothing of it: the plan copies what it needs.
+/// A view instead of a vector: a 100k-block pull copied 1.6 MB of lists, which kept each
+/// call's freed memory above glibc's trim threshold (docs/performance.md, "Round 12").
+struct BlockIds {
+  py::object keep;  // the array viewed, or the converted copy
+  datadist::Blocks view;
+};
+
+}  // namespace
+
+namespace pybind11::detail {
+template <>
+struct type_caster<BlockIds> {
+  PYBIND11_TYPE_CASTER(BlockIds, const_name("numpy.typing.NDArray[numpy.uint64]"));
+  bool load(handle src, bool convert) {
+    if (isinstance<array>(src)) {
+      auto a = reinterpret_borrow<array>(src);
+      const dtype dt = a.dtype();
+      const int need = array::c_style | npy_api::NPY_ARRAY_ALIGNED_;
+      if ((a.flags() & need) == need && dt.itemsize() == 8 && (dt.kind() == 'u' || dt.kind() == 'i') &&
+          dt.byteorder() != '>') {
+        value.view = datadist::Blocks::Of(static_cast<const uint64_t *>(a.data()), static_cast<size_t>(a.size()));
+        value.keep = std::move(a);
+        return true;
+      }
+    }
+    if (!convert) return false;
+    U64Array a = U64Array::ensure(src);  // a copy (ensure clears the error of what it refuses)
+    if (!a) return false;
+    value.view = datadist::Blocks::Of(a.data(), static_cast<size_t>(a.size()));
+    value.keep = std::move(a);
+    return true;
+  }
+  static handle cast(const BlockIds &, return_value_policy, handle) = delete;
+};
+}  // namespace pybind11::detail
+
+namespace {
+
+/// The request naming a remote cache by the Python face's key (datadist.core.keys.KeyRef:
+/// kind, a, b, c), as prepare_pull / prepare_push / prepare_layer_pushes state it; the core
+/// sets the rest.
+datadist::wire::Request KeyRequest(uint8_t key_kind, uint64_t a, uint64_t b, uint64_t c) {
+  datadist::wire::Request req;
+  req.kind = key_kind;
+  req.a = a;
+  req.b = b;
+  req.c = c;
+  return req;
+}
+
 /// (op, cluster_id, transfers, bytes, {status name: count}, bucket counts, nanoseconds) per series.
 using MetricsTable =
     py::typing::List<py::typing::Tuple<py::str, uint64_t, uint64_t, uint64_t, py::typing::Dict<py::str, uint64_t>,
@@ -914,11 +970,7 @@ PYBIND11_MODULE(_core, m) {
              uint64_t unit_bytes, uint32_t flags, int64_t cache_id, const U32Array &remote_tensors,
              const U64Array &remote_offsets, const U64Array &lengths, const U32Array &local_tensors,
              const U64Array &local_offsets) {
-            datadist::wire::Request req;
-            req.kind = kind;
-            req.a = a;
-            req.b = b;
-            req.c = cc;
+            datadist::wire::Request req = KeyRequest(kind, a, b, cc);
             req.unit_bytes = unit_bytes;
             req.flags = flags;
             datadist::Plan plan;  // copied: the arrays are Python's
@@ -940,15 +992,11 @@ PYBIND11_MODULE(_core, m) {
           "prepare_pull",
           [](Core &c, uint64_t cluster, uint8_t key_kind, uint64_t a, uint64_t b, uint64_t cc, bool checksum,
              int64_t cache_id, uint8_t kind, uint64_t batch_index, int64_t size, uint64_t src_offset,
-             uint64_t dst_offset, const U64Array &src_blocks, const U64Array &dst_blocks,
+             uint64_t dst_offset, const BlockIds &src_blocks, const BlockIds &dst_blocks,
              std::optional<std::pair<uint64_t, uint64_t>> src_layers,
              std::optional<std::pair<uint64_t, uint64_t>> dst_layers, int64_t tensor_num_per_layer) {
             if (kind > datadist::PullSpec::kSlotToBlocks) datadist::Invalid("unknown pull kind " + std::to_string(kind));
-            datadist::wire::Request req;
-            req.kind = key_kind;
-            req.a = a;
-            req.b = b;
-            req.c = cc;
+            datadist::wire::Request req = KeyRequest(key_kind, a, b, cc);
             if (checksum) req.flags |= datadist::wire::kFlagChecksum;
             datadist::PullSpec spec;
             spec.kind = static_cast<datadist::PullSpec::Kind>(kind);
@@ -956,8 +1004,8 @@ PYBIND11_MODULE(_core, m) {
             spec.size = size;
             spec.src_offset = src_offset;
             spec.dst_offset = dst_offset;
-            spec.src_blocks = ToVector(src_blocks);
-            spec.dst_blocks = ToVector(dst_blocks);
+            spec.src_blocks = src_blocks.view;
+            spec.dst_blocks = dst_blocks.view;
             if (src_layers) spec.src_layers = {true, src_layers->first, src_layers->second};
             if (dst_layers) spec.dst_layers = {true, dst_layers->first, dst_layers->second};
             spec.tensor_num_per_layer = tensor_num_per_layer;
@@ -977,23 +1025,18 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "prepare_push",
           [](Core &c, uint64_t cluster, uint8_t key_kind, uint64_t a, uint64_t b, uint64_t cc, int64_t cache_id,
-             bool blocks, uint64_t batch_index, int64_t size, const U64Array &src_blocks, const U64Array &dst_blocks,
+             bool blocks, uint64_t batch_index, int64_t size, const BlockIds &src_blocks, const BlockIds &dst_blocks,
              uint64_t remote_first, uint64_t local_first, uint64_t count) {
-            datadist::wire::Request req;
-            req.kind = key_kind;
-            req.a = a;
-            req.b = b;
-            req.c = cc;
             datadist::PushSpec spec;
             spec.blocks = blocks;
             spec.batch_index = batch_index;
             spec.size = size;
-            spec.src_blocks = ToVector(src_blocks);
-            spec.dst_blocks = ToVector(dst_blocks);
+            spec.src_blocks = src_blocks.view;
+            spec.dst_blocks = dst_blocks.view;
             spec.remote_first = remote_first;
             spec.local_first = local_first;
             spec.count = count;
-            return c.PreparePush(cluster, std::move(req), spec, cache_id);
+            return c.PreparePush(cluster, KeyRequest(key_kind, a, b, cc), spec, cache_id);
           },
           py::arg("cluster_id"), py::arg("key_kind"), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("cache_id"),
           py::arg("blocks"), py::arg("batch_index"), py::arg("size"), py::arg("src_blocks"), py::arg("dst_blocks"),
@@ -1006,22 +1049,18 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "prepare_layer_pushes",
           [](Core &c, uint64_t cluster, uint8_t key_kind, uint64_t a, uint64_t b, uint64_t cc, uint64_t unit_bytes,
-             int64_t cache_id, uint8_t kind, uint64_t src_unit, const U64Array &src_blocks, const U64Array &dst_blocks,
+             int64_t cache_id, uint8_t kind, uint64_t src_unit, const BlockIds &src_blocks, const BlockIds &dst_blocks,
              uint64_t dst_block_bytes, uint64_t src_first, uint64_t dst_first, uint64_t layers,
              uint64_t tensors_per_layer, const U64Array &dst_addrs) {
             if (kind > datadist::LayerPushSpec::kSlotToBlocks)
               datadist::Invalid("unknown layer push kind " + std::to_string(kind));
-            datadist::wire::Request req;
-            req.kind = key_kind;
-            req.a = a;
-            req.b = b;
-            req.c = cc;
+            datadist::wire::Request req = KeyRequest(key_kind, a, b, cc);
             req.unit_bytes = unit_bytes;
             datadist::LayerPushSpec spec;
             spec.kind = static_cast<datadist::LayerPushSpec::Kind>(kind);
             spec.src_unit = src_unit;
-            spec.src_blocks = ToVector(src_blocks);
-            spec.dst_blocks = ToVector(dst_blocks);
+            spec.src_blocks = src_blocks.view;
+            spec.dst_blocks = dst_blocks.view;
             spec.dst_block_bytes = dst_block_bytes;
             spec.src_first = src_first;
             spec.dst_first = dst_first;

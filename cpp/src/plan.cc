@@ -97,20 +97,32 @@ void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t si
   plan.lengths = {static_cast<uint64_t>(size)};
 }
 
-void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
-                const std::vector<uint64_t> &local_blocks) {
+namespace {
+
+// Remote blocks 0, 1, ..., n - 1 (a pull of a remote slot split in blocks), without a list.
+struct Iota {
+  size_t n;
+  size_t size() const { return n; }
+  uint64_t operator[](size_t i) const { return i; }
+};
+
+uint64_t Largest(Blocks b) { return *std::max_element(b.begin(), b.end()); }
+uint64_t Largest(Iota b) { return b.n - 1; }  // n > 0: checked before
+
+template <class Remote>
+void PlanBlockRuns(Plan &plan, const Geometry &local, const Remote &remote_blocks, Blocks local_blocks) {
   if (local_blocks.empty()) Invalid("dst_blocks must not be empty");
   if (remote_blocks.size() != local_blocks.size())
     Invalid("src_blocks has " + std::to_string(remote_blocks.size()) + " entries but dst_blocks has " +
             std::to_string(local_blocks.size()));
   const uint64_t bb = local.unit_bytes;
-  const uint64_t local_max = *std::max_element(local_blocks.begin(), local_blocks.end());
+  const uint64_t local_max = Largest(local_blocks);
   if (local_max >= local.units)
     Invalid("dst block " + std::to_string(local_max) + " out of range: the cache has " + std::to_string(local.units) +
             " blocks");
   // A block's whole extent [b * bb, (b + 1) * bb) must fit in 64 bits: a wrapped offset names
   // another block than the one asked for.
-  const uint64_t remote_max = *std::max_element(remote_blocks.begin(), remote_blocks.end());
+  const uint64_t remote_max = Largest(remote_blocks);
   if (bb == 0 || remote_max > UINT64_MAX / bb - 1)
     Invalid("src block " + std::to_string(remote_max) + " is out of range: its offset (" + std::to_string(bb) +
             " bytes a block) overflows 64 bits");
@@ -138,6 +150,12 @@ void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &
     plan.local_offsets.push_back(l);
     plan.lengths.push_back(bb);
   }
+}
+
+}  // namespace
+
+void PlanBlocks(Plan &plan, const Geometry &local, Blocks remote_blocks, Blocks local_blocks) {
+  PlanBlockRuns(plan, local, remote_blocks, local_blocks);
 }
 
 namespace {
@@ -202,13 +220,9 @@ void PlanPull(Plan &plan, const Geometry &local, const PullSpec &spec) {
   switch (spec.kind) {
     case PullSpec::kSlot: PlanSlot(plan, local, spec.batch_index, spec.size, spec.src_offset, spec.dst_offset); return;
     case PullSpec::kBlocks: PlanBlocks(plan, local, spec.src_blocks, spec.dst_blocks); return;
-    case PullSpec::kSlotToBlocks: {
-      // Chunk i of the remote slot goes to dst_blocks[i].
-      std::vector<uint64_t> chunks(spec.dst_blocks.size());
-      for (uint64_t i = 0; i < chunks.size(); ++i) chunks[i] = i;
-      PlanBlocks(plan, local, chunks, spec.dst_blocks);
+    case PullSpec::kSlotToBlocks:  // chunk i of the remote slot goes to dst_blocks[i]
+      PlanBlockRuns(plan, local, Iota{spec.dst_blocks.size()}, spec.dst_blocks);
       return;
-    }
   }
   Invalid("unknown pull kind " + std::to_string(static_cast<int>(spec.kind)));
 }
@@ -343,7 +357,7 @@ void Coalesce(Plan &plan) {
 
 // Python's block_offsets (core/layout.py) for destination blocks: every block's whole extent
 // [b * size, (b + 1) * size) must fit in 64 bits (a wrapped offset would name another block).
-void CheckDstBlockExtent(const std::vector<uint64_t> &blocks, uint64_t block_bytes) {
+void CheckDstBlockExtent(Blocks blocks, uint64_t block_bytes) {
   if (block_bytes == 0) Invalid("dst block size must be > 0, got 0");
   if (blocks.empty()) return;
   const uint64_t top = *std::max_element(blocks.begin(), blocks.end());

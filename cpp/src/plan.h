@@ -12,6 +12,7 @@
 #ifndef DATADIST_CPP_PLAN_H_
 #define DATADIST_CPP_PLAN_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -19,6 +20,33 @@
 #include "registry.h"
 
 namespace datadist {
+
+/// A read-only view of `size()` values the caller owns and keeps unchanged while the call that
+/// takes the view runs (C++17 has no std::span): the Python binding's block lists are views of
+/// the caller's numpy buffers, so planning a 100k-block pull copies no list. Made from a vector
+/// (implicitly: every C++ caller's lists) or from a pointer and a count (View::Of). Not from a
+/// braced list or a temporary vector: a spec field would outlive it.
+template <class T>
+class View {
+ public:
+  View() = default;
+  View(const std::vector<T> &v) : data_(v.data()), size_(v.size()) {}  // NOLINT: implicit, as std::span
+  // not from a temporary: the view would dangle
+  View(const std::vector<T> &&) = delete;
+  static View Of(const T *data, size_t size) { return View(Raw{}, data, size); }
+  const T *begin() const { return data_; }
+  const T *end() const { return data_ + size_; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const T &operator[](size_t i) const { return data_[i]; }
+
+ private:
+  struct Raw {};  // (not a pointer and a count: a braced {0, n} must not name one)
+  View(Raw, const T *data, size_t size) : data_(data), size_(size) {}
+  const T *data_ = nullptr;
+  size_t size_ = 0;
+};
+using Blocks = View<uint64_t>;  // block indices, as both faces name them
 
 struct Plan {
   std::vector<uint32_t> remote_tensors, local_tensors;
@@ -51,9 +79,14 @@ void PlanSlot(Plan &plan, const Geometry &local, uint64_t local_unit, int64_t si
 /// Blocks: remote block remote_blocks[i] <-> local block local_blocks[i]; runs adjacent on both
 /// sides become one span. LLM_PARAM_INVALID, in this order: no local block, lists of other
 /// lengths, the largest local block outside the cache, the largest remote block whose extent
-/// passes 2**64 - 1 (a wrapped offset would name another block).
-void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
-                const std::vector<uint64_t> &local_blocks);
+/// passes 2**64 - 1 (a wrapped offset would name another block). Each of the plan's span arrays
+/// is allocated once, at its size.
+void PlanBlocks(Plan &plan, const Geometry &local, Blocks remote_blocks, Blocks local_blocks);
+/// The same with brace-listed blocks (tests) or any vectors: their views.
+inline void PlanBlocks(Plan &plan, const Geometry &local, const std::vector<uint64_t> &remote_blocks,
+                       const std::vector<uint64_t> &local_blocks) {
+  PlanBlocks(plan, local, Blocks(remote_blocks), Blocks(local_blocks));
+}
 
 /// A layer range as the Python face states it: half-open [start, stop); `set` false = none.
 struct LayerRange {
@@ -64,7 +97,8 @@ struct LayerRange {
 /// A pull as the Python face states it (CacheManager / KvCacheManager pull_cache and
 /// pull_blocks, their asynchronous forms): what it reads and into which local unit, with
 /// llm_datadist's Python layer rules. The key, cluster and local cache travel beside it
-/// (Session::PreparePull).
+/// (Session::PreparePull). The block lists are views of the caller's (View): alive and
+/// unchanged until PlanPull returns.
 struct PullSpec {
   enum Kind : uint8_t {
     kSlot = 0,          // remote slot -> local slot `batch_index` (PlanSlot, with offsets and size)
@@ -75,7 +109,7 @@ struct PullSpec {
   uint64_t batch_index = 0;
   int64_t size = -1;
   uint64_t src_offset = 0, dst_offset = 0;
-  std::vector<uint64_t> src_blocks, dst_blocks;
+  Blocks src_blocks, dst_blocks;
   LayerRange src_layers, dst_layers;
   int64_t tensor_num_per_layer = 2;
 };
@@ -84,13 +118,14 @@ struct PullSpec {
 /// asynchronous forms): its tensor pairs, made by the face's argument rules (llm_datadist's
 /// push_tensor_pairs: remote tensor `remote_first + i` <- local tensor `local_first + i`, for i
 /// < `count`), then local slot `batch_index` (`size` bytes, -1: all of it) into the remote slot
-/// the key names, or local blocks `src_blocks[i]` into remote blocks `dst_blocks[i]`.
+/// the key names, or local blocks `src_blocks[i]` into remote blocks `dst_blocks[i]` (views of
+/// the caller's lists, as PullSpec's).
 struct PushSpec {
   bool blocks = false;
   uint64_t remote_first = 0, local_first = 0, count = 0;
   uint64_t batch_index = 0;
   int64_t size = -1;
-  std::vector<uint64_t> src_blocks, dst_blocks;
+  Blocks src_blocks, dst_blocks;
 };
 
 /// The whole plan of a Python-face push against the local (source) cache's geometry: the
@@ -143,7 +178,8 @@ void PlanBlockCopy(Plan &plan, const Geometry &src, const Geometry &dst, const s
 /// each layer's tensors moved by the same spans (PlanLayerSpans). By key (`dst_addrs` empty):
 /// one push per layer, remote tensor `(dst_first + k)*n + t` <- local `(src_first + k)*n + t`. By
 /// raw address: one push per tensor, tensor t of layer k to `dst_addrs[k*n + t]` (remote tensor
-/// 0 of the write the peer resolves, the spans' remote offsets added to the address).
+/// 0 of the write the peer resolves, the spans' remote offsets added to the address). The block
+/// lists are views of the caller's, as PullSpec's.
 struct LayerPushSpec {
   enum Kind : uint8_t {
     kSlot = 0,          // local slot `src_unit` into the destination slot (or address)
@@ -152,7 +188,7 @@ struct LayerPushSpec {
   };
   Kind kind = kSlot;
   uint64_t src_unit = 0;
-  std::vector<uint64_t> src_blocks, dst_blocks;
+  Blocks src_blocks, dst_blocks;
   uint64_t dst_block_bytes = 0;  // kBlocks: 0 = the source's block size
   uint64_t src_first = 0, dst_first = 0, layers = 0, tensors_per_layer = 2;
   std::vector<uint64_t> dst_addrs;  // raw destination addresses, layers * n of them; empty: by key

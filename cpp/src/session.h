@@ -177,8 +177,9 @@ class Session {
   /// a call (the request's size, every local span, the layout). `req` carries the key (kind, a,
   /// b, c) and the checksum flag; the unit bytes (a block pull's: the local block size) and the
   /// whole-cache flag are set from the plan. A refusal after planning (the request's size, a
-  /// local span) is counted in the metrics as a failed pull, as Run counts its own. Never blocks
-  /// (the registry's mutex only).
+  /// local span) is counted in the metrics as a failed pull, as Run counts its own. The spec's
+  /// block lists (views) are read during the call only: the call keeps its own spans. Never
+  /// blocks (the registry's mutex only).
   std::shared_ptr<Call> PreparePull(uint64_t cluster, wire::Request req, const PullSpec &spec, int64_t local_cache);
 
   /// The Python face's push, planned here as PreparePull plans a pull: local (source) cache

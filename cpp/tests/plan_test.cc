@@ -152,7 +152,8 @@ TEST(PlanBlocks, Coalesces) {
 TEST(PlanBlocks, RefusalsInThePythonOrder) {
   const Geometry g = Geo(2, 16, 32);
   Plan p;
-  EXPECT_EQ(Refusal([&] { datadist::PlanBlocks(p, g, {}, {}); }), "dst_blocks must not be empty");
+  const datadist::Blocks none;
+  EXPECT_EQ(Refusal([&] { datadist::PlanBlocks(p, g, none, none); }), "dst_blocks must not be empty");
   EXPECT_EQ(Refusal([&] { datadist::PlanBlocks(p, g, {1}, {1, 2}); }), "src_blocks has 1 entries but dst_blocks has 2");
   // the largest local block is named, before any remote block is looked at
   EXPECT_EQ(Refusal([&] {
@@ -173,14 +174,15 @@ TEST(PlanPull, SlotIntoBlocksSplitsTheSlotInOrder) {
   const Geometry g = Geo(4, 8, 16);
   PullSpec s;
   s.kind = PullSpec::kSlotToBlocks;
-  s.dst_blocks = {5, 6, 1};
+  const std::vector<uint64_t> dst = {5, 6, 1}, past = {8};  // the spec's lists are views of these
+  s.dst_blocks = dst;
   Plan p;
   datadist::PlanPull(p, g, s);
   EXPECT_EQ(p.remote_offsets, (std::vector<uint64_t>{0, 32}));
   EXPECT_EQ(p.local_offsets, (std::vector<uint64_t>{80, 16}));
   EXPECT_EQ(p.lengths, (std::vector<uint64_t>{32, 16}));
   EXPECT_TRUE(p.whole);
-  s.dst_blocks = {8};
+  s.dst_blocks = past;
   EXPECT_EQ(Refusal([&] { datadist::PlanPull(p, g, s); }), "dst block 8 out of range: the cache has 8 blocks");
 }
 
@@ -212,14 +214,15 @@ TEST(PlanPush, SlotAndBlocks) {
   EXPECT_EQ(p.lengths, std::vector<uint64_t>{16});
   EXPECT_FALSE(p.whole);
   s.blocks = true;
-  s.src_blocks = {1, 2, 7};  // local
-  s.dst_blocks = {4, 5, 0};  // remote
+  const std::vector<uint64_t> local = {1, 2, 7}, remote = {4, 5, 0}, past = {8}, first = {0};
+  s.src_blocks = local;
+  s.dst_blocks = remote;
   datadist::PlanPush(p, g, s);
   EXPECT_EQ(p.remote_offsets, (std::vector<uint64_t>{64, 0}));
   EXPECT_EQ(p.local_offsets, (std::vector<uint64_t>{16, 112}));
   EXPECT_EQ(p.lengths, (std::vector<uint64_t>{32, 16}));
-  s.src_blocks = {8};  // the local block is named "dst" (the planner's pull-side name), as in Python
-  s.dst_blocks = {0};
+  s.src_blocks = past;  // the local block is named "dst" (the planner's pull-side name), as in Python
+  s.dst_blocks = first;
   EXPECT_EQ(Refusal([&] { datadist::PlanPush(p, g, s); }), "dst block 8 out of range: the cache has 8 blocks");
   s.remote_first = UINT32_MAX;
   EXPECT_EQ(Refusal([&] { datadist::PlanPush(p, g, s); }),
@@ -536,14 +539,26 @@ namespace {
 
 using datadist::LayerPushSpec;
 
-LayerPushSpec Spec(LayerPushSpec::Kind kind, uint64_t unit, std::vector<uint64_t> src, std::vector<uint64_t> dst,
-                   uint64_t dst_block_bytes) {
-  LayerPushSpec s;
-  s.kind = kind;
-  s.src_unit = unit;
-  s.src_blocks = std::move(src);
-  s.dst_blocks = std::move(dst);
-  s.dst_block_bytes = dst_block_bytes;
+// A LayerPushSpec with the block lists its views name: moved, a vector keeps its buffer (and
+// the views stay good); never copied.
+struct OwnedSpec {
+  std::vector<uint64_t> src, dst;
+  LayerPushSpec spec;
+  OwnedSpec(std::vector<uint64_t> s, std::vector<uint64_t> d) : src(std::move(s)), dst(std::move(d)) {
+    spec.src_blocks = src;
+    spec.dst_blocks = dst;
+  }
+  OwnedSpec(OwnedSpec &&) = default;
+  OwnedSpec &operator=(OwnedSpec &&) = default;
+  operator const LayerPushSpec &() const { return spec; }  // NOLINT: implicit, for the calls below
+};
+
+OwnedSpec Spec(LayerPushSpec::Kind kind, uint64_t unit, std::vector<uint64_t> src, std::vector<uint64_t> dst,
+               uint64_t dst_block_bytes) {
+  OwnedSpec s(std::move(src), std::move(dst));
+  s.spec.kind = kind;
+  s.spec.src_unit = unit;
+  s.spec.dst_block_bytes = dst_block_bytes;
   return s;
 }
 
@@ -647,7 +662,8 @@ TEST(PrepareLayerPushes, OneCallPerLayerByKeyAndPerTensorByAddress) {
   req.kind = 3;
   req.b = 9;
   req.unit_bytes = 16;
-  LayerPushSpec spec = Spec(LayerPushSpec::kBlocks, 0, {0, 1}, {2, 3}, 0);
+  OwnedSpec owned = Spec(LayerPushSpec::kBlocks, 0, {0, 1}, {2, 3}, 0);
+  LayerPushSpec &spec = owned.spec;
   spec.src_first = 1;  // source layers 1, 2 into destination layers 4, 5
   spec.dst_first = 4;
   spec.layers = 2;
@@ -672,7 +688,7 @@ TEST(PrepareLayerPushes, OneCallPerLayerByKeyAndPerTensorByAddress) {
   // By raw address: the whole tensor's slot (a blocks cache cut into destination blocks is one
   // slot), one call per tensor, the address added to every remote offset.
   req = {};
-  spec = Spec(LayerPushSpec::kSlotToBlocks, 0, {}, {1, 0}, 32);
+  owned = Spec(LayerPushSpec::kSlotToBlocks, 0, {}, {1, 0}, 32);
   spec.src_first = 0;
   spec.layers = 2;
   spec.dst_addrs = {0x1000, 0x2000, 0x3000, 0x4000};

@@ -398,15 +398,18 @@ TEST(Session, PreparePullOf100kBlocksSizesEachArrayOnceAndNamesEverySpan) {
   spec.kind = datadist::PullSpec::kBlocks;
   // remote blocks shuffled (Fisher-Yates, a fixed LCG), local blocks descending: no two
   // neighbours are adjacent on the local side, so every block is a run of its own
+  std::vector<uint64_t> from, to;  // the spec's lists are views of these
   for (uint64_t i = 0; i < kN; ++i) {
-    spec.src_blocks.push_back(i);
-    spec.dst_blocks.push_back(kN - 1 - i);
+    from.push_back(i);
+    to.push_back(kN - 1 - i);
   }
   uint64_t x = 7;
   for (uint64_t i = kN - 1; i > 0; --i) {
     x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-    std::swap(spec.src_blocks[i], spec.src_blocks[(x >> 33) % (i + 1)]);
+    std::swap(from[i], from[(x >> 33) % (i + 1)]);
   }
+  spec.src_blocks = from;
+  spec.dst_blocks = to;
   datadist::Plan plan;
   datadist::PlanBlocks(plan, dst.geo(), spec.src_blocks, spec.dst_blocks);
   ASSERT_EQ(plan.lengths.size(), kN);
@@ -435,7 +438,7 @@ TEST(Session, PreparePullOf100kBlocksSizesEachArrayOnceAndNamesEverySpan) {
   EXPECT_EQ(wrong, 0U);
 
   // the same blocks in order: one run, and no array keeps room for 100k
-  for (uint64_t i = 0; i < kN; ++i) spec.src_blocks[i] = spec.dst_blocks[i] = i;
+  for (uint64_t i = 0; i < kN; ++i) from[i] = to[i] = i;
   datadist::Plan one;
   datadist::PlanBlocks(one, dst.geo(), spec.src_blocks, spec.dst_blocks);
   EXPECT_EQ(one.lengths.capacity(), 1U);
