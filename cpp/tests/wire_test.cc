@@ -53,6 +53,22 @@ TEST(Wire, RequestRoundTrip) {
   EXPECT_EQ(back.lengths, r.lengths);
 }
 
+TEST(Wire, ARequestsBufferIsSizedOnceExactly) {
+  // 100k spans over 3 tensors: grown push by push, the buffer passed through every power of two
+  // and ended with up to twice the room it needs.
+  wire::Request r;
+  r.kind = wire::kBlocksKey;
+  r.tensors = {0, 1, 2};
+  for (uint64_t i = 0; i < 100000; ++i) {
+    r.offsets.push_back(i * 128);
+    r.lengths.push_back(64);
+  }
+  const auto frame = wire::EncodeRequest(wire::kRead, r, 9);
+  EXPECT_EQ(frame.size(), wire::kHeaderSize + 1 + 5 * 8 + 3 * 4 + 3 * 4 + 100000 * 16);
+  EXPECT_EQ(frame.capacity(), frame.size());
+  EXPECT_EQ(wire::DecodeRequest(wire::kRead, Payload(frame)).offsets, r.offsets);
+}
+
 TEST(Wire, DecoderRefusesMalformedFrames) {
   auto frame = wire::EncodeEmpty(wire::kOk, 1);
   auto bad = frame;
