@@ -206,7 +206,6 @@ class TestWire:
         import threading
 
         from datadist.core.config import HostIdentity
-        from datadist.core.layout import Geometry, every_tensor, plan_blocks
         from datadist.wire import protocol as p
 
         server = make_side(PROMPT_ID, remote_cache_accessible=True)
@@ -230,14 +229,11 @@ class TestWire:
             assert rid == 1 and isinstance(welcome, p.Welcome)
             assert welcome.features & p.FEATURE_REVERSE  # the server takes reverse channels
             assert server.engine.get_link(DECODER_ID).inbound
-            plan = plan_blocks(Geometry(1, 64, 4, True), [2], [1],
-                               every_tensor(1))
             errors = []
 
-            def push():
+            def push():  # local block 1 into the client's block 2 (public API, core-planned)
                 try:
-                    server.engine.push(DECODER_ID, p.KeyRef(p.KeyKind.BLOCKS_KEY, 0, 0), 16,
-                                       plan, src.cache_id, 5.0)
+                    server.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [1], [2])
                 except Exception as e:  # noqa: BLE001 - checked below
                     errors.append(e)
 

@@ -19,8 +19,6 @@ import datadist as llm
 from datadist.api import rank_table
 from datadist.core.comm import CommManager, CommState, Member
 from datadist.core.errors import AlreadyLinked, InvalidArgument, LinkFailed, NotLinked
-from datadist.core.layout import Geometry, every_tensor, plan_blocks
-from datadist.wire.protocol import KeyKind, KeyRef
 
 from ._support import DECODER_ID, PROMPT_ID, code, units
 
@@ -185,11 +183,9 @@ class TestStateMachine:
         dst_a, x2 = a.register(2, [4, 32], blocks=True)
         dst_b, y2 = b.register(2, [4, 32], blocks=True)
         link_both(ca, cb, ma, mb)
-        g = Geometry(2, 128, 4, True)
-        plan = plan_blocks(g, [0, 3], [2, 1], every_tensor(2))
-        key = KeyRef(KeyKind.BLOCKS_KEY, 0, 0, 0)
-        b.engine.pull(PROMPT_ID, key, 32, plan, dst_b.cache_id)
-        a.engine.pull(DECODER_ID, key, 32, plan, dst_a.cache_id)
+        # through the public API (the core plans the pulls): remote blocks 0, 3 -> local 2, 1
+        b.cm.pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 0), dst_b, [0, 3], [2, 1])
+        a.cm.pull_blocks(llm.BlocksCacheKey(DECODER_ID, 0), dst_a, [0, 3], [2, 1])
         np.testing.assert_array_equal(units(y2, 4)[:, [2, 1]], units(x, 4)[:, [0, 3]])
         np.testing.assert_array_equal(units(x2, 4)[:, [2, 1]], units(y, 4)[:, [0, 3]])
 
