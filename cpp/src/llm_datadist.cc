@@ -591,10 +591,13 @@ class LlmDataDist::LlmDataDistImpl {
     datadist::PairTensors(plan, g.num_tensors, ext, false);
     // Empty src_blocks: the remote slot 0 split into blocks (as Python's pull_blocks from a
     // CacheKeyByIdAndIndex). Otherwise absolute blocks, named as slot 0 of the cache.
-    std::vector<uint64_t> remote = src_blocks;
-    if (src_blocks.empty())
-      for (uint64_t i = 0; i < dst_blocks.size(); ++i) remote.push_back(i);
-    datadist::PlanBlocks(plan, g, remote, dst_blocks);
+    if (src_blocks.empty()) {
+      std::vector<uint64_t> remote(dst_blocks.size());
+      for (uint64_t i = 0; i < remote.size(); ++i) remote[i] = i;
+      datadist::PlanBlocks(plan, g, remote, dst_blocks);
+    } else {
+      datadist::PlanBlocks(plan, g, src_blocks, dst_blocks);  // read in place, not copied
+    }
     auto req = Request(plan, static_cast<uint64_t>(src.cache_id), 0, g.layout);
     if (verify_) req.flags |= datadist::wire::kFlagChecksum;
     Move(false, src.cluster_id, std::move(req), plan, *lease);
