@@ -22,7 +22,18 @@ the connector's trace (``kv_connector_extra_config["trace"]``, wall clocks in bo
 logs): decode call -> allocated (scheduler) -> pulled (worker: the KV is in and checked) ->
 reported (the worker's ``get_finished`` returns it) -> learned (the scheduler's
 ``update_connector_output``) -> scheduled (the request's computing step) -> answer (the
-front end's output); layer-wise also the prefill's last layer written -> all in.
+front end's output), the pull's stages allocated -> linked (its link up, first mailbox read
+issued) -> held (the mailbox said HELD, KV pull issued) -> pulled; layer-wise also the
+prefill's last layer written -> all in. Every pass also gives the prefill's own time (its
+call to its answer). The first request of each length (the warm-up; for the first length,
+the pair's first transfer) is printed beside the next one.
+
+``--sched`` adds, per request, the prefill worker's compute thread during the prefill (run,
+run-queue wait, the rest; ``/proc/<tid>/schedstat``) and the CPU time of each engine's
+process tree meanwhile, with its busiest threads: where a slow prefill's time went.
+``--plain N`` first times N plain requests on the prefill engine alone (no transfer): a
+single engine's prefill of the same prompt. ``--bind-all`` binds each engine's every process
+to its CPU (vLLM's CPU backend binds only the worker's compute threads).
 
 NIXL needs ``nixl`` (``pip install nixl nixl-cu12``, torch first) and runs with
 ``kv_buffer_device="cpu"``, UCX backend; ``nixl-tuned`` removes the two things that slow it
@@ -173,6 +184,46 @@ class Proc:
         self.p.wait(30)
 
 
+def threads(pgid: int) -> dict[int, tuple[str, int, int, int, int]]:
+    """Every thread of the process group ``pgid`` (one engine's process tree, as ``Proc``
+    starts it): tid -> (process name, run ns, run-queue wait ns, voluntary and involuntary
+    switches), from ``/proc`` (``--sched``)."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                run, wait, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+                st = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                sw = [int(x) for x in re.findall(r"ctxt_switches:\s+(\d+)", st)]
+                comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                out[int(tid)] = (f"{name}/{comm}", int(run), int(wait), sw[0], sw[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def sched_delta(a: dict, b: dict, wall: float) -> dict[str, float]:
+    """From two ``threads`` snapshots ``wall`` seconds apart: the busiest thread (the
+    worker's compute thread) -- its run, run-queue wait and the rest (blocked or sleeping),
+    seconds, and its switches -- and the whole tree's run time."""
+    zero = ("", 0, 0, 0, 0)
+    d = {t: tuple(b[t][i] - a.get(t, zero)[i] for i in range(1, 5)) for t in b}
+    if not d:
+        return {}
+    busiest = sorted(d, key=lambda t: -d[t][0])[:4]
+    top = max(d.values(), key=lambda v: v[0])
+    return {"run": top[0] / 1e9, "runq": top[1] / 1e9,
+            "blocked": wall - (top[0] + top[1]) / 1e9, "vcsw": top[2], "ivcsw": top[3],
+            "tree_run": sum(v[0] for v in d.values()) / 1e9,
+            "busiest": [[b[t][0], t, d[t][0] / 1e9] for t in busiest]}
+
+
 def drain(p: Proc) -> list[str]:
     out = []
     while (s := p.take()) is not None:
@@ -193,7 +244,8 @@ def answers(procs: dict[str, Proc], timeout: float) -> list[tuple[str, dict]]:
 
 
 def drive(procs: dict[str, Proc], connector: str, prompts: list[list[int]],
-          arrivals: list[float] | None, prefix: str, workers: dict | None) -> list[dict]:
+          arrivals: list[float] | None, prefix: str, workers: dict | None,
+          sched: bool = False) -> list[dict]:
     """Run ``prompts`` through the pair, as a router would: one at a time (``arrivals``
     None: each request starts when the previous one's decode answered) or at the given
     offsets (seconds from the start; the rate mode). Pull modes (datadist, NIXL, Mooncake):
@@ -218,6 +270,8 @@ def drive(procs: dict[str, Proc], connector: str, prompts: list[list[int]],
             rid = f"{prefix}{nxt}"
             prompt = prompts[nxt]
             rows[rid] = {"arrival": now, "prompt": prompt}
+            if sched:  # both engines' threads as the prefill starts (--sched)
+                rows[rid]["sched0"] = {k: threads(p.p.pid) for k, p in procs.items()}
             if layerwise:
                 assert workers is not None
                 tag = secrets.token_hex(16)
@@ -238,6 +292,10 @@ def drive(procs: dict[str, Proc], connector: str, prompts: list[list[int]],
             row = rows[a["id"]]
             if name == "prefill":
                 row["pre"] = a
+                if sched:
+                    wall = time.time() - row["arrival"]
+                    row["sched"] = {k: sched_delta(row["sched0"][k], threads(p.p.pid), wall)
+                                    for k, p in procs.items()}
                 if layerwise:
                     continue
                 params = a["params"]
@@ -292,6 +350,13 @@ def main() -> int:
     ap.add_argument("--bind-all", action="store_true",
                     help="bind each engine's every process (front end, engine core, worker) "
                     "to its CPU, not only the worker's compute threads")
+    ap.add_argument("--sched", action="store_true",
+                    help="also report, per request, the prefill engine's compute thread "
+                    "during the prefill (run, run-queue wait, blocked; /proc schedstat) and "
+                    "the CPU time of each engine's process tree meanwhile")
+    ap.add_argument("--plain", type=int, default=0, metavar="N",
+                    help="per length, first time N plain requests (no KV transfer) on the "
+                    "prefill engine alone: a single engine's prefill of the same prompt")
     ap.add_argument("--node", nargs=3, metavar=("MODEL", "ROLE", "CONNECTOR"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -365,6 +430,18 @@ def main() -> int:
             procs["prefill"].send("h0", [5, 6, 7], {"do_remote_decode": True,
                                                     "datadist": {"mode": "layerwise"}})
             workers = json.loads(procs["prefill"].line()[2:])["params"]["datadist"]
+        for tokens in args.tokens if args.plain else []:  # a single engine's prefill
+            plain: list[float] = []
+            for r in range(args.plain + 1):
+                prompt = [rnd.randrange(3, 259) for _ in range(tokens)]
+                procs["prefill"].send(f"q{tokens}x{r}", prompt, None)
+                a = json.loads(procs["prefill"].line()[2:])
+                if r:  # the first warms up
+                    plain.append(a["seconds"])
+            emit({"pass": "plain", "connector": args.connector, "tokens": tokens,
+                  "prefill": plain, "load": os.getloadavg()})
+            print(f"plain: {args.plain} requests of {tokens} tokens on the prefill engine "
+                  f"alone: prefill {med(plain)} ms; load {os.getloadavg()[0]:.1f}", flush=True)
         local: dict[int, list[float]] = {}
         if args.local:  # the decode engine, each prompt's KV already local: TTFT of a hit
             for tokens in args.tokens:
@@ -413,13 +490,41 @@ def main() -> int:
                         t += rnd.expovariate(rate) if args.arrivals == "poisson" else 1 / rate
                 load0 = os.getloadavg()[0]
                 if rates is not None:  # its warm-up alone, then the rated requests
-                    drive(procs, args.connector, prompts[:1], None, f"w{seq}x", workers)
+                    drive(procs, args.connector, prompts[:1], None, f"w{seq}x", workers,
+                          args.sched)
                     prompts, arrivals = prompts[1:], [a - arrivals[1] for a in arrivals[1:]]
-                rows = drive(procs, args.connector, prompts, arrivals, f"r{seq}x", workers)
+                rows = drive(procs, args.connector, prompts, arrivals, f"r{seq}x", workers,
+                             args.sched)
                 seq += 1
+                warm = None
                 if rates is None:
-                    rows = rows[1:]  # the first one warmed up (links, handshakes)
+                    warm, rows = rows[0], rows[1:]  # the first one warmed up (links, ...)
                 load1 = os.getloadavg()[0]
+                if warm is not None:  # the first request the pair saw of this length
+                    t = traces((work / "decode.log").read_text()).get(warm["dec"]["id"], {})
+                    second = rows[0] if rows else warm
+
+                    def took(r: dict) -> float:
+                        return (r["dec"]["end"] - r["pre"]["end"] if layerwise
+                                else r["dec"]["seconds"])
+
+                    pulled = (t["pulled"] - t["allocated"]
+                              if "pulled" in t and "allocated" in t else None)
+                    stages = "".join(
+                        f"; its {a}->{b} {(t[b] - t[a]) * 1e3:.1f} ms"
+                        for a, b in (("allocated", "linked"), ("linked", "held"),
+                                     ("held", "pulled")) if a in t and b in t)
+                    emit({"pass": "first", "connector": args.connector, "tokens": tokens,
+                          "first": took(warm), "second": took(second),
+                          "first_allocated_to_pulled": pulled, "pair_first": seq == 1,
+                          "load": os.getloadavg()})
+                    print(f"first request of {tokens} tokens"
+                          + (" (the pair's first P/D request)" if seq == 1 else "")
+                          + f": decode's first token after the prefill's answer "
+                          f"{took(warm) * 1e3:.1f} ms, the next request's "
+                          f"{took(second) * 1e3:.1f} ms"
+                          + (f"; its allocated->pulled {pulled * 1e3:.1f} ms"
+                             if pulled is not None else "") + stages, flush=True)
                 after, e2e, same = [], [], 0
                 for row in rows:
                     pre, dec = row["pre"], row["dec"]
@@ -445,6 +550,15 @@ def main() -> int:
                     gap("pulled->scheduled", t.get("pulled"), t.get("scheduled"))
                     gap("scheduled->answer", t.get("scheduled"), row["dec"]["end"])
                     gap("allocated->pulled", t.get("allocated"), t.get("pulled"))
+                    gap("allocated->linked", t.get("allocated"), t.get("linked"))
+                    gap("linked->held", t.get("linked"), t.get("held"))
+                    gap("held->pulled", t.get("held"), t.get("pulled"))
+                    gap("prefill", row["pre"]["start"], row["pre"]["end"])
+                    for eng, d in row.get("sched", {}).items():
+                        for k in (("run", "runq", "blocked") if eng == "prefill" else ()):
+                            steps.setdefault(f"prefill compute thread {k}", []).append(d[k])
+                        steps.setdefault(f"{eng} tree CPU during prefill", []).append(
+                            d["tree_run"])
                 if layerwise:  # the prefill's last layer written to every layer in
                     first = min(r["arrival"] for r in rows)
                     last = max(r["dec"]["end"] for r in rows)
@@ -462,6 +576,7 @@ def main() -> int:
                        "after_prefill": after, "e2e": e2e, "steps": steps,
                        "exposed_ms": None if exposed is None else exposed * 1e3,
                        "same": same, "n": len(rows), "load": [load0, load1],
+                       "sched": [r.get("sched") for r in rows],
                        "requests": [[r["dec"]["id"], r["dec"]["tokens"] == r["pre"]["tokens"],
                                      r["pre"]["start"], r["pre"]["end"], r["dec"]["start"],
                                      r["dec"]["end"]] for r in rows]}
@@ -476,6 +591,12 @@ def main() -> int:
                       + "".join(f"; {k} {med(v)}" for k, v in steps.items())
                       + f"; first token equal to the prefill's in {same}/{len(rows)}"
                       + f"; load {load0:.1f}-{load1:.1f}", flush=True)
+                for row in rows if args.sched else []:
+                    print(f"  {row['dec']['id']} busiest threads during the prefill (s of "
+                          "CPU): " + "; ".join(
+                              f"{eng}: " + ", ".join(f"{n} {s:.2f}" for n, _, s in
+                                                     d.get("busiest", []))
+                              for eng, d in row.get("sched", {}).items()), flush=True)
         print(f"logs: {work}")
     finally:
         for p in procs.values():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import datadist as llm_datadist
-from datadist.integrations.vllm import layerwise
+from datadist.integrations.vllm import layerwise, worker
 from datadist.integrations.vllm.layerwise import (
     LayerwiseRecvTask,
     LayerwiseRemote,
@@ -224,6 +224,58 @@ def test_layers_come_while_the_prefill_is_stopped(prefill):
             os.kill(proc.pid, signal.SIGCONT)
         cmd_q.put("go")
         assert _wait(w) == ({"d1"}, set())
+        _check(arrs, local)
+        assert out_q.get(timeout=30)[:3] == ("end", ["p1"], 1)
+        cmd_q.put("stop")
+    finally:
+        w.close()
+
+
+def test_an_idle_step_reads_the_prefill_s_record_once_a_millisecond(prefill, monkeypatch):
+    """While the prefill is still computing (its record says layer 0 of 3 is written), an
+    idle step's wait reads the record at most once a millisecond (it read it every 0.3 ms:
+    a quarter of a CPU in the decode worker for the whole prefill, taken from the prefill
+    on a small host). Once the record says every layer is written, the wait ends with the
+    request, in that same call."""
+    _, addr, cmd_q, out_q = prefill(abort_timeout_s=60)
+    w, arrs = _decoder()
+    local = (1, 3, 5, 7, 9)
+    try:
+        w.submit_layerwise([_task(addr)])
+        cmd_q.put(("run", 1, True, True, (0,)))
+        assert out_q.get(timeout=30) == ("paused", 0)
+        _until(lambda: _has_layer(arrs, local, 0), w)
+        sleeps: list[float] = []
+        real_sleep = time.sleep
+
+        def sleep(s: float) -> None:  # what the wait asks for between its reads
+            sleeps.append(s)
+            real_sleep(s)
+
+        reads = llm_datadist.metrics()["total"]["pull"]["transfers"]
+        monkeypatch.setattr(worker.time, "sleep", sleep)
+        t0 = time.monotonic()
+        assert w.wait_recv(0.3) is True  # a request to follow: it waited its time
+        took = time.monotonic() - t0
+        monkeypatch.undo()
+        reads = llm_datadist.metrics()["total"]["pull"]["transfers"] - reads
+        assert 0.3 <= took < 2
+        assert sleeps and all(s >= worker.LW_POLL_S for s in sleeps[:-1]), sleeps[:5]
+        assert 0 < reads <= len(sleeps) + 1, (reads, len(sleeps))
+        assert w.poll_recv() == (set(), set())
+        cmd_q.put("go")  # the prefill writes layers 1 and 2, then says COMPLETE
+        deadline = time.monotonic() + 20
+        while not (w.lw_consumer is not None and any(
+                r.complete for r in w.lw_consumer._recvs)):
+            assert time.monotonic() < deadline
+            done, failed = w.poll_recv()
+            if done:  # it may end at the read that first sees COMPLETE
+                break
+            time.sleep(0.001)
+        else:
+            assert w.wait_recv(5.0) is True
+            done, failed = w.poll_recv()
+        assert (done, failed) == ({"d1"}, set())
         _check(arrs, local)
         assert out_q.get(timeout=30)[:3] == ("end", ["p1"], 1)
         cmd_q.put("stop")

@@ -119,6 +119,8 @@ class DatadistConnector(KVConnectorBase_V1):
         else:
             self._worker = DatadistWorker(self.settings, producer=producer, consumer=consumer,
                                           rank=_tp_rank(), on_pulled=self._pulled)
+            if self._trace:  # a pull's stages: linked, held (the mailbox said so)
+                self._worker.on_event = _trace
 
     # ================================================================== scheduler side
 

@@ -424,6 +424,7 @@ class _Recv:
     outcome: str | None = None  # ABANDON: why it failed
     npulls: int = 0
     t0: float = 0.0
+    complete: bool = False  # the last read said COMPLETE: only the last pulls are left
 
 
 class LayerwiseConsumer:
@@ -580,6 +581,7 @@ class LayerwiseConsumer:
         if p.state == REFUSED:
             raise RuntimeError("the prefill worker refused the request (ended, "
                                "abandoned, or no room)")
+        r.complete = p.state == COMPLETE
         n = len(r.task.local_block_ids)
         if not 0 < n <= p.blocks:
             raise RuntimeError(f"the decoder has {n} blocks for the prompt's {p.blocks}")
@@ -599,6 +601,18 @@ class LayerwiseConsumer:
         r.clean = not r.pulls
         self._read_record(r)
         return False
+
+    def finishing(self) -> llm_datadist.TransferHandle | None:
+        """A transfer in flight of a request whose prefill has written every layer (its
+        last pulls, or the read that ends it), else None: what an idle step's wait waits
+        on rather than reading the record again. Never blocks. Who calls: the worker's
+        ``wait_recv``."""
+        for r in self._recvs:
+            if r.complete and r.step is _R.TRACK:
+                for h in (*r.pulls, r.read):
+                    if h is not None and not h.done():
+                        return h
+        return None
 
     def _pull_new(self, r: _Recv, p: Progress, first: int) -> None:
         """Issue the pulls of every layer's blocks written since the last: consecutive

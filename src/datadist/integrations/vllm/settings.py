@@ -60,7 +60,8 @@ class Settings:
         layerwise.py). Both instances of a pair must use the same mode.
     idle_wait_ms: a decoder's step that scheduled nothing waits up to this long for a
         transfer in flight to end (0: never), so the engine learns of it in this step (a
-        layer-wise decoder follows its prefill's progress meanwhile).
+        layer-wise decoder follows its prefill's progress meanwhile, reading its record once
+        a millisecond).
     layerwise_timeout_s: layer-wise decoder: how long a request waits for the prefill to
         write, and itself to pull, all its layers before it gives up on it (the prefill's
         compute time counts here, so it is longer than a pull's ``sync_kv_timeout_ms``).

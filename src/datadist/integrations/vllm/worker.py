@@ -65,6 +65,8 @@ logger = logging.getLogger(LOGGER_NAME)
 # outbox: where its mailbox reads land, and the DONE it pushes.
 MAX_PULLS = 64
 _OUTBOX_SLOTS = 2 * MAX_PULLS
+# How often an idle step's wait reads a layer-wise prefill's record (wait_recv).
+LW_POLL_S = 0.001
 # Link failures: a request failing with one of these drops the link (the next relinks).
 _LINK_CODES = frozenset({
     llm_datadist.LLMStatusCode.LLM_LINK_FAILED, llm_datadist.LLMStatusCode.LLM_TIMEOUT,
@@ -245,6 +247,10 @@ class DatadistWorker:
         self.consumer = consumer
         self.rank = rank
         self.on_pulled = on_pulled
+        # Called (request id, event) as a pull passes its stages: "linked" (its producer's
+        # link is up and its first mailbox read issued), "held" (the mailbox said HELD and
+        # the KV pull is issued). The connector's trace; from the worker's thread.
+        self.on_event: Callable[[str, str], None] | None = None
         self.cluster_id = secrets.randbits(63) or 1
         self.stats = WorkerStats()
         self._dd: llm_datadist.LLMDataDist | None = None
@@ -465,8 +471,13 @@ class DatadistWorker:
     def wait_recv(self, seconds: float) -> bool:
         """Block up to ``seconds`` (GIL released) for one of this worker's KV transfers in
         flight to end, or, layer-wise, for a request to end while following its prefill's
-        progress (reading it every 0.3 ms, pulling each layer once written); True if there
-        was one to wait for.
+        progress; True if there was one to wait for.
+
+        Layer-wise, the prefill's record is read once per ``LW_POLL_S`` (1 ms), sleeping
+        between reads, and each layer written is pulled at once; once the record says every
+        layer is written, the wait is on the last pulls' handles. (The record used to be read
+        every 0.3 ms: a quarter of a CPU in the decode worker for the whole prefill, on a
+        host where the prefill needs that CPU: docs/vllm.md, "The layer-wise prefill's CPU".)
         Who calls: the connector's ``get_transfer_results`` on a step that scheduled
         nothing, before it asks ``poll_recv`` again."""
         deadline = time.monotonic() + seconds
@@ -483,7 +494,12 @@ class DatadistWorker:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            time.sleep(min(left, 0.0003))
+            h = lw.finishing()
+            if h is not None:  # every layer written: wait for the last pulls themselves
+                with contextlib.suppress(Exception):  # advance reports its failure
+                    h.wait(left)
+            else:
+                time.sleep(min(left, LW_POLL_S))
         return True
 
     def _begin(self, task: RecvTask) -> None:
@@ -520,6 +536,8 @@ class DatadistWorker:
         if state != _Linker.UP:
             return False
         pull.step = _Step.CHECK_BEFORE
+        if self.on_event is not None:
+            self.on_event(pull.task.request_id, "linked")
         self._read_slot(pull)
         return True
 
@@ -547,6 +565,8 @@ class DatadistWorker:
         if pull.step is _Step.CHECK_BEFORE:
             got_tag, state = mailbox.decode(self._outbox.buf[pull.record])
             if got_tag == pull.tag and state == mailbox.HELD:
+                if self.on_event is not None:
+                    self.on_event(pull.task.request_id, "held")
                 self._pull_kv(pull)
             elif got_tag == pull.tag or time.monotonic() >= pull.grace:
                 raise PullError("the prefill instance no longer holds the request's blocks "
