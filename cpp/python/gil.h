@@ -15,6 +15,7 @@
 
 #include <Python.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 
@@ -55,6 +56,27 @@ class GilHold final : public datadist::blocking::Hook {
   PyThreadState *saved_ = nullptr;
   datadist::blocking::Scope scope_;  // installs this hook for the call; uninstalled after
 };
+
+/// Waits for an issued transfer (Engine.submit's Handle.wait), which a core worker ends:
+/// `ended_by(t)` waits until the transfer ended or `t` passed and says whether it ended. The
+/// first kWaitBudget of the wait keeps the GIL, as GilHold's wait for a peer's answer does (an
+/// issued 16 KiB TCP pull ends in 40-80 us; a waiter that let the GIL go at once waited up to a
+/// switch interval, 5 ms, to get it back whenever another Python thread was busy); the rest of
+/// it, to `deadline`, waits without the GIL. Holding is safe: what ends the transfer is a core
+/// thread, which never takes the GIL (one that needs another Python thread, a proxy in Python,
+/// gets it after the budget). Who calls: cpp/python/module.cc (Handle.wait), with the GIL
+/// held; blocks up to `deadline`.
+template <class EndedBy>
+bool WaitHeldBriefly(std::chrono::steady_clock::time_point deadline, EndedBy &&ended_by) {
+  const auto brief = std::min(deadline, std::chrono::steady_clock::now() + kWaitBudget);
+  if (ended_by(brief)) return true;
+  if (brief >= deadline) return false;
+  struct Released {  // the GIL given up for the rest of the wait, taken back however it ends
+    PyThreadState *saved = PyEval_SaveThread();
+    ~Released() { PyEval_RestoreThread(saved); }
+  } released;
+  return ended_by(deadline);
+}
 
 }  // namespace datadist_py
 

@@ -10,7 +10,8 @@
 // Who calls: datadist.core.native.NativeEngine only. Serving (accepting, handshakes, peers'
 // requests, reverse channels, leases) runs on the engine's own threads and never takes the
 // GIL; transfers issued here keep it until the core would wait (gil.h); asynchronous ones run on a
-// fixed set of worker threads and are polled through Handle without the GIL.
+// fixed set of worker threads and are polled through Handle (its wait keeps the GIL for a short
+// budget only, gil.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -409,10 +410,14 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "wait",
           [](datadist::Task &t, double timeout_s) {
-            py::gil_scoped_release nogil;
-            return t.Wait(DeadlineIn(timeout_s));
+            // The first kWaitBudget holding the GIL (a quick transfer ends within it), the
+            // rest without it (gil.h).
+            return datadist_py::WaitHeldBriefly(DeadlineIn(timeout_s),
+                                                [&](datadist::Deadline until) { return t.Wait(until); });
           },
-          py::arg("timeout_s"), "Blocks (without the GIL) until it ends or timeout_s passes; True once ended.")
+          py::arg("timeout_s"),
+          "Blocks until it ends or timeout_s passes (without the GIL past a short budget, gil.h); True once "
+          "ended.")
       .def(
           "error",
           [](datadist::Task &t) -> py::typing::Optional<ErrorObject> {

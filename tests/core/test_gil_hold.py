@@ -11,13 +11,17 @@ up to the switch interval to get the GIL back from a busy thread. What must stil
 - two Python threads on one link, one waiting for the link the other holds while the owner is
   slow: both end, neither keeps the GIL the other's forwarding needs;
 - a dead peer still ends the pull at its deadline (LLM_TIMEOUT), with the GIL released
-  meanwhile (another thread ran).
+  meanwhile (another thread ran);
+- the calls the bench's busy rows make (CacheManager's pull_blocks / pull_cache, with and
+  without layer ranges, and their issued forms waited for) keep the GIL through an answer that
+  comes within the budget: an issued pull's ``wait`` too (it let the GIL go at once before).
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +30,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+import datadist as llm
+from datadist.api.cache_manager import CacheManager
 from datadist.core.config import EngineConfig
 from datadist.core.errors import Timeout
 from datadist.core.layout import Geometry, every_tensor, plan_slot
@@ -319,3 +325,171 @@ def test_the_destination_is_held_for_a_blocking_pull_in_flight(stalled_pair) -> 
     with pytest.raises(CacheNotFound):
         pr.pull()
     assert not pr.dst.any(), "a refused pull moved bytes"
+
+
+# A TCP proxy in a process of its own (its threads share no GIL with the test): it forwards
+# the owner's bytes to the puller each held DELAY_S first, so that an answer comes in a few
+# hundred microseconds: within the hold's budget (gil.h kWaitBudget, 1 ms), and long enough
+# that a call which gave the GIL up while it waited lets a busy thread take it nearly every
+# time (a quicker answer often comes back before the busy thread wakes: a race, not a test).
+DELAY_S = 0.0003
+_PROXY = """
+import socket, sys, threading, time
+delay = float(sys.argv[2])
+ls = socket.socket()
+ls.bind(("127.0.0.1", 0))
+ls.listen(16)
+print(ls.getsockname()[1], flush=True)
+def pump(src, dst, hold):
+    try:
+        while True:
+            data = src.recv(1 << 20)
+            if not data:
+                break
+            if hold:
+                time.sleep(hold)
+            dst.sendall(data)
+    except OSError:
+        pass
+    for s in (src, dst):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+while True:
+    a, _ = ls.accept()
+    b = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    for s in (a, b):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    threading.Thread(target=pump, args=(a, b, 0.0), daemon=True).start()
+    threading.Thread(target=pump, args=(b, a, delay), daemon=True).start()
+"""
+
+
+class ApiPair:
+    """An owner and a TCP puller, each an engine with its CacheManager (the facade the bench's
+    rows call), linked through the process proxy above. The owner has a blocks cache (4
+    tensors, 2 layers, 8 blocks of 4 KiB) and a cache of one 8 KiB slot per tensor, both
+    random; the puller one of each, zeroed."""
+
+    TENSORS, BLOCK, BLOCKS, SLOT = 4, 4 << 10, 8, 8 << 10
+
+    def __init__(self) -> None:
+        self.owner = NativeEngine(EngineConfig(cluster_id=OWNER_ID, role=1,
+                                               listen=("127.0.0.1", 0), sync_timeout=5.0))
+        self.puller = NativeEngine(EngineConfig(cluster_id=PULLER_ID, role=2, sync_timeout=5.0,
+                                                transport="tcp"))
+        self.proxy: subprocess.Popen[str] | None = None
+        self.arrays: list[np.ndarray] = []
+        ocm, self.cm = CacheManager(self.owner), CacheManager(self.puller)
+        u8, host = llm.DataType.DT_UINT8, llm.Placement.HOST
+        blocks = llm.CacheDesc(self.TENSORS, [self.BLOCKS, self.BLOCK], u8, host)
+        slots = llm.CacheDesc(self.TENSORS, [1, self.SLOT], u8, host)
+        rng = np.random.default_rng(11)
+        self.src_blocks, _ = self._register(ocm, blocks, rng, llm.BlocksCacheKey(OWNER_ID, 3))
+        src_slots, _ = self._register(ocm, slots, rng)
+        self.blocks, self.dst_blocks = self._register(self.cm, blocks, None,
+                                                      llm.BlocksCacheKey(PULLER_ID, 3))
+        self.slots, self.dst_slots = self._register(self.cm, slots, None)
+        self.blocks_key = llm.BlocksCacheKey(OWNER_ID, 3)
+        self.slot_key = llm.CacheKeyByIdAndIndex(OWNER_ID, src_slots.cache_id, 0)
+        self.src = self.arrays[:2]
+
+    def _register(self, cm: CacheManager, desc: llm.CacheDesc, rng: np.random.Generator | None,
+                  blocks_key: llm.BlocksCacheKey | None = None) -> tuple[llm.Cache, np.ndarray]:
+        arr = np.zeros((desc.num_tensors, desc.size), np.uint8)
+        if rng is not None:
+            arr[...] = rng.integers(0, 256, arr.shape, dtype=np.uint8)
+        self.arrays.append(arr)
+        addrs = [int(arr[t].ctypes.data) for t in range(desc.num_tensors)]
+        if blocks_key is not None:
+            return cm.register_blocks_cache(desc, addrs, blocks_key), arr
+        return cm.register_cache(desc, addrs), arr
+
+    def link_through_proxy(self, delay: float) -> None:
+        _, port = self.owner.listen_address
+        self.proxy = subprocess.Popen([sys.executable, "-c", _PROXY, str(port), str(delay)],
+                                      stdout=subprocess.PIPE, text=True)
+        assert self.proxy.stdout is not None
+        self.puller.link(OWNER_ID, "127.0.0.1", int(self.proxy.stdout.readline()), 5.0)
+
+    def calls(self) -> dict[str, Callable[[], None]]:
+        """The pulls, each of 32 KiB or less (the bench's busy rows call pull_blocks of one
+        block): a block (block 1 into block 2), the slot, each also of layer 0 only (tensors 0
+        and 1), and the issued forms waited for."""
+        cm, bk, sk, r = self.cm, self.blocks_key, self.slot_key, range(0, 1)
+        return {
+            "pull_blocks": lambda: cm.pull_blocks(bk, self.blocks, [1], [2]),
+            "pull_blocks_layers": lambda: cm.pull_blocks(bk, self.blocks, [1], [2],
+                                                         src_layer_range=r, dst_layer_range=r),
+            "pull_cache": lambda: cm.pull_cache(sk, self.slots, 0),
+            "pull_cache_layers": lambda: cm.pull_cache(sk, self.slots, 0, src_layer_range=r,
+                                                       dst_layer_range=r),
+            "pull_blocks_async_wait": lambda: cm.pull_blocks_async(bk, self.blocks, [1],
+                                                                   [2]).wait(5),
+            "pull_cache_async_wait": lambda: cm.pull_cache_async(sk, self.slots, 0).wait(5),
+        }
+
+    def pulled_right(self, call: str) -> bool:
+        """What ``call`` pulls landed (layer 0: tensors 0 and 1), nothing else; then zeroed."""
+        src_blocks, src_slots = self.src
+        n = 2 if call.endswith("layers") else self.TENSORS
+        b = self.BLOCK
+        if call.startswith("pull_blocks"):
+            want = np.zeros_like(self.dst_blocks)
+            want[:n, 2 * b:3 * b] = src_blocks[:n, b:2 * b]
+            got = self.dst_blocks
+        else:
+            want = np.zeros_like(self.dst_slots)
+            want[:n] = src_slots[:n]
+            got = self.dst_slots
+        ok = np.array_equal(got, want)
+        got.fill(0)
+        return ok
+
+    def close(self) -> None:
+        self.puller.close()
+        self.owner.close()
+        if self.proxy is not None:
+            self.proxy.kill()
+            self.proxy.wait()
+
+
+@pytest.fixture
+def api_pair() -> Iterator[ApiPair]:
+    pr = ApiPair()
+    try:
+        yield pr
+    finally:
+        pr.close()
+
+
+@pytest.mark.parametrize("call", ["pull_blocks", "pull_blocks_layers", "pull_cache",
+                                  "pull_cache_layers", "pull_blocks_async_wait",
+                                  "pull_cache_async_wait"])
+def test_the_bench_calls_keep_the_gil_through_a_quick_answer(api_pair, switch_interval,
+                                                              call: str) -> None:
+    """Each call the busy rows of the bench make (and its siblings), through CacheManager over
+    TCP, with the owner's answers held 0.3 ms (within the 1 ms budget): with a switch interval
+    of 0.1 s, a busy thread beside it runs during at most half of 20 calls. A call that gives
+    the GIL up while it waits lets it run in nearly every one (an issued pull's ``wait`` did,
+    before it kept the GIL for the budget: 19-20 of 20), and beside a busy thread each such
+    call pays up to a switch interval (5 ms by default) to get the GIL back. (An answer later
+    than the budget, on a loaded machine, lets it run: not every call.)"""
+    pr = api_pair
+    pr.link_through_proxy(DELAY_S)
+    pull = pr.calls()[call]
+    for _ in range(3):  # planned, linked, warm
+        pull()
+    assert pr.puller.last_moved(OWNER_ID) in ("tcp", "stream")  # over the socket, no lease
+    assert pr.pulled_right(call)
+    switch_interval(0.1)
+    handed = 0
+    with BusyCounter() as busy:
+        time.sleep(0.01)
+        for _ in range(20):
+            before = busy.steps
+            pull()
+            handed += busy.steps != before
+    assert handed <= 10, f"{handed} of 20 quick {call} calls let the busy thread run"
+    assert pr.pulled_right(call)

@@ -70,7 +70,7 @@ class Handle:
         """
     def wait(self, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool:
         """
-        Blocks (without the GIL) until it ends or timeout_s passes; True once ended.
+        Blocks until it ends or timeout_s passes (without the GIL past a short budget, gil.h); True once ended.
         """
 class PendingLink:
     """

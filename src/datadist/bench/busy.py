@@ -19,6 +19,14 @@ poll's interval), issuing the next once it is done: the "async" rows, pull p50 a
 against the idle blocking pull's, and the loop's work against the same loop with its polls
 replaced by a clock check ("async alone").
 
+Each timed run (idle, busy, the busy thread's own pulls) starts after :data:`SETTLE_S` of the
+same pulls untimed: the scheduler takes a few tens of milliseconds to place the threads again
+after what ran before changed (a thread started, or one that slept now spins), and in that
+while pulls paid a wake-up on a CPU another thread held (a 4 ms tick each). Before, every run
+of every build (docs/performance.md, "Round 12") began with 10-14 such pulls of the busy
+thread's own, 96% of its pulls over 1 ms: about 36 a run of 3, so that its p99 was milliseconds
+whenever the run made fewer than ~3600 pulls, and microseconds otherwise.
+
 The processes are not pinned to a CPU here (unlike the other latency rows): the busy thread
 holds a core, as in a server. The issue's goals are judged (:data:`GOALS`): Python work in
 the owner, TCP: p50 <= 1.3x idle, p99 <= 3x; the busy thread's own pulls: p50 <= 1.3x the
@@ -53,6 +61,7 @@ PATHS = (("auto", "same host"), ("tcp", "TCP"))
 # asynchronous pulls per path; a run makes as many progress steps (runner.GROUPS)
 ROWS = len(SIDES) * len(PATHS) * 3 + len(PATHS) * 3
 MIN_RUN = 0.1  # seconds a run of pulls lasts at least
+SETTLE_S = 0.1  # seconds of untimed pulls before each timed run (the scheduler's settling)
 ASYNC_MAX = 1.0  # seconds a run of the busy thread's own pulls lasts at most (a slow engine)
 POLL_STEPS = 20  # loop steps of Python work between two done() checks of the async rows
 NOTE = "not pinned to a CPU"
@@ -178,14 +187,24 @@ def _side_rows(ctx: Context, p: Puller, side: str, where: str, transport: str) -
     def issue(i: int) -> Any:
         return p.pull_small_async(i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)
 
+    def settle() -> None:
+        """Untimed pulls for SETTLE_S, before a timed run (the module's docstring)."""
+        nonlocal k
+        end = time.perf_counter() + SETTLE_S
+        while time.perf_counter() < end:
+            p.pull_small(k % SMALL_CACHE_BLOCKS, (k * 7) % SMALL_CACHE_BLOCKS)
+            k += 1
+
     ctx.progress.set_label(f"busy {side}, {where}")
     m = pulls([])  # warm: one untimed run
     if side == "puller":
         polled_pulls(issue, m, k)  # warm the asynchronous path too
     for _ in range(ctx.repeat):
+        settle()
         pulls(idle, m)
         ctx.progress.step()
         stop = start()
+        settle()
         pulls(busy, m)
         rounds, secs = stop()
         with_pulls.append(rounds / secs)
@@ -196,6 +215,7 @@ def _side_rows(ctx: Context, p: Puller, side: str, where: str, transport: str) -
         alone.append(rounds / secs)
         ctx.progress.step()
         if side == "puller":
+            k += len(polled_pulls(issue, m, k, SETTLE_S)[0])  # settle, untimed
             lat, steps, secs = polled_pulls(issue, m, k)
             k += len(lat)
             polled += lat
