@@ -304,7 +304,7 @@ class Session {
 ///
 /// The rules of LLM-DataDist's loop (hixl, llm_datadist v2 llm_utils: the transfer_layers method of its job class):
 /// * the first failure stops the run: no later call of that step, no later step is started
-///   (at most `width` - 1 started before it are let end); the failing destination's outcome
+///   (the steps started before it, at most `width` batches, are let end); the failing destination's outcome
 ///   is its code, unless a failure in an earlier step settles first;
 /// * a step the caller could not synchronize (Refuse) is applied in step order, after the
 ///   steps before it ran: every destination of it not settled yet gets the code;
