@@ -185,6 +185,14 @@ def by_tensor(pr: Pair, layers: int = 8, owner_tensors: int | None = None,
     return calls, src, dst
 
 
+def started_alone(run: object) -> None:
+    """Waits until a worker took the one step let go (its request counted before it is sent)."""
+    deadline = time.monotonic() + 5.0
+    while run.requests_run < 1:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "no worker started step 0"
+        time.sleep(0.001)
+
+
 def held_then_let_go(pr: Pair, proxy: Proxy, calls: list[object], width: int = 1) -> object:
     """Step 0 sent and held in the stalled proxy while every other step is let go, then the
     proxy forwards again: the worker that ends step 0 finds the rest let go together."""
@@ -193,7 +201,7 @@ def held_then_let_go(pr: Pair, proxy: Proxy, calls: list[object], width: int = 1
         run.add(i, 0, call)
     assert run.merges()
     run.go(0)
-    time.sleep(0.2)  # step 0's request sent (a worker started it), held in the proxy
+    started_alone(run)  # a worker took step 0 alone: its request goes to the stalled proxy
     for i in range(1, len(calls)):
         run.go(i)
     run.close()
@@ -235,16 +243,18 @@ def test_a_failure_in_a_merged_request_lands_on_its_own_step(stalled_pair) -> No
 
 
 def test_layers_released_together_on_one_host(make_pair) -> None:  # noqa: F811
-    """The same-host (leased) path: 16 steps of 64 KiB let go back to back, one worker:
-    bytes right, one outcome, and fewer requests than steps (the worker ending a step takes
-    the ones let go meanwhile)."""
+    """The same-host (leased) path: 16 steps of 1 MiB let go back to back, one worker: bytes
+    right, one outcome, and fewer requests than steps (the worker ending step 0, a copy of
+    1 MiB, takes the ones let go meanwhile, microseconds each)."""
     pr = make_pair(None)
     pr.link()
-    calls, src, dst = by_tensor(pr, layers=16, tensor=64 << 10)
+    calls, src, dst = by_tensor(pr, layers=16, tensor=1 << 20)
     run = pr.puller.layers(1, 16, 1, 5.0)
     for i, call in enumerate(calls):
         run.add(i, 0, call)
-    for i in range(16):
+    run.go(0)
+    started_alone(run)
+    for i in range(1, 16):
         run.go(i)
     run.close()
     assert run.wait(5.0)
