@@ -548,7 +548,12 @@ PYBIND11_MODULE(_core, m) {
           "Each destination's outcome: (code, why), or None when it has none (yet).")
       .def_property_readonly("steps", &datadist::LayerRun::steps)
       .def_property_readonly("calls_run", &datadist::LayerRun::calls_run,
-                             "Calls the core ran so far (tests: one per destination and layer).");
+                             "Calls the core ran so far (tests: one per destination and layer).")
+      .def_property_readonly("requests_run", &datadist::LayerRun::requests_run,
+                             "Requests sent so far: layers let go together and merged count one.")
+      .def("merges", &datadist::LayerRun::Merges,
+           "Some step can be merged with the next (one destination, the same key and spans): letting "
+           "layers go ahead pays. Never blocks.");
 
   py::class_<Core>(
       m, "Engine",

@@ -398,6 +398,7 @@ void LayerRun::Put(size_t step, Entry e) {
     Invalid("step " + std::to_string(step) + " out of range: the run has " + std::to_string(steps_.size()));
   if (last_[e.job] < step + 1) last_[e.job] = step + 1;
   steps_[step].entries.push_back(std::move(e));
+  merge_known_ = false;
 }
 
 void LayerRun::Add(size_t step, size_t job, std::shared_ptr<const Call> call) {
@@ -421,6 +422,7 @@ void LayerRun::Go(size_t step) {
   if (closed_ || step != gone_ || step >= steps_.size())
     Invalid("layer-wise step " + std::to_string(step) + " let go out of order (next: " + std::to_string(gone_) +
             " of " + std::to_string(steps_.size()) + (closed_ ? ", closed" : "") + ")");
+  if (!merge_known_) KnowMerges();
   ++gone_;
   Kick(lock);
 }
@@ -473,6 +475,39 @@ uint64_t LayerRun::calls_run() {
   return calls_run_;
 }
 
+uint64_t LayerRun::requests_run() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return requests_run_;
+}
+
+bool LayerRun::Merges() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!merge_known_) KnowMerges();
+  for (uint8_t m : merge_next_)
+    if (m) return true;
+  return false;
+}
+
+bool LayerRun::CanMerge(const Call &a, const Call &b) {
+  const wire::Request &x = a.req, &y = b.req;
+  return a.write == b.write && a.cluster == b.cluster && (x.kind == wire::kCacheId || x.kind == wire::kBlocksKey) &&
+         x.kind == y.kind && x.a == y.a && x.b == y.b && x.c == y.c && x.unit_bytes == y.unit_bytes &&
+         x.layout == y.layout && x.flags == y.flags && !(x.flags & (wire::kFlagWhole | wire::kFlagChecksum)) &&
+         a.local_cache == b.local_cache && a.local_tensor_bytes == b.local_tensor_bytes &&
+         a.iov.size() == x.tensors.size() * x.offsets.size() && b.iov.size() == y.tensors.size() * y.offsets.size() &&
+         x.offsets == y.offsets && x.lengths == y.lengths && a.local_addrs == b.local_addrs;
+}
+
+void LayerRun::KnowMerges() {
+  merge_next_.assign(steps_.size(), 0);
+  for (size_t k = 0; k + 1 < steps_.size(); ++k) {
+    const auto &a = steps_[k].entries, &b = steps_[k + 1].entries;
+    merge_next_[k] = a.size() == 1 && b.size() == 1 && a[0].call && b[0].call && a[0].job == b[0].job &&
+                     CanMerge(*a[0].call, *b[0].call);
+  }
+  merge_known_ = true;
+}
+
 bool LayerRun::WaitEnded(size_t steps, Deadline deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   return changed_.wait_until(lock, deadline, [&] { return next_ >= steps || stopped_ || halted_ || Over(); });
@@ -499,7 +534,8 @@ void LayerRun::Settle(size_t job, Status code, std::string why) {
 
 void LayerRun::Kick(std::unique_lock<std::mutex> &lock) {
   std::vector<size_t> start;
-  while (!halted_ && !stopped_ && started_ < gone_ && in_flight_ < width_) {
+  while (!halted_ && !stopped_ && started_ < gone_ && running_ < width_) {
+    ++running_;
     ++in_flight_;
     start.push_back(started_++);
   }
@@ -538,15 +574,102 @@ void LayerRun::Unrun(size_t k) {
   step.fail_code = ge::LLM_ENGINE_FINALIZED;
   step.fail_why = "the engine was finalized before the layer was sent";
   halted_ = true;
+  --running_;
   StepEnded(k);
   Kick(lock);
+}
+
+size_t LayerRun::Extend(size_t k) {
+  size_t end = k + 1;
+  if (steps_[k].refused || k >= merge_next_.size() || !merge_next_[k]) return end;
+  const Call &first = *steps_[k].entries[0].call;
+  uint64_t spans = first.iov.size(), bytes = first.bytes;
+  // The next steps let go and not started (no other worker took one), while each merges with
+  // the one before and the batch stays within its caps.
+  while (end < gone_ && started_ == end && merge_next_[end - 1] && !steps_[end].refused) {
+    const Call &c = *steps_[end].entries[0].call;
+    if (spans + c.iov.size() > kMergeSpans || bytes + c.bytes > kMergeBytes) break;
+    spans += c.iov.size();
+    bytes += c.bytes;
+    ++started_;
+    ++in_flight_;
+    ++end;
+  }
+  return end;
+}
+
+void LayerRun::RunBatch(std::unique_lock<std::mutex> &lock, size_t first, size_t end) {
+  // One destination's calls, one a step (KnowMerges): sent as one request.
+  const size_t job = steps_[first].entries[0].job;
+  if (stopped_ || results_[job].settled) return;  // abandoned meanwhile
+  const auto since = Clock::now();
+  const Deadline deadline = since + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(step_timeout_s_ < 0 ? 0 : step_timeout_s_));
+  calls_run_ += end - first;
+  ++requests_run_;
+  lock.unlock();
+  // The steps' entries no longer change (added before the first Go): read without the lock.
+  Outcome merged;
+  Capture(
+      [&] {
+        const Call &c0 = *steps_[first].entries[0].call;
+        Call call;
+        call.write = c0.write;
+        call.cluster = c0.cluster;
+        call.req = c0.req;  // the key, unit bytes, layout, flags and spans: the same in every step
+        call.local_cache = c0.local_cache;
+        call.local_addrs = c0.local_addrs;
+        call.local_tensor_bytes = c0.local_tensor_bytes;
+        size_t tensors = 0, iovs = 0;
+        for (size_t k = first; k < end; ++k) {
+          const Call &c = *steps_[k].entries[0].call;
+          tensors += c.req.tensors.size();
+          iovs += c.iov.size();
+        }
+        call.req.tensors.reserve(tensors);
+        call.iov.reserve(iovs);
+        for (size_t k = first + 1; k < end; ++k) {
+          const Call &c = *steps_[k].entries[0].call;
+          call.req.tensors.insert(call.req.tensors.end(), c.req.tensors.begin(), c.req.tensors.end());
+        }
+        for (size_t k = first; k < end; ++k) {
+          const Call &c = *steps_[k].entries[0].call;
+          call.iov.insert(call.iov.end(), c.iov.begin(), c.iov.end());  // tensor-major, as the request
+          call.bytes += c.bytes;
+        }
+        session_.Run(call, deadline, since);
+      },
+      merged);
+  lock.lock();
+  if (merged.code == llm_datadist::LLM_SUCCESS) return;
+  // Replayed a step at a time: the failure lands on the step that fails alone (the steps
+  // before it sent again: the same bytes), and nothing after it runs.
+  for (size_t k = first; k < end && !stopped_ && !results_[job].settled; ++k) {
+    Step &step = steps_[k];
+    ++requests_run_;
+    Outcome out;
+    lock.unlock();
+    Capture([&] { session_.Run(*step.entries[0].call, deadline, since); }, out);
+    lock.lock();
+    if (out.code != llm_datadist::LLM_SUCCESS) {
+      if (k == first) out = std::move(merged);  // the merged request's own failure
+      step.failed = 0;
+      step.fail_code = out.code;
+      step.fail_why = std::move(out.why);
+      halted_ = true;
+      return;
+    }
+  }
 }
 
 void LayerRun::RunStep(size_t k) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    Step &step = steps_[k];  // its entries no longer change: added before the first Go
-    if (!step.refused) {
+    const size_t end = Extend(k);
+    if (end > k + 1) {
+      RunBatch(lock, k, end);
+    } else if (!steps_[k].refused) {
+      Step &step = steps_[k];  // its entries no longer change: added before the first Go
       const auto since = Clock::now();
       const Deadline deadline = since + std::chrono::duration_cast<Clock::duration>(
                                             std::chrono::duration<double>(step_timeout_s_ < 0 ? 0 : step_timeout_s_));
@@ -556,6 +679,7 @@ void LayerRun::RunStep(size_t k) {
         Outcome out;
         if (e.call) {
           ++calls_run_;
+          ++requests_run_;
           lock.unlock();
           Capture([&] { session_.Run(*e.call, deadline, since); }, out);
           lock.lock();
@@ -572,13 +696,14 @@ void LayerRun::RunStep(size_t k) {
         }
       }
     }
-    StepEnded(k);
+    for (size_t j = k; j < end; ++j) StepEnded(j);
     // The next step let go and not started, run by this worker: no hand-over to another
     // (a wake-up per layer) while the caller keeps ahead.
     if (halted_ || stopped_ || started_ >= gone_) break;
     k = started_++;
     ++in_flight_;
   }
+  --running_;
   Kick(lock);
 }
 

@@ -305,11 +305,24 @@ class Session {
 ///
 /// The rules of LLM-DataDist's loop (hixl, llm_datadist v2 llm_utils: the transfer_layers method of its job class):
 /// * the first failure stops the run: no later call of that step, no later step is started
-///   (at most `width` - 1 started before it are let end); the failing destination's outcome
+///   (the steps started before it, at most `width` batches, are let end); the failing destination's outcome
 ///   is its code, unless a failure in an earlier step settles first;
 /// * a step the caller could not synchronize (Refuse) is applied in step order, after the
 ///   steps before it ran: every destination of it not settled yet gets the code;
 /// * a destination succeeds once its last step ran well; one never reached has no outcome.
+///
+/// Layers let go together are merged (issue 37): a worker starting step k takes with it the
+/// steps after k let go and not started yet, as long as each is one call of the same
+/// destination that CanMerge with the one before (the same link, key, spans and local cache:
+/// a layer push by key, one per layer, is), up to kMergeSpans spans and kMergeBytes bytes,
+/// and sends them as one request (their tensors concatenated: one system call on one host,
+/// one round trip over TCP). The rules hold per step: every step of a batch starts with it
+/// (its deadline is `step_timeout_s` from the batch's start), outcomes are settled per step in
+/// order, and a batch that fails is replayed one step at a time under the same deadline, so
+/// the failure lands on the step that fails alone and no step after it runs (a failure of
+/// the batch's first step reports the merged request's own error: the link it broke may be
+/// gone by the replay). Steps with several calls (several destinations, or a raw-address
+/// layer's K and V) are never merged.
 ///
 /// Who calls: the Python binding (datadist.api.async_transfer). Thread-safe. Go, Refuse,
 /// Close, Abandon and the getters never block; WaitEnded and Wait block up to their deadline.
@@ -352,9 +365,24 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   bool Wait(Deadline deadline);
   /// Every destination's outcome (settled or not yet).
   std::vector<Result> Results();
-  /// Steps, and calls run so far (tests: no more calls than the steps need).
+  /// Steps, and calls run so far (tests: no more calls than the steps need; a call sent in a
+  /// merged request counts once).
   size_t steps();
   uint64_t calls_run();
+  /// Requests sent so far: a merged batch counts one, each call of its replay one more.
+  uint64_t requests_run();
+  /// Some step can be merged with the next (CanMerge): letting layers go ahead of the run pays.
+  /// Never blocks.
+  bool Merges();
+
+  /// Steps of one batch at most: spans (tensors x spans, as the request cap counts them) and
+  /// bytes, so that a batch stays one request and ends within a layer's deadline.
+  static constexpr uint64_t kMergeSpans = 1u << 16;
+  static constexpr uint64_t kMergeBytes = 64ull << 20;
+  /// `b` can follow `a` in one request: the same direction, link, key (by cache id or
+  /// BlocksCacheKey), unit bytes, layout and flags (neither whole-cache nor checksummed), the
+  /// same spans, and the same local cache at the same addresses. Never blocks.
+  static bool CanMerge(const Call &a, const Call &b);
 
  private:
   struct Entry {
@@ -376,8 +404,11 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   void Put(size_t step, Entry e);
   // Under mu_: hands the steps let go to workers, up to width_ at once (unlocks to queue).
   void Kick(std::unique_lock<std::mutex> &lock);
-  void RunStep(size_t step);                              // on a worker: the step, then the next ones let go
-  void Unrun(size_t step);                                // its closure was dropped unrun
+  void RunStep(size_t step);   // on a worker: the step, then the next ones let go
+  size_t Extend(size_t step);  // under mu_: claims the steps merged with it
+  void RunBatch(std::unique_lock<std::mutex> &lock, size_t first, size_t end);  // steps [first, end) merged
+  void KnowMerges();                                                            // under mu_: merge_next_
+  void Unrun(size_t step);                                                      // its closure was dropped unrun
   void StepEnded(size_t step);                            // under mu_: settles ended steps in order
   void Settle(size_t job, Status code, std::string why);  // under mu_
   bool Over() const;                                      // under mu_
@@ -390,10 +421,14 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   std::vector<Step> steps_;
   std::vector<size_t> last_;  // each job's last step (+1; 0: none)
   std::vector<Result> results_;
-  size_t gone_ = 0;       // steps let go
-  size_t started_ = 0;    // steps handed to a worker (or refused)
-  size_t in_flight_ = 0;  // started and not ended
-  size_t next_ = 0;       // steps settled, in order (== Ended())
+  size_t gone_ = 0;                  // steps let go
+  size_t started_ = 0;               // steps handed to a worker (or refused)
+  size_t in_flight_ = 0;             // started and not ended
+  size_t running_ = 0;               // workers running steps (at most width_)
+  std::vector<uint8_t> merge_next_;  // step k can be merged with step k + 1
+  bool merge_known_ = false;
+  uint64_t requests_run_ = 0;
+  size_t next_ = 0;  // steps settled, in order (== Ended())
   bool closed_ = false;
   bool halted_ = false;   // a failure was seen: no step starts
   bool stopped_ = false;  // a failure was settled: no outcome changes

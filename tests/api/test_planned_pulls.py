@@ -283,3 +283,59 @@ def test_native_small_issued_pull_under_a_lease_ends_in_the_issuing_call(sides):
     bad = d.cm.pull_blocks_async(key, dst, [9], [3])  # outside the owner's cache
     with code(S.LLM_PARAM_INVALID):
         bad.wait(10)
+
+
+def test_a_per_layer_key_is_flat_and_tells_apart_what_it_must():
+    """A per-layer pull (both layer ranges, nothing else) is keyed by six ints (issue 37: the
+    facade's lookup of a layer pull cost 4.4 us of its 6.5); every range field counts, the
+    two ranges are not interchangeable, and no other keyword form can equal it."""
+    cache = object()
+    k = llm.BlocksCacheKey(1, 2)
+
+    def key(**kw):
+        return planned.blocks_key(k, cache, [1, 2], [3, 4], kw)
+
+    got = key(src_layer_range=range(2, 3), dst_layer_range=range(4, 5))
+    assert got is not None and got[-1] == (2, 3, 1, 4, 5, 1)
+    assert got == key(dst_layer_range=range(4, 5), src_layer_range=range(2, 3))
+    assert got != key(src_layer_range=range(4, 5), dst_layer_range=range(2, 3))
+    assert got != key(src_layer_range=range(2, 3, 2), dst_layer_range=range(4, 5))
+    assert got != key(src_layer_range=range(2, 3), dst_layer_range=range(4, 6))
+    assert key(src_layer_range=range(2, 3)) != got
+    assert key(src_layer_range=range(2, 3), tensor_num_per_layer=2) is not None
+    assert key(src_layer_range=range(2, 3), dst_layer_range=[4]) is None
+    # one block list passed as both sides: converted once, the same key as two equal lists
+    blocks = [5, 6]
+    assert (planned.blocks_key(k, cache, blocks, blocks, {})
+            == planned.blocks_key(k, cache, [5, 6], [5, 6], {}))
+    assert planned.blocks_key(k, cache, [5.0], [5.0], {}) is None
+
+
+class _Req:
+    def __init__(self, spans: int) -> None:
+        self.call = type("Call", (), {"spans": spans})()
+
+
+def test_the_planned_map_keeps_what_is_used_and_its_bounds():
+    """The map's second chance (one lookup a hit, no reordering): an entry found since the
+    last eviction pass outlives older unused ones, as in a least-recently-used map; at most
+    ``size`` entries and ``max_weight`` spans are kept, the newest always."""
+    m = planned.PlannedMap(3, lambda r: int(r.call.spans), max_weight=100)
+    for k in "abc":
+        m.put(k, _Req(1))
+    assert m.find("a") is not None  # used: passed over once
+    m.put("d", _Req(1))
+    assert m.find("a") is not None and m.find("b") is None  # b, the oldest unused, went
+    assert len(m) == 3 and m.find("c") is not None and m.find("d") is not None
+    # now c, d, a from the oldest, all used since: each gets its second chance, and the
+    # oldest in the map's order goes (c; an LRU map would drop a, found before c and d: the
+    # second chance only approximates it, for entries all used between two evictions)
+    m.put("e", _Req(1))
+    assert len(m) == 3 and m.find("c") is None
+    assert all(m.find(k) is not None for k in "dae")
+    m.put("big", _Req(500))  # over the weight: everything else goes, the newest stays
+    assert len(m) == 1 and m.find("big") is not None and m.total == 500
+    m.put("big", _Req(2))  # replaced: its weight too
+    assert m.total == 2
+    m.clear()
+    assert len(m) == 0 and m.total == 0

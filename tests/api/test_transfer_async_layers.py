@@ -459,3 +459,49 @@ class TestLayerRanges:
         assert not b[4:].any()
         np.testing.assert_array_equal(c[6:10], a[8:12])
         assert not c[:6].any() and not c[10:].any()
+
+
+class TestMergedLayers:
+    """Layers the synchronizer gives back together reach the core before a worker starts
+    them, and the core sends them in one request (issue 37: LayerRun merges one
+    destination's layers by key); the rules stay per layer."""
+
+    def test_layers_ready_together_go_in_fewer_requests(self, ra_pair):
+        """32 layers of 256 KiB, every one ready at once (as the bench's synchronizer): the
+        loop runs ahead (the run merges), every layer's bytes land where they belong, the
+        destination succeeds, and the core sent fewer requests than layers. Before: one
+        request a layer, the loop two layers ahead."""
+        p, d = ra_pair
+        src, a = p.register(64, [4, 64 << 10], blocks=True, seed=31)
+        _, b = d.register(64, [4, 64 << 10], blocks=True, model_id=11)
+        watched = Watched(p.engine, [])
+        sync = Sync()
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 11), range(32),
+                                             range(32))
+        task = p.cm.transfer_cache_async(src, sync, [cfg], [0, 1, 2, 3], [3, 2, 1, 0])
+        assert task.synchronize(int(WAIT * 1000)) == S.LLM_SUCCESS
+        assert sync.calls == list(range(32))
+        want = np.zeros_like(b)
+        units(want, 4)[:, [3, 2, 1, 0]] = units(a, 4)[:, [0, 1, 2, 3]]
+        np.testing.assert_array_equal(b, want)
+        (run,) = watched.runs
+        assert run.merges() and run.calls_run == 32 and run.ended() == 32
+        assert run.requests_run < 32
+        assert p.engine.leases(src.cache_id) == 0
+
+    def test_a_refused_layer_among_merged_ones_settles_as_alone(self, ra_pair):
+        """The destination has 5 layers, the config names 8: whether layers 5-7 went out in
+        one request with earlier ones or not, the outcome is the owner's refusal of layer 5
+        (PARAM_INVALID), layers 0-4 landed whole, and nothing was written past them."""
+        p, d = ra_pair
+        src, a = p.register(16, [4, 64 << 10], blocks=True, seed=32)
+        _, b = d.register(10, [4, 64 << 10], blocks=True, model_id=12)
+        watched = Watched(p.engine, [])
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 12), range(8),
+                                             range(8))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], [0, 1, 2, 3], [0, 1, 2, 3])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_PARAM_INVALID]
+        np.testing.assert_array_equal(b, a[:10])
+        (run,) = watched.runs
+        assert run.merges() and run.stopped()
+        assert p.engine.leases(src.cache_id) == 0

@@ -155,3 +155,136 @@ def test_misuse_is_invalid_argument(make_pair) -> None:  # noqa: F811
     run.add(0, 0, calls[0])
     with pytest.raises(InvalidArgument):
         run.go(1)  # out of order
+
+
+# ============================================================ layers let go together, merged
+
+TENSOR = 8192
+
+
+def by_tensor(pr: Pair, layers: int = 8, owner_tensors: int | None = None,
+              tensor: int = TENSOR) -> tuple[list[object], np.ndarray, np.ndarray]:
+    """``layers`` prepared pulls that the core can merge (issue 37): one key (the owner's cache
+    by id, slot 0), the same span, layer i its tensor i (a layer push by key is made so: one
+    call a layer, the tensors apart). The owner's cache has ``owner_tensors`` tensors (fewer:
+    the later layers' pulls name tensors it has not)."""
+    owner_tensors = layers if owner_tensors is None else owner_tensors
+    src = np.random.default_rng(5).integers(0, 256, (owner_tensors, tensor), dtype=np.uint8)
+    dst = np.zeros((layers, tensor), np.uint8)
+    s = pr.owner.register(Geometry(owner_tensors, tensor, 1),
+                          [int(src[t].ctypes.data) for t in range(owner_tensors)], placement=0)
+    d = pr.puller.register(Geometry(layers, tensor, 1),
+                           [int(dst[t].ctypes.data) for t in range(layers)], placement=0)
+    pr._keep = (src, dst)  # type: ignore[attr-defined]
+    key = pr.key.__class__(pr.key.kind, s.cache_id, 0)
+    calls = []
+    for i in range(layers):
+        t = np.array([i], np.uint32)
+        calls.append(pr.puller.prepared(False, OWNER_ID, key, 0, plan_slot(d.geometry, 0, (t, t)),
+                                        d.cache_id))
+    return calls, src, dst
+
+
+def started_alone(run: object) -> None:
+    """Waits until a worker took the one step let go (its request counted before it is sent)."""
+    deadline = time.monotonic() + 5.0
+    while run.requests_run < 1:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "no worker started step 0"
+        time.sleep(0.001)
+
+
+def held_then_let_go(pr: Pair, proxy: Proxy, calls: list[object], width: int = 1) -> object:
+    """Step 0 sent and held in the stalled proxy while every other step is let go, then the
+    proxy forwards again: the worker that ends step 0 finds the rest let go together."""
+    run = pr.puller.layers(1, len(calls), width, 5.0)
+    for i, call in enumerate(calls):
+        run.add(i, 0, call)
+    assert run.merges()
+    run.go(0)
+    started_alone(run)  # a worker took step 0 alone: its request goes to the stalled proxy
+    for i in range(1, len(calls)):
+        run.go(i)
+    run.close()
+    proxy.stalled = False
+    assert run.wait(5.0)
+    return run
+
+
+def test_steps_let_go_together_go_in_one_request(stalled_pair) -> None:  # noqa: F811
+    """Step 0 held while steps 1-7 are let go: the worker ending step 0 sends 1-7 in one
+    request (their tensors together), every byte lands where its step put it, and the one
+    destination succeeds. Before: a request a step (8)."""
+    pr, proxy = stalled_pair
+    proxy.stalled = False
+    calls, src, dst = by_tensor(pr)
+    proxy.stalled = True
+    run = held_then_let_go(pr, proxy, calls)
+    assert run.results() == [(0, "")]
+    np.testing.assert_array_equal(dst, src)
+    assert run.calls_run == 8 and run.ended() == 8
+    assert run.requests_run == 2  # step 0 alone, then 1-7 merged
+
+
+def test_a_failure_in_a_merged_request_lands_on_its_own_step(stalled_pair) -> None:  # noqa: F811
+    """The owner's cache has 5 tensors: the merged request of steps 1-7 names tensors 5-7 and
+    is refused whole; replayed a step at a time, steps 1-4 land, step 5 fails with the
+    owner's refusal (PARAM_INVALID, its tensor named) and nothing after it runs."""
+    pr, proxy = stalled_pair
+    proxy.stalled = False
+    calls, src, dst = by_tensor(pr, owner_tensors=5)
+    proxy.stalled = True
+    run = held_then_let_go(pr, proxy, calls)
+    (got,) = run.results()
+    assert got is not None and got[0] == Code.PARAM_INVALID and "tensor 5" in got[1], got
+    np.testing.assert_array_equal(dst[:5], src)
+    assert not dst[5:].any()
+    assert run.stopped() and run.ended() == 8
+    assert run.requests_run == 1 + 1 + 5  # step 0; 1-7 merged; 1-5 replayed
+
+
+def test_layers_released_together_on_one_host(make_pair) -> None:  # noqa: F811
+    """The same-host (leased) path: 16 steps of 1 MiB let go back to back, one worker: bytes
+    right, one outcome, and fewer requests than steps (the worker ending step 0, a copy of
+    1 MiB, takes the ones let go meanwhile, microseconds each)."""
+    pr = make_pair(None)
+    pr.link()
+    calls, src, dst = by_tensor(pr, layers=16, tensor=1 << 20)
+    run = pr.puller.layers(1, 16, 1, 5.0)
+    for i, call in enumerate(calls):
+        run.add(i, 0, call)
+    run.go(0)
+    started_alone(run)
+    for i in range(1, 16):
+        run.go(i)
+    run.close()
+    assert run.wait(5.0)
+    assert run.results() == [(0, "")]
+    np.testing.assert_array_equal(dst, src)
+    assert run.calls_run == 16
+    assert run.requests_run < 16
+
+
+def test_steps_of_several_destinations_are_never_merged(make_pair) -> None:  # noqa: F811
+    """Two destinations a step (their order within a step is a rule: a failure stops the ones
+    after it), or calls the core cannot join (other keys): merges() is False and each call is
+    its own request."""
+    pr = make_pair(None)
+    pr.link()
+    calls, src, dst = by_tensor(pr, layers=4)
+    run = pr.puller.layers(2, 2, 2, 5.0)
+    for i in range(2):
+        run.add(i, 0, calls[2 * i])
+        run.add(i, 1, calls[2 * i + 1])
+    assert not run.merges()
+    run.go(0)
+    run.go(1)
+    run.close()
+    assert run.wait(5.0)
+    assert run.results() == [(0, ""), (0, "")]
+    np.testing.assert_array_equal(dst, src)
+    assert run.requests_run == 4
+    slot_calls, _, _ = slots(make_pair(None))  # one key a slot: never one request
+    run = pr.puller.layers(1, LAYERS, 2, 5.0)
+    for i, call in enumerate(slot_calls):
+        run.add(i, 0, call)
+    assert not run.merges()

@@ -196,6 +196,10 @@ class LayerRun:
         """
         Step `step` may run (in order, once each; InvalidArgument otherwise). Never blocks.
         """
+    def merges(self) -> bool:
+        """
+        Some step can be merged with the next (one destination, the same key and spans): letting layers go ahead pays. Never blocks.
+        """
     def refuse(self, step: typing.SupportsInt | typing.SupportsIndex, code: typing.SupportsInt | typing.SupportsIndex, why: str) -> None:
         """
         Step `step` was not synchronized: applied in order, then the run stops. Never blocks.
@@ -220,6 +224,11 @@ class LayerRun:
     def calls_run(self) -> int:
         """
         Calls the core ran so far (tests: one per destination and layer).
+        """
+    @property
+    def requests_run(self) -> int:
+        """
+        Requests sent so far: layers let go together and merged count one.
         """
     @property
     def steps(self) -> int:

@@ -278,6 +278,13 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
 # AHEAD - 1 layers are synchronized (and started) past a failure nobody has seen yet. The core
 # starts no layer once it has seen a failure.
 AHEAD = layerwise.DEPTH
+# Layers let go and not ended yet, at most, when the core can merge the run's layers (one
+# destination, one call a layer by key: LayerRun.merges): the loop runs ahead of the core, so
+# layers the synchronizer gives back together (already computed) reach the core before a
+# worker starts them, and one request carries them all (issue 37: one system call or one
+# round trip for several layers). At most MERGE_AHEAD - 1 layers are then synchronized past a
+# failure nobody has seen yet; none of them is sent once the core saw it.
+MERGE_AHEAD = 64
 
 
 @dataclass(frozen=True)
@@ -298,7 +305,9 @@ class _CoreLoop:
     layer some destination needs, in order, the user's ``synchronize`` (Python, on this
     thread: no core thread takes the GIL) and the layer let go (``go``: never blocks). The
     core's workers run the layers let go in order, AHEAD at once, while this thread
-    synchronizes the next. The rules are LLM-DataDist's (``v2/llm_utils.py``
+    synchronizes the next; where the core can merge layers (``merges``: one destination, one
+    call a layer), this thread runs up to MERGE_AHEAD layers ahead, and a worker sends the
+    layers let go meanwhile in one request. The rules are LLM-DataDist's (``v2/llm_utils.py``
     TransferCacheJob.transfer_layers), as ``core/layerwise.py`` states them: False from
     ``synchronize`` is PARAM_INVALID for the destinations needing that layer, an exception
     the task's default error; the first failure stops the transfer (the core starts no layer
@@ -333,7 +342,8 @@ class _CoreLoop:
                 self._report(first, int(e.code))
                 return
             last = self._fill(run, {layer: s for s, layer in enumerate(steps)})
-            if not self._loop(run, steps[:last + 1]):
+            ahead = MERGE_AHEAD if run.merges() else AHEAD
+            if not self._loop(run, steps[:last + 1], ahead):
                 self._finish(run)
         except Exception:  # a bug: what was not settled stays None
             log.exception("layer-wise transfer failed")
@@ -375,12 +385,13 @@ class _CoreLoop:
                     break
         return last
 
-    def _loop(self, run: LayerRun, steps: list[int]) -> bool:
-        """Synchronizes each layer and lets it go; True when a wait ran out (abandoned)."""
+    def _loop(self, run: LayerRun, steps: list[int], ahead: int) -> bool:
+        """Synchronizes each layer and lets it go, at most ``ahead`` layers let go and not
+        ended; True when a wait ran out (abandoned)."""
         try:
             for s, layer in enumerate(steps):
-                if s >= AHEAD and not run.wait_ended(s - AHEAD + 1, self._wait_s):
-                    run.abandon(int(Code.TIMEOUT), f"layer {steps[s - AHEAD]} did not end in time")
+                if s >= ahead and not run.wait_ended(s - ahead + 1, self._wait_s):
+                    run.abandon(int(Code.TIMEOUT), f"layer {steps[s - ahead]} did not end in time")
                     return True
                 if run.stopped():  # a failure: no later layer is awaited
                     return False
