@@ -211,6 +211,7 @@ void Link::Connect(Deadline deadline) {
   wire::Hello welcome;
   SetConn(Greet(false, deadline, rid_, welcome));
   peer_reverse_ = welcome.features & wire::kFeatureReverse;
+  peer_eager_ = welcome.features & wire::kFeatureEagerWrite;
   token_ = wire::SplitToken(welcome.proof, welcome.features).second;
   SetPath(Path::kTcp, "");
   if (nixl_agent_) {
@@ -254,6 +255,7 @@ void Link::TryLocal(const wire::Hello &welcome, Deadline deadline) {
   }
   SetConn(std::move(lc));  // the TCP connection closes: the owner sees an idle connection end
   rid_ = rid;
+  peer_eager_ = again.features & wire::kFeatureEagerWrite;
   token_ = wire::SplitToken(again.proof, again.features).second;  // the live control channel's
   const std::string who = "pid " + std::to_string(cred.pid) + ", uid " + std::to_string(cred.uid);
   if (cred.WeMayRead()) {
@@ -312,6 +314,7 @@ void Link::ConnectNixl(const wire::Hello &welcome, Deadline deadline) {
       wire::Hello again;
       SetConn(Greet(false, deadline, rid_, again));
       peer_reverse_ = again.features & wire::kFeatureReverse;
+      peer_eager_ = again.features & wire::kFeatureEagerWrite;
       token_ = wire::SplitToken(again.proof, again.features).second;
     }
     SetPath(Path::kTcp, std::string("nixl forced but the peer offers no NIXL agent: ") + e.what());
@@ -820,6 +823,23 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
     return;
   }
   std::vector<uint8_t> payload;
+  if (peer_eager_ && IovBytes(local) <= wire::kEagerMax) {
+    // One round trip: the request and its bytes in one send, then the one answer. A refusal
+    // (ERROR) comes after the owner drained the bytes: the connection goes on.
+    wire::Request eager = req;
+    eager.flags |= wire::kFlagEager;
+    const std::vector<uint8_t> frame = wire::EncodeRequest(wire::kWrite, eager, ++rid_);
+    std::vector<iovec> out;
+    out.reserve(local.size() + 1);
+    out.push_back({const_cast<uint8_t *>(frame.data()), frame.size()});
+    out.insert(out.end(), local.begin(), local.end());
+    conn_->SendV(std::move(out), deadline);
+    if (Answer(payload, deadline).type != wire::kOk) {
+      conn_->Close();
+      ProtocolViolation("expected OK after an eager WRITE");
+    }
+    return;
+  }
   wire::Header h = Call(wire::EncodeRequest(wire::kWrite, req, ++rid_), payload, deadline);
   if (h.type != wire::kOk) {
     conn_->Close();

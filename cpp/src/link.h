@@ -101,7 +101,13 @@ class Link {
   /// the lease's checks refuse, as Read would. Never waits for the peer or the link (a leased
   /// copy takes neither): the issued pulls' inline path (cpp/python/module.cc).
   bool ReadLeasedNow(const wire::Request &req, const std::vector<iovec> &local);
-  /// Push: WRITE, go-ahead OK, the bytes, confirming OK.
+  /// Push, on the caller's thread, blocking up to the deadline. To an owner whose WELCOME set
+  /// FEATURE_EAGER_WRITE, a push of at most wire::kEagerMax bytes is one round trip: the WRITE
+  /// (flag EAGER) and its bytes in one send (a sendmsg for a small push), then OK or ERROR.
+  /// Larger pushes, and any to an owner without the bit: WRITE, go-ahead OK, the bytes,
+  /// confirming OK. An ERROR raises its code (the connection stays: the owner drained the
+  /// bytes); a broken or lying stream closes the connection (LLM_LINK_FAILED, or
+  /// kSuspectRemoteError); LLM_TIMEOUT past the deadline.
   void Write(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// Tells the peer we leave (BYE), waiting for a transfer in flight up to the deadline:
   /// LLM_LINK_BUSY if it does not finish. With force, closes at once: a transfer in flight
@@ -269,6 +275,7 @@ class Link {
   bool closing_ = false;
   bool reverse_end_ = false;   // conn_ is a client's reverse channel: no reconnect
   bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
+  bool peer_eager_ = false;    // conn_'s WELCOME set FEATURE_EAGER_WRITE (busy held; a reverse end: never)
   std::string token_;     // the link token the peer issued our control channel (conn_); a reverse end's: the one echoed
   std::string peer_key_;  // a reverse end's: the listener's per-peer key of its connection
   static uint64_t NextSerial() {

@@ -61,6 +61,10 @@ constexpr double kGrantTtl = 30.0;     // s a grant may stay unreleased
 constexpr double kReclaimGrace = 5.0;  // s once its owner wants the memory back
 
 std::atomic<uint64_t> next_lease_id{1};
+// How long a stalled writer is waited for (kServeTimeout; SetWriteTimeout: tests).
+std::atomic<double> write_timeout{kServeTimeout};
+// A refused eager WRITE's bytes are drained into this, a share of a step at a time.
+constexpr size_t kDrainChunk = 64 << 10;
 
 double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -310,6 +314,20 @@ class PeerStream {
     short want = POLLIN;
     return conn_->RecvSome(in, want, kStepShare) || Wait(want);
   }
+  /// Reads and drops what has arrived of `left` bytes (a refused eager WRITE's), at most a
+  /// step's share, into a fixed scratch buffer: true once `left` is 0.
+  bool Discard(uint64_t &left) {
+    thread_local uint8_t scratch[kDrainChunk];
+    short want = POLLIN;
+    for (size_t moved = 0; left > 0;) {
+      if (moved >= kStepShare) return Wait(POLLIN);  // the rest at the next step (at once)
+      const size_t got = conn_->ReadSome(scratch, std::min<uint64_t>(left, kDrainChunk), want);
+      if (got == 0) return Wait(want);
+      left -= got;
+      moved += got;
+    }
+    return true;
+  }
 
  private:
   bool Wait(short want) {
@@ -340,7 +358,7 @@ class PeerStream {
 /// A READ's answer being sent, or a WRITE's data being received, under its lease, across the
 /// connection's parks (ServeStep).
 struct ServeJob {
-  enum class Kind { kNone, kRead, kWrite };
+  enum class Kind { kNone, kRead, kWrite, kDrain };
   Kind kind = Kind::kNone;
   std::unique_ptr<Lease> lease;
   std::unique_ptr<metrics::Serving> served;  // gone before Done: counted failed
@@ -362,6 +380,8 @@ struct ServeJob {
   // filed and answered, from the job's lease and CRC) instead of sending data.
   std::function<void(Grants &, PeerStream &, ServeJob &)> granted;
   Spans data;                        // WRITE: the lease's spans being filled
+  uint64_t drain_left = 0;           // kDrain: a refused eager WRITE's bytes still to drop
+  std::vector<uint8_t> refusal;      // kDrain: its ERROR, sent once they are all dropped
   Deadline until = Deadline::max();  // 120 s from the request, as a stalled reader's or writer's
   void Reset() {
     if (summing) metrics::RecordSince(metrics::Op::kServeRead, cluster, 0, asked, llm_datadist::LLM_FAILED);
@@ -509,8 +529,15 @@ bool Progress(Grants &grants, ServeJob &job, PeerStream &s) {
     job.Reset();
     return true;
   }
-  // WRITE: OK sent, then the data into the lease's memory as it arrives (a part of its spans
-  // at a time), then OK.
+  if (job.kind == ServeJob::Kind::kDrain) {  // a refused eager WRITE: its bytes dropped, then ERROR
+    if (!s.Discard(job.drain_left)) return false;
+    std::vector<uint8_t> refusal = std::move(job.refusal);
+    job.Reset();
+    s.Queue(std::move(refusal));
+    return true;
+  }
+  // WRITE: OK sent (an eager one: none), then the data into the lease's memory as it arrives
+  // (a part of its spans at a time), then OK.
   for (;;) {
     if (!s.Receive(job.data)) return false;
     job.data.clear();
@@ -601,6 +628,8 @@ class Served : public IoPool::Task {
 bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> conn) {
   return io.Add(std::make_shared<Served>(ctx, std::move(conn)));
 }
+
+void SetWriteTimeout(double seconds) { write_timeout.store(seconds > 0 ? seconds : kServeTimeout); }
 
 /// The state of a handshake between its frames.
 struct Server::Shake {
@@ -1235,6 +1264,7 @@ Server::Greeted Server::Hello(PeerStream &c, Shake &s) {
   welcome.boot_id = host.boot_id;
   welcome.features = on_reverse_ ? wire::kFeatureReverse : 0;  // we accept reverse channels
   if (serves_local_) welcome.features |= wire::kFeatureLocal | wire::kFeatureLease;
+  welcome.features |= wire::kFeatureEagerWrite;  // a push in one round trip (Dispatch, kWrite)
   const std::string &secret = identity_->secret;
   if (!secret.empty()) {
     welcome.features |= auth::kFeatureAuth;
@@ -1578,25 +1608,39 @@ bool Dispatch(const ServeContext &ctx, Grants &grants, ServeJob &job, PeerStream
       return true;
     }
     case wire::kWrite: {
+      // Undecodable spans (no known byte count: an eager WRITE's bytes cannot be skipped):
+      // ERROR, then closed, by the caller.
       wire::Request req = wire::DecodeRequest(h.type, payload);
-      const Clock::time_point asked = Clock::now();  // counted as serve_write from here
+      const bool eager = req.flags & wire::kFlagEager;  // its bytes follow it now: no go-ahead
+      const Clock::time_point asked = Clock::now();     // counted as serve_write from here
       std::unique_ptr<Lease> lease;
       try {
         lease = registry_->OpenWrite(req, false);  // its spans expanded a part at a time, as they come
         if (req.kind != wire::kAddress) CheckOwnMemory(lease->entry(), req.tensors, "write");
       } catch (const Error &e) {
         metrics::RecordSince(metrics::Op::kServeWrite, ctx.cluster, 0, asked, e.code());  // refused
+        if (eager) {
+          // Exactly its bytes (at most kEagerMax: the codec refuses more) dropped as they come,
+          // parked in between as a WRITE's are, within the stalled writer's deadline; then the
+          // ERROR, and the connection goes on.
+          job.kind = ServeJob::Kind::kDrain;
+          job.until = After(write_timeout.load());
+          job.drain_left = wire::SpanBytes(req);
+          job.refusal = ErrorFrame(e, rid);
+          return true;
+        }
         c.Queue(ErrorFrame(e, rid));
         return true;
       }
-      // OK, then the data into the lease's memory as it arrives (ServeStep), then OK.
+      // OK (not for an eager WRITE), then the data into the lease's memory as it arrives
+      // (ServeStep), then OK.
       job.kind = ServeJob::Kind::kWrite;
-      job.until = After(kServeTimeout);
+      job.until = After(write_timeout.load());
       job.rid = rid;
       job.served = std::make_unique<metrics::Serving>(metrics::Op::kServeWrite, ctx.cluster, asked);
       job.lease = std::move(lease);
       (void)NextSpans(job, job.data.iov);
-      c.Queue(wire::EncodeEmpty(wire::kOk, rid));
+      if (!eager) c.Queue(wire::EncodeEmpty(wire::kOk, rid));
       return true;
     }
     case wire::kPing: c.Queue(wire::EncodeU64(wire::kPong, wire::DecodeU64(payload), rid)); return true;

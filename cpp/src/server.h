@@ -162,6 +162,12 @@ struct ServeContext {
 /// closed) when the group is stopped already.
 bool ServeParked(IoGroup &io, const ServeContext &ctx, std::unique_ptr<Conn> conn);
 
+/// How long an owner waits for a stalled writer: a WRITE's bytes, or a refused eager WRITE's
+/// (drained), from its request on (default 120 s; docs/protocol.md, "Deadlines"); the
+/// connection is closed past it. Process-wide, for WRITEs asked from then on; <= 0 restores
+/// the default. Tests shorten it.
+void SetWriteTimeout(double seconds);
+
 /// A client's reverse channel to us (HELLO with FEATURE_REVERSE): handed over to become our
 /// end of that client's link *before* the handshake's last frame (`last`) goes out, which the
 /// handler sends once the link is registered (the client's link call returns on that frame,

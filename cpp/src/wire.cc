@@ -132,10 +132,18 @@ std::string RequestFault(uint8_t type, uint8_t kind, uint32_t flags) {
     } else if (flags & ~(kFlagGrant | kFlagShm | kFlagChecksum | kFlagWhole)) {
       return "unknown read flags " + std::to_string(flags);
     }
-  } else if (flags != 0) {
-    return "unknown write flags " + std::to_string(flags);  // none are defined in this version
+  } else if (flags & ~(type == kWrite ? kFlagEager : 0U)) {
+    return "unknown write flags " + std::to_string(flags);  // NIXL_WRITE: none
   }
   return "";
+}
+
+// The same, with what the spans say: an eager WRITE names at most kEagerMax bytes.
+std::string RequestFault(uint8_t type, const Request &r) {
+  std::string why = RequestFault(type, r.kind, r.flags);
+  if (why.empty() && type == kWrite && (r.flags & kFlagEager) && SpanBytes(r) > kEagerMax)
+    why = "an eager WRITE of more than " + std::to_string(kEagerMax) + " bytes";
+  return why;
 }
 
 std::string LeaseKindFault(uint8_t kind) {
@@ -245,7 +253,7 @@ std::vector<uint8_t> EncodeError(const ErrorMsg &e, uint32_t rid) {
 
 std::vector<uint8_t> EncodeRequest(uint8_t type, const Request &r, uint32_t rid) {
   if (r.offsets.size() != r.lengths.size()) Fail(llm_datadist::LLM_FAILED, "offsets and lengths differ");
-  Refuse(RequestFault(type, r.kind, r.flags));
+  Refuse(RequestFault(type, r));
   Writer w(type, rid);
   // The exact size, once: a 100k-span request grew its buffer through every power of two.
   w.Reserve(1 + 5 * 8 + 3 * 4 + 4 * r.tensors.size() + 8 * (r.offsets.size() + r.lengths.size()));
@@ -593,8 +601,17 @@ Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload) {
   q.offsets = r.Array<uint64_t>(nspans);
   q.lengths = r.Array<uint64_t>(nspans);
   r.Done();
-  Reject(RequestFault(type, q.kind, q.flags));
+  Reject(RequestFault(type, q));
   return q;
+}
+
+uint64_t SpanBytes(const Request &r) {
+  if (r.tensors.empty()) return 0;
+  uint64_t sum = 0, total = 0;
+  for (uint64_t l : r.lengths)
+    if (__builtin_add_overflow(sum, l, &sum)) return UINT64_MAX;
+  if (__builtin_mul_overflow(sum, static_cast<uint64_t>(r.tensors.size()), &total)) return UINT64_MAX;
+  return total;
 }
 
 uint64_t DecodeU64(const std::vector<uint8_t> &payload) {

@@ -57,6 +57,12 @@ constexpr uint32_t kFlagGrant = 1, kFlagShm = 2, kFlagChecksum = 4;
 // READ: the requester asked for every tensor (no layer range); the cache must have exactly as
 // many tensors as the request names (CANN's GetSendTask), checked by the owner.
 constexpr uint32_t kFlagWhole = 8;
+// WRITE (its one flag): the spans' bytes follow the request at once, and one answer (OK or
+// ERROR) comes after them (docs/protocol.md, "Push"). Sent only to an owner whose WELCOME set
+// kFeatureEagerWrite, and only for at most kEagerMax bytes: an eager WRITE naming more is
+// malformed (its owner would have to drain them all to refuse it).
+constexpr uint32_t kFlagEager = 16;
+constexpr uint64_t kEagerMax = 4 << 20;
 // HELLO / WELCOME features (bit 0, FEATURE_AUTH, is in auth.h)
 constexpr uint32_t kFeatureLocal = 2;    // WELCOME: the server also serves its local channel
 constexpr uint32_t kFeatureReverse = 4;  // WELCOME: reverse channels accepted; HELLO: this is one
@@ -66,6 +72,7 @@ constexpr uint32_t kFeatureLease = 8;    // WELCOME, local channel: LEASE_REQUES
 // token of its client's live control channel, and is adopted only with it.
 constexpr uint32_t kFeatureToken = 16;
 constexpr size_t kLinkTokenBytes = 16;
+constexpr uint32_t kFeatureEagerWrite = 32;  // WELCOME: WRITE with kFlagEager is served
 /// (the rest of `proof`, its link token) for a HELLO / WELCOME with `features` (token empty
 /// without kFeatureToken, or when `proof` is too short to hold one).
 std::pair<std::string, std::string> SplitToken(const std::string &proof, uint32_t features);
@@ -216,6 +223,9 @@ Hello DecodeHello(const std::vector<uint8_t> &payload);
 /// The message comes back as UTF-8: ill-formed parts become U+FFFD, as in Python's codec.
 ErrorMsg DecodeError(const std::vector<uint8_t> &payload);
 Request DecodeRequest(uint8_t type, const std::vector<uint8_t> &payload);
+/// The bytes a READ's or WRITE's spans name, sum(lengths) * tensors: what a WRITE's raw
+/// bytes count (UINT64_MAX where that does not fit in 64 bits).
+uint64_t SpanBytes(const Request &r);
 uint64_t DecodeU64(const std::vector<uint8_t> &payload);
 std::string DecodeAuth(const std::vector<uint8_t> &payload);
 void DecodeEmpty(const std::vector<uint8_t> &payload);

@@ -733,7 +733,8 @@ TEST(Hostile, OwnerRefusesMalformedInputAndKeepsServing) {
   EXPECT_EQ(welcome.boot_id, datadist::local::HostIdentity::Current().boot_id);
   EXPECT_NE(welcome.boot_id, (std::array<uint8_t, 16>{}));
   // a control channel's WELCOME carries its link token, for its reverse channel to echo
-  EXPECT_EQ(welcome.features, w::kFeatureReverse | w::kFeatureLocal | w::kFeatureLease | w::kFeatureToken);
+  EXPECT_EQ(welcome.features,
+            w::kFeatureReverse | w::kFeatureLocal | w::kFeatureLease | w::kFeatureToken | w::kFeatureEagerWrite);
   EXPECT_EQ(w::SplitToken(welcome.proof, welcome.features).second.size(), w::kLinkTokenBytes);
   auto ask = [&](uint8_t type, w::Request q, uint32_t rid) {
     r.Send(w::EncodeRequest(type, q, rid));

@@ -117,6 +117,13 @@ FEATURE_LEASE = 8
 FEATURE_TOKEN = 16
 LINK_TOKEN_BYTES = 16
 LEASE_WRITE = 0x100  # LeaseRequest flag: a lease to write (push into) the cache
+# Welcome: the server serves eager WRITEs (WRITE_EAGER): a push in one round trip.
+FEATURE_EAGER_WRITE = 32
+# Write flag, sent only to a server that set FEATURE_EAGER_WRITE: the spans' raw bytes follow
+# the Write at once (no go-ahead), and one answer, Ok or Error, comes once the server took them
+# all (docs/protocol.md, "Push"). An eager Write naming more than EAGER_MAX bytes is malformed.
+WRITE_EAGER = 0x10
+EAGER_MAX = 4 << 20
 
 
 def split_token(proof: bytes, features: int) -> tuple[bytes, bytes]:
@@ -197,7 +204,8 @@ class Read:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Write:
-    """Push: like Read, but ``nbytes`` raw bytes follow, to land in the owner's spans."""
+    """Push: like Read, but ``nbytes`` raw bytes follow, to land in the owner's spans: after
+    the owner's go-ahead Ok, or with ``flags`` WRITE_EAGER right behind the Write."""
 
     key: KeyRef
     unit_bytes: int
@@ -540,8 +548,19 @@ def _request_fault(mtype: int, kind: int, flags: int) -> str | None:
                 return f"unknown NIXL read flags {flags:#x}"
         elif flags & ~_KNOWN_READ_FLAGS:
             return f"unknown read flags {flags:#x}"
-    elif flags:  # no write flags are defined in this version
+    elif flags & ~(WRITE_EAGER if mtype == MsgType.WRITE else 0):  # NIXL_WRITE: none
         return f"unknown write flags {flags:#x}"
+    return None
+
+
+def _eager_fault(mtype: int, flags: int, tensors: np.ndarray, lengths: np.ndarray) -> str | None:
+    """An eager WRITE names at most EAGER_MAX bytes (sum(lengths) * n_tensors)."""
+    if mtype != MsgType.WRITE or not flags & WRITE_EAGER or not len(tensors):
+        return None
+    lengths = np.asarray(lengths, U64)
+    # no sum can wrap: a frame holds at most 8M lengths, each at most EAGER_MAX here
+    if (lengths > EAGER_MAX).any() or int(lengths.sum()) * len(tensors) > EAGER_MAX:
+        return f"an eager WRITE of more than {EAGER_MAX} bytes"
     return None
 
 
@@ -613,6 +632,7 @@ def _enc_request(msg: Read | Write | NixlRead | NixlWrite) -> bytes:
     _refuse(_request_fault(msg.TYPE, msg.key.kind, int(msg.flags)))
     if len(msg.offsets) != len(msg.lengths):
         raise LocalProtocolError("offsets and lengths differ in length")
+    _refuse(_eager_fault(msg.TYPE, int(msg.flags), msg.tensors, msg.lengths))
     return b"".join((
         _key(msg.key),
         msg._S.pack(msg.unit_bytes, msg.layout, int(msg.flags), len(msg.tensors),
@@ -815,6 +835,7 @@ def _dec_request(r: _Reader, mtype: MsgType) -> Message:
     offsets = r.array(nspans, U64)
     lengths = r.array(nspans, U64)
     _reject(_request_fault(mtype, kind, flags))
+    _reject(_eager_fault(mtype, flags, tensors, lengths))
     if mtype == MsgType.READ:
         return Read(key, unit_bytes, _READ_FLAGS[flags], tensors, offsets, lengths, layout)
     if mtype == MsgType.NIXL_READ:
