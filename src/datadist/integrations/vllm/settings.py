@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from datadist.core.address import parse_host_port
+
 #: Model ids of the two blocks caches every worker registers under its cluster id.
 KV_MODEL_ID = 0
 MAILBOX_MODEL_ID = 1
@@ -86,6 +88,7 @@ class Settings:
     idle_wait_ms: int = 10
     layerwise_timeout_s: float = 30.0
     kv_buffer_device: str = "cpu"
+    prefill_workers: tuple[str, ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
@@ -101,6 +104,9 @@ class Settings:
             if f.name not in extra:
                 continue
             raw = extra[f.name]
+            if f.name == "prefill_workers":
+                values[f.name] = _addresses(raw)
+                continue
             try:
                 values[f.name] = str(raw) if f.type == "str" else (
                     int(raw) if f.type == "int" else float(raw))
@@ -126,6 +132,28 @@ class Settings:
             if getattr(s, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(s, name)}")
         return s
+
+
+def _addresses(raw: Any) -> tuple[str, ...]:
+    """``prefill_workers``: a list of "host:port" or one string with commas; ValueError
+    naming the bad entry."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"kv_connector_extra_config['prefill_workers']: expected a list of "
+                         f"'host:port', got {raw!r}")
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        try:
+            host, port = parse_host_port(item)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config['prefill_workers']: {e}") from None
+        if port == 0:
+            raise ValueError(f"kv_connector_extra_config['prefill_workers']: {item!r} has "
+                             "port 0 (name the port the prefill instance's 'port' setting fixes)")
+        out.append(item)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
