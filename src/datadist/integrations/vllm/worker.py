@@ -57,6 +57,7 @@ from datadist.integrations.vllm.settings import (
 )
 
 if TYPE_CHECKING:
+    from datadist.api.cache_manager import CacheManager
     from datadist.integrations.vllm.layerwise import (
         LayerwiseConsumer,
         LayerwiseProducer,
@@ -443,7 +444,7 @@ class DatadistWorker:
                     f", serving on {self.address.host}:{self.address.port}" if self.address
                     else "", _cpus())
 
-    def _register_scratch(self, cm: llm_datadist.CacheManager, layout: KvLayout) -> None:
+    def _register_scratch(self, cm: CacheManager, layout: KvLayout) -> None:
         """Local sinks of a pre-link's warm-up reads (``_warm``): one mailbox record and one
         block of every KV tensor, so the warm-up writes nothing vLLM's blocks hold."""
         per = int(np.prod(layout.block_shape)) * _ITEMSIZE.get(layout.dtype, 1)
