@@ -130,6 +130,10 @@ class _Pull:
     reported: bool = False  # in poll_recv's answer already
 
 
+#: A pre-link refused (its producer not listening yet) is tried again this often.
+_PRELINK_RETRY_S = 0.25
+
+
 class _Linker:
     """Links to producers off the engine's step (no first-request stall). ``want`` starts
     linking to a producer in a thread of its own and returns at once; ``state`` says whether
@@ -181,13 +185,23 @@ class _Linker:
 
     def _prelink(self, host: str, port: int) -> None:
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self._timeout_ms / 1e3
         cid = 0
         err: Exception | None = None
         try:
             # A placeholder id of our own (the core serialises links made under one id); the
-            # link is filed under the id the producer announces.
-            got = self._dd.engine.link(secrets.randbits(62) | 1, host, port,
-                                       self._timeout_ms / 1e3, as_announced=True)
+            # link is filed under the id the producer announces. A producer still starting
+            # (nothing listens yet) is tried again until the link timeout.
+            while True:
+                try:
+                    got = self._dd.engine.link(secrets.randbits(62) | 1, host, port,
+                                               max(0.001, deadline - time.monotonic()),
+                                               as_announced=True)
+                    break
+                except Exception:
+                    if self._closed or time.monotonic() + _PRELINK_RETRY_S >= deadline:
+                        raise
+                    time.sleep(_PRELINK_RETRY_S)
             cid = got.cluster_id
             if self._path is not None and got.path_name != self._path:
                 err = PullError(f"link to {host}:{port} uses {got.path_name}, not "
