@@ -75,6 +75,17 @@ class Settings:
         instances; both instances of a pair use "cuda"). Read from
         ``kv_connector_extra_config``, not from vLLM's ``KVTransferConfig.kv_buffer_device``
         (whose default, "cuda", would pick NIXL without asking).
+    prefill_workers: a decoder's: the prefill instances it will pull from, each "host:port"
+        as that instance's ``host`` and ``port`` settings ("[v6]:port" for IPv6; a list, or
+        one string with commas). Each decode worker links to them at start-up in threads of
+        its own, off the engine's step (tensor-parallel rank r to port + r, where the
+        prefill's rank r listens), and reads one mailbox record and one KV block of each (the
+        first transfers' one-time cost: a same-host link asks the owner for a lease of each
+        cache once), so the first request to each finds its link made and warm. A worker not
+        listening yet is tried again until ``link_timeout_ms``; a pre-link that fails is
+        logged and made again at the first request that names the worker, as without the
+        setting: start-up never waits or fails on it. Default: none (each link is made at
+        the first sight of a worker's address, off the step).
     """
 
     host: str = "127.0.0.1"
