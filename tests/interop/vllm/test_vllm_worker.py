@@ -300,7 +300,7 @@ def test_prefill_workers_setting_is_checked():
         {"prefill_workers": "10.0.0.1:7000, [::1]:7001"}).prefill_workers == (
         "10.0.0.1:7000", "[::1]:7001")
     assert Settings.from_extra_config({}).prefill_workers == ()
-    for bad in (["10.0.0.1"], ["10.0.0.1:0"], [7000], 7000, ["::1:7000"]):
+    for bad in (["10.0.0.1"], ["10.0.0.1:0"], [7000], 7000, ["::1:7000"], ["localhost:7000"]):
         with pytest.raises(ValueError, match="prefill_workers"):
             Settings.from_extra_config({"prefill_workers": bad})
 

@@ -8,6 +8,7 @@ the one a deployment most often tunes (``VLLM_DATADIST_ABORT_TIMEOUT``, seconds)
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -75,13 +76,14 @@ class Settings:
         instances; both instances of a pair use "cuda"). Read from
         ``kv_connector_extra_config``, not from vLLM's ``KVTransferConfig.kv_buffer_device``
         (whose default, "cuda", would pick NIXL without asking).
-    prefill_workers: a decoder's: the prefill instances it will pull from, each "host:port"
-        as that instance's ``host`` and ``port`` settings ("[v6]:port" for IPv6; a list, or
-        one string with commas). Each decode worker links to them at start-up in threads of
-        its own, off the engine's step (tensor-parallel rank r to port + r, where the
-        prefill's rank r listens), and reads one mailbox record and one KV block of each (the
-        first transfers' one-time cost: a same-host link asks the owner for a lease of each
-        cache once), so the first request to each finds its link made and warm. A worker not
+    prefill_workers: a decoder's: the prefill instances it will pull from, each "ip:port"
+        as that instance's ``host`` (an IP address) and ``port`` settings ("[v6]:port" for
+        IPv6; a list, or one string with commas). Each decode worker links to them at
+        start-up in threads of its own, off the engine's step (tensor-parallel rank r to
+        port + r, where the prefill's rank r listens), and reads one mailbox record and one
+        KV block of each (the first transfers' one-time cost: a same-host link asks the
+        owner for a lease of each cache once), so the first request to each finds its link
+        made and warm. A worker not
         listening yet is tried again until ``link_timeout_ms``; a pre-link that fails is
         logged and made again at the first request that names the worker, as without the
         setting: start-up never waits or fails on it. Default: none (each link is made at
@@ -160,6 +162,11 @@ def _addresses(raw: Any) -> tuple[str, ...]:
             host, port = parse_host_port(item)
         except ValueError as e:
             raise ValueError(f"kv_connector_extra_config['prefill_workers']: {e}") from None
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"kv_connector_extra_config['prefill_workers']: {item!r}: the "
+                             "host must be an IP address, as the prefill's 'host'") from None
         if port == 0:
             raise ValueError(f"kv_connector_extra_config['prefill_workers']: {item!r} has "
                              "port 0 (name the port the prefill instance's 'port' setting fixes)")

@@ -210,16 +210,19 @@ class _Linker:
                     self._dd.engine.unlink(cid, self._timeout_ms / 1e3, force=True)
         except Exception as e:  # noqa: BLE001 - logged; the first request links again
             err = e
+        info = llm_datadist.LLMClusterInfo()
+        try:
+            info.remote_cluster_id = cid
+            info.append_local_ip_info("0.0.0.0", 0)
+            info.append_remote_ip_info(host, port)
+        except Exception as e:  # noqa: BLE001 - settings.py checked the address; never stuck
+            err = err or e
         seconds = time.perf_counter() - t0
         if err is None and self._warm is not None:
             try:
                 self._warm(cid)
             except Exception as e:  # noqa: BLE001 - the first request pays it instead
                 logger.info("datadist: warm-up of cluster %d: %s", cid, e)
-        info = llm_datadist.LLMClusterInfo()
-        info.remote_cluster_id = cid
-        info.append_local_ip_info("0.0.0.0", 0)
-        info.append_remote_ip_info(host, port)
         with self._lock:
             waiters = self._prelinking.pop((host, port), [])
             self._prelink_threads.pop((host, port), None)
@@ -276,7 +279,10 @@ class _Linker:
         err: Exception | None = None
         try:
             code, codes = self._dd.link_clusters([info], timeout=self._timeout_ms)
-            if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
+            # ALREADY_LINK: a pre-link to the same worker under another spelling of its
+            # address ("localhost" / "127.0.0.1") made it first: the link is up.
+            if code != llm_datadist.LLMStatusCode.LLM_SUCCESS and \
+                    codes[0] != llm_datadist.LLMStatusCode.LLM_ALREADY_LINK:
                 err = PullError(f"link to {peer.host}:{peer.port} (cluster "
                                 f"{peer.cluster_id}) failed: {codes[0]!s}")
         except Exception as e:  # noqa: BLE001 - reported to the requests that wait on it
