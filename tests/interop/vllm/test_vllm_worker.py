@@ -254,6 +254,57 @@ def test_a_producer_being_linked_blocks_no_step(producer):
         mute.close()
 
 
+def test_prefill_workers_are_linked_before_the_first_request(producer):
+    """``prefill_workers``: the decoder links to them at start-up, off the step, so the
+    first request's first step finds its link made and issues its mailbox read at once
+    (before, the link was started by that request and the step that issued the read came
+    later). A refused address and an unresponsive one fail no start-up and hold no step: the
+    refused one's request links again at first sight, and fails as it would without the
+    setting."""
+    _, addr, _, _ = producer()
+    host, port, cid = addr
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # accepts, never answers HELLO: its pre-link takes the whole timeout
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    t0 = time.monotonic()
+    w, arrs = _consumer(link_timeout_ms=2000, prefill_workers=(
+        f"{host}:{port}", f"127.0.0.1:{refused.getsockname()[1]}",
+        f"127.0.0.1:{mute.getsockname()[1]}"))
+    try:
+        assert time.monotonic() - t0 < 1.5, "start-up waited for a pre-link"
+        deadline = time.monotonic() + 10
+        while not any(link.cluster_id == cid for link in w.engine.links()):
+            assert time.monotonic() < deadline, "no pre-link to the prefill worker"
+            time.sleep(0.005)
+        events: list[tuple[str, str]] = []
+        w.on_event = lambda rid, ev: events.append((rid, ev))
+        w.submit([_task(addr)])
+        first = w.poll_recv()
+        assert ("d1", "linked") in events, "the first request's step waited for a link"
+        # (Warmed at the pre-link, a same-host pull can end in this very step.)
+        assert (first if first[0] else _wait(w)) == ({"d1"}, set())
+        assert (arrs[0][0] == 5).all()
+        # The refused address: its request links again (and fails, as without the setting).
+        w.submit([_task(("127.0.0.1", refused.getsockname()[1], 4243), rid="gone")])
+        assert _wait(w) == ({"gone"}, {"gone"})
+    finally:
+        w.close()
+        mute.close()
+        refused.close()
+
+
+def test_prefill_workers_setting_is_checked():
+    assert Settings.from_extra_config(
+        {"prefill_workers": "10.0.0.1:7000, [::1]:7001"}).prefill_workers == (
+        "10.0.0.1:7000", "[::1]:7001")
+    assert Settings.from_extra_config({}).prefill_workers == ()
+    for bad in (["10.0.0.1"], ["10.0.0.1:0"], [7000], 7000, ["::1:7000"], ["localhost:7000"]):
+        with pytest.raises(ValueError, match="prefill_workers"):
+            Settings.from_extra_config({"prefill_workers": bad})
+
+
 def test_an_idle_step_waits_for_the_pull_in_flight(producer):
     """wait_recv (the connector calls it on a step that scheduled nothing) returns False at
     once with nothing in flight, else blocks until the KV pull in flight ended, so the

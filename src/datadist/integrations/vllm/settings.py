@@ -8,10 +8,13 @@ the one a deployment most often tunes (``VLLM_DATADIST_ABORT_TIMEOUT``, seconds)
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+from datadist.core.address import parse_host_port
 
 #: Model ids of the two blocks caches every worker registers under its cluster id.
 KV_MODEL_ID = 0
@@ -73,6 +76,18 @@ class Settings:
         instances; both instances of a pair use "cuda"). Read from
         ``kv_connector_extra_config``, not from vLLM's ``KVTransferConfig.kv_buffer_device``
         (whose default, "cuda", would pick NIXL without asking).
+    prefill_workers: a decoder's: the prefill instances it will pull from, each "ip:port"
+        as that instance's ``host`` (an IP address) and ``port`` settings ("[v6]:port" for
+        IPv6; a list, or one string with commas). Each decode worker links to them at
+        start-up in threads of its own, off the engine's step (tensor-parallel rank r to
+        port + r, where the prefill's rank r listens), and reads one mailbox record and one
+        KV block of each (the first transfers' one-time cost: a same-host link asks the
+        owner for a lease of each cache once), so the first request to each finds its link
+        made and warm. A worker not
+        listening yet is tried again until ``link_timeout_ms``; a pre-link that fails is
+        logged and made again at the first request that names the worker, as without the
+        setting: start-up never waits or fails on it. Default: none (each link is made at
+        the first sight of a worker's address, off the step).
     """
 
     host: str = "127.0.0.1"
@@ -86,6 +101,7 @@ class Settings:
     idle_wait_ms: int = 10
     layerwise_timeout_s: float = 30.0
     kv_buffer_device: str = "cpu"
+    prefill_workers: tuple[str, ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
@@ -101,6 +117,9 @@ class Settings:
             if f.name not in extra:
                 continue
             raw = extra[f.name]
+            if f.name == "prefill_workers":
+                values[f.name] = _addresses(raw)
+                continue
             try:
                 values[f.name] = str(raw) if f.type == "str" else (
                     int(raw) if f.type == "int" else float(raw))
@@ -126,6 +145,33 @@ class Settings:
             if getattr(s, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(s, name)}")
         return s
+
+
+def _addresses(raw: Any) -> tuple[str, ...]:
+    """``prefill_workers``: a list of "host:port" or one string with commas; ValueError
+    naming the bad entry."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"kv_connector_extra_config['prefill_workers']: expected a list of "
+                         f"'host:port', got {raw!r}")
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        try:
+            host, port = parse_host_port(item)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config['prefill_workers']: {e}") from None
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"kv_connector_extra_config['prefill_workers']: {item!r}: the "
+                             "host must be an IP address, as the prefill's 'host'") from None
+        if port == 0:
+            raise ValueError(f"kv_connector_extra_config['prefill_workers']: {item!r} has "
+                             "port 0 (name the port the prefill instance's 'port' setting fixes)")
+        out.append(item)
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ finished requests' blocks for decoders (producer), and pulls them (consumer). No
 Who calls what (connector.py, from vLLM's worker process):
 
 - ``start(layout)`` once, from ``register_kv_caches``: creates this process's LLMDataDist,
-  registers the KV cache as one blocks cache and the mailbox (mailbox.py). Links nothing.
+  registers the KV cache as one blocks cache and the mailbox (mailbox.py). A consumer with
+  ``prefill_workers`` starts linking to them there, each in a thread of its own (``_Linker.
+  prelink``): start-up neither waits for nor fails on them.
 - ``hold`` / ``poll_sent`` on a producer and ``submit`` / ``poll_recv`` on a consumer, once per
   engine step from the worker's main thread. A consumer's pulls are issued transfers
   (``pull_blocks_async``, NIXL's post-then-check): ``poll_recv`` checks their handles and
@@ -22,7 +24,9 @@ Who calls what (connector.py, from vLLM's worker process):
 - ``close()`` at shutdown.
 
 Only datadist's public API is used (``import datadist as llm_datadist``), plus its documented
-``listen_address`` extra to learn the port when the producer listens on port 0.
+``listen_address`` extra to learn the port when the producer listens on port 0, and its
+``engine`` (``get_link``: a link's path; ``link(..., as_announced=True)``: a pre-link to an
+address whose cluster id the decoder learns from the producer).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import datadist as llm_datadist
-from datadist.core.address import format_host_port
+from datadist.core.address import format_host_port, parse_host_port
 from datadist.integrations.vllm import mailbox
 from datadist.integrations.vllm.scheduler import RecvTask, SendTask
 from datadist.integrations.vllm.settings import (
@@ -53,6 +57,7 @@ from datadist.integrations.vllm.settings import (
 )
 
 if TYPE_CHECKING:
+    from datadist.api.cache_manager import CacheManager
     from datadist.integrations.vllm.layerwise import (
         LayerwiseConsumer,
         LayerwiseProducer,
@@ -125,6 +130,10 @@ class _Pull:
     reported: bool = False  # in poll_recv's answer already
 
 
+#: A pre-link refused (its producer not listening yet) is tried again this often.
+_PRELINK_RETRY_S = 0.25
+
+
 class _Linker:
     """Links to producers off the engine's step (no first-request stall). ``want`` starts
     linking to a producer in a thread of its own and returns at once; ``state`` says whether
@@ -140,8 +149,12 @@ class _Linker:
     PENDING = "pending"
 
     def __init__(self, dd: llm_datadist.LLMDataDist, timeout_ms: int,
-                 path: str | None = None) -> None:
+                 path: str | None = None,
+                 warm: Callable[[int], None] | None = None) -> None:
         self._dd = dd
+        # Called (cluster id) in a pre-link's thread once its link is up, before requests may
+        # use it: the first transfers' one-time costs paid there (DatadistWorker._warm).
+        self._warm = warm
         self._timeout_ms = timeout_ms
         self._path = path  # the transfer path a link must have (None: any)
         self._lock = threading.Lock()
@@ -150,14 +163,98 @@ class _Linker:
         self._failed: dict[int, Exception] = {}
         self._closed = False
         self.seconds: dict[int, float] = {}  # how long each link took (logs, tests)
+        # Pre-links (``prelink``) under way, by address: the peers whose requests wait on each.
+        self._prelinking: dict[tuple[str, int], list[WorkerAddress]] = {}
+        self._prelink_threads: dict[tuple[str, int], threading.Thread] = {}
+        self.prelinked: dict[tuple[str, int], int] = {}  # address -> cluster id (logs, tests)
+
+    def prelink(self, host: str, port: int) -> None:
+        """Start linking to the producer listening at host:port before any request names it
+        (``prefill_workers``), in a thread of its own; the link is filed under the cluster
+        id the producer announces. Never blocks; a failure is logged, and the first request
+        that names the producer links again (``want``)."""
+        addr = (host, port)
+        with self._lock:
+            if self._closed or addr in self._prelinking:
+                return
+            t = threading.Thread(target=self._prelink, args=addr, daemon=True,
+                                 name=f"datadist-prelink-{port}")
+            self._prelinking[addr] = []
+            self._prelink_threads[addr] = t
+        t.start()
+
+    def _prelink(self, host: str, port: int) -> None:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self._timeout_ms / 1e3
+        cid = 0
+        err: Exception | None = None
+        try:
+            # A placeholder id of our own (the core serialises links made under one id); the
+            # link is filed under the id the producer announces. A producer still starting
+            # (nothing listens yet) is tried again until the link timeout.
+            while True:
+                try:
+                    got = self._dd.engine.link(secrets.randbits(62) | 1, host, port,
+                                               max(0.001, deadline - time.monotonic()),
+                                               as_announced=True)
+                    break
+                except Exception:
+                    if self._closed or time.monotonic() + _PRELINK_RETRY_S >= deadline:
+                        raise
+                    time.sleep(_PRELINK_RETRY_S)
+            cid = got.cluster_id
+            if self._path is not None and got.path_name != self._path:
+                err = PullError(f"link to {host}:{port} uses {got.path_name}, not "
+                                f"{self._path} ({got.reason})")
+                with contextlib.suppress(Exception):
+                    self._dd.engine.unlink(cid, self._timeout_ms / 1e3, force=True)
+        except Exception as e:  # noqa: BLE001 - logged; the first request links again
+            err = e
+        info = llm_datadist.LLMClusterInfo()
+        try:
+            info.remote_cluster_id = cid
+            info.append_local_ip_info("0.0.0.0", 0)
+            info.append_remote_ip_info(host, port)
+        except Exception as e:  # noqa: BLE001 - settings.py checked the address; never stuck
+            err = err or e
+        seconds = time.perf_counter() - t0
+        if err is None and self._warm is not None:
+            try:
+                self._warm(cid)
+            except Exception as e:  # noqa: BLE001 - the first request pays it instead
+                logger.info("datadist: warm-up of cluster %d: %s", cid, e)
+        with self._lock:
+            waiters = self._prelinking.pop((host, port), [])
+            self._prelink_threads.pop((host, port), None)
+            for w in waiters:
+                self._pending.pop(w.cluster_id, None)
+            if err is None and not self._closed:
+                self._links[cid] = info
+                self.seconds[cid] = seconds
+                self.prelinked[(host, port)] = cid
+        if err is None:
+            logger.info("datadist: pre-linked to cluster %d (%s:%d) in %.2f ms, before any "
+                        "request", cid, host, port, seconds * 1e3)
+        else:
+            logger.warning("datadist: pre-link to %s:%d failed (%s); the first request from it "
+                           "links again", host, port, err)
+        for w in waiters:  # requests that named another id, or a failed pre-link: link now
+            if w.cluster_id != cid or err is not None:
+                self.want(w)
 
     def want(self, peer: WorkerAddress) -> None:
-        """Start linking to ``peer`` unless linked or being linked. Never blocks."""
+        """Start linking to ``peer`` unless linked or being linked (a pre-link to its
+        address included: the request waits for that one). Never blocks."""
         with self._lock:
             cid = peer.cluster_id
             if self._closed or cid in self._links or cid in self._pending:
                 return
             self._failed.pop(cid, None)  # a new request retries a link that failed
+            waiters = self._prelinking.get((peer.host, peer.port))
+            if waiters is not None:
+                waiters.append(peer)
+                self._pending[cid] = self._prelink_threads[(peer.host, peer.port)]
+                return
             t = threading.Thread(target=self._link, args=(peer,), daemon=True,
                                  name=f"datadist-link-{cid}")
             self._pending[cid] = t
@@ -182,7 +279,10 @@ class _Linker:
         err: Exception | None = None
         try:
             code, codes = self._dd.link_clusters([info], timeout=self._timeout_ms)
-            if code != llm_datadist.LLMStatusCode.LLM_SUCCESS:
+            # ALREADY_LINK: a pre-link to the same worker under another spelling of its
+            # address ("localhost" / "127.0.0.1") made it first: the link is up.
+            if code != llm_datadist.LLMStatusCode.LLM_SUCCESS and \
+                    codes[0] != llm_datadist.LLMStatusCode.LLM_ALREADY_LINK:
                 err = PullError(f"link to {peer.host}:{peer.port} (cluster "
                                 f"{peer.cluster_id}) failed: {codes[0]!s}")
         except Exception as e:  # noqa: BLE001 - reported to the requests that wait on it
@@ -217,7 +317,7 @@ class _Linker:
         """No more links; waits up to ``wait_s`` for links being made."""
         with self._lock:
             self._closed = True
-            threads = list(self._pending.values())
+            threads = list({*self._pending.values(), *self._prelink_threads.values()})
             self._links.clear()
         deadline = time.monotonic() + wait_s
         for t in threads:
@@ -261,6 +361,10 @@ class DatadistWorker:
         self._outbox = mailbox.Mailbox(_OUTBOX_SLOTS)
         self._held: dict[str, tuple[int, bytes, float]] = {}
         self._linker: _Linker | None = None
+        # Pre-links' warm-up sinks (``_register_scratch``): a mailbox record, a KV block.
+        self._scratch_box: mailbox.Mailbox | None = None
+        self._scratch_kv: np.ndarray | None = None
+        self._scratch_caches: tuple[llm_datadist.Cache, llm_datadist.Cache] | None = None
         self._waiting: list[RecvTask] = []  # submitted, not yet started (MAX_PULLS)
         self._pulls: list[_Pull] = []  # started: each with a transfer in flight or retrying
         self._free_records = list(range(0, _OUTBOX_SLOTS, 2))
@@ -302,7 +406,8 @@ class DatadistWorker:
         options = cfg.generate_options()
         dd.init(options)
         self._dd = dd
-        self._linker = _Linker(dd, self.settings.link_timeout_ms, self.link_path)
+        self._linker = _Linker(dd, self.settings.link_timeout_ms, self.link_path,
+                               self._warm if self.link_path is None else None)
         try:
             cm = dd.cache_manager
             desc = llm_datadist.CacheDesc(len(layout.addrs),
@@ -317,6 +422,8 @@ class DatadistWorker:
             if self.consumer:  # local only: where slot reads land and DONE records start
                 self._outbox_cache = cm.register_blocks_cache(
                     self._box_desc(self._outbox), [self._outbox.buf.ctypes.data])
+                if self.settings.prefill_workers and self.link_path is None:
+                    self._register_scratch(cm, layout)
         except Exception:
             self.close()
             raise
@@ -344,6 +451,10 @@ class DatadistWorker:
             listen = dd.listen_address
             assert listen is not None
             self.address = WorkerAddress(self.settings.host, listen[1], self.cluster_id)
+        if self.consumer:  # prefill_workers: link now, so no first request waits for it
+            for text in self.settings.prefill_workers:
+                host, port = parse_host_port(text)
+                self._linker.prelink(host, port + self.rank)
         logger.info("datadist: worker %d started as cluster %d (%s%s), %d layers x %d blocks "
                     "of %s %s%s; CPUs %s", self.rank, self.cluster_id,
                     "producer" if self.producer else "", "+consumer" if self.producer
@@ -352,6 +463,46 @@ class DatadistWorker:
                     layout.dtype.name,
                     f", serving on {self.address.host}:{self.address.port}" if self.address
                     else "", _cpus())
+
+    def _register_scratch(self, cm: CacheManager, layout: KvLayout) -> None:
+        """Local sinks of a pre-link's warm-up reads (``_warm``): one mailbox record and one
+        block of every KV tensor, so the warm-up writes nothing vLLM's blocks hold."""
+        per = int(np.prod(layout.block_shape)) * _ITEMSIZE.get(layout.dtype, 1)
+        self._scratch_box = mailbox.Mailbox(1)
+        self._scratch_kv = np.zeros(per * len(layout.addrs), np.uint8)
+        base = self._scratch_kv.ctypes.data
+        self._scratch_caches = (
+            cm.register_blocks_cache(self._box_desc(self._scratch_box),
+                                     [self._scratch_box.buf.ctypes.data]),
+            cm.register_blocks_cache(
+                llm_datadist.CacheDesc(len(layout.addrs), [1, *layout.block_shape],
+                                       layout.dtype),
+                [base + i * per for i in range(len(layout.addrs))]))
+
+    def _warm(self, cluster_id: int) -> None:
+        """A pre-link's thread, its link just made: read one mailbox record and one KV block
+        of the producer into the scratch caches (issued as the requests' are, waited for:
+        each bounded by ``sync_kv_timeout_ms``, GIL released), so its first request's
+        mailbox read and KV pull find the producer's caches leased (a same-host link asks
+        the owner once per cache, then copies directly) and the transfer path used once.
+        Reads only: the producer's state is unchanged; errors go to the caller (logged)."""
+        dd, caches = self._dd, self._scratch_caches
+        if dd is None or caches is None:
+            return
+        cm = dd.cache_manager
+        wait_s = self.settings.sync_kv_timeout_ms / 1e3
+        took = []
+        # As the requests issue theirs (pull_blocks_async): the same path warmed, the
+        # transfer workers included. The KV block is read twice: the log shows the one-time
+        # part of the first.
+        for key, cache in ((MAILBOX_MODEL_ID, caches[0]), (KV_MODEL_ID, caches[1]),
+                           (KV_MODEL_ID, caches[1])):
+            t0 = time.perf_counter()
+            cm.pull_blocks_async(llm_datadist.BlocksCacheKey(cluster_id, key), cache, [0],
+                                 [0]).wait(wait_s)
+            took.append((time.perf_counter() - t0) * 1e3)
+        logger.info("datadist: warmed the link to cluster %d: a mailbox record read in %.2f ms, "
+                    "a KV block in %.2f ms (again: %.2f ms)", cluster_id, *took)
 
     @staticmethod
     def _box_desc(box: mailbox.Mailbox) -> llm_datadist.CacheDesc:
