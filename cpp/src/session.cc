@@ -602,9 +602,12 @@ void LayerRun::RunBatch(std::unique_lock<std::mutex> &lock, size_t first, size_t
   // One destination's calls, one a step (KnowMerges): sent as one request.
   const size_t job = steps_[first].entries[0].job;
   if (stopped_ || results_[job].settled) return;  // abandoned meanwhile
+  // Each step may take its own timeout: the batch gets what its steps would have had one
+  // after another (one step's deadline would fail a batch that a slow link carries step by step).
   const auto since = Clock::now();
+  const double step_s = step_timeout_s_ < 0 ? 0 : step_timeout_s_;
   const Deadline deadline = since + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(step_timeout_s_ < 0 ? 0 : step_timeout_s_));
+                                        std::chrono::duration<double>(step_s * static_cast<double>(end - first)));
   calls_run_ += end - first;
   ++requests_run_;
   lock.unlock();
@@ -649,7 +652,11 @@ void LayerRun::RunBatch(std::unique_lock<std::mutex> &lock, size_t first, size_t
     ++requests_run_;
     Outcome out;
     lock.unlock();
-    Capture([&] { session_.Run(*step.entries[0].call, deadline, since); }, out);
+    // Each replayed step under a deadline of its own, as it would have run alone (the batch's
+    // may be spent: a slow batch that timed out).
+    const auto at = Clock::now();
+    const Deadline own = at + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(step_s));
+    Capture([&] { session_.Run(*step.entries[0].call, own, at); }, out);
     lock.lock();
     if (out.code != llm_datadist::LLM_SUCCESS) {
       if (k == first) out = std::move(merged);  // the merged request's own failure

@@ -317,8 +317,9 @@ class Session {
 /// a layer push by key, one per layer, is), up to kMergeSpans spans and kMergeBytes bytes,
 /// and sends them as one request (their tensors concatenated: one system call on one host,
 /// one round trip over TCP). The rules hold per step: every step of a batch starts with it
-/// (its deadline is `step_timeout_s` from the batch's start), outcomes are settled per step in
-/// order, and a batch that fails is replayed one step at a time under the same deadline, so
+/// (the batch's deadline is `step_timeout_s` times its steps from its start: what they would
+/// have had one after another), outcomes are settled per step in order, and a batch that
+/// fails is replayed one step at a time, each under a `step_timeout_s` of its own, so
 /// the failure lands on the step that fails alone and no step after it runs (a failure of
 /// the batch's first step reports the merged request's own error: the link it broke may be
 /// gone by the replay). Steps with several calls (several destinations, or a raw-address

@@ -12,6 +12,8 @@ pulls on two engines in this process (``test_gil_hold``'s pair), one step per la
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 
 import numpy as np
@@ -240,6 +242,60 @@ def test_a_failure_in_a_merged_request_lands_on_its_own_step(stalled_pair) -> No
     assert not dst[5:].any()
     assert run.stopped() and run.ended() == 8
     assert run.requests_run == 1 + 1 + 5  # step 0; 1-7 merged; 1-5 replayed
+
+
+class SlowProxy(Proxy):
+    """A proxy that carries ``chunk`` bytes every ``pause`` seconds each way: a slow link,
+    whose time grows with the bytes a request carries."""
+
+    chunk = 16 << 10
+    pause = 0.05
+
+    def _pump(self, src, dst) -> None:  # type: ignore[no-untyped-def]
+        try:
+            while True:
+                while self.stalled and not self._closed:
+                    time.sleep(0.01)
+                data = src.recv(self.chunk)
+                if not data:
+                    break
+                time.sleep(self.pause)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_merged_batch_has_the_time_its_steps_would_have_had(make_pair) -> None:  # noqa: F811
+    """A slow link (16 KiB every 50 ms): one layer of 64 KiB takes about 0.2 s, within its
+    0.8 s step deadline; steps 1-7 merged take about 1.4 s. The batch has the deadline its 7
+    steps would have had one after another, and lands whole. Before: one step's deadline
+    for the batch (TIMEOUT), then a replay under that spent deadline (TIMEOUT again)."""
+    pr = make_pair("tcp")
+    proxy = SlowProxy(pr.owner.listen_address)
+    try:
+        pr.link(proxy.address)
+        calls, src, dst = by_tensor(pr, tensor=64 << 10)
+        proxy.stalled = True
+        run = pr.puller.layers(1, len(calls), 1, 0.8)
+        for i, call in enumerate(calls):
+            run.add(i, 0, call)
+        run.go(0)
+        started_alone(run)
+        for i in range(1, len(calls)):
+            run.go(i)
+        run.close()
+        proxy.stalled = False
+        assert run.wait(30.0)
+        assert run.results() == [(0, "")], run.results()
+        np.testing.assert_array_equal(dst, src)
+        assert run.requests_run == 2  # step 0 alone, then 1-7 merged, never replayed
+    finally:
+        proxy.stalled = False
+        proxy.close()
 
 
 def test_layers_released_together_on_one_host(make_pair) -> None:  # noqa: F811
