@@ -840,7 +840,16 @@ void Link::Write(const wire::Request &req, const std::vector<iovec> &local, Dead
     }
     return;
   }
-  wire::Header h = Call(wire::EncodeRequest(wire::kWrite, req, ++rid_), payload, deadline);
+  // Two steps: WRITE, its go-ahead, the bytes. A caller's EAGER flag is not ours to send
+  // here (the owner would wait for bytes while we wait for its go-ahead).
+  const wire::Request *sent = &req;
+  wire::Request plain;
+  if (req.flags & wire::kFlagEager) {
+    plain = req;
+    plain.flags &= ~wire::kFlagEager;
+    sent = &plain;
+  }
+  wire::Header h = Call(wire::EncodeRequest(wire::kWrite, *sent, ++rid_), payload, deadline);
   if (h.type != wire::kOk) {
     conn_->Close();
     ProtocolViolation("expected OK");

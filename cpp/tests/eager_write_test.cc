@@ -368,7 +368,9 @@ class FakeOwner {
 };
 
 /// Pushes of `sizes` bytes through a link to `owner`, then BYE; checks what the owner got.
-void PushAndCheck(FakeOwner &owner, const std::vector<size_t> &sizes, const std::vector<uint32_t> &want_flags) {
+/// `asked`: flags the caller's request carries already (the link decides the form itself).
+void PushAndCheck(FakeOwner &owner, const std::vector<size_t> &sizes, const std::vector<uint32_t> &want_flags,
+                  uint32_t asked = 0) {
   w::Hello hello;
   hello.cluster_id = 50;
   {
@@ -377,7 +379,9 @@ void PushAndCheck(FakeOwner &owner, const std::vector<size_t> &sizes, const std:
     for (const size_t n : sizes) {
       std::vector<uint8_t> src = Bytes(n, static_cast<uint8_t>(n >> 10));
       try {
-        link.Write(Span(n), {{src.data(), n}}, After(5));
+        w::Request req = Span(n);
+        req.flags |= asked;
+        link.Write(req, {{src.data(), n}}, After(5));
       } catch (const datadist::Error &e) {
         ADD_FAILURE() << "push of " << n << " bytes: " << e.what();
       }
@@ -397,6 +401,18 @@ void PushAndCheck(FakeOwner &owner, const std::vector<size_t> &sizes, const std:
 TEST(EagerWriteLink, AnOwnerWithoutTheBitNeverReceivesTheEagerForm) {
   FakeOwner owner(w::kFeatureToken);  // bits it may set, but not FEATURE_EAGER_WRITE
   PushAndCheck(owner, {1, 16 << 10, 1 << 20}, {0, 0, 0});
+}
+
+// A request that already carries EAGER (a raw plan's flags) is sent in the form the link
+// chose: to an owner without the bit, or over the bound, in two steps without the flag (sent
+// with it, the owner would wait for bytes while the link waits for a go-ahead).
+TEST(EagerWriteLink, ACallersEagerFlagNeverReachesATwoStepWrite) {
+  {
+    FakeOwner owner(w::kFeatureToken);
+    PushAndCheck(owner, {1, 16 << 10}, {0, 0}, w::kFlagEager);
+  }
+  FakeOwner owner(w::kFeatureEagerWrite);
+  PushAndCheck(owner, {w::kEagerMax + 1, 64}, {0, w::kFlagEager}, w::kFlagEager);
 }
 
 // To an owner with the bit, every push up to the bound goes eagerly (the fake sends no
