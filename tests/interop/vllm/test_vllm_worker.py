@@ -295,6 +295,37 @@ def test_prefill_workers_are_linked_before_the_first_request(producer):
         refused.close()
 
 
+def test_a_pre_link_is_usable_before_its_warm_up_ends(producer):
+    """The pre-link's warm-up (reads of the producer's caches, each up to
+    ``sync_kv_timeout_ms``) runs after its link is filed: requests waiting for the pre-link
+    go on at once, whatever the warm-up waits for. Before, the link was filed only after the
+    warm-up (a slow producer held the first requests up to three read timeouts)."""
+    from datadist.integrations.vllm.worker import _Linker
+
+    _, addr, _, _ = producer()
+    host, port, cid = addr
+    w, _ = _consumer()
+    release = threading.Event()
+    warming = threading.Event()
+
+    def slow_warm(cluster_id: int) -> None:
+        warming.set()
+        release.wait(30)
+
+    linker = _Linker(w._dd, 5000, warm=slow_warm)
+    try:
+        linker.prelink(host, port)
+        deadline = time.monotonic() + 10
+        while linker.state(cid) != linker.UP:
+            assert time.monotonic() < deadline, "the link waited for its warm-up"
+            time.sleep(0.005)
+        assert warming.wait(10) and not release.is_set()
+    finally:
+        release.set()
+        linker.close(5.0)
+        w.close()
+
+
 def test_prefill_workers_setting_is_checked():
     assert Settings.from_extra_config(
         {"prefill_workers": "10.0.0.1:7000, [::1]:7001"}).prefill_workers == (

@@ -152,8 +152,9 @@ class _Linker:
                  path: str | None = None,
                  warm: Callable[[int], None] | None = None) -> None:
         self._dd = dd
-        # Called (cluster id) in a pre-link's thread once its link is up, before requests may
-        # use it: the first transfers' one-time costs paid there (DatadistWorker._warm).
+        # Called (cluster id) in a pre-link's thread once its link is filed (requests that
+        # waited for the pre-link go on meanwhile): the first transfers' one-time costs paid
+        # there, not by them (DatadistWorker._warm).
         self._warm = warm
         self._timeout_ms = timeout_ms
         self._path = path  # the transfer path a link must have (None: any)
@@ -218,11 +219,6 @@ class _Linker:
         except Exception as e:  # noqa: BLE001 - settings.py checked the address; never stuck
             err = err or e
         seconds = time.perf_counter() - t0
-        if err is None and self._warm is not None:
-            try:
-                self._warm(cid)
-            except Exception as e:  # noqa: BLE001 - the first request pays it instead
-                logger.info("datadist: warm-up of cluster %d: %s", cid, e)
         with self._lock:
             waiters = self._prelinking.pop((host, port), [])
             self._prelink_threads.pop((host, port), None)
@@ -241,6 +237,13 @@ class _Linker:
         for w in waiters:  # requests that named another id, or a failed pre-link: link now
             if w.cluster_id != cid or err is not None:
                 self.want(w)
+        # Warmed once the link is filed: a request that waited for the pre-link goes on at
+        # once and never waits for the warm-up (a slow producer's reads included).
+        if err is None and self._warm is not None and not self._closed:
+            try:
+                self._warm(cid)
+            except Exception as e:  # noqa: BLE001 - the first request pays it instead
+                logger.info("datadist: warm-up of cluster %d: %s", cid, e)
 
     def want(self, peer: WorkerAddress) -> None:
         """Start linking to ``peer`` unless linked or being linked (a pre-link to its
@@ -498,6 +501,7 @@ class DatadistWorker:
         for key, cache in ((MAILBOX_MODEL_ID, caches[0]), (KV_MODEL_ID, caches[1]),
                            (KV_MODEL_ID, caches[1])):
             t0 = time.perf_counter()
+            # wait raises (TimeoutError, LLMException): the warm-up stops at the first failure
             cm.pull_blocks_async(llm_datadist.BlocksCacheKey(cluster_id, key), cache, [0],
                                  [0]).wait(wait_s)
             took.append((time.perf_counter() - t0) * 1e3)
