@@ -90,7 +90,9 @@ def test_a_stalled_step_ends_by_its_deadline_and_nothing_starts_after(stalled_pa
     took = time.monotonic() - t0
     assert 0.4 < took < 4.0, took
     (got,) = run.results()
-    assert got is not None and got[0] == Code.TIMEOUT, got
+    # TIMEOUT, or LINK_BUSY when step 1 (started beside it) took the link first and step 0's
+    # deadline passed waiting for it: either way the stalled link's deadline, in step 0.
+    assert got is not None and got[0] in (Code.TIMEOUT, Code.LINK_BUSY), got
     assert run.calls_run <= 2
 
 
