@@ -46,11 +46,14 @@ OWNER_ID, PULLER_ID = 1, 2
 
 class Proxy:
     """A TCP proxy whose bytes go through Python threads (they need the GIL to move
-    anything), each chunk held ``delay`` seconds first; ``stalled`` forwards nothing more."""
+    anything), each chunk (at most ``chunk`` bytes) held ``delay`` seconds first: a small
+    chunk makes a slow link, whose time grows with the bytes; ``stalled`` forwards nothing
+    more."""
 
-    def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
+    def __init__(self, target: tuple[str, int], delay: float = 0.0, chunk: int = 1 << 20) -> None:
         self.target = target
         self.delay = delay
+        self.chunk = chunk
         self.stalled = False
         self._lsock = socket.socket()
         self._lsock.bind(("127.0.0.1", 0))
@@ -78,7 +81,7 @@ class Proxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
-                data = src.recv(1 << 20)
+                data = src.recv(self.chunk)
                 if not data:
                     break
                 while self.stalled and not self._closed:

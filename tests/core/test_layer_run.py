@@ -12,8 +12,6 @@ pulls on two engines in this process (``test_gil_hold``'s pair), one step per la
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import time
 
 import numpy as np
@@ -246,38 +244,13 @@ def test_a_failure_in_a_merged_request_lands_on_its_own_step(stalled_pair) -> No
     assert run.requests_run == 1 + 1 + 5  # step 0; 1-7 merged; 1-5 replayed
 
 
-class SlowProxy(Proxy):
-    """A proxy that carries ``chunk`` bytes every ``pause`` seconds each way: a slow link,
-    whose time grows with the bytes a request carries."""
-
-    chunk = 16 << 10
-    pause = 0.05
-
-    def _pump(self, src, dst) -> None:  # type: ignore[no-untyped-def]
-        try:
-            while True:
-                while self.stalled and not self._closed:
-                    time.sleep(0.01)
-                data = src.recv(self.chunk)
-                if not data:
-                    break
-                time.sleep(self.pause)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-
 def test_a_merged_batch_has_the_time_its_steps_would_have_had(make_pair) -> None:  # noqa: F811
     """A slow link (16 KiB every 50 ms): one layer of 64 KiB takes about 0.2 s, within its
     0.8 s step deadline; steps 1-7 merged take about 1.4 s. The batch has the deadline its 7
     steps would have had one after another, and lands whole. Before: one step's deadline
     for the batch (TIMEOUT), then a replay under that spent deadline (TIMEOUT again)."""
     pr = make_pair("tcp")
-    proxy = SlowProxy(pr.owner.listen_address)
+    proxy = Proxy(pr.owner.listen_address, delay=0.05, chunk=16 << 10)  # 16 KiB / 50 ms
     try:
         pr.link(proxy.address)
         calls, src, dst = by_tensor(pr, tensor=64 << 10)
