@@ -25,7 +25,8 @@ ROWS = {
     "tcp_pull_blocks": "GB/s", "tcp_pull_blocks_4k": "GB/s", "tcp_small": "us",
     "plan_numpy": "ms", "plan_lists": "ms",
     # per-call cost rows (bench/calls.py); at --size 1 (32 blocks) no 256 / 1k blocks rows
-    "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "same_host_small_p99": "us",
+    "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "tcp_per_layer_plain": "GB/s",
+    "same_host_small_p99": "us",
     "same_host_small_new": "us", "same_host_small_vs_raw": "us",
     "same_host_async_layers": "GB/s", "tcp_async_layers": "GB/s",
     "same_host_async_layers_push": "GB/s", "tcp_async_layers_push": "GB/s",

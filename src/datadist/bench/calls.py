@@ -25,6 +25,7 @@ from datadist.bench.harness import (
     U64,
     BenchError,
     Row,
+    aligned_array,
     at_most,
     check_pattern,
     interleave,
@@ -60,6 +61,8 @@ def calls_rows(ctx: Context) -> list[Row]:
         p = ctx.puller(transport, remote_accessible=True)
         try:
             rows.append(_per_layer_row(ctx, p, where))
+            if transport == "tcp":
+                rows.append(_plain_per_layer_row(ctx))
             rows += _async_rows(ctx, p, where)
             rows.append(_ahead_row(ctx, p, where))
             if transport == "auto":
@@ -93,6 +96,36 @@ def _per_layer_row(ctx: Context, p: Puller, where: str) -> Row:
         f"{key}_per_layer", f"{LAYERS} per-layer pull_blocks of {LAYER_BYTES >> 20} MiB, "
         f"{where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
         f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOALS[where])
+
+
+def _plain_per_layer_row(ctx: Context) -> Row:
+    """What a request per layer costs a plain socket, beside ``tcp_per_layer``: 32 request /
+    reply exchanges of 1 MiB (8-byte count, then the bytes, ``recv_into``) against one of
+    32 MiB, on the run's plain stream to the owner process. Each request drains the pipe the
+    one large reply keeps full (the sender waits for the request's trip, the reader for the
+    reply's last bytes), so a plain socket pays per request too; ``tcp_per_layer`` is read
+    against this row's ratio. Reported, no goal. Lands in a buffer of its own: the layers
+    cache holds the owner's pattern, which the push rows after it write back."""
+    layers = aligned_array(LAYERS * LAYER_BYTES, "page")
+    views = [layers[i * LAYER_BYTES:(i + 1) * LAYER_BYTES] for i in range(LAYERS)]
+
+    def per_layer() -> None:
+        for v in views:
+            ctx.plain.receive([v], LAYER_BYTES)
+
+    def every_layer() -> None:
+        ctx.plain.receive([layers], LAYERS * LAYER_BYTES)
+
+    per_layer()
+    every_layer()
+    ctx.progress.set_label("TCP: per-layer plain-socket requests")
+    f, lim = interleave(per_layer, every_layer, ctx.repeat, ctx.progress)
+    row = throughput_row(
+        "tcp_per_layer_plain", f"plain socket: {LAYERS} request/replies of "
+        f"{LAYER_BYTES >> 20} MiB, against one of {LAYERS * LAYER_BYTES >> 20} MiB",
+        LAYERS * LAYER_BYTES, "tcp", f, "one request/reply of every layer's bytes", lim, 0.0)
+    row.goal = "reported"
+    return row
 
 
 def _async_rows(ctx: Context, p: Puller, where: str) -> list[Row]:

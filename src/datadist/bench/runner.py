@@ -57,7 +57,7 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 13, "busy": BUSY_ROWS,
+GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 14, "busy": BUSY_ROWS,
           "plan": 2, "stall": STALL_ROWS}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 7
