@@ -316,8 +316,8 @@ std::unique_ptr<Server> Engine::MakeServer(const std::string &host, uint16_t por
   auto server = std::make_unique<Server>(
       &registry_, &ident_,
       [this](Server &s, uint64_t cid, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
-             const std::string &token,
-             const std::string &peer) { AdoptReverse(s, cid, std::move(conn), last, token, peer); });
+             const std::string &token, const std::string &peer,
+             bool eager) { AdoptReverse(s, cid, std::move(conn), last, token, peer, eager); });
   server->Start(host, port, options_.max_conns, options_.max_per_peer);
   return server;
 }
@@ -617,10 +617,12 @@ std::vector<uint64_t> Engine::LinkIds(bool inbound) {
 /// gone (another control channel of that id, which anyone may open, cannot take a live
 /// link). Not adopted (that, closing, as many reverse channels as connections already, or
 /// as the per-peer cap from `peer`'s address): the handshake is answered with ERROR
-/// LLM_LINK_FAILED, so the client's link fails.
+/// LLM_LINK_FAILED, so the client's link fails. `eager`: its HELLO set FEATURE_EAGER_WRITE
+/// (our pushes on it take one round trip).
 void Engine::AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn,
-                          const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
-  auto link = std::make_shared<Link>(cluster_id, std::move(conn), token, peer);
+                          const std::vector<uint8_t> &last, const std::string &token, const std::string &peer,
+                          bool eager) {
+  auto link = std::make_shared<Link>(cluster_id, std::move(conn), token, peer, eager);
   const size_t max_conns = options_.max_conns, max_per_peer = options_.max_per_peer;
   {
     // A live-looking reverse channel of another control channel of this id: asked for a

@@ -141,7 +141,7 @@ class Engine {
  private:
   std::unique_ptr<Server> MakeServer(const std::string &host, uint16_t port);
   void AdoptReverse(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn, const std::vector<uint8_t> &last,
-                    const std::string &token, const std::string &peer);
+                    const std::string &token, const std::string &peer, bool eager);
   void NoteLinkFailure(uint64_t id, const std::string &host, uint16_t port, const std::string &why, bool quiet);
   /// LLM_PARAM_INVALID when `link`'s peer says its llm.LocalCommRes is not valid (SetLocalCommRes).
   void CheckPeerCommRes(Link &link, Deadline deadline);

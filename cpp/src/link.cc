@@ -411,7 +411,9 @@ std::unique_ptr<Conn> Link::Greet(bool reverse, Deadline deadline, uint32_t &rid
 void Link::Handshake(Conn &conn, bool reverse, Deadline deadline, uint32_t &rid, wire::Hello &welcome) {
   uint32_t r = 0;
   wire::Hello hello = hello_;
-  hello.features = reverse ? wire::kFeatureReverse : 0;
+  // A reverse channel is served here as the listener's connections are (ServeParked), eager
+  // WRITE included: its HELLO says so, and the listener's pushes on it take one round trip.
+  hello.features = reverse ? wire::kFeatureReverse | wire::kFeatureEagerWrite : 0;
   std::string nonce;
   if (!secret_.empty()) {
     hello.features |= auth::kFeatureAuth;

@@ -74,11 +74,14 @@ class Link {
   /// done), with the link token its HELLO echoed (that of the control channel it belongs to)
   /// and the key the listener's per-peer cap counts it by (its IP).
   /// It cannot be reopened from here: once it closes, transfers fail LLM_LINK_FAILED.
+  /// `peer_eager`: the client's reverse HELLO set FEATURE_EAGER_WRITE (it serves a WRITE with
+  /// flag EAGER on this channel), so our pushes on it take one round trip (Write).
   Link(uint64_t remote_cluster_id, std::unique_ptr<Conn> reverse_conn, std::string token = {},
-       std::string peer_key = {})
+       std::string peer_key = {}, bool peer_eager = false)
       : remote_(remote_cluster_id),
         conn_(std::move(reverse_conn)),
         reverse_end_(true),
+        peer_eager_(peer_eager),
         token_(std::move(token)),
         peer_key_(std::move(peer_key)) {}
   ~Link();
@@ -275,7 +278,7 @@ class Link {
   bool closing_ = false;
   bool reverse_end_ = false;   // conn_ is a client's reverse channel: no reconnect
   bool peer_reverse_ = false;  // the peer's WELCOME accepted reverse channels
-  bool peer_eager_ = false;    // conn_'s WELCOME set FEATURE_EAGER_WRITE (busy held; a reverse end: never)
+  bool peer_eager_ = false;  // conn_'s WELCOME (a reverse end: the client's HELLO) set FEATURE_EAGER_WRITE (busy held)
   std::string token_;     // the link token the peer issued our control channel (conn_); a reverse end's: the one echoed
   std::string peer_key_;  // a reverse end's: the listener's per-peer key of its connection
   static uint64_t NextSerial() {

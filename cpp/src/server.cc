@@ -640,6 +640,7 @@ struct Server::Shake {
   std::string echoed;         // a reverse HELLO's link token
   std::string token;          // see Hello()
   std::vector<uint8_t> last;  // see Hello()
+  bool eager = false;         // a reverse HELLO's FEATURE_EAGER_WRITE
 };
 
 /// One accepted connection: its handshake, then its requests (or, for a reverse channel, its
@@ -760,7 +761,7 @@ bool Server::Connection::Handshake(Deadline &wake) {
         case Greeted::kReverse: {
           // Unwatched already (a running task's socket is never armed in the pool's set), nothing
           // left to send (WELCOME went before AUTH was read): handed on.
-          Adoption a{shake_.cluster, stream_.Take(), shake_.last, shake_.token, peer};
+          Adoption a{shake_.cluster, stream_.Take(), shake_.last, shake_.token, peer, shake_.eager};
           if (server_->on_reverse_ && !server_->stopping_)
             server_->Adopt(std::move(a));  // off this thread: the adoption may wait on a PONG
           else                             // stopping: the client's link fails with our answer, not a silent close
@@ -842,7 +843,7 @@ void Server::AdoptLoop() {
     adopting_.insert(peer);
     lock.unlock();
     try {
-      on_reverse_(*this, a.cluster, std::move(a.conn), a.last, a.token, a.peer);
+      on_reverse_(*this, a.cluster, std::move(a.conn), a.last, a.token, a.peer, a.eager);
     } catch (const std::exception &e) {  // nothing escapes the thread: that channel is lost
       Log(std::string("adopting a reverse channel from ") + peer + ": " + e.what());
     }
@@ -1238,6 +1239,7 @@ Server::Greeted Server::Hello(PeerStream &c, Shake &s) {
   wire::Hello hello = wire::DecodeHello(payload);
   s.cluster = hello.cluster_id;
   s.greeted = (hello.features & wire::kFeatureReverse) ? Greeted::kReverse : Greeted::kControl;
+  s.eager = hello.features & wire::kFeatureEagerWrite;
   // A reverse HELLO's proof ends with the link token it echoes: the challenge is the rest.
   std::pair<std::string, std::string> parts = wire::SplitToken(hello.proof, hello.features);
   s.client_nonce = std::move(parts.first);

@@ -179,9 +179,9 @@ void SetWriteTimeout(double seconds);
 /// (its frame's send, a PING of the channel it may replace, which the peer may never answer)
 /// holds that thread and delays the next adoptions, so it waits within short deadlines only.
 class Server;
-using ReverseHandler =
-    std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn,
-                       const std::vector<uint8_t> &last, const std::string &token, const std::string &peer)>;
+using ReverseHandler = std::function<void(Server &server, uint64_t cluster_id, std::unique_ptr<Conn> conn,
+                                          const std::vector<uint8_t> &last, const std::string &token,
+                                          const std::string &peer, bool eager)>;
 
 class Server {
  public:
@@ -273,6 +273,7 @@ class Server {
     std::vector<uint8_t> last;
     std::string token;
     std::string peer;
+    bool eager = false;  // its HELLO set FEATURE_EAGER_WRITE: it serves eager WRITEs
   };
   /// Hands a reverse channel to on_reverse_ off the I/O pool (on_reverse_ may wait: up to
   /// Engine::kReverseProbe for the PONG of the channel it would replace, which the peer may

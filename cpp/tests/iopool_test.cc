@@ -495,18 +495,19 @@ TEST(Scale, AThousandLinksKeepTheThreadCountBounded) {
   ident.serve_local = false;
   std::mutex mu;
   std::map<uint64_t, std::shared_ptr<datadist::Link>> reverse_ends;
-  datadist::Server server(&owner_registry, &ident,
-                          [&](datadist::Server &, uint64_t cluster, std::unique_ptr<datadist::Conn> conn,
-                              const std::vector<uint8_t> &last, const std::string &token, const std::string &peer) {
-                            auto link = std::make_shared<datadist::Link>(cluster, std::move(conn), token, peer);
-                            link->Adopted(
-                                [&] {
-                                  std::lock_guard<std::mutex> lock(mu);
-                                  reverse_ends[cluster] = link;
-                                  return std::string();
-                                },
-                                last, After(10));
-                          });
+  datadist::Server server(
+      &owner_registry, &ident,
+      [&](datadist::Server &, uint64_t cluster, std::unique_ptr<datadist::Conn> conn, const std::vector<uint8_t> &last,
+          const std::string &token, const std::string &peer, bool eager) {
+        auto link = std::make_shared<datadist::Link>(cluster, std::move(conn), token, peer, eager);
+        link->Adopted(
+            [&] {
+              std::lock_guard<std::mutex> lock(mu);
+              reverse_ends[cluster] = link;
+              return std::string();
+            },
+            last, After(10));
+      });
   server.Start("127.0.0.1", 0, 4 * kLinks, 4 * kLinks);
   const size_t pool_threads = datadist::IoPool::Shared()->threads();
   const long rss_before = RssKiB();

@@ -256,6 +256,65 @@ class TestWire:
             control.close()
 
 
+    def test_a_client_that_serves_eager_writes_gets_the_push_in_one_trip(self, make_side):
+        """A reverse HELLO with FEATURE_EAGER_WRITE (the client serves WRITE with flag EAGER
+        on this channel, as datadist's linker does): the server's push comes as one WRITE
+        with flag EAGER and its bytes right behind it, answered by one OK (no go-ahead)."""
+        import os
+        import socket
+        import threading
+
+        from datadist.core.config import HostIdentity
+        from datadist.wire import protocol as p
+
+        server = make_side(PROMPT_ID, remote_cache_accessible=True)
+        src, x = server.register(1, [4, 16], blocks=True, seed=9)
+        me = HostIdentity.current()
+        control = socket.create_connection(server.engine.listen_address, timeout=5)
+        control.sendall(p.encode(p.Hello(DECODER_ID, 2, os.getpid() + 1, me.pid_ns,
+                                         me.boot_id), 1))
+        _, cwelcome = self._frame(control)
+        token = p.split_token(cwelcome.proof, cwelcome.features)[1]
+        sock = socket.create_connection(server.engine.listen_address, timeout=5)
+        try:
+            sock.sendall(p.encode(p.Hello(
+                DECODER_ID, 2, os.getpid() + 1, me.pid_ns, me.boot_id,
+                p.FEATURE_REVERSE | p.FEATURE_TOKEN | p.FEATURE_EAGER_WRITE, token), 1))
+            _, welcome = self._frame(sock)
+            assert isinstance(welcome, p.Welcome)
+            errors = []
+
+            def push():  # local blocks 1 and 3 into the client's blocks 2 and 0
+                try:
+                    server.cm.push_blocks(llm.BlocksCacheKey(DECODER_ID, 0), src, [1, 3],
+                                          [2, 0])
+                except Exception as e:  # noqa: BLE001 - checked below
+                    errors.append(e)
+
+            t = threading.Thread(target=push)
+            t.start()
+            rid, write = self._frame(sock)
+            assert isinstance(write, p.Write) and write.flags == p.WRITE_EAGER
+            total = int(sum(write.lengths)) * len(write.tensors)
+            assert total == 32
+            data = b""
+            while len(data) < total:  # sent at once: no go-ahead was asked for
+                data += sock.recv(total - len(data))
+            by_offset = dict(zip((int(o) for o in write.offsets),
+                                 (int(n) for n in write.lengths), strict=True))
+            landed, at = {}, 0
+            for off, n in by_offset.items():
+                landed[off] = data[at:at + n]
+                at += n
+            assert landed[32] == x[0, 16:32].tobytes() and landed[0] == x[0, 48:64].tobytes()
+            sock.sendall(p.encode(p.Ok(), rid))  # landed: the one answer
+            t.join(5)
+            assert not t.is_alive() and not errors
+        finally:
+            sock.close()
+            control.close()
+
+
 def test_stopping_to_listen_closes_the_local_channel_too(make_side):
     """switch_role away from listening (engine.stop_listening) leaves no way in: not the TCP
     listener and not the same-host local channel (whose name any local process can compute

@@ -235,11 +235,13 @@ def test_the_eager_form_goes_only_to_an_owner_that_set_the_bit(
 
 class Tap:
     """A TCP relay in front of ``owner`` that records the flags of every WRITE the client
-    sends through it (the bytes pass unchanged, both ways)."""
+    sends through it, and (``back_write_flags``) of every WRITE the owner sends back, on a
+    reverse channel (the bytes pass unchanged, both ways)."""
 
     def __init__(self, owner: tuple[str, int]) -> None:
         self.owner = owner
         self.write_flags: list[int] = []
+        self.back_write_flags: list[int] = []
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.2)
         self.address: tuple[str, int] = self._server.getsockname()[:2]
@@ -267,18 +269,19 @@ class Tap:
             for s in (client, owner):
                 s.settimeout(None)
                 self._socks.append(s)
-            threading.Thread(target=self._pipe, args=(client, owner, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(owner, client, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, owner, self.write_flags),
+                             daemon=True).start()
+            threading.Thread(target=self._pipe, args=(owner, client, self.back_write_flags),
+                             daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, flags: list[int]) -> None:
         dec = p.FrameDecoder()
         with contextlib.suppress(OSError):
             while chunk := src.recv(1 << 16):
                 dst.sendall(chunk)
-                if record:
-                    for _, msg in dec.feed(chunk):
-                        if isinstance(msg, p.Write):
-                            self.write_flags.append(int(msg.flags))
+                for _, msg in dec.feed(chunk):
+                    if isinstance(msg, p.Write):
+                        flags.append(int(msg.flags))
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
@@ -345,3 +348,50 @@ def test_pushes_and_layer_wise_sends_over_tcp_land_the_right_bytes(
     # the one block, and the 2 x 32 layers (64 KiB each); the 6 MiB slot in two steps
     assert len(eager_writes) >= 1 + 2 * layers, tap.write_flags
     assert 0 in tap.write_flags, tap.write_flags
+
+
+def test_the_listeners_pushes_on_a_reverse_channel_go_eagerly(
+        engines: list[NativeEngine]) -> None:
+    """The linker's reverse HELLO sets FEATURE_EAGER_WRITE (it serves eager WRITEs there as
+    its listener would): the listener's push_blocks up to the bound, and its
+    transfer_cache_async of 32 layers, reach the linker in one round trip each (the relay saw
+    the flag on the WRITEs coming back), a 6 MiB push in two steps; every byte lands."""
+    listener = make(engines, PROMPT, transport="tcp")
+    lcm = CacheManager(listener, remote_cache_accessible=True)
+    linker_id = 700
+    linker = make(engines, linker_id, listen=False, transport="tcp")
+    kcm = CacheManager(linker, remote_cache_accessible=True)
+    layers, blocks, block = 32, 8, 4096
+    desc = llm.CacheDesc(2 * layers, [blocks, block], llm.DataType.DT_UINT8,
+                         llm.Placement.DEVICE)
+    dst = np.zeros((2 * layers, blocks * block), np.uint8)
+    src = np.random.default_rng(21).integers(0, 256, dst.shape, dtype=np.uint8)
+    key = llm.BlocksCacheKey(linker_id, MODEL)
+    kcm.register_blocks_cache(desc, [int(t.ctypes.data) for t in dst], key)
+    lcache = lcm.register_blocks_cache(desc, [int(t.ctypes.data) for t in src])
+    big = llm.CacheDesc(1, [2, 6 << 20], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
+    bdst = np.zeros((1, 12 << 20), np.uint8)
+    bsrc = np.random.default_rng(22).integers(0, 256, bdst.shape, dtype=np.uint8)
+    bcache_dst = kcm.register_cache(big, [int(bdst[0].ctypes.data)])
+    bcache_src = lcm.register_cache(big, [int(bsrc[0].ctypes.data)])
+    tap = Tap(listener.listen_address)
+    try:
+        linker.link(PROMPT, *tap.address, 5.0)
+        lcm.push_blocks(key, lcache, [3], [5])  # 64 tensors x 4 KiB: eager
+        np.testing.assert_array_equal(dst[:, 5 * block:6 * block], src[:, 3 * block:4 * block])
+        lcm.push_cache(llm.CacheKeyByIdAndIndex(linker_id, bcache_dst.cache_id, 1),
+                       bcache_src, 0)  # a 6 MiB slot: two steps
+        np.testing.assert_array_equal(bdst[0, 6 << 20:], bsrc[0, :6 << 20])
+        dst[...] = 0
+        by_key = llm.TransferWithCacheKeyConfig(key, range(0, layers), range(0, layers))
+        task = lcm.transfer_cache_async(lcache, Sync(), [by_key], list(range(blocks)),
+                                        list(range(blocks)))
+        assert task.synchronize(10_000) == llm.LLMStatusCode.LLM_SUCCESS
+        np.testing.assert_array_equal(dst, src)
+        linker.unlink(PROMPT, 5.0)
+    finally:
+        tap.close()
+    assert not tap.write_flags, tap.write_flags  # the linker pushed nothing
+    eager_writes = [f for f in tap.back_write_flags if f & p.WRITE_EAGER]
+    assert len(eager_writes) >= 2, tap.back_write_flags  # the block, and the layers' requests
+    assert 0 in tap.back_write_flags, tap.back_write_flags  # the 6 MiB slot

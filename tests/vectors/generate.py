@@ -217,6 +217,8 @@ VALID: list[tuple[str, str, int, dict[str, Any]]] = [
     ("hello.reverse_auth", "HELLO", 1, hello(features=5, proof=NONCE)),
     ("hello.reverse_token", "HELLO", 1, hello(features=4 | 16, proof=TOKEN)),
     ("hello.reverse_auth_token", "HELLO", 1, hello(features=1 | 4 | 16, proof=NONCE + TOKEN)),
+    # a reverse channel whose client serves WRITE with flag EAGER on it (docs/protocol.md, Push)
+    ("hello.reverse_token_eager", "HELLO", 1, hello(features=4 | 16 | 32, proof=TOKEN)),
     ("hello.unknown_features_ignored", "HELLO", 1, hello(features=0xFFFFFFC0)),
     ("hello.extremes", "HELLO", U32_MAX,
      hello(cluster_id=U64_MAX, role=3, pid=U32_MAX, pid_ns=U64_MAX, boot_id=b"\xff" * 16)),
