@@ -38,6 +38,7 @@
 #include "session.h"
 #include "tasks.h"
 #include "testing.h"
+#include "threads.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -292,6 +293,14 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(datadist::tls::Available(), datadist::tls::Describe());
       },
       "(available, what): does this build have TLS, and the OpenSSL it runs with (or why not).");
+  // Called by datadist.set_thread_cpus (core/threads.py), usually before the first engine;
+  // returns at once. Threads the core starts later run on these CPUs (empty: their creator's).
+  m.def(
+      "set_thread_cpus", [](std::vector<int> cpus) { datadist::SetThreadCpus(std::move(cpus)); }, py::arg("cpus"),
+      "The CPUs the core's threads started from now on run on (empty: those of the thread that starts them).");
+  m.def(
+      "thread_cpus", [] { return datadist::ThreadCpus(); },
+      "What set_thread_cpus set last (empty: the core's threads take their creator's CPUs).");
   // Called by core/native.py with the nixl-cu12 wheel's libnixl_capi.so before an engine
   // that serves NIXL opens; loads it once per process (without the GIL: NIXL's constructors).
   m.def(

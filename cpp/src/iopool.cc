@@ -15,6 +15,7 @@
 #include <system_error>
 
 #include "errors.h"
+#include "threads.h"
 
 namespace datadist {
 namespace {
@@ -179,7 +180,7 @@ std::shared_ptr<IoPool::Task> IoPool::ClaimLocked(uint64_t id, Entry &e, bool fi
 
 void IoPool::Loop() {
   current_pool = this;
-  pthread_setname_np(pthread_self(), "datadist-io");
+  EnterCoreThread("datadist-io");
   for (;;) {
     epoll_event ev{};
     const int n = epoll_wait(ep_, &ev, 1, -1);

@@ -12,6 +12,7 @@
 #include "metrics.h"
 #include "nixl.h"
 #include "nixl_capi.h"
+#include "threads.h"
 #include "verify.h"
 
 namespace datadist {
@@ -273,7 +274,11 @@ void Agent::PumpAcquire(bool fresh) {
   std::lock_guard<std::mutex> lock(mu_);
   ++users_;
   fresh_ += fresh;
-  if (!pump_.joinable() && !closed_) pump_ = std::thread([this] { Pump(); });
+  if (!pump_.joinable() && !closed_)
+    pump_ = std::thread([this] {
+      EnterCoreThread("datadist-nixl");
+      Pump();
+    });
   pump_cv_.notify_all();
 }
 

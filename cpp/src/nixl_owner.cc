@@ -12,6 +12,7 @@
 #include "metrics.h"
 #include "nixl.h"
 #include "nixl_capi.h"
+#include "threads.h"
 #include "verify.h"
 
 namespace datadist {
@@ -222,7 +223,11 @@ void Owner::StartRevoking(std::vector<std::shared_ptr<Held>> doomed) {
   for (auto &kv : by_reader) {
     ++revoking_;
     auto done = std::make_shared<std::atomic<bool>>(false);
-    revokers_.push_back({std::thread([this, ids = kv.second, done] { RevokeReader(ids, done); }), done});
+    revokers_.push_back({std::thread([this, ids = kv.second, done] {
+                           EnterCoreThread("datadist-revoke");
+                           RevokeReader(ids, done);
+                         }),
+                         done});
   }
 }
 

@@ -24,6 +24,7 @@
 #include "errors.h"
 #include "metrics.h"
 #include "nixl.h"
+#include "threads.h"
 #include "verify.h"
 
 namespace datadist {
@@ -810,7 +811,10 @@ void Server::Adopt(Adoption a) {
   // takes it otherwise): one thread while adoptions are quick, up to kAdopters while they wait.
   if (adopt_turns_.size() > adopters_.size() - adopters_busy_ && adopters_.size() < kAdopters) {
     try {
-      adopters_.emplace_back([this] { AdoptLoop(); });
+      adopters_.emplace_back([this] {
+        EnterCoreThread("datadist-adopt");
+        AdoptLoop();
+      });
     } catch (const std::system_error &e) {  // at the thread limit: the threads there are serve it in turn
       if (adopters_.empty()) {              // none: this one is refused, the next one tries again
         Adoption refused = std::move(adopt_waiting_[peer].back());
@@ -943,7 +947,10 @@ void Server::Start(const std::string &host, uint16_t port, size_t max_conns, siz
     adopt_stop_ = false;
   }
   try {
-    accept_thread_ = std::thread([this] { AcceptLoop(); });
+    accept_thread_ = std::thread([this] {
+      EnterCoreThread("datadist-accept");
+      AcceptLoop();
+    });
   } catch (const std::system_error &e) {  // the process at its thread limit: not listening
     close(listen_fd_);
     listen_fd_ = -1;

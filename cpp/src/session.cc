@@ -13,6 +13,7 @@
 #include "link.h"
 #include "metrics.h"
 #include "registry.h"
+#include "threads.h"
 
 namespace datadist {
 
@@ -72,7 +73,10 @@ std::vector<Outcome> EachAtOnce(size_t n, const std::function<void(size_t)> &fn,
   threads.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     try {
-      threads.push_back(StartThread([&fn, &out, i] { Capture([&] { fn(i); }, out[i]); }));
+      threads.push_back(StartThread([&fn, &out, i] {
+        EnterCoreThread("datadist-each");
+        Capture([&] { fn(i); }, out[i]);
+      }));
     } catch (const std::exception &e) {  // system_error, or bad_alloc copying `fn`: never terminate
       out[i].code = unstarted;
       out[i].why = std::string("could not start a thread for it (") + e.what() + "): nothing was done";

@@ -3,6 +3,7 @@
 #include <exception>
 
 #include "errors.h"
+#include "threads.h"
 
 namespace datadist {
 
@@ -34,7 +35,11 @@ std::shared_ptr<Task> Executor::Submit(std::function<void()> fn) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopped_) {
       if (workers_.empty())
-        for (size_t i = 0; i < size_; ++i) workers_.emplace_back([this] { Run(); });
+        for (size_t i = 0; i < size_; ++i)
+          workers_.emplace_back([this] {
+            EnterCoreThread("datadist-task");
+            Run();
+          });
       queue_.emplace_back(task, std::move(fn));
       work_.notify_one();
       return task;

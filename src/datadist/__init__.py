@@ -37,6 +37,8 @@ from datadist.api.types import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from datadist.core.threads import set_thread_cpus as set_thread_cpus  # explicit re-exports
+from datadist.core.threads import thread_cpus as thread_cpus
 
 __version__ = "0.1.0"
 __datadist__ = True  # llm_datadist has no such attribute: tells the two apart
@@ -73,9 +75,10 @@ def __getattr__(name: str) -> Any:
 _: object = CacheManager  # re-exported for type hints; not in llm_datadist's __all__
 # datadist's own extras, outside llm_datadist's __all__: metrics(), reset_metrics(),
 # metrics_collector() (Prometheus), the warnings of api/notices.py, the TransferHandle that
-# CacheManager's *_async transfers return
+# CacheManager's *_async transfers return, set_thread_cpus() / thread_cpus() (core/threads.py)
 _ = (metrics, metrics_collector, reset_metrics, DatadistWarning, LinkFailedWarning,
-     NotListeningWarning, ClusterIdMismatchWarning, TransferHandle)
+     NotListeningWarning, ClusterIdMismatchWarning, TransferHandle, set_thread_cpus,
+     thread_cpus)
 
 # Every logger of the library hangs under "datadist"; the application decides where they go.
 logging.getLogger("datadist").addHandler(logging.NullHandler())

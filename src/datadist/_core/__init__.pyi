@@ -10,7 +10,7 @@ import numpy
 import numpy.typing
 import typing
 from . import testing
-__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'LayerRun', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'cuda_device', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'testing', 'tls']
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'LayerRun', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'cuda_device', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'set_thread_cpus', 'testing', 'thread_cpus', 'tls']
 class OptionSpec:
     """
     One row of the option table (read only)
@@ -454,6 +454,14 @@ def options() -> list[OptionSpec]:
 def parse_options(options: collections.abc.Mapping[str, str], *, environ: bool = True) -> dict[str, tuple[bool | int | str, str]]:
     """
     {key: (value, source)} for every row of the table: `options` (str to str) first, then (with `environ`) the process's environment, then the default; source is 'option', 'env' or 'default'. InvalidArgument (LLM_PARAM_INVALID) with the table's message for a bad value.
+    """
+def set_thread_cpus(cpus: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
+    """
+    The CPUs the core's threads started from now on run on (empty: those of the thread that starts them).
+    """
+def thread_cpus() -> list[int]:
+    """
+    What set_thread_cpus set last (empty: the core's threads take their creator's CPUs).
     """
 def tls() -> tuple[bool, str]:
     """

@@ -180,10 +180,33 @@ def test_settings_from_extra_config_and_env():
 @pytest.mark.parametrize("extra", [{"port": 70000}, {"port": "x"}, {"mailbox_slots": 0},
                                    {"sync_kv_timeout_ms": -1}, {"abort_timeout_s": -2},
                                    {"mode": "push"}, {"layerwise_timeout_s": 0},
-                                   {"idle_wait_ms": -1}])
+                                   {"idle_wait_ms": -1}, {"transfer_cpus": "some"},
+                                   {"transfer_cpus": "3-1"}, {"transfer_cpus": ""},
+                                   {"transfer_cpus": "1024"}])
 def test_bad_settings_raise(extra):
     with pytest.raises(ValueError):
         Settings.from_extra_config(extra, env={})
+
+
+def test_transfer_cpus_leave_a_compute_thread_s_one_core():
+    """``transfer_cpus``: "auto" moves datadist's threads off a thread pinned to one CPU (an
+    OpenMP-bound compute thread) onto the CPUs the process may use, and leaves a thread that
+    may use several alone; "inherit" never moves them; a list names them."""
+    import os
+
+    from datadist.core.threads import cgroup_cpus, node_cpus
+
+    auto = Settings.from_extra_config({}, env={})
+    assert auto.transfer_cpus == "auto"
+    cpu = min(os.sched_getaffinity(0))
+    near = set(node_cpus(cpu) or cgroup_cpus()) & set(cgroup_cpus())
+    assert auto.thread_cpus(pinned={cpu}) == sorted(near)
+    assert cpu in near
+    assert auto.thread_cpus(pinned={0, 1}) is None
+    inherit = Settings.from_extra_config({"transfer_cpus": "inherit"}, env={})
+    assert inherit.thread_cpus(pinned={1}) is None
+    listed = Settings.from_extra_config({"transfer_cpus": "0, 2-3"}, env={})
+    assert listed.thread_cpus(pinned={1}) == [0, 2, 3]
 
 
 def test_mailbox_records():

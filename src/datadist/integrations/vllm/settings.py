@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from datadist.core.address import parse_host_port
+from datadist.core.threads import cgroup_cpus, node_cpus, parse_cpu_list
 
 #: Model ids of the two blocks caches every worker registers under its cluster id.
 KV_MODEL_ID = 0
@@ -88,6 +89,13 @@ class Settings:
         logged and made again at the first request that names the worker, as without the
         setting: start-up never waits or fails on it. Default: none (each link is made at
         the first sight of a worker's address, off the step).
+    transfer_cpus: the CPUs datadist's own threads run on in this worker (its I/O threads and
+        the workers of its pulls and pushes; datadist.set_thread_cpus). "auto" (default):
+        when the worker's thread is pinned to one CPU, as vLLM's CPU backend pins its
+        compute threads with OpenMP, the CPUs of that CPU's NUMA node that the process's
+        cgroup allows (the KV cache's memory is on that node), so no byte is moved on the
+        forward pass's own core alone; otherwise their creator's, as "inherit" always does.
+        Or a CPU list as the kernel writes one ("2-3", "0,8-9").
     """
 
     host: str = "127.0.0.1"
@@ -102,6 +110,7 @@ class Settings:
     layerwise_timeout_s: float = 30.0
     kv_buffer_device: str = "cpu"
     prefill_workers: tuple[str, ...] = ()
+    transfer_cpus: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None,
@@ -144,7 +153,32 @@ class Settings:
         for name in ("abort_timeout_s", "hold_grace_s"):
             if getattr(s, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(s, name)}")
+        if s.transfer_cpus.strip() not in ("auto", "inherit"):
+            s.thread_cpus()  # ValueError for a bad list
         return s
+
+    def thread_cpus(self, pinned: set[int] | None = None) -> list[int] | None:
+        """What ``transfer_cpus`` asks datadist.set_thread_cpus for, given the CPUs the
+        calling thread may use (``pinned``; default: its own): None to leave the core's
+        threads on their creator's CPUs. ValueError for a bad setting."""
+        text = self.transfer_cpus.strip()
+        if text == "inherit":
+            return None
+        if text == "auto":
+            mine = os.sched_getaffinity(0) if pinned is None else pinned
+            if len(mine) != 1:
+                return None
+            allowed = cgroup_cpus()
+            near = set(node_cpus(next(iter(mine))) or allowed) & set(allowed)
+            return sorted(near) or allowed
+        try:
+            cpus = parse_cpu_list(text)
+        except ValueError:
+            cpus = []
+        if not cpus or cpus[-1] >= 1024:
+            raise ValueError("transfer_cpus must be 'auto', 'inherit' or a CPU list such as "
+                             f"'2-3' or '0,8-9', got {self.transfer_cpus!r}")
+        return cpus
 
 
 def _addresses(raw: Any) -> tuple[str, ...]:

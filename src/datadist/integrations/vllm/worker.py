@@ -26,7 +26,8 @@ Who calls what (connector.py, from vLLM's worker process):
 Only datadist's public API is used (``import datadist as llm_datadist``), plus its documented
 ``listen_address`` extra to learn the port when the producer listens on port 0, and its
 ``engine`` (``get_link``: a link's path; ``link(..., as_announced=True)``: a pre-link to an
-address whose cluster id the decoder learns from the producer).
+address whose cluster id the decoder learns from the producer), and ``set_thread_cpus``
+(``transfer_cpus``: its threads off the compute thread's one pinned core).
 """
 
 from __future__ import annotations
@@ -405,6 +406,9 @@ class DatadistWorker:
         role = (llm_datadist.LLMRole.MIX if self.producer and self.consumer
                 else llm_datadist.LLMRole.PROMPT if self.producer
                 else llm_datadist.LLMRole.DECODER)
+        transfer_cpus = self.settings.thread_cpus()  # before the core starts a thread
+        if transfer_cpus is not None:
+            llm_datadist.set_thread_cpus(transfer_cpus)
         dd = llm_datadist.LLMDataDist(role, self.cluster_id)
         options = cfg.generate_options()
         dd.init(options)
@@ -459,13 +463,13 @@ class DatadistWorker:
                 host, port = parse_host_port(text)
                 self._linker.prelink(host, port + self.rank)
         logger.info("datadist: worker %d started as cluster %d (%s%s), %d layers x %d blocks "
-                    "of %s %s%s; CPUs %s", self.rank, self.cluster_id,
+                    "of %s %s%s; CPUs %s, its transfer threads' %s", self.rank, self.cluster_id,
                     "producer" if self.producer else "", "+consumer" if self.producer
                     and self.consumer else ("consumer" if self.consumer else ""),
                     layout.num_layers, layout.num_blocks, list(layout.block_shape),
                     layout.dtype.name,
                     f", serving on {self.address.host}:{self.address.port}" if self.address
-                    else "", _cpus())
+                    else "", _cpus(), _cpus(transfer_cpus) if transfer_cpus else "the same")
 
     def _register_scratch(self, cm: CacheManager, layout: KvLayout) -> None:
         """Local sinks of a pre-link's warm-up reads (``_warm``): one mailbox record and one
@@ -854,12 +858,12 @@ _ITEMSIZE = {
 }
 
 
-def _cpus() -> str:
-    """This process's CPU affinity, compressed ("0", "0-3,8"): the start-up log says it, since
-    two instances bound to the same cores (vLLM's CPU default) starve each other's workers
-    (docs/vllm.md, "Two instances on one host")."""
+def _cpus(of: list[int] | None = None) -> str:
+    """The calling thread's CPU affinity (or the CPUs ``of``), compressed ("0", "0-3,8"): the
+    start-up log says it, since two instances bound to the same cores (vLLM's CPU default)
+    starve each other's workers (docs/vllm.md, "Two instances on one host")."""
     try:
-        cpus = sorted(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0)) if of is None else sorted(of)
     except (AttributeError, OSError):
         return "unknown"
     runs: list[str] = []
