@@ -19,6 +19,14 @@ turn, as the bench's latency rows), ``slot`` (pull_cache by CacheKeyByIdAndIndex
 layer with layer ranges, 8 layers in turn), ``async`` (pull_blocks_async of one block, then
 wait on its handle).
 
+With ``--leased`` the same-host puller runs with ``benchmarks/pidfd_shim.c`` preloaded
+(compiled here with ``cc``): valgrind 3.19 has no ``pidfd_open``, so without it the core
+finds no way to watch the owner, takes no whole-cache lease, and the same-host figures are
+those of the granted / streamed path (a round trip to the owner a pull), not the leased copy
+every same-host pull takes outside valgrind. The shim answers ``pidfd_open`` with a pipe
+nobody writes (a live owner to ``poll``); the user-space instructions counted are the leased
+path's. Figures before round 13 were taken without it.
+
 Who runs it: a person, by hand (docs/performance.md); nothing imports it. Needs valgrind.
 """
 
@@ -142,15 +150,26 @@ def _instructions(out: str) -> int:
     return total
 
 
+def _shim(out: str) -> str:
+    """benchmarks/pidfd_shim.c compiled into ``out``; its path."""
+    so = os.path.join(out, "pidfd_shim.so")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pidfd_shim.c")
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", so, src, "-ldl"], check=True)
+    return so
+
+
 def _measure(case: str, transport: str, owner: dict[str, Any], warm: int,
-             calls: int) -> float:
-    with tempfile.TemporaryDirectory() as out:
+             calls: int, keep: str | None = None, preload: str | None = None) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = keep or tmp
         cmd = ["valgrind", "--tool=callgrind", "--trace-children=no", "--collect-atstart=no",
                "--toggle-collect=functools_reduce", f"--callgrind-out-file={out}/cg.%p",
                sys.executable, __file__, "--puller", case, "--transport", transport,
                "--port", str(owner["port"]), "--contig-id", str(owner["contig_id"]),
                "--warm", str(warm), "--calls", str(calls)]
         env = dict(os.environ, PYTHONHASHSEED="0")
+        if preload and transport == "auto":
+            env["LD_PRELOAD"] = preload
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         return _instructions(out) / calls
@@ -162,6 +181,12 @@ def main() -> int:
     ap.add_argument("--transport", choices=("auto", "tcp"), action="append")
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--leased", action="store_true",
+                    help="same host: preload benchmarks/pidfd_shim.c so that valgrind runs "
+                         "the leased path")
+    ap.add_argument("--keep", metavar="DIR",
+                    help="keep callgrind's output in DIR (callgrind_annotate --inclusive=yes "
+                         "DIR/cg.* breaks a call down by function)")
     ap.add_argument("--owner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--puller", choices=CASES, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -173,6 +198,8 @@ def main() -> int:
     if a.puller:
         _puller(a.puller, a.transport[0], a.port, a.contig_id, a.warm, a.calls)
         return 0
+    shim_dir = tempfile.TemporaryDirectory()
+    preload = _shim(shim_dir.name) if a.leased else None
     child = subprocess.Popen([sys.executable, __file__, "--owner"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -180,13 +207,18 @@ def main() -> int:
         owner = json.loads(child.stdout.readline())
         for transport in a.transport or ["auto", "tcp"]:
             for case in a.case or list(CASES):
-                per = _measure(case, transport, owner, a.warm, a.calls)
+                keep = None
+                if a.keep:
+                    keep = os.path.join(a.keep, f"{case}-{transport}")
+                    os.makedirs(keep, exist_ok=True)
+                per = _measure(case, transport, owner, a.warm, a.calls, keep, preload)
                 where = "same host" if transport == "auto" else "TCP"
                 print(f"{case:6} {where:9} {per:10.0f} instructions per call", flush=True)
     finally:
         assert child.stdin is not None
         child.stdin.close()
         child.wait(30)
+        shim_dir.cleanup()
     return 0
 
 

@@ -121,6 +121,10 @@ void Fence::Revoke() {
   std::lock_guard<std::mutex> lock(mu_);
   if (revoked_) return;
   __atomic_store_n(map_, static_cast<uint8_t>(1), __ATOMIC_RELEASE);
+  // A full fence: the byte is visible before any later store of ours (or of a thread that
+  // synchronizes with us) to the cache's memory. Readers that copy without the lock check the
+  // byte after their copy (Copy): one that read a byte of the memory's next life sees the 1.
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
   revoked_ = true;
 }
 
@@ -200,7 +204,21 @@ Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &loca
   if (remote.size() != local.size()) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");
   for (size_t i = 0; i < remote.size(); ++i)
     if (remote[i].iov_len != local[i].iov_len) Fail(llm_datadist::LLM_FAILED, "leased copy: the plan's spans differ");
-  if (!l.fence->Enter()) return Outcome::kRevoked;
+  // A read by cross-memory attach takes no lock: it checks the fence before the copy and
+  // again after it (a sequence lock). The owner writes the byte, with a full fence, before it
+  // changes or lets go of the cache's memory (Fence::Revoke), so a copy that read any byte of
+  // the memory's next life finds the byte set after it and is not reported done (kRevoked:
+  // the owner's answer to a READ decides). Such a copy only ever lands in our own memory, and
+  // process_vm_readv of memory the owner unmapped meanwhile fails (EFAULT) rather than faults.
+  // Writes and reads by memcpy from our mapping of the owner's memfd (a SIGBUS if the owner
+  // cut the file under it) keep the shared lock around the copy (the owner's drain waits for
+  // them). Two system calls less a leased read (docs/performance.md, round 13).
+  const bool validated = !l.write && !use_shm;
+  if (validated) {
+    if (l.fence->Revoked()) return Outcome::kRevoked;
+  } else if (!l.fence->Enter()) {
+    return Outcome::kRevoked;
+  }
   // A write checks that the owner is still alive before the copy too (docs/protocol.md,
   // "Cache leases"): a pid that died may have been reused, and a write would land in that
   // other process. A read does not (issue 37: one poll less per leased read): an owner that
@@ -227,8 +245,16 @@ Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &loca
   } else {
     got = local::VmCopy(l.owner->pid(), local, remote, l.write, why);
   }
-  l.fence->Leave();
-  if (got == local::CopyResult::kRefused) return Outcome::kRefused;
+  if (!validated) l.fence->Leave();
+  if (got == local::CopyResult::kRefused) return Outcome::kRefused;  // nothing moved
+  if (validated) {
+    // The copy's loads come before this one (the owner's side: Fence::Revoke).
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (l.fence->Revoked()) {
+      why = "the owner revoked the lease during the copy (what moved is not trusted)";
+      return Outcome::kRevoked;
+    }
+  }
   if (l.owner->Exited()) {
     why = "the owner process " + std::to_string(l.owner->pid()) + " exited";
     return Outcome::kFailed;

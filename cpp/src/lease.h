@@ -5,12 +5,16 @@
 // (CheckRequest, the owner's own checks) and copies with process_vm_readv / _writev, no frame
 // sent. The owner's *fence file* (a sealed one-page memfd) says whether the lease holds:
 //
-// * reader: around every copy a shared flock on its own open file description of the fence
-//   (opened through /proc/<owner pid>/fd/<fd>), taken without blocking, and the file's first
-//   byte must be 0; after the copy (and, for a write, before it too) the owner's pidfd must
-//   not say it exited;
-// * owner: writes 1 to the first byte (revoke), then takes the exclusive lock without blocking,
-//   retried under a deadline (drain): a copy in flight ends first, none starts after.
+// * reader: around every write, and every read by memcpy from a mapping of the owner's memfd,
+//   a shared flock on its own open file description of the fence (opened through
+//   /proc/<owner pid>/fd/<fd>), taken without blocking, and the file's first byte must be 0;
+//   a read by process_vm_readv takes no lock: the byte must be 0 before the copy and still 0
+//   after it (a sequence lock: what it read is not trusted otherwise). After the copy (and,
+//   for a write, before it too) the owner's pidfd must not say it exited;
+// * owner: writes 1 to the first byte, with a full fence (revoke), before the cache's memory
+//   changes hands, then takes the exclusive lock without blocking, retried under a deadline
+//   (drain): a locked copy in flight ends first, none starts after; an unlocked read in
+//   flight finds the byte set after its copy.
 //
 // flock belongs to the open file description, shared by our threads: the reader counts its
 // copies in flight and holds the shared lock while any runs (the first takes it, the last
@@ -133,10 +137,11 @@ enum class Outcome {
 
 /// Checks `req` against the lease exactly as the owner would (LLM_PARAM_INVALID, thrown), then
 /// copies between `local` (our spans, tensor-major as the request's) and the owner's spans
-/// under the fence: a read of a cache in shared memory by memcpy from our mapping when that
-/// pays (shm::Pays) or `cma_refused`, else with process_vm_readv (_writev). `shm_used`, when
-/// given, says which moved the bytes. With `cma_refused`, a copy that would need cross-memory
-/// attach moves nothing (kRefused).
+/// under the fence (locked; a read by process_vm_readv checked before and after the copy
+/// instead: kRevoked when the owner revoked meanwhile, whatever moved): a read of a cache in
+/// shared memory by memcpy from our mapping when that pays (shm::Pays) or `cma_refused`, else
+/// with process_vm_readv (_writev). `shm_used`, when given, says which moved the bytes. With
+/// `cma_refused`, a copy that would need cross-memory attach moves nothing (kRefused).
 Outcome Copy(Leased &l, const wire::Request &req, const std::vector<iovec> &local, std::string &why,
              bool cma_refused = false, bool *shm_used = nullptr);
 

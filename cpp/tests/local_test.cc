@@ -6,8 +6,10 @@
 #include "local.h"
 
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -265,6 +267,99 @@ TEST(Fence, SharedLocksAreCountedPerDescriptionAndDrainWaitsForAll) {
   view->Leave();
   EXPECT_TRUE(owner.Drained());
   EXPECT_FALSE(view->Enter());
+}
+
+/// A lease on `mem` (one tensor of `bytes`, one slot) held by this process on itself, under
+/// `fence`, for the unlocked-read tests below.
+std::shared_ptr<datadist::lease::Leased> SelfLease(datadist::lease::Fence &fence, const uint8_t *mem, uint64_t bytes,
+                                                   bool write) {
+  w::CacheLease msg;
+  msg.cache_id = 1;
+  msg.tensor_bytes = bytes;
+  msg.units = 1;
+  msg.fence_fd = fence.fd();
+  msg.fence_ino = fence.ino();
+  msg.addrs = {reinterpret_cast<uint64_t>(mem)};
+  std::string why;
+  auto owner = datadist::lease::OwnerProc::Open(getpid(), why);
+  EXPECT_TRUE(owner) << why;
+  auto l = datadist::lease::Make(std::move(msg), 1, write, owner, why);
+  EXPECT_TRUE(l) << why;
+  return l;
+}
+
+w::Request WholeSlot(uint64_t bytes) {
+  w::Request q;
+  q.kind = w::kCacheId;
+  q.a = 1;
+  q.tensors = {0};
+  q.offsets = {0};
+  q.lengths = {bytes};
+  return q;
+}
+
+// A leased read by process_vm_readv takes no lock on the fence (two system calls less a read):
+// an exclusive lock on the owner's side, with the byte still 0, does not stop it; a write (and
+// the owner's drain of writes) still goes by the lock.
+TEST(Fence, AReadByCrossMemoryAttachTakesNoLockAWriteDoes) {
+  datadist::lease::Fence fence;
+  std::vector<uint8_t> mem(4096, 7), got(4096, 0);
+  auto reader = SelfLease(fence, mem.data(), mem.size(), false);
+  auto writer = SelfLease(fence, mem.data(), mem.size(), true);
+  ASSERT_TRUE(reader && writer);
+  ASSERT_EQ(flock(fence.fd(), LOCK_EX | LOCK_NB), 0);
+  std::string why;
+  EXPECT_EQ(datadist::lease::Copy(*reader, WholeSlot(mem.size()), {{got.data(), got.size()}}, why),
+            datadist::lease::Outcome::kDone)
+      << why;
+  EXPECT_EQ(got, mem);
+  std::vector<uint8_t> data(4096, 9);
+  EXPECT_EQ(datadist::lease::Copy(*writer, WholeSlot(mem.size()), {{data.data(), data.size()}}, why),
+            datadist::lease::Outcome::kRevoked);
+  EXPECT_EQ(mem[0], 7) << "a write went by a fence being drained";
+  flock(fence.fd(), LOCK_UN);
+  fence.Revoke();
+  EXPECT_EQ(datadist::lease::Copy(*reader, WholeSlot(mem.size()), {{got.data(), got.size()}}, why),
+            datadist::lease::Outcome::kRevoked);
+}
+
+// The unlocked read's safety: the owner revokes, drains (which no longer waits for it), and
+// gives the memory its next life (here: rewrites it) while reads run. A read whose copy saw
+// any of the new bytes must not be reported done: every read done holds the old bytes only.
+// (Without the check after the copy, reads of mixed bytes are reported done.)
+TEST(Fence, AnUnlockedReadThatOverlapsARevokeIsNeverDone) {
+  constexpr uint64_t kBytes = 8 << 20;
+  std::vector<uint8_t> mem(kBytes), got(kBytes);
+  int mixed = 0, done = 0, revoked_mid = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    datadist::lease::Fence fence;
+    std::memset(mem.data(), 'A', kBytes);
+    auto l = SelfLease(fence, mem.data(), kBytes, false);
+    ASSERT_TRUE(l);
+    std::atomic<bool> stop{false};
+    std::thread reader([&] {
+      while (!stop.load()) {
+        std::string why;
+        got[0] = got[kBytes - 1] = 0;
+        const auto out = datadist::lease::Copy(*l, WholeSlot(kBytes), {{got.data(), kBytes}}, why);
+        if (out == datadist::lease::Outcome::kDone) {
+          ++done;
+          if (std::memchr(got.data(), 'B', kBytes) != nullptr) ++mixed;
+        } else if (out == datadist::lease::Outcome::kRevoked && !why.empty()) {
+          ++revoked_mid;
+        }
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::microseconds(1500 + 700 * trial));
+    fence.Revoke();
+    while (!fence.Drained()) std::this_thread::yield();
+    std::memset(mem.data(), 'B', kBytes);  // the memory's next life
+    stop = true;
+    reader.join();
+  }
+  EXPECT_GT(done, 0);
+  EXPECT_EQ(mixed, 0) << "reads of the memory's next life were reported done (" << revoked_mid
+                      << " caught after the copy)";
 }
 
 TEST_F(Owner, ForcedTcpAndPushesStreamOverTheControlChannel) {
