@@ -93,7 +93,9 @@ class Fence {
   /// No reader starts a copy under this fence from now on. Idempotent.
   void Revoke();
   bool revoked() const;
-  /// No copy is in flight (one non-blocking try of the exclusive lock); meaningful once revoked.
+  /// No locked copy (a write, a read from a mapping of our memfds) is in flight (one
+  /// non-blocking try of the exclusive lock); meaningful once revoked. A lock-free read in
+  /// flight finds the byte set after its copy (Copy) and is not reported done.
   bool Drained();
 
  private:
@@ -130,7 +132,7 @@ std::shared_ptr<Leased> Make(wire::CacheLease msg, uint64_t id, bool write, std:
 
 enum class Outcome {
   kDone,     // every byte moved
-  kRevoked,  // nothing moved: the owner revoked the lease (ask the owner)
+  kRevoked,  // not done: the owner revoked the lease (ask the owner); a lock-free read may have written `local`
   kRefused,  // nothing moved: the kernel refuses cross-memory attach to the owner
   kFailed,   // the owner exited, or the copy faulted: ask the owner (what moved is not trusted)
 };

@@ -100,7 +100,8 @@ class Link {
   void Read(const wire::Request &req, const std::vector<iovec> &local, Deadline deadline);
   /// A pull under a whole-cache lease this link holds already, copied in the caller's thread:
   /// true once every byte moved. False when there is no such lease or it could not serve the
-  /// pull (revoked, refused, failed: nothing changed here, Read handles those). Throws what
+  /// pull (revoked, refused, failed: not done, Read handles those; a revoked lock-free read may
+  /// have written `local`, which the READ then writes whole). Throws what
   /// the lease's checks refuse, as Read would. Never waits for the peer or the link (a leased
   /// copy takes neither): the issued pulls' inline path (cpp/python/module.cc).
   bool ReadLeasedNow(const wire::Request &req, const std::vector<iovec> &local);

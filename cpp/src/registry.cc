@@ -638,8 +638,10 @@ bool Registry::FencesDrained(Entry &e) {
 bool Registry::Drain(std::unique_lock<std::mutex> &lock, Entry &e, std::chrono::steady_clock::time_point deadline) {
   if (e.fence) e.fence->Revoke();  // no leased copy starts from now on
   if (!changed_.wait_until(lock, deadline, [&] { return e.leases == 0; })) return false;
-  // Leased copies in flight hold the fence's shared lock (another process's, so no condition
-  // tells us): the exclusive lock is tried every 200 us until the deadline.
+  // Locked leased copies in flight (writes, reads from a mapping of our memfds) hold the
+  // fence's shared lock (another process's, so no condition tells us): the exclusive lock is
+  // tried every 200 us until the deadline. A lock-free read in flight finds the byte set after
+  // its copy and is not reported done (lease.h).
   while (!FencesDrained(e)) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     changed_.wait_for(lock, std::chrono::microseconds(200));

@@ -400,9 +400,11 @@ class CacheLease:
     """A lease on a whole cache: its geometry and the base address of every tensor, so
     that the reader plans and checks its reads itself and copies without asking. Valid while
     the *fence file* (``/proc/<owner pid>/fd/<fence_fd>``, inode ``fence_ino``, a sealed
-    memfd) says so: a reader holds a shared flock on it around every copy and first checks
-    that its first byte is 0; the owner sets that byte (revokes) and takes the exclusive lock
-    (waits for copies in flight) before the memory may go. ``shm_*``: where each tensor lies
+    memfd) says so: its first byte must be 0 before a copy; a reader holds a shared flock on
+    it around every write and every read from a mapping of the memfds, and checks the byte
+    again after a read by cross-memory attach (not done if it is set); the owner sets that
+    byte (revokes, with a full fence) and takes the exclusive lock (waits for locked copies in
+    flight) before the memory may go. ``shm_*``: where each tensor lies
     in shareable memory (as in ShmGrant), or empty."""
 
     cache_id: int
