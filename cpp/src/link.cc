@@ -1,5 +1,7 @@
 #include "link.h"
 
+#include <deque>
+
 #include "addr.h"
 #include "auth.h"
 #include "blocking.h"
@@ -673,6 +675,132 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
   }
   conn_->RecvV(local, deadline);
   if (checked) ReadVerdict(local, deadline);
+}
+
+size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
+                           const std::function<void(size_t, const Error *)> &ended) {
+  const PipedRead *first = at(0);
+  if (!first) return 0;
+  // One pull as Read runs it alone: a checksummed one, or any on a path that does not stream.
+  const auto alone = [&](const PipedRead &p) {
+    try {
+      Read(*p.req, *p.local, p.deadline);
+    } catch (const Error &e) {
+      ended(0, &e);
+      return size_t{1};
+    }
+    ended(0, nullptr);
+    return size_t{1};
+  };
+  if ((first->req->flags & wire::kFlagChecksum) || !Streams()) return alone(*first);
+  std::unique_ptr<Busy> guard;
+  try {
+    guard = Acquire(first->deadline);
+    Prepare(first->deadline);
+  } catch (const Error &e) {
+    if (guard) heard_ = Deadline();  // as a failed transfer leaves it (Busy)
+    guard.reset();
+    ended(0, &e);
+    return 1;
+  }
+  if (!Streams()) {  // the reconnect took another path
+    guard.reset();
+    return alone(*first);
+  }
+  struct Flight {
+    size_t i;
+    const PipedRead *p;
+    uint32_t rid;
+    uint64_t bytes;
+    size_t frame;
+  };
+  std::deque<Flight> flight;  // sent, answers not read yet, in order
+  uint64_t bytes_out = 0;     // their answers' bytes
+  size_t frames_out = 0;      // their request frames' bytes
+  size_t next = 0;            // the next pull to send
+  std::vector<uint8_t> frame, payload;
+  size_t framed = SIZE_MAX;  // the pull `frame` encodes (with request id rid_ + 1)
+  // The connection broke under `f` (or its deadline passed): it and every pull in flight
+  // behind it fail; those not sent are left to the caller's next call (a reconnect).
+  const auto broken = [&](size_t i, const Error &e) {
+    if (conn_ && !conn_->closed()) conn_->Close();
+    heard_ = Deadline();
+    ended(i, &e);
+    const bool timed_out = e.code() == llm_datadist::LLM_TIMEOUT;
+    const Error rest(timed_out ? llm_datadist::LLM_TIMEOUT : llm_datadist::LLM_LINK_FAILED,
+                     "link to cluster " + std::to_string(remote_) + ": the connection was closed with this pull's " +
+                         "READ on it, sent behind one that " + (timed_out ? "timed out" : "failed") + " (" + e.what() +
+                         ")");
+    for (const Flight &g : flight) ended(g.i, &rest);
+    flight.clear();
+    return next;
+  };
+  last_ = Moved::kStream;
+  try {
+    for (;;) {
+      // READs sent while the window has room, each under its own deadline.
+      while (flight.size() < kPipeCount) {
+        const PipedRead *p = next == 0 ? first : at(next);
+        if (!p || (p->req->flags & wire::kFlagChecksum)) break;  // a checksummed one: alone, next call
+        if (Clock::now() >= p->deadline) {
+          if (!flight.empty()) break;  // ended once the window emptied: in order
+          const Error late(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");  // as Acquire says
+          ended(next++, &late);
+          continue;
+        }
+        const uint64_t bytes = IovBytes(*p->local);
+        if (framed != next) {
+          frame = wire::EncodeRequest(wire::kRead, *p->req, rid_ + 1);
+          framed = next;
+        }
+        if (!flight.empty() && (bytes_out + bytes > kPipeBytes || frames_out + frame.size() > kPipeFrames ||
+                                p->deadline < flight.back().p->deadline))
+          break;
+        ++rid_;
+        try {
+          conn_->SendFrame(frame, p->deadline);
+        } catch (const Error &e) {
+          ++next;
+          return broken(next - 1, e);
+        }
+        flight.push_back({next, p, rid_, bytes, frame.size()});
+        bytes_out += bytes;
+        frames_out += frame.size();
+        ++next;
+        framed = SIZE_MAX;
+      }
+      if (flight.empty()) return next;
+      // The oldest answer, under its pull's deadline; the READs behind it are with the owner.
+      const Flight f = flight.front();
+      flight.pop_front();
+      bytes_out -= f.bytes;
+      frames_out -= f.frame;
+      try {
+        const wire::Header h = AnswerOn(*conn_, f.rid, payload, f.p->deadline);
+        heard_ = Clock::now();
+        if (h.type != wire::kReadData) {
+          conn_->Close();
+          ProtocolViolation("expected READ_DATA");
+        }
+        const uint64_t n = wire::DecodeU64(payload);
+        if (n != f.bytes) {
+          conn_->Close();
+          ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(f.bytes) +
+                            " were asked for");
+        }
+        conn_->RecvV(*f.p->local, f.p->deadline);
+      } catch (const Error &e) {
+        if (conn_->closed()) return broken(f.i, e);
+        ended(f.i, &e);  // the owner's ERROR: the stream is at the next answer's start
+        continue;
+      }
+      ended(f.i, nullptr);
+    }
+  } catch (...) {  // not an Error (bad_alloc): the stream's place is unknown
+    if (conn_ && !conn_->closed()) conn_->Close();
+    heard_ = Deadline();
+    throw;
+  }
 }
 
 void Link::ReadVerdict(const std::vector<iovec> &local, Deadline deadline) {
