@@ -1,5 +1,6 @@
 #include "link.h"
 
+#include <algorithm>
 #include <deque>
 
 #include "addr.h"
@@ -27,6 +28,23 @@ uint64_t IovBytes(const std::vector<iovec> &iov) {
   uint64_t n = 0;
   for (const iovec &v : iov) n += v.iov_len;
   return n;
+}
+
+// The `len` bytes of `iov` from byte `from` on, as iovecs.
+std::vector<iovec> Part(const std::vector<iovec> &iov, uint64_t from, uint64_t len) {
+  std::vector<iovec> out;
+  for (const iovec &v : iov) {
+    if (len == 0) break;
+    if (from >= v.iov_len) {
+      from -= v.iov_len;
+      continue;
+    }
+    const uint64_t take = std::min<uint64_t>(v.iov_len - from, len);
+    out.push_back({static_cast<uint8_t *>(v.iov_base) + from, take});
+    from = 0;
+    len -= take;
+  }
+  return out;
 }
 
 }  // namespace
@@ -714,14 +732,14 @@ size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
     uint64_t bytes;
     size_t frame;
   };
-  std::deque<Flight> flight;  // sent, answers not read yet, in order
+  std::deque<Flight> flight;  // sent, answers not all in yet, in order (the front one being read)
   uint64_t bytes_out = 0;     // their answers' bytes
   size_t frames_out = 0;      // their request frames' bytes
   size_t next = 0;            // the next pull to send
   std::vector<uint8_t> frame, payload;
   size_t framed = SIZE_MAX;  // the pull `frame` encodes (with request id rid_ + 1)
-  // The connection broke under `f` (or its deadline passed): it and every pull in flight
-  // behind it fail; those not sent are left to the caller's next call (a reconnect).
+  // The connection broke under pull `i` (or its deadline passed): it and every pull in flight
+  // fail; those not sent are left to the caller's next call (a reconnect).
   const auto broken = [&](size_t i, const Error &e) {
     if (conn_ && !conn_->closed()) conn_->Close();
     heard_ = Deadline();
@@ -729,52 +747,53 @@ size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
     const bool timed_out = e.code() == llm_datadist::LLM_TIMEOUT;
     const Error rest(timed_out ? llm_datadist::LLM_TIMEOUT : llm_datadist::LLM_LINK_FAILED,
                      "link to cluster " + std::to_string(remote_) + ": the connection was closed with this pull's " +
-                         "READ on it, sent behind one that " + (timed_out ? "timed out" : "failed") + " (" + e.what() +
+                         "READ on it, sent with one that " + (timed_out ? "timed out" : "failed") + " (" + e.what() +
                          ")");
-    for (const Flight &g : flight) ended(g.i, &rest);
+    for (const Flight &g : flight)
+      if (g.i != i) ended(g.i, &rest);
     flight.clear();
-    return next;
+  };
+  // READs sent while the window has room, each under its own deadline; false when a send
+  // broke the connection (every pull in flight ended).
+  const auto fill = [&]() {
+    while (flight.size() < kPipeCount) {
+      const PipedRead *p = next == 0 ? first : at(next);
+      if (!p || (p->req->flags & wire::kFlagChecksum)) break;  // a checksummed one: alone, next call
+      if (Clock::now() >= p->deadline) {
+        if (!flight.empty()) break;  // ended once the window emptied: in order
+        const Error late(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");  // as Acquire says
+        ended(next++, &late);
+        continue;
+      }
+      const uint64_t bytes = IovBytes(*p->local);
+      if (framed != next) {
+        frame = wire::EncodeRequest(wire::kRead, *p->req, rid_ + 1);
+        framed = next;
+      }
+      if (!flight.empty() && (bytes_out + bytes > kPipeBytes || frames_out + frame.size() > kPipeFrames ||
+                              p->deadline < flight.back().p->deadline))
+        break;
+      ++rid_;
+      try {
+        conn_->SendFrame(frame, p->deadline);
+      } catch (const Error &e) {
+        broken(next++, e);
+        return false;
+      }
+      flight.push_back({next, p, rid_, bytes, frame.size()});
+      bytes_out += bytes;
+      frames_out += frame.size();
+      ++next;
+      framed = SIZE_MAX;
+    }
+    return true;
   };
   last_ = Moved::kStream;
   try {
     for (;;) {
-      // READs sent while the window has room, each under its own deadline.
-      while (flight.size() < kPipeCount) {
-        const PipedRead *p = next == 0 ? first : at(next);
-        if (!p || (p->req->flags & wire::kFlagChecksum)) break;  // a checksummed one: alone, next call
-        if (Clock::now() >= p->deadline) {
-          if (!flight.empty()) break;  // ended once the window emptied: in order
-          const Error late(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");  // as Acquire says
-          ended(next++, &late);
-          continue;
-        }
-        const uint64_t bytes = IovBytes(*p->local);
-        if (framed != next) {
-          frame = wire::EncodeRequest(wire::kRead, *p->req, rid_ + 1);
-          framed = next;
-        }
-        if (!flight.empty() && (bytes_out + bytes > kPipeBytes || frames_out + frame.size() > kPipeFrames ||
-                                p->deadline < flight.back().p->deadline))
-          break;
-        ++rid_;
-        try {
-          conn_->SendFrame(frame, p->deadline);
-        } catch (const Error &e) {
-          ++next;
-          return broken(next - 1, e);
-        }
-        flight.push_back({next, p, rid_, bytes, frame.size()});
-        bytes_out += bytes;
-        frames_out += frame.size();
-        ++next;
-        framed = SIZE_MAX;
-      }
-      if (flight.empty()) return next;
+      if (!fill() || flight.empty()) return next;
       // The oldest answer, under its pull's deadline; the READs behind it are with the owner.
       const Flight f = flight.front();
-      flight.pop_front();
-      bytes_out -= f.bytes;
-      frames_out -= f.frame;
       try {
         const wire::Header h = AnswerOn(*conn_, f.rid, payload, f.p->deadline);
         heard_ = Clock::now();
@@ -788,12 +807,30 @@ size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
           ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(f.bytes) +
                             " were asked for");
         }
-        conn_->RecvV(*f.p->local, f.p->deadline);
+        // Alone in flight, nothing else issued yet (the first pulls of a batch): its bytes a
+        // part at a time, so that a pull issued meanwhile has its READ sent before the owner
+        // runs out of requests, not after this answer's tail is read.
+        uint64_t in = 0;
+        while (flight.size() == 1 && f.bytes - in > kPipePart) {
+          conn_->RecvV(Part(*f.p->local, in, kPipePart), f.p->deadline);
+          in += kPipePart;
+          if (!fill()) return next;
+        }
+        conn_->RecvV(in == 0 ? *f.p->local : Part(*f.p->local, in, f.bytes - in), f.p->deadline);
       } catch (const Error &e) {
-        if (conn_->closed()) return broken(f.i, e);
-        ended(f.i, &e);  // the owner's ERROR: the stream is at the next answer's start
+        if (conn_->closed()) {
+          broken(f.i, e);
+          return next;
+        }
+        flight.pop_front();  // the owner's ERROR: the stream is at the next answer's start
+        bytes_out -= f.bytes;
+        frames_out -= f.frame;
+        ended(f.i, &e);
         continue;
       }
+      flight.pop_front();
+      bytes_out -= f.bytes;
+      frames_out -= f.frame;
       ended(f.i, nullptr);
     }
   } catch (...) {  // not an Error (bad_alloc): the stream's place is unknown

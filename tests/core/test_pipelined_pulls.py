@@ -41,11 +41,11 @@ LAYERS, BLOCKS, BLOCK = 12, 4, 16 << 10  # a layer: K and V, 4 blocks of 16 KiB 
 
 class Relay:
     """A TCP relay to ``target`` that parses what it forwards: ``max_waiting`` is the most
-    READs forwarded to the owner and not yet answered when an answer (READ_DATA or ERROR)
-    began. ``die_after``: once that many answers went through, every connection and the
-    listener close (a reconnect is refused). ``stall_after``: after that many answers nothing
-    more is forwarded to the puller (the chunk that ends an answer may carry the next one's
-start)."""
+    READs forwarded to the owner and not yet answered (READ_DATA and its bytes, or ERROR,
+    passed back) at any one time. ``die_after``: once that many answers went through, the
+    owner's side ends the connection and the listener closes (a reconnect is refused).
+    ``stall_after``: after that many answers nothing more is forwarded to the puller (the
+    chunk that ends an answer may carry the next one's start)."""
 
     def __init__(self, target: tuple[str, int], die_after: int = -1,
                  stall_after: int = -1) -> None:
@@ -78,6 +78,7 @@ start)."""
                         with self._lock:
                             self.reads += 1
                             self.waiting += 1
+                            self.max_waiting = max(self.max_waiting, self.waiting)
                 dst.sendall(chunk)
         self._shut(src, dst)
 
@@ -89,15 +90,18 @@ start)."""
                         and not self._closed.is_set():
                     time.sleep(0.01)
                 for _, msg in dec.feed(chunk):
-                    with self._lock:
-                        if isinstance(msg, (p.ReadData, p.Error)):
-                            self.max_waiting = max(self.max_waiting, self.waiting)
-                        if isinstance(msg, (bytes, p.Error)):  # an answer ended
+                    if isinstance(msg, (bytes, p.Error)):  # an answer ended
+                        with self._lock:
                             self.waiting -= 1
                             self.answered += 1
                 dst.sendall(chunk)
                 if self.die_after >= 0 and self.answered >= self.die_after:
-                    self.close()
+                    # The owner's end goes: the puller reads what was sent, then the end of
+                    # the stream (closing its socket with READs unread would reset it, and
+                    # the answers not read yet would be lost with it); no reconnect.
+                    self._lsock.close()
+                    src.close()
+                    dst.shutdown(socket.SHUT_WR)
                     return
         self._shut(src, dst)
 
