@@ -393,7 +393,7 @@ TEST(PipelinedRead, TheOwnerAnswersReadsSentTogetherInOrderAnErrorBetweenThem) {
 }
 
 // End to end on the real owner over TCP: 32 layer-sized pulls issued in a row, one of them
-// for a cache the owner does not have, against a session that serves them.
+// for a cache the owner does not have, against a session that serves them; then 4 of 2 MiB.
 TEST(PipelinedRead, ThePullsOfARealOwnerLandAndOneRefusalFailsAlone) {
   ddtest::HostCache owned(1, std::vector<int64_t>{1, 8 << 20});
   for (uint64_t i = 0; i < (8u << 20); ++i) owned.T(0)[i] = At(i);
@@ -415,6 +415,14 @@ TEST(PipelinedRead, ThePullsOfARealOwnerLandAndOneRefusalFailsAlone) {
     }
     EXPECT_EQ(pulls.tasks[k]->code(), LLM_SUCCESS) << k << ": " << pulls.tasks[k]->message();
     EXPECT_TRUE(pulls.Right(k)) << k;
+  }
+  // Answers over Link::kPipePart: the one alone in flight is read a part at a time (the
+  // window filled between parts), the rest whole; every byte lands where it belongs.
+  Issued large(*reader, 4, 2 << 20, 10, kRealOwner);
+  ASSERT_TRUE(large.AllEnd(10));
+  for (size_t k = 0; k < 4; ++k) {
+    EXPECT_EQ(large.tasks[k]->code(), LLM_SUCCESS) << k << ": " << large.tasks[k]->message();
+    EXPECT_TRUE(large.Right(k)) << k;
   }
   reader->Close(0);
   owner->Close(0);
