@@ -767,7 +767,13 @@ size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
       }
       const uint64_t bytes = IovBytes(*p->local);
       if (framed != next) {
-        frame = wire::EncodeRequest(wire::kRead, *p->req, rid_ + 1);
+        try {
+          frame = wire::EncodeRequest(wire::kRead, *p->req, rid_ + 1);
+        } catch (const Error &e) {  // a request the codec refuses: that pull's outcome, in order
+          if (!flight.empty()) break;
+          ended(next++, &e);
+          continue;
+        }
         framed = next;
       }
       if (!flight.empty() && (bytes_out + bytes > kPipeBytes || frames_out + frame.size() > kPipeFrames ||
