@@ -30,19 +30,19 @@ uint64_t IovBytes(const std::vector<iovec> &iov) {
   return n;
 }
 
-// The `len` bytes of `iov` from byte `from` on, as iovecs.
-std::vector<iovec> Part(const std::vector<iovec> &iov, uint64_t from, uint64_t len) {
+// The next `len` bytes of `iov` from the cursor (entry `at`, `off` bytes into it), as iovecs;
+// the cursor moves past them. Touches only the entries it returns.
+std::vector<iovec> Take(const std::vector<iovec> &iov, size_t &at, uint64_t &off, uint64_t len) {
   std::vector<iovec> out;
-  for (const iovec &v : iov) {
-    if (len == 0) break;
-    if (from >= v.iov_len) {
-      from -= v.iov_len;
-      continue;
-    }
-    const uint64_t take = std::min<uint64_t>(v.iov_len - from, len);
-    out.push_back({static_cast<uint8_t *>(v.iov_base) + from, take});
-    from = 0;
+  while (len > 0 && at < iov.size()) {
+    const uint64_t take = std::min<uint64_t>(iov[at].iov_len - off, len);
+    if (take > 0) out.push_back({static_cast<uint8_t *>(iov[at].iov_base) + off, take});
+    off += take;
     len -= take;
+    if (off == iov[at].iov_len) {
+      ++at;
+      off = 0;
+    }
   }
   return out;
 }
@@ -816,13 +816,16 @@ size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
         // Alone in flight, nothing else issued yet (the first pulls of a batch): its bytes a
         // part at a time, so that a pull issued meanwhile has its READ sent before the owner
         // runs out of requests, not after this answer's tail is read.
-        uint64_t in = 0;
-        while (flight.size() == 1 && f.bytes - in > kPipePart) {
-          conn_->RecvV(Part(*f.p->local, in, kPipePart), f.p->deadline);
-          in += kPipePart;
+        // Parts grow with what arrived (kPipePart, then doubling): a few calls for any size.
+        uint64_t in = 0, off = 0;
+        size_t at_iov = 0;
+        while (flight.size() == 1 && f.bytes - in > std::max(kPipePart, in)) {
+          const uint64_t part = std::max(kPipePart, in);
+          conn_->RecvV(Take(*f.p->local, at_iov, off, part), f.p->deadline);
+          in += part;
           if (!fill()) return next;
         }
-        conn_->RecvV(in == 0 ? *f.p->local : Part(*f.p->local, in, f.bytes - in), f.p->deadline);
+        conn_->RecvV(in == 0 ? *f.p->local : Take(*f.p->local, at_iov, off, f.bytes - in), f.p->deadline);
       } catch (const Error &e) {
         if (conn_->closed()) {
           broken(f.i, e);

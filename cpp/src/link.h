@@ -117,8 +117,9 @@ class Link {
   static constexpr size_t kPipeCount = 16;
   static constexpr uint64_t kPipeBytes = 32ull << 20;
   static constexpr size_t kPipeFrames = 32 << 10;
-  /// An answer read while it is the only READ in flight is read this much at a time, the
-  /// window filled between parts (pulls issued while the first answers arrive).
+  /// An answer read while it is the only READ in flight is read in parts, the window filled
+  /// between them (pulls issued while the first answers arrive): this much first, then as
+  /// much as arrived so far (a handful of parts for any size).
   static constexpr uint64_t kPipePart = 256 << 10;
   /// Issued pulls of this link run back to back, in order (the session's per-link queue of
   /// issued pulls, drained by one worker: Session::Submit). `at(i)`: the i-th pull (null: none

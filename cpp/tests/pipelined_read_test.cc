@@ -424,6 +424,27 @@ TEST(PipelinedRead, ThePullsOfARealOwnerLandAndOneRefusalFailsAlone) {
     EXPECT_EQ(large.tasks[k]->code(), LLM_SUCCESS) << k << ": " << large.tasks[k]->message();
     EXPECT_TRUE(large.Right(k)) << k;
   }
+  // One alone of 2 MiB in 64 spans (every other 32 KiB of the owner's tensor), each into its
+  // own local span: its parts cut across the spans.
+  constexpr uint64_t kSpan = 32 << 10;
+  w::Request q = Span(0, kSpan);
+  std::vector<uint8_t> dst(64 * kSpan, 0);
+  std::vector<iovec> iov;
+  q.offsets.clear();
+  q.lengths.clear();
+  for (uint64_t i = 0; i < 64; ++i) {
+    q.offsets.push_back(2 * i * kSpan);
+    q.lengths.push_back(kSpan);
+    iov.push_back({dst.data() + i * kSpan, kSpan});
+  }
+  auto spans = reader->Submit(datadist::Call::Make(false, kRealOwner, q, iov), After(10), datadist::Clock::now());
+  ASSERT_TRUE(spans->Wait(After(10)));
+  EXPECT_EQ(spans->code(), LLM_SUCCESS) << spans->message();
+  for (uint64_t i = 0; i < 64 * kSpan; ++i)
+    if (dst[i] != At(2 * (i / kSpan) * kSpan + i % kSpan)) {
+      ADD_FAILURE() << "byte " << i;
+      break;
+    }
   reader->Close(0);
   owner->Close(0);
 }
