@@ -1,5 +1,8 @@
 #include "link.h"
 
+#include <algorithm>
+#include <deque>
+
 #include "addr.h"
 #include "auth.h"
 #include "blocking.h"
@@ -25,6 +28,23 @@ uint64_t IovBytes(const std::vector<iovec> &iov) {
   uint64_t n = 0;
   for (const iovec &v : iov) n += v.iov_len;
   return n;
+}
+
+// The next `len` bytes of `iov` from the cursor (entry `at`, `off` bytes into it), as iovecs;
+// the cursor moves past them. Touches only the entries it returns.
+std::vector<iovec> Take(const std::vector<iovec> &iov, size_t &at, uint64_t &off, uint64_t len) {
+  std::vector<iovec> out;
+  while (len > 0 && at < iov.size()) {
+    const uint64_t take = std::min<uint64_t>(iov[at].iov_len - off, len);
+    if (take > 0) out.push_back({static_cast<uint8_t *>(iov[at].iov_base) + off, take});
+    off += take;
+    len -= take;
+    if (off == iov[at].iov_len) {
+      ++at;
+      off = 0;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -675,6 +695,160 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
   }
   conn_->RecvV(local, deadline);
   if (checked) ReadVerdict(local, deadline);
+}
+
+size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
+                           const std::function<void(size_t, const Error *)> &ended) {
+  const PipedRead *first = at(0);
+  if (!first) return 0;
+  // One pull as Read runs it alone: a checksummed one, or any on a path that does not stream.
+  const auto alone = [&](const PipedRead &p) {
+    try {
+      Read(*p.req, *p.local, p.deadline);
+    } catch (const Error &e) {
+      ended(0, &e);
+      return size_t{1};
+    }
+    ended(0, nullptr);
+    return size_t{1};
+  };
+  if ((first->req->flags & wire::kFlagChecksum) || !Streams()) return alone(*first);
+  std::unique_ptr<Busy> guard;
+  try {
+    guard = Acquire(first->deadline);
+    Prepare(first->deadline);
+  } catch (const Error &e) {
+    if (guard) heard_ = Deadline();  // as a failed transfer leaves it (Busy)
+    guard.reset();
+    ended(0, &e);
+    return 1;
+  }
+  if (!Streams()) {  // the reconnect took another path
+    guard.reset();
+    return alone(*first);
+  }
+  struct Flight {
+    size_t i;
+    const PipedRead *p;
+    uint32_t rid;
+    uint64_t bytes;
+    size_t frame;
+  };
+  std::deque<Flight> flight;  // sent, answers not all in yet, in order (the front one being read)
+  uint64_t bytes_out = 0;     // their answers' bytes
+  size_t frames_out = 0;      // their request frames' bytes
+  size_t next = 0;            // the next pull to send
+  std::vector<uint8_t> frame, payload;
+  size_t framed = SIZE_MAX;  // the pull `frame` encodes (with request id rid_ + 1)
+  // The connection broke under pull `i` (or its deadline passed): it and every pull in flight
+  // fail; those not sent are left to the caller's next call (a reconnect).
+  const auto broken = [&](size_t i, const Error &e) {
+    if (conn_ && !conn_->closed()) conn_->Close();
+    heard_ = Deadline();
+    ended(i, &e);
+    const bool timed_out = e.code() == llm_datadist::LLM_TIMEOUT;
+    const Error rest(timed_out ? llm_datadist::LLM_TIMEOUT : llm_datadist::LLM_LINK_FAILED,
+                     "link to cluster " + std::to_string(remote_) + ": the connection was closed with this pull's " +
+                         "READ on it, sent with one that " + (timed_out ? "timed out" : "failed") + " (" + e.what() +
+                         ")");
+    for (const Flight &g : flight)
+      if (g.i != i) ended(g.i, &rest);
+    flight.clear();
+  };
+  // READs sent while the window has room, each under its own deadline; false when a send
+  // broke the connection (every pull in flight ended).
+  const auto fill = [&]() {
+    while (flight.size() < kPipeCount) {
+      const PipedRead *p = next == 0 ? first : at(next);
+      if (!p || (p->req->flags & wire::kFlagChecksum)) break;  // a checksummed one: alone, next call
+      if (Clock::now() >= p->deadline) {
+        if (!flight.empty()) break;  // ended once the window emptied: in order
+        const Error late(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");  // as Acquire says
+        ended(next++, &late);
+        continue;
+      }
+      const uint64_t bytes = IovBytes(*p->local);
+      if (framed != next) {
+        try {
+          frame = wire::EncodeRequest(wire::kRead, *p->req, rid_ + 1);
+        } catch (const Error &e) {  // a request the codec refuses: that pull's outcome, in order
+          if (!flight.empty()) break;
+          ended(next++, &e);
+          continue;
+        }
+        framed = next;
+      }
+      if (!flight.empty() && (bytes_out + bytes > kPipeBytes || frames_out + frame.size() > kPipeFrames ||
+                              p->deadline < flight.back().p->deadline))
+        break;
+      ++rid_;
+      try {
+        conn_->SendFrame(frame, p->deadline);
+      } catch (const Error &e) {
+        broken(next++, e);
+        return false;
+      }
+      flight.push_back({next, p, rid_, bytes, frame.size()});
+      bytes_out += bytes;
+      frames_out += frame.size();
+      ++next;
+      framed = SIZE_MAX;
+    }
+    return true;
+  };
+  last_ = Moved::kStream;
+  try {
+    for (;;) {
+      if (!fill() || flight.empty()) return next;
+      // The oldest answer, under its pull's deadline; the READs behind it are with the owner.
+      const Flight f = flight.front();
+      try {
+        const wire::Header h = AnswerOn(*conn_, f.rid, payload, f.p->deadline);
+        heard_ = Clock::now();
+        if (h.type != wire::kReadData) {
+          conn_->Close();
+          ProtocolViolation("expected READ_DATA");
+        }
+        const uint64_t n = wire::DecodeU64(payload);
+        if (n != f.bytes) {
+          conn_->Close();
+          ProtocolViolation("owner announced " + std::to_string(n) + " bytes, " + std::to_string(f.bytes) +
+                            " were asked for");
+        }
+        // Alone in flight, nothing else issued yet (the first pulls of a batch): its bytes a
+        // part at a time, so that a pull issued meanwhile has its READ sent before the owner
+        // runs out of requests, not after this answer's tail is read.
+        // Parts grow with what arrived (kPipePart, then doubling): a few calls for any size.
+        uint64_t in = 0, off = 0;
+        size_t at_iov = 0;
+        while (flight.size() == 1 && f.bytes - in > std::max(kPipePart, in)) {
+          const uint64_t part = std::max(kPipePart, in);
+          conn_->RecvV(Take(*f.p->local, at_iov, off, part), f.p->deadline);
+          in += part;
+          if (!fill()) return next;
+        }
+        conn_->RecvV(in == 0 ? *f.p->local : Take(*f.p->local, at_iov, off, f.bytes - in), f.p->deadline);
+      } catch (const Error &e) {
+        if (conn_->closed()) {
+          broken(f.i, e);
+          return next;
+        }
+        flight.pop_front();  // the owner's ERROR: the stream is at the next answer's start
+        bytes_out -= f.bytes;
+        frames_out -= f.frame;
+        ended(f.i, &e);
+        continue;
+      }
+      flight.pop_front();
+      bytes_out -= f.bytes;
+      frames_out -= f.frame;
+      ended(f.i, nullptr);
+    }
+  } catch (...) {  // not an Error (bad_alloc): the stream's place is unknown
+    if (conn_ && !conn_->closed()) conn_->Close();
+    heard_ = Deadline();
+    throw;
+  }
 }
 
 void Link::ReadVerdict(const std::vector<iovec> &local, Deadline deadline) {

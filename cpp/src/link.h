@@ -38,6 +38,7 @@
 #include <tuple>
 #include <vector>
 
+#include "errors.h"
 #include "iopool.h"
 #include "lease.h"
 #include "net.h"
@@ -105,6 +106,50 @@ class Link {
   /// the lease's checks refuse, as Read would. Never waits for the peer or the link (a leased
   /// copy takes neither): the issued pulls' inline path (cpp/python/module.cc).
   bool ReadLeasedNow(const wire::Request &req, const std::vector<iovec> &local);
+  /// One pull of ReadPipelined: its request, where its bytes land, and its own deadline. The
+  /// caller keeps all three unchanged until the pull ended.
+  struct PipedRead {
+    const wire::Request *req = nullptr;
+    const std::vector<iovec> *local = nullptr;
+    Deadline deadline{};
+  };
+  /// ReadPipelined's window: READs in flight at once on one connection, at most this many,
+  /// with at most kPipeBytes of answers and kPipeFrames bytes of request frames (the owner
+  /// reads a connection's next request only once its answer in progress is sent: what we
+  /// send ahead must fit the socket buffers, or both ends would wait on each other). The
+  /// first READ of a window is never held back by the bounds.
+  static constexpr size_t kPipeCount = 16;
+  static constexpr uint64_t kPipeBytes = 32ull << 20;
+  static constexpr size_t kPipeFrames = 32 << 10;
+  /// An answer read while it is the only READ in flight is read in parts, the window filled
+  /// between them (pulls issued while the first answers arrive): this much first, then as
+  /// much as arrived so far (a handful of parts for any size).
+  static constexpr uint64_t kPipePart = 256 << 10;
+  /// Issued pulls of this link run back to back, in order (the session's per-link queue of
+  /// issued pulls, drained by one worker: Session::Submit). `at(i)`: the i-th pull (null: none
+  /// yet; called with the link held, must not block); `ended(i, error)`: pull i ended, error
+  /// null when its bytes are all in, else why it failed (each once, as soon as it ended, with
+  /// the link held; must not throw). On a streamed path (TCP, the local stream) the link is
+  /// taken once and READs are sent ahead, up to the window, while the answers are read in
+  /// order: the owner, which serves a connection's requests in order, always has the next one
+  /// (no round trip between pulls). Each pull keeps its outcome and its deadline: an ERROR
+  /// fails that pull only (the stream stays in step); a broken connection or a pull's
+  /// deadline passing closes the connection and fails it and every pull in flight behind it
+  /// (LLM_LINK_FAILED, or LLM_TIMEOUT after a timeout); pulls not sent yet are left for the
+  /// next call, which reconnects as a lone pull would. A pull whose deadline comes before one
+  /// in flight ahead of it waits for the window to empty. A checksummed pull (its verdict
+  /// follows its answer), or any on another path (grants, leases, NIXL), runs alone, as Read
+  /// runs it. Returns how many pulls, from 0, ended (at least 1 when at(0) gave one). Blocks
+  /// up to the pulls' deadlines; throws only what is not an Error (bad_alloc), the pulls in
+  /// flight then unended.
+  size_t ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
+                       const std::function<void(size_t, const Error *)> &ended);
+  /// Does the link stream pulls over its control channel now (TCP, or the local stream), so
+  /// that ReadPipelined overlaps them? Never blocks.
+  bool Streams() const {
+    const Path p = path_;
+    return p == Path::kTcp || p == Path::kLocalStream;
+  }
   /// Push, on the caller's thread, blocking up to the deadline. To an owner whose WELCOME set
   /// FEATURE_EAGER_WRITE, a push of at most wire::kEagerMax bytes is one round trip: the WRITE
   /// (flag EAGER) and its bytes in one send (a sendmsg for a small push), then OK or ERROR.

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -350,23 +351,29 @@ std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline
     metrics::RecordSince(op, call->cluster, 0, since, e.code());
     throw;
   }
-  if (!call->write && call->bytes <= kInlineBytes) {
-    if (auto link = engine_.FindLink(call->cluster)) {
-      try {
-        CheckRequestSize(call->req);
-        if (link->ReadLeasedNow(call->req, call->iov)) {
-          metrics::RecordSince(op, call->cluster, call->bytes, since, llm_datadist::LLM_SUCCESS);
-          return Task::Ended(0, "");
-        }
-      } catch (const Error &e) {  // as a worker would end the task
-        metrics::RecordSince(op, call->cluster, 0, since, e.code());
-        return Task::Ended(e.code(), e.what(), e.kind());
-      } catch (const std::exception &e) {
-        metrics::RecordSince(op, call->cluster, 0, since, llm_datadist::LLM_FAILED);
-        return Task::Ended(llm_datadist::LLM_FAILED, e.what());
+  std::shared_ptr<Link> link = call->write ? nullptr : engine_.FindLink(call->cluster);
+  if (link && call->bytes <= kInlineBytes) {
+    try {
+      CheckRequestSize(call->req);
+      if (link->ReadLeasedNow(call->req, call->iov)) {
+        metrics::RecordSince(op, call->cluster, call->bytes, since, llm_datadist::LLM_SUCCESS);
+        return Task::Ended(0, "");
       }
+    } catch (const Error &e) {  // as a worker would end the task
+      metrics::RecordSince(op, call->cluster, 0, since, e.code());
+      return Task::Ended(e.code(), e.what(), e.kind());
+    } catch (const std::exception &e) {
+      metrics::RecordSince(op, call->cluster, 0, since, llm_datadist::LLM_FAILED);
+      return Task::Ended(llm_datadist::LLM_FAILED, e.what());
     }
   }
+  // A streamed pull (within the request cap: a bigger one fails on a worker, as ever) joins
+  // its link's pipe, unless the workers are closed (the executor's own refusal then).
+  const wire::Request &req = call->req;
+  if (link && link->Streams() && !(req.flags & wire::kFlagChecksum) &&
+      static_cast<unsigned __int128>(req.tensors.size()) * req.offsets.size() <= kMaxRequestSpans &&
+      !executor_.closed())
+    if (auto task = Pipeline(call, held, deadline, since)) return task;
   const uint64_t cluster = call->cluster;
   try {
     return executor_.Submit([this, c = std::move(call), held = std::move(held), deadline, since] {
@@ -378,6 +385,153 @@ std::shared_ptr<Task> Session::Submit(std::shared_ptr<const Call> call, Deadline
   } catch (const std::exception &e) {  // no worker could be started: the task's code, counted
     metrics::RecordSince(op, cluster, 0, since, llm_datadist::LLM_FAILED);
     return Task::Ended(llm_datadist::LLM_FAILED, std::string("the transfer could not be queued: ") + e.what());
+  }
+}
+
+struct Session::Pipe {
+  struct Pull {
+    std::shared_ptr<const Call> call;
+    std::shared_ptr<Lease> held;  // the call's local cache, until the pull ends
+    Clock::time_point since;
+    std::shared_ptr<Task> task;
+    Link::PipedRead read;  // into `call`
+    bool ended = false;    // the drain's thread only
+    /// Counts the pull (as Run counts a transfer) and ends its task, what it held let go first.
+    void End(uint64_t cluster, Status code, const std::string &why, ErrorKind kind) {
+      metrics::RecordSince(metrics::Op::kPull, cluster, code == llm_datadist::LLM_SUCCESS ? call->bytes : 0, since,
+                           code);
+      std::shared_ptr<Task> t = std::move(task);
+      held.reset();
+      call.reset();
+      ended = true;
+      t->Finish(code, why, kind);
+    }
+  };
+  std::deque<Pull> queue;  // in issue order; ended ones popped from the front by the drain
+  bool draining = false;   // a worker was given Drain for it
+};
+
+std::shared_ptr<Task> Session::Pipeline(std::shared_ptr<const Call> &call, std::shared_ptr<Lease> &held,
+                                        Deadline deadline, Clock::time_point since) {
+  auto task = Task::Pending();
+  const uint64_t cluster = call->cluster;
+  std::shared_ptr<Pipe> start;
+  {
+    std::lock_guard<std::mutex> lock(pipes_mu_);
+    std::shared_ptr<Pipe> &pipe = pipes_[cluster];
+    if (!pipe) pipe = std::make_shared<Pipe>();
+    // A pull due before the last one queued would wait for pulls that may run past its own
+    // deadline: it waits for the link on a worker instead, under that deadline (LLM_LINK_BUSY).
+    if (!pipe->queue.empty() && deadline < pipe->queue.back().read.deadline) return nullptr;
+    Pipe::Pull &p = pipe->queue.emplace_back();
+    p.read = {&call->req, &call->iov, deadline};
+    p.call = std::move(call);
+    p.held = std::move(held);
+    p.since = since;
+    p.task = task;
+    if (!pipe->draining) {
+      pipe->draining = true;
+      start = pipe;
+    }
+  }
+  if (!start) return task;  // the worker on the pipe takes it
+  // The pipe's pulls end if the worker's closure is dropped unrun (the engine closed with it
+  // queued, or it could not be queued), as the executor ends a transfer it never started.
+  struct Ran {
+    Session *session = nullptr;
+    uint64_t cluster = 0;
+    std::shared_ptr<Pipe> pipe;
+    bool ran = false;
+    Status code = ge::LLM_ENGINE_FINALIZED;
+    std::string why = "the engine was finalized before the transfer started";
+    ~Ran() {
+      if (!ran) session->Unrun(cluster, pipe, code, why);
+    }
+  };
+  auto ran = std::make_shared<Ran>();
+  ran->session = this;
+  ran->cluster = cluster;
+  ran->pipe = std::move(start);
+  try {
+    const auto worker = executor_.Submit([ran] {
+      ran->ran = true;
+      ran->session->Drain(ran->cluster, ran->pipe);
+    });
+    if (worker->Done() && worker->code() != llm_datadist::LLM_SUCCESS) {  // refused: the engine closed
+      ran->code = worker->code();
+      ran->why = worker->message();
+    }
+  } catch (const std::exception &e) {  // no worker could be started
+    ran->code = llm_datadist::LLM_FAILED;
+    ran->why = std::string("the transfer could not be queued: ") + e.what();
+  }
+  return task;
+}
+
+void Session::Unrun(uint64_t cluster, const std::shared_ptr<Pipe> &pipe, Status code, const std::string &why) {
+  std::deque<Pipe::Pull> dropped;
+  {
+    std::lock_guard<std::mutex> lock(pipes_mu_);
+    dropped.swap(pipe->queue);
+    pipe->draining = false;
+    auto it = pipes_.find(cluster);
+    if (it != pipes_.end() && it->second == pipe) pipes_.erase(it);
+  }
+  for (Pipe::Pull &p : dropped) p.End(cluster, code, why, ErrorKind::kGeneral);
+}
+
+void Session::Drain(uint64_t cluster, const std::shared_ptr<Pipe> &pipe) {
+  for (;;) {
+    // Once the workers are closed, what waits here ends as a queued transfer does.
+    const bool closed = executor_.closed();
+    std::deque<Pipe::Pull> dropped;
+    bool done = false;
+    {
+      std::lock_guard<std::mutex> lock(pipes_mu_);
+      while (!pipe->queue.empty() && pipe->queue.front().ended) pipe->queue.pop_front();
+      if (closed) dropped.swap(pipe->queue);
+      if (pipe->queue.empty()) {
+        done = true;
+        pipe->draining = false;
+        auto it = pipes_.find(cluster);
+        if (it != pipes_.end() && it->second == pipe) pipes_.erase(it);
+      }
+    }
+    for (Pipe::Pull &p : dropped)
+      p.End(cluster, ge::LLM_ENGINE_FINALIZED, "the engine was finalized before the transfer started",
+            ErrorKind::kGeneral);
+    if (done) return;
+    // The front pull from here on is still in the queue (Submit only appends).
+    const auto pull = [&](size_t i) -> Pipe::Pull * {
+      std::lock_guard<std::mutex> lock(pipes_mu_);
+      return i < pipe->queue.size() ? &pipe->queue[i] : nullptr;
+    };
+    size_t handed = 0;
+    try {
+      const std::shared_ptr<Link> link = engine_.GetLink(cluster);  // the one filed now, as Move looks it up
+      link->ReadPipelined(
+          [&](size_t i) -> const Link::PipedRead * {
+            Pipe::Pull *p = pull(i);
+            if (!p) return nullptr;
+            if (i + 1 > handed) handed = i + 1;
+            return &p->read;
+          },
+          [&](size_t i, const Error *e) {
+            if (e)
+              pull(i)->End(cluster, e->code(), e->what(), e->kind());
+            else
+              pull(i)->End(cluster, llm_datadist::LLM_SUCCESS, "", ErrorKind::kGeneral);
+          });
+    } catch (const Error &e) {  // no link (LLM_NOT_YET_LINK): the front pull's outcome, as Move's
+      if (handed == 0) handed = 1;
+      for (size_t i = 0; i < handed; ++i)
+        if (Pipe::Pull *p = pull(i); !p->ended) p->End(cluster, e.code(), e.what(), e.kind());
+    } catch (const std::exception &e) {  // bad_alloc: every pull handed and not ended fails
+      if (handed == 0) handed = 1;
+      for (size_t i = 0; i < handed; ++i)
+        if (Pipe::Pull *p = pull(i); !p->ended)
+          p->End(cluster, llm_datadist::LLM_FAILED, e.what(), ErrorKind::kGeneral);
+    }
   }
 }
 

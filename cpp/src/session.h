@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -222,10 +223,14 @@ class Session {
   /// thrown, when it is gone: nothing is issued) and until the transfer ends, the task
   /// owning the hold. A pull of up to kInlineBytes that a whole-cache lease of its link covers
   /// is copied now, in the caller's thread (waiting for nobody: 15-26 us less than the hand
-  /// over, issue 23); anything else is queued on the workers. Returns the Task (ended
-  /// already for an inline copy, and for a transfer no worker could be started for:
-  /// LLM_FAILED, counted). After Close the Task ends at once with LLM_FAILED (the engine is
-  /// closed). Blocks only for the inline copy.
+  /// over, issue 23). A pull (not checksummed) on a link that streams (TCP, the local stream:
+  /// Link::Streams) joins its link's pipe: the issued pulls of one link, run back to back by
+  /// one worker (Link::ReadPipelined: their READs in flight together, each task ended as soon
+  /// as its own bytes are in, with its own outcome and deadline). Anything else is queued on
+  /// the workers. Returns the Task (ended already for an inline copy, and for a transfer no
+  /// worker could be started for: LLM_FAILED, counted). After Close the Task ends at once
+  /// with LLM_FAILED (the engine is closed); a pull still waiting in its pipe then ends
+  /// LLM_ENGINE_FINALIZED, as a queued transfer does. Blocks only for the inline copy.
   std::shared_ptr<Task> Submit(std::shared_ptr<const Call> call, Deadline deadline, Clock::time_point since);
 
   /// transfer_cache_async's layer loop, in the core (LayerRun): `jobs` destinations, `steps`
@@ -286,9 +291,26 @@ class Session {
   std::unique_ptr<Lease> HoldLocal(const Call &call);
   /// The transfer itself (the size check, the link, Read / Write), the local memory held.
   void Move(const Call &call, Deadline deadline);
+  /// Submit's issued pulls of one cluster's link waiting to be run back to back (session.cc).
+  struct Pipe;
+  /// Submit, for a pull that may join its link's pipe (the hold taken): queued there (both
+  /// moved from), and a worker started to drain the pipe unless one is on it. Null, nothing
+  /// moved, for a pull due before the last one queued (Submit queues it on the workers: every
+  /// pull queued in a pipe is due no sooner than those ahead of it, which end by their own
+  /// deadlines). Never blocks.
+  std::shared_ptr<Task> Pipeline(std::shared_ptr<const Call> &call, std::shared_ptr<Lease> &held, Deadline deadline,
+                                 Clock::time_point since);
+  /// On a worker: runs `cluster`'s pipe until it is empty (Link::ReadPipelined on the link
+  /// filed now), each pull counted and its task ended as it ends.
+  void Drain(uint64_t cluster, const std::shared_ptr<Pipe> &pipe);
+  /// The pipe's pulls end with `code` (its worker never ran: the engine closed, or none could
+  /// be queued), and the pipe is dropped.
+  void Unrun(uint64_t cluster, const std::shared_ptr<Pipe> &pipe, Status code, const std::string &why);
 
   Engine engine_;
-  Executor executor_;  // stopped before the engine closes (its tasks use links)
+  Executor executor_;                                // stopped before the engine closes (its tasks use links)
+  std::mutex pipes_mu_;                              // guards pipes_ and every Pipe's queue and flag
+  std::map<uint64_t, std::shared_ptr<Pipe>> pipes_;  // by cluster id; dropped once empty
 };
 
 /// A layer-wise transfer run by the core (issue 37: the layer loop of transfer_cache_async

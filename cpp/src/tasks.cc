@@ -21,6 +21,7 @@ bool Task::Wait(Deadline deadline) {
 void Task::Finish(uint32_t code, std::string message, ErrorKind kind) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (done_.load(std::memory_order_relaxed)) return;  // ended already: the first outcome stays
     code_ = code;
     message_ = std::move(message);
     kind_ = kind;
@@ -47,6 +48,11 @@ std::shared_ptr<Task> Executor::Submit(std::function<void()> fn) {
   }
   task->Finish(llm_datadist::LLM_FAILED, "the engine is closed: the transfer was not started", ErrorKind::kGeneral);
   return task;
+}
+
+bool Executor::closed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopped_;
 }
 
 size_t Executor::pending() {

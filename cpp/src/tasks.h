@@ -2,8 +2,10 @@
 // pushes, NIXL's post-then-check pattern): a fixed set of worker threads runs them, whatever
 // their number, and a Task says when one has ended and how.
 //
-// Who calls: the Python extension (cpp/python/) for pull_*_async / push_*_async. Submit never
-// blocks; Task::Done never blocks; Task::Wait blocks up to its deadline. Thread-safe.
+// Who calls: the Python extension (cpp/python/) for pull_*_async / push_*_async, through the
+// session (session.h), which also ends tasks itself for the issued pulls it runs back to back on
+// one link (Task::Pending, Task::Finish). Submit never blocks; Task::Done never blocks;
+// Task::Wait blocks up to its deadline. Thread-safe.
 #ifndef DATADIST_CPP_TASKS_H_
 #define DATADIST_CPP_TASKS_H_
 
@@ -27,6 +29,9 @@ class Task {
  public:
   /// A task that ended already (code 0: success), for work done in the issuing thread.
   static std::shared_ptr<Task> Ended(uint32_t code, std::string message, ErrorKind kind = ErrorKind::kGeneral);
+  /// A task not ended yet, for work that its runner ends itself (Finish) rather than an
+  /// Executor: the session's issued pulls of one link, run back to back by one worker.
+  static std::shared_ptr<Task> Pending() { return std::make_shared<Task>(); }
   /// Ended (successfully or not)? Never blocks: one atomic load.
   bool Done() const { return done_.load(std::memory_order_acquire); }
   /// Blocks until the task ends or `deadline` passes; true when it ended.
@@ -36,10 +41,12 @@ class Task {
   const std::string &message() const { return message_; }
   /// Once Done: the kind of the error that ended it (errors.h).
   ErrorKind kind() const { return kind_; }
+  /// Ends the task (code 0: success) and wakes its waiters; the first call wins, later ones
+  /// do nothing. Who calls: the Executor for what it runs, the runner of a Pending task.
+  /// Never blocks (the task's mutex only).
+  void Finish(uint32_t code, std::string message, ErrorKind kind = ErrorKind::kGeneral);
 
  private:
-  friend class Executor;
-  void Finish(uint32_t code, std::string message, ErrorKind kind);
   std::mutex mu_;
   std::condition_variable ended_;
   std::atomic<bool> done_{false};
@@ -65,6 +72,8 @@ class Executor {
   /// by whatever closed their links) and joins the workers. Idempotent.
   void Stop();
   size_t threads() const { return size_; }
+  /// Closed (Close or Stop called): nothing submitted now will run. Never blocks.
+  bool closed();
   /// Queued or running right now.
   size_t pending();
 

@@ -28,11 +28,17 @@ SILENT_ID = 9
 
 def _busy_workers(d: Side, owner: SilentOwner) -> list[llm.TransferHandle]:
     """Links ``d`` to the silent owner and occupies every worker of its engine with a pull
-    there (each waits out ``d``'s sync timeout)."""
+    there (each waits out ``d``'s sync timeout). Checksummed pulls: plain ones of one TCP
+    link run back to back on one worker (pipelined), checksummed ones each on its own."""
     d.engine.link(SILENT_ID, *owner.address, 5.0)
     blocker, _ = d.register(2, [4, 64])
     key = llm.CacheKeyByIdAndIndex(SILENT_ID, 1, 0)
-    return [d.cm.pull_cache_async(key, blocker, 0) for _ in range(ASYNC_THREADS)]
+    plain = d.engine.config
+    d.engine.config = dataclasses.replace(plain, verify=True)
+    try:
+        return [d.cm.pull_cache_async(key, blocker, 0) for _ in range(ASYNC_THREADS)]
+    finally:
+        d.engine.config = plain
 
 
 def test_a_transfer_queued_past_its_deadline_fails_with_timeout_and_moves_nothing(make_side):
