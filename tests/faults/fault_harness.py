@@ -94,6 +94,24 @@ class Peer:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
 
+    def stop(self, within: float = 5.0) -> None:
+        """SIGSTOP, then wait until every thread has stopped. The stop takes effect
+        asynchronously: the kernel wakes one thread, which stops the others when it runs, so on
+        a loaded host the peer's I/O thread can still serve a request sent right after kill()
+        returns."""
+        self.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            try:
+                states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                          for t in Path(f"/proc/{self.pid}/task").iterdir()]
+            except (FileNotFoundError, ProcessLookupError):
+                return  # gone
+            if all(s == "T" for s in states):
+                return
+            time.sleep(0.001)
+        raise AssertionError(f"{self.name} did not stop within {within} s")
+
     def kill(self) -> None:
         """SIGKILL and reap (a stopped process dies too)."""
         self.signal(signal.SIGKILL)

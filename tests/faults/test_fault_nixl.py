@@ -120,7 +120,7 @@ def test_stopped_during_large_nixl_pull(peers: Peers, shm_dir: str) -> None:
     victim, healthy, dec = _world(peers)
     shm = _big_pull(dec, victim, shm_dir)
     assert watch_progress(shm, 8 << 20, timeout=30), "the pull never started"
-    victim.signal(signal.SIGSTOP)
+    victim.stop()
     try:
         r = dec.recv(BIG_SYNC_MS / 1000 + MARGIN + 5)
         _ended_in_time(r, "[nixl] stopped during a 512 MiB pull", shm)

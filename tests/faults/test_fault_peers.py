@@ -144,7 +144,7 @@ def test_stopped_before_pull(peers: Peers, transport: str) -> None:
     """A silent peer (alive, connected, not answering) is noticed by the pull's deadline;
     once it runs again the same link works again (the timed-out channel is replaced)."""
     victim, healthy, dec = _world(peers, transport)
-    victim.signal(signal.SIGSTOP)
+    victim.stop()
     try:
         r = _pull(dec, victim)
         assert r["code"] == "LLM_TIMEOUT", r
@@ -167,7 +167,7 @@ def test_stopped_during_large_tcp_pull(tcp_peers: Peers, shm_dir: str) -> None:
     dec.send("pull", cid=victim.cluster_id, dst="big", model_id=1, src_blocks=BIG_ALL,
              dst_blocks=BIG_ALL)
     assert watch_progress(shm, 8 << 20, timeout=30), "the pull never started"
-    victim.signal(signal.SIGSTOP)
+    victim.stop()
     try:
         r = dec.recv(BIG_SYNC_MS / 1000 + MARGIN + 5)
         assert r["code"] == "LLM_TIMEOUT", r
