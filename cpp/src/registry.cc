@@ -88,7 +88,8 @@ std::string InElements(uint64_t bytes, uint64_t layout) {
   std::string plain = std::to_string(bytes) + " bytes";
   if (!layout) return plain;
   int64_t code = static_cast<int64_t>(layout >> 32) - 1;
-  uint64_t item = code < 0 ? 0 : ItemSize(static_cast<ge::DataType>(code));
+  // The tag is the peer's to send: a code past the enum's range is no type (and no cast).
+  uint64_t item = code < 0 || code >= static_cast<int64_t>(ge::DT_MAX) ? 0 : ItemSize(static_cast<ge::DataType>(code));
   if (!item || bytes % item) return plain;
   return std::to_string(bytes / item) + " " + DtypeName(code) + " elements (" + plain + ")";
 }

@@ -1347,4 +1347,13 @@ TEST_F(Served, AGrantReleasedOkConsumesItsKey) {
   EXPECT_EQ(Read(*conn, ByKey(6)), 0);
 }
 
+// A request's layout tag is the peer's to send: a type code past DataType's range names no
+// type (the owner's fuzzer found the cast of one: undefined behaviour under UBSan).
+TEST(Registry, ALayoutTagPastTheTypesIsPlainBytes) {
+  EXPECT_EQ(datadist::InElements(8192, (uint64_t{0xFFFFFFFF} << 32) | 1), "8192 bytes");
+  EXPECT_EQ(datadist::InElements(8192, (uint64_t{1000} << 32) | 1), "8192 bytes");
+  EXPECT_EQ(datadist::InElements(8192, (uint64_t{ge::DT_FLOAT16 + 1} << 32) | 1),
+            "4096 DT_FLOAT16 elements (8192 bytes)");
+}
+
 }  // namespace
