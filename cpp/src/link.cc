@@ -77,17 +77,28 @@ wire::Header CallOn(Conn &c, uint32_t rid, const std::vector<uint8_t> &frame, st
 
 }  // namespace
 
-std::unique_ptr<Link::Busy> Link::Acquire(Deadline deadline, bool timeout_if_late) {
+std::unique_ptr<Link::Busy> Link::Acquire(Deadline deadline, bool timeout_if_late, bool defer) {
   if (timeout_if_late && Clock::now() >= deadline) Fail(llm_datadist::LLM_TIMEOUT, "no time left for a transfer");
   std::unique_lock<std::mutex> lock(mu_);
-  if (busy_ && !shut_ && blocking::Pending()) {
+  if ((busy_ || (defer && waiting_.load(std::memory_order_relaxed) > 0)) && !shut_ && blocking::Pending()) {
     // Another transfer holds the link (it may need what our caller holds, the GIL, to end):
     // let go before waiting for it (blocking.h).
     lock.unlock();
     blocking::AboutToBlock();
     lock.lock();
   }
-  if (!idle_.wait_until(lock, deadline, [this] { return !busy_ || shut_; }))
+  bool free;
+  if (defer) {
+    free = idle_.wait_until(lock, deadline,
+                            [this] { return (!busy_ && waiting_.load(std::memory_order_relaxed) == 0) || shut_; });
+  } else {
+    waiting_.fetch_add(1, std::memory_order_relaxed);
+    free = idle_.wait_until(lock, deadline, [this] { return !busy_ || shut_; });
+    waiting_.fetch_sub(1, std::memory_order_relaxed);
+    // A deferring caller waits for the count to fall: wake it (Release wakes it otherwise).
+    if (!free || shut_) idle_.notify_all();
+  }
+  if (!free)
     Fail(llm_datadist::LLM_LINK_BUSY, "link to cluster " + std::to_string(remote_) + " stayed busy until the deadline");
   if (shut_) Fail(llm_datadist::LLM_LINK_FAILED, "link to cluster " + std::to_string(remote_) + " was closed");
   busy_ = true;
@@ -107,7 +118,8 @@ void Link::Release(bool failed) {
     std::lock_guard<std::mutex> lock(mu_);
     busy_ = false;
   }
-  idle_.notify_one();
+  // All: a caller that defers (ReadPipelined) must not take the one wake-up a waiter needs.
+  idle_.notify_all();
 }
 
 void Link::SetConn(std::unique_ptr<Conn> conn) {
@@ -715,7 +727,7 @@ size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
   if ((first->req->flags & wire::kFlagChecksum) || !Streams()) return alone(*first);
   std::unique_ptr<Busy> guard;
   try {
-    guard = Acquire(first->deadline);
+    guard = Acquire(first->deadline, true, true);  // after any blocking transfer waiting for the link
     Prepare(first->deadline);
   } catch (const Error &e) {
     if (guard) heard_ = Deadline();  // as a failed transfer leaves it (Busy)
@@ -759,6 +771,8 @@ size_t Link::ReadPipelined(const std::function<const PipedRead *(size_t)> &at,
   // broke the connection (every pull in flight ended).
   const auto fill = [&]() {
     while (flight.size() < kPipeCount) {
+      // A blocking transfer waits for the link: send no more, let it go once these are in.
+      if (next > 0 && waiting_.load(std::memory_order_relaxed) > 0) break;
       const PipedRead *p = next == 0 ? first : at(next);
       if (!p || (p->req->flags & wire::kFlagChecksum)) break;  // a checksummed one: alone, next call
       if (Clock::now() >= p->deadline) {

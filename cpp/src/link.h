@@ -137,7 +137,9 @@ class Link {
   /// deadline passing closes the connection and fails it and every pull in flight behind it
   /// (LLM_LINK_FAILED, or LLM_TIMEOUT after a timeout); pulls not sent yet are left for the
   /// next call, which reconnects as a lone pull would. A pull whose deadline comes before one
-  /// in flight ahead of it waits for the window to empty. A checksummed pull (its verdict
+  /// in flight ahead of it waits for the window to empty. While another transfer waits for
+  /// the link (a blocking pull), no more READs are sent: the call returns once those in flight
+  /// are in, and the next call takes the link only after the waiters had it. A checksummed pull (its verdict
   /// follows its answer), or any on another path (grants, leases, NIXL), runs alone, as Read
   /// runs it. Returns how many pulls, from 0, ended (at least 1 when at(0) gave one). Blocks
   /// up to the pulls' deadlines; throws only what is not an Error (bad_alloc), the pulls in
@@ -295,7 +297,9 @@ class Link {
   };
   /// Takes the link for one transfer by the deadline, else LLM_LINK_BUSY (as Python). A
   /// mutex and a flag rather than a timed mutex: ThreadSanitizer sees through these.
-  std::unique_ptr<Busy> Acquire(Deadline deadline, bool timeout_if_late = true);
+  /// `defer`: wait also while other callers wait for the link (ReadPipelined: the issued
+  /// pulls' queue lets a blocking pull in between its windows, never ahead of it forever).
+  std::unique_ptr<Busy> Acquire(Deadline deadline, bool timeout_if_late = true, bool defer = false);
   bool TryAcquire();
   /// Ends a transfer; `failed` (it threw): conn_ is no longer known to be at a frame's end.
   void Release(bool failed = false);
@@ -314,7 +318,10 @@ class Link {
   void SetConn(std::unique_ptr<Conn> conn);
   std::mutex mu_;  // guards busy_ and shut_, and conn_'s replacement (SetConn)
   std::condition_variable idle_;
-  bool busy_ = false;           // a transfer (or open / close) holds the fields below
+  bool busy_ = false;  // a transfer (or open / close) holds the fields below
+  // Acquire calls waiting for the link, not deferring (changed under mu_): ReadPipelined sends
+  // no more READs while one waits, and its next Acquire lets the waiters go first.
+  std::atomic<int> waiting_{0};
   bool shut_ = false;           // closed by force while busy: no transfer may take the link again
   std::unique_ptr<Conn> conn_;  // replaced by SetConn only
   // When conn_ last gave a whole answer (Answer), in a transfer that did not fail: Prepare

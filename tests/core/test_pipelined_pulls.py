@@ -11,7 +11,9 @@ peer that dies mid-batch) or stop forwarding answers (a stalled peer).
 * the pulls land their bytes, with several READs in flight;
 * an ERROR for one pull (a key the owner does not have) fails that handle only;
 * a peer that dies mid-batch fails the rest with LINK_FAILED, and no handle hangs;
-* a stalled peer: every handle ends by its own deadline with TIMEOUT.
+* a stalled peer: every handle ends by its own deadline with TIMEOUT;
+* a blocking pull on the same link goes between two windows of a long queue of issued pulls,
+  not after the whole queue.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ class Relay:
     passed back) at any one time. ``die_after``: once that many answers went through, the
     owner's side ends the connection and the listener closes (a reconnect is refused).
     ``stall_after``: after that many answers nothing more is forwarded to the puller (the
-    chunk that ends an answer may carry the next one's start)."""
+    chunk that ends an answer may carry the next one's start). ``answer_delay``: seconds held
+    after forwarding a chunk that ends an answer (a slow owner)."""
 
     def __init__(self, target: tuple[str, int], die_after: int = -1,
-                 stall_after: int = -1) -> None:
+                 stall_after: int = -1, answer_delay: float = 0.0) -> None:
         self.target, self.die_after, self.stall_after = target, die_after, stall_after
+        self.answer_delay = answer_delay
         self.max_waiting = self.waiting = self.answered = self.reads = 0
         self._lock = threading.Lock()
         self._lsock = socket.create_server(("127.0.0.1", 0))
@@ -89,12 +93,16 @@ class Relay:
                 while self.stall_after >= 0 and self.answered >= self.stall_after \
                         and not self._closed.is_set():
                     time.sleep(0.01)
+                ends = 0
                 for _, msg in dec.feed(chunk):
                     if isinstance(msg, (bytes, p.Error)):  # an answer ended
+                        ends += 1
                         with self._lock:
                             self.waiting -= 1
                             self.answered += 1
                 dst.sendall(chunk)
+                if ends and self.answer_delay:
+                    time.sleep(self.answer_delay)
                 if self.die_after >= 0 and self.answered >= self.die_after:
                     # The owner's end goes: the puller reads what was sent, then the end of
                     # the stream (closing its socket with READs unread would reset it, and
@@ -229,3 +237,25 @@ def test_a_stalled_peer_times_every_handle_out_by_its_own_deadline(make_pair) ->
     assert got[1:] == [Code.TIMEOUT] * (LAYERS - 1)
     assert took < 2.5, f"the handles ended {took:.2f} s after they were issued (deadline 1 s)"
     assert pr.relay.max_waiting >= 2, "the link's pulls went one round trip after another"
+
+
+def test_a_blocking_pull_goes_between_the_windows_of_issued_pulls(make_pair) -> None:
+    # 240 issued pulls queued on one link behind a slow owner (4 ms an answer: about a second
+    # in all); a blocking pull made once they flow waits for the window in flight (at most
+    # 16 READs), not for the whole queue, and every pull still lands.
+    pr = make_pair(answer_delay=0.004)
+    handles = [h for _ in range(20) for h in pr.issue()]
+    t0 = time.monotonic()
+    while pr.relay.answered < 2:
+        assert time.monotonic() - t0 < 5.0, "the issued pulls never started"
+        time.sleep(0.001)
+    blocks = list(range(BLOCKS))
+    pr.dst[0:2] = 0
+    pr.cm.pull_blocks(llm.BlocksCacheKey(OWNER_ID, MODEL), pr.cache, blocks, blocks,
+                      src_layer_range=range(0, 1), dst_layer_range=range(0, 1))
+    answered = pr.relay.answered
+    assert pr.landed(0)
+    assert answered < len(handles) // 2, (
+        f"the blocking pull waited for {answered - 1} of {len(handles)} issued pulls")
+    assert [outcome(h) for h in handles] == [None] * len(handles)
+    assert all(pr.landed(i) for i in range(LAYERS))
