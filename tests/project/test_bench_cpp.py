@@ -74,7 +74,7 @@ def test_the_attached_driver_says_why_it_cannot_pull(cpp_build, tmp_path):
     a BenchError that says why (its exit code and its own words), within its deadline."""
     exe = cpp_build / "dd_bench"
     info = {"port": _closed_port(), "small_id": 3}
-    with (pytest.raises(BenchError, match="did not start: exit code 1: .*link failed"),
+    with (pytest.raises(BenchError, match="(?s)did not start: exit code 1: .*link failed"),
           cpp.Attached(exe, info, tcp=True)):
         pass
 
