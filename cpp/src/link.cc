@@ -694,7 +694,11 @@ void Link::Read(const wire::Request &req, const std::vector<iovec> &local, Deadl
   if (path_ == Path::kCma && IovBytes(local) > grant_above_ && ReadGranted(req, local, deadline)) return;
   std::vector<uint8_t> payload;
   last_ = Moved::kStream;
-  wire::Header h = Call(wire::EncodeRequest(wire::kRead, req, ++rid_), payload, deadline);
+  conn_->SendFrame(wire::EncodeRequest(wire::kRead, req, ++rid_), deadline);
+  // The answer comes after the owner's wake-up at the soonest: waited for, not first looked
+  // for with a receive that finds nothing (one system call less a small pull).
+  conn_->AwaitAnswer(deadline);
+  wire::Header h = Answer(payload, deadline);
   if (h.type != wire::kReadData) {
     conn_->Close();
     ProtocolViolation("expected READ_DATA");

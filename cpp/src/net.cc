@@ -357,6 +357,11 @@ wire::Header Conn::RecvFrame(std::vector<uint8_t> &payload, Deadline deadline, u
   return h;
 }
 
+void Conn::AwaitAnswer(Deadline deadline) {
+  if (tls_ || closed() || ahead_end_ != ahead_at_) return;
+  Wait(POLLIN, deadline);
+}
+
 bool Conn::WaitReadable(int ms) {
   if (closed() || Buffered()) return true;
   pollfd p{fd_, POLLIN, 0};

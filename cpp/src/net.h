@@ -95,6 +95,12 @@ class Conn {
 
   /// Waits up to `ms` for something to read (or the peer closing). No error on timeout.
   bool WaitReadable(int ms);
+  /// Right after a request went (Link::Read): waits, as every read waits (the caller's
+  /// blocking hook included), until the answer's first bytes are there, without first trying
+  /// a receive that would find nothing: a peer answers after a wake-up at the soonest. Returns
+  /// at once with bytes read ahead, on TLS or closed (the read that follows handles those);
+  /// throws LLM_TIMEOUT at `deadline` (the connection closed), as RecvFrame would.
+  void AwaitAnswer(Deadline deadline);
   /// True when an idle connection has something to read: between requests the peer sends
   /// nothing, so readable means it closed or broke the protocol. Never blocks.
   bool PeerGone();

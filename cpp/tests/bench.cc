@@ -3,12 +3,14 @@
 // rows). Not run by ctest.
 //
 //   dd_bench [--mib N] [--repeat R] [--small-iters K] [--json]
+//   dd_bench --attach PORT --cache-id ID --seed S [--tcp]   (see Attach below)
 //
 // The owner (prompt) is a child process (forked before any thread) that registers a cache of
 // 32 KiB blocks (filled with a pattern) and one of 16 KiB blocks, and serves plain sockets for
 // the limits. This process pulls, once over the local channel (same host: grants and
 // process_vm_readv) and once with TCP forced:
-//   * PullKvBlocks of one 16 KiB block, p50, vs a 16-byte request/reply on a plain TCP socket;
+//   * PullKvBlocks of one 16 KiB block, p50, vs a 16-byte request/reply on a plain TCP socket,
+//     and (TCP) vs a 16-byte request answered with the same 16 KiB block on a plain socket;
 //   * PullKvBlocks of N MiB as random 32 KiB blocks (8192 at 256 MiB), vs raw
 //     process_vm_readv of the same iovecs (same host) or a plain socket stream of the same
 //     bytes, 4 MiB recv()s (TCP).
@@ -118,21 +120,28 @@ void Owner(uint64_t cache_blocks, int to_parent, int from_parent) {
   if (p.RegisterKvCache(Desc(cache_blocks, kBlock), {reinterpret_cast<uint64_t>(blocks)}, {}, id_blocks) ||
       p.RegisterKvCache(Desc(kSmallBlocks, kSmallBlock), {reinterpret_cast<uint64_t>(small)}, {}, id_small))
     Die("the owner cannot register");
-  // The limits' plain sockets: an echo of 16 bytes, and a stream of n bytes on request.
+  // The limits' plain sockets: an echo of 16 bytes ('E'), a stream of n bytes on request ('S'),
+  // and a reply ('R'): a 16-byte request {n, block} answered with n <= 16 KiB bytes of that
+  // block of the small cache, the bytes a small pull carries.
   uint16_t plain_port = 0;
   int lfd = Listen(plain_port);
   std::thread plain([&] {
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 6; ++i) {  // echo and stream (same host); echo, stream and reply (TCP)
       int fd = accept(lfd, nullptr, nullptr);
       if (fd < 0) return;
       int one = 1;
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-      std::thread([fd, blocks, cache_blocks] {
+      std::thread([fd, blocks, small, cache_blocks] {
         char kind = 0;
         if (!Exactly(fd, &kind, 1, false)) return (void)close(fd);
         if (kind == 'E') {
           uint8_t ping[16];
           while (Exactly(fd, ping, 16, false) && Exactly(fd, ping, 16, true)) {
+          }
+        } else if (kind == 'R') {
+          uint64_t ask[2];
+          while (Exactly(fd, ask, sizeof(ask), false) &&
+                 Exactly(fd, small + (ask[1] % kSmallBlocks) * kSmallBlock, std::min(ask[0], kSmallBlock), true)) {
           }
         } else {
           uint64_t n = 0;
@@ -275,10 +284,11 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
       if (got[j] != src[i] * w + j + kSeed) Die(std::string(path) + ": a block that arrived is not the owner's");
   }
   // the limits
-  int echo = Dial(s.plain_port), stream = Dial(s.plain_port);
-  char e = 'E', st = 'S';
+  int echo = Dial(s.plain_port), stream = Dial(s.plain_port), reply = tcp ? Dial(s.plain_port) : -1;
+  char e = 'E', st = 'S', rp = 'R';
   Exactly(echo, &e, 1, true);
   Exactly(stream, &st, 1, true);
+  if (tcp) Exactly(reply, &rp, 1, true);
   const uint64_t nbytes = s.nblocks * kBlock;
   std::vector<iovec> local, remote;
   for (uint64_t i = 0; i < s.nblocks; ++i) {
@@ -331,10 +341,22 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
   auto round_trip = [&] {
     if (!Exactly(echo, ping, 16, true) || !Exactly(echo, pong, 16, false)) Die("echo failed");
   };
+  // TCP: the same pulls against a plain round trip that carries their bytes: 16 bytes asking
+  // for the pull's source block, its 16 KiB received into the pull's destination block
+  Row vs_reply =
+      MakeRow("cpp_tcp_small_vs_reply", "C++ PullKvBlocks, one 16 KiB block, TCP, against a plain reply", "us", "tcp",
+              "16-byte request -> 16 KiB reply on a plain TCP socket (C at both ends), p50", "<= 1.50x");
+  auto reply_trip = [&](int i) {
+    uint64_t ask[2] = {kSmallBlock, static_cast<uint64_t>(i % kSmallBlocks)};
+    if (!Exactly(reply, ask, sizeof(ask), true) ||
+        !Exactly(reply, small + ((i * 7) % kSmallBlocks) * kSmallBlock, kSmallBlock, false))
+      Die("plain reply failed");
+  };
   OneCpu pinned({getpid(), s.pid});
   for (int i = 0; i < 50; ++i) {
     pull_one(i);
     round_trip();
+    if (tcp) reply_trip(i);
   }
   const int per = std::max(1, s.small_iters / s.repeat);
   for (int r = 0; r < s.repeat; ++r) {
@@ -348,8 +370,18 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
       round_trip();
       lat.limit.push_back(Micros(t0));
     }
+    for (int i = 0; tcp && i < per; ++i) {
+      auto t0 = Clock::now();
+      reply_trip(i);
+      vs_reply.limit.push_back(Micros(t0));
+    }
   }
   rows.push_back(lat);
+  if (tcp) {
+    vs_reply.figure = lat.figure;  // the same pulls, against the limit that carries their bytes
+    rows.push_back(vs_reply);
+    close(reply);
+  }
   rows.push_back(thr);
   close(echo);
   close(stream);
@@ -358,12 +390,68 @@ void PullRows(const Setup &s, bool tcp, std::vector<Row> &rows) {
   std::free(small);
 }
 
+// --attach: pull from an owner that another process runs (`datadist bench`'s owner, a Python
+// process on the same core), so that the two faces' small pulls are measured alike: the same
+// owner and cache, the same block pairs (source i % 64 into i * 7 % 64), and the same CPU (the
+// caller pins every thread of the three processes once this one said "ready"). The caller
+// alternates runs of its own pulls with runs of these.
+//   stdin:  "pull K" (K pulls, each timed, walking on from the last), "quit" or end of input
+//   stdout: "ready" once linked, checked (one pull's bytes against the owner's pattern: word j of
+//           block b is b * 2048 + j + seed) and warmed; then per "pull K" one line of K times
+//           in us
+// Blocks on stdin between commands; each pull has the link's deadline (60 s). Exits 1 (saying
+// why on stderr) if the link, a pull or the check fails.
+int Attach(uint16_t port, int64_t cache_id, uint64_t seed, bool tcp) {
+  constexpr uint64_t kAttachId = 7;  // not the bench's owner (1) nor its Python puller (2)
+  LlmDataDist d(kAttachId, LlmRole::kDecoder);
+  auto o = ddtest::Options(0, "60000");
+  o["datadist.Transport"] = tcp ? "tcp" : "auto";
+  if (d.Initialize(o)) Die("the puller cannot initialize");
+  uint8_t *small = PageAligned(kSmallBlocks * kSmallBlock);
+  Cache sm{};
+  if (d.RegisterKvCache(Desc(kSmallBlocks, kSmallBlock), {reinterpret_cast<uint64_t>(small)}, {}, sm.cache_id))
+    Die("the puller cannot register");
+  std::vector<Status> rets;
+  if (d.LinkLlmClusters({ddtest::Cluster(kOwner, port)}, rets, 5000)) Die("link failed");
+  const CacheIndex src = ddtest::Index(kOwner, cache_id);
+  auto pull = [&](uint64_t i) {
+    if (d.PullKvBlocks(src, sm, {i % kSmallBlocks}, {(i * 7) % kSmallBlocks})) Die("small pull failed");
+  };
+  pull(5);  // block 5 into block 35
+  const uint64_t w = kSmallBlock / 8;
+  const auto *got = reinterpret_cast<const uint64_t *>(small + 35 * kSmallBlock);
+  for (uint64_t j = 0; j < w; ++j)
+    if (got[j] != 5 * w + j + seed) Die("attach: the block that arrived is not the owner's");
+  uint64_t n = 0;
+  for (; n < 50; ++n) pull(n);
+  std::printf("ready\n");
+  std::fflush(stdout);
+  char line[64];
+  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    long k = 0;
+    if (std::sscanf(line, "pull %ld", &k) != 1 || k < 1) break;  // "quit", or anything else
+    std::string out;
+    for (long i = 0; i < k; ++i, ++n) {
+      auto t0 = Clock::now();
+      pull(n);
+      out += (i ? " " : "") + std::to_string(Micros(t0));
+    }
+    std::printf("%s\n", out.c_str());
+    std::fflush(stdout);
+  }
+  d.Finalize();
+  std::free(small);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
   int64_t mib = 256;
   int repeat = 5, small_iters = 2000;
-  bool json = false;
+  bool json = false, tcp = false;
+  uint64_t attach = 0, seed = 0;
+  int64_t cache_id = -1;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] {
@@ -378,10 +466,24 @@ int main(int argc, char **argv) {
       small_iters = static_cast<int>(next());
     else if (a == "--json")
       json = true;
+    else if (a == "--attach")
+      attach = static_cast<uint64_t>(next());
+    else if (a == "--cache-id")
+      cache_id = next();
+    else if (a == "--seed") {
+      if (i + 1 >= argc) Die("missing value after --seed");
+      seed = std::strtoull(argv[++i], nullptr, 0);
+    } else if (a == "--tcp")
+      tcp = true;
     else if (a.find_first_not_of("0123456789") == std::string::npos)
       mib = std::atoll(a.c_str());  // dd_bench [MiB]
     else
-      Die("usage: dd_bench [--mib N] [--repeat R] [--small-iters K] [--json]");
+      Die("usage: dd_bench [--mib N] [--repeat R] [--small-iters K] [--json] | "
+          "--attach PORT --cache-id ID --seed S [--tcp]");
+  }
+  if (attach) {
+    if (attach > 65535 || cache_id < 0) Die("--attach takes a port and --cache-id an owner's cache id");
+    return Attach(static_cast<uint16_t>(attach), cache_id, seed, tcp);
   }
   if (mib < 1 || repeat < 1 || small_iters < 1) Die("sizes must be >= 1");
   Setup s{};

@@ -23,6 +23,8 @@ ROWS = {
     "same_host_pull": "GB/s", "same_host_pull_blocks": "GB/s", "same_host_pull_pool": "GB/s",
     "same_host_small": "us", "same_host_pull_blocks_pool": "GB/s", "tcp_pull": "GB/s",
     "tcp_pull_blocks": "GB/s", "tcp_pull_blocks_4k": "GB/s", "tcp_small": "us",
+    # the TCP small pull against a plain request answered with as many bytes (16 KiB)
+    "tcp_small_vs_reply": "us",
     "plan_numpy": "ms", "plan_lists": "ms",
     # per-call cost rows (bench/calls.py); at --size 1 (32 blocks) no 256 / 1k blocks rows
     "same_host_per_layer": "GB/s", "tcp_per_layer": "GB/s", "tcp_per_layer_plain": "GB/s",
@@ -79,7 +81,8 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
             assert math.isfinite(r["limit"]) and r["limit"] > 0, r
             assert r["ratio"] == pytest.approx(r["figure"] / r["limit"])
             assert len(r["limit_samples"]) == len(r["figure_samples"]), r
-    for key in ("tcp_pull", "tcp_pull_blocks", "tcp_pull_blocks_4k", "tcp_small"):
+    for key in ("tcp_pull", "tcp_pull_blocks", "tcp_pull_blocks_4k", "tcp_small",
+                "tcp_small_vs_reply"):
         assert rows[key]["path"] == "tcp", rows[key]
     for key in ("mooncake_pull", "mooncake_pull_blocks", "mooncake_small"):
         assert key not in rows or rows[key]["path"] == "tcp", rows[key]

@@ -153,8 +153,8 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
         small = aligned_array(SMALL_CACHE_BLOCKS * SMALL_BLOCK, align)
         fill_pattern(small, pattern_seed(3, 0))
         small_desc = llm_datadist.CacheDesc(1, [SMALL_CACHE_BLOCKS, SMALL_BLOCK], u8, host)
-        cm.register_blocks_cache(small_desc, [small.ctypes.data],
-                                 llm_datadist.BlocksCacheKey(OWNER_ID, SMALL_MODEL))
+        small_cache = cm.register_blocks_cache(small_desc, [small.ctypes.data],
+                                               llm_datadist.BlocksCacheKey(OWNER_ID, SMALL_MODEL))
 
         layers = aligned_array(2 * LAYERS * LAYER_BLOCKS * LAYER_BLOCK, align)
         fill_pattern(layers, pattern_seed(5, 0))
@@ -189,6 +189,7 @@ def owner_main(conn: Any, sizes_dict: dict[str, int], align: str,
             "contig_addrs": [a.ctypes.data for a in tensors],
             "blocks_addr": blocks.ctypes.data,
             "small_addr": small.ctypes.data,
+            "small_id": small_cache.cache_id,  # the C++ driver's pulls name it (bench/cpp.py)
             "pool_id": pooled.cache_id,
             "pool_addrs": list(pooled.tensor_addrs),
         })

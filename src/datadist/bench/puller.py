@@ -235,11 +235,19 @@ def warm_and_check(ctx: Context, p: Puller, label: str) -> None:
                   f"{label} small pull")
 
 
+ECHO_TITLE = "16-byte request/reply on a plain socket, p50"
+REPLY_TITLE = (f"8-byte request -> {SMALL_BLOCK >> 10} KiB reply on a plain socket "
+               "(Python at both ends), p50")
+
+
 def latency_row(ctx: Context, p: Puller, key: str, title: str,
-                pull: Callable[[int], None] | None = None, goal: float | None = 2.0) -> Row:
-    """p50 of one 16 KiB block pulls, and of 16-byte plain round trips, in alternating runs.
-    ``pull(i)`` makes the i-th pull (default: 64 block pairs in turn, so a request repeats);
-    ``goal``: the most the p50 may be, in round trips (None: reported, no goal).
+                pull: Callable[[int], None] | None = None, goal: float | None = 2.0,
+                limit: Callable[[], None] | None = None, limit_title: str = ECHO_TITLE) -> Row:
+    """p50 of one 16 KiB block pulls, and of plain round trips, in alternating runs.
+    ``pull(i)`` makes the i-th pull (default: :func:`small_walk`, so a request repeats);
+    ``limit()`` one plain round trip (default: a 16-byte request/reply; :func:`reply_trip`
+    is the request of a count answered with 16 KiB), named by ``limit_title``; ``goal``: the
+    most the p50 may be, in round trips (None: reported, no goal).
 
     Runs, not single alternating calls: a same-host pull ends with a one-way Release that the
     owner handles after the pull returned, and a round trip measured right then would wait for
@@ -247,18 +255,31 @@ def latency_row(ctx: Context, p: Puller, key: str, title: str,
     """
     ctx.progress.set_label(title)
     with one_cpu(os.getpid(), ctx.info["pid"]):
-        pulls, rtts = _latencies(ctx, p, pull or (lambda i: p.pull_small(
-            i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)))
-    row = Row(key, title, "us", float(np.median(pulls)),
-              "16-byte request/reply on a plain socket, p50", float(np.median(rtts)),
+        pulls, rtts = _latencies(ctx, pull or small_walk(p), limit or ctx.plain.round_trip)
+    row = Row(key, title, "us", float(np.median(pulls)), limit_title, float(np.median(rtts)),
               path=p.mechanism(), figure_samples=pulls, limit_samples=rtts)
     return at_most(row, goal)
 
 
-def _latencies(ctx: Context, p: Puller,
-               pull: Callable[[int], None]) -> tuple[list[float], list[float]]:
+def small_walk(p: Puller) -> Callable[[int], None]:
+    """The small-pull rows' i-th pull: source block ``i % 64`` into block ``i * 7 % 64`` (64
+    block pairs in turn, so a request repeats). The C++ driver's rows walk the same pairs."""
+    return lambda i: p.pull_small(i % SMALL_CACHE_BLOCKS, (i * 7) % SMALL_CACHE_BLOCKS)
+
+
+def reply_trip(ctx: Context) -> Callable[[], None]:
+    """One plain round trip that carries what a small pull carries: an 8-byte count asked on
+    the plain stream, answered with :data:`SMALL_BLOCK` bytes ``recv_into`` a buffer of ours
+    (the limit of the rows against a request -> 16 KiB reply)."""
+    dst = [np.empty(SMALL_BLOCK, dtype=np.uint8)]
+    dst[0].fill(0)  # its pages committed before timing
+    return lambda: ctx.plain.receive(dst, SMALL_BLOCK)
+
+
+def _latencies(ctx: Context, pull: Callable[[int], None],
+               limit: Callable[[], None]) -> tuple[list[float], list[float]]:
     # the pause: a same-host pull by request ends with a one-way Release the owner handles
-    return alternate_runs(ctx, pull, ctx.plain.round_trip, pause=0.001)
+    return alternate_runs(ctx, pull, limit, pause=0.001)
 
 
 def alternate_runs(ctx: Context, pull: Callable[[int], None], limit: Callable[[], None],

@@ -17,7 +17,8 @@ from datadist.bench.busy import ROWS as BUSY_ROWS
 from datadist.bench.busy import busy_rows
 from datadist.bench.calls import calls_rows
 from datadist.bench.cpp import ROWS as CPP_ROWS
-from datadist.bench.cpp import cpp_rows
+from datadist.bench.cpp import cpp_rows, face_rows
+from datadist.bench.cpp import driver as cpp_driver
 from datadist.bench.harness import (
     LAYER_BLOCK,
     LAYER_BLOCKS,
@@ -57,7 +58,7 @@ def alignment_text(bufs: dict[str, Any], info: dict[str, Any], align: str) -> st
             "pool caches are page-aligned by datadist")
 
 
-GROUPS = {"same-host": 4, "pools": 1, "tcp": 4, "calls": 14, "busy": BUSY_ROWS,
+GROUPS = {"same-host": 4, "pools": 1, "tcp": 5, "calls": 14, "busy": BUSY_ROWS,
           "plan": 2, "stall": STALL_ROWS}  # groups: rows
 if nixl_available() is not None:  # the optional NIXL path's rows, where NIXL is installed
     GROUPS["nixl"] = 7
@@ -88,8 +89,11 @@ def run(sizes: Sizes, repeat: int, align: str = "page", peers: bool = False,
     t_start = time.monotonic()
     rows: list[Any] = []
     alignment = "no Python pulls in this run"
-    if any(g in _OWNED for g in groups):
-        rows, alignment = _owned_rows(sizes, repeat, align, progress, groups)
+    # the cpp group's face rows (bench/cpp.py) pull from this owner too, where the driver is built
+    owned = tuple(g for g in groups
+                  if g in _OWNED or (g == "cpp" and cpp_driver()[0] is not None))
+    if owned:
+        rows, alignment = _owned_rows(sizes, repeat, align, progress, owned)
     rows += cpp_rows(sizes, repeat, progress) if "cpp" in groups else []
     rows += plan_rows(sizes, repeat, progress) if "plan" in groups else []
     # stalled clients (issue 35): owners of their own, one per I/O thread count
@@ -125,7 +129,7 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
     dst_ids = rng.permutation(sizes.cache_blocks)[: sizes.blocks]
     rows: list[Any] = []
     alignment = ""
-    owners = [([g for g in _OWNED if g in groups and g != "nixl"], False),
+    owners = [([g for g in (*_OWNED, "cpp") if g in groups and g != "nixl"], False),
               (["nixl"] if "nixl" in groups else [], True)]
     for owned, nixl in owners:
         if not owned:
@@ -147,7 +151,8 @@ def _owned_rows(sizes: Sizes, repeat: int, align: str, progress: Progress,
 
 
 def _group_rows(group: str, ctx: Context) -> list[Any]:
-    """One group's rows, pulled from ``ctx``'s owner (the groups of ``_OWNED``)."""
+    """One group's rows, pulled from ``ctx``'s owner (the groups of ``_OWNED``, and the cpp
+    group's face rows)."""
     if group == "nixl":
         from datadist.bench.nixl import nixl_rows
 
@@ -157,7 +162,7 @@ def _group_rows(group: str, ctx: Context) -> list[Any]:
 
         return mooncake_rows(ctx)
     make = {"same-host": same_host_rows, "pools": pool_rows, "tcp": tcp_rows,
-            "calls": calls_rows, "busy": busy_rows}[group]
+            "calls": calls_rows, "busy": busy_rows, "cpp": face_rows}[group]
     return make(ctx)
 
 
