@@ -596,21 +596,27 @@ void LayerRun::Refuse(size_t step, Status code, std::string why) {
   ++gone_;
   closed_ = true;  // nothing after a refusal
   Kick(lock);      // settled in order, as a step that ran (a worker runs nothing for it)
+  Notify();        // closed: over already when a failure stopped the run before
 }
 
 void LayerRun::Close() {
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = true;
-  changed_.notify_all();
+  Notify();
 }
 
 void LayerRun::Abandon(Status code, std::string why) {
   std::lock_guard<std::mutex> lock(mu_);
-  closed_ = stopped_ = halted_ = true;
+  closed_ = stopped_ = halted_ = abandoned_ = true;
   for (size_t k = 0; k < steps_.size() && k < gone_; ++k)
     for (const Entry &e : steps_[k].entries)
       if (!results_[e.job].settled) Settle(e.job, code, why);
-  changed_.notify_all();
+  Notify();
+}
+
+void LayerRun::Notify() {
+  ended_cv_.notify_all();
+  if (Over() || abandoned_) over_cv_.notify_all();
 }
 
 bool LayerRun::Stopped() {
@@ -668,12 +674,12 @@ void LayerRun::KnowMerges() {
 
 bool LayerRun::WaitEnded(size_t steps, Deadline deadline) {
   std::unique_lock<std::mutex> lock(mu_);
-  return changed_.wait_until(lock, deadline, [&] { return next_ >= steps || stopped_ || halted_ || Over(); });
+  return ended_cv_.wait_until(lock, deadline, [&] { return next_ >= steps || stopped_ || halted_ || Over(); });
 }
 
 bool LayerRun::Wait(Deadline deadline) {
   std::unique_lock<std::mutex> lock(mu_);
-  return changed_.wait_until(lock, deadline, [&] { return Over(); });
+  return over_cv_.wait_until(lock, deadline, [&] { return Over() || abandoned_; });
 }
 
 std::vector<LayerRun::Result> LayerRun::Results() {
@@ -697,7 +703,8 @@ void LayerRun::Kick(std::unique_lock<std::mutex> &lock) {
     ++in_flight_;
     start.push_back(started_++);
   }
-  changed_.notify_all();
+  // No waiter is woken here: starting a step brings neither wait's end nearer (StepEnded,
+  // Close, Refuse and Abandon wake them).
   if (start.empty()) return;
   lock.unlock();
   for (size_t k : start) {
@@ -875,6 +882,7 @@ void LayerRun::RunStep(size_t k) {
 void LayerRun::StepEnded(size_t k) {
   steps_[k].ended = true;
   --in_flight_;
+  const size_t settled = next_;
   // Outcomes in step order: a step's failure is settled only after every step before it.
   while (next_ < started_ && steps_[next_].ended) {
     Step &step = steps_[next_];
@@ -894,7 +902,11 @@ void LayerRun::StepEnded(size_t k) {
     }
     ++next_;
   }
-  changed_.notify_all();
+  // Each waiter woken only when its wait may be over (issue 37: the caller waiting on the run
+  // was woken by every step's end, and took a CPU from the copies to go back to sleep): a
+  // step settled or a failure for WaitEnded, the run over for Wait.
+  if (next_ != settled || halted_ || stopped_) ended_cv_.notify_all();
+  if (Over()) over_cv_.notify_all();
 }
 
 void Session::CopyLocal(const Plan &plan, const std::vector<uint64_t> &src_addrs,

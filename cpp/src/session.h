@@ -384,7 +384,9 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   /// Blocks until `steps` steps ended, the run stopped, or `deadline`; true unless the deadline
   /// passed first.
   bool WaitEnded(size_t steps, Deadline deadline);
-  /// Blocks until the run is over (closed and nothing running) or `deadline`; true once over.
+  /// Blocks until the run is over (closed and nothing running), abandoned (Abandon: what is
+  /// still running ends by its own deadline, unwaited), or `deadline`; true once over or
+  /// abandoned. The caller's synchronize waits here (datadist.api.tasks.CacheTask).
   bool Wait(Deadline deadline);
   /// Every destination's outcome (settled or not yet).
   std::vector<Result> Results();
@@ -435,12 +437,14 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   void StepEnded(size_t step);                            // under mu_: settles ended steps in order
   void Settle(size_t job, Status code, std::string why);  // under mu_
   bool Over() const;                                      // under mu_
+  void Notify();                                          // under mu_: wakes each waiter whose wait may be over
 
   Session &session_;
   const size_t width_;
   const double step_timeout_s_;
   std::mutex mu_;
-  std::condition_variable changed_;
+  std::condition_variable ended_cv_;  // WaitEnded's: a step settled, or a failure seen
+  std::condition_variable over_cv_;   // Wait's: the run over, or abandoned
   std::vector<Step> steps_;
   std::vector<size_t> last_;  // each job's last step (+1; 0: none)
   std::vector<Result> results_;
@@ -453,8 +457,9 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   uint64_t requests_run_ = 0;
   size_t next_ = 0;  // steps settled, in order (== Ended())
   bool closed_ = false;
-  bool halted_ = false;   // a failure was seen: no step starts
-  bool stopped_ = false;  // a failure was settled: no outcome changes
+  bool halted_ = false;     // a failure was seen: no step starts
+  bool stopped_ = false;    // a failure was settled: no outcome changes
+  bool abandoned_ = false;  // Abandon: Wait returns, whatever is still running
   uint64_t calls_run_ = 0;
 };
 

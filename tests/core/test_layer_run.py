@@ -319,3 +319,51 @@ def test_steps_of_several_destinations_are_never_merged(make_pair) -> None:  # n
     for i, call in enumerate(slot_calls):
         run.add(i, 0, call)
     assert not run.merges()
+
+
+def _switches() -> int:
+    """This thread's voluntary context switches so far (Linux: /proc/thread-self/status)."""
+    with open("/proc/thread-self/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc/thread-self/status")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/thread-self/status"),
+                    reason="counts a thread's context switches in /proc")
+def test_a_waiter_sleeps_until_the_run_is_over(make_pair) -> None:  # noqa: F811
+    """A thread in ``wait`` (the caller's synchronize) is woken once, when the run is over, not
+    at every step let go or ended (each such wake-up takes a CPU from the copies to go back to
+    sleep; on the old code it was woken about twice a step)."""
+    import threading
+
+    pr = make_pair(None)
+    pr.link()
+    steps = 16
+    calls, src, dst = by_tensor(pr, layers=steps, tensor=4096)
+    run = pr.puller.layers(1, steps, 1, 5.0)
+    for i, call in enumerate(calls):
+        run.add(i, 0, call)
+    waiting = threading.Event()
+    got: list[object] = []
+
+    def waiter() -> None:
+        before = _switches()
+        waiting.set()
+        got.append(run.wait(10.0))
+        got.append(_switches() - before)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert waiting.wait(5.0)
+    time.sleep(0.05)  # the waiter is asleep in wait
+    for i in range(steps):
+        run.go(i)
+        assert run.wait_ended(i + 1, 5.0)  # each step ends while the waiter waits
+    run.close()
+    t.join(10.0)
+    assert got[0] is True
+    np.testing.assert_array_equal(dst, src)
+    # asleep once, woken once at the end (a switch or two for the GIL beside it)
+    assert got[1] <= 4, f"the waiter went to sleep {got[1]} times over {steps} steps"
