@@ -489,6 +489,35 @@ class TestMergedLayers:
         assert run.requests_run < 32
         assert p.engine.leases(src.cache_id) == 0
 
+    def test_synchronize_wakes_from_the_run_itself(self, ra_pair, monkeypatch):
+        """The caller's synchronize waits on the core's run, not on a relay from the loop
+        thread: it returns SUCCESS, with every byte landed, while the loop thread is held at
+        its end (after its last layer let go). Before, the loop thread waited for the run and
+        then woke the caller: one more hand-over between the last byte and the caller."""
+        p, d = ra_pair
+        src, a = p.register(8, [4, 1 << 10], blocks=True, seed=33)
+        _, b = d.register(8, [4, 1 << 10], blocks=True, model_id=12)
+        release, held = threading.Event(), threading.Event()
+        real_finish = llm.CacheTask._finish
+
+        def held_finish(task):
+            held.set()
+            release.wait(WAIT)
+            real_finish(task)
+
+        monkeypatch.setattr(llm.CacheTask, "_finish", held_finish)
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 12), range(4),
+                                             range(4))
+        try:
+            task = p.cm.transfer_cache_async(src, Sync(), [cfg], [0, 1, 2, 3], [0, 1, 2, 3])
+            assert task.synchronize(1000) == S.LLM_SUCCESS
+            assert not release.is_set()
+            np.testing.assert_array_equal(b, a)
+            assert task.get_results(0) == [S.LLM_SUCCESS]
+        finally:
+            release.set()
+        assert held.wait(WAIT)
+
     def test_a_refused_layer_among_merged_ones_settles_as_alone(self, ra_pair):
         """The destination has 5 layers, the config names 8: whether layers 5-7 went out in
         one request with earlier ones or not, the outcome is the owner's refusal of layer 5

@@ -177,6 +177,7 @@ def start_transfer(
         # each layer ends by its own deadline (sync_kv_timeout from its start, in the core);
         # waited for a little longer, then TIMEOUT, should the core not end it
         wait_s=engine.config.sync_timeout + WAIT_GRACE,
+        task=task,
     ).start()
     return task
 
@@ -300,25 +301,28 @@ class _Job:
 class _CoreLoop:
     """transfer_cache_async's layer loop with its transfers in the core (issue 37).
 
-    On a loop thread (``core/layerwise.py``'s, kept between transfers): every layer's calls
-    are prepared once and handed to a core LayerRun (``cpp/src/session.h``); then for each
-    layer some destination needs, in order, the user's ``synchronize`` (Python, on this
-    thread: no core thread takes the GIL) and the layer let go (``go``: never blocks). The
-    core's workers run the layers let go in order, AHEAD at once, while this thread
-    synchronizes the next; where the core can merge layers (``merges``: one destination, one
-    call a layer), this thread runs up to MERGE_AHEAD layers ahead, and a worker sends the
-    layers let go meanwhile in one request. The rules are LLM-DataDist's (``v2/llm_utils.py``
-    TransferCacheJob.transfer_layers), as ``core/layerwise.py`` states them: False from
-    ``synchronize`` is PARAM_INVALID for the destinations needing that layer, an exception
-    the task's default error; the first failure stops the transfer (the core starts no layer
-    once it saw it, and settles outcomes in layer order); a destination succeeds at
-    its last layer, and one never reached reports None. ``report(k, code)`` and ``done()``
-    are called from the loop thread once the run is over (every layer let go ended, or its
-    wait ran out: TIMEOUT)."""
+    In the caller's thread (:meth:`start`): every layer's calls (prepared once) handed to a
+    core LayerRun (``cpp/src/session.h``), which the task waits on (``CacheTask``: the last
+    layer's end wakes the caller's ``synchronize`` itself). Then on a loop thread
+    (``core/layerwise.py``'s, kept between transfers), for each layer some destination needs,
+    in order, the user's ``synchronize`` (Python, on this thread: no core thread takes the
+    GIL) and the layer let go (``go``: never blocks). The core's workers run the layers let go
+    in order, AHEAD at once, while this thread synchronizes the next; where the core can merge
+    layers (``merges``: one destination, one call a layer), this thread runs up to MERGE_AHEAD
+    layers ahead, and a worker sends the layers let go meanwhile in one request. The rules are
+    LLM-DataDist's (``v2/llm_utils.py`` TransferCacheJob.transfer_layers), as
+    ``core/layerwise.py`` states them: False from ``synchronize`` is PARAM_INVALID for the
+    destinations needing that layer, an exception the task's default error; the first failure
+    stops the transfer (the core starts no layer once it saw it, and settles outcomes in layer
+    order); a destination succeeds at its last layer, and one never reached reports None. The
+    loop thread returns once every layer is let go (or the run stopped); the task reads the
+    outcomes from the run. ``report(k, code)`` and ``done()`` end the task without a run (the
+    engine finalized, or a bug before any layer was let go)."""
 
     def __init__(self, engine: NativeEngine, synchronize: Callable[[int], bool],
                  jobs: list[_Job], report: Callable[[int, int], None],
-                 done: Callable[[], None], sync_error: Code, wait_s: float) -> None:
+                 done: Callable[[], None], sync_error: Code, wait_s: float,
+                 task: CacheTask) -> None:
         self._engine = engine
         self._synchronize = synchronize
         self._jobs = jobs
@@ -326,41 +330,40 @@ class _CoreLoop:
         self._done = done
         self._sync_error = sync_error
         self._wait_s = wait_s
+        self._task = task
 
     def start(self) -> None:
-        """Hands the loop to a loop thread; returns at once."""
-        layerwise._THREADS.run(self._run)
-
-    def _run(self) -> None:
-        run: LayerRun | None = None
+        """Makes the run and fills it (the core's calls: no wait), attaches it to the task,
+        then hands the loop to a loop thread; returns at once."""
+        steps = sorted(set().union(*(set(j.layers) for j in self._jobs)))
         try:
-            steps = sorted(set().union(*(set(j.layers) for j in self._jobs)))
-            try:
-                run = self._engine.layers(len(self._jobs), len(steps), AHEAD)
-            except DatadistError as e:  # finalized: the first destination's first layer fails
+            run = self._engine.layers(len(self._jobs), len(steps), AHEAD)
+        except DatadistError as e:  # finalized: the first destination's first layer fails
+            if self._jobs:
                 first = min(range(len(self._jobs)), key=lambda k: self._jobs[k].layers[0])
                 self._report(first, int(e.code))
-                return
+            self._done()
+            return
+        try:
             last = self._fill(run, {layer: s for s, layer in enumerate(steps)})
             ahead = MERGE_AHEAD if run.merges() else AHEAD
-            if not self._loop(run, steps[:last + 1], ahead):
-                self._finish(run)
+        except Exception:  # a bug: nothing was let go, nothing is settled
+            log.exception("layer-wise transfer failed")
+            run.abandon(int(Code.FAILED), "the layer loop failed")
+            self._done()
+            return
+        self._task._attach(run, self._wait_s)
+        layerwise._THREADS.run(lambda: self._run(run, steps[:last + 1], ahead))
+
+    def _run(self, run: LayerRun, steps: list[int], ahead: int) -> None:
+        try:
+            self._loop(run, steps, ahead)
         except Exception:  # a bug: what was not settled stays None
             log.exception("layer-wise transfer failed")
-            if run is not None:
-                run.abandon(int(Code.FAILED), "the layer loop failed")
+            run.abandon(int(Code.FAILED), "the layer loop failed")
         finally:
-            try:
-                if run is not None:
-                    for k, got in enumerate(run.results()):
-                        if got is not None:
-                            code, why = got
-                            if code != Code.SUCCESS:
-                                log.warning("transfer_cache_async to destination %d failed: %s",
-                                            k, why)
-                            self._report(k, code)
-            finally:
-                self._done()
+            self._task._looped()
+            self._done()
 
     def _fill(self, run: LayerRun, step_of: dict[int, int]) -> int:
         """Every layer's calls, handed to the run now (prepared by the core when the transfer
@@ -409,16 +412,6 @@ class _CoreLoop:
             return False
         finally:
             run.close()
-
-    def _finish(self, run: LayerRun) -> None:
-        """Waits for the run to be over, up to ``wait_s`` without a layer ending."""
-        last = int(run.ended())
-        while not run.wait(self._wait_s):
-            ended = int(run.ended())
-            if ended == last:
-                run.abandon(int(Code.TIMEOUT), "a layer did not end in time")
-                return
-            last = ended
 
 
 __all__ = ["start_transfer"]

@@ -213,8 +213,9 @@ class _PythonLoop:
 
     def __init__(self, engine: NativeEngine, synchronize: Callable[[int], bool], jobs: Any,
                  report: Callable[[int, int], None], done: Callable[[], None], sync_error: Any,
-                 wait_s: float) -> None:
+                 wait_s: float, task: Any = None) -> None:
         from datadist.core import layerwise as lw
+        # ``task`` is not attached a run: it waits for ``done``, as every task did then
 
         def send(job: Any) -> Callable[[int], list[Any]]:
             return lambda i: [engine.submit(c) for c in job.calls(i)]
