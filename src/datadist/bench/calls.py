@@ -46,6 +46,7 @@ PER_LAYER_GOALS = {"same host": 0.95, "TCP": 0.9}
 ASYNC_LAYERS_GOAL = 0.95
 FEW_BLOCKS = {256: 0.85, 1024: 0.9}  # blocks pulled -> goal against raw process_vm_readv
 CALLS = 20  # pulls per sample of the few-blocks rows: one is too short to time alone
+LAYER_LOOPS = 5  # loops of 32 per-layer pulls (and of one pull) per sample of the per-layer rows
 
 
 def _times(fn: Callable[[], object]) -> Callable[[], None]:
@@ -75,26 +76,52 @@ def calls_rows(ctx: Context) -> list[Row]:
     return rows
 
 
-def _per_layer_row(ctx: Context, p: Puller, where: str) -> Row:
-    layers = ctx.bufs["layers"]
+def _layer_pulls(p: Puller) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The 32 per-layer pull_blocks and the one pull_blocks of every layer, with their
+    arguments made once (the key, the block list, each layer's range), as a layer-wise
+    caller makes them once a request (the same blocks every layer): the rows time datadist's
+    calls, not the making of their arguments. Made per call (``Puller.pull_layer``) they cost
+    a BlocksCacheKey and two block lists a layer, about 1 us: 1.5 points of the per-layer
+    ratio (docs/performance.md, round 14)."""
+    cm, cache = p.dd.cache_manager, _layers_cache(p)
+    key = p.ll.BlocksCacheKey(OWNER_ID, LAYERS_MODEL)
+    blocks = list(range(LAYER_BLOCKS))
+    ranges = [range(i, i + 1) for i in range(LAYERS)]
+    pull = cm.pull_blocks
 
     def per_layer() -> None:
-        for i in range(LAYERS):
-            p.pull_layer(i)
+        for r in ranges:
+            pull(key, cache, blocks, blocks, src_layer_range=r, dst_layer_range=r)
 
     def every_layer() -> None:
-        p.pull_layer(None)
+        pull(key, cache, blocks, blocks)
 
+    return per_layer, every_layer
+
+
+def _per_layer_row(ctx: Context, p: Puller, where: str) -> Row:
+    """32 per-layer pull_blocks of 1 MiB against one pull_blocks of the 32 layers. A sample is
+    LAYER_LOOPS of each (about 15 ms of copies on one host): a single 3 ms loop swings by
+    several percent with the machine, more than the per-call cost this row is for."""
+    layers = ctx.bufs["layers"]
+    per_layer, every_layer = _layer_pulls(p)
     for label, pull in (("one pull of every layer", every_layer), ("per-layer pulls", per_layer)):
         layers.fill(0)  # rule 2: what arrived is the owner's
         pull()
         check_pattern(layers, pattern_seed(5, 0), f"{where} {label}")
+
+    def loops(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(LAYER_LOOPS):
+                fn()
+        return run
+
     ctx.progress.set_label(f"{where}: per-layer pulls")
-    f, lim = interleave(per_layer, every_layer, ctx.repeat, ctx.progress)
+    f, lim = interleave(loops(per_layer), loops(every_layer), ctx.repeat, ctx.progress)
     key = "same_host" if where == "same host" else "tcp"
     return throughput_row(
         f"{key}_per_layer", f"{LAYERS} per-layer pull_blocks of {LAYER_BYTES >> 20} MiB, "
-        f"{where}", LAYERS * LAYER_BYTES, p.mechanism(), f,
+        f"{where}", LAYER_LOOPS * LAYERS * LAYER_BYTES, p.mechanism(), f,
         f"one pull_blocks of all {LAYERS} layers", lim, PER_LAYER_GOALS[where])
 
 
