@@ -80,7 +80,12 @@ def test_quick_run_produces_every_row(tmp_path: Path) -> None:
         else:
             assert math.isfinite(r["limit"]) and r["limit"] > 0, r
             assert r["ratio"] == pytest.approx(r["figure"] / r["limit"])
-            assert len(r["limit_samples"]) == len(r["figure_samples"]), r
+            if key.startswith("busy_async_") and not key.endswith("_work"):
+                # the busy thread's own pulls stop once a run passed ASYNC_MAX (a loaded
+                # host): as many as the idle pulls at most, never none
+                assert 0 < len(r["figure_samples"]) <= len(r["limit_samples"]), r
+            else:
+                assert len(r["limit_samples"]) == len(r["figure_samples"]), r
     for key in ("tcp_pull", "tcp_pull_blocks", "tcp_pull_blocks_4k", "tcp_small",
                 "tcp_small_vs_reply"):
         assert rows[key]["path"] == "tcp", rows[key]
