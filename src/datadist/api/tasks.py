@@ -43,7 +43,6 @@ class CacheTask:
         self._warned: set[int] = set()
         self._looped_at: float | None = None  # when the loop thread let its last layer go
 
-
     def _attach(self, run: LayerRun, wait_s: float) -> None:
         """The core's run this task waits on (before the task is handed out)."""
         self._run, self._wait_s = run, wait_s
