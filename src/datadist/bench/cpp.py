@@ -15,8 +15,7 @@ import os
 import select
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from datadist.bench.harness import (
     pattern_seed,
     throughput_row,
 )
-from datadist.bench.puller import Context, small_walk
+from datadist.bench.puller import Context, alternate, small_walk
 
 ROOT = Path(__file__).resolve().parents[3]
 DRIVER_ROWS = 5  # the driver's rows (two paths x small latency, throughput; TCP's reply row)
@@ -127,7 +126,10 @@ def face_rows(ctx: Context) -> list[Row]:
             ctx.progress.set_label(title)
             with (Attached(exe, ctx.info, transport == "tcp") as cpp,
                   one_cpu(os.getpid(), ctx.info["pid"], cpp.pid)):
-                pulls, theirs = face_runs(ctx, small_walk(p), cpp.pulls)
+                # a pause of 1 ms either side of a C++ run: a same-host pull's one-way
+                # Release, as :func:`.puller.latency_row`
+                pulls, theirs = alternate(ctx, small_walk(p), cpp.pulls, pause_before=0.001,
+                                          pause_after=0.001)
             row = Row(key, title, "us", float(np.median(pulls)),
                       "the C++ API's PullKvBlocks of the same blocks from the same owner, same "
                       "CPU, p50", float(np.median(theirs)), path=p.mechanism(),
@@ -136,32 +138,6 @@ def face_rows(ctx: Context) -> list[Row]:
         finally:
             p.close()
     return rows
-
-
-def face_runs(ctx: Context, pull: Callable[[int], None],
-              theirs: Callable[[int], list[float]]) -> tuple[list[float], list[float]]:
-    """Samples in us: ``repeat`` runs of ``small_iters / repeat`` calls of ``pull(i)`` (i
-    counting on from 10, after 10 warm-up pulls), each run followed by ``theirs(k)``, which
-    makes k pulls and returns their times; a pause of 1 ms between runs (a same-host pull's
-    one-way Release, as :func:`.puller.latency_row`). A progress step a run."""
-    per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
-    for i in range(10):
-        pull(i)
-    theirs(10)
-    ours: list[float] = []
-    other: list[float] = []
-    n = 10
-    for _ in range(ctx.repeat):
-        for _ in range(per_step):
-            t0 = time.perf_counter()
-            pull(n)
-            ours.append((time.perf_counter() - t0) * 1e6)
-            n += 1
-        time.sleep(0.001)
-        other += theirs(per_step)
-        time.sleep(0.001)
-        ctx.progress.step()
-    return ours, other
 
 
 class Attached:

@@ -284,26 +284,46 @@ def _latencies(ctx: Context, pull: Callable[[int], None],
 
 def alternate_runs(ctx: Context, pull: Callable[[int], None], limit: Callable[[], None],
                    pause: float = 0.0) -> tuple[list[float], list[float]]:
-    """Latency samples in us of ``pull(i)`` and of ``limit()``: 10 warm-up calls of each,
-    then ``repeat`` runs of ``small_iters / repeat`` pulls (i counting on from 10), each
-    followed, after ``pause`` seconds, by as many calls of ``limit``. A progress step a run."""
-    pulls, lims = [], []
+    """Latency samples in us of ``pull(i)`` and of ``limit()``: :func:`alternate` with runs
+    of ``limit`` calls, each run after ``pause`` seconds."""
+    return alternate(ctx, pull, lambda k: timed_calls(lambda _: limit(), 0, k), pause_before=pause)
+
+
+def alternate(ctx: Context, pull: Callable[[int], None], other: Callable[[int], list[float]],
+              pause_before: float = 0.0, pause_after: float = 0.0,
+              ) -> tuple[list[float], list[float]]:
+    """Latency samples in us of ``pull(i)`` and of another side's calls: 10 warm-up pulls
+    and ``other(10)``, then ``repeat`` runs of ``small_iters / repeat`` pulls (i counting on
+    from 10), each followed, ``pause_before`` seconds later, by ``other(k)``, which makes k
+    calls and returns their times, and a pause of ``pause_after``. A progress step a run.
+    Who calls: the latency rows (this module's, bench/calls.py, nixl.py, mooncake.py) and
+    the two faces' rows (bench/cpp.py, where ``other`` is the C++ driver's pulls)."""
     per_step = max(1, ctx.sizes.small_iters // ctx.repeat)
     for i in range(10):  # warm both ends' code paths
         pull(i)
-        limit()
+    other(10)
+    pulls: list[float] = []
+    others: list[float] = []
     n = 10
     for _ in range(ctx.repeat):
-        for _ in range(per_step):
-            t0 = time.perf_counter()
-            pull(n)
-            pulls.append((time.perf_counter() - t0) * 1e6)
-            n += 1
-        if pause:
-            time.sleep(pause)
-        for _ in range(per_step):
-            t0 = time.perf_counter()
-            limit()
-            lims.append((time.perf_counter() - t0) * 1e6)
+        pulls += timed_calls(pull, n, per_step)
+        n += per_step
+        if pause_before:
+            time.sleep(pause_before)
+        others += other(per_step)
+        if pause_after:
+            time.sleep(pause_after)
         ctx.progress.step()
-    return pulls, lims
+    return pulls, others
+
+
+def timed_calls(fn: Callable[[int], object], start: int, count: int) -> list[float]:
+    """The time in us of each of ``fn(start)``, ``fn(start + 1)``, ... (``count`` calls),
+    each between two clock reads."""
+    out = []
+    clock = time.perf_counter
+    for n in range(start, start + count):
+        t0 = clock()
+        fn(n)
+        out.append((clock() - t0) * 1e6)
+    return out
