@@ -271,6 +271,10 @@ class Watched:
                 watched.added += 1
                 return run.add(*a, **k)
 
+            def add_all(self, first, job, calls, per_step):
+                watched.added += len(calls)
+                return run.add_all(first, job, calls, per_step)
+
             def go(self, step):
                 watched._log.append(("go", step))
                 return run.go(step)
@@ -415,7 +419,8 @@ class TestThroughTheFacade:
         _, b = d.register(4, [1, 64])
         real_job = async_transfer._Job
 
-        def job(layers, calls):
+        def job(layers, calls, prepared=None, per_layer=1):
+            # no `prepared`: the run takes the layers one by one, from `parts`
             def parts(i):
                 got = calls(i)  # the core's calls of layer i: K's, then V's
                 yield got[0]
