@@ -514,10 +514,15 @@ PYBIND11_MODULE(_core, m) {
       m, "LayerRun", "A layer-wise transfer whose steps the core runs in order (Engine.layers)")
       .def("add", &datadist::LayerRun::Add, py::arg("step"), py::arg("job"), py::arg("call"),
            "Step `step` sends `call` for destination `job` (before the first go; InvalidArgument after).")
+      .def("add_all", &datadist::LayerRun::AddAll, py::arg("first"), py::arg("job"), py::arg("calls"),
+           py::arg("per_step"),
+           "Every call of destination `job`: calls[i] in step first + i // per_step (add each, under one lock; "
+           "none added when one is refused).")
       .def("add_refusal", &datadist::LayerRun::AddRefusal, py::arg("step"), py::arg("job"), py::arg("code"),
            py::arg("why"), "Step `step` fails for destination `job` with `code` when reached.")
       .def("go", &datadist::LayerRun::Go, py::arg("step"),
-           "Step `step` may run (in order, once each; InvalidArgument otherwise). Never blocks.")
+           "Step `step` may run (in order, once each; InvalidArgument otherwise); returns stopped() after it. "
+           "Never blocks.")
       .def("refuse", &datadist::LayerRun::Refuse, py::arg("step"), py::arg("code"), py::arg("why"),
            "Step `step` was not synchronized: applied in order, then the run stops. Never blocks.")
       .def("close", &datadist::LayerRun::Close, "No more steps will be let go. Never blocks.")

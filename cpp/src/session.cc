@@ -567,6 +567,30 @@ void LayerRun::Add(size_t step, size_t job, std::shared_ptr<const Call> call) {
   Put(step, std::move(e));
 }
 
+void LayerRun::AddAll(size_t first, size_t job, const std::vector<std::shared_ptr<const Call>> &calls,
+                      size_t per_step) {
+  if (per_step == 0) Invalid("a layer-wise run's destination has no calls a step");
+  if (calls.empty()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (gone_ > 0 || closed_) Invalid("a layer-wise run takes its transfers before its first step goes");
+  if (job >= last_.size())
+    Invalid("destination " + std::to_string(job) + " out of range: the run has " + std::to_string(last_.size()));
+  const size_t steps = (calls.size() + per_step - 1) / per_step;
+  if (first >= steps_.size() || steps > steps_.size() - first)
+    Invalid("steps " + std::to_string(first) + "-" + std::to_string(first + steps - 1) + " out of range: the run has " +
+            std::to_string(steps_.size()));
+  for (const auto &call : calls)
+    if (!call) Invalid("a layer-wise run's transfer is missing");
+  for (size_t i = 0; i < calls.size(); ++i) {
+    Entry e;
+    e.job = job;
+    e.call = calls[i];
+    steps_[first + i / per_step].entries.push_back(std::move(e));
+  }
+  if (last_[job] < first + steps) last_[job] = first + steps;
+  merge_known_ = false;
+}
+
 void LayerRun::AddRefusal(size_t step, size_t job, Status code, std::string why) {
   Entry e;
   e.job = job;
@@ -575,18 +599,21 @@ void LayerRun::AddRefusal(size_t step, size_t job, Status code, std::string why)
   Put(step, std::move(e));
 }
 
-void LayerRun::Go(size_t step) {
+bool LayerRun::Go(size_t step) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (abandoned_) return true;  // the caller gave up: nothing more runs, whatever is let go
   if (closed_ || step != gone_ || step >= steps_.size())
     Invalid("layer-wise step " + std::to_string(step) + " let go out of order (next: " + std::to_string(gone_) +
             " of " + std::to_string(steps_.size()) + (closed_ ? ", closed" : "") + ")");
   if (!merge_known_) KnowMerges();
   ++gone_;
   Kick(lock);
+  return stopped_ || halted_;
 }
 
 void LayerRun::Refuse(size_t step, Status code, std::string why) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (abandoned_) return;  // every outcome is settled already
   if (closed_ || step != gone_ || step >= steps_.size())
     Invalid("layer-wise step " + std::to_string(step) + " refused out of order");
   Step &s = steps_[step];
@@ -746,20 +773,33 @@ void LayerRun::Unrun(size_t k) {
 
 size_t LayerRun::Extend(size_t k) {
   size_t end = k + 1;
-  if (steps_[k].refused || k >= merge_next_.size() || !merge_next_[k]) return end;
-  const Call &first = *steps_[k].entries[0].call;
-  uint64_t spans = first.iov.size(), bytes = first.bytes;
-  // The next steps let go and not started (no other worker took one), while each merges with
-  // the one before and the batch stays within its caps.
-  while (end < gone_ && started_ == end && merge_next_[end - 1] && !steps_[end].refused) {
-    const Call &c = *steps_[end].entries[0].call;
+  const bool rest = k == rest_;  // the rest of a split batch: claimed whole
+  if (rest) rest_ = SIZE_MAX;
+  if (steps_[k].refused || k >= merge_next_.size() || !merge_next_[k] || started_ != end) return end;
+  // The next steps let go and not started (no other worker took one: started_ == k + 1),
+  // while each merges with the one before and the batch stays within its caps.
+  uint64_t spans = steps_[k].entries[0].call->iov.size();
+  uint64_t bytes = steps_[k].entries[0].call->bytes;
+  size_t cap = end;
+  while (cap < gone_ && merge_next_[cap - 1] && !steps_[cap].refused) {
+    const Call &c = *steps_[cap].entries[0].call;
     if (spans + c.iov.size() > kMergeSpans || bytes + c.bytes > kMergeBytes) break;
     spans += c.iov.size();
     bytes += c.bytes;
+    ++cap;
+  }
+  // Split between the workers: this one takes its share of the bytes, the rest waits for the
+  // next worker free (kSplitBytes).
+  uint64_t share = bytes;
+  if (width_ > 1 && !rest && cap > end && bytes >= 2 * kSplitBytes) share = (bytes + width_ - 1) / width_;
+  uint64_t taken = steps_[k].entries[0].call->bytes;
+  while (end < cap && taken < share) {
+    taken += steps_[end].entries[0].call->bytes;
     ++started_;
     ++in_flight_;
     ++end;
   }
+  if (end < cap) rest_ = end;
   return end;
 }
 
@@ -838,6 +878,7 @@ void LayerRun::RunStep(size_t k) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     const size_t end = Extend(k);
+    if (rest_ == end && running_ < width_) Kick(lock);  // a split batch's rest: another worker now
     if (end > k + 1) {
       RunBatch(lock, k, end);
     } else if (!steps_[k].refused) {

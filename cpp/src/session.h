@@ -345,7 +345,11 @@ class Session {
 /// the failure lands on the step that fails alone and no step after it runs (a failure of
 /// the batch's first step reports the merged request's own error: the link it broke may be
 /// gone by the replay). Steps with several calls (several destinations, or a raw-address
-/// layer's K and V) are never merged.
+/// layer's K and V) are never merged. With `width` > 1, steps let go together of at least
+/// 2 x kSplitBytes are split: the worker takes its share (the bytes over `width`), the rest
+/// is one batch for the next worker free, so a large batch copies on two CPUs on one host.
+/// The two parts are two batches run at once: a failure in either lands on its own step,
+/// settled in order (a failure in the first part is the outcome, whatever the second did).
 ///
 /// Who calls: the Python binding (datadist.api.async_transfer). Thread-safe. Go, Refuse,
 /// Close, Abandon and the getters never block; WaitEnded and Wait block up to their deadline.
@@ -363,11 +367,17 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   /// Step `step` sends `call` for destination `job`. Before the first Go only
   /// (LLM_PARAM_INVALID otherwise, or for a job or step out of range).
   void Add(size_t step, size_t job, std::shared_ptr<const Call> call);
+  /// Every call of destination `job` at once: `calls[i]` in step `first + i / per_step` (a
+  /// destination's layers are consecutive steps; `per_step` calls a layer). As Add each, under
+  /// one lock: none is added when one is refused.
+  void AddAll(size_t first, size_t job, const std::vector<std::shared_ptr<const Call>> &calls, size_t per_step);
   /// Step `step` fails for destination `job` with `code` when it is reached (a call that could
   /// not be made; applied in order as a failing call would be).
   void AddRefusal(size_t step, size_t job, Status code, std::string why);
   /// Step `step` may run: steps are let go in order, each once (LLM_PARAM_INVALID otherwise).
-  void Go(size_t step);
+  /// Returns Stopped() after it (the caller need not ask apart). Once abandoned, Go and Refuse
+  /// do nothing (Go returns true): the loop letting steps go may not have seen it yet.
+  bool Go(size_t step);
   /// Step `step` was not synchronized: its destinations not settled by then get `code`, and
   /// the run stops there (and is closed). In order, as Go.
   void Refuse(size_t step, Status code, std::string why);
@@ -404,6 +414,11 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   /// bytes, so that a batch stays one request and ends within a layer's deadline.
   static constexpr uint64_t kMergeSpans = 1u << 16;
   static constexpr uint64_t kMergeBytes = 64ull << 20;
+  /// Steps let go together and at least twice this many bytes are split between the run's
+  /// workers (width > 1): a worker claims its share (the bytes over the width), the rest is
+  /// left for the next worker free, started now if one may be. Each part is one request: on
+  /// one host the copy runs on as many CPUs as parts (a merged batch copied on one before).
+  static constexpr uint64_t kSplitBytes = 2ull << 20;
   /// `b` can follow `a` in one request: the same direction, link, key (by cache id or
   /// BlocksCacheKey), unit bytes, layout and flags (neither whole-cache nor checksummed), the
   /// same spans, and the same local cache at the same addresses. Never blocks.
@@ -454,6 +469,7 @@ class LayerRun : public std::enable_shared_from_this<LayerRun> {
   size_t running_ = 0;               // workers running steps (at most width_)
   std::vector<uint8_t> merge_next_;  // step k can be merged with step k + 1
   bool merge_known_ = false;
+  size_t rest_ = SIZE_MAX;  // the first step of a split batch's rest: claimed whole, not split again
   uint64_t requests_run_ = 0;
   size_t next_ = 0;  // steps settled, in order (== Ended())
   bool closed_ = false;

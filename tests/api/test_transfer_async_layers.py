@@ -271,6 +271,10 @@ class Watched:
                 watched.added += 1
                 return run.add(*a, **k)
 
+            def add_all(self, first, job, calls, per_step):
+                watched.added += len(calls)
+                return run.add_all(first, job, calls, per_step)
+
             def go(self, step):
                 watched._log.append(("go", step))
                 return run.go(step)
@@ -415,7 +419,8 @@ class TestThroughTheFacade:
         _, b = d.register(4, [1, 64])
         real_job = async_transfer._Job
 
-        def job(layers, calls):
+        def job(layers, calls, prepared=None, per_layer=1):
+            # no `prepared`: the run takes the layers one by one, from `parts`
             def parts(i):
                 got = calls(i)  # the core's calls of layer i: K's, then V's
                 yield got[0]
@@ -487,6 +492,31 @@ class TestMergedLayers:
         (run,) = watched.runs
         assert run.merges() and run.calls_run == 32 and run.ended() == 32
         assert run.requests_run < 32
+        assert p.engine.leases(src.cache_id) == 0
+
+    def test_large_layers_split_between_workers_land_where_asked(self, ra_pair):
+        """32 layers of 1 MiB, every one ready at once, blocks in reversed order: layers let
+        go together past 4 MiB are split between the run's two workers (LayerRun kSplitBytes),
+        each part one request; every byte lands where its layer and block put it, and the
+        destination succeeds. With a destination of 20 layers (the config names 32), the
+        outcome is the owner's refusal of layer 20, whichever part carried it, layers 0-19
+        land whole and nothing is written past them."""
+        p, d = ra_pair
+        src, a = p.register(64, [4, 128 << 10], blocks=True, seed=34)
+        _, b = d.register(64, [4, 128 << 10], blocks=True, model_id=13)
+        _, c = d.register(40, [4, 128 << 10], blocks=True, model_id=14)
+        cfg = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 13), range(32),
+                                             range(32))
+        task = p.cm.transfer_cache_async(src, Sync(), [cfg], [0, 1, 2, 3], [3, 2, 1, 0])
+        assert task.synchronize(int(WAIT * 1000)) == S.LLM_SUCCESS
+        want = np.zeros_like(b)
+        units(want, 4)[:, [3, 2, 1, 0]] = units(a, 4)[:, [0, 1, 2, 3]]
+        np.testing.assert_array_equal(b, want)
+        short = llm.TransferWithCacheKeyConfig(llm.BlocksCacheKey(DECODER_ID, 14), range(32),
+                                               range(32))
+        task = p.cm.transfer_cache_async(src, Sync(), [short], [0, 1, 2, 3], [3, 2, 1, 0])
+        assert task.get_results(int(WAIT * 1000)) == [S.LLM_PARAM_INVALID]
+        np.testing.assert_array_equal(c, want[:40])
         assert p.engine.leases(src.cache_id) == 0
 
     def test_synchronize_wakes_from_the_run_itself(self, ra_pair, monkeypatch):

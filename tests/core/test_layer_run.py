@@ -244,6 +244,128 @@ def test_a_failure_in_a_merged_request_lands_on_its_own_step(stalled_pair) -> No
     assert run.requests_run == 1 + 1 + 5  # step 0; 1-7 merged; 1-5 replayed
 
 
+SPLIT_LAYERS = 12
+MIB = 1 << 20
+
+
+def split_run(pr: Pair, proxy: Proxy, owner_tensors: int | None = None
+              ) -> tuple[object, np.ndarray, np.ndarray]:
+    """SPLIT_LAYERS steps of 1 MiB on a run of width 2, steps 2 on let go while both workers
+    are held in the stalled proxy (step 0, and step 1: a call the core cannot merge with the
+    next, another owner cache's), then the proxy forwards again: the first worker free finds
+    10 MiB let go together, takes its half (steps 2-6) and leaves the rest (7-11) to the
+    next worker free, each half one request."""
+    proxy.stalled = False
+    calls, src, dst = by_tensor(pr, layers=SPLIT_LAYERS, owner_tensors=owner_tensors, tensor=MIB)
+    one = src[1].copy()  # layer 1 from a cache of its own: another key, never merged
+    s1 = pr.owner.register(Geometry(1, MIB, 1), [int(one.ctypes.data)], placement=0)
+    d = pr.puller.register(Geometry(1, MIB, 1), [int(dst[1].ctypes.data)], placement=0)
+    t0 = np.zeros(1, np.uint32)
+    calls[1] = pr.puller.prepared(False, OWNER_ID, pr.key.__class__(pr.key.kind, s1.cache_id, 0),
+                                  0, plan_slot(d.geometry, 0, (t0, t0)), d.cache_id)
+    pr._keep = (pr._keep, one)  # type: ignore[attr-defined]
+    proxy.stalled = True
+    run = pr.puller.layers(1, len(calls), 2, 5.0)
+    run.add_all(0, 0, calls, 1)
+    assert run.go(0) is False
+    started_alone(run)
+    run.go(1)
+    deadline = time.monotonic() + 5.0
+    while run.requests_run < 2:  # the second worker took step 1 alone (not mergeable)
+        assert time.monotonic() < deadline, "no worker started step 1"
+        time.sleep(0.001)
+    for i in range(2, len(calls)):
+        run.go(i)
+    run.close()
+    proxy.stalled = False
+    assert run.wait(10.0)
+    return run, src, dst
+
+
+def test_a_large_batch_is_split_between_the_workers(stalled_pair) -> None:  # noqa: F811
+    """Steps 2-11 let go together (10 MiB) go in two requests, one per worker (kSplitBytes),
+    every byte where its step put it, and the one destination succeeds. Before: one request
+    of the ten on one worker (3 requests in all)."""
+    pr, proxy = stalled_pair
+    run, src, dst = split_run(pr, proxy)
+    assert run.results() == [(0, "")]
+    np.testing.assert_array_equal(dst, src)
+    assert run.calls_run == SPLIT_LAYERS and run.ended() == SPLIT_LAYERS
+    assert run.requests_run == 4  # steps 0 and 1 alone, 2-6 and 7-11 apart
+
+
+def test_a_failure_in_a_split_batch_s_second_part_lands_on_its_step(stalled_pair) -> None:  # noqa: F811
+    """The owner's cache has 9 tensors: the second part (steps 7-11) is refused whole and
+    replayed a step at a time: 7 and 8 land, 9 fails (its tensor named), the first part
+    landed whole, nothing after 9 lands."""
+    pr, proxy = stalled_pair
+    run, src, dst = split_run(pr, proxy, owner_tensors=9)
+    (got,) = run.results()
+    assert got is not None and got[0] == Code.PARAM_INVALID and "tensor 9" in got[1], got
+    np.testing.assert_array_equal(dst[:9], src)
+    assert not dst[9:].any()
+    assert run.stopped() and run.ended() == SPLIT_LAYERS
+    assert run.requests_run == 4 + 3  # 0; 1; 2-6; 7-11; 7, 8, 9 replayed
+
+
+def test_a_failure_in_a_split_batch_s_first_part_is_the_outcome(stalled_pair) -> None:  # noqa: F811
+    """The owner's cache has 5 tensors: the first part (steps 2-6) fails at step 5 when
+    replayed; the second part (whether it ran or not: every step of it fails too) settles
+    after it, so the destination's outcome is step 5's, and no byte past tensor 4 lands."""
+    pr, proxy = stalled_pair
+    run, src, dst = split_run(pr, proxy, owner_tensors=5)
+    (got,) = run.results()
+    assert got is not None and got[0] == Code.PARAM_INVALID and "tensor 5" in got[1], got
+    np.testing.assert_array_equal(dst[:5], src[:5])
+    assert not dst[5:].any()
+    assert run.stopped()
+
+
+def test_add_all_puts_each_call_in_its_step(make_pair) -> None:  # noqa: F811
+    """add_all(first, job, calls, per_step): calls[i] in step first + i // per_step, as add
+    each; a destination or steps out of range, a missing call or per_step 0 add nothing
+    (InvalidArgument), and nothing once a step went."""
+    pr = make_pair(None)
+    pr.link()
+    calls, src, dst = slots(pr)
+    run = pr.puller.layers(2, LAYERS + 1, 1, 5.0)
+    with pytest.raises(InvalidArgument):
+        run.add_all(2, 0, calls, 1)  # steps 2-5 of 5
+    with pytest.raises(InvalidArgument):
+        run.add_all(0, 2, calls, 1)  # no destination 2
+    with pytest.raises(InvalidArgument):
+        run.add_all(0, 0, calls, 0)
+    with pytest.raises((InvalidArgument, TypeError)):
+        run.add_all(0, 0, [calls[0], None], 1)
+    run.add_all(1, 1, calls[:2], 2)  # destination 1: both calls in step 1
+    run.add_all(1, 0, calls[2:], 1)  # destination 0: steps 1 and 2
+    for i in range(LAYERS + 1):
+        assert run.go(i) is False
+        with pytest.raises(InvalidArgument):
+            run.add_all(LAYERS, 0, calls[:1], 1)
+    run.close()
+    assert run.wait(5.0)
+    assert run.results() == [(0, ""), (0, "")]
+    assert run.calls_run == LAYERS
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_go_after_abandon_does_nothing(make_pair) -> None:  # noqa: F811
+    """A run given up on (abandon) takes go and refuse without complaint: the loop letting
+    steps go may not have seen it yet. go says the run stopped; nothing runs."""
+    pr = make_pair(None)
+    pr.link()
+    calls, src, dst = slots(pr)
+    run = pr.puller.layers(1, LAYERS, 1, 5.0)
+    for i, call in enumerate(calls):
+        run.add(i, 0, call)
+    run.abandon(int(Code.TIMEOUT), "given up")
+    assert run.go(0) is True
+    run.refuse(1, int(Code.PARAM_INVALID), "not synchronized")
+    assert run.wait(1.0) and run.calls_run == 0
+    assert not dst.any()
+
+
 def test_a_merged_batch_has_the_time_its_steps_would_have_had(make_pair) -> None:  # noqa: F811
     """A slow link (16 KiB every 50 ms): one layer of 64 KiB takes about 0.2 s, within its
     0.8 s step deadline; steps 1-7 merged take about 1.4 s. The batch has the deadline its 7

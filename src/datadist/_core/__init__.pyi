@@ -180,6 +180,10 @@ class LayerRun:
         """
         Step `step` sends `call` for destination `job` (before the first go; InvalidArgument after).
         """
+    def add_all(self, first: typing.SupportsInt | typing.SupportsIndex, job: typing.SupportsInt | typing.SupportsIndex, calls: collections.abc.Sequence[Call], per_step: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Every call of destination `job`: calls[i] in step first + i // per_step (add each, under one lock; none added when one is refused).
+        """
     def add_refusal(self, step: typing.SupportsInt | typing.SupportsIndex, job: typing.SupportsInt | typing.SupportsIndex, code: typing.SupportsInt | typing.SupportsIndex, why: str) -> None:
         """
         Step `step` fails for destination `job` with `code` when reached.
@@ -192,9 +196,9 @@ class LayerRun:
         """
         Steps ended so far. Never blocks.
         """
-    def go(self, step: typing.SupportsInt | typing.SupportsIndex) -> None:
+    def go(self, step: typing.SupportsInt | typing.SupportsIndex) -> bool:
         """
-        Step `step` may run (in order, once each; InvalidArgument otherwise). Never blocks.
+        Step `step` may run (in order, once each; InvalidArgument otherwise); returns stopped() after it. Never blocks.
         """
     def merges(self) -> bool:
         """

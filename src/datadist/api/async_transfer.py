@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -84,6 +84,13 @@ _U64 = 2**64 - 1
 _NO_BLOCKS = np.zeros(0, dtype=np.uint64)
 
 
+def _invalid(message: str) -> NoReturn:
+    """LLM_PARAM_INVALID with ``message`` (made only when a check fails: formatting every
+    check's text cost each call a few microseconds)."""
+    raise_if_false(False, message)
+    raise AssertionError  # unreachable
+
+
 def _block_indices(name: str, value: Any) -> np.ndarray | None:
     if value is None:
         return None
@@ -93,8 +100,8 @@ def _block_indices(name: str, value: Any) -> np.ndarray | None:
 
 def _layers(cfg: Any, num_layers: int) -> range:
     rng = cfg.src_layer_range if cfg.src_layer_range is not None else range(num_layers)
-    raise_if_false(0 <= rng.start < rng.stop <= num_layers,
-                   f"src_layer_range: {rng} out of range, src_layer_num = {num_layers}")
+    if not 0 <= rng.start < rng.stop <= num_layers:
+        _invalid(f"src_layer_range: {rng} out of range, src_layer_num = {num_layers}")
     return rng
 
 
@@ -125,9 +132,9 @@ def start_transfer(
                        "transfer from blocks to cache is not supported: give "
                        "dst_block_indices")
         assert dst_blocks is not None
-        raise_if_false(len(src_blocks) == len(dst_blocks),
-                       f"num_block_indices mismatches, src_num = {len(src_blocks)}, "
-                       f"dst_num = {len(dst_blocks)}")
+        if len(src_blocks) != len(dst_blocks):
+            _invalid(f"num_block_indices mismatches, src_num = {len(src_blocks)}, "
+                     f"dst_num = {len(dst_blocks)}")
     elif has_dst_blocks:
         raise_if_false(dst_block_memory_size is not None,
                        "dst_block_memory_size must be set when transfer from cache to blocks")
@@ -141,11 +148,11 @@ def start_transfer(
             prefix = "While enable_remote_cache_accessible is True, " if key_configs else ""
             raise TypeError(f"{prefix}transfer_configs inner type only support "
                             f"[{kind.__name__}], but got {type(cfg)}.")
-    raise_if_false(has_dst_blocks or dst_block_memory_size in (None, 0),
-                   f"dst_block_memory_size ({dst_block_memory_size}) is neither None nor 0 "
-                   "while dst is not blocks")
-    raise_if_false(desc.num_tensors % TENSORS_PER_LAYER == 0,
-                   f"cache_desc.num_tensors ({desc.num_tensors}) is not even")
+    if not (has_dst_blocks or dst_block_memory_size in (None, 0)):
+        _invalid(f"dst_block_memory_size ({dst_block_memory_size}) is neither None nor 0 "
+                 "while dst is not blocks")
+    if desc.num_tensors % TENSORS_PER_LAYER != 0:
+        _invalid(f"cache_desc.num_tensors ({desc.num_tensors}) is not even")
     with llm_errors("transfer_cache_async"):
         entry = engine.cache(cache_id)
     geo = entry.geometry
@@ -169,7 +176,7 @@ def start_transfer(
     task = CacheTask(len(jobs), default_error)
     _CoreLoop(
         engine,
-        lambda i: layer_synchronizer.synchronize_layer(i, None),
+        layer_synchronizer.synchronize_layer,
         jobs,
         lambda k, code: task._set(k, LLMStatusCode(int(code))),
         task._finish,
@@ -200,9 +207,9 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
     # check_transfer_config): with source blocks, src_batch_index must be 0; then the layer
     # range, then (TransferConfig) the number of addresses; its texts start each message.
     src_unit = _src_unit(cfg)
-    if src_blocks is not None:
-        raise_if_false(src_unit == 0, f"Invalid TransferConfig, src_batch_index ({src_unit}) "
-                       "!= 0 while src is blocks")
+    if src_blocks is not None and src_unit != 0:
+        _invalid(f"Invalid TransferConfig, src_batch_index ({src_unit}) "
+                 "!= 0 while src is blocks")
     layers = _layers(cfg, num_layers)
     n = TENSORS_PER_LAYER
 
@@ -210,9 +217,9 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
         # datadist's own check, after the original's: the original checks src_batch_index
         # of a contiguous source natively (its result is the task's); here it is refused at
         # the call, with the text the original has for the range (check_transfer_config)
-        if src_blocks is None:
-            raise_if_false(src_unit < geo.units, f"Invalid TransferConfig, src_batch_index "
-                           f"({src_unit}) out of range: [0, {geo.units})")
+        if src_blocks is None and src_unit >= geo.units:
+            _invalid(f"Invalid TransferConfig, src_batch_index ({src_unit}) out of range: "
+                     f"[0, {geo.units})")
 
     # The spans of a layer, their bounds and every raw address's overflow are the core's
     # (Session::PrepareLayerPushes, PlanLayerSpans): every layer's calls made here, at once,
@@ -236,15 +243,15 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
 
     if isinstance(cfg, TransferConfig):
         cluster = cfg.dst_cluster_id
-        raise_if_false(len(cfg.dst_addrs) == len(layers) * n,
-                       f"expect {len(layers) * n} dst_addrs, but len(dst_addrs) = "
-                       f"{len(cfg.dst_addrs)}, range = {layers}")
+        if len(cfg.dst_addrs) != len(layers) * n:
+            _invalid(f"expect {len(layers) * n} dst_addrs, but len(dst_addrs) = "
+                     f"{len(cfg.dst_addrs)}, range = {layers}")
         check_unit()
         raise_if_false(all(a != 0 for a in cfg.dst_addrs), "dst_addrs must be non-zero")
         # each tensor has its own destination address: one push each, in order
         by_tensor = prepare(cluster, KeyRef(KeyKind.ADDRESS), 0, 0, list(cfg.dst_addrs))
         return _Job(layers, lambda i: by_tensor[(i - layers.start) * n:
-                                                (i - layers.start + 1) * n])
+                                                (i - layers.start + 1) * n], by_tensor, n)
 
     check_unit()
     key = cfg.cache_key
@@ -253,9 +260,9 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
     check_layer_range("dst_layer_range", cfg.dst_layer_range)
     raise_if_false(cfg.src_layer_range is not None and cfg.dst_layer_range is not None,
                    "TransferWithCacheKeyConfig needs src_layer_range and dst_layer_range")
-    raise_if_false(len(cfg.src_layer_range) == len(cfg.dst_layer_range),
-                   f"src_layer_range {cfg.src_layer_range} and dst_layer_range "
-                   f"{cfg.dst_layer_range} differ in length")
+    if len(cfg.src_layer_range) != len(cfg.dst_layer_range):
+        _invalid(f"src_layer_range {cfg.src_layer_range} and dst_layer_range "
+                 f"{cfg.dst_layer_range} differ in length")
     cluster = key.cluster_id  # equal to ours is fine: another process may share it (V0)
     if isinstance(key, CacheKeyByIdAndIndex):
         raise_if_false(dst_blocks is None, "a CacheKeyByIdAndIndex destination is contiguous: "
@@ -270,7 +277,7 @@ def _job(engine: NativeEngine, cache_id: int, geo: Any, cfg: Any, num_layers: in
         unit_bytes = (dbb or geo.unit_bytes) if dst_blocks is not None else 0
     # one push per layer; kept by the engine for the next transfer of the same layers
     by_layer = prepare(cluster, ref, unit_bytes, cfg.dst_layer_range.start)
-    return _Job(layers, lambda i: by_layer[i - layers.start:i - layers.start + 1])
+    return _Job(layers, lambda i: by_layer[i - layers.start:i - layers.start + 1], by_layer)
 
 
 # Layers let go and not ended yet, at most, and the core's steps at once: layer i is
@@ -291,11 +298,15 @@ MERGE_AHEAD = 64
 @dataclass(frozen=True)
 class _Job:
     """One destination: the source layers it takes (ascending) and the core's prepared calls
-    of one layer, in order (Engine.prepare_layer_pushes made them all when the transfer was
-    asked for; a layer whose calls cannot be had raises: its failure, in order)."""
+    of one layer, in order (a layer whose calls cannot be had raises: its failure, in order).
+    ``prepared``: every layer's calls at once, layer-major, ``per_layer`` a layer
+    (Engine.prepare_layer_pushes made them all when the transfer was asked for), handed to
+    the run in one core call; without it, layer by layer from ``calls``."""
 
     layers: range
     calls: Callable[[int], Sequence[Call]]
+    prepared: Sequence[Call] | None = None
+    per_layer: int = 1
 
 
 class _CoreLoop:
@@ -319,7 +330,7 @@ class _CoreLoop:
     outcomes from the run. ``report(k, code)`` and ``done()`` end the task without a run (the
     engine finalized, or a bug before any layer was let go)."""
 
-    def __init__(self, engine: NativeEngine, synchronize: Callable[[int], bool],
+    def __init__(self, engine: NativeEngine, synchronize: Callable[[int, int | None], bool],
                  jobs: list[_Job], report: Callable[[int, int], None],
                  done: Callable[[], None], sync_error: Code, wait_s: float,
                  task: CacheTask) -> None:
@@ -335,7 +346,9 @@ class _CoreLoop:
     def start(self) -> None:
         """Makes the run and fills it (the core's calls: no wait), attaches it to the task,
         then hands the loop to a loop thread; returns at once."""
-        steps = sorted(set().union(*(set(j.layers) for j in self._jobs)))
+        jobs = self._jobs
+        steps = (list(jobs[0].layers) if len(jobs) == 1
+                 else sorted(set().union(*(set(j.layers) for j in jobs))))
         try:
             run = self._engine.layers(len(self._jobs), len(steps), AHEAD)
         except DatadistError as e:  # finalized: the first destination's first layer fails
@@ -345,7 +358,7 @@ class _CoreLoop:
             self._done()
             return
         try:
-            last = self._fill(run, {layer: s for s, layer in enumerate(steps)})
+            last = self._fill(run, steps)
             ahead = MERGE_AHEAD if run.merges() else AHEAD
         except Exception:  # a bug: nothing was let go, nothing is settled
             log.exception("layer-wise transfer failed")
@@ -365,15 +378,28 @@ class _CoreLoop:
             self._task._looped()
             self._done()
 
-    def _fill(self, run: LayerRun, step_of: dict[int, int]) -> int:
+    def _fill(self, run: LayerRun, steps: list[int]) -> int:
         """Every layer's calls, handed to the run now (prepared by the core when the transfer
-        was asked for, and kept for the next transfer of the same layers); a layer whose
-        calls cannot be had is its failure, in order. Returns the last step the run can
-        reach (the first refused one stops it: no layer after it is awaited)."""
-        last = len(step_of) - 1
+        was asked for, and kept for the next transfer of the same layers): a destination's
+        prepared calls in one core call (its layers are consecutive steps), else layer by
+        layer; a layer whose calls cannot be had (or a destination the run refuses: a bug)
+        is its failure, in order. Returns the last step the run can reach (the first refused
+        one stops it: no layer after it is awaited)."""
+        last = len(steps) - 1
+        many = len(self._jobs) > 1
         for k, job in enumerate(self._jobs):
-            for layer in job.layers:
-                s = step_of[layer]
+            first = steps.index(job.layers.start) if many else 0
+            if job.prepared is not None:
+                try:
+                    run.add_all(first, k, job.prepared, job.per_layer)
+                    continue
+                except Exception as e:  # a bug: this destination fails at its first layer
+                    log.exception("handing destination %d's layers to the run failed", k)
+                    code = e.code if isinstance(e, DatadistError) else Code.FAILED
+                    run.add_refusal(first, k, int(code), f"{type(e).__name__}: {e}")
+                    last = min(last, first)
+                    continue
+            for s, layer in enumerate(job.layers, first):
                 try:
                     for call in job.calls(layer):
                         run.add(s, k, call)
@@ -391,24 +417,35 @@ class _CoreLoop:
     def _loop(self, run: LayerRun, steps: list[int], ahead: int) -> bool:
         """Synchronizes each layer and lets it go, at most ``ahead`` layers let go and not
         ended; True when a wait ran out (abandoned)."""
+        # Per layer, as little Python as can be (a layer of 1 MiB copies in about 100 us on
+        # one host): go says whether the run stopped, and a wait for an earlier layer is
+        # followed by stopped(), so a failure seen stops the loop before the next layer is
+        # awaited, as a stopped() before each did.
+        synchronize, go, wait_s = self._synchronize, run.go, self._wait_s
         try:
+            if run.stopped():  # given up on before the first layer
+                return False
             for s, layer in enumerate(steps):
-                if s >= ahead and not run.wait_ended(s - ahead + 1, self._wait_s):
-                    run.abandon(int(Code.TIMEOUT), f"layer {steps[s - ahead]} did not end in time")
-                    return True
-                if run.stopped():  # a failure: no later layer is awaited
-                    return False
+                if s >= ahead:
+                    if not run.wait_ended(s - ahead + 1, wait_s):
+                        run.abandon(int(Code.TIMEOUT),
+                                    f"layer {steps[s - ahead]} did not end in time")
+                        return True
+                    if run.stopped():  # seen while waiting: no later layer is awaited
+                        return False
                 try:
-                    ready = bool(self._synchronize(layer))
-                    code = Code.PARAM_INVALID
+                    ready = bool(synchronize(layer, None))
                 except Exception:  # user code: report, never kill the thread silently
                     log.exception("synchronize_layer(%d) raised", layer)
                     ready, code = False, self._sync_error
+                else:
+                    code = Code.PARAM_INVALID
                 if not ready:
                     log.warning("layer %d was not synchronized", layer)
                     run.refuse(s, int(code), f"layer {layer} was not synchronized")
                     return False
-                run.go(s)
+                if go(s):  # a failure: no later layer is awaited
+                    return False
             return False
         finally:
             run.close()

@@ -211,9 +211,9 @@ class _PythonLoop:
     layer's calls submitted from Python, DEPTH layers in flight), on the same prepared calls:
     the comparison ``--async`` prints beside the core's loop, in the same run."""
 
-    def __init__(self, engine: NativeEngine, synchronize: Callable[[int], bool], jobs: Any,
-                 report: Callable[[int, int], None], done: Callable[[], None], sync_error: Any,
-                 wait_s: float, task: Any = None) -> None:
+    def __init__(self, engine: NativeEngine, synchronize: Callable[[int, int | None], bool],
+                 jobs: Any, report: Callable[[int, int], None], done: Callable[[], None],
+                 sync_error: Any, wait_s: float, task: Any = None) -> None:
         from datadist.core import layerwise as lw
         # ``task`` is not attached a run: it waits for ``done``, as every task did then
 
@@ -221,7 +221,7 @@ class _PythonLoop:
             return lambda i: [engine.submit(c) for c in job.calls(i)]
 
         self._loop = lw.LayerwiseTransfer(
-            max(j.layers.stop for j in jobs), synchronize,
+            max(j.layers.stop for j in jobs), lambda i: synchronize(i, None),
             [lw.LayerJob(j.layers, send(j)) for j in jobs], report, done,
             sync_error=sync_error, wait_s=wait_s)
 
