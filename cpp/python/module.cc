@@ -34,6 +34,7 @@
 #include "metrics.h"
 #include "nixl.h"
 #include "options.h"
+#include "planned.h"
 #include "pool.h"
 #include "session.h"
 #include "tasks.h"
@@ -1175,6 +1176,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("op"), py::arg("cluster_id"), py::arg("nbytes"), py::arg("seconds"), py::arg("code"),
       "Counts one transfer the core did not run (code 0: succeeded), e.g. one refused before it reached the core.");
 
+  // The planned pulls of the Python face (planned.h): after Engine, their first argument.
+  datadist_py::BindPlanned(m);
   // The hooks for tests and tools (testing.h), in their own submodule: after Engine is bound.
   datadist::python::BindTesting<Core>(m);
 }

@@ -235,7 +235,7 @@ class CacheManager:
         self._is_call_linked = False
         self._initialized = True
         self._kept: dict[int, list[Any]] = {}  # cache id -> memory objects registered
-        self._planned = planned.new_map()  # pulls' checked requests, by their arguments
+        self._planned = planned.new_map(engine)  # pulls' checked calls, by their arguments
         # A llm.LocalCommRes rank table: two-sided links (LLMDataDist.link) listen on its
         # ports, so a PROMPT without listen_ip_info is expected; nothing to warn about.
         self._told_not_listening = two_sided
@@ -262,6 +262,7 @@ class CacheManager:
 
     def _invalidate(self) -> None:
         self._initialized = False
+        self._planned.clear()  # found by nobody from now (every call checks the above first)
 
     def _own(self, name: str, cache: Cache) -> Cache:
         """A Cache handle this manager made (or an unregistered ``create_cpu_cache``).
@@ -495,6 +496,13 @@ class CacheManager:
 
         Blocks until done; LLMException LLM_TIMEOUT after ``sync_kv_timeout``.
         """
+        if self._initialized:  # a planned call's hit, run in one native call (api/planned.py)
+            try:
+                if self._planned.run_slot(cache_key, cache, batch_index, size, kwargs,
+                                          self._engine.config.sync_timeout):
+                    return
+            except DatadistError as e:
+                raise _refusal(e, "pull_cache", cache, blocks=False) from e
         req = self._pull_cache_request(cache_key, cache, batch_index, size, kwargs)
         try:
             req.engine.run(req.prepared())
@@ -514,30 +522,21 @@ class CacheManager:
         except DatadistError as e:  # refused before anything was issued (its cache gone)
             raise _refusal(e, "pull_cache_async", cache, blocks=False) from e
 
-    def _current(self, key: Any, cache: Any) -> _Request | None:
-        """The request planned for a call with the arguments ``key`` names (api/planned.py),
-        when there is one; else None (the caller takes the full path, which raises what is
-        wrong). Its session must be open (``_engine_or_raise``, as every call's first
-        check)."""
-        self._engine_or_raise()
-        if key is None:
-            return None
+    def _pull_cache_request(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
+                            kwargs: dict[str, Any]) -> _Request:
+        """pull_cache's checks and plan, or those of an earlier call with the same arguments
+        (api/planned.py); the engine's arguments. The session must be open
+        (``_engine_or_raise``, as every call's first check)."""
+        engine = self._engine_or_raise()
         # The plan was made for this Cache's id (the key holds the Cache), whose geometry the
         # core never changes: the core refuses the transfer (CacheNotFound) once the cache
         # is gone, and its spans were checked against that cache (Session::Prepare), so a
         # hit needs no look of its own.
-        return self._planned.find(key)
-
-    def _pull_cache_request(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
-                            kwargs: dict[str, Any]) -> _Request:
-        """pull_cache's checks and plan, or those of an earlier call with the same arguments
-        (api/planned.py); the engine's arguments."""
-        key = planned.slot_key(cache_key, cache, batch_index, size, kwargs)
-        req = self._current(key, cache)
-        if req is None:
-            req = self._check_pull_cache(cache_key, cache, batch_index, size, kwargs)
-            if key is not None:
-                self._planned.put(key, req)
+        call = self._planned.find_slot(cache_key, cache, batch_index, size, kwargs)
+        if call is not None:
+            return _Request(engine, call)
+        req = self._check_pull_cache(cache_key, cache, batch_index, size, kwargs)
+        self._planned.put_slot(cache_key, cache, batch_index, size, kwargs, req.call)
         return req
 
     def _check_pull_cache(self, cache_key: Any, cache: Any, batch_index: Any, size: Any,
@@ -576,6 +575,13 @@ class CacheManager:
                     dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> None:
         """Read remote blocks ``src_blocks[i]`` into local blocks ``dst_blocks[i]``; with a
         CacheKey / CacheKeyByIdAndIndex, split a contiguous remote slot into the blocks."""
+        if self._initialized:  # a planned call's hit, run in one native call (api/planned.py)
+            try:
+                if self._planned.run_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks,
+                                            kwargs, self._engine.config.sync_timeout):
+                    return
+            except DatadistError as e:
+                raise _refusal(e, "pull_blocks", dst_cache, blocks=True) from e
         req = self._pull_blocks_request(src_cache_key, dst_cache, src_blocks, dst_blocks,
                                         kwargs)
         try:
@@ -598,14 +604,14 @@ class CacheManager:
     def _pull_blocks_request(self, src_cache_key: Any, dst_cache: Any, src_blocks: Any,
                              dst_blocks: Any, kwargs: dict[str, Any]) -> _Request:
         """pull_blocks's checks and plan, or those of an earlier call with the same arguments
-        (api/planned.py); the engine's arguments."""
-        key = planned.blocks_key(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
-        req = self._current(key, dst_cache)
-        if req is None:
-            req = self._check_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks,
-                                          kwargs)
-            if key is not None:
-                self._planned.put(key, req)
+        (api/planned.py); the engine's arguments. As :meth:`_pull_cache_request`."""
+        engine = self._engine_or_raise()
+        call = self._planned.find_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        if call is not None:
+            return _Request(engine, call)
+        req = self._check_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        self._planned.put_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs,
+                                 req.call)
         return req
 
     def _check_pull_blocks(self, src_cache_key: Any, dst_cache: Any, src_blocks: Any,

@@ -96,16 +96,19 @@ def stages(label: str, puller: NativeEngine, pcm: CacheManager, key: BlocksCache
 
 
 class _Off:
-    """A memo map that never keeps anything (``--maps``: the path without that map)."""
+    """A planned-pull map that never keeps anything (``--maps``: the path without it)."""
 
-    def find(self, key: object) -> None:
+    def run_blocks(self, *args: object) -> bool:
+        return False
+
+    def find_blocks(self, *args: object) -> None:
         return None
 
-    def put(self, key: object, value: object) -> None:
-        pass
+    def put_blocks(self, *args: object) -> bool:
+        return False
 
-    def get(self, key: object, build: Callable[[], Any]) -> Any:
-        return build()
+    def clear(self) -> None:
+        pass
 
 
 def maps(puller: NativeEngine, pcm: CacheManager, pull: Callable[[], None], n: int,

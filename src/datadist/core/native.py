@@ -25,6 +25,7 @@ import importlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -52,7 +53,8 @@ from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.memory import shared
 
 if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
-    from datadist._core import Call, Engine, Handle, LayerRun, PendingLink, UserCache
+    from datadist._core import (Call, Engine, Handle, LayerRun, PendingLink, PlannedPulls,
+                                UserCache)
 
 log = logging.getLogger("datadist.native")
 
@@ -241,6 +243,8 @@ class NativeEngine:
         self.config = config
         self._closed = False
         self._lock = threading.Lock()
+        # the facade's planned pulls (planned_pulls), closed with the engine
+        self._planned: weakref.WeakSet[PlannedPulls] = weakref.WeakSet()
         self._listen: tuple[str, int] | None = None
         # the core's prepared transfers, by (plan, local cache id, cluster, key, unit bytes,
         # write): a repeated pull converts nothing (a plan is compared by identity). Safe
@@ -745,6 +749,22 @@ class NativeEngine:
                       time.perf_counter(), error)
         return error
 
+    def planned_pulls(self, size: int, max_weight: int, small_request: int,
+                      key_types: tuple[type, type, type]) -> PlannedPulls:
+        """A map of the facade's planned pulls on this engine (cpp/python/planned.h): up to
+        ``size`` prepared calls and ``max_weight`` local spans, keyed by the pull's arguments
+        (block lists of at most ``small_request`` items; ``key_types``: the three cache key
+        classes, BlocksCacheKey, CacheKeyByIdAndIndex, CacheKey), whose hit runs the kept call
+        as :meth:`run` does, in the same call. Closed with the engine (:meth:`close`): from then
+        on nothing is found there, and the caller's full path answers. Never blocks."""
+        from datadist import _core as mod
+        m = mod.PlannedPulls(self._core, size, max_weight, small_request, *key_types)
+        with self._lock:
+            if self._closed:
+                m.close()
+            self._planned.add(m)
+        return m
+
     def run(self, call: Call, timeout: float | None = None) -> None:
         """A prepared pull or push (:meth:`prepared`), blocking: counted by the core, which
         holds the call's local cache for the transfer (CacheNotFound when it is gone;
@@ -827,6 +847,9 @@ class NativeEngine:
             if self._closed:
                 return
             self._closed = True
+            planned = list(self._planned)
+        for m in planned:  # their hits miss from now: the caller's full path answers closed
+            m.close()
         # The core stops serving, fails the queued asynchronous transfers (their holds go),
         # closes every link (so every transfer ends, letting its hold go) and drops every
         # cache and its pools without waiting; then it waits (CLOSE_WAIT) for the caches
