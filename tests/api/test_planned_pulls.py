@@ -237,28 +237,52 @@ def test_native_repeated_pull_prepares_the_core_call_once(sides):
     assert units(b, 4)[:, 3].any()
 
 
-def test_planned_keys_tell_apart_what_compares_equal():
+def _a_call(d: Side) -> Any:
+    """A prepared call of ``d``'s (what the map keeps; any will do for the keys' tests)."""
+    dst, _ = d.register(1, [4, 64], blocks=True)
+    return d.cm._check_pull_blocks(llm.BlocksCacheKey(PROMPT_ID, 9), dst, [0], [0], {}).call
+
+
+def test_planned_keys_tell_apart_what_compares_equal(sides):
+    """The native map's key (cpp/python/planned.h): what compares equal but is not the same
+    argument (a bool, a float, a subclass, a range with another step, another Cache) has no
+    key or another one, so a plan is never reused for it."""
+    p, d = sides
+    p.register(1, [4, 64], blocks=True, model_id=9)
+    call = _a_call(d)
+
     class Sub(llm.BlocksCacheKey):
         pass
 
     cache = object()
-    base = planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2], {})
-    assert base is not None
-    assert base == planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, (1,), [2], {})
-    assert planned.blocks_key(Sub(1, 2), cache, [1], [2], {}) is None
-    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1.0], [2], {}) is None
-    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, np.array([1]), [2], {}) is None
-    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), object(), [1], [2], {}) != base
-    r = planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2],
-                           {"src_layer_range": range(0, 1)})
-    assert r != planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2],
-                                   {"src_layer_range": range(0, 1, 2)})
-    assert planned.blocks_key(llm.BlocksCacheKey(1, 2), cache, [1], [2], {"other": 1}) is None
-    assert planned.slot_key(llm.CacheKeyByIdAndIndex(1, 2, 0), cache, True, -1, {}) is None
-    assert planned.slot_key(llm.CacheKeyByIdAndIndex(1, 2, 0), cache, 1, -1,
-                            {"tensor_num_per_layer": True}) is None
-    assert (planned.slot_key(llm.CacheKey(1, 5), cache, 0, -1, {})
-            != planned.slot_key(llm.CacheKeyByIdAndIndex(1, 5, 0), cache, 0, -1, {}))
+    m = planned.new_map(d.engine)
+    assert m.put_blocks(llm.BlocksCacheKey(1, 2), cache, [1], [2], {}, call)
+    assert m.find_blocks(llm.BlocksCacheKey(1, 2), cache, [1], [2], {}) is call
+    assert m.find_blocks(llm.BlocksCacheKey(1, 2), cache, (1,), [2], {}) is call
+    for blocks in ([1.0], [True], np.array([1]), [np.uint64(1)], [-1], [2**64]):
+        assert not m.put_blocks(llm.BlocksCacheKey(1, 2), cache, blocks, [2], {}, call)
+        assert m.find_blocks(llm.BlocksCacheKey(1, 2), cache, blocks, [2], {}) is None
+    assert not m.put_blocks(Sub(1, 2), cache, [1], [2], {}, call)
+    assert m.find_blocks(Sub(1, 2), cache, [1], [2], {}) is None
+    assert m.find_blocks(llm.BlocksCacheKey(True, 2), cache, [1], [2], {}) is None
+    assert m.find_blocks(llm.BlocksCacheKey(1, 2), object(), [1], [2], {}) is None
+    assert m.find_blocks(llm.BlocksCacheKey(1, 3), cache, [1], [2], {}) is None
+    assert m.find_blocks(llm.BlocksCacheKey(1, 2), cache, [1], [2, 3], {}) is None
+    assert m.put_blocks(llm.BlocksCacheKey(1, 2), cache, [1], [2],
+                        {"src_layer_range": range(0, 1)}, call)
+    assert m.find_blocks(llm.BlocksCacheKey(1, 2), cache, [1], [2],
+                         {"src_layer_range": range(0, 1, 2)}) is None
+    assert not m.put_blocks(llm.BlocksCacheKey(1, 2), cache, [1], [2], {"other": 1}, call)
+    assert not m.put_slot(llm.CacheKeyByIdAndIndex(1, 2, 0), cache, True, -1, {}, call)
+    assert not m.put_slot(llm.CacheKeyByIdAndIndex(1, 2, 0), cache, 1, -1,
+                          {"tensor_num_per_layer": True}, call)
+    assert m.put_slot(llm.CacheKey(1, 5), cache, 0, -1, {}, call)
+    assert m.find_slot(llm.CacheKeyByIdAndIndex(1, 5, 0), cache, 0, -1, {}) is None
+    assert m.find_slot(llm.CacheKey(1, 5), cache, 0, -1, {}) is call
+    assert m.find_blocks(llm.BlocksCacheKey(1, 5), cache, [0], [-1], {}) is None
+    m.close()  # the engine closed: nothing is found or kept from then on
+    assert m.find_slot(llm.CacheKey(1, 5), cache, 0, -1, {}) is None
+    assert not m.put_slot(llm.CacheKey(1, 5), cache, 0, -1, {}, call) and len(m) == 0
 
 
 def test_native_small_issued_pull_under_a_lease_ends_in_the_issuing_call(sides):
@@ -285,57 +309,137 @@ def test_native_small_issued_pull_under_a_lease_ends_in_the_issuing_call(sides):
         bad.wait(10)
 
 
-def test_a_per_layer_key_is_flat_and_tells_apart_what_it_must():
-    """A per-layer pull (both layer ranges, nothing else) is keyed by six ints (issue 37: the
-    facade's lookup of a layer pull cost 4.4 us of its 6.5); every range field counts, the
-    two ranges are not interchangeable, and no other keyword form can equal it."""
+def test_a_layer_key_tells_apart_what_it_must(sides):
+    """The layer keywords are keyed by name, whatever their order; every range field counts,
+    the two ranges are not interchangeable, and no other keyword form can equal them."""
+    p, d = sides
+    p.register(1, [4, 64], blocks=True, model_id=9)
+    call = _a_call(d)
     cache = object()
     k = llm.BlocksCacheKey(1, 2)
+    m = planned.new_map(d.engine)
 
-    def key(**kw):
-        return planned.blocks_key(k, cache, [1, 2], [3, 4], kw)
+    def find(**kw):
+        return m.find_blocks(k, cache, [1, 2], [3, 4], kw)
 
-    got = key(src_layer_range=range(2, 3), dst_layer_range=range(4, 5))
-    assert got is not None and got[-1] == (2, 3, 1, 4, 5, 1)
-    assert got == key(dst_layer_range=range(4, 5), src_layer_range=range(2, 3))
-    assert got != key(src_layer_range=range(4, 5), dst_layer_range=range(2, 3))
-    assert got != key(src_layer_range=range(2, 3, 2), dst_layer_range=range(4, 5))
-    assert got != key(src_layer_range=range(2, 3), dst_layer_range=range(4, 6))
-    assert key(src_layer_range=range(2, 3)) != got
-    assert key(src_layer_range=range(2, 3), tensor_num_per_layer=2) is not None
-    assert key(src_layer_range=range(2, 3), dst_layer_range=[4]) is None
-    # one block list passed as both sides: converted once, the same key as two equal lists
+    assert m.put_blocks(k, cache, [1, 2], [3, 4],
+                        {"src_layer_range": range(2, 3), "dst_layer_range": range(4, 5)}, call)
+    assert find(src_layer_range=range(2, 3), dst_layer_range=range(4, 5)) is call
+    assert find(dst_layer_range=range(4, 5), src_layer_range=range(2, 3)) is call
+    assert find(src_layer_range=range(4, 5), dst_layer_range=range(2, 3)) is None
+    assert find(src_layer_range=range(2, 3, 2), dst_layer_range=range(4, 5)) is None
+    assert find(src_layer_range=range(2, 3), dst_layer_range=range(4, 6)) is None
+    assert find(src_layer_range=range(2, 3)) is None
+    assert find(src_layer_range=range(2, 3), dst_layer_range=range(4, 5),
+                tensor_num_per_layer=2) is None
+    assert find(src_layer_range=range(2, 3), dst_layer_range=None) is None
+    assert find(src_layer_range=range(2, 3), dst_layer_range=[4]) is None
+    assert m.put_blocks(k, cache, [1, 2], [3, 4], {"src_layer_range": None}, call)
+    assert find(src_layer_range=None) is call and find() is None
+    # one block list passed as both sides: the same key as two equal lists
     blocks = [5, 6]
-    assert (planned.blocks_key(k, cache, blocks, blocks, {})
-            == planned.blocks_key(k, cache, [5, 6], [5, 6], {}))
-    assert planned.blocks_key(k, cache, [5.0], [5.0], {}) is None
+    assert m.put_blocks(k, cache, blocks, blocks, {}, call)
+    assert m.find_blocks(k, cache, [5, 6], [5, 6], {}) is call
+    assert m.find_blocks(k, cache, [5, 6], [5], {}) is None
+    assert not m.put_blocks(k, cache, [5.0], [5.0], {}, call)
 
 
-class _Req:
-    def __init__(self, spans: int) -> None:
-        self.call = type("Call", (), {"spans": spans})()
-
-
-def test_the_planned_map_keeps_what_is_used_and_its_bounds():
+def test_the_planned_map_keeps_what_is_used_and_its_bounds(sides):
     """The map's second chance (one lookup a hit, no reordering): an entry found since the
     last eviction pass outlives older unused ones, as in a least-recently-used map; at most
     ``size`` entries and ``max_weight`` spans are kept, the newest always."""
-    m = planned.PlannedMap(3, lambda r: int(r.call.spans), max_weight=100)
-    for k in "abc":
-        m.put(k, _Req(1))
-    assert m.find("a") is not None  # used: passed over once
-    m.put("d", _Req(1))
-    assert m.find("a") is not None and m.find("b") is None  # b, the oldest unused, went
-    assert len(m) == 3 and m.find("c") is not None and m.find("d") is not None
-    # now c, d, a from the oldest, all used since: each gets its second chance, and the
-    # oldest in the map's order goes (c; an LRU map would drop a, found before c and d: the
+    p, d = sides
+    p.register(2, [8, 64], blocks=True, model_id=9)
+    dst, _ = d.register(2, [8, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 9)
+    small = d.cm._check_pull_blocks(key, dst, [0], [0], {}).call
+    big = d.cm._check_pull_blocks(key, dst, [0, 2, 4], [0, 2, 4], {}).call
+    assert big.spans > small.spans
+    m = planned.new_map(d.engine, size=3, max_weight=big.spans - 1 + 2 * small.spans)
+    cache = object()
+
+    def put(name: int, call: Any = small) -> None:
+        assert m.put_blocks(key, cache, [name], [name], {}, call)
+
+    def found(name: int) -> bool:
+        return m.find_blocks(key, cache, [name], [name], {}) is not None
+
+    for k in (1, 2, 3):
+        put(k)
+    assert found(1)  # used: passed over once
+    put(4)
+    assert found(1) and not found(2)  # 2, the oldest unused, went
+    assert len(m) == 3 and found(3) and found(4)
+    # now 3, 4, 1 from the oldest, all used since: each gets its second chance, and the
+    # oldest in the map's order goes (3; an LRU map would drop 1, found before 3 and 4: the
     # second chance only approximates it, for entries all used between two evictions)
-    m.put("e", _Req(1))
-    assert len(m) == 3 and m.find("c") is None
-    assert all(m.find(k) is not None for k in "dae")
-    m.put("big", _Req(500))  # over the weight: everything else goes, the newest stays
-    assert len(m) == 1 and m.find("big") is not None and m.total == 500
-    m.put("big", _Req(2))  # replaced: its weight too
-    assert m.total == 2
+    put(5)
+    assert len(m) == 3 and not found(3)
+    assert all(found(k) for k in (4, 1, 5))
+    put(6, big)  # over the weight: the oldest go until it fits, the newest stays
+    assert found(6) and m.total <= big.spans - 1 + 2 * small.spans
+    assert len(m) == 2 and m.total == big.spans + small.spans
+    put(6)  # replaced: its weight too
+    assert m.total == 2 * small.spans
     m.clear()
     assert len(m) == 0 and m.total == 0
+
+
+def test_a_cache_registered_again_with_another_geometry_never_reuses_a_plan(sides):
+    """A planned pull into a cache that was unregistered is refused (the core: the cache is
+    gone), and a new registration of the same memory with another geometry is planned anew:
+    the same block ids land where its own block size puts them."""
+    p, d = sides
+    _, a = p.register(1, [4, 64], blocks=True, model_id=10, seed=10)
+    _, a2 = p.register(1, [2, 128], blocks=True, model_id=11, seed=11)
+    dst, b = d.register(1, [4, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 10)
+    d.cm.pull_blocks(key, dst, [1], [1])
+    d.cm.pull_blocks(key, dst, [1], [1])  # planned now
+    np.testing.assert_array_equal(units(b, 4)[:, 1], units(a, 4)[:, 1])
+    d.cm.unregister_cache(dst.cache_id)
+    b[...] = 0
+    desc = llm.CacheDesc(1, [2, 128], llm.DataType.DT_UINT8, llm.Placement.DEVICE)
+    again = d.cm.register_blocks_cache(desc, [int(b[0].ctypes.data)], None)
+    with code(S.LLM_KV_CACHE_NOT_EXIST):
+        d.cm.pull_blocks(key, dst, [1], [1])  # the old handle: its plan is never run
+    assert not b.any()
+    key2 = llm.BlocksCacheKey(PROMPT_ID, 11)
+    for _ in range(2):  # planned, then the plan's hit
+        b[...] = 0
+        d.cm.pull_blocks(key2, again, [1], [1])
+        np.testing.assert_array_equal(units(b, 2)[:, 1], units(a2, 2)[:, 1])
+        assert not units(b, 2)[:, 0].any()
+
+
+def test_a_planned_pull_blocks_after_unlink_finalize_and_close(sides):
+    """A planned pull_blocks answers exactly as a first call: not linked after an unlink,
+    the new link after a link, LLM_PARAM_INVALID once its manager is finalized, and the
+    engine's refusal once the engine is closed (its map closed with it)."""
+    p, d = sides
+    p.register(1, [4, 64], blocks=True, model_id=12, seed=12)
+    dst, _ = d.register(1, [4, 64], blocks=True)
+    key = llm.BlocksCacheKey(PROMPT_ID, 12)
+    d.cm.pull_blocks(key, dst, [0], [0])
+    d.engine.unlink(PROMPT_ID, 5.0)
+    with code(S.LLM_NOT_YET_LINK):
+        d.cm.pull_blocks(key, dst, [0], [0])
+    assert p.engine.listen_address is not None
+    d.engine.link(PROMPT_ID, *p.engine.listen_address, 5.0)
+    d.cm.pull_blocks(key, dst, [0], [0])
+    other = CacheManager(d.engine)  # another manager of the same engine, its own plans
+    dst2 = other.register_blocks_cache(
+        llm.CacheDesc(1, [4, 64], llm.DataType.DT_UINT8, llm.Placement.DEVICE),
+        [int(d.arrays[0][0].ctypes.data)], None)
+    other.pull_blocks(key, dst2, [0], [0])
+    d.cm._invalidate()
+    with code(S.LLM_PARAM_INVALID) as info:
+        d.cm.pull_blocks(key, dst, [0], [0])
+    assert "finalized" in str(info.value)
+    with code(S.LLM_PARAM_INVALID):
+        d.cm.pull_blocks_async(key, dst, [0], [0])
+    d.engine.close()
+    closed = _first_error(lambda: other.pull_blocks(key, dst2, [0], [0]))
+    fresh = CacheManager(d.engine)  # nothing planned: the full path's answer
+    assert _first_error(lambda: fresh.pull_blocks(key, dst2, [0], [0]))[0] is closed[0]
+    assert closed[0] is llm.LLMException
