@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <list>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -101,59 +102,74 @@ inline bool PushAttr(PyObject *o, PyObject *name, std::vector<uint64_t> *w) {
 
 }  // namespace planned_detail
 
+/// An argument the map takes as it comes (whatever its type: the key says what it accepts),
+/// typed `object` in the stub.
+class Arg : public pybind11::object {
+ public:
+  using pybind11::object::object;
+  static bool check_(pybind11::handle) { return true; }
+};
+
 class PlannedPulls {
  public:
   using Call = datadist::Call;
 
-  PlannedPulls(pybind11::object engine, size_t size, size_t max_weight, size_t small_request,
-               pybind11::object blocks_key_type, pybind11::object by_id_key_type, pybind11::object cache_key_type)
-      : engine_(std::move(engine)),
-        core_(engine_.cast<datadist::Session *>()),
+  /// `core`: the Engine's session, which the binding keeps alive as long as this map.
+  PlannedPulls(datadist::Session &core, size_t size, size_t max_weight, size_t small_request,
+               pybind11::type blocks_key_type, pybind11::type by_id_key_type, pybind11::type cache_key_type)
+      : core_(&core),
         size_(size),
         max_weight_(max_weight),
         small_request_(small_request),
         types_{std::move(blocks_key_type), std::move(by_id_key_type), std::move(cache_key_type)} {
-    static const char *const kNames[] = {"_cluster_id",  "_model_id",        "_cache_id",        "_batch_index",
-                                         "_req_id",      "_prefix_id",       "src_layer_range", "dst_layer_range",
-                                         "tensor_num_per_layer", "start", "stop", "step"};
-    for (size_t i = 0; i < names_.size(); ++i) names_[i] = pybind11::reinterpret_steal<pybind11::object>(
-        PyUnicode_InternFromString(kNames[i]));
+    static const char *const kNames[] = {"_cluster_id",
+                                         "_model_id",
+                                         "_cache_id",
+                                         "_batch_index",
+                                         "_req_id",
+                                         "_prefix_id",
+                                         "src_layer_range",
+                                         "dst_layer_range",
+                                         "tensor_num_per_layer",
+                                         "start",
+                                         "stop",
+                                         "step"};
+    for (size_t i = 0; i < names_.size(); ++i)
+      names_[i] = pybind11::reinterpret_steal<pybind11::object>(PyUnicode_InternFromString(kNames[i]));
     scratch_.reserve(64);
   }
 
   /// pull_blocks's hit: its kept call run (true), or nothing done (false: no key, or none kept).
-  bool RunBlocks(pybind11::handle key, pybind11::handle cache, pybind11::handle src, pybind11::handle dst,
-                 pybind11::handle kwargs, double timeout_s) {
+  bool RunBlocks(const Arg &key, const Arg &cache, const Arg &src, const Arg &dst, const Arg &kwargs,
+                 double timeout_s) {
     if (!BlocksKey(key, cache, src, dst, kwargs)) return false;
     return RunFound(timeout_s);
   }
-  std::shared_ptr<Call> FindBlocks(pybind11::handle key, pybind11::handle cache, pybind11::handle src,
-                                   pybind11::handle dst, pybind11::handle kwargs) {
-    if (!BlocksKey(key, cache, src, dst, kwargs)) return nullptr;
-    Entry *e = Find();
-    return e == nullptr ? nullptr : e->call;
+  std::optional<std::shared_ptr<Call>> FindBlocks(const Arg &key, const Arg &cache, const Arg &src, const Arg &dst,
+                                                  const Arg &kwargs) {
+    if (!BlocksKey(key, cache, src, dst, kwargs)) return std::nullopt;
+    return Found();
   }
-  bool PutBlocks(pybind11::handle key, pybind11::handle cache, pybind11::handle src, pybind11::handle dst,
-                 pybind11::handle kwargs, std::shared_ptr<Call> call) {
+  bool PutBlocks(const Arg &key, const Arg &cache, const Arg &src, const Arg &dst, const Arg &kwargs,
+                 std::shared_ptr<Call> call) {
     if (!BlocksKey(key, cache, src, dst, kwargs)) return false;
     Put(cache, std::move(call));
     return true;
   }
 
   /// pull_cache's hit, as RunBlocks.
-  bool RunSlot(pybind11::handle key, pybind11::handle cache, pybind11::handle batch_index, pybind11::handle size,
-               pybind11::handle kwargs, double timeout_s) {
+  bool RunSlot(const Arg &key, const Arg &cache, const Arg &batch_index, const Arg &size, const Arg &kwargs,
+               double timeout_s) {
     if (!SlotKey(key, cache, batch_index, size, kwargs)) return false;
     return RunFound(timeout_s);
   }
-  std::shared_ptr<Call> FindSlot(pybind11::handle key, pybind11::handle cache, pybind11::handle batch_index,
-                                 pybind11::handle size, pybind11::handle kwargs) {
-    if (!SlotKey(key, cache, batch_index, size, kwargs)) return nullptr;
-    Entry *e = Find();
-    return e == nullptr ? nullptr : e->call;
+  std::optional<std::shared_ptr<Call>> FindSlot(const Arg &key, const Arg &cache, const Arg &batch_index,
+                                                const Arg &size, const Arg &kwargs) {
+    if (!SlotKey(key, cache, batch_index, size, kwargs)) return std::nullopt;
+    return Found();
   }
-  bool PutSlot(pybind11::handle key, pybind11::handle cache, pybind11::handle batch_index, pybind11::handle size,
-               pybind11::handle kwargs, std::shared_ptr<Call> call) {
+  bool PutSlot(const Arg &key, const Arg &cache, const Arg &batch_index, const Arg &size, const Arg &kwargs,
+               std::shared_ptr<Call> call) {
     if (!SlotKey(key, cache, batch_index, size, kwargs)) return false;
     Put(cache, std::move(call));
     return true;
@@ -317,6 +333,12 @@ class PlannedPulls {
     return &*it->second;
   }
 
+  std::optional<std::shared_ptr<Call>> Found() {
+    Entry *e = Find();
+    if (e == nullptr) return std::nullopt;
+    return e->call;
+  }
+
   bool RunFound(double timeout_s) {
     Entry *e = Find();
     if (e == nullptr) return false;
@@ -360,12 +382,11 @@ class PlannedPulls {
     }
   }
 
-  pybind11::object engine_;  // the Engine (held: core_ is its session)
   datadist::Session *core_;
   size_t size_;
   size_t max_weight_;
   size_t small_request_;
-  std::array<pybind11::object, 3> types_;
+  std::array<pybind11::type, 3> types_;
   std::array<pybind11::object, 12> names_;
   std::vector<uint64_t> scratch_;  // the key being built (the GIL held: one caller at a time)
   std::list<Entry> order_;         // oldest first
@@ -374,26 +395,42 @@ class PlannedPulls {
   bool open_ = true;
 };
 
+}  // namespace datadist_py
+
+template <>
+struct pybind11::detail::handle_type_name<datadist_py::Arg> {
+  static constexpr auto name = const_name("builtins.object");
+};
+
+namespace datadist_py {
+
 /// Binds PlannedPulls into `m`, after Engine (its first argument) is bound.
 inline void BindPlanned(pybind11::module_ &m) {
   namespace py = pybind11;
   py::class_<PlannedPulls>(m, "PlannedPulls",
                            "A CacheManager's planned pulls by their arguments (cpp/python/planned.h): the hit "
                            "path of pull_blocks / pull_cache in one call")
-      .def(py::init<py::object, size_t, size_t, size_t, py::object, py::object, py::object>(), py::arg("engine"),
+      .def(py::init<datadist::Session &, size_t, size_t, size_t, py::type, py::type, py::type>(), py::arg("engine"),
            py::arg("size"), py::arg("max_weight"), py::arg("small_request"), py::arg("blocks_key_type"),
-           py::arg("by_id_key_type"), py::arg("cache_key_type"))
-      .def("run_blocks", &PlannedPulls::RunBlocks,
+           py::arg("by_id_key_type"), py::arg("cache_key_type"), py::keep_alive<1, 2>())
+      .def("run_blocks", &PlannedPulls::RunBlocks, py::arg("key"), py::arg("cache"), py::arg("src_blocks"),
+           py::arg("dst_blocks"), py::arg("kwargs"), py::arg("timeout_s"),
            "pull_blocks(key, cache, src_blocks, dst_blocks, kwargs)'s kept call, run on the engine as Engine.run "
            "does (True); False, doing nothing, when the arguments have no key or none is kept. Positional.")
-      .def("find_blocks", &PlannedPulls::FindBlocks,
+      .def("find_blocks", &PlannedPulls::FindBlocks, py::arg("key"), py::arg("cache"), py::arg("src_blocks"),
+           py::arg("dst_blocks"), py::arg("kwargs"),
            "pull_blocks's kept call for these arguments (marked used), or None. Never blocks.")
-      .def("put_blocks", &PlannedPulls::PutBlocks,
+      .def("put_blocks", &PlannedPulls::PutBlocks, py::arg("key"), py::arg("cache"), py::arg("src_blocks"),
+           py::arg("dst_blocks"), py::arg("kwargs"), py::arg("call"),
            "Keeps `call` for these pull_blocks arguments, checked by the caller; False: they have no key.")
-      .def("run_slot", &PlannedPulls::RunSlot,
+      .def("run_slot", &PlannedPulls::RunSlot, py::arg("key"), py::arg("cache"), py::arg("batch_index"),
+           py::arg("size"), py::arg("kwargs"), py::arg("timeout_s"),
            "pull_cache(key, cache, batch_index, size, kwargs)'s kept call, run as run_blocks.")
-      .def("find_slot", &PlannedPulls::FindSlot, "pull_cache's kept call for these arguments, or None.")
-      .def("put_slot", &PlannedPulls::PutSlot, "Keeps `call` for these pull_cache arguments; False: no key.")
+      .def("find_slot", &PlannedPulls::FindSlot, py::arg("key"), py::arg("cache"), py::arg("batch_index"),
+           py::arg("size"), py::arg("kwargs"), "pull_cache's kept call for these arguments, or None.")
+      .def("put_slot", &PlannedPulls::PutSlot, py::arg("key"), py::arg("cache"), py::arg("batch_index"),
+           py::arg("size"), py::arg("kwargs"), py::arg("call"),
+           "Keeps `call` for these pull_cache arguments; False: no key.")
       .def("clear", &PlannedPulls::Clear, "Forgets every kept call.")
       .def("close", &PlannedPulls::Close, "Forgets every kept call and keeps none from now (the engine closes).")
       .def("__len__", &PlannedPulls::size)

@@ -4,13 +4,14 @@
 datadist's C++ engine (private: datadist.core.native drives it). Every error of the core is raised as datadist.core.errors' class for its code (one code-to-class table, module.cc PyError); a checksum mismatch as IntegrityError. Hooks for tests and tools: the `testing` submodule.
 """
 from __future__ import annotations
+import builtins
 import collections.abc
 import datadist.core.errors
 import numpy
 import numpy.typing
 import typing
 from . import testing
-__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'LayerRun', 'OptionSpec', 'PendingLink', 'UserCache', 'build_info', 'check_option', 'cuda_device', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'set_thread_cpus', 'testing', 'thread_cpus', 'tls']
+__all__: list[str] = ['Call', 'Engine', 'Handle', 'Hold', 'LayerRun', 'OptionSpec', 'PendingLink', 'PlannedPulls', 'UserCache', 'build_info', 'check_option', 'cuda_device', 'metrics_record', 'metrics_reset', 'metrics_series', 'nixl_load', 'options', 'parse_options', 'set_thread_cpus', 'testing', 'thread_cpus', 'tls']
 class OptionSpec:
     """
     One row of the option table (read only)
@@ -423,6 +424,51 @@ class Engine:
     @role.setter
     def role(self, arg1: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
+class PlannedPulls:
+    """
+    A CacheManager's planned pulls by their arguments (cpp/python/planned.h): the hit path of pull_blocks / pull_cache in one call
+    """
+    def __init__(self, engine: Engine, size: typing.SupportsInt | typing.SupportsIndex, max_weight: typing.SupportsInt | typing.SupportsIndex, small_request: typing.SupportsInt | typing.SupportsIndex, blocks_key_type: type, by_id_key_type: type, cache_key_type: type) -> None:
+        ...
+    def __len__(self) -> int:
+        ...
+    def clear(self) -> None:
+        """
+        Forgets every kept call.
+        """
+    def close(self) -> None:
+        """
+        Forgets every kept call and keeps none from now (the engine closes).
+        """
+    def find_blocks(self, key: builtins.object, cache: builtins.object, src_blocks: builtins.object, dst_blocks: builtins.object, kwargs: builtins.object) -> Call | None:
+        """
+        pull_blocks's kept call for these arguments (marked used), or None. Never blocks.
+        """
+    def find_slot(self, key: builtins.object, cache: builtins.object, batch_index: builtins.object, size: builtins.object, kwargs: builtins.object) -> Call | None:
+        """
+        pull_cache's kept call for these arguments, or None.
+        """
+    def put_blocks(self, key: builtins.object, cache: builtins.object, src_blocks: builtins.object, dst_blocks: builtins.object, kwargs: builtins.object, call: Call) -> bool:
+        """
+        Keeps `call` for these pull_blocks arguments, checked by the caller; False: they have no key.
+        """
+    def put_slot(self, key: builtins.object, cache: builtins.object, batch_index: builtins.object, size: builtins.object, kwargs: builtins.object, call: Call) -> bool:
+        """
+        Keeps `call` for these pull_cache arguments; False: no key.
+        """
+    def run_blocks(self, key: builtins.object, cache: builtins.object, src_blocks: builtins.object, dst_blocks: builtins.object, kwargs: builtins.object, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool:
+        """
+        pull_blocks(key, cache, src_blocks, dst_blocks, kwargs)'s kept call, run on the engine as Engine.run does (True); False, doing nothing, when the arguments have no key or none is kept. Positional.
+        """
+    def run_slot(self, key: builtins.object, cache: builtins.object, batch_index: builtins.object, size: builtins.object, kwargs: builtins.object, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool:
+        """
+        pull_cache(key, cache, batch_index, size, kwargs)'s kept call, run as run_blocks.
+        """
+    @property
+    def total(self) -> int:
+        """
+        the kept calls' local spans
+        """
 def build_info() -> dict[str, str]:
     """
     A dict: compiler, build_type, pybind11 (what it was built with), protocol (the core's wire version).

@@ -53,8 +53,7 @@ from datadist.core.prepared import KEPT, SMALL_REQUEST, Prepared
 from datadist.memory import shared
 
 if TYPE_CHECKING:  # the core's types, from its generated stub (src/datadist/_core/*.pyi)
-    from datadist._core import (Call, Engine, Handle, LayerRun, PendingLink, PlannedPulls,
-                                UserCache)
+    from datadist._core import Call, Engine, Handle, LayerRun, PendingLink, PlannedPulls, UserCache
 
 log = logging.getLogger("datadist.native")
 
