@@ -140,8 +140,8 @@ class PlannedPulls {
   }
 
   /// pull_blocks's hit: its kept call run (true), or nothing done (false: no key, or none kept).
-  bool RunBlocks(const Arg &key, const Arg &cache, const Arg &src, const Arg &dst, const Arg &kwargs,
-                 double timeout_s) {
+  bool RunBlocks(pybind11::handle key, pybind11::handle cache, pybind11::handle src, pybind11::handle dst,
+                 pybind11::handle kwargs, double timeout_s) {
     if (!BlocksKey(key, cache, src, dst, kwargs)) return false;
     return RunFound(timeout_s);
   }
@@ -158,8 +158,8 @@ class PlannedPulls {
   }
 
   /// pull_cache's hit, as RunBlocks.
-  bool RunSlot(const Arg &key, const Arg &cache, const Arg &batch_index, const Arg &size, const Arg &kwargs,
-               double timeout_s) {
+  bool RunSlot(pybind11::handle key, pybind11::handle cache, pybind11::handle batch_index, pybind11::handle size,
+               pybind11::handle kwargs, double timeout_s) {
     if (!SlotKey(key, cache, batch_index, size, kwargs)) return false;
     return RunFound(timeout_s);
   }
@@ -404,28 +404,50 @@ struct pybind11::detail::handle_type_name<datadist_py::Arg> {
 
 namespace datadist_py {
 
+namespace planned_detail {
+
+/// run_blocks / run_slot as METH_FASTCALL methods: every pull's hit passes here, and
+/// pybind11's dispatch of six arguments cost ~3k instructions, as much as the transfer's own
+/// share of the binding and the core (docs/performance.md, "Round 15: the small pull's Python
+/// face"). Six positional arguments, as the pybind11 form took them; the core's errors leave
+/// through the module's exception translators, as from any pybind11 call.
+template <bool kBlocks>
+PyObject *RunFast(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  try {
+    if (nargs != 6) {
+      PyErr_Format(PyExc_TypeError, "%s takes 6 positional arguments (%zd given)", kBlocks ? "run_blocks" : "run_slot",
+                   nargs);
+      return nullptr;
+    }
+    const double timeout_s = PyFloat_AsDouble(args[5]);
+    if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+    auto *m = pybind11::handle(self).cast<PlannedPulls *>();
+    const bool ran = kBlocks ? m->RunBlocks(pybind11::handle(args[0]), args[1], args[2], args[3], args[4], timeout_s)
+                             : m->RunSlot(args[0], args[1], args[2], args[3], args[4], timeout_s);
+    return pybind11::bool_(ran).release().ptr();
+  } catch (...) {
+    pybind11::detail::try_translate_exceptions();
+    return nullptr;
+  }
+}
+
+}  // namespace planned_detail
+
 /// Binds PlannedPulls into `m`, after Engine (its first argument) is bound.
 inline void BindPlanned(pybind11::module_ &m) {
   namespace py = pybind11;
-  py::class_<PlannedPulls>(m, "PlannedPulls",
-                           "A CacheManager's planned pulls by their arguments (cpp/python/planned.h): the hit "
-                           "path of pull_blocks / pull_cache in one call")
-      .def(py::init<datadist::Session &, size_t, size_t, size_t, py::type, py::type, py::type>(), py::arg("engine"),
-           py::arg("size"), py::arg("max_weight"), py::arg("small_request"), py::arg("blocks_key_type"),
-           py::arg("by_id_key_type"), py::arg("cache_key_type"), py::keep_alive<1, 2>())
-      .def("run_blocks", &PlannedPulls::RunBlocks, py::arg("key"), py::arg("cache"), py::arg("src_blocks"),
-           py::arg("dst_blocks"), py::arg("kwargs"), py::arg("timeout_s"),
-           "pull_blocks(key, cache, src_blocks, dst_blocks, kwargs)'s kept call, run on the engine as Engine.run "
-           "does (True); False, doing nothing, when the arguments have no key or none is kept. Positional.")
+  py::class_<PlannedPulls> cls(m, "PlannedPulls",
+                               "A CacheManager's planned pulls by their arguments (cpp/python/planned.h): the hit "
+                               "path of pull_blocks / pull_cache in one call");
+  cls.def(py::init<datadist::Session &, size_t, size_t, size_t, py::type, py::type, py::type>(), py::arg("engine"),
+          py::arg("size"), py::arg("max_weight"), py::arg("small_request"), py::arg("blocks_key_type"),
+          py::arg("by_id_key_type"), py::arg("cache_key_type"), py::keep_alive<1, 2>())
       .def("find_blocks", &PlannedPulls::FindBlocks, py::arg("key"), py::arg("cache"), py::arg("src_blocks"),
            py::arg("dst_blocks"), py::arg("kwargs"),
            "pull_blocks's kept call for these arguments (marked used), or None. Never blocks.")
       .def("put_blocks", &PlannedPulls::PutBlocks, py::arg("key"), py::arg("cache"), py::arg("src_blocks"),
            py::arg("dst_blocks"), py::arg("kwargs"), py::arg("call"),
            "Keeps `call` for these pull_blocks arguments, checked by the caller; False: they have no key.")
-      .def("run_slot", &PlannedPulls::RunSlot, py::arg("key"), py::arg("cache"), py::arg("batch_index"),
-           py::arg("size"), py::arg("kwargs"), py::arg("timeout_s"),
-           "pull_cache(key, cache, batch_index, size, kwargs)'s kept call, run as run_blocks.")
       .def("find_slot", &PlannedPulls::FindSlot, py::arg("key"), py::arg("cache"), py::arg("batch_index"),
            py::arg("size"), py::arg("kwargs"), "pull_cache's kept call for these arguments, or None.")
       .def("put_slot", &PlannedPulls::PutSlot, py::arg("key"), py::arg("cache"), py::arg("batch_index"),
@@ -435,6 +457,24 @@ inline void BindPlanned(pybind11::module_ &m) {
       .def("close", &PlannedPulls::Close, "Forgets every kept call and keeps none from now (the engine closes).")
       .def("__len__", &PlannedPulls::size)
       .def_property_readonly("total", &PlannedPulls::total, "the kept calls' local spans");
+  static PyMethodDef fast[] = {
+      {"run_blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&planned_detail::RunFast<true>)),
+       METH_FASTCALL,
+       "run_blocks(self, key: builtins.object, cache: builtins.object, src_blocks: builtins.object, dst_blocks: "
+       "builtins.object, kwargs: builtins.object, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool\n\n"
+       "pull_blocks(key, cache, src_blocks, dst_blocks, kwargs)'s kept call, run on the engine as Engine.run does "
+       "(True); False, doing nothing, when the arguments have no key or none is kept. Positional."},
+      {"run_slot", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&planned_detail::RunFast<false>)),
+       METH_FASTCALL,
+       "run_slot(self, key: builtins.object, cache: builtins.object, batch_index: builtins.object, size: "
+       "builtins.object, kwargs: builtins.object, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bool\n\n"
+       "pull_cache(key, cache, batch_index, size, kwargs)'s kept call, run as run_blocks."},
+  };
+  for (PyMethodDef &def : fast) {
+    PyObject *descr = PyDescr_NewMethod(reinterpret_cast<PyTypeObject *>(cls.ptr()), &def);
+    if (descr == nullptr) throw py::error_already_set();
+    cls.attr(def.ml_name) = py::reinterpret_steal<py::object>(descr);
+  }
 }
 
 }  // namespace datadist_py

@@ -280,6 +280,11 @@ def test_planned_keys_tell_apart_what_compares_equal(sides):
     assert m.find_slot(llm.CacheKeyByIdAndIndex(1, 5, 0), cache, 0, -1, {}) is None
     assert m.find_slot(llm.CacheKey(1, 5), cache, 0, -1, {}) is call
     assert m.find_blocks(llm.BlocksCacheKey(1, 5), cache, [0], [-1], {}) is None
+    assert m.run_blocks(llm.BlocksCacheKey(1, 2), cache, [1.0], [2], {}, 5.0) is False
+    with pytest.raises(TypeError, match="6 positional arguments"):
+        m.run_blocks(llm.BlocksCacheKey(1, 2), cache, [1], [2], {})  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        m.run_slot(llm.CacheKey(1, 5), cache, 0, -1, {}, "5")  # type: ignore[arg-type]
     m.close()  # the engine closed: nothing is found or kept from then on
     assert m.find_slot(llm.CacheKey(1, 5), cache, 0, -1, {}) is None
     assert not m.put_slot(llm.CacheKey(1, 5), cache, 0, -1, {}, call) and len(m) == 0
