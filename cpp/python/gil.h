@@ -20,6 +20,8 @@
 #include <cstdint>
 
 #include "blocking.h"
+#include "net.h"
+#include "session.h"
 
 namespace datadist_py {
 
@@ -76,6 +78,17 @@ bool WaitHeldBriefly(std::chrono::steady_clock::time_point deadline, EndedBy &&e
     ~Released() { PyEval_RestoreThread(saved); }
   } released;
   return ended_by(deadline);
+}
+
+/// Runs a prepared transfer as Engine.run does: its deadline `timeout_s` from now (0 when
+/// negative), the GIL held as GilHold holds it. Who calls: cpp/python/module.cc (Engine.run)
+/// and cpp/python/planned.h (a planned pull's hit), with the GIL held; blocks until the
+/// transfer ends or the deadline passes.
+inline void RunHeld(datadist::Session &core, const datadist::Call &call, double timeout_s) {
+  const auto since = datadist::Clock::now();
+  const datadist::Deadline deadline = datadist::After(timeout_s < 0 ? 0 : timeout_s);
+  GilHold hold(call.bytes);  // released only where the core waits
+  core.Run(call, deadline, since);
 }
 
 }  // namespace datadist_py

@@ -1109,12 +1109,7 @@ PYBIND11_MODULE(_core, m) {
           "blocks.")
       .def(
           "run",
-          [](Core &c, const Call &call, double timeout_s) {
-            const auto since = datadist::Clock::now();
-            Deadline deadline = DeadlineIn(timeout_s);
-            datadist_py::GilHold hold(call.bytes);  // released only where the core waits (gil.h)
-            c.Run(call, deadline, since);
-          },
+          [](Core &c, const Call &call, double timeout_s) { datadist_py::RunHeld(c, call, timeout_s); },
           py::arg("call"), py::arg("timeout_s"),
           "Runs a prepared transfer until it ends or timeout_s passes, its local cache held by the core "
           "for the transfer (CacheNotFound, counted, when it is gone); the GIL is released where it waits.")

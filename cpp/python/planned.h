@@ -343,11 +343,7 @@ class PlannedPulls {
     Entry *e = Find();
     if (e == nullptr) return false;
     const std::shared_ptr<Call> call = e->call;  // kept through the run, whatever is evicted meanwhile
-    // As Engine.run: the deadline from here, the GIL given up only where the core waits.
-    const auto since = datadist::Clock::now();
-    const datadist::Deadline deadline = datadist::After(timeout_s < 0 ? 0 : timeout_s);
-    GilHold hold(call->bytes);
-    core_->Run(*call, deadline, since);
+    RunHeld(*core_, *call, timeout_s);           // as Engine.run
     return true;
   }
 
